@@ -1,0 +1,101 @@
+"""Model and parallelism settings, and the plan file names they give."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+MODELS = ("mlp", "llama3", "moe")
+
+
+class ConfigError(ValueError):
+    """Settings that do not describe a model or a parallelization of it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of one model. Zero means 'not used by this model'."""
+
+    model: str
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 0
+    kv_heads: int = 0
+    ffn: int = 0
+    vocab: int = 0
+    seqlen: int = 0
+    experts: int = 0
+    topk: int = 0
+    capacity_factor: float = 1.0
+    first_dense: int = 0
+    moe_ffn: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads if self.heads else 0
+
+    @property
+    def capacity(self) -> int:
+        """Expert slots per sample: ceil(seqlen * topk / experts * capacity_factor)."""
+        if not self.experts:
+            return 0
+        return max(1, math.ceil(self.seqlen * self.topk * self.capacity_factor / self.experts))
+
+    def check(self) -> None:
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown model '{self.model}' (choose from {', '.join(MODELS)})")
+        if self.layers < 1 or self.hidden < 1:
+            raise ConfigError("--layers and --hidden must be at least 1")
+        if self.model == "mlp":
+            return
+        for name in ("heads", "kv_heads", "ffn", "vocab", "seqlen"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1 for {self.model}")
+        if self.hidden % self.heads:
+            raise ConfigError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"--heads {self.heads} is not divisible by --kv_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim {self.head_dim} must be even for rotary embedding")
+        if self.model == "moe":
+            if self.experts < 1 or not 1 <= self.topk <= self.experts:
+                raise ConfigError("--experts must be >= 1 and 1 <= --topk <= --experts")
+            if self.moe_ffn < 1:
+                raise ConfigError("--moe_ffn must be at least 1")
+            if not 0 <= self.first_dense <= self.layers:
+                raise ConfigError("--first_dense must be between 0 and --layers")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    nm: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def is_single(self) -> bool:
+        return all(getattr(self, f.name) == 1 for f in fields(self))
+
+
+def plan_stem(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default") -> str:
+    """{model}_{variant}_dp{D}_pp{P}_tp{T}_nm{M}_gbs{G}_ly{L}_h{H}_hi{I}_sq{S}[_ep{E}_a{A}_r{R}]."""
+    stem = (
+        f"{cfg.model}_{variant}_dp{par.dp}_pp{par.pp}_tp{par.tp}_nm{par.nm}_gbs{gbs}"
+        f"_ly{cfg.layers}_h{cfg.heads}_hi{cfg.hidden}_sq{cfg.seqlen}"
+    )
+    if cfg.model == "moe":
+        stem += f"_ep{par.ep}_a{cfg.topk}_r{cfg.experts}"
+    return stem
+
+
+def world_spec(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default") -> dict:
+    """The JSON world spec written beside a plan file."""
+    spec = {"model": cfg.model, "variant": variant, "gbs": gbs, **asdict(par)}
+    spec.update({k: v for k, v in asdict(cfg).items() if k != "model"})
+    spec["capacity"] = cfg.capacity
+    return spec

@@ -1,0 +1,22 @@
+"""The operator rule table: every operator a plan may contain, by name."""
+
+from __future__ import annotations
+
+from verdict.ops import elementwise, layout, linalg, nn, step
+from verdict.ops.rule import Op, Shape, ShapeError
+
+OPS: dict[str, Op] = {
+    op.name: op
+    for module in (elementwise, linalg, layout, nn, step)
+    for op in module.OPS
+}
+
+
+def get_op(name: str) -> Op:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown operator '{name}'") from None
+
+
+__all__ = ["OPS", "Op", "Shape", "ShapeError", "get_op"]

@@ -1,0 +1,112 @@
+"""Model-specific operators traced as leaf functions: rotary embedding,
+causal mask, and MoE top-k routing in the static capacity formulation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from verdict.ops.rule import Op, expect
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def rotate_half_t(y):
+    """Transpose of :func:`rotate_half` (used by the backward)."""
+    half = y.shape[-1] // 2
+    return np.concatenate([y[..., half:], -y[..., :half]], axis=-1)
+
+
+def _rotary_shape(in_shapes):
+    q, k, cos, sin = in_shapes
+    expect(len(q) == 4 and len(k) == 4, f"rotary: q {q} and k {k} must be [B, S, heads, D]")
+    expect(q[:2] == k[:2] and q[3] == k[3], f"rotary: q {q} and k {k} differ")
+    expect(cos == sin == (q[1], q[3]), f"rotary: cos/sin {cos} must be [S, D] for {q}")
+    expect(q[3] % 2 == 0, f"rotary: head dim {q[3]} must be even")
+    return [tuple(q), tuple(k)]
+
+
+def _rotary_forward(xp, x):
+    q, k, cos, sin = x
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return (q * c + rotate_half(q) * s, k * c + rotate_half(k) * s)
+
+
+def _rotary_backward(xp, saved, g, shapes):
+    cos, sin = saved[2], saved[3]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return (g[0] * c + rotate_half_t(g[0] * s), g[1] * c + rotate_half_t(g[1] * s), None, None)
+
+
+ROTARY = Op(
+    "apply_rotary_emb",
+    shape=_rotary_shape,
+    forward=_rotary_forward,
+    backward=_rotary_backward,
+    saves=(2, 3),
+    diff=(0, 1),
+    doc="rotary position embedding of q and k, cos/sin given as [S, D] buffers",
+)
+
+
+def causal_positions(s_q: int, s_k: int) -> np.ndarray:
+    """True where a query position may not see a key position."""
+    return np.triu(np.ones((s_q, s_k), dtype=bool), k=1)
+
+
+def _mask_shape(in_shapes):
+    (x,) = in_shapes
+    expect(len(x) >= 2, f"causal mask needs [..., S, S], got {x}")
+    return [tuple(x)]
+
+
+CAUSAL_MASK = Op(
+    "causal_mask",
+    shape=_mask_shape,
+    forward=lambda xp, x: (
+        np.where(causal_positions(*x[0].shape[-2:]), -np.inf, x[0]),
+    ),
+    backward=lambda xp, s, g, shapes: (
+        np.where(causal_positions(*shapes[0][-2:]), 0.0, g[0]),
+    ),
+    doc="scores above the diagonal set to -inf",
+)
+
+
+def route_numeric(scores: np.ndarray, topk: int, capacity: int) -> np.ndarray:
+    """Dispatch mask [B, S, E, C] of top-k routing with a static capacity.
+
+    Each sample is routed on its own: tokens in order, each token's experts in
+    order of decreasing score; a token takes the next free slot of an expert
+    and is dropped there when the expert's ``capacity`` slots are full.
+    """
+    b, s, e = scores.shape
+    dispatch = np.zeros((b, s, e, capacity))
+    order = np.argsort(-scores, axis=-1, kind="stable")[..., :topk]
+    for i in range(b):
+        fill = np.zeros(e, dtype=int)
+        for t in range(s):
+            for ex in order[i, t]:
+                if fill[ex] < capacity:
+                    dispatch[i, t, ex, fill[ex]] = 1.0
+                fill[ex] += 1
+    return dispatch
+
+
+def _route_shape(in_shapes, topk, capacity):
+    (x,) = in_shapes
+    expect(len(x) == 3, f"route: scores must be [B, S, E], got {x}")
+    expect(1 <= topk <= x[2], f"route: top-{topk} of {x[2]} experts")
+    return [tuple(x) + (capacity,)]
+
+
+ROUTE = Op(
+    "route",
+    shape=_route_shape,
+    forward=lambda xp, x, topk, capacity: (xp.route(x[0], topk, capacity),),
+    doc="top-k dispatch mask per sample; no gradient; uninterpreted per row symbolically",
+)
+
+OPS = (ROTARY, CAUSAL_MASK, ROUTE)

@@ -1,0 +1,128 @@
+"""Execution plans in memory: the SSA DAG of one training step.
+
+A plan is a list of logical tensors (the full, single-device tensors), a list
+of plan tensors (each one piece of a logical tensor on one rank for one
+microbatch) and a list of nodes in execution order. docs/plan-format.md
+describes the on-disk form; :func:`Plan.to_data` and :func:`Plan.from_data`
+convert between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+FORMAT = "verdict-plan"
+VERSION = 1
+
+#: Kinds of logical tensor. Inputs (no producer) are data, tokens (one-hot
+#: data), params and buffers; everything else is computed.
+INPUT_KINDS = ("data", "tokens", "param", "buffer")
+KINDS = (*INPUT_KINDS, "act", "grad", "gradbuf", "loss")
+DIRECTIONS = ("fw", "bw", "none")
+
+Slices = tuple[tuple[int, int], ...]
+
+
+class Logical(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+class Tensor(NamedTuple):
+    """One SSA value: logical tensor ``tid`` at ``version`` on (rank, mb).
+
+    Its lineage view says which piece of logical tensor ``tid`` at logical
+    version ``lver`` it holds: the ``slices`` ([start, end) per dim, in full
+    coordinates) and the parts [lo, hi) of an ``n``-way partial sum.
+    """
+
+    rank: int
+    mb: int
+    tid: int
+    version: int
+    shape: tuple[int, ...]
+    lver: int
+    slices: Slices
+    parts: tuple[int, int, int]
+
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.rank, self.mb, self.tid, self.version)
+
+    def is_whole(self) -> bool:
+        return self.parts == (0, 1, 1)
+
+
+class Node(NamedTuple):
+    """One operator on one rank for one microbatch (-1: outside microbatches).
+
+    A backward node is laid out by primal position (see docs/plan-format.md);
+    -1 marks an absent slot. ``name`` is the model scope it came from.
+    """
+
+    rank: int
+    mb: int
+    op: str
+    dir: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    kwargs: dict[str, Any]
+    name: str = ""
+
+
+@dataclass
+class Plan:
+    world: dict[str, Any]
+    logical: list[Logical] = field(default_factory=list)
+    tensors: list[Tensor] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    loss: int = -1
+    grads: dict[int, int] = field(default_factory=dict)
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data (dicts, lists, numbers, strings, bools, None) for pickling."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "world": dict(self.world),
+            "logical": [[t.name, list(t.shape), t.kind] for t in self.logical],
+            "tensors": [
+                [t.rank, t.mb, t.tid, t.version, list(t.shape), t.lver,
+                 [list(s) for s in t.slices], list(t.parts)]
+                for t in self.tensors
+            ],
+            "nodes": [
+                [n.rank, n.mb, n.op, n.dir, list(n.inputs), list(n.outputs), dict(n.kwargs), n.name]
+                for n in self.nodes
+            ],
+            "loss": self.loss,
+            "grads": [[p, g] for p, g in self.grads.items()],
+        }
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Plan:
+        """Build a plan from :meth:`to_data` output; the caller validates it."""
+        return cls(
+            world=dict(data["world"]),
+            logical=[Logical(n, tuple(s), k) for n, s, k in data["logical"]],
+            tensors=[
+                Tensor(r, m, t, v, tuple(shape), lv, tuple(tuple(s) for s in sl), tuple(p))
+                for r, m, t, v, shape, lv, sl, p in data["tensors"]
+            ],
+            nodes=[
+                Node(r, m, op, d, tuple(i), tuple(o), dict(kw), name)
+                for r, m, op, d, i, o, kw, name in data["nodes"]
+            ],
+            loss=data["loss"],
+            grads={p: g for p, g in data["grads"]},
+        )
+
+    def producers(self) -> list[int]:
+        """For each tensor, the index of the node writing it (-1 for inputs)."""
+        prod = [-1] * len(self.tensors)
+        for i, node in enumerate(self.nodes):
+            for t in node.outputs:
+                if t >= 0:
+                    prod[t] = i
+        return prod
