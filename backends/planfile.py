@@ -1,0 +1,473 @@
+"""Plan files on disk: save, load safely, validate.
+
+A plan file is a pickle of :meth:`verdict.plan.Plan.to_data` (plain data only)
+with a JSON world spec of the same stem beside it. Loading uses an unpickler
+that refuses every global, so opening a plan never runs code, and then checks
+the format-level integrity of the data (types, index ranges, SSA order).
+Operator shape rules are not checked here: a plan whose operator produces a
+wrong shape still loads, and the verifier reports it as a finding.
+
+Every problem becomes one :class:`PlanError` whose message is one line:
+``<path>: <problem>``. docs/plan-format.md describes the format.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from verdict.ops import OPS
+from verdict.plan import DIRECTIONS, FORMAT, KINDS, VERSION, Plan
+
+#: Top-level fields of a plan, in the order to_data() writes them.
+FIELDS = ("format", "version", "world", "logical", "tensors", "nodes", "loss", "grads")
+LOGICAL_COLUMNS = ("name", "shape", "kind")
+TENSOR_COLUMNS = ("rank", "mb", "tid", "version", "shape", "lver", "slices", "parts")
+NODE_COLUMNS = ("rank", "mb", "op", "dir", "inputs", "outputs", "kwargs", "name")
+
+_SHOW_LIMIT = 60
+_DETAIL_LIMIT = 200
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # ints in a plan fit in 64 bits
+
+Shape = tuple[int, ...]
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be used. ``str()`` is one line: ``<path>: <problem>``."""
+
+    def __init__(self, problem: str, path: str | os.PathLike[str] | None = None) -> None:
+        self.problem = _one_line(problem)
+        self.path = None if path is None else Path(path)
+        super().__init__(self.problem, self.path)
+
+    def __str__(self) -> str:
+        if self.path is None:
+            return self.problem
+        return _one_line(f"{self.path}: {self.problem}")
+
+    def at(self, path: str | os.PathLike[str]) -> PlanError:
+        """The same problem, reported against ``path``."""
+        return PlanError(self.problem, path)
+
+
+# ---------------------------------------------------------------- messages
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _clip(text: str, limit: int = _SHOW_LIMIT) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _show(value: Any) -> str:
+    """A short, safe repr of a value read from a file, for messages."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # ints beyond the str-digits limit, deep nesting
+        text = f"<{type(value).__name__}>"
+    return _clip(_one_line(text))
+
+
+def _type(value: Any) -> str:
+    return type(value).__name__
+
+
+def _detail(exc: BaseException) -> str:
+    return _clip(_one_line(f"{_type(exc)}: {exc}"), _DETAIL_LIMIT)
+
+
+# ---------------------------------------------------------------- paths and writing
+
+
+def world_path(path: str | os.PathLike[str]) -> Path:
+    """The JSON world spec beside a plan file: same stem, suffix .json."""
+    return Path(path).with_suffix(".json")
+
+
+def _write_atomic(path: Path, blob: bytes) -> None:
+    """Write ``blob`` to ``path`` so that a crash leaves the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Write ``plan`` to ``path`` (pickle) and its world spec beside it (JSON).
+
+    The data is validated and test-loaded first, so a file that
+    :func:`load_plan` would refuse is never written. Returns both paths.
+    """
+    path = Path(path)
+    spec_path = world_path(path)
+    if spec_path == path:
+        raise PlanError("a plan file may not end in .json (its world spec goes there)", path)
+    data = plan.to_data()
+    try:
+        validate(data)
+        blob = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+        _unpickle(blob)
+        spec = json.dumps(plan.world, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except PlanError as e:
+        raise PlanError(f"cannot save: {e.problem}", path) from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, blob)
+    _write_atomic(spec_path, spec.encode())
+    return path, spec_path
+
+
+# ---------------------------------------------------------------- reading
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: every global (class or function) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise PlanError(
+            f"refused global {_clip(_one_line(f'{module}.{name}'))}: a plan file holds plain "
+            "data only, never code or class instances"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise PlanError(f"refused persistent id {_show(pid)}: a plan file holds plain data only")
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        blob = path.read_bytes()
+    except FileNotFoundError:
+        raise PlanError("no such file", path) from None
+    except IsADirectoryError:
+        raise PlanError("is a directory, not a plan file", path) from None
+    except PermissionError:
+        raise PlanError("not readable (permission denied)", path) from None
+    except (OSError, MemoryError) as e:
+        raise PlanError(f"cannot read ({_detail(e)})", path) from None
+    if not blob:
+        raise PlanError("empty file (0 bytes)", path)
+    return blob
+
+
+def _unpickle(blob: bytes) -> Any:
+    """Plain data from pickle bytes; PlanError (without a path) for anything else."""
+    stream = io.BytesIO(blob)
+    try:
+        data = _PlainUnpickler(stream).load()
+    except PlanError:
+        raise
+    except (pickle.UnpicklingError, EOFError) as e:
+        raise PlanError(f"truncated or not a pickle ({_detail(e)})") from None
+    except MemoryError:
+        raise PlanError("not a valid pickle: it declares an object too large for memory") from None
+    except Exception as e:  # any input bytes must give a PlanError
+        raise PlanError(f"not a valid pickle, or truncated ({_detail(e)})") from None
+    extra = len(blob) - stream.tell()
+    if extra:
+        raise PlanError(f"{extra} trailing bytes after the pickle: not a single plan")
+    return data
+
+
+def load_world(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON world spec beside plan ``path`` (same stem, suffix .json)."""
+    spec_path = world_path(path)
+    blob = _read_bytes(spec_path)
+    try:
+        spec = json.loads(blob)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise PlanError(f"not valid JSON ({_detail(e)})", spec_path) from None
+    if not isinstance(spec, dict):
+        raise PlanError(f"world spec is a JSON {_type(spec)}, not an object", spec_path)
+    return spec
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Load and validate a plan file; every problem is a one-line :class:`PlanError`."""
+    path = Path(path)
+    try:
+        data = _unpickle(_read_bytes(path))
+        validate(data)
+        plan = Plan.from_data(data)
+    except PlanError as e:
+        raise e.at(path) from None
+    except Exception as e:  # a safety net: validate() should catch it all
+        raise PlanError(f"invalid plan data ({_detail(e)})", path) from None
+    if world_path(path).exists():
+        _check_world_matches(plan.world, load_world(path), path)
+    return plan
+
+
+def _check_world_matches(world: dict[str, Any], spec: dict[str, Any], path: Path) -> None:
+    if spec == world:
+        return
+    for key in sorted(set(world) | set(spec)):
+        if world.get(key, ...) != spec.get(key, ...):
+            got = _show(spec[key]) if key in spec else "nothing"
+            want = _show(world[key]) if key in world else "nothing"
+            raise PlanError(
+                f"world spec {world_path(path).name} does not match the plan: "
+                f"{_show(key)} is {got} in the JSON but {want} in the plan",
+                path,
+            )
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate(data: Any) -> None:
+    """Check the format-level integrity of plan data (not operator shape rules).
+
+    Raises :class:`PlanError` (without a path) naming the offending entry.
+    """
+    _check_header(data)
+    _check_world(data["world"])
+    shapes = _check_logical(data["logical"])
+    n_tensors = _check_tensors(data["tensors"], shapes)
+    _check_nodes(data["nodes"], n_tensors)
+    _check_loss_and_grads(data["loss"], data["grads"], len(shapes))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_seq(x: Any) -> bool:
+    return isinstance(x, (list, tuple))
+
+
+def _int(x: Any, where: str, what: str, low: int | None = None) -> int:
+    if not _is_int(x):
+        raise PlanError(f"{where}: {what} must be an int, got {_type(x)} {_show(x)}")
+    if not _INT_MIN <= x <= _INT_MAX:
+        raise PlanError(f"{where}: {what} does not fit in 64 bits")
+    if low is not None and x < low:
+        raise PlanError(f"{where}: {what} must be >= {low}, got {x}")
+    return x
+
+
+def _seq(x: Any, where: str, what: str, length: int | None = None) -> Sequence[Any]:
+    if not _is_seq(x):
+        raise PlanError(f"{where}: {what} must be a list, got {_type(x)}")
+    if length is not None and len(x) != length:
+        raise PlanError(f"{where}: {what} must have {length} entries, got {len(x)}")
+    return x
+
+
+def _ints(x: Any, where: str, what: str, low: int | None = None) -> tuple[int, ...]:
+    return tuple(_int(v, where, f"{what}[{i}]", low) for i, v in enumerate(_seq(x, where, what)))
+
+
+def _str(x: Any, where: str, what: str) -> str:
+    if not isinstance(x, str):
+        raise PlanError(f"{where}: {what} must be a str, got {_type(x)} {_show(x)}")
+    return x
+
+
+def _row(x: Any, where: str, columns: Sequence[str]) -> Sequence[Any]:
+    if not _is_seq(x) or len(x) != len(columns):
+        got = f"{len(x)} entries" if _is_seq(x) else _type(x)
+        raise PlanError(f"{where}: must be a list [{', '.join(columns)}], got {got}")
+    return x
+
+
+def _check_header(data: Any) -> None:
+    if not isinstance(data, dict):
+        raise PlanError(f"plan data is a {_type(data)}, not a dict")
+    if "format" not in data:
+        raise PlanError("missing field 'format': not a verdict plan")
+    if data["format"] != FORMAT:
+        got = _show(data["format"])
+        raise PlanError(f"not a verdict plan: format is {got}, expected {FORMAT!r}")
+    if "version" not in data:
+        raise PlanError("missing field 'version'")
+    version = data["version"]
+    if not _is_int(version):
+        raise PlanError(f"plan version must be an int, got {_type(version)} {_show(version)}")
+    if version != VERSION:
+        raise PlanError(
+            f"unsupported plan version {_show(version)}: this verdict reads version {VERSION} only"
+        )
+    for key in FIELDS:
+        if key not in data:
+            raise PlanError(f"missing field {key!r}")
+    for key in data:
+        if key not in FIELDS:
+            raise PlanError(f"unknown field {_show(key)} (fields: {', '.join(FIELDS)})")
+    for key in ("logical", "tensors", "nodes", "grads"):
+        _seq(data[key], "plan", f"field {key!r}")
+    _int(data["loss"], "plan", "field 'loss'")
+
+
+def _check_world(world: Any) -> None:
+    """The world spec is a flat dict of JSON scalars, so it round-trips through JSON."""
+    if not isinstance(world, dict):
+        raise PlanError(f"field 'world' must be a dict, got {_type(world)}")
+    for key, value in world.items():
+        where = f"world {_show(key)}"
+        if not isinstance(key, str):
+            raise PlanError(f"{where}: keys must be str, got {_type(key)}")
+        if not (value is None or isinstance(value, (str, int, float))):
+            allowed = "a str, number, bool or None"
+            raise PlanError(f"{where}: value must be {allowed}, not {_type(value)}")
+        if _is_int(value):
+            _int(value, where, "value")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PlanError(f"{where}: value must be a finite number, got {value}")
+
+
+def _check_logical(rows: Sequence[Any]) -> list[Shape]:
+    shapes = []
+    for i, row in enumerate(rows):
+        where = f"logical {i}"
+        name, shape, kind = _row(row, where, LOGICAL_COLUMNS)
+        _str(name, where, "name")
+        shapes.append(_ints(shape, where, "shape", low=0))
+        if kind not in KINDS:
+            raise PlanError(f"{where} ({_show(name)}): kind {_show(kind)} is not one of {KINDS}")
+    return shapes
+
+
+def _check_tensors(rows: Sequence[Any], shapes: list[Shape]) -> int:
+    seen: dict[tuple[int, int, int, int], int] = {}
+    for i, row in enumerate(rows):
+        where = f"tensor {i}"
+        rank, mb, tid, version, shape, lver, slices, parts = _row(row, where, TENSOR_COLUMNS)
+        _int(rank, where, "rank", low=0)
+        _int(mb, where, "mb", low=-1)
+        _int(tid, where, "tid", low=0)
+        if tid >= len(shapes):
+            raise PlanError(f"{where}: tid {tid} is not a logical id (plan has {len(shapes)})")
+        _int(version, where, "version", low=0)
+        shape = _ints(shape, where, "shape", low=0)
+        _int(lver, where, "lver", low=0)
+        extents = _check_slices(slices, shapes[tid], where)
+        if shape != extents:
+            raise PlanError(
+                f"{where}: shape {list(shape)} does not match its slices {_show(slices)} "
+                f"(extents {list(extents)})"
+            )
+        _check_parts(parts, where)
+        key = (rank, mb, tid, version)
+        if key in seen:
+            raise PlanError(
+                f"{where}: same (rank, mb, tid, version) {key} as tensor {seen[key]}"
+            )
+        seen[key] = i
+    return len(rows)
+
+
+def _check_slices(slices: Any, full: Shape, where: str) -> Shape:
+    """Extents of the slices: one [start, end) per dim of the logical shape."""
+    _seq(slices, where, "slices", length=len(full))
+    extents = []
+    for dim, (pair, size) in enumerate(zip(slices, full, strict=True)):
+        start, end = _ints(_seq(pair, where, f"slices[{dim}]", length=2), where, f"slices[{dim}]")
+        if not (0 <= start <= end <= size and (start < end or size == 0)):
+            need = f"0 <= start < end <= {size}" if size else "[0, 0] for a dim of size 0"
+            raise PlanError(
+                f"{where}: slice {[start, end]} of dim {dim} is outside the logical shape "
+                f"{list(full)} (need {need})"
+            )
+        extents.append(end - start)
+    return tuple(extents)
+
+
+def _check_parts(parts: Any, where: str) -> None:
+    _seq(parts, where, "parts", length=3)
+    lo, hi, n = _ints(parts, where, "parts")
+    if not 0 <= lo < hi <= n:
+        raise PlanError(f"{where}: parts {[lo, hi, n]} must satisfy 0 <= lo < hi <= n")
+
+
+def _node_label(i: int, row: Sequence[Any]) -> str:
+    rank, mb, op = row[0], row[1], row[2]
+    return f"node {i} ({op} on rank {rank} mb {mb})"
+
+
+def _check_node_row(i: int, row: Any) -> str:
+    """Check one node's columns; returns its label for later messages."""
+    where = f"node {i}"
+    rank, mb, op, direction, inputs, outputs, kwargs, name = _row(row, where, NODE_COLUMNS)
+    _int(rank, where, "rank", low=0)
+    _int(mb, where, "mb", low=-1)
+    _str(op, where, "op")
+    if op not in OPS:
+        raise PlanError(f"{where}: unknown operator {_show(op)}")
+    where = _node_label(i, row)
+    if direction not in DIRECTIONS:
+        raise PlanError(f"{where}: dir {_show(direction)} is not one of {DIRECTIONS}")
+    _ints(inputs, where, "inputs")
+    _ints(outputs, where, "outputs")
+    if not isinstance(kwargs, dict):
+        raise PlanError(f"{where}: kwargs must be a dict, got {_type(kwargs)}")
+    for key in kwargs:
+        _str(key, where, "kwargs key")
+    _str(name, where, "name")
+    return where
+
+
+def _check_indices(where: str, direction: str, what: str, indices: Sequence[int], n: int) -> None:
+    for t in indices:
+        if t == -1 and direction != "bw":
+            raise PlanError(f"{where}: {what} -1 (absent slot) is allowed only in bw nodes")
+        if t != -1 and not 0 <= t < n:
+            raise PlanError(f"{where}: {what} {t} is not a tensor index (plan has {n} tensors)")
+
+
+def _check_nodes(rows: Sequence[Any], n_tensors: int) -> None:
+    """Columns, index ranges, single assignment, and reads after writes."""
+    producer = [-1] * n_tensors
+    labels = []
+    for i, row in enumerate(rows):
+        where = _check_node_row(i, row)
+        labels.append(where)
+        direction, inputs, outputs = row[3], row[4], row[5]
+        _check_indices(where, direction, "input", inputs, n_tensors)
+        _check_indices(where, direction, "output", outputs, n_tensors)
+        for t in outputs:
+            if t == -1:
+                continue
+            if t in inputs:
+                raise PlanError(f"{where}: tensor {t} is both an input and an output")
+            if producer[t] >= 0:
+                raise PlanError(
+                    f"{where}: tensor {t} is already written by node {producer[t]} "
+                    "(each tensor is written once)"
+                )
+            producer[t] = i
+    for i, row in enumerate(rows):
+        for t in row[4]:
+            if t >= 0 and producer[t] > i:
+                raise PlanError(
+                    f"{labels[i]}: reads tensor {t} before node {producer[t]} writes it"
+                )
+
+
+def _check_loss_and_grads(loss: int, grads: Sequence[Any], n_logical: int) -> None:
+    if not 0 <= loss < n_logical:
+        raise PlanError(f"loss {loss} is not a logical id (plan has {n_logical})")
+    params: dict[int, int] = {}
+    for i, pair in enumerate(grads):
+        where = f"grad {i}"
+        param, grad = _ints(_seq(pair, where, "entry", length=2), where, "entry")
+        for what, tid in (("param", param), ("grad", grad)):
+            if not 0 <= tid < n_logical:
+                raise PlanError(f"{where}: {what} {tid} is not a logical id (plan has {n_logical})")
+        if param in params:
+            raise PlanError(f"{where}: param {param} already has a gradient (grad {params[param]})")
+        params[param] = i

@@ -1,0 +1,94 @@
+"""python -m gen_model: write a plan file and its world spec.
+
+Example:
+    python -m gen_model --model mlp --layers 2 --hidden 128 --gbs 128 \
+        --dp 2 --pp 2 --tp 2 --nm 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from backends.planfile import save_plan
+from gen_model.config import MODELS, ConfigError, ModelConfig, Parallelism, plan_stem
+from gen_model.generate import make_plan
+
+DEFAULT_DIR = Path(__file__).resolve().parent / "mgeners"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        sys.stderr.write(f"gen_model: error: {message}\n")
+        sys.exit(2)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m gen_model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, choices=MODELS)
+    p.add_argument("--variant", default="default", help="name part; 'default' or br{N}")
+    size = p.add_argument_group("model sizes")
+    size.add_argument("--layers", type=int, default=2)
+    size.add_argument("--hidden", type=int, default=128)
+    size.add_argument("--heads", type=int, default=0, help="attention heads (llama3, moe)")
+    size.add_argument("--kv_heads", type=int, default=0,
+                      help="grouped KV heads (default: heads/4 when that divides, else heads)")
+    size.add_argument("--ffn", type=int, default=0, help="feed-forward size (default 3.5*hidden)")
+    size.add_argument("--vocab", type=int, default=128256)
+    size.add_argument("--seqlen", type=int, default=0)
+    size.add_argument("--gbs", type=int, required=True, help="global batch size")
+    moe = p.add_argument_group("mixture of experts")
+    moe.add_argument("--experts", type=int, default=8, help="routed experts")
+    moe.add_argument("--topk", type=int, default=2, help="activated experts per token")
+    moe.add_argument("--capacity_factor", type=float, default=1.0)
+    moe.add_argument("--first_dense", type=int, default=1, help="leading dense layers")
+    moe.add_argument("--moe_ffn", type=int, default=0, help="expert size (default hidden)")
+    par = p.add_argument_group("parallelism")
+    for flag in ("dp", "tp", "pp", "ep", "nm"):
+        par.add_argument(f"--{flag}", type=int, default=1)
+    p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output directory")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
+    if args.model == "mlp":
+        cfg = ModelConfig("mlp", layers=args.layers, hidden=args.hidden)
+    else:
+        heads = args.heads
+        kv = args.kv_heads or (heads // 4 if heads >= 4 and heads % 4 == 0 else heads)
+        common = dict(
+            layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=kv,
+            ffn=args.ffn or int(3.5 * args.hidden), vocab=args.vocab, seqlen=args.seqlen,
+        )
+        if args.model == "moe":
+            common.update(
+                experts=args.experts, topk=args.topk, capacity_factor=args.capacity_factor,
+                first_dense=min(args.first_dense, args.layers), moe_ffn=args.moe_ffn or args.hidden,
+            )
+        cfg = ModelConfig(args.model, **common)
+    par = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, nm=args.nm)
+    cfg.check()
+    return cfg, par
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        cfg, par = config_from(args)
+        start = time.perf_counter()
+        plan = make_plan(cfg, par, args.gbs, args.variant)
+    except ConfigError as e:
+        sys.stderr.write(f"gen_model: error: {e}\n")
+        return 2
+    stem = plan_stem(cfg, par, args.gbs, args.variant)
+    pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
+    took = time.perf_counter() - start
+    print(f"wrote {pkl} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors, {took:.1f} s)")
+    print(f"wrote {spec}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
