@@ -15,6 +15,7 @@ from pathlib import Path
 from backends.planfile import save_plan
 from gen_model.config import MODELS, ConfigError, ModelConfig, Parallelism, plan_stem
 from gen_model.generate import make_plan
+from gen_model.parallelize import Policy
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "mgeners"
 
@@ -48,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism")
     for flag in ("dp", "tp", "pp", "ep", "nm"):
         par.add_argument(f"--{flag}", type=int, default=1)
+    par.add_argument("--vocab_parallel", action="store_true",
+                     help="split the embedding along the vocabulary across TP ranks")
+    par.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                     help="pipeline schedule")
     p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output directory")
     return p
 
@@ -78,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, par = config_from(args)
         start = time.perf_counter()
-        plan = make_plan(cfg, par, args.gbs, args.variant)
+        policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule)
+        plan = make_plan(cfg, par, args.gbs, args.variant, policy)
     except ConfigError as e:
         sys.stderr.write(f"gen_model: error: {e}\n")
         return 2

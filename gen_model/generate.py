@@ -24,4 +24,6 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
     world = world_spec(cfg, par, gbs, variant)
     if par.is_single():
         return single_plan(graph, world)
+    policy = policy or Policy()
+    world.update(vocab_parallel=policy.vocab_parallel, schedule=policy.schedule)
     return parallel_plan(graph, cfg, par, gbs, world, policy)

@@ -39,6 +39,9 @@ COLUMN = re.compile(r"\.(wq|wk|wv|w1|w3)\.weight$|^output\.weight$")
 ROW = re.compile(r"\.(wo|w2)\.weight$")
 EXPERT = re.compile(r"\.feed_forward\.(w1|w2|w3)$")
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: Ops whose tensor-parallel partial sums are all-reduced right away, as in
+#: Megatron's row-parallel linear and vocab-parallel embedding.
+REDUCE_AT_ONCE = ("linear", "embedding")
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,9 @@ class _Sharder:
         self.emit_op(lop, stage, used, outs)
         self.used[i] = (used, [tuple(o[k] for o in out_by_axis) for k in range(len(outs))],
                         replicated)
+        if lop.op in REDUCE_AT_ONCE and outs[0].on("tp") == "P":
+            reduced = self.convert(outs[0], outs[0].relaid("tp", "R").layout, stage, "fw")
+            self.current[lop.outputs[0]] = reduced
 
     def constant(self, i: int, lop: LOp, target: Value) -> None:
         layout = tuple(grad_layout(layer) for layer in self.current[target].layout)

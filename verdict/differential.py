@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verdict.numeric import execute
+from verdict.numeric import ExecutionError, execute
 from verdict.plan import Plan, Tensor
 
 #: Plans whose tensors add up to more than this are refused by --numeric.
@@ -44,10 +44,11 @@ class NumericReport:
     groups: int = 0
     differences: list[Difference] = field(default_factory=list)
     uncovered: list[str] = field(default_factory=list)
+    broken: str = ""
 
     @property
     def equal(self) -> bool:
-        return not self.differences and not self.uncovered
+        return not self.differences and not self.uncovered and not self.broken
 
 
 def plan_bytes(plan: Plan) -> int:
@@ -97,14 +98,20 @@ def _exact_cover(items: list[tuple[int, int, int]], n: int) -> list[int] | None:
 def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> NumericReport:
     """Compare every tensor of ``parallel`` with its lineage in ``single``."""
     ref_values = execute(single, seed)
-    values = execute(parallel, seed)
-    ref = {(t.tid, t.version): ref_values[i] for i, t in enumerate(single.tensors)}
     report = NumericReport()
+    try:
+        values = execute(parallel, seed)
+    except ExecutionError as e:
+        report.broken = str(e)
+        return report
+    ref = {(t.tid, t.version): ref_values[i] for i, t in enumerate(single.tensors)}
     order = {o: k for k, node in enumerate(parallel.nodes) for o in node.outputs if o >= 0}
     partial: dict[tuple, list[int]] = defaultdict(list)
     covered: dict[int, list] = defaultdict(list)
     for i in sorted(range(len(parallel.tensors)), key=lambda i: order.get(i, -1)):
         t = parallel.tensors[i]
+        if values[i] is None:
+            continue
         full = ref[(t.tid, t.lver)]
         piece = full[tuple(slice(a, b) for a, b in t.slices)]
         if t.is_whole():
@@ -127,11 +134,12 @@ def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> 
             name = parallel.logical[tid].name
             report.differences.append(Difference(
                 name, [parallel.tensors[i] for i in cover], piece, total, "partial-sum group"))
-    report.uncovered = final_coverage(single, parallel, covered)
+    report.uncovered = final_coverage(single, parallel, values, covered)
     return report
 
 
-def final_coverage(single: Plan, parallel: Plan, covered: dict[int, list]) -> list[str]:
+def final_coverage(single: Plan, parallel: Plan, values: list,
+                   covered: dict[int, list]) -> list[str]:
     """Logical results (loss, final gradients) the parallel plan does not
     fully produce: every rank's last gradient buffer must be a whole slice,
     and the slices together must cover the gradient; the loss must be
@@ -139,6 +147,8 @@ def final_coverage(single: Plan, parallel: Plan, covered: dict[int, list]) -> li
     problems = []
     last: dict[tuple[int, int], int] = {}
     for i, t in enumerate(parallel.tensors):
+        if values[i] is None:
+            continue
         key = (t.tid, t.rank)
         if key not in last or parallel.tensors[last[key]].version < t.version:
             last[key] = i

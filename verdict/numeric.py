@@ -16,7 +16,7 @@ import numpy as np
 
 from verdict.ops import get_op
 from verdict.ops.nn import route_numeric
-from verdict.plan import Logical, Node, Plan, Tensor
+from verdict.plan import INPUT_KINDS, Logical, Node, Plan, Tensor
 
 
 class NumericXP:
@@ -108,14 +108,15 @@ def run_node(xp, node: Node, args: Sequence, shapes: Sequence) -> list:
 
 
 def execute(plan: Plan, seed: int = 0) -> list[np.ndarray | None]:
-    """Values of every plan tensor after running all nodes in order."""
+    """Values of every plan tensor after running all nodes in order (None for
+    a tensor no node writes that is not an input)."""
     values: list[np.ndarray | None] = [None] * len(plan.tensors)
     full: dict[int, np.ndarray] = {}
     for i, prod in enumerate(plan.producers()):
-        if prod >= 0:
-            continue
         t = plan.tensors[i]
         logical = plan.logical[t.tid]
+        if prod >= 0 or logical.kind not in INPUT_KINDS:
+            continue
         if t.tid not in full:
             full[t.tid] = input_value(logical, seed)
         values[i] = full[t.tid][_slice(t)]
@@ -124,7 +125,11 @@ def execute(plan: Plan, seed: int = 0) -> list[np.ndarray | None]:
         args = []
         for i in node.inputs:
             if i >= 0 and values[i] is None:
-                raise ExecutionError(f"{describe(plan, node)} reads tensor {i} before it is written")
+                t = plan.tensors[i]
+                raise ExecutionError(
+                    f"{describe(plan, node)} reads {plan.logical[t.tid].name} (rank {t.rank} "
+                    f"mb {t.mb} v{t.version}), which no earlier node writes"
+                )
             args.append(values[i] if i >= 0 else None)
         shapes = [plan.tensors[o].shape if o >= 0 else None for o in node.outputs]
         outs = run_node(xp, node, args, shapes)

@@ -126,3 +126,30 @@ class Plan:
                 if t >= 0:
                     prod[t] = i
         return prod
+
+
+#: World fields that describe parallelism; all others describe the model.
+PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "variant", "vocab_parallel", "schedule")
+
+
+def pair_problem(single: Plan, parallel: Plan) -> str | None:
+    """Why two plans cannot be compared (None when they can): the first must
+    be single-device and both must describe the same model."""
+    for flag in ("dp", "tp", "pp", "ep", "nm"):
+        if single.world.get(flag, 1) != 1:
+            return f"--sm is not a single-device plan ({flag}={single.world[flag]})"
+    if any(t.rank != 0 for t in single.tensors):
+        return "--sm has tensors on ranks other than 0"
+    keys = sorted((set(single.world) | set(parallel.world)) - set(PARALLEL_FIELDS))
+    for key in keys:
+        a, b = single.world.get(key), parallel.world.get(key)
+        if a != b:
+            return f"the plans are of different models: {key} is {a} in --sm and {b} in --pm"
+    if len(single.logical) != len(parallel.logical):
+        return "the plans are of different models: their logical tensors differ"
+    for a, b in zip(single.logical, parallel.logical):
+        if a != b:
+            return f"the plans are of different models: logical tensor {a.name} vs {b.name}"
+    if (single.loss, single.grads) != (parallel.loss, parallel.grads):
+        return "the plans are of different models: loss or gradients differ"
+    return None
