@@ -1,0 +1,68 @@
+"""Differential numeric check of the whole parallelism grid.
+
+mlp and llama3 with each of dp, tp, pp, nm in {1, 2, 4} (every combination of
+at most 16 ranks), and moe with ep in {1, 2, 4} combined with dp in {1, 2, 4}
+(ep divides dp) and tp in {1, 2}, each with both pipeline schedules where
+pp > 1. Prints one line per plan and exits 1 if any plan differs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+from gen_model.config import ModelConfig, Parallelism
+from gen_model.generate import make_plan
+from gen_model.parallelize import Policy
+from verdict.differential import compare
+
+GBS = 16
+MODELS = {
+    "mlp": ModelConfig("mlp", layers=4, hidden=8),
+    "llama3": ModelConfig("llama3", layers=4, hidden=16, heads=4, kv_heads=4, ffn=24,
+                          vocab=12, seqlen=4),
+    "moe": ModelConfig("moe", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=12,
+                       seqlen=4, experts=4, topk=2, moe_ffn=8, first_dense=1),
+}
+DEGREES = (1, 2, 4)
+
+
+def grid() -> list[tuple[str, Parallelism, Policy]]:
+    cases = []
+    for model in ("mlp", "llama3"):
+        for dp, tp, pp, nm in itertools.product(DEGREES, repeat=4):
+            if dp * tp * pp <= 16:
+                par = Parallelism(dp=dp, tp=tp, pp=pp, nm=nm)
+                for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
+                    cases.append((model, par, Policy(schedule=schedule)))
+    for ep, dp, tp in itertools.product(DEGREES, DEGREES, (1, 2)):
+        if dp % ep == 0:
+            cases.append(("moe", Parallelism(dp=dp, tp=tp, ep=ep), Policy()))
+    return cases
+
+
+def main() -> int:
+    start = time.perf_counter()
+    singles = {m: make_plan(cfg, Parallelism(), GBS) for m, cfg in MODELS.items()}
+    failed = 0
+    cases = grid()
+    for model, par, policy in cases:
+        t0 = time.perf_counter()
+        plan = make_plan(MODELS[model], par, GBS, policy=policy)
+        report = compare(singles[model], plan)
+        status = "ok  " if report.equal else "FAIL"
+        failed += not report.equal
+        print(f"{status} {model:6} dp{par.dp} tp{par.tp} pp{par.pp} ep{par.ep} nm{par.nm} "
+              f"{policy.schedule:5} {len(plan.nodes):6} nodes {time.perf_counter() - t0:5.2f} s",
+              flush=True)
+        if not report.equal:
+            for line in [d.describe() for d in report.differences[:3]] + report.uncovered[:3]:
+                print(f"      {line}")
+    took = time.perf_counter() - start
+    print(f"{len(cases) - failed} passed, {failed} failed in {took:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
