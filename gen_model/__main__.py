@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from backends.planfile import save_plan
-from gen_model.config import MODELS, ConfigError, ModelConfig, Parallelism, plan_stem
+from backends.planfile import PlanError, save_plan
+from gen_model.config import MODELS, ConfigError, ModelConfig, Parallelism, check_run, plan_stem
 from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
 
@@ -75,6 +75,7 @@ def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
         cfg = ModelConfig(args.model, **common)
     par = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, nm=args.nm)
     cfg.check()
+    check_run(args.gbs, args.variant)
     return cfg, par
 
 
@@ -85,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule)
         plan = make_plan(cfg, par, args.gbs, args.variant, policy)
-    except ConfigError as e:
+        stem = plan_stem(cfg, par, args.gbs, args.variant)
+        pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
+    except (ConfigError, PlanError) as e:
         sys.stderr.write(f"gen_model: error: {e}\n")
         return 2
-    stem = plan_stem(cfg, par, args.gbs, args.variant)
-    pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
     took = time.perf_counter() - start
     print(f"wrote {pkl} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors, {took:.1f} s)")
     print(f"wrote {spec}")

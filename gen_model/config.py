@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 
 MODELS = ("mlp", "llama3", "moe")
@@ -46,6 +47,8 @@ class ModelConfig:
             raise ConfigError(f"unknown model '{self.model}' (choose from {', '.join(MODELS)})")
         if self.layers < 1 or self.hidden < 1:
             raise ConfigError("--layers and --hidden must be at least 1")
+        if not (math.isfinite(self.capacity_factor) and self.capacity_factor > 0):
+            raise ConfigError(f"--capacity_factor must be a positive number, got {self.capacity_factor}")
         if self.model == "mlp":
             return
         for name in ("heads", "kv_heads", "ffn", "vocab", "seqlen"):
@@ -80,6 +83,16 @@ class Parallelism:
 
     def is_single(self) -> bool:
         return all(getattr(self, f.name) == 1 for f in fields(self))
+
+
+VARIANT = re.compile(r"^(default|br\d+)$")
+
+
+def check_run(gbs: int, variant: str) -> None:
+    if gbs < 1:
+        raise ConfigError(f"--gbs must be at least 1, got {gbs}")
+    if not VARIANT.match(variant):
+        raise ConfigError(f"--variant must be 'default' or br<N>, got '{variant}'")
 
 
 def plan_stem(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default") -> str:

@@ -26,8 +26,7 @@ from tqdm import tqdm
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.graph import ABSENT, LogicalGraph, LOp, Value
-from gen_model.sharding import Layout, grad_layout, is_split, natural_grad, propagate
-from verdict.ops import ShapeError, get_op
+from gen_model.sharding import Layout, grad_layout, natural_grad, propagate
 from verdict.plan import INPUT_KINDS, Node, Plan, Tensor
 
 AXES = ("mb", "edp", "ep", "tp")
@@ -592,7 +591,7 @@ def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
     if par.ep > 1 and cfg.experts % par.ep:
         raise ConfigError(f"--experts {cfg.experts} is not divisible by --ep {par.ep}")
     if cfg.model != "mlp":
-        for name in ("heads", "kv_heads", "ffn"):
+        for name in ("heads", "kv_heads", "ffn", "vocab"):
             if getattr(cfg, name) % par.tp:
                 raise ConfigError(f"--{name} {getattr(cfg, name)} is not divisible by --tp {par.tp}")
     elif cfg.hidden % par.tp:
@@ -605,8 +604,6 @@ def parallel_plan(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, gbs: int,
                   world: dict, policy: Policy | None = None) -> Plan:
     policy = policy or Policy()
     check_parallelism(cfg, par, gbs)
-    if policy.vocab_parallel and cfg.vocab % par.tp:
-        raise ConfigError(f"--vocab {cfg.vocab} is not divisible by --tp {par.tp}")
     prog = shard(g, cfg, par, policy)
     return _Emitter(g, prog, par, policy, world).run()
 

@@ -190,7 +190,7 @@ def _einsum(kw, ins, shapes, n, params) -> Result:
     subs, out = parse_einsum(kw["eq"])
     if "P" in ins:
         return (list(ins), ["P"]) if "R" in ins else None
-    letters = [subs[i][l] if is_split(l) else None for i, l in enumerate(ins)]
+    letters = [subs[i][lay] if is_split(lay) else None for i, lay in enumerate(ins)]
     need = list(ins)
     if letters[0] and letters[1] and letters[0] != letters[1]:
         k = 1 if params[0] or not params[1] else 0  # re-split an activation, not a weight

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gen_model.config import ModelConfig
 from gen_model import leaf
+from gen_model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from verdict.ops.rule import Op, Shape, broadcast_shape, expect
+from verdict.ops.rule import Op, Shape, aligned_dims, broadcast_shape, expect
 
 
 def unbroadcast(g, shape: Shape):
@@ -129,8 +129,17 @@ def _softmax_backward(xp, s, g, shapes, dim):
     return (y * (g[0] - np.sum(g[0] * y, axis=dim, keepdims=True)),)
 
 
+def _softmax_dims(ins, outs, dim):
+    rel = aligned_dims(ins, outs)
+    shape = ins[0] if ins[0] is not None else outs[0]
+    if ins[0] is not None:
+        rel.append(("min", ("i", 0, dim % len(shape)), 2))
+    return rel
+
+
 SOFTMAX = Op(
     "softmax",
+    dims=_softmax_dims,
     shape=_unary,
     forward=_softmax_forward,
     backward=_softmax_backward,

@@ -18,8 +18,20 @@ def _transpose_shape(in_shapes, dim0, dim1):
     return [tuple(out)]
 
 
+def _transpose_dims(ins, outs, dim0, dim1):
+    x, out = ins[0], outs[0]
+    if x is None or out is None:
+        return []
+    nd = len(x)
+    perm = list(range(nd))
+    a, b = dim0 % nd, dim1 % nd
+    perm[a], perm[b] = perm[b], perm[a]
+    return [("eq", ("o", 0, k), ("i", 0, perm[k])) for k in range(nd)]
+
+
 TRANSPOSE = Op(
     "transpose",
+    dims=_transpose_dims,
     shape=_transpose_shape,
     forward=lambda xp, x, dim0, dim1: (np.swapaxes(x[0], dim0, dim1),),
     backward=lambda xp, s, g, shapes, dim0, dim1: (np.swapaxes(g[0], dim0, dim1),),
@@ -39,8 +51,28 @@ def _unflatten(x, dim, sizes):
     return x.reshape(x.shape[:d] + tuple(sizes) + x.shape[d + 1 :])
 
 
+def _unflatten_dims(ins, outs, dim, sizes):
+    x, out = ins[0], outs[0]
+    if x is None or out is None:
+        return []
+    d, k = dim % len(x), len(sizes)
+    rel = [("eq", ("i", 0, j), ("o", 0, j)) for j in range(d)]
+    rel += [("eq", ("i", 0, j), ("o", 0, j + k - 1)) for j in range(d + 1, len(x))]
+    rel.append(("mul", ("i", 0, d), [("o", 0, d + j) for j in range(k)], 1))
+    return rel
+
+
+def _resize_unflatten(kw, ins, outs):
+    out = outs[0]
+    d = kw["dim"] % (len(out) - len(kw["sizes"]) + 1)
+    kw["sizes"] = list(out[d : d + len(kw["sizes"])])
+    return kw
+
+
 UNFLATTEN = Op(
     "unflatten",
+    dims=_unflatten_dims,
+    resize=_resize_unflatten,
     shape=_unflatten_shape,
     forward=lambda xp, x, dim, sizes: (_unflatten(x[0], dim, sizes),),
     backward=lambda xp, s, g, shapes, dim, sizes: (g[0].reshape(shapes[0]),),
@@ -55,8 +87,20 @@ def _flatten_shape(in_shapes, start, end):
     return [tuple(x[:a]) + (math.prod(x[a : b + 1]),) + tuple(x[b + 1 :])]
 
 
+def _flatten_dims(ins, outs, start, end):
+    x, out = ins[0], outs[0]
+    if x is None or out is None:
+        return []
+    a, b = start % len(x), end % len(x)
+    rel = [("eq", ("i", 0, j), ("o", 0, j)) for j in range(a)]
+    rel += [("eq", ("i", 0, j), ("o", 0, j - (b - a))) for j in range(b + 1, len(x))]
+    rel.append(("mul", ("o", 0, a), [("i", 0, j) for j in range(a, b + 1)], 1))
+    return rel
+
+
 FLATTEN = Op(
     "flatten",
+    dims=_flatten_dims,
     shape=_flatten_shape,
     forward=lambda xp, x, start, end: (
         x[0].reshape(_flatten_shape([x[0].shape], start, end)[0]),
@@ -79,8 +123,19 @@ def _repeat_backward(xp, s, g, shapes, repeats, dim):
     return (split.sum(axis=d + 1),)
 
 
+def _repeat_dims(ins, outs, repeats, dim):
+    x, out = ins[0], outs[0]
+    if x is None or out is None:
+        return []
+    d = dim % len(x)
+    rel = [("eq", ("i", 0, j), ("o", 0, j)) for j in range(len(x)) if j != d]
+    rel.append(("mul", ("o", 0, d), [("i", 0, d)], repeats))
+    return rel
+
+
 REPEAT_INTERLEAVE = Op(
     "repeat_interleave",
+    dims=_repeat_dims,
     shape=_repeat_shape,
     forward=lambda xp, x, repeats, dim: (np.repeat(x[0], repeats, axis=dim),),
     backward=_repeat_backward,
@@ -126,8 +181,24 @@ def _mean_backward(xp, s, g, shapes, dim=None, keepdim=False):
     return (_expand_back(g[0], shapes[0], dim, keepdim) / count,)
 
 
+def _reduce_dims(ins, outs, dim=None, keepdim=False):
+    x, out = ins[0], outs[0]
+    if x is None:
+        return []
+    dims = _dims(dim, len(x))
+    rel = [("min", ("i", 0, d), 2) for d in dims]
+    if out is None:
+        return rel
+    kept = [j for j in range(len(x)) if keepdim or j not in dims]
+    for k, j in enumerate(kept):
+        if j not in dims:
+            rel.append(("eq", ("i", 0, j), ("o", 0, k)))
+    return rel
+
+
 SUM = Op(
     "sum",
+    dims=_reduce_dims,
     shape=_reduce_shape,
     forward=_sum_forward,
     backward=lambda xp, s, g, shapes, dim=None, keepdim=False: (
@@ -138,6 +209,7 @@ SUM = Op(
 
 MEAN = Op(
     "mean",
+    dims=_reduce_dims,
     shape=_reduce_shape,
     forward=_mean_forward,
     backward=_mean_backward,

@@ -23,8 +23,22 @@ def _linear_backward(xp, s, g, shapes):
     return (dx, dw)
 
 
+def _linear_dims(ins, outs):
+    x, w = ins[0], ins[1]
+    out = outs[0]
+    rel = []
+    if x is not None and w is not None:
+        rel += [("eq", ("i", 0, len(x) - 1), ("i", 1, 1)), ("min", ("i", 1, 1), 2)]
+    if x is not None and out is not None:
+        rel += [("eq", ("i", 0, k), ("o", 0, k)) for k in range(len(x) - 1)]
+    if w is not None and out is not None:
+        rel.append(("eq", ("i", 1, 0), ("o", 0, len(out) - 1)))
+    return rel
+
+
 LINEAR = Op(
     "linear",
+    dims=_linear_dims,
     shape=_linear_shape,
     forward=lambda xp, x: (x[0] @ x[1].T,),
     backward=_linear_backward,
@@ -46,8 +60,27 @@ def _matmul_backward(xp, s, g, shapes):
     return (g[0] @ np.swapaxes(b, -1, -2), np.swapaxes(a, -1, -2) @ g[0])
 
 
+def _matmul_dims(ins, outs):
+    a, b, out = ins[0], ins[1], outs[0]
+    nd = len(next(s for s in (a, b, out) if s is not None))
+    rel = []
+    refs = [("i", 0), ("i", 1), ("o", 0)]
+    present = [s is not None for s in (a, b, out)]
+    for k in range(nd - 2):
+        have = [(*r, k) for r, p in zip(refs, present) if p]
+        rel += [("eq", have[0], h) for h in have[1:]]
+    pairs = [((0, nd - 1), (1, nd - 2)), ((0, nd - 2), (2, nd - 2)), ((1, nd - 1), (2, nd - 1))]
+    for (p, dp), (q, dq) in pairs:
+        if present[p] and present[q]:
+            rel.append(("eq", (*refs[p], dp), (*refs[q], dq)))
+    if present[0]:
+        rel.append(("min", ("i", 0, nd - 1), 2))
+    return rel
+
+
 MATMUL = Op(
     "matmul",
+    dims=_matmul_dims,
     shape=_matmul_shape,
     forward=lambda xp, x: (x[0] @ x[1],),
     backward=_matmul_backward,
@@ -85,8 +118,27 @@ def _einsum_backward(xp, s, g, shapes, eq):
     return tuple(grads)
 
 
+def _einsum_dims(ins, outs, eq):
+    subs, out = parse_einsum(eq)
+    where: dict[str, list[tuple]] = {}
+    for i, sub in enumerate(subs):
+        if ins[i] is not None:
+            for k, ch in enumerate(sub):
+                where.setdefault(ch, []).append(("i", i, k))
+    if outs[0] is not None:
+        for k, ch in enumerate(out):
+            where.setdefault(ch, []).append(("o", 0, k))
+    rel = []
+    for ch, refs in where.items():
+        rel += [("eq", refs[0], r) for r in refs[1:]]
+        if ch not in out:
+            rel.append(("min", refs[0], 2))
+    return rel
+
+
 EINSUM = Op(
     "einsum",
+    dims=_einsum_dims,
     shape=_einsum_shape,
     forward=lambda xp, x, eq: (np.einsum(eq, *x),),
     backward=_einsum_backward,
@@ -108,8 +160,21 @@ def _embedding_backward(xp, s, g, shapes):
     return (None, lead.T @ g[0].reshape(-1, g[0].shape[-1]))
 
 
+def _embedding_dims(ins, outs):
+    ids, w, out = ins[0], ins[1], outs[0]
+    rel = []
+    if ids is not None and w is not None:
+        rel.append(("eq", ("i", 0, len(ids) - 1), ("i", 1, 0)))
+    if ids is not None and out is not None:
+        rel += [("eq", ("i", 0, k), ("o", 0, k)) for k in range(len(ids) - 1)]
+    if w is not None and out is not None:
+        rel.append(("eq", ("i", 1, 1), ("o", 0, len(out) - 1)))
+    return rel
+
+
 EMBEDDING = Op(
     "embedding",
+    dims=_embedding_dims,
     shape=_embedding_shape,
     forward=lambda xp, x: (x[0] @ x[1],),
     backward=_embedding_backward,

@@ -40,8 +40,26 @@ def _rotary_backward(xp, saved, g, shapes):
     return (g[0] * c + rotate_half_t(g[0] * s), g[1] * c + rotate_half_t(g[1] * s), None, None)
 
 
+def _rotary_dims(ins, outs):
+    refs = {("i", 0): ins[0], ("i", 1): ins[1], ("o", 0): outs[0], ("o", 1): outs[1]}
+    rel = []
+    for (a, b) in ((("i", 0), ("o", 0)), (("i", 1), ("o", 1))):
+        if refs[a] is not None and refs[b] is not None:
+            rel += [("eq", (*a, k), (*b, k)) for k in range(4)]
+    qk = [r for r in refs if refs[r] is not None]
+    for k in (0, 1, 3):
+        rel += [("eq", (*qk[0], k), (*r, k)) for r in qk[1:]]
+    for i in (2, 3):
+        if ins[i] is not None and qk:
+            rel += [("eq", ("i", i, 0), (*qk[0], 1)), ("eq", ("i", i, 1), (*qk[0], 3))]
+    if qk:
+        rel.append(("min", (*qk[0], 3), 2))
+    return rel
+
+
 ROTARY = Op(
     "apply_rotary_emb",
+    dims=_rotary_dims,
     shape=_rotary_shape,
     forward=_rotary_forward,
     backward=_rotary_backward,
@@ -95,6 +113,17 @@ def route_numeric(scores: np.ndarray, topk: int, capacity: int) -> np.ndarray:
     return dispatch
 
 
+def _route_dims(ins, outs, topk, capacity):
+    if ins[0] is None or outs[0] is None:
+        return []
+    return [("eq", ("i", 0, k), ("o", 0, k)) for k in range(3)]
+
+
+def _resize_route(kw, ins, outs):
+    kw["capacity"] = outs[0][3]
+    return kw
+
+
 def _route_shape(in_shapes, topk, capacity):
     (x,) = in_shapes
     expect(len(x) == 3, f"route: scores must be [B, S, E], got {x}")
@@ -104,6 +133,8 @@ def _route_shape(in_shapes, topk, capacity):
 
 ROUTE = Op(
     "route",
+    dims=_route_dims,
+    resize=_resize_route,
     shape=_route_shape,
     forward=lambda xp, x, topk, capacity: (xp.route(x[0], topk, capacity),),
     doc="top-k dispatch mask per sample; no gradient; uninterpreted per row symbolically",

@@ -20,12 +20,22 @@ Conventions a rule relies on:
 * ``diff`` lists the input positions that can receive a gradient.
 * ``group`` marks a collective: its inputs are the tensors of every rank of
   the group, in group order, and ``kw['index']`` is this rank's position.
+
+Two more rules serve shape reduction (verdict/reduce.py):
+
+* ``dims(in_shapes, out_shapes, **kw)`` lists how the dims of inputs and
+  outputs are tied: ``("eq", a, b)``, ``("mul", target, [factors], k)``
+  (target = product of factors times k) and ``("min", a, n)``, where a dim
+  reference is ``("i" | "o", position, dim)``. The default ties every output
+  dim to the aligned (broadcast) dims of every input.
+* ``resize(kw, in_shapes, out_shapes)`` rewrites the kwargs that hold sizes
+  (e.g. unflatten's sizes) for other shapes; the default keeps them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 Shape = tuple[int, ...]
@@ -45,7 +55,17 @@ class Op:
     diff: tuple[int, ...] | None = None
     group: bool = False
     doc: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    dims: Callable[..., list[tuple]] | None = None
+    resize: Callable[..., dict[str, Any]] | None = None
+
+    def relations(self, in_shapes: Sequence[Shape | None], out_shapes: Sequence[Shape | None],
+                  kw: dict[str, Any]) -> list[tuple]:
+        rule = self.dims or aligned_dims
+        return rule(in_shapes, out_shapes, **kw)
+
+    def resized(self, kw: dict[str, Any], in_shapes: Sequence[Shape | None],
+                out_shapes: Sequence[Shape | None]) -> dict[str, Any]:
+        return dict(kw) if self.resize is None else self.resize(dict(kw), in_shapes, out_shapes)
 
     def differentiable_inputs(self, n_inputs: int) -> tuple[int, ...]:
         if self.backward is None:
@@ -76,3 +96,19 @@ def broadcast_shape(a: Shape, b: Shape) -> Shape:
         expect(x == y or x == 1 or y == 1, f"cannot broadcast {a} with {b}")
         out.append(max(x, y))
     return tuple(out)
+
+
+def aligned_dims(in_shapes, out_shapes, **_kw) -> list[tuple]:
+    """Elementwise ops: each output dim equals the right-aligned dim of every
+    input that is not broadcast (size 1) along it."""
+    rel = []
+    for o, out in enumerate(out_shapes):
+        if out is None:
+            continue
+        for i, shape in enumerate(in_shapes):
+            if shape is None:
+                continue
+            for k in range(1, len(shape) + 1):
+                if k <= len(out) and (shape[-k] == out[-k] or shape[-k] != 1):
+                    rel.append(("eq", ("o", o, len(out) - k), ("i", i, len(shape) - k)))
+    return rel

@@ -32,8 +32,14 @@ def _const_shape(in_shapes, shape):
     return [tuple(shape)]
 
 
+def _resize_const(kw, ins, outs):
+    kw["shape"] = list(outs[0])
+    return kw
+
+
 ZEROS = Op(
     "zeros",
+    resize=_resize_const,
     shape=_const_shape,
     forward=lambda xp, x, shape: (xp.zeros(tuple(shape)),),
     doc="a tensor of zeros (gradient buffer before the first accumulation)",
@@ -41,6 +47,7 @@ ZEROS = Op(
 
 ONES = Op(
     "ones",
+    resize=_resize_const,
     shape=_const_shape,
     forward=lambda xp, x, shape: (xp.ones(tuple(shape)),),
     doc="a tensor of ones (the gradient of the loss with respect to itself)",
