@@ -25,7 +25,8 @@ $(MLP_PARALLEL): $(STAMP)
 		--dp 2 --pp 2 --tp 2 --nm 2
 
 demo: $(MLP_SINGLE) $(MLP_PARALLEL)
-	$(BIN)/python main.py --sm $(MLP_SINGLE) --pm $(MLP_PARALLEL) --numeric --time
+	$(BIN)/python main.py --sm $(MLP_SINGLE) --pm $(MLP_PARALLEL) --time --no_cache_stages
+	$(BIN)/python main.py --sm $(MLP_SINGLE) --pm $(MLP_PARALLEL) --numeric
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

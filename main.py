@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from backends.planfile import PlanError, load_plan
+from backends.planfile import PlanError
+from verdict.cache import StageCache, load_plan_cached
 from verdict.differential import NumericRefused, check_size, compare
-from verdict.plan import pair_problem
+from verdict.engine import Verdict, verify
+from verdict.plan import Plan, pair_problem
+from verdict.report import append_stats, evidence, failure, make_stats, tp_label, ts_label
+from verdict.solve import Outcome
+from verdict.structure import node_label
 
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -56,11 +64,100 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_numeric(args: argparse.Namespace) -> int:
-    single, parallel = load_plan(args.sm), load_plan(args.pm)
+def load_pair(args: argparse.Namespace) -> tuple[Plan, Plan]:
+    cache = args.cache_dir if args.cache_nodes else None
+    single = load_plan_cached(args.sm, cache)
+    parallel = load_plan_cached(args.pm, cache)
     problem = pair_problem(single, parallel)
     if problem:
         raise UsageError(problem)
+    return single, parallel
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.loglevel, format="%(levelname)s %(message)s")
+    start = time.perf_counter()
+    single, parallel = load_pair(args)
+    t_load = time.perf_counter() - start
+    cache = StageCache(args.cache_dir if args.cache_stages else None)
+    memo = {key: Outcome("proved") for key in cache.proved}
+    progress = sys.stderr.isatty()
+    verdict = verify(single, parallel, seed=args.seed, workers=args.max_vrf_proc,
+                     keep_going=args.keep_going, memo=memo, progress=progress)
+    cache.save({r.key for r in verdict.results if r.outcome.ok})
+    log = logging.getLogger("verdict")
+    for r in verdict.results:
+        log.debug("stage %d (%s): %s in %.3fs%s", r.stage.id, r.key[:8], r.outcome.status,
+                  r.outcome.seconds, " (memo)" if r.memo else "")
+    dump(args, single, parallel, verdict)
+    stats = make_stats(verdict, parallel, t_load)
+    if verdict.success:
+        for line in evidence(verdict, single):
+            print(line)
+        print(f"PID: {os.getpid()} - ✅ SUCCESS")
+    else:
+        for line in failure(verdict, single, parallel):
+            print(line)
+        print(f"PID: {os.getpid()} - ❌ FAIL")
+    print(stats.line())
+    if args.time:
+        print("times: " + ", ".join(f"{k}={v:.3f}s" for k, v in verdict.times.items()))
+    append_stats(stats, args.stats_dir)
+    if args.json:
+        write_json(args.json, verdict, stats, single, parallel)
+    return EXIT_EQUAL if verdict.success else EXIT_DIFFERENT
+
+
+def dump(args: argparse.Namespace, single: Plan, parallel: Plan, verdict: Verdict) -> None:
+    """--dump_nodes / --dump_lineages / --dump_stages: text files under log_dir."""
+    if not (args.dump_nodes or args.dump_lineages or args.dump_stages):
+        return
+    folder = args.log_dir / args.pm.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    if args.dump_nodes:
+        lines = [node_label(single, i).replace("Node(", "Node(wtype='s', ")
+                 for i in range(len(single.nodes))]
+        lines += [node_label(parallel, i).replace("Node(", "Node(wtype='p', ")
+                  for i in range(len(parallel.nodes))]
+        (folder / "nodes.txt").write_text("\n".join(lines) + "\n")
+    if args.dump_lineages:
+        lines = []
+        for lin in verdict.lineages:
+            lines.append(f"{ts_label(single, lin.ts)} {single.logical[single.tensors[lin.ts].tid].name}")
+            for slices, group in lin.groups:
+                lines.append(f"  {tuple(slices)} = " + " + ".join(tp_label(parallel, t) for t in group))
+            for t in lin.loose:
+                lines.append(f"  loose {tp_label(parallel, t)}")
+        (folder / "lineages.txt").write_text("\n".join(lines) + "\n")
+    if args.dump_stages:
+        lines = []
+        for r in verdict.results:
+            st = r.stage
+            gs = node_label(single, st.gs_node) if st.gs_node >= 0 else "input stage"
+            lines.append(f"stage {st.id} key {r.key} {r.outcome.status}"
+                         f"{' memo' if r.memo else ''}: {gs}")
+            lines += ["  " + node_label(parallel, i) for i in st.gp_nodes]
+        (folder / "stages.txt").write_text("\n".join(lines) + "\n")
+
+
+def write_json(path: Path, verdict: Verdict, stats, single: Plan, parallel: Plan) -> None:
+    failing = []
+    for r in verdict.failed:
+        failing.append({
+            "stage": r.stage.id, "status": r.outcome.status, "detail": r.outcome.detail,
+            "single_node": node_label(single, r.stage.gs_node) if r.stage.gs_node >= 0 else None,
+            "parallel_nodes": [node_label(parallel, i) for i in r.stage.gp_nodes],
+            "lineages": [ts_label(single, verdict.lineages[lid].ts) for lid in r.stage.outputs],
+        })
+    summary = {"mode": "symbolic", "success": verdict.success, "kind": verdict.kind,
+               "message": verdict.message, "stats": asdict(stats), "failing_stages": failing,
+               "coverage": verdict.coverage}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+
+
+def run_numeric(args: argparse.Namespace) -> int:
+    single, parallel = load_pair(args)
     check_size(single, str(args.sm))
     check_size(parallel, str(args.pm))
     start = time.perf_counter()
@@ -96,10 +193,9 @@ def run_numeric(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
-        if not args.numeric:
-            raise UsageError("symbolic verification is not available in this version; "
-                             "run with --numeric for the differential numeric check")
-        return run_numeric(args)
+        if args.max_vrf_proc < 1 or args.max_ser_proc < 1:
+            raise UsageError("--max_vrf_proc and --max_ser_proc must be at least 1")
+        return run_numeric(args) if args.numeric else run_verify(args)
     except (UsageError, PlanError, NumericRefused) as e:
         sys.stderr.write(f"error: {e}\n")
         return EXIT_BAD_INPUT

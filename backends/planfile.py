@@ -471,3 +471,15 @@ def _check_loss_and_grads(loss: int, grads: Sequence[Any], n_logical: int) -> No
         if param in params:
             raise PlanError(f"{where}: param {param} already has a gradient (grad {params[param]})")
         params[param] = i
+
+
+def load_plan_data_unchecked(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan file that was validated before (a cache entry keyed by its
+    bytes). Still safe to open: the restricted unpickler refuses all code."""
+    path = Path(path)
+    try:
+        return Plan.from_data(_unpickle(_read_bytes(path)))
+    except PlanError as e:
+        raise e.at(path) from None
+    except Exception as e:
+        raise PlanError(f"invalid cached plan ({_detail(e)})", path) from None

@@ -37,6 +37,10 @@ def _map(fn, x) -> np.ndarray:
     return out
 
 
+def _is_neg_inf(v) -> bool:
+    return isinstance(v, float) and v == NEG_INF
+
+
 def _real(v):
     return v if z3.is_expr(v) else z3.RealVal(v)
 
@@ -46,7 +50,7 @@ class SymbolicXP:
 
     @staticmethod
     def exp(x):
-        return _map(lambda v: 0 if v is NEG_INF or v == NEG_INF else _unary("exp")(_real(v)), x)
+        return _map(lambda v: 0 if _is_neg_inf(v) else _unary("exp")(_real(v)), x)
 
     @staticmethod
     def rsqrt(x):

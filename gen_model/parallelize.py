@@ -27,7 +27,9 @@ from tqdm import tqdm
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.graph import ABSENT, LogicalGraph, LOp, Value
 from gen_model.sharding import Layout, grad_layout, natural_grad, propagate
+from verdict.ops import get_op
 from verdict.plan import INPUT_KINDS, Node, Plan, Tensor
+from verdict.structure import fw_shapes
 
 AXES = ("mb", "edp", "ep", "tp")
 #: Order in which the axes number the parts of a partial sum (last fastest).
@@ -433,20 +435,15 @@ class _Emitter:
         else:
             inputs = tuple(self.read(sv, c, mb) for sv in sop.inputs)
         outputs = tuple(self.write(sv, c, mb) for sv in sop.outputs)
+        node = Node(rank, mb, sop.op, sop.dir, inputs, outputs, kw, sop.name)
         if sop.kind == "op":
-            kw = self.local_kwargs(sop, outputs)
-        return Node(rank, mb, sop.op, sop.dir, inputs, outputs, kw, sop.name)
+            node = node._replace(kwargs=self.local_kwargs(node))
+        return node
 
-    def local_kwargs(self, sop: SOp, outputs: tuple[int, ...]) -> dict:
-        """Kwargs that hold sizes, rewritten for the local shapes."""
-        kw = dict(sop.kwargs)
-        if sop.op == "unflatten":
-            shape = self.plan.tensors[outputs[0]].shape
-            d = kw["dim"] % (len(shape) - len(kw["sizes"]) + 1)
-            kw["sizes"] = list(shape[d : d + len(kw["sizes"])])
-        elif sop.op in ("zeros", "ones"):
-            kw["shape"] = list(self.plan.tensors[outputs[0]].shape)
-        return kw
+    def local_kwargs(self, node: Node) -> dict:
+        """Kwargs that hold sizes (unflatten's sizes, ...), for the local shapes."""
+        ins, outs = fw_shapes(self.plan, node)
+        return get_op(node.op).resized(node.kwargs, ins, outs)
 
     # -- schedule -------------------------------------------------------------
     def order(self, stage: int) -> list[tuple[str, int]]:

@@ -1,0 +1,70 @@
+"""On-disk caches: loaded plans (keyed by the file's bytes) and proved
+stages (keyed by their canonical problem). Writes are atomic; a corrupt or
+foreign cache entry is ignored, never trusted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from pathlib import Path
+
+from backends.planfile import PlanError, load_plan, load_plan_data_unchecked
+from verdict.plan import VERSION, Plan
+
+STAGE_CACHE_VERSION = 1
+
+
+def _atomic_write(path: Path, blob: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+
+
+def file_key(path: Path) -> str:
+    h = hashlib.sha256(f"plan-v{VERSION}:".encode())
+    h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def load_plan_cached(path: Path, cache_dir: Path | None) -> Plan:
+    """A plan file, validated once: later loads of the same bytes skip validation."""
+    if cache_dir is None:
+        return load_plan(path)
+    try:
+        key = file_key(path)
+    except OSError:
+        return load_plan(path)
+    entry = cache_dir / "plans" / f"{key}.pkl"
+    if entry.exists():
+        try:
+            return load_plan_data_unchecked(entry)
+        except PlanError:
+            entry.unlink(missing_ok=True)
+    plan = load_plan(path)
+    _atomic_write(entry, path.read_bytes())
+    return plan
+
+
+class StageCache:
+    """Keys of stages proved before, in one JSON file."""
+
+    def __init__(self, cache_dir: Path | None):
+        self.path = None if cache_dir is None else cache_dir / "stages.json"
+        self.proved: set[str] = set()
+        if self.path and self.path.exists():
+            try:
+                data = json.loads(self.path.read_text())
+                if data.get("version") == STAGE_CACHE_VERSION:
+                    self.proved = {k for k in data.get("proved", []) if isinstance(k, str)}
+            except (OSError, ValueError, AttributeError):
+                self.proved = set()
+
+    def save(self, keys: set[str]) -> None:
+        if self.path is None:
+            return
+        self.proved |= keys
+        blob = json.dumps({"version": STAGE_CACHE_VERSION, "proved": sorted(self.proved)})
+        _atomic_write(self.path, blob.encode())

@@ -1,0 +1,209 @@
+"""The verification pipeline: structure, lineages, stages, proofs, coverage.
+
+    verify(single, parallel) -> Verdict
+
+Stages are proved independently (each assumes only its input lineages), so
+they run in any order and in parallel. Identical stages (same canonical
+problem) are proved once. The final check makes sure the proved lineages
+cover the loss and every final gradient on every rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from verdict.lineage import Lineage, StructureError, infer_lineages
+from verdict.plan import Plan
+from verdict.problem import Problem, build_problem
+from verdict.reduce import reduce_stage
+from verdict.solve import Outcome, solve
+from verdict.stages import Stage, cut_stages
+from verdict.structure import check_structure
+
+
+@dataclass
+class StageResult:
+    stage: Stage
+    problem: Problem
+    key: str
+    outcome: Outcome
+    memo: bool  # proved by an identical stage
+
+
+@dataclass
+class Verdict:
+    success: bool
+    kind: str = ""  # on failure: structure kind, 'stage' or 'coverage'
+    message: str = ""
+    results: list[StageResult] = field(default_factory=list)
+    failed: list[StageResult] = field(default_factory=list)
+    lineages: list[Lineage] = field(default_factory=list)
+    stages: list[Stage] = field(default_factory=list)
+    coverage: list[str] = field(default_factory=list)
+    times: dict[str, float] = field(default_factory=dict)
+    unique: int = 0
+    memo_hits: int = 0
+
+
+def _solve_job(job: tuple[str, Problem, int]) -> tuple[str, Outcome]:
+    key, problem, seed = job
+    return key, solve(problem, seed)
+
+
+def prepare(single: Plan, parallel: Plan, lineages, of_gs, of_gp, stages,
+            progress: bool) -> list[tuple[Stage, Problem, str]]:
+    prepared = []
+    for stage in tqdm(stages, desc="reducing stages", disable=not progress, leave=False):
+        tensors = set(stage.sources)
+        for i in stage.gp_nodes:
+            tensors.update(t for t in (*parallel.nodes[i].inputs, *parallel.nodes[i].outputs)
+                           if t >= 0)
+        red = reduce_stage(single, parallel, stage, lineages, of_gp, sorted(tensors))
+        problem = build_problem(single, parallel, stage, lineages, red)
+        prepared.append((stage, problem, problem.key()))
+    return prepared
+
+
+def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, Outcome],
+          progress: bool, on_result: Callable[[StageResult], None] | None = None
+          ) -> tuple[list[StageResult], int]:
+    """Outcome of every stage; identical problems are solved once."""
+    todo: dict[str, Problem] = {}
+    for _, problem, key in prepared:
+        if key not in memo and key not in todo:
+            todo[key] = problem
+    bar = tqdm(total=len(todo), desc="verifying stages", disable=not progress, leave=False)
+    jobs = [(k, p, seed) for k, p in todo.items()]
+    solved: dict[str, Outcome] = {}
+    failed = False
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            key, outcome = _solve_job(job)
+            solved[key] = outcome
+            bar.update()
+            if not outcome.ok and not keep_going:
+                failed = True
+                break
+    else:
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(workers, maxtasksperchild=64) as pool:
+            for key, outcome in pool.imap_unordered(_solve_job, jobs, chunksize=1):
+                solved[key] = outcome
+                bar.update()
+                if not outcome.ok and not keep_going:
+                    failed = True
+                    pool.terminate()
+                    break
+    bar.close()
+    results = []
+    hits = 0
+    for stage, problem, key in prepared:
+        if key in solved:
+            outcome, from_memo = solved[key], False
+        elif key in memo:
+            outcome, from_memo = memo[key], True
+        else:
+            continue  # not run: an earlier failure stopped the pool
+        if outcome.ok:
+            memo[key] = outcome
+        hits += from_memo
+        results.append(StageResult(stage, problem, key, outcome, from_memo))
+    seen_keys = set()
+    for r in results:
+        if r.key in seen_keys and not r.memo:
+            r.memo = True
+            hits += 1
+        seen_keys.add(r.key)
+    del failed
+    return results, hits
+
+
+def final_coverage(single: Plan, parallel: Plan, lineages: list[Lineage], of_gs: list[int],
+                   proved: set[int]) -> list[str]:
+    """Soundness rule 3: the proved lineages cover the loss and every final
+    gradient, and every rank's last gradient buffer is a proved whole piece."""
+    problems = []
+    last_gs: dict[int, int] = {}
+    for i, t in enumerate(single.tensors):
+        if t.tid not in last_gs or single.tensors[last_gs[t.tid]].version < t.version:
+            last_gs[t.tid] = i
+    for tid, what in [(single.loss, "the loss"),
+                      *[(b, f"the gradient of {single.logical[p].name}")
+                        for p, b in single.grads.items()]]:
+        ts = last_gs[tid]
+        lid = of_gs[ts]
+        if lid < 0 or lid not in proved:
+            problems.append(f"{what} is never produced by the parallel plan")
+            continue
+        mask = np.zeros(single.tensors[ts].shape, dtype=bool)
+        for slices, _ in lineages[lid].groups:
+            mask[tuple(slice(a, b) for a, b in slices)] = True
+        if not mask.all():
+            problems.append(f"{what} is not covered: {int((~mask).sum())} of {mask.size} "
+                            f"elements have no complete group of parallel tensors")
+    last_gp: dict[tuple[int, int], int] = {}
+    written = {o for n in parallel.nodes for o in n.outputs if o >= 0}
+    for i, t in enumerate(parallel.tensors):
+        if i in written and (key := (t.tid, t.rank)) and (
+                key not in last_gp or parallel.tensors[last_gp[key]].version < t.version):
+            last_gp[key] = i
+    for p, buf in single.grads.items():
+        final = single.tensors[last_gs[buf]].version
+        for (tid, rank), i in sorted(last_gp.items()):
+            t = parallel.tensors[i]
+            if tid == buf and (t.lver != final or not t.is_whole()):
+                problems.append(
+                    f"the gradient of {single.logical[p].name} on rank {rank} ends with "
+                    f"Tensor(rank={rank}, mb={t.mb}, tid={tid}, v={t.version}), "
+                    f"which is not the fully accumulated and reduced gradient "
+                    f"(version {t.lver} of {final}, parts {t.parts})")
+    return problems
+
+
+def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
+           keep_going: bool = False, memo: dict[str, Outcome] | None = None,
+           progress: bool = False) -> Verdict:
+    memo = {} if memo is None else memo
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    try:
+        check_structure(single, "the single-device plan")
+        check_structure(parallel, "the parallel plan")
+        times["t_graph"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        lineages, of_gs, of_gp = infer_lineages(single, parallel)
+        stages = cut_stages(single, parallel, lineages, of_gs, of_gp)
+        times["t_lineage"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        prepared = prepare(single, parallel, lineages, of_gs, of_gp, stages, progress)
+        times["t_schedule"] = time.perf_counter() - t2
+    except StructureError as e:
+        times.setdefault("t_graph", time.perf_counter() - t0)
+        times["t_total"] = time.perf_counter() - t0
+        return Verdict(False, e.kind, str(e), times=times)
+    t3 = time.perf_counter()
+    results, hits = prove(prepared, seed, workers, keep_going, memo, progress)
+    times["t_vrf"] = time.perf_counter() - t3
+    failed = [r for r in results if not r.outcome.ok]
+    verdict = Verdict(not failed, results=results, failed=failed, lineages=lineages,
+                      stages=stages, times=times, unique=len({k for _, _, k in prepared}),
+                      memo_hits=hits)
+    if failed:
+        verdict.kind, verdict.message = "stage", f"{len(failed)} stage(s) fail"
+    else:
+        proved = {lid for r in results for lid in r.stage.outputs}
+        proved |= {lin.id for lin in lineages
+                   if single.logical[single.tensors[lin.ts].tid].kind in
+                   ("data", "tokens", "param", "buffer")}
+        verdict.coverage = final_coverage(single, parallel, lineages, of_gs, proved)
+        if verdict.coverage:
+            verdict.success, verdict.kind = False, "coverage"
+            verdict.message = verdict.coverage[0]
+    times["t_total"] = time.perf_counter() - t0
+    return verdict

@@ -1,0 +1,106 @@
+"""Lineages: for each single-device tensor Ts, the parallel tensors Tp that
+claim to be pieces of it, grouped so that each group sums to a slice of Ts.
+
+A Tp's view names (tid, lver) of the Ts it belongs to, its slice of Ts and
+its parts [lo, hi) of an n-way partial sum. For each slice, every whole Tp is
+a group of one (a replica), and partial Tps are grouped into exact covers of
+[0, n). Partial Tps in no complete cover are 'loose': nothing can be proved
+about them, and a stage that reads one knows nothing of its value.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from verdict.plan import Plan, Slices
+
+
+class StructureError(Exception):
+    """A structural finding that makes two plans not equivalent."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Lineage:
+    id: int
+    ts: int  # tensor index in the single-device plan
+    groups: list[tuple[Slices, tuple[int, ...]]] = field(default_factory=list)
+    loose: list[int] = field(default_factory=list)
+
+    @property
+    def members(self) -> list[int]:
+        return sorted({t for _, g in self.groups for t in g} | set(self.loose))
+
+
+def exact_covers(parts: list[tuple[int, int, int]], n: int) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Disjoint exact covers of [0, n) by ranges (lo, hi, tensor); the rest."""
+    remaining = sorted(parts)
+    covers = []
+    while True:
+        cover = _one_cover(remaining, n)
+        if cover is None:
+            return covers, [t for _, _, t in remaining]
+        covers.append(tuple(cover))
+        remaining = [p for p in remaining if p[2] not in cover]
+
+
+def _one_cover(parts: list[tuple[int, int, int]], n: int) -> list[int] | None:
+    by_lo: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for lo, hi, t in parts:
+        by_lo[lo].append((hi, t))
+
+    def extend(at: int) -> list[int] | None:
+        if at == n:
+            return []
+        for hi, t in sorted(by_lo.get(at, []), reverse=True):
+            rest = extend(hi)
+            if rest is not None:
+                return [t, *rest]
+        return None
+
+    return extend(0)
+
+
+def infer_lineages(single: Plan, parallel: Plan) -> tuple[list[Lineage], list[int], list[int]]:
+    """All lineages; the lineage of each Gs tensor and of each Gp tensor (-1: none)."""
+    ts_of = {(t.tid, t.version): i for i, t in enumerate(single.tensors)}
+    buckets: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(parallel.tensors):
+        ts = ts_of.get((t.tid, t.lver))
+        if ts is None:
+            name = parallel.logical[t.tid].name
+            raise StructureError(
+                "lineage",
+                f"Tensor(rank={t.rank}, mb={t.mb}, tid={t.tid}, v={t.version}) claims version "
+                f"{t.lver} of {name}, which the single-device plan never produces",
+            )
+        buckets[ts].append(i)
+    lineages: list[Lineage] = []
+    of_gs = [-1] * len(single.tensors)
+    of_gp = [-1] * len(parallel.tensors)
+    for ts in sorted(buckets):
+        lin = Lineage(len(lineages), ts)
+        by_slice: dict[Slices, list[int]] = defaultdict(list)
+        for i in buckets[ts]:
+            by_slice[parallel.tensors[i].slices].append(i)
+        for slices, members in by_slice.items():
+            partial: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+            for i in members:
+                t = parallel.tensors[i]
+                if t.is_whole():
+                    lin.groups.append((slices, (i,)))
+                else:
+                    partial[t.parts[2]].append((t.parts[0], t.parts[1], i))
+            for n, parts in partial.items():
+                covers, rest = exact_covers(parts, n)
+                lin.groups.extend((slices, c) for c in covers)
+                lin.loose.extend(rest)
+        lineages.append(lin)
+        of_gs[ts] = lin.id
+        for i in buckets[ts]:
+            of_gp[i] = lin.id
+    return lineages, of_gs, of_gp

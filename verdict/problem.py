@@ -1,0 +1,138 @@
+"""A stage as a self-contained, picklable proof problem, and its canonical key.
+
+Tensors get local ids in a fixed traversal order, so two stages that differ
+only in tensor ids, ranks and microbatches (layer 3 and layer 17, say)
+become the same problem with the same key: the stage memo proves it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from verdict.lineage import Lineage
+from verdict.ops import get_op
+from verdict.plan import Plan, Slices
+from verdict.reduce import Reduction
+from verdict.stages import Stage
+
+Group = tuple[Slices, tuple[int, ...]]
+
+
+@dataclass
+class LineageFact:
+    """Ts (local id) and its groups of Tp's (local ids) at reduced slices."""
+
+    ts: int
+    groups: list[Group]
+    loose: list[int]
+
+
+@dataclass
+class Problem:
+    ts_shapes: list[tuple[int, ...]]
+    tp_shapes: list[tuple[int, ...]]
+    gs: tuple | None  # (op, dir, kwargs, inputs, outputs) over Ts ids
+    gp: list[tuple]  # (op, dir, kwargs, inputs, outputs) over Tp ids
+    given: list[LineageFact]  # input lineages: assumed to hold
+    claims: list[LineageFact]  # output lineages: to prove
+    constants: dict[int, tuple] = field(default_factory=dict)  # Ts id -> input-less Gs node
+    # not part of the key: where the local ids come from, for reports
+    ts_global: list[int] = field(default_factory=list)
+    tp_global: list[int] = field(default_factory=list)
+    gp_global: list[int] = field(default_factory=list)
+
+    def key(self) -> str:
+        body = [self.ts_shapes, self.tp_shapes, self.gs, self.gp, sorted(self.constants.items()),
+                [(f.ts, f.groups, f.loose) for f in self.given],
+                [(f.ts, f.groups, f.loose) for f in self.claims]]
+        text = json.dumps(body, sort_keys=True, default=list)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _resized(plan: Plan, node, shape_of) -> dict:
+    rule = get_op(node.op)
+    if node.dir == "bw" and rule.backward is not None:
+        n = len(node.outputs)
+        ins = [shape_of(s if s >= 0 else g) for s, g in zip(node.inputs[:n], node.outputs)]
+        outs = [shape_of(g) for g in node.inputs[n:]]
+    else:
+        ins = [shape_of(i) for i in node.inputs]
+        outs = [shape_of(o) for o in node.outputs]
+    return rule.resized(node.kwargs, ins, outs)
+
+
+def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lineage],
+                  red: Reduction) -> Problem:
+    ts_ids: dict[int, int] = {}
+    tp_ids: dict[int, int] = {}
+
+    def ts(i: int) -> int:
+        if i < 0:
+            return -1
+        if i not in ts_ids:
+            ts_ids[i] = len(ts_ids)
+        return ts_ids[i]
+
+    def tp(i: int) -> int:
+        if i < 0:
+            return -1
+        if i not in tp_ids:
+            tp_ids[i] = len(tp_ids)
+        return tp_ids[i]
+
+    gs = None
+    if stage.gs_node >= 0:
+        node = single.nodes[stage.gs_node]
+        kw = _resized(single, node, lambda i: red.gs_shape.get(i) if i >= 0 else None)
+        gs = (node.op, node.dir, kw, [ts(i) for i in node.inputs], [ts(o) for o in node.outputs])
+    for lid in (*stage.inputs, *stage.outputs):
+        ts(lineages[lid].ts)
+    sources = set(stage.sources)
+    producer = single.producers()
+    constants = {}
+    for lid in stage.inputs:
+        ts_index = lineages[lid].ts
+        prod = producer[ts_index]
+        if prod >= 0 and not single.nodes[prod].inputs:
+            node = single.nodes[prod]
+            kw = get_op(node.op).resized(node.kwargs, [], [red.gs_shape[ts_index]])
+            constants[ts(ts_index)] = (node.op, node.dir, kw)
+    given = []
+    for lid in stage.inputs:
+        lin = lineages[lid]
+        groups, loose = [], []
+        for _, members in sorted(lin.groups):
+            if all(m in sources for m in members):
+                groups.append((_red(red, members[0]), tuple(tp(m) for m in members)))
+            else:
+                loose.extend(m for m in members if m in sources)
+        loose.extend(m for m in lin.loose if m in sources)
+        given.append(LineageFact(ts(lin.ts), groups, sorted(tp(m) for m in loose)))
+    gp = []
+    for i in stage.gp_nodes:
+        node = parallel.nodes[i]
+        ins = [tp(t) for t in node.inputs]
+        outs = [tp(t) for t in node.outputs]
+        kw = _resized(parallel, node, lambda t: red.gp_shape(t) if t >= 0 else None)
+        gp.append((node.op, node.dir, kw, ins, outs))
+    claims = []
+    for lid in stage.outputs:
+        lin = lineages[lid]
+        groups = [(_red(red, members[0]), tuple(tp(m) for m in members))
+                  for _, members in sorted(lin.groups) if all(m in tp_ids for m in members)]
+        claims.append(LineageFact(ts(lin.ts), groups, sorted(tp(m) for m in lin.loose
+                                                             if m in tp_ids)))
+    ts_global = sorted(ts_ids, key=ts_ids.get)
+    tp_global = sorted(tp_ids, key=tp_ids.get)
+    return Problem(
+        ts_shapes=[red.gs_shape[i] for i in ts_global],
+        tp_shapes=[red.gp_shape(i) for i in tp_global],
+        gs=gs, gp=gp, given=given, claims=claims, constants=constants,
+        ts_global=ts_global, tp_global=tp_global, gp_global=list(stage.gp_nodes),
+    )
+
+
+def _red(red: Reduction, tp: int) -> Slices:
+    return red.gp_slices[tp]

@@ -1,0 +1,154 @@
+"""What a run prints: the verdict, the evidence, the counterexample, Stats."""
+
+from __future__ import annotations
+
+import csv
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from verdict.engine import StageResult, Verdict
+from verdict.plan import Plan
+from verdict.structure import node_label
+
+
+@dataclass
+class Stats:
+    success: bool
+    num_layers: int
+    num_dp: int
+    num_tp: int
+    num_pp: int
+    num_ep: int
+    num_nm: int
+    gbs: int
+    hidden: int
+    seqlen: int
+    model: str
+    stages: int
+    unique_stages: int
+    memo_hits: int
+    t_graph: float
+    t_lineage: float
+    t_schedule: float
+    t_vrf: float
+    t_total: float
+
+    def line(self) -> str:
+        body = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v!r}"
+                         for k, v in asdict(self).items())
+        return f"Stats({body})"
+
+
+def make_stats(verdict: Verdict, parallel: Plan, t_load: float) -> Stats:
+    w, t = parallel.world, verdict.times
+    return Stats(
+        success=verdict.success, num_layers=w.get("layers", 0), num_dp=w.get("dp", 1),
+        num_tp=w.get("tp", 1), num_pp=w.get("pp", 1), num_ep=w.get("ep", 1),
+        num_nm=w.get("nm", 1), gbs=w.get("gbs", 0), hidden=w.get("hidden", 0),
+        seqlen=w.get("seqlen", 0), model=w.get("model", ""), stages=len(verdict.stages),
+        unique_stages=verdict.unique, memo_hits=verdict.memo_hits,
+        t_graph=t.get("t_graph", 0.0) + t_load, t_lineage=t.get("t_lineage", 0.0),
+        t_schedule=t.get("t_schedule", 0.0), t_vrf=t.get("t_vrf", 0.0),
+        t_total=t.get("t_total", 0.0) + t_load,
+    )
+
+
+def append_stats(stats: Stats, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "stats.csv"
+    row = asdict(stats)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+    return path
+
+
+def ts_label(single: Plan, i: int) -> str:
+    t = single.tensors[i]
+    return f"Tensor(wtype='s', rank={t.rank}, mb={t.mb}, tid={t.tid}, v={t.version})"
+
+
+def tp_label(parallel: Plan, i: int) -> str:
+    t = parallel.tensors[i]
+    return f"Tensor(wtype='p', rank={t.rank}, mb={t.mb}, tid={t.tid}, v={t.version})"
+
+
+def _fmt(a: np.ndarray, indent: str) -> str:
+    text = np.array2string(np.asarray(a), precision=6, threshold=64, edgeitems=2)
+    return text.replace("\n", "\n" + indent)
+
+
+def evidence(verdict: Verdict, single: Plan) -> list[str]:
+    """What a SUCCESS rests on: stages by kind, lineages, coverage, memo."""
+    kinds = Counter()
+    for r in verdict.results:
+        if r.stage.gs_node < 0:
+            kinds["input"] += 1
+        else:
+            node = single.nodes[r.stage.gs_node]
+            kinds[node.dir] += 1
+    solver = sum(1 for r in verdict.results if r.outcome.solver and not r.memo)
+    proved = {lid for r in verdict.results for lid in r.stage.outputs}
+    groups = sum(len(verdict.lineages[lid].groups) for lid in proved)
+    lines = [
+        f"stages proved: {len(verdict.results)} (forward {kinds['fw']}, backward {kinds['bw']}, "
+        f"step {kinds['none']}, input {kinds['input']}); {verdict.unique} distinct, "
+        f"{verdict.memo_hits} by memo, {solver} needed the solver",
+        f"lineages verified: {len(proved)} ({groups} groups of parallel tensors)",
+        f"final coverage: the loss and {len(single.grads)} weight gradients, on every rank",
+    ]
+    return lines
+
+
+def failure(verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
+    if verdict.kind != "stage":
+        return [f"❌ ERROR: {verdict.message}"]
+    lines = []
+    for r in verdict.failed:
+        lines += stage_failure(r, verdict, single, parallel)
+    return lines
+
+
+def stage_failure(r: StageResult, verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
+    out = r.outcome
+    stage = r.stage
+    if out.status == "counterexample":
+        head = f"❌ ERROR: 🚨 Stage {stage.id} solver result: sat"
+    elif out.status == "unknown":
+        head = f"❌ ERROR: Stage {stage.id} could not be decided ({out.detail})"
+    else:
+        head = f"❌ ERROR: Stage {stage.id} cannot run at reduced shapes: {out.detail}"
+    lines = [head, ""]
+    if stage.gs_node >= 0:
+        lines.append(node_label(single, stage.gs_node).replace("Node(", "Node(wtype='s', "))
+    for i in stage.gp_nodes:
+        lines.append(node_label(parallel, i).replace("Node(", "Node(wtype='p', "))
+    if out.status != "counterexample":
+        return [*lines, ""]
+    p = r.problem
+    lines += ["", "🔗 OUTPUT LINEAGES"]
+    for c, fact in enumerate(p.claims):
+        ts_global = p.ts_global[fact.ts]
+        lines.append(f"👉 {ts_label(single, ts_global)} "
+                     f"{single.logical[single.tensors[ts_global].tid].name}")
+        full = out.ts_values[fact.ts]
+        lines.append("    " + _fmt(full, "    "))
+        for g, (slices, members) in enumerate(fact.groups):
+            region = tuple(slice(a, b) for a, b in slices)
+            orig = parallel.tensors[p.tp_global[members[0]]].slices
+            lines.append(f"🕐 {tuple(orig)} {_fmt(full[region], '   ')}")
+            for m in members:
+                lines.append(f"    =  ⨁ {tp_label(parallel, p.tp_global[m])} "
+                             f"{_fmt(out.tp_values[m], '      ')}")
+                if (c, g) in out.bad and len(members) == 1:
+                    lines.append("    🚨 ⬆️")
+            if (c, g) in out.bad and len(members) > 1:
+                lines.append("    🚨 ⬆️ (their sum differs)")
+    lines += [f"RuntimeError: Stage {stage.id} equivalence fails.", ""]
+    return lines

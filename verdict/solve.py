@@ -1,0 +1,195 @@
+"""Prove one stage: assume its input lineages, run both sides symbolically,
+and show that every group of every output lineage equals its slice of Ts.
+
+Input Tp's are not constrained but substituted: a replica is the slice of
+its Ts; the last member of a partial-sum group is the slice minus the other
+members, which are fresh. Cheap proofs come first: a claim whose difference
+simplifies to 0 is proved without the solver. What is left goes to Z3 as
+one query: is there an input for which some claim fails?
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import z3
+
+from backends.z3backend import SymbolicXP, variables
+from verdict.numeric import run_node
+from verdict.plan import Node
+from verdict.problem import LineageFact, Problem
+
+
+@dataclass
+class Outcome:
+    status: str  # proved | counterexample | unknown | error
+    detail: str = ""
+    seconds: float = 0.0
+    solver: bool = False  # whether the solver was needed
+    ts_values: dict[int, np.ndarray] = field(default_factory=dict)
+    tp_values: dict[int, np.ndarray] = field(default_factory=dict)
+    bad: list[tuple[int, int]] = field(default_factory=list)  # (claim, group) that differ
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "proved"
+
+
+def _region(slices) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in slices)
+
+
+def _total(arrays: list[np.ndarray]) -> np.ndarray:
+    """Elementwise sum of object arrays (0-d arrays included)."""
+    flat = [np.ravel(np.asarray(a, dtype=object)) for a in arrays]
+    out = np.empty(len(flat[0]), dtype=object)
+    for k in range(len(out)):
+        acc = flat[0][k]
+        for f in flat[1:]:
+            acc = acc + f[k]
+        out[k] = acc
+    return out.reshape(np.shape(arrays[0]))
+
+
+def _is_const(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _Run:
+    def __init__(self, p: Problem):
+        self.p = p
+        self.ts: dict[int, np.ndarray] = {}
+        self.tp: dict[int, np.ndarray] = {}
+        self.assume: list[z3.BoolRef] = []
+
+    def setup(self) -> None:
+        p = self.p
+        needed = {f.ts for f in p.given}
+        if p.gs is not None:
+            needed |= {i for i in p.gs[3] if i >= 0}
+        for i in sorted(needed):
+            if i in p.constants:
+                op, direction, kw = p.constants[i]
+                self.run_side([(op, direction, kw, [], [i])], self.ts, p.ts_shapes)
+            else:
+                self.ts[i] = variables(f"Ts{i}", p.ts_shapes[i])
+        for f in p.given:
+            self.substitute(f)
+
+    def substitute(self, f: LineageFact) -> None:
+        for slices, members in f.groups:
+            piece = self.ts[f.ts][_region(slices)]
+            free = [m for m in members if m not in self.tp]
+            if not free:
+                total = _total([self.tp[m] for m in members])
+                self.assume += [a == b for a, b in zip(np.ravel(total), np.ravel(piece))]
+                continue
+            last = free[-1]
+            for m in free[:-1]:
+                self.tp[m] = variables(f"Tp{m}", self.p.tp_shapes[m])
+            others = [self.tp[m] for m in members if m != last]
+            rest = piece - _total(others) if others else piece
+            self.tp[last] = np.array(rest, dtype=object).reshape(np.shape(piece))
+        for m in f.loose:
+            if m not in self.tp:
+                self.tp[m] = variables(f"Tp{m}", self.p.tp_shapes[m])
+
+    def run_side(self, nodes, values: dict, shapes: list) -> None:
+        xp = SymbolicXP()
+        for op, direction, kw, ins, outs in nodes:
+            args = [values[i] if i >= 0 else None for i in ins]
+            out_shapes = [shapes[o] if o >= 0 else None for o in outs]
+            node = Node(0, 0, op, direction, tuple(ins), tuple(outs), kw)
+            results = run_node(xp, node, args, out_shapes)
+            for o, v in zip(outs, results):
+                if o < 0:
+                    continue
+                v = np.asarray(v, dtype=object)
+                if tuple(v.shape) != tuple(shapes[o]):
+                    raise ValueError(f"{op} ({direction}) made shape {v.shape}, expected {shapes[o]}")
+                values[o] = v
+
+    def obligations(self) -> tuple[list, list[tuple[int, int]], bool]:
+        """Open claims (as Z3 inequalities), definitely failing groups, and
+        whether every claim was settled without the solver."""
+        open_, definite = [], []
+        for c, f in enumerate(self.p.claims):
+            for g, (slices, members) in enumerate(f.groups):
+                total = _total([self.tp[m] for m in members])
+                piece = self.ts[f.ts][_region(slices)]
+                for a, b in zip(np.ravel(total), np.ravel(piece)):
+                    if _is_const(a) or _is_const(b):
+                        if _is_const(a) and _is_const(b) and a == b:
+                            continue
+                        if not (_is_const(a) and _is_const(b)) and math.isfinite(
+                                a if _is_const(a) else b):
+                            open_.append((c, g, _real(a) != _real(b)))
+                            continue
+                        definite.append((c, g))
+                        continue
+                    diff = z3.simplify(a - b, som=True)
+                    if z3.is_rational_value(diff) and diff.as_fraction() == 0:
+                        continue
+                    open_.append((c, g, a != b))
+        return open_, definite, not open_
+
+
+def _real(v):
+    return v if z3.is_expr(v) else z3.RealVal(v)
+
+
+def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
+    out = np.empty(arr.shape, dtype=float)
+    for idx, v in np.ndenumerate(arr):
+        if _is_const(v):
+            out[idx] = float(v)
+            continue
+        val = model.eval(v, model_completion=True)
+        if z3.is_rational_value(val):
+            out[idx] = float(val.as_fraction())
+        else:
+            out[idx] = float(val.as_decimal(12).rstrip("?"))
+    return out
+
+
+def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000) -> Outcome:
+    start = time.perf_counter()
+    run = _Run(p)
+    try:
+        run.setup()
+        if p.gs is not None:
+            run.run_side([p.gs], run.ts, p.ts_shapes)
+        run.run_side(p.gp, run.tp, p.tp_shapes)
+        open_, definite, cheap = run.obligations()
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+        return Outcome("error", f"{type(e).__name__}: {e}", time.perf_counter() - start)
+    if cheap and not definite:
+        return Outcome("proved", seconds=time.perf_counter() - start)
+    solver = z3.Solver()
+    solver.set("random_seed", seed)
+    solver.set("timeout", timeout_ms)
+    solver.add(*run.assume)
+    if not definite:
+        solver.add(z3.Or([o for _, _, o in open_]))
+    result = solver.check()
+    took = time.perf_counter() - start
+    if result == z3.unsat:
+        return Outcome("proved", seconds=took, solver=True)
+    if result == z3.unknown:
+        return Outcome("unknown", f"solver: {solver.reason_unknown()}", took, solver=True)
+    model = solver.model()
+    out = Outcome("counterexample", seconds=took, solver=True)
+    out.ts_values = {i: _evaluate(model, a) for i, a in run.ts.items()}
+    out.tp_values = {i: _evaluate(model, a) for i, a in run.tp.items()}
+    for c, f in enumerate(p.claims):
+        for g, (slices, members) in enumerate(f.groups):
+            total = np.sum([out.tp_values[m] for m in members], axis=0)
+            piece = out.ts_values[f.ts][_region(slices)]
+            with np.errstate(invalid="ignore"):
+                same = np.where(total == piece, True, np.isclose(total, piece, rtol=0, atol=1e-9))
+            if not bool(np.all(same)):
+                out.bad.append((c, g))
+    return out
