@@ -63,7 +63,11 @@ class SymbolicXP:
     @staticmethod
     def softmax(x, dim):
         e = SymbolicXP.exp(x)
-        return e / np.sum(e, axis=dim, keepdims=True)
+        total = np.broadcast_to(np.sum(e, axis=dim, keepdims=True), e.shape)
+        out = np.empty(e.shape, dtype=object)
+        for idx, v in np.ndenumerate(e):
+            out[idx] = 0 if isinstance(v, int) and v == 0 else v / total[idx]
+        return out
 
     @staticmethod
     def power(x, exponent):

@@ -1,0 +1,124 @@
+"""main.py: exit codes, the last lines, Stats row, JSON, dumps and caches."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import main
+from backends.planfile import save_plan
+from gen_model.config import ModelConfig, Parallelism
+from gen_model.generate import make_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = ModelConfig("mlp", layers=2, hidden=8)
+LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=12,
+                    seqlen=4)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("plans")
+    out = {}
+    out["single"], _ = save_plan(make_plan(MLP, Parallelism(), 8), d / "s.pkl")
+    out["parallel"], _ = save_plan(make_plan(MLP, Parallelism(dp=2, tp=2, pp=2, nm=2), 8),
+                                   d / "p.pkl")
+    wrong = make_plan(MLP, Parallelism(dp=2, tp=2), 8)
+    i = next(i for i, n in enumerate(wrong.nodes) if n.op == "all_reduce" and n.dir == "fw")
+    n = wrong.nodes[i]
+    own = next(t for t in n.inputs if wrong.tensors[t].rank == n.rank)
+    wrong.nodes[i] = n._replace(op="split", inputs=(own,), kwargs={"dim": 0, "parts": 1, "index": 0})
+    out["wrong"], _ = save_plan(wrong, d / "w.pkl")
+    out["other"], _ = save_plan(make_plan(ModelConfig("mlp", layers=2, hidden=16),
+                                          Parallelism(dp=2), 8), d / "o.pkl")
+    return out
+
+
+def run(args: list[str], tmp_path: Path, capsys) -> tuple[int, str, str]:
+    code = main.main([*args, "--stats_dir", str(tmp_path / "stats"),
+                      "--cache_dir", str(tmp_path / "cache"), "--log_dir", str(tmp_path / "logs")])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_equivalent_plans_exit_0_with_evidence_and_stats(plans, tmp_path, capsys):
+    code, out, _ = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"])],
+                       tmp_path, capsys)
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert "✅ SUCCESS" in lines[-2] and lines[-1].startswith("Stats(success=True")
+    assert "stages proved" in out and "final coverage" in out and "lineages verified" in out
+    rows = list(csv.DictReader((tmp_path / "stats" / "stats.csv").open()))
+    assert rows[-1]["success"] == "True" and rows[-1]["num_dp"] == "2"
+
+
+def test_wrong_plan_exits_1_with_counterexample_and_json(plans, tmp_path, capsys):
+    report = tmp_path / "r.json"
+    code, out, _ = run(["--sm", str(plans["single"]), "--pm", str(plans["wrong"]),
+                        "--json", str(report)], tmp_path, capsys)
+    assert code == 1
+    assert "❌ FAIL" in out and "🚨" in out and "OUTPUT LINEAGES" in out
+    data = json.loads(report.read_text())
+    assert data["success"] is False and data["failing_stages"]
+    assert data["failing_stages"][0]["parallel_nodes"]
+
+
+@pytest.mark.parametrize("args", [
+    ["--sm", "missing.pkl", "--pm", "missing.pkl"],
+    ["--sm", "x.pkl"],
+    ["--sm", "a", "--pm", "b", "--max_vrf_proc", "0"],
+    ["--sm", "a", "--pm", "b", "--bogus"],
+])
+def test_bad_usage_exits_2_with_one_line(args, tmp_path, capsys):
+    code, out, err = run(args, tmp_path, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and not out
+
+
+def test_plans_of_different_models_exit_2(plans, tmp_path, capsys):
+    code, _, err = run(["--sm", str(plans["single"]), "--pm", str(plans["other"])],
+                       tmp_path, capsys)
+    assert code == 2 and "different models" in err
+
+
+def test_parallel_plan_as_single_exits_2(plans, tmp_path, capsys):
+    code, _, err = run(["--sm", str(plans["parallel"]), "--pm", str(plans["parallel"])],
+                       tmp_path, capsys)
+    assert code == 2 and "single-device" in err
+
+
+def test_dumps_and_caches(plans, tmp_path, capsys):
+    args = ["--sm", str(plans["single"]), "--pm", str(plans["parallel"]), "--dump_nodes",
+            "--dump_lineages", "--dump_stages"]
+    assert run(args, tmp_path, capsys)[0] == 0
+    folder = tmp_path / "logs" / "p"
+    for name in ("nodes.txt", "lineages.txt", "stages.txt"):
+        assert (folder / name).read_text().strip()
+    assert (tmp_path / "cache" / "stages.json").exists()
+    assert list((tmp_path / "cache" / "plans").glob("*.pkl"))
+    code, out, _ = run(args, tmp_path, capsys)
+    assert code == 0 and "0 needed the solver" in out
+    stats = out.strip().splitlines()[-1]
+    assert "memo_hits=" in stats and "memo_hits=0," not in stats
+    (tmp_path / "cache" / "stages.json").write_text("{not json")
+    assert run(args, tmp_path, capsys)[0] == 0
+
+
+def test_numeric_mode(plans, tmp_path, capsys):
+    code, out, _ = run(["--sm", str(plans["single"]), "--pm", str(plans["wrong"]), "--numeric"],
+                       tmp_path, capsys)
+    assert code == 1 and "DIFFERENT" in out
+    code, out, _ = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"]), "--numeric"],
+                       tmp_path, capsys)
+    assert code == 0 and "EQUAL" in out
+
+
+def test_command_line_process(plans, tmp_path):
+    done = subprocess.run([sys.executable, "main.py", "--sm", str(plans["single"]), "--pm",
+                           str(plans["wrong"]), "--stats_dir", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
