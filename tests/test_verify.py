@@ -268,3 +268,14 @@ def test_not_every_stage_is_cheap_and_solver_finds_counterexamples():
     assert v.failed[0].outcome.solver
     values = v.failed[0].outcome.ts_values
     assert values and all(a.size > 0 for a in values.values())
+
+
+def test_partial_input_is_refused_not_assumed():
+    """Inputs are loaded whole: a parameter piece that claims to be a partial
+    sum would let a plan add two copies of the same weight and still 'prove'."""
+    def edit(plan):
+        i = next(i for i, t in enumerate(plan.tensors)
+                 if plan.logical[t.tid].kind == "param" and t.rank == 0)
+        plan.tensors[i] = plan.tensors[i]._replace(parts=(0, 1, 2))
+    v = verify(single(LLAMA), mutated(edit))
+    assert not v.success and v.kind == "lineage" and "loaded whole" in v.message

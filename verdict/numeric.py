@@ -117,6 +117,9 @@ def execute(plan: Plan, seed: int = 0) -> list[np.ndarray | None]:
         logical = plan.logical[t.tid]
         if prod >= 0 or logical.kind not in INPUT_KINDS:
             continue
+        if not t.is_whole():
+            raise ExecutionError(f"input {logical.name} on rank {t.rank} claims parts {t.parts}; "
+                                 "inputs are loaded whole")
         if t.tid not in full:
             full[t.tid] = input_value(logical, seed)
         values[i] = full[t.tid][_slice(t)]

@@ -48,6 +48,12 @@ class _Cutter:
             if prod < 0 and parallel.logical[parallel.tensors[i].tid].kind in INPUT_KINDS
         }
         self.stages: list[Stage] = []
+        for i in sorted(self.verified):
+            if not parallel.tensors[i].is_whole():
+                raise StructureError("lineage", (
+                    f"input {_describe(parallel, i)} "
+                    f"({parallel.logical[parallel.tensors[i].tid].name}) claims to be part "
+                    f"{parallel.tensors[i].parts} of a partial sum; an input is loaded whole"))
 
     def lineage_name(self, lid: int) -> str:
         t = self.s.tensors[self.lineages[lid].ts]

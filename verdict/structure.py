@@ -67,9 +67,8 @@ def check_node_shapes(plan: Plan, which: str) -> None:
 
 def check_ranks(plan: Plan, which: str) -> None:
     for i, node in enumerate(plan.nodes):
-        if get_op(node.op).group:
-            continue
-        for t in (*node.inputs, *node.outputs):
+        group = get_op(node.op).group
+        for t in node.outputs if group else (*node.inputs, *node.outputs):
             if t >= 0 and plan.tensors[t].rank != node.rank:
                 raise StructureError("rank", (
                     f"{which}: node on rank {node.rank} touches a tensor of rank "
