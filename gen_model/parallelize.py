@@ -127,9 +127,24 @@ class _Sharder:
                 stages.append(-1)  # placed by its consumer or parameter
             else:
                 stages.append(last if seen_layer else 0)
+        # a fan-out lives with its readers, so a pipeline boundary sends one tensor
+        readers: dict[Value, list[int]] = {}
+        for i, lop in enumerate(g.ops):
+            for v in lop.inputs:
+                readers.setdefault(v, []).append(i)
+        for i, lop in enumerate(g.ops):
+            if lop.op == "multiref" and lop.dir == "fw":
+                stages[i] = min(stages[j] for v in lop.outputs for j in readers.get(v, [i]))
+            elif lop.dir == "bw" and lop.fw >= 0:
+                stages[i] = stages[lop.fw]
         return stages
 
     def input_layout(self, tid: int) -> tuple[Layout, ...]:
+        """How an input is laid out; everything is replicated on an axis of size 1."""
+        lay = self.axis_layouts(tid)
+        return tuple("R" if self.size[a] == 1 else x for a, x in zip(AXES, lay))
+
+    def axis_layouts(self, tid: int) -> tuple[Layout, ...]:
         t = self.g.tensors[tid]
         if t.kind in ("data", "tokens"):
             tp = len(t.shape) - 1 if t.kind == "tokens" and self.policy.vocab_parallel else "R"
@@ -271,16 +286,20 @@ class _Sharder:
         n_in = len(fw.inputs)
         inputs: list[SVal | None] = [used[p] if v != ABSENT else None
                                      for p, v in enumerate(lop.inputs[:n_in])]
-        for k, v in enumerate(lop.inputs[n_in:]):
-            want = tuple(grad_layout(layer) for layer in out_layouts[k])
-            inputs.append(self.convert(self.value(v), want, stage, "bw"))
-        outs: list[SVal | None] = []
-        for p, v in enumerate(lop.outputs):
-            if v == ABSENT:
-                outs.append(None)
-                continue
-            lay = tuple(natural_grad(layer, rep) for layer, rep in zip(used[p].layout, replicated))
-            outs.append(SVal(v[0], v[1], lay))
+        grads = [self.value(v) for v in lop.inputs[n_in:]]
+        wants = [tuple(grad_layout(layer) for layer in lay) for lay in out_layouts]
+        natural = [tuple(natural_grad(layer, rep) for layer, rep in zip(used[p].layout, replicated))
+                   for p in range(n_in)]
+        if lop.op == "multiref":
+            # sum the copies' gradients in whatever layout they share (partial sums
+            # add up), so a fan-out needs one reduction, not one per reader
+            for a in range(len(AXES)):
+                if len({g.layout[a] for g in grads}) == 1:
+                    wants = [w[:a] + (grads[0].layout[a],) + w[a + 1:] for w in wants]
+                    natural[0] = natural[0][:a] + (grads[0].layout[a],) + natural[0][a + 1:]
+        inputs += [self.convert(g, w, stage, "bw") for g, w in zip(grads, wants)]
+        outs: list[SVal | None] = [None if v == ABSENT else SVal(v[0], v[1], natural[p])
+                                   for p, v in enumerate(lop.outputs)]
         self.emit_op(lop, stage, inputs, outs)
 
     def emit_op(self, lop: LOp, stage: int, ins: list[SVal | None],

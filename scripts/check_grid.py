@@ -1,13 +1,15 @@
-"""Differential numeric check of the whole parallelism grid.
+"""The whole parallelism grid through the differential numeric check and/or
+the symbolic verifier (--mode numeric | symbolic | both, default both).
 
 mlp and llama3 with each of dp, tp, pp, nm in {1, 2, 4} (every combination of
 at most 16 ranks), and moe with ep in {1, 2, 4} combined with dp in {1, 2, 4}
 (ep divides dp) and tp in {1, 2}, each with both pipeline schedules where
-pp > 1. Prints one line per plan and exits 1 if any plan differs.
+pp > 1. Prints one line per plan and exits 1 if any plan fails a check.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 import time
@@ -16,6 +18,7 @@ from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
 from verdict.differential import compare
+from verdict.engine import verify
 
 GBS = 16
 MODELS = {
@@ -43,24 +46,35 @@ def grid() -> list[tuple[str, Parallelism, Policy]]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("numeric", "symbolic", "both"), default="both")
+    args = parser.parse_args()
     start = time.perf_counter()
     singles = {m: make_plan(cfg, Parallelism(), GBS) for m, cfg in MODELS.items()}
+    memo: dict = {}
     failed = 0
     cases = grid()
     for model, par, policy in cases:
         t0 = time.perf_counter()
         plan = make_plan(MODELS[model], par, GBS, policy=policy)
-        report = compare(singles[model], plan)
-        status = "ok  " if report.equal else "FAIL"
-        failed += not report.equal
-        print(f"{status} {model:6} dp{par.dp} tp{par.tp} pp{par.pp} ep{par.ep} nm{par.nm} "
-              f"{policy.schedule:5} {len(plan.nodes):6} nodes {time.perf_counter() - t0:5.2f} s",
-              flush=True)
-        if not report.equal:
-            for line in [d.describe() for d in report.differences[:3]] + report.uncovered[:3]:
-                print(f"      {line}")
+        problems = []
+        if args.mode in ("numeric", "both"):
+            report = compare(singles[model], plan)
+            problems += [d.describe() for d in report.differences[:3]] + report.uncovered[:3]
+            if report.broken:
+                problems.append(report.broken)
+        if args.mode in ("symbolic", "both"):
+            verdict = verify(singles[model], plan, memo=memo)
+            if not verdict.success:
+                problems.append(f"symbolic: {verdict.kind} {verdict.message}")
+        failed += bool(problems)
+        print(f"{'FAIL' if problems else 'ok  '} {model:6} dp{par.dp} tp{par.tp} pp{par.pp} "
+              f"ep{par.ep} nm{par.nm} {policy.schedule:5} {len(plan.nodes):6} nodes "
+              f"{time.perf_counter() - t0:5.2f} s", flush=True)
+        for line in problems:
+            print(f"      {line}")
     took = time.perf_counter() - start
-    print(f"{len(cases) - failed} passed, {failed} failed in {took:.0f} s")
+    print(f"{len(cases) - failed} passed, {failed} failed in {took:.0f} s ({args.mode})")
     return 1 if failed else 0
 
 

@@ -130,7 +130,7 @@ def send_from_other_replica(plan):
     (eps_on_rank0, "add_scalar"),
     (pow_one, "pow"),
     (stale_reducer, "local_grad_accumulation"),
-    (send_from_other_replica, "multiref"),
+    (send_from_other_replica, "add"),
 ], ids=lambda x: getattr(x, "__name__", x))
 def test_wrong_plan_fails_at_the_right_node(edit, op):
     plan = mutated(edit)

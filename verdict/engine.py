@@ -53,7 +53,10 @@ class Verdict:
 
 def _solve_job(job: tuple[str, Problem, int]) -> tuple[str, Outcome]:
     key, problem, seed = job
-    return key, solve(problem, seed)
+    try:
+        return key, solve(problem, seed)
+    except Exception as e:  # a stage that cannot be run is a failure, never a crash
+        return key, Outcome("error", f"stage worker raised {type(e).__name__}: {e}")
 
 
 def prepare(single: Plan, parallel: Plan, lineages, of_gs, of_gp, stages,

@@ -18,10 +18,12 @@ def _same_shapes(in_shapes) -> tuple[int, ...]:
 
 
 def _total(xs):
-    out = xs[0]
-    for x in xs[1:]:
-        out = out + x
-    return out
+    """Elementwise sum; object arrays of any rank, 0-d included, stay arrays."""
+    flat = [np.ravel(np.asarray(x, dtype=object if x.dtype == object else float)) for x in xs]
+    out = flat[0].copy()
+    for f in flat[1:]:
+        out = out + f
+    return out.reshape(np.shape(xs[0]))
 
 
 def _chunk(x, n: int, dim: int, index: int):
