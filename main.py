@@ -42,7 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pm", type=Path, required=True, help="parallel plan (.pkl)")
     p.add_argument("--seed", type=int, default=0, help="random seed (inputs, solver)")
     p.add_argument("--time", action="store_true", help="print the time of each phase")
-    p.add_argument("--max_ser_proc", type=int, default=1, help="processes that build graphs")
+    p.add_argument("--max_ser_proc", type=int, default=1,
+                   help="accepted for compatibility; graphs are built in one process, "
+                        "which measured faster than several")
     p.add_argument("--max_vrf_proc", type=int, default=1, help="processes that verify stages")
     p.add_argument("--loglevel", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])

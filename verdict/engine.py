@@ -59,16 +59,22 @@ def _solve_job(job: tuple[str, Problem, int]) -> tuple[str, Outcome]:
         return key, Outcome("error", f"stage worker raised {type(e).__name__}: {e}")
 
 
-def prepare(single: Plan, parallel: Plan, lineages, of_gs, of_gp, stages,
-            progress: bool) -> list[tuple[Stage, Problem, str]]:
+def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[int],
+            stages: list[Stage], progress: bool) -> list[tuple[Stage, Problem, str]]:
+    """Reduce every stage and make it a problem with its canonical key.
+
+    One process: sending the plans to helper processes costs more than the
+    work (1.2 s here against 6.8 s with two processes, 32-layer llama3 plan).
+    """
+    producer = single.producers()
     prepared = []
     for stage in tqdm(stages, desc="reducing stages", disable=not progress, leave=False):
         tensors = set(stage.sources)
         for i in stage.gp_nodes:
-            tensors.update(t for t in (*parallel.nodes[i].inputs, *parallel.nodes[i].outputs)
-                           if t >= 0)
+            node = parallel.nodes[i]
+            tensors.update(t for t in (*node.inputs, *node.outputs) if t >= 0)
         red = reduce_stage(single, parallel, stage, lineages, of_gp, sorted(tensors))
-        problem = build_problem(single, parallel, stage, lineages, red)
+        problem = build_problem(single, parallel, stage, lineages, red, producer)
         prepared.append((stage, problem, problem.key()))
     return prepared
 
@@ -156,11 +162,12 @@ def final_coverage(single: Plan, parallel: Plan, lineages: list[Lineage], of_gs:
         if i in written and (key := (t.tid, t.rank)) and (
                 key not in last_gp or parallel.tensors[last_gp[key]].version < t.version):
             last_gp[key] = i
-    for p, buf in single.grads.items():
-        final = single.tensors[last_gs[buf]].version
-        for (tid, rank), i in sorted(last_gp.items()):
-            t = parallel.tensors[i]
-            if tid == buf and (t.lver != final or not t.is_whole()):
+    params_of = {buf: p for p, buf in single.grads.items()}
+    for (tid, rank), i in sorted(last_gp.items()):
+        if tid in params_of:
+            p, t = params_of[tid], parallel.tensors[i]
+            final = single.tensors[last_gs[tid]].version
+            if t.lver != final or not t.is_whole():
                 problems.append(
                     f"the gradient of {single.logical[p].name} on rank {rank} ends with "
                     f"Tensor(rank={rank}, mb={t.mb}, tid={tid}, v={t.version}), "
@@ -184,7 +191,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         stages = cut_stages(single, parallel, lineages, of_gs, of_gp)
         times["t_lineage"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        prepared = prepare(single, parallel, lineages, of_gs, of_gp, stages, progress)
+        prepared = prepare(single, parallel, lineages, of_gp, stages, progress)
         times["t_schedule"] = time.perf_counter() - t2
     except StructureError as e:
         times.setdefault("t_graph", time.perf_counter() - t0)

@@ -64,7 +64,8 @@ def _resized(plan: Plan, node, shape_of) -> dict:
 
 
 def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lineage],
-                  red: Reduction) -> Problem:
+                  red: Reduction, producer: list[int]) -> Problem:
+    """The stage as a problem; ``producer`` is ``single.producers()``."""
     ts_ids: dict[int, int] = {}
     tp_ids: dict[int, int] = {}
 
@@ -90,7 +91,6 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
     for lid in (*stage.inputs, *stage.outputs):
         ts(lineages[lid].ts)
     sources = set(stage.sources)
-    producer = single.producers()
     constants = {}
     for lid in stage.inputs:
         ts_index = lineages[lid].ts
