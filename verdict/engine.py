@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,9 +79,10 @@ def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[i
 
 
 def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, Outcome],
-          progress: bool, on_result: Callable[[StageResult], None] | None = None
-          ) -> tuple[list[StageResult], int]:
-    """Outcome of every stage; identical problems are solved once."""
+          progress: bool) -> tuple[list[StageResult], int]:
+    """Outcome of every stage (up to the first failure unless keep_going) and
+    the number proved by memo; identical problems are solved once, in stage
+    order, in ``workers`` recycled processes."""
     todo: dict[str, Problem] = {}
     for _, problem, key in prepared:
         if key not in memo and key not in todo:
@@ -90,14 +90,12 @@ def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, O
     bar = tqdm(total=len(todo), desc="verifying stages", disable=not progress, leave=False)
     jobs = [(k, p, seed) for k, p in todo.items()]
     solved: dict[str, Outcome] = {}
-    failed = False
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
             key, outcome = _solve_job(job)
             solved[key] = outcome
             bar.update()
             if not outcome.ok and not keep_going:
-                failed = True
                 break
     else:
         ctx = multiprocessing.get_context("fork")
@@ -106,7 +104,6 @@ def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, O
                 solved[key] = outcome
                 bar.update()
                 if not outcome.ok and not keep_going:
-                    failed = True
                     pool.terminate()
                     break
     bar.close()
@@ -129,7 +126,6 @@ def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, O
             r.memo = True
             hits += 1
         seen_keys.add(r.key)
-    del failed
     return results, hits
 
 
@@ -201,6 +197,8 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
     results, hits = prove(prepared, seed, workers, keep_going, memo, progress)
     times["t_vrf"] = time.perf_counter() - t3
     failed = [r for r in results if not r.outcome.ok]
+    if not keep_going:
+        failed = failed[:1]
     verdict = Verdict(not failed, results=results, failed=failed, lineages=lineages,
                       stages=stages, times=times, unique=len({k for _, _, k in prepared}),
                       memo_hits=hits)
