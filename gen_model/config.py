@@ -81,6 +81,22 @@ class Parallelism:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def experts_over_tp(self) -> bool:
+        """Whether the expert-parallel group spans the tensor-parallel ranks too.
+
+        When ep divides dp, experts are spread over ep data-parallel ranks and
+        each expert's ffn dim is split across tp. Otherwise (ep = k * tp with k
+        dividing dp) experts are spread over k data-parallel ranks times all tp
+        ranks, whole: expert tensor parallelism 1, as in Megatron's MoE folding.
+        """
+        return self.dp % self.ep != 0
+
+    @property
+    def ep_dp(self) -> int:
+        """How many data-parallel ranks of the expert-parallel group there are."""
+        return self.ep // self.tp if self.experts_over_tp else self.ep
+
     def is_single(self) -> bool:
         return all(getattr(self, f.name) == 1 for f in fields(self))
 

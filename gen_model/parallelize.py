@@ -26,12 +26,16 @@ from tqdm import tqdm
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.graph import ABSENT, LogicalGraph, LOp, Value
-from gen_model.sharding import Layout, grad_layout, natural_grad, propagate
+from gen_model.sharding import Layout, grad_layout, is_split, natural_grad, propagate
 from verdict.ops import get_op
 from verdict.plan import INPUT_KINDS, Node, Plan, Tensor
 from verdict.structure import fw_shapes
 
 AXES = ("mb", "edp", "ep", "tp")
+#: Order in which the axes number the pieces of a split dim (last fastest):
+#: the batch is microbatch-major; an expert dim split on tp and ep is tp-major,
+#: so an all-to-all over ep gathers contiguous experts.
+SLICE_ORDER = ("mb", "edp", "tp", "ep")
 #: Order in which the axes number the parts of a partial sum (last fastest).
 PART_ORDER = ("edp", "ep", "tp", "mb")
 BATCH_AXES = ("mb", "edp", "ep")
@@ -101,7 +105,7 @@ class Program:
 class _Sharder:
     def __init__(self, g: LogicalGraph, cfg: ModelConfig, par: Parallelism, policy: Policy):
         self.g, self.cfg, self.par, self.policy = g, cfg, par, policy
-        self.size = {"mb": par.nm, "edp": par.dp // par.ep, "ep": par.ep, "tp": par.tp}
+        self.size = axis_sizes(par)
         self.ops: list[SOp] = []
         self.current: dict[Value, SVal] = {}
         self.where: dict[SVal, int] = {}
@@ -153,7 +157,8 @@ class _Sharder:
         tp: Layout = "R"
         if t.kind == "param":
             if expert:
-                tp = 2 if t.name.endswith(".w2") else 1
+                ffn_dim = 2 if t.name.endswith(".w2") else 1
+                tp = 0 if self.par.experts_over_tp else ffn_dim
             elif COLUMN.search(t.name):
                 tp = 0
             elif ROW.search(t.name):
@@ -175,9 +180,15 @@ class _Sharder:
 
     # -- conversions ----------------------------------------------------------
     def convert(self, sv: SVal, want: tuple[Layout, ...], stage: int, dir: str) -> SVal:
-        for axis, have, need in zip(AXES, sv.layout, want):
-            if have != need:
-                sv = self.convert_axis(sv, axis, need, stage, dir)
+        """Collectives that take ``sv`` to layout ``want``, one axis at a time, in
+        an order where each acts on contiguous pieces (see :func:`contiguous`)."""
+        while sv.layout != want:
+            step = next((a for a in SLICE_ORDER if sv.on(a) != want[AXES.index(a)]
+                         and contiguous(sv, sv.relaid(a, want[AXES.index(a)]), a)), None)
+            if step is None:
+                raise ConfigError(f"{self.g.tensors[sv.tid].name}: no order of collectives "
+                                  f"takes {sv.layout} to {want}")
+            sv = self.convert_axis(sv, step, want[AXES.index(step)], stage, dir)
         return self.move(sv, stage, dir)
 
     def convert_axis(self, sv: SVal, axis: str, need: Layout, stage: int, dir: str) -> SVal:
@@ -364,7 +375,7 @@ class _Emitter:
     def __init__(self, g: LogicalGraph, prog: Program, par: Parallelism, policy: Policy,
                  world: dict):
         self.g, self.prog, self.par, self.policy = g, prog, par, policy
-        self.size = {"mb": par.nm, "edp": par.dp // par.ep, "ep": par.ep, "tp": par.tp}
+        self.size = axis_sizes(par)
         self.plan = Plan(world=dict(world), logical=list(g.tensors), loss=g.loss,
                          grads=dict(g.grads))
         self.slots: dict[tuple[SVal, int, int], int] = {}
@@ -372,7 +383,7 @@ class _Emitter:
         self.last_buffer: dict[tuple[int, int], int] = {}
 
     def rank(self, c: Coord) -> int:
-        d = c.edp * self.par.ep + c.ep
+        d = c.edp * self.size["ep"] + c.ep
         return (c.stage * self.par.dp + d) * self.par.tp + c.tp
 
     def coords(self, stage: int) -> list[Coord]:
@@ -385,7 +396,7 @@ class _Emitter:
         slices = []
         for dim, full in enumerate(self.g.shape(sv.tid)):
             index, count = 0, 1
-            for axis in AXES:
+            for axis in SLICE_ORDER:
                 if sv.on(axis) == dim:
                     index = index * self.size[axis] + c.get(axis, mb)
                     count *= self.size[axis]
@@ -592,6 +603,19 @@ def merge(seq: dict[int, list[Node]], plan: Plan) -> list[Node]:
             raise AssertionError(f"schedule deadlock: {stuck}")
 
 
+def contiguous(before: SVal, after: SVal, axis: str) -> bool:
+    """Whether a collective on ``axis`` from ``before`` to ``after`` splits or
+    gathers contiguous pieces: no finer axis (later in SLICE_ORDER) may split
+    the dim it splits or gathers at the same time."""
+    finer = SLICE_ORDER[SLICE_ORDER.index(axis) + 1:]
+    return not any(is_split(lay.on(axis)) and any(lay.on(a) == lay.on(axis) for a in finer)
+                   for lay in (before, after))
+
+
+def axis_sizes(par: Parallelism) -> dict[str, int]:
+    return {"mb": par.nm, "edp": par.dp // par.ep_dp, "ep": par.ep_dp, "tp": par.tp}
+
+
 def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
     for flag in ("dp", "tp", "pp", "ep", "nm"):
         if getattr(par, flag) < 1:
@@ -600,8 +624,9 @@ def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
         raise ConfigError(f"--gbs {gbs} does not split into dp {par.dp} x nm {par.nm} microbatches")
     if par.pp > cfg.layers:
         raise ConfigError(f"--pp {par.pp} is more than --layers {cfg.layers}")
-    if par.dp % par.ep:
-        raise ConfigError(f"--ep {par.ep} must divide --dp {par.dp}")
+    if par.dp % par.ep and (par.ep % par.tp or par.dp % (par.ep // par.tp)):
+        raise ConfigError(f"--ep {par.ep} must divide --dp {par.dp}, or be --tp {par.tp} times "
+                          f"a divisor of --dp")
     if par.ep > 1 and cfg.model != "moe":
         raise ConfigError("--ep needs the moe model")
     if par.ep > 1 and cfg.experts % par.ep:
@@ -612,7 +637,7 @@ def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
                 raise ConfigError(f"--{name} {getattr(cfg, name)} is not divisible by --tp {par.tp}")
     elif cfg.hidden % par.tp:
         raise ConfigError(f"--hidden {cfg.hidden} is not divisible by --tp {par.tp}")
-    if cfg.model == "moe" and cfg.moe_ffn % par.tp:
+    if cfg.model == "moe" and not par.experts_over_tp and cfg.moe_ffn % par.tp:
         raise ConfigError(f"--moe_ffn {cfg.moe_ffn} is not divisible by --tp {par.tp}")
 
 

@@ -2,9 +2,10 @@
 the symbolic verifier (--mode numeric | symbolic | both, default both).
 
 mlp and llama3 with each of dp, tp, pp, nm in {1, 2, 4} (every combination of
-at most 16 ranks), and moe with ep in {1, 2, 4} combined with dp in {1, 2, 4}
-(ep divides dp) and tp in {1, 2}, each with both pipeline schedules where
-pp > 1. Prints one line per plan and exits 1 if any plan fails a check.
+at most 16 ranks), each with both pipeline schedules where pp > 1; moe with
+ep in {1, 2, 4} combined with dp in {1, 2, 4} and tp in {1, 2} wherever the
+expert group fits (ep divides dp, or ep = tp x a divisor of dp), plus two
+moe plans with pp and nm. Prints one line per plan and exits 1 if any plan fails a check.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def grid() -> list[tuple[str, Parallelism, Policy]]:
                 for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
                     cases.append((model, par, Policy(schedule=schedule)))
     for ep, dp, tp in itertools.product(DEGREES, DEGREES, (1, 2)):
-        if dp % ep == 0:
+        if dp % ep == 0 or (ep % tp == 0 and dp % (ep // tp) == 0):
             cases.append(("moe", Parallelism(dp=dp, tp=tp, ep=ep), Policy()))
+    for par in (Parallelism(dp=2, ep=2, pp=2, nm=2), Parallelism(dp=2, tp=2, ep=4, pp=2, nm=2)):
+        cases.append(("moe", par, Policy()))
     return cases
 
 
