@@ -25,8 +25,8 @@ Targets are fixed, so every run makes the same plan:
     all_reduce is first written as the equal reduce_scatter + all_gather
     pair along the sequence (as sequence parallelism does); the all_gather
     is then emitted as all_reduce.
- 5  backward all_reduce of ``layers.0.attention_norm.mul_1.multiref:0.grad``
-    (the input gradient wq sends back to the norm output, every rank and
+ 5  backward all_reduce of ``layers.0.attention_norm.mul_1.grad`` (after the
+    multiref backward that sums the norm output's gradients; every rank and
     microbatch) on a group of one rank: a local copy of a partial gradient.
  6  the first forward send_recv into rank 4 (pipeline stage 1) reads the
     tensor of rank 2 (stage 0 of the other data-parallel replica) instead
@@ -35,18 +35,21 @@ Targets are fixed, so every run makes the same plan:
     microbatches: eps 1e-6 instead of 1e-5.
  8  forward ``layers.0.attention_norm.pow_1`` on rank 0: exponent 1, not 2.
  9  as 7, on ranks 0 and 1 (both TP ranks of replica 0).
-10  backward ``layers.0.attention_norm.mul_1.multiref`` on rank 0,
-    microbatch 1: reads the gradient of copy 0 of microbatch 0 (a stale
-    buffer) instead of its own.
+10  backward ``layers.0.add_1.multiref`` (the residual stream after
+    attention) on rank 0, microbatch 1: reads the gradient of copy 0 of
+    microbatch 0 (a stale buffer) instead of its own.
 11  backward ``layers.0.attention.apply_rotary_emb`` on rank 0: its two
     output gradients (of q and of k) swapped.
 12  forward ``layers.0.attention.truediv`` on rank 0: scores divided by
     head_dim instead of sqrt(head_dim).
 13  as 12, on ranks 0 and 1.
-14  the cross-replica reducer of the gradient that the last operator of the
-    last microbatch on rank 0 accumulates (``tok_embeddings.weight``), on
-    every rank: launched before that accumulation, so it reduces the buffer
-    version without the last microbatch.
+14  the last operator of the last microbatch on rank 0 is a gradient
+    accumulation (a microbatch's gradients are accumulated after its
+    backward, in parameter order: for this plan ``layers.15.feed_forward.w2``).
+    The cross-replica reducer of that gradient, on every rank that holds it
+    (0-3), is launched before that accumulation: it reduces the buffer
+    version without the last microbatch, and the accumulation then updates
+    the local buffer only.
 ==  =====================================================================
 
 A bug that finds no target in the plan (no tensor parallelism for 1-5, no
@@ -55,8 +58,6 @@ outside 1..14.
 """
 
 from __future__ import annotations
-
-import math
 
 from backends.planfile import validate
 from gen_model.config import ConfigError
@@ -83,7 +84,8 @@ BUGS = {
 WO = "layers.0.attention.wo"
 NORM_ADD = "layers.0.attention_norm.add"
 NORM_POW = "layers.0.attention_norm.pow_1"
-NORM_MULTIREF = "layers.0.attention_norm.mul_1.multiref"
+NORM_GRAD = "layers.0.attention_norm.mul_1.grad"
+RESIDUAL_MULTIREF = "layers.0.add_1.multiref"
 ROTARY = "layers.0.attention.apply_rotary_emb"
 SCALE = "layers.0.attention.truediv"
 WRONG_EPS = 1e-6  # the RMSNorm eps of some other code base; llama3 uses 1e-5
@@ -93,16 +95,23 @@ def inject(plan: Plan, bug: int) -> Plan:
     """A copy of ``plan`` with bug ``bug`` (1..14) in it; ``plan`` is unchanged."""
     if bug not in BUGS:
         raise ConfigError(f"no bug {bug}: bug-reproduction plans are br1 to br{len(BUGS)}")
+    if all(plan.world.get(k, 1) == 1 for k in ("dp", "tp", "pp", "ep", "nm")):
+        raise ConfigError(f"bug {bug} is a parallelization bug: it needs a parallel plan")
     if plan.world.get("model") != "llama3":
         raise ConfigError(f"bug {bug} is made for llama3 plans, not {plan.world.get('model')}")
-    out = Plan(world=dict(plan.world), logical=list(plan.logical), tensors=list(plan.tensors),
-               nodes=list(plan.nodes), loss=plan.loss, grads=dict(plan.grads))
+    out = _copy(plan)
     _INJECT[bug](out)
     validate(out.to_data())  # a PlanError is a ValueError too
     return out
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _copy(plan: Plan) -> Plan:
+    """A copy whose lists can be edited (nodes and tensors are immutable)."""
+    return Plan(world=dict(plan.world), logical=list(plan.logical), tensors=list(plan.tensors),
+                nodes=list(plan.nodes), loss=plan.loss, grads=dict(plan.grads))
 
 
 def _find(plan: Plan, bug: int, what: str, pred) -> list[int]:
@@ -135,11 +144,12 @@ def _own(plan: Plan, i: int) -> int:
     return next(t for t in node.inputs if plan.tensors[t].rank == node.rank)
 
 
-def _reschedule(plan: Plan) -> None:
+def _reschedule(plan: Plan, renumber: frozenset[int] = frozenset()) -> None:
     """Re-merge the per-rank node sequences into one execution order (as the
     parallelizer does: repeatedly run, rank by rank, every node whose inputs
-    are written) and renumber SSA versions in that order. On an unchanged
-    plan this gives back the same order and versions."""
+    are written) and renumber, in that order, the SSA versions of the logical
+    tensors ``renumber`` (per rank and microbatch; a gradient buffer per
+    rank). On an unchanged plan this gives back the same order."""
     seqs: dict[int, list[Node]] = {}
     for n in plan.nodes:
         seqs.setdefault(n.rank, []).append(n)
@@ -167,7 +177,7 @@ def _reschedule(plan: Plan) -> None:
     count: dict[tuple, int] = {}
     for n in order:
         for o in n.outputs:
-            if o < 0:
+            if o < 0 or plan.tensors[o].tid not in renumber:
                 continue
             t = plan.tensors[o]
             gradbuf = plan.logical[t.tid].kind == "gradbuf"
@@ -178,12 +188,13 @@ def _reschedule(plan: Plan) -> None:
 
 def _per_rank_sequence_edit(plan: Plan, edits: dict[int, list[Node]]) -> None:
     """Replace node i by the nodes edits[i] (in its rank's sequence), then
-    reschedule."""
+    reschedule and renumber the versions of the tensors the new nodes write."""
     nodes: list[Node] = []
     for i, n in enumerate(plan.nodes):
         nodes.extend(edits.get(i, [n]))
     plan.nodes = nodes
-    _reschedule(plan)
+    tids = {plan.tensors[o].tid for new in edits.values() for n in new for o in n.outputs if o >= 0}
+    _reschedule(plan, frozenset(tids))
 
 
 # ---------------------------------------------------------------- the bugs
@@ -248,9 +259,8 @@ def _bug4(plan: Plan) -> None:
 
 
 def _bug5(plan: Plan) -> None:
-    name = f"{NORM_MULTIREF}:0.grad"
-    for i in _find(plan, 5, f"backward all_reduce of {name} (tensor parallelism)",
-                   _named("all_reduce", "bw", name)):
+    for i in _find(plan, 5, f"backward all_reduce of {NORM_GRAD} (tensor parallelism)",
+                   _named("all_reduce", "bw", NORM_GRAD)):
         _replace(plan, i, inputs=(_own(plan, i),), kwargs={"index": 0})
 
 
@@ -262,7 +272,7 @@ def _bug6(plan: Plan) -> None:
     node = plan.nodes[i]
     sent = plan.tensors[node.inputs[0]]
     wrong = sent.rank + plan.world.get("tp", 1)  # the same TP rank of the next replica
-    if plan.world.get("dp", 1) < 2 or wrong >= node.kwargs["src"] + pp_ranks:
+    if plan.world.get("dp", 1) < 2 or wrong // pp_ranks != sent.rank // pp_ranks:
         raise ConfigError("bug 6 needs data parallelism: the wrong source is another replica")
     other = next((k for k, t in enumerate(plan.tensors)
                   if (t.rank, t.mb, t.tid, t.version) == (wrong, sent.mb, sent.tid, sent.version)),
@@ -273,10 +283,11 @@ def _bug6(plan: Plan) -> None:
     _reschedule(plan)
 
 
-def _first_rank(plan: Plan, ranks: int = 1) -> tuple[int, ...]:
+def _first_ranks(plan: Plan, bug: int, ranks: int = 1) -> tuple[int, ...]:
+    """Ranks 0 .. ranks-1: the first tensor-parallel ranks of replica 0."""
     tp = plan.world.get("tp", 1)
     if ranks > tp:
-        raise ConfigError(f"this bug mutates {ranks} tensor-parallel ranks; the plan has tp={tp}")
+        raise ConfigError(f"bug {bug} mutates {ranks} tensor-parallel ranks; the plan has tp={tp}")
     return tuple(range(ranks))
 
 
@@ -287,22 +298,22 @@ def _set_kwarg(plan: Plan, bug: int, op: str, name: str, ranks, key: str, value)
 
 
 def _bug7(plan: Plan) -> None:
-    _set_kwarg(plan, 7, "add_scalar", NORM_ADD, _first_rank(plan), "value", WRONG_EPS)
+    _set_kwarg(plan, 7, "add_scalar", NORM_ADD, _first_ranks(plan, 7), "value", WRONG_EPS)
 
 
 def _bug8(plan: Plan) -> None:
-    _set_kwarg(plan, 8, "pow", NORM_POW, _first_rank(plan), "exponent", 1)
+    _set_kwarg(plan, 8, "pow", NORM_POW, _first_ranks(plan, 8), "exponent", 1)
 
 
 def _bug9(plan: Plan) -> None:
-    _set_kwarg(plan, 9, "add_scalar", NORM_ADD, _first_rank(plan, 2), "value", WRONG_EPS)
+    _set_kwarg(plan, 9, "add_scalar", NORM_ADD, _first_ranks(plan, 9, 2), "value", WRONG_EPS)
 
 
 def _bug10(plan: Plan) -> None:
     if plan.world.get("nm", 1) < 2:
         raise ConfigError("bug 10 reads another microbatch's gradient: it needs nm >= 2")
-    i = _find(plan, 10, f"backward {NORM_MULTIREF} on rank 0, microbatch 1",
-              _named("multiref", "bw", NORM_MULTIREF, ranks=(0,), mbs=(1,)))[0]
+    i = _find(plan, 10, f"backward {RESIDUAL_MULTIREF} on rank 0, microbatch 1",
+              _named("multiref", "bw", RESIDUAL_MULTIREF, ranks=(0,), mbs=(1,)))[0]
     node = plan.nodes[i]
     mine = plan.tensors[node.inputs[1]]
     stale = next(k for k, t in enumerate(plan.tensors)
@@ -321,19 +332,18 @@ def _bug11(plan: Plan) -> None:
 def _scale_by_head_dim(plan: Plan, bug: int, ranks) -> None:
     nodes = _find(plan, bug, f"forward div {SCALE}", _named("div", "fw", SCALE, ranks=ranks))
     for i in nodes:
-        root = plan.nodes[i].kwargs["value"]
-        head_dim = root * root
-        if not math.isclose(root, math.sqrt(head_dim)) or head_dim == root:
+        root = plan.nodes[i].kwargs["value"]  # sqrt(head_dim)
+        if not root > 1:
             raise ConfigError(f"bug {bug}: {SCALE} does not divide by sqrt(head_dim) > 1")
-        _replace(plan, i, kwargs={**plan.nodes[i].kwargs, "value": head_dim})
+        _replace(plan, i, kwargs={**plan.nodes[i].kwargs, "value": root * root})
 
 
 def _bug12(plan: Plan) -> None:
-    _scale_by_head_dim(plan, 12, _first_rank(plan))
+    _scale_by_head_dim(plan, 12, _first_ranks(plan, 12))
 
 
 def _bug13(plan: Plan) -> None:
-    _scale_by_head_dim(plan, 13, _first_rank(plan, 2))
+    _scale_by_head_dim(plan, 13, _first_ranks(plan, 13, 2))
 
 
 def _bug14(plan: Plan) -> None:

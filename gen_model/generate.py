@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gen_model.autodiff import derive_training_step
+from gen_model.bugs import inject
 from gen_model.config import ModelConfig, Parallelism, world_spec
 from gen_model.graph import LogicalGraph
 from gen_model.models import ZOO, build
@@ -26,4 +27,5 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
         return single_plan(graph, world)
     policy = policy or Policy()
     world.update(vocab_parallel=policy.vocab_parallel, schedule=policy.schedule)
-    return parallel_plan(graph, cfg, par, gbs, world, policy)
+    plan = parallel_plan(graph, cfg, par, gbs, world, policy)
+    return inject(plan, int(variant[2:])) if variant.startswith("br") else plan  # docs/bugs.md

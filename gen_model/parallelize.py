@@ -560,6 +560,8 @@ class _Emitter:
         tensors = self.plan.tensors
         for node in self.plan.nodes:
             for o in node.outputs:
+                if o < 0:
+                    continue
                 t = tensors[o]
                 gradbuf = self.g.tensors[t.tid].kind == "gradbuf"
                 key = (t.rank, None if gradbuf else t.mb, t.tid)

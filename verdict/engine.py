@@ -199,6 +199,11 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
     failed = [r for r in results if not r.outcome.ok]
     if not keep_going:
         failed = failed[:1]
+    for r in failed:
+        if r.outcome.status == "counterexample":
+            # solved again here, so the counterexample does not depend on which
+            # worker solved what before it (Z3 keeps state per process)
+            r.outcome = solve(r.problem, seed)
     verdict = Verdict(not failed, results=results, failed=failed, lineages=lineages,
                       stages=stages, times=times, unique=len({k for _, _, k in prepared}),
                       memo_hits=hits)

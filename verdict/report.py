@@ -79,6 +79,11 @@ def tp_label(parallel: Plan, i: int) -> str:
     return f"Tensor(wtype='p', rank={t.rank}, mb={t.mb}, tid={t.tid}, v={t.version})"
 
 
+def _short(parallel: Plan, i: int) -> str:
+    t = parallel.tensors[i]
+    return f"r{t.rank}/mb{t.mb}/tid{t.tid}/v{t.version}"
+
+
 def _fmt(a: np.ndarray, indent: str) -> str:
     text = np.array2string(np.asarray(a), precision=6, threshold=64, edgeitems=2)
     return text.replace("\n", "\n" + indent)
@@ -128,7 +133,11 @@ def stage_failure(r: StageResult, verdict: Verdict, single: Plan, parallel: Plan
     if stage.gs_node >= 0:
         lines.append(node_label(single, stage.gs_node).replace("Node(", "Node(wtype='s', "))
     for i in stage.gp_nodes:
+        node = parallel.nodes[i]
         lines.append(node_label(parallel, i).replace("Node(", "Node(wtype='p', "))
+        reads = ", ".join(_short(parallel, t) for t in node.inputs if t >= 0)
+        writes = ", ".join(_short(parallel, t) for t in node.outputs if t >= 0)
+        lines.append(f"    reads [{reads}] writes [{writes}]")
     if out.status != "counterexample":
         return [*lines, ""]
     p = r.problem
