@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from backends.planfile import validate
 from gen_model.config import ConfigError
+from gen_model.parallelize import merge, number_versions
 from verdict.plan import Node, Plan
 
 #: One line per bug, as in the paper's table.
@@ -145,45 +146,15 @@ def _own(plan: Plan, i: int) -> int:
 
 
 def _reschedule(plan: Plan, renumber: frozenset[int] = frozenset()) -> None:
-    """Re-merge the per-rank node sequences into one execution order (as the
-    parallelizer does: repeatedly run, rank by rank, every node whose inputs
-    are written) and renumber, in that order, the SSA versions of the logical
-    tensors ``renumber`` (per rank and microbatch; a gradient buffer per
-    rank). On an unchanged plan this gives back the same order."""
+    """Re-merge the per-rank node sequences into one execution order, as the
+    parallelizer does, and renumber in that order the SSA versions of the
+    logical tensors ``renumber``. On an unchanged plan this gives back the
+    same order."""
     seqs: dict[int, list[Node]] = {}
-    for n in plan.nodes:
+    for n in sorted(plan.nodes, key=lambda n: n.rank):
         seqs.setdefault(n.rank, []).append(n)
-    written = {o for n in plan.nodes for o in n.outputs if o >= 0}
-    ready = [i not in written for i in range(len(plan.tensors))]
-    pos = dict.fromkeys(sorted(seqs), 0)
-    order: list[Node] = []
-    while len(order) < len(plan.nodes):
-        progress = False
-        for rank in pos:
-            nodes = seqs[rank]
-            while pos[rank] < len(nodes):
-                n = nodes[pos[rank]]
-                if not all(i < 0 or ready[i] for i in n.inputs):
-                    break
-                order.append(n)
-                for o in n.outputs:
-                    if o >= 0:
-                        ready[o] = True
-                pos[rank] += 1
-                progress = True
-        if not progress:
-            raise AssertionError("bug injection left a schedule that deadlocks")
-    plan.nodes = order
-    count: dict[tuple, int] = {}
-    for n in order:
-        for o in n.outputs:
-            if o < 0 or plan.tensors[o].tid not in renumber:
-                continue
-            t = plan.tensors[o]
-            gradbuf = plan.logical[t.tid].kind == "gradbuf"
-            key = (t.rank, None if gradbuf else t.mb, t.tid)
-            plan.tensors[o] = t._replace(version=count.get(key, 0))
-            count[key] = count.get(key, 0) + 1
+    plan.nodes = merge(seqs, plan)
+    number_versions(plan, renumber)
 
 
 def _per_rank_sequence_edit(plan: Plan, edits: dict[int, list[Node]]) -> None:

@@ -496,7 +496,8 @@ class _Emitter:
         for c in coords:
             seqs[self.rank(c)].extend(self.reducers(c))
         self.plan.nodes = merge(seqs, self.plan)
-        self.number_versions()
+        self.check_written()
+        number_versions(self.plan)
         return self.plan
 
     def params_of(self, stage: int) -> list[tuple[int, SVal | None]]:
@@ -553,26 +554,34 @@ class _Emitter:
                               {"index": group.index(c)}, self.buffer_name(tid)))
         return nodes
 
-    def number_versions(self) -> None:
-        """SSA versions in execution order, per (rank, mb, tid); gradient
-        buffers, updated across microbatches, count per (rank, tid)."""
-        count: dict[tuple, int] = {}
-        tensors = self.plan.tensors
-        for node in self.plan.nodes:
-            for o in node.outputs:
-                if o < 0:
-                    continue
-                t = tensors[o]
-                gradbuf = self.g.tensors[t.tid].kind == "gradbuf"
-                key = (t.rank, None if gradbuf else t.mb, t.tid)
-                tensors[o] = t._replace(version=count.get(key, 0))
-                count[key] = count.get(key, 0) + 1
-        for i, t in enumerate(tensors):
-            if t.version < 0:
-                if self.g.tensors[t.tid].kind not in INPUT_KINDS:
-                    raise AssertionError(f"{self.g.tensors[t.tid].name} on rank {t.rank} "
-                                         f"mb {t.mb} is read but never written")
-                tensors[i] = t._replace(version=0)
+    def check_written(self) -> None:
+        """Every tensor read is written by some node or is an input."""
+        for i, t in enumerate(self.plan.tensors):
+            if i not in self.written and self.g.tensors[t.tid].kind not in INPUT_KINDS:
+                raise AssertionError(f"{self.g.tensors[t.tid].name} on rank {t.rank} "
+                                     f"mb {t.mb} is read but never written")
+
+
+def number_versions(plan: Plan, tids: frozenset[int] | None = None) -> None:
+    """SSA versions in execution order, per (rank, mb, tid); gradient buffers,
+    updated across microbatches, count per (rank, tid). Only the logical
+    tensors ``tids`` when given; tensors never written get version 0."""
+    count: dict[tuple, int] = {}
+    tensors = plan.tensors
+    written = set()
+    for node in plan.nodes:
+        for o in node.outputs:
+            if o < 0 or (tids is not None and tensors[o].tid not in tids):
+                continue
+            t = tensors[o]
+            gradbuf = plan.logical[t.tid].kind == "gradbuf"
+            key = (t.rank, None if gradbuf else t.mb, t.tid)
+            tensors[o] = t._replace(version=count.get(key, 0))
+            count[key] = count.get(key, 0) + 1
+            written.add(o)
+    for i, t in enumerate(tensors):
+        if i not in written and t.version < 0:
+            tensors[i] = t._replace(version=0)
 
 
 def merge(seq: dict[int, list[Node]], plan: Plan) -> list[Node]:

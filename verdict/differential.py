@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from verdict.lineage import exact_covers
 from verdict.numeric import ExecutionError, execute
 from verdict.plan import Plan, Tensor
 
@@ -77,24 +78,6 @@ def _close(a: np.ndarray, b: np.ndarray, rtol: float) -> bool:
     return a.shape == b.shape and _error(a, b) <= rtol * scale
 
 
-def _exact_cover(items: list[tuple[int, int, int]], n: int) -> list[int] | None:
-    """Indices of items (lo, hi, index) whose ranges tile [0, n) exactly."""
-    by_lo = defaultdict(list)
-    for lo, hi, i in items:
-        by_lo[lo].append((hi, i))
-
-    def extend(at: int) -> list[int] | None:
-        if at == n:
-            return []
-        for hi, i in sorted(by_lo.get(at, []), reverse=True):
-            rest = extend(hi)
-            if rest is not None:
-                return [i, *rest]
-        return None
-
-    return extend(0)
-
-
 def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> NumericReport:
     """Compare every tensor of ``parallel`` with its lineage in ``single``."""
     ref_values = execute(single, seed)
@@ -123,9 +106,10 @@ def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> 
         else:
             partial[(t.tid, t.lver, t.slices, t.parts[2])].append(i)
     for (tid, lver, slices, n), members in partial.items():
-        cover = _exact_cover([(*parallel.tensors[i].parts[:2], i) for i in members], n)
-        if cover is None:
+        covers, _ = exact_covers([(*parallel.tensors[i].parts[:2], i) for i in members], n)
+        if not covers:
             continue
+        cover = covers[0]
         report.groups += 1
         covered[tid].append(slices)
         total = sum(values[i] for i in cover)
