@@ -9,7 +9,7 @@ from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
 from verdict.engine import verify
-from verdict.plan import Plan
+from verdict.plan import Node, Plan
 from verdict.report import failure
 
 MLP = ModelConfig("mlp", layers=4, hidden=8)
@@ -279,3 +279,42 @@ def test_partial_input_is_refused_not_assumed():
         plan.tensors[i] = plan.tensors[i]._replace(parts=(0, 1, 2))
     v = verify(single(LLAMA), mutated(edit))
     assert not v.success and v.kind == "lineage" and "loaded whole" in v.message
+
+
+def test_rule3_last_write_in_execution_order_counts_not_the_version_number():
+    """A copy of the unreduced buffer written after the reducer, with a lower
+    version number, is what the rank holds at the end: the gradient is
+    incomplete, whatever the version numbers say."""
+    def edit(plan):
+        buf = next(iter(plan.grads.values()))
+        red = first(plan, lambda n: n.op == "reducer" and n.rank == 0
+                    and plan.tensors[n.outputs[0]].tid == buf)
+        acc = max(i for i, n in enumerate(plan.nodes) if n.op == "local_grad_accumulation"
+                  and n.rank == 0 and plan.tensors[n.outputs[0]].tid == buf)
+        partial = plan.nodes[acc].outputs[0]
+        plan.tensors.append(plan.tensors[partial]._replace(version=0))
+        copy = Node(0, plan.tensors[partial].mb, "split", "none", (partial,),
+                    (len(plan.tensors) - 1,), {"dim": 0, "parts": 1, "index": 0}, "copy")
+        plan.nodes.insert(red + 1, copy)
+    v = verify(single(LLAMA), mutated(edit))
+    assert not v.success and v.kind == "coverage"
+    assert "on rank 0 ends with" in v.message
+
+
+def test_replicas_of_a_partial_part_are_one_value():
+    """TP replicas holding the same partial part (a replicated weight's
+    gradient, one microbatch's share) form a 'same' set; covers use one of
+    them, and a stage proves the others equal to it."""
+    from verdict.lineage import infer_lineages
+
+    plan = make_plan(LLAMA, Parallelism(dp=2, tp=2, nm=2), GBS)
+    lineages, _, _ = infer_lineages(single(LLAMA), plan)
+    buf = plan.grads[next(p for p, _ in plan.grads.items()
+                          if plan.logical[p].name.endswith("attention_norm.weight"))]
+    lin = next(x for x in lineages if single(LLAMA).tensors[x.ts].tid == buf
+               and single(LLAMA).tensors[x.ts].version == 1)
+    assert lin.same and all(len(s) == 2 for s in lin.same)
+    ranks = [{plan.tensors[t].rank for t in s} for s in lin.same]
+    assert {0, 1} in ranks and {2, 3} in ranks
+    reps = {s[0] for s in lin.same}
+    assert all(m in reps or plan.tensors[m].is_whole() for _, g in lin.groups for m in g)

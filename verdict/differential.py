@@ -118,24 +118,17 @@ def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> 
             name = parallel.logical[tid].name
             report.differences.append(Difference(
                 name, [parallel.tensors[i] for i in cover], piece, total, "partial-sum group"))
-    report.uncovered = final_coverage(single, parallel, values, covered)
+    report.uncovered = final_coverage(single, parallel, covered)
     return report
 
 
-def final_coverage(single: Plan, parallel: Plan, values: list,
-                   covered: dict[int, list]) -> list[str]:
+def final_coverage(single: Plan, parallel: Plan, covered: dict[int, list]) -> list[str]:
     """Logical results (loss, final gradients) the parallel plan does not
     fully produce: every rank's last gradient buffer must be a whole slice,
     and the slices together must cover the gradient; the loss must be
     covered by whole slices or complete partial-sum groups."""
     problems = []
-    last: dict[tuple[int, int], int] = {}
-    for i, t in enumerate(parallel.tensors):
-        if values[i] is None:
-            continue
-        key = (t.tid, t.rank)
-        if key not in last or parallel.tensors[last[key]].version < t.version:
-            last[key] = i
+    last = parallel.last_writes()
     for param, buf in parallel.grads.items():
         name = parallel.logical[param].name
         final = max(t.version for t in single.tensors if t.tid == buf)

@@ -152,12 +152,7 @@ def final_coverage(single: Plan, parallel: Plan, lineages: list[Lineage], of_gs:
         if not mask.all():
             problems.append(f"{what} is not covered: {int((~mask).sum())} of {mask.size} "
                             f"elements have no complete group of parallel tensors")
-    last_gp: dict[tuple[int, int], int] = {}
-    written = {o for n in parallel.nodes for o in n.outputs if o >= 0}
-    for i, t in enumerate(parallel.tensors):
-        if i in written and (key := (t.tid, t.rank)) and (
-                key not in last_gp or parallel.tensors[last_gp[key]].version < t.version):
-            last_gp[key] = i
+    last_gp = parallel.last_writes()
     params_of = {buf: p for p, buf in single.grads.items()}
     for (tid, rank), i in sorted(last_gp.items()):
         if tid in params_of:

@@ -2,10 +2,16 @@
 claim to be pieces of it, grouped so that each group sums to a slice of Ts.
 
 A Tp's view names (tid, lver) of the Ts it belongs to, its slice of Ts and
-its parts [lo, hi) of an n-way partial sum. For each slice, every whole Tp is
-a group of one (a replica), and partial Tps are grouped into exact covers of
-[0, n). Partial Tps in no complete cover are 'loose': nothing can be proved
-about them, and a stage that reads one knows nothing of its value.
+its parts [lo, hi) of an n-way partial sum. Part i of n is one definite
+value (e.g. the contribution of batch chunk i, or of tensor-parallel shard
+i), so Tp's that claim the same parts of the same slice are replicas of one
+another: they form a 'same' set, whose first member stands for all.
+
+For each slice, every whole Tp is a group of one (a replica), and the
+representatives of partial parts are grouped into exact covers of [0, n).
+A representative in no complete cover is 'loose': nothing ties its value to
+Ts, and a stage that reads one knows nothing of it (but that its replicas
+equal it).
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ class Lineage:
     ts: int  # tensor index in the single-device plan
     groups: list[tuple[Slices, tuple[int, ...]]] = field(default_factory=list)
     loose: list[int] = field(default_factory=list)
+    same: list[tuple[int, ...]] = field(default_factory=list)  # replicas of one part
 
     @property
     def members(self) -> list[int]:
-        return sorted({t for _, g in self.groups for t in g} | set(self.loose))
+        return sorted({t for _, g in self.groups for t in g} | set(self.loose)
+                      | {t for s in self.same for t in s})
 
 
 def exact_covers(parts: list[tuple[int, int, int]], n: int) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -96,7 +104,12 @@ def infer_lineages(single: Plan, parallel: Plan) -> tuple[list[Lineage], list[in
                 else:
                     partial[t.parts[2]].append((t.parts[0], t.parts[1], i))
             for n, parts in partial.items():
-                covers, rest = exact_covers(parts, n)
+                by_range: dict[tuple[int, int], list[int]] = defaultdict(list)
+                for lo, hi, i in parts:
+                    by_range[(lo, hi)].append(i)
+                lin.same.extend(tuple(s) for s in by_range.values() if len(s) > 1)
+                reps = [(lo, hi, s[0]) for (lo, hi), s in by_range.items()]
+                covers, rest = exact_covers(reps, n)
                 lin.groups.extend((slices, c) for c in covers)
                 lin.loose.extend(rest)
         lineages.append(lin)

@@ -118,6 +118,16 @@ class Plan:
             grads={p: g for p, g in data["grads"]},
         )
 
+    def last_writes(self) -> dict[tuple[int, int], int]:
+        """(tid, rank) -> the tensor last written for it in execution order:
+        what the rank holds at the end of the step (e.g. for the optimizer)."""
+        last = {}
+        for node in self.nodes:
+            for o in node.outputs:
+                if o >= 0:
+                    last[(self.tensors[o].tid, self.tensors[o].rank)] = o
+        return last
+
     def producers(self) -> list[int]:
         """For each tensor, the index of the node writing it (-1 for inputs)."""
         prod = [-1] * len(self.tensors)

@@ -22,11 +22,13 @@ Group = tuple[Slices, tuple[int, ...]]
 
 @dataclass
 class LineageFact:
-    """Ts (local id) and its groups of Tp's (local ids) at reduced slices."""
+    """Ts (local id) and its groups of Tp's (local ids) at reduced slices;
+    ``aliases`` are (Tp, its replicas): tensors claiming the same parts."""
 
     ts: int
     groups: list[Group]
     loose: list[int]
+    aliases: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass
@@ -45,8 +47,8 @@ class Problem:
 
     def key(self) -> str:
         body = [self.ts_shapes, self.tp_shapes, self.gs, self.gp, sorted(self.constants.items()),
-                [(f.ts, f.groups, f.loose) for f in self.given],
-                [(f.ts, f.groups, f.loose) for f in self.claims]]
+                [(f.ts, f.groups, f.loose, f.aliases) for f in self.given],
+                [(f.ts, f.groups, f.loose, f.aliases) for f in self.claims]]
         text = json.dumps(body, sort_keys=True, default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -90,7 +92,6 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
         gs = (node.op, node.dir, kw, [ts(i) for i in node.inputs], [ts(o) for o in node.outputs])
     for lid in (*stage.inputs, *stage.outputs):
         ts(lineages[lid].ts)
-    sources = set(stage.sources)
     constants = {}
     for lid in stage.inputs:
         ts_index = lineages[lid].ts
@@ -99,17 +100,8 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
             node = single.nodes[prod]
             kw = get_op(node.op).resized(node.kwargs, [], [red.gs_shape[ts_index]])
             constants[ts(ts_index)] = (node.op, node.dir, kw)
-    given = []
-    for lid in stage.inputs:
-        lin = lineages[lid]
-        groups, loose = [], []
-        for _, members in sorted(lin.groups):
-            if all(m in sources for m in members):
-                groups.append((_red(red, members[0]), tuple(tp(m) for m in members)))
-            else:
-                loose.extend(m for m in members if m in sources)
-        loose.extend(m for m in lin.loose if m in sources)
-        given.append(LineageFact(ts(lin.ts), groups, sorted(tp(m) for m in loose)))
+    given = [_given(lineages[lid], ts(lineages[lid].ts), set(stage.sources), red, tp)
+             for lid in stage.inputs]
     gp = []
     for i in stage.gp_nodes:
         node = parallel.nodes[i]
@@ -122,8 +114,9 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
         lin = lineages[lid]
         groups = [(_red(red, members[0]), tuple(tp(m) for m in members))
                   for _, members in sorted(lin.groups) if all(m in tp_ids for m in members)]
+        aliases = [(tp(s[0]), tuple(tp(m) for m in s[1:])) for s in lin.same]
         claims.append(LineageFact(ts(lin.ts), groups, sorted(tp(m) for m in lin.loose
-                                                             if m in tp_ids)))
+                                                             if m in tp_ids), aliases))
     ts_global = sorted(ts_ids, key=ts_ids.get)
     tp_global = sorted(tp_ids, key=tp_ids.get)
     return Problem(
@@ -132,6 +125,37 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
         gs=gs, gp=gp, given=given, claims=claims, constants=constants,
         ts_global=ts_global, tp_global=tp_global, gp_global=list(stage.gp_nodes),
     )
+
+
+def _given(lin: Lineage, ts_id: int, sources: set[int], red: Reduction, tp) -> LineageFact:
+    """What a stage may assume of an input lineage, on the Tp's it reads.
+
+    Each part stands for its replicas (a 'same' set): a group is usable when
+    every part in it has a replica among the stage's sources; that replica
+    takes the part's place, and the other replicas read are its aliases.
+    """
+    replicas = {s[0]: [m for m in s if m in sources] for s in lin.same}
+
+    def read(rep: int) -> list[int]:
+        return replicas.get(rep, [rep] if rep in sources else [])
+
+    groups, loose, aliases = [], [], []
+    used = set()
+    for _, members in sorted(lin.groups):
+        chosen = [read(m) for m in members]
+        if all(chosen):
+            groups.append((_red(red, chosen[0][0]), tuple(tp(c[0]) for c in chosen)))
+            used.update(members)
+        else:
+            loose += [c[0] for c in chosen if c]
+            used.update(m for m, c in zip(members, chosen) if c)
+    loose += [read(m)[0] for m in lin.loose if read(m)]
+    used.update(m for m in lin.loose if read(m))
+    for rep in used:
+        if len(read(rep)) > 1:
+            first, *others = read(rep)
+            aliases.append((tp(first), tuple(tp(o) for o in others)))
+    return LineageFact(ts_id, groups, sorted(tp(m) for m in loose), sorted(aliases))
 
 
 def _red(red: Reduction, tp: int) -> Slices:

@@ -159,5 +159,14 @@ def stage_failure(r: StageResult, verdict: Verdict, single: Plan, parallel: Plan
                     lines.append("    🚨 ⬆️")
             if (c, g) in out.bad and len(members) > 1:
                 lines.append("    🚨 ⬆️ (their sum differs)")
+        for k, (first, others) in enumerate(fact.aliases):
+            if (c, -1 - k) not in out.bad:
+                continue
+            t = parallel.tensors[p.tp_global[first]]
+            lines.append(f"🕐 {tuple(t.slices)} parts {t.parts}: replicas of one part")
+            for m in (first, *others):
+                lines.append(f"    =  {tp_label(parallel, p.tp_global[m])} "
+                             f"{_fmt(out.tp_values[m], '      ')}")
+            lines.append("    🚨 ⬆️ (they differ)")
     lines += [f"RuntimeError: Stage {stage.id} equivalence fails.", ""]
     return lines

@@ -96,6 +96,9 @@ class _Run:
         for m in f.loose:
             if m not in self.tp:
                 self.tp[m] = variables(f"Tp{m}", self.p.tp_shapes[m])
+        for first, others in f.aliases:
+            for o in others:
+                self.tp[o] = self.tp[first]
 
     def run_side(self, nodes, values: dict, shapes: list) -> None:
         xp = SymbolicXP()
@@ -112,28 +115,36 @@ class _Run:
                     raise ValueError(f"{op} ({direction}) made shape {v.shape}, expected {shapes[o]}")
                 values[o] = v
 
+    def pairs(self):
+        """(claim, check, left, right) for every equality to prove: each group
+        sums to its slice of Ts (check = group index), each replica of a part
+        equals its first (check = -1 - alias index)."""
+        for c, f in enumerate(self.p.claims):
+            for g, (slices, members) in enumerate(f.groups):
+                yield c, g, _total([self.tp[m] for m in members]), self.ts[f.ts][_region(slices)]
+            for k, (first, others) in enumerate(f.aliases):
+                for o in others:
+                    yield c, -1 - k, self.tp[o], self.tp[first]
+
     def obligations(self) -> tuple[list, list[tuple[int, int]], bool]:
         """Open claims (as Z3 inequalities), definitely failing groups, and
         whether every claim was settled without the solver."""
         open_, definite = [], []
-        for c, f in enumerate(self.p.claims):
-            for g, (slices, members) in enumerate(f.groups):
-                total = _total([self.tp[m] for m in members])
-                piece = self.ts[f.ts][_region(slices)]
-                for a, b in zip(np.ravel(total), np.ravel(piece)):
-                    if _is_const(a) or _is_const(b):
-                        if _is_const(a) and _is_const(b) and a == b:
-                            continue
-                        if not (_is_const(a) and _is_const(b)) and math.isfinite(
-                                a if _is_const(a) else b):
-                            open_.append((c, g, _real(a) != _real(b)))
-                            continue
-                        definite.append((c, g))
+        for c, g, total, piece in self.pairs():
+            for a, b in zip(np.ravel(total), np.ravel(piece)):
+                if _is_const(a) or _is_const(b):
+                    if _is_const(a) and _is_const(b) and a == b:
                         continue
-                    diff = z3.simplify(a - b, som=True)
-                    if z3.is_rational_value(diff) and diff.as_fraction() == 0:
+                    if not (_is_const(a) and _is_const(b)) and math.isfinite(
+                            a if _is_const(a) else b):
+                        open_.append((c, g, _real(a) != _real(b)))
                         continue
-                    open_.append((c, g, a != b))
+                    definite.append((c, g))
+                    continue
+                diff = z3.simplify(a - b, som=True)
+                if z3.is_rational_value(diff) and diff.as_fraction() == 0:
+                    continue
+                open_.append((c, g, a != b))
         return open_, definite, not open_
 
 
@@ -184,12 +195,11 @@ def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000) -> Outcome:
     out = Outcome("counterexample", seconds=took, solver=True)
     out.ts_values = {i: _evaluate(model, a) for i, a in run.ts.items()}
     out.tp_values = {i: _evaluate(model, a) for i, a in run.tp.items()}
-    for c, f in enumerate(p.claims):
-        for g, (slices, members) in enumerate(f.groups):
-            total = np.sum([out.tp_values[m] for m in members], axis=0)
-            piece = out.ts_values[f.ts][_region(slices)]
-            with np.errstate(invalid="ignore"):
-                same = np.where(total == piece, True, np.isclose(total, piece, rtol=0, atol=1e-9))
-            if not bool(np.all(same)):
-                out.bad.append((c, g))
+    for c, g, total, piece in run.pairs():
+        left, right = _evaluate(model, np.asarray(total, dtype=object)), _evaluate(
+            model, np.asarray(piece, dtype=object))
+        with np.errstate(invalid="ignore"):
+            same = np.where(left == right, True, np.isclose(left, right, rtol=0, atol=1e-9))
+        if not bool(np.all(same)) and (c, g) not in out.bad:
+            out.bad.append((c, g))
     return out
