@@ -43,7 +43,6 @@ class Problem:
     # not part of the key: where the local ids come from, for reports
     ts_global: list[int] = field(default_factory=list)
     tp_global: list[int] = field(default_factory=list)
-    gp_global: list[int] = field(default_factory=list)
 
     def key(self) -> str:
         body = [self.ts_shapes, self.tp_shapes, self.gs, self.gp, sorted(self.constants.items()),
@@ -123,7 +122,7 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
         ts_shapes=[red.gs_shape[i] for i in ts_global],
         tp_shapes=[red.gp_shape(i) for i in tp_global],
         gs=gs, gp=gp, given=given, claims=claims, constants=constants,
-        ts_global=ts_global, tp_global=tp_global, gp_global=list(stage.gp_nodes),
+        ts_global=ts_global, tp_global=tp_global,
     )
 
 

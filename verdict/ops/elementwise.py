@@ -20,10 +20,6 @@ def unbroadcast(g, shape: Shape):
     return g
 
 
-def _same(in_shapes, **_kw) -> list[Shape]:
-    return [tuple(in_shapes[0])]
-
-
 def _unary(in_shapes, **_kw) -> list[Shape]:
     expect(len(in_shapes) == 1, "expects one input")
     return [tuple(in_shapes[0])]
