@@ -7,7 +7,6 @@ Appends rows to data/stats/bench_generate.csv and prints a table.
 
 from __future__ import annotations
 
-import csv
 import os
 import platform
 import subprocess
@@ -15,6 +14,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from verdict.report import append_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {
@@ -66,15 +67,7 @@ def main() -> None:
                      "plan_mib": f"{size / 2**20:.1f}", "machine": machine,
                      "date": time.strftime("%Y-%m-%d")})
         print(f"{name}: {took:.2f} s, peak {peak:.0f} MiB, plan {size / 2**20:.1f} MiB")
-    out = ROOT / "data" / "stats" / "bench_generate.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    new = not out.exists()
-    with out.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-
+    append_rows(ROOT / "data" / "stats" / "bench_generate.csv", rows)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,6 @@ data/stats/bench_verify.csv and prints a table.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import subprocess
@@ -18,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from verdict.report import append_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {
@@ -78,15 +79,7 @@ def main() -> None:
                      "machine": f"{platform.machine()} cpus={os.cpu_count()}",
                      "date": time.strftime("%Y-%m-%d")})
         print(f"{name}: exit {code}, {took:.2f} s, peak {peak:.0f} MiB")
-    out = ROOT / "data" / "stats" / "bench_verify.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    new = not out.exists()
-    with out.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-
+    append_rows(ROOT / "data" / "stats" / "bench_verify.csv", rows)
 
 if __name__ == "__main__":
     main()

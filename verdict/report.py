@@ -56,17 +56,20 @@ def make_stats(verdict: Verdict, parallel: Plan, t_load: float) -> Stats:
     )
 
 
-def append_stats(stats: Stats, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "stats.csv"
-    row = asdict(stats)
+def append_rows(path: Path, rows: list[dict]) -> Path:
+    """Append rows to a CSV file, with a header line when the file is new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         if new:
             writer.writeheader()
-        writer.writerow(row)
+        writer.writerows(rows)
     return path
+
+
+def append_stats(stats: Stats, directory: Path) -> Path:
+    return append_rows(directory / "stats.csv", [asdict(stats)])
 
 
 def ts_label(single: Plan, i: int) -> str:
