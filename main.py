@@ -1,7 +1,9 @@
 """python main.py --sm single.pkl --pm parallel.pkl: are the two plans equivalent?
 
 Exit 0: equivalent. Exit 1: not equivalent (the difference is printed).
-Exit 2: bad input or usage (one line on stderr).
+Exit 2: bad input or usage (one line on stderr). Exit 3: no verdict, because
+of an internal error (an exception, a killed worker, memory exhausted) or a
+stage the solver could not decide (one line on stderr).
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ from verdict.report import append_stats, evidence, failure, make_stats, tp_label
 from verdict.solve import Outcome
 from verdict.structure import node_label
 
-EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 class UsageError(Exception):
     """Bad command-line usage or input: one line, exit 2."""
+
+
+class NoVerdict(Exception):
+    """The run reached no verdict (internal error, undecided stage): one line, exit 3."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,6 +98,8 @@ def run_verify(args: argparse.Namespace) -> int:
         log.debug("stage %d (%s): %s in %.3fs%s", r.stage.id, r.key[:8], r.outcome.status,
                   r.outcome.seconds, " (memo)" if r.memo else "")
     dump(args, single, parallel, verdict)
+    if verdict.kind == "internal":
+        raise NoVerdict(verdict.message)
     stats = make_stats(verdict, parallel, t_load)
     if verdict.success:
         for line in evidence(verdict, single):
@@ -201,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, PlanError, NumericRefused) as e:
         sys.stderr.write(f"error: {e}\n")
         return EXIT_BAD_INPUT
+    except NoVerdict as e:
+        sys.stderr.write(f"internal error: no verdict: {e}\n")
+        return EXIT_INTERNAL
+    except Exception as e:  # never a traceback, never a verdict
+        sys.stderr.write(f"internal error: {type(e).__name__}: {e}\n")
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

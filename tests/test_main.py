@@ -122,3 +122,29 @@ def test_command_line_process(plans, tmp_path):
                            str(plans["wrong"]), "--stats_dir", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 1 and "Traceback" not in done.stderr
+
+
+def test_internal_error_exits_3_with_one_line(plans, tmp_path, capsys, monkeypatch):
+    """An exception inside the verifier is neither a verdict nor a traceback."""
+    def broken(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(main, "verify", broken)
+    code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"])],
+                         tmp_path, capsys)
+    assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
+    assert len(err.strip().splitlines()) == 1 and "RecursionError" in err
+
+
+def test_stage_that_cannot_run_is_no_verdict(plans, tmp_path, capsys, monkeypatch):
+    """A stage worker that raises leaves the run without a verdict: exit 3."""
+    import verdict.engine as engine
+
+    def raising(problem, seed=0, timeout_ms=0):
+        raise ValueError("cannot run")
+
+    monkeypatch.setattr(engine, "solve", raising)
+    code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"]),
+                          "--no_cache_stages"], tmp_path, capsys)
+    assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
+    assert "no verdict" in err and len(err.strip().splitlines()) == 1

@@ -38,7 +38,7 @@ class StageResult:
 @dataclass
 class Verdict:
     success: bool
-    kind: str = ""  # on failure: structure kind, 'stage' or 'coverage'
+    kind: str = ""  # on failure: structure kind, 'stage', 'coverage' or 'internal' (no verdict)
     message: str = ""
     results: list[StageResult] = field(default_factory=list)
     failed: list[StageResult] = field(default_factory=list)
@@ -202,8 +202,14 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
     verdict = Verdict(not failed, results=results, failed=failed, lineages=lineages,
                       stages=stages, times=times, unique=len({k for _, _, k in prepared}),
                       memo_hits=hits)
-    if failed:
-        verdict.kind, verdict.message = "stage", f"{len(failed)} stage(s) fail"
+    undecided = [r for r in failed if r.outcome.status in ("error", "unknown")]
+    if failed and len(undecided) == len(failed):
+        r = undecided[0]
+        verdict.kind = "internal"
+        verdict.message = f"stage {r.stage.id} was not decided: {r.outcome.status}: {r.outcome.detail}"
+    elif failed:
+        verdict.failed = [r for r in failed if r not in undecided]
+        verdict.kind, verdict.message = "stage", f"{len(verdict.failed)} stage(s) fail"
     else:
         proved = {lid for r in results for lid in r.stage.outputs}
         proved |= {lin.id for lin in lineages
