@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from verdict.final import final_version, loss_groups, rank_states
 from verdict.lineage import exact_covers
 from verdict.numeric import ExecutionError, execute
 from verdict.plan import Plan, Tensor
@@ -79,7 +80,8 @@ def _close(a: np.ndarray, b: np.ndarray, rtol: float) -> bool:
 
 
 def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> NumericReport:
-    """Compare every tensor of ``parallel`` with its lineage in ``single``."""
+    """Compare every tensor of ``parallel`` with its lineage in ``single``,
+    and what every rank ends with against the single-device step."""
     ref_values = execute(single, seed)
     report = NumericReport()
     try:
@@ -90,66 +92,80 @@ def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> 
     ref = {(t.tid, t.version): ref_values[i] for i, t in enumerate(single.tensors)}
     order = {o: k for k, node in enumerate(parallel.nodes) for o in node.outputs if o >= 0}
     partial: dict[tuple, list[int]] = defaultdict(list)
-    covered: dict[int, list] = defaultdict(list)
     for i in sorted(range(len(parallel.tensors)), key=lambda i: order.get(i, -1)):
         t = parallel.tensors[i]
         if values[i] is None:
             continue
-        full = ref[(t.tid, t.lver)]
-        piece = full[tuple(slice(a, b) for a, b in t.slices)]
+        piece = ref[(t.tid, t.lver)][_region(t.slices)]
         if t.is_whole():
             report.checked += 1
-            covered[t.tid].append(t.slices)
             if not _close(values[i], piece, rtol):
                 name = parallel.logical[t.tid].name
                 report.differences.append(Difference(name, [t], piece, values[i], "tensor"))
         else:
             partial[(t.tid, t.lver, t.slices, t.parts[2])].append(i)
     for (tid, lver, slices, n), members in partial.items():
-        covers, _ = exact_covers([(*parallel.tensors[i].parts[:2], i) for i in members], n)
-        if not covers:
-            continue
-        cover = covers[0]
-        report.groups += 1
-        covered[tid].append(slices)
-        total = sum(values[i] for i in cover)
-        piece = ref[(tid, lver)][tuple(slice(a, b) for a, b in slices)]
-        if not _close(total, piece, rtol):
-            name = parallel.logical[tid].name
-            report.differences.append(Difference(
-                name, [parallel.tensors[i] for i in cover], piece, total, "partial-sum group"))
-    report.uncovered = final_coverage(single, parallel, covered)
+        name = parallel.logical[tid].name
+        by_range: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i in members:
+            by_range[parallel.tensors[i].parts[:2]].append(i)
+        for same in by_range.values():
+            for i in same[1:]:
+                if not _close(values[i], values[same[0]], rtol):
+                    report.differences.append(Difference(
+                        name, [parallel.tensors[same[0]], parallel.tensors[i]], values[same[0]],
+                        values[i], "replica of one partial part"))
+        reps = [(lo, hi, same[0]) for (lo, hi), same in by_range.items()]
+        covers, _ = exact_covers(reps, n)
+        piece = ref[(tid, lver)][_region(slices)]
+        for cover in covers:
+            report.groups += 1
+            total = sum(values[i] for i in cover)
+            if not _close(total, piece, rtol):
+                report.differences.append(Difference(
+                    name, [parallel.tensors[i] for i in cover], piece, total, "partial-sum group"))
+    report.uncovered = final_state(single, parallel, ref_values, values, rtol)
     return report
 
 
-def final_coverage(single: Plan, parallel: Plan, covered: dict[int, list]) -> list[str]:
-    """Logical results (loss, final gradients) the parallel plan does not
-    fully produce: every rank's last gradient buffer must be a whole slice,
-    and the slices together must cover the gradient; the loss must be
-    covered by whole slices or complete partial-sum groups."""
+def _region(slices) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in slices)
+
+
+def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
+                rtol: float) -> list[str]:
+    """The per-rank contract of verdict/final.py, judged by value: every
+    rank's last gradient buffer of each shard it holds equals the final
+    single-device gradient there, and each set of data-parallel replicas
+    ends with the whole loss."""
     problems = []
-    last = parallel.last_writes()
-    for param, buf in parallel.grads.items():
-        name = parallel.logical[param].name
-        final = max(t.version for t in single.tensors if t.tid == buf)
-        finals = [parallel.tensors[i] for (tid, _), i in last.items() if tid == buf]
-        if not finals:
-            problems.append(f"gradient of {name} is never produced")
-            continue
-        stale = [t for t in finals if t.lver != final or not t.is_whole()]
-        if stale:
-            t = stale[0]
-            problems.append(f"gradient of {name} on rank {t.rank} ends incomplete "
-                            f"(version {t.version}, parts {t.parts})")
-        if not _covers(single.logical[buf].shape, [t.slices for t in finals]):
-            problems.append(f"gradient of {name} is not covered by the ranks' final slices")
-    if not covered.get(parallel.loss):
-        problems.append("the loss is not covered by whole tensors or complete partial sums")
+    last = {t.tid: i for i, t in enumerate(single.tensors)
+            if t.version == final_version(single, t.tid)}
+    states = rank_states(single, parallel)
+    for rank, st in states.items():
+        for p, held in sorted(st.held.items()):
+            name = single.logical[p].name
+            expected = ref_values[last[single.grads[p]]]
+            got = st.last_grad.get(p)
+            if got is None:
+                problems.append(f"rank {rank} holds a shard of {name} but ends with no gradient")
+                continue
+            for slices in held:
+                if not _close(values[got], expected[_region(slices)], rtol):
+                    problems.append(f"rank {rank} ends with a gradient of {name} that is not "
+                                    f"the single-device gradient of its shard")
+                    break
+    for p in single.grads:
+        if not any(p in st.held for st in states.values()):
+            problems.append(f"no rank holds {single.logical[p].name}")
+    loss = ref_values[last[single.loss]]
+    groups = loss_groups(single, parallel, states)
+    if not groups:
+        problems.append("no rank ends with the loss")
+    for group in groups:
+        total = sum(values[t] for t in group)
+        if not _close(np.asarray(total, dtype=float), loss, rtol):
+            ranks = sorted({parallel.tensors[t].rank for t in group})
+            problems.append(f"the loss on ranks {ranks} (data-parallel replicas) sums to "
+                            f"{float(np.sum(total)):.6g}, not {float(np.sum(loss)):.6g}")
     return problems
-
-
-def _covers(shape: tuple[int, ...], slices: list[tuple[tuple[int, int], ...]]) -> bool:
-    mask = np.zeros(shape, dtype=bool)
-    for s in slices:
-        mask[tuple(slice(a, b) for a, b in s)] = True
-    return bool(mask.all())

@@ -4,8 +4,8 @@
 
 Stages are proved independently (each assumes only its input lineages), so
 they run in any order and in parallel. Identical stages (same canonical
-problem) are proved once. The final check makes sure the proved lineages
-cover the loss and every final gradient on every rank.
+problem) are proved once. The final check (verdict/final.py) makes sure
+every rank ends with what the single-device step computes for what it holds.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import multiprocessing
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 from tqdm import tqdm
 
+from verdict.final import add_loss_groups, check_final, loss_groups, rank_states
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import Plan
 from verdict.problem import Problem, build_problem
@@ -129,44 +129,6 @@ def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, O
     return results, hits
 
 
-def final_coverage(single: Plan, parallel: Plan, lineages: list[Lineage], of_gs: list[int],
-                   proved: set[int]) -> list[str]:
-    """Soundness rule 3: the proved lineages cover the loss and every final
-    gradient, and every rank's last gradient buffer is a proved whole piece."""
-    problems = []
-    last_gs: dict[int, int] = {}
-    for i, t in enumerate(single.tensors):
-        if t.tid not in last_gs or single.tensors[last_gs[t.tid]].version < t.version:
-            last_gs[t.tid] = i
-    for tid, what in [(single.loss, "the loss"),
-                      *[(b, f"the gradient of {single.logical[p].name}")
-                        for p, b in single.grads.items()]]:
-        ts = last_gs[tid]
-        lid = of_gs[ts]
-        if lid < 0 or lid not in proved:
-            problems.append(f"{what} is never produced by the parallel plan")
-            continue
-        mask = np.zeros(single.tensors[ts].shape, dtype=bool)
-        for slices, _ in lineages[lid].groups:
-            mask[tuple(slice(a, b) for a, b in slices)] = True
-        if not mask.all():
-            problems.append(f"{what} is not covered: {int((~mask).sum())} of {mask.size} "
-                            f"elements have no complete group of parallel tensors")
-    last_gp = parallel.last_writes()
-    params_of = {buf: p for p, buf in single.grads.items()}
-    for (tid, rank), i in sorted(last_gp.items()):
-        if tid in params_of:
-            p, t = params_of[tid], parallel.tensors[i]
-            final = single.tensors[last_gs[tid]].version
-            if t.lver != final or not t.is_whole():
-                problems.append(
-                    f"the gradient of {single.logical[p].name} on rank {rank} ends with "
-                    f"Tensor(rank={rank}, mb={t.mb}, tid={tid}, v={t.version}), "
-                    f"which is not the fully accumulated and reduced gradient "
-                    f"(version {t.lver} of {final}, parts {t.parts})")
-    return problems
-
-
 def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
            keep_going: bool = False, memo: dict[str, Outcome] | None = None,
            progress: bool = False) -> Verdict:
@@ -179,6 +141,8 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         times["t_graph"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         lineages, of_gs, of_gp = infer_lineages(single, parallel)
+        states = rank_states(single, parallel)
+        add_loss_groups(single, parallel, lineages, of_gp, loss_groups(single, parallel, states))
         stages = cut_stages(single, parallel, lineages, of_gs, of_gp)
         times["t_lineage"] = time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -215,7 +179,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         proved |= {lin.id for lin in lineages
                    if single.logical[single.tensors[lin.ts].tid].kind in
                    ("data", "tokens", "param", "buffer")}
-        verdict.coverage = final_coverage(single, parallel, lineages, of_gs, proved)
+        verdict.coverage = check_final(single, parallel, states, lineages, of_gp, proved)
         if verdict.coverage:
             verdict.success, verdict.kind = False, "coverage"
             verdict.message = verdict.coverage[0]

@@ -126,6 +126,7 @@ def execute(plan: Plan, seed: int = 0) -> list[np.ndarray | None]:
     xp = NumericXP()
     for node in plan.nodes:
         args = []
+        collective = get_op(node.op).group
         for i in node.inputs:
             if i >= 0 and values[i] is None:
                 t = plan.tensors[i]
@@ -133,12 +134,21 @@ def execute(plan: Plan, seed: int = 0) -> list[np.ndarray | None]:
                     f"{describe(plan, node)} reads {plan.logical[t.tid].name} (rank {t.rank} "
                     f"mb {t.mb} v{t.version}), which no earlier node writes"
                 )
+            if i >= 0 and not collective and plan.tensors[i].rank != node.rank:
+                t = plan.tensors[i]
+                raise ExecutionError(
+                    f"{describe(plan, node)} reads {plan.logical[t.tid].name} of rank {t.rank} "
+                    f"without communication"
+                )
             args.append(values[i] if i >= 0 else None)
         shapes = [plan.tensors[o].shape if o >= 0 else None for o in node.outputs]
         outs = run_node(xp, node, args, shapes)
         for o, value in zip(node.outputs, outs):
             if o < 0:
                 continue
+            if plan.tensors[o].rank != node.rank:
+                raise ExecutionError(f"{describe(plan, node)} writes a tensor of rank "
+                                     f"{plan.tensors[o].rank}")
             if value is None or tuple(np.shape(value)) != plan.tensors[o].shape:
                 got = None if value is None else tuple(np.shape(value))
                 raise ExecutionError(

@@ -16,6 +16,7 @@ from verdict.ops import get_op
 from verdict.plan import Plan, Slices
 from verdict.reduce import Reduction
 from verdict.stages import Stage
+from verdict.structure import fw_shapes
 
 Group = tuple[Slices, tuple[int, ...]]
 
@@ -53,15 +54,8 @@ class Problem:
 
 
 def _resized(plan: Plan, node, shape_of) -> dict:
-    rule = get_op(node.op)
-    if node.dir == "bw" and rule.backward is not None:
-        n = len(node.outputs)
-        ins = [shape_of(s if s >= 0 else g) for s, g in zip(node.inputs[:n], node.outputs)]
-        outs = [shape_of(g) for g in node.inputs[n:]]
-    else:
-        ins = [shape_of(i) for i in node.inputs]
-        outs = [shape_of(o) for o in node.outputs]
-    return rule.resized(node.kwargs, ins, outs)
+    ins, outs = fw_shapes(plan, node, shape_of)
+    return get_op(node.op).resized(node.kwargs, ins, outs)
 
 
 def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lineage],
@@ -87,7 +81,7 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
     gs = None
     if stage.gs_node >= 0:
         node = single.nodes[stage.gs_node]
-        kw = _resized(single, node, lambda i: red.gs_shape.get(i) if i >= 0 else None)
+        kw = _resized(single, node, red.gs_shape.get)
         gs = (node.op, node.dir, kw, [ts(i) for i in node.inputs], [ts(o) for o in node.outputs])
     for lid in (*stage.inputs, *stage.outputs):
         ts(lineages[lid].ts)
@@ -106,7 +100,7 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
         node = parallel.nodes[i]
         ins = [tp(t) for t in node.inputs]
         outs = [tp(t) for t in node.outputs]
-        kw = _resized(parallel, node, lambda t: red.gp_shape(t) if t >= 0 else None)
+        kw = _resized(parallel, node, red.gp_shape)
         gp.append((node.op, node.dir, kw, ins, outs))
     claims = []
     for lid in stage.outputs:

@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass
 
 from verdict.lineage import Lineage, StructureError
-from verdict.ops import get_op
-from verdict.plan import Plan, Slices
+from verdict.ops import ShapeError, get_op
+from verdict.plan import Node, Plan, Slices
 from verdict.stages import Stage
-from verdict.structure import fw_shapes
+from verdict.structure import fw_shapes, node_label
 
 Ref = tuple[int, int]  # (Gs tensor, dim)
 
@@ -90,79 +90,177 @@ def reduce_stage(single: Plan, parallel: Plan, stage: Stage, lineages: list[Line
                  of_gp: list[int], gp_tensors: list[int]) -> Reduction:
     classes = _Classes()
     own = single.nodes[stage.gs_node] if stage.gs_node >= 0 else None
+    own_ts = {t for t in (*own.inputs, *own.outputs) if t >= 0} if own else set()
+    ts_of = {t: lineages[of_gp[t]].ts for t in gp_tensors}
     ts_list = sorted({lineages[lid].ts for lid in (*stage.inputs, *stage.outputs)}
-                     | {lineages[of_gp[t]].ts for t in gp_tensors}
-                     | ({t for t in (*own.inputs, *own.outputs) if t >= 0} if own else set()))
+                     | set(ts_of.values()) | own_ts)
     for ts in ts_list:
         for d, n in enumerate(single.tensors[ts].shape):
             classes.add((ts, d), n)
     products: list[tuple[Ref, list[Ref], int]] = []
-    if stage.gs_node >= 0:
-        products = _relate(single, stage.gs_node, classes)
+    if own is not None:
+        products = _apply(classes, node_relations(single, own), lambda r: r)
+    for i in stage.gp_nodes:
+        _check_parallel(single, parallel, i, classes, ts_of, own_ts)
     by_ts: dict[int, list[int]] = {}
     for t in gp_tensors:
-        by_ts.setdefault(lineages[of_gp[t]].ts, []).append(t)
+        by_ts.setdefault(ts_of[t], []).append(t)
     for ts, members in by_ts.items():
         for d, n in enumerate(single.tensors[ts].shape):
             classes.need((ts, d), _pieces(n, [parallel.tensors[t].slices[d] for t in members]))
+    _keep_square_pieces(single, classes, ts_list)
     size = _sizes(classes, products)
     gs_shape = {ts: tuple(size((ts, d)) for d in range(len(single.tensors[ts].shape)))
                 for ts in ts_list}
     gp_slices = {}
     for t in gp_tensors:
-        ts = lineages[of_gp[t]].ts
+        ts = ts_of[t]
         full, red = single.tensors[ts].shape, gs_shape[ts]
         gp_slices[t] = tuple((a * r // n, b * r // n) if n else (0, 0)
                              for (a, b), n, r in zip(parallel.tensors[t].slices, full, red))
-    return Reduction(gs_shape, gp_slices)
+    reduction = Reduction(gs_shape, gp_slices)
+    for i in stage.gp_nodes:
+        _check_reduced_shapes(parallel, i, reduction)
+    return reduction
 
 
-def _relate(single: Plan, index: int, classes: _Classes) -> list[tuple[Ref, list[Ref], int]]:
-    """Apply the Gs node's dim relations; return its product relations."""
-    node = single.nodes[index]
+def node_relations(plan: Plan, node: Node) -> list[tuple]:
+    """The node's dims relations over (plan tensor, dim) refs: its operator's
+    ``dims`` rule, and for a backward node each gradient tied to its primal."""
     rule = get_op(node.op)
-    ins, outs = fw_shapes(single, node)
-    refs = _fw_refs(single, index)
-    products = []
+    ins, outs = fw_shapes(plan, node)
+    if node.dir == "bw" and rule.backward is not None:
+        n = len(node.outputs)
+        fw_ins = [s if s >= 0 else g for s, g in zip(node.inputs[:n], node.outputs)]
+        fw_outs = list(node.inputs[n:])
+    else:
+        fw_ins, fw_outs = list(node.inputs), list(node.outputs)
+
+    def ref(r) -> Ref | None:
+        side, pos, dim = r
+        t = (fw_ins if side == "i" else fw_outs)[pos]
+        return (t, dim) if t >= 0 else None
+
+    rels: list[tuple] = []
     if node.dir == "bw" and rule.backward is not None:
         n = len(node.outputs)
         for s, g in zip(node.inputs[:n], node.outputs):
             if s >= 0 and g >= 0:
-                for d in range(len(single.tensors[s].shape)):
-                    classes.union((s, d), (g, d))
+                rels += [("eq", (s, d), (g, d)) for d in range(len(plan.tensors[s].shape))]
     for rel in rule.relations(ins, outs, node.kwargs):
         if rel[0] == "eq":
-            a, b = refs(rel[1]), refs(rel[2])
+            a, b = ref(rel[1]), ref(rel[2])
             if a and b:
-                classes.union(a, b)
+                rels.append(("eq", a, b))
         elif rel[0] == "min":
-            a = refs(rel[1])
+            a = ref(rel[1])
             if a:
-                classes.need(a, minimum=rel[2])
+                rels.append(("min", a, rel[2]))
         elif rel[0] == "mul":
-            target, factors = refs(rel[1]), [refs(f) for f in rel[2]]
+            target, factors = ref(rel[1]), [ref(f) for f in rel[2]]
             if target and all(factors):
-                products.append((target, factors, rel[3]))
+                rels.append(("mul", target, factors, rel[3]))
+    return rels
+
+
+def _apply(classes: _Classes, rels: list[tuple], to_ref) -> list[tuple[Ref, list[Ref], int]]:
+    """Tie and bound the classes by relations (refs mapped by ``to_ref``);
+    return the product relations."""
+    products = []
+    for rel in rels:
+        if rel[0] == "eq":
+            classes.union(to_ref(rel[1]), to_ref(rel[2]))
+        elif rel[0] == "min":
+            classes.need(to_ref(rel[1]), minimum=rel[2])
+        else:
+            products.append((to_ref(rel[1]), [to_ref(f) for f in rel[2]], rel[3]))
     return products
 
 
-def _fw_refs(single: Plan, index: int):
-    """Map a relation's ('i'|'o', position, dim) to a (Gs tensor, dim)."""
-    node = single.nodes[index]
+def _check_parallel(single: Plan, parallel: Plan, index: int, classes: _Classes,
+                    ts_of: dict[int, int], own_ts: set[int]) -> None:
+    """Read a parallel node's dims relations through the lineage mapping.
+
+    A tie between two dims of one single-device tensor, or between dims of
+    the single-device node's own tensors, that the single-device node does
+    not make means the parallel node mixes dims of different roles (a
+    transpose, swapped operands): a finding. Other ties (tensors the
+    single-device node does not touch) join the classes. A minimum on a
+    local dim bounds the reduced size so that the local piece keeps it.
+    """
+    node = parallel.nodes[index]
+    for rel in node_relations(parallel, node):
+        if rel[0] == "eq":
+            (ta, da), (tb, db) = rel[1], rel[2]
+            a, b = (ts_of[ta], da), (ts_of[tb], db)
+            if classes.find(a) == classes.find(b):
+                continue
+            if parallel.tensors[ta].shape[da] == 1 and parallel.tensors[tb].shape[db] == 1:
+                continue  # dims of size one carry no order to confuse
+            if a[0] == b[0] or (a[0] in own_ts and b[0] in own_ts):
+                raise StructureError("dims", (
+                    f"{node_label(parallel, index)} ties dim {da} of "
+                    f"{_tp_name(parallel, ta)} to dim {db} of {_tp_name(parallel, tb)}; in the "
+                    f"single-device plan dim {a[1]} of {_ts_name(single, a[0])} and dim {b[1]} of "
+                    f"{_ts_name(single, b[0])} have different roles (dims confused: a transpose, "
+                    f"a permute or swapped operands)"))
+            classes.union(a, b)
+        elif rel[0] == "min":
+            t, d = rel[1]
+            local, full = parallel.tensors[t].shape[d], single.tensors[ts_of[t]].shape[d]
+            if local:
+                classes.need((ts_of[t], d), minimum=-(-rel[2] * full // local))
+
+
+def _keep_square_pieces(single: Plan, classes: _Classes, ts_list: list[int]) -> None:
+    """Two dims of one tensor in one class share a reduced size: keep each of
+    their pieces at least 2 long, so a transpose of a piece is never the
+    identity of a 1x1 piece."""
+    for ts in ts_list:
+        roots: dict[Ref, int] = {}
+        for d, n in enumerate(single.tensors[ts].shape):
+            if n < 2:
+                continue
+            root = classes.find((ts, d))
+            roots[root] = roots.get(root, 0) + 1
+        for root, dims in roots.items():
+            if dims > 1:
+                classes.need(root, minimum=2 * classes.count[root])
+
+
+def _check_reduced_shapes(parallel: Plan, index: int, red: Reduction) -> None:
+    """The parallel node's shape rule holds at the reduced shapes: reduction
+    kept the relations the parallel program relies on."""
+    node = parallel.nodes[index]
     rule = get_op(node.op)
-    if node.dir == "bw" and rule.backward is not None:
-        n = len(node.outputs)
-        ins = [s if s >= 0 else g for s, g in zip(node.inputs[:n], node.outputs)]
-        outs = list(node.inputs[n:])
+
+    def shape(t: int):
+        return red.gp_shape(t) if t >= 0 else None
+
+    ins, outs = fw_shapes(parallel, node, shape)
+    if any(s is None for s in ins):
+        return
+    try:
+        got = rule.shape(ins, **rule.resized(node.kwargs, ins, outs))
+    except (ShapeError, TypeError, ValueError, IndexError, KeyError) as e:
+        got, why = None, str(e)
     else:
-        ins, outs = list(node.inputs), list(node.outputs)
+        why = ""
+        if any(o is not None and tuple(o) != tuple(g) for o, g in zip(outs, got)):
+            why = f"it makes {[tuple(g) for g in got]}, expected {[o for o in outs]}"
+    if got is None or why:
+        raise StructureError("dims", (
+            f"{node_label(parallel, index)} does not keep its shapes when the stage is reduced "
+            f"({why}): its dims relate in a way the single-device node's do not"))
 
-    def ref(r) -> Ref | None:
-        side, pos, dim = r
-        t = (ins if side == "i" else outs)[pos]
-        return (t, dim) if t >= 0 else None
 
-    return ref
+def _tp_name(parallel: Plan, t: int) -> str:
+    x = parallel.tensors[t]
+    return f"Tensor(rank={x.rank}, mb={x.mb}, tid={x.tid}, v={x.version})"
+
+
+def _ts_name(single: Plan, t: int) -> str:
+    return single.logical[single.tensors[t].tid].name
 
 
 def _sizes(classes: _Classes, products: list[tuple[Ref, list[Ref], int]]):

@@ -14,14 +14,17 @@ def node_label(plan: Plan, i: int) -> str:
     return f"Node(rank={n.rank}, mb={n.mb}, cid={i}, op='{n.op}', dir='{n.dir}', name='{n.name}')"
 
 
-def fw_shapes(plan: Plan, node: Node) -> tuple[list, list]:
+def fw_shapes(plan: Plan, node: Node, shape_of=None) -> tuple[list, list]:
     """Shapes of the forward inputs and outputs a node stands for (None where
     unknown): its own for a forward node; for a backward node, the kept
-    inputs or their gradients, and the gradients of the outputs."""
+    inputs or their gradients, and the gradients of the outputs.
+    ``shape_of(tensor index)`` gives the shapes (default: the plan's)."""
     rule = get_op(node.op)
 
     def shape(i: int):
-        return plan.tensors[i].shape if i >= 0 else None
+        if i < 0:
+            return None
+        return plan.tensors[i].shape if shape_of is None else shape_of(i)
 
     if node.dir != "bw" or rule.backward is None:
         return [shape(i) for i in node.inputs], [shape(o) for o in node.outputs]

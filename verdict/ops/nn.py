@@ -114,9 +114,12 @@ def route_numeric(scores: np.ndarray, topk: int, capacity: int) -> np.ndarray:
 
 
 def _route_dims(ins, outs, topk, capacity):
-    if ins[0] is None or outs[0] is None:
+    if ins[0] is None:
         return []
-    return [("eq", ("i", 0, k), ("o", 0, k)) for k in range(3)]
+    rel = [("min", ("i", 0, 2), topk)]  # top-k needs k experts at any size
+    if outs[0] is None:
+        return rel
+    return rel + [("eq", ("i", 0, k), ("o", 0, k)) for k in range(3)]
 
 
 def _resize_route(kw, ins, outs):

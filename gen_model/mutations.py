@@ -1,0 +1,594 @@
+"""Mutation operators and semantics-preserving rewrites over plan data.
+
+    MUTATIONS[name](plan, rng) -> (Plan, where) | None
+    REWRITES[name](plan, rng)  -> (Plan, where) | None
+
+A mutation makes one small change of the kind a parallelizer gets wrong: a
+collective dropped, replaced or run on the wrong group, a wrong peer, a
+constant changed on one rank, swapped operands, an inserted transpose, a
+stale version or another microbatch's tensor read, an accumulation dropped,
+a reducer run early, a rank ending with another shard's gradient or with
+none, a loss left partial, a node deleted. New tensors claim the view the
+tensor they stand for claims, as a parallelizer would write it; whether the
+mutant is wrong is for an oracle to say (gen_model/oracle.py), not for the
+claims. A rewrite changes the plan without changing what any rank computes.
+
+Each operator picks its target with ``rng`` among the places it applies to
+and returns a new plan (the input is not changed) with a short description
+of where it struck, or None when the plan has no such place.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from gen_model.bugs import scatter_gather
+from gen_model.config import ConfigError
+from verdict.ops import get_op
+from verdict.plan import INPUT_KINDS, Node, Plan
+
+Result = tuple[Plan, str] | None
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def copy_plan(plan: Plan) -> Plan:
+    """A copy whose lists can be edited (nodes and tensors are immutable)."""
+    return Plan(world=dict(plan.world), logical=list(plan.logical), tensors=list(plan.tensors),
+                nodes=list(plan.nodes), loss=plan.loss, grads=dict(plan.grads))
+
+
+def where(plan: Plan, i: int) -> str:
+    n = plan.nodes[i]
+    return f"{n.op} ({n.dir}) {n.name} on rank {n.rank} mb {n.mb}"
+
+
+def _pick(rng: random.Random, items: list):
+    return rng.choice(items) if items else None
+
+
+def _own(plan: Plan, i: int) -> int:
+    node = plan.nodes[i]
+    return next(t for t in node.inputs if t >= 0 and plan.tensors[t].rank == node.rank)
+
+
+def _add_tensor(plan: Plan, like: int) -> int:
+    """A new tensor with the shape and claim of ``like`` (a later version)."""
+    t = plan.tensors[like]
+    later = max(u.version for u in plan.tensors
+                if (u.rank, u.mb, u.tid) == (t.rank, t.mb, t.tid))
+    plan.tensors.append(t._replace(version=later + 1))
+    return len(plan.tensors) - 1
+
+
+def _reroute(plan: Plan, old: int, new: int, start: int) -> int:
+    """Nodes from ``start`` on read ``new`` instead of ``old``; how many."""
+    count = 0
+    for k in range(start, len(plan.nodes)):
+        n = plan.nodes[k]
+        if old in n.inputs:
+            plan.nodes[k] = n._replace(inputs=tuple(new if t == old else t for t in n.inputs))
+            count += 1
+    return count
+
+
+def _insert_after_producer(plan: Plan, t: int, make: Callable[[int, int], list[Node]]) -> bool:
+    """Insert nodes right after the producer of ``t`` that read ``t`` and
+    write a stand-in ``t'``; every later reader reads ``t'``. ``make(t, t')``
+    builds the nodes (their last output is ``t'``)."""
+    prod = next(i for i, n in enumerate(plan.nodes) if t in n.outputs)
+    stand_in = _add_tensor(plan, t)
+    new = make(t, stand_in)
+    if not _reroute(plan, t, stand_in, prod + 1):
+        plan.tensors.pop()
+        return False
+    plan.nodes[prod + 1:prod + 1] = new
+    return True
+
+
+def drop_orphans(plan: Plan) -> Plan:
+    """Remove computed tensors that no node reads or writes any more (what a
+    parallelizer that never made them would have written)."""
+    used = {t for n in plan.nodes for t in (*n.inputs, *n.outputs) if t >= 0}
+    keep = [i for i, t in enumerate(plan.tensors)
+            if i in used or plan.logical[t.tid].kind in INPUT_KINDS]
+    index = {old: new for new, old in enumerate(keep)}
+    plan.tensors = [plan.tensors[i] for i in keep]
+    plan.nodes = [n._replace(inputs=tuple(index.get(t, -1) for t in n.inputs),
+                             outputs=tuple(index.get(t, -1) for t in n.outputs))
+                  for n in plan.nodes]
+    return plan
+
+
+def _computed(plan: Plan) -> list[int]:
+    """Tensors some node writes, in a stable order."""
+    return sorted({o for n in plan.nodes for o in n.outputs if o >= 0})
+
+
+# ---------------------------------------------------------------- mutations
+
+
+def drop_collective(plan: Plan, rng: random.Random) -> Result:
+    """A collective run on a group of one: the rank keeps its own piece."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op in ("all_reduce", "reducer")
+             and len(n.inputs) > 1]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    p.nodes[i] = p.nodes[i]._replace(inputs=(_own(p, i),), kwargs={"index": 0})
+    return p, where(plan, i)
+
+
+def replace_collective(plan: Plan, rng: random.Random) -> Result:
+    """An all_reduce emitted as another collective of the same group."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "all_reduce" and len(n.inputs) > 1]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    shape = p.tensors[n.inputs[0]].shape
+    choices = [("broadcast", {"src": 0})]
+    for d, size in enumerate(shape):
+        choices.append(("all_gather", {"dim": d}))
+        if size % len(n.inputs) == 0:
+            choices.append(("reduce_scatter", {"dim": d}))
+    op, kw = rng.choice(choices)
+    if op == "broadcast":
+        p.nodes[i] = n._replace(op=op, inputs=(n.inputs[0],), kwargs=kw)
+    else:
+        p.nodes[i] = n._replace(op=op, kwargs={**kw, "index": n.kwargs["index"]})
+    return p, f"{where(plan, i)} as {op}"
+
+
+def wrong_group(plan: Plan, rng: random.Random) -> Result:
+    """One member of a collective's group read from a rank outside it."""
+    sites = []
+    for i, n in enumerate(plan.nodes):
+        if n.op in (*COLLECTIVES, "reducer") and len(n.inputs) > 1:
+            for k, t in enumerate(n.inputs):
+                x = plan.tensors[t]
+                group = {plan.tensors[u].rank for u in n.inputs}
+                others = [j for j, u in enumerate(plan.tensors) if u.rank not in group
+                          and (u.tid, u.mb, u.version, u.shape) == (x.tid, x.mb, x.version, x.shape)]
+                sites += [(i, k, j) for j in others]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, k, j = site
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    if _written_after(p, j, i):
+        return None
+    inputs = list(n.inputs)
+    inputs[k] = j
+    p.nodes[i] = n._replace(inputs=tuple(inputs))
+    return p, f"{where(plan, i)} member {k} from rank {plan.tensors[j].rank}"
+
+
+def _written_after(plan: Plan, t: int, i: int) -> bool:
+    return any(t in n.outputs for n in plan.nodes[i:])
+
+
+def wrong_peer(plan: Plan, rng: random.Random) -> Result:
+    """A send_recv that reads the tensor of another rank than its source."""
+    sites = []
+    for i, n in enumerate(plan.nodes):
+        if n.op == "send_recv":
+            x = plan.tensors[n.inputs[0]]
+            sites += [(i, j) for j, u in enumerate(plan.tensors[:]) if j != n.inputs[0]
+                      and (u.tid, u.mb, u.shape) == (x.tid, x.mb, x.shape) and u.rank != x.rank
+                      and not _written_after(plan, j, i)]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, j = site
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    p.nodes[i] = n._replace(inputs=(j,), kwargs={**n.kwargs, "src": p.tensors[j].rank})
+    return p, f"{where(plan, i)} from rank {plan.tensors[j].rank}"
+
+
+def scale_one_rank(plan: Plan, rng: random.Random) -> Result:
+    """A tensor on one rank multiplied by a constant before its readers."""
+    sites = [t for t in _computed(plan) if plan.logical[plan.tensors[t].tid].kind != "gradbuf"]
+    t = _pick(rng, sites)
+    if t is None:
+        return None
+    p = copy_plan(plan)
+    x = p.tensors[t]
+    factor = rng.choice([2.0, -1.0, 0.5])
+    ok = _insert_after_producer(p, t, lambda a, b: [Node(
+        x.rank, x.mb, "mul_scalar", "fw", (a,), (b,), {"value": factor}, "scale")])
+    if not ok:
+        return None
+    return p, f"{plan.logical[x.tid].name} on rank {x.rank} mb {x.mb} times {factor}"
+
+
+def change_constant(plan: Plan, rng: random.Random) -> Result:
+    """A constant kwarg (eps, a scale, an exponent) changed on one rank."""
+    sites = [(i, k) for i, n in enumerate(plan.nodes) for k in ("value", "exponent")
+             if isinstance(n.kwargs.get(k), (int, float)) and not isinstance(n.kwargs.get(k), bool)]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, k = site
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    old = n.kwargs[k]
+    new = rng.choice([old * 2 if old else 1.0, old + 1.0, -old if old else 0.5])
+    p.nodes[i] = n._replace(kwargs={**n.kwargs, k: new})
+    return p, f"{where(plan, i)}: {k} {old} -> {new}"
+
+
+def swap_inputs(plan: Plan, rng: random.Random) -> Result:
+    """Two inputs of one node swapped (where their shapes allow it)."""
+    sites = []
+    for i, n in enumerate(plan.nodes):
+        if get_op(n.op).group or n.op == "local_grad_accumulation":
+            continue
+        ins = [k for k, t in enumerate(n.inputs) if t >= 0]
+        for a in ins:
+            for b in ins:
+                if a < b and n.inputs[a] != n.inputs[b] and (
+                        plan.tensors[n.inputs[a]].shape == plan.tensors[n.inputs[b]].shape):
+                    sites.append((i, a, b))
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, a, b = site
+    p = copy_plan(plan)
+    ins = list(p.nodes[i].inputs)
+    ins[a], ins[b] = ins[b], ins[a]
+    p.nodes[i] = p.nodes[i]._replace(inputs=tuple(ins))
+    return p, f"{where(plan, i)} inputs {a} and {b}"
+
+
+def swap_outputs(plan: Plan, rng: random.Random) -> Result:
+    """Two outputs of one node swapped (where their shapes allow it)."""
+    sites = []
+    for i, n in enumerate(plan.nodes):
+        outs = [k for k, t in enumerate(n.outputs) if t >= 0]
+        sites += [(i, a, b) for a in outs for b in outs if a < b and (
+            plan.tensors[n.outputs[a]].shape == plan.tensors[n.outputs[b]].shape)]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, a, b = site
+    p = copy_plan(plan)
+    outs = list(p.nodes[i].outputs)
+    outs[a], outs[b] = outs[b], outs[a]
+    p.nodes[i] = p.nodes[i]._replace(outputs=tuple(outs))
+    return p, f"{where(plan, i)} outputs {a} and {b}"
+
+
+def insert_transpose(plan: Plan, rng: random.Random) -> Result:
+    """A transpose of two equal-sized dims (or a cyclic permute of three)
+    inserted on one rank after a tensor: at full size the shapes still fit."""
+    sites = []
+    for t in _computed(plan):
+        shape = plan.tensors[t].shape
+        pairs = [(a, b) for a in range(len(shape)) for b in range(a + 1, len(shape))
+                 if shape[a] == shape[b] > 1]
+        sites += [(t, pair) for pair in pairs]
+        triples = [(a, b, c) for a in range(len(shape)) for b in range(a + 1, len(shape))
+                   for c in range(b + 1, len(shape)) if shape[a] == shape[b] == shape[c] > 1]
+        sites += [(t, triple) for triple in triples]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    t, dims = site
+    p = copy_plan(plan)
+    x = p.tensors[t]
+
+    def make(a: int, b: int) -> list[Node]:
+        if len(dims) == 2:
+            return [Node(x.rank, x.mb, "transpose", "fw", (a,), (b,),
+                         {"dim0": dims[0], "dim1": dims[1]}, "transpose")]
+        mid = _add_tensor(p, t)
+        return [Node(x.rank, x.mb, "transpose", "fw", (a,), (mid,),
+                     {"dim0": dims[0], "dim1": dims[1]}, "permute"),
+                Node(x.rank, x.mb, "transpose", "fw", (mid,), (b,),
+                     {"dim0": dims[1], "dim1": dims[2]}, "permute")]
+
+    if not _insert_after_producer(p, t, make):
+        return None
+    return p, f"{plan.logical[x.tid].name} on rank {x.rank} mb {x.mb} dims {dims}"
+
+
+def _read_instead(plan: Plan, rng: random.Random, pick_other) -> Result:
+    """A node reads another tensor ``pick_other(plan, t)`` in place of ``t``."""
+    sites = []
+    for i, n in enumerate(plan.nodes):
+        for k, t in enumerate(n.inputs):
+            if t >= 0:
+                sites += [(i, k, o) for o in pick_other(plan, t) if not _written_after(plan, o, i)]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, k, o = site
+    p = copy_plan(plan)
+    ins = list(p.nodes[i].inputs)
+    ins[k] = o
+    p.nodes[i] = p.nodes[i]._replace(inputs=tuple(ins))
+    x = plan.tensors[o]
+    return p, f"{where(plan, i)} input {k} <- rank {x.rank} mb {x.mb} v{x.version}"
+
+
+def stale_version(plan: Plan, rng: random.Random) -> Result:
+    """A node reads an earlier version of the same tensor (e.g. a buffer
+    before the last accumulation)."""
+    by_key: dict[tuple, list[int]] = {}
+    for j, u in enumerate(plan.tensors):
+        by_key.setdefault((u.rank, u.tid, u.shape), []).append(j)
+
+    def older(p: Plan, t: int) -> list[int]:
+        x = p.tensors[t]
+        return [j for j in by_key[(x.rank, x.tid, x.shape)]
+                if p.tensors[j].version < x.version and p.tensors[j].mb in (x.mb, -1)
+                and p.logical[x.tid].kind == "gradbuf"] + [
+            j for j in by_key[(x.rank, x.tid, x.shape)]
+            if p.tensors[j].version == x.version - 1 and p.tensors[j].mb == x.mb]
+    return _read_instead(plan, rng, older)
+
+
+def other_microbatch(plan: Plan, rng: random.Random) -> Result:
+    """A node reads the same tensor of another microbatch."""
+    by_key: dict[tuple, list[int]] = {}
+    for j, u in enumerate(plan.tensors):
+        by_key.setdefault((u.rank, u.tid, u.version, u.shape), []).append(j)
+
+    def others(p: Plan, t: int) -> list[int]:
+        x = p.tensors[t]
+        return [j for j in by_key[(x.rank, x.tid, x.version, x.shape)]
+                if p.tensors[j].mb != x.mb and x.mb >= 0 and p.tensors[j].mb >= 0]
+    return _read_instead(plan, rng, others)
+
+
+def drop_accumulation(plan: Plan, rng: random.Random) -> Result:
+    """A gradient accumulation left out: readers see the buffer before it."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "local_grad_accumulation"]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes.pop(i)
+    _reroute(p, n.outputs[0], n.inputs[0], i)
+    return drop_orphans(p), where(plan, i)
+
+
+def early_reducer(plan: Plan, rng: random.Random) -> Result:
+    """A reducer that reads the buffers before their last accumulation."""
+    acc_of = {n.outputs[0]: n.inputs[0] for n in plan.nodes if n.op == "local_grad_accumulation"}
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "reducer"
+             and all(t in acc_of for t in n.inputs)]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    p.nodes[i] = n._replace(inputs=tuple(acc_of[t] for t in n.inputs))
+    return p, where(plan, i)
+
+
+def _final_buffers(plan: Plan) -> dict[tuple[int, int], int]:
+    """(gradbuf tid, rank) -> tensor written last."""
+    bufs = set(plan.grads.values())
+    return {key: t for key, t in plan.last_writes().items() if key[0] in bufs}
+
+
+def wrong_final_shard(plan: Plan, rng: random.Random) -> Result:
+    """A rank ends with a copy of a peer's final gradient buffer of another
+    slice (sent to it after its own reduction), which truthfully claims the
+    peer's slice."""
+    final = _final_buffers(plan)
+    sites = [(t, u) for (tid, r), t in final.items() for (tid2, r2), u in final.items()
+             if tid == tid2 and r != r2 and plan.tensors[t].slices != plan.tensors[u].slices
+             and plan.tensors[t].shape == plan.tensors[u].shape]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    t, u = site
+    p = copy_plan(plan)
+    x, y = p.tensors[t], p.tensors[u]
+    p.tensors.append(y._replace(rank=x.rank, version=x.version + 1))
+    new = len(p.tensors) - 1
+    p.nodes.append(Node(x.rank, -1, "send_recv", "none", (u,), (new,),
+                        {"src": y.rank, "dst": x.rank}, p.logical[x.tid].name))
+    return p, f"{p.logical[x.tid].name} on rank {x.rank} ends with rank {y.rank}'s slice"
+
+
+def wrong_reducer_group(plan: Plan, rng: random.Random) -> Result:
+    """A reducer run over the buffers of another replica group (same
+    gradient, another slice); its output truthfully claims that slice."""
+    reducers = [i for i, n in enumerate(plan.nodes) if n.op == "reducer"]
+    sites = [(i, j) for i in reducers for j in reducers
+             if plan.nodes[i].name == plan.nodes[j].name
+             and plan.tensors[plan.nodes[i].outputs[0]].slices
+             != plan.tensors[plan.nodes[j].outputs[0]].slices
+             and plan.tensors[plan.nodes[i].outputs[0]].shape
+             == plan.tensors[plan.nodes[j].outputs[0]].shape]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, j = site
+    p = copy_plan(plan)
+    mine, theirs = p.nodes[i], p.nodes[j]
+    out = p.tensors[mine.outputs[0]]
+    p.tensors[mine.outputs[0]] = out._replace(slices=p.tensors[theirs.outputs[0]].slices)
+    p.nodes[i] = mine._replace(inputs=theirs.inputs, kwargs=theirs.kwargs)
+    return p, f"{where(plan, i)} over the group of rank {theirs.rank}"
+
+
+def missing_gradient(plan: Plan, rng: random.Random) -> Result:
+    """A rank that holds a parameter shard writes no gradient for it: its
+    zeros, accumulations and reducer are gone, and its replicas' reducers
+    leave it out of their group."""
+    bufs = set(plan.grads.values())
+    pairs = sorted({(plan.tensors[o].tid, n.rank) for n in plan.nodes for o in n.outputs
+                    if o >= 0 and plan.tensors[o].tid in bufs})
+    site = _pick(rng, pairs)
+    if site is None:
+        return None
+    tid, rank = site
+    p = copy_plan(plan)
+    gone = {j for j, u in enumerate(p.tensors) if (u.tid, u.rank) == (tid, rank)}
+    nodes = []
+    for n in p.nodes:
+        if any(o in gone for o in n.outputs):
+            continue
+        if n.op == "reducer" and any(t in gone for t in n.inputs):
+            kept = tuple(t for t in n.inputs if t not in gone)
+            own = next(k for k, t in enumerate(kept) if p.tensors[t].rank == n.rank)
+            n = n._replace(inputs=kept, kwargs={**n.kwargs, "index": own})
+        nodes.append(n)
+    p.nodes = nodes
+    return drop_orphans(p), f"{p.logical[tid].name} on rank {rank}"
+
+
+def partial_loss(plan: Plan, rng: random.Random) -> Result:
+    """The forward all_reduce of the loss across tensor-parallel ranks left
+    out, on one rank and microbatch or on its whole group: those ranks end
+    with their own part of the loss, truthfully claimed."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "all_reduce"
+             and plan.tensors[n.outputs[0]].tid == plan.loss]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    whole_group = rng.random() < 0.5
+    p = copy_plan(plan)
+    group = set(p.nodes[i].inputs)
+    drop = [k for k, n in enumerate(p.nodes) if n.op == "all_reduce"
+            and (k == i or (whole_group and set(n.inputs) == group))]
+    for k in reversed(drop):
+        n = p.nodes.pop(k)
+        _reroute(p, n.outputs[0], _own_in(p, n), k)
+    return drop_orphans(p), f"{where(plan, i)}{' and its group' if whole_group else ''}"
+
+
+def _own_in(plan: Plan, n: Node) -> int:
+    return next(t for t in n.inputs if plan.tensors[t].rank == n.rank)
+
+
+def delete_node(plan: Plan, rng: random.Random) -> Result:
+    """A node left out: its outputs are never written."""
+    i = _pick(rng, list(range(len(plan.nodes))))
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    p.nodes.pop(i)
+    return p, where(plan, i)
+
+
+def drop_send(plan: Plan, rng: random.Random) -> Result:
+    """A send_recv left out: the receiver reads the sender's tensor directly."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "send_recv"]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes.pop(i)
+    _reroute(p, n.outputs[0], n.inputs[0], i)
+    return drop_orphans(p), where(plan, i)
+
+
+MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
+    "drop_collective": drop_collective,
+    "replace_collective": replace_collective,
+    "wrong_group": wrong_group,
+    "wrong_peer": wrong_peer,
+    "scale_one_rank": scale_one_rank,
+    "change_constant": change_constant,
+    "swap_inputs": swap_inputs,
+    "swap_outputs": swap_outputs,
+    "insert_transpose": insert_transpose,
+    "stale_version": stale_version,
+    "other_microbatch": other_microbatch,
+    "drop_accumulation": drop_accumulation,
+    "early_reducer": early_reducer,
+    "wrong_final_shard": wrong_final_shard,
+    "wrong_reducer_group": wrong_reducer_group,
+    "missing_gradient": missing_gradient,
+    "partial_loss": partial_loss,
+    "delete_node": delete_node,
+    "drop_send": drop_send,
+}
+
+
+# ---------------------------------------------------------------- rewrites
+
+
+def reorder(plan: Plan, rng: random.Random) -> Result:
+    """Two neighbouring nodes on different ranks, or independent on one
+    rank, run in the other order."""
+    def independent(a: Node, b: Node) -> bool:
+        if set(a.outputs) & set(b.inputs) - {-1} or set(b.outputs) & set(a.inputs) - {-1}:
+            return False
+        written = {(plan.tensors[o].tid, plan.tensors[o].rank) for o in a.outputs if o >= 0}
+        return not any((plan.tensors[o].tid, plan.tensors[o].rank) in written
+                       for o in b.outputs if o >= 0)
+    sites = [i for i in range(len(plan.nodes) - 1)
+             if independent(plan.nodes[i], plan.nodes[i + 1])]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    p.nodes[i], p.nodes[i + 1] = p.nodes[i + 1], p.nodes[i]
+    return p, f"{where(plan, i)} after {where(plan, i + 1)}"
+
+
+def split_all_reduce(plan: Plan, rng: random.Random) -> Result:
+    """The forward all_reduce after layer 0's row-parallel wo written as
+    reduce_scatter then all_gather along a dim that splits evenly."""
+    p = copy_plan(plan)
+    dims = [1, 0, 2]
+    rng.shuffle(dims)
+    for dim in dims:
+        try:
+            scatter_gather(p, dim=dim)
+        except (ConfigError, IndexError):
+            p = copy_plan(plan)
+            continue
+        return p, f"all_reduce of layer 0's wo as reduce_scatter + all_gather on dim {dim}"
+    return None
+
+
+def rename(plan: Plan, rng: random.Random) -> Result:
+    """Node names changed and the tensor list permuted (indices renamed)."""
+    p = copy_plan(plan)
+    order = list(range(len(p.tensors)))
+    rng.shuffle(order)
+    new_index = {old: new for new, old in enumerate(order)}
+    p.tensors = [plan.tensors[old] for old in order]
+    p.nodes = [n._replace(inputs=tuple(new_index.get(t, -1) for t in n.inputs),
+                          outputs=tuple(new_index.get(t, -1) for t in n.outputs),
+                          name=f"n{k}.{n.name}") for k, n in enumerate(plan.nodes)]
+    return p, "names and tensor indices"
+
+
+def insert_identity(plan: Plan, rng: random.Random) -> Result:
+    """An identity (a one-part split, a multiply by 1, an add of 0) inserted
+    on one rank after a tensor."""
+    t = _pick(rng, _computed(plan))
+    if t is None:
+        return None
+    p = copy_plan(plan)
+    x = p.tensors[t]
+    op, kw = rng.choice([("split", {"dim": 0, "parts": 1, "index": 0}),
+                         ("mul_scalar", {"value": 1.0}), ("add_scalar", {"value": 0.0})])
+    if op == "split" and not x.shape:
+        op, kw = "mul_scalar", {"value": 1.0}
+    ok = _insert_after_producer(p, t, lambda a, b: [Node(x.rank, x.mb, op, "fw", (a,), (b,), kw,
+                                                         "identity")])
+    if not ok:
+        return None
+    return p, f"{op} after {plan.logical[x.tid].name} on rank {x.rank} mb {x.mb}"
+
+
+REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
+    "reorder": reorder,
+    "split_all_reduce": split_all_reduce,
+    "rename": rename,
+    "insert_identity": insert_identity,
+}

@@ -1,0 +1,176 @@
+"""Mutation testing of the verifier: wrong plans must FAIL, rewrites must pass.
+
+    .venv/bin/python scripts/mutate.py [--per-operator N] [--seed S] [--quick]
+        [--bases NAME,...] [--csv FILE]
+
+Each base plan (small mlp, llama3 and moe plans) is mutated by every
+operator of gen_model/mutations.py, N times with different targets. Each
+mutant is judged by the oracle (gen_model/oracle.py: run in float64, compare
+what every rank ends with; no claim of a computed tensor is trusted) and by
+the verifier (in process, with one memo shared by all mutants: a memo entry
+is a proved canonical problem, so sharing it is sound). The table counts,
+per operator, each (oracle, verifier) outcome.
+
+Exit 1 when the verifier says SUCCESS on a mutant the oracle finds wrong, or
+FAIL on a semantics-preserving rewrite, or ends a run without a verdict
+(an internal error); exit 0 otherwise. Mutants the oracle finds right (the
+mutation happened to change nothing, e.g. a peer that holds the same
+replica) may FAIL: the verifier also checks the plan's claims, which the
+oracle ignores; they are counted apart. ``--quick`` is the seeded subset
+that runs in ``make test``. docs/mutation.md describes the operators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backends.planfile import PlanError, validate  # noqa: E402
+from gen_model.config import ModelConfig, Parallelism  # noqa: E402
+from gen_model.generate import make_plan  # noqa: E402
+from gen_model.mutations import MUTATIONS, REWRITES  # noqa: E402
+from gen_model.oracle import judge  # noqa: E402
+from gen_model.parallelize import Policy  # noqa: E402
+from verdict.engine import verify  # noqa: E402
+from verdict.plan import Plan  # noqa: E402
+from verdict.report import append_rows  # noqa: E402
+
+MLP = ModelConfig("mlp", layers=2, hidden=8)
+LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
+                    seqlen=4)
+MOE = ModelConfig("moe", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=12, seqlen=4,
+                  experts=4, topk=2, moe_ffn=8, first_dense=1)
+GBS = 8
+
+#: name -> (model, parallelism, policy)
+BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
+    "mlp_dp2_pp2_tp2_nm2": (MLP, Parallelism(dp=2, tp=2, pp=2, nm=2), Policy()),
+    "llama3_dp2_pp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, pp=2, nm=2), Policy()),
+    "llama3_tp2_vocab": (LLAMA, Parallelism(tp=2, nm=2), Policy(vocab_parallel=True)),
+    "moe_dp2_ep2_tp2_nm2": (MOE, Parallelism(dp=2, tp=2, ep=2, nm=2), Policy()),
+}
+QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2")
+
+
+@dataclass
+class Row:
+    base: str
+    kind: str  # mutation | rewrite
+    operator: str
+    target: str
+    oracle: str  # right | wrong
+    verifier: str  # SUCCESS | FAIL:<kind> | INVALID | NO VERDICT:<why>
+    seconds: float
+
+    @property
+    def outcome(self) -> str:
+        ok = self.verifier == "SUCCESS"
+        if self.verifier == "INVALID":
+            return "invalid plan"
+        if self.verifier.startswith("NO VERDICT"):
+            return "NO VERDICT"
+        if self.kind == "rewrite":
+            return "proved" if ok and self.oracle == "right" else "FALSE ALARM"
+        if self.oracle == "wrong":
+            return "WRONG SUCCESS" if ok else "caught"
+        return "equivalent, proved" if ok else "equivalent, failed"
+
+
+def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
+    try:
+        validate(mutant.to_data())
+    except PlanError:
+        return "INVALID"
+    try:
+        v = verify(single, mutant, memo=memo)
+    except Exception as e:  # a crash is reported, never counted as a verdict
+        return f"NO VERDICT:{type(e).__name__}: {e}"
+    if v.kind == "internal":
+        return f"NO VERDICT:{v.message}"
+    return "SUCCESS" if v.success else f"FAIL:{v.kind}"
+
+
+def run(bases: list[str], per_operator: int, seed: int, progress: bool) -> list[Row]:
+    rows = []
+    for base in bases:
+        cfg, par, policy = BASES[base]
+        single = make_plan(cfg, Parallelism(), GBS)
+        plan = make_plan(cfg, par, GBS, policy=policy)
+        memo: dict = {}
+        if run_one(single, plan, memo) != "SUCCESS" or not judge(single, plan).right:
+            raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
+        operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
+        operators += [("rewrite", n, f) for n, f in REWRITES.items()]
+        for kind, name, operator in operators:
+            for k in range(per_operator):
+                rng = random.Random(f"{seed}/{base}/{name}/{k}")
+                made = operator(plan, rng)
+                if made is None:
+                    break
+                mutant, target = made
+                start = time.perf_counter()
+                oracle = "right" if judge(single, mutant).right else "wrong"
+                verdict = run_one(single, mutant, memo)
+                row = Row(base, kind, name, target, oracle, verdict, time.perf_counter() - start)
+                rows.append(row)
+                if progress and row.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT"):
+                    print(f"  !! {row.outcome}: {base} {name}: {target} ({verdict})", flush=True)
+    return rows
+
+
+def table(rows: list[Row]) -> list[str]:
+    outcomes = ["caught", "WRONG SUCCESS", "equivalent, proved", "equivalent, failed", "proved",
+                "FALSE ALARM", "NO VERDICT", "invalid plan"]
+    counts = Counter((r.kind, r.operator, r.outcome) for r in rows)
+    ops = sorted({(r.kind, r.operator) for r in rows})
+    used = [o for o in outcomes if any(counts[(k, n, o)] for k, n in ops)]
+    width = max(len(n) for _, n in ops) + 2
+    lines = [f"{'operator':{width}s}" + "".join(f"{o:>20s}" for o in used)]
+    for kind, name in ops:
+        lines.append(f"{name:{width}s}" + "".join(f"{counts[(kind, name, o)]:20d}" for o in used))
+    total = Counter(r.outcome for r in rows)
+    lines.append(f"{'total':{width}s}" + "".join(f"{total[o]:20d}" for o in used))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--per-operator", type=int, default=12, help="mutants per operator and base")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bases", default=",".join(BASES), help=f"from {', '.join(BASES)}")
+    ap.add_argument("--quick", action="store_true",
+                    help="the seeded subset run by the test suite (2 bases, 2 per operator)")
+    ap.add_argument("--csv", type=Path, help="append one row per mutant to this CSV file")
+    args = ap.parse_args(argv)
+    bases = list(QUICK_BASES) if args.quick else args.bases.split(",")
+    per = 2 if args.quick else args.per_operator
+    unknown = [b for b in bases if b not in BASES]
+    if unknown:
+        print(f"error: unknown base {unknown[0]} (bases: {', '.join(BASES)})", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    rows = run(bases, per, args.seed, progress=True)
+    for line in table(rows):
+        print(line)
+    bad = [r for r in rows if r.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT")]
+    mutants = sum(r.kind == "mutation" for r in rows)
+    rewrites = sum(r.kind == "rewrite" for r in rows)
+    print(f"{mutants} mutants, {rewrites} rewrites on {len(bases)} base plans in "
+          f"{time.perf_counter() - start:.0f} s: "
+          f"{sum(r.outcome == 'WRONG SUCCESS' for r in rows)} wrong SUCCESS, "
+          f"{sum(r.outcome == 'FALSE ALARM' for r in rows)} false alarms, "
+          f"{sum(r.outcome == 'NO VERDICT' for r in rows)} without a verdict")
+    if args.csv:
+        append_rows(args.csv, [{**r.__dict__, "outcome": r.outcome} for r in rows])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The per-rank final-state contract: what every rank must end the step with.
+
+A parallel training step is right when every rank ends with what the
+single-device step computes for what that rank holds, not merely when the
+union of all ranks covers the results. docs/soundness.md (rule 3) states the
+contract; this module finds, from the plan's structure alone, what each rank
+ends with and what it should end with:
+
+* the parameter shards a rank holds: its producer-less ``param`` tensors
+  (their slices are load-time facts, not claims of computed tensors). A
+  plan that shards gradients on purpose (ZeRO, FSDP) holds, per rank, the
+  shard it owns: the parameter piece it loads is that shard.
+* for each held shard, the gradient buffer the rank writes last, in
+  execution order: what its optimizer reads. It must be a whole piece of the
+  final gradient at exactly the held slice, and its lineage must be proved.
+* the loss pieces a rank writes last for each of its microbatches. Summed
+  with those of its data-parallel replicas (same pipeline stage, same
+  tensor-parallel index in the (pp, dp, tp) rank layout of
+  :func:`rank_coords`), they must be the whole loss: every microbatch and
+  replica once, no tensor-parallel part.
+
+The loss groups of :func:`loss_groups` are added to the loss lineage before
+stages are proved, so "sums to the whole loss" is a proved claim, not a
+count of part indices.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from verdict.lineage import Lineage
+from verdict.plan import Plan, Slices
+
+
+@dataclass
+class RankState:
+    """What one rank of the parallel plan holds and ends with."""
+
+    rank: int
+    held: dict[int, list[Slices]] = field(default_factory=dict)  # param tid -> held slices
+    last_grad: dict[int, int] = field(default_factory=dict)  # param tid -> last gradbuf tensor
+    loss: list[int] = field(default_factory=list)  # last loss tensor of each microbatch
+
+
+def rank_coords(world: dict, rank: int) -> tuple[int, int, int]:
+    """(pipeline stage, data-parallel index, tensor-parallel index) of a rank
+    in the (pp, dp, tp) row-major layout every plan uses."""
+    dp, tp = int(world.get("dp", 1)), int(world.get("tp", 1))
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
+def final_version(plan: Plan, tid: int) -> int:
+    """The last version of a logical tensor in a single-device plan."""
+    return max(t.version for t in plan.tensors if t.tid == tid)
+
+
+def rank_states(single: Plan, parallel: Plan) -> dict[int, RankState]:
+    """Every rank that holds a parameter or ends with a loss or gradient."""
+    states: dict[int, RankState] = {}
+
+    def state(rank: int) -> RankState:
+        return states.setdefault(rank, RankState(rank))
+
+    producer = parallel.producers()
+    grad_of = {buf: p for p, buf in single.grads.items()}
+    for i, t in enumerate(parallel.tensors):
+        if producer[i] < 0 and t.tid in single.grads:
+            held = state(t.rank).held.setdefault(t.tid, [])
+            if t.slices not in held:
+                held.append(t.slices)
+    last_loss: dict[tuple[int, int], int] = {}
+    for node in parallel.nodes:
+        for o in node.outputs:
+            if o < 0:
+                continue
+            t = parallel.tensors[o]
+            if t.tid in grad_of:
+                state(t.rank).last_grad[grad_of[t.tid]] = o
+            elif t.tid == single.loss:
+                last_loss[(t.rank, t.mb)] = o
+    for (rank, _), o in sorted(last_loss.items()):
+        state(rank).loss.append(o)
+    return dict(sorted(states.items()))
+
+
+def loss_groups(single: Plan, parallel: Plan, states: dict[int, RankState]) -> list[tuple[int, ...]]:
+    """For each set of data-parallel replicas that ends with the loss, the
+    loss tensors they end with, which must sum to the whole loss."""
+    by_group: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for rank, st in states.items():
+        if st.loss:
+            stage, _, tp = rank_coords(parallel.world, rank)
+            by_group[(stage, tp)].extend(st.loss)
+    return [tuple(sorted(g)) for _, g in sorted(by_group.items())]
+
+
+def add_loss_groups(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[int],
+                    groups: list[tuple[int, ...]]) -> None:
+    """Make each replica set's loss tensors a group of the loss lineage, so
+    the stage that proves the loss proves their sum. A set whose tensors are
+    not all claimed as pieces of the final loss is left out here and reported
+    by :func:`check_final`."""
+    final = final_version(single, single.loss)
+    for group in groups:
+        tensors = [parallel.tensors[t] for t in group]
+        if any(t.lver != final for t in tensors) or len({t.slices for t in tensors}) != 1:
+            continue
+        lin = lineages[of_gp[group[0]]]
+        entry = (tensors[0].slices, group)
+        if entry not in lin.groups and (len(group) > 1 or not tensors[0].is_whole()):
+            lin.groups.append(entry)
+
+
+def _box(slices: list[Slices]) -> Slices | None:
+    """The slice the held pieces make together, if they make one box.
+
+    Works on the grid of the pieces' own boundaries, so its cost depends on
+    the number of pieces, never on the tensor's size."""
+    box = tuple((min(s[d][0] for s in slices), max(s[d][1] for s in slices))
+                for d in range(len(slices[0])))
+    cuts = [sorted({x for s in slices for x in s[d]}) for d in range(len(box))]
+    covered: set[tuple[int, ...]] = set()
+    for s in slices:
+        cells: set[tuple[int, ...]] = {()}
+        for d, (a, b) in enumerate(s):
+            ks = range(cuts[d].index(a), cuts[d].index(b))
+            cells = {c + (k,) for c in cells for k in ks}
+        covered |= cells
+    needed = 1
+    for c in cuts:
+        needed *= len(c) - 1
+    return box if len(covered) == needed else None
+
+
+def _show(s: Slices) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in s) + "]"
+
+
+def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
+                lineages: list[Lineage], of_gp: list[int], proved: set[int]) -> list[str]:
+    """Every way a rank's final state breaks the contract, one line each;
+    ``proved`` holds the lineage ids proved by stages (or assumed inputs)."""
+    problems = []
+    name = single.logical
+    final_grad = {p: final_version(single, buf) for p, buf in single.grads.items()}
+    holders: dict[int, list[Slices]] = defaultdict(list)
+    for rank, st in states.items():
+        for p, held in sorted(st.held.items()):
+            holders[p] += held
+            box = held[0] if len(held) == 1 else _box(held)
+            pname = name[p].name
+            if box is None:
+                problems.append(f"rank {rank} holds pieces {', '.join(map(_show, held))} of "
+                                f"{pname}, which make no single shard")
+                continue
+            t_index = st.last_grad.get(p)
+            if t_index is None:
+                problems.append(f"rank {rank} holds shard {_show(box)} of {pname} but ends with "
+                                f"no gradient for it")
+                continue
+            t = parallel.tensors[t_index]
+            what = (f"rank {rank} holds shard {_show(box)} of {pname} but ends with "
+                    f"Tensor(rank={rank}, mb={t.mb}, tid={t.tid}, v={t.version})")
+            if t.slices != box:
+                problems.append(f"{what}, the gradient of slice {_show(t.slices)}")
+            elif t.lver != final_grad[p] or not t.is_whole():
+                problems.append(f"{what}, which is not the fully accumulated and reduced "
+                                f"gradient (version {t.lver} of {final_grad[p]}, parts {t.parts})")
+            elif of_gp[t_index] not in proved:
+                problems.append(f"{what}, whose gradient is never proved")
+    for p in single.grads:
+        shape = name[p].shape
+        if not holders.get(p):
+            problems.append(f"no rank holds {name[p].name}")
+        elif _box(holders[p]) != tuple((0, n) for n in shape):
+            problems.append(f"the ranks' shards of {name[p].name} do not cover it")
+    problems += _check_loss(single, parallel, states, lineages, of_gp, proved)
+    return problems
+
+
+def _check_loss(single: Plan, parallel: Plan, states: dict[int, RankState],
+                lineages: list[Lineage], of_gp: list[int], proved: set[int]) -> list[str]:
+    groups = loss_groups(single, parallel, states)
+    if not groups:
+        return ["no rank ends with the loss"]
+    final = final_version(single, single.loss)
+    problems = []
+    for group in groups:
+        tensors = [parallel.tensors[t] for t in group]
+        ranks = sorted({t.rank for t in tensors})
+        where = f"the loss on ranks {ranks} (data-parallel replicas)"
+        stale = [t for t in tensors if t.lver != final]
+        if stale:
+            t = stale[0]
+            problems.append(f"{where}: Tensor(rank={t.rank}, mb={t.mb}, tid={t.tid}, "
+                            f"v={t.version}) is version {t.lver} of the loss, not {final}")
+            continue
+        lin = lineages[of_gp[group[0]]]
+        entry = (tensors[0].slices, group)
+        whole_one = len(group) == 1 and tensors[0].is_whole()
+        if lin.id not in proved or not (whole_one or entry in lin.groups):
+            parts = ", ".join(f"r{t.rank}/mb{t.mb}: {t.parts[0]}..{t.parts[1]} of {t.parts[2]}"
+                              for t in tensors)
+            problems.append(f"{where} is not proved to sum to the whole loss (a part is left "
+                            f"out, counted twice or left partial across tensor-parallel "
+                            f"ranks): {parts}")
+    return problems
