@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from verdict.ops.rule import Op, expect
+from verdict.ops.rule import Op, aligned_dims, expect
 
 
 def rotate_half(x):
@@ -80,8 +80,18 @@ def _mask_shape(in_shapes):
     return [tuple(x)]
 
 
+def _mask_dims(ins, outs):
+    """Elementwise, and both sequence dims at least 2 long: at 1 the mask
+    hides nothing, and a plan that drops it would look right."""
+    rel = aligned_dims(ins, outs)
+    x = ins[0] if ins[0] is not None else outs[0]
+    side = "i" if ins[0] is not None else "o"
+    return rel + [("min", (side, 0, len(x) - 2), 2), ("min", (side, 0, len(x) - 1), 2)]
+
+
 CAUSAL_MASK = Op(
     "causal_mask",
+    dims=_mask_dims,
     shape=_mask_shape,
     forward=lambda xp, x: (
         np.where(causal_positions(*x[0].shape[-2:]), -np.inf, x[0]),
