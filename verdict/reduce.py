@@ -16,7 +16,7 @@ states the argument and its limits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from verdict.lineage import Lineage, StructureError
 from verdict.ops import ShapeError, get_op
@@ -31,9 +31,27 @@ Ref = tuple[int, int]  # (Gs tensor, dim)
 class Reduction:
     gs_shape: dict[int, tuple[int, ...]]  # Gs tensor -> reduced shape
     gp_slices: dict[int, Slices]  # Gp tensor -> reduced slices (full coordinates)
+    gp_shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.gp_shapes = {t: tuple(b - a for a, b in s) for t, s in self.gp_slices.items()}
 
     def gp_shape(self, t: int) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.gp_slices[t])
+        return self.gp_shapes[t]
+
+
+class RuleMemo:
+    """Operator rule results by (op, direction, kwargs, shapes). A plan's
+    layers, ranks and microbatches repeat the same few, so one preparation
+    pass asks each rule once per distinct case."""
+
+    def __init__(self):
+        self.relations: dict[tuple, list[tuple]] = {}
+        self.reduced: dict[tuple, str] = {}
+
+    @staticmethod
+    def key(node: Node, ins, outs) -> tuple:
+        return (node.op, node.dir, repr(node.kwargs), tuple(ins), tuple(outs))
 
 
 class _Classes:
@@ -87,7 +105,8 @@ def _pieces(full: int, slices: list[tuple[int, int]]) -> int:
 
 
 def reduce_stage(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lineage],
-                 of_gp: list[int], gp_tensors: list[int]) -> Reduction:
+                 of_gp: list[int], gp_tensors: list[int], memo: RuleMemo | None = None) -> Reduction:
+    memo = memo or RuleMemo()
     classes = _Classes()
     own = single.nodes[stage.gs_node] if stage.gs_node >= 0 else None
     own_ts = {t for t in (*own.inputs, *own.outputs) if t >= 0} if own else set()
@@ -99,9 +118,10 @@ def reduce_stage(single: Plan, parallel: Plan, stage: Stage, lineages: list[Line
             classes.add((ts, d), n)
     products: list[tuple[Ref, list[Ref], int]] = []
     if own is not None:
-        products = _apply(classes, node_relations(single, own), lambda r: r)
-    for i in stage.gp_nodes:
-        _check_parallel(single, parallel, i, classes, ts_of, own_ts)
+        products = _apply(classes, node_relations(single, own, memo), lambda r: r)
+    distinct = _distinct_nodes(parallel, stage.gp_nodes, ts_of)
+    for i in distinct:
+        _check_parallel(single, parallel, i, classes, ts_of, own_ts, memo)
     by_ts: dict[int, list[int]] = {}
     for t in gp_tensors:
         by_ts.setdefault(ts_of[t], []).append(t)
@@ -119,12 +139,26 @@ def reduce_stage(single: Plan, parallel: Plan, stage: Stage, lineages: list[Line
         gp_slices[t] = tuple((a * r // n, b * r // n) if n else (0, 0)
                              for (a, b), n, r in zip(parallel.tensors[t].slices, full, red))
     reduction = Reduction(gs_shape, gp_slices)
-    for i in stage.gp_nodes:
-        _check_reduced_shapes(parallel, i, reduction)
+    for i in distinct:
+        _check_reduced_shapes(parallel, i, reduction, memo)
     return reduction
 
 
-def node_relations(plan: Plan, node: Node) -> list[tuple]:
+def _distinct_nodes(parallel: Plan, nodes: list[int], ts_of: dict[int, int]) -> list[int]:
+    """One node per distinct (operator, direction, kwargs, and per slot the
+    single-device tensor and local shape): the copies of one operator on
+    other ranks and microbatches relate the same dims of the same tensors,
+    so checking one of them checks them all."""
+    seen: dict[tuple, int] = {}
+    for i in nodes:
+        n = parallel.nodes[i]
+        slots = tuple((ts_of[t], parallel.tensors[t].shape) if t >= 0 else None
+                      for t in (*n.inputs, *n.outputs))
+        seen.setdefault((n.op, n.dir, repr(n.kwargs), slots), i)
+    return list(seen.values())
+
+
+def node_relations(plan: Plan, node: Node, memo: RuleMemo) -> list[tuple]:
     """The node's dims relations over (plan tensor, dim) refs: its operator's
     ``dims`` rule, and for a backward node each gradient tied to its primal."""
     rule = get_op(node.op)
@@ -147,7 +181,10 @@ def node_relations(plan: Plan, node: Node) -> list[tuple]:
         for s, g in zip(node.inputs[:n], node.outputs):
             if s >= 0 and g >= 0:
                 rels += [("eq", (s, d), (g, d)) for d in range(len(plan.tensors[s].shape))]
-    for rel in rule.relations(ins, outs, node.kwargs):
+    key = memo.key(node, ins, outs)
+    if key not in memo.relations:
+        memo.relations[key] = rule.relations(ins, outs, node.kwargs)
+    for rel in memo.relations[key]:
         if rel[0] == "eq":
             a, b = ref(rel[1]), ref(rel[2])
             if a and b:
@@ -178,7 +215,7 @@ def _apply(classes: _Classes, rels: list[tuple], to_ref) -> list[tuple[Ref, list
 
 
 def _check_parallel(single: Plan, parallel: Plan, index: int, classes: _Classes,
-                    ts_of: dict[int, int], own_ts: set[int]) -> None:
+                    ts_of: dict[int, int], own_ts: set[int], memo: RuleMemo) -> None:
     """Read a parallel node's dims relations through the lineage mapping.
 
     A tie between two dims of one single-device tensor, or between dims of
@@ -189,7 +226,7 @@ def _check_parallel(single: Plan, parallel: Plan, index: int, classes: _Classes,
     local dim bounds the reduced size so that the local piece keeps it.
     """
     node = parallel.nodes[index]
-    for rel in node_relations(parallel, node):
+    for rel in node_relations(parallel, node, memo):
         if rel[0] == "eq":
             (ta, da), (tb, db) = rel[1], rel[2]
             a, b = (ts_of[ta], da), (ts_of[tb], db)
@@ -228,30 +265,31 @@ def _keep_square_pieces(single: Plan, classes: _Classes, ts_list: list[int]) -> 
                 classes.need(root, minimum=2 * classes.count[root])
 
 
-def _check_reduced_shapes(parallel: Plan, index: int, red: Reduction) -> None:
+def _check_reduced_shapes(parallel: Plan, index: int, red: Reduction, memo: RuleMemo) -> None:
     """The parallel node's shape rule holds at the reduced shapes: reduction
     kept the relations the parallel program relies on."""
     node = parallel.nodes[index]
-    rule = get_op(node.op)
-
-    def shape(t: int):
-        return red.gp_shape(t) if t >= 0 else None
-
-    ins, outs = fw_shapes(parallel, node, shape)
+    ins, outs = fw_shapes(parallel, node, red.gp_shapes.get)
     if any(s is None for s in ins):
         return
+    key = memo.key(node, ins, outs)
+    if key not in memo.reduced:
+        memo.reduced[key] = _reduced_shape_problem(node, ins, outs)
+    if memo.reduced[key]:
+        raise StructureError("dims", (
+            f"{node_label(parallel, index)} does not keep its shapes when the stage is reduced "
+            f"({memo.reduced[key]}): its dims relate in a way the single-device node's do not"))
+
+
+def _reduced_shape_problem(node: Node, ins, outs) -> str:
+    rule = get_op(node.op)
     try:
         got = rule.shape(ins, **rule.resized(node.kwargs, ins, outs))
     except (ShapeError, TypeError, ValueError, IndexError, KeyError) as e:
-        got, why = None, str(e)
-    else:
-        why = ""
-        if any(o is not None and tuple(o) != tuple(g) for o, g in zip(outs, got)):
-            why = f"it makes {[tuple(g) for g in got]}, expected {[o for o in outs]}"
-    if got is None or why:
-        raise StructureError("dims", (
-            f"{node_label(parallel, index)} does not keep its shapes when the stage is reduced "
-            f"({why}): its dims relate in a way the single-device node's do not"))
+        return str(e) or type(e).__name__
+    if any(o is not None and tuple(o) != tuple(g) for o, g in zip(outs, got)):
+        return f"it makes {[tuple(g) for g in got]}, expected {list(outs)}"
+    return ""
 
 
 def _tp_name(parallel: Plan, t: int) -> str:
