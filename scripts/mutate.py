@@ -142,7 +142,7 @@ def table(rows: list[Row]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--per-operator", type=int, default=12, help="mutants per operator and base")
+    ap.add_argument("--per-operator", type=int, default=14, help="mutants per operator and base")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bases", default=",".join(BASES), help=f"from {', '.join(BASES)}")
     ap.add_argument("--quick", action="store_true",
