@@ -55,6 +55,10 @@ class Policy:
 
     vocab_parallel: bool = False
     schedule: str = "1f1b"  # or "gpipe"
+    #: ZeRO stage: 0 none; 1 optimizer state sharded (gradients all-reduced,
+    #: each rank keeps its owned shard); 2 gradients reduce-scattered to owners;
+    #: 3 parameters sharded too and all-gathered before every use (FSDP).
+    zero: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ class Program:
     params: dict[int, tuple[int, SVal | None]]  # param tid -> (stage, final grad value)
     inputs: dict[int, SVal]  # input tid -> its layout as read from memory
     loss: SVal
+    #: param tid -> the data-parallel axes its owned shard is cut on (ZeRO)
+    zero_axes: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -144,9 +150,56 @@ class _Sharder:
         return stages
 
     def input_layout(self, tid: int) -> tuple[Layout, ...]:
-        """How an input is laid out; everything is replicated on an axis of size 1."""
-        lay = self.axis_layouts(tid)
-        return tuple("R" if self.size[a] == 1 else x for a, x in zip(AXES, lay))
+        """How an input is laid out; everything is replicated on an axis of size 1.
+        With ZeRO a parameter is loaded as the shard its rank owns."""
+        lay = list(self.axis_layouts(tid))
+        lay = ["R" if self.size[a] == 1 else x for a, x in zip(AXES, lay)]
+        axes = self.zero_axes(tid)
+        if axes:
+            dim = self.zero_dim(tid, lay, axes)
+            for a in axes:
+                lay[AXES.index(a)] = dim
+        return tuple(lay)
+
+    def zero_axes(self, tid: int) -> tuple[str, ...]:
+        """The data-parallel axes a parameter's gradient is reduced over, on
+        which ZeRO cuts its owned shards (experts: the expert-data-parallel
+        axis only)."""
+        t = self.g.tensors[tid]
+        if self.policy.zero < 1 or t.kind != "param":
+            return ()
+        expert = EXPERT.search(t.name) is not None
+        return tuple(a for a in (("edp",) if expert else ("edp", "ep")) if self.size[a] > 1)
+
+    def zero_dim(self, tid: int, lay: list[Layout], axes: tuple[str, ...]) -> int:
+        """The first dim of a parameter that no other axis splits and that the
+        owners divide evenly."""
+        shape = self.g.shape(tid)
+        owners = 1
+        for a in axes:
+            owners *= self.size[a]
+        for d, n in enumerate(shape):
+            pieces = 1
+            for a, x in zip(AXES, lay):
+                if x == d:
+                    pieces *= self.size[a]
+            if pieces == 1 and n % owners == 0:
+                return d
+        raise ConfigError(f"{self.g.tensors[tid].name} {shape}: no dim splits into {owners} "
+                          f"ZeRO shards")
+
+    def gathered(self, sv: SVal, stage: int) -> SVal:
+        """A ZeRO-sharded parameter all-gathered for use: once per step before
+        the first microbatch (ZeRO-1/2, direction 'none'), or before every
+        use in each microbatch's forward (ZeRO-3)."""
+        axes = self.zero_axes(sv.tid)
+        if not axes:
+            return sv
+        want = list(sv.layout)
+        for a in axes:
+            want[AXES.index(a)] = "R"
+        dir = "fw" if self.policy.zero >= 3 else "none"
+        return self.convert(sv, tuple(want), stage, dir, data_parallel=True)
 
     def axis_layouts(self, tid: int) -> tuple[Layout, ...]:
         t = self.g.tensors[tid]
@@ -179,28 +232,35 @@ class _Sharder:
         return self.current[v]
 
     # -- conversions ----------------------------------------------------------
-    def convert(self, sv: SVal, want: tuple[Layout, ...], stage: int, dir: str) -> SVal:
+    def convert(self, sv: SVal, want: tuple[Layout, ...], stage: int, dir: str,
+                data_parallel: bool = False) -> SVal:
         """Collectives that take ``sv`` to layout ``want``, one axis at a time, in
-        an order where each acts on contiguous pieces (see :func:`contiguous`)."""
+        an order where each acts on contiguous pieces (see :func:`contiguous`).
+        ``data_parallel`` allows collectives on the edp axis (ZeRO's parameter
+        all-gather and gradient reduce-scatter); activations never take one."""
         while sv.layout != want:
             step = next((a for a in SLICE_ORDER if sv.on(a) != want[AXES.index(a)]
                          and contiguous(sv, sv.relaid(a, want[AXES.index(a)]), a)), None)
             if step is None:
                 raise ConfigError(f"{self.g.tensors[sv.tid].name}: no order of collectives "
                                   f"takes {sv.layout} to {want}")
-            sv = self.convert_axis(sv, step, want[AXES.index(step)], stage, dir)
+            sv = self.convert_axis(sv, step, want[AXES.index(step)], stage, dir, data_parallel)
         return self.move(sv, stage, dir)
 
-    def convert_axis(self, sv: SVal, axis: str, need: Layout, stage: int, dir: str) -> SVal:
+    def convert_axis(self, sv: SVal, axis: str, need: Layout, stage: int, dir: str,
+                     data_parallel: bool = False) -> SVal:
         key = (sv, axis, need, stage)
         if key in self.cache:
             return self.cache[key]
         have = sv.on(axis)
-        if axis in ("mb", "edp") or (have, need) == ("R", "P") or need == "P":
+        if axis == "mb" or (axis == "edp" and not data_parallel) or need in ("P", "M") or (
+                have == "M" and need != "R"):
             name = self.g.tensors[sv.tid].name
             raise ConfigError(f"{name}: cannot convert from {have} to {need} on the {axis} axis")
         sv = self.move(sv, stage, dir)
-        if have == "P":
+        if have == "M":
+            op, kw = "all_reduce_max", {}
+        elif have == "P":
             op, kw = ("all_reduce", {}) if need == "R" else ("reduce_scatter", {"dim": need})
         elif need == "R":
             op, kw = "all_gather", {"dim": have}
@@ -246,7 +306,8 @@ class _Sharder:
             params[tid] = (stage, grad)
         inputs = {v[0]: sv for v, sv in self.current.items()
                   if self.g.tensors[v[0]].kind in INPUT_KINDS}
-        return Program(self.ops, params, inputs, self.current[(self.g.loss, 0)])
+        zero = {tid: self.zero_axes(tid) for tid in params if self.zero_axes(tid)}
+        return Program(self.ops, params, inputs, self.current[(self.g.loss, 0)], zero)
 
     def grad_targets(self) -> dict[Value, Value]:
         """Gradient value -> the forward value it is the gradient of."""
@@ -263,7 +324,7 @@ class _Sharder:
 
     def forward(self, i: int, lop: LOp) -> None:
         stage = self.stages[i]
-        ins = [self.value(v) for v in lop.inputs]
+        ins = [self.gathered(self.value(v), stage) for v in lop.inputs]
         shapes = self.shapes(lop.inputs)
         params = [self.g.tensors[v[0]].kind == "param" for v in lop.inputs]
         need_by_axis, out_by_axis, replicated = [], [], []
@@ -298,6 +359,9 @@ class _Sharder:
         inputs: list[SVal | None] = [used[p] if v != ABSENT else None
                                      for p, v in enumerate(lop.inputs[:n_in])]
         grads = [self.value(v) for v in lop.inputs[n_in:]]
+        if any(layer == "M" for lay in out_layouts for layer in lay):
+            raise ConfigError(f"{lop.name}: the gradient of a maximum over a split dim is not "
+                              f"supported (detach it, as a stable cross-entropy does)")
         wants = [tuple(grad_layout(layer) for layer in lay) for lay in out_layouts]
         natural = [tuple(natural_grad(layer, rep) for layer, rep in zip(used[p].layout, replicated))
                    for p in range(n_in)]
@@ -343,9 +407,16 @@ class _Sharder:
             return None
         sv = self.current[grad_value]
         param = self.value((tid, 0))
-        if param.on("ep") != sv.on("ep") and sv.on("ep") != "P":
+        axes = self.zero_axes(tid)
+        if param.on("ep") != sv.on("ep") and sv.on("ep") != "P" and "ep" not in axes:
             raise AssertionError(f"gradient of {self.g.tensors[tid].name} is {sv.on('ep')} on ep")
-        return self.convert(sv, sv.relaid("tp", param.on("tp")).layout, stage, "bw")
+        sv = self.convert(sv, sv.relaid("tp", param.on("tp")).layout, stage, "bw")
+        if self.policy.zero >= 2:  # each microbatch's gradient reduce-scattered to its owner
+            want = list(sv.layout)
+            for a in axes:
+                want[AXES.index(a)] = param.on(a)
+            sv = self.convert(sv, tuple(want), stage, "bw", data_parallel=True)
+        return sv
 
 
 def shard(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, policy: Policy) -> Program:
@@ -381,6 +452,9 @@ class _Emitter:
         self.slots: dict[tuple[SVal, int, int], int] = {}
         self.written: set[int] = set()
         self.last_buffer: dict[tuple[int, int], int] = {}
+        #: values made once per step, before the first microbatch (ZeRO-1/2's
+        #: parameter all-gather): every microbatch reads the one copy
+        self.per_step = {sv for sop in prog.ops if sop.dir == "none" for sv in sop.outputs}
 
     def rank(self, c: Coord) -> int:
         d = c.edp * self.size["ep"] + c.ep
@@ -405,15 +479,20 @@ class _Emitter:
                 raise ConfigError(f"{name}: dim {dim} of size {full} does not split {count} ways")
             step = full // count
             slices.append((index * step, (index + 1) * step))
+        kind = "M" if "M" in sv.layout else "P"
         lo, span, n = 0, 1, 1
         for axis in PART_ORDER:
-            if sv.on(axis) != "P":
+            if sv.on(axis) != kind:
                 continue
             n *= self.size[axis]
             first, count = (mb_parts[0], mb_parts[1] - mb_parts[0]) if (
                 axis == "mb" and mb_parts) else (c.get(axis, mb), 1)
             lo = lo * self.size[axis] + first
             span *= count
+        if kind == "M":
+            if "P" in sv.layout:
+                raise AssertionError(f"{self.g.tensors[sv.tid].name}: a partial sum of maxima")
+            return tuple(slices), (lo, lo + span, -n)  # parts of a partial maximum
         parts = (0, 1, 1) if span == n else (lo, lo + span, n)
         return tuple(slices), parts
 
@@ -432,14 +511,16 @@ class _Emitter:
     def read(self, sv: SVal | None, c: Coord, mb: int) -> int:
         if sv is None:
             return -1
-        if self.prog.inputs.get(sv.tid) == sv and self.g.tensors[sv.tid].kind in (
-                "param", "buffer"):
+        if (self.prog.inputs.get(sv.tid) == sv and self.g.tensors[sv.tid].kind in (
+                "param", "buffer")) or sv in self.per_step:
             mb = -1  # one copy for all microbatches
         return self.slot(sv, c, mb)
 
     def write(self, sv: SVal | None, c: Coord, mb: int, mb_parts=None) -> int:
         if sv is None:
             return -1
+        if sv in self.per_step:
+            mb = -1
         t = self.slot(sv, c, mb, mb_parts)
         if t in self.written:
             raise AssertionError(f"{self.g.tensors[sv.tid].name} written twice on {c} mb {mb}")
@@ -507,11 +588,13 @@ class _Emitter:
         rank = self.rank(c)
         params = self.params_of(c.stage)
         seq: list[Node] = []
+        full = self.policy.zero == 1  # ZeRO-1 accumulates whole gradients
         for tid, _ in params:
-            t = self.write(self.buffer(tid, None, lver=0), c, -1)
+            t = self.write(self.buffer(tid, None, lver=0, full=full), c, -1)
             seq.append(Node(rank, -1, "zeros", "none", (), (t,),
                             {"shape": list(self.plan.tensors[t].shape)}, self.buffer_name(tid)))
             self.last_buffer[(rank, tid)] = t
+        seq.extend(self.node(sop, c, -1) for sop in ops if sop.dir == "none")
         for phase, mb in self.order(c.stage):
             seq.extend(self.node(sop, c, mb) for sop in ops if sop.dir == phase)
             if phase == "fw":
@@ -519,7 +602,8 @@ class _Emitter:
             for tid, grad in params:
                 if grad is None:
                     continue
-                t = self.write(self.buffer(tid, grad, lver=1), c, mb, mb_parts=(0, mb + 1))
+                t = self.write(self.buffer(tid, grad, lver=1, full=full), c, mb,
+                               mb_parts=(0, mb + 1))
                 seq.append(Node(rank, mb, "local_grad_accumulation", "none",
                                 (self.last_buffer[(rank, tid)], self.read(grad, c, mb)), (t,),
                                 {}, self.buffer_name(tid)))
@@ -529,10 +613,15 @@ class _Emitter:
     def buffer_name(self, tid: int) -> str:
         return self.g.tensors[self.g.grads[tid]].name
 
-    def buffer(self, tid: int, grad: SVal | None, lver: int) -> SVal:
+    def buffer(self, tid: int, grad: SVal | None, lver: int, full: bool = False) -> SVal:
         """A gradient buffer: laid out like its parameter on ep/tp, and partial
-        over the batch axes where the gradient is (None: fully reduced)."""
+        over the batch axes where the gradient is (None: fully reduced). With
+        ZeRO it is the owned shard, or whole on the data-parallel axes when
+        ``full`` (ZeRO-1 before its last step)."""
         lay = list(self.prog.inputs[tid].layout)
+        if full:
+            for axis in self.prog.zero_axes.get(tid, ()):
+                lay[AXES.index(axis)] = "R"
         if grad is not None:
             for axis in BATCH_AXES:
                 if grad.on(axis) == "P":
@@ -549,10 +638,27 @@ class _Emitter:
             group = [c.with_axes(**dict(zip(axes, idx)))
                      for idx in product(*(range(self.size[a]) for a in axes))]
             inputs = tuple(self.last_buffer[(self.rank(o), tid)] for o in group)
-            t = self.write(self.buffer(tid, None, lver=1), c, -1)
+            zero1 = self.policy.zero == 1 and tid in self.prog.zero_axes
+            t = self.write(self.buffer(tid, None, lver=1, full=zero1), c, -1)
             nodes.append(Node(self.rank(c), -1, "reducer", "none", inputs, (t,),
                               {"index": group.index(c)}, self.buffer_name(tid)))
+            if zero1:
+                nodes.append(self.keep_owned(tid, t, c))
         return nodes
+
+    def keep_owned(self, tid: int, reduced: int, c: Coord) -> Node:
+        """ZeRO-1: the rank keeps the owned shard of the reduced gradient (what
+        its optimizer-state shard updates); a local split, no communication."""
+        axes = self.prog.zero_axes[tid]
+        owned = self.buffer(tid, None, lver=1)
+        index, parts = 0, 1
+        for axis in SLICE_ORDER:
+            if axis in axes:
+                index = index * self.size[axis] + c.get(axis, -1)
+                parts *= self.size[axis]
+        t = self.write(owned, c, -1)
+        kw = {"dim": owned.on(axes[0]), "parts": parts, "index": index}
+        return Node(self.rank(c), -1, "split", "none", (reduced,), (t,), kw, self.buffer_name(tid))
 
     def check_written(self) -> None:
         """Every tensor read is written by some node or is an input."""
@@ -565,9 +671,15 @@ class _Emitter:
 def number_versions(plan: Plan, tids: frozenset[int] | None = None) -> None:
     """SSA versions in execution order, per (rank, mb, tid); gradient buffers,
     updated across microbatches, count per (rank, tid). Only the logical
-    tensors ``tids`` when given; tensors never written get version 0."""
+    tensors ``tids`` when given; tensors never written get version 0, and
+    an input relaid on a rank (a local split) numbers on from it."""
     count: dict[tuple, int] = {}
     tensors = plan.tensors
+    outputs = {o for node in plan.nodes for o in node.outputs if o >= 0}
+    for i, t in enumerate(tensors):  # an input read from memory is version 0
+        if i not in outputs and plan.logical[t.tid].kind in INPUT_KINDS and (
+                tids is None or t.tid in tids):
+            count[(t.rank, t.mb, t.tid)] = 1
     written = set()
     for node in plan.nodes:
         for o in node.outputs:

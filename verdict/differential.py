@@ -116,14 +116,17 @@ def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> 
                         name, [parallel.tensors[same[0]], parallel.tensors[i]], values[same[0]],
                         values[i], "replica of one partial part"))
         reps = [(lo, hi, same[0]) for (lo, hi), same in by_range.items()]
-        covers, _ = exact_covers(reps, n)
+        covers, _ = exact_covers(reps, abs(n))
         piece = ref[(tid, lver)][_region(slices)]
         for cover in covers:
             report.groups += 1
-            total = sum(values[i] for i in cover)
+            if n < 0:
+                total, what = np.max([values[i] for i in cover], axis=0), "partial-max group"
+            else:
+                total, what = sum(values[i] for i in cover), "partial-sum group"
             if not _close(total, piece, rtol):
                 report.differences.append(Difference(
-                    name, [parallel.tensors[i] for i in cover], piece, total, "partial-sum group"))
+                    name, [parallel.tensors[i] for i in cover], piece, total, what))
     report.uncovered = final_state(single, parallel, ref_values, values, rtol)
     return report
 

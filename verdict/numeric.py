@@ -27,8 +27,20 @@ class NumericXP:
         return np.exp(x)
 
     @staticmethod
+    def log(x):
+        return np.log(x)
+
+    @staticmethod
     def rsqrt(x):
         return 1.0 / np.sqrt(x)
+
+    @staticmethod
+    def maximum(a, b):
+        return np.maximum(a, b)
+
+    @staticmethod
+    def equal(a, b):
+        return np.asarray(np.asarray(a) == np.asarray(b), dtype=float)
 
     @staticmethod
     def sigmoid(x):

@@ -35,7 +35,8 @@ class Tensor(NamedTuple):
 
     Its lineage view says which piece of logical tensor ``tid`` at logical
     version ``lver`` it holds: the ``slices`` ([start, end) per dim, in full
-    coordinates) and the parts [lo, hi) of an ``n``-way partial sum.
+    coordinates) and the parts [lo, hi) of an ``n``-way partial sum (of an
+    ``|n|``-way partial maximum when ``n`` is negative).
     """
 
     rank: int

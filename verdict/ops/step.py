@@ -67,4 +67,11 @@ ACCUMULATE = Op(
     doc="grad buffer (version v) + a microbatch's gradient -> version v+1",
 )
 
-OPS = (MULTIREF, ZEROS, ONES, ACCUMULATE)
+DETACH = Op(
+    "detach",
+    shape=lambda in_shapes: [tuple(in_shapes[0])],
+    forward=lambda xp, x: (xp.copy(x[0]),),
+    doc="the same values, with no gradient flowing back (torch's detach)",
+)
+
+OPS = (MULTIREF, ZEROS, ONES, ACCUMULATE, DETACH)
