@@ -55,8 +55,13 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "llama3_dp2_pp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, pp=2, nm=2), Policy()),
     "llama3_tp2_vocab": (LLAMA, Parallelism(tp=2, nm=2), Policy(vocab_parallel=True)),
     "moe_dp2_ep2_tp2_nm2": (MOE, Parallelism(dp=2, tp=2, ep=2, nm=2), Policy()),
+    "mlp_zero1_dp2_pp2_tp2_nm2": (MLP, Parallelism(dp=2, tp=2, pp=2, nm=2), Policy(zero=1)),
+    "mlp_zero2_dp2_nm2": (MLP, Parallelism(dp=2, nm=2), Policy(zero=2)),
+    "llama3_zero3_dp2_pp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, pp=2, nm=2),
+                                     Policy(zero=3)),
+    "moe_zero3_dp4_ep2_nm2": (MOE, Parallelism(dp=4, ep=2, nm=2), Policy(zero=3)),
 }
-QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2")
+QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2", "mlp_zero2_dp2_nm2")
 
 
 @dataclass
