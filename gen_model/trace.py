@@ -65,7 +65,9 @@ class _Lowering:
     # -- nodes --------------------------------------------------------------
     def run(self, gm: torch.fx.GraphModule) -> None:
         for node in gm.graph.nodes:
-            if node.op == "placeholder":
+            if node.op == "placeholder" and node.target not in self.input_specs and node.args:
+                self.env[node.name] = node.args[0]  # an optional argument left at its default
+            elif node.op == "placeholder":
                 shape, kind = self.input_specs[node.target]
                 tid = self.g.new_tensor(node.target, shape, kind)
                 self.g.inputs[node.target] = tid
