@@ -25,6 +25,7 @@ from typing import Any
 
 from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FORMAT, KINDS, VERSION, Plan
+from verdict.progress import progress
 
 #: Top-level fields of a plan, in the order to_data() writes them.
 FIELDS = ("format", "version", "world", "logical", "tensors", "nodes", "loss", "grads")
@@ -344,7 +345,7 @@ def _check_logical(rows: Sequence[Any]) -> list[Shape]:
 
 def _check_tensors(rows: Sequence[Any], shapes: list[Shape]) -> int:
     seen: dict[tuple[int, int, int, int], int] = {}
-    for i, row in enumerate(rows):
+    for i, row in enumerate(progress(rows, "checking tensors")):
         where = f"tensor {i}"
         rank, mb, tid, version, shape, lver, slices, parts = _row(row, where, TENSOR_COLUMNS)
         _int(rank, where, "rank", low=0)
@@ -433,7 +434,7 @@ def _check_nodes(rows: Sequence[Any], n_tensors: int) -> None:
     """Columns, index ranges, single assignment, and reads after writes."""
     producer = [-1] * n_tensors
     labels = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(progress(rows, "checking nodes")):
         where = _check_node_row(i, row)
         labels.append(where)
         direction, inputs, outputs = row[3], row[4], row[5]
