@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from gen_model.bugs import scatter_gather
 from gen_model.config import ConfigError
+from gen_model.parallelize import number_versions
 from verdict.ops import get_op
 from verdict.plan import INPUT_KINDS, Node, Plan
 
@@ -493,6 +494,38 @@ def drop_send(plan: Plan, rng: random.Random) -> Result:
     return drop_orphans(p), where(plan, i)
 
 
+def wrong_chunk(plan: Plan, rng: random.Random) -> Result:
+    """A reduce_scatter or split keeps another rank's chunk (its ``index``
+    changed), e.g. a sequence chunk of sequence parallelism off by one rank."""
+    sites = [(i, k) for i, n in enumerate(plan.nodes)
+             if n.op in ("reduce_scatter", "split")
+             for k in range(len(n.inputs) if n.op == "reduce_scatter" else n.kwargs["parts"])
+             if k != n.kwargs["index"]]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, k = site
+    p = copy_plan(plan)
+    p.nodes[i] = p.nodes[i]._replace(kwargs={**p.nodes[i].kwargs, "index": k})
+    return p, f"{where(plan, i)} keeps chunk {k}"
+
+
+def gather_order(plan: Plan, rng: random.Random) -> Result:
+    """An all_gather concatenates its group's pieces in another order (two
+    members swapped): the sequence chunks out of order."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "all_gather" and len(n.inputs) > 1]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    a, b = rng.sample(range(len(n.inputs)), 2)
+    inputs = list(n.inputs)
+    inputs[a], inputs[b] = inputs[b], inputs[a]
+    p.nodes[i] = n._replace(inputs=tuple(inputs))
+    return p, f"{where(plan, i)} members {a} and {b} swapped"
+
+
 MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "drop_collective": drop_collective,
     "replace_collective": replace_collective,
@@ -513,6 +546,8 @@ MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "partial_loss": partial_loss,
     "delete_node": delete_node,
     "drop_send": drop_send,
+    "wrong_chunk": wrong_chunk,
+    "gather_order": gather_order,
 }
 
 
@@ -586,9 +621,35 @@ def insert_identity(plan: Plan, rng: random.Random) -> Result:
     return p, f"{op} after {plan.logical[x.tid].name} on rank {x.rank} mb {x.mb}"
 
 
+def scatter_as_reduce_split(plan: Plan, rng: random.Random) -> Result:
+    """A reduce_scatter written as an all_reduce and a local split of the
+    sum (what sequence parallelism saves over Megatron's plain TP)."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "reduce_scatter"]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    dim, out = n.kwargs["dim"], p.tensors[n.outputs[0]]
+    whole = p.tensors[n.inputs[0]]
+    slices = list(out.slices)
+    slices[dim] = whole.slices[dim]
+    p.tensors.append(out._replace(shape=whole.shape, slices=tuple(slices), version=-1))
+    summed = len(p.tensors) - 1
+    index = n.kwargs["index"]
+    p.nodes[i:i + 1] = [
+        n._replace(op="all_reduce", outputs=(summed,), kwargs={"index": index}),
+        n._replace(op="split", inputs=(summed,), kwargs={"dim": dim, "parts": len(n.inputs),
+                                                         "index": index}),
+    ]
+    number_versions(p, frozenset({out.tid}))
+    return p, f"{where(plan, i)} as all_reduce + split"
+
+
 REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
     "reorder": reorder,
     "split_all_reduce": split_all_reduce,
     "rename": rename,
     "insert_identity": insert_identity,
+    "scatter_as_reduce_split": scatter_as_reduce_split,
 }
