@@ -87,7 +87,7 @@ def test_norm_gradient_left_unreduced_fails():
     assert "🚨" in text
 
 
-@pytest.mark.parametrize("operator", ["wrong_chunk", "gather_order"])
+@pytest.mark.parametrize("operator", ["wrong_index", "permute_group"])
 def test_sequence_chunk_mutations_fail(operator):
     single, plan = plans(Parallelism(tp=2, nm=2))
     memo: dict = {}
