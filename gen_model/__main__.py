@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                      help="split the embedding along the vocabulary across TP ranks")
     par.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                      help="pipeline schedule")
+    par.add_argument("--sequence_parallel", action="store_true",
+                     help="Megatron sequence parallelism: activations outside TP regions "
+                          "split along the sequence across TP ranks (llama3)")
     par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                      help="ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters "
                           "sharded over data-parallel ranks (3 is FSDP)")
@@ -88,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg, par = config_from(args)
         start = time.perf_counter()
         policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule,
-                        zero=args.zero)
+                        sequence_parallel=args.sequence_parallel, zero=args.zero)
         plan = make_plan(cfg, par, args.gbs, args.variant, policy)
         stem = plan_stem(cfg, par, args.gbs, args.variant) + (
+            "_sp" if args.sequence_parallel else "") + (
             f"_zero{args.zero}" if args.zero else "")
         pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
     except (ConfigError, PlanError) as e:

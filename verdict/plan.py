@@ -141,7 +141,7 @@ class Plan:
 
 #: World fields that describe parallelism; all others describe the model.
 PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "variant", "vocab_parallel", "schedule",
-                   "zero")
+                   "sequence_parallel", "zero")
 
 
 def pair_problem(single: Plan, parallel: Plan) -> str | None:
