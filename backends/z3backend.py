@@ -69,6 +69,12 @@ class SymbolicXP:
         return _map(lambda v: _unary("rsqrt")(_real(v)), x)
 
     @staticmethod
+    def adam_ratio(m, v, eps):
+        """m / (sqrt(v) + eps): one uninterpreted function of (m, v) per eps."""
+        fn = _route_fn(f"adam_ratio[{eps!r}]", 2)
+        return _zip(m, v, lambda a, b: fn(_real(a), _real(b)))
+
+    @staticmethod
     def maximum(a, b):
         """If-terms; -inf (a Python float) loses to anything."""
         return _zip(a, b, lambda u, v: v if _is_neg_inf(u) else u if _is_neg_inf(v)

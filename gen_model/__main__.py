@@ -59,19 +59,23 @@ def parser() -> argparse.ArgumentParser:
     par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                      help="ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters "
                           "sharded over data-parallel ranks (3 is FSDP)")
+    p.add_argument("--optimizer", choices=("none", "sgd", "adam", "adamw"), default="none",
+                   help="end the step with this optimizer's update (default: gradients only)")
     p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output directory")
     return p
 
 
 def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
     if args.model == "mlp":
-        cfg = ModelConfig("mlp", layers=args.layers, hidden=args.hidden)
+        cfg = ModelConfig("mlp", layers=args.layers, hidden=args.hidden,
+                          optimizer=args.optimizer)
     else:
         heads = args.heads
         kv = args.kv_heads or (heads // 4 if heads >= 4 and heads % 4 == 0 else heads)
         common = dict(
             layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=kv,
             ffn=args.ffn or int(3.5 * args.hidden), vocab=args.vocab, seqlen=args.seqlen,
+            optimizer=args.optimizer,
         )
         if args.model == "moe":
             common.update(
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(cfg, par, args.gbs, args.variant, policy)
         stem = plan_stem(cfg, par, args.gbs, args.variant) + (
             "_sp" if args.sequence_parallel else "") + (
-            f"_zero{args.zero}" if args.zero else "")
+            f"_zero{args.zero}" if args.zero else "") + (
+            f"_{args.optimizer}" if args.optimizer != "none" else "")
         pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
     except (ConfigError, PlanError) as e:
         sys.stderr.write(f"gen_model: error: {e}\n")

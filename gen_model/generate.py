@@ -16,7 +16,8 @@ from verdict.plan import Plan
 def logical_graph(cfg: ModelConfig, gbs: int) -> LogicalGraph:
     """The single-device training step of a model (forward, backward, step)."""
     model = build(cfg, device="meta")
-    return derive_training_step(trace_forward(model, ZOO[cfg.model].inputs(cfg, gbs)))
+    graph = trace_forward(model, ZOO[cfg.model].inputs(cfg, gbs))
+    return derive_training_step(graph, cfg.optimizer)
 
 
 def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default",

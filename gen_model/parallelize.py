@@ -28,6 +28,7 @@ from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.graph import ABSENT, LogicalGraph, LOp, Value
 from gen_model.sharding import Layout, grad_layout, is_split, natural_grad, propagate
 from verdict.ops import get_op
+from verdict.ops.step import OPTIMIZERS
 from verdict.plan import INPUT_KINDS, Node, Plan, Tensor
 from verdict.structure import fw_shapes
 
@@ -493,6 +494,9 @@ class _Emitter:
         self.slots: dict[tuple[SVal, int, int], int] = {}
         self.written: set[int] = set()
         self.last_buffer: dict[tuple[int, int], int] = {}
+        #: (rank, param) -> the reduced gradient the optimizer reads, when a
+        #: reducer (and ZeRO-1's owned split) follows the last accumulation
+        self.final_buffer: dict[tuple[int, int], int] = {}
         #: values made once per step, before the first microbatch (ZeRO-1/2's
         #: parameter all-gather): every microbatch reads the one copy
         self.per_step = {sv for sop in prog.ops if sop.dir == "none" for sv in sop.outputs}
@@ -617,6 +621,7 @@ class _Emitter:
             seqs[self.rank(c)] = self.rank_sequence(ops, c)
         for c in coords:
             seqs[self.rank(c)].extend(self.reducers(c))
+            seqs[self.rank(c)].extend(self.optimizer_steps(c))
         self.plan.nodes = merge(seqs, self.plan)
         self.check_written()
         number_versions(self.plan)
@@ -683,8 +688,29 @@ class _Emitter:
             t = self.write(self.buffer(tid, None, lver=1, full=zero1), c, -1)
             nodes.append(Node(self.rank(c), -1, "reducer", "none", inputs, (t,),
                               {"index": group.index(c)}, self.buffer_name(tid)))
+            self.final_buffer[(self.rank(c), tid)] = t
             if zero1:
                 nodes.append(self.keep_owned(tid, t, c))
+                self.final_buffer[(self.rank(c), tid)] = nodes[-1].outputs[0]
+        return nodes
+
+    def optimizer_steps(self, c: Coord) -> list[Node]:
+        """The optimizer step of every parameter of the stage, on the shard the
+        rank holds (its owned shard under ZeRO), after the final gradient."""
+        nodes = []
+        stage_params = {tid for tid, _ in self.params_of(c.stage)}
+        for lop in self.g.ops:
+            if lop.op not in OPTIMIZERS or lop.inputs[0][0] not in stage_params:
+                continue
+            tid = lop.inputs[0][0]
+            lay = self.prog.inputs[tid].layout
+            states = [self.read(SVal(v[0], v[1], lay), c, -1) for v in lop.inputs[2:]]
+            key = (self.rank(c), tid)
+            inputs = (self.read(self.prog.inputs[tid], c, -1),
+                      self.final_buffer.get(key, self.last_buffer[key]), *states)
+            outputs = tuple(self.write(SVal(v[0], v[1], lay), c, -1) for v in lop.outputs)
+            nodes.append(Node(self.rank(c), -1, lop.op, "none", inputs, outputs,
+                              dict(lop.kwargs), lop.name))
         return nodes
 
     def keep_owned(self, tid: int, reduced: int, c: Coord) -> Node:

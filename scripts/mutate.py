@@ -27,7 +27,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -62,6 +62,8 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "llama3_zero3_dp2_pp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, pp=2, nm=2),
                                      Policy(zero=3)),
     "moe_zero3_dp4_ep2_nm2": (MOE, Parallelism(dp=4, ep=2, nm=2), Policy(zero=3)),
+    "llama3_adamw_zero1_dp2_tp2_nm2": (replace(LLAMA, optimizer="adamw"),
+                                       Parallelism(dp=2, tp=2, nm=2), Policy(zero=1)),
 }
 QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2", "mlp_zero2_dp2_nm2")
 

@@ -41,7 +41,7 @@ COVERED = {
     # nn (model leaves)
     "apply_rotary_emb", "causal_mask", "route",
     # step
-    "multiref", "zeros", "ones", "local_grad_accumulation", "detach",
+    "multiref", "zeros", "ones", "local_grad_accumulation", "detach", "sgd_step", "adam_step",
     # collectives
     "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
     "send_recv", "broadcast",
@@ -587,6 +587,10 @@ SHAPE_ERRORS: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
     ("log", [(2,), (2,)], {}),
     ("max", [(2, 3)], {"dim": 2, "keepdim": False}),
     ("all_reduce_max", [(2, 3), (3, 2)], {"index": 0}),
+    ("sgd_step", [(2, 3), (3, 2)], {"lr": 0.1, "weight_decay": 0.0}),
+    ("adam_step", [(2, 3), (2, 3), (2, 3), (2, 2)],
+     {"lr": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
+      "decoupled": True, "step": 1}),
     ("add", [(2, 3), (2, 4)], {}),
     ("add", [(2, 3)], {}),
     ("mul", [(2, 3, 4), (3, 3, 4)], {}),
@@ -669,5 +673,6 @@ def test_cases_cover_every_differentiable_op() -> None:
     with_backward = {n for n, op in OPS.items() if op.backward is not None}
     assert with_backward <= {c.op for c in CASES}
     forward_only = {n for n, op in OPS.items() if op.backward is None} - COLLECTIVES
-    assert forward_only == {"zeros", "ones", "local_grad_accumulation", "route", "detach"}
+    assert forward_only == {"zeros", "ones", "local_grad_accumulation", "route", "detach",
+                            "sgd_step", "adam_step"}  # the steps: tests/test_optimizer.py
     assert all(n in OPS for n in COLLECTIVES)

@@ -19,6 +19,7 @@ from verdict.ops.collectives import OPS as COLLECTIVE_OPS
 FUNCTIONS = {
     "exp": np.exp,
     "log": math.log,
+    "adam_ratio[1e-08]": lambda m, v: m / (math.sqrt(v) + 1e-8),
     "rsqrt": lambda v: 1.0 / math.sqrt(v),
     "sigmoid": lambda v: 1.0 / (1.0 + math.exp(-v)),
 }
@@ -55,7 +56,7 @@ def evaluate(term, memo: dict) -> float:
         elif kind == z3.Z3_OP_EQ:
             value = args[0] == args[1]
         elif kind == z3.Z3_OP_UNINTERPRETED:
-            value = float(FUNCTIONS[term.decl().name()](args[0]))
+            value = float(FUNCTIONS[term.decl().name()](*args))
         else:
             raise AssertionError(f"unexpected term {term.decl()}")
     memo[key] = value
@@ -148,3 +149,17 @@ def test_masked_scores_give_exact_zero_probability() -> None:
     x = np.array([[z3.Real("a"), -math.inf]], dtype=object)
     p = SymbolicXP.softmax(x, -1)
     assert p[0, 1] == 0 and not z3.is_expr(p[0, 1])
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_step_symbolic(decoupled) -> None:
+    rng = np.random.default_rng(4)
+    p, g, m = (rng.standard_normal((2, 3)) for _ in range(3))
+    v = rng.uniform(0.0, 1.0, (2, 3))
+    kw = {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1,
+          "decoupled": decoupled, "step": 1}
+    rule = get_op("adam_step")
+    num = rule.forward(NumericXP(), (p, g, m, v), **kw)
+    sym = rule.forward(SymbolicXP(), tuple(symbolic(x) for x in (p, g, m, v)), **kw)
+    for s, n in zip(sym, num):
+        close(s, n)

@@ -158,6 +158,13 @@ def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
                     problems.append(f"rank {rank} ends with a gradient of {name} that is not "
                                     f"the single-device gradient of its shard")
                     break
+            if final_version(single, p) > 0:
+                updated = ref_values[last[p]]
+                got = st.last_param.get(p)
+                if got is None or any(not _close(values[got], updated[_region(s)], rtol)
+                                      for s in held):
+                    problems.append(f"rank {rank} does not end with the updated {name} "
+                                    f"of its shard")
     for p in single.grads:
         if not any(p in st.held for st in states.values()):
             problems.append(f"no rank holds {single.logical[p].name}")
