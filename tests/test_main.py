@@ -138,12 +138,12 @@ def test_internal_error_exits_3_with_one_line(plans, tmp_path, capsys, monkeypat
 
 def test_stage_that_cannot_run_is_no_verdict(plans, tmp_path, capsys, monkeypatch):
     """A stage worker that raises leaves the run without a verdict: exit 3."""
-    import verdict.engine as engine
+    from verdict.executor import InlineExecutor
 
     def raising(problem, seed=0, timeout_ms=0):
         raise ValueError("cannot run")
 
-    monkeypatch.setattr(engine, "solve", raising)
+    monkeypatch.setattr(main, "make_executor", lambda *args: InlineExecutor(raising))
     code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"]),
                           "--no_cache_stages"], tmp_path, capsys)
     assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
