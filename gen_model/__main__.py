@@ -58,9 +58,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def check_defaults(args: argparse.Namespace, cfg: ModelConfig) -> None:
-    """A size left to its default that --tp does not divide: say which value to
-    pass. The default is not changed with --tp, because the single-device plan
-    of the same model is generated without --tp and must get the same value."""
+    """KV heads left to their default that --tp does not divide: say which value
+    to pass. The default is not changed with --tp, because the single-device
+    plan of the same model is generated without --tp and must get the same
+    value. (The default ffn, 3.5 x hidden, is always divisible: --tp divides
+    heads and head_dim is even, so --tp divides hidden / 2.)"""
     if cfg.model == "mlp" or args.tp <= 1:
         return
     if not args.kv_heads and cfg.kv_heads % args.tp and cfg.heads % args.tp == 0:
@@ -68,10 +70,6 @@ def check_defaults(args: argparse.Namespace, cfg: ModelConfig) -> None:
         raise ConfigError(f"--kv_heads defaults to {cfg.kv_heads} (heads/4), which --tp {args.tp} "
                           f"does not divide: pass --kv_heads {fits[0]} (to the single-device plan "
                           f"too)")
-    if not args.ffn and cfg.ffn % args.tp:
-        ffn = -(-cfg.ffn // args.tp) * args.tp
-        raise ConfigError(f"--ffn defaults to {cfg.ffn} (3.5 x hidden), which --tp {args.tp} does not "
-                          f"divide: pass --ffn {ffn} (to the single-device plan too)")
 
 
 def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:

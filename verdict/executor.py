@@ -116,9 +116,10 @@ class ProcessExecutor:
             while todo or any(w.job >= 0 for w in pool):
                 for w in pool:
                     if w.job < 0 and todo:
-                        w.job = todo.popleft()
-                        w.conn.send(jobs[w.job])
+                        self._give(w, todo, jobs, ctx)
                 busy = [w for w in pool if w.job >= 0]
+                if not busy:  # every send found a dead worker, now replaced: send again
+                    continue
                 ready = set(wait([w.conn for w in busy] + [w.process.sentinel for w in busy]))
                 for w in busy:
                     if w.conn not in ready and w.process.sentinel not in ready:
@@ -144,6 +145,16 @@ class ProcessExecutor:
         process.start()
         theirs.close()
         return _Worker(process, mine)
+
+    def _give(self, w: _Worker, todo: deque, jobs: list[Job], ctx) -> None:
+        """Send the next job to an idle worker; one that died while idle is
+        replaced and the job, which never started, stays first in line."""
+        try:
+            w.conn.send(jobs[todo[0]])
+        except OSError:
+            self._replace(w, ctx)
+            return
+        w.job = todo.popleft()
 
     def _receive(self, w: _Worker) -> tuple[str, Outcome] | None:
         """The worker's result, or None if it died before sending one."""
@@ -254,8 +265,9 @@ def import_ray():
 
 
 def local_ray_options(cpus: int) -> dict:
-    """ray.init options for an instance on this machine only."""
-    return dict(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+    """ray.init options for a new instance on this machine only ("local": not
+    one that ``ray start`` left running, which plain ``ray.init()`` would join)."""
+    return dict(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                 log_to_driver=False, logging_level="ERROR", configure_logging=True)
 
 
