@@ -49,7 +49,8 @@ class Command:
 
 
 def is_command(text: str) -> bool:
-    first = text.split(maxsplit=1)[0] if text.split() else ""
+    words = [w for w in text.split() if not re.match(r"^[A-Z_][A-Z0-9_]*=", w)]  # VAR=value first
+    first = words[0] if words else ""
     return first in COMMANDS or first.startswith(".venv/bin/")
 
 
@@ -122,11 +123,12 @@ def test_marker_and_continuations(tmp_path):
     doc = tmp_path / "x.md"
     doc.write_text("Text.\n\n    python -m a \\\n        --b 1\n    12 passed\n\n"
                    "<!-- docs-test: skip (long) -->\n```bash\nmake slow\n```\n\n"
-                   "<!-- docs-test: exit 1 -->\n\n    .venv/bin/python -c \"x\n    y\"\n")
+                   "<!-- docs-test: exit 1 -->\n\n    .venv/bin/python -c \"x\n    y\"\n"
+                   "Text.\n\n    A=1 make it\n")
     found = commands(doc)
     assert [(c.text, c.skip, c.exit) for c in found] == [
         ("python -m a \\\n    --b 1", False, 0), ("make slow", True, 0),
-        ('.venv/bin/python -c "x\ny"', False, 1)]
+        ('.venv/bin/python -c "x\ny"', False, 1), ("A=1 make it", False, 0)]
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
