@@ -148,3 +148,40 @@ def test_stage_that_cannot_run_is_no_verdict(plans, tmp_path, capsys, monkeypatc
                           "--no_cache_stages"], tmp_path, capsys)
     assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
     assert "no verdict" in err and len(err.strip().splitlines()) == 1
+
+
+def test_killed_stage_worker_is_no_verdict(plans, tmp_path, capsys, monkeypatch):
+    """A worker the kernel kills (out of memory, say), again on the retry,
+    ends the run with exit 3 and one line naming the stage, instead of
+    hanging or reading as a verdict."""
+    import os
+    import signal
+
+    from verdict.executor import ProcessExecutor
+
+    parent = os.getpid()
+
+    def killed(problem, seed=0, timeout_ms=0):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("stages must run in workers here")
+
+    monkeypatch.setattr(main, "make_executor", lambda *args: ProcessExecutor(2, killed))
+    code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"]),
+                          "--no_cache_stages", "--max_vrf_proc", "2"], tmp_path, capsys)
+    assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
+    assert "worker died" in err and "signal 9" in err and len(err.strip().splitlines()) == 1
+    assert "stage " in err
+
+
+def test_memory_exhausted_is_no_verdict(plans, tmp_path, capsys, monkeypatch):
+    import verdict.engine as engine
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(engine, "prepare", exhausted)
+    code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"])],
+                         tmp_path, capsys)
+    assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
+    assert "out of memory" in err and len(err.strip().splitlines()) == 1

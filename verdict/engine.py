@@ -14,13 +14,12 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
-from tqdm import tqdm
-
 from verdict.executor import Executor, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import Plan
 from verdict.problem import Problem, build_problem
+from verdict.progress import progress as bar
 from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome, solve
 from verdict.stages import Stage, cut_stages
@@ -61,7 +60,7 @@ def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[i
     producer = single.producers()
     memo = RuleMemo()
     prepared = []
-    for stage in tqdm(stages, desc="reducing stages", disable=not progress, leave=False):
+    for stage in bar(stages, "reducing stages", enabled=progress):
         tensors = set(stage.sources)
         for i in stage.gp_nodes:
             node = parallel.nodes[i]
@@ -81,16 +80,16 @@ def prove(prepared, seed: int, executor: Executor, keep_going: bool, memo: dict[
     for _, problem, key in prepared:
         if key not in memo and key not in todo:
             todo[key] = problem
-    bar = tqdm(total=len(todo), desc="verifying stages", disable=not progress, leave=False)
+    counter = bar(None, "verifying stages", total=len(todo), enabled=progress)
     jobs = [(k, p, seed) for k, p in todo.items()]
     solved: dict[str, Outcome] = {}
     with closing(executor.results(jobs)) as outcomes:
         for key, outcome in outcomes:
             solved[key] = outcome
-            bar.update()
+            counter.update()
             if not outcome.ok and not keep_going:
                 break
-    bar.close()
+    counter.close()
     results = []
     hits = 0
     for stage, problem, key in prepared:

@@ -57,6 +57,16 @@ def died_twice(why: str) -> Outcome:
     return Outcome("error", f"its worker died {DIES_ALLOWED + 1} times ({why})")
 
 
+def death(code: int | None) -> str:
+    """How a worker process ended, from its exit code."""
+    if code is not None and code < 0:
+        how = f"killed by signal {-code}"
+        if -code == 9:
+            how += ", which the kernel's out-of-memory killer sends"
+        return how
+    return f"exit code {code}"
+
+
 @dataclass
 class InlineExecutor:
     """Every job in this process, in order."""
@@ -130,7 +140,7 @@ class ProcessExecutor:
                     else:
                         deaths[index] += 1
                         if deaths[index] > DIES_ALLOWED:
-                            yield jobs[index][0], died_twice(f"exit code {w.process.exitcode}")
+                            yield jobs[index][0], died_twice(death(w.process.exitcode))
                         else:
                             todo.appendleft(index)
                     if not w.process.is_alive() or w.done >= self.tasks_per_worker:
