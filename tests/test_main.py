@@ -108,6 +108,16 @@ def test_dumps_and_caches(plans, tmp_path, capsys):
     assert run(args, tmp_path, capsys)[0] == 0
 
 
+def test_stage_cache_of_other_verifier_code_is_not_trusted(tmp_path):
+    """A proof cached by a verifier whose rules differ says nothing here."""
+    from verdict.cache import STAGE_CACHE_VERSION, StageCache
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps({"version": STAGE_CACHE_VERSION, "code": "other", "proved": ["k"]}))
+    assert StageCache(tmp_path).proved == set()
+    StageCache(tmp_path).save({"k"})
+    assert StageCache(tmp_path).proved == {"k"}
+
+
 def test_numeric_mode(plans, tmp_path, capsys):
     code, out, _ = run(["--sm", str(plans["single"]), "--pm", str(plans["wrong"]), "--numeric"],
                        tmp_path, capsys)
