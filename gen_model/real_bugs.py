@@ -167,6 +167,18 @@ def _aux_loss_local_tokens(plan: Plan) -> None:
         plan.nodes[i] = n._replace(kwargs={**n.kwargs, "value": n.kwargs["value"] / tp})
 
 
+def _sp_in_fsdp_mesh(plan: Plan) -> None:
+    """VeOmni PR 1079: with the sequence-parallel ranks folded into the FSDP
+    mesh, the reduced gradients are divided by sp_size once more (the
+    learning rate is in effect sp_size times smaller). Here the sequence is
+    split over the tensor-parallel ranks (Megatron sequence parallelism);
+    every parameter's reduce-scattered gradient is divided by that size."""
+    sp = float(plan.world["tp"])
+    _scale_outputs(plan, 1.0 / sp, lambda n: n.op == "reduce_scatter" and n.dir == "bw"
+                   and n.name.endswith(".weight.grad"),
+                   "reduce-scatter of a parameter's gradient (FSDP)")
+
+
 BUGS: dict[str, RealBug] = {b.key: b for b in (
     RealBug("torchtitan-2972", "torchtitan issue 2972",
             "pipeline path backpropagates the raw summed loss",
@@ -183,4 +195,8 @@ BUGS: dict[str, RealBug] = {b.key: b for b in (
     RealBug("megatron-5047", "Megatron-LM PR 5047",
             "MoE auxiliary loss scaled by the local token count: gradient depends on TP size",
             MOE, Parallelism(dp=2, tp=2, nm=2), Policy(), _aux_loss_local_tokens),
+    RealBug("veomni-1079", "VeOmni PR 1079",
+            "sequence parallelism folded into the FSDP mesh: an extra division by sp_size",
+            LLAMA, Parallelism(dp=2, tp=2, nm=2), Policy(sequence_parallel=True, zero=3),
+            _sp_in_fsdp_mesh),
 )}

@@ -19,6 +19,7 @@ EXPECTED = {
                       {0, 1}),
     "megatron-5956": (("einsum", "bw", "layers.1.feed_forward.einsum_4"), {0, 1, 2, 3}),
     "megatron-5047": (("div", "bw", "layers.1.feed_forward.truediv_2"), {0, 1, 2, 3}),
+    "veomni-1079": (("linear", "bw", "output"), {0, 1, 2, 3}),
 }
 
 
