@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism")
     for flag in ("dp", "tp", "pp", "ep", "nm"):
         par.add_argument(f"--{flag}", type=int, default=1)
+    par.add_argument("--cp", type=int, default=1,
+                     help="context parallel: the sequence split across ranks (llama3)")
     par.add_argument("--vocab_parallel", action="store_true",
                      help="split the embedding along the vocabulary across TP ranks")
     par.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
@@ -76,7 +78,7 @@ def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
                 first_dense=min(args.first_dense, args.layers), moe_ffn=args.moe_ffn or args.hidden,
             )
         cfg = ModelConfig(args.model, **common)
-    par = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, nm=args.nm)
+    par = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, nm=args.nm, cp=args.cp)
     cfg.check()
     check_run(args.gbs, args.variant)
     return cfg, par

@@ -31,14 +31,16 @@ from verdict.ops import get_op
 from verdict.plan import INPUT_KINDS, Node, Plan, Tensor
 from verdict.structure import fw_shapes
 
-AXES = ("mb", "edp", "ep", "tp")
+AXES = ("mb", "edp", "ep", "cp", "tp")
 #: Order in which the axes number the pieces of a split dim (last fastest):
 #: the batch is microbatch-major; an expert dim split on tp and ep is tp-major,
 #: so an all-to-all over ep gathers contiguous experts.
-SLICE_ORDER = ("mb", "edp", "tp", "ep")
+SLICE_ORDER = ("mb", "edp", "cp", "tp", "ep")
 #: Order in which the axes number the parts of a partial sum (last fastest).
-PART_ORDER = ("edp", "ep", "tp", "mb")
-BATCH_AXES = ("mb", "edp", "ep")
+PART_ORDER = ("edp", "ep", "cp", "tp", "mb")
+#: Axes that split the tokens of a step (the batch, and the sequence on cp):
+#: gradients are partial sums over them, reduced by the reducer.
+BATCH_AXES = ("mb", "edp", "ep", "cp")
 
 COLUMN = re.compile(r"\.(wq|wk|wv|w1|w3)\.weight$|^output\.weight$")
 ROW = re.compile(r"\.(wo|w2)\.weight$")
@@ -176,7 +178,7 @@ class _Sharder:
         t = self.g.tensors[tid]
         if t.kind in ("data", "tokens"):
             tp = len(t.shape) - 1 if t.kind == "tokens" and self.policy.vocab_parallel else "R"
-            return (0, 0, 0, tp)
+            return (0, 0, 0, SEQ_DIM if t.kind == "tokens" else "R", tp)
         expert = t.kind == "param" and EXPERT.search(t.name) is not None
         tp: Layout = "R"
         if t.kind == "param":
@@ -192,7 +194,7 @@ class _Sharder:
             elif self.cfg.model == "mlp" and len(t.shape) == 2:
                 layer = int(LAYER.search(t.name + ".").group(1)) if LAYER.search(t.name + ".") else 0
                 tp = 0 if layer % 2 == 0 else 1
-        return ("R", "R", 0 if expert else "R", tp)
+        return ("R", "R", 0 if expert else "R", "R", tp)
 
     def value(self, v: Value) -> SVal:
         if v not in self.current:
@@ -402,6 +404,7 @@ class Coord:
     stage: int
     edp: int
     ep: int
+    cp: int
     tp: int
 
     def get(self, axis: str, mb: int) -> int:
@@ -409,7 +412,7 @@ class Coord:
 
     def with_axes(self, **values: int) -> Coord:
         return Coord(self.stage, values.get("edp", self.edp), values.get("ep", self.ep),
-                     values.get("tp", self.tp))
+                     values.get("cp", self.cp), values.get("tp", self.tp))
 
 
 class _Emitter:
@@ -425,11 +428,12 @@ class _Emitter:
 
     def rank(self, c: Coord) -> int:
         d = c.edp * self.size["ep"] + c.ep
-        return (c.stage * self.par.dp + d) * self.par.tp + c.tp
+        return ((c.stage * self.par.dp + d) * self.par.cp + c.cp) * self.par.tp + c.tp
 
     def coords(self, stage: int) -> list[Coord]:
-        return [Coord(stage, a, b, t) for a, b, t in product(
-            range(self.size["edp"]), range(self.size["ep"]), range(self.size["tp"]))]
+        return [Coord(stage, a, b, k, t) for a, b, k, t in product(
+            range(self.size["edp"]), range(self.size["ep"]), range(self.size["cp"]),
+            range(self.size["tp"]))]
 
     # -- tensors --------------------------------------------------------------
     def view(self, sv: SVal, c: Coord, mb: int, mb_parts: tuple[int, int] | None):
@@ -492,7 +496,7 @@ class _Emitter:
         rank = self.rank(c)
         kw = dict(sop.kwargs)
         if sop.kind == "move":
-            src = Coord(sop.src_stage, c.edp, c.ep, c.tp)
+            src = Coord(sop.src_stage, c.edp, c.ep, c.cp, c.tp)
             inputs = (self.read(sop.inputs[0], src, mb),)
             kw = {"src": self.rank(src), "dst": rank}
         elif sop.kind == "conv":
@@ -506,10 +510,20 @@ class _Emitter:
         else:
             inputs = tuple(self.read(sv, c, mb) for sv in sop.inputs)
         outputs = tuple(self.write(sv, c, mb) for sv in sop.outputs)
+        if sop.op == "causal_mask":
+            kw.update(self.mask_chunks(outputs[0]))
         node = Node(rank, mb, sop.op, sop.dir, inputs, outputs, kw, sop.name)
         if sop.kind == "op":
             node = node._replace(kwargs=self.local_kwargs(node))
         return node
+
+    def mask_chunks(self, t: int) -> dict[str, int]:
+        """Where a causal mask's local scores sit in the whole sequence (a
+        context-parallel rank holds one chunk of the query rows), in units of
+        the local size; nothing when they are the whole sequence."""
+        (r0, r1), (c0, c1) = self.plan.tensors[t].slices[-2:]
+        chunks = {"row_chunk": r0 // (r1 - r0), "col_chunk": c0 // (c1 - c0)}
+        return {k: v for k, v in chunks.items() if v}
 
     def local_kwargs(self, node: Node) -> dict:
         """Kwargs that hold sizes (unflatten's sizes, ...), for the local shapes."""
@@ -584,7 +598,7 @@ class _Emitter:
         """Cross-replica reduction of every gradient that is partial over replicas."""
         nodes = []
         for tid, grad in self.params_of(c.stage):
-            axes = [a for a in ("edp", "ep") if grad is not None and grad.on(a) == "P"]
+            axes = [a for a in ("edp", "ep", "cp") if grad is not None and grad.on(a) == "P"]
             if not axes:
                 continue
             group = [c.with_axes(**dict(zip(axes, idx)))
@@ -665,11 +679,11 @@ def contiguous(before: SVal, after: SVal, axis: str) -> bool:
 
 
 def axis_sizes(par: Parallelism) -> dict[str, int]:
-    return {"mb": par.nm, "edp": par.dp // par.ep_dp, "ep": par.ep_dp, "tp": par.tp}
+    return {"mb": par.nm, "edp": par.dp // par.ep_dp, "ep": par.ep_dp, "cp": par.cp, "tp": par.tp}
 
 
 def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
-    for flag in ("dp", "tp", "pp", "ep", "nm"):
+    for flag in ("dp", "tp", "pp", "ep", "nm", "cp"):
         if getattr(par, flag) < 1:
             raise ConfigError(f"--{flag} must be at least 1")
     if gbs % (par.dp * par.nm):
@@ -692,11 +706,14 @@ def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
 
 
 def check_policy(cfg: ModelConfig, par: Parallelism, policy: Policy) -> None:
-    if policy.sequence_parallel:
-        if cfg.model != "llama3":
-            raise ConfigError("--sequence_parallel needs the llama3 model")
-        if cfg.seqlen % par.tp:
-            raise ConfigError(f"--seqlen {cfg.seqlen} is not divisible by --tp {par.tp}")
+    sp = par.tp if policy.sequence_parallel else 1
+    if policy.sequence_parallel and cfg.model != "llama3":
+        raise ConfigError("--sequence_parallel needs the llama3 model")
+    if par.cp > 1 and cfg.model != "llama3":
+        raise ConfigError("--cp needs the llama3 model")
+    if cfg.seqlen % (par.cp * sp):
+        raise ConfigError(f"--seqlen {cfg.seqlen} is not divisible by {par.cp * sp} "
+                          f"(context parallel {par.cp} x sequence parallel {sp})")
     if cfg.model == "moe" and not par.experts_over_tp and cfg.moe_ffn % par.tp:
         raise ConfigError(f"--moe_ffn {cfg.moe_ffn} is not divisible by --tp {par.tp}")
 
