@@ -51,6 +51,8 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 REDUCE_AT_ONCE = ("linear", "embedding")
 #: The sequence dim of a [batch, sequence, hidden] activation.
 SEQ_DIM = 1
+#: The heads dim of attention's [batch, heads, sequence, head_dim] operands.
+HEAD_DIM = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,12 @@ class Policy:
     #: Megatron sequence parallelism: outside tensor-parallel regions the
     #: activations are split along the sequence (dim 1) across TP ranks.
     sequence_parallel: bool = False
+    #: Ulysses (DeepSpeed) on the cp axis: attention runs on head shards of
+    #: whole sequences, reached by all-to-alls, instead of gathering keys.
+    ulysses: bool = False
+    #: Interleaved (virtual) pipeline: each rank holds this many model chunks,
+    #: chunk k of the pp * virtual_stages chunks on stage k % pp.
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,7 @@ class _Sharder:
 
     # -- placement ----------------------------------------------------------
     def assign_stages(self) -> list[int]:
-        g, pp = self.g, self.par.pp
+        g, pp = self.g, self.par.pp * self.policy.virtual_stages  # virtual stages
         last = pp - 1
         stages, seen_layer = [], False
         for lop in g.ops:
@@ -298,6 +306,8 @@ class _Sharder:
                                        self.size[axis], params, len(lop.outputs))
             if axis == "tp" and i in self.gather_first:
                 need, out = ["R"], ["R"] * len(lop.outputs)
+            if axis == "cp" and self.policy.ulysses:
+                need, out, rep = ulysses(lop, [s.on(axis) for s in ins], shapes, need, out, rep)
             need_by_axis.append(need)
             out_by_axis.append(out)
             replicated.append(rep)
@@ -389,6 +399,19 @@ class _Sharder:
         if param.on("ep") != sv.on("ep") and sv.on("ep") != "P":
             raise AssertionError(f"gradient of {self.g.tensors[tid].name} is {sv.on('ep')} on ep")
         return self.convert(sv, sv.relaid("tp", param.on("tp")).layout, stage, "bw")
+
+
+def ulysses(lop: LOp, ins: list[Layout], shapes: list[tuple[int, ...]], need: list[Layout],
+            out: list[Layout], rep: bool) -> tuple[list[Layout], list[Layout], bool]:
+    """Ulysses on the cp axis: attention's two matmuls take their operands
+    split on heads (an all-to-all from the sequence split), so scores, mask
+    and softmax see whole sequences; a linear reading a head-split input
+    (the output projection) takes it split on the sequence again."""
+    if lop.op == "matmul" and len(shapes[0]) == 4 and any(is_split(x) for x in ins):
+        return [HEAD_DIM, HEAD_DIM], [HEAD_DIM], False
+    if lop.op == "linear" and ins[0] == len(shapes[0]) - 1 and ins[1] == "R":
+        return [SEQ_DIM, "R"], [SEQ_DIM], False
+    return need, out, rep
 
 
 def shard(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, policy: Policy) -> Program:
@@ -496,7 +519,7 @@ class _Emitter:
         rank = self.rank(c)
         kw = dict(sop.kwargs)
         if sop.kind == "move":
-            src = Coord(sop.src_stage, c.edp, c.ep, c.cp, c.tp)
+            src = Coord(sop.src_stage % self.par.pp, c.edp, c.ep, c.cp, c.tp)
             inputs = (self.read(sop.inputs[0], src, mb),)
             kw = {"src": self.rank(src), "dst": rank}
         elif sop.kind == "conv":
@@ -531,22 +554,46 @@ class _Emitter:
         return get_op(node.op).resized(node.kwargs, ins, outs)
 
     # -- schedule -------------------------------------------------------------
-    def order(self, stage: int) -> list[tuple[str, int]]:
-        """The (phase, microbatch) sequence of one pipeline stage."""
-        nm, pp = self.par.nm, self.par.pp
+    def order(self, stage: int) -> list[tuple[str, int, int]]:
+        """The (phase, microbatch, virtual stage) sequence of one pipeline stage."""
+        nm, pp, v = self.par.nm, self.par.pp, self.policy.virtual_stages
+        if v > 1:
+            return self.interleaved(stage)
         if self.policy.schedule == "gpipe":
-            return [("fw", m) for m in range(nm)] + [("bw", m) for m in range(nm)]
+            return [("fw", m, stage) for m in range(nm)] + [("bw", m, stage) for m in range(nm)]
         warm = min(pp - stage - 1, nm)
-        seq = [("fw", m) for m in range(warm)]
+        seq = [("fw", m, stage) for m in range(warm)]
         for m in range(nm - warm):
-            seq += [("fw", warm + m), ("bw", m)]
-        return seq + [("bw", m) for m in range(nm - warm, nm)]
+            seq += [("fw", warm + m, stage), ("bw", m, stage)]
+        return seq + [("bw", m, stage) for m in range(nm - warm, nm)]
+
+    def interleaved(self, stage: int) -> list[tuple[str, int, int]]:
+        """Megatron's interleaved schedule: microbatches in groups of pp run
+        chunk after chunk (backward chunks in reverse); 1F1B after a warm-up
+        of 2 (pp - stage - 1) + (v - 1) pp forward units."""
+        nm, pp, v = self.par.nm, self.par.pp, self.policy.virtual_stages
+        units = nm * v
+
+        def unit(phase: str, u: int) -> tuple[str, int, int]:
+            group, within = divmod(u, pp * v)
+            chunk = within // pp if phase == "fw" else v - 1 - within // pp
+            return phase, group * pp + within % pp, chunk * pp + stage
+
+        fw = [unit("fw", u) for u in range(units)]
+        bw = [unit("bw", u) for u in range(units)]
+        if self.policy.schedule == "gpipe":
+            return fw + bw
+        warm = min(2 * (pp - stage - 1) + (v - 1) * pp, units)
+        seq = fw[:warm]
+        for i in range(units - warm):
+            seq += [fw[warm + i], bw[i]]
+        return seq + bw[units - warm:]
 
     def run(self) -> Plan:
         seqs: dict[int, list[Node]] = {}
         coords = [c for s in range(self.par.pp) for c in self.coords(s)]
         for c in tqdm(coords, desc="ranks", leave=False, disable=None):
-            ops = [op for op in self.prog.ops if op.stage == c.stage]
+            ops = [op for op in self.prog.ops if op.stage % self.par.pp == c.stage]
             seqs[self.rank(c)] = self.rank_sequence(ops, c)
         for c in coords:
             seqs[self.rank(c)].extend(self.reducers(c))
@@ -556,22 +603,29 @@ class _Emitter:
         return self.plan
 
     def params_of(self, stage: int) -> list[tuple[int, SVal | None]]:
+        """Parameters of one virtual stage (model chunk)."""
         return [(tid, grad) for tid, (s, grad) in self.prog.params.items() if s == stage]
+
+    def params_on(self, stage: int) -> list[tuple[int, SVal | None]]:
+        """Parameters of every model chunk of one pipeline stage."""
+        return [(tid, grad) for tid, (s, grad) in self.prog.params.items()
+                if s % self.par.pp == stage]
 
     def rank_sequence(self, ops: list[SOp], c: Coord) -> list[Node]:
         rank = self.rank(c)
-        params = self.params_of(c.stage)
+        params = self.params_on(c.stage)
         seq: list[Node] = []
         for tid, _ in params:
             t = self.write(self.buffer(tid, None, lver=0), c, -1)
             seq.append(Node(rank, -1, "zeros", "none", (), (t,),
                             {"shape": list(self.plan.tensors[t].shape)}, self.buffer_name(tid)))
             self.last_buffer[(rank, tid)] = t
-        for phase, mb in self.order(c.stage):
-            seq.extend(self.node(sop, c, mb) for sop in ops if sop.dir == phase)
+        for phase, mb, chunk in self.order(c.stage):
+            seq.extend(self.node(sop, c, mb) for sop in ops
+                       if sop.dir == phase and sop.stage == chunk)
             if phase == "fw":
                 continue
-            for tid, grad in params:
+            for tid, grad in self.params_of(chunk):
                 if grad is None:
                     continue
                 t = self.write(self.buffer(tid, grad, lver=1), c, mb, mb_parts=(0, mb + 1))
@@ -597,7 +651,7 @@ class _Emitter:
     def reducers(self, c: Coord) -> list[Node]:
         """Cross-replica reduction of every gradient that is partial over replicas."""
         nodes = []
-        for tid, grad in self.params_of(c.stage):
+        for tid, grad in self.params_on(c.stage):
             axes = [a for a in ("edp", "ep", "cp") if grad is not None and grad.on(a) == "P"]
             if not axes:
                 continue
@@ -711,6 +765,15 @@ def check_policy(cfg: ModelConfig, par: Parallelism, policy: Policy) -> None:
         raise ConfigError("--sequence_parallel needs the llama3 model")
     if par.cp > 1 and cfg.model != "llama3":
         raise ConfigError("--cp needs the llama3 model")
+    v = policy.virtual_stages
+    if v < 1:
+        raise ConfigError("--vpp must be at least 1")
+    if v > 1 and (par.pp < 2 or par.nm % par.pp or cfg.layers < par.pp * v):
+        raise ConfigError(f"--vpp {v} needs --pp > 1, --nm divisible by --pp {par.pp} and "
+                          f"--layers at least pp x vpp = {par.pp * v}")
+    if policy.ulysses and (par.cp < 2 or par.tp > 1 or cfg.heads % par.cp):
+        raise ConfigError(f"--ulysses needs --cp > 1, --tp 1 and --heads {cfg.heads} "
+                          f"divisible by --cp {par.cp}")
     if cfg.seqlen % (par.cp * sp):
         raise ConfigError(f"--seqlen {cfg.seqlen} is not divisible by {par.cp * sp} "
                           f"(context parallel {par.cp} x sequence parallel {sp})")

@@ -140,7 +140,7 @@ class Plan:
 
 #: World fields that describe parallelism; all others describe the model.
 PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_parallel", "schedule",
-                   "sequence_parallel")
+                   "sequence_parallel", "ulysses", "virtual_stages")
 
 
 def pair_problem(single: Plan, parallel: Plan) -> str | None:
