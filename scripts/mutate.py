@@ -57,6 +57,10 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "moe_dp2_ep2_tp2_nm2": (MOE, Parallelism(dp=2, tp=2, ep=2, nm=2), Policy()),
     "llama3_sp_dp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, nm=2),
                               Policy(sequence_parallel=True)),
+    "llama3_cp2_tp2_nm2": (LLAMA, Parallelism(cp=2, tp=2, nm=2), Policy()),
+    "llama3_ulysses2_dp2_nm2": (LLAMA, Parallelism(cp=2, dp=2, nm=2), Policy(ulysses=True)),
+    "mlp_pp2_vpp2_nm2": (ModelConfig("mlp", layers=4, hidden=8), Parallelism(pp=2, nm=2),
+                         Policy(virtual_stages=2)),
 }
 QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2")
 
