@@ -30,6 +30,10 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
     world.update(vocab_parallel=policy.vocab_parallel, schedule=policy.schedule)
     if policy.sequence_parallel:
         world["sequence_parallel"] = True
+    if policy.ulysses:
+        world["ulysses"] = True
+    if policy.virtual_stages > 1:
+        world["virtual_stages"] = policy.virtual_stages
     if policy.zero:
         world.update(zero=policy.zero)
     plan = parallel_plan(graph, cfg, par, gbs, world, policy)
