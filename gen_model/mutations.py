@@ -8,7 +8,9 @@ collective dropped, replaced or run on the wrong group, a wrong peer, a
 constant changed on one rank, swapped operands, an inserted transpose, a
 stale version or another microbatch's tensor read, an accumulation dropped,
 a reducer run early, a rank ending with another shard's gradient or with
-none, a loss left partial, a node deleted. New tensors claim the view the
+none, a loss left partial, a node deleted, a group listed in another order,
+a chunk index changed, a world layout that calls tensor-parallel peers
+replicas. New tensors claim the view the
 tensor they stand for claims, as a parallelizer would write it; whether the
 mutant is wrong is for an oracle to say (gen_model/oracle.py), not for the
 claims. A rewrite changes the plan without changing what any rank computes.
@@ -493,6 +495,65 @@ def drop_send(plan: Plan, rng: random.Random) -> Result:
     return drop_orphans(p), where(plan, i)
 
 
+def permute_group(plan: Plan, rng: random.Random) -> Result:
+    """Two members of a collective's group listed in the other order (the
+    node's own index follows its rank): a gather, scatter or all-to-all that
+    concatenates or keeps the wrong chunks; a harmless reorder for a sum."""
+    sites = [i for i, n in enumerate(plan.nodes)
+             if n.op in (*COLLECTIVES, "reducer") and len(n.inputs) > 1]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    a, b = rng.sample(range(len(n.inputs)), 2)
+    inputs = list(n.inputs)
+    inputs[a], inputs[b] = inputs[b], inputs[a]
+    kw = dict(n.kwargs)
+    if "index" in kw:
+        kw["index"] = next(k for k, t in enumerate(inputs) if p.tensors[t].rank == n.rank)
+    p.nodes[i] = n._replace(inputs=tuple(inputs), kwargs=kw)
+    return p, f"{where(plan, i)} members {a} and {b} swapped"
+
+
+def wrong_index(plan: Plan, rng: random.Random) -> Result:
+    """A collective or split that keeps another chunk than its own: the
+    ``index`` of a reduce_scatter, all_to_all or split changed."""
+    sites = [i for i, n in enumerate(plan.nodes)
+             if (n.op in ("reduce_scatter", "all_to_all") and len(n.inputs) > 1)
+             or (n.op == "split" and n.kwargs.get("parts", 1) > 1)]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    count = n.kwargs["parts"] if n.op == "split" else len(n.inputs)
+    index = rng.choice([k for k in range(count) if k != n.kwargs["index"]])
+    p.nodes[i] = n._replace(kwargs={**n.kwargs, "index": index})
+    return p, f"{where(plan, i)} keeps chunk {index}"
+
+
+def mislabel_layout(plan: Plan, rng: random.Random) -> Result:
+    """The world spec calls tensor-parallel peers data-parallel replicas
+    (tp folded into dp), with or without the loss's tensor-parallel
+    all_reduce left out: under that layout the peers' loss parts would sum
+    to the whole loss."""
+    dp, tp = int(plan.world.get("dp", 1)), int(plan.world.get("tp", 1))
+    if tp < 2:
+        return None
+    p = copy_plan(plan)
+    p.world = {**p.world, "dp": dp * tp, "tp": 1}
+    drop = rng.random() < 0.5
+    if drop:
+        nodes = [k for k, n in enumerate(p.nodes) if n.op == "all_reduce"
+                 and p.tensors[n.outputs[0]].tid == p.loss]
+        for k in reversed(nodes):
+            n = p.nodes.pop(k)
+            _reroute(p, n.outputs[0], _own_in(p, n), k)
+        p = drop_orphans(p)
+    return p, f"world dp {dp} tp {tp} as dp {dp * tp} tp 1{', loss all_reduce dropped' if drop else ''}"
+
+
 MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "drop_collective": drop_collective,
     "replace_collective": replace_collective,
@@ -513,6 +574,9 @@ MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "partial_loss": partial_loss,
     "delete_node": delete_node,
     "drop_send": drop_send,
+    "permute_group": permute_group,
+    "wrong_index": wrong_index,
+    "mislabel_layout": mislabel_layout,
 }
 
 

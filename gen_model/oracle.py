@@ -90,6 +90,33 @@ def _close(a: np.ndarray, b: np.ndarray, rtol: float = 1e-7) -> bool:
     return bool(np.all(np.nan_to_num(diff, nan=np.inf) <= rtol * scale))
 
 
+def _layout_problem(parallel: Plan) -> str:
+    """Why the world's (pp, dp, tp) layout cannot be the plan's, or "".
+
+    Which ranks are data-parallel replicas (whose losses add up) comes from
+    the layout, so it is checked against what each rank loads: per data
+    input, the batch rows (dim 0) of ranks of one data-parallel index are
+    equal, and those of different indices do not overlap."""
+    pp, dp, tp = (int(parallel.world.get(k, 1)) for k in ("pp", "dp", "tp"))
+    if any(t.rank >= pp * dp * tp for t in parallel.tensors):
+        return "a rank lies outside the world's layout"
+    written = {o for n in parallel.nodes for o in n.outputs}
+    rows: dict[tuple[int, int], set] = defaultdict(set)  # (tid, rank) -> batch rows
+    for i, t in enumerate(parallel.tensors):
+        if i not in written and t.shape and parallel.logical[t.tid].kind in ("data", "tokens"):
+            rows[(t.tid, t.rank)].update(range(*t.slices[0]))
+    by_index: dict[tuple[int, int], set] = {}
+    for (tid, rank), got in sorted(rows.items()):
+        d = (rank // tp) % dp
+        if by_index.setdefault((tid, d), got) != got:
+            return f"ranks of data-parallel index {d} load different rows"
+    for (tid, d), got in by_index.items():
+        for (tid2, e), other in by_index.items():
+            if tid == tid2 and d < e and got & other:
+                return f"data-parallel indices {d} and {e} load the same rows"
+    return ""
+
+
 def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
     ref = _run(single, seed)
     last_single: dict[int, int] = {}
@@ -130,6 +157,9 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
                 return Judgement(False, f"rank {rank} ends with a wrong gradient of {name}")
         if not cover.all():
             return Judgement(False, f"no rank holds part of {name}")
+    layout = _layout_problem(parallel)
+    if layout:
+        return Judgement(False, f"the world's layout does not describe the plan: {layout}")
     dp, tp = int(parallel.world.get("dp", 1)), int(parallel.world.get("tp", 1))
     groups: dict[tuple[int, int], float] = defaultdict(float)
     for (rank, _), o in loss_last.items():

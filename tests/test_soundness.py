@@ -262,3 +262,33 @@ def test_mutation_harness_quick_subset():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "0 wrong SUCCESS, 0 false alarms, 0 without a verdict" in done.stdout
+
+
+# --- the world's layout ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_layout_that_calls_tensor_parallel_peers_replicas_fails(seed):
+    """With tp folded into dp in the world spec, the peers' loss parts would
+    sum to the whole loss: the layout is checked against the rows each rank
+    loads, by the verifier, the numeric check and the oracle."""
+    single, plan = plans(LLAMA, Parallelism(tp=2, nm=2))
+    p, _ = mutations.mislabel_layout(plan, random.Random(seed))
+    v = wrong(single, p)
+    assert v.kind == "layout" and "the layout does not describe the plan" in v.message
+    assert not compare(single, p).equal
+
+
+def test_ranks_outside_the_layout_fail():
+    single, plan = plans(LLAMA)
+    p = mutations.copy_plan(plan)
+    p.world = {**p.world, "pp": 1}
+    v = verify(single, p)
+    assert not v.success and v.kind == "layout" and "outside" in v.message
+
+
+def test_layout_of_every_grid_shape_is_accepted():
+    for par in (Parallelism(dp=2, tp=2, pp=2, nm=2), Parallelism(dp=4, nm=2),
+                Parallelism(tp=4, pp=2), Parallelism(dp=2, pp=2)):
+        single, plan = plans(MLP, par, gbs=16)
+        assert verify(single, plan).success

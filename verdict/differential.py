@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verdict.final import final_version, loss_groups, rank_states
-from verdict.lineage import exact_covers
+from verdict.final import check_layout, final_version, loss_groups, rank_states
+from verdict.lineage import StructureError, exact_covers
 from verdict.numeric import ExecutionError, execute
 from verdict.plan import Plan, Tensor
 
@@ -158,6 +158,10 @@ def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
     for p in single.grads:
         if not any(p in st.held for st in states.values()):
             problems.append(f"no rank holds {single.logical[p].name}")
+    try:
+        check_layout(parallel)
+    except StructureError as e:
+        return [*problems, str(e)]
     loss = ref_values[last[single.loss]]
     groups = loss_groups(single, parallel, states)
     if not groups:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from verdict.final import add_loss_groups, check_final, loss_groups, rank_states
+from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import Plan
 from verdict.problem import Problem, build_problem
@@ -139,6 +139,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
     try:
         check_structure(single, "the single-device plan")
         check_structure(parallel, "the parallel plan")
+        check_layout(parallel)
         times["t_graph"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         lineages, of_gs, of_gp = infer_lineages(single, parallel)

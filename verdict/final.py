@@ -26,10 +26,11 @@ count of part indices.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from verdict.lineage import Lineage
+from verdict.lineage import Lineage, StructureError
 from verdict.plan import Plan, Slices
 
 
@@ -48,6 +49,49 @@ def rank_coords(world: dict, rank: int) -> tuple[int, int, int]:
     in the (pp, dp, tp) row-major layout every plan uses."""
     dp, tp = int(world.get("dp", 1)), int(world.get("tp", 1))
     return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
+def check_layout(parallel: Plan) -> None:
+    """The world's (pp, dp, tp) layout must describe the plan.
+
+    The layout decides which ranks are data-parallel replicas, whose losses
+    may be summed; a layout that called tensor-parallel peers replicas would
+    let a tensor-parallel part of the loss pass as a replica's whole loss.
+    So it is checked against load-time facts, the batch rows each rank loads
+    (batch dim 0 of every data and tokens input): ranks of one data-parallel
+    index load the same rows of a tensor, ranks of different indices
+    disjoint rows. Raises StructureError('layout') when it does not hold.
+    """
+    world = parallel.world
+    pp, dp, tp = (int(world.get(k, 1)) for k in ("pp", "dp", "tp"))
+    top = max((t.rank for t in parallel.tensors), default=0)
+    if top >= pp * dp * tp:
+        raise StructureError("layout", f"rank {top} is outside the world's layout of "
+                                       f"pp*dp*tp = {pp * dp * tp} ranks")
+    producer = parallel.producers()
+    rows: dict[int, dict[int, set[tuple[int, int]]]] = defaultdict(lambda: defaultdict(set))
+    for i, t in enumerate(parallel.tensors):
+        if producer[i] < 0 and t.slices and parallel.logical[t.tid].kind in ("data", "tokens"):
+            rows[t.tid][t.rank].add(t.slices[0])
+    for tid, by_rank in sorted(rows.items()):
+        name = parallel.logical[tid].name
+        first: dict[int, tuple[int, set[tuple[int, int]]]] = {}
+        for rank, ranges in sorted(by_rank.items()):
+            d = rank_coords(world, rank)[1]
+            if d not in first:
+                first[d] = (rank, ranges)
+            elif first[d][1] != ranges:
+                raise StructureError("layout", (
+                    f"ranks {first[d][0]} and {rank} are both data-parallel index {d} in the "
+                    f"world's (pp, dp, tp) = ({pp}, {dp}, {tp}) layout but load different batch "
+                    f"rows of {name}: the layout does not describe the plan"))
+        for (d, (ra, a)), (e, (rb, b)) in itertools.combinations(sorted(first.items()), 2):
+            if any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b):
+                raise StructureError("layout", (
+                    f"ranks {ra} and {rb} are data-parallel indices {d} and {e} in the world's "
+                    f"(pp, dp, tp) = ({pp}, {dp}, {tp}) layout but load overlapping batch rows "
+                    f"of {name}: the layout does not describe the plan (replicas load disjoint "
+                    f"data)"))
 
 
 def final_version(plan: Plan, tid: int) -> int:
