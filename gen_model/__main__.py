@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                      help="split the embedding along the vocabulary across TP ranks")
     par.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                      help="pipeline schedule")
+    par.add_argument("--sequence_parallel", action="store_true",
+                     help="Megatron sequence parallelism: activations outside TP regions "
+                          "split along the sequence across TP ranks (llama3)")
     p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output directory")
     return p
 
@@ -84,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, par = config_from(args)
         start = time.perf_counter()
-        policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule)
+        policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule,
+                        sequence_parallel=args.sequence_parallel)
         plan = make_plan(cfg, par, args.gbs, args.variant, policy)
-        stem = plan_stem(cfg, par, args.gbs, args.variant)
+        stem = plan_stem(cfg, par, args.gbs, args.variant) + (
+            "_sp" if args.sequence_parallel else "")
         pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
     except (ConfigError, PlanError) as e:
         sys.stderr.write(f"gen_model: error: {e}\n")

@@ -27,5 +27,7 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
         return single_plan(graph, world)
     policy = policy or Policy()
     world.update(vocab_parallel=policy.vocab_parallel, schedule=policy.schedule)
+    if policy.sequence_parallel:
+        world["sequence_parallel"] = True
     plan = parallel_plan(graph, cfg, par, gbs, world, policy)
     return inject(plan, int(variant[2:])) if variant.startswith("br") else plan  # docs/bugs.md

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from gen_model.bugs import scatter_gather
 from gen_model.config import ConfigError
+from gen_model.parallelize import number_versions
 from verdict.ops import get_op
 from verdict.plan import INPUT_KINDS, Node, Plan
 
@@ -650,9 +651,35 @@ def insert_identity(plan: Plan, rng: random.Random) -> Result:
     return p, f"{op} after {plan.logical[x.tid].name} on rank {x.rank} mb {x.mb}"
 
 
+def scatter_as_reduce_split(plan: Plan, rng: random.Random) -> Result:
+    """A reduce_scatter written as an all_reduce and a local split of the
+    sum (what sequence parallelism saves over Megatron's plain TP)."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "reduce_scatter"]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    dim, out = n.kwargs["dim"], p.tensors[n.outputs[0]]
+    whole = p.tensors[n.inputs[0]]
+    slices = list(out.slices)
+    slices[dim] = whole.slices[dim]
+    p.tensors.append(out._replace(shape=whole.shape, slices=tuple(slices), version=-1))
+    summed = len(p.tensors) - 1
+    index = n.kwargs["index"]
+    p.nodes[i:i + 1] = [
+        n._replace(op="all_reduce", outputs=(summed,), kwargs={"index": index}),
+        n._replace(op="split", inputs=(summed,), kwargs={"dim": dim, "parts": len(n.inputs),
+                                                         "index": index}),
+    ]
+    number_versions(p, frozenset({out.tid}))
+    return p, f"{where(plan, i)} as all_reduce + split"
+
+
 REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
     "reorder": reorder,
     "split_all_reduce": split_all_reduce,
     "rename": rename,
     "insert_identity": insert_identity,
+    "scatter_as_reduce_split": scatter_as_reduce_split,
 }

@@ -47,6 +47,8 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Ops whose tensor-parallel partial sums are all-reduced right away, as in
 #: Megatron's row-parallel linear and vocab-parallel embedding.
 REDUCE_AT_ONCE = ("linear", "embedding")
+#: The sequence dim of a [batch, sequence, hidden] activation.
+SEQ_DIM = 1
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class Policy:
 
     vocab_parallel: bool = False
     schedule: str = "1f1b"  # or "gpipe"
+    #: Megatron sequence parallelism: outside tensor-parallel regions the
+    #: activations are split along the sequence (dim 1) across TP ranks.
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,8 @@ class _Sharder:
         self.stages = self.assign_stages()
         self.accumulated = {lop.outputs[0][0]: lop.inputs[1] for lop in g.ops
                             if lop.op == "local_grad_accumulation"}
+        self.gather_first = self.fanouts_to_columns() if (
+            policy.sequence_parallel and self.size["tp"] > 1) else set()
 
     # -- placement ----------------------------------------------------------
     def assign_stages(self) -> list[int]:
@@ -142,6 +149,23 @@ class _Sharder:
             elif lop.dir == "bw" and lop.fw >= 0:
                 stages[i] = stages[lop.fw]
         return stages
+
+    def fanouts_to_columns(self) -> set[int]:
+        """Forward multirefs whose copies all feed column-parallel linears. With
+        sequence parallelism their input is all-gathered once, before the
+        fan-out (as Megatron gathers once for q, k and v), not once per copy."""
+        readers: dict[Value, list[LOp]] = {}
+        for lop in self.g.ops:
+            for v in lop.inputs if lop.dir == "fw" else ():
+                readers.setdefault(v, []).append(lop)
+
+        def column(lop: LOp) -> bool:
+            return (lop.op == "linear"
+                    and COLUMN.search(self.g.tensors[lop.inputs[1][0]].name) is not None)
+
+        return {i for i, lop in enumerate(self.g.ops)
+                if lop.op == "multiref" and lop.dir == "fw"
+                and all(column(r) for v in lop.outputs for r in readers.get(v, []))}
 
     def input_layout(self, tid: int) -> tuple[Layout, ...]:
         """How an input is laid out; everything is replicated on an axis of size 1."""
@@ -270,6 +294,8 @@ class _Sharder:
         for axis in AXES:
             need, out, rep = propagate(lop.op, lop.kwargs, [s.on(axis) for s in ins], shapes,
                                        self.size[axis], params, len(lop.outputs))
+            if axis == "tp" and i in self.gather_first:
+                need, out = ["R"], ["R"] * len(lop.outputs)
             need_by_axis.append(need)
             out_by_axis.append(out)
             replicated.append(rep)
@@ -280,9 +306,24 @@ class _Sharder:
         self.emit_op(lop, stage, used, outs)
         self.used[i] = (used, [tuple(o[k] for o in out_by_axis) for k in range(len(outs))],
                         replicated)
-        if lop.op in REDUCE_AT_ONCE and outs[0].on("tp") == "P":
-            reduced = self.convert(outs[0], outs[0].relaid("tp", "R").layout, stage, "fw")
+        leave = self.leave_tp_region(lop, outs[0])
+        if leave is not None:
+            reduced = self.convert(outs[0], outs[0].relaid("tp", leave).layout, stage, "fw")
             self.current[lop.outputs[0]] = reduced
+
+    def leave_tp_region(self, lop: LOp, out: SVal) -> Layout | None:
+        """The tp layout a value leaving a tensor-parallel region takes at once,
+        or None. A row-parallel linear's (or vocab-parallel embedding's) partial
+        sum is all-reduced; with sequence parallelism it is reduce-scattered
+        along the sequence instead, and a replicated embedding is split along
+        it, so everything between TP regions is sequence-split."""
+        sp = self.policy.sequence_parallel and self.size["tp"] > 1
+        have = out.on("tp")
+        if lop.op in REDUCE_AT_ONCE and have == "P":
+            return SEQ_DIM if sp else "R"
+        if sp and lop.op == "embedding" and have == "R":
+            return SEQ_DIM
+        return None
 
     def constant(self, i: int, lop: LOp, target: Value) -> None:
         layout = tuple(grad_layout(layer) for layer in self.current[target].layout)
@@ -648,6 +689,14 @@ def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
                 raise ConfigError(f"--{name} {getattr(cfg, name)} is not divisible by --tp {par.tp}")
     elif cfg.hidden % par.tp:
         raise ConfigError(f"--hidden {cfg.hidden} is not divisible by --tp {par.tp}")
+
+
+def check_policy(cfg: ModelConfig, par: Parallelism, policy: Policy) -> None:
+    if policy.sequence_parallel:
+        if cfg.model != "llama3":
+            raise ConfigError("--sequence_parallel needs the llama3 model")
+        if cfg.seqlen % par.tp:
+            raise ConfigError(f"--seqlen {cfg.seqlen} is not divisible by --tp {par.tp}")
     if cfg.model == "moe" and not par.experts_over_tp and cfg.moe_ffn % par.tp:
         raise ConfigError(f"--moe_ffn {cfg.moe_ffn} is not divisible by --tp {par.tp}")
 
@@ -656,6 +705,7 @@ def parallel_plan(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, gbs: int,
                   world: dict, policy: Policy | None = None) -> Plan:
     policy = policy or Policy()
     check_parallelism(cfg, par, gbs)
+    check_policy(cfg, par, policy)
     prog = shard(g, cfg, par, policy)
     return _Emitter(g, prog, par, policy, world).run()
 

@@ -159,6 +159,8 @@ def _linear(kw, ins, shapes, n, params) -> Result:
         return list(ins), [x]
     if x == "R" and w == 0:
         return list(ins), [last]
+    if is_split(x) and x < last and w == 0:  # sequence parallel: gather x first
+        return ["R", 0], [last]
     if w == 1 and x in ("R", last):
         return [last, 1], ["P"]
     return None

@@ -5,7 +5,9 @@ mlp and llama3 with each of dp, tp, pp, nm in {1, 2, 4} (every combination of
 at most 16 ranks), each with both pipeline schedules where pp > 1; moe with
 ep in {1, 2, 4} combined with dp in {1, 2, 4} and tp in {1, 2} wherever the
 expert group fits (ep divides dp, or ep = tp x a divisor of dp), plus two
-moe plans with pp and nm. Prints one line per plan and exits 1 if any plan fails a check.
+moe plans with pp and nm; llama3 with Megatron sequence parallelism (tp in
+{2, 4} with each dp, pp, nm in {1, 2, 4}, at most 16 ranks, and two plans
+with a vocab-parallel embedding too). Prints one line per plan and exits 1 if any plan fails a check.
 """
 
 from __future__ import annotations
@@ -45,7 +47,19 @@ def grid() -> list[tuple[str, Parallelism, Policy]]:
             cases.append(("moe", Parallelism(dp=dp, tp=tp, ep=ep), Policy()))
     for par in (Parallelism(dp=2, ep=2, pp=2, nm=2), Parallelism(dp=2, tp=2, ep=4, pp=2, nm=2)):
         cases.append(("moe", par, Policy()))
+    for tp, dp, pp, nm in itertools.product((2, 4), DEGREES, DEGREES, DEGREES):
+        if dp * tp * pp <= 16:
+            cases.append(("llama3", Parallelism(dp=dp, tp=tp, pp=pp, nm=nm),
+                          Policy(sequence_parallel=True)))
+    for par in (Parallelism(tp=2, nm=2), Parallelism(dp=2, tp=4, pp=2)):
+        cases.append(("llama3", par, Policy(sequence_parallel=True, vocab_parallel=True)))
     return cases
+
+
+def describe(policy: Policy) -> str:
+    flags = [policy.schedule] + [name for name, on in (
+        ("sp", policy.sequence_parallel), ("vocab", policy.vocab_parallel)) if on]
+    return " ".join(flags)
 
 
 def main() -> int:
@@ -72,7 +86,7 @@ def main() -> int:
                 problems.append(f"symbolic: {verdict.kind} {verdict.message}")
         failed += bool(problems)
         print(f"{'FAIL' if problems else 'ok  '} {model:6} dp{par.dp} tp{par.tp} pp{par.pp} "
-              f"ep{par.ep} nm{par.nm} {policy.schedule:5} {len(plan.nodes):6} nodes "
+              f"ep{par.ep} nm{par.nm} {describe(policy):14} {len(plan.nodes):6} nodes "
               f"{time.perf_counter() - t0:5.2f} s", flush=True)
         for line in problems:
             print(f"      {line}")

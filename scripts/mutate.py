@@ -55,6 +55,8 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "llama3_dp2_pp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, pp=2, nm=2), Policy()),
     "llama3_tp2_vocab": (LLAMA, Parallelism(tp=2, nm=2), Policy(vocab_parallel=True)),
     "moe_dp2_ep2_tp2_nm2": (MOE, Parallelism(dp=2, tp=2, ep=2, nm=2), Policy()),
+    "llama3_sp_dp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, nm=2),
+                              Policy(sequence_parallel=True)),
 }
 QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2")
 

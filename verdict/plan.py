@@ -139,7 +139,8 @@ class Plan:
 
 
 #: World fields that describe parallelism; all others describe the model.
-PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "variant", "vocab_parallel", "schedule")
+PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "variant", "vocab_parallel", "schedule",
+                   "sequence_parallel")
 
 
 def pair_problem(single: Plan, parallel: Plan) -> str | None:
