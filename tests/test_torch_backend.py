@@ -51,6 +51,23 @@ def test_real_bugs_fail(single_trace, recipe: str) -> None:
     assert "rank" in verdict.message and "norm.weight" in verdict.message
 
 
+def test_fsdp_tp_verifies(single_trace) -> None:
+    plan_s, plan_p = _plans("fsdp_tp", single_trace)
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    held = {(t.rank, t.slices) for t in plan_p.tensors
+            if plan_p.logical[t.tid].name == "layers.0.attention.wq.weight" and t.mb == -1}
+    assert len(held) == 4  # each rank holds its own quarter: tp rows, then dp within
+
+
+def test_fsdp_default_divide_fails_at_the_division(single_trace) -> None:
+    plan_s, plan_p = _plans("fsdp_tp_default_divide", single_trace)
+    verdict = verify(plan_s, plan_p)
+    assert not verdict.success and verdict.kind == "stage"
+    nodes = [plan_p.nodes[i] for r in verdict.failed for i in r.stage.gp_nodes]
+    assert any(n.op == "div" for n in nodes)
+
+
 def _trace(events: list, shapes: list) -> dict:
     return {"rank": 0, "coords": {"dp": 0, "tp": 0}, "events": events, "shapes": shapes,
             "consts": {}, "params": {"w": (0, (2, 2), [[], []])}, "buffers": {},

@@ -74,6 +74,31 @@ class _Flat:
 
 
 @dataclass
+class _Packed:
+    """FSDP's flat all-gather buffer: each rank's flat parameter shards,
+    concatenated; ``group`` once all-gathered."""
+    parts: list[int]
+    group: tuple[int, ...] | None = None
+
+
+@dataclass
+class _ChunkCat:
+    """FSDP's flat reduce-scatter buffer: each gradient cut in ``chunks``
+    along dim 0, chunk i of every gradient in row i; ``group`` once reduced."""
+    grads: list[int]
+    chunks: int
+    group: tuple[int, ...] | None = None
+    divide: float = 1.0
+
+
+@dataclass
+class _As:
+    """Value x seen with another shape, not yet emitted as a reshape."""
+    x: int
+    shape: tuple[int, ...]
+
+
+@dataclass
 class _Lowerer:
     trace: dict
     vocab: int
@@ -84,6 +109,7 @@ class _Lowerer:
     next_id: int = 0
     name: str = ""
     tokens: int = -1
+    flat_of: dict[int, int] = field(default_factory=dict)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -114,6 +140,8 @@ class _Lowerer:
             shape = list(self.shapes[x.x])
             shape[0] *= len(x.group)
             return self.emit("all_gather", [x.x], [shape], {"dim": 0}, group=x.group)[0]
+        if isinstance(x, _As):
+            return self.materialize(_view_to(self, x.x, x.shape))
         if isinstance(x, _Flat):
             shape = list(self.shapes[x.x])
             merged = [math.prod(shape[:x.k])] + shape[x.k:]
@@ -201,6 +229,9 @@ def _scalar(op: str):
         value = lw.const(args[1])
         if value is None:
             raise LoweringError(f"{lw.name}: {op} by a tensor is not lowered")
+        buf = lw.env.get(args[0][1])
+        if op == "div" and isinstance(buf, _ChunkCat):
+            return _ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value)
         return lw.emit(op, [lw.val(args[0])], shapes, {"value": value})[0]
     return lower
 
@@ -251,6 +282,90 @@ def _matmul(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.emit("matmul", [lw.val(args[0]), lw.val(args[1])], shapes)[0]
 
 
+def _copy_in(lw: _Lowerer, args, kwargs, shapes, group):
+    parts = [lw.val(a) for a in args[0]]
+    parts = [lw.flat_of.get(p, p) for p in parts]
+    if any(lw.shapes[p][0] * len(lw.shapes[p]) == 0 for p in parts):
+        raise LoweringError(f"{lw.name}: FSDP copy-in of a shard that is not flat")
+    packed = _Packed(parts)
+    return [packed, packed]
+
+
+def _pg(lw: _Lowerer, a: Any) -> tuple[int, ...]:
+    if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "pg":
+        return tuple(a[1])
+    raise LoweringError(f"{lw.name}: a c10d collective without a process group")
+
+
+def _allgather_base(lw: _Lowerer, args, kwargs, shapes, group):
+    packed = lw.env.get(args[1][1])
+    if not isinstance(packed, _Packed):
+        raise LoweringError(f"{lw.name}: all-gather of a buffer FSDP's copy-in did not fill")
+    return _Packed(packed.parts, _pg(lw, args[2]))
+
+
+def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
+    packed = lw.env.get(args[0][1])
+    if not isinstance(packed, _Packed) or packed.group is None:
+        raise LoweringError(f"{lw.name}: FSDP copy-out of a buffer that was not all-gathered")
+    n = len(packed.group)
+    outs = []
+    for p, shape in zip(packed.parts, shapes):
+        full = (lw.shapes[p][0] * n, *lw.shapes[p][1:])
+        x = lw.emit("all_gather", [p], [full], {"dim": 0}, group=packed.group)[0]
+        outs.append(_As(x, tuple(shape)))
+    return outs
+
+
+def _chunk_cat(lw: _Lowerer, args, kwargs, shapes, group):
+    grads = [lw.val(a) for a in args[0]]
+    if int(args[1]) != 0:
+        raise LoweringError(f"{lw.name}: chunk_cat along dim {args[1]} is not lowered")
+    return _ChunkCat(grads, int(args[2]))
+
+
+def _reduce_scatter_base(lw: _Lowerer, args, kwargs, shapes, group):
+    buf = lw.env.get(args[1][1])
+    if not isinstance(buf, _ChunkCat):
+        raise LoweringError(f"{lw.name}: reduce-scatter of a buffer chunk_cat did not fill")
+    op = args[3]
+    if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
+        raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
+    g = _pg(lw, args[2])
+    if len(g) != buf.chunks:
+        raise LoweringError(f"{lw.name}: reduce-scatter of {buf.chunks} chunks over {len(g)} ranks")
+    return _ChunkCat(buf.grads, buf.chunks, g, buf.divide * (float(buf.chunks) if op[1] == 1 else 1.0))
+
+
+def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
+    src = lw.env.get(args[0][1])
+    size, stride = list(args[1]), list(args[2])
+    offset = int(args[3]) if len(args) > 3 and args[3] is not None else 0
+    contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
+    if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
+        raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
+    if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
+        return src.x
+    if isinstance(src, _ChunkCat) and src.group is not None:
+        at = 0
+        for g in src.grads:
+            numel = math.prod(lw.shapes[g]) // src.chunks
+            if at == offset and numel == math.prod(size):
+                shape = list(lw.shapes[g])
+                shape[0] //= src.chunks
+                x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
+                if src.divide != 1.0:
+                    x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
+                return _view_to(lw, x, tuple(size))
+            at += numel
+        raise LoweringError(f"{lw.name}: a view of FSDP's reduce-scatter output at offset "
+                            f"{offset} is not one gradient's shard")
+    x = lw.val(args[0])
+    if offset != 0 or math.prod(size) != math.prod(lw.shapes[x]):
+        raise LoweringError(f"{lw.name}: as_strided at offset {offset} is not lowered")
+    return _view_to(lw, x, tuple(size))
+
+
 def _t(lw: _Lowerer, args, kwargs, shapes, group):
     x = lw.val(args[0])
     if len(lw.shapes[x]) < 2:
@@ -299,9 +414,16 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[li
 def _view(lw: _Lowerer, args, kwargs, shapes, group):
     f = lw.env.get(args[0][1])
     dst = tuple(shapes[0])
-    if isinstance(f, _Flat) and lw.shapes[f.x] == dst:
+    if isinstance(f, (_Flat, _As)) and lw.shapes[f.x] == dst:
         return f.x
-    x = lw.val(args[0])
+    if isinstance(f, _As):
+        return _As(f.x, dst)
+    if isinstance(f, (_Packed, _ChunkCat)) or f == "empty":
+        return f
+    return _view_to(lw, lw.val(args[0]), dst)
+
+
+def _view_to(lw: _Lowerer, x: int, dst: tuple[int, ...]) -> int | _Flat:
     src = lw.shapes[x]
     if src == dst:
         return x
@@ -311,6 +433,10 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
         return _Flat(x, len(groups[0][0]))
     if not groups:
         raise LoweringError(f"{lw.name}: reshape {list(src)} -> {list(dst)} is not lowered")
+    if len(dst) == 1 and len(src) > 1:
+        out = lw.emit("flatten", [x], [dst], {"start": 0, "end": len(src) - 1})[0]
+        lw.flat_of[out] = x
+        return out
     pos = 0
     cur = x
     for gi, gj in groups:
@@ -433,6 +559,15 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
 
 HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
+    "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
+    "fsdp.all_gather_copy_in.default": _copy_in,
+    "c10d._allgather_base_.default": _allgather_base,
+    "fsdp.split_with_sizes_copy.default": _split_copy,
+    "fsdp.chunk_cat.default": _chunk_cat,
+    "c10d._reduce_scatter_base_.default": _reduce_scatter_base,
+    "aten.as_strided.default": _as_strided,
+    "aten.div_.Scalar": _scalar("div"),
+    "aten.div_.Tensor": _scalar("div"),
     "aten.add.Tensor": _binary("add", "add_scalar"),
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),
     "aten.mul.Scalar": _scalar("mul_scalar"),
@@ -496,5 +631,17 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw.run(live_events(trace))
     loss = lw.materialize(lw.env[trace["loss"]])
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}
-    return Lowered(trace["rank"], trace["coords"], lw.shapes, lw.nodes, inputs, axes, loss,
-                   grads, lw.tokens)
+    return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, loss, grads),
+                   inputs, axes, loss, grads, lw.tokens)
+
+
+def _used(nodes: list[LNode], loss: int, grads: dict[str, int | None]) -> list[LNode]:
+    """The nodes the loss and the gradients depend on (collectives always stay:
+    their peers on other ranks are matched by order)."""
+    need = {loss} | {g for g in grads.values() if g is not None}
+    keep = []
+    for node in reversed(nodes):
+        if node.group is not None or need.intersection(node.outs):
+            keep.append(node)
+            need.update(v for v in node.ins if v >= 0)
+    return keep[::-1]

@@ -57,6 +57,7 @@ def run(spec: dict, rank: int) -> dict:
     params = {}
     for name, p in model.named_parameters():
         params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p))
+        rec.register_storage(local_of(p), params[name][0])
     buffers = {}
     for name, b in model.named_buffers():
         causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]

@@ -11,6 +11,7 @@ rows [d * B/dp, (d + 1) * B/dp) of the batch.
 from __future__ import annotations
 
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -98,3 +99,30 @@ def tp_sp_norm_not_parallel(model, mesh):
     gradient of its own sequence shard and it is never summed across them."""
     llama_tp_plan(model, mesh["tp"], norms=False)
     return all_reduce_dp
+
+
+def reduce_tp_partials(model, mesh) -> None:
+    """Reduce tensor-parallel partial gradients to their parameter's placements."""
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            p.grad = p.grad.redistribute(placements=p.placements)
+
+
+def fsdp_tp(model, mesh, divide_factor: float | None = 1.0):
+    """torchtitan's 2-D recipe: tensor and sequence parallelism on "tp", FSDP2
+    over "dp" (each block, then the root). The losses are sums, so the
+    gradient divide factor is 1."""
+    llama_tp_plan(model, mesh["tp"])
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    if divide_factor is not None:
+        for module in (model, *model.layers.values()):
+            module.set_gradient_divide_factor(divide_factor)
+    return reduce_tp_partials
+
+
+def fsdp_tp_default_divide(model, mesh):
+    """fsdp_tp keeping FSDP's default divide factor (the data-parallel size):
+    with a sum loss, every gradient is 1/dp of the single-device one."""
+    return fsdp_tp(model, mesh, divide_factor=None)

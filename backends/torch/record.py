@@ -12,10 +12,12 @@ accumulates a tensor.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
 import torch
+import torch.distributed
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,6 +46,7 @@ class Recorder(TorchDispatchMode):
         self.shapes: list[tuple[int, ...]] = []
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
+        self.storages: dict[tuple[int, int, int], int] = {}
 
     # -- values ---------------------------------------------------------------
     def new_value(self, t: torch.Tensor) -> int:
@@ -64,6 +67,8 @@ class Recorder(TorchDispatchMode):
     def arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
             v = self.value(a)
+            if v is None and a.numel() > 0:
+                v = self.storage_view(a)
             if v is None:
                 v = self.new_value(a)
                 if a.numel() <= 1 and a.dtype.is_floating_point:
@@ -76,9 +81,31 @@ class Recorder(TorchDispatchMode):
             return a
         if isinstance(a, torch.dtype):
             return str(a)
-        if isinstance(a, torch.ScriptObject) or type(a).__name__ == "ProcessGroup":
+        if isinstance(a, torch.distributed.ProcessGroup):
             return ("pg", group_ranks(a))
+        if isinstance(a, torch.ScriptObject):
+            kind = a._type().qualified_name()
+            if kind.endswith("c10d.ProcessGroup"):
+                return ("pg", group_ranks(torch.distributed.ProcessGroup.unbox(a)))
+            if kind.endswith("c10d.ReduceOp"):
+                return ("redop", int(a.op()))
+            return "script-object"
         return repr(a)
+
+    def register_storage(self, t: torch.Tensor, v: int) -> None:
+        """Remember a parameter's storage: FSDP reads it through other tensor
+        objects (flat views of the same memory)."""
+        self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())] = v
+
+    def storage_view(self, t: torch.Tensor) -> int | None:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        src = self.storages.get(key)
+        if src is None or not t.is_contiguous():
+            return None
+        v = self.new_value(t)
+        self.events.append(("aten.view.default", [[("v", src), list(t.shape)], {}], [v],
+                            [tuple(t.shape)], self.scope(), None))
+        return v
 
     def scope(self) -> str:
         names = sorted(p for p in self.tracker.parents if p != "Global")
@@ -101,6 +128,8 @@ class Recorder(TorchDispatchMode):
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if "out" in kwargs and not outs:
+            outs = [o for o in tree_flatten(kwargs["out"])[0] if isinstance(o, torch.Tensor)]
         group = None
         if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))
@@ -108,8 +137,18 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        if name == "aten.as_strided.default":
+            for o, v in zip(outs, ids):
+                self.register_storage(o, v)
         self.events.append((name, [in_args, in_kwargs], ids, [tuple(o.shape) for o in outs],
                             self.scope(), group))
+        for o, v in zip(outs, ids):
+            base = o._base
+            if base is not None and base.numel() == o.numel() and self.value(base) is not None:
+                # a write through a view of a whole buffer writes the buffer
+                b = self.new_value(base)
+                self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
+                                    [b], [tuple(base.shape)], self.scope(), None))
         return out
 
 
@@ -129,12 +168,22 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 def dims_axes(t: torch.Tensor) -> list[list[str]]:
     """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer first."""
+    from torch.distributed.tensor.placement_types import _StridedShard
     axes: list[list[str]] = [[] for _ in range(t.dim())]
     if isinstance(t, DTensor):
         names = t.device_mesh.mesh_dim_names or ()
+        strided = []
         for mesh_dim, p in enumerate(t.placements):
-            if p.is_shard():
+            if isinstance(p, _StridedShard):
+                strided.append((p.dim % t.dim(), p.split_factor, mesh_dim))
+            elif p.is_shard():
                 axes[p.dim % t.dim()].append(names[mesh_dim])
             elif not p.is_replicate():
                 raise ValueError(f"parameter placement {p} is not supported")
+        for dim, factor, mesh_dim in strided:
+            # sharded after the mesh dims already on this dim (FSDP over TP)
+            inner = [t.device_mesh.size(names.index(a)) for a in axes[dim]]
+            if factor != math.prod(inner):
+                raise ValueError(f"parameter placement {t.placements} is not supported")
+            axes[dim].append(names[mesh_dim])
     return axes
