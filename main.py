@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except NoVerdict as e:
         sys.stderr.write(f"internal error: no verdict: {e}\n")
         return EXIT_INTERNAL
+    except MemoryError:
+        sys.stderr.write("internal error: out of memory (MemoryError); no verdict\n")
+        return EXIT_INTERNAL
     except Exception as e:  # never a traceback, never a verdict
         sys.stderr.write(f"internal error: {type(e).__name__}: {e}\n")
         return EXIT_INTERNAL

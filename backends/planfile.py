@@ -25,6 +25,7 @@ from typing import Any
 
 from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FORMAT, KINDS, VERSION, Plan
+from verdict.progress import progress
 
 #: Top-level fields of a plan, in the order to_data() writes them.
 FIELDS = ("format", "version", "world", "logical", "tensors", "nodes", "loss", "grads")
@@ -111,8 +112,10 @@ def _write_atomic(path: Path, blob: bytes) -> None:
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write ``plan`` to ``path`` (pickle) and its world spec beside it (JSON).
 
-    The data is validated and test-loaded first, so a file that
-    :func:`load_plan` would refuse is never written. Returns both paths.
+    The data is validated first and pickled by a pickler that refuses any
+    object but plain data of exact built-in types (:class:`_PlainPickler`),
+    so the bytes hold no global and a file that :func:`load_plan` would
+    refuse is never written. Returns both paths.
     """
     path = Path(path)
     spec_path = world_path(path)
@@ -121,8 +124,7 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     data = plan.to_data()
     try:
         validate(data)
-        blob = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
-        _unpickle(blob)
+        blob = _plain_dumps(data)
         spec = json.dumps(plan.world, indent=2, sort_keys=True, allow_nan=False) + "\n"
     except PlanError as e:
         raise PlanError(f"cannot save: {e.problem}", path) from None
@@ -130,6 +132,27 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     _write_atomic(path, blob)
     _write_atomic(spec_path, spec.encode())
     return path, spec_path
+
+
+_PLAIN_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
+
+
+class _PlainPickler(pickle.Pickler):
+    """Pickles exact dicts, lists, tuples, strs, ints, floats, bools and None
+    only. Those are written with opcodes of their own and never as a global,
+    so :class:`_PlainUnpickler` reads back whatever this writes; anything
+    else (a subclass, a numpy scalar, an enum) is refused here, at save time."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN_TYPES:
+            return NotImplemented
+        raise PlanError(f"holds a {_type(obj)} {_show(obj)}, which is not plain data")
+
+
+def _plain_dumps(data: Any) -> bytes:
+    stream = io.BytesIO()
+    _PlainPickler(stream, protocol=pickle.HIGHEST_PROTOCOL).dump(data)
+    return stream.getvalue()
 
 
 # ---------------------------------------------------------------- reading
@@ -344,7 +367,7 @@ def _check_logical(rows: Sequence[Any]) -> list[Shape]:
 
 def _check_tensors(rows: Sequence[Any], shapes: list[Shape]) -> int:
     seen: dict[tuple[int, int, int, int], int] = {}
-    for i, row in enumerate(rows):
+    for i, row in enumerate(progress(rows, "checking tensors")):
         where = f"tensor {i}"
         rank, mb, tid, version, shape, lver, slices, parts = _row(row, where, TENSOR_COLUMNS)
         _int(rank, where, "rank", low=0)
@@ -433,7 +456,7 @@ def _check_nodes(rows: Sequence[Any], n_tensors: int) -> None:
     """Columns, index ranges, single assignment, and reads after writes."""
     producer = [-1] * n_tensors
     labels = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(progress(rows, "checking nodes")):
         where = _check_node_row(i, row)
         labels.append(where)
         direction, inputs, outputs = row[3], row[4], row[5]

@@ -108,6 +108,16 @@ def test_dumps_and_caches(plans, tmp_path, capsys):
     assert run(args, tmp_path, capsys)[0] == 0
 
 
+def test_stage_cache_of_other_verifier_code_is_not_trusted(tmp_path):
+    """A proof cached by a verifier whose rules differ says nothing here."""
+    from verdict.cache import STAGE_CACHE_VERSION, StageCache
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps({"version": STAGE_CACHE_VERSION, "code": "other", "proved": ["k"]}))
+    assert StageCache(tmp_path).proved == set()
+    StageCache(tmp_path).save({"k"})
+    assert StageCache(tmp_path).proved == {"k"}
+
+
 def test_numeric_mode(plans, tmp_path, capsys):
     code, out, _ = run(["--sm", str(plans["single"]), "--pm", str(plans["wrong"]), "--numeric"],
                        tmp_path, capsys)
@@ -148,3 +158,38 @@ def test_stage_that_cannot_run_is_no_verdict(plans, tmp_path, capsys, monkeypatc
                           "--no_cache_stages"], tmp_path, capsys)
     assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
     assert "no verdict" in err and len(err.strip().splitlines()) == 1
+
+
+def test_killed_stage_worker_is_no_verdict(plans, tmp_path, capsys, monkeypatch):
+    """A worker the kernel kills (out of memory, say) ends the run with exit 3
+    and one line, instead of hanging or reading as a verdict."""
+    import os
+    import signal
+
+    import verdict.engine as engine
+
+    parent = os.getpid()
+
+    def killed(problem, seed=0, timeout_ms=0):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("stages must run in workers here")
+
+    monkeypatch.setattr(engine, "solve", killed)
+    code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"]),
+                          "--no_cache_stages", "--max_vrf_proc", "2"], tmp_path, capsys)
+    assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
+    assert "worker died" in err and "signal 9" in err and len(err.strip().splitlines()) == 1
+
+
+def test_memory_exhausted_is_no_verdict(plans, tmp_path, capsys, monkeypatch):
+    import verdict.engine as engine
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(engine, "prepare", exhausted)
+    code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"])],
+                         tmp_path, capsys)
+    assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
+    assert "out of memory" in err and len(err.strip().splitlines()) == 1

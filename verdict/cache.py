@@ -1,6 +1,12 @@
 """On-disk caches: loaded plans (keyed by the file's bytes) and proved
 stages (keyed by their canonical problem). Writes are atomic; a corrupt or
-foreign cache entry is ignored, never trusted."""
+foreign cache entry is ignored, never trusted.
+
+Both caches are also keyed by the verifier's own code: a canonical problem
+names operators, not their rules, so a proof cached by a version of the
+verifier whose rules (or loader, or solver) differ says nothing about this
+one. Any change to a source file of ``verdict/`` or ``backends/`` starts
+both caches afresh."""
 
 from __future__ import annotations
 
@@ -13,7 +19,19 @@ from pathlib import Path
 from backends.planfile import PlanError, load_plan, load_plan_data_unchecked
 from verdict.plan import VERSION, Plan
 
-STAGE_CACHE_VERSION = 1
+STAGE_CACHE_VERSION = 2
+_CODE_DIRS = ("verdict", "backends")
+
+
+def code_fingerprint() -> str:
+    """A hash of every Python source file of the verifier and the plan loader."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for folder in _CODE_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def _atomic_write(path: Path, blob: bytes) -> None:
@@ -24,7 +42,7 @@ def _atomic_write(path: Path, blob: bytes) -> None:
 
 
 def file_key(path: Path) -> str:
-    h = hashlib.sha256(f"plan-v{VERSION}:".encode())
+    h = hashlib.sha256(f"plan-v{VERSION}:{code_fingerprint()}:".encode())
     h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -54,10 +72,11 @@ class StageCache:
     def __init__(self, cache_dir: Path | None):
         self.path = None if cache_dir is None else cache_dir / "stages.json"
         self.proved: set[str] = set()
+        self.code = code_fingerprint()
         if self.path and self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
-                if data.get("version") == STAGE_CACHE_VERSION:
+                if data.get("version") == STAGE_CACHE_VERSION and data.get("code") == self.code:
                     self.proved = {k for k in data.get("proved", []) if isinstance(k, str)}
             except (OSError, ValueError, AttributeError):
                 self.proved = set()
@@ -66,5 +85,6 @@ class StageCache:
         if self.path is None:
             return
         self.proved |= keys
-        blob = json.dumps({"version": STAGE_CACHE_VERSION, "proved": sorted(self.proved)})
+        blob = json.dumps({"version": STAGE_CACHE_VERSION, "code": self.code,
+                           "proved": sorted(self.proved)})
         _atomic_write(self.path, blob.encode())

@@ -10,20 +10,20 @@ every rank ends with what the single-device step computes for what it holds.
 
 from __future__ import annotations
 
-import multiprocessing
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
-
-from tqdm import tqdm
 
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import Plan
 from verdict.problem import Problem, build_problem
+from verdict.progress import progress as bar
 from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome, solve
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
+from verdict.workers import WorkerDied, run_jobs
 
 
 @dataclass
@@ -68,7 +68,7 @@ def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[i
     producer = single.producers()
     memo = RuleMemo()
     prepared = []
-    for stage in tqdm(stages, desc="reducing stages", disable=not progress, leave=False):
+    for stage in bar(stages, "reducing stages", enabled=progress):
         tensors = set(stage.sources)
         for i in stage.gp_nodes:
             node = parallel.nodes[i]
@@ -88,26 +88,24 @@ def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, O
     for _, problem, key in prepared:
         if key not in memo and key not in todo:
             todo[key] = problem
-    bar = tqdm(total=len(todo), desc="verifying stages", disable=not progress, leave=False)
+    counter = bar(None, "verifying stages", total=len(todo), enabled=progress)
     jobs = [(k, p, seed) for k, p in todo.items()]
     solved: dict[str, Outcome] = {}
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
             key, outcome = _solve_job(job)
             solved[key] = outcome
-            bar.update()
+            counter.update()
             if not outcome.ok and not keep_going:
                 break
     else:
-        ctx = multiprocessing.get_context("fork")
-        with ctx.Pool(workers, maxtasksperchild=64) as pool:
-            for key, outcome in pool.imap_unordered(_solve_job, jobs, chunksize=1):
+        with closing(run_jobs(_solve_job, jobs, workers)) as answers:
+            for key, outcome in answers:
                 solved[key] = outcome
-                bar.update()
+                counter.update()
                 if not outcome.ok and not keep_going:
-                    pool.terminate()
                     break
-    bar.close()
+    counter.close()
     results = []
     hits = 0
     for stage, problem, key in prepared:
@@ -155,7 +153,11 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         times["t_total"] = time.perf_counter() - t0
         return Verdict(False, e.kind, str(e), times=times)
     t3 = time.perf_counter()
-    results, hits = prove(prepared, seed, workers, keep_going, memo, progress)
+    try:
+        results, hits = prove(prepared, seed, workers, keep_going, memo, progress)
+    except WorkerDied as e:
+        times["t_total"] = time.perf_counter() - t0
+        return Verdict(False, "internal", str(e), times=times)
     times["t_vrf"] = time.perf_counter() - t3
     failed = [r for r in results if not r.outcome.ok]
     if not keep_going:

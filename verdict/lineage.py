@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from verdict.plan import Plan, Slices
+from verdict.progress import progress
 
 
 class StructureError(Exception):
@@ -53,24 +54,39 @@ def exact_covers(parts: list[tuple[int, int, int]], n: int) -> tuple[list[tuple[
         if cover is None:
             return covers, [t for _, _, t in remaining]
         covers.append(tuple(cover))
-        remaining = [p for p in remaining if p[2] not in cover]
+        used = set(cover)
+        remaining = [p for p in remaining if p[2] not in used]
 
 
 def _one_cover(parts: list[tuple[int, int, int]], n: int) -> list[int] | None:
+    """One exact cover of [0, n), trying at each point the longest range first.
+
+    A depth-first search with an explicit stack: a cover of a thousand parts
+    is a thousand levels deep, beyond Python's recursion limit. Points known
+    to lead to no cover are skipped, so the search visits each (point, range)
+    once: linear in the number of parts."""
     by_lo: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for lo, hi, t in parts:
         by_lo[lo].append((hi, t))
-
-    def extend(at: int) -> list[int] | None:
+    choices = {lo: sorted(c, reverse=True) for lo, c in by_lo.items()}
+    dead: set[int] = set()
+    path: list[tuple[int, int]] = []  # (point, index of the range chosen there)
+    at, k = 0, 0
+    while True:
         if at == n:
-            return []
-        for hi, t in sorted(by_lo.get(at, []), reverse=True):
-            rest = extend(hi)
-            if rest is not None:
-                return [t, *rest]
-        return None
-
-    return extend(0)
+            return [choices[lo][i][1] for lo, i in path]
+        options = choices.get(at, [])
+        while k < len(options) and options[k][0] in dead:
+            k += 1
+        if k < len(options):
+            path.append((at, k))
+            at, k = options[k][0], 0
+            continue
+        dead.add(at)
+        if not path:
+            return None
+        at, k = path.pop()
+        k += 1
 
 
 def infer_lineages(single: Plan, parallel: Plan) -> tuple[list[Lineage], list[int], list[int]]:
@@ -90,7 +106,7 @@ def infer_lineages(single: Plan, parallel: Plan) -> tuple[list[Lineage], list[in
     lineages: list[Lineage] = []
     of_gs = [-1] * len(single.tensors)
     of_gp = [-1] * len(parallel.tensors)
-    for ts in sorted(buckets):
+    for ts in progress(sorted(buckets), "lineages"):
         lin = Lineage(len(lineages), ts)
         by_slice: dict[Slices, list[int]] = defaultdict(list)
         for i in buckets[ts]:

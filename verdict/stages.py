@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from verdict.lineage import Lineage, StructureError
 from verdict.plan import INPUT_KINDS, Plan
+from verdict.progress import progress
 from verdict.structure import node_label
 
 
@@ -111,7 +112,7 @@ class _Cutter:
             computed = {t for t in lin.members if self.producer[t] >= 0}
             if computed:
                 self.cut(-1, computed, [lin.id])
-        for i, node in enumerate(self.s.nodes):
+        for i, node in enumerate(progress(self.s.nodes, "cutting stages")):
             outputs = sorted({self.of_gs[o] for o in node.outputs if o >= 0 and self.of_gs[o] >= 0})
             targets = {t for lid in outputs for t in self.lineages[lid].members}
             if targets:

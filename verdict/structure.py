@@ -7,6 +7,7 @@ from __future__ import annotations
 from verdict.lineage import StructureError
 from verdict.ops import ShapeError, get_op
 from verdict.plan import Node, Plan
+from verdict.progress import progress
 
 
 def node_label(plan: Plan, i: int) -> str:
@@ -34,7 +35,7 @@ def fw_shapes(plan: Plan, node: Node, shape_of=None) -> tuple[list, list]:
 
 
 def check_node_shapes(plan: Plan, which: str) -> None:
-    for i, node in enumerate(plan.nodes):
+    for i, node in enumerate(progress(plan.nodes, f"shapes of {which}")):
         rule = get_op(node.op)
         if node.dir == "bw" and rule.backward is not None:
             n = len(node.outputs)
