@@ -21,6 +21,7 @@ from backends.planfile import PlanError
 from verdict.cache import StageCache, load_plan_cached
 from verdict.differential import NumericRefused, check_size, compare
 from verdict.engine import Verdict, verify
+from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
 from verdict.plan import Plan, pair_problem
 from verdict.report import append_stats, evidence, failure, make_stats, tp_label, ts_label
 from verdict.solve import Outcome
@@ -51,7 +52,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_ser_proc", type=int, default=1,
                    help="accepted for compatibility; graphs are built in one process, "
                         "which measured faster than several")
-    p.add_argument("--max_vrf_proc", type=int, default=1, help="processes that verify stages")
+    p.add_argument("--max_vrf_proc", type=int, default=1,
+                   help="processes that verify stages (with --executor ray and no --ray-address: "
+                        "the local Ray instance's CPUs)")
+    p.add_argument("--executor", choices=EXECUTORS, default="process",
+                   help="where stage proofs run: a local process pool, or Ray (docs/cluster.md)")
+    p.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
+                   help="Ray cluster to use (default: start a local Ray instance)")
     p.add_argument("--loglevel", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     p.add_argument("--use_cache_nodes", dest="cache_nodes", action="store_true", default=True)
@@ -90,8 +97,9 @@ def run_verify(args: argparse.Namespace) -> int:
     cache = StageCache(args.cache_dir if args.cache_stages else None)
     memo = {key: Outcome("proved") for key in cache.proved}
     progress = sys.stderr.isatty()
-    verdict = verify(single, parallel, seed=args.seed, workers=args.max_vrf_proc,
-                     keep_going=args.keep_going, memo=memo, progress=progress)
+    executor = make_executor(args.executor, args.max_vrf_proc, args.ray_address)
+    verdict = verify(single, parallel, seed=args.seed, keep_going=args.keep_going, memo=memo,
+                     progress=progress, executor=executor)
     cache.save({r.key for r in verdict.results if r.outcome.ok})
     log = logging.getLogger("verdict")
     for r in verdict.results:
@@ -205,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
         if args.max_vrf_proc < 1 or args.max_ser_proc < 1:
             raise UsageError("--max_vrf_proc and --max_ser_proc must be at least 1")
+        if not args.numeric:
+            make_executor(args.executor, args.max_vrf_proc, args.ray_address)
         return run_numeric(args) if args.numeric else run_verify(args)
-    except (UsageError, PlanError, NumericRefused) as e:
+    except (UsageError, PlanError, NumericRefused, ExecutorUnavailable) as e:
         sys.stderr.write(f"error: {e}\n")
         return EXIT_BAD_INPUT
     except NoVerdict as e:

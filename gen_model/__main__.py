@@ -60,6 +60,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_defaults(args: argparse.Namespace, cfg: ModelConfig) -> None:
+    """KV heads left to their default that --tp does not divide: say which value
+    to pass. The default is not changed with --tp, because the single-device
+    plan of the same model is generated without --tp and must get the same
+    value. (The default ffn, 3.5 x hidden, is always divisible: --tp divides
+    heads and head_dim is even, so --tp divides hidden / 2.)"""
+    if cfg.model == "mlp" or args.tp <= 1:
+        return
+    if not args.kv_heads and cfg.kv_heads % args.tp and cfg.heads % args.tp == 0:
+        fits = [k for k in range(args.tp, cfg.heads + 1, args.tp) if cfg.heads % k == 0]
+        raise ConfigError(f"--kv_heads defaults to {cfg.kv_heads} (heads/4), which --tp {args.tp} "
+                          f"does not divide: pass --kv_heads {fits[0]} (to the single-device plan "
+                          f"too)")
+
+
 def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
     if args.model == "mlp":
         cfg = ModelConfig("mlp", layers=args.layers, hidden=args.hidden)
@@ -78,6 +93,7 @@ def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
         cfg = ModelConfig(args.model, **common)
     par = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, nm=args.nm)
     cfg.check()
+    check_defaults(args, cfg)
     check_run(args.gbs, args.variant)
     return cfg, par
 

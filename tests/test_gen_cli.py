@@ -264,3 +264,18 @@ def test_subprocess_bad_flags(args: list[str], mentions: str, tmp_path: Path) ->
     assert len(lines) == 1 and mentions in lines[0], r.stderr
     assert r.stdout == ""
     assert files_under(tmp_path) == []
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["--heads", "4", "--hidden", "128", "--tp", "2"], "pass --kv_heads 2 "),
+    (["--heads", "2", "--hidden", "4", "--tp", "4", "--kv_heads", "4"], None),
+])
+def test_a_default_tp_does_not_divide_names_the_value_to_pass(argv, hint, tmp_path, capsys):
+    """The README's first example once failed on its default KV heads; the
+    message now says which flag to pass and with what value."""
+    base = ["--model", "llama3", "--layers", "1", "--vocab", "12", "--seqlen", "2", "--gbs", "2",
+            "-o", str(tmp_path)]
+    code, out, err = run_main([*base, *argv], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    if hint:
+        assert hint in err and "single-device plan" in err

@@ -148,12 +148,12 @@ def test_internal_error_exits_3_with_one_line(plans, tmp_path, capsys, monkeypat
 
 def test_stage_that_cannot_run_is_no_verdict(plans, tmp_path, capsys, monkeypatch):
     """A stage worker that raises leaves the run without a verdict: exit 3."""
-    import verdict.engine as engine
+    from verdict.executor import InlineExecutor
 
     def raising(problem, seed=0, timeout_ms=0):
         raise ValueError("cannot run")
 
-    monkeypatch.setattr(engine, "solve", raising)
+    monkeypatch.setattr(main, "make_executor", lambda *args: InlineExecutor(raising))
     code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"]),
                           "--no_cache_stages"], tmp_path, capsys)
     assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
@@ -161,12 +161,13 @@ def test_stage_that_cannot_run_is_no_verdict(plans, tmp_path, capsys, monkeypatc
 
 
 def test_killed_stage_worker_is_no_verdict(plans, tmp_path, capsys, monkeypatch):
-    """A worker the kernel kills (out of memory, say) ends the run with exit 3
-    and one line, instead of hanging or reading as a verdict."""
+    """A worker the kernel kills (out of memory, say), again on the retry,
+    ends the run with exit 3 and one line naming the stage, instead of
+    hanging or reading as a verdict."""
     import os
     import signal
 
-    import verdict.engine as engine
+    from verdict.executor import ProcessExecutor
 
     parent = os.getpid()
 
@@ -175,11 +176,12 @@ def test_killed_stage_worker_is_no_verdict(plans, tmp_path, capsys, monkeypatch)
             os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("stages must run in workers here")
 
-    monkeypatch.setattr(engine, "solve", killed)
+    monkeypatch.setattr(main, "make_executor", lambda *args: ProcessExecutor(2, killed))
     code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"]),
                           "--no_cache_stages", "--max_vrf_proc", "2"], tmp_path, capsys)
     assert code == 3 and "SUCCESS" not in out and "FAIL" not in out
     assert "worker died" in err and "signal 9" in err and len(err.strip().splitlines()) == 1
+    assert "stage " in err
 
 
 def test_memory_exhausted_is_no_verdict(plans, tmp_path, capsys, monkeypatch):

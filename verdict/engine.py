@@ -14,6 +14,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
+from verdict.executor import Executor, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import Plan
@@ -23,7 +24,6 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome, solve
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
-from verdict.workers import WorkerDied, run_jobs
 
 
 @dataclass
@@ -50,14 +50,6 @@ class Verdict:
     memo_hits: int = 0
 
 
-def _solve_job(job: tuple[str, Problem, int]) -> tuple[str, Outcome]:
-    key, problem, seed = job
-    try:
-        return key, solve(problem, seed)
-    except Exception as e:  # a stage that cannot be run is a failure, never a crash
-        return key, Outcome("error", f"stage worker raised {type(e).__name__}: {e}")
-
-
 def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[int],
             stages: list[Stage], progress: bool) -> list[tuple[Stage, Problem, str]]:
     """Reduce every stage and make it a problem with its canonical key.
@@ -79,11 +71,11 @@ def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[i
     return prepared
 
 
-def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, Outcome],
+def prove(prepared, seed: int, executor: Executor, keep_going: bool, memo: dict[str, Outcome],
           progress: bool) -> tuple[list[StageResult], int]:
     """Outcome of every stage (up to the first failure unless keep_going) and
-    the number proved by memo; identical problems are solved once, in stage
-    order, in ``workers`` recycled processes."""
+    the number proved by memo; identical problems are solved once, handed to
+    the executor in stage order."""
     todo: dict[str, Problem] = {}
     for _, problem, key in prepared:
         if key not in memo and key not in todo:
@@ -91,20 +83,12 @@ def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, O
     counter = bar(None, "verifying stages", total=len(todo), enabled=progress)
     jobs = [(k, p, seed) for k, p in todo.items()]
     solved: dict[str, Outcome] = {}
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            key, outcome = _solve_job(job)
+    with closing(executor.results(jobs)) as outcomes:
+        for key, outcome in outcomes:
             solved[key] = outcome
             counter.update()
             if not outcome.ok and not keep_going:
                 break
-    else:
-        with closing(run_jobs(_solve_job, jobs, workers)) as answers:
-            for key, outcome in answers:
-                solved[key] = outcome
-                counter.update()
-                if not outcome.ok and not keep_going:
-                    break
     counter.close()
     results = []
     hits = 0
@@ -130,8 +114,11 @@ def prove(prepared, seed: int, workers: int, keep_going: bool, memo: dict[str, O
 
 def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
            keep_going: bool = False, memo: dict[str, Outcome] | None = None,
-           progress: bool = False) -> Verdict:
+           progress: bool = False, executor: Executor | None = None) -> Verdict:
+    """``executor`` runs the stage proofs (verdict/executor.py); by default
+    this process, or a pool of ``workers`` processes."""
     memo = {} if memo is None else memo
+    executor = executor or make_executor("process", workers)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     try:
@@ -153,11 +140,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         times["t_total"] = time.perf_counter() - t0
         return Verdict(False, e.kind, str(e), times=times)
     t3 = time.perf_counter()
-    try:
-        results, hits = prove(prepared, seed, workers, keep_going, memo, progress)
-    except WorkerDied as e:
-        times["t_total"] = time.perf_counter() - t0
-        return Verdict(False, "internal", str(e), times=times)
+    results, hits = prove(prepared, seed, executor, keep_going, memo, progress)
     times["t_vrf"] = time.perf_counter() - t3
     failed = [r for r in results if not r.outcome.ok]
     if not keep_going:
