@@ -13,19 +13,16 @@ not lowered or a recipe that does not run.
 from __future__ import annotations
 
 import argparse
-import json
+import multiprocessing
 import os
-import pickle
-import subprocess
 import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
 from backends.torch.lower import LoweringError, lower_trace
-from backends.torch.rank import load, run
+from backends.torch.rank import load, run, run_isolated
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,19 +46,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def trace_rank(spec: dict, rank: int, tmp: str) -> dict:
-    spec_path = os.path.join(tmp, f"spec{int(spec['parallel'])}.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    out = os.path.join(tmp, f"rank{rank}_{int(spec['parallel'])}.pkl")
-    cmd = [sys.executable, "-m", "backends.torch.rank", spec_path, str(rank), out]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        raise LoweringError(f"rank {rank} did not run: {lines[-1] if lines else 'no output'}")
-    with open(out, "rb") as f:
-        return pickle.load(f)
+def trace_ranks(spec: dict, world: int) -> list[dict]:
+    """Every rank's trace, each in a fresh process forked from a server that
+    has imported torch once (a process per rank, without paying the import
+    per rank)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "backends.torch.rank"])
+    workers = min(world, os.cpu_count() or 2)
+    with ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1) as pool:
+        results = list(pool.map(run_isolated, [spec] * world, range(world)))
+    for rank, result in enumerate(results):
+        if isinstance(result, str):
+            raise LoweringError(f"rank {rank} did not run: {result}")
+    return results
 
 
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
@@ -82,10 +79,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
             raise LoweringError(f"cannot load '{ref}': {e}") from None
     if single is None:
         single = run({**spec, "parallel": False}, 0)
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs = [({**spec, "parallel": True}, r) for r in range(args.dp * args.tp)]
-        with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 2)) as pool:
-            traces = list(pool.map(lambda job: trace_rank(job[0], job[1], tmp), jobs))
+    traces = trace_ranks({**spec, "parallel": True}, args.dp * args.tp)
     low_s = lower_trace(single, args.vocab)
     lows = [lower_trace(t, args.vocab) for t in traces]
     return build_plans(low_s, lows, world), single

@@ -80,6 +80,22 @@ def run(spec: dict, rank: int) -> dict:
     }
 
 
+def run_isolated(spec: dict, rank: int) -> dict | str:
+    """``run`` in a pool worker of its own: the trace, or the last line of the
+    error (a rank runs once per process: re-initializing fails)."""
+    import traceback
+    import warnings
+    warnings.filterwarnings("ignore")
+    try:
+        return run(spec, rank)
+    except Exception:  # any failure of the user's model or recipe: reported, one line
+        lines = [ln for ln in traceback.format_exc().strip().splitlines() if ln.strip()]
+        return lines[-1]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def main() -> None:
     spec_path, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     with open(spec_path) as f:
