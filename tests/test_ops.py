@@ -45,6 +45,8 @@ COVERED = {
     # collectives
     "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
     "send_recv", "broadcast",
+    # torch-side
+    "expand",
 }
 
 COLLECTIVES = {
@@ -220,6 +222,11 @@ def _cases() -> list[Case]:
                   lambda t: (t.clone(), t * 1.0, t + 0.0), {"times": 3}))
     c.append(Case("multiref2", "multiref", [randn(4, seed=40)],
                   lambda t: (t.clone(), t.clone()), {"times": 2}))
+    # -- torch-side
+    c.append(Case("expand_lead_and_ones", "expand", [randn(3, 1, 4, seed=41)],
+                  lambda t: t.expand(2, 3, 5, 4), {"shape": [2, 3, 5, 4]}))
+    c.append(Case("expand_scalar", "expand", [randn(seed=42)],
+                  lambda t: t.expand(2, 3), {"shape": [2, 3]}))
     return c
 
 
@@ -591,6 +598,8 @@ SHAPE_ERRORS: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
     ("adam_step", [(2, 3), (2, 3), (2, 3), (2, 2)],
      {"lr": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
       "decoupled": True, "step": 1}),
+    ("expand", [(3, 2)], {"shape": [3, 4]}),
+    ("expand", [(2, 3)], {"shape": [3]}),
     ("add", [(2, 3), (2, 4)], {}),
     ("add", [(2, 3)], {}),
     ("mul", [(2, 3, 4), (3, 3, 4)], {}),
