@@ -499,10 +499,13 @@ def drop_send(plan: Plan, rng: random.Random) -> Result:
 def permute_group(plan: Plan, rng: random.Random) -> Result:
     """Two members of a collective's group listed in the other order (the
     node's own index follows its rank): a gather, scatter or all-to-all that
-    concatenates or keeps the wrong chunks; a harmless reorder for a sum."""
+    concatenates or keeps the wrong chunks; a harmless reorder for a sum.
+    Order-sensitive collectives are picked half of the time when there are
+    any, so the sums, which are many, do not crowd them out."""
     sites = [i for i, n in enumerate(plan.nodes)
              if n.op in (*COLLECTIVES, "reducer") and len(n.inputs) > 1]
-    i = _pick(rng, sites)
+    ordered = [i for i in sites if plan.nodes[i].op in ("all_gather", "reduce_scatter", "all_to_all")]
+    i = _pick(rng, ordered if ordered and rng.random() < 0.5 else sites)
     if i is None:
         return None
     p = copy_plan(plan)
