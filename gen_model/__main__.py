@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism")
     for flag in ("dp", "tp", "pp", "ep", "nm"):
         par.add_argument(f"--{flag}", type=int, default=1)
+    par.add_argument("--cp", type=int, default=1,
+                     help="context parallel: the sequence split across ranks (llama3)")
     par.add_argument("--vocab_parallel", action="store_true",
                      help="split the embedding along the vocabulary across TP ranks")
     par.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
@@ -56,6 +58,11 @@ def parser() -> argparse.ArgumentParser:
     par.add_argument("--sequence_parallel", action="store_true",
                      help="Megatron sequence parallelism: activations outside TP regions "
                           "split along the sequence across TP ranks (llama3)")
+    par.add_argument("--vpp", type=int, default=1,
+                     help="interleaved pipeline: model chunks per pipeline stage")
+    par.add_argument("--ulysses", action="store_true",
+                     help="with --cp: Ulysses attention (all-to-all from sequence to head "
+                          "shards) instead of gathering keys and values")
     p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output directory")
     return p
 
@@ -91,7 +98,7 @@ def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
                 first_dense=min(args.first_dense, args.layers), moe_ffn=args.moe_ffn or args.hidden,
             )
         cfg = ModelConfig(args.model, **common)
-    par = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, nm=args.nm)
+    par = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, nm=args.nm, cp=args.cp)
     cfg.check()
     check_defaults(args, cfg)
     check_run(args.gbs, args.variant)
@@ -104,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg, par = config_from(args)
         start = time.perf_counter()
         policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule,
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel, ulysses=args.ulysses,
+                        virtual_stages=args.vpp)
         plan = make_plan(cfg, par, args.gbs, args.variant, policy)
         stem = plan_stem(cfg, par, args.gbs, args.variant) + (
-            "_sp" if args.sequence_parallel else "")
+            "_sp" if args.sequence_parallel else "") + ("_ulysses" if args.ulysses else "") + (
+                f"_vpp{args.vpp}" if args.vpp > 1 else "")
         pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
     except (ConfigError, PlanError) as e:
         sys.stderr.write(f"gen_model: error: {e}\n")

@@ -76,10 +76,11 @@ class Parallelism:
     pp: int = 1
     ep: int = 1
     nm: int = 1
+    cp: int = 1  # context parallel: the sequence split across ranks
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def experts_over_tp(self) -> bool:
@@ -112,19 +113,23 @@ def check_run(gbs: int, variant: str) -> None:
 
 
 def plan_stem(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default") -> str:
-    """{model}_{variant}_dp{D}_pp{P}_tp{T}_nm{M}_gbs{G}_ly{L}_h{H}_hi{I}_sq{S}[_ep{E}_a{A}_r{R}]."""
+    """{model}_{variant}_dp{D}_pp{P}_tp{T}_nm{M}_gbs{G}_ly{L}_h{H}_hi{I}_sq{S}[_ep{E}_a{A}_r{R}][_cp{C}]."""
     stem = (
         f"{cfg.model}_{variant}_dp{par.dp}_pp{par.pp}_tp{par.tp}_nm{par.nm}_gbs{gbs}"
         f"_ly{cfg.layers}_h{cfg.heads}_hi{cfg.hidden}_sq{cfg.seqlen}"
     )
     if cfg.model == "moe":
         stem += f"_ep{par.ep}_a{cfg.topk}_r{cfg.experts}"
+    if par.cp > 1:
+        stem += f"_cp{par.cp}"
     return stem
 
 
 def world_spec(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default") -> dict:
     """The JSON world spec written beside a plan file."""
     spec = {"model": cfg.model, "variant": variant, "gbs": gbs, **asdict(par)}
+    if par.cp == 1:
+        del spec["cp"]  # recorded only when the sequence is split
     spec.update({k: v for k, v in asdict(cfg).items() if k != "model"})
     spec["capacity"] = cfg.capacity
     return spec

@@ -29,5 +29,9 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
     world.update(vocab_parallel=policy.vocab_parallel, schedule=policy.schedule)
     if policy.sequence_parallel:
         world["sequence_parallel"] = True
+    if policy.ulysses:
+        world["ulysses"] = True
+    if policy.virtual_stages > 1:
+        world["virtual_stages"] = policy.virtual_stages
     plan = parallel_plan(graph, cfg, par, gbs, world, policy)
     return inject(plan, int(variant[2:])) if variant.startswith("br") else plan  # docs/bugs.md

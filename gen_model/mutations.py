@@ -499,10 +499,13 @@ def drop_send(plan: Plan, rng: random.Random) -> Result:
 def permute_group(plan: Plan, rng: random.Random) -> Result:
     """Two members of a collective's group listed in the other order (the
     node's own index follows its rank): a gather, scatter or all-to-all that
-    concatenates or keeps the wrong chunks; a harmless reorder for a sum."""
+    concatenates or keeps the wrong chunks; a harmless reorder for a sum.
+    Order-sensitive collectives are picked half of the time when there are
+    any, so the sums, which are many, do not crowd them out."""
     sites = [i for i, n in enumerate(plan.nodes)
              if n.op in (*COLLECTIVES, "reducer") and len(n.inputs) > 1]
-    i = _pick(rng, sites)
+    ordered = [i for i in sites if plan.nodes[i].op in ("all_gather", "reduce_scatter", "all_to_all")]
+    i = _pick(rng, ordered if ordered and rng.random() < 0.5 else sites)
     if i is None:
         return None
     p = copy_plan(plan)
@@ -555,6 +558,36 @@ def mislabel_layout(plan: Plan, rng: random.Random) -> Result:
     return p, f"world dp {dp} tp {tp} as dp {dp * tp} tp 1{', loss all_reduce dropped' if drop else ''}"
 
 
+def mask_offset(plan: Plan, rng: random.Random) -> Result:
+    """A causal mask that places its rows or columns one chunk off in the
+    sequence (``row_chunk`` or ``col_chunk`` moved by one)."""
+    sites = [(i, k) for i, n in enumerate(plan.nodes) if n.op == "causal_mask"
+             for k in ("row_chunk", "col_chunk")]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, k = site
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    old = n.kwargs.get(k, 0)
+    new = old + rng.choice([1, -1]) if old else 1
+    p.nodes[i] = n._replace(kwargs={**n.kwargs, k: new})
+    return p, f"{where(plan, i)}: {k} {old} -> {new}"
+
+
+def drop_exchange(plan: Plan, rng: random.Random) -> Result:
+    """An all_gather that reads the rank's own piece in every slot: the
+    exchange (of keys and values, of sequence chunks) left out."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "all_gather" and len(n.inputs) > 1]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    p.nodes[i] = n._replace(inputs=(_own(p, i),) * len(n.inputs))
+    return drop_orphans(p), f"{where(plan, i)} with its own piece only"
+
+
 MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "drop_collective": drop_collective,
     "replace_collective": replace_collective,
@@ -578,6 +611,8 @@ MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "permute_group": permute_group,
     "wrong_index": wrong_index,
     "mislabel_layout": mislabel_layout,
+    "mask_offset": mask_offset,
+    "drop_exchange": drop_exchange,
 }
 
 

@@ -21,6 +21,7 @@ the operators' numeric rules, which are checked against torch autograd.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -91,20 +92,28 @@ def _close(a: np.ndarray, b: np.ndarray, rtol: float = 1e-7) -> bool:
 
 
 def _layout_problem(parallel: Plan) -> str:
-    """Why the world's (pp, dp, tp) layout cannot be the plan's, or "".
+    """Why the world's (pp, dp, cp, tp) layout cannot be the plan's, or "".
 
     Which ranks are data-parallel replicas (whose losses add up) comes from
     the layout, so it is checked against what each rank loads: per data
     input, the batch rows (dim 0) of ranks of one data-parallel index are
-    equal, and those of different indices do not overlap."""
+    equal, and those of different indices do not overlap. Context-parallel
+    ranks count as data-parallel indices (d * cp + c) and load (row,
+    sequence position) pairs."""
     pp, dp, tp = (int(parallel.world.get(k, 1)) for k in ("pp", "dp", "tp"))
+    cp = int(parallel.world.get("cp", 1))
+    dp *= cp
     if any(t.rank >= pp * dp * tp for t in parallel.tensors):
         return "a rank lies outside the world's layout"
     written = {o for n in parallel.nodes for o in n.outputs}
     rows: dict[tuple[int, int], set] = defaultdict(set)  # (tid, rank) -> batch rows
     for i, t in enumerate(parallel.tensors):
         if i not in written and t.shape and parallel.logical[t.tid].kind in ("data", "tokens"):
-            rows[(t.tid, t.rank)].update(range(*t.slices[0]))
+            if cp > 1:
+                rows[(t.tid, t.rank)].update(itertools.product(range(*t.slices[0]),
+                                                               range(*t.slices[1])))
+            else:
+                rows[(t.tid, t.rank)].update(range(*t.slices[0]))
     by_index: dict[tuple[int, int], set] = {}
     for (tid, rank), got in sorted(rows.items()):
         d = (rank // tp) % dp
@@ -161,6 +170,7 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
     if layout:
         return Judgement(False, f"the world's layout does not describe the plan: {layout}")
     dp, tp = int(parallel.world.get("dp", 1)), int(parallel.world.get("tp", 1))
+    dp *= int(parallel.world.get("cp", 1))
     groups: dict[tuple[int, int], float] = defaultdict(float)
     for (rank, _), o in loss_last.items():
         groups[(rank // (dp * tp), rank % tp)] += float(np.sum(values[o]))

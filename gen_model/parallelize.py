@@ -31,14 +31,16 @@ from verdict.ops import get_op
 from verdict.plan import INPUT_KINDS, Node, Plan, Tensor
 from verdict.structure import fw_shapes
 
-AXES = ("mb", "edp", "ep", "tp")
+AXES = ("mb", "edp", "ep", "cp", "tp")
 #: Order in which the axes number the pieces of a split dim (last fastest):
 #: the batch is microbatch-major; an expert dim split on tp and ep is tp-major,
 #: so an all-to-all over ep gathers contiguous experts.
-SLICE_ORDER = ("mb", "edp", "tp", "ep")
+SLICE_ORDER = ("mb", "edp", "cp", "tp", "ep")
 #: Order in which the axes number the parts of a partial sum (last fastest).
-PART_ORDER = ("edp", "ep", "tp", "mb")
-BATCH_AXES = ("mb", "edp", "ep")
+PART_ORDER = ("edp", "ep", "cp", "tp", "mb")
+#: Axes that split the tokens of a step (the batch, and the sequence on cp):
+#: gradients are partial sums over them, reduced by the reducer.
+BATCH_AXES = ("mb", "edp", "ep", "cp")
 
 COLUMN = re.compile(r"\.(wq|wk|wv|w1|w3)\.weight$|^output\.weight$")
 ROW = re.compile(r"\.(wo|w2)\.weight$")
@@ -49,6 +51,8 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 REDUCE_AT_ONCE = ("linear", "embedding")
 #: The sequence dim of a [batch, sequence, hidden] activation.
 SEQ_DIM = 1
+#: The heads dim of attention's [batch, heads, sequence, head_dim] operands.
+HEAD_DIM = 1
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,12 @@ class Policy:
     #: Megatron sequence parallelism: outside tensor-parallel regions the
     #: activations are split along the sequence (dim 1) across TP ranks.
     sequence_parallel: bool = False
+    #: Ulysses (DeepSpeed) on the cp axis: attention runs on head shards of
+    #: whole sequences, reached by all-to-alls, instead of gathering keys.
+    ulysses: bool = False
+    #: Interleaved (virtual) pipeline: each rank holds this many model chunks,
+    #: chunk k of the pp * virtual_stages chunks on stage k % pp.
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,7 @@ class _Sharder:
 
     # -- placement ----------------------------------------------------------
     def assign_stages(self) -> list[int]:
-        g, pp = self.g, self.par.pp
+        g, pp = self.g, self.par.pp * self.policy.virtual_stages  # virtual stages
         last = pp - 1
         stages, seen_layer = [], False
         for lop in g.ops:
@@ -176,7 +186,7 @@ class _Sharder:
         t = self.g.tensors[tid]
         if t.kind in ("data", "tokens"):
             tp = len(t.shape) - 1 if t.kind == "tokens" and self.policy.vocab_parallel else "R"
-            return (0, 0, 0, tp)
+            return (0, 0, 0, SEQ_DIM if t.kind == "tokens" else "R", tp)
         expert = t.kind == "param" and EXPERT.search(t.name) is not None
         tp: Layout = "R"
         if t.kind == "param":
@@ -192,7 +202,7 @@ class _Sharder:
             elif self.cfg.model == "mlp" and len(t.shape) == 2:
                 layer = int(LAYER.search(t.name + ".").group(1)) if LAYER.search(t.name + ".") else 0
                 tp = 0 if layer % 2 == 0 else 1
-        return ("R", "R", 0 if expert else "R", tp)
+        return ("R", "R", 0 if expert else "R", "R", tp)
 
     def value(self, v: Value) -> SVal:
         if v not in self.current:
@@ -296,6 +306,8 @@ class _Sharder:
                                        self.size[axis], params, len(lop.outputs))
             if axis == "tp" and i in self.gather_first:
                 need, out = ["R"], ["R"] * len(lop.outputs)
+            if axis == "cp" and self.policy.ulysses:
+                need, out, rep = ulysses(lop, [s.on(axis) for s in ins], shapes, need, out, rep)
             need_by_axis.append(need)
             out_by_axis.append(out)
             replicated.append(rep)
@@ -389,6 +401,19 @@ class _Sharder:
         return self.convert(sv, sv.relaid("tp", param.on("tp")).layout, stage, "bw")
 
 
+def ulysses(lop: LOp, ins: list[Layout], shapes: list[tuple[int, ...]], need: list[Layout],
+            out: list[Layout], rep: bool) -> tuple[list[Layout], list[Layout], bool]:
+    """Ulysses on the cp axis: attention's two matmuls take their operands
+    split on heads (an all-to-all from the sequence split), so scores, mask
+    and softmax see whole sequences; a linear reading a head-split input
+    (the output projection) takes it split on the sequence again."""
+    if lop.op == "matmul" and len(shapes[0]) == 4 and any(is_split(x) for x in ins):
+        return [HEAD_DIM, HEAD_DIM], [HEAD_DIM], False
+    if lop.op == "linear" and ins[0] == len(shapes[0]) - 1 and ins[1] == "R":
+        return [SEQ_DIM, "R"], [SEQ_DIM], False
+    return need, out, rep
+
+
 def shard(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, policy: Policy) -> Program:
     return _Sharder(g, cfg, par, policy).run()
 
@@ -402,6 +427,7 @@ class Coord:
     stage: int
     edp: int
     ep: int
+    cp: int
     tp: int
 
     def get(self, axis: str, mb: int) -> int:
@@ -409,7 +435,7 @@ class Coord:
 
     def with_axes(self, **values: int) -> Coord:
         return Coord(self.stage, values.get("edp", self.edp), values.get("ep", self.ep),
-                     values.get("tp", self.tp))
+                     values.get("cp", self.cp), values.get("tp", self.tp))
 
 
 class _Emitter:
@@ -425,11 +451,12 @@ class _Emitter:
 
     def rank(self, c: Coord) -> int:
         d = c.edp * self.size["ep"] + c.ep
-        return (c.stage * self.par.dp + d) * self.par.tp + c.tp
+        return ((c.stage * self.par.dp + d) * self.par.cp + c.cp) * self.par.tp + c.tp
 
     def coords(self, stage: int) -> list[Coord]:
-        return [Coord(stage, a, b, t) for a, b, t in product(
-            range(self.size["edp"]), range(self.size["ep"]), range(self.size["tp"]))]
+        return [Coord(stage, a, b, k, t) for a, b, k, t in product(
+            range(self.size["edp"]), range(self.size["ep"]), range(self.size["cp"]),
+            range(self.size["tp"]))]
 
     # -- tensors --------------------------------------------------------------
     def view(self, sv: SVal, c: Coord, mb: int, mb_parts: tuple[int, int] | None):
@@ -492,7 +519,7 @@ class _Emitter:
         rank = self.rank(c)
         kw = dict(sop.kwargs)
         if sop.kind == "move":
-            src = Coord(sop.src_stage, c.edp, c.ep, c.tp)
+            src = Coord(sop.src_stage % self.par.pp, c.edp, c.ep, c.cp, c.tp)
             inputs = (self.read(sop.inputs[0], src, mb),)
             kw = {"src": self.rank(src), "dst": rank}
         elif sop.kind == "conv":
@@ -506,10 +533,20 @@ class _Emitter:
         else:
             inputs = tuple(self.read(sv, c, mb) for sv in sop.inputs)
         outputs = tuple(self.write(sv, c, mb) for sv in sop.outputs)
+        if sop.op == "causal_mask":
+            kw.update(self.mask_chunks(outputs[0]))
         node = Node(rank, mb, sop.op, sop.dir, inputs, outputs, kw, sop.name)
         if sop.kind == "op":
             node = node._replace(kwargs=self.local_kwargs(node))
         return node
+
+    def mask_chunks(self, t: int) -> dict[str, int]:
+        """Where a causal mask's local scores sit in the whole sequence (a
+        context-parallel rank holds one chunk of the query rows), in units of
+        the local size; nothing when they are the whole sequence."""
+        (r0, r1), (c0, c1) = self.plan.tensors[t].slices[-2:]
+        chunks = {"row_chunk": r0 // (r1 - r0), "col_chunk": c0 // (c1 - c0)}
+        return {k: v for k, v in chunks.items() if v}
 
     def local_kwargs(self, node: Node) -> dict:
         """Kwargs that hold sizes (unflatten's sizes, ...), for the local shapes."""
@@ -517,22 +554,46 @@ class _Emitter:
         return get_op(node.op).resized(node.kwargs, ins, outs)
 
     # -- schedule -------------------------------------------------------------
-    def order(self, stage: int) -> list[tuple[str, int]]:
-        """The (phase, microbatch) sequence of one pipeline stage."""
-        nm, pp = self.par.nm, self.par.pp
+    def order(self, stage: int) -> list[tuple[str, int, int]]:
+        """The (phase, microbatch, virtual stage) sequence of one pipeline stage."""
+        nm, pp, v = self.par.nm, self.par.pp, self.policy.virtual_stages
+        if v > 1:
+            return self.interleaved(stage)
         if self.policy.schedule == "gpipe":
-            return [("fw", m) for m in range(nm)] + [("bw", m) for m in range(nm)]
+            return [("fw", m, stage) for m in range(nm)] + [("bw", m, stage) for m in range(nm)]
         warm = min(pp - stage - 1, nm)
-        seq = [("fw", m) for m in range(warm)]
+        seq = [("fw", m, stage) for m in range(warm)]
         for m in range(nm - warm):
-            seq += [("fw", warm + m), ("bw", m)]
-        return seq + [("bw", m) for m in range(nm - warm, nm)]
+            seq += [("fw", warm + m, stage), ("bw", m, stage)]
+        return seq + [("bw", m, stage) for m in range(nm - warm, nm)]
+
+    def interleaved(self, stage: int) -> list[tuple[str, int, int]]:
+        """Megatron's interleaved schedule: microbatches in groups of pp run
+        chunk after chunk (backward chunks in reverse); 1F1B after a warm-up
+        of 2 (pp - stage - 1) + (v - 1) pp forward units."""
+        nm, pp, v = self.par.nm, self.par.pp, self.policy.virtual_stages
+        units = nm * v
+
+        def unit(phase: str, u: int) -> tuple[str, int, int]:
+            group, within = divmod(u, pp * v)
+            chunk = within // pp if phase == "fw" else v - 1 - within // pp
+            return phase, group * pp + within % pp, chunk * pp + stage
+
+        fw = [unit("fw", u) for u in range(units)]
+        bw = [unit("bw", u) for u in range(units)]
+        if self.policy.schedule == "gpipe":
+            return fw + bw
+        warm = min(2 * (pp - stage - 1) + (v - 1) * pp, units)
+        seq = fw[:warm]
+        for i in range(units - warm):
+            seq += [fw[warm + i], bw[i]]
+        return seq + bw[units - warm:]
 
     def run(self) -> Plan:
         seqs: dict[int, list[Node]] = {}
         coords = [c for s in range(self.par.pp) for c in self.coords(s)]
         for c in tqdm(coords, desc="ranks", leave=False, disable=None):
-            ops = [op for op in self.prog.ops if op.stage == c.stage]
+            ops = [op for op in self.prog.ops if op.stage % self.par.pp == c.stage]
             seqs[self.rank(c)] = self.rank_sequence(ops, c)
         for c in coords:
             seqs[self.rank(c)].extend(self.reducers(c))
@@ -542,22 +603,29 @@ class _Emitter:
         return self.plan
 
     def params_of(self, stage: int) -> list[tuple[int, SVal | None]]:
+        """Parameters of one virtual stage (model chunk)."""
         return [(tid, grad) for tid, (s, grad) in self.prog.params.items() if s == stage]
+
+    def params_on(self, stage: int) -> list[tuple[int, SVal | None]]:
+        """Parameters of every model chunk of one pipeline stage."""
+        return [(tid, grad) for tid, (s, grad) in self.prog.params.items()
+                if s % self.par.pp == stage]
 
     def rank_sequence(self, ops: list[SOp], c: Coord) -> list[Node]:
         rank = self.rank(c)
-        params = self.params_of(c.stage)
+        params = self.params_on(c.stage)
         seq: list[Node] = []
         for tid, _ in params:
             t = self.write(self.buffer(tid, None, lver=0), c, -1)
             seq.append(Node(rank, -1, "zeros", "none", (), (t,),
                             {"shape": list(self.plan.tensors[t].shape)}, self.buffer_name(tid)))
             self.last_buffer[(rank, tid)] = t
-        for phase, mb in self.order(c.stage):
-            seq.extend(self.node(sop, c, mb) for sop in ops if sop.dir == phase)
+        for phase, mb, chunk in self.order(c.stage):
+            seq.extend(self.node(sop, c, mb) for sop in ops
+                       if sop.dir == phase and sop.stage == chunk)
             if phase == "fw":
                 continue
-            for tid, grad in params:
+            for tid, grad in self.params_of(chunk):
                 if grad is None:
                     continue
                 t = self.write(self.buffer(tid, grad, lver=1), c, mb, mb_parts=(0, mb + 1))
@@ -583,8 +651,8 @@ class _Emitter:
     def reducers(self, c: Coord) -> list[Node]:
         """Cross-replica reduction of every gradient that is partial over replicas."""
         nodes = []
-        for tid, grad in self.params_of(c.stage):
-            axes = [a for a in ("edp", "ep") if grad is not None and grad.on(a) == "P"]
+        for tid, grad in self.params_on(c.stage):
+            axes = [a for a in ("edp", "ep", "cp") if grad is not None and grad.on(a) == "P"]
             if not axes:
                 continue
             group = [c.with_axes(**dict(zip(axes, idx)))
@@ -665,11 +733,11 @@ def contiguous(before: SVal, after: SVal, axis: str) -> bool:
 
 
 def axis_sizes(par: Parallelism) -> dict[str, int]:
-    return {"mb": par.nm, "edp": par.dp // par.ep_dp, "ep": par.ep_dp, "tp": par.tp}
+    return {"mb": par.nm, "edp": par.dp // par.ep_dp, "ep": par.ep_dp, "cp": par.cp, "tp": par.tp}
 
 
 def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
-    for flag in ("dp", "tp", "pp", "ep", "nm"):
+    for flag in ("dp", "tp", "pp", "ep", "nm", "cp"):
         if getattr(par, flag) < 1:
             raise ConfigError(f"--{flag} must be at least 1")
     if gbs % (par.dp * par.nm):
@@ -692,11 +760,23 @@ def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
 
 
 def check_policy(cfg: ModelConfig, par: Parallelism, policy: Policy) -> None:
-    if policy.sequence_parallel:
-        if cfg.model != "llama3":
-            raise ConfigError("--sequence_parallel needs the llama3 model")
-        if cfg.seqlen % par.tp:
-            raise ConfigError(f"--seqlen {cfg.seqlen} is not divisible by --tp {par.tp}")
+    sp = par.tp if policy.sequence_parallel else 1
+    if policy.sequence_parallel and cfg.model != "llama3":
+        raise ConfigError("--sequence_parallel needs the llama3 model")
+    if par.cp > 1 and cfg.model != "llama3":
+        raise ConfigError("--cp needs the llama3 model")
+    v = policy.virtual_stages
+    if v < 1:
+        raise ConfigError("--vpp must be at least 1")
+    if v > 1 and (par.pp < 2 or par.nm % par.pp or cfg.layers < par.pp * v):
+        raise ConfigError(f"--vpp {v} needs --pp > 1, --nm divisible by --pp {par.pp} and "
+                          f"--layers at least pp x vpp = {par.pp * v}")
+    if policy.ulysses and (par.cp < 2 or par.tp > 1 or cfg.heads % par.cp):
+        raise ConfigError(f"--ulysses needs --cp > 1, --tp 1 and --heads {cfg.heads} "
+                          f"divisible by --cp {par.cp}")
+    if cfg.seqlen % (par.cp * sp):
+        raise ConfigError(f"--seqlen {cfg.seqlen} is not divisible by {par.cp * sp} "
+                          f"(context parallel {par.cp} x sequence parallel {sp})")
     if cfg.model == "moe" and not par.experts_over_tp and cfg.moe_ffn % par.tp:
         raise ConfigError(f"--moe_ffn {cfg.moe_ffn} is not divisible by --tp {par.tp}")
 

@@ -93,8 +93,10 @@ def _softmax(kw, ins, shapes, n, params) -> Result:
 
 
 def _causal_mask(kw, ins, shapes, n, params) -> Result:
+    """Not along the key dim; along the query rows (context parallelism) the
+    parallelizer tells each rank's mask where its rows sit (``row_chunk``)."""
     x = ins[0]
-    if x == "P" or x >= len(shapes[0]) - 2:
+    if x == "P" or x == len(shapes[0]) - 1:
         return None
     return [x], [x]
 
@@ -174,6 +176,8 @@ def _matmul(kw, ins, shapes, n, params) -> Result:
     if is_split(a) and is_split(b):
         if a == b and a < nd - 2:
             return list(ins), [a]
+        if a == nd - 2 and b in (nd - 2, nd - 1):  # query rows split: gather keys/values
+            return [a, "R"], [a]
         return (list(ins), ["P"]) if (a, b) == (nd - 1, nd - 2) else None
     if is_split(a):
         if a == nd - 2:

@@ -7,7 +7,11 @@ ep in {1, 2, 4} combined with dp in {1, 2, 4} and tp in {1, 2} wherever the
 expert group fits (ep divides dp, or ep = tp x a divisor of dp), plus two
 moe plans with pp and nm; llama3 with Megatron sequence parallelism (tp in
 {2, 4} with each dp, pp, nm in {1, 2, 4}, at most 16 ranks, and two plans
-with a vocab-parallel embedding too). Prints one line per plan and exits 1 if any plan fails a check.
+with a vocab-parallel embedding too); llama3 with context parallelism (cp in
+{2, 4} with dp, tp, pp, nm in {1, 2}, at most 16 ranks, and one with
+sequence parallelism too); llama3 with Ulysses (cp in {2, 4} with dp, pp,
+nm in {1, 2}); mlp and llama3 with an interleaved pipeline (vpp 2, four
+dp/tp/pp/nm settings, both schedules). Prints one line per plan and exits 1 if any plan fails a check.
 """
 
 from __future__ import annotations
@@ -53,12 +57,25 @@ def grid() -> list[tuple[str, Parallelism, Policy]]:
                           Policy(sequence_parallel=True)))
     for par in (Parallelism(tp=2, nm=2), Parallelism(dp=2, tp=4, pp=2)):
         cases.append(("llama3", par, Policy(sequence_parallel=True, vocab_parallel=True)))
+    for cp, dp, tp, pp, nm in itertools.product((2, 4), (1, 2), (1, 2), (1, 2), (1, 2)):
+        if cp * dp * tp * pp <= 16:
+            cases.append(("llama3", Parallelism(dp=dp, tp=tp, pp=pp, nm=nm, cp=cp), Policy()))
+    cases.append(("llama3", Parallelism(cp=2, tp=2, nm=2), Policy(sequence_parallel=True)))
+    for cp, dp, pp, nm in itertools.product((2, 4), (1, 2), (1, 2), (1, 2)):
+        cases.append(("llama3", Parallelism(dp=dp, pp=pp, nm=nm, cp=cp), Policy(ulysses=True)))
+    for model, (dp, tp, pp, nm), schedule in itertools.product(
+            ("mlp", "llama3"), ((1, 1, 2, 2), (2, 2, 2, 4), (1, 1, 2, 4), (1, 2, 2, 2)),
+            ("1f1b", "gpipe")):
+        cases.append((model, Parallelism(dp=dp, tp=tp, pp=pp, nm=nm),
+                      Policy(schedule=schedule, virtual_stages=2)))
     return cases
 
 
 def describe(policy: Policy) -> str:
     flags = [policy.schedule] + [name for name, on in (
-        ("sp", policy.sequence_parallel), ("vocab", policy.vocab_parallel)) if on]
+        ("sp", policy.sequence_parallel), ("vocab", policy.vocab_parallel),
+        ("ulysses", policy.ulysses), (f"vpp{policy.virtual_stages}",
+                                      policy.virtual_stages > 1)) if on]
     return " ".join(flags)
 
 
@@ -86,7 +103,7 @@ def main() -> int:
                 problems.append(f"symbolic: {verdict.kind} {verdict.message}")
         failed += bool(problems)
         print(f"{'FAIL' if problems else 'ok  '} {model:6} dp{par.dp} tp{par.tp} pp{par.pp} "
-              f"ep{par.ep} nm{par.nm} {describe(policy):14} {len(plan.nodes):6} nodes "
+              f"ep{par.ep} cp{par.cp} nm{par.nm} {describe(policy):14} {len(plan.nodes):6} nodes "
               f"{time.perf_counter() - t0:5.2f} s", flush=True)
         for line in problems:
             print(f"      {line}")

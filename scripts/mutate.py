@@ -1,7 +1,7 @@
 """Mutation testing of the verifier: wrong plans must FAIL, rewrites must pass.
 
     .venv/bin/python scripts/mutate.py [--per-operator N] [--seed S] [--quick]
-        [--bases NAME,...] [--csv FILE]
+        [--bases NAME,...] [--operators NAME,...] [--csv FILE]
 
 Each base plan (small mlp, llama3 and moe plans) is mutated by every
 operator of gen_model/mutations.py, N times with different targets. Each
@@ -57,6 +57,10 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "moe_dp2_ep2_tp2_nm2": (MOE, Parallelism(dp=2, tp=2, ep=2, nm=2), Policy()),
     "llama3_sp_dp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, nm=2),
                               Policy(sequence_parallel=True)),
+    "llama3_cp2_tp2_nm2": (LLAMA, Parallelism(cp=2, tp=2, nm=2), Policy()),
+    "llama3_ulysses2_dp2_nm2": (LLAMA, Parallelism(cp=2, dp=2, nm=2), Policy(ulysses=True)),
+    "mlp_pp2_vpp2_nm2": (ModelConfig("mlp", layers=4, hidden=8), Parallelism(pp=2, nm=2),
+                         Policy(virtual_stages=2)),
 }
 QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2")
 
@@ -99,7 +103,8 @@ def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
     return "SUCCESS" if v.success else f"FAIL:{v.kind}"
 
 
-def run(bases: list[str], per_operator: int, seed: int, progress: bool) -> list[Row]:
+def run(bases: list[str], per_operator: int, seed: int, progress: bool,
+        only: set[str] | None = None) -> list[Row]:
     rows = []
     for base in bases:
         cfg, par, policy = BASES[base]
@@ -110,6 +115,7 @@ def run(bases: list[str], per_operator: int, seed: int, progress: bool) -> list[
             raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
         operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
         operators += [("rewrite", n, f) for n, f in REWRITES.items()]
+        operators = [op for op in operators if only is None or op[1] in only]
         for kind, name, operator in operators:
             for k in range(per_operator):
                 rng = random.Random(f"{seed}/{base}/{name}/{k}")
@@ -149,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bases", default=",".join(BASES), help=f"from {', '.join(BASES)}")
     ap.add_argument("--quick", action="store_true",
                     help="the seeded subset run by the test suite (2 bases, 2 per operator)")
+    ap.add_argument("--operators", help="only these mutations and rewrites (comma-separated)")
     ap.add_argument("--csv", type=Path, help="append one row per mutant to this CSV file")
     args = ap.parse_args(argv)
     bases = list(QUICK_BASES) if args.quick else args.bases.split(",")
@@ -157,8 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown base {unknown[0]} (bases: {', '.join(BASES)})", file=sys.stderr)
         return 2
+    only = set(args.operators.split(",")) if args.operators else None
+    known = set(MUTATIONS) | set(REWRITES)
+    if only and only - known:
+        print(f"error: unknown operator {sorted(only - known)[0]} (operators: "
+              f"{', '.join(sorted(known))})", file=sys.stderr)
+        return 2
     start = time.perf_counter()
-    rows = run(bases, per, args.seed, progress=True)
+    rows = run(bases, per, args.seed, progress=True, only=only)
     for line in table(rows):
         print(line)
     bad = [r for r in rows if r.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT")]

@@ -112,11 +112,14 @@ def test_cyclic_permute_of_three_equal_dims_is_a_dims_finding():
 
 def test_view_that_mixes_dims_before_a_reshape_is_a_dims_finding():
     """A transposed [S, S]-shaped score piece read by the next op: at reduced
-    size the sequence dims of q and k must not be confused."""
+    size the sequence dims of q and k must not be confused. The mask ties
+    its two sequence dims into one class, so the transpose stays in that
+    class and the mask's stage proof fails (each piece keeps 2 positions,
+    rule 4), or another stage finds the dims mixed."""
     single, plan = plans(LLAMA, Parallelism(tp=2, nm=2))
     t = computed(plan, lambda x, n: n.op == "causal_mask" and n.dir == "fw")
     v = wrong(single, insert_transpose(plan, t, (2, 3)))
-    assert v.kind == "dims"
+    assert v.kind in ("dims", "stage")
 
 
 def test_causal_mask_keeps_both_sequence_dims_at_least_two_long():

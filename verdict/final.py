@@ -46,13 +46,17 @@ class RankState:
 
 def rank_coords(world: dict, rank: int) -> tuple[int, int, int]:
     """(pipeline stage, data-parallel index, tensor-parallel index) of a rank
-    in the (pp, dp, tp) row-major layout every plan uses."""
-    dp, tp = int(world.get("dp", 1)), int(world.get("tp", 1))
+    in the (pp, dp, cp, tp) row-major layout every plan uses. Context
+    parallelism splits a replica's tokens along the sequence as data
+    parallelism splits the batch, so its ranks count as data-parallel
+    indices here: index d * cp + c."""
+    dp = int(world.get("dp", 1)) * int(world.get("cp", 1))
+    tp = int(world.get("tp", 1))
     return rank // (dp * tp), (rank // tp) % dp, rank % tp
 
 
 def check_layout(parallel: Plan) -> None:
-    """The world's (pp, dp, tp) layout must describe the plan.
+    """The world's (pp, dp, cp, tp) layout must describe the plan.
 
     The layout decides which ranks are data-parallel replicas, whose losses
     may be summed; a layout that called tensor-parallel peers replicas would
@@ -60,22 +64,27 @@ def check_layout(parallel: Plan) -> None:
     So it is checked against load-time facts, the batch rows each rank loads
     (batch dim 0 of every data and tokens input): ranks of one data-parallel
     index load the same rows of a tensor, ranks of different indices
-    disjoint rows. Raises StructureError('layout') when it does not hold.
+    disjoint rows. With context parallelism (cp > 1) an index is a (replica,
+    sequence chunk) pair and the pieces compared are boxes of (batch rows,
+    sequence positions). Raises StructureError('layout') when it does not
+    hold.
     """
     world = parallel.world
     pp, dp, tp = (int(world.get(k, 1)) for k in ("pp", "dp", "tp"))
+    dp *= int(world.get("cp", 1))
     top = max((t.rank for t in parallel.tensors), default=0)
     if top >= pp * dp * tp:
         raise StructureError("layout", f"rank {top} is outside the world's layout of "
-                                       f"pp*dp*tp = {pp * dp * tp} ranks")
+                                       f"pp*dp*cp*tp = {pp * dp * tp} ranks")
     producer = parallel.producers()
-    rows: dict[int, dict[int, set[tuple[int, int]]]] = defaultdict(lambda: defaultdict(set))
+    box = 2 if int(world.get("cp", 1)) > 1 else 1  # context parallel: rows and sequence
+    rows: dict[int, dict[int, set]] = defaultdict(lambda: defaultdict(set))
     for i, t in enumerate(parallel.tensors):
         if producer[i] < 0 and t.slices and parallel.logical[t.tid].kind in ("data", "tokens"):
-            rows[t.tid][t.rank].add(t.slices[0])
+            rows[t.tid][t.rank].add(t.slices[:box])
     for tid, by_rank in sorted(rows.items()):
         name = parallel.logical[tid].name
-        first: dict[int, tuple[int, set[tuple[int, int]]]] = {}
+        first: dict[int, tuple[int, set]] = {}
         for rank, ranges in sorted(by_rank.items()):
             d = rank_coords(world, rank)[1]
             if d not in first:
@@ -86,7 +95,8 @@ def check_layout(parallel: Plan) -> None:
                     f"world's (pp, dp, tp) = ({pp}, {dp}, {tp}) layout but load different batch "
                     f"rows of {name}: the layout does not describe the plan"))
         for (d, (ra, a)), (e, (rb, b)) in itertools.combinations(sorted(first.items()), 2):
-            if any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b):
+            if any(all(x0 < y1 and y0 < x1 for (x0, x1), (y0, y1) in zip(p, q))
+                   for p in a for q in b):
                 raise StructureError("layout", (
                     f"ranks {ra} and {rb} are data-parallel indices {d} and {e} in the world's "
                     f"(pp, dp, tp) = ({pp}, {dp}, {tp}) layout but load overlapping batch rows "

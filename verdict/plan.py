@@ -139,14 +139,14 @@ class Plan:
 
 
 #: World fields that describe parallelism; all others describe the model.
-PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "variant", "vocab_parallel", "schedule",
-                   "sequence_parallel")
+PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_parallel", "schedule",
+                   "sequence_parallel", "ulysses", "virtual_stages")
 
 
 def pair_problem(single: Plan, parallel: Plan) -> str | None:
     """Why two plans cannot be compared (None when they can): the first must
     be single-device and both must describe the same model."""
-    for flag in ("dp", "tp", "pp", "ep", "nm"):
+    for flag in ("dp", "tp", "pp", "ep", "nm", "cp"):
         if single.world.get(flag, 1) != 1:
             return f"--sm is not a single-device plan ({flag}={single.world[flag]})"
     if any(t.rank != 0 for t in single.tensors):

@@ -69,37 +69,48 @@ ROTARY = Op(
 )
 
 
-def causal_positions(s_q: int, s_k: int) -> np.ndarray:
-    """True where a query position may not see a key position."""
-    return np.triu(np.ones((s_q, s_k), dtype=bool), k=1)
+def causal_positions(s_q: int, s_k: int, row_chunk: int = 0, col_chunk: int = 0) -> np.ndarray:
+    """True where a query position may not see a key position. The local
+    rows are query positions ``row_chunk * s_q + i`` and the local columns
+    key positions ``col_chunk * s_k + j`` of the whole sequence (chunks of a
+    context-parallel split; 0 and 0 for the whole sequence)."""
+    rows = row_chunk * s_q + np.arange(s_q)[:, None]
+    cols = col_chunk * s_k + np.arange(s_k)[None, :]
+    return cols > rows
 
 
-def _mask_shape(in_shapes):
+def _mask_shape(in_shapes, row_chunk: int = 0, col_chunk: int = 0):
     (x,) = in_shapes
     expect(len(x) >= 2, f"causal mask needs [..., S, S], got {x}")
     return [tuple(x)]
 
 
-def _mask_dims(ins, outs):
+def _mask_dims(ins, outs, row_chunk: int = 0, col_chunk: int = 0):
     """Elementwise, and both sequence dims at least 2 long: at 1 the mask
-    hides nothing, and a plan that drops it would look right."""
+    hides nothing, and a plan that drops it would look right. A square mask
+    ties its two sequence dims into one class: they index one sequence, so
+    they must be reduced by one order-preserving map (docs/soundness.md,
+    "The causal mask on a split sequence")."""
     rel = aligned_dims(ins, outs)
     x = ins[0] if ins[0] is not None else outs[0]
     side = "i" if ins[0] is not None else "o"
-    return rel + [("min", (side, 0, len(x) - 2), 2), ("min", (side, 0, len(x) - 1), 2)]
+    rows, cols = (side, 0, len(x) - 2), (side, 0, len(x) - 1)
+    rel += [("min", rows, 2), ("min", cols, 2)]
+    return rel + [("eq", rows, cols)] if x[-2] == x[-1] else rel
 
 
 CAUSAL_MASK = Op(
     "causal_mask",
     dims=_mask_dims,
     shape=_mask_shape,
-    forward=lambda xp, x: (
-        np.where(causal_positions(*x[0].shape[-2:]), -np.inf, x[0]),
+    forward=lambda xp, x, row_chunk=0, col_chunk=0: (
+        np.where(causal_positions(*x[0].shape[-2:], row_chunk, col_chunk), -np.inf, x[0]),
     ),
-    backward=lambda xp, s, g, shapes: (
-        np.where(causal_positions(*shapes[0][-2:]), 0.0, g[0]),
+    backward=lambda xp, s, g, shapes, row_chunk=0, col_chunk=0: (
+        np.where(causal_positions(*shapes[0][-2:], row_chunk, col_chunk), 0.0, g[0]),
     ),
-    doc="scores above the diagonal set to -inf",
+    doc="scores of keys after the query set to -inf; row_chunk/col_chunk place a "
+        "chunk of the sequence",
 )
 
 
