@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from verdict.ops import OPS
-from verdict.plan import DIRECTIONS, FORMAT, KINDS, VERSION, Plan
+from verdict.plan import DIRECTIONS, FORMAT, KINDS, SHARED_MIN, VERSION, Plan
 from verdict.progress import progress
 
 #: Top-level fields of a plan, in the order to_data() writes them.
@@ -422,8 +422,9 @@ def _node_label(i: int, row: Sequence[Any]) -> str:
     return f"node {i} ({op} on rank {rank} mb {mb})"
 
 
-def _check_node_row(i: int, row: Any) -> str:
-    """Check one node's columns; returns its label for later messages."""
+def _check_node_row(i: int, row: Any, typed: set[int]) -> str:
+    """Check one node's columns; returns its label for later messages.
+    ``typed``: ids of long inputs lists already checked (shared by nodes)."""
     where = f"node {i}"
     rank, mb, op, direction, inputs, outputs, kwargs, name = _row(row, where, NODE_COLUMNS)
     _int(rank, where, "rank", low=0)
@@ -434,7 +435,10 @@ def _check_node_row(i: int, row: Any) -> str:
     where = _node_label(i, row)
     if direction not in DIRECTIONS:
         raise PlanError(f"{where}: dir {_show(direction)} is not one of {DIRECTIONS}")
-    _ints(inputs, where, "inputs")
+    if id(inputs) not in typed:
+        _ints(inputs, where, "inputs")
+        if len(inputs) >= SHARED_MIN:
+            typed.add(id(inputs))
     _ints(outputs, where, "outputs")
     if not isinstance(kwargs, dict):
         raise PlanError(f"{where}: kwargs must be a dict, got {_type(kwargs)}")
@@ -453,19 +457,35 @@ def _check_indices(where: str, direction: str, what: str, indices: Sequence[int]
 
 
 def _check_nodes(rows: Sequence[Any], n_tensors: int) -> None:
-    """Columns, index ranges, single assignment, and reads after writes."""
+    """Columns, index ranges, single assignment, and reads after writes.
+
+    A long inputs list that several nodes share (one object: the members of
+    a replica group all read the same gradient buffers) is checked once per
+    direction, and its tensors' last writer is computed once: the same
+    object holds the same indices, so each node's result is the same.
+    Checking it again per node made loading quadratic in the replicas."""
     producer = [-1] * n_tensors
     labels = []
+    shared: dict[int, tuple[str, frozenset[int]]] = {}
+    typed: set[int] = set()
     for i, row in enumerate(progress(rows, "checking nodes")):
-        where = _check_node_row(i, row)
+        where = _check_node_row(i, row, typed)
         labels.append(where)
         direction, inputs, outputs = row[3], row[4], row[5]
-        _check_indices(where, direction, "input", inputs, n_tensors)
+        members: Any = inputs
+        if len(inputs) >= SHARED_MIN:
+            seen = shared.get(id(inputs))
+            if seen is None or seen[0] != direction:
+                _check_indices(where, direction, "input", inputs, n_tensors)
+                seen = shared[id(inputs)] = (direction, frozenset(inputs))
+            members = seen[1]
+        else:
+            _check_indices(where, direction, "input", inputs, n_tensors)
         _check_indices(where, direction, "output", outputs, n_tensors)
         for t in outputs:
             if t == -1:
                 continue
-            if t in inputs:
+            if t in members:
                 raise PlanError(f"{where}: tensor {t} is both an input and an output")
             if producer[t] >= 0:
                 raise PlanError(
@@ -473,8 +493,16 @@ def _check_nodes(rows: Sequence[Any], n_tensors: int) -> None:
                     "(each tensor is written once)"
                 )
             producer[t] = i
+    last_writer: dict[int, int] = {}
     for i, row in enumerate(rows):
-        for t in row[4]:
+        inputs = row[4]
+        if len(inputs) >= SHARED_MIN:
+            last = last_writer.get(id(inputs))
+            if last is None:
+                last = last_writer[id(inputs)] = max(producer[t] if t >= 0 else -1 for t in inputs)
+            if last <= i:
+                continue
+        for t in inputs:
             if t >= 0 and producer[t] > i:
                 raise PlanError(
                     f"{labels[i]}: reads tensor {t} before node {producer[t]} writes it"

@@ -595,8 +595,9 @@ class _Emitter:
         for c in tqdm(coords, desc="ranks", leave=False, disable=None):
             ops = [op for op in self.prog.ops if op.stage % self.par.pp == c.stage]
             seqs[self.rank(c)] = self.rank_sequence(ops, c)
+        shared: dict[tuple, tuple[int, ...]] = {}
         for c in coords:
-            seqs[self.rank(c)].extend(self.reducers(c))
+            seqs[self.rank(c)].extend(self.reducers(c, shared))
         self.plan.nodes = merge(seqs, self.plan)
         self.check_written()
         number_versions(self.plan)
@@ -648,19 +649,28 @@ class _Emitter:
                     lay[AXES.index(axis)] = "P"
         return SVal(self.g.grads[tid], lver, tuple(lay))
 
-    def reducers(self, c: Coord) -> list[Node]:
-        """Cross-replica reduction of every gradient that is partial over replicas."""
+    def reducers(self, c: Coord, shared: dict[tuple, tuple[int, ...]]) -> list[Node]:
+        """Cross-replica reduction of every gradient that is partial over replicas.
+
+        Every member of a replica group reads the same inputs: the tuple is
+        built once per group (``shared``), not once per member, which made
+        emitting the reducers quadratic in the replicas."""
         nodes = []
         for tid, grad in self.params_on(c.stage):
             axes = [a for a in ("edp", "ep", "cp") if grad is not None and grad.on(a) == "P"]
             if not axes:
                 continue
-            group = [c.with_axes(**dict(zip(axes, idx)))
-                     for idx in product(*(range(self.size[a]) for a in axes))]
-            inputs = tuple(self.last_buffer[(self.rank(o), tid)] for o in group)
+            key = (tid, c.stage, *(0 if a in axes else getattr(c, a) for a in ("edp", "ep", "tp")))
+            if key not in shared:
+                group = [c.with_axes(**dict(zip(axes, idx)))
+                         for idx in product(*(range(self.size[a]) for a in axes))]
+                shared[key] = tuple(self.last_buffer[(self.rank(o), tid)] for o in group)
+            index = 0
+            for a in axes:
+                index = index * self.size[a] + getattr(c, a)
             t = self.write(self.buffer(tid, None, lver=1), c, -1)
-            nodes.append(Node(self.rank(c), -1, "reducer", "none", inputs, (t,),
-                              {"index": group.index(c)}, self.buffer_name(tid)))
+            nodes.append(Node(self.rank(c), -1, "reducer", "none", shared[key], (t,),
+                              {"index": index}, self.buffer_name(tid)))
         return nodes
 
     def check_written(self) -> None:

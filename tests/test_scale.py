@@ -58,3 +58,43 @@ def test_a_deep_dead_end_is_searched_once():
     parts = [(i, i + 1, i) for i in range(n - 1)] + [(i, i + 2, n + i) for i in range(n - 2)]
     covers, rest = exact_covers(parts, n)
     assert covers == [] and len(rest) == len(parts)
+
+
+def _reducer_plan_data():
+    from gen_model.config import ModelConfig, Parallelism
+    from gen_model.generate import make_plan
+
+    data = make_plan(ModelConfig("mlp", layers=1, hidden=4), Parallelism(dp=16), 16).to_data()
+    reducers = [i for i, n in enumerate(data["nodes"]) if n[2] == "reducer"]
+    return data, reducers
+
+
+def test_replica_groups_share_one_inputs_list_and_still_validate():
+    from backends.planfile import _plain_dumps, _unpickle, validate
+    from verdict.plan import Plan
+
+    data, reducers = _reducer_plan_data()
+    assert len(reducers) == 16
+    assert all(data["nodes"][i][4] is data["nodes"][reducers[0]][4] for i in reducers)
+    validate(data)
+    back = _unpickle(_plain_dumps(data))
+    assert back["nodes"][reducers[0]][4] is back["nodes"][reducers[-1]][4]
+    plan = Plan.from_data(back)
+    assert plan.nodes[reducers[0]].inputs is plan.nodes[reducers[-1]].inputs
+    assert plan.to_data() == data
+
+
+def test_a_shared_inputs_list_is_checked_for_every_node_that_reads_it():
+    import pytest
+
+    from backends.planfile import PlanError, validate
+
+    data, reducers = _reducer_plan_data()
+    early = data["nodes"].pop(reducers[-1])
+    data["nodes"].insert(0, early)  # reads the buffers before they are written
+    with pytest.raises(PlanError, match="node 0 .*reads tensor .* before node"):
+        validate(data)
+    data, reducers = _reducer_plan_data()
+    data["nodes"][reducers[0]][4][3] = len(data["tensors"])  # one object: every reader sees it
+    with pytest.raises(PlanError, match=f"node {reducers[0]} .*is not a tensor index"):
+        validate(data)

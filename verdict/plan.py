@@ -23,6 +23,9 @@ DIRECTIONS = ("fw", "bw", "none")
 
 Slices = tuple[tuple[int, int], ...]
 
+#: Inputs tuples at least this long that nodes share are stored once.
+SHARED_MIN = 16
+
 
 class Logical(NamedTuple):
     name: str
@@ -81,7 +84,19 @@ class Plan:
     grads: dict[int, int] = field(default_factory=dict)
 
     def to_data(self) -> dict[str, Any]:
-        """Plain data (dicts, lists, numbers, strings, bools, None) for pickling."""
+        """Plain data (dicts, lists, numbers, strings, bools, None) for pickling.
+
+        Nodes that share one long inputs tuple (a replica group's reducers)
+        share one list, which the pickle then stores once."""
+        lists: dict[int, list[int]] = {}
+
+        def inputs(t: tuple[int, ...]) -> list[int]:
+            if len(t) < SHARED_MIN:
+                return list(t)
+            if id(t) not in lists:
+                lists[id(t)] = list(t)
+            return lists[id(t)]
+
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -93,7 +108,8 @@ class Plan:
                 for t in self.tensors
             ],
             "nodes": [
-                [n.rank, n.mb, n.op, n.dir, list(n.inputs), list(n.outputs), dict(n.kwargs), n.name]
+                [n.rank, n.mb, n.op, n.dir, inputs(n.inputs), list(n.outputs), dict(n.kwargs),
+                 n.name]
                 for n in self.nodes
             ],
             "loss": self.loss,
@@ -102,7 +118,17 @@ class Plan:
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> Plan:
-        """Build a plan from :meth:`to_data` output; the caller validates it."""
+        """Build a plan from :meth:`to_data` output; the caller validates it.
+        A long inputs list shared by several nodes becomes one shared tuple."""
+        tuples: dict[int, tuple[int, ...]] = {}
+
+        def inputs(x: list[int]) -> tuple[int, ...]:
+            if len(x) < SHARED_MIN:
+                return tuple(x)
+            if id(x) not in tuples:
+                tuples[id(x)] = tuple(x)
+            return tuples[id(x)]
+
         return cls(
             world=dict(data["world"]),
             logical=[Logical(n, tuple(s), k) for n, s, k in data["logical"]],
@@ -111,7 +137,7 @@ class Plan:
                 for r, m, t, v, shape, lv, sl, p in data["tensors"]
             ],
             nodes=[
-                Node(r, m, op, d, tuple(i), tuple(o), dict(kw), name)
+                Node(r, m, op, d, inputs(i), tuple(o), dict(kw), name)
                 for r, m, op, d, i, o, kw, name in data["nodes"]
             ],
             loss=data["loss"],

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# DeepSeek-style 16B MoE at dp16 tp4 pp2 nm16 (paper §8.1): 27 layers (the first dense), 16 heads, hidden 2048, 64 routed experts top-6 of size 1408, one shared, dense ffn 10944, vocab 102400. Multi-head latent attention is expressed as grouped attention with 16 KV heads.
+# Generates the single-device and the parallel plan, verifies them
+# (scripts/run_point.py: wall time and peak memory of each step, killed past
+# TIMEOUT seconds or MEM_GB of resident memory), appends a row to
+# data/stats/large.csv and main.py's Stats row to data/stats/stats.csv.
+# docs/benchmarks.md holds the figures and what the generator cannot express.
+#
+#   bash scripts/run_large_moe_16B.sh      # PY, TIMEOUT (1800), MEM_GB (16) may be set
+set -eu
+cd "$(dirname "$0")/.."
+exec nice "${PY:-.venv/bin/python}" scripts/run_point.py --name moe_16B --csv data/stats/large.csv \
+    --model "--model moe --layers 27 --first_dense 1 --heads 16 --kv_heads 16 --hidden 2048 --ffn 10944 --moe_ffn 1408 --experts 64 --topk 6 --vocab 102400 --seqlen 4096" \
+    --par "--dp 16 --tp 4 --pp 2 --nm 16" --gbs 256 \
+    --timeout "${TIMEOUT:-1800}" --mem_gb "${MEM_GB:-16}" "$@"
