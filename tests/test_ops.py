@@ -44,6 +44,8 @@ COVERED = {
     # collectives
     "all_reduce", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
     "send_recv", "broadcast",
+    # torch-side
+    "expand",
 }
 
 COLLECTIVES = {
@@ -203,6 +205,11 @@ def _cases() -> list[Case]:
                   lambda t: (t.clone(), t * 1.0, t + 0.0), {"times": 3}))
     c.append(Case("multiref2", "multiref", [randn(4, seed=40)],
                   lambda t: (t.clone(), t.clone()), {"times": 2}))
+    # -- torch-side
+    c.append(Case("expand_lead_and_ones", "expand", [randn(3, 1, 4, seed=41)],
+                  lambda t: t.expand(2, 3, 5, 4), {"shape": [2, 3, 5, 4]}))
+    c.append(Case("expand_scalar", "expand", [randn(seed=42)],
+                  lambda t: t.expand(2, 3), {"shape": [2, 3]}))
     return c
 
 
@@ -528,6 +535,8 @@ def test_send_recv_and_broadcast() -> None:
 
 
 SHAPE_ERRORS: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
+    ("expand", [(3, 2)], {"shape": [3, 4]}),
+    ("expand", [(2, 3)], {"shape": [3]}),
     ("add", [(2, 3), (2, 4)], {}),
     ("add", [(2, 3)], {}),
     ("mul", [(2, 3, 4), (3, 3, 4)], {}),

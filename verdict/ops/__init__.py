@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from verdict.ops import collectives, elementwise, layout, linalg, nn, step
+from verdict.ops import collectives, elementwise, layout, linalg, nn, step, torchside
 from verdict.ops.rule import Op, Shape, ShapeError
 
 OPS: dict[str, Op] = {
     op.name: op
-    for module in (elementwise, linalg, layout, nn, step, collectives)
+    for module in (elementwise, linalg, layout, nn, step, collectives, torchside)
     for op in module.OPS
 }
 

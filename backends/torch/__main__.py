@@ -1,0 +1,105 @@
+"""Trace a PyTorch training step and write the plan pair to verify.
+
+    python -m backends.torch --recipe backends.torch.recipes:tp_sp --dp 2 --tp 2 -o DIR
+
+runs the step once on one device and once per rank of the (dp, tp) mesh
+under a fake process group (one process per rank), lowers what each ran
+onto the rule table and writes ``DIR/STEM_single.pkl`` and
+``DIR/STEM_parallel.pkl`` (with their JSON world specs). Verify them with
+``python main.py --sm ... --pm ...``. Exit 2 with one line on an op that is
+not lowered or a recipe that does not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from backends.planfile import save_plan
+from backends.torch.build import build_plans
+from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.rank import load, run, run_isolated
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m backends.torch", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="backends.torch.models:llama",
+                   help="model factory, package.module:function (default: %(default)s)")
+    p.add_argument("--recipe", default="backends.torch.recipes:tp_sp",
+                   help="parallelization recipe, package.module:function (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=16)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=16)
+    p.add_argument("--seqlen", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--out", default="data/plans/torch")
+    p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
+    return p
+
+
+def trace_ranks(spec: dict, world: int) -> list[dict]:
+    """Every rank's trace, each in a fresh process forked from a server that
+    has imported torch once (a process per rank, without paying the import
+    per rank)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "backends.torch.rank"])
+    workers = min(world, os.cpu_count() or 2)
+    with ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1) as pool:
+        results = list(pool.map(run_isolated, [spec] * world, range(world)))
+    for rank, result in enumerate(results):
+        if isinstance(result, str):
+            raise LoweringError(f"rank {rank} did not run: {result}")
+    return results
+
+
+def trace_and_build(args: argparse.Namespace, single: dict | None = None):
+    """Trace the step on one device (unless ``single`` is given) and on every
+    rank; the two plans."""
+    kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
+          "vocab": args.vocab, "seqlen": args.seqlen}
+    spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
+            "tp": args.tp, "pp": 1, "batch": args.batch, "seqlen": args.seqlen,
+            "vocab": args.vocab, "seed": args.seed}
+    world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
+             "tp": args.tp, "pp": 1, "ep": 1, "nm": 1, "recipe": args.recipe,
+             **{k: v for k, v in kw.items()}}
+    for ref in (args.model, args.recipe):
+        try:
+            load(ref)
+        except (ValueError, ImportError, AttributeError) as e:
+            raise LoweringError(f"cannot load '{ref}': {e}") from None
+    if single is None:
+        single = run({**spec, "parallel": False}, 0)
+    traces = trace_ranks({**spec, "parallel": True}, args.dp * args.tp)
+    low_s = lower_trace(single, args.vocab)
+    lows = [lower_trace(t, args.vocab) for t in traces]
+    return build_plans(low_s, lows, world), single
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        (plan_s, plan_p), _ = trace_and_build(args)
+    except LoweringError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}"
+                         f"_ly{args.layers}_b{args.batch}")
+    out = Path(args.out)
+    sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
+    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
+    print(f"--sm {sm} --pm {pm}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

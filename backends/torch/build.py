@@ -1,0 +1,528 @@
+"""Build the single-device plan and the parallel plan from lowered traces.
+
+This is the only module of the backend that constructs plans (through
+``verdict.plan``'s in-memory API).
+
+Every parallel value is aligned with the single-device value it computes:
+inputs by name, a computing node with the single-device node of the same
+operator reading the aligned inputs, a collective's output with its input.
+Its claim (which slice, which parts of a partial sum) is inferred: each dim
+carries the mesh axes that cut it, taken from parameter placements and the
+data-parallel batch split, carried through each operator's dims relations
+(``Op.relations``), moved by collectives, and summed away by contractions
+(a contracted dim cut by an axis makes the result partial over that axis).
+An inference is never trusted: every claim of a computed tensor is proved
+by the verifier, so a wrong one is a FAIL, not an assumption.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from backends.torch.lower import LNode, Lowered, LoweringError
+from verdict.ops import get_op
+from verdict.plan import Logical, Node, Plan, Tensor
+
+AXES = ("dp", "tp")
+SIZE_KWARGS = ("shape", "sizes", "index", "parts", "value")
+SCALINGS = ("div", "mul_scalar")
+
+
+class AlignError(LoweringError):
+    """A parallel op with no single-device counterpart."""
+
+
+@dataclass
+class Claim:
+    dims: list[list[str]]
+    partial: frozenset[str] = frozenset()
+
+
+@dataclass
+class _Single:
+    low: Lowered
+    tid: dict[int, int] = field(default_factory=dict)  # S value -> logical id
+    by_key: dict[tuple, list[int]] = field(default_factory=dict)  # node key -> S node indices
+
+
+def _key_kwargs(kw: dict) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in kw.items() if k not in SIZE_KWARGS))
+
+
+def _kind(node: LNode) -> str:
+    return "grad" if node.dir == "bw" or node.name.startswith("bw:") else "act"
+
+
+def _scope(name: str) -> str:
+    return name.removeprefix("bw:").removeprefix("Llama.") or "step"
+
+
+class _Builder:
+    def __init__(self, single: Lowered, world: dict):
+        self.s = _Single(single)
+        self.world = world
+        self.logical: list[Logical] = []
+        self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "nm": 1})
+        self.gradbuf: dict[str, int] = {}
+
+    # -- single-device plan ---------------------------------------------------
+    def logical_of(self, name: str, shape, kind: str) -> int:
+        self.logical.append(Logical(name, tuple(shape), kind))
+        return len(self.logical) - 1
+
+    def build_single(self) -> Plan:
+        s, plan = self.s.low, self.plan_s
+        t_of: dict[int, int] = {}
+
+        def tensor(v: int, mb: int, version: int = 0, tid: int | None = None) -> int:
+            tid = self.s.tid[v] if tid is None else tid
+            shape = self.logical[tid].shape
+            plan.tensors.append(Tensor(0, mb, tid, version, tuple(shape), version,
+                                       tuple((0, n) for n in shape), (0, 1, 1)))
+            return len(plan.tensors) - 1
+
+        for v, (kind, name) in s.inputs.items():
+            self.s.tid[v] = self.logical_of(name, s.shapes[v], kind)
+            t_of[v] = tensor(v, -1 if kind in ("param", "buffer") else 0)
+        for i, node in enumerate(s.nodes):
+            for o in node.outs:
+                if o >= 0:
+                    kind = "loss" if o == s.loss else _kind(node)
+                    self.s.tid[o] = self.logical_of(f"{_scope(node.name)}.{node.op}.{o}",
+                                                    s.shapes[o], kind)
+                    t_of[o] = tensor(o, 0)
+            ins = tuple(-1 if v < 0 else t_of[v] for v in node.ins)
+            outs = tuple(-1 if v < 0 else t_of[v] for v in node.outs)
+            plan.nodes.append(Node(0, 0, node.op, node.dir, ins, outs, dict(node.kwargs),
+                                   _scope(node.name)))
+            key = (node.op, node.dir, tuple(-1 if v < 0 else v for v in node.ins),
+                   _key_kwargs(node.kwargs))
+            self.s.by_key.setdefault(key, []).append(i)
+        self.sum_trees(s)
+        params = {name: v for v, (kind, name) in s.inputs.items() if kind == "param"}
+        for name, v in params.items():
+            g = s.grads.get(name)
+            if g is None:
+                continue
+            buf = self.logical_of(f"{name}.grad_buffer", s.shapes[v], "gradbuf")
+            self.gradbuf[name] = buf
+            zero = tensor(v, -1, 0, buf)
+            plan.nodes.append(Node(0, -1, "zeros", "none", (), (zero,),
+                                   {"shape": list(s.shapes[v])}, f"{name}.grad_buffer"))
+            final = tensor(v, 0, 1, buf)
+            plan.nodes.append(Node(0, 0, "local_grad_accumulation", "none", (zero, t_of[g]),
+                                   (final,), {}, f"{name}.grad_buffer"))
+            plan.grads[self.s.tid[v]] = buf
+        plan.logical = self.logical
+        plan.loss = self.s.tid[s.loss]
+        return plan
+
+
+    def sum_trees(self, s: Lowered) -> None:
+        """Trees of additions (autograd summing gradient contributions), by the
+        multiset of their leaves, so that a rank summing the same terms in
+        another order is matched (addition is associative in exact arithmetic)."""
+        uses: dict[int, int] = {}
+        for node in s.nodes:
+            for v in node.ins:
+                uses[v] = uses.get(v, 0) + 1
+        self.s_add: dict[int, LNode] = {}
+        leaves: dict[int, list[int]] = {}
+        for node in s.nodes:
+            if node.op != "add":
+                continue
+            self.s_add[node.outs[0]] = node
+            atoms = []
+            for v in node.ins:
+                atoms += leaves[v] if v in leaves and uses.get(v) == 1 else [v]
+            leaves[node.outs[0]] = atoms
+        self.s_trees = {tuple(sorted(a)): v for v, a in leaves.items()}
+        self.s_leaves = leaves
+        self.s_uses = uses
+
+
+class _Rank:
+    """Alignment and claims of one rank's lowered trace."""
+
+    def __init__(self, b: _Builder, low: Lowered, sizes: dict[str, int]):
+        self.b, self.low, self.sizes = b, low, sizes
+        self.sv: dict[int, int] = {}  # P value -> S value
+        self.claim: dict[int, Claim] = {}
+        self.used: set[int] = set()
+        self.pending: dict[int, list[int]] = {}  # P value -> P leaves of a deferred sum
+        self.fresh = 10**9
+        by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
+        for v, (_, name) in low.inputs.items():
+            self.sv[v] = by_name[name]
+            self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
+
+    def gshape(self, v: int) -> tuple[int, ...]:
+        return self.b.s.low.shapes[self.sv[v]]
+
+    def guess(self, local: int, full: int, used: tuple[str, ...] = (),
+              order: tuple = (("tp",), ("dp",), ("dp", "tp"))) -> list[str]:
+        """Axes cutting a dim by full/local with no tie to say which: the first
+        of ``order`` of the right size not already cutting another dim."""
+        ratio = full // local if local else 1
+        if ratio == 1:
+            return []
+        for axes in [list(a) for a in order if not set(a) & set(used)] + [list(a) for a in order]:
+            if math.prod(self.sizes[a] for a in axes) == ratio and all(self.sizes[a] > 1 for a in axes):
+                return axes
+        raise LoweringError(f"rank {self.low.rank}: a dim of size {local} is not a piece of "
+                            f"{full} on this mesh")
+
+    def align(self, node: LNode) -> list[int]:
+        """The single-device node this compute node runs, or AlignError."""
+        ins = []
+        for v in node.ins:
+            ins.append(-1 if v < 0 else self.sv[v])
+        key = (node.op, node.dir, tuple(ins), _key_kwargs(node.kwargs))
+        cands = self.b.s.by_key.get(key)
+        if not cands and node.op in SCALINGS and len(node.ins) == 1:
+            # a rescaling the single-device step does not do (a divide factor):
+            # it claims to be what it rescales, and the verifier judges that
+            return [self.sv[node.ins[0]]]
+        if not cands:
+            raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
+                             f"{_scope(node.name)} on values the single-device step never "
+                             f"combines that way")
+        pick = next((c for c in cands if c not in self.used), cands[0])
+        self.used.add(pick)
+        return self.b.s.low.nodes[pick].outs
+
+    def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> str:
+        varying = [a for a in AXES if len({coords[r][a] for r in group}) > 1]
+        if len(varying) != 1:
+            raise LoweringError(f"rank {self.low.rank}: a collective over ranks {list(group)} "
+                                f"is not along one mesh axis")
+        return varying[0]
+
+    def step(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[LNode]:
+        """The nodes to emit for this node (additions may be deferred and
+        regrouped in the single-device order)."""
+        if node.op == "add" and (any(v in self.pending for v in node.ins)
+                                 or not self.aligns(node)):
+            leaves = []
+            for v in node.ins:
+                leaves += self.pending.pop(v, [v])
+            self.pending[node.outs[0]] = leaves
+            return []
+        emitted: list[LNode] = []
+        for v in node.ins:
+            if v in self.pending:
+                emitted += self.materialize(v)
+        self.one(node, coords)
+        return [*emitted, node]
+
+    def aligns(self, node: LNode) -> bool:
+        key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
+               _key_kwargs(node.kwargs))
+        return bool(self.b.s.by_key.get(key))
+
+    def materialize(self, v: int) -> list[LNode]:
+        leaves = self.pending.pop(v)
+        by_s: dict[int, list[int]] = {}
+        for p in leaves:
+            by_s.setdefault(self.sv[p], []).append(p)
+        s_leaves = []
+        for p in leaves:
+            sv = self.sv[p]
+            single = sv in self.b.s_leaves and self.b.s_uses.get(sv) == 1
+            s_leaves += self.b.s_leaves[sv] if single else [sv]
+        root = self.b.s_trees.get(tuple(sorted(s_leaves)))
+        if root is None:
+            raise AlignError(f"rank {self.low.rank} sums gradient terms the single-device step "
+                             f"never sums together")
+        out: list[LNode] = []
+
+        def emit(sv: int, target: int | None) -> int:
+            if by_s.get(sv):
+                return by_s[sv].pop()
+            node = self.b.s_add[sv]
+            a = emit(node.ins[0], None)
+            c = emit(node.ins[1], None)
+            if target is None:
+                target = self.fresh
+                self.fresh += 1
+                self.low.shapes[target] = self.low.shapes[a]
+            new = LNode("add", node.dir, [a, c], [target], {}, node.name)
+            self.one(new, {})
+            out.append(new)
+            return target
+
+        emit(root, v)
+        return out
+
+    def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        if node.group is not None or node.op == "split":
+            x = node.ins[0]
+            out = node.outs[0]
+            self.sv[out] = self.sv[x]
+            c = self.claim[x]
+            dims = [list(d) for d in c.dims]
+            partial = set(c.partial)
+            if node.op == "split":
+                dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
+            else:
+                axis = self.axis_of(node.group, coords)
+                if node.op == "all_reduce":
+                    partial.discard(axis)
+                elif node.op == "all_gather":
+                    d = dims[node.kwargs["dim"]]
+                    if axis in d:
+                        d.remove(axis)
+                elif node.op == "reduce_scatter":
+                    partial.discard(axis)
+                    dims[node.kwargs["dim"]].append(axis)
+            self.claim[out] = Claim(dims, frozenset(partial))
+            self.check(out)
+            return
+        souts = self.align(node)
+        for o, so in zip(node.outs, souts):
+            if o >= 0:
+                self.sv[o] = so
+        self.infer(node)
+
+    def infer(self, node: LNode) -> None:
+        ins = [v for v in node.ins]
+        shapes_in = [None if v < 0 else self.low.shapes[v] for v in ins]
+        outs = [o for o in node.outs]
+        partial: set[str] = set()
+        for v in ins:
+            if v >= 0:
+                partial |= self.claim[v].partial
+        if node.op in ("ones", "zeros"):
+            partial = set()
+        if node.dir == "bw":
+            self.infer_backward(node, partial)
+            return
+        shapes_out = [self.low.shapes[o] for o in outs]
+        rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
+        tied_in: set[tuple[int, int]] = set()
+        dims_out = [[None] * len(s) for s in shapes_out]
+        for r in rel:
+            if r[0] == "eq":
+                a, c = r[1], r[2]
+                if a[0] == "i":
+                    a, c = c, a
+                if a[0] == "o" and c[0] == "i":
+                    tied_in.add((c[1], c[2]))
+                    axes = self.claim[ins[c[1]]].dims[c[2]]
+                    if dims_out[a[1]][a[2]] is None or (axes and not dims_out[a[1]][a[2]]):
+                        dims_out[a[1]][a[2]] = list(axes)
+            elif r[0] == "mul":
+                target, factors = r[1], r[2]
+                if target[0] == "o":  # flatten: the output dim is the product
+                    axes = []
+                    for f in factors:
+                        tied_in.add((f[1], f[2]))
+                        axes += self.claim[ins[f[1]]].dims[f[2]]
+                    dims_out[target[1]][target[2]] = axes
+                else:  # unflatten: the input dim is the product of output dims
+                    tied_in.add((target[1], target[2]))
+                    axes = list(self.claim[ins[target[1]]].dims[target[2]])
+                    for f in factors:
+                        if f[0] != "o":
+                            continue
+                        o, d = f[1], f[2]
+                        full = self.b.s.low.shapes[self.sv[outs[o]]][d]
+                        if axes and self.low.shapes[outs[o]][d] < full:
+                            dims_out[o][d], axes = axes, []
+                        elif dims_out[o][d] is None:
+                            dims_out[o][d] = []
+        parent: dict[tuple, tuple] = {}
+
+        def find(x: tuple) -> tuple:
+            while parent.get(x, x) != x:
+                x = parent[x]
+            return x
+
+        for r in rel:
+            refs = [r[1], r[2]] if r[0] == "eq" else ([r[1], *r[2]] if r[0] == "mul" else [])
+            for x in refs[1:]:
+                parent[find(tuple(x))] = find(tuple(refs[0]))
+        reaches_out = {find(("o", o, d)) for o, sh in enumerate(shapes_out) for d in range(len(sh))}
+        for i, v in enumerate(ins):
+            if v < 0:
+                continue
+            for d, axes in enumerate(self.claim[v].dims):
+                if axes and find(("i", i, d)) not in reaches_out:
+                    partial |= set(axes)
+        for o, v in enumerate(outs):
+            full = self.gshape(v)
+            dims = [axes if axes is not None and self.extent(axes, full[d]) == self.low.shapes[v][d]
+                    else None for d, axes in enumerate(dims_out[o])]
+            for d, axes in enumerate(dims):
+                if axes is None:
+                    used = tuple(a for x in dims if x for a in x)
+                    dims[d] = self.guess(self.low.shapes[v][d], full[d], used,
+                                         (("dp",), ("tp",), ("dp", "tp")))
+            self.claim[v] = Claim(dims, frozenset(partial))
+            self.check(v)
+
+    def infer_backward(self, node: LNode, partial: set[str]) -> None:
+        grad = self.claim[node.ins[-1]]
+        for o in node.outs:
+            if o < 0:
+                continue
+            if node.op == "embedding":
+                tokens = self.claim[node.ins[0]]
+                dims = [list(tokens.dims[-1]), list(grad.dims[-1])]
+                extra = {a for d in grad.dims[:-1] for a in d}
+                self.claim[o] = Claim(dims, frozenset(partial | extra))
+            else:
+                self.claim[o] = Claim([list(d) for d in grad.dims], frozenset(partial))
+            self.check(o)
+
+    def extent(self, axes: list[str], full: int) -> int:
+        return full // math.prod(self.sizes[a] for a in axes)
+
+    def check(self, v: int) -> None:
+        full, local = self.gshape(v), self.low.shapes[v]
+        c = self.claim[v]
+        for d, axes in enumerate(c.dims):
+            if self.extent(axes, full[d]) != local[d]:
+                c.dims[d] = self.guess(local[d], full[d])
+
+    def view(self, v: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int]]:
+        c, local = self.claim[v], self.low.shapes[v]
+        coords = self.low.coords
+        slices = []
+        for d, axes in enumerate(c.dims):
+            index = 0
+            for a in axes:
+                index = index * self.sizes[a] + coords[a]
+            slices.append((index * local[d], (index + 1) * local[d]))
+        n, lo = 1, 0
+        for a in AXES:
+            if a in c.partial and self.sizes[a] > 1:
+                n *= self.sizes[a]
+                lo = lo * self.sizes[a] + coords[a]
+        return tuple(slices), (lo, lo + 1, n)
+
+
+def _order(ranks: list[Lowered]) -> list[tuple[int, int, int]]:
+    """(rank position, node index, collective number) in an order where every
+    collective runs after all its group members reached it."""
+    pos = [0] * len(ranks)
+    count: list[dict[tuple, int]] = [dict() for _ in ranks]
+    index = {low.rank: i for i, low in enumerate(ranks)}
+    out = []
+    while True:
+        progressed = False
+        for i, low in enumerate(ranks):
+            while pos[i] < len(low.nodes) and low.nodes[pos[i]].group is None:
+                out.append((i, pos[i], -1))
+                pos[i] += 1
+                progressed = True
+        waiting = [i for i, low in enumerate(ranks) if pos[i] < len(low.nodes)]
+        if not waiting:
+            return out
+        for i in waiting:
+            node = ranks[i].nodes[pos[i]]
+            k = count[i].get(node.group, 0)
+            members = [index[r] for r in node.group]
+            if all(pos[j] < len(ranks[j].nodes) and ranks[j].nodes[pos[j]].group == node.group
+                   and count[j].get(node.group, 0) == k for j in members):
+                for j in members:
+                    out.append((j, pos[j], k))
+                    pos[j] += 1
+                    count[j][node.group] = k + 1
+                progressed = True
+                break
+        if not progressed:
+            raise LoweringError("the ranks' collectives do not match in order within their groups")
+
+
+def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Plan, Plan]:
+    b = _Builder(single, world)
+    plan_s = b.build_single()
+    sizes = {"dp": world["dp"], "tp": world["tp"]}
+    coords = {low.rank: low.coords for low in ranks}
+    rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
+    plan_p = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
+                  grads=dict(plan_s.grads))
+    versions: dict[tuple[int, int, int], int] = {}
+    t_of: dict[tuple[int, int], int] = {}
+
+    def tensor(r: _Rank, v: int, mb: int, tid: int | None = None, lver: int = 0) -> int:
+        tid = b.s.tid[r.sv[v]] if tid is None else tid
+        key = (r.low.rank, mb, tid)
+        version = versions.get(key, 0)
+        versions[key] = version + 1
+        slices, parts = r.view(v)
+        plan_p.tensors.append(Tensor(r.low.rank, mb, tid, version, tuple(r.low.shapes[v]), lver,
+                                     slices, parts))
+        return len(plan_p.tensors) - 1
+
+    for r in rs.values():
+        for v, (kind, _) in r.low.inputs.items():
+            t_of[(r.low.rank, v)] = tensor(r, v, -1 if kind in ("param", "buffer") else 0)
+    def emit(r: _Rank, node: LNode, k: int) -> None:
+        low = r.low
+        for o in node.outs:
+            if o >= 0:
+                t_of[(low.rank, o)] = tensor(r, o, 0)
+        if node.group is None:
+            ins = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.ins)
+            kwargs = dict(node.kwargs)
+        else:
+            ins = tuple(t_of[(q, rs[q].low.nodes[_nth(rs[q].low, node.group, k)].ins[0])]
+                        for q in node.group)
+            kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
+        outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
+        plan_p.nodes.append(Node(low.rank, 0, node.op, node.dir, ins, outs, kwargs,
+                                 _scope(node.name)))
+
+    for i, n, k in _order(ranks):
+        low = ranks[i]
+        r = rs[low.rank]
+        node = low.nodes[n]
+        if node.group is not None:
+            for q in node.group:
+                peer = rs[q]
+                x = peer.low.nodes[_nth(peer.low, node.group, k)].ins[0]
+                if x in peer.pending:
+                    for extra in peer.materialize(x):
+                        emit(peer, extra, -1)
+        for out in r.step(node, coords):
+            emit(r, out, k)
+    for r in rs.values():
+        for name in list(r.low.grads):
+            g = r.low.grads[name]
+            if g in r.pending:
+                for node in r.materialize(g):
+                    emit(r, node, -1)
+        if r.low.loss in r.pending:
+            for node in r.materialize(r.low.loss):
+                emit(r, node, -1)
+    for r in rs.values():
+        for name, buf in b.gradbuf.items():
+            g = r.low.grads.get(name)
+            param = next(v for v, (kind, n) in r.low.inputs.items() if n == name)
+            if g is None:
+                raise LoweringError(f"rank {r.low.rank} ends with no gradient for {name}")
+            rank = r.low.rank
+            zero_claim = r.claim[param]
+            r.claim[-1 - buf] = Claim([list(d) for d in zero_claim.dims])
+            r.sv[-1 - buf] = r.sv[param]
+            r.low.shapes[-1 - buf] = r.low.shapes[param]
+            zero = tensor(r, -1 - buf, -1, buf, 0)
+            plan_p.nodes.append(Node(rank, -1, "zeros", "none", (), (zero,),
+                                     {"shape": list(r.low.shapes[param])}, f"{name}.grad_buffer"))
+            final = tensor(r, g, 0, buf, 1)
+            plan_p.nodes.append(Node(rank, 0, "local_grad_accumulation", "none",
+                                     (zero, t_of[(rank, g)]), (final,), {}, f"{name}.grad_buffer"))
+    return plan_s, plan_p
+
+
+def _nth(low: Lowered, group: tuple[int, ...], k: int) -> int:
+    seen = 0
+    for i, node in enumerate(low.nodes):
+        if node.group == group:
+            if seen == k:
+                return i
+            seen += 1
+    raise LoweringError(f"rank {low.rank} has no collective {k} in group {list(group)}")

@@ -1,0 +1,647 @@
+"""Lower one rank's recorded aten ops onto operators of the rule table.
+
+Each recorded op becomes zero or more nodes (``LNode``) on local values.
+Ops that only rename a value (same-shape views, clone, detach, copy_) make
+no node. The layout moves DTensor wraps around a collective (an all-gather
+along dim 0 followed by split and cat along dim d; split along d and cat
+along 0 before a reduce-scatter) are folded into one collective along d,
+so that every value stays a slice of some single-device value. Only ops
+the loss and the final gradients depend on are lowered; an op with no
+lowering stops the run with one line naming it (``LoweringError``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class LoweringError(ValueError):
+    """An op the backend cannot lower: bad input, exit 2."""
+
+
+@dataclass
+class LNode:
+    op: str
+    dir: str
+    ins: list[int]
+    outs: list[int]
+    kwargs: dict[str, Any]
+    name: str
+    group: tuple[int, ...] | None = None
+
+
+@dataclass
+class Lowered:
+    rank: int
+    coords: dict[str, int]
+    shapes: dict[int, tuple[int, ...]]
+    nodes: list[LNode]
+    inputs: dict[int, tuple[str, str]]  # value -> (kind, name)
+    axes: dict[int, list[list[str]]]  # input value -> mesh axes per dim
+    loss: int
+    grads: dict[str, int | None]
+    tokens_value: int = -1
+
+
+@dataclass
+class _Gathered:
+    x: int
+    group: tuple[int, ...]
+
+
+@dataclass
+class _Piece:
+    of: Any  # a value id or a _Gathered
+    dim: int
+    index: int
+    parts: int
+
+
+@dataclass
+class _Stacked:
+    x: int
+    dim: int
+    parts: int
+
+
+@dataclass
+class _Flat:
+    """x with its first k dims merged (torch.matmul's batch folding), not yet emitted."""
+    x: int
+    k: int
+
+
+@dataclass
+class _Packed:
+    """FSDP's flat all-gather buffer: each rank's flat parameter shards,
+    concatenated; ``group`` once all-gathered."""
+    parts: list[int]
+    group: tuple[int, ...] | None = None
+
+
+@dataclass
+class _ChunkCat:
+    """FSDP's flat reduce-scatter buffer: each gradient cut in ``chunks``
+    along dim 0, chunk i of every gradient in row i; ``group`` once reduced."""
+    grads: list[int]
+    chunks: int
+    group: tuple[int, ...] | None = None
+    divide: float = 1.0
+
+
+@dataclass
+class _As:
+    """Value x seen with another shape, not yet emitted as a reshape."""
+    x: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Lowerer:
+    trace: dict
+    vocab: int
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    nodes: list[LNode] = field(default_factory=list)
+    env: dict[int, Any] = field(default_factory=dict)
+    softmax_in: dict[int, int] = field(default_factory=dict)
+    next_id: int = 0
+    name: str = ""
+    tokens: int = -1
+    flat_of: dict[int, int] = field(default_factory=dict)
+
+    # -- values -------------------------------------------------------------
+    def new(self, shape) -> int:
+        v = self.next_id
+        self.next_id += 1
+        self.shapes[v] = tuple(shape)
+        return v
+
+    def emit(self, op: str, ins: list[int], out_shapes: list, kwargs: dict | None = None,
+             direction: str = "fw", group=None) -> list[int]:
+        outs = [self.new(s) for s in out_shapes]
+        self.nodes.append(LNode(op, direction, ins, outs, kwargs or {}, self.name, group))
+        return outs
+
+    def val(self, a: Any) -> int:
+        """The lowered value of a recorded argument, materializing pending layouts."""
+        if not (isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"):
+            raise LoweringError(f"{self.name}: expected a tensor, got {a!r}")
+        x = self.env.get(a[1])
+        if x is None:
+            raise LoweringError(f"{self.name}: reads a tensor that no recorded op produced")
+        return self.materialize(x)
+
+    def materialize(self, x: Any) -> int:
+        if isinstance(x, int):
+            return x
+        if isinstance(x, _Gathered):
+            shape = list(self.shapes[x.x])
+            shape[0] *= len(x.group)
+            return self.emit("all_gather", [x.x], [shape], {"dim": 0}, group=x.group)[0]
+        if isinstance(x, _As):
+            return self.materialize(_view_to(self, x.x, x.shape))
+        if isinstance(x, _Flat):
+            shape = list(self.shapes[x.x])
+            merged = [math.prod(shape[:x.k])] + shape[x.k:]
+            return self.emit("flatten", [x.x], [merged], {"start": 0, "end": x.k - 1})[0]
+        if isinstance(x, _Piece):
+            src = self.materialize(x.of)
+            shape = list(self.shapes[src])
+            shape[x.dim] //= x.parts
+            return self.emit("split", [src], [shape],
+                             {"dim": x.dim, "parts": x.parts, "index": x.index})[0]
+        raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
+
+    def const(self, a: Any) -> float | None:
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return float(a)
+        if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
+            return self.trace["consts"].get(a[1])
+        return None
+
+    # -- the walk -----------------------------------------------------------
+    def run(self, live: set[int]) -> None:
+        for i, (op, (args, kwargs), outs, out_shapes, scope, group) in enumerate(self.trace["events"]):
+            if i not in live:
+                continue
+            self.name = scope
+            handler = HANDLERS.get(op)
+            if handler is None:
+                raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
+                                    f"onto the rule table")
+            result = handler(self, args, kwargs, out_shapes, group)
+            if not isinstance(result, list):
+                result = [result]
+            for v, r in zip(outs, result):
+                self.env[v] = r
+
+
+def _tensor_args(args: Any) -> list[int]:
+    out = []
+    if isinstance(args, (list, tuple)):
+        if len(args) == 2 and args[0] == "v" and isinstance(args[1], int):
+            return [args[1]]
+        for a in args:
+            out.extend(_tensor_args(a))
+    elif isinstance(args, dict):
+        for a in args.values():
+            out.extend(_tensor_args(a))
+    return out
+
+
+def live_events(trace: dict) -> set[int]:
+    """Events the loss and the final gradients depend on."""
+    need = {trace["loss"]} | {g for g in trace["grads"].values() if g is not None}
+    live = set()
+    for i in range(len(trace["events"]) - 1, -1, -1):
+        op, (args, kwargs), outs = trace["events"][i][:3]
+        if not need.intersection(outs):
+            continue
+        live.add(i)
+        if op == "aten.copy_.default":
+            need.update(_tensor_args(args[1]))
+        else:
+            need.update(_tensor_args([args, kwargs]))
+    return live
+
+
+# -- handlers ------------------------------------------------------------------
+
+def _binary(tensor_op: str, scalar_op: str):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        a, b = args[0], args[1]
+        if kwargs.get("alpha", 1) != 1:
+            raise LoweringError(f"{lw.name}: {tensor_op} with alpha is not lowered")
+        cb = lw.const(b)
+        if cb is not None:
+            return lw.emit(scalar_op, [lw.val(a)], shapes, {"value": cb})[0]
+        ca = lw.const(a)
+        if ca is not None:
+            return lw.emit(scalar_op, [lw.val(b)], shapes, {"value": ca})[0]
+        return lw.emit(tensor_op, [lw.val(a), lw.val(b)], shapes)[0]
+    return lower
+
+
+def _scalar(op: str):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        value = lw.const(args[1])
+        if value is None:
+            raise LoweringError(f"{lw.name}: {op} by a tensor is not lowered")
+        buf = lw.env.get(args[0][1])
+        if op == "div" and isinstance(buf, _ChunkCat):
+            return _ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value)
+        return lw.emit(op, [lw.val(args[0])], shapes, {"value": value})[0]
+    return lower
+
+
+def _unary(op: str):
+    return lambda lw, args, kwargs, shapes, group: lw.emit(op, [lw.val(args[0])], shapes)[0]
+
+
+def _pow(lw: _Lowerer, args, kwargs, shapes, group):
+    return lw.emit("pow", [lw.val(args[0])], shapes, {"exponent": float(args[1])})[0]
+
+
+def _softmax(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.val(args[0])
+    out = lw.emit("softmax", [x], shapes, {"dim": int(args[1])})[0]
+    lw.softmax_in[out] = x
+    return out
+
+
+def _softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    out = lw.val(args[1])
+    if out not in lw.softmax_in:
+        raise LoweringError(f"{lw.name}: softmax backward of a value no softmax produced")
+    return lw.emit("softmax", [lw.softmax_in[out], lw.val(args[0])], shapes,
+                   {"dim": int(args[2])}, direction="bw")[0]
+
+
+def _silu_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    return lw.emit("silu", [lw.val(args[1]), lw.val(args[0])], shapes, direction="bw")[0]
+
+
+def _reduce(op: str):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        if isinstance(dim, list) and not dim:
+            dim = None
+        return lw.emit(op, [lw.val(args[0])], shapes, {"dim": dim, "keepdim": keepdim})[0]
+    return lower
+
+
+def _matmul(lw: _Lowerer, args, kwargs, shapes, group):
+    a, b = lw.env.get(args[0][1]), lw.env.get(args[1][1])
+    if isinstance(a, _Flat) and isinstance(b, _Flat) and a.k == b.k:
+        lead = lw.shapes[a.x][:a.k]
+        out = lw.emit("matmul", [a.x, b.x], [(*lead, *shapes[0][1:])])[0]
+        return _Flat(out, a.k)
+    return lw.emit("matmul", [lw.val(args[0]), lw.val(args[1])], shapes)[0]
+
+
+def _copy_in(lw: _Lowerer, args, kwargs, shapes, group):
+    parts = [lw.val(a) for a in args[0]]
+    parts = [lw.flat_of.get(p, p) for p in parts]
+    if any(lw.shapes[p][0] * len(lw.shapes[p]) == 0 for p in parts):
+        raise LoweringError(f"{lw.name}: FSDP copy-in of a shard that is not flat")
+    packed = _Packed(parts)
+    return [packed, packed]
+
+
+def _pg(lw: _Lowerer, a: Any) -> tuple[int, ...]:
+    if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "pg":
+        return tuple(a[1])
+    raise LoweringError(f"{lw.name}: a c10d collective without a process group")
+
+
+def _allgather_base(lw: _Lowerer, args, kwargs, shapes, group):
+    packed = lw.env.get(args[1][1])
+    if not isinstance(packed, _Packed):
+        raise LoweringError(f"{lw.name}: all-gather of a buffer FSDP's copy-in did not fill")
+    return _Packed(packed.parts, _pg(lw, args[2]))
+
+
+def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
+    packed = lw.env.get(args[0][1])
+    if not isinstance(packed, _Packed) or packed.group is None:
+        raise LoweringError(f"{lw.name}: FSDP copy-out of a buffer that was not all-gathered")
+    n = len(packed.group)
+    outs = []
+    for p, shape in zip(packed.parts, shapes):
+        full = (lw.shapes[p][0] * n, *lw.shapes[p][1:])
+        x = lw.emit("all_gather", [p], [full], {"dim": 0}, group=packed.group)[0]
+        outs.append(_As(x, tuple(shape)))
+    return outs
+
+
+def _chunk_cat(lw: _Lowerer, args, kwargs, shapes, group):
+    grads = [lw.val(a) for a in args[0]]
+    if int(args[1]) != 0:
+        raise LoweringError(f"{lw.name}: chunk_cat along dim {args[1]} is not lowered")
+    return _ChunkCat(grads, int(args[2]))
+
+
+def _reduce_scatter_base(lw: _Lowerer, args, kwargs, shapes, group):
+    buf = lw.env.get(args[1][1])
+    if not isinstance(buf, _ChunkCat):
+        raise LoweringError(f"{lw.name}: reduce-scatter of a buffer chunk_cat did not fill")
+    op = args[3]
+    if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
+        raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
+    g = _pg(lw, args[2])
+    if len(g) != buf.chunks:
+        raise LoweringError(f"{lw.name}: reduce-scatter of {buf.chunks} chunks over {len(g)} ranks")
+    return _ChunkCat(buf.grads, buf.chunks, g, buf.divide * (float(buf.chunks) if op[1] == 1 else 1.0))
+
+
+def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
+    src = lw.env.get(args[0][1])
+    size, stride = list(args[1]), list(args[2])
+    offset = int(args[3]) if len(args) > 3 and args[3] is not None else 0
+    contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
+    if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
+        raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
+    if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
+        return src.x
+    if isinstance(src, _ChunkCat) and src.group is not None:
+        at = 0
+        for g in src.grads:
+            numel = math.prod(lw.shapes[g]) // src.chunks
+            if at == offset and numel == math.prod(size):
+                shape = list(lw.shapes[g])
+                shape[0] //= src.chunks
+                x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
+                if src.divide != 1.0:
+                    x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
+                return _view_to(lw, x, tuple(size))
+            at += numel
+        raise LoweringError(f"{lw.name}: a view of FSDP's reduce-scatter output at offset "
+                            f"{offset} is not one gradient's shard")
+    x = lw.val(args[0])
+    if offset != 0 or math.prod(size) != math.prod(lw.shapes[x]):
+        raise LoweringError(f"{lw.name}: as_strided at offset {offset} is not lowered")
+    return _view_to(lw, x, tuple(size))
+
+
+def _t(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.val(args[0])
+    if len(lw.shapes[x]) < 2:
+        return x
+    return lw.emit("transpose", [x], shapes, {"dim0": 0, "dim1": 1})[0]
+
+
+def _transpose(lw: _Lowerer, args, kwargs, shapes, group):
+    f = lw.env.get(args[0][1])
+    if isinstance(f, _Flat) and int(args[1]) % 3 and int(args[2]) % 3 and len(shapes[0]) == 3:
+        d0, d1 = int(args[1]) % 3 + f.k - 1, int(args[2]) % 3 + f.k - 1
+        shape = list(lw.shapes[f.x])
+        shape[d0], shape[d1] = shape[d1], shape[d0]
+        return _Flat(lw.emit("transpose", [f.x], [shape], {"dim0": d0, "dim1": d1})[0], f.k)
+    x = lw.val(args[0])
+    nd = len(lw.shapes[x])
+    d0, d1 = int(args[1]) % nd, int(args[2]) % nd
+    if d0 == d1:
+        return x
+    return lw.emit("transpose", [x], shapes, {"dim0": d0, "dim1": d1})[0]
+
+
+def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        if i == len(src) or j == len(dst):
+            return []
+        gi, gj, pi, pj = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while pi != pj or (i < len(src) and src[i] == 1 and j == len(dst)) \
+                or (j < len(dst) and dst[j] == 1 and i == len(src)):
+            if pi <= pj and i < len(src):
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            elif j < len(dst):
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+            else:
+                return []
+        groups.append((gi, gj))
+    return groups
+
+
+def _view(lw: _Lowerer, args, kwargs, shapes, group):
+    f = lw.env.get(args[0][1])
+    dst = tuple(shapes[0])
+    if isinstance(f, (_Flat, _As)) and lw.shapes[f.x] == dst:
+        return f.x
+    if isinstance(f, _As):
+        return _As(f.x, dst)
+    if isinstance(f, (_Packed, _ChunkCat)) or f == "empty":
+        return f
+    return _view_to(lw, lw.val(args[0]), dst)
+
+
+def _view_to(lw: _Lowerer, x: int, dst: tuple[int, ...]) -> int | _Flat:
+    src = lw.shapes[x]
+    if src == dst:
+        return x
+    groups = _reshape_groups(src, dst)
+    if groups and len(groups[0][0]) > 1 and len(groups[0][1]) == 1 and len(src) > 3 \
+            and all(len(gi) == 1 and len(gj) == 1 for gi, gj in groups[1:]):
+        return _Flat(x, len(groups[0][0]))
+    if not groups:
+        raise LoweringError(f"{lw.name}: reshape {list(src)} -> {list(dst)} is not lowered")
+    if len(dst) == 1 and len(src) > 1:
+        out = lw.emit("flatten", [x], [dst], {"start": 0, "end": len(src) - 1})[0]
+        lw.flat_of[out] = x
+        return out
+    pos = 0
+    cur = x
+    for gi, gj in groups:
+        shape = list(lw.shapes[cur])
+        if len(gi) > 1:
+            merged = shape[:pos] + [math.prod(shape[pos:pos + len(gi)])] + shape[pos + len(gi):]
+            cur = lw.emit("flatten", [cur], [merged], {"start": pos, "end": pos + len(gi) - 1})[0]
+            shape = merged
+        if len(gj) > 1:
+            sizes = [dst[j] for j in gj]
+            split = shape[:pos] + sizes + shape[pos + 1:]
+            cur = lw.emit("unflatten", [cur], [split], {"dim": pos, "sizes": sizes})[0]
+        pos += len(gj)
+    return cur
+
+
+def _expand(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.val(args[0])
+    if lw.shapes[x] == tuple(shapes[0]):
+        return x
+    return lw.emit("expand", [x], shapes, {"shape": list(shapes[0])})[0]
+
+
+def _constant(op: str):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        return lw.emit(op, [], shapes, {"shape": list(shapes[0])}, direction="none")[0]
+    return lower
+
+
+def _is_causal(lw: _Lowerer, mask: Any) -> bool:
+    if not (isinstance(mask, (list, tuple)) and len(mask) == 2 and mask[0] == "v"):
+        return False
+    return lw.env.get(mask[1]) == "causal"
+
+
+def _masked_fill(lw: _Lowerer, args, kwargs, shapes, group):
+    x, mask, value = args[0], args[1], args[2]
+    if not _is_causal(lw, mask):
+        raise LoweringError(f"{lw.name}: masked_fill with a mask other than a causal "
+                            f"triu(1) buffer is not lowered")
+    if value == float("-inf"):
+        return lw.emit("causal_mask", [lw.val(x)], shapes)[0]
+    if value == 0:
+        return lw.emit("causal_mask", [-1, lw.val(x)], shapes, direction="bw")[0]
+    raise LoweringError(f"{lw.name}: masked_fill with value {value} is not lowered")
+
+
+def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
+    w, ids = args[0], args[1]
+    if lw.env.get(ids[1]) != "tokens":
+        raise LoweringError(f"{lw.name}: embedding of ids other than the batch is not lowered")
+    return lw.emit("embedding", [lw.tokens, lw.val(w)], shapes)[0]
+
+
+def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    g, ids = args[0], args[1]
+    if lw.env.get(ids[1]) != "tokens":
+        raise LoweringError(f"{lw.name}: embedding backward of ids other than the batch")
+    out = lw.new(shapes[0])
+    lw.nodes.append(LNode("embedding", "bw", [lw.tokens, -1, lw.val(g)], [-1, out], {}, lw.name))
+    return out
+
+
+def _copy(lw: _Lowerer, args, kwargs, shapes, group):
+    return lw.val(args[1])
+
+
+def _all_reduce(lw: _Lowerer, args, kwargs, shapes, group):
+    if args[1] != "sum":
+        raise LoweringError(f"{lw.name}: all_reduce with op {args[1]} is not lowered")
+    return lw.emit("all_reduce", [lw.val(args[0])], shapes, group=group)[0]
+
+
+def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
+    return _Gathered(lw.val(args[0]), group)
+
+
+def _reduce_scatter(lw: _Lowerer, args, kwargs, shapes, group):
+    if args[1] != "sum":
+        raise LoweringError(f"{lw.name}: reduce_scatter with op {args[1]} is not lowered")
+    x = lw.env.get(args[0][1])
+    if isinstance(x, _Stacked):
+        if x.parts != len(group):
+            raise LoweringError(f"{lw.name}: reduce_scatter of a buffer split {x.parts} ways "
+                                f"over a group of {len(group)}")
+        src, dim = x.x, x.dim
+    else:
+        src, dim = lw.val(args[0]), 0
+    return lw.emit("reduce_scatter", [src], shapes, {"dim": dim}, group=group)[0]
+
+
+def _split(lw: _Lowerer, args, kwargs, shapes, group):
+    src = lw.env.get(args[0][1])
+    dim = int(args[2]) if len(args) > 2 else int(kwargs.get("dim", 0))
+    n = len(shapes)
+    if len({tuple(s) for s in shapes}) != 1:
+        raise LoweringError(f"{lw.name}: split into unequal pieces is not lowered")
+    if isinstance(src, _Gathered) and dim == 0 and n == len(src.group):
+        return [_Piece(src, 0, i, n) for i in range(n)]
+    x = lw.val(args[0])
+    return [_Piece(x, dim % len(lw.shapes[x]), i, n) for i in range(n)]
+
+
+def _cat(lw: _Lowerer, args, kwargs, shapes, group):
+    items = [lw.env.get(a[1]) for a in args[0]]
+    dim = int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))
+    first = items[0]
+    if all(isinstance(p, _Piece) for p in items) and [p.index for p in items] == list(range(len(items))) \
+            and all(p.of is first.of for p in items) and len(items) == first.parts:
+        if isinstance(first.of, _Gathered):
+            g = first.of
+            return lw.emit("all_gather", [g.x], shapes, {"dim": dim % len(shapes[0])},
+                           group=g.group)[0]
+        if dim == 0:
+            return _Stacked(first.of, first.dim, first.parts)
+        if dim % len(shapes[0]) == first.dim:
+            return first.of
+    raise LoweringError(f"{lw.name}: cat of these tensors is not lowered")
+
+
+HANDLERS: dict[str, Any] = {
+    "unknown": lambda lw, args, kwargs, shapes, group: None,
+    "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
+    "fsdp.all_gather_copy_in.default": _copy_in,
+    "c10d._allgather_base_.default": _allgather_base,
+    "fsdp.split_with_sizes_copy.default": _split_copy,
+    "fsdp.chunk_cat.default": _chunk_cat,
+    "c10d._reduce_scatter_base_.default": _reduce_scatter_base,
+    "aten.as_strided.default": _as_strided,
+    "aten.div_.Scalar": _scalar("div"),
+    "aten.div_.Tensor": _scalar("div"),
+    "aten.add.Tensor": _binary("add", "add_scalar"),
+    "aten.mul.Tensor": _binary("mul", "mul_scalar"),
+    "aten.mul.Scalar": _scalar("mul_scalar"),
+    "aten.div.Scalar": _scalar("div"),
+    "aten.div.Tensor": _scalar("div"),
+    "aten.pow.Tensor_Scalar": _pow,
+    "aten.rsqrt.default": _unary("rsqrt"),
+    "aten.silu.default": _unary("silu"),
+    "aten.silu_backward.default": _silu_bw,
+    "aten._softmax.default": _softmax,
+    "aten._softmax_backward_data.default": _softmax_bw,
+    "aten.mean.dim": _reduce("mean"),
+    "aten.sum.dim_IntList": _reduce("sum"),
+    "aten.sum.default": _reduce("sum"),
+    "aten.mm.default": _matmul,
+    "aten.bmm.default": _matmul,
+    "aten.t.default": _t,
+    "aten.transpose.int": _transpose,
+    "aten.view.default": _view,
+    "aten._unsafe_view.default": _view,
+    "aten.reshape.default": _view,
+    "aten.expand.default": _expand,
+    "aten.ones_like.default": _constant("ones"),
+    "aten.zeros_like.default": _constant("zeros"),
+    "aten.masked_fill.Scalar": _masked_fill,
+    "aten.embedding.default": _embedding,
+    "aten.embedding_dense_backward.default": _embedding_bw,
+    "aten.copy_.default": _copy,
+    "_c10d_functional.all_reduce.default": _all_reduce,
+    "_c10d_functional.all_gather_into_tensor.default": _all_gather,
+    "_c10d_functional.reduce_scatter_tensor.default": _reduce_scatter,
+    "aten.split.Tensor": _split,
+    "aten.cat.default": _cat,
+}
+
+
+def lower_trace(trace: dict, vocab: int) -> Lowered:
+    """Lower one rank's trace (``backends.torch.rank.run``'s result)."""
+    lw = _Lowerer(trace, vocab)
+    lw.next_id = len(trace["shapes"])
+    inputs: dict[int, tuple[str, str]] = {}
+    axes: dict[int, list[list[str]]] = {}
+    for name, (v, _, dims) in trace["params"].items():
+        lw.env[v] = v
+        lw.shapes[v] = tuple(trace["shapes"][v])
+        inputs[v] = ("param", name)
+        axes[v] = dims
+    for name, (v, shape, what) in trace["buffers"].items():
+        if what == "causal":
+            lw.env[v] = "causal"
+            continue
+        lw.env[v] = v
+        lw.shapes[v] = tuple(shape)
+        inputs[v] = ("buffer", name)
+        axes[v] = [[] for _ in shape]
+    data, ids_shape = trace["data"]
+    lw.env[data] = "tokens"
+    lw.tokens = lw.new((*ids_shape, vocab))
+    inputs[lw.tokens] = ("tokens", "tokens")
+    axes[lw.tokens] = [["dp"]] + [[] for _ in ids_shape]
+    lw.run(live_events(trace))
+    loss = lw.materialize(lw.env[trace["loss"]])
+    grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}
+    return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, loss, grads),
+                   inputs, axes, loss, grads, lw.tokens)
+
+
+def _used(nodes: list[LNode], loss: int, grads: dict[str, int | None]) -> list[LNode]:
+    """The nodes the loss and the gradients depend on (collectives always stay:
+    their peers on other ranks are matched by order)."""
+    need = {loss} | {g for g in grads.values() if g is not None}
+    keep = []
+    for node in reversed(nodes):
+        if node.group is not None or need.intersection(node.outs):
+            keep.append(node)
+            need.update(v for v in node.ins if v >= 0)
+    return keep[::-1]

@@ -1,0 +1,111 @@
+"""One rank's training step, recorded: ``python -m backends.torch.rank SPEC RANK OUT``.
+
+SPEC is a JSON file (``backends.torch.trace.TraceSpec``). The rank joins a
+fake process group of the spec's world (collectives run no communication
+and return garbage; only the structure of what runs is used), builds the
+model in float64 with the spec's seed, applies the recipe, runs forward and
+backward on its data-parallel slice of the batch and the recipe's
+``after_backward``, and pickles plain data to OUT.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pickle
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.module_tracker import ModuleTracker
+
+from backends.torch.record import Recorder, dims_axes, local_of
+
+
+def load(ref: str) -> Any:
+    """``package.module:name`` -> the object."""
+    module, _, name = ref.partition(":")
+    if not name:
+        raise ValueError(f"'{ref}' is not of the form package.module:name")
+    return getattr(importlib.import_module(module), name)
+
+
+def run(spec: dict, rank: int) -> dict:
+    world = spec["dp"] * spec["tp"] * spec["pp"]
+    mesh = None
+    if spec["parallel"]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        mesh = init_device_mesh("cpu", (spec["dp"], spec["tp"]), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(spec["seed"])
+    model = load(spec["model"])(**spec["model_kwargs"]).to(torch.float64)
+    after = None
+    if spec["parallel"]:
+        after = load(spec["recipe"])(model, mesh)
+    coords = {"dp": 0, "tp": 0}
+    if mesh is not None:
+        coords = {n: mesh[n].get_local_rank() for n in ("dp", "tp")}
+    gen = torch.Generator().manual_seed(spec["seed"])
+    tokens = torch.randint(0, spec["vocab"], (spec["batch"], spec["seqlen"]), generator=gen)
+    local_batch = spec["batch"] // spec["dp"] if spec["parallel"] else spec["batch"]
+    tokens = tokens[coords["dp"] * local_batch:(coords["dp"] + 1) * local_batch].clone()
+
+    tracker = ModuleTracker()
+    rec = Recorder(tracker)
+    params = {}
+    for name, p in model.named_parameters():
+        params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p))
+        rec.register_storage(local_of(p), params[name][0])
+    buffers = {}
+    for name, b in model.named_buffers():
+        causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
+                  and bool((b == torch.ones_like(b).triu(1)).all()))
+        buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
+    data = rec.new_value(tokens)
+    with tracker, rec:
+        loss = model(tokens)
+        loss.backward()
+        if after is not None:
+            after(model, mesh)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name] = None if g is None else rec.value(local_of(g))
+    return {
+        "rank": rank, "coords": coords, "events": rec.events, "shapes": rec.shapes,
+        "consts": rec.consts, "params": params, "buffers": buffers,
+        "data": (data, tuple(tokens.shape)), "loss": rec.value(local_of(loss)), "grads": grads,
+    }
+
+
+def run_isolated(spec: dict, rank: int) -> dict | str:
+    """``run`` in a pool worker of its own: the trace, or the last line of the
+    error (a rank runs once per process: re-initializing fails)."""
+    import traceback
+    import warnings
+    warnings.filterwarnings("ignore")
+    try:
+        return run(spec, rank)
+    except Exception:  # any failure of the user's model or recipe: reported, one line
+        lines = [ln for ln in traceback.format_exc().strip().splitlines() if ln.strip()]
+        return lines[-1]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    spec_path, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = run(spec, rank)
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Record what one rank executes in one training step: its local aten ops and
+its collectives, as plain data.
+
+Runs inside the rank's own process (``backends.torch.rank``). A
+TorchDispatchMode sees every op: ops on DTensors and on collective wrapper
+tensors are handed on (``NotImplemented``) so that the local ops they run
+are seen instead; ops on fake tensors (DTensor's shape inference) are run
+and not recorded. Tensors are known by identity; the registry holds weak
+references only, so recording does not change when autograd frees or
+accumulates a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
+
+#: ops whose output is the input value itself (no computation).
+ALIASES = {
+    "aten.detach.default", "aten.alias.default", "aten.clone.default",
+    "aten.lift_fresh.default", "aten.contiguous.default",
+    "_c10d_functional.wait_tensor.default", "_c10d_functional._wrap_tensor_autograd.default",
+}
+
+
+class Recorder(TorchDispatchMode):
+    """Records events ``(op, args, outputs, shapes, scope, group)``.
+
+    ``args`` mirrors the op's positional and keyword arguments with each
+    tensor replaced by ``("v", value id)``; ``outputs`` are value ids.
+    """
+
+    def __init__(self, tracker: ModuleTracker):
+        super().__init__()
+        self.tracker = tracker
+        self.refs: dict[int, tuple[int, weakref.ref]] = {}
+        self.shapes: list[tuple[int, ...]] = []
+        self.events: list[tuple] = []
+        self.consts: dict[int, Any] = {}
+        self.storages: dict[tuple[int, int, int], int] = {}
+
+    # -- values ---------------------------------------------------------------
+    def new_value(self, t: torch.Tensor) -> int:
+        v = len(self.shapes)
+        self.shapes.append(tuple(t.shape))
+        self.bind(t, v)
+        return v
+
+    def bind(self, t: torch.Tensor, v: int) -> None:
+        self.refs[id(t)] = (v, weakref.ref(t))
+
+    def value(self, t: torch.Tensor) -> int | None:
+        entry = self.refs.get(id(t))
+        if entry is None or entry[1]() is not t:
+            return None
+        return entry[0]
+
+    def arg(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            v = self.value(a)
+            if v is None and a.numel() > 0:
+                v = self.storage_view(a)
+            if v is None:
+                v = self.new_value(a)
+                if a.numel() <= 1 and a.dtype.is_floating_point:
+                    self.consts[v] = float(a.item()) if a.numel() else 0.0
+                self.events.append(("unknown", [[], {}], [v], [tuple(a.shape)], self.scope(), None))
+            return ("v", v)
+        if isinstance(a, (list, tuple)):
+            return [self.arg(x) for x in a]
+        if isinstance(a, (bool, int, float, str)) or a is None:
+            return a
+        if isinstance(a, torch.dtype):
+            return str(a)
+        if isinstance(a, torch.distributed.ProcessGroup):
+            return ("pg", group_ranks(a))
+        if isinstance(a, torch.ScriptObject):
+            kind = a._type().qualified_name()
+            if kind.endswith("c10d.ProcessGroup"):
+                return ("pg", group_ranks(torch.distributed.ProcessGroup.unbox(a)))
+            if kind.endswith("c10d.ReduceOp"):
+                return ("redop", int(a.op()))
+            return "script-object"
+        return repr(a)
+
+    def register_storage(self, t: torch.Tensor, v: int) -> None:
+        """Remember a parameter's storage: FSDP reads it through other tensor
+        objects (flat views of the same memory)."""
+        self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())] = v
+
+    def storage_view(self, t: torch.Tensor) -> int | None:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        src = self.storages.get(key)
+        if src is None or not t.is_contiguous():
+            return None
+        v = self.new_value(t)
+        self.events.append(("aten.view.default", [[("v", src), list(t.shape)], {}], [v],
+                            [tuple(t.shape)], self.scope(), None))
+        return v
+
+    def scope(self) -> str:
+        names = sorted(p for p in self.tracker.parents if p != "Global")
+        name = max(names, key=len) if names else ""
+        return ("bw:" if self.tracker.is_bw else "") + name
+
+    # -- dispatch -------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if any(isinstance(a, FakeTensor) for a in tensors):
+            return func(*args, **kwargs)
+        if any(isinstance(a, DTensor) or (type(a) is not torch.Tensor
+                                          and type(a) is not torch.nn.Parameter)
+               for a in tensors):
+            return NotImplemented
+        name = str(func)
+        in_args = [self.arg(a) for a in args]
+        in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if "out" in kwargs and not outs:
+            outs = [o for o in tree_flatten(kwargs["out"])[0] if isinstance(o, torch.Tensor)]
+        group = None
+        if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
+            group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))
+        if name in ALIASES and len(outs) == 1 and in_args and in_args[0][0] == "v":
+            self.bind(outs[0], in_args[0][1])
+            return out
+        ids = [self.new_value(o) for o in outs]
+        if name == "aten.as_strided.default":
+            for o, v in zip(outs, ids):
+                self.register_storage(o, v)
+        self.events.append((name, [in_args, in_kwargs], ids, [tuple(o.shape) for o in outs],
+                            self.scope(), group))
+        for o, v in zip(outs, ids):
+            base = o._base
+            if base is not None and base.numel() == o.numel() and self.value(base) is not None:
+                # a write through a view of a whole buffer writes the buffer
+                b = self.new_value(base)
+                self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
+                                    [b], [tuple(base.shape)], self.scope(), None))
+        return out
+
+
+def group_from_name(name: str) -> tuple[int, ...]:
+    from torch._C._distributed_c10d import _resolve_process_group
+    return group_ranks(_resolve_process_group(name))
+
+
+def group_ranks(pg: Any) -> tuple[int, ...]:
+    import torch.distributed as dist
+    return tuple(dist.get_process_group_ranks(pg))
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def dims_axes(t: torch.Tensor) -> list[list[str]]:
+    """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer first."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    axes: list[list[str]] = [[] for _ in range(t.dim())]
+    if isinstance(t, DTensor):
+        names = t.device_mesh.mesh_dim_names or ()
+        strided = []
+        for mesh_dim, p in enumerate(t.placements):
+            if isinstance(p, _StridedShard):
+                strided.append((p.dim % t.dim(), p.split_factor, mesh_dim))
+            elif p.is_shard():
+                axes[p.dim % t.dim()].append(names[mesh_dim])
+            elif not p.is_replicate():
+                raise ValueError(f"parameter placement {p} is not supported")
+        for dim, factor, mesh_dim in strided:
+            # sharded after the mesh dims already on this dim (FSDP over TP)
+            inner = [t.device_mesh.size(names.index(a)) for a in axes[dim]]
+            if factor != math.prod(inner):
+                raise ValueError(f"parameter placement {t.placements} is not supported")
+            axes[dim].append(names[mesh_dim])
+    return axes
