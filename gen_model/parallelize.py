@@ -226,8 +226,9 @@ class _Sharder:
         return self.move(sv, stage, dir)
 
     def convert_axis(self, sv: SVal, axis: str, need: Layout, stage: int, dir: str) -> SVal:
-        key = (sv, axis, need, stage)
-        if key in self.cache:
+        key = (sv, axis, need, stage % self.par.pp)  # one per rank: chunks share it
+        if key in self.cache:  # made on these ranks already (for another model chunk)
+            self.where[self.cache[key]] = stage
             return self.cache[key]
         have = sv.on(axis)
         if axis in ("mb", "edp") or (have, need) == ("R", "P") or need == "P":
@@ -251,9 +252,9 @@ class _Sharder:
 
     def move(self, sv: SVal, stage: int, dir: str) -> SVal:
         src = self.where.get(sv, stage)
-        if src == stage:
+        if src % self.par.pp == stage % self.par.pp:  # the same ranks (model chunks of a stage)
             return sv
-        key = (sv, "move", stage)
+        key = (sv, "move", stage % self.par.pp)
         if key not in self.cache:
             name = self.g.tensors[sv.tid].name
             self.ops.append(SOp("move", "send_recv", dir, name, stage, [sv], [sv], src_stage=src))

@@ -21,7 +21,8 @@ GBS = 8
     (Parallelism(pp=2, nm=2), Policy(virtual_stages=2)),
     (Parallelism(dp=2, tp=2, pp=2, nm=4), Policy(virtual_stages=2)),
     (Parallelism(pp=2, nm=2), Policy(virtual_stages=2, schedule="gpipe")),
-], ids=["pp2_vpp2", "dp2_tp2_pp2_vpp2_nm4", "gpipe"])
+    (Parallelism(cp=2, pp=2, nm=2), Policy(virtual_stages=2)),
+], ids=["pp2_vpp2", "dp2_tp2_pp2_vpp2_nm4", "gpipe", "cp2_pp2_vpp2"])
 def test_interleaved_plans_verify(par, policy):
     single = make_plan(LLAMA, Parallelism(), GBS)
     plan = make_plan(LLAMA, par, GBS, policy=policy)
@@ -29,7 +30,8 @@ def test_interleaved_plans_verify(par, policy):
     assert judge(single, plan).right
     assert verify(single, plan).success
     # rank 0 (stage 0, chunks 0 and 2) receives at the 1-2 boundary in the forward and the
-    # 0-1 and 2-3 boundaries in the backward, once per microbatch
+    # 0-1 and 2-3 boundaries in the backward, once per microbatch; a conversion of an input
+    # (the rotary tables split on cp) is made once per rank, for both of its chunks
     assert sum(n.op == "send_recv" and n.rank == 0 for n in plan.nodes) == 3 * par.nm
 
 

@@ -7,12 +7,16 @@ single-device trace is shared by every case.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from backends.torch.__main__ import main as torch_main
 from backends.torch.__main__ import parser, trace_and_build
 from backends.torch.lower import LoweringError, lower_trace
 from backends.torch.rank import run
+from gen_model.mutations import MUTATIONS, REWRITES
+from gen_model.oracle import judge
 from verdict.engine import verify
 
 RECIPES = "backends.torch.recipes:"
@@ -34,8 +38,13 @@ def _plans(recipe: str, single: dict):
     return plan_s, plan_p
 
 
-def test_tp_sp_verifies(single_trace) -> None:
-    plan_s, plan_p = _plans("tp_sp", single_trace)
+@pytest.fixture(scope="module")
+def tp_sp_plans(single_trace):
+    return _plans("tp_sp", single_trace)
+
+
+def test_tp_sp_verifies(tp_sp_plans) -> None:
+    plan_s, plan_p = tp_sp_plans
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
     assert {t.rank for t in plan_p.tensors} == {0, 1, 2, 3}
@@ -66,6 +75,24 @@ def test_fsdp_default_divide_fails_at_the_division(single_trace) -> None:
     assert not verdict.success and verdict.kind == "stage"
     nodes = [plan_p.nodes[i] for r in verdict.failed for i in r.stage.gp_nodes]
     assert any(n.op == "div" for n in nodes)
+
+
+@pytest.mark.parametrize("operator", ["drop_collective", "wrong_group", "scale_one_rank",
+                                      "missing_gradient", "stale_version", "reorder"])
+def test_mutants_of_a_traced_plan(tp_sp_plans, operator: str) -> None:
+    """The harness's mutations on a traced plan: a wrong mutant never verifies,
+    a rewrite always does (the oracle trusts no claim)."""
+    plan_s, plan_p = tp_sp_plans
+    ops = {**MUTATIONS, **REWRITES}
+    made = ops[operator](plan_p, random.Random(f"torch/{operator}"))
+    assert made is not None
+    mutant, _ = made
+    right = judge(plan_s, mutant).right
+    verdict = verify(plan_s, mutant)
+    if operator in REWRITES:
+        assert right and verdict.success, verdict.message
+    else:
+        assert not (verdict.success and not right), "wrong SUCCESS"
 
 
 def _trace(events: list, shapes: list) -> dict:
