@@ -413,8 +413,8 @@ def _check_slices(slices: Any, full: Shape, where: str) -> Shape:
 def _check_parts(parts: Any, where: str) -> None:
     _seq(parts, where, "parts", length=3)
     lo, hi, n = _ints(parts, where, "parts")
-    if not 0 <= lo < hi <= n:
-        raise PlanError(f"{where}: parts {[lo, hi, n]} must satisfy 0 <= lo < hi <= n")
+    if not 0 <= lo < hi <= abs(n):
+        raise PlanError(f"{where}: parts {[lo, hi, n]} must satisfy 0 <= lo < hi <= |n|")
 
 
 def _node_label(i: int, row: Sequence[Any]) -> str:

@@ -37,6 +37,14 @@ def _map(fn, x) -> np.ndarray:
     return out
 
 
+def _zip(a, b, fn) -> np.ndarray:
+    a, b = np.broadcast_arrays(np.asarray(a, dtype=object), np.asarray(b, dtype=object))
+    out = np.empty(a.shape, dtype=object)
+    for idx in np.ndindex(*a.shape):
+        out[idx] = fn(a[idx], b[idx])
+    return out
+
+
 def _is_neg_inf(v) -> bool:
     return isinstance(v, float) and v == NEG_INF
 
@@ -53,8 +61,30 @@ class SymbolicXP:
         return _map(lambda v: 0 if _is_neg_inf(v) else _unary("exp")(_real(v)), x)
 
     @staticmethod
+    def log(x):
+        return _map(lambda v: _unary("log")(_real(v)), x)
+
+    @staticmethod
     def rsqrt(x):
         return _map(lambda v: _unary("rsqrt")(_real(v)), x)
+
+    @staticmethod
+    def adam_ratio(m, v, eps):
+        """m / (sqrt(v) + eps): one uninterpreted function of (m, v) per eps."""
+        fn = _route_fn(f"adam_ratio[{eps!r}]", 2)
+        return _zip(m, v, lambda a, b: fn(_real(a), _real(b)))
+
+    @staticmethod
+    def maximum(a, b):
+        """If-terms; -inf (a Python float) loses to anything."""
+        return _zip(a, b, lambda u, v: v if _is_neg_inf(u) else u if _is_neg_inf(v)
+                    else z3.If(_real(u) >= _real(v), _real(u), _real(v)))
+
+    @staticmethod
+    def equal(a, b):
+        """1 where a == b, else 0, as If-terms."""
+        return _zip(a, b, lambda u, v: float(u == v) if not (z3.is_expr(u) or z3.is_expr(v))
+                    else z3.If(_real(u) == _real(v), z3.RealVal(1), z3.RealVal(0)))
 
     @staticmethod
     def sigmoid(x):

@@ -63,6 +63,11 @@ def parser() -> argparse.ArgumentParser:
     par.add_argument("--ulysses", action="store_true",
                      help="with --cp: Ulysses attention (all-to-all from sequence to head "
                           "shards) instead of gathering keys and values")
+    par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                     help="ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters "
+                          "sharded over data-parallel ranks (3 is FSDP)")
+    p.add_argument("--optimizer", choices=("none", "sgd", "adam", "adamw"), default="none",
+                   help="end the step with this optimizer's update (default: gradients only)")
     p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output directory")
     return p
 
@@ -84,13 +89,15 @@ def check_defaults(args: argparse.Namespace, cfg: ModelConfig) -> None:
 
 def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
     if args.model == "mlp":
-        cfg = ModelConfig("mlp", layers=args.layers, hidden=args.hidden)
+        cfg = ModelConfig("mlp", layers=args.layers, hidden=args.hidden,
+                          optimizer=args.optimizer)
     else:
         heads = args.heads
         kv = args.kv_heads or (heads // 4 if heads >= 4 and heads % 4 == 0 else heads)
         common = dict(
             layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=kv,
             ffn=args.ffn or int(3.5 * args.hidden), vocab=args.vocab, seqlen=args.seqlen,
+            optimizer=args.optimizer,
         )
         if args.model == "moe":
             common.update(
@@ -112,11 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule,
                         sequence_parallel=args.sequence_parallel, ulysses=args.ulysses,
-                        virtual_stages=args.vpp)
+                        virtual_stages=args.vpp, zero=args.zero)
         plan = make_plan(cfg, par, args.gbs, args.variant, policy)
         stem = plan_stem(cfg, par, args.gbs, args.variant) + (
             "_sp" if args.sequence_parallel else "") + ("_ulysses" if args.ulysses else "") + (
-                f"_vpp{args.vpp}" if args.vpp > 1 else "")
+                f"_vpp{args.vpp}" if args.vpp > 1 else "") + (
+            f"_zero{args.zero}" if args.zero else "") + (
+            f"_{args.optimizer}" if args.optimizer != "none" else "")
         pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
     except (ConfigError, PlanError) as e:
         sys.stderr.write(f"gen_model: error: {e}\n")

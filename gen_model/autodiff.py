@@ -89,7 +89,40 @@ def add_step(g: LogicalGraph, grads: dict[Value, Value]) -> None:
                              ((buf[0], 1),), {}, name))
 
 
-def derive_training_step(g: LogicalGraph) -> LogicalGraph:
+#: The optimizer step each --optimizer adds, and its hyperparameters (one step, t = 1).
+OPTIMIZER_KWARGS: dict[str, tuple[str, dict]] = {
+    "sgd": ("sgd_step", {"lr": 0.01, "weight_decay": 0.1}),
+    "adam": ("adam_step", {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+                           "weight_decay": 0.1, "decoupled": False, "step": 1}),
+    "adamw": ("adam_step", {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+                            "weight_decay": 0.1, "decoupled": True, "step": 1}),
+}
+
+
+def add_optimizer(g: LogicalGraph, optimizer: str) -> None:
+    """Per parameter, the update after its final gradient: a new version of
+    the parameter (and of Adam's two state tensors, inputs of kind buffer)."""
+    if optimizer == "none":
+        return
+    op, kwargs = OPTIMIZER_KWARGS[optimizer]
+    final = {lop.outputs[0][0]: lop.outputs[0] for lop in g.ops
+             if lop.op == "local_grad_accumulation"}
+    for tid, buf in list(g.grads.items()):
+        name = g.tensors[tid].name
+        shape = g.shape(tid)
+        inputs = [(tid, 0), final.get(buf, (buf, 0))]
+        outputs = [(tid, 1)]
+        if op == "adam_step":
+            states = [g.new_tensor(f"{name}.{s}", shape, "buffer") for s in ("exp_avg",
+                                                                              "exp_avg_sq")]
+            inputs += [(s, 0) for s in states]
+            outputs += [(s, 1) for s in states]
+        g.ops.append(LOp(op, "none", tuple(inputs), tuple(outputs), dict(kwargs),
+                         f"{name}.{optimizer}"))
+
+
+def derive_training_step(g: LogicalGraph, optimizer: str = "none") -> LogicalGraph:
     insert_multiref(g)
     add_step(g, add_backward(g))
+    add_optimizer(g, optimizer)
     return g

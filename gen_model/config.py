@@ -30,6 +30,12 @@ class ModelConfig:
     capacity_factor: float = 1.0
     first_dense: int = 0
     moe_ffn: int = 0
+    #: "cross_entropy" against labels (the default), or "sum": the plain sum of
+    #: the logits, kept for the smallest examples (docs/plan-format.md)
+    loss: str = "cross_entropy"
+    #: the optimizer step after the gradients: none, sgd (with weight decay),
+    #: adam or adamw (gen_model/autodiff.py OPTIMIZER_KWARGS)
+    optimizer: str = "none"
 
     @property
     def head_dim(self) -> int:
@@ -45,6 +51,10 @@ class ModelConfig:
     def check(self) -> None:
         if self.model not in MODELS:
             raise ConfigError(f"unknown model '{self.model}' (choose from {', '.join(MODELS)})")
+        if self.optimizer not in ("none", "sgd", "adam", "adamw"):
+            raise ConfigError(f"unknown optimizer '{self.optimizer}' (none, sgd, adam, adamw)")
+        if self.loss not in ("cross_entropy", "sum"):
+            raise ConfigError(f"unknown loss '{self.loss}' (cross_entropy or sum)")
         if self.layers < 1 or self.hidden < 1:
             raise ConfigError("--layers and --hidden must be at least 1")
         if not (math.isfinite(self.capacity_factor) and self.capacity_factor > 0):

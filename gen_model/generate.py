@@ -16,7 +16,8 @@ from verdict.plan import Plan
 def logical_graph(cfg: ModelConfig, gbs: int) -> LogicalGraph:
     """The single-device training step of a model (forward, backward, step)."""
     model = build(cfg, device="meta")
-    return derive_training_step(trace_forward(model, ZOO[cfg.model].inputs(cfg, gbs)))
+    graph = trace_forward(model, ZOO[cfg.model].inputs(cfg, gbs))
+    return derive_training_step(graph, cfg.optimizer)
 
 
 def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default",
@@ -33,5 +34,7 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
         world["ulysses"] = True
     if policy.virtual_stages > 1:
         world["virtual_stages"] = policy.virtual_stages
+    if policy.zero:
+        world.update(zero=policy.zero)
     plan = parallel_plan(graph, cfg, par, gbs, world, policy)
     return inject(plan, int(variant[2:])) if variant.startswith("br") else plan  # docs/bugs.md

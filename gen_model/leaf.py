@@ -1,5 +1,6 @@
 """Leaf functions: model pieces the tracer keeps whole, each with its own
-operator in the rule table (rotary embedding, causal mask, MoE routing).
+operator in the rule table (rotary embedding, causal mask, MoE routing),
+and ``one_hot``, which the tracer lowers to the one-hot input itself.
 
 Their torch bodies are the reference semantics that the numeric rules of
 ``verdict.ops.nn`` are tested against.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -54,3 +56,13 @@ def route(scores: torch.Tensor, topk: int, capacity: int) -> torch.Tensor:
                     dispatch[i, t, ex, fill[ex]] = 1.0
                 fill[ex] += 1
     return dispatch
+
+
+@torch.fx.wrap
+def one_hot(labels: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Integer labels [...] as one-hot rows [..., V] of ``like``'s last size and dtype.
+
+    In a plan, labels are a 'tokens' input, already one-hot: the tracer
+    lowers this call to that input (no operator).
+    """
+    return F.one_hot(labels, like.shape[-1]).to(like.dtype)

@@ -32,7 +32,8 @@ from verdict.ops import get_op
 from verdict.plan import INPUT_KINDS, Node, Plan
 
 Result = tuple[Plan, str] | None
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+COLLECTIVES = ("all_reduce", "all_reduce_max", "all_gather", "reduce_scatter", "all_to_all",
+               "broadcast")
 
 
 def copy_plan(plan: Plan) -> Plan:
@@ -113,8 +114,8 @@ def _computed(plan: Plan) -> list[int]:
 
 def drop_collective(plan: Plan, rng: random.Random) -> Result:
     """A collective run on a group of one: the rank keeps its own piece."""
-    sites = [i for i, n in enumerate(plan.nodes) if n.op in ("all_reduce", "reducer")
-             and len(n.inputs) > 1]
+    sites = [i for i, n in enumerate(plan.nodes) if n.op in ("all_reduce", "all_reduce_max",
+                                                             "reducer") and len(n.inputs) > 1]
     i = _pick(rng, sites)
     if i is None:
         return None
@@ -124,8 +125,10 @@ def drop_collective(plan: Plan, rng: random.Random) -> Result:
 
 
 def replace_collective(plan: Plan, rng: random.Random) -> Result:
-    """An all_reduce emitted as another collective of the same group."""
-    sites = [i for i, n in enumerate(plan.nodes) if n.op == "all_reduce" and len(n.inputs) > 1]
+    """An all_reduce (or max all-reduce) emitted as another collective of the
+    same group; a max all-reduce may also become a sum."""
+    sites = [i for i, n in enumerate(plan.nodes) if n.op in ("all_reduce", "all_reduce_max")
+             and len(n.inputs) > 1]
     i = _pick(rng, sites)
     if i is None:
         return None
@@ -133,6 +136,8 @@ def replace_collective(plan: Plan, rng: random.Random) -> Result:
     n = p.nodes[i]
     shape = p.tensors[n.inputs[0]].shape
     choices = [("broadcast", {"src": 0})]
+    if n.op == "all_reduce_max":
+        choices.append(("all_reduce", {}))
     for d, size in enumerate(shape):
         choices.append(("all_gather", {"dim": d}))
         if size % len(n.inputs) == 0:
@@ -450,19 +455,43 @@ def missing_gradient(plan: Plan, rng: random.Random) -> Result:
     return drop_orphans(p), f"{p.logical[tid].name} on rank {rank}"
 
 
+def _loss_tids(plan: Plan) -> set[int]:
+    """Logical tensors of the loss computation after the last projection: walk
+    the forward producers back from the loss, stopping at tensors a linear
+    (the output layer, the router's gate) writes."""
+    producers: dict[int, list[Node]] = {}
+    for n in plan.nodes:
+        if n.dir == "fw":
+            for o in n.outputs:
+                if o >= 0:
+                    producers.setdefault(plan.tensors[o].tid, []).append(n)
+    seen, stack = set(), [plan.loss]
+    while stack:
+        tid = stack.pop()
+        nodes = producers.get(tid, [])
+        if tid in seen or any(n.op in ("linear", "einsum") for n in nodes):
+            continue
+        seen.add(tid)
+        stack.extend(plan.tensors[i].tid for n in nodes for i in n.inputs if i >= 0)
+    return seen
+
+
 def partial_loss(plan: Plan, rng: random.Random) -> Result:
-    """The forward all_reduce of the loss across tensor-parallel ranks left
-    out, on one rank and microbatch or on its whole group: those ranks end
-    with their own part of the loss, truthfully claimed."""
-    sites = [i for i, n in enumerate(plan.nodes) if n.op == "all_reduce"
-             and plan.tensors[n.outputs[0]].tid == plan.loss]
+    """One forward all-reduce of the loss across tensor-parallel ranks left
+    out (the max, the sum of exponentials or the target logit of the
+    vocab-parallel cross-entropy, or the loss itself), on one rank and
+    microbatch or on its whole group: those ranks go on with their own part,
+    truthfully claimed."""
+    tids = _loss_tids(plan)
+    sites = [i for i, n in enumerate(plan.nodes) if n.op in ("all_reduce", "all_reduce_max")
+             and n.dir == "fw" and plan.tensors[n.outputs[0]].tid in tids]
     i = _pick(rng, sites)
     if i is None:
         return None
     whole_group = rng.random() < 0.5
     p = copy_plan(plan)
     group = set(p.nodes[i].inputs)
-    drop = [k for k, n in enumerate(p.nodes) if n.op == "all_reduce"
+    drop = [k for k, n in enumerate(p.nodes) if n.op == p.nodes[i].op
             and (k == i or (whole_group and set(n.inputs) == group))]
     for k in reversed(drop):
         n = p.nodes.pop(k)

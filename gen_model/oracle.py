@@ -8,7 +8,9 @@ name: those are load-time facts) and compares what every rank ends with
 against the single-device step, by value:
 
 * for every parameter piece a rank loads, the gradient buffer the rank
-  writes last must equal the single-device final gradient at that slice;
+  writes last must equal the single-device final gradient at that slice,
+  and with an optimizer step the parameter it writes last must equal the
+  single-device updated parameter there;
 * the loss tensors a rank writes last (one per microbatch), summed with
   those of its data-parallel replicas, must equal the single-device loss;
 * a node that reads another rank's tensor without being a collective, a
@@ -164,6 +166,11 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
                 return Judgement(False, f"rank {rank} ends with no gradient of {name}")
             if not _close(values[got], expected[region]):
                 return Judgement(False, f"rank {rank} ends with a wrong gradient of {name}")
+            updated = last_single.get(param)
+            if updated is not None:  # an optimizer step: the updated shard
+                got = last.get((rank, param))
+                if got is None or not _close(values[got], ref[updated][region]):
+                    return Judgement(False, f"rank {rank} ends with a wrong update of {name}")
         if not cover.all():
             return Judgement(False, f"no rank holds part of {name}")
     layout = _layout_problem(parallel)

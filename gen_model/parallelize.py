@@ -28,6 +28,7 @@ from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.graph import ABSENT, LogicalGraph, LOp, Value
 from gen_model.sharding import Layout, grad_layout, is_split, natural_grad, propagate
 from verdict.ops import get_op
+from verdict.ops.step import OPTIMIZERS
 from verdict.plan import INPUT_KINDS, Node, Plan, Tensor
 from verdict.structure import fw_shapes
 
@@ -70,6 +71,10 @@ class Policy:
     #: Interleaved (virtual) pipeline: each rank holds this many model chunks,
     #: chunk k of the pp * virtual_stages chunks on stage k % pp.
     virtual_stages: int = 1
+    #: ZeRO stage: 0 none; 1 optimizer state sharded (gradients all-reduced,
+    #: each rank keeps its owned shard); 2 gradients reduce-scattered to owners;
+    #: 3 parameters sharded too and all-gathered before every use (FSDP).
+    zero: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,8 @@ class Program:
     params: dict[int, tuple[int, SVal | None]]  # param tid -> (stage, final grad value)
     inputs: dict[int, SVal]  # input tid -> its layout as read from memory
     loss: SVal
+    #: param tid -> the data-parallel axes its owned shard is cut on (ZeRO)
+    zero_axes: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -178,9 +185,56 @@ class _Sharder:
                 and all(column(r) for v in lop.outputs for r in readers.get(v, []))}
 
     def input_layout(self, tid: int) -> tuple[Layout, ...]:
-        """How an input is laid out; everything is replicated on an axis of size 1."""
-        lay = self.axis_layouts(tid)
-        return tuple("R" if self.size[a] == 1 else x for a, x in zip(AXES, lay))
+        """How an input is laid out; everything is replicated on an axis of size 1.
+        With ZeRO a parameter is loaded as the shard its rank owns."""
+        lay = list(self.axis_layouts(tid))
+        lay = ["R" if self.size[a] == 1 else x for a, x in zip(AXES, lay)]
+        axes = self.zero_axes(tid)
+        if axes:
+            dim = self.zero_dim(tid, lay, axes)
+            for a in axes:
+                lay[AXES.index(a)] = dim
+        return tuple(lay)
+
+    def zero_axes(self, tid: int) -> tuple[str, ...]:
+        """The data-parallel axes a parameter's gradient is reduced over, on
+        which ZeRO cuts its owned shards (experts: the expert-data-parallel
+        axis only)."""
+        t = self.g.tensors[tid]
+        if self.policy.zero < 1 or t.kind != "param":
+            return ()
+        expert = EXPERT.search(t.name) is not None
+        return tuple(a for a in (("edp",) if expert else ("edp", "ep")) if self.size[a] > 1)
+
+    def zero_dim(self, tid: int, lay: list[Layout], axes: tuple[str, ...]) -> int:
+        """The first dim of a parameter that no other axis splits and that the
+        owners divide evenly."""
+        shape = self.g.shape(tid)
+        owners = 1
+        for a in axes:
+            owners *= self.size[a]
+        for d, n in enumerate(shape):
+            pieces = 1
+            for a, x in zip(AXES, lay):
+                if x == d:
+                    pieces *= self.size[a]
+            if pieces == 1 and n % owners == 0:
+                return d
+        raise ConfigError(f"{self.g.tensors[tid].name} {shape}: no dim splits into {owners} "
+                          f"ZeRO shards")
+
+    def gathered(self, sv: SVal, stage: int) -> SVal:
+        """A ZeRO-sharded parameter all-gathered for use: once per step before
+        the first microbatch (ZeRO-1/2, direction 'none'), or before every
+        use in each microbatch's forward (ZeRO-3)."""
+        axes = self.zero_axes(sv.tid)
+        if not axes:
+            return sv
+        want = list(sv.layout)
+        for a in axes:
+            want[AXES.index(a)] = "R"
+        dir = "fw" if self.policy.zero >= 3 else "none"
+        return self.convert(sv, tuple(want), stage, dir, data_parallel=True)
 
     def axis_layouts(self, tid: int) -> tuple[Layout, ...]:
         t = self.g.tensors[tid]
@@ -213,29 +267,36 @@ class _Sharder:
         return self.current[v]
 
     # -- conversions ----------------------------------------------------------
-    def convert(self, sv: SVal, want: tuple[Layout, ...], stage: int, dir: str) -> SVal:
+    def convert(self, sv: SVal, want: tuple[Layout, ...], stage: int, dir: str,
+                data_parallel: bool = False) -> SVal:
         """Collectives that take ``sv`` to layout ``want``, one axis at a time, in
-        an order where each acts on contiguous pieces (see :func:`contiguous`)."""
+        an order where each acts on contiguous pieces (see :func:`contiguous`).
+        ``data_parallel`` allows collectives on the edp axis (ZeRO's parameter
+        all-gather and gradient reduce-scatter); activations never take one."""
         while sv.layout != want:
             step = next((a for a in SLICE_ORDER if sv.on(a) != want[AXES.index(a)]
                          and contiguous(sv, sv.relaid(a, want[AXES.index(a)]), a)), None)
             if step is None:
                 raise ConfigError(f"{self.g.tensors[sv.tid].name}: no order of collectives "
                                   f"takes {sv.layout} to {want}")
-            sv = self.convert_axis(sv, step, want[AXES.index(step)], stage, dir)
+            sv = self.convert_axis(sv, step, want[AXES.index(step)], stage, dir, data_parallel)
         return self.move(sv, stage, dir)
 
-    def convert_axis(self, sv: SVal, axis: str, need: Layout, stage: int, dir: str) -> SVal:
+    def convert_axis(self, sv: SVal, axis: str, need: Layout, stage: int, dir: str,
+                     data_parallel: bool = False) -> SVal:
         key = (sv, axis, need, stage % self.par.pp)  # one per rank: chunks share it
         if key in self.cache:  # made on these ranks already (for another model chunk)
             self.where[self.cache[key]] = stage
             return self.cache[key]
         have = sv.on(axis)
-        if axis in ("mb", "edp") or (have, need) == ("R", "P") or need == "P":
+        if axis == "mb" or (axis == "edp" and not data_parallel) or need in ("P", "M") or (
+                have == "M" and need != "R"):
             name = self.g.tensors[sv.tid].name
             raise ConfigError(f"{name}: cannot convert from {have} to {need} on the {axis} axis")
         sv = self.move(sv, stage, dir)
-        if have == "P":
+        if have == "M":
+            op, kw = "all_reduce_max", {}
+        elif have == "P":
             op, kw = ("all_reduce", {}) if need == "R" else ("reduce_scatter", {"dim": need})
         elif need == "R":
             op, kw = "all_gather", {"dim": have}
@@ -281,7 +342,8 @@ class _Sharder:
             params[tid] = (stage, grad)
         inputs = {v[0]: sv for v, sv in self.current.items()
                   if self.g.tensors[v[0]].kind in INPUT_KINDS}
-        return Program(self.ops, params, inputs, self.current[(self.g.loss, 0)])
+        zero = {tid: self.zero_axes(tid) for tid in params if self.zero_axes(tid)}
+        return Program(self.ops, params, inputs, self.current[(self.g.loss, 0)], zero)
 
     def grad_targets(self) -> dict[Value, Value]:
         """Gradient value -> the forward value it is the gradient of."""
@@ -298,7 +360,7 @@ class _Sharder:
 
     def forward(self, i: int, lop: LOp) -> None:
         stage = self.stages[i]
-        ins = [self.value(v) for v in lop.inputs]
+        ins = [self.gathered(self.value(v), stage) for v in lop.inputs]
         shapes = self.shapes(lop.inputs)
         params = [self.g.tensors[v[0]].kind == "param" for v in lop.inputs]
         need_by_axis, out_by_axis, replicated = [], [], []
@@ -352,6 +414,9 @@ class _Sharder:
         inputs: list[SVal | None] = [used[p] if v != ABSENT else None
                                      for p, v in enumerate(lop.inputs[:n_in])]
         grads = [self.value(v) for v in lop.inputs[n_in:]]
+        if any(layer == "M" for lay in out_layouts for layer in lay):
+            raise ConfigError(f"{lop.name}: the gradient of a maximum over a split dim is not "
+                              f"supported (detach it, as a stable cross-entropy does)")
         wants = [tuple(grad_layout(layer) for layer in lay) for lay in out_layouts]
         natural = [tuple(natural_grad(layer, rep) for layer, rep in zip(used[p].layout, replicated))
                    for p in range(n_in)]
@@ -397,9 +462,16 @@ class _Sharder:
             return None
         sv = self.current[grad_value]
         param = self.value((tid, 0))
-        if param.on("ep") != sv.on("ep") and sv.on("ep") != "P":
+        axes = self.zero_axes(tid)
+        if param.on("ep") != sv.on("ep") and sv.on("ep") != "P" and "ep" not in axes:
             raise AssertionError(f"gradient of {self.g.tensors[tid].name} is {sv.on('ep')} on ep")
-        return self.convert(sv, sv.relaid("tp", param.on("tp")).layout, stage, "bw")
+        sv = self.convert(sv, sv.relaid("tp", param.on("tp")).layout, stage, "bw")
+        if self.policy.zero >= 2:  # each microbatch's gradient reduce-scattered to its owner
+            want = list(sv.layout)
+            for a in axes:
+                want[AXES.index(a)] = param.on(a)
+            sv = self.convert(sv, tuple(want), stage, "bw", data_parallel=True)
+        return sv
 
 
 def ulysses(lop: LOp, ins: list[Layout], shapes: list[tuple[int, ...]], need: list[Layout],
@@ -449,6 +521,12 @@ class _Emitter:
         self.slots: dict[tuple[SVal, int, int], int] = {}
         self.written: set[int] = set()
         self.last_buffer: dict[tuple[int, int], int] = {}
+        #: (rank, param) -> the reduced gradient the optimizer reads, when a
+        #: reducer (and ZeRO-1's owned split) follows the last accumulation
+        self.final_buffer: dict[tuple[int, int], int] = {}
+        #: values made once per step, before the first microbatch (ZeRO-1/2's
+        #: parameter all-gather): every microbatch reads the one copy
+        self.per_step = {sv for sop in prog.ops if sop.dir == "none" for sv in sop.outputs}
 
     def rank(self, c: Coord) -> int:
         d = c.edp * self.size["ep"] + c.ep
@@ -474,15 +552,20 @@ class _Emitter:
                 raise ConfigError(f"{name}: dim {dim} of size {full} does not split {count} ways")
             step = full // count
             slices.append((index * step, (index + 1) * step))
+        kind = "M" if "M" in sv.layout else "P"
         lo, span, n = 0, 1, 1
         for axis in PART_ORDER:
-            if sv.on(axis) != "P":
+            if sv.on(axis) != kind:
                 continue
             n *= self.size[axis]
             first, count = (mb_parts[0], mb_parts[1] - mb_parts[0]) if (
                 axis == "mb" and mb_parts) else (c.get(axis, mb), 1)
             lo = lo * self.size[axis] + first
             span *= count
+        if kind == "M":
+            if "P" in sv.layout:
+                raise AssertionError(f"{self.g.tensors[sv.tid].name}: a partial sum of maxima")
+            return tuple(slices), (lo, lo + span, -n)  # parts of a partial maximum
         parts = (0, 1, 1) if span == n else (lo, lo + span, n)
         return tuple(slices), parts
 
@@ -501,14 +584,16 @@ class _Emitter:
     def read(self, sv: SVal | None, c: Coord, mb: int) -> int:
         if sv is None:
             return -1
-        if self.prog.inputs.get(sv.tid) == sv and self.g.tensors[sv.tid].kind in (
-                "param", "buffer"):
+        if (self.prog.inputs.get(sv.tid) == sv and self.g.tensors[sv.tid].kind in (
+                "param", "buffer")) or sv in self.per_step:
             mb = -1  # one copy for all microbatches
         return self.slot(sv, c, mb)
 
     def write(self, sv: SVal | None, c: Coord, mb: int, mb_parts=None) -> int:
         if sv is None:
             return -1
+        if sv in self.per_step:
+            mb = -1
         t = self.slot(sv, c, mb, mb_parts)
         if t in self.written:
             raise AssertionError(f"{self.g.tensors[sv.tid].name} written twice on {c} mb {mb}")
@@ -599,6 +684,7 @@ class _Emitter:
         shared: dict[tuple, tuple[int, ...]] = {}
         for c in coords:
             seqs[self.rank(c)].extend(self.reducers(c, shared))
+            seqs[self.rank(c)].extend(self.optimizer_steps(c))
         self.plan.nodes = merge(seqs, self.plan)
         self.check_written()
         number_versions(self.plan)
@@ -617,11 +703,13 @@ class _Emitter:
         rank = self.rank(c)
         params = self.params_on(c.stage)
         seq: list[Node] = []
+        full = self.policy.zero == 1  # ZeRO-1 accumulates whole gradients
         for tid, _ in params:
-            t = self.write(self.buffer(tid, None, lver=0), c, -1)
+            t = self.write(self.buffer(tid, None, lver=0, full=full), c, -1)
             seq.append(Node(rank, -1, "zeros", "none", (), (t,),
                             {"shape": list(self.plan.tensors[t].shape)}, self.buffer_name(tid)))
             self.last_buffer[(rank, tid)] = t
+        seq.extend(self.node(sop, c, -1) for sop in ops if sop.dir == "none")
         for phase, mb, chunk in self.order(c.stage):
             seq.extend(self.node(sop, c, mb) for sop in ops
                        if sop.dir == phase and sop.stage == chunk)
@@ -630,7 +718,8 @@ class _Emitter:
             for tid, grad in self.params_of(chunk):
                 if grad is None:
                     continue
-                t = self.write(self.buffer(tid, grad, lver=1), c, mb, mb_parts=(0, mb + 1))
+                t = self.write(self.buffer(tid, grad, lver=1, full=full), c, mb,
+                               mb_parts=(0, mb + 1))
                 seq.append(Node(rank, mb, "local_grad_accumulation", "none",
                                 (self.last_buffer[(rank, tid)], self.read(grad, c, mb)), (t,),
                                 {}, self.buffer_name(tid)))
@@ -640,10 +729,15 @@ class _Emitter:
     def buffer_name(self, tid: int) -> str:
         return self.g.tensors[self.g.grads[tid]].name
 
-    def buffer(self, tid: int, grad: SVal | None, lver: int) -> SVal:
+    def buffer(self, tid: int, grad: SVal | None, lver: int, full: bool = False) -> SVal:
         """A gradient buffer: laid out like its parameter on ep/tp, and partial
-        over the batch axes where the gradient is (None: fully reduced)."""
+        over the batch axes where the gradient is (None: fully reduced). With
+        ZeRO it is the owned shard, or whole on the data-parallel axes when
+        ``full`` (ZeRO-1 before its last step)."""
         lay = list(self.prog.inputs[tid].layout)
+        if full:
+            for axis in self.prog.zero_axes.get(tid, ()):
+                lay[AXES.index(axis)] = "R"
         if grad is not None:
             for axis in BATCH_AXES:
                 if grad.on(axis) == "P":
@@ -669,10 +763,48 @@ class _Emitter:
             index = 0
             for a in axes:
                 index = index * self.size[a] + getattr(c, a)
-            t = self.write(self.buffer(tid, None, lver=1), c, -1)
+            zero1 = self.policy.zero == 1 and tid in self.prog.zero_axes
+            t = self.write(self.buffer(tid, None, lver=1, full=zero1), c, -1)
             nodes.append(Node(self.rank(c), -1, "reducer", "none", shared[key], (t,),
                               {"index": index}, self.buffer_name(tid)))
+            self.final_buffer[(self.rank(c), tid)] = t
+            if zero1:
+                nodes.append(self.keep_owned(tid, t, c))
+                self.final_buffer[(self.rank(c), tid)] = nodes[-1].outputs[0]
         return nodes
+
+    def optimizer_steps(self, c: Coord) -> list[Node]:
+        """The optimizer step of every parameter of the stage, on the shard the
+        rank holds (its owned shard under ZeRO), after the final gradient."""
+        nodes = []
+        stage_params = {tid for tid, _ in self.params_on(c.stage)}
+        for lop in self.g.ops:
+            if lop.op not in OPTIMIZERS or lop.inputs[0][0] not in stage_params:
+                continue
+            tid = lop.inputs[0][0]
+            lay = self.prog.inputs[tid].layout
+            states = [self.read(SVal(v[0], v[1], lay), c, -1) for v in lop.inputs[2:]]
+            key = (self.rank(c), tid)
+            inputs = (self.read(self.prog.inputs[tid], c, -1),
+                      self.final_buffer.get(key, self.last_buffer[key]), *states)
+            outputs = tuple(self.write(SVal(v[0], v[1], lay), c, -1) for v in lop.outputs)
+            nodes.append(Node(self.rank(c), -1, lop.op, "none", inputs, outputs,
+                              dict(lop.kwargs), lop.name))
+        return nodes
+
+    def keep_owned(self, tid: int, reduced: int, c: Coord) -> Node:
+        """ZeRO-1: the rank keeps the owned shard of the reduced gradient (what
+        its optimizer-state shard updates); a local split, no communication."""
+        axes = self.prog.zero_axes[tid]
+        owned = self.buffer(tid, None, lver=1)
+        index, parts = 0, 1
+        for axis in SLICE_ORDER:
+            if axis in axes:
+                index = index * self.size[axis] + c.get(axis, -1)
+                parts *= self.size[axis]
+        t = self.write(owned, c, -1)
+        kw = {"dim": owned.on(axes[0]), "parts": parts, "index": index}
+        return Node(self.rank(c), -1, "split", "none", (reduced,), (t,), kw, self.buffer_name(tid))
 
     def check_written(self) -> None:
         """Every tensor read is written by some node or is an input."""
@@ -685,9 +817,15 @@ class _Emitter:
 def number_versions(plan: Plan, tids: frozenset[int] | None = None) -> None:
     """SSA versions in execution order, per (rank, mb, tid); gradient buffers,
     updated across microbatches, count per (rank, tid). Only the logical
-    tensors ``tids`` when given; tensors never written get version 0."""
+    tensors ``tids`` when given; tensors never written get version 0, and
+    an input relaid on a rank (a local split) numbers on from it."""
     count: dict[tuple, int] = {}
     tensors = plan.tensors
+    outputs = {o for node in plan.nodes for o in node.outputs if o >= 0}
+    for i, t in enumerate(tensors):  # an input read from memory is version 0
+        if i not in outputs and plan.logical[t.tid].kind in INPUT_KINDS and (
+                tids is None or t.tid in tids):
+            count[(t.rank, t.mb, t.tid)] = 1
     written = set()
     for node in plan.nodes:
         for o in node.outputs:
@@ -790,6 +928,8 @@ def check_policy(cfg: ModelConfig, par: Parallelism, policy: Policy) -> None:
                           f"(context parallel {par.cp} x sequence parallel {sp})")
     if cfg.model == "moe" and not par.experts_over_tp and cfg.moe_ffn % par.tp:
         raise ConfigError(f"--moe_ffn {cfg.moe_ffn} is not divisible by --tp {par.tp}")
+    if policy.zero and (par.cp > 1 or v > 1):
+        raise ConfigError("--zero with --cp or --vpp is not supported yet")
 
 
 def parallel_plan(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, gbs: int,

@@ -4,7 +4,9 @@ On a mesh axis of size n, a tensor is laid out as
 
 * ``"R"``: every rank holds all of it (replicated),
 * ``d`` (an int): rank i holds chunk i of n along dim d (split),
-* ``"P"``: every rank holds a full-shaped part; the n parts sum to it.
+* ``"P"``: every rank holds a full-shaped part; the n parts sum to it,
+* ``"M"``: every rank holds a full-shaped part; the value is their
+  elementwise maximum (a max over a split dim, before its max all-reduce).
 
 A rule maps the layouts of an op's inputs to (the layouts it needs its inputs
 in, the layouts of its outputs), or returns None when the op cannot run on
@@ -135,6 +137,14 @@ def _flatten(kw, ins, shapes, n, params) -> Result:
     return ([x], [a]) if x == a else None
 
 
+def _max(kw, ins, shapes, n, params) -> Result:
+    x = ins[0]
+    if x == "M":
+        return [x], [x]
+    result = _reduce(True)(kw, ins, shapes, n, params)
+    return None if result is None else (result[0], ["M" if o == "P" else o for o in result[1]])
+
+
 def _reduce(allow_split_reduced: bool) -> Rule:
     def rule(kw, ins, shapes, n, params) -> Result:
         x = ins[0]
@@ -243,6 +253,11 @@ RULES: dict[str, Rule] = {
     "mul": _elementwise(lambda a, b: {a, b} == {"P", "R"}),
     "mul_scalar": _pass_through,
     "div": _pass_through,
+    "sub": _elementwise(lambda a, b: a == b == "P"),
+    "detach": _pass_through,
+    "max": _max,
+    "exp": _nonlinear,
+    "log": _nonlinear,
     "add_scalar": _nonlinear,
     "pow": _nonlinear,
     "rsqrt": _nonlinear,
@@ -267,7 +282,12 @@ RULES: dict[str, Rule] = {
 
 def propagate(op: str, kw: dict, ins: list[Layout], shapes: Sequence[Shape], n: int,
               params: Sequence[bool], n_out: int) -> tuple[list[Layout], list[Layout], bool]:
-    """(needed input layouts, output layouts, replicated?) of a forward op."""
+    """(needed input layouts, output layouts, replicated?) of a forward op.
+
+    A partial maximum is only ever read by another max; any other op needs
+    it whole (a max all-reduce first)."""
+    if op != "max":
+        ins = ["R" if layout == "M" else layout for layout in ins]
     if all(layout == "R" for layout in ins):
         return list(ins), ["R"] * n_out, True
     rule = RULES.get(op)

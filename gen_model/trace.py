@@ -65,7 +65,9 @@ class _Lowering:
     # -- nodes --------------------------------------------------------------
     def run(self, gm: torch.fx.GraphModule) -> None:
         for node in gm.graph.nodes:
-            if node.op == "placeholder":
+            if node.op == "placeholder" and node.target not in self.input_specs and node.args:
+                self.env[node.name] = node.args[0]  # an optional argument left at its default
+            elif node.op == "placeholder":
                 shape, kind = self.input_specs[node.target]
                 tid = self.g.new_tensor(node.target, shape, kind)
                 self.g.inputs[node.target] = tid
@@ -120,9 +122,11 @@ class _Lowering:
 Lower = Callable[[_Lowering, list, dict, str], Any]
 
 
-def _arith(tensor_op: str | None, scalar_op: str) -> Lower:
+def _arith(tensor_op: str | None, scalar_op: str, negate: bool = False) -> Lower:
     def lower(t: _Lowering, args, kwargs, name):
         a, b = args[0], args[1]
+        if negate and _is_value(a) and not _is_value(b):
+            b = -b
         if _is_value(a) and _is_value(b) and tensor_op is not None:
             return t.emit(tensor_op, [a, b], {}, name)
         if not _is_value(a) or _is_value(b):
@@ -142,6 +146,33 @@ def _radd_mul(tensor_op: str, scalar_op: str) -> Lower:
         return inner(t, [a, b], kwargs, name)
 
     return lower
+
+
+def _amax(t: _Lowering, args, kwargs, name):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", [])
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    dim = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    if not dim:
+        dim = None
+    return t.emit("max", [args[0]], {"dim": dim, "keepdim": keepdim}, name)
+
+
+def _numel(t: _Lowering, args, kwargs, name):
+    """A tensor's element count, a constant of the graph."""
+    count = 1
+    for n in t.g.shape(args[0][0]):
+        count *= n
+    return count
+
+
+def _one_hot(t: _Lowering, args, kwargs, name):
+    labels, like = args[0], args[1]
+    if not _is_value(labels) or t.g.tensors[labels[0]].kind != "tokens":
+        raise TraceError(f"{name}: one_hot takes a 'tokens' model input (one-hot labels)")
+    if t.g.shape(labels[0]) != t.g.shape(like[0]):
+        raise TraceError(f"{name}: labels {t.g.shape(labels[0])} do not match "
+                         f"{t.g.shape(like[0])}")
+    return labels
 
 
 def _pow(t: _Lowering, args, kwargs, name):
@@ -212,6 +243,18 @@ LOWERINGS: dict[Any, Lower] = {
     operator.mul: _radd_mul("mul", "mul_scalar"),
     torch.mul: _radd_mul("mul", "mul_scalar"),
     "method:mul": _arith("mul", "mul_scalar"),
+    operator.sub: _arith("sub", "add_scalar", negate=True),
+    torch.sub: _arith("sub", "add_scalar", negate=True),
+    "method:sub": _arith("sub", "add_scalar", negate=True),
+    torch.exp: _unary("exp"),
+    "method:exp": _unary("exp"),
+    torch.log: _unary("log"),
+    "method:log": _unary("log"),
+    torch.amax: _amax,
+    "method:amax": _amax,
+    "method:detach": _unary("detach"),
+    "method:numel": _numel,
+    leaf.one_hot: _one_hot,
     operator.truediv: _arith(None, "div"),
     "method:div": _arith(None, "div"),
     operator.pow: _pow,

@@ -11,7 +11,11 @@ with a vocab-parallel embedding too); llama3 with context parallelism (cp in
 {2, 4} with dp, tp, pp, nm in {1, 2}, at most 16 ranks, and one with
 sequence parallelism too); llama3 with Ulysses (cp in {2, 4} with dp, pp,
 nm in {1, 2}); mlp and llama3 with an interleaved pipeline (vpp 2, four
-dp/tp/pp/nm settings, both schedules). Prints one line per plan and exits 1 if any plan fails a check.
+dp/tp/pp/nm settings, both schedules).;
+ZeRO-1/2/3 for mlp and llama3 (dp2 nm2, dp4, dp2 tp2 pp2 nm2) and moe (dp4
+ep2 nm2, dp2 tp2 ep4); and the optimizer step (mlp with SGD, llama3 with
+AdamW, moe with Adam), with and without ZeRO. Prints one line per plan and
+exits 1 if any plan fails a check.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import itertools
 import sys
 import time
+from dataclasses import replace
 
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
@@ -35,6 +40,11 @@ MODELS = {
     "moe": ModelConfig("moe", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=12,
                        seqlen=4, experts=4, topk=2, moe_ffn=8, first_dense=1),
 }
+MODELS.update({
+    "mlp_sgd": replace(MODELS["mlp"], optimizer="sgd"),
+    "llama3_adamw": replace(MODELS["llama3"], optimizer="adamw"),
+    "moe_adam": replace(MODELS["moe"], optimizer="adam"),
+})
 DEGREES = (1, 2, 4)
 
 
@@ -68,6 +78,20 @@ def grid() -> list[tuple[str, Parallelism, Policy]]:
             ("1f1b", "gpipe")):
         cases.append((model, Parallelism(dp=dp, tp=tp, pp=pp, nm=nm),
                       Policy(schedule=schedule, virtual_stages=2)))
+    zero_pars = (Parallelism(dp=2, nm=2), Parallelism(dp=4),
+                 Parallelism(dp=2, tp=2, pp=2, nm=2))
+    for model, zero, par in itertools.product(("mlp", "llama3"), (1, 2, 3), zero_pars):
+        cases.append((model, par, Policy(zero=zero)))
+    for zero, par in itertools.product((2, 3), (Parallelism(dp=4, ep=2, nm=2),
+                                                Parallelism(dp=2, tp=2, ep=4))):
+        cases.append(("moe", par, Policy(zero=zero)))
+    for model, par, zero in (("mlp_sgd", Parallelism(dp=2, tp=2, pp=2, nm=2), 0),
+                             ("mlp_sgd", Parallelism(dp=4, nm=2), 2),
+                             ("llama3_adamw", Parallelism(dp=2, tp=2, pp=2, nm=2), 0),
+                             ("llama3_adamw", Parallelism(dp=2, tp=2, nm=2), 1),
+                             ("llama3_adamw", Parallelism(dp=4, pp=2), 3),
+                             ("moe_adam", Parallelism(dp=4, ep=2, nm=2), 3)):
+        cases.append((model, par, Policy(zero=zero)))
     return cases
 
 
@@ -76,6 +100,7 @@ def describe(policy: Policy) -> str:
         ("sp", policy.sequence_parallel), ("vocab", policy.vocab_parallel),
         ("ulysses", policy.ulysses), (f"vpp{policy.virtual_stages}",
                                       policy.virtual_stages > 1)) if on]
+    flags += [f"zero{policy.zero}"] if policy.zero else []
     return " ".join(flags)
 
 

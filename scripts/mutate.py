@@ -27,7 +27,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -61,8 +61,15 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "llama3_ulysses2_dp2_nm2": (LLAMA, Parallelism(cp=2, dp=2, nm=2), Policy(ulysses=True)),
     "mlp_pp2_vpp2_nm2": (ModelConfig("mlp", layers=4, hidden=8), Parallelism(pp=2, nm=2),
                          Policy(virtual_stages=2)),
+    "mlp_zero1_dp2_pp2_tp2_nm2": (MLP, Parallelism(dp=2, tp=2, pp=2, nm=2), Policy(zero=1)),
+    "mlp_zero2_dp2_nm2": (MLP, Parallelism(dp=2, nm=2), Policy(zero=2)),
+    "llama3_zero3_dp2_pp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, pp=2, nm=2),
+                                     Policy(zero=3)),
+    "moe_zero3_dp4_ep2_nm2": (MOE, Parallelism(dp=4, ep=2, nm=2), Policy(zero=3)),
+    "llama3_adamw_zero1_dp2_tp2_nm2": (replace(LLAMA, optimizer="adamw"),
+                                       Parallelism(dp=2, tp=2, nm=2), Policy(zero=1)),
 }
-QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2")
+QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2", "mlp_zero2_dp2_nm2")
 
 
 @dataclass

@@ -306,7 +306,12 @@ def test_bug14_early_reducer_is_caught_at_the_accumulation_stage(small):
 def test_full_base_plan_verifies(full):
     verdict = full.verdict(0)
     assert verdict.success, verdict.message
-    assert len(verdict.stages) == len(full.single.nodes)
+    # one stage per single-device node, and one input stage: the labels' vocabulary
+    # range, which each tensor-parallel rank cuts from the one-hot labels
+    inputs = [s for s in verdict.stages if s.gs_node < 0]
+    assert len(verdict.stages) == len(full.single.nodes) + len(inputs)
+    assert {full.single.logical[full.single.tensors[verdict.lineages[s.outputs[0]].ts].tid].name
+            for s in inputs} == {"labels"}
 
 
 @pytest.mark.parametrize(("bug", "kind"), [(2, "unreachable"), (7, "stage"), (14, "stage")])
@@ -324,6 +329,6 @@ def test_main_exits_1_with_the_counterexample(full, tmp_path, capsys):
                       "--no_cache_stages", "--no_cache_nodes", "--stats_dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1
-    assert "❌ ERROR: 🚨 Stage 4 solver result: sat" in out
+    assert "❌ ERROR: 🚨 Stage 5 solver result: sat" in out
     assert "op='add_scalar', dir='fw', name='layers.0.attention_norm.add'" in out
     assert out.count("🚨 ⬆️") == 4 and "❌ FAIL" in out

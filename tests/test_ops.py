@@ -32,24 +32,25 @@ ATOL = 1e-14  # entries that cancel to ~0 have no meaningful relative error
 
 COVERED = {
     # elementwise
-    "add", "mul", "add_scalar", "mul_scalar", "div", "pow", "rsqrt", "silu", "softmax",
+    "add", "sub", "mul", "add_scalar", "mul_scalar", "div", "pow", "rsqrt", "exp", "log",
+    "silu", "softmax",
     # linalg
     "linear", "matmul", "einsum", "embedding",
     # layout
-    "transpose", "unflatten", "flatten", "repeat_interleave", "sum", "mean",
+    "transpose", "unflatten", "flatten", "repeat_interleave", "sum", "mean", "max",
     # nn (model leaves)
     "apply_rotary_emb", "causal_mask", "route",
     # step
-    "multiref", "zeros", "ones", "local_grad_accumulation",
+    "multiref", "zeros", "ones", "local_grad_accumulation", "detach", "sgd_step", "adam_step",
     # collectives
-    "all_reduce", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
+    "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
     "send_recv", "broadcast",
     # torch-side
     "expand",
 }
 
 COLLECTIVES = {
-    "all_reduce", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
+    "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
     "send_recv", "broadcast",
 }
 
@@ -113,6 +114,12 @@ def _cases() -> list[Case]:
                   lambda a, b: a * b))
     c.append(Case("mul_bcast_mid", "mul", [randn(2, 1, 4, seed=3), randn(3, 1, seed=4)],
                   lambda a, b: a * b))
+    c.append(Case("sub_bcast_last", "sub", [randn(2, 3, 4, seed=1), randn(2, 3, 1, seed=2)],
+                  lambda a, b: a - b))
+    c.append(Case("sub_bcast_rank", "sub", [randn(2, 3, 4, seed=1), randn(4, seed=2)],
+                  lambda a, b: a - b))
+    c.append(Case("exp", "exp", [randn(2, 3, seed=5)], torch.exp))
+    c.append(Case("log", "log", [rng(9).uniform(0.2, 3.0, (2, 3))], torch.log))
     c.append(Case("add_scalar", "add_scalar", [randn(2, 3, seed=5)], lambda x: x + 0.75,
                   {"value": 0.75}))
     c.append(Case("mul_scalar", "mul_scalar", [randn(2, 3, seed=6)], lambda x: x * -1.5,
@@ -199,6 +206,16 @@ def _cases() -> list[Case]:
     c.append(Case("causal_mask_square", "causal_mask", [randn(2, 3, 4, 4, seed=37)],
                   leaf.causal_mask))
     c.append(Case("causal_mask_rect", "causal_mask", [randn(3, 5, seed=38)], leaf.causal_mask))
+
+    # -- max (torch.amax): ties share the gradient evenly
+    ties = np.array([[[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [5.0, -1.0, 0.0, 4.0]],
+                     [[0.5, 0.5, -2.0, 0.5], [1.0, 2.0, 3.0, 4.0], [7.0, 7.0, 6.0, 7.0]]])
+    for dim, keep in ((-1, True), (-1, False), (1, False), ([0, 2], True), (None, False)):
+        c.append(Case(f"max_ties_{dim}_{keep}", "max", [ties],
+                      _torch_reduce("amax", dim if dim is not None else None, keep),
+                      {"dim": dim, "keepdim": keep}))
+    c.append(Case("max_random", "max", [randn(2, 3, 5, seed=41)],
+                  _torch_reduce("amax", -1, True), {"dim": [-1], "keepdim": True}))
 
     # -- step
     c.append(Case("multiref3", "multiref", [randn(2, 3, seed=39)],
@@ -439,6 +456,43 @@ def test_all_reduce(name: str) -> None:
         rule.shape([], index=0)
 
 
+def test_all_reduce_max() -> None:
+    rule = get_op("all_reduce_max")
+    xs = _group(3, (2, 4), seed=50)
+    xs[1][0, 0] = xs[2][0, 0] = 9.0  # a tie across ranks
+    for index in range(3):
+        (out,) = rule.forward(NumericXP(), tuple(xs), index=index)
+        np.testing.assert_array_equal(out, np.maximum(np.maximum(xs[0], xs[1]), xs[2]))
+        assert rule.shape([x.shape for x in xs], index=index) == [out.shape]
+    with pytest.raises(ShapeError, match="group shapes differ"):
+        rule.shape([(2, 4), (4, 2)], index=0)
+
+
+def test_detach_is_the_identity_without_gradient() -> None:
+    rule = get_op("detach")
+    x = randn(2, 3, seed=51)
+    (out,) = rule.forward(NumericXP(), (x,))
+    np.testing.assert_array_equal(out, x)
+    assert rule.backward is None and rule.differentiable_inputs(1) == ()
+
+
+def test_cross_entropy_is_torch_cross_entropy() -> None:
+    """The zoo's loss on one-hot labels equals F.cross_entropy on integer labels,
+    value and gradient, also with a tied maximum."""
+    from gen_model.models.loss import cross_entropy
+
+    logits = torch.tensor(randn(3, 4, 6, seed=52), requires_grad=True)
+    with torch.no_grad():
+        logits[0, 0, 1] = logits[0, 0, 4] = logits[0, 0].max() + 1.0
+    labels = torch.tensor(rng(53).integers(0, 6, (3, 4)))
+    ours = cross_entropy(logits, leaf.one_hot(labels, logits))
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    ref = F.cross_entropy(logits.reshape(-1, 6), labels.reshape(-1))
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-12, atol=1e-14)
+
+
 def test_all_gather() -> None:
     rule = get_op("all_gather")
     xs = _group(2, (2, 3), seed=60)
@@ -535,6 +589,15 @@ def test_send_recv_and_broadcast() -> None:
 
 
 SHAPE_ERRORS: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
+    ("sub", [(2, 3), (2, 4)], {}),
+    ("exp", [(2,), (2,)], {}),
+    ("log", [(2,), (2,)], {}),
+    ("max", [(2, 3)], {"dim": 2, "keepdim": False}),
+    ("all_reduce_max", [(2, 3), (3, 2)], {"index": 0}),
+    ("sgd_step", [(2, 3), (3, 2)], {"lr": 0.1, "weight_decay": 0.0}),
+    ("adam_step", [(2, 3), (2, 3), (2, 3), (2, 2)],
+     {"lr": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
+      "decoupled": True, "step": 1}),
     ("expand", [(3, 2)], {"shape": [3, 4]}),
     ("expand", [(2, 3)], {"shape": [3]}),
     ("add", [(2, 3), (2, 4)], {}),
@@ -619,5 +682,6 @@ def test_cases_cover_every_differentiable_op() -> None:
     with_backward = {n for n, op in OPS.items() if op.backward is not None}
     assert with_backward <= {c.op for c in CASES}
     forward_only = {n for n, op in OPS.items() if op.backward is None} - COLLECTIVES
-    assert forward_only == {"zeros", "ones", "local_grad_accumulation", "route"}
+    assert forward_only == {"zeros", "ones", "local_grad_accumulation", "route", "detach",
+                            "sgd_step", "adam_step"}  # the steps: tests/test_optimizer.py
     assert all(n in OPS for n in COLLECTIVES)

@@ -44,9 +44,11 @@ def plans() -> dict[str, Plan]:
 
 @pytest.fixture(scope="module")
 def tiny_plan() -> Plan:
-    """mlp, one 2x2 layer. Tensors: 0 x, 1 weight, 2 act, 3 loss, 4 loss.grad,
-    5 act.grad, 6 weight.grad, 7 grad buffer v0, 8 grad buffer v1. Nodes:
-    0 linear fw, 1 sum fw, 2 ones bw, 3 sum bw, 4 linear bw, 5 zeros, 6 accumulate."""
+    """mlp, one 2x2 layer, cross-entropy loss. Tensors: 0 x, 1 weight, 2 the
+    layer's output (logical tensor 3: logical 1 is the labels), then the loss
+    computation and the backward; the last two are the grad buffer v0 and
+    v1. Nodes: 0 linear fw, 1 detach fw, then the loss, ..., zeros,
+    accumulate."""
     return make_plan(ModelConfig("mlp", layers=1, hidden=2), Parallelism(), 2)
 
 
@@ -110,7 +112,7 @@ def test_plan_loads_without_world_spec(tiny_plan: Plan, tmp_path: Path) -> None:
 
 def test_wrong_operator_shape_still_loads(tiny: dict, tmp_path: Path) -> None:
     """Shape rules are the verifier's findings, not load errors."""
-    tiny["logical"][2][1] = [2, 3]
+    tiny["logical"][tiny["tensors"][2][2]][1] = [2, 3]
     tiny["tensors"][2][4] = [2, 3]
     tiny["tensors"][2][6] = [[0, 2], [0, 3]]
     plan = load_plan(write_pickle(tmp_path / "plan.pkl", tiny))
@@ -198,9 +200,11 @@ def test_truncated_pickle(tiny: dict, tmp_path: Path) -> None:
     load_error(tmp_path / "half.pkl", "truncated")
 
 
-def test_every_prefix_is_refused(tiny: dict, tmp_path: Path) -> None:
+def test_every_prefix_is_refused(tmp_path: Path) -> None:
+    # the plain-sum plan: a third of the cross-entropy plan's bytes, the same structure
+    small = make_plan(ModelConfig("mlp", layers=1, hidden=2, loss="sum"), Parallelism(), 2)
     for protocol in (0, pickle.HIGHEST_PROTOCOL):
-        blob = pickle.dumps(tiny, protocol=protocol)
+        blob = pickle.dumps(small.to_data(), protocol=protocol)
         path = tmp_path / f"cut{protocol}.pkl"
         for cut in range(len(blob)):
             path.write_bytes(blob[:cut])
@@ -311,32 +315,34 @@ BAD_DATA: list[tuple[str, Mutation, str]] = [
     ("shape vs slices", lambda d: d["tensors"][0].__setitem__(4, [2, 3]),
      "tensor 0: shape [2, 3] does not match its slices"),
     ("parts", lambda d: d["tensors"][0].__setitem__(7, [1, 1, 2]),
-     "tensor 0: parts [1, 1, 2] must satisfy 0 <= lo < hi <= n"),
+     "tensor 0: parts [1, 1, 2] must satisfy 0 <= lo < hi <= |n|"),
+    ("max parts", lambda d: d["tensors"][0].__setitem__(7, [2, 3, -2]),
+     "tensor 0: parts [2, 3, -2] must satisfy 0 <= lo < hi <= |n|"),
     ("duplicate tensor", lambda d: d["tensors"].append(list(d["tensors"][0])),
-     "tensor 9: same (rank, mb, tid, version) (0, 0, 0, 0) as tensor 0"),
+     "same (rank, mb, tid, version) (0, 0, 0, 0) as tensor 0"),
     ("index out of range", lambda d: d["nodes"][0].__setitem__(4, [0, 99]),
-     "node 0 (linear on rank 0 mb 0): input 99 is not a tensor index (plan has 9 tensors)"),
+     "node 0 (linear on rank 0 mb 0): input 99 is not a tensor index (plan has 34 tensors)"),
     ("index -2", lambda d: d["nodes"][3].__setitem__(4, [-2, 4]),
-     "node 3 (sum on rank 0 mb 0): input -2 is not a tensor index"),
-    ("output out of range", lambda d: d["nodes"][0].__setitem__(5, [9]),
-     "node 0 (linear on rank 0 mb 0): output 9 is not a tensor index"),
+     "node 3 (multiref on rank 0 mb 0): input -2 is not a tensor index"),
+    ("output out of range", lambda d: d["nodes"][0].__setitem__(5, [99]),
+     "node 0 (linear on rank 0 mb 0): output 99 is not a tensor index"),
     ("-1 in fw node", lambda d: d["nodes"][0].__setitem__(4, [-1, 1]),
      "node 0 (linear on rank 0 mb 0): input -1 (absent slot) is allowed only in bw nodes"),
     ("written twice", lambda d: d["nodes"][2].__setitem__(5, [2]),
-     "node 2 (ones on rank 0 mb 0): tensor 2 is already written by node 0"),
+     "node 2 (max on rank 0 mb 0): tensor 2 is already written by node 0"),
     ("written twice by one node", lambda d: d["nodes"][0].__setitem__(5, [2, 2]),
      "node 0 (linear on rank 0 mb 0): tensor 2 is already written by node 0"),
     ("read before write", _swap_first_nodes,
-     "node 0 (sum on rank 0 mb 0): reads tensor 2 before node 1 writes it"),
+     "node 0 (detach on rank 0 mb 0): reads tensor 2 before node 1 writes it"),
     ("reads own output", lambda d: d["nodes"][1].__setitem__(5, [2]) or d["nodes"].pop(0),
-     "node 0 (sum on rank 0 mb 0): tensor 2 is both an input and an output"),
+     "node 0 (detach on rank 0 mb 0): tensor 2 is both an input and an output"),
     ("unknown op", lambda d: d["nodes"][0].__setitem__(2, "frobnicate"),
      "node 0: unknown operator 'frobnicate'"),
     ("bad dir", lambda d: d["nodes"][0].__setitem__(3, "sideways"),
      "node 0 (linear on rank 0 mb 0): dir 'sideways' is not one of"),
     ("node row", lambda d: d["nodes"][0].pop(), "node 0: must be a list [rank, mb, op,"),
     ("kwargs key", lambda d: d["nodes"][1].__setitem__(6, {1: 2}),
-     "node 1 (sum on rank 0 mb 0): kwargs key must be a str, got int"),
+     "node 1 (detach on rank 0 mb 0): kwargs key must be a str, got int"),
     ("kwargs type", lambda d: d["nodes"][1].__setitem__(6, []), "kwargs must be a dict"),
     ("node name", lambda d: d["nodes"][1].__setitem__(7, None), "name must be a str"),
     ("loss range", lambda d: d.update(loss=99), "loss 99 is not a logical id"),
@@ -477,11 +483,12 @@ def test_plan_error_is_one_line_and_picklable(tmp_path: Path) -> None:
     assert str(pickle.loads(pickle.dumps(err))) == str(err)
 
 
-def test_docs_example_is_current(tiny_plan: Plan) -> None:
+def test_docs_example_is_current() -> None:
     """The example in docs/plan-format.md is exactly this plan's to_data()."""
     text = (Path(__file__).parents[1] / "docs" / "plan-format.md").read_text()
     example = text.split("## Example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    assert ast.literal_eval(example) == tiny_plan.to_data()
+    plan = make_plan(ModelConfig("mlp", layers=1, hidden=2, loss="sum"), Parallelism(), 2)
+    assert ast.literal_eval(example) == plan.to_data()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")

@@ -65,7 +65,9 @@ def test_megatron_collectives():
     norms = sorted(f"{t.name}.grad" for t in plan.logical if t.kind == "param"
                    and t.name.endswith("norm.weight"))
     assert [r for r in reduced if r.endswith("norm.weight.grad")] == norms
-    assert len(reduced) == len(norms) + 1  # the loss
+    # and the cross-entropy's sum of exponentials and target logit, and its max
+    assert len(reduced) == len(norms) + 2
+    assert count[("fw", "all_reduce_max")] == 1
 
 
 def test_norm_gradient_left_unreduced_fails():

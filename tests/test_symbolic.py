@@ -18,6 +18,8 @@ from verdict.ops.collectives import OPS as COLLECTIVE_OPS
 
 FUNCTIONS = {
     "exp": np.exp,
+    "log": math.log,
+    "adam_ratio[1e-08]": lambda m, v: m / (math.sqrt(v) + 1e-8),
     "rsqrt": lambda v: 1.0 / math.sqrt(v),
     "sigmoid": lambda v: 1.0 / (1.0 + math.exp(-v)),
 }
@@ -45,8 +47,16 @@ def evaluate(term, memo: dict) -> float:
             value = -args[0]
         elif kind == z3.Z3_OP_DIV:
             value = args[0] / args[1]
+        elif kind == z3.Z3_OP_ITE:
+            value = args[1] if args[0] else args[2]
+        elif kind == z3.Z3_OP_GE:
+            value = args[0] >= args[1]
+        elif kind == z3.Z3_OP_LE:
+            value = args[0] <= args[1]
+        elif kind == z3.Z3_OP_EQ:
+            value = args[0] == args[1]
         elif kind == z3.Z3_OP_UNINTERPRETED:
-            value = float(FUNCTIONS[term.decl().name()](args[0]))
+            value = float(FUNCTIONS[term.decl().name()](*args))
         else:
             raise AssertionError(f"unexpected term {term.decl()}")
     memo[key] = value
@@ -105,7 +115,8 @@ def test_symbolic_rule_equals_numeric_rule(case: Case) -> None:
 def test_some_case_of_every_small_op_is_checked() -> None:
     assert {c.op for c in SMALL} >= {"add", "mul", "softmax", "silu", "rsqrt", "linear",
                                      "matmul", "einsum", "apply_rotary_emb", "causal_mask",
-                                     "multiref", "sum", "mean", "pow"}
+                                     "multiref", "sum", "mean", "pow", "max", "sub", "exp",
+                                     "log"}
 
 
 @pytest.mark.parametrize("op", [o for o in COLLECTIVE_OPS if o.name not in ("split",)],
@@ -113,7 +124,8 @@ def test_some_case_of_every_small_op_is_checked() -> None:
 def test_collectives_symbolic(op) -> None:
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal((2, 4)) for _ in range(2)]
-    kw = {"all_reduce": {"index": 1}, "reducer": {"index": 0}, "all_gather": {"index": 0, "dim": 1},
+    kw = {"all_reduce": {"index": 1}, "all_reduce_max": {"index": 0}, "reducer": {"index": 0},
+          "all_gather": {"index": 0, "dim": 1},
           "reduce_scatter": {"index": 1, "dim": 1},
           "all_to_all": {"index": 1, "split_dim": 1, "concat_dim": 0},
           "send_recv": {"src": 0, "dst": 1}, "broadcast": {"src": 0}}[op.name]
@@ -137,3 +149,17 @@ def test_masked_scores_give_exact_zero_probability() -> None:
     x = np.array([[z3.Real("a"), -math.inf]], dtype=object)
     p = SymbolicXP.softmax(x, -1)
     assert p[0, 1] == 0 and not z3.is_expr(p[0, 1])
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_step_symbolic(decoupled) -> None:
+    rng = np.random.default_rng(4)
+    p, g, m = (rng.standard_normal((2, 3)) for _ in range(3))
+    v = rng.uniform(0.0, 1.0, (2, 3))
+    kw = {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1,
+          "decoupled": decoupled, "step": 1}
+    rule = get_op("adam_step")
+    num = rule.forward(NumericXP(), (p, g, m, v), **kw)
+    sym = rule.forward(SymbolicXP(), tuple(symbolic(x) for x in (p, g, m, v)), **kw)
+    for s, n in zip(sym, num):
+        close(s, n)

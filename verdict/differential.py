@@ -116,14 +116,17 @@ def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> 
                         name, [parallel.tensors[same[0]], parallel.tensors[i]], values[same[0]],
                         values[i], "replica of one partial part"))
         reps = [(lo, hi, same[0]) for (lo, hi), same in by_range.items()]
-        covers, _ = exact_covers(reps, n)
+        covers, _ = exact_covers(reps, abs(n))
         piece = ref[(tid, lver)][_region(slices)]
         for cover in covers:
             report.groups += 1
-            total = sum(values[i] for i in cover)
+            if n < 0:
+                total, what = np.max([values[i] for i in cover], axis=0), "partial-max group"
+            else:
+                total, what = sum(values[i] for i in cover), "partial-sum group"
             if not _close(total, piece, rtol):
                 report.differences.append(Difference(
-                    name, [parallel.tensors[i] for i in cover], piece, total, "partial-sum group"))
+                    name, [parallel.tensors[i] for i in cover], piece, total, what))
     report.uncovered = final_state(single, parallel, ref_values, values, rtol)
     return report
 
@@ -155,6 +158,13 @@ def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
                     problems.append(f"rank {rank} ends with a gradient of {name} that is not "
                                     f"the single-device gradient of its shard")
                     break
+            if final_version(single, p) > 0:
+                updated = ref_values[last[p]]
+                got = st.last_param.get(p)
+                if got is None or any(not _close(values[got], updated[_region(s)], rtol)
+                                      for s in held):
+                    problems.append(f"rank {rank} does not end with the updated {name} "
+                                    f"of its shard")
     for p in single.grads:
         if not any(p in st.held for st in states.values()):
             problems.append(f"no rank holds {single.logical[p].name}")

@@ -13,6 +13,9 @@ ends with and what it should end with:
 * for each held shard, the gradient buffer the rank writes last, in
   execution order: what its optimizer reads. It must be a whole piece of the
   final gradient at exactly the held slice, and its lineage must be proved.
+* with an optimizer step in the plan, for each held shard, the parameter
+  tensor the rank writes last: the updated single-device parameter at
+  exactly that shard, proved;
 * the loss pieces a rank writes last for each of its microbatches. Summed
   with those of its data-parallel replicas (same pipeline stage, same
   tensor-parallel index in the (pp, dp, tp) rank layout of
@@ -42,6 +45,7 @@ class RankState:
     held: dict[int, list[Slices]] = field(default_factory=dict)  # param tid -> held slices
     last_grad: dict[int, int] = field(default_factory=dict)  # param tid -> last gradbuf tensor
     loss: list[int] = field(default_factory=list)  # last loss tensor of each microbatch
+    last_param: dict[int, int] = field(default_factory=dict)  # param tid -> last param written
 
 
 def rank_coords(world: dict, rank: int) -> tuple[int, int, int]:
@@ -119,7 +123,7 @@ def rank_states(single: Plan, parallel: Plan) -> dict[int, RankState]:
     producer = parallel.producers()
     grad_of = {buf: p for p, buf in single.grads.items()}
     for i, t in enumerate(parallel.tensors):
-        if producer[i] < 0 and t.tid in single.grads:
+        if producer[i] < 0 and t.tid in single.grads and t.lver == 0:  # loaded, not updated
             held = state(t.rank).held.setdefault(t.tid, [])
             if t.slices not in held:
                 held.append(t.slices)
@@ -131,6 +135,8 @@ def rank_states(single: Plan, parallel: Plan) -> dict[int, RankState]:
             t = parallel.tensors[o]
             if t.tid in grad_of:
                 state(t.rank).last_grad[grad_of[t.tid]] = o
+            elif t.tid in single.grads:
+                state(t.rank).last_param[t.tid] = o
             elif t.tid == single.loss:
                 last_loss[(t.rank, t.mb)] = o
     for (rank, _), o in sorted(last_loss.items()):
@@ -198,6 +204,7 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
     problems = []
     name = single.logical
     final_grad = {p: final_version(single, buf) for p, buf in single.grads.items()}
+    final_param = {p: final_version(single, p) for p in single.grads}
     holders: dict[int, list[Slices]] = defaultdict(list)
     for rank, st in states.items():
         for p, held in sorted(st.held.items()):
@@ -223,6 +230,9 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
                                 f"gradient (version {t.lver} of {final_grad[p]}, parts {t.parts})")
             elif of_gp[t_index] not in proved:
                 problems.append(f"{what}, whose gradient is never proved")
+            elif final_param[p] > 0:
+                problems += _check_update(parallel, rank, p, pname, box, st, final_param[p],
+                                          of_gp, proved)
     for p in single.grads:
         shape = name[p].shape
         if not holders.get(p):
@@ -231,6 +241,26 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
             problems.append(f"the ranks' shards of {name[p].name} do not cover it")
     problems += _check_loss(single, parallel, states, lineages, of_gp, proved)
     return problems
+
+
+def _check_update(parallel: Plan, rank: int, p: int, pname: str, box: Slices, st: RankState,
+                  final: int, of_gp: list[int], proved: set[int]) -> list[str]:
+    """With an optimizer step: the parameter a rank writes last is the
+    updated single-device parameter at exactly its held shard, proved."""
+    u = st.last_param.get(p)
+    if u is None:
+        return [f"rank {rank} holds shard {_show(box)} of {pname} but never updates it"]
+    t = parallel.tensors[u]
+    what = (f"rank {rank} holds shard {_show(box)} of {pname} but ends with "
+            f"Tensor(rank={rank}, mb={t.mb}, tid={t.tid}, v={t.version})")
+    if t.slices != box:
+        return [f"{what}, the update of slice {_show(t.slices)}"]
+    if t.lver != final or not t.is_whole():
+        return [f"{what}, which is not the updated parameter (version {t.lver} of {final}, "
+                f"parts {t.parts})"]
+    if of_gp[u] not in proved:
+        return [f"{what}, whose update is never proved"]
+    return []
 
 
 def _check_loss(single: Plan, parallel: Plan, states: dict[int, RankState],

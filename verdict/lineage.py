@@ -12,6 +12,11 @@ representatives of partial parts are grouped into exact covers of [0, n).
 A representative in no complete cover is 'loose': nothing ties its value to
 Ts, and a stage that reads one knows nothing of it (but that its replicas
 equal it).
+
+Parts with a negative n are parts of an |n|-way partial maximum (a max
+over a split dim before its max all-reduce). They are never grouped: they
+are always loose, so a stage recomputes them from their producers and
+never assumes their value.
 """
 
 from __future__ import annotations
@@ -125,7 +130,7 @@ def infer_lineages(single: Plan, parallel: Plan) -> tuple[list[Lineage], list[in
                     by_range[(lo, hi)].append(i)
                 lin.same.extend(tuple(s) for s in by_range.values() if len(s) > 1)
                 reps = [(lo, hi, s[0]) for (lo, hi), s in by_range.items()]
-                covers, rest = exact_covers(reps, n)
+                covers, rest = exact_covers(reps, n) if n > 0 else ([], [r[2] for r in reps])
                 lin.groups.extend((slices, c) for c in covers)
                 lin.loose.extend(rest)
         lineages.append(lin)

@@ -27,8 +27,24 @@ class NumericXP:
         return np.exp(x)
 
     @staticmethod
+    def log(x):
+        return np.log(x)
+
+    @staticmethod
     def rsqrt(x):
         return 1.0 / np.sqrt(x)
+
+    @staticmethod
+    def adam_ratio(m, v, eps):
+        return m / (np.sqrt(v) + eps)
+
+    @staticmethod
+    def maximum(a, b):
+        return np.maximum(a, b)
+
+    @staticmethod
+    def equal(a, b):
+        return np.asarray(np.asarray(a) == np.asarray(b), dtype=float)
 
     @staticmethod
     def sigmoid(x):
@@ -79,6 +95,8 @@ def input_value(t: Logical, seed: int) -> np.ndarray:
         if len(t.shape) == 1:
             return 1.0 + 0.1 * rng.uniform(-1.0, 1.0, t.shape)
         return rng.uniform(-1.0, 1.0, t.shape) / math.sqrt(t.shape[-1])
+    if t.kind == "buffer" and t.name.endswith(".exp_avg_sq"):
+        return rng.uniform(0.0, 1.0, t.shape)  # Adam's second moment is never negative
     if t.kind == "buffer":
         return rng.uniform(-1.0, 1.0, t.shape)
     return rng.standard_normal(t.shape)

@@ -38,7 +38,8 @@ class Tensor(NamedTuple):
 
     Its lineage view says which piece of logical tensor ``tid`` at logical
     version ``lver`` it holds: the ``slices`` ([start, end) per dim, in full
-    coordinates) and the parts [lo, hi) of an ``n``-way partial sum.
+    coordinates) and the parts [lo, hi) of an ``n``-way partial sum (of an
+    ``|n|``-way partial maximum when ``n`` is negative).
     """
 
     rank: int
@@ -166,7 +167,7 @@ class Plan:
 
 #: World fields that describe parallelism; all others describe the model.
 PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_parallel", "schedule",
-                   "sequence_parallel", "ulysses", "virtual_stages")
+                   "sequence_parallel", "ulysses", "virtual_stages", "zero")
 
 
 def pair_problem(single: Plan, parallel: Plan) -> str | None:

@@ -81,7 +81,7 @@ class _Run:
 
     def substitute(self, f: LineageFact) -> None:
         for slices, members in f.groups:
-            piece = self.ts[f.ts][_region(slices)]
+            piece = np.asarray(self.ts[f.ts][_region(slices)], dtype=object)  # 0-d stays an array
             free = [m for m in members if m not in self.tp]
             if not free:
                 total = _total([self.tp[m] for m in members])

@@ -44,9 +44,15 @@ class _Cutter:
         self.lineages, self.of_gs, self.of_gp = lineages, of_gs, of_gp
         self.producer = parallel.producers()
         self.verified_lineages: set[int] = set()
+        # loaded: producer-less pieces of a tensor that is an input of the
+        # single-device plan too (not, say, a parameter's updated version)
+        single_producer = single.producers()
+        computed_in_s = {(t.tid, t.version) for i, t in enumerate(single.tensors)
+                         if single_producer[i] >= 0}
         self.verified: set[int] = {
             i for i, prod in enumerate(self.producer)
             if prod < 0 and parallel.logical[parallel.tensors[i].tid].kind in INPUT_KINDS
+            and (parallel.tensors[i].tid, parallel.tensors[i].lver) not in computed_in_s
         }
         self.stages: list[Stage] = []
         for i in sorted(self.verified):
@@ -104,10 +110,11 @@ class _Cutter:
             f"{what}; in the {where}"))
 
     def run(self) -> list[Stage]:
+        single_producer = self.s.producers()  # an updated parameter is computed
         for lin in self.lineages:
             ts = self.s.tensors[lin.ts]
-            if self.s.logical[ts.tid].kind not in INPUT_KINDS:
-                continue
+            if self.s.logical[ts.tid].kind not in INPUT_KINDS or single_producer[lin.ts] >= 0:
+                continue  # computed (an updated parameter is its optimizer step's output)
             self.verified_lineages.add(lin.id)
             computed = {t for t in lin.members if self.producer[t] >= 0}
             if computed:

@@ -10,6 +10,7 @@ from torch import nn
 
 from gen_model import leaf
 from gen_model.config import ModelConfig
+from gen_model.models.loss import cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -67,9 +68,12 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden)
         self.feed_forward = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The block's output and its auxiliary loss (None for a dense block)."""
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        out = self.feed_forward(self.ffn_norm(h))
+        out, aux = out if isinstance(out, tuple) else (out, None)
+        return h + out, aux
 
 
 def rotary_tables(seqlen: int, head_dim: int, theta: float = 500000.0):
@@ -98,10 +102,18 @@ class Llama3(nn.Module):
 
     @staticmethod
     def inputs(cfg: ModelConfig, gbs: int) -> dict[str, tuple[tuple[int, ...], str]]:
-        return {"tokens": ((gbs, cfg.seqlen, cfg.vocab), "tokens")}
+        return {"tokens": ((gbs, cfg.seqlen, cfg.vocab), "tokens"),
+                "labels": ((gbs, cfg.seqlen, cfg.vocab), "tokens")}
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the next-token logits against ``labels`` (integer
+        ids in torch, one-hot in a plan), plus every MoE layer's balance loss."""
         h = self.tok_embeddings(tokens)
+        aux = None
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h)).sum()
+            h, layer_aux = layer(h, self.rope_cos, self.rope_sin)
+            if layer_aux is not None:
+                aux = layer_aux if aux is None else aux + layer_aux
+        logits = self.output(self.norm(h))
+        loss = cross_entropy(logits, leaf.one_hot(labels, logits))
+        return loss if aux is None else loss + aux

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from verdict.ops.layout import fold_max
 from verdict.ops.rule import Op, expect, norm_dim
 
 
@@ -49,6 +50,19 @@ REDUCER = Op(
     forward=lambda xp, x, index: (_total(x),),
     group=True,
     doc="cross-replica gradient reduction: an all-reduce of gradient buffers",
+)
+
+
+def _maximum(xp, xs):
+    return fold_max(xp, [np.asarray(x, dtype=x.dtype) for x in xs])
+
+
+ALL_REDUCE_MAX = Op(
+    "all_reduce_max",
+    shape=_all_reduce_shape,
+    forward=lambda xp, x, index: (xp.asarray(_maximum(xp, x)),),
+    group=True,
+    doc="elementwise maximum of the group's tensors",
 )
 
 
@@ -151,4 +165,5 @@ BROADCAST = Op(
     doc="the source rank's tensor, received by every rank of the group",
 )
 
-OPS = (ALL_REDUCE, REDUCER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SPLIT, SEND_RECV, BROADCAST)
+OPS = (ALL_REDUCE, ALL_REDUCE_MAX, REDUCER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SPLIT,
+       SEND_RECV, BROADCAST)

@@ -50,6 +50,14 @@ MUL = Op(
     doc="a * b, with broadcasting",
 )
 
+SUB = Op(
+    "sub",
+    shape=_binary,
+    forward=lambda xp, x: (x[0] - x[1],),
+    backward=lambda xp, s, g, shapes: (unbroadcast(g[0], shapes[0]), unbroadcast(-g[0], shapes[1])),
+    doc="a - b, with broadcasting",
+)
+
 ADD_SCALAR = Op(
     "add_scalar",
     shape=_unary,
@@ -101,6 +109,25 @@ RSQRT = Op(
 )
 
 
+EXP = Op(
+    "exp",
+    shape=_unary,
+    forward=lambda xp, x: (xp.exp(x[0]),),
+    backward=lambda xp, s, g, shapes: (g[0] * xp.exp(s[0]),),
+    saves=(0,),
+    doc="e ** x; uninterpreted in the symbolic backend",
+)
+
+LOG = Op(
+    "log",
+    shape=_unary,
+    forward=lambda xp, x: (xp.log(x[0]),),
+    backward=lambda xp, s, g, shapes: (g[0] / s[0],),
+    saves=(0,),
+    doc="natural logarithm; uninterpreted in the symbolic backend",
+)
+
+
 def _silu_backward(xp, s, g, shapes):
     sig = xp.sigmoid(s[0])
     return (g[0] * (sig * (1.0 + s[0] * (1.0 - sig))),)
@@ -143,4 +170,4 @@ SOFTMAX = Op(
     doc="exp(x) / sum(exp(x)) along dim; entries at -inf give exactly 0",
 )
 
-OPS = (ADD, MUL, ADD_SCALAR, MUL_SCALAR, DIV_SCALAR, POW, RSQRT, SILU, SOFTMAX)
+OPS = (ADD, SUB, MUL, ADD_SCALAR, MUL_SCALAR, DIV_SCALAR, POW, RSQRT, EXP, LOG, SILU, SOFTMAX)

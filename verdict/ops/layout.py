@@ -216,4 +216,42 @@ MEAN = Op(
     doc="mean over dims",
 )
 
-OPS = (TRANSPOSE, UNFLATTEN, FLATTEN, REPEAT_INTERLEAVE, SUM, MEAN)
+
+
+def fold_max(xp, xs):
+    """Elementwise maximum of a non-empty sequence of arrays, left to right."""
+    out = xs[0]
+    for x in xs[1:]:
+        out = xp.maximum(out, x)
+    return out
+
+
+def _max_forward(xp, x, dim=None, keepdim=False):
+    dims = _dims(dim, x[0].ndim)
+    out = np.asarray(x[0], dtype=x[0].dtype)
+    for d in reversed(dims):
+        out = fold_max(xp, [np.take(out, [i], axis=d) for i in range(out.shape[d])])
+    if not keepdim:
+        out = out.reshape(tuple(n for i, n in enumerate(out.shape) if i not in dims))
+    return (xp.asarray(out),)
+
+
+def _max_backward(xp, s, g, shapes, dim=None, keepdim=False):
+    """Ties share the gradient evenly, as torch.amax's backward does."""
+    (top,) = _max_forward(xp, (s[0],), dim, keepdim=True)
+    hit = xp.equal(s[0], np.broadcast_to(top, s[0].shape))
+    count = np.broadcast_to(np.sum(hit, axis=_dims(dim, s[0].ndim), keepdims=True), hit.shape)
+    return (_expand_back(g[0], shapes[0], dim, keepdim) * hit / count,)
+
+
+MAX = Op(
+    "max",
+    dims=_reduce_dims,
+    shape=_reduce_shape,
+    forward=_max_forward,
+    backward=_max_backward,
+    saves=(0,),
+    doc="maximum over dims (torch.amax); ties share the gradient evenly",
+)
+
+OPS = (TRANSPOSE, UNFLATTEN, FLATTEN, REPEAT_INTERLEAVE, SUM, MEAN, MAX)

@@ -67,4 +67,50 @@ ACCUMULATE = Op(
     doc="grad buffer (version v) + a microbatch's gradient -> version v+1",
 )
 
-OPS = (MULTIREF, ZEROS, ONES, ACCUMULATE)
+DETACH = Op(
+    "detach",
+    shape=lambda in_shapes: [tuple(in_shapes[0])],
+    forward=lambda xp, x: (xp.copy(x[0]),),
+    doc="the same values, with no gradient flowing back (torch's detach)",
+)
+
+def _update_shape(n_out: int):
+    def shape(in_shapes, **_kw):
+        first = tuple(in_shapes[0])
+        expect(all(tuple(s) == first for s in in_shapes),
+               f"optimizer step: parameter, gradient and states differ {in_shapes}")
+        return [first] * n_out
+    return shape
+
+
+SGD_STEP = Op(
+    "sgd_step",
+    shape=_update_shape(1),
+    forward=lambda xp, x, lr, weight_decay: (x[0] - lr * (x[1] + weight_decay * x[0]),),
+    doc="SGD with weight decay: p - lr * (g + weight_decay * p)",
+)
+
+
+def _adam_forward(xp, x, lr, beta1, beta2, eps, weight_decay, decoupled, step):
+    p, g, m, v = x
+    if weight_decay and not decoupled:
+        g = g + weight_decay * p  # Adam: L2 through the gradient
+    m2 = beta1 * m + (1.0 - beta1) * g
+    v2 = beta2 * v + (1.0 - beta2) * (g * g)
+    ratio = xp.adam_ratio(m2 / (1.0 - beta1 ** step), v2 / (1.0 - beta2 ** step), eps)
+    if weight_decay and decoupled:
+        p = p - (lr * weight_decay) * p  # AdamW: decay the weight itself
+    return (p - lr * ratio, m2, v2)
+
+
+ADAM_STEP = Op(
+    "adam_step",
+    shape=_update_shape(3),
+    forward=_adam_forward,
+    doc="Adam (decoupled=False) or AdamW step of parameter, gradient, exp_avg, exp_avg_sq; "
+        "m / (sqrt(v) + eps) is uninterpreted in the symbolic backend",
+)
+
+OPTIMIZERS = ("sgd_step", "adam_step")
+
+OPS = (MULTIREF, ZEROS, ONES, ACCUMULATE, DETACH, SGD_STEP, ADAM_STEP)
