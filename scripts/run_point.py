@@ -7,8 +7,8 @@ Each step runs in a fresh child process. The parallel plan's generation and
 its verification are timed (wall seconds) and their peak resident memory
 recorded (the largest process of the step, stage workers included: the
 kernel's ``ru_maxrss`` of the children). A step that passes ``--timeout``
-seconds or ``--mem_gb`` of resident memory (checked twice a second, summed
-over its processes) is killed and the row says so. Appends one row to the
+seconds or ``--mem_gb`` of resident memory (checked twice a second, PSS
+summed over its processes) is killed and the row says so. Appends one row to the
 CSV (name, factor and value for the trend plots, figures per phase, exit
 code, what happened); main.py appends its own Stats row to
 data/stats/stats.csv. Plans go to --plans (default data/plans/points),
@@ -37,14 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _rss_kib(pid: int) -> int:
-    """Resident KiB of a process and all its descendants (from /proc)."""
+    """Proportional resident KiB (PSS) of a process and all its descendants,
+    from /proc: forked workers share pages copy-on-write with their parent,
+    which a sum of plain RSS would count once per process."""
     total = 0
     stack = [pid]
     while stack:
         p = stack.pop()
         try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
+            total += int(re.search(r"^Pss:\s+(\d+)", rollup, re.M).group(1))
             children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
         except (OSError, AttributeError):
             continue
