@@ -34,12 +34,13 @@ class RealBug:
     par: Parallelism
     policy: Policy
     inject: Callable[[Plan], None]
+    gbs: int = GBS
 
     def base(self) -> Plan:
-        return make_plan(self.cfg, self.par, GBS, policy=self.policy)
+        return make_plan(self.cfg, self.par, self.gbs, policy=self.policy)
 
     def single(self) -> Plan:
-        return make_plan(self.cfg, Parallelism(), GBS)
+        return make_plan(self.cfg, Parallelism(), self.gbs)
 
     def plan(self, base: Plan | None = None) -> Plan:
         """The base plan with the bug injected (a copy)."""

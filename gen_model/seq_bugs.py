@@ -1,53 +1,25 @@
 """Sequence-dimension bugs that shipped in public frameworks, injected into
 plans that otherwise verify.
 
-    SEQ_BUGS[key] -> SeqBug(key, source, mechanism, cfg, par, policy, inject)
+    SEQ_BUGS[key] -> RealBug(key, source, mechanism, cfg, par, policy, inject, gbs)
 
 ``inject(plan)`` edits a copy of the clean plan in place so that it does
 what the framework did: node names, views and kwargs are those a
-parallelizer writes, nothing names the bug. The fields are those of the
-real-bug registry (docs/real-bugs.md) so each entry can join it as is.
+parallelizer writes, nothing names the bug. Entries are records of the
+real-bug registry (gen_model/real_bugs.py, docs/real-bugs.md);
+scripts/real_bugs.py runs both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 from gen_model.config import ConfigError, ModelConfig, Parallelism
-from gen_model.generate import make_plan
 from gen_model.parallelize import Policy, number_versions
+from gen_model.real_bugs import RealBug
 from verdict.plan import INPUT_KINDS, Node, Plan
 
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
                     seqlen=8)
 GBS = 8
-
-
-@dataclass(frozen=True)
-class SeqBug:
-    key: str
-    source: str
-    mechanism: str
-    cfg: ModelConfig
-    par: Parallelism
-    policy: Policy
-    inject: Callable[[Plan], None]
-
-    def base(self) -> Plan:
-        return make_plan(self.cfg, self.par, GBS, policy=self.policy)
-
-    def single(self) -> Plan:
-        return make_plan(self.cfg, Parallelism(), GBS)
-
-    def plan(self, base: Plan | None = None) -> Plan:
-        """The base plan with the bug injected (a copy)."""
-        base = base or self.base()
-        out = Plan(world=dict(base.world), logical=list(base.logical),
-                   tensors=list(base.tensors), nodes=list(base.nodes), loss=base.loss,
-                   grads=dict(base.grads))
-        self.inject(out)
-        return out
 
 
 def _final_norm_grad_not_reduced(plan: Plan) -> None:
@@ -105,13 +77,13 @@ def _drop_unused(plan: Plan) -> None:
                   for n in plan.nodes]
 
 
-SEQ_BUGS: dict[str, SeqBug] = {b.key: b for b in (
-    SeqBug("megatron-1446", "Megatron-LM issue 1446",
-           "TP + sequence parallelism: the final layernorm's weight gradient is not "
-           "all-reduced across TP ranks",
-           LLAMA, Parallelism(dp=2, tp=2, nm=2), Policy(sequence_parallel=True),
-           _final_norm_grad_not_reduced),
-    SeqBug("deepspeed-5248", "DeepSpeed issue 5248",
-           "Ulysses sequence parallelism: gradients scaled by the SP size",
-           LLAMA, Parallelism(dp=2, cp=2, nm=2), Policy(ulysses=True), _grads_scaled_by_sp),
+SEQ_BUGS: dict[str, RealBug] = {b.key: b for b in (
+    RealBug("megatron-1446", "Megatron-LM issue 1446",
+            "TP + sequence parallelism: the final layernorm's weight gradient is not "
+            "all-reduced across TP ranks",
+            LLAMA, Parallelism(dp=2, tp=2, nm=2), Policy(sequence_parallel=True),
+            _final_norm_grad_not_reduced, GBS),
+    RealBug("deepspeed-5248", "DeepSpeed issue 5248",
+            "Ulysses sequence parallelism: gradients scaled by the SP size",
+            LLAMA, Parallelism(dp=2, cp=2, nm=2), Policy(ulysses=True), _grads_scaled_by_sp, GBS),
 )}

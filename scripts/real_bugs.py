@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/real_bugs.py [--out DIR] [--logs DIR] [KEY ...]
 
-For each bug of gen_model/real_bugs.py (all, or the KEYs given): writes the
+For each bug of gen_model/real_bugs.py and gen_model/seq_bugs.py (all, or
+the KEYs given): writes the
 single-device plan, the clean base plan and the injected plan under DIR,
 runs `main.py` on the clean pair (must exit 0) and on the injected one
 (must exit 1), keeps each log under LOGS, and prints one line per plan:
@@ -22,7 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.planfile import save_plan  # noqa: E402
-from gen_model.real_bugs import BUGS  # noqa: E402
+from gen_model.real_bugs import BUGS as FRAMEWORK_BUGS  # noqa: E402
+from gen_model.seq_bugs import SEQ_BUGS  # noqa: E402
+
+BUGS = {**FRAMEWORK_BUGS, **SEQ_BUGS}
 
 
 def run(sm: Path, pm: Path, log: Path) -> tuple[int, str]:
@@ -32,7 +36,7 @@ def run(sm: Path, pm: Path, log: Path) -> tuple[int, str]:
     log.write_text(done.stdout + done.stderr)
     first = next((line for line in done.stdout.splitlines() if line.startswith("❌")), "")
     return done.returncode, first or next(
-        (line for line in done.stdout.splitlines() if line.startswith("✅")), "")
+        (line for line in done.stdout.splitlines() if "✅" in line), "")
 
 
 def main() -> int:
