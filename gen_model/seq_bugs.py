@@ -13,9 +13,10 @@ scripts/real_bugs.py runs both.
 from __future__ import annotations
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
+from gen_model.mutations import drop_orphans
 from gen_model.parallelize import Policy, number_versions
 from gen_model.real_bugs import RealBug
-from verdict.plan import INPUT_KINDS, Node, Plan
+from verdict.plan import Node, Plan
 
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
                     seqlen=8)
@@ -38,7 +39,7 @@ def _final_norm_grad_not_reduced(plan: Plan) -> None:
         own[n.outputs[0]] = next(t for t in n.inputs if plan.tensors[t].rank == n.rank)
     plan.nodes = [n._replace(inputs=tuple(own.get(t, t) for t in n.inputs))
                   for i, n in enumerate(plan.nodes) if i not in dropped]
-    _drop_unused(plan)
+    drop_orphans(plan)
 
 
 def _grads_scaled_by_sp(plan: Plan) -> None:
@@ -63,18 +64,6 @@ def _grads_scaled_by_sp(plan: Plan) -> None:
         plan.nodes.insert(i + 1, Node(n.rank, n.mb, "mul_scalar", "fw", (seed,), (scaled,),
                                       {"value": float(sp)}, n.name))
     number_versions(plan, frozenset(plan.tensors[plan.nodes[i].outputs[0]].tid for i in seeds))
-
-
-def _drop_unused(plan: Plan) -> None:
-    """Remove computed tensors no node reads or writes any more."""
-    used = {t for n in plan.nodes for t in (*n.inputs, *n.outputs) if t >= 0}
-    keep = [i for i, t in enumerate(plan.tensors)
-            if i in used or plan.logical[t.tid].kind in INPUT_KINDS]
-    index = {old: new for new, old in enumerate(keep)}
-    plan.tensors = [plan.tensors[i] for i in keep]
-    plan.nodes = [n._replace(inputs=tuple(index.get(t, -1) for t in n.inputs),
-                             outputs=tuple(index.get(t, -1) for t in n.outputs))
-                  for n in plan.nodes]
 
 
 SEQ_BUGS: dict[str, RealBug] = {b.key: b for b in (
