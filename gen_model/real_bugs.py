@@ -100,6 +100,7 @@ def _scale_outputs(plan: Plan, factor: float, pred: Callable[[Node], bool], what
     """Multiply the output of every node matching ``pred`` by ``factor`` before
     its readers: a new version of the tensor, claiming what the output claims."""
     targets = _sites(plan, what, pred)
+    tids = frozenset(plan.tensors[plan.nodes[i].outputs[0]].tid for i in targets)
     for i in reversed(targets):
         n = plan.nodes[i]
         out = plan.nodes[i].outputs[0]
@@ -113,8 +114,7 @@ def _scale_outputs(plan: Plan, factor: float, pred: Callable[[Node], bool], what
                                                         for x in m.inputs))
         plan.nodes.insert(i + 1, Node(n.rank, n.mb, "mul_scalar", "none", (out,), (scaled,),
                                       {"value": factor}, n.name))
-    number_versions(plan, frozenset(plan.tensors[plan.nodes[i].outputs[0]].tid
-                                    for i in targets))
+    number_versions(plan, tids)  # taken before the inserts moved the targets' indices
 
 
 # ---------------------------------------------------------------- the bugs

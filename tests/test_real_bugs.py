@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from backends.planfile import validate
 from gen_model.oracle import judge
 from gen_model.real_bugs import BUGS
 from verdict.engine import verify
@@ -35,6 +36,7 @@ def test_real_bug_is_caught_where_it_is(key):
     clean = verify(single, base, memo=memo)
     assert clean.success, clean.message
     plan = bug.plan(base)
+    validate(plan.to_data())  # a plan a parallelizer could have written, saved as it is
     assert not judge(single, plan).right
     verdict = verify(single, plan, memo=memo)
     assert not verdict.success and verdict.kind == "stage", verdict.message
