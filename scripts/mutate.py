@@ -110,6 +110,33 @@ def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
     return "SUCCESS" if v.success else f"FAIL:{v.kind}"
 
 
+def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: int,
+                progress: bool = True, only: set[str] | None = None) -> list[Row]:
+    """Every operator (or those in ``only``) on one base plan, which must
+    verify and be right by the oracle."""
+    memo: dict = {}
+    if run_one(single, plan, memo) != "SUCCESS" or not judge(single, plan).right:
+        raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
+    operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
+    operators += [("rewrite", n, f) for n, f in REWRITES.items()]
+    operators = [op for op in operators if only is None or op[1] in only]
+    rows = []
+    for kind, name, operator in operators:
+        for k in range(per_operator):
+            made = operator(plan, random.Random(f"{seed}/{base}/{name}/{k}"))
+            if made is None:
+                break
+            mutant, target = made
+            start = time.perf_counter()
+            oracle = "right" if judge(single, mutant).right else "wrong"
+            verdict = run_one(single, mutant, memo)
+            row = Row(base, kind, name, target, oracle, verdict, time.perf_counter() - start)
+            rows.append(row)
+            if progress and row.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT"):
+                print(f"  !! {row.outcome}: {base} {name}: {target} ({verdict})", flush=True)
+    return rows
+
+
 def run(bases: list[str], per_operator: int, seed: int, progress: bool,
         only: set[str] | None = None) -> list[Row]:
     rows = []
@@ -117,26 +144,7 @@ def run(bases: list[str], per_operator: int, seed: int, progress: bool,
         cfg, par, policy = BASES[base]
         single = make_plan(cfg, Parallelism(), GBS)
         plan = make_plan(cfg, par, GBS, policy=policy)
-        memo: dict = {}
-        if run_one(single, plan, memo) != "SUCCESS" or not judge(single, plan).right:
-            raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
-        operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
-        operators += [("rewrite", n, f) for n, f in REWRITES.items()]
-        operators = [op for op in operators if only is None or op[1] in only]
-        for kind, name, operator in operators:
-            for k in range(per_operator):
-                rng = random.Random(f"{seed}/{base}/{name}/{k}")
-                made = operator(plan, rng)
-                if made is None:
-                    break
-                mutant, target = made
-                start = time.perf_counter()
-                oracle = "right" if judge(single, mutant).right else "wrong"
-                verdict = run_one(single, mutant, memo)
-                row = Row(base, kind, name, target, oracle, verdict, time.perf_counter() - start)
-                rows.append(row)
-                if progress and row.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT"):
-                    print(f"  !! {row.outcome}: {base} {name}: {target} ({verdict})", flush=True)
+        rows += mutate_base(single, plan, base, per_operator, seed, progress, only)
     return rows
 
 

@@ -13,7 +13,6 @@ run without a verdict.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from pathlib import Path
@@ -21,34 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mutate import Row, run_one, table  # noqa: E402
+from mutate import mutate_base, table  # noqa: E402
 
 from backends.planfile import load_plan  # noqa: E402
-from gen_model.mutations import MUTATIONS, REWRITES  # noqa: E402
-from gen_model.oracle import judge  # noqa: E402
-
-
-def run(single, plan, base: str, per_operator: int, seed: int) -> list[Row]:
-    memo: dict = {}
-    if run_one(single, plan, memo) != "SUCCESS" or not judge(single, plan).right:
-        raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
-    rows = []
-    operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
-    operators += [("rewrite", n, f) for n, f in REWRITES.items()]
-    for kind, name, operator in operators:
-        for k in range(per_operator):
-            made = operator(plan, random.Random(f"{seed}/{base}/{name}/{k}"))
-            if made is None:
-                break
-            mutant, target = made
-            start = time.perf_counter()
-            oracle = "right" if judge(single, mutant).right else "wrong"
-            verdict = run_one(single, mutant, memo)
-            row = Row(base, kind, name, target, oracle, verdict, time.perf_counter() - start)
-            rows.append(row)
-            if row.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT"):
-                print(f"  !! {row.outcome}: {name}: {target} ({verdict})", flush=True)
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     single, plan = load_plan(args.sm), load_plan(args.pm)
     start = time.perf_counter()
-    rows = run(single, plan, args.pm.stem, args.per_operator, args.seed)
+    rows = mutate_base(single, plan, args.pm.stem, args.per_operator, args.seed)
     for line in table(rows):
         print(line)
     bad = [r for r in rows if r.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT")]

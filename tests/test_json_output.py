@@ -7,30 +7,18 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from helpers import mlp_plan_files
 
 import main
-from backends.planfile import save_plan
-from gen_model.config import ModelConfig, Parallelism
-from gen_model.generate import make_plan
+from gen_model.config import Parallelism
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "docs" / "verify-output.schema.json").read_text())
-MLP = ModelConfig("mlp", layers=2, hidden=8)
 
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("json_plans")
-    wrong = make_plan(MLP, Parallelism(dp=2, tp=2), 8)
-    i = next(i for i, n in enumerate(wrong.nodes) if n.op == "all_reduce" and n.dir == "fw")
-    n = wrong.nodes[i]
-    own = next(t for t in n.inputs if wrong.tensors[t].rank == n.rank)
-    wrong.nodes[i] = n._replace(op="split", inputs=(own,), kwargs={"dim": 0, "parts": 1, "index": 0})
-    return {
-        "single": save_plan(make_plan(MLP, Parallelism(), 8), d / "s.pkl")[0],
-        "parallel": save_plan(make_plan(MLP, Parallelism(dp=2, tp=2), 8), d / "p.pkl")[0],
-        "wrong": save_plan(wrong, d / "w.pkl")[0],
-    }
+    return mlp_plan_files(tmp_path_factory.mktemp("json_plans"), Parallelism(dp=2, tp=2))
 
 
 def test_the_schema_is_a_valid_json_schema():

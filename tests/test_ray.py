@@ -15,11 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import mlp_plan_files
 
 import main
-from backends.planfile import save_plan
-from gen_model.config import ModelConfig, Parallelism
-from gen_model.generate import make_plan
+from gen_model.config import Parallelism
 from verdict.engine import verify
 from verdict.executor import RayExecutor, import_ray, local_ray_options, ray_available
 from verdict.solve import solve
@@ -29,7 +28,6 @@ if not ray_available():
         pytest.fail("Ray is not installed: make test installs the 'ray' extra", pytrace=False)
     pytest.skip("Ray is not installed (pip install '.[ray]')", allow_module_level=True)
 
-MLP = ModelConfig("mlp", layers=2, hidden=8)
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +42,7 @@ def ray_instance():
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("ray_plans")
-    wrong = make_plan(MLP, Parallelism(dp=2, tp=2), 8)
-    i = next(i for i, n in enumerate(wrong.nodes) if n.op == "all_reduce" and n.dir == "fw")
-    n = wrong.nodes[i]
-    own = next(t for t in n.inputs if wrong.tensors[t].rank == n.rank)
-    wrong.nodes[i] = n._replace(op="split", inputs=(own,), kwargs={"dim": 0, "parts": 1, "index": 0})
-    return {
-        "single": save_plan(make_plan(MLP, Parallelism(), 8), d / "s.pkl")[0],
-        "parallel": save_plan(make_plan(MLP, Parallelism(dp=2, tp=2, pp=2, nm=2), 8), d / "p.pkl")[0],
-        "wrong": save_plan(wrong, d / "w.pkl")[0],
-    }
+    return mlp_plan_files(tmp_path_factory.mktemp("ray_plans"), Parallelism(dp=2, tp=2, pp=2, nm=2))
 
 
 def run(args: list[str], tmp_path: Path, capsys) -> tuple[int, str, str]:

@@ -4,12 +4,11 @@ The plans verify; wrong ones, judged wrong by the oracle, fail."""
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
+from helpers import caught
 
-from gen_model import mutations
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.oracle import judge
@@ -58,17 +57,7 @@ def test_all_to_alls_around_attention():
 @pytest.mark.parametrize("operator", ["permute_group", "wrong_index"])
 def test_wrong_ulysses_plans_fail(operator):
     single, plan = plans(Parallelism(cp=4))
-    memo: dict = {}
-    caught = 0
-    for k in range(3):
-        made = mutations.MUTATIONS[operator](plan, random.Random(f"ulysses/{operator}/{k}"))
-        assert made is not None
-        mutant, where = made
-        if judge(single, mutant).right:
-            continue
-        assert not verify(single, mutant, memo=memo).success, where
-        caught += 1
-    assert caught
+    assert caught(single, plan, operator, "ulysses")
 
 
 @pytest.mark.parametrize(("par", "message"), [
