@@ -33,6 +33,10 @@ SHOWN = 2
 SUMS = ("sum", "linear", "matmul", "einsum")
 #: The op that adds a microbatch's gradient into the running buffer.
 ACCUMULATE = "local_grad_accumulation"
+#: Collectives that may cross replicas: sums of gradient buffers' chain ends.
+ORBIT_SUMS = ("reducer", "all_reduce")
+#: Input-less nodes whose outputs a block may read outside microbatches.
+CONSTANTS = ("zeros", "ones")
 
 
 class FoldError(ValueError):
@@ -266,6 +270,8 @@ class _Uniformity:
         self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
         self.producer = parallel.producers()
         self.offset: dict[tuple, int] = {}
+        #: (rank, gradient buffer tid) -> the tensor its last accumulation writes
+        self.chain_end: dict[tuple[int, int], int] = {}
 
     def fail(self, i: int, j: int | None, why: str) -> None:
         other = f" and {node_label(self.p, j)}" if j is not None else ""
@@ -283,6 +289,8 @@ class _Uniformity:
                 self.offset[(cls, d, mb)] = self.first_row(nodes)
         self.check_offsets()
         self.check_blocks(programs)
+        self.check_chains()
+        self.check_final_buffers()
         for (cls, d, mb), nodes in sorted(programs.items()):
             base = (cls, 0, 0) if mb >= 0 else (cls, 0, -1)
             if base not in programs:
@@ -295,7 +303,6 @@ class _Uniformity:
                     self.normal(j)  # checks what is checked rather than compared
                 elif self.normal(i) != self.normal(j):
                     self.fail(i, j, "a different operator, kwargs, shape or dataflow")
-        self.check_chains()
 
     def check_blocks(self, programs: dict[tuple, list[int]]) -> None:
         """Every class with a block program has one for each shown (d, m),
@@ -357,6 +364,9 @@ class _Uniformity:
                 mb = "own"
             elif x.mb != -1:
                 self.fail(i, None, f"it reads microbatch {x.mb}'s tensor")
+            elif self.producer[t] >= 0 and self.p.nodes[self.producer[t]].op not in CONSTANTS:
+                self.fail(i, None, "it reads a value computed outside microbatches, which "
+                                   "may depend on every block")
         desc = (cls, mb, x.tid, version, lver, x.shape)
         if self.producer[t] < 0 and self.p.logical[x.tid].kind in INPUT_KINDS:
             row = self.offset.get((self.mesh.split(node.rank)[0], d, x.mb), -1)
@@ -381,6 +391,9 @@ class _Uniformity:
         orbit = get_op(node.op).group and any(
             t >= 0 and self.mesh.split(self.p.tensors[t].rank)[1] != own_d for t in node.inputs)
         if orbit:
+            if node.op not in ORBIT_SUMS or node.mb != -1 or not self.sums_chain_ends(node):
+                self.fail(i, None, "only a sum of gradient buffers, after every microbatch, "
+                                   "may cross replicas")
             self.check_orbit(i)
             kwargs.pop("index", None)
         for key in ("src", "dst"):
@@ -426,10 +439,37 @@ class _Uniformity:
             if key in last:
                 ok = buf == self.p.nodes[last[key]].outputs[0]
             else:
-                ok = buf >= 0 and self.p.tensors[buf].mb == -1
+                start = self.producer[buf] if buf >= 0 else -1
+                ok = start >= 0 and self.p.nodes[start].op == "zeros" and \
+                    self.p.tensors[buf].mb == -1
             if not ok:
-                self.fail(i, last.get(key), "its gradient buffer is not the running one")
+                self.fail(i, last.get(key), "its gradient buffer is not the running one "
+                                            "(zeros, then each microbatch's accumulation)")
             last[key] = i
+        self.chain_end = {key: self.p.nodes[i].outputs[0] for key, i in last.items()}
+
+    def sums_chain_ends(self, node: Node) -> bool:
+        return all(t >= 0 and self.chain_end.get((self.p.tensors[t].rank, self.p.tensors[t].tid))
+                   == t for t in node.inputs)
+
+    def check_final_buffers(self) -> None:
+        """The gradient buffer a rank ends with is its chain's end, or a sum
+        of chain ends (the reducer): the glue between the blocks and what a
+        rank ends with is a plain sum, which repeats to any number of
+        replicas and microbatches (docs/soundness.md)."""
+        last: dict[tuple[int, int], int] = {}
+        for i, node in enumerate(self.p.nodes):
+            for o in node.outputs:
+                if o >= 0 and self.p.logical[self.p.tensors[o].tid].kind == "gradbuf":
+                    last[(self.p.tensors[o].rank, self.p.tensors[o].tid)] = i
+        for key, i in last.items():
+            node = self.p.nodes[i]
+            if node.op == ACCUMULATE and node.mb >= 0 and self.chain_end.get(key) in node.outputs:
+                continue
+            if node.op in ORBIT_SUMS and self.sums_chain_ends(node):
+                continue
+            self.fail(i, None, "the gradient buffer a rank ends with must be its accumulation's "
+                               "last output or a sum of those (a reducer)")
 
 
 def check_uniform(single: Plan, parallel: Plan) -> None:
