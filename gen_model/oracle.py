@@ -256,9 +256,14 @@ def _canonical(parallel: Plan, nodes: list[int], written: dict[int, int]) -> lis
         n = parallel.nodes[i]
         across = get_op(n.op).group and any(
             t >= 0 and place(parallel.tensors[t].rank)[1] != place(own_rank)[1] for t in n.inputs)
+        if across and (mb >= 0 or n.op not in ("reducer", "all_reduce")):
+            return [("crosses replicas other than as a sum after the microbatches", i)]
         refs = []
         for t in n.inputs:
             x = parallel.tensors[t] if t >= 0 else None
+            if x is not None and mb >= 0 and x.mb == -1 and t in written and \
+                    parallel.nodes[written[t]].op not in ("zeros", "ones"):
+                return [("a block reads a value computed outside microbatches", i)]
             if x is None:
                 refs.append(None)
             elif t in names and not across:
@@ -324,4 +329,43 @@ def judge_folded(single: Plan, single_shown: Plan, parallel: Plan, seed: int = 0
         problem = f"cannot read: {e}"
     if problem:
         return Judgement(False, f"fold: not uniform: {problem}")
+    problem = _glue_problem(parallel, seed)
+    if problem:
+        return Judgement(False, f"fold: {problem}")
     return judge(single_shown, parallel, seed)
+
+
+def _glue_problem(parallel: Plan, seed: int) -> str:
+    """By value: the gradient buffer each rank ends with is the sum of the
+    gradients its microbatches accumulated, or a sum of such sums over a
+    group. Only then do more replicas and microbatches add up the same way."""
+    try:
+        values = _run(parallel, seed)
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+        return f"cannot run: {e}"
+    total: dict[tuple[int, int], np.ndarray] = {}
+    end: dict[tuple[int, int], int] = {}
+    last: dict[tuple[int, int], int] = {}
+    for i, n in enumerate(parallel.nodes):
+        if n.op == "local_grad_accumulation" and n.mb >= 0 and len(n.inputs) == 2:
+            key = (n.rank, parallel.tensors[n.outputs[0]].tid)
+            total[key] = total.get(key, 0.0) + values[n.inputs[1]]
+            end[key] = n.outputs[0]
+        for o in n.outputs:
+            if o >= 0 and parallel.logical[parallel.tensors[o].tid].kind == "gradbuf":
+                last[(n.rank, parallel.tensors[o].tid)] = i
+    for key, i in last.items():
+        n = parallel.nodes[i]
+        if key not in total:
+            return f"rank {key[0]} ends with a gradient buffer no microbatch accumulated"
+        parts = [key] if n.op == "local_grad_accumulation" else [
+            (parallel.tensors[t].rank, parallel.tensors[t].tid) for t in n.inputs if t >= 0]
+        if n.op not in ("local_grad_accumulation", "reducer", "all_reduce") or any(
+                p not in total or (n.op != "local_grad_accumulation" and t != end[p])
+                for p, t in zip(parts, [t for t in n.inputs if t >= 0])):
+            return f"rank {key[0]} ends with a gradient buffer that is not a sum of accumulations"
+        want = sum(total[p] for p in parts)
+        if not _close(values[n.outputs[0]], want):
+            return f"rank {key[0]} ends with a gradient buffer other than the sum of its " \
+                   f"microbatches' gradients"
+    return ""

@@ -13,13 +13,13 @@ from backends.planfile import PlanError, load_plan, save_plan, validate
 from gen_model.__main__ import main as gen_main
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan, make_plan_at
-from gen_model.mutations import FOLD_MUTATIONS, MUTATIONS
-from gen_model.oracle import judge_folded
+from gen_model.mutations import FOLD_MUTATIONS, MUTATIONS, _add_tensor, copy_plan
+from gen_model.oracle import judge, judge_folded
 from gen_model.parallelize import Policy
 from main import main as verify_main
 from verdict.engine import verify
 from verdict.fold import FoldError, batch_dims, fold_pair
-from verdict.plan import Plan
+from verdict.plan import Node, Plan
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
@@ -104,6 +104,41 @@ def test_one_replica_differing_is_a_fold_finding(mlp) -> None:
     v = check(single, mutant)
     assert not v.success and v.kind == "fold", (where, v.kind, v.message)
     assert "not uniform" in v.message
+
+
+def compensated(folded: Plan, c: float) -> Plan:
+    """Every block adds c to the gradient it accumulates, every rank
+    subtracts (shown blocks) x c after the reducer: right at the shown
+    size, wrong at the real one (16 blocks add 16 c)."""
+    p = copy_plan(folded)
+    blocks = folded.world["dp"] * folded.world["nm"]
+    nodes = []
+    for n in p.nodes:
+        if n.op == "local_grad_accumulation" and n.mb >= 0:
+            g = _add_tensor(p, n.inputs[1])
+            nodes.append(Node(n.rank, n.mb, "add_scalar", "fw", (n.inputs[1],), (g,),
+                              {"value": c}, n.name))
+            n = n._replace(inputs=(n.inputs[0], g))
+        nodes.append(n)
+        if n.op == "reducer":
+            out = _add_tensor(p, n.outputs[0])
+            nodes.append(Node(n.rank, -1, "add_scalar", "fw", (n.outputs[0],), (out,),
+                              {"value": -blocks * c}, n.name))
+    p.nodes = nodes
+    return p
+
+
+def test_a_glue_that_compensates_at_two_is_a_fold_finding(mlp) -> None:
+    """Uniform, and right at the shown size; the glue after the blocks is not
+    a plain sum, so it is not the same at 16 blocks: both refuse it."""
+    single, folded, shown = mlp
+    bad = compensated(folded, 0.5)
+    validate(bad.to_data())
+    assert judge(shown, bad).right  # at the shown rows it computes the right values
+    assert not judge_folded(single, shown, bad).right
+    v = check(single, bad)
+    assert not v.success and v.kind == "fold", v.message
+    assert "gradient buffer a rank ends with" in v.message
 
 
 def test_one_rank_mutants_of_a_folded_plan_fail(mlp) -> None:
