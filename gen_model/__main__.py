@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         cfg, par = config_from(args)
+        if args.cp_balance and par.cp < 2:  # a single-device plan has no policy to check
+            raise ConfigError("--cp_balance needs --cp > 1")
         start = time.perf_counter()
         policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule,
                         sequence_parallel=args.sequence_parallel, ulysses=args.ulysses,

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from helpers import caught
 
+from backends.planfile import load_world
 from gen_model import mutations
+from gen_model.__main__ import main
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.oracle import judge
@@ -127,6 +129,16 @@ def test_mask_stage_keeps_every_chunk_boundary():
         assert {red.gp_shape(t)[-2] for t in tensors} == {2}
         seen += 1
     assert seen == 2  # forward and backward
+
+
+def test_command_line_names_the_plan(tmp_path):
+    argv = ["--model", "llama3", "--layers", "1", "--hidden", "16", "--heads", "4",
+            "--kv_heads", "2", "--ffn", "24", "--vocab", "12", "--seqlen", "8", "--gbs", "2",
+            "--cp", "2", "--cp_balance", "-o", str(tmp_path)]
+    assert main(argv) == 0
+    (pkl,) = tmp_path.glob("*.pkl")
+    assert pkl.name.endswith("_cp2_cpbal.pkl")
+    assert load_world(pkl)["cp_balance"] is True
 
 
 def test_balance_limits():
