@@ -501,6 +501,10 @@ def shard(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, policy: Policy) -
 
 @dataclass(frozen=True)
 class Coord:
+    """Where a piece lives: pipeline stage and index on each mesh axis. ``cp``
+    is the sequence chunk, which names the cp rank except with causal load
+    balancing, where 2 cp chunks live on cp ranks (``_Emitter.cp_rank``)."""
+
     stage: int
     edp: int
     ep: int
