@@ -76,6 +76,8 @@ def make_plan_at(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
         world["sequence_parallel"] = True
     if policy.ulysses:
         world["ulysses"] = True
+    if policy.cp_balance:
+        world["cp_balance"] = True
     if policy.virtual_stages > 1:
         world["virtual_stages"] = policy.virtual_stages
     if policy.zero:

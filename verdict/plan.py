@@ -176,7 +176,8 @@ class Plan:
 
 #: World fields that describe parallelism; all others describe the model.
 PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_parallel", "schedule",
-                   "sequence_parallel", "ulysses", "virtual_stages", "zero", *FOLD_KEYS)
+                   "sequence_parallel", "ulysses", "virtual_stages", "zero", "cp_balance",
+                   *FOLD_KEYS)
 
 
 def pair_problem(single: Plan, parallel: Plan) -> str | None:
