@@ -98,11 +98,11 @@ def test_mutants_of_a_traced_plan(tp_sp_plans, operator: str) -> None:
 def _trace(events: list, shapes: list) -> dict:
     return {"rank": 0, "coords": {"dp": 0, "tp": 0}, "events": events, "shapes": shapes,
             "consts": {}, "params": {"w": (0, (2, 2), [[], []])}, "buffers": {},
-            "data": (1, (2,)), "loss": 2, "grads": {"w": None}}
+            "data": (1, (2,)), "losses": [2], "grads": {"w": None}}
 
 
 def test_unlowered_op_is_one_line() -> None:
-    trace = _trace([("aten.tanh.default", [[("v", 0)], {}], [2], [(2, 2)], "m", None)],
+    trace = _trace([("aten.tanh.default", [[("v", 0)], {}], [2], [(2, 2)], "m", None, -1)],
                    [(2, 2), (2,), (2, 2)])
     with pytest.raises(LoweringError, match=r"^aten op aten.tanh.default \(at m\) is not lowered"):
         lower_trace(trace, 4)

@@ -30,6 +30,7 @@ class LNode:
     kwargs: dict[str, Any]
     name: str
     group: tuple[int, ...] | None = None
+    mb: int = -1  # the microbatch a pipeline schedule ran it for, -1 outside one
 
 
 @dataclass
@@ -40,9 +41,20 @@ class Lowered:
     nodes: list[LNode]
     inputs: dict[int, tuple[str, str]]  # value -> (kind, name)
     axes: dict[int, list[list[str]]]  # input value -> mesh axes per dim
-    loss: int
+    losses: list[int]  # one per microbatch the rank computes a loss for
     grads: dict[str, int | None]
     tokens_value: int = -1
+
+
+@dataclass(frozen=True)
+class _Ids:
+    """Rows [index, index + 1) of the batch's token ids cut in ``parts``
+    (a pipeline schedule's microbatch; the whole batch is (0, 1))."""
+    index: int = 0
+    parts: int = 1
+
+    def cut(self, index: int, parts: int) -> _Ids:
+        return _Ids(self.index * parts + index, self.parts * parts)
 
 
 @dataclass
@@ -110,6 +122,8 @@ class _Lowerer:
     name: str = ""
     tokens: int = -1
     flat_of: dict[int, int] = field(default_factory=dict)
+    mb: int = -1
+    id_pieces: dict[_Ids, int] = field(default_factory=dict)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -121,7 +135,7 @@ class _Lowerer:
     def emit(self, op: str, ins: list[int], out_shapes: list, kwargs: dict | None = None,
              direction: str = "fw", group=None) -> list[int]:
         outs = [self.new(s) for s in out_shapes]
-        self.nodes.append(LNode(op, direction, ins, outs, kwargs or {}, self.name, group))
+        self.nodes.append(LNode(op, direction, ins, outs, kwargs or {}, self.name, group, self.mb))
         return outs
 
     def val(self, a: Any) -> int:
@@ -163,10 +177,10 @@ class _Lowerer:
 
     # -- the walk -----------------------------------------------------------
     def run(self, live: set[int]) -> None:
-        for i, (op, (args, kwargs), outs, out_shapes, scope, group) in enumerate(self.trace["events"]):
+        for i, (op, (args, kwargs), outs, out_shapes, scope, group, mb) in enumerate(self.trace["events"]):
             if i not in live:
                 continue
-            self.name = scope
+            self.name, self.mb = scope, mb
             handler = HANDLERS.get(op)
             if handler is None:
                 raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
@@ -193,13 +207,15 @@ def _tensor_args(args: Any) -> list[int]:
 
 def live_events(trace: dict) -> set[int]:
     """Events the loss and the final gradients depend on."""
-    need = {trace["loss"]} | {g for g in trace["grads"].values() if g is not None}
+    need = set(trace["losses"]) | {g for g in trace["grads"].values() if g is not None}
     live = set()
     for i in range(len(trace["events"]) - 1, -1, -1):
         op, (args, kwargs), outs = trace["events"][i][:3]
-        if not need.intersection(outs):
+        if not need.intersection(outs) and op != "c10d.send.default":
             continue
         live.add(i)
+        if op == "c10d.recv_.default":
+            continue  # overwrites its buffers
         if op == "aten.copy_.default":
             need.update(_tensor_args(args[1]))
         else:
@@ -484,19 +500,31 @@ def _masked_fill(lw: _Lowerer, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: masked_fill with value {value} is not lowered")
 
 
-def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
-    w, ids = args[0], args[1]
-    if lw.env.get(ids[1]) != "tokens":
+def _tokens(lw: _Lowerer, ids: Any) -> int:
+    """The one-hot tokens of the ids an embedding reads: the input, or a
+    microbatch of it (one ``split`` per piece)."""
+    piece = lw.env.get(ids[1])
+    if not isinstance(piece, _Ids):
         raise LoweringError(f"{lw.name}: embedding of ids other than the batch is not lowered")
-    return lw.emit("embedding", [lw.tokens, lw.val(w)], shapes)[0]
+    if piece.parts == 1:
+        return lw.tokens
+    if piece not in lw.id_pieces:
+        shape = list(lw.shapes[lw.tokens])
+        shape[0] //= piece.parts
+        lw.id_pieces[piece] = lw.emit("split", [lw.tokens], [shape],
+                                      {"dim": 0, "parts": piece.parts, "index": piece.index})[0]
+    return lw.id_pieces[piece]
+
+
+def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
+    return lw.emit("embedding", [_tokens(lw, args[1]), lw.val(args[0])], shapes)[0]
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    g, ids = args[0], args[1]
-    if lw.env.get(ids[1]) != "tokens":
-        raise LoweringError(f"{lw.name}: embedding backward of ids other than the batch")
+    tokens = _tokens(lw, args[1])
     out = lw.new(shapes[0])
-    lw.nodes.append(LNode("embedding", "bw", [lw.tokens, -1, lw.val(g)], [-1, out], {}, lw.name))
+    lw.nodes.append(LNode("embedding", "bw", [tokens, -1, lw.val(args[0])], [-1, out], {},
+                          lw.name, None, lw.mb))
     return out
 
 
@@ -534,10 +562,52 @@ def _split(lw: _Lowerer, args, kwargs, shapes, group):
     n = len(shapes)
     if len({tuple(s) for s in shapes}) != 1:
         raise LoweringError(f"{lw.name}: split into unequal pieces is not lowered")
+    if isinstance(src, _Ids) and dim == 0:
+        return [src.cut(i, n) for i in range(n)]
+    if n == 1:
+        return lw.val(args[0])
     if isinstance(src, _Gathered) and dim == 0 and n == len(src.group):
         return [_Piece(src, 0, i, n) for i in range(n)]
     x = lw.val(args[0])
     return [_Piece(x, dim % len(lw.shapes[x]), i, n) for i in range(n)]
+
+
+def _slice(lw: _Lowerer, args, kwargs, shapes, group):
+    """A slice that is one of equal pieces (a schedule's microbatch)."""
+    src = lw.env.get(args[0][1])
+    dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
+    step = args[4] if len(args) > 4 else 1
+    if isinstance(src, _Ids):
+        if dim != 0:
+            raise LoweringError(f"{lw.name}: a slice of the token ids along dim {dim}")
+        total = lw.trace["data"][1][0] // src.parts
+    else:
+        x = lw.val(args[0])
+        dim %= len(lw.shapes[x])
+        total = lw.shapes[x][dim]
+    size = shapes[0][dim]
+    if step != 1 or size == 0 or total % size or start % size:
+        raise LoweringError(f"{lw.name}: a slice of dim {dim} at {start} that is not one of "
+                            f"equal pieces")
+    index, parts = start // size, total // size
+    if isinstance(src, _Ids):
+        return src.cut(index, parts)
+    return x if parts == 1 else _Piece(x, dim, index, parts)
+
+
+def _send(lw: _Lowerer, args, kwargs, shapes, group):
+    ranks = _pg(lw, args[1])
+    (x,) = args[0]
+    me = lw.trace["rank"]
+    lw.nodes.append(LNode("send", "fw", [lw.val(x)], [], {}, lw.name, (me, ranks[int(args[2])]),
+                          lw.mb))
+    return []
+
+
+def _recv(lw: _Lowerer, args, kwargs, shapes, group):
+    ranks = _pg(lw, args[1])
+    src, me = ranks[int(args[2])], lw.trace["rank"]
+    return lw.emit("send_recv", [], shapes, {"src": src, "dst": me}, group=(src, me))
 
 
 def _cat(lw: _Lowerer, args, kwargs, shapes, group):
@@ -569,6 +639,10 @@ HANDLERS: dict[str, Any] = {
     "aten.div_.Scalar": _scalar("div"),
     "aten.div_.Tensor": _scalar("div"),
     "aten.add.Tensor": _binary("add", "add_scalar"),
+    "aten.add_.Tensor": _binary("add", "add_scalar"),
+    "aten.slice.Tensor": _slice,
+    "c10d.send.default": _send,
+    "c10d.recv_.default": _recv,
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),
     "aten.mul.Scalar": _scalar("mul_scalar"),
     "aten.div.Scalar": _scalar("div"),
@@ -624,21 +698,21 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         inputs[v] = ("buffer", name)
         axes[v] = [[] for _ in shape]
     data, ids_shape = trace["data"]
-    lw.env[data] = "tokens"
+    lw.env[data] = _Ids()
     lw.tokens = lw.new((*ids_shape, vocab))
     inputs[lw.tokens] = ("tokens", "tokens")
     axes[lw.tokens] = [["dp"]] + [[] for _ in ids_shape]
     lw.run(live_events(trace))
-    loss = lw.materialize(lw.env[trace["loss"]])
+    losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}
-    return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, loss, grads),
-                   inputs, axes, loss, grads, lw.tokens)
+    return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, losses, grads),
+                   inputs, axes, losses, grads, lw.tokens)
 
 
-def _used(nodes: list[LNode], loss: int, grads: dict[str, int | None]) -> list[LNode]:
-    """The nodes the loss and the gradients depend on (collectives always stay:
-    their peers on other ranks are matched by order)."""
-    need = {loss} | {g for g in grads.values() if g is not None}
+def _used(nodes: list[LNode], losses: list[int], grads: dict[str, int | None]) -> list[LNode]:
+    """The nodes the losses and the gradients depend on (collectives and
+    sends always stay: their peers on other ranks are matched by order)."""
+    need = set(losses) | {g for g in grads.values() if g is not None}
     keep = []
     for node in reversed(nodes):
         if node.group is not None or need.intersection(node.outs):

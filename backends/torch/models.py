@@ -2,6 +2,12 @@
 inferred from the local width (so tensor parallelism of the attention
 projections needs no change to the module), sum losses.
 
+As in torchtitan, a pipeline stage is the model with the modules of other
+stages set to None (``tok_embeddings``, ``norm``, ``output``) or deleted
+(``layers``): ``forward`` skips what is missing, and returns the logits
+when no labels are given (a pipeline's last stage hands them to the
+schedule's ``loss_fn``, which is ``Llama.loss``).
+
 The rotary embedding rotates pairs with a constant matrix (``x @ rot``)
 instead of complex numbers, and the causal mask is a constant boolean
 buffer, so that every op the step runs has a rule in the rule table.
@@ -100,11 +106,11 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Token ids [B, S] -> the summed logits of the last position... no:
-    the sum of all logits, a scalar loss."""
+    """Token ids [B, S] (and labels [B, S]) -> the loss, a scalar."""
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
+        self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab, args.hidden)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.layers)})
         self.norm = RMSNorm(args.hidden)
@@ -116,11 +122,19 @@ class Llama(nn.Module):
         mask = torch.ones(args.seqlen, args.seqlen, dtype=torch.bool).triu(1)
         self.register_buffer("causal_mask", mask, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin, self.rope_rot, self.causal_mask)
-        return self.output(self.norm(h)).sum()
+        if self.output is None:
+            return h
+        logits = self.output(self.norm(h) if self.norm is not None else h)
+        return logits if labels is None else self.loss(logits, labels)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The sum of all logits (see docs/torch-backend.md, Limits)."""
+        return logits.sum()
 
 
 def llama(**kw) -> Llama:

@@ -10,8 +10,10 @@ rows [d * B/dp, (d + 1) * B/dp) of the batch.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -21,6 +23,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from backends.torch.pipeline import PipelineStep
 
 
 def llama_tp_plan(model, tp_mesh, norms: bool = True) -> None:
@@ -126,3 +130,55 @@ def fsdp_tp_default_divide(model, mesh):
     """fsdp_tp keeping FSDP's default divide factor (the data-parallel size):
     with a sum loss, every gradient is 1/dp of the single-device one."""
     return fsdp_tp(model, mesh, divide_factor=None)
+
+
+def keep_stage(model, stage: int, stages: int) -> None:
+    """Keep, in place, the modules of pipeline stage ``stage`` of ``stages``
+    (torchtitan's split: contiguous layers, the embedding on the first stage,
+    the final norm and output on the last)."""
+    names = list(model.layers.keys())
+    if len(names) % stages:
+        raise ValueError(f"{len(names)} layers do not split into {stages} stages")
+    per = len(names) // stages
+    for name in names[:stage * per] + names[(stage + 1) * per:]:
+        del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != stages - 1:
+        model.norm = None
+        model.output = None
+
+
+def pipeline(model, mesh, schedule_class, microbatches: int = 2, scale_grads: bool = False,
+             accumulation: int = 1) -> PipelineStep:
+    """Pipeline parallelism on "pp" with ``schedule_class`` (GPipe, 1F1B) and
+    ``microbatches`` per step; gradients summed over "dp" (the recipe's sum
+    loss wants ``scale_grads=False``, as PyTorch's documentation says)."""
+    pp = mesh["pp"]
+    stage, stages = pp.get_local_rank(), pp.size()
+    args = model.args
+    keep_stage(model, stage, stages)
+
+    def schedule(tokens):
+        rows = tokens.shape[0] // microbatches
+        hidden = torch.empty(rows, args.seqlen, args.hidden, dtype=torch.float64,
+                             requires_grad=True)
+        first = tokens[:rows] if stage == 0 else hidden
+        last = torch.empty(rows, args.seqlen, args.vocab, dtype=torch.float64, requires_grad=True)
+        pp_stage = PipelineStage(model, stage, stages, torch.device("cpu"), input_args=first,
+                                 output_args=last if stage == stages - 1 else hidden,
+                                 group=pp.get_group())
+        return schedule_class(pp_stage, microbatches, loss_fn=model.loss, scale_grads=scale_grads)
+
+    after = all_reduce_dp if mesh["dp"].size() > 1 else None
+    return PipelineStep(schedule, accumulation, after)
+
+
+def pp_gpipe(model, mesh):
+    """Two microbatches through the GPipe schedule."""
+    return pipeline(model, mesh, ScheduleGPipe)
+
+
+def pp_1f1b(model, mesh):
+    """Two microbatches through the 1F1B schedule."""
+    return pipeline(model, mesh, Schedule1F1B)
