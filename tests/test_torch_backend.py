@@ -113,3 +113,48 @@ def test_bad_recipe_exits_2(capsys) -> None:
                        "--tp", "2", "-o", "/tmp/verdict-torch-test"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot load" in err[0]
+
+
+# -- pipelining (torch.distributed.pipelining) ------------------------------------
+
+PP_ARGS = ["--pp", "2", "--dp", "1", "--tp", "1", "--layers", "2", "--batch", "8"]
+
+
+@pytest.fixture(scope="module")
+def pp_single_trace():
+    args = parser().parse_args(PP_ARGS)
+    spec = {"model": args.model, "model_kwargs": {"layers": args.layers, "hidden": args.hidden,
+            "heads": args.heads, "ffn": args.ffn, "vocab": args.vocab, "seqlen": args.seqlen},
+            "recipe": "", "dp": 1, "tp": 1, "pp": 1, "batch": args.batch,
+            "seqlen": args.seqlen, "vocab": args.vocab, "seed": args.seed, "parallel": False}
+    return run(spec, 0)
+
+
+def _pp_plans(recipe: str, single: dict):
+    args = parser().parse_args([*PP_ARGS, "--recipe", RECIPES + recipe])
+    (plan_s, plan_p), _ = trace_and_build(args, single)
+    return plan_s, plan_p
+
+
+@pytest.mark.parametrize("recipe", ["pp_gpipe", "pp_1f1b", "pp_accumulate"])
+def test_pipelines_verify(pp_single_trace, recipe: str) -> None:
+    """Two stages; two microbatches (four over two accumulation steps)."""
+    plan_s, plan_p = _pp_plans(recipe, pp_single_trace)
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    moves = [n for n in plan_p.nodes if n.op == "send_recv"]
+    nm = plan_p.world["nm"]
+    assert len(moves) == 2 * nm  # each microbatch's activation, then its gradient
+    assert {n.kwargs["src"] for n in moves} == {0, 1}
+    assert {t.mb for t in plan_p.tensors if t.rank == 1 and plan_p.logical[t.tid].kind == "loss"} \
+        == set(range(nm))
+
+
+def test_scale_grads_with_accumulation_fails_at_the_division(pp_single_trace) -> None:
+    """torchtitan issue 1733: the schedule's scale_grads divides what has been
+    accumulated at the end of every step."""
+    plan_s, plan_p = _pp_plans("pp_accumulate_scale_grads", pp_single_trace)
+    verdict = verify(plan_s, plan_p)
+    assert not verdict.success and verdict.kind == "stage"
+    nodes = [plan_p.nodes[i] for r in verdict.failed for i in r.stage.gp_nodes]
+    assert any(n.op == "div" and n.name == "step" for n in nodes)

@@ -182,3 +182,18 @@ def pp_gpipe(model, mesh):
 def pp_1f1b(model, mesh):
     """Two microbatches through the 1F1B schedule."""
     return pipeline(model, mesh, Schedule1F1B)
+
+
+def pp_accumulate(model, mesh):
+    """GPipe with two gradient accumulation steps of two microbatches each:
+    the gradients of all four sum in ``.grad`` (``scale_grads=False``, the
+    fix of torchtitan PR 1732)."""
+    return pipeline(model, mesh, ScheduleGPipe, accumulation=2)
+
+
+def pp_accumulate_scale_grads(model, mesh):
+    """Bug (torchtitan issue 1733): pp_accumulate with the schedule's default
+    ``scale_grads=True``, which divides the gradients accumulated so far by
+    the microbatch count at the end of every step: with accumulation, a
+    moving average instead of a sum."""
+    return pipeline(model, mesh, ScheduleGPipe, accumulation=2, scale_grads=True)
