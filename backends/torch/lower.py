@@ -48,13 +48,17 @@ class Lowered:
 
 @dataclass(frozen=True)
 class _Ids:
-    """Rows [index, index + 1) of the batch's token ids cut in ``parts``
-    (a pipeline schedule's microbatch; the whole batch is (0, 1))."""
+    """Row block ``index`` of ``parts`` of the batch's integer ``source``
+    ids (``tokens`` or ``labels``; a pipeline schedule's microbatch, the
+    whole batch is (0, 1)), seen with ``shape`` (None: as loaded). In the
+    plan, ids are one-hot inputs ``[..., vocab]``."""
+    source: str = "tokens"
     index: int = 0
     parts: int = 1
+    shape: tuple[int, ...] | None = None
 
     def cut(self, index: int, parts: int) -> _Ids:
-        return _Ids(self.index * parts + index, self.parts * parts)
+        return _Ids(self.source, self.index * parts + index, self.parts * parts)
 
 
 @dataclass
@@ -124,6 +128,7 @@ class _Lowerer:
     flat_of: dict[int, int] = field(default_factory=dict)
     mb: int = -1
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
+    one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -273,6 +278,62 @@ def _softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: softmax backward of a value no softmax produced")
     return lw.emit("softmax", [lw.softmax_in[out], lw.val(args[0])], shapes,
                    {"dim": int(args[2])}, direction="bw")[0]
+
+
+def _log_softmax(lw: _Lowerer, args, kwargs, shapes, group):
+    """x - top - log(sum(exp(x - top))), top the row maximum."""
+    x, dim = lw.val(args[0]), int(args[1])
+    shape = list(lw.shapes[x])
+    dim %= len(shape)
+    row = [*shape[:dim], 1, *shape[dim + 1:]]
+    top = lw.emit("max", [x], [row], {"dim": dim, "keepdim": True})[0]
+    shifted = lw.emit("sub", [x, top], [shape])[0]
+    e = lw.emit("exp", [shifted], [shape])[0]
+    total = lw.emit("sum", [e], [row], {"dim": dim, "keepdim": True})[0]
+    return lw.emit("sub", [shifted, lw.emit("log", [total], [row])[0]], [shape])[0]
+
+
+def _log_softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """g - exp(out) * sum(g) along the dim."""
+    g, out, dim = lw.val(args[0]), lw.val(args[1]), int(args[2])
+    shape = list(lw.shapes[g])
+    dim %= len(shape)
+    row = [*shape[:dim], 1, *shape[dim + 1:]]
+    total = lw.emit("sum", [g], [row], {"dim": dim, "keepdim": True})[0]
+    e = lw.emit("exp", [out], [shape])[0]
+    return lw.emit("sub", [g, lw.emit("mul", [e, total], [shape])[0]], [shape])[0]
+
+
+def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any) -> int:
+    if weight is not None or reduction not in (1, 2):
+        raise LoweringError(f"{lw.name}: nll_loss with class weights or no reduction is not lowered")
+    return _one_hot(lw, target)
+
+
+def _nll(lw: _Lowerer, args, kwargs, shapes, group):
+    """-sum(logp * one-hot labels), divided by the label count for a mean.
+    The labels are the batch's (none equals the ignore index)."""
+    logp, reduction = lw.val(args[0]), int(args[3])
+    labels = _nll_checks(lw, args[2], reduction, args[1])
+    picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [lw.shapes[logp]])[0]], [()],
+                     {"dim": None, "keepdim": False})[0]
+    out = lw.emit("mul_scalar", [picked], [()], {"value": -1.0})[0]
+    count = math.prod(lw.shapes[labels][:-1])
+    if reduction == 1:
+        out = lw.emit("div", [out], [()], {"value": float(count)})[0]
+    return [out, "count"]
+
+
+def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """-one-hot labels * g, divided by the label count for a mean."""
+    g, reduction = lw.val(args[0]), int(args[4])
+    labels = _nll_checks(lw, args[3], reduction, args[2])
+    shape = lw.shapes[labels]
+    out = lw.emit("mul_scalar", [lw.emit("mul", [labels, g], [shape])[0]], [shape],
+                  {"value": -1.0})[0]
+    if reduction == 1:
+        out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape[:-1]))})[0]
+    return out
 
 
 def _silu_bw(lw: _Lowerer, args, kwargs, shapes, group):
@@ -430,6 +491,8 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[li
 def _view(lw: _Lowerer, args, kwargs, shapes, group):
     f = lw.env.get(args[0][1])
     dst = tuple(shapes[0])
+    if isinstance(f, _Ids):
+        return _Ids(f.source, f.index, f.parts, dst)
     if isinstance(f, (_Flat, _As)) and lw.shapes[f.x] == dst:
         return f.x
     if isinstance(f, _As):
@@ -500,28 +563,35 @@ def _masked_fill(lw: _Lowerer, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: masked_fill with value {value} is not lowered")
 
 
-def _tokens(lw: _Lowerer, ids: Any) -> int:
-    """The one-hot tokens of the ids an embedding reads: the input, or a
-    microbatch of it (one ``split`` per piece)."""
-    piece = lw.env.get(ids[1])
+def _one_hot(lw: _Lowerer, ids: Any) -> int:
+    """The one-hot rows of the ids an op reads: the input, or a microbatch
+    of it (one ``split`` per piece), reshaped as the ids were."""
+    piece = lw.env.get(ids[1]) if isinstance(ids, (list, tuple)) and ids[0] == "v" else None
     if not isinstance(piece, _Ids):
-        raise LoweringError(f"{lw.name}: embedding of ids other than the batch is not lowered")
-    if piece.parts == 1:
-        return lw.tokens
-    if piece not in lw.id_pieces:
-        shape = list(lw.shapes[lw.tokens])
-        shape[0] //= piece.parts
-        lw.id_pieces[piece] = lw.emit("split", [lw.tokens], [shape],
-                                      {"dim": 0, "parts": piece.parts, "index": piece.index})[0]
-    return lw.id_pieces[piece]
+        raise LoweringError(f"{lw.name}: integer ids other than the batch's are not lowered")
+    base = _Ids(piece.source, piece.index, piece.parts)
+    if base not in lw.id_pieces:
+        x = lw.one_hot[piece.source]
+        if piece.parts > 1:
+            shape = list(lw.shapes[x])
+            shape[0] //= piece.parts
+            x = lw.emit("split", [x], [shape],
+                        {"dim": 0, "parts": piece.parts, "index": piece.index})[0]
+        lw.id_pieces[base] = x
+    x = lw.id_pieces[base]
+    if piece.shape is not None and piece.shape != lw.shapes[x][:-1]:
+        if piece not in lw.id_pieces:
+            lw.id_pieces[piece] = lw.materialize(_view_to(lw, x, (*piece.shape, lw.vocab)))
+        x = lw.id_pieces[piece]
+    return x
 
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
-    return lw.emit("embedding", [_tokens(lw, args[1]), lw.val(args[0])], shapes)[0]
+    return lw.emit("embedding", [_one_hot(lw, args[1]), lw.val(args[0])], shapes)[0]
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    tokens = _tokens(lw, args[1])
+    tokens = _one_hot(lw, args[1])
     out = lw.new(shapes[0])
     lw.nodes.append(LNode("embedding", "bw", [tokens, -1, lw.val(args[0])], [-1, out], {},
                           lw.name, None, lw.mb))
@@ -562,7 +632,7 @@ def _split(lw: _Lowerer, args, kwargs, shapes, group):
     n = len(shapes)
     if len({tuple(s) for s in shapes}) != 1:
         raise LoweringError(f"{lw.name}: split into unequal pieces is not lowered")
-    if isinstance(src, _Ids) and dim == 0:
+    if isinstance(src, _Ids) and dim == 0 and src.shape is None:
         return [src.cut(i, n) for i in range(n)]
     if n == 1:
         return lw.val(args[0])
@@ -578,8 +648,8 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
     step = args[4] if len(args) > 4 else 1
     if isinstance(src, _Ids):
-        if dim != 0:
-            raise LoweringError(f"{lw.name}: a slice of the token ids along dim {dim}")
+        if dim != 0 or src.shape is not None:
+            raise LoweringError(f"{lw.name}: a slice of the integer ids along dim {dim}")
         total = lw.trace["data"][1][0] // src.parts
     else:
         x = lw.val(args[0])
@@ -652,6 +722,10 @@ HANDLERS: dict[str, Any] = {
     "aten.silu.default": _unary("silu"),
     "aten.silu_backward.default": _silu_bw,
     "aten._softmax.default": _softmax,
+    "aten._log_softmax.default": _log_softmax,
+    "aten._log_softmax_backward_data.default": _log_softmax_bw,
+    "aten.nll_loss_forward.default": _nll,
+    "aten.nll_loss_backward.default": _nll_bw,
     "aten._softmax_backward_data.default": _softmax_bw,
     "aten.mean.dim": _reduce("mean"),
     "aten.sum.dim_IntList": _reduce("sum"),
@@ -697,11 +771,16 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         lw.shapes[v] = tuple(shape)
         inputs[v] = ("buffer", name)
         axes[v] = [[] for _ in shape]
-    data, ids_shape = trace["data"]
-    lw.env[data] = _Ids()
-    lw.tokens = lw.new((*ids_shape, vocab))
-    inputs[lw.tokens] = ("tokens", "tokens")
-    axes[lw.tokens] = [["dp"]] + [[] for _ in ids_shape]
+    for source in ("data", "labels"):
+        if source not in trace:
+            continue
+        v, ids_shape = trace[source]
+        name = "tokens" if source == "data" else source
+        lw.env[v] = _Ids(name)
+        x = lw.one_hot[name] = lw.new((*ids_shape, vocab))
+        inputs[x] = ("tokens", name)
+        axes[x] = [["dp"]] + [[] for _ in ids_shape]
+    lw.tokens = lw.one_hot["tokens"]
     lw.run(live_events(trace))
     losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}

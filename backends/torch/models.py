@@ -1,6 +1,7 @@
 """Small torchtitan-style models for tracing: integer token ids, heads
 inferred from the local width (so tensor parallelism of the attention
-projections needs no change to the module), sum losses.
+projections needs no change to the module), a cross-entropy loss averaged
+over the tokens of the whole step.
 
 As in torchtitan, a pipeline stage is the model with the modules of other
 stages set to None (``tok_embeddings``, ``norm``, ``output``) or deleted
@@ -111,6 +112,7 @@ class Llama(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
+        self.global_tokens = 0  # set by the backend: the labels of the whole step
         self.tok_embeddings = nn.Embedding(args.vocab, args.hidden)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.layers)})
         self.norm = RMSNorm(args.hidden)
@@ -131,10 +133,13 @@ class Llama(nn.Module):
         logits = self.output(self.norm(h) if self.norm is not None else h)
         return logits if labels is None else self.loss(logits, labels)
 
-    @staticmethod
-    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The sum of all logits (see docs/torch-backend.md, Limits)."""
-        return logits.sum()
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the logits against the labels, summed and divided
+        by ``global_tokens``, the label count of the whole step (every rank,
+        every microbatch; the backend sets it). Each rank's, each
+        microbatch's loss is then its share of the mean over all tokens."""
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return total / (self.global_tokens or labels.numel())
 
 
 def llama(**kw) -> Llama:

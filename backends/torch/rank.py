@@ -43,6 +43,8 @@ def run(spec: dict, rank: int) -> dict:
                                 mesh_dim_names=("pp", "dp", "tp"))
     torch.manual_seed(spec["seed"])
     model = load(spec["model"])(**spec["model_kwargs"]).to(torch.float64)
+    if hasattr(model, "global_tokens"):
+        model.global_tokens = spec["batch"] * spec["seqlen"]
     after = None
     if spec["parallel"]:
         after = load(spec["recipe"])(model, mesh)

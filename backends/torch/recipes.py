@@ -114,7 +114,8 @@ def reduce_tp_partials(model, mesh) -> None:
 
 def fsdp_tp(model, mesh, divide_factor: float | None = 1.0):
     """torchtitan's 2-D recipe: tensor and sequence parallelism on "tp", FSDP2
-    over "dp" (each block, then the root). The losses are sums, so the
+    over "dp" (each block, then the root). The loss is divided by the token
+    count of the whole step, so the replicas' gradients are summed: the
     gradient divide factor is 1."""
     llama_tp_plan(model, mesh["tp"])
     for block in model.layers.values():
@@ -128,7 +129,8 @@ def fsdp_tp(model, mesh, divide_factor: float | None = 1.0):
 
 def fsdp_tp_default_divide(model, mesh):
     """fsdp_tp keeping FSDP's default divide factor (the data-parallel size):
-    with a sum loss, every gradient is 1/dp of the single-device one."""
+    with a loss already divided by the whole step's token count, every
+    gradient is 1/dp of the single-device one."""
     return fsdp_tp(model, mesh, divide_factor=None)
 
 
@@ -152,8 +154,10 @@ def keep_stage(model, stage: int, stages: int) -> None:
 def pipeline(model, mesh, schedule_class, microbatches: int = 2, scale_grads: bool = False,
              accumulation: int = 1) -> PipelineStep:
     """Pipeline parallelism on "pp" with ``schedule_class`` (GPipe, 1F1B) and
-    ``microbatches`` per step; gradients summed over "dp" (the recipe's sum
-    loss wants ``scale_grads=False``, as PyTorch's documentation says)."""
+    ``microbatches`` per step; gradients summed over "dp". Each
+    microbatch's loss is its share of the step's mean (the model divides by
+    the step's token count), so the microbatches' gradients are summed:
+    ``scale_grads=False``, as PyTorch's documentation says for such losses."""
     pp = mesh["pp"]
     stage, stages = pp.get_local_rank(), pp.size()
     args = model.args
