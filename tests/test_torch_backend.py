@@ -189,3 +189,14 @@ def test_lowered_step_computes_what_torch_computes(single_trace) -> None:
     for name, p in model.named_parameters():
         tid = next(k for k, lg in enumerate(plan.logical) if lg.name == name)
         assert np.allclose(values[last[plan.grads[tid]]], p.grad.numpy(), rtol=1e-9, atol=1e-12), name
+
+
+def test_vocab_parallel_embedding_verifies(single_trace) -> None:
+    """torchtitan's RowwiseParallel embedding (masked lookup of each rank's
+    rows) is the one-hot tokens' vocabulary slice times the local table."""
+    plan_s, plan_p = _plans("tp_sp_vocab", single_trace)
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    tokens = {i for i, t in enumerate(plan_p.tensors) if plan_p.logical[t.tid].name == "tokens"}
+    assert any(n.op == "split" and n.kwargs["dim"] == 2 and n.inputs[0] in tokens
+               for n in plan_p.nodes)

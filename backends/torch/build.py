@@ -342,9 +342,10 @@ class _Rank:
             c = self.claim[x]
             dims = [list(d) for d in c.dims]
             partial = set(c.partial)
-            if node.op == "split" and self.low.inputs.get(x, ("",))[0] == "tokens":
+            if node.op == "split" and self.low.inputs.get(x, ("",))[0] == "tokens" \
+                    and node.kwargs["dim"] == 0:
                 # a pipeline schedule's microbatch of the batch
-                if node.kwargs["parts"] != self.sizes["mb"] or node.kwargs["dim"] != 0:
+                if node.kwargs["parts"] != self.sizes["mb"]:
                     raise LoweringError(f"rank {self.low.rank} cuts the batch in "
                                         f"{node.kwargs['parts']}, not in its "
                                         f"{self.sizes['mb']} microbatches")

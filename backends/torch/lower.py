@@ -61,6 +61,32 @@ class _Ids:
         return _Ids(self.source, self.index * parts + index, self.parts * parts)
 
 
+@dataclass(frozen=True)
+class _IdsTest:
+    """``ids < value`` (op "lt") or ``ids >= value`` (op "ge")."""
+    ids: _Ids
+    op: str
+    value: int
+
+
+@dataclass(frozen=True)
+class _VocabMask:
+    """``(ids < lo) | (ids >= hi)``: the ids outside the rows [lo, hi) of a
+    vocabulary-parallel embedding table."""
+    ids: _Ids
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class _Shifted:
+    """``ids - lo``, then (``mask`` set) 0 where the mask holds: the local
+    row of each id in the shard [lo, hi)."""
+    ids: _Ids
+    lo: int
+    mask: _VocabMask | None = None
+
+
 @dataclass
 class _Gathered:
     x: int
@@ -129,6 +155,7 @@ class _Lowerer:
     mb: int = -1
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
+    masked_rows: dict[int, _VocabMask] = field(default_factory=dict)  # zero where masked
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -587,7 +614,79 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
 
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
-    return lw.emit("embedding", [_one_hot(lw, args[1]), lw.val(args[0])], shapes)[0]
+    ids = lw.env.get(args[1][1])
+    if not isinstance(ids, _Shifted):
+        return lw.emit("embedding", [_one_hot(lw, args[1]), lw.val(args[0])], shapes)[0]
+    # a vocabulary-parallel lookup: the one-hot rows' slice [lo, hi) times the
+    # local table, zero for ids outside it (which the masked lookup zeroes after)
+    w = lw.val(args[0])
+    mask = ids.mask
+    rows = lw.shapes[w][0]
+    if mask is None or mask.lo != ids.lo or mask.hi - mask.lo != rows or mask.lo % rows \
+            or lw.vocab % rows:
+        raise LoweringError(f"{lw.name}: an embedding of shifted ids that is not a "
+                            f"vocabulary-parallel lookup of its table's rows")
+    onehot = _one_hot(lw, ("v", _ids_value(lw, mask.ids)))
+    shape = [*lw.shapes[onehot][:-1], rows]
+    part = lw.emit("split", [onehot], [shape], {"dim": len(shape) - 1, "parts": lw.vocab // rows,
+                                                 "index": mask.lo // rows})[0]
+    out = lw.emit("embedding", [part, w], shapes)[0]
+    lw.masked_rows[out] = mask
+    return out
+
+
+def _ids_value(lw: _Lowerer, ids: _Ids) -> int:
+    """A recorded value holding these ids (for ``_one_hot``)."""
+    for v, x in lw.env.items():
+        if x == ids:
+            return v
+    raise LoweringError(f"{lw.name}: ids no recorded op produced")
+
+
+def _ids_test(op: str):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        ids = lw.env.get(args[0][1])
+        value = lw.const(args[1])
+        if not isinstance(ids, _Ids) or value is None:
+            raise LoweringError(f"{lw.name}: a comparison other than of the batch's ids with "
+                                f"a number is not lowered")
+        return _IdsTest(ids, op, int(value))
+    return lower
+
+
+def _or(lw: _Lowerer, args, kwargs, shapes, group):
+    a, b = lw.env.get(args[0][1]), lw.env.get(args[1][1])
+    if isinstance(a, _IdsTest) and isinstance(b, _IdsTest) and a.ids == b.ids \
+            and (a.op, b.op) == ("lt", "ge"):
+        return _VocabMask(a.ids, a.value, b.value)
+    raise LoweringError(f"{lw.name}: an 'or' other than of ids < lo and ids >= hi is not lowered")
+
+
+def _sub(lw: _Lowerer, args, kwargs, shapes, group):
+    a = lw.env.get(args[0][1])
+    value = lw.const(args[1])
+    if isinstance(a, _Ids) and value is not None:
+        return _Shifted(a, int(value))
+    if value is not None:
+        return lw.emit("add_scalar", [lw.val(args[0])], shapes, {"value": -value})[0]
+    return lw.emit("sub", [lw.val(args[0]), lw.val(args[1])], shapes)[0]
+
+
+def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
+    """``x[mask] = 0`` of a vocabulary-parallel lookup: on its shifted ids, or
+    on its output (already zero there in the one-hot form)."""
+    target = lw.env.get(args[0][1])
+    masks = [lw.env.get(m[1]) for m in args[1]] if isinstance(args[1], (list, tuple)) else []
+    accumulate = bool(args[3]) if len(args) > 3 else False
+    if len(masks) == 1 and isinstance(masks[0], _VocabMask) and lw.const(args[2]) == 0 \
+            and not accumulate:
+        mask = masks[0]
+        if isinstance(target, _Shifted) and target.ids == mask.ids and target.mask is None:
+            return _Shifted(target.ids, target.lo, mask)
+        if isinstance(target, int) and lw.masked_rows.get(target) == mask:
+            return target
+    raise LoweringError(f"{lw.name}: index_put_ other than the masking of a "
+                        f"vocabulary-parallel lookup is not lowered")
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
@@ -711,6 +810,11 @@ HANDLERS: dict[str, Any] = {
     "aten.add.Tensor": _binary("add", "add_scalar"),
     "aten.add_.Tensor": _binary("add", "add_scalar"),
     "aten.slice.Tensor": _slice,
+    "aten.sub.Tensor": _sub,
+    "aten.lt.Scalar": _ids_test("lt"),
+    "aten.ge.Scalar": _ids_test("ge"),
+    "aten.__or__.Tensor": _or,
+    "aten.index_put_.default": _index_put,
     "c10d.send.default": _send,
     "c10d.recv_.default": _recv,
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),

@@ -27,12 +27,16 @@ from torch.distributed.tensor.parallel import (
 from backends.torch.pipeline import PipelineStep
 
 
-def llama_tp_plan(model, tp_mesh, norms: bool = True) -> None:
+def llama_tp_plan(model, tp_mesh, norms: bool = True, vocab_parallel: bool = False) -> None:
     """torchtitan's tensor and sequence parallel plan for the Llama blocks;
-    ``norms=False`` leaves the norms out (the bug of Megatron-LM issue 1446)."""
+    ``norms=False`` leaves the norms out (the bug of Megatron-LM issue 1446);
+    ``vocab_parallel`` splits the embedding table by rows (torchtitan's
+    ``RowwiseParallel`` embedding: each rank looks up the ids of its rows)."""
+    embedding = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+                 if vocab_parallel else
+                 PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)))
     parallelize_module(model, tp_mesh, {
-        "tok_embeddings": PrepareModuleOutput(output_layouts=Replicate(),
-                                              desired_output_layouts=Shard(1)),
+        "tok_embeddings": embedding,
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
@@ -75,6 +79,12 @@ def all_reduce_dp(model, mesh) -> None:
 def tp_sp(model, mesh):
     """Tensor and sequence parallelism on "tp", gradients summed over "dp"."""
     llama_tp_plan(model, mesh["tp"])
+    return all_reduce_dp
+
+
+def tp_sp_vocab(model, mesh):
+    """tp_sp with the vocabulary-parallel embedding."""
+    llama_tp_plan(model, mesh["tp"], vocab_parallel=True)
     return all_reduce_dp
 
 

@@ -72,7 +72,7 @@ class Recorder(TorchDispatchMode):
                 v = self.storage_view(a)
             if v is None:
                 v = self.new_value(a)
-                if a.numel() <= 1 and a.dtype.is_floating_point:
+                if a.numel() <= 1 and a.dtype != torch.bool and not a.is_complex():
                     self.consts[v] = float(a.item()) if a.numel() else 0.0
                 self.events.append(("unknown", [[], {}], [v], [tuple(a.shape)], self.scope(),
                                     None, self.mb))
