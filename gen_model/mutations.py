@@ -214,9 +214,15 @@ def scale_one_rank(plan: Plan, rng: random.Random) -> Result:
     return p, f"{plan.logical[x.tid].name} on rank {x.rank} mb {x.mb} times {factor}"
 
 
+#: Numeric kwargs a mutation may change: an operator's constant, an exponent,
+#: the optimizer's hyperparameters.
+CONSTANTS = ("value", "exponent", "lr", "weight_decay", "beta1", "beta2", "eps", "step")
+
+
 def change_constant(plan: Plan, rng: random.Random) -> Result:
-    """A constant kwarg (eps, a scale, an exponent) changed on one rank."""
-    sites = [(i, k) for i, n in enumerate(plan.nodes) for k in ("value", "exponent")
+    """A constant kwarg (eps, a scale, an exponent, a learning rate or
+    another hyperparameter of the optimizer step) changed on one rank."""
+    sites = [(i, k) for i, n in enumerate(plan.nodes) for k in CONSTANTS
              if isinstance(n.kwargs.get(k), (int, float)) and not isinstance(n.kwargs.get(k), bool)]
     site = _pick(rng, sites)
     if site is None:
@@ -228,6 +234,28 @@ def change_constant(plan: Plan, rng: random.Random) -> Result:
     new = rng.choice([old * 2 if old else 1.0, old + 1.0, -old if old else 0.5])
     p.nodes[i] = n._replace(kwargs={**n.kwargs, k: new})
     return p, f"{where(plan, i)}: {k} {old} -> {new}"
+
+
+def change_constant_everywhere(plan: Plan, rng: random.Random) -> Result:
+    """One constant changed alike on every rank and microbatch (a loss
+    normalised by the wrong token count, a learning rate scaled by a
+    parallel size: the shipped loss-scale bugs). The replicas stay equal to
+    each other, so only the comparison with the single-device step sees it."""
+    sites = sorted({(n.op, n.dir, n.name, k) for n in plan.nodes for k in CONSTANTS
+                    if isinstance(n.kwargs.get(k), (int, float))
+                    and not isinstance(n.kwargs.get(k), bool)})
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    op, direction, name, k = site
+    factor = rng.choice([2.0, 0.5, -1.0])
+    p = copy_plan(plan)
+    for i, n in enumerate(p.nodes):
+        old = n.kwargs.get(k)
+        if (n.op, n.dir, n.name) == (op, direction, name) and old is not None:
+            new = 2 * old if isinstance(old, int) else old * factor if old else 1.0
+            p.nodes[i] = n._replace(kwargs={**n.kwargs, k: new})
+    return p, f"{op} ({direction}) {name}: {k} changed on every rank"
 
 
 def swap_inputs(plan: Plan, rng: random.Random) -> Result:
@@ -381,15 +409,18 @@ def early_reducer(plan: Plan, rng: random.Random) -> Result:
 
 
 def _final_buffers(plan: Plan) -> dict[tuple[int, int], int]:
-    """(gradbuf tid, rank) -> tensor written last."""
-    bufs = set(plan.grads.values())
-    return {key: t for key, t in plan.last_writes().items() if key[0] in bufs}
+    """(tid, rank) -> tensor written last, for gradient buffers and for what
+    an optimizer step updates (parameters, Adam's moments)."""
+    ends = set(plan.grads.values()) | {plan.tensors[o].tid for n in plan.nodes
+                                       if n.op in ("sgd_step", "adam_step")
+                                       for o in n.outputs if o >= 0}
+    return {key: t for key, t in plan.last_writes().items() if key[0] in ends}
 
 
 def wrong_final_shard(plan: Plan, rng: random.Random) -> Result:
-    """A rank ends with a copy of a peer's final gradient buffer of another
-    slice (sent to it after its own reduction), which truthfully claims the
-    peer's slice."""
+    """A rank ends with a copy of a peer's final gradient buffer (or updated
+    parameter, or optimizer state) of another slice, sent to it after its
+    own step, which truthfully claims the peer's slice."""
     final = _final_buffers(plan)
     sites = [(t, u) for (tid, r), t in final.items() for (tid2, r2), u in final.items()
              if tid == tid2 and r != r2 and plan.tensors[t].slices != plan.tensors[u].slices
@@ -617,6 +648,105 @@ def drop_exchange(plan: Plan, rng: random.Random) -> Result:
     return drop_orphans(p), f"{where(plan, i)} with its own piece only"
 
 
+def wrong_member(plan: Plan, rng: random.Random) -> Result:
+    """One slot of an all-gather, reduce-scatter or all-to-all reads another
+    member's piece of the same group: a sequence chunk (context
+    parallelism's keys and values, a sequence-parallel activation), a
+    parameter shard or a partial gradient exchanged with the wrong peer."""
+    sites = [(i, a, b) for i, n in enumerate(plan.nodes)
+             if n.op in ("all_gather", "reduce_scatter", "all_to_all") and len(n.inputs) > 1
+             for a in range(len(n.inputs)) for b in range(len(n.inputs))
+             if a != b and n.inputs[a] != n.inputs[b]]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, a, b = site
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    inputs = list(n.inputs)
+    inputs[a] = inputs[b]
+    p.nodes[i] = n._replace(inputs=tuple(inputs))
+    return drop_orphans(p), (f"{where(plan, i)} slot {a} reads rank "
+                             f"{plan.tensors[n.inputs[b]].rank}'s piece")
+
+
+def _chunk(slices: tuple, dim: int, parts: int, k: int) -> tuple:
+    lo, hi = slices[dim]
+    size = (hi - lo) // parts
+    out = list(slices)
+    out[dim] = (lo + k * size, lo + (k + 1) * size)
+    return tuple(out)
+
+
+def wrong_owner(plan: Plan, rng: random.Random) -> Result:
+    """A ZeRO owner keeps another owner's shard of a gradient: on one rank,
+    every reduce-scatter (ZeRO-2/3) or the local split of the reduced buffer
+    (ZeRO-1) of one parameter's gradient keeps chunk k instead of its own,
+    and the gradient pieces and buffers after it truthfully claim chunk k.
+    The rank still holds (and, with an optimizer step, updates) its own
+    parameter shard."""
+    params = {lt.name for lt in plan.logical if lt.kind == "param"}
+    grads = {t for t, lt in enumerate(plan.logical) if lt.kind == "gradbuf"
+             or lt.kind == "grad" and lt.name.removesuffix(".grad") in params}
+    sites = sorted({(n.rank, n.name, n.op) for n in plan.nodes
+                    if (n.op == "reduce_scatter" and len(n.inputs) > 1
+                        or n.op == "split" and n.kwargs.get("parts", 1) > 1)
+                    and plan.tensors[n.outputs[0]].tid in grads})
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    rank, name, op = site
+    targets = [i for i, n in enumerate(plan.nodes)
+               if (n.rank, n.name, n.op) == site]
+    first = plan.nodes[targets[0]]
+    parts = first.kwargs["parts"] if op == "split" else len(first.inputs)
+    k = rng.choice([j for j in range(parts) if j != first.kwargs["index"]])
+    p = copy_plan(plan)
+    moved: dict[tuple, tuple] = {}
+    for i in targets:
+        n = p.nodes[i]
+        dim = n.kwargs["dim"]
+        out = p.tensors[n.outputs[0]]
+        whole = p.tensors[n.inputs[0]]
+        moved[out.slices] = _chunk(whole.slices, dim, parts, k)
+        p.nodes[i] = n._replace(kwargs={**n.kwargs, "index": k})
+    tids = {p.tensors[p.nodes[i].outputs[0]].tid for i in targets}
+    base = {p.logical[t].name.removesuffix(".grad") for t in tids}
+    tids |= {t for t, lt in enumerate(p.logical) if lt.kind == "gradbuf"
+             and lt.name.removesuffix(".grad_buffer") in base}
+    for j, t in enumerate(p.tensors):
+        if t.rank == rank and t.tid in tids and t.slices in moved:
+            p.tensors[j] = t._replace(slices=moved[t.slices])
+    return p, f"{op} of {name} on rank {rank} keeps chunk {k}"
+
+
+def stale_step(plan: Plan, rng: random.Random) -> Result:
+    """An optimizer step that reads a stale or unreduced gradient: an
+    earlier version of its gradient buffer (before the reducer, before the
+    last accumulation) or a microbatch's gradient before it is accumulated."""
+    steps = [i for i, n in enumerate(plan.nodes) if n.op in ("sgd_step", "adam_step")]
+    sites = []
+    for i in steps:
+        n = plan.nodes[i]
+        g = plan.tensors[n.inputs[1]]
+        base = plan.logical[g.tid].name.removesuffix(".grad_buffer")
+        tids = {t for t, lt in enumerate(plan.logical) if lt.name in (f"{base}.grad_buffer",
+                                                                       f"{base}.grad")}
+        written = {o for m in plan.nodes[:i] for o in m.outputs if o >= 0}
+        sites += [(i, j) for j in sorted(written) if j != n.inputs[1]
+                  and plan.tensors[j].rank == n.rank and plan.tensors[j].tid in tids
+                  and plan.tensors[j].shape == g.shape]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, j = site
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    p.nodes[i] = n._replace(inputs=(n.inputs[0], j, *n.inputs[2:]))
+    x = plan.tensors[j]
+    return p, f"{where(plan, i)} reads {plan.logical[x.tid].name} mb {x.mb} v{x.version}"
+
+
 MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "drop_collective": drop_collective,
     "replace_collective": replace_collective,
@@ -624,6 +754,7 @@ MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "wrong_peer": wrong_peer,
     "scale_one_rank": scale_one_rank,
     "change_constant": change_constant,
+    "change_constant_everywhere": change_constant_everywhere,
     "swap_inputs": swap_inputs,
     "swap_outputs": swap_outputs,
     "insert_transpose": insert_transpose,
@@ -642,6 +773,9 @@ MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "mislabel_layout": mislabel_layout,
     "mask_offset": mask_offset,
     "drop_exchange": drop_exchange,
+    "wrong_member": wrong_member,
+    "wrong_owner": wrong_owner,
+    "stale_step": stale_step,
 }
 
 

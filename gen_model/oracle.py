@@ -9,8 +9,8 @@ against the single-device step, by value:
 
 * for every parameter piece a rank loads, the gradient buffer the rank
   writes last must equal the single-device final gradient at that slice,
-  and with an optimizer step the parameter it writes last must equal the
-  single-device updated parameter there;
+  and with an optimizer step the parameter and the optimizer state (Adam's
+  moments) it writes last must equal the single-device updated ones there;
 * the loss tensors a rank writes last (one per microbatch), summed with
   those of its data-parallel replicas, must equal the single-device loss;
 * a node that reads another rank's tensor without being a collective, a
@@ -130,6 +130,8 @@ def _layout_problem(parallel: Plan) -> str:
 
 def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
     ref = _run(single, seed)
+    opt_states = {single.tensors[n.inputs[0]].tid: [single.tensors[o].tid for o in n.outputs[1:]]
+                  for n in single.nodes if n.op in ("sgd_step", "adam_step")}
     last_single: dict[int, int] = {}
     for node in single.nodes:
         for o in node.outputs:
@@ -168,9 +170,11 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
                 return Judgement(False, f"rank {rank} ends with a wrong gradient of {name}")
             updated = last_single.get(param)
             if updated is not None:  # an optimizer step: the updated shard
-                got = last.get((rank, param))
-                if got is None or not _close(values[got], ref[updated][region]):
-                    return Judgement(False, f"rank {rank} ends with a wrong update of {name}")
+                for tid in (param, *opt_states.get(param, ())):
+                    got = last.get((rank, tid))
+                    if got is None or not _close(values[got], ref[last_single[tid]][region]):
+                        return Judgement(False, f"rank {rank} ends with a wrong update of "
+                                                f"{parallel.logical[tid].name}")
         if not cover.all():
             return Judgement(False, f"no rank holds part of {name}")
     layout = _layout_problem(parallel)

@@ -55,14 +55,14 @@ class RealBug:
 # ---------------------------------------------------------------- helpers
 
 
-def _sites(plan: Plan, what: str, pred: Callable[[Node], bool]) -> list[int]:
+def sites(plan: Plan, what: str, pred: Callable[[Node], bool]) -> list[int]:
     found = [i for i, n in enumerate(plan.nodes) if pred(n)]
     if not found:
         raise ConfigError(f"the bug does not apply to this plan: it has no {what}")
     return found
 
 
-def _loss_div(plan: Plan) -> str:
+def loss_div(plan: Plan) -> str:
     """The name of the node that divides the summed token losses by the token
     count (the cross-entropy's per-token normalisation)."""
     names = {n.name for n in plan.nodes if n.op == "div" and n.dir == "fw"
@@ -78,7 +78,7 @@ def _scale_buffers(plan: Plan, factor: float, params: Callable[[str], bool],
     accumulation of microbatch m, for every m with ``before_mb(m)``: a new
     buffer version that keeps the claim of the one it scales."""
     edits: dict[int, Node] = {}
-    for i in _sites(plan, "gradient accumulation", lambda n: n.op == "local_grad_accumulation"
+    for i in sites(plan, "gradient accumulation", lambda n: n.op == "local_grad_accumulation"
                     and before_mb(n.mb) and params(n.name)):
         acc = plan.nodes[i]
         old = plan.tensors[acc.inputs[0]]
@@ -96,10 +96,10 @@ def _scale_buffers(plan: Plan, factor: float, params: Callable[[str], bool],
     number_versions(plan, frozenset(plan.tensors[n.outputs[0]].tid for n in edits.values()))
 
 
-def _scale_outputs(plan: Plan, factor: float, pred: Callable[[Node], bool], what: str) -> None:
+def scale_outputs(plan: Plan, factor: float, pred: Callable[[Node], bool], what: str) -> None:
     """Multiply the output of every node matching ``pred`` by ``factor`` before
     its readers: a new version of the tensor, claiming what the output claims."""
-    targets = _sites(plan, what, pred)
+    targets = sites(plan, what, pred)
     tids = frozenset(plan.tensors[plan.nodes[i].outputs[0]].tid for i in targets)
     for i in reversed(targets):
         n = plan.nodes[i]
@@ -123,8 +123,8 @@ def _scale_outputs(plan: Plan, factor: float, pred: Callable[[Node], bool], what
 def _raw_summed_loss(plan: Plan) -> None:
     """torchtitan 2972: the pipeline path backpropagates the summed token
     losses, not their mean: the backward of the normalisation divides by 1."""
-    name = _loss_div(plan)
-    for i in _sites(plan, "backward of the loss normalisation",
+    name = loss_div(plan)
+    for i in sites(plan, "backward of the loss normalisation",
                     lambda n: n.op == "div" and n.dir == "bw" and n.name == name):
         plan.nodes[i] = plan.nodes[i]._replace(kwargs={**plan.nodes[i].kwargs, "value": 1.0})
 
@@ -151,7 +151,7 @@ def _expert_grads_times_ep(plan: Plan) -> None:
     gradients over the expert-data-parallel group instead of the whole
     data-parallel group: expert gradients ep times too large."""
     ep = float(plan.world["ep"])
-    _scale_outputs(plan, ep, lambda n: n.op == "reduce_scatter" and n.dir == "bw"
+    scale_outputs(plan, ep, lambda n: n.op == "reduce_scatter" and n.dir == "bw"
                    and EXPERT.search(n.name.removesuffix(".grad")) is not None,
                    "reduce-scatter of an expert weight's gradient (FSDP with expert parallelism)")
 
@@ -162,7 +162,7 @@ def _aux_loss_local_tokens(plan: Plan) -> None:
     rank's slice of the sequence, so the load-balancing gradient is tp times
     too large: it depends on the tensor-parallel size."""
     tp = float(plan.world["tp"])
-    for i in _sites(plan, "MoE load-balancing loss normalisation",
+    for i in sites(plan, "MoE load-balancing loss normalisation",
                     lambda n: n.op == "div" and n.dir == "bw" and ".feed_forward." in n.name):
         n = plan.nodes[i]
         plan.nodes[i] = n._replace(kwargs={**n.kwargs, "value": n.kwargs["value"] / tp})
@@ -175,7 +175,7 @@ def _sp_in_fsdp_mesh(plan: Plan) -> None:
     split over the tensor-parallel ranks (Megatron sequence parallelism);
     every parameter's reduce-scattered gradient is divided by that size."""
     sp = float(plan.world["tp"])
-    _scale_outputs(plan, 1.0 / sp, lambda n: n.op == "reduce_scatter" and n.dir == "bw"
+    scale_outputs(plan, 1.0 / sp, lambda n: n.op == "reduce_scatter" and n.dir == "bw"
                    and n.name.endswith(".weight.grad"),
                    "reduce-scatter of a parameter's gradient (FSDP)")
 

@@ -68,8 +68,18 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "moe_zero3_dp4_ep2_nm2": (MOE, Parallelism(dp=4, ep=2, nm=2), Policy(zero=3)),
     "llama3_adamw_zero1_dp2_tp2_nm2": (replace(LLAMA, optimizer="adamw"),
                                        Parallelism(dp=2, tp=2, nm=2), Policy(zero=1)),
+    "mlp_sgd_dp2_tp2_nm2": (replace(MLP, optimizer="sgd"), Parallelism(dp=2, tp=2, nm=2),
+                            Policy()),
+    "mlp_adam_zero2_dp2_nm2": (replace(MLP, optimizer="adam"), Parallelism(dp=2, nm=2),
+                               Policy(zero=2)),
+    "llama3_sp_cp2_tp2_nm2": (LLAMA, Parallelism(cp=2, tp=2, nm=2),
+                              Policy(sequence_parallel=True)),
 }
-QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_dp2_pp2_tp2_nm2", "mlp_zero2_dp2_nm2")
+#: The subset the test suite runs: pipeline, tensor and data parallelism,
+#: Megatron sequence parallelism with context parallelism, ZeRO-1 and ZeRO-2,
+#: and both optimizers (the mlp bases cost seconds, the llama3 one most).
+QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_sp_cp2_tp2_nm2", "mlp_zero1_dp2_pp2_tp2_nm2",
+               "mlp_sgd_dp2_tp2_nm2", "mlp_adam_zero2_dp2_nm2")
 
 
 @dataclass
@@ -169,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bases", default=",".join(BASES), help=f"from {', '.join(BASES)}")
     ap.add_argument("--quick", action="store_true",
-                    help="the seeded subset run by the test suite (2 bases, 2 per operator)")
+                    help="the seeded subset run by the test suite (QUICK_BASES, 2 per operator)")
     ap.add_argument("--operators", help="only these mutations and rewrites (comma-separated)")
     ap.add_argument("--csv", type=Path, help="append one row per mutant to this CSV file")
     args = ap.parse_args(argv)

@@ -11,13 +11,14 @@ import torch
 from gen_model.autodiff import OPTIMIZER_KWARGS
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
-from gen_model.mutations import drop_orphans
+from gen_model.mutations import copy_plan, drop_orphans
+from gen_model.oracle import judge
 from gen_model.parallelize import Policy
 from verdict.differential import compare
 from verdict.engine import verify
 from verdict.numeric import NumericXP
 from verdict.ops import get_op
-from verdict.plan import Plan
+from verdict.plan import Node, Plan
 
 GBS = 16
 
@@ -112,3 +113,48 @@ def test_a_rank_that_never_updates_fails():
     verdict = verify(single, plan)
     assert not verdict.success and "rank 0 holds shard" in verdict.message
     assert "never updates it" in verdict.message
+
+
+def _state_of(plan: Plan, rank: int, name: str) -> int:
+    return next(o for n in plan.nodes if n.op == "adam_step" and n.rank == rank
+                for o in n.outputs[1:] if plan.logical[plan.tensors[o].tid].name.endswith(name))
+
+
+def test_a_rank_ending_with_a_peers_optimizer_state_fails():
+    """Rank 0 updates its parameter shard right but ends with rank 1's
+    exp_avg shard (sent to it after the step, claimed truthfully): the next
+    step would read the wrong moment."""
+    single, plan = pair("adam", Parallelism(dp=2), zero=1)
+    mine, theirs = _state_of(plan, 0, "wq.weight.exp_avg"), _state_of(plan, 1, "wq.weight.exp_avg")
+    x = plan.tensors[mine]
+    assert plan.tensors[theirs].slices != x.slices
+    plan.tensors.append(plan.tensors[theirs]._replace(rank=0, version=x.version + 1))
+    plan.nodes.append(Node(0, -1, "send_recv", "none", (theirs,), (len(plan.tensors) - 1,),
+                           {"src": 1, "dst": 0}, "exp_avg"))
+    assert not judge(single, plan).right
+    verdict = verify(single, plan)
+    assert not verdict.success and verdict.kind == "coverage"
+    assert "rank 0 holds shard" in verdict.message and "exp_avg at slice" in verdict.message
+
+
+def test_swapped_or_unwritten_moments_fail():
+    single, plan = pair("adam", Parallelism(dp=2), zero=2)
+    i = _update_node(plan, 1)
+    n = plan.nodes[i]
+    swapped = copy_plan(plan)
+    swapped.nodes[i] = n._replace(outputs=(n.outputs[0], n.outputs[2], n.outputs[1]))
+    assert not judge(single, swapped).right
+    assert not verify(single, swapped).success
+    unwritten = copy_plan(plan)
+    unwritten.nodes[i] = n._replace(outputs=(n.outputs[0], -1, -1))
+    gone = set(n.outputs[1:])
+    keep = [k for k in range(len(plan.tensors)) if k not in gone]
+    index = {old: new for new, old in enumerate(keep)}
+    unwritten.tensors = [plan.tensors[k] for k in keep]
+    unwritten.nodes = [m._replace(inputs=tuple(index.get(t, -1) for t in m.inputs),
+                                  outputs=tuple(index.get(t, -1) for t in m.outputs))
+                       for m in unwritten.nodes]
+    assert not judge(single, unwritten).right
+    verdict = verify(single, unwritten)
+    assert not verdict.success and verdict.kind == "coverage"
+    assert "rank 1 holds shard" in verdict.message and "never updates its" in verdict.message

@@ -1,6 +1,7 @@
-"""Bugs that shipped (gen_model/real_bugs.py, docs/real-bugs.md): each clean
-base verifies; each injected plan is wrong by the oracle and fails at the
-stage of the operator the bug touches, on the ranks it touches."""
+"""Bugs that shipped (gen_model/real_bugs.py, gen_model/seq_bugs.py,
+docs/real-bugs.md): each clean base verifies; each injected plan is a plan
+file a parallelizer could write, wrong by the oracle, and fails at the stage
+of the operator the bug touches, on the ranks it touches."""
 
 from __future__ import annotations
 
@@ -9,28 +10,41 @@ import pytest
 from backends.planfile import validate
 from gen_model.oracle import judge
 from gen_model.real_bugs import BUGS
+from gen_model.seq_bugs import SEQ_BUGS
 from verdict.engine import verify
+from verdict.report import failure
 
-#: bug -> (single-device op, dir, name) of the failing stage, ranks of its flagged nodes
+ALL = {**BUGS, **SEQ_BUGS}
+LOSS_GRAD = ("div", "bw", "truediv_2")
+EMBEDDING_BUFFER = ("local_grad_accumulation", "none", "tok_embeddings.weight.grad_buffer")
+
+#: bug -> (single-device op, dir, name) of the failing stage, ranks of its
+#: flagged nodes, an operator the diagnosis must name
 EXPECTED = {
-    "torchtitan-2972": (("div", "bw", "truediv_2"), {4, 5, 6, 7}),
-    "torchtitan-1733": (("local_grad_accumulation", "none", "tok_embeddings.weight.grad_buffer"),
-                        {0, 1}),
-    "megatron-6660": (("local_grad_accumulation", "none", "tok_embeddings.weight.grad_buffer"),
-                      {0, 1}),
-    "megatron-5956": (("einsum", "bw", "layers.1.feed_forward.einsum_4"), {0, 1, 2, 3}),
-    "megatron-5047": (("div", "bw", "layers.1.feed_forward.truediv_2"), {0, 1, 2, 3}),
-    "veomni-1079": (("linear", "bw", "output"), {0, 1, 2, 3}),
+    "torchtitan-2972": (LOSS_GRAD, {4, 5, 6, 7}, "div"),
+    "torchtitan-1733": (EMBEDDING_BUFFER, {0, 1}, "mul_scalar"),
+    "megatron-6660": (EMBEDDING_BUFFER, {0, 1}, "mul_scalar"),
+    "megatron-5956": (("einsum", "bw", "layers.1.feed_forward.einsum_4"), {0, 1, 2, 3},
+                      "mul_scalar"),
+    "megatron-5047": (("div", "bw", "layers.1.feed_forward.truediv_2"), {0, 1, 2, 3}, "div"),
+    "veomni-1079": (("linear", "bw", "output"), {0, 1, 2, 3}, "mul_scalar"),
+    "megatron-1446": (("local_grad_accumulation", "none", "norm.weight.grad_buffer"),
+                      {0, 1, 2, 3}, "local_grad_accumulation"),
+    "deepspeed-5248": (("ones", "bw", "loss.grad"), {0, 1, 2, 3}, "mul_scalar"),
+    "megatron-673": (LOSS_GRAD, {0, 1, 2, 3}, "div"),
+    "megatron-906": (EMBEDDING_BUFFER, {0, 1, 2, 3}, "mul_scalar"),
+    "megatron-3959": (LOSS_GRAD, {0, 1, 2, 3}, "div"),
 }
 
 
 def test_every_bug_has_an_expectation():
-    assert set(EXPECTED) == set(BUGS)
+    assert set(EXPECTED) == set(ALL)
+    assert len(ALL) == 11  # the table of issue 11
 
 
-@pytest.mark.parametrize("key", sorted(BUGS))
+@pytest.mark.parametrize("key", list(ALL))
 def test_real_bug_is_caught_where_it_is(key):
-    bug = BUGS[key]
+    bug = ALL[key]
     single, base = bug.single(), bug.base()
     memo: dict = {}
     clean = verify(single, base, memo=memo)
@@ -42,6 +56,8 @@ def test_real_bug_is_caught_where_it_is(key):
     assert not verdict.success and verdict.kind == "stage", verdict.message
     stage = verdict.failed[0].stage
     node = single.nodes[stage.gs_node]
-    (op, direction, name), ranks = EXPECTED[key]
+    (op, direction, name), ranks, flagged = EXPECTED[key]
     assert (node.op, node.dir, node.name) == (op, direction, name)
     assert {plan.nodes[i].rank for i in stage.gp_nodes} == ranks
+    text = "\n".join(failure(verdict, single, plan))
+    assert f"op='{flagged}'" in text and "🚨" in text

@@ -8,6 +8,7 @@ computed tensor."""
 from __future__ import annotations
 
 import random
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -258,6 +259,15 @@ def test_numeric_check_applies_the_per_rank_contract():
 
 
 # --- the harness -------------------------------------------------------------------
+
+
+def test_quick_subset_covers_sequence_context_zero_and_optimizer_bases():
+    harness = runpy.run_path(str(ROOT / "scripts" / "mutate.py"))
+    quick = [harness["BASES"][b] for b in harness["QUICK_BASES"]]
+    assert any(policy.sequence_parallel for _, _, policy in quick)
+    assert any(par.cp > 1 and not policy.ulysses for _, par, policy in quick)
+    assert {1, 2} <= {policy.zero for _, _, policy in quick}
+    assert {"sgd", "adam"} <= {cfg.optimizer for cfg, _, _ in quick}
 
 
 def test_mutation_harness_quick_subset():

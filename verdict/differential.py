@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verdict.final import check_layout, final_version, loss_groups, rank_states
+from verdict.final import check_layout, final_version, loss_groups, optimizer_states, rank_states
 from verdict.lineage import StructureError, exact_covers
 from verdict.numeric import ExecutionError, execute
 from verdict.plan import Plan, Tensor
@@ -139,12 +139,14 @@ def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
                 rtol: float) -> list[str]:
     """The per-rank contract of verdict/final.py, judged by value: every
     rank's last gradient buffer of each shard it holds equals the final
-    single-device gradient there, and each set of data-parallel replicas
-    ends with the whole loss."""
+    single-device gradient there (and, with an optimizer step, its last
+    parameter and optimizer state the updated ones), and each set of
+    data-parallel replicas ends with the whole loss."""
     problems = []
     last = {t.tid: i for i, t in enumerate(single.tensors)
             if t.version == final_version(single, t.tid)}
     states = rank_states(single, parallel)
+    opt_states = optimizer_states(single)
     for rank, st in states.items():
         for p, held in sorted(st.held.items()):
             name = single.logical[p].name
@@ -165,6 +167,13 @@ def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
                                       for s in held):
                     problems.append(f"rank {rank} does not end with the updated {name} "
                                     f"of its shard")
+                for state in opt_states.get(p, ()):
+                    updated = ref_values[last[state]]
+                    got = st.last_state.get(state)
+                    if got is None or any(not _close(values[got], updated[_region(s)], rtol)
+                                          for s in held):
+                        problems.append(f"rank {rank} does not end with the updated "
+                                        f"{single.logical[state].name} of its shard")
     for p in single.grads:
         if not any(p in st.held for st in states.values()):
             problems.append(f"no rank holds {single.logical[p].name}")

@@ -15,7 +15,8 @@ ends with and what it should end with:
   final gradient at exactly the held slice, and its lineage must be proved.
 * with an optimizer step in the plan, for each held shard, the parameter
   tensor the rank writes last: the updated single-device parameter at
-  exactly that shard, proved;
+  exactly that shard, proved; and likewise the optimizer's state (Adam's
+  two moments), which the next step reads;
 * the loss pieces a rank writes last for each of its microbatches. Summed
   with those of its data-parallel replicas (same pipeline stage, same
   tensor-parallel index in the (pp, dp, tp) rank layout of
@@ -34,6 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from verdict.lineage import Lineage, StructureError
+from verdict.ops.step import OPTIMIZERS
 from verdict.plan import Plan, Slices
 
 
@@ -46,6 +48,18 @@ class RankState:
     last_grad: dict[int, int] = field(default_factory=dict)  # param tid -> last gradbuf tensor
     loss: list[int] = field(default_factory=list)  # last loss tensor of each microbatch
     last_param: dict[int, int] = field(default_factory=dict)  # param tid -> last param written
+    last_state: dict[int, int] = field(default_factory=dict)  # state tid -> last state written
+
+
+def optimizer_states(single: Plan) -> dict[int, tuple[int, ...]]:
+    """Parameter tid -> the tids of the optimizer state its step writes besides
+    the parameter (Adam's exp_avg and exp_avg_sq; none for SGD)."""
+    states = {}
+    for node in single.nodes:
+        if node.op in OPTIMIZERS:
+            states[single.tensors[node.inputs[0]].tid] = tuple(
+                single.tensors[o].tid for o in node.outputs[1:] if o >= 0)
+    return states
 
 
 def rank_coords(world: dict, rank: int) -> tuple[int, int, int]:
@@ -122,6 +136,7 @@ def rank_states(single: Plan, parallel: Plan) -> dict[int, RankState]:
 
     producer = parallel.producers()
     grad_of = {buf: p for p, buf in single.grads.items()}
+    state_tids = {s for states in optimizer_states(single).values() for s in states}
     for i, t in enumerate(parallel.tensors):
         if producer[i] < 0 and t.tid in single.grads and t.lver == 0:  # loaded, not updated
             held = state(t.rank).held.setdefault(t.tid, [])
@@ -137,6 +152,8 @@ def rank_states(single: Plan, parallel: Plan) -> dict[int, RankState]:
                 state(t.rank).last_grad[grad_of[t.tid]] = o
             elif t.tid in single.grads:
                 state(t.rank).last_param[t.tid] = o
+            elif t.tid in state_tids:
+                state(t.rank).last_state[t.tid] = o
             elif t.tid == single.loss:
                 last_loss[(t.rank, t.mb)] = o
     for (rank, _), o in sorted(last_loss.items()):
@@ -205,6 +222,7 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
     name = single.logical
     final_grad = {p: final_version(single, buf) for p, buf in single.grads.items()}
     final_param = {p: final_version(single, p) for p in single.grads}
+    opt_states = optimizer_states(single)
     holders: dict[int, list[Slices]] = defaultdict(list)
     for rank, st in states.items():
         for p, held in sorted(st.held.items()):
@@ -231,8 +249,12 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
             elif of_gp[t_index] not in proved:
                 problems.append(f"{what}, whose gradient is never proved")
             elif final_param[p] > 0:
-                problems += _check_update(parallel, rank, p, pname, box, st, final_param[p],
-                                          of_gp, proved)
+                problems += _check_update(parallel, rank, pname, box, st.last_param.get(p),
+                                          final_param[p], of_gp, proved)
+                for s in opt_states.get(p, ()):
+                    problems += _check_update(parallel, rank, pname, box, st.last_state.get(s),
+                                              final_version(single, s), of_gp, proved,
+                                              f"its {name[s].name}")
     for p in single.grads:
         shape = name[p].shape
         if not holders.get(p):
@@ -243,23 +265,24 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
     return problems
 
 
-def _check_update(parallel: Plan, rank: int, p: int, pname: str, box: Slices, st: RankState,
-                  final: int, of_gp: list[int], proved: set[int]) -> list[str]:
-    """With an optimizer step: the parameter a rank writes last is the
-    updated single-device parameter at exactly its held shard, proved."""
-    u = st.last_param.get(p)
+def _check_update(parallel: Plan, rank: int, pname: str, box: Slices, u: int | None,
+                  final: int, of_gp: list[int], proved: set[int], what: str = "it") -> list[str]:
+    """With an optimizer step: the parameter (or optimizer state, ``what``)
+    a rank writes last, ``u``, is the updated single-device tensor at exactly
+    its held shard, proved."""
     if u is None:
-        return [f"rank {rank} holds shard {_show(box)} of {pname} but never updates it"]
+        return [f"rank {rank} holds shard {_show(box)} of {pname} but never updates {what}"]
     t = parallel.tensors[u]
-    what = (f"rank {rank} holds shard {_show(box)} of {pname} but ends with "
+    tname = parallel.logical[t.tid].name
+    ends = (f"rank {rank} holds shard {_show(box)} of {pname} but ends with "
             f"Tensor(rank={rank}, mb={t.mb}, tid={t.tid}, v={t.version})")
     if t.slices != box:
-        return [f"{what}, the update of slice {_show(t.slices)}"]
+        return [f"{ends}, the update of {tname} at slice {_show(t.slices)}"]
     if t.lver != final or not t.is_whole():
-        return [f"{what}, which is not the updated parameter (version {t.lver} of {final}, "
+        return [f"{ends}, which is not the updated {tname} (version {t.lver} of {final}, "
                 f"parts {t.parts})"]
     if of_gp[u] not in proved:
-        return [f"{what}, whose update is never proved"]
+        return [f"{ends}, whose update of {tname} is never proved"]
     return []
 
 
