@@ -597,7 +597,8 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                         for q in node.group)
             kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
         outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
-        plan_p.nodes.append(Node(low.rank, 0, node.op, node.dir, ins, outs, kwargs,
+        mb = max((r.mb.get(o, -1) for o in node.outs if o >= 0), default=-1)
+        plan_p.nodes.append(Node(low.rank, max(mb, 0), node.op, node.dir, ins, outs, kwargs,
                                  _scope(node.name)))
 
     for i, n, k in _order(ranks):
