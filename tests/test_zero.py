@@ -4,10 +4,14 @@ each rank's contract is on the shard it owns; wrong plans fail."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from gen_model import mutations
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
+from gen_model.oracle import judge
 from gen_model.parallelize import Policy
 from verdict.differential import compare
 from verdict.engine import verify
@@ -100,3 +104,18 @@ def test_unshardable_parameter_is_refused():
     with pytest.raises(ConfigError, match="ZeRO shards"):
         make_plan(ModelConfig("mlp", layers=2, hidden=6), Parallelism(dp=4), 24,
                   policy=Policy(zero=3))
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_an_owner_keeping_another_owners_shard_fails(zero):
+    """wrong_owner: one rank's reduce-scatters (or ZeRO-1's split) keep a
+    peer's chunk of a gradient, every tensor after them claiming it
+    truthfully; the rank still holds its own parameter shard."""
+    plan = make_plan(MLP, Parallelism(dp=4, nm=2), GBS, policy=Policy(zero=zero))
+    for k in range(3):
+        mutant, where = mutations.wrong_owner(plan, random.Random(f"owner/{zero}/{k}"))
+        assert not judge(single(MLP), mutant).right, where
+        verdict = verify(single(MLP), mutant)
+        assert not verdict.success, where
+        if verdict.kind == "coverage":
+            assert "the gradient of slice" in verdict.message
