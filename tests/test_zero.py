@@ -59,8 +59,14 @@ def test_collectives_of_each_stage(zero):
     gathers = [o for o in ops if o[0] == "all_gather"]
     if zero < 3:  # once per step, before the first microbatch
         assert gathers and all(o[1:] == ("none", -1) for o in gathers)
-    else:  # before every use: in each microbatch's forward
-        assert {o[2] for o in gathers} == {0, 1} and all(o[1] == "fw" for o in gathers)
+    else:  # before every use: in each microbatch's forward, and again in its backward
+        assert {o[2] for o in gathers} == {0, 1} and {o[1] for o in gathers} == {"fw", "bw"}
+        writer = {o: n for n in plan.nodes for o in n.outputs}
+        params = [(n, t) for n in plan.nodes if n.dir == "bw" and n.op != "all_gather"
+                  for t in n.inputs
+                  if plan.logical[plan.tensors[t].tid].kind == "param"]
+        assert params and all(writer[t].op == "all_gather" and writer[t].dir == "bw"
+                              and writer[t].mb == n.mb for n, t in params)
     reducers = sum(o[0] == "reducer" for o in ops)
     scatters = sum(o[0] == "reduce_scatter" for o in ops)
     assert (reducers > 0) == (zero == 1) and (scatters > 0) == (zero >= 2)
