@@ -51,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
         par.add_argument(f"--{flag}", type=int, default=1)
     par.add_argument("--cp", type=int, default=1,
                      help="context parallel: the sequence split across ranks (llama3)")
+    par.add_argument("--cp_balance", action="store_true",
+                     help="with --cp C: causal load balancing, the sequence cut into 2C chunks "
+                          "and rank i holding chunks i and 2C-1-i")
     par.add_argument("--vocab_parallel", action="store_true",
                      help="split the embedding along the vocabulary across TP ranks")
     par.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
@@ -116,13 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         cfg, par = config_from(args)
+        if args.cp_balance and par.cp < 2:  # a single-device plan has no policy to check
+            raise ConfigError("--cp_balance needs --cp > 1")
         start = time.perf_counter()
         policy = Policy(vocab_parallel=args.vocab_parallel, schedule=args.schedule,
                         sequence_parallel=args.sequence_parallel, ulysses=args.ulysses,
+                        cp_balance=args.cp_balance,
                         virtual_stages=args.vpp, zero=args.zero)
         plan = make_plan(cfg, par, args.gbs, args.variant, policy)
         stem = plan_stem(cfg, par, args.gbs, args.variant) + (
             "_sp" if args.sequence_parallel else "") + ("_ulysses" if args.ulysses else "") + (
+                "_cpbal" if args.cp_balance else "") + (
                 f"_vpp{args.vpp}" if args.vpp > 1 else "") + (
             f"_zero{args.zero}" if args.zero else "") + (
             f"_{args.optimizer}" if args.optimizer != "none" else "")

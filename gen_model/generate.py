@@ -32,6 +32,8 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
         world["sequence_parallel"] = True
     if policy.ulysses:
         world["ulysses"] = True
+    if policy.cp_balance:
+        world["cp_balance"] = True
     if policy.virtual_stages > 1:
         world["virtual_stages"] = policy.virtual_stages
     if policy.zero:

@@ -75,6 +75,10 @@ class Policy:
     #: each rank keeps its owned shard); 2 gradients reduce-scattered to owners;
     #: 3 parameters sharded too and all-gathered before every use (FSDP).
     zero: int = 0
+    #: Causal load balancing on the cp axis: the sequence is cut into 2 cp
+    #: chunks and cp rank i holds chunks i and 2 cp - 1 - i (Megatron's
+    #: layout), so every rank gets the same share of unmasked scores.
+    cp_balance: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ class Program:
 class _Sharder:
     def __init__(self, g: LogicalGraph, cfg: ModelConfig, par: Parallelism, policy: Policy):
         self.g, self.cfg, self.par, self.policy = g, cfg, par, policy
-        self.size = axis_sizes(par)
+        self.size = axis_sizes(par, policy)
         self.ops: list[SOp] = []
         self.current: dict[Value, SVal] = {}
         self.where: dict[SVal, int] = {}
@@ -528,6 +532,10 @@ def shard(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, policy: Policy) -
 
 @dataclass(frozen=True)
 class Coord:
+    """Where a piece lives: pipeline stage and index on each mesh axis. ``cp``
+    is the sequence chunk, which names the cp rank except with causal load
+    balancing, where 2 cp chunks live on cp ranks (``_Emitter.cp_rank``)."""
+
     stage: int
     edp: int
     ep: int
@@ -546,10 +554,10 @@ class _Emitter:
     def __init__(self, g: LogicalGraph, prog: Program, par: Parallelism, policy: Policy,
                  world: dict):
         self.g, self.prog, self.par, self.policy = g, prog, par, policy
-        self.size = axis_sizes(par)
+        self.size = axis_sizes(par, policy)
         self.plan = Plan(world=dict(world), logical=list(g.tensors), loss=g.loss,
                          grads=dict(g.grads))
-        self.slots: dict[tuple[SVal, int, int], int] = {}
+        self.slots: dict[tuple[SVal, int, int, int], int] = {}
         self.written: set[int] = set()
         self.last_buffer: dict[tuple[int, int], int] = {}
         #: (rank, param) -> the reduced gradient the optimizer reads, when a
@@ -558,19 +566,47 @@ class _Emitter:
         #: values made once per step, before the first microbatch (ZeRO-1/2's
         #: parameter all-gather): every microbatch reads the one copy
         self.per_step = {sv for sop in prog.ops if sop.dir == "none" for sv in sop.outputs}
+        #: the (virtual) stage that computes the loss
+        self.loss_stage = next(sop.stage for sop in reversed(prog.ops)
+                               if prog.loss in sop.outputs)
+
+    def cp_rank(self, chunk: int) -> int:
+        """The context-parallel rank that holds sequence chunk ``chunk``: with
+        causal load balancing chunks k and 2 cp - 1 - k are on rank k."""
+        n = self.par.cp
+        return chunk if chunk < n else 2 * n - 1 - chunk
 
     def rank(self, c: Coord) -> int:
         d = c.edp * self.size["ep"] + c.ep
-        return ((c.stage * self.par.dp + d) * self.par.cp + c.cp) * self.par.tp + c.tp
+        return ((c.stage * self.par.dp + d) * self.par.cp + self.cp_rank(c.cp)) * self.par.tp + c.tp
 
     def coords(self, stage: int) -> list[Coord]:
+        """One coordinate per rank of a stage (its first sequence chunk on cp)."""
         return [Coord(stage, a, b, k, t) for a, b, k, t in product(
-            range(self.size["edp"]), range(self.size["ep"]), range(self.size["cp"]),
+            range(self.size["edp"]), range(self.size["ep"]), range(self.par.cp),
             range(self.size["tp"]))]
 
+    def chunks(self, c: Coord) -> list[Coord]:
+        """The coordinates of the sequence chunks the rank of ``c`` holds: its
+        own, and with causal load balancing chunk 2 cp - 1 - c.cp too."""
+        if not self.policy.cp_balance:
+            return [c]
+        return [c, c.with_axes(cp=2 * self.par.cp - 1 - c.cp)]
+
+    def chunk_key(self, sv: SVal, c: Coord) -> int:
+        """Which of a rank's two chunks a value belongs to; -1 when it does not
+        depend on the chunk (replicated on cp, a parameter say)."""
+        return c.cp if self.policy.cp_balance and sv.on("cp") != "R" else -1
+
     # -- tensors --------------------------------------------------------------
-    def view(self, sv: SVal, c: Coord, mb: int, mb_parts: tuple[int, int] | None):
-        """Slices (full coordinates) and partial-sum parts of ``sv`` on (c, mb)."""
+    def view(self, sv: SVal, c: Coord, mb: int, mb_parts: tuple[int, int] | None,
+             both: bool = False):
+        """Slices (full coordinates) and partial-sum parts of ``sv`` on (c, mb).
+
+        With causal load balancing a part partial on cp is numbered by the rank
+        holding it and, as the fastest digit, which of its two chunks it is
+        (``both``: the rank's two chunks summed); ``mb_parts`` then counts
+        (microbatch, chunk) pairs, so a gradient buffer's parts stay one range."""
         slices = []
         for dim, full in enumerate(self.g.shape(sv.tid)):
             index, count = 0, 1
@@ -584,14 +620,26 @@ class _Emitter:
             step = full // count
             slices.append((index * step, (index + 1) * step))
         kind = "M" if "M" in sv.layout else "P"
-        lo, span, n = 0, 1, 1
+        halves = self.policy.cp_balance and sv.on("cp") == kind
+        digits = []  # (size, first, count) of each axis the value is partial on
         for axis in PART_ORDER:
             if sv.on(axis) != kind:
                 continue
-            n *= self.size[axis]
-            first, count = (mb_parts[0], mb_parts[1] - mb_parts[0]) if (
-                axis == "mb" and mb_parts) else (c.get(axis, mb), 1)
-            lo = lo * self.size[axis] + first
+            if axis == "cp" and halves:
+                digits.append((self.par.cp, self.cp_rank(c.cp), 1))
+            elif axis == "mb" and mb_parts:
+                size = self.size["mb"] * (2 if halves else 1)
+                digits.append((size, mb_parts[0], mb_parts[1] - mb_parts[0]))
+            else:
+                digits.append((self.size[axis], c.get(axis, mb), 1))
+        if halves and mb_parts and sv.on("mb") != kind:  # one microbatch: chunks 0..u
+            digits.append((2, mb_parts[0], mb_parts[1] - mb_parts[0]))
+        elif halves and not mb_parts:
+            digits.append((2, 0, 2) if both else (2, int(c.cp >= self.par.cp), 1))
+        lo, span, n = 0, 1, 1
+        for size, first, count in digits:
+            n *= size
+            lo = lo * size + first
             span *= count
         if kind == "M":
             if "P" in sv.layout:
@@ -600,12 +648,12 @@ class _Emitter:
         parts = (0, 1, 1) if span == n else (lo, lo + span, n)
         return tuple(slices), parts
 
-    def slot(self, sv: SVal, c: Coord, mb: int, mb_parts=None) -> int:
+    def slot(self, sv: SVal, c: Coord, mb: int, mb_parts=None, both: bool = False) -> int:
         """The plan tensor of ``sv`` on (c, mb), made on first use; versions are
         numbered later, in execution order."""
-        key = (sv, self.rank(c), mb)
+        key = (sv, self.rank(c), mb, -2 if both else self.chunk_key(sv, c))
         if key not in self.slots:
-            slices, parts = self.view(sv, c, mb, mb_parts)
+            slices, parts = self.view(sv, c, mb, mb_parts, both)
             shape = tuple(b - a for a, b in slices)
             self.plan.tensors.append(
                 Tensor(self.rank(c), mb, sv.tid, -1, shape, sv.lver, slices, parts))
@@ -620,18 +668,36 @@ class _Emitter:
             mb = -1  # one copy for all microbatches
         return self.slot(sv, c, mb)
 
-    def write(self, sv: SVal | None, c: Coord, mb: int, mb_parts=None) -> int:
+    def write(self, sv: SVal | None, c: Coord, mb: int, mb_parts=None, both: bool = False) -> int:
         if sv is None:
             return -1
         if sv in self.per_step:
             mb = -1
-        t = self.slot(sv, c, mb, mb_parts)
+        t = self.slot(sv, c, mb, mb_parts, both)
         if t in self.written:
             raise AssertionError(f"{self.g.tensors[sv.tid].name} written twice on {c} mb {mb}")
         self.written.add(t)
         return t
 
     # -- nodes ----------------------------------------------------------------
+    def instances(self, sop: SOp, chunks: list[Coord], mb: int) -> list[Node]:
+        """The nodes of a sharded op on one rank: one per sequence chunk the
+        rank holds, or one when its outputs do not depend on the chunk (a
+        value replicated on cp, such as keys all-gathered along the sequence)."""
+        if len(chunks) > 1 and any(sv is not None and sv.on("cp") != "R" for sv in sop.outputs):
+            return [self.node(sop, k, mb) for k in chunks]
+        return [self.node(sop, chunks[0], mb)]
+
+    def loss_sum(self, chunks: list[Coord], mb: int) -> Node:
+        """With causal load balancing: the loss of a rank's two chunks summed,
+        the loss of all the tokens it holds (one tensor per microbatch, as
+        every rank ends with)."""
+        loss = self.prog.loss
+        inputs = tuple(self.read(loss, k, mb) for k in chunks)
+        out = self.write(loss, chunks[0], mb, both=True)
+        return Node(self.rank(chunks[0]), mb, "add", "fw", inputs, (out,), {},
+                    self.g.tensors[loss.tid].name)
+
     def node(self, sop: SOp, c: Coord, mb: int) -> Node:
         rank = self.rank(c)
         kw = dict(sop.kwargs)
@@ -732,6 +798,8 @@ class _Emitter:
 
     def rank_sequence(self, ops: list[SOp], c: Coord) -> list[Node]:
         rank = self.rank(c)
+        chunks = self.chunks(c)
+        sum_loss = len(chunks) > 1 and self.prog.loss.on("cp") == "P"
         params = self.params_on(c.stage)
         seq: list[Node] = []
         full = self.policy.zero == 1  # ZeRO-1 accumulates whole gradients
@@ -740,21 +808,29 @@ class _Emitter:
             seq.append(Node(rank, -1, "zeros", "none", (), (t,),
                             {"shape": list(self.plan.tensors[t].shape)}, self.buffer_name(tid)))
             self.last_buffer[(rank, tid)] = t
-        seq.extend(self.node(sop, c, -1) for sop in ops if sop.dir == "none")
+        for sop in ops:
+            if sop.dir == "none":
+                seq.extend(self.instances(sop, chunks, -1))
         for phase, mb, chunk in self.order(c.stage):
-            seq.extend(self.node(sop, c, mb) for sop in ops
-                       if sop.dir == phase and sop.stage == chunk)
+            for sop in ops:
+                if sop.dir == phase and sop.stage == chunk:
+                    seq.extend(self.instances(sop, chunks, mb))
             if phase == "fw":
+                if sum_loss and chunk == self.loss_stage:
+                    seq.append(self.loss_sum(chunks, mb))
                 continue
             for tid, grad in self.params_of(chunk):
                 if grad is None:
                     continue
-                t = self.write(self.buffer(tid, grad, lver=1, full=full), c, mb,
-                               mb_parts=(0, mb + 1))
-                seq.append(Node(rank, mb, "local_grad_accumulation", "none",
-                                (self.last_buffer[(rank, tid)], self.read(grad, c, mb)), (t,),
-                                {}, self.buffer_name(tid)))
-                self.last_buffer[(rank, tid)] = t
+                # each chunk's gradient in turn: (microbatch, chunk) pairs 0..u
+                each = chunks if grad.on("cp") == "P" else chunks[:1]
+                for s, k in enumerate(each):
+                    t = self.write(self.buffer(tid, grad, lver=1, full=full), k, mb,
+                                   mb_parts=(0, mb * len(each) + s + 1))
+                    seq.append(Node(rank, mb, "local_grad_accumulation", "none",
+                                    (self.last_buffer[(rank, tid)], self.read(grad, k, mb)),
+                                    (t,), {}, self.buffer_name(tid)))
+                    self.last_buffer[(rank, tid)] = t
         return seq
 
     def buffer_name(self, tid: int) -> str:
@@ -787,13 +863,14 @@ class _Emitter:
             if not axes:
                 continue
             key = (tid, c.stage, *(0 if a in axes else getattr(c, a) for a in ("edp", "ep", "tp")))
+            ranks = dict(self.size, cp=self.par.cp)  # ranks per axis, not chunks
             if key not in shared:
                 group = [c.with_axes(**dict(zip(axes, idx)))
-                         for idx in product(*(range(self.size[a]) for a in axes))]
+                         for idx in product(*(range(ranks[a]) for a in axes))]
                 shared[key] = tuple(self.last_buffer[(self.rank(o), tid)] for o in group)
             index = 0
             for a in axes:
-                index = index * self.size[a] + getattr(c, a)
+                index = index * ranks[a] + getattr(c, a)
             zero1 = self.policy.zero == 1 and tid in self.prog.zero_axes
             t = self.write(self.buffer(tid, None, lver=1, full=zero1), c, -1)
             nodes.append(Node(self.rank(c), -1, "reducer", "none", shared[key], (t,),
@@ -874,10 +951,12 @@ def number_versions(plan: Plan, tids: frozenset[int] | None = None) -> None:
     count: dict[tuple, int] = {}
     tensors = plan.tensors
     outputs = {o for node in plan.nodes for o in node.outputs if o >= 0}
-    for i, t in enumerate(tensors):  # an input read from memory is version 0
+    for i, t in enumerate(tensors):  # inputs read from memory: versions 0, 1, ...
         if i not in outputs and plan.logical[t.tid].kind in INPUT_KINDS and (
                 tids is None or t.tid in tids):
-            count[(t.rank, t.mb, t.tid)] = 1
+            key = (t.rank, t.mb, t.tid)  # two pieces with causal load balancing
+            tensors[i] = t._replace(version=count.get(key, 0))
+            count[key] = count.get(key, 0) + 1
     written = set()
     for node in plan.nodes:
         for o in node.outputs:
@@ -933,8 +1012,11 @@ def contiguous(before: SVal, after: SVal, axis: str) -> bool:
                    for lay in (before, after))
 
 
-def axis_sizes(par: Parallelism) -> dict[str, int]:
-    return {"mb": par.nm, "edp": par.dp // par.ep_dp, "ep": par.ep_dp, "cp": par.cp, "tp": par.tp}
+def axis_sizes(par: Parallelism, policy: Policy | None = None) -> dict[str, int]:
+    """Pieces per axis. With causal load balancing the cp axis cuts the
+    sequence into 2 cp chunks, two per context-parallel rank."""
+    cp = par.cp * (2 if policy is not None and policy.cp_balance else 1)
+    return {"mb": par.nm, "edp": par.dp // par.ep_dp, "ep": par.ep_dp, "cp": cp, "tp": par.tp}
 
 
 def check_parallelism(cfg: ModelConfig, par: Parallelism, gbs: int) -> None:
@@ -975,9 +1057,12 @@ def check_policy(cfg: ModelConfig, par: Parallelism, policy: Policy) -> None:
     if policy.ulysses and (par.cp < 2 or par.tp > 1 or cfg.heads % par.cp):
         raise ConfigError(f"--ulysses needs --cp > 1, --tp 1 and --heads {cfg.heads} "
                           f"divisible by --cp {par.cp}")
-    if cfg.seqlen % (par.cp * sp):
-        raise ConfigError(f"--seqlen {cfg.seqlen} is not divisible by {par.cp * sp} "
-                          f"(context parallel {par.cp} x sequence parallel {sp})")
+    if policy.cp_balance and (par.cp < 2 or policy.ulysses):
+        raise ConfigError("--cp_balance needs --cp > 1 and no --ulysses")
+    chunks = par.cp * (2 if policy.cp_balance else 1)
+    if cfg.seqlen % (chunks * sp):
+        raise ConfigError(f"--seqlen {cfg.seqlen} is not divisible by {chunks * sp} "
+                          f"(sequence chunks {chunks} x sequence parallel {sp})")
     if cfg.model == "moe" and not par.experts_over_tp and cfg.moe_ffn % par.tp:
         raise ConfigError(f"--moe_ffn {cfg.moe_ffn} is not divisible by --tp {par.tp}")
     if policy.zero and (par.cp > 1 or v > 1):

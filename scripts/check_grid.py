@@ -9,13 +9,16 @@ moe plans with pp and nm; llama3 with Megatron sequence parallelism (tp in
 {2, 4} with each dp, pp, nm in {1, 2, 4}, at most 16 ranks, and two plans
 with a vocab-parallel embedding too); llama3 with context parallelism (cp in
 {2, 4} with dp, tp, pp, nm in {1, 2}, at most 16 ranks, and one with
-sequence parallelism too); llama3 with Ulysses (cp in {2, 4} with dp, pp,
-nm in {1, 2}); mlp and llama3 with an interleaved pipeline (vpp 2, four
+sequence parallelism too); the same context-parallel points with causal
+load balancing (a sequence of 8, so 2 cp chunks fit), one with sequence
+parallelism and one with an interleaved pipeline; llama3 with Ulysses (cp
+in {2, 4} with dp, pp, nm in {1, 2}); mlp and llama3 with an interleaved pipeline (vpp 2, four
 dp/tp/pp/nm settings, both schedules).;
 ZeRO-1/2/3 for mlp and llama3 (dp2 nm2, dp4, dp2 tp2 pp2 nm2) and moe (dp4
 ep2 nm2, dp2 tp2 ep4); and the optimizer step (mlp with SGD, llama3 with
 AdamW, moe with Adam), with and without ZeRO. Prints one line per plan and
-exits 1 if any plan fails a check.
+exits 1 if any plan fails a check. ``--match TEXT`` runs only the plans
+whose line contains TEXT (``--match cpbal``: the load-balanced points).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ MODELS = {
                        seqlen=4, experts=4, topk=2, moe_ffn=8, first_dense=1),
 }
 MODELS.update({
+    "llama3_s8": replace(MODELS["llama3"], seqlen=8),
     "mlp_sgd": replace(MODELS["mlp"], optimizer="sgd"),
     "llama3_adamw": replace(MODELS["llama3"], optimizer="adamw"),
     "moe_adam": replace(MODELS["moe"], optimizer="adam"),
@@ -71,6 +75,14 @@ def grid() -> list[tuple[str, Parallelism, Policy]]:
         if cp * dp * tp * pp <= 16:
             cases.append(("llama3", Parallelism(dp=dp, tp=tp, pp=pp, nm=nm, cp=cp), Policy()))
     cases.append(("llama3", Parallelism(cp=2, tp=2, nm=2), Policy(sequence_parallel=True)))
+    for cp, dp, tp, pp, nm in itertools.product((2, 4), (1, 2), (1, 2), (1, 2), (1, 2)):
+        if cp * dp * tp * pp <= 16:
+            cases.append(("llama3_s8", Parallelism(dp=dp, tp=tp, pp=pp, nm=nm, cp=cp),
+                          Policy(cp_balance=True)))
+    cases.append(("llama3_s8", Parallelism(cp=2, tp=2, nm=2),
+                  Policy(cp_balance=True, sequence_parallel=True)))
+    cases.append(("llama3_s8", Parallelism(cp=2, pp=2, nm=2),
+                  Policy(cp_balance=True, virtual_stages=2)))
     for cp, dp, pp, nm in itertools.product((2, 4), (1, 2), (1, 2), (1, 2)):
         cases.append(("llama3", Parallelism(dp=dp, pp=pp, nm=nm, cp=cp), Policy(ulysses=True)))
     for model, (dp, tp, pp, nm), schedule in itertools.product(
@@ -98,21 +110,28 @@ def grid() -> list[tuple[str, Parallelism, Policy]]:
 def describe(policy: Policy) -> str:
     flags = [policy.schedule] + [name for name, on in (
         ("sp", policy.sequence_parallel), ("vocab", policy.vocab_parallel),
-        ("ulysses", policy.ulysses), (f"vpp{policy.virtual_stages}",
+        ("ulysses", policy.ulysses), ("cpbal", policy.cp_balance),
+        (f"vpp{policy.virtual_stages}",
                                       policy.virtual_stages > 1)) if on]
     flags += [f"zero{policy.zero}"] if policy.zero else []
     return " ".join(flags)
 
 
+def label(model: str, par: Parallelism, policy: Policy) -> str:
+    return (f"{model:6} dp{par.dp} tp{par.tp} pp{par.pp} ep{par.ep} cp{par.cp} nm{par.nm} "
+            f"{describe(policy):14}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=("numeric", "symbolic", "both"), default="both")
+    parser.add_argument("--match", default="", help="only the plans whose line contains this")
     args = parser.parse_args()
     start = time.perf_counter()
     singles = {m: make_plan(cfg, Parallelism(), GBS) for m, cfg in MODELS.items()}
     memo: dict = {}
     failed = 0
-    cases = grid()
+    cases = [c for c in grid() if args.match in label(*c)]
     for model, par, policy in cases:
         t0 = time.perf_counter()
         plan = make_plan(MODELS[model], par, GBS, policy=policy)
@@ -127,9 +146,8 @@ def main() -> int:
             if not verdict.success:
                 problems.append(f"symbolic: {verdict.kind} {verdict.message}")
         failed += bool(problems)
-        print(f"{'FAIL' if problems else 'ok  '} {model:6} dp{par.dp} tp{par.tp} pp{par.pp} "
-              f"ep{par.ep} cp{par.cp} nm{par.nm} {describe(policy):14} {len(plan.nodes):6} nodes "
-              f"{time.perf_counter() - t0:5.2f} s", flush=True)
+        print(f"{'FAIL' if problems else 'ok  '} {label(model, par, policy)} "
+              f"{len(plan.nodes):6} nodes {time.perf_counter() - t0:5.2f} s", flush=True)
         for line in problems:
             print(f"      {line}")
     took = time.perf_counter() - start

@@ -58,6 +58,7 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "llama3_sp_dp2_tp2_nm2": (LLAMA, Parallelism(dp=2, tp=2, nm=2),
                               Policy(sequence_parallel=True)),
     "llama3_cp2_tp2_nm2": (LLAMA, Parallelism(cp=2, tp=2, nm=2), Policy()),
+    "llama3_cpbal2_tp2_nm2": (LLAMA, Parallelism(cp=2, tp=2, nm=2), Policy(cp_balance=True)),
     "llama3_ulysses2_dp2_nm2": (LLAMA, Parallelism(cp=2, dp=2, nm=2), Policy(ulysses=True)),
     "mlp_pp2_vpp2_nm2": (ModelConfig("mlp", layers=4, hidden=8), Parallelism(pp=2, nm=2),
                          Policy(virtual_stages=2)),

@@ -211,6 +211,7 @@ BAD: dict[str, tuple[list[str], str | None]] = {
     "capacity_factor_negative": ([*MOE, "--gbs", "2", "--capacity_factor", "-1"], "capacity"),
     # the variant is a name part ('default' or br{N}), never a path
     "variant_with_slash": ([*MLP, "--gbs", "2", "--variant", "a/b"], "variant"),
+    "cp_balance_without_cp": ([*LLAMA, "--gbs", "2", "--cp_balance"], "--cp_balance"),
 }
 
 

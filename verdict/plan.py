@@ -167,7 +167,7 @@ class Plan:
 
 #: World fields that describe parallelism; all others describe the model.
 PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_parallel", "schedule",
-                   "sequence_parallel", "ulysses", "virtual_stages", "zero")
+                   "sequence_parallel", "ulysses", "virtual_stages", "zero", "cp_balance")
 
 
 def pair_problem(single: Plan, parallel: Plan) -> str | None:
