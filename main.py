@@ -22,6 +22,7 @@ from verdict.cache import StageCache, load_plan_cached
 from verdict.differential import NumericRefused, check_size, compare
 from verdict.engine import Verdict, verify
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
+from verdict.fold import FoldError, fold_pair
 from verdict.plan import Plan, pair_problem
 from verdict.report import append_stats, evidence, failure, make_stats, tp_label, ts_label
 from verdict.solve import Outcome
@@ -83,6 +84,10 @@ def load_pair(args: argparse.Namespace) -> tuple[Plan, Plan]:
     cache = args.cache_dir if args.cache_nodes else None
     single = load_plan_cached(args.sm, cache)
     parallel = load_plan_cached(args.pm, cache)
+    try:
+        single, _ = fold_pair(single, parallel)  # a folded plan: the shown rows of --sm
+    except FoldError as e:
+        raise UsageError(str(e)) from None
     problem = pair_problem(single, parallel)
     if problem:
         raise UsageError(problem)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from verdict.ops import OPS
-from verdict.plan import DIRECTIONS, FORMAT, KINDS, SHARED_MIN, VERSION, Plan
+from verdict.plan import DIRECTIONS, FOLD_KEYS, FORMAT, KINDS, SHARED_MIN, VERSIONS, Plan
 from verdict.progress import progress
 
 #: Top-level fields of a plan, in the order to_data() writes them.
@@ -259,6 +259,7 @@ def validate(data: Any) -> None:
     """
     _check_header(data)
     _check_world(data["world"])
+    _check_fold_keys(data["world"], data["version"])
     shapes = _check_logical(data["logical"])
     n_tensors = _check_tensors(data["tensors"], shapes)
     _check_nodes(data["nodes"], n_tensors)
@@ -321,9 +322,10 @@ def _check_header(data: Any) -> None:
     version = data["version"]
     if not _is_int(version):
         raise PlanError(f"plan version must be an int, got {_type(version)} {_show(version)}")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise PlanError(
-            f"unsupported plan version {_show(version)}: this verdict reads version {VERSION} only"
+            f"unsupported plan version {_show(version)}: this verdict reads versions "
+            f"{' and '.join(map(str, VERSIONS))}"
         )
     for key in FIELDS:
         if key not in data:
@@ -351,6 +353,22 @@ def _check_world(world: Any) -> None:
             _int(value, where, "value")
         if isinstance(value, float) and not math.isfinite(value):
             raise PlanError(f"{where}: value must be a finite number, got {value}")
+
+
+def _check_fold_keys(world: dict, version: int) -> None:
+    """A folded plan's keys: version 2 only, all three, positive ints."""
+    present = [k for k in FOLD_KEYS if k in world]
+    if not present:
+        return
+    if version < 2:
+        raise PlanError(f"world {present[0]!r}: folded-plan keys need plan version 2, "
+                        f"this file is version {version}")
+    if len(present) != len(FOLD_KEYS):
+        raise PlanError(f"world: a folded plan needs all of {', '.join(FOLD_KEYS)}; "
+                        f"it has {', '.join(present)}")
+    for key in FOLD_KEYS:
+        if not _is_int(world[key]) or world[key] < 1:
+            raise PlanError(f"world {key!r}: must be an int >= 1, got {_show(world[key])}")
 
 
 def _check_logical(rows: Sequence[Any]) -> list[Shape]:

@@ -69,6 +69,10 @@ def parser() -> argparse.ArgumentParser:
     par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                      help="ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters "
                           "sharded over data-parallel ranks (3 is FSDP)")
+    p.add_argument("--fold", action="store_true",
+                   help="write the folded plan: 2 replicas and 2 microbatches shown, the others "
+                        "by symmetry (docs/soundness.md); generation cost does not grow with "
+                        "--dp or --nm")
     p.add_argument("--optimizer", choices=("none", "sgd", "adam", "adamw"), default="none",
                    help="end the step with this optimizer's update (default: gradients only)")
     p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output directory")
@@ -126,13 +130,14 @@ def main(argv: list[str] | None = None) -> int:
                         sequence_parallel=args.sequence_parallel, ulysses=args.ulysses,
                         cp_balance=args.cp_balance,
                         virtual_stages=args.vpp, zero=args.zero)
-        plan = make_plan(cfg, par, args.gbs, args.variant, policy)
+        plan = make_plan(cfg, par, args.gbs, args.variant, policy, fold=args.fold)
         stem = plan_stem(cfg, par, args.gbs, args.variant) + (
             "_sp" if args.sequence_parallel else "") + ("_ulysses" if args.ulysses else "") + (
                 "_cpbal" if args.cp_balance else "") + (
                 f"_vpp{args.vpp}" if args.vpp > 1 else "") + (
             f"_zero{args.zero}" if args.zero else "") + (
-            f"_{args.optimizer}" if args.optimizer != "none" else "")
+            f"_{args.optimizer}" if args.optimizer != "none" else "") + (
+            "_fold" if args.fold else "")
         pkl, spec = save_plan(plan, args.out / f"{stem}.pkl")
     except (ConfigError, PlanError) as e:
         sys.stderr.write(f"gen_model: error: {e}\n")

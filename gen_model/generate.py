@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gen_model.autodiff import derive_training_step
 from gen_model.bugs import inject
-from gen_model.config import ModelConfig, Parallelism, world_spec
+from gen_model.config import ConfigError, ModelConfig, Parallelism, world_spec
 from gen_model.graph import LogicalGraph
 from gen_model.models import ZOO, build
 from gen_model.parallelize import Policy, parallel_plan
@@ -12,17 +14,59 @@ from gen_model.single import single_plan
 from gen_model.trace import trace_forward
 from verdict.plan import Plan
 
+#: How many replicas and microbatches a folded plan shows (docs/soundness.md).
+FOLD_SHOWN = 2
 
-def logical_graph(cfg: ModelConfig, gbs: int) -> LogicalGraph:
-    """The single-device training step of a model (forward, backward, step)."""
+
+def logical_graph(cfg: ModelConfig, gbs: int, loss_rows: int | None = None) -> LogicalGraph:
+    """The single-device training step of a model (forward, backward, step).
+    ``loss_rows``: the batch size the loss normalizes by, when it is not
+    ``gbs`` (a folded plan: traced at the shown rows, the real constants)."""
     model = build(cfg, device="meta")
+    for module in model.modules():
+        if hasattr(module, "loss_rows"):
+            module.loss_rows = loss_rows
     graph = trace_forward(model, ZOO[cfg.model].inputs(cfg, gbs))
     return derive_training_step(graph, cfg.optimizer)
 
 
+def fold_sizes(par: Parallelism, gbs: int, policy: Policy) -> tuple[Parallelism, int]:
+    """The shown parallelism and batch of a folded plan: min(dp, 2) replicas
+    and min(nm, 2) microbatches of the real rows each. Refused where
+    replicas do not run one program (docs/soundness.md, "Folded plans")."""
+    if par.dp * par.nm == 1:
+        raise ConfigError("--fold needs --dp or --nm above 1 (nothing to fold)")
+    if par.ep > 1:
+        raise ConfigError("--fold with --ep is not supported: the expert-parallel index is part "
+                          "of the data-parallel index")
+    if policy.virtual_stages > 1:
+        raise ConfigError("--fold with --vpp is not supported: the interleaved schedule needs "
+                          "a multiple of pp microbatches")
+    if policy.zero:
+        raise ConfigError("--fold with --zero is refused: each replica owns another shard, so "
+                          "replicas do not run one program")
+    if gbs % (par.dp * par.nm):
+        raise ConfigError(f"--gbs {gbs} does not split into dp {par.dp} x nm {par.nm} microbatches")
+    shown = replace(par, dp=min(par.dp, FOLD_SHOWN), nm=min(par.nm, FOLD_SHOWN))
+    return shown, gbs // (par.dp * par.nm) * shown.dp * shown.nm
+
+
 def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default",
-              policy: Policy | None = None) -> Plan:
-    graph = logical_graph(cfg, gbs)
+              policy: Policy | None = None, fold: bool = False) -> Plan:
+    """The plan of ``par``; with ``fold``, the folded plan that stands for it
+    (shown sizes, real constants, world keys ``fold_dp``, ``fold_nm``,
+    ``fold_gbs``)."""
+    if fold:
+        shown, shown_gbs = fold_sizes(par, gbs, policy or Policy())
+        plan = make_plan_at(cfg, shown, shown_gbs, variant, policy, loss_rows=gbs)
+        plan.world.update(fold_dp=par.dp, fold_nm=par.nm, fold_gbs=gbs)
+        return plan
+    return make_plan_at(cfg, par, gbs, variant, policy)
+
+
+def make_plan_at(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
+                 policy: Policy | None, loss_rows: int | None = None) -> Plan:
+    graph = logical_graph(cfg, gbs, loss_rows)
     world = world_spec(cfg, par, gbs, variant)
     if par.is_single():
         return single_plan(graph, world)

@@ -881,3 +881,93 @@ REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
     "insert_identity": insert_identity,
     "scatter_as_reduce_split": scatter_as_reduce_split,
 }
+
+
+# ---------------------------------------------------------------- folded plans
+# Operators for folded plans (docs/soundness.md, "Folded plans"): they return
+# None on a plan without the fold keys.
+
+
+def _replica(plan: Plan, rank: int) -> int:
+    w = plan.world
+    inner = int(w.get("tp", 1)) * int(w.get("cp", 1))
+    return (rank // inner) % int(w.get("dp", 1))
+
+
+def shown_constant(plan: Plan, rng: random.Random) -> Result:
+    """A constant of the shown batch instead of the real one: the loss
+    normalizer a plan traced at the shown rows would hold, on every rank."""
+    if "fold_gbs" not in plan.world:
+        return None
+    real, shown = plan.world["fold_gbs"], plan.world["gbs"]
+    sites = sorted({(n.op, n.kwargs["value"]) for n in plan.nodes
+                    if n.op in ("div", "mul_scalar") and isinstance(n.kwargs.get("value"), float)
+                    and n.kwargs["value"] >= real and n.kwargs["value"] % real == 0})
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    p = copy_plan(plan)
+    op, value = site
+    new = value * shown / real
+    for i, n in enumerate(p.nodes):
+        if n.op == op and n.kwargs.get("value") == value:
+            p.nodes[i] = n._replace(kwargs={**n.kwargs, "value": new})
+    return p, f"{op} by {value} -> {new} on every rank"
+
+
+def block_differs(plan: Plan, rng: random.Random) -> Result:
+    """One shown replica or microbatch runs another constant than the first
+    (replica 1 or microbatch 1 only)."""
+    if "fold_gbs" not in plan.world:
+        return None
+    sites = [i for i, n in enumerate(plan.nodes)
+             if (n.mb >= 1 or _replica(plan, n.rank) >= 1)
+             and isinstance(n.kwargs.get("value"), float)]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    p.nodes[i] = n._replace(kwargs={**n.kwargs, "value": n.kwargs["value"] * 2 + 1})
+    return p, f"{where(plan, i)}: value {n.kwargs['value']} changed"
+
+
+def partial_orbit(plan: Plan, rng: random.Random) -> Result:
+    """A collective across replicas run over the rank's own replica only."""
+    if "fold_gbs" not in plan.world:
+        return None
+    sites = [i for i, n in enumerate(plan.nodes) if get_op(n.op).group and len(
+        {_replica(plan, plan.tensors[t].rank) for t in n.inputs if t >= 0}) > 1]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    mine = _replica(plan, n.rank)
+    kept = tuple(t for t in n.inputs if t >= 0 and _replica(plan, plan.tensors[t].rank) == mine)
+    index = next(k for k, t in enumerate(kept) if plan.tensors[t].rank == n.rank)
+    p.nodes[i] = n._replace(inputs=kept, kwargs={**n.kwargs, "index": index})
+    return p, f"{where(plan, i)}: group of replica {mine} only"
+
+
+def fold_keys(plan: Plan, rng: random.Random) -> Result:
+    """The fold keys say another real run than the one the plan stands for."""
+    if "fold_gbs" not in plan.world:
+        return None
+    key, how = rng.choice([("fold_gbs", 2), ("fold_dp", 2), ("fold_nm", 2), ("fold_dp", 0),
+                           ("fold_nm", 0)])
+    p = copy_plan(plan)
+    old = plan.world[key]
+    p.world[key] = old * how if how else max(1, old // 2)
+    return p, f"{key} {old} -> {p.world[key]}"
+
+
+FOLD_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
+    "shown_constant": shown_constant,
+    "block_differs": block_differs,
+    "partial_orbit": partial_orbit,
+    "fold_keys": fold_keys,
+}
+#: Rewrites that keep every block's program (a rewrite on one rank makes a
+#: folded plan's blocks differ, which is a finding by design).
+FOLD_REWRITES = ("rename",)

@@ -204,3 +204,183 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
             return Judgement(False, f"the loss of stage {stage} tp {tp_index} is {total}, "
                                     f"not {loss}")
     return Judgement(True)
+
+
+# -- folded plans ---------------------------------------------------------------
+#
+# A folded plan shows 2 replicas and 2 microbatches of a larger run
+# (docs/soundness.md, "Folded plans"). The oracle judges it without trusting
+# the fold: its keys must be consistent with the single-device plan and with
+# the rows the plan loads; every shown block (replica, microbatch) of a class
+# of ranks must run one program, compared here by naming tensors in order of
+# first use; and the plan run in float64 must match the single-device plan
+# traced at the shown rows with the real constants (made by the generator,
+# passed in as ``single_shown``).
+
+
+def _fold_keys_problem(single: Plan, single_shown: Plan, parallel: Plan) -> str:
+    w = parallel.world
+    real_dp, real_nm, real_gbs = (w.get(k) for k in ("fold_dp", "fold_nm", "fold_gbs"))
+    if not all(isinstance(x, int) and x >= 1 for x in (real_dp, real_nm, real_gbs)):
+        return "fold keys missing or not positive ints"
+    if real_gbs != single.world.get("gbs"):
+        return "fold_gbs is not the real batch"
+    if real_gbs % (real_dp * real_nm):
+        return "fold_gbs does not split into fold_dp x fold_nm blocks"
+    rows = real_gbs // (real_dp * real_nm)
+    dp = int(w.get("dp", 1))
+    nm = len({n.mb for n in parallel.nodes if n.mb >= 0})
+    if dp not in (min(real_dp, 2), real_dp) or nm not in (min(real_nm, 2), real_nm):
+        return f"shows dp {dp} nm {nm} of fold_dp {real_dp} fold_nm {real_nm}"
+    loaded = {lg.shape[0] for lg in parallel.logical if lg.kind in ("data", "tokens") and lg.shape}
+    if loaded != {dp * nm * rows} or single_shown.world.get("gbs") != dp * nm * rows:
+        return f"loads {sorted(loaded)} rows, not dp x nm x {rows}"
+    return ""
+
+
+def _block_programs(parallel: Plan) -> dict[tuple, list[int]]:
+    w = parallel.world
+    dp, cp, tp = (int(w.get(k, 1)) for k in ("dp", "cp", "tp"))
+    out: dict[tuple, list[int]] = defaultdict(list)
+    for i, n in enumerate(parallel.nodes):
+        inner = n.rank % (tp * cp)
+        d = (n.rank // (tp * cp)) % dp
+        out[(n.rank // (tp * cp * dp), inner, n.mb, d)].append(i)
+    return out
+
+
+def _canonical(parallel: Plan, nodes: list[int], written: dict[int, int]) -> list:
+    """A block's program with its tensors named by first use; tensors from
+    outside the block by what they are, relative to the block's first row."""
+    w = parallel.world
+    dp, cp, tp = (int(w.get(k, 1)) for k in ("dp", "cp", "tp"))
+
+    def place(rank: int) -> tuple[tuple[int, int], int]:
+        return (rank // (tp * cp * dp), rank % (tp * cp)), (rank // (tp * cp)) % dp
+
+    own_rank = parallel.nodes[nodes[0]].rank
+    mb = parallel.nodes[nodes[0]].mb
+    first = min((parallel.tensors[t].slices[0][0] for i in nodes for t in parallel.nodes[i].inputs
+                 if t >= 0 and t not in written and parallel.tensors[t].slices
+                 and parallel.logical[parallel.tensors[t].tid].kind in ("data", "tokens")),
+                default=0)
+    names: dict[int, int] = {}
+    inside = set(nodes)
+    prog = []
+    for i in nodes:
+        n = parallel.nodes[i]
+        across = get_op(n.op).group and any(
+            t >= 0 and place(parallel.tensors[t].rank)[1] != place(own_rank)[1] for t in n.inputs)
+        if across and (mb >= 0 or n.op not in ("reducer", "all_reduce")):
+            return [("crosses replicas other than as a sum after the microbatches", i)]
+        refs = []
+        for t in n.inputs:
+            x = parallel.tensors[t] if t >= 0 else None
+            if x is not None and mb >= 0 and x.mb == -1 and t in written and \
+                    parallel.nodes[written[t]].op not in ("zeros", "ones"):
+                return [("a block reads a value computed outside microbatches", i)]
+            if x is None:
+                refs.append(None)
+            elif t in names and not across:
+                refs.append(("v", names[t]))
+            else:
+                cls, d = place(x.rank)
+                if d != place(own_rank)[1] and not across:
+                    return [("reads another replica", i)]
+                same_mb = "same" if x.mb == mb else ("step" if x.mb == -1 else "chain")
+                if mb >= 0 and parallel.logical[x.tid].kind == "gradbuf":
+                    same_mb = "chain"  # the running buffer: zeros, or the last microbatch's
+                slices = x.slices if t not in written else None  # a claim is not the program
+                if t not in written and parallel.logical[x.tid].kind in ("data", "tokens"):
+                    slices = ((x.slices[0][0] - first, x.slices[0][1] - first), *x.slices[1:])
+                version = x.version if same_mb != "chain" and written.get(t, -1) not in inside \
+                    else None
+                refs.append(("x", cls, d if across else None, same_mb if mb >= 0 else x.mb,
+                             x.tid, version, x.shape, slices))
+        outs = []
+        for t in n.outputs:
+            if t >= 0:
+                names[t] = len(names)
+                outs.append((parallel.tensors[t].tid, parallel.tensors[t].shape))
+            else:
+                outs.append(None)
+        kwargs = dict(n.kwargs)
+        if across:
+            index = kwargs.pop("index", None)
+            if not isinstance(index, int) or not 0 <= index < len(n.inputs) or \
+                    n.inputs[index] < 0 or parallel.tensors[n.inputs[index]].rank != own_rank:
+                return [("index not own", i)]
+        if n.op == "send_recv":
+            kwargs = {k: place(v)[0] for k, v in kwargs.items()}
+        prog.append((n.op, n.dir, repr(sorted(kwargs.items())), refs, outs))
+    return prog
+
+
+def _uniform_problem(parallel: Plan) -> str:
+    written = {o: i for i, n in enumerate(parallel.nodes) for o in n.outputs if o >= 0}
+    programs = _block_programs(parallel)
+    base: dict[tuple, list] = {}
+    for (stage, inner, mb, _), nodes in sorted(programs.items(), key=lambda kv: kv[0][3]):
+        prog = _canonical(parallel, nodes, written)
+        key = (stage, inner, mb >= 0)
+        if key not in base:
+            base[key] = prog
+        elif base[key] != prog:
+            return f"rank {parallel.nodes[nodes[0]].rank} mb {mb} runs another program"
+    return ""
+
+
+def judge_folded(single: Plan, single_shown: Plan, parallel: Plan, seed: int = 0) -> Judgement:
+    """A folded plan against the real single-device plan ``single``:
+    consistent fold keys, one program per class of ranks, and right at the
+    shown rows against ``single_shown`` (the generator's single-device plan
+    at the shown rows with the real constants)."""
+    problem = _fold_keys_problem(single, single_shown, parallel)
+    if problem:
+        return Judgement(False, f"fold: {problem}")
+    try:
+        problem = _uniform_problem(parallel)
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        problem = f"cannot read: {e}"
+    if problem:
+        return Judgement(False, f"fold: not uniform: {problem}")
+    problem = _glue_problem(parallel, seed)
+    if problem:
+        return Judgement(False, f"fold: {problem}")
+    return judge(single_shown, parallel, seed)
+
+
+def _glue_problem(parallel: Plan, seed: int) -> str:
+    """By value: the gradient buffer each rank ends with is the sum of the
+    gradients its microbatches accumulated, or a sum of such sums over a
+    group. Only then do more replicas and microbatches add up the same way."""
+    try:
+        values = _run(parallel, seed)
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+        return f"cannot run: {e}"
+    total: dict[tuple[int, int], np.ndarray] = {}
+    end: dict[tuple[int, int], int] = {}
+    last: dict[tuple[int, int], int] = {}
+    for i, n in enumerate(parallel.nodes):
+        if n.op == "local_grad_accumulation" and n.mb >= 0 and len(n.inputs) == 2:
+            key = (n.rank, parallel.tensors[n.outputs[0]].tid)
+            total[key] = total.get(key, 0.0) + values[n.inputs[1]]
+            end[key] = n.outputs[0]
+        for o in n.outputs:
+            if o >= 0 and parallel.logical[parallel.tensors[o].tid].kind == "gradbuf":
+                last[(n.rank, parallel.tensors[o].tid)] = i
+    for key, i in last.items():
+        n = parallel.nodes[i]
+        if key not in total:
+            return f"rank {key[0]} ends with a gradient buffer no microbatch accumulated"
+        parts = [key] if n.op == "local_grad_accumulation" else [
+            (parallel.tensors[t].rank, parallel.tensors[t].tid) for t in n.inputs if t >= 0]
+        if n.op not in ("local_grad_accumulation", "reducer", "all_reduce") or any(
+                p not in total or (n.op != "local_grad_accumulation" and t != end[p])
+                for p, t in zip(parts, [t for t in n.inputs if t >= 0])):
+            return f"rank {key[0]} ends with a gradient buffer that is not a sum of accumulations"
+        want = sum(total[p] for p in parts)
+        if not _close(values[n.outputs[0]], want):
+            return f"rank {key[0]} ends with a gradient buffer other than the sum of its " \
+                   f"microbatches' gradients"
+    return ""

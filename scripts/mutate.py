@@ -34,11 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.planfile import PlanError, validate  # noqa: E402
 from gen_model.config import ModelConfig, Parallelism  # noqa: E402
-from gen_model.generate import make_plan  # noqa: E402
-from gen_model.mutations import MUTATIONS, REWRITES  # noqa: E402
-from gen_model.oracle import judge  # noqa: E402
+from gen_model.generate import fold_sizes, make_plan, make_plan_at  # noqa: E402
+from gen_model.mutations import (  # noqa: E402
+    FOLD_MUTATIONS,
+    FOLD_REWRITES,
+    MUTATIONS,
+    REWRITES,
+)
+from gen_model.oracle import judge, judge_folded  # noqa: E402
 from gen_model.parallelize import Policy  # noqa: E402
 from verdict.engine import verify  # noqa: E402
+from verdict.fold import FoldError, fold_pair  # noqa: E402
 from verdict.plan import Plan  # noqa: E402
 from verdict.report import append_rows  # noqa: E402
 
@@ -76,11 +82,22 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "llama3_sp_cp2_tp2_nm2": (LLAMA, Parallelism(cp=2, tp=2, nm=2),
                               Policy(sequence_parallel=True)),
 }
+#: Folded bases (docs/soundness.md, "Folded plans"): 2 of 4 replicas and 2 of
+#: 4 microbatches shown, 2 rows per block; name -> (model, real parallelism,
+#: policy). Their mutants are judged by gen_model.oracle.judge_folded.
+FOLD_GBS = 32
+FOLD_BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
+    "mlp_fold_dp4_pp2_tp2_nm4": (MLP, Parallelism(dp=4, tp=2, pp=2, nm=4), Policy()),
+    "llama3_fold_dp4_pp2_tp2_nm4": (LLAMA, Parallelism(dp=4, tp=2, pp=2, nm=4), Policy()),
+    "llama3_fold_cp2_dp4_nm4": (LLAMA, Parallelism(cp=2, dp=4, nm=4), Policy()),
+    "moe_fold_dp4_tp2_nm4": (MOE, Parallelism(dp=4, tp=2, nm=4), Policy()),
+}
 #: The subset the test suite runs: pipeline, tensor and data parallelism,
 #: Megatron sequence parallelism with context parallelism, ZeRO-1 and ZeRO-2,
-#: and both optimizers (the mlp bases cost seconds, the llama3 one most).
+#: both optimizers, and a folded plan (the mlp bases cost seconds, the llama3
+#: one most).
 QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_sp_cp2_tp2_nm2", "mlp_zero1_dp2_pp2_tp2_nm2",
-               "mlp_sgd_dp2_tp2_nm2", "mlp_adam_zero2_dp2_nm2")
+               "mlp_sgd_dp2_tp2_nm2", "mlp_adam_zero2_dp2_nm2", "mlp_fold_dp4_pp2_tp2_nm4")
 
 
 @dataclass
@@ -113,6 +130,10 @@ def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
     except PlanError:
         return "INVALID"
     try:
+        single, _ = fold_pair(single, mutant)
+    except FoldError:
+        return "FAIL:refused"  # main.py: exit 2, one line
+    try:
         v = verify(single, mutant, memo=memo)
     except Exception as e:  # a crash is reported, never counted as a verdict
         return f"NO VERDICT:{type(e).__name__}: {e}"
@@ -122,14 +143,27 @@ def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
 
 
 def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: int,
-                progress: bool = True, only: set[str] | None = None) -> list[Row]:
+                progress: bool = True, only: set[str] | None = None,
+                single_shown: Plan | None = None) -> list[Row]:
     """Every operator (or those in ``only``) on one base plan, which must
-    verify and be right by the oracle."""
+    verify and be right by the oracle. A folded base comes with
+    ``single_shown`` (the generator's single-device plan at the shown rows)
+    and takes the fold operators; of the rewrites only those that keep every
+    block's program."""
     memo: dict = {}
-    if run_one(single, plan, memo) != "SUCCESS" or not judge(single, plan).right:
+
+    def oracle(mutant: Plan):
+        if single_shown is None:
+            return judge(single, mutant)
+        return judge_folded(single, single_shown, mutant)
+
+    if run_one(single, plan, memo) != "SUCCESS" or not oracle(plan).right:
         raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
     operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
-    operators += [("rewrite", n, f) for n, f in REWRITES.items()]
+    operators += [("rewrite", n, f) for n, f in REWRITES.items()
+                  if single_shown is None or n in FOLD_REWRITES]
+    if single_shown is not None:
+        operators += [("mutation", n, f) for n, f in FOLD_MUTATIONS.items()]
     operators = [op for op in operators if only is None or op[1] in only]
     rows = []
     for kind, name, operator in operators:
@@ -139,9 +173,9 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
                 break
             mutant, target = made
             start = time.perf_counter()
-            oracle = "right" if judge(single, mutant).right else "wrong"
+            right = "right" if oracle(mutant).right else "wrong"
             verdict = run_one(single, mutant, memo)
-            row = Row(base, kind, name, target, oracle, verdict, time.perf_counter() - start)
+            row = Row(base, kind, name, target, right, verdict, time.perf_counter() - start)
             rows.append(row)
             if progress and row.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT"):
                 print(f"  !! {row.outcome}: {base} {name}: {target} ({verdict})", flush=True)
@@ -152,6 +186,15 @@ def run(bases: list[str], per_operator: int, seed: int, progress: bool,
         only: set[str] | None = None) -> list[Row]:
     rows = []
     for base in bases:
+        if base in FOLD_BASES:
+            cfg, par, policy = FOLD_BASES[base]
+            single = make_plan(cfg, Parallelism(), FOLD_GBS)
+            shown_gbs = fold_sizes(par, FOLD_GBS, policy)[1]
+            shown = make_plan_at(cfg, Parallelism(), shown_gbs, "default", None,
+                                 loss_rows=FOLD_GBS)
+            plan = make_plan(cfg, par, FOLD_GBS, policy=policy, fold=True)
+            rows += mutate_base(single, plan, base, per_operator, seed, progress, only, shown)
+            continue
         cfg, par, policy = BASES[base]
         single = make_plan(cfg, Parallelism(), GBS)
         plan = make_plan(cfg, par, GBS, policy=policy)
@@ -178,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-operator", type=int, default=14, help="mutants per operator and base")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--bases", default=",".join(BASES), help=f"from {', '.join(BASES)}")
+    ap.add_argument("--bases", default=",".join([*BASES, *FOLD_BASES]),
+                    help=f"from {', '.join([*BASES, *FOLD_BASES])}")
     ap.add_argument("--quick", action="store_true",
                     help="the seeded subset run by the test suite (QUICK_BASES, 2 per operator)")
     ap.add_argument("--operators", help="only these mutations and rewrites (comma-separated)")
@@ -186,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     bases = list(QUICK_BASES) if args.quick else args.bases.split(",")
     per = 2 if args.quick else args.per_operator
-    unknown = [b for b in bases if b not in BASES]
+    unknown = [b for b in bases if b not in BASES and b not in FOLD_BASES]
     if unknown:
         print(f"error: unknown base {unknown[0]} (bases: {', '.join(BASES)})", file=sys.stderr)
         return 2
     only = set(args.operators.split(",")) if args.operators else None
-    known = set(MUTATIONS) | set(REWRITES)
+    known = set(MUTATIONS) | set(REWRITES) | set(FOLD_MUTATIONS)
     if only and only - known:
         print(f"error: unknown operator {sorted(only - known)[0]} (operators: "
               f"{', '.join(sorted(known))})", file=sys.stderr)

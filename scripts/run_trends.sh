@@ -8,7 +8,8 @@
 # them to data/figs/. gbs is dp * nm (one sample per replica and microbatch).
 #
 #   bash scripts/run_trends.sh [FACTOR ...]   # e.g. "dp nm"; default: all
-#   PY, TIMEOUT (600 per step), MEM_GB (8), CSV may be set
+#   PY, TIMEOUT (600 per step), MEM_GB (8), CSV may be set; FOLD=1 generates
+#   folded plans (2 replicas and 2 microbatches shown, docs/soundness.md)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -16,11 +17,12 @@ CSV=${CSV:-data/stats/trends.csv}
 FACTORS=${*:-layers dp tp pp nm hidden seqlen}
 
 point() {  # factor value layers hidden seqlen dp tp pp nm
-    local factor=$1 value=$2 ly=$3 hi=$4 sq=$5 dp=$6 tp=$7 pp=$8 nm=$9
+    local factor=$1 value=$2 ly=$3 hi=$4 sq=$5 dp=$6 tp=$7 pp=$8 nm=$9 fold=""
+    if [ "${FOLD:-0}" = 1 ] && [ $((dp * nm)) -gt 1 ]; then fold=" --fold"; fi
     nice "$PY" scripts/run_point.py --name "trend_${factor}_${value}" --csv "$CSV" \
         --factor "$factor" --value "$value" --gbs $((dp * nm)) \
         --model "--model llama3 --layers $ly --heads 32 --kv_heads 8 --hidden $hi --ffn $((hi * 7 / 2)) --vocab 128256 --seqlen $sq" \
-        --par "--dp $dp --tp $tp --pp $pp --nm $nm" \
+        --par "--dp $dp --tp $tp --pp $pp --nm $nm$fold" \
         --timeout "${TIMEOUT:-600}" --mem_gb "${MEM_GB:-8}"
 }
 

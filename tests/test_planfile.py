@@ -259,10 +259,10 @@ def test_wrong_format(tiny: dict, tmp_path: Path) -> None:
 
 
 def test_wrong_version(tiny: dict, tmp_path: Path) -> None:
-    tiny["version"] = 2
+    tiny["version"] = 3
     load_error(
-        write_pickle(tmp_path / "v2.pkl", tiny),
-        "unsupported plan version 2", "reads version 1 only",
+        write_pickle(tmp_path / "v3.pkl", tiny),
+        "unsupported plan version 3", "reads versions 1 and 2",
     )
 
 

@@ -263,7 +263,8 @@ def test_numeric_check_applies_the_per_rank_contract():
 
 def test_quick_subset_covers_sequence_context_zero_and_optimizer_bases():
     harness = runpy.run_path(str(ROOT / "scripts" / "mutate.py"))
-    quick = [harness["BASES"][b] for b in harness["QUICK_BASES"]]
+    bases = {**harness["BASES"], **harness["FOLD_BASES"]}
+    quick = [bases[b] for b in harness["QUICK_BASES"]]
     assert any(policy.sequence_parallel for _, _, policy in quick)
     assert any(par.cp > 1 and not policy.ulysses for _, par, policy in quick)
     assert {1, 2} <= {policy.zero for _, _, policy in quick}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from verdict.executor import Executor, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
+from verdict.fold import check_uniform, fold_of
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import Plan
 from verdict.problem import Problem, build_problem
@@ -48,6 +49,7 @@ class Verdict:
     times: dict[str, float] = field(default_factory=dict)
     unique: int = 0
     memo_hits: int = 0
+    fold: str = ""  # a folded plan: what was shown of the real sizes
 
 
 def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[int],
@@ -116,7 +118,9 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
            keep_going: bool = False, memo: dict[str, Outcome] | None = None,
            progress: bool = False, executor: Executor | None = None) -> Verdict:
     """``executor`` runs the stage proofs (verdict/executor.py); by default
-    this process, or a pool of ``workers`` processes."""
+    this process, or a pool of ``workers`` processes. A folded parallel plan
+    is compared with the single-device plan restricted to its rows
+    (``verdict.fold.fold_pair``); its uniformity is checked here."""
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers)
     times: dict[str, float] = {}
@@ -125,6 +129,8 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         check_structure(single, "the single-device plan")
         check_structure(parallel, "the parallel plan")
         check_layout(parallel)
+        if parallel.is_folded():
+            check_uniform(single, parallel)  # single: restricted (verdict/fold.py fold_pair)
         times["t_graph"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         lineages, of_gs, of_gp = infer_lineages(single, parallel)
@@ -139,6 +145,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         times.setdefault("t_graph", time.perf_counter() - t0)
         times["t_total"] = time.perf_counter() - t0
         return Verdict(False, e.kind, str(e), times=times)
+    fold = fold_of(parallel).describe() if parallel.is_folded() else ""
     t3 = time.perf_counter()
     results, hits = prove(prepared, seed, executor, keep_going, memo, progress)
     times["t_vrf"] = time.perf_counter() - t3
@@ -152,7 +159,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
             r.outcome = solve(r.problem, seed)
     verdict = Verdict(not failed, results=results, failed=failed, lineages=lineages,
                       stages=stages, times=times, unique=len({k for _, _, k in prepared}),
-                      memo_hits=hits)
+                      memo_hits=hits, fold=fold)
     undecided = [r for r in failed if r.outcome.status in ("error", "unknown")]
     if failed and len(undecided) == len(failed):
         r = undecided[0]

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 FORMAT = "verdict-plan"
-VERSION = 1
+#: The newest version; version 2 adds the world keys of a folded plan
+#: (FOLD_KEYS). A plan without them is written as version 1.
+VERSION = 2
+VERSIONS = (1, 2)
+#: World keys of a folded plan: the real replicas, microbatches and batch
+#: (docs/soundness.md, "Folded plans"); ``dp``, ``nm``, ``gbs`` are the shown ones.
+FOLD_KEYS = ("fold_dp", "fold_nm", "fold_gbs")
 
 #: Kinds of logical tensor. Inputs (no producer) are data, tokens (one-hot
 #: data), params and buffers; everything else is computed.
@@ -100,7 +106,7 @@ class Plan:
 
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if self.is_folded() else 1,
             "world": dict(self.world),
             "logical": [[t.name, list(t.shape), t.kind] for t in self.logical],
             "tensors": [
@@ -145,6 +151,9 @@ class Plan:
             grads={p: g for p, g in data["grads"]},
         )
 
+    def is_folded(self) -> bool:
+        return any(k in self.world for k in FOLD_KEYS)
+
     def last_writes(self) -> dict[tuple[int, int], int]:
         """(tid, rank) -> the tensor last written for it in execution order:
         what the rank holds at the end of the step (e.g. for the optimizer)."""
@@ -167,7 +176,8 @@ class Plan:
 
 #: World fields that describe parallelism; all others describe the model.
 PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_parallel", "schedule",
-                   "sequence_parallel", "ulysses", "virtual_stages", "zero", "cp_balance")
+                   "sequence_parallel", "ulysses", "virtual_stages", "zero", "cp_balance",
+                   *FOLD_KEYS)
 
 
 def pair_problem(single: Plan, parallel: Plan) -> str | None:

@@ -35,6 +35,8 @@ class Stats:
     t_schedule: float
     t_vrf: float
     t_total: float
+    #: a folded plan's real sizes ("dp512 nm32 gbs512"; docs/soundness.md), else ""
+    fold: str = ""
 
     def line(self) -> str:
         body = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v!r}"
@@ -53,6 +55,8 @@ def make_stats(verdict: Verdict, parallel: Plan, t_load: float) -> Stats:
         t_graph=t.get("t_graph", 0.0) + t_load, t_lineage=t.get("t_lineage", 0.0),
         t_schedule=t.get("t_schedule", 0.0), t_vrf=t.get("t_vrf", 0.0),
         t_total=t.get("t_total", 0.0) + t_load,
+        fold=(f"dp{w['fold_dp']} nm{w['fold_nm']} gbs{w['fold_gbs']}"
+              if parallel.is_folded() else ""),
     )
 
 
@@ -111,6 +115,8 @@ def evidence(verdict: Verdict, single: Plan) -> list[str]:
         f"lineages verified: {len(proved)} ({groups} groups of parallel tensors)",
         f"final coverage: the loss and {len(single.grads)} weight gradients, on every rank",
     ]
+    if verdict.fold:
+        lines.append(f"folded plan: {verdict.fold}")
     return lines
 
 

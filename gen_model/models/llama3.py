@@ -96,6 +96,9 @@ class Llama3(nn.Module):
         cos, sin = rotary_tables(cfg.seqlen, cfg.head_dim)
         self.register_buffer("rope_cos", cos.float(), persistent=False)
         self.register_buffer("rope_sin", sin.float(), persistent=False)
+        self.seqlen = cfg.seqlen
+        #: the real batch rows of a folded plan (gen_model/generate.py)
+        self.loss_rows: int | None = None
 
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return FeedForward(cfg.hidden, cfg.ffn)
@@ -115,5 +118,6 @@ class Llama3(nn.Module):
             if layer_aux is not None:
                 aux = layer_aux if aux is None else aux + layer_aux
         logits = self.output(self.norm(h))
-        loss = cross_entropy(logits, leaf.one_hot(labels, logits))
+        count = None if self.loss_rows is None else self.loss_rows * self.seqlen
+        loss = cross_entropy(logits, leaf.one_hot(labels, logits), count)
         return loss if aux is None else loss + aux

@@ -25,10 +25,12 @@ class MLP(nn.Module):
             nn.Linear(cfg.hidden, cfg.hidden, bias=False) for _ in range(cfg.layers)
         )
         self.plain_sum = cfg.loss == "sum"
+        #: the real batch rows of a folded plan (gen_model/generate.py)
+        self.loss_rows: int | None = None
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
         if self.plain_sum:
             return x.sum()
-        return cross_entropy(x, leaf.one_hot(labels, x))
+        return cross_entropy(x, leaf.one_hot(labels, x), self.loss_rows)

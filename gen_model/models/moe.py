@@ -27,6 +27,8 @@ class MoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
         self.shared = FeedForward(h, f)
+        #: the real batch rows of a folded plan (gen_model/generate.py)
+        self.loss_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.gate(x)
@@ -38,7 +40,8 @@ class MoE(nn.Module):
         h3 = torch.einsum("bech,efh->becf", xe, self.w3)
         ye = torch.einsum("becf,ehf->bech", F.silu(h1) * h3, self.w2)
         out = torch.einsum("bsec,bech->bsh", combine, ye) + self.shared(x)
-        return out, load_balancing_loss(probs, dispatch, self.topk, self.experts, self.seqlen)
+        return out, load_balancing_loss(probs, dispatch, self.topk, self.experts, self.seqlen,
+                                        self.loss_rows)
 
 
 class MoETransformer(Llama3):
