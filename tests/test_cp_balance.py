@@ -2,8 +2,9 @@
 2 cp chunks, rank i holding chunks i and 2 cp - 1 - i. The plans verify and
 give every rank the same number of unmasked scores; wrong ones (the data
 loaded for the wrong chunk, the mask placed as if the chunks were
-contiguous, keys gathered in rank order, one chunk's gradient or loss left
-out), judged wrong by the oracle, fail."""
+contiguous, a chunk masked as the diagonal block, keys gathered in rank
+order, one chunk's gradient or loss left out), judged wrong by the oracle,
+fail."""
 
 from __future__ import annotations
 
@@ -180,6 +181,18 @@ def test_mask_placed_as_if_contiguous_fails():
             chunk = n.kwargs.get("row_chunk", 0)
             rank_of = chunk if chunk < 2 else 3 - chunk
             p.nodes[i] = n._replace(kwargs={"row_chunk": 2 * rank_of + (chunk >= 2)})
+    _fails(single, p)
+
+
+def test_second_chunk_masked_as_the_diagonal_block_fails():
+    """Rank 1 masks its second chunk (positions 4-5 of 8) as if its rows
+    were the first positions: the block is masked as diagonal when the keys
+    before it are all visible."""
+    single, plan = plans(Parallelism(cp=2))
+    p = mutations.copy_plan(plan)
+    i = next(i for i, n in enumerate(p.nodes) if n.op == "causal_mask" and n.dir == "fw"
+             and n.rank == 1 and n.kwargs.get("row_chunk") == 2)
+    p.nodes[i] = p.nodes[i]._replace(kwargs={})
     _fails(single, p)
 
 
