@@ -24,6 +24,7 @@ from gen_model.parallelize import Policy
 from verdict.differential import compare
 from verdict.engine import verify
 from verdict.final import rank_states
+from verdict.fold import fold_pair
 from verdict.lineage import infer_lineages
 from verdict.ops.nn import causal_positions
 from verdict.plan import Plan, pair_problem
@@ -81,6 +82,15 @@ def visible(plan: Plan) -> dict[int, int]:
                                       n.kwargs.get("col_chunk", 0))
             count[n.rank] += int(np.sum(~hidden))
     return dict(count)
+
+
+def test_folded_balanced_plan_verifies():
+    """Two of four replicas and two of four microbatches shown
+    (verdict/fold.py); a cp rank's two chunks are part of its class."""
+    single = make_plan(LLAMA, Parallelism(), 16)
+    plan = make_plan(LLAMA, Parallelism(cp=2, dp=4, nm=4), 16, policy=BALANCED, fold=True)
+    shown, _ = fold_pair(single, plan)
+    assert verify(shown, plan).success
 
 
 def test_rank_i_holds_chunks_i_and_mirror_and_equal_work():
