@@ -40,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (a pipelining recipe)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--out", default="data/plans/torch")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
@@ -67,10 +68,11 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
-            "tp": args.tp, "pp": 1, "batch": args.batch, "seqlen": args.seqlen,
+            "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
             "vocab": args.vocab, "seed": args.seed}
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
-             "tp": args.tp, "pp": 1, "ep": 1, "nm": 1, "recipe": args.recipe,
+             "tp": args.tp, "pp": args.pp, "ep": 1, "nm": 1,
+             "recipe": args.recipe,
              **{k: v for k, v in kw.items()}}
     for ref in (args.model, args.recipe):
         try:
@@ -79,7 +81,8 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
             raise LoweringError(f"cannot load '{ref}': {e}") from None
     if single is None:
         single = run({**spec, "parallel": False}, 0)
-    traces = trace_ranks({**spec, "parallel": True}, args.dp * args.tp)
+    traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp)
+    world["nm"] = traces[0]["microbatches"]
     low_s = lower_trace(single, args.vocab)
     lows = [lower_trace(t, args.vocab) for t in traces]
     return build_plans(low_s, lows, world), single
@@ -92,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     except LoweringError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}"
+    pp = f"_pp{args.pp}" if args.pp > 1 else ""
+    stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")
     out = Path(args.out)
     sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")

@@ -25,6 +25,10 @@ from verdict.ops import get_op
 from verdict.plan import Logical, Node, Plan, Tensor
 
 AXES = ("dp", "tp")
+#: the order of part numbering of a partial sum (microbatches fastest, as in
+#: docs/parallelism.md "Partial-sum part numbering")
+PART_AXES = ("dp", "tp", "mb")
+P2P = ("send", "send_recv")
 SIZE_KWARGS = ("shape", "sizes", "index", "parts", "value")
 SCALINGS = ("div", "mul_scalar")
 
@@ -35,8 +39,13 @@ class AlignError(LoweringError):
 
 @dataclass
 class Claim:
+    """Which piece of its single-device value a value is: the mesh axes
+    cutting each dim (``mb``: a pipeline's microbatches), the axes it is a
+    partial sum over, and, when partial over ``mb``, the microbatches
+    [lo, hi) it sums (None: its own microbatch)."""
     dims: list[list[str]]
     partial: frozenset[str] = frozenset()
+    mbs: tuple[int, int] | None = None
 
 
 @dataclass
@@ -88,7 +97,7 @@ class _Builder:
         for i, node in enumerate(s.nodes):
             for o in node.outs:
                 if o >= 0:
-                    kind = "loss" if o == s.loss else _kind(node)
+                    kind = "loss" if o in s.losses else _kind(node)
                     self.s.tid[o] = self.logical_of(f"{_scope(node.name)}.{node.op}.{o}",
                                                     s.shapes[o], kind)
                     t_of[o] = tensor(o, 0)
@@ -115,7 +124,7 @@ class _Builder:
                                    (final,), {}, f"{name}.grad_buffer"))
             plan.grads[self.s.tid[v]] = buf
         plan.logical = self.logical
-        plan.loss = self.s.tid[s.loss]
+        plan.loss = self.s.tid[s.losses[0]]
         return plan
 
 
@@ -149,8 +158,9 @@ class _Rank:
         self.b, self.low, self.sizes = b, low, sizes
         self.sv: dict[int, int] = {}  # P value -> S value
         self.claim: dict[int, Claim] = {}
-        self.used: set[int] = set()
+        self.used: set[tuple[int, int]] = set()  # (microbatch, S node) matched
         self.pending: dict[int, list[int]] = {}  # P value -> P leaves of a deferred sum
+        self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
         self.fresh = 10**9
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
@@ -188,8 +198,12 @@ class _Rank:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
                              f"{_scope(node.name)} on values the single-device step never "
                              f"combines that way")
-        pick = next((c for c in cands if c not in self.used), cands[0])
-        self.used.add(pick)
+        # several single-device nodes compute the same value (e.g. a buffer
+        # expanded in every layer): prefer the one of the same module, not yet
+        # matched in this microbatch
+        nodes = self.b.s.low.nodes
+        pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used))
+        self.used.add((node.mb, pick))
         return self.b.s.low.nodes[pick].outs
 
     def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> str:
@@ -202,6 +216,18 @@ class _Rank:
     def step(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[LNode]:
         """The nodes to emit for this node (additions may be deferred and
         regrouped in the single-device order)."""
+        if node.op == "send":
+            return []
+        if node.op == "add":
+            ready = [self.root_of(v) for v in node.ins]
+            if None not in ready and ready[0] == ready[1]:
+                emitted = [n for v in node.ins if v in self.pending for n in self.materialize(v)]
+                if self.accumulates(node):
+                    self.accumulate(node)
+                    return [*emitted, node]
+                if emitted:
+                    self.one(node, coords)
+                    return [*emitted, node]
         if node.op == "add" and (any(v in self.pending for v in node.ins)
                                  or not self.aligns(node)):
             leaves = []
@@ -215,6 +241,58 @@ class _Rank:
                 emitted += self.materialize(v)
         self.one(node, coords)
         return [*emitted, node]
+
+    def root_of(self, v: int) -> int | None:
+        """The single-device value of v, also for a deferred sum whose terms
+        make a single-device sum (None if they do not)."""
+        if v not in self.pending:
+            return self.sv[v]
+        s_leaves = []
+        for p in self.pending[v]:
+            sv = self.sv[p]
+            single = sv in self.b.s_leaves and self.b.s_uses.get(sv) == 1
+            s_leaves += self.b.s_leaves[sv] if single else [sv]
+        return self.b.s_trees.get(tuple(sorted(s_leaves)))
+
+    def accumulates(self, node: LNode) -> bool:
+        """An addition of two pieces of one single-device value that sum
+        adjacent microbatches (autograd accumulating a parameter's gradient
+        over a pipeline's microbatches)."""
+        a, c = node.ins
+        if a in self.pending or c in self.pending or self.sv[a] != self.sv[c]:
+            return False
+        ra, rc = self.mb_range(a), self.mb_range(c)
+        ca, cc = self.claim[a], self.claim[c]
+        return (ra is not None and rc is not None and ra[1] == rc[0] and ca.dims == cc.dims
+                and ca.partial == cc.partial)
+
+    def mb_range(self, v: int) -> tuple[int, int] | None:
+        c = self.claim[v]
+        if "mb" not in c.partial:
+            return None
+        return c.mbs or (self.mb[v], self.mb[v] + 1)
+
+    def accumulate(self, node: LNode) -> None:
+        a, c = node.ins
+        out = node.outs[0]
+        lo, hi = self.mb_range(a)[0], self.mb_range(c)[1]
+        claim = self.claim[a]
+        partial = set(claim.partial)
+        mbs: tuple[int, int] | None = (lo, hi)
+        if (lo, hi) == (0, self.sizes["mb"]):
+            partial.discard("mb")
+            mbs = None
+        self.sv[out] = self.sv[a]
+        self.mb[out] = self.mb[c]
+        self.claim[out] = Claim([list(d) for d in claim.dims], frozenset(partial), mbs)
+
+    def receive(self, node: LNode, peer: _Rank, x: int) -> None:
+        """A value received from ``peer``: the value it sent, the same piece."""
+        out = node.outs[0]
+        self.sv[out] = peer.sv[x]
+        self.mb[out] = peer.mb.get(x, -1)
+        c = peer.claim[x]
+        self.claim[out] = Claim([list(d) for d in c.dims], c.partial, c.mbs)
 
     def aligns(self, node: LNode) -> bool:
         key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
@@ -260,10 +338,20 @@ class _Rank:
             x = node.ins[0]
             out = node.outs[0]
             self.sv[out] = self.sv[x]
+            self.mb[out] = node.mb if node.mb >= 0 else self.mb.get(x, -1)
             c = self.claim[x]
             dims = [list(d) for d in c.dims]
             partial = set(c.partial)
-            if node.op == "split":
+            if node.op == "split" and self.low.inputs.get(x, ("",))[0] == "tokens" \
+                    and node.kwargs["dim"] == 0:
+                # a pipeline schedule's microbatch of the batch
+                if node.kwargs["parts"] != self.sizes["mb"]:
+                    raise LoweringError(f"rank {self.low.rank} cuts the batch in "
+                                        f"{node.kwargs['parts']}, not in its "
+                                        f"{self.sizes['mb']} microbatches")
+                dims[0].append("mb")
+                self.mb[out] = node.kwargs["index"]
+            elif node.op == "split":
                 dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
             else:
                 axis = self.axis_of(node.group, coords)
@@ -276,13 +364,15 @@ class _Rank:
                 elif node.op == "reduce_scatter":
                     partial.discard(axis)
                     dims[node.kwargs["dim"]].append(axis)
-            self.claim[out] = Claim(dims, frozenset(partial))
+            self.claim[out] = Claim(dims, frozenset(partial), c.mbs)
             self.check(out)
             return
         souts = self.align(node)
+        mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
         for o, so in zip(node.outs, souts):
             if o >= 0:
                 self.sv[o] = so
+                self.mb[o] = mb
         self.infer(node)
 
     def infer(self, node: LNode) -> None:
@@ -290,13 +380,15 @@ class _Rank:
         shapes_in = [None if v < 0 else self.low.shapes[v] for v in ins]
         outs = [o for o in node.outs]
         partial: set[str] = set()
+        mbs = None
         for v in ins:
             if v >= 0:
                 partial |= self.claim[v].partial
+                mbs = mbs or self.claim[v].mbs
         if node.op in ("ones", "zeros"):
             partial = set()
         if node.dir == "bw":
-            self.infer_backward(node, partial)
+            self.infer_backward(node, partial, mbs)
             return
         shapes_out = [self.low.shapes[o] for o in outs]
         rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
@@ -358,11 +450,11 @@ class _Rank:
                 if axes is None:
                     used = tuple(a for x in dims if x for a in x)
                     dims[d] = self.guess(self.low.shapes[v][d], full[d], used,
-                                         (("dp",), ("tp",), ("dp", "tp")))
-            self.claim[v] = Claim(dims, frozenset(partial))
+                                         (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
+            self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None)
             self.check(v)
 
-    def infer_backward(self, node: LNode, partial: set[str]) -> None:
+    def infer_backward(self, node: LNode, partial: set[str], mbs) -> None:
         grad = self.claim[node.ins[-1]]
         for o in node.outs:
             if o < 0:
@@ -371,9 +463,9 @@ class _Rank:
                 tokens = self.claim[node.ins[0]]
                 dims = [list(tokens.dims[-1]), list(grad.dims[-1])]
                 extra = {a for d in grad.dims[:-1] for a in d}
-                self.claim[o] = Claim(dims, frozenset(partial | extra))
+                self.claim[o] = Claim(dims, frozenset(partial | extra), mbs)
             else:
-                self.claim[o] = Claim([list(d) for d in grad.dims], frozenset(partial))
+                self.claim[o] = Claim([list(d) for d in grad.dims], frozenset(partial), mbs)
             self.check(o)
 
     def extent(self, axes: list[str], full: int) -> int:
@@ -388,40 +480,67 @@ class _Rank:
 
     def view(self, v: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int]]:
         c, local = self.claim[v], self.low.shapes[v]
-        coords = self.low.coords
+        coords = {**self.low.coords, "mb": self.mb.get(v, -1)}
         slices = []
         for d, axes in enumerate(c.dims):
             index = 0
             for a in axes:
                 index = index * self.sizes[a] + coords[a]
             slices.append((index * local[d], (index + 1) * local[d]))
-        n, lo = 1, 0
-        for a in AXES:
+        n, lo, hi = 1, 0, 1
+        for a in PART_AXES:
             if a in c.partial and self.sizes[a] > 1:
+                first, last = (c.mbs if a == "mb" and c.mbs else (coords[a], coords[a] + 1))
                 n *= self.sizes[a]
-                lo = lo * self.sizes[a] + coords[a]
-        return tuple(slices), (lo, lo + 1, n)
+                lo, hi = lo * self.sizes[a] + first, (hi - 1) * self.sizes[a] + last
+        cut = any("mb" in d for d in c.dims) or ("mb" in c.partial and c.mbs is None)
+        if cut and coords["mb"] < 0:
+            raise LoweringError(f"rank {self.low.rank}: a value outside the schedule's "
+                                f"microbatches is cut by microbatches")
+        return tuple(slices), (lo, hi, n)
 
 
 def _order(ranks: list[Lowered]) -> list[tuple[int, int, int]]:
     """(rank position, node index, collective number) in an order where every
-    collective runs after all its group members reached it."""
+    collective runs after all its group members reached it, and every
+    receive after its send (the k-th receive from a rank matches the k-th
+    send to it: a pipeline's sends carry no microbatch id)."""
     pos = [0] * len(ranks)
     count: list[dict[tuple, int]] = [dict() for _ in ranks]
+    sent: dict[tuple, int] = {}
     index = {low.rank: i for i, low in enumerate(ranks)}
     out = []
+
+    def local(i: int) -> bool:
+        """Run rank i up to its next collective (or a receive not sent yet)."""
+        moved = False
+        nodes = ranks[i].nodes
+        while pos[i] < len(nodes):
+            node = nodes[pos[i]]
+            k = count[i].get(node.group, 0) if node.group is not None else -1
+            if node.op == "send":
+                sent[node.group] = sent.get(node.group, 0) + 1
+            elif (node.op == "send_recv" and sent.get(node.group, 0) <= k) or \
+                    (node.group is not None and node.op not in P2P):
+                return moved
+            if node.group is not None:
+                count[i][node.group] = k + 1
+            out.append((i, pos[i], k))
+            pos[i] += 1
+            moved = True
+        return moved
+
     while True:
         progressed = False
-        for i, low in enumerate(ranks):
-            while pos[i] < len(low.nodes) and low.nodes[pos[i]].group is None:
-                out.append((i, pos[i], -1))
-                pos[i] += 1
-                progressed = True
+        for i in range(len(ranks)):
+            progressed |= local(i)
         waiting = [i for i, low in enumerate(ranks) if pos[i] < len(low.nodes)]
         if not waiting:
             return out
         for i in waiting:
             node = ranks[i].nodes[pos[i]]
+            if node.op in P2P:
+                continue
             k = count[i].get(node.group, 0)
             members = [index[r] for r in node.group]
             if all(pos[j] < len(ranks[j].nodes) and ranks[j].nodes[pos[j]].group == node.group
@@ -433,13 +552,14 @@ def _order(ranks: list[Lowered]) -> list[tuple[int, int, int]]:
                 progressed = True
                 break
         if not progressed:
-            raise LoweringError("the ranks' collectives do not match in order within their groups")
+            raise LoweringError("the ranks' collectives do not match in order within their "
+                                "groups, or a receive has no send")
 
 
 def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Plan, Plan]:
     b = _Builder(single, world)
     plan_s = b.build_single()
-    sizes = {"dp": world["dp"], "tp": world["tp"]}
+    sizes = {"dp": world["dp"], "tp": world["tp"], "mb": world["nm"]}
     coords = {low.rank: low.coords for low in ranks}
     rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
     plan_p = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
@@ -464,8 +584,12 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         low = r.low
         for o in node.outs:
             if o >= 0:
-                t_of[(low.rank, o)] = tensor(r, o, 0)
-        if node.group is None:
+                t_of[(low.rank, o)] = tensor(r, o, max(r.mb.get(o, -1), 0))
+        if node.op == "send_recv":
+            src = rs[node.group[0]]
+            ins = (t_of[(src.low.rank, src.low.nodes[_nth(src.low, node.group, k)].ins[0])],)
+            kwargs = dict(node.kwargs)
+        elif node.group is None:
             ins = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.ins)
             kwargs = dict(node.kwargs)
         else:
@@ -473,14 +597,24 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                         for q in node.group)
             kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
         outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
-        plan_p.nodes.append(Node(low.rank, 0, node.op, node.dir, ins, outs, kwargs,
+        mb = max((r.mb.get(o, -1) for o in node.outs if o >= 0), default=-1)
+        plan_p.nodes.append(Node(low.rank, max(mb, 0), node.op, node.dir, ins, outs, kwargs,
                                  _scope(node.name)))
 
     for i, n, k in _order(ranks):
         low = ranks[i]
         r = rs[low.rank]
         node = low.nodes[n]
-        if node.group is not None:
+        if node.op == "send_recv":
+            peer = rs[node.group[0]]
+            x = peer.low.nodes[_nth(peer.low, node.group, k)].ins[0]
+            if x in peer.pending:
+                for extra in peer.materialize(x):
+                    emit(peer, extra, -1)
+            r.receive(node, peer, x)
+            emit(r, node, k)
+            continue
+        if node.group is not None and node.op != "send":
             for q in node.group:
                 peer = rs[q]
                 x = peer.low.nodes[_nth(peer.low, node.group, k)].ins[0]
@@ -495,13 +629,17 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
             if g in r.pending:
                 for node in r.materialize(g):
                     emit(r, node, -1)
-        if r.low.loss in r.pending:
-            for node in r.materialize(r.low.loss):
-                emit(r, node, -1)
+        for loss in r.low.losses:
+            if loss in r.pending:
+                for node in r.materialize(loss):
+                    emit(r, node, -1)
     for r in rs.values():
+        held = {n: v for v, (kind, n) in r.low.inputs.items() if kind == "param"}
         for name, buf in b.gradbuf.items():
+            if name not in held:
+                continue  # another pipeline stage's parameter
             g = r.low.grads.get(name)
-            param = next(v for v, (kind, n) in r.low.inputs.items() if n == name)
+            param = held[name]
             if g is None:
                 raise LoweringError(f"rank {r.low.rank} ends with no gradient for {name}")
             rank = r.low.rank

@@ -30,6 +30,7 @@ class LNode:
     kwargs: dict[str, Any]
     name: str
     group: tuple[int, ...] | None = None
+    mb: int = -1  # the microbatch a pipeline schedule ran it for, -1 outside one
 
 
 @dataclass
@@ -40,9 +41,50 @@ class Lowered:
     nodes: list[LNode]
     inputs: dict[int, tuple[str, str]]  # value -> (kind, name)
     axes: dict[int, list[list[str]]]  # input value -> mesh axes per dim
-    loss: int
+    losses: list[int]  # one per microbatch the rank computes a loss for
     grads: dict[str, int | None]
     tokens_value: int = -1
+
+
+@dataclass(frozen=True)
+class _Ids:
+    """Row block ``index`` of ``parts`` of the batch's integer ``source``
+    ids (``tokens`` or ``labels``; a pipeline schedule's microbatch, the
+    whole batch is (0, 1)), seen with ``shape`` (None: as loaded). In the
+    plan, ids are one-hot inputs ``[..., vocab]``."""
+    source: str = "tokens"
+    index: int = 0
+    parts: int = 1
+    shape: tuple[int, ...] | None = None
+
+    def cut(self, index: int, parts: int) -> _Ids:
+        return _Ids(self.source, self.index * parts + index, self.parts * parts)
+
+
+@dataclass(frozen=True)
+class _IdsTest:
+    """``ids < value`` (op "lt") or ``ids >= value`` (op "ge")."""
+    ids: _Ids
+    op: str
+    value: int
+
+
+@dataclass(frozen=True)
+class _VocabMask:
+    """``(ids < lo) | (ids >= hi)``: the ids outside the rows [lo, hi) of a
+    vocabulary-parallel embedding table."""
+    ids: _Ids
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class _Shifted:
+    """``ids - lo``, then (``mask`` set) 0 where the mask holds: the local
+    row of each id in the shard [lo, hi)."""
+    ids: _Ids
+    lo: int
+    mask: _VocabMask | None = None
 
 
 @dataclass
@@ -110,6 +152,10 @@ class _Lowerer:
     name: str = ""
     tokens: int = -1
     flat_of: dict[int, int] = field(default_factory=dict)
+    mb: int = -1
+    id_pieces: dict[_Ids, int] = field(default_factory=dict)
+    one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
+    masked_rows: dict[int, _VocabMask] = field(default_factory=dict)  # zero where masked
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -121,7 +167,7 @@ class _Lowerer:
     def emit(self, op: str, ins: list[int], out_shapes: list, kwargs: dict | None = None,
              direction: str = "fw", group=None) -> list[int]:
         outs = [self.new(s) for s in out_shapes]
-        self.nodes.append(LNode(op, direction, ins, outs, kwargs or {}, self.name, group))
+        self.nodes.append(LNode(op, direction, ins, outs, kwargs or {}, self.name, group, self.mb))
         return outs
 
     def val(self, a: Any) -> int:
@@ -163,10 +209,10 @@ class _Lowerer:
 
     # -- the walk -----------------------------------------------------------
     def run(self, live: set[int]) -> None:
-        for i, (op, (args, kwargs), outs, out_shapes, scope, group) in enumerate(self.trace["events"]):
+        for i, (op, (args, kwargs), outs, out_shapes, scope, group, mb) in enumerate(self.trace["events"]):
             if i not in live:
                 continue
-            self.name = scope
+            self.name, self.mb = scope, mb
             handler = HANDLERS.get(op)
             if handler is None:
                 raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
@@ -193,13 +239,15 @@ def _tensor_args(args: Any) -> list[int]:
 
 def live_events(trace: dict) -> set[int]:
     """Events the loss and the final gradients depend on."""
-    need = {trace["loss"]} | {g for g in trace["grads"].values() if g is not None}
+    need = set(trace["losses"]) | {g for g in trace["grads"].values() if g is not None}
     live = set()
     for i in range(len(trace["events"]) - 1, -1, -1):
         op, (args, kwargs), outs = trace["events"][i][:3]
-        if not need.intersection(outs):
+        if not need.intersection(outs) and op != "c10d.send.default":
             continue
         live.add(i)
+        if op == "c10d.recv_.default":
+            continue  # overwrites its buffers
         if op == "aten.copy_.default":
             need.update(_tensor_args(args[1]))
         else:
@@ -257,6 +305,62 @@ def _softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: softmax backward of a value no softmax produced")
     return lw.emit("softmax", [lw.softmax_in[out], lw.val(args[0])], shapes,
                    {"dim": int(args[2])}, direction="bw")[0]
+
+
+def _log_softmax(lw: _Lowerer, args, kwargs, shapes, group):
+    """x - top - log(sum(exp(x - top))), top the row maximum."""
+    x, dim = lw.val(args[0]), int(args[1])
+    shape = list(lw.shapes[x])
+    dim %= len(shape)
+    row = [*shape[:dim], 1, *shape[dim + 1:]]
+    top = lw.emit("max", [x], [row], {"dim": dim, "keepdim": True})[0]
+    shifted = lw.emit("sub", [x, top], [shape])[0]
+    e = lw.emit("exp", [shifted], [shape])[0]
+    total = lw.emit("sum", [e], [row], {"dim": dim, "keepdim": True})[0]
+    return lw.emit("sub", [shifted, lw.emit("log", [total], [row])[0]], [shape])[0]
+
+
+def _log_softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """g - exp(out) * sum(g) along the dim."""
+    g, out, dim = lw.val(args[0]), lw.val(args[1]), int(args[2])
+    shape = list(lw.shapes[g])
+    dim %= len(shape)
+    row = [*shape[:dim], 1, *shape[dim + 1:]]
+    total = lw.emit("sum", [g], [row], {"dim": dim, "keepdim": True})[0]
+    e = lw.emit("exp", [out], [shape])[0]
+    return lw.emit("sub", [g, lw.emit("mul", [e, total], [shape])[0]], [shape])[0]
+
+
+def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any) -> int:
+    if weight is not None or reduction not in (1, 2):
+        raise LoweringError(f"{lw.name}: nll_loss with class weights or no reduction is not lowered")
+    return _one_hot(lw, target)
+
+
+def _nll(lw: _Lowerer, args, kwargs, shapes, group):
+    """-sum(logp * one-hot labels), divided by the label count for a mean.
+    The labels are the batch's (none equals the ignore index)."""
+    logp, reduction = lw.val(args[0]), int(args[3])
+    labels = _nll_checks(lw, args[2], reduction, args[1])
+    picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [lw.shapes[logp]])[0]], [()],
+                     {"dim": None, "keepdim": False})[0]
+    out = lw.emit("mul_scalar", [picked], [()], {"value": -1.0})[0]
+    count = math.prod(lw.shapes[labels][:-1])
+    if reduction == 1:
+        out = lw.emit("div", [out], [()], {"value": float(count)})[0]
+    return [out, "count"]
+
+
+def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """-one-hot labels * g, divided by the label count for a mean."""
+    g, reduction = lw.val(args[0]), int(args[4])
+    labels = _nll_checks(lw, args[3], reduction, args[2])
+    shape = lw.shapes[labels]
+    out = lw.emit("mul_scalar", [lw.emit("mul", [labels, g], [shape])[0]], [shape],
+                  {"value": -1.0})[0]
+    if reduction == 1:
+        out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape[:-1]))})[0]
+    return out
 
 
 def _silu_bw(lw: _Lowerer, args, kwargs, shapes, group):
@@ -414,6 +518,8 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[li
 def _view(lw: _Lowerer, args, kwargs, shapes, group):
     f = lw.env.get(args[0][1])
     dst = tuple(shapes[0])
+    if isinstance(f, _Ids):
+        return _Ids(f.source, f.index, f.parts, dst)
     if isinstance(f, (_Flat, _As)) and lw.shapes[f.x] == dst:
         return f.x
     if isinstance(f, _As):
@@ -484,19 +590,110 @@ def _masked_fill(lw: _Lowerer, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: masked_fill with value {value} is not lowered")
 
 
+def _one_hot(lw: _Lowerer, ids: Any) -> int:
+    """The one-hot rows of the ids an op reads: the input, or a microbatch
+    of it (one ``split`` per piece), reshaped as the ids were."""
+    piece = lw.env.get(ids[1]) if isinstance(ids, (list, tuple)) and ids[0] == "v" else None
+    if not isinstance(piece, _Ids):
+        raise LoweringError(f"{lw.name}: integer ids other than the batch's are not lowered")
+    base = _Ids(piece.source, piece.index, piece.parts)
+    if base not in lw.id_pieces:
+        x = lw.one_hot[piece.source]
+        if piece.parts > 1:
+            shape = list(lw.shapes[x])
+            shape[0] //= piece.parts
+            x = lw.emit("split", [x], [shape],
+                        {"dim": 0, "parts": piece.parts, "index": piece.index})[0]
+        lw.id_pieces[base] = x
+    x = lw.id_pieces[base]
+    if piece.shape is not None and piece.shape != lw.shapes[x][:-1]:
+        if piece not in lw.id_pieces:
+            lw.id_pieces[piece] = lw.materialize(_view_to(lw, x, (*piece.shape, lw.vocab)))
+        x = lw.id_pieces[piece]
+    return x
+
+
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
-    w, ids = args[0], args[1]
-    if lw.env.get(ids[1]) != "tokens":
-        raise LoweringError(f"{lw.name}: embedding of ids other than the batch is not lowered")
-    return lw.emit("embedding", [lw.tokens, lw.val(w)], shapes)[0]
+    ids = lw.env.get(args[1][1])
+    if not isinstance(ids, _Shifted):
+        return lw.emit("embedding", [_one_hot(lw, args[1]), lw.val(args[0])], shapes)[0]
+    # a vocabulary-parallel lookup: the one-hot rows' slice [lo, hi) times the
+    # local table, zero for ids outside it (which the masked lookup zeroes after)
+    w = lw.val(args[0])
+    mask = ids.mask
+    rows = lw.shapes[w][0]
+    if mask is None or mask.lo != ids.lo or mask.hi - mask.lo != rows or mask.lo % rows \
+            or lw.vocab % rows:
+        raise LoweringError(f"{lw.name}: an embedding of shifted ids that is not a "
+                            f"vocabulary-parallel lookup of its table's rows")
+    onehot = _one_hot(lw, ("v", _ids_value(lw, mask.ids)))
+    shape = [*lw.shapes[onehot][:-1], rows]
+    part = lw.emit("split", [onehot], [shape], {"dim": len(shape) - 1, "parts": lw.vocab // rows,
+                                                 "index": mask.lo // rows})[0]
+    out = lw.emit("embedding", [part, w], shapes)[0]
+    lw.masked_rows[out] = mask
+    return out
+
+
+def _ids_value(lw: _Lowerer, ids: _Ids) -> int:
+    """A recorded value holding these ids (for ``_one_hot``)."""
+    for v, x in lw.env.items():
+        if x == ids:
+            return v
+    raise LoweringError(f"{lw.name}: ids no recorded op produced")
+
+
+def _ids_test(op: str):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        ids = lw.env.get(args[0][1])
+        value = lw.const(args[1])
+        if not isinstance(ids, _Ids) or value is None:
+            raise LoweringError(f"{lw.name}: a comparison other than of the batch's ids with "
+                                f"a number is not lowered")
+        return _IdsTest(ids, op, int(value))
+    return lower
+
+
+def _or(lw: _Lowerer, args, kwargs, shapes, group):
+    a, b = lw.env.get(args[0][1]), lw.env.get(args[1][1])
+    if isinstance(a, _IdsTest) and isinstance(b, _IdsTest) and a.ids == b.ids \
+            and (a.op, b.op) == ("lt", "ge"):
+        return _VocabMask(a.ids, a.value, b.value)
+    raise LoweringError(f"{lw.name}: an 'or' other than of ids < lo and ids >= hi is not lowered")
+
+
+def _sub(lw: _Lowerer, args, kwargs, shapes, group):
+    a = lw.env.get(args[0][1])
+    value = lw.const(args[1])
+    if isinstance(a, _Ids) and value is not None:
+        return _Shifted(a, int(value))
+    if value is not None:
+        return lw.emit("add_scalar", [lw.val(args[0])], shapes, {"value": -value})[0]
+    return lw.emit("sub", [lw.val(args[0]), lw.val(args[1])], shapes)[0]
+
+
+def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
+    """``x[mask] = 0`` of a vocabulary-parallel lookup: on its shifted ids, or
+    on its output (already zero there in the one-hot form)."""
+    target = lw.env.get(args[0][1])
+    masks = [lw.env.get(m[1]) for m in args[1]] if isinstance(args[1], (list, tuple)) else []
+    accumulate = bool(args[3]) if len(args) > 3 else False
+    if len(masks) == 1 and isinstance(masks[0], _VocabMask) and lw.const(args[2]) == 0 \
+            and not accumulate:
+        mask = masks[0]
+        if isinstance(target, _Shifted) and target.ids == mask.ids and target.mask is None:
+            return _Shifted(target.ids, target.lo, mask)
+        if isinstance(target, int) and lw.masked_rows.get(target) == mask:
+            return target
+    raise LoweringError(f"{lw.name}: index_put_ other than the masking of a "
+                        f"vocabulary-parallel lookup is not lowered")
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    g, ids = args[0], args[1]
-    if lw.env.get(ids[1]) != "tokens":
-        raise LoweringError(f"{lw.name}: embedding backward of ids other than the batch")
+    tokens = _one_hot(lw, args[1])
     out = lw.new(shapes[0])
-    lw.nodes.append(LNode("embedding", "bw", [lw.tokens, -1, lw.val(g)], [-1, out], {}, lw.name))
+    lw.nodes.append(LNode("embedding", "bw", [tokens, -1, lw.val(args[0])], [-1, out], {},
+                          lw.name, None, lw.mb))
     return out
 
 
@@ -534,10 +731,52 @@ def _split(lw: _Lowerer, args, kwargs, shapes, group):
     n = len(shapes)
     if len({tuple(s) for s in shapes}) != 1:
         raise LoweringError(f"{lw.name}: split into unequal pieces is not lowered")
+    if isinstance(src, _Ids) and dim == 0 and src.shape is None:
+        return [src.cut(i, n) for i in range(n)]
+    if n == 1:
+        return lw.val(args[0])
     if isinstance(src, _Gathered) and dim == 0 and n == len(src.group):
         return [_Piece(src, 0, i, n) for i in range(n)]
     x = lw.val(args[0])
     return [_Piece(x, dim % len(lw.shapes[x]), i, n) for i in range(n)]
+
+
+def _slice(lw: _Lowerer, args, kwargs, shapes, group):
+    """A slice that is one of equal pieces (a schedule's microbatch)."""
+    src = lw.env.get(args[0][1])
+    dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
+    step = args[4] if len(args) > 4 else 1
+    if isinstance(src, _Ids):
+        if dim != 0 or src.shape is not None:
+            raise LoweringError(f"{lw.name}: a slice of the integer ids along dim {dim}")
+        total = lw.trace["data"][1][0] // src.parts
+    else:
+        x = lw.val(args[0])
+        dim %= len(lw.shapes[x])
+        total = lw.shapes[x][dim]
+    size = shapes[0][dim]
+    if step != 1 or size == 0 or total % size or start % size:
+        raise LoweringError(f"{lw.name}: a slice of dim {dim} at {start} that is not one of "
+                            f"equal pieces")
+    index, parts = start // size, total // size
+    if isinstance(src, _Ids):
+        return src.cut(index, parts)
+    return x if parts == 1 else _Piece(x, dim, index, parts)
+
+
+def _send(lw: _Lowerer, args, kwargs, shapes, group):
+    ranks = _pg(lw, args[1])
+    (x,) = args[0]
+    me = lw.trace["rank"]
+    lw.nodes.append(LNode("send", "fw", [lw.val(x)], [], {}, lw.name, (me, ranks[int(args[2])]),
+                          lw.mb))
+    return []
+
+
+def _recv(lw: _Lowerer, args, kwargs, shapes, group):
+    ranks = _pg(lw, args[1])
+    src, me = ranks[int(args[2])], lw.trace["rank"]
+    return lw.emit("send_recv", [], shapes, {"src": src, "dst": me}, group=(src, me))
 
 
 def _cat(lw: _Lowerer, args, kwargs, shapes, group):
@@ -569,6 +808,15 @@ HANDLERS: dict[str, Any] = {
     "aten.div_.Scalar": _scalar("div"),
     "aten.div_.Tensor": _scalar("div"),
     "aten.add.Tensor": _binary("add", "add_scalar"),
+    "aten.add_.Tensor": _binary("add", "add_scalar"),
+    "aten.slice.Tensor": _slice,
+    "aten.sub.Tensor": _sub,
+    "aten.lt.Scalar": _ids_test("lt"),
+    "aten.ge.Scalar": _ids_test("ge"),
+    "aten.__or__.Tensor": _or,
+    "aten.index_put_.default": _index_put,
+    "c10d.send.default": _send,
+    "c10d.recv_.default": _recv,
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),
     "aten.mul.Scalar": _scalar("mul_scalar"),
     "aten.div.Scalar": _scalar("div"),
@@ -578,6 +826,10 @@ HANDLERS: dict[str, Any] = {
     "aten.silu.default": _unary("silu"),
     "aten.silu_backward.default": _silu_bw,
     "aten._softmax.default": _softmax,
+    "aten._log_softmax.default": _log_softmax,
+    "aten._log_softmax_backward_data.default": _log_softmax_bw,
+    "aten.nll_loss_forward.default": _nll,
+    "aten.nll_loss_backward.default": _nll_bw,
     "aten._softmax_backward_data.default": _softmax_bw,
     "aten.mean.dim": _reduce("mean"),
     "aten.sum.dim_IntList": _reduce("sum"),
@@ -623,22 +875,27 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         lw.shapes[v] = tuple(shape)
         inputs[v] = ("buffer", name)
         axes[v] = [[] for _ in shape]
-    data, ids_shape = trace["data"]
-    lw.env[data] = "tokens"
-    lw.tokens = lw.new((*ids_shape, vocab))
-    inputs[lw.tokens] = ("tokens", "tokens")
-    axes[lw.tokens] = [["dp"]] + [[] for _ in ids_shape]
+    for source in ("data", "labels"):
+        if source not in trace:
+            continue
+        v, ids_shape = trace[source]
+        name = "tokens" if source == "data" else source
+        lw.env[v] = _Ids(name)
+        x = lw.one_hot[name] = lw.new((*ids_shape, vocab))
+        inputs[x] = ("tokens", name)
+        axes[x] = [["dp"]] + [[] for _ in ids_shape]
+    lw.tokens = lw.one_hot["tokens"]
     lw.run(live_events(trace))
-    loss = lw.materialize(lw.env[trace["loss"]])
+    losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}
-    return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, loss, grads),
-                   inputs, axes, loss, grads, lw.tokens)
+    return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, losses, grads),
+                   inputs, axes, losses, grads, lw.tokens)
 
 
-def _used(nodes: list[LNode], loss: int, grads: dict[str, int | None]) -> list[LNode]:
-    """The nodes the loss and the gradients depend on (collectives always stay:
-    their peers on other ranks are matched by order)."""
-    need = {loss} | {g for g in grads.values() if g is not None}
+def _used(nodes: list[LNode], losses: list[int], grads: dict[str, int | None]) -> list[LNode]:
+    """The nodes the losses and the gradients depend on (collectives and
+    sends always stay: their peers on other ranks are matched by order)."""
+    need = set(losses) | {g for g in grads.values() if g is not None}
     keep = []
     for node in reversed(nodes):
         if node.group is not None or need.intersection(node.outs):

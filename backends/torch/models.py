@@ -1,6 +1,13 @@
 """Small torchtitan-style models for tracing: integer token ids, heads
 inferred from the local width (so tensor parallelism of the attention
-projections needs no change to the module), sum losses.
+projections needs no change to the module), a cross-entropy loss averaged
+over the tokens of the whole step.
+
+As in torchtitan, a pipeline stage is the model with the modules of other
+stages set to None (``tok_embeddings``, ``norm``, ``output``) or deleted
+(``layers``): ``forward`` skips what is missing, and returns the logits
+when no labels are given (a pipeline's last stage hands them to the
+schedule's ``loss_fn``, which is ``Llama.loss``).
 
 The rotary embedding rotates pairs with a constant matrix (``x @ rot``)
 instead of complex numbers, and the causal mask is a constant boolean
@@ -100,11 +107,12 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Token ids [B, S] -> the summed logits of the last position... no:
-    the sum of all logits, a scalar loss."""
+    """Token ids [B, S] (and labels [B, S]) -> the loss, a scalar."""
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
+        self.args = args
+        self.global_tokens = 0  # set by the backend: the labels of the whole step
         self.tok_embeddings = nn.Embedding(args.vocab, args.hidden)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.layers)})
         self.norm = RMSNorm(args.hidden)
@@ -116,11 +124,22 @@ class Llama(nn.Module):
         mask = torch.ones(args.seqlen, args.seqlen, dtype=torch.bool).triu(1)
         self.register_buffer("causal_mask", mask, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin, self.rope_rot, self.causal_mask)
-        return self.output(self.norm(h)).sum()
+        if self.output is None:
+            return h
+        logits = self.output(self.norm(h) if self.norm is not None else h)
+        return logits if labels is None else self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the logits against the labels, summed and divided
+        by ``global_tokens``, the label count of the whole step (every rank,
+        every microbatch; the backend sets it). Each rank's, each
+        microbatch's loss is then its share of the mean over all tokens."""
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return total / (self.global_tokens or labels.numel())
 
 
 def llama(**kw) -> Llama:

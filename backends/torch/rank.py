@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.module_tracker import ModuleTracker
 
+from backends.torch.pipeline import Pipelined, PipelineStep
 from backends.torch.record import Recorder, dims_axes, local_of
 
 
@@ -38,22 +39,32 @@ def run(spec: dict, rank: int) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-        mesh = init_device_mesh("cpu", (spec["dp"], spec["tp"]), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (spec["pp"], spec["dp"], spec["tp"]),
+                                mesh_dim_names=("pp", "dp", "tp"))
     torch.manual_seed(spec["seed"])
     model = load(spec["model"])(**spec["model_kwargs"]).to(torch.float64)
+    if hasattr(model, "global_tokens"):
+        model.global_tokens = spec["batch"] * spec["seqlen"]
     after = None
     if spec["parallel"]:
         after = load(spec["recipe"])(model, mesh)
-    coords = {"dp": 0, "tp": 0}
+    coords = {"pp": 0, "dp": 0, "tp": 0}
     if mesh is not None:
-        coords = {n: mesh[n].get_local_rank() for n in ("dp", "tp")}
+        coords = {n: mesh[n].get_local_rank() for n in ("pp", "dp", "tp")}
     gen = torch.Generator().manual_seed(spec["seed"])
-    tokens = torch.randint(0, spec["vocab"], (spec["batch"], spec["seqlen"]), generator=gen)
+    shape = (spec["batch"], spec["seqlen"])
+    tokens = torch.randint(0, spec["vocab"], shape, generator=gen)
+    labels = torch.randint(0, spec["vocab"], shape, generator=gen)
     local_batch = spec["batch"] // spec["dp"] if spec["parallel"] else spec["batch"]
-    tokens = tokens[coords["dp"] * local_batch:(coords["dp"] + 1) * local_batch].clone()
+    rows = slice(coords["dp"] * local_batch, (coords["dp"] + 1) * local_batch)
+    tokens, labels = tokens[rows].clone(), labels[rows].clone()
 
     tracker = ModuleTracker()
     rec = Recorder(tracker)
+    pipelined = None
+    if isinstance(after, PipelineStep):
+        pipelined = Pipelined(after, tokens, rec.set_mb)
+        after = after.after_backward
     params = {}
     for name, p in model.named_parameters():
         params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p))
@@ -64,9 +75,13 @@ def run(spec: dict, rank: int) -> dict:
                   and bool((b == torch.ones_like(b).triu(1)).all()))
         buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
     data = rec.new_value(tokens)
+    label_data = rec.new_value(labels)
     with tracker, rec:
-        loss = model(tokens)
-        loss.backward()
+        if pipelined is not None:
+            losses = pipelined.run(tokens, labels)
+        else:
+            losses = [model(tokens, labels)]
+            losses[0].backward()
         if after is not None:
             after(model, mesh)
     grads = {}
@@ -76,7 +91,9 @@ def run(spec: dict, rank: int) -> dict:
     return {
         "rank": rank, "coords": coords, "events": rec.events, "shapes": rec.shapes,
         "consts": rec.consts, "params": params, "buffers": buffers,
-        "data": (data, tuple(tokens.shape)), "loss": rec.value(local_of(loss)), "grads": grads,
+        "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
+        "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
+        "microbatches": 1 if pipelined is None else pipelined.microbatches,
     }
 
 

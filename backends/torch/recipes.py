@@ -10,8 +10,10 @@ rows [d * B/dp, (d + 1) * B/dp) of the batch.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -22,13 +24,19 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from backends.torch.pipeline import PipelineStep
 
-def llama_tp_plan(model, tp_mesh, norms: bool = True) -> None:
+
+def llama_tp_plan(model, tp_mesh, norms: bool = True, vocab_parallel: bool = False) -> None:
     """torchtitan's tensor and sequence parallel plan for the Llama blocks;
-    ``norms=False`` leaves the norms out (the bug of Megatron-LM issue 1446)."""
+    ``norms=False`` leaves the norms out (the bug of Megatron-LM issue 1446);
+    ``vocab_parallel`` splits the embedding table by rows (torchtitan's
+    ``RowwiseParallel`` embedding: each rank looks up the ids of its rows)."""
+    embedding = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+                 if vocab_parallel else
+                 PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)))
     parallelize_module(model, tp_mesh, {
-        "tok_embeddings": PrepareModuleOutput(output_layouts=Replicate(),
-                                              desired_output_layouts=Shard(1)),
+        "tok_embeddings": embedding,
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
@@ -74,6 +82,12 @@ def tp_sp(model, mesh):
     return all_reduce_dp
 
 
+def tp_sp_vocab(model, mesh):
+    """tp_sp with the vocabulary-parallel embedding."""
+    llama_tp_plan(model, mesh["tp"], vocab_parallel=True)
+    return all_reduce_dp
+
+
 def reduce_grads_relabelled(model, mesh) -> None:
     """Bug (torchtitan PR 3412): a Partial(sum) gradient relabelled Replicate
     instead of reduced, so its tensor-parallel reduction never runs."""
@@ -110,7 +124,8 @@ def reduce_tp_partials(model, mesh) -> None:
 
 def fsdp_tp(model, mesh, divide_factor: float | None = 1.0):
     """torchtitan's 2-D recipe: tensor and sequence parallelism on "tp", FSDP2
-    over "dp" (each block, then the root). The losses are sums, so the
+    over "dp" (each block, then the root). The loss is divided by the token
+    count of the whole step, so the replicas' gradients are summed: the
     gradient divide factor is 1."""
     llama_tp_plan(model, mesh["tp"])
     for block in model.layers.values():
@@ -124,5 +139,75 @@ def fsdp_tp(model, mesh, divide_factor: float | None = 1.0):
 
 def fsdp_tp_default_divide(model, mesh):
     """fsdp_tp keeping FSDP's default divide factor (the data-parallel size):
-    with a sum loss, every gradient is 1/dp of the single-device one."""
+    with a loss already divided by the whole step's token count, every
+    gradient is 1/dp of the single-device one."""
     return fsdp_tp(model, mesh, divide_factor=None)
+
+
+def keep_stage(model, stage: int, stages: int) -> None:
+    """Keep, in place, the modules of pipeline stage ``stage`` of ``stages``
+    (torchtitan's split: contiguous layers, the embedding on the first stage,
+    the final norm and output on the last)."""
+    names = list(model.layers.keys())
+    if len(names) % stages:
+        raise ValueError(f"{len(names)} layers do not split into {stages} stages")
+    per = len(names) // stages
+    for name in names[:stage * per] + names[(stage + 1) * per:]:
+        del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != stages - 1:
+        model.norm = None
+        model.output = None
+
+
+def pipeline(model, mesh, schedule_class, microbatches: int = 2, scale_grads: bool = False,
+             accumulation: int = 1) -> PipelineStep:
+    """Pipeline parallelism on "pp" with ``schedule_class`` (GPipe, 1F1B) and
+    ``microbatches`` per step; gradients summed over "dp". Each
+    microbatch's loss is its share of the step's mean (the model divides by
+    the step's token count), so the microbatches' gradients are summed:
+    ``scale_grads=False``, as PyTorch's documentation says for such losses."""
+    pp = mesh["pp"]
+    stage, stages = pp.get_local_rank(), pp.size()
+    args = model.args
+    keep_stage(model, stage, stages)
+
+    def schedule(tokens):
+        rows = tokens.shape[0] // microbatches
+        hidden = torch.empty(rows, args.seqlen, args.hidden, dtype=torch.float64,
+                             requires_grad=True)
+        first = tokens[:rows] if stage == 0 else hidden
+        last = torch.empty(rows, args.seqlen, args.vocab, dtype=torch.float64, requires_grad=True)
+        pp_stage = PipelineStage(model, stage, stages, torch.device("cpu"), input_args=first,
+                                 output_args=last if stage == stages - 1 else hidden,
+                                 group=pp.get_group())
+        return schedule_class(pp_stage, microbatches, loss_fn=model.loss, scale_grads=scale_grads)
+
+    after = all_reduce_dp if mesh["dp"].size() > 1 else None
+    return PipelineStep(schedule, accumulation, after)
+
+
+def pp_gpipe(model, mesh):
+    """Two microbatches through the GPipe schedule."""
+    return pipeline(model, mesh, ScheduleGPipe)
+
+
+def pp_1f1b(model, mesh):
+    """Two microbatches through the 1F1B schedule."""
+    return pipeline(model, mesh, Schedule1F1B)
+
+
+def pp_accumulate(model, mesh):
+    """GPipe with two gradient accumulation steps of two microbatches each:
+    the gradients of all four sum in ``.grad`` (``scale_grads=False``, the
+    fix of torchtitan PR 1732)."""
+    return pipeline(model, mesh, ScheduleGPipe, accumulation=2)
+
+
+def pp_accumulate_scale_grads(model, mesh):
+    """Bug (torchtitan issue 1733): pp_accumulate with the schedule's default
+    ``scale_grads=True``, which divides the gradients accumulated so far by
+    the microbatch count at the end of every step: with accumulation, a
+    moving average instead of a sum."""
+    return pipeline(model, mesh, ScheduleGPipe, accumulation=2, scale_grads=True)

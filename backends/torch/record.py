@@ -33,7 +33,7 @@ ALIASES = {
 
 
 class Recorder(TorchDispatchMode):
-    """Records events ``(op, args, outputs, shapes, scope, group)``.
+    """Records events ``(op, args, outputs, shapes, scope, group, mb)``.
 
     ``args`` mirrors the op's positional and keyword arguments with each
     tensor replaced by ``("v", value id)``; ``outputs`` are value ids.
@@ -47,6 +47,7 @@ class Recorder(TorchDispatchMode):
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
         self.storages: dict[tuple[int, int, int], int] = {}
+        self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
 
     # -- values ---------------------------------------------------------------
     def new_value(self, t: torch.Tensor) -> int:
@@ -71,9 +72,10 @@ class Recorder(TorchDispatchMode):
                 v = self.storage_view(a)
             if v is None:
                 v = self.new_value(a)
-                if a.numel() <= 1 and a.dtype.is_floating_point:
+                if a.numel() <= 1 and a.dtype != torch.bool and not a.is_complex():
                     self.consts[v] = float(a.item()) if a.numel() else 0.0
-                self.events.append(("unknown", [[], {}], [v], [tuple(a.shape)], self.scope(), None))
+                self.events.append(("unknown", [[], {}], [v], [tuple(a.shape)], self.scope(),
+                                    None, self.mb))
             return ("v", v)
         if isinstance(a, (list, tuple)):
             return [self.arg(x) for x in a]
@@ -104,8 +106,11 @@ class Recorder(TorchDispatchMode):
             return None
         v = self.new_value(t)
         self.events.append(("aten.view.default", [[("v", src), list(t.shape)], {}], [v],
-                            [tuple(t.shape)], self.scope(), None))
+                            [tuple(t.shape)], self.scope(), None, self.mb))
         return v
+
+    def set_mb(self, mb: int) -> None:
+        self.mb = mb
 
     def scope(self) -> str:
         names = sorted(p for p in self.tracker.parents if p != "Global")
@@ -130,6 +135,8 @@ class Recorder(TorchDispatchMode):
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if "out" in kwargs and not outs:
             outs = [o for o in tree_flatten(kwargs["out"])[0] if isinstance(o, torch.Tensor)]
+        if name == "c10d.recv_.default":
+            outs = list(args[0])  # received in place: the buffers hold new values
         group = None
         if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))
@@ -141,14 +148,14 @@ class Recorder(TorchDispatchMode):
             for o, v in zip(outs, ids):
                 self.register_storage(o, v)
         self.events.append((name, [in_args, in_kwargs], ids, [tuple(o.shape) for o in outs],
-                            self.scope(), group))
+                            self.scope(), group, self.mb))
         for o, v in zip(outs, ids):
             base = o._base
             if base is not None and base.numel() == o.numel() and self.value(base) is not None:
                 # a write through a view of a whole buffer writes the buffer
                 b = self.new_value(base)
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
-                                    [b], [tuple(base.shape)], self.scope(), None))
+                                    [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
 
 
