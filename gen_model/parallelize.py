@@ -18,7 +18,7 @@ docs/parallelism.md explains the rank layout and each strategy.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any
 
@@ -88,6 +88,9 @@ class SVal:
     tid: int
     lver: int
     layout: tuple[Layout, ...]
+    #: 1 for the copy of a ZeRO-3 parameter gathered again in the backward,
+    #: a second tensor of the same value
+    copy: int = 0
 
     def on(self, axis: str) -> Layout:
         return self.layout[AXES.index(axis)]
@@ -239,6 +242,33 @@ class _Sharder:
             want[AXES.index(a)] = "R"
         dir = "fw" if self.policy.zero >= 3 else "none"
         return self.convert(sv, tuple(want), stage, dir, data_parallel=True)
+
+    def regathered(self, v: Value, used: SVal, stage: int) -> SVal:
+        """ZeRO-3 (FSDP) frees a parameter gathered for the forward and gathers
+        it again for the backward: the same all-gathers from the owned shard,
+        in each microbatch's backward, writing a second copy (``copy`` 1).
+        ``used`` is the layout the forward read; anything but a ZeRO-3
+        parameter is returned as it is."""
+        if self.policy.zero < 3 or not self.zero_axes(v[0]):
+            return used
+        key = ("regather", used, stage % self.par.pp)
+        if key in self.cache:
+            return self.cache[key]
+        sv = self.value(v)
+        name = self.g.tensors[sv.tid].name
+        while sv.layout != used.layout:
+            axis = next(a for a in SLICE_ORDER if sv.on(a) != used.on(a)
+                        and contiguous(sv, sv.relaid(a, used.on(a)), a))
+            if used.on(axis) != "R" or not is_split(sv.on(axis)):
+                raise AssertionError(f"{name}: the forward read it in {used.layout}, not "
+                                     f"gathered from {sv.layout}")
+            out = replace(sv.relaid(axis, "R"), copy=1)
+            self.ops.append(SOp("conv", "all_gather", "bw", name, stage, [sv], [out],
+                                {"dim": sv.on(axis)}, axis=axis))
+            self.where[out] = stage
+            sv = out
+        self.cache[key] = sv
+        return sv
 
     def axis_layouts(self, tid: int) -> tuple[Layout, ...]:
         t = self.g.tensors[tid]
@@ -415,7 +445,8 @@ class _Sharder:
         fw = self.g.ops[lop.fw]
         used, out_layouts, replicated = self.used[lop.fw]
         n_in = len(fw.inputs)
-        inputs: list[SVal | None] = [used[p] if v != ABSENT else None
+        inputs: list[SVal | None] = [self.regathered(v, used[p], stage)
+                                     if v != ABSENT else None
                                      for p, v in enumerate(lop.inputs[:n_in])]
         grads = [self.value(v) for v in lop.inputs[n_in:]]
         if any(layer == "M" for lay in out_layouts for layer in lay):
@@ -867,6 +898,27 @@ class _Emitter:
             outputs = tuple(self.write(SVal(v[0], v[1], lay), c, -1) for v in lop.outputs)
             nodes.append(Node(self.rank(c), -1, lop.op, "none", inputs, outputs,
                               dict(lop.kwargs), lop.name))
+            if self.policy.zero in (1, 2):
+                nodes += self.gather_updated(SVal(*lop.outputs[0], lay), c)
+        return nodes
+
+    def gather_updated(self, sv: SVal, c: Coord) -> list[Node]:
+        """ZeRO-1/2 keep the whole parameter for the step: after the update,
+        each rank all-gathers the owners' updated shards (one all-gather per
+        ZeRO axis, the finest first, so each gathers contiguous pieces)."""
+        nodes = []
+        axes = self.prog.zero_axes.get(sv.tid, ())
+        while any(is_split(sv.on(a)) for a in axes):
+            step = next(a for a in SLICE_ORDER if a in axes and is_split(sv.on(a))
+                        and contiguous(sv, sv.relaid(a, "R"), a))
+            group = [c.with_axes(**{step: i}) for i in range(self.size[step])]
+            inputs = tuple(self.read(sv, other, -1) for other in group)
+            out = sv.relaid(step, "R")
+            nodes.append(Node(self.rank(c), -1, "all_gather", "none", inputs,
+                              (self.write(out, c, -1),),
+                              {"dim": sv.on(step), "index": c.get(step, -1)},
+                              self.g.tensors[sv.tid].name))
+            sv = out
         return nodes
 
     def keep_owned(self, tid: int, reduced: int, c: Coord) -> Node:

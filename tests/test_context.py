@@ -1,8 +1,9 @@
 """Context parallelism: the sequence split across ranks, keys and values
 all-gathered, each rank's causal mask placed at its chunk. The plans verify;
-wrong ones (a mask one chunk off, chunks gathered out of order, the key and
-value exchange left out), judged wrong by the oracle, fail; and the mask's
-stage keeps every chunk boundary, at least 2 positions per chunk."""
+wrong ones (a mask one chunk off, chunks gathered out of order, a chunk
+from the wrong peer, the key and value exchange left out), judged wrong by
+the oracle, fail; and the mask's stage keeps every chunk boundary, at least
+2 positions per chunk."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def test_mask_stage_keeps_two_positions_per_chunk():
     assert seen
 
 
-@pytest.mark.parametrize("operator", ["mask_offset", "permute_group", "drop_exchange"])
+@pytest.mark.parametrize("operator", ["mask_offset", "permute_group", "drop_exchange",
+                                      "wrong_member"])
 def test_wrong_context_parallel_plans_fail(operator):
     single, plan = plans(Parallelism(cp=4))
     assert caught(single, plan, operator, "context")

@@ -158,3 +158,24 @@ def test_swapped_or_unwritten_moments_fail():
     verdict = verify(single, unwritten)
     assert not verdict.success and verdict.kind == "coverage"
     assert "rank 1 holds shard" in verdict.message and "never updates its" in verdict.message
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_gathers_the_updated_shards(zero):
+    """ZeRO-1/2 keep the whole parameter for the step: after the update every
+    rank all-gathers the owners' updated shards and ends with the whole
+    updated parameter; a gather that reads its own shard twice fails."""
+    single, plan = pair("sgd", Parallelism(dp=2), zero)
+    gathers = [i for i, n in enumerate(plan.nodes) if n.op == "all_gather"
+               and plan.tensors[n.outputs[0]].lver == 1]
+    assert gathers and all(plan.nodes[i].mb == -1 for i in gathers)
+    for (tid, _), t in plan.last_writes().items():
+        if tid in plan.grads:
+            assert plan.tensors[t].slices == tuple((0, n) for n in plan.logical[tid].shape)
+    assert verify(single, plan).success
+    bad = copy_plan(plan)
+    n = bad.nodes[gathers[0]]
+    own = next(t for t in n.inputs if bad.tensors[t].rank == n.rank)
+    bad.nodes[gathers[0]] = n._replace(inputs=(own,) * len(n.inputs))
+    assert not judge(single, bad).right
+    assert not verify(single, bad).success

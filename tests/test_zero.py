@@ -4,10 +4,14 @@ each rank's contract is on the shard it owns; wrong plans fail."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from gen_model import mutations
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
+from gen_model.oracle import judge
 from gen_model.parallelize import Policy
 from verdict.differential import compare
 from verdict.engine import verify
@@ -55,8 +59,14 @@ def test_collectives_of_each_stage(zero):
     gathers = [o for o in ops if o[0] == "all_gather"]
     if zero < 3:  # once per step, before the first microbatch
         assert gathers and all(o[1:] == ("none", -1) for o in gathers)
-    else:  # before every use: in each microbatch's forward
-        assert {o[2] for o in gathers} == {0, 1} and all(o[1] == "fw" for o in gathers)
+    else:  # before every use: in each microbatch's forward, and again in its backward
+        assert {o[2] for o in gathers} == {0, 1} and {o[1] for o in gathers} == {"fw", "bw"}
+        writer = {o: n for n in plan.nodes for o in n.outputs}
+        params = [(n, t) for n in plan.nodes if n.dir == "bw" and n.op != "all_gather"
+                  for t in n.inputs
+                  if plan.logical[plan.tensors[t].tid].kind == "param"]
+        assert params and all(writer[t].op == "all_gather" and writer[t].dir == "bw"
+                              and writer[t].mb == n.mb for n, t in params)
     reducers = sum(o[0] == "reducer" for o in ops)
     scatters = sum(o[0] == "reduce_scatter" for o in ops)
     assert (reducers > 0) == (zero == 1) and (scatters > 0) == (zero >= 2)
@@ -100,3 +110,18 @@ def test_unshardable_parameter_is_refused():
     with pytest.raises(ConfigError, match="ZeRO shards"):
         make_plan(ModelConfig("mlp", layers=2, hidden=6), Parallelism(dp=4), 24,
                   policy=Policy(zero=3))
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_an_owner_keeping_another_owners_shard_fails(zero):
+    """wrong_owner: one rank's reduce-scatters (or ZeRO-1's split) keep a
+    peer's chunk of a gradient, every tensor after them claiming it
+    truthfully; the rank still holds its own parameter shard."""
+    plan = make_plan(MLP, Parallelism(dp=4, nm=2), GBS, policy=Policy(zero=zero))
+    for k in range(3):
+        mutant, where = mutations.wrong_owner(plan, random.Random(f"owner/{zero}/{k}"))
+        assert not judge(single(MLP), mutant).right, where
+        verdict = verify(single(MLP), mutant)
+        assert not verdict.success, where
+        if verdict.kind == "coverage":
+            assert "the gradient of slice" in verdict.message

@@ -135,6 +135,14 @@ def _region(slices) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in slices)
 
 
+def _updated(expected, got, box, held, rtol: float) -> bool:
+    """Whether a rank's last update ``got``, of slice ``box``, covers every
+    shard the rank holds and equals the updated tensor over all of ``box``
+    (a whole parameter gathered after the step, or the shard itself)."""
+    inside = all(a <= c and d <= b for s in held for (a, b), (c, d) in zip(box, s))
+    return inside and _close(got, expected[_region(box)], rtol)
+
+
 def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
                 rtol: float) -> list[str]:
     """The per-rank contract of verdict/final.py, judged by value: every
@@ -161,19 +169,12 @@ def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
                                     f"the single-device gradient of its shard")
                     break
             if final_version(single, p) > 0:
-                updated = ref_values[last[p]]
-                got = st.last_param.get(p)
-                if got is None or any(not _close(values[got], updated[_region(s)], rtol)
-                                      for s in held):
-                    problems.append(f"rank {rank} does not end with the updated {name} "
-                                    f"of its shard")
-                for state in opt_states.get(p, ()):
-                    updated = ref_values[last[state]]
-                    got = st.last_state.get(state)
-                    if got is None or any(not _close(values[got], updated[_region(s)], rtol)
-                                          for s in held):
+                for tid in (p, *opt_states.get(p, ())):
+                    got = (st.last_param if tid == p else st.last_state).get(tid)
+                    if got is None or not _updated(ref_values[last[tid]], values[got],
+                                                   parallel.tensors[got].slices, held, rtol):
                         problems.append(f"rank {rank} does not end with the updated "
-                                        f"{single.logical[state].name} of its shard")
+                                        f"{single.logical[tid].name} of its shard")
     for p in single.grads:
         if not any(p in st.held for st in states.values()):
             problems.append(f"no rank holds {single.logical[p].name}")
