@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from gen_model.autodiff import derive_training_step
@@ -9,7 +10,7 @@ from gen_model.bugs import inject
 from gen_model.config import ConfigError, ModelConfig, Parallelism, world_spec
 from gen_model.graph import LogicalGraph
 from gen_model.models import ZOO, build
-from gen_model.parallelize import Policy, parallel_plan
+from gen_model.parallelize import Policy, Program, parallel_plan
 from gen_model.single import single_plan
 from gen_model.trace import trace_forward
 from verdict.plan import Plan
@@ -52,20 +53,22 @@ def fold_sizes(par: Parallelism, gbs: int, policy: Policy) -> tuple[Parallelism,
 
 
 def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default",
-              policy: Policy | None = None, fold: bool = False) -> Plan:
+              policy: Policy | None = None, fold: bool = False,
+              edit: Callable[[Program], Program] | None = None) -> Plan:
     """The plan of ``par``; with ``fold``, the folded plan that stands for it
     (shown sizes, real constants, world keys ``fold_dp``, ``fold_nm``,
     ``fold_gbs``)."""
     if fold:
         shown, shown_gbs = fold_sizes(par, gbs, policy or Policy())
-        plan = make_plan_at(cfg, shown, shown_gbs, variant, policy, loss_rows=gbs)
+        plan = make_plan_at(cfg, shown, shown_gbs, variant, policy, loss_rows=gbs, edit=edit)
         plan.world.update(fold_dp=par.dp, fold_nm=par.nm, fold_gbs=gbs)
         return plan
-    return make_plan_at(cfg, par, gbs, variant, policy)
+    return make_plan_at(cfg, par, gbs, variant, policy, edit=edit)
 
 
 def make_plan_at(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
-                 policy: Policy | None, loss_rows: int | None = None) -> Plan:
+                 policy: Policy | None, loss_rows: int | None = None,
+                 edit: Callable[[Program], Program] | None = None) -> Plan:
     graph = logical_graph(cfg, gbs, loss_rows)
     world = world_spec(cfg, par, gbs, variant)
     if par.is_single():
@@ -82,5 +85,5 @@ def make_plan_at(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
         world["virtual_stages"] = policy.virtual_stages
     if policy.zero:
         world.update(zero=policy.zero)
-    plan = parallel_plan(graph, cfg, par, gbs, world, policy)
+    plan = parallel_plan(graph, cfg, par, gbs, world, policy, edit)
     return inject(plan, int(variant[2:])) if variant.startswith("br") else plan  # docs/bugs.md

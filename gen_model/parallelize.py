@@ -18,6 +18,7 @@ docs/parallelism.md explains the rank layout and each strategy.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any
@@ -1070,11 +1071,17 @@ def check_policy(cfg: ModelConfig, par: Parallelism, policy: Policy) -> None:
 
 
 def parallel_plan(g: LogicalGraph, cfg: ModelConfig, par: Parallelism, gbs: int,
-                  world: dict, policy: Policy | None = None) -> Plan:
+                  world: dict, policy: Policy | None = None,
+                  edit: Callable[[Program], Program] | None = None) -> Plan:
+    """The plan of ``par``. ``edit`` changes the sharded program before it is
+    expanded per rank and microbatch (scripts/mutate_fold.py makes every
+    replica and microbatch wrong alike that way)."""
     policy = policy or Policy()
     check_parallelism(cfg, par, gbs)
     check_policy(cfg, par, policy)
     prog = shard(g, cfg, par, policy)
+    if edit is not None:
+        prog = edit(prog)
     return _Emitter(g, prog, par, policy, world).run()
 
 

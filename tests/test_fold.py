@@ -4,6 +4,8 @@ microbatches shown, the others by symmetry."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -213,3 +215,15 @@ def test_command_lines(tmp_path: Path, capsys) -> None:
     bad = save_plan(lie, tmp_path / "lie.pkl")[0]
     assert verify_main(["--sm", str(single), "--pm", str(bad), *common]) == 2
     assert "fold_gbs 64 is not the single-device plan's gbs 32" in capsys.readouterr().err
+
+
+def test_uniform_mutants_judged_at_the_real_size() -> None:
+    """scripts/mutate_fold.py: programs wrong alike on every replica and
+    microbatch, verified folded, judged by the oracle at the real size."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "scripts/mutate_fold.py", "--bases",
+                           "mlp_fold_dp4_pp2_tp2_nm4", "--per-operator", "2"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "0 wrong SUCCESS, 0 fold false alarms, 0 without a verdict" in done.stdout
+    assert " caught" in done.stdout.splitlines()[0]
