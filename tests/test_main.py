@@ -14,6 +14,7 @@ import main
 from backends.planfile import save_plan
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
+from verdict.report import append_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ModelConfig("mlp", layers=2, hidden=8)
@@ -55,6 +56,19 @@ def test_equivalent_plans_exit_0_with_evidence_and_stats(plans, tmp_path, capsys
     assert "stages proved" in out and "final coverage" in out and "lineages verified" in out
     rows = list(csv.DictReader((tmp_path / "stats" / "stats.csv").open()))
     assert rows[-1]["success"] == "True" and rows[-1]["num_dp"] == "2"
+
+
+def test_stats_file_of_an_older_version_gains_the_new_columns(tmp_path):
+    """A stats file without a newer column is rewritten with both sets of
+    columns: old rows keep their values, no row lands under a wrong name."""
+    path = tmp_path / "stats.csv"
+    path.write_text("success,num_dp\nTrue,4\n")
+    append_rows(path, [{"success": False, "num_dp": 2, "fold": "dp8 nm4 gbs32"}])
+    append_rows(path, [{"success": True, "fold": ""}])
+    rows = list(csv.DictReader(path.open()))
+    assert [r["num_dp"] for r in rows] == ["4", "2", ""]
+    assert [r["fold"] for r in rows] == ["", "dp8 nm4 gbs32", ""]
+    assert [r["success"] for r in rows] == ["True", "False", "True"]
 
 
 def test_wrong_plan_exits_1_with_counterexample_and_json(plans, tmp_path, capsys):

@@ -61,12 +61,31 @@ def make_stats(verdict: Verdict, parallel: Plan, t_load: float) -> Stats:
 
 
 def append_rows(path: Path, rows: list[dict]) -> Path:
-    """Append rows to a CSV file, with a header line when the file is new."""
+    """Append rows to a CSV file, with a header line when the file is new.
+
+    A file whose header lacks some of the new columns (written by an older
+    version) is rewritten once with both sets of columns, its rows keeping
+    their values, so that no row lands under another column's name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
+    fields = list(rows[0])
+    header: list[str] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+    if header and not set(fields) <= set(header):
+        with path.open(newline="") as f:
+            old = list(csv.DictReader(f))
+        merged = header + [k for k in fields if k not in header]
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=merged, restval="")
+            writer.writeheader()
+            writer.writerows(old + rows)
+        tmp.replace(path)
+        return path
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
+        writer = csv.DictWriter(f, fieldnames=header or fields, restval="")
+        if not header:
             writer.writeheader()
         writer.writerows(rows)
     return path
