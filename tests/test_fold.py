@@ -78,6 +78,18 @@ def test_folded_verdict_matches_the_unfolded_one(mlp, llama) -> None:
     assert verify(mlp[0], make_plan(MLP, REAL, GBS)).success
 
 
+def test_verify_restricts_the_real_single_device_plan_itself(mlp) -> None:
+    """The Python API given the real single-device plan: restricted inside
+    verify(), the same verdict as main.py's path; a plan whose fold keys do
+    not match the single-device plan is refused there too."""
+    single, folded, _ = mlp
+    assert verify(single, folded).success
+    lied = copy_plan(folded)
+    lied.world["fold_gbs"] = 64
+    with pytest.raises(FoldError):
+        verify(single, lied)
+
+
 def test_constant_of_the_shown_batch_fails(llama) -> None:
     """The unfolded plan of the shown sizes divides by the shown token count:
     labelled as a fold of the real run, it is wrong, and both say so."""

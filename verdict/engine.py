@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from verdict.executor import Executor, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
-from verdict.fold import check_uniform, fold_of
+from verdict.fold import check_uniform, fold_of, fold_pair
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import Plan
 from verdict.problem import Problem, build_problem
@@ -120,7 +120,11 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
     """``executor`` runs the stage proofs (verdict/executor.py); by default
     this process, or a pool of ``workers`` processes. A folded parallel plan
     is compared with the single-device plan restricted to its rows
-    (``verdict.fold.fold_pair``); its uniformity is checked here."""
+    (``verdict.fold.fold_pair``, which main.py calls; done here when the
+    caller passes the real single-device plan, and FoldError when that
+    cannot be done); its uniformity is checked here."""
+    if parallel.is_folded() and single.world.get("gbs") != parallel.world.get("gbs"):
+        single, _ = fold_pair(single, parallel)
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers)
     times: dict[str, float] = {}
