@@ -71,6 +71,17 @@ def test_stats_file_of_an_older_version_gains_the_new_columns(tmp_path):
     assert [r["success"] for r in rows] == ["True", "False", "True"]
 
 
+def test_stats_file_with_rows_longer_than_its_header_keeps_them(tmp_path):
+    """Rows an older version appended under a shorter header: their extra
+    values are kept in one column, nothing is lost or fails."""
+    path = tmp_path / "stats.csv"
+    path.write_text("success,num_dp\nTrue,4\nFalse,2,dp8 nm4\n")
+    append_rows(path, [{"success": True, "num_dp": 1, "fold": ""}])
+    rows = list(csv.DictReader(path.open()))
+    assert [r["unlabelled"] for r in rows] == ["", "dp8 nm4", ""]
+    assert [r["num_dp"] for r in rows] == ["4", "2", "1"]
+
+
 def test_wrong_plan_exits_1_with_counterexample_and_json(plans, tmp_path, capsys):
     report = tmp_path / "r.json"
     code, out, _ = run(["--sm", str(plans["single"]), "--pm", str(plans["wrong"]),

@@ -60,6 +60,11 @@ def make_stats(verdict: Verdict, parallel: Plan, t_load: float) -> Stats:
     )
 
 
+#: Column for the values an old file held past its header (rows appended
+#: under a shorter header by an older version).
+UNLABELLED = "unlabelled"
+
+
 def append_rows(path: Path, rows: list[dict]) -> Path:
     """Append rows to a CSV file, with a header line when the file is new.
 
@@ -74,8 +79,13 @@ def append_rows(path: Path, rows: list[dict]) -> Path:
             header = next(csv.reader(f), [])
     if header and not set(fields) <= set(header):
         with path.open(newline="") as f:
-            old = list(csv.DictReader(f))
+            old = list(csv.DictReader(f, restkey=UNLABELLED))
+        for row in old:  # values past the header, from rows appended under it before
+            if UNLABELLED in row:
+                row[UNLABELLED] = ";".join(row[UNLABELLED])
         merged = header + [k for k in fields if k not in header]
+        if any(UNLABELLED in row for row in old):
+            merged.append(UNLABELLED)
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=merged, restval="")
