@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import cache
 from pathlib import Path
 
 from backends.planfile import save_plan
@@ -10,10 +11,19 @@ from gen_model import mutations
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.oracle import judge
+from gen_model.parallelize import Policy
 from verdict.engine import verify
 from verdict.plan import Plan
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)
+
+
+@cache
+def plan_pair(cfg: ModelConfig, par: Parallelism, gbs: int,
+              policy: Policy = Policy()) -> tuple[Plan, Plan]:  # noqa: B008 (frozen)
+    """The single-device plan and the plan of ``par``, made once per test run
+    (callers must not change them)."""
+    return make_plan(cfg, Parallelism(), gbs), make_plan(cfg, par, gbs, policy=policy)
 
 
 def mlp_plan_files(folder: Path, parallel: Parallelism) -> dict[str, Path]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from helpers import caught
+from helpers import caught, plan_pair
 
 from gen_model import mutations
 from gen_model.config import ConfigError, ModelConfig, Parallelism
@@ -28,15 +28,10 @@ LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, 
                     seqlen=8)
 GBS = 4
 PLAIN = Policy()
-_CACHE: dict = {}
 
 
 def plans(par: Parallelism, policy: Policy = PLAIN) -> tuple[Plan, Plan]:
-    key = (par, policy)
-    if key not in _CACHE:
-        _CACHE[key] = (make_plan(LLAMA, Parallelism(), GBS),
-                       make_plan(LLAMA, par, GBS, policy=policy))
-    return _CACHE[key]
+    return plan_pair(LLAMA, par, GBS, policy)
 
 
 @pytest.mark.parametrize(("par", "policy"), [

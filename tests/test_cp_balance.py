@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from helpers import caught
+from helpers import caught, plan_pair
 
 from backends.planfile import load_world
 from gen_model import mutations
@@ -35,15 +35,10 @@ LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, 
                     seqlen=8)
 GBS = 4
 BALANCED = Policy(cp_balance=True)
-_CACHE: dict = {}
 
 
 def plans(par: Parallelism, policy: Policy = BALANCED) -> tuple[Plan, Plan]:
-    key = (par, policy)
-    if key not in _CACHE:
-        _CACHE[key] = (make_plan(LLAMA, Parallelism(), GBS),
-                       make_plan(LLAMA, par, GBS, policy=policy))
-    return _CACHE[key]
+    return plan_pair(LLAMA, par, GBS, policy)
 
 
 @pytest.mark.parametrize(("par", "policy"), [

@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+from helpers import plan_pair
 
 from gen_model import mutations
 from gen_model.__main__ import main as gen_main
@@ -25,15 +26,10 @@ LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, 
                     seqlen=4)
 SP = Policy(sequence_parallel=True)
 GBS = 8
-_CACHE: dict = {}
 
 
 def plans(par: Parallelism, policy: Policy = SP) -> tuple[Plan, Plan]:
-    key = (par, policy)
-    if key not in _CACHE:
-        _CACHE[key] = (make_plan(LLAMA, Parallelism(), GBS), make_plan(LLAMA, par, GBS,
-                                                                      policy=policy))
-    return _CACHE[key]
+    return plan_pair(LLAMA, par, GBS, policy)
 
 
 @pytest.mark.parametrize(("par", "policy"), [

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import plan_pair
 
 from gen_model import mutations
 from gen_model.config import ModelConfig, Parallelism
-from gen_model.generate import make_plan
 from gen_model.oracle import judge
 from verdict.differential import compare
 from verdict.engine import verify
@@ -29,14 +29,10 @@ MLP = ModelConfig("mlp", layers=2, hidden=8)
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
                     seqlen=4)
 BASE = Parallelism(dp=2, tp=2, pp=2, nm=2)
-_CACHE: dict = {}
 
 
 def plans(cfg: ModelConfig, par: Parallelism = BASE, gbs: int = 8) -> tuple[Plan, Plan]:
-    key = (cfg, par, gbs)
-    if key not in _CACHE:
-        _CACHE[key] = (make_plan(cfg, Parallelism(), gbs), make_plan(cfg, par, gbs))
-    return _CACHE[key]
+    return plan_pair(cfg, par, gbs)
 
 
 def wrong(single: Plan, plan: Plan):

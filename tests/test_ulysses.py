@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from helpers import caught
+from helpers import caught, plan_pair
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
@@ -21,14 +21,10 @@ LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, 
                     seqlen=8)
 ULYSSES = Policy(ulysses=True)
 GBS = 4
-_CACHE: dict = {}
 
 
 def plans(par: Parallelism) -> tuple[Plan, Plan]:
-    if par not in _CACHE:
-        _CACHE[par] = (make_plan(LLAMA, Parallelism(), GBS),
-                       make_plan(LLAMA, par, GBS, policy=ULYSSES))
-    return _CACHE[par]
+    return plan_pair(LLAMA, par, GBS, ULYSSES)
 
 
 @pytest.mark.parametrize("par", [Parallelism(cp=4), Parallelism(cp=2, dp=2, pp=2, nm=2)],
