@@ -16,6 +16,7 @@ from backends.planfile import PlanError, save_plan
 from gen_model.config import MODELS, ConfigError, ModelConfig, Parallelism, check_run, plan_stem
 from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
+from harness.bugs import inject
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "mgeners"
 
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                         cp_balance=args.cp_balance,
                         virtual_stages=args.vpp, zero=args.zero)
         plan = make_plan(cfg, par, args.gbs, args.variant, policy, fold=args.fold)
+        if args.variant.startswith("br") and not par.is_single():  # docs/bugs.md
+            plan = inject(plan, int(args.variant[2:]))
         stem = plan_stem(cfg, par, args.gbs, args.variant) + (
             "_sp" if args.sequence_parallel else "") + ("_ulysses" if args.ulysses else "") + (
                 "_cpbal" if args.cp_balance else "") + (

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from gen_model.autodiff import derive_training_step
-from gen_model.bugs import inject
 from gen_model.config import ConfigError, ModelConfig, Parallelism, world_spec
 from gen_model.graph import LogicalGraph
 from gen_model.models import ZOO, build
@@ -85,5 +84,4 @@ def make_plan_at(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
         world["virtual_stages"] = policy.virtual_stages
     if policy.zero:
         world.update(zero=policy.zero)
-    plan = parallel_plan(graph, cfg, par, gbs, world, policy, edit)
-    return inject(plan, int(variant[2:])) if variant.startswith("br") else plan  # docs/bugs.md
+    return parallel_plan(graph, cfg, par, gbs, world, policy, edit)

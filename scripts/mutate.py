@@ -4,8 +4,8 @@
         [--bases NAME,...] [--operators NAME,...] [--csv FILE]
 
 Each base plan (small mlp, llama3 and moe plans) is mutated by every
-operator of gen_model/mutations.py, N times with different targets. Each
-mutant is judged by the oracle (gen_model/oracle.py: run in float64, compare
+operator of harness/mutations.py, N times with different targets. Each
+mutant is judged by the oracle (harness/oracle.py: run in float64, compare
 what every rank ends with; no claim of a computed tensor is trusted) and by
 the verifier (in process, with one memo shared by all mutants: a memo entry
 is a proved canonical problem, so sharing it is sound). The table counts,
@@ -35,14 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backends.planfile import PlanError, validate  # noqa: E402
 from gen_model.config import ModelConfig, Parallelism  # noqa: E402
 from gen_model.generate import fold_sizes, make_plan, make_plan_at  # noqa: E402
-from gen_model.mutations import (  # noqa: E402
+from gen_model.parallelize import Policy  # noqa: E402
+from harness.mutations import (  # noqa: E402
     FOLD_MUTATIONS,
     FOLD_REWRITES,
     MUTATIONS,
     REWRITES,
 )
-from gen_model.oracle import judge, judge_folded  # noqa: E402
-from gen_model.parallelize import Policy  # noqa: E402
+from harness.oracle import judge, judge_folded  # noqa: E402
 from verdict.engine import verify  # noqa: E402
 from verdict.fold import FoldError, fold_pair  # noqa: E402
 from verdict.plan import Plan  # noqa: E402
@@ -84,7 +84,7 @@ BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
 }
 #: Folded bases (docs/soundness.md, "Folded plans"): 2 of 4 replicas and 2 of
 #: 4 microbatches shown, 2 rows per block; name -> (model, real parallelism,
-#: policy). Their mutants are judged by gen_model.oracle.judge_folded.
+#: policy). Their mutants are judged by harness.oracle.judge_folded.
 FOLD_GBS = 32
 FOLD_BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "mlp_fold_dp4_pp2_tp2_nm4": (MLP, Parallelism(dp=4, tp=2, pp=2, nm=4), Policy()),

@@ -12,7 +12,7 @@ pipeline stage, `gen_model.parallelize.shard`, before it is expanded per rank
 and microbatch); the changed program is emitted twice, folded (2 replicas and
 2 microbatches, the real constants) and at the real sizes with every rank.
 The folded plan is verified; the real plan is judged by the oracle
-(`gen_model.oracle.judge`, float64, no claim trusted) against the real
+(`harness.oracle.judge`, float64, no claim trusted) against the real
 single-device plan, and verified too, for comparison.
 
 A SUCCESS on the folded plan of a program whose real-size plan the oracle
@@ -39,9 +39,9 @@ from mutate import FOLD_BASES, FOLD_GBS, run_one  # noqa: E402
 
 from gen_model.config import ConfigError, Parallelism  # noqa: E402
 from gen_model.generate import logical_graph, make_plan  # noqa: E402
-from gen_model.mutations import CONSTANTS  # noqa: E402
-from gen_model.oracle import judge  # noqa: E402
 from gen_model.parallelize import Program  # noqa: E402
+from harness.mutations import CONSTANTS  # noqa: E402
+from harness.oracle import judge  # noqa: E402
 from verdict.plan import Plan  # noqa: E402
 
 #: Collectives of the sharded program an operator may drop or move.

@@ -2,9 +2,9 @@
 
     .venv/bin/python scripts/mutate_torch.py --sm S.pkl --pm P.pkl [--per-operator N]
 
-applies every operator of gen_model/mutations.py (and every rewrite) to a
+applies every operator of harness/mutations.py (and every rewrite) to a
 parallel plan written by ``python -m backends.torch``, judges each mutant
-with the oracle (gen_model/oracle.py: runs it in float64 and trusts no
+with the oracle (harness/oracle.py: runs it in float64 and trusts no
 claim of a computed tensor) and verifies it, exactly as scripts/mutate.py
 does for the generator's plans. Exit 1 on any wrong SUCCESS, false alarm or
 run without a verdict.

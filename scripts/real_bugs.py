@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/real_bugs.py [--out DIR] [--logs DIR] [KEY ...]
 
-For each bug of gen_model/real_bugs.py and gen_model/seq_bugs.py (all, or
+For each bug of harness/real_bugs.py and harness/seq_bugs.py (all, or
 the KEYs given): writes the
 single-device plan, the clean base plan and the injected plan under DIR,
 runs `main.py` on the clean pair (must exit 0) and on the injected one
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.planfile import save_plan  # noqa: E402
-from gen_model.real_bugs import BUGS as FRAMEWORK_BUGS  # noqa: E402
-from gen_model.seq_bugs import SEQ_BUGS  # noqa: E402
+from harness.real_bugs import BUGS as FRAMEWORK_BUGS  # noqa: E402
+from harness.seq_bugs import SEQ_BUGS  # noqa: E402
 
 BUGS = {**FRAMEWORK_BUGS, **SEQ_BUGS}
 

@@ -7,11 +7,11 @@ from functools import cache
 from pathlib import Path
 
 from backends.planfile import save_plan
-from gen_model import mutations
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
-from gen_model.oracle import judge
 from gen_model.parallelize import Policy
+from harness import mutations
+from harness.oracle import judge
 from verdict.engine import verify
 from verdict.plan import Plan
 

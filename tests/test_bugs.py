@@ -1,4 +1,4 @@
-"""Bug reproduction (gen_model.bugs, docs/bugs.md): every bug plan is a valid
+"""Bug reproduction (harness.bugs, docs/bugs.md): every bug plan is a valid
 plan file, and the verifier rejects each with the diagnosis its kind calls
 for, pointing at the mutated operator and ranks. The correct plan passes.
 
@@ -11,10 +11,10 @@ import pytest
 
 import main
 from backends.planfile import load_plan, save_plan
-from gen_model import bugs
 from gen_model.__main__ import main as gen_main
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
+from harness import bugs
 from verdict.engine import Verdict, verify
 from verdict.plan import Plan
 

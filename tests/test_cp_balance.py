@@ -15,12 +15,12 @@ import pytest
 from helpers import caught, plan_pair
 
 from backends.planfile import load_world
-from gen_model import mutations
 from gen_model.__main__ import main
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
-from gen_model.oracle import judge
 from gen_model.parallelize import Policy
+from harness import mutations
+from harness.oracle import judge
 from verdict.differential import compare
 from verdict.engine import verify
 from verdict.final import rank_states

@@ -15,9 +15,9 @@ from backends.planfile import PlanError, load_plan, save_plan, validate
 from gen_model.__main__ import main as gen_main
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan, make_plan_at
-from gen_model.mutations import FOLD_MUTATIONS, MUTATIONS, _add_tensor, copy_plan
-from gen_model.oracle import judge, judge_folded
 from gen_model.parallelize import Policy
+from harness.mutations import FOLD_MUTATIONS, MUTATIONS, _add_tensor, copy_plan
+from harness.oracle import judge, judge_folded
 from main import main as verify_main
 from verdict.engine import verify
 from verdict.fold import FoldError, batch_dims, fold_pair

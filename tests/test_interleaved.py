@@ -7,8 +7,8 @@ import pytest
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import logical_graph, make_plan
-from gen_model.oracle import judge
 from gen_model.parallelize import Policy, _Emitter, shard
+from harness.oracle import judge
 from verdict.differential import compare
 from verdict.engine import verify
 

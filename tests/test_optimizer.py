@@ -11,9 +11,9 @@ import torch
 from gen_model.autodiff import OPTIMIZER_KWARGS
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
-from gen_model.mutations import copy_plan, drop_orphans
-from gen_model.oracle import judge
 from gen_model.parallelize import Policy
+from harness.mutations import copy_plan, drop_orphans
+from harness.oracle import judge
 from verdict.differential import compare
 from verdict.engine import verify
 from verdict.numeric import NumericXP

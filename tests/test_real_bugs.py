@@ -1,4 +1,4 @@
-"""Bugs that shipped (gen_model/real_bugs.py, gen_model/seq_bugs.py,
+"""Bugs that shipped (harness/real_bugs.py, harness/seq_bugs.py,
 docs/real-bugs.md): each clean base verifies; each injected plan is a plan
 file a parallelizer could write, wrong by the oracle, and fails at the stage
 of the operator the bug touches, on the ranks it touches."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from backends.planfile import validate
-from gen_model.oracle import judge
-from gen_model.real_bugs import BUGS
-from gen_model.seq_bugs import SEQ_BUGS
+from harness.oracle import judge
+from harness.real_bugs import BUGS
+from harness.seq_bugs import SEQ_BUGS
 from verdict.engine import verify
 from verdict.report import failure
 

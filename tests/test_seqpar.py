@@ -11,12 +11,12 @@ from dataclasses import replace
 import pytest
 from helpers import plan_pair
 
-from gen_model import mutations
 from gen_model.__main__ import main as gen_main
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
-from gen_model.oracle import judge
 from gen_model.parallelize import Policy
+from harness import mutations
+from harness.oracle import judge
 from verdict.differential import compare
 from verdict.engine import verify
 from verdict.plan import Plan, pair_problem

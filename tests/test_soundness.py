@@ -2,7 +2,7 @@
 reduction that hid confused dims, a rank ending with another shard's
 gradient or with none, a loss left partial across tensor-parallel ranks;
 and the numeric check's own holes. Every wrong plan here is also judged
-wrong by the oracle (gen_model/oracle.py), which trusts no claim of a
+wrong by the oracle (harness/oracle.py), which trusts no claim of a
 computed tensor."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from helpers import plan_pair
 
-from gen_model import mutations
 from gen_model.config import ModelConfig, Parallelism
-from gen_model.oracle import judge
+from harness import mutations
+from harness.oracle import judge
 from verdict.differential import compare
 from verdict.engine import verify
 from verdict.final import loss_groups, rank_states

@@ -19,8 +19,8 @@ from backends.torch.build import _Builder
 from backends.torch.lower import LoweringError, lower_trace
 from backends.torch.models import llama
 from backends.torch.rank import run
-from gen_model.mutations import MUTATIONS, REWRITES
-from gen_model.oracle import judge
+from harness.mutations import MUTATIONS, REWRITES
+from harness.oracle import judge
 from verdict.engine import verify
 from verdict.numeric import execute
 

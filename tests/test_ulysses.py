@@ -11,8 +11,8 @@ from helpers import caught, plan_pair
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
-from gen_model.oracle import judge
 from gen_model.parallelize import Policy
+from harness.oracle import judge
 from verdict.differential import compare
 from verdict.engine import verify
 from verdict.plan import Plan, pair_problem

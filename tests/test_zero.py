@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from gen_model import mutations
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
-from gen_model.oracle import judge
 from gen_model.parallelize import Policy
+from harness import mutations
+from harness.oracle import judge
 from verdict.differential import compare
 from verdict.engine import verify
 from verdict.final import rank_states

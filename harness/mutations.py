@@ -12,7 +12,7 @@ none, a loss left partial, a node deleted, a group listed in another order,
 a chunk index changed, a world layout that calls tensor-parallel peers
 replicas. New tensors claim the view the
 tensor they stand for claims, as a parallelizer would write it; whether the
-mutant is wrong is for an oracle to say (gen_model/oracle.py), not for the
+mutant is wrong is for an oracle to say (harness/oracle.py), not for the
 claims. A rewrite changes the plan without changing what any rank computes.
 
 Each operator picks its target with ``rng`` among the places it applies to
@@ -25,9 +25,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from gen_model.bugs import scatter_gather
 from gen_model.config import ConfigError
 from gen_model.parallelize import number_versions
+from harness.bugs import scatter_gather
 from verdict.ops import get_op
 from verdict.plan import INPUT_KINDS, Node, Plan
 

@@ -6,16 +6,16 @@ plans that otherwise verify.
 ``inject(plan)`` edits a copy of the clean plan in place so that it does
 what the framework did: node names, views and kwargs are those a
 parallelizer writes, nothing names the bug. Entries are records of the
-real-bug registry (gen_model/real_bugs.py, docs/real-bugs.md);
+real-bug registry (harness/real_bugs.py, docs/real-bugs.md);
 scripts/real_bugs.py runs both.
 """
 
 from __future__ import annotations
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
-from gen_model.mutations import drop_orphans
 from gen_model.parallelize import Policy, number_versions
-from gen_model.real_bugs import RealBug, loss_div, scale_outputs, sites
+from harness.mutations import drop_orphans
+from harness.real_bugs import RealBug, loss_div, scale_outputs, sites
 from verdict.plan import Node, Plan
 
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
