@@ -25,6 +25,7 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome, solve
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
+from verdict.symmetry import Refusal, eligible, find_symmetry
 
 
 @dataclass
@@ -50,6 +51,17 @@ class Verdict:
     unique: int = 0
     memo_hits: int = 0
     fold: str = ""  # a folded plan: what was shown of the real sizes
+    #: a materialized plan: which blocks were checked and proved, or why it
+    #: was verified in full (verdict/symmetry.py)
+    symmetry: str = ""
+    #: the blocks of the plan: (checked against the representatives, proved,
+    #: assumed); (0, 0, 0) when every node was proved
+    blocks: tuple[int, int, int] = (0, 0, 0)
+    #: the pair the stages and lineages index (the representatives of a
+    #: materialized plan), when it is not the pair given
+    pair: tuple[Plan, Plan] | None = None
+    #: the representatives' ranks in the plan ("folded->plan, ...")
+    ranks: str = ""
 
 
 def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[int],
@@ -122,9 +134,56 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
     is compared with the single-device plan restricted to its rows
     (``verdict.fold.fold_pair``, which main.py calls; done here when the
     caller passes the real single-device plan, and FoldError when that
-    cannot be done); its uniformity is checked here."""
-    if parallel.is_folded() and single.world.get("gbs") != parallel.world.get("gbs"):
-        single, _ = fold_pair(single, parallel)
+    cannot be done); its uniformity is checked here. A materialized plan
+    whose blocks are uniform is proved by its representatives
+    (verdict/symmetry.py); any other is verified in full."""
+    options = dict(seed=seed, workers=workers, keep_going=keep_going, memo=memo,
+                   progress=progress, executor=executor)
+    if parallel.is_folded():
+        if single.world.get("gbs") != parallel.world.get("gbs"):
+            single, _ = fold_pair(single, parallel)
+        verdict = verify_pair(single, parallel, **options)
+        w = parallel.world
+        shown = w["dp"] * w["nm"]
+        verdict.blocks = (0, shown, w["fold_dp"] * w["fold_nm"] - shown)
+        return verdict
+    if eligible(parallel) is not None:
+        return verify_pair(single, parallel, **options)
+    t0 = time.perf_counter()
+    try:
+        check_structure(single, "the single-device plan")
+        check_layout(parallel)
+    except StructureError as e:
+        return Verdict(False, e.kind, str(e), times={"t_graph": time.perf_counter() - t0,
+                                                     "t_total": time.perf_counter() - t0})
+    found = find_symmetry(single, parallel)
+    t_symmetry = time.perf_counter() - t0
+    if isinstance(found, Refusal):
+        verdict = verify_pair(single, parallel, **options)
+        verdict.symmetry = (f"the blocks differ: {found.why}; every node was verified"
+                            if found.difference else
+                            f"verified in full, not by symmetry: {found.why}")
+    else:
+        verdict = verify_pair(found.single, found.folded, **options)
+        if verdict.kind == "fold":  # cannot happen after the check; never a FAIL by itself
+            verdict = verify_pair(single, parallel, **options)
+            verdict.symmetry = "verified in full: the representatives were not uniform"
+            return verdict
+        verdict.symmetry = found.describe()
+        verdict.blocks = (found.blocks, found.folded.world["dp"] * found.folded.world["nm"], 0)
+        verdict.pair = (found.single, found.folded)
+        verdict.ranks = found.ranks()
+    verdict.times["t_symmetry"] = t_symmetry
+    verdict.times["t_graph"] = verdict.times.get("t_graph", 0.0) + t_symmetry
+    verdict.times["t_total"] = verdict.times.get("t_total", 0.0) + t_symmetry
+    return verdict
+
+
+def verify_pair(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
+                keep_going: bool = False, memo: dict[str, Outcome] | None = None,
+                progress: bool = False, executor: Executor | None = None) -> Verdict:
+    """The pipeline on one pair as given (a folded plan: ``single`` already
+    restricted to its rows)."""
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers)
     times: dict[str, float] = {}
