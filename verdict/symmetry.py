@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, _Uniformity, batch_dims, restrict
+import numpy as np
+
+from verdict.blocks import BlockCheck, label
+from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
 from verdict.plan import FOLD_KEYS, Plan, Slices, Tensor
@@ -84,7 +87,7 @@ def find_symmetry(single: Plan, parallel: Plan) -> Symmetry | Refusal:
         return Refusal(f"gbs {gbs} does not split into dp {dp} x nm {nm} blocks")
     whole = Fold(dp, nm, gbs, dp, nm, gbs)
     try:
-        check = _Blocks(single, parallel, whole)
+        check = BlockCheck(single, parallel, whole)
         check.run()
     except FoldError as e:
         return Refusal(str(e))
@@ -100,38 +103,23 @@ def find_symmetry(single: Plan, parallel: Plan) -> Symmetry | Refusal:
     return Symmetry(restricted, folded, dp * nm, rank_of)
 
 
-class _Blocks(_Uniformity):
-    """The fold's uniformity rules over every replica and microbatch of a
-    materialized plan; a difference names its replica and microbatch."""
-
-    def fail(self, i: int, j: int | None, why: str) -> None:
-        node = self.p.nodes[i]
-        _, d = self.mesh.split(node.rank)
-        where = f"replica {d}" + (f", microbatch {node.mb}" if node.mb >= 0 else
-                                  " (outside microbatches)")
-        ref = ""
-        if j is not None:
-            ref = f", against the representative's {_label(self.p, j)}"
-        raise StructureError("symmetry", f"{where}: {_label(self.p, i)}{ref}: {why}")
-
-
-def _label(plan: Plan, i: int) -> str:
-    n = plan.nodes[i]
-    return f"node {i} (rank {n.rank}, mb {n.mb}, {n.op} {n.dir} '{n.name}')"
-
-
 class _Cut:
     """The representatives of a checked plan as a folded plan: the ranks of
     the shown replicas renumbered to a mesh of ``fold.dp`` replicas, their
     shown microbatches and step programs, glue cut to the shown chain ends,
     batch rows and block parts moved to the shown blocks."""
 
-    def __init__(self, parallel: Plan, check: _Blocks, fold: Fold):
+    def __init__(self, parallel: Plan, check: BlockCheck, fold: Fold):
         self.p, self.check, self.fold = parallel, check, fold
         w = parallel.world
         self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
         self.batch = check.batch
         self.rows = check.rows
+        cols = check.cols
+        n_shown = (check.n_d < fold.dp) & (cols.n_mb < fold.nm)
+        #: the nodes and tensors of the representatives, in plan order
+        self.nodes = np.flatnonzero(n_shown)
+        self.tensors = np.flatnonzero((check.t_d < fold.dp) & (cols.t_mb < fold.nm))
         self.starts = self.block_starts()
         self.slots = self.block_slots()
 
@@ -141,9 +129,6 @@ class _Cut:
         if d >= self.fold.dp:
             return None
         return ((stage * self.fold.dp + d) * self.cp + c) * self.tp + t
-
-    def shown(self, rank: int, mb: int) -> bool:
-        return self.check.mesh.split(rank)[1] < self.fold.dp and mb < self.fold.nm
 
     def block_starts(self) -> dict[tuple[int, int], int]:
         """(replica, microbatch) -> its first batch row in the plan, the same
@@ -173,8 +158,9 @@ class _Cut:
         so a slot read wrongly costs a proof, never soundness."""
         k = self.fold.real_dp * self.fold.real_nm
         slot: dict[tuple[int, int], int] = {}
-        for node in self.p.nodes:
-            if node.mb < 0 or node.op == ACCUMULATE or not self.shown(node.rank, node.mb):
+        for i in self.nodes:
+            node = self.p.nodes[i]
+            if node.mb < 0 or node.op == ACCUMULATE:
                 continue
             block = (self.check.mesh.split(node.rank)[1], node.mb)
             for o in node.outputs:
@@ -227,8 +213,9 @@ class _Cut:
         """A chain's end in the plan -> its end after the last shown microbatch."""
         last = self.fold.nm - 1
         ends = {}
-        for node in self.p.nodes:
-            if node.op == ACCUMULATE and node.mb == last and self.shown(node.rank, node.mb):
+        for i in self.nodes:
+            node = self.p.nodes[i]
+            if node.op == ACCUMULATE and node.mb == last:
                 key = (node.rank, self.p.tensors[node.outputs[0]].tid)
                 ends[self.check.chain_end[key]] = node.outputs[0]
         return ends
@@ -236,8 +223,7 @@ class _Cut:
     def plan(self) -> tuple[Plan, dict[int, int]]:
         p, fold = self.p, self.fold
         ends = self.chain_ends()
-        keep = [i for i, t in enumerate(p.tensors)
-                if self.new_rank(t.rank) is not None and (t.mb < 0 or t.mb < fold.nm)]
+        keep = self.tensors.tolist()
         index = {t: k for k, t in enumerate(keep)}
         start = self.new_start()
         tensors = []
@@ -249,10 +235,9 @@ class _Cut:
             tensors.append(x._replace(rank=rank, slices=self.slices(x, start),
                                       parts=self.parts(x)))
         nodes = []
-        for i, node in enumerate(p.nodes):
+        for i in self.nodes.tolist():
+            node = p.nodes[i]
             rank = self.new_rank(node.rank)
-            if rank is None or node.mb >= fold.nm:
-                continue
             ins = [ends.get(t, t) for t in node.inputs]
             kwargs = dict(node.kwargs)
             if get_op(node.op).group and node.mb < 0 and any(
@@ -265,7 +250,7 @@ class _Cut:
             missing = [t for t in ins if t >= 0 and t not in index]
             if missing:
                 x = p.tensors[missing[0]]
-                raise FoldError(f"{_label(p, i)} reads {p.logical[x.tid].name} of rank {x.rank}, "
+                raise FoldError(f"{label(p, i)} reads {p.logical[x.tid].name} of rank {x.rank}, "
                                 f"microbatch {x.mb}, which the representatives do not hold")
             nodes.append(node._replace(
                 rank=rank, inputs=tuple(index[t] if t >= 0 else -1 for t in ins),
