@@ -110,10 +110,12 @@ def run_verify(args: argparse.Namespace) -> int:
     for r in verdict.results:
         log.debug("stage %d (%s): %s in %.3fs%s", r.stage.id, r.key[:8], r.outcome.status,
                   r.outcome.seconds, " (memo)" if r.memo else "")
+    stats = make_stats(verdict, parallel, t_load)
+    if verdict.pair:  # a materialized plan proved by its representatives
+        single, parallel = verdict.pair
     dump(args, single, parallel, verdict)
     if verdict.kind == "internal":
         raise NoVerdict(verdict.message)
-    stats = make_stats(verdict, parallel, t_load)
     if verdict.success:
         for line in evidence(verdict, single):
             print(line)

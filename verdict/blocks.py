@@ -26,6 +26,7 @@ representative's node it differs from.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -61,39 +62,39 @@ class Columns:
 
 
 def _intern(values, table: dict) -> np.ndarray:
-    return np.fromiter((table.setdefault(v, len(table)) for v in values), dtype=np.int64,
+    """Each value's index in ``table`` (new values appended)."""
+    return np.fromiter(map(lambda v: table.setdefault(v, len(table)), values), dtype=np.int64,
                        count=len(values))
 
 
 def columns(plan: Plan) -> Columns:
-    """The plan's columns (one pass over its nodes and tensors)."""
-    tensors, nodes = plan.tensors, plan.nodes
-    nt, nn = len(tensors), len(nodes)
+    """The plan's columns (one transposition of its nodes and tensors)."""
+    nt, nn = len(plan.tensors), len(plan.nodes)
+    t_rank, t_mb, t_tid, t_version, t_shape, t_lver, _, _ = (
+        zip(*plan.tensors) if nt else ((),) * 8)
+    n_rank, n_mb, n_op, n_dir, n_ins, n_outs, _, _ = zip(*plan.nodes) if nn else ((),) * 8
 
-    def col(values, n: int) -> np.ndarray:
-        return np.fromiter(values, dtype=np.int64, count=n)
+    def col(values) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
 
     ops: dict[str, int] = {}
     tuples: dict[tuple, int] = {}
-    n_ins = _intern([n.inputs for n in nodes], tuples)
-    n_outs = _intern([n.outputs for n in nodes], tuples)
-    lengths = col((len(t) for t in tuples), len(tuples))
+    ins = _intern(n_ins, tuples)
+    outs = _intern(n_outs, tuples)
+    lengths = np.array([len(t) for t in tuples], dtype=np.int64)
     ptr = np.zeros(len(tuples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=ptr[1:])
-    flat = col((t for tup in tuples for t in tup), int(ptr[-1]))
+    flat = np.fromiter(itertools.chain.from_iterable(tuples), dtype=np.int64, count=int(ptr[-1]))
     producer = np.full(nt, -1, dtype=np.int64)
-    owner = np.repeat(np.arange(nn), lengths[n_outs]) if nn else np.zeros(0, dtype=np.int64)
-    written = flat[_spans(ptr, n_outs)] if nn else flat[:0]
+    owner = np.repeat(np.arange(nn), lengths[outs])
+    written = flat[_spans(ptr, outs)]
     keep = written >= 0
     producer[written[keep]] = owner[keep]
     return Columns(
-        t_rank=col((t.rank for t in tensors), nt), t_mb=col((t.mb for t in tensors), nt),
-        t_tid=col((t.tid for t in tensors), nt), t_version=col((t.version for t in tensors), nt),
-        t_lver=col((t.lver for t in tensors), nt), t_shape=_intern([t.shape for t in tensors], {}),
-        t_producer=producer, n_rank=col((n.rank for n in nodes), nn),
-        n_mb=col((n.mb for n in nodes), nn), n_op=_intern([n.op for n in nodes], ops),
-        n_dir=_intern([n.dir for n in nodes], {}), n_ins=n_ins, n_outs=n_outs, ptr=ptr,
-        flat=flat, ops=list(ops))
+        t_rank=col(t_rank), t_mb=col(t_mb), t_tid=col(t_tid), t_version=col(t_version),
+        t_lver=col(t_lver), t_shape=_intern(t_shape, {}), t_producer=producer,
+        n_rank=col(n_rank), n_mb=col(n_mb), n_op=_intern(n_op, ops), n_dir=_intern(n_dir, {}),
+        n_ins=ins, n_outs=outs, ptr=ptr, flat=flat, ops=list(ops))
 
 
 def _spans(ptr: np.ndarray, groups: np.ndarray) -> np.ndarray:

@@ -170,6 +170,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
             verdict.symmetry = "verified in full: the representatives were not uniform"
             return verdict
         verdict.symmetry = found.describe()
+        verdict.fold = ""  # nothing assumed: every block was checked
         verdict.blocks = (found.blocks, found.folded.world["dp"] * found.folded.world["nm"], 0)
         verdict.pair = (found.single, found.folded)
         verdict.ranks = found.ranks()

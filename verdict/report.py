@@ -37,6 +37,10 @@ class Stats:
     t_total: float
     #: a folded plan's real sizes ("dp512 nm32 gbs512"; docs/soundness.md), else ""
     fold: str = ""
+    #: blocks (replica x microbatch) of the plan: how many were checked
+    #: against the representatives, proved, and assumed (a folded file's
+    #: unshown blocks); "" when every node was proved
+    blocks: str = ""
 
     def line(self) -> str:
         body = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v!r}"
@@ -57,7 +61,15 @@ def make_stats(verdict: Verdict, parallel: Plan, t_load: float) -> Stats:
         t_total=t.get("t_total", 0.0) + t_load,
         fold=(f"dp{w['fold_dp']} nm{w['fold_nm']} gbs{w['fold_gbs']}"
               if parallel.is_folded() else ""),
+        blocks=blocks_label(verdict),
     )
+
+
+def blocks_label(verdict: Verdict) -> str:
+    checked, proved, assumed = verdict.blocks
+    if not proved:
+        return ""
+    return f"{checked} checked, {proved} proved, {assumed} assumed"
 
 
 #: Column for the values an old file held past its header (rows appended
@@ -146,13 +158,24 @@ def evidence(verdict: Verdict, single: Plan) -> list[str]:
     ]
     if verdict.fold:
         lines.append(f"folded plan: {verdict.fold}")
+    lines += symmetry_lines(verdict)
+    return lines
+
+
+def symmetry_lines(verdict: Verdict) -> list[str]:
+    """Which blocks were checked, proved or assumed (docs/soundness.md)."""
+    lines = []
+    if verdict.symmetry:
+        lines.append(f"symmetry: {verdict.symmetry}")
+    if verdict.ranks:
+        lines.append(f"representatives' ranks (proved plan -> plan): {verdict.ranks}")
     return lines
 
 
 def failure(verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
     if verdict.kind != "stage":
-        return [f"❌ ERROR: {verdict.message}"]
-    lines = []
+        return [*symmetry_lines(verdict), f"❌ ERROR: {verdict.message}"]
+    lines = symmetry_lines(verdict)
     for r in verdict.failed:
         lines += stage_failure(r, verdict, single, parallel)
     return lines
