@@ -25,7 +25,7 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome, solve
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
-from verdict.symmetry import Refusal, eligible, find_symmetry
+from verdict.symmetry import Refusal, find_symmetry, foldable
 
 
 @dataclass
@@ -147,7 +147,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         shown = w["dp"] * w["nm"]
         verdict.blocks = (0, shown, w["fold_dp"] * w["fold_nm"] - shown)
         return verdict
-    if eligible(parallel) is not None:
+    if not foldable(parallel):
         return verify_pair(single, parallel, **options)
     t0 = time.perf_counter()
     try:

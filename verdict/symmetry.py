@@ -56,15 +56,19 @@ class Refusal:
     difference: bool = False
 
 
+def foldable(parallel: Plan) -> bool:
+    """A materialized plan with more than two replicas or microbatches."""
+    w = parallel.world
+    return not parallel.is_folded() and all(
+        isinstance(w.get(k, 1), int) for k in ("dp", "nm", "cp", "tp", "pp", "ep")) and (
+        w.get("dp", 1) > SHOWN or w.get("nm", 1) > SHOWN)
+
+
 def eligible(parallel: Plan) -> str | None:
     """Why the plan is not one the symmetry covers (None: it is)."""
     w = parallel.world
-    if parallel.is_folded():
-        return "a folded plan"
-    if not all(isinstance(w.get(k, 1), int) for k in ("dp", "nm", "cp", "tp", "pp", "ep")):
-        return "its world's sizes are not integers"
-    if w.get("dp", 1) <= SHOWN and w.get("nm", 1) <= SHOWN:
-        return "nothing to fold (dp and nm at most 2)"
+    if not foldable(parallel):
+        return "not a materialized plan with more than two replicas or microbatches"
     if w.get("ep", 1) != 1:
         return "expert parallelism: replicas hold other experts"
     if w.get("zero", 0):
