@@ -1,5 +1,8 @@
 """python main.py --sm single.pkl --pm parallel.pkl: are the two plans equivalent?
 
+python main.py --convert IN OUT: rewrite plan file IN (pickled or columnar) as
+OUT, columnar when OUT ends in .npz, else pickled (docs/plan-format.md).
+
 Exit 0: equivalent. Exit 1: not equivalent (the difference is printed).
 Exit 2: bad input or usage (one line on stderr). Exit 3: no verdict, because
 of an internal error (an exception, a killed worker, memory exhausted) or a
@@ -17,7 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from backends.planfile import PlanError
+from backends.planfile import PlanError, load_plan, save_plan
 from verdict.cache import StageCache, load_plan_cached
 from verdict.differential import NumericRefused, check_size, compare
 from verdict.engine import Verdict, verify
@@ -46,8 +49,10 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python main.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sm", type=Path, required=True, help="single-device plan (.pkl)")
-    p.add_argument("--pm", type=Path, required=True, help="parallel plan (.pkl)")
+    p.add_argument("--sm", type=Path, help="single-device plan (.pkl or .npz)")
+    p.add_argument("--pm", type=Path, help="parallel plan (.pkl or .npz)")
+    p.add_argument("--convert", nargs=2, type=Path, metavar=("IN", "OUT"),
+                   help="rewrite plan file IN as OUT (columnar if OUT ends in .npz) and exit")
     p.add_argument("--seed", type=int, default=0, help="random seed (inputs, solver)")
     p.add_argument("--time", action="store_true", help="print the time of each phase")
     p.add_argument("--max_ser_proc", type=int, default=1,
@@ -213,9 +218,24 @@ def run_numeric(args: argparse.Namespace) -> int:
     return EXIT_DIFFERENT
 
 
+def run_convert(source: Path, target: Path) -> int:
+    """--convert: load (and validate) one plan file, write it in the other form."""
+    plan = load_plan(source)
+    out, spec = save_plan(plan, target)
+    print(f"wrote {out} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors)")
+    print(f"wrote {spec}")
+    return EXIT_EQUAL
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
+        if args.convert:
+            if args.sm or args.pm:
+                raise UsageError("--convert takes no --sm or --pm")
+            return run_convert(*args.convert)
+        if args.sm is None or args.pm is None:
+            raise UsageError("the following arguments are required: --sm, --pm")
         if args.max_vrf_proc < 1 or args.max_ser_proc < 1:
             raise UsageError("--max_vrf_proc and --max_ser_proc must be at least 1")
         if not args.numeric:
