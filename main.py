@@ -3,6 +3,10 @@
 python main.py --convert IN OUT: rewrite plan file IN (pickled or columnar) as
 OUT, columnar when OUT ends in .npz, else pickled (docs/plan-format.md).
 
+main.py wires the parts: the plan loader and the Z3 symbolic backend
+(backends/) are passed into the verifier (verdict/), which imports neither.
+:func:`verify` is the verifier with the Z3 backend wired in.
+
 Exit 0: equivalent. Exit 1: not equivalent (the difference is printed).
 Exit 2: bad input or usage (one line on stderr). Exit 3: no verdict, because
 of an internal error (an exception, a killed worker, memory exhausted) or a
@@ -20,18 +24,29 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from backends.plancache import load_plan_cached
 from backends.planfile import PlanError, load_plan, save_plan
-from verdict.cache import StageCache, load_plan_cached
+from backends.z3backend import Z3
+from verdict import engine
+from verdict.cache import StageCache
 from verdict.differential import NumericRefused, check_size, compare
-from verdict.engine import Verdict, verify
+from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
 from verdict.fold import FoldError, fold_pair
 from verdict.plan import Plan, pair_problem
 from verdict.report import append_stats, evidence, failure, make_stats, tp_label, ts_label
-from verdict.solve import Outcome
+from verdict.solve import Outcome, Prover
 from verdict.structure import node_label
 
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+#: One stage's proof: verdict's solver over the Z3 symbolic backend.
+PROVER = Prover(Z3)
+
+
+def verify(single: Plan, parallel: Plan, **options) -> Verdict:
+    """``verdict.engine.verify`` with the Z3 backend wired in (``options``:
+    its keyword arguments but ``prover``)."""
+    return engine.verify(single, parallel, prover=PROVER, **options)
 
 
 class UsageError(Exception):
@@ -107,7 +122,7 @@ def run_verify(args: argparse.Namespace) -> int:
     cache = StageCache(args.cache_dir if args.cache_stages else None)
     memo = {key: Outcome("proved") for key in cache.proved}
     progress = sys.stderr.isatty()
-    executor = make_executor(args.executor, args.max_vrf_proc, args.ray_address)
+    executor = make_executor(args.executor, args.max_vrf_proc, args.ray_address, PROVER)
     verdict = verify(single, parallel, seed=args.seed, keep_going=args.keep_going, memo=memo,
                      progress=progress, executor=executor)
     cache.save({r.key for r in verdict.results if r.outcome.ok})
@@ -239,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_vrf_proc < 1 or args.max_ser_proc < 1:
             raise UsageError("--max_vrf_proc and --max_ser_proc must be at least 1")
         if not args.numeric:
-            make_executor(args.executor, args.max_vrf_proc, args.ray_address)
+            make_executor(args.executor, args.max_vrf_proc, args.ray_address, PROVER)
         return run_numeric(args) if args.numeric else run_verify(args)
     except (UsageError, PlanError, NumericRefused, ExecutorUnavailable) as e:
         sys.stderr.write(f"error: {e}\n")
