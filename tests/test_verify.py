@@ -8,7 +8,7 @@ import pytest
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
-from verdict.engine import verify
+from main import verify
 from verdict.plan import Node, Plan
 from verdict.report import failure
 
