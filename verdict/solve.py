@@ -5,9 +5,10 @@ Input Tp's are not constrained but substituted: a replica is the slice of
 its Ts; the last member of a partial-sum group is the slice minus the other
 members, which are fresh. A scaled Tp (docs/soundness.md, "Scaled claims")
 takes part through its norm, Tp / scale: the substitution sets Tp to scale
-times the value a Tp of scale 1 would get, and every claim compares norms. Cheap proofs come first: a claim whose difference
-simplifies to 0 is proved without the solver. What is left goes to Z3 as
-one query: is there an input for which some claim fails?
+times the value a Tp of scale 1 would get, and every claim compares norms.
+Cheap proofs come first: a claim whose difference simplifies to 0 is proved
+without the solver. What is left goes to Z3 as one query: is there an input
+for which some claim fails?
 """
 
 from __future__ import annotations
