@@ -185,6 +185,27 @@ def _real(v):
     return v if z3.is_expr(v) else z3.RealVal(v)
 
 
+def _divisions(terms) -> list[z3.BoolRef]:
+    """For every division a/b inside ``terms``, (b == 0) -> (a/b == 0).
+
+    Z3 leaves x/0 an arbitrary function of x, so (2a)/b / 2 and a/b differ
+    at b = 0 although they are equal wherever the division is defined. A
+    scaled claim meets exactly that, so its stages fix x/0 to 0: one
+    interpretation of the undefined value, always consistent (it
+    constrains no input), and the same on both sides."""
+    out, seen = [], set()
+    stack = [t for t in terms if z3.is_expr(t)]
+    while stack:
+        e = stack.pop()
+        if e.get_id() in seen:
+            continue
+        seen.add(e.get_id())
+        if z3.is_app_of(e, z3.Z3_OP_DIV):
+            out.append(z3.Implies(e.arg(1) == 0, e == 0))
+        stack.extend(e.children())
+    return out
+
+
 def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
     out = np.empty(arr.shape, dtype=float)
     for idx, v in np.ndenumerate(arr):
@@ -218,6 +239,8 @@ def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000) -> Outcome:
     solver.add(*run.assume)
     if not definite:
         solver.add(z3.Or([o for _, _, o in open_]))
+    if p.scales:
+        solver.add(*_divisions([o for _, _, o in open_]))
     result = solver.check()
     took = time.perf_counter() - start
     if result == z3.unsat:
