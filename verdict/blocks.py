@@ -2,8 +2,9 @@
 
 The uniformity rules of verdict/fold.py ("Folded plans", step 3 in
 docs/soundness.md), applied to every replica and microbatch of a plan that
-writes them all out, as array operations over the plan's columns, so that
-their cost per node is a few array passes, not a Python function call:
+writes them all out, as array operations over the plan's columns
+(verdict/columns.py), so that their cost per node is a few array passes,
+not a Python function call:
 
 * every block program (class, d, m) equals the one of (class, 0, 0), and
   every step program (class, d) the one of (class, 0), node by node: same
@@ -26,22 +27,25 @@ representative's node it differs from.
 
 from __future__ import annotations
 
-import itertools
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
+from verdict.columns import Columns
 from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, _Layout, batch_dims
 from verdict.lineage import StructureError
 from verdict.ops import get_op
-from verdict.plan import INPUT_KINDS, Plan
+from verdict.plan import DIRECTIONS, INPUT_KINDS, Plan
 
 
 @dataclass
-class Columns:
-    """A plan's nodes and tensors as arrays; tuples of tensor indices (a
-    node's inputs or outputs) interned by content, stored once each."""
+class Arrays:
+    """What the check reads of a plan's columns, with the inputs and outputs
+    of every node as tuples of one CSR pool: a tuple is a range of the
+    columns' pools, so nodes that share an inputs range (a replica group's
+    members) share a tuple."""
 
     t_rank: np.ndarray
     t_mb: np.ndarray
@@ -54,47 +58,60 @@ class Columns:
     n_mb: np.ndarray
     n_op: np.ndarray  # index into ops
     n_dir: np.ndarray
-    n_ins: np.ndarray  # interned tuple
+    n_kw: np.ndarray  # index into the columns' kwargs table
+    n_ins: np.ndarray  # tuple id
     n_outs: np.ndarray
     ptr: np.ndarray  # tuple k holds flat[ptr[k]:ptr[k + 1]]
     flat: np.ndarray
-    ops: list[str]
+    ops: tuple[str, ...]
+    slice_off: np.ndarray  # tensor t's slices: rows slice_off[t]:slice_off[t + 1]
 
 
-def _intern(values, table: dict) -> np.ndarray:
-    """Each value's index in ``table`` (new values appended)."""
-    return np.fromiter(map(lambda v: table.setdefault(v, len(table)), values), dtype=np.int64,
-                       count=len(values))
-
-
-def columns(plan: Plan) -> Columns:
-    """The plan's columns (one transposition of its nodes and tensors)."""
-    nt, nn = len(plan.tensors), len(plan.nodes)
-    t_rank, t_mb, t_tid, t_version, t_shape, t_lver, _, _ = (
-        zip(*plan.tensors) if nt else ((),) * 8)
-    n_rank, n_mb, n_op, n_dir, n_ins, n_outs, _, _ = zip(*plan.nodes) if nn else ((),) * 8
-
-    def col(values) -> np.ndarray:
-        return np.array(values, dtype=np.int64)
-
-    ops: dict[str, int] = {}
-    tuples: dict[tuple, int] = {}
-    ins = _intern(n_ins, tuples)
-    outs = _intern(n_outs, tuples)
-    lengths = np.array([len(t) for t in tuples], dtype=np.int64)
-    ptr = np.zeros(len(tuples) + 1, dtype=np.int64)
+def arrays(cols: Columns) -> Arrays:
+    """The check's arrays, by array operations over the columns."""
+    t, n = cols.tensors, cols.nodes
+    nn, nt = len(n), len(t)
+    off = t.slice_offsets(cols.logical)
+    ndim = np.diff(off)
+    width = int(ndim.max(initial=0))
+    extents = np.full((nt, max(width, 1)), -1, dtype=np.int64)
+    if nt and width:
+        row = np.repeat(np.arange(nt), ndim)
+        col = np.arange(len(row)) - np.repeat(off[:-1], ndim)
+        extents[row, col] = t.slices[:, 1].astype(np.int64) - t.slices[:, 0]
+    ranges = np.stack([n.in_start.astype(np.int64), n.in_count.astype(np.int64)], axis=1)
+    key = ranges[:, 0] * (int(ranges[:, 1].max(initial=0)) + 1) + ranges[:, 1]
+    distinct, first, n_ins = np.unique(key, return_index=True, return_inverse=True)
+    starts, in_lengths = ranges[first, 0], ranges[first, 1]
+    out_lengths = np.diff(n.out_off.astype(np.int64))
+    lengths = np.concatenate((in_lengths, out_lengths))
+    ptr = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=ptr[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(tuples), dtype=np.int64, count=int(ptr[-1]))
+    gather = np.repeat(starts - ptr[:len(distinct)], in_lengths) + np.arange(
+        int(in_lengths.sum()))
+    flat = np.concatenate((n.inputs.astype(np.int64)[gather], n.outputs.astype(np.int64)))
     producer = np.full(nt, -1, dtype=np.int64)
-    owner = np.repeat(np.arange(nn), lengths[outs])
-    written = flat[_spans(ptr, outs)]
+    written = n.outputs.astype(np.int64)
+    owner = np.repeat(np.arange(nn), out_lengths)
     keep = written >= 0
     producer[written[keep]] = owner[keep]
-    return Columns(
-        t_rank=col(t_rank), t_mb=col(t_mb), t_tid=col(t_tid), t_version=col(t_version),
-        t_lver=col(t_lver), t_shape=_intern(t_shape, {}), t_producer=producer,
-        n_rank=col(n_rank), n_mb=col(n_mb), n_op=_intern(n_op, ops), n_dir=_intern(n_dir, {}),
-        n_ins=ins, n_outs=outs, ptr=ptr, flat=flat, ops=list(ops))
+
+    def i64(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.int64)
+
+    return Arrays(
+        t_rank=i64(t.rank), t_mb=i64(t.mb), t_tid=i64(t.tid), t_version=i64(t.version),
+        t_lver=i64(t.lver), t_shape=_rows_id(extents), t_producer=producer,
+        n_rank=i64(n.rank), n_mb=i64(n.mb), n_op=i64(n.op), n_dir=i64(n.dir),
+        n_kw=i64(n.kwargs), n_ins=n_ins.reshape(-1), n_outs=len(distinct) + np.arange(nn),
+        ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=off)
+
+
+def _rows_id(matrix: np.ndarray) -> np.ndarray:
+    """An id per row of an int matrix, equal for equal rows."""
+    if not len(matrix):
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(matrix, axis=0, return_inverse=True)[1].reshape(-1)
 
 
 def _spans(ptr: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -109,7 +126,7 @@ class BlockCheck:
     the mesh, batch dims, rows per block, each block's first row and each
     accumulation chain's end."""
 
-    def __init__(self, single: Plan, parallel: Plan, fold: Fold):
+    def __init__(self, single: Plan, parallel: Columns, fold: Fold):
         self.p, self.fold = parallel, fold
         w = parallel.world
         self.cp, self.tp = int(w.get("cp", 1)), int(w.get("tp", 1))
@@ -120,6 +137,7 @@ class BlockCheck:
         self.offset: dict[tuple, int] = {}
         self.chain_end: dict[tuple[int, int], int] = {}
         self.found: list[tuple[int, int | None, str]] = []  # (node, representative, why)
+        self.cols = arrays(parallel)
 
     # -- helpers ------------------------------------------------------------------
     def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -141,56 +159,65 @@ class BlockCheck:
         if not self.found:
             return
         i, j, why = min(self.found, key=lambda f: f[0])
-        node = self.p.nodes[i]
-        _, d = self.mesh.split(node.rank)
-        where = f"replica {d}" + (f", microbatch {node.mb}" if node.mb >= 0 else
-                                  " (outside microbatches)")
+        mb, d = int(self.cols.n_mb[i]), int(self.n_d[i])
+        where = f"replica {d}" + (f", microbatch {mb}" if mb >= 0 else " (outside microbatches)")
         ref = f", against the representative's {label(self.p, j)}" if j is not None else ""
         raise StructureError("symmetry", f"{where}: {label(self.p, i)}{ref}: {why}")
 
+    def free_tensors(self) -> int:
+        """The first tensor no node reads or writes, or -1. Such a tensor
+        is in no block program, so nothing compares it."""
+        seen = np.zeros(len(self.cols.t_rank), dtype=bool)
+        flat = self.cols.flat
+        seen[flat[flat >= 0]] = True
+        free = np.flatnonzero(~seen)
+        return int(free[0]) if free.size else -1
+
+    def kwargs(self, i: int) -> dict:
+        return self.p.kwargs_of(int(self.cols.n_kw[i]))
+
     # -- the check -----------------------------------------------------------------
     def run(self) -> None:
-        p, cols = self.p, columns(self.p)
-        self.cols = cols
+        cols = self.cols
         dp, nm = self.fold.dp, self.fold.nm
-        nn = len(p.nodes)
+        nn = len(cols.n_rank)
         if nn and int(cols.n_rank.max()) >= self.pp * dp * self.cp * self.tp:
             raise StructureError("symmetry", "a node runs on a rank outside the world's layout")
         if nn and (int(cols.n_mb.max()) >= nm or int(cols.n_mb.min()) < -1):
             raise StructureError("symmetry", f"a node runs a microbatch outside 0..{nm - 1}")
-        n_cls, n_d = self.split(cols.n_rank)
-        t_cls, t_d = self.split(cols.t_rank)
-        self.n_cls, self.n_d, self.t_cls, self.t_d = n_cls, n_d, t_cls, t_d
-        kinds = np.array([lg.kind for lg in p.logical], dtype=object)
-        t_kind = kinds[cols.t_tid] if len(p.tensors) else np.zeros(0, dtype=object)
+        self.n_cls, self.n_d = self.split(cols.n_rank)
+        self.t_cls, self.t_d = self.split(cols.t_rank)
+        kinds = np.array([lg.kind for lg in self.p.logical] or [""], dtype=object)
+        t_kind = kinds[cols.t_tid]
         self.t_input = (cols.t_producer < 0) & np.isin(t_kind, INPUT_KINDS)
         self.t_gradbuf = t_kind == "gradbuf"
         self.check_offsets(t_kind)
-        self.t_slices, self.t_parts, bad_rows = self.input_views()
-        rep = self.representatives(n_cls, n_d)
+        self.t_view, bad_rows = self.input_views()
+        rep = self.representatives(self.n_cls, self.n_d)
         self.rep = rep
-        is_acc = (np.array([op == ACCUMULATE for op in cols.ops])[cols.n_op]) & (cols.n_mb >= 0)
-        self.is_acc = is_acc
+        self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
+            cols.n_mb >= 0)
         self.check_chains()
-        orbit = self.orbits(n_d)
+        orbit = self.orbits(self.n_d)
         self.check_kwargs(rep, orbit)
-        self.check_entries(rep, orbit, is_acc, bad_rows)
+        self.check_entries(rep, orbit, self.is_acc, bad_rows)
         self.check_glue(orbit)
         self.raise_first()
 
     def check_offsets(self, t_kind: np.ndarray) -> None:
         """(c): per class, the blocks' first rows are b apart and cover [0, B)."""
-        cols, p = self.cols, self.p
+        cols, slices = self.cols, self.p.tensors.slices
         data = np.flatnonzero((cols.t_producer < 0) & np.isin(t_kind, ("data", "tokens"))
                               & (cols.t_mb >= 0))
         first: dict[tuple, int] = {}
-        for t in data:
-            x = p.tensors[t]
-            for k in self.batch.get(x.tid, ()):
-                if k < len(x.slices):
-                    key = (*self.mesh.split(x.rank), x.mb)
-                    first[key] = min(first.get(key, x.slices[k][0]), x.slices[k][0])
-        self.offset = {(cls, d, m): row for (cls, d, m), row in first.items()}
+        for t in data.tolist():
+            tid = int(cols.t_tid[t])
+            for k in self.batch.get(tid, ()):
+                if k < cols.slice_off[t + 1] - cols.slice_off[t]:
+                    start = int(slices[cols.slice_off[t] + k, 0])
+                    key = (*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t]))
+                    first[key] = min(first.get(key, start), start)
+        self.offset = first
         by_cls: dict[tuple, list[int]] = defaultdict(list)
         for (cls, _, _), row in first.items():
             by_cls[cls].append(row)
@@ -202,33 +229,36 @@ class BlockCheck:
                     f"not every {self.rows} rows from 0: its replicas and microbatches do not "
                     f"split the batch into blocks"))
 
-    def input_views(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For every input tensor, its slices relative to its block's first
-        row and its parts, interned (-1 for computed tensors); and whether
-        it holds rows outside its block."""
-        p = self.p
-        nt = len(p.tensors)
-        slices = np.full(nt, -1, dtype=np.int64)
-        parts = np.full(nt, -1, dtype=np.int64)
+    def input_views(self) -> tuple[np.ndarray, np.ndarray]:
+        """For every input tensor, an id of its slices relative to its
+        block's first row and its parts (-1 for computed tensors); and
+        whether it holds rows outside its block."""
+        cols, tc = self.cols, self.p.tensors
+        nt = len(cols.t_rank)
         bad = np.zeros(nt, dtype=bool)
-        table: dict = {}
-        part_table: dict = {}
-        for t in np.flatnonzero(self.t_input):
-            x = p.tensors[t]
-            view = x.slices
-            dims = self.batch.get(x.tid, ())
-            if dims:
-                row = self.offset.get((*self.mesh.split(x.rank), x.mb), -1)
-                if row >= 0:
-                    view = list(view)
-                    for k in dims:
-                        a, b = view[k][0] - row, view[k][1] - row
-                        bad[t] |= not (0 <= a < b <= self.rows)
-                        view[k] = (a, b)
-                    view = tuple(view)
-            slices[t] = table.setdefault(view, len(table))
-            parts[t] = part_table.setdefault(x.parts, len(part_table))
-        return slices, parts, bad
+        shifted = tc.slices.astype(np.int64)  # a copy, moved to block coordinates
+        dims_of = {tid: dims for tid, dims in self.batch.items() if dims}
+        for t in np.flatnonzero(self.t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
+            row = self.offset.get((*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t])), -1)
+            if row < 0:
+                continue
+            for k in dims_of[int(cols.t_tid[t])]:
+                r = cols.slice_off[t] + k
+                a, b = int(shifted[r, 0]) - row, int(shifted[r, 1]) - row
+                bad[t] |= not (0 <= a < b <= self.rows)
+                shifted[r] = (a, b)
+        ndim = np.diff(cols.slice_off)
+        width = int(ndim.max(initial=0))
+        view = np.full((nt, 2 * width + 3), -1, dtype=np.int64)
+        if nt and width:
+            row = np.repeat(np.arange(nt), ndim)
+            col = np.arange(len(row)) - np.repeat(cols.slice_off[:-1], ndim)
+            view[row, 2 * col] = shifted[:, 0]
+            view[row, 2 * col + 1] = shifted[:, 1]
+        view[:, 2 * width:] = tc.parts
+        ids = _rows_id(view)
+        ids[~self.t_input] = -1
+        return ids, bad
 
     def representatives(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
         """For each node, the node at its position in its class's
@@ -307,29 +337,30 @@ class BlockCheck:
         """Operator, direction and kwargs equal the representative's; an
         orbit's ``index`` is compared as its own position (checked in
         :meth:`check_glue`), a send/receive peer as its class, in the replica."""
-        p, cols = self.p, self.cols
-        table: dict[str, int] = {"": 0}
-        kw = np.zeros(len(p.nodes), dtype=np.int64)
-        off_replica = []
-        for i, node in enumerate(p.nodes):
-            if not node.kwargs:
-                continue
-            kwargs = node.kwargs
-            if orbit[i] or node.op == "send_recv":
-                kwargs = dict(kwargs)
+        cols, p = self.cols, self.p
+        kw = cols.n_kw.copy()
+        table: dict[str, int] = {}
+        send = np.array([op == "send_recv" for op in cols.ops] or [False])[cols.n_op]
+        normal: dict[tuple, int] = {}
+        for i in np.flatnonzero(orbit | send).tolist():
+            own_d = int(self.n_d[i])
+            code = int(cols.n_kw[i])
+            key = (code, own_d, bool(orbit[i]))
+            if key not in normal:
+                kwargs = p.kwargs_of(code)
                 if orbit[i]:
                     kwargs.pop("index", None)
-                own_d = self.mesh.split(node.rank)[1]
-                for key in ("src", "dst"):
-                    if node.op == "send_recv" and isinstance(kwargs.get(key), int):
-                        cls, d = self.mesh.split(kwargs[key])
-                        if d != own_d:
-                            off_replica.append(i)
-                        kwargs[key] = cls
-            kw[i] = table.setdefault(repr(sorted(kwargs.items())), len(table))
-        nodes = np.arange(len(p.nodes))
-        if off_replica:
-            self.found.append((off_replica[0], None, "its send/receive peer is in another replica"))
+                off = False
+                for k in ("src", "dst"):
+                    if send[i] and isinstance(kwargs.get(k), int):
+                        cls, d = self.mesh.split(kwargs[k])
+                        off |= d != own_d
+                        kwargs[k] = list(cls)
+                text = json.dumps(kwargs, sort_keys=True)
+                normal[key] = -1 if off else len(p.kwargs) + table.setdefault(text, len(table))
+            kw[i] = normal[key]
+        nodes = np.arange(len(kw))
+        self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
         ok = rep >= 0
         r = np.maximum(rep, 0)
         self.flag(ok & ((cols.n_op != cols.n_op[r]) | (cols.n_dir != cols.n_dir[r])), nodes,
@@ -383,7 +414,7 @@ class BlockCheck:
         self.flag(bad_rows[t], node, f"its {what} holds rows outside its block")
         differ = ((self.t_cls[t] != self.t_cls[r]) | (cols.t_tid[t] != cols.t_tid[r])
                   | (cols.t_shape[t] != cols.t_shape[r])
-                  | (self.t_slices[t] != self.t_slices[r]) | (self.t_parts[t] != self.t_parts[r])
+                  | (self.t_view[t] != self.t_view[r])
                   | (~chain & ((rel_t != rel_r) | (cols.t_version[t] != cols.t_version[r])
                                | (cols.t_lver[t] != cols.t_lver[r]))))
         self.flag(differ, node, f"another {what} tensor, shape, slice or dataflow", rep)
@@ -447,7 +478,7 @@ class BlockCheck:
             if not checked[g]:
                 self.found.append((int(i), None, "its group is not the whole orbit of replicas"))
                 continue
-            index = p.nodes[i].kwargs.get("index")
+            index = self.kwargs(i).get("index")
             members = cols.flat[cols.ptr[g]:cols.ptr[g + 1]]
             if not isinstance(index, int) or not 0 <= index < len(members) or \
                     cols.t_rank[members[index]] != cols.n_rank[i]:
@@ -491,9 +522,10 @@ class BlockCheck:
         return bool((grid == grid[0]).all())
 
 
-def label(plan: Plan, i: int) -> str:
-    n = plan.nodes[i]
-    return f"node {i} (rank {n.rank}, mb {n.mb}, {n.op} {n.dir} '{n.name}')"
+def label(plan: Columns, i: int) -> str:
+    n = plan.nodes
+    return (f"node {i} (rank {int(n.rank[i])}, mb {int(n.mb[i])}, {plan.ops[int(n.op[i])]} "
+            f"{DIRECTIONS[int(n.dir[i])]} '{plan.names[int(n.name[i])]}')")
 
 
 def _short(rows: list[int]) -> str:

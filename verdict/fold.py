@@ -57,10 +57,6 @@ class Fold:
                 f"microbatches shown and proved; the other blocks are assumed to run the same "
                 f"program, not checked (docs/soundness.md)")
 
-    def label(self) -> str:
-        """For the Stats row: the real sizes."""
-        return f"dp{self.real_dp} nm{self.real_nm} gbs{self.real_gbs}"
-
 
 def fold_sizes(single: Plan, parallel: Plan) -> Fold:
     """The shown and real sizes of a folded plan, after its side conditions."""
@@ -70,8 +66,10 @@ def fold_sizes(single: Plan, parallel: Plan) -> Fold:
                         + ", ".join(FOLD_KEYS))
     fold = Fold(w["dp"], w["nm"], w["gbs"], w["fold_dp"], w["fold_nm"], w["fold_gbs"])
     if single.world.get("gbs") != fold.real_gbs:
-        raise FoldError(f"fold_gbs {fold.real_gbs} is not the single-device plan's gbs "
-                        f"{single.world.get('gbs')}")
+        raise FoldError(f"the folded plan stands for a global batch of {fold.real_gbs} "
+                        f"(--gbs {fold.real_gbs}) but the single-device plan has a batch of "
+                        f"{single.world.get('gbs')}: make the single-device plan with "
+                        f"--gbs {fold.real_gbs}")
     blocks = fold.real_dp * fold.real_nm
     if fold.real_gbs % blocks:
         raise FoldError(f"fold_gbs {fold.real_gbs} does not split into fold_dp {fold.real_dp} x "

@@ -19,11 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.blocks import BlockCheck, label
+from verdict.blocks import BlockCheck, _spans
+from verdict.columns import Columns
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
 from verdict.plan import FOLD_KEYS, Plan, Slices, Tensor
+
+PlanLike = Plan | Columns
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Refusal:
     difference: bool = False
 
 
-def foldable(parallel: Plan) -> bool:
+def foldable(parallel: PlanLike) -> bool:
     """A materialized plan with more than two replicas or microbatches."""
     w = parallel.world
     return not parallel.is_folded() and all(
@@ -64,7 +67,7 @@ def foldable(parallel: Plan) -> bool:
         w.get("dp", 1) > SHOWN or w.get("nm", 1) > SHOWN)
 
 
-def eligible(parallel: Plan) -> str | None:
+def eligible(parallel: PlanLike) -> str | None:
     """Why the plan is not one the symmetry covers (None: it is)."""
     w = parallel.world
     if not foldable(parallel):
@@ -78,20 +81,25 @@ def eligible(parallel: Plan) -> str | None:
     return None
 
 
-def find_symmetry(single: Plan, parallel: Plan) -> Symmetry | Refusal:
+def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     """The representatives of ``parallel`` after every block was checked
     against them, or why the plan must be verified in full. ``check_layout``
     must have passed on ``parallel``."""
     why = eligible(parallel)
     if why:
         return Refusal(why)
-    w = parallel.world
+    cols = parallel if isinstance(parallel, Columns) else Columns.from_plan(parallel)
+    w = cols.world
     dp, nm, gbs = w.get("dp", 1), w.get("nm", 1), w["gbs"]
     if single.world.get("gbs") != gbs or gbs % (dp * nm):
         return Refusal(f"gbs {gbs} does not split into dp {dp} x nm {nm} blocks")
     whole = Fold(dp, nm, gbs, dp, nm, gbs)
     try:
-        check = BlockCheck(single, parallel, whole)
+        check = BlockCheck(single, cols, whole)
+        free = check.free_tensors()
+        if free >= 0:
+            return Refusal(f"tensor {free} is read or written by no node (only the tensors of "
+                           f"compared nodes are compared)")
         check.run()
     except FoldError as e:
         return Refusal(str(e))
@@ -100,7 +108,7 @@ def find_symmetry(single: Plan, parallel: Plan) -> Symmetry | Refusal:
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
     try:
-        folded, rank_of = _Cut(parallel, check, shown).plan()
+        folded, rank_of = _Cut(cols, check, shown).plan()
         restricted = restrict(single, shown)
     except FoldError as e:
         return Refusal(str(e))
@@ -111,21 +119,29 @@ class _Cut:
     """The representatives of a checked plan as a folded plan: the ranks of
     the shown replicas renumbered to a mesh of ``fold.dp`` replicas, their
     shown microbatches and step programs, glue cut to the shown chain ends,
-    batch rows and block parts moved to the shown blocks."""
+    batch rows and block parts moved to the shown blocks. Only these nodes
+    become Node objects (``Columns.to_plan``)."""
 
-    def __init__(self, parallel: Plan, check: BlockCheck, fold: Fold):
-        self.p, self.check, self.fold = parallel, check, fold
+    def __init__(self, parallel: Columns, check: BlockCheck, fold: Fold):
+        self.check, self.fold = check, fold
         w = parallel.world
         self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
         self.batch = check.batch
         self.rows = check.rows
         cols = check.cols
-        n_shown = (check.n_d < fold.dp) & (cols.n_mb < fold.nm)
-        #: the nodes and tensors of the representatives, in plan order
-        self.nodes = np.flatnonzero(n_shown)
-        self.tensors = np.flatnonzero((check.t_d < fold.dp) & (cols.t_mb < fold.nm))
+        nodes = np.flatnonzero((check.n_d < fold.dp) & (cols.n_mb < fold.nm))
+        used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
+                                         _spans(cols.ptr, cols.n_outs[nodes])))]
+        #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
+        self.orig = np.unique(used[used >= 0])
+        self.p = parallel.to_plan(nodes)
+        self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.starts = self.block_starts()
         self.slots = self.block_slots()
+
+    def local(self, t: int) -> int:
+        """The index in ``self.p`` of plan tensor ``t`` (which it holds)."""
+        return int(np.searchsorted(self.orig, t))
 
     # -- ranks and blocks ------------------------------------------------------
     def new_rank(self, rank: int) -> int | None:
@@ -162,8 +178,7 @@ class _Cut:
         so a slot read wrongly costs a proof, never soundness."""
         k = self.fold.real_dp * self.fold.real_nm
         slot: dict[tuple[int, int], int] = {}
-        for i in self.nodes:
-            node = self.p.nodes[i]
+        for node in self.p.nodes:
             if node.mb < 0 or node.op == ACCUMULATE:
                 continue
             block = (self.check.mesh.split(node.rank)[1], node.mb)
@@ -214,54 +229,57 @@ class _Cut:
 
     # -- the folded plan ---------------------------------------------------------
     def chain_ends(self) -> dict[int, int]:
-        """A chain's end in the plan -> its end after the last shown microbatch."""
+        """A chain's end in the plan -> its end after the last shown
+        microbatch, both as tensors of ``self.p``."""
         last = self.fold.nm - 1
         ends = {}
-        for i in self.nodes:
-            node = self.p.nodes[i]
+        for node in self.p.nodes:
             if node.op == ACCUMULATE and node.mb == last:
-                key = (node.rank, self.p.tensors[node.outputs[0]].tid)
-                ends[self.check.chain_end[key]] = node.outputs[0]
+                out = node.outputs[0]
+                x = self.p.tensors[out]
+                end = self.check.chain_end[(node.rank, x.tid)]
+                ends[self.local(end)] = out
         return ends
 
     def plan(self) -> tuple[Plan, dict[int, int]]:
         p, fold = self.p, self.fold
         ends = self.chain_ends()
-        keep = self.tensors.tolist()
-        index = {t: k for k, t in enumerate(keep)}
-        start = self.new_start()
-        tensors = []
-        rank_of: dict[int, int] = {}
-        for t in keep:
-            x = p.tensors[t]
-            rank = self.new_rank(x.rank)
-            rank_of[rank] = x.rank
-            tensors.append(x._replace(rank=rank, slices=self.slices(x, start),
-                                      parts=self.parts(x)))
+        shown = self.d < fold.dp
         nodes = []
-        for i in self.nodes.tolist():
-            node = p.nodes[i]
-            rank = self.new_rank(node.rank)
+        for i, node in enumerate(p.nodes):
             ins = [ends.get(t, t) for t in node.inputs]
             kwargs = dict(node.kwargs)
-            if get_op(node.op).group and node.mb < 0 and any(
-                    t >= 0 and self.new_rank(p.tensors[t].rank) is None for t in node.inputs):
+            if any(t >= 0 and not shown[t] for t in node.inputs):
+                if not (get_op(node.op).group and node.mb < 0):
+                    raise FoldError(f"{label_of(p, i)} reads another replica's tensor")
                 own = node.inputs[kwargs["index"]] if isinstance(kwargs.get("index"), int) else -1
-                ins = [e for t, e in zip(node.inputs, ins)
-                       if t < 0 or self.new_rank(p.tensors[t].rank) is not None]
+                ins = [e for t, e in zip(node.inputs, ins) if t < 0 or shown[t]]
                 if own >= 0:
                     kwargs["index"] = ins.index(ends.get(own, own))
-            missing = [t for t in ins if t >= 0 and t not in index]
-            if missing:
-                x = p.tensors[missing[0]]
-                raise FoldError(f"{label(p, i)} reads {p.logical[x.tid].name} of rank {x.rank}, "
-                                f"microbatch {x.mb}, which the representatives do not hold")
-            nodes.append(node._replace(
-                rank=rank, inputs=tuple(index[t] if t >= 0 else -1 for t in ins),
-                outputs=tuple(index[t] if t >= 0 else -1 for t in node.outputs), kwargs=kwargs))
+            nodes.append(node._replace(rank=self.new_rank(node.rank), inputs=tuple(ins),
+                                       kwargs=kwargs))
+        used = sorted({t for n in nodes for t in (*n.inputs, *n.outputs) if t >= 0})
+        index = {t: k for k, t in enumerate(used)}
+        start = self.new_start()
+        tensors, rank_of = [], {}
+        for t in used:
+            x = p.tensors[t]
+            if x.mb >= fold.nm or not shown[t]:
+                raise FoldError(f"the representatives read {p.logical[x.tid].name} of rank "
+                                f"{x.rank}, microbatch {x.mb}, which they do not hold")
+            rank = self.new_rank(x.rank)
+            rank_of[rank] = x.rank
+            tensors.append(x._replace(rank=rank, slices=self.slices(x, start), parts=self.parts(x)))
+        nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
+                            outputs=tuple(index[t] if t >= 0 else -1 for t in n.outputs))
+                 for n in nodes]
         world = {**p.world, "dp": fold.dp, "nm": fold.nm, "gbs": fold.gbs,
                  **dict(zip(FOLD_KEYS, (fold.real_dp, fold.real_nm, fold.real_gbs)))}
         folded = Plan(world=world, logical=list(p.logical), tensors=tensors, nodes=nodes,
                       loss=p.loss, grads=dict(p.grads))
         return folded, rank_of
 
+
+def label_of(plan: Plan, i: int) -> str:
+    n = plan.nodes[i]
+    return f"node (rank {n.rank}, mb {n.mb}, {n.op} {n.dir} '{n.name}')"
