@@ -157,13 +157,23 @@ def test_block_check_agrees_with_the_fold_uniformity():
             assert accepts(BlockCheck, made[0]) == accepts(_Uniformity, made[0]), (name, made[1])
 
 
-def test_cli_reports_checked_blocks(tmp_path):
+@pytest.mark.parametrize("suffix", [".pkl", ".npz"])
+def test_cli_reports_checked_blocks(tmp_path, suffix):
+    """A columnar file is checked on its columns (no Node per node)."""
     single, plan = pair()
     s = save_plan(single, tmp_path / "s.pkl")[0]
-    p = save_plan(plan, tmp_path / "p.pkl")[0]
+    p = save_plan(plan, tmp_path / f"p{suffix}")[0]
     run = subprocess.run([sys.executable, "main.py", "--sm", str(s), "--pm", str(p),
                           "--stats_dir", str(tmp_path), "--no_cache_nodes", "--no_cache_stages"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "symmetry: 4 x 4 blocks" in run.stdout
     assert "blocks='16 checked, 4 proved, 0 assumed'" in run.stdout
+
+
+def test_columns_with_a_wrong_replica_fail(tmp_path):
+    single, plan = pair(Parallelism(dp=4))
+    bad = mutations.other_rows(plan, random.Random(1))[0]
+    cols = Columns.from_plan(bad)
+    v = verify(single, cols)
+    assert not v.success and v.kind == "layout" and v.pair is not None

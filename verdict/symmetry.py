@@ -21,6 +21,7 @@ import numpy as np
 
 from verdict.blocks import BlockCheck, _spans
 from verdict.columns import Columns
+from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
@@ -83,12 +84,14 @@ def eligible(parallel: PlanLike) -> str | None:
 
 def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     """The representatives of ``parallel`` after every block was checked
-    against them, or why the plan must be verified in full. ``check_layout``
-    must have passed on ``parallel``."""
+    against them, or why the plan must be verified in full. First the
+    world's layout is checked against the rows every rank loads
+    (``check_layout``; StructureError('layout'), a finding)."""
+    cols = parallel if isinstance(parallel, Columns) else Columns.from_plan(parallel)
+    check_layout(layout_view(cols))
     why = eligible(parallel)
     if why:
         return Refusal(why)
-    cols = parallel if isinstance(parallel, Columns) else Columns.from_plan(parallel)
     w = cols.world
     dp, nm, gbs = w.get("dp", 1), w.get("nm", 1), w["gbs"]
     if single.world.get("gbs") != gbs or gbs % (dp * nm):
@@ -113,6 +116,29 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     except FoldError as e:
         return Refusal(str(e))
     return Symmetry(restricted, folded, dp * nm, rank_of)
+
+
+def layout_view(cols: Columns) -> Plan:
+    """The load-time facts ``check_layout`` reads, as a plan without nodes:
+    the data and tokens tensors no node writes. A rank beyond the world's
+    layout is a layout finding."""
+    w = cols.world
+    size = 1
+    for k in ("pp", "dp", "cp", "tp"):
+        size *= int(w.get(k, 1))
+    t = cols.tensors
+    top = int(max(t.rank.max(initial=0), cols.nodes.rank.max(initial=0)))
+    if top >= size:
+        raise StructureError("layout", f"rank {top} is outside the world's layout of "
+                                       f"pp*dp*cp*tp = {size} ranks")
+    written = np.zeros(len(t), dtype=bool)
+    out = cols.nodes.outputs
+    written[out[out >= 0]] = True
+    kinds = np.array([lg.kind in ("data", "tokens") for lg in cols.logical] or [False])
+    data = np.flatnonzero(kinds[t.tid] & ~written)
+    view = cols.to_plan([])
+    view.tensors = cols._tensor_rows(data)
+    return view
 
 
 class _Cut:
