@@ -111,7 +111,7 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
     try:
-        folded, rank_of = _Cut(cols, check, shown).plan()
+        folded, rank_of = _Cut(parallel, check, shown).plan()
         restricted = restrict(single, shown)
     except FoldError as e:
         return Refusal(str(e))
@@ -148,7 +148,7 @@ class _Cut:
     batch rows and block parts moved to the shown blocks. Only these nodes
     become Node objects (``Columns.to_plan``)."""
 
-    def __init__(self, parallel: Columns, check: BlockCheck, fold: Fold):
+    def __init__(self, parallel: PlanLike, check: BlockCheck, fold: Fold):
         self.check, self.fold = check, fold
         w = parallel.world
         self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
@@ -160,7 +160,8 @@ class _Cut:
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
         self.orig = np.unique(used[used >= 0])
-        self.p = parallel.to_plan(nodes)
+        self.p = (parallel.to_plan(nodes) if isinstance(parallel, Columns)
+                  else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.starts = self.block_starts()
         self.slots = self.block_slots()
@@ -304,6 +305,22 @@ class _Cut:
         folded = Plan(world=world, logical=list(p.logical), tensors=tensors, nodes=nodes,
                       loss=p.loss, grads=dict(p.grads))
         return folded, rank_of
+
+
+def _sub_plan(plan: Plan, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
+    """The plan of ``nodes`` and the ``tensors`` they touch (sorted), numbered
+    as ``Columns.to_plan`` numbers them; every field of a tensor kept."""
+    index = {t: k for k, t in enumerate(tensors.tolist())}
+
+    def local(ts: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(index[t] if t >= 0 else -1 for t in ts)
+
+    return Plan(world=dict(plan.world), logical=list(plan.logical),
+                tensors=[plan.tensors[t] for t in tensors.tolist()],
+                nodes=[plan.nodes[i]._replace(inputs=local(plan.nodes[i].inputs),
+                                              outputs=local(plan.nodes[i].outputs))
+                       for i in nodes.tolist()],
+                loss=plan.loss, grads=dict(plan.grads))
 
 
 def label_of(plan: Plan, i: int) -> str:
