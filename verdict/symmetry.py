@@ -25,7 +25,7 @@ from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
-from verdict.plan import FOLD_KEYS, Plan, Slices, Tensor
+from verdict.plan import DIRECTIONS, FOLD_KEYS, Node, Plan, Slices, Tensor
 
 PlanLike = Plan | Columns
 
@@ -136,9 +136,47 @@ def layout_view(cols: Columns) -> Plan:
     written[out[out >= 0]] = True
     kinds = np.array([lg.kind in ("data", "tokens") for lg in cols.logical] or [False])
     data = np.flatnonzero(kinds[t.tid] & ~written)
-    view = cols.to_plan([])
-    view.tensors = cols._tensor_rows(data)
-    return view
+    return Plan(world=dict(w), logical=list(cols.logical), tensors=tensor_rows(cols, data),
+                loss=cols.loss, grads=dict(cols.grads))
+
+
+def tensor_rows(cols: Columns, picked: np.ndarray) -> list[Tensor]:
+    """The Tensor rows of the tensors ``picked`` (cost in their number)."""
+    t = cols.tensors
+    off = t.slice_offsets(cols.logical)
+    slices = t.slices.view(np.ndarray)  # not a memmap: indexed once per tensor
+    rows = []
+    fields = zip(*(a[picked].tolist() for a in (t.rank, t.mb, t.tid, t.version, t.lver)),
+                 t.parts[picked].tolist(), off[picked].tolist(), off[picked + 1].tolist())
+    for rank, mb, tid, version, lver, parts, a, b in fields:
+        sl = tuple(tuple(x) for x in slices[a:b].tolist())
+        rows.append(Tensor(rank, mb, tid, version, tuple(e - s for s, e in sl), lver, sl,
+                           tuple(parts)))
+    return rows
+
+
+def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
+    """The plan of ``nodes`` and the ``tensors`` they touch (sorted), with
+    only those made into Python objects (``Columns.to_plan`` numbers them
+    alike but reads every node)."""
+    n = cols.nodes
+    inputs, outputs = n.inputs.view(np.ndarray), n.outputs.view(np.ndarray)
+    renum = {t: k for k, t in enumerate(tensors.tolist())}
+    kwargs: dict[int, dict] = {}
+    out = []
+    fields = zip(nodes.tolist(), *(a[nodes].tolist() for a in (
+        n.rank, n.mb, n.op, n.dir, n.kwargs, n.name, n.in_start, n.in_count)),
+        n.out_off[nodes].tolist(), n.out_off[nodes + 1].tolist())
+    for _, rank, mb, op, dr, kw, name, start, count, o0, o1 in fields:
+        if kw not in kwargs:
+            kwargs[kw] = cols.kwargs_of(kw)
+        ins = tuple(renum[x] if x >= 0 else -1 for x in inputs[start:start + count].tolist())
+        outs = tuple(renum[x] if x >= 0 else -1 for x in outputs[o0:o1].tolist())
+        out.append(Node(rank, mb, cols.ops[op], DIRECTIONS[dr], ins, outs, dict(kwargs[kw]),
+                        cols.names[name]))
+    return Plan(world=dict(cols.world), logical=list(cols.logical),
+                tensors=tensor_rows(cols, tensors), nodes=out, loss=cols.loss,
+                grads=dict(cols.grads))
 
 
 class _Cut:
@@ -160,7 +198,7 @@ class _Cut:
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
         self.orig = np.unique(used[used >= 0])
-        self.p = (parallel.to_plan(nodes) if isinstance(parallel, Columns)
+        self.p = (columns_sub_plan(parallel, nodes, self.orig) if isinstance(parallel, Columns)
                   else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.starts = self.block_starts()
