@@ -25,7 +25,7 @@ from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
-from verdict.plan import DIRECTIONS, FOLD_KEYS, Node, Plan, Slices, Tensor
+from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor
 
 PlanLike = Plan | Columns
 
@@ -99,6 +99,11 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     whole = Fold(dp, nm, gbs, dp, nm, gbs)
     try:
         check = BlockCheck(single, cols, whole)
+        scaled = [i for i, t in enumerate(parallel.tensors) if t.scale != UNIT] \
+            if isinstance(parallel, Plan) else []
+        if any(check.cols.t_producer[i] < 0 for i in scaled):
+            return Refusal("an input tensor claims a factor (the block check compares inputs "
+                           "by slices and parts)")
         free = check.free_tensors()
         if free >= 0:
             return Refusal(f"tensor {free} is read or written by no node (only the tensors of "
