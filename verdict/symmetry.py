@@ -192,7 +192,7 @@ class _Cut:
     become Node objects (``Columns.to_plan``)."""
 
     def __init__(self, parallel: PlanLike, check: BlockCheck, fold: Fold):
-        self.check, self.fold = check, fold
+        self.check, self.fold, self.source = check, fold, parallel
         w = parallel.world
         self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
         self.batch = check.batch
@@ -210,8 +210,9 @@ class _Cut:
         self.slots = self.block_slots()
 
     def local(self, t: int) -> int:
-        """The index in ``self.p`` of plan tensor ``t`` (which it holds)."""
-        return int(np.searchsorted(self.orig, t))
+        """The index in ``self.p`` of plan tensor ``t``, -1 when it holds none."""
+        k = int(np.searchsorted(self.orig, t))
+        return k if k < len(self.orig) and self.orig[k] == t else -1
 
     # -- ranks and blocks ------------------------------------------------------
     def new_rank(self, rank: int) -> int | None:
@@ -298,22 +299,32 @@ class _Cut:
         return (pos[0] * q + lo % q, pos[-1] * q + (hi - 1) % q + 1, shown * q)
 
     # -- the folded plan ---------------------------------------------------------
-    def chain_ends(self) -> dict[int, int]:
+    def chain_ends(self) -> tuple[dict[int, int], dict[int, Tensor]]:
         """A chain's end in the plan -> its end after the last shown
-        microbatch, both as tensors of ``self.p``."""
+        microbatch, both as tensors of ``self.p``; and the plan's end each
+        shown end stands for (whose claim it takes when that is the whole
+        gradient: the last shown microbatch completes the shown blocks)."""
         last = self.fold.nm - 1
-        ends = {}
+        ends, claims = {}, {}
         for node in self.p.nodes:
             if node.op == ACCUMULATE and node.mb == last:
                 out = node.outputs[0]
                 x = self.p.tensors[out]
-                end = self.check.chain_end[(node.rank, x.tid)]
-                ends[self.local(end)] = out
-        return ends
+                real = self.check.chain_end[(node.rank, x.tid)]
+                claims[out] = self.source_tensor(real)
+                end = self.local(real)
+                if end >= 0:  # read by a step node the representatives keep
+                    ends[end] = out
+        return ends, claims
+
+    def source_tensor(self, t: int) -> Tensor:
+        if isinstance(self.source, Plan):
+            return self.source.tensors[t]
+        return tensor_rows(self.source, np.array([t]))[0]
 
     def plan(self) -> tuple[Plan, dict[int, int]]:
         p, fold = self.p, self.fold
-        ends = self.chain_ends()
+        ends, claims = self.chain_ends()
         shown = self.d < fold.dp
         nodes = []
         for i, node in enumerate(p.nodes):
@@ -339,6 +350,10 @@ class _Cut:
                                 f"{x.rank}, microbatch {x.mb}, which they do not hold")
             rank = self.new_rank(x.rank)
             rank_of[rank] = x.rank
+            if t in claims and claims[t].is_whole():  # the whole gradient, no reducer after
+                real = claims[t]
+                x = x._replace(lver=real.lver, slices=real.slices, parts=real.parts,
+                               scale=real.scale)
             tensors.append(x._replace(rank=rank, slices=self.slices(x, start), parts=self.parts(x)))
         nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
                             outputs=tuple(index[t] if t >= 0 else -1 for t in n.outputs))
