@@ -884,6 +884,7 @@ def _permute(lw: _Lowerer, args, kwargs, shapes, group):
 HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
     "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
+    "aten.empty_like.default": lambda lw, args, kwargs, shapes, group: "empty",
     "fsdp.all_gather_copy_in.default": _copy_in,
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
