@@ -165,3 +165,17 @@ def variables(prefix: str, shape: tuple[int, ...]) -> np.ndarray:
     for idx in np.ndindex(*shape):
         out[idx] = z3.Real(f"{prefix}[{','.join(map(str, idx))}]")
     return out
+
+
+class Z3Symbolic:
+    """The symbolic backend the prover is given (``verdict.solve.Symbolic``):
+    stateless, so it crosses process boundaries by reference."""
+
+    def xp(self) -> SymbolicXP:
+        return SymbolicXP()
+
+    def variables(self, prefix: str, shape: tuple[int, ...]) -> np.ndarray:
+        return variables(prefix, shape)
+
+
+Z3 = Z3Symbolic()

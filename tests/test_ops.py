@@ -44,14 +44,14 @@ COVERED = {
     "multiref", "zeros", "ones", "local_grad_accumulation", "detach", "sgd_step", "adam_step",
     # collectives
     "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
-    "send_recv", "broadcast",
+    "send_recv", "broadcast", "all_reduce_avg", "reduce_scatter_avg",
     # torch-side
     "expand", "gelu", "tanh", "sigmoid", "relu", "cat", "narrow",
 }
 
 COLLECTIVES = {
     "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
-    "send_recv", "broadcast",
+    "send_recv", "broadcast", "all_reduce_avg", "reduce_scatter_avg",
 }
 
 
@@ -467,6 +467,24 @@ def test_all_reduce(name: str) -> None:
         rule.shape([(2, 4), (2, 4), (4, 2)], index=0)
     with pytest.raises(ShapeError):
         rule.shape([], index=0)
+
+
+def test_averaging_collectives_are_torch_means() -> None:
+    """ReduceOp.AVG: the group's mean (torch's mean over the stacked group),
+    and a reduce-scatter's chunk of it; a group of one is the identity."""
+    xs = _group(3, (6, 2), seed=55)
+    mean = torch.stack([torch.tensor(x) for x in xs]).mean(0).numpy()
+    for index in range(3):
+        (out,) = get_op("all_reduce_avg").forward(NumericXP(), tuple(xs), index=index)
+        np.testing.assert_allclose(out, mean, rtol=RTOL)
+        (out,) = get_op("reduce_scatter_avg").forward(NumericXP(), tuple(xs), index=index, dim=0)
+        np.testing.assert_allclose(out, np.split(mean, 3, axis=0)[index], rtol=RTOL)
+        assert get_op("reduce_scatter_avg").shape([x.shape for x in xs], index=index,
+                                                  dim=0) == [(2, 2)]
+    (out,) = get_op("all_reduce_avg").forward(NumericXP(), (xs[0],), index=0)
+    np.testing.assert_array_equal(out, xs[0])
+    with pytest.raises(ShapeError, match="does not split"):
+        get_op("reduce_scatter_avg").shape([(6, 2)] * 3, index=0, dim=1)
 
 
 def test_all_reduce_max() -> None:

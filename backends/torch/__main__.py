@@ -53,18 +53,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default="backends.torch.recipes:tp_sp",
                    help="parallelization recipe, package.module:function, or a function "
                         f"of {RECIPES} by name (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=16)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=16)
-    p.add_argument("--seqlen", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (a pipelining recipe)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-o", "--out", default="data/plans/torch")
+    p.add_argument("--layers", type=int, default=1, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=16, help="hidden size (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    p.add_argument("--ffn", type=int, default=32, help="feed-forward size (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=16, help="vocabulary size (default: %(default)s)")
+    p.add_argument("--seqlen", type=int, default=4, help="sequence length (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="global batch size of the step (default: %(default)s)")
+    p.add_argument("--dp", type=int, default=2,
+                   help="data-parallel degree of the mesh (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=2,
+                   help="tensor-parallel degree of the mesh (default: %(default)s)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages, for a pipelining recipe (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model's weights and inputs (default: %(default)s)")
+    p.add_argument("-o", "--out", default="data/plans/torch",
+                   help="output directory (default: %(default)s)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
@@ -124,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
     pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
-    print(f"--sm {sm} --pm {pm}")
+    for path, plan in ((sm, plan_s), (pm, plan_p)):
+        print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
+              f"and its world spec {path.with_suffix('.json')}")
+    print(f"verify them: python main.py --sm {sm} --pm {pm}")
     return 0
 
 

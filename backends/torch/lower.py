@@ -745,10 +745,14 @@ def _copy(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.val(args[1])
 
 
+#: c10d reduce ops as the rule table's collectives (sum, or the group's mean)
+REDUCE_OPS = {"sum": "", "avg": "_avg"}
+
+
 def _all_reduce(lw: _Lowerer, args, kwargs, shapes, group):
-    if args[1] != "sum":
+    if args[1] not in REDUCE_OPS:
         raise LoweringError(f"{lw.name}: all_reduce with op {args[1]} is not lowered")
-    return lw.emit("all_reduce", [lw.val(args[0])], shapes, group=group)[0]
+    return lw.emit("all_reduce" + REDUCE_OPS[args[1]], [lw.val(args[0])], shapes, group=group)[0]
 
 
 def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
@@ -756,7 +760,7 @@ def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _reduce_scatter(lw: _Lowerer, args, kwargs, shapes, group):
-    if args[1] != "sum":
+    if args[1] not in REDUCE_OPS:
         raise LoweringError(f"{lw.name}: reduce_scatter with op {args[1]} is not lowered")
     x = lw.env.get(args[0][1])
     if isinstance(x, _Stacked):
@@ -766,7 +770,8 @@ def _reduce_scatter(lw: _Lowerer, args, kwargs, shapes, group):
         src, dim = x.x, x.dim
     else:
         src, dim = lw.val(args[0]), 0
-    return lw.emit("reduce_scatter", [src], shapes, {"dim": dim}, group=group)[0]
+    return lw.emit("reduce_scatter" + REDUCE_OPS[args[1]], [src], shapes, {"dim": dim},
+                   group=group)[0]
 
 
 def _split(lw: _Lowerer, args, kwargs, shapes, group):
