@@ -110,7 +110,8 @@ def _write_atomic(path: Path, blob: bytes) -> None:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """Write ``plan`` to ``path`` (pickle) and its world spec beside it (JSON).
+    """Write ``plan`` to ``path`` (pickle; columnar when ``path`` ends in .npz)
+    and its world spec beside it (JSON).
 
     The data is validated first and pickled by a pickler that refuses any
     object but plain data of exact built-in types (:class:`_PlainPickler`),
@@ -121,6 +122,14 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     spec_path = world_path(path)
     if spec_path == path:
         raise PlanError("a plan file may not end in .json (its world spec goes there)", path)
+    if path.suffix == ".npz":
+        from verdict.columns import Columns
+
+        try:
+            cols = Columns.from_plan(plan)
+        except ValueError as e:
+            raise PlanError(f"cannot save: {e}", path) from None
+        return save_columns_plan(cols, path)
     data = plan.to_data()
     try:
         validate(data)
@@ -132,6 +141,21 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     _write_atomic(path, blob)
     _write_atomic(spec_path, spec.encode())
     return path, spec_path
+
+
+def save_columns_plan(cols: Any, path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Write columns (:class:`verdict.columns.Columns`) as a columnar plan file
+    (.npz) and its world spec beside it. Returns both paths."""
+    from backends.columnar import save_columns  # columnar builds on this module
+
+    path = Path(path)
+    try:
+        spec = json.dumps(cols.world, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except ValueError as e:
+        raise PlanError(f"cannot save: world spec: {_detail(e)}", path) from None
+    save_columns(cols, path)
+    _write_atomic(world_path(path), spec.encode())
+    return path, world_path(path)
 
 
 _PLAIN_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
@@ -220,8 +244,16 @@ def load_world(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Load and validate a plan file; every problem is a one-line :class:`PlanError`."""
+    """Load and validate a plan file, pickled or columnar (told apart by its
+    first bytes, not its suffix); every problem is a one-line :class:`PlanError`."""
     path = Path(path)
+    from backends import columnar  # columnar builds on this module's checks
+
+    if columnar.is_columnar(path):
+        plan = columnar.load_columns_file(path).to_plan()
+        if world_path(path).exists():
+            _check_world_matches(plan.world, load_world(path), path)
+        return plan
     try:
         data = _unpickle(_read_bytes(path))
         validate(data)

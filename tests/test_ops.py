@@ -46,7 +46,7 @@ COVERED = {
     "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
     "send_recv", "broadcast", "all_reduce_avg", "reduce_scatter_avg",
     # torch-side
-    "expand",
+    "expand", "gelu", "tanh", "sigmoid", "relu", "cat", "narrow",
 }
 
 COLLECTIVES = {
@@ -227,6 +227,19 @@ def _cases() -> list[Case]:
                   lambda t: t.expand(2, 3, 5, 4), {"shape": [2, 3, 5, 4]}))
     c.append(Case("expand_scalar", "expand", [randn(seed=42)],
                   lambda t: t.expand(2, 3), {"shape": [2, 3]}))
+    wide = randn(2, 3, 4, seed=43) * 3
+    c.append(Case("gelu_erf", "gelu", [wide], F.gelu, {"approximate": "none"}))
+    c.append(Case("gelu_tanh", "gelu", [wide], lambda t: F.gelu(t, approximate="tanh"),
+                  {"approximate": "tanh"}))
+    c.append(Case("tanh", "tanh", [wide], torch.tanh))
+    c.append(Case("sigmoid", "sigmoid", [wide], torch.sigmoid))
+    c.append(Case("relu", "relu", [wide], torch.relu))
+    pieces = [randn(2, 3, 4, seed=44), randn(2, 3, 4, seed=45), randn(2, 3, 4, seed=46)]
+    c.append(Case("cat_equal", "cat", pieces, lambda *t: torch.cat(t, dim=-1), {"dim": -1}))
+    c.append(Case("cat_uneven", "cat", [randn(2, 1, 4, seed=47), randn(2, 3, 4, seed=48)],
+                  lambda *t: torch.cat(t, dim=1), {"dim": 1}))
+    c.append(Case("narrow", "narrow", [randn(2, 7, 3, seed=49)],
+                  lambda t: t.narrow(1, 2, 4), {"dim": 1, "start": 2, "length": 4}))
     return c
 
 
@@ -618,6 +631,13 @@ SHAPE_ERRORS: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
       "decoupled": True, "step": 1}),
     ("expand", [(3, 2)], {"shape": [3, 4]}),
     ("expand", [(2, 3)], {"shape": [3]}),
+    ("gelu", [(2, 3)], {"approximate": "fast"}),
+    ("tanh", [(2,), (2,)], {}),
+    ("sigmoid", [(2,), (2,)], {}),
+    ("relu", [(2,), (2,)], {}),
+    ("cat", [(2, 3), (3, 3)], {"dim": 1}),
+    ("cat", [(2, 3), (2, 3, 1)], {"dim": 0}),
+    ("narrow", [(2, 5)], {"dim": 1, "start": 3, "length": 3}),
     ("add", [(2, 3), (2, 4)], {}),
     ("add", [(2, 3)], {}),
     ("mul", [(2, 3, 4), (3, 3, 4)], {}),

@@ -204,19 +204,38 @@ PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_paralle
                    *FOLD_KEYS)
 
 
+#: World fields that name a model's sizes, in the order a message lists them.
+MODEL_SIZES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seqlen", "experts",
+               "topk", "moe_ffn", "gbs")
+DEGREES = ("dp", "tp", "pp", "ep", "nm", "cp")
+
+
+def describe_model(world: dict[str, Any]) -> str:
+    """A model in a user's words: its name and its sizes (those above zero)."""
+    sizes = ", ".join(f"{k} {world[k]}" for k in MODEL_SIZES if world.get(k))
+    return f"{world.get('model', 'an unnamed model')} ({sizes})" if sizes else str(
+        world.get("model", "an unnamed model"))
+
+
 def pair_problem(single: Plan, parallel: Plan) -> str | None:
     """Why two plans cannot be compared (None when they can): the first must
-    be single-device and both must describe the same model."""
-    for flag in ("dp", "tp", "pp", "ep", "nm", "cp"):
+    be single-device, the second parallel, and both must describe the same
+    model."""
+    for flag in DEGREES:
         if single.world.get(flag, 1) != 1:
             return f"--sm is not a single-device plan ({flag}={single.world[flag]})"
     if any(t.rank != 0 for t in single.tensors):
         return "--sm has tensors on ranks other than 0"
+    if (all(parallel.world.get(flag, 1) == 1 for flag in DEGREES) and not parallel.is_folded()
+            and all(t.rank == 0 for t in parallel.tensors)):
+        return ("--pm is a single-device plan (dp, tp, pp, ep, nm and cp all 1): there is "
+                "nothing parallel to verify; pass a parallel plan as --pm")
     keys = sorted((set(single.world) | set(parallel.world)) - set(PARALLEL_FIELDS))
     for key in keys:
         a, b = single.world.get(key), parallel.world.get(key)
         if a != b:
-            return f"the plans are of different models: {key} is {a} in --sm and {b} in --pm"
+            return (f"the plans are of different models: --sm is {describe_model(single.world)}"
+                    f" and --pm is {describe_model(parallel.world)} ({key} {a} against {b})")
     if len(single.logical) != len(parallel.logical):
         return "the plans are of different models: their logical tensors differ"
     for a, b in zip(single.logical, parallel.logical):

@@ -9,6 +9,9 @@ times the value a Tp of scale 1 would get, and every claim compares norms.
 Cheap proofs come first: a claim whose difference simplifies to 0 is proved
 without the solver. What is left goes to Z3 as one query: is there an input
 for which some claim fails?
+
+The symbolic arrays come from a backend passed in (:class:`Symbolic`; main.py
+passes ``backends.z3backend.Z3``): verdict/ never imports backends/.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import math
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any, Protocol
 
 import numpy as np
 import z3
 
-from backends.z3backend import SymbolicXP, variables
 from verdict.numeric import run_node
 from verdict.plan import Node
 from verdict.problem import LineageFact, Problem
@@ -40,6 +43,27 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.status == "proved"
+
+
+class Symbolic(Protocol):
+    """What the prover needs of a symbolic backend: the rule table's ``xp``
+    functions for object arrays of Z3 terms, and arrays of fresh variables."""
+
+    def xp(self) -> Any: ...
+
+    def variables(self, prefix: str, shape: tuple[int, ...]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Prover:
+    """``solve`` bound to a symbolic backend: the ``solve_fn`` executors run.
+    Plain data and a backend object, so it crosses process boundaries."""
+
+    symbolic: Symbolic
+    timeout_ms: int = 120_000
+
+    def __call__(self, p: Problem, seed: int = 0) -> Outcome:
+        return solve(p, seed, self.timeout_ms, symbolic=self.symbolic)
 
 
 def _region(slices) -> tuple[slice, ...]:
@@ -81,8 +105,9 @@ def _times(arr, factor: tuple[int, int]) -> np.ndarray:
 
 
 class _Run:
-    def __init__(self, p: Problem):
+    def __init__(self, p: Problem, symbolic: Symbolic):
         self.p = p
+        self.symbolic = symbolic
         self.ts: dict[int, np.ndarray] = {}
         self.tp: dict[int, np.ndarray] = {}
         self.assume: list[z3.BoolRef] = []
@@ -97,7 +122,7 @@ class _Run:
                 op, direction, kw = p.constants[i]
                 self.run_side([(op, direction, kw, [], [i])], self.ts, p.ts_shapes)
             else:
-                self.ts[i] = variables(f"Ts{i}", p.ts_shapes[i])
+                self.ts[i] = self.symbolic.variables(f"Ts{i}", p.ts_shapes[i])
         for f in p.given:
             self.substitute(f)
 
@@ -119,7 +144,7 @@ class _Run:
                 continue
             last = free[-1]
             for m in free[:-1]:
-                self.tp[m] = variables(f"Tp{m}", self.p.tp_shapes[m])
+                self.tp[m] = self.symbolic.variables(f"Tp{m}", self.p.tp_shapes[m])
             others = [self.norm(m) for m in members if m != last]
             rest = piece - _total(others) if others else piece
             rest = np.array(rest, dtype=object).reshape(np.shape(piece))
@@ -127,14 +152,14 @@ class _Run:
                                      dtype=object).reshape(np.shape(piece))
         for m in f.loose:
             if m not in self.tp:
-                self.tp[m] = variables(f"Tp{m}", self.p.tp_shapes[m])
+                self.tp[m] = self.symbolic.variables(f"Tp{m}", self.p.tp_shapes[m])
         for first, others in f.aliases:
             for o in others:
                 ratio = Fraction(*self.scale(o)) / Fraction(*self.scale(first))
                 self.tp[o] = _times(self.tp[first], (ratio.numerator, ratio.denominator))
 
     def run_side(self, nodes, values: dict, shapes: list) -> None:
-        xp = SymbolicXP()
+        xp = self.symbolic.xp()
         for op, direction, kw, ins, outs in nodes:
             args = [values[i] if i >= 0 else None for i in ins]
             out_shapes = [shapes[o] if o >= 0 else None for o in outs]
@@ -220,9 +245,10 @@ def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
     return out
 
 
-def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000) -> Outcome:
+def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000, *,
+          symbolic: Symbolic) -> Outcome:
     start = time.perf_counter()
-    run = _Run(p)
+    run = _Run(p, symbolic)
     try:
         run.setup()
         if p.gs is not None:
