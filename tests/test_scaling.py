@@ -186,3 +186,16 @@ def test_traced_mean_summed_over_dp_fails_naming_rank_and_factor(singles: dict) 
     assert not v.success and v.kind == "coverage"
     assert "2 x the gradient" in v.message and "applied by div" in v.message
     assert "rank 0" in v.message
+
+
+def test_columnar_plans_keep_scales(tmp_path) -> None:
+    from backends.planfile import load_plan, save_plan
+
+    single, plan = _per_rank_mean(2, "all_reduce_avg")
+    path, _ = save_plan(plan, tmp_path / "p.npz")
+    back = load_plan(path)
+    assert [t.scale for t in back.tensors] == [t.scale for t in plan.tensors]
+    assert verify(single, back).success
+    _, unscaled = plan_pair(MLP, Parallelism(dp=2), 8)
+    path, _ = save_plan(unscaled, tmp_path / "u.npz")
+    assert all(t.scale == (1, 1) for t in load_plan(path).tensors)
