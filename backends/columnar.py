@@ -46,6 +46,10 @@ TENSOR_ARRAYS = ("rank", "mb", "tid", "version", "lver", "parts", "slices")
 NODE_ARRAYS = ("rank", "mb", "op", "dir", "kwargs", "name", "in_start", "in_count", "inputs",
                "out_off", "outputs")
 MEMBERS = ("header", *(f"t_{k}" for k in TENSOR_ARRAYS), *(f"n_{k}" for k in NODE_ARRAYS))
+#: Members a file may leave out: ``t_scale`` (T, 2), each tensor's factor
+#: [num, den] (docs/soundness.md, "Scaled claims"), written only when some
+#: tensor is scaled; without it every factor is 1.
+OPTIONAL_MEMBERS = ("t_scale",)
 _INT_DTYPES = (np.dtype("<i4"), np.dtype("<i8"))
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (30 bytes)
 
@@ -79,6 +83,8 @@ def columns_bytes(cols: Columns) -> bytes:
     arrays = {"header": np.frombuffer(text, dtype=np.uint8)}
     for k in TENSOR_ARRAYS:
         arrays[f"t_{k}"] = np.ascontiguousarray(getattr(cols.tensors, k))
+    if cols.tensors.scale is not None:
+        arrays["t_scale"] = np.ascontiguousarray(cols.tensors.scale)
     for k in NODE_ARRAYS:
         arrays[f"n_{k}"] = np.ascontiguousarray(getattr(cols.nodes, k))
     stream = io.BytesIO()
@@ -151,10 +157,11 @@ def _read_members(path: Path) -> dict[str, np.ndarray]:
                 raise PlanError(f"not a valid .npz (zip) file, or truncated ({_detail(e)})") \
                     from None
             names = [i.filename for i in infos]
-            want = {f"{m}.npy" for m in MEMBERS}
+            want = {f"{m}.npy" for m in (*MEMBERS, *OPTIONAL_MEMBERS)}
             for n in names:
                 if n not in want:
-                    raise PlanError(f"unknown member {_show(n)} (members: {', '.join(MEMBERS)})")
+                    raise PlanError(f"unknown member {_show(n)} (members: "
+                                    f"{', '.join((*MEMBERS, *OPTIONAL_MEMBERS))})")
             if len(set(names)) != len(names):
                 raise PlanError("a member appears twice")
             for m in MEMBERS:
@@ -220,7 +227,8 @@ def _columns_of(header: dict, arrays: dict[str, np.ndarray]) -> Columns:
     logical = tuple(Logical(r[0], s, r[2]) for r, s in zip(logical_rows, shapes))
     return Columns(
         world=header["world"], logical=logical, loss=loss, grads={p: g for p, g in grads},
-        tensors=TensorColumns(**{k: arrays[f"t_{k}"] for k in TENSOR_ARRAYS}),
+        tensors=TensorColumns(**{k: arrays[f"t_{k}"] for k in TENSOR_ARRAYS},
+                              scale=arrays.get("t_scale")),
         nodes=NodeColumns(**{k: arrays[f"n_{k}"] for k in NODE_ARRAYS}),
         ops=_table(header, "ops"), names=_table(header, "names"),
         kwargs=_table(header, "kwargs"),
@@ -285,12 +293,15 @@ def _check_dtypes(cols: Columns) -> None:
     shapes = {
         **{f"t_{k}": (t,) for k in ("rank", "mb", "tid", "version", "lver")},
         "t_parts": (t, 3),
+        "t_scale": (t, 2),
         **{f"n_{k}": (n,) for k in ("rank", "mb", "op", "dir", "kwargs", "name", "in_start",
                                      "in_count")},
         "n_out_off": (n + 1,),
     }
     arrays = {**{f"t_{k}": getattr(cols.tensors, k) for k in TENSOR_ARRAYS},
               **{f"n_{k}": getattr(cols.nodes, k) for k in NODE_ARRAYS}}
+    if cols.tensors.scale is not None:
+        arrays["t_scale"] = cols.tensors.scale
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray) or a.dtype.newbyteorder("<") not in _INT_DTYPES:
             got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
@@ -339,6 +350,13 @@ def _check_tensor_columns(cols: Columns) -> None:
         i = _first(bad)
         raise PlanError(f"tensor {i}: parts {t.parts[i].tolist()} must satisfy "
                         "0 <= lo < hi <= |n|")
+    if t.scale is not None:
+        num, den = (t.scale[:, k].astype(np.int64) for k in range(2))
+        bad = (num == 0) | (den <= 0)
+        if bad.any():
+            i = _first(bad)
+            raise PlanError(f"tensor {i}: scale {t.scale[i].tolist()} must be [num, den] with "
+                            f"num != 0 and den > 0")
     if total:
         _check_slices(cols, per, total)
     if nt:
