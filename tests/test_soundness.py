@@ -271,7 +271,9 @@ def test_mutation_harness_quick_subset():
     done = subprocess.run([sys.executable, "scripts/mutate.py", "--quick"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "0 wrong SUCCESS, 0 false alarms, 0 without a verdict" in done.stdout
+    out = done.stdout
+    assert "0 wrong SUCCESS (a wrong mutant verified), 0 false alarms (a rewrite" in out
+    assert "0 without a verdict" in out and "harmless that FAILed on the plan's claims" in out
 
 
 # --- the world's layout ------------------------------------------------------------
