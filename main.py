@@ -1,5 +1,12 @@
 """python main.py --sm single.pkl --pm parallel.pkl: are the two plans equivalent?
 
+python main.py --convert IN OUT: rewrite plan file IN (pickled or columnar) as
+OUT, columnar when OUT ends in .npz, else pickled (docs/plan-format.md).
+
+main.py wires the parts: the plan loader and the Z3 symbolic backend
+(backends/) are passed into the verifier (verdict/), which imports neither.
+:func:`verify` is the verifier with the Z3 backend wired in.
+
 Exit 0: equivalent. Exit 1: not equivalent (the difference is printed).
 Exit 2: bad input or usage (one line on stderr). Exit 3: no verdict, because
 of an internal error (an exception, a killed worker, memory exhausted) or a
@@ -17,15 +24,18 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from backends.planfile import PlanError
-from verdict.cache import StageCache, load_plan_cached
+from backends.plancache import load_plan_cached
+from backends.planfile import PlanError, load_plan, save_plan
+from backends.z3backend import Z3
+from verdict import engine
+from verdict.cache import StageCache
 from verdict.differential import NumericRefused, check_size, compare
-from verdict.engine import Verdict, verify
+from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
 from verdict.fold import FoldError, fold_pair
 from verdict.plan import Plan, pair_problem
 from verdict.report import append_stats, evidence, failure, make_stats, time_line, tp_label, ts_label
-from verdict.solve import Outcome
+from verdict.solve import Outcome, Prover
 from verdict.structure import node_label
 
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
@@ -34,6 +44,14 @@ EXIT_CODES = """exit codes:
   1  not equivalent, with the evidence printed (❌ FAIL, or ❌ DIFFERENT with --numeric)
   2  bad input or usage: one line on stderr, nothing written
   3  no verdict: an internal error or a stage the solver could not decide (one line on stderr)"""
+#: One stage's proof: verdict's solver over the Z3 symbolic backend.
+PROVER = Prover(Z3)
+
+
+def verify(single: Plan, parallel: Plan, **options) -> Verdict:
+    """``verdict.engine.verify`` with the Z3 backend wired in (``options``:
+    its keyword arguments but ``prover``)."""
+    return engine.verify(single, parallel, prover=PROVER, **options)
 
 
 class UsageError(Exception):
@@ -52,8 +70,10 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python main.py", description=__doc__.split("\n\n")[0],
                 epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sm", type=Path, required=True, help="single-device plan (.pkl)")
-    p.add_argument("--pm", type=Path, required=True, help="parallel plan (.pkl)")
+    p.add_argument("--sm", type=Path, help="single-device plan (.pkl or .npz)")
+    p.add_argument("--pm", type=Path, help="parallel plan (.pkl or .npz)")
+    p.add_argument("--convert", nargs=2, type=Path, metavar=("IN", "OUT"),
+                   help="rewrite plan file IN as OUT (columnar if OUT ends in .npz) and exit")
     p.add_argument("--seed", type=int, default=0, help="random seed (inputs, solver)")
     p.add_argument("--time", action="store_true", help="print the time of each phase")
     p.add_argument("--max_ser_proc", type=int, default=1,
@@ -130,7 +150,7 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
     cache = StageCache(args.cache_dir if args.cache_stages else None)
     memo = {key: Outcome("proved") for key in cache.proved}
     progress = sys.stderr.isatty()
-    executor = make_executor(args.executor, args.max_vrf_proc, args.ray_address)
+    executor = make_executor(args.executor, args.max_vrf_proc, args.ray_address, PROVER)
     verdict = verify(single, parallel, seed=args.seed, keep_going=args.keep_going, memo=memo,
                      progress=progress, executor=executor)
     cache.save({r.key for r in verdict.results if r.outcome.ok})
@@ -241,13 +261,28 @@ def run_numeric(args: argparse.Namespace) -> int:
     return EXIT_DIFFERENT
 
 
+def run_convert(source: Path, target: Path) -> int:
+    """--convert: load (and validate) one plan file, write it in the other form."""
+    plan = load_plan(source)
+    out, spec = save_plan(plan, target)
+    print(f"wrote {out} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors)")
+    print(f"wrote {spec}")
+    return EXIT_EQUAL
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
+        if args.convert:
+            if args.sm or args.pm:
+                raise UsageError("--convert takes no --sm or --pm")
+            return run_convert(*args.convert)
+        if args.sm is None or args.pm is None:
+            raise UsageError("the following arguments are required: --sm, --pm")
         if args.max_vrf_proc < 1 or args.max_ser_proc < 1:
             raise UsageError("--max_vrf_proc and --max_ser_proc must be at least 1")
         if not args.numeric:
-            make_executor(args.executor, args.max_vrf_proc, args.ray_address)
+            make_executor(args.executor, args.max_vrf_proc, args.ray_address, PROVER)
         return run_numeric(args) if args.numeric else run_verify(args)
     except (UsageError, PlanError, NumericRefused, ExecutorUnavailable) as e:
         sys.stderr.write(f"error: {e}\n")

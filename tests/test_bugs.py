@@ -18,7 +18,8 @@ from gen_model.__main__ import main as gen_main
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from harness import bugs
-from verdict.engine import Verdict, verify
+from main import verify
+from verdict.engine import Verdict
 from verdict.plan import Plan
 
 BASE = Parallelism(dp=2, pp=2, tp=2, nm=2)

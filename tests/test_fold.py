@@ -19,7 +19,7 @@ from gen_model.parallelize import Policy
 from harness.mutations import FOLD_MUTATIONS, MUTATIONS, _add_tensor, copy_plan
 from harness.oracle import judge, judge_folded
 from main import main as verify_main
-from verdict.engine import verify
+from main import verify
 from verdict.fold import FoldError, batch_dims, fold_pair
 from verdict.plan import Node, Plan
 

@@ -11,8 +11,8 @@ from gen_model.generate import logical_graph, make_plan
 from gen_model.program import Policy
 from gen_model.spmd import shard
 from harness.oracle import judge
+from main import verify
 from verdict.differential import compare
-from verdict.engine import verify
 
 LLAMA = ModelConfig("llama3", layers=4, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
                     seqlen=4)

@@ -21,7 +21,7 @@ from backends.torch.models import llama
 from backends.torch.rank import run
 from harness.mutations import MUTATIONS, REWRITES
 from harness.oracle import judge
-from verdict.engine import verify
+from main import verify
 from verdict.numeric import execute
 
 RECIPES = "backends.torch.recipes:"

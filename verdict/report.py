@@ -125,7 +125,8 @@ def ts_label(single: Plan, i: int) -> str:
 
 def tp_label(parallel: Plan, i: int) -> str:
     t = parallel.tensors[i]
-    return f"Tensor(wtype='p', rank={t.rank}, mb={t.mb}, tid={t.tid}, v={t.version})"
+    scaled = "" if t.scale == (1, 1) else f", scale={t.factor()}"
+    return f"Tensor(wtype='p', rank={t.rank}, mb={t.mb}, tid={t.tid}, v={t.version}{scaled})"
 
 
 def _short(parallel: Plan, i: int) -> str:
@@ -211,6 +212,9 @@ def stage_failure(r: StageResult, verdict: Verdict, single: Plan, parallel: Plan
                     lines.append("    🚨 ⬆️")
             if (c, g) in out.bad and len(members) > 1:
                 lines.append("    🚨 ⬆️ (their sum differs)")
+            if (c, g) in out.bad and any(parallel.tensors[p.tp_global[m]].scale != (1, 1)
+                                         for m in members):
+                lines.append("    (a scaled tensor counts divided by its scale)")
         for k, (first, others) in enumerate(fact.aliases):
             if (c, -1 - k) not in out.bad:
                 continue

@@ -24,13 +24,35 @@ from backends.torch.build import build_plans
 from backends.torch.lower import LoweringError, lower_trace
 from backends.torch.rank import load, run, run_isolated
 
+#: short model names (``--model gpt2``); any other name is package.module:factory
+MODELS = {
+    "llama": "backends.torch.models:llama",
+    "gpt2": "backends.torch.stock_models:gpt2",
+    "gpt2_masked": "backends.torch.stock_models:gpt2_masked",
+    "gpt2_mean": "backends.torch.stock_models:gpt2_mean",
+    "mlp": "backends.torch.stock_models:mlp",
+    "mlp_mean": "backends.torch.stock_models:mlp_mean",
+}
+#: the module a recipe named without one (``--recipe tp_sp``) is taken from
+RECIPES = "backends.torch.recipes"
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Short model and recipe names to ``package.module:name`` references."""
+    args.model = MODELS.get(args.model, args.model)
+    if ":" not in args.recipe:
+        args.recipe = f"{RECIPES}:{args.recipe}"
+    return args
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backends.torch", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="backends.torch.models:llama",
-                   help="model factory, package.module:function (default: %(default)s)")
+                   help="model factory, package.module:function or a short name: "
+                        + ", ".join(MODELS) + " (default: %(default)s)")
     p.add_argument("--recipe", default="backends.torch.recipes:tp_sp",
-                   help="parallelization recipe, package.module:function (default: %(default)s)")
+                   help="parallelization recipe, package.module:function, or a function "
+                        f"of {RECIPES} by name (default: %(default)s)")
     p.add_argument("--layers", type=int, default=1, help="transformer blocks (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=16, help="hidden size (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
@@ -71,6 +93,7 @@ def trace_ranks(spec: dict, world: int) -> list[dict]:
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
+    args = resolve(args)
     kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
