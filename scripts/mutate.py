@@ -249,9 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     rewrites = sum(r.kind == "rewrite" for r in rows)
     print(f"{mutants} mutants, {rewrites} rewrites on {len(bases)} base plans in "
           f"{time.perf_counter() - start:.0f} s: "
-          f"{sum(r.outcome == 'WRONG SUCCESS' for r in rows)} wrong SUCCESS, "
-          f"{sum(r.outcome == 'FALSE ALARM' for r in rows)} false alarms, "
-          f"{sum(r.outcome == 'NO VERDICT' for r in rows)} without a verdict")
+          f"{sum(r.outcome == 'WRONG SUCCESS' for r in rows)} wrong SUCCESS (a wrong mutant "
+          f"verified), {sum(r.outcome == 'FALSE ALARM' for r in rows)} false alarms (a rewrite "
+          f"that changes nothing FAILed), "
+          f"{sum(r.outcome == 'NO VERDICT' for r in rows)} without a verdict; "
+          f"{sum(r.outcome == 'equivalent, failed' for r in rows)} 'equivalent, failed' (a "
+          f"mutant the oracle finds harmless that FAILed on the plan's claims, which the "
+          f"verifier checks and the oracle ignores: allowed, not a false alarm)")
     if args.csv:
         append_rows(args.csv, [{**r.__dict__, "outcome": r.outcome} for r in rows])
     return 1 if bad else 0
