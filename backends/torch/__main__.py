@@ -5,7 +5,8 @@
 runs the step once on one device and once per rank of the (dp, tp) mesh
 under a fake process group (one process per rank), lowers what each ran
 onto the rule table and writes ``DIR/STEM_single.pkl`` and
-``DIR/STEM_parallel.pkl`` (with their JSON world specs). Verify them with
+``DIR/STEM_parallel.pkl`` (with their JSON world specs; ``--format npz``:
+columnar files, ``.npz``). Verify them with
 ``python main.py --sm ... --pm ...``. Exit 2 with one line on an op that is
 not lowered or a recipe that does not run.
 """
@@ -43,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (a pipelining recipe)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--out", default="data/plans/torch")
+    p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
+                   help="plan file form: pickled rows or columnar (docs/plan-format.md)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
@@ -99,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")
     out = Path(args.out)
-    sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
-    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
+    sm, _ = save_plan(plan_s, out / f"{stem}_single.{args.format}")
+    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.{args.format}")
     print(f"--sm {sm} --pm {pm}")
     return 0
 
