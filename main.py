@@ -34,11 +34,16 @@ from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
 from verdict.fold import FoldError, fold_pair
 from verdict.plan import Plan, pair_problem
-from verdict.report import append_stats, evidence, failure, make_stats, tp_label, ts_label
+from verdict.report import append_stats, evidence, failure, make_stats, time_line, tp_label, ts_label
 from verdict.solve import Outcome, Prover
 from verdict.structure import node_label
 
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_CODES = """exit codes:
+  0  equivalent (✅ SUCCESS, or ✅ EQUAL with --numeric)
+  1  not equivalent, with the evidence printed (❌ FAIL, or ❌ DIFFERENT with --numeric)
+  2  bad input or usage: one line on stderr, nothing written
+  3  no verdict: an internal error or a stage the solver could not decide (one line on stderr)"""
 #: One stage's proof: verdict's solver over the Z3 symbolic backend.
 PROVER = Prover(Z3)
 
@@ -63,7 +68,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python main.py", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python main.py", description=__doc__.split("\n\n")[0],
+                epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sm", type=Path, help="single-device plan (.pkl or .npz)")
     p.add_argument("--pm", type=Path, help="parallel plan (.pkl or .npz)")
     p.add_argument("--convert", nargs=2, type=Path, metavar=("IN", "OUT"),
@@ -81,17 +87,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
                    help="Ray cluster to use (default: start a local Ray instance)")
     p.add_argument("--loglevel", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
-    p.add_argument("--use_cache_nodes", dest="cache_nodes", action="store_true", default=True)
-    p.add_argument("--no_cache_nodes", dest="cache_nodes", action="store_false")
-    p.add_argument("--use_cache_stages", dest="cache_stages", action="store_true", default=True)
-    p.add_argument("--no_cache_stages", dest="cache_stages", action="store_false")
-    p.add_argument("--dump_nodes", action="store_true")
-    p.add_argument("--dump_lineages", action="store_true")
-    p.add_argument("--dump_stages", action="store_true")
-    p.add_argument("--cache_dir", type=Path, default=Path("data/cache"))
-    p.add_argument("--log_dir", type=Path, default=Path("data/logs"))
-    p.add_argument("--stats_dir", type=Path, default=Path("data/stats"))
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="logging level; DEBUG logs every stage's outcome (default: %(default)s)")
+    p.add_argument("--use_cache_nodes", dest="cache_nodes", action="store_true", default=True,
+                   help="remember in --cache_dir which plan files (by content) were "
+                        "validated, and skip validating them again (the default)")
+    p.add_argument("--no_cache_nodes", dest="cache_nodes", action="store_false",
+                   help="validate the plan files on every load, without the plan cache")
+    p.add_argument("--use_cache_stages", dest="cache_stages", action="store_true", default=True,
+                   help="remember proved stages in --cache_dir (by canonical problem) and "
+                        "skip them in later runs (the default)")
+    p.add_argument("--no_cache_stages", dest="cache_stages", action="store_false",
+                   help="prove every stage again, without the stage cache")
+    p.add_argument("--dump_nodes", action="store_true",
+                   help="write both plans' nodes to LOG_DIR/<parallel plan>/nodes.txt")
+    p.add_argument("--dump_lineages", action="store_true",
+                   help="write every lineage (single-device tensor = parallel pieces) to "
+                        "LOG_DIR/<parallel plan>/lineages.txt")
+    p.add_argument("--dump_stages", action="store_true",
+                   help="write every stage, its outcome and its nodes to "
+                        "LOG_DIR/<parallel plan>/stages.txt")
+    p.add_argument("--cache_dir", type=Path, default=Path("data/cache"),
+                   help="where the plan and stage caches live (default: %(default)s)")
+    p.add_argument("--log_dir", type=Path, default=Path("data/logs"),
+                   help="where --dump_* write (default: %(default)s)")
+    p.add_argument("--stats_dir", type=Path, default=Path("data/stats"),
+                   help="where the Stats row is appended, as stats.csv (default: %(default)s)")
     p.add_argument("--keep-going", dest="keep_going", action="store_true",
                    help="report every failing stage instead of stopping at the first")
     p.add_argument("--numeric", action="store_true",
@@ -144,7 +165,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"PID: {os.getpid()} - ❌ FAIL")
     print(stats.line())
     if args.time:
-        print("times: " + ", ".join(f"{k}={v:.3f}s" for k, v in verdict.times.items()))
+        print(time_line(stats, t_load))
     append_stats(stats, args.stats_dir)
     if args.json:
         write_json(args.json, verdict, stats, single, parallel)

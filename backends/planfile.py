@@ -293,7 +293,7 @@ def validate(data: Any) -> None:
     _check_world(data["world"])
     _check_fold_keys(data["world"], data["version"])
     shapes = _check_logical(data["logical"])
-    n_tensors = _check_tensors(data["tensors"], shapes)
+    n_tensors = _check_tensors(data["tensors"], shapes, data["version"])
     _check_nodes(data["nodes"], n_tensors)
     _check_loss_and_grads(data["loss"], data["grads"], len(shapes))
 
@@ -357,7 +357,7 @@ def _check_header(data: Any) -> None:
     if version not in VERSIONS:
         raise PlanError(
             f"unsupported plan version {_show(version)}: this verdict reads versions "
-            f"{' and '.join(map(str, VERSIONS))}"
+            f"{', '.join(map(str, VERSIONS[:-1]))} and {VERSIONS[-1]}"
         )
     for key in FIELDS:
         if key not in data:
@@ -388,7 +388,7 @@ def _check_world(world: Any) -> None:
 
 
 def _check_fold_keys(world: dict, version: int) -> None:
-    """A folded plan's keys: version 2 only, all three, positive ints."""
+    """A folded plan's keys: version 2 or later, all three, positive ints."""
     present = [k for k in FOLD_KEYS if k in world]
     if not present:
         return
@@ -415,10 +415,16 @@ def _check_logical(rows: Sequence[Any]) -> list[Shape]:
     return shapes
 
 
-def _check_tensors(rows: Sequence[Any], shapes: list[Shape]) -> int:
+def _check_tensors(rows: Sequence[Any], shapes: list[Shape], file_version: int) -> int:
     seen: dict[tuple[int, int, int, int], int] = {}
     for i, row in enumerate(progress(rows, "checking tensors")):
         where = f"tensor {i}"
+        if _is_seq(row) and len(row) == len(TENSOR_COLUMNS) + 1:
+            if file_version < 3:
+                raise PlanError(f"{where}: a scale (9th entry) needs plan version 3, this file "
+                                f"is version {file_version}")
+            _check_scale(row[-1], where)
+            row = row[:-1]
         rank, mb, tid, version, shape, lver, slices, parts = _row(row, where, TENSOR_COLUMNS)
         _int(rank, where, "rank", low=0)
         _int(mb, where, "mb", low=-1)
@@ -458,6 +464,16 @@ def _check_slices(slices: Any, full: Shape, where: str) -> Shape:
             )
         extents.append(end - start)
     return tuple(extents)
+
+
+def _check_scale(scale: Any, where: str) -> None:
+    """A tensor's factor: [num, den], a nonzero rational (Plan.from_data
+    brings it to lowest terms)."""
+    _seq(scale, where, "scale", length=2)
+    num, den = _ints(scale, where, "scale")
+    if num == 0 or den <= 0:
+        raise PlanError(f"{where}: scale {[num, den]} must be [num, den] with num != 0 and "
+                        f"den > 0")
 
 
 def _check_parts(parts: Any, where: str) -> None:

@@ -330,6 +330,6 @@ def test_main_exits_1_with_the_counterexample(full, tmp_path, capsys):
                       "--no_cache_stages", "--no_cache_nodes", "--stats_dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1
-    assert "❌ ERROR: 🚨 Stage 5 solver result: sat" in out
+    assert "❌ Stage 5 not equivalent: 🚨 the solver found inputs on which the plans differ" in out
     assert "op='add_scalar', dir='fw', name='layers.0.attention_norm.add'" in out
     assert out.count("🚨 ⬆️") == 4 and "❌ FAIL" in out
