@@ -73,7 +73,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", default="data/plans/torch",
                    help="output directory (default: %(default)s)")
     p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
-                   help="plan file form: pickled rows or columnar (docs/plan-format.md)")
+                   help="plan file form: pickled rows or columnar (docs/plan-format.md; "
+                        "default: %(default)s)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
