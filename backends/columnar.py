@@ -32,7 +32,7 @@ from backends.planfile import (
     _show,
     _write_atomic,
 )
-from verdict.columns import Columns, NodeColumns, TensorColumns
+from verdict.columns import INT_TYPES, Columns, NodeColumns, TensorColumns
 from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FOLD_KEYS, Logical
 
@@ -46,7 +46,7 @@ TENSOR_ARRAYS = ("rank", "mb", "tid", "version", "lver", "parts", "slices")
 NODE_ARRAYS = ("rank", "mb", "op", "dir", "kwargs", "name", "in_start", "in_count", "inputs",
                "out_off", "outputs")
 MEMBERS = ("header", *(f"t_{k}" for k in TENSOR_ARRAYS), *(f"n_{k}" for k in NODE_ARRAYS))
-_INT_DTYPES = (np.dtype("<i4"), np.dtype("<i8"))
+_INT_DTYPES = tuple(np.dtype(k).newbyteorder("<") for k in INT_TYPES)
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (30 bytes)
 
 
@@ -294,7 +294,7 @@ def _check_dtypes(cols: Columns) -> None:
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray) or a.dtype.newbyteorder("<") not in _INT_DTYPES:
             got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
-            raise PlanError(f"{name}: must be an int32 or int64 array, got {got}")
+            raise PlanError(f"{name}: must be an array of int8, int16, int32 or int64, got {got}")
         want = shapes.get(name)
         if name == "t_slices":
             ok = a.ndim == 2 and a.shape[1] == 2

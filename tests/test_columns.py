@@ -150,12 +150,12 @@ def test_bad_contents_are_refused(tmp_path, capsys):
     cases = {
         "version": (_header(arrays, version=9), "unsupported columnar plan version 9"),
         "op": (_header(arrays, ops=["rm_rf", *cols.ops[1:]]), "unknown operator"),
-        "float": (dict(arrays, t_rank=arrays["t_rank"].astype(float)), "int32 or int64"),
+        "float": (dict(arrays, t_rank=arrays["t_rank"].astype(float)), "int8, int16, int32 or int64"),
     }
-    n_in = arrays["n_inputs"].copy()
+    n_in = arrays["n_inputs"].astype(np.int64)
     n_in[np.flatnonzero(n_in >= 0)[0]] = len(cols.tensors) + 5
     cases["index"] = (dict(arrays, n_inputs=n_in), "is not a tensor index")
-    sl = arrays["t_slices"].copy()
+    sl = arrays["t_slices"].astype(np.int64)
     sl[0, 1] = 10**6
     cases["slice"] = (dict(arrays, t_slices=sl), "outside the logical shape")
     outs = arrays["n_outputs"].copy()
