@@ -217,3 +217,19 @@ def test_absent_slot_only_in_backward(tmp_path, capsys):
     arrays = members(cols)
     arrays["n_inputs"] = bad.nodes.inputs
     _refused(write(tmp_path / "absent.npz", arrays), capsys, "absent slot")
+
+
+def test_slices_checked_in_chunks(monkeypatch):
+    """The slice check runs over chunks of tensors; one in a later chunk is found."""
+    import backends.columnar as columnar
+
+    monkeypatch.setattr(columnar, "_CHUNK", 5)
+    cols = Columns.from_plan(plan())
+    columnar.validate_columns(cols)
+    off = cols.tensors.slice_offsets(cols.logical)
+    victim = next(i for i in range(len(cols.tensors) - 1, 0, -1) if off[i + 1] > off[i])
+    sl = cols.tensors.slices.astype(np.int64)
+    sl[off[victim], 1] = 10**6
+    bad = replace(cols, tensors=replace(cols.tensors, slices=sl))
+    with pytest.raises(PlanError, match=f"tensor {victim}: slice"):
+        columnar.validate_columns(bad)
