@@ -18,7 +18,9 @@ wrong; they are never read in their place.
   and with an optimizer step the parameter and the optimizer state (Adam's
   moments) it writes last must equal the single-device updated ones there;
 * the loss tensors a rank writes last (one per microbatch), summed with
-  those of its data-parallel replicas, must equal the single-device loss;
+  those of its data-parallel replicas, must equal the single-device loss,
+  or their mean must (each the mean over its own data, the convention of a
+  per-rank mean loss);
 * a node that reads another rank's tensor without being a collective, a
   tensor read before any node writes it, or a shape a node cannot make,
   is wrong: no real execution could run it.
@@ -180,13 +182,18 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
     dp, tp = int(parallel.world.get("dp", 1)), int(parallel.world.get("tp", 1))
     dp *= int(parallel.world.get("cp", 1))
     groups: dict[tuple[int, int], float] = defaultdict(float)
+    count: dict[tuple[int, int], int] = defaultdict(int)
     for (rank, _), o in loss_last.items():
         groups[(rank // (dp * tp), rank % tp)] += float(np.sum(values[o]))
+        count[(rank // (dp * tp), rank % tp)] += 1
     if not groups:
         return Judgement(False, "no rank ends with the loss")
     loss = float(np.sum(ref[last_single[single.loss]]))
     for (stage, tp_index), total in groups.items():
-        if not _close(np.array(total), np.array(loss)):
+        # each rank's loss is its share of the loss (they sum to it), or the
+        # mean over its own data (their mean is the loss)
+        mean = total / count[(stage, tp_index)]
+        if not (_close(np.array(total), np.array(loss)) or _close(np.array(mean), np.array(loss))):
             return Judgement(False, f"the loss of stage {stage} tp {tp_index} is {total}, "
                                     f"not {loss}")
     return Judgement(True)

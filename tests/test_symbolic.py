@@ -22,6 +22,9 @@ FUNCTIONS = {
     "adam_ratio[1e-08]": lambda m, v: m / (math.sqrt(v) + 1e-8),
     "rsqrt": lambda v: 1.0 / math.sqrt(v),
     "sigmoid": lambda v: 1.0 / (1.0 + math.exp(-v)),
+    "tanh": math.tanh,
+    "erf": math.erf,
+    "step": lambda v: float(v > 0),
 }
 
 
@@ -116,7 +119,7 @@ def test_some_case_of_every_small_op_is_checked() -> None:
     assert {c.op for c in SMALL} >= {"add", "mul", "softmax", "silu", "rsqrt", "linear",
                                      "matmul", "einsum", "apply_rotary_emb", "causal_mask",
                                      "multiref", "sum", "mean", "pow", "max", "sub", "exp",
-                                     "log"}
+                                     "log", "gelu", "tanh", "sigmoid", "relu", "cat", "narrow"}
 
 
 @pytest.mark.parametrize("op", [o for o in COLLECTIVE_OPS if o.name not in ("split",)],
@@ -127,6 +130,7 @@ def test_collectives_symbolic(op) -> None:
     kw = {"all_reduce": {"index": 1}, "all_reduce_max": {"index": 0}, "reducer": {"index": 0},
           "all_gather": {"index": 0, "dim": 1},
           "reduce_scatter": {"index": 1, "dim": 1},
+          "all_reduce_avg": {"index": 1}, "reduce_scatter_avg": {"index": 1, "dim": 1},
           "all_to_all": {"index": 1, "split_dim": 1, "concat_dim": 0},
           "send_recv": {"src": 0, "dst": 1}, "broadcast": {"src": 0}}[op.name]
     if op.name in ("send_recv", "broadcast"):
