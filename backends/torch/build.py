@@ -333,7 +333,25 @@ class _Rank:
         emit(root, v)
         return out
 
+    def computed_split(self, node: LNode) -> list[int] | None:
+        """The single-device split this split computes (the same piece of the
+        aligned input), or None: then it is a cut by a mesh axis."""
+        if node.op != "split" or node.ins[0] not in self.sv:
+            return None
+        key = (node.op, node.dir, (self.sv[node.ins[0]],), _key_kwargs(node.kwargs))
+        nodes = self.b.s.low.nodes
+        for c in self.b.s.by_key.get(key, []):
+            if nodes[c].kwargs == node.kwargs and not self.claim[node.ins[0]].dims[node.kwargs["dim"]]:
+                return nodes[c].outs
+        return None
+
     def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        souts = self.computed_split(node)
+        if souts is not None:
+            self.sv[node.outs[0]] = souts[0]
+            self.mb[node.outs[0]] = node.mb if node.mb >= 0 else self.mb.get(node.ins[0], -1)
+            self.infer(node)
+            return
         if node.group is not None or node.op == "split":
             x = node.ins[0]
             out = node.outs[0]

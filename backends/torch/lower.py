@@ -12,9 +12,12 @@ lowering stops the run with one line naming it (``LoweringError``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 class LoweringError(ValueError):
@@ -44,6 +47,14 @@ class Lowered:
     losses: list[int]  # one per microbatch the rank computes a loss for
     grads: dict[str, int | None]
     tokens_value: int = -1
+    consts: dict[int, Any] = field(default_factory=dict)  # const input -> its contents
+
+
+@dataclass(frozen=True)
+class _Const:
+    """A constant (recorded value ``v``: computed from buffers and fresh
+    tensors alone), not yet an input of the plan."""
+    v: int
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,8 @@ class _Lowerer:
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
     masked_rows: dict[int, _VocabMask] = field(default_factory=dict)  # zero where masked
+    const_inputs: dict[str, int] = field(default_factory=dict)  # constant's name -> input
+    const_values: dict[int, Any] = field(default_factory=dict)  # input -> contents
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -192,6 +205,8 @@ class _Lowerer:
             shape = list(self.shapes[x.x])
             merged = [math.prod(shape[:x.k])] + shape[x.k:]
             return self.emit("flatten", [x.x], [merged], {"start": 0, "end": x.k - 1})[0]
+        if isinstance(x, _Const):
+            return self.const_input(x.v)
         if isinstance(x, _Piece):
             src = self.materialize(x.of)
             shape = list(self.shapes[src])
@@ -204,8 +219,32 @@ class _Lowerer:
         if isinstance(a, (int, float)) and not isinstance(a, bool):
             return float(a)
         if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
-            return self.trace["consts"].get(a[1])
+            if a[1] in self.trace["consts"]:
+                return self.trace["consts"][a[1]]
+            x = self.env.get(a[1])
+            if isinstance(x, _Const):
+                value = np.asarray(self.trace["const_values"][x.v])
+                if value.size == 1 and value.dtype != np.bool_ and not np.iscomplexobj(value):
+                    return float(value.reshape(()))
         return None
+
+    def const_input(self, v: int) -> int:
+        """The plan input holding recorded constant v."""
+        value = np.asarray(self.trace["const_values"][v])
+        if value.dtype == np.bool_ or np.iscomplexobj(value):
+            raise LoweringError(f"{self.name}: a {value.dtype} constant is read as a number")
+        return self.const_array(value.astype(np.float64))
+
+    def const_array(self, value: np.ndarray) -> int:
+        """The plan input holding ``value``, named by its contents (equal
+        constants are one input, on every rank and on one device)."""
+        digest = hashlib.sha1(repr(value.shape).encode() + value.tobytes()).hexdigest()[:16]
+        name = f"const.{digest}"
+        if name not in self.const_inputs:
+            x = self.new(value.shape)
+            self.const_inputs[name] = x
+            self.const_values[x] = value
+        return self.const_inputs[name]
 
     # -- the walk -----------------------------------------------------------
     def run(self, live: set[int]) -> None:
@@ -213,6 +252,11 @@ class _Lowerer:
             if i not in live:
                 continue
             self.name, self.mb = scope, mb
+            folded = self.trace.get("const_values", {})
+            if outs and all(v in folded for v in outs):
+                for v in outs:
+                    self.env[v] = _Const(v)
+                continue
             handler = HANDLERS.get(op)
             if handler is None:
                 raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
@@ -764,6 +808,38 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     return x if parts == 1 else _Piece(x, dim, index, parts)
 
 
+def _placement(lw: _Lowerer, width: int, total: int, start: int) -> int:
+    """The constant [total, width] matrix whose rows [start, start + width)
+    are the identity: ``linear(x, P)`` places x's last dim at ``start`` of a
+    zero last dim of size ``total``."""
+    p = np.zeros((total, width))
+    p[start:start + width] = np.eye(width)
+    return lw.const_array(p)
+
+
+def _slice_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """slice_backward along the last dim: the gradient placed at the slice's
+    columns of a zero tensor, as a ``linear`` by a placement matrix."""
+    g = lw.val(args[0])
+    sizes, dim, start, end, step = args[1], int(args[2]), int(args[3]), args[4], args[5]
+    width = lw.shapes[g][dim]
+    if step != 1 or dim % len(sizes) != len(sizes) - 1:
+        raise LoweringError(f"{lw.name}: slice_backward other than along the last dim is not lowered")
+    return lw.emit("linear", [g, _placement(lw, width, sizes[-1], min(start, sizes[-1]))], shapes)[0]
+
+
+def _cat_last(lw: _Lowerer, args, shapes) -> int:
+    """cat along the last dim: the sum of each piece placed at its columns."""
+    total, start, out = shapes[0][-1], 0, None
+    for a in args[0]:
+        x = lw.val(a)
+        width = lw.shapes[x][-1]
+        placed = lw.emit("linear", [x, _placement(lw, width, total, start)], shapes)[0]
+        out = placed if out is None else lw.emit("add", [out, placed], shapes)[0]
+        start += width
+    return out
+
+
 def _send(lw: _Lowerer, args, kwargs, shapes, group):
     ranks = _pg(lw, args[1])
     (x,) = args[0]
@@ -793,6 +869,8 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
             return _Stacked(first.of, first.dim, first.parts)
         if dim % len(shapes[0]) == first.dim:
             return first.of
+    if dim % len(shapes[0]) == len(shapes[0]) - 1:
+        return _cat_last(lw, args, shapes)
     raise LoweringError(f"{lw.name}: cat of these tensors is not lowered")
 
 
@@ -853,6 +931,12 @@ HANDLERS: dict[str, Any] = {
     "_c10d_functional.reduce_scatter_tensor.default": _reduce_scatter,
     "aten.split.Tensor": _split,
     "aten.cat.default": _cat,
+    "aten._to_copy.default": lambda lw, args, kwargs, shapes, group: lw.env.get(args[0][1]),
+    "aten.unsqueeze.default": _view,
+    "aten.squeeze.dim": _view,
+    "aten.neg.default": lambda lw, args, kwargs, shapes, group: lw.emit(
+        "mul_scalar", [lw.val(args[0])], shapes, {"value": -1.0})[0],
+    "aten.slice_backward.default": _slice_bw,
 }
 
 
@@ -871,6 +955,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         if what == "causal":
             lw.env[v] = "causal"
             continue
+
         lw.env[v] = v
         lw.shapes[v] = tuple(shape)
         inputs[v] = ("buffer", name)
@@ -888,8 +973,11 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw.run(live_events(trace))
     losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}
+    for name, x in lw.const_inputs.items():
+        inputs[x] = ("buffer", name)
+        axes[x] = [[] for _ in lw.shapes[x]]
     return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, losses, grads),
-                   inputs, axes, losses, grads, lw.tokens)
+                   inputs, axes, losses, grads, lw.tokens, lw.const_values)
 
 
 def _used(nodes: list[LNode], losses: list[int], grads: dict[str, int | None]) -> list[LNode]:

@@ -74,6 +74,7 @@ def run(spec: dict, rank: int) -> dict:
         causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
                   and bool((b == torch.ones_like(b).triu(1)).all()))
         buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
+        rec.mark_const(local_of(b), buffers[name][0])
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
     with tracker, rec:
@@ -90,7 +91,9 @@ def run(spec: dict, rank: int) -> dict:
         grads[name] = None if g is None else rec.value(local_of(g))
     return {
         "rank": rank, "coords": coords, "events": rec.events, "shapes": rec.shapes,
-        "consts": rec.consts, "params": params, "buffers": buffers,
+        "consts": rec.consts,
+        "const_values": {v: t.numpy() for v, t in rec.const_values.items()},
+        "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
