@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from backends.torch.lower import LNode, Lowered, LoweringError
 from verdict.ops import get_op
 from verdict.plan import Logical, Node, Plan, Tensor
@@ -164,8 +166,38 @@ class _Rank:
         self.fresh = 10**9
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
+            if name not in by_name and v in low.consts:
+                self.sv[v], self.claim[v] = self.const_piece(v)
+                continue
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
+
+    def const_piece(self, v: int) -> tuple[int, Claim]:
+        """The single-device constant this rank's constant is a piece of: the
+        one whose slice at the rank's coordinates (each smaller dim cut by mesh
+        axes of its ratio, the batch dim by "dp" first) holds exactly its
+        contents. The claim is then true by those contents; no match stops
+        the run."""
+        mine = self.low.consts[v]
+        for sv, full in self.b.s.low.consts.items():
+            if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
+                continue
+            dims, index = [], []
+            try:
+                for k, (m, f) in enumerate(zip(mine.shape, full.shape)):
+                    order = (("dp",), ("tp",), ("dp", "tp")) if k == 0 else (("tp",), ("dp",), ("dp", "tp"))
+                    axes = self.guess(m, f, order=order)
+                    i = 0
+                    for a in axes:
+                        i = i * self.sizes[a] + self.low.coords[a]
+                    dims.append(axes)
+                    index.append(slice(i * m, (i + 1) * m))
+            except LoweringError:
+                continue
+            if np.array_equal(full[tuple(index)], mine):
+                return sv, Claim(dims)
+        raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
+                            f"piece of a single-device constant")
 
     def gshape(self, v: int) -> tuple[int, ...]:
         return self.b.s.low.shapes[self.sv[v]]
