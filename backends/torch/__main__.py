@@ -24,13 +24,20 @@ from backends.torch.build import build_plans
 from backends.torch.lower import LoweringError, lower_trace
 from backends.torch.rank import load, run, run_isolated
 
+MODEL = "backends.torch.models:llama"
+RECIPE = "backends.torch.recipes:tp_sp"
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backends.torch", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="backends.torch.models:llama",
+    p.add_argument("--model", default=MODEL,
                    help="model factory, package.module:function (default: %(default)s)")
-    p.add_argument("--recipe", default="backends.torch.recipes:tp_sp",
+    p.add_argument("--recipe", default=RECIPE,
                    help="parallelization recipe, package.module:function (default: %(default)s)")
+    p.add_argument("--hf", metavar="FAMILY", default=None,
+                   help="a Hugging Face transformers family (llama, qwen2, qwen3, ...) from a small "
+                        "random config, parallelized by transformers itself: --model "
+                        "backends.torch.hf:FAMILY, --recipe backends.torch.hf:tp_fsdp unless given")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--heads", type=int, default=4)
@@ -65,6 +72,7 @@ def trace_ranks(spec: dict, world: int) -> list[dict]:
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
+    resolve(args)
     kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
@@ -88,9 +96,25 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     return build_plans(low_s, lows, world), single
 
 
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """A --hf family: its model, and its recipe unless one is given."""
+    if getattr(args, "hf", None) is None:
+        return args
+    model = f"backends.torch.hf:{args.hf}"
+    if args.model not in (MODEL, model):
+        raise LoweringError("--hf and --model name two models: give one")
+    args.model = model
+    if args.recipe == RECIPE:
+        args.recipe = "backends.torch.hf:tp_fsdp"
+    args.name = args.name or (f"hf_{args.hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
+                              f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        resolve(args)
         (plan_s, plan_p), _ = trace_and_build(args)
     except LoweringError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -107,13 +107,14 @@ def mixtral(**sizes) -> CausalLM:
 
 
 def distribute(model: CausalLM, mesh, dp_replicate: int = 1, ep: int = 1,
-               divide_factor: float | None = 1.0):
+               divide_factor: float | None = 1.0, tp_plan: dict[str, str] | None = None):
     """Apply transformers' own parallelism to ``model.hf`` for the backend's
     mesh: TP over "tp", FSDP2 over "dp" (``dp_replicate`` replicas of
     ``dp // dp_replicate`` shards), EP ``ep``. The loss is shared out over
     the step's tokens, so FSDP's gradient divide factor is 1 (the replicas'
     gradients summed) unless ``divide_factor`` says otherwise (None: FSDP's
-    default, the mean over the data-parallel ranks)."""
+    default, the mean over the data-parallel ranks). ``tp_plan`` overrides
+    rules of the family's plan (``DistributedConfig.tp_plan``)."""
     from transformers.distributed import DistributedConfig, initialize_distributed_mesh
     if mesh["pp"].size() != 1:
         raise ValueError("the Hugging Face recipes do not pipeline (--pp 1)")
@@ -121,7 +122,7 @@ def distribute(model: CausalLM, mesh, dp_replicate: int = 1, ep: int = 1,
     if dp % dp_replicate:
         raise ValueError(f"dp {dp} is not a multiple of {dp_replicate} replicas")
     cfg = DistributedConfig(tp_size=tp, fsdp_size=dp // dp_replicate, dp_replicate_size=dp_replicate,
-                            ep_size=ep)
+                            ep_size=ep, tp_plan=tp_plan)
     _, mesh_manager = initialize_distributed_mesh(cfg)
     hf = type(model.hf).maybe_distribute_model(model.hf, cfg, mesh_manager)
     model.hf = hf
@@ -163,3 +164,11 @@ def ep_fsdp(model, mesh):
     """tp_fsdp with expert parallelism over the tensor-parallel ranks
     (``ep_size`` = tp, transformers' token-dispatch plan)."""
     return distribute(model, mesh, ep=mesh["tp"].size())
+
+
+def tp_norm_grads_not_reduced(model, mesh):
+    """A wrong plan: Qwen3's per-head ``q_norm``/``k_norm`` planned
+    "replicate" instead of "replicated_with_grad_allreduce", so each
+    tensor-parallel rank keeps the gradient of its own heads' share."""
+    return distribute(model, mesh, tp_plan={"layers.*.self_attn.q_norm": "replicate",
+                                            "layers.*.self_attn.k_norm": "replicate"})

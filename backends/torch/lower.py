@@ -485,6 +485,14 @@ def _reduce_scatter_base(lw: _Lowerer, args, kwargs, shapes, group):
     return _ChunkCat(buf.grads, buf.chunks, g, buf.divide * (float(buf.chunks) if op[1] == 1 else 1.0))
 
 
+def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
+    """``dist.all_reduce(t, SUM)`` (c10d's in-place all-reduce of one tensor)."""
+    tensors, op = args[0], args[2]
+    if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
+        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
+    return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=_pg(lw, args[1]))[0]]
+
+
 def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
     src = lw.env.get(args[0][1])
     size, stride = list(args[1]), list(args[2])
@@ -821,7 +829,7 @@ def _slice_bw(lw: _Lowerer, args, kwargs, shapes, group):
     """slice_backward along the last dim: the gradient placed at the slice's
     columns of a zero tensor, as a ``linear`` by a placement matrix."""
     g = lw.val(args[0])
-    sizes, dim, start, end, step = args[1], int(args[2]), int(args[3]), args[4], args[5]
+    sizes, dim, start, step = args[1], int(args[2]), int(args[3]), args[5]
     width = lw.shapes[g][dim]
     if step != 1 or dim % len(sizes) != len(sizes) - 1:
         raise LoweringError(f"{lw.name}: slice_backward other than along the last dim is not lowered")
@@ -937,6 +945,7 @@ HANDLERS: dict[str, Any] = {
     "aten.neg.default": lambda lw, args, kwargs, shapes, group: lw.emit(
         "mul_scalar", [lw.val(args[0])], shapes, {"value": -1.0})[0],
     "aten.slice_backward.default": _slice_bw,
+    "c10d.allreduce_.default": _allreduce_inplace,
 }
 
 
