@@ -24,32 +24,75 @@ from backends.torch.build import build_plans
 from backends.torch.lower import LoweringError, lower_trace
 from backends.torch.rank import load, run, run_isolated
 
-MODEL = "backends.torch.models:llama"
-RECIPE = "backends.torch.recipes:tp_sp"
+#: short model names (``--model gpt2``); any other name is package.module:factory
+MODELS = {
+    "llama": "backends.torch.models:llama",
+    "gpt2": "backends.torch.stock_models:gpt2",
+    "gpt2_masked": "backends.torch.stock_models:gpt2_masked",
+    "gpt2_mean": "backends.torch.stock_models:gpt2_mean",
+    "mlp": "backends.torch.stock_models:mlp",
+    "mlp_mean": "backends.torch.stock_models:mlp_mean",
+}
+#: the module a recipe named without one (``--recipe tp_sp``) is taken from
+RECIPES = "backends.torch.recipes"
+
+
+#: the default model and recipe (``--hf`` replaces them)
+MODEL, RECIPE = "backends.torch.models:llama", "backends.torch.recipes:tp_sp"
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Short model and recipe names to ``package.module:name`` references; a
+    ``--hf`` family to its model, and its recipe unless one is given (a
+    recipe named without a module is then one of ``backends.torch.hf``)."""
+    hf = getattr(args, "hf", None)
+    if hf is not None:
+        model = f"backends.torch.hf:{hf}"
+        if args.model not in (MODEL, model):
+            raise LoweringError("--hf and --model name two models: give one")
+        args.model = model
+        if args.recipe == RECIPE:
+            args.recipe = "tp_fsdp"
+        if ":" not in args.recipe:
+            args.recipe = f"backends.torch.hf:{args.recipe}"
+        args.name = args.name or (f"hf_{hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
+                                  f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
+    args.model = MODELS.get(args.model, args.model)
+    if ":" not in args.recipe:
+        args.recipe = f"{RECIPES}:{args.recipe}"
+    return args
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backends.torch", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=MODEL,
-                   help="model factory, package.module:function (default: %(default)s)")
+                   help="model factory, package.module:function or a short name: "
+                        + ", ".join(MODELS) + " (default: %(default)s)")
     p.add_argument("--recipe", default=RECIPE,
-                   help="parallelization recipe, package.module:function (default: %(default)s)")
+                   help="parallelization recipe, package.module:function, or a function "
+                        f"of {RECIPES} by name (default: %(default)s)")
     p.add_argument("--hf", metavar="FAMILY", default=None,
-                   help="a Hugging Face transformers family (llama, qwen2, qwen3, ...) from a small "
-                        "random config, parallelized by transformers itself: --model "
-                        "backends.torch.hf:FAMILY, --recipe backends.torch.hf:tp_fsdp unless given")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=16)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=16)
-    p.add_argument("--seqlen", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (a pipelining recipe)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-o", "--out", default="data/plans/torch")
+                   help="a Hugging Face transformers family (llama, qwen2, qwen3, ...) built from "
+                        "a small random config and parallelized by transformers itself; the "
+                        "recipe defaults to backends.torch.hf:tp_fsdp (docs/torch-backend.md)")
+    p.add_argument("--layers", type=int, default=1, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=16, help="hidden size (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    p.add_argument("--ffn", type=int, default=32, help="feed-forward size (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=16, help="vocabulary size (default: %(default)s)")
+    p.add_argument("--seqlen", type=int, default=4, help="sequence length (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="global batch size of the step (default: %(default)s)")
+    p.add_argument("--dp", type=int, default=2,
+                   help="data-parallel degree of the mesh (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=2,
+                   help="tensor-parallel degree of the mesh (default: %(default)s)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages, for a pipelining recipe (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model's weights and inputs (default: %(default)s)")
+    p.add_argument("-o", "--out", default="data/plans/torch",
+                   help="output directory (default: %(default)s)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
@@ -72,7 +115,7 @@ def trace_ranks(spec: dict, world: int) -> list[dict]:
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
-    resolve(args)
+    args = resolve(args)
     kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
@@ -96,25 +139,9 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     return build_plans(low_s, lows, world), single
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """A --hf family: its model, and its recipe unless one is given."""
-    if getattr(args, "hf", None) is None:
-        return args
-    model = f"backends.torch.hf:{args.hf}"
-    if args.model not in (MODEL, model):
-        raise LoweringError("--hf and --model name two models: give one")
-    args.model = model
-    if args.recipe == RECIPE:
-        args.recipe = "backends.torch.hf:tp_fsdp"
-    args.name = args.name or (f"hf_{args.hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
-                              f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        resolve(args)
         (plan_s, plan_p), _ = trace_and_build(args)
     except LoweringError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -125,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
     pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
-    print(f"--sm {sm} --pm {pm}")
+    for path, plan in ((sm, plan_s), (pm, plan_p)):
+        print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
+              f"and its world spec {path.with_suffix('.json')}")
+    print(f"verify them: python main.py --sm {sm} --pm {pm}")
     return 0
 
 

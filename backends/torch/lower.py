@@ -12,16 +12,22 @@ lowering stops the run with one line naming it (``LoweringError``).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from backends.torch.errors import LoweringError
+from backends.torch.lower_nn import (
+    NN_HANDLERS,
+    Const,
+    SdpaSaved,
+    causal_add,
+    constant_input,
+    constant_value,
+    one_hot_constant,
+)
 
-
-class LoweringError(ValueError):
-    """An op the backend cannot lower: bad input, exit 2."""
+__all__ = ["LNode", "Lowered", "LoweringError", "lower_trace"]
 
 
 @dataclass
@@ -47,14 +53,7 @@ class Lowered:
     losses: list[int]  # one per microbatch the rank computes a loss for
     grads: dict[str, int | None]
     tokens_value: int = -1
-    consts: dict[int, Any] = field(default_factory=dict)  # const input -> its contents
-
-
-@dataclass(frozen=True)
-class _Const:
-    """A constant (recorded value ``v``: computed from buffers and fresh
-    tensors alone), not yet an input of the plan."""
-    v: int
+    constants: dict[int, Any] = field(default_factory=dict)  # constant input -> its value
 
 
 @dataclass(frozen=True)
@@ -158,7 +157,13 @@ class _Lowerer:
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
     nodes: list[LNode] = field(default_factory=list)
     env: dict[int, Any] = field(default_factory=dict)
-    softmax_in: dict[int, int] = field(default_factory=dict)
+    fw_in: dict[int, tuple[str, int]] = field(default_factory=dict)  # output -> (op, input)
+    ln_y: dict[tuple[int, int, int], int] = field(default_factory=dict)  # a layer norm's (x-mean)*rstd
+    sdpa: dict[int, SdpaSaved] = field(default_factory=dict)  # attention output -> its saved values
+    inputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # value -> (kind, name)
+    axes: dict[int, list[list[str]]] = field(default_factory=dict)  # input value -> mesh axes
+    const_inputs: dict[str, int] = field(default_factory=dict)  # constant's name -> input
+    const_values: dict[int, Any] = field(default_factory=dict)  # constant input -> its value
     next_id: int = 0
     name: str = ""
     tokens: int = -1
@@ -167,8 +172,6 @@ class _Lowerer:
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
     masked_rows: dict[int, _VocabMask] = field(default_factory=dict)  # zero where masked
-    const_inputs: dict[str, int] = field(default_factory=dict)  # constant's name -> input
-    const_values: dict[int, Any] = field(default_factory=dict)  # input -> contents
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -195,6 +198,8 @@ class _Lowerer:
     def materialize(self, x: Any) -> int:
         if isinstance(x, int):
             return x
+        if isinstance(x, Const):
+            return constant_input(self, constant_value(self, ("v", x.v)))
         if isinstance(x, _Gathered):
             shape = list(self.shapes[x.x])
             shape[0] *= len(x.group)
@@ -205,8 +210,6 @@ class _Lowerer:
             shape = list(self.shapes[x.x])
             merged = [math.prod(shape[:x.k])] + shape[x.k:]
             return self.emit("flatten", [x.x], [merged], {"start": 0, "end": x.k - 1})[0]
-        if isinstance(x, _Const):
-            return self.const_input(x.v)
         if isinstance(x, _Piece):
             src = self.materialize(x.of)
             shape = list(self.shapes[src])
@@ -221,42 +224,23 @@ class _Lowerer:
         if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
             if a[1] in self.trace["consts"]:
                 return self.trace["consts"][a[1]]
-            x = self.env.get(a[1])
-            if isinstance(x, _Const):
-                value = np.asarray(self.trace["const_values"][x.v])
-                if value.size == 1 and value.dtype != np.bool_ and not np.iscomplexobj(value):
-                    return float(value.reshape(()))
+            value = self.trace.get("constvals", {}).get(a[1])
+            if isinstance(self.env.get(a[1]), Const) and value is not None and value.size == 1 \
+                    and value.dtype.kind in "fiu":
+                return float(value.reshape(()))
         return None
-
-    def const_input(self, v: int) -> int:
-        """The plan input holding recorded constant v."""
-        value = np.asarray(self.trace["const_values"][v])
-        if value.dtype == np.bool_ or np.iscomplexobj(value):
-            raise LoweringError(f"{self.name}: a {value.dtype} constant is read as a number")
-        return self.const_array(value.astype(np.float64))
-
-    def const_array(self, value: np.ndarray) -> int:
-        """The plan input holding ``value``, named by its contents (equal
-        constants are one input, on every rank and on one device)."""
-        digest = hashlib.sha1(repr(value.shape).encode() + value.tobytes()).hexdigest()[:16]
-        name = f"const.{digest}"
-        if name not in self.const_inputs:
-            x = self.new(value.shape)
-            self.const_inputs[name] = x
-            self.const_values[x] = value
-        return self.const_inputs[name]
 
     # -- the walk -----------------------------------------------------------
     def run(self, live: set[int]) -> None:
+        constants = self.trace.get("constants", set())
         for i, (op, (args, kwargs), outs, out_shapes, scope, group, mb) in enumerate(self.trace["events"]):
             if i not in live:
                 continue
-            self.name, self.mb = scope, mb
-            folded = self.trace.get("const_values", {})
-            if outs and all(v in folded for v in outs):
+            if outs and all(v in constants for v in outs) and op != "unknown":
                 for v in outs:
-                    self.env[v] = _Const(v)
+                    self.env[v] = Const(v)
                 continue
+            self.name, self.mb = scope, mb
             handler = HANDLERS.get(op)
             if handler is None:
                 raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
@@ -339,16 +323,17 @@ def _pow(lw: _Lowerer, args, kwargs, shapes, group):
 def _softmax(lw: _Lowerer, args, kwargs, shapes, group):
     x = lw.val(args[0])
     out = lw.emit("softmax", [x], shapes, {"dim": int(args[1])})[0]
-    lw.softmax_in[out] = x
+    lw.fw_in[out] = ("softmax", x)
     return out
 
 
 def _softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
     out = lw.val(args[1])
-    if out not in lw.softmax_in:
+    producer, x = lw.fw_in.get(out, ("", -1))
+    if producer != "softmax":
         raise LoweringError(f"{lw.name}: softmax backward of a value no softmax produced")
-    return lw.emit("softmax", [lw.softmax_in[out], lw.val(args[0])], shapes,
-                   {"dim": int(args[2])}, direction="bw")[0]
+    return lw.emit("softmax", [x, lw.val(args[0])], shapes, {"dim": int(args[2])},
+                   direction="bw")[0]
 
 
 def _log_softmax(lw: _Lowerer, args, kwargs, shapes, group):
@@ -375,9 +360,16 @@ def _log_softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.emit("sub", [g, lw.emit("mul", [e, total], [shape])[0]], [shape])[0]
 
 
-def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any) -> int:
+def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any, ignore: Any) -> int:
+    """The one-hot labels. An ignore index outside ``[0, vocab)`` (the
+    default, -100) ignores none of the batch's labels; one inside it would
+    make the mean's divisor depend on the labels' values."""
     if weight is not None or reduction not in (1, 2):
         raise LoweringError(f"{lw.name}: nll_loss with class weights or no reduction is not lowered")
+    if ignore is not None and 0 <= int(ignore) < lw.vocab:
+        raise LoweringError(f"{lw.name}: cross-entropy with ignore_index {ignore} inside the "
+                            f"vocabulary is not lowered (labels are drawn from the whole "
+                            f"vocabulary)")
     return _one_hot(lw, target)
 
 
@@ -385,7 +377,7 @@ def _nll(lw: _Lowerer, args, kwargs, shapes, group):
     """-sum(logp * one-hot labels), divided by the label count for a mean.
     The labels are the batch's (none equals the ignore index)."""
     logp, reduction = lw.val(args[0]), int(args[3])
-    labels = _nll_checks(lw, args[2], reduction, args[1])
+    labels = _nll_checks(lw, args[2], reduction, args[1], args[4] if len(args) > 4 else None)
     picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [lw.shapes[logp]])[0]], [()],
                      {"dim": None, "keepdim": False})[0]
     out = lw.emit("mul_scalar", [picked], [()], {"value": -1.0})[0]
@@ -398,7 +390,7 @@ def _nll(lw: _Lowerer, args, kwargs, shapes, group):
 def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group):
     """-one-hot labels * g, divided by the label count for a mean."""
     g, reduction = lw.val(args[0]), int(args[4])
-    labels = _nll_checks(lw, args[3], reduction, args[2])
+    labels = _nll_checks(lw, args[3], reduction, args[2], args[5] if len(args) > 5 else None)
     shape = lw.shapes[labels]
     out = lw.emit("mul_scalar", [lw.emit("mul", [labels, g], [shape])[0]], [shape],
                   {"value": -1.0})[0]
@@ -483,14 +475,6 @@ def _reduce_scatter_base(lw: _Lowerer, args, kwargs, shapes, group):
     if len(g) != buf.chunks:
         raise LoweringError(f"{lw.name}: reduce-scatter of {buf.chunks} chunks over {len(g)} ranks")
     return _ChunkCat(buf.grads, buf.chunks, g, buf.divide * (float(buf.chunks) if op[1] == 1 else 1.0))
-
-
-def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
-    """``dist.all_reduce(t, SUM)`` (c10d's in-place all-reduce of one tensor)."""
-    tensors, op = args[0], args[2]
-    if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
-        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
-    return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=_pg(lw, args[1]))[0]]
 
 
 def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
@@ -624,24 +608,6 @@ def _constant(op: str):
     return lower
 
 
-def _is_causal(lw: _Lowerer, mask: Any) -> bool:
-    if not (isinstance(mask, (list, tuple)) and len(mask) == 2 and mask[0] == "v"):
-        return False
-    return lw.env.get(mask[1]) == "causal"
-
-
-def _masked_fill(lw: _Lowerer, args, kwargs, shapes, group):
-    x, mask, value = args[0], args[1], args[2]
-    if not _is_causal(lw, mask):
-        raise LoweringError(f"{lw.name}: masked_fill with a mask other than a causal "
-                            f"triu(1) buffer is not lowered")
-    if value == float("-inf"):
-        return lw.emit("causal_mask", [lw.val(x)], shapes)[0]
-    if value == 0:
-        return lw.emit("causal_mask", [-1, lw.val(x)], shapes, direction="bw")[0]
-    raise LoweringError(f"{lw.name}: masked_fill with value {value} is not lowered")
-
-
 def _one_hot(lw: _Lowerer, ids: Any) -> int:
     """The one-hot rows of the ids an op reads: the input, or a microbatch
     of it (one ``split`` per piece), reshaped as the ids were."""
@@ -667,6 +633,12 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
     ids = lw.env.get(args[1][1])
+    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0:
+        raise LoweringError(f"{lw.name}: embedding with a padding_idx is not lowered")
+    if isinstance(ids, Const):
+        rows = lw.shapes[lw.val(args[0])][0]
+        onehot = one_hot_constant(lw, constant_value(lw, args[1]), rows)
+        return lw.emit("embedding", [onehot, lw.val(args[0])], shapes)[0]
     if not isinstance(ids, _Shifted):
         return lw.emit("embedding", [_one_hot(lw, args[1]), lw.val(args[0])], shapes)[0]
     # a vocabulary-parallel lookup: the one-hot rows' slice [lo, hi) times the
@@ -742,7 +714,14 @@ def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    tokens = _one_hot(lw, args[1])
+    padding = args[3] if len(args) > 3 else kwargs.get("padding_idx", -1)
+    if padding is not None and int(padding) >= 0 or (len(args) > 4 and args[4]):
+        raise LoweringError(f"{lw.name}: embedding backward with a padding_idx or "
+                            f"scale_grad_by_freq is not lowered")
+    if isinstance(lw.env.get(args[1][1]), Const):
+        tokens = one_hot_constant(lw, constant_value(lw, args[1]), int(args[2]))
+    else:
+        tokens = _one_hot(lw, args[1])
     out = lw.new(shapes[0])
     lw.nodes.append(LNode("embedding", "bw", [tokens, -1, lw.val(args[0])], [-1, out], {},
                           lw.name, None, lw.mb))
@@ -753,10 +732,14 @@ def _copy(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.val(args[1])
 
 
+#: c10d reduce ops as the rule table's collectives (sum, or the group's mean)
+REDUCE_OPS = {"sum": "", "avg": "_avg"}
+
+
 def _all_reduce(lw: _Lowerer, args, kwargs, shapes, group):
-    if args[1] != "sum":
+    if args[1] not in REDUCE_OPS:
         raise LoweringError(f"{lw.name}: all_reduce with op {args[1]} is not lowered")
-    return lw.emit("all_reduce", [lw.val(args[0])], shapes, group=group)[0]
+    return lw.emit("all_reduce" + REDUCE_OPS[args[1]], [lw.val(args[0])], shapes, group=group)[0]
 
 
 def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
@@ -764,7 +747,7 @@ def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _reduce_scatter(lw: _Lowerer, args, kwargs, shapes, group):
-    if args[1] != "sum":
+    if args[1] not in REDUCE_OPS:
         raise LoweringError(f"{lw.name}: reduce_scatter with op {args[1]} is not lowered")
     x = lw.env.get(args[0][1])
     if isinstance(x, _Stacked):
@@ -774,15 +757,27 @@ def _reduce_scatter(lw: _Lowerer, args, kwargs, shapes, group):
         src, dim = x.x, x.dim
     else:
         src, dim = lw.val(args[0]), 0
-    return lw.emit("reduce_scatter", [src], shapes, {"dim": dim}, group=group)[0]
+    return lw.emit("reduce_scatter" + REDUCE_OPS[args[1]], [src], shapes, {"dim": dim},
+                   group=group)[0]
 
 
 def _split(lw: _Lowerer, args, kwargs, shapes, group):
+    """Equal pieces (``split``, ``chunk``) stay pieces until read (DTensor's
+    and FSDP's layouts fold them away); unequal ones are ``narrow`` nodes."""
     src = lw.env.get(args[0][1])
     dim = int(args[2]) if len(args) > 2 else int(kwargs.get("dim", 0))
     n = len(shapes)
     if len({tuple(s) for s in shapes}) != 1:
-        raise LoweringError(f"{lw.name}: split into unequal pieces is not lowered")
+        if isinstance(src, _Ids):
+            raise LoweringError(f"{lw.name}: integer ids split into unequal pieces")
+        x = lw.val(args[0])
+        dim %= len(lw.shapes[x])
+        outs, at = [], 0
+        for shape in shapes:
+            size = shape[dim]
+            outs.append(lw.emit("narrow", [x], [shape], {"dim": dim, "start": at, "length": size})[0])
+            at += size
+        return outs
     if isinstance(src, _Ids) and dim == 0 and src.shape is None:
         return [src.cut(i, n) for i in range(n)]
     if n == 1:
@@ -807,6 +802,9 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
         dim %= len(lw.shapes[x])
         total = lw.shapes[x][dim]
     size = shapes[0][dim]
+    start = start + total if start < 0 else start
+    if step == 1 and size and not isinstance(src, _Ids) and (total % size or start % size):
+        return lw.emit("narrow", [x], shapes, {"dim": dim, "start": start, "length": size})[0]
     if step != 1 or size == 0 or total % size or start % size:
         raise LoweringError(f"{lw.name}: a slice of dim {dim} at {start} that is not one of "
                             f"equal pieces")
@@ -814,38 +812,6 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     if isinstance(src, _Ids):
         return src.cut(index, parts)
     return x if parts == 1 else _Piece(x, dim, index, parts)
-
-
-def _placement(lw: _Lowerer, width: int, total: int, start: int) -> int:
-    """The constant [total, width] matrix whose rows [start, start + width)
-    are the identity: ``linear(x, P)`` places x's last dim at ``start`` of a
-    zero last dim of size ``total``."""
-    p = np.zeros((total, width))
-    p[start:start + width] = np.eye(width)
-    return lw.const_array(p)
-
-
-def _slice_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    """slice_backward along the last dim: the gradient placed at the slice's
-    columns of a zero tensor, as a ``linear`` by a placement matrix."""
-    g = lw.val(args[0])
-    sizes, dim, start, step = args[1], int(args[2]), int(args[3]), args[5]
-    width = lw.shapes[g][dim]
-    if step != 1 or dim % len(sizes) != len(sizes) - 1:
-        raise LoweringError(f"{lw.name}: slice_backward other than along the last dim is not lowered")
-    return lw.emit("linear", [g, _placement(lw, width, sizes[-1], min(start, sizes[-1]))], shapes)[0]
-
-
-def _cat_last(lw: _Lowerer, args, shapes) -> int:
-    """cat along the last dim: the sum of each piece placed at its columns."""
-    total, start, out = shapes[0][-1], 0, None
-    for a in args[0]:
-        x = lw.val(a)
-        width = lw.shapes[x][-1]
-        placed = lw.emit("linear", [x, _placement(lw, width, total, start)], shapes)[0]
-        out = placed if out is None else lw.emit("add", [out, placed], shapes)[0]
-        start += width
-    return out
 
 
 def _send(lw: _Lowerer, args, kwargs, shapes, group):
@@ -877,9 +843,57 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
             return _Stacked(first.of, first.dim, first.parts)
         if dim % len(shapes[0]) == first.dim:
             return first.of
-    if dim % len(shapes[0]) == len(shapes[0]) - 1:
-        return _cat_last(lw, args, shapes)
-    raise LoweringError(f"{lw.name}: cat of these tensors is not lowered")
+    if any(isinstance(p, (_Gathered, _Packed, _ChunkCat)) for p in items):
+        raise LoweringError(f"{lw.name}: cat of a collective's buffer is not lowered")
+    parts = [lw.val(a) for a in args[0]]
+    if len(parts) == 1:
+        return parts[0]
+    return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
+
+
+def _slice_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """``slice_backward``: the gradient of a slice placed at its elements of
+    a zero tensor (narrow's backward)."""
+    g = lw.val(args[0])
+    sizes, dim, start, step = list(args[1]), int(args[2]), int(args[3]), args[5]
+    dim %= len(sizes)
+    start = min(max(start if start >= 0 else start + sizes[dim], 0), sizes[dim])
+    if step != 1:
+        raise LoweringError(f"{lw.name}: slice_backward with step {step} is not lowered")
+    out = lw.new(shapes[0])
+    lw.nodes.append(LNode("narrow", "bw", [-1, g], [out],
+                          {"dim": dim, "start": start, "length": lw.shapes[g][dim]}, lw.name, None, lw.mb))
+    return out
+
+
+def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
+    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place all-reduce)."""
+    tensors, op = args[0], args[2]
+    if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
+        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
+    return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=_pg(lw, args[1]))[0]]
+
+
+def _add(lw: _Lowerer, args, kwargs, shapes, group):
+    """``scores + mask`` with the constant causal mask, or an addition."""
+    masked = causal_add(lw, args, shapes)
+    return masked if masked is not None else _binary("add", "add_scalar")(lw, args, kwargs,
+                                                                          shapes, group)
+
+
+def _permute(lw: _Lowerer, args, kwargs, shapes, group):
+    """A permutation as the transposes that sort it."""
+    x = lw.val(args[0])
+    order = [int(d) % len(lw.shapes[x]) for d in args[1]]
+    current = list(range(len(order)))
+    for pos, want in enumerate(order):
+        at = current.index(want)
+        if at != pos:
+            shape = list(lw.shapes[x])
+            shape[pos], shape[at] = shape[at], shape[pos]
+            x = lw.emit("transpose", [x], [shape], {"dim0": pos, "dim1": at})[0]
+            current[pos], current[at] = current[at], current[pos]
+    return x
 
 
 HANDLERS: dict[str, Any] = {
@@ -893,7 +907,7 @@ HANDLERS: dict[str, Any] = {
     "aten.as_strided.default": _as_strided,
     "aten.div_.Scalar": _scalar("div"),
     "aten.div_.Tensor": _scalar("div"),
-    "aten.add.Tensor": _binary("add", "add_scalar"),
+    "aten.add.Tensor": _add,
     "aten.add_.Tensor": _binary("add", "add_scalar"),
     "aten.slice.Tensor": _slice,
     "aten.sub.Tensor": _sub,
@@ -930,7 +944,6 @@ HANDLERS: dict[str, Any] = {
     "aten.expand.default": _expand,
     "aten.ones_like.default": _constant("ones"),
     "aten.zeros_like.default": _constant("zeros"),
-    "aten.masked_fill.Scalar": _masked_fill,
     "aten.embedding.default": _embedding,
     "aten.embedding_dense_backward.default": _embedding_bw,
     "aten.copy_.default": _copy,
@@ -938,14 +951,20 @@ HANDLERS: dict[str, Any] = {
     "_c10d_functional.all_gather_into_tensor.default": _all_gather,
     "_c10d_functional.reduce_scatter_tensor.default": _reduce_scatter,
     "aten.split.Tensor": _split,
-    "aten.cat.default": _cat,
-    "aten._to_copy.default": lambda lw, args, kwargs, shapes, group: lw.env.get(args[0][1]),
+    "aten.split_with_sizes.default": _split,
     "aten.unsqueeze.default": _view,
     "aten.squeeze.dim": _view,
-    "aten.neg.default": lambda lw, args, kwargs, shapes, group: lw.emit(
-        "mul_scalar", [lw.val(args[0])], shapes, {"value": -1.0})[0],
+    "aten.squeeze.dims": _view,
+    "aten.squeeze.default": _view,
+    "aten.permute.default": _permute,
+    "aten.add_.Scalar": _binary("add", "add_scalar"),
+    "aten.sub_.Tensor": _sub,
+    "aten.mul_.Tensor": _binary("mul", "mul_scalar"),
+    "aten.cat.default": _cat,
+    "aten._to_copy.default": lambda lw, args, kwargs, shapes, group: lw.env.get(args[0][1]),
     "aten.slice_backward.default": _slice_bw,
     "c10d.allreduce_.default": _allreduce_inplace,
+    **NN_HANDLERS,
 }
 
 
@@ -953,8 +972,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     """Lower one rank's trace (``backends.torch.rank.run``'s result)."""
     lw = _Lowerer(trace, vocab)
     lw.next_id = len(trace["shapes"])
-    inputs: dict[int, tuple[str, str]] = {}
-    axes: dict[int, list[list[str]]] = {}
+    inputs, axes = lw.inputs, lw.axes
     for name, (v, _, dims) in trace["params"].items():
         lw.env[v] = v
         lw.shapes[v] = tuple(trace["shapes"][v])
@@ -962,9 +980,8 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         axes[v] = dims
     for name, (v, shape, what) in trace["buffers"].items():
         if what == "causal":
-            lw.env[v] = "causal"
+            lw.env[v] = Const(v)
             continue
-
         lw.env[v] = v
         lw.shapes[v] = tuple(shape)
         inputs[v] = ("buffer", name)
@@ -982,9 +999,6 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw.run(live_events(trace))
     losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}
-    for name, x in lw.const_inputs.items():
-        inputs[x] = ("buffer", name)
-        axes[x] = [[] for _ in lw.shapes[x]]
     return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, losses, grads),
                    inputs, axes, losses, grads, lw.tokens, lw.const_values)
 

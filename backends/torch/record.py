@@ -32,6 +32,10 @@ ALIASES = {
 }
 
 
+#: constants up to this many elements keep their value (masks, positions, tables)
+CONSTANT_NUMEL = 1 << 16
+
+
 class Recorder(TorchDispatchMode):
     """Records events ``(op, args, outputs, shapes, scope, group, mb)``.
 
@@ -47,10 +51,9 @@ class Recorder(TorchDispatchMode):
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
         self.storages: dict[tuple[int, int, int], int] = {}
+        self.constants: set[int] = set()  # values that depend on no parameter, data or collective
+        self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
-        #: constants: values computed from buffers and fresh tensors alone (no
-        #: parameter, batch or collective), with their recorded contents
-        self.const_values: dict[int, torch.Tensor] = {}
 
     # -- values ---------------------------------------------------------------
     def new_value(self, t: torch.Tensor) -> int:
@@ -77,8 +80,7 @@ class Recorder(TorchDispatchMode):
                 v = self.new_value(a)
                 if a.numel() <= 1 and a.dtype != torch.bool and not a.is_complex():
                     self.consts[v] = float(a.item()) if a.numel() else 0.0
-                if not a.requires_grad:
-                    self.mark_const(a, v)
+                    self.mark_constant(a, v)
                 self.events.append(("unknown", [[], {}], [v], [tuple(a.shape)], self.scope(),
                                     None, self.mb))
             return ("v", v)
@@ -99,32 +101,6 @@ class Recorder(TorchDispatchMode):
             return "script-object"
         return repr(a)
 
-    def mark_const(self, t: torch.Tensor, v: int) -> None:
-        """Value v is a constant (a buffer, a tensor no recorded op produced)."""
-        self.const_values[v] = t.detach().clone()
-
-    def is_const_op(self, name: str, in_args: list, in_kwargs: dict) -> bool:
-        """An aten op computing constants: every tensor it reads is a constant,
-        it allocates no uninitialized memory and writes nothing in place."""
-        if not name.startswith("aten.") or name.startswith("aten.empty") \
-                or name.split(".")[1].endswith("_") or "out" in in_kwargs:
-            return False
-        return all(v in self.const_values for v in _value_ids([in_args, in_kwargs]))
-
-    def unconst_written(self, name: str, args: tuple, kwargs: dict) -> None:
-        """An op writing in place (or through ``out=``) may change a constant
-        through a view: the written tensor and its base stop being constants
-        (their recorded contents would be stale)."""
-        op = name.split(".")[1] if name.count(".") >= 2 else name
-        if not (op.endswith("_") and not op.endswith("__")) and "out" not in kwargs:
-            return
-        written = tree_flatten([args[:1], kwargs.get("out")])[0]
-        for t in written:
-            for x in (t, getattr(t, "_base", None)):
-                v = self.value(x) if isinstance(x, torch.Tensor) else None
-                if v is not None:
-                    self.const_values.pop(v, None)
-
     def register_storage(self, t: torch.Tensor, v: int) -> None:
         """Remember a parameter's storage: FSDP reads it through other tensor
         objects (flat views of the same memory)."""
@@ -139,6 +115,20 @@ class Recorder(TorchDispatchMode):
         self.events.append(("aten.view.default", [[("v", src), list(t.shape)], {}], [v],
                             [tuple(t.shape)], self.scope(), None, self.mb))
         return v
+
+    def mark_constant(self, t: torch.Tensor, v: int) -> None:
+        """``t`` (value ``v``) is the same in every run: keep its value when small."""
+        self.constants.add(v)
+        if t.numel() <= CONSTANT_NUMEL:
+            self.constvals[v] = t.detach().cpu().resolve_conj().numpy().copy()
+
+    def is_constant_op(self, name: str, args: Any, kwargs: dict) -> bool:
+        """An op whose tensor arguments are all constants (or that has none)
+        computes a constant, unless it communicates or leaves memory unset."""
+        if name.startswith(("c10d", "_c10d_functional", "fsdp")) or "empty" in name:
+            return False
+        flat, _ = tree_flatten((args, kwargs))
+        return all(self.value(a) in self.constants for a in flat if isinstance(a, torch.Tensor))
 
     def set_mb(self, mb: int) -> None:
         self.mb = mb
@@ -160,7 +150,7 @@ class Recorder(TorchDispatchMode):
                for a in tensors):
             return NotImplemented
         name = str(func)
-        self.unconst_written(name, args, kwargs)
+        constant = self.is_constant_op(name, args, kwargs)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
@@ -176,9 +166,9 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
-        if self.is_const_op(name, in_args, in_kwargs):
+        if constant:
             for o, v in zip(outs, ids):
-                self.mark_const(o, v)
+                self.mark_constant(o, v)
         if name == "aten.as_strided.default":
             for o, v in zip(outs, ids):
                 self.register_storage(o, v)
@@ -192,17 +182,6 @@ class Recorder(TorchDispatchMode):
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
-
-
-def _value_ids(args: Any) -> list[int]:
-    """The value ids of the tensors in recorded arguments."""
-    if isinstance(args, (list, tuple)):
-        if len(args) == 2 and args[0] == "v" and isinstance(args[1], int):
-            return [args[1]]
-        return [v for a in args for v in _value_ids(a)]
-    if isinstance(args, dict):
-        return [v for a in args.values() for v in _value_ids(a)]
-    return []
 
 
 def group_from_name(name: str) -> tuple[int, ...]:
@@ -219,8 +198,8 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-#: the backend's axis of a mesh dim named otherwise by a library's own mesh
-#: (transformers' "fsdp", torchtitan's "dp_shard"): the data-parallel axis
+#: the backend's axis of a mesh dim a library names otherwise (transformers'
+#: "fsdp", torchtitan's "dp_shard"): the data-parallel axis
 AXIS_NAMES = {"fsdp": "dp", "dp_shard": "dp"}
 
 
