@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
 from backends.torch.lower import LoweringError  # noqa: E402
-from verdict.engine import verify  # noqa: E402
+from main import verify  # noqa: E402
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
 CASES: list[tuple[str, str, int]] = [
@@ -41,6 +41,15 @@ CASES: list[tuple[str, str, int]] = [
     ("llama bug partial as replicate", "--model llama --recipe tp_sp_partial_as_replicate", 1),
     ("llama bug norm not parallel", "--model llama --recipe tp_sp_norm_not_parallel", 1),
     ("llama bug fsdp default divide", "--model llama --recipe fsdp_tp_default_divide", 1),
+    # Hugging Face transformers, parallelized by transformers itself (backends/torch/hf.py)
+    ("hf llama tp2", "--hf llama --dp 1 --tp 2", 0),
+    ("hf llama tp2 fsdp2", "--hf llama --dp 2 --tp 2", 0),
+    ("hf qwen2 tp2", "--hf qwen2 --dp 1 --tp 2", 0),
+    ("hf qwen2 tp2 fsdp2", "--hf qwen2 --dp 2 --tp 2", 0),
+    ("hf qwen3 tp2", "--hf qwen3 --dp 1 --tp 2", 0),
+    ("hf qwen3 tp2 fsdp2", "--hf qwen3 --dp 2 --tp 2", 0),
+    ("hf qwen3 bug norm grads not reduced", "--hf qwen3 --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
+    ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
 ]
 
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="needs the [hf] extra 
 from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
 from backends.torch.lower import LoweringError  # noqa: E402
 from backends.torch.rank import run  # noqa: E402
-from verdict.engine import verify  # noqa: E402
+from main import verify  # noqa: E402
 
 HF_ARGS = ["--hf", "llama", "--dp", "1", "--tp", "2", "--batch", "2"]
 
@@ -43,6 +43,6 @@ def test_hf_llama_tp2_verifies(single_trace) -> None:
 
 
 def test_hf_and_model_conflict_is_bad_input() -> None:
-    args = parser().parse_args([*HF_ARGS, "--model", "backends.torch.models:llama"])
+    args = parser().parse_args([*HF_ARGS, "--model", "gpt2"])
     with pytest.raises(LoweringError, match="--hf and --model"):
         trace_and_build(args)

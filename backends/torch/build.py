@@ -23,8 +23,6 @@ from fractions import Fraction
 
 import numpy as np
 
-import numpy as np
-
 from backends.torch.lower import LNode, Lowered, LoweringError
 from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op

@@ -170,5 +170,5 @@ def tp_norm_grads_not_reduced(model, mesh):
     """A wrong plan: Qwen3's per-head ``q_norm``/``k_norm`` planned
     "replicate" instead of "replicated_with_grad_allreduce", so each
     tensor-parallel rank keeps the gradient of its own heads' share."""
-    return distribute(model, mesh, tp_plan={"layers.*.self_attn.q_norm": "replicate",
-                                            "layers.*.self_attn.k_norm": "replicate"})
+    return distribute(model, mesh, tp_plan={"model.layers.*.self_attn.q_norm": "replicate",
+                                            "model.layers.*.self_attn.k_norm": "replicate"})
