@@ -51,6 +51,15 @@ CASES: list[tuple[str, str, int]] = [
     ("mlp ddp dp2", f"--model mlp --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("mlp fsdp dp2", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
     ("mlp tp_mlp dp2 tp2", f"--model mlp --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
+    # Hugging Face transformers, parallelized by transformers itself (backends/torch/hf.py)
+    ("hf llama tp2", "--hf llama --dp 1 --tp 2", 0),
+    ("hf llama tp2 fsdp2", "--hf llama --dp 2 --tp 2", 0),
+    ("hf qwen2 tp2", "--hf qwen2 --dp 1 --tp 2", 0),
+    ("hf qwen2 tp2 fsdp2", "--hf qwen2 --dp 2 --tp 2", 0),
+    ("hf qwen3 tp2", "--hf qwen3 --dp 1 --tp 2", 0),
+    ("hf qwen3 tp2 fsdp2", "--hf qwen3 --dp 2 --tp 2", 0),
+    ("hf qwen3 bug norm grads not reduced", "--hf qwen3 --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
+    ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
 ]
 
 

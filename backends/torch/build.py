@@ -215,8 +215,38 @@ class _Rank:
         self.fresh = 10**9
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
+            if name not in by_name and v in low.constants:
+                self.sv[v], self.claim[v] = self.const_piece(v)
+                continue
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
+
+    def const_piece(self, v: int) -> tuple[int, Claim]:
+        """The single-device constant this rank's constant is a piece of: the
+        one whose slice at the rank's coordinates (each smaller dim cut by mesh
+        axes of its ratio, the batch dim by "dp" first) holds exactly its
+        contents. The claim is then true by those contents; no match stops
+        the run."""
+        mine = self.low.constants[v]
+        for sv, full in self.b.s.low.constants.items():
+            if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
+                continue
+            dims, index = [], []
+            try:
+                for k, (m, f) in enumerate(zip(mine.shape, full.shape)):
+                    order = (("dp",), ("tp",), ("dp", "tp")) if k == 0 else (("tp",), ("dp",), ("dp", "tp"))
+                    axes = self.guess(m, f, order=order)
+                    i = 0
+                    for a in axes:
+                        i = i * self.sizes[a] + self.low.coords[a]
+                    dims.append(axes)
+                    index.append(slice(i * m, (i + 1) * m))
+            except LoweringError:
+                continue
+            if np.array_equal(full[tuple(index)], mine):
+                return sv, Claim(dims)
+        raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
+                            f"piece of a single-device constant")
 
     def gshape(self, v: int) -> tuple[int, ...]:
         return self.b.s.low.shapes[self.sv[v]]
@@ -400,16 +430,26 @@ class _Rank:
         emit(root, v)
         return out
 
-    def model_split(self, node: LNode) -> bool:
-        """A split the single-device step makes too, piece for piece (the
-        model's own ``chunk``), not a layout change of DTensor."""
-        key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
-               _key_kwargs(node.kwargs))
+    def computed_split(self, node: LNode) -> list[int] | None:
+        """The single-device split this split computes (the same piece of the
+        aligned input), or None: then it is a cut by a mesh axis."""
+        if node.op != "split" or node.ins[0] not in self.sv:
+            return None
+        key = (node.op, node.dir, (self.sv[node.ins[0]],), _key_kwargs(node.kwargs))
         nodes = self.b.s.low.nodes
-        return any(nodes[c].kwargs == node.kwargs for c in self.b.s.by_key.get(key, []))
+        for c in self.b.s.by_key.get(key, []):
+            if nodes[c].kwargs == node.kwargs and not self.claim[node.ins[0]].dims[node.kwargs["dim"]]:
+                return nodes[c].outs
+        return None
 
     def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
-        if node.group is not None or (node.op == "split" and not self.model_split(node)):
+        souts = self.computed_split(node)
+        if souts is not None:
+            self.sv[node.outs[0]] = souts[0]
+            self.mb[node.outs[0]] = node.mb if node.mb >= 0 else self.mb.get(node.ins[0], -1)
+            self.infer(node)
+            return
+        if node.group is not None or node.op == "split":
             x = node.ins[0]
             out = node.outs[0]
             self.sv[out] = self.sv[x]

@@ -864,6 +864,29 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
 
 
+def _slice_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """``slice_backward``: the gradient of a slice placed at its elements of
+    a zero tensor (narrow's backward)."""
+    g = lw.val(args[0])
+    sizes, dim, start, step = list(args[1]), int(args[2]), int(args[3]), args[5]
+    dim %= len(sizes)
+    start = min(max(start if start >= 0 else start + sizes[dim], 0), sizes[dim])
+    if step != 1:
+        raise LoweringError(f"{lw.name}: slice_backward with step {step} is not lowered")
+    out = lw.new(shapes[0])
+    lw.nodes.append(LNode("narrow", "bw", [-1, g], [out],
+                          {"dim": dim, "start": start, "length": lw.shapes[g][dim]}, lw.name, None, lw.mb))
+    return out
+
+
+def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
+    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place all-reduce)."""
+    tensors, op = args[0], args[2]
+    if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
+        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
+    return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=_pg(lw, args[1]))[0]]
+
+
 def _add(lw: _Lowerer, args, kwargs, shapes, group):
     """``scores + mask`` with the constant causal mask, or an addition."""
     masked = causal_add(lw, args, shapes)
@@ -952,6 +975,9 @@ HANDLERS: dict[str, Any] = {
     "aten.sub_.Tensor": _sub,
     "aten.mul_.Tensor": _binary("mul", "mul_scalar"),
     "aten.cat.default": _cat,
+    "aten._to_copy.default": lambda lw, args, kwargs, shapes, group: lw.env.get(args[0][1]),
+    "aten.slice_backward.default": _slice_bw,
+    "c10d.allreduce_.default": _allreduce_inplace,
     **NN_HANDLERS,
 }
 
