@@ -162,6 +162,11 @@ class _Rank:
         self.pending: dict[int, list[int]] = {}  # P value -> P leaves of a deferred sum
         self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
         self.fresh = 10**9
+        self.consumers: dict[int, list[LNode]] = {}
+        for node in low.nodes:
+            for v in node.ins:
+                if v >= 0:
+                    self.consumers.setdefault(v, []).append(node)
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
             self.sv[v] = by_name[name]
@@ -263,8 +268,8 @@ class _Rank:
             return False
         ra, rc = self.mb_range(a), self.mb_range(c)
         ca, cc = self.claim[a], self.claim[c]
-        return (ra is not None and rc is not None and ra[1] == rc[0] and ca.dims == cc.dims
-                and ca.partial == cc.partial)
+        return (ra is not None and rc is not None and (ra[1] == rc[0] or rc[1] == ra[0])
+                and ca.dims == cc.dims and ca.partial == cc.partial)
 
     def mb_range(self, v: int) -> tuple[int, int] | None:
         c = self.claim[v]
@@ -275,7 +280,8 @@ class _Rank:
     def accumulate(self, node: LNode) -> None:
         a, c = node.ins
         out = node.outs[0]
-        lo, hi = self.mb_range(a)[0], self.mb_range(c)[1]
+        (la, ha), (lc, hc) = self.mb_range(a), self.mb_range(c)
+        lo, hi = min(la, lc), max(ha, hc)
         claim = self.claim[a]
         partial = set(claim.partial)
         mbs: tuple[int, int] | None = (lo, hi)
@@ -448,11 +454,40 @@ class _Rank:
                     else None for d, axes in enumerate(dims_out[o])]
             for d, axes in enumerate(dims):
                 if axes is None:
+                    dims[d] = self.hint(v, d, self.low.shapes[v][d], full[d])
+            for d, axes in enumerate(dims):
+                if axes is None:
                     used = tuple(a for x in dims if x for a in x)
                     dims[d] = self.guess(self.low.shapes[v][d], full[d], used,
                                          (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
             self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None)
             self.check(v)
+
+    def hint(self, v: int, d: int, local: int, full: int) -> list[str] | None:
+        """The axes cutting dim d of v as its consumers see it: a dim of another
+        input of a consumer that the consumer's dims relation ties to it (a
+        broadcast constant expanded for a batched matmul is cut as the other
+        operand is), when those axes give the local size; None if none does."""
+        for node in self.consumers.get(v, []):
+            if node.group is not None or node.dir == "bw":
+                continue
+            shapes_in = [None if x < 0 else self.low.shapes[x] for x in node.ins]
+            shapes_out = [self.low.shapes[o] for o in node.outs if o >= 0]
+            try:
+                rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
+            except Exception:  # a consumer whose relations need other kwargs: no hint
+                continue
+            mine = {("i", i, d) for i, x in enumerate(node.ins) if x == v}
+            for r in rel:
+                if r[0] != "eq":
+                    continue
+                for a, c in ((tuple(r[1]), tuple(r[2])), (tuple(r[2]), tuple(r[1]))):
+                    if a in mine and c[0] == "i" and node.ins[c[1]] != v \
+                            and node.ins[c[1]] in self.claim:
+                        axes = self.claim[node.ins[c[1]]].dims[c[2]]
+                        if axes and self.extent(axes, full) == local:
+                            return list(axes)
+        return None
 
     def infer_backward(self, node: LNode, partial: set[str], mbs) -> None:
         grad = self.claim[node.ins[-1]]

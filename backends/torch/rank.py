@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.pipeline import Pipelined, PipelineStep
-from backends.torch.record import Recorder, dims_axes, local_of
+from backends.torch.record import Recorder, Tracker, dims_axes, local_of
 
 
 def load(ref: str) -> Any:
@@ -59,7 +58,7 @@ def run(spec: dict, rank: int) -> dict:
     rows = slice(coords["dp"] * local_batch, (coords["dp"] + 1) * local_batch)
     tokens, labels = tokens[rows].clone(), labels[rows].clone()
 
-    tracker = ModuleTracker()
+    tracker = Tracker()
     rec = Recorder(tracker)
     pipelined = None
     if isinstance(after, PipelineStep):

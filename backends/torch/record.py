@@ -159,6 +159,23 @@ class Recorder(TorchDispatchMode):
         return out
 
 
+class Tracker(ModuleTracker):
+    """PyTorch's module tracker, except that a module's backward is not
+    marked as left at its leaf inputs (a pipeline stage's received
+    activation): the hook that would mark it fails under ``autograd.grad``
+    with such inputs, which zero-bubble schedules run to split the backward
+    into input and weight gradients. Only scope names depend on it."""
+
+    def _fw_pre_hook(self, mod, input) -> None:
+        leaves = tuple(a for a in tree_flatten(input)[0]
+                       if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None)
+        if not leaves:
+            super()._fw_pre_hook(mod, input)
+            return
+        name = self._get_mod_name(mod)
+        self._get_append_fn(name, False)()
+
+
 def group_from_name(name: str) -> tuple[int, ...]:
     from torch._C._distributed_c10d import _resolve_process_group
     return group_ranks(_resolve_process_group(name))
