@@ -53,6 +53,7 @@ class _Single:
     low: Lowered
     tid: dict[int, int] = field(default_factory=dict)  # S value -> logical id
     by_key: dict[tuple, list[int]] = field(default_factory=dict)  # node key -> S node indices
+    lver: dict[int, int] = field(default_factory=dict)  # S value -> its logical version (updates)
 
 
 def _key_kwargs(kw: dict) -> tuple:
@@ -94,12 +95,19 @@ class _Builder:
         for v, (kind, name) in s.inputs.items():
             self.s.tid[v] = self.logical_of(name, s.shapes[v], kind)
             t_of[v] = tensor(v, -1 if kind in ("param", "buffer") else 0)
+        param_of = {name: v for v, (kind, name) in s.inputs.items() if kind == "param"}
+        updated = {v: param_of[name] for name, v in s.updates.items()}
+        state_names = {v: f"{name}.{k}" for name, st in s.states.items() for k, v in st.items()}
         for i, node in enumerate(s.nodes):
             for o in node.outs:
-                if o >= 0:
+                if o in updated:  # the parameter's next version (the optimizer step)
+                    self.s.tid[o] = self.s.tid[updated[o]]
+                    self.s.lver[o] = 1
+                    t_of[o] = tensor(o, 0, 1)
+                elif o >= 0:
                     kind = "loss" if o in s.losses else _kind(node)
-                    self.s.tid[o] = self.logical_of(f"{_scope(node.name)}.{node.op}.{o}",
-                                                    s.shapes[o], kind)
+                    name = state_names.get(o, f"{_scope(node.name)}.{node.op}.{o}")
+                    self.s.tid[o] = self.logical_of(name, s.shapes[o], kind)
                     t_of[o] = tensor(o, 0)
             ins = tuple(-1 if v < 0 else t_of[v] for v in node.ins)
             outs = tuple(-1 if v < 0 else t_of[v] for v in node.outs)
@@ -465,9 +473,10 @@ class _Rank:
 
     def hint(self, v: int, d: int, local: int, full: int) -> list[str] | None:
         """The axes cutting dim d of v as its consumers see it: a dim of another
-        input of a consumer that the consumer's dims relation ties to it (a
+        input of a consumer that the consumer's dims relations tie to it (a
         broadcast constant expanded for a batched matmul is cut as the other
-        operand is), when those axes give the local size; None if none does."""
+        operand is; an optimizer state as its parameter), when those axes
+        give the local size; None if none does."""
         for node in self.consumers.get(v, []):
             if node.group is not None or node.dir == "bw":
                 continue
@@ -477,16 +486,18 @@ class _Rank:
                 rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
             except Exception:  # a consumer whose relations need other kwargs: no hint
                 continue
-            mine = {("i", i, d) for i, x in enumerate(node.ins) if x == v}
+            parent: dict[tuple, tuple] = {}
             for r in rel:
-                if r[0] != "eq":
+                if r[0] == "eq":
+                    parent[_find(parent, tuple(r[1]))] = _find(parent, tuple(r[2]))
+            mine = {_find(parent, ("i", i, d)) for i, x in enumerate(node.ins) if x == v}
+            for i, x in enumerate(node.ins):
+                if x < 0 or x == v or x not in self.claim:
                     continue
-                for a, c in ((tuple(r[1]), tuple(r[2])), (tuple(r[2]), tuple(r[1]))):
-                    if a in mine and c[0] == "i" and node.ins[c[1]] != v \
-                            and node.ins[c[1]] in self.claim:
-                        axes = self.claim[node.ins[c[1]]].dims[c[2]]
-                        if axes and self.extent(axes, full) == local:
-                            return list(axes)
+                for e, axes in enumerate(self.claim[x].dims):
+                    if axes and _find(parent, ("i", i, e)) in mine \
+                            and self.extent(axes, full) == local:
+                        return list(axes)
         return None
 
     def infer_backward(self, node: LNode, partial: set[str], mbs) -> None:
@@ -602,8 +613,9 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
     versions: dict[tuple[int, int, int], int] = {}
     t_of: dict[tuple[int, int], int] = {}
 
-    def tensor(r: _Rank, v: int, mb: int, tid: int | None = None, lver: int = 0) -> int:
+    def tensor(r: _Rank, v: int, mb: int, tid: int | None = None, lver: int | None = None) -> int:
         tid = b.s.tid[r.sv[v]] if tid is None else tid
+        lver = b.s.lver.get(r.sv[v], 0) if lver is None else lver
         key = (r.low.rank, mb, tid)
         version = versions.get(key, 0)
         versions[key] = version + 1
@@ -689,6 +701,13 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
             plan_p.nodes.append(Node(rank, 0, "local_grad_accumulation", "none",
                                      (zero, t_of[(rank, g)]), (final,), {}, f"{name}.grad_buffer"))
     return plan_s, plan_p
+
+
+def _find(parent: dict[tuple, tuple], x: tuple) -> tuple:
+    """The class of a dim reference in a union-find forest."""
+    while parent.get(x, x) != x:
+        x = parent[x]
+    return x
 
 
 def _nth(low: Lowered, group: tuple[int, ...], k: int) -> int:

@@ -309,3 +309,17 @@ def pp_zbv(model, mesh):
     """ZBV zero bubble: a V of two stages per rank (r and 2 pp - 1 - r), the
     backward split into input and weight gradients."""
     return pipeline(model, mesh, ScheduleZBVZeroBubble, microbatches=4, per_rank=2, style="v")
+
+
+def clip_grad_norm(model, mesh, max_norm: float) -> None:
+    """Clip the gradients by their total norm, as torchtitan does: the norm
+    of the DTensor gradients made whole (``full_tensor``), then, with
+    pipeline stages, the stages' squared norms summed across "pp" (the fix
+    of torchtitan PR 649: each stage holds only its own gradients)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if mesh["pp"].size() > 1:
+        total = funcol.all_reduce(total ** 2, "sum", mesh["pp"]) ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

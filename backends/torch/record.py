@@ -137,6 +137,8 @@ class Recorder(TorchDispatchMode):
             outs = [o for o in tree_flatten(kwargs["out"])[0] if isinstance(o, torch.Tensor)]
         if name == "c10d.recv_.default":
             outs = list(args[0])  # received in place: the buffers hold new values
+        if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
+            outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
         group = None
         if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))

@@ -1,5 +1,6 @@
 """Operators that PyTorch's own kernels need and the model leaves do not:
-broadcasting a tensor to a larger shape (``aten.expand``)."""
+broadcasting a tensor to a larger shape (``aten.expand``), bounding values
+(``aten.clamp``, as gradient clipping bounds its coefficient)."""
 
 from __future__ import annotations
 
@@ -39,4 +40,26 @@ EXPAND = Op(
     doc="broadcast to shape (new leading dims, size-1 dims repeated)",
 )
 
-OPS = (EXPAND,)
+def _clamp_forward(xp, x, min=None, max=None):  # noqa: A002 (torch's names)
+    out = x[0]
+    if min is not None:
+        out = xp.maximum(out, np.full(np.shape(out), float(min)))
+    if max is not None:
+        out = -xp.maximum(-out, np.full(np.shape(out), -float(max)))
+    return (out,)
+
+
+def _clamp_shape(in_shapes, min=None, max=None):  # noqa: A002
+    expect(len(in_shapes) == 1, "clamp takes one input")
+    return [tuple(in_shapes[0])]
+
+
+CLAMP = Op(
+    "clamp",
+    shape=_clamp_shape,
+    forward=_clamp_forward,
+    doc="x bounded below by min and above by max (either may be None), elementwise; "
+        "exact (if-terms) in the symbolic backend",
+)
+
+OPS = (EXPAND, CLAMP)
