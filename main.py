@@ -1,5 +1,12 @@
 """python main.py --sm single.pkl --pm parallel.pkl: are the two plans equivalent?
 
+python main.py --convert IN OUT: rewrite plan file IN (pickled or columnar) as
+OUT, columnar when OUT ends in .npz, else pickled (docs/plan-format.md).
+
+main.py wires the parts: the plan loader and the Z3 symbolic backend
+(backends/) are passed into the verifier (verdict/), which imports neither.
+:func:`verify` is the verifier with the Z3 backend wired in.
+
 Exit 0: equivalent. Exit 1: not equivalent (the difference is printed).
 Exit 2: bad input or usage (one line on stderr). Exit 3: no verdict, because
 of an internal error (an exception, a killed worker, memory exhausted) or a
@@ -17,18 +24,34 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from backends.planfile import PlanError
-from verdict.cache import StageCache, load_plan_cached
+from backends.plancache import load_plan_cached
+from backends.planfile import PlanError, load_plan, save_plan
+from backends.z3backend import Z3
+from verdict import engine
+from verdict.cache import StageCache
 from verdict.differential import NumericRefused, check_size, compare
-from verdict.engine import Verdict, verify
+from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
 from verdict.fold import FoldError, fold_pair
 from verdict.plan import Plan, pair_problem
-from verdict.report import append_stats, evidence, failure, make_stats, tp_label, ts_label
-from verdict.solve import Outcome
+from verdict.report import append_stats, evidence, failure, make_stats, time_line, tp_label, ts_label
+from verdict.solve import Outcome, Prover
 from verdict.structure import node_label
 
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_CODES = """exit codes:
+  0  equivalent (✅ SUCCESS, or ✅ EQUAL with --numeric)
+  1  not equivalent, with the evidence printed (❌ FAIL, or ❌ DIFFERENT with --numeric)
+  2  bad input or usage: one line on stderr, nothing written
+  3  no verdict: an internal error or a stage the solver could not decide (one line on stderr)"""
+#: One stage's proof: verdict's solver over the Z3 symbolic backend.
+PROVER = Prover(Z3)
+
+
+def verify(single: Plan, parallel: Plan, **options) -> Verdict:
+    """``verdict.engine.verify`` with the Z3 backend wired in (``options``:
+    its keyword arguments but ``prover``)."""
+    return engine.verify(single, parallel, prover=PROVER, **options)
 
 
 class UsageError(Exception):
@@ -45,9 +68,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python main.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sm", type=Path, required=True, help="single-device plan (.pkl)")
-    p.add_argument("--pm", type=Path, required=True, help="parallel plan (.pkl)")
+    p = _Parser(prog="python main.py", description=__doc__.split("\n\n")[0],
+                epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sm", type=Path, help="single-device plan (.pkl or .npz)")
+    p.add_argument("--pm", type=Path, help="parallel plan (.pkl or .npz)")
+    p.add_argument("--convert", nargs=2, type=Path, metavar=("IN", "OUT"),
+                   help="rewrite plan file IN as OUT (columnar if OUT ends in .npz) and exit")
     p.add_argument("--seed", type=int, default=0, help="random seed (inputs, solver)")
     p.add_argument("--time", action="store_true", help="print the time of each phase")
     p.add_argument("--max_ser_proc", type=int, default=1,
@@ -61,17 +87,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
                    help="Ray cluster to use (default: start a local Ray instance)")
     p.add_argument("--loglevel", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
-    p.add_argument("--use_cache_nodes", dest="cache_nodes", action="store_true", default=True)
-    p.add_argument("--no_cache_nodes", dest="cache_nodes", action="store_false")
-    p.add_argument("--use_cache_stages", dest="cache_stages", action="store_true", default=True)
-    p.add_argument("--no_cache_stages", dest="cache_stages", action="store_false")
-    p.add_argument("--dump_nodes", action="store_true")
-    p.add_argument("--dump_lineages", action="store_true")
-    p.add_argument("--dump_stages", action="store_true")
-    p.add_argument("--cache_dir", type=Path, default=Path("data/cache"))
-    p.add_argument("--log_dir", type=Path, default=Path("data/logs"))
-    p.add_argument("--stats_dir", type=Path, default=Path("data/stats"))
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="logging level; DEBUG logs every stage's outcome (default: %(default)s)")
+    p.add_argument("--use_cache_nodes", dest="cache_nodes", action="store_true", default=True,
+                   help="remember in --cache_dir which plan files (by content) were "
+                        "validated, and skip validating them again (the default)")
+    p.add_argument("--no_cache_nodes", dest="cache_nodes", action="store_false",
+                   help="validate the plan files on every load, without the plan cache")
+    p.add_argument("--use_cache_stages", dest="cache_stages", action="store_true", default=True,
+                   help="remember proved stages in --cache_dir (by canonical problem) and "
+                        "skip them in later runs (the default)")
+    p.add_argument("--no_cache_stages", dest="cache_stages", action="store_false",
+                   help="prove every stage again, without the stage cache")
+    p.add_argument("--dump_nodes", action="store_true",
+                   help="write both plans' nodes to LOG_DIR/<parallel plan>/nodes.txt")
+    p.add_argument("--dump_lineages", action="store_true",
+                   help="write every lineage (single-device tensor = parallel pieces) to "
+                        "LOG_DIR/<parallel plan>/lineages.txt")
+    p.add_argument("--dump_stages", action="store_true",
+                   help="write every stage, its outcome and its nodes to "
+                        "LOG_DIR/<parallel plan>/stages.txt")
+    p.add_argument("--cache_dir", type=Path, default=Path("data/cache"),
+                   help="where the plan and stage caches live (default: %(default)s)")
+    p.add_argument("--log_dir", type=Path, default=Path("data/logs"),
+                   help="where --dump_* write (default: %(default)s)")
+    p.add_argument("--stats_dir", type=Path, default=Path("data/stats"),
+                   help="where the Stats row is appended, as stats.csv (default: %(default)s)")
     p.add_argument("--keep-going", dest="keep_going", action="store_true",
                    help="report every failing stage instead of stopping at the first")
     p.add_argument("--numeric", action="store_true",
@@ -102,7 +143,7 @@ def run_verify(args: argparse.Namespace) -> int:
     cache = StageCache(args.cache_dir if args.cache_stages else None)
     memo = {key: Outcome("proved") for key in cache.proved}
     progress = sys.stderr.isatty()
-    executor = make_executor(args.executor, args.max_vrf_proc, args.ray_address)
+    executor = make_executor(args.executor, args.max_vrf_proc, args.ray_address, PROVER)
     verdict = verify(single, parallel, seed=args.seed, keep_going=args.keep_going, memo=memo,
                      progress=progress, executor=executor)
     cache.save({r.key for r in verdict.results if r.outcome.ok})
@@ -124,7 +165,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"PID: {os.getpid()} - ❌ FAIL")
     print(stats.line())
     if args.time:
-        print("times: " + ", ".join(f"{k}={v:.3f}s" for k, v in verdict.times.items()))
+        print(time_line(stats, t_load))
     append_stats(stats, args.stats_dir)
     if args.json:
         write_json(args.json, verdict, stats, single, parallel)
@@ -213,13 +254,28 @@ def run_numeric(args: argparse.Namespace) -> int:
     return EXIT_DIFFERENT
 
 
+def run_convert(source: Path, target: Path) -> int:
+    """--convert: load (and validate) one plan file, write it in the other form."""
+    plan = load_plan(source)
+    out, spec = save_plan(plan, target)
+    print(f"wrote {out} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors)")
+    print(f"wrote {spec}")
+    return EXIT_EQUAL
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
+        if args.convert:
+            if args.sm or args.pm:
+                raise UsageError("--convert takes no --sm or --pm")
+            return run_convert(*args.convert)
+        if args.sm is None or args.pm is None:
+            raise UsageError("the following arguments are required: --sm, --pm")
         if args.max_vrf_proc < 1 or args.max_ser_proc < 1:
             raise UsageError("--max_vrf_proc and --max_ser_proc must be at least 1")
         if not args.numeric:
-            make_executor(args.executor, args.max_vrf_proc, args.ray_address)
+            make_executor(args.executor, args.max_vrf_proc, args.ray_address, PROVER)
         return run_numeric(args) if args.numeric else run_verify(args)
     except (UsageError, PlanError, NumericRefused, ExecutorUnavailable) as e:
         sys.stderr.write(f"error: {e}\n")

@@ -2,7 +2,7 @@
 
 The rule table's forward and backward rules run unchanged on these arrays;
 this module supplies the ``xp`` functions they call. Non-linear elementwise
-functions (exp, rsqrt, sigmoid) are uninterpreted functions: sound for
+functions (exp, rsqrt, sigmoid, tanh, erf, relu's step) are uninterpreted functions: sound for
 equivalence, since both plans must apply the same function to equal
 arguments. Top-k routing is an uninterpreted function of a sample's whole
 score matrix, one function per output element (static capacity).
@@ -91,6 +91,19 @@ class SymbolicXP:
         return _map(lambda v: _unary("sigmoid")(_real(v)), x)
 
     @staticmethod
+    def tanh(x):
+        return _map(lambda v: _unary("tanh")(_real(v)), x)
+
+    @staticmethod
+    def erf(x):
+        return _map(lambda v: _unary("erf")(_real(v)), x)
+
+    @staticmethod
+    def step(x):
+        """relu's derivative, uninterpreted like the other non-linear functions."""
+        return _map(lambda v: _unary("step")(_real(v)), x)
+
+    @staticmethod
     def softmax(x, dim):
         e = SymbolicXP.exp(x)
         total = np.broadcast_to(np.sum(e, axis=dim, keepdims=True), e.shape)
@@ -152,3 +165,17 @@ def variables(prefix: str, shape: tuple[int, ...]) -> np.ndarray:
     for idx in np.ndindex(*shape):
         out[idx] = z3.Real(f"{prefix}[{','.join(map(str, idx))}]")
     return out
+
+
+class Z3Symbolic:
+    """The symbolic backend the prover is given (``verdict.solve.Symbolic``):
+    stateless, so it crosses process boundaries by reference."""
+
+    def xp(self) -> SymbolicXP:
+        return SymbolicXP()
+
+    def variables(self, prefix: str, shape: tuple[int, ...]) -> np.ndarray:
+        return variables(prefix, shape)
+
+
+Z3 = Z3Symbolic()

@@ -19,6 +19,12 @@ from gen_model.parallelize import Policy
 from harness.bugs import inject
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "mgeners"
+#: Sizes of llama3 and moe left out (README, "Generate plans").
+DEFAULT_HEADS = 4
+DEFAULT_SEQLEN = 128
+EPILOG = """Writes {model}_{variant}_dp{D}_pp{P}_tp{T}_nm{M}_gbs{G}_ly{L}_h{H}_hi{I}_sq{S}.pkl
+and its JSON world spec under -o. Exit 0: written; 2: bad flags or sizes (one
+line on stderr, nothing written)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,55 +34,85 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m gen_model", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, choices=MODELS)
-    p.add_argument("--variant", default="default", help="name part; 'default' or br{N}")
-    size = p.add_argument_group("model sizes")
-    size.add_argument("--layers", type=int, default=2)
-    size.add_argument("--hidden", type=int, default=128)
-    size.add_argument("--heads", type=int, default=0, help="attention heads (llama3, moe)")
+    p = _Parser(prog="python -m gen_model", description=__doc__.split("\n\n")[0],
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, choices=MODELS, help="the model to generate")
+    p.add_argument("--variant", default="default",
+                   help="'default', or br1 to br14: a plan of the bug suite (docs/bugs.md); "
+                        "also a part of the file name (default: %(default)s)")
+    size = p.add_argument_group("model sizes (mlp uses --layers and --hidden only)")
+    size.add_argument("--layers", type=int, default=2,
+                      help="layers (transformer blocks) (default: %(default)s)")
+    size.add_argument("--hidden", type=int, default=128, help="hidden size (default: %(default)s)")
+    size.add_argument("--heads", type=int, default=DEFAULT_HEADS,
+                      help="attention heads (default: %(default)s)")
     size.add_argument("--kv_heads", type=int, default=0,
                       help="grouped KV heads (default: heads/4 when that divides, else heads)")
-    size.add_argument("--ffn", type=int, default=0, help="feed-forward size (default 3.5*hidden)")
-    size.add_argument("--vocab", type=int, default=128256)
-    size.add_argument("--seqlen", type=int, default=0)
-    size.add_argument("--gbs", type=int, required=True, help="global batch size")
-    moe = p.add_argument_group("mixture of experts")
-    moe.add_argument("--experts", type=int, default=8, help="routed experts")
-    moe.add_argument("--topk", type=int, default=2, help="activated experts per token")
-    moe.add_argument("--capacity_factor", type=float, default=1.0)
-    moe.add_argument("--first_dense", type=int, default=1, help="leading dense layers")
-    moe.add_argument("--moe_ffn", type=int, default=0, help="expert size (default hidden)")
-    par = p.add_argument_group("parallelism")
-    for flag in ("dp", "tp", "pp", "ep", "nm"):
-        par.add_argument(f"--{flag}", type=int, default=1)
+    size.add_argument("--ffn", type=int, default=0, help="feed-forward size (default: 3.5*hidden)")
+    size.add_argument("--vocab", type=int, default=128256,
+                      help="vocabulary size (default: %(default)s, Llama 3's)")
+    size.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN,
+                      help="sequence length in tokens (default: %(default)s)")
+    size.add_argument("--gbs", type=int, required=True,
+                      help="global batch size: samples per training step, over all replicas "
+                           "and microbatches")
+    moe = p.add_argument_group("mixture of experts (--model moe)")
+    moe.add_argument("--experts", type=int, default=8, help="routed experts (default: %(default)s)")
+    moe.add_argument("--topk", type=int, default=2,
+                     help="activated experts per token (default: %(default)s)")
+    moe.add_argument("--capacity_factor", type=float, default=1.0,
+                     help="slots per expert: ceil(seqlen x topk / experts x this) "
+                          "(default: %(default)s)")
+    moe.add_argument("--first_dense", type=int, default=1,
+                     help="leading dense layers (default: %(default)s)")
+    moe.add_argument("--moe_ffn", type=int, default=0, help="expert size (default: hidden)")
+    par = p.add_argument_group("parallelism (all 1: the single-device plan)")
+    par.add_argument("--dp", type=int, default=1,
+                     help="data parallel: replicas, each on a share of the batch "
+                          "(default: %(default)s)")
+    par.add_argument("--tp", type=int, default=1,
+                     help="tensor parallel: weights split across ranks (Megatron) "
+                          "(default: %(default)s)")
+    par.add_argument("--pp", type=int, default=1,
+                     help="pipeline parallel: stages, the layers split across them "
+                          "(default: %(default)s)")
+    par.add_argument("--ep", type=int, default=1,
+                     help="expert parallel: the experts split across ranks (moe) "
+                          "(default: %(default)s)")
+    par.add_argument("--nm", type=int, default=1,
+                     help="microbatches per replica and step, run in the pipeline schedule "
+                          "with the gradients accumulated (default: %(default)s)")
     par.add_argument("--cp", type=int, default=1,
-                     help="context parallel: the sequence split across ranks (llama3)")
+                     help="context parallel: the sequence split across ranks (llama3) "
+                          "(default: %(default)s)")
     par.add_argument("--cp_balance", action="store_true",
                      help="with --cp C: causal load balancing, the sequence cut into 2C chunks "
                           "and rank i holding chunks i and 2C-1-i")
     par.add_argument("--vocab_parallel", action="store_true",
                      help="split the embedding along the vocabulary across TP ranks")
     par.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
-                     help="pipeline schedule")
+                     help="pipeline schedule (default: %(default)s)")
     par.add_argument("--sequence_parallel", action="store_true",
                      help="Megatron sequence parallelism: activations outside TP regions "
                           "split along the sequence across TP ranks (llama3)")
     par.add_argument("--vpp", type=int, default=1,
-                     help="interleaved pipeline: model chunks per pipeline stage")
+                     help="interleaved pipeline: model chunks per pipeline stage "
+                          "(default: %(default)s)")
     par.add_argument("--ulysses", action="store_true",
                      help="with --cp: Ulysses attention (all-to-all from sequence to head "
                           "shards) instead of gathering keys and values")
     par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                      help="ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters "
-                          "sharded over data-parallel ranks (3 is FSDP)")
+                          "sharded over data-parallel ranks (3 is FSDP) (default: %(default)s, "
+                          "none)")
     p.add_argument("--fold", action="store_true",
                    help="write the folded plan: 2 replicas and 2 microbatches shown, the others "
                         "by symmetry (docs/soundness.md); generation cost does not grow with "
                         "--dp or --nm")
     p.add_argument("--optimizer", choices=("none", "sgd", "adam", "adamw"), default="none",
                    help="end the step with this optimizer's update (default: gradients only)")
-    p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output directory")
+    p.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR,
+                   help="output directory (default: gen_model/mgeners/)")
     return p
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from fractions import Fraction
 
 from gen_model.config import ConfigError
 from gen_model.parallelize import number_versions
@@ -212,6 +213,85 @@ def scale_one_rank(plan: Plan, rng: random.Random) -> Result:
     if not ok:
         return None
     return p, f"{plan.logical[x.tid].name} on rank {x.rank} mb {x.mb} times {factor}"
+
+
+def _times_claim(plan: Plan, t: int, factor: Fraction) -> None:
+    """Tensor t's claimed factor multiplied by ``factor`` (an honest claim of
+    a tensor the plan now scales)."""
+    x = plan.tensors[t]
+    new = x.factor() * factor
+    plan.tensors[t] = x._replace(scale=(new.numerator, new.denominator))
+
+
+#: Factors the scale mutants apply: a gradient averaged where summed, summed
+#: where averaged, divided by a parallel size twice.
+FACTORS = (Fraction(2), Fraction(1, 2), Fraction(4), Fraction(1, 4), Fraction(-1))
+
+
+def _scale_after(plan: Plan, t: int, factor: Fraction, name: str) -> bool:
+    """Insert ``mul_scalar(factor)`` after tensor t; its output claims t's view
+    times the factor, as a plan that meant to scale would write it."""
+    x = plan.tensors[t]
+    ok = _insert_after_producer(plan, t, lambda a, b: [Node(
+        x.rank, x.mb, "mul_scalar", "fw", (a,), (b,), {"value": float(factor)}, name)])
+    if ok:
+        _times_claim(plan, len(plan.tensors) - 1, factor)
+    return ok
+
+
+def factor_one_rank(plan: Plan, rng: random.Random) -> Result:
+    """A tensor on one rank scaled by an exact factor, its claim saying so (a
+    divide factor applied on one rank only)."""
+    sites = [t for t in _computed(plan) if plan.logical[plan.tensors[t].tid].kind != "gradbuf"]
+    t = _pick(rng, sites)
+    if t is None:
+        return None
+    p = copy_plan(plan)
+    x = p.tensors[t]
+    factor = rng.choice(FACTORS)
+    if not _scale_after(p, t, factor, "scale"):
+        return None
+    return p, f"{plan.logical[x.tid].name} on rank {x.rank} mb {x.mb} times {factor}, claimed"
+
+
+def factor_every_rank(plan: Plan, rng: random.Random) -> Result:
+    """One value scaled by an exact factor on every rank and microbatch that
+    computes it, every claim saying so (a loss averaged over the wrong count,
+    AVG where SUM is needed: the replicas stay equal to each other)."""
+    by_value: dict[tuple[int, int], list[int]] = {}
+    for t in _computed(plan):
+        x = plan.tensors[t]
+        if plan.logical[x.tid].kind != "gradbuf":
+            by_value.setdefault((x.tid, x.lver), []).append(t)
+    key = _pick(rng, sorted(by_value))
+    if key is None:
+        return None
+    factor = rng.choice(FACTORS)
+    p = copy_plan(plan)
+    count = sum(_scale_after(p, t, factor, "scale") for t in by_value[key])
+    if not count:
+        return None
+    return p, f"{plan.logical[key[0]].name} v{key[1]} times {factor} on {count} ranks/mbs, claimed"
+
+
+def factor_twice(plan: Plan, rng: random.Random) -> Result:
+    """A scaling the plan does (a division by a token count or a parallel
+    size, a multiply by a constant) applied a second time on one rank, its
+    claim saying so."""
+    read = {t for n in plan.nodes for t in n.inputs}
+    sites = [i for i, n in enumerate(plan.nodes) if n.op in ("div", "mul_scalar")
+             and isinstance(n.kwargs.get("value"), (int, float))
+             and n.kwargs["value"] not in (0, 1) and n.outputs[0] in read]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    n = plan.nodes[i]
+    value = Fraction(repr(float(n.kwargs["value"])))
+    factor = 1 / value if n.op == "div" else value
+    p = copy_plan(plan)
+    if not _scale_after(p, n.outputs[0], factor, "scale_again"):
+        return None
+    return p, f"{where(plan, i)} applied twice"
 
 
 #: Numeric kwargs a mutation may change: an operator's constant, an exponent,
@@ -776,6 +856,9 @@ MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "wrong_member": wrong_member,
     "wrong_owner": wrong_owner,
     "stale_step": stale_step,
+    "factor_one_rank": factor_one_rank,
+    "factor_every_rank": factor_every_rank,
+    "factor_twice": factor_twice,
 }
 
 
@@ -874,12 +957,36 @@ def scatter_as_reduce_split(plan: Plan, rng: random.Random) -> Result:
     return p, f"{where(plan, i)} as all_reduce + split"
 
 
+def rescale(plan: Plan, rng: random.Random) -> Result:
+    """A tensor on one rank multiplied by an exact factor and divided by it
+    again, the value in between claimed with the factor (a pre-divide factor
+    undone by a post-multiply, as FSDP's divide factors are)."""
+    t = _pick(rng, [t for t in _computed(plan)
+                    if plan.logical[plan.tensors[t].tid].kind != "gradbuf"])
+    if t is None:
+        return None
+    p = copy_plan(plan)
+    x = p.tensors[t]
+    factor = rng.choice(FACTORS)
+    if not _scale_after(p, t, factor, "pre_divide"):
+        return None
+    mid = len(p.tensors) - 1
+    back = _add_tensor(p, t)
+    k = next(i for i, n in enumerate(p.nodes) if mid in n.outputs)
+    if not _reroute(p, mid, back, k + 1):
+        return None
+    p.nodes.insert(k + 1, Node(x.rank, x.mb, "div", "fw", (mid,), (back,),
+                               {"value": float(factor)}, "post_multiply"))
+    return p, f"{plan.logical[x.tid].name} on rank {x.rank} mb {x.mb} times {factor} and back"
+
+
 REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
     "reorder": reorder,
     "split_all_reduce": split_all_reduce,
     "rename": rename,
     "insert_identity": insert_identity,
     "scatter_as_reduce_split": scatter_as_reduce_split,
+    "rescale": rescale,
 }
 
 

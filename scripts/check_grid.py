@@ -32,8 +32,8 @@ from dataclasses import replace
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
+from main import verify
 from verdict.differential import compare
-from verdict.engine import verify
 
 GBS = 16
 MODELS = {

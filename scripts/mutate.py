@@ -43,7 +43,7 @@ from harness.mutations import (  # noqa: E402
     REWRITES,
 )
 from harness.oracle import judge, judge_folded  # noqa: E402
-from verdict.engine import verify  # noqa: E402
+from main import verify  # noqa: E402
 from verdict.fold import FoldError, fold_pair  # noqa: E402
 from verdict.plan import Plan  # noqa: E402
 from verdict.report import append_rows  # noqa: E402

@@ -63,7 +63,7 @@ summary() {
         /🚨 ⬆️$/ && !(tp in seen) { seen[tp] = 1; bad = bad " " tp }
         END {
             printf "%s", first
-            if (first ~ /solver result: sat/) printf " | Gs node: %s | 🚨 under%s", gs, bad
+            if (first ~ /plans differ \(sat\)/) printf " | Gs node: %s | 🚨 under%s", gs, bad
         }' "$1" 2>/dev/null
 }
 

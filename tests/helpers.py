@@ -12,7 +12,7 @@ from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
 from harness import mutations
 from harness.oracle import judge
-from verdict.engine import verify
+from main import verify
 from verdict.plan import Plan
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)

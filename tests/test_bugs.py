@@ -15,7 +15,8 @@ from gen_model.__main__ import main as gen_main
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from harness import bugs
-from verdict.engine import Verdict, verify
+from main import verify
+from verdict.engine import Verdict
 from verdict.plan import Plan
 
 BASE = Parallelism(dp=2, pp=2, tp=2, nm=2)
@@ -329,6 +330,6 @@ def test_main_exits_1_with_the_counterexample(full, tmp_path, capsys):
                       "--no_cache_stages", "--no_cache_nodes", "--stats_dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1
-    assert "❌ ERROR: 🚨 Stage 5 solver result: sat" in out
+    assert "❌ Stage 5 not equivalent: 🚨 the solver found inputs on which the plans differ" in out
     assert "op='add_scalar', dir='fw', name='layers.0.attention_norm.add'" in out
     assert out.count("🚨 ⬆️") == 4 and "❌ FAIL" in out

@@ -21,8 +21,8 @@ from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
 from harness import mutations
 from harness.oracle import judge
+from main import verify
 from verdict.differential import compare
-from verdict.engine import verify
 from verdict.final import rank_states
 from verdict.fold import fold_pair
 from verdict.lineage import infer_lineages

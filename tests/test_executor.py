@@ -14,9 +14,8 @@ import main
 import verdict.executor as executor_module
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
-from verdict.engine import verify
+from main import PROVER, verify
 from verdict.executor import InlineExecutor, ProcessExecutor, make_executor
-from verdict.solve import solve
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)
 
@@ -32,7 +31,7 @@ def die_once(marker: Path):
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
         except FileExistsError:
-            return solve(problem, seed)
+            return PROVER(problem, seed)
         os.kill(os.getpid(), signal.SIGKILL)
     return run
 
@@ -48,13 +47,13 @@ def test_problems_and_outcomes_are_plain_data(pair):
 
     def record(problem, seed=0):
         seen.append(problem)
-        return solve(problem, seed)
+        return PROVER(problem, seed)
 
     assert verify(*pair, executor=InlineExecutor(record)).success
     assert seen
     for problem in seen:
         assert not any(m.startswith("z3") for m in modules_pickled(problem))
-        assert not any(m.startswith("z3") for m in modules_pickled(solve(problem)))
+        assert not any(m.startswith("z3") for m in modules_pickled(PROVER(problem)))
 
 
 def modules_pickled(value) -> set[str]:
@@ -71,8 +70,8 @@ def modules_pickled(value) -> set[str]:
 
 
 def test_process_pool_gives_the_same_verdict(pair):
-    one = verify(*pair, executor=InlineExecutor())
-    two = verify(*pair, executor=ProcessExecutor(2))
+    one = verify(*pair, executor=InlineExecutor(PROVER))
+    two = verify(*pair, executor=ProcessExecutor(2, PROVER))
     assert one.success and two.success
     assert [r.key for r in one.results] == [r.key for r in two.results]
 
@@ -90,14 +89,14 @@ def test_process_pool_worker_dying_twice_is_no_verdict(pair):
 
 
 def test_process_pool_recycles_workers(pair):
-    assert verify(*pair, executor=ProcessExecutor(2, tasks_per_worker=1)).success
+    assert verify(*pair, executor=ProcessExecutor(2, PROVER, tasks_per_worker=1)).success
 
 
 def test_make_executor_choices():
-    assert isinstance(make_executor("process", 1), InlineExecutor)
-    assert isinstance(make_executor("process", 2), ProcessExecutor)
+    assert isinstance(make_executor("process", 1, None, PROVER), InlineExecutor)
+    assert isinstance(make_executor("process", 2, None, PROVER), ProcessExecutor)
     with pytest.raises(executor_module.ExecutorUnavailable, match="--executor ray"):
-        make_executor("process", 2, "127.0.0.1:6379")
+        make_executor("process", 2, "127.0.0.1:6379", PROVER)
 
 
 def test_executor_ray_without_ray_says_how_to_install(tmp_path, capsys, monkeypatch):

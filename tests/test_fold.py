@@ -19,7 +19,7 @@ from gen_model.parallelize import Policy
 from harness.mutations import FOLD_MUTATIONS, MUTATIONS, _add_tensor, copy_plan
 from harness.oracle import judge, judge_folded
 from main import main as verify_main
-from verdict.engine import verify
+from main import verify
 from verdict.fold import FoldError, batch_dims, fold_pair
 from verdict.plan import Node, Plan
 
@@ -221,12 +221,15 @@ def test_command_lines(tmp_path: Path, capsys) -> None:
     assert verify_main(["--sm", str(single), "--pm", str(folded), *common]) == 0
     got = capsys.readouterr().out
     assert "folded plan: 2 of 4 replicas and 2 of 4 microbatches shown" in got
-    assert "fold='dp4 nm4 gbs32'" in got
+    assert "num_dp=4" in got and "num_nm=4" in got and "gbs=32" in got  # the real sizes
+    assert "fold='shown dp2 nm2 gbs8'" in got
     lie = load_plan(folded)
     lie.world["fold_gbs"] = 64
     bad = save_plan(lie, tmp_path / "lie.pkl")[0]
     assert verify_main(["--sm", str(single), "--pm", str(bad), *common]) == 2
-    assert "fold_gbs 64 is not the single-device plan's gbs 32" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "global batch of 64 (--gbs 64)" in err and "make the single-device plan with --gbs 64" in err
+    assert "fold_gbs" not in err
 
 
 def test_uniform_mutants_judged_at_the_real_size() -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from backends.planfile import load_plan, load_world
-from gen_model.__main__ import main
+from gen_model.__main__ import DEFAULT_HEADS, DEFAULT_SEQLEN, main, parser
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from verdict.numeric import execute, final_values
@@ -280,3 +280,23 @@ def test_a_default_tp_does_not_divide_names_the_value_to_pass(argv, hint, tmp_pa
     assert code == 2 and len(err.strip().splitlines()) == 1
     if hint:
         assert hint in err and "single-device plan" in err
+
+
+def test_help_gives_every_flag_a_help_and_its_default(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    for action in parser()._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        takes_value = action.nargs != 0 and not action.required and action.dest != "help"
+        if takes_value and action.default not in (None, 0) and "%(default)" not in action.help:
+            assert "default" in action.help, f"{action.option_strings} shows no default"
+    assert "microbatches" in text and "(default: 1)" in text
+
+
+def test_llama3_without_heads_takes_the_documented_default(tmp_path: Path, capsys) -> None:
+    code, out, err = run_main(["--model", "llama3", "--layers", "1", "--hidden", "16",
+                               "--vocab", "12", "--gbs", "1", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    spec = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert spec["heads"] == DEFAULT_HEADS and spec["seqlen"] == DEFAULT_SEQLEN

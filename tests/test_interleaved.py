@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
+from gen_model.emit import Emitter
 from gen_model.generate import logical_graph, make_plan
-from gen_model.parallelize import Policy, _Emitter, shard
+from gen_model.program import Policy
+from gen_model.spmd import shard
 from harness.oracle import judge
+from main import verify
 from verdict.differential import compare
-from verdict.engine import verify
 
 LLAMA = ModelConfig("llama3", layers=4, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
                     seqlen=4)
@@ -38,7 +40,7 @@ def test_interleaved_plans_verify(par, policy):
 def test_megatron_interleaved_order():
     par, policy = Parallelism(pp=2, nm=4), Policy(virtual_stages=2)
     g = logical_graph(LLAMA, GBS)
-    emitter = _Emitter(g, shard(g, LLAMA, par, policy), par, policy, {})
+    emitter = Emitter(g, shard(g, LLAMA, par, policy), par, policy, {})
     f = [("fw", m, c) for m, c in [(0, 0), (1, 0), (0, 2), (1, 2), (2, 0), (3, 0), (2, 2), (3, 2)]]
     b = [("bw", m, c) for m, c in [(0, 2), (1, 2), (0, 0), (1, 0), (2, 2), (3, 2), (2, 0), (3, 0)]]
     assert emitter.order(0) == f[:4] + [x for pair in zip(f[4:], b[:4]) for x in pair] + b[4:]

@@ -88,6 +88,9 @@ def test_wrong_plan_exits_1_with_counterexample_and_json(plans, tmp_path, capsys
                         "--json", str(report)], tmp_path, capsys)
     assert code == 1
     assert "❌ FAIL" in out and "🚨" in out and "OUTPUT LINEAGES" in out
+    verdict = out[:out.index("❌ FAIL")]  # a FAIL reads as a verdict, not a crash
+    assert "ERROR" not in verdict and "RuntimeError" not in verdict and "Traceback" not in verdict
+    assert "not equivalent" in verdict and "does not compute what the single-device" in verdict
     data = json.loads(report.read_text())
     assert data["success"] is False and data["failing_stages"]
     assert data["failing_stages"][0]["parallel_nodes"]
@@ -107,7 +110,39 @@ def test_bad_usage_exits_2_with_one_line(args, tmp_path, capsys):
 def test_plans_of_different_models_exit_2(plans, tmp_path, capsys):
     code, _, err = run(["--sm", str(plans["single"]), "--pm", str(plans["other"])],
                        tmp_path, capsys)
-    assert code == 2 and "different models" in err
+    assert code == 2 and "different models" in err and len(err.strip().splitlines()) == 1
+    assert "--sm is mlp (layers 2, hidden 8, gbs 8)" in err
+    assert "--pm is mlp (layers 2, hidden 16, gbs 8)" in err
+
+
+def test_single_device_plan_as_parallel_exits_2(plans, tmp_path, capsys):
+    for numeric in ([], ["--numeric"]):
+        code, out, err = run(["--sm", str(plans["single"]), "--pm", str(plans["single"]),
+                              *numeric], tmp_path, capsys)
+        assert code == 2 and not out and len(err.strip().splitlines()) == 1
+        assert "--pm is a single-device plan" in err
+    assert not (tmp_path / "stats").exists()
+
+
+def test_help_explains_every_flag_and_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main.parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    for action in main.parser()._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    for code in range(4):
+        assert f"  {code}  " in text.split("exit codes:")[1]
+
+
+def test_time_prints_the_stats_figures(plans, tmp_path, capsys):
+    code, out, _ = run(["--sm", str(plans["single"]), "--pm", str(plans["parallel"]), "--time"],
+                       tmp_path, capsys)
+    assert code == 0
+    stats = next(line for line in out.splitlines() if line.startswith("Stats("))
+    times = next(line for line in out.splitlines() if line.startswith("times:"))
+    for key in ("t_graph", "t_lineage", "t_schedule", "t_vrf", "t_total"):
+        shown = stats.split(f"{key}=")[1].split(",")[0].rstrip(")")
+        assert f"{key}={shown}s" in times, (key, stats, times)
 
 
 def test_parallel_plan_as_single_exits_2(plans, tmp_path, capsys):

@@ -44,14 +44,14 @@ COVERED = {
     "multiref", "zeros", "ones", "local_grad_accumulation", "detach", "sgd_step", "adam_step",
     # collectives
     "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
-    "send_recv", "broadcast",
+    "send_recv", "broadcast", "all_reduce_avg", "reduce_scatter_avg",
     # torch-side
-    "expand",
+    "expand", "gelu", "tanh", "sigmoid", "relu", "cat", "narrow",
 }
 
 COLLECTIVES = {
     "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
-    "send_recv", "broadcast",
+    "send_recv", "broadcast", "all_reduce_avg", "reduce_scatter_avg",
 }
 
 
@@ -227,6 +227,19 @@ def _cases() -> list[Case]:
                   lambda t: t.expand(2, 3, 5, 4), {"shape": [2, 3, 5, 4]}))
     c.append(Case("expand_scalar", "expand", [randn(seed=42)],
                   lambda t: t.expand(2, 3), {"shape": [2, 3]}))
+    wide = randn(2, 3, 4, seed=43) * 3
+    c.append(Case("gelu_erf", "gelu", [wide], F.gelu, {"approximate": "none"}))
+    c.append(Case("gelu_tanh", "gelu", [wide], lambda t: F.gelu(t, approximate="tanh"),
+                  {"approximate": "tanh"}))
+    c.append(Case("tanh", "tanh", [wide], torch.tanh))
+    c.append(Case("sigmoid", "sigmoid", [wide], torch.sigmoid))
+    c.append(Case("relu", "relu", [wide], torch.relu))
+    pieces = [randn(2, 3, 4, seed=44), randn(2, 3, 4, seed=45), randn(2, 3, 4, seed=46)]
+    c.append(Case("cat_equal", "cat", pieces, lambda *t: torch.cat(t, dim=-1), {"dim": -1}))
+    c.append(Case("cat_uneven", "cat", [randn(2, 1, 4, seed=47), randn(2, 3, 4, seed=48)],
+                  lambda *t: torch.cat(t, dim=1), {"dim": 1}))
+    c.append(Case("narrow", "narrow", [randn(2, 7, 3, seed=49)],
+                  lambda t: t.narrow(1, 2, 4), {"dim": 1, "start": 2, "length": 4}))
     return c
 
 
@@ -456,6 +469,24 @@ def test_all_reduce(name: str) -> None:
         rule.shape([], index=0)
 
 
+def test_averaging_collectives_are_torch_means() -> None:
+    """ReduceOp.AVG: the group's mean (torch's mean over the stacked group),
+    and a reduce-scatter's chunk of it; a group of one is the identity."""
+    xs = _group(3, (6, 2), seed=55)
+    mean = torch.stack([torch.tensor(x) for x in xs]).mean(0).numpy()
+    for index in range(3):
+        (out,) = get_op("all_reduce_avg").forward(NumericXP(), tuple(xs), index=index)
+        np.testing.assert_allclose(out, mean, rtol=RTOL)
+        (out,) = get_op("reduce_scatter_avg").forward(NumericXP(), tuple(xs), index=index, dim=0)
+        np.testing.assert_allclose(out, np.split(mean, 3, axis=0)[index], rtol=RTOL)
+        assert get_op("reduce_scatter_avg").shape([x.shape for x in xs], index=index,
+                                                  dim=0) == [(2, 2)]
+    (out,) = get_op("all_reduce_avg").forward(NumericXP(), (xs[0],), index=0)
+    np.testing.assert_array_equal(out, xs[0])
+    with pytest.raises(ShapeError, match="does not split"):
+        get_op("reduce_scatter_avg").shape([(6, 2)] * 3, index=0, dim=1)
+
+
 def test_all_reduce_max() -> None:
     rule = get_op("all_reduce_max")
     xs = _group(3, (2, 4), seed=50)
@@ -600,6 +631,13 @@ SHAPE_ERRORS: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
       "decoupled": True, "step": 1}),
     ("expand", [(3, 2)], {"shape": [3, 4]}),
     ("expand", [(2, 3)], {"shape": [3]}),
+    ("gelu", [(2, 3)], {"approximate": "fast"}),
+    ("tanh", [(2,), (2,)], {}),
+    ("sigmoid", [(2,), (2,)], {}),
+    ("relu", [(2,), (2,)], {}),
+    ("cat", [(2, 3), (3, 3)], {"dim": 1}),
+    ("cat", [(2, 3), (2, 3, 1)], {"dim": 0}),
+    ("narrow", [(2, 5)], {"dim": 1, "start": 3, "length": 3}),
     ("add", [(2, 3), (2, 4)], {}),
     ("add", [(2, 3)], {}),
     ("mul", [(2, 3, 4), (3, 3, 4)], {}),

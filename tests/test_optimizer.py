@@ -14,8 +14,8 @@ from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
 from harness.mutations import copy_plan, drop_orphans
 from harness.oracle import judge
+from main import verify
 from verdict.differential import compare
-from verdict.engine import verify
 from verdict.numeric import NumericXP
 from verdict.ops import get_op
 from verdict.plan import Node, Plan

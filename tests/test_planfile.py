@@ -259,10 +259,10 @@ def test_wrong_format(tiny: dict, tmp_path: Path) -> None:
 
 
 def test_wrong_version(tiny: dict, tmp_path: Path) -> None:
-    tiny["version"] = 3
+    tiny["version"] = 4
     load_error(
-        write_pickle(tmp_path / "v3.pkl", tiny),
-        "unsupported plan version 3", "reads versions 1 and 2",
+        write_pickle(tmp_path / "v4.pkl", tiny),
+        "unsupported plan version 4", "reads versions 1, 2 and 3",
     )
 
 

@@ -19,9 +19,8 @@ from helpers import mlp_plan_files
 
 import main
 from gen_model.config import Parallelism
-from verdict.engine import verify
+from main import PROVER, verify
 from verdict.executor import RayExecutor, import_ray, local_ray_options, ray_available
-from verdict.solve import solve
 
 if not ray_available():
     if os.environ.get("CI"):
@@ -79,7 +78,7 @@ def die_once(marker: Path):
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
         except FileExistsError:
-            return solve(problem, seed)
+            return PROVER(problem, seed)
         os.kill(os.getpid(), signal.SIGKILL)
     return run_or_die
 

@@ -11,7 +11,7 @@ from backends.planfile import validate
 from harness.oracle import judge
 from harness.real_bugs import BUGS
 from harness.seq_bugs import SEQ_BUGS
-from verdict.engine import verify
+from main import verify
 from verdict.report import failure
 
 ALL = {**BUGS, **SEQ_BUGS}

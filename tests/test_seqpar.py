@@ -17,8 +17,8 @@ from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
 from harness import mutations
 from harness.oracle import judge
+from main import verify
 from verdict.differential import compare
-from verdict.engine import verify
 from verdict.plan import Plan, pair_problem
 from verdict.report import failure
 

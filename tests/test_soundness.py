@@ -19,8 +19,8 @@ from helpers import plan_pair
 from gen_model.config import ModelConfig, Parallelism
 from harness import mutations
 from harness.oracle import judge
+from main import verify
 from verdict.differential import compare
-from verdict.engine import verify
 from verdict.final import loss_groups, rank_states
 from verdict.plan import Node, Plan
 

@@ -22,6 +22,9 @@ FUNCTIONS = {
     "adam_ratio[1e-08]": lambda m, v: m / (math.sqrt(v) + 1e-8),
     "rsqrt": lambda v: 1.0 / math.sqrt(v),
     "sigmoid": lambda v: 1.0 / (1.0 + math.exp(-v)),
+    "tanh": math.tanh,
+    "erf": math.erf,
+    "step": lambda v: float(v > 0),
 }
 
 
@@ -116,7 +119,7 @@ def test_some_case_of_every_small_op_is_checked() -> None:
     assert {c.op for c in SMALL} >= {"add", "mul", "softmax", "silu", "rsqrt", "linear",
                                      "matmul", "einsum", "apply_rotary_emb", "causal_mask",
                                      "multiref", "sum", "mean", "pow", "max", "sub", "exp",
-                                     "log"}
+                                     "log", "gelu", "tanh", "sigmoid", "relu", "cat", "narrow"}
 
 
 @pytest.mark.parametrize("op", [o for o in COLLECTIVE_OPS if o.name not in ("split",)],

@@ -21,7 +21,7 @@ from backends.torch.models import llama
 from backends.torch.rank import run
 from harness.mutations import MUTATIONS, REWRITES
 from harness.oracle import judge
-from verdict.engine import verify
+from main import verify
 from verdict.numeric import execute
 
 RECIPES = "backends.torch.recipes:"
@@ -113,11 +113,26 @@ def test_unlowered_op_is_one_line() -> None:
         lower_trace(trace, 4)
 
 
-def test_bad_recipe_exits_2(capsys) -> None:
+def test_bad_recipe_exits_2(tmp_path, capsys) -> None:
     assert torch_main(["--recipe", "backends.torch.recipes:no_such_recipe", "--dp", "1",
-                       "--tp", "2", "-o", "/tmp/verdict-torch-test"]) == 2
+                       "--tp", "2", "-o", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot load" in err[0]
+
+
+def test_main_says_what_it_wrote(tmp_path, capsys, monkeypatch) -> None:
+    """Tracing itself is tested above; here the plans are small stand-ins."""
+    from gen_model.config import ModelConfig, Parallelism
+    from gen_model.generate import make_plan
+    mlp = ModelConfig("mlp", layers=1, hidden=4)
+    pair = (make_plan(mlp, Parallelism(), 2), make_plan(mlp, Parallelism(dp=2), 2))
+    monkeypatch.setattr("backends.torch.__main__.trace_and_build", lambda args: (pair, None))
+    assert torch_main(["--name", "x", "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"wrote {tmp_path / 'x_single.pkl'} (") and "world spec" in out[0]
+    assert out[1].startswith(f"wrote {tmp_path / 'x_parallel.pkl'} (")
+    assert out[2] == (f"verify them: python main.py --sm {tmp_path / 'x_single.pkl'} "
+                      f"--pm {tmp_path / 'x_parallel.pkl'}")
 
 
 # -- pipelining (torch.distributed.pipelining) ------------------------------------

@@ -13,8 +13,8 @@ from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
 from harness.oracle import judge
+from main import verify
 from verdict.differential import compare
-from verdict.engine import verify
 from verdict.plan import Plan, pair_problem
 
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,

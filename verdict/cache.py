@@ -1,6 +1,7 @@
-"""On-disk caches: loaded plans (keyed by the file's bytes) and proved
-stages (keyed by their canonical problem). Writes are atomic; a corrupt or
-foreign cache entry is ignored, never trusted.
+"""On-disk cache of proved stages (keyed by their canonical problem); the
+cache of loaded plans (keyed by the file's bytes) is the loader's,
+backends/plancache.py. Writes are atomic; a corrupt or foreign cache entry
+is ignored, never trusted.
 
 Both caches are also keyed by the verifier's own code: a canonical problem
 names operators, not their rules, so a proof cached by a version of the
@@ -15,9 +16,6 @@ import json
 import os
 import secrets
 from pathlib import Path
-
-from backends.planfile import PlanError, load_plan, load_plan_data_unchecked
-from verdict.plan import VERSION, Plan
 
 STAGE_CACHE_VERSION = 2
 _CODE_DIRS = ("verdict", "backends")
@@ -34,36 +32,11 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, blob: bytes) -> None:
+def atomic_write(path: Path, blob: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     tmp.write_bytes(blob)
     os.replace(tmp, path)
-
-
-def file_key(path: Path) -> str:
-    h = hashlib.sha256(f"plan-v{VERSION}:{code_fingerprint()}:".encode())
-    h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def load_plan_cached(path: Path, cache_dir: Path | None) -> Plan:
-    """A plan file, validated once: later loads of the same bytes skip validation."""
-    if cache_dir is None:
-        return load_plan(path)
-    try:
-        key = file_key(path)
-    except OSError:
-        return load_plan(path)
-    entry = cache_dir / "plans" / f"{key}.pkl"
-    if entry.exists():
-        try:
-            return load_plan_data_unchecked(entry)
-        except PlanError:
-            entry.unlink(missing_ok=True)
-    plan = load_plan(path)
-    _atomic_write(entry, path.read_bytes())
-    return plan
 
 
 class StageCache:
@@ -87,4 +60,4 @@ class StageCache:
         self.proved |= keys
         blob = json.dumps({"version": STAGE_CACHE_VERSION, "code": self.code,
                            "proved": sorted(self.proved)})
-        _atomic_write(self.path, blob.encode())
+        atomic_write(self.path, blob.encode())

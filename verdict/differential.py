@@ -85,13 +85,15 @@ def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> 
     ref_values = execute(single, seed)
     report = NumericReport()
     try:
-        values = execute(parallel, seed)
+        raw = execute(parallel, seed)
     except ExecutionError as e:
         report.broken = str(e)
         return report
     ref = {(t.tid, t.version): ref_values[i] for i, t in enumerate(single.tensors)}
     order = {o: k for k, node in enumerate(parallel.nodes) for o in node.outputs if o >= 0}
     partial: dict[tuple, list[int]] = defaultdict(list)
+    values = [v if v is None or parallel.tensors[i].scale == (1, 1)
+              else v / float(parallel.tensors[i].factor()) for i, v in enumerate(raw)]
     for i in sorted(range(len(parallel.tensors)), key=lambda i: order.get(i, -1)):
         t = parallel.tensors[i]
         if values[i] is None:
@@ -127,7 +129,7 @@ def compare(single: Plan, parallel: Plan, seed: int = 0, rtol: float = 1e-9) -> 
             if not _close(total, piece, rtol):
                 report.differences.append(Difference(
                     name, [parallel.tensors[i] for i in cover], piece, total, what))
-    report.uncovered = final_state(single, parallel, ref_values, values, rtol)
+    report.uncovered = final_state(single, parallel, ref_values, raw, rtol)
     return report
 
 
@@ -188,7 +190,9 @@ def final_state(single: Plan, parallel: Plan, ref_values: list, values: list,
         problems.append("no rank ends with the loss")
     for group in groups:
         total = sum(values[t] for t in group)
-        if not _close(np.asarray(total, dtype=float), loss, rtol):
+        mean = total / len(group)  # the mean convention: each rank's loss over its own data
+        if not (_close(np.asarray(total, dtype=float), loss, rtol)
+                or _close(np.asarray(mean, dtype=float), loss, rtol)):
             ranks = sorted({parallel.tensors[t].rank for t in group})
             problems.append(f"the loss on ranks {ranks} (data-parallel replicas) sums to "
                             f"{float(np.sum(total)):.6g}, not {float(np.sum(loss)):.6g}")

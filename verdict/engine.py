@@ -14,7 +14,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
-from verdict.executor import Executor, make_executor
+from verdict.executor import Executor, SolveFn, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
 from verdict.fold import check_uniform, fold_of, fold_pair
 from verdict.lineage import Lineage, StructureError, infer_lineages
@@ -22,7 +22,7 @@ from verdict.plan import Plan
 from verdict.problem import Problem, build_problem
 from verdict.progress import progress as bar
 from verdict.reduce import RuleMemo, reduce_stage
-from verdict.solve import Outcome, solve
+from verdict.solve import Outcome
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
 
@@ -114,11 +114,13 @@ def prove(prepared, seed: int, executor: Executor, keep_going: bool, memo: dict[
     return results, hits
 
 
-def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
+def verify(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0, workers: int = 1,
            keep_going: bool = False, memo: dict[str, Outcome] | None = None,
            progress: bool = False, executor: Executor | None = None) -> Verdict:
-    """``executor`` runs the stage proofs (verdict/executor.py); by default
-    this process, or a pool of ``workers`` processes. A folded parallel plan
+    """``prover`` proves one stage (``verdict.solve.Prover`` of a symbolic
+    backend, which main.py wires in). ``executor`` runs the stage proofs
+    (verdict/executor.py); by default this process, or a pool of ``workers``
+    processes running ``prover``. A folded parallel plan
     is compared with the single-device plan restricted to its rows
     (``verdict.fold.fold_pair``, which main.py calls; done here when the
     caller passes the real single-device plan, and FoldError when that
@@ -126,7 +128,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
     if parallel.is_folded() and single.world.get("gbs") != parallel.world.get("gbs"):
         single, _ = fold_pair(single, parallel)
     memo = {} if memo is None else memo
-    executor = executor or make_executor("process", workers)
+    executor = executor or make_executor("process", workers, None, prover)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     try:
@@ -160,7 +162,7 @@ def verify(single: Plan, parallel: Plan, *, seed: int = 0, workers: int = 1,
         if r.outcome.status == "counterexample":
             # solved again here, so the counterexample does not depend on which
             # worker solved what before it (Z3 keeps state per process)
-            r.outcome = solve(r.problem, seed)
+            r.outcome = prover(r.problem, seed)
     verdict = Verdict(not failed, results=results, failed=failed, lineages=lineages,
                       stages=stages, times=times, unique=len({k for _, _, k in prepared}),
                       memo_hits=hits, fold=fold)

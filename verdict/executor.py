@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Protocol
 
 from verdict.problem import Problem
-from verdict.solve import Outcome, solve
+from verdict.solve import Outcome
 
 Job = tuple[str, Problem, int]
 SolveFn = Callable[[Problem, int], Outcome]
@@ -45,7 +45,7 @@ class Executor(Protocol):
         ...
 
 
-def run_job(job: Job, solve_fn: SolveFn = solve) -> tuple[str, Outcome]:
+def run_job(job: Job, solve_fn: SolveFn) -> tuple[str, Outcome]:
     key, problem, seed = job
     try:
         return key, solve_fn(problem, seed)
@@ -71,7 +71,7 @@ def death(code: int | None) -> str:
 class InlineExecutor:
     """Every job in this process, in order."""
 
-    solve_fn: SolveFn = solve
+    solve_fn: SolveFn
 
     def results(self, jobs: list[Job]) -> Iterator[tuple[str, Outcome]]:
         for job in jobs:
@@ -109,8 +109,8 @@ class ProcessExecutor:
     ``tasks_per_worker`` jobs so Z3's memory is given back.
     """
 
-    workers: int = 2
-    solve_fn: SolveFn = solve
+    workers: int
+    solve_fn: SolveFn
     tasks_per_worker: int = 64
 
     def results(self, jobs: list[Job]) -> Iterator[tuple[str, Outcome]]:
@@ -217,9 +217,9 @@ class RayExecutor:
     are in flight, so cancelling after a failure is quick.
     """
 
+    solve_fn: SolveFn
     address: str | None = None
     workers: int = 2
-    solve_fn: SolveFn = solve
 
     def results(self, jobs: list[Job]) -> Iterator[tuple[str, Outcome]]:
         ray = import_ray()
@@ -281,15 +281,15 @@ def local_ray_options(cpus: int) -> dict:
                 log_to_driver=False, logging_level="ERROR", configure_logging=True)
 
 
-def make_executor(kind: str = "process", workers: int = 1,
-                  address: str | None = None) -> Executor:
-    """The executor for ``--executor kind``; ExecutorUnavailable if it cannot run."""
+def make_executor(kind: str, workers: int, address: str | None, solve_fn: SolveFn) -> Executor:
+    """The executor for ``--executor kind`` running ``solve_fn`` (a
+    ``verdict.solve.Prover``); ExecutorUnavailable if it cannot run."""
     if kind == "ray":
         if not ray_available():
             raise ExecutorUnavailable(f"--executor ray needs Ray: {RAY_INSTALL}")
-        return RayExecutor(address, max(workers, 1))
+        return RayExecutor(solve_fn, address, max(workers, 1))
     if address:
         raise ExecutorUnavailable("--ray-address needs --executor ray")
     if workers <= 1:
-        return InlineExecutor()
-    return ProcessExecutor(workers)
+        return InlineExecutor(solve_fn)
+    return ProcessExecutor(workers, solve_fn)

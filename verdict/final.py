@@ -33,10 +33,11 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from verdict.lineage import Lineage, StructureError
 from verdict.ops.step import OPTIMIZERS
-from verdict.plan import Plan, Slices
+from verdict.plan import UNIT, Plan, Slices
 
 
 @dataclass
@@ -250,6 +251,8 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
             elif t.lver != final_grad[p] or not t.is_whole():
                 problems.append(f"{what}, which is not the fully accumulated and reduced "
                                 f"gradient (version {t.lver} of {final_grad[p]}, parts {t.parts})")
+            elif t.scale != UNIT:
+                problems.append(f"{what}, {t.factor()} x the gradient{factor_origin(parallel, t_index)}")
             elif of_gp[t_index] not in proved:
                 problems.append(f"{what}, whose gradient is never proved")
             elif final_param[p] > 0:
@@ -287,9 +290,41 @@ def _check_update(parallel: Plan, rank: int, pname: str, box: Slices, u: int | N
     if t.lver != final or not t.is_whole():
         return [f"{ends}, which is not the updated {tname} (version {t.lver} of {final}, "
                 f"parts {t.parts})"]
+    if t.scale != UNIT:
+        return [f"{ends}, {t.factor()} x the updated {tname}{factor_origin(parallel, u)}"]
     if of_gp[u] not in proved:
         return [f"{ends}, whose update of {tname} is never proved"]
     return []
+
+
+def _loss_convention(tensors) -> str | None:
+    """How a replica set's loss tensors are scaled: 'share' (each its parts of
+    the loss, scale 1), 'mean' (each the mean over its own data: n/(hi-lo)
+    times its parts), or None for anything else (docs/soundness.md, "Scaled
+    claims")."""
+    if all(t.scale == UNIT for t in tensors):
+        return "share"
+    if all(t.factor() == Fraction(abs(t.parts[2]), t.parts[1] - t.parts[0]) for t in tensors):
+        return "mean"
+    return None
+
+
+def factor_origin(parallel: Plan, t: int) -> str:
+    """Where tensor t's factor comes from: walking back through producers
+    whose output has t's factor, the first node whose inputs (on its own
+    rank) all carry another factor. '' when there is none to name."""
+    producer = parallel.producers()
+    scale = parallel.tensors[t].scale
+    seen = set()
+    while producer[t] >= 0 and t not in seen:
+        seen.add(t)
+        node = parallel.nodes[producer[t]]
+        same = [i for i in node.inputs if i >= 0 and parallel.tensors[i].scale == scale]
+        if not same:
+            return (f", a factor applied by {node.op} ({node.dir}) at {node.name or 'the step'} "
+                    f"on rank {node.rank} mb {node.mb}")
+        t = same[0]
+    return ""
 
 
 def _check_loss(single: Plan, parallel: Plan, states: dict[int, RankState],
@@ -308,6 +343,13 @@ def _check_loss(single: Plan, parallel: Plan, states: dict[int, RankState],
             t = stale[0]
             problems.append(f"{where}: Tensor(rank={t.rank}, mb={t.mb}, tid={t.tid}, "
                             f"v={t.version}) is version {t.lver} of the loss, not {final}")
+            continue
+        convention = _loss_convention(tensors)
+        if convention is None:
+            shown = ", ".join(f"r{t.rank}/mb{t.mb}: {t.factor()} x parts {t.parts[0]}..{t.parts[1]}"
+                              f" of {t.parts[2]}" for t in tensors)
+            problems.append(f"{where} is scaled neither as shares of the loss nor as means over "
+                            f"each rank's own data: {shown}")
             continue
         lin = lineages[of_gp[group[0]]]
         entry = (tensors[0].slices, group)

@@ -56,10 +56,6 @@ class Fold:
         return (f"{self.dp} of {self.real_dp} replicas and {self.nm} of {self.real_nm} "
                 f"microbatches shown; the others by symmetry (docs/soundness.md)")
 
-    def label(self) -> str:
-        """For the Stats row: the real sizes."""
-        return f"dp{self.real_dp} nm{self.real_nm} gbs{self.real_gbs}"
-
 
 def fold_sizes(single: Plan, parallel: Plan) -> Fold:
     """The shown and real sizes of a folded plan, after its side conditions."""
@@ -69,8 +65,10 @@ def fold_sizes(single: Plan, parallel: Plan) -> Fold:
                         + ", ".join(FOLD_KEYS))
     fold = Fold(w["dp"], w["nm"], w["gbs"], w["fold_dp"], w["fold_nm"], w["fold_gbs"])
     if single.world.get("gbs") != fold.real_gbs:
-        raise FoldError(f"fold_gbs {fold.real_gbs} is not the single-device plan's gbs "
-                        f"{single.world.get('gbs')}")
+        raise FoldError(f"the folded plan stands for a global batch of {fold.real_gbs} "
+                        f"(--gbs {fold.real_gbs}) but the single-device plan has a batch of "
+                        f"{single.world.get('gbs')}: make the single-device plan with "
+                        f"--gbs {fold.real_gbs}")
     blocks = fold.real_dp * fold.real_nm
     if fold.real_gbs % blocks:
         raise FoldError(f"fold_gbs {fold.real_gbs} does not split into fold_dp {fold.real_dp} x "

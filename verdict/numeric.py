@@ -51,6 +51,19 @@ class NumericXP:
         return 1.0 / (1.0 + np.exp(-x))
 
     @staticmethod
+    def tanh(x):
+        return np.tanh(x)
+
+    @staticmethod
+    def erf(x):
+        return np.vectorize(math.erf, otypes=[float])(x)
+
+    @staticmethod
+    def step(x):
+        """1 where x > 0, else 0 (the derivative of relu, 0 at 0 as torch's)."""
+        return np.asarray(np.asarray(x) > 0, dtype=float)
+
+    @staticmethod
     def softmax(x, dim):
         top = np.max(x, axis=dim, keepdims=True)
         e = np.exp(x - np.where(np.isfinite(top), top, 0.0))

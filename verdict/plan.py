@@ -10,16 +10,26 @@ convert between the two.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 FORMAT = "verdict-plan"
 #: The newest version; version 2 adds the world keys of a folded plan
-#: (FOLD_KEYS). A plan without them is written as version 1.
-VERSION = 2
-VERSIONS = (1, 2)
+#: (FOLD_KEYS), version 3 a tensor's optional scale (a 9th column). A plan is
+#: written with the lowest version that holds it, so older files read alike.
+VERSION = 3
+VERSIONS = (1, 2, 3)
+#: The factor of a tensor that is not scaled.
+UNIT = (1, 1)
 #: World keys of a folded plan: the real replicas, microbatches and batch
 #: (docs/soundness.md, "Folded plans"); ``dp``, ``nm``, ``gbs`` are the shown ones.
 FOLD_KEYS = ("fold_dp", "fold_nm", "fold_gbs")
+
+def lowest(num: int, den: int) -> tuple[int, int]:
+    """A factor as (num, den) in lowest terms, den > 0."""
+    f = Fraction(num, den)
+    return (f.numerator, f.denominator)
+
 
 #: Kinds of logical tensor. Inputs (no producer) are data, tokens (one-hot
 #: data), params and buffers; everything else is computed.
@@ -45,7 +55,9 @@ class Tensor(NamedTuple):
     Its lineage view says which piece of logical tensor ``tid`` at logical
     version ``lver`` it holds: the ``slices`` ([start, end) per dim, in full
     coordinates) and the parts [lo, hi) of an ``n``-way partial sum (of an
-    ``|n|``-way partial maximum when ``n`` is negative).
+    ``|n|``-way partial maximum when ``n`` is negative), times ``scale``, an
+    exact rational (num, den) in lowest terms (docs/soundness.md, "Scaled
+    claims").
     """
 
     rank: int
@@ -56,6 +68,10 @@ class Tensor(NamedTuple):
     lver: int
     slices: Slices
     parts: tuple[int, int, int]
+    scale: tuple[int, int] = UNIT
+
+    def factor(self) -> Fraction:
+        return Fraction(*self.scale)
 
     def key(self) -> tuple[int, int, int, int]:
         return (self.rank, self.mb, self.tid, self.version)
@@ -104,16 +120,17 @@ class Plan:
                 lists[id(t)] = list(t)
             return lists[id(t)]
 
+        def row(t: Tensor) -> list:
+            out = [t.rank, t.mb, t.tid, t.version, list(t.shape), t.lver,
+                   [list(s) for s in t.slices], list(t.parts)]
+            return out + [list(t.scale)] if t.scale != UNIT else out
+
         return {
             "format": FORMAT,
-            "version": VERSION if self.is_folded() else 1,
+            "version": self.lowest_version(),
             "world": dict(self.world),
             "logical": [[t.name, list(t.shape), t.kind] for t in self.logical],
-            "tensors": [
-                [t.rank, t.mb, t.tid, t.version, list(t.shape), t.lver,
-                 [list(s) for s in t.slices], list(t.parts)]
-                for t in self.tensors
-            ],
+            "tensors": [row(t) for t in self.tensors],
             "nodes": [
                 [n.rank, n.mb, n.op, n.dir, inputs(n.inputs), list(n.outputs), dict(n.kwargs),
                  n.name]
@@ -140,8 +157,9 @@ class Plan:
             world=dict(data["world"]),
             logical=[Logical(n, tuple(s), k) for n, s, k in data["logical"]],
             tensors=[
-                Tensor(r, m, t, v, tuple(shape), lv, tuple(tuple(s) for s in sl), tuple(p))
-                for r, m, t, v, shape, lv, sl, p in data["tensors"]
+                Tensor(r, m, t, v, tuple(shape), lv, tuple(tuple(s) for s in sl), tuple(p),
+                       lowest(*rest[0]) if rest else UNIT)
+                for r, m, t, v, shape, lv, sl, p, *rest in data["tensors"]
             ],
             nodes=[
                 Node(r, m, op, d, inputs(i), tuple(o), dict(kw), name)
@@ -153,6 +171,12 @@ class Plan:
 
     def is_folded(self) -> bool:
         return any(k in self.world for k in FOLD_KEYS)
+
+    def lowest_version(self) -> int:
+        """3 when a tensor is scaled, else 2 when folded, else 1."""
+        if any(t.scale != UNIT for t in self.tensors):
+            return 3
+        return 2 if self.is_folded() else 1
 
     def last_writes(self) -> dict[tuple[int, int], int]:
         """(tid, rank) -> the tensor last written for it in execution order:
@@ -180,19 +204,38 @@ PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_paralle
                    *FOLD_KEYS)
 
 
+#: World fields that name a model's sizes, in the order a message lists them.
+MODEL_SIZES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seqlen", "experts",
+               "topk", "moe_ffn", "gbs")
+DEGREES = ("dp", "tp", "pp", "ep", "nm", "cp")
+
+
+def describe_model(world: dict[str, Any]) -> str:
+    """A model in a user's words: its name and its sizes (those above zero)."""
+    sizes = ", ".join(f"{k} {world[k]}" for k in MODEL_SIZES if world.get(k))
+    return f"{world.get('model', 'an unnamed model')} ({sizes})" if sizes else str(
+        world.get("model", "an unnamed model"))
+
+
 def pair_problem(single: Plan, parallel: Plan) -> str | None:
     """Why two plans cannot be compared (None when they can): the first must
-    be single-device and both must describe the same model."""
-    for flag in ("dp", "tp", "pp", "ep", "nm", "cp"):
+    be single-device, the second parallel, and both must describe the same
+    model."""
+    for flag in DEGREES:
         if single.world.get(flag, 1) != 1:
             return f"--sm is not a single-device plan ({flag}={single.world[flag]})"
     if any(t.rank != 0 for t in single.tensors):
         return "--sm has tensors on ranks other than 0"
+    if (all(parallel.world.get(flag, 1) == 1 for flag in DEGREES) and not parallel.is_folded()
+            and all(t.rank == 0 for t in parallel.tensors)):
+        return ("--pm is a single-device plan (dp, tp, pp, ep, nm and cp all 1): there is "
+                "nothing parallel to verify; pass a parallel plan as --pm")
     keys = sorted((set(single.world) | set(parallel.world)) - set(PARALLEL_FIELDS))
     for key in keys:
         a, b = single.world.get(key), parallel.world.get(key)
         if a != b:
-            return f"the plans are of different models: {key} is {a} in --sm and {b} in --pm"
+            return (f"the plans are of different models: --sm is {describe_model(single.world)}"
+                    f" and --pm is {describe_model(parallel.world)} ({key} {a} against {b})")
     if len(single.logical) != len(parallel.logical):
         return "the plans are of different models: their logical tensors differ"
     for a, b in zip(single.logical, parallel.logical):

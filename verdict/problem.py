@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from verdict.lineage import Lineage
 from verdict.ops import get_op
-from verdict.plan import Plan, Slices
+from verdict.plan import UNIT, Plan, Slices
 from verdict.reduce import Reduction
 from verdict.stages import Stage
 from verdict.structure import fw_shapes
@@ -41,12 +41,15 @@ class Problem:
     given: list[LineageFact]  # input lineages: assumed to hold
     claims: list[LineageFact]  # output lineages: to prove
     constants: dict[int, tuple] = field(default_factory=dict)  # Ts id -> input-less Gs node
+    # Tp id -> its view's factor (num, den), for the Tp's that are scaled
+    scales: dict[int, tuple[int, int]] = field(default_factory=dict)
     # not part of the key: where the local ids come from, for reports
     ts_global: list[int] = field(default_factory=list)
     tp_global: list[int] = field(default_factory=list)
 
     def key(self) -> str:
         body = [self.ts_shapes, self.tp_shapes, self.gs, self.gp, sorted(self.constants.items()),
+                sorted(self.scales.items()),
                 [(f.ts, f.groups, f.loose, f.aliases) for f in self.given],
                 [(f.ts, f.groups, f.loose, f.aliases) for f in self.claims]]
         text = json.dumps(body, sort_keys=True, default=list)
@@ -112,10 +115,12 @@ def build_problem(single: Plan, parallel: Plan, stage: Stage, lineages: list[Lin
                                                              if m in tp_ids), aliases))
     ts_global = sorted(ts_ids, key=ts_ids.get)
     tp_global = sorted(tp_ids, key=tp_ids.get)
+    scales = {local: parallel.tensors[t].scale for local, t in enumerate(tp_global)
+              if parallel.tensors[t].scale != UNIT}
     return Problem(
         ts_shapes=[red.gs_shape[i] for i in ts_global],
         tp_shapes=[red.gp_shape(i) for i in tp_global],
-        gs=gs, gp=gp, given=given, claims=claims, constants=constants,
+        gs=gs, gp=gp, given=given, claims=claims, constants=constants, scales=scales,
         ts_global=ts_global, tp_global=tp_global,
     )
 

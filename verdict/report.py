@@ -35,7 +35,8 @@ class Stats:
     t_schedule: float
     t_vrf: float
     t_total: float
-    #: a folded plan's real sizes ("dp512 nm32 gbs512"; docs/soundness.md), else ""
+    #: a folded plan (its num_dp, num_nm and gbs are the real run's): the sizes
+    #: shown in the plan ("shown dp2 nm2 gbs32"; docs/soundness.md), else ""
     fold: str = ""
 
     def line(self) -> str:
@@ -45,18 +46,23 @@ class Stats:
 
 
 def make_stats(verdict: Verdict, parallel: Plan, t_load: float) -> Stats:
+    """The Stats row. t_graph and t_total include ``t_load`` (reading the
+    plan files); a folded plan's row shows its real sizes (``fold`` says
+    what was shown)."""
     w, t = parallel.world, verdict.times
+    folded = parallel.is_folded()
+    real = {k: w.get(f"fold_{k}" if folded else k, default)
+            for k, default in (("dp", 1), ("nm", 1), ("gbs", 0))}
     return Stats(
-        success=verdict.success, num_layers=w.get("layers", 0), num_dp=w.get("dp", 1),
+        success=verdict.success, num_layers=w.get("layers", 0), num_dp=real["dp"],
         num_tp=w.get("tp", 1), num_pp=w.get("pp", 1), num_ep=w.get("ep", 1),
-        num_nm=w.get("nm", 1), gbs=w.get("gbs", 0), hidden=w.get("hidden", 0),
+        num_nm=real["nm"], gbs=real["gbs"], hidden=w.get("hidden", 0),
         seqlen=w.get("seqlen", 0), model=w.get("model", ""), stages=len(verdict.stages),
         unique_stages=verdict.unique, memo_hits=verdict.memo_hits,
         t_graph=t.get("t_graph", 0.0) + t_load, t_lineage=t.get("t_lineage", 0.0),
         t_schedule=t.get("t_schedule", 0.0), t_vrf=t.get("t_vrf", 0.0),
         t_total=t.get("t_total", 0.0) + t_load,
-        fold=(f"dp{w['fold_dp']} nm{w['fold_nm']} gbs{w['fold_gbs']}"
-              if parallel.is_folded() else ""),
+        fold=f"shown dp{w['dp']} nm{w['nm']} gbs{w['gbs']}" if folded else "",
     )
 
 
@@ -101,6 +107,13 @@ def append_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def time_line(stats: Stats, t_load: float) -> str:
+    """What --time prints: the Stats row's figures, loading named apart."""
+    return (f"times: t_graph={stats.t_graph:.3f}s (loading the plans {t_load:.3f}s), "
+            f"t_lineage={stats.t_lineage:.3f}s, t_schedule={stats.t_schedule:.3f}s, "
+            f"t_vrf={stats.t_vrf:.3f}s, t_total={stats.t_total:.3f}s")
+
+
 def append_stats(stats: Stats, directory: Path) -> Path:
     return append_rows(directory / "stats.csv", [asdict(stats)])
 
@@ -112,7 +125,8 @@ def ts_label(single: Plan, i: int) -> str:
 
 def tp_label(parallel: Plan, i: int) -> str:
     t = parallel.tensors[i]
-    return f"Tensor(wtype='p', rank={t.rank}, mb={t.mb}, tid={t.tid}, v={t.version})"
+    scaled = "" if t.scale == (1, 1) else f", scale={t.factor()}"
+    return f"Tensor(wtype='p', rank={t.rank}, mb={t.mb}, tid={t.tid}, v={t.version}{scaled})"
 
 
 def _short(parallel: Plan, i: int) -> str:
@@ -151,7 +165,7 @@ def evidence(verdict: Verdict, single: Plan) -> list[str]:
 
 def failure(verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
     if verdict.kind != "stage":
-        return [f"❌ ERROR: {verdict.message}"]
+        return [f"❌ not equivalent: {verdict.message}"]
     lines = []
     for r in verdict.failed:
         lines += stage_failure(r, verdict, single, parallel)
@@ -162,11 +176,12 @@ def stage_failure(r: StageResult, verdict: Verdict, single: Plan, parallel: Plan
     out = r.outcome
     stage = r.stage
     if out.status == "counterexample":
-        head = f"❌ ERROR: 🚨 Stage {stage.id} solver result: sat"
+        head = (f"❌ Stage {stage.id} not equivalent: 🚨 the solver found inputs on which "
+                f"the plans differ (sat)")
     elif out.status == "unknown":
-        head = f"❌ ERROR: Stage {stage.id} could not be decided ({out.detail})"
+        head = f"❌ Stage {stage.id} could not be decided ({out.detail})"
     else:
-        head = f"❌ ERROR: Stage {stage.id} cannot run at reduced shapes: {out.detail}"
+        head = f"❌ Stage {stage.id} cannot run at reduced shapes: {out.detail}"
     lines = [head, ""]
     if stage.gs_node >= 0:
         lines.append(node_label(single, stage.gs_node).replace("Node(", "Node(wtype='s', "))
@@ -197,6 +212,9 @@ def stage_failure(r: StageResult, verdict: Verdict, single: Plan, parallel: Plan
                     lines.append("    🚨 ⬆️")
             if (c, g) in out.bad and len(members) > 1:
                 lines.append("    🚨 ⬆️ (their sum differs)")
+            if (c, g) in out.bad and any(parallel.tensors[p.tp_global[m]].scale != (1, 1)
+                                         for m in members):
+                lines.append("    (a scaled tensor counts divided by its scale)")
         for k, (first, others) in enumerate(fact.aliases):
             if (c, -1 - k) not in out.bad:
                 continue
@@ -206,5 +224,6 @@ def stage_failure(r: StageResult, verdict: Verdict, single: Plan, parallel: Plan
                 lines.append(f"    =  {tp_label(parallel, p.tp_global[m])} "
                              f"{_fmt(out.tp_values[m], '      ')}")
             lines.append("    🚨 ⬆️ (they differ)")
-    lines += [f"RuntimeError: Stage {stage.id} equivalence fails.", ""]
+    lines += [f"Stage {stage.id}: the parallel plan does not compute what the single-device "
+              f"plan computes (values above, 🚨 where they differ).", ""]
     return lines

@@ -3,9 +3,15 @@ and show that every group of every output lineage equals its slice of Ts.
 
 Input Tp's are not constrained but substituted: a replica is the slice of
 its Ts; the last member of a partial-sum group is the slice minus the other
-members, which are fresh. Cheap proofs come first: a claim whose difference
-simplifies to 0 is proved without the solver. What is left goes to Z3 as
-one query: is there an input for which some claim fails?
+members, which are fresh. A scaled Tp (docs/soundness.md, "Scaled claims")
+takes part through its norm, Tp / scale: the substitution sets Tp to scale
+times the value a Tp of scale 1 would get, and every claim compares norms.
+Cheap proofs come first: a claim whose difference simplifies to 0 is proved
+without the solver. What is left goes to Z3 as one query: is there an input
+for which some claim fails?
+
+The symbolic arrays come from a backend passed in (:class:`Symbolic`; main.py
+passes ``backends.z3backend.Z3``): verdict/ never imports backends/.
 """
 
 from __future__ import annotations
@@ -13,11 +19,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Protocol
 
 import numpy as np
 import z3
 
-from backends.z3backend import SymbolicXP, variables
 from verdict.numeric import run_node
 from verdict.plan import Node
 from verdict.problem import LineageFact, Problem
@@ -36,6 +43,27 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.status == "proved"
+
+
+class Symbolic(Protocol):
+    """What the prover needs of a symbolic backend: the rule table's ``xp``
+    functions for object arrays of Z3 terms, and arrays of fresh variables."""
+
+    def xp(self) -> Any: ...
+
+    def variables(self, prefix: str, shape: tuple[int, ...]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Prover:
+    """``solve`` bound to a symbolic backend: the ``solve_fn`` executors run.
+    Plain data and a backend object, so it crosses process boundaries."""
+
+    symbolic: Symbolic
+    timeout_ms: int = 120_000
+
+    def __call__(self, p: Problem, seed: int = 0) -> Outcome:
+        return solve(p, seed, self.timeout_ms, symbolic=self.symbolic)
 
 
 def _region(slices) -> tuple[slice, ...]:
@@ -58,9 +86,28 @@ def _is_const(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _times(arr, factor: tuple[int, int]) -> np.ndarray:
+    """An object array times an exact rational: constants stay Python
+    numbers where the product is exact (0, infinities), terms get an exact
+    Z3 rational."""
+    num, den = factor
+    if (num, den) == (1, 1):
+        return arr
+    q = z3.Q(num, den)
+    a = np.asarray(arr, dtype=object)
+    out = np.empty(a.shape, dtype=object)
+    for idx, v in np.ndenumerate(a):
+        if _is_const(v) and (v == 0 or not math.isfinite(v)):
+            out[idx] = v * (1 if num > 0 else -1)
+        else:
+            out[idx] = _real(v) * q
+    return out
+
+
 class _Run:
-    def __init__(self, p: Problem):
+    def __init__(self, p: Problem, symbolic: Symbolic):
         self.p = p
+        self.symbolic = symbolic
         self.ts: dict[int, np.ndarray] = {}
         self.tp: dict[int, np.ndarray] = {}
         self.assume: list[z3.BoolRef] = []
@@ -75,33 +122,44 @@ class _Run:
                 op, direction, kw = p.constants[i]
                 self.run_side([(op, direction, kw, [], [i])], self.ts, p.ts_shapes)
             else:
-                self.ts[i] = variables(f"Ts{i}", p.ts_shapes[i])
+                self.ts[i] = self.symbolic.variables(f"Ts{i}", p.ts_shapes[i])
         for f in p.given:
             self.substitute(f)
+
+    def scale(self, m: int) -> tuple[int, int]:
+        return self.p.scales.get(m, (1, 1))
+
+    def norm(self, m: int) -> np.ndarray:
+        """Tp m divided by its factor: the piece its view names."""
+        num, den = self.scale(m)
+        return _times(self.tp[m], (den, num) if num > 0 else (-den, -num))
 
     def substitute(self, f: LineageFact) -> None:
         for slices, members in f.groups:
             piece = np.asarray(self.ts[f.ts][_region(slices)], dtype=object)  # 0-d stays an array
             free = [m for m in members if m not in self.tp]
             if not free:
-                total = _total([self.tp[m] for m in members])
+                total = _total([self.norm(m) for m in members])
                 self.assume += [a == b for a, b in zip(np.ravel(total), np.ravel(piece))]
                 continue
             last = free[-1]
             for m in free[:-1]:
-                self.tp[m] = variables(f"Tp{m}", self.p.tp_shapes[m])
-            others = [self.tp[m] for m in members if m != last]
+                self.tp[m] = self.symbolic.variables(f"Tp{m}", self.p.tp_shapes[m])
+            others = [self.norm(m) for m in members if m != last]
             rest = piece - _total(others) if others else piece
-            self.tp[last] = np.array(rest, dtype=object).reshape(np.shape(piece))
+            rest = np.array(rest, dtype=object).reshape(np.shape(piece))
+            self.tp[last] = np.array(_times(rest, self.scale(last)),
+                                     dtype=object).reshape(np.shape(piece))
         for m in f.loose:
             if m not in self.tp:
-                self.tp[m] = variables(f"Tp{m}", self.p.tp_shapes[m])
+                self.tp[m] = self.symbolic.variables(f"Tp{m}", self.p.tp_shapes[m])
         for first, others in f.aliases:
             for o in others:
-                self.tp[o] = self.tp[first]
+                ratio = Fraction(*self.scale(o)) / Fraction(*self.scale(first))
+                self.tp[o] = _times(self.tp[first], (ratio.numerator, ratio.denominator))
 
     def run_side(self, nodes, values: dict, shapes: list) -> None:
-        xp = SymbolicXP()
+        xp = self.symbolic.xp()
         for op, direction, kw, ins, outs in nodes:
             args = [values[i] if i >= 0 else None for i in ins]
             out_shapes = [shapes[o] if o >= 0 else None for o in outs]
@@ -121,10 +179,10 @@ class _Run:
         equals its first (check = -1 - alias index)."""
         for c, f in enumerate(self.p.claims):
             for g, (slices, members) in enumerate(f.groups):
-                yield c, g, _total([self.tp[m] for m in members]), self.ts[f.ts][_region(slices)]
+                yield c, g, _total([self.norm(m) for m in members]), self.ts[f.ts][_region(slices)]
             for k, (first, others) in enumerate(f.aliases):
                 for o in others:
-                    yield c, -1 - k, self.tp[o], self.tp[first]
+                    yield c, -1 - k, self.norm(o), self.norm(first)
 
     def obligations(self) -> tuple[list, list[tuple[int, int]], bool]:
         """Open claims (as Z3 inequalities), definitely failing groups, and
@@ -152,6 +210,27 @@ def _real(v):
     return v if z3.is_expr(v) else z3.RealVal(v)
 
 
+def _divisions(terms) -> list[z3.BoolRef]:
+    """For every division a/b inside ``terms``, (b == 0) -> (a/b == 0).
+
+    Z3 leaves x/0 an arbitrary function of x, so (2a)/b / 2 and a/b differ
+    at b = 0 although they are equal wherever the division is defined. A
+    scaled claim meets exactly that, so its stages fix x/0 to 0: one
+    interpretation of the undefined value, always consistent (it
+    constrains no input), and the same on both sides."""
+    out, seen = [], set()
+    stack = [t for t in terms if z3.is_expr(t)]
+    while stack:
+        e = stack.pop()
+        if e.get_id() in seen:
+            continue
+        seen.add(e.get_id())
+        if z3.is_app_of(e, z3.Z3_OP_DIV):
+            out.append(z3.Implies(e.arg(1) == 0, e == 0))
+        stack.extend(e.children())
+    return out
+
+
 def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
     out = np.empty(arr.shape, dtype=float)
     for idx, v in np.ndenumerate(arr):
@@ -166,9 +245,10 @@ def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
     return out
 
 
-def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000) -> Outcome:
+def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000, *,
+          symbolic: Symbolic) -> Outcome:
     start = time.perf_counter()
-    run = _Run(p)
+    run = _Run(p, symbolic)
     try:
         run.setup()
         if p.gs is not None:
@@ -185,6 +265,8 @@ def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000) -> Outcome:
     solver.add(*run.assume)
     if not definite:
         solver.add(z3.Or([o for _, _, o in open_]))
+    if p.scales:
+        solver.add(*_divisions([o for _, _, o in open_]))
     result = solver.check()
     took = time.perf_counter() - start
     if result == z3.unsat:

@@ -24,24 +24,51 @@ from backends.torch.build import build_plans
 from backends.torch.lower import LoweringError, lower_trace
 from backends.torch.rank import load, run, run_isolated
 
+#: short model names (``--model gpt2``); any other name is package.module:factory
+MODELS = {
+    "llama": "backends.torch.models:llama",
+    "gpt2": "backends.torch.stock_models:gpt2",
+    "gpt2_masked": "backends.torch.stock_models:gpt2_masked",
+    "gpt2_mean": "backends.torch.stock_models:gpt2_mean",
+    "mlp": "backends.torch.stock_models:mlp",
+    "mlp_mean": "backends.torch.stock_models:mlp_mean",
+}
+#: the module a recipe named without one (``--recipe tp_sp``) is taken from
+RECIPES = "backends.torch.recipes"
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Short model and recipe names to ``package.module:name`` references."""
+    args.model = MODELS.get(args.model, args.model)
+    if ":" not in args.recipe:
+        args.recipe = f"{RECIPES}:{args.recipe}"
+    return args
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backends.torch", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="backends.torch.models:llama",
-                   help="model factory, package.module:function (default: %(default)s)")
+                   help="model factory, package.module:function or a short name: "
+                        + ", ".join(MODELS) + " (default: %(default)s)")
     p.add_argument("--recipe", default="backends.torch.recipes:tp_sp",
-                   help="parallelization recipe, package.module:function (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=16)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=16)
-    p.add_argument("--seqlen", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (a pipelining recipe)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="parallelization recipe, package.module:function, or a function "
+                        f"of {RECIPES} by name (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=1, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=16, help="hidden size (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    p.add_argument("--ffn", type=int, default=32, help="feed-forward size (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=16, help="vocabulary size (default: %(default)s)")
+    p.add_argument("--seqlen", type=int, default=4, help="sequence length (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="global batch size of the step (default: %(default)s)")
+    p.add_argument("--dp", type=int, default=2,
+                   help="data-parallel degree of the mesh (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=2,
+                   help="tensor-parallel degree of the mesh (default: %(default)s)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages, for a pipelining recipe (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model's weights and inputs (default: %(default)s)")
     p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="none",
                    help="end the step with torch.optim's SGD or AdamW (default: %(default)s)")
     p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
@@ -50,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    help="how a rank clips, package.module:function called as "
                         "clipper(model, mesh, max_norm) (default: "
                         "backends.torch.recipes:clip_grad_norm)")
-    p.add_argument("-o", "--out", default="data/plans/torch")
+    p.add_argument("-o", "--out", default="data/plans/torch",
+                   help="output directory (default: %(default)s)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
@@ -73,6 +101,7 @@ def trace_ranks(spec: dict, world: int) -> list[dict]:
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
+    args = resolve(args)
     kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
@@ -110,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
     pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
-    print(f"--sm {sm} --pm {pm}")
+    for path, plan in ((sm, plan_s), (pm, plan_p)):
+        print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
+              f"and its world spec {path.with_suffix('.json')}")
+    print(f"verify them: python main.py --sm {sm} --pm {pm}")
     return 0
 
 

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
 
 from backends.torch.lower import LNode, Lowered, LoweringError
+from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op
 from verdict.plan import Logical, Node, Plan, Tensor
 
@@ -42,10 +46,57 @@ class Claim:
     """Which piece of its single-device value a value is: the mesh axes
     cutting each dim (``mb``: a pipeline's microbatches), the axes it is a
     partial sum over, and, when partial over ``mb``, the microbatches
-    [lo, hi) it sums (None: its own microbatch)."""
+    [lo, hi) it sums (None: its own microbatch), and the exact factor it
+    is of that piece (docs/soundness.md, "Scaled claims")."""
     dims: list[list[str]]
     partial: frozenset[str] = frozenset()
     mbs: tuple[int, int] | None = None
+    scale: Fraction = Fraction(1)
+
+
+#: Operators whose output is the sum of their inputs (a scaled input must
+#: have the scale of the others, up to a replicated value split n ways).
+ADDITIONS = ("add", "sub", "local_grad_accumulation")
+#: Averaging collectives divide by their group's size.
+AVERAGES = ("all_reduce_avg", "reduce_scatter_avg")
+
+
+def _factor(value) -> Fraction:
+    """A scalar kwarg as the exact rational Z3 reads it (its decimal repr)."""
+    return Fraction(repr(float(value)))
+
+
+def probe_scale(node: LNode, shapes: dict[int, tuple[int, ...]],
+                scales: list[Fraction]) -> list[Fraction]:
+    """The factor of each output of ``node`` when its inputs are scaled by
+    ``scales``: run it on positive random inputs, then on the inputs times
+    their factors, and read one common ratio per output (1 when there is
+    none: the output is not a multiple of the unscaled one, and its claim,
+    which the verifier proves, then says so). A guess: the claim is proved."""
+    rng = np.random.default_rng(0)
+    args = [None if v < 0 else rng.uniform(0.5, 1.5, shapes[v]) for v in node.ins]
+    out_shapes = [None if o < 0 else shapes[o] for o in node.outs]
+    fake = Node(0, 0, node.op, node.dir, tuple(node.ins), tuple(node.outs), dict(node.kwargs))
+    try:
+        with np.errstate(all="ignore"):
+            base = run_node(NumericXP(), fake, args, out_shapes)
+            scaled = run_node(NumericXP(), fake, [None if a is None else a * float(f)
+                                                  for a, f in zip(args, scales)], out_shapes)
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError):
+        return [Fraction(1)] * len(node.outs)
+    out = []
+    for a, b in zip(base, scaled):
+        a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+        keep = np.isfinite(a) & np.isfinite(b) & (np.abs(a) > 1e-12)
+        if not keep.any():
+            out.append(Fraction(1))
+            continue
+        ratio = b[keep] / a[keep]
+        guess = Fraction(float(np.median(ratio))).limit_denominator(10**6)
+        exact = np.allclose(ratio, float(guess), rtol=1e-9, atol=0) and np.allclose(
+            b[~keep & np.isfinite(a)], 0, atol=1e-12)
+        out.append(guess if exact and guess != 0 else Fraction(1))
+    return out
 
 
 @dataclass
@@ -203,9 +254,13 @@ class _Rank:
             ins.append(-1 if v < 0 else self.sv[v])
         key = (node.op, node.dir, tuple(ins), _key_kwargs(node.kwargs))
         cands = self.b.s.by_key.get(key)
+        self.applied = Fraction(1)
         if not cands and node.op in SCALINGS and len(node.ins) == 1:
             # a rescaling the single-device step does not do (a divide factor):
-            # it claims to be what it rescales, and the verifier judges that
+            # it claims to be what it rescales, times the factor it applies
+            self.applied = _factor(node.kwargs["value"])
+            if node.op == "div":
+                self.applied = 1 / self.applied
             return [self.sv[node.ins[0]]]
         if not cands:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
@@ -217,9 +272,19 @@ class _Rank:
         nodes = self.b.s.low.nodes
         pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used))
         self.used.add((node.mb, pick))
+        if node.op in SCALINGS and nodes[pick].kwargs.get("value") != node.kwargs.get("value"):
+            # the single-device step scales by another constant (a mean over
+            # the rank's own tokens where the step divides by all of them)
+            ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
+            self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
 
-    def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> str:
+    def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> str | None:
+        """The mesh axis a collective's group runs along; None for a group
+        of one rank (a mesh dim of size 1), where every collective is the
+        identity."""
+        if len(group) == 1:
+            return None
         varying = [a for a in AXES if len({coords[r][a] for r in group}) > 1]
         if len(varying) != 1:
             raise LoweringError(f"rank {self.low.rank}: a collective over ranks {list(group)} "
@@ -298,7 +363,8 @@ class _Rank:
             mbs = None
         self.sv[out] = self.sv[a]
         self.mb[out] = self.mb[c]
-        self.claim[out] = Claim([list(d) for d in claim.dims], frozenset(partial), mbs)
+        self.claim[out] = Claim([list(d) for d in claim.dims], frozenset(partial), mbs,
+                                claim.scale)
 
     def receive(self, node: LNode, peer: _Rank, x: int) -> None:
         """A value received from ``peer``: the value it sent, the same piece."""
@@ -306,7 +372,7 @@ class _Rank:
         self.sv[out] = peer.sv[x]
         self.mb[out] = peer.mb.get(x, -1)
         c = peer.claim[x]
-        self.claim[out] = Claim([list(d) for d in c.dims], c.partial, c.mbs)
+        self.claim[out] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale)
 
     def aligns(self, node: LNode) -> bool:
         key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
@@ -369,16 +435,19 @@ class _Rank:
                 dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
             else:
                 axis = self.axis_of(node.group, coords)
-                if node.op == "all_reduce":
+                if axis is None:
+                    pass
+                elif node.op in ("all_reduce", "all_reduce_avg"):
                     partial.discard(axis)
                 elif node.op == "all_gather":
                     d = dims[node.kwargs["dim"]]
                     if axis in d:
                         d.remove(axis)
-                elif node.op == "reduce_scatter":
+                elif node.op in ("reduce_scatter", "reduce_scatter_avg"):
                     partial.discard(axis)
                     dims[node.kwargs["dim"]].append(axis)
-            self.claim[out] = Claim(dims, frozenset(partial), c.mbs)
+            scale = c.scale / len(node.group) if node.op in AVERAGES else c.scale
+            self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale)
             self.check(out)
             return
         souts = self.align(node)
@@ -388,6 +457,30 @@ class _Rank:
                 self.sv[o] = so
                 self.mb[o] = mb
         self.infer(node)
+        for o, f in zip(node.outs, self.scales_of(node)):
+            if o >= 0:
+                self.claim[o].scale = f * self.applied
+
+    def scales_of(self, node: LNode) -> list[Fraction]:
+        """The factor of each output, from its inputs' factors: a sum keeps
+        its terms' common factor (a replicated term divided by n counts as a
+        part of an n-way partial sum, DTensor's bias on a Partial value);
+        any other operator is probed (``probe_scale``)."""
+        ins = [v for v in node.ins]
+        scales = [Fraction(1) if v < 0 else self.claim[v].scale for v in ins]
+        if all(f == 1 for f in scales):
+            return [Fraction(1)] * len(node.outs)
+        if node.op in ADDITIONS:
+            partial = [set() if v < 0 else set(self.claim[v].partial) for v in ins]
+            union = set().union(*partial)
+            lifted = set()
+            for v, f, own in zip(ins, scales, partial):
+                if v >= 0:
+                    lifted.add(f * math.prod(self.sizes[a] for a in union - own))
+            if len(lifted) == 1:
+                return [lifted.pop()] * len(node.outs)
+            return [Fraction(1)] * len(node.outs)
+        return probe_scale(node, self.low.shapes, scales)
 
     def infer(self, node: LNode) -> None:
         ins = [v for v in node.ins]
@@ -620,8 +713,9 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         version = versions.get(key, 0)
         versions[key] = version + 1
         slices, parts = r.view(v)
+        f = r.claim[v].scale
         plan_p.tensors.append(Tensor(r.low.rank, mb, tid, version, tuple(r.low.shapes[v]), lver,
-                                     slices, parts))
+                                     slices, parts, (f.numerator, f.denominator)))
         return len(plan_p.tensors) - 1
 
     for r in rs.values():

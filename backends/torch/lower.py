@@ -16,9 +16,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from backends.torch.errors import LoweringError
+from backends.torch.lower_nn import (
+    NN_HANDLERS,
+    Const,
+    SdpaSaved,
+    causal_add,
+    constant_input,
+    constant_value,
+    one_hot_constant,
+)
 
-class LoweringError(ValueError):
-    """An op the backend cannot lower: bad input, exit 2."""
+__all__ = ["LNode", "Lowered", "LoweringError", "lower_trace"]
 
 
 @dataclass
@@ -44,6 +53,7 @@ class Lowered:
     losses: list[int]  # one per microbatch the rank computes a loss for
     grads: dict[str, int | None]
     tokens_value: int = -1
+    constants: dict[int, Any] = field(default_factory=dict)  # constant input -> its value
     #: with an optimizer step: each parameter's updated value, and its
     #: optimizer states' new values (state name -> value)
     updates: dict[str, int] = field(default_factory=dict)
@@ -215,7 +225,13 @@ class _Lowerer:
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
     nodes: list[LNode] = field(default_factory=list)
     env: dict[int, Any] = field(default_factory=dict)
-    softmax_in: dict[int, int] = field(default_factory=dict)
+    fw_in: dict[int, tuple[str, int]] = field(default_factory=dict)  # output -> (op, input)
+    ln_y: dict[tuple[int, int, int], int] = field(default_factory=dict)  # a layer norm's (x-mean)*rstd
+    sdpa: dict[int, SdpaSaved] = field(default_factory=dict)  # attention output -> its saved values
+    inputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # value -> (kind, name)
+    axes: dict[int, list[list[str]]] = field(default_factory=dict)  # input value -> mesh axes
+    const_inputs: dict[str, int] = field(default_factory=dict)  # constant's name -> input
+    const_values: dict[int, Any] = field(default_factory=dict)  # constant input -> its value
     next_id: int = 0
     name: str = ""
     tokens: int = -1
@@ -253,6 +269,8 @@ class _Lowerer:
     def materialize(self, x: Any) -> int:
         if isinstance(x, int):
             return x
+        if isinstance(x, Const):
+            return constant_input(self, constant_value(self, ("v", x.v)))
         if isinstance(x, _Gathered):
             shape = list(self.shapes[x.x])
             shape[0] *= len(x.group)
@@ -280,13 +298,23 @@ class _Lowerer:
         if isinstance(a, (int, float)) and not isinstance(a, bool):
             return float(a)
         if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
-            return self.trace["consts"].get(a[1])
+            if a[1] in self.trace["consts"]:
+                return self.trace["consts"][a[1]]
+            value = self.trace.get("constvals", {}).get(a[1])
+            if isinstance(self.env.get(a[1]), Const) and value is not None and value.size == 1 \
+                    and value.dtype.kind in "fiu":
+                return float(value.reshape(()))
         return None
 
     # -- the walk -----------------------------------------------------------
     def run(self, live: set[int]) -> None:
+        constants = self.trace.get("constants", set())
         for i, (op, (args, kwargs), outs, out_shapes, scope, group, mb) in enumerate(self.trace["events"]):
             if i not in live:
+                continue
+            if outs and all(v in constants for v in outs) and op != "unknown":
+                for v in outs:
+                    self.env[v] = Const(v)
                 continue
             self.name, self.mb = scope, mb
             handler = HANDLERS.get(op)
@@ -373,16 +401,17 @@ def _pow(lw: _Lowerer, args, kwargs, shapes, group):
 def _softmax(lw: _Lowerer, args, kwargs, shapes, group):
     x = lw.val(args[0])
     out = lw.emit("softmax", [x], shapes, {"dim": int(args[1])})[0]
-    lw.softmax_in[out] = x
+    lw.fw_in[out] = ("softmax", x)
     return out
 
 
 def _softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
     out = lw.val(args[1])
-    if out not in lw.softmax_in:
+    producer, x = lw.fw_in.get(out, ("", -1))
+    if producer != "softmax":
         raise LoweringError(f"{lw.name}: softmax backward of a value no softmax produced")
-    return lw.emit("softmax", [lw.softmax_in[out], lw.val(args[0])], shapes,
-                   {"dim": int(args[2])}, direction="bw")[0]
+    return lw.emit("softmax", [x, lw.val(args[0])], shapes, {"dim": int(args[2])},
+                   direction="bw")[0]
 
 
 def _log_softmax(lw: _Lowerer, args, kwargs, shapes, group):
@@ -409,9 +438,16 @@ def _log_softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.emit("sub", [g, lw.emit("mul", [e, total], [shape])[0]], [shape])[0]
 
 
-def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any) -> int:
+def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any, ignore: Any) -> int:
+    """The one-hot labels. An ignore index outside ``[0, vocab)`` (the
+    default, -100) ignores none of the batch's labels; one inside it would
+    make the mean's divisor depend on the labels' values."""
     if weight is not None or reduction not in (1, 2):
         raise LoweringError(f"{lw.name}: nll_loss with class weights or no reduction is not lowered")
+    if ignore is not None and 0 <= int(ignore) < lw.vocab:
+        raise LoweringError(f"{lw.name}: cross-entropy with ignore_index {ignore} inside the "
+                            f"vocabulary is not lowered (labels are drawn from the whole "
+                            f"vocabulary)")
     return _one_hot(lw, target)
 
 
@@ -419,7 +455,7 @@ def _nll(lw: _Lowerer, args, kwargs, shapes, group):
     """-sum(logp * one-hot labels), divided by the label count for a mean.
     The labels are the batch's (none equals the ignore index)."""
     logp, reduction = lw.val(args[0]), int(args[3])
-    labels = _nll_checks(lw, args[2], reduction, args[1])
+    labels = _nll_checks(lw, args[2], reduction, args[1], args[4] if len(args) > 4 else None)
     picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [lw.shapes[logp]])[0]], [()],
                      {"dim": None, "keepdim": False})[0]
     out = lw.emit("mul_scalar", [picked], [()], {"value": -1.0})[0]
@@ -432,7 +468,7 @@ def _nll(lw: _Lowerer, args, kwargs, shapes, group):
 def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group):
     """-one-hot labels * g, divided by the label count for a mean."""
     g, reduction = lw.val(args[0]), int(args[4])
-    labels = _nll_checks(lw, args[3], reduction, args[2])
+    labels = _nll_checks(lw, args[3], reduction, args[2], args[5] if len(args) > 5 else None)
     shape = lw.shapes[labels]
     out = lw.emit("mul_scalar", [lw.emit("mul", [labels, g], [shape])[0]], [shape],
                   {"value": -1.0})[0]
@@ -650,24 +686,6 @@ def _constant(op: str):
     return lower
 
 
-def _is_causal(lw: _Lowerer, mask: Any) -> bool:
-    if not (isinstance(mask, (list, tuple)) and len(mask) == 2 and mask[0] == "v"):
-        return False
-    return lw.env.get(mask[1]) == "causal"
-
-
-def _masked_fill(lw: _Lowerer, args, kwargs, shapes, group):
-    x, mask, value = args[0], args[1], args[2]
-    if not _is_causal(lw, mask):
-        raise LoweringError(f"{lw.name}: masked_fill with a mask other than a causal "
-                            f"triu(1) buffer is not lowered")
-    if value == float("-inf"):
-        return lw.emit("causal_mask", [lw.val(x)], shapes)[0]
-    if value == 0:
-        return lw.emit("causal_mask", [-1, lw.val(x)], shapes, direction="bw")[0]
-    raise LoweringError(f"{lw.name}: masked_fill with value {value} is not lowered")
-
-
 def _one_hot(lw: _Lowerer, ids: Any) -> int:
     """The one-hot rows of the ids an op reads: the input, or a microbatch
     of it (one ``split`` per piece), reshaped as the ids were."""
@@ -693,6 +711,12 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
     ids = lw.env.get(args[1][1])
+    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0:
+        raise LoweringError(f"{lw.name}: embedding with a padding_idx is not lowered")
+    if isinstance(ids, Const):
+        rows = lw.shapes[lw.val(args[0])][0]
+        onehot = one_hot_constant(lw, constant_value(lw, args[1]), rows)
+        return lw.emit("embedding", [onehot, lw.val(args[0])], shapes)[0]
     if not isinstance(ids, _Shifted):
         return lw.emit("embedding", [_one_hot(lw, args[1]), lw.val(args[0])], shapes)[0]
     # a vocabulary-parallel lookup: the one-hot rows' slice [lo, hi) times the
@@ -768,7 +792,14 @@ def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    tokens = _one_hot(lw, args[1])
+    padding = args[3] if len(args) > 3 else kwargs.get("padding_idx", -1)
+    if padding is not None and int(padding) >= 0 or (len(args) > 4 and args[4]):
+        raise LoweringError(f"{lw.name}: embedding backward with a padding_idx or "
+                            f"scale_grad_by_freq is not lowered")
+    if isinstance(lw.env.get(args[1][1]), Const):
+        tokens = one_hot_constant(lw, constant_value(lw, args[1]), int(args[2]))
+    else:
+        tokens = _one_hot(lw, args[1])
     out = lw.new(shapes[0])
     lw.nodes.append(LNode("embedding", "bw", [tokens, -1, lw.val(args[0])], [-1, out], {},
                           lw.name, None, lw.mb))
@@ -779,10 +810,14 @@ def _copy(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.val(args[1])
 
 
+#: c10d reduce ops as the rule table's collectives (sum, or the group's mean)
+REDUCE_OPS = {"sum": "", "avg": "_avg"}
+
+
 def _all_reduce(lw: _Lowerer, args, kwargs, shapes, group):
-    if args[1] != "sum":
+    if args[1] not in REDUCE_OPS:
         raise LoweringError(f"{lw.name}: all_reduce with op {args[1]} is not lowered")
-    return lw.emit("all_reduce", [lw.val(args[0])], shapes, group=group)[0]
+    return lw.emit("all_reduce" + REDUCE_OPS[args[1]], [lw.val(args[0])], shapes, group=group)[0]
 
 
 def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
@@ -790,7 +825,7 @@ def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _reduce_scatter(lw: _Lowerer, args, kwargs, shapes, group):
-    if args[1] != "sum":
+    if args[1] not in REDUCE_OPS:
         raise LoweringError(f"{lw.name}: reduce_scatter with op {args[1]} is not lowered")
     x = lw.env.get(args[0][1])
     if isinstance(x, _Stacked):
@@ -800,15 +835,27 @@ def _reduce_scatter(lw: _Lowerer, args, kwargs, shapes, group):
         src, dim = x.x, x.dim
     else:
         src, dim = lw.val(args[0]), 0
-    return lw.emit("reduce_scatter", [src], shapes, {"dim": dim}, group=group)[0]
+    return lw.emit("reduce_scatter" + REDUCE_OPS[args[1]], [src], shapes, {"dim": dim},
+                   group=group)[0]
 
 
 def _split(lw: _Lowerer, args, kwargs, shapes, group):
+    """Equal pieces (``split``, ``chunk``) stay pieces until read (DTensor's
+    and FSDP's layouts fold them away); unequal ones are ``narrow`` nodes."""
     src = lw.env.get(args[0][1])
     dim = int(args[2]) if len(args) > 2 else int(kwargs.get("dim", 0))
     n = len(shapes)
     if len({tuple(s) for s in shapes}) != 1:
-        raise LoweringError(f"{lw.name}: split into unequal pieces is not lowered")
+        if isinstance(src, _Ids):
+            raise LoweringError(f"{lw.name}: integer ids split into unequal pieces")
+        x = lw.val(args[0])
+        dim %= len(lw.shapes[x])
+        outs, at = [], 0
+        for shape in shapes:
+            size = shape[dim]
+            outs.append(lw.emit("narrow", [x], [shape], {"dim": dim, "start": at, "length": size})[0])
+            at += size
+        return outs
     if isinstance(src, _Ids) and dim == 0 and src.shape is None:
         return [src.cut(i, n) for i in range(n)]
     if n == 1:
@@ -833,6 +880,9 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
         dim %= len(lw.shapes[x])
         total = lw.shapes[x][dim]
     size = shapes[0][dim]
+    start = start + total if start < 0 else start
+    if step == 1 and size and not isinstance(src, _Ids) and (total % size or start % size):
+        return lw.emit("narrow", [x], shapes, {"dim": dim, "start": start, "length": size})[0]
     if step != 1 or size == 0 or total % size or start % size:
         raise LoweringError(f"{lw.name}: a slice of dim {dim} at {start} that is not one of "
                             f"equal pieces")
@@ -871,7 +921,34 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
             return _Stacked(first.of, first.dim, first.parts)
         if dim % len(shapes[0]) == first.dim:
             return first.of
-    raise LoweringError(f"{lw.name}: cat of these tensors is not lowered")
+    if any(isinstance(p, (_Gathered, _Packed, _ChunkCat)) for p in items):
+        raise LoweringError(f"{lw.name}: cat of a collective's buffer is not lowered")
+    parts = [lw.val(a) for a in args[0]]
+    if len(parts) == 1:
+        return parts[0]
+    return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
+
+
+def _add(lw: _Lowerer, args, kwargs, shapes, group):
+    """``scores + mask`` with the constant causal mask, or an addition."""
+    masked = causal_add(lw, args, shapes)
+    return masked if masked is not None else _binary("add", "add_scalar")(lw, args, kwargs,
+                                                                          shapes, group)
+
+
+def _permute(lw: _Lowerer, args, kwargs, shapes, group):
+    """A permutation as the transposes that sort it."""
+    x = lw.val(args[0])
+    order = [int(d) % len(lw.shapes[x]) for d in args[1]]
+    current = list(range(len(order)))
+    for pos, want in enumerate(order):
+        at = current.index(want)
+        if at != pos:
+            shape = list(lw.shapes[x])
+            shape[pos], shape[at] = shape[at], shape[pos]
+            x = lw.emit("transpose", [x], [shape], {"dim0": pos, "dim1": at})[0]
+            current[pos], current[at] = current[at], current[pos]
+    return x
 
 
 # -- gradient clipping: norms ------------------------------------------------------
@@ -1048,9 +1125,8 @@ def _sqrt(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.emit("pow", [lw.val(args[0])], shapes, {"exponent": 0.5})[0]
 
 
-def _add_pending(tensor_op: str, scalar_op: str):
-    plain = _binary(tensor_op, scalar_op)
-
+def _add_pending(plain):
+    """An addition, or a step of the optimizer (Adam's eps, SGD's alpha)."""
     def lower(lw: _Lowerer, args, kwargs, shapes, group):
         a = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
         alpha = kwargs.get("alpha", 1)
@@ -1152,13 +1228,20 @@ HANDLERS: dict[str, Any] = {
     "aten.reshape.default": _view,
     "aten.expand.default": _expand,
     "aten.ones_like.default": _constant("ones"),
-    "aten.masked_fill.Scalar": _masked_fill,
     "aten.embedding.default": _embedding,
     "aten.embedding_dense_backward.default": _embedding_bw,
     "aten.copy_.default": _copy,
     "_c10d_functional.all_gather_into_tensor.default": _all_gather,
     "_c10d_functional.reduce_scatter_tensor.default": _reduce_scatter,
     "aten.split.Tensor": _split,
+    "aten.split_with_sizes.default": _split,
+    "aten.unsqueeze.default": _view,
+    "aten.squeeze.dim": _view,
+    "aten.squeeze.dims": _view,
+    "aten.squeeze.default": _view,
+    "aten.permute.default": _permute,
+    "aten.add_.Scalar": _binary("add", "add_scalar"),
+    "aten.sub_.Tensor": _sub,
     "aten.cat.default": _cat,
     "aten._foreach_norm.Scalar": _foreach_norm,
     "aten.linalg_vector_norm.default": _vector_norm,
@@ -1174,9 +1257,10 @@ HANDLERS: dict[str, Any] = {
     "aten.lerp_.Scalar": _lerp,
     "aten.addcmul_.default": _addcmul,
     "aten.sqrt.default": _sqrt,
-    "aten.add.Tensor": _add_pending("add", "add_scalar"),
-    "aten.add_.Tensor": _add_pending("add", "add_scalar"),
+    "aten.add.Tensor": _add_pending(_add),
+    "aten.add_.Tensor": _add_pending(_binary("add", "add_scalar")),
     "aten.addcdiv_.default": _addcdiv,
+    **NN_HANDLERS,
 }
 
 
@@ -1184,8 +1268,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     """Lower one rank's trace (``backends.torch.rank.run``'s result)."""
     lw = _Lowerer(trace, vocab)
     lw.next_id = len(trace["shapes"])
-    inputs: dict[int, tuple[str, str]] = {}
-    axes: dict[int, list[list[str]]] = {}
+    inputs, axes = lw.inputs, lw.axes
     for name, (v, _, dims) in trace["params"].items():
         lw.env[v] = v
         lw.shapes[v] = tuple(trace["shapes"][v])
@@ -1194,7 +1277,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         lw.params[v] = name
     for name, (v, shape, what) in trace["buffers"].items():
         if what == "causal":
-            lw.env[v] = "causal"
+            lw.env[v] = Const(v)
             continue
         lw.env[v] = v
         lw.shapes[v] = tuple(shape)
@@ -1219,7 +1302,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
-                   lw.tokens, updates, states)
+                   lw.tokens, lw.const_values, updates, states)
 
 
 def _updated(lw: _Lowerer, name: str, v: int | None) -> int:

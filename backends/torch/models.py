@@ -144,3 +144,18 @@ class Llama(nn.Module):
 
 def llama(**kw) -> Llama:
     return Llama(LlamaArgs(**kw))
+
+
+class LlamaMean(Llama):
+    """The Llama whose loss is the mean over the tokens it is given: on a
+    data-parallel rank the mean over the rank's own tokens, dp times its
+    share of the step's mean (the usual ``F.cross_entropy`` set-up), so the
+    gradients are averaged over replicas, not summed."""
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return total / labels.numel()
+
+
+def llama_mean(**kw) -> LlamaMean:
+    return LlamaMean(LlamaArgs(**kw))

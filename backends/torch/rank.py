@@ -73,6 +73,7 @@ def run(spec: dict, rank: int) -> dict:
         causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
                   and bool((b == torch.ones_like(b).triu(1)).all()))
         buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
+        rec.mark_constant(local_of(b), buffers[name][0])
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
     with tracker, rec:
@@ -94,13 +95,25 @@ def run(spec: dict, rank: int) -> dict:
             updates[name] = rec.value(local_of(p))
             states[name] = {k: rec.value(local_of(t)) for k, t in optimizer.state[p].items()
                             if isinstance(t, torch.Tensor) and t.shape == p.shape}
+    values = None
+    if spec.get("keep_values"):
+        values = {
+            "params": {n: local_of(p).detach().numpy().copy() for n, p in model.named_parameters()},
+            "buffers": {n: local_of(b).detach().numpy().copy() for n, b in model.named_buffers()},
+            "tokens": tokens.numpy().copy(), "labels": labels.numpy().copy(),
+            "losses": [float(local_of(loss).detach()) for loss in losses],
+            "grads": {n: None if p.grad is None else local_of(p.grad).detach().numpy().copy()
+                      for n, p in model.named_parameters()},
+        }
     return {
         "rank": rank, "coords": coords, "events": rec.events, "shapes": rec.shapes,
         "updates": updates, "states": states,
-        "consts": rec.consts, "params": params, "buffers": buffers,
+        "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
+        "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
+        "values": values,
     }
 
 

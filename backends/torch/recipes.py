@@ -90,6 +90,38 @@ def all_reduce_dp(model, mesh) -> None:
         local.copy_(funcol.all_reduce(local, "sum", group))
 
 
+def average_dp(model, mesh, dim: str = "dp", op: str = "avg") -> None:
+    """all_reduce_dp with the reduce op ``op`` over mesh dim ``dim``: "avg"
+    over "dp" is DDP's reduction of a per-rank mean loss."""
+    group = mesh[dim]
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            p.grad = p.grad.redistribute(placements=p.placements)
+        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        local.copy_(funcol.all_reduce(local, op, group))
+
+
+def ddp_avg(model, mesh):
+    """DDP by hand for a per-rank mean loss (``models:llama_mean``): no
+    tensor-parallel plan, gradients averaged over "dp" (ReduceOp.AVG)."""
+    return average_dp
+
+
+def tp_sp_avg(model, mesh):
+    """tp_sp for a per-rank mean loss: gradients averaged over "dp"."""
+    llama_tp_plan(model, mesh["tp"])
+    return average_dp
+
+
+def tp_sp_wrong_mesh_dim(model, mesh):
+    """Bug: tp_sp whose data-parallel gradient sum runs over "tp" instead of
+    "dp" (the replicas' gradients are never summed)."""
+    llama_tp_plan(model, mesh["tp"])
+    return lambda m, msh: average_dp(m, msh, dim="tp", op="sum")
+
+
 def tp_sp(model, mesh):
     """Tensor and sequence parallelism on "tp", gradients summed over "dp"."""
     llama_tp_plan(model, mesh["tp"])
@@ -253,6 +285,18 @@ def pipeline(model, mesh, schedule_class, microbatches: int = 2, scale_grads: bo
     else:
         after = None
     return PipelineStep(schedule, accumulation, after)
+
+
+def pp_gpipe_scale_grads(model, mesh):
+    """GPipe with ``scale_grads=True``: the schedule divides the summed
+    gradients by the microbatch count, right for a loss that is the mean
+    over each microbatch's tokens (``models:llama_mean``)."""
+    return pipeline(model, mesh, ScheduleGPipe, scale_grads=True)
+
+
+def pp_1f1b_scale_grads(model, mesh):
+    """1F1B with ``scale_grads=True`` (see pp_gpipe_scale_grads)."""
+    return pipeline(model, mesh, Schedule1F1B, scale_grads=True)
 
 
 def pp_gpipe(model, mesh):

@@ -32,6 +32,10 @@ ALIASES = {
 }
 
 
+#: constants up to this many elements keep their value (masks, positions, tables)
+CONSTANT_NUMEL = 1 << 16
+
+
 class Recorder(TorchDispatchMode):
     """Records events ``(op, args, outputs, shapes, scope, group, mb)``.
 
@@ -47,6 +51,8 @@ class Recorder(TorchDispatchMode):
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
         self.storages: dict[tuple[int, int, int], int] = {}
+        self.constants: set[int] = set()  # values that depend on no parameter, data or collective
+        self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
 
     # -- values ---------------------------------------------------------------
@@ -74,6 +80,7 @@ class Recorder(TorchDispatchMode):
                 v = self.new_value(a)
                 if a.numel() <= 1 and a.dtype != torch.bool and not a.is_complex():
                     self.consts[v] = float(a.item()) if a.numel() else 0.0
+                    self.mark_constant(a, v)
                 self.events.append(("unknown", [[], {}], [v], [tuple(a.shape)], self.scope(),
                                     None, self.mb))
             return ("v", v)
@@ -109,6 +116,20 @@ class Recorder(TorchDispatchMode):
                             [tuple(t.shape)], self.scope(), None, self.mb))
         return v
 
+    def mark_constant(self, t: torch.Tensor, v: int) -> None:
+        """``t`` (value ``v``) is the same in every run: keep its value when small."""
+        self.constants.add(v)
+        if t.numel() <= CONSTANT_NUMEL:
+            self.constvals[v] = t.detach().cpu().resolve_conj().numpy().copy()
+
+    def is_constant_op(self, name: str, args: Any, kwargs: dict) -> bool:
+        """An op whose tensor arguments are all constants (or that has none)
+        computes a constant, unless it communicates or leaves memory unset."""
+        if name.startswith(("c10d", "_c10d_functional", "fsdp")) or "empty" in name:
+            return False
+        flat, _ = tree_flatten((args, kwargs))
+        return all(self.value(a) in self.constants for a in flat if isinstance(a, torch.Tensor))
+
     def set_mb(self, mb: int) -> None:
         self.mb = mb
 
@@ -129,6 +150,7 @@ class Recorder(TorchDispatchMode):
                for a in tensors):
             return NotImplemented
         name = str(func)
+        constant = self.is_constant_op(name, args, kwargs)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
@@ -146,6 +168,9 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        if constant:
+            for o, v in zip(outs, ids):
+                self.mark_constant(o, v)
         if name == "aten.as_strided.default":
             for o, v in zip(outs, ids):
                 self.register_storage(o, v)

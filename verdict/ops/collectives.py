@@ -44,6 +44,14 @@ ALL_REDUCE = Op(
     doc="sum of the group's tensors",
 )
 
+ALL_REDUCE_AVG = Op(
+    "all_reduce_avg",
+    shape=_all_reduce_shape,
+    forward=lambda xp, x, index: (_total(x) / len(x),),
+    group=True,
+    doc="mean of the group's tensors: their sum divided by the group's size (ReduceOp.AVG)",
+)
+
 REDUCER = Op(
     "reducer",
     shape=_all_reduce_shape,
@@ -96,6 +104,15 @@ REDUCE_SCATTER = Op(
     forward=lambda xp, x, index, dim: (_chunk(_total(x), len(x), dim, index),),
     group=True,
     doc="this rank's chunk along dim of the group's sum",
+)
+
+
+REDUCE_SCATTER_AVG = Op(
+    "reduce_scatter_avg",
+    shape=_scatter_shape,
+    forward=lambda xp, x, index, dim: (_chunk(_total(x), len(x), dim, index) / len(x),),
+    group=True,
+    doc="this rank's chunk along dim of the group's mean (ReduceOp.AVG)",
 )
 
 
@@ -165,5 +182,5 @@ BROADCAST = Op(
     doc="the source rank's tensor, received by every rank of the group",
 )
 
-OPS = (ALL_REDUCE, ALL_REDUCE_MAX, REDUCER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SPLIT,
-       SEND_RECV, BROADCAST)
+OPS = (ALL_REDUCE, ALL_REDUCE_AVG, ALL_REDUCE_MAX, REDUCER, ALL_GATHER, REDUCE_SCATTER,
+       REDUCE_SCATTER_AVG, ALL_TO_ALL, SPLIT, SEND_RECV, BROADCAST)

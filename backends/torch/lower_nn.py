@@ -1,0 +1,444 @@
+"""Lowerings of the kernels stock ``torch.nn`` layers run on the CPU, and of
+the constants models compute (positions, masks, tables).
+
+Each handler has the signature of ``backends.torch.lower.HANDLERS``:
+``(lowerer, args, kwargs, out_shapes, group) -> value(s)``, and emits nodes
+of the rule table whose composition is exactly the kernel's function in
+real arithmetic (layer norm as mean, sub, mul and rsqrt; attention as
+matmul, softmax and matmul; the backward kernels as the derivatives written
+out). Non-linear functions are rule-table operators (gelu, tanh, sigmoid,
+relu, silu, softmax), uninterpreted in the symbolic backend.
+
+A value that depends on no parameter, data or collective (a *constant*:
+``torch.arange`` positions, a mask built from ``torch.ones(...).tril()``,
+a table computed in ``forward``) is not lowered op by op: the recorder
+keeps its value, and where a lowered op reads it, it becomes a plan input
+named by its value (so the single-device plan and every rank read one
+logical input when they use the same constant). A mask is recognized by
+its value as the causal pattern, which the rule table has an operator for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from verdict.ops.nn import causal_positions
+
+
+@dataclass(frozen=True)
+class Const:
+    """Recorded value ``v``, a constant."""
+    v: int
+
+
+@dataclass(frozen=True)
+class SdpaSaved:
+    """What the attention backward recomputes from: the inputs, the masked
+    scores (the softmax's input) and the probabilities."""
+    q: int
+    k: int
+    v: int
+    scale: float
+    masked: int
+    probs: int
+    causal: bool
+
+
+NEG_INF = float("-inf")
+
+
+# -- constants ------------------------------------------------------------------
+
+def constant_value(lw: Any, a: Any) -> np.ndarray | None:
+    """The value of a recorded constant argument (None: not a constant)."""
+    if not (isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"):
+        return None
+    if not isinstance(lw.env.get(a[1]), Const):
+        return None
+    value = lw.trace.get("constvals", {}).get(a[1])
+    if value is None:
+        raise LoweringError(f"{lw.name}: a constant tensor too large to keep is read")
+    return value
+
+
+def constant_input(lw: Any, value: np.ndarray) -> int:
+    """The plan input holding ``value`` (one per distinct value and rank),
+    named by its value."""
+    array = np.ascontiguousarray(np.asarray(value, dtype=np.float64))
+    if not np.all(np.isfinite(array)):
+        raise LoweringError(f"{lw.name}: a constant with infinite entries is read as a tensor "
+                            f"(only the causal mask pattern is lowered)")
+    digest = hashlib.sha1(repr(array.shape).encode() + array.tobytes()).hexdigest()[:16]
+    name = f"const.{'x'.join(map(str, array.shape)) or 'scalar'}.{digest}"
+    if name not in lw.const_inputs:
+        x = lw.new(array.shape)
+        lw.inputs[x] = ("buffer", name)
+        lw.axes[x] = [[] for _ in array.shape]
+        lw.const_inputs[name] = x
+        lw.const_values[x] = array
+    return lw.const_inputs[name]
+
+
+def one_hot_constant(lw: Any, ids: np.ndarray, rows: int) -> int:
+    """Constant integer ids (positions) as the one-hot input ``[..., rows]``."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu" or ids.size and (ids.min() < 0 or ids.max() >= rows):
+        raise LoweringError(f"{lw.name}: constant ids outside [0, {rows}) index an embedding")
+    return constant_input(lw, np.eye(rows)[ids])
+
+
+def _causal_fill(mask: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """``mask`` (True where filled), broadcast to ``shape``, marks exactly
+    the keys after each query: the causal pattern of the last two dims."""
+    try:
+        m = np.broadcast_to(np.asarray(mask, dtype=bool), shape)
+    except ValueError:
+        return False
+    if len(shape) < 2:
+        return False
+    pattern = causal_positions(shape[-2], shape[-1], 0, 0)
+    return bool(np.array_equal(m, np.broadcast_to(pattern, shape)))
+
+
+def _additive_causal(mask: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """A float mask added to scores: -inf exactly on the causal pattern, 0 elsewhere."""
+    m = np.asarray(mask, dtype=np.float64)
+    if not np.all((m == 0) | np.isneginf(m)):
+        return False
+    return _causal_fill(np.isneginf(m), shape)
+
+
+def causal_add(lw: Any, args: Any, shapes: list) -> int | None:
+    """``scores + mask`` with a constant additive causal mask: the causal mask."""
+    for mine, other in ((args[0], args[1]), (args[1], args[0])):
+        value = constant_value(lw, mine)
+        if value is not None and value.size > 1 and _additive_causal(value, tuple(shapes[0])):
+            x = lw.val(other)
+            if lw.shapes[x] != tuple(shapes[0]):
+                raise LoweringError(f"{lw.name}: a causal mask broadcasting its scores")
+            return lw.emit("causal_mask", [x], shapes)[0]
+    return None
+
+
+def _masked(lw: Any, x: Any, fill: float | None, shapes: list) -> int:
+    """``x`` with the causal positions set to ``fill``: -inf is the causal
+    mask, 0 its backward."""
+    if fill == NEG_INF:
+        return lw.emit("causal_mask", [lw.val(x)], shapes)[0]
+    if fill == 0:
+        return lw.emit("causal_mask", [-1, lw.val(x)], shapes, direction="bw")[0]
+    raise LoweringError(f"{lw.name}: masking with the value {fill} is not lowered (only -inf, "
+                        f"and 0 in the backward, are exact)")
+
+
+def masked_fill(lw: Any, args, kwargs, shapes, group):
+    mask = constant_value(lw, args[1])
+    if mask is None or not _causal_fill(mask, tuple(shapes[0])):
+        raise LoweringError(f"{lw.name}: masked_fill with a mask other than the constant causal "
+                            f"pattern is not lowered")
+    return _masked(lw, args[0], lw.const(args[2]), shapes)
+
+
+def where(lw: Any, args, kwargs, shapes, group):
+    """``where(mask, x, fill)`` keeping the causal pattern's complement, or
+    ``where(mask, fill, x)`` filling it."""
+    cond = constant_value(lw, args[0])
+    shape = tuple(shapes[0])
+    if cond is not None:
+        keep = ~np.asarray(cond, dtype=bool)
+        if _causal_fill(keep, shape) and lw.const(args[2]) is not None:
+            return _masked(lw, args[1], lw.const(args[2]), shapes)
+        if _causal_fill(cond, shape) and lw.const(args[1]) is not None:
+            return _masked(lw, args[2], lw.const(args[1]), shapes)
+    raise LoweringError(f"{lw.name}: where with a condition other than the constant causal "
+                        f"pattern and a constant fill is not lowered")
+
+
+# -- linear, norms, activations -------------------------------------------------
+
+def addmm(lw: Any, args, kwargs, shapes, group):
+    """bias + m1 @ m2 (``nn.Linear`` with a bias)."""
+    if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+        raise LoweringError(f"{lw.name}: addmm with beta or alpha is not lowered")
+    mm = lw.emit("matmul", [lw.val(args[1]), lw.val(args[2])], shapes)[0]
+    return lw.emit("add", [mm, lw.val(args[0])], shapes)[0]
+
+
+def _norm_dims(lw: Any, x: int, normalized: Any) -> list[int]:
+    nd = len(lw.shapes[x])
+    k = len(normalized)
+    if not 1 <= k <= nd or list(lw.shapes[x][nd - k:]) != list(normalized):
+        raise LoweringError(f"{lw.name}: layer norm over {normalized} of a {list(lw.shapes[x])} tensor")
+    return list(range(nd - k, nd))
+
+
+def _normalized(lw: Any, x: int, mean: int, rstd: int) -> int:
+    """(x - mean) * rstd, once per (x, mean, rstd)."""
+    key = (x, mean, rstd)
+    if key not in lw.ln_y:
+        shape = lw.shapes[x]
+        centered = lw.emit("sub", [x, mean], [shape])[0]
+        lw.ln_y[key] = lw.emit("mul", [centered, rstd], [shape])[0]
+    return lw.ln_y[key]
+
+
+def layer_norm(lw: Any, args, kwargs, shapes, group):
+    """mean, rstd = rsqrt(mean((x - mean)^2) + eps); y = (x - mean) * rstd * w + b."""
+    x = lw.val(args[0])
+    dims = _norm_dims(lw, x, args[1])
+    weight, bias, eps = args[2], args[3], float(args[4])
+    shape = lw.shapes[x]
+    row = tuple(1 if d in dims else n for d, n in enumerate(shape))
+    mean = lw.emit("mean", [x], [row], {"dim": dims, "keepdim": True})[0]
+    centered = lw.emit("sub", [x, mean], [shape])[0]
+    var = lw.emit("mean", [lw.emit("mul", [centered, centered], [shape])[0]], [row],
+                  {"dim": dims, "keepdim": True})[0]
+    rstd = lw.emit("rsqrt", [lw.emit("add_scalar", [var], [row], {"value": eps})[0]], [row])[0]
+    y = lw.emit("mul", [centered, rstd], [shape])[0]
+    lw.ln_y[(x, mean, rstd)] = y
+    if weight is not None:
+        y = lw.emit("mul", [y, lw.val(weight)], [shape])[0]
+    if bias is not None:
+        y = lw.emit("add", [y, lw.val(bias)], [shape])[0]
+    return [y, mean, rstd]
+
+
+def layer_norm_backward(lw: Any, args, kwargs, shapes, group):
+    """dx = rstd * (gy - mean(gy) - y * mean(gy * y)) with gy = g * w,
+    dw = sum(g * y), db = sum(g) over the leading dims."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    dims = _norm_dims(lw, x, args[2])
+    mean, rstd = lw.val(args[3]), lw.val(args[4])
+    weight, bias, mask = args[5], args[6], list(args[7])
+    shape = lw.shapes[x]
+    row = tuple(1 if d in dims else n for d, n in enumerate(shape))
+    lead = [d for d in range(len(shape)) if d not in dims]
+    y = _normalized(lw, x, mean, rstd)
+    outs = []
+    if mask[0]:
+        gy = g if weight is None else lw.emit("mul", [g, lw.val(weight)], [shape])[0]
+        m1 = lw.emit("mean", [gy], [row], {"dim": dims, "keepdim": True})[0]
+        m2 = lw.emit("mean", [lw.emit("mul", [gy, y], [shape])[0]], [row],
+                     {"dim": dims, "keepdim": True})[0]
+        centered = lw.emit("sub", [gy, m1], [shape])[0]
+        inner = lw.emit("sub", [centered, lw.emit("mul", [y, m2], [shape])[0]], [shape])[0]
+        outs.append(lw.emit("mul", [inner, rstd], [shape])[0])
+    param_shape = tuple(shape[d] for d in dims)
+    if mask[1] and weight is not None:
+        outs.append(lw.emit("sum", [lw.emit("mul", [g, y], [shape])[0]], [param_shape],
+                            {"dim": lead, "keepdim": False})[0])
+    if mask[2] and bias is not None:
+        outs.append(lw.emit("sum", [g], [param_shape], {"dim": lead, "keepdim": False})[0])
+    return outs
+
+
+def activation(op: str, kw_names: tuple[str, ...] = ()):
+    """A unary activation; its input is remembered for a backward kernel
+    that reads the output (tanh, sigmoid, relu)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = lw.val(args[0])
+        kw = {}
+        for i, name in enumerate(kw_names, start=1):
+            kw[name] = args[i] if len(args) > i else kwargs.get(name, "none")
+        out = lw.emit(op, [x], shapes, kw)[0]
+        lw.fw_in[out] = (op, x)
+        return out
+    return lower
+
+
+def activation_backward_of_output(op: str):
+    """``op_backward(grad, output)``: the rule's backward node on the input
+    of the op that produced ``output``."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        out = lw.val(args[1])
+        producer, x = lw.fw_in.get(out, ("", -1))
+        if producer != op:
+            raise LoweringError(f"{lw.name}: {op} backward of a value no {op} produced")
+        if op == "relu" and lw.const(args[2]) != 0:
+            raise LoweringError(f"{lw.name}: threshold backward with a threshold other than 0")
+        return lw.emit(op, [x, lw.val(args[0])], shapes, direction="bw")[0]
+    return lower
+
+
+def gelu_backward(lw: Any, args, kwargs, shapes, group):
+    approximate = args[2] if len(args) > 2 else kwargs.get("approximate", "none")
+    return lw.emit("gelu", [lw.val(args[1]), lw.val(args[0])], shapes,
+                   {"approximate": approximate}, direction="bw")[0]
+
+
+def neg(lw: Any, args, kwargs, shapes, group):
+    return lw.emit("mul_scalar", [lw.val(args[0])], shapes, {"value": -1.0})[0]
+
+
+def rsub(lw: Any, args, kwargs, shapes, group):
+    """other - alpha * x."""
+    alpha = float(args[2] if len(args) > 2 else kwargs.get("alpha", 1))
+    other = lw.const(args[1])
+    if other is not None:
+        scaled = lw.emit("mul_scalar", [lw.val(args[0])], shapes, {"value": -alpha})[0]
+        return lw.emit("add_scalar", [scaled], shapes, {"value": other})[0]
+    if alpha != 1:
+        raise LoweringError(f"{lw.name}: rsub of a tensor with alpha is not lowered")
+    return lw.emit("sub", [lw.val(args[1]), lw.val(args[0])], shapes)[0]
+
+
+# -- losses ---------------------------------------------------------------------
+
+def _reduction(lw: Any, args: Any, at: int, kwargs: dict) -> int:
+    reduction = int(args[at] if len(args) > at else kwargs.get("reduction", 1))
+    if reduction not in (0, 1, 2):
+        raise LoweringError(f"{lw.name}: loss reduction {reduction} is not lowered")
+    return reduction
+
+
+def mse_loss(lw: Any, args, kwargs, shapes, group):
+    """mean or sum of (x - t)^2."""
+    x, t = lw.val(args[0]), lw.val(args[1])
+    reduction = _reduction(lw, args, 2, kwargs)
+    shape = lw.shapes[x]
+    if lw.shapes[t] != shape:
+        raise LoweringError(f"{lw.name}: mse_loss of a target that broadcasts")
+    diff = lw.emit("sub", [x, t], [shape])[0]
+    sq = lw.emit("mul", [diff, diff], [shape])[0]
+    if reduction == 0:
+        return sq
+    return lw.emit("mean" if reduction == 1 else "sum", [sq], shapes,
+                   {"dim": None, "keepdim": False})[0]
+
+
+def mse_loss_backward(lw: Any, args, kwargs, shapes, group):
+    """2 * (x - t) * g, divided by the element count for a mean."""
+    g, x, t = lw.val(args[0]), lw.val(args[1]), lw.val(args[2])
+    reduction = _reduction(lw, args, 3, kwargs)
+    shape = lw.shapes[x]
+    diff = lw.emit("sub", [x, t], [shape])[0]
+    out = lw.emit("mul", [lw.emit("mul_scalar", [diff], [shape], {"value": 2.0})[0], g], [shape])[0]
+    if reduction == 1:
+        out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape))})[0]
+    return out
+
+
+# -- attention ------------------------------------------------------------------
+
+def _transposed(lw: Any, x: int) -> int:
+    shape = list(lw.shapes[x])
+    shape[-1], shape[-2] = shape[-2], shape[-1]
+    nd = len(shape)
+    return lw.emit("transpose", [x], [shape], {"dim0": nd - 2, "dim1": nd - 1})[0]
+
+
+def _sdpa_options(lw: Any, args: Any, kwargs: dict, at: int) -> tuple[float, bool, Any]:
+    dropout = float(args[at] if len(args) > at else kwargs.get("dropout_p", 0.0))
+    causal = bool(args[at + 1] if len(args) > at + 1 else kwargs.get("is_causal", False))
+    if dropout != 0.0:
+        raise LoweringError(f"{lw.name}: scaled_dot_product_attention with dropout_p = {dropout} "
+                            f"draws random numbers: set it to 0 (dropout is not lowered)")
+    return dropout, causal, kwargs.get("attn_mask")
+
+
+def sdpa(lw: Any, args, kwargs, shapes, group):
+    """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function)."""
+    q, k, v = (lw.val(a) for a in args[:3])
+    _, causal, mask = _sdpa_options(lw, args, kwargs, 3)
+    qs, ks, vs = lw.shapes[q], lw.shapes[k], lw.shapes[v]
+    if len(qs) != 4 or ks[:2] != qs[:2] or vs[:3] != ks[:3]:
+        raise LoweringError(f"{lw.name}: attention of shapes {list(qs)}, {list(ks)}, {list(vs)} "
+                            f"(grouped heads, enable_gqa) is not lowered")
+    scale = kwargs.get("scale")
+    scale = 1.0 / math.sqrt(qs[-1]) if scale is None else float(scale)
+    scores_shape = (*qs[:3], ks[2])
+    scores = lw.emit("matmul", [q, _transposed(lw, k)], [scores_shape])[0]
+    scores = lw.emit("mul_scalar", [scores], [scores_shape], {"value": scale})[0]
+    if mask is not None:
+        value = constant_value(lw, mask)
+        if causal or value is None or not _additive_causal(value, scores_shape):
+            raise LoweringError(f"{lw.name}: an attention mask other than the constant causal "
+                                f"one is not lowered")
+        causal = True
+    if causal:
+        scores = lw.emit("causal_mask", [scores], [scores_shape])[0]
+    probs = lw.emit("softmax", [scores], [scores_shape], {"dim": -1})[0]
+    lw.fw_in[probs] = ("softmax", scores)
+    out = lw.emit("matmul", [probs, v], [shapes[0]])[0]
+    lw.sdpa[out] = SdpaSaved(q, k, v, scale, scores, probs, causal)
+    return [out, "logsumexp"]
+
+
+def sdpa_backward(lw: Any, args, kwargs, shapes, group):
+    """dv = p^T g; ds = softmax'(g v^T) (masked); dq = ds k * scale; dk = ds^T q * scale."""
+    g, out = lw.val(args[0]), lw.val(args[4])
+    saved = lw.sdpa.get(out)
+    if saved is None:
+        raise LoweringError(f"{lw.name}: attention backward of an output no attention produced")
+    _sdpa_options(lw, args, kwargs, 6)
+    shape = lw.shapes[saved.masked]
+    dv = lw.emit("matmul", [_transposed(lw, saved.probs), g], [lw.shapes[saved.v]])[0]
+    dp = lw.emit("matmul", [g, _transposed(lw, saved.v)], [shape])[0]
+    ds = lw.emit("softmax", [saved.masked, dp], [shape], {"dim": -1}, direction="bw")[0]
+    if saved.causal:
+        ds = lw.emit("causal_mask", [-1, ds], [shape], direction="bw")[0]
+    ds = lw.emit("mul_scalar", [ds], [shape], {"value": saved.scale})[0]
+    dq = lw.emit("matmul", [ds, saved.k], [lw.shapes[saved.q]])[0]
+    dk = lw.emit("matmul", [_transposed(lw, ds), saved.q], [lw.shapes[saved.k]])[0]
+    return [dq, dk, dv]
+
+
+# -- randomness -------------------------------------------------------------------
+
+def dropout(lw: Any, args, kwargs, shapes, group):
+    """``native_dropout`` with p = 0 is the identity (its mask all ones);
+    any other p draws random numbers."""
+    p = float(args[1])
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    if p == 0.0 or train is False:
+        return [lw.val(args[0]), "dropout-mask"]
+    raise LoweringError(f"{lw.name}: dropout with p = {p} draws random numbers: set p = 0 to "
+                        f"verify (dropout with p > 0 is not lowered)")
+
+
+def dropout_backward(lw: Any, args, kwargs, shapes, group):
+    if lw.env.get(args[1][1]) != "dropout-mask" or float(args[2]) != 1.0:
+        raise LoweringError(f"{lw.name}: dropout backward of a dropout with p > 0")
+    return lw.val(args[0])
+
+
+def random_fill(lw: Any, args, kwargs, shapes, group):
+    raise LoweringError(f"{lw.name}: a random draw (dropout with p > 0, or bernoulli) is not "
+                        f"lowered: set dropout's p = 0 to verify")
+
+
+NN_HANDLERS: dict[str, Any] = {
+    "aten.addmm.default": addmm,
+    "aten.native_layer_norm.default": layer_norm,
+    "aten.native_layer_norm_backward.default": layer_norm_backward,
+    "aten.gelu.default": activation("gelu", ("approximate",)),
+    "aten.gelu_backward.default": gelu_backward,
+    "aten.tanh.default": activation("tanh"),
+    "aten.tanh_backward.default": activation_backward_of_output("tanh"),
+    "aten.sigmoid.default": activation("sigmoid"),
+    "aten.sigmoid_backward.default": activation_backward_of_output("sigmoid"),
+    "aten.relu.default": activation("relu"),
+    "aten.threshold_backward.default": activation_backward_of_output("relu"),
+    "aten.neg.default": neg,
+    "aten.rsub.Scalar": rsub,
+    "aten.rsub.Tensor": rsub,
+    "aten.mse_loss.default": mse_loss,
+    "aten.mse_loss_backward.default": mse_loss_backward,
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": sdpa_backward,
+    "aten.masked_fill.Scalar": masked_fill,
+    "aten.masked_fill.Tensor": masked_fill,
+    "aten.where.self": where,
+    "aten.native_dropout.default": dropout,
+    "aten.native_dropout_backward.default": dropout_backward,
+    "aten.bernoulli_.float": random_fill,
+    "aten.bernoulli_.Tensor": random_fill,
+    "aten.bernoulli.p": random_fill,
+    "aten.bernoulli.default": random_fill,
+}

@@ -1,0 +1,178 @@
+"""Models written the way most PyTorch code is, from stock ``torch.nn`` layers
+and ``torch.nn.functional`` calls: a GPT-2 style language model and a
+SwiGLU regression tower.
+
+Both follow the backend's model contract (docs/torch-backend.md): the
+factory takes the size keywords ``layers, hidden, heads, ffn, vocab,
+seqlen``; ``forward(tokens, labels)`` takes integer ids ``[B, S]`` and
+returns a scalar loss. With ``loss="share"`` (the default) the loss is
+summed and divided by ``global_tokens`` (which the backend sets to the
+label count of the whole step), so each rank's loss is its share of the
+step's mean; ``loss="mean"`` is the ordinary per-rank mean
+(``F.cross_entropy``'s and ``F.mse_loss``'s default reduction).
+
+Heads are taken from the local width (``view(b, s, -1, head_dim)``), so
+tensor parallelism of the projections needs no change to the module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    """Fused QKV projection cut with ``chunk(3)``; causal attention through
+    ``F.scaled_dot_product_attention`` (``attention="sdpa"``) or written out
+    with an explicit lower-triangular mask (``attention="mask"``)."""
+
+    def __init__(self, hidden: int, heads: int, seqlen: int, attention: str, dropout: float):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.attention = attention
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.c_proj = nn.Linear(hidden, hidden)
+        self.resid_dropout = nn.Dropout(dropout)
+        if attention == "mask":
+            self.register_buffer("bias", torch.tril(torch.ones(seqlen, seqlen)).view(1, 1, seqlen, seqlen),
+                                 persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / self.head_dim ** 0.5)
+            att = att.masked_fill(self.bias[:, :, :s, :s] == 0, float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        y = y.transpose(1, 2).contiguous().view(b, s, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int, gelu: str, dropout: float):
+        super().__init__()
+        self.c_fc = nn.Linear(hidden, ffn)
+        self.act = nn.GELU(approximate=gelu)
+        self.c_proj = nn.Linear(ffn, hidden)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int, seqlen: int, attention: str, gelu: str,
+                 dropout: float):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden)
+        self.attn = CausalSelfAttention(hidden, heads, seqlen, attention, dropout)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, ffn, gelu, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    """Token and learned position embeddings, pre-LN blocks, a final
+    LayerNorm and an output projection tied to the token embedding,
+    cross-entropy against the labels."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
+                 attention: str = "sdpa", gelu: str = "tanh", dropout: float = 0.0,
+                 loss: str = "share"):
+        super().__init__()
+        self.global_tokens = 0  # set by the backend: the labels of the whole step
+        self.reduction = loss
+        self.wte = nn.Embedding(vocab, hidden)
+        self.wpe = nn.Embedding(seqlen, hidden)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(GPT2Block(hidden, heads, ffn, seqlen, attention, gelu, dropout)
+                               for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        flat, target = logits.view(-1, logits.size(-1)), labels.view(-1)
+        if self.reduction == "mean":
+            return F.cross_entropy(flat, target)
+        return F.cross_entropy(flat, target, reduction="sum") / (self.global_tokens or target.numel())
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.gate = nn.Linear(hidden, ffn)
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class RegressionTower(nn.Module):
+    """Embedded ids through residual SwiGLU blocks (pre-norm ``nn.RMSNorm``)
+    and a head of ``outputs`` values per position, fitted with
+    ``F.mse_loss`` to a fixed target table looked up by the labels."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
+                 outputs: int = 2, loss: str = "share"):
+        super().__init__()
+        del heads, seqlen  # the tower has no attention
+        self.global_tokens = 0
+        self.reduction = loss
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(SwiGLU(hidden, ffn) for _ in range(layers))
+        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, outputs))
+        self.register_buffer("targets", torch.linspace(-1.0, 1.0, vocab * outputs).view(vocab, outputs),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        pred = self.head(x)
+        target = F.embedding(labels, self.targets)
+        if self.reduction == "mean":
+            return F.mse_loss(pred, target)
+        return F.mse_loss(pred, target, reduction="sum") / (self.global_tokens or labels.numel())
+
+
+def gpt2(**kw) -> GPT2:
+    """GPT-2 style: SDPA causal attention, tanh GELU, tied embeddings."""
+    return GPT2(**kw)
+
+
+def gpt2_masked(**kw) -> GPT2:
+    """GPT-2 style with the attention written out (explicit causal mask) and erf GELU."""
+    return GPT2(**{"attention": "mask", "gelu": "none", **kw})
+
+
+def gpt2_mean(**kw) -> GPT2:
+    """gpt2 with F.cross_entropy's default mean over the rank's own tokens."""
+    return GPT2(**{"loss": "mean", **kw})
+
+
+def mlp(**kw) -> RegressionTower:
+    """The SwiGLU regression tower, F.mse_loss summed and shared out."""
+    return RegressionTower(**kw)
+
+
+def mlp_mean(**kw) -> RegressionTower:
+    """The regression tower with F.mse_loss's default mean over the rank's own values."""
+    return RegressionTower(**{"loss": "mean", **kw})

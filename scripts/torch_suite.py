@@ -1,0 +1,105 @@
+"""Trace and verify every (model, recipe) case of the PyTorch backend's table.
+
+    .venv/bin/python scripts/torch_suite.py [-k SUBSTRING ...] [--list]
+
+Each case is one line of ``CASES``: a name, the arguments of
+``python -m backends.torch`` (model, recipe, sizes, mesh) and the exit code
+expected of the whole run (0 equivalent, 1 not equivalent, 2 refused). A
+case is traced in this process as the backend's CLI does (one process per
+rank), its plan pair verified as ``main.py`` does, and reported on one line:
+case, expected, got, wall seconds, CPU seconds (this process and the rank
+processes). The single-device trace is shared by the cases of the same
+model and sizes. The last line is ``torch suite: N of M as expected``; the
+exit status is 0 when every case ran as expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shlex
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from backends.torch.__main__ import parser as backend_parser  # noqa: E402
+from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
+from backends.torch.lower import LoweringError  # noqa: E402
+from verdict.engine import verify  # noqa: E402
+
+#: (case, arguments of ``python -m backends.torch``, expected exit code)
+CASES: list[tuple[str, str, int]] = [
+    ("llama tp_sp dp2 tp2", "--model llama --recipe tp_sp --dp 2 --tp 2", 0),
+    ("llama tp_sp_vocab dp2 tp2", "--model llama --recipe tp_sp_vocab --dp 2 --tp 2", 0),
+    ("llama fsdp_tp dp2 tp2", "--model llama --recipe fsdp_tp --dp 2 --tp 2", 0),
+    ("llama pp_gpipe pp2", "--model llama --recipe pp_gpipe --pp 2 --dp 1 --tp 1 --layers 2", 0),
+    ("llama pp_1f1b pp2", "--model llama --recipe pp_1f1b --pp 2 --dp 1 --tp 1 --layers 2", 0),
+    ("llama bug partial as replicate", "--model llama --recipe tp_sp_partial_as_replicate", 1),
+    ("llama bug norm not parallel", "--model llama --recipe tp_sp_norm_not_parallel", 1),
+    ("llama bug fsdp default divide", "--model llama --recipe fsdp_tp_default_divide", 1),
+]
+
+
+def cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def single_key(args: argparse.Namespace) -> tuple:
+    return (args.model, args.layers, args.hidden, args.heads, args.ffn, args.vocab, args.seqlen,
+            args.batch, args.seed)
+
+
+def run_case(argv: str, singles: dict) -> tuple[int, str]:
+    """The exit code ``python -m backends.torch`` then ``main.py`` would give,
+    and the first line of the reason when it is not 0."""
+    args = resolve(backend_parser().parse_args(shlex.split(argv)))
+    key = single_key(args)
+    try:
+        (plan_s, plan_p), singles[key] = trace_and_build(args, singles.get(key))
+    except LoweringError as e:
+        return 2, str(e)
+    verdict = verify(plan_s, plan_p)
+    if verdict.success:
+        return 0, ""
+    first = verdict.message.splitlines()[0] if verdict.message else ""
+    return (3 if verdict.kind == "internal" else 1), first
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-k", action="append", default=[], help="run the cases whose name contains this")
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    opts = ap.parse_args(argv)
+    cases = [c for c in CASES if not opts.k or any(k in c[0] for k in opts.k)]
+    if opts.list:
+        for name, args, expected in cases:
+            print(f"{name:40s} exit {expected}  {args}")
+        return 0
+    warnings.filterwarnings("ignore")
+    singles: dict = {}
+    good = 0
+    width = max((len(c[0]) for c in cases), default=10)
+    for name, args, expected in cases:
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        try:
+            got, why = run_case(args, singles)
+        except Exception as e:  # any failure is reported as no verdict, never as a verdict
+            got, why = 3, f"{type(e).__name__}: {e}"
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        good += got == expected
+        mark = "ok " if got == expected else "BAD"
+        note = f"  {why}" if why and got != expected else ""
+        print(f"{mark} {name:{width}s}  expected {expected}  got {got}  {wall:6.1f} s  "
+              f"cpu {cpu:6.1f} s{note}", flush=True)
+    print(f"torch suite: {good} of {len(cases)} as expected")
+    return 0 if good == len(cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Columnar plans: round trips, reading by content, hostile and truncated files."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import main
+from backends.columnar import MEMBERS, columns_bytes, load_columns_file
+from backends.planfile import PlanError, load_plan, save_plan
+from gen_model.config import ModelConfig, Parallelism
+from gen_model.generate import make_plan
+from gen_model.parallelize import Policy
+from verdict.columns import Columns
+
+LLAMA = ModelConfig("llama3", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=32,
+                    seqlen=4, optimizer="adam")
+
+
+@cache
+def plan():
+    return make_plan(LLAMA, Parallelism(dp=4, tp=2, pp=2, nm=2), 16,
+                     policy=Policy(vocab_parallel=True))
+
+
+def members(cols: Columns) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(columns_bytes(cols)), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def write(path: Path, arrays: dict[str, np.ndarray], compressed: bool = False) -> Path:
+    with open(path, "wb") as f:
+        (np.savez_compressed if compressed else np.savez)(f, **arrays)
+    return path
+
+
+def test_round_trip_in_memory_and_on_disk(tmp_path):
+    p = plan()
+    cols = Columns.from_plan(p)
+    assert cols.to_plan() == p
+    save_plan(p, tmp_path / "p.npz")
+    assert load_plan(tmp_path / "p.npz") == p
+    # read by content: a columnar file named .pkl, a pickle named .npz
+    shutil.copy(tmp_path / "p.npz", tmp_path / "q.pkl")
+    assert load_plan(tmp_path / "q.pkl") == p
+    save_plan(p, tmp_path / "r.pkl")
+    shutil.copy(tmp_path / "r.pkl", tmp_path / "s.npz")
+    assert load_plan(tmp_path / "s.npz") == p
+
+
+def test_shared_inputs_are_stored_once():
+    p = make_plan(ModelConfig("mlp", layers=2, hidden=8), Parallelism(dp=32), 32)
+    cols = Columns.from_plan(p)
+    reducers = [n for n in p.nodes if n.op == "reducer"]
+    assert reducers and len(cols.nodes.inputs) < sum(len(n.inputs) for n in reducers)
+    back = cols.to_plan()
+    assert back == p
+    assert cols.nbytes() / len(p.nodes) < 120
+
+
+def test_sub_plan_of_some_nodes():
+    p = plan()
+    cols = Columns.from_plan(p)
+    sub = cols.to_plan(nodes=[3, 4])
+    assert [n.op for n in sub.nodes] == [p.nodes[3].op, p.nodes[4].op]
+    used = {t for n in p.nodes[3:5] for t in (*n.inputs, *n.outputs) if t >= 0}
+    assert sorted(sub.tensors) == sorted(p.tensors[t] for t in used)
+
+
+def test_convert_command(tmp_path, capsys):
+    save_plan(plan(), tmp_path / "p.pkl")
+    assert main.main(["--convert", str(tmp_path / "p.pkl"), str(tmp_path / "p.npz")]) == 0
+    assert load_plan(tmp_path / "p.npz") == plan()
+    assert (tmp_path / "p.json").exists()
+
+
+def _refused(path: Path, capsys, needle: str) -> None:
+    with pytest.raises(PlanError) as err:
+        load_columns_file(path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert main.main(["--convert", str(path), str(path.with_name("out.npz"))]) == 2
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and line.startswith("error: ") and needle in line
+    assert not path.with_name("out.npz").exists()
+
+
+def test_truncated_files_are_refused(tmp_path, capsys):
+    blob = columns_bytes(Columns.from_plan(plan()))
+    for cut in (0, 10, len(blob) // 3, len(blob) // 2, len(blob) - 30, len(blob) - 1):
+        path = tmp_path / f"cut{cut}.npz"
+        path.write_bytes(blob[:cut] if cut else b"PK\x03\x04")
+        with pytest.raises(PlanError):
+            load_plan(path)
+    path = tmp_path / "cut.npz"
+    path.write_bytes(blob[: len(blob) // 2])
+    _refused(path, capsys, "cut.npz")
+
+
+def test_flipped_bytes_never_escape(tmp_path):
+    """Any damaged file is refused with a PlanError or loads as a valid plan."""
+    blob = bytearray(columns_bytes(Columns.from_plan(plan())))
+    rng = np.random.default_rng(0)
+    for k in range(60):
+        bad = bytearray(blob)
+        for pos in rng.integers(0, len(bad), size=3):
+            bad[pos] ^= int(rng.integers(1, 256))
+        path = tmp_path / f"f{k}.npz"
+        path.write_bytes(bytes(bad))
+        try:
+            load_plan(path)
+        except PlanError as e:
+            assert "\n" not in str(e)
+
+
+def test_code_and_compression_are_refused(tmp_path, capsys):
+    arrays = members(Columns.from_plan(plan()))
+    objects = dict(arrays, n_rank=np.array([print], dtype=object))
+    path = tmp_path / "obj.npz"
+    with open(path, "wb") as f:
+        np.savez(f, allow_pickle=True, **objects)
+    _refused(path, capsys, "holds Python objects")
+    _refused(write(tmp_path / "zip.npz", arrays, compressed=True), capsys, "compressed")
+    _refused(write(tmp_path / "more.npz", dict(arrays, extra=np.zeros(1))), capsys,
+             "unknown member")
+    less = {k: v for k, v in arrays.items() if k != "n_outputs"}
+    _refused(write(tmp_path / "less.npz", less), capsys, "missing member")
+    pickled = tmp_path / "pickled.npz"
+    pickled.write_bytes(b"PK\x03\x04" + pickle.dumps(print))
+    _refused(pickled, capsys, "pickled.npz")
+    assert set(arrays) == set(MEMBERS)
+
+
+def _header(arrays, **changes):
+    header = json.loads(bytes(arrays["header"]))
+    header.update(changes)
+    return dict(arrays, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8))
+
+
+def test_bad_contents_are_refused(tmp_path, capsys):
+    cols = Columns.from_plan(plan())
+    arrays = members(cols)
+    cases = {
+        "version": (_header(arrays, version=9), "unsupported columnar plan version 9"),
+        "op": (_header(arrays, ops=["rm_rf", *cols.ops[1:]]), "unknown operator"),
+        "float": (dict(arrays, t_rank=arrays["t_rank"].astype(float)), "int32 or int64"),
+    }
+    n_in = arrays["n_inputs"].copy()
+    n_in[np.flatnonzero(n_in >= 0)[0]] = len(cols.tensors) + 5
+    cases["index"] = (dict(arrays, n_inputs=n_in), "is not a tensor index")
+    sl = arrays["t_slices"].copy()
+    sl[0, 1] = 10**6
+    cases["slice"] = (dict(arrays, t_slices=sl), "outside the logical shape")
+    outs = arrays["n_outputs"].copy()
+    outs[1] = outs[0]
+    cases["twice"] = (dict(arrays, n_outputs=outs), "already written")
+    ver = arrays["t_version"].copy()
+    first_dup = _same_but_version(cols)
+    ver[first_dup[1]] = ver[first_dup[0]]
+    cases["key"] = (dict(arrays, t_version=ver), "same (rank, mb, tid, version)")
+    fw = _reader_of_computed(cols)
+    order = arrays["n_op"].copy()
+    cases["order"] = (_swap_nodes(arrays, fw), "before node")
+    assert order is not None
+    for name, (bad, needle) in cases.items():
+        _refused(write(tmp_path / f"{name}.npz", bad), capsys, needle)
+
+
+def _same_but_version(cols: Columns) -> tuple[int, int]:
+    t = cols.tensors
+    seen = {}
+    for i in range(len(t.rank)):
+        key = (int(t.rank[i]), int(t.mb[i]), int(t.tid[i]))
+        if key in seen:
+            return seen[key], i
+        seen[key] = i
+    raise AssertionError("no tensor with two versions")
+
+
+def _reader_of_computed(cols: Columns) -> int:
+    """A node reading a tensor its predecessor writes."""
+    for i in range(1, len(cols.nodes)):
+        if set(cols.inputs_of(i).tolist()) & set(cols.outputs_of(i - 1).tolist()):
+            return i
+    raise AssertionError("no such node")
+
+
+def _swap_nodes(arrays, i):
+    """Nodes i - 1 and i exchanged in every node column (outputs included)."""
+    out = dict(arrays)
+    perm = np.arange(len(arrays["n_rank"]))
+    perm[[i - 1, i]] = perm[[i, i - 1]]
+    for k in ("n_rank", "n_mb", "n_op", "n_dir", "n_kwargs", "n_name", "n_in_start",
+              "n_in_count"):
+        out[k] = arrays[k][perm]
+    off = arrays["n_out_off"]
+    pieces = [arrays["n_outputs"][off[j]: off[j + 1]] for j in perm]
+    out["n_outputs"] = np.concatenate(pieces)
+    out["n_out_off"] = np.concatenate([[0], np.cumsum([len(x) for x in pieces])]).astype(
+        off.dtype)
+    return out
+
+
+def test_absent_slot_only_in_backward(tmp_path, capsys):
+    cols = Columns.from_plan(plan())
+    fw = int(np.flatnonzero((cols.nodes.dir == 0) & (cols.nodes.in_count > 0))[0])
+    pool = np.array(cols.nodes.inputs)
+    pool[int(cols.nodes.in_start[fw])] = -1
+    bad = replace(cols, nodes=replace(cols.nodes, inputs=pool))
+    arrays = members(cols)
+    arrays["n_inputs"] = bad.nodes.inputs
+    _refused(write(tmp_path / "absent.npz", arrays), capsys, "absent slot")

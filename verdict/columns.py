@@ -1,0 +1,245 @@
+"""Plans as columns: one numpy array per field, so a plan of millions of nodes
+costs tens of bytes per node and is checked by array operations.
+
+:class:`Columns` holds the same SSA DAG as :class:`verdict.plan.Plan`, field
+by field (docs/plan-format.md, "Columns"):
+
+* tensors: ``rank``, ``mb``, ``tid``, ``version``, ``lver`` (one entry per
+  tensor), ``parts`` (T, 3), and ``slices`` (S, 2): the [start, end) pairs of
+  every tensor, one per dim of its *logical* shape, tensor after tensor
+  (:meth:`TensorColumns.slice_offsets` finds tensor i's rows). A tensor's
+  shape is not stored: it is its slices' extents.
+* nodes: ``rank``, ``mb``, ``op`` (code into ``ops``), ``dir`` (code into
+  :data:`verdict.plan.DIRECTIONS`), ``kwargs`` (code into ``kwargs``, the
+  distinct keyword arguments as canonical JSON), ``name`` (code into
+  ``names``); inputs as ``in_start``/``in_count`` ranges of the flat
+  ``inputs`` pool (nodes may share one range: the members of a replica
+  group all read the same buffers), outputs as CSR (``out_off``, N + 1
+  offsets into ``outputs``).
+
+The verifier's pipeline works on :class:`Plan` objects; :meth:`Columns.to_plan`
+materializes all of a plan, or only some of its nodes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from verdict.plan import DIRECTIONS, SHARED_MIN, Logical, Node, Plan, Tensor
+
+Array = np.ndarray
+
+
+def canonical_kwargs(kwargs: dict[str, Any]) -> str:
+    """The canonical JSON text of a node's kwargs (sorted keys, no spaces).
+    A tuple is written, and read back, as a list."""
+    return json.dumps(kwargs, sort_keys=True, separators=(",", ":"))
+
+
+def narrow(values: Any) -> Array:
+    """An int32 array when every value fits, else int64."""
+    a = np.asarray(values, dtype=np.int64)
+    if a.size == 0 or (a.min() >= np.iinfo(np.int32).min and a.max() <= np.iinfo(np.int32).max):
+        return a.astype(np.int32)
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class TensorColumns:
+    rank: Array
+    mb: Array
+    tid: Array
+    version: Array
+    lver: Array
+    parts: Array  # (T, 3): lo, hi, n
+    slices: Array  # (S, 2): start, end; S = sum of the logical ndims of the tensors' tids
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def ndims(self, logical: Sequence[Logical]) -> Array:
+        """Each tensor's number of dims (that of its logical tensor)."""
+        per_tid = np.array([len(t.shape) for t in logical], dtype=np.int64)
+        return per_tid[self.tid]
+
+    def slice_offsets(self, logical: Sequence[Logical]) -> Array:
+        """T + 1 offsets: tensor i's slices are rows off[i]:off[i + 1] of ``slices``."""
+        off = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(self.ndims(logical), out=off[1:])
+        return off
+
+
+@dataclass(frozen=True, eq=False)
+class NodeColumns:
+    rank: Array
+    mb: Array
+    op: Array  # code into Columns.ops
+    dir: Array  # code into DIRECTIONS
+    kwargs: Array  # code into Columns.kwargs
+    name: Array  # code into Columns.names
+    in_start: Array  # inputs of node i: inputs[in_start[i]:in_start[i] + in_count[i]]
+    in_count: Array
+    inputs: Array  # tensor indices, -1 for an absent slot
+    out_off: Array  # N + 1 offsets: outputs of node i: outputs[out_off[i]:out_off[i + 1]]
+    outputs: Array
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+@dataclass(frozen=True, eq=False)
+class Columns:
+    """A plan in columns (see the module docstring)."""
+
+    world: dict[str, Any]
+    logical: tuple[Logical, ...]
+    loss: int
+    grads: dict[int, int]
+    tensors: TensorColumns
+    nodes: NodeColumns
+    ops: tuple[str, ...]
+    names: tuple[str, ...]
+    kwargs: tuple[str, ...]  # canonical JSON (canonical_kwargs)
+
+    # ------------------------------------------------------------ access
+    def kwargs_of(self, code: int) -> dict[str, Any]:
+        """The kwargs dict of a kwargs code (a fresh dict each call)."""
+        return json.loads(self.kwargs[code])
+
+    def inputs_of(self, i: int) -> Array:
+        s = int(self.nodes.in_start[i])
+        return self.nodes.inputs[s: s + int(self.nodes.in_count[i])]
+
+    def outputs_of(self, i: int) -> Array:
+        return self.nodes.outputs[int(self.nodes.out_off[i]): int(self.nodes.out_off[i + 1])]
+
+    def nbytes(self) -> int:
+        """Bytes held by the arrays (the tables are small and not counted)."""
+        total = 0
+        for group in (self.tensors, self.nodes):
+            total += sum(a.nbytes for a in vars(group).values() if isinstance(a, np.ndarray))
+        return total
+
+    def is_folded(self) -> bool:
+        return Plan(world=self.world).is_folded()
+
+    # ------------------------------------------------------------ conversions
+    @classmethod
+    def from_plan(cls, plan: Plan) -> Columns:
+        """The columns of ``plan``. Nodes that share one inputs tuple of
+        SHARED_MIN or more entries (one object) share one range of the pool.
+        Raises ValueError for a tensor whose shape is not its slices' extents
+        (columns store no shape) or whose slices do not match its logical ndim."""
+        ts = plan.tensors
+        ndim = [len(t.shape) for t in plan.logical]
+        slices: list[tuple[int, int]] = []
+        for i, t in enumerate(ts):
+            if len(t.slices) != ndim[t.tid]:
+                raise ValueError(f"tensor {i}: {len(t.slices)} slices for a logical tensor of "
+                                 f"{ndim[t.tid]} dims")
+            if tuple(b - a for a, b in t.slices) != tuple(t.shape):
+                raise ValueError(f"tensor {i}: shape {list(t.shape)} is not its slices' extents")
+            slices.extend(t.slices)
+        tensors = TensorColumns(
+            rank=narrow([t.rank for t in ts]), mb=narrow([t.mb for t in ts]),
+            tid=narrow([t.tid for t in ts]), version=narrow([t.version for t in ts]),
+            lver=narrow([t.lver for t in ts]),
+            parts=narrow([t.parts for t in ts]).reshape(len(ts), 3),
+            slices=narrow(slices).reshape(len(slices), 2),
+        )
+        return cls(world=dict(plan.world), logical=tuple(plan.logical), loss=plan.loss,
+                   grads=dict(plan.grads), tensors=tensors, **_node_columns(plan.nodes))
+
+    def to_plan(self, nodes: Sequence[int] | Array | None = None) -> Plan:
+        """The plan, or with ``nodes`` (indices, in the order given) a plan
+        of those nodes and the tensors they read or write only, renumbered
+        in order of first use; the world, logical table, loss and grads are
+        the whole plan's."""
+        n = self.nodes
+        picked = np.arange(len(n)) if nodes is None else np.asarray(nodes, dtype=np.int64)
+        if nodes is None:
+            keep = np.arange(len(self.tensors))
+        else:
+            used = [self.inputs_of(i) for i in picked] + [self.outputs_of(i) for i in picked]
+            flat = np.concatenate(used) if used else np.zeros(0, dtype=np.int64)
+            keep = np.unique(flat[flat >= 0])
+        renum = np.full(len(self.tensors) + 1, -1, dtype=np.int64)  # renum[-1] stays -1
+        renum[keep] = np.arange(len(keep))
+        tensors = self._tensor_rows(keep)
+        kwargs = [json.loads(k) for k in self.kwargs]
+        ops, dirs, names = self.ops, DIRECTIONS, self.names
+        shared: dict[tuple[int, int], tuple[int, ...]] = {}
+        rank, mb, op, dr = (n.rank.tolist(), n.mb.tolist(), n.op.tolist(), n.dir.tolist())
+        kw, nm = n.kwargs.tolist(), n.name.tolist()
+        out_nodes = []
+        for i in picked.tolist():
+            s, c = int(n.in_start[i]), int(n.in_count[i])
+            if c >= SHARED_MIN and (s, c) in shared:
+                ins = shared[(s, c)]
+            else:
+                ins = tuple(renum[n.inputs[s: s + c]].tolist())
+                if c >= SHARED_MIN:
+                    shared[(s, c)] = ins
+            outs = tuple(renum[self.outputs_of(i)].tolist())
+            out_nodes.append(Node(rank[i], mb[i], ops[op[i]], dirs[dr[i]], ins, outs,
+                                  dict(kwargs[kw[i]]), names[nm[i]]))
+        return Plan(world=dict(self.world), logical=list(self.logical), tensors=tensors,
+                    nodes=out_nodes, loss=self.loss, grads=dict(self.grads))
+
+    def _tensor_rows(self, keep: Array) -> list[Tensor]:
+        t = self.tensors
+        off = t.slice_offsets(self.logical).tolist()
+        rank, mb, tid, ver, lver = (a[keep].tolist() for a in (t.rank, t.mb, t.tid, t.version,
+                                                                t.lver))
+        parts = t.parts[keep].tolist()
+        slices = t.slices.tolist()
+        rows = []
+        for k, i in enumerate(keep.tolist()):
+            sl = tuple(tuple(p) for p in slices[off[i]: off[i + 1]])
+            rows.append(Tensor(rank[k], mb[k], tid[k], ver[k], tuple(b - a for a, b in sl),
+                               lver[k], sl, tuple(parts[k])))
+        return rows
+
+
+def _node_columns(nodes: Sequence[Node]) -> dict[str, Any]:
+    """The node columns and tables of a list of Node rows."""
+    ops: dict[str, int] = {}
+    names: dict[str, int] = {}
+    kwargs: dict[str, int] = {}
+    directions = {d: i for i, d in enumerate(DIRECTIONS)}
+    pool: list[int] = []
+    shared: dict[int, int] = {}
+    in_start, in_count, outputs, out_off = [], [], [], [0]
+    cols: dict[str, list[int]] = {k: [] for k in ("rank", "mb", "op", "dir", "kwargs", "name")}
+    for node in nodes:
+        cols["rank"].append(node.rank)
+        cols["mb"].append(node.mb)
+        cols["op"].append(ops.setdefault(node.op, len(ops)))
+        if node.dir not in directions:
+            raise ValueError(f"node {len(in_count)}: dir {node.dir!r} is not one of {DIRECTIONS}")
+        cols["dir"].append(directions[node.dir])
+        cols["kwargs"].append(kwargs.setdefault(canonical_kwargs(node.kwargs), len(kwargs)))
+        cols["name"].append(names.setdefault(node.name, len(names)))
+        ins = node.inputs
+        if len(ins) >= SHARED_MIN and id(ins) in shared:
+            in_start.append(shared[id(ins)])
+        else:
+            if len(ins) >= SHARED_MIN:
+                shared[id(ins)] = len(pool)
+            in_start.append(len(pool))
+            pool.extend(ins)
+        in_count.append(len(ins))
+        outputs.extend(node.outputs)
+        out_off.append(len(outputs))
+    node_cols = NodeColumns(
+        **{k: narrow(v) for k, v in cols.items()},
+        in_start=narrow(in_start), in_count=narrow(in_count), inputs=narrow(pool),
+        out_off=narrow(out_off), outputs=narrow(outputs),
+    )
+    return {"nodes": node_cols, "ops": tuple(ops), "names": tuple(names),
+            "kwargs": tuple(kwargs)}
