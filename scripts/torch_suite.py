@@ -41,6 +41,25 @@ CASES: list[tuple[str, str, int]] = [
     ("llama bug partial as replicate", "--model llama --recipe tp_sp_partial_as_replicate", 1),
     ("llama bug norm not parallel", "--model llama --recipe tp_sp_norm_not_parallel", 1),
     ("llama bug fsdp default divide", "--model llama --recipe fsdp_tp_default_divide", 1),
+    ("llama pp_tp pp2 tp2", "--model llama --recipe pp_tp --pp 2 --dp 1 --tp 2 --layers 2", 0),
+    ("llama pp_interleaved_1f1b pp2 v2",
+     "--model llama --recipe pp_interleaved_1f1b --pp 2 --dp 1 --tp 1 --layers 4", 0),
+    ("llama pp_looped_bfs pp2 v2",
+     "--model llama --recipe pp_looped_bfs --pp 2 --dp 1 --tp 1 --layers 4", 0),
+    ("llama pp_interleaved_zero_bubble pp2 v2",
+     "--model llama --recipe pp_interleaved_zero_bubble --pp 2 --dp 1 --tp 1 --layers 4", 0),
+    ("llama pp_zbv pp2 v2", "--model llama --recipe pp_zbv --pp 2 --dp 1 --tp 1 --layers 4", 0),
+    ("llama tp_sp adamw", "--model llama --recipe tp_sp --optimizer adamw", 0),
+    ("llama tp_sp sgd", "--model llama --recipe tp_sp --optimizer sgd", 0),
+    ("llama tp_sp_vocab clip adamw",
+     "--model llama --recipe tp_sp_vocab --clip 0.5 --optimizer adamw", 0),
+    ("llama bug clip local norm", "--model llama --recipe tp_sp_vocab --clip 0.5 "
+     "--optimizer adamw --clipper harness.torch_bugs:clip_local_norm", 1),
+    ("llama bug local token mean (Megatron 7452/3)",
+     "--model llama --recipe harness.torch_bugs:tp_sp_local_token_mean", 1),
+    ("llama pp clip refused", "--model llama --recipe pp_gpipe --pp 2 --dp 1 --tp 1 --layers 2 "
+     "--clip 0.5", 2),
+    ("llama cp refused", "--model llama --recipe cp_sdpa --dp 2 --tp 1", 2),
 ]
 
 
@@ -52,7 +71,7 @@ def cpu_seconds() -> float:
 
 def single_key(args: argparse.Namespace) -> tuple:
     return (args.model, args.layers, args.hidden, args.heads, args.ffn, args.vocab, args.seqlen,
-            args.batch, args.seed)
+            args.batch, args.seed, args.optimizer, args.clip)
 
 
 def run_case(argv: str, singles: dict) -> tuple[int, str]:

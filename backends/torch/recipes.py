@@ -367,3 +367,19 @@ def clip_grad_norm(model, mesh, max_norm: float) -> None:
     if mesh["pp"].size() > 1:
         total = funcol.all_reduce(total ** 2, "sum", mesh["pp"]) ** 0.5
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+
+
+class ContextParallelRefused(RuntimeError):
+    """PyTorch's context parallelism does not run on the CPU."""
+
+
+def cp_sdpa(model, mesh):
+    """Context parallelism with PyTorch's own
+    ``torch.distributed.tensor.experimental.context_parallel``: refused. Its
+    ring attention replaces only the CUDA attention kernels (flash,
+    efficient, cuDNN); on the CPU, SDPA runs
+    ``_scaled_dot_product_flash_attention_for_cpu``, for which it raises
+    ``NotImplementedError`` (docs/torch-backend.md)."""
+    raise ContextParallelRefused(
+        "context_parallel does not run on the CPU: its ring attention handles only the CUDA "
+        "SDPA kernels (flash, efficient, cuDNN), not _scaled_dot_product_flash_attention_for_cpu")
