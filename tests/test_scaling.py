@@ -15,8 +15,8 @@ from backends.planfile import PlanError, validate
 from gen_model.config import Parallelism
 from harness import mutations
 from harness.oracle import judge
+from main import verify
 from tests.helpers import MLP, plan_pair
-from verdict.engine import verify
 from verdict.plan import Plan
 
 
