@@ -33,8 +33,10 @@ from verdict.ops.nn import causal_positions
 
 @dataclass(frozen=True)
 class Const:
-    """Recorded value ``v``, a constant."""
+    """Recorded value ``v``, a constant, computed by event ``event`` (not
+    lowered until a lowered op reads it)."""
     v: int
+    event: int
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def constant_value(lw: Any, a: Any) -> np.ndarray | None:
     """The value of a recorded constant argument (None: not a constant)."""
     if not (isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"):
         return None
-    if not isinstance(lw.env.get(a[1]), Const):
+    if a[1] not in lw.trace.get("constants", ()):
         return None
     value = lw.trace.get("constvals", {}).get(a[1])
     if value is None:
