@@ -568,8 +568,10 @@ class _Rank:
             for d, axes in enumerate(dims):
                 if axes is None:
                     used = tuple(a for x in dims if x for a in x)
-                    dims[d] = self.guess(self.low.shapes[v][d], full[d], used,
-                                         (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
+                    # dim 0 is the batch (data-parallel rows, then microbatches)
+                    order = ((("dp",), ("mb",), ("dp", "mb"), ("tp",), ("dp", "tp")) if d == 0
+                             else (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
+                    dims[d] = self.guess(self.low.shapes[v][d], full[d], used, order)
             self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None)
             self.check(v)
 
