@@ -92,6 +92,14 @@ def parser() -> argparse.ArgumentParser:
                    help="pipeline stages, for a pipelining recipe (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's weights and inputs (default: %(default)s)")
+    p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="none",
+                   help="end the step with torch.optim's SGD or AdamW (default: %(default)s)")
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the gradients by their total norm before the optimizer")
+    p.add_argument("--clipper", default=None,
+                   help="how a rank clips, package.module:function called as "
+                        "clipper(model, mesh, max_norm) (default: "
+                        "backends.torch.recipes:clip_grad_norm)")
     p.add_argument("-o", "--out", default="data/plans/torch",
                    help="output directory (default: %(default)s)")
     p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
@@ -124,12 +132,13 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
             "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
-            "vocab": args.vocab, "seed": args.seed}
+            "vocab": args.vocab, "seed": args.seed, "optimizer": args.optimizer,
+            "clip": args.clip, "clipper": args.clipper}
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
              "tp": args.tp, "pp": args.pp, "ep": 1, "nm": 1,
              "recipe": args.recipe,
              **{k: v for k, v in kw.items()}}
-    for ref in (args.model, args.recipe):
+    for ref in (args.model, args.recipe, *([args.clipper] if args.clipper else [])):
         try:
             load(ref)
         except (ValueError, ImportError, AttributeError) as e:
