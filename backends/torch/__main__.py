@@ -5,7 +5,8 @@
 runs the step once on one device and once per rank of the (dp, tp) mesh
 under a fake process group (one process per rank), lowers what each ran
 onto the rule table and writes ``DIR/STEM_single.pkl`` and
-``DIR/STEM_parallel.pkl`` (with their JSON world specs). Verify them with
+``DIR/STEM_parallel.pkl`` (with their JSON world specs; ``--format npz``:
+columnar files, ``.npz``). Verify them with
 ``python main.py --sm ... --pm ...``. Exit 2 with one line on an op that is
 not lowered or a recipe that does not run.
 """
@@ -37,8 +38,26 @@ MODELS = {
 RECIPES = "backends.torch.recipes"
 
 
+#: the default model and recipe (``--hf`` replaces them)
+MODEL, RECIPE = "backends.torch.models:llama", "backends.torch.recipes:tp_sp"
+
+
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Short model and recipe names to ``package.module:name`` references."""
+    """Short model and recipe names to ``package.module:name`` references; a
+    ``--hf`` family to its model, and its recipe unless one is given (a
+    recipe named without a module is then one of ``backends.torch.hf``)."""
+    hf = getattr(args, "hf", None)
+    if hf is not None:
+        model = f"backends.torch.hf:{hf}"
+        if args.model not in (MODEL, model):
+            raise LoweringError("--hf and --model name two models: give one")
+        args.model = model
+        if args.recipe == RECIPE:
+            args.recipe = "tp_fsdp"
+        if ":" not in args.recipe:
+            args.recipe = f"backends.torch.hf:{args.recipe}"
+        args.name = args.name or (f"hf_{hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
+                                  f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
     args.model = MODELS.get(args.model, args.model)
     if ":" not in args.recipe:
         args.recipe = f"{RECIPES}:{args.recipe}"
@@ -47,12 +66,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backends.torch", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="backends.torch.models:llama",
+    p.add_argument("--model", default=MODEL,
                    help="model factory, package.module:function or a short name: "
                         + ", ".join(MODELS) + " (default: %(default)s)")
-    p.add_argument("--recipe", default="backends.torch.recipes:tp_sp",
+    p.add_argument("--recipe", default=RECIPE,
                    help="parallelization recipe, package.module:function, or a function "
                         f"of {RECIPES} by name (default: %(default)s)")
+    p.add_argument("--hf", metavar="FAMILY", default=None,
+                   help="a Hugging Face transformers family (llama, qwen2, qwen3, ...) built from "
+                        "a small random config and parallelized by transformers itself; the "
+                        "recipe defaults to backends.torch.hf:tp_fsdp (docs/torch-backend.md)")
     p.add_argument("--layers", type=int, default=1, help="transformer blocks (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=16, help="hidden size (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
@@ -69,8 +92,19 @@ def parser() -> argparse.ArgumentParser:
                    help="pipeline stages, for a pipelining recipe (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's weights and inputs (default: %(default)s)")
+    p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="none",
+                   help="end the step with torch.optim's SGD or AdamW (default: %(default)s)")
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the gradients by their total norm before the optimizer")
+    p.add_argument("--clipper", default=None,
+                   help="how a rank clips, package.module:function called as "
+                        "clipper(model, mesh, max_norm) (default: "
+                        "backends.torch.recipes:clip_grad_norm)")
     p.add_argument("-o", "--out", default="data/plans/torch",
                    help="output directory (default: %(default)s)")
+    p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
+                   help="plan file form: pickled rows or columnar (docs/plan-format.md; "
+                        "default: %(default)s)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
@@ -98,12 +132,13 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
             "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
-            "vocab": args.vocab, "seed": args.seed}
+            "vocab": args.vocab, "seed": args.seed, "optimizer": args.optimizer,
+            "clip": args.clip, "clipper": args.clipper}
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
              "tp": args.tp, "pp": args.pp, "ep": 1, "nm": 1,
              "recipe": args.recipe,
              **{k: v for k, v in kw.items()}}
-    for ref in (args.model, args.recipe):
+    for ref in (args.model, args.recipe, *([args.clipper] if args.clipper else [])):
         try:
             load(ref)
         except (ValueError, ImportError, AttributeError) as e:
@@ -128,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")
     out = Path(args.out)
-    sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
-    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
+    sm, _ = save_plan(plan_s, out / f"{stem}_single.{args.format}")
+    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.{args.format}")
     for path, plan in ((sm, plan_s), (pm, plan_p)):
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")
