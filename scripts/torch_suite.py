@@ -47,6 +47,8 @@ CASES: list[tuple[str, str, int]] = [
     ("gpt2 ddp dp2 tp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 2 --layers 2", 0),
     ("gpt2_masked ddp dp2", f"--model gpt2_masked --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("gpt2 fsdp dp2", f"--model gpt2 --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("gpt2 tp_mlp dp2 tp2", f"--model gpt2 --recipe {STOCK}tp_mlp --dp 2 --tp 2 --layers 2", 0),
+    ("mlp tp_mlp dp2 tp2", f"--model mlp --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
     ("mlp ddp dp2", f"--model mlp --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("mlp fsdp dp2", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
     ("gpt2 bug ddp weights only", f"--model gpt2 --recipe {STOCK}ddp_weights_only --dp 2 --tp 1", 1),
