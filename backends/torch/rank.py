@@ -14,6 +14,7 @@ import importlib
 import json
 import pickle
 import sys
+import time
 from typing import Any
 
 import torch
@@ -118,7 +119,9 @@ def run_isolated(spec: dict, rank: int) -> dict | str:
     import warnings
     warnings.filterwarnings("ignore")
     try:
-        return run(spec, rank)
+        trace = run(spec, rank)
+        trace["cpu"] = time.process_time()  # this process's CPU: imports after the fork, the run
+        return trace
     except Exception:  # any failure of the user's model or recipe: reported, one line
         lines = [ln for ln in traceback.format_exc().strip().splitlines() if ln.strip()]
         return lines[-1]
