@@ -43,6 +43,8 @@ CASES: list[tuple[str, str, int]] = [
     ("llama bug partial as replicate", "--model llama --recipe tp_sp_partial_as_replicate", 1),
     ("llama bug norm not parallel", "--model llama --recipe tp_sp_norm_not_parallel", 1),
     ("llama bug fsdp default divide", "--model llama --recipe fsdp_tp_default_divide", 1),
+    ("llama_titan tp_sp dp2 tp2", "--model llama_titan --recipe tp_sp --dp 2 --tp 2", 0),
+    ("llama_titan fsdp_tp dp2 tp2", "--model llama_titan --recipe fsdp_tp --dp 2 --tp 2", 0),
     ("gpt2 ddp dp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 1 --layers 2", 0),
     ("gpt2 ddp dp2 tp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 2 --layers 2", 0),
     ("gpt2_masked ddp dp2", f"--model gpt2_masked --recipe {STOCK}ddp --dp 2 --tp 1", 0),

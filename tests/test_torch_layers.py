@@ -175,7 +175,7 @@ def _single(model: str) -> dict:
 
 #: probes whose torch run rounds to float32 on the way (``x.float()``, as
 #: torchtitan's rotary embedding does): compared to that precision
-FLOAT32 = {"rotary_complex"}
+FLOAT32 = {"rotary_complex", "llama_titan"}
 
 
 def _lower_and_check(trace: dict, rtol: float = 1e-9) -> None:
@@ -201,9 +201,10 @@ def test_tied_embeddings_match_torch() -> None:
     _lower_and_check(trace)
 
 
-@pytest.mark.parametrize("model", ["gpt2", "gpt2_masked", "gpt2_mean", "mlp", "mlp_mean"])
+@pytest.mark.parametrize("model", ["gpt2", "gpt2_masked", "gpt2_mean", "mlp", "mlp_mean",
+                                   "llama_titan"])
 def test_stock_models_match_torch(model: str) -> None:
-    _lower_and_check(_single(STOCK + model))
+    _lower_and_check(_single(STOCK + model), 1e-5 if model in FLOAT32 else 1e-9)
 
 
 def probe_dropout(**_sizes) -> Probe:

@@ -33,6 +33,7 @@ MODELS = {
     "gpt2_mean": "backends.torch.stock_models:gpt2_mean",
     "mlp": "backends.torch.stock_models:mlp",
     "mlp_mean": "backends.torch.stock_models:mlp_mean",
+    "llama_titan": "backends.torch.stock_models:llama_titan",
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
