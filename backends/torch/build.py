@@ -215,6 +215,10 @@ class _Rank:
         self.fresh = 10**9
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
+            if name not in by_name:
+                what = "a constant" if name.startswith("const.") else f"the input {name}"
+                raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
+                                 f"that the single-device step never reads")
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
 

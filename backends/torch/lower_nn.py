@@ -370,6 +370,9 @@ def sdpa(lw: Any, args, kwargs, shapes, group):
             raise LoweringError(f"{lw.name}: an attention mask other than the constant causal "
                                 f"one is not lowered")
         causal = True
+    if causal and scores_shape[-1] != scores_shape[-2]:
+        raise LoweringError(f"{lw.name}: causal attention of {scores_shape[-2]} queries over "
+                            f"{scores_shape[-1]} keys is not lowered")
     if causal:
         scores = lw.emit("causal_mask", [scores], [scores_shape])[0]
     probs = lw.emit("softmax", [scores], [scores_shape], {"dim": -1})[0]
