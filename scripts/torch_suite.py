@@ -43,14 +43,16 @@ CASES: list[tuple[str, str, int]] = [
     ("llama bug partial as replicate", "--model llama --recipe tp_sp_partial_as_replicate", 1),
     ("llama bug norm not parallel", "--model llama --recipe tp_sp_norm_not_parallel", 1),
     ("llama bug fsdp default divide", "--model llama --recipe fsdp_tp_default_divide", 1),
+    ("llama_titan tp_sp dp2 tp2", "--model llama_titan --recipe tp_sp --dp 2 --tp 2", 0),
+    ("llama_titan fsdp_tp dp2 tp2", "--model llama_titan --recipe fsdp_tp --dp 2 --tp 2", 0),
     ("gpt2 ddp dp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 1 --layers 2", 0),
     ("gpt2 ddp dp2 tp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 2 --layers 2", 0),
     ("gpt2_masked ddp dp2", f"--model gpt2_masked --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("gpt2 fsdp dp2", f"--model gpt2 --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
     ("gpt2 tp_mlp dp2 tp2", f"--model gpt2 --recipe {STOCK}tp_mlp --dp 2 --tp 2 --layers 2", 0),
+    ("mlp tp_mlp dp2 tp2", f"--model mlp --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
     ("mlp ddp dp2", f"--model mlp --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("mlp fsdp dp2", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
-    ("mlp tp_mlp dp2 tp2", f"--model mlp --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
     # Hugging Face transformers, parallelized by transformers itself (backends/torch/hf.py)
     ("hf llama tp2", "--hf llama --dp 1 --tp 2", 0),
     ("hf llama tp2 fsdp2", "--hf llama --dp 2 --tp 2", 0),
@@ -79,6 +81,7 @@ CASES: list[tuple[str, str, int]] = [
     ("llama pp clip refused", "--model llama --recipe pp_gpipe --pp 2 --dp 1 --tp 1 --layers 2 "
      "--clip 0.5", 2),
     ("llama cp refused", "--model llama --recipe cp_sdpa --dp 2 --tp 1", 2),
+    ("gpt2 bug ddp weights only", f"--model gpt2 --recipe {STOCK}ddp_weights_only --dp 2 --tp 1", 1),
 ]
 
 

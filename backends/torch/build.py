@@ -231,6 +231,10 @@ class _Rank:
             if name not in by_name and v in low.constants:
                 self.sv[v], self.claim[v] = self.const_piece(v)
                 continue
+            if name not in by_name:
+                what = "a constant" if name.startswith("const.") else f"the input {name}"
+                raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
+                                 f"that the single-device step never reads")
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
 
