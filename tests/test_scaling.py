@@ -199,3 +199,14 @@ def test_columnar_plans_keep_scales(tmp_path) -> None:
     _, unscaled = plan_pair(MLP, Parallelism(dp=2), 8)
     path, _ = save_plan(unscaled, tmp_path / "u.npz")
     assert all(t.scale == (1, 1) for t in load_plan(path).tensors)
+
+
+def test_traced_block_left_out_of_fully_shard_verifies(singles: dict) -> None:
+    """A mistake that changes no value: the block left out of its own
+    ``fully_shard`` is owned by the root's, which shards its parameters over
+    dp, gathers them for the forward and reduce-scatters their gradients as
+    it does the others'; only when they are gathered and freed differs (a
+    real gloo run agrees: scripts/gloo_truth.py)."""
+    plan_s, plan_p = _traced("llama", "fsdp_tp_block_left_out", singles)
+    v = verify(plan_s, plan_p)
+    assert v.success, v.message
