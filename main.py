@@ -140,6 +140,13 @@ def run_verify(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     single, parallel = load_pair(args)
     t_load = time.perf_counter() - start
+    return verify_and_report(args, single, parallel, t_load)
+
+
+def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
+                      t_load: float = 0.0) -> int:
+    """Verify a loaded pair and print the verdict (scripts/run_br.py calls it
+    too, on plans made in memory); the exit code."""
     cache = StageCache(args.cache_dir if args.cache_stages else None)
     memo = {key: Outcome("proved") for key in cache.proved}
     progress = sys.stderr.isatty()

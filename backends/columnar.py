@@ -32,7 +32,7 @@ from backends.planfile import (
     _show,
     _write_atomic,
 )
-from verdict.columns import Columns, NodeColumns, TensorColumns
+from verdict.columns import INT_TYPES, Columns, NodeColumns, TensorColumns
 from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FOLD_KEYS, Logical
 
@@ -50,7 +50,9 @@ MEMBERS = ("header", *(f"t_{k}" for k in TENSOR_ARRAYS), *(f"n_{k}" for k in NOD
 #: [num, den] (docs/soundness.md, "Scaled claims"), written only when some
 #: tensor is scaled; without it every factor is 1.
 OPTIONAL_MEMBERS = ("t_scale",)
-_INT_DTYPES = (np.dtype("<i4"), np.dtype("<i8"))
+_INT_DTYPES = tuple(np.dtype(k).newbyteorder("<") for k in INT_TYPES)
+#: Tensors checked at a time where a check makes per-slice temporaries.
+_CHUNK = 1 << 18
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (30 bytes)
 
 
@@ -305,7 +307,7 @@ def _check_dtypes(cols: Columns) -> None:
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray) or a.dtype.newbyteorder("<") not in _INT_DTYPES:
             got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
-            raise PlanError(f"{name}: must be an int32 or int64 array, got {got}")
+            raise PlanError(f"{name}: must be an array of int8, int16, int32 or int64, got {got}")
         want = shapes.get(name)
         if name == "t_slices":
             ok = a.ndim == 2 and a.shape[1] == 2
@@ -364,23 +366,28 @@ def _check_tensor_columns(cols: Columns) -> None:
 
 
 def _check_slices(cols: Columns, per: np.ndarray, total: int) -> None:
+    """Every slice inside its logical dim, in chunks of tensors (the
+    temporaries stay a few MiB whatever the plan's size)."""
     t = cols.tensors
     flat = np.array([n for x in cols.logical for n in x.shape], dtype=np.int64)
     first_dim = np.zeros(len(cols.logical), dtype=np.int64)
     np.cumsum([len(x.shape) for x in cols.logical][:-1], out=first_dim[1:])
-    owner = np.repeat(np.arange(len(t.rank)), per)
     off = np.zeros(len(t.rank) + 1, dtype=np.int64)
     np.cumsum(per, out=off[1:])
-    dim = np.arange(total) - off[owner]
-    size = flat[first_dim[t.tid[owner]] + dim]
-    start, end = t.slices[:, 0].astype(np.int64), t.slices[:, 1].astype(np.int64)
-    bad = ~((start >= 0) & (start <= end) & (end <= size) & ((start < end) | (size == 0)))
-    if bad.any():
-        r = _first(bad)
-        i, d = int(owner[r]), int(dim[r])
-        full = list(cols.logical[int(t.tid[i])].shape)
-        raise PlanError(f"tensor {i}: slice {[int(start[r]), int(end[r])]} of dim {d} is outside "
-                        f"the logical shape {full}")
+    for lo in range(0, len(t.rank), _CHUNK):
+        hi = min(lo + _CHUNK, len(t.rank))
+        owner = np.repeat(np.arange(lo, hi), per[lo:hi])
+        rows = slice(int(off[lo]), int(off[hi]))
+        dim = np.arange(rows.start, rows.stop) - off[owner]
+        size = flat[first_dim[t.tid[owner]] + dim]
+        start, end = t.slices[rows, 0].astype(np.int64), t.slices[rows, 1].astype(np.int64)
+        bad = ~((start >= 0) & (start <= end) & (end <= size) & ((start < end) | (size == 0)))
+        if bad.any():
+            r = _first(bad)
+            i, d = int(owner[r]), int(dim[r])
+            full = list(cols.logical[int(t.tid[i])].shape)
+            raise PlanError(f"tensor {i}: slice {[int(start[r]), int(end[r])]} of dim {d} is "
+                            f"outside the logical shape {full}")
 
 
 def _check_unique_keys(t: TensorColumns) -> None:

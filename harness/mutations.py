@@ -23,6 +23,7 @@ of where it struck, or None when the plan has no such place.
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -957,6 +958,49 @@ def scatter_as_reduce_split(plan: Plan, rng: random.Random) -> Result:
     return p, f"{where(plan, i)} as all_reduce + split"
 
 
+def regroup_accumulation(plan: Plan, rng: random.Random) -> Result:
+    """Two accumulations of one gradient buffer on one rank, (buf + g0) + g1,
+    written buf + (g0 + g1): the add of the two microbatch gradients
+    truthfully claims the union of their parts (the tensor-parallel peers
+    keep the other grouping)."""
+    readers: dict[int, int] = defaultdict(int)
+    for n in plan.nodes:
+        for t in n.inputs:
+            readers[t] += 1
+    made = {o: i for i, n in enumerate(plan.nodes) for o in n.outputs if o >= 0}
+    sites = []
+    for j, second in enumerate(plan.nodes):
+        if second.op != "local_grad_accumulation" or made.get(second.inputs[0]) is None:
+            continue
+        i = made[second.inputs[0]]
+        first = plan.nodes[i]
+        if first.op != "local_grad_accumulation":
+            continue
+        g0, g1 = (plan.tensors[first.inputs[1]], plan.tensors[second.inputs[1]])
+        if (readers[second.inputs[0]] == 1 and (g0.tid, g0.lver, g0.slices) == (
+                g1.tid, g1.lver, g1.slices) and g0.parts[2] == g1.parts[2]
+                and g0.parts[1] == g1.parts[0]):
+            sites.append((i, j))
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, j = site
+    p = copy_plan(plan)
+    first, second = p.nodes[i], p.nodes[j]
+    g0, g1 = p.tensors[first.inputs[1]], p.tensors[second.inputs[1]]
+    p.tensors.append(g1._replace(parts=(g0.parts[0], g1.parts[1], g1.parts[2]), version=-1))
+    both = len(p.tensors) - 1
+    p.nodes[j:j + 1] = [
+        Node(second.rank, second.mb, "add", second.dir, (first.inputs[1], second.inputs[1]),
+             (both,), {}, f"{second.name}.regrouped"),
+        second._replace(inputs=(first.inputs[0], both)),
+    ]
+    p.nodes.pop(i)
+    p = drop_orphans(p)
+    number_versions(p, frozenset({g1.tid, p.tensors[p.nodes[j].outputs[0]].tid}))
+    return p, f"{where(plan, i)} and {where(plan, j)} as buf + (g0 + g1)"
+
+
 def rescale(plan: Plan, rng: random.Random) -> Result:
     """A tensor on one rank multiplied by an exact factor and divided by it
     again, the value in between claimed with the factor (a pre-divide factor
@@ -986,6 +1030,7 @@ REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
     "rename": rename,
     "insert_identity": insert_identity,
     "scatter_as_reduce_split": scatter_as_reduce_split,
+    "regroup_accumulation": regroup_accumulation,
     "rescale": rescale,
 }
 

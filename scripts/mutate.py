@@ -18,6 +18,13 @@ mutation happened to change nothing, e.g. a peer that holds the same
 replica) may FAIL: the verifier also checks the plan's claims, which the
 oracle ignores; they are counted apart. ``--quick`` is the seeded subset
 that runs in ``make test``. docs/mutation.md describes the operators.
+
+The harness also checks that it still sees (harness/blindness.py): the
+canaries of harness/canaries.py (wrong plans every unfolded base yields)
+must be judged wrong by the oracle and fail the verifier; equivalent
+outcomes stay under a ceiling; and the ``--quick`` run catches at least
+the floors of harness/quick_floors.json (``--write-floors`` records a
+clean ``--quick`` run's counts there). Any of these exits 1.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from backends.planfile import PlanError, validate  # noqa: E402
 from gen_model.config import ModelConfig, Parallelism  # noqa: E402
 from gen_model.generate import fold_sizes, make_plan, make_plan_at  # noqa: E402
 from gen_model.parallelize import Policy  # noqa: E402
+from harness.blindness import blind_spots, write_floors  # noqa: E402
+from harness.canaries import CANARIES  # noqa: E402
 from harness.mutations import (  # noqa: E402
     FOLD_MUTATIONS,
     FOLD_REWRITES,
@@ -45,7 +54,7 @@ from harness.mutations import (  # noqa: E402
 from harness.oracle import judge, judge_folded  # noqa: E402
 from main import verify  # noqa: E402
 from verdict.fold import FoldError, fold_pair  # noqa: E402
-from verdict.plan import Plan  # noqa: E402
+from verdict.plan import Plan, pair_problem  # noqa: E402
 from verdict.report import append_rows  # noqa: E402
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)
@@ -103,7 +112,7 @@ QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_sp_cp2_tp2_nm2", "mlp_zero1_dp2_pp
 @dataclass
 class Row:
     base: str
-    kind: str  # mutation | rewrite
+    kind: str  # mutation | rewrite | canary
     operator: str
     target: str
     oracle: str  # right | wrong
@@ -117,6 +126,9 @@ class Row:
             return "invalid plan"
         if self.verifier.startswith("NO VERDICT"):
             return "NO VERDICT"
+        if self.kind == "canary":
+            return "BLIND ORACLE" if self.oracle == "right" else (
+                "WRONG SUCCESS" if ok else "caught")
         if self.kind == "rewrite":
             return "proved" if ok and self.oracle == "right" else "FALSE ALARM"
         if self.oracle == "wrong":
@@ -132,6 +144,8 @@ def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
     try:
         single, _ = fold_pair(single, mutant)
     except FoldError:
+        return "FAIL:refused"  # main.py: exit 2, one line
+    if pair_problem(single, mutant):
         return "FAIL:refused"  # main.py: exit 2, one line
     try:
         v = verify(single, mutant, memo=memo)
@@ -159,13 +173,13 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
 
     if run_one(single, plan, memo) != "SUCCESS" or not oracle(plan).right:
         raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
+    rows = [] if single_shown is not None else run_canaries(single, plan, base, memo, oracle)
     operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
     operators += [("rewrite", n, f) for n, f in REWRITES.items()
                   if single_shown is None or n in FOLD_REWRITES]
     if single_shown is not None:
         operators += [("mutation", n, f) for n, f in FOLD_MUTATIONS.items()]
     operators = [op for op in operators if only is None or op[1] in only]
-    rows = []
     for kind, name, operator in operators:
         for k in range(per_operator):
             made = operator(plan, random.Random(f"{seed}/{base}/{name}/{k}"))
@@ -179,6 +193,22 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
             rows.append(row)
             if progress and row.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT"):
                 print(f"  !! {row.outcome}: {base} {name}: {target} ({verdict})", flush=True)
+    return rows
+
+
+def run_canaries(single: Plan, plan: Plan, base: str, memo: dict, oracle) -> list[Row]:
+    rows = []
+    for name, make in CANARIES.items():
+        canary = make(plan)
+        if canary is None:
+            continue
+        start = time.perf_counter()
+        right = "right" if oracle(canary).right else "wrong"
+        row = Row(base, "canary", name, "", right, run_one(single, canary, memo),
+                  time.perf_counter() - start)
+        rows.append(row)
+        if row.outcome != "caught":
+            print(f"  !! canary {name} on {base}: {row.outcome} ({row.verifier})", flush=True)
     return rows
 
 
@@ -203,8 +233,8 @@ def run(bases: list[str], per_operator: int, seed: int, progress: bool,
 
 
 def table(rows: list[Row]) -> list[str]:
-    outcomes = ["caught", "WRONG SUCCESS", "equivalent, proved", "equivalent, failed", "proved",
-                "FALSE ALARM", "NO VERDICT", "invalid plan"]
+    outcomes = ["caught", "WRONG SUCCESS", "BLIND ORACLE", "equivalent, proved",
+                "equivalent, failed", "proved", "FALSE ALARM", "NO VERDICT", "invalid plan"]
     counts = Counter((r.kind, r.operator, r.outcome) for r in rows)
     ops = sorted({(r.kind, r.operator) for r in rows})
     used = [o for o in outcomes if any(counts[(k, n, o)] for k, n in ops)]
@@ -227,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the seeded subset run by the test suite (QUICK_BASES, 2 per operator)")
     ap.add_argument("--operators", help="only these mutations and rewrites (comma-separated)")
     ap.add_argument("--csv", type=Path, help="append one row per mutant to this CSV file")
+    ap.add_argument("--write-floors", action="store_true",
+                    help="with --quick: record this run's caught counts as the floors")
     args = ap.parse_args(argv)
     bases = list(QUICK_BASES) if args.quick else args.bases.split(",")
     per = 2 if args.quick else args.per_operator
@@ -244,17 +276,30 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(bases, per, args.seed, progress=True, only=only)
     for line in table(rows):
         print(line)
-    bad = [r for r in rows if r.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT")]
+    bad = [r for r in rows if r.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT",
+                                            "BLIND ORACLE")]
     mutants = sum(r.kind == "mutation" for r in rows)
     rewrites = sum(r.kind == "rewrite" for r in rows)
     print(f"{mutants} mutants, {rewrites} rewrites on {len(bases)} base plans in "
           f"{time.perf_counter() - start:.0f} s: "
-          f"{sum(r.outcome == 'WRONG SUCCESS' for r in rows)} wrong SUCCESS, "
-          f"{sum(r.outcome == 'FALSE ALARM' for r in rows)} false alarms, "
-          f"{sum(r.outcome == 'NO VERDICT' for r in rows)} without a verdict")
+          f"{sum(r.outcome == 'WRONG SUCCESS' for r in rows)} wrong SUCCESS (a wrong mutant "
+          f"verified), {sum(r.outcome == 'FALSE ALARM' for r in rows)} false alarms (a rewrite "
+          f"that changes nothing FAILed), "
+          f"{sum(r.outcome == 'NO VERDICT' for r in rows)} without a verdict; "
+          f"{sum(r.outcome == 'equivalent, failed' for r in rows)} 'equivalent, failed' (a "
+          f"mutant the oracle finds harmless that FAILed on the plan's claims, which the "
+          f"verifier checks and the oracle ignores: allowed, not a false alarm)")
+    blind = blind_spots(rows, args.quick and only is None and args.seed == 0)
+    for line in blind:
+        print(f"blind spot: {line}")
+    canaries = [r for r in rows if r.kind == "canary"]
+    print(f"harness blindness: {sum(r.outcome == 'caught' for r in canaries)} of "
+          f"{len(canaries)} canaries caught, {len(blind)} blind spots")
+    if args.write_floors and args.quick and not bad and not blind:
+        write_floors(rows)
     if args.csv:
         append_rows(args.csv, [{**r.__dict__, "outcome": r.outcome} for r in rows])
-    return 1 if bad else 0
+    return 1 if bad or blind else 0
 
 
 if __name__ == "__main__":

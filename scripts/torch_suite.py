@@ -31,6 +31,8 @@ from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
 from backends.torch.lower import LoweringError  # noqa: E402
 from main import verify  # noqa: E402
 
+STOCK = "backends.torch.stock_recipes:"
+
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
 CASES: list[tuple[str, str, int]] = [
     ("llama tp_sp dp2 tp2", "--model llama --recipe tp_sp --dp 2 --tp 2", 0),
@@ -41,6 +43,14 @@ CASES: list[tuple[str, str, int]] = [
     ("llama bug partial as replicate", "--model llama --recipe tp_sp_partial_as_replicate", 1),
     ("llama bug norm not parallel", "--model llama --recipe tp_sp_norm_not_parallel", 1),
     ("llama bug fsdp default divide", "--model llama --recipe fsdp_tp_default_divide", 1),
+    ("gpt2 ddp dp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 1 --layers 2", 0),
+    ("gpt2 ddp dp2 tp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 2 --layers 2", 0),
+    ("gpt2_masked ddp dp2", f"--model gpt2_masked --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("gpt2 fsdp dp2", f"--model gpt2 --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("gpt2 tp_mlp dp2 tp2", f"--model gpt2 --recipe {STOCK}tp_mlp --dp 2 --tp 2 --layers 2", 0),
+    ("mlp ddp dp2", f"--model mlp --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("mlp fsdp dp2", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("mlp tp_mlp dp2 tp2", f"--model mlp --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
     # scaling conventions (docs/torch-backend.md, "Scaling conventions and their mistakes")
     ("llama_mean ddp_avg dp2", "--model llama_mean --recipe ddp_avg --dp 2 --tp 1", 0),
     ("llama_mean tp_sp_avg dp2 tp2", "--model llama_mean --recipe tp_sp_avg", 0),

@@ -42,11 +42,21 @@ def canonical_kwargs(kwargs: dict[str, Any]) -> str:
     return json.dumps(kwargs, sort_keys=True, separators=(",", ":"))
 
 
+#: The integer types of columns, narrowest first.
+INT_TYPES = (np.int8, np.int16, np.int32, np.int64)
+
+
 def narrow(values: Any) -> Array:
-    """An int32 array when every value fits, else int64."""
+    """The values in the narrowest signed integer type that holds them all
+    (columns are read, compared and used as indices; cast to int64 before
+    arithmetic that could leave the type's range)."""
     a = np.asarray(values, dtype=np.int64)
-    if a.size == 0 or (a.min() >= np.iinfo(np.int32).min and a.max() <= np.iinfo(np.int32).max):
-        return a.astype(np.int32)
+    if a.size == 0:
+        return a.astype(np.int8)
+    low, high = a.min(), a.max()
+    for kind in INT_TYPES:
+        if np.iinfo(kind).min <= low and high <= np.iinfo(kind).max:
+            return a.astype(kind, copy=False)
     return a
 
 

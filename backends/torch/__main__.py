@@ -5,7 +5,8 @@
 runs the step once on one device and once per rank of the (dp, tp) mesh
 under a fake process group (one process per rank), lowers what each ran
 onto the rule table and writes ``DIR/STEM_single.pkl`` and
-``DIR/STEM_parallel.pkl`` (with their JSON world specs). Verify them with
+``DIR/STEM_parallel.pkl`` (with their JSON world specs; ``--format npz``:
+columnar files, ``.npz``). Verify them with
 ``python main.py --sm ... --pm ...``. Exit 2 with one line on an op that is
 not lowered or a recipe that does not run.
 """
@@ -72,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
                    help="seed of the model's weights and inputs (default: %(default)s)")
     p.add_argument("-o", "--out", default="data/plans/torch",
                    help="output directory (default: %(default)s)")
+    p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
+                   help="plan file form: pickled rows or columnar (docs/plan-format.md; "
+                        "default: %(default)s)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
@@ -129,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")
     out = Path(args.out)
-    sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
-    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
+    sm, _ = save_plan(plan_s, out / f"{stem}_single.{args.format}")
+    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.{args.format}")
     for path, plan in ((sm, plan_s), (pm, plan_p)):
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")

@@ -257,7 +257,8 @@ class _Rank:
         # expanded in every layer): prefer the one of the same module, not yet
         # matched in this microbatch
         nodes = self.b.s.low.nodes
-        pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used))
+        pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used,
+                                         nodes[c].kwargs != node.kwargs))
         self.used.add((node.mb, pick))
         if node.op in SCALINGS and nodes[pick].kwargs.get("value") != node.kwargs.get("value"):
             # the single-device step scales by another constant (a mean over
@@ -399,8 +400,16 @@ class _Rank:
         emit(root, v)
         return out
 
+    def model_split(self, node: LNode) -> bool:
+        """A split the single-device step makes too, piece for piece (the
+        model's own ``chunk``), not a layout change of DTensor."""
+        key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
+               _key_kwargs(node.kwargs))
+        nodes = self.b.s.low.nodes
+        return any(nodes[c].kwargs == node.kwargs for c in self.b.s.by_key.get(key, []))
+
     def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
-        if node.group is not None or node.op == "split":
+        if node.group is not None or (node.op == "split" and not self.model_split(node)):
             x = node.ins[0]
             out = node.outs[0]
             self.sv[out] = self.sv[x]

@@ -199,6 +199,10 @@ class _Lowerer:
         if isinstance(x, int):
             return x
         if isinstance(x, Const):
+            if x.v in self.trace.get("from_buffer", ()) and x.event >= 0:
+                # computed from a module's buffer (an input by name): lowered
+                # op by op, so that its pieces on other ranks align with it
+                return self.materialize(self.lower_event(x.event, x.v))
             return constant_input(self, constant_value(self, ("v", x.v)))
         if isinstance(x, _Gathered):
             shape = list(self.shapes[x.x])
@@ -225,7 +229,7 @@ class _Lowerer:
             if a[1] in self.trace["consts"]:
                 return self.trace["consts"][a[1]]
             value = self.trace.get("constvals", {}).get(a[1])
-            if isinstance(self.env.get(a[1]), Const) and value is not None and value.size == 1 \
+            if a[1] in self.trace.get("constants", ()) and value is not None and value.size == 1 \
                     and value.dtype.kind in "fiu":
                 return float(value.reshape(()))
         return None
@@ -233,23 +237,32 @@ class _Lowerer:
     # -- the walk -----------------------------------------------------------
     def run(self, live: set[int]) -> None:
         constants = self.trace.get("constants", set())
-        for i, (op, (args, kwargs), outs, out_shapes, scope, group, mb) in enumerate(self.trace["events"]):
+        for i, (op, _, outs, *_) in enumerate(self.trace["events"]):
             if i not in live:
                 continue
             if outs and all(v in constants for v in outs) and op != "unknown":
                 for v in outs:
-                    self.env[v] = Const(v)
+                    self.env[v] = Const(v, i)
                 continue
-            self.name, self.mb = scope, mb
-            handler = HANDLERS.get(op)
-            if handler is None:
-                raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
-                                    f"onto the rule table")
-            result = handler(self, args, kwargs, out_shapes, group)
-            if not isinstance(result, list):
-                result = [result]
-            for v, r in zip(outs, result):
-                self.env[v] = r
+            self.lower_event(i)
+
+    def lower_event(self, i: int, want: int = -1) -> Any:
+        """Lower event ``i`` through its handler; the lowered value of its
+        output ``want``."""
+        op, (args, kwargs), outs, out_shapes, scope, group, mb = self.trace["events"][i]
+        saved = self.name, self.mb
+        self.name, self.mb = scope, mb
+        handler = HANDLERS.get(op)
+        if handler is None:
+            raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
+                                f"onto the rule table")
+        result = handler(self, args, kwargs, out_shapes, group)
+        if not isinstance(result, list):
+            result = [result]
+        for v, r in zip(outs, result):
+            self.env[v] = r
+        self.name, self.mb = saved
+        return self.env.get(want)
 
 
 def _tensor_args(args: Any) -> list[int]:
@@ -876,6 +889,7 @@ def _permute(lw: _Lowerer, args, kwargs, shapes, group):
 HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
     "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
+    "aten.empty_like.default": lambda lw, args, kwargs, shapes, group: "empty",
     "fsdp.all_gather_copy_in.default": _copy_in,
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
@@ -954,7 +968,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         axes[v] = dims
     for name, (v, shape, what) in trace["buffers"].items():
         if what == "causal":
-            lw.env[v] = Const(v)
+            lw.env[v] = Const(v, -1)
             continue
         lw.env[v] = v
         lw.shapes[v] = tuple(shape)

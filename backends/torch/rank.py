@@ -74,7 +74,7 @@ def run(spec: dict, rank: int) -> dict:
         causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
                   and bool((b == torch.ones_like(b).triu(1)).all()))
         buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
-        rec.mark_constant(local_of(b), buffers[name][0])
+        rec.mark_constant(local_of(b), buffers[name][0], buffer=True)
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
     with tracker, rec:
@@ -102,6 +102,7 @@ def run(spec: dict, rank: int) -> dict:
     return {
         "rank": rank, "coords": coords, "events": rec.events, "shapes": rec.shapes,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
+        "from_buffer": rec.from_buffer,
         "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,

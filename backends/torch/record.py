@@ -53,6 +53,7 @@ class Recorder(TorchDispatchMode):
         self.storages: dict[tuple[int, int, int], int] = {}
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
+        self.from_buffer: set[int] = set()  # constants computed from a module's buffer
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
 
     # -- values ---------------------------------------------------------------
@@ -116,9 +117,12 @@ class Recorder(TorchDispatchMode):
                             [tuple(t.shape)], self.scope(), None, self.mb))
         return v
 
-    def mark_constant(self, t: torch.Tensor, v: int) -> None:
-        """``t`` (value ``v``) is the same in every run: keep its value when small."""
+    def mark_constant(self, t: torch.Tensor, v: int, buffer: bool = False) -> None:
+        """``t`` (value ``v``) is the same in every run: keep its value when
+        small; ``buffer``: a module's buffer, or computed from one."""
         self.constants.add(v)
+        if buffer:
+            self.from_buffer.add(v)
         if t.numel() <= CONSTANT_NUMEL:
             self.constvals[v] = t.detach().cpu().resolve_conj().numpy().copy()
 
@@ -167,8 +171,10 @@ class Recorder(TorchDispatchMode):
             return out
         ids = [self.new_value(o) for o in outs]
         if constant:
+            flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            buffer = any(self.value(a) in self.from_buffer for a in flat_in)
             for o, v in zip(outs, ids):
-                self.mark_constant(o, v)
+                self.mark_constant(o, v, buffer)
         if name == "aten.as_strided.default":
             for o, v in zip(outs, ids):
                 self.register_storage(o, v)
