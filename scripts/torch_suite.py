@@ -82,6 +82,25 @@ CASES: list[tuple[str, str, int]] = [
      "--clip 0.5", 2),
     ("llama cp refused", "--model llama --recipe cp_sdpa --dp 2 --tp 1", 2),
     ("gpt2 bug ddp weights only", f"--model gpt2 --recipe {STOCK}ddp_weights_only --dp 2 --tp 1", 1),
+    # scaling conventions (docs/torch-backend.md, "Scaling conventions and their mistakes")
+    ("llama_mean ddp_avg dp2", "--model llama_mean --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("llama_mean tp_sp_avg dp2 tp2", "--model llama_mean --recipe tp_sp_avg", 0),
+    ("llama_mean fsdp default divide", "--model llama_mean --recipe fsdp_tp_default_divide", 0),
+    ("llama_mean pp_gpipe scale_grads pp2", "--model llama_mean --recipe pp_gpipe_scale_grads "
+     "--pp 2 --dp 1 --tp 1 --layers 2", 0),
+    ("llama_mean pp_1f1b scale_grads pp2", "--model llama_mean --recipe pp_1f1b_scale_grads "
+     "--pp 2 --dp 1 --tp 1 --layers 2", 0),
+    ("llama tp_sp dp1 tp2 (groups of one)", "--model llama --recipe tp_sp --dp 1 --tp 2", 0),
+    ("llama tp dp2 tp2", "--model llama --recipe tp", 0),
+    ("llama fsdp block left out (no value)", "--model llama --recipe fsdp_tp_block_left_out "
+     "--layers 2", 0),
+    ("llama_mean bug mean summed over dp", "--model llama_mean --recipe tp_sp", 1),
+    ("llama bug avg where sum", "--model llama --recipe tp_sp_avg", 1),
+    ("llama bug divided by dp twice", "--model llama --recipe ddp_avg --dp 2 --tp 1", 1),
+    ("llama_mean bug pp scale_grads False", "--model llama_mean --recipe pp_gpipe --pp 2 --dp 1 "
+     "--tp 1 --layers 2", 1),
+    ("llama bug dp reduction on tp", "--model llama --recipe tp_sp_wrong_mesh_dim", 1),
+    ("llama bug rowwise output partial", "--model llama --recipe tp_rowwise_partial", 1),
 ]
 
 

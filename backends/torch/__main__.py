@@ -28,6 +28,7 @@ from backends.torch.rank import load, run, run_isolated
 #: short model names (``--model gpt2``); any other name is package.module:factory
 MODELS = {
     "llama": "backends.torch.models:llama",
+    "llama_mean": "backends.torch.models:llama_mean",
     "gpt2": "backends.torch.stock_models:gpt2",
     "gpt2_masked": "backends.torch.stock_models:gpt2_masked",
     "gpt2_mean": "backends.torch.stock_models:gpt2_mean",

@@ -521,6 +521,17 @@ class _Rank:
         any other operator is probed (``probe_scale``)."""
         ins = [v for v in node.ins]
         scales = [Fraction(1) if v < 0 else self.claim[v].scale for v in ins]
+        if node.op == "mean" and min(node.ins[0], node.outs[0]) >= 0:
+            # a mean over a dim cut by mesh axes divides by the local count:
+            # the product of those axes' sizes times its share
+            x = node.ins[0] if node.dir != "bw" else node.outs[0]
+            nd = len(self.low.shapes[x])
+            dims = node.kwargs.get("dim")
+            dims = range(nd) if dims is None else [d % nd for d in (
+                dims if isinstance(dims, (list, tuple)) else [dims])]
+            axes = {a for d in dims for a in self.claim[x].dims[d]}
+            cut = math.prod(self.sizes[a] for a in axes)
+            return [scales[-1] * cut] * len(node.outs)
         if all(f == 1 for f in scales):
             return [Fraction(1)] * len(node.outs)
         if node.op in ADDITIONS:
