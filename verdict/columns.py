@@ -169,8 +169,8 @@ class Columns:
 
     def to_plan(self, nodes: Sequence[int] | Array | None = None) -> Plan:
         """The plan, or with ``nodes`` (indices, in the order given) a plan
-        of those nodes and the tensors they read or write only, renumbered
-        in order of first use; the world, logical table, loss and grads are
+        of those nodes and the tensors they read or write only, numbered
+        in their order in this plan; the world, logical table, loss and grads are
         the whole plan's."""
         with _no_gc():
             return self._to_plan(nodes)
