@@ -37,12 +37,14 @@ from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FOLD_KEYS, Logical
 
 FORMAT = "verdict-columns"
-VERSION = 1
-VERSIONS = (1,)
+#: Version 2 adds the tensors' scales (``t_scale``); a version-1 file has
+#: none, every tensor unscaled.
+VERSION = 2
+VERSIONS = (1, 2)
 MAGIC = b"PK\x03\x04"
 HEADER_FIELDS = ("format", "version", "world", "loss", "grads", "logical", "ops", "names",
                  "kwargs")
-TENSOR_ARRAYS = ("rank", "mb", "tid", "version", "lver", "parts", "slices")
+TENSOR_ARRAYS = ("rank", "mb", "tid", "version", "lver", "parts", "scale", "slices")
 NODE_ARRAYS = ("rank", "mb", "op", "dir", "kwargs", "name", "in_start", "in_count", "inputs",
                "out_off", "outputs")
 MEMBERS = ("header", *(f"t_{k}" for k in TENSOR_ARRAYS), *(f"n_{k}" for k in NODE_ARRAYS))
@@ -159,9 +161,6 @@ def _read_members(path: Path) -> dict[str, np.ndarray]:
                     raise PlanError(f"unknown member {_show(n)} (members: {', '.join(MEMBERS)})")
             if len(set(names)) != len(names):
                 raise PlanError("a member appears twice")
-            for m in MEMBERS:
-                if f"{m}.npy" not in names:
-                    raise PlanError(f"missing member {m!r}")
             return {i.filename[:-4]: _member(f, size, i, path) for i in infos}
     except FileNotFoundError:
         raise PlanError("no such file") from None
@@ -171,6 +170,20 @@ def _read_members(path: Path) -> dict[str, np.ndarray]:
         raise PlanError("not readable (permission denied)") from None
     except (OSError, MemoryError) as e:
         raise PlanError(f"cannot read ({_detail(e)})") from None
+
+
+def _check_members(arrays: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
+    """Every member of the version present (a version-1 file: unit scales)."""
+    need = [m for m in MEMBERS if not (version == 1 and m == "t_scale")]
+    for m in need:
+        if m not in arrays:
+            raise PlanError(f"missing member {m!r}")
+    if version == 1:
+        if "t_scale" in arrays:
+            raise PlanError("member 't_scale' needs columnar plan version 2")
+        count = len(arrays["t_rank"]) if arrays["t_rank"].ndim == 1 else 0
+        arrays = dict(arrays, t_scale=np.ones((count, 2), dtype=np.int8))
+    return arrays
 
 
 def _header(raw: np.ndarray) -> dict[str, Any]:
@@ -234,7 +247,10 @@ def load_columns_file(path: str | os.PathLike[str]) -> Columns:
     path = Path(path)
     try:
         arrays = _read_members(path)
-        cols = _columns_of(_header(arrays["header"]), arrays)
+        if "header" not in arrays:
+            raise PlanError("missing member 'header'")
+        header = _header(arrays["header"])
+        cols = _columns_of(header, _check_members(arrays, header["version"]))
         validate_columns(cols)
     except PlanError as e:
         raise e.at(path) from None
@@ -287,6 +303,7 @@ def _check_dtypes(cols: Columns) -> None:
     shapes = {
         **{f"t_{k}": (t,) for k in ("rank", "mb", "tid", "version", "lver")},
         "t_parts": (t, 3),
+        "t_scale": (t, 2),
         **{f"n_{k}": (n,) for k in ("rank", "mb", "op", "dir", "kwargs", "name", "in_start",
                                      "in_count")},
         "n_out_off": (n + 1,),
@@ -341,6 +358,12 @@ def _check_tensor_columns(cols: Columns) -> None:
         i = _first(bad)
         raise PlanError(f"tensor {i}: parts {t.parts[i].tolist()} must satisfy "
                         "0 <= lo < hi <= |n|")
+    num, den = (t.scale[:, k].astype(np.int64) for k in range(2))
+    bad = (num == 0) | (den <= 0) | (np.gcd(num, den) != 1)
+    if bad.any():
+        i = _first(bad)
+        raise PlanError(f"tensor {i}: scale {t.scale[i].tolist()} must be [num, den] in lowest "
+                        "terms with num != 0 and den > 0")
     if total:
         _check_slices(cols, per, total)
     if nt:

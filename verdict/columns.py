@@ -5,7 +5,8 @@ costs tens of bytes per node and is checked by array operations.
 by field (docs/plan-format.md, "Columns"):
 
 * tensors: ``rank``, ``mb``, ``tid``, ``version``, ``lver`` (one entry per
-  tensor), ``parts`` (T, 3), and ``slices`` (S, 2): the [start, end) pairs of
+  tensor), ``parts`` (T, 3), ``scale`` (T, 2: the exact factor num / den in
+  lowest terms, 1 / 1 when not scaled), and ``slices`` (S, 2): the [start, end) pairs of
   every tensor, one per dim of its *logical* shape, tensor after tensor
   (:meth:`TensorColumns.slice_offsets` finds tensor i's rows). A tensor's
   shape is not stored: it is its slices' extents.
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from verdict.plan import DIRECTIONS, SHARED_MIN, Logical, Node, Plan, Tensor
+from verdict.plan import DIRECTIONS, SHARED_MIN, UNIT, Logical, Node, Plan, Tensor, lowest
 
 Array = np.ndarray
 
@@ -69,6 +70,7 @@ class TensorColumns:
     version: Array
     lver: Array
     parts: Array  # (T, 3): lo, hi, n
+    scale: Array  # (T, 2): num, den in lowest terms, den > 0 (docs/soundness.md "Scaled claims")
     slices: Array  # (S, 2): start, end; S = sum of the logical ndims of the tensors' tids
 
     def __len__(self) -> int:
@@ -162,6 +164,7 @@ class Columns:
             tid=narrow([t.tid for t in ts]), version=narrow([t.version for t in ts]),
             lver=narrow([t.lver for t in ts]),
             parts=narrow([t.parts for t in ts]).reshape(len(ts), 3),
+            scale=narrow([lowest(*t.scale) for t in ts]).reshape(len(ts), 2),
             slices=narrow(slices).reshape(len(slices), 2),
         )
         return cls(world=dict(plan.world), logical=tuple(plan.logical), loss=plan.loss,
@@ -215,12 +218,14 @@ class Columns:
         rank, mb, tid, ver, lver = (a[keep].tolist() for a in (t.rank, t.mb, t.tid, t.version,
                                                                 t.lver))
         parts = t.parts[keep].tolist()
+        scales = t.scale[keep].tolist()
         slices = t.slices.tolist()
         rows = []
         for k, i in enumerate(keep.tolist()):
             sl = tuple(tuple(p) for p in slices[off[i]: off[i + 1]])
+            scale = UNIT if scales[k] == [1, 1] else tuple(scales[k])
             rows.append(Tensor(rank[k], mb[k], tid[k], ver[k], tuple(b - a for a, b in sl),
-                               lver[k], sl, tuple(parts[k])))
+                               lver[k], sl, tuple(parts[k]), scale))
         return rows
 
 
