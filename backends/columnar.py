@@ -37,17 +37,19 @@ from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FOLD_KEYS, Logical
 
 FORMAT = "verdict-columns"
-#: Version 2 adds the tensors' scales (``t_scale``); a version-1 file has
-#: none, every tensor unscaled.
-VERSION = 2
-VERSIONS = (1, 2)
+VERSION = 1
+VERSIONS = (1,)
 MAGIC = b"PK\x03\x04"
 HEADER_FIELDS = ("format", "version", "world", "loss", "grads", "logical", "ops", "names",
                  "kwargs")
-TENSOR_ARRAYS = ("rank", "mb", "tid", "version", "lver", "parts", "scale", "slices")
+TENSOR_ARRAYS = ("rank", "mb", "tid", "version", "lver", "parts", "slices")
 NODE_ARRAYS = ("rank", "mb", "op", "dir", "kwargs", "name", "in_start", "in_count", "inputs",
                "out_off", "outputs")
 MEMBERS = ("header", *(f"t_{k}" for k in TENSOR_ARRAYS), *(f"n_{k}" for k in NODE_ARRAYS))
+#: Members a file may leave out: ``t_scale`` (T, 2), each tensor's factor
+#: [num, den] (docs/soundness.md, "Scaled claims"), written only when some
+#: tensor is scaled; without it every factor is 1.
+OPTIONAL_MEMBERS = ("t_scale",)
 _INT_DTYPES = tuple(np.dtype(k).newbyteorder("<") for k in INT_TYPES)
 #: Tensors checked at a time where a check makes per-slice temporaries.
 _CHUNK = 1 << 18
@@ -83,6 +85,8 @@ def columns_bytes(cols: Columns) -> bytes:
     arrays = {"header": np.frombuffer(text, dtype=np.uint8)}
     for k in TENSOR_ARRAYS:
         arrays[f"t_{k}"] = np.ascontiguousarray(getattr(cols.tensors, k))
+    if cols.tensors.scale is not None:
+        arrays["t_scale"] = np.ascontiguousarray(cols.tensors.scale)
     for k in NODE_ARRAYS:
         arrays[f"n_{k}"] = np.ascontiguousarray(getattr(cols.nodes, k))
     stream = io.BytesIO()
@@ -155,12 +159,16 @@ def _read_members(path: Path) -> dict[str, np.ndarray]:
                 raise PlanError(f"not a valid .npz (zip) file, or truncated ({_detail(e)})") \
                     from None
             names = [i.filename for i in infos]
-            want = {f"{m}.npy" for m in MEMBERS}
+            want = {f"{m}.npy" for m in (*MEMBERS, *OPTIONAL_MEMBERS)}
             for n in names:
                 if n not in want:
-                    raise PlanError(f"unknown member {_show(n)} (members: {', '.join(MEMBERS)})")
+                    raise PlanError(f"unknown member {_show(n)} (members: "
+                                    f"{', '.join((*MEMBERS, *OPTIONAL_MEMBERS))})")
             if len(set(names)) != len(names):
                 raise PlanError("a member appears twice")
+            for m in MEMBERS:
+                if f"{m}.npy" not in names:
+                    raise PlanError(f"missing member {m!r}")
             return {i.filename[:-4]: _member(f, size, i, path) for i in infos}
     except FileNotFoundError:
         raise PlanError("no such file") from None
@@ -170,20 +178,6 @@ def _read_members(path: Path) -> dict[str, np.ndarray]:
         raise PlanError("not readable (permission denied)") from None
     except (OSError, MemoryError) as e:
         raise PlanError(f"cannot read ({_detail(e)})") from None
-
-
-def _check_members(arrays: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
-    """Every member of the version present (a version-1 file: unit scales)."""
-    need = [m for m in MEMBERS if not (version == 1 and m == "t_scale")]
-    for m in need:
-        if m not in arrays:
-            raise PlanError(f"missing member {m!r}")
-    if version == 1:
-        if "t_scale" in arrays:
-            raise PlanError("member 't_scale' needs columnar plan version 2")
-        count = len(arrays["t_rank"]) if arrays["t_rank"].ndim == 1 else 0
-        arrays = dict(arrays, t_scale=np.ones((count, 2), dtype=np.int8))
-    return arrays
 
 
 def _header(raw: np.ndarray) -> dict[str, Any]:
@@ -235,7 +229,8 @@ def _columns_of(header: dict, arrays: dict[str, np.ndarray]) -> Columns:
     logical = tuple(Logical(r[0], s, r[2]) for r, s in zip(logical_rows, shapes))
     return Columns(
         world=header["world"], logical=logical, loss=loss, grads={p: g for p, g in grads},
-        tensors=TensorColumns(**{k: arrays[f"t_{k}"] for k in TENSOR_ARRAYS}),
+        tensors=TensorColumns(**{k: arrays[f"t_{k}"] for k in TENSOR_ARRAYS},
+                              scale=arrays.get("t_scale")),
         nodes=NodeColumns(**{k: arrays[f"n_{k}"] for k in NODE_ARRAYS}),
         ops=_table(header, "ops"), names=_table(header, "names"),
         kwargs=_table(header, "kwargs"),
@@ -247,10 +242,7 @@ def load_columns_file(path: str | os.PathLike[str]) -> Columns:
     path = Path(path)
     try:
         arrays = _read_members(path)
-        if "header" not in arrays:
-            raise PlanError("missing member 'header'")
-        header = _header(arrays["header"])
-        cols = _columns_of(header, _check_members(arrays, header["version"]))
+        cols = _columns_of(_header(arrays["header"]), arrays)
         validate_columns(cols)
     except PlanError as e:
         raise e.at(path) from None
@@ -310,6 +302,8 @@ def _check_dtypes(cols: Columns) -> None:
     }
     arrays = {**{f"t_{k}": getattr(cols.tensors, k) for k in TENSOR_ARRAYS},
               **{f"n_{k}": getattr(cols.nodes, k) for k in NODE_ARRAYS}}
+    if cols.tensors.scale is not None:
+        arrays["t_scale"] = cols.tensors.scale
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray) or a.dtype.newbyteorder("<") not in _INT_DTYPES:
             got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
@@ -358,12 +352,13 @@ def _check_tensor_columns(cols: Columns) -> None:
         i = _first(bad)
         raise PlanError(f"tensor {i}: parts {t.parts[i].tolist()} must satisfy "
                         "0 <= lo < hi <= |n|")
-    num, den = (t.scale[:, k].astype(np.int64) for k in range(2))
-    bad = (num == 0) | (den <= 0) | (np.gcd(num, den) != 1)
-    if bad.any():
-        i = _first(bad)
-        raise PlanError(f"tensor {i}: scale {t.scale[i].tolist()} must be [num, den] in lowest "
-                        "terms with num != 0 and den > 0")
+    if t.scale is not None:
+        num, den = (t.scale[:, k].astype(np.int64) for k in range(2))
+        bad = (num == 0) | (den <= 0)
+        if bad.any():
+            i = _first(bad)
+            raise PlanError(f"tensor {i}: scale {t.scale[i].tolist()} must be [num, den] with "
+                            f"num != 0 and den > 0")
     if total:
         _check_slices(cols, per, total)
     if nt:

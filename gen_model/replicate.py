@@ -187,13 +187,25 @@ class _Expander:
         fit = _fit(p2[tw[:, 0]], p2[tw[:, 1]], p3[tw[:, 2]], p3[tw[:, 3]], p3[tw[:, 4]],
                    "tensor parts")
         out["parts"] = _affine(fit, rows, d, dp)
-        scale = c2.scale[tw[:, 0]]
-        if not all(np.array_equal(scale, c.scale[tw[:, k]])
-                   for c, k in ((c2, 1), (c3, 2), (c3, 3), (c3, 4))):
-            raise NotReplicable("a tensor's scale differs between replicas or sizes")
-        out["scale"] = narrow(scale[rows])
+        out["scale"] = self.scales(rows)
         out["slices"] = self.slices(rows, d)
         return TensorColumns(**out)
+
+    def scales(self, rows: Array) -> Array | None:
+        """The tensors' scales (None: none scaled), which must be the same
+        on every replica and size."""
+        c2, c3, tw = self.two.cols.tensors, self.three.cols.tensors, self.tw
+
+        def of(t: TensorColumns, col: int) -> Array:
+            if t.scale is None:
+                return np.ones((len(tw), 2), dtype=np.int64)
+            return t.scale[tw[:, col]].astype(np.int64)
+
+        scale = of(c2, 0)
+        if not all(np.array_equal(scale, of(c, k)) for c, k in ((c2, 1), (c3, 2), (c3, 3),
+                                                                 (c3, 4))):
+            raise NotReplicable("a tensor's scale differs between replicas or sizes")
+        return None if (scale == 1).all() else narrow(scale[rows])
 
     def slices(self, rows: Array, d: Array) -> Array:
         small = [(s.cols.tensors, s.cols.tensors.slice_offsets(s.cols.logical))

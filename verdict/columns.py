@@ -5,8 +5,8 @@ costs tens of bytes per node and is checked by array operations.
 by field (docs/plan-format.md, "Columns"):
 
 * tensors: ``rank``, ``mb``, ``tid``, ``version``, ``lver`` (one entry per
-  tensor), ``parts`` (T, 3), ``scale`` (T, 2: the exact factor num / den in
-  lowest terms, 1 / 1 when not scaled), and ``slices`` (S, 2): the [start, end) pairs of
+  tensor), ``parts`` (T, 3), ``scale`` (T, 2; None when no tensor is
+  scaled: every factor 1/1), and ``slices`` (S, 2): the [start, end) pairs of
   every tensor, one per dim of its *logical* shape, tensor after tensor
   (:meth:`TensorColumns.slice_offsets` finds tensor i's rows). A tensor's
   shape is not stored: it is its slices' extents.
@@ -70,8 +70,8 @@ class TensorColumns:
     version: Array
     lver: Array
     parts: Array  # (T, 3): lo, hi, n
-    scale: Array  # (T, 2): num, den in lowest terms, den > 0 (docs/soundness.md "Scaled claims")
     slices: Array  # (S, 2): start, end; S = sum of the logical ndims of the tensors' tids
+    scale: Array | None = None  # (T, 2): num, den of each tensor's factor; None: all 1/1
 
     def __len__(self) -> int:
         return len(self.rank)
@@ -164,8 +164,9 @@ class Columns:
             tid=narrow([t.tid for t in ts]), version=narrow([t.version for t in ts]),
             lver=narrow([t.lver for t in ts]),
             parts=narrow([t.parts for t in ts]).reshape(len(ts), 3),
-            scale=narrow([lowest(*t.scale) for t in ts]).reshape(len(ts), 2),
             slices=narrow(slices).reshape(len(slices), 2),
+            scale=(narrow([t.scale for t in ts]).reshape(len(ts), 2)
+                   if any(t.scale != UNIT for t in ts) else None),
         )
         return cls(world=dict(plan.world), logical=tuple(plan.logical), loss=plan.loss,
                    grads=dict(plan.grads), tensors=tensors, **_node_columns(plan.nodes))
@@ -218,14 +219,14 @@ class Columns:
         rank, mb, tid, ver, lver = (a[keep].tolist() for a in (t.rank, t.mb, t.tid, t.version,
                                                                 t.lver))
         parts = t.parts[keep].tolist()
-        scales = t.scale[keep].tolist()
+        scale = t.scale[keep].tolist() if t.scale is not None else None
         slices = t.slices.tolist()
         rows = []
         for k, i in enumerate(keep.tolist()):
             sl = tuple(tuple(p) for p in slices[off[i]: off[i + 1]])
-            scale = UNIT if scales[k] == [1, 1] else tuple(scales[k])
             rows.append(Tensor(rank[k], mb[k], tid[k], ver[k], tuple(b - a for a, b in sl),
-                               lver[k], sl, tuple(parts[k]), scale))
+                               lver[k], sl, tuple(parts[k]),
+                               lowest(*scale[k]) if scale is not None else UNIT))
         return rows
 
 

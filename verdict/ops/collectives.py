@@ -147,9 +147,20 @@ def _split_shape(in_shapes, dim, parts, index):
     return [tuple(s)]
 
 
+def _split_dims(ins, outs, dim, parts, index):
+    """Every dim tied to the input's, the split one a ``parts``-th of it."""
+    x, out = ins[0], outs[0]
+    if x is None or out is None:
+        return []
+    d = norm_dim(dim, len(x))
+    return [("mul", ("i", 0, k), [("o", 0, k)], parts) if k == d else ("eq", ("i", 0, k), ("o", 0, k))
+            for k in range(len(x))]
+
+
 SPLIT = Op(
     "split",
     shape=_split_shape,
+    dims=_split_dims,
     forward=lambda xp, x, dim, parts, index: (xp.copy(_chunk(x[0], parts, dim, index)),),
     doc="local chunk 'index' of 'parts' along dim (no communication)",
 )
