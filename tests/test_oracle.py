@@ -15,7 +15,6 @@ import pytest
 from helpers import plan_pair
 
 from gen_model.config import ModelConfig, Parallelism
-from gen_model.generate import make_plan
 from harness import evaluator
 from harness.blindness import FLOORS, OFTEN_EQUIVALENT, above_ceilings
 from harness.bugs import BUGS, inject
@@ -72,14 +71,15 @@ def test_evaluator_defines_every_operator_of_the_rule_table():
 @pytest.mark.parametrize("base", list(HARNESS["BASES"]))
 def test_evaluators_agree_on_every_base_plan(base):
     cfg, par, policy = HARNESS["BASES"][base]
-    _agree(make_plan(cfg, Parallelism(), HARNESS["GBS"]))
-    _agree(make_plan(cfg, par, HARNESS["GBS"], policy=policy))
+    single, plan = plan_pair(cfg, par, HARNESS["GBS"], policy)
+    _agree(single)
+    _agree(plan)
 
 
 def test_evaluators_agree_on_the_bug_suite():
     """br1..br14 (harness/bugs.py) on the small llama3 dp2 pp2 tp2 nm2 plan."""
     cfg, par, _ = HARNESS["BASES"]["llama3_dp2_pp2_tp2_nm2"]
-    plan = make_plan(cfg, par, HARNESS["GBS"])
+    _, plan = plan_pair(cfg, par, HARNESS["GBS"])
     for bug in BUGS:
         _agree(inject(plan, bug))
 
