@@ -1,4 +1,5 @@
-# make demo: set up, generate the demo plans, check them.   make test: the test suite.
+# make demo: set up, generate the demo plans, check them.   make test: the test suite
+# (two workers; about N minutes on 2 cores).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -45,8 +46,9 @@ demo: $(MLP_SINGLE) $(MLP_PARALLEL) $(LLAMA_SINGLE) $(LLAMA_BR1)
 	if [ $$code -ne 1 ]; then echo "demo: br1 should FAIL (exit 1), got exit $$code"; exit 1; fi
 	@echo "demo: both verdicts as expected: the demo pair is equivalent (SUCCESS), br1 is not (FAIL)"
 
+# two workers (pytest-xdist), each test file on one worker so its fixtures are built once
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

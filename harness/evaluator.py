@@ -203,6 +203,12 @@ DIFFERENTIABLE: dict[str, Forward] = {
     "causal_mask": lambda x, row_chunk=0, col_chunk=0: [_causal_mask(x[0], row_chunk, col_chunk)],
     "multiref": lambda x, times: [x[0].clone() for _ in range(times)],
     "expand": lambda x, shape: [_expand(x[0], shape)],
+    "gelu": lambda x, approximate="none": [F.gelu(x[0], approximate=approximate)],
+    "tanh": lambda x: [torch.tanh(x[0])],
+    "sigmoid": lambda x: [torch.sigmoid(x[0])],
+    "relu": lambda x: [torch.relu(x[0])],
+    "cat": lambda x, dim: [torch.cat(list(x), dim=dim)],
+    "narrow": lambda x, dim, start, length: [torch.narrow(x[0], dim, start, length)],
 }
 
 #: Inputs that never take a gradient: the one-hot ids of an embedding, the
@@ -259,6 +265,8 @@ COLLECTIVES: dict[str, Forward] = {
     "all_reduce_max": lambda x, index: [_group_max(x)],
     "all_gather": lambda x, index, dim: [_all_gather(x, dim)],
     "reduce_scatter": lambda x, index, dim: [_chunk(_group_sum(x), len(x), dim, index)],
+    "all_reduce_avg": lambda x, index: [_group_sum(x) / len(x)],
+    "reduce_scatter_avg": lambda x, index, dim: [_chunk(_group_sum(x) / len(x), len(x), dim, index)],
     "all_to_all": lambda x, index, split_dim, concat_dim: [
         _all_to_all(x, index, split_dim, concat_dim)],
     "send_recv": lambda x, src, dst: [_one(x)],

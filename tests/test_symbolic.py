@@ -130,6 +130,7 @@ def test_collectives_symbolic(op) -> None:
     kw = {"all_reduce": {"index": 1}, "all_reduce_max": {"index": 0}, "reducer": {"index": 0},
           "all_gather": {"index": 0, "dim": 1},
           "reduce_scatter": {"index": 1, "dim": 1},
+          "all_reduce_avg": {"index": 1}, "reduce_scatter_avg": {"index": 1, "dim": 1},
           "all_to_all": {"index": 1, "split_dim": 1, "concat_dim": 0},
           "send_recv": {"src": 0, "dst": 1}, "broadcast": {"src": 0}}[op.name]
     if op.name in ("send_recv", "broadcast"):

@@ -5,7 +5,8 @@
 runs the step once on one device and once per rank of the (dp, tp) mesh
 under a fake process group (one process per rank), lowers what each ran
 onto the rule table and writes ``DIR/STEM_single.pkl`` and
-``DIR/STEM_parallel.pkl`` (with their JSON world specs). Verify them with
+``DIR/STEM_parallel.pkl`` (with their JSON world specs; ``--format npz``:
+columnar files, ``.npz``). Verify them with
 ``python main.py --sm ... --pm ...``. Exit 2 with one line on an op that is
 not lowered or a recipe that does not run.
 """
@@ -91,8 +92,19 @@ def parser() -> argparse.ArgumentParser:
                    help="pipeline stages, for a pipelining recipe (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's weights and inputs (default: %(default)s)")
+    p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="none",
+                   help="end the step with torch.optim's SGD or AdamW (default: %(default)s)")
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the gradients by their total norm before the optimizer")
+    p.add_argument("--clipper", default=None,
+                   help="how a rank clips, package.module:function called as "
+                        "clipper(model, mesh, max_norm) (default: "
+                        "backends.torch.recipes:clip_grad_norm)")
     p.add_argument("-o", "--out", default="data/plans/torch",
                    help="output directory (default: %(default)s)")
+    p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
+                   help="plan file form: pickled rows or columnar (docs/plan-format.md; "
+                        "default: %(default)s)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
@@ -120,12 +132,13 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
             "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
-            "vocab": args.vocab, "seed": args.seed}
+            "vocab": args.vocab, "seed": args.seed, "optimizer": args.optimizer,
+            "clip": args.clip, "clipper": args.clipper}
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
              "tp": args.tp, "pp": args.pp, "ep": 1, "nm": 1,
              "recipe": args.recipe,
              **{k: v for k, v in kw.items()}}
-    for ref in (args.model, args.recipe):
+    for ref in (args.model, args.recipe, *([args.clipper] if args.clipper else [])):
         try:
             load(ref)
         except (ValueError, ImportError, AttributeError) as e:
@@ -150,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")
     out = Path(args.out)
-    sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
-    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
+    sm, _ = save_plan(plan_s, out / f"{stem}_single.{args.format}")
+    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.{args.format}")
     for path, plan in ((sm, plan_s), (pm, plan_p)):
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")

@@ -104,6 +104,7 @@ class _Single:
     low: Lowered
     tid: dict[int, int] = field(default_factory=dict)  # S value -> logical id
     by_key: dict[tuple, list[int]] = field(default_factory=dict)  # node key -> S node indices
+    lver: dict[int, int] = field(default_factory=dict)  # S value -> its logical version (updates)
 
 
 def _key_kwargs(kw: dict) -> tuple:
@@ -145,12 +146,19 @@ class _Builder:
         for v, (kind, name) in s.inputs.items():
             self.s.tid[v] = self.logical_of(name, s.shapes[v], kind)
             t_of[v] = tensor(v, -1 if kind in ("param", "buffer") else 0)
+        param_of = {name: v for v, (kind, name) in s.inputs.items() if kind == "param"}
+        updated = {v: param_of[name] for name, v in s.updates.items()}
+        state_names = {v: f"{name}.{k}" for name, st in s.states.items() for k, v in st.items()}
         for i, node in enumerate(s.nodes):
             for o in node.outs:
-                if o >= 0:
+                if o in updated:  # the parameter's next version (the optimizer step)
+                    self.s.tid[o] = self.s.tid[updated[o]]
+                    self.s.lver[o] = 1
+                    t_of[o] = tensor(o, 0, 1)
+                elif o >= 0:
                     kind = "loss" if o in s.losses else _kind(node)
-                    self.s.tid[o] = self.logical_of(f"{_scope(node.name)}.{node.op}.{o}",
-                                                    s.shapes[o], kind)
+                    name = state_names.get(o, f"{_scope(node.name)}.{node.op}.{o}")
+                    self.s.tid[o] = self.logical_of(name, s.shapes[o], kind)
                     t_of[o] = tensor(o, 0)
             ins = tuple(-1 if v < 0 else t_of[v] for v in node.ins)
             outs = tuple(-1 if v < 0 else t_of[v] for v in node.outs)
@@ -213,6 +221,11 @@ class _Rank:
         self.pending: dict[int, list[int]] = {}  # P value -> P leaves of a deferred sum
         self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
         self.fresh = 10**9
+        self.consumers: dict[int, list[LNode]] = {}
+        for node in low.nodes:
+            for v in node.ins:
+                if v >= 0:
+                    self.consumers.setdefault(v, []).append(node)
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
             if name not in by_name and v in low.constants:
@@ -299,7 +312,8 @@ class _Rank:
         # expanded in every layer): prefer the one of the same module, not yet
         # matched in this microbatch
         nodes = self.b.s.low.nodes
-        pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used))
+        pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used,
+                                         nodes[c].kwargs != node.kwargs))
         self.used.add((node.mb, pick))
         if node.op in SCALINGS and nodes[pick].kwargs.get("value") != node.kwargs.get("value"):
             # the single-device step scales by another constant (a mean over
@@ -370,8 +384,8 @@ class _Rank:
             return False
         ra, rc = self.mb_range(a), self.mb_range(c)
         ca, cc = self.claim[a], self.claim[c]
-        return (ra is not None and rc is not None and ra[1] == rc[0] and ca.dims == cc.dims
-                and ca.partial == cc.partial)
+        return (ra is not None and rc is not None and (ra[1] == rc[0] or rc[1] == ra[0])
+                and ca.dims == cc.dims and ca.partial == cc.partial)
 
     def mb_range(self, v: int) -> tuple[int, int] | None:
         c = self.claim[v]
@@ -382,7 +396,8 @@ class _Rank:
     def accumulate(self, node: LNode) -> None:
         a, c = node.ins
         out = node.outs[0]
-        lo, hi = self.mb_range(a)[0], self.mb_range(c)[1]
+        (la, ha), (lc, hc) = self.mb_range(a), self.mb_range(c)
+        lo, hi = min(la, lc), max(ha, hc)
         claim = self.claim[a]
         partial = set(claim.partial)
         mbs: tuple[int, int] | None = (lo, hi)
@@ -601,11 +616,45 @@ class _Rank:
                     else None for d, axes in enumerate(dims_out[o])]
             for d, axes in enumerate(dims):
                 if axes is None:
+                    dims[d] = self.hint(v, d, self.low.shapes[v][d], full[d])
+            for d, axes in enumerate(dims):
+                if axes is None:
                     used = tuple(a for x in dims if x for a in x)
-                    dims[d] = self.guess(self.low.shapes[v][d], full[d], used,
-                                         (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
+                    # dim 0 is the batch (data-parallel rows, then microbatches)
+                    order = ((("dp",), ("mb",), ("dp", "mb"), ("tp",), ("dp", "tp")) if d == 0
+                             else (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
+                    dims[d] = self.guess(self.low.shapes[v][d], full[d], used, order)
             self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None)
             self.check(v)
+
+    def hint(self, v: int, d: int, local: int, full: int) -> list[str] | None:
+        """The axes cutting dim d of v as its consumers see it: a dim of another
+        input of a consumer that the consumer's dims relations tie to it (a
+        broadcast constant expanded for a batched matmul is cut as the other
+        operand is; an optimizer state as its parameter), when those axes
+        give the local size; None if none does."""
+        for node in self.consumers.get(v, []):
+            if node.group is not None or node.dir == "bw":
+                continue
+            shapes_in = [None if x < 0 else self.low.shapes[x] for x in node.ins]
+            shapes_out = [self.low.shapes[o] for o in node.outs if o >= 0]
+            try:
+                rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
+            except Exception:  # a consumer whose relations need other kwargs: no hint
+                continue
+            parent: dict[tuple, tuple] = {}
+            for r in rel:
+                if r[0] == "eq":
+                    parent[_find(parent, tuple(r[1]))] = _find(parent, tuple(r[2]))
+            mine = {_find(parent, ("i", i, d)) for i, x in enumerate(node.ins) if x == v}
+            for i, x in enumerate(node.ins):
+                if x < 0 or x == v or x not in self.claim:
+                    continue
+                for e, axes in enumerate(self.claim[x].dims):
+                    if axes and _find(parent, ("i", i, e)) in mine \
+                            and self.extent(axes, full) == local:
+                        return list(axes)
+        return None
 
     def infer_backward(self, node: LNode, partial: set[str], mbs) -> None:
         grad = self.claim[node.ins[-1]]
@@ -720,8 +769,9 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
     versions: dict[tuple[int, int, int], int] = {}
     t_of: dict[tuple[int, int], int] = {}
 
-    def tensor(r: _Rank, v: int, mb: int, tid: int | None = None, lver: int = 0) -> int:
+    def tensor(r: _Rank, v: int, mb: int, tid: int | None = None, lver: int | None = None) -> int:
         tid = b.s.tid[r.sv[v]] if tid is None else tid
+        lver = b.s.lver.get(r.sv[v], 0) if lver is None else lver
         key = (r.low.rank, mb, tid)
         version = versions.get(key, 0)
         versions[key] = version + 1
@@ -808,6 +858,13 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
             plan_p.nodes.append(Node(rank, 0, "local_grad_accumulation", "none",
                                      (zero, t_of[(rank, g)]), (final,), {}, f"{name}.grad_buffer"))
     return plan_s, plan_p
+
+
+def _find(parent: dict[tuple, tuple], x: tuple) -> tuple:
+    """The class of a dim reference in a union-find forest."""
+    while parent.get(x, x) != x:
+        x = parent[x]
+    return x
 
 
 def _nth(low: Lowered, group: tuple[int, ...], k: int) -> int:

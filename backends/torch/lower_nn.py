@@ -33,8 +33,10 @@ from verdict.ops.nn import causal_positions
 
 @dataclass(frozen=True)
 class Const:
-    """Recorded value ``v``, a constant."""
+    """Recorded value ``v``, a constant, computed by event ``event`` (not
+    lowered until a lowered op reads it)."""
     v: int
+    event: int
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def constant_value(lw: Any, a: Any) -> np.ndarray | None:
     """The value of a recorded constant argument (None: not a constant)."""
     if not (isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"):
         return None
-    if not isinstance(lw.env.get(a[1]), Const):
+    if a[1] not in lw.trace.get("constants", ()):
         return None
     value = lw.trace.get("constvals", {}).get(a[1])
     if value is None:
@@ -389,6 +391,18 @@ def sdpa_backward(lw: Any, args, kwargs, shapes, group):
     return [dq, dk, dv]
 
 
+def slice_backward(lw: Any, args, kwargs, shapes, group):
+    """The gradient of a slice, zero outside it: narrow's backward."""
+    g = lw.val(args[0])
+    sizes, dim, start, step = list(args[1]), int(args[2]), int(args[3]), int(args[5])
+    dim %= len(sizes)
+    start = start + sizes[dim] if start < 0 else start
+    if step != 1:
+        raise LoweringError(f"{lw.name}: the backward of a strided slice is not lowered")
+    return lw.emit("narrow", [-1, g], shapes,
+                   {"dim": dim, "start": start, "length": lw.shapes[g][dim]}, direction="bw")[0]
+
+
 # -- randomness -------------------------------------------------------------------
 
 def dropout(lw: Any, args, kwargs, shapes, group):
@@ -435,6 +449,7 @@ NN_HANDLERS: dict[str, Any] = {
     "aten.masked_fill.Scalar": masked_fill,
     "aten.masked_fill.Tensor": masked_fill,
     "aten.where.self": where,
+    "aten.slice_backward.default": slice_backward,
     "aten.native_dropout.default": dropout,
     "aten.native_dropout_backward.default": dropout_backward,
     "aten.bernoulli_.float": random_fill,
