@@ -237,6 +237,18 @@ class _Rank:
                                  f"that the single-device step never reads")
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
+            self.check_input(v, name)
+
+    def check_input(self, v: int, name: str) -> None:
+        """An input's claim is assumed, not proved: its local shape must be its
+        full shape cut by exactly the claimed axes (a library mesh dim read as
+        "dp" that spans only part of the data-parallel ranks, as HSDP's
+        shard dim, would not be)."""
+        full, local = self.gshape(v), self.low.shapes[v]
+        for k, axes in enumerate(self.claim[v].dims):
+            if full[k] != local[k] * math.prod(self.sizes[a] for a in axes):
+                raise LoweringError(f"rank {self.low.rank}: input {name} of shape {list(local)} is "
+                                    f"not its {list(full)} cut by {axes or 'no axis'} along dim {k}")
 
     def const_piece(self, v: int) -> tuple[int, Claim]:
         """The single-device constant this rank's constant is a piece of: the

@@ -275,8 +275,14 @@ class _Lowerer:
         if isinstance(x, Const):
             if x.v in self.trace.get("from_buffer", ()) and x.event >= 0:
                 # computed from a module's buffer (an input by name): lowered
-                # op by op, so that its pieces on other ranks align with it
-                return self.materialize(self.lower_event(x.event, x.v))
+                # op by op, so that its pieces on other ranks align with it;
+                # through an op the rule table lacks (the cos and sin of a
+                # rotary table), read by value like any other constant
+                try:
+                    return self.materialize(self.lower_event(x.event, x.v))
+                except LoweringError:
+                    if self.trace.get("constvals", {}).get(x.v) is None:
+                        raise
             return constant_input(self, constant_value(self, ("v", x.v)))
         if isinstance(x, _Gathered):
             shape = list(self.shapes[x.x])
@@ -339,12 +345,14 @@ class _Lowerer:
         if handler is None:
             raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
                                 f"onto the rule table")
-        result = handler(self, args, kwargs, out_shapes, group)
+        try:
+            result = handler(self, args, kwargs, out_shapes, group)
+        finally:
+            self.name, self.mb = saved
         if not isinstance(result, list):
             result = [result]
         for v, r in zip(outs, result):
             self.env[v] = r
-        self.name, self.mb = saved
         return self.env.get(want)
 
 
