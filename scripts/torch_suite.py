@@ -78,8 +78,11 @@ CASES: list[tuple[str, str, int]] = [
      "--optimizer adamw --clipper harness.torch_bugs:clip_local_norm", 1),
     ("llama bug local token mean (Megatron 7452/3)",
      "--model llama --recipe harness.torch_bugs:tp_sp_local_token_mean", 1),
-    ("llama pp clip refused", "--model llama --recipe pp_gpipe --pp 2 --dp 1 --tp 1 --layers 2 "
-     "--clip 0.5", 2),
+    ("llama pp_gpipe clip adamw pp2", "--model llama --recipe pp_gpipe --pp 2 --dp 1 --tp 1 "
+     "--layers 2 --clip 0.5 --optimizer adamw", 0),
+    ("llama bug clip stage norm (torchtitan 596)", "--model llama --recipe pp_gpipe --pp 2 "
+     "--dp 1 --tp 1 --layers 2 --clip 0.5 --optimizer adamw "
+     "--clipper harness.torch_bugs:clip_stage_norm", 1),
     ("llama cp refused", "--model llama --recipe cp_sdpa --dp 2 --tp 1", 2),
     ("gpt2 bug ddp weights only", f"--model gpt2 --recipe {STOCK}ddp_weights_only --dp 2 --tp 1", 1),
     # scaling conventions (docs/torch-backend.md, "Scaling conventions and their mistakes")
