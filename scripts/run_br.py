@@ -63,6 +63,13 @@ class Outcome:
         return 0 if self.name == "clean" else 1
 
 
+def bug_plan(clean: Plan, bug: int) -> Plan:
+    """The plan ``python -m gen_model ... --variant br{bug}`` writes."""
+    plan = inject(clean, bug)
+    plan.world["variant"] = f"br{bug}"
+    return plan
+
+
 def make_plans(plans_dir: Path | None) -> tuple[Plan, Plan]:
     """The single-device plan and the correct parallel plan (validated as a
     plan file would be), written to ``plans_dir`` when given."""
@@ -77,7 +84,7 @@ def make_plans(plans_dir: Path | None) -> tuple[Plan, Plan]:
         save_plan(clean, plans_dir / f"{plan_stem(cfg, par, args.gbs)}.pkl")
         for bug in sorted(BUGS):
             stem = plan_stem(cfg, par, args.gbs, f"br{bug}")
-            save_plan(inject(clean, bug), plans_dir / f"{stem}.pkl")
+            save_plan(bug_plan(clean, bug), plans_dir / f"{stem}.pkl")
     return single, clean
 
 
@@ -87,7 +94,7 @@ def verify_one(name: str, single: Plan, clean: Plan, logs: Path, stats: Path) ->
     log = logs / ("br_clean.log" if name == "clean" else f"br{name}.log")
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        plan = clean if name == "clean" else inject(clean, int(name))
+        plan = clean if name == "clean" else bug_plan(clean, int(name))
         problem = pair_problem(single, plan)
         if problem:
             print(f"error: {problem}")
