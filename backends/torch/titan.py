@@ -75,6 +75,8 @@ def parallelize(model: TitanLM, mesh):
     dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=pp, ep=1,
                         world_size=dp * tp * pp, spmd_backend=titan_shim.SPMD_BACKEND)
     dims.build_mesh()
+    from torchtitan.distributed import utils as dist_utils
+    dist_utils.set_spmd_backend(titan_shim.SPMD_BACKEND)  # as its trainer does from the config
     parallelize_llama(model.model, parallel_dims=dims,
                       training=TrainingConfig(mixed_precision_param="float32"),
                       parallelism=_parallelism(dp, tp, pp), compile_config=CompileConfig(),
