@@ -80,12 +80,3 @@ def ddp_weights_only(model, mesh):
     """ddp with the bug of all_reduce_weights_only."""
     return all_reduce_weights_only
 
-
-def fsdp_default(model, mesh):
-    """FSDP2 over "dp" with its default gradient divide factor (the
-    data-parallel size): right for a loss averaged over the rank's own
-    tokens (``gpt2_mean``, ``mlp_mean``), the usual FSDP set-up."""
-    for block in blocks(model):
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return None
