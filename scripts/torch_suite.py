@@ -86,6 +86,8 @@ CASES: list[tuple[str, str, int]] = [
      "--clipper harness.torch_bugs:clip_stage_norm", 1),
     ("llama cp refused", "--model llama --recipe cp_sdpa --dp 2 --tp 1", 2),
     ("gpt2 bug ddp weights only", f"--model gpt2 --recipe {STOCK}ddp_weights_only --dp 2 --tp 1", 1),
+    ("encoder ddp dp2", f"--model encoder --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("encoder_prenorm fsdp dp2", f"--model encoder_prenorm --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
     ("gpt2_mean ddp_avg dp2", "--model gpt2_mean --recipe ddp_avg --dp 2 --tp 1", 0),
     ("gpt2_mean fsdp default divide dp2",
      f"--model gpt2_mean --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),

@@ -35,6 +35,8 @@ MODELS = {
     "mlp": "backends.torch.stock_models:mlp",
     "mlp_mean": "backends.torch.stock_models:mlp_mean",
     "llama_titan": "backends.torch.stock_models:llama_titan",
+    "encoder": "backends.torch.stock_models:encoder",
+    "encoder_prenorm": "backends.torch.stock_models:encoder_prenorm",
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
