@@ -32,6 +32,7 @@ from backends.torch.lower import LoweringError  # noqa: E402
 from main import verify  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"
+SCALING = "backends.torch.scaling_recipes:"
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
 CASES: list[tuple[str, str, int]] = [
@@ -85,6 +86,15 @@ CASES: list[tuple[str, str, int]] = [
      "--clipper harness.torch_bugs:clip_stage_norm", 1),
     ("llama cp refused", "--model llama --recipe cp_sdpa --dp 2 --tp 1", 2),
     ("gpt2 bug ddp weights only", f"--model gpt2 --recipe {STOCK}ddp_weights_only --dp 2 --tp 1", 1),
+    ("encoder ddp dp2", f"--model encoder --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("encoder_prenorm fsdp dp2", f"--model encoder_prenorm --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("gpt2_mean ddp_avg dp2", "--model gpt2_mean --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("gpt2_mean fsdp default divide dp2",
+     f"--model gpt2_mean --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
+    ("mlp_mean ddp_avg dp2", "--model mlp_mean --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("mlp_mean fsdp default divide dp2", f"--model mlp_mean --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
+    ("gpt2_mean bug mean summed over dp", f"--model gpt2_mean --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    ("gpt2 bug fsdp divides a shared loss", f"--model gpt2 --recipe {SCALING}fsdp_default --dp 2 --tp 1", 1),
     # scaling conventions (docs/torch-backend.md, "Scaling conventions and their mistakes")
     ("llama_mean ddp_avg dp2", "--model llama_mean --recipe ddp_avg --dp 2 --tp 1", 0),
     ("llama_mean tp_sp_avg dp2 tp2", "--model llama_mean --recipe tp_sp_avg", 0),
