@@ -114,6 +114,17 @@ CASES: list[tuple[str, str, int]] = [
      "--tp 1 --layers 2", 1),
     ("llama bug dp reduction on tp", "--model llama --recipe tp_sp_wrong_mesh_dim", 1),
     ("llama bug rowwise output partial", "--model llama --recipe tp_rowwise_partial", 1),
+    ("gpt2 fsdp_tp_mlp dp2 tp2 (biases)", f"--model gpt2 --recipe {STOCK}fsdp_tp_mlp", 0),
+    ("gpt2_mean fsdp default divide", f"--model gpt2_mean --recipe {SCALING}fsdp_default "
+     "--dp 2 --tp 1", 0),
+    ("gpt2_mean fsdp_tp_mlp default divide", f"--model gpt2_mean --recipe "
+     f"{SCALING}fsdp_tp_mlp_default", 0),
+    ("mlp_mean tp_mlp avg", f"--model mlp_mean --recipe {SCALING}tp_mlp_avg", 0),
+    ("mlp_mean fsdp default divide", f"--model mlp_mean --recipe {SCALING}fsdp_default "
+     "--dp 2 --tp 1", 0),
+    ("gpt2_mean bug fsdp mean summed", f"--model gpt2_mean --recipe {STOCK}fsdp --dp 2 --tp 1",
+     1),
+    ("gpt2 bug colwise fused qkv", f"--model gpt2 --recipe {SCALING}tp_fused_qkv_colwise", 1),
 ]
 
 
