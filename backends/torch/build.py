@@ -104,6 +104,7 @@ class _Single:
     low: Lowered
     tid: dict[int, int] = field(default_factory=dict)  # S value -> logical id
     by_key: dict[tuple, list[int]] = field(default_factory=dict)  # node key -> S node indices
+    lver: dict[int, int] = field(default_factory=dict)  # S value -> its logical version (updates)
 
 
 def _key_kwargs(kw: dict) -> tuple:
@@ -145,12 +146,19 @@ class _Builder:
         for v, (kind, name) in s.inputs.items():
             self.s.tid[v] = self.logical_of(name, s.shapes[v], kind)
             t_of[v] = tensor(v, -1 if kind in ("param", "buffer") else 0)
+        param_of = {name: v for v, (kind, name) in s.inputs.items() if kind == "param"}
+        updated = {v: param_of[name] for name, v in s.updates.items()}
+        state_names = {v: f"{name}.{k}" for name, st in s.states.items() for k, v in st.items()}
         for i, node in enumerate(s.nodes):
             for o in node.outs:
-                if o >= 0:
+                if o in updated:  # the parameter's next version (the optimizer step)
+                    self.s.tid[o] = self.s.tid[updated[o]]
+                    self.s.lver[o] = 1
+                    t_of[o] = tensor(o, 0, 1)
+                elif o >= 0:
                     kind = "loss" if o in s.losses else _kind(node)
-                    self.s.tid[o] = self.logical_of(f"{_scope(node.name)}.{node.op}.{o}",
-                                                    s.shapes[o], kind)
+                    name = state_names.get(o, f"{_scope(node.name)}.{node.op}.{o}")
+                    self.s.tid[o] = self.logical_of(name, s.shapes[o], kind)
                     t_of[o] = tensor(o, 0)
             ins = tuple(-1 if v < 0 else t_of[v] for v in node.ins)
             outs = tuple(-1 if v < 0 else t_of[v] for v in node.outs)
@@ -201,6 +209,22 @@ class _Builder:
         self.s_leaves = leaves
         self.s_uses = uses
 
+    def leaves_of(self, sv: int) -> list[int]:
+        """The terms of a single-device value as a sum (itself if it is none)."""
+        single = sv in self.s_leaves and self.s_uses.get(sv) == 1
+        return list(self.s_leaves[sv]) if single else [sv]
+
+    def superset(self, leaves: list[int], accept=lambda root: True) -> int | None:
+        """The smallest single-device sum with all these terms and more (and
+        that ``accept`` takes)."""
+        want: dict[int, int] = {}
+        for x in leaves:
+            want[x] = want.get(x, 0) + 1
+        found = sorted((len(key), root) for key, root in self.s_trees.items()
+                       if len(key) > len(leaves) and accept(root)
+                       and all(key.count(x) >= n for x, n in want.items()))
+        return found[0][1] if found else None
+
 
 class _Rank:
     """Alignment and claims of one rank's lowered trace."""
@@ -213,10 +237,61 @@ class _Rank:
         self.pending: dict[int, list[int]] = {}  # P value -> P leaves of a deferred sum
         self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
         self.fresh = 10**9
+        self.consumers: dict[int, list[LNode]] = {}
+        for node in low.nodes:
+            for v in node.ins:
+                if v >= 0:
+                    self.consumers.setdefault(v, []).append(node)
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
+            if name not in by_name and v in low.constants:
+                self.sv[v], self.claim[v] = self.const_piece(v)
+                continue
+            if name not in by_name:
+                what = "a constant" if name.startswith("const.") else f"the input {name}"
+                raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
+                                 f"that the single-device step never reads")
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
+            self.check_input(v, name)
+
+    def check_input(self, v: int, name: str) -> None:
+        """An input's claim is assumed, not proved: its local shape must be its
+        full shape cut by exactly the claimed axes (a library mesh dim read as
+        "dp" that spans only part of the data-parallel ranks, as HSDP's
+        shard dim, would not be)."""
+        full, local = self.gshape(v), self.low.shapes[v]
+        for k, axes in enumerate(self.claim[v].dims):
+            if full[k] != local[k] * math.prod(self.sizes[a] for a in axes):
+                raise LoweringError(f"rank {self.low.rank}: input {name} of shape {list(local)} is "
+                                    f"not its {list(full)} cut by {axes or 'no axis'} along dim {k}")
+
+    def const_piece(self, v: int) -> tuple[int, Claim]:
+        """The single-device constant this rank's constant is a piece of: the
+        one whose slice at the rank's coordinates (each smaller dim cut by mesh
+        axes of its ratio, the batch dim by "dp" first) holds exactly its
+        contents. The claim is then true by those contents; no match stops
+        the run."""
+        mine = self.low.constants[v]
+        for sv, full in self.b.s.low.constants.items():
+            if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
+                continue
+            dims, index = [], []
+            try:
+                for k, (m, f) in enumerate(zip(mine.shape, full.shape)):
+                    order = (("dp",), ("tp",), ("dp", "tp")) if k == 0 else (("tp",), ("dp",), ("dp", "tp"))
+                    axes = self.guess(m, f, order=order)
+                    i = 0
+                    for a in axes:
+                        i = i * self.sizes[a] + self.low.coords[a]
+                    dims.append(axes)
+                    index.append(slice(i * m, (i + 1) * m))
+            except LoweringError:
+                continue
+            if np.array_equal(full[tuple(index)], mine):
+                return sv, Claim(dims)
+        raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
+                            f"piece of a single-device constant")
 
     def gshape(self, v: int) -> tuple[int, ...]:
         return self.b.s.low.shapes[self.sv[v]]
@@ -249,6 +324,17 @@ class _Rank:
             if node.op == "div":
                 self.applied = 1 / self.applied
             return [self.sv[node.ins[0]]]
+        if not cands and node.op != "add" and len(node.ins) == 1 and node.ins[0] >= 0:
+            # a function of a partial sum used as if it were the whole sum (a
+            # stage's own gradient norm): matched with that function of the
+            # whole, so the verifier judges it
+            def key_of(root: int) -> tuple:
+                return (node.op, node.dir, (root,), _key_kwargs(node.kwargs))
+
+            whole = self.b.superset(self.b.leaves_of(self.sv[node.ins[0]]),
+                                    lambda root: key_of(root) in self.b.s.by_key)
+            if whole is not None:
+                cands = self.b.s.by_key[key_of(whole)]
         if not cands:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
                              f"{_scope(node.name)} on values the single-device step never "
@@ -257,7 +343,8 @@ class _Rank:
         # expanded in every layer): prefer the one of the same module, not yet
         # matched in this microbatch
         nodes = self.b.s.low.nodes
-        pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used))
+        pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used,
+                                         nodes[c].kwargs != node.kwargs))
         self.used.add((node.mb, pick))
         if node.op in SCALINGS and nodes[pick].kwargs.get("value") != node.kwargs.get("value"):
             # the single-device step scales by another constant (a mean over
@@ -328,8 +415,8 @@ class _Rank:
             return False
         ra, rc = self.mb_range(a), self.mb_range(c)
         ca, cc = self.claim[a], self.claim[c]
-        return (ra is not None and rc is not None and ra[1] == rc[0] and ca.dims == cc.dims
-                and ca.partial == cc.partial)
+        return (ra is not None and rc is not None and (ra[1] == rc[0] or rc[1] == ra[0])
+                and ca.dims == cc.dims and ca.partial == cc.partial)
 
     def mb_range(self, v: int) -> tuple[int, int] | None:
         c = self.claim[v]
@@ -340,7 +427,8 @@ class _Rank:
     def accumulate(self, node: LNode) -> None:
         a, c = node.ins
         out = node.outs[0]
-        lo, hi = self.mb_range(a)[0], self.mb_range(c)[1]
+        (la, ha), (lc, hc) = self.mb_range(a), self.mb_range(c)
+        lo, hi = min(la, lc), max(ha, hc)
         claim = self.claim[a]
         partial = set(claim.partial)
         mbs: tuple[int, int] | None = (lo, hi)
@@ -377,8 +465,7 @@ class _Rank:
             s_leaves += self.b.s_leaves[sv] if single else [sv]
         root = self.b.s_trees.get(tuple(sorted(s_leaves)))
         if root is None:
-            raise AlignError(f"rank {self.low.rank} sums gradient terms the single-device step "
-                             f"never sums together")
+            return self.partial_tree(v, leaves, s_leaves)
         out: list[LNode] = []
 
         def emit(sv: int, target: int | None) -> int:
@@ -399,7 +486,56 @@ class _Rank:
         emit(root, v)
         return out
 
+    def partial_tree(self, v: int, leaves: list[int], s_leaves: list[int]) -> list[LNode]:
+        """A sum of some of the terms of a single-device sum (a pipeline
+        stage's share of a gradient norm, used as if it were the whole):
+        each of its additions is claimed to be the whole sum, which the
+        verifier refutes at the first of them. AlignError if no
+        single-device sum has all these terms."""
+        root = self.b.superset(s_leaves)
+        if root is None:
+            raise AlignError(f"rank {self.low.rank} sums gradient terms the single-device step "
+                             f"never sums together")
+        out: list[LNode] = []
+        acc = leaves[0]
+        for k, p in enumerate(leaves[1:]):
+            target = v if k == len(leaves) - 2 else self.fresh
+            if target != v:
+                self.fresh += 1
+                self.low.shapes[target] = self.low.shapes[acc]
+            new = LNode("add", "fw", [acc, p], [target], {}, self.b.s_add[root].name)
+            partial = self.claim[acc].partial | self.claim[p].partial
+            self.sv[target] = root
+            self.mb[target] = max(self.mb.get(acc, -1), self.mb.get(p, -1))
+            self.claim[target] = Claim([[] for _ in self.gshape(target)], partial)
+            self.check(target)
+            out.append(new)
+            acc = target
+        return out
+
+    def units(self, x: int) -> list[int]:
+        """The values a sum is made of on this rank: its deferred terms, or x."""
+        return list(self.pending[x]) if x in self.pending else [x]
+
+    def computed_split(self, node: LNode) -> list[int] | None:
+        """The single-device split this split computes (the same piece of the
+        aligned input), or None: then it is a cut by a mesh axis."""
+        if node.op != "split" or node.ins[0] not in self.sv:
+            return None
+        key = (node.op, node.dir, (self.sv[node.ins[0]],), _key_kwargs(node.kwargs))
+        nodes = self.b.s.low.nodes
+        for c in self.b.s.by_key.get(key, []):
+            if nodes[c].kwargs == node.kwargs and not self.claim[node.ins[0]].dims[node.kwargs["dim"]]:
+                return nodes[c].outs
+        return None
+
     def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        souts = self.computed_split(node)
+        if souts is not None:
+            self.sv[node.outs[0]] = souts[0]
+            self.mb[node.outs[0]] = node.mb if node.mb >= 0 else self.mb.get(node.ins[0], -1)
+            self.infer(node)
+            return
         if node.group is not None or node.op == "split":
             x = node.ins[0]
             out = node.outs[0]
@@ -454,6 +590,17 @@ class _Rank:
         any other operator is probed (``probe_scale``)."""
         ins = [v for v in node.ins]
         scales = [Fraction(1) if v < 0 else self.claim[v].scale for v in ins]
+        if node.op == "mean" and min(node.ins[0], node.outs[0]) >= 0:
+            # a mean over a dim cut by mesh axes divides by the local count:
+            # the product of those axes' sizes times its share
+            x = node.ins[0] if node.dir != "bw" else node.outs[0]
+            nd = len(self.low.shapes[x])
+            dims = node.kwargs.get("dim")
+            dims = range(nd) if dims is None else [d % nd for d in (
+                dims if isinstance(dims, (list, tuple)) else [dims])]
+            axes = {a for d in dims for a in self.claim[x].dims[d]}
+            cut = math.prod(self.sizes[a] for a in axes)
+            return [scales[-1] * cut] * len(node.outs)
         if all(f == 1 for f in scales):
             return [Fraction(1)] * len(node.outs)
         if node.op in ADDITIONS:
@@ -541,11 +688,45 @@ class _Rank:
                     else None for d, axes in enumerate(dims_out[o])]
             for d, axes in enumerate(dims):
                 if axes is None:
+                    dims[d] = self.hint(v, d, self.low.shapes[v][d], full[d])
+            for d, axes in enumerate(dims):
+                if axes is None:
                     used = tuple(a for x in dims if x for a in x)
-                    dims[d] = self.guess(self.low.shapes[v][d], full[d], used,
-                                         (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
+                    # dim 0 is the batch (data-parallel rows, then microbatches)
+                    order = ((("dp",), ("mb",), ("dp", "mb"), ("tp",), ("dp", "tp")) if d == 0
+                             else (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
+                    dims[d] = self.guess(self.low.shapes[v][d], full[d], used, order)
             self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None)
             self.check(v)
+
+    def hint(self, v: int, d: int, local: int, full: int) -> list[str] | None:
+        """The axes cutting dim d of v as its consumers see it: a dim of another
+        input of a consumer that the consumer's dims relations tie to it (a
+        broadcast constant expanded for a batched matmul is cut as the other
+        operand is; an optimizer state as its parameter), when those axes
+        give the local size; None if none does."""
+        for node in self.consumers.get(v, []):
+            if node.group is not None or node.dir == "bw":
+                continue
+            shapes_in = [None if x < 0 else self.low.shapes[x] for x in node.ins]
+            shapes_out = [self.low.shapes[o] for o in node.outs if o >= 0]
+            try:
+                rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
+            except Exception:  # a consumer whose relations need other kwargs: no hint
+                continue
+            parent: dict[tuple, tuple] = {}
+            for r in rel:
+                if r[0] == "eq":
+                    parent[_find(parent, tuple(r[1]))] = _find(parent, tuple(r[2]))
+            mine = {_find(parent, ("i", i, d)) for i, x in enumerate(node.ins) if x == v}
+            for i, x in enumerate(node.ins):
+                if x < 0 or x == v or x not in self.claim:
+                    continue
+                for e, axes in enumerate(self.claim[x].dims):
+                    if axes and _find(parent, ("i", i, e)) in mine \
+                            and self.extent(axes, full) == local:
+                        return list(axes)
+        return None
 
     def infer_backward(self, node: LNode, partial: set[str], mbs) -> None:
         grad = self.claim[node.ins[-1]]
@@ -660,8 +841,9 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
     versions: dict[tuple[int, int, int], int] = {}
     t_of: dict[tuple[int, int], int] = {}
 
-    def tensor(r: _Rank, v: int, mb: int, tid: int | None = None, lver: int = 0) -> int:
+    def tensor(r: _Rank, v: int, mb: int, tid: int | None = None, lver: int | None = None) -> int:
         tid = b.s.tid[r.sv[v]] if tid is None else tid
+        lver = b.s.lver.get(r.sv[v], 0) if lver is None else lver
         key = (r.low.rank, mb, tid)
         version = versions.get(key, 0)
         versions[key] = version + 1
@@ -695,6 +877,59 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         plan_p.nodes.append(Node(low.rank, max(mb, 0), node.op, node.dir, ins, outs, kwargs,
                                  _scope(node.name)))
 
+    def sum_across(r: _Rank, node: LNode, k: int) -> bool:
+        """An all-reduce of sums whose terms together make one single-device
+        sum, each member holding some of them (the stages' squared gradient
+        norms summed over a pipeline): written, on each member, as receiving
+        the other members' terms and adding all of them in the single-device
+        order (addition is associative in exact arithmetic). False when the
+        members reduce one value (an ordinary all-reduce)."""
+        units = {}
+        for q in node.group:
+            x = rs[q].low.nodes[_nth(rs[q].low, node.group, k)].ins[0]
+            units[q] = rs[q].units(x)
+        if len({rs[q].sv[u] for q in node.group for u in units[q]}) <= 1 \
+                and all(len(us) == 1 for us in units.values()):
+            return False
+        s_leaves = sorted(t for q in node.group for u in units[q] for t in b.leaves_of(rs[q].sv[u]))
+        root = b.s_trees.get(tuple(s_leaves))
+        if root is None:
+            return False
+        avail: dict[int, int] = {r.sv[u]: u for u in units[r.low.rank]}
+        for q in node.group:
+            if q == r.low.rank:
+                continue
+            peer = rs[q]
+            for u in units[q]:
+                new = r.fresh
+                r.fresh += 1
+                c = peer.claim[u]
+                r.sv[new], r.mb[new] = peer.sv[u], -1
+                r.claim[new] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale)
+                r.low.shapes[new] = peer.low.shapes[u]
+                t_of[(r.low.rank, new)] = tensor(r, new, 0)
+                plan_p.nodes.append(Node(r.low.rank, 0, "send_recv", "fw", (t_of[(q, u)],),
+                                         (t_of[(r.low.rank, new)],), {"src": q, "dst": r.low.rank},
+                                         _scope(node.name)))
+                avail[peer.sv[u]] = new
+
+        def add_tree(sv: int, target: int | None) -> int:
+            if sv in avail:
+                return avail.pop(sv)
+            s_node = b.s_add[sv]
+            a, c = add_tree(s_node.ins[0], None), add_tree(s_node.ins[1], None)
+            if target is None:
+                target = r.fresh
+                r.fresh += 1
+                r.low.shapes[target] = r.low.shapes[a]
+            new = LNode("add", s_node.dir, [a, c], [target], {}, s_node.name)
+            r.one(new, {})
+            emit(r, new, -1)
+            return target
+
+        add_tree(root, node.outs[0])
+        return True
+
     for i, n, k in _order(ranks):
         low = ranks[i]
         r = rs[low.rank]
@@ -707,6 +942,8 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                     emit(peer, extra, -1)
             r.receive(node, peer, x)
             emit(r, node, k)
+            continue
+        if node.op == "all_reduce" and sum_across(r, node, k):
             continue
         if node.group is not None and node.op != "send":
             for q in node.group:
@@ -748,6 +985,13 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
             plan_p.nodes.append(Node(rank, 0, "local_grad_accumulation", "none",
                                      (zero, t_of[(rank, g)]), (final,), {}, f"{name}.grad_buffer"))
     return plan_s, plan_p
+
+
+def _find(parent: dict[tuple, tuple], x: tuple) -> tuple:
+    """The class of a dim reference in a union-find forest."""
+    while parent.get(x, x) != x:
+        x = parent[x]
+    return x
 
 
 def _nth(low: Lowered, group: tuple[int, ...], k: int) -> int:

@@ -19,12 +19,15 @@ from typing import Any
 from backends.torch.errors import LoweringError
 from backends.torch.lower_nn import (
     NN_HANDLERS,
+    Complex,
     Const,
     SdpaSaved,
     causal_add,
+    complex_mul,
     constant_input,
     constant_value,
     one_hot_constant,
+    to_copy,
 )
 
 __all__ = ["LNode", "Lowered", "LoweringError", "lower_trace"]
@@ -54,6 +57,10 @@ class Lowered:
     grads: dict[str, int | None]
     tokens_value: int = -1
     constants: dict[int, Any] = field(default_factory=dict)  # constant input -> its value
+    #: with an optimizer step: each parameter's updated value, and its
+    #: optimizer states' new values (state name -> value)
+    updates: dict[str, int] = field(default_factory=dict)
+    states: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,70 @@ class _As:
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _Norm:
+    """sqrt(s / share), s a sum of squares (so s >= 0): a 2-norm, not yet
+    emitted. ``share`` is n when DTensor turned a replicated norm into one
+    of n partial norms (dividing it by sqrt(n))."""
+    s: int
+    share: int = 1
+
+
+@dataclass(frozen=True)
+class _NormStack:
+    """torch.stack of norms (``squared``: then squared elementwise, one
+    square sum per entry, ``_Norm.share`` kept)."""
+    norms: tuple[_Norm, ...]
+    squared: bool = False
+
+
+@dataclass(frozen=True)
+class _Decayed:
+    """p * keep: AdamW's decoupled weight decay, ``p.mul_(1 - lr * wd)``."""
+    p: int
+    keep: float
+
+
+@dataclass(frozen=True)
+class _Moment1:
+    """``m.lerp_(g, weight)``: Adam's first moment, m a fresh state."""
+    m: int
+    g: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class _Scaled:
+    """``v.mul_(factor)`` of a fresh optimizer state."""
+    v: int
+    factor: float
+
+
+@dataclass(frozen=True)
+class _Moment2:
+    """``v.mul_(beta2).addcmul_(g, g, value=1 - beta2)``: Adam's second moment."""
+    v: int
+    g: int
+    beta2: float
+
+
+@dataclass(frozen=True)
+class _Denom:
+    """``(sqrt(v2) / scale) + eps``: Adam's denominator (``root``: sqrt only)."""
+    v2: _Moment2
+    scale: float = 1.0
+    eps: float = 0.0
+    root: bool = False
+
+
+@dataclass(frozen=True)
+class _SgdGrad:
+    """``g + wd * p`` (``torch.add(g, p, alpha=wd)``): SGD's weight decay."""
+    g: int
+    p: int
+    wd: float
+
+
 @dataclass
 class _Lowerer:
     trace: dict
@@ -172,6 +243,9 @@ class _Lowerer:
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
     masked_rows: dict[int, _VocabMask] = field(default_factory=dict)  # zero where masked
+    params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
+    fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter
+    updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -199,6 +273,16 @@ class _Lowerer:
         if isinstance(x, int):
             return x
         if isinstance(x, Const):
+            if x.v in self.trace.get("from_buffer", ()) and x.event >= 0:
+                # computed from a module's buffer (an input by name): lowered
+                # op by op, so that its pieces on other ranks align with it;
+                # through an op the rule table lacks (the cos and sin of a
+                # rotary table), read by value like any other constant
+                try:
+                    return self.materialize(self.lower_event(x.event, x.v))
+                except LoweringError:
+                    if self.trace.get("constvals", {}).get(x.v) is None:
+                        raise
             return constant_input(self, constant_value(self, ("v", x.v)))
         if isinstance(x, _Gathered):
             shape = list(self.shapes[x.x])
@@ -210,6 +294,11 @@ class _Lowerer:
             shape = list(self.shapes[x.x])
             merged = [math.prod(shape[:x.k])] + shape[x.k:]
             return self.emit("flatten", [x.x], [merged], {"start": 0, "end": x.k - 1})[0]
+        if isinstance(x, _Norm):
+            s = x.s
+            if x.share != 1:
+                s = self.emit("div", [s], [self.shapes[s]], {"value": float(x.share)})[0]
+            return self.emit("pow", [s], [self.shapes[s]], {"exponent": 0.5})[0]
         if isinstance(x, _Piece):
             src = self.materialize(x.of)
             shape = list(self.shapes[src])
@@ -218,6 +307,10 @@ class _Lowerer:
                              {"dim": x.dim, "parts": x.parts, "index": x.index})[0]
         raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
 
+    def reshape(self, x: int, shape: tuple[int, ...]) -> int:
+        """Value x seen with ``shape`` (flatten/unflatten nodes)."""
+        return self.materialize(_view_to(self, x, tuple(shape)))
+
     def const(self, a: Any) -> float | None:
         if isinstance(a, (int, float)) and not isinstance(a, bool):
             return float(a)
@@ -225,7 +318,7 @@ class _Lowerer:
             if a[1] in self.trace["consts"]:
                 return self.trace["consts"][a[1]]
             value = self.trace.get("constvals", {}).get(a[1])
-            if isinstance(self.env.get(a[1]), Const) and value is not None and value.size == 1 \
+            if a[1] in self.trace.get("constants", ()) and value is not None and value.size == 1 \
                     and value.dtype.kind in "fiu":
                 return float(value.reshape(()))
         return None
@@ -233,23 +326,34 @@ class _Lowerer:
     # -- the walk -----------------------------------------------------------
     def run(self, live: set[int]) -> None:
         constants = self.trace.get("constants", set())
-        for i, (op, (args, kwargs), outs, out_shapes, scope, group, mb) in enumerate(self.trace["events"]):
+        for i, (op, _, outs, *_) in enumerate(self.trace["events"]):
             if i not in live:
                 continue
             if outs and all(v in constants for v in outs) and op != "unknown":
                 for v in outs:
-                    self.env[v] = Const(v)
+                    self.env[v] = Const(v, i)
                 continue
-            self.name, self.mb = scope, mb
-            handler = HANDLERS.get(op)
-            if handler is None:
-                raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
-                                    f"onto the rule table")
+            self.lower_event(i)
+
+    def lower_event(self, i: int, want: int = -1) -> Any:
+        """Lower event ``i`` through its handler; the lowered value of its
+        output ``want``."""
+        op, (args, kwargs), outs, out_shapes, scope, group, mb = self.trace["events"][i]
+        saved = self.name, self.mb
+        self.name, self.mb = scope, mb
+        handler = HANDLERS.get(op)
+        if handler is None:
+            raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
+                                f"onto the rule table")
+        try:
             result = handler(self, args, kwargs, out_shapes, group)
-            if not isinstance(result, list):
-                result = [result]
-            for v, r in zip(outs, result):
-                self.env[v] = r
+        finally:
+            self.name, self.mb = saved
+        if not isinstance(result, list):
+            result = [result]
+        for v, r in zip(outs, result):
+            self.env[v] = r
+        return self.env.get(want)
 
 
 def _tensor_args(args: Any) -> list[int]:
@@ -268,6 +372,8 @@ def _tensor_args(args: Any) -> list[int]:
 def live_events(trace: dict) -> set[int]:
     """Events the loss and the final gradients depend on."""
     need = set(trace["losses"]) | {g for g in trace["grads"].values() if g is not None}
+    need |= {v for v in trace.get("updates", {}).values() if v is not None}
+    need |= {v for st in trace.get("states", {}).values() for v in st.values() if v is not None}
     live = set()
     for i in range(len(trace["events"]) - 1, -1, -1):
         op, (args, kwargs), outs = trace["events"][i][:3]
@@ -290,6 +396,10 @@ def _binary(tensor_op: str, scalar_op: str):
         a, b = args[0], args[1]
         if kwargs.get("alpha", 1) != 1:
             raise LoweringError(f"{lw.name}: {tensor_op} with alpha is not lowered")
+        if tensor_op == "mul":
+            product = complex_mul(lw, args, shapes)
+            if product is not None:
+                return product
         cb = lw.const(b)
         if cb is not None:
             return lw.emit(scalar_op, [lw.val(a)], shapes, {"value": cb})[0]
@@ -562,6 +672,8 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
         return _As(f.x, dst)
     if isinstance(f, (_Packed, _ChunkCat)) or f == "empty":
         return f
+    if isinstance(f, Complex):
+        return Complex(lw.reshape(f.re, dst), lw.reshape(f.im, dst))
     return _view_to(lw, lw.val(args[0]), dst)
 
 
@@ -851,11 +963,27 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
 
 
+def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
+    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place all-reduce)."""
+    tensors, op = args[0], args[2]
+    if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
+        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
+    return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=_pg(lw, args[1]))[0]]
+
+
 def _add(lw: _Lowerer, args, kwargs, shapes, group):
     """``scores + mask`` with the constant causal mask, or an addition."""
     masked = causal_add(lw, args, shapes)
     return masked if masked is not None else _binary("add", "add_scalar")(lw, args, kwargs,
                                                                           shapes, group)
+
+
+def _to_copy(lw: _Lowerer, args, kwargs, shapes, group):
+    """A change of precision (lower_nn.to_copy); the batch's integer ids are
+    never converted to numbers."""
+    if isinstance(lw.env.get(args[0][1]), (_Ids, _Shifted, _IdsTest, _VocabMask)):
+        raise LoweringError(f"{lw.name}: the batch's integer ids converted to numbers")
+    return to_copy(lw, args, kwargs, shapes, group)
 
 
 def _permute(lw: _Lowerer, args, kwargs, shapes, group):
@@ -873,9 +1001,244 @@ def _permute(lw: _Lowerer, args, kwargs, shapes, group):
     return x
 
 
+# -- gradient clipping: norms ------------------------------------------------------
+
+def _square_sum(lw: _Lowerer, x: int) -> int:
+    shape = lw.shapes[x]
+    sq = lw.emit("mul", [x, x], [shape])[0]
+    return lw.emit("sum", [sq], [()], {"dim": None, "keepdim": False})[0]
+
+
+def _check_two_norm(lw: _Lowerer, ord_: Any) -> None:
+    if float(ord_) != 2.0:
+        raise LoweringError(f"{lw.name}: a norm of order {ord_} is not lowered (only 2-norms)")
+
+
+def _foreach_norm(lw: _Lowerer, args, kwargs, shapes, group):
+    """One 2-norm per tensor: sqrt of its square sum, kept pending (``_Norm``)."""
+    _check_two_norm(lw, args[1] if len(args) > 1 else 2.0)
+    return [_Norm(_square_sum(lw, lw.val(a))) for a in args[0]]
+
+
+def _vector_norm(lw: _Lowerer, args, kwargs, shapes, group):
+    """The 2-norm of a tensor, or of a stack of norms: sqrt of the sum of
+    the square sums (the square of a norm of a square sum s is s, s >= 0),
+    summed in stack order."""
+    _check_two_norm(lw, args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if dim not in (None, []):
+        raise LoweringError(f"{lw.name}: a norm along dims {dim} is not lowered")
+    x = lw.env.get(args[0][1])
+    if isinstance(x, _NormStack) and not x.squared:
+        total = None
+        for norm in x.norms:
+            if norm.share != 1:
+                raise LoweringError(f"{lw.name}: the norm of a stack of partial norms, never "
+                                    f"reduced, is not lowered")
+            total = norm.s if total is None else lw.emit("add", [total, norm.s], [()])[0]
+        return _Norm(total)
+    return _Norm(_square_sum(lw, lw.val(args[0])))
+
+
+def _stack(lw: _Lowerer, args, kwargs, shapes, group):
+    items = [lw.env.get(a[1]) for a in args[0]]
+    dim = int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))
+    if items and all(isinstance(x, _Norm) for x in items) and dim == 0:
+        return _NormStack(tuple(items))
+    raise LoweringError(f"{lw.name}: stack of tensors other than norms is not lowered")
+
+
+def _sqrt2_share(value: float) -> int | None:
+    """n when value is DTensor's float sqrt(n), n a positive integer."""
+    n = round(value * value)
+    return n if n >= 1 and math.isclose(math.sqrt(n), value, rel_tol=1e-15, abs_tol=0) else None
+
+
+def _div_tensor(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.env.get(args[0][1])
+    value = lw.const(args[1])
+    if isinstance(x, _Norm) and value is not None and x.share == 1:
+        share = _sqrt2_share(value)
+        if share is None:
+            raise LoweringError(f"{lw.name}: a norm divided by {value} is not lowered")
+        return _Norm(x.s, share)
+    if isinstance(x, _Denom) and x.root and value is not None:
+        return _Denom(x.v2, value, 0.0)
+    return _scalar("div")(lw, args, kwargs, shapes, group)
+
+
+def _pow_pending(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
+    e = float(args[1])
+    if isinstance(x, _Norm) and e == 2.0:
+        return _squared(lw, x)
+    if isinstance(x, _NormStack) and e == 2.0 and not x.squared:
+        return _NormStack(x.norms, squared=True)
+    if isinstance(x, _NormStack) and e == 0.5 and x.squared \
+            and all(n.share == 1 for n in x.norms):
+        return _NormStack(x.norms)
+    return _pow(lw, args, kwargs, shapes, group)
+
+
+def _squared(lw: _Lowerer, x: _Norm) -> int:
+    """The square of a norm: its square sum (divided by its share)."""
+    if x.share == 1:
+        return x.s
+    return lw.emit("div", [x.s], [lw.shapes[x.s]], {"value": float(x.share)})[0]
+
+
+def _all_reduce_pending(lw: _Lowerer, args, kwargs, shapes, group):
+    """DTensor's reduction of partial norms: the squared stack summed over the
+    group. A square sum that is a partial sum over the group is all-reduced;
+    a replicated one, divided by the group size on each of its ranks, sums
+    back to itself (the n shares of s / n are s), so it is kept."""
+    x = lw.env.get(args[0][1])
+    if not isinstance(x, _NormStack) or not x.squared:
+        return _all_reduce(lw, args, kwargs, shapes, group)
+    if args[1] != "sum":
+        raise LoweringError(f"{lw.name}: all_reduce of norms with op {args[1]} is not lowered")
+    out = []
+    for norm in x.norms:
+        if norm.share == 1:
+            s = lw.emit("all_reduce", [norm.s], [lw.shapes[norm.s]], group=group)[0]
+        elif norm.share == len(group):
+            s = norm.s
+        else:
+            raise LoweringError(f"{lw.name}: a norm shared {norm.share} ways reduced over "
+                                f"{len(group)} ranks")
+        out.append(_Norm(s))
+    return _NormStack(tuple(out), squared=True)
+
+
+def _reciprocal(lw: _Lowerer, args, kwargs, shapes, group):
+    return lw.emit("pow", [lw.val(args[0])], shapes, {"exponent": -1.0})[0]
+
+
+def _clamp(lw: _Lowerer, args, kwargs, shapes, group):
+    lo = args[1] if len(args) > 1 else kwargs.get("min")
+    hi = args[2] if len(args) > 2 else kwargs.get("max")
+    bounds = {"min": None if lo is None else lw.const(lo), "max": None if hi is None else lw.const(hi)}
+    if (lo is not None and bounds["min"] is None) or (hi is not None and bounds["max"] is None):
+        raise LoweringError(f"{lw.name}: clamp by a tensor is not lowered")
+    return lw.emit("clamp", [lw.val(args[0])], shapes, bounds)[0]
+
+
+def _foreach_mul_(lw: _Lowerer, args, kwargs, shapes, group):
+    """Each tensor of the list times the scalar (clipping's coefficient)."""
+    c = lw.val(args[1])
+    return [lw.emit("mul", [lw.val(a), c], [lw.shapes[lw.val(a)]])[0] for a in args[0]]
+
+
+# -- the optimizer step: torch.optim's AdamW and SGD (for-loop implementation) -----
+
+def _zeros_like(lw: _Lowerer, args, kwargs, shapes, group):
+    """A zero tensor; shaped like a parameter, a fresh optimizer state, named
+    after it (so each rank's state is matched with its own parameter's)."""
+    p = lw.env.get(args[0][1])
+    if p in lw.params:
+        lw.name = f"{lw.params[p]}.optimizer"
+    out = _constant("zeros")(lw, args, kwargs, shapes, group)
+    if p in lw.params:
+        lw.fresh_state.add(out)
+    return out
+
+
+def _mul_inplace(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.env.get(args[0][1])
+    value = lw.const(args[1])
+    if value is not None and x in lw.params:
+        return _Decayed(x, value)
+    if value is not None and x in lw.fresh_state:
+        return _Scaled(x, value)
+    return _binary("mul", "mul_scalar")(lw, args, kwargs, shapes, group)
+
+
+def _lerp(lw: _Lowerer, args, kwargs, shapes, group):
+    m, weight = lw.env.get(args[0][1]), lw.const(args[2])
+    if m not in lw.fresh_state or weight is None or 1.0 - (1.0 - weight) != weight:
+        raise LoweringError(f"{lw.name}: lerp_ other than Adam's first moment is not lowered")
+    return _Moment1(m, lw.val(args[1]), weight)
+
+
+def _addcmul(lw: _Lowerer, args, kwargs, shapes, group):
+    v = lw.env.get(args[0][1])
+    value = kwargs.get("value", args[3] if len(args) > 3 else 1.0)
+    if isinstance(v, _Scaled) and args[1] == args[2] and value == 1.0 - v.factor:
+        return _Moment2(v.v, lw.val(args[1]), v.factor)
+    raise LoweringError(f"{lw.name}: addcmul_ other than Adam's second moment is not lowered")
+
+
+def _sqrt(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.env.get(args[0][1])
+    if isinstance(x, _Moment2):
+        return _Denom(x, root=True)
+    return lw.emit("pow", [lw.val(args[0])], shapes, {"exponent": 0.5})[0]
+
+
+def _add_pending(plain):
+    """An addition, or a step of the optimizer (Adam's eps, SGD's alpha)."""
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        a = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
+        alpha = kwargs.get("alpha", 1)
+        eps = lw.const(args[1])
+        if isinstance(a, _Denom) and not a.root and a.eps == 0.0 and eps is not None \
+                and alpha == 1:
+            return _Denom(a.v2, a.scale, eps)
+        if alpha != 1:
+            return _sgd(lw, a, args, float(alpha), shapes)
+        return plain(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def _sgd(lw: _Lowerer, a: Any, args, alpha: float, shapes) -> Any:
+    """``torch.add(g, p, alpha=wd)`` (weight decay), then ``p.add_(d, alpha=-lr)``."""
+    b = lw.env.get(args[1][1])
+    if b in lw.params and isinstance(a, int):
+        return _SgdGrad(a, b, alpha)
+    if a in lw.params:
+        lw.name = f"{lw.params[a]}.optimizer"
+        g, wd = (b.g, b.wd) if isinstance(b, _SgdGrad) and b.p == a else (lw.val(args[1]), 0.0)
+        return lw.emit("sgd_step", [a, g], shapes, {"lr": -alpha, "weight_decay": wd},
+                       direction="none")[0]
+    raise LoweringError(f"{lw.name}: an addition with alpha other than SGD's step is not lowered")
+
+
+def _adam_step_count(beta2: float, scale: float) -> int:
+    """The step n whose bias correction sqrt(1 - beta2 ** n) is ``scale``."""
+    for n in range(1, 100_000):
+        if (1 - beta2 ** n) ** 0.5 == scale:
+            return n
+    raise LoweringError(f"no Adam step has the bias correction {scale}")
+
+
+def _addcdiv(lw: _Lowerer, args, kwargs, shapes, group):
+    """AdamW's update ``p.addcdiv_(m, denom, value=-step_size)`` after its
+    moments: one ``adam_step`` of (p, g, m, v); its new moments become the
+    values of the states."""
+    target, m, denom = (lw.env.get(a[1]) for a in args[:3])
+    value = kwargs.get("value", args[3] if len(args) > 3 else 1.0)
+    p, keep = (target.p, target.keep) if isinstance(target, _Decayed) else (target, 1.0)
+    if p not in lw.params or not isinstance(m, _Moment1) or not isinstance(denom, _Denom) \
+            or denom.root or m.g != denom.v2.g:
+        raise LoweringError(f"{lw.name}: addcdiv_ other than AdamW's update is not lowered")
+    beta1, beta2 = 1.0 - m.weight, denom.v2.beta2
+    step = _adam_step_count(beta2, denom.scale)
+    lr = -value * (1 - beta1 ** step)
+    kw = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": denom.eps,
+          "weight_decay": (1.0 - keep) / lr, "decoupled": True, "step": step}
+    shape = lw.shapes[p]
+    lw.name = f"{lw.params[p]}.optimizer"
+    new_p, new_m, new_v = lw.emit("adam_step", [p, m.g, m.m, denom.v2.v], [shape] * 3, kw,
+                                  direction="none")
+    lw.updated[m] = new_m
+    lw.updated[denom.v2] = new_v
+    return new_p
+
+
 HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
     "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
+    "aten.empty_like.default": lambda lw, args, kwargs, shapes, group: "empty",
     "fsdp.all_gather_copy_in.default": _copy_in,
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
@@ -884,8 +1247,6 @@ HANDLERS: dict[str, Any] = {
     "aten.as_strided.default": _as_strided,
     "aten.div_.Scalar": _scalar("div"),
     "aten.div_.Tensor": _scalar("div"),
-    "aten.add.Tensor": _add,
-    "aten.add_.Tensor": _binary("add", "add_scalar"),
     "aten.slice.Tensor": _slice,
     "aten.sub.Tensor": _sub,
     "aten.lt.Scalar": _ids_test("lt"),
@@ -897,8 +1258,6 @@ HANDLERS: dict[str, Any] = {
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),
     "aten.mul.Scalar": _scalar("mul_scalar"),
     "aten.div.Scalar": _scalar("div"),
-    "aten.div.Tensor": _scalar("div"),
-    "aten.pow.Tensor_Scalar": _pow,
     "aten.rsqrt.default": _unary("rsqrt"),
     "aten.silu.default": _unary("silu"),
     "aten.silu_backward.default": _silu_bw,
@@ -920,11 +1279,9 @@ HANDLERS: dict[str, Any] = {
     "aten.reshape.default": _view,
     "aten.expand.default": _expand,
     "aten.ones_like.default": _constant("ones"),
-    "aten.zeros_like.default": _constant("zeros"),
     "aten.embedding.default": _embedding,
     "aten.embedding_dense_backward.default": _embedding_bw,
     "aten.copy_.default": _copy,
-    "_c10d_functional.all_reduce.default": _all_reduce,
     "_c10d_functional.all_gather_into_tensor.default": _all_gather,
     "_c10d_functional.reduce_scatter_tensor.default": _reduce_scatter,
     "aten.split.Tensor": _split,
@@ -934,10 +1291,28 @@ HANDLERS: dict[str, Any] = {
     "aten.squeeze.dims": _view,
     "aten.squeeze.default": _view,
     "aten.permute.default": _permute,
+    "aten._to_copy.default": _to_copy,
     "aten.add_.Scalar": _binary("add", "add_scalar"),
     "aten.sub_.Tensor": _sub,
-    "aten.mul_.Tensor": _binary("mul", "mul_scalar"),
     "aten.cat.default": _cat,
+    "c10d.allreduce_.default": _allreduce_inplace,
+    "aten._foreach_norm.Scalar": _foreach_norm,
+    "aten.linalg_vector_norm.default": _vector_norm,
+    "aten.stack.default": _stack,
+    "aten.div.Tensor": _div_tensor,
+    "aten.pow.Tensor_Scalar": _pow_pending,
+    "_c10d_functional.all_reduce.default": _all_reduce_pending,
+    "aten.reciprocal.default": _reciprocal,
+    "aten.clamp.default": _clamp,
+    "aten._foreach_mul_.Tensor": _foreach_mul_,
+    "aten.zeros_like.default": _zeros_like,
+    "aten.mul_.Tensor": _mul_inplace,
+    "aten.lerp_.Scalar": _lerp,
+    "aten.addcmul_.default": _addcmul,
+    "aten.sqrt.default": _sqrt,
+    "aten.add.Tensor": _add_pending(_add),
+    "aten.add_.Tensor": _add_pending(_binary("add", "add_scalar")),
+    "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
 }
 
@@ -952,9 +1327,10 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         lw.shapes[v] = tuple(trace["shapes"][v])
         inputs[v] = ("param", name)
         axes[v] = dims
+        lw.params[v] = name
     for name, (v, shape, what) in trace["buffers"].items():
         if what == "causal":
-            lw.env[v] = Const(v)
+            lw.env[v] = Const(v, -1)
             continue
         lw.env[v] = v
         lw.shapes[v] = tuple(shape)
@@ -973,14 +1349,31 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw.run(live_events(trace))
     losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}
-    return Lowered(trace["rank"], trace["coords"], lw.shapes, _used(lw.nodes, losses, grads),
-                   inputs, axes, losses, grads, lw.tokens, lw.const_values)
+    updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items()}
+    states = {n: {k: _updated(lw, n, v) for k, v in st.items()}
+              for n, st in trace.get("states", {}).items()}
+    finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
+    return Lowered(trace["rank"], trace["coords"], lw.shapes,
+                   _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
+                   lw.tokens, lw.const_values, updates, states)
 
 
-def _used(nodes: list[LNode], losses: list[int], grads: dict[str, int | None]) -> list[LNode]:
-    """The nodes the losses and the gradients depend on (collectives and
-    sends always stay: their peers on other ranks are matched by order)."""
-    need = set(losses) | {g for g in grads.values() if g is not None}
+def _updated(lw: _Lowerer, name: str, v: int | None) -> int:
+    """The lowered value a parameter or an optimizer state ends the step with."""
+    x = lw.env.get(v) if v is not None else None
+    x = lw.updated.get(x, x) if isinstance(x, (_Moment1, _Moment2)) else x
+    if not isinstance(x, int) or x in lw.params:
+        raise LoweringError(f"the optimizer step of {name} is not lowered (it is not "
+                            f"torch.optim's AdamW or SGD, for-loop implementation)")
+    return x
+
+
+def _used(nodes: list[LNode], losses: list[int], grads: dict[str, int | None],
+          finals: list[int] = ()) -> list[LNode]:
+    """The nodes the losses, the gradients and the updated parameters and
+    states depend on (collectives and sends always stay: their peers on
+    other ranks are matched by order)."""
+    need = set(losses) | {g for g in grads.values() if g is not None} | set(finals)
     keep = []
     for node in reversed(nodes):
         if node.group is not None or need.intersection(node.outs):

@@ -33,7 +33,7 @@ import torch
 #: stage methods whose first argument is the chunk (microbatch) id and that
 #: compute (sends and receives are batched across chunks: a received value
 #: takes its microbatch from the value sent, docs/torch-backend.md)
-CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk")
+CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 @dataclass
@@ -72,15 +72,21 @@ class Pipelined:
         self.offset = 0
         self.set_mb = set_mb
         self.schedule._warmup_p2p = _static_warmup
-        stage = self.schedule._stage
-        for name in CHUNK_METHODS:
-            method = getattr(stage, name)
+        for stage in self.stages:
+            for name in CHUNK_METHODS:
+                method = getattr(stage, name)
 
-            def wrapped(chunk_id, *args, _method=method, **kwargs):
-                self.set_mb(self.offset + chunk_id)
-                return _method(chunk_id, *args, **kwargs)
+                def wrapped(chunk_id, *args, _method=method, **kwargs):
+                    self.set_mb(self.offset + chunk_id)
+                    return _method(chunk_id, *args, **kwargs)
 
-            setattr(stage, name, wrapped)
+                setattr(stage, name, wrapped)
+
+    @property
+    def stages(self) -> list:
+        """The rank's stages: one for GPipe and 1F1B, several for interleaved
+        and zero-bubble schedules."""
+        return getattr(self.schedule, "_stages", None) or [self.schedule._stage]
 
     @property
     def microbatches(self) -> int:
@@ -95,7 +101,7 @@ class Pipelined:
         for k, (ids, lab) in enumerate(zip(tokens.chunk(n), labels.chunk(n))):
             self.offset = k * self.schedule._n_microbatches
             mine: list[torch.Tensor] = []
-            if self.schedule._stage.is_first:
+            if any(stage.is_first for stage in self.stages):
                 self.schedule.step(ids, target=lab, losses=mine, return_outputs=False)
             else:
                 self.schedule.step(target=lab, losses=mine, return_outputs=False)

@@ -14,14 +14,14 @@ import importlib
 import json
 import pickle
 import sys
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.pipeline import Pipelined, PipelineStep
-from backends.torch.record import Recorder, dims_axes, local_of
+from backends.torch.record import Recorder, Tracker, dims_axes, local_of
 
 
 def load(ref: str) -> Any:
@@ -30,6 +30,15 @@ def load(ref: str) -> Any:
     if not name:
         raise ValueError(f"'{ref}' is not of the form package.module:name")
     return getattr(importlib.import_module(module), name)
+
+
+def in_float64(t: torch.Tensor) -> torch.Tensor:
+    """Real tensors in float64, complex ones in complex128 (``Module.to``
+    would drop the imaginary part of a complex buffer such as torchtitan's
+    ``freqs_cis``), integer and boolean ones as they are."""
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.to(torch.float64) if t.is_floating_point() else t
 
 
 def run(spec: dict, rank: int) -> dict:
@@ -42,7 +51,7 @@ def run(spec: dict, rank: int) -> dict:
         mesh = init_device_mesh("cpu", (spec["pp"], spec["dp"], spec["tp"]),
                                 mesh_dim_names=("pp", "dp", "tp"))
     torch.manual_seed(spec["seed"])
-    model = load(spec["model"])(**spec["model_kwargs"]).to(torch.float64)
+    model = load(spec["model"])(**spec["model_kwargs"])._apply(in_float64)
     if hasattr(model, "global_tokens"):
         model.global_tokens = spec["batch"] * spec["seqlen"]
     after = None
@@ -59,7 +68,7 @@ def run(spec: dict, rank: int) -> dict:
     rows = slice(coords["dp"] * local_batch, (coords["dp"] + 1) * local_batch)
     tokens, labels = tokens[rows].clone(), labels[rows].clone()
 
-    tracker = ModuleTracker()
+    tracker = Tracker()
     rec = Recorder(tracker)
     pipelined = None
     if isinstance(after, PipelineStep):
@@ -74,7 +83,7 @@ def run(spec: dict, rank: int) -> dict:
         causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
                   and bool((b == torch.ones_like(b).triu(1)).all()))
         buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
-        rec.mark_constant(local_of(b), buffers[name][0])
+        rec.mark_constant(local_of(b), buffers[name][0], buffer=True)
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
     with tracker, rec:
@@ -85,10 +94,17 @@ def run(spec: dict, rank: int) -> dict:
             losses[0].backward()
         if after is not None:
             after(model, mesh)
+        optimizer = update(model, mesh, spec)
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
         grads[name] = None if g is None else rec.value(local_of(g))
+    updates, states = {}, {}
+    if optimizer is not None:
+        for name, p in model.named_parameters():
+            updates[name] = rec.value(local_of(p))
+            states[name] = {k: rec.value(local_of(t)) for k, t in optimizer.state[p].items()
+                            if isinstance(t, torch.Tensor) and t.shape == p.shape}
     values = None
     if spec.get("keep_values"):
         values = {
@@ -101,13 +117,42 @@ def run(spec: dict, rank: int) -> dict:
         }
     return {
         "rank": rank, "coords": coords, "events": rec.events, "shapes": rec.shapes,
+        "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
+        "from_buffer": rec.from_buffer,
         "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
         "values": values,
     }
+
+
+#: the optimizers a step may end with: torch.optim's, their default CPU
+#: implementation (for-loop), one step from zero state
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01, weight_decay=0.1),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.001, weight_decay=0.1),
+}
+
+
+def update(model: torch.nn.Module, mesh, spec: dict):
+    """Clip the gradients and take the optimizer step the spec asks for:
+    on one device with torch's ``clip_grad_norm_``, on a rank with the
+    spec's clipper (``clipper(model, mesh, max_norm)``; the default is
+    ``backends.torch.recipes:clip_grad_norm``). The optimizer, or None."""
+    if spec.get("clip"):
+        if mesh is None:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), spec["clip"])
+        else:
+            load(spec.get("clipper") or "backends.torch.recipes:clip_grad_norm")(
+                model, mesh, spec["clip"])
+    name = spec.get("optimizer") or "none"
+    if name == "none":
+        return None
+    optimizer = OPTIMIZERS[name](list(model.parameters()))
+    optimizer.step()
+    return optimizer
 
 
 def run_isolated(spec: dict, rank: int) -> dict | str:
@@ -117,7 +162,9 @@ def run_isolated(spec: dict, rank: int) -> dict | str:
     import warnings
     warnings.filterwarnings("ignore")
     try:
-        return run(spec, rank)
+        trace = run(spec, rank)
+        trace["cpu"] = time.process_time()  # this process's CPU: imports after the fork, the run
+        return trace
     except Exception:  # any failure of the user's model or recipe: reported, one line
         lines = [ln for ln in traceback.format_exc().strip().splitlines() if ln.strip()]
         return lines[-1]

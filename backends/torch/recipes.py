@@ -10,11 +10,22 @@ rows [d * B/dp, (d + 1) * B/dp) of the batch.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -35,11 +46,14 @@ def llama_tp_plan(model, tp_mesh, norms: bool = True, vocab_parallel: bool = Fal
     embedding = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
                  if vocab_parallel else
                  PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)))
-    parallelize_module(model, tp_mesh, {
+    root = {
         "tok_embeddings": embedding,
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    }
+    # a pipeline stage holds some of these modules (the others are None)
+    parallelize_module(model, tp_mesh, {k: v for k, v in root.items()
+                                        if getattr(model, k) is not None})
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
@@ -74,6 +88,40 @@ def all_reduce_dp(model, mesh) -> None:
             p.grad = p.grad.redistribute(placements=p.placements)
         local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
         local.copy_(funcol.all_reduce(local, "sum", group))
+
+
+def llama_plain_tp_plan(model, tp_mesh, wo_output=None) -> None:
+    """Megatron's tensor parallelism without sequence parallelism: norms and
+    the residual stream replicated, q/k/v, w1, w3 and the output colwise, wo
+    and w2 rowwise (their outputs all-reduced to ``Replicate``).
+    ``wo_output=Partial()`` leaves wo's output a partial sum (a bug)."""
+    parallelize_module(model, tp_mesh, {
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=wo_output or Replicate()),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+def tp(model, mesh):
+    """Tensor parallelism without sequence parallelism on "tp", gradients
+    summed over "dp"."""
+    llama_plain_tp_plan(model, mesh["tp"])
+    return all_reduce_dp
+
+
+def tp_rowwise_partial(model, mesh):
+    """Bug: tp with attention.wo's ``RowwiseParallel`` output left
+    ``Partial``: each rank adds its partial sum to the residual stream."""
+    llama_plain_tp_plan(model, mesh["tp"], wo_output=Partial())
+    return all_reduce_dp
 
 
 def average_dp(model, mesh, dim: str = "dp", op: str = "avg") -> None:
@@ -169,6 +217,21 @@ def fsdp_tp(model, mesh, divide_factor: float | None = 1.0):
     return reduce_tp_partials
 
 
+def fsdp_tp_block_left_out(model, mesh):
+    """fsdp_tp with the last block left out of its own ``fully_shard``: the
+    root's ``fully_shard`` then owns its parameters, which are sharded,
+    gathered and reduced with the root's. A mistake that changes no value
+    (only when the block's parameters are gathered and freed)."""
+    llama_tp_plan(model, mesh["tp"])
+    blocks = list(model.layers.values())
+    for block in blocks[:-1]:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    for module in (model, *blocks[:-1]):
+        module.set_gradient_divide_factor(1.0)
+    return reduce_tp_partials
+
+
 def fsdp_tp_default_divide(model, mesh):
     """fsdp_tp keeping FSDP's default divide factor (the data-parallel size):
     with a loss already divided by the whole step's token count, every
@@ -176,47 +239,100 @@ def fsdp_tp_default_divide(model, mesh):
     return fsdp_tp(model, mesh, divide_factor=None)
 
 
-def keep_stage(model, stage: int, stages: int) -> None:
-    """Keep, in place, the modules of pipeline stage ``stage`` of ``stages``
-    (torchtitan's split: contiguous layers, the embedding on the first stage,
-    the final norm and output on the last)."""
-    names = list(model.layers.keys())
-    if len(names) % stages:
-        raise ValueError(f"{len(names)} layers do not split into {stages} stages")
-    per = len(names) // stages
-    for name in names[:stage * per] + names[(stage + 1) * per:]:
+def stage_layers(model, stage: int, stages: int) -> list[str]:
+    """The layer names of pipeline stage ``stage`` of ``stages`` (torchtitan's
+    split: contiguous layers, equally many per stage), named as in the full
+    model (``model.args.layers`` of them) also after stages were dropped."""
+    total = model.args.layers
+    if total % stages:
+        raise ValueError(f"{total} layers do not split into {stages} stages")
+    per = total // stages
+    return [str(i) for i in range(stage * per, (stage + 1) * per)]
+
+
+def keep_stages(model, held: list[int], stages: int) -> None:
+    """Keep, in place, the modules of the pipeline stages ``held`` of
+    ``stages``: their layers, the embedding if stage 0 is held, the final
+    norm and output if the last is."""
+    keep = {n for s in held for n in stage_layers(model, s, stages)}
+    for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
-    if stage != 0:
+    if 0 not in held:
         model.tok_embeddings = None
-    if stage != stages - 1:
+    if stages - 1 not in held:
         model.norm = None
         model.output = None
 
 
+def keep_stage(model, stage: int, stages: int) -> None:
+    """Keep, in place, the modules of pipeline stage ``stage`` of ``stages``."""
+    keep_stages(model, [stage], stages)
+
+
+def stage_module(model, stage: int, stages: int):
+    """Stage ``stage`` of a model that keeps several stages (``keep_stages``):
+    a module sharing the model's submodules and parameters, with the other
+    stages' modules left out (torchtitan builds one such module per stage)."""
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    view.layers = nn.ModuleDict({n: model.layers[n] for n in stage_layers(model, stage, stages)})
+    if stage != 0:
+        view.tok_embeddings = None
+    if stage != stages - 1:
+        view.norm = None
+        view.output = None
+    return view
+
+
+#: which stages rank r of a pipeline of pp ranks holds, with v stages per rank
+STAGE_STYLES = {
+    "loop": lambda r, pp, v: [r + k * pp for k in range(v)],  # interleaved, looped BFS
+    "v": lambda r, pp, v: [r, 2 * pp - 1 - r],  # ZBV, DualPipeV: a V of two stages
+}
+
+
 def pipeline(model, mesh, schedule_class, microbatches: int = 2, scale_grads: bool = False,
-             accumulation: int = 1) -> PipelineStep:
-    """Pipeline parallelism on "pp" with ``schedule_class`` (GPipe, 1F1B) and
+             accumulation: int = 1, tp: bool = False, per_rank: int = 1,
+             style: str = "loop") -> PipelineStep:
+    """Pipeline parallelism on "pp" with ``schedule_class`` and
     ``microbatches`` per step; gradients summed over "dp". Each
     microbatch's loss is its share of the step's mean (the model divides by
     the step's token count), so the microbatches' gradients are summed:
-    ``scale_grads=False``, as PyTorch's documentation says for such losses."""
+    ``scale_grads=False``, as PyTorch's documentation says for such losses.
+
+    ``per_rank`` stages per rank (interleaved and zero-bubble schedules take
+    a list of stages), placed by ``style`` (``STAGE_STYLES``); ``tp`` applies
+    the tensor and sequence parallel plan on "tp" inside every stage, whose
+    activations are then cut along the sequence between stages."""
     pp = mesh["pp"]
-    stage, stages = pp.get_local_rank(), pp.size()
+    rank, size = pp.get_local_rank(), pp.size()
+    stages = size * per_rank
+    held = STAGE_STYLES[style](rank, size, per_rank) if per_rank > 1 else [rank]
     args = model.args
-    keep_stage(model, stage, stages)
+    keep_stages(model, held, stages)
+    if tp:
+        llama_tp_plan(model, mesh["tp"])
+    seq = args.seqlen // mesh["tp"].size() if tp else args.seqlen
+    modules = [stage_module(model, s, stages) if per_rank > 1 else model for s in held]
 
     def schedule(tokens):
         rows = tokens.shape[0] // microbatches
-        hidden = torch.empty(rows, args.seqlen, args.hidden, dtype=torch.float64,
-                             requires_grad=True)
-        first = tokens[:rows] if stage == 0 else hidden
+        hidden = torch.empty(rows, seq, args.hidden, dtype=torch.float64, requires_grad=True)
         last = torch.empty(rows, args.seqlen, args.vocab, dtype=torch.float64, requires_grad=True)
-        pp_stage = PipelineStage(model, stage, stages, torch.device("cpu"), input_args=first,
-                                 output_args=last if stage == stages - 1 else hidden,
-                                 group=pp.get_group())
-        return schedule_class(pp_stage, microbatches, loss_fn=model.loss, scale_grads=scale_grads)
+        built = [PipelineStage(module, s, stages, torch.device("cpu"),
+                               input_args=tokens[:rows] if s == 0 else hidden,
+                               output_args=last if s == stages - 1 else hidden,
+                               group=pp.get_group())
+                 for s, module in zip(held, modules)]
+        first = built if per_rank > 1 else built[0]
+        return schedule_class(first, microbatches, loss_fn=model.loss, scale_grads=scale_grads)
 
-    after = all_reduce_dp if mesh["dp"].size() > 1 else None
+    if mesh["dp"].size() > 1:
+        after = all_reduce_dp
+    elif tp:
+        after = reduce_tp_partials
+    else:
+        after = None
     return PipelineStep(schedule, accumulation, after)
 
 
@@ -255,3 +371,64 @@ def pp_accumulate_scale_grads(model, mesh):
     the microbatch count at the end of every step: with accumulation, a
     moving average instead of a sum."""
     return pipeline(model, mesh, ScheduleGPipe, accumulation=2, scale_grads=True)
+
+
+def pp_tp(model, mesh):
+    """1F1B over "pp" with the tensor and sequence parallel plan on "tp" inside
+    each stage (torchtitan's 3-D recipe without FSDP): the activations a
+    stage sends are its sequence shard."""
+    return pipeline(model, mesh, Schedule1F1B, tp=True)
+
+
+def pp_interleaved_1f1b(model, mesh):
+    """Interleaved 1F1B: two stages per rank, looped (rank r holds stages r
+    and r + pp), four microbatches."""
+    return pipeline(model, mesh, ScheduleInterleaved1F1B, microbatches=4, per_rank=2)
+
+
+def pp_looped_bfs(model, mesh):
+    """Looped BFS: two stages per rank, looped, all forwards of a stage
+    before the next."""
+    return pipeline(model, mesh, ScheduleLoopedBFS, microbatches=4, per_rank=2)
+
+
+def pp_interleaved_zero_bubble(model, mesh):
+    """Interleaved zero bubble: two looped stages per rank, the backward split
+    into the input gradient and the weight gradient, run apart."""
+    return pipeline(model, mesh, ScheduleInterleavedZeroBubble, microbatches=4, per_rank=2)
+
+
+def pp_zbv(model, mesh):
+    """ZBV zero bubble: a V of two stages per rank (r and 2 pp - 1 - r), the
+    backward split into input and weight gradients."""
+    return pipeline(model, mesh, ScheduleZBVZeroBubble, microbatches=4, per_rank=2, style="v")
+
+
+def clip_grad_norm(model, mesh, max_norm: float) -> None:
+    """Clip the gradients by their total norm, as torchtitan does: the norm
+    of the DTensor gradients made whole (``full_tensor``), then, with
+    pipeline stages, the stages' squared norms summed across "pp" (the fix
+    of torchtitan PR 649: each stage holds only its own gradients)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if mesh["pp"].size() > 1:
+        total = funcol.all_reduce(total ** 2, "sum", mesh["pp"]) ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+
+
+class ContextParallelRefused(RuntimeError):
+    """PyTorch's context parallelism does not run on the CPU."""
+
+
+def cp_sdpa(model, mesh):
+    """Context parallelism with PyTorch's own
+    ``torch.distributed.tensor.experimental.context_parallel``: refused. Its
+    ring attention replaces only the CUDA attention kernels (flash,
+    efficient, cuDNN); on the CPU, SDPA runs
+    ``_scaled_dot_product_flash_attention_for_cpu``, for which it raises
+    ``NotImplementedError`` (docs/torch-backend.md)."""
+    raise ContextParallelRefused(
+        "context_parallel does not run on the CPU: its ring attention handles only the CUDA "
+        "SDPA kernels (flash, efficient, cuDNN), not _scaled_dot_product_flash_attention_for_cpu")

@@ -53,6 +53,7 @@ class Recorder(TorchDispatchMode):
         self.storages: dict[tuple[int, int, int], int] = {}
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
+        self.from_buffer: set[int] = set()  # constants computed from a module's buffer
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
 
     # -- values ---------------------------------------------------------------
@@ -116,9 +117,12 @@ class Recorder(TorchDispatchMode):
                             [tuple(t.shape)], self.scope(), None, self.mb))
         return v
 
-    def mark_constant(self, t: torch.Tensor, v: int) -> None:
-        """``t`` (value ``v``) is the same in every run: keep its value when small."""
+    def mark_constant(self, t: torch.Tensor, v: int, buffer: bool = False) -> None:
+        """``t`` (value ``v``) is the same in every run: keep its value when
+        small; ``buffer``: a module's buffer, or computed from one."""
         self.constants.add(v)
+        if buffer:
+            self.from_buffer.add(v)
         if t.numel() <= CONSTANT_NUMEL:
             self.constvals[v] = t.detach().cpu().resolve_conj().numpy().copy()
 
@@ -159,6 +163,8 @@ class Recorder(TorchDispatchMode):
             outs = [o for o in tree_flatten(kwargs["out"])[0] if isinstance(o, torch.Tensor)]
         if name == "c10d.recv_.default":
             outs = list(args[0])  # received in place: the buffers hold new values
+        if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
+            outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
         group = None
         if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))
@@ -167,8 +173,10 @@ class Recorder(TorchDispatchMode):
             return out
         ids = [self.new_value(o) for o in outs]
         if constant:
+            flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            buffer = any(self.value(a) in self.from_buffer for a in flat_in)
             for o, v in zip(outs, ids):
-                self.mark_constant(o, v)
+                self.mark_constant(o, v, buffer)
         if name == "aten.as_strided.default":
             for o, v in zip(outs, ids):
                 self.register_storage(o, v)
@@ -182,6 +190,23 @@ class Recorder(TorchDispatchMode):
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
+
+
+class Tracker(ModuleTracker):
+    """PyTorch's module tracker, except that a module's backward is not
+    marked as left at its leaf inputs (a pipeline stage's received
+    activation): the hook that would mark it fails under ``autograd.grad``
+    with such inputs, which zero-bubble schedules run to split the backward
+    into input and weight gradients. Only scope names depend on it."""
+
+    def _fw_pre_hook(self, mod, input) -> None:
+        leaves = tuple(a for a in tree_flatten(input)[0]
+                       if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None)
+        if not leaves:
+            super()._fw_pre_hook(mod, input)
+            return
+        name = self._get_mod_name(mod)
+        self._get_append_fn(name, False)()
 
 
 def group_from_name(name: str) -> tuple[int, ...]:
@@ -198,12 +223,18 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+#: the backend's axis of a mesh dim a library names otherwise (transformers'
+#: "fsdp", torchtitan's "dp_shard"): the data-parallel axis
+AXIS_NAMES = {"fsdp": "dp", "dp_shard": "dp"}
+
+
 def dims_axes(t: torch.Tensor) -> list[list[str]]:
-    """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer first."""
+    """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer
+    first (a mesh dim named as in ``AXIS_NAMES`` is the axis it names)."""
     from torch.distributed.tensor.placement_types import _StridedShard
     axes: list[list[str]] = [[] for _ in range(t.dim())]
     if isinstance(t, DTensor):
-        names = t.device_mesh.mesh_dim_names or ()
+        names = [AXIS_NAMES.get(n, n) for n in t.device_mesh.mesh_dim_names or ()]
         strided = []
         for mesh_dim, p in enumerate(t.placements):
             if isinstance(p, _StridedShard):

@@ -147,8 +147,22 @@ def _split_shape(in_shapes, dim, parts, index):
     return [tuple(s)]
 
 
+def _split_dims(ins, outs, dim, parts, index):
+    """Other dims tie input and output; the split dim is ``parts`` times the piece."""
+    x, out = ins[0], outs[0]
+    shape = x if x is not None else out
+    if shape is None:
+        return []
+    d = dim % len(shape)
+    if x is None or out is None:
+        return []
+    rel = [("eq", ("i", 0, k), ("o", 0, k)) for k in range(len(shape)) if k != d]
+    return rel + [("mul", ("i", 0, d), [("o", 0, d)], parts)]
+
+
 SPLIT = Op(
     "split",
+    dims=_split_dims,
     shape=_split_shape,
     forward=lambda xp, x, dim, parts, index: (xp.copy(_chunk(x[0], parts, dim, index)),),
     doc="local chunk 'index' of 'parts' along dim (no communication)",

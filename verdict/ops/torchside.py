@@ -1,7 +1,8 @@
 """Operators that PyTorch's own kernels need and the model leaves do not:
 broadcasting a tensor to a larger shape (``aten.expand``), the activations
 of ``torch.nn`` (GELU, tanh, sigmoid, ReLU), concatenation and uneven
-pieces (``aten.cat``, ``aten.split_with_sizes``)."""
+pieces (``aten.cat``, ``aten.split_with_sizes``), bounding values
+(``aten.clamp``, as gradient clipping bounds its coefficient)."""
 
 from __future__ import annotations
 
@@ -240,4 +241,26 @@ NARROW = Op(
     doc="elements [start, start + length) of dim (an uneven piece of torch.split)",
 )
 
-OPS = (EXPAND, GELU, TANH, SIGMOID, RELU, CAT, NARROW)
+def _clamp_forward(xp, x, min=None, max=None):  # noqa: A002 (torch's names)
+    out = x[0]
+    if min is not None:
+        out = xp.maximum(out, np.full(np.shape(out), float(min)))
+    if max is not None:
+        out = -xp.maximum(-out, np.full(np.shape(out), -float(max)))
+    return (out,)
+
+
+def _clamp_shape(in_shapes, min=None, max=None):  # noqa: A002
+    expect(len(in_shapes) == 1, "clamp takes one input")
+    return [tuple(in_shapes[0])]
+
+
+CLAMP = Op(
+    "clamp",
+    shape=_clamp_shape,
+    forward=_clamp_forward,
+    doc="x bounded below by min and above by max (either may be None), elementwise; "
+        "exact (if-terms) in the symbolic backend",
+)
+
+OPS = (EXPAND, GELU, TANH, SIGMOID, RELU, CAT, NARROW, CLAMP)

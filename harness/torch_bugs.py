@@ -1,0 +1,47 @@
+"""Shipped bugs written on the real code paths the torch backend traces: each
+is the change that shipped, as a recipe or a clipper passed to
+``python -m backends.torch`` (``--recipe harness.torch_bugs:NAME`` or
+``--clipper harness.torch_bugs:NAME``); the backend itself never applies
+them. docs/real-bugs.md says which bug each one is and what the verifier
+reports.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from backends.torch.recipes import all_reduce_dp, llama_tp_plan
+
+
+def tp_sp_local_token_mean(model, mesh):
+    """Megatron-LM issue 7452, finding 3: the per-token loss normalized by the
+    rank's own token count instead of the step's (``process_mtp_loss``
+    divides by local counts), then summed over data-parallel replicas as a
+    per-token loss is: every gradient is dp times too large (with uneven
+    valid-token counts, weighted wrongly as well)."""
+    llama_tp_plan(model, mesh["tp"])
+    model.global_tokens //= mesh["dp"].size()
+    return all_reduce_dp
+
+
+def clip_local_norm(model, mesh, max_norm: float) -> None:
+    """Gradient clipping by the norm of the rank's own gradient pieces (the
+    local tensors of its DTensor gradients), never reduced across the ranks
+    that hold the other pieces: the mistake of torchtitan issue 596 (there
+    across pipeline stages), made across tensor-parallel shards."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None],
+                                         max_norm, total)
+
+
+def clip_stage_norm(model, mesh, max_norm: float) -> None:
+    """torchtitan issue 596 (fixed by PR 649): under pipeline parallelism each
+    stage clips with ``torch.nn.utils.clip_grad_norm_`` over its own
+    parameters, so the norm is the stage's, not the model's (the fix sums
+    the stages' squared norms over the pipeline group:
+    ``backends.torch.recipes:clip_grad_norm``)."""
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                   max_norm)
