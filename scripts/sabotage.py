@@ -7,9 +7,8 @@ the tracked files (this checkout is never touched). In the copy it runs the
 checks that should notice: the oracle tests (tests/test_oracle.py: the
 canaries, the single-device maps, the solver behind a right claim) and the
 mutation harness on the two small mlp bases, 4 mutants per operator (its
-canaries, wrong SUCCESS,
-the ceilings on equivalent outcomes), or with ``--quick`` its whole
-``--quick`` run (the floors too; minutes more). A sabotage that no check
+canaries, wrong SUCCESS, the ceilings on equivalent outcomes), or with
+``--quick`` its whole ``--quick`` run (the floors too; minutes more). A sabotage that no check
 notices is a hole in the checking: exit 1.
 docs/mutation.md ("Sabotage") holds the last report.
 """
