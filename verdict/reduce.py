@@ -317,7 +317,10 @@ def _sizes(classes: _Classes, products: list[tuple[Ref, list[Ref], int]]):
         value = k * math.prod(base(f) for f in factors)
         count = classes.count[root]
         if value % count:
-            first = classes.find(factors[0])
+            # grow the outermost factor that can hold pieces: a factor of full
+            # size 1 (a flatten of [1, n]) cannot, the next one carries them all
+            growable = [f for f in factors if classes.full[classes.find(f)] > 1] or factors
+            first = classes.find(growable[0])
             grow = count // math.gcd(count, value)
             extra[first] = base(first) * grow
             value *= grow
