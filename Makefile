@@ -1,5 +1,5 @@
 # make demo: set up, generate the demo plans, check them.   make test: the test suite
-# (two workers; about N minutes on 2 cores).
+# (two workers; under 10 minutes on 2 cores, README "Set up and run").
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -13,8 +13,13 @@ replicas with numpy (docs/plan-format.md, "Replicated generation"):
   partial-sum part, a reducer's group index, a send's source rank) is
   affine in (D, d): ``v = a + b D + c d``. The three coefficients come from
   replicas 0 and 1 of dp 2 and replica 0 of dp 3; replicas 1 and 2 of dp 3
-  check the fit, and a value that does not fit refuses the array path
-  (:class:`NotReplicable`), so nothing is extrapolated that was not checked.
+  check the dependence on d, and a value that does not fit refuses the
+  array path (:class:`NotReplicable`). The dependence on D is fitted from
+  the two sizes: it is linear by the parallelizer's formulas (rank
+  ``(stage D + d) block + rest``, batch offset ``(m D + d) R w``, parts
+  ``d S + r`` of ``D S``, a reducer's index ``d cp + c``), and
+  tests/test_replicate.py compares the result with the row generator's.
+  A tensor's scale (a rational) must be the same on every replica and size.
 * A node reads tensors of its own replica, or (a cross-replica reducer) one
   block of tensors per replica, in replica order: the D members of such a
   group share one range of the input pool.
@@ -182,8 +187,25 @@ class _Expander:
         fit = _fit(p2[tw[:, 0]], p2[tw[:, 1]], p3[tw[:, 2]], p3[tw[:, 3]], p3[tw[:, 4]],
                    "tensor parts")
         out["parts"] = _affine(fit, rows, d, dp)
+        out["scale"] = self.scales(rows)
         out["slices"] = self.slices(rows, d)
         return TensorColumns(**out)
+
+    def scales(self, rows: Array) -> Array | None:
+        """The tensors' scales (None: none scaled), which must be the same
+        on every replica and size."""
+        c2, c3, tw = self.two.cols.tensors, self.three.cols.tensors, self.tw
+
+        def of(t: TensorColumns, col: int) -> Array:
+            if t.scale is None:
+                return np.ones((len(tw), 2), dtype=np.int64)
+            return t.scale[tw[:, col]].astype(np.int64)
+
+        scale = of(c2, 0)
+        if not all(np.array_equal(scale, of(c, k)) for c, k in ((c2, 1), (c3, 2), (c3, 3),
+                                                                 (c3, 4))):
+            raise NotReplicable("a tensor's scale differs between replicas or sizes")
+        return None if (scale == 1).all() else narrow(scale[rows])
 
     def slices(self, rows: Array, d: Array) -> Array:
         small = [(s.cols.tensors, s.cols.tensors.slice_offsets(s.cols.logical))

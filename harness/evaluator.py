@@ -331,6 +331,7 @@ LOCAL: dict[str, Forward] = {
     "route": lambda x, topk, capacity: [_route(_single(x), topk, capacity)],
     "sgd_step": _sgd,
     "adam_step": _adam,
+    "clamp": lambda x, min=None, max=None: [torch.clamp(_single(x), min=min, max=max)],  # noqa: A006
 }
 
 

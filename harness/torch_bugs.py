@@ -35,3 +35,13 @@ def clip_local_norm(model, mesh, max_norm: float) -> None:
     total = torch.nn.utils.get_total_norm(grads)
     torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None],
                                          max_norm, total)
+
+
+def clip_stage_norm(model, mesh, max_norm: float) -> None:
+    """torchtitan issue 596 (fixed by PR 649): under pipeline parallelism each
+    stage clips with ``torch.nn.utils.clip_grad_norm_`` over its own
+    parameters, so the norm is the stage's, not the model's (the fix sums
+    the stages' squared norms over the pipeline group:
+    ``backends.torch.recipes:clip_grad_norm``)."""
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                   max_norm)

@@ -99,8 +99,8 @@ def main() -> int:
     p.add_argument("--plans", type=Path, default=ROOT / "data/plans/points")
     p.add_argument("--keep", action="store_true", help="keep the plan files")
     p.add_argument("--npz", action="store_true",
-                   help="convert the parallel plan to a columnar file (main.py --convert) and "
-                        "verify that (timed apart: convert_s)")
+                   help="generate the parallel plan as a columnar file (gen_model --format npz: "
+                        "by array arithmetic where it can) and verify that")
     args = p.parse_args()
 
     out = args.plans / args.name
@@ -113,7 +113,8 @@ def main() -> int:
            "factor": args.factor, "value": args.value, "model": args.model, "par": args.par,
            "gbs": args.gbs, "host": platform.node(), "load": os.getloadavg()[0]}
     single = run_step(gen, args.timeout, args.mem_gb, logs / f"{args.name}.gen_single.log")
-    parallel = run_step([*gen, *shlex.split(args.par)], args.timeout, args.mem_gb,
+    form = ["--format", "npz"] if args.npz else []
+    parallel = run_step([*gen, *shlex.split(args.par), *form], args.timeout, args.mem_gb,
                         logs / f"{args.name}.gen.log")
     text = (logs / f"{args.name}.gen.log").read_text()
     nodes = re.search(r"\((\d+) nodes", text)
@@ -126,13 +127,8 @@ def main() -> int:
     pm = next((f for n, f in pkls.items() if f != sm), None)
     verify = {"seconds": "", "peak_mib": "", "exit": "", "fate": ""}
     stats: dict = {}
-    if args.npz and pm and parallel["exit"] == 0:
-        npz = pm.with_suffix(".npz")
-        convert = run_step([py, "main.py", "--convert", str(pm), str(npz)], args.timeout,
-                           args.mem_gb, logs / f"{args.name}.convert.log")
-        row.update(convert_s=convert["seconds"], convert_mib=convert["peak_mib"])
-        pm.unlink()
-        pm = npz if convert["exit"] == 0 else None
+    if args.npz:
+        pm = next(iter(out.glob("*.npz")), None)
     if single["exit"] == 0 and parallel["exit"] == 0 and sm and pm:
         summary = out / "summary.json"
         verify = run_step([py, "main.py", "--sm", str(sm), "--pm", str(pm), "--no_cache_nodes",

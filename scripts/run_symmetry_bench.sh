@@ -4,10 +4,10 @@
 # nm points of the sweep, materialized, and one wrong replica at dp512.
 # The model is the sweep's llama3 (32 layers, hidden 128): node counts equal
 # Llama3-8B's at the same parallelism (shape reduction makes the verifier's
-# work independent of the hidden size). Each plan is generated as a pickle,
-# converted to a columnar file (main.py --convert, timed apart) and verified
-# from it; wall and CPU seconds and peak memory per step go to
-# data/stats/symmetry.csv (scripts/run_point.py).
+# work independent of the hidden size). Each parallel plan is generated as a
+# columnar file (gen_model --format npz: by array arithmetic above 3
+# replicas) and verified from it; wall and CPU seconds and peak memory per
+# step go to data/stats/symmetry.csv (scripts/run_point.py).
 #
 #   bash scripts/run_symmetry_bench.sh [POINT...]   # PY, TIMEOUT (1800), MEM_GB (16) may be set
 #   POINT: dp8 dp64 dp512 nm2 nm32 wrong512 (default: all)
@@ -27,7 +27,7 @@ wrong512() {  # replica 3 loads replica 2's rows, in the plan the dp512 point ke
     mkdir -p data/logs/points
     local sm pm
     sm=$(ls "$dir"/*_dp1_pp1_tp1_nm1_*.pkl) || { echo "wrong512 needs the dp512 point first"; return 1; }
-    pm=$(ls "$dir"/*.npz)
+    pm=$(ls "$dir"/*.npz | grep -v wrong.npz)
     /usr/bin/time -f "wrong512: mutate %e s wall, %U+%S s CPU, %M KiB peak" \
         nice "$PY" scripts/wrong_replica.py "$pm" "$dir/wrong.npz" --replica 3
     /usr/bin/time -f "wrong512: verify %e s wall, %U+%S s CPU, %M KiB peak" \

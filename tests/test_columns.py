@@ -233,3 +233,44 @@ def test_slices_checked_in_chunks(monkeypatch):
     bad = replace(cols, tensors=replace(cols.tensors, slices=sl))
     with pytest.raises(PlanError, match=f"tensor {victim}: slice"):
         columnar.validate_columns(bad)
+
+
+def test_main_verifies_columnar_files(tmp_path, capsys):
+    """Columnar plans verify as their pickles do: the equivalent pair exits
+    0, the wrong plan 1 (main.py reads each file by its content)."""
+    from helpers import mlp_plan_files
+
+    files = mlp_plan_files(tmp_path, Parallelism(dp=4, tp=2))
+    for name, path in files.items():
+        assert main.main(["--convert", str(path), str(path.with_suffix(".npz"))]) == 0
+        files[name] = path.with_suffix(".npz")
+    flags = ["--no_cache_stages", "--stats_dir", str(tmp_path / "stats"), "--cache_dir",
+             str(tmp_path / "cache"), "--log_dir", str(tmp_path / "logs")]
+    capsys.readouterr()
+    assert main.main(["--sm", str(files["single"]), "--pm", str(files["parallel"]), *flags]) == 0
+    assert "SUCCESS" in capsys.readouterr().out
+    assert main.main(["--sm", str(files["single"]), "--pm", str(files["wrong"]), *flags]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def scaled_plan():
+    p = plan()
+    tensors = list(p.tensors)
+    tensors[3] = tensors[3]._replace(scale=(1, 2))
+    tensors[7] = tensors[7]._replace(scale=(-3, 4))
+    return replace(p, tensors=tensors)
+
+
+def test_scales_round_trip_and_are_checked(tmp_path, capsys):
+    p = scaled_plan()
+    cols = Columns.from_plan(p)
+    assert cols.to_plan() == p
+    save_plan(p, tmp_path / "s.npz")
+    assert load_plan(tmp_path / "s.npz") == p
+    assert Columns.from_plan(plan()).tensors.scale is None
+    arrays = members(cols)
+    for bad_scale, name in (([0, 1], "zero"), ([1, -2], "negative")):
+        scale = arrays["t_scale"].astype(np.int64)
+        scale[3] = bad_scale
+        _refused(write(tmp_path / f"{name}.npz", dict(arrays, t_scale=scale)), capsys,
+                 "tensor 3: scale")

@@ -46,7 +46,7 @@ COVERED = {
     "all_reduce", "all_reduce_max", "reducer", "all_gather", "reduce_scatter", "all_to_all", "split",
     "send_recv", "broadcast", "all_reduce_avg", "reduce_scatter_avg",
     # torch-side
-    "expand", "gelu", "tanh", "sigmoid", "relu", "cat", "narrow",
+    "expand", "gelu", "tanh", "sigmoid", "relu", "cat", "narrow", "clamp",
 }
 
 COLLECTIVES = {
@@ -707,6 +707,23 @@ def test_shape_errors_are_value_errors_with_a_message() -> None:
 # ---------------------------------------------------------------- coverage
 
 
+def test_clamp_is_torch_clamp() -> None:
+    """Numerically torch.clamp; symbolically exact if-terms."""
+    import z3
+
+    from backends.z3backend import SymbolicXP
+    x = randn(3, 4, seed=50)
+    for kw in ({"min": None, "max": 0.3}, {"min": -0.2, "max": None}, {"min": -0.2, "max": 0.3}):
+        (got,) = get_op("clamp").forward(NumericXP, [x], **kw)
+        want = torch.clamp(torch.from_numpy(x), min=kw["min"], max=kw["max"]).numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=0)
+    v = z3.Real("v")
+    (sym,) = get_op("clamp").forward(SymbolicXP, [np.array([v], dtype=object)], min=None, max=1.0)
+    solver = z3.Solver()
+    solver.add(v == 3, sym[0] != 1)
+    assert solver.check() == z3.unsat
+
+
 def test_every_op_is_covered() -> None:
     missing = sorted(set(OPS) - COVERED)
     assert not missing, f"operators without a test in tests/test_ops.py: {missing}"
@@ -721,5 +738,6 @@ def test_cases_cover_every_differentiable_op() -> None:
     assert with_backward <= {c.op for c in CASES}
     forward_only = {n for n, op in OPS.items() if op.backward is None} - COLLECTIVES
     assert forward_only == {"zeros", "ones", "local_grad_accumulation", "route", "detach",
-                            "sgd_step", "adam_step"}  # the steps: tests/test_optimizer.py
+                            "sgd_step", "adam_step",  # the steps: tests/test_optimizer.py
+                            "clamp"}  # test_clamp_is_torch_clamp
     assert all(n in OPS for n in COLLECTIVES)

@@ -47,10 +47,10 @@ def smalls(cfg, par, gbs, policy):
     (MLP, Parallelism(dp=5, tp=2, pp=2, nm=2), 20, Policy()),
     (LLAMA, Parallelism(dp=4, tp=2, pp=2, nm=2), 16, Policy(vocab_parallel=True)),
     (LLAMA, Parallelism(dp=4, cp=2, nm=2), 16, Policy(cp_balance=True, schedule="gpipe")),
-    (LLAMA, Parallelism(dp=4, tp=2, pp=2, nm=2), 16, Policy(sequence_parallel=True,
-                                                            virtual_stages=1)),
+    (replace(LLAMA, layers=4), Parallelism(dp=4, tp=2, pp=2, nm=2), 16,
+     Policy(sequence_parallel=True, virtual_stages=2)),
     (MOE, Parallelism(dp=4, nm=2), 8, Policy()),
-], ids=["mlp", "llama-vocab", "llama-cp", "llama-sp", "moe"])
+], ids=["mlp", "llama-vocab", "llama-cp", "llama-sp-vpp", "moe"])
 def test_same_plan_as_the_row_generator(cfg, par, gbs, policy):
     assert replicable(par, policy, "default")
     rows = make_plan(cfg, par, gbs, policy=policy)

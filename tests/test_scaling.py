@@ -199,3 +199,30 @@ def test_columnar_plans_keep_scales(tmp_path) -> None:
     _, unscaled = plan_pair(MLP, Parallelism(dp=2), 8)
     path, _ = save_plan(unscaled, tmp_path / "u.npz")
     assert all(t.scale == (1, 1) for t in load_plan(path).tensors)
+
+
+def test_traced_block_left_out_of_fully_shard_verifies(singles: dict) -> None:
+    """A mistake that changes no value: the block left out of its own
+    ``fully_shard`` is owned by the root's, which shards its parameters over
+    dp, gathers them for the forward and reduce-scatters their gradients as
+    it does the others'; only when they are gathered and freed differs (a
+    real gloo run agrees: scripts/gloo_truth.py)."""
+    plan_s, plan_p = _traced("llama", "fsdp_tp_block_left_out", singles)
+    v = verify(plan_s, plan_p)
+    assert v.success, v.message
+
+
+def test_traced_fsdp_tp_with_biases_verifies() -> None:
+    """FSDP2 over dp and Megatron's MLP split on tp (``_StridedShard``) with
+    biased projections: the row-parallel bias is added as bias/tp to each
+    partial sum, and a bias gradient is summed over rows with keepdim, then
+    flattened for FSDP's reduce-scatter (the flatten of a dim of size 1 kept
+    its size 1 at reduced shapes)."""
+    from backends.torch.__main__ import parser, trace_and_build
+
+    args = parser().parse_args(["--model", "backends.torch.stock_models:gpt2", "--recipe",
+                                "backends.torch.stock_recipes:fsdp_tp_mlp"])
+    (plan_s, plan_p), _ = trace_and_build(args, None)
+    assert any(t.scale == (1, 2) for t in plan_p.tensors)  # bias / tp
+    v = verify(plan_s, plan_p)
+    assert v.success, v.message

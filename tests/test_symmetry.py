@@ -177,3 +177,13 @@ def test_columns_with_a_wrong_replica_fail(tmp_path):
     cols = Columns.from_plan(bad)
     v = verify(single, cols)
     assert not v.success and v.kind == "layout" and v.pair is not None
+
+
+def test_chain_end_read_by_no_step_node():
+    """Without reducers (dp 1) nothing outside microbatches reads the chains'
+    ends; the representatives keep their own chains."""
+    single, plan = plan_pair(ModelConfig("llama3", layers=2, hidden=32, heads=4, kv_heads=2,
+                                         ffn=48, vocab=64, seqlen=8), Parallelism(pp=2, nm=4), 8)
+    v = verify(single, plan)
+    assert v.success, v.message
+    assert v.blocks == (4, 2, 0)

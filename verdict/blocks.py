@@ -108,10 +108,20 @@ def arrays(cols: Columns) -> Arrays:
 
 
 def _rows_id(matrix: np.ndarray) -> np.ndarray:
-    """An id per row of an int matrix, equal for equal rows."""
-    if not len(matrix):
-        return np.zeros(0, dtype=np.int64)
-    return np.unique(matrix, axis=0, return_inverse=True)[1].reshape(-1)
+    """An id per row of an int matrix, equal for equal rows: columns packed
+    into one int64 key while their ranges fit, then numbered by one sort."""
+    ids = np.zeros(len(matrix), dtype=np.int64)
+    span = 1
+    for k in range(matrix.shape[1] if matrix.ndim == 2 and len(matrix) else 0):
+        col = matrix[:, k].astype(np.int64)
+        lo = int(col.min())
+        width = int(col.max()) - lo + 1
+        if span * width >= 2 ** 62:
+            ids = np.unique(ids, return_inverse=True)[1].reshape(-1)
+            span = int(ids.max(initial=0)) + 1
+        ids = ids * width + (col - lo)
+        span *= width
+    return np.unique(ids, return_inverse=True)[1].reshape(-1)
 
 
 def _spans(ptr: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -256,8 +266,8 @@ class BlockCheck:
             view[row, 2 * col] = shifted[:, 0]
             view[row, 2 * col + 1] = shifted[:, 1]
         view[:, 2 * width:] = tc.parts
-        ids = _rows_id(view)
-        ids[~self.t_input] = -1
+        ids = np.full(nt, -1, dtype=np.int64)
+        ids[self.t_input] = _rows_id(view[self.t_input])
         return ids, bad
 
     def representatives(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:

@@ -24,8 +24,10 @@ materializes all of a plan, or only some of its nodes.
 
 from __future__ import annotations
 
+import gc
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,9 +173,13 @@ class Columns:
 
     def to_plan(self, nodes: Sequence[int] | Array | None = None) -> Plan:
         """The plan, or with ``nodes`` (indices, in the order given) a plan
-        of those nodes and the tensors they read or write only, renumbered
-        in order of first use; the world, logical table, loss and grads are
+        of those nodes and the tensors they read or write only, numbered
+        in their order in this plan; the world, logical table, loss and grads are
         the whole plan's."""
+        with _no_gc():
+            return self._to_plan(nodes)
+
+    def _to_plan(self, nodes: Sequence[int] | Array | None) -> Plan:
         n = self.nodes
         picked = np.arange(len(n)) if nodes is None else np.asarray(nodes, dtype=np.int64)
         if nodes is None:
@@ -187,21 +193,23 @@ class Columns:
         tensors = self._tensor_rows(keep)
         kwargs = [json.loads(k) for k in self.kwargs]
         ops, dirs, names = self.ops, DIRECTIONS, self.names
-        shared: dict[tuple[int, int], tuple[int, ...]] = {}
+        ins_pool, outs_pool = renum[n.inputs].tolist(), renum[n.outputs].tolist()
+        starts, counts, off = n.in_start.tolist(), n.in_count.tolist(), n.out_off.tolist()
         rank, mb, op, dr = (n.rank.tolist(), n.mb.tolist(), n.op.tolist(), n.dir.tolist())
         kw, nm = n.kwargs.tolist(), n.name.tolist()
+        shared: dict[tuple[int, int], tuple[int, ...]] = {}
         out_nodes = []
         for i in picked.tolist():
-            s, c = int(n.in_start[i]), int(n.in_count[i])
-            if c >= SHARED_MIN and (s, c) in shared:
+            s, c = starts[i], counts[i]
+            if c < SHARED_MIN:
+                ins = tuple(ins_pool[s: s + c])
+            elif (s, c) in shared:
                 ins = shared[(s, c)]
             else:
-                ins = tuple(renum[n.inputs[s: s + c]].tolist())
-                if c >= SHARED_MIN:
-                    shared[(s, c)] = ins
-            outs = tuple(renum[self.outputs_of(i)].tolist())
-            out_nodes.append(Node(rank[i], mb[i], ops[op[i]], dirs[dr[i]], ins, outs,
-                                  dict(kwargs[kw[i]]), names[nm[i]]))
+                ins = shared[(s, c)] = tuple(ins_pool[s: s + c])
+            out_nodes.append(Node(rank[i], mb[i], ops[op[i]], dirs[dr[i]], ins,
+                                  tuple(outs_pool[off[i]: off[i + 1]]), dict(kwargs[kw[i]]),
+                                  names[nm[i]]))
         return Plan(world=dict(self.world), logical=list(self.logical), tensors=tensors,
                     nodes=out_nodes, loss=self.loss, grads=dict(self.grads))
 
@@ -220,6 +228,19 @@ class Columns:
                                lver[k], sl, tuple(parts[k]),
                                lowest(*scale[k]) if scale is not None else UNIT))
         return rows
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused while millions of tuples are made
+    (none of them cyclic): it would otherwise rescan them again and again."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _node_columns(nodes: Sequence[Node]) -> dict[str, Any]:

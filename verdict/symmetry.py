@@ -25,7 +25,7 @@ from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
-from verdict.plan import FOLD_KEYS, Plan, Slices, Tensor
+from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor
 
 PlanLike = Plan | Columns
 
@@ -99,6 +99,11 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     whole = Fold(dp, nm, gbs, dp, nm, gbs)
     try:
         check = BlockCheck(single, cols, whole)
+        scaled = [i for i, t in enumerate(parallel.tensors) if t.scale != UNIT] \
+            if isinstance(parallel, Plan) else []
+        if any(check.cols.t_producer[i] < 0 for i in scaled):
+            return Refusal("an input tensor claims a factor (the block check compares inputs "
+                           "by slices and parts)")
         free = check.free_tensors()
         if free >= 0:
             return Refusal(f"tensor {free} is read or written by no node (only the tensors of "
@@ -136,9 +141,47 @@ def layout_view(cols: Columns) -> Plan:
     written[out[out >= 0]] = True
     kinds = np.array([lg.kind in ("data", "tokens") for lg in cols.logical] or [False])
     data = np.flatnonzero(kinds[t.tid] & ~written)
-    view = cols.to_plan([])
-    view.tensors = cols._tensor_rows(data)
-    return view
+    return Plan(world=dict(w), logical=list(cols.logical), tensors=tensor_rows(cols, data),
+                loss=cols.loss, grads=dict(cols.grads))
+
+
+def tensor_rows(cols: Columns, picked: np.ndarray) -> list[Tensor]:
+    """The Tensor rows of the tensors ``picked`` (cost in their number)."""
+    t = cols.tensors
+    off = t.slice_offsets(cols.logical)
+    slices = t.slices.view(np.ndarray)  # not a memmap: indexed once per tensor
+    rows = []
+    fields = zip(*(a[picked].tolist() for a in (t.rank, t.mb, t.tid, t.version, t.lver)),
+                 t.parts[picked].tolist(), off[picked].tolist(), off[picked + 1].tolist())
+    for rank, mb, tid, version, lver, parts, a, b in fields:
+        sl = tuple(tuple(x) for x in slices[a:b].tolist())
+        rows.append(Tensor(rank, mb, tid, version, tuple(e - s for s, e in sl), lver, sl,
+                           tuple(parts)))
+    return rows
+
+
+def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
+    """The plan of ``nodes`` and the ``tensors`` they touch (sorted), with
+    only those made into Python objects (``Columns.to_plan`` numbers them
+    alike but reads every node)."""
+    n = cols.nodes
+    inputs, outputs = n.inputs.view(np.ndarray), n.outputs.view(np.ndarray)
+    renum = {t: k for k, t in enumerate(tensors.tolist())}
+    kwargs: dict[int, dict] = {}
+    out = []
+    fields = zip(nodes.tolist(), *(a[nodes].tolist() for a in (
+        n.rank, n.mb, n.op, n.dir, n.kwargs, n.name, n.in_start, n.in_count)),
+        n.out_off[nodes].tolist(), n.out_off[nodes + 1].tolist())
+    for _, rank, mb, op, dr, kw, name, start, count, o0, o1 in fields:
+        if kw not in kwargs:
+            kwargs[kw] = cols.kwargs_of(kw)
+        ins = tuple(renum[x] if x >= 0 else -1 for x in inputs[start:start + count].tolist())
+        outs = tuple(renum[x] if x >= 0 else -1 for x in outputs[o0:o1].tolist())
+        out.append(Node(rank, mb, cols.ops[op], DIRECTIONS[dr], ins, outs, dict(kwargs[kw]),
+                        cols.names[name]))
+    return Plan(world=dict(cols.world), logical=list(cols.logical),
+                tensors=tensor_rows(cols, tensors), nodes=out, loss=cols.loss,
+                grads=dict(cols.grads))
 
 
 class _Cut:
@@ -149,7 +192,7 @@ class _Cut:
     become Node objects (``Columns.to_plan``)."""
 
     def __init__(self, parallel: PlanLike, check: BlockCheck, fold: Fold):
-        self.check, self.fold = check, fold
+        self.check, self.fold, self.source = check, fold, parallel
         w = parallel.world
         self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
         self.batch = check.batch
@@ -160,15 +203,16 @@ class _Cut:
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
         self.orig = np.unique(used[used >= 0])
-        self.p = (parallel.to_plan(nodes) if isinstance(parallel, Columns)
+        self.p = (columns_sub_plan(parallel, nodes, self.orig) if isinstance(parallel, Columns)
                   else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.starts = self.block_starts()
         self.slots = self.block_slots()
 
     def local(self, t: int) -> int:
-        """The index in ``self.p`` of plan tensor ``t`` (which it holds)."""
-        return int(np.searchsorted(self.orig, t))
+        """The index in ``self.p`` of plan tensor ``t``, -1 when it holds none."""
+        k = int(np.searchsorted(self.orig, t))
+        return k if k < len(self.orig) and self.orig[k] == t else -1
 
     # -- ranks and blocks ------------------------------------------------------
     def new_rank(self, rank: int) -> int | None:
@@ -255,22 +299,32 @@ class _Cut:
         return (pos[0] * q + lo % q, pos[-1] * q + (hi - 1) % q + 1, shown * q)
 
     # -- the folded plan ---------------------------------------------------------
-    def chain_ends(self) -> dict[int, int]:
+    def chain_ends(self) -> tuple[dict[int, int], dict[int, Tensor]]:
         """A chain's end in the plan -> its end after the last shown
-        microbatch, both as tensors of ``self.p``."""
+        microbatch, both as tensors of ``self.p``; and the plan's end each
+        shown end stands for (whose claim it takes when that is the whole
+        gradient: the last shown microbatch completes the shown blocks)."""
         last = self.fold.nm - 1
-        ends = {}
+        ends, claims = {}, {}
         for node in self.p.nodes:
             if node.op == ACCUMULATE and node.mb == last:
                 out = node.outputs[0]
                 x = self.p.tensors[out]
-                end = self.check.chain_end[(node.rank, x.tid)]
-                ends[self.local(end)] = out
-        return ends
+                real = self.check.chain_end[(node.rank, x.tid)]
+                claims[out] = self.source_tensor(real)
+                end = self.local(real)
+                if end >= 0:  # read by a step node the representatives keep
+                    ends[end] = out
+        return ends, claims
+
+    def source_tensor(self, t: int) -> Tensor:
+        if isinstance(self.source, Plan):
+            return self.source.tensors[t]
+        return tensor_rows(self.source, np.array([t]))[0]
 
     def plan(self) -> tuple[Plan, dict[int, int]]:
         p, fold = self.p, self.fold
-        ends = self.chain_ends()
+        ends, claims = self.chain_ends()
         shown = self.d < fold.dp
         nodes = []
         for i, node in enumerate(p.nodes):
@@ -296,6 +350,10 @@ class _Cut:
                                 f"{x.rank}, microbatch {x.mb}, which they do not hold")
             rank = self.new_rank(x.rank)
             rank_of[rank] = x.rank
+            if t in claims and claims[t].is_whole():  # the whole gradient, no reducer after
+                real = claims[t]
+                x = x._replace(lver=real.lver, slices=real.slices, parts=real.parts,
+                               scale=real.scale)
             tensors.append(x._replace(rank=rank, slices=self.slices(x, start), parts=self.parts(x)))
         nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
                             outputs=tuple(index[t] if t >= 0 else -1 for t in n.outputs))

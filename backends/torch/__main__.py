@@ -28,11 +28,13 @@ from backends.torch.rank import load, run, run_isolated
 #: short model names (``--model gpt2``); any other name is package.module:factory
 MODELS = {
     "llama": "backends.torch.models:llama",
+    "llama_mean": "backends.torch.models:llama_mean",
     "gpt2": "backends.torch.stock_models:gpt2",
     "gpt2_masked": "backends.torch.stock_models:gpt2_masked",
     "gpt2_mean": "backends.torch.stock_models:gpt2_mean",
     "mlp": "backends.torch.stock_models:mlp",
     "mlp_mean": "backends.torch.stock_models:mlp_mean",
+    "llama_titan": "backends.torch.stock_models:llama_titan",
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
@@ -109,12 +111,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+#: modules every rank needs, imported once by the fork server: torch's
+#: parallel APIs (pipelining alone imports torch._dynamo, 0.7 s of CPU) and
+#: the backend's recording
+PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch.distributed.fsdp", "torch.distributed.pipelining", "backends.torch.rank"]
+
+
 def trace_ranks(spec: dict, world: int) -> list[dict]:
     """Every rank's trace, each in a fresh process forked from a server that
-    has imported torch once (a process per rank, without paying the import
-    per rank)."""
+    has imported torch, its parallel APIs and the model's and recipe's
+    modules once (a process per rank, without paying the imports per
+    rank). The server starts with the first call of a process, so later
+    calls with other modules import those in each rank."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "backends.torch.rank"])
+    modules = [ref.partition(":")[0] for ref in (spec["model"], spec["recipe"])]
+    ctx.set_forkserver_preload([*PRELOAD, *modules])
     workers = min(world, os.cpu_count() or 2)
     with ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1) as pool:
         results = list(pool.map(run_isolated, [spec] * world, range(world)))

@@ -19,12 +19,15 @@ from typing import Any
 from backends.torch.errors import LoweringError
 from backends.torch.lower_nn import (
     NN_HANDLERS,
+    Complex,
     Const,
     SdpaSaved,
     causal_add,
+    complex_mul,
     constant_input,
     constant_value,
     one_hot_constant,
+    to_copy,
 )
 
 __all__ = ["LNode", "Lowered", "LoweringError", "lower_trace"]
@@ -304,6 +307,10 @@ class _Lowerer:
                              {"dim": x.dim, "parts": x.parts, "index": x.index})[0]
         raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
 
+    def reshape(self, x: int, shape: tuple[int, ...]) -> int:
+        """Value x seen with ``shape`` (flatten/unflatten nodes)."""
+        return self.materialize(_view_to(self, x, tuple(shape)))
+
     def const(self, a: Any) -> float | None:
         if isinstance(a, (int, float)) and not isinstance(a, bool):
             return float(a)
@@ -389,6 +396,10 @@ def _binary(tensor_op: str, scalar_op: str):
         a, b = args[0], args[1]
         if kwargs.get("alpha", 1) != 1:
             raise LoweringError(f"{lw.name}: {tensor_op} with alpha is not lowered")
+        if tensor_op == "mul":
+            product = complex_mul(lw, args, shapes)
+            if product is not None:
+                return product
         cb = lw.const(b)
         if cb is not None:
             return lw.emit(scalar_op, [lw.val(a)], shapes, {"value": cb})[0]
@@ -661,6 +672,8 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
         return _As(f.x, dst)
     if isinstance(f, (_Packed, _ChunkCat)) or f == "empty":
         return f
+    if isinstance(f, Complex):
+        return Complex(lw.reshape(f.re, dst), lw.reshape(f.im, dst))
     return _view_to(lw, lw.val(args[0]), dst)
 
 
@@ -963,6 +976,14 @@ def _add(lw: _Lowerer, args, kwargs, shapes, group):
     masked = causal_add(lw, args, shapes)
     return masked if masked is not None else _binary("add", "add_scalar")(lw, args, kwargs,
                                                                           shapes, group)
+
+
+def _to_copy(lw: _Lowerer, args, kwargs, shapes, group):
+    """A change of precision (lower_nn.to_copy); the batch's integer ids are
+    never converted to numbers."""
+    if isinstance(lw.env.get(args[0][1]), (_Ids, _Shifted, _IdsTest, _VocabMask)):
+        raise LoweringError(f"{lw.name}: the batch's integer ids converted to numbers")
+    return to_copy(lw, args, kwargs, shapes, group)
 
 
 def _permute(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1270,10 +1291,10 @@ HANDLERS: dict[str, Any] = {
     "aten.squeeze.dims": _view,
     "aten.squeeze.default": _view,
     "aten.permute.default": _permute,
+    "aten._to_copy.default": _to_copy,
     "aten.add_.Scalar": _binary("add", "add_scalar"),
     "aten.sub_.Tensor": _sub,
     "aten.cat.default": _cat,
-    "aten._to_copy.default": lambda lw, args, kwargs, shapes, group: lw.env.get(args[0][1]),
     "c10d.allreduce_.default": _allreduce_inplace,
     "aten._foreach_norm.Scalar": _foreach_norm,
     "aten.linalg_vector_norm.default": _vector_norm,
