@@ -62,6 +62,8 @@ CASES: list[tuple[str, str, int]] = [
     ("hf qwen3 tp2 fsdp2", "--hf qwen3 --dp 2 --tp 2", 0),
     ("hf qwen3 bug norm grads not reduced", "--hf qwen3 --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("hf qwen3_moe ep refused", "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
+    ("hf llama hsdp refused", "--hf llama --recipe hsdp --dp 4 --tp 1", 2),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py): refused until its
     # complex rotary, vocabulary-parallel embedding mask and loss-parallel cross-entropy are
     # lowered (docs/torch-backend.md, "Third-party parallel code, unmodified")
