@@ -76,6 +76,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
         kw.update(experts)
     cfg = cls(**kw)
     cfg._attn_implementation = ATTENTION
+    if family in ("qwen3_moe", "mixtral"):
+        cfg._experts_implementation = "eager"  # grouped_mm takes no float64 on the CPU
     return cfg
 
 
