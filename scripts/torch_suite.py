@@ -63,6 +63,13 @@ CASES: list[tuple[str, str, int]] = [
     ("hf qwen3 tp2 fsdp2", "--hf qwen3 --dp 2 --tp 2", 0),
     ("hf qwen3 bug norm grads not reduced", "--hf qwen3 --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("hf qwen3_moe ep refused", "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
+    ("hf llama hsdp refused", "--hf llama --recipe hsdp --dp 4 --tp 1", 2),
+    # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py): refused until its
+    # complex rotary, vocabulary-parallel embedding mask and loss-parallel cross-entropy are
+    # lowered (docs/torch-backend.md, "Third-party parallel code, unmodified")
+    ("titan llama3 debugmodel tp2", "--model backends.torch.titan:llama3_debugmodel "
+     "--recipe backends.torch.titan:parallelize --dp 1 --tp 2 --vocab 2048 --batch 2", 2),
     ("llama pp_tp pp2 tp2", "--model llama --recipe pp_tp --pp 2 --dp 1 --tp 2 --layers 2", 0),
     ("llama pp_interleaved_1f1b pp2 v2",
      "--model llama --recipe pp_interleaved_1f1b --pp 2 --dp 1 --tp 1 --layers 4", 0),

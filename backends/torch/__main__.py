@@ -170,7 +170,11 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         except (ValueError, ImportError, AttributeError) as e:
             raise LoweringError(f"cannot load '{ref}': {e}") from None
     if single is None:
-        single = run({**spec, "parallel": False}, 0)
+        try:
+            single = run({**spec, "parallel": False}, 0)
+        except Exception as e:  # the user's model failing on one device: bad input, one line
+            raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
+                                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
     traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp)
     world["nm"] = traces[0]["microbatches"]
     low_s = lower_trace(single, args.vocab)
