@@ -1,4 +1,5 @@
-# make demo: set up, generate the demo plans, check them.   make test: the test suite.
+# make demo: set up, generate the demo plans, check them.   make test: the test suite
+# (two workers; under 10 minutes on 2 cores, README "Set up and run").
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,7 +19,9 @@ $(STAMP): pyproject.toml
 	@# torch's CPU build first: on these machines 'torch==2.13.0' resolves to a local
 	@# CPU wheel; a plain 'torch' requirement would pull the CUDA build instead.
 	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q torch
-	$(BIN)/pip install -q -e '.[dev,ray]'
+	@# the third-party extras (transformers, torchtitan, triton) so the tests that trace
+	@# them run; their torch requirement is met by the CPU build above
+	$(BIN)/pip install -q -e '.[dev,ray,thirdparty]'
 	touch $(STAMP)
 
 $(MLP_SINGLE): $(STAMP)
@@ -43,8 +46,9 @@ demo: $(MLP_SINGLE) $(MLP_PARALLEL) $(LLAMA_SINGLE) $(LLAMA_BR1)
 	if [ $$code -ne 1 ]; then echo "demo: br1 should FAIL (exit 1), got exit $$code"; exit 1; fi
 	@echo "demo: both verdicts as expected: the demo pair is equivalent (SUCCESS), br1 is not (FAIL)"
 
+# two workers (pytest-xdist), each test file on one worker so its fixtures are built once
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

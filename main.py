@@ -29,6 +29,7 @@ from backends.planfile import PlanError, load_plan, save_plan
 from backends.z3backend import Z3
 from verdict import engine
 from verdict.cache import StageCache
+from verdict.columns import Columns
 from verdict.differential import NumericRefused, check_size, compare
 from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
@@ -121,10 +122,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_pair(args: argparse.Namespace) -> tuple[Plan, Plan]:
+def load_pair(args: argparse.Namespace, columns: bool = False) -> tuple[Plan, Plan | Columns]:
+    """With ``columns``, a columnar --pm stays columns: verify() proves a
+    materialized plan by its representatives without making every node."""
     cache = args.cache_dir if args.cache_nodes else None
     single = load_plan_cached(args.sm, cache)
-    parallel = load_plan_cached(args.pm, cache)
+    parallel = load_plan_cached(args.pm, cache, columns=columns)
     try:
         single, _ = fold_pair(single, parallel)  # a folded plan: the shown rows of --sm
     except FoldError as e:
@@ -138,8 +141,15 @@ def load_pair(args: argparse.Namespace) -> tuple[Plan, Plan]:
 def run_verify(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.loglevel, format="%(levelname)s %(message)s")
     start = time.perf_counter()
-    single, parallel = load_pair(args)
+    single, parallel = load_pair(args, columns=True)
     t_load = time.perf_counter() - start
+    return verify_and_report(args, single, parallel, t_load)
+
+
+def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
+                      t_load: float = 0.0) -> int:
+    """Verify a loaded pair and print the verdict (scripts/run_br.py calls it
+    too, on plans made in memory); the exit code."""
     cache = StageCache(args.cache_dir if args.cache_stages else None)
     memo = {key: Outcome("proved") for key in cache.proved}
     progress = sys.stderr.isatty()
@@ -151,10 +161,12 @@ def run_verify(args: argparse.Namespace) -> int:
     for r in verdict.results:
         log.debug("stage %d (%s): %s in %.3fs%s", r.stage.id, r.key[:8], r.outcome.status,
                   r.outcome.seconds, " (memo)" if r.memo else "")
+    stats = make_stats(verdict, parallel, t_load)
+    if verdict.pair:  # a materialized plan proved by its representatives
+        single, parallel = verdict.pair
     dump(args, single, parallel, verdict)
     if verdict.kind == "internal":
         raise NoVerdict(verdict.message)
-    stats = make_stats(verdict, parallel, t_load)
     if verdict.success:
         for line in evidence(verdict, single):
             print(line)

@@ -32,7 +32,7 @@ from backends.planfile import (
     _show,
     _write_atomic,
 )
-from verdict.columns import Columns, NodeColumns, TensorColumns
+from verdict.columns import INT_TYPES, Columns, NodeColumns, TensorColumns
 from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FOLD_KEYS, Logical
 
@@ -46,7 +46,13 @@ TENSOR_ARRAYS = ("rank", "mb", "tid", "version", "lver", "parts", "slices")
 NODE_ARRAYS = ("rank", "mb", "op", "dir", "kwargs", "name", "in_start", "in_count", "inputs",
                "out_off", "outputs")
 MEMBERS = ("header", *(f"t_{k}" for k in TENSOR_ARRAYS), *(f"n_{k}" for k in NODE_ARRAYS))
-_INT_DTYPES = (np.dtype("<i4"), np.dtype("<i8"))
+#: Members a file may leave out: ``t_scale`` (T, 2), each tensor's factor
+#: [num, den] (docs/soundness.md, "Scaled claims"), written only when some
+#: tensor is scaled; without it every factor is 1.
+OPTIONAL_MEMBERS = ("t_scale",)
+_INT_DTYPES = tuple(np.dtype(k).newbyteorder("<") for k in INT_TYPES)
+#: Tensors checked at a time where a check makes per-slice temporaries.
+_CHUNK = 1 << 18
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (30 bytes)
 
 
@@ -79,6 +85,8 @@ def columns_bytes(cols: Columns) -> bytes:
     arrays = {"header": np.frombuffer(text, dtype=np.uint8)}
     for k in TENSOR_ARRAYS:
         arrays[f"t_{k}"] = np.ascontiguousarray(getattr(cols.tensors, k))
+    if cols.tensors.scale is not None:
+        arrays["t_scale"] = np.ascontiguousarray(cols.tensors.scale)
     for k in NODE_ARRAYS:
         arrays[f"n_{k}"] = np.ascontiguousarray(getattr(cols.nodes, k))
     stream = io.BytesIO()
@@ -151,10 +159,11 @@ def _read_members(path: Path) -> dict[str, np.ndarray]:
                 raise PlanError(f"not a valid .npz (zip) file, or truncated ({_detail(e)})") \
                     from None
             names = [i.filename for i in infos]
-            want = {f"{m}.npy" for m in MEMBERS}
+            want = {f"{m}.npy" for m in (*MEMBERS, *OPTIONAL_MEMBERS)}
             for n in names:
                 if n not in want:
-                    raise PlanError(f"unknown member {_show(n)} (members: {', '.join(MEMBERS)})")
+                    raise PlanError(f"unknown member {_show(n)} (members: "
+                                    f"{', '.join((*MEMBERS, *OPTIONAL_MEMBERS))})")
             if len(set(names)) != len(names):
                 raise PlanError("a member appears twice")
             for m in MEMBERS:
@@ -220,7 +229,8 @@ def _columns_of(header: dict, arrays: dict[str, np.ndarray]) -> Columns:
     logical = tuple(Logical(r[0], s, r[2]) for r, s in zip(logical_rows, shapes))
     return Columns(
         world=header["world"], logical=logical, loss=loss, grads={p: g for p, g in grads},
-        tensors=TensorColumns(**{k: arrays[f"t_{k}"] for k in TENSOR_ARRAYS}),
+        tensors=TensorColumns(**{k: arrays[f"t_{k}"] for k in TENSOR_ARRAYS},
+                              scale=arrays.get("t_scale")),
         nodes=NodeColumns(**{k: arrays[f"n_{k}"] for k in NODE_ARRAYS}),
         ops=_table(header, "ops"), names=_table(header, "names"),
         kwargs=_table(header, "kwargs"),
@@ -285,16 +295,19 @@ def _check_dtypes(cols: Columns) -> None:
     shapes = {
         **{f"t_{k}": (t,) for k in ("rank", "mb", "tid", "version", "lver")},
         "t_parts": (t, 3),
+        "t_scale": (t, 2),
         **{f"n_{k}": (n,) for k in ("rank", "mb", "op", "dir", "kwargs", "name", "in_start",
                                      "in_count")},
         "n_out_off": (n + 1,),
     }
     arrays = {**{f"t_{k}": getattr(cols.tensors, k) for k in TENSOR_ARRAYS},
               **{f"n_{k}": getattr(cols.nodes, k) for k in NODE_ARRAYS}}
+    if cols.tensors.scale is not None:
+        arrays["t_scale"] = cols.tensors.scale
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray) or a.dtype.newbyteorder("<") not in _INT_DTYPES:
             got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
-            raise PlanError(f"{name}: must be an int32 or int64 array, got {got}")
+            raise PlanError(f"{name}: must be an array of int8, int16, int32 or int64, got {got}")
         want = shapes.get(name)
         if name == "t_slices":
             ok = a.ndim == 2 and a.shape[1] == 2
@@ -339,6 +352,13 @@ def _check_tensor_columns(cols: Columns) -> None:
         i = _first(bad)
         raise PlanError(f"tensor {i}: parts {t.parts[i].tolist()} must satisfy "
                         "0 <= lo < hi <= |n|")
+    if t.scale is not None:
+        num, den = (t.scale[:, k].astype(np.int64) for k in range(2))
+        bad = (num == 0) | (den <= 0)
+        if bad.any():
+            i = _first(bad)
+            raise PlanError(f"tensor {i}: scale {t.scale[i].tolist()} must be [num, den] with "
+                            f"num != 0 and den > 0")
     if total:
         _check_slices(cols, per, total)
     if nt:
@@ -346,23 +366,28 @@ def _check_tensor_columns(cols: Columns) -> None:
 
 
 def _check_slices(cols: Columns, per: np.ndarray, total: int) -> None:
+    """Every slice inside its logical dim, in chunks of tensors (the
+    temporaries stay a few MiB whatever the plan's size)."""
     t = cols.tensors
     flat = np.array([n for x in cols.logical for n in x.shape], dtype=np.int64)
     first_dim = np.zeros(len(cols.logical), dtype=np.int64)
     np.cumsum([len(x.shape) for x in cols.logical][:-1], out=first_dim[1:])
-    owner = np.repeat(np.arange(len(t.rank)), per)
     off = np.zeros(len(t.rank) + 1, dtype=np.int64)
     np.cumsum(per, out=off[1:])
-    dim = np.arange(total) - off[owner]
-    size = flat[first_dim[t.tid[owner]] + dim]
-    start, end = t.slices[:, 0].astype(np.int64), t.slices[:, 1].astype(np.int64)
-    bad = ~((start >= 0) & (start <= end) & (end <= size) & ((start < end) | (size == 0)))
-    if bad.any():
-        r = _first(bad)
-        i, d = int(owner[r]), int(dim[r])
-        full = list(cols.logical[int(t.tid[i])].shape)
-        raise PlanError(f"tensor {i}: slice {[int(start[r]), int(end[r])]} of dim {d} is outside "
-                        f"the logical shape {full}")
+    for lo in range(0, len(t.rank), _CHUNK):
+        hi = min(lo + _CHUNK, len(t.rank))
+        owner = np.repeat(np.arange(lo, hi), per[lo:hi])
+        rows = slice(int(off[lo]), int(off[hi]))
+        dim = np.arange(rows.start, rows.stop) - off[owner]
+        size = flat[first_dim[t.tid[owner]] + dim]
+        start, end = t.slices[rows, 0].astype(np.int64), t.slices[rows, 1].astype(np.int64)
+        bad = ~((start >= 0) & (start <= end) & (end <= size) & ((start < end) | (size == 0)))
+        if bad.any():
+            r = _first(bad)
+            i, d = int(owner[r]), int(dim[r])
+            full = list(cols.logical[int(t.tid[i])].shape)
+            raise PlanError(f"tensor {i}: slice {[int(start[r]), int(end[r])]} of dim {d} is "
+                            f"outside the logical shape {full}")
 
 
 def _check_unique_keys(t: TensorColumns) -> None:

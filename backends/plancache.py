@@ -9,9 +9,9 @@ import hashlib
 from pathlib import Path
 
 from backends.columnar import is_columnar
-from backends.planfile import PlanError, load_plan, load_plan_data_unchecked
+from backends.planfile import PlanError, load_plan, load_plan_data_unchecked, load_plan_or_columns
 from verdict.cache import atomic_write, code_fingerprint
-from verdict.plan import VERSION, Plan
+from verdict.plan import VERSION
 
 
 def file_key(path: Path) -> str:
@@ -20,8 +20,12 @@ def file_key(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_plan_cached(path: Path, cache_dir: Path | None) -> Plan:
-    """A plan file, validated once: later loads of the same bytes skip validation."""
+def load_plan_cached(path: Path, cache_dir: Path | None, columns: bool = False):
+    """A plan file, validated once: later loads of the same bytes skip validation.
+    With ``columns``, a columnar file is returned as its columns
+    (``verdict.columns.Columns``), not as a Plan."""
+    if is_columnar(path) and columns:
+        return load_plan_or_columns(path)
     if cache_dir is None or is_columnar(path):
         return load_plan(path)
     try:

@@ -267,6 +267,20 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     return plan
 
 
+def load_plan_or_columns(path: str | os.PathLike[str]):
+    """A columnar file as its validated columns (no Node objects made:
+    ``verdict.engine.verify`` takes columns), any other plan file as a Plan."""
+    path = Path(path)
+    from backends import columnar
+
+    if not columnar.is_columnar(path):
+        return load_plan(path)
+    cols = columnar.load_columns_file(path)
+    if world_path(path).exists():
+        _check_world_matches(cols.world, load_world(path), path)
+    return cols
+
+
 def _check_world_matches(world: dict[str, Any], spec: dict[str, Any], path: Path) -> None:
     if spec == world:
         return

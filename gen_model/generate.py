@@ -9,9 +9,11 @@ from gen_model.autodiff import derive_training_step
 from gen_model.config import ConfigError, ModelConfig, Parallelism, world_spec
 from gen_model.graph import LogicalGraph
 from gen_model.models import ZOO, build
-from gen_model.parallelize import Policy, Program, parallel_plan
+from gen_model.parallelize import Policy, Program, check_parallelism, check_policy, parallel_plan
+from gen_model.replicate import NotReplicable, replicable, replicate, small_sizes
 from gen_model.single import single_plan
 from gen_model.trace import trace_forward
+from verdict.columns import Columns
 from verdict.plan import Plan
 
 #: How many replicas and microbatches a folded plan shows (docs/soundness.md).
@@ -65,13 +67,33 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
     return make_plan_at(cfg, par, gbs, variant, policy, edit=edit)
 
 
-def make_plan_at(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
-                 policy: Policy | None, loss_rows: int | None = None,
-                 edit: Callable[[Program], Program] | None = None) -> Plan:
-    graph = logical_graph(cfg, gbs, loss_rows)
+def make_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default",
+                 policy: Policy | None = None, fold: bool = False,
+                 edit: Callable[[Program], Program] | None = None) -> Columns:
+    """The plan of :func:`make_plan` as columns. A materialized plan of more
+    than 3 replicas is expanded from its plans at dp 2 and 3 by array
+    arithmetic (gen_model/replicate.py), not built node by node; plans that
+    path does not express (ZeRO, expert parallelism, bug variants, or any
+    the expansion's checks refuse) are built by the row generator."""
+    policy = policy or Policy()
+    if not fold and replicable(par, policy, variant):
+        check_parallelism(cfg, par, gbs)
+        check_policy(cfg, par, policy)
+        smalls = [Columns.from_plan(make_plan_at(cfg, *small_sizes(par, gbs, dp), variant, policy,
+                                                 loss_rows=gbs, edit=edit)) for dp in (2, 3)]
+        try:
+            return replicate(*smalls, par, plan_world(cfg, par, gbs, variant, policy))
+        except NotReplicable:
+            pass
+    return Columns.from_plan(make_plan(cfg, par, gbs, variant, policy, fold, edit))
+
+
+def plan_world(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
+               policy: Policy | None) -> dict:
+    """The world spec of a plan, with the parallelizer's choices when parallel."""
     world = world_spec(cfg, par, gbs, variant)
     if par.is_single():
-        return single_plan(graph, world)
+        return world
     policy = policy or Policy()
     world.update(vocab_parallel=policy.vocab_parallel, schedule=policy.schedule)
     if policy.sequence_parallel:
@@ -84,4 +106,14 @@ def make_plan_at(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
         world["virtual_stages"] = policy.virtual_stages
     if policy.zero:
         world.update(zero=policy.zero)
-    return parallel_plan(graph, cfg, par, gbs, world, policy, edit)
+    return world
+
+
+def make_plan_at(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
+                 policy: Policy | None, loss_rows: int | None = None,
+                 edit: Callable[[Program], Program] | None = None) -> Plan:
+    graph = logical_graph(cfg, gbs, loss_rows)
+    world = plan_world(cfg, par, gbs, variant, policy)
+    if par.is_single():
+        return single_plan(graph, world)
+    return parallel_plan(graph, cfg, par, gbs, world, policy or Policy(), edit)

@@ -23,6 +23,7 @@ of where it struck, or None when the plan has no such place.
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -957,6 +958,49 @@ def scatter_as_reduce_split(plan: Plan, rng: random.Random) -> Result:
     return p, f"{where(plan, i)} as all_reduce + split"
 
 
+def regroup_accumulation(plan: Plan, rng: random.Random) -> Result:
+    """Two accumulations of one gradient buffer on one rank, (buf + g0) + g1,
+    written buf + (g0 + g1): the add of the two microbatch gradients
+    truthfully claims the union of their parts (the tensor-parallel peers
+    keep the other grouping)."""
+    readers: dict[int, int] = defaultdict(int)
+    for n in plan.nodes:
+        for t in n.inputs:
+            readers[t] += 1
+    made = {o: i for i, n in enumerate(plan.nodes) for o in n.outputs if o >= 0}
+    sites = []
+    for j, second in enumerate(plan.nodes):
+        if second.op != "local_grad_accumulation" or made.get(second.inputs[0]) is None:
+            continue
+        i = made[second.inputs[0]]
+        first = plan.nodes[i]
+        if first.op != "local_grad_accumulation":
+            continue
+        g0, g1 = (plan.tensors[first.inputs[1]], plan.tensors[second.inputs[1]])
+        if (readers[second.inputs[0]] == 1 and (g0.tid, g0.lver, g0.slices) == (
+                g1.tid, g1.lver, g1.slices) and g0.parts[2] == g1.parts[2]
+                and g0.parts[1] == g1.parts[0]):
+            sites.append((i, j))
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, j = site
+    p = copy_plan(plan)
+    first, second = p.nodes[i], p.nodes[j]
+    g0, g1 = p.tensors[first.inputs[1]], p.tensors[second.inputs[1]]
+    p.tensors.append(g1._replace(parts=(g0.parts[0], g1.parts[1], g1.parts[2]), version=-1))
+    both = len(p.tensors) - 1
+    p.nodes[j:j + 1] = [
+        Node(second.rank, second.mb, "add", second.dir, (first.inputs[1], second.inputs[1]),
+             (both,), {}, f"{second.name}.regrouped"),
+        second._replace(inputs=(first.inputs[0], both)),
+    ]
+    p.nodes.pop(i)
+    p = drop_orphans(p)
+    number_versions(p, frozenset({g1.tid, p.tensors[p.nodes[j].outputs[0]].tid}))
+    return p, f"{where(plan, i)} and {where(plan, j)} as buf + (g0 + g1)"
+
+
 def rescale(plan: Plan, rng: random.Random) -> Result:
     """A tensor on one rank multiplied by an exact factor and divided by it
     again, the value in between claimed with the factor (a pre-divide factor
@@ -986,6 +1030,7 @@ REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
     "rename": rename,
     "insert_identity": insert_identity,
     "scatter_as_reduce_split": scatter_as_reduce_split,
+    "regroup_accumulation": regroup_accumulation,
     "rescale": rescale,
 }
 
@@ -1078,3 +1123,98 @@ FOLD_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
 #: Rewrites that keep every block's program (a rewrite on one rank makes a
 #: folded plan's blocks differ, which is a finding by design).
 FOLD_REWRITES = ("rename",)
+
+
+# ------------------------------------------------------ materialized plans
+# Operators for plans with every rank and microbatch written out and more
+# than two replicas or microbatches (docs/soundness.md, "Materialized
+# plans"): a bug in one replica, in the last microbatch or past replica 1,
+# which a folded plan cannot hold. They return None on other plans.
+
+
+def _materialized(plan: Plan) -> bool:
+    w = plan.world
+    return "fold_gbs" not in w and (int(w.get("dp", 1)) > 2 or int(w.get("nm", 1)) > 2)
+
+
+def other_rows(plan: Plan, rng: random.Random) -> Result:
+    """One replica loads another replica's batch rows (in every microbatch,
+    or in one): its data and tokens inputs take the slices of replica d - 1."""
+    dp = int(plan.world.get("dp", 1))
+    if not _materialized(plan) or dp < 2:
+        return None
+    d = rng.randrange(1, dp)
+    nm = int(plan.world.get("nm", 1))
+    mbs = range(nm) if rng.random() < 0.5 else [rng.randrange(nm)]
+    inner = int(plan.world.get("tp", 1)) * int(plan.world.get("cp", 1))
+    written = {o for n in plan.nodes for o in n.outputs}
+    data = {i for i, t in enumerate(plan.tensors) if i not in written
+            and plan.logical[t.tid].kind in ("data", "tokens") and t.mb in mbs}
+    source = {(t.rank, t.mb, t.tid, t.version): t.slices
+              for i, t in enumerate(plan.tensors) if i in data and _replica(plan, t.rank) == d - 1}
+    p = copy_plan(plan)
+    changed = 0
+    for i in data:
+        t = p.tensors[i]
+        key = (t.rank - inner, t.mb, t.tid, t.version)  # the same place in replica d - 1
+        if _replica(plan, t.rank) == d and key in source:
+            p.tensors[i] = t._replace(slices=source[key])
+            changed += 1
+    if not changed:
+        return None
+    return p, f"replica {d} loads replica {d - 1}'s rows in microbatch(es) {list(mbs)}"
+
+
+def last_microbatch(plan: Plan, rng: random.Random) -> Result:
+    """A constant changed on every rank in the last microbatch only."""
+    nm = int(plan.world.get("nm", 1))
+    if not _materialized(plan) or nm < 2:
+        return None
+    sites = sorted({(n.op, n.dir, n.name, k) for n in plan.nodes if n.mb == nm - 1
+                    for k in CONSTANTS if isinstance(n.kwargs.get(k), (int, float))
+                    and not isinstance(n.kwargs.get(k), bool)})
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    op, direction, name, k = site
+    p = copy_plan(plan)
+    for i, n in enumerate(p.nodes):
+        if (n.op, n.dir, n.name, n.mb) == (op, direction, name, nm - 1):
+            old = n.kwargs[k]
+            p.nodes[i] = n._replace(kwargs={**n.kwargs, k: 2 * old if old else 1.0})
+    return p, f"{op} ({direction}) {name}: {k} changed in microbatch {nm - 1} on every rank"
+
+
+def replica_group(plan: Plan, rng: random.Random) -> Result:
+    """A group formula wrong past replica 1: one rank's reducer over the
+    replicas reads replica j's buffer in the slot of replica k (j, k >= 1)."""
+    dp = int(plan.world.get("dp", 1))
+    if not _materialized(plan) or dp < 3:
+        return None
+    sites = [i for i, n in enumerate(plan.nodes) if n.op in ("reducer", "all_reduce")
+             and len({_replica(plan, plan.tensors[t].rank) for t in n.inputs if t >= 0}) > 2]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    n = plan.nodes[i]
+    by_replica = {_replica(plan, plan.tensors[t].rank): k for k, t in enumerate(n.inputs)
+                  if t >= 0}
+    others = sorted(r for r in by_replica if r >= 1 and r != _replica(plan, n.rank))
+    if len(others) < 2:
+        return None
+    j, k = rng.sample(others, 2)
+    ins = list(n.inputs)
+    ins[by_replica[k]] = n.inputs[by_replica[j]]
+    p = copy_plan(plan)
+    kw = dict(n.kwargs)
+    if "index" in kw:
+        kw["index"] = next(m for m, t in enumerate(ins) if t >= 0 and p.tensors[t].rank == n.rank)
+    p.nodes[i] = n._replace(inputs=tuple(ins), kwargs=kw)
+    return p, f"{where(plan, i)}: replica {j}'s buffer in replica {k}'s slot"
+
+
+MATERIALIZED_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
+    "other_rows": other_rows,
+    "last_microbatch": last_microbatch,
+    "replica_group": replica_group,
+}

@@ -11,7 +11,7 @@ injected plan; ``tests/test_real_bugs.py`` checks each verdict.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gen_model.config import ConfigError, ModelConfig, Parallelism
 from gen_model.generate import make_plan
@@ -132,10 +132,14 @@ def _raw_summed_loss(plan: Plan) -> None:
 def _moving_average(plan: Plan) -> None:
     """torchtitan 1733: with gradient accumulation over two pipeline steps of
     nm/2 microbatches each, scale_grads divides the accumulated gradients by
-    the step's microbatch count at the end of every step, so the first
-    step's gradients are divided once more: a moving average, not a sum."""
+    the step's microbatch count at the end of every step: the first step's
+    sum is divided before the second step adds to it, and the whole sum is
+    divided again at the end, ((g1 + g2) / 2 + g3 + g4) / 2 at nm 4."""
     steps = int(plan.world["nm"]) // 2
     _scale_buffers(plan, 1.0 / steps, lambda name: True, lambda mb: mb == steps)
+    last = int(plan.world["nm"]) - 1
+    scale_outputs(plan, 1.0 / steps, lambda n: n.op == "local_grad_accumulation"
+                  and n.mb == last, "gradient accumulation of the last microbatch")
 
 
 def _doubling_per_microbatch(plan: Plan) -> None:
@@ -180,6 +184,107 @@ def _sp_in_fsdp_mesh(plan: Plan) -> None:
                    "reduce-scatter of a parameter's gradient (FSDP)")
 
 
+def _dkv_not_accumulated(plan: Plan) -> None:
+    """Megatron-LM issues 1464 and 1465, TransformerEngine issue 1557: the
+    backward of context-parallel attention with P2P exchange of K and V
+    (AttnFuncWithCPAndKVP2P.backward) returned wrong dQ, dK and dV. In the
+    ring, each step adds its partial dK/dV of the chunk it holds and passes
+    it on; where a step copies instead of adding, the chunk's owner ends
+    with a partial gradient. Here the plan exchanges K and V by all-gather,
+    whose backward is the reduce-scatter of dK and dV; on the first
+    context-parallel rank that exchange is missing: it keeps its own
+    chunk of its own partial dK and dV (a local split), in every layer and
+    microbatch. The forward is untouched."""
+    cp = int(plan.world["cp"])
+    for i in sites(plan, "backward reduce-scatter of a K/V gradient over the context-parallel "
+                   "ranks", lambda n: n.op == "reduce_scatter" and n.dir == "bw"
+                   and ".attention." in n.name and n.rank % (cp * int(plan.world.get("tp", 1)))
+                   == 0):
+        n = plan.nodes[i]
+        index = n.kwargs["index"]
+        own = n.inputs[index]
+        plan.nodes[i] = n._replace(op="split", inputs=(own,),
+                                   kwargs={"dim": n.kwargs["dim"], "parts": len(n.inputs),
+                                           "index": index})
+
+
+def _only_last_microbatch(plan: Plan) -> None:
+    """DeepSpeed issue 1488 (loss differs between ZeRO stages with gradient
+    accumulation; the mechanism as the open-instruct PR 1498 traced it in
+    ZeRO-2): every backward is taken for an accumulation boundary, which
+    resets the partition's accumulator, so only the last microbatch's
+    reduced gradient reaches the step. Here the accumulation of the last
+    microbatch adds its gradient to the zeroed buffer, not to the running
+    one, for every parameter on every rank: a stale value read."""
+    first: dict[tuple[int, int], int] = {}
+    last = int(plan.world["nm"]) - 1
+    for i in sites(plan, "gradient accumulation over microbatches",
+                   lambda n: n.op == "local_grad_accumulation" and n.mb >= 0):
+        n = plan.nodes[i]
+        key = (n.rank, plan.tensors[n.outputs[0]].tid)
+        first.setdefault(key, n.inputs[0])
+        if n.mb == last:
+            plan.nodes[i] = n._replace(inputs=(first[key], n.inputs[1]))
+
+
+def _vocab_offset_zero(plan: Plan) -> None:
+    """torchtitan PR 4730: a graph traced once on rank 0 and loaded on every
+    rank kept rank 0's vocabulary offset: on tensor-parallel rank 1 the
+    vocab-parallel embedding and the vocab-parallel cross-entropy read the
+    token and label columns of offset 0, not of the rank's own shard. Here
+    every rank with tensor-parallel index 1 loads the one-hot tokens and
+    labels of vocabulary columns [0, V/tp): a wrong shard offset."""
+    tp = int(plan.world["tp"])
+    written = {o for n in plan.nodes for o in n.outputs if o >= 0}
+    moved = 0
+    for i, t in enumerate(plan.tensors):
+        if i in written or plan.logical[t.tid].kind != "tokens" or t.rank % tp != 1:
+            continue
+        (a, b) = t.slices[-1]
+        if a > 0:
+            plan.tensors[i] = t._replace(slices=(*t.slices[:-1], (0, b - a)))
+            moved += 1
+    if not moved:
+        raise ConfigError("the bug does not apply to this plan: no vocabulary-parallel tokens")
+
+
+def _crossed_receives(plan: Plan) -> None:
+    """Megatron-LM issue 1450 (PR 5271): with an interleaved pipeline over 2
+    stages the previous and the next stage are one peer; a bidirectional
+    exchange posts two receives from it, and tagless NCCL pairs them in the
+    order they were posted, which the two ranks post in opposite roles: the
+    activation received is the peer's gradient and the gradient received
+    is the peer's activation. Here, at every point of the schedule where a
+    rank receives a forward activation and a backward gradient of one shape
+    from its peer with both already sent, the two receives read each
+    other's message: a wrong peer tensor."""
+    producer = plan.producers()
+    recv = [i for i, n in enumerate(plan.nodes) if n.op == "send_recv"]
+    pairs = []
+    taken: set[int] = set()
+    for i in recv:
+        a = plan.nodes[i]
+        if a.dir != "fw" or i in taken:
+            continue
+        x = a.inputs[0]
+        near = [j for j in recv if j not in taken and plan.nodes[j].dir == "bw"
+                and plan.nodes[j].rank == a.rank
+                and plan.tensors[plan.nodes[j].inputs[0]].rank == plan.tensors[x].rank
+                and plan.tensors[plan.nodes[j].inputs[0]].shape == plan.tensors[x].shape
+                and max(producer[x], producer[plan.nodes[j].inputs[0]]) < min(i, j)]
+        if near:
+            j = min(near, key=lambda j: abs(i - j))
+            pairs.append((i, j))
+            taken |= {i, j}
+    if not pairs:
+        raise ConfigError("the bug does not apply to this plan: no bidirectional exchange "
+                          "between two pipeline stages")
+    for i, j in pairs:
+        a, b = plan.nodes[i], plan.nodes[j]
+        plan.nodes[i] = a._replace(inputs=b.inputs)
+        plan.nodes[j] = b._replace(inputs=a.inputs)
+
+
 BUGS: dict[str, RealBug] = {b.key: b for b in (
     RealBug("torchtitan-2972", "torchtitan issue 2972",
             "pipeline path backpropagates the raw summed loss",
@@ -200,4 +305,17 @@ BUGS: dict[str, RealBug] = {b.key: b for b in (
             "sequence parallelism folded into the FSDP mesh: an extra division by sp_size",
             LLAMA, Parallelism(dp=2, tp=2, nm=2), Policy(sequence_parallel=True, zero=3),
             _sp_in_fsdp_mesh),
+    RealBug("megatron-1465", "Megatron-LM issues 1464, 1465; TransformerEngine issue 1557",
+            "context-parallel attention backward: a rank's dK/dV not accumulated over the ring",
+            LLAMA, Parallelism(cp=2, nm=2), Policy(), _dkv_not_accumulated),
+    RealBug("deepspeed-1488", "DeepSpeed issue 1488 (open-instruct PR 1498)",
+            "ZeRO-2 with gradient accumulation: only the last microbatch's gradient survives",
+            LLAMA, Parallelism(dp=2, nm=4), Policy(zero=2), _only_last_microbatch),
+    RealBug("torchtitan-4730", "torchtitan PR 4730",
+            "vocab-parallel embedding and loss on tensor-parallel rank 1 with offset 0",
+            LLAMA, Parallelism(tp=2, nm=2), Policy(vocab_parallel=True), _vocab_offset_zero),
+    RealBug("megatron-1450", "Megatron-LM issue 1450 (PR 5271)",
+            "interleaved pipeline over 2 stages: activation and gradient receives crossed",
+            replace(LLAMA, layers=4), Parallelism(pp=2, nm=4), Policy(virtual_stages=2),
+            _crossed_receives),
 )}

@@ -18,6 +18,13 @@ mutation happened to change nothing, e.g. a peer that holds the same
 replica) may FAIL: the verifier also checks the plan's claims, which the
 oracle ignores; they are counted apart. ``--quick`` is the seeded subset
 that runs in ``make test``. docs/mutation.md describes the operators.
+
+The harness also checks that it still sees (harness/blindness.py): the
+canaries of harness/canaries.py (wrong plans every unfolded base yields)
+must be judged wrong by the oracle and fail the verifier; equivalent
+outcomes stay under a ceiling; and the ``--quick`` run catches at least
+the floors of harness/quick_floors.json (``--write-floors`` records a
+clean ``--quick`` run's counts there). Any of these exits 1.
 """
 
 from __future__ import annotations
@@ -36,16 +43,19 @@ from backends.planfile import PlanError, validate  # noqa: E402
 from gen_model.config import ModelConfig, Parallelism  # noqa: E402
 from gen_model.generate import fold_sizes, make_plan, make_plan_at  # noqa: E402
 from gen_model.parallelize import Policy  # noqa: E402
+from harness.blindness import blind_spots, write_floors  # noqa: E402
+from harness.canaries import CANARIES  # noqa: E402
 from harness.mutations import (  # noqa: E402
     FOLD_MUTATIONS,
     FOLD_REWRITES,
+    MATERIALIZED_MUTATIONS,
     MUTATIONS,
     REWRITES,
 )
 from harness.oracle import judge, judge_folded  # noqa: E402
 from main import verify  # noqa: E402
 from verdict.fold import FoldError, fold_pair  # noqa: E402
-from verdict.plan import Plan  # noqa: E402
+from verdict.plan import Plan, pair_problem  # noqa: E402
 from verdict.report import append_rows  # noqa: E402
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)
@@ -92,6 +102,20 @@ FOLD_BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "llama3_fold_cp2_dp4_nm4": (LLAMA, Parallelism(cp=2, dp=4, nm=4), Policy()),
     "moe_fold_dp4_tp2_nm4": (MOE, Parallelism(dp=4, tp=2, nm=4), Policy()),
 }
+#: Materialized bases (docs/soundness.md, "Materialized plans"): every rank
+#: and microbatch written out, more than two of each, FOLD_GBS rows; proved
+#: by their representatives when their blocks are uniform, else in full.
+#: Their mutants are judged by harness.oracle.judge at that (real) size, and
+#: take the materialized operators too (one replica's rows, the last
+#: microbatch, a group wrong past replica 1); a rewrite on one rank makes
+#: the blocks differ and must still verify (in full).
+MATERIALIZED_BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
+    "mlp_mat_dp4_pp2_tp2_nm4": (MLP, Parallelism(dp=4, tp=2, pp=2, nm=4), Policy()),
+    "llama3_mat_cp2_dp4_nm4": (LLAMA, Parallelism(cp=2, dp=4, nm=4), Policy()),
+    "mlp_mat_pp2_vpp2_dp4_nm4": (ModelConfig("mlp", layers=4, hidden=8),
+                                 Parallelism(dp=4, pp=2, nm=4), Policy(virtual_stages=2)),
+    "mlp_mat_zero1_dp4_nm4": (MLP, Parallelism(dp=4, nm=4), Policy(zero=1)),
+}
 #: The subset the test suite runs: pipeline, tensor and data parallelism,
 #: Megatron sequence parallelism with context parallelism, ZeRO-1 and ZeRO-2,
 #: both optimizers, and a folded plan (the mlp bases cost seconds, the llama3
@@ -103,7 +127,7 @@ QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_sp_cp2_tp2_nm2", "mlp_zero1_dp2_pp
 @dataclass
 class Row:
     base: str
-    kind: str  # mutation | rewrite
+    kind: str  # mutation | rewrite | canary
     operator: str
     target: str
     oracle: str  # right | wrong
@@ -117,6 +141,9 @@ class Row:
             return "invalid plan"
         if self.verifier.startswith("NO VERDICT"):
             return "NO VERDICT"
+        if self.kind == "canary":
+            return "BLIND ORACLE" if self.oracle == "right" else (
+                "WRONG SUCCESS" if ok else "caught")
         if self.kind == "rewrite":
             return "proved" if ok and self.oracle == "right" else "FALSE ALARM"
         if self.oracle == "wrong":
@@ -133,6 +160,8 @@ def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
         single, _ = fold_pair(single, mutant)
     except FoldError:
         return "FAIL:refused"  # main.py: exit 2, one line
+    if pair_problem(single, mutant):
+        return "FAIL:refused"  # main.py: exit 2, one line
     try:
         v = verify(single, mutant, memo=memo)
     except Exception as e:  # a crash is reported, never counted as a verdict
@@ -144,7 +173,7 @@ def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
 
 def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: int,
                 progress: bool = True, only: set[str] | None = None,
-                single_shown: Plan | None = None) -> list[Row]:
+                single_shown: Plan | None = None, materialized: bool = False) -> list[Row]:
     """Every operator (or those in ``only``) on one base plan, which must
     verify and be right by the oracle. A folded base comes with
     ``single_shown`` (the generator's single-device plan at the shown rows)
@@ -159,13 +188,15 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
 
     if run_one(single, plan, memo) != "SUCCESS" or not oracle(plan).right:
         raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
+    rows = [] if single_shown is not None else run_canaries(single, plan, base, memo, oracle)
     operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
     operators += [("rewrite", n, f) for n, f in REWRITES.items()
                   if single_shown is None or n in FOLD_REWRITES]
     if single_shown is not None:
         operators += [("mutation", n, f) for n, f in FOLD_MUTATIONS.items()]
+    if materialized:
+        operators += [("mutation", n, f) for n, f in MATERIALIZED_MUTATIONS.items()]
     operators = [op for op in operators if only is None or op[1] in only]
-    rows = []
     for kind, name, operator in operators:
         for k in range(per_operator):
             made = operator(plan, random.Random(f"{seed}/{base}/{name}/{k}"))
@@ -182,6 +213,22 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
     return rows
 
 
+def run_canaries(single: Plan, plan: Plan, base: str, memo: dict, oracle) -> list[Row]:
+    rows = []
+    for name, make in CANARIES.items():
+        canary = make(plan)
+        if canary is None:
+            continue
+        start = time.perf_counter()
+        right = "right" if oracle(canary).right else "wrong"
+        row = Row(base, "canary", name, "", right, run_one(single, canary, memo),
+                  time.perf_counter() - start)
+        rows.append(row)
+        if row.outcome != "caught":
+            print(f"  !! canary {name} on {base}: {row.outcome} ({row.verifier})", flush=True)
+    return rows
+
+
 def run(bases: list[str], per_operator: int, seed: int, progress: bool,
         only: set[str] | None = None) -> list[Row]:
     rows = []
@@ -195,6 +242,13 @@ def run(bases: list[str], per_operator: int, seed: int, progress: bool,
             plan = make_plan(cfg, par, FOLD_GBS, policy=policy, fold=True)
             rows += mutate_base(single, plan, base, per_operator, seed, progress, only, shown)
             continue
+        if base in MATERIALIZED_BASES:
+            cfg, par, policy = MATERIALIZED_BASES[base]
+            single = make_plan(cfg, Parallelism(), FOLD_GBS)
+            plan = make_plan(cfg, par, FOLD_GBS, policy=policy)
+            rows += mutate_base(single, plan, base, per_operator, seed, progress, only,
+                                materialized=True)
+            continue
         cfg, par, policy = BASES[base]
         single = make_plan(cfg, Parallelism(), GBS)
         plan = make_plan(cfg, par, GBS, policy=policy)
@@ -203,8 +257,8 @@ def run(bases: list[str], per_operator: int, seed: int, progress: bool,
 
 
 def table(rows: list[Row]) -> list[str]:
-    outcomes = ["caught", "WRONG SUCCESS", "equivalent, proved", "equivalent, failed", "proved",
-                "FALSE ALARM", "NO VERDICT", "invalid plan"]
+    outcomes = ["caught", "WRONG SUCCESS", "BLIND ORACLE", "equivalent, proved",
+                "equivalent, failed", "proved", "FALSE ALARM", "NO VERDICT", "invalid plan"]
     counts = Counter((r.kind, r.operator, r.outcome) for r in rows)
     ops = sorted({(r.kind, r.operator) for r in rows})
     used = [o for o in outcomes if any(counts[(k, n, o)] for k, n in ops)]
@@ -221,21 +275,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-operator", type=int, default=14, help="mutants per operator and base")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--bases", default=",".join([*BASES, *FOLD_BASES]),
-                    help=f"from {', '.join([*BASES, *FOLD_BASES])}")
+    ap.add_argument("--bases", default=",".join([*BASES, *FOLD_BASES, *MATERIALIZED_BASES]),
+                    help=f"from {', '.join([*BASES, *FOLD_BASES, *MATERIALIZED_BASES])}")
     ap.add_argument("--quick", action="store_true",
                     help="the seeded subset run by the test suite (QUICK_BASES, 2 per operator)")
     ap.add_argument("--operators", help="only these mutations and rewrites (comma-separated)")
     ap.add_argument("--csv", type=Path, help="append one row per mutant to this CSV file")
+    ap.add_argument("--write-floors", action="store_true",
+                    help="with --quick: record this run's caught counts as the floors")
     args = ap.parse_args(argv)
     bases = list(QUICK_BASES) if args.quick else args.bases.split(",")
     per = 2 if args.quick else args.per_operator
-    unknown = [b for b in bases if b not in BASES and b not in FOLD_BASES]
+    unknown = [b for b in bases
+               if b not in BASES and b not in FOLD_BASES and b not in MATERIALIZED_BASES]
     if unknown:
         print(f"error: unknown base {unknown[0]} (bases: {', '.join(BASES)})", file=sys.stderr)
         return 2
     only = set(args.operators.split(",")) if args.operators else None
-    known = set(MUTATIONS) | set(REWRITES) | set(FOLD_MUTATIONS)
+    known = set(MUTATIONS) | set(REWRITES) | set(FOLD_MUTATIONS) | set(MATERIALIZED_MUTATIONS)
     if only and only - known:
         print(f"error: unknown operator {sorted(only - known)[0]} (operators: "
               f"{', '.join(sorted(known))})", file=sys.stderr)
@@ -244,17 +301,30 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(bases, per, args.seed, progress=True, only=only)
     for line in table(rows):
         print(line)
-    bad = [r for r in rows if r.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT")]
+    bad = [r for r in rows if r.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT",
+                                            "BLIND ORACLE")]
     mutants = sum(r.kind == "mutation" for r in rows)
     rewrites = sum(r.kind == "rewrite" for r in rows)
     print(f"{mutants} mutants, {rewrites} rewrites on {len(bases)} base plans in "
           f"{time.perf_counter() - start:.0f} s: "
-          f"{sum(r.outcome == 'WRONG SUCCESS' for r in rows)} wrong SUCCESS, "
-          f"{sum(r.outcome == 'FALSE ALARM' for r in rows)} false alarms, "
-          f"{sum(r.outcome == 'NO VERDICT' for r in rows)} without a verdict")
+          f"{sum(r.outcome == 'WRONG SUCCESS' for r in rows)} wrong SUCCESS (a wrong mutant "
+          f"verified), {sum(r.outcome == 'FALSE ALARM' for r in rows)} false alarms (a rewrite "
+          f"that changes nothing FAILed), "
+          f"{sum(r.outcome == 'NO VERDICT' for r in rows)} without a verdict; "
+          f"{sum(r.outcome == 'equivalent, failed' for r in rows)} 'equivalent, failed' (a "
+          f"mutant the oracle finds harmless that FAILed on the plan's claims, which the "
+          f"verifier checks and the oracle ignores: allowed, not a false alarm)")
+    blind = blind_spots(rows, args.quick and only is None and args.seed == 0)
+    for line in blind:
+        print(f"blind spot: {line}")
+    canaries = [r for r in rows if r.kind == "canary"]
+    print(f"harness blindness: {sum(r.outcome == 'caught' for r in canaries)} of "
+          f"{len(canaries)} canaries caught, {len(blind)} blind spots")
+    if args.write_floors and args.quick and not bad and not blind:
+        write_floors(rows)
     if args.csv:
         append_rows(args.csv, [{**r.__dict__, "outcome": r.outcome} for r in rows])
-    return 1 if bad else 0
+    return 1 if bad or blind else 0
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def run_step(cmd: list[str], timeout: float, mem_gb: float, log: Path) -> dict:
     code = os.waitstatus_to_exitcode(status)
     proc.returncode = code  # reaped here, not by Popen
     return {"seconds": round(took, 2), "peak_mib": round(max(usage.ru_maxrss, peak_sum) / 1024),
-            "exit": code, "fate": fate}
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "exit": code, "fate": fate}
 
 
 def main() -> int:
@@ -98,6 +98,9 @@ def main() -> int:
     p.add_argument("--mem_gb", type=float, default=16)
     p.add_argument("--plans", type=Path, default=ROOT / "data/plans/points")
     p.add_argument("--keep", action="store_true", help="keep the plan files")
+    p.add_argument("--npz", action="store_true",
+                   help="generate the parallel plan as a columnar file (gen_model --format npz: "
+                        "by array arithmetic where it can) and verify that")
     args = p.parse_args()
 
     out = args.plans / args.name
@@ -110,19 +113,22 @@ def main() -> int:
            "factor": args.factor, "value": args.value, "model": args.model, "par": args.par,
            "gbs": args.gbs, "host": platform.node(), "load": os.getloadavg()[0]}
     single = run_step(gen, args.timeout, args.mem_gb, logs / f"{args.name}.gen_single.log")
-    parallel = run_step([*gen, *shlex.split(args.par)], args.timeout, args.mem_gb,
+    form = ["--format", "npz"] if args.npz else []
+    parallel = run_step([*gen, *shlex.split(args.par), *form], args.timeout, args.mem_gb,
                         logs / f"{args.name}.gen.log")
     text = (logs / f"{args.name}.gen.log").read_text()
     nodes = re.search(r"\((\d+) nodes", text)
     row.update(nodes=nodes.group(1) if nodes else "", gen_s=parallel["seconds"],
-               gen_mib=parallel["peak_mib"], gen_exit=parallel["exit"],
-               gen_single_s=single["seconds"])
+               gen_cpu_s=parallel["cpu_s"], gen_mib=parallel["peak_mib"],
+               gen_exit=parallel["exit"], gen_single_s=single["seconds"])
     fate = single["fate"] or parallel["fate"]
     pkls = {f.name: f for f in out.glob("*.pkl")}
     sm = next((f for n, f in pkls.items() if "_dp1_pp1_tp1_nm1_" in n), None)
     pm = next((f for n, f in pkls.items() if f != sm), None)
     verify = {"seconds": "", "peak_mib": "", "exit": "", "fate": ""}
     stats: dict = {}
+    if args.npz:
+        pm = next(iter(out.glob("*.npz")), None)
     if single["exit"] == 0 and parallel["exit"] == 0 and sm and pm:
         summary = out / "summary.json"
         verify = run_step([py, "main.py", "--sm", str(sm), "--pm", str(pm), "--no_cache_nodes",
@@ -134,10 +140,10 @@ def main() -> int:
             stats = json.loads(summary.read_text()).get("stats", {})
     elif not fate:
         fate = "generation failed (see data/logs/points)"
-    row.update(verify_s=verify["seconds"], verify_mib=verify["peak_mib"],
-               verify_exit=verify["exit"], fate=fate or "ok",
+    row.update(verify_s=verify["seconds"], verify_cpu_s=verify.get("cpu_s", ""),
+               verify_mib=verify["peak_mib"], verify_exit=verify["exit"], fate=fate or "ok",
                **{k: stats.get(k, "") for k in ("t_graph", "t_lineage", "t_schedule", "t_vrf",
-                                                "t_total", "stages", "unique_stages")})
+                                                "t_total", "stages", "unique_stages", "blocks")})
     append_rows(args.csv, [row])
     print(", ".join(f"{k}={v}" for k, v in row.items() if k not in ("model", "host")))
     if not args.keep:

@@ -43,14 +43,25 @@ CASES: list[tuple[str, str, int]] = [
     ("llama bug partial as replicate", "--model llama --recipe tp_sp_partial_as_replicate", 1),
     ("llama bug norm not parallel", "--model llama --recipe tp_sp_norm_not_parallel", 1),
     ("llama bug fsdp default divide", "--model llama --recipe fsdp_tp_default_divide", 1),
+    ("llama_titan tp_sp dp2 tp2", "--model llama_titan --recipe tp_sp --dp 2 --tp 2", 0),
+    ("llama_titan fsdp_tp dp2 tp2", "--model llama_titan --recipe fsdp_tp --dp 2 --tp 2", 0),
     ("gpt2 ddp dp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 1 --layers 2", 0),
     ("gpt2 ddp dp2 tp2", f"--model gpt2 --recipe {STOCK}ddp --dp 2 --tp 2 --layers 2", 0),
     ("gpt2_masked ddp dp2", f"--model gpt2_masked --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("gpt2 fsdp dp2", f"--model gpt2 --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
     ("gpt2 tp_mlp dp2 tp2", f"--model gpt2 --recipe {STOCK}tp_mlp --dp 2 --tp 2 --layers 2", 0),
+    ("mlp tp_mlp dp2 tp2", f"--model mlp --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
     ("mlp ddp dp2", f"--model mlp --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("mlp fsdp dp2", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
-    ("mlp tp_mlp dp2 tp2", f"--model mlp --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
+    # Hugging Face transformers, parallelized by transformers itself (backends/torch/hf.py)
+    ("hf llama tp2", "--hf llama --dp 1 --tp 2", 0),
+    ("hf llama tp2 fsdp2", "--hf llama --dp 2 --tp 2", 0),
+    ("hf qwen2 tp2", "--hf qwen2 --dp 1 --tp 2", 0),
+    ("hf qwen2 tp2 fsdp2", "--hf qwen2 --dp 2 --tp 2", 0),
+    ("hf qwen3 tp2", "--hf qwen3 --dp 1 --tp 2", 0),
+    ("hf qwen3 tp2 fsdp2", "--hf qwen3 --dp 2 --tp 2", 0),
+    ("hf qwen3 bug norm grads not reduced", "--hf qwen3 --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
+    ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("llama pp_tp pp2 tp2", "--model llama --recipe pp_tp --pp 2 --dp 1 --tp 2 --layers 2", 0),
     ("llama pp_interleaved_1f1b pp2 v2",
      "--model llama --recipe pp_interleaved_1f1b --pp 2 --dp 1 --tp 1 --layers 4", 0),
@@ -73,6 +84,26 @@ CASES: list[tuple[str, str, int]] = [
      "--dp 1 --tp 1 --layers 2 --clip 0.5 --optimizer adamw "
      "--clipper harness.torch_bugs:clip_stage_norm", 1),
     ("llama cp refused", "--model llama --recipe cp_sdpa --dp 2 --tp 1", 2),
+    ("gpt2 bug ddp weights only", f"--model gpt2 --recipe {STOCK}ddp_weights_only --dp 2 --tp 1", 1),
+    # scaling conventions (docs/torch-backend.md, "Scaling conventions and their mistakes")
+    ("llama_mean ddp_avg dp2", "--model llama_mean --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("llama_mean tp_sp_avg dp2 tp2", "--model llama_mean --recipe tp_sp_avg", 0),
+    ("llama_mean fsdp default divide", "--model llama_mean --recipe fsdp_tp_default_divide", 0),
+    ("llama_mean pp_gpipe scale_grads pp2", "--model llama_mean --recipe pp_gpipe_scale_grads "
+     "--pp 2 --dp 1 --tp 1 --layers 2", 0),
+    ("llama_mean pp_1f1b scale_grads pp2", "--model llama_mean --recipe pp_1f1b_scale_grads "
+     "--pp 2 --dp 1 --tp 1 --layers 2", 0),
+    ("llama tp_sp dp1 tp2 (groups of one)", "--model llama --recipe tp_sp --dp 1 --tp 2", 0),
+    ("llama tp dp2 tp2", "--model llama --recipe tp", 0),
+    ("llama fsdp block left out (no value)", "--model llama --recipe fsdp_tp_block_left_out "
+     "--layers 2", 0),
+    ("llama_mean bug mean summed over dp", "--model llama_mean --recipe tp_sp", 1),
+    ("llama bug avg where sum", "--model llama --recipe tp_sp_avg", 1),
+    ("llama bug divided by dp twice", "--model llama --recipe ddp_avg --dp 2 --tp 1", 1),
+    ("llama_mean bug pp scale_grads False", "--model llama_mean --recipe pp_gpipe --pp 2 --dp 1 "
+     "--tp 1 --layers 2", 1),
+    ("llama bug dp reduction on tp", "--model llama --recipe tp_sp_wrong_mesh_dim", 1),
+    ("llama bug rowwise output partial", "--model llama --recipe tp_rowwise_partial", 1),
 ]
 
 

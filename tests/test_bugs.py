@@ -3,9 +3,12 @@ plan file, and the verifier rejects each with the diagnosis its kind calls
 for, pointing at the mutated operator and ranks. The correct plan passes.
 
 Most checks use a 4-layer version of the base model (fast); a few use the
-full 32-layer base plan of scripts/run_br.sh."""
+full 32-layer base plan of scripts/run_br.py."""
 
 from __future__ import annotations
+
+import runpy
+from pathlib import Path
 
 import pytest
 
@@ -301,7 +304,7 @@ def test_bug14_early_reducer_is_caught_at_the_accumulation_stage(small):
     assert {t.mb for t in bad} == {-1}
 
 
-# --- the full 32-layer base, as scripts/run_br.sh runs it ----------------------------
+# --- the full 32-layer base, as scripts/run_br.py runs it ----------------------------
 
 
 def test_full_base_plan_verifies(full):
@@ -333,3 +336,6 @@ def test_main_exits_1_with_the_counterexample(full, tmp_path, capsys):
     assert "❌ Stage 5 not equivalent: 🚨 the solver found inputs on which the plans differ" in out
     assert "op='add_scalar', dir='fw', name='layers.0.attention_norm.add'" in out
     assert out.count("🚨 ⬆️") == 4 and "❌ FAIL" in out
+    summary = runpy.run_path(str(Path(__file__).parent.parent / "scripts" / "run_br.py"),
+                             run_name="run_br")["summary"]
+    assert "| Gs node: add_scalar, fw, layers.0.attention_norm.add | 🚨 under r" in summary(out)

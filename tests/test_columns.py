@@ -150,12 +150,12 @@ def test_bad_contents_are_refused(tmp_path, capsys):
     cases = {
         "version": (_header(arrays, version=9), "unsupported columnar plan version 9"),
         "op": (_header(arrays, ops=["rm_rf", *cols.ops[1:]]), "unknown operator"),
-        "float": (dict(arrays, t_rank=arrays["t_rank"].astype(float)), "int32 or int64"),
+        "float": (dict(arrays, t_rank=arrays["t_rank"].astype(float)), "int8, int16, int32 or int64"),
     }
-    n_in = arrays["n_inputs"].copy()
+    n_in = arrays["n_inputs"].astype(np.int64)
     n_in[np.flatnonzero(n_in >= 0)[0]] = len(cols.tensors) + 5
     cases["index"] = (dict(arrays, n_inputs=n_in), "is not a tensor index")
-    sl = arrays["t_slices"].copy()
+    sl = arrays["t_slices"].astype(np.int64)
     sl[0, 1] = 10**6
     cases["slice"] = (dict(arrays, t_slices=sl), "outside the logical shape")
     outs = arrays["n_outputs"].copy()
@@ -217,3 +217,60 @@ def test_absent_slot_only_in_backward(tmp_path, capsys):
     arrays = members(cols)
     arrays["n_inputs"] = bad.nodes.inputs
     _refused(write(tmp_path / "absent.npz", arrays), capsys, "absent slot")
+
+
+def test_slices_checked_in_chunks(monkeypatch):
+    """The slice check runs over chunks of tensors; one in a later chunk is found."""
+    import backends.columnar as columnar
+
+    monkeypatch.setattr(columnar, "_CHUNK", 5)
+    cols = Columns.from_plan(plan())
+    columnar.validate_columns(cols)
+    off = cols.tensors.slice_offsets(cols.logical)
+    victim = next(i for i in range(len(cols.tensors) - 1, 0, -1) if off[i + 1] > off[i])
+    sl = cols.tensors.slices.astype(np.int64)
+    sl[off[victim], 1] = 10**6
+    bad = replace(cols, tensors=replace(cols.tensors, slices=sl))
+    with pytest.raises(PlanError, match=f"tensor {victim}: slice"):
+        columnar.validate_columns(bad)
+
+
+def test_main_verifies_columnar_files(tmp_path, capsys):
+    """Columnar plans verify as their pickles do: the equivalent pair exits
+    0, the wrong plan 1 (main.py reads each file by its content)."""
+    from helpers import mlp_plan_files
+
+    files = mlp_plan_files(tmp_path, Parallelism(dp=4, tp=2))
+    for name, path in files.items():
+        assert main.main(["--convert", str(path), str(path.with_suffix(".npz"))]) == 0
+        files[name] = path.with_suffix(".npz")
+    flags = ["--no_cache_stages", "--stats_dir", str(tmp_path / "stats"), "--cache_dir",
+             str(tmp_path / "cache"), "--log_dir", str(tmp_path / "logs")]
+    capsys.readouterr()
+    assert main.main(["--sm", str(files["single"]), "--pm", str(files["parallel"]), *flags]) == 0
+    assert "SUCCESS" in capsys.readouterr().out
+    assert main.main(["--sm", str(files["single"]), "--pm", str(files["wrong"]), *flags]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def scaled_plan():
+    p = plan()
+    tensors = list(p.tensors)
+    tensors[3] = tensors[3]._replace(scale=(1, 2))
+    tensors[7] = tensors[7]._replace(scale=(-3, 4))
+    return replace(p, tensors=tensors)
+
+
+def test_scales_round_trip_and_are_checked(tmp_path, capsys):
+    p = scaled_plan()
+    cols = Columns.from_plan(p)
+    assert cols.to_plan() == p
+    save_plan(p, tmp_path / "s.npz")
+    assert load_plan(tmp_path / "s.npz") == p
+    assert Columns.from_plan(plan()).tensors.scale is None
+    arrays = members(cols)
+    for bad_scale, name in (([0, 1], "zero"), ([1, -2], "negative")):
+        scale = arrays["t_scale"].astype(np.int64)
+        scale[3] = bad_scale
+        _refused(write(tmp_path / f"{name}.npz", dict(arrays, t_scale=scale)), capsys,
+                 "tensor 3: scale")

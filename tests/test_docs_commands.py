@@ -3,10 +3,12 @@
 A command is a line of a code block (indented by four spaces, or fenced as
 ``` / ```sh / ```bash / ```console) whose first word is one of COMMANDS;
 lines ending in a backslash, or inside an open quote, continue it. The
-commands of a file run in order, from the repository root, with .venv/bin
-first on PATH (as if the venv were activated), and must exit 0. Files run
-README.md first, then docs/ by name, so a docs command may use the plans
-the README's commands generate.
+commands of a file run in order, from the root of a copy of the repository
+in a temporary directory (so what they write, plans, caches, Stats rows,
+logs, never lands in the checkout), with .venv/bin first on PATH (as if the
+venv were activated), and must exit 0. Files run README.md first, then
+docs/ by name, in the same copy, so a docs command may use the plans the
+README's commands generate.
 
 To keep a block out of this test, put this line right before it:
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,11 @@ COMMANDS = ("make", "python", "python3", "bash", "ray", "pip")
 SHELL_FENCES = ("", "sh", "bash", "console", "shell")
 MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|exit\s+(\d+))\b.*-->")
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: What the copy leaves out: version control, the venv (linked instead), and
+#: what commands write (plans, caches, Stats rows, logs).
+NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache",
+                                    ".ruff_cache", "*.egg-info", "mgeners", "cache", "logs",
+                                    "stats.csv", "plans")
 
 
 @dataclass
@@ -131,8 +139,25 @@ def test_marker_and_continuations(tmp_path):
         ('.venv/bin/python -c "x\ny"', False, 1), ("A=1 make it", False, 0)]
 
 
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """A copy of the repository, its .venv linked to the checkout's."""
+    copy = tmp_path_factory.mktemp("checkout") / "repo"
+    shutil.copytree(ROOT, copy, ignore=NOT_COPIED, symlinks=True)
+    if (ROOT / ".venv").exists():
+        (copy / ".venv").symlink_to(ROOT / ".venv")
+    return copy
+
+
+def test_the_copy_holds_the_code_but_no_output(checkout):
+    assert (checkout / "main.py").exists() and (checkout / "verdict" / "cache.py").exists()
+    assert (checkout / "data" / "stats" / ".gitkeep").exists()
+    assert not (checkout / "gen_model" / "mgeners").exists()
+    assert not (checkout / "data" / "cache").exists()
+
+
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
-def test_documented_commands_run_as_written(path):
+def test_documented_commands_run_as_written(path, checkout):
     if not (VENV_BIN / "python").exists():
         pytest.skip("no .venv: make test creates it")
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -140,7 +165,7 @@ def test_documented_commands_run_as_written(path):
     for c in commands(path):
         if c.skip:
             continue
-        done = subprocess.run(["bash", "-c", c.text], cwd=ROOT, env=env, capture_output=True,
+        done = subprocess.run(["bash", "-c", c.text], cwd=checkout, env=env, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == c.exit, (
             f"{c.file}:{c.line}: `{c.text}` exited {done.returncode}, expected {c.exit}\n"

@@ -189,7 +189,8 @@ def test_numeric_mode(plans, tmp_path, capsys):
 
 def test_command_line_process(plans, tmp_path):
     done = subprocess.run([sys.executable, "main.py", "--sm", str(plans["single"]), "--pm",
-                           str(plans["wrong"]), "--stats_dir", str(tmp_path)], cwd=ROOT,
+                           str(plans["wrong"]), "--stats_dir", str(tmp_path),
+                           "--cache_dir", str(tmp_path / "cache")], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 1 and "Traceback" not in done.stderr
 

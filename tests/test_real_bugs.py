@@ -34,12 +34,31 @@ EXPECTED = {
     "megatron-673": (LOSS_GRAD, {0, 1, 2, 3}, "div"),
     "megatron-906": (EMBEDDING_BUFFER, {0, 1, 2, 3}, "mul_scalar"),
     "megatron-3959": (LOSS_GRAD, {0, 1, 2, 3}, "div"),
+    "megatron-1465": (("matmul", "bw", "layers.1.attention.matmul_3"), {0, 1}, "split"),
+    "deepspeed-1488": (EMBEDDING_BUFFER, {0, 1}, "local_grad_accumulation"),
+    "torchtitan-4730": (("embedding", "fw", "tok_embeddings"), {0, 1}, "embedding"),
 }
+#: bugs whose plans fail before any stage: the verdict's kind
+BEFORE_STAGES = {"megatron-1450": "unreachable"}
+#: what each bug is, beyond a constant rescaling (docs/real-bugs.md)
+KINDS = {"megatron-1465": "missing collective in the backward only",
+         "deepspeed-1488": "stale value", "torchtitan-4730": "wrong shard offset",
+         "megatron-1450": "wrong peer tensor"}
 
 
 def test_every_bug_has_an_expectation():
-    assert set(EXPECTED) == set(ALL)
-    assert len(ALL) == 11  # the table of issue 11
+    assert set(EXPECTED) | set(BEFORE_STAGES) == set(ALL)
+    assert len(ALL) == 15  # the table of issue 11 and four of other kinds
+    assert set(KINDS) <= set(ALL)
+
+
+def test_torchtitan_1733_divides_the_sum_again():
+    """As shipped: ((g1 + g2) / 2 + g3 + g4) / 2 at nm 4, two steps of 2."""
+    bug = ALL["torchtitan-1733"]
+    plan = bug.plan()
+    scales = sorted(n.kwargs["value"] for n in plan.nodes if n.op == "mul_scalar"
+                    and n.rank == 0 and n.name == "tok_embeddings.weight.grad_buffer")
+    assert scales == [0.5, 0.5]
 
 
 @pytest.mark.parametrize("key", list(ALL))
@@ -53,6 +72,9 @@ def test_real_bug_is_caught_where_it_is(key):
     validate(plan.to_data())  # a plan a parallelizer could have written, saved as it is
     assert not judge(single, plan).right
     verdict = verify(single, plan, memo=memo)
+    if key in BEFORE_STAGES:
+        assert not verdict.success and verdict.kind == BEFORE_STAGES[key], verdict.message
+        return
     assert not verdict.success and verdict.kind == "stage", verdict.message
     stage = verdict.failed[0].stage
     node = single.nodes[stage.gs_node]

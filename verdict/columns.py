@@ -5,7 +5,8 @@ costs tens of bytes per node and is checked by array operations.
 by field (docs/plan-format.md, "Columns"):
 
 * tensors: ``rank``, ``mb``, ``tid``, ``version``, ``lver`` (one entry per
-  tensor), ``parts`` (T, 3), and ``slices`` (S, 2): the [start, end) pairs of
+  tensor), ``parts`` (T, 3), ``scale`` (T, 2; None when no tensor is
+  scaled: every factor 1/1), and ``slices`` (S, 2): the [start, end) pairs of
   every tensor, one per dim of its *logical* shape, tensor after tensor
   (:meth:`TensorColumns.slice_offsets` finds tensor i's rows). A tensor's
   shape is not stored: it is its slices' extents.
@@ -23,14 +24,16 @@ materializes all of a plan, or only some of its nodes.
 
 from __future__ import annotations
 
+import gc
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from verdict.plan import DIRECTIONS, SHARED_MIN, Logical, Node, Plan, Tensor
+from verdict.plan import DIRECTIONS, SHARED_MIN, UNIT, Logical, Node, Plan, Tensor, lowest
 
 Array = np.ndarray
 
@@ -41,11 +44,21 @@ def canonical_kwargs(kwargs: dict[str, Any]) -> str:
     return json.dumps(kwargs, sort_keys=True, separators=(",", ":"))
 
 
+#: The integer types of columns, narrowest first.
+INT_TYPES = (np.int8, np.int16, np.int32, np.int64)
+
+
 def narrow(values: Any) -> Array:
-    """An int32 array when every value fits, else int64."""
+    """The values in the narrowest signed integer type that holds them all
+    (columns are read, compared and used as indices; cast to int64 before
+    arithmetic that could leave the type's range)."""
     a = np.asarray(values, dtype=np.int64)
-    if a.size == 0 or (a.min() >= np.iinfo(np.int32).min and a.max() <= np.iinfo(np.int32).max):
-        return a.astype(np.int32)
+    if a.size == 0:
+        return a.astype(np.int8)
+    low, high = a.min(), a.max()
+    for kind in INT_TYPES:
+        if np.iinfo(kind).min <= low and high <= np.iinfo(kind).max:
+            return a.astype(kind, copy=False)
     return a
 
 
@@ -58,6 +71,7 @@ class TensorColumns:
     lver: Array
     parts: Array  # (T, 3): lo, hi, n
     slices: Array  # (S, 2): start, end; S = sum of the logical ndims of the tensors' tids
+    scale: Array | None = None  # (T, 2): num, den of each tensor's factor; None: all 1/1
 
     def __len__(self) -> int:
         return len(self.rank)
@@ -151,15 +165,21 @@ class Columns:
             lver=narrow([t.lver for t in ts]),
             parts=narrow([t.parts for t in ts]).reshape(len(ts), 3),
             slices=narrow(slices).reshape(len(slices), 2),
+            scale=(narrow([t.scale for t in ts]).reshape(len(ts), 2)
+                   if any(t.scale != UNIT for t in ts) else None),
         )
         return cls(world=dict(plan.world), logical=tuple(plan.logical), loss=plan.loss,
                    grads=dict(plan.grads), tensors=tensors, **_node_columns(plan.nodes))
 
     def to_plan(self, nodes: Sequence[int] | Array | None = None) -> Plan:
         """The plan, or with ``nodes`` (indices, in the order given) a plan
-        of those nodes and the tensors they read or write only, renumbered
-        in order of first use; the world, logical table, loss and grads are
+        of those nodes and the tensors they read or write only, numbered
+        in their order in this plan; the world, logical table, loss and grads are
         the whole plan's."""
+        with _no_gc():
+            return self._to_plan(nodes)
+
+    def _to_plan(self, nodes: Sequence[int] | Array | None) -> Plan:
         n = self.nodes
         picked = np.arange(len(n)) if nodes is None else np.asarray(nodes, dtype=np.int64)
         if nodes is None:
@@ -173,21 +193,23 @@ class Columns:
         tensors = self._tensor_rows(keep)
         kwargs = [json.loads(k) for k in self.kwargs]
         ops, dirs, names = self.ops, DIRECTIONS, self.names
-        shared: dict[tuple[int, int], tuple[int, ...]] = {}
+        ins_pool, outs_pool = renum[n.inputs].tolist(), renum[n.outputs].tolist()
+        starts, counts, off = n.in_start.tolist(), n.in_count.tolist(), n.out_off.tolist()
         rank, mb, op, dr = (n.rank.tolist(), n.mb.tolist(), n.op.tolist(), n.dir.tolist())
         kw, nm = n.kwargs.tolist(), n.name.tolist()
+        shared: dict[tuple[int, int], tuple[int, ...]] = {}
         out_nodes = []
         for i in picked.tolist():
-            s, c = int(n.in_start[i]), int(n.in_count[i])
-            if c >= SHARED_MIN and (s, c) in shared:
+            s, c = starts[i], counts[i]
+            if c < SHARED_MIN:
+                ins = tuple(ins_pool[s: s + c])
+            elif (s, c) in shared:
                 ins = shared[(s, c)]
             else:
-                ins = tuple(renum[n.inputs[s: s + c]].tolist())
-                if c >= SHARED_MIN:
-                    shared[(s, c)] = ins
-            outs = tuple(renum[self.outputs_of(i)].tolist())
-            out_nodes.append(Node(rank[i], mb[i], ops[op[i]], dirs[dr[i]], ins, outs,
-                                  dict(kwargs[kw[i]]), names[nm[i]]))
+                ins = shared[(s, c)] = tuple(ins_pool[s: s + c])
+            out_nodes.append(Node(rank[i], mb[i], ops[op[i]], dirs[dr[i]], ins,
+                                  tuple(outs_pool[off[i]: off[i + 1]]), dict(kwargs[kw[i]]),
+                                  names[nm[i]]))
         return Plan(world=dict(self.world), logical=list(self.logical), tensors=tensors,
                     nodes=out_nodes, loss=self.loss, grads=dict(self.grads))
 
@@ -197,13 +219,28 @@ class Columns:
         rank, mb, tid, ver, lver = (a[keep].tolist() for a in (t.rank, t.mb, t.tid, t.version,
                                                                 t.lver))
         parts = t.parts[keep].tolist()
+        scale = t.scale[keep].tolist() if t.scale is not None else None
         slices = t.slices.tolist()
         rows = []
         for k, i in enumerate(keep.tolist()):
             sl = tuple(tuple(p) for p in slices[off[i]: off[i + 1]])
             rows.append(Tensor(rank[k], mb[k], tid[k], ver[k], tuple(b - a for a, b in sl),
-                               lver[k], sl, tuple(parts[k])))
+                               lver[k], sl, tuple(parts[k]),
+                               lowest(*scale[k]) if scale is not None else UNIT))
         return rows
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused while millions of tuples are made
+    (none of them cyclic): it would otherwise rescan them again and again."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _node_columns(nodes: Sequence[Node]) -> dict[str, Any]:

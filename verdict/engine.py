@@ -14,6 +14,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
+from verdict.columns import Columns
 from verdict.executor import Executor, SolveFn, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
 from verdict.fold import check_uniform, fold_of, fold_pair
@@ -25,6 +26,7 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
+from verdict.symmetry import Refusal, find_symmetry, foldable
 
 
 @dataclass
@@ -50,6 +52,17 @@ class Verdict:
     unique: int = 0
     memo_hits: int = 0
     fold: str = ""  # a folded plan: what was shown of the real sizes
+    #: a materialized plan: which blocks were checked and proved, or why it
+    #: was verified in full (verdict/symmetry.py)
+    symmetry: str = ""
+    #: the blocks of the plan: (checked against the representatives, proved,
+    #: assumed); (0, 0, 0) when every node was proved
+    blocks: tuple[int, int, int] = (0, 0, 0)
+    #: the pair the stages and lineages index (the representatives of a
+    #: materialized plan), when it is not the pair given
+    pair: tuple[Plan, Plan] | None = None
+    #: the representatives' ranks in the plan ("folded->plan, ...")
+    ranks: str = ""
 
 
 def prepare(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp: list[int],
@@ -114,8 +127,8 @@ def prove(prepared, seed: int, executor: Executor, keep_going: bool, memo: dict[
     return results, hits
 
 
-def verify(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0, workers: int = 1,
-           keep_going: bool = False, memo: dict[str, Outcome] | None = None,
+def verify(single: Plan, parallel: Plan | Columns, *, prover: SolveFn, seed: int = 0,
+           workers: int = 1, keep_going: bool = False, memo: dict[str, Outcome] | None = None,
            progress: bool = False, executor: Executor | None = None) -> Verdict:
     """``prover`` proves one stage (``verdict.solve.Prover`` of a symbolic
     backend, which main.py wires in). ``executor`` runs the stage proofs
@@ -124,9 +137,71 @@ def verify(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0, work
     is compared with the single-device plan restricted to its rows
     (``verdict.fold.fold_pair``, which main.py calls; done here when the
     caller passes the real single-device plan, and FoldError when that
-    cannot be done); its uniformity is checked here."""
-    if parallel.is_folded() and single.world.get("gbs") != parallel.world.get("gbs"):
-        single, _ = fold_pair(single, parallel)
+    cannot be done); its uniformity is checked here. A materialized plan
+    (a Plan, or its columns) whose blocks are uniform is proved by its
+    representatives (verdict/symmetry.py); any other is verified in full.
+    ``Verdict.pair`` is the pair the stages index when it is not the one given."""
+    options = dict(prover=prover, seed=seed, workers=workers, keep_going=keep_going, memo=memo,
+                   progress=progress, executor=executor)
+    verdict, pair = _verify(single, parallel, options)
+    if pair[0] is not single or pair[1] is not parallel:
+        verdict.pair = pair
+    return verdict
+
+
+def _verify(single: Plan, parallel: Plan | Columns, options: dict
+            ) -> tuple[Verdict, tuple[Plan, Plan]]:
+    if isinstance(parallel, Columns) and not foldable(parallel):
+        parallel = parallel.to_plan()
+    if isinstance(parallel, Plan) and parallel.is_folded():
+        if single.world.get("gbs") != parallel.world.get("gbs"):
+            single, _ = fold_pair(single, parallel)
+        verdict = verify_pair(single, parallel, **options)
+        w = parallel.world
+        shown = w["dp"] * w["nm"]
+        verdict.blocks = (0, shown, w["fold_dp"] * w["fold_nm"] - shown)
+        return verdict, (single, parallel)
+    if not foldable(parallel):
+        return verify_pair(single, parallel, **options), (single, parallel)
+    t0 = time.perf_counter()
+    try:
+        check_structure(single, "the single-device plan")
+        found = find_symmetry(single, parallel)  # the layout of every rank first
+    except StructureError as e:
+        t = time.perf_counter() - t0
+        return Verdict(False, e.kind, str(e), times={"t_graph": t, "t_total": t}), (
+            single, parallel if isinstance(parallel, Plan) else parallel.to_plan())
+    t_symmetry = time.perf_counter() - t0
+    if isinstance(found, Refusal):
+        full = parallel if isinstance(parallel, Plan) else parallel.to_plan()
+        verdict = verify_pair(single, full, **options)
+        verdict.symmetry = (f"the blocks differ: {found.why}; every node was verified"
+                            if found.difference else
+                            f"verified in full, not by symmetry: {found.why}")
+        pair = (single, full)
+    else:
+        verdict = verify_pair(found.single, found.folded, **options)
+        pair = (found.single, found.folded)
+        if verdict.kind == "fold":  # cannot happen after the check; never a FAIL by itself
+            full = parallel if isinstance(parallel, Plan) else parallel.to_plan()
+            verdict = verify_pair(single, full, **options)
+            verdict.symmetry = "verified in full: the representatives were not uniform"
+            return verdict, (single, full)
+        verdict.symmetry = found.describe()
+        verdict.fold = ""  # nothing assumed: every block was checked
+        verdict.blocks = (found.blocks, found.folded.world["dp"] * found.folded.world["nm"], 0)
+        verdict.ranks = found.ranks()
+    verdict.times["t_symmetry"] = t_symmetry
+    verdict.times["t_graph"] = verdict.times.get("t_graph", 0.0) + t_symmetry
+    verdict.times["t_total"] = verdict.times.get("t_total", 0.0) + t_symmetry
+    return verdict, pair
+
+
+def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0, workers: int = 1,
+                keep_going: bool = False, memo: dict[str, Outcome] | None = None,
+                progress: bool = False, executor: Executor | None = None) -> Verdict:
+    """The pipeline on one pair as given (a folded plan: ``single`` already
+    restricted to its rows)."""
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers, None, prover)
     times: dict[str, float] = {}

@@ -54,7 +54,8 @@ class Fold:
 
     def describe(self) -> str:
         return (f"{self.dp} of {self.real_dp} replicas and {self.nm} of {self.real_nm} "
-                f"microbatches shown; the others by symmetry (docs/soundness.md)")
+                f"microbatches shown and proved; the other blocks are assumed to run the same "
+                f"program, not checked (docs/soundness.md)")
 
 
 def fold_sizes(single: Plan, parallel: Plan) -> Fold:

@@ -8,10 +8,14 @@ i), so Tp's that claim the same parts of the same slice are replicas of one
 another: they form a 'same' set, whose first member stands for all.
 
 For each slice, every whole Tp is a group of one (a replica), and the
-representatives of partial parts are grouped into exact covers of [0, n).
-A representative in no complete cover is 'loose': nothing ties its value to
-Ts, and a stage that reads one knows nothing of it (but that its replicas
-equal it).
+representatives of partial parts are grouped into disjoint exact covers of
+[0, n). A representative left out of them that some exact cover can still
+pass through gets one (:func:`linking_covers`; it shares representatives
+with other covers), so two groupings of the same parts are tied: a part
+range summed as (a + b) + c on one rank and as a + (b + c) on its replica
+is proved equal. A representative in no complete cover is 'loose': nothing
+ties its value to Ts, and a stage that reads one knows nothing of it (but
+that its replicas equal it).
 
 Parts with a negative n are parts of an |n|-way partial maximum (a max
 over a split dim before its max all-reduce). They are never grouped: they
@@ -94,6 +98,66 @@ def _one_cover(parts: list[tuple[int, int, int]], n: int) -> list[int] | None:
         k += 1
 
 
+def linking_covers(parts: list[tuple[int, int, int]], n: int,
+                   loose: list[int]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """For each range of ``loose`` (tensors among ``parts``, ranges (lo, hi,
+    tensor)) that lies on some exact cover of [0, n), one such cover, made of
+    any of ``parts`` (with the fewest ranges); the loose tensors on none.
+
+    Covers found here may share ranges with each other and with the disjoint
+    covers: each is a claim the producing stage proves like any group
+    (docs/soundness.md, "Linked covers")."""
+    by_lo: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    by_hi: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for lo, hi, t in sorted(parts):
+        by_lo[lo].append((hi, t))
+        by_hi[hi].append((lo, t))
+    to_start = _shortest_paths(0, by_lo)  # point -> (previous point, tensor) from 0
+    to_end = _shortest_paths(n, by_hi)  # point -> (next point, tensor) toward n
+    where = {t: (lo, hi) for lo, hi, t in parts}
+    covers: list[tuple[int, ...]] = []
+    covered: set[int] = set()
+    rest = []
+    for t in loose:
+        lo, hi = where[t]
+        if t in covered:
+            continue
+        if lo not in to_start or hi not in to_end:
+            rest.append(t)
+            continue
+        cover = [*reversed(_walk(lo, 0, to_start)), t, *_walk(hi, n, to_end)]
+        covers.append(tuple(cover))
+        covered.update(cover)
+    return covers, [t for t in rest if t not in covered]
+
+
+def _shortest_paths(source: int, edges: dict[int, list[tuple[int, int]]]
+                    ) -> dict[int, tuple[int, int]]:
+    """Breadth-first from ``source`` over ``edges`` (point -> [(point,
+    tensor)]): each reached point -> (the point before it, the tensor of the
+    edge), the source -> itself."""
+    seen: dict[int, tuple[int, int]] = {source: (source, -1)}
+    frontier = [source]
+    while frontier:
+        nxt = []
+        for at in frontier:
+            for to, t in edges.get(at, ()):
+                if to not in seen:
+                    seen[to] = (at, t)
+                    nxt.append(to)
+        frontier = nxt
+    return seen
+
+
+def _walk(at: int, source: int, paths: dict[int, tuple[int, int]]) -> list[int]:
+    """The tensors from ``at`` back to ``source`` along ``paths``."""
+    out = []
+    while at != source:
+        at, t = paths[at]
+        out.append(t)
+    return out
+
+
 def infer_lineages(single: Plan, parallel: Plan) -> tuple[list[Lineage], list[int], list[int]]:
     """All lineages; the lineage of each Gs tensor and of each Gp tensor (-1: none)."""
     ts_of = {(t.tid, t.version): i for i, t in enumerate(single.tensors)}
@@ -131,6 +195,9 @@ def infer_lineages(single: Plan, parallel: Plan) -> tuple[list[Lineage], list[in
                 lin.same.extend(tuple(s) for s in by_range.values() if len(s) > 1)
                 reps = [(lo, hi, s[0]) for (lo, hi), s in by_range.items()]
                 covers, rest = exact_covers(reps, n) if n > 0 else ([], [r[2] for r in reps])
+                if n > 0 and rest:
+                    linked, rest = linking_covers(reps, n, rest)
+                    covers += linked
                 lin.groups.extend((slices, c) for c in covers)
                 lin.loose.extend(rest)
         lineages.append(lin)

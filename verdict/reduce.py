@@ -303,8 +303,8 @@ def _ts_name(single: Plan, t: int) -> str:
 
 def _sizes(classes: _Classes, products: list[tuple[Ref, list[Ref], int]]):
     """Reduced size of each dim: its class's size, products computed from
-    their factors (and the first factor grown until the product splits into
-    the pieces the target needs)."""
+    their factors (and the first factor with room grown until the product
+    splits into the pieces the target needs)."""
     extra: dict[Ref, int] = {}
 
     def base(r: Ref) -> int:
@@ -317,8 +317,11 @@ def _sizes(classes: _Classes, products: list[tuple[Ref, list[Ref], int]]):
         value = k * math.prod(base(f) for f in factors)
         count = classes.count[root]
         if value % count:
-            first = classes.find(factors[0])
             grow = count // math.gcd(count, value)
+            # grow a factor that has room (a dim of full size 1, such as a
+            # kept reduced dim, never grows past 1)
+            roots = [classes.find(f) for f in factors]
+            first = next((f for f in roots if base(f) * grow <= classes.full[f]), roots[0])
             extra[first] = base(first) * grow
             value *= grow
         if value > classes.full[root]:

@@ -38,6 +38,10 @@ class Stats:
     #: a folded plan (its num_dp, num_nm and gbs are the real run's): the sizes
     #: shown in the plan ("shown dp2 nm2 gbs32"; docs/soundness.md), else ""
     fold: str = ""
+    #: blocks (replica x microbatch) of the plan: how many were checked
+    #: against the representatives, proved, and assumed (a folded file's
+    #: unshown blocks); "" when every node was proved
+    blocks: str = ""
 
     def line(self) -> str:
         body = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v!r}"
@@ -63,7 +67,15 @@ def make_stats(verdict: Verdict, parallel: Plan, t_load: float) -> Stats:
         t_schedule=t.get("t_schedule", 0.0), t_vrf=t.get("t_vrf", 0.0),
         t_total=t.get("t_total", 0.0) + t_load,
         fold=f"shown dp{w['dp']} nm{w['nm']} gbs{w['gbs']}" if folded else "",
+        blocks=blocks_label(verdict),
     )
+
+
+def blocks_label(verdict: Verdict) -> str:
+    checked, proved, assumed = verdict.blocks
+    if not proved:
+        return ""
+    return f"{checked} checked, {proved} proved, {assumed} assumed"
 
 
 #: Column for the values an old file held past its header (rows appended
@@ -160,13 +172,24 @@ def evidence(verdict: Verdict, single: Plan) -> list[str]:
     ]
     if verdict.fold:
         lines.append(f"folded plan: {verdict.fold}")
+    lines += symmetry_lines(verdict)
+    return lines
+
+
+def symmetry_lines(verdict: Verdict) -> list[str]:
+    """Which blocks were checked, proved or assumed (docs/soundness.md)."""
+    lines = []
+    if verdict.symmetry:
+        lines.append(f"symmetry: {verdict.symmetry}")
+    if verdict.ranks:
+        lines.append(f"representatives' ranks (proved plan -> plan): {verdict.ranks}")
     return lines
 
 
 def failure(verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
     if verdict.kind != "stage":
-        return [f"❌ not equivalent: {verdict.message}"]
-    lines = []
+        return [*symmetry_lines(verdict), f"❌ not equivalent: {verdict.message}"]
+    lines = symmetry_lines(verdict)
     for r in verdict.failed:
         lines += stage_failure(r, verdict, single, parallel)
     return lines

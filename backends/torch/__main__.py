@@ -5,7 +5,8 @@
 runs the step once on one device and once per rank of the (dp, tp) mesh
 under a fake process group (one process per rank), lowers what each ran
 onto the rule table and writes ``DIR/STEM_single.pkl`` and
-``DIR/STEM_parallel.pkl`` (with their JSON world specs). Verify them with
+``DIR/STEM_parallel.pkl`` (with their JSON world specs; ``--format npz``:
+columnar files, ``.npz``). Verify them with
 ``python main.py --sm ... --pm ...``. Exit 2 with one line on an op that is
 not lowered or a recipe that does not run.
 """
@@ -27,18 +28,38 @@ from backends.torch.rank import load, run, run_isolated
 #: short model names (``--model gpt2``); any other name is package.module:factory
 MODELS = {
     "llama": "backends.torch.models:llama",
+    "llama_mean": "backends.torch.models:llama_mean",
     "gpt2": "backends.torch.stock_models:gpt2",
     "gpt2_masked": "backends.torch.stock_models:gpt2_masked",
     "gpt2_mean": "backends.torch.stock_models:gpt2_mean",
     "mlp": "backends.torch.stock_models:mlp",
     "mlp_mean": "backends.torch.stock_models:mlp_mean",
+    "llama_titan": "backends.torch.stock_models:llama_titan",
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
 
 
+#: the default model and recipe (``--hf`` replaces them)
+MODEL, RECIPE = "backends.torch.models:llama", "backends.torch.recipes:tp_sp"
+
+
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Short model and recipe names to ``package.module:name`` references."""
+    """Short model and recipe names to ``package.module:name`` references; a
+    ``--hf`` family to its model, and its recipe unless one is given (a
+    recipe named without a module is then one of ``backends.torch.hf``)."""
+    hf = getattr(args, "hf", None)
+    if hf is not None:
+        model = f"backends.torch.hf:{hf}"
+        if args.model not in (MODEL, model):
+            raise LoweringError("--hf and --model name two models: give one")
+        args.model = model
+        if args.recipe == RECIPE:
+            args.recipe = "tp_fsdp"
+        if ":" not in args.recipe:
+            args.recipe = f"backends.torch.hf:{args.recipe}"
+        args.name = args.name or (f"hf_{hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
+                                  f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
     args.model = MODELS.get(args.model, args.model)
     if ":" not in args.recipe:
         args.recipe = f"{RECIPES}:{args.recipe}"
@@ -47,12 +68,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backends.torch", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="backends.torch.models:llama",
+    p.add_argument("--model", default=MODEL,
                    help="model factory, package.module:function or a short name: "
                         + ", ".join(MODELS) + " (default: %(default)s)")
-    p.add_argument("--recipe", default="backends.torch.recipes:tp_sp",
+    p.add_argument("--recipe", default=RECIPE,
                    help="parallelization recipe, package.module:function, or a function "
                         f"of {RECIPES} by name (default: %(default)s)")
+    p.add_argument("--hf", metavar="FAMILY", default=None,
+                   help="a Hugging Face transformers family (llama, qwen2, qwen3, ...) built from "
+                        "a small random config and parallelized by transformers itself; the "
+                        "recipe defaults to backends.torch.hf:tp_fsdp (docs/torch-backend.md)")
     p.add_argument("--layers", type=int, default=1, help="transformer blocks (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=16, help="hidden size (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
@@ -79,16 +104,29 @@ def parser() -> argparse.ArgumentParser:
                         "backends.torch.recipes:clip_grad_norm)")
     p.add_argument("-o", "--out", default="data/plans/torch",
                    help="output directory (default: %(default)s)")
+    p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
+                   help="plan file form: pickled rows or columnar (docs/plan-format.md; "
+                        "default: %(default)s)")
     p.add_argument("--name", default=None, help="plan stem (default: from the recipe and sizes)")
     return p
 
 
+#: modules every rank needs, imported once by the fork server: torch's
+#: parallel APIs (pipelining alone imports torch._dynamo, 0.7 s of CPU) and
+#: the backend's recording
+PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch.distributed.fsdp", "torch.distributed.pipelining", "backends.torch.rank"]
+
+
 def trace_ranks(spec: dict, world: int) -> list[dict]:
     """Every rank's trace, each in a fresh process forked from a server that
-    has imported torch once (a process per rank, without paying the import
-    per rank)."""
+    has imported torch, its parallel APIs and the model's and recipe's
+    modules once (a process per rank, without paying the imports per
+    rank). The server starts with the first call of a process, so later
+    calls with other modules import those in each rank."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "backends.torch.rank"])
+    modules = [ref.partition(":")[0] for ref in (spec["model"], spec["recipe"])]
+    ctx.set_forkserver_preload([*PRELOAD, *modules])
     workers = min(world, os.cpu_count() or 2)
     with ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1) as pool:
         results = list(pool.map(run_isolated, [spec] * world, range(world)))
@@ -137,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")
     out = Path(args.out)
-    sm, _ = save_plan(plan_s, out / f"{stem}_single.pkl")
-    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.pkl")
+    sm, _ = save_plan(plan_s, out / f"{stem}_single.{args.format}")
+    pm, _ = save_plan(plan_p, out / f"{stem}_parallel.{args.format}")
     for path, plan in ((sm, plan_s), (pm, plan_p)):
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")

@@ -244,8 +244,54 @@ class _Rank:
                     self.consumers.setdefault(v, []).append(node)
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
+            if name not in by_name and v in low.constants:
+                self.sv[v], self.claim[v] = self.const_piece(v)
+                continue
+            if name not in by_name:
+                what = "a constant" if name.startswith("const.") else f"the input {name}"
+                raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
+                                 f"that the single-device step never reads")
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
+            self.check_input(v, name)
+
+    def check_input(self, v: int, name: str) -> None:
+        """An input's claim is assumed, not proved: its local shape must be its
+        full shape cut by exactly the claimed axes (a library mesh dim read as
+        "dp" that spans only part of the data-parallel ranks, as HSDP's
+        shard dim, would not be)."""
+        full, local = self.gshape(v), self.low.shapes[v]
+        for k, axes in enumerate(self.claim[v].dims):
+            if full[k] != local[k] * math.prod(self.sizes[a] for a in axes):
+                raise LoweringError(f"rank {self.low.rank}: input {name} of shape {list(local)} is "
+                                    f"not its {list(full)} cut by {axes or 'no axis'} along dim {k}")
+
+    def const_piece(self, v: int) -> tuple[int, Claim]:
+        """The single-device constant this rank's constant is a piece of: the
+        one whose slice at the rank's coordinates (each smaller dim cut by mesh
+        axes of its ratio, the batch dim by "dp" first) holds exactly its
+        contents. The claim is then true by those contents; no match stops
+        the run."""
+        mine = self.low.constants[v]
+        for sv, full in self.b.s.low.constants.items():
+            if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
+                continue
+            dims, index = [], []
+            try:
+                for k, (m, f) in enumerate(zip(mine.shape, full.shape)):
+                    order = (("dp",), ("tp",), ("dp", "tp")) if k == 0 else (("tp",), ("dp",), ("dp", "tp"))
+                    axes = self.guess(m, f, order=order)
+                    i = 0
+                    for a in axes:
+                        i = i * self.sizes[a] + self.low.coords[a]
+                    dims.append(axes)
+                    index.append(slice(i * m, (i + 1) * m))
+            except LoweringError:
+                continue
+            if np.array_equal(full[tuple(index)], mine):
+                return sv, Claim(dims)
+        raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
+                            f"piece of a single-device constant")
 
     def gshape(self, v: int) -> tuple[int, ...]:
         return self.b.s.low.shapes[self.sv[v]]
@@ -471,16 +517,26 @@ class _Rank:
         """The values a sum is made of on this rank: its deferred terms, or x."""
         return list(self.pending[x]) if x in self.pending else [x]
 
-    def model_split(self, node: LNode) -> bool:
-        """A split the single-device step makes too, piece for piece (the
-        model's own ``chunk``), not a layout change of DTensor."""
-        key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
-               _key_kwargs(node.kwargs))
+    def computed_split(self, node: LNode) -> list[int] | None:
+        """The single-device split this split computes (the same piece of the
+        aligned input), or None: then it is a cut by a mesh axis."""
+        if node.op != "split" or node.ins[0] not in self.sv:
+            return None
+        key = (node.op, node.dir, (self.sv[node.ins[0]],), _key_kwargs(node.kwargs))
         nodes = self.b.s.low.nodes
-        return any(nodes[c].kwargs == node.kwargs for c in self.b.s.by_key.get(key, []))
+        for c in self.b.s.by_key.get(key, []):
+            if nodes[c].kwargs == node.kwargs and not self.claim[node.ins[0]].dims[node.kwargs["dim"]]:
+                return nodes[c].outs
+        return None
 
     def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
-        if node.group is not None or (node.op == "split" and not self.model_split(node)):
+        souts = self.computed_split(node)
+        if souts is not None:
+            self.sv[node.outs[0]] = souts[0]
+            self.mb[node.outs[0]] = node.mb if node.mb >= 0 else self.mb.get(node.ins[0], -1)
+            self.infer(node)
+            return
+        if node.group is not None or node.op == "split":
             x = node.ins[0]
             out = node.outs[0]
             self.sv[out] = self.sv[x]
@@ -534,6 +590,17 @@ class _Rank:
         any other operator is probed (``probe_scale``)."""
         ins = [v for v in node.ins]
         scales = [Fraction(1) if v < 0 else self.claim[v].scale for v in ins]
+        if node.op == "mean" and min(node.ins[0], node.outs[0]) >= 0:
+            # a mean over a dim cut by mesh axes divides by the local count:
+            # the product of those axes' sizes times its share
+            x = node.ins[0] if node.dir != "bw" else node.outs[0]
+            nd = len(self.low.shapes[x])
+            dims = node.kwargs.get("dim")
+            dims = range(nd) if dims is None else [d % nd for d in (
+                dims if isinstance(dims, (list, tuple)) else [dims])]
+            axes = {a for d in dims for a in self.claim[x].dims[d]}
+            cut = math.prod(self.sizes[a] for a in axes)
+            return [scales[-1] * cut] * len(node.outs)
         if all(f == 1 for f in scales):
             return [Fraction(1)] * len(node.outs)
         if node.op in ADDITIONS:

@@ -19,12 +19,15 @@ from typing import Any
 from backends.torch.errors import LoweringError
 from backends.torch.lower_nn import (
     NN_HANDLERS,
+    Complex,
     Const,
     SdpaSaved,
     causal_add,
+    complex_mul,
     constant_input,
     constant_value,
     one_hot_constant,
+    to_copy,
 )
 
 __all__ = ["LNode", "Lowered", "LoweringError", "lower_trace"]
@@ -272,8 +275,14 @@ class _Lowerer:
         if isinstance(x, Const):
             if x.v in self.trace.get("from_buffer", ()) and x.event >= 0:
                 # computed from a module's buffer (an input by name): lowered
-                # op by op, so that its pieces on other ranks align with it
-                return self.materialize(self.lower_event(x.event, x.v))
+                # op by op, so that its pieces on other ranks align with it;
+                # through an op the rule table lacks (the cos and sin of a
+                # rotary table), read by value like any other constant
+                try:
+                    return self.materialize(self.lower_event(x.event, x.v))
+                except LoweringError:
+                    if self.trace.get("constvals", {}).get(x.v) is None:
+                        raise
             return constant_input(self, constant_value(self, ("v", x.v)))
         if isinstance(x, _Gathered):
             shape = list(self.shapes[x.x])
@@ -297,6 +306,10 @@ class _Lowerer:
             return self.emit("split", [src], [shape],
                              {"dim": x.dim, "parts": x.parts, "index": x.index})[0]
         raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
+
+    def reshape(self, x: int, shape: tuple[int, ...]) -> int:
+        """Value x seen with ``shape`` (flatten/unflatten nodes)."""
+        return self.materialize(_view_to(self, x, tuple(shape)))
 
     def const(self, a: Any) -> float | None:
         if isinstance(a, (int, float)) and not isinstance(a, bool):
@@ -332,12 +345,14 @@ class _Lowerer:
         if handler is None:
             raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
                                 f"onto the rule table")
-        result = handler(self, args, kwargs, out_shapes, group)
+        try:
+            result = handler(self, args, kwargs, out_shapes, group)
+        finally:
+            self.name, self.mb = saved
         if not isinstance(result, list):
             result = [result]
         for v, r in zip(outs, result):
             self.env[v] = r
-        self.name, self.mb = saved
         return self.env.get(want)
 
 
@@ -381,6 +396,10 @@ def _binary(tensor_op: str, scalar_op: str):
         a, b = args[0], args[1]
         if kwargs.get("alpha", 1) != 1:
             raise LoweringError(f"{lw.name}: {tensor_op} with alpha is not lowered")
+        if tensor_op == "mul":
+            product = complex_mul(lw, args, shapes)
+            if product is not None:
+                return product
         cb = lw.const(b)
         if cb is not None:
             return lw.emit(scalar_op, [lw.val(a)], shapes, {"value": cb})[0]
@@ -653,6 +672,8 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
         return _As(f.x, dst)
     if isinstance(f, (_Packed, _ChunkCat)) or f == "empty":
         return f
+    if isinstance(f, Complex):
+        return Complex(lw.reshape(f.re, dst), lw.reshape(f.im, dst))
     return _view_to(lw, lw.val(args[0]), dst)
 
 
@@ -942,11 +963,27 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
 
 
+def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
+    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place all-reduce)."""
+    tensors, op = args[0], args[2]
+    if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
+        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
+    return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=_pg(lw, args[1]))[0]]
+
+
 def _add(lw: _Lowerer, args, kwargs, shapes, group):
     """``scores + mask`` with the constant causal mask, or an addition."""
     masked = causal_add(lw, args, shapes)
     return masked if masked is not None else _binary("add", "add_scalar")(lw, args, kwargs,
                                                                           shapes, group)
+
+
+def _to_copy(lw: _Lowerer, args, kwargs, shapes, group):
+    """A change of precision (lower_nn.to_copy); the batch's integer ids are
+    never converted to numbers."""
+    if isinstance(lw.env.get(args[0][1]), (_Ids, _Shifted, _IdsTest, _VocabMask)):
+        raise LoweringError(f"{lw.name}: the batch's integer ids converted to numbers")
+    return to_copy(lw, args, kwargs, shapes, group)
 
 
 def _permute(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1201,6 +1238,7 @@ def _addcdiv(lw: _Lowerer, args, kwargs, shapes, group):
 HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
     "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
+    "aten.empty_like.default": lambda lw, args, kwargs, shapes, group: "empty",
     "fsdp.all_gather_copy_in.default": _copy_in,
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
@@ -1253,9 +1291,11 @@ HANDLERS: dict[str, Any] = {
     "aten.squeeze.dims": _view,
     "aten.squeeze.default": _view,
     "aten.permute.default": _permute,
+    "aten._to_copy.default": _to_copy,
     "aten.add_.Scalar": _binary("add", "add_scalar"),
     "aten.sub_.Tensor": _sub,
     "aten.cat.default": _cat,
+    "c10d.allreduce_.default": _allreduce_inplace,
     "aten._foreach_norm.Scalar": _foreach_norm,
     "aten.linalg_vector_norm.default": _vector_norm,
     "aten.stack.default": _stack,

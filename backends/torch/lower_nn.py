@@ -52,6 +52,13 @@ class SdpaSaved:
     causal: bool
 
 
+@dataclass(frozen=True)
+class Complex:
+    """A complex tensor as its real and imaginary parts (lowered values)."""
+    re: int
+    im: int
+
+
 NEG_INF = float("-inf")
 
 
@@ -363,6 +370,9 @@ def sdpa(lw: Any, args, kwargs, shapes, group):
             raise LoweringError(f"{lw.name}: an attention mask other than the constant causal "
                                 f"one is not lowered")
         causal = True
+    if causal and scores_shape[-1] != scores_shape[-2]:
+        raise LoweringError(f"{lw.name}: causal attention of {scores_shape[-2]} queries over "
+                            f"{scores_shape[-1]} keys is not lowered")
     if causal:
         scores = lw.emit("causal_mask", [scores], [scores_shape])[0]
     probs = lw.emit("softmax", [scores], [scores_shape], {"dim": -1})[0]
@@ -389,6 +399,87 @@ def sdpa_backward(lw: Any, args, kwargs, shapes, group):
     dq = lw.emit("matmul", [ds, saved.k], [lw.shapes[saved.q]])[0]
     dk = lw.emit("matmul", [_transposed(lw, ds), saved.q], [lw.shapes[saved.k]])[0]
     return [dq, dk, dv]
+
+
+def slice_backward(lw: Any, args, kwargs, shapes, group):
+    """The gradient of a slice, zero outside it: narrow's backward."""
+    g = lw.val(args[0])
+    sizes, dim, start, step = list(args[1]), int(args[2]), int(args[3]), int(args[5])
+    dim %= len(sizes)
+    start = start + sizes[dim] if start < 0 else start
+    if step != 1:
+        raise LoweringError(f"{lw.name}: the backward of a strided slice is not lowered")
+    return lw.emit("narrow", [-1, g], shapes,
+                   {"dim": dim, "start": start, "length": lw.shapes[g][dim]}, direction="bw")[0]
+
+
+# -- complex numbers (rotary embeddings written with view_as_complex) -------------
+
+def _complex_parts(lw: Any, a: Any) -> tuple[int, int | None] | None:
+    """(real, imaginary) of a complex argument, (x, None) for a real tensor."""
+    x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
+    if isinstance(x, Complex):
+        return x.re, x.im
+    value = constant_value(lw, a)
+    if value is not None and np.iscomplexobj(value):
+        return constant_input(lw, value.real), constant_input(lw, value.imag)
+    return None
+
+
+def complex_mul(lw: Any, args: Any, shapes: list) -> Complex | None:
+    """(x + iy)(u + iv) = (xu - yv) + i(xv + yu); None when neither factor is complex."""
+    pa, pb = _complex_parts(lw, args[0]), _complex_parts(lw, args[1])
+    if pa is None and pb is None:
+        return None
+    pa = pa or (lw.val(args[0]), None)
+    pb = pb or (lw.val(args[1]), None)
+    (x, y), (u, v) = pa, pb
+    shape = tuple(shapes[0])
+
+    def mul(p: int, q: int) -> int:
+        return lw.emit("mul", [p, q], [shape])[0]
+
+    if y is None or v is None:
+        scale, (re, im) = (x, (u, v)) if y is None else (u, (x, y))
+        return Complex(mul(re, scale), mul(im, scale))
+    return Complex(lw.emit("sub", [mul(x, u), mul(y, v)], [shape])[0],
+                   lw.emit("add", [mul(x, v), mul(y, u)], [shape])[0])
+
+
+def view_as_complex(lw: Any, args, kwargs, shapes, group):
+    """x[..., 0] + i x[..., 1]."""
+    x = lw.val(args[0])
+    shape = lw.shapes[x]
+    if not shape or shape[-1] != 2:
+        raise LoweringError(f"{lw.name}: view_as_complex of a last dim other than 2")
+    nd = len(shape)
+    piece = (*shape[:-1], 1)
+    parts = [lw.emit("narrow", [x], [piece], {"dim": nd - 1, "start": k, "length": 1})[0]
+             for k in (0, 1)]
+    return Complex(*(lw.reshape(p, tuple(shape[:-1])) for p in parts))
+
+
+def view_as_real(lw: Any, args, kwargs, shapes, group):
+    """The parts stacked in a last dim of 2."""
+    c = lw.env.get(args[0][1])
+    if not isinstance(c, Complex):
+        raise LoweringError(f"{lw.name}: view_as_real of a complex tensor not lowered as one")
+    shape = lw.shapes[c.re]
+    parts = [lw.reshape(p, (*shape, 1)) for p in (c.re, c.im)]
+    return lw.emit("cat", parts, shapes, {"dim": len(shape)})[0]
+
+
+def to_copy(lw: Any, args, kwargs, shapes, group):
+    """A change of floating (or complex) precision: the same real number (the
+    proof is in exact arithmetic); other conversions are refused."""
+    x = lw.env.get(args[0][1])
+    dtype = str(kwargs.get("dtype", ""))
+    floating = ("float" in dtype or "double" in dtype or "half" in dtype) and "complex" not in dtype
+    if isinstance(x, Complex) and ("complex" in dtype or not dtype):
+        return x
+    if not isinstance(x, Complex) and (floating or not dtype):
+        return lw.val(args[0])
+    raise LoweringError(f"{lw.name}: a conversion to {dtype or 'another layout'} is not lowered")
 
 
 # -- randomness -------------------------------------------------------------------
@@ -437,6 +528,9 @@ NN_HANDLERS: dict[str, Any] = {
     "aten.masked_fill.Scalar": masked_fill,
     "aten.masked_fill.Tensor": masked_fill,
     "aten.where.self": where,
+    "aten.slice_backward.default": slice_backward,
+    "aten.view_as_complex.default": view_as_complex,
+    "aten.view_as_real.default": view_as_real,
     "aten.native_dropout.default": dropout,
     "aten.native_dropout_backward.default": dropout_backward,
     "aten.bernoulli_.float": random_fill,

@@ -14,6 +14,7 @@ import importlib
 import json
 import pickle
 import sys
+import time
 from typing import Any
 
 import torch
@@ -31,6 +32,15 @@ def load(ref: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def in_float64(t: torch.Tensor) -> torch.Tensor:
+    """Real tensors in float64, complex ones in complex128 (``Module.to``
+    would drop the imaginary part of a complex buffer such as torchtitan's
+    ``freqs_cis``), integer and boolean ones as they are."""
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.to(torch.float64) if t.is_floating_point() else t
+
+
 def run(spec: dict, rank: int) -> dict:
     world = spec["dp"] * spec["tp"] * spec["pp"]
     mesh = None
@@ -41,7 +51,7 @@ def run(spec: dict, rank: int) -> dict:
         mesh = init_device_mesh("cpu", (spec["pp"], spec["dp"], spec["tp"]),
                                 mesh_dim_names=("pp", "dp", "tp"))
     torch.manual_seed(spec["seed"])
-    model = load(spec["model"])(**spec["model_kwargs"]).to(torch.float64)
+    model = load(spec["model"])(**spec["model_kwargs"])._apply(in_float64)
     if hasattr(model, "global_tokens"):
         model.global_tokens = spec["batch"] * spec["seqlen"]
     after = None
@@ -152,7 +162,9 @@ def run_isolated(spec: dict, rank: int) -> dict | str:
     import warnings
     warnings.filterwarnings("ignore")
     try:
-        return run(spec, rank)
+        trace = run(spec, rank)
+        trace["cpu"] = time.process_time()  # this process's CPU: imports after the fork, the run
+        return trace
     except Exception:  # any failure of the user's model or recipe: reported, one line
         lines = [ln for ln in traceback.format_exc().strip().splitlines() if ln.strip()]
         return lines[-1]

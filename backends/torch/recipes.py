@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -88,6 +88,40 @@ def all_reduce_dp(model, mesh) -> None:
             p.grad = p.grad.redistribute(placements=p.placements)
         local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
         local.copy_(funcol.all_reduce(local, "sum", group))
+
+
+def llama_plain_tp_plan(model, tp_mesh, wo_output=None) -> None:
+    """Megatron's tensor parallelism without sequence parallelism: norms and
+    the residual stream replicated, q/k/v, w1, w3 and the output colwise, wo
+    and w2 rowwise (their outputs all-reduced to ``Replicate``).
+    ``wo_output=Partial()`` leaves wo's output a partial sum (a bug)."""
+    parallelize_module(model, tp_mesh, {
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=wo_output or Replicate()),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+def tp(model, mesh):
+    """Tensor parallelism without sequence parallelism on "tp", gradients
+    summed over "dp"."""
+    llama_plain_tp_plan(model, mesh["tp"])
+    return all_reduce_dp
+
+
+def tp_rowwise_partial(model, mesh):
+    """Bug: tp with attention.wo's ``RowwiseParallel`` output left
+    ``Partial``: each rank adds its partial sum to the residual stream."""
+    llama_plain_tp_plan(model, mesh["tp"], wo_output=Partial())
+    return all_reduce_dp
 
 
 def average_dp(model, mesh, dim: str = "dp", op: str = "avg") -> None:
@@ -180,6 +214,21 @@ def fsdp_tp(model, mesh, divide_factor: float | None = 1.0):
     if divide_factor is not None:
         for module in (model, *model.layers.values()):
             module.set_gradient_divide_factor(divide_factor)
+    return reduce_tp_partials
+
+
+def fsdp_tp_block_left_out(model, mesh):
+    """fsdp_tp with the last block left out of its own ``fully_shard``: the
+    root's ``fully_shard`` then owns its parameters, which are sharded,
+    gathered and reduced with the root's. A mistake that changes no value
+    (only when the block's parameters are gathered and freed)."""
+    llama_tp_plan(model, mesh["tp"])
+    blocks = list(model.layers.values())
+    for block in blocks[:-1]:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    for module in (model, *blocks[:-1]):
+        module.set_gradient_divide_factor(1.0)
     return reduce_tp_partials
 
 

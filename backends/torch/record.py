@@ -223,12 +223,18 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+#: the backend's axis of a mesh dim a library names otherwise (transformers'
+#: "fsdp", torchtitan's "dp_shard"): the data-parallel axis
+AXIS_NAMES = {"fsdp": "dp", "dp_shard": "dp"}
+
+
 def dims_axes(t: torch.Tensor) -> list[list[str]]:
-    """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer first."""
+    """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer
+    first (a mesh dim named as in ``AXIS_NAMES`` is the axis it names)."""
     from torch.distributed.tensor.placement_types import _StridedShard
     axes: list[list[str]] = [[] for _ in range(t.dim())]
     if isinstance(t, DTensor):
-        names = t.device_mesh.mesh_dim_names or ()
+        names = [AXIS_NAMES.get(n, n) for n in t.device_mesh.mesh_dim_names or ()]
         strided = []
         for mesh_dim, p in enumerate(t.placements):
             if isinstance(p, _StridedShard):

@@ -11,6 +11,9 @@ label count of the whole step), so each rank's loss is its share of the
 step's mean; ``loss="mean"`` is the ordinary per-rank mean
 (``F.cross_entropy``'s and ``F.mse_loss``'s default reduction).
 
+``llama_titan`` is the default Llama with torchtitan's attention (complex
+rotary embedding, SDPA).
+
 Heads are taken from the local width (``view(b, s, -1, head_dim)``), so
 tensor parallelism of the projections needs no change to the module.
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from backends.torch.models import Llama, LlamaArgs
 
 
 class CausalSelfAttention(nn.Module):
@@ -176,3 +181,47 @@ def mlp(**kw) -> RegressionTower:
 def mlp_mean(**kw) -> RegressionTower:
     """The regression tower with F.mse_loss's default mean over the rank's own values."""
     return RegressionTower(**{"loss": "mean", **kw})
+
+
+def rotary_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """torchtitan's rotary embedding of ``x`` [b, s, heads, head_dim]: pairs
+    as complex numbers times unit complex numbers (``freqs_cis`` [s, head_dim/2])."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs = freqs_cis.view(1, x.shape[1], 1, xc.shape[-1])
+    return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+
+
+class TitanAttention(nn.Module):
+    """The Llama attention as torchtitan writes it: complex rotary embedding
+    (a ``torch.polar`` buffer) and SDPA. Same parameters as
+    ``backends.torch.models.Attention``, same call (the real rotary tables
+    and the mask it is handed are not used), so the Llama recipes apply."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.hidden, args.hidden, bias=False)
+        self.wk = nn.Linear(args.hidden, args.hidden, bias=False)
+        self.wv = nn.Linear(args.hidden, args.hidden, bias=False)
+        self.wo = nn.Linear(args.hidden, args.hidden, bias=False)
+        freqs = 1.0 / 10000.0 ** (torch.arange(0, args.head_dim, 2).double() / args.head_dim)
+        angles = torch.outer(torch.arange(args.seqlen).double(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
+
+    def forward(self, x, cos, sin, rot, mask):
+        bs, seqlen, _ = x.shape
+        q = rotary_complex(self.wq(x).view(bs, seqlen, -1, self.head_dim), self.freqs_cis[:seqlen])
+        k = rotary_complex(self.wk(x).view(bs, seqlen, -1, self.head_dim), self.freqs_cis[:seqlen])
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+def llama_titan(**kw) -> Llama:
+    """The default Llama with torchtitan's attention (complex rotary, SDPA)."""
+    model = Llama(LlamaArgs(**kw))
+    for block in model.layers.values():
+        block.attention = TitanAttention(model.args)
+    return model

@@ -8,6 +8,7 @@ A recipe is ``recipe(model, mesh) -> after_backward | None``
 
 from __future__ import annotations
 
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -64,3 +65,17 @@ def fsdp_tp_mlp(model, mesh):
     mlp_tp_plan(model, mesh["tp"])
     fsdp(model, mesh)
     return reduce_tp_partials
+
+
+def all_reduce_weights_only(model, mesh) -> None:
+    """Bug: the data-parallel sum restricted to parameters named ``weight``
+    (a filter by name), so every bias keeps its own replica's gradient."""
+    group = mesh["dp"]
+    for name, p in model.named_parameters():
+        if p.grad is not None and name.endswith("weight"):
+            p.grad.copy_(funcol.all_reduce(p.grad, "sum", group))
+
+
+def ddp_weights_only(model, mesh):
+    """ddp with the bug of all_reduce_weights_only."""
+    return all_reduce_weights_only

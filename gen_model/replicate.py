@@ -1,0 +1,469 @@
+"""Materialized plans of many data-parallel replicas, by array arithmetic.
+
+The plan of dp D replicas is not built one Python object per node. The
+generator emits the plans of dp 2 and dp 3 (same microbatches, the same
+rows per replica), whose size does not depend on D, and expands them to D
+replicas with numpy (docs/plan-format.md, "Replicated generation"):
+
+* Replica d of the plan of D replicas runs the same per-rank program as
+  replica d of the small plans: node for node, the same ops, directions,
+  names and microbatches, reading and writing tensors of the same logical
+  ids and versions.
+* Every integer that differs between replicas (a rank, a batch slice, a
+  partial-sum part, a reducer's group index, a send's source rank) is
+  affine in (D, d): ``v = a + b D + c d``. The three coefficients come from
+  replicas 0 and 1 of dp 2 and replica 0 of dp 3; replicas 1 and 2 of dp 3
+  check the dependence on d, and a value that does not fit refuses the
+  array path (:class:`NotReplicable`). The dependence on D is fitted from
+  the two sizes: it is linear by the parallelizer's formulas (rank
+  ``(stage D + d) block + rest``, batch offset ``(m D + d) R w``, parts
+  ``d S + r`` of ``D S``, a reducer's index ``d cp + c``), and
+  tests/test_replicate.py compares the result with the row generator's.
+  A tensor's scale (a rational) must be the same on every replica and size.
+* A node reads tensors of its own replica, or (a cross-replica reducer) one
+  block of tensors per replica, in replica order: the D members of such a
+  group share one range of the input pool.
+
+The nodes are in the small plan's order with each node of replica 0
+standing for replicas 0 to D - 2 and each node of replica 1 for replica D - 1;
+tensors likewise. That order is a valid execution order (a reader's copies
+sit where its template sat, after the templates of everything it reads); it
+differs from the row generator's interleaving of ranks (a renumbering: the
+same tensors, and on every rank the same node sequence).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from gen_model.config import ConfigError, Parallelism
+from gen_model.parallelize import Policy
+from verdict.columns import Columns, NodeColumns, TensorColumns, canonical_kwargs, narrow
+from verdict.plan import Logical
+
+Array = np.ndarray
+
+
+class NotReplicable(ValueError):
+    """The plan is not the same program on every replica up to affine integers."""
+
+
+def replicable(par: Parallelism, policy: Policy, variant: str) -> bool:
+    """Whether the array path expresses this plan: replicas beyond 3, and none
+    of what makes replicas differ in program (ZeRO's owned shards, experts on
+    the data-parallel index) nor a bug variant (edited per node)."""
+    return par.dp > 3 and par.ep == 1 and not policy.zero and variant == "default"
+
+
+@dataclass(frozen=True)
+class _Small:
+    """One small plan (dp 2 or 3) in columns, with each rank's replica,
+    the rank's place in its replica, and each node's position on its rank."""
+
+    cols: Columns
+    dp: int
+    block: int  # ranks per replica and stage: cp * tp
+
+    def replica(self, ranks: Array) -> Array:
+        return (ranks // self.block) % self.dp
+
+    def place(self, ranks: Array) -> Array:
+        """The rank's (stage, index within the replica) as one number."""
+        return (ranks // (self.block * self.dp)) * self.block + ranks % self.block
+
+
+def _keys(small: _Small) -> tuple[dict, dict]:
+    """Tensor key -> index and node key -> index, keys without the replica
+    first: (replica, place, mb, tid, version) and (replica, place, position)."""
+    t = small.cols.tensors
+    rep, place = small.replica(t.rank.astype(np.int64)), small.place(t.rank.astype(np.int64))
+    tkeys = dict(zip(zip(rep.tolist(), place.tolist(), t.mb.tolist(), t.tid.tolist(),
+                         t.version.tolist()), range(len(t))))
+    n = small.cols.nodes
+    ranks = n.rank.astype(np.int64)
+    order = np.argsort(ranks, kind="stable")
+    pos = np.empty(len(ranks), dtype=np.int64)
+    sorted_ranks = ranks[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_ranks)) + 1]
+    run = np.repeat(starts, np.diff(np.r_[starts, len(ranks)]))
+    pos[order] = np.arange(len(ranks)) - run
+    nrep, nplace = small.replica(ranks), small.place(ranks)
+    nkeys = dict(zip(zip(nrep.tolist(), nplace.tolist(), pos.tolist()), range(len(ranks))))
+    return tkeys, nkeys
+
+
+def _twins(keys2: dict, keys3: dict, what: str) -> Array:
+    """For each replica-0 entry of dp 2 (rows, in index order): its index in
+    dp 2 replica 1 and dp 3 replicas 0, 1, 2. Columns: j0, j1, k0, k1, k2."""
+    rows = []
+    for key, j0 in keys2.items():
+        if key[0] != 0:
+            continue
+        rest = key[1:]
+        try:
+            rows.append((j0, keys2[(1, *rest)], keys3[(0, *rest)], keys3[(1, *rest)],
+                         keys3[(2, *rest)]))
+        except KeyError:
+            raise NotReplicable(f"a {what} of replica 0 has no counterpart in another "
+                                "replica") from None
+    out = np.array(sorted(rows), dtype=np.int64).reshape(-1, 5)
+    n0 = sum(1 for k in keys2 if k[0] == 0)
+    if 2 * n0 != len(keys2) or 3 * n0 != len(keys3):
+        raise NotReplicable(f"the replicas do not hold the same {what}s")
+    return out
+
+
+def _fit(v2_0: Array, v2_1: Array, v3_0: Array, v3_1: Array, v3_2: Array,
+         what: str) -> tuple[Array, Array, Array]:
+    """Coefficients (a, b, c) of v = a + b D + c d, checked on dp 3 replicas 1 and 2."""
+    c = v2_1 - v2_0
+    b = v3_0 - v2_0
+    a = v2_0 - 2 * b
+    if not (np.array_equal(a + 3 * b + c, v3_1) and np.array_equal(a + 3 * b + 2 * c, v3_2)):
+        raise NotReplicable(f"{what} is not affine in the replicas")
+    return a, b, c
+
+
+def _affine(coeffs: tuple[Array, Array, Array], rows: Array, d: Array, dp: int) -> Array:
+    """a + b D + c d of template ``rows`` on replicas ``d`` (narrowed)."""
+    a, b, c = coeffs
+    out = (a + b * dp)[rows]
+    if c.any():
+        out += c[rows] * (d if out.ndim == 1 else d[:, None])
+    return narrow(out)
+
+
+def _runs(counts: Array) -> tuple[Array, Array]:
+    """For runs of the given lengths: each element's run and place in it."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    starts = np.cumsum(counts) - counts
+    return owner, np.arange(len(owner)) - starts[owner]
+
+
+class _Expander:
+    def __init__(self, two: _Small, three: _Small, dp: int):
+        self.two, self.three, self.dp = two, three, dp
+        tkeys2, nkeys2 = _keys(two)
+        tkeys3, nkeys3 = _keys(three)
+        self.tw = _twins(tkeys2, tkeys3, "tensor")
+        self.nw = _twins(nkeys2, nkeys3, "node")
+        t2 = two.cols.tensors
+        self.trep = two.replica(t2.rank.astype(np.int64))
+        # template (replica-0 tensor of dp 2) of every dp-2 tensor, and its row in self.tw
+        self.t_row = np.full(len(t2), -1, dtype=np.int64)
+        self.t_row[self.tw[:, 0]] = np.arange(len(self.tw))
+        self.t_row[self.tw[:, 1]] = np.arange(len(self.tw))
+        self.t_count = np.where(self.trep == 0, dp - 1, 1)
+        self.t_base = np.cumsum(self.t_count) - self.t_count
+
+    def tensor_index(self, rows: Array, d: Array) -> Array:
+        """The real index of template row ``rows`` on replica ``d``."""
+        j0, j1 = self.tw[rows, 0], self.tw[rows, 1]
+        return np.where(d < self.dp - 1, self.t_base[j0] + d, self.t_base[j1])
+
+    def order(self, rep: Array, template_rows: Array) -> tuple[Array, Array]:
+        """Copies in output order: each dp-2 entry of replica 0 stands for
+        replicas 0..D-2, of replica 1 for D-1. Returns (template row, d)."""
+        counts = np.where(rep == 0, self.dp - 1, 1)
+        owner, within = _runs(counts)
+        d = np.where(rep[owner] == 0, within, self.dp - 1)
+        return template_rows[owner], d
+
+    # ------------------------------------------------------------ tensors
+    def tensors(self, logical: tuple[Logical, ...]) -> TensorColumns:
+        c2, c3 = self.two.cols.tensors, self.three.cols.tensors
+        tw, dp = self.tw, self.dp
+        rows, d = self.order(self.trep, self.t_row)
+        out = {}
+        for name in ("rank", "mb", "tid", "version", "lver"):
+            a2, a3 = getattr(c2, name).astype(np.int64), getattr(c3, name).astype(np.int64)
+            fit = _fit(a2[tw[:, 0]], a2[tw[:, 1]], a3[tw[:, 2]], a3[tw[:, 3]], a3[tw[:, 4]],
+                       f"tensor {name}")
+            out[name] = _affine(fit, rows, d, dp)
+        p2, p3 = c2.parts.astype(np.int64), c3.parts.astype(np.int64)
+        fit = _fit(p2[tw[:, 0]], p2[tw[:, 1]], p3[tw[:, 2]], p3[tw[:, 3]], p3[tw[:, 4]],
+                   "tensor parts")
+        out["parts"] = _affine(fit, rows, d, dp)
+        out["scale"] = self.scales(rows)
+        out["slices"] = self.slices(rows, d)
+        return TensorColumns(**out)
+
+    def scales(self, rows: Array) -> Array | None:
+        """The tensors' scales (None: none scaled), which must be the same
+        on every replica and size."""
+        c2, c3, tw = self.two.cols.tensors, self.three.cols.tensors, self.tw
+
+        def of(t: TensorColumns, col: int) -> Array:
+            if t.scale is None:
+                return np.ones((len(tw), 2), dtype=np.int64)
+            return t.scale[tw[:, col]].astype(np.int64)
+
+        scale = of(c2, 0)
+        if not all(np.array_equal(scale, of(c, k)) for c, k in ((c2, 1), (c3, 2), (c3, 3),
+                                                                 (c3, 4))):
+            raise NotReplicable("a tensor's scale differs between replicas or sizes")
+        return None if (scale == 1).all() else narrow(scale[rows])
+
+    def slices(self, rows: Array, d: Array) -> Array:
+        small = [(s.cols.tensors, s.cols.tensors.slice_offsets(s.cols.logical))
+                 for s in (self.two, self.three)]
+        ndim = np.diff(small[0][1])[self.tw[:, 0]]
+
+        def gather(which: int, col: int) -> Array:
+            t, off = small[which]
+            owner, within = _runs(ndim)
+            return t.slices.astype(np.int64)[off[self.tw[owner, col]] + within]
+
+        fit = _fit(gather(0, 0), gather(0, 1), gather(1, 2), gather(1, 3), gather(1, 4),
+                   "tensor slices")
+        row_start = np.cumsum(ndim) - ndim
+        owner, within = _runs(ndim[rows])
+        return _affine(fit, row_start[rows[owner]] + within, d[owner], self.dp)
+
+    # ------------------------------------------------------------ nodes
+    def nodes(self) -> tuple[NodeColumns, tuple[str, ...]]:
+        n2, n3 = self.two.cols.nodes, self.three.cols.nodes
+        nw, dp = self.nw, self.dp
+        nrep = self.two.replica(n2.rank.astype(np.int64))
+        n_row = np.full(len(n2.rank), -1, dtype=np.int64)
+        n_row[nw[:, 0]] = np.arange(len(nw))
+        n_row[nw[:, 1]] = np.arange(len(nw))
+        rows, d = self.order(nrep, n_row)
+        self.same_program()
+        r2, r3 = n2.rank.astype(np.int64), n3.rank.astype(np.int64)
+        fit = _fit(r2[nw[:, 0]], r2[nw[:, 1]], r3[nw[:, 2]], r3[nw[:, 3]], r3[nw[:, 4]],
+                   "node rank")
+        cols = {"rank": _affine(fit, rows, d, dp)}
+        for name in ("mb", "op", "dir", "name"):
+            cols[name] = getattr(n2, name)[nw[rows, 0]]
+        kw_codes, table = self.kwargs(rows, d)
+        cols["kwargs"] = kw_codes
+        cols.update(self.inputs(rows, d))
+        cols.update(self.outputs(rows, d))
+        self.check_three("in")
+        self.check_three("out")
+        return NodeColumns(**cols), table
+
+    def same_program(self) -> None:
+        """Replicas run the same ops, directions, names and microbatches."""
+        n2, n3 = self.two.cols, self.three.cols
+        nw = self.nw
+        for name in ("mb", "op", "dir", "name"):
+            ref = getattr(n2.nodes, name)[nw[:, 0]]
+            for which, col in ((n2, 1), (n3, 2), (n3, 3), (n3, 4)):
+                vals = getattr(which.nodes, name)[nw[:, col]]
+                if name in ("op", "name"):
+                    table = which.ops if name == "op" else which.names
+                    ref_table = n2.ops if name == "op" else n2.names
+                    same = [ref_table[x] == table[y] for x, y in zip(ref.tolist(), vals.tolist())]
+                    ok = all(same)
+                else:
+                    ok = np.array_equal(ref, vals)
+                if not ok:
+                    raise NotReplicable(f"replicas differ in node {name}")
+
+    def kwargs(self, rows: Array, d: Array) -> tuple[Array, tuple[str, ...]]:
+        """Kwargs codes of the copies and the table: equal kwargs keep their
+        text; kwargs whose ints differ between replicas are fitted per key."""
+        c2, c3 = self.two.cols, self.three.cols
+        nw = self.nw
+        texts = [[c.kwargs[int(k)] for k in c.nodes.kwargs[nw[:, col]].tolist()]
+                 for c, col in ((c2, 0), (c2, 1), (c3, 2), (c3, 3), (c3, 4))]
+        table: dict[str, int] = {}
+        fixed = np.full(len(nw), -1, dtype=np.int64)
+        # kwargs that vary by replica, in classes of equal (text, keys, coefficients)
+        kind = np.full(len(nw), -1, dtype=np.int64)
+        classes: dict[tuple, int] = {}
+        varying: list[tuple[dict, list[str], Array]] = []
+        for i, group in enumerate(zip(*texts)):
+            if all(g == group[0] for g in group):
+                fixed[i] = table.setdefault(group[0], len(table))
+                continue
+            dicts = [json.loads(g) for g in group]
+            keys = [k for k in dicts[0] if any(x.get(k) != dicts[0][k] for x in dicts)]
+            if any(set(x) != set(dicts[0]) for x in dicts) or not all(
+                    isinstance(x[k], int) and not isinstance(x[k], bool)
+                    for x in dicts for k in keys):
+                raise NotReplicable("replicas differ in a node's kwargs beyond integers")
+            vals = np.array([[x[k] for k in keys] for x in dicts], dtype=np.int64)
+            coeffs = np.stack(_fit(*vals, what="node kwargs"))
+            key = (group[0], tuple(keys), coeffs.tobytes())
+            if key not in classes:
+                classes[key] = len(varying)
+                varying.append((dicts[0], keys, coeffs))
+            kind[i] = classes[key]
+        codes = fixed[rows]
+        pick = np.flatnonzero(codes < 0)
+        if len(pick):
+            distinct, inverse = np.unique(kind[rows[pick]] * self.dp + d[pick],
+                                          return_inverse=True)
+            made = np.empty(len(distinct), dtype=np.int64)
+            for k, (cls, dv) in enumerate(zip(*np.divmod(distinct, self.dp))):
+                base, keys, coeffs = varying[int(cls)]
+                values = coeffs[0] + coeffs[1] * self.dp + coeffs[2] * int(dv)
+                kw = dict(base, **dict(zip(keys, values.tolist())))
+                made[k] = table.setdefault(canonical_kwargs(kw), len(table))
+            codes[pick] = made[inverse.reshape(-1)]
+        return narrow(codes), tuple(table)
+
+    def entries(self, cols: Columns, which_col: int, kind: str) -> tuple[Array, Array]:
+        """Per template node (rows of self.nw) the (start, count) of its inputs
+        or outputs in the small plan of column ``which_col`` of nw."""
+        n = cols.nodes
+        idx = self.nw[:, which_col]
+        if kind == "in":
+            return n.in_start.astype(np.int64)[idx], n.in_count.astype(np.int64)[idx]
+        off = n.out_off.astype(np.int64)
+        return off[idx], off[idx + 1] - off[idx]
+
+    def inputs(self, rows: Array, d: Array) -> dict[str, Array]:
+        c2, c3 = self.two.cols, self.three.cols
+        s0, n0 = self.entries(c2, 0, "in")
+        s1, n1 = self.entries(c2, 1, "in")
+        _, m0 = self.entries(c3, 2, "in")
+        group = m0 != n0
+        if not np.array_equal(n0, n1) or not (
+                np.array_equal(m0[group], n0[group] // 2 * 3) and (n0[group] % 2 == 0).all()):
+            raise NotReplicable("replicas differ in the number of a node's inputs")
+        pool2 = c2.nodes.inputs.astype(np.int64)
+        # own-replica entries: template of each entry, checked against replica 1
+        owner, within = _runs(n0)
+        e0 = pool2[s0[owner] + within]
+        e1 = pool2[s1[owner] + within]
+        plain_entry = ~group[owner]
+        self.check_entries(e0[plain_entry], e1[plain_entry], same_replica=True)
+        # group entries: block k of the dp-2 list is replica k's
+        g_owner, g_within = owner[~plain_entry], within[~plain_entry]
+        half = n0[g_owner] // 2
+        first = g_within < half
+        ge0 = e0[~plain_entry]
+        self.check_group(ge0, first, g_owner, g_within, half, s0)
+        # the pool: own-replica lists copied per node copy, then one range per group
+        counts = np.where(group[rows], 0, n0[rows])
+        c_owner, c_within = _runs(counts)
+        t_rows = self.entry_rows(pool2[s0[rows[c_owner]] + c_within])
+        plain = self.index_or_absent(t_rows, d[c_owner])
+        starts = np.cumsum(counts) - counts
+        in_count = np.where(group[rows], n0[rows] // 2 * self.dp, n0[rows])
+        pieces, g_start = [plain], np.zeros(len(self.nw), dtype=np.int64)
+        at = len(plain)
+        for t in np.flatnonzero(group).tolist():
+            block = self.entry_rows(pool2[s0[t]: s0[t] + n0[t] // 2])
+            dd = np.repeat(np.arange(self.dp), len(block))
+            pieces.append(self.index_or_absent(np.tile(block, self.dp), dd))
+            g_start[t] = at
+            at += len(pieces[-1])
+        in_start = np.where(group[rows], g_start[rows], starts)
+        return {"in_start": narrow(in_start), "in_count": narrow(in_count),
+                "inputs": narrow(np.concatenate(pieces))}
+
+    def entry_rows(self, entries: Array) -> Array:
+        """Template rows of dp-2 tensor indices (-1 stays -1)."""
+        return np.where(entries >= 0, self.t_row[np.maximum(entries, 0)], -1)
+
+    def index_or_absent(self, rows: Array, d: Array) -> Array:
+        return np.where(rows >= 0, self.tensor_index(np.maximum(rows, 0), d), -1)
+
+    def check_entries(self, e0: Array, e1: Array, same_replica: bool) -> None:
+        """Replica 0's entries are its own tensors and replica 1's are their twins."""
+        absent = e0 < 0
+        if not np.array_equal(absent, e1 < 0):
+            raise NotReplicable("replicas differ in a node's absent slots")
+        e0, e1 = e0[~absent], e1[~absent]
+        if (self.trep[e0] != 0).any() or (self.trep[e1] != 1).any() or not np.array_equal(
+                self.tw[self.t_row[e0], 1], e1):
+            raise NotReplicable("a node reads another replica's tensors outside a group")
+
+    def check_group(self, ge0: Array, first: Array, g_owner: Array, g_within: Array,
+                    half: Array, s0: Array) -> None:
+        """A group list of dp 2 is [replica 0's block, replica 1's block], the
+        second block the twins of the first, and dp 3's list has three blocks."""
+        if (ge0 < 0).any():
+            raise NotReplicable("a group list has absent slots")
+        if (self.trep[ge0[first]] != 0).any() or (self.trep[ge0[~first]] != 1).any():
+            raise NotReplicable("a group list is not in replica order")
+        pool2 = self.two.cols.nodes.inputs.astype(np.int64)
+        second = pool2[s0[g_owner[first]] + g_within[first] + half[first]]
+        if not np.array_equal(self.tw[self.t_row[ge0[first]], 1], second):
+            raise NotReplicable("a group list's replica blocks differ")
+
+    def check_three(self, kind: str) -> None:
+        """dp 3's replicas read and write what the fit predicts: replica k's
+        own tensors (the templates' rows), or, in a group list, three blocks."""
+        c2, c3 = self.two.cols, self.three.cols
+        t3 = c3.tensors
+        t3_row = np.full(len(t3), -1, dtype=np.int64)
+        for k in range(3):
+            t3_row[self.tw[:, 2 + k]] = np.arange(len(self.tw))
+        t3_rep = self.three.replica(t3.rank.astype(np.int64))
+        pool = "inputs" if kind == "in" else "outputs"
+        pool2 = getattr(c2.nodes, pool).astype(np.int64)
+        pool3 = getattr(c3.nodes, pool).astype(np.int64)
+        s0, n0 = self.entries(c2, 0, kind)
+        half = np.maximum(n0 // 2, 1)
+        for k in range(3):
+            s3, n3 = self.entries(c3, 2 + k, kind)
+            group = n3 != n0
+            if not np.array_equal(n3[group], n0[group] // 2 * 3):
+                raise NotReplicable("replicas differ in the number of a node's entries")
+            owner, within = _runs(n3)
+            e3 = pool3[s3[owner] + within]
+            got = np.stack([np.where(e3 >= 0, t3_row[e3], -1), np.where(e3 >= 0, t3_rep[e3], -1)])
+            g = group[owner]
+            src = pool2[s0[owner] + np.where(g, within % half[owner], within)]
+            rows = self.entry_rows(src)
+            want = np.stack([rows, np.where(rows < 0, -1, np.where(g, within // half[owner], k))])
+            if not np.array_equal(got, want):
+                raise NotReplicable(f"dp 3's node {pool} are not those of dp 2's replicas")
+
+    def outputs(self, rows: Array, d: Array) -> dict[str, Array]:
+        s0, n0 = self.entries(self.two.cols, 0, "out")
+        s1, n1 = self.entries(self.two.cols, 1, "out")
+        if not np.array_equal(n0, n1):
+            raise NotReplicable("replicas differ in the number of a node's outputs")
+        pool2 = self.two.cols.nodes.outputs.astype(np.int64)
+        owner, within = _runs(n0)
+        self.check_entries(pool2[s0[owner] + within], pool2[s1[owner] + within], True)
+        counts = n0[rows]
+        c_owner, c_within = _runs(counts)
+        t_rows = self.entry_rows(pool2[s0[rows[c_owner]] + c_within])
+        outs = self.index_or_absent(t_rows, d[c_owner])
+        off = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=off[1:])
+        return {"out_off": narrow(off), "outputs": narrow(outs)}
+
+
+def real_logical(two: Columns, three: Columns, dp: int) -> tuple[Logical, ...]:
+    """The logical tensors at dp replicas: batch dims grow linearly with the
+    replicas (fitted from dp 2 and 3), everything else is the same."""
+    out = []
+    for a, b in zip(two.logical, three.logical, strict=True):
+        if (a.name, a.kind, len(a.shape)) != (b.name, b.kind, len(b.shape)):
+            raise NotReplicable(f"logical tensor {a.name} differs between dp 2 and dp 3")
+        out.append(Logical(a.name, tuple(x + (y - x) * (dp - 2) for x, y in zip(a.shape, b.shape)),
+                           a.kind))
+    return tuple(out)
+
+
+def replicate(two: Columns, three: Columns, par: Parallelism, world: dict) -> Columns:
+    """The columns of ``par`` (dp D) from its plans at dp 2 and dp 3."""
+    block = par.cp * par.tp
+    small2, small3 = _Small(two, 2, block), _Small(three, 3, block)
+    if (two.loss, two.grads) != (three.loss, three.grads):
+        raise NotReplicable("the loss or gradients differ between dp 2 and dp 3")
+    ex = _Expander(small2, small3, par.dp)
+    logical = real_logical(two, three, par.dp)
+    tensors = ex.tensors(logical)
+    nodes, kwargs = ex.nodes()
+    return Columns(world=dict(world), logical=logical, loss=two.loss, grads=dict(two.grads),
+                   tensors=tensors, nodes=nodes, ops=two.ops, names=two.names, kwargs=kwargs)
+
+
+def small_sizes(par: Parallelism, gbs: int, dp: int) -> tuple[Parallelism, int]:
+    """The parallelism and batch of the same run at ``dp`` replicas."""
+    if gbs % (par.dp * par.nm):
+        raise ConfigError(f"--gbs {gbs} does not split into dp {par.dp} x nm {par.nm} microbatches")
+    return replace(par, dp=dp), gbs // par.dp * dp

@@ -1,0 +1,95 @@
+"""How the torch backend's tracing scales with the mesh: wall seconds to
+trace every rank (one process per rank), to lower and build the plans, and
+to verify them, for meshes of 4 and 8 ranks of the same model and recipe.
+
+    .venv/bin/python scripts/bench_trace.py [-k SUBSTRING ...]
+
+Prints one markdown table row per case (paste into docs/benchmarks.md) and
+a header line with the commit, the date and the load average, which these
+figures depend on (the ranks' processes share the machine's cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from backends.torch.__main__ import parser as backend_parser  # noqa: E402
+from backends.torch.__main__ import resolve, trace_ranks  # noqa: E402
+from backends.torch.build import build_plans  # noqa: E402
+from backends.torch.lower import lower_trace  # noqa: E402
+from backends.torch.rank import run  # noqa: E402
+from main import verify  # noqa: E402
+
+#: (case, arguments of ``python -m backends.torch``)
+CASES: list[tuple[str, str]] = [
+    ("llama fsdp_tp 4 ranks", "--recipe fsdp_tp --dp 2 --tp 2"),
+    ("llama fsdp_tp 8 ranks", "--recipe fsdp_tp --dp 4 --tp 2 --batch 8"),
+    ("llama pp_gpipe 4 ranks", "--recipe pp_gpipe --pp 2 --dp 2 --tp 1 --layers 2"),
+    ("llama pp_gpipe 8 ranks", "--recipe pp_gpipe --pp 2 --dp 4 --tp 1 --layers 2 --batch 8"),
+    ("hf llama 4 ranks", "--hf llama --dp 2 --tp 2"),
+    ("hf llama 8 ranks", "--hf llama --dp 4 --tp 2 --batch 8"),
+]
+
+
+def spec_of(args: argparse.Namespace) -> dict:
+    kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
+          "vocab": args.vocab, "seqlen": args.seqlen}
+    return {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
+            "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
+            "vocab": args.vocab, "seed": args.seed}
+
+
+def measure(argv: str) -> dict:
+    """Seconds of each phase of one case, and the verdict."""
+    args = resolve(backend_parser().parse_args(shlex.split(argv)))
+    spec = spec_of(args)
+    world_size = args.pp * args.dp * args.tp
+    t0 = time.perf_counter()
+    single = run({**spec, "parallel": False}, 0)
+    t1 = time.perf_counter()
+    traces = trace_ranks({**spec, "parallel": True}, world_size)
+    t2 = time.perf_counter()
+    world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
+             "tp": args.tp, "pp": args.pp, "ep": 1, "nm": traces[0]["microbatches"],
+             "recipe": args.recipe, **spec["model_kwargs"]}
+    plan_s, plan_p = build_plans(lower_trace(single, args.vocab),
+                                 [lower_trace(t, args.vocab) for t in traces], world)
+    t3 = time.perf_counter()
+    verdict = verify(plan_s, plan_p)
+    t4 = time.perf_counter()
+    return {"ranks": world_size, "single": t1 - t0, "ranks_s": t2 - t1, "build": t3 - t2,
+            "verify": t4 - t3, "ok": verdict.success}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-k", action="append", default=[], help="run the cases whose name contains this")
+    opts = ap.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    print(f"commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+    print("| case | ranks | single-device trace | rank traces | lower + build | verify | verdict |")
+    print("|---|---|---|---|---|---|---|")
+    for name, argv_case in CASES:
+        if opts.k and not any(k in name for k in opts.k):
+            continue
+        m = measure(argv_case)
+        print(f"| {name} | {m['ranks']} | {m['single']:.1f} s | {m['ranks_s']:.1f} s | "
+              f"{m['build']:.1f} s | {m['verify']:.1f} s | "
+              f"{'SUCCESS' if m['ok'] else 'FAIL'} |", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Ground truth for the PyTorch backend's cases: run a recipe for real.
+
+    .venv/bin/python scripts/gloo_truth.py --model llama_mean --recipe tp_sp --dp 2 --tp 2
+
+Runs the training step of ``python -m backends.torch`` (the same model,
+seed, batch and data-parallel row split) on ``dp * tp`` CPU processes with
+the ``gloo`` process group, and compares every rank's final gradients with
+the single-device step's, which each process computes first on the whole
+batch: a gradient left ``Partial`` differs; a DTensor gradient is compared
+as ``full_tensor()`` (so a rank whose shard is wrong, or whose replica
+differs from its peers', differs); a plain tensor gradient whole. Prints
+one line, ``same`` or ``differs: ...`` with the first rank and parameter
+that differ, and exits 0 when the step is right, 1 when it is not. This
+does not read the plans or the verifier: it is the truth their verdicts
+are checked against (docs/torch-backend.md, "Scaling conventions and their
+mistakes"). Pipelining recipes are not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from backends.torch.__main__ import parser as backend_parser  # noqa: E402
+from backends.torch.__main__ import resolve  # noqa: E402
+from backends.torch.rank import load  # noqa: E402
+
+
+def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = (args.batch, args.seqlen)
+    return (torch.randint(0, args.vocab, shape, generator=gen),
+            torch.randint(0, args.vocab, shape, generator=gen))
+
+
+def _model(args: argparse.Namespace):
+    torch.manual_seed(args.seed)
+    kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
+          "vocab": args.vocab, "seqlen": args.seqlen}
+    model = load(args.model)(**kw).to(torch.float64)
+    if hasattr(model, "global_tokens"):
+        model.global_tokens = args.batch * args.seqlen
+    return model
+
+
+def _single_grads(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    model = _model(args)
+    tokens, labels = _batch(args)
+    model(tokens, labels).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    warnings.filterwarnings("ignore")
+    world = args.dp * args.tp
+    expected = _single_grads(args)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (1, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
+        model = _model(args)
+        after = load(args.recipe)(model, mesh)
+        tokens, labels = _batch(args)
+        d = mesh["dp"].get_local_rank()
+        rows = slice(d * args.batch // args.dp, (d + 1) * args.batch // args.dp)
+        model(tokens[rows], labels[rows]).backward()
+        if after is not None:
+            after(model, mesh)
+        problem = ""
+        for name, p in model.named_parameters():
+            g = p.grad
+            if g is None:
+                problem = f"rank {rank} ends with no gradient of {name}"
+            elif isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                problem = f"rank {rank} ends with a partial gradient of {name}"
+            else:
+                full = g.full_tensor() if isinstance(g, DTensor) else g
+                err = float((full - expected[name]).abs().max())
+                scale = float(expected[name].abs().max()) or 1.0
+                if err > 1e-9 * scale:
+                    ratio = float((full.flatten() @ expected[name].flatten())
+                                  / (expected[name].flatten() @ expected[name].flatten()))
+                    problem = (f"rank {rank} ends with a wrong gradient of {name} (max error "
+                               f"{err:.3g}, about {ratio:.3g} x the single-device one)")
+            if problem:
+                break
+        out[rank] = problem
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = resolve(backend_parser().parse_args(argv))
+    if args.pp != 1:
+        print("pipelining recipes are not run", file=sys.stderr)
+        return 2
+    world = args.dp * args.tp
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        out = manager.dict()
+        store = os.path.join(tmp, "store")
+        mp.start_processes(_rank, args=(args, store, out), nprocs=world, join=True,
+                           start_method="spawn")
+        problems = [out[r] for r in range(world) if out.get(r)]
+    print(f"differs: {problems[0]}" if problems else "same")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

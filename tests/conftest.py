@@ -1,0 +1,64 @@
+"""The test suite writes only to temporary directories, never into the
+checkout: the files under the repository root (outside version control,
+the venv and tool caches) are listed when the run starts and compared when
+it ends; a file added, changed or removed fails the run, named."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Directories a test run may write to: version control, the venv, Python's
+#: and the tools' own caches.
+NOT_WATCHED = (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache")
+_SNAPSHOT = pytest.StashKey[dict]()
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every watched file under ``root``: relative path -> (mtime, size)."""
+    files = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in NOT_WATCHED and not d.endswith(".egg-info")]
+        for name in names:
+            path = Path(folder) / name
+            stat = path.lstat()
+            files[str(path.relative_to(root))] = (stat.st_mtime_ns, stat.st_size)
+    return files
+
+
+def changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    """What a run did to the watched files, one line each."""
+    return ([f"written: {p}" for p in sorted(after.keys() - before.keys())]
+            + [f"changed: {p}" for p in sorted(before.keys() & after.keys())
+               if before[p] != after[p]]
+            + [f"removed: {p}" for p in sorted(before.keys() - after.keys())])
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")  # pytest-xdist: the controller checks
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _is_worker(session.config):
+        session.config.stash[_SNAPSHOT] = snapshot(ROOT)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _is_worker(session.config) or _SNAPSHOT not in session.config.stash:
+        return
+    found = changes(session.config.stash[_SNAPSHOT], snapshot(ROOT))
+    if not found:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = ["the test run wrote into the checkout (tests write to temporary directories "
+             "only):", *(f"  {line}" for line in found[:20])]
+    if len(found) > 20:
+        lines.append(f"  ... and {len(found) - 20} more")
+    if reporter is not None:
+        reporter.ensure_newline()
+        for line in lines:
+            reporter.write_line(line, red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,542 @@
+"""Every block of a materialized plan compared with its representative, on arrays.
+
+The uniformity rules of verdict/fold.py ("Folded plans", step 3 in
+docs/soundness.md), applied to every replica and microbatch of a plan that
+writes them all out, as array operations over the plan's columns
+(verdict/columns.py), so that their cost per node is a few array passes,
+not a Python function call:
+
+* every block program (class, d, m) equals the one of (class, 0, 0), and
+  every step program (class, d) the one of (class, 0), node by node: same
+  operator, direction and kwargs, and the same tensors up to renaming (the
+  tensor's class, own microbatch or outside microbatches, logical id,
+  version, local shape; an input's slices relative to its block's first
+  row, and its parts);
+* (a) a node reads another replica's tensor only as a sum over the whole
+  orbit of replicas, with ``index`` its own position; (b) another
+  microbatch's tensor only as the running buffer of an accumulation chain,
+  zeros first; (c) the blocks of a class start b rows apart and cover the
+  batch once; (d)-(f) the glue: only sums of chain ends cross replicas,
+  blocks read nothing computed outside microbatches but constants, a
+  rank's last gradient buffer is its chain's end or such a sum.
+
+A violation raises ``StructureError('symmetry')`` naming the replica,
+microbatch and the first differing node (in execution order) and the
+representative's node it differs from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from verdict.columns import Columns
+from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, _Layout, batch_dims
+from verdict.lineage import StructureError
+from verdict.ops import get_op
+from verdict.plan import DIRECTIONS, INPUT_KINDS, Plan
+
+
+@dataclass
+class Arrays:
+    """What the check reads of a plan's columns, with the inputs and outputs
+    of every node as tuples of one CSR pool: a tuple is a range of the
+    columns' pools, so nodes that share an inputs range (a replica group's
+    members) share a tuple."""
+
+    t_rank: np.ndarray
+    t_mb: np.ndarray
+    t_tid: np.ndarray
+    t_version: np.ndarray
+    t_lver: np.ndarray
+    t_shape: np.ndarray  # interned shape
+    t_producer: np.ndarray  # node writing the tensor, -1 for inputs
+    n_rank: np.ndarray
+    n_mb: np.ndarray
+    n_op: np.ndarray  # index into ops
+    n_dir: np.ndarray
+    n_kw: np.ndarray  # index into the columns' kwargs table
+    n_ins: np.ndarray  # tuple id
+    n_outs: np.ndarray
+    ptr: np.ndarray  # tuple k holds flat[ptr[k]:ptr[k + 1]]
+    flat: np.ndarray
+    ops: tuple[str, ...]
+    slice_off: np.ndarray  # tensor t's slices: rows slice_off[t]:slice_off[t + 1]
+
+
+def arrays(cols: Columns) -> Arrays:
+    """The check's arrays, by array operations over the columns."""
+    t, n = cols.tensors, cols.nodes
+    nn, nt = len(n), len(t)
+    off = t.slice_offsets(cols.logical)
+    ndim = np.diff(off)
+    width = int(ndim.max(initial=0))
+    extents = np.full((nt, max(width, 1)), -1, dtype=np.int64)
+    if nt and width:
+        row = np.repeat(np.arange(nt), ndim)
+        col = np.arange(len(row)) - np.repeat(off[:-1], ndim)
+        extents[row, col] = t.slices[:, 1].astype(np.int64) - t.slices[:, 0]
+    ranges = np.stack([n.in_start.astype(np.int64), n.in_count.astype(np.int64)], axis=1)
+    key = ranges[:, 0] * (int(ranges[:, 1].max(initial=0)) + 1) + ranges[:, 1]
+    distinct, first, n_ins = np.unique(key, return_index=True, return_inverse=True)
+    starts, in_lengths = ranges[first, 0], ranges[first, 1]
+    out_lengths = np.diff(n.out_off.astype(np.int64))
+    lengths = np.concatenate((in_lengths, out_lengths))
+    ptr = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=ptr[1:])
+    gather = np.repeat(starts - ptr[:len(distinct)], in_lengths) + np.arange(
+        int(in_lengths.sum()))
+    flat = np.concatenate((n.inputs.astype(np.int64)[gather], n.outputs.astype(np.int64)))
+    producer = np.full(nt, -1, dtype=np.int64)
+    written = n.outputs.astype(np.int64)
+    owner = np.repeat(np.arange(nn), out_lengths)
+    keep = written >= 0
+    producer[written[keep]] = owner[keep]
+
+    def i64(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.int64)
+
+    return Arrays(
+        t_rank=i64(t.rank), t_mb=i64(t.mb), t_tid=i64(t.tid), t_version=i64(t.version),
+        t_lver=i64(t.lver), t_shape=_rows_id(extents), t_producer=producer,
+        n_rank=i64(n.rank), n_mb=i64(n.mb), n_op=i64(n.op), n_dir=i64(n.dir),
+        n_kw=i64(n.kwargs), n_ins=n_ins.reshape(-1), n_outs=len(distinct) + np.arange(nn),
+        ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=off)
+
+
+def _rows_id(matrix: np.ndarray) -> np.ndarray:
+    """An id per row of an int matrix, equal for equal rows: columns packed
+    into one int64 key while their ranges fit, then numbered by one sort."""
+    ids = np.zeros(len(matrix), dtype=np.int64)
+    span = 1
+    for k in range(matrix.shape[1] if matrix.ndim == 2 and len(matrix) else 0):
+        col = matrix[:, k].astype(np.int64)
+        lo = int(col.min())
+        width = int(col.max()) - lo + 1
+        if span * width >= 2 ** 62:
+            ids = np.unique(ids, return_inverse=True)[1].reshape(-1)
+            span = int(ids.max(initial=0)) + 1
+        ids = ids * width + (col - lo)
+        span *= width
+    return np.unique(ids, return_inverse=True)[1].reshape(-1)
+
+
+def _spans(ptr: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Flat positions of the tuples ``groups``, one after the other."""
+    lengths = ptr[groups + 1] - ptr[groups]
+    starts = np.repeat(ptr[groups] - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return starts + np.arange(int(lengths.sum()))
+
+
+class BlockCheck:
+    """The check; after :meth:`run`, what the representatives' cut needs:
+    the mesh, batch dims, rows per block, each block's first row and each
+    accumulation chain's end."""
+
+    def __init__(self, single: Plan, parallel: Columns, fold: Fold):
+        self.p, self.fold = parallel, fold
+        w = parallel.world
+        self.cp, self.tp = int(w.get("cp", 1)), int(w.get("tp", 1))
+        self.pp = int(w.get("pp", 1))
+        self.mesh = _Layout(fold.dp, self.cp, self.tp)
+        self.batch = batch_dims(single)
+        self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
+        self.offset: dict[tuple, int] = {}
+        self.chain_end: dict[tuple[int, int], int] = {}
+        self.found: list[tuple[int, int | None, str]] = []  # (node, representative, why)
+        self.cols = arrays(parallel)
+
+    # -- helpers ------------------------------------------------------------------
+    def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(class id, replica) of ranks: class = (stage, c, t) as one number."""
+        t = ranks % self.tp
+        c = (ranks // self.tp) % self.cp
+        d = (ranks // (self.tp * self.cp)) % self.fold.dp
+        stage = ranks // (self.tp * self.cp * self.fold.dp)
+        return (stage * self.cp + c) * self.tp + t, d
+
+    def flag(self, mask: np.ndarray, nodes: np.ndarray, why: str, reps=None) -> None:
+        """Record the first node where ``mask`` holds."""
+        hit = np.flatnonzero(mask)
+        if hit.size:
+            k = hit[np.argmin(nodes[hit])]
+            self.found.append((int(nodes[k]), None if reps is None else int(reps[k]), why))
+
+    def raise_first(self) -> None:
+        if not self.found:
+            return
+        i, j, why = min(self.found, key=lambda f: f[0])
+        mb, d = int(self.cols.n_mb[i]), int(self.n_d[i])
+        where = f"replica {d}" + (f", microbatch {mb}" if mb >= 0 else " (outside microbatches)")
+        ref = f", against the representative's {label(self.p, j)}" if j is not None else ""
+        raise StructureError("symmetry", f"{where}: {label(self.p, i)}{ref}: {why}")
+
+    def free_tensors(self) -> int:
+        """The first tensor no node reads or writes, or -1. Such a tensor
+        is in no block program, so nothing compares it."""
+        seen = np.zeros(len(self.cols.t_rank), dtype=bool)
+        flat = self.cols.flat
+        seen[flat[flat >= 0]] = True
+        free = np.flatnonzero(~seen)
+        return int(free[0]) if free.size else -1
+
+    def kwargs(self, i: int) -> dict:
+        return self.p.kwargs_of(int(self.cols.n_kw[i]))
+
+    # -- the check -----------------------------------------------------------------
+    def run(self) -> None:
+        cols = self.cols
+        dp, nm = self.fold.dp, self.fold.nm
+        nn = len(cols.n_rank)
+        if nn and int(cols.n_rank.max()) >= self.pp * dp * self.cp * self.tp:
+            raise StructureError("symmetry", "a node runs on a rank outside the world's layout")
+        if nn and (int(cols.n_mb.max()) >= nm or int(cols.n_mb.min()) < -1):
+            raise StructureError("symmetry", f"a node runs a microbatch outside 0..{nm - 1}")
+        self.n_cls, self.n_d = self.split(cols.n_rank)
+        self.t_cls, self.t_d = self.split(cols.t_rank)
+        kinds = np.array([lg.kind for lg in self.p.logical] or [""], dtype=object)
+        t_kind = kinds[cols.t_tid]
+        self.t_input = (cols.t_producer < 0) & np.isin(t_kind, INPUT_KINDS)
+        self.t_gradbuf = t_kind == "gradbuf"
+        self.check_offsets(t_kind)
+        self.t_view, bad_rows = self.input_views()
+        rep = self.representatives(self.n_cls, self.n_d)
+        self.rep = rep
+        self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
+            cols.n_mb >= 0)
+        self.check_chains()
+        orbit = self.orbits(self.n_d)
+        self.check_kwargs(rep, orbit)
+        self.check_entries(rep, orbit, self.is_acc, bad_rows)
+        self.check_glue(orbit)
+        self.raise_first()
+
+    def check_offsets(self, t_kind: np.ndarray) -> None:
+        """(c): per class, the blocks' first rows are b apart and cover [0, B)."""
+        cols, slices = self.cols, self.p.tensors.slices
+        data = np.flatnonzero((cols.t_producer < 0) & np.isin(t_kind, ("data", "tokens"))
+                              & (cols.t_mb >= 0))
+        first: dict[tuple, int] = {}
+        for t in data.tolist():
+            tid = int(cols.t_tid[t])
+            for k in self.batch.get(tid, ()):
+                if k < cols.slice_off[t + 1] - cols.slice_off[t]:
+                    start = int(slices[cols.slice_off[t] + k, 0])
+                    key = (*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t]))
+                    first[key] = min(first.get(key, start), start)
+        self.offset = first
+        by_cls: dict[tuple, list[int]] = defaultdict(list)
+        for (cls, _, _), row in first.items():
+            by_cls[cls].append(row)
+        want = [k * self.rows for k in range(self.fold.dp * self.fold.nm)]
+        for cls, rows in sorted(by_cls.items()):
+            if sorted(rows) != want:
+                raise StructureError("symmetry", (
+                    f"the blocks of rank class {cls} start at batch rows {_short(sorted(rows))}, "
+                    f"not every {self.rows} rows from 0: its replicas and microbatches do not "
+                    f"split the batch into blocks"))
+
+    def input_views(self) -> tuple[np.ndarray, np.ndarray]:
+        """For every input tensor, an id of its slices relative to its
+        block's first row and its parts (-1 for computed tensors); and
+        whether it holds rows outside its block."""
+        cols, tc = self.cols, self.p.tensors
+        nt = len(cols.t_rank)
+        bad = np.zeros(nt, dtype=bool)
+        shifted = tc.slices.astype(np.int64)  # a copy, moved to block coordinates
+        dims_of = {tid: dims for tid, dims in self.batch.items() if dims}
+        for t in np.flatnonzero(self.t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
+            row = self.offset.get((*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t])), -1)
+            if row < 0:
+                continue
+            for k in dims_of[int(cols.t_tid[t])]:
+                r = cols.slice_off[t] + k
+                a, b = int(shifted[r, 0]) - row, int(shifted[r, 1]) - row
+                bad[t] |= not (0 <= a < b <= self.rows)
+                shifted[r] = (a, b)
+        ndim = np.diff(cols.slice_off)
+        width = int(ndim.max(initial=0))
+        view = np.full((nt, 2 * width + 3), -1, dtype=np.int64)
+        if nt and width:
+            row = np.repeat(np.arange(nt), ndim)
+            col = np.arange(len(row)) - np.repeat(cols.slice_off[:-1], ndim)
+            view[row, 2 * col] = shifted[:, 0]
+            view[row, 2 * col + 1] = shifted[:, 1]
+        view[:, 2 * width:] = tc.parts
+        ids = np.full(nt, -1, dtype=np.int64)
+        ids[self.t_input] = _rows_id(view[self.t_input])
+        return ids, bad
+
+    def representatives(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
+        """For each node, the node at its position in its class's
+        representative program ((class, 0, 0) for a block, (class, 0) for
+        a step program); -1 where that program is shorter. Raises when a
+        class lacks a block or a step program of some replica."""
+        cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
+        nn = len(cols.n_rank)
+        slot = cols.n_mb + 1  # 0: outside microbatches
+        block = (n_cls * dp + n_d) * (nm + 1) + slot
+        order = np.argsort(block, kind="stable")
+        ids, starts, counts = np.unique(block[order], return_index=True, return_counts=True)
+        pos = np.empty(nn, dtype=np.int64)
+        pos[order] = np.arange(nn) - np.repeat(starts, counts)
+        self.check_present(ids)
+        rep_block = (n_cls * dp) * (nm + 1) + np.minimum(slot, 1)
+        where = np.searchsorted(ids, rep_block)
+        where = np.minimum(where, len(ids) - 1)
+        found = ids[where] == rep_block
+        size = np.where(found, counts[where], 0)
+        rep = np.where(found & (pos < size), order[np.minimum(starts[where] + pos, nn - 1)], -1)
+        own_size = counts[np.searchsorted(ids, block)]
+        nodes = np.arange(nn)
+        self.flag(own_size != size, nodes, "its block has another number of nodes than the "
+                  "representative's", np.where(rep >= 0, rep, order[starts[where]]))
+        return rep
+
+    def check_present(self, ids: np.ndarray) -> None:
+        """Every class with a block program has one for each (d, m), and a
+        class with a step program on replica 0 has one on every replica."""
+        dp, nm = self.fold.dp, self.fold.nm
+        slot = ids % (nm + 1)
+        cls_d = ids // (nm + 1)
+        cls = cls_d // dp
+        for which, mask, want in (("blocks (replica, microbatch)", slot > 0, dp * nm),
+                                  ("step programs (outside microbatches)", slot == 0, dp)):
+            classes, counts = np.unique(cls[mask], return_counts=True)
+            short = classes[counts != want]
+            if short.size:
+                raise StructureError("symmetry", (
+                    f"rank class {self.class_name(int(short[0]))} runs "
+                    f"{int(counts[counts != want][0])} {which}, not {want}: a replica or "
+                    f"microbatch lacks its program"))
+
+    def class_name(self, cls: int) -> tuple[int, int, int]:
+        t = cls % self.tp
+        c = (cls // self.tp) % self.cp
+        return cls // (self.tp * self.cp), c, t
+
+    def orbits(self, n_d: np.ndarray) -> np.ndarray:
+        """Nodes of a group operator that read another replica's tensor."""
+        cols = self.cols
+        group = np.array([get_op(op).group for op in cols.ops], dtype=bool)[cols.n_op]
+        orbit = np.zeros(len(n_d), dtype=bool)
+        g = np.flatnonzero(group)
+        if not g.size:
+            return orbit
+        tuples, inverse = np.unique(cols.n_ins[g], return_inverse=True)
+        spans = _spans(cols.ptr, tuples)
+        ts = cols.flat[spans]
+        lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
+        d = self.t_d[np.maximum(ts, 0)]
+        big = self.fold.dp
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        nonempty = lengths > 0
+        lo = np.full(len(tuples), big)
+        hi = np.full(len(tuples), -1)
+        lo[nonempty] = np.minimum.reduceat(np.where(ts >= 0, d, big), starts[nonempty])
+        hi[nonempty] = np.maximum.reduceat(np.where(ts >= 0, d, -1), starts[nonempty])
+        own = n_d[g]
+        lo, hi = lo[inverse], hi[inverse]
+        orbit[g] = ((lo != own) & (lo != big)) | ((hi != own) & (hi != -1))
+        return orbit
+
+    def check_kwargs(self, rep: np.ndarray, orbit: np.ndarray) -> None:
+        """Operator, direction and kwargs equal the representative's; an
+        orbit's ``index`` is compared as its own position (checked in
+        :meth:`check_glue`), a send/receive peer as its class, in the replica."""
+        cols, p = self.cols, self.p
+        kw = cols.n_kw.copy()
+        table: dict[str, int] = {}
+        send = np.array([op == "send_recv" for op in cols.ops] or [False])[cols.n_op]
+        normal: dict[tuple, int] = {}
+        for i in np.flatnonzero(orbit | send).tolist():
+            own_d = int(self.n_d[i])
+            code = int(cols.n_kw[i])
+            key = (code, own_d, bool(orbit[i]))
+            if key not in normal:
+                kwargs = p.kwargs_of(code)
+                if orbit[i]:
+                    kwargs.pop("index", None)
+                off = False
+                for k in ("src", "dst"):
+                    if send[i] and isinstance(kwargs.get(k), int):
+                        cls, d = self.mesh.split(kwargs[k])
+                        off |= d != own_d
+                        kwargs[k] = list(cls)
+                text = json.dumps(kwargs, sort_keys=True)
+                normal[key] = -1 if off else len(p.kwargs) + table.setdefault(text, len(table))
+            kw[i] = normal[key]
+        nodes = np.arange(len(kw))
+        self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
+        ok = rep >= 0
+        r = np.maximum(rep, 0)
+        self.flag(ok & ((cols.n_op != cols.n_op[r]) | (cols.n_dir != cols.n_dir[r])), nodes,
+                  "another operator or direction", rep)
+        self.flag(ok & (kw != kw[r]), nodes, "other kwargs", rep)
+        for tuples, what in ((cols.n_ins, "inputs"), (cols.n_outs, "outputs")):
+            n = cols.ptr[tuples + 1] - cols.ptr[tuples]
+            self.flag(ok & (n != n[r]), nodes, f"another number of {what}", rep)
+
+    def check_entries(self, rep: np.ndarray, orbit: np.ndarray, is_acc: np.ndarray,
+                      bad_rows: np.ndarray) -> None:
+        """Each tensor a node reads or writes against the one its
+        representative reads or writes at that position."""
+        cols = self.cols
+        for outputs, tuples in ((False, cols.n_ins), (True, cols.n_outs)):
+            lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
+            same = (rep >= 0) & (lengths == lengths[np.maximum(rep, 0)])
+            # an orbit reading the same tuple as its representative reads the same tensors
+            skip = orbit & (tuples == tuples[np.maximum(rep, 0)]) & (not outputs)
+            nodes = np.flatnonzero(same & ~skip)
+            node = np.repeat(nodes, lengths[nodes])
+            k = np.arange(len(node)) - np.repeat(
+                np.concatenate(([0], np.cumsum(lengths[nodes])[:-1])), lengths[nodes])
+            t = cols.flat[cols.ptr[tuples[node]] + k]
+            r = cols.flat[cols.ptr[tuples[rep[node]]] + k]
+            chain = is_acc[node] & ((k == 0) | outputs)
+            self.compare(node, rep[node], t, r, chain, orbit[node] & (not outputs),
+                         "output" if outputs else "input", bad_rows)
+
+    def compare(self, node, rep, t, r, chain, orbit, what: str, bad_rows) -> None:
+        cols = self.cols
+        self.flag((t < 0) != (r < 0), node, f"an {what} present in one and absent in the other",
+                  rep)
+        live = (t >= 0) & (r >= 0)
+        node, rep, t, r, chain, orbit = (a[live] for a in (node, rep, t, r, chain, orbit))
+        mb = cols.n_mb[node]
+        t_mb, r_mb = cols.t_mb[t], cols.t_mb[r]
+
+        def relation(x_mb, n_mb):
+            return np.where(n_mb < 0, x_mb, np.where(x_mb == n_mb, -2, np.where(x_mb < 0, -1, -3)))
+
+        rel_t, rel_r = relation(t_mb, mb), relation(r_mb, cols.n_mb[rep])
+        self.flag((rel_t == -3) & ~chain, node, f"its {what} is another microbatch's tensor")
+        made = cols.t_producer[t]
+        constant = np.array([op in CONSTANTS for op in cols.ops], dtype=bool)
+        self.flag((mb >= 0) & (t_mb < 0) & (made >= 0) & ~constant[cols.n_op[np.maximum(made, 0)]],
+                  node, "it reads a value computed outside microbatches, which may depend on "
+                  "every block")
+        self.flag((self.t_d[t] != self.n_d[node]) & ~orbit, node,
+                  "it reads another replica's tensor outside a sum over the replicas")
+        self.flag(bad_rows[t], node, f"its {what} holds rows outside its block")
+        differ = ((self.t_cls[t] != self.t_cls[r]) | (cols.t_tid[t] != cols.t_tid[r])
+                  | (cols.t_shape[t] != cols.t_shape[r])
+                  | (self.t_view[t] != self.t_view[r])
+                  | (~chain & ((rel_t != rel_r) | (cols.t_version[t] != cols.t_version[r])
+                               | (cols.t_lver[t] != cols.t_lver[r]))))
+        self.flag(differ, node, f"another {what} tensor, shape, slice or dataflow", rep)
+
+    def check_chains(self) -> None:
+        """(b), (f): per rank and gradient buffer, the microbatches'
+        accumulations form one chain from a zeros buffer."""
+        cols = self.cols
+        acc = np.flatnonzero(self.is_acc)
+        if not acc.size:
+            return
+        lengths = cols.ptr[cols.n_ins + 1] - cols.ptr[cols.n_ins]
+        buf = np.where(lengths[acc] > 0, cols.flat[cols.ptr[cols.n_ins[acc]]], -1)
+        out = cols.flat[cols.ptr[cols.n_outs[acc]]]
+        key_tid = np.where(buf >= 0, cols.t_tid[np.maximum(buf, 0)], -1)
+        key = cols.n_rank[acc] * (len(self.p.logical) + 1) + key_tid + 1
+        order = np.lexsort((acc, key))
+        acc, buf, out, key = acc[order], buf[order], out[order], key[order]
+        first = np.concatenate(([True], key[1:] != key[:-1]))
+        linked = np.concatenate(([False], buf[1:] == out[:-1]))
+        zeros_op = np.array([op == "zeros" for op in cols.ops], dtype=bool)
+        made = cols.t_producer[np.maximum(buf, 0)]
+        starts = (buf >= 0) & (made >= 0) & zeros_op[cols.n_op[np.maximum(made, 0)]] & \
+            (cols.t_mb[np.maximum(buf, 0)] == -1)
+        ok = np.where(first, starts, linked)
+        self.flag(~ok, acc, "its gradient buffer is not the running one (zeros, then each "
+                  "microbatch's accumulation)")
+        last = np.concatenate((key[1:] != key[:-1], [True]))
+        self.is_end = np.zeros(len(cols.t_rank), dtype=bool)
+        self.is_end[out[last]] = True
+        self.chain_end = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(o)
+                          for a, o in zip(acc[last], out[last])}
+
+    def check_glue(self, orbit: np.ndarray) -> None:
+        """(a), (d), (f): orbits are sums of chain ends over the whole orbit,
+        at their own index; a rank's last gradient buffer is a chain end or
+        such a sum."""
+        cols, p = self.cols, self.p
+        is_end = getattr(self, "is_end", np.zeros(len(cols.t_rank), dtype=bool))
+        sums = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)[cols.n_op]
+        tuples = np.unique(cols.n_ins)
+        lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
+        spans = _spans(cols.ptr, tuples)
+        ts = cols.flat[spans]
+        end_ok = np.ones(len(tuples), dtype=bool)
+        if len(ts):
+            bad = (ts < 0) | ~is_end[np.maximum(ts, 0)]
+            nonempty = lengths > 0
+            starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+            end_ok[nonempty] = ~np.logical_or.reduceat(bad, starts[nonempty])
+        sums_ends = np.zeros(len(cols.n_ins), dtype=bool)
+        sums_ends[:] = end_ok[np.searchsorted(tuples, cols.n_ins)] & sums
+        nodes = np.arange(len(cols.n_ins))
+        self.flag(orbit & (~sums_ends | (cols.n_mb != -1)), nodes,
+                  "only a sum of gradient buffers, after every microbatch, may cross replicas")
+        checked: dict[int, bool] = {}
+        for i in np.flatnonzero(orbit & sums_ends):
+            g = int(cols.n_ins[i])
+            if g not in checked:
+                checked[g] = self.whole_orbit(cols.flat[cols.ptr[g]:cols.ptr[g + 1]])
+            if not checked[g]:
+                self.found.append((int(i), None, "its group is not the whole orbit of replicas"))
+                continue
+            index = self.kwargs(i).get("index")
+            members = cols.flat[cols.ptr[g]:cols.ptr[g + 1]]
+            if not isinstance(index, int) or not 0 <= index < len(members) or \
+                    cols.t_rank[members[index]] != cols.n_rank[i]:
+                self.found.append((int(i), None, "its index is not its own position in the "
+                                                 "group"))
+        # (f) the gradient buffer a rank ends with
+        outs = _spans(cols.ptr, cols.n_outs)
+        writer = np.repeat(nodes, cols.ptr[cols.n_outs + 1] - cols.ptr[cols.n_outs])
+        t = cols.flat[outs]
+        keep = t >= 0
+        t, writer = t[keep], writer[keep]
+        g = self.t_gradbuf[t]
+        t, writer = t[g], writer[g]
+        if not len(t):
+            return
+        key = cols.t_rank[t] * (len(p.logical) + 1) + cols.t_tid[t]
+        order = np.lexsort((writer, key))
+        key, writer, t = key[order], writer[order], t[order]
+        last = np.concatenate((key[1:] != key[:-1], [True]))
+        w, out = writer[last], t[last]
+        ok = (self.is_acc[w] & is_end[out]) | sums_ends[w]
+        self.flag(~ok, w, "the gradient buffer a rank ends with must be its accumulation's last "
+                  "output or a sum of those (a reducer)")
+
+    def whole_orbit(self, members: np.ndarray) -> bool:
+        """Every replica the same number of times with the same other
+        coordinates, replica-major or replica-minor."""
+        dp = self.fold.dp
+        if len(members) % dp or (members < 0).any():
+            return False
+        per = len(members) // dp
+        cls, d = self.t_cls[members], self.t_d[members]
+        major = np.repeat(np.arange(dp), per)
+        minor = np.tile(np.arange(dp), per)
+        if np.array_equal(d, major):
+            grid = cls.reshape(dp, per)
+        elif np.array_equal(d, minor):
+            grid = cls.reshape(per, dp).T
+        else:
+            return False
+        return bool((grid == grid[0]).all())
+
+
+def label(plan: Columns, i: int) -> str:
+    n = plan.nodes
+    return (f"node {i} (rank {int(n.rank[i])}, mb {int(n.mb[i])}, {plan.ops[int(n.op[i])]} "
+            f"{DIRECTIONS[int(n.dir[i])]} '{plan.names[int(n.name[i])]}')")
+
+
+def _short(rows: list[int]) -> str:
+    return str(rows) if len(rows) <= 8 else f"[{', '.join(map(str, rows[:8]))}, ...]"

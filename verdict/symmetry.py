@@ -1,0 +1,386 @@
+"""Materialized plans: the blocks found and checked, the representatives proved.
+
+A plan with every rank and microbatch written out runs, at dp 512, one
+program 512 times. :func:`find_symmetry` checks that it does (every block
+(replica, microbatch) against its class's representative, with the
+uniformity rules of verdict/fold.py applied to the whole plan, glue
+included) and cuts out the representatives, replicas 0-1 and microbatches
+0-1, as a folded plan that the folded pipeline proves. docs/soundness.md,
+"Materialized plans: the symmetry found and checked", holds the argument.
+
+A plan that is not covered, or whose blocks differ, is verified in full:
+:func:`find_symmetry` says why (:class:`Refusal`), it never FAILs a plan
+by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from verdict.blocks import BlockCheck, _spans
+from verdict.columns import Columns
+from verdict.final import check_layout
+from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
+from verdict.lineage import StructureError
+from verdict.ops import get_op
+from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor
+
+PlanLike = Plan | Columns
+
+
+@dataclass(frozen=True)
+class Symmetry:
+    """The representatives of a materialized plan, as a folded plan, and the
+    single-device plan restricted to their rows."""
+
+    single: Plan
+    folded: Plan
+    blocks: int  # blocks (replica x microbatch) checked against the representatives
+    rank_of: dict[int, int]  # rank of ``folded`` -> rank of the plan
+
+    def describe(self) -> str:
+        w = self.folded.world
+        return (f"{w['fold_dp']} x {w['fold_nm']} blocks (replica x microbatch) checked against "
+                f"the representatives, replicas 0-{w['dp'] - 1} and microbatches "
+                f"0-{w['nm'] - 1}, which were proved (docs/soundness.md)")
+
+    def ranks(self) -> str:
+        """Where the representatives' ranks are in the plan (for a FAIL)."""
+        return ", ".join(f"{f}->{p}" for f, p in sorted(self.rank_of.items()) if f != p)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a materialized plan is verified in full; ``difference`` when its
+    blocks differ (the first differing block and node)."""
+
+    why: str
+    difference: bool = False
+
+
+def foldable(parallel: PlanLike) -> bool:
+    """A materialized plan with more than two replicas or microbatches."""
+    w = parallel.world
+    return not parallel.is_folded() and all(
+        isinstance(w.get(k, 1), int) for k in ("dp", "nm", "cp", "tp", "pp", "ep")) and (
+        w.get("dp", 1) > SHOWN or w.get("nm", 1) > SHOWN)
+
+
+def eligible(parallel: PlanLike) -> str | None:
+    """Why the plan is not one the symmetry covers (None: it is)."""
+    w = parallel.world
+    if not foldable(parallel):
+        return "not a materialized plan with more than two replicas or microbatches"
+    if w.get("ep", 1) != 1:
+        return "expert parallelism: replicas hold other experts"
+    if w.get("zero", 0):
+        return "ZeRO: each replica owns another shard"
+    if not isinstance(w.get("gbs"), int):
+        return "its world has no integer gbs"
+    return None
+
+
+def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
+    """The representatives of ``parallel`` after every block was checked
+    against them, or why the plan must be verified in full. First the
+    world's layout is checked against the rows every rank loads
+    (``check_layout``; StructureError('layout'), a finding)."""
+    cols = parallel if isinstance(parallel, Columns) else Columns.from_plan(parallel)
+    check_layout(layout_view(cols))
+    why = eligible(parallel)
+    if why:
+        return Refusal(why)
+    w = cols.world
+    dp, nm, gbs = w.get("dp", 1), w.get("nm", 1), w["gbs"]
+    if single.world.get("gbs") != gbs or gbs % (dp * nm):
+        return Refusal(f"gbs {gbs} does not split into dp {dp} x nm {nm} blocks")
+    whole = Fold(dp, nm, gbs, dp, nm, gbs)
+    try:
+        check = BlockCheck(single, cols, whole)
+        scaled = [i for i, t in enumerate(parallel.tensors) if t.scale != UNIT] \
+            if isinstance(parallel, Plan) else []
+        if any(check.cols.t_producer[i] < 0 for i in scaled):
+            return Refusal("an input tensor claims a factor (the block check compares inputs "
+                           "by slices and parts)")
+        free = check.free_tensors()
+        if free >= 0:
+            return Refusal(f"tensor {free} is read or written by no node (only the tensors of "
+                           f"compared nodes are compared)")
+        check.run()
+    except FoldError as e:
+        return Refusal(str(e))
+    except StructureError as e:
+        return Refusal(str(e), difference=True)
+    shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
+                 dp, nm, gbs)
+    try:
+        folded, rank_of = _Cut(parallel, check, shown).plan()
+        restricted = restrict(single, shown)
+    except FoldError as e:
+        return Refusal(str(e))
+    return Symmetry(restricted, folded, dp * nm, rank_of)
+
+
+def layout_view(cols: Columns) -> Plan:
+    """The load-time facts ``check_layout`` reads, as a plan without nodes:
+    the data and tokens tensors no node writes. A rank beyond the world's
+    layout is a layout finding."""
+    w = cols.world
+    size = 1
+    for k in ("pp", "dp", "cp", "tp"):
+        size *= int(w.get(k, 1))
+    t = cols.tensors
+    top = int(max(t.rank.max(initial=0), cols.nodes.rank.max(initial=0)))
+    if top >= size:
+        raise StructureError("layout", f"rank {top} is outside the world's layout of "
+                                       f"pp*dp*cp*tp = {size} ranks")
+    written = np.zeros(len(t), dtype=bool)
+    out = cols.nodes.outputs
+    written[out[out >= 0]] = True
+    kinds = np.array([lg.kind in ("data", "tokens") for lg in cols.logical] or [False])
+    data = np.flatnonzero(kinds[t.tid] & ~written)
+    return Plan(world=dict(w), logical=list(cols.logical), tensors=tensor_rows(cols, data),
+                loss=cols.loss, grads=dict(cols.grads))
+
+
+def tensor_rows(cols: Columns, picked: np.ndarray) -> list[Tensor]:
+    """The Tensor rows of the tensors ``picked`` (cost in their number)."""
+    t = cols.tensors
+    off = t.slice_offsets(cols.logical)
+    slices = t.slices.view(np.ndarray)  # not a memmap: indexed once per tensor
+    rows = []
+    fields = zip(*(a[picked].tolist() for a in (t.rank, t.mb, t.tid, t.version, t.lver)),
+                 t.parts[picked].tolist(), off[picked].tolist(), off[picked + 1].tolist())
+    for rank, mb, tid, version, lver, parts, a, b in fields:
+        sl = tuple(tuple(x) for x in slices[a:b].tolist())
+        rows.append(Tensor(rank, mb, tid, version, tuple(e - s for s, e in sl), lver, sl,
+                           tuple(parts)))
+    return rows
+
+
+def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
+    """The plan of ``nodes`` and the ``tensors`` they touch (sorted), with
+    only those made into Python objects (``Columns.to_plan`` numbers them
+    alike but reads every node)."""
+    n = cols.nodes
+    inputs, outputs = n.inputs.view(np.ndarray), n.outputs.view(np.ndarray)
+    renum = {t: k for k, t in enumerate(tensors.tolist())}
+    kwargs: dict[int, dict] = {}
+    out = []
+    fields = zip(nodes.tolist(), *(a[nodes].tolist() for a in (
+        n.rank, n.mb, n.op, n.dir, n.kwargs, n.name, n.in_start, n.in_count)),
+        n.out_off[nodes].tolist(), n.out_off[nodes + 1].tolist())
+    for _, rank, mb, op, dr, kw, name, start, count, o0, o1 in fields:
+        if kw not in kwargs:
+            kwargs[kw] = cols.kwargs_of(kw)
+        ins = tuple(renum[x] if x >= 0 else -1 for x in inputs[start:start + count].tolist())
+        outs = tuple(renum[x] if x >= 0 else -1 for x in outputs[o0:o1].tolist())
+        out.append(Node(rank, mb, cols.ops[op], DIRECTIONS[dr], ins, outs, dict(kwargs[kw]),
+                        cols.names[name]))
+    return Plan(world=dict(cols.world), logical=list(cols.logical),
+                tensors=tensor_rows(cols, tensors), nodes=out, loss=cols.loss,
+                grads=dict(cols.grads))
+
+
+class _Cut:
+    """The representatives of a checked plan as a folded plan: the ranks of
+    the shown replicas renumbered to a mesh of ``fold.dp`` replicas, their
+    shown microbatches and step programs, glue cut to the shown chain ends,
+    batch rows and block parts moved to the shown blocks. Only these nodes
+    become Node objects (``Columns.to_plan``)."""
+
+    def __init__(self, parallel: PlanLike, check: BlockCheck, fold: Fold):
+        self.check, self.fold, self.source = check, fold, parallel
+        w = parallel.world
+        self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
+        self.batch = check.batch
+        self.rows = check.rows
+        cols = check.cols
+        nodes = np.flatnonzero((check.n_d < fold.dp) & (cols.n_mb < fold.nm))
+        used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
+                                         _spans(cols.ptr, cols.n_outs[nodes])))]
+        #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
+        self.orig = np.unique(used[used >= 0])
+        self.p = (columns_sub_plan(parallel, nodes, self.orig) if isinstance(parallel, Columns)
+                  else _sub_plan(parallel, nodes, self.orig))
+        self.d = check.t_d[self.orig]  # replica of each tensor of self.p
+        self.starts = self.block_starts()
+        self.slots = self.block_slots()
+
+    def local(self, t: int) -> int:
+        """The index in ``self.p`` of plan tensor ``t``, -1 when it holds none."""
+        k = int(np.searchsorted(self.orig, t))
+        return k if k < len(self.orig) and self.orig[k] == t else -1
+
+    # -- ranks and blocks ------------------------------------------------------
+    def new_rank(self, rank: int) -> int | None:
+        (stage, c, t), d = self.check.mesh.split(rank)
+        if d >= self.fold.dp:
+            return None
+        return ((stage * self.fold.dp + d) * self.cp + c) * self.tp + t
+
+    def block_starts(self) -> dict[tuple[int, int], int]:
+        """(replica, microbatch) -> its first batch row in the plan, the same
+        in every class that loads data (else the cut is refused)."""
+        starts: dict[tuple[int, int], int] = {}
+        for (_, d, m), row in self.check.offset.items():
+            if row < 0:
+                continue
+            if starts.setdefault((d, m), row) != row:
+                raise FoldError(f"replica {d}, microbatch {m} starts at different rows in "
+                                f"different rank classes")
+        return starts
+
+    def new_start(self) -> dict[int, int]:
+        """Plan row of a shown block's start -> its row in the folded plan:
+        the shown blocks in their order, b rows apart from 0."""
+        shown = sorted(row for (d, m), row in self.starts.items()
+                       if d < self.fold.dp and m < self.fold.nm)
+        return {row: k * self.rows for k, row in enumerate(shown)}
+
+    def block_slots(self) -> dict[int, int]:
+        """Slot of a shown block in partial sums over blocks (a part index of
+        the K = dp x nm blocks) -> its position among the shown blocks.
+
+        A block's slot is read off the claims of its own tensors whose parts
+        lie in one slot; the claims are not trusted (the stages prove them),
+        so a slot read wrongly costs a proof, never soundness."""
+        k = self.fold.real_dp * self.fold.real_nm
+        slot: dict[tuple[int, int], int] = {}
+        for node in self.p.nodes:
+            if node.mb < 0 or node.op == ACCUMULATE:
+                continue
+            block = (self.check.mesh.split(node.rank)[1], node.mb)
+            for o in node.outputs:
+                if o < 0:
+                    continue
+                lo, hi, n = self.p.tensors[o].parts
+                if n > 1 and n % k == 0:
+                    q = n // k
+                    if lo // q == (hi - 1) // q and slot.setdefault(block, lo // q) != lo // q:
+                        raise FoldError(f"block {block} claims parts of two blocks")
+        if len(set(slot.values())) != len(slot):
+            raise FoldError("two blocks claim one part of a partial sum over blocks")
+        return {s: i for i, s in enumerate(sorted(slot.values()))}
+
+    # -- tensors -----------------------------------------------------------------
+    def slices(self, t: Tensor, start: dict[int, int]) -> Slices:
+        full, shown = self.fold.real_gbs, self.fold.gbs
+        out = list(t.slices)
+        for k in self.batch.get(t.tid, ()):
+            if k >= len(out):
+                continue
+            a, b = out[k]
+            if (a, b) == (0, full):
+                out[k] = (0, shown)
+                continue
+            base = next((row for row in start if row <= a and b <= row + self.rows), None)
+            if base is None:
+                raise FoldError(f"{self.p.logical[t.tid].name} holds rows [{a}, {b}) outside "
+                                f"one shown block")
+            out[k] = (start[base] + a - base, start[base] + b - base)
+        return tuple(out)
+
+    def parts(self, t: Tensor) -> tuple[int, int, int]:
+        lo, hi, n = t.parts
+        k = self.fold.real_dp * self.fold.real_nm
+        if n <= 1 or n % k:
+            return t.parts
+        q = n // k
+        first, last = lo // q, (hi - 1) // q
+        if first != last and (lo % q or hi % q):
+            raise FoldError(f"{self.p.logical[t.tid].name} claims parts that cut a block")
+        pos = [self.slots.get(s) for s in range(first, last + 1)]
+        if None in pos or pos != list(range(pos[0], pos[0] + len(pos))):
+            raise FoldError(f"{self.p.logical[t.tid].name} claims parts of unshown blocks")
+        shown = self.fold.dp * self.fold.nm
+        return (pos[0] * q + lo % q, pos[-1] * q + (hi - 1) % q + 1, shown * q)
+
+    # -- the folded plan ---------------------------------------------------------
+    def chain_ends(self) -> tuple[dict[int, int], dict[int, Tensor]]:
+        """A chain's end in the plan -> its end after the last shown
+        microbatch, both as tensors of ``self.p``; and the plan's end each
+        shown end stands for (whose claim it takes when that is the whole
+        gradient: the last shown microbatch completes the shown blocks)."""
+        last = self.fold.nm - 1
+        ends, claims = {}, {}
+        for node in self.p.nodes:
+            if node.op == ACCUMULATE and node.mb == last:
+                out = node.outputs[0]
+                x = self.p.tensors[out]
+                real = self.check.chain_end[(node.rank, x.tid)]
+                claims[out] = self.source_tensor(real)
+                end = self.local(real)
+                if end >= 0:  # read by a step node the representatives keep
+                    ends[end] = out
+        return ends, claims
+
+    def source_tensor(self, t: int) -> Tensor:
+        if isinstance(self.source, Plan):
+            return self.source.tensors[t]
+        return tensor_rows(self.source, np.array([t]))[0]
+
+    def plan(self) -> tuple[Plan, dict[int, int]]:
+        p, fold = self.p, self.fold
+        ends, claims = self.chain_ends()
+        shown = self.d < fold.dp
+        nodes = []
+        for i, node in enumerate(p.nodes):
+            ins = [ends.get(t, t) for t in node.inputs]
+            kwargs = dict(node.kwargs)
+            if any(t >= 0 and not shown[t] for t in node.inputs):
+                if not (get_op(node.op).group and node.mb < 0):
+                    raise FoldError(f"{label_of(p, i)} reads another replica's tensor")
+                own = node.inputs[kwargs["index"]] if isinstance(kwargs.get("index"), int) else -1
+                ins = [e for t, e in zip(node.inputs, ins) if t < 0 or shown[t]]
+                if own >= 0:
+                    kwargs["index"] = ins.index(ends.get(own, own))
+            nodes.append(node._replace(rank=self.new_rank(node.rank), inputs=tuple(ins),
+                                       kwargs=kwargs))
+        used = sorted({t for n in nodes for t in (*n.inputs, *n.outputs) if t >= 0})
+        index = {t: k for k, t in enumerate(used)}
+        start = self.new_start()
+        tensors, rank_of = [], {}
+        for t in used:
+            x = p.tensors[t]
+            if x.mb >= fold.nm or not shown[t]:
+                raise FoldError(f"the representatives read {p.logical[x.tid].name} of rank "
+                                f"{x.rank}, microbatch {x.mb}, which they do not hold")
+            rank = self.new_rank(x.rank)
+            rank_of[rank] = x.rank
+            if t in claims and claims[t].is_whole():  # the whole gradient, no reducer after
+                real = claims[t]
+                x = x._replace(lver=real.lver, slices=real.slices, parts=real.parts,
+                               scale=real.scale)
+            tensors.append(x._replace(rank=rank, slices=self.slices(x, start), parts=self.parts(x)))
+        nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
+                            outputs=tuple(index[t] if t >= 0 else -1 for t in n.outputs))
+                 for n in nodes]
+        world = {**p.world, "dp": fold.dp, "nm": fold.nm, "gbs": fold.gbs,
+                 **dict(zip(FOLD_KEYS, (fold.real_dp, fold.real_nm, fold.real_gbs)))}
+        folded = Plan(world=world, logical=list(p.logical), tensors=tensors, nodes=nodes,
+                      loss=p.loss, grads=dict(p.grads))
+        return folded, rank_of
+
+
+def _sub_plan(plan: Plan, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
+    """The plan of ``nodes`` and the ``tensors`` they touch (sorted), numbered
+    as ``Columns.to_plan`` numbers them; every field of a tensor kept."""
+    index = {t: k for k, t in enumerate(tensors.tolist())}
+
+    def local(ts: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(index[t] if t >= 0 else -1 for t in ts)
+
+    return Plan(world=dict(plan.world), logical=list(plan.logical),
+                tensors=[plan.tensors[t] for t in tensors.tolist()],
+                nodes=[plan.nodes[i]._replace(inputs=local(plan.nodes[i].inputs),
+                                              outputs=local(plan.nodes[i].outputs))
+                       for i in nodes.tolist()],
+                loss=plan.loss, grads=dict(plan.grads))
+
+
+def label_of(plan: Plan, i: int) -> str:
+    n = plan.nodes[i]
+    return f"node (rank {n.rank}, mb {n.mb}, {n.op} {n.dir} '{n.name}')"
