@@ -78,6 +78,8 @@ CASES: list[tuple[str, str, int]] = [
     ("llama pp_interleaved_zero_bubble pp2 v2",
      "--model llama --recipe pp_interleaved_zero_bubble --pp 2 --dp 1 --tp 1 --layers 4", 0),
     ("llama pp_zbv pp2 v2", "--model llama --recipe pp_zbv --pp 2 --dp 1 --tp 1 --layers 4", 0),
+    ("llama pp_dualpipev pp2 v2",
+     "--model llama --recipe pp_dualpipev --pp 2 --dp 1 --tp 1 --layers 4", 0),
     ("llama tp_sp adamw", "--model llama --recipe tp_sp --optimizer adamw", 0),
     ("llama tp_sp sgd", "--model llama --recipe tp_sp --optimizer sgd", 0),
     ("llama tp_sp_vocab clip adamw",
