@@ -33,10 +33,11 @@ FLOORS = Path(__file__).with_name("quick_floors.json")
 #: sum's members, a swap of equal operands or of a fan-out's copies, a max
 #: all-reduce as a sum (the cross-entropy's shift cancels), a tensor equal
 #: across microbatches, a constant changed everywhere whose change cancels,
-#: an exchange whose pieces hold equal values.
+#: an exchange whose pieces hold equal values, a pipeline peer (another
+#: tensor-parallel rank of the sending stage) that holds the same replica.
 OFTEN_EQUIVALENT = frozenset({"permute_group", "swap_inputs", "swap_outputs",
                               "replace_collective", "other_microbatch",
-                              "change_constant_everywhere", "drop_exchange"})
+                              "change_constant_everywhere", "drop_exchange", "wrong_peer"})
 SHARE = 0.25
 TOTAL_SHARE = 0.2
 EQUIVALENT = ("equivalent, proved", "equivalent, failed")
