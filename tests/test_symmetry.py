@@ -187,3 +187,18 @@ def test_chain_end_read_by_no_step_node():
     v = verify(single, plan)
     assert v.success, v.message
     assert v.blocks == (4, 2, 0)
+
+
+@pytest.mark.parametrize(("par", "policy"), [
+    (Parallelism(cp=2, dp=4, nm=4), Policy()),
+    (Parallelism(dp=4, tp=2, nm=4), Policy(sequence_parallel=True)),
+], ids=str)
+def test_context_and_sequence_parallel_plans_are_folded(par, policy):
+    """Partial sums over blocks numbered with the context or tensor index
+    between replica and microbatch are moved to the shown blocks."""
+    llama = ModelConfig("llama3", layers=1, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
+                        seqlen=4)
+    single, plan = plan_pair(llama, par, GBS, policy)
+    v = verify(single, plan)
+    assert v.success, v.message
+    assert v.blocks == (16, 4, 0)

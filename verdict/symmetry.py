@@ -15,6 +15,7 @@ by itself.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,7 +210,8 @@ class _Cut:
                   else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.starts = self.block_starts()
-        self.slots = self.block_slots()
+        self.layouts: dict[int, tuple[str, ...] | None] = {}
+        self.single_parts = self.own_parts()
 
     def local(self, t: int) -> int:
         """The index in ``self.p`` of plan tensor ``t``, -1 when it holds none."""
@@ -242,30 +244,48 @@ class _Cut:
                        if d < self.fold.dp and m < self.fold.nm)
         return {row: k * self.rows for k, row in enumerate(shown)}
 
-    def block_slots(self) -> dict[int, int]:
-        """Slot of a shown block in partial sums over blocks (a part index of
-        the K = dp x nm blocks) -> its position among the shown blocks.
+    def part_layout(self, n: int) -> tuple[str, ...] | None:
+        """How an n-way partial sum over the K = dp x nm blocks numbers them:
+        the part index as digits (replica d, microbatch m, the rest r of
+        size n / K) in some order, major first; the first order under which
+        every single-part claim of a shown block's own tensors names its own
+        d and m. None when none fits (the cut is then refused)."""
+        if n not in self.layouts:
+            fits = [order for order in itertools.permutations("dmr")
+                    if all(self.digits(order, n, lo, real=True)[:2] == block
+                           for block, lo in self.single_parts.get(n, ()))]
+            self.layouts[n] = fits[0] if fits else None
+        return self.layouts[n]
 
-        A block's slot is read off the claims of its own tensors whose parts
-        lie in one slot; the claims are not trusted (the stages prove them),
-        so a slot read wrongly costs a proof, never soundness."""
+    def digits(self, order: tuple[str, ...], n: int, i: int, real: bool) -> tuple[int, int, int]:
+        """(d, m, r) of part i of n under ``order``."""
+        size = self.radix(n, real)
+        out = {}
+        for name in reversed(order):
+            i, out[name] = divmod(i, size[name])
+        return out["d"], out["m"], out["r"]
+
+    def radix(self, n: int, real: bool) -> dict[str, int]:
         k = self.fold.real_dp * self.fold.real_nm
-        slot: dict[tuple[int, int], int] = {}
+        if real:
+            return {"d": self.fold.real_dp, "m": self.fold.real_nm, "r": n // k}
+        return {"d": self.fold.dp, "m": self.fold.nm, "r": n // k}
+
+    def own_parts(self) -> dict[int, list[tuple[tuple[int, int], int]]]:
+        """n -> (block, part) of every single-part claim of n parts (n a
+        multiple of K) made by a shown block's own tensors."""
+        k = self.fold.real_dp * self.fold.real_nm
+        out: dict[int, list] = {}
         for node in self.p.nodes:
             if node.mb < 0 or node.op == ACCUMULATE:
                 continue
             block = (self.check.mesh.split(node.rank)[1], node.mb)
             for o in node.outputs:
-                if o < 0:
-                    continue
-                lo, hi, n = self.p.tensors[o].parts
-                if n > 1 and n % k == 0:
-                    q = n // k
-                    if lo // q == (hi - 1) // q and slot.setdefault(block, lo // q) != lo // q:
-                        raise FoldError(f"block {block} claims parts of two blocks")
-        if len(set(slot.values())) != len(slot):
-            raise FoldError("two blocks claim one part of a partial sum over blocks")
-        return {s: i for i, s in enumerate(sorted(slot.values()))}
+                if o >= 0:
+                    lo, hi, n = self.p.tensors[o].parts
+                    if n > 1 and n % k == 0 and hi - lo == 1:
+                        out.setdefault(n, []).append((block, lo))
+        return out
 
     # -- tensors -----------------------------------------------------------------
     def slices(self, t: Tensor, start: dict[int, int]) -> Slices:
@@ -286,19 +306,30 @@ class _Cut:
         return tuple(out)
 
     def parts(self, t: Tensor) -> tuple[int, int, int]:
+        """A claim's parts moved to the shown blocks (see part_layout)."""
         lo, hi, n = t.parts
         k = self.fold.real_dp * self.fold.real_nm
         if n <= 1 or n % k:
             return t.parts
-        q = n // k
-        first, last = lo // q, (hi - 1) // q
-        if first != last and (lo % q or hi % q):
-            raise FoldError(f"{self.p.logical[t.tid].name} claims parts that cut a block")
-        pos = [self.slots.get(s) for s in range(first, last + 1)]
-        if None in pos or pos != list(range(pos[0], pos[0] + len(pos))):
-            raise FoldError(f"{self.p.logical[t.tid].name} claims parts of unshown blocks")
-        shown = self.fold.dp * self.fold.nm
-        return (pos[0] * q + lo % q, pos[-1] * q + (hi - 1) % q + 1, shown * q)
+        order = self.part_layout(n)
+        if order is None:
+            raise FoldError(f"{self.p.logical[t.tid].name}'s parts ({n}-way) number the blocks "
+                            f"in no way the cut can follow")
+        size = self.radix(n, real=False)
+        image = []
+        for i in range(lo, hi):
+            d, m, r = self.digits(order, n, i, real=True)
+            if d >= self.fold.dp or m >= self.fold.nm:
+                raise FoldError(f"{self.p.logical[t.tid].name} claims parts of unshown blocks")
+            value = {"d": d, "m": m, "r": r}
+            code = 0
+            for name in order:
+                code = code * size[name] + value[name]
+            image.append(code)
+        if sorted(image) != list(range(min(image), min(image) + len(image))):
+            raise FoldError(f"{self.p.logical[t.tid].name}'s parts are not contiguous among the "
+                            f"shown blocks")
+        return (min(image), min(image) + len(image), size["d"] * size["m"] * size["r"])
 
     # -- the folded plan ---------------------------------------------------------
     def chain_ends(self) -> tuple[dict[int, int], dict[int, Tensor]]:
