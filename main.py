@@ -188,6 +188,8 @@ def dump(args: argparse.Namespace, single: Plan, parallel: Plan, verdict: Verdic
     """--dump_nodes / --dump_lineages / --dump_stages: text files under log_dir."""
     if not (args.dump_nodes or args.dump_lineages or args.dump_stages):
         return
+    if isinstance(parallel, Columns):  # no stage ran on it (a structural finding)
+        parallel = parallel.to_plan()
     folder = args.log_dir / args.pm.stem
     folder.mkdir(parents=True, exist_ok=True)
     if args.dump_nodes:

@@ -176,7 +176,7 @@ def test_columns_with_a_wrong_replica_fail(tmp_path):
     bad = mutations.other_rows(plan, random.Random(1))[0]
     cols = Columns.from_plan(bad)
     v = verify(single, cols)
-    assert not v.success and v.kind == "layout" and v.pair is not None
+    assert not v.success and v.kind == "layout" and v.pair is None  # no Node made
 
 
 def test_chain_end_read_by_no_step_node():

@@ -480,20 +480,23 @@ class BlockCheck:
         nodes = np.arange(len(cols.n_ins))
         self.flag(orbit & (~sums_ends | (cols.n_mb != -1)), nodes,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
-        checked: dict[int, bool] = {}
-        for i in np.flatnonzero(orbit & sums_ends):
-            g = int(cols.n_ins[i])
-            if g not in checked:
-                checked[g] = self.whole_orbit(cols.flat[cols.ptr[g]:cols.ptr[g + 1]])
-            if not checked[g]:
-                self.found.append((int(i), None, "its group is not the whole orbit of replicas"))
-                continue
-            index = self.kwargs(i).get("index")
-            members = cols.flat[cols.ptr[g]:cols.ptr[g + 1]]
-            if not isinstance(index, int) or not 0 <= index < len(members) or \
-                    cols.t_rank[members[index]] != cols.n_rank[i]:
-                self.found.append((int(i), None, "its index is not its own position in the "
-                                                 "group"))
+        sums = np.flatnonzero(orbit & sums_ends)
+        groups = cols.n_ins[sums]
+        whole = {int(g): self.whole_orbit(cols.flat[cols.ptr[g]:cols.ptr[g + 1]])
+                 for g in np.unique(groups)}
+        not_whole = np.array([not whole[int(g)] for g in groups], dtype=bool)
+        self.flag(not_whole, sums, "its group is not the whole orbit of replicas")
+        index_of: dict[int, int] = {}  # kwargs code -> its index, -1 when not an int
+        for code in np.unique(cols.n_kw[sums]).tolist():
+            index = self.p.kwargs_of(code).get("index")
+            index_of[code] = index if isinstance(index, int) and not isinstance(index, bool) \
+                else -1
+        index = np.array([index_of[c] for c in cols.n_kw[sums].tolist()], dtype=np.int64)
+        size = cols.ptr[groups + 1] - cols.ptr[groups]
+        valid = (index >= 0) & (index < size)
+        member = cols.flat[np.where(valid, cols.ptr[groups] + index, 0)]
+        own = valid & (member >= 0) & (cols.t_rank[np.maximum(member, 0)] == cols.n_rank[sums])
+        self.flag(~not_whole & ~own, sums, "its index is not its own position in the group")
         # (f) the gradient buffer a rank ends with
         outs = _spans(cols.ptr, cols.n_outs)
         writer = np.repeat(nodes, cols.ptr[cols.n_outs + 1] - cols.ptr[cols.n_outs])

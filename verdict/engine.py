@@ -140,7 +140,8 @@ def verify(single: Plan, parallel: Plan | Columns, *, prover: SolveFn, seed: int
     cannot be done); its uniformity is checked here. A materialized plan
     (a Plan, or its columns) whose blocks are uniform is proved by its
     representatives (verdict/symmetry.py); any other is verified in full.
-    ``Verdict.pair`` is the pair the stages index when it is not the one given."""
+    ``Verdict.pair`` is the pair the stages index when it is not the one given
+    (the given columns stay columns when no stage ran)."""
     options = dict(prover=prover, seed=seed, workers=workers, keep_going=keep_going, memo=memo,
                    progress=progress, executor=executor)
     verdict, pair = _verify(single, parallel, options)
@@ -168,9 +169,9 @@ def _verify(single: Plan, parallel: Plan | Columns, options: dict
         check_structure(single, "the single-device plan")
         found = find_symmetry(single, parallel)  # the layout of every rank first
     except StructureError as e:
-        t = time.perf_counter() - t0
+        t = time.perf_counter() - t0  # a finding of no stage: the pair as given
         return Verdict(False, e.kind, str(e), times={"t_graph": t, "t_total": t}), (
-            single, parallel if isinstance(parallel, Plan) else parallel.to_plan())
+            single, parallel)
     t_symmetry = time.perf_counter() - t0
     if isinstance(found, Refusal):
         full = parallel if isinstance(parallel, Plan) else parallel.to_plan()

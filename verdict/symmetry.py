@@ -145,10 +145,12 @@ def layout_view(cols: Columns) -> Plan:
                 loss=cols.loss, grads=dict(cols.grads))
 
 
-def tensor_rows(cols: Columns, picked: np.ndarray) -> list[Tensor]:
-    """The Tensor rows of the tensors ``picked`` (cost in their number)."""
+def tensor_rows(cols: Columns, picked: np.ndarray, off: np.ndarray | None = None
+                ) -> list[Tensor]:
+    """The Tensor rows of the tensors ``picked`` (cost in their number, but
+    for the slice offsets ``off`` when not given)."""
     t = cols.tensors
-    off = t.slice_offsets(cols.logical)
+    off = t.slice_offsets(cols.logical) if off is None else off
     slices = t.slices.view(np.ndarray)  # not a memmap: indexed once per tensor
     rows = []
     fields = zip(*(a[picked].tolist() for a in (t.rank, t.mb, t.tid, t.version, t.lver)),
@@ -311,16 +313,16 @@ class _Cut:
                 out = node.outputs[0]
                 x = self.p.tensors[out]
                 real = self.check.chain_end[(node.rank, x.tid)]
-                claims[out] = self.source_tensor(real)
+                claims[out] = real
                 end = self.local(real)
                 if end >= 0:  # read by a step node the representatives keep
                     ends[end] = out
-        return ends, claims
+        return ends, dict(zip(claims, self.source_tensors(list(claims.values()))))
 
-    def source_tensor(self, t: int) -> Tensor:
+    def source_tensors(self, ts: list[int]) -> list[Tensor]:
         if isinstance(self.source, Plan):
-            return self.source.tensors[t]
-        return tensor_rows(self.source, np.array([t]))[0]
+            return [self.source.tensors[t] for t in ts]
+        return tensor_rows(self.source, np.array(ts, dtype=np.int64), self.check.cols.slice_off)
 
     def plan(self) -> tuple[Plan, dict[int, int]]:
         p, fold = self.p, self.fold
