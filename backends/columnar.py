@@ -441,24 +441,29 @@ def _check_node_columns(cols: Columns) -> None:
     _check_inputs(cols, start, count, is_bw, producer)
 
 
+def _index_type(n: int) -> type:
+    """The integer type for indices below ``n`` (int32 halves the temporaries)."""
+    return np.int32 if n < np.iinfo(np.int32).max else np.int64
+
+
 def _check_outputs(cols: Columns, off: np.ndarray, is_bw: np.ndarray, nt: int) -> np.ndarray:
     """Single assignment; -1 only in bw nodes. Returns each tensor's producer (-1: none)."""
     n = cols.nodes
-    writer = np.repeat(np.arange(len(n.rank)), np.diff(off))
-    outs = n.outputs.astype(np.int64)
-    absent = outs == -1
+    index = _index_type(max(len(n.rank), nt) + 1)
+    writer = np.repeat(np.arange(len(n.rank), dtype=index), np.diff(off))
+    absent = n.outputs == -1
     bad = absent & ~is_bw[writer]
     if bad.any():
         i = int(writer[_first(bad)])
         raise PlanError(f"{_label(cols, i)}: output -1 (absent slot) is allowed only in bw nodes")
-    present, who = outs[~absent], writer[~absent]
-    counts = np.bincount(present, minlength=nt)
-    if (counts > 1).any():
-        tensor = _first(counts > 1)
-        first, second = np.flatnonzero(present == tensor)[:2]
-        raise PlanError(f"{_label(cols, int(who[second]))}: tensor {tensor} is already written "
-                        f"by node {int(who[first])} (each tensor is written once)")
-    producer = np.full(nt, -1, dtype=np.int64)
+    present, who = n.outputs[~absent], writer[~absent]
+    twice = np.bincount(present, minlength=nt) > 1
+    if twice.any():
+        tensor = _first(twice)
+        first, second = who[np.flatnonzero(present == tensor)[:2]].tolist()
+        raise PlanError(f"{_label(cols, second)}: tensor {tensor} is already written "
+                        f"by node {first} (each tensor is written once)")
+    producer = np.full(nt, -1, dtype=index)
     producer[present] = who
     return producer
 
@@ -471,12 +476,12 @@ def _check_inputs(cols: Columns, start: np.ndarray, count: np.ndarray, is_bw: np
     fails too (its producer is not before it)."""
     n = cols.nodes
     nn = len(n.rank)
-    used = count > 0
-    nodes = np.flatnonzero(used)
+    nodes = np.flatnonzero(count > 0)
     if not len(nodes):
         return
     keys = start[nodes] * (int(count.max()) + 1) + count[nodes]
     uniq, inverse = np.unique(keys, return_inverse=True)
+    del keys
     first_user = np.full(len(uniq), nn, dtype=np.int64)
     np.minimum.at(first_user, inverse, nodes)
     all_bw = np.ones(len(uniq), dtype=bool)
@@ -488,21 +493,29 @@ def _check_inputs(cols: Columns, start: np.ndarray, count: np.ndarray, is_bw: np
         k = _first(r_start[order][1:] < ends[:-1]) + 1
         raise PlanError(f"{_label(cols, int(first_user[order][k]))}: its inputs range overlaps "
                         "another node's without being the same range")
-    rng = np.repeat(np.arange(len(uniq)), r_count)
-    within = np.arange(len(rng)) - np.repeat(np.cumsum(r_count) - r_count, r_count)
-    entries = n.inputs[r_start[rng] + within].astype(np.int64)
-    absent = entries == -1
-    bad = absent & ~all_bw[rng]
+    # each pool entry's range (+1; 0: in no range), painted by a cumulative sum
+    # over the disjoint ranges
+    index = _index_type(len(uniq) + 1)
+    marks = np.zeros(len(n.inputs) + 1, dtype=index)
+    ids = np.arange(1, len(uniq) + 1, dtype=index)
+    np.add.at(marks, r_start, ids)
+    np.add.at(marks, r_start + r_count, -ids)
+    where = np.cumsum(marks[:-1], dtype=index)
+    del marks
+    in_range = where > 0
+    rng = np.maximum(where - 1, 0)
+    absent = n.inputs == -1
+    bad = absent & in_range & ~all_bw[rng]
     if bad.any():
         k = int(rng[_first(bad)])
         users = nodes[(inverse == k) & ~is_bw[nodes]]
         raise PlanError(f"{_label(cols, int(users[0]))}: input -1 (absent slot) is allowed only "
                         "in bw nodes")
-    prod = np.where(absent, -1, producer[np.where(absent, 0, entries)])
-    bad = prod >= first_user[rng]
+    prod = producer[np.maximum(n.inputs, 0)]
+    bad = in_range & ~absent & (prod >= first_user[rng])
     if bad.any():
         e = _first(bad)
-        tensor, writer, reader = int(entries[e]), int(prod[e]), int(first_user[rng[e]])
+        tensor, writer, reader = int(n.inputs[e]), int(prod[e]), int(first_user[rng[e]])
         if writer == reader:
             raise PlanError(f"{_label(cols, reader)}: tensor {tensor} is both an input and an "
                             "output")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -83,8 +84,9 @@ def make_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "d
                                                  loss_rows=gbs, edit=edit)) for dp in (2, 3)]
         try:
             return replicate(*smalls, par, plan_world(cfg, par, gbs, variant, policy))
-        except NotReplicable:
-            pass
+        except NotReplicable as e:  # correct but slow: say why
+            logging.getLogger("gen_model").warning("the array path refused this plan (%s); "
+                                                   "generating it row by row", e)
     return Columns.from_plan(make_plan(cfg, par, gbs, variant, policy, fold, edit))
 
 

@@ -9,9 +9,11 @@ a run of scripts/mutate.py is also held to
   ``harness/quick_floors.json`` records; a blinder oracle or a weaker
   operator catches fewer;
 * ceilings, in every run: operators meant to change values may end
-  "equivalent" (the oracle sees no difference) on at most a fifth of their
-  mutants (at least 2 allowed), and all operators together on at most a
-  fifth of all mutants. ``OFTEN_EQUIVALENT`` operators are harmless by
+  "equivalent" (the oracle sees no difference) on at most a quarter of
+  their mutants (at least 3 allowed), and all operators together on at most
+  a fifth of all mutants. A scale or a drop can legitimately change nothing
+  (a tensor times 2 that only shifts the cross-entropy's maximum), so the
+  ceiling is a share, not zero. ``OFTEN_EQUIVALENT`` operators are harmless by
   design on some targets (docs/mutation.md) and take only the total.
 
 The canaries (harness/canaries.py) are checked apart, in scripts/mutate.py.
@@ -31,11 +33,13 @@ FLOORS = Path(__file__).with_name("quick_floors.json")
 #: sum's members, a swap of equal operands or of a fan-out's copies, a max
 #: all-reduce as a sum (the cross-entropy's shift cancels), a tensor equal
 #: across microbatches, a constant changed everywhere whose change cancels,
-#: an exchange whose pieces hold equal values.
+#: an exchange whose pieces hold equal values, a pipeline peer (another
+#: tensor-parallel rank of the sending stage) that holds the same replica.
 OFTEN_EQUIVALENT = frozenset({"permute_group", "swap_inputs", "swap_outputs",
                               "replace_collective", "other_microbatch",
-                              "change_constant_everywhere", "drop_exchange"})
-SHARE = 0.2
+                              "change_constant_everywhere", "drop_exchange", "wrong_peer"})
+SHARE = 0.25
+TOTAL_SHARE = 0.2
 EQUIVALENT = ("equivalent, proved", "equivalent, failed")
 
 
@@ -62,11 +66,11 @@ def above_ceilings(rows: list) -> list[str]:
     made = Counter(r.operator for r in mutants)
     equivalent = Counter(r.operator for r in mutants if r.outcome in EQUIVALENT)
     for op, n in sorted(equivalent.items()):
-        limit = max(2, math.floor(SHARE * made[op]))
+        limit = max(3, math.floor(SHARE * made[op]))
         if op not in OFTEN_EQUIVALENT and n > limit:
             problems.append(f"{op}: {n} of {made[op]} mutants equivalent, at most {limit}")
-    total, limit = sum(equivalent.values()), math.floor(SHARE * len(mutants))
-    if total > max(limit, 2):
+    total, limit = sum(equivalent.values()), max(3, math.floor(TOTAL_SHARE * len(mutants)))
+    if total > limit:
         problems.append(f"{total} of {len(mutants)} mutants equivalent, at most {limit}")
     return problems
 

@@ -23,10 +23,11 @@ import argparse
 import contextlib
 import io
 import multiprocessing
+import queue
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +46,6 @@ SIZE = ["--model", "llama3", "--layers", "32", "--heads", "32", "--hidden", "128
 PAR = ["--dp", "2", "--pp", "2", "--tp", "2", "--nm", "2"]
 NAMES = ["clean", *(str(b) for b in sorted(BUGS))]
 
-#: The plans the workers verify, made before they fork (read only there).
-_PLANS: dict[str, Plan] = {}
-
 
 @dataclass
 class Outcome:
@@ -65,31 +63,38 @@ class Outcome:
         return 0 if self.name == "clean" else 1
 
 
+def bug_plan(clean: Plan, bug: int) -> Plan:
+    """The plan ``python -m gen_model ... --variant br{bug}`` writes."""
+    plan = inject(clean, bug)
+    plan.world["variant"] = f"br{bug}"
+    return plan
+
+
 def make_plans(plans_dir: Path | None) -> tuple[Plan, Plan]:
     """The single-device plan and the correct parallel plan (validated as a
     plan file would be), written to ``plans_dir`` when given."""
-    cfg, _ = config_from(parser().parse_args(SIZE))
-    par = Parallelism(dp=2, pp=2, tp=2, nm=2)
-    single = make_plan(cfg, Parallelism(), 32)
-    clean = make_plan(cfg, par, 32)
+    args = parser().parse_args([*SIZE, *PAR])
+    cfg, par = config_from(args)
+    single = make_plan(cfg, Parallelism(), args.gbs)
+    clean = make_plan(cfg, par, args.gbs)
     for plan in (single, clean):
         validate(plan.to_data())
     if plans_dir is not None:
-        save_plan(single, plans_dir / f"{plan_stem(cfg, Parallelism(), 32)}.pkl")
-        save_plan(clean, plans_dir / f"{plan_stem(cfg, par, 32)}.pkl")
+        save_plan(single, plans_dir / f"{plan_stem(cfg, Parallelism(), args.gbs)}.pkl")
+        save_plan(clean, plans_dir / f"{plan_stem(cfg, par, args.gbs)}.pkl")
         for bug in sorted(BUGS):
-            save_plan(inject(clean, bug), plans_dir / f"{plan_stem(cfg, par, 32, f'br{bug}')}.pkl")
+            stem = plan_stem(cfg, par, args.gbs, f"br{bug}")
+            save_plan(bug_plan(clean, bug), plans_dir / f"{stem}.pkl")
     return single, clean
 
 
-def verify_one(name: str, logs: Path, stats: Path) -> Outcome:
+def verify_one(name: str, single: Plan, clean: Plan, logs: Path, stats: Path) -> Outcome:
     """One plan of the suite: inject its bug, verify it, write its report."""
     start = time.process_time()
-    single, clean = _PLANS["single"], _PLANS["clean"]
     log = logs / ("br_clean.log" if name == "clean" else f"br{name}.log")
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        plan = clean if name == "clean" else inject(clean, int(name))
+        plan = clean if name == "clean" else bug_plan(clean, int(name))
         problem = pair_problem(single, plan)
         if problem:
             print(f"error: {problem}")
@@ -104,6 +109,44 @@ def verify_one(name: str, logs: Path, stats: Path) -> Outcome:
                 code = verifier.EXIT_INTERNAL
     log.write_text(text.getvalue())
     return Outcome(name, code, summary(text.getvalue()), time.process_time() - start)
+
+
+def worker(todo: multiprocessing.Queue, done: multiprocessing.Queue, single: Plan, clean: Plan,
+           logs: Path, stats: Path) -> None:
+    """Verify plans named on ``todo`` until it gives None; each outcome goes
+    to ``done`` (an exception becomes exit 3, no verdict)."""
+    while (name := todo.get()) is not None:
+        try:
+            done.put(verify_one(name, single, clean, logs, stats))
+        except Exception as e:  # reported as no verdict, never as one
+            done.put(Outcome(name, verifier.EXIT_INTERNAL, f"internal error: {type(e).__name__}: "
+                                                            f"{e}", 0.0))
+
+
+def verify_all(single: Plan, clean: Plan, jobs: int, logs: Path, stats: Path) -> list[Outcome]:
+    """Every plan of the suite, over ``jobs`` forked processes (a fork shares
+    the two plans, nothing is sent but names and outcomes); in NAMES order."""
+    ctx = multiprocessing.get_context("fork")
+    todo, done = ctx.Queue(), ctx.Queue()
+    for name in [*NAMES, *[None] * jobs]:
+        todo.put(name)
+    procs = [ctx.Process(target=worker, args=(todo, done, single, clean, logs, stats))
+             for _ in range(jobs)]
+    for proc in procs:
+        proc.start()
+    found: dict[str, Outcome] = {}
+    while len(found) < len(NAMES):
+        try:
+            outcome = done.get(timeout=5)
+        except queue.Empty:
+            if any(proc.is_alive() for proc in procs):
+                continue
+            break  # a process died without a word: its plans get no verdict
+        found[outcome.name] = outcome
+    for proc in procs:
+        proc.join()
+    lost = Outcome("", verifier.EXIT_INTERNAL, "internal error: its process died", 0.0)
+    return [found.get(name, replace(lost, name=name)) for name in NAMES]
 
 
 def summary(report: str) -> str:
@@ -139,13 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     start = time.perf_counter()
     args.logs.mkdir(parents=True, exist_ok=True)
-    _PLANS["single"], _PLANS["clean"] = make_plans(args.plans)
+    single, clean = make_plans(args.plans)
     made = time.perf_counter() - start
     made_cpu = time.process_time()
-    ctx = multiprocessing.get_context("fork")  # the workers share the plans made above
-    with ctx.Pool(max(1, args.jobs)) as pool:
-        outcomes = pool.starmap(verify_one, [(n, args.logs, args.stats) for n in NAMES],
-                                chunksize=1)
+    outcomes = verify_all(single, clean, max(1, args.jobs), args.logs, args.stats)
     ok = True
     print(f"{'plan':<9} {'exit':<6} first ❌ line")
     for o in outcomes:

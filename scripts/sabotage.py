@@ -6,9 +6,9 @@ Each sabotage is one edit of the source, applied in a temporary copy of
 the tracked files (this checkout is never touched). In the copy it runs the
 checks that should notice: the oracle tests (tests/test_oracle.py: the
 canaries, the single-device maps, the solver behind a right claim) and the
-mutation harness on the two small mlp bases (its canaries, wrong SUCCESS,
-the ceilings on equivalent outcomes), or with ``--quick`` its whole
-``--quick`` run (the floors too; minutes more). A sabotage that no check
+mutation harness on the two small mlp bases, 4 mutants per operator (its
+canaries, wrong SUCCESS, the ceilings on equivalent outcomes), or with
+``--quick`` its whole ``--quick`` run (the floors too; minutes more). A sabotage that no check
 notices is a hole in the checking: exit 1.
 docs/mutation.md ("Sabotage") holds the last report.
 """
@@ -57,7 +57,7 @@ ORACLE_TESTS = ["tests/test_oracle.py", "-k",
                 "canaries or single_device or solver or ceiling"]
 
 
-HARNESS_ARGS = {False: ["--bases", "mlp_dp2_pp2_tp2_nm2,mlp_sgd_dp2_tp2_nm2"],
+HARNESS_ARGS = {False: ["--bases", "mlp_dp2_pp2_tp2_nm2,mlp_sgd_dp2_tp2_nm2", "--per-operator", "4"],
                 True: ["--quick"]}
 
 

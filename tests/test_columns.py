@@ -274,3 +274,13 @@ def test_scales_round_trip_and_are_checked(tmp_path, capsys):
         scale[3] = bad_scale
         _refused(write(tmp_path / f"{name}.npz", dict(arrays, t_scale=scale)), capsys,
                  "tensor 3: scale")
+
+
+def test_a_node_writing_one_tensor_twice_is_refused(tmp_path, capsys):
+    cols = Columns.from_plan(plan())
+    arrays = members(cols)
+    off = arrays["n_out_off"]
+    i = int(np.flatnonzero(np.diff(off) >= 2)[0])
+    outs = arrays["n_outputs"].copy()
+    outs[off[i] + 1] = outs[off[i]]
+    _refused(write(tmp_path / "same.npz", dict(arrays, n_outputs=outs)), capsys, "already written")

@@ -121,10 +121,11 @@ def test_quick_floors_cover_every_quick_base_and_operator():
 def test_equivalent_ceiling_flags_a_blind_run():
     """The audit's blind oracle turned caught into "equivalent, failed"."""
     row = HARNESS["Row"]
-    seeing = [row("b", "mutation", "scale_one_rank", "", "wrong", "FAIL:stage", 0.0)] * 10
+    seeing = [row("b", "mutation", "scale_one_rank", "", "wrong", "FAIL:stage", 0.0)] * 13
     blind = [row("b", "mutation", "scale_one_rank", "", "right", "FAIL:stage", 0.0)] * 10
     assert above_ceilings(seeing) == []
-    assert above_ceilings(seeing[:7] + blind[:3])
+    assert above_ceilings(seeing[:10] + blind[:3]) == []  # a scale that shifts a maximum
+    assert above_ceilings(seeing[:6] + blind[:4])
     assert "scale_one_rank" not in OFTEN_EQUIVALENT
 
 

@@ -202,7 +202,7 @@ def test_tied_embeddings_match_torch() -> None:
 
 
 @pytest.mark.parametrize("model", ["gpt2", "gpt2_masked", "gpt2_mean", "mlp", "mlp_mean",
-                                   "llama_titan"])
+                                   "llama_titan", "encoder", "encoder_prenorm"])
 def test_stock_models_match_torch(model: str) -> None:
     _lower_and_check(_single(STOCK + model), 1e-5 if model in FLOAT32 else 1e-9)
 

@@ -14,6 +14,7 @@ not lowered or a recipe that does not run.
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing
 import os
 import sys
@@ -35,9 +36,13 @@ MODELS = {
     "mlp": "backends.torch.stock_models:mlp",
     "mlp_mean": "backends.torch.stock_models:mlp_mean",
     "llama_titan": "backends.torch.stock_models:llama_titan",
+    "encoder": "backends.torch.stock_models:encoder",
+    "encoder_prenorm": "backends.torch.stock_models:encoder_prenorm",
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
+#: where a recipe named without a module is looked for, in order
+RECIPE_MODULES = (RECIPES, "backends.torch.stock_recipes", "backends.torch.scaling_recipes")
 
 
 #: the default model and recipe (``--hf`` replaces them)
@@ -62,8 +67,17 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                                   f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
     args.model = MODELS.get(args.model, args.model)
     if ":" not in args.recipe:
-        args.recipe = f"{RECIPES}:{args.recipe}"
+        args.recipe = f"{recipe_module(args.recipe)}:{args.recipe}"
     return args
+
+
+def recipe_module(name: str) -> str:
+    """The first of ``RECIPE_MODULES`` that defines ``name`` (the first
+    module when none does: loading it then says so)."""
+    for module in RECIPE_MODULES:
+        if hasattr(importlib.import_module(module), name):
+            return module
+    return RECIPES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
                         + ", ".join(MODELS) + " (default: %(default)s)")
     p.add_argument("--recipe", default=RECIPE,
                    help="parallelization recipe, package.module:function, or a function "
-                        f"of {RECIPES} by name (default: %(default)s)")
+                        f"of {', '.join(RECIPE_MODULES)} by name (default: %(default)s)")
     p.add_argument("--hf", metavar="FAMILY", default=None,
                    help="a Hugging Face transformers family (llama, qwen2, qwen3, ...) built from "
                         "a small random config and parallelized by transformers itself; the "
@@ -156,7 +170,11 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         except (ValueError, ImportError, AttributeError) as e:
             raise LoweringError(f"cannot load '{ref}': {e}") from None
     if single is None:
-        single = run({**spec, "parallel": False}, 0)
+        try:
+            single = run({**spec, "parallel": False}, 0)
+        except Exception as e:  # the user's model failing on one device: bad input, one line
+            raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
+                                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
     traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp)
     world["nm"] = traces[0]["microbatches"]
     low_s = lower_trace(single, args.vocab)

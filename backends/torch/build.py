@@ -517,24 +517,35 @@ class _Rank:
         """The values a sum is made of on this rank: its deferred terms, or x."""
         return list(self.pending[x]) if x in self.pending else [x]
 
-    def computed_split(self, node: LNode) -> list[int] | None:
+    def computed_split(self, node: LNode, cut: bool = False) -> list[int] | None:
         """The single-device split this split computes (the same piece of the
-        aligned input), or None: then it is a cut by a mesh axis."""
+        aligned input), or None: then it is a cut by a mesh axis. With
+        ``cut``, also of a dim that mesh axes cut already (the model's own
+        split of a sharded value, e.g. a fused projection's chunk)."""
         if node.op != "split" or node.ins[0] not in self.sv:
             return None
         key = (node.op, node.dir, (self.sv[node.ins[0]],), _key_kwargs(node.kwargs))
         nodes = self.b.s.low.nodes
         for c in self.b.s.by_key.get(key, []):
-            if nodes[c].kwargs == node.kwargs and not self.claim[node.ins[0]].dims[node.kwargs["dim"]]:
+            if nodes[c].kwargs == node.kwargs and (
+                    cut or not self.claim[node.ins[0]].dims[node.kwargs["dim"]]):
                 return nodes[c].outs
         return None
+
+    def split_as_single(self, node: LNode, souts: list[int]) -> None:
+        """Claim a split's piece as the single-device split's piece it stands
+        for (the claim is proved: a split that does not follow the shards
+        fails at this node)."""
+        self.sv[node.outs[0]] = souts[0]
+        self.mb[node.outs[0]] = node.mb if node.mb >= 0 else self.mb.get(node.ins[0], -1)
+        self.infer(node)
+        self.applied = Fraction(1)
+        self.claim[node.outs[0]].scale = self.scales_of(node)[0]
 
     def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
         souts = self.computed_split(node)
         if souts is not None:
-            self.sv[node.outs[0]] = souts[0]
-            self.mb[node.outs[0]] = node.mb if node.mb >= 0 else self.mb.get(node.ins[0], -1)
-            self.infer(node)
+            self.split_as_single(node, souts)
             return
         if node.group is not None or node.op == "split":
             x = node.ins[0]
@@ -554,7 +565,14 @@ class _Rank:
                 dims[0].append("mb")
                 self.mb[out] = node.kwargs["index"]
             elif node.op == "split":
-                dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
+                try:
+                    dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
+                except LoweringError:
+                    souts = self.computed_split(node, cut=True)
+                    if souts is None:
+                        raise
+                    self.split_as_single(node, souts)
+                    return
             else:
                 axis = self.axis_of(node.group, coords)
                 if axis is None:

@@ -76,6 +76,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
         kw.update(experts)
     cfg = cls(**kw)
     cfg._attn_implementation = ATTENTION
+    if family in ("qwen3_moe", "mixtral"):
+        cfg._experts_implementation = "eager"  # grouped_mm takes no float64 on the CPU
     return cfg
 
 
@@ -106,11 +108,11 @@ def mixtral(**sizes) -> CausalLM:
     return build("mixtral", **sizes)
 
 
-def distribute(model: CausalLM, mesh, dp_replicate: int = 1, ep: int = 1,
+def distribute(model: CausalLM, mesh, dp_replicate: int = 1,
                divide_factor: float | None = 1.0, tp_plan: dict[str, str] | None = None):
     """Apply transformers' own parallelism to ``model.hf`` for the backend's
     mesh: TP over "tp", FSDP2 over "dp" (``dp_replicate`` replicas of
-    ``dp // dp_replicate`` shards), EP ``ep``. The loss is shared out over
+    ``dp // dp_replicate`` shards). The loss is shared out over
     the step's tokens, so FSDP's gradient divide factor is 1 (the replicas'
     gradients summed) unless ``divide_factor`` says otherwise (None: FSDP's
     default, the mean over the data-parallel ranks). ``tp_plan`` overrides
@@ -122,7 +124,7 @@ def distribute(model: CausalLM, mesh, dp_replicate: int = 1, ep: int = 1,
     if dp % dp_replicate:
         raise ValueError(f"dp {dp} is not a multiple of {dp_replicate} replicas")
     cfg = DistributedConfig(tp_size=tp, fsdp_size=dp // dp_replicate, dp_replicate_size=dp_replicate,
-                            ep_size=ep, tp_plan=tp_plan)
+                            tp_plan=tp_plan)
     _, mesh_manager = initialize_distributed_mesh(cfg)
     hf = type(model.hf).maybe_distribute_model(model.hf, cfg, mesh_manager)
     model.hf = hf
@@ -161,9 +163,14 @@ def tp_fsdp_avg(model, mesh):
 
 
 def ep_fsdp(model, mesh):
-    """tp_fsdp with expert parallelism over the tensor-parallel ranks
-    (``ep_size`` = tp, transformers' token-dispatch plan)."""
-    return distribute(model, mesh, ep=mesh["tp"].size())
+    """Expert parallelism (transformers' token-dispatch plan): refused. Under
+    the fake process group the all-to-all that exchanges the routed token
+    counts returns this rank's own counts, so every expert shape traced
+    after it would be invented, not what a real run computes."""
+    raise ValueError("expert parallelism is not traced: under the fake process group the "
+                     "token-count all-to-all echoes this rank's own counts, so the traced "
+                     "expert shapes would be invented")
+
 
 
 def tp_norm_grads_not_reduced(model, mesh):

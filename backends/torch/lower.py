@@ -1068,6 +1068,9 @@ def _div_tensor(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _pow_pending(lw: _Lowerer, args, kwargs, shapes, group):
+    """A power; of a norm or a stack of norms, kept pending: the square of a
+    norm is its square sum, the root of a squared stack its norms again
+    (a stack's entries always carry their square sums)."""
     x = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
     e = float(args[1])
     if isinstance(x, _Norm) and e == 2.0:

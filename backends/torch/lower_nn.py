@@ -413,6 +413,28 @@ def slice_backward(lw: Any, args, kwargs, shapes, group):
                    {"dim": dim, "start": start, "length": lw.shapes[g][dim]}, direction="bw")[0]
 
 
+def select(lw: Any, args, kwargs, shapes, group):
+    """``x[..., index, ...]``: a narrow of length 1, its dim dropped."""
+    x = lw.val(args[0])
+    shape = lw.shapes[x]
+    dim = int(args[1]) % len(shape)
+    index = int(args[2]) % shape[dim]
+    piece = (*shape[:dim], 1, *shape[dim + 1:])
+    out = lw.emit("narrow", [x], [piece], {"dim": dim, "start": index, "length": 1})[0]
+    return lw.reshape(out, tuple(shapes[0]))
+
+
+def select_backward(lw: Any, args, kwargs, shapes, group):
+    """The gradient of a select: zero outside the index (narrow's backward)."""
+    sizes = list(args[1])
+    dim = int(args[2]) % len(sizes)
+    index = int(args[3]) % sizes[dim]
+    piece = (*sizes[:dim], 1, *sizes[dim + 1:])
+    g = lw.reshape(lw.val(args[0]), piece)
+    return lw.emit("narrow", [-1, g], shapes, {"dim": dim, "start": index, "length": 1},
+                   direction="bw")[0]
+
+
 # -- complex numbers (rotary embeddings written with view_as_complex) -------------
 
 def _complex_parts(lw: Any, a: Any) -> tuple[int, int | None] | None:
@@ -529,6 +551,8 @@ NN_HANDLERS: dict[str, Any] = {
     "aten.masked_fill.Tensor": masked_fill,
     "aten.where.self": where,
     "aten.slice_backward.default": slice_backward,
+    "aten.select.int": select,
+    "aten.select_backward.default": select_backward,
     "aten.view_as_complex.default": view_as_complex,
     "aten.view_as_real.default": view_as_real,
     "aten.native_dropout.default": dropout,

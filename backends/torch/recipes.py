@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -432,3 +433,9 @@ def cp_sdpa(model, mesh):
     raise ContextParallelRefused(
         "context_parallel does not run on the CPU: its ring attention handles only the CUDA "
         "SDPA kernels (flash, efficient, cuDNN), not _scaled_dot_product_flash_attention_for_cpu")
+
+
+def pp_dualpipev(model, mesh):
+    """DualPipeV: a V of two stages per rank, the forward of one microbatch
+    overlapped with the backward of another in one action."""
+    return pipeline(model, mesh, ScheduleDualPipeV, microbatches=4, per_rank=2, style="v")

@@ -158,6 +158,36 @@ class RegressionTower(nn.Module):
         return F.mse_loss(pred, target, reduction="sum") / (self.global_tokens or labels.numel())
 
 
+class Encoder(nn.Module):
+    """``nn.TransformerEncoder`` (its ``MultiheadAttention``, post-norm ReLU
+    layers by default) over embedded ids and learned positions, a linear
+    head of ``outputs`` values per position, ``F.mse_loss`` against a fixed
+    target table looked up by the labels."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
+                 outputs: int = 2, activation: str = "relu", norm_first: bool = False,
+                 loss: str = "share"):
+        super().__init__()
+        self.global_tokens = 0
+        self.reduction = loss
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seqlen, hidden)
+        layer = nn.TransformerEncoderLayer(hidden, heads, ffn, dropout=0.0, activation=activation,
+                                           batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(hidden, outputs)
+        self.register_buffer("targets", torch.linspace(-1.0, 1.0, vocab * outputs).view(vocab, outputs),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        pred = self.head(self.encoder(x))
+        target = F.embedding(labels, self.targets)
+        if self.reduction == "mean":
+            return F.mse_loss(pred, target)
+        return F.mse_loss(pred, target, reduction="sum") / (self.global_tokens or labels.numel())
+
+
 def gpt2(**kw) -> GPT2:
     """GPT-2 style: SDPA causal attention, tanh GELU, tied embeddings."""
     return GPT2(**kw)
@@ -171,6 +201,16 @@ def gpt2_masked(**kw) -> GPT2:
 def gpt2_mean(**kw) -> GPT2:
     """gpt2 with F.cross_entropy's default mean over the rank's own tokens."""
     return GPT2(**{"loss": "mean", **kw})
+
+
+def encoder(**kw) -> Encoder:
+    """nn.TransformerEncoder (post-norm, ReLU) with a regression head and F.mse_loss."""
+    return Encoder(**kw)
+
+
+def encoder_prenorm(**kw) -> Encoder:
+    """The encoder with pre-norm GELU layers."""
+    return Encoder(**{"activation": "gelu", "norm_first": True, **kw})
 
 
 def mlp(**kw) -> RegressionTower:

@@ -9,6 +9,7 @@ A recipe is ``recipe(model, mesh) -> after_backward | None``
 from __future__ import annotations
 
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -17,7 +18,9 @@ from backends.torch.recipes import all_reduce_dp, reduce_tp_partials
 
 def blocks(model) -> list:
     """The repeated blocks of a model: ``h`` (GPT-2), ``blocks`` (the tower),
-    or ``layers`` (Llama)."""
+    ``layers`` (Llama), or the layers of an ``nn.TransformerEncoder`` ``encoder``."""
+    if isinstance(getattr(model, "encoder", None), nn.TransformerEncoder):
+        return list(model.encoder.layers)
     for name in ("h", "blocks", "layers"):
         found = getattr(model, name, None)
         if found is not None:
@@ -79,3 +82,4 @@ def all_reduce_weights_only(model, mesh) -> None:
 def ddp_weights_only(model, mesh):
     """ddp with the bug of all_reduce_weights_only."""
     return all_reduce_weights_only
+

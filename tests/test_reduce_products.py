@@ -1,0 +1,35 @@
+"""Shape reduction of a flatten whose outer dim has size 1: the pieces the
+flattened dim needs are carried by the inner dim (a size-1 dim cannot be
+grown). Found on Qwen2's bias gradient under FSDP (a [1, n] sum flattened
+to [n], reduce-scattered into quarters): before, the size-1 dim was grown
+and the stage's reduced shapes disagreed, a false alarm."""
+
+from __future__ import annotations
+
+from verdict.reduce import _Classes, _sizes
+
+
+def test_flatten_of_a_size_one_dim_grows_the_inner_dim() -> None:
+    classes = _Classes()
+    outer, inner, flat = (0, 0), (0, 1), (1, 0)
+    classes.add(outer, 1)
+    classes.add(inner, 8)
+    classes.add(flat, 8)
+    classes.need(inner, 2)   # the inputs are cut in halves
+    classes.need(flat, 4)    # the output in quarters
+    size = _sizes(classes, [(flat, [outer, inner], 1)])
+    assert size(outer) == 1
+    assert size(flat) == size(outer) * size(inner)
+    assert size(flat) % 4 == 0 and size(inner) % 2 == 0
+
+
+def test_flatten_grows_the_outer_dim_when_it_can() -> None:
+    classes = _Classes()
+    outer, inner, flat = (0, 0), (0, 1), (1, 0)
+    classes.add(outer, 4)
+    classes.add(inner, 8)
+    classes.add(flat, 32)
+    classes.need(flat, 4)
+    size = _sizes(classes, [(flat, [outer, inner], 1)])
+    assert size(flat) == size(outer) * size(inner)
+    assert size(flat) % 4 == 0
