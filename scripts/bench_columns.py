@@ -20,20 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_generate import GENERATE_CHILD
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3_8B = ["--model", "llama3", "--layers", "32", "--heads", "32", "--kv_heads", "8",
              "--hidden", "4096", "--ffn", "14336", "--vocab", "128256", "--seqlen", "8192"]
 
-_GENERATE = (
-    "import resource, runpy, sys\n"
-    "sys.argv = ['gen_model', *sys.argv[1:]]\n"
-    "try:\n"
-    "    runpy.run_module('gen_model', run_name='__main__')\n"
-    "except SystemExit as e:\n"
-    "    if e.code:\n"
-    "        raise\n"
-    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
-)
 
 _LOAD = (
     "import resource, sys, time\n"
@@ -50,7 +42,7 @@ _LOAD = (
 def generate(dp: int, out: Path) -> tuple[float, float, Path]:
     """Wall seconds, peak RSS in MiB, the file written."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _GENERATE, *LLAMA3_8B, "--dp", str(dp),
+    done = subprocess.run([sys.executable, "-c", GENERATE_CHILD, *LLAMA3_8B, "--dp", str(dp),
                            "--gbs", str(dp), "--format", "npz", "-o", str(out)],
                           cwd=ROOT, check=True, capture_output=True, text=True)
     took = time.perf_counter() - start

@@ -34,7 +34,8 @@ CASES = {
 }
 
 
-_CHILD = (
+#: The child process that generates: gen_model's CLI, then its peak RSS in KiB.
+GENERATE_CHILD = (
     "import resource, runpy, sys\n"
     "sys.argv = ['gen_model', *sys.argv[1:]]\n"
     "try:\n"
@@ -49,7 +50,7 @@ _CHILD = (
 def run(flags: list[str], out: Path) -> tuple[float, float, int]:
     """Wall seconds, peak RSS of the generating process in MiB, plan file bytes."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _CHILD, *flags, "-o", str(out)],
+    done = subprocess.run([sys.executable, "-c", GENERATE_CHILD, *flags, "-o", str(out)],
                           cwd=ROOT, check=True, capture_output=True, text=True)
     took = time.perf_counter() - start
     peak_kib = int(done.stdout.strip().splitlines()[-1])
