@@ -9,9 +9,10 @@ reports.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from backends.torch.recipes import all_reduce_dp, llama_tp_plan
+from backends.torch.recipes import all_reduce_dp, hsdp_mesh, llama_tp_plan
 
 
 def tp_sp_local_token_mean(model, mesh):
@@ -45,3 +46,32 @@ def clip_stage_norm(model, mesh, max_norm: float) -> None:
     ``backends.torch.recipes:clip_grad_norm``)."""
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                    max_norm)
+
+
+def _local_square_sum(model) -> tuple[list[torch.nn.Parameter], torch.Tensor]:
+    """The rank's parameters with gradients, and the square sum of its local
+    gradient pieces (the local tensors of its DTensor gradients), as
+    VeOmni's FSDP2 clipper computes it before reducing it."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    return params, torch.nn.utils.get_total_norm(local) ** 2
+
+
+def clip_hsdp_norm_all_dp(model, mesh, max_norm: float) -> None:
+    """VeOmni PR 862 (the bug it fixed): under HSDP the ranks' local square
+    sums are all-reduced over the whole data-parallel group (VeOmni's
+    ``fsdp_group``, replicas and shards), so each shard's square sum is
+    counted once per replica: the norm sqrt(replicas) times too large."""
+    params, square = _local_square_sum(model)
+    total = funcol.all_reduce(square, "sum", mesh["dp"]) ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+
+
+def clip_hsdp_norm_shard_group(model, mesh, max_norm: float) -> None:
+    """VeOmni PR 862's fix: the local square sums all-reduced over the shard
+    group only (each shard group holds every gradient once; its replicas
+    hold the same pieces again)."""
+    params, square = _local_square_sum(model)
+    shard_group = hsdp_mesh(mesh)["dp_shard"]
+    total = funcol.all_reduce(square, "sum", shard_group) ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -61,6 +61,8 @@ class Lowered:
     #: optimizer states' new values (state name -> value)
     updates: dict[str, int] = field(default_factory=dict)
     states: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: HSDP: {"dps": s}, the data-parallel ranks cut into replicas of s shards
+    split: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,8 @@ class _ChunkCat:
     chunks: int
     group: tuple[int, ...] | None = None
     divide: float = 1.0
+    #: HSDP: the replica group the reduced buffer is then all-reduced over
+    replicas: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -417,7 +421,7 @@ def _scalar(op: str):
             raise LoweringError(f"{lw.name}: {op} by a tensor is not lowered")
         buf = lw.env.get(args[0][1])
         if op == "div" and isinstance(buf, _ChunkCat):
-            return _ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value)
+            return _ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value, buf.replicas)
         return lw.emit(op, [lw.val(args[0])], shapes, {"value": value})[0]
     return lower
 
@@ -596,14 +600,19 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
-    if isinstance(src, _ChunkCat) and src.group is not None:
+    if isinstance(src, _ChunkCat) and (src.group is not None or src.chunks == 1):
+        # reduced: by a reduce-scatter, or (a shard group of one rank) copied
         at = 0
         for g in src.grads:
             numel = math.prod(lw.shapes[g]) // src.chunks
             if at == offset and numel == math.prod(size):
                 shape = list(lw.shapes[g])
                 shape[0] //= src.chunks
-                x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
+                x = g
+                if src.chunks > 1:
+                    x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
+                if src.replicas is not None:
+                    x = lw.emit("all_reduce", [x], [shape], group=src.replicas)[0]
                 if src.divide != 1.0:
                     x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
                 return _view_to(lw, x, tuple(size))
@@ -841,6 +850,10 @@ def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _copy(lw: _Lowerer, args, kwargs, shapes, group):
+    src = lw.env.get(args[1][1])
+    if isinstance(src, _ChunkCat) and src.chunks == 1 and src.group is None:
+        # FSDP over a shard group of one rank copies its buffer as reduced
+        return src
     return lw.val(args[1])
 
 
@@ -964,8 +977,20 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
-    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place all-reduce)."""
+    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place
+    all-reduce); of FSDP's reduced buffer (HSDP's all-reduce across
+    replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
+    buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
+    if isinstance(buf, _ChunkCat) and (buf.group is not None or buf.chunks == 1):
+        if buf.replicas is not None:
+            raise LoweringError(f"{lw.name}: FSDP's reduced buffer all-reduced twice")
+        if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
+            raise LoweringError(f"{lw.name}: all-reduce of FSDP's buffer with reduce op {op} "
+                                f"is not lowered")
+        replicas = _pg(lw, args[1])
+        divide = buf.divide * (float(len(replicas)) if op[1] == 1 else 1.0)
+        return [_ChunkCat(buf.grads, buf.chunks, buf.group, divide, replicas)]
     if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
         raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
     return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=_pg(lw, args[1]))[0]]
@@ -1358,7 +1383,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
-                   lw.tokens, lw.const_values, updates, states)
+                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})))
 
 
 def _updated(lw: _Lowerer, name: str, v: int | None) -> int:

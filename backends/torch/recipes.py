@@ -233,6 +233,36 @@ def fsdp_tp_block_left_out(model, mesh):
     return reduce_tp_partials
 
 
+def hsdp_mesh(mesh, replicas: int = 2):
+    """The 2-D data-parallel mesh of HSDP: "dp" unflattened into
+    ("dp_replicate", "dp_shard"), ``replicas`` replicas of dp / replicas
+    shards (data-parallel rank d is replica d // shards, shard d % shards)."""
+    dp = mesh["dp"].size()
+    if dp % replicas:
+        raise ValueError(f"dp {dp} is not a multiple of {replicas} replicas")
+    full = mesh._unflatten("dp", (replicas, dp // replicas), ("dp_replicate", "dp_shard"))
+    return full["dp_replicate", "dp_shard"]
+
+
+def hsdp(model, mesh, replicas: int = 2, divide_factor: float | None = 1.0):
+    """HSDP with TP: torchtitan's TP+SP plan on "tp" and FSDP2's hybrid
+    sharding over "dp" (``fully_shard`` on a 2-D mesh: each gradient
+    reduce-scattered over the shards, then all-reduced over the replicas).
+    The loss is the step's mean shared out, so the gradient divide factor
+    is 1. Without tensor parallelism (tp 1) no TP plan is applied, so every
+    parameter is on the 2-D mesh (gradient clipping stacks their norms)."""
+    if mesh["tp"].size() > 1:
+        llama_tp_plan(model, mesh["tp"])
+    dp_mesh = hsdp_mesh(mesh, replicas)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    if divide_factor is not None:
+        for module in (model, *model.layers.values()):
+            module.set_gradient_divide_factor(divide_factor)
+    return reduce_tp_partials
+
+
 def fsdp_tp_default_divide(model, mesh):
     """fsdp_tp keeping FSDP's default divide factor (the data-parallel size):
     with a loss already divided by the whole step's token count, every
