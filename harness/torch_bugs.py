@@ -8,11 +8,13 @@ reports.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from backends.torch.recipes import all_reduce_dp, hsdp_mesh, llama_tp_plan
+from backends.torch.recipes import all_reduce_dp, hsdp_mesh, llama_tp_plan, replicate_fp32
 
 
 def tp_sp_local_token_mean(model, mesh):
@@ -75,3 +77,41 @@ def clip_hsdp_norm_shard_group(model, mesh, max_norm: float) -> None:
     shard_group = hsdp_mesh(mesh)["dp_shard"]
     total = funcol.all_reduce(square, "sum", shard_group) ** 0.5
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+
+
+def replicate_fp32_factor_ignored(model, mesh):
+    """pytorch PR 167178 (the bug it fixed): FSDP2 over a shard group of one
+    rank ignored the gradient divide factor. For a float32 reduction FSDP2
+    folds a custom factor into the shard group's reduce-scatter
+    (``PREMUL_SUM(1 / factor)``) and all-reduces the replicas with SUM; a
+    group of one rank skips the reduce-scatter, and before the fix its
+    branch copied the buffer undivided. Written as that change: this rank's
+    ``foreach_reduce`` gets the factors computed for the recipe's factor
+    and runs the size-1 branch without it (the fix, in the installed torch,
+    divides there). The recipe is ``backends.torch.recipes:replicate_fp32``
+    (dp replicas of one shard, factor dp, a per-rank mean loss): every
+    gradient ends dp times too large."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+    shipped = _fsdp_collectives.foreach_reduce
+
+    def foreach_reduce(*args, **kwargs):
+        names = list(inspect.signature(shipped).parameters)
+        bound = dict(zip(names, args), **kwargs)
+        factor = bound["gradient_divide_factor"]
+        if bound["reduce_scatter_group"].size() != 1 or factor is None:
+            return shipped(**bound)
+        factors = _fsdp_collectives._get_gradient_divide_factors
+
+        def with_factor(rs_group, ar_group, reduce_dtype, device_type="", _factor=None,
+                        force_sum_reduction_for_comms=False):
+            return factors(rs_group, ar_group, reduce_dtype, device_type, factor,
+                           force_sum_reduction_for_comms)
+
+        _fsdp_collectives._get_gradient_divide_factors = with_factor
+        try:
+            return shipped(**{**bound, "gradient_divide_factor": None})
+        finally:
+            _fsdp_collectives._get_gradient_divide_factors = factors
+
+    _fsdp_param_group.foreach_reduce = foreach_reduce
+    return replicate_fp32(model, mesh)

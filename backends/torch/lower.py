@@ -622,7 +622,21 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
     x = lw.val(args[0])
     if offset != 0 or math.prod(size) != math.prod(lw.shapes[x]):
         raise LoweringError(f"{lw.name}: as_strided at offset {offset} is not lowered")
+    flat = _flattened(lw, x)
+    if flat is not None and lw.shapes[flat] == tuple(size):
+        # the whole of a flattened value seen with its own shape again (FSDP
+        # over a shard group of one rank copies a parameter out and back)
+        return flat
     return _view_to(lw, x, tuple(size))
+
+
+def _flattened(lw: _Lowerer, x: int) -> int | None:
+    """The value x is the flattening of (the input of the flatten node that
+    produced it), or None."""
+    for node in reversed(lw.nodes):
+        if x in node.outs:
+            return node.ins[0] if node.op == "flatten" else None
+    return None
 
 
 def _t(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1006,8 +1020,14 @@ def _add(lw: _Lowerer, args, kwargs, shapes, group):
 def _to_copy(lw: _Lowerer, args, kwargs, shapes, group):
     """A change of precision (lower_nn.to_copy); the batch's integer ids are
     never converted to numbers."""
-    if isinstance(lw.env.get(args[0][1]), (_Ids, _Shifted, _IdsTest, _VocabMask)):
+    x = lw.env.get(args[0][1])
+    if isinstance(x, (_Ids, _Shifted, _IdsTest, _VocabMask)):
         raise LoweringError(f"{lw.name}: the batch's integer ids converted to numbers")
+    if isinstance(x, _ChunkCat) and (x.group is not None or x.chunks == 1):
+        # FSDP's reduced buffer cast back from its reduce dtype
+        if "float" not in str(kwargs.get("dtype", "")) and "double" not in str(kwargs.get("dtype", "")):
+            raise LoweringError(f"{lw.name}: FSDP's reduced buffer converted to {kwargs.get('dtype')}")
+        return x
     return to_copy(lw, args, kwargs, shapes, group)
 
 

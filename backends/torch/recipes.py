@@ -263,6 +263,35 @@ def hsdp(model, mesh, replicas: int = 2, divide_factor: float | None = 1.0):
     return reduce_tp_partials
 
 
+def replicate_fp32(model, mesh, reduce_dtype: torch.dtype | None = torch.float32):
+    """Data parallelism as FSDP2 with one shard per replica (HSDP with dp
+    replicas of one shard, the layout of torch's FSDP2-based
+    ``replicate``), gradients reduced in float32
+    (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``), for a per-rank
+    mean loss: the gradient divide factor is set to dp, so the replicas'
+    gradients are averaged. FSDP2 then folds the factor into the shard
+    group's reduce-scatter (``PREMUL_SUM``), which a group of one rank
+    skips: torch divides explicitly there (pytorch PR 167178)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    dp = mesh["dp"].size()
+    dp_mesh = hsdp_mesh(mesh, replicas=dp)
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    for module in (model, *model.layers.values()):
+        module.set_gradient_divide_factor(float(dp))
+    return None
+
+
+def replicate_fp64(model, mesh):
+    """replicate_fp32 reducing in the parameters' float64: FSDP2 then divides
+    by the factor itself (a pre-division of the reduce-scatter's input and
+    a post-division), and the size-1 branch that PR 167178 added divides by
+    it once more."""
+    return replicate_fp32(model, mesh, reduce_dtype=None)
+
+
 def fsdp_tp_default_divide(model, mesh):
     """fsdp_tp keeping FSDP's default divide factor (the data-parallel size):
     with a loss already divided by the whole step's token count, every

@@ -290,6 +290,8 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
         for mesh_dim, p in enumerate(t.placements):
             if isinstance(p, _StridedShard):
                 strided.append((p.dim % t.dim(), p.split_factor, mesh_dim))
+            elif p.is_shard() and mesh.size(mesh_dim=mesh_dim) == 1:
+                continue  # a shard over one rank is the whole
             elif p.is_shard():
                 axes[p.dim % t.dim()].append(names[mesh_dim])
             elif not p.is_replicate():
