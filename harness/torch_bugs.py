@@ -14,6 +14,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from backends.torch.moe import reduce_grads, shard_experts
 from backends.torch.recipes import all_reduce_dp, hsdp_mesh, llama_tp_plan, replicate_fp32
 
 
@@ -115,3 +116,14 @@ def replicate_fp32_factor_ignored(model, mesh):
 
     _fsdp_param_group.foreach_reduce = foreach_reduce
     return replicate_fp32(model, mesh)
+
+
+def ep_mean_experts_undivided(model, mesh):
+    """pytorch issue 160285 (expert gradients exactly 2x with EP 2): expert
+    parallelism over the data-parallel ranks with a per-rank mean loss; the
+    dense gradients are averaged over dp, but the expert gradients, which
+    already sum the tokens of every ep rank (the dispatch's backward), are
+    not divided by ep: ep times too large. The fix is
+    ``backends.torch.moe:ep_mean``."""
+    experts = shard_experts(model, mesh)
+    return lambda m, mesh: reduce_grads(m, mesh, experts, "avg", 1)

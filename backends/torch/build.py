@@ -335,6 +335,9 @@ class _Rank:
         key = (node.op, node.dir, tuple(ins), _key_kwargs(node.kwargs))
         cands = self.b.s.by_key.get(key)
         self.applied = Fraction(1)
+        self.padded = None
+        if not cands and node.op == "narrow" and node.dir == "bw":
+            cands = self.padded_piece(node, ins)
         if not cands and node.op in SCALINGS and len(node.ins) == 1:
             # a rescaling the single-device step does not do (a divide factor):
             # it claims to be what it rescales, times the factor it applies
@@ -370,6 +373,28 @@ class _Rank:
             ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
+
+    def padded_piece(self, node: LNode, ins: list[int]) -> list[int] | None:
+        """The backward of a slice that took this rank's piece of a dim cut by
+        mesh axes (zeros outside the piece) is one term of the sum of the
+        pieces: matched with the single-device backward of the slice of the
+        whole dim, and claimed partial over those axes (``self.padded``)."""
+        g = node.ins[-1]
+        d = node.kwargs["dim"] % len(self.low.shapes[g])
+        axes = self.claim[g].dims[d]
+        length, start = node.kwargs["length"], node.kwargs["start"]
+        index = 0
+        for a in axes:
+            index = index * self.sizes[a] + self.low.coords[a]
+        whole = length * math.prod(self.sizes[a] for a in axes)
+        if not axes or start != index * length:
+            return None
+        key = (node.op, node.dir, tuple(ins),
+               _key_kwargs({**node.kwargs, "start": 0, "length": whole}))
+        cands = self.b.s.by_key.get(key)
+        if cands:
+            self.padded = (d, list(axes))
+        return cands
 
     def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> list[str]:
         """The mesh axes a collective's group runs along, outer first: one
@@ -615,6 +640,12 @@ class _Rank:
                 self.sv[o] = so
                 self.mb[o] = mb
         self.infer(node)
+        if self.padded is not None:
+            d, axes = self.padded
+            c = self.claim[node.outs[0]]
+            c.dims[d] = []
+            self.claim[node.outs[0]] = Claim(c.dims, c.partial | frozenset(axes), c.mbs, c.scale)
+            self.check(node.outs[0])
         for o, f in zip(node.outs, self.scales_of(node)):
             if o >= 0:
                 self.claim[o].scale = f * self.applied

@@ -1332,6 +1332,8 @@ HANDLERS: dict[str, Any] = {
     "aten.copy_.default": _copy,
     "_c10d_functional.all_gather_into_tensor.default": _all_gather,
     "_c10d_functional.reduce_scatter_tensor.default": _reduce_scatter,
+    "_c10d_functional_autograd.all_gather_into_tensor.default": _all_gather,
+    "_c10d_functional_autograd.reduce_scatter_tensor.default": _reduce_scatter,
     "aten.split.Tensor": _split,
     "aten.split_with_sizes.default": _split,
     "aten.unsqueeze.default": _view,
