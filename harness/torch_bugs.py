@@ -127,3 +127,19 @@ def ep_mean_experts_undivided(model, mesh):
     ``backends.torch.moe:ep_mean``."""
     experts = shard_experts(model, mesh)
     return lambda m, mesh: reduce_grads(m, mesh, experts, "avg", 1)
+
+
+def ep_experts_summed_over_dp(model, mesh):
+    """A wrong expert-parallel reduction: the expert gradients all-reduced
+    over dp like the dense ones, though each rank holds other experts (its
+    shard summed with the other ranks' shards of other experts)."""
+    experts = shard_experts(model, mesh)
+
+    def reduce(m, mesh):
+        reduce_grads(m, mesh, experts, "sum", 1)
+        for name, p in m.named_parameters():
+            if name in experts:
+                local = p.grad.to_local()
+                local.copy_(funcol.all_reduce(local, "sum", mesh["dp"]))
+
+    return reduce

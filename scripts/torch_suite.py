@@ -147,6 +147,15 @@ CASES: list[tuple[str, str, int]] = [
      "--model llama_mean --recipe harness.torch_bugs:replicate_fp32_factor_ignored --dp 2 --tp 1", 1),
     ("llama_mean bug float64 one shard divided twice (torch 2.13)",
      "--model llama_mean --recipe replicate_fp64 --dp 2 --tp 1", 1),
+    # expert parallelism with static shapes (backends/torch/moe.py)
+    ("moe ep dp2", "--model backends.torch.moe:moe --recipe backends.torch.moe:ep --dp 2 --tp 1", 0),
+    ("moe ep dp4", "--model backends.torch.moe:moe --recipe backends.torch.moe:ep --dp 4 --tp 1", 0),
+    ("moe_mean ep_mean dp2 (pytorch 160285 fix)",
+     "--model backends.torch.moe:moe_mean --recipe backends.torch.moe:ep_mean --dp 2 --tp 1", 0),
+    ("moe_mean bug expert grads undivided (pytorch 160285)", "--model backends.torch.moe:moe_mean "
+     "--recipe harness.torch_bugs:ep_mean_experts_undivided --dp 2 --tp 1", 1),
+    ("moe bug experts summed over dp", "--model backends.torch.moe:moe "
+     "--recipe harness.torch_bugs:ep_experts_summed_over_dp --dp 2 --tp 1", 1),
 ]
 
 

@@ -70,3 +70,26 @@ def test_divide_factor_on_one_shard() -> None:
         verdict = verify(plan_s, plan_p)
         assert not verdict.success and factor in verdict.message, recipe
         assert not judge(plan_s, plan_p).right, recipe
+
+
+def test_expert_parallelism_and_expert_gradients_2x() -> None:
+    """Expert parallelism over dp (backends/torch/moe.py) verifies; pytorch
+    issue 160285: with a per-rank mean loss, the expert gradients left
+    undivided by ep are 2 x at EP 2 (the fix ``ep_mean`` verifies); expert
+    gradients summed over dp like the dense ones fail."""
+    argv = ["--model", "backends.torch.moe:moe_mean", "--layers", "1", "--dp", "2", "--tp", "1",
+            "--recipe"]
+    (plan_s, plan_p), single = trace_and_build(
+        resolve(parser().parse_args(argv + ["backends.torch.moe:ep_mean"])))
+    assert verify(plan_s, plan_p).success
+    assert judge(plan_s, plan_p).right
+    bug = argv + ["harness.torch_bugs:ep_mean_experts_undivided"]
+    (plan_s, plan_p), _ = trace_and_build(resolve(parser().parse_args(bug)), single)
+    verdict = verify(plan_s, plan_p)
+    assert not verdict.success and "2 x the gradient" in verdict.message and "feed_forward.w" in verdict.message
+    assert not judge(plan_s, plan_p).right
+    wrong = ["--model", "backends.torch.moe:moe", "--layers", "1", "--dp", "2", "--tp", "1",
+             "--recipe", "harness.torch_bugs:ep_experts_summed_over_dp"]
+    (plan_s, plan_p), _ = trace_and_build(resolve(parser().parse_args(wrong)))
+    assert not verify(plan_s, plan_p).success
+    assert not judge(plan_s, plan_p).right
