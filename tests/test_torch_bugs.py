@@ -86,7 +86,8 @@ def test_expert_parallelism_and_expert_gradients_2x() -> None:
     bug = argv + ["harness.torch_bugs:ep_mean_experts_undivided"]
     (plan_s, plan_p), _ = trace_and_build(resolve(parser().parse_args(bug)), single)
     verdict = verify(plan_s, plan_p)
-    assert not verdict.success and "2 x the gradient" in verdict.message and "feed_forward.w" in verdict.message
+    assert not verdict.success
+    assert "2 x the gradient" in verdict.message and "feed_forward.w" in verdict.message
     assert not judge(plan_s, plan_p).right
     wrong = ["--model", "backends.torch.moe:moe", "--layers", "1", "--dp", "2", "--tp", "1",
              "--recipe", "harness.torch_bugs:ep_experts_summed_over_dp"]

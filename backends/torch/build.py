@@ -382,11 +382,11 @@ class _Rank:
         g = node.ins[-1]
         d = node.kwargs["dim"] % len(self.low.shapes[g])
         axes = self.claim[g].dims[d]
+        if not axes:
+            return None
         # the claim (this rank's piece, by its coordinates) is proved, not
         # assumed: a rank that took another piece fails
         whole = node.kwargs["length"] * math.prod(self.sizes[a] for a in axes)
-        if not axes:
-            return None
         key = (node.op, node.dir, tuple(ins),
                _key_kwargs({**node.kwargs, "start": 0, "length": whole}))
         cands = self.b.s.by_key.get(key)

@@ -227,10 +227,6 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 #: "fsdp", torchtitan's "dp_shard"): the data-parallel axis
 AXIS_NAMES = {"fsdp": "dp", "dp_shard": "dp"}
 
-#: HSDP's two data-parallel sub-axes: data-parallel rank d is replica
-#: d // s ("dpr", outer) and shard d % s ("dps", inner) of s shards
-DP_SUBAXES = ("dpr", "dps")
-
 
 def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
                        split: dict[str, int]) -> str | None:
@@ -284,7 +280,7 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
         if layout is not None:
             split = {} if split is None else split
             for mesh_dim, name in enumerate(names):
-                if name in ("dp", *DP_SUBAXES) or name not in ("pp", "tp"):
+                if name not in ("pp", "tp"):
                     names[mesh_dim] = data_parallel_axis(mesh, mesh_dim, layout, split) or name
         strided = []
         for mesh_dim, p in enumerate(t.placements):
