@@ -280,14 +280,21 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
         if layout is not None:
             split = {} if split is None else split
             for mesh_dim, name in enumerate(names):
-                if name not in ("pp", "tp"):
-                    names[mesh_dim] = data_parallel_axis(mesh, mesh_dim, layout, split) or name
+                if name in ("pp", "tp"):
+                    continue
+                axis = data_parallel_axis(mesh, mesh_dim, layout, split)
+                if axis is None and name == "dp" and mesh.size(mesh_dim=mesh_dim) > 1:
+                    # a shard's position would be its index in this dim,
+                    # which is no coordinate of the backend's mesh
+                    raise ValueError(f"mesh dim '{mesh.mesh_dim_names[mesh_dim]}' spans ranks "
+                                     f"in no data-parallel layout the backend reads")
+                names[mesh_dim] = axis or name
         strided = []
         for mesh_dim, p in enumerate(t.placements):
+            if (p.is_shard() or isinstance(p, _StridedShard)) and mesh.size(mesh_dim=mesh_dim) == 1:
+                continue  # a shard over one rank is the whole
             if isinstance(p, _StridedShard):
                 strided.append((p.dim % t.dim(), p.split_factor, mesh_dim))
-            elif p.is_shard() and mesh.size(mesh_dim=mesh_dim) == 1:
-                continue  # a shard over one rank is the whole
             elif p.is_shard():
                 axes[p.dim % t.dim()].append(names[mesh_dim])
             elif not p.is_replicate():
