@@ -33,6 +33,9 @@ from main import verify  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"
 SCALING = "backends.torch.scaling_recipes:"
+#: torchtitan's Llama3 debugmodel under its own parallelize_llama (backends/torch/titan.py)
+TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
+         "--vocab 2048 --batch 2")
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
 CASES: list[tuple[str, str, int]] = [
@@ -65,11 +68,9 @@ CASES: list[tuple[str, str, int]] = [
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf qwen3_moe ep refused", "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
     ("hf llama hsdp refused", "--hf llama --recipe hsdp --dp 4 --tp 1", 2),
-    # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py): refused until its
-    # complex rotary, vocabulary-parallel embedding mask and loss-parallel cross-entropy are
-    # lowered (docs/torch-backend.md, "Third-party parallel code, unmodified")
-    ("titan llama3 debugmodel tp2", "--model backends.torch.titan:llama3_debugmodel "
-     "--recipe backends.torch.titan:parallelize --dp 1 --tp 2 --vocab 2048 --batch 2", 2),
+    # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py; docs/torch-backend.md,
+    # "Third-party parallel code, unmodified")
+    ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2", 0),
     ("llama pp_tp pp2 tp2", "--model llama --recipe pp_tp --pp 2 --dp 1 --tp 2 --layers 2", 0),
     ("llama pp_interleaved_1f1b pp2 v2",
      "--model llama --recipe pp_interleaved_1f1b --pp 2 --dp 1 --tp 1 --layers 4", 0),
@@ -134,6 +135,16 @@ CASES: list[tuple[str, str, int]] = [
     ("gpt2_mean bug fsdp mean summed", f"--model gpt2_mean --recipe {STOCK}fsdp --dp 2 --tp 1",
      1),
     ("gpt2 bug colwise fused qkv", f"--model gpt2 --recipe {SCALING}tp_fused_qkv_colwise", 1),
+    # loss parallelism (backends/torch/lower_vocab_parallel.py) and torchtitan's meshes
+    ("llama tp_sp_loss_parallel tp2", "--model llama --recipe tp_sp_loss_parallel --dp 1 --tp 2", 0),
+    ("llama tp_sp_loss_parallel dp2 tp2", "--model llama --recipe tp_sp_loss_parallel", 0),
+    ("llama bug loss_parallel partial as replicate (torchtitan 3412)",
+     "--model llama --recipe tp_sp_loss_parallel_partial_as_replicate", 1),
+    ("llama bug loss_parallel local max",
+     "--model llama --recipe harness.loss_parallel_mistakes:loss_parallel_local_max --dp 1", 1),
+    ("llama bug loss_parallel sum max",
+     "--model llama --recipe harness.loss_parallel_mistakes:loss_parallel_sum_max --dp 1", 1),
+    ("titan llama3 debugmodel dp2 tp2", f"{TITAN} --dp 2 --tp 2", 0),
 ]
 
 

@@ -299,6 +299,8 @@ class _Lowerer:
             if x.share != 1:
                 s = self.emit("div", [s], [self.shapes[s]], {"value": float(x.share)})[0]
             return self.emit("pow", [s], [self.shapes[s]], {"exponent": 0.5})[0]
+        if hasattr(x, "emit_into"):  # a pending value of lower_vocab_parallel or _NllGrad
+            return self.materialize(x.emit_into(self))
         if isinstance(x, _Piece):
             src = self.materialize(x.of)
             shape = list(self.shapes[src])
@@ -460,10 +462,15 @@ def _log_softmax(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _log_softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    """g - exp(out) * sum(g) along the dim."""
-    g, out, dim = lw.val(args[0]), lw.val(args[1]), int(args[2])
-    shape = list(lw.shapes[g])
+    """g - exp(out) * sum(g) along the dim; of the nll backward's gradient,
+    the fused form ``(exp(out) - labels) * g`` (``_NllGrad``)."""
+    pending = lw.env.get(args[0][1])
+    out, dim = lw.val(args[1]), int(args[2])
+    shape = list(lw.shapes[out])
     dim %= len(shape)
+    if isinstance(pending, _NllGrad) and dim == len(shape) - 1:
+        return pending.fused(lw, out)
+    g = lw.val(args[0])
     row = [*shape[:dim], 1, *shape[dim + 1:]]
     total = lw.emit("sum", [g], [row], {"dim": dim, "keepdim": True})[0]
     e = lw.emit("exp", [out], [shape])[0]
@@ -484,29 +491,61 @@ def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any, ignore: 
 
 
 def _nll(lw: _Lowerer, args, kwargs, shapes, group):
-    """-sum(logp * one-hot labels), divided by the label count for a mean.
-    The labels are the batch's (none equals the ignore index)."""
+    """-sum(logp * one-hot labels), divided by the label count for a mean:
+    each row's picked log-probability (a row sum, as a loss-parallel run
+    computes it), negated, summed. The labels are the batch's (none equals
+    the ignore index)."""
     logp, reduction = lw.val(args[0]), int(args[3])
     labels = _nll_checks(lw, args[2], reduction, args[1], args[4] if len(args) > 4 else None)
-    picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [lw.shapes[logp]])[0]], [()],
-                     {"dim": None, "keepdim": False})[0]
-    out = lw.emit("mul_scalar", [picked], [()], {"value": -1.0})[0]
-    count = math.prod(lw.shapes[labels][:-1])
+    shape = lw.shapes[logp]
+    rows = [*shape[:-1], 1]
+    picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [shape])[0]], [rows],
+                     {"dim": len(shape) - 1, "keepdim": True})[0]
+    picked = lw.reshape(picked, tuple(shape[:-1]))
+    negated = lw.emit("mul_scalar", [picked], [shape[:-1]], {"value": -1.0})[0]
+    out = lw.emit("sum", [negated], [()], {"dim": None, "keepdim": False})[0]
     if reduction == 1:
-        out = lw.emit("div", [out], [()], {"value": float(count)})[0]
+        out = lw.emit("div", [out], [()], {"value": float(math.prod(shape[:-1]))})[0]
     return [out, "count"]
 
 
+@dataclass(frozen=True)
+class _NllGrad:
+    """The nll backward, ``-labels * g`` (divided by the label count for a
+    mean), not yet emitted: read by the log-softmax backward it fuses into
+    ``(exp(logp) - labels) * g``, which equals ``g' - exp(logp) * sum(g')``
+    for ``g' = -labels * g`` because every row of the one-hot labels sums to
+    1 (docs/soundness.md, "Plans traced from PyTorch", 6)."""
+    labels: int
+    g: int
+    mean: bool
+
+    def emit_into(self, lw: _Lowerer) -> int:
+        shape = lw.shapes[self.labels]
+        out = lw.emit("mul_scalar", [lw.emit("mul", [self.labels, self.g], [shape])[0]], [shape],
+                      {"value": -1.0})[0]
+        return self.divided(lw, out)
+
+    def fused(self, lw: _Lowerer, logp: int) -> int:
+        shape = lw.shapes[logp]
+        negated = lw.emit("mul_scalar", [self.labels], [shape], {"value": -1.0})[0]
+        e = lw.emit("exp", [logp], [shape])[0]
+        total = lw.emit("add", [negated, e], [shape])[0]
+        return self.divided(lw, lw.emit("mul", [total, self.g], [shape])[0])
+
+    def divided(self, lw: _Lowerer, x: int) -> int:
+        if not self.mean:
+            return x
+        shape = lw.shapes[x]
+        return lw.emit("div", [x], [shape], {"value": float(math.prod(shape[:-1]))})[0]
+
+
 def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    """-one-hot labels * g, divided by the label count for a mean."""
+    """-one-hot labels * g, divided by the label count for a mean (pending:
+    ``_NllGrad``)."""
     g, reduction = lw.val(args[0]), int(args[4])
     labels = _nll_checks(lw, args[3], reduction, args[2], args[5] if len(args) > 5 else None)
-    shape = lw.shapes[labels]
-    out = lw.emit("mul_scalar", [lw.emit("mul", [labels, g], [shape])[0]], [shape],
-                  {"value": -1.0})[0]
-    if reduction == 1:
-        out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape[:-1]))})[0]
-    return out
+    return _NllGrad(labels, g, reduction == 1)
 
 
 def _silu_bw(lw: _Lowerer, args, kwargs, shapes, group):
@@ -519,7 +558,10 @@ def _reduce(op: str):
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         if isinstance(dim, list) and not dim:
             dim = None
-        return lw.emit(op, [lw.val(args[0])], shapes, {"dim": dim, "keepdim": keepdim})[0]
+        x = lw.val(args[0])
+        if isinstance(dim, (list, tuple)) and len(dim) == 1:
+            dim = int(dim[0]) % len(lw.shapes[x])  # one dim, as the lowered log-softmax names it
+        return lw.emit(op, [x], shapes, {"dim": dim, "keepdim": keepdim})[0]
     return lower
 
 
@@ -596,14 +638,17 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
-    if isinstance(src, _ChunkCat) and src.group is not None:
+    if isinstance(src, _ChunkCat) and (src.group is not None or src.chunks == 1):
+        # reduce-scattered, or (a shard group of one rank) never communicated
         at = 0
         for g in src.grads:
             numel = math.prod(lw.shapes[g]) // src.chunks
             if at == offset and numel == math.prod(size):
                 shape = list(lw.shapes[g])
                 shape[0] //= src.chunks
-                x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
+                x = g
+                if src.group is not None:
+                    x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
                 if src.divide != 1.0:
                     x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
                 return _view_to(lw, x, tuple(size))
@@ -613,6 +658,8 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
     x = lw.val(args[0])
     if offset != 0 or math.prod(size) != math.prod(lw.shapes[x]):
         raise LoweringError(f"{lw.name}: as_strided at offset {offset} is not lowered")
+    if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == tuple(size):
+        return lw.flat_of[x]  # a flattened value seen whole again (FSDP of one rank)
     return _view_to(lw, x, tuple(size))
 
 
@@ -841,6 +888,9 @@ def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _copy(lw: _Lowerer, args, kwargs, shapes, group):
+    src = lw.env.get(args[1][1])
+    if isinstance(src, _ChunkCat) and src.chunks == 1:
+        return src  # FSDP's gradient buffer of a one-rank shard group, copied out
     return lw.val(args[1])
 
 
@@ -981,8 +1031,11 @@ def _add(lw: _Lowerer, args, kwargs, shapes, group):
 def _to_copy(lw: _Lowerer, args, kwargs, shapes, group):
     """A change of precision (lower_nn.to_copy); the batch's integer ids are
     never converted to numbers."""
-    if isinstance(lw.env.get(args[0][1]), (_Ids, _Shifted, _IdsTest, _VocabMask)):
+    x = lw.env.get(args[0][1])
+    if isinstance(x, (_Ids, _Shifted, _IdsTest, _VocabMask)):
         raise LoweringError(f"{lw.name}: the batch's integer ids converted to numbers")
+    if isinstance(x, _ChunkCat) and x.chunks == 1:
+        return x  # FSDP's one-rank gradient buffer cast back to the parameters' precision
     return to_copy(lw, args, kwargs, shapes, group)
 
 
@@ -1318,6 +1371,10 @@ HANDLERS: dict[str, Any] = {
     "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
 }
+# lower_vocab_parallel reads this module's id types, so it is imported once they exist
+from backends.torch.lower_vocab_parallel import vocab_parallel_handlers  # noqa: E402
+
+HANDLERS.update(vocab_parallel_handlers(HANDLERS))
 
 
 def lower_trace(trace: dict, vocab: int) -> Lowered:

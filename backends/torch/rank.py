@@ -10,6 +10,7 @@ backward on its data-parallel slice of the batch and the recipe's
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import pickle
@@ -87,11 +88,12 @@ def run(spec: dict, rank: int) -> dict:
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
     with tracker, rec:
-        if pipelined is not None:
-            losses = pipelined.run(tokens, labels)
-        else:
-            losses = [model(tokens, labels)]
-            losses[0].backward()
+        with train_context(model):
+            if pipelined is not None:
+                losses = pipelined.run(tokens, labels)
+            else:
+                losses = [model(tokens, labels)]
+                losses[0].backward()
         if after is not None:
             after(model, mesh)
         optimizer = update(model, mesh, spec)
@@ -126,6 +128,14 @@ def run(spec: dict, rank: int) -> dict:
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
         "values": values,
     }
+
+
+def train_context(model: torch.nn.Module):
+    """The context forward and backward run in: the model's
+    ``train_context()`` when a recipe set one (as torchtitan's trainer
+    enters DTensor's ``loss_parallel()`` around both), else none."""
+    make = getattr(model, "train_context", None)
+    return make() if callable(make) else contextlib.nullcontext()
 
 
 #: the optimizers a step may end with: torch.optim's, their default CPU

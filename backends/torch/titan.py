@@ -14,8 +14,8 @@ The loss is torchtitan's: ``cross_entropy_loss`` (a sum over the rank's
 tokens) divided by the step's token count, as its trainer divides by
 ``global_valid_tokens``. ``--vocab`` must be the model's vocabulary (2048
 for the debugmodel); the other size flags are not used (the flavor fixes
-them). FSDP's mixed precision is float32 (``mixed_precision_param``; the
-traced values are never used, only the structure of the run).
+them). FSDP's mixed precision is float64 (the shim's adaptation 4), the
+precision every traced model runs in.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def parallelize(model: TitanLM, mesh):
     from torchtitan.distributed import utils as dist_utils
     dist_utils.set_spmd_backend(titan_shim.SPMD_BACKEND)  # as its trainer does from the config
     parallelize_llama(model.model, parallel_dims=dims,
-                      training=TrainingConfig(mixed_precision_param="float32"),
+                      training=TrainingConfig(mixed_precision_param=titan_shim.PRECISION,
+                                              mixed_precision_reduce=titan_shim.PRECISION),
                       parallelism=_parallelism(dp, tp, pp), compile_config=CompileConfig(),
                       ac_config=None, dump_folder="/tmp")
     return None

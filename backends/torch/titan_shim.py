@@ -1,6 +1,6 @@
 """The CPU adaptations torchtitan 0.3.0 needs to run on one CPU, in one place.
 
-torchtitan is written for accelerators. Three of its defaults do not run on
+torchtitan is written for accelerators. Four of its defaults do not run on
 a CPU under the fake process group; ``apply()`` changes exactly these, and
 says so on stderr every time (a changed run is never silent):
 
@@ -18,6 +18,12 @@ says so on stderr every time (a changed run is never silent):
    the fake group: the ``ParallelDims`` and ``ParallelismConfig`` are built
    with "partial_dtensor" (DTensor parameters, torchtitan's previous
    default).
+4. FSDP's mixed precision (``mixed_precision_param``, always installed by
+   ``parallelize_llama``) names only 16- and 32-bit types: "float64" is
+   added to ``torchtitan.config.TORCH_DTYPE_MAP`` so that the parallel run
+   computes in float64 like the single-device one (in float32, a kernel's
+   scalar such as RMSNorm's eps is rounded to float32, a different
+   constant from the single-device run's).
 
 Nothing else of torchtitan is changed; the backend alone calls ``apply``
 (``backends.torch.titan``).
@@ -28,10 +34,14 @@ from __future__ import annotations
 import importlib
 import sys
 
+import torch
+
 #: the modules holding their own copy of ``device_type``
 DEVICE_TYPE_HOLDERS = ("torchtitan.tools.utils", "torchtitan.distributed.utils",
                        "torchtitan.distributed.parallel_dims")
 ATTENTION = "sdpa"
+#: FSDP's parameter and reduction precision (adaptation 4)
+PRECISION = "float64"
 
 
 def sdpa_attention(config):
@@ -51,5 +61,8 @@ def apply() -> None:
         module = importlib.import_module(name)
         if getattr(module, "device_type", "cpu") != "cpu":
             module.device_type = "cpu"
+    from torchtitan.config import TORCH_DTYPE_MAP
+    TORCH_DTYPE_MAP.setdefault(PRECISION, torch.float64)
     print(f"torchtitan CPU shim (backends/torch/titan_shim.py): device_type 'cpu', "
-          f"attn_backend '{ATTENTION}', spmd_backend '{SPMD_BACKEND}'", file=sys.stderr)
+          f"attn_backend '{ATTENTION}', spmd_backend '{SPMD_BACKEND}', "
+          f"FSDP precision '{PRECISION}'", file=sys.stderr)
