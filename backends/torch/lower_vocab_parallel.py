@@ -30,8 +30,9 @@ table it extends (``vocab_parallel_handlers``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

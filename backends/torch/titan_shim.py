@@ -24,15 +24,27 @@ says so on stderr every time (a changed run is never silent):
    computes in float64 like the single-device one (in float32, a kernel's
    scalar such as RMSNorm's eps is rounded to float32, a different
    constant from the single-device run's).
+5. Under the fake process group a pipeline stage cannot learn its
+   neighbours' tensor shapes by exchanging them (the backend refuses stages
+   without static shapes, backends/torch/pipeline.py): while
+   ``pipeline_llm`` builds its stages (``static_stages``), each
+   ``PipelineStage`` is given the shapes a real run exchanges, as example
+   ``input_args`` and ``output_args`` (the token ids of one microbatch row,
+   the hidden states between stages, cut along the sequence under tensor
+   parallelism, and the last stage's logits, a vocabulary-sharded DTensor
+   under loss parallelism). A wrong shape stops the run; no value is read
+   from them.
 
 Nothing else of torchtitan is changed; the backend alone calls ``apply``
-(``backends.torch.titan``).
+and ``static_stages`` (``backends.torch.titan``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -66,3 +78,39 @@ def apply() -> None:
     print(f"torchtitan CPU shim (backends/torch/titan_shim.py): device_type 'cpu', "
           f"attn_backend '{ATTENTION}', spmd_backend '{SPMD_BACKEND}', "
           f"FSDP precision '{PRECISION}'", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def static_stages(config, seqlen: int, tp: int, tp_mesh) -> Iterator[None]:
+    """While ``pipeline_llm`` runs: its ``PipelineStage``s built with static
+    shapes (adaptation 5) for microbatches of one row of ``seqlen`` tokens of
+    the model ``config``."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.distributed import pipeline_parallel
+
+    dim, vocab = config.dim, config.vocab_size
+    hidden = torch.empty(1, seqlen // tp, dim, dtype=torch.float64, requires_grad=True)
+
+    def logits() -> torch.Tensor:
+        if tp == 1:
+            return torch.empty(1, seqlen, vocab, dtype=torch.float64)
+        local = torch.empty(1, seqlen, vocab // tp, dtype=torch.float64)
+        return DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False)
+
+    def stage(module, index: int, count: int, device, **kwargs):
+        first, last = index == 0, index == count - 1
+        inputs = torch.zeros(1, seqlen, dtype=torch.int64) if first else hidden
+        outputs = logits() if last else hidden
+        grads = {}
+        if isinstance(outputs, DTensor):
+            grads = {"input_grads": (None,) if first else hidden, "output_grads": outputs}
+        return PipelineStage(module, index, count, device, input_args=inputs,
+                             output_args=outputs, **grads, **kwargs)
+
+    saved = pipeline_parallel.PipelineStage
+    pipeline_parallel.PipelineStage = stage
+    try:
+        yield
+    finally:
+        pipeline_parallel.PipelineStage = saved
