@@ -35,7 +35,7 @@ STOCK = "backends.torch.stock_recipes:"
 SCALING = "backends.torch.scaling_recipes:"
 #: torchtitan's Llama3 debugmodel under its own parallelize_llama (backends/torch/titan.py)
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
-         "--vocab 2048 --batch 2")
+         "--vocab 2048")
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
 CASES: list[tuple[str, str, int]] = [
@@ -70,7 +70,7 @@ CASES: list[tuple[str, str, int]] = [
     ("hf llama hsdp refused", "--hf llama --recipe hsdp --dp 4 --tp 1", 2),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
-    ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2", 0),
+    ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),
     ("llama pp_tp pp2 tp2", "--model llama --recipe pp_tp --pp 2 --dp 1 --tp 2 --layers 2", 0),
     ("llama pp_interleaved_1f1b pp2 v2",
      "--model llama --recipe pp_interleaved_1f1b --pp 2 --dp 1 --tp 1 --layers 4", 0),
@@ -144,7 +144,10 @@ CASES: list[tuple[str, str, int]] = [
      "--model llama --recipe harness.loss_parallel_mistakes:loss_parallel_local_max --dp 1", 1),
     ("llama bug loss_parallel sum max",
      "--model llama --recipe harness.loss_parallel_mistakes:loss_parallel_sum_max --dp 1", 1),
-    ("titan llama3 debugmodel dp2 tp2", f"{TITAN} --dp 2 --tp 2", 0),
+    ("titan llama3 debugmodel dp2 tp2", f"{TITAN} --dp 2 --tp 2 --batch 4", 0),
+    ("titan llama3 debugmodel pp2 (pipeline_llm, 1F1B)", f"{TITAN} --dp 1 --tp 1 --pp 2 --batch 4", 0),
+    ("titan llama3 debugmodel tp2 pp2", f"{TITAN} --dp 1 --tp 2 --pp 2 --batch 4", 0),
+    ("titan llama3 debugmodel dp2 tp2 pp2", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 4", 0),
 ]
 
 

@@ -32,15 +32,21 @@ def test_loss_parallel_verifies(verified) -> None:
     plan_s, plan_p, _ = verified
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
-    ops = [(n.op, n.group is not None) for n in plan_p.nodes]
-    assert ("all_gather", True) in ops and ("max", False) in ops  # the MAX all-reduce, folded
+    ops = {n.op for n in plan_p.nodes if n.name == "Llama"}
+    assert {"all_gather", "max", "exp", "log"} <= ops  # the MAX all-reduce as gather and max
     assert judge(plan_s, plan_p).right
 
 
-@pytest.mark.parametrize("mistake", ["loss_parallel_local_max", "loss_parallel_sum_max"])
-def test_a_shift_other_than_the_global_maximum_fails(verified, mistake: str) -> None:
+@pytest.mark.parametrize("mistake,wrong", [("loss_parallel_local_max", True),
+                                           ("loss_parallel_sum_max", False)])
+def test_a_shift_other_than_the_global_maximum_fails(verified, mistake: str, wrong: bool) -> None:
+    """A rank's own maximum is a real error; the maxima summed shift every
+    rank by the same amount, which cancels in exact arithmetic (the oracle
+    finds the plans equal): a documented false alarm, never a missed bug."""
     _, _, single = verified
     (plan_s, plan_p), _ = _plans(f"harness.loss_parallel_mistakes:{mistake}", single)
     verdict = verify(plan_s, plan_p)
     assert not verdict.success and verdict.kind == "stage", verdict.message
-    assert "max" in verdict.message or "Llama" in verdict.message
+    failed = [r for r in verdict.results if r.outcome.status == "counterexample"]
+    assert failed and all(plan_s.nodes[r.stage.gs_node].op == "max" for r in failed)
+    assert judge(plan_s, plan_p).right is not wrong

@@ -99,7 +99,8 @@ def parallelize(model: TitanLM, mesh):
         parallelize_llama(model.model, **common)
         return None
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    with titan_shim.static_stages(model.config, model.seqlen, tp, mesh["tp"]):
+    with titan_shim.static_stages(model.config, model.seqlen,
+                                  dims.get_mesh("tp") if tp > 1 else None):
         schedule, parts, _, _ = pipeline_llm(model.model, device=torch.device("cpu"),
                                              model_config=model.config,
                                              parallelize_fn=parallelize_llama,

@@ -81,29 +81,33 @@ def apply() -> None:
 
 
 @contextlib.contextmanager
-def static_stages(config, seqlen: int, tp: int, tp_mesh) -> Iterator[None]:
+def static_stages(config, seqlen: int, tp_mesh) -> Iterator[None]:
     """While ``pipeline_llm`` runs: its ``PipelineStage``s built with static
     shapes (adaptation 5) for microbatches of one row of ``seqlen`` tokens of
-    the model ``config``."""
+    the model ``config``; ``tp_mesh`` is torchtitan's tensor-parallel mesh
+    (None without tensor parallelism), on which the activations between
+    stages are ``Shard(1)`` DTensors and the logits ``Shard(2)`` ones."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.tensor import DTensor, Shard
     from torchtitan.distributed import pipeline_parallel
 
-    dim, vocab = config.dim, config.vocab_size
-    hidden = torch.empty(1, seqlen // tp, dim, dtype=torch.float64, requires_grad=True)
+    tp = 1 if tp_mesh is None else tp_mesh.size()
 
-    def logits() -> torch.Tensor:
+    def example(shape: tuple[int, ...], dim: int, grad: bool) -> torch.Tensor:
         if tp == 1:
-            return torch.empty(1, seqlen, vocab, dtype=torch.float64)
-        local = torch.empty(1, seqlen, vocab // tp, dtype=torch.float64)
-        return DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False)
+            return torch.empty(shape, dtype=torch.float64, requires_grad=grad)
+        local = list(shape)
+        local[dim] //= tp
+        return DTensor.from_local(torch.empty(local, dtype=torch.float64, requires_grad=grad),
+                                  tp_mesh, [Shard(dim)], run_check=False)
 
     def stage(module, index: int, count: int, device, **kwargs):
         first, last = index == 0, index == count - 1
+        hidden = example((1, seqlen, config.dim), 1, True)
         inputs = torch.zeros(1, seqlen, dtype=torch.int64) if first else hidden
-        outputs = logits() if last else hidden
+        outputs = example((1, seqlen, config.vocab_size), 2, False) if last else hidden
         grads = {}
-        if isinstance(outputs, DTensor):
+        if tp > 1:
             grads = {"input_grads": (None,) if first else hidden, "output_grads": outputs}
         return PipelineStage(module, index, count, device, input_args=inputs,
                              output_args=outputs, **grads, **kwargs)
