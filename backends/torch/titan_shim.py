@@ -105,7 +105,7 @@ def static_stages(config, seqlen: int, tp_mesh) -> Iterator[None]:
         first, last = index == 0, index == count - 1
         hidden = example((1, seqlen, config.dim), 1, True)
         inputs = torch.zeros(1, seqlen, dtype=torch.int64) if first else hidden
-        outputs = example((1, seqlen, config.vocab_size), 2, False) if last else hidden
+        outputs = example((1, seqlen, config.vocab_size), 2, True) if last else hidden
         grads = {}
         if tp > 1:
             grads = {"input_grads": (None,) if first else hidden, "output_grads": outputs}
