@@ -145,9 +145,9 @@ CASES: list[tuple[str, str, int]] = [
     ("llama bug loss_parallel sum max",
      "--model llama --recipe harness.loss_parallel_mistakes:loss_parallel_sum_max --dp 1", 1),
     ("titan llama3 debugmodel dp2 tp2", f"{TITAN} --dp 2 --tp 2 --batch 4", 0),
-    ("titan llama3 debugmodel pp2 (pipeline_llm, 1F1B)", f"{TITAN} --dp 1 --tp 1 --pp 2 --batch 4", 0),
+    ("titan llama3 debugmodel pp2 (pipeline_llm 1F1B)", f"{TITAN} --dp 1 --tp 1 --pp 2 --batch 4", 0),
     ("titan llama3 debugmodel tp2 pp2", f"{TITAN} --dp 1 --tp 2 --pp 2 --batch 4", 0),
-    ("titan llama3 debugmodel dp2 tp2 pp2", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 4", 0),
+    ("titan llama3 debugmodel dp2 tp2 pp2", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8", 0),
 ]
 
 

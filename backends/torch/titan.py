@@ -51,10 +51,15 @@ class TitanLM(nn.Module):
         return cross_entropy_loss(self.model(tokens), labels) / self.global_tokens
 
 
-def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1):
+#: microbatches per pipeline step: torchtitan's 1F1B wants at least one per stage
+MICROBATCHES = 2
+
+
+def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1):
     from torchtitan.config import ParallelismConfig
     return ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
-                             pipeline_parallel_degree=pp, spmd_backend=titan_shim.SPMD_BACKEND)
+                             pipeline_parallel_degree=pp, spmd_backend=titan_shim.SPMD_BACKEND,
+                             pipeline_parallel_microbatch_size=microbatch)
 
 
 def build(flavor: str = "debugmodel", seqlen: int = 4, **_sizes) -> TitanLM:
@@ -78,8 +83,8 @@ def parallelize(model: TitanLM, mesh):
     """torchtitan's ``parallelize_llama`` on its own ``ParallelDims`` mesh of
     the backend's sizes (``dp_shard`` = dp, ``tp`` = tp); with ``pp`` > 1,
     torchtitan's ``pipeline_llm`` (its stage split, ``parallelize_llama`` on
-    each stage, its 1F1B schedule, one microbatch per row of the rank's
-    batch), the rank keeping its stage."""
+    each stage, its 1F1B schedule, ``MICROBATCHES`` microbatches of the
+    rank's rows), the rank keeping its stage."""
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.llama3.parallelize import parallelize_llama
@@ -93,13 +98,19 @@ def parallelize(model: TitanLM, mesh):
     training = TrainingConfig(mixed_precision_param=titan_shim.PRECISION,
                               mixed_precision_reduce=titan_shim.PRECISION, local_batch_size=rows,
                               seq_len=model.seqlen)
-    common = {"parallel_dims": dims, "training": training, "parallelism": _parallelism(dp, tp, pp),
+    if pp > 1 and rows % MICROBATCHES:
+        raise ValueError(f"backends.torch.titan:parallelize pipelines {MICROBATCHES} microbatches: "
+                         f"give each data-parallel rank a multiple of {MICROBATCHES} rows "
+                         f"(--batch)")
+    microbatch = max(1, rows // MICROBATCHES)
+    common = {"parallel_dims": dims, "training": training,
+              "parallelism": _parallelism(dp, tp, pp, microbatch),
               "compile_config": CompileConfig(), "ac_config": None, "dump_folder": "/tmp"}
     if pp == 1:
         parallelize_llama(model.model, **common)
         return None
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    with titan_shim.static_stages(model.config, model.seqlen,
+    with titan_shim.static_stages(model.config, microbatch, model.seqlen,
                                   dims.get_mesh("tp") if tp > 1 else None):
         schedule, parts, _, _ = pipeline_llm(model.model, device=torch.device("cpu"),
                                              model_config=model.config,

@@ -29,7 +29,7 @@ says so on stderr every time (a changed run is never silent):
    without static shapes, backends/torch/pipeline.py): while
    ``pipeline_llm`` builds its stages (``static_stages``), each
    ``PipelineStage`` is given the shapes a real run exchanges, as example
-   ``input_args`` and ``output_args`` (the token ids of one microbatch row,
+   ``input_args`` and ``output_args`` (the token ids of one microbatch,
    the hidden states between stages, cut along the sequence under tensor
    parallelism, and the last stage's logits, a vocabulary-sharded DTensor
    under loss parallelism). A wrong shape stops the run; no value is read
@@ -81,10 +81,10 @@ def apply() -> None:
 
 
 @contextlib.contextmanager
-def static_stages(config, seqlen: int, tp_mesh) -> Iterator[None]:
+def static_stages(config, rows: int, seqlen: int, tp_mesh) -> Iterator[None]:
     """While ``pipeline_llm`` runs: its ``PipelineStage``s built with static
-    shapes (adaptation 5) for microbatches of one row of ``seqlen`` tokens of
-    the model ``config``; ``tp_mesh`` is torchtitan's tensor-parallel mesh
+    shapes (adaptation 5) for microbatches of ``rows`` rows of ``seqlen``
+    tokens of the model ``config``; ``tp_mesh`` is torchtitan's tensor-parallel mesh
     (None without tensor parallelism), on which the activations between
     stages are ``Shard(1)`` DTensors and the logits ``Shard(2)`` ones."""
     from torch.distributed.pipelining import PipelineStage
@@ -103,9 +103,9 @@ def static_stages(config, seqlen: int, tp_mesh) -> Iterator[None]:
 
     def stage(module, index: int, count: int, device, **kwargs):
         first, last = index == 0, index == count - 1
-        hidden = example((1, seqlen, config.dim), 1, True)
-        inputs = torch.zeros(1, seqlen, dtype=torch.int64) if first else hidden
-        outputs = example((1, seqlen, config.vocab_size), 2, True) if last else hidden
+        hidden = example((rows, seqlen, config.dim), 1, True)
+        inputs = torch.zeros(rows, seqlen, dtype=torch.int64) if first else hidden
+        outputs = example((rows, seqlen, config.vocab_size), 2, True) if last else hidden
         grads = {}
         if tp > 1:
             grads = {"input_grads": (None,) if first else hidden, "output_grads": outputs}
