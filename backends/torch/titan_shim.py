@@ -1,8 +1,9 @@
 """The CPU adaptations torchtitan 0.3.0 needs to run on one CPU, in one place.
 
-torchtitan is written for accelerators. Four of its defaults do not run on
-a CPU under the fake process group; ``apply()`` changes exactly these, and
-says so on stderr every time (a changed run is never silent):
+torchtitan is written for accelerators. Five things do not run, or do not
+run as the single-device step does, on a CPU under the fake process group;
+``apply()`` (1-4) and ``static_stages`` (5) change exactly these, and
+``apply()`` says so on stderr every time (a changed run is never silent):
 
 1. ``torchtitan.tools.utils.device_type`` is "cuda" when no accelerator is
    found; the modules that imported the name keep their own copy. All are
@@ -77,7 +78,7 @@ def apply() -> None:
     TORCH_DTYPE_MAP.setdefault(PRECISION, torch.float64)
     print(f"torchtitan CPU shim (backends/torch/titan_shim.py): device_type 'cpu', "
           f"attn_backend '{ATTENTION}', spmd_backend '{SPMD_BACKEND}', "
-          f"FSDP precision '{PRECISION}'", file=sys.stderr)
+          f"FSDP precision '{PRECISION}', static pipeline stage shapes", file=sys.stderr)
 
 
 @contextlib.contextmanager
