@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.torch.__main__ import parser, resolve, trace_and_build
+from backends.torch.__main__ import parser, resolve, trace_and_build, trace_ranks
+from backends.torch.lower import LoweringError, lower_trace
 from harness.oracle import judge
 from main import verify
 
@@ -50,3 +51,24 @@ def test_a_shift_other_than_the_global_maximum_fails(verified, mistake: str, wro
     failed = [r for r in verdict.results if r.outcome.status == "counterexample"]
     assert failed and all(plan_s.nodes[r.stage.gs_node].op == "max" for r in failed)
     assert judge(plan_s, plan_p).right is not wrong
+
+
+def test_target_logits_not_zeroed_outside_the_shard_are_refused() -> None:
+    """The gather of a loss-parallel rank equals the one-hot pick only once
+    the picks outside its vocabulary rows are zeroed: a run that writes
+    anything else there is refused, never lowered as if it were zeroed."""
+    spec = {"model": "backends.torch.models:llama",
+            "model_kwargs": {"layers": 1, "hidden": 16, "heads": 4, "ffn": 32, "vocab": 16,
+                             "seqlen": 4},
+            "recipe": "backends.torch.recipes:tp_sp_loss_parallel", "dp": 1, "tp": 2, "pp": 1,
+            "batch": 2, "seqlen": 4, "vocab": 16, "seed": 0, "parallel": True}
+    trace = trace_ranks(spec, 2)[0]
+    events = trace["events"]
+    gathered = {outs[0] for op, _, outs, *_ in events if op == "aten.gather.default"}
+    zeroing = [i for i, (op, (args, _), *_) in enumerate(events)
+               if op == "aten.index_put_.default" and args[0][1] in gathered]
+    assert len(zeroing) == 1
+    op, (args, kwargs), *rest = events[zeroing[0]]
+    events[zeroing[0]] = (op, ([args[0], args[1], 1.0, *args[3:]], kwargs), *rest)
+    with pytest.raises(LoweringError, match="not zeroed"):
+        lower_trace(trace, 16)

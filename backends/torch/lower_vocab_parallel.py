@@ -119,6 +119,16 @@ class MaskedGrad:
 
 
 @dataclass(frozen=True)
+class MaskedPick:
+    """The target logits picked by a loss-parallel ``gather``, ``value``
+    being the row sum of the log-probabilities times the one-hot columns
+    ``[lo, hi)``: equal to the gather only once the picks outside the rows
+    are zeroed (``index_put_`` of 0 at ``mask``), the one reader allowed."""
+    value: int
+    mask: _VocabMask
+
+
+@dataclass(frozen=True)
 class Zeros:
     """``zeros_like`` of a value that is not a parameter."""
     shape: tuple[int, ...]
@@ -136,7 +146,7 @@ class Spread:
 
 #: the pending objects of this module that no op outside its patterns may read
 PATTERN_ONLY = (AllLabels, InRange, Unsqueezed, AsFloat, LabelUpdate, Clamped, ClampedLookup,
-                MaskedGrad, Zeros)
+                MaskedGrad, MaskedPick, Zeros)
 
 
 def _env(lw: Any, a: Any) -> Any:
@@ -405,8 +415,8 @@ def embedding_backward(base: Handler) -> Handler:
 def gather(lw: Any, args, kwargs, shapes, group):
     """``gather(logp, -1, local_labels.unsqueeze(-1))`` with the labels
     shifted by ``lo`` and 0 outside ``[lo, hi)``: the row sum of ``logp``
-    times the one-hot columns ``[lo, hi)`` there, to be zeroed outside
-    (which it already is)."""
+    times the one-hot columns ``[lo, hi)``, pending until the picks outside
+    the rows are zeroed (``MaskedPick``)."""
     x = lw.val(args[0])
     index = _env(lw, args[2])
     dim = int(args[1]) % len(lw.shapes[x])
@@ -423,8 +433,7 @@ def gather(lw: Any, args, kwargs, shapes, group):
                              lw.shapes[x][:-1])
     picked = lw.emit("mul", [x, columns], [lw.shapes[x]])[0]
     out = lw.emit("sum", [picked], shapes, {"dim": dim, "keepdim": True})[0]
-    lw.masked_rows[out] = shifted.mask
-    return out
+    return MaskedPick(out, shifted.mask)
 
 
 def index_put(base: Handler) -> Handler:
@@ -435,10 +444,13 @@ def index_put(base: Handler) -> Handler:
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         masks = [_env(lw, m) for m in indices]
         accumulate = bool(args[3]) if len(args) > 3 else False
-        if len(masks) == 1 and isinstance(masks[0], Unsqueezed) and not accumulate \
-                and lw.const(args[2]) == 0 and isinstance(target, int) \
-                and lw.masked_rows.get(target) == masks[0].of:
-            return target
+        mask = masks[0].of if len(masks) == 1 and isinstance(masks[0], Unsqueezed) else \
+            masks[0] if len(masks) == 1 else None
+        if isinstance(target, MaskedPick):
+            if mask != target.mask or accumulate or lw.const(args[2]) != 0:
+                raise LoweringError(f"{lw.name}: the picked target logits are not zeroed "
+                                    f"outside the vocabulary shard's rows by its mask")
+            return target.value
         if isinstance(target, Zeros) and len(masks) == 2 and not accumulate:
             return _label_update(lw, target, indices, masks, _env(lw, args[2]), shapes)
         _refuse_pending(lw, [args[0], args[2], *indices], "index_put_")
