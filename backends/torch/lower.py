@@ -515,7 +515,7 @@ class _NllGrad:
     mean), not yet emitted: read by the log-softmax backward it fuses into
     ``(exp(logp) - labels) * g``, which equals ``g' - exp(logp) * sum(g')``
     for ``g' = -labels * g`` because every row of the one-hot labels sums to
-    1 (docs/soundness.md, "Plans traced from PyTorch", 6)."""
+    1 (docs/soundness.md, "Plans traced from PyTorch", 2 and 7c)."""
     labels: int
     g: int
     mean: bool
