@@ -43,6 +43,16 @@ from backends.torch.lower_nn import Const, constant_value
 Handler = Callable[..., Any]
 
 
+class PatternOnly:
+    """A helper value only the next op of its pattern may read: any other
+    reader (materializing it) stops the run with one line."""
+
+    def emit_into(self, lw: Any) -> int:
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel mask, shifted ids or masked "
+                            f"value ({type(self).__name__}) is read outside the patterns "
+                            f"lowered (backends/torch/lower_vocab_parallel.py)")
+
+
 @dataclass(frozen=True)
 class RowMax:
     """``amax(x, dim, keepdim=True)`` of a local tensor, not yet emitted: a
@@ -58,14 +68,14 @@ class RowMax:
 
 
 @dataclass(frozen=True)
-class AllLabels:
+class AllLabels(PatternOnly):
     """``labels != ignore_index`` with the index outside the vocabulary: true
     for every label (the backend draws them in ``[0, vocab)``)."""
     ids: _Ids
 
 
 @dataclass(frozen=True)
-class InRange:
+class InRange(PatternOnly):
     """``(ids >= lo) & (ids < hi)``: torchtitan's embedding range mask."""
     ids: _Ids
     lo: int
@@ -73,25 +83,25 @@ class InRange:
 
 
 @dataclass(frozen=True)
-class Unsqueezed:
+class Unsqueezed(PatternOnly):
     """A mask or shifted ids with a trailing dim of 1 added."""
     of: Any
 
 
 @dataclass(frozen=True)
-class AsFloat:
+class AsFloat(PatternOnly):
     """A boolean mask converted to numbers (1 where it holds)."""
     mask: Any
 
 
 @dataclass(frozen=True)
-class LabelUpdate:
+class LabelUpdate(PatternOnly):
     """``mask.float() - 1``: -1 for the labels inside the rows, 0 outside."""
     mask: _VocabMask
 
 
 @dataclass(frozen=True)
-class Clamped:
+class Clamped(PatternOnly):
     """``(ids - lo).clamp(0, rows - 1)``: torchtitan's local row of each id,
     clamped into the table (the rows outside are zeroed by its mask)."""
     ids: _Ids
@@ -100,7 +110,7 @@ class Clamped:
 
 
 @dataclass(frozen=True)
-class ClampedLookup:
+class ClampedLookup(PatternOnly):
     """The local table's rows picked by clamped ids, ``value`` being the
     one-hot columns ``[lo, lo + rows)`` times the table: equal to the lookup
     only after the output is multiplied by its range mask."""
@@ -111,7 +121,7 @@ class ClampedLookup:
 
 
 @dataclass(frozen=True)
-class MaskedGrad:
+class MaskedGrad(PatternOnly):
     """A gradient multiplied by the range mask of a clamped lookup (the
     backward of that multiplication), read only by the lookup's backward."""
     g: int
@@ -119,7 +129,7 @@ class MaskedGrad:
 
 
 @dataclass(frozen=True)
-class MaskedPick:
+class MaskedPick(PatternOnly):
     """The target logits picked by a loss-parallel ``gather``, ``value``
     being the row sum of the log-probabilities times the one-hot columns
     ``[lo, hi)``: equal to the gather only once the picks outside the rows
@@ -129,7 +139,7 @@ class MaskedPick:
 
 
 @dataclass(frozen=True)
-class Zeros:
+class Zeros(PatternOnly):
     """``zeros_like`` of a value that is not a parameter."""
     shape: tuple[int, ...]
 
@@ -144,11 +154,6 @@ class Spread:
         return lw.emit("expand", [self.x], [list(self.shape)], {"shape": list(self.shape)})[0]
 
 
-#: the pending objects of this module that no op outside its patterns may read
-PATTERN_ONLY = (AllLabels, InRange, Unsqueezed, AsFloat, LabelUpdate, Clamped, ClampedLookup,
-                MaskedGrad, MaskedPick, Zeros)
-
-
 def _env(lw: Any, a: Any) -> Any:
     if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
         return lw.env.get(a[1])
@@ -159,7 +164,7 @@ def _refuse_pending(lw: Any, args: Any, what: str) -> None:
     """Stop when an op outside the patterns reads a pending helper value."""
     items = args if isinstance(args, (list, tuple)) else [args]
     for a in items:
-        if isinstance(_env(lw, a), PATTERN_ONLY):
+        if isinstance(_env(lw, a), PatternOnly):
             raise LoweringError(f"{lw.name}: {what} reads a vocabulary-parallel mask or "
                                 f"shifted ids outside the patterns lowered "
                                 f"(backends/torch/lower_vocab_parallel.py)")
