@@ -8,13 +8,15 @@ builds torchtitan's Llama3 ``debugmodel`` (its configuration, its
 ``parallelize_llama`` (tensor and sequence parallelism with its
 vocabulary-parallel loss, FSDP2 over "dp") on torchtitan's own
 ``ParallelDims`` mesh, unpatched but for the CPU adaptations of
-``backends.torch.titan_shim`` (applied here, printed on stderr).
+``backends.torch.titan_shim`` (applied here, printed on stderr). With
+``--pp 2`` it runs torchtitan's ``pipeline_llm`` instead (its stage split,
+``parallelize_llama`` on each stage, 1F1B over two microbatches).
 
 The loss is torchtitan's: ``cross_entropy_loss`` (a sum over the rank's
 tokens) divided by the step's token count, as its trainer divides by
 ``global_valid_tokens``. ``--vocab`` must be the model's vocabulary (2048
-for the debugmodel); the other size flags are not used (the flavor fixes
-them). FSDP's mixed precision is float64 (the shim's adaptation 4), the
+for the debugmodel); ``--seqlen`` sets the sequence length; the other size
+flags are not used (the flavor fixes them). FSDP's mixed precision is float64 (the shim's adaptation 4), the
 precision every traced model runs in.
 """
 
