@@ -708,11 +708,30 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[li
     return groups
 
 
+def _gathered_dim(src: tuple[int, ...], dst: tuple[int, ...], n: int) -> int | None:
+    """The dim k along which an all-gather (along dim 0) of ``src`` pieces,
+    seen with shape ``dst``, is an all-gather along k: ``dst`` is ``src``
+    with dim k n times longer and every dim before k of size 1 (the ranks'
+    pieces then lie one after another along k; DTensor's gather of a
+    one-row batch along the sequence is such a view)."""
+    if len(src) != len(dst):
+        return None
+    grown = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(grown) != 1:
+        return None
+    k = grown[0]
+    return k if dst[k] == n * src[k] and all(a == 1 for a in src[:k]) else None
+
+
 def _view(lw: _Lowerer, args, kwargs, shapes, group):
     f = lw.env.get(args[0][1])
     dst = tuple(shapes[0])
     if isinstance(f, _Ids):
         return _Ids(f.source, f.index, f.parts, dst)
+    if isinstance(f, _Gathered):
+        k = _gathered_dim(lw.shapes[f.x], dst, len(f.group))
+        if k is not None:
+            return lw.emit("all_gather", [f.x], [dst], {"dim": k}, group=f.group)[0]
     if isinstance(f, (_Flat, _As)) and lw.shapes[f.x] == dst:
         return f.x
     if isinstance(f, _As):
