@@ -57,7 +57,7 @@ def measure(argv: str) -> dict:
     t0 = time.perf_counter()
     single = run({**spec, "parallel": False}, 0)
     t1 = time.perf_counter()
-    traces = trace_ranks({**spec, "parallel": True}, world_size)
+    traces = trace_ranks({**spec, "parallel": True}, world_size, single["imports"])
     t2 = time.perf_counter()
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
              "tp": args.tp, "pp": args.pp, "ep": 1, "nm": traces[0]["microbatches"],

@@ -148,7 +148,8 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
-    traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp)
+    traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp,
+                         single.get("imports", ()))
     world["nm"] = traces[0]["microbatches"]
     low_s = lower_trace(single, args.vocab)
     lows = [lower_trace(t, args.vocab) for t in traces]

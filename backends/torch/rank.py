@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from backends.torch.pipeline import Pipelined, PipelineStep
+from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, dims_axes, local_of
 
 
@@ -42,6 +43,7 @@ def in_float64(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(spec: dict, rank: int) -> dict:
+    before = set(sys.modules)
     world = spec["dp"] * spec["tp"] * spec["pp"]
     mesh = None
     if spec["parallel"]:
@@ -124,7 +126,7 @@ def run(spec: dict, rank: int) -> dict:
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
-        "values": values,
+        "values": values, "imports": imported_since(before),
     }
 
 

@@ -1,31 +1,36 @@
-"""Trace every rank of a mesh: one process per rank, forked from this one.
+"""Trace every rank of a mesh: one process per rank, all forked from one
+clean process that has imported what the step needs once.
 
 A rank joins a (fake) process group once per process (re-initializing
 ranks in one process fails when groups are resolved), so each rank runs in
-a process of its own. The process is forked from the caller, which has
-already imported torch, the model's and the recipe's modules and the
-libraries they use (the single-device step ran here first): a rank pays
-neither an interpreter start nor an import, only its own step. At most
-one rank per core runs at a time, each with one intra-op thread.
+a process of its own. What a rank costs is then its own step plus how its
+process starts: an interpreter and the imports of torch, the model's
+library (transformers: about 1.7 s of CPU, torchtitan about 5 s) and the
+recipe's would cost more than the step of a small model.
 
-Forking a process in which other threads run is unsafe (a lock another
-thread holds stays held in the child), so when other threads are alive
-(a test runner's worker, for one) the ranks are started from a fork
-server instead: a clean process with torch's parallel APIs imported once,
-in which each rank imports what else it needs.
+So the ranks of one trace are forked from a *zygote*: a child of
+multiprocessing's fork server (a clean process that imported torch's
+parallel APIs once) that first imports the modules the caller names (the
+model's and recipe's modules and those the single-device step imported),
+then forks every rank, at most one per core at a time, each with one
+intra-op thread, and relays their traces. A rank's process thus holds
+exactly what a fresh process holds after those imports: nothing the caller
+ran (the single-device step, earlier traces, a test runner's threads) is
+inherited, so no cache filled there, and no lock held by another thread of
+the caller, reaches a rank.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
-import threading
+import pickle
+import sys
+import time
 from multiprocessing.connection import Connection, wait
 
-import torch
-
 from backends.torch.errors import LoweringError
-from backends.torch.rank import load, run_isolated
 
 #: modules the fork server imports once: torch's parallel APIs (pipelining
 #: alone imports torch._dynamo, 0.7 s of CPU) and the backend's recording
@@ -33,52 +38,83 @@ PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parall
            "torch.distributed.fsdp", "torch.distributed.pipelining", "backends.torch.rank"]
 
 
-def start_method() -> str:
-    """"fork" when this process runs no other thread, else "forkserver"."""
-    return "fork" if threading.active_count() == 1 else "forkserver"
+def trace_ranks(spec: dict, world: int, imports: list[str] | tuple[str, ...] = ()) -> list[dict]:
+    """Every rank's trace (``rank.run``), in rank order. ``imports``: modules
+    to import once before the ranks fork (a module that fails to import is
+    left to the ranks). A rank that fails stops the run with its error's
+    last line. Each trace also holds ``zygote_cpu``: the CPU seconds of the
+    process the ranks forked from (its imports, the forks)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    modules = [ref.partition(":")[0] for ref in (spec["model"], spec["recipe"])]
+    recv, send = ctx.Pipe(duplex=False)
+    zygote = ctx.Process(target=_zygote, args=(spec, world, [*imports, *modules], send))
+    zygote.start()
+    send.close()
+    results: dict[int, dict | str] = {}
+    try:
+        while len(results) < world:
+            rank, payload = recv.recv()
+            results[rank] = pickle.loads(payload) if isinstance(payload, bytes) else payload
+        _, zygote_cpu = recv.recv()
+    except EOFError:
+        zygote.join()
+        raise LoweringError(f"the ranks' parent process ended with exit code {zygote.exitcode} "
+                            f"before every rank was traced") from None
+    finally:
+        recv.close()
+        zygote.join()
+    for rank in range(world):
+        if isinstance(results[rank], str):
+            raise LoweringError(f"rank {rank} did not run: {results[rank]}")
+    return [{**results[rank], "zygote_cpu": zygote_cpu} for rank in range(world)]
 
 
-def trace_ranks(spec: dict, world: int, method: str | None = None) -> list[dict]:
-    """Every rank's trace (``rank.run``), in rank order. ``method``: how the
-    rank processes start, "fork" or "forkserver" (default: ``start_method``).
-    A rank that fails stops the run with its error's last line."""
-    method = method or start_method()
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        modules = [ref.partition(":")[0] for ref in (spec["model"], spec["recipe"])]
-        ctx.set_forkserver_preload([*PRELOAD, *modules])
-    else:
-        for ref in (spec["model"], spec["recipe"]):
-            load(ref)  # imported here once, inherited by every rank
+def imported_since(before: set[str]) -> list[str]:
+    """The modules imported since ``before`` (a snapshot of ``sys.modules``),
+    in import order, to name as ``trace_ranks``'s ``imports``."""
+    return [name for name in list(sys.modules) if name not in before and not name.startswith("__")]
+
+
+def _zygote(spec: dict, world: int, imports: list[str], out: Connection) -> None:
+    """Import ``imports``, fork every rank (at most one per core at a time),
+    send each ``(rank, pickled trace or error line)`` to ``out``."""
+    for name in imports:
+        try:
+            importlib.import_module(name)
+        except Exception:  # e.g. a module only importable as a side effect of another: the ranks import it
+            continue
+    ctx = multiprocessing.get_context("fork")  # this process runs one thread
     workers = min(world, os.cpu_count() or 2)
     pending = list(range(world))
     running: dict[Connection, tuple[int, multiprocessing.process.BaseProcess]] = {}
-    results: dict[int, dict | str] = {}
     while pending or running:
         while pending and len(running) < workers:
             rank = pending.pop(0)
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_process, args=(spec, rank, send), daemon=True)
+            proc = ctx.Process(target=_rank, args=(spec, rank, send), daemon=False)
             proc.start()
             send.close()
             running[recv] = (rank, proc)
         for conn in wait(list(running)):
             rank, proc = running.pop(conn)
             try:
-                results[rank] = conn.recv()
+                payload: bytes | str = conn.recv_bytes()
             except EOFError:
                 proc.join()
-                results[rank] = f"its process ended with exit code {proc.exitcode}"
+                payload = f"its process ended with exit code {proc.exitcode}"
             conn.close()
             proc.join()
-    for rank in range(world):
-        if isinstance(results[rank], str):
-            raise LoweringError(f"rank {rank} did not run: {results[rank]}")
-    return [results[rank] for rank in range(world)]
+            out.send((rank, payload))
+    out.send(("cpu", time.process_time()))
+    out.close()
 
 
-def _rank_process(spec: dict, rank: int, conn: Connection) -> None:
-    """The body of a rank's process: its trace (or its error) sent back."""
+def _rank(spec: dict, rank: int, out: Connection) -> None:
+    """A rank's process: its trace (or its error's last line), pickled."""
+    import torch
+
+    from backends.torch.rank import run_isolated
     torch.set_num_threads(1)  # one rank per core: the ranks' ops are small
-    conn.send(run_isolated(spec, rank))
-    conn.close()
+    out.send_bytes(pickle.dumps(run_isolated(spec, rank)))
+    out.close()
