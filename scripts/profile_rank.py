@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
              "vocab": args.vocab, "seqlen": args.seqlen}
     world = args.pp * args.dp * args.tp
-    torch.set_num_threads(1)  # as in a rank's process
+    torch.set_num_threads(1)  # as a rank runs (rank.one_thread)
     dist.init_process_group("fake", rank=opts.rank, world_size=world, store=FakeStore())
     mesh = init_device_mesh("cpu", (args.pp, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
     t = cpu()

@@ -15,6 +15,8 @@ import json
 import pickle
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,7 +44,30 @@ def in_float64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64) if t.is_floating_point() else t
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op parallelism off for the duration: the traced ops are
+    small, what they compute is unchanged (only the structure of the run is
+    recorded, at the dispatcher, above any kernel's threading), and idle
+    OpenMP workers spinning on a loaded machine cost several times the
+    step's own CPU (torchtitan's debugmodel on one device: 0.35 s of CPU with
+    one thread, 2 to 4 s with two under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(spec: dict, rank: int) -> dict:
+    """One rank's step (or, ``spec["parallel"]`` false, the single-device
+    step), recorded: plain data (see ``main``)."""
+    with one_thread():
+        return _run(spec, rank)
+
+
+def _run(spec: dict, rank: int) -> dict:
     before = set(sys.modules)
     world = spec["dp"] * spec["tp"] * spec["pp"]
     mesh = None

@@ -12,9 +12,10 @@ So the ranks of one trace are forked from a *zygote*: a child of
 multiprocessing's fork server (a clean process that imported torch's
 parallel APIs once) that first imports the modules the caller names (the
 model's and recipe's modules and those the single-device step imported),
-then forks every rank, at most one per core at a time, each with one
-intra-op thread, and relays their traces. A rank's process thus holds
-exactly what a fresh process holds after those imports: nothing the caller
+then forks every rank, at most one per core at a time (each runs with one
+intra-op thread, ``rank.one_thread``), and relays their traces. A rank's
+process thus holds exactly what a fresh process holds after those
+imports: nothing the caller
 ran (the single-device step, earlier traces, a test runner's threads) is
 inherited, so no cache filled there, and no lock held by another thread of
 the caller, reaches a rank.
@@ -112,9 +113,6 @@ def _zygote(spec: dict, world: int, imports: list[str], out: Connection) -> None
 
 def _rank(spec: dict, rank: int, out: Connection) -> None:
     """A rank's process: its trace (or its error's last line), pickled."""
-    import torch
-
     from backends.torch.rank import run_isolated
-    torch.set_num_threads(1)  # one rank per core: the ranks' ops are small
     out.send_bytes(pickle.dumps(run_isolated(spec, rank)))
     out.close()
