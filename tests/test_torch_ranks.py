@@ -38,7 +38,7 @@ def spec(model: str = "backends.torch.models:llama", recipe: str = "backends.tor
 
 
 #: what a trace holds that depends on how its process started, not on the step
-PROCESS_KEYS = ("cpu", "zygote_cpu", "imports")
+PROCESS_KEYS = ("cpu", "processes_cpu", "imports")
 
 
 def step_of(trace: dict) -> dict:

@@ -27,8 +27,8 @@ import importlib
 import multiprocessing
 import os
 import pickle
+import resource
 import sys
-import time
 from multiprocessing.connection import Connection, wait
 
 from backends.torch.errors import LoweringError
@@ -43,8 +43,8 @@ def trace_ranks(spec: dict, world: int, imports: list[str] | tuple[str, ...] = (
     """Every rank's trace (``rank.run``), in rank order. ``imports``: modules
     to import once before the ranks fork (a module that fails to import is
     left to the ranks). A rank that fails stops the run with its error's
-    last line. Each trace also holds ``zygote_cpu``: the CPU seconds of the
-    process the ranks forked from (its imports, the forks)."""
+    last line. Each trace also holds ``processes_cpu``: the CPU seconds of
+    every process of the trace (the zygote's imports, the ranks)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     modules = [ref.partition(":")[0] for ref in (spec["model"], spec["recipe"])]
@@ -57,7 +57,7 @@ def trace_ranks(spec: dict, world: int, imports: list[str] | tuple[str, ...] = (
         while len(results) < world:
             rank, payload = recv.recv()
             results[rank] = pickle.loads(payload) if isinstance(payload, bytes) else payload
-        _, zygote_cpu = recv.recv()
+        _, processes_cpu = recv.recv()
     except EOFError:
         zygote.join()
         raise LoweringError(f"the ranks' parent process ended with exit code {zygote.exitcode} "
@@ -68,7 +68,7 @@ def trace_ranks(spec: dict, world: int, imports: list[str] | tuple[str, ...] = (
     for rank in range(world):
         if isinstance(results[rank], str):
             raise LoweringError(f"rank {rank} did not run: {results[rank]}")
-    return [{**results[rank], "zygote_cpu": zygote_cpu} for rank in range(world)]
+    return [{**results[rank], "processes_cpu": processes_cpu} for rank in range(world)]
 
 
 def imported_since(before: set[str]) -> list[str]:
@@ -107,7 +107,8 @@ def _zygote(spec: dict, world: int, imports: list[str], out: Connection) -> None
             conn.close()
             proc.join()
             out.send((rank, payload))
-    out.send(("cpu", time.process_time()))
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    out.send(("cpu", sum(u.ru_utime + u.ru_stime for u in usage)))
     out.close()
 
 
