@@ -151,8 +151,15 @@ def _run(spec: dict, rank: int) -> dict:
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
-        "values": values, "imports": imported_since(before),
+        "values": values, "imports": imported_since(before) + modules_of(model),
     }
+
+
+def modules_of(model: torch.nn.Module) -> list[str]:
+    """The modules defining the classes of ``model``'s submodules (a
+    library's model code, such as transformers' ``modeling_llama``, and what
+    it imports), whether or not this process imported them just now."""
+    return list(dict.fromkeys(type(m).__module__ for m in model.modules()))
 
 
 #: the optimizers a step may end with: torch.optim's, their default CPU
