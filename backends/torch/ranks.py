@@ -11,14 +11,15 @@ recipe's would cost more than the step of a small model.
 So the ranks of one trace are forked from a *zygote*: a child of
 multiprocessing's fork server (a clean process that imported torch's
 parallel APIs once) that first imports the modules the caller names (the
-model's and recipe's modules and those the single-device step imported),
-then forks every rank, at most one per core at a time (each runs with one
-intra-op thread, ``rank.one_thread``), and relays their traces. A rank's
-process thus holds exactly what a fresh process holds after those
-imports: nothing the caller
-ran (the single-device step, earlier traces, a test runner's threads) is
-inherited, so no cache filled there, and no lock held by another thread of
-the caller, reaches a rank.
+model's and recipe's modules, those the single-device step imported and
+those defining the model's classes), then forks every rank, at most one
+per core at a time (each runs with one intra-op thread,
+``rank.one_thread``), imports what each finished rank imported before
+forking the next, and relays their traces. A rank's process thus holds
+exactly what a fresh process holds after some imports: nothing the
+caller ran (the single-device step, earlier traces, a test runner's
+threads) is inherited, so no cache filled there, and no lock held by
+another thread of the caller, reaches a rank.
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ def imported_since(before: set[str]) -> list[str]:
 
 def _zygote(spec: dict, world: int, imports: list[str], out: Connection) -> None:
     """Import ``imports``, fork every rank (at most one per core at a time),
-    send each ``(rank, pickled trace or error line)`` to ``out``."""
-    for name in imports:
-        try:
-            importlib.import_module(name)
-        except Exception:  # e.g. a module only importable as a side effect of another: the ranks import it
-            continue
+    send each ``(rank, pickled trace or error line)`` to ``out``. What a
+    finished rank imported during its step is imported here too before the
+    next ranks fork (a library the caller had imported before its
+    single-device step, which ``imports`` then misses, is imported by the
+    first ranks only)."""
+    _import(imports)
     ctx = multiprocessing.get_context("fork")  # this process runs one thread
     workers = min(world, os.cpu_count() or 2)
     pending = list(range(world))
@@ -102,7 +103,8 @@ def _zygote(spec: dict, world: int, imports: list[str], out: Connection) -> None
         for conn in wait(list(running)):
             rank, proc = running.pop(conn)
             try:
-                payload: bytes | str = conn.recv_bytes()
+                learned, payload = conn.recv()
+                _import(learned)
             except EOFError:
                 proc.join()
                 payload = f"its process ended with exit code {proc.exitcode}"
@@ -114,8 +116,20 @@ def _zygote(spec: dict, world: int, imports: list[str], out: Connection) -> None
     out.close()
 
 
+def _import(names: list[str]) -> None:
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # e.g. a module only importable as a side effect of another: the ranks import it
+            continue
+
+
 def _rank(spec: dict, rank: int, out: Connection) -> None:
-    """A rank's process: its trace (or its error's last line), pickled."""
+    """A rank's process: the modules its step imported and its trace (or its
+    error's last line), pickled."""
     from backends.torch.rank import run_isolated
-    out.send_bytes(pickle.dumps(run_isolated(spec, rank)))
+    trace = run_isolated(spec, rank)
+    out.send((trace["imports"] if isinstance(trace, dict) else [], pickle.dumps(trace)))
     out.close()
