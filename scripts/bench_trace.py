@@ -44,6 +44,8 @@ CASES: list[tuple[str, str]] = [
     ("hf llama 8 ranks", "--hf llama --dp 4 --tp 2 --batch 8"),
     ("titan debugmodel 4 ranks", f"{TITAN} --dp 2 --tp 2"),
     ("titan debugmodel 8 ranks", f"{TITAN} --dp 4 --tp 2 --batch 8"),
+    ("titan debugmodel tp2 pp2 4 ranks", f"{TITAN} --dp 1 --tp 2 --pp 2 --batch 4"),
+    ("titan debugmodel dp2 tp2 pp2 8 ranks", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8"),
 ]
 
 
@@ -63,7 +65,11 @@ def measure(argv: str) -> dict:
     t0 = time.perf_counter()
     single = run({**spec, "parallel": False}, 0)
     t1 = time.perf_counter()
-    traces = trace_ranks({**spec, "parallel": True}, world_size, single["imports"])
+    try:
+        traces = trace_ranks({**spec, "parallel": True}, world_size, single["imports"])
+    except LoweringError as e:
+        return {"ranks": world_size, "single": t1 - t0, "ranks_s": time.perf_counter() - t1,
+                "ranks_cpu": float("nan"), "build": 0.0, "verify": 0.0, "verdict": f"refused: {e}"}
     t2 = time.perf_counter()
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
              "tp": args.tp, "pp": args.pp, "ep": 1, "nm": traces[0]["microbatches"],
