@@ -3,8 +3,8 @@
     python -m backends.torch --recipe backends.torch.recipes:tp_sp --dp 2 --tp 2 -o DIR
 
 runs the step once on one device and once per rank of the (dp, tp) mesh
-under a fake process group (one process per rank, forked from this one), lowers what each ran
-onto the rule table and writes ``DIR/STEM_single.pkl`` and
+under a fake process group (one process per rank, ``backends.torch.ranks``),
+lowers what each ran onto the rule table and writes ``DIR/STEM_single.pkl`` and
 ``DIR/STEM_parallel.pkl`` (with their JSON world specs; ``--format npz``:
 columnar files, ``.npz``). Verify them with
 ``python main.py --sm ... --pm ...``. Exit 2 with one line on an op that is
