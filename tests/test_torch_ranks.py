@@ -66,6 +66,19 @@ def test_a_forked_rank_is_the_rank_a_fresh_interpreter_traces(tmp_path: Path) ->
     assert plan_forked.tensors == plan_mixed.tensors
 
 
+def test_an_import_that_starts_a_thread_still_traces_each_rank(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """Forking a process that runs another thread is unsafe: the zygote then
+    starts the ranks afresh instead, and they trace the same."""
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    threaded = trace_ranks(spec(), 2, imports=["starts_a_thread"])
+    plain = trace_ranks(spec(), 2)
+    assert [repr(step_of(t)) for t in threaded] == [repr(step_of(t)) for t in plain]
+
+
 @functools.lru_cache
 def cached_rank() -> int:
     """The rank, read once per process (a cache of the kind that would hold

@@ -19,7 +19,9 @@ forking the next, and relays their traces. A rank's process thus holds
 exactly what a fresh process holds after some imports: nothing the
 caller ran (the single-device step, earlier traces, a test runner's
 threads) is inherited, so no cache filled there, and no lock held by
-another thread of the caller, reaches a rank.
+another thread of the caller, reaches a rank. Should an import leave a
+thread running in the zygote, the ranks after it start afresh
+(``spawn``) instead of forking.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import pickle
 import resource
 import sys
+import threading
 from multiprocessing.connection import Connection, wait
 
 from backends.torch.errors import LoweringError
@@ -88,13 +91,15 @@ def _zygote(spec: dict, world: int, imports: list[str], out: Connection) -> None
     single-device step, which ``imports`` then misses, is imported by the
     first ranks only)."""
     _import(imports)
-    ctx = multiprocessing.get_context("fork")  # this process runs one thread
     workers = min(world, os.cpu_count() or 2)
     pending = list(range(world))
     running: dict[Connection, tuple[int, multiprocessing.process.BaseProcess]] = {}
     while pending or running:
         while pending and len(running) < workers:
             rank = pending.pop(0)
+            # forking is safe while this process runs one thread; should an import
+            # have started another (one that could hold a lock), the rank starts afresh
+            ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_rank, args=(spec, rank, send), daemon=False)
             proc.start()
