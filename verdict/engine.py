@@ -26,7 +26,7 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
-from verdict.symmetry import Refusal, find_symmetry, foldable
+from verdict.symmetry import Refusal, Symmetry, find_symmetry, foldable
 
 
 @dataclass
@@ -142,6 +142,7 @@ def verify(single: Plan, parallel: Plan | Columns, *, prover: SolveFn, seed: int
     representatives (verdict/symmetry.py); any other is verified in full.
     ``Verdict.pair`` is the pair the stages index when it is not the one given
     (the given columns stay columns when no stage ran)."""
+    memo = {} if memo is None else memo  # shared by the cuts of replica classes
     options = dict(prover=prover, seed=seed, workers=workers, keep_going=keep_going, memo=memo,
                    progress=progress, executor=executor)
     verdict, pair = _verify(single, parallel, options)
@@ -190,19 +191,44 @@ def _verify(single: Plan, parallel: Plan | Columns, options: dict
             return verdict, (single, full)
         verdict.symmetry = found.describe()
         verdict.fold = ""  # nothing assumed: every block was checked
-        verdict.blocks = (found.blocks, found.folded.world["dp"] * found.folded.world["nm"], 0)
+        verdict.blocks = (found.blocks, found.proved(), 0)
         verdict.ranks = found.ranks()
+        if verdict.success:
+            verdict, pair = _verify_classes(verdict, pair, found, options)
     verdict.times["t_symmetry"] = t_symmetry
     verdict.times["t_graph"] = verdict.times.get("t_graph", 0.0) + t_symmetry
     verdict.times["t_total"] = verdict.times.get("t_total", 0.0) + t_symmetry
     return verdict, pair
 
 
+def _verify_classes(base: Verdict, pair: tuple[Plan, Plan], found: Symmetry, options: dict
+                    ) -> tuple[Verdict, tuple[Plan, Plan]]:
+    """After the base class proved, each other class of replicas by its
+    mixed cut (docs/soundness.md, "When the blocks differ: replica
+    classes"), the base's proofs shared through the memo; the first FAIL
+    is the verdict, naming the class."""
+    for cut in found.classes:
+        verdict = verify_pair(cut.single, cut.folded, uniform=False, **options)
+        for k, v in verdict.times.items():
+            base.times[k] = base.times.get(k, 0.0) + v
+        if not verdict.success:
+            verdict.times = base.times
+            verdict.symmetry = f"{found.describe()}; FAILED: {cut.describe()}"
+            verdict.blocks = base.blocks
+            verdict.ranks = cut.ranks()
+            return verdict, (cut.single, cut.folded)
+        base.memo_hits += verdict.memo_hits
+    return base, pair
+
+
 def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0, workers: int = 1,
                 keep_going: bool = False, memo: dict[str, Outcome] | None = None,
-                progress: bool = False, executor: Executor | None = None) -> Verdict:
+                progress: bool = False, executor: Executor | None = None,
+                uniform: bool = True) -> Verdict:
     """The pipeline on one pair as given (a folded plan: ``single`` already
-    restricted to its rows)."""
+    restricted to its rows). ``uniform=False`` skips the folded uniformity
+    check: a mixed cut of two replica classes, whose uniformity was checked
+    on the whole plan (verdict/symmetry.py)."""
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers, None, prover)
     times: dict[str, float] = {}
@@ -211,7 +237,7 @@ def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0,
         check_structure(single, "the single-device plan")
         check_structure(parallel, "the parallel plan")
         check_layout(parallel)
-        if parallel.is_folded():
+        if parallel.is_folded() and uniform:
             check_uniform(single, parallel)  # single: restricted (verdict/fold.py fold_pair)
         times["t_graph"] = time.perf_counter() - t0
         t1 = time.perf_counter()

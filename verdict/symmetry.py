@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verdict.blocks import BlockCheck, _spans
+from verdict.classes import replica_classes
 from verdict.columns import Columns
 from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
@@ -32,24 +33,66 @@ PlanLike = Plan | Columns
 
 
 @dataclass(frozen=True)
+class ClassCut:
+    """A class of replicas other than the base class, and its mixed cut:
+    one base replica and the class's representative as a folded plan
+    (docs/soundness.md, "When the blocks differ: replica classes")."""
+
+    single: Plan
+    folded: Plan
+    rank_of: dict[int, int]
+    replicas: tuple[int, ...]  # the class's replicas
+    why: str  # where its representative differs from the class it was compared with
+
+    def describe(self) -> str:
+        return (f"replica{'s' if len(self.replicas) > 1 else ''} {_short_list(self.replicas)} "
+                f"run{'' if len(self.replicas) > 1 else 's'} another program ({self.why})")
+
+    def ranks(self) -> str:
+        return _ranks(self.rank_of)
+
+
+@dataclass(frozen=True)
 class Symmetry:
     """The representatives of a materialized plan, as a folded plan, and the
-    single-device plan restricted to their rows."""
+    single-device plan restricted to their rows; with the other classes of
+    replicas, one mixed cut each (``classes``)."""
 
     single: Plan
     folded: Plan
     blocks: int  # blocks (replica x microbatch) checked against the representatives
     rank_of: dict[int, int]  # rank of ``folded`` -> rank of the plan
+    base: tuple[int, ...] = (0, 1)  # the replicas of ``folded``
+    classes: tuple[ClassCut, ...] = ()
 
     def describe(self) -> str:
         w = self.folded.world
-        return (f"{w['fold_dp']} x {w['fold_nm']} blocks (replica x microbatch) checked against "
-                f"the representatives, replicas 0-{w['dp'] - 1} and microbatches "
+        shown = "-".join(str(d) for d in self.base) if len(self.base) > 1 else str(self.base[0])
+        text = (f"{w['fold_dp']} x {w['fold_nm']} blocks (replica x microbatch) checked against "
+                f"the representatives, replicas {shown} and microbatches "
                 f"0-{w['nm'] - 1}, which were proved (docs/soundness.md)")
+        if self.classes:
+            text += (f"; {1 + len(self.classes)} classes of replicas, each proved by its own cut: "
+                     + "; ".join(c.describe() for c in self.classes))
+        return text
 
     def ranks(self) -> str:
         """Where the representatives' ranks are in the plan (for a FAIL)."""
-        return ", ".join(f"{f}->{p}" for f, p in sorted(self.rank_of.items()) if f != p)
+        return _ranks(self.rank_of)
+
+    def proved(self) -> int:
+        """Blocks proved: the base cut's and each class cut's shown blocks."""
+        w = self.folded.world
+        return w["dp"] * w["nm"] * (1 + len(self.classes))
+
+
+def _ranks(rank_of: dict[int, int]) -> str:
+    return ", ".join(f"{f}->{p}" for f, p in sorted(rank_of.items()) if f != p)
+
+
+def _short_list(xs: tuple[int, ...]) -> str:
+    return ", ".join(map(str, xs)) if len(xs) <= 6 else \
+        f"{', '.join(map(str, xs[:6]))}, ... ({len(xs)})"
 
 
 @dataclass(frozen=True)
@@ -109,19 +152,32 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
         if free >= 0:
             return Refusal(f"tensor {free} is read or written by no node (only the tensors of "
                            f"compared nodes are compared)")
-        check.run()
+        classes = replica_classes(check)
     except FoldError as e:
         return Refusal(str(e))
     except StructureError as e:
         return Refusal(str(e), difference=True)
+    base = classes.base()
+    members = classes.members(base)
+    if dp > 1 and len(members) < 2:
+        return Refusal(f"no two replicas run one program ({classes.why[max(classes.why)]})",
+                       difference=True)
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
+    base_replicas = tuple(members[:SHOWN])
     try:
-        folded, rank_of = _Cut(parallel, check, shown).plan()
+        folded, rank_of = _Cut(parallel, check, shown, base_replicas).plan()
         restricted = restrict(single, shown)
+        cuts = []
+        for r in classes.representatives():
+            if r == base:
+                continue
+            mixed, mixed_ranks = _Cut(parallel, check, shown, (members[0], r)).plan()
+            why = classes.why.get(r) or classes.why.get(base, "")
+            cuts.append(ClassCut(restricted, mixed, mixed_ranks, tuple(classes.members(r)), why))
     except FoldError as e:
         return Refusal(str(e))
-    return Symmetry(restricted, folded, dp * nm, rank_of)
+    return Symmetry(restricted, folded, dp * nm, rank_of, base_replicas, tuple(cuts))
 
 
 def layout_view(cols: Columns) -> Plan:
@@ -194,14 +250,19 @@ class _Cut:
     batch rows and block parts moved to the shown blocks. Only these nodes
     become Node objects (``Columns.to_plan``)."""
 
-    def __init__(self, parallel: PlanLike, check: BlockCheck, fold: Fold):
+    def __init__(self, parallel: PlanLike, check: BlockCheck, fold: Fold,
+                 replicas: tuple[int, ...] | None = None):
         self.check, self.fold, self.source = check, fold, parallel
+        #: position among the shown replicas of each replica, -1 when not shown
+        self.pos = np.full(fold.real_dp, -1, dtype=np.int64)
+        self.pos[list(range(fold.dp) if replicas is None else sorted(replicas))] = \
+            np.arange(fold.dp)
         w = parallel.world
         self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
         self.batch = check.batch
         self.rows = check.rows
         cols = check.cols
-        nodes = np.flatnonzero((check.n_d < fold.dp) & (cols.n_mb < fold.nm))
+        nodes = np.flatnonzero((self.pos[check.n_d] >= 0) & (cols.n_mb < fold.nm))
         used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
@@ -220,8 +281,9 @@ class _Cut:
 
     # -- ranks and blocks ------------------------------------------------------
     def new_rank(self, rank: int) -> int | None:
-        (stage, c, t), d = self.check.mesh.split(rank)
-        if d >= self.fold.dp:
+        (stage, c, t), real = self.check.mesh.split(rank)
+        d = int(self.pos[real])
+        if d < 0:
             return None
         return ((stage * self.fold.dp + d) * self.cp + c) * self.tp + t
 
@@ -241,7 +303,7 @@ class _Cut:
         """Plan row of a shown block's start -> its row in the folded plan:
         the shown blocks in their order, b rows apart from 0."""
         shown = sorted(row for (d, m), row in self.starts.items()
-                       if d < self.fold.dp and m < self.fold.nm)
+                       if self.pos[d] >= 0 and m < self.fold.nm)
         return {row: k * self.rows for k, row in enumerate(shown)}
 
     def part_layout(self, n: int) -> tuple[str, ...] | None:
@@ -319,9 +381,9 @@ class _Cut:
         image = []
         for i in range(lo, hi):
             d, m, r = self.digits(order, n, i, real=True)
-            if d >= self.fold.dp or m >= self.fold.nm:
+            if self.pos[d] < 0 or m >= self.fold.nm:
                 raise FoldError(f"{self.p.logical[t.tid].name} claims parts of unshown blocks")
-            value = {"d": d, "m": m, "r": r}
+            value = {"d": int(self.pos[d]), "m": m, "r": r}
             code = 0
             for name in order:
                 code = code * size[name] + value[name]
@@ -358,7 +420,7 @@ class _Cut:
     def plan(self) -> tuple[Plan, dict[int, int]]:
         p, fold = self.p, self.fold
         ends, claims = self.chain_ends()
-        shown = self.d < fold.dp
+        shown = self.pos[self.d] >= 0
         nodes = []
         for i, node in enumerate(p.nodes):
             ins = [ends.get(t, t) for t in node.inputs]

@@ -1,0 +1,84 @@
+"""Replica classes of materialized plans (verdict/classes.py; docs/soundness.md
+"When the blocks differ: replica classes")."""
+
+from __future__ import annotations
+
+from gen_model.config import Parallelism
+from harness import mutations
+from harness.oracle import judge
+from main import verify
+from tests.helpers import MLP, plan_pair
+from verdict.plan import Plan
+from verdict.symmetry import Refusal, Symmetry, find_symmetry
+
+GBS = 32
+
+
+def rewritten(plan: Plan, replicas: set[int], op: str, kwargs: dict) -> Plan:
+    """Every ``div`` node (forward and backward, every microbatch) of the
+    ranks of ``replicas`` made ``op`` with ``kwargs``."""
+    inner = int(plan.world.get("tp", 1)) * int(plan.world.get("cp", 1))
+    dp = int(plan.world["dp"])
+    p = mutations.copy_plan(plan)
+    hits = 0
+    for i, n in enumerate(p.nodes):
+        if n.op == "div" and (n.rank // inner) % dp in replicas:
+            p.nodes[i] = n._replace(op=op, kwargs=dict(kwargs))
+            hits += 1
+    assert hits
+    return p
+
+
+def test_equal_program_on_one_replica_is_its_own_class():
+    single, plan = plan_pair(MLP, Parallelism(dp=4, tp=2, pp=2, nm=4), GBS)
+    equal = rewritten(plan, {2}, "mul_scalar", {"value": 1 / 32})
+    assert judge(single, equal).right
+    found = find_symmetry(single, equal)
+    assert isinstance(found, Symmetry) and len(found.classes) == 1
+    assert found.classes[0].replicas == (2,)
+    v = verify(single, equal)
+    assert v.success, v.message
+    assert "2 classes of replicas" in v.symmetry and "replica 2 runs another program" in v.symmetry
+    assert v.blocks == (16, 8, 0)
+
+
+def test_wrong_program_on_one_replica_fails_in_its_class():
+    single, plan = plan_pair(MLP, Parallelism(dp=4, tp=2, pp=2, nm=4), GBS)
+    wrong = rewritten(plan, {3}, "mul_scalar", {"value": 32.0})
+    assert not judge(single, wrong).right
+    v = verify(single, wrong)
+    assert not v.success and v.kind == "stage", v.message
+    assert "FAILED: replica 3 runs another program (replica 3, microbatch" in v.symmetry
+    assert "another operator" in v.symmetry and v.pair is not None
+
+
+def test_odd_replica_zero_is_the_class_proved_against_the_others():
+    """Replica 0 differs: the base class is the larger one, replicas 1-3."""
+    single, plan = plan_pair(MLP, Parallelism(dp=4, nm=2), GBS)
+    wrong = rewritten(plan, {0}, "div", {"value": 16.0})
+    assert not judge(single, wrong).right
+    found = find_symmetry(single, wrong)
+    assert isinstance(found, Symmetry) and found.base == (1, 2)
+    assert found.classes[0].replicas == (0,)
+    assert not verify(single, wrong).success
+
+
+def test_classes_that_cancel_each_other_fail():
+    """Two classes whose losses cancel in a cut of one replica of each
+    (1/24 + 1/48 = 2/32): the base class is proved alone first."""
+    single, plan = plan_pair(MLP, Parallelism(dp=4, nm=2), GBS)
+    half = rewritten(plan, {0, 1}, "div", {"value": 24.0})
+    wrong = rewritten(half, {2, 3}, "div", {"value": 48.0})
+    assert not judge(single, wrong).right
+    assert not verify(single, wrong).success
+
+
+def test_microbatches_of_one_replica_that_differ_are_verified_in_full():
+    single, plan = plan_pair(MLP, Parallelism(dp=4, nm=4), GBS)
+    p = mutations.copy_plan(plan)
+    i = next(i for i, n in enumerate(p.nodes) if n.op == "div" and n.mb == 2 and n.rank == 1)
+    p.nodes[i] = p.nodes[i]._replace(op="mul_scalar", kwargs={"value": 1 / 32})
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal) and found.difference and "no replica class" in found.why
+    v = verify(single, p)
+    assert v.success and "every node was verified" in v.symmetry
