@@ -48,7 +48,7 @@ def test_wrong_program_on_one_replica_fails_in_its_class():
     assert not judge(single, wrong).right
     v = verify(single, wrong)
     assert not v.success and v.kind == "stage", v.message
-    assert "FAILED: replica 3 runs another program (replica 3, microbatch" in v.symmetry
+    assert "FAILED in its own cut: replica 3 runs another program (replica 3, microbatch" in v.symmetry
     assert "another operator" in v.symmetry and v.pair is not None
 
 

@@ -213,7 +213,7 @@ def _verify_classes(base: Verdict, pair: tuple[Plan, Plan], found: Symmetry, opt
             base.times[k] = base.times.get(k, 0.0) + v
         if not verdict.success:
             verdict.times = base.times
-            verdict.symmetry = f"{found.describe()}; FAILED: {cut.describe()}"
+            verdict.symmetry = found.failed(cut)
             verdict.blocks = base.blocks
             verdict.ranks = cut.ranks()
             return verdict, (cut.single, cut.folded)

@@ -76,6 +76,12 @@ class Symmetry:
                      + "; ".join(c.describe() for c in self.classes))
         return text
 
+    def failed(self, cut: ClassCut) -> str:
+        """The report of a class whose cut FAILs."""
+        return (f"{self.blocks} blocks checked, in {1 + len(self.classes)} classes of replicas; "
+                f"the base class (replicas {_short_list(tuple(self.base))}, ...) proved; FAILED "
+                f"in its own cut: {cut.describe()}")
+
     def ranks(self) -> str:
         """Where the representatives' ranks are in the plan (for a FAIL)."""
         return _ranks(self.rank_of)
