@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
-from gen_model.config import Parallelism
+import random
+
+import pytest
+
+from gen_model.config import ModelConfig, Parallelism
+from gen_model.parallelize import Policy
 from harness import mutations
 from harness.oracle import judge
 from main import verify
@@ -82,3 +87,19 @@ def test_microbatches_of_one_replica_that_differ_are_verified_in_full():
     assert isinstance(found, Refusal) and found.difference and "no replica class" in found.why
     v = verify(single, p)
     assert v.success and "every node was verified" in v.symmetry
+
+
+@pytest.mark.parametrize("operator", ["replica_op", "microbatch_op", "change_constant_everywhere"])
+def test_wrong_balanced_context_plans_fail(operator):
+    """cp_balance plans are proved by symmetry (their partial sums number
+    the blocks with the chunk index split around the microbatch)."""
+    llama = ModelConfig("llama3", layers=1, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
+                        seqlen=8)
+    single, plan = plan_pair(llama, Parallelism(cp=2, dp=4, nm=4), GBS, Policy(cp_balance=True))
+    op = mutations.MATERIALIZED_MUTATIONS.get(operator) or mutations.MUTATIONS[operator]
+    for k in range(2):
+        made = op(plan, random.Random(f"balanced/{operator}/{k}"))
+        assert made is not None
+        if judge(single, made[0]).right:
+            continue
+        assert not verify(single, made[0]).success, made[1]

@@ -192,6 +192,7 @@ def test_chain_end_read_by_no_step_node():
 @pytest.mark.parametrize(("par", "policy"), [
     (Parallelism(cp=2, dp=4, nm=4), Policy()),
     (Parallelism(dp=4, tp=2, nm=4), Policy(sequence_parallel=True)),
+    (Parallelism(cp=2, dp=4, nm=4), Policy(cp_balance=True)),
 ], ids=str)
 def test_context_and_sequence_parallel_plans_are_folded(par, policy):
     """Partial sums over blocks numbered with the context or tensor index

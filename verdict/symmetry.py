@@ -30,6 +30,9 @@ from verdict.ops import get_op
 from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor
 
 PlanLike = Plan | Columns
+#: How an n-way partial sum numbers the blocks: digit names major first, and
+#: the size of digit b (see ``_Cut.part_layout``)
+Layout = tuple[tuple[str, ...], int]
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,7 @@ class _Cut:
                   else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.starts = self.block_starts()
-        self.layouts: dict[int, tuple[str, ...] | None] = {}
+        self.layouts: dict[int, Layout | None] = {}
         self.single_parts = self.own_parts()
 
     def local(self, t: int) -> int:
@@ -312,32 +315,39 @@ class _Cut:
                        if self.pos[d] >= 0 and m < self.fold.nm)
         return {row: k * self.rows for k, row in enumerate(shown)}
 
-    def part_layout(self, n: int) -> tuple[str, ...] | None:
+    def part_layout(self, n: int) -> Layout | None:
         """How an n-way partial sum over the K = dp x nm blocks numbers them:
-        the part index as digits (replica d, microbatch m, the rest r of
-        size n / K) in some order, major first; the first order under which
-        every single-part claim of a shown block's own tensors names its own
-        d and m. None when none fits (the cut is then refused)."""
+        the part index as digits (replica d, microbatch m, and the rest of
+        size R = n / K as two digits a and b, r = a (R / b') + b with b' a
+        divisor of R: a context-parallel index before the microbatch and a
+        balanced chunk after it) in some order, major first; the first
+        layout under which every single-part claim of a shown block's own
+        tensors names its own d and m. None when none fits (the cut is then
+        refused). Claims are what stages prove, so a layout chosen here can
+        cost a proof, never soundness."""
         if n not in self.layouts:
-            fits = [order for order in itertools.permutations("dmr")
-                    if all(self.digits(order, n, lo, real=True)[:2] == block
+            rest = n // (self.fold.real_dp * self.fold.real_nm)
+            fits = [(order, b) for b in range(1, rest + 1) if rest % b == 0
+                    for order in itertools.permutations("dmab")
+                    if all(self.digits((order, b), n, lo, real=True)[:2] == block
                            for block, lo in self.single_parts.get(n, ()))]
             self.layouts[n] = fits[0] if fits else None
         return self.layouts[n]
 
-    def digits(self, order: tuple[str, ...], n: int, i: int, real: bool) -> tuple[int, int, int]:
-        """(d, m, r) of part i of n under ``order``."""
-        size = self.radix(n, real)
+    def digits(self, layout: Layout, n: int, i: int, real: bool) -> tuple[int, ...]:
+        """(d, m, a, b) of part i of n under ``layout``."""
+        size = self.radix(layout, n, real)
         out = {}
-        for name in reversed(order):
+        for name in reversed(layout[0]):
             i, out[name] = divmod(i, size[name])
-        return out["d"], out["m"], out["r"]
+        return out["d"], out["m"], out["a"], out["b"]
 
-    def radix(self, n: int, real: bool) -> dict[str, int]:
-        k = self.fold.real_dp * self.fold.real_nm
+    def radix(self, layout: Layout, n: int, real: bool) -> dict[str, int]:
+        rest = n // (self.fold.real_dp * self.fold.real_nm)
+        b = layout[1]
         if real:
-            return {"d": self.fold.real_dp, "m": self.fold.real_nm, "r": n // k}
-        return {"d": self.fold.dp, "m": self.fold.nm, "r": n // k}
+            return {"d": self.fold.real_dp, "m": self.fold.real_nm, "a": rest // b, "b": b}
+        return {"d": self.fold.dp, "m": self.fold.nm, "a": rest // b, "b": b}
 
     def own_parts(self) -> dict[int, list[tuple[tuple[int, int], int]]]:
         """n -> (block, part) of every single-part claim of n parts (n a
@@ -379,25 +389,25 @@ class _Cut:
         k = self.fold.real_dp * self.fold.real_nm
         if n <= 1 or n % k:
             return t.parts
-        order = self.part_layout(n)
-        if order is None:
+        layout = self.part_layout(n)
+        if layout is None:
             raise FoldError(f"{self.p.logical[t.tid].name}'s parts ({n}-way) number the blocks "
                             f"in no way the cut can follow")
-        size = self.radix(n, real=False)
+        size = self.radix(layout, n, real=False)
         image = []
         for i in range(lo, hi):
-            d, m, r = self.digits(order, n, i, real=True)
+            d, m, a, b = self.digits(layout, n, i, real=True)
             if self.pos[d] < 0 or m >= self.fold.nm:
                 raise FoldError(f"{self.p.logical[t.tid].name} claims parts of unshown blocks")
-            value = {"d": int(self.pos[d]), "m": m, "r": r}
+            value = {"d": int(self.pos[d]), "m": m, "a": a, "b": b}
             code = 0
-            for name in order:
+            for name in layout[0]:
                 code = code * size[name] + value[name]
             image.append(code)
         if sorted(image) != list(range(min(image), min(image) + len(image))):
             raise FoldError(f"{self.p.logical[t.tid].name}'s parts are not contiguous among the "
                             f"shown blocks")
-        return (min(image), min(image) + len(image), size["d"] * size["m"] * size["r"])
+        return (min(image), min(image) + len(image), size["d"] * size["m"] * size["a"] * size["b"])
 
     # -- the folded plan ---------------------------------------------------------
     def chain_ends(self) -> tuple[dict[int, int], dict[int, Tensor]]:
