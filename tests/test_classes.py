@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.parallelize import Policy
 from harness import mutations

@@ -168,7 +168,7 @@ def test_cli_reports_checked_blocks(tmp_path, suffix):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "symmetry: 4 x 4 blocks" in run.stdout
-    assert "blocks='16 checked, 4 proved, 0 assumed'" in run.stdout
+    assert "blocks='16 checked in 1 class of replicas, 4 proved, 0 assumed'" in run.stdout
 
 
 def test_columns_with_a_wrong_replica_fail(tmp_path):

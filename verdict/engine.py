@@ -58,6 +58,8 @@ class Verdict:
     #: the blocks of the plan: (checked against the representatives, proved,
     #: assumed); (0, 0, 0) when every node was proved
     blocks: tuple[int, int, int] = (0, 0, 0)
+    #: a materialized plan proved by symmetry: its classes of replicas
+    classes: int = 0
     #: the pair the stages and lineages index (the representatives of a
     #: materialized plan), when it is not the pair given
     pair: tuple[Plan, Plan] | None = None
@@ -192,6 +194,7 @@ def _verify(single: Plan, parallel: Plan | Columns, options: dict
         verdict.symmetry = found.describe()
         verdict.fold = ""  # nothing assumed: every block was checked
         verdict.blocks = (found.blocks, found.proved(), 0)
+        verdict.classes = 1 + len(found.classes)
         verdict.ranks = found.ranks()
         if verdict.success:
             verdict, pair = _verify_classes(verdict, pair, found, options)
@@ -214,7 +217,7 @@ def _verify_classes(base: Verdict, pair: tuple[Plan, Plan], found: Symmetry, opt
         if not verdict.success:
             verdict.times = base.times
             verdict.symmetry = found.failed(cut)
-            verdict.blocks = base.blocks
+            verdict.blocks, verdict.classes = base.blocks, base.classes
             verdict.ranks = cut.ranks()
             return verdict, (cut.single, cut.folded)
         base.memo_hits += verdict.memo_hits
