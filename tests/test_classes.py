@@ -99,3 +99,20 @@ def test_wrong_replica_of_a_balanced_context_plan_fails():
     assert not judge(single, made[0]).right
     v = verify(single, made[0])
     assert not v.success and "FAILED in its own cut" in v.symmetry, made[1]
+
+
+def test_zero_replica_owning_another_shard_fails():
+    """ZeRO plans are verified in full (docs/soundness.md): one replica
+    owning replica j's shard (shard j twice, its own by nobody), with and
+    without keeping j's gradient chunk, FAILs."""
+    single, plan = plan_pair(MLP, Parallelism(dp=4, nm=2), GBS, Policy(zero=1))
+    assert isinstance(find_symmetry(single, plan), Refusal)
+    kinds = set()
+    for k in range(4):
+        made = mutations.owned_shard(plan, random.Random(f"owned/{k}"))
+        assert made is not None
+        kinds.add("keeps" in made[1])
+        assert not judge(single, made[0]).right, made[1]
+        v = verify(single, made[0])
+        assert not v.success, made[1]
+    assert kinds == {True, False}
