@@ -1,5 +1,5 @@
 """Replica classes of materialized plans (verdict/classes.py; docs/soundness.md
-"When the blocks differ: replica classes")."""
+"When the blocks differ: classes")."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def test_equal_program_on_one_replica_is_its_own_class():
     assert found.classes[0].replicas == (2,)
     v = verify(single, equal)
     assert v.success, v.message
-    assert "2 classes of replicas" in v.symmetry and "replica 2 runs another program" in v.symmetry
+    assert "2 classes of blocks" in v.symmetry
+    assert "replica 2 x microbatches 0, 1, 2, 3 run another program" in v.symmetry
     assert v.blocks == (16, 8, 0)
 
 
@@ -51,7 +52,8 @@ def test_wrong_program_on_one_replica_fails_in_its_class():
     assert not judge(single, wrong).right
     v = verify(single, wrong)
     assert not v.success and v.kind == "stage", v.message
-    assert "FAILED in its own cut: replica 3 runs another program (replica 3, microbatch" in v.symmetry
+    assert ("FAILED in its own cut: replica 3 x microbatches 0, 1, 2, 3 run another program "
+            "(replica 3, microbatch") in v.symmetry
     assert "another operator" in v.symmetry and v.pair is not None
 
 
@@ -76,15 +78,34 @@ def test_classes_that_cancel_each_other_fail():
     assert not verify(single, wrong).success
 
 
-def test_microbatches_of_one_replica_that_differ_are_verified_in_full():
+def test_equal_program_in_one_block_is_its_own_class():
+    """Microbatch 2 of replica 1 only: replica classes {0, 2, 3} and {1},
+    microbatch classes {0, 1, 3} and {2}; one cut per pair."""
     single, plan = plan_pair(MLP, Parallelism(dp=4, nm=4), GBS)
     p = mutations.copy_plan(plan)
     i = next(i for i, n in enumerate(p.nodes) if n.op == "div" and n.mb == 2 and n.rank == 1)
     p.nodes[i] = p.nodes[i]._replace(op="mul_scalar", kwargs={"value": 1 / 32})
+    assert judge(single, p).right
     found = find_symmetry(single, p)
-    assert isinstance(found, Refusal) and found.difference and "no replica class" in found.why
+    assert isinstance(found, Symmetry)
+    assert ((1,), (2,)) in [(c.replicas, c.microbatches) for c in found.classes]
     v = verify(single, p)
-    assert v.success and "every node was verified" in v.symmetry
+    assert v.success and v.classes == 4, v.message
+
+
+def test_every_replica_wrong_in_the_last_microbatch_fails_in_its_class():
+    single, plan = plan_pair(MLP, Parallelism(dp=4, nm=4), GBS)
+    wrong = mutations.copy_plan(plan)
+    for i, n in enumerate(wrong.nodes):
+        if n.op == "div" and n.mb == 3:
+            wrong.nodes[i] = n._replace(op="mul_scalar")
+    assert not judge(single, wrong).right
+    found = find_symmetry(single, wrong)
+    assert isinstance(found, Symmetry)
+    assert [(c.replicas, c.microbatches) for c in found.classes] == [((0, 1, 2, 3), (3,))]
+    v = verify(single, wrong)
+    assert not v.success and "FAILED in its own cut: replicas 0, 1, 2, 3 x microbatch 3" \
+        in v.symmetry
 
 
 def test_wrong_replica_of_a_balanced_context_plan_fails():

@@ -146,11 +146,14 @@ class BlockCheck:
         self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
         self.offset: dict[tuple, int] = {}
         self.chain_end: dict[tuple[int, int], int] = {}
+        self.chain_start: dict[tuple[int, int], int] = {}
         self.found: list[tuple[int, int | None, str]] = []  # (node, representative, why)
         self.cols = arrays(parallel)
         #: the representative replica of each replica's class (verdict/classes.py);
         #: None: replica 0 for all
         self.rep_of_d: np.ndarray | None = None
+        #: likewise the representative microbatch of each microbatch's class
+        self.rep_of_m: np.ndarray | None = None
         #: nodes that differ from their representative's (comparisons, not rules)
         self.differs = np.zeros(len(self.cols.n_rank), dtype=bool)
 
@@ -304,7 +307,9 @@ class BlockCheck:
         pos[order] = np.arange(nn) - np.repeat(starts, counts)
         self.check_present(ids)
         rep_d = 0 if self.rep_of_d is None else self.rep_of_d[n_d]
-        rep_block = (n_cls * dp + rep_d) * (nm + 1) + np.minimum(slot, 1)
+        rep_slot = np.minimum(slot, 1) if self.rep_of_m is None else \
+            np.where(slot > 0, self.rep_of_m[np.maximum(cols.n_mb, 0)] + 1, 0)
+        rep_block = (n_cls * dp + rep_d) * (nm + 1) + rep_slot
         where = np.searchsorted(ids, rep_block)
         where = np.minimum(where, len(ids) - 1)
         found = ids[where] == rep_block
@@ -475,6 +480,9 @@ class BlockCheck:
         last = np.concatenate((key[1:] != key[:-1], [True]))
         self.is_end = np.zeros(len(cols.t_rank), dtype=bool)
         self.is_end[out[last]] = True
+        #: (rank, gradient buffer) -> the zeros buffer its chain starts from
+        self.chain_start = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(b)
+                            for a, b, o in zip(acc[first], buf[first], out[first])}
         self.chain_end = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(o)
                           for a, o in zip(acc[last], out[last])}
 

@@ -58,7 +58,7 @@ class Verdict:
     #: the blocks of the plan: (checked against the representatives, proved,
     #: assumed); (0, 0, 0) when every node was proved
     blocks: tuple[int, int, int] = (0, 0, 0)
-    #: a materialized plan proved by symmetry: its classes of replicas
+    #: a materialized plan proved by symmetry: its classes of blocks (replicas x microbatches)
     classes: int = 0
     #: the pair the stages and lineages index (the representatives of a
     #: materialized plan), when it is not the pair given
@@ -144,7 +144,7 @@ def verify(single: Plan, parallel: Plan | Columns, *, prover: SolveFn, seed: int
     representatives (verdict/symmetry.py); any other is verified in full.
     ``Verdict.pair`` is the pair the stages index when it is not the one given
     (the given columns stay columns when no stage ran)."""
-    memo = {} if memo is None else memo  # shared by the cuts of replica classes
+    memo = {} if memo is None else memo  # shared by the cuts of classes of blocks
     options = dict(prover=prover, seed=seed, workers=workers, keep_going=keep_going, memo=memo,
                    progress=progress, executor=executor)
     verdict, pair = _verify(single, parallel, options)
@@ -206,9 +206,9 @@ def _verify(single: Plan, parallel: Plan | Columns, options: dict
 
 def _verify_classes(base: Verdict, pair: tuple[Plan, Plan], found: Symmetry, options: dict
                     ) -> tuple[Verdict, tuple[Plan, Plan]]:
-    """After the base class proved, each other class of replicas by its
-    mixed cut (docs/soundness.md, "When the blocks differ: replica
-    classes"), the base's proofs shared through the memo; the first FAIL
+    """After the base class proved, each other class of blocks by its
+    mixed cut (docs/soundness.md, "When the blocks differ: classes"), the
+    base's proofs shared through the memo; the first FAIL
     is the verdict, naming the class."""
     for cut in found.classes:
         verdict = verify_pair(cut.single, cut.folded, uniform=False, **options)
@@ -230,7 +230,7 @@ def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0,
                 uniform: bool = True) -> Verdict:
     """The pipeline on one pair as given (a folded plan: ``single`` already
     restricted to its rows). ``uniform=False`` skips the folded uniformity
-    check: a mixed cut of two replica classes, whose uniformity was checked
+    check: a mixed cut of classes of blocks, whose uniformity was checked
     on the whole plan (verdict/symmetry.py)."""
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers, None, prover)

@@ -75,7 +75,7 @@ def blocks_label(verdict: Verdict) -> str:
     checked, proved, assumed = verdict.blocks
     if not proved:
         return ""
-    classes = (f" in {verdict.classes} class{'es' if verdict.classes > 1 else ''} of replicas"
+    classes = (f" in {verdict.classes} class{'es' if verdict.classes > 1 else ''} of blocks"
                if verdict.classes else "")
     return f"{checked} checked{classes}, {proved} proved, {assumed} assumed"
 
