@@ -7,7 +7,9 @@ writes them all out, as array operations over the plan's columns
 not a Python function call:
 
 * every block program (class, d, m) equals the one of (class, 0, 0), and
-  every step program (class, d) the one of (class, 0), node by node: same
+  every step program (class, d) the one of (class, 0) (or those of the
+  representatives of d's and m's classes, verdict/classes.py), node by
+  node: same
   operator, direction and kwargs, and the same tensors up to renaming (the
   tensor's class, own microbatch or outside microbatches, logical id,
   version, local shape; an input's slices relative to its block's first
@@ -295,7 +297,8 @@ class BlockCheck:
     def representatives(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
         """For each node, the node at its position in its class's
         representative program ((class, 0, 0) for a block, (class, 0) for
-        a step program); -1 where that program is shorter. Raises when a
+        a step program; (class, rep(d), rep(m)) and (class, rep(d)) when
+        ``rep_of_d``/``rep_of_m`` are set); -1 where that program is shorter. Raises when a
         class lacks a block or a step program of some replica."""
         cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
         nn = len(cols.n_rank)
