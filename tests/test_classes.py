@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
+from backends.columnar import load_columns_file
+from backends.planfile import save_plan
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.parallelize import Policy
 from harness import mutations
@@ -15,6 +20,7 @@ from verdict.plan import Plan
 from verdict.symmetry import Refusal, Symmetry, find_symmetry
 
 GBS = 32
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rewritten(plan: Plan, replicas: set[int], op: str, kwargs: dict) -> Plan:
@@ -137,3 +143,17 @@ def test_zero_replica_owning_another_shard_fails():
         v = verify(single, made[0])
         assert not v.success, made[1]
     assert kinds == {True, False}
+
+
+def test_wrong_replica_script_fails_in_its_class(tmp_path):
+    """scripts/wrong_replica.py --op (the dp512 benchmark's changed-op
+    replica) on the columns of a small plan: FAIL in the replica's cut."""
+    single, plan = plan_pair(MLP, Parallelism(dp=4, nm=2), GBS)
+    source = save_plan(plan, tmp_path / "p.npz")[0]
+    target = tmp_path / "wrong.npz"
+    run = subprocess.run([sys.executable, "scripts/wrong_replica.py", str(source), str(target),
+                          "--replica", "2", "--op"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    v = verify(single, load_columns_file(target))
+    assert not v.success and "FAILED in its own cut: replica 2 x microbatches 0, 1" in v.symmetry
