@@ -186,18 +186,19 @@ def _verify(single: Plan, parallel: Plan | Columns, options: dict
     else:
         verdict = verify_pair(found.single, found.folded, **options)
         pair = (found.single, found.folded)
+        if verdict.success:
+            verdict, pair = _verify_classes(verdict, pair, found, options)
         if verdict.kind == "fold":  # cannot happen after the check; never a FAIL by itself
             full = parallel if isinstance(parallel, Plan) else parallel.to_plan()
             verdict = verify_pair(single, full, **options)
-            verdict.symmetry = "verified in full: the representatives were not uniform"
+            verdict.symmetry = "verified in full: a cut of the representatives was not uniform"
             return verdict, (single, full)
-        verdict.symmetry = found.describe()
+        if not verdict.symmetry:
+            verdict.symmetry = found.describe()
         verdict.fold = ""  # nothing assumed: every block was checked
         verdict.blocks = (found.blocks, found.proved(), 0)
         verdict.classes = 1 + len(found.classes)
-        verdict.ranks = found.ranks()
-        if verdict.success:
-            verdict, pair = _verify_classes(verdict, pair, found, options)
+        verdict.ranks = verdict.ranks or found.ranks()
     verdict.times["t_symmetry"] = t_symmetry
     verdict.times["t_graph"] = verdict.times.get("t_graph", 0.0) + t_symmetry
     verdict.times["t_total"] = verdict.times.get("t_total", 0.0) + t_symmetry
@@ -208,8 +209,9 @@ def _verify_classes(base: Verdict, pair: tuple[Plan, Plan], found: Symmetry, opt
                     ) -> tuple[Verdict, tuple[Plan, Plan]]:
     """After the base class proved, each other class of blocks by its
     mixed cut (docs/soundness.md, "When the blocks differ: classes"), the
-    base's proofs shared through the memo; the first FAIL
-    is the verdict, naming the class."""
+    base's proofs shared through the memo; the first FAIL is the verdict,
+    naming the class (a ``fold`` finding of a cut, which the block check
+    excludes, is left to the caller: never a FAIL by itself)."""
     for cut in found.classes:
         verdict = verify_pair(cut.single, cut.folded, uniform=False, **options)
         for k, v in verdict.times.items():
@@ -217,7 +219,6 @@ def _verify_classes(base: Verdict, pair: tuple[Plan, Plan], found: Symmetry, opt
         if not verdict.success:
             verdict.times = base.times
             verdict.symmetry = found.failed(cut)
-            verdict.blocks, verdict.classes = base.blocks, base.classes
             verdict.ranks = cut.ranks()
             return verdict, (cut.single, cut.folded)
         base.memo_hits += verdict.memo_hits
@@ -229,9 +230,10 @@ def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0,
                 progress: bool = False, executor: Executor | None = None,
                 uniform: bool = True) -> Verdict:
     """The pipeline on one pair as given (a folded plan: ``single`` already
-    restricted to its rows). ``uniform=False`` skips the folded uniformity
-    check: a mixed cut of classes of blocks, whose uniformity was checked
-    on the whole plan (verdict/symmetry.py)."""
+    restricted to its rows). ``uniform=False`` checks only the rules of the
+    folded uniformity check, not that its blocks run one program: a mixed
+    cut of classes of blocks, whose programs were compared on the whole
+    plan (verdict/symmetry.py)."""
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers, None, prover)
     times: dict[str, float] = {}
@@ -240,8 +242,9 @@ def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0,
         check_structure(single, "the single-device plan")
         check_structure(parallel, "the parallel plan")
         check_layout(parallel)
-        if parallel.is_folded() and uniform:
-            check_uniform(single, parallel)  # single: restricted (verdict/fold.py fold_pair)
+        if parallel.is_folded():
+            # single: restricted (verdict/fold.py fold_pair)
+            check_uniform(single, parallel, compare=uniform)
         times["t_graph"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         lineages, of_gs, of_gp = infer_lineages(single, parallel)
