@@ -4,13 +4,16 @@ A plan with every rank and microbatch written out runs, at dp 512, one
 program 512 times. :func:`find_symmetry` checks that it does (every block
 (replica, microbatch) against its class's representative, with the
 uniformity rules of verdict/fold.py applied to the whole plan, glue
-included) and cuts out the representatives, replicas 0-1 and microbatches
-0-1, as a folded plan that the folded pipeline proves. docs/soundness.md,
-"Materialized plans: the symmetry found and checked", holds the argument.
+included) and cuts out the representatives, two replicas and two
+microbatches of the base class, as a folded plan that the folded pipeline
+proves; blocks that run another program form classes of their own
+(verdict/classes.py), each cut beside base blocks (:class:`ClassCut`).
+docs/soundness.md, "Materialized plans: the symmetry found and checked",
+holds the argument.
 
-A plan that is not covered, or whose blocks differ, is verified in full:
-:func:`find_symmetry` says why (:class:`Refusal`), it never FAILs a plan
-by itself.
+A plan that is not covered, or that breaks a rule of the block check, is
+verified in full: :func:`find_symmetry` says why (:class:`Refusal`), it
+never FAILs a plan by itself.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verdict.blocks import BlockCheck, _spans
-from verdict.classes import block_classes
+from verdict.classes import Axis, block_classes
 from verdict.columns import Columns
 from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
@@ -185,22 +188,37 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     try:
         folded, rank_of = _Cut(parallel, check, shown, base_d, base_m).plan()
         restricted = restrict(single, shown)
-        cuts = []
-        for r in replicas.representatives():
-            for q in microbatches.representatives():
-                if (r, q) == (replicas.base(), microbatches.base()):
-                    continue
-                shown_d = base_d if r == replicas.base() else (base_d[0], r)
-                shown_m = base_m if q == microbatches.base() else (base_m[0], q)
-                mixed, mixed_ranks = _Cut(parallel, check, shown, shown_d, shown_m).plan()
-                why = "; ".join(w for w in (replicas.why.get(r), microbatches.why.get(q)) if w) \
-                    or replicas.why.get(replicas.base(), "") \
-                    or microbatches.why.get(microbatches.base(), "")
-                cuts.append(ClassCut(restricted, mixed, mixed_ranks, tuple(replicas.members(r)),
-                                     tuple(microbatches.members(q)), why))
+        cuts = [ClassCut(restricted, *_Cut(parallel, check, shown, d, m).plan(),
+                         tuple(replicas.members(r)), tuple(microbatches.members(q)),
+                         _difference(replicas, microbatches, r, q))
+                for r, q, d, m in _mixed_cuts(replicas, microbatches, base_d, base_m)]
     except FoldError as e:
         return Refusal(str(e))
     return Symmetry(restricted, folded, dp * nm, rank_of, base_d, base_m, tuple(cuts))
+
+
+def _mixed_cuts(replicas: Axis, microbatches: Axis, base_d: tuple[int, ...],
+                base_m: tuple[int, ...]) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """(replica class, microbatch class, shown replicas, shown microbatches)
+    of every class of blocks but the base one: a base replica beside the
+    class's, a base microbatch beside the class's, or the base's two where
+    the class is the base one on that axis (docs/soundness.md, step 3)."""
+    out = []
+    for r in replicas.representatives():
+        for q in microbatches.representatives():
+            if (r, q) == (replicas.base(), microbatches.base()):
+                continue
+            shown_d = base_d if r == replicas.base() else (base_d[0], r)
+            shown_m = base_m if q == microbatches.base() else (base_m[0], q)
+            out.append((r, q, shown_d, shown_m))
+    return out
+
+
+def _difference(replicas: Axis, microbatches: Axis, r: int, q: int) -> str:
+    """Where the class (r, q) first differed from the one it was compared with."""
+    found = [x for x in (replicas.why.get(r), microbatches.why.get(q)) if x]
+    return "; ".join(found) or replicas.why.get(replicas.base(), "") or \
+        microbatches.why.get(microbatches.base(), "")
 
 
 def layout_view(cols: Columns) -> Plan:
