@@ -96,6 +96,21 @@ class _VocabMask:
 
 
 @dataclass(frozen=True)
+class _MaskedLookup:
+    """A vocabulary-parallel lookup (its lowered value ``out``: the one-hot
+    slice times the local table, already zero outside the rows) before the
+    recorded run zeroes the rows of ids outside the shard. Until that
+    ``index_put_`` only it may read the lookup: the recorded tensor still
+    holds table row 0 there, which the lowered value does not."""
+    out: int
+    mask: _VocabMask
+
+    def emit_into(self, lw: Any) -> int:
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel lookup is read before the rows "
+                            f"of ids outside its shard are zeroed")
+
+
+@dataclass(frozen=True)
 class _Shifted:
     """``ids - lo``, then (``mask`` set) 0 where the mask holds: the local
     row of each id in the shard [lo, hi)."""
@@ -242,7 +257,6 @@ class _Lowerer:
     mb: int = -1
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
-    masked_rows: dict[int, _VocabMask] = field(default_factory=dict)  # zero where masked
     params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
     fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
@@ -833,8 +847,7 @@ def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
     part = lw.emit("split", [onehot], [shape], {"dim": len(shape) - 1, "parts": lw.vocab // rows,
                                                  "index": mask.lo // rows})[0]
     out = lw.emit("embedding", [part, w], shapes)[0]
-    lw.masked_rows[out] = mask
-    return out
+    return _MaskedLookup(out, mask)
 
 
 def _ids_value(lw: _Lowerer, ids: _Ids) -> int:
@@ -885,8 +898,8 @@ def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
         mask = masks[0]
         if isinstance(target, _Shifted) and target.ids == mask.ids and target.mask is None:
             return _Shifted(target.ids, target.lo, mask)
-        if isinstance(target, int) and lw.masked_rows.get(target) == mask:
-            return target
+        if isinstance(target, _MaskedLookup) and target.mask == mask:
+            return target.out
     raise LoweringError(f"{lw.name}: index_put_ other than the masking of a "
                         f"vocabulary-parallel lookup is not lowered")
 
