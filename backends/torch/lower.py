@@ -413,6 +413,8 @@ def _binary(tensor_op: str, scalar_op: str):
 def _scalar(op: str):
     def lower(lw: _Lowerer, args, kwargs, shapes, group):
         value = lw.const(args[1])
+        if value is None and op == "div":
+            return _quotient(lw, args, kwargs, shapes)
         if value is None:
             raise LoweringError(f"{lw.name}: {op} by a tensor is not lowered")
         buf = lw.env.get(args[0][1])
@@ -420,6 +422,16 @@ def _scalar(op: str):
             return _ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value)
         return lw.emit(op, [lw.val(args[0])], shapes, {"value": value})[0]
     return lower
+
+
+def _quotient(lw: _Lowerer, args, kwargs, shapes) -> int:
+    """a / b for a tensor b: a * pow(b, -1) (the reciprocal uninterpreted, as
+    every non-linear function); a rounding mode is refused."""
+    if kwargs.get("rounding_mode") is not None:
+        raise LoweringError(f"{lw.name}: division with rounding_mode is not lowered")
+    b = lw.val(args[1])
+    recip = lw.emit("pow", [b], [lw.shapes[b]], {"exponent": -1.0})[0]
+    return lw.emit("mul", [lw.val(args[0]), recip], shapes)[0]
 
 
 def _unary(op: str):
@@ -1271,6 +1283,7 @@ HANDLERS: dict[str, Any] = {
     "aten.nll_loss_backward.default": _nll_bw,
     "aten._softmax_backward_data.default": _softmax_bw,
     "aten.mean.dim": _reduce("mean"),
+    "aten.mean.default": _reduce("mean"),
     "aten.sum.dim_IntList": _reduce("sum"),
     "aten.sum.default": _reduce("sum"),
     "aten.mm.default": _matmul,

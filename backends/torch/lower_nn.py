@@ -115,58 +115,81 @@ def _causal_fill(mask: np.ndarray, shape: tuple[int, ...]) -> bool:
     return bool(np.array_equal(m, np.broadcast_to(pattern, shape)))
 
 
-def _additive_causal(mask: np.ndarray, shape: tuple[int, ...]) -> bool:
-    """A float mask added to scores: -inf exactly on the causal pattern, 0 elsewhere."""
+def _additive_mask(lw: Any, x: int, mask: np.ndarray, shape: tuple[int, ...]) -> int:
+    """``x + mask`` for a constant float mask: its finite entries added as a
+    constant, its -inf entries the causal mask (any other -inf pattern is
+    refused: -inf is no number a plan input can hold)."""
     m = np.asarray(mask, dtype=np.float64)
-    if not np.all((m == 0) | np.isneginf(m)):
-        return False
-    return _causal_fill(np.isneginf(m), shape)
+    if np.any(np.isnan(m) | np.isposinf(m)):
+        raise LoweringError(f"{lw.name}: an attention mask with nan or +inf entries is not lowered")
+    hidden = np.isneginf(m)
+    if hidden.any() and not _causal_fill(hidden, shape):
+        raise LoweringError(f"{lw.name}: an attention mask hiding other positions than the causal "
+                            f"pattern with -inf is not lowered (a finite fill, such as "
+                            f"torch.finfo(dtype).min, is)")
+    finite = np.where(hidden, 0.0, m)
+    if np.any(finite != 0):
+        x = lw.emit("add", [x, constant_input(lw, finite)], [shape])[0]
+    if hidden.any():
+        x = lw.emit("causal_mask", [x], [shape])[0]
+    return x
 
 
 def causal_add(lw: Any, args: Any, shapes: list) -> int | None:
-    """``scores + mask`` with a constant additive causal mask: the causal mask."""
+    """``scores + mask`` with a constant mask holding -inf: the causal mask
+    (and the mask's finite entries added as a constant)."""
     for mine, other in ((args[0], args[1]), (args[1], args[0])):
         value = constant_value(lw, mine)
-        if value is not None and value.size > 1 and _additive_causal(value, tuple(shapes[0])):
+        if value is not None and value.size > 1 and np.any(np.isneginf(value)):
             x = lw.val(other)
             if lw.shapes[x] != tuple(shapes[0]):
                 raise LoweringError(f"{lw.name}: a causal mask broadcasting its scores")
-            return lw.emit("causal_mask", [x], shapes)[0]
+            return _additive_mask(lw, x, value, tuple(shapes[0]))
     return None
 
 
-def _masked(lw: Any, x: Any, fill: float | None, shapes: list) -> int:
-    """``x`` with the causal positions set to ``fill``: -inf is the causal
-    mask, 0 its backward."""
-    if fill == NEG_INF:
+def _masked(lw: Any, x: Any, hidden: np.ndarray, fill: float | None, shapes: list) -> int:
+    """``x`` with the positions ``hidden`` (a constant boolean mask) set to
+    ``fill``: -inf on the causal pattern is the causal mask, 0 there its
+    backward; any finite fill of any constant mask is ``x * keep + fill *
+    hidden``, both constants."""
+    shape = tuple(shapes[0])
+    causal = _causal_fill(hidden, shape)
+    if fill == NEG_INF and causal:
         return lw.emit("causal_mask", [lw.val(x)], shapes)[0]
-    if fill == 0:
+    if fill == 0 and causal:
         return lw.emit("causal_mask", [-1, lw.val(x)], shapes, direction="bw")[0]
-    raise LoweringError(f"{lw.name}: masking with the value {fill} is not lowered (only -inf, "
-                        f"and 0 in the backward, are exact)")
+    if fill is None or not math.isfinite(fill):
+        raise LoweringError(f"{lw.name}: masking with the value {fill} at other positions than "
+                            f"the causal pattern is not lowered (only a finite fill, or -inf on "
+                            f"the causal pattern, is exact)")
+    hidden = np.asarray(hidden, dtype=bool)
+    out = lw.emit("mul", [lw.val(x), constant_input(lw, (~hidden).astype(np.float64))], shapes)[0]
+    if fill != 0:
+        out = lw.emit("add", [out, constant_input(lw, hidden * fill)], shapes)[0]
+    return out
 
 
 def masked_fill(lw: Any, args, kwargs, shapes, group):
     mask = constant_value(lw, args[1])
-    if mask is None or not _causal_fill(mask, tuple(shapes[0])):
-        raise LoweringError(f"{lw.name}: masked_fill with a mask other than the constant causal "
-                            f"pattern is not lowered")
-    return _masked(lw, args[0], lw.const(args[2]), shapes)
+    if mask is None:
+        raise LoweringError(f"{lw.name}: masked_fill with a mask that is not a constant is not "
+                            f"lowered")
+    return _masked(lw, args[0], np.asarray(mask, dtype=bool), lw.const(args[2]), shapes)
 
 
 def where(lw: Any, args, kwargs, shapes, group):
-    """``where(mask, x, fill)`` keeping the causal pattern's complement, or
-    ``where(mask, fill, x)`` filling it."""
+    """``where(mask, x, fill)`` or ``where(mask, fill, x)`` with a constant
+    mask and a constant fill: a masked fill."""
     cond = constant_value(lw, args[0])
-    shape = tuple(shapes[0])
     if cond is not None:
-        keep = ~np.asarray(cond, dtype=bool)
-        if _causal_fill(keep, shape) and lw.const(args[2]) is not None:
-            return _masked(lw, args[1], lw.const(args[2]), shapes)
-        if _causal_fill(cond, shape) and lw.const(args[1]) is not None:
-            return _masked(lw, args[2], lw.const(args[1]), shapes)
-    raise LoweringError(f"{lw.name}: where with a condition other than the constant causal "
-                        f"pattern and a constant fill is not lowered")
+        cond = np.asarray(cond, dtype=bool)
+        if lw.const(args[2]) is not None:
+            return _masked(lw, args[1], ~cond, lw.const(args[2]), shapes)
+        if lw.const(args[1]) is not None:
+            return _masked(lw, args[2], cond, lw.const(args[1]), shapes)
+    raise LoweringError(f"{lw.name}: where with a condition that is not a constant, or no "
+                        f"constant fill, is not lowered")
 
 
 # -- linear, norms, activations -------------------------------------------------
@@ -364,16 +387,19 @@ def sdpa(lw: Any, args, kwargs, shapes, group):
     scores_shape = (*qs[:3], ks[2])
     scores = lw.emit("matmul", [q, _transposed(lw, k)], [scores_shape])[0]
     scores = lw.emit("mul_scalar", [scores], [scores_shape], {"value": scale})[0]
-    if mask is not None:
-        value = constant_value(lw, mask)
-        if causal or value is None or not _additive_causal(value, scores_shape):
-            raise LoweringError(f"{lw.name}: an attention mask other than the constant causal "
-                                f"one is not lowered")
-        causal = True
     if causal and scores_shape[-1] != scores_shape[-2]:
         raise LoweringError(f"{lw.name}: causal attention of {scores_shape[-2]} queries over "
                             f"{scores_shape[-1]} keys is not lowered")
-    if causal:
+    if mask is not None:
+        value = constant_value(lw, mask)
+        if causal or value is None:
+            raise LoweringError(f"{lw.name}: an attention mask that is not a constant (or given "
+                                f"with is_causal) is not lowered")
+        if value.dtype == bool:
+            value = np.where(value, 0.0, NEG_INF)
+        scores = _additive_mask(lw, scores, value, scores_shape)
+        causal = bool(np.any(np.isneginf(value)))
+    elif causal:
         scores = lw.emit("causal_mask", [scores], [scores_shape])[0]
     probs = lw.emit("softmax", [scores], [scores_shape], {"dim": -1})[0]
     lw.fw_in[probs] = ("softmax", scores)
