@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from backends.torch.errors import LoweringError
 from backends.torch.lower_nn import (
     NN_HANDLERS,
@@ -482,43 +484,99 @@ def _log_softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
     return lw.emit("sub", [g, lw.emit("mul", [e, total], [shape])[0]], [shape])[0]
 
 
-def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any, ignore: Any) -> int:
-    """The one-hot labels. An ignore index outside ``[0, vocab)`` (the
-    default, -100) ignores none of the batch's labels; one inside it would
-    make the mean's divisor depend on the labels' values."""
+def _label_values(lw: _Lowerer, target: Any) -> np.ndarray:
+    """The recorded integer ids an op reads (the rank's rows of the batch,
+    its microbatch piece, seen with the op's shape)."""
+    piece = lw.env.get(target[1])
+    ids = lw.trace.get("batch_ids", {}).get(getattr(piece, "source", None))
+    if not isinstance(piece, _Ids) or ids is None:
+        raise LoweringError(f"{lw.name}: the values of the labels a loss reads are not recorded")
+    ids = np.split(np.asarray(ids), piece.parts, axis=0)[piece.index]
+    return ids.reshape(piece.shape) if piece.shape is not None else ids
+
+
+def _nll_target(lw: _Lowerer, weight: Any, reduction: int, target: Any,
+                ignore: Any) -> tuple[int, int]:
+    """The one-hot labels the loss reads and the count a mean divides by.
+
+    An ignore index outside ``[0, vocab)`` (the default, -100) ignores none
+    of the batch's labels. One inside it zeroes that column of the one-hot
+    labels (the rows of that label drop out, for every label matrix), and
+    the mean divides by the count of the other labels *in the recorded
+    batch*: a constant of the traced step (docs/soundness.md, "Plans traced
+    from PyTorch", 5)."""
     if weight is not None or reduction not in (1, 2):
         raise LoweringError(f"{lw.name}: nll_loss with class weights or no reduction is not lowered")
+    labels = _one_hot(lw, target)
+    count = math.prod(lw.shapes[labels][:-1])
     if ignore is not None and 0 <= int(ignore) < lw.vocab:
-        raise LoweringError(f"{lw.name}: cross-entropy with ignore_index {ignore} inside the "
-                            f"vocabulary is not lowered (labels are drawn from the whole "
-                            f"vocabulary)")
-    return _one_hot(lw, target)
+        keep = np.ones(lw.vocab)
+        keep[int(ignore)] = 0.0
+        labels = lw.emit("mul", [labels, constant_input(lw, keep)], [lw.shapes[labels]])[0]
+        count = int(np.sum(_label_values(lw, target) != int(ignore)))
+        if count == 0 and reduction == 1:
+            raise LoweringError(f"{lw.name}: a mean cross-entropy over no kept label (every label "
+                                f"is ignore_index {ignore})")
+    return labels, count
 
 
-def _nll(lw: _Lowerer, args, kwargs, shapes, group):
-    """-sum(logp * one-hot labels), divided by the label count for a mean.
-    The labels are the batch's (none equals the ignore index)."""
+def _class_last(lw: _Lowerer, x: int) -> int:
+    """``[N, C, d...]`` with the class dim moved last (nll_loss2d's layout to
+    the one-hot labels' ``[N, d..., C]``), by adjacent transposes."""
+    shape = list(lw.shapes[x])
+    for d in range(1, len(shape) - 1):
+        shape[d], shape[d + 1] = shape[d + 1], shape[d]
+        x = lw.emit("transpose", [x], [tuple(shape)], {"dim0": d, "dim1": d + 1})[0]
+    return x
+
+
+def _class_second(lw: _Lowerer, x: int) -> int:
+    """The inverse of ``_class_last``."""
+    shape = list(lw.shapes[x])
+    for d in range(len(shape) - 2, 0, -1):
+        shape[d], shape[d + 1] = shape[d + 1], shape[d]
+        x = lw.emit("transpose", [x], [tuple(shape)], {"dim0": d, "dim1": d + 1})[0]
+    return x
+
+
+def _nll(lw: _Lowerer, args, kwargs, shapes, group, classes_second: bool = False):
+    """-sum(logp * one-hot labels), divided by the label count for a mean;
+    ``classes_second``: nll_loss2d's ``[N, C, d...]`` log-probabilities."""
     logp, reduction = lw.val(args[0]), int(args[3])
-    labels = _nll_checks(lw, args[2], reduction, args[1], args[4] if len(args) > 4 else None)
+    if classes_second:
+        logp = _class_last(lw, logp)
+    labels, count = _nll_target(lw, args[2], reduction, args[1],
+                                args[4] if len(args) > 4 else None)
+    if lw.shapes[labels] != lw.shapes[logp]:
+        raise LoweringError(f"{lw.name}: nll_loss of {list(lw.shapes[logp])} log-probabilities "
+                            f"against labels {list(lw.shapes[labels][:-1])}")
     picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [lw.shapes[logp]])[0]], [()],
                      {"dim": None, "keepdim": False})[0]
     out = lw.emit("mul_scalar", [picked], [()], {"value": -1.0})[0]
-    count = math.prod(lw.shapes[labels][:-1])
     if reduction == 1:
         out = lw.emit("div", [out], [()], {"value": float(count)})[0]
     return [out, "count"]
 
 
-def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group):
+def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group, classes_second: bool = False):
     """-one-hot labels * g, divided by the label count for a mean."""
     g, reduction = lw.val(args[0]), int(args[4])
-    labels = _nll_checks(lw, args[3], reduction, args[2], args[5] if len(args) > 5 else None)
+    labels, count = _nll_target(lw, args[3], reduction, args[2],
+                                args[5] if len(args) > 5 else None)
     shape = lw.shapes[labels]
     out = lw.emit("mul_scalar", [lw.emit("mul", [labels, g], [shape])[0]], [shape],
                   {"value": -1.0})[0]
     if reduction == 1:
-        out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape[:-1]))})[0]
-    return out
+        out = lw.emit("div", [out], [shape], {"value": float(count)})[0]
+    return _class_second(lw, out) if classes_second else out
+
+
+def _nll2d(lw: _Lowerer, args, kwargs, shapes, group):
+    return _nll(lw, args, kwargs, shapes, group, classes_second=True)
+
+
+def _nll2d_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    return _nll_bw(lw, args, kwargs, shapes, group, classes_second=True)
 
 
 def _silu_bw(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1281,6 +1339,8 @@ HANDLERS: dict[str, Any] = {
     "aten._log_softmax_backward_data.default": _log_softmax_bw,
     "aten.nll_loss_forward.default": _nll,
     "aten.nll_loss_backward.default": _nll_bw,
+    "aten.nll_loss2d_forward.default": _nll2d,
+    "aten.nll_loss2d_backward.default": _nll2d_bw,
     "aten._softmax_backward_data.default": _softmax_bw,
     "aten.mean.dim": _reduce("mean"),
     "aten.mean.default": _reduce("mean"),

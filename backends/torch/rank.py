@@ -122,6 +122,7 @@ def run(spec: dict, rank: int) -> dict:
         "from_buffer": rec.from_buffer,
         "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
+        "batch_ids": {"tokens": tokens.numpy().copy(), "labels": labels.numpy().copy()},
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
         "values": values,
