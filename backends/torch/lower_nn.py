@@ -50,6 +50,7 @@ class SdpaSaved:
     masked: int
     probs: int
     causal: bool
+    groups: int = 1  # query heads per key-value head (grouped-query attention)
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,23 @@ def addmm(lw: Any, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: addmm with beta or alpha is not lowered")
     mm = lw.emit("matmul", [lw.val(args[1]), lw.val(args[2])], shapes)[0]
     return lw.emit("add", [mm, lw.val(args[0])], shapes)[0]
+
+
+def baddbmm(lw: Any, args, kwargs, shapes, group):
+    """input + alpha * (b1 @ b2) (``nn.MultiheadAttention``'s scores with its
+    mask as ``input``: a constant mask holding -inf is the causal mask)."""
+    beta = float(args[3] if len(args) > 3 else kwargs.get("beta", 1))
+    alpha = float(args[4] if len(args) > 4 else kwargs.get("alpha", 1))
+    if beta != 1:
+        raise LoweringError(f"{lw.name}: baddbmm with beta {beta} is not lowered")
+    shape = tuple(shapes[0])
+    out = lw.emit("matmul", [lw.val(args[1]), lw.val(args[2])], [shape])[0]
+    if alpha != 1:
+        out = lw.emit("mul_scalar", [out], [shape], {"value": alpha})[0]
+    mask = constant_value(lw, args[0])
+    if mask is not None and np.any(np.isneginf(mask)):
+        return _additive_mask(lw, out, mask, shape)
+    return lw.emit("add", [out, lw.val(args[0])], [shape])[0]
 
 
 def _norm_dims(lw: Any, x: int, normalized: Any) -> list[int]:
@@ -374,18 +392,40 @@ def _sdpa_options(lw: Any, args: Any, kwargs: dict, at: int) -> tuple[float, boo
     return dropout, causal, kwargs.get("attn_mask")
 
 
+def _repeat_heads(lw: Any, x: int, groups: int) -> int:
+    """``[B, H, S, D]`` with each head repeated ``groups`` times in place
+    (``repeat_interleave(groups, dim=1)``): unflatten, expand, flatten."""
+    b, h, s, d = lw.shapes[x]
+    wide = (b, h, groups, s, d)
+    x = lw.emit("expand", [lw.reshape(x, (b, h, 1, s, d))], [wide], {"shape": list(wide)})[0]
+    return lw.reshape(x, (b, h * groups, s, d))
+
+
+def _sum_heads(lw: Any, g: int, groups: int) -> int:
+    """The backward of ``_repeat_heads``: each group of heads summed."""
+    b, hq, s, d = lw.shapes[g]
+    g = lw.reshape(g, (b, hq // groups, groups, s, d))
+    return lw.emit("sum", [g], [(b, hq // groups, s, d)], {"dim": [2], "keepdim": False})[0]
+
+
 def sdpa(lw: Any, args, kwargs, shapes, group):
-    """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function)."""
+    """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function);
+    with fewer key-value heads than query heads (``enable_gqa``), each
+    key-value head serves ``groups`` consecutive query heads."""
     q, k, v = (lw.val(a) for a in args[:3])
     _, causal, mask = _sdpa_options(lw, args, kwargs, 3)
     qs, ks, vs = lw.shapes[q], lw.shapes[k], lw.shapes[v]
-    if len(qs) != 4 or ks[:2] != qs[:2] or vs[:3] != ks[:3]:
+    if len(qs) != 4 or len(ks) != 4 or ks[0] != qs[0] or vs[:3] != ks[:3] or qs[-1] != ks[-1] \
+            or not ks[1] or qs[1] % ks[1]:
         raise LoweringError(f"{lw.name}: attention of shapes {list(qs)}, {list(ks)}, {list(vs)} "
-                            f"(grouped heads, enable_gqa) is not lowered")
+                            f"is not lowered")
+    groups = qs[1] // ks[1]
+    keys, values = (k, v) if groups == 1 else (_repeat_heads(lw, k, groups),
+                                               _repeat_heads(lw, v, groups))
     scale = kwargs.get("scale")
     scale = 1.0 / math.sqrt(qs[-1]) if scale is None else float(scale)
     scores_shape = (*qs[:3], ks[2])
-    scores = lw.emit("matmul", [q, _transposed(lw, k)], [scores_shape])[0]
+    scores = lw.emit("matmul", [q, _transposed(lw, keys)], [scores_shape])[0]
     scores = lw.emit("mul_scalar", [scores], [scores_shape], {"value": scale})[0]
     if causal and scores_shape[-1] != scores_shape[-2]:
         raise LoweringError(f"{lw.name}: causal attention of {scores_shape[-2]} queries over "
@@ -403,8 +443,8 @@ def sdpa(lw: Any, args, kwargs, shapes, group):
         scores = lw.emit("causal_mask", [scores], [scores_shape])[0]
     probs = lw.emit("softmax", [scores], [scores_shape], {"dim": -1})[0]
     lw.fw_in[probs] = ("softmax", scores)
-    out = lw.emit("matmul", [probs, v], [shapes[0]])[0]
-    lw.sdpa[out] = SdpaSaved(q, k, v, scale, scores, probs, causal)
+    out = lw.emit("matmul", [probs, values], [shapes[0]])[0]
+    lw.sdpa[out] = SdpaSaved(q, keys, values, scale, scores, probs, causal, groups)
     return [out, "logsumexp"]
 
 
@@ -424,6 +464,8 @@ def sdpa_backward(lw: Any, args, kwargs, shapes, group):
     ds = lw.emit("mul_scalar", [ds], [shape], {"value": saved.scale})[0]
     dq = lw.emit("matmul", [ds, saved.k], [lw.shapes[saved.q]])[0]
     dk = lw.emit("matmul", [_transposed(lw, ds), saved.q], [lw.shapes[saved.k]])[0]
+    if saved.groups > 1:
+        dk, dv = _sum_heads(lw, dk, saved.groups), _sum_heads(lw, dv, saved.groups)
     return [dq, dk, dv]
 
 
@@ -556,6 +598,7 @@ def random_fill(lw: Any, args, kwargs, shapes, group):
 
 NN_HANDLERS: dict[str, Any] = {
     "aten.addmm.default": addmm,
+    "aten.baddbmm.default": baddbmm,
     "aten.native_layer_norm.default": layer_norm,
     "aten.native_layer_norm_backward.default": layer_norm_backward,
     "aten.gelu.default": activation("gelu", ("approximate",)),
