@@ -28,7 +28,9 @@ from backends.torch.lower_nn import (
     complex_mul,
     constant_input,
     constant_value,
+    masked_fill,
     one_hot_constant,
+    where,
     to_copy,
 )
 
@@ -248,6 +250,8 @@ class _Lowerer:
     params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
     fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
+    quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
+    norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -431,9 +435,11 @@ def _quotient(lw: _Lowerer, args, kwargs, shapes) -> int:
     every non-linear function); a rounding mode is refused."""
     if kwargs.get("rounding_mode") is not None:
         raise LoweringError(f"{lw.name}: division with rounding_mode is not lowered")
-    b = lw.val(args[1])
+    a, b = lw.val(args[0]), lw.val(args[1])
     recip = lw.emit("pow", [b], [lw.shapes[b]], {"exponent": -1.0})[0]
-    return lw.emit("mul", [lw.val(args[0]), recip], shapes)[0]
+    out = lw.emit("mul", [a, recip], shapes)[0]
+    lw.quotients[out] = (a, b)
+    return out
 
 
 def _unary(op: str):
@@ -849,10 +855,21 @@ def _ids_value(lw: _Lowerer, ids: _Ids) -> int:
     raise LoweringError(f"{lw.name}: ids no recorded op produced")
 
 
+@dataclass(frozen=True)
+class _Compare:
+    """``x op c`` for a computed tensor x and a number c (op gt, ge, lt, le):
+    kept pending until a ``where`` selects with it."""
+    x: int
+    op: str
+    c: float
+
+
 def _ids_test(op: str):
     def lower(lw: _Lowerer, args, kwargs, shapes, group):
         ids = lw.env.get(args[0][1])
         value = lw.const(args[1])
+        if not isinstance(ids, _Ids) and value is not None and op in ("lt", "ge", "gt", "le"):
+            return _Compare(lw.val(args[0]), op, value)
         if not isinstance(ids, _Ids) or value is None:
             raise LoweringError(f"{lw.name}: a comparison other than of the batch's ids with "
                                 f"a number is not lowered")
@@ -1097,7 +1114,8 @@ def _vector_norm(lw: _Lowerer, args, kwargs, shapes, group):
     _check_two_norm(lw, args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     if dim not in (None, []):
-        raise LoweringError(f"{lw.name}: a norm along dims {dim} is not lowered")
+        return _norm_along(lw, lw.val(args[0]), list(dim),
+                           bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False)), shapes)
     x = lw.env.get(args[0][1])
     if isinstance(x, _NormStack) and not x.squared:
         total = None
@@ -1108,6 +1126,86 @@ def _vector_norm(lw: _Lowerer, args, kwargs, shapes, group):
             total = norm.s if total is None else lw.emit("add", [total, norm.s], [()])[0]
         return _Norm(total)
     return _Norm(_square_sum(lw, lw.val(args[0])))
+
+
+def _norm_along(lw: _Lowerer, x: int, dims: list[int], keepdim: bool, shapes) -> int:
+    """``x.norm(dim=dims)``: pow(sum(x * x, dims), 0.5)."""
+    nd = len(lw.shapes[x])
+    dims = sorted(d % nd for d in dims)
+    sq = lw.emit("mul", [x, x], [lw.shapes[x]])[0]
+    s = lw.emit("sum", [sq], shapes, {"dim": dims, "keepdim": keepdim})[0]
+    out = lw.emit("pow", [s], shapes, {"exponent": 0.5})[0]
+    if keepdim:
+        lw.norms[out] = x
+    return out
+
+
+@dataclass(frozen=True)
+class _NormIsZero:
+    """``norm == 0`` for a 2-norm along dims (kept dims) of a tensor."""
+    norm: int
+
+
+def _eq_scalar(lw: _Lowerer, args, kwargs, shapes, group):
+    """``norm == 0`` (the norm's backward guards its division with it)."""
+    n = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
+    if isinstance(n, int) and n in lw.norms and lw.const(args[1]) == 0:
+        return _NormIsZero(n)
+    raise LoweringError(f"{lw.name}: a comparison other than a norm's with 0 is not lowered")
+
+
+def _masked_fill_pending(lw: _Lowerer, args, kwargs, shapes, group):
+    """A constant mask's fill (``lower_nn.masked_fill``), or the norm's
+    backward guard ``(x / n).masked_fill_(n == 0, 0)`` for ``n`` the 2-norm
+    of ``x`` along kept dims: the identity, since in real arithmetic ``n =
+    0`` only where every entry of ``x`` along the dims is 0, where ``x / n``
+    is then ``0 * pow(0, -1) = 0`` already (docs/soundness.md, "Plans
+    traced from PyTorch", 5)."""
+    mask = lw.env.get(args[1][1])
+    if not isinstance(mask, _NormIsZero):
+        return masked_fill(lw, args, kwargs, shapes, group)
+    q = lw.val(args[0])
+    if lw.quotients.get(q) != (lw.norms[mask.norm], mask.norm) or lw.const(args[2]) != 0:
+        raise LoweringError(f"{lw.name}: a fill where a norm is 0 of other than the norm's "
+                            f"input divided by it is not lowered")
+    return q
+
+
+def _selected(lw: _Lowerer, cmp: _Compare, t: int, where_true: bool, shape) -> int:
+    """``t`` where ``cmp`` holds (``where_true``) or where it does not, else
+    0. With step(y) = 1 for y > 0, else 0 (relu's derivative, the rule
+    table's ``relu`` backward is ``g * step(y)``): x > c is step(x - c),
+    x < c is step(c - x), x >= c and x <= c their complements."""
+    positive = cmp.op in ("gt", "le")  # gt: step(x - c); le: 1 - step(x - c)
+    sign = 1.0 if positive else -1.0
+    y = lw.emit("mul_scalar", [cmp.x], [lw.shapes[cmp.x]], {"value": sign})[0]
+    y = lw.emit("add_scalar", [y], [lw.shapes[cmp.x]], {"value": -sign * cmp.c})[0]
+    if lw.shapes[y] != tuple(shape) or lw.shapes[t] != tuple(shape):
+        raise LoweringError(f"{lw.name}: a where on a comparison that broadcasts is not lowered")
+    stepped = lw.emit("relu", [y, t], [shape], direction="bw")[0]
+    if where_true == (cmp.op in ("gt", "lt")):
+        return stepped
+    return lw.emit("sub", [t, stepped], [shape])[0]
+
+
+def _where_pending(lw: _Lowerer, args, kwargs, shapes, group):
+    """``where(x op c, t, 0)`` or ``where(x op c, 0, t)`` (clamp's backward),
+    else a constant mask's ``where`` (``lower_nn.where``)."""
+    cond = lw.env.get(args[0][1])
+    if not isinstance(cond, _Compare):
+        return where(lw, args, kwargs, shapes, group)
+    if lw.const(args[2]) == 0:
+        return _selected(lw, cond, lw.val(args[1]), True, shapes[0])
+    if lw.const(args[1]) == 0:
+        return _selected(lw, cond, lw.val(args[2]), False, shapes[0])
+    raise LoweringError(f"{lw.name}: where on a comparison without a zero branch is not lowered")
+
+
+def _clamp_min(lw: _Lowerer, args, kwargs, shapes, group):
+    bound = lw.const(args[1])
+    if bound is None:
+        raise LoweringError(f"{lw.name}: clamp_min by a tensor is not lowered")
+    return lw.emit("clamp", [lw.val(args[0])], shapes, {"min": bound, "max": None})[0]
 
 
 def _stack(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1339,6 +1437,11 @@ HANDLERS: dict[str, Any] = {
     "aten._log_softmax_backward_data.default": _log_softmax_bw,
     "aten.nll_loss_forward.default": _nll,
     "aten.nll_loss_backward.default": _nll_bw,
+    "aten.eq.Scalar": _eq_scalar,
+    "aten.gt.Scalar": _ids_test("gt"),
+    "aten.le.Scalar": _ids_test("le"),
+    "aten.clamp_min.default": _clamp_min,
+    "aten.masked_fill_.Scalar": _masked_fill_pending,
     "aten.nll_loss2d_forward.default": _nll2d,
     "aten.nll_loss2d_backward.default": _nll2d_bw,
     "aten._softmax_backward_data.default": _softmax_bw,
@@ -1390,6 +1493,7 @@ HANDLERS: dict[str, Any] = {
     "aten.add_.Tensor": _add_pending(_binary("add", "add_scalar")),
     "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
+    "aten.where.self": _where_pending,
 }
 
 
