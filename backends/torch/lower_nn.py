@@ -322,6 +322,38 @@ def gelu_backward(lw: Any, args, kwargs, shapes, group):
                    {"approximate": approximate}, direction="bw")[0]
 
 
+def _step_times(lw: Any, y: int, t: int) -> int:
+    """t * step(y), step(y) = 1 for y > 0, else 0: the relu rule's backward."""
+    return lw.emit("relu", [y, t], [lw.shapes[t]], direction="bw")[0]
+
+
+def _negated(lw: Any, x: int) -> int:
+    return lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": -1.0})[0]
+
+
+def _abs(lw: Any, x: int) -> int:
+    """|x| = relu(x) + relu(-x) (exact: x step(x) - x step(-x))."""
+    shape = [lw.shapes[x]]
+    pos = lw.emit("relu", [x], shape)[0]
+    return lw.emit("add", [pos, lw.emit("relu", [_negated(lw, x)], shape)[0]], shape)[0]
+
+
+def _sgn_times(lw: Any, x: int, t: int) -> int:
+    """t * sgn(x) = t step(x) - t step(-x) (0 at 0, as torch's sgn)."""
+    return lw.emit("sub", [_step_times(lw, x, t), _step_times(lw, _negated(lw, x), t)],
+                   [lw.shapes[t]])[0]
+
+
+def abs_(lw: Any, args, kwargs, shapes, group):
+    return _abs(lw, lw.val(args[0]))
+
+
+def sgn(lw: Any, args, kwargs, shapes, group):
+    x = lw.val(args[0])
+    ones = lw.emit("ones", [], [lw.shapes[x]], {"shape": list(lw.shapes[x])}, direction="none")[0]
+    return _sgn_times(lw, x, ones)
+
+
 def neg(lw: Any, args, kwargs, shapes, group):
     return lw.emit("mul_scalar", [lw.val(args[0])], shapes, {"value": -1.0})[0]
 
@@ -372,6 +404,67 @@ def mse_loss_backward(lw: Any, args, kwargs, shapes, group):
     if reduction == 1:
         out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape))})[0]
     return out
+
+
+def _robust_parts(lw: Any, args: Any, kwargs: dict, at: int, name: str) -> tuple[int, int, float]:
+    """(x - t, reduction, beta) of a smooth L1 or Huber loss or its backward."""
+    x, t = lw.val(args[at]), lw.val(args[at + 1])
+    if lw.shapes[t] != lw.shapes[x]:
+        raise LoweringError(f"{lw.name}: {name} of a target that broadcasts")
+    reduction = _reduction(lw, args, at + 2, kwargs)
+    beta = float(args[at + 3] if len(args) > at + 3 else kwargs.get(
+        "beta" if name == "smooth_l1_loss" else "delta", 1.0))
+    if beta <= 0:
+        raise LoweringError(f"{lw.name}: {name} with beta {beta} is not lowered (beta > 0)")
+    return lw.emit("sub", [x, t], [lw.shapes[x]])[0], reduction, beta
+
+
+def _near(lw: Any, d: int, beta: float) -> int:
+    """beta - |d|: positive exactly where the loss is quadratic."""
+    return lw.emit("add_scalar", [_negated(lw, _abs(lw, d))], [lw.shapes[d]], {"value": beta})[0]
+
+
+def robust_loss(name: str):
+    """Smooth L1 (beta) and Huber (delta) losses: elementwise
+    ``|d| - beta/2 + step(beta - |d|) (d^2 / (2 beta) - |d| + beta/2)``, Huber
+    that times delta, then reduced."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        d, reduction, beta = _robust_parts(lw, args, kwargs, 0, name)
+        shape = [lw.shapes[d]]
+        lin = lw.emit("add_scalar", [_abs(lw, d)], shape, {"value": -0.5 * beta})[0]
+        quad = lw.emit("mul_scalar", [lw.emit("mul", [d, d], shape)[0]], shape,
+                       {"value": 0.5 / beta})[0]
+        out = lw.emit("add", [lin, _step_times(lw, _near(lw, d, beta),
+                                               lw.emit("sub", [quad, lin], shape)[0])], shape)[0]
+        if name == "huber_loss":
+            out = lw.emit("mul_scalar", [out], shape, {"value": beta})[0]
+        if reduction == 0:
+            return out
+        return lw.emit("mean" if reduction == 1 else "sum", [out], shapes,
+                       {"dim": None, "keepdim": False})[0]
+    return lower
+
+
+def robust_loss_backward(name: str):
+    """``g * (sgn(d) + step(beta - |d|) (d / beta - sgn(d)))``, Huber's times
+    delta, divided by the element count for a mean."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        d, reduction, beta = _robust_parts(lw, args, kwargs, 1, name)
+        shape = lw.shapes[d]
+        g = lw.val(args[0])
+        if lw.shapes[g] != shape:
+            g = lw.emit("expand", [g], [shape], {"shape": list(shape)})[0]
+        sg = _sgn_times(lw, d, g)
+        lin = lw.emit("mul_scalar", [lw.emit("mul", [d, g], [shape])[0]], [shape],
+                      {"value": 1.0 / beta})[0]
+        out = lw.emit("add", [sg, _step_times(lw, _near(lw, d, beta),
+                                              lw.emit("sub", [lin, sg], [shape])[0])], [shape])[0]
+        if name == "huber_loss":
+            out = lw.emit("mul_scalar", [out], [shape], {"value": beta})[0]
+        if reduction == 1:
+            out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape))})[0]
+        return out
+    return lower
 
 
 # -- attention ------------------------------------------------------------------
@@ -610,10 +703,17 @@ NN_HANDLERS: dict[str, Any] = {
     "aten.relu.default": activation("relu"),
     "aten.threshold_backward.default": activation_backward_of_output("relu"),
     "aten.neg.default": neg,
+    "aten.abs.default": abs_,
+    "aten.sgn.default": sgn,
+    "aten.sign.default": sgn,
     "aten.rsub.Scalar": rsub,
     "aten.rsub.Tensor": rsub,
     "aten.mse_loss.default": mse_loss,
     "aten.mse_loss_backward.default": mse_loss_backward,
+    "aten.smooth_l1_loss.default": robust_loss("smooth_l1_loss"),
+    "aten.smooth_l1_loss_backward.default": robust_loss_backward("smooth_l1_loss"),
+    "aten.huber_loss.default": robust_loss("huber_loss"),
+    "aten.huber_loss_backward.default": robust_loss_backward("huber_loss"),
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": sdpa_backward,
     "aten.masked_fill.Scalar": masked_fill,
