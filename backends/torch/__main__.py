@@ -23,7 +23,7 @@ from pathlib import Path
 
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
-from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.lower import LoweringError, check_even_shards, lower_trace
 from backends.torch.rank import load, run, run_isolated
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
@@ -177,6 +177,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
     traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp)
     world["nm"] = traces[0]["microbatches"]
+    check_even_shards(traces)
     low_s = lower_trace(single, args.vocab)
     lows = [lower_trace(t, args.vocab) for t in traces]
     return build_plans(low_s, lows, world), single

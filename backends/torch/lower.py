@@ -34,7 +34,7 @@ from backends.torch.lower_nn import (
     to_copy,
 )
 
-__all__ = ["LNode", "Lowered", "LoweringError", "lower_trace"]
+__all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_trace"]
 
 
 @dataclass
@@ -1502,7 +1502,8 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw = _Lowerer(trace, vocab)
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
-    for name, (v, _, dims) in trace["params"].items():
+    for name, (v, full, dims) in trace["params"].items():
+        _check_even_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
         lw.env[v] = v
         lw.shapes[v] = tuple(trace["shapes"][v])
         inputs[v] = ("param", name)
@@ -1536,6 +1537,30 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states)
+
+
+def check_even_shards(traces: list[dict]) -> None:
+    """``_check_even_shard`` for every parameter of every rank, before any
+    rank is lowered (the rank that shows the padding may not be the first)."""
+    for trace in traces:
+        for name, (v, full, dims) in trace["params"].items():
+            _check_even_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
+
+
+def _check_even_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
+                      dims: list[list[str]]) -> None:
+    """Refuse a parameter whose shard is uneven: a dim cut by mesh axes that
+    its size does not split evenly is padded (FSDP2 and DTensor give the
+    last ranks fewer rows, or none), and padded shards are not lowered. On
+    every uneven cut some rank holds no rows or a count that does not divide
+    the dim, so that rank's check stops the run."""
+    for d, axes in enumerate(dims):
+        if axes and (local[d] == 0 or full[d] % local[d]):
+            raise LoweringError(
+                f"parameter {name} of shape {list(full)} is sharded unevenly along dim {d} "
+                f"(this rank holds {local[d]} of its {full[d]} rows: the mesh axes {axes} do not "
+                f"divide it, so its shards are padded); padded shards are not lowered: choose "
+                f"sizes the shard group divides")
 
 
 def _updated(lw: _Lowerer, name: str, v: int | None) -> int:
