@@ -30,8 +30,8 @@ from backends.torch.lower_nn import (
     constant_value,
     masked_fill,
     one_hot_constant,
-    where,
     to_copy,
+    where,
 )
 
 __all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_trace"]
