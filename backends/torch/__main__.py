@@ -38,6 +38,9 @@ MODELS = {
     "llama_titan": "backends.torch.stock_models:llama_titan",
     "encoder": "backends.torch.stock_models:encoder",
     "encoder_prenorm": "backends.torch.stock_models:encoder_prenorm",
+    **{name: f"backends.torch.stock_models:{name}" for name in (
+        "gpt2_split", "gqa", "gqa_finfo", "gqa_additive", "gqa_pad", "gqa_pad_mean", "mlp_l1",
+        "mlp_smooth_l1")},
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
