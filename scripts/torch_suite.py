@@ -134,6 +134,24 @@ CASES: list[tuple[str, str, int]] = [
     ("gpt2_mean bug fsdp mean summed", f"--model gpt2_mean --recipe {STOCK}fsdp --dp 2 --tp 1",
      1),
     ("gpt2 bug colwise fused qkv", f"--model gpt2 --recipe {SCALING}tp_fused_qkv_colwise", 1),
+    # layers as users write them (docs/torch-backend.md, "Models written by users")
+    ("gpt2_split tp_attention dp2 tp2", "--model gpt2_split --recipe tp_attention --layers 2", 0),
+    ("gpt2_split fsdp_tp_attention dp2 tp2", "--model gpt2_split --recipe fsdp_tp_attention", 0),
+    ("gqa tp_attention dp2 tp2", "--model gqa --recipe tp_attention", 0),
+    ("gqa_finfo fsdp_tp_attention dp2 tp2", "--model gqa_finfo --recipe fsdp_tp_attention", 0),
+    ("gqa_additive tp_attention dp2 tp2", "--model gqa_additive --recipe tp_attention", 0),
+    ("gqa_pad tp_attention dp2 tp2", "--model gqa_pad --recipe tp_attention", 0),
+    ("gqa tp_attention dp1 tp2", "--model gqa --recipe tp_attention --dp 1 --tp 2", 0),
+    ("mlp_l1 ddp_avg dp2", "--model mlp_l1 --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("mlp_smooth_l1 fsdp default divide dp2",
+     f"--model mlp_smooth_l1 --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
+    ("mlp_smooth_l1 tp_mlp avg dp2 tp2", f"--model mlp_smooth_l1 --recipe {SCALING}tp_mlp_avg", 0),
+    ("gqa_pad_mean bug avg of unequal token means",
+     "--model gqa_pad_mean --recipe ddp_avg --dp 2 --tp 1", 1),
+    ("mlp_l1 bug mean summed over dp", f"--model mlp_l1 --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    ("gqa bug tp without dp sum", "--model gqa --recipe tp_attention_no_dp_sum", 1),
+    ("mlp fsdp padded shards refused", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1 --vocab 15",
+     2),
 ]
 
 

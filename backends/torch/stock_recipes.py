@@ -96,6 +96,13 @@ def tp_attention(model, mesh):
     return all_reduce_dp
 
 
+def tp_attention_no_dp_sum(model, mesh):
+    """Bug: attention_tp_plan on "tp" and no gradient reduction over "dp"
+    (each replica keeps the gradient of its own rows)."""
+    attention_tp_plan(model, mesh["tp"])
+    return reduce_tp_partials
+
+
 def fsdp_tp_attention(model, mesh):
     """attention_tp_plan on "tp" and FSDP2 over "dp" (divide factor 1)."""
     attention_tp_plan(model, mesh["tp"])
