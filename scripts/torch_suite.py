@@ -150,6 +150,8 @@ CASES: list[tuple[str, str, int]] = [
      "--model gqa_pad_mean --recipe ddp_avg --dp 2 --tp 1", 1),
     ("mlp_l1 bug mean summed over dp", f"--model mlp_l1 --recipe {STOCK}ddp --dp 2 --tp 1", 1),
     ("gqa bug tp without dp sum", "--model gqa --recipe tp_attention_no_dp_sum", 1),
+    ("mlp_l1 ddp sum then divide dp2",
+     f"--model mlp_l1 --recipe {SCALING}ddp_sum_divide --dp 2 --tp 1", 0),
     ("mlp fsdp padded shards refused", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1 --vocab 15",
      2),
 ]
