@@ -152,6 +152,11 @@ CASES: list[tuple[str, str, int]] = [
     ("gqa bug tp without dp sum", "--model gqa --recipe tp_attention_no_dp_sum", 1),
     ("mlp_l1 ddp sum then divide dp2",
      f"--model mlp_l1 --recipe {SCALING}ddp_sum_divide --dp 2 --tp 1", 0),
+    ("gpt2_shifted ddp_avg dp2", "--model gpt2_shifted --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("gpt2_shifted fsdp_tp_mlp default divide dp2 tp2",
+     f"--model gpt2_shifted --recipe {SCALING}fsdp_tp_mlp_default", 0),
+    ("gpt2_shifted bug mean summed over dp", f"--model gpt2_shifted --recipe {STOCK}ddp --dp 2 --tp 1",
+     1),
     ("mlp fsdp padded shards refused", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1 --vocab 15",
      2),
 ]

@@ -3,7 +3,7 @@ torch backend: masks of any constant pattern with a finite fill, additive
 float masks, grouped-query SDPA, ``nn.MultiheadAttention`` with its
 weights, norms along a dim and division by a tensor, the cross-entropy on
 ``[B, C, S]`` logits and with an ``ignore_index`` that occurs in the labels,
-L1, smooth L1 and Huber losses.
+labels shifted (and padded) by the model, L1, smooth L1 and Huber losses.
 
 Each probe's lowering is run in float64 on the traced run's values and
 compared with PyTorch's loss and gradients (backends/torch/check.py), as in
@@ -102,6 +102,11 @@ LOSSES = {
     # the first label is ignored wherever it occurs: the mean counts the others
     "cross_entropy_ignore_index_in_labels": lambda m, h, y: F.cross_entropy(
         m.out(h).flatten(0, 1), y.flatten(), ignore_index=int(y[0, 0])),
+    # labels shifted by the model: sliced, or sliced and padded with the ignore index
+    "cross_entropy_shifted_labels": lambda m, h, y: F.cross_entropy(
+        m.out(h)[:, :-1].reshape(-1, SIZES["vocab"]), y[:, 1:].reshape(-1), reduction="sum"),
+    "cross_entropy_shifted_padded_labels": lambda m, h, y: F.cross_entropy(
+        m.out(h).flatten(0, 1), F.pad(y[:, 1:], (0, 1), value=-100).flatten()),
     "mean_of_squares_by_hand": _regression(lambda p, t: ((p - t) ** 2).mean()),
     "l1_mean": _regression(F.l1_loss),
     "smooth_l1_both_branches": _regression(lambda p, t: F.smooth_l1_loss(p, t, beta=0.1)),

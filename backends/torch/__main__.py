@@ -39,7 +39,7 @@ MODELS = {
     "encoder": "backends.torch.stock_models:encoder",
     "encoder_prenorm": "backends.torch.stock_models:encoder_prenorm",
     **{name: f"backends.torch.stock_models:{name}" for name in (
-        "gpt2_split", "gqa", "gqa_finfo", "gqa_additive", "gqa_pad", "gqa_pad_mean", "mlp_l1",
+        "gpt2_split", "gpt2_shifted", "gqa", "gqa_finfo", "gqa_additive", "gqa_pad", "gqa_pad_mean", "mlp_l1",
         "mlp_smooth_l1")},
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from

@@ -82,6 +82,16 @@ class _Ids:
         return _Ids(self.source, self.index * parts + index, self.parts * parts)
 
 
+@dataclass(frozen=True, eq=False)
+class _IdRows:
+    """Integer ids the model cut or padded (``labels[:, 1:]``, ``F.pad(...,
+    value=-100)``): their one-hot rows ``x`` (lowered, ``[*ids.shape,
+    vocab]``; an id outside the vocabulary, a pad, is a zero row) and the
+    recorded ids themselves (for the count a mean divides by)."""
+    x: int
+    ids: np.ndarray
+
+
 @dataclass(frozen=True)
 class _IdsTest:
     """``ids < value`` (op "lt") or ``ids >= value`` (op "ge")."""
@@ -494,6 +504,8 @@ def _label_values(lw: _Lowerer, target: Any) -> np.ndarray:
     """The recorded integer ids an op reads (the rank's rows of the batch,
     its microbatch piece, seen with the op's shape)."""
     piece = lw.env.get(target[1])
+    if isinstance(piece, _IdRows):
+        return piece.ids
     ids = lw.trace.get("batch_ids", {}).get(getattr(piece, "source", None))
     if not isinstance(piece, _Ids) or ids is None:
         raise LoweringError(f"{lw.name}: the values of the labels a loss reads are not recorded")
@@ -515,14 +527,22 @@ def _nll_target(lw: _Lowerer, weight: Any, reduction: int, target: Any,
         raise LoweringError(f"{lw.name}: nll_loss with class weights or no reduction is not lowered")
     labels = _one_hot(lw, target)
     count = math.prod(lw.shapes[labels][:-1])
+    if isinstance(lw.env.get(target[1]), _IdRows):
+        # ids the model padded: the pads (out of the vocabulary) are zero rows
+        ids = _label_values(lw, target)
+        outside = (ids < 0) | (ids >= lw.vocab)
+        if ignore is None or np.any(outside & (ids != int(ignore))):
+            raise LoweringError(f"{lw.name}: labels outside the vocabulary other than the "
+                                f"ignore_index {ignore}")
+        count = int(np.sum(ids != int(ignore)))
     if ignore is not None and 0 <= int(ignore) < lw.vocab:
         keep = np.ones(lw.vocab)
         keep[int(ignore)] = 0.0
         labels = lw.emit("mul", [labels, constant_input(lw, keep)], [lw.shapes[labels]])[0]
         count = int(np.sum(_label_values(lw, target) != int(ignore)))
-        if count == 0 and reduction == 1:
-            raise LoweringError(f"{lw.name}: a mean cross-entropy over no kept label (every label "
-                                f"is ignore_index {ignore})")
+    if count == 0 and reduction == 1:
+        raise LoweringError(f"{lw.name}: a mean cross-entropy over no kept label (every label "
+                            f"is ignore_index {ignore})")
     return labels, count
 
 
@@ -742,6 +762,8 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
     dst = tuple(shapes[0])
     if isinstance(f, _Ids):
         return _Ids(f.source, f.index, f.parts, dst)
+    if isinstance(f, _IdRows):
+        return _IdRows(lw.reshape(f.x, (*dst, lw.vocab)), f.ids.reshape(dst))
     if isinstance(f, (_Flat, _As)) and lw.shapes[f.x] == dst:
         return f.x
     if isinstance(f, _As):
@@ -800,6 +822,8 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
     """The one-hot rows of the ids an op reads: the input, or a microbatch
     of it (one ``split`` per piece), reshaped as the ids were."""
     piece = lw.env.get(ids[1]) if isinstance(ids, (list, tuple)) and ids[0] == "v" else None
+    if isinstance(piece, _IdRows):
+        return piece.x
     if not isinstance(piece, _Ids):
         raise LoweringError(f"{lw.name}: integer ids other than the batch's are not lowered")
     base = _Ids(piece.source, piece.index, piece.parts)
@@ -992,9 +1016,9 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     src = lw.env.get(args[0][1])
     dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
     step = args[4] if len(args) > 4 else 1
+    if isinstance(src, _Ids) and (dim != 0 or src.shape is not None) or isinstance(src, _IdRows):
+        return _slice_ids(lw, args, shapes)
     if isinstance(src, _Ids):
-        if dim != 0 or src.shape is not None:
-            raise LoweringError(f"{lw.name}: a slice of the integer ids along dim {dim}")
         total = lw.trace["data"][1][0] // src.parts
     else:
         x = lw.val(args[0])
@@ -1011,6 +1035,69 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     if isinstance(src, _Ids):
         return src.cut(index, parts)
     return x if parts == 1 else _Piece(x, dim, index, parts)
+
+
+def _id_rows(lw: _Lowerer, a: Any) -> _IdRows:
+    """Ids (the batch's, or already cut) as their one-hot rows and values."""
+    src = lw.env.get(a[1])
+    if isinstance(src, _IdRows):
+        return src
+    return _IdRows(_one_hot(lw, a), _label_values(lw, a))
+
+
+def _slice_ids(lw: _Lowerer, args, shapes) -> _IdRows:
+    """A slice of integer ids along any dim (a shifted ``labels[:, 1:]``):
+    a narrow of their one-hot rows."""
+    rows = _id_rows(lw, args[0])
+    nd = rows.ids.ndim
+    dim = int(args[1]) % nd if len(args) > 1 else 0
+    total = rows.ids.shape[dim]
+    start, end = (args[2] if len(args) > 2 else 0) or 0, args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    start, stop, _ = slice(start, end, step).indices(total)
+    if step != 1:
+        raise LoweringError(f"{lw.name}: a strided slice of the integer ids is not lowered")
+    length = max(stop - start, 0)
+    shape = list(lw.shapes[rows.x])
+    shape[dim] = length
+    x = lw.emit("narrow", [rows.x], [shape], {"dim": dim, "start": start, "length": length})[0]
+    return _IdRows(x, np.take(rows.ids, range(start, start + length), axis=dim))
+
+
+def _pad_ids(lw: _Lowerer, args, kwargs, shapes, group):
+    """``F.pad`` of integer ids with a value outside the vocabulary (a label
+    the loss ignores): zero one-hot rows concatenated on either side."""
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    src = lw.env.get(args[0][1])
+    if not isinstance(src, (_Ids, _IdRows)):
+        raise LoweringError(f"{lw.name}: constant_pad_nd of other than integer ids is not lowered")
+    if 0 <= int(value) < lw.vocab:
+        raise LoweringError(f"{lw.name}: ids padded with {value}, a label of the vocabulary, "
+                            f"are not lowered (pad with the loss's ignore_index)")
+    rows = _id_rows(lw, args[0])
+    pads = list(args[1])
+    x, ids = rows.x, rows.ids
+    for k in range(len(pads) // 2):
+        dim = ids.ndim - 1 - k
+        before, after = int(pads[2 * k]), int(pads[2 * k + 1])
+        if before < 0 or after < 0:
+            raise LoweringError(f"{lw.name}: a negative pad of integer ids is not lowered")
+        pieces = []
+        for width, at_end in ((before, False), (after, True)):
+            if width:
+                zshape = list(lw.shapes[x])
+                zshape[dim] = width
+                pieces.append((at_end, lw.emit("zeros", [], [zshape], {"shape": zshape},
+                                               direction="none")[0]))
+        if pieces:
+            parts = [p for end, p in pieces if not end] + [x] + [p for end, p in pieces if end]
+            shape = list(lw.shapes[x])
+            shape[dim] += before + after
+            x = lw.emit("cat", parts, [shape], {"dim": dim})[0]
+            width = [(0, 0)] * ids.ndim
+            width[dim] = (before, after)
+            ids = np.pad(ids, width, constant_values=int(value))
+    return _IdRows(x, ids)
 
 
 def _send(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1419,6 +1506,7 @@ HANDLERS: dict[str, Any] = {
     "aten.div_.Scalar": _scalar("div"),
     "aten.div_.Tensor": _scalar("div"),
     "aten.slice.Tensor": _slice,
+    "aten.constant_pad_nd.default": _pad_ids,
     "aten.sub.Tensor": _sub,
     "aten.lt.Scalar": _ids_test("lt"),
     "aten.ge.Scalar": _ids_test("ge"),

@@ -102,10 +102,10 @@ class GPT2(nn.Module):
 
     def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
                  attention: str = "sdpa", gelu: str = "tanh", dropout: float = 0.0,
-                 loss: str = "share"):
+                 loss: str = "share", shift: bool = False):
         super().__init__()
         self.global_tokens = 0  # set by the backend: the labels of the whole step
-        self.reduction = loss
+        self.reduction, self.shift = loss, shift
         self.wte = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(seqlen, hidden)
         self.drop = nn.Dropout(dropout)
@@ -121,7 +121,9 @@ class GPT2(nn.Module):
         for block in self.h:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        flat, target = logits.view(-1, logits.size(-1)), labels.view(-1)
+        if self.shift:  # each position predicts the next label; the last one none (-100)
+            labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        flat, target = logits.view(-1, logits.size(-1)), labels.reshape(-1)
         if self.reduction == "mean":
             return F.cross_entropy(flat, target)
         return F.cross_entropy(flat, target, reduction="sum") / (self.global_tokens or target.numel())
@@ -308,6 +310,12 @@ def gpt2_masked(**kw) -> GPT2:
 def gpt2_mean(**kw) -> GPT2:
     """gpt2 with F.cross_entropy's default mean over the rank's own tokens."""
     return GPT2(**{"loss": "mean", **kw})
+
+
+def gpt2_shifted(**kw) -> GPT2:
+    """gpt2_mean with the labels shifted inside the model (``F.pad(labels[:, 1:],
+    (0, 1), value=-100)``): the mean over the rank's kept labels."""
+    return GPT2(**{"loss": "mean", "shift": True, **kw})
 
 
 def gpt2_split(**kw) -> GPT2:
