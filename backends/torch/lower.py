@@ -522,7 +522,7 @@ def _nll_target(lw: _Lowerer, weight: Any, reduction: int, target: Any,
     labels (the rows of that label drop out, for every label matrix), and
     the mean divides by the count of the other labels *in the recorded
     batch*: a constant of the traced step (docs/soundness.md, "Plans traced
-    from PyTorch", 5)."""
+    from PyTorch", 8)."""
     if weight is not None or reduction not in (1, 2):
         raise LoweringError(f"{lw.name}: nll_loss with class weights or no reduction is not lowered")
     labels = _one_hot(lw, target)
@@ -1247,7 +1247,7 @@ def _masked_fill_pending(lw: _Lowerer, args, kwargs, shapes, group):
     of ``x`` along kept dims: the identity, since in real arithmetic ``n =
     0`` only where every entry of ``x`` along the dims is 0, where ``x / n``
     is then ``0 * pow(0, -1) = 0`` already (docs/soundness.md, "Plans
-    traced from PyTorch", 5)."""
+    traced from PyTorch", 8)."""
     mask = lw.env.get(args[1][1])
     if not isinstance(mask, _NormIsZero):
         return masked_fill(lw, args, kwargs, shapes, group)

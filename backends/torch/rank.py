@@ -15,12 +15,15 @@ import json
 import pickle
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from backends.torch.pipeline import Pipelined, PipelineStep
+from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, dims_axes, local_of
 
 
@@ -41,7 +44,31 @@ def in_float64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64) if t.is_floating_point() else t
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op parallelism off for the duration: the traced ops are
+    small, what they compute is unchanged (only the structure of the run is
+    recorded, at the dispatcher, above any kernel's threading), and idle
+    OpenMP workers spinning on a loaded machine cost several times the
+    step's own CPU (torchtitan's debugmodel on one device: 0.35 s of CPU with
+    one thread, 2 to 4 s with two under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(spec: dict, rank: int) -> dict:
+    """One rank's step (or, ``spec["parallel"]`` false, the single-device
+    step), recorded: plain data (see ``main``)."""
+    with one_thread():
+        return _run(spec, rank)
+
+
+def _run(spec: dict, rank: int) -> dict:
+    before = set(sys.modules)
     world = spec["dp"] * spec["tp"] * spec["pp"]
     mesh = None
     if spec["parallel"]:
@@ -125,8 +152,15 @@ def run(spec: dict, rank: int) -> dict:
         "batch_ids": {"tokens": tokens.numpy().copy(), "labels": labels.numpy().copy()},
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
-        "values": values,
+        "values": values, "imports": imported_since(before) + modules_of(model),
     }
+
+
+def modules_of(model: torch.nn.Module) -> list[str]:
+    """The modules defining the classes of ``model``'s submodules (a
+    library's model code, such as transformers' ``modeling_llama``, and what
+    it imports), whether or not this process imported them just now."""
+    return list(dict.fromkeys(type(m).__module__ for m in model.modules()))
 
 
 #: the optimizers a step may end with: torch.optim's, their default CPU

@@ -145,13 +145,13 @@ class Recorder(TorchDispatchMode):
             self.events.append(("unknown", [[], {}], [fresh], [tuple(t.shape)], self.scope(),
                                 None, self.mb))
 
-    def is_constant_op(self, name: str, args: Any, kwargs: dict) -> bool:
-        """An op whose tensor arguments are all constants (or that has none)
-        computes a constant, unless it communicates or leaves memory unset."""
+    def is_constant_op(self, name: str, tensors: list[torch.Tensor]) -> bool:
+        """An op whose tensor arguments (``tensors``) are all constants (or
+        that has none) computes a constant, unless it communicates or leaves
+        memory unset."""
         if name.startswith(("c10d", "_c10d_functional", "fsdp")) or "empty" in name:
             return False
-        flat, _ = tree_flatten((args, kwargs))
-        return all(self.value(a) in self.constants for a in flat if isinstance(a, torch.Tensor))
+        return all(self.value(a) in self.constants for a in tensors)
 
     def set_mb(self, mb: int) -> None:
         self.mb = mb
@@ -164,8 +164,7 @@ class Recorder(TorchDispatchMode):
     # -- dispatch -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        tensors = tensors_in((args, kwargs))
         if any(isinstance(a, FakeTensor) for a in tensors):
             return func(*args, **kwargs)
         if any(isinstance(a, DTensor) or (type(a) is not torch.Tensor
@@ -174,13 +173,13 @@ class Recorder(TorchDispatchMode):
             return NotImplemented
         name = str(func)
         self.refresh_constants(tensors)
-        constant = self.is_constant_op(name, args, kwargs)
+        constant = self.is_constant_op(name, tensors)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outs = tensors_in(out)
         if "out" in kwargs and not outs:
-            outs = [o for o in tree_flatten(kwargs["out"])[0] if isinstance(o, torch.Tensor)]
+            outs = tensors_in(kwargs["out"])
         if name == "c10d.recv_.default":
             outs = list(args[0])  # received in place: the buffers hold new values
         if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
@@ -195,8 +194,7 @@ class Recorder(TorchDispatchMode):
         if not constant:
             self.tainted.update(s for s in map(_storage, outs) if s in self.const_storages)
         if constant:
-            flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-            buffer = any(self.value(a) in self.from_buffer for a in flat_in)
+            buffer = any(self.value(a) in self.from_buffer for a in tensors)
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
         if name == "aten.as_strided.default":
@@ -234,6 +232,19 @@ class Tracker(ModuleTracker):
             return
         name = self._get_mod_name(mod)
         self._get_append_fn(name, False)()
+
+
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (nested lists, tuples and
+    dicts), in order: what ``tree_flatten`` would find, without its cost on
+    every op."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in tensors_in(item)]
+    if isinstance(x, dict):
+        return [t for item in x.values() for t in tensors_in(item)]
+    return []
 
 
 def group_from_name(name: str) -> tuple[int, ...]:
