@@ -20,7 +20,7 @@ from pathlib import Path
 
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
-from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.lower import LoweringError, check_even_shards, lower_trace
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
 
@@ -36,6 +36,9 @@ MODELS = {
     "llama_titan": "backends.torch.stock_models:llama_titan",
     "encoder": "backends.torch.stock_models:encoder",
     "encoder_prenorm": "backends.torch.stock_models:encoder_prenorm",
+    **{name: f"backends.torch.stock_models:{name}" for name in (
+        "gpt2_split", "gpt2_shifted", "gqa", "gqa_finfo", "gqa_additive", "gqa_pad", "gqa_pad_mean", "mlp_l1",
+        "mlp_smooth_l1")},
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
@@ -151,6 +154,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp,
                          single.get("imports", ()))
     world["nm"] = traces[0]["microbatches"]
+    check_even_shards(traces)
     low_s = lower_trace(single, args.vocab)
     lows = [lower_trace(t, args.vocab) for t in traces]
     return build_plans(low_s, lows, world), single

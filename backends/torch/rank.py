@@ -151,6 +151,7 @@ def _run(spec: dict, rank: int) -> dict:
         "from_buffer": rec.from_buffer,
         "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
+        "batch_ids": {"tokens": tokens.numpy().copy(), "labels": labels.numpy().copy()},
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
         "values": values, "imports": imported_since(before) + modules_of(model),
@@ -209,9 +210,10 @@ def run_isolated(spec: dict, rank: int) -> dict | str:
         trace = run(spec, rank)
         trace["cpu"] = time.process_time()  # this process's CPU: imports after the fork, the run
         return trace
-    except Exception:  # any failure of the user's model or recipe: reported, one line
-        lines = [ln for ln in traceback.format_exc().strip().splitlines() if ln.strip()]
-        return lines[-1]
+    except Exception as e:  # any failure of the user's model or recipe: reported, one line
+        lines = [ln for ln in traceback.format_exception_only(e)[-1].strip().splitlines()
+                 if ln.strip()]
+        return lines[0] if lines else type(e).__name__
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

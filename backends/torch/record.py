@@ -54,6 +54,8 @@ class Recorder(TorchDispatchMode):
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
+        self.const_storages: set[int] = set()  # memory of the constants whose value is kept
+        self.tainted: set[int] = set()  # of that memory, what a non-constant op wrote
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
 
     # -- values ---------------------------------------------------------------
@@ -125,6 +127,23 @@ class Recorder(TorchDispatchMode):
             self.from_buffer.add(v)
         if t.numel() <= CONSTANT_NUMEL:
             self.constvals[v] = t.detach().cpu().resolve_conj().numpy().copy()
+            self.const_storages.add(_storage(t))
+
+    def refresh_constants(self, tensors: list[torch.Tensor]) -> None:
+        """A constant written in place through a view (``mask[:, 0] = 0.5``)
+        holds another value than the one kept: it becomes a new value, a
+        constant with its current contents when only constant ops wrote its
+        memory, else a value of unknown origin (which no lowering reads)."""
+        for t in tensors:
+            v = self.value(t)
+            kept = self.constvals.get(v) if v is not None else None
+            if kept is None or t.is_complex() or torch.equal(t.detach().cpu(), torch.from_numpy(kept)):
+                continue
+            fresh = self.new_value(t)
+            if _storage(t) not in self.tainted:
+                self.mark_constant(t, fresh)
+            self.events.append(("unknown", [[], {}], [fresh], [tuple(t.shape)], self.scope(),
+                                None, self.mb))
 
     def is_constant_op(self, name: str, tensors: list[torch.Tensor]) -> bool:
         """An op whose tensor arguments (``tensors``) are all constants (or
@@ -153,6 +172,7 @@ class Recorder(TorchDispatchMode):
                for a in tensors):
             return NotImplemented
         name = str(func)
+        self.refresh_constants(tensors)
         constant = self.is_constant_op(name, tensors)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
@@ -171,6 +191,8 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        if not constant:
+            self.tainted.update(s for s in map(_storage, outs) if s in self.const_storages)
         if constant:
             buffer = any(self.value(a) in self.from_buffer for a in tensors)
             for o, v in zip(outs, ids):
@@ -188,6 +210,11 @@ class Recorder(TorchDispatchMode):
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of a tensor's memory (shared by its views)."""
+    return t.untyped_storage().data_ptr()
 
 
 class Tracker(ModuleTracker):
