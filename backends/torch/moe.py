@@ -7,7 +7,7 @@ The Llama of ``backends.torch.models`` with every feed-forward replaced by
 and a gate whose softmax weighs every expert's output for every token (soft
 routing: no top-k, so which token reaches which expert does not depend on
 the values, and every shape is fixed; docs/soundness.md, "Plans traced from
-PyTorch", 8, says what this proves and what it does not).
+PyTorch", 12, says what this proves and what it does not).
 
 Expert parallelism (``ep``) borrows the data-parallel ranks, as torchtitan's
 dp2ep does, with ep = dp: rank d holds experts [d * E / dp, (d + 1) * E / dp)
