@@ -505,7 +505,8 @@ class BlockCheck:
         cols, p = self.cols, self.p
         is_end = getattr(self, "is_end", np.zeros(len(cols.t_rank), dtype=bool))
         sums = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)[cols.n_op]
-        tuples = np.unique(cols.n_ins)
+        # every inputs tuple is some node's (arrays() numbers the distinct ones)
+        tuples = np.arange(len(cols.ptr) - 1 - len(cols.n_rank))
         lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
         spans = _spans(cols.ptr, tuples)
         ts = cols.flat[spans]
@@ -516,7 +517,7 @@ class BlockCheck:
             starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
             end_ok[nonempty] = ~np.logical_or.reduceat(bad, starts[nonempty])
         sums_ends = np.zeros(len(cols.n_ins), dtype=bool)
-        sums_ends[:] = end_ok[np.searchsorted(tuples, cols.n_ins)] & sums
+        sums_ends[:] = end_ok[cols.n_ins] & sums
         nodes = np.arange(len(cols.n_ins))
         self.flag(orbit & (~sums_ends | (cols.n_mb != -1)), nodes,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
