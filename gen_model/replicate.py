@@ -127,13 +127,37 @@ def _fit(v2_0: Array, v2_1: Array, v3_0: Array, v3_1: Array, v3_2: Array,
     return a, b, c
 
 
+#: Output entries computed at a time (bounds the int64 temporaries).
+_CHUNK = 1 << 22
+
+
 def _affine(coeffs: tuple[Array, Array, Array], rows: Array, d: Array, dp: int) -> Array:
-    """a + b D + c d of template ``rows`` on replicas ``d`` (narrowed)."""
+    """a + b D + c d of template ``rows`` on replicas ``d``, in the narrowest
+    type that holds every template's values on every replica, computed a
+    chunk of entries at a time."""
     a, b, c = coeffs
-    out = (a + b * dp)[rows]
-    if c.any():
-        out += c[rows] * (d if out.ndim == 1 else d[:, None])
-    return narrow(out)
+    base = a + b * dp
+    reach = base + c * (dp - 1)
+    out = np.empty(rows.shape + base.shape[1:], dtype=narrow(np.array(
+        [base.min(initial=0), base.max(initial=0), reach.min(initial=0),
+         reach.max(initial=0)])).dtype)
+    wide = c.any()
+    for lo in range(0, len(rows), _CHUNK):
+        r = rows[lo: lo + _CHUNK]
+        piece = base[r]
+        if wide:
+            dd = d[lo: lo + _CHUNK]
+            piece += c[r] * (dd if piece.ndim == 1 else dd[:, None])
+        out[lo: lo + _CHUNK] = piece
+    return out
+
+
+def _concat(pieces: list[Array], empty_shape: tuple[int, ...]) -> Array:
+    """Narrowed pieces as one array of their widest type."""
+    if not pieces:
+        return np.zeros(empty_shape, dtype=np.int8)
+    kind = np.result_type(*pieces)
+    return np.concatenate(pieces).astype(kind, copy=False)
 
 
 def _runs(counts: Array) -> tuple[Array, Array]:
@@ -220,8 +244,13 @@ class _Expander:
         fit = _fit(gather(0, 0), gather(0, 1), gather(1, 2), gather(1, 3), gather(1, 4),
                    "tensor slices")
         row_start = np.cumsum(ndim) - ndim
-        owner, within = _runs(ndim[rows])
-        return _affine(fit, row_start[rows[owner]] + within, d[owner], self.dp)
+        counts = ndim[rows]
+        pieces = []
+        for lo in range(0, len(rows), _CHUNK):
+            r, dd = rows[lo: lo + _CHUNK], d[lo: lo + _CHUNK]
+            owner, within = _runs(counts[lo: lo + _CHUNK])
+            pieces.append(_affine(fit, row_start[r[owner]] + within, dd[owner], self.dp))
+        return _concat(pieces, (0, 2))
 
     # ------------------------------------------------------------ nodes
     def nodes(self) -> tuple[NodeColumns, tuple[str, ...]]:
@@ -343,9 +372,7 @@ class _Expander:
         self.check_group(ge0, first, g_owner, g_within, half, s0)
         # the pool: own-replica lists copied per node copy, then one range per group
         counts = np.where(group[rows], 0, n0[rows])
-        c_owner, c_within = _runs(counts)
-        t_rows = self.entry_rows(pool2[s0[rows[c_owner]] + c_within])
-        plain = self.index_or_absent(t_rows, d[c_owner])
+        plain = self.copies(pool2, s0, counts, rows, d)
         starts = np.cumsum(counts) - counts
         in_count = np.where(group[rows], n0[rows] // 2 * self.dp, n0[rows])
         pieces, g_start = [plain], np.zeros(len(self.nw), dtype=np.int64)
@@ -353,12 +380,24 @@ class _Expander:
         for t in np.flatnonzero(group).tolist():
             block = self.entry_rows(pool2[s0[t]: s0[t] + n0[t] // 2])
             dd = np.repeat(np.arange(self.dp), len(block))
-            pieces.append(self.index_or_absent(np.tile(block, self.dp), dd))
+            pieces.append(narrow(self.index_or_absent(np.tile(block, self.dp), dd)))
             g_start[t] = at
             at += len(pieces[-1])
         in_start = np.where(group[rows], g_start[rows], starts)
         return {"in_start": narrow(in_start), "in_count": narrow(in_count),
-                "inputs": narrow(np.concatenate(pieces))}
+                "inputs": _concat(pieces, (0,))}
+
+    def copies(self, pool2: Array, s0: Array, counts: Array, rows: Array, d: Array) -> Array:
+        """The entries of the node copies (``counts`` of template ``rows``
+        on replicas ``d``, from the dp-2 pool at ``s0``), a chunk of nodes
+        at a time."""
+        pieces = []
+        for lo in range(0, len(rows), _CHUNK):
+            owner, within = _runs(counts[lo: lo + _CHUNK])
+            r, dd = rows[lo: lo + _CHUNK][owner], d[lo: lo + _CHUNK][owner]
+            pieces.append(narrow(self.index_or_absent(self.entry_rows(pool2[s0[r] + within]),
+                                                      dd)))
+        return _concat(pieces, (0,))
 
     def entry_rows(self, entries: Array) -> Array:
         """Template rows of dp-2 tensor indices (-1 stays -1)."""
@@ -428,12 +467,10 @@ class _Expander:
         owner, within = _runs(n0)
         self.check_entries(pool2[s0[owner] + within], pool2[s1[owner] + within], True)
         counts = n0[rows]
-        c_owner, c_within = _runs(counts)
-        t_rows = self.entry_rows(pool2[s0[rows[c_owner]] + c_within])
-        outs = self.index_or_absent(t_rows, d[c_owner])
+        outs = self.copies(pool2, s0, counts, rows, d)
         off = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=off[1:])
-        return {"out_off": narrow(off), "outputs": narrow(outs)}
+        return {"out_off": narrow(off), "outputs": outs}
 
 
 def real_logical(two: Columns, three: Columns, dp: int) -> tuple[Logical, ...]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from backends.columnar import validate_columns
+from gen_model import replicate
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import expanded_columns, make_plan, make_plan_at
 from gen_model.microbatches import SIZES, expand_microbatches, microbatches_replicable
@@ -94,3 +95,17 @@ def test_where_the_microbatch_path_does_not_apply():
     assert not microbatches_replicable(Parallelism(pp=2, nm=8), Policy(virtual_stages=2),
                                        "default")
     assert not microbatches_replicable(Parallelism(dp=2, nm=8), Policy(zero=1), "default")
+
+
+def test_replica_expansion_in_small_chunks_is_the_same(monkeypatch):
+    """The replica expansion computes its output a chunk at a time; chunks
+    that split templates and slices give the same columns."""
+    par, gbs = Parallelism(dp=5, tp=2, pp=2, nm=2), 20
+    whole = expanded_columns(MLP, par, gbs, "default", Policy(), None)
+    monkeypatch.setattr(replicate, "_CHUNK", 3)
+    chunked = expanded_columns(MLP, par, gbs, "default", Policy(), None)
+    for group in ("tensors", "nodes"):
+        a, b = getattr(whole, group), getattr(chunked, group)
+        for name, arr in vars(a).items():
+            if arr is not None:
+                assert np.array_equal(arr, getattr(b, name)), (group, name)
