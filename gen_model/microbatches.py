@@ -23,11 +23,14 @@ numpy (docs/plan-format.md, "Replicated generation"):
   a lineage at microbatch ``a + b N`` (the chain's end), checked on the third
   size. Anything else refuses the array path (:class:`NotReplicable`).
 
-The node order is the 3-microbatch plan's, each node of microbatch 1
-standing for microbatches 1 to N - 2 (in that order), of microbatch 2 for
-N - 1: a valid execution order (checked when the columns are validated),
-which on each rank keeps every microbatch's node sequence but not the
-schedule's interleaving of microbatches (a renumbering of the same DAG).
+The node order is microbatch-major: the step nodes that come before
+every microbatch node of their rank, then microbatch 0 to N - 1 (each in
+the 3-microbatch plan's order of its template), then the other step
+nodes. That is an execution order when no microbatch reads a later one
+and no microbatch node reads a later step node (checked when the columns
+are validated); it keeps every microbatch's node sequence on each rank
+but not the schedule's interleaving of microbatches (a renumbering of
+the same DAG).
 """
 
 from __future__ import annotations
@@ -357,14 +360,26 @@ class _Expander:
         return np.concatenate((rows[0][:, [1, 2, 3, 4]], a[:, None], b[:, None]), axis=1)
 
     def order(self) -> tuple[Array, Array, Array]:
-        """Nodes in output order: (is_step, id, m) from the 3-plan's order."""
+        """Nodes in output order, microbatch-major: the step nodes that
+        precede every microbatch node of their rank, then microbatch 0,
+        1, ..., N - 1 (each in the 3-plan's order of its template
+        microbatch), then the other step nodes, all in the 3-plan's order.
+        Returns (is_step, id, m)."""
         three = self.s[0]
-        mb = three.n_mb
-        counts = np.where(mb == 1, self.nm - 2, 1)
-        owner, within = _runs(counts)
-        m = np.where(mb[owner] == 2, self.nm - 1, np.where(mb[owner] == 1, 1 + within,
-                                                           mb[owner]))
-        return mb[owner] < 0, self.node_id[0][owner], m
+        mb, rank = three.n_mb, three.n_rank
+        idx = np.arange(len(mb))
+        first = np.full(int(rank.max(initial=0)) + 1, len(mb), dtype=np.int64)
+        np.minimum.at(first, rank[mb >= 0], idx[mb >= 0])
+        front = (mb < 0) & (idx < first[rank])
+        middle = np.flatnonzero(mb == 1)
+        parts = [np.flatnonzero(front), np.flatnonzero(mb == 0),
+                 np.tile(middle, self.nm - 2), np.flatnonzero(mb == 2),
+                 np.flatnonzero((mb < 0) & ~front)]
+        ms = [np.full(len(parts[0]), -1), np.zeros(len(parts[1]), dtype=np.int64),
+              np.repeat(np.arange(1, self.nm - 1), len(middle)),
+              np.full(len(parts[3]), self.nm - 1), np.full(len(parts[4]), -1)]
+        nodes, m = np.concatenate(parts), np.concatenate(ms)
+        return mb[nodes] < 0, self.node_id[0][nodes], m
 
     def entries(self, rules: Array, steps: Array, is_step: Array, nid: Array, m: Array,
                 kind: str) -> tuple[Array, Array]:

@@ -43,7 +43,9 @@ def per_block(plan: Plan):
     (MLP, Parallelism(pp=2, nm=7), 14, Policy()),
     (MLP, Parallelism(dp=2, tp=2, pp=2, nm=6), 24, Policy(schedule="gpipe")),
     (LLAMA, Parallelism(dp=4, tp=2, pp=2, nm=6), 48, Policy(vocab_parallel=True)),
-], ids=["mlp-pp", "mlp-dp-tp-gpipe", "llama-replicas-and-microbatches"])
+    (LLAMA, Parallelism(dp=2, cp=2, nm=6), 12, Policy(cp_balance=True, schedule="gpipe")),
+], ids=["mlp-pp", "mlp-dp-tp-gpipe", "llama-replicas-and-microbatches",
+        "llama-cp-two-accumulations-per-microbatch"])
 def test_same_plan_as_the_row_generator(cfg, par, gbs, policy):
     assert microbatches_replicable(par, policy, "default")
     cols = expanded_columns(cfg, par, gbs, "default", policy, None)
