@@ -41,6 +41,7 @@ import numpy as np
 
 from gen_model.config import ConfigError, Parallelism
 from gen_model.parallelize import Policy
+from verdict.blocks import _rows_id
 from verdict.columns import Columns, NodeColumns, TensorColumns, canonical_kwargs, narrow
 from verdict.plan import Logical
 
@@ -75,13 +76,13 @@ class _Small:
         return (ranks // (self.block * self.dp)) * self.block + ranks % self.block
 
 
-def _keys(small: _Small) -> tuple[dict, dict]:
-    """Tensor key -> index and node key -> index, keys without the replica
-    first: (replica, place, mb, tid, version) and (replica, place, position)."""
+def _keys(small: _Small) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+    """The replica of every tensor and node and its key without the replica:
+    tensors (place, mb, tid, version), nodes (place, position on the rank)."""
     t = small.cols.tensors
-    rep, place = small.replica(t.rank.astype(np.int64)), small.place(t.rank.astype(np.int64))
-    tkeys = dict(zip(zip(rep.tolist(), place.tolist(), t.mb.tolist(), t.tid.tolist(),
-                         t.version.tolist()), range(len(t))))
+    t_ranks = t.rank.astype(np.int64)
+    tkeys = np.stack([small.place(t_ranks), t.mb.astype(np.int64), t.tid.astype(np.int64),
+                      t.version.astype(np.int64)], axis=1)
     n = small.cols.nodes
     ranks = n.rank.astype(np.int64)
     order = np.argsort(ranks, kind="stable")
@@ -90,30 +91,28 @@ def _keys(small: _Small) -> tuple[dict, dict]:
     starts = np.r_[0, np.flatnonzero(np.diff(sorted_ranks)) + 1]
     run = np.repeat(starts, np.diff(np.r_[starts, len(ranks)]))
     pos[order] = np.arange(len(ranks)) - run
-    nrep, nplace = small.replica(ranks), small.place(ranks)
-    nkeys = dict(zip(zip(nrep.tolist(), nplace.tolist(), pos.tolist()), range(len(ranks))))
-    return tkeys, nkeys
+    nkeys = np.stack([small.place(ranks), pos], axis=1)
+    return (small.replica(t_ranks), tkeys), (small.replica(ranks), nkeys)
 
 
-def _twins(keys2: dict, keys3: dict, what: str) -> Array:
+def _twins(keys2: tuple[Array, Array], keys3: tuple[Array, Array], what: str) -> Array:
     """For each replica-0 entry of dp 2 (rows, in index order): its index in
     dp 2 replica 1 and dp 3 replicas 0, 1, 2. Columns: j0, j1, k0, k1, k2."""
-    rows = []
-    for key, j0 in keys2.items():
-        if key[0] != 0:
-            continue
-        rest = key[1:]
-        try:
-            rows.append((j0, keys2[(1, *rest)], keys3[(0, *rest)], keys3[(1, *rest)],
-                         keys3[(2, *rest)]))
-        except KeyError:
-            raise NotReplicable(f"a {what} of replica 0 has no counterpart in another "
-                                "replica") from None
-    out = np.array(sorted(rows), dtype=np.int64).reshape(-1, 5)
-    n0 = sum(1 for k in keys2 if k[0] == 0)
-    if 2 * n0 != len(keys2) or 3 * n0 != len(keys3):
+    (rep2, k2), (rep3, k3) = keys2, keys3
+    ids = _rows_id(np.concatenate((k2, k3)))
+    id2, id3 = ids[:len(k2)], ids[len(k2):]
+    where = np.full((5, int(ids.max(initial=-1)) + 1), -1, dtype=np.int64)
+    for col, (rep, own, replica) in enumerate(((rep2, id2, 0), (rep2, id2, 1), (rep3, id3, 0),
+                                               (rep3, id3, 1), (rep3, id3, 2))):
+        pick = np.flatnonzero(rep == replica)
+        where[col, own[pick]] = pick
+    n0 = int((rep2 == 0).sum())
+    if 2 * n0 != len(k2) or 3 * n0 != len(k3):
         raise NotReplicable(f"the replicas do not hold the same {what}s")
-    return out
+    out = where[:, id2[rep2 == 0]].T
+    if (out < 0).any():
+        raise NotReplicable(f"a {what} of replica 0 has no counterpart in another replica")
+    return out[np.argsort(out[:, 0])]
 
 
 def _fit(v2_0: Array, v2_1: Array, v3_0: Array, v3_1: Array, v3_2: Array,
