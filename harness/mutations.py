@@ -1213,8 +1213,97 @@ def replica_group(plan: Plan, rng: random.Random) -> Result:
     return p, f"{where(plan, i)}: replica {j}'s buffer in replica {k}'s slot"
 
 
+#: Operators of one numeric ``value`` kwarg, and another such operator each
+#: becomes (another program of the same shape).
+_SWAPS = {"div": "mul_scalar", "mul_scalar": "div", "add_scalar": "mul_scalar"}
+
+
+def _swap_op(plan: Plan, rng: random.Random, keep) -> tuple[Plan, str] | None:
+    """Every node of one site (operator, direction, name) among those
+    ``keep(node)`` accepts runs the other operator of ``_SWAPS``."""
+    sites = sorted({(n.op, n.dir, n.name) for n in plan.nodes if n.op in _SWAPS and keep(n)})
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    p = copy_plan(plan)
+    for i, n in enumerate(p.nodes):
+        if (n.op, n.dir, n.name) == site and keep(n):
+            p.nodes[i] = n._replace(op=_SWAPS[n.op])
+    return p, f"{site[0]} ({site[1]}) {site[2]} runs {_SWAPS[site[0]]}"
+
+
+def replica_op(plan: Plan, rng: random.Random) -> Result:
+    """One replica (every rank, microbatch and direction of it) runs another
+    operator at one site: its own replica class (docs/soundness.md)."""
+    dp = int(plan.world.get("dp", 1))
+    if not _materialized(plan) or dp < 3:
+        return None
+    d = rng.randrange(dp)
+    made = _swap_op(plan, rng, lambda n: _replica(plan, n.rank) == d)
+    return None if made is None else (made[0], f"replica {d}: {made[1]}")
+
+
+def microbatch_op(plan: Plan, rng: random.Random) -> Result:
+    """One microbatch (of one replica, or of every replica) runs another
+    operator at one site."""
+    nm = int(plan.world.get("nm", 1))
+    if not _materialized(plan) or nm < 2:
+        return None
+    m = rng.randrange(nm)
+    d = rng.randrange(int(plan.world.get("dp", 1))) if rng.random() < 0.5 else None
+    made = _swap_op(plan, rng, lambda n: n.mb == m and (d is None or _replica(plan, n.rank) == d))
+    if made is None:
+        return None
+    return made[0], f"microbatch {m} of {'every replica' if d is None else f'replica {d}'}: " \
+        f"{made[1]}"
+
+
+def owned_shard(plan: Plan, rng: random.Random) -> Result:
+    """ZeRO: one replica owns another replica's shard. Its loaded inputs
+    whose slices differ between replicas (the owned parameter and optimizer
+    state shards) take replica j's slices, so shard j is owned twice and
+    its own by nobody; with half the seeds its gradient split (or
+    reduce-scatter) also keeps chunk j, claims moved with it."""
+    dp = int(plan.world.get("dp", 1))
+    if not _materialized(plan) or dp < 2 or not plan.world.get("zero"):
+        return None
+    d = rng.randrange(dp)
+    j = rng.choice([e for e in range(dp) if e != d])
+    inner = int(plan.world.get("tp", 1)) * int(plan.world.get("cp", 1))
+    written = {o for n in plan.nodes for o in n.outputs}
+    loaded = [i for i, t in enumerate(plan.tensors) if i not in written
+              and plan.logical[t.tid].kind not in ("data", "tokens")]
+    source = {(t.rank - inner * _replica(plan, t.rank), t.mb, t.tid, t.version): t.slices
+              for i, t in ((i, plan.tensors[i]) for i in loaded) if _replica(plan, t.rank) == j}
+    p = copy_plan(plan)
+    changed = 0
+    for i in loaded:
+        t = p.tensors[i]
+        key = (t.rank - inner * d, t.mb, t.tid, t.version)
+        if _replica(plan, t.rank) == d and key in source and source[key] != t.slices:
+            p.tensors[i] = t._replace(slices=source[key])
+            changed += 1
+    if not changed:
+        return None
+    what = f"replica {d} owns replica {j}'s shards ({changed} inputs)"
+    if rng.random() < 0.5:
+        for i, n in enumerate(plan.nodes):
+            if _replica(plan, n.rank) != d or n.mb >= 0:
+                continue
+            if n.op == "split" and n.kwargs.get("parts") == dp and n.kwargs.get("index") == d:
+                p.nodes[i] = p.nodes[i]._replace(kwargs={**n.kwargs, "index": j})
+                out, whole = p.tensors[n.outputs[0]], p.tensors[n.inputs[0]]
+                p.tensors[n.outputs[0]] = out._replace(
+                    slices=_chunk(whole.slices, n.kwargs["dim"], dp, j))
+        what += ", and keeps its gradient chunk"
+    return p, what
+
+
 MATERIALIZED_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "other_rows": other_rows,
     "last_microbatch": last_microbatch,
     "replica_group": replica_group,
+    "replica_op": replica_op,
+    "microbatch_op": microbatch_op,
+    "owned_shard": owned_shard,
 }

@@ -1,6 +1,8 @@
 """How the torch backend's tracing scales with the mesh: wall seconds to
-trace every rank (one process per rank), to lower and build the plans, and
-to verify them, for meshes of 4 and 8 ranks of the same model and recipe.
+trace every rank (one process per rank, backends/torch/ranks.py), to lower
+and build the plans, and to verify them, for meshes of 4 and 8 ranks of the
+same model and recipe, and the CPU seconds of the ranks' processes (which,
+unlike wall seconds, hold under load).
 
     .venv/bin/python scripts/bench_trace.py [-k SUBSTRING ...]
 
@@ -23,12 +25,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
-from backends.torch.__main__ import resolve, trace_ranks  # noqa: E402
+from backends.torch.__main__ import resolve  # noqa: E402
 from backends.torch.build import build_plans  # noqa: E402
-from backends.torch.lower import lower_trace  # noqa: E402
+from backends.torch.lower import LoweringError, lower_trace  # noqa: E402
 from backends.torch.rank import run  # noqa: E402
+from backends.torch.ranks import trace_ranks  # noqa: E402
 from main import verify  # noqa: E402
 
+TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
+         "--vocab 2048")
 #: (case, arguments of ``python -m backends.torch``)
 CASES: list[tuple[str, str]] = [
     ("llama fsdp_tp 4 ranks", "--recipe fsdp_tp --dp 2 --tp 2"),
@@ -37,6 +42,10 @@ CASES: list[tuple[str, str]] = [
     ("llama pp_gpipe 8 ranks", "--recipe pp_gpipe --pp 2 --dp 4 --tp 1 --layers 2 --batch 8"),
     ("hf llama 4 ranks", "--hf llama --dp 2 --tp 2"),
     ("hf llama 8 ranks", "--hf llama --dp 4 --tp 2 --batch 8"),
+    ("titan debugmodel 4 ranks", f"{TITAN} --dp 2 --tp 2"),
+    ("titan debugmodel 8 ranks", f"{TITAN} --dp 4 --tp 2 --batch 8"),
+    ("titan debugmodel tp2 pp2 4 ranks", f"{TITAN} --dp 1 --tp 2 --pp 2 --batch 4"),
+    ("titan debugmodel dp2 tp2 pp2 8 ranks", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8"),
 ]
 
 
@@ -56,18 +65,27 @@ def measure(argv: str) -> dict:
     t0 = time.perf_counter()
     single = run({**spec, "parallel": False}, 0)
     t1 = time.perf_counter()
-    traces = trace_ranks({**spec, "parallel": True}, world_size)
+    try:
+        traces = trace_ranks({**spec, "parallel": True}, world_size, single["imports"])
+    except LoweringError as e:
+        return {"ranks": world_size, "single": t1 - t0, "ranks_s": time.perf_counter() - t1,
+                "ranks_cpu": float("nan"), "build": 0.0, "verify": 0.0, "verdict": f"refused: {e}"}
     t2 = time.perf_counter()
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
              "tp": args.tp, "pp": args.pp, "ep": 1, "nm": traces[0]["microbatches"],
              "recipe": args.recipe, **spec["model_kwargs"]}
-    plan_s, plan_p = build_plans(lower_trace(single, args.vocab),
-                                 [lower_trace(t, args.vocab) for t in traces], world)
+    times = {"ranks": world_size, "single": t1 - t0, "ranks_s": t2 - t1,
+             "ranks_cpu": traces[0]["processes_cpu"], "build": 0.0, "verify": 0.0}
+    try:
+        plan_s, plan_p = build_plans(lower_trace(single, args.vocab),
+                                     [lower_trace(t, args.vocab) for t in traces], world)
+    except LoweringError as e:
+        return {**times, "build": time.perf_counter() - t2, "verdict": f"refused: {e}"}
     t3 = time.perf_counter()
     verdict = verify(plan_s, plan_p)
     t4 = time.perf_counter()
-    return {"ranks": world_size, "single": t1 - t0, "ranks_s": t2 - t1, "build": t3 - t2,
-            "verify": t4 - t3, "ok": verdict.success}
+    return {**times, "build": t3 - t2, "verify": t4 - t3,
+            "verdict": "SUCCESS" if verdict.success else "FAIL"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,15 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                             text=True).stdout.strip()
     print(f"commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
-    print("| case | ranks | single-device trace | rank traces | lower + build | verify | verdict |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | ranks | single-device trace | rank traces | their CPU | lower + build | verify "
+          "| verdict |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, argv_case in CASES:
         if opts.k and not any(k in name for k in opts.k):
             continue
         m = measure(argv_case)
         print(f"| {name} | {m['ranks']} | {m['single']:.1f} s | {m['ranks_s']:.1f} s | "
-              f"{m['build']:.1f} s | {m['verify']:.1f} s | "
-              f"{'SUCCESS' if m['ok'] else 'FAIL'} |", flush=True)
+              f"{m['ranks_cpu']:.1f} s | {m['build']:.1f} s | {m['verify']:.1f} s | "
+              f"{m['verdict']} |", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at end")
     return 0
 

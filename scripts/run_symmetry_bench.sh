@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Materialized plans (every rank and microbatch in the file) verified by
 # their checked symmetry (docs/soundness.md "Materialized plans"): the dp and
-# nm points of the sweep, materialized, and one wrong replica at dp512.
+# nm points of the sweep, materialized, and one wrong replica at dp512 (wrong
+# rows: a layout finding; another operator: a replica class of its own).
 # The model is the sweep's llama3 (32 layers, hidden 128): node counts equal
 # Llama3-8B's at the same parallelism (shape reduction makes the verifier's
 # work independent of the hidden size). Each parallel plan is generated as a
@@ -22,19 +23,23 @@ point() {  # name gbs par [run_point flags]
         --par "$3" --npz --timeout "${TIMEOUT:-1800}" --mem_gb "${MEM_GB:-16}" "${@:4}"
 }
 
-wrong512() {  # replica 3 loads replica 2's rows, in the plan the dp512 point kept
+wrong512() {  # replica 3 loads replica 2's rows, then runs another operator, in the dp512 plan
     local dir=data/plans/points/mat_dp512
     mkdir -p data/logs/points
     local sm pm
     sm=$(ls "$dir"/*_dp1_pp1_tp1_nm1_*.pkl) || { echo "wrong512 needs the dp512 point first"; return 1; }
     pm=$(ls "$dir"/*.npz | grep -v wrong.npz)
-    /usr/bin/time -f "wrong512: mutate %e s wall, %U+%S s CPU, %M KiB peak" \
-        nice "$PY" scripts/wrong_replica.py "$pm" "$dir/wrong.npz" --replica 3
-    /usr/bin/time -f "wrong512: verify %e s wall, %U+%S s CPU, %M KiB peak" \
-        nice "$PY" main.py --sm "$sm" --pm "$dir/wrong.npz" --no_cache_nodes --no_cache_stages \
-        --stats_dir data/stats > data/logs/points/wrong512.verify.log 2>&1
-    echo "wrong512: exit $? (1 expected): $(grep -m1 'not equivalent' data/logs/points/wrong512.verify.log)"
-    tail -1 data/logs/points/wrong512.verify.log
+    for variant in rows op; do
+        local flag=""
+        [ "$variant" = op ] && flag="--op"
+        /usr/bin/time -f "wrong512 $variant: mutate %e s wall, %U+%S s CPU, %M KiB peak" \
+            nice "$PY" scripts/wrong_replica.py "$pm" "$dir/wrong.npz" --replica 3 $flag
+        /usr/bin/time -f "wrong512 $variant: verify %e s wall, %U+%S s CPU, %M KiB peak" \
+            nice "$PY" main.py --sm "$sm" --pm "$dir/wrong.npz" --no_cache_nodes \
+            --no_cache_stages --stats_dir data/stats > "data/logs/points/wrong512_$variant.verify.log" 2>&1
+        echo "wrong512 $variant: exit $? (1 expected): $(grep -m1 -o 'FAILED in its own cut: replica [0-9]* x [^(]*\|not equivalent.*' "data/logs/points/wrong512_$variant.verify.log")"
+        tail -1 "data/logs/points/wrong512_$variant.verify.log"
+    done
     rm -rf "$dir"
 }
 

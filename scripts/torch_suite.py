@@ -33,6 +33,9 @@ from main import verify  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"
 SCALING = "backends.torch.scaling_recipes:"
+#: torchtitan's Llama3 debugmodel under its own parallelize_llama (backends/torch/titan.py)
+TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
+         "--vocab 2048")
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
 CASES: list[tuple[str, str, int]] = [
@@ -65,11 +68,9 @@ CASES: list[tuple[str, str, int]] = [
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf qwen3_moe ep refused", "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
     ("hf llama hsdp refused", "--hf llama --recipe hsdp --dp 4 --tp 1", 2),
-    # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py): refused until its
-    # complex rotary, vocabulary-parallel embedding mask and loss-parallel cross-entropy are
-    # lowered (docs/torch-backend.md, "Third-party parallel code, unmodified")
-    ("titan llama3 debugmodel tp2", "--model backends.torch.titan:llama3_debugmodel "
-     "--recipe backends.torch.titan:parallelize --dp 1 --tp 2 --vocab 2048 --batch 2", 2),
+    # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py; docs/torch-backend.md,
+    # "Third-party parallel code, unmodified")
+    ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),
     ("llama pp_tp pp2 tp2", "--model llama --recipe pp_tp --pp 2 --dp 1 --tp 2 --layers 2", 0),
     ("llama pp_interleaved_1f1b pp2 v2",
      "--model llama --recipe pp_interleaved_1f1b --pp 2 --dp 1 --tp 1 --layers 4", 0),
@@ -134,6 +135,44 @@ CASES: list[tuple[str, str, int]] = [
     ("gpt2_mean bug fsdp mean summed", f"--model gpt2_mean --recipe {STOCK}fsdp --dp 2 --tp 1",
      1),
     ("gpt2 bug colwise fused qkv", f"--model gpt2 --recipe {SCALING}tp_fused_qkv_colwise", 1),
+    # loss parallelism (backends/torch/lower_vocab_parallel.py) and torchtitan's meshes
+    ("llama tp_sp_loss_parallel tp2", "--model llama --recipe tp_sp_loss_parallel --dp 1 --tp 2", 0),
+    ("llama tp_sp_loss_parallel dp2 tp2", "--model llama --recipe tp_sp_loss_parallel", 0),
+    ("llama bug loss_parallel partial as replicate (torchtitan 3412)",
+     "--model llama --recipe tp_sp_loss_parallel_partial_as_replicate", 1),
+    ("llama bug loss_parallel local max",
+     "--model llama --recipe harness.loss_parallel_mistakes:loss_parallel_local_max --dp 1", 1),
+    ("llama bug loss_parallel sum max",
+     "--model llama --recipe harness.loss_parallel_mistakes:loss_parallel_sum_max --dp 1", 1),
+    ("titan llama3 debugmodel dp2 tp2", f"{TITAN} --dp 2 --tp 2 --batch 4", 0),
+    ("titan llama3 debugmodel pp2 (pipeline_llm 1F1B)", f"{TITAN} --dp 1 --tp 1 --pp 2 --batch 4", 0),
+    ("titan llama3 debugmodel tp2 pp2", f"{TITAN} --dp 1 --tp 2 --pp 2 --batch 4", 0),
+    ("titan llama3 debugmodel dp2 tp2 pp2", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8", 0),
+    # layers as users write them (docs/torch-backend.md, "Models written by users")
+    ("gpt2_split tp_attention dp2 tp2", "--model gpt2_split --recipe tp_attention --layers 2", 0),
+    ("gpt2_split fsdp_tp_attention dp2 tp2", "--model gpt2_split --recipe fsdp_tp_attention", 0),
+    ("gqa tp_attention dp2 tp2", "--model gqa --recipe tp_attention", 0),
+    ("gqa_finfo fsdp_tp_attention dp2 tp2", "--model gqa_finfo --recipe fsdp_tp_attention", 0),
+    ("gqa_additive tp_attention dp2 tp2", "--model gqa_additive --recipe tp_attention", 0),
+    ("gqa_pad tp_attention dp2 tp2", "--model gqa_pad --recipe tp_attention", 0),
+    ("gqa tp_attention dp1 tp2", "--model gqa --recipe tp_attention --dp 1 --tp 2", 0),
+    ("mlp_l1 ddp_avg dp2", "--model mlp_l1 --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("mlp_smooth_l1 fsdp default divide dp2",
+     f"--model mlp_smooth_l1 --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
+    ("mlp_smooth_l1 tp_mlp avg dp2 tp2", f"--model mlp_smooth_l1 --recipe {SCALING}tp_mlp_avg", 0),
+    ("gqa_pad_mean bug avg of unequal token means",
+     "--model gqa_pad_mean --recipe ddp_avg --dp 2 --tp 1", 1),
+    ("mlp_l1 bug mean summed over dp", f"--model mlp_l1 --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    ("gqa bug tp without dp sum", "--model gqa --recipe tp_attention_no_dp_sum", 1),
+    ("mlp_l1 ddp sum then divide dp2",
+     f"--model mlp_l1 --recipe {SCALING}ddp_sum_divide --dp 2 --tp 1", 0),
+    ("gpt2_shifted ddp_avg dp2", "--model gpt2_shifted --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("gpt2_shifted fsdp_tp_mlp default divide dp2 tp2",
+     f"--model gpt2_shifted --recipe {SCALING}fsdp_tp_mlp_default", 0),
+    ("gpt2_shifted bug mean summed over dp", f"--model gpt2_shifted --recipe {STOCK}ddp --dp 2 --tp 1",
+     1),
+    ("mlp fsdp padded shards refused", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1 --vocab 15",
+     2),
 ]
 
 

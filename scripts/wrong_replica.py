@@ -1,13 +1,17 @@
-"""A plan with one wrong replica: replica D loads replica D - 1's batch rows.
+"""A plan with one wrong replica: replica D loads replica D - 1's batch rows,
+or (``--op``) runs another operator.
 
-    .venv/bin/python scripts/wrong_replica.py IN.npz OUT.npz --replica D
+    .venv/bin/python scripts/wrong_replica.py IN.npz OUT.npz --replica D [--op]
 
 For the benchmark of a materialized plan with one wrong replica
 (scripts/run_symmetry_bench.sh). IN is a columnar plan file; OUT the same
 plan with every data and tokens input of replica D given the slices of the
 same input on the same rank of replica D - 1: replica D trains on replica
-D - 1's rows, and some rows on none. Works on the columns (array
-operations), so a plan of millions of nodes is rewritten in seconds.
+D - 1's rows, and some rows on none. With ``--op``, every ``div`` node of
+replica D (every rank, microbatch and direction) multiplies by its value
+instead: its rows load right, its program is wrong (a replica class of its
+own, docs/soundness.md). Works on the columns (array operations), so a plan
+of millions of nodes is rewritten in seconds.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main() -> int:
     p.add_argument("source", type=Path)
     p.add_argument("target", type=Path)
     p.add_argument("--replica", type=int, default=3)
+    p.add_argument("--op", action="store_true",
+                   help="replica D's div nodes multiply instead (rows unchanged)")
     args = p.parse_args()
     cols = load_columns_file(args.source)
     w = cols.world
@@ -37,6 +43,8 @@ def main() -> int:
     if not 1 <= args.replica < dp:
         print(f"error: --replica must be in 1..{dp - 1}", file=sys.stderr)
         return 2
+    if args.op:
+        return changed_op(cols, args.target, args.replica, inner, dp)
     t = cols.tensors
     written = np.zeros(len(t), dtype=bool)
     out = np.asarray(cols.nodes.outputs)
@@ -61,6 +69,22 @@ def main() -> int:
             moved += 1
     save_columns(replace(cols, tensors=replace(t, slices=slices)), args.target)
     print(f"wrote {args.target}: {moved} inputs of replica {args.replica} moved")
+    return 0
+
+
+def changed_op(cols, target: Path, replica: int, inner: int, dp: int) -> int:
+    """Every div node of ``replica`` made a mul_scalar with the same value."""
+    n = cols.nodes
+    if "div" not in cols.ops:
+        print("error: the plan has no div node", file=sys.stderr)
+        return 2
+    ops = cols.ops if "mul_scalar" in cols.ops else (*cols.ops, "mul_scalar")
+    op = np.array(n.op)
+    hit = (op == ops.index("div")) & ((np.asarray(n.rank) // inner) % dp == replica)
+    op[hit] = ops.index("mul_scalar")
+    save_columns(replace(cols, ops=ops, nodes=replace(n, op=op.astype(np.asarray(n.op).dtype))),
+                 target)
+    print(f"wrote {target}: {int(hit.sum())} div nodes of replica {replica} multiply instead")
     return 0
 
 

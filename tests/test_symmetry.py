@@ -75,11 +75,13 @@ def test_one_replica_that_differs_fails_and_is_named():
     n = bad.nodes[i]
     bad.nodes[i] = n._replace(kwargs={**n.kwargs, "value": n.kwargs["value"] * 2})
     found = find_symmetry(single, bad)
-    assert isinstance(found, Refusal) and found.difference
-    assert "replica 3, microbatch 2" in found.why and f"node {i} " in found.why
+    assert isinstance(found, Symmetry)  # a class of blocks: replica 3 x microbatch 2
+    assert ((3,), (2,)) in [(c.replicas, c.microbatches) for c in found.classes]
     assert not judge(single, bad).right
     v = verify(single, bad)
-    assert not v.success and "the blocks differ: replica 3, microbatch 2" in v.symmetry
+    assert not v.success
+    assert "FAILED in its own cut: replica 3 x microbatch 2 runs another program (replica 3, " \
+        f"microbatch 2: node {i} " in v.symmetry
 
 
 def test_block_that_differs_but_is_right_is_no_false_alarm():
@@ -92,7 +94,7 @@ def test_block_that_differs_but_is_right_is_no_false_alarm():
         v = verify(single, made[0])
         assert v.success, (name, made[1], v.message)
         if name == "insert_identity":
-            assert "the blocks differ" in v.symmetry
+            assert "classes of blocks" in v.symmetry or "the blocks differ" in v.symmetry
 
 
 @pytest.mark.parametrize("operator", ["change_constant_everywhere", "last_microbatch",
@@ -168,7 +170,7 @@ def test_cli_reports_checked_blocks(tmp_path, suffix):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "symmetry: 4 x 4 blocks" in run.stdout
-    assert "blocks='16 checked, 4 proved, 0 assumed'" in run.stdout
+    assert "blocks='16 checked in 1 class of blocks, 4 proved, 0 assumed'" in run.stdout
 
 
 def test_columns_with_a_wrong_replica_fail(tmp_path):
@@ -192,6 +194,7 @@ def test_chain_end_read_by_no_step_node():
 @pytest.mark.parametrize(("par", "policy"), [
     (Parallelism(cp=2, dp=4, nm=4), Policy()),
     (Parallelism(dp=4, tp=2, nm=4), Policy(sequence_parallel=True)),
+    (Parallelism(cp=2, dp=4, nm=4), Policy(cp_balance=True)),
 ], ids=str)
 def test_context_and_sequence_parallel_plans_are_folded(par, policy):
     """Partial sums over blocks numbered with the context or tensor index

@@ -7,7 +7,9 @@ writes them all out, as array operations over the plan's columns
 not a Python function call:
 
 * every block program (class, d, m) equals the one of (class, 0, 0), and
-  every step program (class, d) the one of (class, 0), node by node: same
+  every step program (class, d) the one of (class, 0) (or those of the
+  representatives of d's and m's classes, verdict/classes.py), node by
+  node: same
   operator, direction and kwargs, and the same tensors up to renaming (the
   tensor's class, own microbatch or outside microbatches, logical id,
   version, local shape; an input's slices relative to its block's first
@@ -171,8 +173,16 @@ class BlockCheck:
         self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
         self.offset: dict[tuple, int] = {}
         self.chain_end: dict[tuple[int, int], int] = {}
+        self.chain_start: dict[tuple[int, int], int] = {}
         self.found: list[tuple[int, int | None, str]] = []  # (node, representative, why)
         self.cols = arrays(parallel)
+        #: the representative replica of each replica's class (verdict/classes.py);
+        #: None: replica 0 for all
+        self.rep_of_d: np.ndarray | None = None
+        #: likewise the representative microbatch of each microbatch's class
+        self.rep_of_m: np.ndarray | None = None
+        #: nodes that differ from their representative's (comparisons, not rules)
+        self.differs = np.zeros(len(self.cols.n_rank), dtype=bool)
 
     # -- helpers ------------------------------------------------------------------
     def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -186,18 +196,24 @@ class BlockCheck:
     def flag(self, mask: np.ndarray, nodes: np.ndarray, why: str, reps=None) -> None:
         """Record the first node where ``mask`` holds."""
         hit = np.flatnonzero(mask)
+        if hit.size and reps is not None:
+            self.differs[nodes[hit]] = True
         if hit.size:
             k = hit[np.argmin(nodes[hit])]
             self.found.append((int(nodes[k]), None if reps is None else int(reps[k]), why))
 
     def raise_first(self) -> None:
-        if not self.found:
-            return
+        if self.found:
+            raise StructureError("symmetry", self.first_finding())
+
+    def first_finding(self) -> str:
+        """The first recorded finding, in execution order, naming its
+        replica, microbatch and node."""
         i, j, why = min(self.found, key=lambda f: f[0])
         mb, d = int(self.cols.n_mb[i]), int(self.n_d[i])
         where = f"replica {d}" + (f", microbatch {mb}" if mb >= 0 else " (outside microbatches)")
         ref = f", against the representative's {label(self.p, j)}" if j is not None else ""
-        raise StructureError("symmetry", f"{where}: {label(self.p, i)}{ref}: {why}")
+        return f"{where}: {label(self.p, i)}{ref}: {why}"
 
     def free_tensors(self) -> int:
         """The first tensor no node reads or writes, or -1. Such a tensor
@@ -213,6 +229,15 @@ class BlockCheck:
 
     # -- the check -----------------------------------------------------------------
     def run(self) -> None:
+        self.examine()
+        self.raise_first()
+
+    def examine(self) -> None:
+        """Every rule and comparison, recording findings in ``found`` (and
+        the differing nodes in ``differs``) without raising, but for a
+        plan whose blocks cannot be matched at all."""
+        self.found = []
+        self.differs[:] = False
         cols = self.cols
         dp, nm = self.fold.dp, self.fold.nm
         nn = len(cols.n_rank)
@@ -240,7 +265,6 @@ class BlockCheck:
         self.check_kwargs(rep, orbit)
         self.check_entries(rep, orbit, self.is_acc, bad_rows)
         self.check_glue(orbit)
-        self.raise_first()
 
     def check_offsets(self, t_data: np.ndarray) -> None:
         """(c): per class, the blocks' first rows are b apart and cover [0, B)."""
@@ -305,7 +329,8 @@ class BlockCheck:
     def representatives(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
         """For each node, the node at its position in its class's
         representative program ((class, 0, 0) for a block, (class, 0) for
-        a step program); -1 where that program is shorter. Raises when a
+        a step program; (class, rep(d), rep(m)) and (class, rep(d)) when
+        ``rep_of_d``/``rep_of_m`` are set); -1 where that program is shorter. Raises when a
         class lacks a block or a step program of some replica."""
         cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
         nn = len(cols.n_rank)
@@ -317,7 +342,10 @@ class BlockCheck:
         pos = np.empty(nn, dtype=np.int64)
         pos[order] = np.arange(nn) - np.repeat(starts, counts)
         self.check_present(ids)
-        rep_block = (wide * dp) * (nm + 1) + np.minimum(slot, 1)
+        rep_d = 0 if self.rep_of_d is None else self.rep_of_d[n_d]
+        rep_slot = np.minimum(slot, 1) if self.rep_of_m is None else \
+            np.where(slot > 0, self.rep_of_m[np.maximum(cols.n_mb, 0)] + 1, 0)
+        rep_block = (wide * dp + rep_d) * (nm + 1) + rep_slot
         del wide
         where = np.searchsorted(ids, rep_block)
         where = np.minimum(where, len(ids) - 1)
@@ -495,6 +523,9 @@ class BlockCheck:
         last = np.concatenate((key[1:] != key[:-1], [True]))
         self.is_end = np.zeros(len(cols.t_rank), dtype=bool)
         self.is_end[out[last]] = True
+        #: (rank, gradient buffer) -> the zeros buffer its chain starts from
+        self.chain_start = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(b)
+                            for a, b, o in zip(acc[first], buf[first], out[first])}
         self.chain_end = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(o)
                           for a, o in zip(acc[last], out[last])}
 

@@ -26,7 +26,7 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
-from verdict.symmetry import Refusal, find_symmetry, foldable
+from verdict.symmetry import Refusal, Symmetry, find_symmetry, foldable
 
 
 @dataclass
@@ -58,6 +58,8 @@ class Verdict:
     #: the blocks of the plan: (checked against the representatives, proved,
     #: assumed); (0, 0, 0) when every node was proved
     blocks: tuple[int, int, int] = (0, 0, 0)
+    #: a materialized plan proved by symmetry: its classes of blocks (replicas x microbatches)
+    classes: int = 0
     #: the pair the stages and lineages index (the representatives of a
     #: materialized plan), when it is not the pair given
     pair: tuple[Plan, Plan] | None = None
@@ -142,6 +144,7 @@ def verify(single: Plan, parallel: Plan | Columns, *, prover: SolveFn, seed: int
     representatives (verdict/symmetry.py); any other is verified in full.
     ``Verdict.pair`` is the pair the stages index when it is not the one given
     (the given columns stay columns when no stage ran)."""
+    memo = {} if memo is None else memo  # shared by the cuts of classes of blocks
     options = dict(prover=prover, seed=seed, workers=workers, keep_going=keep_going, memo=memo,
                    progress=progress, executor=executor)
     verdict, pair = _verify(single, parallel, options)
@@ -183,26 +186,54 @@ def _verify(single: Plan, parallel: Plan | Columns, options: dict
     else:
         verdict = verify_pair(found.single, found.folded, **options)
         pair = (found.single, found.folded)
+        if verdict.success:
+            verdict, pair = _verify_classes(verdict, pair, found, options)
         if verdict.kind == "fold":  # cannot happen after the check; never a FAIL by itself
             full = parallel if isinstance(parallel, Plan) else parallel.to_plan()
             verdict = verify_pair(single, full, **options)
-            verdict.symmetry = "verified in full: the representatives were not uniform"
+            verdict.symmetry = "verified in full: a cut of the representatives was not uniform"
             return verdict, (single, full)
-        verdict.symmetry = found.describe()
+        if not verdict.symmetry:
+            verdict.symmetry = found.describe()
         verdict.fold = ""  # nothing assumed: every block was checked
-        verdict.blocks = (found.blocks, found.folded.world["dp"] * found.folded.world["nm"], 0)
-        verdict.ranks = found.ranks()
+        verdict.blocks = (found.blocks, found.proved(), 0)
+        verdict.classes = 1 + len(found.classes)
+        verdict.ranks = verdict.ranks or found.ranks()
     verdict.times["t_symmetry"] = t_symmetry
     verdict.times["t_graph"] = verdict.times.get("t_graph", 0.0) + t_symmetry
     verdict.times["t_total"] = verdict.times.get("t_total", 0.0) + t_symmetry
     return verdict, pair
 
 
+def _verify_classes(base: Verdict, pair: tuple[Plan, Plan], found: Symmetry, options: dict
+                    ) -> tuple[Verdict, tuple[Plan, Plan]]:
+    """After the base class proved, each other class of blocks by its
+    mixed cut (docs/soundness.md, "When the blocks differ: classes"), the
+    base's proofs shared through the memo; the first FAIL is the verdict,
+    naming the class (a ``fold`` finding of a cut, which the block check
+    excludes, is left to the caller: never a FAIL by itself)."""
+    for cut in found.classes:
+        verdict = verify_pair(cut.single, cut.folded, uniform=False, **options)
+        for k, v in verdict.times.items():
+            base.times[k] = base.times.get(k, 0.0) + v
+        if not verdict.success:
+            verdict.times = base.times
+            verdict.symmetry = found.failed(cut)
+            verdict.ranks = cut.ranks()
+            return verdict, (cut.single, cut.folded)
+        base.memo_hits += verdict.memo_hits
+    return base, pair
+
+
 def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0, workers: int = 1,
                 keep_going: bool = False, memo: dict[str, Outcome] | None = None,
-                progress: bool = False, executor: Executor | None = None) -> Verdict:
+                progress: bool = False, executor: Executor | None = None,
+                uniform: bool = True) -> Verdict:
     """The pipeline on one pair as given (a folded plan: ``single`` already
-    restricted to its rows)."""
+    restricted to its rows). ``uniform=False`` checks only the rules of the
+    folded uniformity check, not that its blocks run one program: a mixed
+    cut of classes of blocks, whose programs were compared on the whole
+    plan (verdict/symmetry.py)."""
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers, None, prover)
     times: dict[str, float] = {}
@@ -212,7 +243,8 @@ def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0,
         check_structure(parallel, "the parallel plan")
         check_layout(parallel)
         if parallel.is_folded():
-            check_uniform(single, parallel)  # single: restricted (verdict/fold.py fold_pair)
+            # single: restricted (verdict/fold.py fold_pair)
+            check_uniform(single, parallel, compare=uniform)
         times["t_graph"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         lineages, of_gs, of_gp = infer_lineages(single, parallel)

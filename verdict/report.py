@@ -75,7 +75,9 @@ def blocks_label(verdict: Verdict) -> str:
     checked, proved, assumed = verdict.blocks
     if not proved:
         return ""
-    return f"{checked} checked, {proved} proved, {assumed} assumed"
+    classes = (f" in {verdict.classes} class{'es' if verdict.classes > 1 else ''} of blocks"
+               if verdict.classes else "")
+    return f"{checked} checked{classes}, {proved} proved, {assumed} assumed"
 
 
 #: Column for the values an old file held past its header (rows appended

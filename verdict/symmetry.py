@@ -4,13 +4,16 @@ A plan with every rank and microbatch written out runs, at dp 512, one
 program 512 times. :func:`find_symmetry` checks that it does (every block
 (replica, microbatch) against its class's representative, with the
 uniformity rules of verdict/fold.py applied to the whole plan, glue
-included) and cuts out the representatives, replicas 0-1 and microbatches
-0-1, as a folded plan that the folded pipeline proves. docs/soundness.md,
-"Materialized plans: the symmetry found and checked", holds the argument.
+included) and cuts out the representatives, two replicas and two
+microbatches of the base class, as a folded plan that the folded pipeline
+proves; blocks that run another program form classes of their own
+(verdict/classes.py), each cut beside base blocks (:class:`ClassCut`).
+docs/soundness.md, "Materialized plans: the symmetry found and checked",
+holds the argument.
 
-A plan that is not covered, or whose blocks differ, is verified in full:
-:func:`find_symmetry` says why (:class:`Refusal`), it never FAILs a plan
-by itself.
+A plan that is not covered, or that breaks a rule of the block check, is
+verified in full: :func:`find_symmetry` says why (:class:`Refusal`), it
+never FAILs a plan by itself.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verdict.blocks import BlockCheck, _spans
+from verdict.classes import Axis, block_classes
 from verdict.columns import Columns
 from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
@@ -29,27 +33,86 @@ from verdict.ops import get_op
 from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor
 
 PlanLike = Plan | Columns
+#: How an n-way partial sum numbers the blocks: digit names major first, and
+#: the size of digit b (see ``_Cut.part_layout``)
+Layout = tuple[tuple[str, ...], int]
+
+
+@dataclass(frozen=True)
+class ClassCut:
+    """A class of blocks other than the base class (replicas x microbatches),
+    and its mixed cut: base blocks beside the class's representative block,
+    as a folded plan (docs/soundness.md, "When the blocks differ: classes")."""
+
+    single: Plan
+    folded: Plan
+    rank_of: dict[int, int]
+    replicas: tuple[int, ...]  # the class's replicas
+    microbatches: tuple[int, ...]  # and microbatches
+    why: str  # where its representatives differ from the classes they were compared with
+
+    def describe(self) -> str:
+        return (f"replica{'s' if len(self.replicas) > 1 else ''} {_short_list(self.replicas)} "
+                f"x microbatch{'es' if len(self.microbatches) > 1 else ''} "
+                f"{_short_list(self.microbatches)} "
+                f"run{'s' if len(self.replicas) * len(self.microbatches) == 1 else ''} "
+                f"another program ({self.why})")
+
+    def ranks(self) -> str:
+        return _ranks(self.rank_of)
 
 
 @dataclass(frozen=True)
 class Symmetry:
     """The representatives of a materialized plan, as a folded plan, and the
-    single-device plan restricted to their rows."""
+    single-device plan restricted to their rows; with the other classes of
+    blocks, one mixed cut each (``classes``)."""
 
     single: Plan
     folded: Plan
     blocks: int  # blocks (replica x microbatch) checked against the representatives
     rank_of: dict[int, int]  # rank of ``folded`` -> rank of the plan
+    base: tuple[int, ...] = (0, 1)  # the replicas of ``folded``
+    base_mbs: tuple[int, ...] = (0, 1)  # and its microbatches
+    classes: tuple[ClassCut, ...] = ()
 
     def describe(self) -> str:
         w = self.folded.world
-        return (f"{w['fold_dp']} x {w['fold_nm']} blocks (replica x microbatch) checked against "
-                f"the representatives, replicas 0-{w['dp'] - 1} and microbatches "
-                f"0-{w['nm'] - 1}, which were proved (docs/soundness.md)")
+        text = (f"{w['fold_dp']} x {w['fold_nm']} blocks (replica x microbatch) checked against "
+                f"the representatives, replicas {_span(self.base)} and microbatches "
+                f"{_span(self.base_mbs)}, which were proved (docs/soundness.md)")
+        if self.classes:
+            text += (f"; {1 + len(self.classes)} classes of blocks, each proved by its own cut: "
+                     + "; ".join(c.describe() for c in self.classes))
+        return text
+
+    def failed(self, cut: ClassCut) -> str:
+        """The report of a class whose cut FAILs."""
+        return (f"{self.blocks} blocks checked, in {1 + len(self.classes)} classes of blocks; "
+                f"the base class (replicas {_span(self.base)}, microbatches "
+                f"{_span(self.base_mbs)}) proved; FAILED in its own cut: {cut.describe()}")
 
     def ranks(self) -> str:
         """Where the representatives' ranks are in the plan (for a FAIL)."""
-        return ", ".join(f"{f}->{p}" for f, p in sorted(self.rank_of.items()) if f != p)
+        return _ranks(self.rank_of)
+
+    def proved(self) -> int:
+        """Blocks proved: the base cut's and each class cut's shown blocks."""
+        w = self.folded.world
+        return w["dp"] * w["nm"] * (1 + len(self.classes))
+
+
+def _ranks(rank_of: dict[int, int]) -> str:
+    return ", ".join(f"{f}->{p}" for f, p in sorted(rank_of.items()) if f != p)
+
+
+def _span(xs: tuple[int, ...]) -> str:
+    return f"{xs[0]}-{xs[1]}" if len(xs) == 2 and xs[1] == xs[0] + 1 else ", ".join(map(str, xs))
+
+
+def _short_list(xs: tuple[int, ...]) -> str:
+    return ", ".join(map(str, xs)) if len(xs) <= 6 else \
+        f"{', '.join(map(str, xs[:6]))}, ... ({len(xs)})"
 
 
 @dataclass(frozen=True)
@@ -109,19 +172,53 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
         if free >= 0:
             return Refusal(f"tensor {free} is read or written by no node (only the tensors of "
                            f"compared nodes are compared)")
-        check.run()
+        replicas, microbatches = block_classes(check)
     except FoldError as e:
         return Refusal(str(e))
     except StructureError as e:
         return Refusal(str(e), difference=True)
+    for axis, size in ((replicas, dp), (microbatches, nm)):
+        if size > 1 and len(axis.members(axis.base())) < 2:
+            return Refusal(f"no two {axis.name}s run one program "
+                           f"({axis.why[max(axis.why)]})", difference=True)
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
+    base_d = tuple(replicas.members(replicas.base())[:SHOWN])
+    base_m = tuple(microbatches.members(microbatches.base())[:SHOWN])
     try:
-        folded, rank_of = _Cut(parallel, check, shown).plan()
+        folded, rank_of = _Cut(parallel, check, shown, base_d, base_m).plan()
         restricted = restrict(single, shown)
+        cuts = [ClassCut(restricted, *_Cut(parallel, check, shown, d, m).plan(),
+                         tuple(replicas.members(r)), tuple(microbatches.members(q)),
+                         _difference(replicas, microbatches, r, q))
+                for r, q, d, m in _mixed_cuts(replicas, microbatches, base_d, base_m)]
     except FoldError as e:
         return Refusal(str(e))
-    return Symmetry(restricted, folded, dp * nm, rank_of)
+    return Symmetry(restricted, folded, dp * nm, rank_of, base_d, base_m, tuple(cuts))
+
+
+def _mixed_cuts(replicas: Axis, microbatches: Axis, base_d: tuple[int, ...],
+                base_m: tuple[int, ...]) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """(replica class, microbatch class, shown replicas, shown microbatches)
+    of every class of blocks but the base one: a base replica beside the
+    class's, a base microbatch beside the class's, or the base's two where
+    the class is the base one on that axis (docs/soundness.md, step 3)."""
+    out = []
+    for r in replicas.representatives():
+        for q in microbatches.representatives():
+            if (r, q) == (replicas.base(), microbatches.base()):
+                continue
+            shown_d = base_d if r == replicas.base() else (base_d[0], r)
+            shown_m = base_m if q == microbatches.base() else (base_m[0], q)
+            out.append((r, q, shown_d, shown_m))
+    return out
+
+
+def _difference(replicas: Axis, microbatches: Axis, r: int, q: int) -> str:
+    """Where the class (r, q) first differed from the one it was compared with."""
+    found = [x for x in (replicas.why.get(r), microbatches.why.get(q)) if x]
+    return "; ".join(found) or replicas.why.get(replicas.base(), "") or \
+        microbatches.why.get(microbatches.base(), "")
 
 
 def layout_view(cols: Columns) -> Plan:
@@ -194,14 +291,21 @@ class _Cut:
     batch rows and block parts moved to the shown blocks. Only these nodes
     become Node objects (``Columns.to_plan``)."""
 
-    def __init__(self, parallel: PlanLike, check: BlockCheck, fold: Fold):
+    def __init__(self, parallel: PlanLike, check: BlockCheck, fold: Fold,
+                 replicas: tuple[int, ...] | None = None,
+                 microbatches: tuple[int, ...] | None = None):
         self.check, self.fold, self.source = check, fold, parallel
+        #: position among the shown replicas of each replica, -1 when not shown
+        self.pos = _positions(fold.real_dp, fold.dp, replicas)
+        #: likewise among the shown microbatches
+        self.pos_m = _positions(fold.real_nm, fold.nm, microbatches)
         w = parallel.world
         self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
         self.batch = check.batch
         self.rows = check.rows
         cols = check.cols
-        nodes = np.flatnonzero((check.n_d < fold.dp) & (cols.n_mb < fold.nm))
+        nodes = np.flatnonzero((self.pos[check.n_d] >= 0) & (
+            (cols.n_mb < 0) | (self.pos_m[np.maximum(cols.n_mb, 0)] >= 0)))
         used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
@@ -210,7 +314,7 @@ class _Cut:
                   else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.starts = self.block_starts()
-        self.layouts: dict[int, tuple[str, ...] | None] = {}
+        self.layouts: dict[int, Layout | None] = {}
         self.single_parts = self.own_parts()
 
     def local(self, t: int) -> int:
@@ -220,10 +324,18 @@ class _Cut:
 
     # -- ranks and blocks ------------------------------------------------------
     def new_rank(self, rank: int) -> int | None:
-        (stage, c, t), d = self.check.mesh.split(rank)
-        if d >= self.fold.dp:
+        (stage, c, t), real = self.check.mesh.split(rank)
+        d = int(self.pos[real])
+        if d < 0:
             return None
         return ((stage * self.fold.dp + d) * self.cp + c) * self.tp + t
+
+    def new_mb(self, mb: int) -> int | None:
+        """A microbatch's number in the cut (None: not shown); -1 stays."""
+        if mb < 0:
+            return mb
+        k = int(self.pos_m[mb])
+        return k if k >= 0 else None
 
     def block_starts(self) -> dict[tuple[int, int], int]:
         """(replica, microbatch) -> its first batch row in the plan, the same
@@ -241,35 +353,42 @@ class _Cut:
         """Plan row of a shown block's start -> its row in the folded plan:
         the shown blocks in their order, b rows apart from 0."""
         shown = sorted(row for (d, m), row in self.starts.items()
-                       if d < self.fold.dp and m < self.fold.nm)
+                       if self.pos[d] >= 0 and self.pos_m[m] >= 0)
         return {row: k * self.rows for k, row in enumerate(shown)}
 
-    def part_layout(self, n: int) -> tuple[str, ...] | None:
+    def part_layout(self, n: int) -> Layout | None:
         """How an n-way partial sum over the K = dp x nm blocks numbers them:
-        the part index as digits (replica d, microbatch m, the rest r of
-        size n / K) in some order, major first; the first order under which
-        every single-part claim of a shown block's own tensors names its own
-        d and m. None when none fits (the cut is then refused)."""
+        the part index as digits (replica d, microbatch m, and the rest of
+        size R = n / K as two digits a and b, r = a (R / b') + b with b' a
+        divisor of R: a context-parallel index before the microbatch and a
+        balanced chunk after it) in some order, major first; the first
+        layout under which every single-part claim of a shown block's own
+        tensors names its own d and m. None when none fits (the cut is then
+        refused). Claims are what stages prove, so a layout chosen here can
+        cost a proof, never soundness."""
         if n not in self.layouts:
-            fits = [order for order in itertools.permutations("dmr")
-                    if all(self.digits(order, n, lo, real=True)[:2] == block
+            rest = n // (self.fold.real_dp * self.fold.real_nm)
+            fits = [(order, b) for b in range(1, rest + 1) if rest % b == 0
+                    for order in itertools.permutations("dmab")
+                    if all(self.digits((order, b), n, lo, real=True)[:2] == block
                            for block, lo in self.single_parts.get(n, ()))]
             self.layouts[n] = fits[0] if fits else None
         return self.layouts[n]
 
-    def digits(self, order: tuple[str, ...], n: int, i: int, real: bool) -> tuple[int, int, int]:
-        """(d, m, r) of part i of n under ``order``."""
-        size = self.radix(n, real)
+    def digits(self, layout: Layout, n: int, i: int, real: bool) -> tuple[int, ...]:
+        """(d, m, a, b) of part i of n under ``layout``."""
+        size = self.radix(layout, n, real)
         out = {}
-        for name in reversed(order):
+        for name in reversed(layout[0]):
             i, out[name] = divmod(i, size[name])
-        return out["d"], out["m"], out["r"]
+        return out["d"], out["m"], out["a"], out["b"]
 
-    def radix(self, n: int, real: bool) -> dict[str, int]:
-        k = self.fold.real_dp * self.fold.real_nm
+    def radix(self, layout: Layout, n: int, real: bool) -> dict[str, int]:
+        rest = n // (self.fold.real_dp * self.fold.real_nm)
+        b = layout[1]
         if real:
-            return {"d": self.fold.real_dp, "m": self.fold.real_nm, "r": n // k}
-        return {"d": self.fold.dp, "m": self.fold.nm, "r": n // k}
+            return {"d": self.fold.real_dp, "m": self.fold.real_nm, "a": rest // b, "b": b}
+        return {"d": self.fold.dp, "m": self.fold.nm, "a": rest // b, "b": b}
 
     def own_parts(self) -> dict[int, list[tuple[tuple[int, int], int]]]:
         """n -> (block, part) of every single-part claim of n parts (n a
@@ -305,31 +424,37 @@ class _Cut:
             out[k] = (start[base] + a - base, start[base] + b - base)
         return tuple(out)
 
-    def parts(self, t: Tensor) -> tuple[int, int, int]:
-        """A claim's parts moved to the shown blocks (see part_layout)."""
+    def parts(self, t: Tensor, running: bool = False) -> tuple[int, int, int]:
+        """A claim's parts moved to the shown blocks (see part_layout). A
+        ``running`` buffer (an accumulation's output, relinked in the cut)
+        claims the blocks of the shown microbatches it sums: its parts of
+        unshown blocks are dropped (a claim is what a stage proves, so this
+        can cost a proof, never soundness)."""
         lo, hi, n = t.parts
         k = self.fold.real_dp * self.fold.real_nm
         if n <= 1 or n % k:
             return t.parts
-        order = self.part_layout(n)
-        if order is None:
+        layout = self.part_layout(n)
+        if layout is None:
             raise FoldError(f"{self.p.logical[t.tid].name}'s parts ({n}-way) number the blocks "
                             f"in no way the cut can follow")
-        size = self.radix(n, real=False)
+        size = self.radix(layout, n, real=False)
         image = []
         for i in range(lo, hi):
-            d, m, r = self.digits(order, n, i, real=True)
-            if d >= self.fold.dp or m >= self.fold.nm:
+            d, m, a, b = self.digits(layout, n, i, real=True)
+            if running and self.pos[d] >= 0 and self.pos_m[m] < 0:
+                continue
+            if self.pos[d] < 0 or self.pos_m[m] < 0:
                 raise FoldError(f"{self.p.logical[t.tid].name} claims parts of unshown blocks")
-            value = {"d": d, "m": m, "r": r}
+            value = {"d": int(self.pos[d]), "m": int(self.pos_m[m]), "a": a, "b": b}
             code = 0
-            for name in order:
+            for name in layout[0]:
                 code = code * size[name] + value[name]
             image.append(code)
-        if sorted(image) != list(range(min(image), min(image) + len(image))):
+        if not image or sorted(image) != list(range(min(image), min(image) + len(image))):
             raise FoldError(f"{self.p.logical[t.tid].name}'s parts are not contiguous among the "
                             f"shown blocks")
-        return (min(image), min(image) + len(image), size["d"] * size["m"] * size["r"])
+        return (min(image), min(image) + len(image), size["d"] * size["m"] * size["a"] * size["b"])
 
     # -- the folded plan ---------------------------------------------------------
     def chain_ends(self) -> tuple[dict[int, int], dict[int, Tensor]]:
@@ -337,7 +462,7 @@ class _Cut:
         microbatch, both as tensors of ``self.p``; and the plan's end each
         shown end stands for (whose claim it takes when that is the whole
         gradient: the last shown microbatch completes the shown blocks)."""
-        last = self.fold.nm - 1
+        last = int(np.flatnonzero(self.pos_m == self.fold.nm - 1)[0])
         ends, claims = {}, {}
         for node in self.p.nodes:
             if node.op == ACCUMULATE and node.mb == last:
@@ -350,6 +475,29 @@ class _Cut:
                     ends[end] = out
         return ends, dict(zip(claims, self.source_tensors(list(claims.values()))))
 
+    def relinks(self) -> dict[int, int]:
+        """Node of ``self.p`` -> the buffer its accumulation reads in the
+        cut: the chain's zeros buffer for the first shown microbatch, the
+        previous shown microbatch's output for the others (what they read
+        already when microbatches 0 and 1 are shown)."""
+        chains: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for i, node in enumerate(self.p.nodes):
+            if node.op == ACCUMULATE and node.mb >= 0:
+                key = (node.rank, self.p.tensors[node.outputs[0]].tid)
+                chains.setdefault(key, []).append((int(self.pos_m[node.mb]), i))
+        out = {}
+        for key, accs in chains.items():
+            accs.sort()
+            zeros = self.local(self.check.chain_start.get(key, -1))
+            if zeros < 0:
+                raise FoldError(f"the chain of {self.p.logical[key[1]].name} on rank {key[0]} "
+                                f"starts from no buffer the representatives hold")
+            previous = zeros
+            for _, i in accs:
+                out[i] = previous
+                previous = self.p.nodes[i].outputs[0]
+        return out
+
     def source_tensors(self, ts: list[int]) -> list[Tensor]:
         if isinstance(self.source, Plan):
             return [self.source.tensors[t] for t in ts]
@@ -358,11 +506,20 @@ class _Cut:
     def plan(self) -> tuple[Plan, dict[int, int]]:
         p, fold = self.p, self.fold
         ends, claims = self.chain_ends()
-        shown = self.d < fold.dp
+        shown = self.pos[self.d] >= 0
+        relinks = self.relinks()
+        running = {p.nodes[i].outputs[0] for i in relinks}
         nodes = []
         for i, node in enumerate(p.nodes):
             ins = [ends.get(t, t) for t in node.inputs]
+            if i in relinks:
+                ins[0] = relinks[i]
             kwargs = dict(node.kwargs)
+            for key in ("src", "dst"):  # peers are in the replica (checked): renumbered
+                peer = kwargs.get(key)
+                if node.op == "send_recv" and isinstance(peer, int) and \
+                        self.new_rank(peer) is not None:
+                    kwargs[key] = self.new_rank(peer)
             if any(t >= 0 and not shown[t] for t in node.inputs):
                 if not (get_op(node.op).group and node.mb < 0):
                     raise FoldError(f"{label_of(p, i)} reads another replica's tensor")
@@ -370,15 +527,15 @@ class _Cut:
                 ins = [e for t, e in zip(node.inputs, ins) if t < 0 or shown[t]]
                 if own >= 0:
                     kwargs["index"] = ins.index(ends.get(own, own))
-            nodes.append(node._replace(rank=self.new_rank(node.rank), inputs=tuple(ins),
-                                       kwargs=kwargs))
+            nodes.append(node._replace(rank=self.new_rank(node.rank), mb=self.new_mb(node.mb),
+                                       inputs=tuple(ins), kwargs=kwargs))
         used = sorted({t for n in nodes for t in (*n.inputs, *n.outputs) if t >= 0})
         index = {t: k for k, t in enumerate(used)}
         start = self.new_start()
         tensors, rank_of = [], {}
         for t in used:
             x = p.tensors[t]
-            if x.mb >= fold.nm or not shown[t]:
+            if self.new_mb(x.mb) is None or not shown[t]:
                 raise FoldError(f"the representatives read {p.logical[x.tid].name} of rank "
                                 f"{x.rank}, microbatch {x.mb}, which they do not hold")
             rank = self.new_rank(x.rank)
@@ -387,7 +544,8 @@ class _Cut:
                 real = claims[t]
                 x = x._replace(lver=real.lver, slices=real.slices, parts=real.parts,
                                scale=real.scale)
-            tensors.append(x._replace(rank=rank, slices=self.slices(x, start), parts=self.parts(x)))
+            tensors.append(x._replace(rank=rank, mb=self.new_mb(x.mb), slices=self.slices(x, start),
+                                      parts=self.parts(x, t in running)))
         nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
                             outputs=tuple(index[t] if t >= 0 else -1 for t in n.outputs))
                  for n in nodes]
@@ -396,6 +554,14 @@ class _Cut:
         folded = Plan(world=world, logical=list(p.logical), tensors=tensors, nodes=nodes,
                       loss=p.loss, grads=dict(p.grads))
         return folded, rank_of
+
+
+def _positions(real: int, shown: int, picked: tuple[int, ...] | None) -> np.ndarray:
+    """Position of each of ``real`` indices among the ``shown`` picked ones
+    (0..shown-1 when None), -1 for the others."""
+    pos = np.full(real, -1, dtype=np.int64)
+    pos[list(range(shown)) if picked is None else sorted(picked)] = np.arange(shown)
+    return pos
 
 
 def _sub_plan(plan: Plan, nodes: np.ndarray, tensors: np.ndarray) -> Plan:

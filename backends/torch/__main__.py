@@ -3,8 +3,8 @@
     python -m backends.torch --recipe backends.torch.recipes:tp_sp --dp 2 --tp 2 -o DIR
 
 runs the step once on one device and once per rank of the (dp, tp) mesh
-under a fake process group (one process per rank), lowers what each ran
-onto the rule table and writes ``DIR/STEM_single.pkl`` and
+under a fake process group (one process per rank, ``backends.torch.ranks``),
+lowers what each ran onto the rule table and writes ``DIR/STEM_single.pkl`` and
 ``DIR/STEM_parallel.pkl`` (with their JSON world specs; ``--format npz``:
 columnar files, ``.npz``). Verify them with
 ``python main.py --sm ... --pm ...``. Exit 2 with one line on an op that is
@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import multiprocessing
-import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
-from backends.torch.lower import LoweringError, lower_trace
-from backends.torch.rank import load, run, run_isolated
+from backends.torch.lower import LoweringError, check_even_shards, lower_trace
+from backends.torch.rank import load, run
+from backends.torch.ranks import trace_ranks
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
 MODELS = {
@@ -38,6 +36,9 @@ MODELS = {
     "llama_titan": "backends.torch.stock_models:llama_titan",
     "encoder": "backends.torch.stock_models:encoder",
     "encoder_prenorm": "backends.torch.stock_models:encoder_prenorm",
+    **{name: f"backends.torch.stock_models:{name}" for name in (
+        "gpt2_split", "gpt2_shifted", "gqa", "gqa_finfo", "gqa_additive", "gqa_pad", "gqa_pad_mean", "mlp_l1",
+        "mlp_smooth_l1")},
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
@@ -125,31 +126,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-#: modules every rank needs, imported once by the fork server: torch's
-#: parallel APIs (pipelining alone imports torch._dynamo, 0.7 s of CPU) and
-#: the backend's recording
-PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.fsdp", "torch.distributed.pipelining", "backends.torch.rank"]
-
-
-def trace_ranks(spec: dict, world: int) -> list[dict]:
-    """Every rank's trace, each in a fresh process forked from a server that
-    has imported torch, its parallel APIs and the model's and recipe's
-    modules once (a process per rank, without paying the imports per
-    rank). The server starts with the first call of a process, so later
-    calls with other modules import those in each rank."""
-    ctx = multiprocessing.get_context("forkserver")
-    modules = [ref.partition(":")[0] for ref in (spec["model"], spec["recipe"])]
-    ctx.set_forkserver_preload([*PRELOAD, *modules])
-    workers = min(world, os.cpu_count() or 2)
-    with ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1) as pool:
-        results = list(pool.map(run_isolated, [spec] * world, range(world)))
-    for rank, result in enumerate(results):
-        if isinstance(result, str):
-            raise LoweringError(f"rank {rank} did not run: {result}")
-    return results
-
-
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
@@ -175,8 +151,10 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
-    traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp)
+    traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp,
+                         single.get("imports", ()))
     world["nm"] = traces[0]["microbatches"]
+    check_even_shards(traces)
     low_s = lower_trace(single, args.vocab)
     lows = [lower_trace(t, args.vocab) for t in traces]
     return build_plans(low_s, lows, world), single

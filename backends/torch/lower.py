@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from backends.torch.errors import LoweringError
 from backends.torch.lower_nn import (
     NN_HANDLERS,
@@ -26,11 +28,13 @@ from backends.torch.lower_nn import (
     complex_mul,
     constant_input,
     constant_value,
+    masked_fill,
     one_hot_constant,
     to_copy,
+    where,
 )
 
-__all__ = ["LNode", "Lowered", "LoweringError", "lower_trace"]
+__all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_trace"]
 
 
 @dataclass
@@ -78,6 +82,16 @@ class _Ids:
         return _Ids(self.source, self.index * parts + index, self.parts * parts)
 
 
+@dataclass(frozen=True, eq=False)
+class _IdRows:
+    """Integer ids the model cut or padded (``labels[:, 1:]``, ``F.pad(...,
+    value=-100)``): their one-hot rows ``x`` (lowered, ``[*ids.shape,
+    vocab]``; an id outside the vocabulary, a pad, is a zero row) and the
+    recorded ids themselves (for the count a mean divides by)."""
+    x: int
+    ids: np.ndarray
+
+
 @dataclass(frozen=True)
 class _IdsTest:
     """``ids < value`` (op "lt") or ``ids >= value`` (op "ge")."""
@@ -93,6 +107,21 @@ class _VocabMask:
     ids: _Ids
     lo: int
     hi: int
+
+
+@dataclass(frozen=True)
+class _MaskedLookup:
+    """A vocabulary-parallel lookup (its lowered value ``out``: the one-hot
+    slice times the local table, already zero outside the rows) before the
+    recorded run zeroes the rows of ids outside the shard. Until that
+    ``index_put_`` only it may read the lookup: the recorded tensor still
+    holds table row 0 there, which the lowered value does not."""
+    out: int
+    mask: _VocabMask
+
+    def emit_into(self, lw: Any) -> int:
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel lookup is read before the rows "
+                            f"of ids outside its shard are zeroed")
 
 
 @dataclass(frozen=True)
@@ -242,10 +271,11 @@ class _Lowerer:
     mb: int = -1
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
-    masked_rows: dict[int, _VocabMask] = field(default_factory=dict)  # zero where masked
     params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
     fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
+    quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
+    norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -299,6 +329,8 @@ class _Lowerer:
             if x.share != 1:
                 s = self.emit("div", [s], [self.shapes[s]], {"value": float(x.share)})[0]
             return self.emit("pow", [s], [self.shapes[s]], {"exponent": 0.5})[0]
+        if hasattr(x, "emit_into"):  # a pending value of lower_vocab_parallel or _NllGrad
+            return self.materialize(x.emit_into(self))
         if isinstance(x, _Piece):
             src = self.materialize(x.of)
             shape = list(self.shapes[src])
@@ -413,6 +445,8 @@ def _binary(tensor_op: str, scalar_op: str):
 def _scalar(op: str):
     def lower(lw: _Lowerer, args, kwargs, shapes, group):
         value = lw.const(args[1])
+        if value is None and op == "div":
+            return _quotient(lw, args, kwargs, shapes)
         if value is None:
             raise LoweringError(f"{lw.name}: {op} by a tensor is not lowered")
         buf = lw.env.get(args[0][1])
@@ -420,6 +454,18 @@ def _scalar(op: str):
             return _ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value)
         return lw.emit(op, [lw.val(args[0])], shapes, {"value": value})[0]
     return lower
+
+
+def _quotient(lw: _Lowerer, args, kwargs, shapes) -> int:
+    """a / b for a tensor b: a * pow(b, -1) (the reciprocal uninterpreted, as
+    every non-linear function); a rounding mode is refused."""
+    if kwargs.get("rounding_mode") is not None:
+        raise LoweringError(f"{lw.name}: division with rounding_mode is not lowered")
+    a, b = lw.val(args[0]), lw.val(args[1])
+    recip = lw.emit("pow", [b], [lw.shapes[b]], {"exponent": -1.0})[0]
+    out = lw.emit("mul", [a, recip], shapes)[0]
+    lw.quotients[out] = (a, b)
+    return out
 
 
 def _unary(op: str):
@@ -460,53 +506,163 @@ def _log_softmax(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _log_softmax_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    """g - exp(out) * sum(g) along the dim."""
-    g, out, dim = lw.val(args[0]), lw.val(args[1]), int(args[2])
-    shape = list(lw.shapes[g])
+    """g - exp(out) * sum(g) along the dim; of the nll backward's gradient,
+    the fused form ``(exp(out) - labels) * g`` (``_NllGrad``)."""
+    pending = lw.env.get(args[0][1])
+    out, dim = lw.val(args[1]), int(args[2])
+    shape = list(lw.shapes[out])
     dim %= len(shape)
+    if isinstance(pending, _NllGrad) and pending.whole and dim == len(shape) - 1:
+        return pending.fused(lw, out)
+    g = lw.val(args[0])
     row = [*shape[:dim], 1, *shape[dim + 1:]]
     total = lw.emit("sum", [g], [row], {"dim": dim, "keepdim": True})[0]
     e = lw.emit("exp", [out], [shape])[0]
     return lw.emit("sub", [g, lw.emit("mul", [e, total], [shape])[0]], [shape])[0]
 
 
-def _nll_checks(lw: _Lowerer, weight: Any, reduction: int, target: Any, ignore: Any) -> int:
-    """The one-hot labels. An ignore index outside ``[0, vocab)`` (the
-    default, -100) ignores none of the batch's labels; one inside it would
-    make the mean's divisor depend on the labels' values."""
+def _label_values(lw: _Lowerer, target: Any) -> np.ndarray:
+    """The recorded integer ids an op reads (the rank's rows of the batch,
+    its microbatch piece, seen with the op's shape)."""
+    piece = lw.env.get(target[1])
+    if isinstance(piece, _IdRows):
+        return piece.ids
+    ids = lw.trace.get("batch_ids", {}).get(getattr(piece, "source", None))
+    if not isinstance(piece, _Ids) or ids is None:
+        raise LoweringError(f"{lw.name}: the values of the labels a loss reads are not recorded")
+    ids = np.split(np.asarray(ids), piece.parts, axis=0)[piece.index]
+    return ids.reshape(piece.shape) if piece.shape is not None else ids
+
+
+def _nll_target(lw: _Lowerer, weight: Any, reduction: int, target: Any,
+                ignore: Any) -> tuple[int, int]:
+    """The one-hot labels the loss reads and the count a mean divides by.
+
+    An ignore index outside ``[0, vocab)`` (the default, -100) ignores none
+    of the batch's labels. One inside it zeroes that column of the one-hot
+    labels (the rows of that label drop out, for every label matrix), and
+    the mean divides by the count of the other labels *in the recorded
+    batch*: a constant of the traced step (docs/soundness.md, "Plans traced
+    from PyTorch", 10)."""
     if weight is not None or reduction not in (1, 2):
         raise LoweringError(f"{lw.name}: nll_loss with class weights or no reduction is not lowered")
-    if ignore is not None and 0 <= int(ignore) < lw.vocab:
-        raise LoweringError(f"{lw.name}: cross-entropy with ignore_index {ignore} inside the "
-                            f"vocabulary is not lowered (labels are drawn from the whole "
-                            f"vocabulary)")
-    return _one_hot(lw, target)
-
-
-def _nll(lw: _Lowerer, args, kwargs, shapes, group):
-    """-sum(logp * one-hot labels), divided by the label count for a mean.
-    The labels are the batch's (none equals the ignore index)."""
-    logp, reduction = lw.val(args[0]), int(args[3])
-    labels = _nll_checks(lw, args[2], reduction, args[1], args[4] if len(args) > 4 else None)
-    picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [lw.shapes[logp]])[0]], [()],
-                     {"dim": None, "keepdim": False})[0]
-    out = lw.emit("mul_scalar", [picked], [()], {"value": -1.0})[0]
+    labels = _one_hot(lw, target)
     count = math.prod(lw.shapes[labels][:-1])
+    if isinstance(lw.env.get(target[1]), _IdRows):
+        # ids the model padded: the pads (out of the vocabulary) are zero rows
+        ids = _label_values(lw, target)
+        outside = (ids < 0) | (ids >= lw.vocab)
+        if ignore is None or np.any(outside & (ids != int(ignore))):
+            raise LoweringError(f"{lw.name}: labels outside the vocabulary other than the "
+                                f"ignore_index {ignore}")
+        count = int(np.sum(ids != int(ignore)))
+    if ignore is not None and 0 <= int(ignore) < lw.vocab:
+        keep = np.ones(lw.vocab)
+        keep[int(ignore)] = 0.0
+        labels = lw.emit("mul", [labels, constant_input(lw, keep)], [lw.shapes[labels]])[0]
+        count = int(np.sum(_label_values(lw, target) != int(ignore)))
+    if count == 0 and reduction == 1:
+        raise LoweringError(f"{lw.name}: a mean cross-entropy over no kept label (every label "
+                            f"is ignore_index {ignore})")
+    return labels, count
+
+
+def _class_last(lw: _Lowerer, x: int) -> int:
+    """``[N, C, d...]`` with the class dim moved last (nll_loss2d's layout to
+    the one-hot labels' ``[N, d..., C]``), by adjacent transposes."""
+    shape = list(lw.shapes[x])
+    for d in range(1, len(shape) - 1):
+        shape[d], shape[d + 1] = shape[d + 1], shape[d]
+        x = lw.emit("transpose", [x], [tuple(shape)], {"dim0": d, "dim1": d + 1})[0]
+    return x
+
+
+def _class_second(lw: _Lowerer, x: int) -> int:
+    """The inverse of ``_class_last``."""
+    shape = list(lw.shapes[x])
+    for d in range(len(shape) - 2, 0, -1):
+        shape[d], shape[d + 1] = shape[d + 1], shape[d]
+        x = lw.emit("transpose", [x], [tuple(shape)], {"dim0": d, "dim1": d + 1})[0]
+    return x
+
+
+def _nll(lw: _Lowerer, args, kwargs, shapes, group, classes_second: bool = False):
+    """-sum(logp * one-hot labels), divided by the kept-label count for a
+    mean: each row's picked log-probability (a row sum, as a loss-parallel
+    run computes it), negated, summed. ``classes_second``: nll_loss2d's
+    ``[N, C, d...]`` log-probabilities."""
+    logp, reduction = lw.val(args[0]), int(args[3])
+    if classes_second:
+        logp = _class_last(lw, logp)
+    labels, count = _nll_target(lw, args[2], reduction, args[1],
+                                args[4] if len(args) > 4 else None)
+    shape = lw.shapes[logp]
+    if lw.shapes[labels] != shape:
+        raise LoweringError(f"{lw.name}: nll_loss of {list(shape)} log-probabilities "
+                            f"against labels {list(lw.shapes[labels][:-1])}")
+    rows = [*shape[:-1], 1]
+    picked = lw.emit("sum", [lw.emit("mul", [logp, labels], [shape])[0]], [rows],
+                     {"dim": len(shape) - 1, "keepdim": True})[0]
+    picked = lw.reshape(picked, tuple(shape[:-1]))
+    negated = lw.emit("mul_scalar", [picked], [shape[:-1]], {"value": -1.0})[0]
+    out = lw.emit("sum", [negated], [()], {"dim": None, "keepdim": False})[0]
     if reduction == 1:
         out = lw.emit("div", [out], [()], {"value": float(count)})[0]
     return [out, "count"]
 
 
-def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group):
-    """-one-hot labels * g, divided by the label count for a mean."""
+@dataclass(frozen=True)
+class _NllGrad:
+    """The nll backward, ``-labels * g`` (divided by the kept-label count
+    for a mean), not yet emitted. When every label row is one-hot (no
+    label ignored or padded: ``whole``), the log-softmax backward reading
+    it fuses into ``(exp(logp) - labels) * g``, which equals ``g' -
+    exp(logp) * sum(g')`` for ``g' = -labels * g`` because every row of
+    the labels sums to 1 (docs/soundness.md, "Plans traced from PyTorch",
+    2 and 7c); an ignored row is a zero row, so it is never fused."""
+    labels: int
+    g: int
+    count: int | None
+    whole: bool
+
+    def emit_into(self, lw: _Lowerer) -> int:
+        shape = lw.shapes[self.labels]
+        out = lw.emit("mul_scalar", [lw.emit("mul", [self.labels, self.g], [shape])[0]], [shape],
+                      {"value": -1.0})[0]
+        return self.divided(lw, out)
+
+    def fused(self, lw: _Lowerer, logp: int) -> int:
+        shape = lw.shapes[logp]
+        negated = lw.emit("mul_scalar", [self.labels], [shape], {"value": -1.0})[0]
+        e = lw.emit("exp", [logp], [shape])[0]
+        total = lw.emit("add", [negated, e], [shape])[0]
+        return self.divided(lw, lw.emit("mul", [total, self.g], [shape])[0])
+
+    def divided(self, lw: _Lowerer, x: int) -> int:
+        if self.count is None:
+            return x
+        return lw.emit("div", [x], [lw.shapes[x]], {"value": float(self.count)})[0]
+
+
+def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group, classes_second: bool = False):
+    """-one-hot labels * g, divided by the kept-label count for a mean
+    (pending: ``_NllGrad``; nll_loss2d's gradient moved back to its layout)."""
     g, reduction = lw.val(args[0]), int(args[4])
-    labels = _nll_checks(lw, args[3], reduction, args[2], args[5] if len(args) > 5 else None)
-    shape = lw.shapes[labels]
-    out = lw.emit("mul_scalar", [lw.emit("mul", [labels, g], [shape])[0]], [shape],
-                  {"value": -1.0})[0]
-    if reduction == 1:
-        out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape[:-1]))})[0]
-    return out
+    ignore = args[5] if len(args) > 5 else None
+    labels, count = _nll_target(lw, args[3], reduction, args[2], ignore)
+    whole = count == math.prod(lw.shapes[labels][:-1]) \
+        and not isinstance(lw.env.get(args[2][1]), _IdRows) \
+        and (ignore is None or not 0 <= int(ignore) < lw.vocab)
+    grad = _NllGrad(labels, g, count if reduction == 1 else None, whole)
+    return _class_second(lw, grad.emit_into(lw)) if classes_second else grad
+
+
+def _nll2d(lw: _Lowerer, args, kwargs, shapes, group):
+    return _nll(lw, args, kwargs, shapes, group, classes_second=True)
+
+
+def _nll2d_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    return _nll_bw(lw, args, kwargs, shapes, group, classes_second=True)
 
 
 def _silu_bw(lw: _Lowerer, args, kwargs, shapes, group):
@@ -519,7 +675,10 @@ def _reduce(op: str):
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         if isinstance(dim, list) and not dim:
             dim = None
-        return lw.emit(op, [lw.val(args[0])], shapes, {"dim": dim, "keepdim": keepdim})[0]
+        x = lw.val(args[0])
+        if isinstance(dim, (list, tuple)) and len(dim) == 1:
+            dim = int(dim[0]) % len(lw.shapes[x])  # one dim, as the lowered log-softmax names it
+        return lw.emit(op, [x], shapes, {"dim": dim, "keepdim": keepdim})[0]
     return lower
 
 
@@ -596,14 +755,17 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
-    if isinstance(src, _ChunkCat) and src.group is not None:
+    if isinstance(src, _ChunkCat) and (src.group is not None or src.chunks == 1):
+        # reduce-scattered, or (a shard group of one rank) never communicated
         at = 0
         for g in src.grads:
             numel = math.prod(lw.shapes[g]) // src.chunks
             if at == offset and numel == math.prod(size):
                 shape = list(lw.shapes[g])
                 shape[0] //= src.chunks
-                x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
+                x = g
+                if src.group is not None:
+                    x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
                 if src.divide != 1.0:
                     x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
                 return _view_to(lw, x, tuple(size))
@@ -613,6 +775,8 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
     x = lw.val(args[0])
     if offset != 0 or math.prod(size) != math.prod(lw.shapes[x]):
         raise LoweringError(f"{lw.name}: as_strided at offset {offset} is not lowered")
+    if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == tuple(size):
+        return lw.flat_of[x]  # a flattened value seen whole again (FSDP of one rank)
     return _view_to(lw, x, tuple(size))
 
 
@@ -661,11 +825,32 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[li
     return groups
 
 
+def _gathered_dim(src: tuple[int, ...], dst: tuple[int, ...], n: int) -> int | None:
+    """The dim k along which an all-gather (along dim 0) of ``src`` pieces,
+    seen with shape ``dst``, is an all-gather along k: ``dst`` is ``src``
+    with dim k n times longer and every dim before k of size 1 (the ranks'
+    pieces then lie one after another along k; DTensor's gather of a
+    one-row batch along the sequence is such a view)."""
+    if len(src) != len(dst):
+        return None
+    grown = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(grown) != 1:
+        return None
+    k = grown[0]
+    return k if dst[k] == n * src[k] and all(a == 1 for a in src[:k]) else None
+
+
 def _view(lw: _Lowerer, args, kwargs, shapes, group):
     f = lw.env.get(args[0][1])
     dst = tuple(shapes[0])
     if isinstance(f, _Ids):
         return _Ids(f.source, f.index, f.parts, dst)
+    if isinstance(f, _Gathered):
+        k = _gathered_dim(lw.shapes[f.x], dst, len(f.group))
+        if k is not None:
+            return lw.emit("all_gather", [f.x], [dst], {"dim": k}, group=f.group)[0]
+    if isinstance(f, _IdRows):
+        return _IdRows(lw.reshape(f.x, (*dst, lw.vocab)), f.ids.reshape(dst))
     if isinstance(f, (_Flat, _As)) and lw.shapes[f.x] == dst:
         return f.x
     if isinstance(f, _As):
@@ -724,6 +909,8 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
     """The one-hot rows of the ids an op reads: the input, or a microbatch
     of it (one ``split`` per piece), reshaped as the ids were."""
     piece = lw.env.get(ids[1]) if isinstance(ids, (list, tuple)) and ids[0] == "v" else None
+    if isinstance(piece, _IdRows):
+        return piece.x
     if not isinstance(piece, _Ids):
         raise LoweringError(f"{lw.name}: integer ids other than the batch's are not lowered")
     base = _Ids(piece.source, piece.index, piece.parts)
@@ -767,8 +954,7 @@ def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
     part = lw.emit("split", [onehot], [shape], {"dim": len(shape) - 1, "parts": lw.vocab // rows,
                                                  "index": mask.lo // rows})[0]
     out = lw.emit("embedding", [part, w], shapes)[0]
-    lw.masked_rows[out] = mask
-    return out
+    return _MaskedLookup(out, mask)
 
 
 def _ids_value(lw: _Lowerer, ids: _Ids) -> int:
@@ -779,10 +965,21 @@ def _ids_value(lw: _Lowerer, ids: _Ids) -> int:
     raise LoweringError(f"{lw.name}: ids no recorded op produced")
 
 
+@dataclass(frozen=True)
+class _Compare:
+    """``x op c`` for a computed tensor x and a number c (op gt, ge, lt, le):
+    kept pending until a ``where`` selects with it."""
+    x: int
+    op: str
+    c: float
+
+
 def _ids_test(op: str):
     def lower(lw: _Lowerer, args, kwargs, shapes, group):
         ids = lw.env.get(args[0][1])
         value = lw.const(args[1])
+        if not isinstance(ids, _Ids) and value is not None and op in ("lt", "ge", "gt", "le"):
+            return _Compare(lw.val(args[0]), op, value)
         if not isinstance(ids, _Ids) or value is None:
             raise LoweringError(f"{lw.name}: a comparison other than of the batch's ids with "
                                 f"a number is not lowered")
@@ -819,8 +1016,8 @@ def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
         mask = masks[0]
         if isinstance(target, _Shifted) and target.ids == mask.ids and target.mask is None:
             return _Shifted(target.ids, target.lo, mask)
-        if isinstance(target, int) and lw.masked_rows.get(target) == mask:
-            return target
+        if isinstance(target, _MaskedLookup) and target.mask == mask:
+            return target.out
     raise LoweringError(f"{lw.name}: index_put_ other than the masking of a "
                         f"vocabulary-parallel lookup is not lowered")
 
@@ -841,6 +1038,9 @@ def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _copy(lw: _Lowerer, args, kwargs, shapes, group):
+    src = lw.env.get(args[1][1])
+    if isinstance(src, _ChunkCat) and src.chunks == 1:
+        return src  # FSDP's gradient buffer of a one-rank shard group, copied out
     return lw.val(args[1])
 
 
@@ -905,9 +1105,9 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     src = lw.env.get(args[0][1])
     dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
     step = args[4] if len(args) > 4 else 1
+    if isinstance(src, _Ids) and (dim != 0 or src.shape is not None) or isinstance(src, _IdRows):
+        return _slice_ids(lw, args, shapes)
     if isinstance(src, _Ids):
-        if dim != 0 or src.shape is not None:
-            raise LoweringError(f"{lw.name}: a slice of the integer ids along dim {dim}")
         total = lw.trace["data"][1][0] // src.parts
     else:
         x = lw.val(args[0])
@@ -924,6 +1124,69 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     if isinstance(src, _Ids):
         return src.cut(index, parts)
     return x if parts == 1 else _Piece(x, dim, index, parts)
+
+
+def _id_rows(lw: _Lowerer, a: Any) -> _IdRows:
+    """Ids (the batch's, or already cut) as their one-hot rows and values."""
+    src = lw.env.get(a[1])
+    if isinstance(src, _IdRows):
+        return src
+    return _IdRows(_one_hot(lw, a), _label_values(lw, a))
+
+
+def _slice_ids(lw: _Lowerer, args, shapes) -> _IdRows:
+    """A slice of integer ids along any dim (a shifted ``labels[:, 1:]``):
+    a narrow of their one-hot rows."""
+    rows = _id_rows(lw, args[0])
+    nd = rows.ids.ndim
+    dim = int(args[1]) % nd if len(args) > 1 else 0
+    total = rows.ids.shape[dim]
+    start, end = (args[2] if len(args) > 2 else 0) or 0, args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    start, stop, _ = slice(start, end, step).indices(total)
+    if step != 1:
+        raise LoweringError(f"{lw.name}: a strided slice of the integer ids is not lowered")
+    length = max(stop - start, 0)
+    shape = list(lw.shapes[rows.x])
+    shape[dim] = length
+    x = lw.emit("narrow", [rows.x], [shape], {"dim": dim, "start": start, "length": length})[0]
+    return _IdRows(x, np.take(rows.ids, range(start, start + length), axis=dim))
+
+
+def _pad_ids(lw: _Lowerer, args, kwargs, shapes, group):
+    """``F.pad`` of integer ids with a value outside the vocabulary (a label
+    the loss ignores): zero one-hot rows concatenated on either side."""
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    src = lw.env.get(args[0][1])
+    if not isinstance(src, (_Ids, _IdRows)):
+        raise LoweringError(f"{lw.name}: constant_pad_nd of other than integer ids is not lowered")
+    if 0 <= int(value) < lw.vocab:
+        raise LoweringError(f"{lw.name}: ids padded with {value}, a label of the vocabulary, "
+                            f"are not lowered (pad with the loss's ignore_index)")
+    rows = _id_rows(lw, args[0])
+    pads = list(args[1])
+    x, ids = rows.x, rows.ids
+    for k in range(len(pads) // 2):
+        dim = ids.ndim - 1 - k
+        before, after = int(pads[2 * k]), int(pads[2 * k + 1])
+        if before < 0 or after < 0:
+            raise LoweringError(f"{lw.name}: a negative pad of integer ids is not lowered")
+        pieces = []
+        for width, at_end in ((before, False), (after, True)):
+            if width:
+                zshape = list(lw.shapes[x])
+                zshape[dim] = width
+                pieces.append((at_end, lw.emit("zeros", [], [zshape], {"shape": zshape},
+                                               direction="none")[0]))
+        if pieces:
+            parts = [p for end, p in pieces if not end] + [x] + [p for end, p in pieces if end]
+            shape = list(lw.shapes[x])
+            shape[dim] += before + after
+            x = lw.emit("cat", parts, [shape], {"dim": dim})[0]
+            width = [(0, 0)] * ids.ndim
+            width[dim] = (before, after)
+            ids = np.pad(ids, width, constant_values=int(value))
+    return _IdRows(x, ids)
 
 
 def _send(lw: _Lowerer, args, kwargs, shapes, group):
@@ -981,8 +1244,11 @@ def _add(lw: _Lowerer, args, kwargs, shapes, group):
 def _to_copy(lw: _Lowerer, args, kwargs, shapes, group):
     """A change of precision (lower_nn.to_copy); the batch's integer ids are
     never converted to numbers."""
-    if isinstance(lw.env.get(args[0][1]), (_Ids, _Shifted, _IdsTest, _VocabMask)):
+    x = lw.env.get(args[0][1])
+    if isinstance(x, (_Ids, _Shifted, _IdsTest, _VocabMask)):
         raise LoweringError(f"{lw.name}: the batch's integer ids converted to numbers")
+    if isinstance(x, _ChunkCat) and x.chunks == 1:
+        return x  # FSDP's one-rank gradient buffer cast back to the parameters' precision
     return to_copy(lw, args, kwargs, shapes, group)
 
 
@@ -1027,7 +1293,8 @@ def _vector_norm(lw: _Lowerer, args, kwargs, shapes, group):
     _check_two_norm(lw, args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     if dim not in (None, []):
-        raise LoweringError(f"{lw.name}: a norm along dims {dim} is not lowered")
+        return _norm_along(lw, lw.val(args[0]), list(dim),
+                           bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False)), shapes)
     x = lw.env.get(args[0][1])
     if isinstance(x, _NormStack) and not x.squared:
         total = None
@@ -1038,6 +1305,86 @@ def _vector_norm(lw: _Lowerer, args, kwargs, shapes, group):
             total = norm.s if total is None else lw.emit("add", [total, norm.s], [()])[0]
         return _Norm(total)
     return _Norm(_square_sum(lw, lw.val(args[0])))
+
+
+def _norm_along(lw: _Lowerer, x: int, dims: list[int], keepdim: bool, shapes) -> int:
+    """``x.norm(dim=dims)``: pow(sum(x * x, dims), 0.5)."""
+    nd = len(lw.shapes[x])
+    dims = sorted(d % nd for d in dims)
+    sq = lw.emit("mul", [x, x], [lw.shapes[x]])[0]
+    s = lw.emit("sum", [sq], shapes, {"dim": dims, "keepdim": keepdim})[0]
+    out = lw.emit("pow", [s], shapes, {"exponent": 0.5})[0]
+    if keepdim:
+        lw.norms[out] = x
+    return out
+
+
+@dataclass(frozen=True)
+class _NormIsZero:
+    """``norm == 0`` for a 2-norm along dims (kept dims) of a tensor."""
+    norm: int
+
+
+def _eq_scalar(lw: _Lowerer, args, kwargs, shapes, group):
+    """``norm == 0`` (the norm's backward guards its division with it)."""
+    n = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
+    if isinstance(n, int) and n in lw.norms and lw.const(args[1]) == 0:
+        return _NormIsZero(n)
+    raise LoweringError(f"{lw.name}: a comparison other than a norm's with 0 is not lowered")
+
+
+def _masked_fill_pending(lw: _Lowerer, args, kwargs, shapes, group):
+    """A constant mask's fill (``lower_nn.masked_fill``), or the norm's
+    backward guard ``(x / n).masked_fill_(n == 0, 0)`` for ``n`` the 2-norm
+    of ``x`` along kept dims: the identity, since in real arithmetic ``n =
+    0`` only where every entry of ``x`` along the dims is 0, where ``x / n``
+    is then ``0 * pow(0, -1) = 0`` already (docs/soundness.md, "Plans
+    traced from PyTorch", 10)."""
+    mask = lw.env.get(args[1][1])
+    if not isinstance(mask, _NormIsZero):
+        return masked_fill(lw, args, kwargs, shapes, group)
+    q = lw.val(args[0])
+    if lw.quotients.get(q) != (lw.norms[mask.norm], mask.norm) or lw.const(args[2]) != 0:
+        raise LoweringError(f"{lw.name}: a fill where a norm is 0 of other than the norm's "
+                            f"input divided by it is not lowered")
+    return q
+
+
+def _selected(lw: _Lowerer, cmp: _Compare, t: int, where_true: bool, shape) -> int:
+    """``t`` where ``cmp`` holds (``where_true``) or where it does not, else
+    0. With step(y) = 1 for y > 0, else 0 (relu's derivative, the rule
+    table's ``relu`` backward is ``g * step(y)``): x > c is step(x - c),
+    x < c is step(c - x), x >= c and x <= c their complements."""
+    positive = cmp.op in ("gt", "le")  # gt: step(x - c); le: 1 - step(x - c)
+    sign = 1.0 if positive else -1.0
+    y = lw.emit("mul_scalar", [cmp.x], [lw.shapes[cmp.x]], {"value": sign})[0]
+    y = lw.emit("add_scalar", [y], [lw.shapes[cmp.x]], {"value": -sign * cmp.c})[0]
+    if lw.shapes[y] != tuple(shape) or lw.shapes[t] != tuple(shape):
+        raise LoweringError(f"{lw.name}: a where on a comparison that broadcasts is not lowered")
+    stepped = lw.emit("relu", [y, t], [shape], direction="bw")[0]
+    if where_true == (cmp.op in ("gt", "lt")):
+        return stepped
+    return lw.emit("sub", [t, stepped], [shape])[0]
+
+
+def _where_pending(lw: _Lowerer, args, kwargs, shapes, group):
+    """``where(x op c, t, 0)`` or ``where(x op c, 0, t)`` (clamp's backward),
+    else a constant mask's ``where`` (``lower_nn.where``)."""
+    cond = lw.env.get(args[0][1])
+    if not isinstance(cond, _Compare):
+        return where(lw, args, kwargs, shapes, group)
+    if lw.const(args[2]) == 0:
+        return _selected(lw, cond, lw.val(args[1]), True, shapes[0])
+    if lw.const(args[1]) == 0:
+        return _selected(lw, cond, lw.val(args[2]), False, shapes[0])
+    raise LoweringError(f"{lw.name}: where on a comparison without a zero branch is not lowered")
+
+
+def _clamp_min(lw: _Lowerer, args, kwargs, shapes, group):
+    bound = lw.const(args[1])
+    if bound is None:
+        raise LoweringError(f"{lw.name}: clamp_min by a tensor is not lowered")
+    return lw.emit("clamp", [lw.val(args[0])], shapes, {"min": bound, "max": None})[0]
 
 
 def _stack(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1251,6 +1598,7 @@ HANDLERS: dict[str, Any] = {
     "aten.div_.Scalar": _scalar("div"),
     "aten.div_.Tensor": _scalar("div"),
     "aten.slice.Tensor": _slice,
+    "aten.constant_pad_nd.default": _pad_ids,
     "aten.sub.Tensor": _sub,
     "aten.lt.Scalar": _ids_test("lt"),
     "aten.ge.Scalar": _ids_test("ge"),
@@ -1269,8 +1617,16 @@ HANDLERS: dict[str, Any] = {
     "aten._log_softmax_backward_data.default": _log_softmax_bw,
     "aten.nll_loss_forward.default": _nll,
     "aten.nll_loss_backward.default": _nll_bw,
+    "aten.eq.Scalar": _eq_scalar,
+    "aten.gt.Scalar": _ids_test("gt"),
+    "aten.le.Scalar": _ids_test("le"),
+    "aten.clamp_min.default": _clamp_min,
+    "aten.masked_fill_.Scalar": _masked_fill_pending,
+    "aten.nll_loss2d_forward.default": _nll2d,
+    "aten.nll_loss2d_backward.default": _nll2d_bw,
     "aten._softmax_backward_data.default": _softmax_bw,
     "aten.mean.dim": _reduce("mean"),
+    "aten.mean.default": _reduce("mean"),
     "aten.sum.dim_IntList": _reduce("sum"),
     "aten.sum.default": _reduce("sum"),
     "aten.mm.default": _matmul,
@@ -1317,7 +1673,12 @@ HANDLERS: dict[str, Any] = {
     "aten.add_.Tensor": _add_pending(_binary("add", "add_scalar")),
     "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
+    "aten.where.self": _where_pending,
 }
+# lower_vocab_parallel reads this module's id types, so it is imported once they exist
+from backends.torch.lower_vocab_parallel import vocab_parallel_handlers  # noqa: E402
+
+HANDLERS.update(vocab_parallel_handlers(HANDLERS))
 
 
 def lower_trace(trace: dict, vocab: int) -> Lowered:
@@ -1325,7 +1686,8 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw = _Lowerer(trace, vocab)
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
-    for name, (v, _, dims) in trace["params"].items():
+    for name, (v, full, dims) in trace["params"].items():
+        _check_even_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
         lw.env[v] = v
         lw.shapes[v] = tuple(trace["shapes"][v])
         inputs[v] = ("param", name)
@@ -1359,6 +1721,30 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states)
+
+
+def check_even_shards(traces: list[dict]) -> None:
+    """``_check_even_shard`` for every parameter of every rank, before any
+    rank is lowered (the rank that shows the padding may not be the first)."""
+    for trace in traces:
+        for name, (v, full, dims) in trace["params"].items():
+            _check_even_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
+
+
+def _check_even_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
+                      dims: list[list[str]]) -> None:
+    """Refuse a parameter whose shard is uneven: a dim cut by mesh axes that
+    its size does not split evenly is padded (FSDP2 and DTensor give the
+    last ranks fewer rows, or none), and padded shards are not lowered. On
+    every uneven cut some rank holds no rows or a count that does not divide
+    the dim, so that rank's check stops the run."""
+    for d, axes in enumerate(dims):
+        if axes and (local[d] == 0 or full[d] % local[d]):
+            raise LoweringError(
+                f"parameter {name} of shape {list(full)} is sharded unevenly along dim {d} "
+                f"(this rank holds {local[d]} of its {full[d]} rows: the mesh axes {axes} do not "
+                f"divide it, so its shards are padded); padded shards are not lowered: choose "
+                f"sizes the shard group divides")
 
 
 def _updated(lw: _Lowerer, name: str, v: int | None) -> int:

@@ -50,6 +50,7 @@ class SdpaSaved:
     masked: int
     probs: int
     causal: bool
+    groups: int = 1  # query heads per key-value head (grouped-query attention)
 
 
 @dataclass(frozen=True)
@@ -115,58 +116,81 @@ def _causal_fill(mask: np.ndarray, shape: tuple[int, ...]) -> bool:
     return bool(np.array_equal(m, np.broadcast_to(pattern, shape)))
 
 
-def _additive_causal(mask: np.ndarray, shape: tuple[int, ...]) -> bool:
-    """A float mask added to scores: -inf exactly on the causal pattern, 0 elsewhere."""
+def _additive_mask(lw: Any, x: int, mask: np.ndarray, shape: tuple[int, ...]) -> int:
+    """``x + mask`` for a constant float mask: its finite entries added as a
+    constant, its -inf entries the causal mask (any other -inf pattern is
+    refused: -inf is no number a plan input can hold)."""
     m = np.asarray(mask, dtype=np.float64)
-    if not np.all((m == 0) | np.isneginf(m)):
-        return False
-    return _causal_fill(np.isneginf(m), shape)
+    if np.any(np.isnan(m) | np.isposinf(m)):
+        raise LoweringError(f"{lw.name}: an attention mask with nan or +inf entries is not lowered")
+    hidden = np.isneginf(m)
+    if hidden.any() and not _causal_fill(hidden, shape):
+        raise LoweringError(f"{lw.name}: an attention mask hiding other positions than the causal "
+                            f"pattern with -inf is not lowered (a finite fill, such as "
+                            f"torch.finfo(dtype).min, is)")
+    finite = np.where(hidden, 0.0, m)
+    if np.any(finite != 0):
+        x = lw.emit("add", [x, constant_input(lw, finite)], [shape])[0]
+    if hidden.any():
+        x = lw.emit("causal_mask", [x], [shape])[0]
+    return x
 
 
 def causal_add(lw: Any, args: Any, shapes: list) -> int | None:
-    """``scores + mask`` with a constant additive causal mask: the causal mask."""
+    """``scores + mask`` with a constant mask holding -inf: the causal mask
+    (and the mask's finite entries added as a constant)."""
     for mine, other in ((args[0], args[1]), (args[1], args[0])):
         value = constant_value(lw, mine)
-        if value is not None and value.size > 1 and _additive_causal(value, tuple(shapes[0])):
+        if value is not None and value.size > 1 and np.any(np.isneginf(value)):
             x = lw.val(other)
             if lw.shapes[x] != tuple(shapes[0]):
                 raise LoweringError(f"{lw.name}: a causal mask broadcasting its scores")
-            return lw.emit("causal_mask", [x], shapes)[0]
+            return _additive_mask(lw, x, value, tuple(shapes[0]))
     return None
 
 
-def _masked(lw: Any, x: Any, fill: float | None, shapes: list) -> int:
-    """``x`` with the causal positions set to ``fill``: -inf is the causal
-    mask, 0 its backward."""
-    if fill == NEG_INF:
+def _masked(lw: Any, x: Any, hidden: np.ndarray, fill: float | None, shapes: list) -> int:
+    """``x`` with the positions ``hidden`` (a constant boolean mask) set to
+    ``fill``: -inf on the causal pattern is the causal mask, 0 there its
+    backward; any finite fill of any constant mask is ``x * keep + fill *
+    hidden``, both constants."""
+    shape = tuple(shapes[0])
+    causal = _causal_fill(hidden, shape)
+    if fill == NEG_INF and causal:
         return lw.emit("causal_mask", [lw.val(x)], shapes)[0]
-    if fill == 0:
+    if fill == 0 and causal:
         return lw.emit("causal_mask", [-1, lw.val(x)], shapes, direction="bw")[0]
-    raise LoweringError(f"{lw.name}: masking with the value {fill} is not lowered (only -inf, "
-                        f"and 0 in the backward, are exact)")
+    if fill is None or not math.isfinite(fill):
+        raise LoweringError(f"{lw.name}: masking with the value {fill} at other positions than "
+                            f"the causal pattern is not lowered (only a finite fill, or -inf on "
+                            f"the causal pattern, is exact)")
+    hidden = np.asarray(hidden, dtype=bool)
+    out = lw.emit("mul", [lw.val(x), constant_input(lw, (~hidden).astype(np.float64))], shapes)[0]
+    if fill != 0:
+        out = lw.emit("add", [out, constant_input(lw, hidden * fill)], shapes)[0]
+    return out
 
 
 def masked_fill(lw: Any, args, kwargs, shapes, group):
     mask = constant_value(lw, args[1])
-    if mask is None or not _causal_fill(mask, tuple(shapes[0])):
-        raise LoweringError(f"{lw.name}: masked_fill with a mask other than the constant causal "
-                            f"pattern is not lowered")
-    return _masked(lw, args[0], lw.const(args[2]), shapes)
+    if mask is None:
+        raise LoweringError(f"{lw.name}: masked_fill with a mask that is not a constant is not "
+                            f"lowered")
+    return _masked(lw, args[0], np.asarray(mask, dtype=bool), lw.const(args[2]), shapes)
 
 
 def where(lw: Any, args, kwargs, shapes, group):
-    """``where(mask, x, fill)`` keeping the causal pattern's complement, or
-    ``where(mask, fill, x)`` filling it."""
+    """``where(mask, x, fill)`` or ``where(mask, fill, x)`` with a constant
+    mask and a constant fill: a masked fill."""
     cond = constant_value(lw, args[0])
-    shape = tuple(shapes[0])
     if cond is not None:
-        keep = ~np.asarray(cond, dtype=bool)
-        if _causal_fill(keep, shape) and lw.const(args[2]) is not None:
-            return _masked(lw, args[1], lw.const(args[2]), shapes)
-        if _causal_fill(cond, shape) and lw.const(args[1]) is not None:
-            return _masked(lw, args[2], lw.const(args[1]), shapes)
-    raise LoweringError(f"{lw.name}: where with a condition other than the constant causal "
-                        f"pattern and a constant fill is not lowered")
+        cond = np.asarray(cond, dtype=bool)
+        if lw.const(args[2]) is not None:
+            return _masked(lw, args[1], ~cond, lw.const(args[2]), shapes)
+        if lw.const(args[1]) is not None:
+            return _masked(lw, args[2], cond, lw.const(args[1]), shapes)
+    raise LoweringError(f"{lw.name}: where with a condition that is not a constant, or no "
+                        f"constant fill, is not lowered")
 
 
 # -- linear, norms, activations -------------------------------------------------
@@ -177,6 +201,23 @@ def addmm(lw: Any, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: addmm with beta or alpha is not lowered")
     mm = lw.emit("matmul", [lw.val(args[1]), lw.val(args[2])], shapes)[0]
     return lw.emit("add", [mm, lw.val(args[0])], shapes)[0]
+
+
+def baddbmm(lw: Any, args, kwargs, shapes, group):
+    """input + alpha * (b1 @ b2) (``nn.MultiheadAttention``'s scores with its
+    mask as ``input``: a constant mask holding -inf is the causal mask)."""
+    beta = float(args[3] if len(args) > 3 else kwargs.get("beta", 1))
+    alpha = float(args[4] if len(args) > 4 else kwargs.get("alpha", 1))
+    if beta != 1:
+        raise LoweringError(f"{lw.name}: baddbmm with beta {beta} is not lowered")
+    shape = tuple(shapes[0])
+    out = lw.emit("matmul", [lw.val(args[1]), lw.val(args[2])], [shape])[0]
+    if alpha != 1:
+        out = lw.emit("mul_scalar", [out], [shape], {"value": alpha})[0]
+    mask = constant_value(lw, args[0])
+    if mask is not None and np.any(np.isneginf(mask)):
+        return _additive_mask(lw, out, mask, shape)
+    return lw.emit("add", [out, lw.val(args[0])], [shape])[0]
 
 
 def _norm_dims(lw: Any, x: int, normalized: Any) -> list[int]:
@@ -281,6 +322,38 @@ def gelu_backward(lw: Any, args, kwargs, shapes, group):
                    {"approximate": approximate}, direction="bw")[0]
 
 
+def _step_times(lw: Any, y: int, t: int) -> int:
+    """t * step(y), step(y) = 1 for y > 0, else 0: the relu rule's backward."""
+    return lw.emit("relu", [y, t], [lw.shapes[t]], direction="bw")[0]
+
+
+def _negated(lw: Any, x: int) -> int:
+    return lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": -1.0})[0]
+
+
+def _abs(lw: Any, x: int) -> int:
+    """|x| = relu(x) + relu(-x) (exact: x step(x) - x step(-x))."""
+    shape = [lw.shapes[x]]
+    pos = lw.emit("relu", [x], shape)[0]
+    return lw.emit("add", [pos, lw.emit("relu", [_negated(lw, x)], shape)[0]], shape)[0]
+
+
+def _sgn_times(lw: Any, x: int, t: int) -> int:
+    """t * sgn(x) = t step(x) - t step(-x) (0 at 0, as torch's sgn)."""
+    return lw.emit("sub", [_step_times(lw, x, t), _step_times(lw, _negated(lw, x), t)],
+                   [lw.shapes[t]])[0]
+
+
+def abs_(lw: Any, args, kwargs, shapes, group):
+    return _abs(lw, lw.val(args[0]))
+
+
+def sgn(lw: Any, args, kwargs, shapes, group):
+    x = lw.val(args[0])
+    ones = lw.emit("ones", [], [lw.shapes[x]], {"shape": list(lw.shapes[x])}, direction="none")[0]
+    return _sgn_times(lw, x, ones)
+
+
 def neg(lw: Any, args, kwargs, shapes, group):
     return lw.emit("mul_scalar", [lw.val(args[0])], shapes, {"value": -1.0})[0]
 
@@ -333,6 +406,67 @@ def mse_loss_backward(lw: Any, args, kwargs, shapes, group):
     return out
 
 
+def _robust_parts(lw: Any, args: Any, kwargs: dict, at: int, name: str) -> tuple[int, int, float]:
+    """(x - t, reduction, beta) of a smooth L1 or Huber loss or its backward."""
+    x, t = lw.val(args[at]), lw.val(args[at + 1])
+    if lw.shapes[t] != lw.shapes[x]:
+        raise LoweringError(f"{lw.name}: {name} of a target that broadcasts")
+    reduction = _reduction(lw, args, at + 2, kwargs)
+    beta = float(args[at + 3] if len(args) > at + 3 else kwargs.get(
+        "beta" if name == "smooth_l1_loss" else "delta", 1.0))
+    if beta <= 0:
+        raise LoweringError(f"{lw.name}: {name} with beta {beta} is not lowered (beta > 0)")
+    return lw.emit("sub", [x, t], [lw.shapes[x]])[0], reduction, beta
+
+
+def _near(lw: Any, d: int, beta: float) -> int:
+    """beta - |d|: positive exactly where the loss is quadratic."""
+    return lw.emit("add_scalar", [_negated(lw, _abs(lw, d))], [lw.shapes[d]], {"value": beta})[0]
+
+
+def robust_loss(name: str):
+    """Smooth L1 (beta) and Huber (delta) losses: elementwise
+    ``|d| - beta/2 + step(beta - |d|) (d^2 / (2 beta) - |d| + beta/2)``, Huber
+    that times delta, then reduced."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        d, reduction, beta = _robust_parts(lw, args, kwargs, 0, name)
+        shape = [lw.shapes[d]]
+        lin = lw.emit("add_scalar", [_abs(lw, d)], shape, {"value": -0.5 * beta})[0]
+        quad = lw.emit("mul_scalar", [lw.emit("mul", [d, d], shape)[0]], shape,
+                       {"value": 0.5 / beta})[0]
+        out = lw.emit("add", [lin, _step_times(lw, _near(lw, d, beta),
+                                               lw.emit("sub", [quad, lin], shape)[0])], shape)[0]
+        if name == "huber_loss":
+            out = lw.emit("mul_scalar", [out], shape, {"value": beta})[0]
+        if reduction == 0:
+            return out
+        return lw.emit("mean" if reduction == 1 else "sum", [out], shapes,
+                       {"dim": None, "keepdim": False})[0]
+    return lower
+
+
+def robust_loss_backward(name: str):
+    """``g * (sgn(d) + step(beta - |d|) (d / beta - sgn(d)))``, Huber's times
+    delta, divided by the element count for a mean."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        d, reduction, beta = _robust_parts(lw, args, kwargs, 1, name)
+        shape = lw.shapes[d]
+        g = lw.val(args[0])
+        if lw.shapes[g] != shape:
+            g = lw.emit("expand", [g], [shape], {"shape": list(shape)})[0]
+        sg = _sgn_times(lw, d, g)
+        lin = lw.emit("mul_scalar", [lw.emit("mul", [d, g], [shape])[0]], [shape],
+                      {"value": 1.0 / beta})[0]
+        out = lw.emit("add", [sg, _step_times(lw, _near(lw, d, beta),
+                                              lw.emit("sub", [lin, sg], [shape])[0])], [shape])[0]
+        if name == "huber_loss":
+            out = lw.emit("mul_scalar", [out], [shape], {"value": beta})[0]
+        if reduction == 1:
+            out = lw.emit("div", [out], [shape], {"value": float(math.prod(shape))})[0]
+        return out
+    return lower
+
+
 # -- attention ------------------------------------------------------------------
 
 def _transposed(lw: Any, x: int) -> int:
@@ -351,34 +485,59 @@ def _sdpa_options(lw: Any, args: Any, kwargs: dict, at: int) -> tuple[float, boo
     return dropout, causal, kwargs.get("attn_mask")
 
 
+def _repeat_heads(lw: Any, x: int, groups: int) -> int:
+    """``[B, H, S, D]`` with each head repeated ``groups`` times in place
+    (``repeat_interleave(groups, dim=1)``): unflatten, expand, flatten."""
+    b, h, s, d = lw.shapes[x]
+    wide = (b, h, groups, s, d)
+    x = lw.emit("expand", [lw.reshape(x, (b, h, 1, s, d))], [wide], {"shape": list(wide)})[0]
+    return lw.reshape(x, (b, h * groups, s, d))
+
+
+def _sum_heads(lw: Any, g: int, groups: int) -> int:
+    """The backward of ``_repeat_heads``: each group of heads summed."""
+    b, hq, s, d = lw.shapes[g]
+    g = lw.reshape(g, (b, hq // groups, groups, s, d))
+    return lw.emit("sum", [g], [(b, hq // groups, s, d)], {"dim": [2], "keepdim": False})[0]
+
+
 def sdpa(lw: Any, args, kwargs, shapes, group):
-    """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function)."""
+    """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function);
+    with fewer key-value heads than query heads (``enable_gqa``), each
+    key-value head serves ``groups`` consecutive query heads."""
     q, k, v = (lw.val(a) for a in args[:3])
     _, causal, mask = _sdpa_options(lw, args, kwargs, 3)
     qs, ks, vs = lw.shapes[q], lw.shapes[k], lw.shapes[v]
-    if len(qs) != 4 or ks[:2] != qs[:2] or vs[:3] != ks[:3]:
+    if len(qs) != 4 or len(ks) != 4 or ks[0] != qs[0] or vs[:3] != ks[:3] or qs[-1] != ks[-1] \
+            or not ks[1] or qs[1] % ks[1]:
         raise LoweringError(f"{lw.name}: attention of shapes {list(qs)}, {list(ks)}, {list(vs)} "
-                            f"(grouped heads, enable_gqa) is not lowered")
+                            f"is not lowered")
+    groups = qs[1] // ks[1]
+    keys, values = (k, v) if groups == 1 else (_repeat_heads(lw, k, groups),
+                                               _repeat_heads(lw, v, groups))
     scale = kwargs.get("scale")
     scale = 1.0 / math.sqrt(qs[-1]) if scale is None else float(scale)
     scores_shape = (*qs[:3], ks[2])
-    scores = lw.emit("matmul", [q, _transposed(lw, k)], [scores_shape])[0]
+    scores = lw.emit("matmul", [q, _transposed(lw, keys)], [scores_shape])[0]
     scores = lw.emit("mul_scalar", [scores], [scores_shape], {"value": scale})[0]
-    if mask is not None:
-        value = constant_value(lw, mask)
-        if causal or value is None or not _additive_causal(value, scores_shape):
-            raise LoweringError(f"{lw.name}: an attention mask other than the constant causal "
-                                f"one is not lowered")
-        causal = True
     if causal and scores_shape[-1] != scores_shape[-2]:
         raise LoweringError(f"{lw.name}: causal attention of {scores_shape[-2]} queries over "
                             f"{scores_shape[-1]} keys is not lowered")
-    if causal:
+    if mask is not None:
+        value = constant_value(lw, mask)
+        if causal or value is None:
+            raise LoweringError(f"{lw.name}: an attention mask that is not a constant (or given "
+                                f"with is_causal) is not lowered")
+        if value.dtype == bool:
+            value = np.where(value, 0.0, NEG_INF)
+        scores = _additive_mask(lw, scores, value, scores_shape)
+        causal = bool(np.any(np.isneginf(value)))
+    elif causal:
         scores = lw.emit("causal_mask", [scores], [scores_shape])[0]
     probs = lw.emit("softmax", [scores], [scores_shape], {"dim": -1})[0]
     lw.fw_in[probs] = ("softmax", scores)
-    out = lw.emit("matmul", [probs, v], [shapes[0]])[0]
-    lw.sdpa[out] = SdpaSaved(q, k, v, scale, scores, probs, causal)
+    out = lw.emit("matmul", [probs, values], [shapes[0]])[0]
+    lw.sdpa[out] = SdpaSaved(q, keys, values, scale, scores, probs, causal, groups)
     return [out, "logsumexp"]
 
 
@@ -398,6 +557,8 @@ def sdpa_backward(lw: Any, args, kwargs, shapes, group):
     ds = lw.emit("mul_scalar", [ds], [shape], {"value": saved.scale})[0]
     dq = lw.emit("matmul", [ds, saved.k], [lw.shapes[saved.q]])[0]
     dk = lw.emit("matmul", [_transposed(lw, ds), saved.q], [lw.shapes[saved.k]])[0]
+    if saved.groups > 1:
+        dk, dv = _sum_heads(lw, dk, saved.groups), _sum_heads(lw, dv, saved.groups)
     return [dq, dk, dv]
 
 
@@ -530,6 +691,7 @@ def random_fill(lw: Any, args, kwargs, shapes, group):
 
 NN_HANDLERS: dict[str, Any] = {
     "aten.addmm.default": addmm,
+    "aten.baddbmm.default": baddbmm,
     "aten.native_layer_norm.default": layer_norm,
     "aten.native_layer_norm_backward.default": layer_norm_backward,
     "aten.gelu.default": activation("gelu", ("approximate",)),
@@ -541,10 +703,17 @@ NN_HANDLERS: dict[str, Any] = {
     "aten.relu.default": activation("relu"),
     "aten.threshold_backward.default": activation_backward_of_output("relu"),
     "aten.neg.default": neg,
+    "aten.abs.default": abs_,
+    "aten.sgn.default": sgn,
+    "aten.sign.default": sgn,
     "aten.rsub.Scalar": rsub,
     "aten.rsub.Tensor": rsub,
     "aten.mse_loss.default": mse_loss,
     "aten.mse_loss_backward.default": mse_loss_backward,
+    "aten.smooth_l1_loss.default": robust_loss("smooth_l1_loss"),
+    "aten.smooth_l1_loss_backward.default": robust_loss_backward("smooth_l1_loss"),
+    "aten.huber_loss.default": robust_loss("huber_loss"),
+    "aten.huber_loss_backward.default": robust_loss_backward("huber_loss"),
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": sdpa_backward,
     "aten.masked_fill.Scalar": masked_fill,

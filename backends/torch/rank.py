@@ -10,17 +10,21 @@ backward on its data-parallel slice of the batch and the recipe's
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import pickle
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from backends.torch.pipeline import Pipelined, PipelineStep
+from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, dims_axes, local_of
 
 
@@ -41,7 +45,31 @@ def in_float64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64) if t.is_floating_point() else t
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op parallelism off for the duration: the traced ops are
+    small, what they compute is unchanged (only the structure of the run is
+    recorded, at the dispatcher, above any kernel's threading), and idle
+    OpenMP workers spinning on a loaded machine cost several times the
+    step's own CPU (torchtitan's debugmodel on one device: 0.35 s of CPU with
+    one thread, 2 to 4 s with two under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(spec: dict, rank: int) -> dict:
+    """One rank's step (or, ``spec["parallel"]`` false, the single-device
+    step), recorded: plain data (see ``main``)."""
+    with one_thread():
+        return _run(spec, rank)
+
+
+def _run(spec: dict, rank: int) -> dict:
+    before = set(sys.modules)
     world = spec["dp"] * spec["tp"] * spec["pp"]
     mesh = None
     if spec["parallel"]:
@@ -87,11 +115,12 @@ def run(spec: dict, rank: int) -> dict:
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
     with tracker, rec:
-        if pipelined is not None:
-            losses = pipelined.run(tokens, labels)
-        else:
-            losses = [model(tokens, labels)]
-            losses[0].backward()
+        with train_context(model):
+            if pipelined is not None:
+                losses = pipelined.run(tokens, labels)
+            else:
+                losses = [model(tokens, labels)]
+                losses[0].backward()
         if after is not None:
             after(model, mesh)
         optimizer = update(model, mesh, spec)
@@ -122,10 +151,26 @@ def run(spec: dict, rank: int) -> dict:
         "from_buffer": rec.from_buffer,
         "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
+        "batch_ids": {"tokens": tokens.numpy().copy(), "labels": labels.numpy().copy()},
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
-        "values": values,
+        "values": values, "imports": imported_since(before) + modules_of(model),
     }
+
+
+def train_context(model: torch.nn.Module):
+    """The context forward and backward run in: the model's
+    ``train_context()`` when a recipe set one (as torchtitan's trainer
+    enters DTensor's ``loss_parallel()`` around both), else none."""
+    make = getattr(model, "train_context", None)
+    return make() if callable(make) else contextlib.nullcontext()
+
+
+def modules_of(model: torch.nn.Module) -> list[str]:
+    """The modules defining the classes of ``model``'s submodules (a
+    library's model code, such as transformers' ``modeling_llama``, and what
+    it imports), whether or not this process imported them just now."""
+    return list(dict.fromkeys(type(m).__module__ for m in model.modules()))
 
 
 #: the optimizers a step may end with: torch.optim's, their default CPU
@@ -165,9 +210,10 @@ def run_isolated(spec: dict, rank: int) -> dict | str:
         trace = run(spec, rank)
         trace["cpu"] = time.process_time()  # this process's CPU: imports after the fork, the run
         return trace
-    except Exception:  # any failure of the user's model or recipe: reported, one line
-        lines = [ln for ln in traceback.format_exc().strip().splitlines() if ln.strip()]
-        return lines[-1]
+    except Exception as e:  # any failure of the user's model or recipe: reported, one line
+        lines = [ln for ln in traceback.format_exception_only(e)[-1].strip().splitlines()
+                 if ln.strip()]
+        return lines[0] if lines else type(e).__name__
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -39,18 +39,23 @@ from torch.distributed.tensor.parallel import (
 from backends.torch.pipeline import PipelineStep
 
 
-def llama_tp_plan(model, tp_mesh, norms: bool = True, vocab_parallel: bool = False) -> None:
+def llama_tp_plan(model, tp_mesh, norms: bool = True, vocab_parallel: bool = False,
+                  loss_parallel: bool = False) -> None:
     """torchtitan's tensor and sequence parallel plan for the Llama blocks;
     ``norms=False`` leaves the norms out (the bug of Megatron-LM issue 1446);
     ``vocab_parallel`` splits the embedding table by rows (torchtitan's
-    ``RowwiseParallel`` embedding: each rank looks up the ids of its rows)."""
+    ``RowwiseParallel`` embedding: each rank looks up the ids of its rows);
+    ``loss_parallel`` leaves the logits sharded along the vocabulary, a
+    DTensor, for DTensor's ``loss_parallel()`` cross-entropy."""
     embedding = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
                  if vocab_parallel else
                  PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)))
     root = {
         "tok_embeddings": embedding,
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                   use_local_output=False) if loss_parallel else
+                   ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())),
     }
     # a pipeline stage holds some of these modules (the others are None)
     parallelize_module(model, tp_mesh, {k: v for k, v in root.items()
@@ -439,3 +444,22 @@ def pp_dualpipev(model, mesh):
     """DualPipeV: a V of two stages per rank, the forward of one microbatch
     overlapped with the backward of another in one action."""
     return pipeline(model, mesh, ScheduleDualPipeV, microbatches=4, per_rank=2, style="v")
+
+
+def tp_sp_loss_parallel(model, mesh):
+    """tp_sp with torchtitan's loss parallelism: the logits stay sharded along
+    the vocabulary and the cross-entropy runs under DTensor's
+    ``loss_parallel()``, entered around forward and backward (the model's
+    ``train_context``, as torchtitan's trainer does)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    llama_tp_plan(model, mesh["tp"], loss_parallel=True)
+    model.train_context = loss_parallel
+    return all_reduce_dp
+
+
+def tp_sp_loss_parallel_partial_as_replicate(model, mesh):
+    """tp_sp_loss_parallel with the bug of torchtitan PR 3412: the norms'
+    and the output's Partial(sum) gradients relabelled Replicate, never
+    reduced (reduce_grads_relabelled)."""
+    tp_sp_loss_parallel(model, mesh)
+    return reduce_grads_relabelled

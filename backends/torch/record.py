@@ -54,6 +54,8 @@ class Recorder(TorchDispatchMode):
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
+        self.const_storages: set[int] = set()  # memory of the constants whose value is kept
+        self.tainted: set[int] = set()  # of that memory, what a non-constant op wrote
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
 
     # -- values ---------------------------------------------------------------
@@ -125,14 +127,31 @@ class Recorder(TorchDispatchMode):
             self.from_buffer.add(v)
         if t.numel() <= CONSTANT_NUMEL:
             self.constvals[v] = t.detach().cpu().resolve_conj().numpy().copy()
+            self.const_storages.add(_storage(t))
 
-    def is_constant_op(self, name: str, args: Any, kwargs: dict) -> bool:
-        """An op whose tensor arguments are all constants (or that has none)
-        computes a constant, unless it communicates or leaves memory unset."""
+    def refresh_constants(self, tensors: list[torch.Tensor]) -> None:
+        """A constant written in place through a view (``mask[:, 0] = 0.5``)
+        holds another value than the one kept: it becomes a new value, a
+        constant with its current contents when only constant ops wrote its
+        memory, else a value of unknown origin (which no lowering reads)."""
+        for t in tensors:
+            v = self.value(t)
+            kept = self.constvals.get(v) if v is not None else None
+            if kept is None or t.is_complex() or torch.equal(t.detach().cpu(), torch.from_numpy(kept)):
+                continue
+            fresh = self.new_value(t)
+            if _storage(t) not in self.tainted:
+                self.mark_constant(t, fresh)
+            self.events.append(("unknown", [[], {}], [fresh], [tuple(t.shape)], self.scope(),
+                                None, self.mb))
+
+    def is_constant_op(self, name: str, tensors: list[torch.Tensor]) -> bool:
+        """An op whose tensor arguments (``tensors``) are all constants (or
+        that has none) computes a constant, unless it communicates or leaves
+        memory unset."""
         if name.startswith(("c10d", "_c10d_functional", "fsdp")) or "empty" in name:
             return False
-        flat, _ = tree_flatten((args, kwargs))
-        return all(self.value(a) in self.constants for a in flat if isinstance(a, torch.Tensor))
+        return all(self.value(a) in self.constants for a in tensors)
 
     def set_mb(self, mb: int) -> None:
         self.mb = mb
@@ -145,8 +164,7 @@ class Recorder(TorchDispatchMode):
     # -- dispatch -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        tensors = tensors_in((args, kwargs))
         if any(isinstance(a, FakeTensor) for a in tensors):
             return func(*args, **kwargs)
         if any(isinstance(a, DTensor) or (type(a) is not torch.Tensor
@@ -154,13 +172,14 @@ class Recorder(TorchDispatchMode):
                for a in tensors):
             return NotImplemented
         name = str(func)
-        constant = self.is_constant_op(name, args, kwargs)
+        self.refresh_constants(tensors)
+        constant = self.is_constant_op(name, tensors)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outs = tensors_in(out)
         if "out" in kwargs and not outs:
-            outs = [o for o in tree_flatten(kwargs["out"])[0] if isinstance(o, torch.Tensor)]
+            outs = tensors_in(kwargs["out"])
         if name == "c10d.recv_.default":
             outs = list(args[0])  # received in place: the buffers hold new values
         if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
@@ -172,9 +191,10 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        if not constant:
+            self.tainted.update(s for s in map(_storage, outs) if s in self.const_storages)
         if constant:
-            flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-            buffer = any(self.value(a) in self.from_buffer for a in flat_in)
+            buffer = any(self.value(a) in self.from_buffer for a in tensors)
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
         if name == "aten.as_strided.default":
@@ -192,6 +212,11 @@ class Recorder(TorchDispatchMode):
         return out
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The address of a tensor's memory (shared by its views)."""
+    return t.untyped_storage().data_ptr()
+
+
 class Tracker(ModuleTracker):
     """PyTorch's module tracker, except that a module's backward is not
     marked as left at its leaf inputs (a pipeline stage's received
@@ -207,6 +232,19 @@ class Tracker(ModuleTracker):
             return
         name = self._get_mod_name(mod)
         self._get_append_fn(name, False)()
+
+
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (nested lists, tuples and
+    dicts), in order: what ``tree_flatten`` would find, without its cost on
+    every op."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in tensors_in(item)]
+    if isinstance(x, dict):
+        return [t for item in x.values() for t in tensors_in(item)]
+    return []
 
 
 def group_from_name(name: str) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ imports the other in a cycle.
 
 from __future__ import annotations
 
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -53,3 +54,18 @@ def tp_fused_qkv_colwise(model, mesh):
         parallelize_module(block, mesh["tp"], {"attn.c_attn": ColwiseParallel(),
                                                "attn.c_proj": RowwiseParallel()})
     return all_reduce_dp
+
+
+def sum_then_divide(model, mesh) -> None:
+    """Gradients all-reduced with SUM over "dp", then divided by the dp
+    size in place: the hand-written form of AVG."""
+    n = mesh["dp"].size()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.copy_(funcol.all_reduce(p.grad, "sum", mesh["dp"]))
+            p.grad.div_(n)
+
+
+def ddp_sum_divide(model, mesh):
+    """DDP by hand for a per-rank mean loss: SUM over "dp", then / dp."""
+    return sum_then_divide

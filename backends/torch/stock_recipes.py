@@ -70,6 +70,46 @@ def fsdp_tp_mlp(model, mesh):
     return reduce_tp_partials
 
 
+def attention_tp_plan(model, tp_mesh) -> None:
+    """Megatron's attention split by heads on "tp": separate q, k, v
+    projections column-parallel (each rank computes its heads' queries,
+    keys and values; grouped-query keeps its ratio), the output projection
+    row-parallel; and the MLP as in ``mlp_tp_plan``."""
+    for block in blocks(model):
+        attn = block.attn
+        out = "attn.o_proj" if hasattr(attn, "o_proj") else "attn.c_proj"
+        plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(), out: RowwiseParallel()}
+        if hasattr(block, "mlp"):
+            plan.update({"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+        else:
+            plan.update({"gate": ColwiseParallel(), "up": ColwiseParallel(),
+                         "down": RowwiseParallel()})
+        parallelize_module(block, tp_mesh, plan)
+
+
+def tp_attention(model, mesh):
+    """attention_tp_plan on "tp", gradients summed over "dp": the correct
+    tensor-parallel attention for a model with separate q, k, v projections
+    (GPT-2 with ``attention="split"``, the grouped-query decoder)."""
+    attention_tp_plan(model, mesh["tp"])
+    return all_reduce_dp
+
+
+def tp_attention_no_dp_sum(model, mesh):
+    """Bug: attention_tp_plan on "tp" and no gradient reduction over "dp"
+    (each replica keeps the gradient of its own rows)."""
+    attention_tp_plan(model, mesh["tp"])
+    return reduce_tp_partials
+
+
+def fsdp_tp_attention(model, mesh):
+    """attention_tp_plan on "tp" and FSDP2 over "dp" (divide factor 1)."""
+    attention_tp_plan(model, mesh["tp"])
+    fsdp(model, mesh)
+    return reduce_tp_partials
+
+
 def all_reduce_weights_only(model, mesh) -> None:
     """Bug: the data-parallel sum restricted to parameters named ``weight``
     (a filter by name), so every bias keeps its own replica's gradient."""

@@ -8,14 +8,16 @@ builds torchtitan's Llama3 ``debugmodel`` (its configuration, its
 ``parallelize_llama`` (tensor and sequence parallelism with its
 vocabulary-parallel loss, FSDP2 over "dp") on torchtitan's own
 ``ParallelDims`` mesh, unpatched but for the CPU adaptations of
-``backends.torch.titan_shim`` (applied here, printed on stderr).
+``backends.torch.titan_shim`` (applied here, printed on stderr). With
+``--pp 2`` it runs torchtitan's ``pipeline_llm`` instead (its stage split,
+``parallelize_llama`` on each stage, 1F1B over two microbatches).
 
 The loss is torchtitan's: ``cross_entropy_loss`` (a sum over the rank's
 tokens) divided by the step's token count, as its trainer divides by
 ``global_valid_tokens``. ``--vocab`` must be the model's vocabulary (2048
-for the debugmodel); the other size flags are not used (the flavor fixes
-them). FSDP's mixed precision is float32 (``mixed_precision_param``; the
-traced values are never used, only the structure of the run).
+for the debugmodel); ``--seqlen`` sets the sequence length; the other size
+flags are not used (the flavor fixes them). FSDP's mixed precision is float64 (the shim's adaptation 4), the
+precision every traced model runs in.
 """
 
 from __future__ import annotations
@@ -26,29 +28,45 @@ import torch
 from torch import nn
 
 from backends.torch import titan_shim
+from backends.torch.pipeline import PipelineStep
 
 
 class TitanLM(nn.Module):
     """A torchtitan decoder with the backend's ``forward(tokens, labels)``."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, config=None, seqlen: int = 0):
         super().__init__()
         self.model = model
+        self.config = config  # torchtitan's model configuration (pipelining reads it)
+        self.seqlen = seqlen
         self.global_tokens = 1  # set by the backend to the step's label count
+
+    def loss(self, pred: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """torchtitan's loss function as its pipeline schedule calls it:
+        the rank's summed cross-entropy over the step's token count, and
+        no metrics."""
+        from torchtitan.components.loss import cross_entropy_loss
+        return cross_entropy_loss(pred, labels) / self.global_tokens, {}
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from torchtitan.components.loss import cross_entropy_loss
         return cross_entropy_loss(self.model(tokens), labels) / self.global_tokens
 
 
-def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1):
+#: microbatches per pipeline step: torchtitan's 1F1B wants at least one per stage
+MICROBATCHES = 2
+
+
+def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1):
     from torchtitan.config import ParallelismConfig
     return ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
-                             pipeline_parallel_degree=pp, spmd_backend=titan_shim.SPMD_BACKEND)
+                             pipeline_parallel_degree=pp, spmd_backend=titan_shim.SPMD_BACKEND,
+                             pipeline_parallel_microbatch_size=microbatch)
 
 
-def build(flavor: str = "debugmodel", **_sizes) -> TitanLM:
-    """torchtitan's Llama3 ``flavor`` with its weights initialized on the CPU."""
+def build(flavor: str = "debugmodel", seqlen: int = 4, **_sizes) -> TitanLM:
+    """torchtitan's Llama3 ``flavor`` with its weights initialized on the CPU
+    (``seqlen``: the step's sequence length, for pipeline stage shapes)."""
     titan_shim.apply()
     from torchtitan.models.llama3 import model_registry
     config = titan_shim.sdpa_attention(model_registry(flavor).model)
@@ -56,7 +74,7 @@ def build(flavor: str = "debugmodel", **_sizes) -> TitanLM:
     model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
-    return TitanLM(model)
+    return TitanLM(model, config, seqlen)
 
 
 def llama3_debugmodel(**sizes) -> TitanLM:
@@ -65,20 +83,42 @@ def llama3_debugmodel(**sizes) -> TitanLM:
 
 def parallelize(model: TitanLM, mesh):
     """torchtitan's ``parallelize_llama`` on its own ``ParallelDims`` mesh of
-    the backend's sizes (``dp_shard`` = dp, ``tp`` = tp)."""
+    the backend's sizes (``dp_shard`` = dp, ``tp`` = tp); with ``pp`` > 1,
+    torchtitan's ``pipeline_llm`` (its stage split, ``parallelize_llama`` on
+    each stage, its 1F1B schedule, ``MICROBATCHES`` microbatches of the
+    rank's rows), the rank keeping its stage."""
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.llama3.parallelize import parallelize_llama
     dp, tp, pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
-    if pp != 1:
-        raise ValueError("backends.torch.titan:parallelize does not pipeline (--pp 1)")
     dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=pp, ep=1,
                         world_size=dp * tp * pp, spmd_backend=titan_shim.SPMD_BACKEND)
     dims.build_mesh()
     from torchtitan.distributed import utils as dist_utils
     dist_utils.set_spmd_backend(titan_shim.SPMD_BACKEND)  # as its trainer does from the config
-    parallelize_llama(model.model, parallel_dims=dims,
-                      training=TrainingConfig(mixed_precision_param="float32"),
-                      parallelism=_parallelism(dp, tp, pp), compile_config=CompileConfig(),
-                      ac_config=None, dump_folder="/tmp")
-    return None
+    rows = model.global_tokens // (model.seqlen * dp)  # the rank's batch rows
+    training = TrainingConfig(mixed_precision_param=titan_shim.PRECISION,
+                              mixed_precision_reduce=titan_shim.PRECISION, local_batch_size=rows,
+                              seq_len=model.seqlen)
+    if pp > 1 and rows % MICROBATCHES:
+        raise ValueError(f"backends.torch.titan:parallelize pipelines {MICROBATCHES} microbatches: "
+                         f"give each data-parallel rank a multiple of {MICROBATCHES} rows "
+                         f"(--batch)")
+    microbatch = max(1, rows // MICROBATCHES)
+    common = {"parallel_dims": dims, "training": training,
+              "parallelism": _parallelism(dp, tp, pp, microbatch),
+              "compile_config": CompileConfig(), "ac_config": None, "dump_folder": "/tmp"}
+    if pp == 1:
+        parallelize_llama(model.model, **common)
+        return None
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    with titan_shim.static_stages(model.config, microbatch, model.seqlen,
+                                  dims.get_mesh("tp") if tp > 1 else None):
+        schedule, parts, _, _ = pipeline_llm(model.model, device=torch.device("cpu"),
+                                             model_config=model.config,
+                                             parallelize_fn=parallelize_llama,
+                                             loss_fn=model.loss, **common)
+    if len(parts) != 1:
+        raise ValueError("backends.torch.titan:parallelize runs one stage per pipeline rank")
+    model.model = parts[0]
+    return PipelineStep(lambda tokens: schedule)
