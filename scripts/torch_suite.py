@@ -195,6 +195,9 @@ CASES: list[tuple[str, str, int]] = [
      "--recipe harness.torch_bugs:ep_mean_experts_undivided --dp 2 --tp 1", 1),
     ("moe bug experts summed over dp", "--model backends.torch.moe:moe "
      "--recipe harness.torch_bugs:ep_experts_summed_over_dp --dp 2 --tp 1", 1),
+    ("titan deepseek_v3 debugmodel refused (top-k MoE)",
+     "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
+     "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),
 ]
 
 

@@ -24,3 +24,11 @@ def test_titan_debugmodel_tp2_verifies() -> None:
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
     assert {t.rank for t in plan_p.tensors} == {0, 1}
+
+
+def test_deepseek_v3_parallelization_is_refused_with_its_reason() -> None:
+    """Top-k routing makes expert shapes depend on the values: refused, the
+    reason named (the suite runs it end to end: exit 2)."""
+    from backends.torch.titan import parallelize_deepseekv3
+    with pytest.raises(ValueError, match="top-k"):
+        parallelize_deepseekv3(None, None)

@@ -22,6 +22,7 @@ precision every traced model runs in.
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import torch
@@ -64,12 +65,14 @@ def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1):
                              pipeline_parallel_microbatch_size=microbatch)
 
 
-def build(flavor: str = "debugmodel", seqlen: int = 4, **_sizes) -> TitanLM:
-    """torchtitan's Llama3 ``flavor`` with its weights initialized on the CPU
-    (``seqlen``: the step's sequence length, for pipeline stage shapes)."""
+def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3",
+          **_sizes) -> TitanLM:
+    """torchtitan's ``family`` model (a package of ``torchtitan.models``) of
+    ``flavor`` with its weights initialized on the CPU (``seqlen``: the
+    step's sequence length, for pipeline stage shapes)."""
     titan_shim.apply()
-    from torchtitan.models.llama3 import model_registry
-    config = titan_shim.sdpa_attention(model_registry(flavor).model)
+    registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
+    config = titan_shim.sdpa_attention(registry(flavor).model)
     config.update_from_config(config=SimpleNamespace(parallelism=_parallelism()))
     model = config.build()
     with torch.no_grad():
@@ -79,6 +82,26 @@ def build(flavor: str = "debugmodel", seqlen: int = 4, **_sizes) -> TitanLM:
 
 def llama3_debugmodel(**sizes) -> TitanLM:
     return build("debugmodel", **sizes)
+
+
+def deepseek_v3_debugmodel(**sizes) -> TitanLM:
+    """torchtitan's DeepSeek-V3 ``debugmodel`` (MLA attention, top-k routed
+    MoE feed-forwards); its parallelization is refused
+    (``parallelize_deepseekv3``)."""
+    return build("debugmodel", family="deepseek_v3", **sizes)
+
+
+def parallelize_deepseekv3(model: TitanLM, mesh):
+    """torchtitan's ``parallelize_deepseekv3``: refused. Its MoE layers route
+    each token to its top-k experts, so every expert's input has as many
+    rows as tokens chose it: the traced shapes are those of one routing
+    only, and under the fake process group its expert-parallel token-count
+    all-to-all returns the rank's own counts, so they would be invented
+    (docs/soundness.md, "Plans traced from PyTorch", 12)."""
+    raise ValueError("torchtitan's DeepSeek-V3 is not traced: its MoE routes tokens by top-k, "
+                     "so each expert's input shape depends on the values (one routing of many), "
+                     "and under the fake process group the expert-parallel token counts would "
+                     "be invented (docs/soundness.md, \"Plans traced from PyTorch\", 12)")
 
 
 def parallelize(model: TitanLM, mesh):
