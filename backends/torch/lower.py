@@ -352,6 +352,9 @@ class _Lowerer:
             if x.share != 1:
                 s = self.emit("div", [s], [self.shapes[s]], {"value": float(x.share)})[0]
             return self.emit("pow", [s], [self.shapes[s]], {"exponent": 0.5})[0]
+        if isinstance(x, _NoShard):
+            raise LoweringError(f"{self.name}: a shard of a parameter this rank holds no rows of "
+                                f"(FSDP2 pads it) is read beyond its own optimizer step")
         if hasattr(x, "emit_into"):  # a pending value of lower_vocab_parallel or _NllGrad
             return self.materialize(x.emit_into(self))
         if isinstance(x, _Piece):
@@ -388,7 +391,21 @@ class _Lowerer:
                 for v in outs:
                     self.env[v] = Const(v, i)
                 continue
+            if self.on_empty(i):
+                for v in outs:
+                    self.env[v] = _NoShard()
+                continue
             self.lower_event(i)
+
+    def on_empty(self, i: int) -> bool:
+        """Event i reads and writes only empty tensors (the optimizer's step
+        of a parameter this rank holds no rows of) and communicates nothing:
+        it computes no value, and its outputs may be read by no other op."""
+        op, (args, kwargs), outs, out_shapes, *_ = self.trace["events"][i]
+        ins = _tensor_args([args, kwargs])
+        shapes = self.trace["shapes"]
+        return (bool(ins) and bool(outs) and not op.startswith(("c10d", "_c10d_functional", "fsdp"))
+                and all(0 in shapes[v] for v in ins) and all(0 in tuple(s) for s in out_shapes))
 
     def lower_event(self, i: int, want: int = -1) -> Any:
         """Lower event ``i`` through its handler; the lowered value of its
