@@ -370,6 +370,11 @@ def swiglu_regression(**kw) -> RegressionTower:
     return RegressionTower(**{"outputs": 1, **kw})
 
 
+def swiglu_regression_mean(**kw) -> RegressionTower:
+    """The one-value tower with F.mse_loss's default mean over the rank's own values."""
+    return RegressionTower(**{"outputs": 1, "loss": "mean", **kw})
+
+
 def mlp_mean(**kw) -> RegressionTower:
     """The regression tower with F.mse_loss's default mean over the rank's own values."""
     return RegressionTower(**{"loss": "mean", **kw})
