@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import secrets
 import struct
 import zipfile
 from pathlib import Path
@@ -30,7 +31,6 @@ from backends.planfile import (
     _check_world,
     _detail,
     _show,
-    _write_atomic,
 )
 from verdict.columns import INT_TYPES, Columns, NodeColumns, TensorColumns
 from verdict.ops import OPS
@@ -68,8 +68,8 @@ def is_columnar(path: str | os.PathLike[str]) -> bool:
 # ---------------------------------------------------------------- writing
 
 
-def columns_bytes(cols: Columns) -> bytes:
-    """The .npz bytes of ``cols`` (validated first: a file that would be
+def _members(cols: Columns) -> dict[str, np.ndarray]:
+    """The .npz members of ``cols`` (validated first: a file that would be
     refused on opening is never written)."""
     validate_columns(cols)
     header = {
@@ -89,21 +89,38 @@ def columns_bytes(cols: Columns) -> bytes:
         arrays["t_scale"] = np.ascontiguousarray(cols.tensors.scale)
     for k in NODE_ARRAYS:
         arrays[f"n_{k}"] = np.ascontiguousarray(getattr(cols.nodes, k))
+    return arrays
+
+
+def columns_bytes(cols: Columns) -> bytes:
+    """The .npz bytes of ``cols`` (validated first)."""
     stream = io.BytesIO()
-    np.savez(stream, allow_pickle=False, **arrays)
+    np.savez(stream, allow_pickle=False, **_members(cols))
     return stream.getvalue()
 
 
 def save_columns(cols: Columns, path: str | os.PathLike[str]) -> Path:
     """Write ``cols`` to ``path`` atomically (the world spec JSON is written
-    by the caller, as for pickled plans)."""
+    by the caller, as for pickled plans). The members stream into a
+    temporary file beside ``path`` (numpy writes each in bounded pieces), so
+    writing holds no copy of the plan."""
     path = Path(path)
     try:
-        blob = columns_bytes(cols)
+        arrays = _members(cols)
     except PlanError as e:
         raise PlanError(f"cannot save: {e.problem}", path) from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, blob)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, allow_pickle=False, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -6,9 +6,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+from backends.columnar import validate_columns
+from backends.planfile import PlanError
 from gen_model.autodiff import derive_training_step
 from gen_model.config import ConfigError, ModelConfig, Parallelism, world_spec
 from gen_model.graph import LogicalGraph
+from gen_model.microbatches import SIZES as MICROBATCH_SIZES
+from gen_model.microbatches import expand_microbatches, microbatches_replicable
 from gen_model.models import ZOO, build
 from gen_model.parallelize import Policy, Program, check_parallelism, check_policy, parallel_plan
 from gen_model.replicate import NotReplicable, replicable, replicate, small_sizes
@@ -72,22 +76,53 @@ def make_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "d
                  policy: Policy | None = None, fold: bool = False,
                  edit: Callable[[Program], Program] | None = None) -> Columns:
     """The plan of :func:`make_plan` as columns. A materialized plan of more
-    than 3 replicas is expanded from its plans at dp 2 and 3 by array
-    arithmetic (gen_model/replicate.py), not built node by node; plans that
-    path does not express (ZeRO, expert parallelism, bug variants, or any
-    the expansion's checks refuse) are built by the row generator."""
+    than 3 replicas or more than 5 microbatches is expanded from small plans
+    by array arithmetic (gen_model/replicate.py over replicas,
+    gen_model/microbatches.py over microbatches), not built node by node;
+    plans those paths do not express (ZeRO, expert parallelism, bug
+    variants, or any the expansions' checks refuse) are built by the row
+    generator."""
     policy = policy or Policy()
-    if not fold and replicable(par, policy, variant):
+    if not fold and (replicable(par, policy, variant) or
+                     microbatches_replicable(par, policy, variant)):
         check_parallelism(cfg, par, gbs)
         check_policy(cfg, par, policy)
-        smalls = [Columns.from_plan(make_plan_at(cfg, *small_sizes(par, gbs, dp), variant, policy,
-                                                 loss_rows=gbs, edit=edit)) for dp in (2, 3)]
         try:
-            return replicate(*smalls, par, plan_world(cfg, par, gbs, variant, policy))
+            return expanded_columns(cfg, par, gbs, variant, policy, edit)
         except NotReplicable as e:  # correct but slow: say why
             logging.getLogger("gen_model").warning("the array path refused this plan (%s); "
                                                    "generating it row by row", e)
     return Columns.from_plan(make_plan(cfg, par, gbs, variant, policy, fold, edit))
+
+
+def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
+                     policy: Policy, edit: Callable[[Program], Program] | None) -> Columns:
+    """The columns of ``par`` expanded from small plans: over microbatches
+    (from 3, 4 and 5) when there are more than 5 and the policy allows it,
+    then over replicas (from dp 2 and 3) when there are more than 3. The
+    result is validated (an execution order, reads after writes); a plan
+    that fails raises NotReplicable."""
+    over_nm = microbatches_replicable(par, policy, variant)
+
+    def at_dp(dp: int) -> Columns:
+        par_d, gbs_d = small_sizes(par, gbs, dp)
+        if not over_nm:
+            return Columns.from_plan(make_plan_at(cfg, par_d, gbs_d, variant, policy,
+                                                 loss_rows=gbs, edit=edit))
+        smalls = [Columns.from_plan(make_plan_at(cfg, replace(par_d, nm=n), gbs_d // par.nm * n,
+                                                 variant, policy, loss_rows=gbs, edit=edit))
+                  for n in MICROBATCH_SIZES]
+        return expand_microbatches(smalls, par.nm,
+                                   plan_world(cfg, par_d, gbs_d, variant, policy))
+
+    world = plan_world(cfg, par, gbs, variant, policy)
+    cols = (replicate(at_dp(2), at_dp(3), par, world) if replicable(par, policy, variant)
+            else at_dp(par.dp))
+    try:
+        validate_columns(cols)
+    except PlanError as e:
+        raise NotReplicable(f"the expanded plan is invalid: {e.problem}") from None
+    return cols
 
 
 def plan_world(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,

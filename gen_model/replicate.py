@@ -41,6 +41,7 @@ import numpy as np
 
 from gen_model.config import ConfigError, Parallelism
 from gen_model.parallelize import Policy
+from verdict.blocks import _rows_id
 from verdict.columns import Columns, NodeColumns, TensorColumns, canonical_kwargs, narrow
 from verdict.plan import Logical
 
@@ -75,13 +76,13 @@ class _Small:
         return (ranks // (self.block * self.dp)) * self.block + ranks % self.block
 
 
-def _keys(small: _Small) -> tuple[dict, dict]:
-    """Tensor key -> index and node key -> index, keys without the replica
-    first: (replica, place, mb, tid, version) and (replica, place, position)."""
+def _keys(small: _Small) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+    """The replica of every tensor and node and its key without the replica:
+    tensors (place, mb, tid, version), nodes (place, position on the rank)."""
     t = small.cols.tensors
-    rep, place = small.replica(t.rank.astype(np.int64)), small.place(t.rank.astype(np.int64))
-    tkeys = dict(zip(zip(rep.tolist(), place.tolist(), t.mb.tolist(), t.tid.tolist(),
-                         t.version.tolist()), range(len(t))))
+    t_ranks = t.rank.astype(np.int64)
+    tkeys = np.stack([small.place(t_ranks), t.mb.astype(np.int64), t.tid.astype(np.int64),
+                      t.version.astype(np.int64)], axis=1)
     n = small.cols.nodes
     ranks = n.rank.astype(np.int64)
     order = np.argsort(ranks, kind="stable")
@@ -90,30 +91,28 @@ def _keys(small: _Small) -> tuple[dict, dict]:
     starts = np.r_[0, np.flatnonzero(np.diff(sorted_ranks)) + 1]
     run = np.repeat(starts, np.diff(np.r_[starts, len(ranks)]))
     pos[order] = np.arange(len(ranks)) - run
-    nrep, nplace = small.replica(ranks), small.place(ranks)
-    nkeys = dict(zip(zip(nrep.tolist(), nplace.tolist(), pos.tolist()), range(len(ranks))))
-    return tkeys, nkeys
+    nkeys = np.stack([small.place(ranks), pos], axis=1)
+    return (small.replica(t_ranks), tkeys), (small.replica(ranks), nkeys)
 
 
-def _twins(keys2: dict, keys3: dict, what: str) -> Array:
+def _twins(keys2: tuple[Array, Array], keys3: tuple[Array, Array], what: str) -> Array:
     """For each replica-0 entry of dp 2 (rows, in index order): its index in
     dp 2 replica 1 and dp 3 replicas 0, 1, 2. Columns: j0, j1, k0, k1, k2."""
-    rows = []
-    for key, j0 in keys2.items():
-        if key[0] != 0:
-            continue
-        rest = key[1:]
-        try:
-            rows.append((j0, keys2[(1, *rest)], keys3[(0, *rest)], keys3[(1, *rest)],
-                         keys3[(2, *rest)]))
-        except KeyError:
-            raise NotReplicable(f"a {what} of replica 0 has no counterpart in another "
-                                "replica") from None
-    out = np.array(sorted(rows), dtype=np.int64).reshape(-1, 5)
-    n0 = sum(1 for k in keys2 if k[0] == 0)
-    if 2 * n0 != len(keys2) or 3 * n0 != len(keys3):
+    (rep2, k2), (rep3, k3) = keys2, keys3
+    ids = _rows_id(np.concatenate((k2, k3)))
+    id2, id3 = ids[:len(k2)], ids[len(k2):]
+    where = np.full((5, int(ids.max(initial=-1)) + 1), -1, dtype=np.int64)
+    for col, (rep, own, replica) in enumerate(((rep2, id2, 0), (rep2, id2, 1), (rep3, id3, 0),
+                                               (rep3, id3, 1), (rep3, id3, 2))):
+        pick = np.flatnonzero(rep == replica)
+        where[col, own[pick]] = pick
+    n0 = int((rep2 == 0).sum())
+    if 2 * n0 != len(k2) or 3 * n0 != len(k3):
         raise NotReplicable(f"the replicas do not hold the same {what}s")
-    return out
+    out = where[:, id2[rep2 == 0]].T
+    if (out < 0).any():
+        raise NotReplicable(f"a {what} of replica 0 has no counterpart in another replica")
+    return out[np.argsort(out[:, 0])]
 
 
 def _fit(v2_0: Array, v2_1: Array, v3_0: Array, v3_1: Array, v3_2: Array,
@@ -127,13 +126,37 @@ def _fit(v2_0: Array, v2_1: Array, v3_0: Array, v3_1: Array, v3_2: Array,
     return a, b, c
 
 
+#: Output entries computed at a time (bounds the int64 temporaries).
+_CHUNK = 1 << 22
+
+
 def _affine(coeffs: tuple[Array, Array, Array], rows: Array, d: Array, dp: int) -> Array:
-    """a + b D + c d of template ``rows`` on replicas ``d`` (narrowed)."""
+    """a + b D + c d of template ``rows`` on replicas ``d``, in the narrowest
+    type that holds every template's values on every replica, computed a
+    chunk of entries at a time."""
     a, b, c = coeffs
-    out = (a + b * dp)[rows]
-    if c.any():
-        out += c[rows] * (d if out.ndim == 1 else d[:, None])
-    return narrow(out)
+    base = a + b * dp
+    reach = base + c * (dp - 1)
+    out = np.empty(rows.shape + base.shape[1:], dtype=narrow(np.array(
+        [base.min(initial=0), base.max(initial=0), reach.min(initial=0),
+         reach.max(initial=0)])).dtype)
+    wide = c.any()
+    for lo in range(0, len(rows), _CHUNK):
+        r = rows[lo: lo + _CHUNK]
+        piece = base[r]
+        if wide:
+            dd = d[lo: lo + _CHUNK]
+            piece += c[r] * (dd if piece.ndim == 1 else dd[:, None])
+        out[lo: lo + _CHUNK] = piece
+    return out
+
+
+def _concat(pieces: list[Array], empty_shape: tuple[int, ...]) -> Array:
+    """Narrowed pieces as one array of their widest type."""
+    if not pieces:
+        return np.zeros(empty_shape, dtype=np.int8)
+    kind = np.result_type(*pieces)
+    return np.concatenate(pieces).astype(kind, copy=False)
 
 
 def _runs(counts: Array) -> tuple[Array, Array]:
@@ -220,8 +243,13 @@ class _Expander:
         fit = _fit(gather(0, 0), gather(0, 1), gather(1, 2), gather(1, 3), gather(1, 4),
                    "tensor slices")
         row_start = np.cumsum(ndim) - ndim
-        owner, within = _runs(ndim[rows])
-        return _affine(fit, row_start[rows[owner]] + within, d[owner], self.dp)
+        counts = ndim[rows]
+        pieces = []
+        for lo in range(0, len(rows), _CHUNK):
+            r, dd = rows[lo: lo + _CHUNK], d[lo: lo + _CHUNK]
+            owner, within = _runs(counts[lo: lo + _CHUNK])
+            pieces.append(_affine(fit, row_start[r[owner]] + within, dd[owner], self.dp))
+        return _concat(pieces, (0, 2))
 
     # ------------------------------------------------------------ nodes
     def nodes(self) -> tuple[NodeColumns, tuple[str, ...]]:
@@ -343,9 +371,7 @@ class _Expander:
         self.check_group(ge0, first, g_owner, g_within, half, s0)
         # the pool: own-replica lists copied per node copy, then one range per group
         counts = np.where(group[rows], 0, n0[rows])
-        c_owner, c_within = _runs(counts)
-        t_rows = self.entry_rows(pool2[s0[rows[c_owner]] + c_within])
-        plain = self.index_or_absent(t_rows, d[c_owner])
+        plain = self.copies(pool2, s0, counts, rows, d)
         starts = np.cumsum(counts) - counts
         in_count = np.where(group[rows], n0[rows] // 2 * self.dp, n0[rows])
         pieces, g_start = [plain], np.zeros(len(self.nw), dtype=np.int64)
@@ -353,12 +379,24 @@ class _Expander:
         for t in np.flatnonzero(group).tolist():
             block = self.entry_rows(pool2[s0[t]: s0[t] + n0[t] // 2])
             dd = np.repeat(np.arange(self.dp), len(block))
-            pieces.append(self.index_or_absent(np.tile(block, self.dp), dd))
+            pieces.append(narrow(self.index_or_absent(np.tile(block, self.dp), dd)))
             g_start[t] = at
             at += len(pieces[-1])
         in_start = np.where(group[rows], g_start[rows], starts)
         return {"in_start": narrow(in_start), "in_count": narrow(in_count),
-                "inputs": narrow(np.concatenate(pieces))}
+                "inputs": _concat(pieces, (0,))}
+
+    def copies(self, pool2: Array, s0: Array, counts: Array, rows: Array, d: Array) -> Array:
+        """The entries of the node copies (``counts`` of template ``rows``
+        on replicas ``d``, from the dp-2 pool at ``s0``), a chunk of nodes
+        at a time."""
+        pieces = []
+        for lo in range(0, len(rows), _CHUNK):
+            owner, within = _runs(counts[lo: lo + _CHUNK])
+            r, dd = rows[lo: lo + _CHUNK][owner], d[lo: lo + _CHUNK][owner]
+            pieces.append(narrow(self.index_or_absent(self.entry_rows(pool2[s0[r] + within]),
+                                                      dd)))
+        return _concat(pieces, (0,))
 
     def entry_rows(self, entries: Array) -> Array:
         """Template rows of dp-2 tensor indices (-1 stays -1)."""
@@ -428,12 +466,10 @@ class _Expander:
         owner, within = _runs(n0)
         self.check_entries(pool2[s0[owner] + within], pool2[s1[owner] + within], True)
         counts = n0[rows]
-        c_owner, c_within = _runs(counts)
-        t_rows = self.entry_rows(pool2[s0[rows[c_owner]] + c_within])
-        outs = self.index_or_absent(t_rows, d[c_owner])
+        outs = self.copies(pool2, s0, counts, rows, d)
         off = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=off[1:])
-        return {"out_off": narrow(off), "outputs": narrow(outs)}
+        return {"out_off": narrow(off), "outputs": outs}
 
 
 def real_logical(two: Columns, three: Columns, dp: int) -> tuple[Logical, ...]:

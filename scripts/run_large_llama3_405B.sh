@@ -6,13 +6,15 @@
 # data/stats/large.csv and main.py's Stats row to data/stats/stats.csv.
 # docs/benchmarks.md holds the figures and what the generator cannot express.
 # By default the parallel plan is folded (2 replicas and 2 microbatches shown,
-# docs/soundness.md "Folded plans"); FOLD=0 generates every rank.
+# docs/soundness.md "Folded plans"); FOLD=0 generates every rank as a columnar
+# file (gen_model --format npz, by array arithmetic) and verifies that.
 #
 #   bash scripts/run_large_llama3_405B.sh      # PY, TIMEOUT (1800), MEM_GB (16) may be set
 set -eu
 fold=$([ "${FOLD:-1}" = 1 ] && echo " --fold" || true)  # folded plan (docs/soundness.md); FOLD=0: every rank
+npz=$([ "${FOLD:-1}" = 1 ] || echo "--npz")  # a materialized plan goes through the columnar file
 cd "$(dirname "$0")/.."
 exec nice "${PY:-.venv/bin/python}" scripts/run_point.py --name llama3_405B --csv data/stats/large.csv \
     --model "--model llama3 --layers 126 --heads 128 --kv_heads 8 --hidden 16384 --ffn 53248 --vocab 128256 --seqlen 8192" \
     --par "--dp 64 --tp 8 --pp 16 --nm 16$fold" --gbs 1024 \
-    --timeout "${TIMEOUT:-1800}" --mem_gb "${MEM_GB:-16}" "$@"
+    --timeout "${TIMEOUT:-1800}" --mem_gb "${MEM_GB:-16}" $npz "$@"

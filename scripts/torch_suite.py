@@ -67,7 +67,7 @@ CASES: list[tuple[str, str, int]] = [
     ("hf qwen3 bug norm grads not reduced", "--hf qwen3 --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf qwen3_moe ep refused", "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
-    ("hf llama hsdp refused", "--hf llama --recipe hsdp --dp 4 --tp 1", 2),
+    ("hf llama hsdp dp4", "--hf llama --recipe hsdp --dp 4 --tp 1", 0),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
     ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),
@@ -185,6 +185,28 @@ CASES: list[tuple[str, str, int]] = [
      f"--model swiglu_regression_mean --recipe {STOCK}fsdp --dp 2 --tp 1", 1),
     ("mlp fsdp padded shards refused", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1 --vocab 15",
      2),
+    # HSDP and FSDP2 over shard groups of one rank (issue 19, shipped bugs)
+    ("hf llama hsdp dp4 tp2", "--hf llama --recipe hsdp --dp 4 --tp 2", 0),
+    ("llama hsdp dp4 tp2", "--model llama --recipe hsdp --dp 4 --tp 2 --batch 8", 0),
+    ("llama hsdp clip dp4", "--model llama --recipe hsdp --dp 4 --tp 1 --clip 0.5", 0),
+    ("llama bug hsdp norm over all dp (VeOmni 862)", "--model llama --recipe hsdp --dp 4 "
+     "--tp 1 --clip 0.5 --clipper harness.torch_bugs:clip_hsdp_norm_all_dp", 1),
+    ("llama hsdp norm over the shard group (VeOmni 862 fix)", "--model llama --recipe hsdp "
+     "--dp 4 --tp 1 --clip 0.5 --clipper harness.torch_bugs:clip_hsdp_norm_shard_group", 0),
+    ("llama_mean replicate_fp32 dp2", "--model llama_mean --recipe replicate_fp32 --dp 2 --tp 1", 0),
+    ("llama_mean bug divide factor ignored on one shard (pytorch 167178)",
+     "--model llama_mean --recipe harness.torch_bugs:replicate_fp32_factor_ignored --dp 2 --tp 1", 1),
+    ("llama_mean bug float64 one shard divided twice (torch 2.13)",
+     "--model llama_mean --recipe replicate_fp64 --dp 2 --tp 1", 1),
+    # expert parallelism with static shapes (backends/torch/moe.py)
+    ("moe ep dp2", "--model backends.torch.moe:moe --recipe backends.torch.moe:ep --dp 2 --tp 1", 0),
+    ("moe ep dp4", "--model backends.torch.moe:moe --recipe backends.torch.moe:ep --dp 4 --tp 1", 0),
+    ("moe_mean ep_mean dp2 (pytorch 160285 fix)",
+     "--model backends.torch.moe:moe_mean --recipe backends.torch.moe:ep_mean --dp 2 --tp 1", 0),
+    ("moe_mean bug expert grads undivided (pytorch 160285)", "--model backends.torch.moe:moe_mean "
+     "--recipe harness.torch_bugs:ep_mean_experts_undivided --dp 2 --tp 1", 1),
+    ("moe bug experts summed over dp", "--model backends.torch.moe:moe "
+     "--recipe harness.torch_bugs:ep_experts_summed_over_dp --dp 2 --tp 1", 1),
 ]
 
 

@@ -268,3 +268,9 @@ def test_gpt2_ddp_skipping_biases_fails(gpt2_single) -> None:
     verdict = _verdict("ddp_weights_only", gpt2_single)
     assert not verdict.success
     assert "bias" in verdict.message
+
+
+def test_soft_moe_matches_torch() -> None:
+    """The soft-routed MoE Llama of backends/torch/moe.py, lowered on one
+    device, computes torch's loss and gradients."""
+    _lower_and_check(_single("backends.torch.moe:moe"))

@@ -1,7 +1,7 @@
 """FSDP2's padded shards of a one-row parameter: the regression head
 ``nn.Linear(h, 1)`` (weight ``[1, h]``, bias ``[1]``) under ``fully_shard``
 over two ranks lives on the group's first rank, padded on the other
-(docs/soundness.md, "Plans traced from PyTorch", 11). The plans verify and
+(docs/soundness.md, "Plans traced from PyTorch", 14). The plans verify and
 the oracle agrees; a gradient of the head left un-reduced, or averaged
 where FSDP sums, fails; FSDP's default divide factor verifies on a
 per-rank mean and fails on a shared-out loss, as the real gloo runs do

@@ -69,6 +69,23 @@ class Arrays:
     slice_off: np.ndarray  # tensor t's slices: rows slice_off[t]:slice_off[t + 1]
 
 
+def index_array(values: np.ndarray) -> np.ndarray:
+    """``values`` as int32 when they fit (checked), else int64: the check
+    stores its arrays narrow and widens to int64 wherever it computes keys
+    that could leave int32's range."""
+    a = np.asarray(values)
+    if a.dtype == np.int32:
+        return a
+    if not len(a) or (int(a.max()) <= _I32.max and int(a.min()) >= _I32.min):
+        return a.astype(np.int32)
+    return a.astype(np.int64)
+
+
+_I32 = np.iinfo(np.int32)
+#: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
+_NODE_CHUNK = 1 << 20
+
+
 def arrays(cols: Columns) -> Arrays:
     """The check's arrays, by array operations over the columns."""
     t, n = cols.tensors, cols.nodes
@@ -76,37 +93,45 @@ def arrays(cols: Columns) -> Arrays:
     off = t.slice_offsets(cols.logical)
     ndim = np.diff(off)
     width = int(ndim.max(initial=0))
-    extents = np.full((nt, max(width, 1)), -1, dtype=np.int64)
+    narrow_slices = t.slices.dtype.itemsize <= 4
+    extents = np.full((nt, max(width, 1)), -1, dtype=np.int32 if narrow_slices else np.int64)
     if nt and width:
         row = np.repeat(np.arange(nt), ndim)
         col = np.arange(len(row)) - np.repeat(off[:-1], ndim)
-        extents[row, col] = t.slices[:, 1].astype(np.int64) - t.slices[:, 0]
+        extents[row, col] = t.slices[:, 1] - t.slices[:, 0]
+        del row, col
+    t_shape = index_array(_rows_id(extents))
+    del extents
     ranges = np.stack([n.in_start.astype(np.int64), n.in_count.astype(np.int64)], axis=1)
     key = ranges[:, 0] * (int(ranges[:, 1].max(initial=0)) + 1) + ranges[:, 1]
     distinct, first, n_ins = np.unique(key, return_index=True, return_inverse=True)
+    del key
     starts, in_lengths = ranges[first, 0], ranges[first, 1]
+    del ranges, first
     out_lengths = np.diff(n.out_off.astype(np.int64))
     lengths = np.concatenate((in_lengths, out_lengths))
     ptr = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=ptr[1:])
+    del lengths
     gather = np.repeat(starts - ptr[:len(distinct)], in_lengths) + np.arange(
         int(in_lengths.sum()))
-    flat = np.concatenate((n.inputs.astype(np.int64)[gather], n.outputs.astype(np.int64)))
-    producer = np.full(nt, -1, dtype=np.int64)
-    written = n.outputs.astype(np.int64)
-    owner = np.repeat(np.arange(nn), out_lengths)
+    flat = index_array(np.concatenate((n.inputs[gather], n.outputs)))
+    del gather
+    producer = np.full(nt, -1, dtype=np.int32 if nn <= _I32.max else np.int64)
+    written = n.outputs
+    owner = np.repeat(np.arange(nn, dtype=producer.dtype), out_lengths)
     keep = written >= 0
     producer[written[keep]] = owner[keep]
-
-    def i64(a: np.ndarray) -> np.ndarray:
-        return a.astype(np.int64)
+    del owner, keep
 
     return Arrays(
-        t_rank=i64(t.rank), t_mb=i64(t.mb), t_tid=i64(t.tid), t_version=i64(t.version),
-        t_lver=i64(t.lver), t_shape=_rows_id(extents), t_producer=producer,
-        n_rank=i64(n.rank), n_mb=i64(n.mb), n_op=i64(n.op), n_dir=i64(n.dir),
-        n_kw=i64(n.kwargs), n_ins=n_ins.reshape(-1), n_outs=len(distinct) + np.arange(nn),
-        ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=off)
+        t_rank=index_array(t.rank), t_mb=index_array(t.mb), t_tid=index_array(t.tid),
+        t_version=index_array(t.version), t_lver=index_array(t.lver), t_shape=t_shape,
+        t_producer=producer, n_rank=index_array(n.rank), n_mb=index_array(n.mb),
+        n_op=index_array(n.op), n_dir=index_array(n.dir), n_kw=index_array(n.kwargs),
+        n_ins=index_array(n_ins.reshape(-1)),
+        n_outs=index_array(len(distinct) + np.arange(nn)),
+        ptr=index_array(ptr), flat=flat, ops=tuple(cols.ops), slice_off=index_array(off))
 
 
 def _rows_id(matrix: np.ndarray) -> np.ndarray:
@@ -222,11 +247,14 @@ class BlockCheck:
             raise StructureError("symmetry", f"a node runs a microbatch outside 0..{nm - 1}")
         self.n_cls, self.n_d = self.split(cols.n_rank)
         self.t_cls, self.t_d = self.split(cols.t_rank)
-        kinds = np.array([lg.kind for lg in self.p.logical] or [""], dtype=object)
-        t_kind = kinds[cols.t_tid]
-        self.t_input = (cols.t_producer < 0) & np.isin(t_kind, INPUT_KINDS)
-        self.t_gradbuf = t_kind == "gradbuf"
-        self.check_offsets(t_kind)
+        kinds = [lg.kind for lg in self.p.logical] or [""]
+
+        def of_kind(*which: str) -> np.ndarray:
+            return np.array([k in which for k in kinds], dtype=bool)[cols.t_tid]
+
+        self.t_input = (cols.t_producer < 0) & of_kind(*INPUT_KINDS)
+        self.t_gradbuf = of_kind("gradbuf")
+        self.check_offsets(of_kind("data", "tokens"))
         self.t_view, bad_rows = self.input_views()
         rep = self.representatives(self.n_cls, self.n_d)
         self.rep = rep
@@ -238,11 +266,10 @@ class BlockCheck:
         self.check_entries(rep, orbit, self.is_acc, bad_rows)
         self.check_glue(orbit)
 
-    def check_offsets(self, t_kind: np.ndarray) -> None:
+    def check_offsets(self, t_data: np.ndarray) -> None:
         """(c): per class, the blocks' first rows are b apart and cover [0, B)."""
         cols, slices = self.cols, self.p.tensors.slices
-        data = np.flatnonzero((cols.t_producer < 0) & np.isin(t_kind, ("data", "tokens"))
-                              & (cols.t_mb >= 0))
+        data = np.flatnonzero((cols.t_producer < 0) & t_data & (cols.t_mb >= 0))
         first: dict[tuple, int] = {}
         for t in data.tolist():
             tid = int(cols.t_tid[t])
@@ -266,32 +293,37 @@ class BlockCheck:
     def input_views(self) -> tuple[np.ndarray, np.ndarray]:
         """For every input tensor, an id of its slices relative to its
         block's first row and its parts (-1 for computed tensors); and
-        whether it holds rows outside its block."""
+        whether it holds rows outside its block. Only the input tensors'
+        slices are copied."""
         cols, tc = self.cols, self.p.tensors
         nt = len(cols.t_rank)
         bad = np.zeros(nt, dtype=bool)
-        shifted = tc.slices.astype(np.int64)  # a copy, moved to block coordinates
+        inputs = np.flatnonzero(self.t_input)
+        ndim = (cols.slice_off[inputs + 1] - cols.slice_off[inputs]).astype(np.int64)
+        width = int(ndim.max(initial=0))
+        owner = np.repeat(np.arange(len(inputs)), ndim)
+        col = np.arange(len(owner)) - np.repeat(np.cumsum(ndim) - ndim, ndim)
+        rows = cols.slice_off[inputs[owner]].astype(np.int64) + col
+        shifted = tc.slices[rows].astype(np.int64)  # moved to block coordinates below
+        at = {int(r): k for k, r in enumerate(rows.tolist())} if len(rows) < 1 << 22 else None
         dims_of = {tid: dims for tid, dims in self.batch.items() if dims}
         for t in np.flatnonzero(self.t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
             row = self.offset.get((*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t])), -1)
             if row < 0:
                 continue
             for k in dims_of[int(cols.t_tid[t])]:
-                r = cols.slice_off[t] + k
-                a, b = int(shifted[r, 0]) - row, int(shifted[r, 1]) - row
+                r = int(cols.slice_off[t]) + k
+                j = at[r] if at is not None else int(np.searchsorted(rows, r))
+                a, b = int(shifted[j, 0]) - row, int(shifted[j, 1]) - row
                 bad[t] |= not (0 <= a < b <= self.rows)
-                shifted[r] = (a, b)
-        ndim = np.diff(cols.slice_off)
-        width = int(ndim.max(initial=0))
-        view = np.full((nt, 2 * width + 3), -1, dtype=np.int64)
-        if nt and width:
-            row = np.repeat(np.arange(nt), ndim)
-            col = np.arange(len(row)) - np.repeat(cols.slice_off[:-1], ndim)
-            view[row, 2 * col] = shifted[:, 0]
-            view[row, 2 * col + 1] = shifted[:, 1]
-        view[:, 2 * width:] = tc.parts
-        ids = np.full(nt, -1, dtype=np.int64)
-        ids[self.t_input] = _rows_id(view[self.t_input])
+                shifted[j] = (a, b)
+        view = np.full((len(inputs), 2 * width + 3), -1, dtype=np.int64)
+        if len(inputs) and width:
+            view[owner, 2 * col] = shifted[:, 0]
+            view[owner, 2 * col + 1] = shifted[:, 1]
+        view[:, 2 * width:] = tc.parts[inputs]
+        ids = np.full(nt, -1, dtype=np.int32 if len(inputs) <= _I32.max else np.int64)
+        ids[inputs] = _rows_id(view)
         return ids, bad
 
     def representatives(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
@@ -303,7 +335,8 @@ class BlockCheck:
         cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
         nn = len(cols.n_rank)
         slot = cols.n_mb + 1  # 0: outside microbatches
-        block = (n_cls * dp + n_d) * (nm + 1) + slot
+        wide = n_cls.astype(np.int64)
+        block = (wide * dp + n_d) * (nm + 1) + slot
         order = np.argsort(block, kind="stable")
         ids, starts, counts = np.unique(block[order], return_index=True, return_counts=True)
         pos = np.empty(nn, dtype=np.int64)
@@ -312,12 +345,14 @@ class BlockCheck:
         rep_d = 0 if self.rep_of_d is None else self.rep_of_d[n_d]
         rep_slot = np.minimum(slot, 1) if self.rep_of_m is None else \
             np.where(slot > 0, self.rep_of_m[np.maximum(cols.n_mb, 0)] + 1, 0)
-        rep_block = (n_cls * dp + rep_d) * (nm + 1) + rep_slot
+        rep_block = (wide * dp + rep_d) * (nm + 1) + rep_slot
+        del wide
         where = np.searchsorted(ids, rep_block)
         where = np.minimum(where, len(ids) - 1)
         found = ids[where] == rep_block
         size = np.where(found, counts[where], 0)
-        rep = np.where(found & (pos < size), order[np.minimum(starts[where] + pos, nn - 1)], -1)
+        rep = index_array(np.where(found & (pos < size),
+                                   order[np.minimum(starts[where] + pos, nn - 1)], -1))
         own_size = counts[np.searchsorted(ids, block)]
         nodes = np.arange(nn)
         self.flag(own_size != size, nodes, "its block has another number of nodes than the "
@@ -411,22 +446,27 @@ class BlockCheck:
     def check_entries(self, rep: np.ndarray, orbit: np.ndarray, is_acc: np.ndarray,
                       bad_rows: np.ndarray) -> None:
         """Each tensor a node reads or writes against the one its
-        representative reads or writes at that position."""
+        representative reads or writes at that position, a chunk of nodes
+        at a time (the flags keep the first node of every chunk; the
+        first of all is raised)."""
         cols = self.cols
         for outputs, tuples in ((False, cols.n_ins), (True, cols.n_outs)):
             lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
             same = (rep >= 0) & (lengths == lengths[np.maximum(rep, 0)])
             # an orbit reading the same tuple as its representative reads the same tensors
             skip = orbit & (tuples == tuples[np.maximum(rep, 0)]) & (not outputs)
-            nodes = np.flatnonzero(same & ~skip)
-            node = np.repeat(nodes, lengths[nodes])
-            k = np.arange(len(node)) - np.repeat(
-                np.concatenate(([0], np.cumsum(lengths[nodes])[:-1])), lengths[nodes])
-            t = cols.flat[cols.ptr[tuples[node]] + k]
-            r = cols.flat[cols.ptr[tuples[rep[node]]] + k]
-            chain = is_acc[node] & ((k == 0) | outputs)
-            self.compare(node, rep[node], t, r, chain, orbit[node] & (not outputs),
-                         "output" if outputs else "input", bad_rows)
+            picked = np.flatnonzero(same & ~skip)
+            del same, skip
+            for lo in range(0, len(picked), _NODE_CHUNK):
+                nodes = picked[lo: lo + _NODE_CHUNK]
+                count = lengths[nodes].astype(np.int64)
+                node = np.repeat(nodes, count)
+                k = np.arange(len(node)) - np.repeat(np.cumsum(count) - count, count)
+                t = cols.flat[cols.ptr[tuples[node]] + k]
+                r = cols.flat[cols.ptr[tuples[rep[node]]] + k]
+                chain = is_acc[node] & ((k == 0) | outputs)
+                self.compare(node, rep[node], t, r, chain, orbit[node] & (not outputs),
+                             "output" if outputs else "input", bad_rows)
 
     def compare(self, node, rep, t, r, chain, orbit, what: str, bad_rows) -> None:
         cols = self.cols
@@ -468,7 +508,7 @@ class BlockCheck:
         buf = np.where(lengths[acc] > 0, cols.flat[cols.ptr[cols.n_ins[acc]]], -1)
         out = cols.flat[cols.ptr[cols.n_outs[acc]]]
         key_tid = np.where(buf >= 0, cols.t_tid[np.maximum(buf, 0)], -1)
-        key = cols.n_rank[acc] * (len(self.p.logical) + 1) + key_tid + 1
+        key = cols.n_rank[acc].astype(np.int64) * (len(self.p.logical) + 1) + key_tid + 1
         order = np.lexsort((acc, key))
         acc, buf, out, key = acc[order], buf[order], out[order], key[order]
         first = np.concatenate(([True], key[1:] != key[:-1]))
@@ -496,7 +536,8 @@ class BlockCheck:
         cols, p = self.cols, self.p
         is_end = getattr(self, "is_end", np.zeros(len(cols.t_rank), dtype=bool))
         sums = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)[cols.n_op]
-        tuples = np.unique(cols.n_ins)
+        # every inputs tuple is some node's (arrays() numbers the distinct ones)
+        tuples = np.arange(len(cols.ptr) - 1 - len(cols.n_rank))
         lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
         spans = _spans(cols.ptr, tuples)
         ts = cols.flat[spans]
@@ -507,7 +548,7 @@ class BlockCheck:
             starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
             end_ok[nonempty] = ~np.logical_or.reduceat(bad, starts[nonempty])
         sums_ends = np.zeros(len(cols.n_ins), dtype=bool)
-        sums_ends[:] = end_ok[np.searchsorted(tuples, cols.n_ins)] & sums
+        sums_ends[:] = end_ok[cols.n_ins] & sums
         nodes = np.arange(len(cols.n_ins))
         self.flag(orbit & (~sums_ends | (cols.n_mb != -1)), nodes,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
@@ -538,7 +579,7 @@ class BlockCheck:
         t, writer = t[g], writer[g]
         if not len(t):
             return
-        key = cols.t_rank[t] * (len(p.logical) + 1) + cols.t_tid[t]
+        key = cols.t_rank[t].astype(np.int64) * (len(p.logical) + 1) + cols.t_tid[t]
         order = np.lexsort((writer, key))
         key, writer, t = key[order], writer[order], t[order]
         last = np.concatenate((key[1:] != key[:-1], [True]))

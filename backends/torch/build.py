@@ -28,10 +28,10 @@ from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op
 from verdict.plan import Logical, Node, Plan, Tensor
 
-AXES = ("dp", "tp")
-#: the order of part numbering of a partial sum (microbatches fastest, as in
-#: docs/parallelism.md "Partial-sum part numbering")
-PART_AXES = ("dp", "tp", "mb")
+#: HSDP: "dp" as its two sub-axes, replicas outer, shards inner (data-parallel
+#: rank d is replica d // s, shard d % s), so a cut or a partial sum over
+#: both, in this order, is one over "dp" (docs/soundness.md, "HSDP")
+DP_SUBAXES = ("dpr", "dps")
 P2P = ("send", "send_recv")
 SIZE_KWARGS = ("shape", "sizes", "index", "parts", "value")
 SCALINGS = ("div", "mul_scalar")
@@ -231,6 +231,15 @@ class _Rank:
 
     def __init__(self, b: _Builder, low: Lowered, sizes: dict[str, int]):
         self.b, self.low, self.sizes = b, low, sizes
+        #: the atomic axes "dp" stands for (HSDP: its sub-axes)
+        self.dp = list(DP_SUBAXES) if "dps" in sizes else ["dp"]
+        self.axes = (*self.dp, "tp")
+        #: the order of part numbering of a partial sum (microbatches fastest,
+        #: as in docs/parallelism.md "Partial-sum part numbering")
+        self.part_axes = (*self.dp, "tp", "mb")
+        if "dps" in sizes:
+            d = low.coords["dp"]
+            low.coords.update(dpr=d // sizes["dps"], dps=d % sizes["dps"])
         self.sv: dict[int, int] = {}  # P value -> S value
         self.claim: dict[int, Claim] = {}
         self.used: set[tuple[int, int]] = set()  # (microbatch, S node) matched
@@ -252,8 +261,16 @@ class _Rank:
                 raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
                                  f"that the single-device step never reads")
             self.sv[v] = by_name[name]
-            self.claim[v] = Claim([[a for a in axes if sizes[a] > 1] for axes in low.axes[v]])
+            self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
+                                   for axes in low.axes[v]])
             self.check_input(v, name)
+
+    def atomic(self, axes) -> list[str]:
+        """Axes with "dp" written as the atomic axes it stands for."""
+        return [x for a in axes for x in (self.dp if a == "dp" else [a])]
+
+    def orders(self, order: tuple) -> tuple:
+        return tuple(tuple(self.atomic(axes)) for axes in order)
 
     def check_input(self, v: int, name: str) -> None:
         """An input's claim is assumed, not proved: its local shape must be its
@@ -280,7 +297,7 @@ class _Rank:
             try:
                 for k, (m, f) in enumerate(zip(mine.shape, full.shape)):
                     order = (("dp",), ("tp",), ("dp", "tp")) if k == 0 else (("tp",), ("dp",), ("dp", "tp"))
-                    axes = self.guess(m, f, order=order)
+                    axes = self.guess(m, f, order=self.orders(order))
                     i = 0
                     for a in axes:
                         i = i * self.sizes[a] + self.low.coords[a]
@@ -303,6 +320,7 @@ class _Rank:
         ratio = full // local if local else 1
         if ratio == 1:
             return []
+        order = self.orders(order)
         for axes in [list(a) for a in order if not set(a) & set(used)] + [list(a) for a in order]:
             if math.prod(self.sizes[a] for a in axes) == ratio and all(self.sizes[a] > 1 for a in axes):
                 return axes
@@ -317,6 +335,9 @@ class _Rank:
         key = (node.op, node.dir, tuple(ins), _key_kwargs(node.kwargs))
         cands = self.b.s.by_key.get(key)
         self.applied = Fraction(1)
+        self.padded = None
+        if not cands and node.op == "narrow" and node.dir == "bw":
+            cands = self.padded_piece(node, ins)
         if not cands and node.op in SCALINGS and len(node.ins) == 1:
             # a rescaling the single-device step does not do (a divide factor):
             # it claims to be what it rescales, times the factor it applies
@@ -353,17 +374,38 @@ class _Rank:
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
 
-    def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> str | None:
-        """The mesh axis a collective's group runs along; None for a group
-        of one rank (a mesh dim of size 1), where every collective is the
-        identity."""
-        if len(group) == 1:
+    def padded_piece(self, node: LNode, ins: list[int]) -> list[int] | None:
+        """The backward of a slice that took this rank's piece of a dim cut by
+        mesh axes (zeros outside the piece) is one term of the sum of the
+        pieces: matched with the single-device backward of the slice of the
+        whole dim, and claimed partial over those axes (``self.padded``)."""
+        g = node.ins[-1]
+        d = node.kwargs["dim"] % len(self.low.shapes[g])
+        axes = self.claim[g].dims[d]
+        if not axes:
             return None
-        varying = [a for a in AXES if len({coords[r][a] for r in group}) > 1]
-        if len(varying) != 1:
+        # the claim (this rank's piece, by its coordinates) is proved, not
+        # assumed: a rank that took another piece fails
+        whole = node.kwargs["length"] * math.prod(self.sizes[a] for a in axes)
+        key = (node.op, node.dir, tuple(ins),
+               _key_kwargs({**node.kwargs, "start": 0, "length": whole}))
+        cands = self.b.s.by_key.get(key)
+        if cands:
+            self.padded = (d, list(axes))
+        return cands
+
+    def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> list[str]:
+        """The mesh axes a collective's group runs along, outer first: one
+        axis, or under HSDP both data-parallel sub-axes (the whole of "dp");
+        none for a group of one rank (a mesh dim of size 1), where every
+        collective is the identity."""
+        if len(group) == 1:
+            return []
+        varying = [a for a in self.axes if len({coords[r][a] for r in group}) > 1]
+        if len(varying) != 1 and varying != self.dp:
             raise LoweringError(f"rank {self.low.rank}: a collective over ranks {list(group)} "
                                 f"is not along one mesh axis")
-        return varying[0]
+        return varying
 
     def step(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[LNode]:
         """The nodes to emit for this node (additions may be deferred and
@@ -574,18 +616,17 @@ class _Rank:
                     self.split_as_single(node, souts)
                     return
             else:
-                axis = self.axis_of(node.group, coords)
-                if axis is None:
-                    pass
-                elif node.op in ("all_reduce", "all_reduce_avg"):
-                    partial.discard(axis)
+                axes = self.axis_of(node.group, coords)
+                if node.op in ("all_reduce", "all_reduce_avg"):
+                    partial -= set(axes)
                 elif node.op == "all_gather":
                     d = dims[node.kwargs["dim"]]
-                    if axis in d:
-                        d.remove(axis)
+                    for axis in axes:
+                        if axis in d:
+                            d.remove(axis)
                 elif node.op in ("reduce_scatter", "reduce_scatter_avg"):
-                    partial.discard(axis)
-                    dims[node.kwargs["dim"]].append(axis)
+                    partial -= set(axes)
+                    dims[node.kwargs["dim"]].extend(axes)
             scale = c.scale / len(node.group) if node.op in AVERAGES else c.scale
             self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale)
             self.check(out)
@@ -597,6 +638,12 @@ class _Rank:
                 self.sv[o] = so
                 self.mb[o] = mb
         self.infer(node)
+        if self.padded is not None:
+            d, axes = self.padded
+            c = self.claim[node.outs[0]]
+            c.dims[d] = []
+            self.claim[node.outs[0]] = Claim(c.dims, c.partial | frozenset(axes), c.mbs, c.scale)
+            self.check(node.outs[0])
         for o, f in zip(node.outs, self.scales_of(node)):
             if o >= 0:
                 self.claim[o].scale = f * self.applied
@@ -780,7 +827,7 @@ class _Rank:
                 index = index * self.sizes[a] + coords[a]
             slices.append((index * local[d], (index + 1) * local[d]))
         n, lo, hi = 1, 0, 1
-        for a in PART_AXES:
+        for a in self.part_axes:
             if a in c.partial and self.sizes[a] > 1:
                 first, last = (c.mbs if a == "mb" and c.mbs else (coords[a], coords[a] + 1))
                 n *= self.sizes[a]
@@ -852,8 +899,15 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
     b = _Builder(single, world)
     plan_s = b.build_single()
     sizes = {"dp": world["dp"], "tp": world["tp"], "mb": world["nm"]}
-    coords = {low.rank: low.coords for low in ranks}
+    shards = {low.split["dps"] for low in ranks if "dps" in low.split}
+    if len(shards) > 1:
+        raise LoweringError(f"the ranks shard their parameters over data-parallel groups of "
+                            f"different sizes {sorted(shards)}")
+    if shards:
+        s = shards.pop()
+        sizes.update(dpr=world["dp"] // s, dps=s)
     rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
+    coords = {low.rank: low.coords for low in ranks}
     plan_p = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
                   grads=dict(plan_s.grads))
     versions: dict[tuple[int, int, int], int] = {}

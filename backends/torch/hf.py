@@ -18,7 +18,9 @@ step's mean, as transformers' ``ForCausalLMLoss`` computes it.
 
 The recipes (``--recipe backends.torch.hf:tp_fsdp``, ...) map the backend's
 ("pp", "dp", "tp") mesh onto a ``DistributedConfig``: ``tp_size`` = tp,
-``fsdp_size`` = dp (``hsdp``: ``dp_replicate_size`` 2, ``fsdp_size`` dp / 2).
+``fsdp_size`` = dp (``hsdp``: ``dp_replicate_size`` 2, ``fsdp_size`` dp / 2,
+FSDP2's hybrid sharding, lowered: docs/soundness.md, "Plans traced from
+PyTorch", 11).
 transformers builds its own mesh ("pp", "dp_replicate", "fsdp", "tp"),
 whose rank order is the backend's (a data-parallel rank d is replica
 d // fsdp, shard d % fsdp).
@@ -166,10 +168,13 @@ def ep_fsdp(model, mesh):
     """Expert parallelism (transformers' token-dispatch plan): refused. Under
     the fake process group the all-to-all that exchanges the routed token
     counts returns this rank's own counts, so every expert shape traced
-    after it would be invented, not what a real run computes."""
-    raise ValueError("expert parallelism is not traced: under the fake process group the "
-                     "token-count all-to-all echoes this rank's own counts, so the traced "
-                     "expert shapes would be invented")
+    after it would be invented; and with real collectives the shapes are
+    those of one routing only (docs/soundness.md, "Plans traced from
+    PyTorch", 12)."""
+    raise ValueError("expert parallelism is not traced: each expert's input has as many rows "
+                     "as tokens the router sent it, so its shapes depend on the values (and "
+                     "under the fake process group the token-count all-to-all echoes this "
+                     "rank's own counts)")
 
 
 

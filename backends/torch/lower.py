@@ -65,6 +65,8 @@ class Lowered:
     #: optimizer states' new values (state name -> value)
     updates: dict[str, int] = field(default_factory=dict)
     states: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: HSDP: {"dps": s}, the data-parallel ranks cut into replicas of s shards
+    split: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,8 @@ class _ChunkCat:
     chunks: int
     group: tuple[int, ...] | None = None
     divide: float = 1.0
+    #: HSDP: the replica group the reduced buffer is then all-reduced over
+    replicas: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,7 @@ class _Padding:
     """FSDP2's padding buffer of a rank's empty shard of parameter ``param``
     (a dim 0 of one row, which only the group's first rank holds): only
     FSDP's all-gather copy-in reads it, and the lowering never reads its
-    values (docs/soundness.md, "Plans traced from PyTorch", 11)."""
+    values (docs/soundness.md, "Plans traced from PyTorch", 14)."""
     param: int
 
 
@@ -491,7 +495,7 @@ def _scalar(op: str):
             raise LoweringError(f"{lw.name}: {op} by a tensor is not lowered")
         buf = lw.env.get(args[0][1])
         if op == "div" and isinstance(buf, _ChunkCat):
-            return _ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value)
+            return _ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value, buf.replicas)
         return lw.emit(op, [lw.val(args[0])], shapes, {"value": value})[0]
     return lower
 
@@ -860,6 +864,8 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
                 x = g
                 if src.group is not None:
                     x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
+                if src.replicas is not None:
+                    x = lw.emit("all_reduce", [x], [shape], group=src.replicas)[0]
                 if src.divide != 1.0:
                     x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
                 return _view_to(lw, x, tuple(size))
@@ -1321,8 +1327,20 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
-    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place all-reduce)."""
+    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place
+    all-reduce); of FSDP's reduced buffer (HSDP's all-reduce across
+    replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
+    buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
+    if isinstance(buf, _ChunkCat) and (buf.group is not None or buf.chunks == 1):
+        if buf.replicas is not None:
+            raise LoweringError(f"{lw.name}: FSDP's reduced buffer all-reduced twice")
+        if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
+            raise LoweringError(f"{lw.name}: all-reduce of FSDP's buffer with reduce op {op} "
+                                f"is not lowered")
+        replicas = _pg(lw, args[1])
+        divide = buf.divide * (float(len(replicas)) if op[1] == 1 else 1.0)
+        return [_ChunkCat(buf.grads, buf.chunks, buf.group, divide, replicas)]
     if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
         raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
     return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=_pg(lw, args[1]))[0]]
@@ -1341,8 +1359,11 @@ def _to_copy(lw: _Lowerer, args, kwargs, shapes, group):
     x = lw.env.get(args[0][1])
     if isinstance(x, (_Ids, _Shifted, _IdsTest, _VocabMask)):
         raise LoweringError(f"{lw.name}: the batch's integer ids converted to numbers")
-    if isinstance(x, _ChunkCat) and x.chunks == 1:
-        return x  # FSDP's one-rank gradient buffer cast back to the parameters' precision
+    if isinstance(x, _ChunkCat) and (x.group is not None or x.chunks == 1):
+        # FSDP's reduced buffer cast back from its reduce dtype
+        if "float" not in str(kwargs.get("dtype", "")) and "double" not in str(kwargs.get("dtype", "")):
+            raise LoweringError(f"{lw.name}: FSDP's reduced buffer converted to {kwargs.get('dtype')}")
+        return x
     return to_copy(lw, args, kwargs, shapes, group)
 
 
@@ -1738,6 +1759,8 @@ HANDLERS: dict[str, Any] = {
     "aten.copy_.default": _copy,
     "_c10d_functional.all_gather_into_tensor.default": _all_gather,
     "_c10d_functional.reduce_scatter_tensor.default": _reduce_scatter,
+    "_c10d_functional_autograd.all_gather_into_tensor.default": _all_gather,
+    "_c10d_functional_autograd.reduce_scatter_tensor.default": _reduce_scatter,
     "aten.split.Tensor": _split,
     "aten.split_with_sizes.default": _split,
     "aten.unsqueeze.default": _view,
@@ -1823,7 +1846,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
-                   lw.tokens, lw.const_values, updates, states)
+                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})))
 
 
 def check_even_shards(traces: list[dict]) -> None:

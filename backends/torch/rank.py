@@ -103,8 +103,10 @@ def _run(spec: dict, rank: int) -> dict:
         pipelined = Pipelined(after, tokens, rec.set_mb)
         after = after.after_backward
     params = {}
+    layout = (spec["pp"], spec["dp"], spec["tp"]) if spec["parallel"] else None
+    split: dict[str, int] = {}  # HSDP's shard count, when a parameter is sharded on part of dp
     for name, p in model.named_parameters():
-        params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p))
+        params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p, layout, split))
         rec.register_storage(local_of(p), params[name][0])
     buffers = {}
     for name, b in model.named_buffers():
@@ -145,7 +147,7 @@ def _run(spec: dict, rank: int) -> dict:
                       for n, p in model.named_parameters()},
         }
     return {
-        "rank": rank, "coords": coords, "events": rec.events, "shapes": rec.shapes,
+        "rank": rank, "coords": coords, "split": split, "events": rec.events, "shapes": rec.shapes,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
         "from_buffer": rec.from_buffer,

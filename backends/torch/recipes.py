@@ -238,6 +238,65 @@ def fsdp_tp_block_left_out(model, mesh):
     return reduce_tp_partials
 
 
+def hsdp_mesh(mesh, replicas: int = 2):
+    """The 2-D data-parallel mesh of HSDP: "dp" unflattened into
+    ("dp_replicate", "dp_shard"), ``replicas`` replicas of dp / replicas
+    shards (data-parallel rank d is replica d // shards, shard d % shards)."""
+    dp = mesh["dp"].size()
+    if dp % replicas:
+        raise ValueError(f"dp {dp} is not a multiple of {replicas} replicas")
+    full = mesh._unflatten("dp", (replicas, dp // replicas), ("dp_replicate", "dp_shard"))
+    return full["dp_replicate", "dp_shard"]
+
+
+def hsdp(model, mesh, replicas: int = 2, divide_factor: float | None = 1.0):
+    """HSDP with TP: torchtitan's TP+SP plan on "tp" and FSDP2's hybrid
+    sharding over "dp" (``fully_shard`` on a 2-D mesh: each gradient
+    reduce-scattered over the shards, then all-reduced over the replicas).
+    The loss is the step's mean shared out, so the gradient divide factor
+    is 1. Without tensor parallelism (tp 1) no TP plan is applied, so every
+    parameter is on the 2-D mesh (gradient clipping stacks their norms)."""
+    if mesh["tp"].size() > 1:
+        llama_tp_plan(model, mesh["tp"])
+    dp_mesh = hsdp_mesh(mesh, replicas)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    if divide_factor is not None:
+        for module in (model, *model.layers.values()):
+            module.set_gradient_divide_factor(divide_factor)
+    return reduce_tp_partials
+
+
+def replicate_fp32(model, mesh, reduce_dtype: torch.dtype | None = torch.float32):
+    """Data parallelism as FSDP2 with one shard per replica (HSDP with dp
+    replicas of one shard, the layout of torch's FSDP2-based
+    ``replicate``), gradients reduced in float32
+    (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``), for a per-rank
+    mean loss: the gradient divide factor is set to dp, so the replicas'
+    gradients are averaged. FSDP2 then folds the factor into the shard
+    group's reduce-scatter (``PREMUL_SUM``), which a group of one rank
+    skips: torch divides explicitly there (pytorch PR 167178)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    dp = mesh["dp"].size()
+    dp_mesh = hsdp_mesh(mesh, replicas=dp)
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    for module in (model, *model.layers.values()):
+        module.set_gradient_divide_factor(float(dp))
+    return None
+
+
+def replicate_fp64(model, mesh):
+    """replicate_fp32 reducing in the parameters' float64: FSDP2 then divides
+    by the factor itself (a pre-division of the reduce-scatter's input and
+    a post-division), and the size-1 branch that PR 167178 added divides by
+    it once more."""
+    return replicate_fp32(model, mesh, reduce_dtype=None)
+
+
 def fsdp_tp_default_divide(model, mesh):
     """fsdp_tp keeping FSDP's default divide factor (the data-parallel size):
     with a loss already divided by the whole step's token count, every

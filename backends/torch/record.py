@@ -279,15 +279,71 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 AXIS_NAMES = {"fsdp": "dp", "dp_shard": "dp"}
 
 
-def dims_axes(t: torch.Tensor) -> list[list[str]]:
+def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
+                       split: dict[str, int]) -> str | None:
+    """The backend axis a data-parallel mesh dim of a library's mesh runs
+    along, read off the global ranks it holds (not its name): "dp" when it
+    spans every data-parallel rank, "dps" when it spans s consecutive ones
+    (an HSDP shard group), "dpr" when it spans every s-th one (an HSDP
+    replica group); ``split["dps"]`` records s. None when the ranks vary
+    in anything but the data-parallel coordinate, or not in one of these
+    patterns, or when this rank's index in the mesh dim is not its
+    coordinate on that axis."""
+    _, dp, tp = layout
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    index = list(coordinate)
+    index[mesh_dim] = slice(None)
+    ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten()]
+    stage = {r // (dp * tp) for r in ranks}
+    column = {r % tp for r in ranks}
+    ds = [(r // tp) % dp for r in ranks]
+    k = len(ds)
+    if len(stage) != 1 or len(column) != 1 or k < 2 or dp % k:
+        return None
+    s = dp // k
+    here = ds[coordinate[mesh_dim]]
+    if k == dp and ds == list(range(dp)):
+        return "dp"
+    if ds == [ds[0] + j for j in range(k)] and ds[0] % k == 0 and split.get("dps", k) == k:
+        split["dps"] = k
+        return "dps" if here % k == coordinate[mesh_dim] else None
+    if ds == [ds[0] + j * s for j in range(k)] and ds[0] < s and split.get("dps", s) == s:
+        split["dps"] = s
+        return "dpr" if here // s == coordinate[mesh_dim] else None
+    return None
+
+
+def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
+              split: dict[str, int] | None = None) -> list[list[str]]:
     """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer
-    first (a mesh dim named as in ``AXIS_NAMES`` is the axis it names)."""
+    first. A mesh dim is the backend axis of its name ("pp", "dp", "tp",
+    or one named as in ``AXIS_NAMES``); with the backend's mesh ``layout``
+    (pp, dp, tp), a data-parallel one is the axis its ranks run along
+    (``data_parallel_axis``: an HSDP shard dim is "dps", and ``split``
+    records its size)."""
     from torch.distributed.tensor.placement_types import _StridedShard
     axes: list[list[str]] = [[] for _ in range(t.dim())]
     if isinstance(t, DTensor):
-        names = [AXIS_NAMES.get(n, n) for n in t.device_mesh.mesh_dim_names or ()]
+        mesh = t.device_mesh
+        names = [AXIS_NAMES.get(n, n) for n in mesh.mesh_dim_names or ()]
+        if layout is not None:
+            split = {} if split is None else split
+            for mesh_dim, name in enumerate(names):
+                if name in ("pp", "tp"):
+                    continue
+                axis = data_parallel_axis(mesh, mesh_dim, layout, split)
+                if axis is None and name == "dp" and mesh.size(mesh_dim=mesh_dim) > 1:
+                    # a shard's position would be its index in this dim,
+                    # which is no coordinate of the backend's mesh
+                    raise ValueError(f"mesh dim '{mesh.mesh_dim_names[mesh_dim]}' spans ranks "
+                                     f"in no data-parallel layout the backend reads")
+                names[mesh_dim] = axis or name
         strided = []
         for mesh_dim, p in enumerate(t.placements):
+            if (p.is_shard() or isinstance(p, _StridedShard)) and mesh.size(mesh_dim=mesh_dim) == 1:
+                continue  # a shard over one rank is the whole
             if isinstance(p, _StridedShard):
                 strided.append((p.dim % t.dim(), p.split_factor, mesh_dim))
             elif p.is_shard():
@@ -296,7 +352,7 @@ def dims_axes(t: torch.Tensor) -> list[list[str]]:
                 raise ValueError(f"parameter placement {p} is not supported")
         for dim, factor, mesh_dim in strided:
             # sharded after the mesh dims already on this dim (FSDP over TP)
-            inner = [t.device_mesh.size(names.index(a)) for a in axes[dim]]
+            inner = [mesh.size(mesh_dim=names.index(a)) for a in axes[dim]]
             if factor != math.prod(inner):
                 raise ValueError(f"parameter placement {t.placements} is not supported")
             axes[dim].append(names[mesh_dim])

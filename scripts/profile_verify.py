@@ -1,0 +1,81 @@
+"""Where the time and memory of verifying a materialized columnar plan go.
+
+    .venv/bin/python scripts/profile_verify.py SINGLE.pkl PARALLEL.npz
+
+Runs the phases main.py runs before the representatives' proof, one after
+the other, and prints for each its wall seconds, the peak of Python-tracked
+allocations during it (tracemalloc: numpy arrays included, the file's
+memory-mapped pages not) and what it leaves allocated; then the bytes per
+node of the block check's arrays. Phases: open and validate the file, the
+block check's arrays, the check, the representatives' cut. The figures go
+to docs/benchmarks.md ("Columnar plans, materialized").
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backends.columnar import load_columns_file  # noqa: E402
+from backends.planfile import load_plan  # noqa: E402
+from verdict.blocks import BlockCheck  # noqa: E402
+from verdict.fold import SHOWN, Fold  # noqa: E402
+from verdict.symmetry import _Cut  # noqa: E402
+
+
+def phase(name: str, nodes: int, run: Callable[[], Any]) -> Any:
+    tracemalloc.reset_peak()
+    before = tracemalloc.get_traced_memory()[0]
+    start = time.perf_counter()
+    out = run()
+    took = time.perf_counter() - start
+    now, peak = tracemalloc.get_traced_memory()
+    print(f"{name:<28} {took:8.2f} s  peak {(peak - before) / 2**20:8.0f} MiB "
+          f"({(peak - before) / nodes:6.0f} B/node)  kept {(now - before) / 2**20:8.0f} MiB",
+          flush=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("single", type=Path)
+    p.add_argument("parallel", type=Path)
+    args = p.parse_args()
+    single = load_plan(args.single)
+    tracemalloc.start()
+    cols = load_columns_file(args.parallel)
+    nodes = len(cols.nodes)
+    print(f"{nodes} nodes, {len(cols.tensors)} tensors, {len(cols.nodes.inputs)} input entries; "
+          f"file {args.parallel.stat().st_size / nodes:.0f} B/node", flush=True)
+    tracemalloc.reset_peak()
+    phase("open and validate", nodes, lambda: load_columns_file(args.parallel))
+    w = cols.world
+    dp, nm, gbs = w.get("dp", 1), w.get("nm", 1), w["gbs"]
+    check = phase("block check: arrays", nodes,
+                  lambda: BlockCheck(single, cols, Fold(dp, nm, gbs, dp, nm, gbs)))
+    sizes = {k: v.nbytes for k, v in vars(check.cols).items() if isinstance(v, np.ndarray)}
+    print("  arrays:", ", ".join(f"{k} {v / nodes:.1f}" for k, v in
+                                 sorted(sizes.items(), key=lambda kv: -kv[1])),
+          f"= {sum(sizes.values()) / nodes:.0f} B/node", flush=True)
+    phase("block check: run", nodes, check.run)
+    shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
+                 dp, nm, gbs)
+    phase("representatives' cut", nodes, lambda: _Cut(cols, check, shown).plan())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"peak resident {rss / 2**20:.2f} GiB ({rss * 1024 / nodes:.0f} B/node), "
+          f"mapped file pages included", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
