@@ -175,6 +175,8 @@ CASES: list[tuple[str, str, int]] = [
      f"--model swiglu_regression --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
     ("swiglu_regression fsdp dp4", f"--model swiglu_regression --recipe {STOCK}fsdp --dp 4 --tp 1",
      0),
+    ("swiglu_regression hsdp dp4", f"--model swiglu_regression --recipe {STOCK}hsdp --dp 4 --tp 1",
+     0),
     ("swiglu_regression fsdp_tp_mlp dp2 tp2",
      f"--model swiglu_regression --recipe {STOCK}fsdp_tp_mlp --dp 2 --tp 2", 0),
     ("swiglu_regression_mean fsdp default divide dp2",

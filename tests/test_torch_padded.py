@@ -26,7 +26,7 @@ HEAD = ("head.2.weight", "head.2.bias")
 
 def _plans(model: str, recipe: str, *extra: str):
     args = resolve(parser().parse_args(["--model", MODELS + model, "--recipe", recipe,
-                                        "--dp", "2", "--tp", "1", *extra]))
+                                        "--dp", "2", "--tp", "1", *extra]))  # later flags win
     (plan_s, plan_p), _ = trace_and_build(args)
     return plan_s, plan_p
 
@@ -95,6 +95,26 @@ def test_one_row_head_with_an_optimizer_step_verifies() -> None:
     plan_s, plan_p = _plans("swiglu_regression", STOCK + "fsdp", "--optimizer", "adamw")
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
+
+
+def test_one_row_head_under_hsdp_verifies() -> None:
+    """HSDP (two replicas of two shards): the first rank of each shard group
+    holds the row; its gradient is summed over its shard group, then over
+    the replicas (left out, rank 0 ends with a partial sum: a FAIL)."""
+    plan_s, plan_p = _plans("swiglu_regression", STOCK + "hsdp", "--dp", "4")
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    tid = _tid(plan_p, "head.2.weight")
+    assert {t.rank for t in plan_p.tensors if t.tid == tid and t.mb == -1} == {0, 2}
+    bad = copy_plan(plan_p)
+    reduces = [i for i, n in enumerate(bad.nodes) if n.op == "all_reduce" and n.rank == 0
+               and bad.tensors[n.outputs[0]].shape == (1, 16)]
+    assert len(reduces) == 2  # over the shard group, then over the replicas
+    n = bad.nodes[reduces[1]]
+    bad.nodes[reduces[1]] = Node(n.rank, n.mb, "div", n.dir, (n.inputs[n.kwargs["index"]],),
+                                 n.outputs, {"value": 1.0}, n.name)
+    assert not judge(plan_s, bad).right
+    assert not verify(plan_s, bad).success, "wrong SUCCESS"
 
 
 def test_other_padded_shards_are_refused() -> None:

@@ -798,8 +798,9 @@ def _owner_row(lw: _Lowerer, p: int | _Padding, group: tuple[int, ...]) -> _Owne
 def _padded_rows(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int | _NoShard:
     """A rank's shard of FSDP2's reduce-scatter of a one-row gradient
     padded to one row per rank: the first rank's is the group's sum of the
-    row (an all-reduce), every other rank's is empty (it still joins the
-    all-reduce, which its peers run)."""
+    row (an all-reduce; under HSDP then summed over the replicas, the
+    other shard groups' first ranks), every other rank's is empty (it still
+    joins the group's all-reduce, which its peers run)."""
     shape = list(lw.shapes[g])
     index = src.group.index(lw.trace["rank"])
     if size[0] != (1 if index == 0 else 0) or list(size[1:]) != shape[1:]:
@@ -808,6 +809,8 @@ def _padded_rows(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int |
     x = lw.emit("all_reduce", [g], [shape], group=src.group)[0]
     if index:
         return _NoShard()
+    if src.replicas is not None:  # HSDP: the first ranks of the shard groups sum their rows
+        x = lw.emit("all_reduce", [x], [shape], group=src.replicas)[0]
     if src.divide != 1.0:
         x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
     return x
