@@ -202,7 +202,8 @@ class _OwnerRow:
 
 @dataclass(frozen=True)
 class _NoShard:
-    """The gradient shard of a rank that holds no rows of its parameter."""
+    """The empty shard of a parameter this rank holds no rows of, its
+    gradient's shard, or what only they made (its optimizer step)."""
 
 
 @dataclass
@@ -402,14 +403,15 @@ class _Lowerer:
             self.lower_event(i)
 
     def on_empty(self, i: int) -> bool:
-        """Event i reads and writes only empty tensors (the optimizer's step
-        of a parameter this rank holds no rows of) and communicates nothing:
-        it computes no value, and its outputs may be read by no other op."""
+        """Event i reads only the empty shards of parameters this rank holds
+        no rows of, or what such events made (their optimizer step), writes
+        only empty tensors and communicates nothing: it computes no value,
+        and its outputs may be read by no other op."""
         op, (args, kwargs), outs, out_shapes, *_ = self.trace["events"][i]
         ins = _tensor_args([args, kwargs])
-        shapes = self.trace["shapes"]
         return (bool(ins) and bool(outs) and not op.startswith(("c10d", "_c10d_functional", "fsdp"))
-                and all(0 in shapes[v] for v in ins) and all(0 in tuple(s) for s in out_shapes))
+                and all(isinstance(self.env.get(v), _NoShard) for v in ins)
+                and all(0 in tuple(s) for s in out_shapes))
 
     def lower_event(self, i: int, want: int = -1) -> Any:
         """Lower event ``i`` through its handler; the lowered value of its
@@ -1812,7 +1814,8 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
         _check_even_shard(name, tuple(full), local, dims)
         lw.params[v] = name
         if _one_row_padded(tuple(full), dims) and local[0] == 0:
-            continue  # this rank holds no shard of it: not an input here
+            lw.env[v] = _NoShard()  # this rank holds no shard of it: not an input here
+            continue
         if _one_row_padded(tuple(full), dims):
             lw.owners.add(v)
             dims = [[], *dims[1:]]  # the first rank's shard is the whole row
@@ -1840,7 +1843,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw.tokens = lw.one_hot["tokens"]
     lw.run(live_events(trace))
     losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
-    held = {n for n, (v, _, _) in trace["params"].items() if v in inputs}
+    held = {n for n, (v, _, _) in trace["params"].items() if not isinstance(lw.env[v], _NoShard)}
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()
              if n in held}
     updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items() if n in held}
