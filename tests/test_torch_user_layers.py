@@ -148,11 +148,14 @@ def test_a_minus_infinity_mask_off_the_causal_pattern_is_refused_in_one_line() -
 
 
 def test_padded_shards_are_refused_naming_the_parameter() -> None:
-    """FSDP2 gives a 1-row parameter's second shard no rows: refused before lowering."""
-    trace = {"params": {"out.bias": (0, (1,), [["dp"]])}, "shapes": [(0,)]}
-    with pytest.raises(LoweringError, match=r"out\.bias.*unevenly"):
+    """FSDP2 splits a 3-row parameter 2 and 1 over two ranks: refused before
+    lowering. A 1-row parameter (whole on the first rank, empty on the
+    others) is lowered (tests/test_torch_padded.py)."""
+    trace = {"params": {"out.weight": (0, (3, 2), [["dp"], []])}, "shapes": [(2, 2)]}
+    with pytest.raises(LoweringError, match=r"out\.weight.*unevenly"):
         check_even_shards([trace])
     check_even_shards([{"params": {"w": (0, (4, 2), [["dp"], []])}, "shapes": [(2, 2)]}])
+    check_even_shards([{"params": {"out.bias": (0, (1,), [["dp"]])}, "shapes": [(0,)]}])
 
 
 # -- in parallel ------------------------------------------------------------------

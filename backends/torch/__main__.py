@@ -38,7 +38,7 @@ MODELS = {
     "encoder_prenorm": "backends.torch.stock_models:encoder_prenorm",
     **{name: f"backends.torch.stock_models:{name}" for name in (
         "gpt2_split", "gpt2_shifted", "gqa", "gqa_finfo", "gqa_additive", "gqa_pad", "gqa_pad_mean", "mlp_l1",
-        "mlp_smooth_l1")},
+        "mlp_smooth_l1", "swiglu_regression", "swiglu_regression_mean")},
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"

@@ -856,14 +856,14 @@ def _order(ranks: list[Lowered]) -> list[tuple[int, int, int]]:
         nodes = ranks[i].nodes
         while pos[i] < len(nodes):
             node = nodes[pos[i]]
-            k = count[i].get(node.group, 0) if node.group is not None else -1
+            k = count[i].get(_channel(node), 0) if node.group is not None else -1
             if node.op == "send":
                 sent[node.group] = sent.get(node.group, 0) + 1
             elif (node.op == "send_recv" and sent.get(node.group, 0) <= k) or \
                     (node.group is not None and node.op not in P2P):
                 return moved
             if node.group is not None:
-                count[i][node.group] = k + 1
+                count[i][_channel(node)] = k + 1
             out.append((i, pos[i], k))
             pos[i] += 1
             moved = True
@@ -935,13 +935,13 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                 t_of[(low.rank, o)] = tensor(r, o, max(r.mb.get(o, -1), 0))
         if node.op == "send_recv":
             src = rs[node.group[0]]
-            ins = (t_of[(src.low.rank, src.low.nodes[_nth(src.low, node.group, k)].ins[0])],)
+            ins = (t_of[(src.low.rank, src.low.nodes[_nth(src.low, node, k)].ins[0])],)
             kwargs = dict(node.kwargs)
         elif node.group is None:
             ins = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.ins)
             kwargs = dict(node.kwargs)
         else:
-            ins = tuple(t_of[(q, rs[q].low.nodes[_nth(rs[q].low, node.group, k)].ins[0])]
+            ins = tuple(t_of[(q, rs[q].low.nodes[_nth(rs[q].low, node, k)].ins[0])]
                         for q in node.group)
             kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
         outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
@@ -958,7 +958,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         members reduce one value (an ordinary all-reduce)."""
         units = {}
         for q in node.group:
-            x = rs[q].low.nodes[_nth(rs[q].low, node.group, k)].ins[0]
+            x = rs[q].low.nodes[_nth(rs[q].low, node, k)].ins[0]
             units[q] = rs[q].units(x)
         if len({rs[q].sv[u] for q in node.group for u in units[q]}) <= 1 \
                 and all(len(us) == 1 for us in units.values()):
@@ -1008,7 +1008,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         node = low.nodes[n]
         if node.op == "send_recv":
             peer = rs[node.group[0]]
-            x = peer.low.nodes[_nth(peer.low, node.group, k)].ins[0]
+            x = peer.low.nodes[_nth(peer.low, node, k)].ins[0]
             if x in peer.pending:
                 for extra in peer.materialize(x):
                     emit(peer, extra, -1)
@@ -1020,7 +1020,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         if node.group is not None and node.op != "send":
             for q in node.group:
                 peer = rs[q]
-                x = peer.low.nodes[_nth(peer.low, node.group, k)].ins[0]
+                x = peer.low.nodes[_nth(peer.low, node, k)].ins[0]
                 if x in peer.pending:
                     for extra in peer.materialize(x):
                         emit(peer, extra, -1)
@@ -1066,11 +1066,19 @@ def _find(parent: dict[tuple, tuple], x: tuple) -> tuple:
     return x
 
 
-def _nth(low: Lowered, group: tuple[int, ...], k: int) -> int:
-    seen = 0
+def _channel(node: LNode) -> tuple:
+    """What a node's number k counts along: its group's collectives, or
+    (a send or a receive) the messages from one rank to another, which are
+    matched apart from the collectives of a group of the same two ranks."""
+    return ("p2p", *node.group) if node.op in P2P else node.group
+
+
+def _nth(low: Lowered, like: LNode, k: int) -> int:
+    """The index of ``low``'s k-th node on the channel of ``like``."""
+    seen, channel = 0, _channel(like)
     for i, node in enumerate(low.nodes):
-        if node.group == group:
+        if node.group is not None and _channel(node) == channel:
             if seen == k:
                 return i
             seen += 1
-    raise LoweringError(f"rank {low.rank} has no collective {k} in group {list(group)}")
+    raise LoweringError(f"rank {low.rank} has no collective {k} in group {list(like.group)}")

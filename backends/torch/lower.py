@@ -183,6 +183,29 @@ class _ChunkCat:
     replicas: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class _Padding:
+    """FSDP2's padding buffer of a rank's empty shard of parameter ``param``
+    (a dim 0 of one row, which only the group's first rank holds): only
+    FSDP's all-gather copy-in reads it, and the lowering never reads its
+    values (docs/soundness.md, "Plans traced from PyTorch", 14)."""
+    param: int
+
+
+@dataclass(frozen=True)
+class _OwnerRow:
+    """A one-row parameter as FSDP2's all-gather gives it to every rank of
+    its group: ``x``, the first rank's shard (there) or that shard received
+    from it (elsewhere); read only as the parameter's first row."""
+    x: int
+
+
+@dataclass(frozen=True)
+class _NoShard:
+    """The empty shard of a parameter this rank holds no rows of, its
+    gradient's shard, or what only they made (its optimizer step)."""
+
+
 @dataclass
 class _As:
     """Value x seen with another shape, not yet emitted as a reshape."""
@@ -280,6 +303,7 @@ class _Lowerer:
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
+    owners: set[int] = field(default_factory=set)  # one-row parameters padded on other ranks
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -333,6 +357,9 @@ class _Lowerer:
             if x.share != 1:
                 s = self.emit("div", [s], [self.shapes[s]], {"value": float(x.share)})[0]
             return self.emit("pow", [s], [self.shapes[s]], {"exponent": 0.5})[0]
+        if isinstance(x, _NoShard):
+            raise LoweringError(f"{self.name}: a shard of a parameter this rank holds no rows of "
+                                f"(FSDP2 pads it) is read beyond its own optimizer step")
         if hasattr(x, "emit_into"):  # a pending value of lower_vocab_parallel or _NllGrad
             return self.materialize(x.emit_into(self))
         if isinstance(x, _Piece):
@@ -369,7 +396,22 @@ class _Lowerer:
                 for v in outs:
                     self.env[v] = Const(v, i)
                 continue
+            if self.on_empty(i):
+                for v in outs:
+                    self.env[v] = _NoShard()
+                continue
             self.lower_event(i)
+
+    def on_empty(self, i: int) -> bool:
+        """Event i reads only the empty shards of parameters this rank holds
+        no rows of, or what such events made (their optimizer step), writes
+        only empty tensors and communicates nothing: it computes no value,
+        and its outputs may be read by no other op."""
+        op, (args, kwargs), outs, out_shapes, *_ = self.trace["events"][i]
+        ins = _tensor_args([args, kwargs])
+        return (bool(ins) and bool(outs) and not op.startswith(("c10d", "_c10d_functional", "fsdp"))
+                and all(isinstance(self.env.get(v), _NoShard) for v in ins)
+                and all(0 in tuple(s) for s in out_shapes))
 
     def lower_event(self, i: int, want: int = -1) -> Any:
         """Lower event ``i`` through its handler; the lowered value of its
@@ -696,9 +738,10 @@ def _matmul(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _copy_in(lw: _Lowerer, args, kwargs, shapes, group):
-    parts = [lw.val(a) for a in args[0]]
-    parts = [lw.flat_of.get(p, p) for p in parts]
-    if any(lw.shapes[p][0] * len(lw.shapes[p]) == 0 for p in parts):
+    parts = [lw.env.get(a[1]) if isinstance(lw.env.get(a[1]), _Padding) else lw.val(a)
+             for a in args[0]]
+    parts = [lw.flat_of.get(p, p) if isinstance(p, int) else p for p in parts]
+    if any(isinstance(p, int) and lw.shapes[p][0] * len(lw.shapes[p]) == 0 for p in parts):
         raise LoweringError(f"{lw.name}: FSDP copy-in of a shard that is not flat")
     packed = _Packed(parts)
     return [packed, packed]
@@ -724,10 +767,55 @@ def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
     n = len(packed.group)
     outs = []
     for p, shape in zip(packed.parts, shapes):
+        if isinstance(p, _Padding) or p in lw.owners:
+            outs.append(_owner_row(lw, p, packed.group))
+            continue
         full = (lw.shapes[p][0] * n, *lw.shapes[p][1:])
         x = lw.emit("all_gather", [p], [full], {"dim": 0}, group=packed.group)[0]
         outs.append(_As(x, tuple(shape)))
     return outs
+
+
+def _owner_row(lw: _Lowerer, p: int | _Padding, group: tuple[int, ...]) -> _OwnerRow:
+    """FSDP2's all-gather of a one-row parameter: the group's first rank
+    holds the row and every other rank only padding, so the gathered
+    parameter (the first row of the gathered buffer) is the first rank's
+    shard: sent from it to every other rank."""
+    me, first = lw.trace["rank"], group[0]
+    if isinstance(p, _Padding):
+        if me == first:
+            raise LoweringError(f"{lw.name}: the first rank of an FSDP group holds no row of a "
+                                f"one-row parameter")
+        full = tuple(lw.trace["params"][lw.params[p.param]][1])
+        return _OwnerRow(lw.emit("send_recv", [], [full], {"src": first, "dst": me},
+                                 group=(first, me))[0])
+    if me != first:
+        raise LoweringError(f"{lw.name}: a rank other than the first of its FSDP group holds "
+                            f"the row of a one-row parameter")
+    for dst in group[1:]:
+        lw.nodes.append(LNode("send", "fw", [p], [], {}, lw.name, (me, dst), lw.mb))
+    return _OwnerRow(p)
+
+
+def _padded_rows(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int | _NoShard:
+    """A rank's shard of FSDP2's reduce-scatter of a one-row gradient
+    padded to one row per rank: the first rank's is the group's sum of the
+    row (an all-reduce; under HSDP then summed over the replicas, the
+    other shard groups' first ranks), every other rank's is empty (it still
+    joins the group's all-reduce, which its peers run)."""
+    shape = list(lw.shapes[g])
+    index = src.group.index(lw.trace["rank"])
+    if size[0] != (1 if index == 0 else 0) or list(size[1:]) != shape[1:]:
+        raise LoweringError(f"{lw.name}: a view of FSDP's reduce-scatter output of shape {size} "
+                            f"is not rank {index}'s shard of a one-row gradient")
+    x = lw.emit("all_reduce", [g], [shape], group=src.group)[0]
+    if index:
+        return _NoShard()
+    if src.replicas is not None:  # HSDP: the first ranks of the shard groups sum their rows
+        x = lw.emit("all_reduce", [x], [shape], group=src.replicas)[0]
+    if src.divide != 1.0:
+        x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
+    return x
 
 
 def _chunk_cat(lw: _Lowerer, args, kwargs, shapes, group):
@@ -759,10 +847,21 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
+    if isinstance(src, _OwnerRow):
+        if offset != 0 or tuple(size) != lw.shapes[src.x]:
+            raise LoweringError(f"{lw.name}: a view of FSDP's all-gather output of a one-row "
+                                f"parameter at offset {offset} is not lowered")
+        return src.x
     if isinstance(src, _ChunkCat) and (src.group is not None or src.chunks == 1):
         # reduce-scattered, or (a shard group of one rank) never communicated
         at = 0
         for g in src.grads:
+            rows, *rest = lw.shapes[g]
+            if rows % src.chunks:  # padded to one row per rank (_check_even_shard)
+                if at == offset:
+                    return _padded_rows(lw, src, g, size)
+                at += math.prod(rest)
+                continue
             numel = math.prod(lw.shapes[g]) // src.chunks
             if at == offset and numel == math.prod(size):
                 shape = list(lw.shapes[g])
@@ -861,7 +960,7 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
         return f.x
     if isinstance(f, _As):
         return _As(f.x, dst)
-    if isinstance(f, (_Packed, _ChunkCat)) or f == "empty":
+    if isinstance(f, (_Packed, _ChunkCat, _OwnerRow)) or f == "empty":
         return f
     if isinstance(f, Complex):
         return Complex(lw.reshape(f.re, dst), lw.reshape(f.im, dst))
@@ -1614,6 +1713,7 @@ HANDLERS: dict[str, Any] = {
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
     "fsdp.chunk_cat.default": _chunk_cat,
+    "fsdp.empty_shard_padding": lambda lw, args, kwargs, shapes, group: _Padding(args[0][1]),
     "c10d._reduce_scatter_base_.default": _reduce_scatter_base,
     "aten.as_strided.default": _as_strided,
     "aten.div_.Scalar": _scalar("div"),
@@ -1710,12 +1810,19 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
     for name, (v, full, dims) in trace["params"].items():
-        _check_even_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
+        local = tuple(trace["shapes"][v])
+        _check_even_shard(name, tuple(full), local, dims)
+        lw.params[v] = name
+        if _one_row_padded(tuple(full), dims) and local[0] == 0:
+            lw.env[v] = _NoShard()  # this rank holds no shard of it: not an input here
+            continue
+        if _one_row_padded(tuple(full), dims):
+            lw.owners.add(v)
+            dims = [[], *dims[1:]]  # the first rank's shard is the whole row
         lw.env[v] = v
-        lw.shapes[v] = tuple(trace["shapes"][v])
+        lw.shapes[v] = local
         inputs[v] = ("param", name)
         axes[v] = dims
-        lw.params[v] = name
     for name, (v, shape, what) in trace["buffers"].items():
         if what == "causal":
             lw.env[v] = Const(v, -1)
@@ -1736,10 +1843,12 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     lw.tokens = lw.one_hot["tokens"]
     lw.run(live_events(trace))
     losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
-    grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()}
-    updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items()}
+    held = {n for n, (v, _, _) in trace["params"].items() if not isinstance(lw.env[v], _NoShard)}
+    grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()
+             if n in held}
+    updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items() if n in held}
     states = {n: {k: _updated(lw, n, v) for k, v in st.items()}
-              for n, st in trace.get("states", {}).items()}
+              for n, st in trace.get("states", {}).items() if n in held}
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
@@ -1754,13 +1863,23 @@ def check_even_shards(traces: list[dict]) -> None:
             _check_even_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
 
 
+def _one_row_padded(full: tuple[int, ...], dims: list[list[str]]) -> bool:
+    """A parameter of one row sharded along dim 0 and nowhere else (a
+    regression head ``nn.Linear(h, 1)`` under FSDP2): the group's first rank
+    holds the row, every other rank an empty shard and FSDP2's padding."""
+    return bool(full) and full[0] == 1 and bool(dims[0]) and not any(dims[1:])
+
+
 def _check_even_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
                       dims: list[list[str]]) -> None:
     """Refuse a parameter whose shard is uneven: a dim cut by mesh axes that
     its size does not split evenly is padded (FSDP2 and DTensor give the
-    last ranks fewer rows, or none), and padded shards are not lowered. On
-    every uneven cut some rank holds no rows or a count that does not divide
-    the dim, so that rank's check stops the run."""
+    last ranks fewer rows, or none), and padded shards are not lowered,
+    except a one-row parameter (``_one_row_padded``: whole or empty on each
+    rank). On every other uneven cut some rank holds no rows or a count that
+    does not divide the dim, so that rank's check stops the run."""
+    if _one_row_padded(full, dims) and local[0] in (0, 1) and local[1:] == full[1:]:
+        return
     for d, axes in enumerate(dims):
         if axes and (local[d] == 0 or full[d] % local[d]):
             raise LoweringError(

@@ -51,6 +51,7 @@ class Recorder(TorchDispatchMode):
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
         self.storages: dict[tuple[int, int, int], int] = {}
+        self.empty_shards: dict[tuple[int, int], int] = {}  # memory of a parameter with no rows
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
@@ -106,16 +107,28 @@ class Recorder(TorchDispatchMode):
 
     def register_storage(self, t: torch.Tensor, v: int) -> None:
         """Remember a parameter's storage: FSDP reads it through other tensor
-        objects (flat views of the same memory)."""
+        objects (flat views of the same memory). A rank's empty shard (FSDP2
+        gives it no rows of a dim the group size exceeds) is a view of FSDP's
+        padding buffer, which its all-gather reads."""
         self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())] = v
+        if t.numel() == 0:
+            self.empty_shards[(t.untyped_storage().data_ptr(), t.storage_offset())] = v
 
     def storage_view(self, t: torch.Tensor) -> int | None:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         src = self.storages.get(key)
-        if src is None or not t.is_contiguous():
+        if not t.is_contiguous():
+            return None
+        op = "aten.view.default"
+        if src is None:
+            # the padding buffer of an empty shard, read whole: recorded as
+            # that (its values are not recorded; no lowering reads them)
+            src = self.empty_shards.get(key[:2])
+            op = "fsdp.empty_shard_padding"
+        if src is None:
             return None
         v = self.new_value(t)
-        self.events.append(("aten.view.default", [[("v", src), list(t.shape)], {}], [v],
+        self.events.append((op, [[("v", src), list(t.shape)], {}], [v],
                             [tuple(t.shape)], self.scope(), None, self.mb))
         return v
 

@@ -363,6 +363,18 @@ def mlp(**kw) -> RegressionTower:
     return RegressionTower(**kw)
 
 
+def swiglu_regression(**kw) -> RegressionTower:
+    """The tower with a one-value head ``nn.Linear(h, 1)``, F.mse_loss summed
+    and shared out: under FSDP2 over two or more ranks the head's weight
+    ``[1, h]`` and bias ``[1]`` live on the first rank, padded elsewhere."""
+    return RegressionTower(**{"outputs": 1, **kw})
+
+
+def swiglu_regression_mean(**kw) -> RegressionTower:
+    """The one-value tower with F.mse_loss's default mean over the rank's own values."""
+    return RegressionTower(**{"outputs": 1, "loss": "mean", **kw})
+
+
 def mlp_mean(**kw) -> RegressionTower:
     """The regression tower with F.mse_loss's default mean over the rank's own values."""
     return RegressionTower(**{"loss": "mean", **kw})

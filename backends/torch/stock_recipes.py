@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from backends.torch.recipes import all_reduce_dp, reduce_tp_partials
+from backends.torch.recipes import all_reduce_dp, hsdp_mesh, reduce_tp_partials
 
 
 def blocks(model) -> list:
@@ -40,6 +40,18 @@ def fsdp(model, mesh):
     for block in blocks(model):
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+    for module in (model, *blocks(model)):
+        module.set_gradient_divide_factor(1.0)
+    return None
+
+
+def hsdp(model, mesh):
+    """FSDP2's hybrid sharding over "dp" (two replicas of dp / 2 shards):
+    each block, then the root; gradients summed (divide factor 1)."""
+    dp_mesh = hsdp_mesh(mesh)
+    for block in blocks(model):
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
     for module in (model, *blocks(model)):
         module.set_gradient_divide_factor(1.0)
     return None
