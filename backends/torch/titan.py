@@ -16,8 +16,11 @@ The loss is torchtitan's: ``cross_entropy_loss`` (a sum over the rank's
 tokens) divided by the step's token count, as its trainer divides by
 ``global_valid_tokens``. ``--vocab`` must be the model's vocabulary (2048
 for the debugmodel); ``--seqlen`` sets the sequence length; the other size
-flags are not used (the flavor fixes them). FSDP's mixed precision is float64 (the shim's adaptation 4), the
-precision every traced model runs in.
+flags are not used (the flavor fixes them). FSDP's mixed precision is
+float64 (the shim's adaptation 4), the precision every traced model runs
+in. Its DeepSeek-V3 ``debugmodel`` builds too (``deepseek_v3_debugmodel``),
+but its parallelization is refused with the reason
+(``parallelize_deepseekv3``: top-k routing).
 """
 
 from __future__ import annotations
