@@ -16,7 +16,6 @@ import io
 import json
 import math
 import os
-import secrets
 import struct
 import zipfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from backends.planfile import (
     _check_world,
     _detail,
     _show,
+    write_atomic,
 )
 from verdict.columns import INT_TYPES, Columns, NodeColumns, TensorColumns
 from verdict.ops import OPS
@@ -110,17 +110,7 @@ def save_columns(cols: Columns, path: str | os.PathLike[str]) -> Path:
     except PlanError as e:
         raise PlanError(f"cannot save: {e.problem}", path) from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, allow_pickle=False, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda f: np.savez(f, allow_pickle=False, **arrays))
     return path
 
 

@@ -19,9 +19,9 @@ import math
 import os
 import pickle
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FOLD_KEYS, FORMAT, KINDS, SHARED_MIN, VERSIONS, Plan
@@ -96,11 +96,17 @@ def world_path(path: str | os.PathLike[str]) -> Path:
 
 def _write_atomic(path: Path, blob: bytes) -> None:
     """Write ``blob`` to ``path`` so that a crash leaves the old file or the new one."""
+    write_atomic(path, lambda f: f.write(blob))
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Call ``write`` on a temporary file beside ``path``, then move it to
+    ``path``: a crash leaves the old file or the new one, never a part."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
