@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lower_more import MORE_HANDLERS
 from backends.torch.lower_nn import (
     NN_HANDLERS,
     Complex,
@@ -1018,6 +1019,11 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
         return piece.x
     if not isinstance(piece, _Ids):
         raise LoweringError(f"{lw.name}: integer ids other than the batch's are not lowered")
+    return one_hot_of(lw, piece)
+
+
+def one_hot_of(lw: _Lowerer, piece: _Ids) -> int:
+    """The one-hot rows of a piece of the batch's ids, shaped as the piece."""
     base = _Ids(piece.source, piece.index, piece.parts)
     if base not in lw.id_pieces:
         x = lw.one_hot[piece.source]
@@ -1796,12 +1802,16 @@ HANDLERS: dict[str, Any] = {
     "aten.add_.Tensor": _add_pending(_binary("add", "add_scalar")),
     "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
+    **MORE_HANDLERS,
     "aten.where.self": _where_pending,
 }
 # lower_vocab_parallel reads this module's id types, so it is imported once they exist
 from backends.torch.lower_vocab_parallel import vocab_parallel_handlers  # noqa: E402
 
 HANDLERS.update(vocab_parallel_handlers(HANDLERS))
+from backends.torch.lower_ids import id_handlers  # noqa: E402
+
+HANDLERS.update(id_handlers(HANDLERS))
 
 
 def lower_trace(trace: dict, vocab: int) -> Lowered:

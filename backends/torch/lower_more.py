@@ -1,0 +1,300 @@
+"""Lowerings of more of ``torch.nn``'s activation kernels (LeakyReLU,
+Hardtanh/ReLU6, ELU/SELU/CELU, Softplus, Mish, GLU), each written with the
+rule table's operators so that the composition equals the kernel's function
+in exact real arithmetic, branch conditions included (docs/soundness.md,
+"Plans traced from PyTorch", 18).
+
+Handlers have the signature of ``backends.torch.lower.HANDLERS``:
+``(lowerer, args, kwargs, out_shapes, group) -> value``. A branch of a
+kernel (``x > 0 ? a : b``) is ``b + step(x) * (a - b)``, with ``step`` the
+uninterpreted step of the ``relu`` rule's backward (``t * step(y)``, 1 for
+``y > 0``, else 0) and ``1 - step(-x)`` for ``x >= 0``; exp, log, tanh and
+sigmoid are the rule table's uninterpreted functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.torch.errors import LoweringError
+
+
+def _arg(args, kwargs, i: int, name: str, default: Any) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _number(lw: Any, a: Any, what: str) -> float:
+    value = lw.const(a)
+    if value is None:
+        raise LoweringError(f"{lw.name}: {what} is not a number")
+    return value
+
+
+def _scaled(lw: Any, x: int, c: float) -> int:
+    if c == 1.0:
+        return x
+    return lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": float(c)})[0]
+
+
+def _shifted(lw: Any, x: int, c: float) -> int:
+    if c == 0.0:
+        return x
+    return lw.emit("add_scalar", [x], [lw.shapes[x]], {"value": float(c)})[0]
+
+
+def _binary(lw: Any, op: str, a: int, b: int) -> int:
+    return lw.emit(op, [a, b], [lw.shapes[a]])[0]
+
+
+def _unary(lw: Any, op: str, x: int) -> int:
+    return lw.emit(op, [x], [lw.shapes[x]])[0]
+
+
+def _step_times(lw: Any, y: int, t: int) -> int:
+    """``t * step(y)``: the relu rule's backward node."""
+    return lw.emit("relu", [y, t], [lw.shapes[t]], direction="bw")[0]
+
+
+def _branch(lw: Any, cond: int, then: int, other: int) -> int:
+    """``cond > 0 ? then : other`` as ``other + step(cond) * (then - other)``."""
+    return _binary(lw, "add", other, _step_times(lw, cond, _binary(lw, "sub", then, other)))
+
+
+def _relu(lw: Any, x: int) -> int:
+    return _unary(lw, "relu", x)
+
+
+# -- LeakyReLU ---------------------------------------------------------------------------------
+
+def leaky_relu(lw: Any, args, kwargs, shapes, group):
+    """``x > 0 ? x : a x`` = ``a x + (1 - a) relu(x)`` (relu(x) = x step(x))."""
+    x = lw.val(args[0])
+    a = _number(lw, _arg(args, kwargs, 1, "negative_slope", 0.01), "leaky_relu's slope")
+    return _binary(lw, "add", _scaled(lw, x, a), _scaled(lw, _relu(lw, x), 1.0 - a))
+
+
+def leaky_relu_backward(lw: Any, args, kwargs, shapes, group):
+    """``x > 0 ? g : a g`` = ``a g + (1 - a) g step(x)``. With the output
+    given instead of x (in place), its sign is x's for a slope a > 0."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    a = _number(lw, _arg(args, kwargs, 2, "negative_slope", 0.01), "leaky_relu's slope")
+    if _arg(args, kwargs, 3, "self_is_result", False) and a <= 0:
+        raise LoweringError(f"{lw.name}: in-place leaky_relu backward with a slope <= 0")
+    return _binary(lw, "add", _scaled(lw, g, a), _scaled(lw, _step_times(lw, x, g), 1.0 - a))
+
+
+# -- Hardtanh, ReLU6 ---------------------------------------------------------------------------
+
+def _bounds(lw: Any, args, kwargs) -> tuple[float, float]:
+    lo = _number(lw, _arg(args, kwargs, 1, "min_val", -1.0), "hardtanh's min_val")
+    hi = _number(lw, _arg(args, kwargs, 2, "max_val", 1.0), "hardtanh's max_val")
+    if not lo < hi:
+        raise LoweringError(f"{lw.name}: hardtanh with min_val {lo} not below max_val {hi}")
+    return lo, hi
+
+
+def hardtanh(lw: Any, args, kwargs, shapes, group):
+    """``min(max(x, lo), hi)`` = ``lo + relu(x - lo) - relu(x - hi)`` for lo < hi."""
+    x = lw.val(args[0])
+    lo, hi = _bounds(lw, args, kwargs)
+    above_lo = _relu(lw, _shifted(lw, x, -lo))
+    above_hi = _relu(lw, _shifted(lw, x, -hi))
+    return _shifted(lw, _binary(lw, "sub", above_lo, above_hi), lo)
+
+
+def hardtanh_backward(lw: Any, args, kwargs, shapes, group):
+    """``lo < x < hi ? g : 0`` = ``g step(x - lo) - g (1 - step(hi - x))``:
+    ``x >= hi`` implies ``x > lo``, so the second term removes exactly it."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    lo, hi = _bounds(lw, args[1:], {"min_val": kwargs.get("min_val", -1.0),
+                                     "max_val": kwargs.get("max_val", 1.0)})
+    inside = _step_times(lw, _shifted(lw, x, -lo), g)
+    below_hi = _step_times(lw, _shifted(lw, _scaled(lw, x, -1.0), hi), g)
+    return _binary(lw, "add", _binary(lw, "sub", inside, g), below_hi)
+
+
+# -- ELU (SELU, CELU) --------------------------------------------------------------------------
+
+def _elu_params(lw: Any, args, kwargs, first: int) -> tuple[float, float, float]:
+    names = ("alpha", "scale", "input_scale")
+    values = tuple(_number(lw, _arg(args, kwargs, first + i, n, 1.0), f"elu's {n}")
+                   for i, n in enumerate(names))
+    if min(values) <= 0:
+        raise LoweringError(f"{lw.name}: elu with a non-positive alpha, scale or input_scale")
+    return values
+
+
+def elu(lw: Any, args, kwargs, shapes, group):
+    """``x > 0 ? s x : s a (exp(i x) - 1)``."""
+    x = lw.val(args[0])
+    a, s, i = _elu_params(lw, args, kwargs, 1)
+    negative = _scaled(lw, _shifted(lw, _unary(lw, "exp", _scaled(lw, x, i)), -1.0), s * a)
+    return _branch(lw, x, _scaled(lw, x, s), negative)
+
+
+def elu_backward(lw: Any, args, kwargs, shapes, group):
+    """``x > 0 ? g s : g i s a exp(i x)``; given the output y instead (in
+    place), ``g i (y + s a)`` on the negative side, and y has x's sign (a,
+    s > 0)."""
+    g = lw.val(args[0])
+    a, s, i = _elu_params(lw, args, kwargs, 1)
+    is_result = bool(_arg(args, kwargs, 4, "is_result", False))
+    y = lw.val(_arg(args, kwargs, 5, "self_or_result", None))
+    if is_result:
+        negative = _binary(lw, "mul", g, _scaled(lw, _shifted(lw, y, s * a), i))
+    else:
+        negative = _binary(lw, "mul", g, _scaled(lw, _unary(lw, "exp", _scaled(lw, y, i)), i * s * a))
+    return _branch(lw, y, _scaled(lw, g, s), negative)
+
+
+# -- Softplus, Mish ----------------------------------------------------------------------------
+
+def _softplus_params(lw: Any, args, kwargs, first: int) -> tuple[float, float]:
+    beta = _number(lw, _arg(args, kwargs, first, "beta", 1.0), "softplus's beta")
+    threshold = _number(lw, _arg(args, kwargs, first + 1, "threshold", 20.0), "softplus's threshold")
+    if beta <= 0:
+        raise LoweringError(f"{lw.name}: softplus with beta <= 0")
+    return beta, threshold
+
+
+def _log1p_exp(lw: Any, x: int) -> int:
+    return _unary(lw, "log", _shifted(lw, _unary(lw, "exp", x), 1.0))
+
+
+def softplus(lw: Any, args, kwargs, shapes, group):
+    """``b x > t ? x : log(1 + exp(b x)) / b`` (torch's kernel, its
+    threshold branch included)."""
+    x = lw.val(args[0])
+    beta, threshold = _softplus_params(lw, args, kwargs, 1)
+    bx = _scaled(lw, x, beta)
+    smooth = _scaled(lw, _log1p_exp(lw, bx), 1.0 / beta)
+    return _branch(lw, _shifted(lw, bx, -threshold), x, smooth)
+
+
+def softplus_backward(lw: Any, args, kwargs, shapes, group):
+    """``b x > t ? g : g z / (z + 1)``, z = exp(b x): ``z / (z + 1)`` is
+    ``sigmoid(b x)``."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    beta, threshold = _softplus_params(lw, args, kwargs, 2)
+    bx = _scaled(lw, x, beta)
+    smooth = _binary(lw, "mul", g, _unary(lw, "sigmoid", bx))
+    return _branch(lw, _shifted(lw, bx, -threshold), g, smooth)
+
+
+def mish(lw: Any, args, kwargs, shapes, group):
+    """``x tanh(log(1 + exp(x)))`` (torch's CPU kernel has no threshold)."""
+    x = lw.val(args[0])
+    return _binary(lw, "mul", x, _unary(lw, "tanh", _log1p_exp(lw, x)))
+
+
+def mish_backward(lw: Any, args, kwargs, shapes, group):
+    """``g (t + x sigmoid(x) (1 - t^2))``, t = tanh(sp), sp = log(1 + exp(x)):
+    ``g t`` plus the tanh rule's backward at sp of ``g x sigmoid(x)``."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    sp = _log1p_exp(lw, x)
+    direct = _binary(lw, "mul", g, _unary(lw, "tanh", sp))
+    inner = _binary(lw, "mul", _binary(lw, "mul", g, x), _unary(lw, "sigmoid", x))
+    through = lw.emit("tanh", [sp, inner], [lw.shapes[x]], direction="bw")[0]
+    return _binary(lw, "add", direct, through)
+
+
+# -- GLU -----------------------------------------------------------------------------------------
+
+def _halves(lw: Any, x: int, dim: int) -> tuple[int, int, int]:
+    shape = list(lw.shapes[x])
+    d = dim % len(shape)
+    if shape[d] % 2:
+        raise LoweringError(f"{lw.name}: glu of an odd dim")
+    half = shape[d] // 2
+    shape[d] = half
+    a, b = (lw.emit("narrow", [x], [shape], {"dim": d, "start": start, "length": half})[0]
+            for start in (0, half))
+    return a, b, d
+
+
+def glu(lw: Any, args, kwargs, shapes, group):
+    """``a * sigmoid(b)`` for the halves a, b of x along dim."""
+    x = lw.val(args[0])
+    a, b, _ = _halves(lw, x, int(_arg(args, kwargs, 1, "dim", -1)))
+    return _binary(lw, "mul", a, _unary(lw, "sigmoid", b))
+
+
+def glu_backward(lw: Any, args, kwargs, shapes, group):
+    """The halves' gradients ``g sigmoid(b)`` and the sigmoid rule's backward
+    at b of ``g a``, concatenated along dim."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    a, b, d = _halves(lw, x, int(_arg(args, kwargs, 2, "dim", -1)))
+    ga = _binary(lw, "mul", g, _unary(lw, "sigmoid", b))
+    gb = lw.emit("sigmoid", [b, _binary(lw, "mul", g, a)], [lw.shapes[b]], direction="bw")[0]
+    return lw.emit("cat", [ga, gb], [lw.shapes[x]], {"dim": d})[0]
+
+
+# -- losses written with logarithms ---------------------------------------------------------------
+
+def bce_with_logits(lw: Any, args, kwargs, shapes, group):
+    """``(1 - t) x + log(1 + exp(-x))`` (torch's kernel, with its max shift,
+    which cancels in exact arithmetic) = ``log(1 + exp(x)) - t x``; summed
+    or averaged. Class weights and ``pos_weight`` are not lowered."""
+    x, t = lw.val(args[0]), lw.val(args[1])
+    weight = _arg(args, kwargs, 2, "weight", None)
+    pos_weight = _arg(args, kwargs, 3, "pos_weight", None)
+    reduction = int(_arg(args, kwargs, 4, "reduction", 1))
+    if weight is not None or pos_weight is not None:
+        raise LoweringError(f"{lw.name}: binary_cross_entropy_with_logits with weight or "
+                            f"pos_weight is not lowered")
+    per = _binary(lw, "sub", _log1p_exp(lw, x), _binary(lw, "mul", t, x))
+    if reduction == 0:
+        return per
+    out = lw.emit("sum", [per], [()], {"dim": None, "keepdim": False})[0]
+    if reduction == 1:
+        count = 1
+        for n in lw.shapes[x]:
+            count *= n
+        out = lw.emit("div", [out], [()], {"value": float(count)})[0]
+    return out
+
+
+def xlogy(lw: Any, args, kwargs, shapes, group):
+    """``x log(y)`` (0 where x is 0, log uninterpreted: exact wherever
+    torch's value is finite; ``F.kl_div``'s ``t log t``)."""
+    x, y = lw.val(args[0]), lw.val(args[1])
+    if lw.shapes[x] != lw.shapes[y]:
+        raise LoweringError(f"{lw.name}: xlogy of differently shaped tensors is not lowered")
+    return _binary(lw, "mul", x, _unary(lw, "log", y))
+
+
+def logsumexp(lw: Any, args, kwargs, shapes, group):
+    """``log(sum(exp(x), dims))``: torch's max shift cancels in exact
+    arithmetic (``m + log(sum(exp(x - m))) = log(sum(exp(x)))``)."""
+    x = lw.val(args[0])
+    dims = _arg(args, kwargs, 1, "dim", None)
+    keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
+    dims = [int(d) % len(lw.shapes[x]) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    dim = dims[0] if len(dims) == 1 else dims
+    total = lw.emit("sum", [_unary(lw, "exp", x)], shapes, {"dim": dim, "keepdim": keepdim})[0]
+    return _unary(lw, "log", total)
+
+
+MORE_HANDLERS: dict[str, Any] = {
+    "aten.binary_cross_entropy_with_logits.default": bce_with_logits,
+    "aten.xlogy.Tensor": xlogy,
+    "aten.logsumexp.default": logsumexp,
+    "aten.leaky_relu.default": leaky_relu,
+    "aten.leaky_relu_.default": leaky_relu,
+    "aten.leaky_relu_backward.default": leaky_relu_backward,
+    "aten.hardtanh.default": hardtanh,
+    "aten.hardtanh_.default": hardtanh,
+    "aten.hardtanh_backward.default": hardtanh_backward,
+    "aten.elu.default": elu,
+    "aten.elu_.default": elu,
+    "aten.elu_backward.default": elu_backward,
+    "aten.softplus.default": softplus,
+    "aten.softplus_backward.default": softplus_backward,
+    "aten.mish.default": mish,
+    "aten.mish_.default": mish,
+    "aten.mish_backward.default": mish_backward,
+    "aten.glu.default": glu,
+    "aten.glu_backward.default": glu_backward,
+}
