@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_more import MORE_HANDLERS
+from backends.torch.lower_more import MORE_HANDLERS, check_no_value_reads
 from backends.torch.lower_nn import (
     NN_HANDLERS,
     Complex,
@@ -393,9 +393,9 @@ class _Lowerer:
         for i, (op, _, outs, *_) in enumerate(self.trace["events"]):
             if i not in live:
                 continue
-            if outs and all(v in constants for v in outs) and op != "unknown":
-                for v in outs:
-                    self.env[v] = Const(v, i)
+            if outs and all(v in constants for v in outs):
+                for v in outs:  # a constant of unknown origin (written in place) is read by value
+                    self.env[v] = Const(v, i if op != "unknown" else -1)
                 continue
             if self.on_empty(i):
                 for v in outs:
@@ -614,6 +614,26 @@ def _nll_target(lw: _Lowerer, weight: Any, reduction: int, target: Any,
     return labels, count
 
 
+def _to_classes(lw: _Lowerer, labels: int, classes: int, target: Any) -> int:
+    """One-hot labels over the vocabulary cut to the first ``classes``
+    columns, for a loss over fewer classes than the vocabulary has ids
+    (a classifier's labels ``labels[:, 0] % classes``): exact on the
+    recorded labels, which all lie below ``classes`` (checked), so the
+    columns cut off are zero in every row (docs/soundness.md, "Plans traced
+    from PyTorch", 19)."""
+    width = lw.shapes[labels][-1]
+    if width == classes:
+        return labels
+    values = _label_values(lw, target)
+    inside = (values >= 0) & (values < lw.vocab)
+    if width < classes or np.any(values[inside] >= classes):
+        raise LoweringError(f"{lw.name}: nll_loss over {classes} classes against labels up to "
+                            f"{int(values.max())}")
+    shape = [*lw.shapes[labels][:-1], classes]
+    return lw.emit("narrow", [labels], [shape], {"dim": len(shape) - 1, "start": 0,
+                                                  "length": classes})[0]
+
+
 def _class_last(lw: _Lowerer, x: int) -> int:
     """``[N, C, d...]`` with the class dim moved last (nll_loss2d's layout to
     the one-hot labels' ``[N, d..., C]``), by adjacent transposes."""
@@ -644,6 +664,7 @@ def _nll(lw: _Lowerer, args, kwargs, shapes, group, classes_second: bool = False
     labels, count = _nll_target(lw, args[2], reduction, args[1],
                                 args[4] if len(args) > 4 else None)
     shape = lw.shapes[logp]
+    labels = _to_classes(lw, labels, shape[-1], args[1])
     if lw.shapes[labels] != shape:
         raise LoweringError(f"{lw.name}: nll_loss of {list(shape)} log-probabilities "
                             f"against labels {list(lw.shapes[labels][:-1])}")
@@ -697,6 +718,8 @@ def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group, classes_second: bool = Fa
     g, reduction = lw.val(args[0]), int(args[4])
     ignore = args[5] if len(args) > 5 else None
     labels, count = _nll_target(lw, args[3], reduction, args[2], ignore)
+    width = lw.shapes[lw.val(args[1])][1 if classes_second else -1]
+    labels = _to_classes(lw, labels, width, args[2])
     whole = count == math.prod(lw.shapes[labels][:-1]) \
         and not isinstance(lw.env.get(args[2][1]), _IdRows) \
         and (ignore is None or not 0 <= int(ignore) < lw.vocab)
@@ -1816,6 +1839,7 @@ HANDLERS.update(id_handlers(HANDLERS))
 
 def lower_trace(trace: dict, vocab: int) -> Lowered:
     """Lower one rank's trace (``backends.torch.rank.run``'s result)."""
+    check_no_value_reads(trace)
     lw = _Lowerer(trace, vocab)
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes

@@ -187,6 +187,8 @@ def id_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
                                                      _refuse("aten.remainder.Scalar"))),
         "aten.select.int": select(table["aten.select.int"]),
         "aten._to_copy.default": to_copy(table["aten._to_copy.default"]),
+        "aten.t.default": transpose(table["aten.t.default"]),
+        "aten.transpose.int": transpose(table["aten.transpose.int"]),
     }
 
 
@@ -258,4 +260,22 @@ def to_copy(base: Handler) -> Handler:
         column = constant_input(lw, np.arange(lw.vocab, dtype=np.float64).reshape(lw.vocab, 1))
         numbers = lw.emit("embedding", [rows.x, column], [(*rows.ids.shape, 1)])[0]
         return lw.reshape(numbers, tuple(shapes[0]))
+    return lower
+
+
+def transpose(base: Handler) -> Handler:
+    """Ids with two dims swapped (``tokens.t()``, sequence-first models): the
+    one-hot rows with the same dims swapped."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
+        if not isinstance(src, (_Ids, _IdRows)):
+            return base(lw, args, kwargs, shapes, group)
+        rows = _id_rows(lw, args[0])
+        nd = rows.ids.ndim
+        d0, d1 = ((int(args[1]) % nd, int(args[2]) % nd) if len(args) > 2 else (0, 1 % nd))
+        ids = np.swapaxes(rows.ids, d0, d1)
+        if d0 == d1:
+            return rows
+        x = lw.emit("transpose", [rows.x], [(*ids.shape, lw.vocab)], {"dim0": d0, "dim1": d1})[0]
+        return _IdRows(x, ids)
     return lower

@@ -277,7 +277,51 @@ def logsumexp(lw: Any, args, kwargs, shapes, group):
     return _unary(lw, "log", total)
 
 
+def partial_write(lw: Any, args, kwargs, shapes, group):
+    """A tensor read after an op wrote into part of it (``record.py``)."""
+    raise LoweringError(f"{lw.name}: a tensor written in place through a view of part of it "
+                        f"({args[1]}, e.g. y[:, 0] = ...) is read after; such writes are not "
+                        f"lowered: build the tensor with torch.cat or torch.where")
+
+
+#: ops that hand a tensor's value to Python (``.item()``, ``bool(t)``, ``torch.equal``)
+VALUE_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"}
+
+
+def check_no_value_reads(trace: dict) -> None:
+    """Refuse a step in which Python read the value of a tensor that depends
+    on the parameters or a collective (``if h.sum() > 0:``, ``.item()``):
+    the trace holds one path of the program, chosen by that value, and
+    other parameters may take another path, which no plan of this trace
+    describes (a collective's value is not even real under the fake group).
+    A value computed from the batch's ids and constants only
+    (``ignore_index=int(labels[0, 0])``) is a fact of the traced step, as
+    the label counts a mean divides by are, and so is the device mesh's
+    own bookkeeping."""
+    tainted: set[int] = {v for v, _, _ in trace["params"].values()}
+    for op, (args, kwargs), outs, _shapes, scope, *_ in trace["events"]:
+        read = _values_read([args, kwargs])
+        if op in VALUE_READS and tainted.intersection(read):
+            raise LoweringError(f"{scope or 'top level'}: Python reads the value of a computed "
+                                f"tensor ({op}: .item(), bool(), an if on a tensor), so the "
+                                f"step's path depends on values; data-dependent control flow "
+                                f"is not lowered")
+        if op.startswith(("c10d", "_c10d_functional")) or tainted.intersection(read):
+            tainted.update(outs)
+
+
+def _values_read(args: Any) -> list[int]:
+    if isinstance(args, (list, tuple)):
+        if len(args) == 2 and args[0] == "v" and isinstance(args[1], int):
+            return [args[1]]
+        return [v for a in args for v in _values_read(a)]
+    if isinstance(args, dict):
+        return [v for a in args.values() for v in _values_read(a)]
+    return []
+
+
 MORE_HANDLERS: dict[str, Any] = {
+    "partial_write": partial_write,
     "aten.binary_cross_entropy_with_logits.default": bce_with_logits,
     "aten.xlogy.Tensor": xlogy,
     "aten.logsumexp.default": logsumexp,

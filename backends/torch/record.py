@@ -32,6 +32,13 @@ ALIASES = {
 }
 
 
+#: ops whose value depends on their tensor arguments' shapes only: of integer
+#: ids (``torch.zeros_like(tokens)``, token types) they make a constant
+SHAPE_ONLY = {
+    "aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default",
+    "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
+}
+
 #: constants up to this many elements keep their value (masks, positions, tables)
 CONSTANT_NUMEL = 1 << 16
 
@@ -164,7 +171,28 @@ class Recorder(TorchDispatchMode):
         memory unset."""
         if name.startswith(("c10d", "_c10d_functional", "fsdp")) or "empty" in name:
             return False
+        if name in SHAPE_ONLY and not any(a.is_floating_point() or a.is_complex() for a in tensors):
+            return True
         return all(self.value(a) in self.constants for a in tensors)
+
+    def mark_partial_writes(self, name: str, func, args, kwargs) -> None:
+        """An op writing in place into part of a tensor (``y[:, 0] = 0``
+        writes through a view of ``y``) changes the tensor without an op
+        that produces it: from then on it is a new value made by a
+        ``partial_write`` event, which the lowering refuses. A constant's
+        new contents are read by value instead (``refresh_constants``)."""
+        if not name.startswith("aten."):
+            return
+        for t in _written(func, args, kwargs):
+            base = t._base
+            if base is None or base.numel() == t.numel():
+                continue
+            b = self.value(base)
+            if b is None or b in self.constants:
+                continue
+            fresh = self.new_value(base)
+            self.events.append(("partial_write", [[("v", b), name], {}], [fresh],
+                                [tuple(base.shape)], self.scope(), None, self.mb))
 
     def set_mb(self, mb: int) -> None:
         self.mb = mb
@@ -215,6 +243,7 @@ class Recorder(TorchDispatchMode):
                 self.register_storage(o, v)
         self.events.append((name, [in_args, in_kwargs], ids, [tuple(o.shape) for o in outs],
                             self.scope(), group, self.mb))
+        self.mark_partial_writes(name, func, args, kwargs)
         for o, v in zip(outs, ids):
             base = o._base
             if base is not None and base.numel() == o.numel() and self.value(base) is not None:
@@ -223,6 +252,17 @@ class Recorder(TorchDispatchMode):
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its schema's mutable arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        given = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        out.extend(tensors_in(given))
+    return out
 
 
 def _storage(t: torch.Tensor) -> int:
