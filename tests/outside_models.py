@@ -486,6 +486,122 @@ class _SigmoidBlock(nn.Module):
         return x + self.mlp.c_proj(torch.sigmoid(h) * torch.tanh(h))
 
 
+# -- rotary embeddings with cos/sin, token mixing ----------------------------------------------
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryAttention(nn.Module):
+    """Hugging Face style: q, k, v, o projections, rotary embedding with
+    ``cos``/``sin`` tables (``rotate_half`` by slicing and ``torch.cat``),
+    SDPA with ``is_causal``."""
+
+    def __init__(self, hidden: int, heads: int, seqlen: int):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        freqs = torch.outer(torch.arange(seqlen).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class RotaryBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int, seqlen: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(hidden, eps=1e-5)
+        self.attn = RotaryAttention(hidden, heads, seqlen)
+        self.post_attention_layernorm = nn.RMSNorm(hidden, eps=1e-5)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = nn.Linear(hidden, ffn)
+        self.mlp.c_proj = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_layernorm(x))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.post_attention_layernorm(x)),
+                                          approximate="tanh"))
+
+
+class RotaryLM(nn.Module):
+    """Rotary decoder with a biased GELU MLP; the head tied through
+    ``self.lm_head.weight = self.embed_tokens.weight``; the loss is the
+    mean over the rank's tokens of two cross-entropies (plain, and with
+    label smoothing written out as the mean negative log-probability), summed."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(RotaryBlock(hidden, heads, ffn, seqlen) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden, eps=1e-5)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x)).flatten(0, 1)
+        logp = torch.log_softmax(logits, dim=-1)
+        return F.nll_loss(logp, labels.flatten()) + 0.1 * (-logp.mean(dim=-1)).mean()
+
+
+class MixerBlock(nn.Module):
+    """MLP-Mixer: a token-mixing ``nn.Linear(seqlen, seqlen)`` on
+    ``x.transpose(1, 2)`` and a channel MLP (``mlp.c_fc``, ``mlp.c_proj``)
+    with ``nn.GELU``, both pre-norm."""
+
+    def __init__(self, hidden: int, ffn: int, seqlen: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.token_mix = nn.Linear(seqlen, seqlen)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential()
+        self.mlp.add_module("c_fc", nn.Linear(hidden, ffn))
+        self.mlp.add_module("act", nn.GELU())
+        self.mlp.add_module("c_proj", nn.Linear(ffn, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.token_mix(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.mlp(self.norm2(x))
+
+
+class Mixer(nn.Module):
+    """MLP-Mixer language model (the token mixing is not causal: each position
+    sees the row), summed cross-entropy shared out over the step."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads
+        self.global_tokens = 0
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(MixerBlock(hidden, ffn, seqlen) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
+        return _share(loss, self, labels.numel())
+
+
 # -- refused: not exact arithmetic -----------------------------------------------------------
 
 
@@ -500,6 +616,22 @@ class DropoutMLP(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.ff(self.embed(tokens)).flatten(0, 1), labels.flatten())
+
+
+class PartialWrite(nn.Module):
+    """A tensor written in place through a view of part of it
+    (``y[:, 0] = 0``): refused."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen, layers, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        y = self.embed(tokens).clone()
+        y[:, 0] = 0.0
+        return F.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
 
 
 class BranchOnValue(nn.Module):
@@ -558,6 +690,18 @@ def sigmoid_tower(**kw) -> SigmoidTower:
     return SigmoidTower(**kw)
 
 
+def rotary_lm(**kw) -> RotaryLM:
+    return RotaryLM(**kw)
+
+
+def mixer(**kw) -> Mixer:
+    return Mixer(**kw)
+
+
+def partial_write(**kw) -> PartialWrite:
+    return PartialWrite(**kw)
+
+
 def dropout_mlp(**kw) -> DropoutMLP:
     return DropoutMLP(**kw)
 
@@ -565,19 +709,3 @@ def dropout_mlp(**kw) -> DropoutMLP:
 def branch_on_value(**kw) -> BranchOnValue:
     return BranchOnValue(**kw)
 
-
-class _PartialWrite(nn.Module):
-    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens, labels):
-        h = self.embed(tokens)
-        y = h.clone()
-        y[:, 0] = 0.0
-        return F.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
-
-
-def partial_write(**kw):
-    return _PartialWrite(**kw)
