@@ -134,6 +134,14 @@ def elu(lw: Any, args, kwargs, shapes, group):
     return _branch(lw, x, _scaled(lw, x, s), negative)
 
 
+def celu(lw: Any, args, kwargs, shapes, group):
+    """``celu(x, a)`` is ``elu(x, a, 1, 1 / a)``."""
+    a = _number(lw, _arg(args, kwargs, 1, "alpha", 1.0), "celu's alpha")
+    if a <= 0:
+        raise LoweringError(f"{lw.name}: celu with alpha <= 0")
+    return elu(lw, [args[0], a, 1.0, 1.0 / a], {}, shapes, group)
+
+
 def elu_backward(lw: Any, args, kwargs, shapes, group):
     """``x > 0 ? g s : g i s a exp(i x)``; given the output y instead (in
     place), ``g i (y + s a)`` on the negative side, and y has x's sign (a,
@@ -334,6 +342,8 @@ MORE_HANDLERS: dict[str, Any] = {
     "aten.elu.default": elu,
     "aten.elu_.default": elu,
     "aten.elu_backward.default": elu_backward,
+    "aten.celu.default": celu,
+    "aten.celu_.default": celu,
     "aten.softplus.default": softplus,
     "aten.softplus_backward.default": softplus_backward,
     "aten.mish.default": mish,
