@@ -37,6 +37,10 @@ SCALING = "backends.torch.scaling_recipes:"
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
          "--vocab 2048")
 
+OUTSIDE = "tests.outside_models:"
+MISTAKES = "tests.outside_recipes:"
+MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
+
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
 CASES: list[tuple[str, str, int]] = [
     ("llama tp_sp dp2 tp2", "--model llama --recipe tp_sp --dp 2 --tp 2", 0),
@@ -212,6 +216,67 @@ CASES: list[tuple[str, str, int]] = [
     ("titan deepseek_v3 debugmodel refused (top-k MoE)",
      "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
      "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),
+    # models written outside the backend (tests/outside_models.py) and users' recipes with
+    # mistakes (tests/outside_recipes.py); docs/torch-backend.md, "Models written by users"
+    *[(f"outside {model} {recipe.split(':')[-1]} {mesh}",
+       f"--model {OUTSIDE}{model} --recipe {recipe} {MESHES[mesh]}", expected)
+      for model, recipe, mesh, expected in [
+          ("mha_seq_first", f"{STOCK}ddp", "dp2", 0),
+          ("mha_seq_first", f"{STOCK}fsdp", "dp2", 0),
+          ("mha_seq_first", f"{STOCK}ddp", "dp1 tp2", 0),
+          ("mha_causal", "ddp_avg", "dp2", 0),
+          ("mha_causal", f"{SCALING}fsdp_default", "dp2", 0),
+          ("mha_causal", f"{SCALING}tp_mlp_avg", "dp2 tp2", 0),
+          ("mha_causal", f"{SCALING}fsdp_tp_mlp_default", "dp2 tp2", 0),
+          ("mha_causal", "ddp_avg", "dp1 tp2", 0),
+          ("sentence_classifier", "ddp_avg", "dp2", 0),
+          ("decoder_regressor", f"{STOCK}ddp", "dp2", 0),
+          ("decoder_regressor", f"{STOCK}fsdp", "dp2", 0),
+          ("einsum_lm", f"{STOCK}ddp", "dp2", 0),
+          ("einsum_lm", "tp_attention", "dp2 tp2", 0),
+          ("einsum_lm", "fsdp_tp_attention", "dp2 tp2", 0),
+          ("einsum_lm", f"{STOCK}tp_mlp", "dp2 tp2", 0),
+          ("einsum_lm", f"{STOCK}fsdp_tp_mlp", "dp2 tp2", 0),
+          ("einsum_lm", "tp_attention", "dp1 tp2", 0),
+          ("baddbmm_lm", "ddp_avg", "dp2", 0),
+          ("baddbmm_lm", f"{SCALING}fsdp_default", "dp2", 0),
+          ("baddbmm_lm", f"{SCALING}tp_mlp_avg", "dp2 tp2", 0),
+          ("baddbmm_lm", f"{SCALING}fsdp_tp_mlp_default", "dp2 tp2", 0),
+          ("activation_tower", "ddp_avg", "dp2", 0),
+          ("activation_tower", f"{SCALING}fsdp_default", "dp2", 0),
+          ("glu_tagger", f"{STOCK}ddp", "dp2", 0),
+          ("glu_tagger", f"{STOCK}fsdp", "dp2", 0),
+          ("distiller", "ddp_avg", "dp2", 0),
+          ("distiller", f"{SCALING}fsdp_default", "dp2", 0),
+          ("distiller", f"{SCALING}tp_mlp_avg", "dp2 tp2", 0),
+          ("distiller", f"{SCALING}fsdp_tp_mlp_default", "dp2 tp2", 0),
+          ("sigmoid_tower", f"{STOCK}ddp", "dp2", 0),
+          ("sigmoid_tower", f"{STOCK}fsdp", "dp2", 0),
+          ("sigmoid_tower", f"{STOCK}tp_mlp", "dp2 tp2", 0),
+          ("sigmoid_tower", f"{STOCK}fsdp_tp_mlp", "dp2 tp2", 0),
+          ("rotary_lm", "ddp_avg", "dp2", 0),
+          ("rotary_lm", f"{SCALING}fsdp_default", "dp2", 0),
+          ("rotary_lm", f"{SCALING}tp_mlp_avg", "dp2 tp2", 0),
+          ("mixer", f"{STOCK}ddp", "dp2", 0),
+          ("mixer", f"{STOCK}fsdp", "dp2", 0),
+          ("mixer", f"{STOCK}tp_mlp", "dp2 tp2", 0),
+          ("mixer", f"{STOCK}fsdp_tp_mlp", "dp2 tp2", 0),
+          ("mixer", f"{MISTAKES}ddp_blocks_only", "dp2", 1),
+          ("glu_tagger", f"{MISTAKES}ddp_blocks_only", "dp2", 1),
+          ("rotary_lm", f"{MISTAKES}ddp_avg_wrong_dim", "dp2 tp2", 1),
+          ("mha_causal", f"{MISTAKES}ddp_avg_wrong_dim", "dp2 tp2", 1),
+          ("baddbmm_lm", f"{MISTAKES}ddp_avg_divided_twice", "dp2", 1),
+          ("sentence_classifier", f"{MISTAKES}ddp_avg_divided_twice", "dp2", 1),
+          ("sigmoid_tower", f"{MISTAKES}tp_mlp_partial_output", "dp2 tp2", 1),
+          ("mixer", f"{MISTAKES}tp_mlp_partial_output", "dp1 tp2", 1),
+          ("glu_tagger", f"{SCALING}fsdp_default", "dp2", 1),
+          ("mixer", "ddp_avg", "dp2", 1),
+          ("distiller", f"{STOCK}ddp", "dp2", 1),
+          ("activation_tower", f"{STOCK}fsdp", "dp2", 1),
+          ("dropout_mlp", f"{STOCK}ddp", "dp2", 2),
+          ("branch_on_value", f"{STOCK}ddp", "dp2", 2),
+          ("partial_write", f"{STOCK}ddp", "dp2", 2),
+      ]],
 ]
 
 
