@@ -17,6 +17,7 @@ real gloo run (docs/torch-backend.md, "Models written by users").
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -68,7 +69,35 @@ def probe_glu(**_kw) -> Probe:
     return Probe(lambda m, x: F.glu(m["lin"](x), dim=-1), lin=nn.Linear(H, 2 * H))
 
 
-@pytest.mark.parametrize("name", [*ACTIVATIONS, "glu"])
+LAYERS = {
+    "hardswish": lambda m, x: nn.Hardswish()(m["lin"](x) * 3.0),
+    "hardsigmoid": lambda m, x: nn.Hardsigmoid()(m["lin"](x) * 3.0),  # 1/6 as float32
+    "log_sigmoid": lambda m, x: F.logsigmoid(m["lin"](x)),
+    "clamp_both_sides": lambda m, x: m["lin"](x).clamp(-0.5, 0.5),
+    "layer_norm_by_var": lambda m, x: (x - x.mean(-1, keepdim=True))
+    / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5),
+    "stack_then_mean": lambda m, x: torch.stack([m["lin"](x), x], 0).mean(0),
+    "repeat": lambda m, x: m["lin"](x[..., : H // 2].repeat(1, 1, 2)),
+}
+LOSSES = {
+    "one_hot_by_hand": lambda m, h, y: -(F.one_hot(y, SIZES["vocab"]).to(h.dtype)
+                                         * F.log_softmax(m.out(h), -1)).sum(-1).mean(),
+    "prelu_then_ce": lambda m, h, y: F.cross_entropy(
+        m.out(m.parts["prelu"](h)).flatten(0, 1), y.flatten()),
+}
+
+
+def probe_layer(name: str):
+    if name in LOSSES:
+        return lambda **_kw: Probe(lambda m, x: x, LOSSES[name], prelu=nn.PReLU())
+    return lambda **_kw: Probe(LAYERS[name], lin=nn.Linear(H, H))
+
+
+for _name in [*LAYERS, *LOSSES]:
+    globals()[f"probe_{_name}"] = probe_layer(_name)
+
+
+@pytest.mark.parametrize("name", [*ACTIVATIONS, "glu", *LAYERS, *LOSSES])
 def test_activation_kernels_match_torch(name: str) -> None:
     _lower_and_check(_single(f"{__name__}:probe_{name}"))
 

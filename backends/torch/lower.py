@@ -1835,6 +1835,9 @@ HANDLERS.update(vocab_parallel_handlers(HANDLERS))
 from backends.torch.lower_ids import id_handlers  # noqa: E402
 
 HANDLERS.update(id_handlers(HANDLERS))
+from backends.torch.lower_compose import compose_handlers  # noqa: E402
+
+HANDLERS.update(compose_handlers(HANDLERS))
 
 
 def lower_trace(trace: dict, vocab: int) -> Lowered:

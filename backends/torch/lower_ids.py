@@ -23,8 +23,16 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower import LNode, _id_rows, _IdRows, _Ids, one_hot_of
-from backends.torch.lower_nn import constant_input
+from backends.torch.lower import (
+    LNode,
+    _id_rows,
+    _IdRows,
+    _Ids,
+    _ids_value,
+    _label_values,
+    one_hot_of,
+)
+from backends.torch.lower_nn import constant_input, constant_value
 
 Handler = Callable[..., Any]
 
@@ -152,6 +160,30 @@ def scatter_add(lw: Any, args, kwargs, shapes, group):
     return lw.emit("mul", [g, onehot], [target.shape])[0]
 
 
+def scatter_one(lw: Any, args, kwargs, shapes, group):
+    """``zeros(..., C).scatter_(-1, ids.unsqueeze(-1), 1)`` (``F.one_hot``):
+    the one-hot rows, their first C columns (the recorded ids all lie below
+    C, checked: the columns cut off are zero, item 19)."""
+    zeros = constant_value(lw, args[0])
+    ids = _ids(lw, args[2])
+    value = lw.const(args[3]) if len(args) > 3 else None
+    if zeros is None or np.any(zeros) or ids is None or value != 1 \
+            or int(args[1]) % zeros.ndim != zeros.ndim - 1:
+        raise LoweringError(f"{lw.name}: scatter_ other than F.one_hot of the batch's ids "
+                            f"is not lowered")
+    piece = _without_trailing_one(lw, ids)
+    rows = _IdRows(one_hot_of(lw, piece), _label_values(lw, ("v", _ids_value(lw, ids))))
+    classes = zeros.shape[-1]
+    if np.any(rows.ids >= classes) or classes > lw.vocab:
+        raise LoweringError(f"{lw.name}: F.one_hot with {classes} classes of ids up to "
+                            f"{int(rows.ids.max())}")
+    if classes == lw.vocab:
+        return rows.x
+    shape = [*lw.shapes[rows.x][:-1], classes]
+    return lw.emit("narrow", [rows.x], [shape], {"dim": len(shape) - 1, "start": 0,
+                                                  "length": classes})[0]
+
+
 def addcmul(lw: Any, args, kwargs, shapes, group):
     """``x + value * a * b`` (``torch.addcmul``), broadcasting as torch does."""
     x, a, b = (lw.val(t) for t in args[:3])
@@ -183,6 +215,7 @@ def id_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.gather.default": gather(table["aten.gather.default"]),
         "aten.scatter_add.default": scatter_add,
         "aten.addcmul.default": addcmul,
+        "aten.scatter_.value": scatter_one,
         "aten.remainder.Scalar": remainder(table.get("aten.remainder.Scalar",
                                                      _refuse("aten.remainder.Scalar"))),
         "aten.select.int": select(table["aten.select.int"]),

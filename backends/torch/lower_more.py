@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from backends.torch.errors import LoweringError
 
 
@@ -239,6 +241,108 @@ def glu_backward(lw: Any, args, kwargs, shapes, group):
     return lw.emit("cat", [ga, gb], [lw.shapes[x]], {"dim": d})[0]
 
 
+# -- LogSigmoid, Hardsigmoid, Hardswish, PReLU ------------------------------------------------
+
+def log_sigmoid(lw: Any, args, kwargs, shapes, group):
+    """``-log(1 + exp(-x))``; the kernel's second output (a buffer only its
+    backward reads) is not lowered."""
+    x = lw.val(args[0])
+    return [_scaled(lw, _log1p_exp(lw, _scaled(lw, x, -1.0)), -1.0), "log_sigmoid buffer"]
+
+
+def log_sigmoid_backward(lw: Any, args, kwargs, shapes, group):
+    """``g sigmoid(-x)`` (the derivative of ``-log(1 + exp(-x))``)."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    return _binary(lw, "mul", g, _unary(lw, "sigmoid", _scaled(lw, x, -1.0)))
+
+
+def _relu6_of_x_plus_3(lw: Any, x: int) -> int:
+    """``min(max(x + 3, 0), 6)`` = ``relu(x + 3) - relu(x - 3)``."""
+    return _binary(lw, "sub", _relu(lw, _shifted(lw, x, 3.0)), _relu(lw, _shifted(lw, x, -3.0)))
+
+
+def hardsigmoid(lw: Any, args, kwargs, shapes, group):
+    """``relu6(x + 3) / 6``."""
+    return _scaled(lw, _relu6_of_x_plus_3(lw, lw.val(args[0])), 1.0 / 6.0)
+
+
+def hardsigmoid_backward(lw: Any, args, kwargs, shapes, group):
+    """``-3 < x < 3 ? g c : 0`` = ``g c (step(x + 3) - 1 + step(3 - x))``, with
+    the kernel's own constant c: 1/6 rounded to float32 (``1.0f / 6.0f``)."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    g6 = _scaled(lw, g, float(np.float32(1.0) / np.float32(6.0)))
+    above = _step_times(lw, _shifted(lw, x, 3.0), g6)
+    below = _step_times(lw, _shifted(lw, _scaled(lw, x, -1.0), 3.0), g6)
+    return _binary(lw, "add", _binary(lw, "sub", above, g6), below)
+
+
+def hardswish(lw: Any, args, kwargs, shapes, group):
+    """``x relu6(x + 3) / 6`` (0 for x <= -3, x for x >= 3, as torch's)."""
+    x = lw.val(args[0])
+    return _binary(lw, "mul", x, _scaled(lw, _relu6_of_x_plus_3(lw, x), 1.0 / 6.0))
+
+
+def hardswish_backward(lw: Any, args, kwargs, shapes, group):
+    """``x < -3 ? 0 : x <= 3 ? g (x / 3 + 1 / 2) : g``: the middle value
+    times the indicator of ``x >= -3`` (``1 - step(-3 - x)``), plus ``g``
+    minus it where ``x > 3`` (which implies ``x >= -3``)."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    middle = _binary(lw, "mul", g, _shifted(lw, _scaled(lw, x, 1.0 / 3.0), 0.5))
+    from_minus3 = _binary(lw, "sub", middle, _step_times(lw, _shifted(lw, _scaled(lw, x, -1.0), -3.0),
+                                                         middle))
+    return _binary(lw, "add", from_minus3,
+                   _step_times(lw, _shifted(lw, x, -3.0), _binary(lw, "sub", g, middle)))
+
+
+def _spread(lw: Any, w: int, shape: tuple[int, ...]) -> int:
+    if tuple(lw.shapes[w]) == tuple(shape):
+        return w
+    return lw.emit("expand", [w], [tuple(shape)], {"shape": list(shape)})[0]
+
+
+def prelu(lw: Any, args, kwargs, shapes, group):
+    """``x > 0 ? x : w x`` = ``relu(x) - w relu(-x)``, w broadcast."""
+    x, w = lw.val(args[0]), lw.val(args[1])
+    w = _spread(lw, w, lw.shapes[x])
+    return _binary(lw, "sub", _relu(lw, x), _binary(lw, "mul", w, _relu(lw, _scaled(lw, x, -1.0))))
+
+
+def prelu_backward(lw: Any, args, kwargs, shapes, group):
+    """Input gradient ``g step(x) + w (g - g step(x))``; the weight's,
+    before autograd sums it to w's shape, ``g (x - relu(x))`` (x where
+    x <= 0, else 0)."""
+    g, x, w = lw.val(args[0]), lw.val(args[1]), lw.val(args[2])
+    w = _spread(lw, w, lw.shapes[x])
+    kept = _step_times(lw, x, g)
+    gx = _binary(lw, "add", kept, _binary(lw, "mul", w, _binary(lw, "sub", g, kept)))
+    gw = _binary(lw, "mul", g, _binary(lw, "sub", x, _relu(lw, x)))
+    return [gx, gw]
+
+
+# -- statistics ----------------------------------------------------------------------------------
+
+def var(lw: Any, args, kwargs, shapes, group):
+    """``sum((x - mean(x))^2, dims) / (n - correction)`` along dims."""
+    x = lw.val(args[0])
+    nd = len(lw.shapes[x])
+    dims = _arg(args, kwargs, 1, "dim", None)
+    dims = list(range(nd)) if dims is None else [int(d) % nd for d in dims]
+    correction = _number(lw, kwargs.get("correction", 1), "var's correction")
+    keepdim = bool(kwargs.get("keepdim", False))
+    n = 1
+    for d in dims:
+        n *= lw.shapes[x][d]
+    if n - correction <= 0:
+        raise LoweringError(f"{lw.name}: var over {n} values with correction {correction}")
+    dim = dims[0] if len(dims) == 1 else dims
+    kept = tuple(1 if d in dims else k for d, k in enumerate(lw.shapes[x]))
+    mean = lw.emit("mean", [x], [kept], {"dim": dim, "keepdim": True})[0]
+    centered = _binary(lw, "sub", x, _spread(lw, mean, lw.shapes[x]))
+    total = lw.emit("sum", [_binary(lw, "mul", centered, centered)], shapes,
+                    {"dim": dim, "keepdim": keepdim})[0]
+    return lw.emit("div", [total], shapes, {"value": float(n - correction)})[0]
+
+
 # -- losses written with logarithms ---------------------------------------------------------------
 
 def bce_with_logits(lw: Any, args, kwargs, shapes, group):
@@ -329,6 +433,15 @@ def _values_read(args: Any) -> list[int]:
 
 
 MORE_HANDLERS: dict[str, Any] = {
+    "aten.log_sigmoid_forward.default": log_sigmoid,
+    "aten.log_sigmoid_backward.default": log_sigmoid_backward,
+    "aten.hardsigmoid.default": hardsigmoid,
+    "aten.hardsigmoid_backward.default": hardsigmoid_backward,
+    "aten.hardswish.default": hardswish,
+    "aten.hardswish_backward.default": hardswish_backward,
+    "aten._prelu_kernel.default": prelu,
+    "aten._prelu_kernel_backward.default": prelu_backward,
+    "aten.var.correction": var,
     "partial_write": partial_write,
     "aten.binary_cross_entropy_with_logits.default": bce_with_logits,
     "aten.xlogy.Tensor": xlogy,
