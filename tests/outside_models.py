@@ -602,6 +602,23 @@ class Mixer(nn.Module):
         return _share(loss, self, labels.numel())
 
 
+class LSTMTagger(nn.Module):
+    """``nn.LSTM`` (two layers, batch first) over the embedded ids, a
+    per-token head, the mean cross-entropy over the rank's tokens; the
+    blocks are the LSTM and the head (an ``nn.ModuleList`` named ``blocks``)."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, ffn, seqlen
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList([nn.LSTM(hidden, hidden, num_layers=layers + 1, batch_first=True),
+                                     nn.Linear(hidden, vocab)])
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out, _ = self.blocks[0](self.embed(tokens))
+        return F.cross_entropy(self.blocks[1](out).flatten(0, 1), labels.flatten())
+
+
 # -- refused: not exact arithmetic -----------------------------------------------------------
 
 
@@ -696,6 +713,10 @@ def rotary_lm(**kw) -> RotaryLM:
 
 def mixer(**kw) -> Mixer:
     return Mixer(**kw)
+
+
+def lstm_tagger(**kw) -> LSTMTagger:
+    return LSTMTagger(**kw)
 
 
 def partial_write(**kw) -> PartialWrite:

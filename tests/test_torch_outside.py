@@ -31,7 +31,7 @@ FLOAT32 = {"einsum_lm"}
 
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
-          "rotary_lm", "mixer"]
+          "rotary_lm", "mixer", "lstm_tagger"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -78,6 +78,7 @@ LAYERS = {
     / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5),
     "stack_then_mean": lambda m, x: torch.stack([m["lin"](x), x], 0).mean(0),
     "repeat": lambda m, x: m["lin"](x[..., : H // 2].repeat(1, 1, 2)),
+    "tril_of_scores": lambda m, x: torch.tril(m["lin"](x) @ x.transpose(1, 2)) @ x,
 }
 LOSSES = {
     "one_hot_by_hand": lambda m, h, y: -(F.one_hot(y, SIZES["vocab"]).to(h.dtype)
@@ -87,17 +88,25 @@ LOSSES = {
 }
 
 
+RECURRENT = {
+    "lstm": lambda: nn.LSTM(H, H, batch_first=True),
+    "gru": lambda: nn.GRU(H, H, batch_first=True),
+}
+
+
 def probe_layer(name: str):
     if name in LOSSES:
         return lambda **_kw: Probe(lambda m, x: x, LOSSES[name], prelu=nn.PReLU())
+    if name in RECURRENT:
+        return lambda **_kw: Probe(lambda m, x: m["rnn"](x)[0], rnn=RECURRENT[name]())
     return lambda **_kw: Probe(LAYERS[name], lin=nn.Linear(H, H))
 
 
-for _name in [*LAYERS, *LOSSES]:
+for _name in [*LAYERS, *LOSSES, *RECURRENT]:
     globals()[f"probe_{_name}"] = probe_layer(_name)
 
 
-@pytest.mark.parametrize("name", [*ACTIVATIONS, "glu", *LAYERS, *LOSSES])
+@pytest.mark.parametrize("name", [*ACTIVATIONS, "glu", *LAYERS, *LOSSES, *RECURRENT])
 def test_activation_kernels_match_torch(name: str) -> None:
     _lower_and_check(_single(f"{__name__}:probe_{name}"))
 

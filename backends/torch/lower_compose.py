@@ -1,6 +1,7 @@
 """Lowerings of ops as compositions of ops already lowered: the mask of
 ``clamp``'s backward (``(x >= lo) & (x <= hi)``, then ``where``),
-``torch.stack`` of any tensors, ``Tensor.repeat``.
+``torch.stack`` of any tensors, ``Tensor.repeat``, ``unbind``, and
+``tril``/``triu`` of a computed tensor.
 
 Registered by ``lower.py`` over its own table: each handler takes its own
 cases and hands every other on to the handler it wraps.
@@ -12,8 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from backends.torch.errors import LoweringError
 from backends.torch.lower import _Compare, _Norm, _selected
+from backends.torch.lower_nn import constant_input
 
 Handler = Callable[..., Any]
 
@@ -90,6 +94,35 @@ def repeat(lw: Any, args, kwargs, shapes, group):
     return x
 
 
+def unbind(lw: Any, args, kwargs, shapes, group):
+    """``x.unbind(dim)``: each index along dim, a ``narrow`` of length 1 with
+    the dim dropped (its backward is a ``stack``)."""
+    x = lw.val(args[0])
+    shape = list(lw.shapes[x])
+    d = (int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))) % len(shape)
+    piece = (*shape[:d], 1, *shape[d + 1:])
+    return [lw.reshape(lw.emit("narrow", [x], [piece], {"dim": d, "start": i, "length": 1})[0],
+                       tuple(out)) for i, out in enumerate(shapes)]
+
+
+def triangle(keep: Callable[..., Any]):
+    """``torch.tril``/``triu`` of a computed tensor: times the constant 0/1
+    mask of the kept triangle of its last two dims (exact: each entry is
+    kept or made 0)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = lw.val(args[0])
+        k = int(args[1]) if len(args) > 1 else int(kwargs.get("diagonal", 0))
+        shape = tuple(lw.shapes[x])
+        if len(shape) < 2:
+            raise LoweringError(f"{lw.name}: tril/triu of fewer than two dims")
+        mask = keep(np.ones(shape[-2:]), k)
+        m = constant_input(lw, mask)
+        if shape[-2:] != shape:
+            m = lw.emit("expand", [m], [shape], {"shape": list(shape)})[0]
+        return lw.emit("mul", [x, m], [shape])[0]
+    return lower
+
+
 def compose_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
     """The entries this module adds to or wraps in ``table`` (lower.py's)."""
     return {
@@ -98,6 +131,13 @@ def compose_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.where.self": where(table["aten.where.self"]),
         "aten.stack.default": stack(table["aten.stack.default"]),
         "aten.repeat.default": repeat,
+        "aten.unbind.int": unbind,
+        "aten.unsafe_split.Tensor": table["aten.split.Tensor"],  # split without view tracking
+        # in-place forms of activations (recurrent cells write their gates in place)
+        **{f"aten.{op}_.default": table[f"aten.{op}.default"] for op in ("sigmoid", "tanh", "relu")},
+        "aten.transpose_.default": table["aten.transpose.int"],
+        "aten.tril.default": triangle(np.tril),
+        "aten.triu.default": triangle(np.triu),
     }
 
 
