@@ -38,7 +38,7 @@ TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch
          "--vocab 2048")
 
 OUTSIDE = "tests.outside_models:"
-MISTAKES = "tests.outside_recipes:"
+MISTAKES = "tests.outside_mistakes:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
@@ -217,7 +217,7 @@ CASES: list[tuple[str, str, int]] = [
      "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
      "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),
     # models written outside the backend (tests/outside_models.py) and users' recipes with
-    # mistakes (tests/outside_recipes.py); docs/torch-backend.md, "Models written by users"
+    # mistakes (tests/outside_mistakes.py); docs/torch-backend.md, "Models written by users"
     *[(f"outside {model} {recipe.split(':')[-1]} {mesh}",
        f"--model {OUTSIDE}{model} --recipe {recipe} {MESHES[mesh]}", expected)
       for model, recipe, mesh, expected in [

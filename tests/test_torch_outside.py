@@ -1,5 +1,5 @@
 """Models written outside the backend (``tests/outside_models.py``) and their
-recipes (``tests/outside_recipes.py``), loaded as a user loads theirs.
+recipes (``tests/outside_mistakes.py``), loaded as a user loads theirs.
 
 Every model's single-device lowering is run in float64 on the traced run's
 values and compared with PyTorch's loss and gradients
@@ -148,7 +148,7 @@ def test_rowwise_output_left_partial_fails_at_the_residual_add() -> None:
     the residual stream (the real run differs): the counterexample is the
     block's residual addition, on every rank."""
     verdict, plan_p = _verdict(f"--model {OUTSIDE}:sigmoid_tower --recipe "
-                               f"tests.outside_recipes:tp_mlp_partial_output --dp 1 --tp 2")
+                               f"tests.outside_mistakes:tp_mlp_partial_output --dp 1 --tp 2")
     assert not verdict.success and verdict.kind == "stage"
     nodes = [plan_p.nodes[i] for r in verdict.failed for i in r.stage.gp_nodes]
     assert {(n.op, n.name) for n in nodes} == {("add", "SigmoidTower.blocks.0")}
@@ -156,6 +156,6 @@ def test_rowwise_output_left_partial_fails_at_the_residual_add() -> None:
 
 def test_average_divided_twice_names_the_division_and_the_rank() -> None:
     verdict, _ = _verdict(f"--model {OUTSIDE}:baddbmm_lm --recipe "
-                          f"tests.outside_recipes:ddp_avg_divided_twice --dp 2 --tp 1")
+                          f"tests.outside_mistakes:ddp_avg_divided_twice --dp 2 --tp 1")
     assert not verdict.success
     assert "rank 0" in verdict.message and "1/2 x the gradient" in verdict.message

@@ -1,5 +1,5 @@
 """Recipes written the way users write them for the models of
-``tests/outside_models.py``, loaded as ``--recipe tests.outside_recipes:NAME``:
+``tests/outside_models.py``, loaded as ``--recipe tests.outside_mistakes:NAME``:
 realistic mistakes, each of which changes the gradients of a real run
 (``scripts/gloo_truth.py`` says ``differs``) and must fail naming the module
 and the rank. The correct recipes are the backend's stock ones.
