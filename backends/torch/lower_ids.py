@@ -80,8 +80,8 @@ def index(base: Handler) -> Handler:
     """``table[ids]``: the ``embedding`` of the one-hot rows."""
     def lower(lw: Any, args, kwargs, shapes, group):
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
-        ids = _ids(lw, indices[0]) if len(indices) == 1 else None
-        if ids is None:
+        src = lw.env.get(indices[0][1]) if len(indices) == 1 and indices[0] is not None else None
+        if not isinstance(src, (_Ids, _IdRows)):
             return base(lw, args, kwargs, shapes, group)
         table = lw.val(args[0])
         rank = len(lw.shapes[table])
@@ -90,7 +90,7 @@ def index(base: Handler) -> Handler:
                                 f"[rows, width] are lowered)")
         if rank == 1:  # a column of one number per id
             table = lw.reshape(table, (lw.shapes[table][0], 1))
-        onehot = _table_rows(lw, one_hot_of(lw, ids), table)
+        onehot = _table_rows(lw, src.x if isinstance(src, _IdRows) else one_hot_of(lw, src), table)
         out = lw.emit("embedding", [onehot, table], [(*lw.shapes[onehot][:-1], lw.shapes[table][1])])[0]
         return lw.reshape(out, tuple(shapes[0]))
     return lower
@@ -285,6 +285,8 @@ def to_copy(base: Handler) -> Handler:
         if not isinstance(src, (_Ids, _IdRows)):
             return base(lw, args, kwargs, shapes, group)
         dtype = str(kwargs.get("dtype", ""))
+        if not dtype:  # a copy to another device or layout: still the ids
+            return src
         if "float" not in dtype and "double" not in dtype:
             if "int" in dtype or "long" in dtype:
                 return src
