@@ -264,6 +264,8 @@ CASES: list[tuple[str, str, int]] = [
           ("lstm_tagger", "ddp_avg", "dp2", 0),
           ("lstm_tagger", f"{SCALING}fsdp_default", "dp2", 0),
           ("lstm_tagger", f"{STOCK}ddp", "dp2", 1),
+          ("batchnorm_regressor", "ddp_avg", "dp1 tp2", 0),
+          ("batchnorm_regressor", "ddp_avg", "dp2", 1),
           ("mixer", f"{MISTAKES}ddp_blocks_only", "dp2", 1),
           ("glu_tagger", f"{MISTAKES}ddp_blocks_only", "dp2", 1),
           ("rotary_lm", f"{MISTAKES}ddp_avg_wrong_dim", "dp2 tp2", 1),

@@ -619,6 +619,32 @@ class LSTMTagger(nn.Module):
         return F.cross_entropy(self.blocks[1](out).flatten(0, 1), labels.flatten())
 
 
+class BatchNormRegressor(nn.Module):
+    """A tower of ``nn.Linear`` -> ``nn.BatchNorm1d`` (over the flattened
+    tokens) -> ``nn.ReLU`` blocks and a regression head, ``F.mse_loss``
+    (mean) against a target table looked up by the labels. Under data
+    parallelism each replica normalizes with its own rows' statistics
+    (DDP without SyncBatchNorm), so its gradients are not the
+    single-device step's: a real difference, not a false alarm."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, ffn), nn.BatchNorm1d(ffn), nn.ReLU(), nn.Linear(ffn, hidden))
+            for _ in range(layers))
+        self.head = nn.Linear(hidden, 2)
+        self.register_buffer("targets", torch.linspace(-1.0, 1.0, vocab * 2).view(vocab, 2),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).flatten(0, 1)
+        for block in self.blocks:
+            x = x + block(x)
+        return F.mse_loss(self.head(x), self.targets[labels.flatten()])
+
+
 # -- refused: not exact arithmetic -----------------------------------------------------------
 
 
@@ -717,6 +743,10 @@ def mixer(**kw) -> Mixer:
 
 def lstm_tagger(**kw) -> LSTMTagger:
     return LSTMTagger(**kw)
+
+
+def batchnorm_regressor(**kw) -> BatchNormRegressor:
+    return BatchNormRegressor(**kw)
 
 
 def partial_write(**kw) -> PartialWrite:

@@ -31,7 +31,7 @@ FLOAT32 = {"einsum_lm"}
 
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
-          "rotary_lm", "mixer", "lstm_tagger"]
+          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -78,6 +78,7 @@ LAYERS = {
     / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5),
     "stack_then_mean": lambda m, x: torch.stack([m["lin"](x), x], 0).mean(0),
     "repeat": lambda m, x: m["lin"](x[..., : H // 2].repeat(1, 1, 2)),
+    "batch_norm_over_tokens": lambda m, x: m["bn"](m["lin"](x).transpose(1, 2)).transpose(1, 2),
     "tril_of_scores": lambda m, x: torch.tril(m["lin"](x) @ x.transpose(1, 2)) @ x,
 }
 LOSSES = {
@@ -103,7 +104,7 @@ def probe_layer(name: str):
         return lambda **_kw: Probe(lambda m, x: x, LOSSES[name], prelu=nn.PReLU())
     if name in RECURRENT:
         return lambda **_kw: Probe(lambda m, x: m["rnn"](x)[0], rnn=RECURRENT[name]())
-    return lambda **_kw: Probe(LAYERS[name], lin=nn.Linear(H, H))
+    return lambda **_kw: Probe(LAYERS[name], lin=nn.Linear(H, H), bn=nn.BatchNorm1d(H))
 
 
 for _name in [*LAYERS, *LOSSES, *RECURRENT]:

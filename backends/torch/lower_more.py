@@ -321,6 +321,78 @@ def prelu_backward(lw: Any, args, kwargs, shapes, group):
 
 # -- statistics ----------------------------------------------------------------------------------
 
+def _channel_row(lw: Any, x: int) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
+    """BatchNorm's reduced dims (all but the channel dim 1), the shape of a
+    per-channel statistic kept along them, and of a parameter broadcast
+    along the trailing dims."""
+    shape = lw.shapes[x]
+    if len(shape) < 2:
+        raise LoweringError(f"{lw.name}: batch norm of fewer than two dims")
+    dims = [d for d in range(len(shape)) if d != 1]
+    row = tuple(n if d == 1 else 1 for d, n in enumerate(shape))
+    return dims, row, (shape[1],) + (1,) * (len(shape) - 2)
+
+
+def batch_norm(lw: Any, args, kwargs, shapes, group):
+    """Training mode: the statistics of the batch (the rank's own rows, as
+    the real run computes them) over every dim but the channels,
+    ``y = (x - mean) * rsqrt(var + eps) * w + b``; the running statistics
+    the kernel updates in place are read by no loss or gradient."""
+    x = lw.val(args[0])
+    weight, bias = _arg(args, kwargs, 1, "weight", None), _arg(args, kwargs, 2, "bias", None)
+    if not _arg(args, kwargs, 5, "training", False):
+        raise LoweringError(f"{lw.name}: batch norm in eval mode (running statistics) is not "
+                            f"lowered")
+    eps = _number(lw, _arg(args, kwargs, 7, "eps", 1e-5), "batch norm's eps")
+    dims, row, param = _channel_row(lw, x)
+    shape = lw.shapes[x]
+    mean = lw.emit("mean", [x], [row], {"dim": dims, "keepdim": True})[0]
+    centered = _binary(lw, "sub", x, mean)
+    var = lw.emit("mean", [_binary(lw, "mul", centered, centered)], [row],
+                  {"dim": dims, "keepdim": True})[0]
+    rstd = _unary(lw, "rsqrt", _shifted(lw, var, eps))
+    y = lw.emit("mul", [centered, rstd], [shape])[0]
+    lw.ln_y[(x, mean, rstd)] = y
+    if weight is not None:
+        y = lw.emit("mul", [y, lw.reshape(lw.val(weight), param)], [shape])[0]
+    if bias is not None:
+        y = lw.emit("add", [y, lw.reshape(lw.val(bias), param)], [shape])[0]
+    channels = (shape[1],)
+    return [y, lw.reshape(mean, channels), lw.reshape(rstd, channels)]
+
+
+def batch_norm_backward(lw: Any, args, kwargs, shapes, group):
+    """The layer norm backward over BatchNorm's dims: ``dx = rstd (gy -
+    mean(gy) - y mean(gy y))``, gy = g w; ``dw = sum(g y)``, ``db = sum(g)``."""
+    g, x = lw.val(args[0]), lw.val(args[1])
+    weight = args[2]
+    if not args[7]:
+        raise LoweringError(f"{lw.name}: batch norm backward in eval mode is not lowered")
+    dims, row, param = _channel_row(lw, x)
+    shape = lw.shapes[x]
+    mean, rstd = (lw.reshape(lw.val(a), row) for a in (args[5], args[6]))
+    mask = list(args[9])
+    y = lw.ln_y.get((x, mean, rstd))
+    if y is None:
+        y = lw.emit("mul", [_binary(lw, "sub", x, mean), rstd], [shape])[0]
+    outs: list[Any] = []
+    if mask[0]:
+        gy = g if weight is None else lw.emit("mul", [g, lw.reshape(lw.val(weight), param)],
+                                              [shape])[0]
+        m1 = lw.emit("mean", [gy], [row], {"dim": dims, "keepdim": True})[0]
+        m2 = lw.emit("mean", [_binary(lw, "mul", gy, y)], [row], {"dim": dims, "keepdim": True})[0]
+        inner = _binary(lw, "sub", _binary(lw, "sub", gy, m1), lw.emit("mul", [y, m2], [shape])[0])
+        outs.append(lw.emit("mul", [inner, rstd], [shape])[0])
+    else:
+        outs.append(None)
+    channels = (shape[1],)
+    outs.append(lw.emit("sum", [_binary(lw, "mul", g, y)], [channels], {"dim": dims, "keepdim": False})[0]
+                if mask[1] else None)
+    outs.append(lw.emit("sum", [g], [channels], {"dim": dims, "keepdim": False})[0]
+                if mask[2] else None)
+    return outs
+
+
 def var(lw: Any, args, kwargs, shapes, group):
     """``sum((x - mean(x))^2, dims) / (n - correction)`` along dims."""
     x = lw.val(args[0])
@@ -433,6 +505,8 @@ def _values_read(args: Any) -> list[int]:
 
 
 MORE_HANDLERS: dict[str, Any] = {
+    "aten.native_batch_norm.default": batch_norm,
+    "aten.native_batch_norm_backward.default": batch_norm_backward,
     "aten.log_sigmoid_forward.default": log_sigmoid,
     "aten.log_sigmoid_backward.default": log_sigmoid_backward,
     "aten.hardsigmoid.default": hardsigmoid,
