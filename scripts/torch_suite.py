@@ -257,6 +257,7 @@ CASES: list[tuple[str, str, int]] = [
           ("rotary_lm", "ddp_avg", "dp2", 0),
           ("rotary_lm", f"{SCALING}fsdp_default", "dp2", 0),
           ("rotary_lm", f"{SCALING}tp_mlp_avg", "dp2 tp2", 0),
+          ("rotary_lm", "tp_attention", "dp1 tp2", 0),
           ("mixer", f"{STOCK}ddp", "dp2", 0),
           ("mixer", f"{STOCK}fsdp", "dp2", 0),
           ("mixer", f"{STOCK}tp_mlp", "dp2 tp2", 0),
