@@ -47,6 +47,7 @@ def test_correct_zero1_verifies_by_classes(par):
     assert v.symmetry.startswith(f"{dp} x 4 blocks (replica x microbatch) checked against the "
                                  f"representatives"), v.symmetry
     assert v.blocks == (dp * 4, 4, 0) and v.classes == 1
+    assert "ZeRO-1 owned shards checked on every rank" in v.symmetry
 
 
 @pytest.mark.parametrize("zero", [2, 3])

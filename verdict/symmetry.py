@@ -76,12 +76,16 @@ class Symmetry:
     base: tuple[int, ...] = (0, 1)  # the replicas of ``folded``
     base_mbs: tuple[int, ...] = (0, 1)  # and its microbatches
     classes: tuple[ClassCut, ...] = ()
+    owned: int = 0  # ZeRO-1 gathers checked on the whole plan (verdict/owned.py)
 
     def describe(self) -> str:
         w = self.folded.world
         text = (f"{w['fold_dp']} x {w['fold_nm']} blocks (replica x microbatch) checked against "
                 f"the representatives, replicas {_span(self.base)} and microbatches "
                 f"{_span(self.base_mbs)}, which were proved (docs/soundness.md)")
+        if self.owned:
+            text += (f"; ZeRO-1 owned shards checked on every rank ({self.owned} gathers tile "
+                     f"their parameters, each rank keeps its own gradient chunk)")
         if self.classes:
             text += (f"; {1 + len(self.classes)} classes of blocks, each proved by its own cut: "
                      + "; ".join(c.describe() for c in self.classes))
@@ -197,7 +201,8 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
                 for r, q, d, m in _mixed_cuts(replicas, microbatches, base_d, base_m)]
     except FoldError as e:
         return Refusal(str(e))
-    return Symmetry(restricted, folded, dp * nm, rank_of, base_d, base_m, tuple(cuts))
+    return Symmetry(restricted, folded, dp * nm, rank_of, base_d, base_m, tuple(cuts),
+                    int(check.owned.gathers.sum()))
 
 
 def _mixed_cuts(replicas: Axis, microbatches: Axis, base_d: tuple[int, ...],
