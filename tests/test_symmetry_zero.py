@@ -4,6 +4,9 @@ wrong ones FAIL, whichever path proves them."""
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 
 from gen_model.config import Parallelism
@@ -59,11 +62,61 @@ def test_zero2_and_zero3_are_verified_in_full(zero):
     assert v.success and "verified in full" in v.symmetry, v.message
 
 
-def test_optimizer_on_owned_shards_is_verified_in_full():
-    from dataclasses import replace
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_optimizer_on_owned_shards_verifies_by_classes(optimizer):
+    single, plan = plan_pair(replace(MLP, optimizer=optimizer), Parallelism(dp=4, nm=4), 32,
+                             ZERO1)
+    v = verify(single, plan)
+    assert v.success, v.message
+    assert v.blocks == (16, 4, 0) and "ZeRO-1 owned shards checked" in v.symmetry, v.symmetry
+
+
+def test_one_replica_stepping_with_another_rate_fails_in_its_class():
+    single, plan = plan_pair(replace(MLP, optimizer="adamw"), Parallelism(dp=4, nm=4), 32,
+                             ZERO1)
+    p = mutations.copy_plan(plan)
+    hit = 0
+    for i, n in enumerate(plan.nodes):
+        if n.op == "adam_step" and replica(plan, n.rank) == 2:
+            p.nodes[i] = n._replace(kwargs={**n.kwargs, "lr": 2 * n.kwargs["lr"]})
+            hit += 1
+    assert hit
+    found = find_symmetry(single, p)
+    assert isinstance(found, Symmetry) and found.classes[0].replicas == (2,)
+    assert "FAILED in its own cut: replica 2" in wrong_and_fails(single, p)
+
+
+def test_a_state_shard_of_another_replica_fails():
+    """Replica 2 loads replica 1's exp_avg shard (its parameter shard is its own)."""
+    single, plan = plan_pair(replace(MLP, optimizer="adamw"), Parallelism(dp=4, nm=2), 16,
+                             ZERO1)
+    p = mutations.copy_plan(plan)
+    states = {(t.rank, t.tid): t.slices for t in plan.tensors
+              if plan.logical[t.tid].name.endswith("exp_avg") and t.lver == 0}
+    for i, t in enumerate(plan.tensors):
+        if (t.rank, t.tid) in states and t.lver == 0 and replica(plan, t.rank) == 2:
+            p.tensors[i] = t._replace(slices=states[(t.rank - 1, t.tid)])
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal) and "state shards" in found.why, found
+    wrong_and_fails(single, p)
+
+
+def test_an_updated_shard_missing_from_the_gather_fails():
+    """Replica 0's gathers of updated shards read replica 1's in replica 2's slot."""
     single, plan = plan_pair(replace(MLP, optimizer="sgd"), Parallelism(dp=4, nm=2), 16, ZERO1)
-    found = find_symmetry(single, plan)
-    assert isinstance(found, Refusal) and "optimizer" in found.why
+    p = mutations.copy_plan(plan)
+    hit = 0
+    for i, n in enumerate(plan.nodes):
+        if n.op == "all_gather" and replica(plan, n.rank) == 0 and \
+                plan.tensors[n.inputs[0]].lver > 0:
+            ins = list(n.inputs)
+            ins[2] = ins[1]
+            p.nodes[i] = n._replace(inputs=tuple(ins))
+            hit += 1
+    assert hit
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal) and "whole orbit" in found.why, found
+    wrong_and_fails(single, p)
 
 
 def owns(plan: Plan, d: int, j: int) -> Plan:
@@ -90,7 +143,6 @@ def test_two_replicas_owning_one_shard_fail():
 
 def test_owned_shard_mutants_fail():
     single, plan = pair(4)
-    import random
     for seed in range(4):
         made = mutations.owned_shard(plan, random.Random(seed))
         assert made is not None
@@ -135,7 +187,7 @@ def test_a_replica_missing_from_the_gather_fails():
             hit += 1
     assert hit
     found = find_symmetry(single, p)
-    assert isinstance(found, Refusal) and "gather the loaded shards" in found.why
+    assert isinstance(found, Refusal) and "whole orbit" in found.why
     wrong_and_fails(single, p)
 
 

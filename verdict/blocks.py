@@ -558,7 +558,7 @@ class BlockCheck:
         sums_ends = np.zeros(len(cols.n_ins), dtype=bool)
         sums_ends[:] = end_ok[cols.n_ins] & sums
         nodes = np.arange(len(cols.n_ins))
-        self.flag(orbit & ~self.owned.gathers & (~sums_ends | (cols.n_mb != -1)), nodes,
+        self.flag(orbit & ~self.owned.nodes & (~sums_ends | (cols.n_mb != -1)), nodes,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
         sums = np.flatnonzero(orbit & sums_ends)
         groups = cols.n_ins[sums]

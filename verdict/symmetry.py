@@ -319,12 +319,22 @@ class _Cut:
             (cols.n_mb < 0) | (self.pos_m[np.maximum(cols.n_mb, 0)] >= 0)))
         used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
+        rewired = [t for i in nodes.tolist() for t in check.owned.rewire.get(i, {}).values()]
+        used = np.concatenate((used, np.array(rewired, dtype=used.dtype)))
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
         self.orig = np.unique(used[used >= 0])
         self.p = (columns_sub_plan(parallel, nodes, self.orig) if isinstance(parallel, Columns)
                   else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.gathered = check.owned.gathered[self.orig]  # loaded parameters in the cut
+        owned = check.owned
+        #: node of self.p -> position -> tensor of self.p: an optimizer step on
+        #: owned shards runs on the whole box in the cut
+        self.rewire = {k: {pos: self.local(t) for pos, t in owned.rewire[i].items()}
+                       for k, i in enumerate(nodes.tolist()) if i in owned.rewire}
+        #: tensor of self.p -> the box its shard widens to
+        self.widen = {k: owned.widen[t] for k, t in enumerate(self.orig.tolist())
+                      if t in owned.widen}
         self.starts = self.block_starts()
         self.layouts: dict[int, Layout | None] = {}
         self.single_parts = self.own_parts()
@@ -526,6 +536,8 @@ class _Cut:
             ins = [ends.get(t, t) for t in node.inputs]
             if i in relinks:
                 ins[0] = relinks[i]
+            for pos, t in self.rewire.get(i, {}).items():
+                ins[pos] = t
             kwargs = dict(node.kwargs)
             for key in ("src", "dst"):  # peers are in the replica (checked): renumbered
                 peer = kwargs.get(key)
@@ -558,6 +570,9 @@ class _Cut:
                                scale=real.scale)
             if self.gathered[t]:
                 x = x._replace(version=0)
+            if t in self.widen:
+                box = tuple(tuple(ab) for ab in self.widen[t])
+                x = x._replace(slices=box, shape=tuple(b - a for a, b in box))
             tensors.append(x._replace(rank=rank, mb=self.new_mb(x.mb), slices=self.slices(x, start),
                                       parts=self.parts(x, t in running)))
         nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
