@@ -320,9 +320,12 @@ class BlockCheck:
                 a, b = int(shifted[j, 0]) - row, int(shifted[j, 1]) - row
                 bad[t] |= not (0 <= a < b <= self.rows)
                 shifted[j] = (a, b)
-        for t, (k, off) in self.owned.shifts.items():  # an owned shard: relative to its offset
-            r = int(cols.slice_off[t]) + k
-            shifted[at[r] if at is not None else int(np.searchsorted(rows, r))] -= off
+        owned, dim, off = self.owned.shifts  # an owned shard: relative to its offset
+        where = cols.slice_off[owned].astype(np.int64) + dim
+        at_owned = np.minimum(np.searchsorted(rows, where), max(len(rows) - 1, 0))
+        if len(owned) and not (rows[at_owned] == where).all():
+            raise StructureError("symmetry", "an owned shard is not an input tensor")
+        shifted[at_owned] -= off[:, None]
         view = np.full((len(inputs), 2 * width + 3), -1, dtype=np.int64)
         if len(inputs) and width:
             view[owner, 2 * col] = shifted[:, 0]

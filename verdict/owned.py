@@ -62,7 +62,7 @@ class Owned:
     keeps: np.ndarray
     updates: np.ndarray
     gathered: np.ndarray
-    shifts: dict[int, tuple[int, int]]
+    shifts: tuple[np.ndarray, np.ndarray, np.ndarray]  # (tensor, dim, offset), by tensor
     rewire: dict[int, dict[int, int]]
     widen: dict[int, list[tuple[int, int]]]
 
@@ -75,7 +75,8 @@ class Owned:
     @staticmethod
     def none(nodes: int, tensors: int) -> Owned:
         return Owned(np.zeros(nodes, dtype=bool), np.zeros(nodes, dtype=bool),
-                     np.zeros(nodes, dtype=bool), np.zeros(tensors, dtype=bool), {}, {}, {})
+                     np.zeros(nodes, dtype=bool), np.zeros(tensors, dtype=bool),
+                     (np.zeros(0, dtype=np.int64),) * 3, {}, {})
 
 
 def find_owned(check) -> Owned:
@@ -107,7 +108,13 @@ class _Scan:
         self.keeps = np.zeros(nn, dtype=bool)
         self.updates = np.zeros(nn, dtype=bool)
         self.gathered = np.zeros(nt, dtype=bool)
-        self.shifts: dict[int, tuple[int, int]] = {}
+        self.shifts: list[tuple[np.ndarray, ...]] = []  # (tensors, dims, offsets)
+        self.kw_cache: dict[int, dict] = {}
+        self.dim_of: dict[int, int] = {}  # gather node -> its dim
+        self.slices = self.p.tensors.slices.view(np.ndarray)
+        self.parts = self.p.tensors.parts.view(np.ndarray)
+        scale = self.p.tensors.scale
+        self.scale = None if scale is None else scale.view(np.ndarray)
         self.rewire: dict[int, dict[int, int]] = {}
         self.widen: dict[int, list[tuple[int, int]]] = {}
         #: (rank, param tid) -> (dim, shard width, its shard, the box gathered, the gather's output)
@@ -120,12 +127,11 @@ class _Scan:
     # -- the plan's entries ------------------------------------------------------
     def box(self, t: int) -> list[tuple[int, int]]:
         a, b = int(self.cols.slice_off[t]), int(self.cols.slice_off[t + 1])
-        return [tuple(x) for x in self.p.tensors.slices[a:b].tolist()]
+        return [tuple(x) for x in self.slices[a:b].tolist()]
 
     def whole(self, t: int) -> bool:
-        lo, hi, n = (int(x) for x in self.p.tensors.parts[t])
-        scale = self.p.tensors.scale
-        return hi - lo == n and (scale is None or tuple(int(x) for x in scale[t]) == UNIT)
+        lo, hi, n = self.parts[t].tolist()
+        return hi - lo == n and (self.scale is None or tuple(self.scale[t].tolist()) == UNIT)
 
     def ins(self, i: int) -> list[int]:
         k = int(self.cols.n_ins[i])
@@ -145,79 +151,145 @@ class _Scan:
 
     # -- the rules ---------------------------------------------------------------
     def run(self) -> Owned:
+        crossing = self.crossing()
+        if len(crossing):
+            groups = self.groups(crossing)
+            loaded = self.is_loaded(groups).all(axis=1)
+            self.gather(crossing[loaded], groups[loaded])
+            _check_loaded(self.cols, self.kinds, self.shard_of)
+            self.find_keeps()
+            self.find_steps()
+            self.update(crossing[~loaded], groups[~loaded])
+        t, dim, off = (np.concatenate([np.zeros(0, dtype=np.int64),
+                                       *(np.asarray(x[k], dtype=np.int64) for x in self.shifts)])
+                       for k in range(3))
+        order = np.argsort(t, kind="stable")
+        t, dim, off = t[order], dim[order], off[order]
+        same = t[1:] == t[:-1]
+        if ((dim[1:] != dim[:-1]) | (off[1:] != off[:-1]))[same].any():
+            _refuse("a shard is gathered at two offsets")
+        first = np.concatenate(([True], ~same))
+        return Owned(self.gathers, self.keeps, self.updates, self.gathered,
+                     (t[first], dim[first], off[first]), self.rewire, self.widen)
+
+    def is_loaded(self, t: np.ndarray) -> np.ndarray:
+        c, s = self.cols, np.maximum(t, 0)
+        return (t >= 0) & (c.t_producer[s] < 0) & (c.t_lver[s] == 0) & (c.t_mb[s] == -1)
+
+    def crossing(self) -> np.ndarray:
+        """The all_gathers that read another replica's tensor (outside
+        microbatches, else refused)."""
         cols = self.cols
-        crossing = []
-        for i in np.flatnonzero(np.array([op == "all_gather" for op in cols.ops])[cols.n_op]
-                                ).tolist():
-            group = self.ins(i)
-            if all(t >= 0 and int(self.t_d[t]) == int(self.n_d[i]) for t in group):
-                continue  # within the replica: compared like any node
-            if int(cols.n_mb[i]) >= 0:
-                _refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])} crosses replicas "
-                        f"inside a microbatch")
-            crossing.append(i)
-        later = [i for i in crossing if not all(self.loaded(t) for t in self.ins(i))]
-        for i in crossing:
-            if i not in later:
-                self.gather(i)
-        _check_loaded(cols, self.kinds, self.shard_of)
-        self.find_keeps()
-        self.find_steps()
-        for i in later:
-            self.update(i)
-        return Owned(self.gathers, self.keeps, self.updates, self.gathered, self.shifts,
-                     self.rewire, self.widen)
+        ag = np.flatnonzero(np.array([op == "all_gather" for op in cols.ops] or [False]
+                                     )[cols.n_op])
+        if not ag.size:
+            return ag
+        read, reader = _inputs(cols, ag)
+        other = (read < 0) | (self.t_d[np.maximum(read, 0)] != self.n_d[reader])
+        hit = np.zeros(len(cols.n_rank), dtype=bool)
+        hit[reader[other]] = True
+        out = ag[hit[ag]]
+        inside = out[cols.n_mb[out] >= 0]
+        if inside.size:
+            _refuse(f"the all_gather {int(inside[0])} on rank {int(cols.n_rank[inside[0]])} "
+                    f"crosses replicas inside a microbatch")
+        return out
 
-    def orbit_of(self, i: int) -> tuple[str, int, list[int], int, int]:
-        """(where, its dim, its group, its output, its replica) of a gather
-        over the whole orbit at its own index (else refused)."""
-        where = f"the all_gather {i} on rank {int(self.cols.n_rank[i])}"
-        kw = self.p.kwargs_of(int(self.cols.n_kw[i]))
-        group, out, d = self.ins(i), self.outs(i), int(self.n_d[i])
-        if len(group) != self.dp or any(t < 0 for t in group) or kw.get("index") != d or \
-                len(out) != 1 or out[0] < 0 or any(
-                    int(self.t_d[t]) != j or int(self.t_cls[t]) != int(self.n_cls[i])
-                    for j, t in enumerate(group)):
-            _refuse(f"{where} is not one over the whole orbit of replicas at its own index")
-        return where, kw.get("dim"), group, out[0], d
+    def groups(self, nodes: np.ndarray) -> np.ndarray:
+        """The inputs of gathers over the whole orbit at their own index, one
+        row each (replica j in column j; else refused)."""
+        cols, dp = self.cols, self.dp
+        lengths = cols.ptr[cols.n_ins[nodes] + 1] - cols.ptr[cols.n_ins[nodes]]
+        outs = cols.ptr[cols.n_outs[nodes] + 1] - cols.ptr[cols.n_outs[nodes]]
+        index = np.array([self.kw(int(k)).get("index", -1) for k in cols.n_kw[nodes].tolist()])
+        bad = (lengths != dp) | (outs != 1) | (index != self.n_d[nodes])
+        m = cols.flat[cols.ptr[cols.n_ins[nodes]][:, None] + np.arange(dp)[None, :]
+                      * ~bad[:, None]].astype(np.int64)
+        safe = np.maximum(m, 0)
+        bad |= ((m < 0) | (self.t_d[safe] != np.arange(dp)[None, :])
+                | (self.t_cls[safe] != self.n_cls[nodes][:, None])).any(axis=1)
+        if bad.any():
+            i = int(nodes[np.argmax(bad)])
+            _refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])} is not one over the whole "
+                    f"orbit of replicas at its own index")
+        return m
 
-    def tiling(self, where: str, dim, group: list[int], name: str
-               ) -> tuple[int, list[tuple[int, int]]]:
-        """(shard width, the box) of shards that tile one box along ``dim`` in
-        group order with equal widths (else refused)."""
-        boxes = [self.box(t) for t in group]
-        if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < len(boxes[0]):
-            _refuse(f"{where} has no dim of its parameter")
-        lo, width = boxes[0][dim][0], boxes[0][dim][1] - boxes[0][dim][0]
-        if width <= 0 or not all(
-                b[:dim] == boxes[0][:dim] and b[dim + 1:] == boxes[0][dim + 1:]
-                and b[dim] == (lo + j * width, lo + (j + 1) * width) for j, b in enumerate(boxes)):
-            _refuse(f"{where}: the replicas' shards of {name} do not tile one box in replica "
-                    f"order (a shard owned twice or by nobody)")
-        return width, [*boxes[0][:dim], (lo, lo + len(boxes) * width), *boxes[0][dim + 1:]]
+    def kw(self, code: int) -> dict:
+        if code not in self.kw_cache:
+            self.kw_cache[code] = self.p.kwargs_of(code)
+        return self.kw_cache[code]
 
-    def gather(self, i: int) -> None:
-        """Rule 1: the loaded shards of one parameter gathered."""
+    def gather(self, nodes: np.ndarray, m: np.ndarray) -> None:
+        """Rule 1: the loaded shards of one parameter gathered, tiling one box
+        in replica order; their output claims it, whole."""
         cols = self.cols
-        where, dim, group, o, d = self.orbit_of(i)
-        tid = int(cols.t_tid[group[0]])
-        name = self.p.logical[tid].name
-        if self.kinds[tid] != "param" or any(int(cols.t_tid[t]) != tid for t in group):
-            _refuse(f"{where} does not gather the loaded shards of one parameter, replica by "
-                    f"replica")
-        width, full = self.tiling(where, dim, group, name)
-        if int(cols.t_tid[o]) != tid or int(cols.t_lver[o]) != 0 or self.box(o) != full or \
-                not self.whole(o):
-            _refuse(f"{where}: its output does not claim the whole box its shards tile")
-        key = (int(cols.n_rank[i]), tid)
-        if key in self.shard_of:
-            _refuse(f"{where}: a second gather of {name} on the rank")
-        self.shard_of[key] = (dim, width, group[d], full, o)
-        self.gathers[i] = True
-        self.gathered[o] = True
-        for j, t in enumerate(group):
-            if self.shifts.setdefault(t, (dim, j * width)) != (dim, j * width):
-                _refuse(f"{where}: a shard gathered along two dims")
+        tid = cols.t_tid[m[:, 0]].astype(np.int64)
+        param = np.array([k == "param" for k in self.kinds])[tid]
+        bad = ~param | (cols.t_tid[m] != tid[:, None]).any(axis=1)
+        if bad.any():
+            i = int(nodes[np.argmax(bad)])
+            _refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])} does not gather the "
+                    f"loaded shards of one parameter, replica by replica")
+        out = cols.flat[cols.ptr[cols.n_outs[nodes]]].astype(np.int64)
+        dims = np.array([self.kw(int(k)).get("dim") for k in cols.n_kw[nodes].tolist()],
+                        dtype=object)
+        width, full = self.tiling(nodes, m, dims)
+        for i, t, o, w, box, row in zip(nodes.tolist(), tid.tolist(), out.tolist(),
+                                        width.tolist(), full, m):
+            d = int(self.n_d[i])
+            where = f"the all_gather {i} on rank {int(cols.n_rank[i])}"
+            if o < 0 or int(cols.t_tid[o]) != t or int(cols.t_lver[o]) != 0 or \
+                    self.box(o) != box or not self.whole(o):
+                _refuse(f"{where}: its output does not claim the whole box its shards tile")
+            key = (int(cols.n_rank[i]), t)
+            if key in self.shard_of:
+                _refuse(f"{where}: a second gather of {self.p.logical[t].name} on the rank")
+            self.shard_of[key] = (self.dim_of[i], w, int(row[d]), box, o)
+        self.gathers[nodes] = True
+        self.gathered[out] = True
+        dp = self.dp
+        self.shifts.append((m.ravel(), np.repeat([self.dim_of[i] for i in nodes.tolist()], dp),
+                            (np.arange(dp)[None, :] * width[:, None]).ravel()))
+
+    def tiling(self, nodes: np.ndarray, m: np.ndarray, dims: np.ndarray
+               ) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+        """Per gather, (shard width, the box) of shards that tile one box
+        along its ``dim`` in group order with equal widths (else refused)."""
+        cols, dp = self.cols, self.dp
+        width = np.zeros(len(nodes), dtype=np.int64)
+        full: list = [None] * len(nodes)
+        ndim = (cols.slice_off[m[:, 0] + 1] - cols.slice_off[m[:, 0]]).astype(np.int64)
+        slices = self.slices
+        for k in np.unique(ndim).tolist():
+            rows = np.flatnonzero(ndim == k)
+            dim = np.array([d if isinstance(d, int) and not isinstance(d, bool) and 0 <= d < k
+                            else -1 for d in dims[rows]], dtype=np.int64)
+            sub = m[rows]
+            same_ndim = (cols.slice_off[sub + 1] - cols.slice_off[sub]) == k
+            box = slices[cols.slice_off[sub][..., None] * same_ndim[..., None]
+                         + np.arange(k)].astype(np.int64)  # (rows, dp, k, 2)
+            at = np.arange(k)[None, :] == dim[:, None]  # (rows, k)
+            lo = box[:, 0, :, 0]
+            w = box[:, 0, :, 1] - lo
+            j = np.arange(dp)[None, :, None]
+            want_lo = np.where(at[:, None, :], lo[:, None, :] + j * w[:, None, :],
+                               lo[:, None, :])
+            want_hi = np.where(at[:, None, :], want_lo + w[:, None, :], box[:, 0, None, :, 1])
+            ok = (dim >= 0) & same_ndim.all(axis=1) & (box[..., 0] == want_lo).all(axis=(1, 2)) \
+                & (box[..., 1] == want_hi).all(axis=(1, 2)) & (np.where(at, w, 1) > 0).all(axis=1)
+            if not ok.all():
+                i = int(nodes[rows[np.argmin(ok)]])
+                _refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])}: the replicas' "
+                        f"shards of {self.p.logical[int(cols.t_tid[m[rows[np.argmin(ok)], 0]])].name}"
+                        f" do not tile one box in replica order (a shard owned twice or by "
+                        f"nobody)")
+            width[rows] = np.where(at, w, 0).sum(axis=1)
+            hi = np.where(at, lo + dp * w, box[:, 0, :, 1])
+            for r, a, b, d, i in zip(rows.tolist(), lo.tolist(), hi.tolist(), dim.tolist(),
+                                     nodes[rows].tolist()):
+                full[r] = [tuple(x) for x in zip(a, b)]
+                self.dim_of[i] = d
+        return width, full
 
     def find_keeps(self) -> None:
         """Rule 3: for every rank and gathered parameter, the node writing its
@@ -286,33 +358,40 @@ class _Scan:
             self.rewire[i] = {0: gathered, 1: reduced}
             for t in (*states, *outs):
                 self.widen[t] = full
-            for t in states:
-                self.shifts[t] = (dim, d * width)
+            self.shifts.append((states, [dim] * len(states), [d * width] * len(states)))
             self.updated[(int(self.n_cls[i]), d, key[1])] = outs[0]
 
-    def update(self, i: int) -> None:
-        """Rule 5: a gather of the orbit's updated shards of one parameter,
-        read by nothing."""
+    def update(self, nodes: np.ndarray, m: np.ndarray) -> None:
+        """Rule 5: gathers of the orbit's updated shards of one parameter
+        (replica j's step output in column j), read by nothing."""
         cols = self.cols
-        where, dim, group, o, _ = self.orbit_of(i)
-        cls, tid = int(self.n_cls[i]), int(cols.t_tid[group[0]])
-        if any(self.updated.get((cls, j, tid)) != t for j, t in enumerate(group)):
-            _refuse(f"{where} gathers neither loaded shards nor the orbit's updated shards of "
-                    f"one parameter")
-        _, full = self.tiling(where, dim, group, self.p.logical[tid].name)
-        if int(cols.t_tid[o]) != tid or int(cols.t_lver[o]) != int(cols.t_lver[group[0]]) or \
-                self.box(o) != full or not self.whole(o) or int(self.reads[o]):
-            _refuse(f"{where}: its output does not claim the whole updated box, or is read")
-        self.updates[i] = True
+        for i, row in zip(nodes.tolist(), m.tolist()):
+            cls, tid = int(self.n_cls[i]), int(cols.t_tid[row[0]])
+            where = f"the all_gather {i} on rank {int(cols.n_rank[i])}"
+            o = int(cols.flat[cols.ptr[cols.n_outs[i]]])
+            key = (int(cols.n_rank[i]), tid)
+            if any(self.updated.get((cls, j, tid)) != t for j, t in enumerate(row)) or \
+                    key not in self.shard_of or \
+                    self.kw(int(cols.n_kw[i])).get("dim") != self.shard_of[key][0]:
+                _refuse(f"{where} gathers neither loaded shards nor the orbit's updated shards "
+                        f"of one parameter")
+            # the updated shards have their owners' boxes (rule 4), which tile (rule 1)
+            if o < 0 or int(cols.t_tid[o]) != tid or \
+                    int(cols.t_lver[o]) != int(cols.t_lver[row[0]]) or \
+                    self.box(o) != self.shard_of[key][3] or not self.whole(o) or int(self.reads[o]):
+                _refuse(f"{where}: its output does not claim the whole updated box, or is read")
+        self.updates[nodes] = True
 
 
-def _inputs(cols) -> tuple[np.ndarray, np.ndarray]:
-    """Every (tensor read, node reading it), node by node."""
-    lengths = cols.ptr[cols.n_ins + 1] - cols.ptr[cols.n_ins]
-    starts = np.repeat(cols.ptr[cols.n_ins] - np.concatenate(([0], np.cumsum(lengths)[:-1])),
+def _inputs(cols, nodes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Every (tensor read, node reading it) of ``nodes`` (all by default)."""
+    nodes = np.arange(len(cols.n_rank)) if nodes is None else nodes
+    tuples = cols.n_ins[nodes]
+    lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
+    starts = np.repeat(cols.ptr[tuples] - np.concatenate(([0], np.cumsum(lengths)[:-1])),
                        lengths)
     read = cols.flat[starts + np.arange(int(lengths.sum()))].astype(np.int64)
-    return read, np.repeat(np.arange(len(cols.n_rank)), lengths)
+    return read, np.repeat(nodes, lengths)
 
 
 def _reads(cols) -> np.ndarray:
