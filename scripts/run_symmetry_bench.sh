@@ -47,7 +47,7 @@ wrong512() {  # replica 3 loads replica 2's rows, then runs another operator, in
     rm -rf "$dir"
 }
 
-for p in "${@:-dp8 dp64 dp512 nm2 nm32 wrong512 zero8 zero64}"; do
+for p in "${@:-dp8 dp64 dp512 nm2 nm32 wrong512 zero8 zero64 zero128}"; do
     for q in $p; do
         case $q in
             dp8) point mat_dp8 8 "--dp 8" ;;
