@@ -44,6 +44,9 @@ from verdict.fold import ORBIT_SUMS
 from verdict.ops.step import OPTIMIZERS
 from verdict.plan import UNIT
 
+#: Group entries (gathers x replicas) the scan holds at a time.
+_ENTRIES = 1 << 19
+
 
 class OwnedError(Exception):
     """Why the owned shards of a plan are not ones the symmetry covers."""
@@ -152,14 +155,21 @@ class _Scan:
     # -- the rules ---------------------------------------------------------------
     def run(self) -> Owned:
         crossing = self.crossing()
-        if len(crossing):
-            groups = self.groups(crossing)
+        step = max(1, _ENTRIES // self.dp)  # gathers whose groups are read at a time
+        updates = []
+        for lo in range(0, len(crossing), step):
+            nodes = crossing[lo:lo + step]
+            groups = self.groups(nodes)
             loaded = self.is_loaded(groups).all(axis=1)
-            self.gather(crossing[loaded], groups[loaded])
+            self.gather(nodes[loaded], groups[loaded])
+            updates.append(nodes[~loaded])
+        if self.shard_of:
             _check_loaded(self.cols, self.kinds, self.shard_of)
             self.find_keeps()
             self.find_steps()
-            self.update(crossing[~loaded], groups[~loaded])
+        for nodes in updates:
+            for lo in range(0, len(nodes), step):
+                self.update(nodes[lo:lo + step], self.groups(nodes[lo:lo + step]))
         t, dim, off = (np.concatenate([np.zeros(0, dtype=np.int64),
                                        *(np.asarray(x[k], dtype=np.int64) for x in self.shifts)])
                        for k in range(3))
@@ -247,9 +257,9 @@ class _Scan:
             self.shard_of[key] = (self.dim_of[i], w, int(row[d]), box, o)
         self.gathers[nodes] = True
         self.gathered[out] = True
-        dp = self.dp
-        self.shifts.append((m.ravel(), np.repeat([self.dim_of[i] for i in nodes.tolist()], dp),
-                            (np.arange(dp)[None, :] * width[:, None]).ravel()))
+        d = self.n_d[nodes].astype(np.int64)  # each gather's own shard (every rank gathers)
+        self.shifts.append((m[np.arange(len(nodes)), d],
+                            [self.dim_of[i] for i in nodes.tolist()], d * width))
 
     def tiling(self, nodes: np.ndarray, m: np.ndarray, dims: np.ndarray
                ) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
