@@ -219,3 +219,24 @@ def test_one_microbatch_of_one_replica_equal_verifies_by_classes():
     v = verify(single, equal)
     assert v.success, v.message
     assert v.classes > 1 and "classes of blocks" in v.symmetry, v.symmetry
+
+
+def test_a_keep_of_another_parameters_sum_fails():
+    """Replica 2 keeps its chunk of layers.1's reduced gradient as layers.0's
+    (both 8 x 8): the cut alone would prove layers.0's sum right."""
+    single, plan = pair(4)
+    name = {t: lg.name for t, lg in enumerate(plan.logical)}
+    sums = {(n.rank, name[plan.tensors[n.outputs[0]].tid]): n.outputs[0]
+            for n in plan.nodes if n.op == "reducer"}
+    p = mutations.copy_plan(plan)
+    hit = 0
+    for i, n in enumerate(plan.nodes):
+        buf = name[plan.tensors[n.outputs[0]].tid]
+        if n.op == "split" and replica(plan, n.rank) == 2 and buf.startswith("layers.0."):
+            other = sums[(n.rank, buf.replace("layers.0.", "layers.1."))]
+            p.nodes[i] = n._replace(inputs=(other,))
+            hit += 1
+    assert hit
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal) and "does not keep chunk 2 of 4" in found.why, found
+    wrong_and_fails(single, p)

@@ -170,6 +170,14 @@ class _Scan:
         for nodes in updates:
             for lo in range(0, len(nodes), step):
                 self.update(nodes[lo:lo + step], self.groups(nodes[lo:lo + step]))
+        gathered_by = np.zeros(len(self.cols.t_rank), dtype=np.int64)
+        for nodes in updates:
+            read, _ = _inputs(self.cols, nodes)
+            np.add.at(gathered_by, read, 1)
+        out = np.array(list(self.updated.values()), dtype=np.int64)
+        if (self.reads[out] != gathered_by[out]).any():
+            _refuse("an updated shard is read by another node than the gathers of updated "
+                    "shards")
         t, dim, off = (np.concatenate([np.zeros(0, dtype=np.int64),
                                        *(np.asarray(x[k], dtype=np.int64) for x in self.shifts)])
                        for k in range(3))
@@ -305,7 +313,9 @@ class _Scan:
         """Rule 3: for every rank and gathered parameter, the node writing its
         last gradient buffer keeps the rank's own chunk of a reducer's sum."""
         cols, dp = self.cols, self.dp
-        last = _last_writers(cols, {int(b): int(q) for q, b in self.p.grads.items()})
+        buf_of = {int(b): int(q) for q, b in self.p.grads.items()}
+        last = _last_writers(cols, buf_of)
+        sums: dict[tuple[int, int], int] = {}
         for key, (dim, _, shard, full, _) in self.shard_of.items():
             i = last.get(key, -1)
             where = f"rank {key[0]}'s last gradient buffer of {self.p.logical[key[1]].name}"
@@ -321,11 +331,19 @@ class _Scan:
             if (kw.get("dim"), kw.get("parts"), kw.get("index")) != (dim, dp, d) or \
                     self.box(o) != self.box(shard) or self.box(src[0]) != full or \
                     not self.whole(o) or not self.whole(src[0]) or \
-                    int(cols.t_lver[o]) != int(cols.t_lver[src[0]]):
+                    int(cols.t_lver[o]) != int(cols.t_lver[src[0]]) or \
+                    int(cols.t_tid[o]) != int(cols.t_tid[src[0]]):
                 _refuse(f"{where} does not keep chunk {d} of {dp} of the whole reduced "
                         f"gradient along dim {dim}, the shard the rank loads")
             self.keeps[i] = True
             self.kept[key] = (o, src[0])
+            sums[key] = made
+        # without its keep, a rank ends with the sum the keep splits: what the cut proves
+        before = _last_writers(cols, buf_of, self.keeps)
+        for key, made in sums.items():
+            if before.get(key) != made:
+                _refuse(f"rank {key[0]} writes a gradient buffer of "
+                        f"{self.p.logical[key[1]].name} between the sum and the kept chunk")
 
     def find_steps(self) -> None:
         """Rule 4: the only other reader of a rank's shard is an optimizer
@@ -361,7 +379,8 @@ class _Scan:
                    or int(self.reads[t]) != 1 or self.box(t) != own or not self.whole(t)
                    for t in states) or \
                     not outs or outs[0] < 0 or int(cols.t_tid[outs[0]]) != key[1] or any(
-                        t < 0 or self.box(t) != own or not self.whole(t) for t in outs):
+                        t < 0 or self.box(t) != own or not self.whole(t) for t in outs) or \
+                    any(int(self.reads[t]) for t in outs[1:]):
                 _refuse(f"{where}: its optimizer step does not read loaded state shards and "
                         f"write updated shards of the same box")
             d = int(self.n_d[i])
@@ -412,9 +431,10 @@ def _reads(cols) -> np.ndarray:
     return out
 
 
-def _last_writers(cols, buf_of: dict[int, int]) -> dict[tuple[int, int], int]:
-    """(rank, parameter) -> the last node (in plan order) writing one of its
-    gradient buffers."""
+def _last_writers(cols, buf_of: dict[int, int], skip: np.ndarray | None = None
+                  ) -> dict[tuple[int, int], int]:
+    """(rank, parameter) -> the last node (in plan order, but the nodes
+    ``skip``) writing one of its gradient buffers."""
     lengths = cols.ptr[cols.n_outs + 1] - cols.ptr[cols.n_outs]
     starts = np.repeat(cols.ptr[cols.n_outs] - np.concatenate(([0], np.cumsum(lengths)[:-1])),
                        lengths)
@@ -422,6 +442,8 @@ def _last_writers(cols, buf_of: dict[int, int]) -> dict[tuple[int, int], int]:
     writer = np.repeat(np.arange(len(cols.n_rank)), lengths)
     bufs = np.array(sorted(buf_of), dtype=np.int64)
     keep = (t >= 0) & np.isin(cols.t_tid[np.maximum(t, 0)], bufs)
+    if skip is not None:
+        keep &= ~skip[writer]
     t, writer = t[keep], writer[keep]
     last: dict[tuple[int, int], int] = {}
     for rank, tid, i in zip(cols.t_rank[t].tolist(), cols.t_tid[t].tolist(), writer.tolist()):
