@@ -37,12 +37,16 @@ and the plan is verified in full.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from verdict.fold import ORBIT_SUMS
 from verdict.ops.step import OPTIMIZERS
 from verdict.plan import UNIT
+
+if TYPE_CHECKING:  # verdict.blocks imports this module
+    from verdict.blocks import BlockCheck
 
 #: Group entries (gathers x replicas) the scan holds at a time.
 _ENTRIES = 1 << 19
@@ -82,9 +86,8 @@ class Owned:
                      (np.zeros(0, dtype=np.int64),) * 3, {}, {})
 
 
-def find_owned(check) -> Owned:
-    """The owned shards of the plan ``check`` (a verdict.blocks.BlockCheck)
-    reads, every gather, keep and optimizer step on them checked;
+def find_owned(check: BlockCheck) -> Owned:
+    """The owned shards of the plan ``check`` reads, every gather, keep and optimizer step on them checked;
     Owned.none for a plan without ZeRO. Raises OwnedError when a rule does
     not hold."""
     p = check.p
@@ -99,7 +102,7 @@ def find_owned(check) -> Owned:
 class _Scan:
     """One pass over the plan's collectives, splits and optimizer steps."""
 
-    def __init__(self, check):
+    def __init__(self, check: BlockCheck):
         self.cols, self.p, self.dp = check.cols, check.p, check.fold.dp
         cols = self.cols
         nn, nt = len(cols.n_rank), len(cols.t_rank)
