@@ -1037,8 +1037,9 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
     ids = lw.env.get(args[1][1])
-    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0:
-        raise LoweringError(f"{lw.name}: embedding with a padding_idx is not lowered")
+    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0 and isinstance(ids, _Shifted):
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel embedding with a padding_idx is "
+                            f"not lowered")
     if isinstance(ids, Const):
         rows = lw.shapes[lw.val(args[0])][0]
         onehot = one_hot_constant(lw, constant_value(lw, args[1]), rows)
@@ -1128,14 +1129,23 @@ def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """The one-hot rows' transpose times the gradient. With a ``padding_idx``
+    p (the forward lookup is unchanged), the one-hot rows times the constant
+    row that is 0 at p and 1 elsewhere: a row of id p becomes a zero row and
+    adds nothing to the table's gradient, any other row is unchanged
+    (docs/soundness.md, "Plans traced from PyTorch", 16)."""
     padding = args[3] if len(args) > 3 else kwargs.get("padding_idx", -1)
-    if padding is not None and int(padding) >= 0 or (len(args) > 4 and args[4]):
-        raise LoweringError(f"{lw.name}: embedding backward with a padding_idx or "
-                            f"scale_grad_by_freq is not lowered")
+    rows = int(args[2])
+    if len(args) > 4 and args[4]:
+        raise LoweringError(f"{lw.name}: embedding backward with scale_grad_by_freq is not lowered")
     if isinstance(lw.env.get(args[1][1]), Const):
-        tokens = one_hot_constant(lw, constant_value(lw, args[1]), int(args[2]))
+        tokens = one_hot_constant(lw, constant_value(lw, args[1]), rows)
     else:
         tokens = _one_hot(lw, args[1])
+    if padding is not None and 0 <= int(padding) < rows:
+        keep = np.ones(rows)
+        keep[int(padding)] = 0.0
+        tokens = lw.emit("mul", [tokens, constant_input(lw, keep)], [lw.shapes[tokens]])[0]
     out = lw.new(shapes[0])
     lw.nodes.append(LNode("embedding", "bw", [tokens, -1, lw.val(args[0])], [-1, out], {},
                           lw.name, None, lw.mb))
@@ -1802,6 +1812,10 @@ HANDLERS: dict[str, Any] = {
 from backends.torch.lower_vocab_parallel import vocab_parallel_handlers  # noqa: E402
 
 HANDLERS.update(vocab_parallel_handlers(HANDLERS))
+# lower_masks reads the id types and wraps the entries above (lower_vocab_parallel's too)
+from backends.torch.lower_masks import mask_handlers  # noqa: E402
+
+HANDLERS.update(mask_handlers(HANDLERS))
 
 
 def lower_trace(trace: dict, vocab: int) -> Lowered:
