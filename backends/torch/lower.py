@@ -34,7 +34,7 @@ from backends.torch.lower_nn import (
     where,
 )
 
-__all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_trace"]
+__all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_ranks", "lower_trace"]
 
 
 @dataclass
@@ -67,6 +67,8 @@ class Lowered:
     states: dict[str, dict[str, int]] = field(default_factory=dict)
     #: HSDP: {"dps": s}, the data-parallel ranks cut into replicas of s shards
     split: dict[str, int] = field(default_factory=dict)
+    #: each SUM all-reduce of a count of kept labels: (group, this rank's count)
+    count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -304,6 +306,10 @@ class _Lowerer:
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
     owners: set[int] = field(default_factory=set)  # one-row parameters padded on other ranks
+    #: the step's value of each count all-reduce, in order (lower_ranks); None:
+    #: an all-reduced count is refused, "collect": this rank's counts are kept
+    counts: list[int] | str | None = None
+    count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -1818,9 +1824,33 @@ from backends.torch.lower_masks import mask_handlers  # noqa: E402
 HANDLERS.update(mask_handlers(HANDLERS))
 
 
-def lower_trace(trace: dict, vocab: int) -> Lowered:
-    """Lower one rank's trace (``backends.torch.rank.run``'s result)."""
-    lw = _Lowerer(trace, vocab)
+def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
+    """Lower every rank's trace (in rank order). A count of kept labels
+    all-reduced by a rank has, as its value, the sum of the group members'
+    recorded counts: each rank is lowered once to read its counts, and again
+    with the step's values when any rank all-reduces one (docs/soundness.md,
+    "Plans traced from PyTorch", 16)."""
+    first = [lower_trace(t, vocab, "collect") for t in traces]
+    if not any(low.count_reduces for low in first):
+        return first
+    by_rank = {low.rank: low.count_reduces for low in first}
+    counts = []
+    for low in first:
+        values = []
+        for k, (group, _) in enumerate(low.count_reduces):
+            members = [by_rank.get(m, []) for m in group]
+            if any(len(c) <= k or c[k][0] != group for c in members):
+                raise LoweringError(f"rank {low.rank}: its count all-reduce {k + 1} over ranks "
+                                    f"{list(group)} is not every member's {k + 1}th")
+            values.append(sum(c[k][1] for c in members))
+        counts.append(values)
+    return [lower_trace(t, vocab, c) for t, c in zip(traces, counts)]
+
+
+def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) -> Lowered:
+    """Lower one rank's trace (``backends.torch.rank.run``'s result);
+    ``counts`` as ``_Lowerer.counts`` (``lower_ranks`` gives them)."""
+    lw = _Lowerer(trace, vocab, counts=counts)
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
     for name, (v, full, dims) in trace["params"].items():
@@ -1866,7 +1896,8 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
-                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})))
+                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
+                   lw.count_reduces)
 
 
 def check_even_shards(traces: list[dict]) -> None:

@@ -88,6 +88,18 @@ class Masked:
                             f"softmax (-inf is no value a plan holds)")
 
 
+@dataclass(frozen=True)
+class Count:
+    """The number of true entries of a flag in the recorded batch (after a
+    SUM all-reduce, the group's total): read only as a divisor, a constant
+    of the traced step like the cross-entropy's own mean count."""
+    value: int
+
+    def emit_into(self, lw: Any) -> int:
+        raise LoweringError(f"{lw.name}: a count of a mask's true entries is read other than as "
+                            f"a divisor")
+
+
 def _env(lw: Any, a: Any) -> Any:
     if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
         return lw.env.get(a[1])
@@ -443,6 +455,77 @@ def _sdpa_keep_const(lw: Any, args: Any, mask: Any) -> np.ndarray | None:
     return value
 
 
+# -- counts -----------------------------------------------------------------------
+
+def count(base: Handler) -> Handler:
+    """The sum of every entry of a flag: its count in the recorded batch."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        f = _env(lw, args[0])
+        if isinstance(f, Flag) and tuple(shapes[0]) == ():
+            return Count(int(np.sum(f.value)))
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def divide(base: Handler) -> Handler:
+    """``x / count``: a division by the constant count."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        c = _env(lw, args[1])
+        if not isinstance(c, Count):
+            return base(lw, args, kwargs, shapes, group)
+        if c.value == 0:
+            raise LoweringError(f"{lw.name}: a division by a count of kept labels that is 0 in "
+                                f"the recorded batch")
+        return lw.emit("div", [lw.val(args[0])], shapes, {"value": float(c.value)})[0]
+    return lower
+
+
+def keep_count(base: Handler) -> Handler:
+    """A cast of a count is the same count."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        c = _env(lw, args[0])
+        return c if isinstance(c, Count) else base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def _reduced_count(lw: Any, c: Count, group: tuple[int, ...]) -> Count:
+    """A SUM all-reduce of a count over ``group``: the members' counts summed,
+    as ``lower.lower_ranks`` computes them from every rank's recorded counts."""
+    if lw.counts is None:
+        raise LoweringError(f"{lw.name}: an all-reduced count of kept labels needs every rank's "
+                            f"counts (lower the ranks with lower_ranks)")
+    k = len(lw.count_reduces)
+    lw.count_reduces.append((tuple(group), c.value))
+    if lw.counts == "collect":
+        return c
+    return Count(lw.counts[k])
+
+
+def count_all_reduce_inplace(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        tensors = args[0]
+        c = _env(lw, tensors[0]) if len(tensors) == 1 else None
+        if not isinstance(c, Count):
+            return base(lw, args, kwargs, shapes, group)
+        if args[2] not in (["redop", 0], ("redop", 0)):
+            raise LoweringError(f"{lw.name}: an all-reduce of a count with reduce op {args[2]} is "
+                                f"not lowered (SUM is)")
+        return [_reduced_count(lw, c, tuple(args[1][1]))]
+    return lower
+
+
+def count_all_reduce(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        c = _env(lw, args[0])
+        if not isinstance(c, Count):
+            return base(lw, args, kwargs, shapes, group)
+        if args[1] != "sum":
+            raise LoweringError(f"{lw.name}: an all-reduce of a count with op {args[1]} is not "
+                                f"lowered (sum is)")
+        return _reduced_count(lw, c, tuple(group))
+    return lower
+
+
 def mask_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
     """The entries this module wraps in ``table`` (lower.py's)."""
     out = {
@@ -458,6 +541,14 @@ def mask_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten._scaled_dot_product_flash_attention_for_cpu.default":
             sdpa(table["aten._scaled_dot_product_flash_attention_for_cpu.default"]),
     }
+    for op in ("aten.sum.default", "aten.sum.dim_IntList"):
+        out[op] = count(table[op])
+    out["aten.div.Tensor"] = divide(table["aten.div.Tensor"])
+    for op in ("aten._to_copy.default", "aten.to.dtype"):
+        out[op] = keep_count(table[op])
+    out["c10d.allreduce_.default"] = count_all_reduce_inplace(table["c10d.allreduce_.default"])
+    out["_c10d_functional.all_reduce.default"] = count_all_reduce(
+        table["_c10d_functional.all_reduce.default"])
     for op in ("aten.bitwise_and.Tensor", "aten.__and__.Tensor", "aten.logical_and.default"):
         out[op] = combine("and", table.get(op))
     for op in ("aten.bitwise_or.Tensor", "aten.__or__.Tensor", "aten.logical_or.default"):
