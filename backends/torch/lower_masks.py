@@ -480,11 +480,15 @@ def divide(base: Handler) -> Handler:
     return lower
 
 
-def keep_count(base: Handler) -> Handler:
-    """A cast of a count is the same count."""
+def cast(base: Handler) -> Handler:
+    """A cast of a count or of an additive -inf mask to a floating type is
+    the same count or mask."""
     def lower(lw: Any, args, kwargs, shapes, group):
         c = _env(lw, args[0])
-        return c if isinstance(c, Count) else base(lw, args, kwargs, shapes, group)
+        dtype = str(kwargs.get("dtype", args[1] if len(args) > 1 else ""))
+        if isinstance(c, Count) or isinstance(c, NegInfMask) and "float" in dtype:
+            return c
+        return base(lw, args, kwargs, shapes, group)
     return lower
 
 
@@ -545,7 +549,7 @@ def mask_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         out[op] = count(table[op])
     out["aten.div.Tensor"] = divide(table["aten.div.Tensor"])
     for op in ("aten._to_copy.default", "aten.to.dtype"):
-        out[op] = keep_count(table[op])
+        out[op] = cast(table[op])
     out["c10d.allreduce_.default"] = count_all_reduce_inplace(table["c10d.allreduce_.default"])
     out["_c10d_functional.all_reduce.default"] = count_all_reduce(
         table["_c10d_functional.all_reduce.default"])
