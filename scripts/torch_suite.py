@@ -209,6 +209,27 @@ CASES: list[tuple[str, str, int]] = [
      "--recipe harness.torch_bugs:ep_mean_experts_undivided --dp 2 --tp 1", 1),
     ("moe bug experts summed over dp", "--model backends.torch.moe:moe "
      "--recipe harness.torch_bugs:ep_experts_summed_over_dp --dp 2 --tp 1", 1),
+    # label smoothing, masks off the causal pattern and from the ids, the
+    # token-weighted mean with its count all-reduced (backends/torch/loss_models.py)
+    ("gpt2_smooth ddp dp2", f"--model gpt2_smooth --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("gpt2_smooth_mean ddp_avg dp2", "--model gpt2_smooth_mean --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("gpt2_smooth_pad fsdp dp2", f"--model gpt2_smooth_pad --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("gpt2_window tp_mlp dp2 tp2", f"--model gpt2_window --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
+    ("gpt2_padded ddp dp2", f"--model gpt2_padded --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("gpt2_padded_fill fsdp dp2", f"--model gpt2_padded_fill --recipe {STOCK}fsdp --dp 2 --tp 1",
+     0),
+    ("gpt2_token_weighted count all-reduced dp2",
+     "--model gpt2_token_weighted --recipe ddp_token_weighted --dp 2 --tp 1", 0),
+    ("gpt2_token_weighted count all-reduced dp4",
+     "--model gpt2_token_weighted --recipe ddp_token_weighted --dp 4 --tp 1 --batch 8", 0),
+    ("gpt2_token_weighted bug local count",
+     "--model gpt2_token_weighted --recipe ddp_local_count --dp 2 --tp 1", 1),
+    ("gpt2_token_weighted bug count all-reduced and grads averaged",
+     "--model gpt2_token_weighted --recipe ddp_token_weighted_avg --dp 2 --tp 1", 1),
+    ("gpt2_smooth bug smoothing differs on one rank",
+     "--model gpt2_smooth --recipe ddp_smoothing_first_rank --dp 2 --tp 1", 1),
+    ("gpt2_smooth_mean bug smoothing differs on one rank, AVG",
+     "--model gpt2_smooth_mean --recipe ddp_avg_unsmoothed_first_rank --dp 2 --tp 1", 1),
     ("titan deepseek_v3 debugmodel refused (top-k MoE)",
      "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
      "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),

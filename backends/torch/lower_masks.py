@@ -297,12 +297,15 @@ def where(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         shape = tuple(shapes[0])
         cond = _env(lw, args[0])
-        if not isinstance(cond, Flag):
-            hidden = _off_causal(lw, args[0], shape)
-            if hidden is None or NEG_INF not in (lw.const(args[1]), lw.const(args[2])):
-                return base(lw, args, kwargs, shapes, group)
-            cond = _constant_flag(lw, ~hidden)
         a, b = lw.const(args[1]), lw.const(args[2])
+        if not isinstance(cond, Flag):
+            value = constant_value(lw, args[0]) if isinstance(cond, Const) else None
+            if value is None or value.dtype != bool or NEG_INF not in (a, b):
+                return base(lw, args, kwargs, shapes, group)
+            hidden = value if a == NEG_INF else ~value
+            if _causal_fill(hidden, shape):
+                return base(lw, args, kwargs, shapes, group)
+            cond = _constant_flag(lw, value)
         if a is not None and b is not None:
             if (a, b) == (0.0, NEG_INF):
                 return NegInfMask(_shaped(lw, cond, shape))
