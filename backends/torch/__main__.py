@@ -40,7 +40,7 @@ MODELS = {
         "gpt2_split", "gpt2_shifted", "gqa", "gqa_finfo", "gqa_additive", "gqa_pad", "gqa_pad_mean", "mlp_l1",
         "mlp_smooth_l1", "swiglu_regression", "swiglu_regression_mean")},
     **{f"gpt2_{name}": f"backends.torch.loss_models:{name}" for name in (
-        "smooth", "smooth_mean", "smooth_pad", "window", "padded", "padded_fill",
+        "smooth", "smooth_mean", "smooth_pad", "smooth_pad_mean", "window", "padded", "padded_fill",
         "token_weighted")},
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from

@@ -128,6 +128,12 @@ def smooth_pad(**kw) -> MaskedLM:
     return MaskedLM(**{"smoothing": 0.1, "pad": kw["vocab"] // 2, **kw})
 
 
+def smooth_pad_mean(**kw) -> MaskedLM:
+    """Label smoothing 0.1 with the pad id ignored, the mean over the rank's
+    kept labels (their count differs between ranks)."""
+    return MaskedLM(**{"smoothing": 0.1, "pad": kw["vocab"] // 2, "loss": "mean", **kw})
+
+
 def window(**kw) -> MaskedLM:
     """A causal sliding window of two keys as SDPA's boolean mask."""
     return MaskedLM(**{"mask": "window", **kw})

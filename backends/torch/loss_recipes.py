@@ -10,6 +10,7 @@ the step's mean).
 from __future__ import annotations
 
 from backends.torch.recipes import all_reduce_dp, average_dp
+from backends.torch.stock_recipes import mlp_tp_plan
 
 
 def ddp_token_weighted(model, mesh):
@@ -45,3 +46,11 @@ def ddp_avg_unsmoothed_first_rank(model, mesh):
     ddp_smoothing_first_rank(model, mesh)
     return average_dp
 
+
+
+def tp_mlp_token_weighted(model, mesh):
+    """``ddp_token_weighted`` with the MLPs tensor-parallel on "tp"
+    (``stock_recipes.mlp_tp_plan``): the count all-reduced over "dp" only."""
+    mlp_tp_plan(model, mesh["tp"])
+    model.count_group = mesh["dp"].get_group()
+    return all_reduce_dp
