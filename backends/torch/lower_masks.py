@@ -10,17 +10,20 @@ Two kinds of value, both exact in real arithmetic (docs/soundness.md,
   column ``c`` (``1 - sum`` of the row for a ``c`` outside the
   vocabulary, which no id of the vocabulary equals), ``~a`` is ``1 - a``,
   ``a & b`` is ``a * b``, ``a | b`` is ``a + b - a b``. Read as a number
-  (a count, a cast) it is that 0/1 tensor, which is what torch promotes a
-  boolean to; read as a mask by ``masked_fill`` or ``where`` with a finite
-  fill ``c`` it selects: ``x (1 - m) + c m``.
+  it is that 0/1 tensor, which is what torch promotes a boolean to; read
+  as a mask by ``masked_fill`` or ``where`` with a finite fill ``c`` it
+  selects: ``x (1 - m) + c m``. The sum of all its entries (a count of
+  kept labels, ``Count``) is its recorded count, read only as a divisor;
+  a SUM all-reduce of it is the group's total (``lower.lower_ranks``).
 
 * A *-inf mask* (``Masked``): scores with -inf at the positions a keep
   mask ``K`` (a flag, or a constant mask off the causal pattern) zeroes.
-  Only a softmax may read it, which is then ``K exp(x) / sum(K exp(x))``
-  along the last dim: torch's ``exp(-inf) = 0`` drops the hidden entries
-  from the sum and makes their probabilities 0. A row with every position
-  hidden is NaN in torch: refused. The softmax's backward is written on
-  its probabilities (``lower_nn.softmax_grad``), exact for any K.
+  Only a softmax may read it, which is then ``K exp(x - t) / sum(K exp(x
+  - t))`` along the last dim (``_masked_softmax``): torch's ``exp(-inf) =
+  0`` drops the hidden entries from the sum and makes their probabilities
+  0. A row with every position hidden is NaN in torch: refused. The
+  softmax's backward is written on its probabilities
+  (``lower_nn.softmax_grad``).
 
 Each handler wraps lower.py's entry for the same op and hands every other
 case to it.
