@@ -86,6 +86,7 @@ class MaskedLM(nn.Module):
         self.global_tokens = 0
         self.count_group = None
         self.label_smoothing, self.reduction, self.pad = smoothing, loss, pad
+        self.key_pad = pad  # the id masked out as a key: the tokenizer's pad id
         self.wte = nn.Embedding(vocab, hidden, padding_idx=pad if padding_idx else None)
         self.wpe = nn.Embedding(seqlen, hidden)
         self.h = nn.ModuleList(MaskedBlock(hidden, heads, ffn, mask) for _ in range(layers))
@@ -93,7 +94,7 @@ class MaskedLM(nn.Module):
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        keys = None if self.pad is None else tokens != self.pad
+        keys = None if self.key_pad is None else tokens != self.key_pad
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.h:
             x = block(x, keys)

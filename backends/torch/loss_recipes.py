@@ -54,3 +54,24 @@ def tp_mlp_token_weighted(model, mesh):
     mlp_tp_plan(model, mesh["tp"])
     model.count_group = mesh["dp"].get_group()
     return all_reduce_dp
+
+
+def ddp_pad_id_first_rank(model, mesh):
+    """Bug: the tokenizer's pad id reaches the first data-parallel rank only;
+    the others mask and ignore the next id instead, gradients summed. The
+    loss's ignore index is a constant no single-device constant matches:
+    refused (exit 2)."""
+    if mesh["dp"].get_local_rank() != 0:
+        model.pad += 1
+        model.key_pad += 1
+    return all_reduce_dp
+
+
+def ddp_key_mask_off_by_one(model, mesh):
+    """Bug: the key-padding mask of the ranks after the first masks the id
+    after the pad id (the loss still ignores the pad), gradients summed.
+    The rank reads another column of the one-hot ids than any the
+    single-device step reads: refused (exit 2), not verified."""
+    if mesh["dp"].get_local_rank() != 0:
+        model.key_pad += 1
+    return all_reduce_dp
