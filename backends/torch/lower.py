@@ -19,6 +19,14 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lower_buckets import (
+    BUCKET_HANDLERS,
+    PER_PIECE_OPS,
+    Bucket,
+    all_reduce_bucket,
+    bucket_view,
+    per_piece,
+)
 from backends.torch.lower_nn import (
     NN_HANDLERS,
     Complex,
@@ -67,6 +75,8 @@ class Lowered:
     states: dict[str, dict[str, int]] = field(default_factory=dict)
     #: HSDP: {"dps": s}, the data-parallel ranks cut into replicas of s shards
     split: dict[str, int] = field(default_factory=dict)
+    #: each gradient bucket all-reduced: (group, its pieces' sizes)
+    buckets: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -304,6 +314,7 @@ class _Lowerer:
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
     owners: set[int] = field(default_factory=set)  # one-row parameters padded on other ranks
+    buckets: list = field(default_factory=list)  # gradient buckets all-reduced (lower_buckets)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -423,6 +434,8 @@ class _Lowerer:
         if handler is None:
             raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
                                 f"onto the rule table")
+        if op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])), Bucket):
+            handler = _per_piece(handler)
         try:
             result = handler(self, args, kwargs, out_shapes, group)
         finally:
@@ -432,6 +445,16 @@ class _Lowerer:
         for v, r in zip(outs, result):
             self.env[v] = r
         return self.env.get(want)
+
+
+def _first_value(a: Any) -> int | None:
+    return a[1] if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
+
+
+def _per_piece(handler):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        return per_piece(lw, handler, args, kwargs, group)
+    return lower
 
 
 def _tensor_args(args: Any) -> list[int]:
@@ -845,6 +868,8 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
     contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
     if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
+    if isinstance(src, Bucket):
+        return bucket_view(lw, src, offset, tuple(size))
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
     if isinstance(src, _OwnerRow):
@@ -971,6 +996,8 @@ def _view_to(lw: _Lowerer, x: int, dst: tuple[int, ...]) -> int | _Flat:
     src = lw.shapes[x]
     if src == dst:
         return x
+    if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == dst:
+        return lw.flat_of[x]  # a flattened value seen with its own shape again
     groups = _reshape_groups(src, dst)
     if groups and len(groups[0][0]) > 1 and len(groups[0][1]) == 1 and len(src) > 3 \
             and all(len(gi) == 1 and len(gj) == 1 for gi, gj in groups[1:]):
@@ -1146,6 +1173,8 @@ def _copy(lw: _Lowerer, args, kwargs, shapes, group):
     src = lw.env.get(args[1][1])
     if isinstance(src, _ChunkCat) and src.chunks == 1:
         return src  # FSDP's gradient buffer of a one-rank shard group, copied out
+    if isinstance(src, Bucket):
+        return src
     return lw.val(args[1])
 
 
@@ -1337,6 +1366,8 @@ def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
     replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
     buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
+    if isinstance(buf, Bucket):
+        return [all_reduce_bucket(lw, buf, op, _pg(lw, args[1]))]
     if isinstance(buf, _ChunkCat) and (buf.group is not None or buf.chunks == 1):
         if buf.replicas is not None:
             raise LoweringError(f"{lw.name}: FSDP's reduced buffer all-reduced twice")
@@ -1728,6 +1759,7 @@ HANDLERS: dict[str, Any] = {
     "c10d.send.default": _send,
     "c10d.recv_.default": _recv,
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),
+    "aten.mul.out": _binary("mul", "mul_scalar"),
     "aten.mul.Scalar": _scalar("mul_scalar"),
     "aten.div.Scalar": _scalar("div"),
     "aten.rsqrt.default": _unary("rsqrt"),
@@ -1796,6 +1828,7 @@ HANDLERS: dict[str, Any] = {
     "aten.add_.Tensor": _add_pending(_binary("add", "add_scalar")),
     "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
+    **BUCKET_HANDLERS,
     "aten.where.self": _where_pending,
 }
 # lower_vocab_parallel reads this module's id types, so it is imported once they exist
@@ -1852,7 +1885,8 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
-                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})))
+                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
+                   lw.buckets)
 
 
 def check_even_shards(traces: list[dict]) -> None:
