@@ -37,6 +37,9 @@ SCALING = "backends.torch.scaling_recipes:"
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
          "--vocab 2048")
 
+#: recipes written with PyTorch's own APIs outside the backend (tests/outside_recipes.py)
+OUTSIDE = "tests.outside_recipes:"
+
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
 CASES: list[tuple[str, str, int]] = [
     ("llama tp_sp dp2 tp2", "--model llama --recipe tp_sp --dp 2 --tp 2", 0),
@@ -212,6 +215,42 @@ CASES: list[tuple[str, str, int]] = [
     ("titan deepseek_v3 debugmodel refused (top-k MoE)",
      "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
      "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),
+    # recipes as users write them (tests/outside_recipes.py; docs/torch-backend.md, "Recipes
+    # written with PyTorch's own APIs")
+    ("outside mlp_mean ddp dp2", f"--model mlp_mean --recipe {OUTSIDE}ddp --dp 2 --tp 1", 0),
+    ("outside gpt2_mean ddp dp2", f"--model gpt2_mean --recipe {OUTSIDE}ddp --dp 2 --tp 1", 0),
+    ("outside mlp_mean ddp dp2 tp2", f"--model mlp_mean --recipe {OUTSIDE}ddp --dp 2 --tp 2", 0),
+    ("outside mlp ddp bug dp2", f"--model mlp --recipe {OUTSIDE}ddp --dp 2 --tp 1", 1),
+    ("outside gpt2_mean ddp_bucket_view dp2",
+     f"--model gpt2_mean --recipe {OUTSIDE}ddp_bucket_view --dp 2 --tp 1", 0),
+    ("outside mlp_mean ddp_allreduce_hook dp2",
+     f"--model mlp_mean --recipe {OUTSIDE}ddp_allreduce_hook --dp 2 --tp 1", 0),
+    ("outside mlp_mean ddp_hook_divides_twice bug",
+     f"--model mlp_mean --recipe {OUTSIDE}ddp_hook_divides_twice --dp 2 --tp 1", 1),
+    ("outside mlp_mean ddp_wrong_group bug",
+     f"--model mlp_mean --recipe {OUTSIDE}ddp_wrong_group --dp 2 --tp 2", 1),
+    ("outside gpt2 ddp_sum_hook dp2", f"--model gpt2 --recipe {OUTSIDE}ddp_sum_hook --dp 2 --tp 1", 0),
+    ("outside encoder ddp_sum_hook dp2",
+     f"--model encoder --recipe {OUTSIDE}ddp_sum_hook --dp 2 --tp 1", 0),
+    ("outside mlp_mean funcol_avg dp2", f"--model mlp_mean --recipe {OUTSIDE}funcol_avg --dp 2 --tp 1", 0),
+    ("outside mlp_mean flat_bucket_by_hand dp2",
+     f"--model mlp_mean --recipe {OUTSIDE}flat_bucket_by_hand --dp 2 --tp 1", 0),
+    ("outside mlp zero2_by_hand dp2", f"--model mlp --recipe {OUTSIDE}zero2_by_hand --dp 2 --tp 1", 0),
+    ("outside mlp all_reduce_wrong_dim bug",
+     f"--model mlp --recipe {OUTSIDE}all_reduce_wrong_dim --dp 2 --tp 2", 1),
+    ("outside gpt2_mean fsdp_keep_unsharded dp2",
+     f"--model gpt2_mean --recipe {OUTSIDE}fsdp_keep_unsharded --dp 2 --tp 1", 0),
+    ("outside mlp_mean fsdp_every_linear dp2",
+     f"--model mlp_mean --recipe {OUTSIDE}fsdp_every_linear --dp 2 --tp 1", 0),
+    ("outside llama_mean fsdp_root_only dp2",
+     f"--model llama_mean --recipe {OUTSIDE}fsdp_root_only --dp 2 --tp 1", 0),
+    ("outside llama_mean fsdp_root_only_sum bug",
+     f"--model llama_mean --recipe {OUTSIDE}fsdp_root_only_sum --dp 2 --tp 1", 1),
+    ("outside mlp_mean tp_wildcard dp2 tp2",
+     f"--model mlp_mean --recipe {OUTSIDE}tp_wildcard --dp 2 --tp 2", 0),
+    ("outside mlp tp_own_mesh dp2 tp2", f"--model mlp --recipe {OUTSIDE}tp_own_mesh --dp 2 --tp 2", 0),
+    ("outside mlp_mean tp_rowwise_left_partial bug",
+     f"--model mlp_mean --recipe {OUTSIDE}tp_rowwise_left_partial --dp 2 --tp 2", 1),
 ]
 
 

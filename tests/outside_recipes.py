@@ -1,10 +1,233 @@
-"""Recipes written as users write them with PyTorch's parallel APIs."""
+"""Recipes written as users write them with PyTorch's own parallel APIs,
+independently of ``backends/torch``'s recipes: loaded as
+``--recipe tests.outside_recipes:NAME`` (``recipe(model, mesh)``, mesh
+dims ``("pp", "dp", "tp")``).
+
+Data-parallel averaging (DDP, AVG, FSDP2's default divide factor) is right
+for a loss averaged over the rank's own tokens (the ``*_mean`` models);
+summing is right for a loss that is the rank's share of the step's mean
+(``mlp``, ``gpt2``, ``llama``). Functions whose docstring starts with
+"Bug" are mistakes that change values.
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 
-def ddp_module(model, mesh):
-    """DDP wrapping the model."""
-    return DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    for name in ("h", "blocks", "layers"):
+        found = getattr(model, name, None)
+        if found is not None:
+            return list(found.values()) if hasattr(found, "values") else list(found)
+    if isinstance(getattr(model, "encoder", None), nn.TransformerEncoder):
+        return list(model.encoder.layers)
+    return []
+
+
+# -- DistributedDataParallel -------------------------------------------------------------
+
+def ddp(model, mesh):
+    """``model = DDP(model)`` over the data-parallel group: gradients
+    averaged (its C++ reducer divides by the group size)."""
+    return DistributedDataParallel(model, process_group=mesh.get_group("dp"))
+
+
+def ddp_bucket_view(model, mesh):
+    """DDP with small buckets whose views are the gradients
+    (``gradient_as_bucket_view``) and a static graph."""
+    return DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+                                   gradient_as_bucket_view=True, static_graph=True,
+                                   bucket_cap_mb=0.002)
+
+
+def ddp_allreduce_hook(model, mesh):
+    """DDP with PyTorch's own ``allreduce_hook`` (divide, then all-reduce)."""
+    group = mesh["dp"].get_group()
+    wrapped = DistributedDataParallel(model, process_group=group)
+    wrapped.register_comm_hook(group, default_hooks.allreduce_hook)
+    return wrapped
+
+
+def _divide_then_allreduce(group, bucket):
+    """Bug: a comm hook that divides the bucket by the group size and then
+    calls ``allreduce_hook``, which divides again."""
+    bucket.buffer().div_(dist.get_world_size(group))
+    return default_hooks.allreduce_hook(group, bucket)
+
+
+def ddp_hook_divides_twice(model, mesh):
+    """Bug: DDP with a comm hook that divides twice (gradients 1/dp too small)."""
+    group = mesh["dp"].get_group()
+    wrapped = DistributedDataParallel(model, process_group=group)
+    wrapped.register_comm_hook(group, _divide_then_allreduce)
+    return wrapped
+
+
+def ddp_wrong_group(model, mesh):
+    """Bug: DDP over the tensor-parallel group instead of the data-parallel
+    one (every rank replicated; the dp replicas' gradients never meet)."""
+    return DistributedDataParallel(model, process_group=mesh["tp"].get_group())
+
+
+def ddp_sum_hook(model, mesh):
+    """DDP for a loss that is the rank's share of the step's mean: a comm
+    hook that sums the bucket over the group without dividing."""
+    group = mesh["dp"].get_group()
+    wrapped = DistributedDataParallel(model, process_group=group)
+
+    def summed(state, bucket):
+        work = dist.all_reduce(bucket.buffer(), group=state, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    wrapped.register_comm_hook(group, summed)
+    return wrapped
+
+
+# -- collectives by hand -----------------------------------------------------------------
+
+def funcol_avg(model, mesh):
+    """Every gradient averaged with the functional ``all_reduce(..., "avg")``."""
+    def after(model, mesh):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = funcol.all_reduce(p.grad, "avg", mesh["dp"])
+    return after
+
+
+def flat_bucket_by_hand(model, mesh):
+    """One flat bucket by hand: ``torch.cat`` of the flattened gradients,
+    ``dist.all_reduce`` on the dp group, divided by dp, copied back."""
+    def after(model, mesh):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=mesh.get_group("dp"))
+        flat /= mesh["dp"].size()
+        at = 0
+        for g in grads:
+            g.copy_(flat[at:at + g.numel()].view_as(g))
+            at += g.numel()
+    return after
+
+
+def zero2_by_hand(model, mesh):
+    """ZeRO-2 style by hand: each gradient reduce-scattered over dp (SUM)
+    along dim 0 when dp divides it, the shards all-gathered back; others
+    all-reduced. The loss is a share of the step's mean: no division."""
+    def after(model, mesh):
+        group = mesh.get_group("dp")
+        n = mesh["dp"].size()
+        for p in model.parameters():
+            g = p.grad
+            if g is None:
+                continue
+            if g.dim() and g.shape[0] % n == 0:
+                shard = g.new_empty((g.shape[0] // n, *g.shape[1:]))
+                dist.reduce_scatter_tensor(shard, g.contiguous(), group=group)
+                whole = g.new_empty(g.shape)
+                dist.all_gather_into_tensor(whole, shard, group=group)
+                p.grad = whole
+            else:
+                dist.all_reduce(g, group=group)
+    return after
+
+
+def all_reduce_wrong_dim(model, mesh):
+    """Bug: the data-parallel sum run over the "tp" dim of the mesh."""
+    def after(model, mesh):
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=mesh.get_group("tp"))
+    return after
+
+
+# -- FSDP2 options -----------------------------------------------------------------------
+
+def fsdp_keep_unsharded(model, mesh):
+    """FSDP2 on every block and the root, parameters kept gathered after the
+    forward (``reshard_after_forward=False``), the default divide factor."""
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
+    return None
+
+
+def fsdp_every_linear(model, mesh):
+    """FSDP2 on every ``nn.Linear`` then the root, float64 mixed precision
+    (``MixedPrecisionPolicy``), reshard after backward set explicitly."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    model.set_reshard_after_backward(True)
+    return None
+
+
+def fsdp_root_only(model, mesh):
+    """FSDP2 on the root only (one parameter group), the default factor."""
+    fully_shard(model, mesh=mesh["dp"])
+    return None
+
+
+def fsdp_root_only_sum(model, mesh):
+    """Bug for a per-rank mean loss: FSDP2 on the root with divide factor 1
+    (the replicas' gradients summed where they must be averaged)."""
+    fully_shard(model, mesh=mesh["dp"])
+    model.set_gradient_divide_factor(1.0)
+    return None
+
+
+# -- tensor parallelism ------------------------------------------------------------------
+
+def tp_wildcard(model, mesh):
+    """Megatron's MLP split written as one wildcard plan on the root
+    (``"blocks.*.gate"``), biases kept; gradients averaged over dp."""
+    plan = {"blocks.*.gate": ColwiseParallel(), "blocks.*.up": ColwiseParallel(),
+            "blocks.*.down": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    return funcol_avg(model, mesh)
+
+
+def tp_own_mesh(model, mesh):
+    """A 2-D mesh of the user's own (``init_device_mesh`` with dims
+    "data", "model"), the MLP split on "model", gradients summed over
+    "data" by hand with ``dist.all_reduce`` and the partial DTensor
+    gradients redistributed."""
+    dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    own = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "model"))
+    for block in _blocks(model):
+        parallelize_module(block, own["model"], {"gate": ColwiseParallel(), "up": ColwiseParallel(),
+                                                 "down": RowwiseParallel()})
+
+    def after(model, mesh):
+        for p in model.parameters():
+            g = p.grad
+            if g is None:
+                continue
+            if hasattr(g, "placements") and any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(placements=p.placements)
+            local = g.to_local() if hasattr(g, "to_local") else g
+            dist.all_reduce(local, group=own.get_group("data"))
+            p.grad = g
+    return after
+
+
+def tp_rowwise_left_partial(model, mesh):
+    """Bug: the MLP's ``down`` row-parallel with its output left ``Partial``
+    (``use_local_output=True`` and no reduction): each tp rank carries its
+    partial sum on as if whole."""
+    from torch.distributed.tensor import Partial
+    for block in _blocks(model):
+        parallelize_module(block, mesh["tp"], {
+            "gate": ColwiseParallel(), "up": ColwiseParallel(),
+            "down": RowwiseParallel(output_layouts=Partial())})
+    return funcol_avg(model, mesh)
