@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -95,11 +96,21 @@ def ddp_sum_hook(model, mesh):
 # -- collectives by hand -----------------------------------------------------------------
 
 def funcol_avg(model, mesh):
-    """Every gradient averaged with the functional ``all_reduce(..., "avg")``."""
+    """Every gradient averaged with the functional ``all_reduce(..., "avg")``
+    (a DTensor gradient: its partial sums reduced to the parameter's
+    placements first, then its local tensor averaged)."""
     def after(model, mesh):
         for p in model.parameters():
-            if p.grad is not None:
-                p.grad = funcol.all_reduce(p.grad, "avg", mesh["dp"])
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor):
+                if any(pl.is_partial() for pl in g.placements):
+                    g = g.redistribute(placements=p.placements)
+                g.to_local().copy_(funcol.all_reduce(g.to_local(), "avg", mesh["dp"]))
+                p.grad = g
+            else:
+                p.grad = funcol.all_reduce(g, "avg", mesh["dp"])
     return after
 
 

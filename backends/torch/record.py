@@ -382,6 +382,20 @@ def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
     return None
 
 
+def is_tensor_parallel_dim(mesh, mesh_dim: int, layout: tuple[int, int, int]) -> bool:
+    """The mesh dim's ranks (through this rank) are exactly the backend's
+    tensor-parallel ranks of this rank's stage and data-parallel index, in
+    order: it is the "tp" axis whatever its name."""
+    _, dp, tp = layout
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    index = list(coordinate)
+    index[mesh_dim] = slice(None)
+    ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten()]
+    return len(ranks) == tp and ranks == list(range(ranks[0], ranks[0] + tp)) and ranks[0] % tp == 0
+
+
 def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
               split: dict[str, int] | None = None) -> list[list[str]]:
     """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer
@@ -399,6 +413,9 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
             split = {} if split is None else split
             for mesh_dim, name in enumerate(names):
                 if name in ("pp", "tp"):
+                    continue
+                if name != "dp" and is_tensor_parallel_dim(mesh, mesh_dim, layout):
+                    names[mesh_dim] = "tp"  # a dim of the user's own name over the tp ranks
                     continue
                 axis = data_parallel_axis(mesh, mesh_dim, layout, split)
                 if axis is None and name == "dp" and mesh.size(mesh_dim=mesh_dim) > 1:
