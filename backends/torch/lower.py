@@ -778,9 +778,20 @@ def _pg(lw: _Lowerer, a: Any) -> tuple[int, ...]:
 
 def _allgather_base(lw: _Lowerer, args, kwargs, shapes, group):
     packed = lw.env.get(args[1][1])
+    if not isinstance(packed, _Packed) and not isinstance(packed, (_ChunkCat, str)):
+        return _Gathered(lw.val(args[1]), _pg(lw, args[2]))  # dist.all_gather_into_tensor
     if not isinstance(packed, _Packed):
         raise LoweringError(f"{lw.name}: all-gather of a buffer FSDP's copy-in did not fill")
     return _Packed(packed.parts, _pg(lw, args[2]))
+
+
+def _plain_reduce_scatter(lw: _Lowerer, x: Any, op: Any, ranks: tuple[int, ...], shapes):
+    """``dist.reduce_scatter_tensor(out, x)`` of a tensor (not FSDP's
+    buffer): a reduce-scatter along dim 0, SUM or AVG."""
+    if op[1] not in (0, 1):
+        raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
+    return lw.emit("reduce_scatter" + ("_avg" if op[1] == 1 else ""), [lw.val(x)], shapes[:1],
+                   {"dim": 0}, group=ranks)[0]
 
 
 def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
@@ -850,9 +861,11 @@ def _chunk_cat(lw: _Lowerer, args, kwargs, shapes, group):
 
 def _reduce_scatter_base(lw: _Lowerer, args, kwargs, shapes, group):
     buf = lw.env.get(args[1][1])
+    op = args[3]
+    if not isinstance(buf, (_ChunkCat, _Packed, _Gathered, str)):
+        return _plain_reduce_scatter(lw, args[1], op, _pg(lw, args[2]), shapes)
     if not isinstance(buf, _ChunkCat):
         raise LoweringError(f"{lw.name}: reduce-scatter of a buffer chunk_cat did not fill")
-    op = args[3]
     if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
         raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
     g = _pg(lw, args[2])
@@ -1241,6 +1254,8 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     step = args[4] if len(args) > 4 else 1
     if isinstance(src, _Ids) and (dim != 0 or src.shape is not None) or isinstance(src, _IdRows):
         return _slice_ids(lw, args, shapes)
+    if isinstance(src, Bucket) and step == 1 and dim == 0:
+        return bucket_view(lw, src, int(start), tuple(shapes[0]))
     if isinstance(src, _Ids):
         total = lw.trace["data"][1][0] // src.parts
     else:
@@ -1355,6 +1370,9 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     if any(isinstance(p, (_Gathered, _Packed, _ChunkCat)) for p in items):
         raise LoweringError(f"{lw.name}: cat of a collective's buffer is not lowered")
     parts = [lw.val(a) for a in args[0]]
+    if len(parts) > 1 and all(len(s) == 1 for s in shapes) and all(p in lw.flat_of for p in parts):
+        # flattened tensors side by side (a flat gradient bucket by hand)
+        return Bucket(tuple(lw.flat_of[p] for p in parts))
     if len(parts) == 1:
         return parts[0]
     return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
@@ -1740,6 +1758,7 @@ HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
     "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
     "aten.empty_like.default": lambda lw, args, kwargs, shapes, group: "empty",
+    "aten.new_empty.default": lambda lw, args, kwargs, shapes, group: "empty",
     "fsdp.all_gather_copy_in.default": _copy_in,
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,

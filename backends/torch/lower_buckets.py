@@ -39,8 +39,10 @@ class Bucket:
     pieces: tuple[int, ...]
 
     def emit_into(self, lw: Any) -> int:
-        raise LoweringError(f"{lw.name}: a flat gradient bucket is read whole (only its "
-                            f"reduction and the views of its gradients are lowered)")
+        """The bucket built, when an op reads it whole: the pieces
+        flattened and concatenated."""
+        flat = [lw.reshape(p, (_numel(lw, p),)) for p in self.pieces]
+        return lw.emit("cat", flat, [(sum(_numel(lw, p) for p in self.pieces),)], {"dim": 0})[0]
 
 
 def _numel(lw: Any, x: int) -> int:
@@ -90,6 +92,10 @@ def per_piece(lw: Any, handler, args, kwargs, group) -> Bucket:
     arguments constants: the op on each piece."""
     key = args[0][1]
     bucket = lw.env[key]
+    others = [a for a in [*args[1:], *(v for k, v in kwargs.items() if k != "out")]
+              if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"]
+    if any(lw.const(a) is None for a in others):
+        return handler(lw, args, kwargs, [lw.shapes[lw.materialize(bucket)]], group)
     out = []
     try:
         for p in bucket.pieces:
