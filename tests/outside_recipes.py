@@ -19,8 +19,15 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -93,25 +100,37 @@ def ddp_sum_hook(model, mesh):
     return wrapped
 
 
+def replicate_dp(model, mesh):
+    """``torch.distributed._composable.replicate`` over "dp" (DDP applied in
+    place: the module keeps its class and runs the reducer's hooks)."""
+    from torch.distributed._composable import replicate
+    replicate(model, device_mesh=mesh["dp"])
+    return None
+
+
 # -- collectives by hand -----------------------------------------------------------------
 
+def _reduce_dp(model, mesh, op: str, partials: bool = True) -> None:
+    """Every gradient reduced over "dp" with the functional ``all_reduce``
+    (``op`` "sum" or "avg"); a DTensor gradient's partial sums first
+    reduced to the parameter's placements (``partials``), then its local
+    tensor reduced in place."""
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if partials and any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(placements=p.placements)
+            g.to_local().copy_(funcol.all_reduce(g.to_local(), op, mesh["dp"]))
+            p.grad = g
+        else:
+            p.grad = funcol.all_reduce(g, op, mesh["dp"])
+
+
 def funcol_avg(model, mesh):
-    """Every gradient averaged with the functional ``all_reduce(..., "avg")``
-    (a DTensor gradient: its partial sums reduced to the parameter's
-    placements first, then its local tensor averaged)."""
-    def after(model, mesh):
-        for p in model.parameters():
-            g = p.grad
-            if g is None:
-                continue
-            if isinstance(g, DTensor):
-                if any(pl.is_partial() for pl in g.placements):
-                    g = g.redistribute(placements=p.placements)
-                g.to_local().copy_(funcol.all_reduce(g.to_local(), "avg", mesh["dp"]))
-                p.grad = g
-            else:
-                p.grad = funcol.all_reduce(g, "avg", mesh["dp"])
-    return after
+    """Every gradient averaged with the functional ``all_reduce(..., "avg")``."""
+    return lambda model, mesh: _reduce_dp(model, mesh, "avg")
 
 
 def flat_bucket_by_hand(model, mesh):
@@ -242,3 +261,49 @@ def tp_rowwise_left_partial(model, mesh):
             "gate": ColwiseParallel(), "up": ColwiseParallel(),
             "down": RowwiseParallel(output_layouts=Partial())})
     return funcol_avg(model, mesh)
+
+
+def gpt2_tp_sp_plan(model, tp_mesh) -> None:
+    """Megatron's TP with sequence parallelism for GPT-2 with separate q, k,
+    v projections (``gpt2_split``): the residual stream cut along the
+    sequence (``Shard(1)``) between blocks, ``nn.LayerNorm`` under
+    ``SequenceParallel``, attention and MLP inputs gathered
+    (``PrepareModuleInput``), q/k/v and ``c_fc`` column-parallel, the
+    output projections row-parallel back to ``Shard(1)``; the embeddings'
+    sum cut along the sequence after the dropout (``PrepareModuleOutput``);
+    the tied ``lm_head`` left whole, its input gathered."""
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    parallelize_module(model, tp_mesh, {
+        "drop": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                    use_local_output=True),
+        "ln_f": SequenceParallel(),
+        "lm_head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+    })
+    for block in model.h:
+        parallelize_module(block, tp_mesh, {
+            "ln_1": SequenceParallel(),
+            "attn": gather,
+            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_2": SequenceParallel(),
+            "mlp": gather,
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def gpt2_tp_sp(model, mesh):
+    """gpt2_tp_sp_plan on "tp", gradients summed over "dp" (the loss is a
+    share of the step's mean)."""
+    gpt2_tp_sp_plan(model, mesh["tp"])
+    return lambda model, mesh: _reduce_dp(model, mesh, "sum")
+
+
+def gpt2_tp_sp_norm_grads_local(model, mesh):
+    """Bug: gpt2_tp_sp whose gradient step never reduces the partial
+    gradients over "tp": the SP LayerNorms' weights and biases keep each
+    rank's sequence shard's gradient."""
+    gpt2_tp_sp_plan(model, mesh["tp"])
+    return lambda model, mesh: _reduce_dp(model, mesh, "sum", partials=False)

@@ -151,12 +151,16 @@ def check_bucket_layouts(lows: list) -> None:
 def check_broadcasts(traces: list[dict]) -> None:
     """Every member of a broadcast of constants holds, in its k-th
     broadcast on that group, the root's values (docs/soundness.md, "Plans
-    traced from PyTorch", 21): the broadcast then changes nothing."""
+    traced from PyTorch", 21): the broadcast then changes nothing. Only
+    broadcasts the loss or the gradients depend on are checked (DDP's
+    exchange of shapes at its construction is not)."""
+    from backends.torch.lower import live_events
     sent: dict[tuple, list] = {}
     for t in traces:
         count: dict[tuple, int] = {}
-        for op, (args, _), *_ in t["events"]:
-            if op != "c10d.broadcast_.default":
+        live = live_events(t)
+        for i, (op, (args, _), *_) in enumerate(t["events"]):
+            if op != "c10d.broadcast_.default" or i not in live:
                 continue
             ranks = tuple(args[1][1])
             k = count[ranks] = count.get(ranks, -1) + 1
