@@ -255,6 +255,8 @@ CASES: list[tuple[str, str, int]] = [
      f"--model gpt2_split --recipe {OUTSIDE}gpt2_tp_sp --dp 1 --tp 2 --layers 2", 0),
     ("outside gpt2_split gpt2_tp_sp_norm_grads_local bug",
      f"--model gpt2_split --recipe {OUTSIDE}gpt2_tp_sp_norm_grads_local --dp 2 --tp 2", 1),
+    ("outside gpt2_split gpt2_fsdp_tp_sp dp2 tp2",
+     f"--model gpt2_split --recipe {OUTSIDE}gpt2_fsdp_tp_sp --dp 2 --tp 2 --layers 2", 0),
     ("outside mlp_mean replicate dp2 refused",
      f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 2),
     ("outside mlp_mean tp_rowwise_left_partial bug",

@@ -307,3 +307,23 @@ def gpt2_tp_sp_norm_grads_local(model, mesh):
     rank's sequence shard's gradient."""
     gpt2_tp_sp_plan(model, mesh["tp"])
     return lambda model, mesh: _reduce_dp(model, mesh, "sum", partials=False)
+
+
+def _reduce_tp_partials(model, mesh) -> None:
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(placements=p.placements)
+
+
+def gpt2_fsdp_tp_sp(model, mesh):
+    """gpt2_tp_sp_plan on "tp" and FSDP2 over "dp" on each block and the
+    root (divide factor 1: the loss is a share of the step's mean); the
+    partial gradients reduced to their placements."""
+    gpt2_tp_sp_plan(model, mesh["tp"])
+    for block in model.h:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    for module in (model, *model.h):
+        module.set_gradient_divide_factor(1.0)
+    return _reduce_tp_partials
