@@ -94,16 +94,14 @@ class Recorder(TorchDispatchMode):
         read = self.memory.read(t) if self.memory else None
         if read is None:
             return None
-        if read.kind == "same":
+        if read.kind == "same" and self.shapes[read.values[0]] == tuple(t.shape):
             self.bind(t, read.values[0])
             return read.values[0]
         v = self.new_value(t)
-        if read.kind == "slice":
-            args = [("v", read.values[0]), read.offset, list(t.shape)]
-        else:
-            args = [[("v", x) for x in read.values], list(t.shape)]
-        self.events.append(("mem." + read.kind, [args, {}], [v], [tuple(t.shape)], self.scope(),
-                            None, self.mb))
+        op, args = "mem.cat", [[("v", x) for x in read.values], list(t.shape)]
+        if read.kind != "cat":  # a slice, or the region seen with another shape
+            op, args = "mem.slice", [("v", read.values[0]), read.offset, list(t.shape)]
+        self.events.append((op, [args, {}], [v], [tuple(t.shape)], self.scope(), None, self.mb))
         return v
 
     def arg(self, a: Any) -> Any:
