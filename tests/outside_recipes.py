@@ -327,3 +327,33 @@ def gpt2_fsdp_tp_sp(model, mesh):
     for module in (model, *model.h):
         module.set_gradient_divide_factor(1.0)
     return _reduce_tp_partials
+
+
+def tp_explicit_layouts(model, mesh):
+    """The MLP split with every layout spelled out: ``gate``/``up``
+    ``ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+    use_local_output=False)`` (DTensor activations between them),
+    ``down`` ``RowwiseParallel(input_layouts=Shard(-1),
+    output_layouts=Replicate())``; gradients summed over dp by hand."""
+    col = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
+    row = RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate(), use_local_output=True)
+    for block in _blocks(model):
+        parallelize_module(block, mesh["tp"], {"gate": col, "up": col, "down": row})
+    return lambda model, mesh: _reduce_dp(model, mesh, "sum")
+
+
+def gqa_tp_loss_parallel(model, mesh):
+    """TP on the grouped-query decoder (``gqa``: q/k/v column-parallel,
+    ``o_proj`` and ``down`` row-parallel, ``gate``/``up`` column-parallel)
+    with the untied ``head`` column-parallel, its logits left sharded along
+    the vocabulary (``use_local_output=False``) and the cross-entropy under
+    DTensor's ``loss_parallel()``; gradients summed over dp."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {
+            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
+            "gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
+    parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(use_local_output=False)})
+    model.train_context = loss_parallel
+    return lambda model, mesh: _reduce_dp(model, mesh, "sum")
