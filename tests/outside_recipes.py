@@ -357,3 +357,31 @@ def gqa_tp_loss_parallel(model, mesh):
     parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(use_local_output=False)})
     model.train_context = loss_parallel
     return lambda model, mesh: _reduce_dp(model, mesh, "sum")
+
+
+def _from_local_by_hand(model, mesh, op: str) -> None:
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(placements=p.placements)
+            local = funcol.all_reduce(g.to_local(), op, mesh["dp"])
+            p.grad = DTensor.from_local(local, g.device_mesh, g.placements)
+        else:
+            p.grad = funcol.all_reduce(g, op, mesh["dp"])
+
+
+def tp_from_local(model, mesh):
+    """The MLP split on "tp"; each DTensor gradient's local tensor averaged
+    over dp with ``funcol.all_reduce`` and put back with
+    ``DTensor.from_local`` (left unwaited: the read waits)."""
+    for block in _blocks(model):
+        parallelize_module(block, mesh["tp"], {"gate": ColwiseParallel(), "up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+    return lambda model, mesh: _from_local_by_hand(model, mesh, "avg")
+
+
+def tp_from_local_summed(model, mesh):
+    """Bug for a per-rank mean loss: tp_from_local summing over dp."""
+    tp_from_local(model, mesh)
+    return lambda model, mesh: _from_local_by_hand(model, mesh, "sum")

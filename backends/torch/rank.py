@@ -129,7 +129,7 @@ def _run(spec: dict, rank: int) -> dict:
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
-        grads[name] = None if g is None else rec.current(local_of(g))
+        grads[name] = None if g is None else final_value(rec, local_of(g))
     updates, states = {}, {}
     if optimizer is not None:
         for name, p in model.named_parameters():
@@ -173,6 +173,18 @@ def recipe_result(model: torch.nn.Module, result: Any) -> tuple[torch.nn.Module,
                              "model's parameters")
         return result, None
     return model, result
+
+
+def final_value(rec: Recorder, t: torch.Tensor) -> int | None:
+    """The recorded value a final gradient holds. A functional collective's
+    result not yet waited for (an ``AsyncCollectiveTensor``, kept as the
+    local tensor of ``DTensor.from_local``) is waited for here, under the
+    recorder, as the optimizer's first read of it would."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    if isinstance(t, AsyncCollectiveTensor):
+        with rec:
+            t = t.trigger_wait()
+    return rec.current(t)
 
 
 def train_context(model: torch.nn.Module):
