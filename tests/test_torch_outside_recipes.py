@@ -107,7 +107,8 @@ def test_buckets_cut_differently_are_refused() -> None:
 def test_a_broadcast_of_constants_that_differ_is_refused() -> None:
     def trace(rank: int, value: float) -> dict:
         event = ("c10d.broadcast_.default", [[[("v", 5)], ("pg", (0, 1)), 0, 0], {}], [6])
-        return {"rank": rank, "events": [event], "constvals": {5: np.full(3, value)}}
+        return {"rank": rank, "events": [event], "constvals": {5: np.full(3, value)},
+                "losses": [6], "grads": {}}  # the loss reads the broadcast: it is live
 
     check_broadcasts([trace(0, 1.0), trace(1, 1.0)])
     with pytest.raises(LoweringError, match="other values"):
