@@ -37,7 +37,10 @@ SCALING = "backends.torch.scaling_recipes:"
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
          "--vocab 2048")
 
-OUTSIDE = "tests.outside_models:"
+#: recipes written with PyTorch's own APIs outside the backend (tests/outside_recipes.py)
+OUTSIDE = "tests.outside_recipes:"
+#: models written outside the backend (tests/outside_models.py), recipes with mistakes for them
+USER_MODELS = "tests.outside_models:"
 MISTAKES = "tests.outside_mistakes:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
 
@@ -245,10 +248,64 @@ CASES: list[tuple[str, str, int]] = [
     ("titan deepseek_v3 debugmodel refused (top-k MoE)",
      "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
      "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),
+    # recipes as users write them (tests/outside_recipes.py; docs/torch-backend.md, "Recipes
+    # written with PyTorch's own APIs")
+    ("outside mlp_mean ddp dp2", f"--model mlp_mean --recipe {OUTSIDE}ddp --dp 2 --tp 1", 0),
+    ("outside gpt2_mean ddp dp2", f"--model gpt2_mean --recipe {OUTSIDE}ddp --dp 2 --tp 1", 0),
+    ("outside mlp_mean ddp dp2 tp2", f"--model mlp_mean --recipe {OUTSIDE}ddp --dp 2 --tp 2", 0),
+    ("outside mlp ddp bug dp2", f"--model mlp --recipe {OUTSIDE}ddp --dp 2 --tp 1", 1),
+    ("outside gpt2_mean ddp_bucket_view dp2",
+     f"--model gpt2_mean --recipe {OUTSIDE}ddp_bucket_view --dp 2 --tp 1", 0),
+    ("outside mlp_mean ddp_allreduce_hook dp2",
+     f"--model mlp_mean --recipe {OUTSIDE}ddp_allreduce_hook --dp 2 --tp 1", 0),
+    ("outside mlp_mean ddp_hook_divides_twice bug",
+     f"--model mlp_mean --recipe {OUTSIDE}ddp_hook_divides_twice --dp 2 --tp 1", 1),
+    ("outside mlp_mean ddp_wrong_group bug",
+     f"--model mlp_mean --recipe {OUTSIDE}ddp_wrong_group --dp 2 --tp 2", 1),
+    ("outside gpt2 ddp_sum_hook dp2", f"--model gpt2 --recipe {OUTSIDE}ddp_sum_hook --dp 2 --tp 1", 0),
+    ("outside encoder ddp_sum_hook dp2",
+     f"--model encoder --recipe {OUTSIDE}ddp_sum_hook --dp 2 --tp 1", 0),
+    ("outside mlp_mean funcol_avg dp2", f"--model mlp_mean --recipe {OUTSIDE}funcol_avg --dp 2 --tp 1", 0),
+    ("outside mlp_mean flat_bucket_by_hand dp2",
+     f"--model mlp_mean --recipe {OUTSIDE}flat_bucket_by_hand --dp 2 --tp 1", 0),
+    ("outside mlp zero2_by_hand dp2", f"--model mlp --recipe {OUTSIDE}zero2_by_hand --dp 2 --tp 1", 0),
+    ("outside mlp all_reduce_wrong_dim bug",
+     f"--model mlp --recipe {OUTSIDE}all_reduce_wrong_dim --dp 2 --tp 2", 1),
+    ("outside gpt2_mean fsdp_keep_unsharded dp2",
+     f"--model gpt2_mean --recipe {OUTSIDE}fsdp_keep_unsharded --dp 2 --tp 1", 0),
+    ("outside mlp_mean fsdp_every_linear dp2",
+     f"--model mlp_mean --recipe {OUTSIDE}fsdp_every_linear --dp 2 --tp 1", 0),
+    ("outside llama_mean fsdp_root_only dp2",
+     f"--model llama_mean --recipe {OUTSIDE}fsdp_root_only --dp 2 --tp 1", 0),
+    ("outside llama_mean fsdp_root_only_sum bug",
+     f"--model llama_mean --recipe {OUTSIDE}fsdp_root_only_sum --dp 2 --tp 1", 1),
+    ("outside mlp_mean tp_wildcard dp2 tp2",
+     f"--model mlp_mean --recipe {OUTSIDE}tp_wildcard --dp 2 --tp 2", 0),
+    ("outside mlp tp_own_mesh dp2 tp2", f"--model mlp --recipe {OUTSIDE}tp_own_mesh --dp 2 --tp 2", 0),
+    ("outside gpt2_split gpt2_tp_sp dp2 tp2",
+     f"--model gpt2_split --recipe {OUTSIDE}gpt2_tp_sp --dp 2 --tp 2 --layers 2", 0),
+    ("outside gpt2_split gpt2_tp_sp dp1 tp2",
+     f"--model gpt2_split --recipe {OUTSIDE}gpt2_tp_sp --dp 1 --tp 2 --layers 2", 0),
+    ("outside gpt2_split gpt2_tp_sp_norm_grads_local bug",
+     f"--model gpt2_split --recipe {OUTSIDE}gpt2_tp_sp_norm_grads_local --dp 2 --tp 2", 1),
+    ("outside gpt2_split gpt2_fsdp_tp_sp dp2 tp2",
+     f"--model gpt2_split --recipe {OUTSIDE}gpt2_fsdp_tp_sp --dp 2 --tp 2 --layers 2", 0),
+    ("outside mlp tp_explicit_layouts dp2 tp2",
+     f"--model mlp --recipe {OUTSIDE}tp_explicit_layouts --dp 2 --tp 2", 0),
+    ("outside gqa gqa_tp_loss_parallel dp2 tp2",
+     f"--model gqa --recipe {OUTSIDE}gqa_tp_loss_parallel --dp 2 --tp 2", 0),
+    ("outside mlp_mean tp_from_local dp2 tp2",
+     f"--model mlp_mean --recipe {OUTSIDE}tp_from_local --dp 2 --tp 2", 0),
+    ("outside mlp_mean tp_from_local_summed bug",
+     f"--model mlp_mean --recipe {OUTSIDE}tp_from_local_summed --dp 2 --tp 2", 1),
+    ("outside mlp_mean replicate dp2 refused",
+     f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 2),
+    ("outside mlp_mean tp_rowwise_left_partial bug",
+     f"--model mlp_mean --recipe {OUTSIDE}tp_rowwise_left_partial --dp 2 --tp 2", 1),
     # models written outside the backend (tests/outside_models.py) and users' recipes with
     # mistakes (tests/outside_mistakes.py); docs/torch-backend.md, "Models written by users"
-    *[(f"outside {model} {recipe.split(':')[-1]} {mesh}",
-       f"--model {OUTSIDE}{model} --recipe {recipe} {MESHES[mesh]}", expected)
+    *[(f"user model {model} {recipe.split(':')[-1]} {mesh}",
+       f"--model {USER_MODELS}{model} --recipe {recipe} {MESHES[mesh]}", expected)
       for model, recipe, mesh, expected in [
           ("mha_seq_first", f"{STOCK}ddp", "dp2", 0),
           ("mha_seq_first", f"{STOCK}fsdp", "dp2", 0),

@@ -19,6 +19,14 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lower_buckets import (
+    BUCKET_HANDLERS,
+    PER_PIECE_OPS,
+    Bucket,
+    all_reduce_bucket,
+    bucket_view,
+    per_piece,
+)
 from backends.torch.lower_more import MORE_HANDLERS, check_no_value_reads
 from backends.torch.lower_nn import (
     NN_HANDLERS,
@@ -70,6 +78,8 @@ class Lowered:
     split: dict[str, int] = field(default_factory=dict)
     #: each SUM all-reduce of a count of kept labels: (group, this rank's count)
     count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    #: each gradient bucket all-reduced: (group, its pieces' sizes)
+    buckets: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -307,6 +317,7 @@ class _Lowerer:
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
     owners: set[int] = field(default_factory=set)  # one-row parameters padded on other ranks
+    buckets: list = field(default_factory=list)  # gradient buckets all-reduced (lower_buckets)
     #: the step's value of each count all-reduce, in order (lower_ranks); None:
     #: an all-reduced count is refused, "collect": this rank's counts are kept
     counts: list[int] | str | None = None
@@ -430,6 +441,8 @@ class _Lowerer:
         if handler is None:
             raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
                                 f"onto the rule table")
+        if op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])), Bucket):
+            handler = _per_piece(handler)
         try:
             result = handler(self, args, kwargs, out_shapes, group)
         finally:
@@ -439,6 +452,16 @@ class _Lowerer:
         for v, r in zip(outs, result):
             self.env[v] = r
         return self.env.get(want)
+
+
+def _first_value(a: Any) -> int | None:
+    return a[1] if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
+
+
+def _per_piece(handler):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        return per_piece(lw, handler, args, kwargs, group)
+    return lower
 
 
 def _tensor_args(args: Any) -> list[int]:
@@ -785,9 +808,20 @@ def _pg(lw: _Lowerer, a: Any) -> tuple[int, ...]:
 
 def _allgather_base(lw: _Lowerer, args, kwargs, shapes, group):
     packed = lw.env.get(args[1][1])
+    if not isinstance(packed, _Packed) and not isinstance(packed, (_ChunkCat, str)):
+        return _Gathered(lw.val(args[1]), _pg(lw, args[2]))  # dist.all_gather_into_tensor
     if not isinstance(packed, _Packed):
         raise LoweringError(f"{lw.name}: all-gather of a buffer FSDP's copy-in did not fill")
     return _Packed(packed.parts, _pg(lw, args[2]))
+
+
+def _plain_reduce_scatter(lw: _Lowerer, x: Any, op: Any, ranks: tuple[int, ...], shapes):
+    """``dist.reduce_scatter_tensor(out, x)`` of a tensor (not FSDP's
+    buffer): a reduce-scatter along dim 0, SUM or AVG."""
+    if op[1] not in (0, 1):
+        raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
+    return lw.emit("reduce_scatter" + ("_avg" if op[1] == 1 else ""), [lw.val(x)], shapes[:1],
+                   {"dim": 0}, group=ranks)[0]
 
 
 def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
@@ -857,9 +891,11 @@ def _chunk_cat(lw: _Lowerer, args, kwargs, shapes, group):
 
 def _reduce_scatter_base(lw: _Lowerer, args, kwargs, shapes, group):
     buf = lw.env.get(args[1][1])
+    op = args[3]
+    if not isinstance(buf, (_ChunkCat, _Packed, _Gathered, str)):
+        return _plain_reduce_scatter(lw, args[1], op, _pg(lw, args[2]), shapes)
     if not isinstance(buf, _ChunkCat):
         raise LoweringError(f"{lw.name}: reduce-scatter of a buffer chunk_cat did not fill")
-    op = args[3]
     if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
         raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
     g = _pg(lw, args[2])
@@ -875,6 +911,8 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
     contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
     if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
+    if isinstance(src, Bucket):
+        return bucket_view(lw, src, offset, tuple(size))
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
     if isinstance(src, _OwnerRow):
@@ -1001,6 +1039,8 @@ def _view_to(lw: _Lowerer, x: int, dst: tuple[int, ...]) -> int | _Flat:
     src = lw.shapes[x]
     if src == dst:
         return x
+    if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == dst:
+        return lw.flat_of[x]  # a flattened value seen with its own shape again
     groups = _reshape_groups(src, dst)
     if groups and len(groups[0][0]) > 1 and len(groups[0][1]) == 1 and len(src) > 3 \
             and all(len(gi) == 1 and len(gj) == 1 for gi, gj in groups[1:]):
@@ -1191,6 +1231,8 @@ def _copy(lw: _Lowerer, args, kwargs, shapes, group):
     src = lw.env.get(args[1][1])
     if isinstance(src, _ChunkCat) and src.chunks == 1:
         return src  # FSDP's gradient buffer of a one-rank shard group, copied out
+    if isinstance(src, Bucket):
+        return src
     return lw.val(args[1])
 
 
@@ -1257,6 +1299,8 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     step = args[4] if len(args) > 4 else 1
     if isinstance(src, _Ids) and (dim != 0 or src.shape is not None) or isinstance(src, _IdRows):
         return _slice_ids(lw, args, shapes)
+    if isinstance(src, Bucket) and step == 1 and dim == 0:
+        return bucket_view(lw, src, int(start), tuple(shapes[0]))
     if isinstance(src, _Ids):
         total = lw.trace["data"][1][0] // src.parts
     else:
@@ -1371,6 +1415,9 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     if any(isinstance(p, (_Gathered, _Packed, _ChunkCat)) for p in items):
         raise LoweringError(f"{lw.name}: cat of a collective's buffer is not lowered")
     parts = [lw.val(a) for a in args[0]]
+    if len(parts) > 1 and all(len(s) == 1 for s in shapes) and all(p in lw.flat_of for p in parts):
+        # flattened tensors side by side (a flat gradient bucket by hand)
+        return Bucket(tuple(lw.flat_of[p] for p in parts))
     if len(parts) == 1:
         return parts[0]
     return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
@@ -1382,6 +1429,8 @@ def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
     replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
     buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
+    if isinstance(buf, Bucket):
+        return [all_reduce_bucket(lw, buf, op, _pg(lw, args[1]))]
     if isinstance(buf, _ChunkCat) and (buf.group is not None or buf.chunks == 1):
         if buf.replicas is not None:
             raise LoweringError(f"{lw.name}: FSDP's reduced buffer all-reduced twice")
@@ -1754,6 +1803,7 @@ HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
     "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
     "aten.empty_like.default": lambda lw, args, kwargs, shapes, group: "empty",
+    "aten.new_empty.default": lambda lw, args, kwargs, shapes, group: "empty",
     "fsdp.all_gather_copy_in.default": _copy_in,
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
@@ -1773,6 +1823,7 @@ HANDLERS: dict[str, Any] = {
     "c10d.send.default": _send,
     "c10d.recv_.default": _recv,
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),
+    "aten.mul.out": _binary("mul", "mul_scalar"),
     "aten.mul.Scalar": _scalar("mul_scalar"),
     "aten.div.Scalar": _scalar("div"),
     "aten.rsqrt.default": _unary("rsqrt"),
@@ -1842,6 +1893,7 @@ HANDLERS: dict[str, Any] = {
     "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
     **MORE_HANDLERS,
+    **BUCKET_HANDLERS,
     "aten.where.self": _where_pending,
 }
 # lower_vocab_parallel reads this module's id types, so it is imported once they exist
@@ -1935,7 +1987,7 @@ def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) 
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
-                   lw.count_reduces)
+                   lw.count_reduces, lw.buckets)
 
 
 def check_even_shards(traces: list[dict]) -> None:
