@@ -80,6 +80,11 @@ LAYERS = {
     "repeat": lambda m, x: m["lin"](x[..., : H // 2].repeat(1, 1, 2)),
     "batch_norm_over_tokens": lambda m, x: m["bn"](m["lin"](x).transpose(1, 2)).transpose(1, 2),
     "tril_of_scores": lambda m, x: torch.tril(m["lin"](x) @ x.transpose(1, 2)) @ x,
+    # channels first: (batch, hidden, seqlen); same length out where padding allows
+    "conv1d_same": lambda m, x: m["conv"](x.transpose(1, 2)).transpose(1, 2),
+    "conv1d_strided_dilated_grouped": lambda m, x: m["lin"](
+        m["conv_sdg"](x.transpose(1, 2)).repeat(1, 1, 2).transpose(1, 2)),
+    "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
 }
 LOSSES = {
     "one_hot_by_hand": lambda m, h, y: -(F.one_hot(y, SIZES["vocab"]).to(h.dtype)
@@ -93,6 +98,13 @@ LOSSES = {
 }
 
 
+CONVS = {
+    "conv1d_same": lambda: {"conv": nn.Conv1d(H, H, 3, padding=1)},
+    "conv1d_strided_dilated_grouped": lambda: {
+        "conv_sdg": nn.Conv1d(H, H, 3, stride=2, padding=2, dilation=2, groups=2, bias=False)},
+    "conv2d_over_tokens_and_features": lambda: {"conv2d": nn.Conv2d(1, 3, 3, padding=1)},
+}
+
 RECURRENT = {
     "lstm": lambda: nn.LSTM(H, H, batch_first=True),
     "gru": lambda: nn.GRU(H, H, batch_first=True),
@@ -104,7 +116,8 @@ def probe_layer(name: str):
         return lambda **_kw: Probe(lambda m, x: x, LOSSES[name], prelu=nn.PReLU())
     if name in RECURRENT:
         return lambda **_kw: Probe(lambda m, x: m["rnn"](x)[0], rnn=RECURRENT[name]())
-    return lambda **_kw: Probe(LAYERS[name], lin=nn.Linear(H, H), bn=nn.BatchNorm1d(H))
+    return lambda **_kw: Probe(LAYERS[name], lin=nn.Linear(H, H), bn=nn.BatchNorm1d(H),
+                               **CONVS.get(name, dict)())
 
 
 for _name in [*LAYERS, *LOSSES, *RECURRENT]:

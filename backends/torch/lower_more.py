@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lower_conv import CONV_HANDLERS
 
 
 def _arg(args, kwargs, i: int, name: str, default: Any) -> Any:
@@ -538,4 +539,5 @@ MORE_HANDLERS: dict[str, Any] = {
     "aten.mish_backward.default": mish_backward,
     "aten.glu.default": glu,
     "aten.glu_backward.default": glu_backward,
+    **CONV_HANDLERS,
 }
