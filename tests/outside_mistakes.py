@@ -8,6 +8,7 @@ and the rank. The correct recipes are the backend's stock ones.
 from __future__ import annotations
 
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -78,3 +79,16 @@ def tp_mlp_partial_output(model, mesh):
             "mlp.c_proj": RowwiseParallel(output_layouts=Partial()),
         })
     return sum_over_dp
+
+
+def sum_linear_and_embedding_only(model, mesh) -> None:
+    """Bug: the data-parallel gradient sum written over the model's
+    ``nn.Linear`` and ``nn.Embedding`` modules (``for m in model.modules():
+    if isinstance(m, (nn.Linear, nn.Embedding))``): the convolutions keep
+    each replica's own gradient."""
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    _reduce((p for m in layers for p in m.parameters()), mesh, "dp", "sum")
+
+
+def ddp_linear_only(model, mesh):
+    return sum_linear_and_embedding_only

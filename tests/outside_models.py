@@ -645,6 +645,45 @@ class BatchNormRegressor(nn.Module):
         return F.mse_loss(self.head(x), self.targets[labels.flatten()])
 
 
+class _ConvBlock(nn.Module):
+    """A causal depthwise ``nn.Conv1d`` over the sequence (padded by
+    kernel - 1, the tail cut off, as Mamba-style and ConvNeXt-style blocks
+    write it), a pointwise ``nn.Conv1d`` mixing channels, and an MLP
+    (``mlp.c_fc``/``c_proj``, GELU), each a residual branch."""
+
+    def __init__(self, hidden: int, ffn: int, kernel: int = 3):
+        super().__init__()
+        self.depthwise = nn.Conv1d(hidden, hidden, kernel, padding=kernel - 1, groups=hidden)
+        self.pointwise = nn.Conv1d(hidden, hidden, 1)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(hidden, ffn), "c_proj": nn.Linear(ffn, hidden)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seqlen = x.shape[1]
+        h = self.depthwise(x.transpose(1, 2))[..., :seqlen]
+        x = x + self.pointwise(F.silu(h)).transpose(1, 2)
+        return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](x)))
+
+
+class ConvTagger(nn.Module):
+    """Token embedding, a tower of ``_ConvBlock``s and a per-token head; the
+    cross-entropy summed over the rank's tokens, its share of the step's."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(_ConvBlock(hidden, ffn) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+        self.global_tokens = 0
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
+        return _share(loss, self, labels.numel())
+
+
 # -- refused: not exact arithmetic -----------------------------------------------------------
 
 
@@ -747,6 +786,10 @@ def lstm_tagger(**kw) -> LSTMTagger:
 
 def batchnorm_regressor(**kw) -> BatchNormRegressor:
     return BatchNormRegressor(**kw)
+
+
+def conv_tagger(**kw) -> ConvTagger:
+    return ConvTagger(**kw)
 
 
 def partial_write(**kw) -> PartialWrite:

@@ -31,7 +31,7 @@ FLOAT32 = {"einsum_lm"}
 
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
-          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor"]
+          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -155,6 +155,8 @@ def _verdict(argv: str):
     f"--model {OUTSIDE}:sentence_classifier --recipe ddp_avg --dp 2 --tp 1",
     # (labels % 2) as numbers, BCE with logits, F.glu, addcmul, FSDP2 (one-row head padded)
     f"--model {OUTSIDE}:glu_tagger --recipe backends.torch.stock_recipes:fsdp --dp 2 --tp 1",
+    # causal depthwise and pointwise nn.Conv1d (replicated) beside a Megatron-split MLP
+    f"--model {OUTSIDE}:conv_tagger --recipe backends.torch.stock_recipes:tp_mlp --dp 2 --tp 2",
 ])
 def test_outside_models_verify_in_parallel(argv: str) -> None:
     verdict, _ = _verdict(argv)
@@ -177,3 +179,14 @@ def test_average_divided_twice_names_the_division_and_the_rank() -> None:
                           f"tests.outside_mistakes:ddp_avg_divided_twice --dp 2 --tp 1")
     assert not verdict.success
     assert "rank 0" in verdict.message and "1/2 x the gradient" in verdict.message
+
+
+def test_convolutions_left_out_of_the_dp_sum_fail_at_their_gradients() -> None:
+    """A hand-written DDP that sums the gradients of ``nn.Linear`` and
+    ``nn.Embedding`` modules only: each replica keeps its own convolution
+    gradients, and the failure names a convolution."""
+    verdict, _ = _verdict(f"--model {OUTSIDE}:conv_tagger --recipe "
+                          f"tests.outside_mistakes:ddp_linear_only --dp 2 --tp 1")
+    assert not verdict.success
+    assert "rank" in verdict.message and any(f"blocks.0.{m}wise" in verdict.message
+                                            for m in ("depth", "point")), verdict.message
