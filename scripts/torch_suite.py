@@ -298,8 +298,11 @@ CASES: list[tuple[str, str, int]] = [
      f"--model mlp_mean --recipe {OUTSIDE}tp_from_local --dp 2 --tp 2", 0),
     ("outside mlp_mean tp_from_local_summed bug",
      f"--model mlp_mean --recipe {OUTSIDE}tp_from_local_summed --dp 2 --tp 2", 1),
-    ("outside mlp_mean replicate dp2 refused",
-     f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 2),
+    ("outside mlp_mean replicate dp2",
+     f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 0),
+    # replicate averages over dp: a loss that is already its share of the step's is divided twice
+    ("outside mlp replicate dp2 averaged a share bug",
+     f"--model mlp --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 1),
     ("outside mlp_mean tp_rowwise_left_partial bug",
      f"--model mlp_mean --recipe {OUTSIDE}tp_rowwise_left_partial --dp 2 --tp 2", 1),
     # models written outside the backend (tests/outside_models.py) and users' recipes with
@@ -369,6 +372,12 @@ CASES: list[tuple[str, str, int]] = [
           ("branch_on_value", f"{STOCK}ddp", "dp2", 2),
           ("partial_write", f"{STOCK}ddp", "dp2", 2),
       ]],
+    # issue 18's last stock ops: convolutions (tests/outside_models.py:conv_tagger)
+    ("outside conv_tagger ddp dp2", f"--model {USER_MODELS}conv_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("outside conv_tagger tp_mlp dp2 tp2",
+     f"--model {USER_MODELS}conv_tagger --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
+    ("outside conv_tagger ddp_linear_only bug",
+     f"--model {USER_MODELS}conv_tagger --recipe {MISTAKES}ddp_linear_only --dp 2 --tp 1", 1),
 ]
 
 

@@ -85,6 +85,7 @@ def _run(spec: dict, rank: int) -> dict:
     after, runner = None, model
     if spec["parallel"]:
         runner, after = recipe_result(model, load(spec["recipe"])(model, mesh))
+        init_replicated(model)
     coords = {"pp": 0, "dp": 0, "tp": 0}
     if mesh is not None:
         coords = {n: mesh[n].get_local_rank() for n in ("pp", "dp", "tp")}
@@ -173,6 +174,22 @@ def recipe_result(model: torch.nn.Module, result: Any) -> tuple[torch.nn.Module,
                              "model's parameters")
         return result, None
     return model, result
+
+
+def init_replicated(model: torch.nn.Module) -> None:
+    """Build the reducer of every module under ``torch.distributed.
+    _composable.replicate`` now, with the arguments ``replicate`` recorded:
+    its first forward would build it inside the traced step (its buffers
+    then written by ops outside the step's computation), as a
+    ``DistributedDataParallel`` returned by a recipe builds it before. The
+    forward's hook then finds it built and runs DDP's forward as it would."""
+    from torch.distributed._composable import replicate
+    from torch.distributed._composable.contract import _get_registry
+    for module in model.modules():
+        if "replicate" in (_get_registry(module) or {}):
+            state = replicate.state(module)
+            if state._init_args or state._init_kwargs:
+                state.lazy_init()
 
 
 def final_value(rec: Recorder, t: torch.Tensor) -> int | None:
