@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from backends.torch.lower import LNode, Lowered, LoweringError
+from backends.torch.lower import LNode, Lowered, LoweringError, padded_rows
 from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op
 from verdict.plan import Logical, Node, Plan, Tensor
@@ -47,11 +47,16 @@ class Claim:
     cutting each dim (``mb``: a pipeline's microbatches), the axes it is a
     partial sum over, and, when partial over ``mb``, the microbatches
     [lo, hi) it sums (None: its own microbatch), and the exact factor it
-    is of that piece (docs/soundness.md, "Scaled claims")."""
+    is of that piece (docs/soundness.md, "Scaled claims"). A dim whose
+    size the axes do not divide is cut as ``torch.chunk`` cuts it (FSDP2's
+    and DTensor's padded shards: ``lower.padded_rows``). ``at``: the
+    coordinates the axes are read at when they are not the holder's (a
+    piece received from another rank)."""
     dims: list[list[str]]
     partial: frozenset[str] = frozenset()
     mbs: tuple[int, int] | None = None
     scale: Fraction = Fraction(1)
+    at: dict[str, int] | None = None
 
 
 #: Operators whose output is the sum of their inputs (a scaled input must
@@ -279,7 +284,7 @@ class _Rank:
         shard dim, would not be)."""
         full, local = self.gshape(v), self.low.shapes[v]
         for k, axes in enumerate(self.claim[v].dims):
-            if full[k] != local[k] * math.prod(self.sizes[a] for a in axes):
+            if self.extent(axes, full[k]) != local[k]:
                 raise LoweringError(f"rank {self.low.rank}: input {name} of shape {list(local)} is "
                                     f"not its {list(full)} cut by {axes or 'no axis'} along dim {k}")
 
@@ -483,12 +488,18 @@ class _Rank:
                                 claim.scale)
 
     def receive(self, node: LNode, peer: _Rank, x: int) -> None:
-        """A value received from ``peer``: the value it sent, the same piece."""
+        """A value received from ``peer``: the value it sent, the same piece
+        (its axes read at the peer's coordinates where they differ from
+        this rank's; a dim the peer holds whole is whole)."""
         out = node.outs[0]
         self.sv[out] = peer.sv[x]
         self.mb[out] = peer.mb.get(x, -1)
         c = peer.claim[x]
-        self.claim[out] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale)
+        full = peer.gshape(x)
+        dims = [[] if peer.extent(d, n) == n else list(d) for d, n in zip(c.dims, full)]
+        at = {a: peer.low.coords[a] for d in dims for a in d
+              if a != "mb" and peer.low.coords[a] != self.low.coords[a]}
+        self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale, at or None)
 
     def aligns(self, node: LNode) -> bool:
         key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
@@ -631,6 +642,11 @@ class _Rank:
             self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale)
             self.check(out)
             return
+        if node.op == "cat" and not self.aligns(node) and self.joins(node):
+            return
+        if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
+                and self.cuts_rows(node):
+            return
         souts = self.align(node)
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
         for o, so in zip(node.outs, souts):
@@ -647,6 +663,50 @@ class _Rank:
         for o, f in zip(node.outs, self.scales_of(node)):
             if o >= 0:
                 self.claim[o].scale = f * self.applied
+
+    def joins(self, node: LNode) -> bool:
+        """A ``cat`` of pieces of one value (FSDP2's padded shards gathered
+        from their ranks) whose sizes along the dim add up to the whole dim:
+        claimed to be the whole along it (the claim is proved; pieces in
+        the wrong order or overlapping fail). False when it is not one."""
+        d, out = node.kwargs["dim"], node.outs[0]
+        if len({self.sv[v] for v in node.ins}) != 1:
+            return False
+        full = self.gshape(node.ins[0])
+        views = [self.view(v) for v in node.ins]
+        first = self.claim[node.ins[0]]
+        if any(self.claim[v].partial or self.claim[v].scale != first.scale for v in node.ins) \
+                or len({tuple(s for k, s in enumerate(sl) if k != d) for sl, _ in views}) != 1 \
+                or sum(sl[d][1] - sl[d][0] for sl, _ in views) != full[d]:
+            return False
+        dims = [[] if k == d else list(axes) for k, axes in enumerate(first.dims)]
+        self.sv[out], self.mb[out] = self.sv[node.ins[0]], self.mb.get(node.ins[0], -1)
+        self.claim[out] = Claim(dims, frozenset(), None, first.scale)
+        want = tuple((0, full[d]) if k == d else s for k, s in enumerate(views[0][0]))
+        if self.view(out)[0] != want:
+            raise LoweringError(f"rank {self.low.rank}: a cat at {_scope(node.name)} joins "
+                                f"pieces cut along other dims than this rank's")
+        return True
+
+    def cuts_rows(self, node: LNode) -> bool:
+        """A ``narrow`` of a value whole along the dim to the rows this rank
+        holds of it by mesh axes (FSDP2's padded gradient shard): claimed
+        cut by those axes (proved like any claim). False when no axes give
+        these rows."""
+        x, out = node.ins[0], node.outs[0]
+        c, d = self.claim[x], node.kwargs["dim"]
+        if c.dims[d] or c.at:
+            return False
+        full = self.gshape(x)[d]
+        rows = (node.kwargs["start"], node.kwargs["start"] + node.kwargs["length"])
+        for axes in [[a] for a in self.axes] + [list(self.dp), [*self.dp, "tp"]]:
+            if math.prod(self.sizes[a] for a in axes) > 1 \
+                    and self.piece(axes, full, self.low.coords) == rows:
+                dims = [list(axes) if k == d else list(a) for k, a in enumerate(c.dims)]
+                self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+                self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale)
+                return True
+        return False
 
     def scales_of(self, node: LNode) -> list[Fraction]:
         """The factor of each output, from its inputs' factors: a sum keeps
@@ -808,7 +868,20 @@ class _Rank:
             self.check(o)
 
     def extent(self, axes: list[str], full: int) -> int:
-        return full // math.prod(self.sizes[a] for a in axes)
+        """The size of this rank's piece of a dim of ``full`` cut by ``axes``."""
+        lo, hi = self.piece(axes, full, self.low.coords)
+        return hi - lo
+
+    def piece(self, axes: list[str], full: int, coords: dict[str, int]) -> tuple[int, int]:
+        """The [lo, hi) of a dim of ``full`` cut by ``axes`` at ``coords``:
+        equal pieces, or (a size the axes do not divide) torch.chunk's."""
+        n = math.prod(self.sizes[a] for a in axes)
+        index = 0
+        for a in axes:
+            index = index * self.sizes[a] + coords.get(a, 0)
+        if full % n:
+            return padded_rows(full, n, index)
+        return index * (full // n), (index + 1) * (full // n)
 
     def check(self, v: int) -> None:
         full, local = self.gshape(v), self.low.shapes[v]
@@ -819,13 +892,17 @@ class _Rank:
 
     def view(self, v: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int]]:
         c, local = self.claim[v], self.low.shapes[v]
-        coords = {**self.low.coords, "mb": self.mb.get(v, -1)}
+        coords = {**self.low.coords, **(c.at or {}), "mb": self.mb.get(v, -1)}
+        full = self.gshape(v)
         slices = []
         for d, axes in enumerate(c.dims):
             index = 0
             for a in axes:
                 index = index * self.sizes[a] + coords[a]
-            slices.append((index * local[d], (index + 1) * local[d]))
+            if full[d] % math.prod(self.sizes[a] for a in axes):
+                slices.append(self.piece(axes, full[d], coords))
+            else:
+                slices.append((index * local[d], (index + 1) * local[d]))
         n, lo, hi = 1, 0, 1
         for a in self.part_axes:
             if a in c.partial and self.sizes[a] > 1:

@@ -34,7 +34,7 @@ from backends.torch.lower_nn import (
     where,
 )
 
-__all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_trace"]
+__all__ = ["LNode", "Lowered", "LoweringError", "check_shards", "lower_trace"]
 
 
 @dataclass
@@ -185,18 +185,19 @@ class _ChunkCat:
 
 @dataclass(frozen=True)
 class _Padding:
-    """FSDP2's padding buffer of a rank's empty shard of parameter ``param``
-    (a dim 0 of one row, which only the group's first rank holds): only
-    FSDP's all-gather copy-in reads it, and the lowering never reads its
-    values (docs/soundness.md, "Plans traced from PyTorch", 14)."""
+    """A rank's shard of parameter ``param`` (value id) followed by FSDP2's
+    padding rows (the shard of a dim the group size does not divide, padded
+    to its chunk; an empty shard is all padding): only FSDP's all-gather
+    copy-in reads it, and the lowering never reads the padding's values
+    (docs/soundness.md, "Plans traced from PyTorch", 15)."""
     param: int
 
 
 @dataclass(frozen=True)
-class _OwnerRow:
-    """A one-row parameter as FSDP2's all-gather gives it to every rank of
-    its group: ``x``, the first rank's shard (there) or that shard received
-    from it (elsewhere); read only as the parameter's first row."""
+class _Unpadded:
+    """A parameter FSDP2 pads, as its all-gather gives it to every rank of
+    the group: ``x``, the members' rows concatenated in group order (no
+    padding row); read only as the parameter's first rows."""
     x: int
 
 
@@ -303,7 +304,6 @@ class _Lowerer:
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
-    owners: set[int] = field(default_factory=set)  # one-row parameters padded on other ranks
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -767,54 +767,82 @@ def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
     n = len(packed.group)
     outs = []
     for p, shape in zip(packed.parts, shapes):
-        if isinstance(p, _Padding) or p in lw.owners:
-            outs.append(_owner_row(lw, p, packed.group))
+        param = p.param if isinstance(p, _Padding) else p
+        name = lw.params.get(param)
+        if name is not None and lw.trace["params"][name][1][0] % n:
+            outs.append(_Unpadded(_padded_gather(lw, name, param, packed.group)))
             continue
+        if isinstance(p, _Padding):
+            raise LoweringError(f"{lw.name}: FSDP pads a shard of a dim its group divides")
         full = (lw.shapes[p][0] * n, *lw.shapes[p][1:])
         x = lw.emit("all_gather", [p], [full], {"dim": 0}, group=packed.group)[0]
         outs.append(_As(x, tuple(shape)))
     return outs
 
 
-def _owner_row(lw: _Lowerer, p: int | _Padding, group: tuple[int, ...]) -> _OwnerRow:
-    """FSDP2's all-gather of a one-row parameter: the group's first rank
-    holds the row and every other rank only padding, so the gathered
-    parameter (the first row of the gathered buffer) is the first rank's
-    shard: sent from it to every other rank."""
-    me, first = lw.trace["rank"], group[0]
-    if isinstance(p, _Padding):
-        if me == first:
-            raise LoweringError(f"{lw.name}: the first rank of an FSDP group holds no row of a "
-                                f"one-row parameter")
-        full = tuple(lw.trace["params"][lw.params[p.param]][1])
-        return _OwnerRow(lw.emit("send_recv", [], [full], {"src": first, "dst": me},
-                                 group=(first, me))[0])
-    if me != first:
-        raise LoweringError(f"{lw.name}: a rank other than the first of its FSDP group holds "
-                            f"the row of a one-row parameter")
-    for dst in group[1:]:
-        lw.nodes.append(LNode("send", "fw", [p], [], {}, lw.name, (me, dst), lw.mb))
-    return _OwnerRow(p)
+def padded_rows(rows: int, n: int, index: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a dim of ``rows`` that member ``index`` of ``n``
+    holds when FSDP2 (or DTensor's ``Shard``) cuts it in chunks of
+    ceil(rows / n) (``torch.chunk``; the last members may hold fewer rows,
+    or none)."""
+    c = -(-rows // n)
+    return min(index * c, rows), min((index + 1) * c, rows)
 
 
-def _padded_rows(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int | _NoShard:
-    """A rank's shard of FSDP2's reduce-scatter of a one-row gradient
-    padded to one row per rank: the first rank's is the group's sum of the
-    row (an all-reduce; under HSDP then summed over the replicas, the
-    other shard groups' first ranks), every other rank's is empty (it still
-    joins the group's all-reduce, which its peers run)."""
+def _padded_gather(lw: _Lowerer, name: str, param: int, group: tuple[int, ...]) -> int:
+    """FSDP2's all-gather of a parameter whose dim 0 the group does not
+    divide: the gathered buffer's first rows are the members' own rows in
+    group order, the padding after them. Each member's rows are sent to
+    every other member and concatenated in group order, so no padding value
+    enters the plan (docs/soundness.md, "Plans traced from PyTorch", 15)."""
+    full = tuple(lw.trace["params"][name][1])
+    me, n = lw.trace["rank"], len(group)
+    bounds = [padded_rows(full[0], n, i) for i in range(n)]
+    lo, hi = bounds[group.index(me)]
+    own = lw.env.get(param)
+    if hi > lo and (not isinstance(own, int) or lw.shapes[own] != (hi - lo, *full[1:])):
+        raise LoweringError(f"{lw.name}: rank {me}'s shard of {name} is not rows [{lo}, {hi}) "
+                            f"of its {full[0]}, as FSDP2 cuts it over {n} ranks")
+    if hi > lo:
+        for dst in group:
+            if dst != me:
+                lw.nodes.append(LNode("send", "fw", [own], [], {}, lw.name, (me, dst), lw.mb))
+    pieces = []
+    for src, (a, b) in zip(group, bounds):
+        if b == a:
+            continue
+        if src == me:
+            pieces.append(own)
+            continue
+        pieces.append(lw.emit("send_recv", [], [(b - a, *full[1:])], {"src": src, "dst": me},
+                              group=(src, me))[0])
+    if len(pieces) == 1:
+        return pieces[0]
+    return lw.emit("cat", pieces, [full], {"dim": 0})[0]
+
+
+def _padded_reduce(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int | _NoShard:
+    """A rank's shard of FSDP2's reduce-scatter of a gradient whose dim 0
+    the group does not divide (each gradient padded with zero rows to a
+    chunk per rank): rows [lo, hi) of the group's sum, written as the
+    group's all-reduce narrowed to the rank's rows (under HSDP then summed
+    over the replicas, the same rows of the other shard groups). A rank
+    holding no rows still joins the all-reduce, which its peers run, and
+    keeps nothing (docs/soundness.md, "Plans traced from PyTorch", 15)."""
     shape = list(lw.shapes[g])
-    index = src.group.index(lw.trace["rank"])
-    if size[0] != (1 if index == 0 else 0) or list(size[1:]) != shape[1:]:
+    lo, hi = padded_rows(shape[0], len(src.group), src.group.index(lw.trace["rank"]))
+    if list(size) != [hi - lo, *shape[1:]]:
         raise LoweringError(f"{lw.name}: a view of FSDP's reduce-scatter output of shape {size} "
-                            f"is not rank {index}'s shard of a one-row gradient")
+                            f"is not this rank's rows [{lo}, {hi}) of a gradient of {shape[0]}")
     x = lw.emit("all_reduce", [g], [shape], group=src.group)[0]
-    if index:
+    if hi == lo:
         return _NoShard()
-    if src.replicas is not None:  # HSDP: the first ranks of the shard groups sum their rows
-        x = lw.emit("all_reduce", [x], [shape], group=src.replicas)[0]
+    if hi - lo != shape[0]:
+        x = lw.emit("narrow", [x], [size], {"dim": 0, "start": lo, "length": hi - lo})[0]
+    if src.replicas is not None:
+        x = lw.emit("all_reduce", [x], [size], group=src.replicas)[0]
     if src.divide != 1.0:
-        x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
+        x = lw.emit("div", [x], [size], {"value": src.divide})[0]
     return x
 
 
@@ -847,9 +875,9 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
-    if isinstance(src, _OwnerRow):
+    if isinstance(src, _Unpadded):
         if offset != 0 or tuple(size) != lw.shapes[src.x]:
-            raise LoweringError(f"{lw.name}: a view of FSDP's all-gather output of a one-row "
+            raise LoweringError(f"{lw.name}: a view of FSDP's all-gather output of a padded "
                                 f"parameter at offset {offset} is not lowered")
         return src.x
     if isinstance(src, _ChunkCat) and (src.group is not None or src.chunks == 1):
@@ -857,10 +885,10 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
         at = 0
         for g in src.grads:
             rows, *rest = lw.shapes[g]
-            if rows % src.chunks:  # padded to one row per rank (_check_even_shard)
+            if rows % src.chunks:  # each rank's chunk padded with zero rows
                 if at == offset:
-                    return _padded_rows(lw, src, g, size)
-                at += math.prod(rest)
+                    return _padded_reduce(lw, src, g, size)
+                at += -(-rows // src.chunks) * math.prod(rest)
                 continue
             numel = math.prod(lw.shapes[g]) // src.chunks
             if at == offset and numel == math.prod(size):
@@ -960,7 +988,7 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
         return f.x
     if isinstance(f, _As):
         return _As(f.x, dst)
-    if isinstance(f, (_Packed, _ChunkCat, _OwnerRow)) or f == "empty":
+    if isinstance(f, (_Packed, _ChunkCat, _Unpadded)) or f == "empty":
         return f
     if isinstance(f, Complex):
         return Complex(lw.reshape(f.re, dst), lw.reshape(f.im, dst))
@@ -1713,7 +1741,7 @@ HANDLERS: dict[str, Any] = {
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
     "fsdp.chunk_cat.default": _chunk_cat,
-    "fsdp.empty_shard_padding": lambda lw, args, kwargs, shapes, group: _Padding(args[0][1]),
+    "fsdp.padded_shard": lambda lw, args, kwargs, shapes, group: _Padding(args[0][1]),
     "c10d._reduce_scatter_base_.default": _reduce_scatter_base,
     "aten.as_strided.default": _as_strided,
     "aten.div_.Scalar": _scalar("div"),
@@ -1811,14 +1839,11 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     inputs, axes = lw.inputs, lw.axes
     for name, (v, full, dims) in trace["params"].items():
         local = tuple(trace["shapes"][v])
-        _check_even_shard(name, tuple(full), local, dims)
+        _check_shard(name, tuple(full), local, dims)
         lw.params[v] = name
-        if _one_row_padded(tuple(full), dims) and local[0] == 0:
-            lw.env[v] = _NoShard()  # this rank holds no shard of it: not an input here
+        if any(axes and n == 0 for axes, n in zip(dims, local)):
+            lw.env[v] = _NoShard()  # this rank holds no rows of it: not an input here
             continue
-        if _one_row_padded(tuple(full), dims):
-            lw.owners.add(v)
-            dims = [[], *dims[1:]]  # the first rank's shard is the whole row
         lw.env[v] = v
         lw.shapes[v] = local
         inputs[v] = ("param", name)
@@ -1855,38 +1880,28 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})))
 
 
-def check_even_shards(traces: list[dict]) -> None:
-    """``_check_even_shard`` for every parameter of every rank, before any
-    rank is lowered (the rank that shows the padding may not be the first)."""
+def check_shards(traces: list[dict]) -> None:
+    """``_check_shard`` for every parameter of every rank, before any rank
+    is lowered (the rank that shows an uneven cut may not be the first)."""
     for trace in traces:
         for name, (v, full, dims) in trace["params"].items():
-            _check_even_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
+            _check_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
 
 
-def _one_row_padded(full: tuple[int, ...], dims: list[list[str]]) -> bool:
-    """A parameter of one row sharded along dim 0 and nowhere else (a
-    regression head ``nn.Linear(h, 1)`` under FSDP2): the group's first rank
-    holds the row, every other rank an empty shard and FSDP2's padding."""
-    return bool(full) and full[0] == 1 and bool(dims[0]) and not any(dims[1:])
-
-
-def _check_even_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
-                      dims: list[list[str]]) -> None:
-    """Refuse a parameter whose shard is uneven: a dim cut by mesh axes that
-    its size does not split evenly is padded (FSDP2 and DTensor give the
-    last ranks fewer rows, or none), and padded shards are not lowered,
-    except a one-row parameter (``_one_row_padded``: whole or empty on each
-    rank). On every other uneven cut some rank holds no rows or a count that
-    does not divide the dim, so that rank's check stops the run."""
-    if _one_row_padded(full, dims) and local[0] in (0, 1) and local[1:] == full[1:]:
-        return
+def _check_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
+                 dims: list[list[str]]) -> None:
+    """Refuse a parameter cut unevenly along a dim other than 0: FSDP2's
+    padded shards (dim 0, any size: docs/soundness.md, "Plans traced from
+    PyTorch", 15) are lowered; an uneven cut of another dim (DTensor's
+    ``Shard(1)`` of a size the mesh does not divide) is not. That the rank's
+    rows are its chunk is checked where the claims are made (``build``)."""
     for d, axes in enumerate(dims):
-        if axes and (local[d] == 0 or full[d] % local[d]):
+        if d and axes and (local[d] == 0 or full[d] % local[d]):
             raise LoweringError(
                 f"parameter {name} of shape {list(full)} is sharded unevenly along dim {d} "
-                f"(this rank holds {local[d]} of its {full[d]} rows: the mesh axes {axes} do not "
-                f"divide it, so its shards are padded); padded shards are not lowered: choose "
-                f"sizes the shard group divides")
+                f"(this rank holds {local[d]} of its {full[d]}: the mesh axes {axes} do not "
+                f"divide it); uneven shards are lowered along dim 0 only: choose sizes the "
+                f"mesh divides")
 
 
 def _updated(lw: _Lowerer, name: str, v: int | None) -> int:
