@@ -269,6 +269,7 @@ class _Rank:
             self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
                                    for axes in low.axes[v]])
             self.check_input(v, name)
+            self.whole_where_held(v)
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""
@@ -889,6 +890,16 @@ class _Rank:
         for d, axes in enumerate(c.dims):
             if self.extent(axes, full[d]) != local[d]:
                 c.dims[d] = self.guess(local[d], full[d])
+        self.whole_where_held(v)
+
+    def whole_where_held(self, v: int) -> None:
+        """A dim whose piece is all of it (the only member holding rows of a
+        padded dim) is claimed whole: its axes cut nothing, and no axis may
+        reach another dim through it."""
+        c = self.claim[v]
+        if c.at is None:
+            c.dims = [[] if axes and self.extent(axes, n) == n else axes
+                      for axes, n in zip(c.dims, self.gshape(v))]
 
     def view(self, v: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int]]:
         c, local = self.claim[v], self.low.shapes[v]
