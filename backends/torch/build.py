@@ -645,6 +645,9 @@ class _Rank:
             return
         if node.op == "cat" and not self.aligns(node) and self.joins(node):
             return
+        if node.op == "zeros" and node.outs[0] in self.low.empty_sums:
+            self.empty_sum(node, coords)
+            return
         if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
                 and self.cuts_rows(node):
             return
@@ -688,6 +691,24 @@ class _Rank:
             raise LoweringError(f"rank {self.low.rank}: a cat at {_scope(node.name)} joins "
                                 f"pieces cut along other dims than this rank's")
         return True
+
+    def empty_sum(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        """The square sum (a zero) of a gradient's empty shard: this rank's
+        part of the partial square sum of the gradient over the group that
+        cuts it (a sum over no rows; the parts are proved to add up to the
+        single-device square sum)."""
+        g, group = self.low.empty_sums[node.outs[0]]
+        whole = self.sv[g]
+        by_key, nodes = self.b.s.by_key, self.b.s.low.nodes
+        sums = [nodes[m].outs[0] for m in by_key.get(("mul", "fw", (whole, whole), ()), [])]
+        sums = [nodes[c].outs[0] for sq in sums for c in by_key.get(
+            ("sum", "fw", (sq,), _key_kwargs({"dim": None, "keepdim": False})), [])]
+        if not sums:
+            raise AlignError(f"rank {self.low.rank} takes the norm of a gradient shard it holds "
+                             f"no rows of, whose square sum the single-device step never takes")
+        out = node.outs[0]
+        self.sv[out], self.mb[out] = sums[0], -1
+        self.claim[out] = Claim([], frozenset(self.axis_of(group, coords)))
 
     def cuts_rows(self, node: LNode) -> bool:
         """A ``narrow`` of a value whole along the dim to the rows this rank

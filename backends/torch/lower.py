@@ -67,6 +67,9 @@ class Lowered:
     states: dict[str, dict[str, int]] = field(default_factory=dict)
     #: HSDP: {"dps": s}, the data-parallel ranks cut into replicas of s shards
     split: dict[str, int] = field(default_factory=dict)
+    #: the square sum (a zero) of a gradient's empty shard -> (the local
+    #: gradient it is cut from, the group whose reduction cuts it)
+    empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,11 @@ class _Unpadded:
 @dataclass(frozen=True)
 class _NoShard:
     """The empty shard of a parameter this rank holds no rows of, its
-    gradient's shard, or what only they made (its optimizer step)."""
+    gradient's shard, or what only they made (its optimizer step). The
+    gradient's empty shard names the local gradient it is cut from
+    (``grad``) and the group whose reduction cuts it."""
+    grad: int = -1
+    group: tuple[int, ...] = ()
 
 
 @dataclass
@@ -304,6 +311,7 @@ class _Lowerer:
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
+    empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -836,7 +844,7 @@ def _padded_reduce(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int
                             f"is not this rank's rows [{lo}, {hi}) of a gradient of {shape[0]}")
     x = lw.emit("all_reduce", [g], [shape], group=src.group)[0]
     if hi == lo:
-        return _NoShard()
+        return _NoShard(g, src.group)
     if hi - lo != shape[0]:
         x = lw.emit("narrow", [x], [size], {"dim": 0, "start": lo, "length": hi - lo})[0]
     if src.replicas is not None:
@@ -1431,7 +1439,18 @@ def _check_two_norm(lw: _Lowerer, ord_: Any) -> None:
 def _foreach_norm(lw: _Lowerer, args, kwargs, shapes, group):
     """One 2-norm per tensor: sqrt of its square sum, kept pending (``_Norm``)."""
     _check_two_norm(lw, args[1] if len(args) > 1 else 2.0)
-    return [_Norm(_square_sum(lw, lw.val(a))) for a in args[0]]
+    return [_Norm(_square_sum_of(lw, a)) for a in args[0]]
+
+
+def _square_sum_of(lw: _Lowerer, a: Any) -> int:
+    """The square sum of a tensor; of a gradient's empty shard, 0 (a sum
+    over no rows: docs/soundness.md, "Plans traced from PyTorch", 15d)."""
+    x = lw.env.get(a[1])
+    if isinstance(x, _NoShard) and x.grad >= 0:
+        s = lw.emit("zeros", [], [()], {"shape": []}, direction="none")[0]
+        lw.empty_sums[s] = (x.grad, x.group)
+        return s
+    return _square_sum(lw, lw.val(a))
 
 
 def _vector_norm(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1624,7 +1643,8 @@ def _clamp(lw: _Lowerer, args, kwargs, shapes, group):
 def _foreach_mul_(lw: _Lowerer, args, kwargs, shapes, group):
     """Each tensor of the list times the scalar (clipping's coefficient)."""
     c = lw.val(args[1])
-    return [lw.emit("mul", [lw.val(a), c], [lw.shapes[lw.val(a)]])[0] for a in args[0]]
+    return [_NoShard() if isinstance(lw.env.get(a[1]), _NoShard)
+            else lw.emit("mul", [lw.val(a), c], [lw.shapes[lw.val(a)]])[0] for a in args[0]]
 
 
 # -- the optimizer step: torch.optim's AdamW and SGD (for-loop implementation) -----
@@ -1877,7 +1897,8 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
-                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})))
+                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
+                   lw.empty_sums)
 
 
 def check_shards(traces: list[dict]) -> None:
