@@ -195,6 +195,10 @@ CASES: list[tuple[str, str, int]] = [
      f"--model mlp_mean --recipe {SCALING}fsdp_default --dp 2 --tp 1 --vocab 15", 0),
     ("mlp bug fsdp padded shards divide a shared loss",
      f"--model mlp --recipe {SCALING}fsdp_default --dp 2 --tp 1 --vocab 15", 1),
+    ("mlp hsdp padded shards dp4 clip (5 rows over shard groups of 2: 3, 2)",
+     f"--model mlp --recipe {STOCK}hsdp --dp 4 --tp 1 --vocab 5 --clip 1.0", 0),
+    ("mlp fsdp_tp_mlp padded shards dp2 tp2", f"--model mlp --recipe {STOCK}fsdp_tp_mlp --dp 2 "
+     "--tp 2 --vocab 15", 0),
     ("swiglu_regression fsdp clip dp2 (one-row head padded)",
      f"--model swiglu_regression --recipe {STOCK}fsdp --dp 2 --tp 1 --clip 1.0", 0),
     # HSDP and FSDP2 over shard groups of one rank (issue 19, shipped bugs)

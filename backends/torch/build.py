@@ -648,8 +648,8 @@ class _Rank:
         if node.op == "zeros" and node.outs[0] in self.low.empty_sums:
             self.empty_sum(node, coords)
             return
-        if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
-                and self.cuts_rows(node):
+        if node.outs[0] in self.low.row_cuts:
+            self.cut_rows(node, coords)
             return
         souts = self.align(node)
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
@@ -710,25 +710,23 @@ class _Rank:
         self.sv[out], self.mb[out] = sums[0], -1
         self.claim[out] = Claim([], frozenset(self.axis_of(group, coords)))
 
-    def cuts_rows(self, node: LNode) -> bool:
-        """A ``narrow`` of a value whole along the dim to the rows this rank
-        holds of it by mesh axes (FSDP2's padded gradient shard): claimed
-        cut by those axes (proved like any claim). False when no axes give
-        these rows."""
+    def cut_rows(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        """A ``narrow`` of a padded gradient, whole along the dim, to the rows
+        this rank holds of it: claimed cut by the axes of the group whose
+        reduction cuts it (FSDP2's shard group), whose piece at this rank's
+        coordinates these rows must be (the claim is then proved like any)."""
         x, out = node.ins[0], node.outs[0]
         c, d = self.claim[x], node.kwargs["dim"]
-        if c.dims[d] or c.at:
-            return False
+        axes = self.axis_of(self.low.row_cuts[out], coords)
         full = self.gshape(x)[d]
         rows = (node.kwargs["start"], node.kwargs["start"] + node.kwargs["length"])
-        for axes in [[a] for a in self.axes] + [list(self.dp), [*self.dp, "tp"]]:
-            if math.prod(self.sizes[a] for a in axes) > 1 \
-                    and self.piece(axes, full, self.low.coords) == rows:
-                dims = [list(axes) if k == d else list(a) for k, a in enumerate(c.dims)]
-                self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
-                self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale)
-                return True
-        return False
+        if c.dims[d] or c.at or not axes or self.piece(axes, full, self.low.coords) != rows:
+            raise LoweringError(f"rank {self.low.rank}: rows [{rows[0]}, {rows[1]}) of a "
+                                f"gradient at {_scope(node.name)} are not its piece over the "
+                                f"ranks {list(self.low.row_cuts[out])}")
+        self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+        self.claim[out] = Claim([list(axes) if k == d else list(a) for k, a in enumerate(c.dims)],
+                                c.partial, c.mbs, c.scale)
 
     def scales_of(self, node: LNode) -> list[Fraction]:
         """The factor of each output, from its inputs' factors: a sum keeps

@@ -70,6 +70,9 @@ class Lowered:
     #: the square sum (a zero) of a gradient's empty shard -> (the local
     #: gradient it is cut from, the group whose reduction cuts it)
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    #: a padded gradient's rows this rank keeps (a narrow) -> the group whose
+    #: reduction cuts them
+    row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,7 @@ class _Lowerer:
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -847,6 +851,7 @@ def _padded_reduce(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int
         return _NoShard(g, src.group)
     if hi - lo != shape[0]:
         x = lw.emit("narrow", [x], [size], {"dim": 0, "start": lo, "length": hi - lo})[0]
+        lw.row_cuts[x] = src.group
     if src.replicas is not None:
         x = lw.emit("all_reduce", [x], [size], group=src.replicas)[0]
     if src.divide != 1.0:
@@ -1898,7 +1903,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
-                   lw.empty_sums)
+                   lw.empty_sums, lw.row_cuts)
 
 
 def check_shards(traces: list[dict]) -> None:
