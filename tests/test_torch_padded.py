@@ -206,3 +206,14 @@ def test_an_uneven_cut_of_another_dim_is_refused() -> None:
     with pytest.raises(LoweringError, match=r"out\.weight.*unevenly along dim 1"):
         check_shards([trace])
     check_shards([{"params": {"w": (0, (15, 2), [["dp"], []])}, "shapes": [(7, 2)]}])
+
+
+def test_padded_shards_under_hsdp_with_a_clipper() -> None:
+    """HSDP (two replicas of two shards): 5 rows split 3 and 2 in each shard
+    group; each shard's square sum is a part over the shard group, not over
+    the replicas (read from the group that reduces it)."""
+    plan_s, plan_p = _plans("mlp", STOCK + "hsdp", "--dp", "4", "--vocab", "5", "--clip", "1.0")
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    assert _held(plan_p, "embed.weight") == {0: ((0, 3), (0, 16)), 1: ((3, 5), (0, 16)),
+                                             2: ((0, 3), (0, 16)), 3: ((3, 5), (0, 16))}
