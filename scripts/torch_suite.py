@@ -199,6 +199,8 @@ CASES: list[tuple[str, str, int]] = [
      f"--model mlp --recipe {STOCK}hsdp --dp 4 --tp 1 --vocab 5 --clip 1.0", 0),
     ("mlp fsdp_tp_mlp padded shards dp2 tp2", f"--model mlp --recipe {STOCK}fsdp_tp_mlp --dp 2 "
      "--tp 2 --vocab 15", 0),
+    ("swiglu_regression fsdp dp4 hidden 10 ffn 14 (every layer padded)",
+     f"--model swiglu_regression --recipe {STOCK}fsdp --dp 4 --tp 1 --hidden 10 --ffn 14", 0),
     ("swiglu_regression fsdp clip dp2 (one-row head padded)",
      f"--model swiglu_regression --recipe {STOCK}fsdp --dp 2 --tp 1 --clip 1.0", 0),
     # HSDP and FSDP2 over shard groups of one rank (issue 19, shipped bugs)
