@@ -217,3 +217,15 @@ def test_padded_shards_under_hsdp_with_a_clipper() -> None:
     assert verdict.success, verdict.message
     assert _held(plan_p, "embed.weight") == {0: ((0, 3), (0, 16)), 1: ((3, 5), (0, 16)),
                                              2: ((0, 3), (0, 16)), 3: ((3, 5), (0, 16))}
+
+
+def test_every_layer_padded_verifies() -> None:
+    """Hidden size 10 and feed-forward 14 over four ranks: every weight,
+    bias and norm is padded (3, 3, 3, 1 and 4, 4, 4, 2 rows); a bias
+    gradient flattened from a sum keeps its full size where a rank's
+    narrow reads it (tests/test_reduce_products.py)."""
+    plan_s, plan_p = _plans("swiglu_regression", STOCK + "fsdp", "--dp", "4", "--hidden", "10",
+                            "--ffn", "14")
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    assert judge(plan_s, plan_p).right
