@@ -201,6 +201,10 @@ CASES: list[tuple[str, str, int]] = [
      "--tp 2 --vocab 15", 0),
     ("swiglu_regression fsdp dp4 hidden 10 ffn 14 (every layer padded)",
      f"--model swiglu_regression --recipe {STOCK}fsdp --dp 4 --tp 1 --hidden 10 --ffn 14", 0),
+    ("llama tp_sp dp2 tp2 vocab 15 (DTensor's uneven colwise output: 8, 7)",
+     "--model llama --recipe tp_sp --dp 2 --tp 2 --vocab 15", 0),
+    ("llama fsdp_tp vocab 15 refused (FSDP2 over an uneven tensor-parallel shard)",
+     "--model llama --recipe fsdp_tp --dp 2 --tp 2 --vocab 15", 2),
     ("swiglu_regression fsdp clip dp2 (one-row head padded)",
      f"--model swiglu_regression --recipe {STOCK}fsdp --dp 2 --tp 1 --clip 1.0", 0),
     # HSDP and FSDP2 over shard groups of one rank (issue 19, shipped bugs)

@@ -229,3 +229,36 @@ def test_every_layer_padded_verifies() -> None:
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
     assert judge(plan_s, plan_p).right
+
+
+@pytest.fixture(scope="module")
+def colwise15():
+    """llama's colwise output projection of a 15-token vocabulary over two
+    tensor-parallel ranks (DTensor: 8 and 7 rows)."""
+    args = resolve(parser().parse_args(["--model", "llama", "--recipe", "tp_sp", "--dp", "1",
+                                        "--tp", "2", "--vocab", "15"]))
+    return trace_and_build(args)[0]
+
+
+@pytest.mark.parametrize("wrong", [None, "order", "piece"])
+def test_dtensor_uneven_colwise_output(colwise15, wrong: str | None) -> None:
+    """The logits padded to 8 and gathered verify, as the real run is
+    right; the gathered logits' pieces out of order on rank 0, or rank 1's
+    backward taking rows [7, 14) of the logits' gradient, fail."""
+    plan_s, plan_p = colwise15
+    if wrong is None:
+        verdict = verify(plan_s, plan_p)
+        assert verdict.success, verdict.message
+        assert judge(plan_s, plan_p).right
+        assert _held(plan_p, "output.weight") == {0: ((0, 8), (0, 16)), 1: ((8, 15), (0, 16))}
+        return
+    bad = copy_plan(plan_p)
+    if wrong == "order":
+        i = _one(bad, lambda n: n.op == "cat" and n.rank == 0 and len(n.inputs) == 2
+                 and bad.tensors[n.inputs[1]].shape[-1] == 7)
+        bad.nodes[i] = bad.nodes[i]._replace(inputs=bad.nodes[i].inputs[::-1])
+    else:
+        i = _one(bad, lambda n: n.op == "narrow" and n.rank == 1 and n.kwargs["start"] == 8)
+        bad.nodes[i] = bad.nodes[i]._replace(kwargs={**bad.nodes[i].kwargs, "start": 7})
+    assert not judge(plan_s, bad).right
+    assert not verify(plan_s, bad).success, "wrong SUCCESS"

@@ -651,6 +651,8 @@ class _Rank:
         if node.outs[0] in self.low.row_cuts:
             self.cut_rows(node, coords)
             return
+        if node.op == "narrow" and not self.aligns(node) and self.takes_piece(node):
+            return
         souts = self.align(node)
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
         for o, so in zip(node.outs, souts):
@@ -727,6 +729,28 @@ class _Rank:
         self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
         self.claim[out] = Claim([list(axes) if k == d else list(a) for k, a in enumerate(c.dims)],
                                 c.partial, c.mbs, c.scale)
+
+    def takes_piece(self, node: LNode) -> bool:
+        """A ``narrow`` of a value whole along the dim to this rank's piece of
+        it by tensor-parallel (else data-parallel) axes, torch.chunk's for a
+        size they do not divide (DTensor's uneven ``Shard``: the gradient of
+        a gathered piece): claimed cut by those axes (proved like any
+        claim). False when no axes give these rows."""
+        x, out = node.ins[0], node.outs[0]
+        c, d = self.claim[x], node.kwargs["dim"] % len(self.low.shapes[x])
+        if c.dims[d] or c.at:
+            return False
+        full = self.gshape(x)[d]
+        rows = (node.kwargs["start"], node.kwargs["start"] + node.kwargs["length"])
+        for axes in (["tp"], list(self.dp), [*self.dp, "tp"]):
+            if math.prod(self.sizes[a] for a in axes) > 1 \
+                    and self.piece(axes, full, self.low.coords) == rows:
+                self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+                self.claim[out] = Claim([list(axes) if k == d else list(a)
+                                         for k, a in enumerate(c.dims)],
+                                        c.partial, c.mbs, c.scale)
+                return True
+        return False
 
     def scales_of(self, node: LNode) -> list[Fraction]:
         """The factor of each output, from its inputs' factors: a sum keeps

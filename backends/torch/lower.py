@@ -143,8 +143,31 @@ class _Shifted:
 
 @dataclass
 class _Gathered:
+    """An all-gather along dim 0 of ``x`` over ``group``, not yet emitted.
+    ``padded``: x was padded at the end of a dim before the gather (DTensor's
+    uneven ``Shard``), so the pieces are equal only with the padding."""
     x: int
     group: tuple[int, ...]
+    padded: bool = False
+
+
+@dataclass(frozen=True)
+class _ZeroPadded:
+    """``x`` padded with ``width`` zeros at the end of ``dim`` (DTensor pads
+    its piece of an unevenly sharded dim to the chunk size before an
+    all-gather), not yet emitted; only that all-gather may read it."""
+    x: int
+    dim: int
+    width: int
+
+
+@dataclass(frozen=True)
+class _GatheredAlong:
+    """The all-gather ``g`` seen along ``dim`` (split along 0, cat along
+    dim), not yet emitted: a slice of its first rows may drop the padding
+    of an uneven shard."""
+    g: _Gathered
+    dim: int
 
 
 @dataclass
@@ -354,7 +377,20 @@ class _Lowerer:
                     if self.trace.get("constvals", {}).get(x.v) is None:
                         raise
             return constant_input(self, constant_value(self, ("v", x.v)))
+        if isinstance(x, _GatheredAlong):
+            shape = list(self.shapes[x.g.x])
+            shape[x.dim] *= len(x.g.group)
+            if x.g.padded:
+                raise LoweringError(f"{self.name}: an all-gather of padded pieces is read "
+                                    f"with its padding")
+            return self.emit("all_gather", [x.g.x], [shape], {"dim": x.dim}, group=x.g.group)[0]
+        if isinstance(x, _ZeroPadded):
+            raise LoweringError(f"{self.name}: a zero-padded piece is read other than by "
+                                f"an all-gather")
         if isinstance(x, _Gathered):
+            if x.padded:
+                raise LoweringError(f"{self.name}: an all-gather of padded pieces is read "
+                                    f"with its padding")
             shape = list(self.shapes[x.x])
             shape[0] *= len(x.group)
             return self.emit("all_gather", [x.x], [shape], {"dim": 0}, group=x.group)[0]
@@ -782,6 +818,10 @@ def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
         param = p.param if isinstance(p, _Padding) else p
         name = lw.params.get(param)
         if name is not None and lw.trace["params"][name][1][0] % n:
+            if any(a not in ("dp", "dps", "dpr") for a in lw.trace["params"][name][2][0]):
+                raise LoweringError(f"{lw.name}: FSDP2 over a tensor-parallel shard of {name} "
+                                    f"(dim 0 of {lw.trace['params'][name][1][0]} rows, which the "
+                                    f"mesh does not divide) is not lowered")
             outs.append(_Unpadded(_padded_gather(lw, name, param, packed.group)))
             continue
         if isinstance(p, _Padding):
@@ -801,20 +841,37 @@ def padded_rows(rows: int, n: int, index: int) -> tuple[int, int]:
     return min(index * c, rows), min((index + 1) * c, rows)
 
 
-def _padded_gather(lw: _Lowerer, name: str, param: int, group: tuple[int, ...]) -> int:
-    """FSDP2's all-gather of a parameter whose dim 0 the group does not
-    divide: the gathered buffer's first rows are the members' own rows in
-    group order, the padding after them. Each member's rows are sent to
-    every other member and concatenated in group order, so no padding value
-    enters the plan (docs/soundness.md, "Plans traced from PyTorch", 15)."""
-    full = tuple(lw.trace["params"][name][1])
+def _uneven_gather(lw: _Lowerer, src: _GatheredAlong, rows: int) -> int:
+    """DTensor's all-gather of a dim of ``rows`` the group does not divide:
+    each member's piece padded at the end to ceil(rows / n), gathered, the
+    first ``rows`` kept. Those are the members' own pieces in group order
+    (the padding lies past them): written as for FSDP2's padded parameter
+    (docs/soundness.md, "Plans traced from PyTorch", 15e)."""
+    g, d = src.g, src.dim
+    n = len(g.group)
+    full = list(lw.shapes[g.x])
+    full[d] = rows
+    if not g.padded and lw.shapes[g.x][d] * n == rows:
+        return lw.materialize(src)
+    return _gather_pieces(lw, g.x, tuple(full), d, g.group, "a DTensor shard")
+
+
+def _gather_pieces(lw: _Lowerer, own: Any, full: tuple[int, ...], dim: int,
+                   group: tuple[int, ...], what: str) -> int:
+    """The whole of a dim that ``group`` holds in torch.chunk's pieces (this
+    rank's is ``own``): each member's piece sent to every other member and
+    the pieces concatenated along ``dim`` in group order (one holder: its
+    piece alone)."""
     me, n = lw.trace["rank"], len(group)
-    bounds = [padded_rows(full[0], n, i) for i in range(n)]
+    bounds = [padded_rows(full[dim], n, i) for i in range(n)]
     lo, hi = bounds[group.index(me)]
-    own = lw.env.get(param)
-    if hi > lo and (not isinstance(own, int) or lw.shapes[own] != (hi - lo, *full[1:])):
-        raise LoweringError(f"{lw.name}: rank {me}'s shard of {name} is not rows [{lo}, {hi}) "
-                            f"of its {full[0]}, as FSDP2 cuts it over {n} ranks")
+
+    def shape(a: int, b: int) -> tuple[int, ...]:
+        return tuple(b - a if k == dim else m for k, m in enumerate(full))
+
+    if hi > lo and (not isinstance(own, int) or lw.shapes[own] != shape(lo, hi)):
+        raise LoweringError(f"{lw.name}: rank {me}'s piece of {what} is not [{lo}, {hi}) of its "
+                            f"{full[dim]} along dim {dim}, as torch.chunk cuts it over {n} ranks")
     if hi > lo:
         for dst in group:
             if dst != me:
@@ -826,11 +883,21 @@ def _padded_gather(lw: _Lowerer, name: str, param: int, group: tuple[int, ...]) 
         if src == me:
             pieces.append(own)
             continue
-        pieces.append(lw.emit("send_recv", [], [(b - a, *full[1:])], {"src": src, "dst": me},
+        pieces.append(lw.emit("send_recv", [], [shape(a, b)], {"src": src, "dst": me},
                               group=(src, me))[0])
     if len(pieces) == 1:
         return pieces[0]
-    return lw.emit("cat", pieces, [full], {"dim": 0})[0]
+    return lw.emit("cat", pieces, [full], {"dim": dim})[0]
+
+
+def _padded_gather(lw: _Lowerer, name: str, param: int, group: tuple[int, ...]) -> int:
+    """FSDP2's all-gather of a parameter whose dim 0 the group does not
+    divide: the gathered buffer's first rows are the members' own rows in
+    group order, the padding after them. Each member's rows are sent to
+    every other member and concatenated in group order, so no padding value
+    enters the plan (docs/soundness.md, "Plans traced from PyTorch", 15)."""
+    return _gather_pieces(lw, lw.env.get(param), tuple(lw.trace["params"][name][1]), 0, group,
+                          name)
 
 
 def _padded_reduce(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int | _NoShard:
@@ -1201,6 +1268,9 @@ def _all_reduce(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.env.get(args[0][1])
+    if isinstance(x, _ZeroPadded):
+        return _Gathered(x.x, group, padded=True)
     return _Gathered(lw.val(args[0]), group)
 
 
@@ -1247,9 +1317,12 @@ def _split(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _slice(lw: _Lowerer, args, kwargs, shapes, group):
-    """A slice that is one of equal pieces (a schedule's microbatch)."""
+    """A slice that is one of equal pieces (a schedule's microbatch); of
+    an all-gather, its first rows (DTensor's gather of an uneven shard)."""
     src = lw.env.get(args[0][1])
     dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
+    if isinstance(src, _GatheredAlong) and dim % len(shapes[0]) == src.dim and start == 0:
+        return _uneven_gather(lw, src, shapes[0][src.dim])
     step = args[4] if len(args) > 4 else 1
     if isinstance(src, _Ids) and (dim != 0 or src.shape is not None) or isinstance(src, _IdRows):
         return _slice_ids(lw, args, shapes)
@@ -1305,7 +1378,7 @@ def _pad_ids(lw: _Lowerer, args, kwargs, shapes, group):
     value = args[2] if len(args) > 2 else kwargs.get("value", 0)
     src = lw.env.get(args[0][1])
     if not isinstance(src, (_Ids, _IdRows)):
-        raise LoweringError(f"{lw.name}: constant_pad_nd of other than integer ids is not lowered")
+        return _zero_padded(lw, args, value)
     if 0 <= int(value) < lw.vocab:
         raise LoweringError(f"{lw.name}: ids padded with {value}, a label of the vocabulary, "
                             f"are not lowered (pad with the loss's ignore_index)")
@@ -1335,6 +1408,20 @@ def _pad_ids(lw: _Lowerer, args, kwargs, shapes, group):
     return _IdRows(x, ids)
 
 
+def _zero_padded(lw: _Lowerer, args, value) -> _ZeroPadded:
+    """A tensor padded with zeros at the end of one dim (DTensor's piece of
+    an uneven shard, before its all-gather): pending, read only by it."""
+    pads = [int(p) for p in args[1]]
+    x = lw.val(args[0])
+    widths = [(k, pads[2 * k], pads[2 * k + 1]) for k in range(len(pads) // 2)
+              if pads[2 * k] or pads[2 * k + 1]]
+    if float(value) != 0.0 or len(widths) != 1 or widths[0][1] != 0 or widths[0][2] < 0:
+        raise LoweringError(f"{lw.name}: constant_pad_nd of other than integer ids is not "
+                            f"lowered, except zeros at the end of one dim before an all-gather")
+    k, _, width = widths[0]
+    return _ZeroPadded(x, len(lw.shapes[x]) - 1 - k, width)
+
+
 def _send(lw: _Lowerer, args, kwargs, shapes, group):
     ranks = _pg(lw, args[1])
     (x,) = args[0]
@@ -1357,9 +1444,7 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     if all(isinstance(p, _Piece) for p in items) and [p.index for p in items] == list(range(len(items))) \
             and all(p.of is first.of for p in items) and len(items) == first.parts:
         if isinstance(first.of, _Gathered):
-            g = first.of
-            return lw.emit("all_gather", [g.x], shapes, {"dim": dim % len(shapes[0])},
-                           group=g.group)[0]
+            return _GatheredAlong(first.of, dim % len(shapes[0]))
         if dim == 0:
             return _Stacked(first.of, first.dim, first.parts)
         if dim % len(shapes[0]) == first.dim:
