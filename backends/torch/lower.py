@@ -841,6 +841,19 @@ def padded_rows(rows: int, n: int, index: int) -> tuple[int, int]:
     return min(index * c, rows), min((index + 1) * c, rows)
 
 
+def _drops_padding(lw: _Lowerer, src: _GatheredAlong, rows: int, total: int) -> bool:
+    """The first ``rows`` of a gather along a dim (``total`` long) are the
+    pieces of an uneven shard without their padding: the gathered pieces
+    are chunks of ceil(rows / n), and this rank's own piece is its chunk of
+    ``rows`` (padded to the chunk when shorter)."""
+    n, d = len(src.g.group), src.dim
+    chunk = -(-rows // n)
+    lo, hi = padded_rows(rows, n, src.g.group.index(lw.trace["rank"]))
+    own = lw.shapes[src.g.x][d]
+    return (rows < total == chunk * n and own == hi - lo
+            and (src.g.padded or own == chunk))
+
+
 def _uneven_gather(lw: _Lowerer, src: _GatheredAlong, rows: int) -> int:
     """DTensor's all-gather of a dim of ``rows`` the group does not divide:
     each member's piece padded at the end to ceil(rows / n), gathered, the
@@ -1058,7 +1071,7 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
     dst = tuple(shapes[0])
     if isinstance(f, _Ids):
         return _Ids(f.source, f.index, f.parts, dst)
-    if isinstance(f, _Gathered):
+    if isinstance(f, _Gathered) and not f.padded:
         k = _gathered_dim(lw.shapes[f.x], dst, len(f.group))
         if k is not None:
             return lw.emit("all_gather", [f.x], [dst], {"dim": k}, group=f.group)[0]
@@ -1321,7 +1334,9 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     an all-gather, its first rows (DTensor's gather of an uneven shard)."""
     src = lw.env.get(args[0][1])
     dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
-    if isinstance(src, _GatheredAlong) and dim % len(shapes[0]) == src.dim and start == 0:
+    if isinstance(src, _GatheredAlong) and dim % len(shapes[0]) == src.dim and start == 0 \
+            and _drops_padding(lw, src, shapes[0][src.dim],
+                               lw.trace["shapes"][args[0][1]][src.dim]):
         return _uneven_gather(lw, src, shapes[0][src.dim])
     step = args[4] if len(args) > 4 else 1
     if isinstance(src, _Ids) and (dim != 0 or src.shape is not None) or isinstance(src, _IdRows):
