@@ -339,6 +339,7 @@ class _Lowerer:
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    event: int = -1  # the event being lowered
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -465,8 +466,9 @@ class _Lowerer:
         """Lower event ``i`` through its handler; the lowered value of its
         output ``want``."""
         op, (args, kwargs), outs, out_shapes, scope, group, mb = self.trace["events"][i]
-        saved = self.name, self.mb
+        saved = self.name, self.mb, self.event
         self.name, self.mb = scope, mb
+        self.event = i
         handler = HANDLERS.get(op)
         if handler is None:
             raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
@@ -474,7 +476,7 @@ class _Lowerer:
         try:
             result = handler(self, args, kwargs, out_shapes, group)
         finally:
-            self.name, self.mb = saved
+            self.name, self.mb, self.event = saved
         if not isinstance(result, list):
             result = [result]
         for v, r in zip(outs, result):
@@ -839,6 +841,17 @@ def padded_rows(rows: int, n: int, index: int) -> tuple[int, int]:
     or none)."""
     c = -(-rows // n)
     return min(index * c, rows), min((index + 1) * c, rows)
+
+
+def _sliced_next(lw: _Lowerer, dim: int) -> bool:
+    """The first op that reads the current event's output is a slice of it
+    along ``dim`` from 0 (DTensor dropping an uneven shard's padding)."""
+    out = lw.trace["events"][lw.event][2][0]
+    for op, (args, kwargs), *_ in lw.trace["events"][lw.event + 1:]:
+        if out in _tensor_args([args, kwargs]):
+            return (op == "aten.slice.Tensor" and len(args) > 2
+                    and int(args[1]) % len(lw.trace["shapes"][out]) == dim and not args[2])
+    return False
 
 
 def _drops_padding(lw: _Lowerer, src: _GatheredAlong, rows: int, total: int) -> bool:
@@ -1459,7 +1472,8 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     if all(isinstance(p, _Piece) for p in items) and [p.index for p in items] == list(range(len(items))) \
             and all(p.of is first.of for p in items) and len(items) == first.parts:
         if isinstance(first.of, _Gathered):
-            return _GatheredAlong(first.of, dim % len(shapes[0]))
+            along = _GatheredAlong(first.of, dim % len(shapes[0]))
+            return along if _sliced_next(lw, along.dim) else lw.materialize(along)
         if dim == 0:
             return _Stacked(first.of, first.dim, first.parts)
         if dim % len(shapes[0]) == first.dim:
