@@ -641,7 +641,7 @@ class _Rank:
                     dims[node.kwargs["dim"]].extend(axes)
             scale = c.scale / len(node.group) if node.op in AVERAGES else c.scale
             self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale)
-            self.check(out)
+            self.check(out, uneven=True)
             return
         if node.op == "cat" and not self.aligns(node) and self.joins(node):
             return
@@ -803,6 +803,7 @@ class _Rank:
         rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
         tied_in: set[tuple[int, int]] = set()
         dims_out = [[None] * len(s) for s in shapes_out]
+        source: dict[tuple[int, int], int] = {}  # an output dim -> the full size it came from
         for r in rel:
             if r[0] == "eq":
                 a, c = r[1], r[2]
@@ -813,6 +814,7 @@ class _Rank:
                     axes = self.claim[ins[c[1]]].dims[c[2]]
                     if dims_out[a[1]][a[2]] is None or (axes and not dims_out[a[1]][a[2]]):
                         dims_out[a[1]][a[2]] = list(axes)
+                        source[(a[1], a[2])] = self.gshape(ins[c[1]])[c[2]]
             elif r[0] == "mul":
                 target, factors = r[1], r[2]
                 if target[0] == "o":  # flatten: the output dim is the product
@@ -853,7 +855,8 @@ class _Rank:
                     partial |= set(axes)
         for o, v in enumerate(outs):
             full = self.gshape(v)
-            dims = [axes if axes is not None and self.extent(axes, full[d]) == self.low.shapes[v][d]
+            dims = [axes if axes is not None and self.fits(axes, full[d], self.low.shapes[v][d],
+                                                           source.get((o, d)))
                     else None for d, axes in enumerate(dims_out[o])]
             for d, axes in enumerate(dims):
                 if axes is None:
@@ -866,7 +869,7 @@ class _Rank:
                              else (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
                     dims[d] = self.guess(self.low.shapes[v][d], full[d], used, order)
             self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None)
-            self.check(v)
+            self.check(v, uneven=True)
 
     def hint(self, v: int, d: int, local: int, full: int) -> list[str] | None:
         """The axes cutting dim d of v as its consumers see it: a dim of another
@@ -911,6 +914,15 @@ class _Rank:
                 self.claim[o] = Claim([list(d) for d in grad.dims], frozenset(partial), mbs)
             self.check(o)
 
+    def fits(self, axes: list[str], full: int, local: int, source: int | None) -> bool:
+        """Axes carried to an output dim give its local size: in equal pieces,
+        or in torch.chunk's only when carried from an input dim of the same
+        size (a padded shard through an elementwise op), never when they
+        cut a dim of another size (a reshape) that they do not divide."""
+        if full % math.prod(self.sizes[a] for a in axes) == 0 or source == full:
+            return self.extent(axes, full) == local
+        return False
+
     def extent(self, axes: list[str], full: int) -> int:
         """The size of this rank's piece of a dim of ``full`` cut by ``axes``."""
         lo, hi = self.piece(axes, full, self.low.coords)
@@ -927,11 +939,16 @@ class _Rank:
             return padded_rows(full, n, index)
         return index * (full // n), (index + 1) * (full // n)
 
-    def check(self, v: int) -> None:
+    def check(self, v: int, uneven: bool = False) -> None:
+        """Axes that do not give a dim's local size are replaced by a guess.
+        A dim the axes do not divide keeps them (torch.chunk's pieces) only
+        when ``uneven``: the axes were carried from a dim of the same size
+        (``fits``, a collective's input)."""
         full, local = self.gshape(v), self.low.shapes[v]
         c = self.claim[v]
         for d, axes in enumerate(c.dims):
-            if self.extent(axes, full[d]) != local[d]:
+            even = full[d] % math.prod(self.sizes[a] for a in axes) == 0
+            if self.extent(axes, full[d]) != local[d] or not (even or uneven):
                 c.dims[d] = self.guess(local[d], full[d])
         self.whole_where_held(v)
 
