@@ -651,7 +651,8 @@ class _Rank:
         if node.outs[0] in self.low.row_cuts:
             self.cut_rows(node, coords)
             return
-        if node.op == "narrow" and not self.aligns(node) and self.takes_piece(node):
+        if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
+                and self.takes_piece(node):
             return
         souts = self.align(node)
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
