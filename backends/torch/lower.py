@@ -19,6 +19,14 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lower_buckets import (
+    BUCKET_HANDLERS,
+    PER_PIECE_OPS,
+    Bucket,
+    all_reduce_bucket,
+    bucket_view,
+    per_piece,
+)
 from backends.torch.lower_nn import (
     NN_HANDLERS,
     Complex,
@@ -34,7 +42,7 @@ from backends.torch.lower_nn import (
     where,
 )
 
-__all__ = ["LNode", "Lowered", "LoweringError", "check_shards", "lower_trace"]
+__all__ = ["LNode", "Lowered", "LoweringError", "check_shards", "lower_ranks", "lower_trace"]
 
 
 @dataclass
@@ -67,6 +75,10 @@ class Lowered:
     states: dict[str, dict[str, int]] = field(default_factory=dict)
     #: HSDP: {"dps": s}, the data-parallel ranks cut into replicas of s shards
     split: dict[str, int] = field(default_factory=dict)
+    #: each SUM all-reduce of a count of kept labels: (group, this rank's count)
+    count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    #: each gradient bucket all-reduced: (group, its pieces' sizes)
+    buckets: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     #: the square sum (a zero) of a gradient's empty shard -> (the local
     #: gradient it is cut from, the group whose reduction cuts it)
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
@@ -340,6 +352,11 @@ class _Lowerer:
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     event: int = -1  # the event being lowered
+    buckets: list = field(default_factory=list)  # gradient buckets all-reduced (lower_buckets)
+    #: the step's value of each count all-reduce, in order (lower_ranks); None:
+    #: an all-reduced count is refused, "collect": this rank's counts are kept
+    counts: list[int] | str | None = None
+    count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -473,6 +490,8 @@ class _Lowerer:
         if handler is None:
             raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
                                 f"onto the rule table")
+        if op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])), Bucket):
+            handler = _per_piece(handler)
         try:
             result = handler(self, args, kwargs, out_shapes, group)
         finally:
@@ -482,6 +501,16 @@ class _Lowerer:
         for v, r in zip(outs, result):
             self.env[v] = r
         return self.env.get(want)
+
+
+def _first_value(a: Any) -> int | None:
+    return a[1] if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
+
+
+def _per_piece(handler):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        return per_piece(lw, handler, args, kwargs, group)
+    return lower
 
 
 def _tensor_args(args: Any) -> list[int]:
@@ -805,9 +834,20 @@ def _pg(lw: _Lowerer, a: Any) -> tuple[int, ...]:
 
 def _allgather_base(lw: _Lowerer, args, kwargs, shapes, group):
     packed = lw.env.get(args[1][1])
+    if not isinstance(packed, _Packed) and not isinstance(packed, (_ChunkCat, str)):
+        return _Gathered(lw.val(args[1]), _pg(lw, args[2]))  # dist.all_gather_into_tensor
     if not isinstance(packed, _Packed):
         raise LoweringError(f"{lw.name}: all-gather of a buffer FSDP's copy-in did not fill")
     return _Packed(packed.parts, _pg(lw, args[2]))
+
+
+def _plain_reduce_scatter(lw: _Lowerer, x: Any, op: Any, ranks: tuple[int, ...], shapes):
+    """``dist.reduce_scatter_tensor(out, x)`` of a tensor (not FSDP's
+    buffer): a reduce-scatter along dim 0, SUM or AVG."""
+    if op[1] not in (0, 1):
+        raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
+    return lw.emit("reduce_scatter" + ("_avg" if op[1] == 1 else ""), [lw.val(x)], shapes[:1],
+                   {"dim": 0}, group=ranks)[0]
 
 
 def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
@@ -961,9 +1001,11 @@ def _chunk_cat(lw: _Lowerer, args, kwargs, shapes, group):
 
 def _reduce_scatter_base(lw: _Lowerer, args, kwargs, shapes, group):
     buf = lw.env.get(args[1][1])
+    op = args[3]
+    if not isinstance(buf, (_ChunkCat, _Packed, _Gathered, str)):
+        return _plain_reduce_scatter(lw, args[1], op, _pg(lw, args[2]), shapes)
     if not isinstance(buf, _ChunkCat):
         raise LoweringError(f"{lw.name}: reduce-scatter of a buffer chunk_cat did not fill")
-    op = args[3]
     if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
         raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
     g = _pg(lw, args[2])
@@ -979,6 +1021,8 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
     contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
     if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
+    if isinstance(src, Bucket):
+        return bucket_view(lw, src, offset, tuple(size))
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
     if isinstance(src, _Unpadded):
@@ -1105,6 +1149,8 @@ def _view_to(lw: _Lowerer, x: int, dst: tuple[int, ...]) -> int | _Flat:
     src = lw.shapes[x]
     if src == dst:
         return x
+    if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == dst:
+        return lw.flat_of[x]  # a flattened value seen with its own shape again
     groups = _reshape_groups(src, dst)
     if groups and len(groups[0][0]) > 1 and len(groups[0][1]) == 1 and len(src) > 3 \
             and all(len(gi) == 1 and len(gj) == 1 for gi, gj in groups[1:]):
@@ -1171,8 +1217,9 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
     ids = lw.env.get(args[1][1])
-    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0:
-        raise LoweringError(f"{lw.name}: embedding with a padding_idx is not lowered")
+    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0 and isinstance(ids, _Shifted):
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel embedding with a padding_idx is "
+                            f"not lowered")
     if isinstance(ids, Const):
         rows = lw.shapes[lw.val(args[0])][0]
         onehot = one_hot_constant(lw, constant_value(lw, args[1]), rows)
@@ -1262,14 +1309,23 @@ def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """The one-hot rows' transpose times the gradient. With a ``padding_idx``
+    p (the forward lookup is unchanged), the one-hot rows times the constant
+    row that is 0 at p and 1 elsewhere: a row of id p becomes a zero row and
+    adds nothing to the table's gradient, any other row is unchanged
+    (docs/soundness.md, "Plans traced from PyTorch", 16)."""
     padding = args[3] if len(args) > 3 else kwargs.get("padding_idx", -1)
-    if padding is not None and int(padding) >= 0 or (len(args) > 4 and args[4]):
-        raise LoweringError(f"{lw.name}: embedding backward with a padding_idx or "
-                            f"scale_grad_by_freq is not lowered")
+    rows = int(args[2])
+    if len(args) > 4 and args[4]:
+        raise LoweringError(f"{lw.name}: embedding backward with scale_grad_by_freq is not lowered")
     if isinstance(lw.env.get(args[1][1]), Const):
-        tokens = one_hot_constant(lw, constant_value(lw, args[1]), int(args[2]))
+        tokens = one_hot_constant(lw, constant_value(lw, args[1]), rows)
     else:
         tokens = _one_hot(lw, args[1])
+    if padding is not None and 0 <= int(padding) < rows:
+        keep = np.ones(rows)
+        keep[int(padding)] = 0.0
+        tokens = lw.emit("mul", [tokens, constant_input(lw, keep)], [lw.shapes[tokens]])[0]
     out = lw.new(shapes[0])
     lw.nodes.append(LNode("embedding", "bw", [tokens, -1, lw.val(args[0])], [-1, out], {},
                           lw.name, None, lw.mb))
@@ -1280,6 +1336,8 @@ def _copy(lw: _Lowerer, args, kwargs, shapes, group):
     src = lw.env.get(args[1][1])
     if isinstance(src, _ChunkCat) and src.chunks == 1:
         return src  # FSDP's gradient buffer of a one-rank shard group, copied out
+    if isinstance(src, Bucket):
+        return src
     return lw.val(args[1])
 
 
@@ -1354,6 +1412,8 @@ def _slice(lw: _Lowerer, args, kwargs, shapes, group):
     step = args[4] if len(args) > 4 else 1
     if isinstance(src, _Ids) and (dim != 0 or src.shape is not None) or isinstance(src, _IdRows):
         return _slice_ids(lw, args, shapes)
+    if isinstance(src, Bucket) and step == 1 and dim == 0:
+        return bucket_view(lw, src, int(start), tuple(shapes[0]))
     if isinstance(src, _Ids):
         total = lw.trace["data"][1][0] // src.parts
     else:
@@ -1481,6 +1541,9 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     if any(isinstance(p, (_Gathered, _Packed, _ChunkCat)) for p in items):
         raise LoweringError(f"{lw.name}: cat of a collective's buffer is not lowered")
     parts = [lw.val(a) for a in args[0]]
+    if len(parts) > 1 and all(len(s) == 1 for s in shapes) and all(p in lw.flat_of for p in parts):
+        # flattened tensors side by side (a flat gradient bucket by hand)
+        return Bucket(tuple(lw.flat_of[p] for p in parts))
     if len(parts) == 1:
         return parts[0]
     return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
@@ -1492,6 +1555,8 @@ def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
     replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
     buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
+    if isinstance(buf, Bucket):
+        return [all_reduce_bucket(lw, buf, op, _pg(lw, args[1]))]
     if isinstance(buf, _ChunkCat) and (buf.group is not None or buf.chunks == 1):
         if buf.replicas is not None:
             raise LoweringError(f"{lw.name}: FSDP's reduced buffer all-reduced twice")
@@ -1876,6 +1941,7 @@ HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
     "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
     "aten.empty_like.default": lambda lw, args, kwargs, shapes, group: "empty",
+    "aten.new_empty.default": lambda lw, args, kwargs, shapes, group: "empty",
     "fsdp.all_gather_copy_in.default": _copy_in,
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
@@ -1895,6 +1961,7 @@ HANDLERS: dict[str, Any] = {
     "c10d.send.default": _send,
     "c10d.recv_.default": _recv,
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),
+    "aten.mul.out": _binary("mul", "mul_scalar"),
     "aten.mul.Scalar": _scalar("mul_scalar"),
     "aten.div.Scalar": _scalar("div"),
     "aten.rsqrt.default": _unary("rsqrt"),
@@ -1963,17 +2030,46 @@ HANDLERS: dict[str, Any] = {
     "aten.add_.Tensor": _add_pending(_binary("add", "add_scalar")),
     "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
+    **BUCKET_HANDLERS,
     "aten.where.self": _where_pending,
 }
 # lower_vocab_parallel reads this module's id types, so it is imported once they exist
 from backends.torch.lower_vocab_parallel import vocab_parallel_handlers  # noqa: E402
 
 HANDLERS.update(vocab_parallel_handlers(HANDLERS))
+# lower_masks reads the id types and wraps the entries above (lower_vocab_parallel's too)
+from backends.torch.lower_masks import mask_handlers  # noqa: E402
+
+HANDLERS.update(mask_handlers(HANDLERS))
 
 
-def lower_trace(trace: dict, vocab: int) -> Lowered:
-    """Lower one rank's trace (``backends.torch.rank.run``'s result)."""
-    lw = _Lowerer(trace, vocab)
+def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
+    """Lower every rank's trace (in rank order). A count of kept labels
+    all-reduced by a rank has, as its value, the sum of the group members'
+    recorded counts: each rank is lowered once to read its counts, and again
+    with the step's values when any rank all-reduces one (docs/soundness.md,
+    "Plans traced from PyTorch", 16)."""
+    first = [lower_trace(t, vocab, "collect") for t in traces]
+    if not any(low.count_reduces for low in first):
+        return first
+    by_rank = {low.rank: low.count_reduces for low in first}
+    counts = []
+    for low in first:
+        values = []
+        for k, (group, _) in enumerate(low.count_reduces):
+            members = [by_rank.get(m, []) for m in group]
+            if any(len(c) <= k or c[k][0] != group for c in members):
+                raise LoweringError(f"rank {low.rank}: its count all-reduce {k + 1} over ranks "
+                                    f"{list(group)} is not every member's {k + 1}th")
+            values.append(sum(c[k][1] for c in members))
+        counts.append(values)
+    return [lower_trace(t, vocab, c) for t, c in zip(traces, counts)]
+
+
+def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) -> Lowered:
+    """Lower one rank's trace (``backends.torch.rank.run``'s result);
+    ``counts`` as ``_Lowerer.counts`` (``lower_ranks`` gives them)."""
+    lw = _Lowerer(trace, vocab, counts=counts)
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
     for name, (v, full, dims) in trace["params"].items():
@@ -2017,7 +2113,7 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
-                   lw.empty_sums, lw.row_cuts)
+                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts)
 
 
 def check_shards(traces: list[dict]) -> None:

@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
+from backends.torch.hidden_memory import HiddenMemory, is_partial_view
+
 #: ops whose output is the input value itself (no computation).
 ALIASES = {
     "aten.detach.default", "aten.alias.default", "aten.clone.default",
@@ -46,7 +48,8 @@ class Recorder(TorchDispatchMode):
     def __init__(self, tracker: ModuleTracker):
         super().__init__()
         self.tracker = tracker
-        self.refs: dict[int, tuple[int, weakref.ref]] = {}
+        self.refs: dict[int, tuple[int, weakref.ref, int]] = {}
+        self.memory = HiddenMemory()  # buffers allocated before recording (DDP's buckets)
         self.shapes: list[tuple[int, ...]] = []
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
@@ -67,17 +70,43 @@ class Recorder(TorchDispatchMode):
         return v
 
     def bind(self, t: torch.Tensor, v: int) -> None:
-        self.refs[id(t)] = (v, weakref.ref(t))
+        self.refs[id(t)] = (v, weakref.ref(t), self.memory.generation(t))
 
     def value(self, t: torch.Tensor) -> int | None:
+        """The value ``t`` holds; None when unknown, or when ``t`` is memory
+        tracked by ``self.memory`` written since ``t`` was bound."""
         entry = self.refs.get(id(t))
         if entry is None or entry[1]() is not t:
             return None
+        if self.memory and entry[2] != self.memory.generation(t):
+            return None
         return entry[0]
+
+    def current(self, t: torch.Tensor) -> int | None:
+        """The value ``t`` holds now: as bound, or read from tracked memory."""
+        v = self.value(t)
+        return v if v is not None else self.from_memory(t)
+
+    def from_memory(self, t: torch.Tensor) -> int | None:
+        """``t`` read from tracked memory (``HiddenMemory``): the value of
+        the region it is, or a new value recorded as a slice of a region
+        (``mem.slice``) or the concatenation of regions (``mem.cat``)."""
+        read = self.memory.read(t) if self.memory else None
+        if read is None:
+            return None
+        if read.kind == "same" and self.shapes[read.values[0]] == tuple(t.shape):
+            self.bind(t, read.values[0])
+            return read.values[0]
+        v = self.new_value(t)
+        op, args = "mem.cat", [[("v", x) for x in read.values], list(t.shape)]
+        if read.kind != "cat":  # a slice, or the region seen with another shape
+            op, args = "mem.slice", [("v", read.values[0]), read.offset, list(t.shape)]
+        self.events.append((op, [args, {}], [v], [tuple(t.shape)], self.scope(), None, self.mb))
+        return v
 
     def arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
-            v = self.value(a)
+            v = self.current(a)
             if v is None and a.numel() > 0:
                 v = self.storage_view(a)
             if v is None:
@@ -164,6 +193,8 @@ class Recorder(TorchDispatchMode):
         """An op whose tensor arguments (``tensors``) are all constants (or
         that has none) computes a constant, unless it communicates or leaves
         memory unset."""
+        if name == "c10d.broadcast_.default":  # equal on every member (lower_buckets)
+            return all(self.value(a) in self.constants for a in tensors)
         if name.startswith(("c10d", "_c10d_functional", "fsdp")) or "empty" in name:
             return False
         return all(self.value(a) in self.constants for a in tensors)
@@ -187,11 +218,15 @@ class Recorder(TorchDispatchMode):
                for a in tensors):
             return NotImplemented
         name = str(func)
+        unseen = {id(a) for a in tensors if self.value(a) is None}
         self.refresh_constants(tensors)
         constant = self.is_constant_op(name, tensors)
+        buffer = constant and any(self.value(a) in self.from_buffer for a in tensors)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
+        if name.startswith("c10d."):
+            out = with_completed_work(out)
         outs = tensors_in(out)
         if "out" in kwargs and not outs:
             outs = tensors_in(kwargs["out"])
@@ -206,10 +241,10 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        self.record_writes(outs, ids, {id(a) for a in tensors}, unseen)
         if not constant:
             self.tainted.update(s for s in map(_storage, outs) if s in self.const_storages)
         if constant:
-            buffer = any(self.value(a) in self.from_buffer for a in tensors)
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
         if name == "aten.as_strided.default":
@@ -222,9 +257,39 @@ class Recorder(TorchDispatchMode):
             if base is not None and base.numel() == o.numel() and self.value(base) is not None:
                 # a write through a view of a whole buffer writes the buffer
                 b = self.new_value(base)
+                if v in self.constants:
+                    self.mark_constant(base, b, v in self.from_buffer)
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
+
+
+    def record_writes(self, outs: list[torch.Tensor], ids: list[int], inputs: set[int],
+                      unseen: set[int]) -> None:
+        """Outputs written in place (or through ``out=``) into memory that
+        ``self.memory`` tracks, or into part of a larger memory through a view
+        no recorded op made (a C++ buffer): the memory now holds them."""
+        for o, v in zip(outs, ids):
+            if id(o) not in inputs or not o.is_contiguous():
+                continue
+            tracked = self.memory and self.memory.tracks(_storage(o))
+            if tracked or (id(o) in unseen and is_partial_view(o)):
+                self.memory.write(o, v)
+                self.bind(o, v)
+
+
+def with_completed_work(out: Any) -> Any:
+    """A c10d op's ``(tensors, work)`` with the fake group's work, whose
+    future holds no value, replaced by a completed one holding the tensors,
+    as a real group's does: DDP's reducer and comm hooks read the reduced
+    bucket from that future (``fut.value()[0]``)."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list)
+            and isinstance(out[1], torch.ScriptObject)):
+        return out
+    from torch._C._distributed_c10d import _create_work_from_future
+    future = torch.futures.Future()
+    future.set_result(out[0])
+    return out[0], _create_work_from_future(future).boxed()
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -317,6 +382,20 @@ def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
     return None
 
 
+def is_tensor_parallel_dim(mesh, mesh_dim: int, layout: tuple[int, int, int]) -> bool:
+    """The mesh dim's ranks (through this rank) are exactly the backend's
+    tensor-parallel ranks of this rank's stage and data-parallel index, in
+    order: it is the "tp" axis whatever its name."""
+    _, dp, tp = layout
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    index = list(coordinate)
+    index[mesh_dim] = slice(None)
+    ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten()]
+    return len(ranks) == tp and ranks == list(range(ranks[0], ranks[0] + tp)) and ranks[0] % tp == 0
+
+
 def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
               split: dict[str, int] | None = None) -> list[list[str]]:
     """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer
@@ -334,6 +413,9 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
             split = {} if split is None else split
             for mesh_dim, name in enumerate(names):
                 if name in ("pp", "tp"):
+                    continue
+                if name != "dp" and is_tensor_parallel_dim(mesh, mesh_dim, layout):
+                    names[mesh_dim] = "tp"  # a dim of the user's own name over the tp ranks
                     continue
                 axis = data_parallel_axis(mesh, mesh_dim, layout, split)
                 if axis is None and name == "dp" and mesh.size(mesh_dim=mesh_dim) > 1:
