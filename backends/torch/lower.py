@@ -699,7 +699,7 @@ def _to_classes(lw: _Lowerer, labels: int, classes: int, target: Any) -> int:
     (a classifier's labels ``labels[:, 0] % classes``): exact on the
     recorded labels, which all lie below ``classes`` (checked), so the
     columns cut off are zero in every row (docs/soundness.md, "Plans traced
-    from PyTorch", 19)."""
+    from PyTorch", 18)."""
     width = lw.shapes[labels][-1]
     if width == classes:
         return labels
