@@ -7,11 +7,11 @@ into it). It stays a ``Bucket``, the list of its pieces, and is never
 built: an elementwise op on it (the hook's division by the world size) is
 applied to each piece, its all-reduce is one all-reduce per piece, and a
 view of it at a piece's offset (the copy back into the gradient) is that
-piece. docs/soundness.md, "Plans traced from PyTorch", 20, says why this
+piece. docs/soundness.md, "Plans traced from PyTorch", 19, says why this
 is the same computation: an all-reduce is elementwise across the group,
 and the members' buckets are cut at the same offsets
 (``check_bucket_layouts``). A broadcast is lowered only when it sends
-constants every member holds alike (``check_broadcasts``; item 21).
+constants every member holds alike (``check_broadcasts``; item 20).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def broadcast(lw: Any, args, kwargs, shapes, group) -> list:
 def check_bucket_layouts(lows: list) -> None:
     """Every member of a bucket's all-reduce cuts its k-th bucket on that
     group at the same offsets (docs/soundness.md, "Plans traced from
-    PyTorch", 20)."""
+    PyTorch", 19)."""
     seen: dict[tuple[tuple[int, ...], int], tuple[int, tuple[int, ...]]] = {}
     for low in lows:
         count: dict[tuple[int, ...], int] = {}
@@ -151,7 +151,7 @@ def check_bucket_layouts(lows: list) -> None:
 def check_broadcasts(traces: list[dict]) -> None:
     """Every member of a broadcast of constants holds, in its k-th
     broadcast on that group, the root's values (docs/soundness.md, "Plans
-    traced from PyTorch", 21): the broadcast then changes nothing. Only
+    traced from PyTorch", 20): the broadcast then changes nothing. Only
     broadcasts the loss or the gradients depend on are checked (DDP's
     exchange of shapes at its construction is not)."""
     from backends.torch.lower import live_events

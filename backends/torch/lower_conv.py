@@ -18,7 +18,8 @@ taps, the padding cut off), and the bias gradient the sum over the batch
 and the positions. Every step is a slice (``narrow``), a concatenation
 with zeros (``cat``), a reshape, an ``einsum``, an ``add`` or a ``sum``:
 exact rules, so the lowering equals the kernel in exact real arithmetic
-(checked against torch autograd in float64 by the tests).
+(docs/soundness.md, "Plans traced from PyTorch", 17; checked against torch
+autograd in float64 by the tests).
 """
 
 from __future__ import annotations

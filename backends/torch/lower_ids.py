@@ -5,7 +5,7 @@ backward kernels of both (``index_put`` with ``accumulate`` into zeros,
 ``scatter_add`` into zeros).
 
 In a plan, ids are one-hot rows ``[..., vocab]`` (docs/soundness.md, "Plans
-traced from PyTorch", 19): indexing a table of ``vocab`` rows by ids is the
+traced from PyTorch", 18): indexing a table of ``vocab`` rows by ids is the
 one-hot rows times the table (the ``embedding`` rule), and picking along
 the last dim of a ``[..., vocab]`` tensor is the row sum of the tensor times
 the one-hot rows. Both are exact for ids in ``[0, vocab)``, the only ids
@@ -163,7 +163,7 @@ def scatter_add(lw: Any, args, kwargs, shapes, group):
 def scatter_one(lw: Any, args, kwargs, shapes, group):
     """``zeros(..., C).scatter_(-1, ids.unsqueeze(-1), 1)`` (``F.one_hot``):
     the one-hot rows, their first C columns (the recorded ids all lie below
-    C, checked: the columns cut off are zero, item 19)."""
+    C, checked: the columns cut off are zero, item 18)."""
     zeros = constant_value(lw, args[0])
     ids = _ids(lw, args[2])
     value = lw.const(args[3]) if len(args) > 3 else None

@@ -2,7 +2,7 @@
 Hardtanh/ReLU6, ELU/SELU/CELU, Softplus, Mish, GLU), each written with the
 rule table's operators so that the composition equals the kernel's function
 in exact real arithmetic, branch conditions included (docs/soundness.md,
-"Plans traced from PyTorch", 18).
+"Plans traced from PyTorch", 17).
 
 Handlers have the signature of ``backends.torch.lower.HANDLERS``:
 ``(lowerer, args, kwargs, out_shapes, group) -> value``. A branch of a

@@ -108,7 +108,7 @@ def _run(spec: dict, rank: int) -> dict:
     split: dict[str, int] = {}  # HSDP's shard count, when a parameter is sharded on part of dp
     for name, p in model.named_parameters():
         params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p, layout, split))
-        rec.register_storage(local_of(p), params[name][0])
+        rec.register_storage(local_of(p), params[name][0], shard=True)
     buffers = {}
     for name, b in model.named_buffers():
         causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]

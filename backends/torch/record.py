@@ -61,7 +61,7 @@ class Recorder(TorchDispatchMode):
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
         self.storages: dict[tuple[int, int, int], int] = {}
-        self.empty_shards: dict[tuple[int, int], int] = {}  # memory of a parameter with no rows
+        self.shard_starts: dict[tuple[int, int], tuple[int, int]] = {}  # a shard's memory -> (value, numel)
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
@@ -141,14 +141,15 @@ class Recorder(TorchDispatchMode):
             return "script-object"
         return repr(a)
 
-    def register_storage(self, t: torch.Tensor, v: int) -> None:
-        """Remember a parameter's storage: FSDP reads it through other tensor
-        objects (flat views of the same memory). A rank's empty shard (FSDP2
-        gives it no rows of a dim the group size exceeds) is a view of FSDP's
-        padding buffer, which its all-gather reads."""
+    def register_storage(self, t: torch.Tensor, v: int, shard: bool = False) -> None:
+        """Remember a tensor's storage: FSDP reads a parameter through other
+        tensor objects (flat views of the same memory). For a parameter's
+        local ``shard`` also where it starts: FSDP2 pads a shard of a dim the
+        group size does not divide to its full chunk (an empty shard is all
+        padding), and its all-gather reads the shard with its padding."""
         self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())] = v
-        if t.numel() == 0:
-            self.empty_shards[(t.untyped_storage().data_ptr(), t.storage_offset())] = v
+        if shard:
+            self.shard_starts[(t.untyped_storage().data_ptr(), t.storage_offset())] = (v, t.numel())
 
     def storage_view(self, t: torch.Tensor) -> int | None:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
@@ -157,12 +158,13 @@ class Recorder(TorchDispatchMode):
             return None
         op = "aten.view.default"
         if src is None:
-            # the padding buffer of an empty shard, read whole: recorded as
-            # that (its values are not recorded; no lowering reads them)
-            src = self.empty_shards.get(key[:2])
-            op = "fsdp.empty_shard_padding"
-        if src is None:
-            return None
+            # a parameter's shard read with FSDP2's padding rows after it:
+            # recorded as that (the padding's values are not recorded; no
+            # lowering reads them)
+            shard = self.shard_starts.get(key[:2])
+            if shard is None or shard[1] >= t.numel():
+                return None
+            src, op = shard[0], "fsdp.padded_shard"
         v = self.new_value(t)
         self.events.append((op, [[("v", src), list(t.shape)], {}], [v],
                             [tuple(t.shape)], self.scope(), None, self.mb))
