@@ -53,6 +53,21 @@ def test_ddp_on_a_shared_out_loss_fails_at_its_division() -> None:
     assert not judge(plan_s, plan_p).right
 
 
+def test_composable_replicate_verifies_and_averages() -> None:
+    """``replicate(model)`` builds DDP's reducer at its first forward; the
+    rank builds it after the recipe, before the traced step: the per-rank
+    mean verifies, the loss already shared out ends 1/dp (as a real gloo
+    run does)."""
+    plan_s, plan_p = plans(f"--model mlp_mean --recipe {R}replicate_dp --dp 2 --tp 1")
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    assert judge(plan_s, plan_p).right
+    plan_s, plan_p = plans(f"--model mlp --recipe {R}replicate_dp --dp 2 --tp 1")
+    verdict = verify(plan_s, plan_p)
+    assert not verdict.success and "rank" in verdict.message
+    assert not judge(plan_s, plan_p).right
+
+
 def test_ddp_gradients_as_bucket_views_verify() -> None:
     """With ``gradient_as_bucket_view`` the gradient is the bucket's view,
     bound before the in-place all-reduce: it is read again from memory."""
