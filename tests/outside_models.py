@@ -665,8 +665,9 @@ class _ConvBlock(nn.Module):
 
 
 class ConvTagger(nn.Module):
-    """Token embedding, a tower of ``_ConvBlock``s and a per-token head; the
-    cross-entropy summed over the rank's tokens, its share of the step's."""
+    """Token embedding, a tower of ``_ConvBlock``s, the features standardized
+    by hand (``x.std``), a per-token head; the cross-entropy summed over the
+    rank's tokens, its share of the step's."""
 
     def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
         super().__init__()
@@ -680,6 +681,7 @@ class ConvTagger(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
+        x = (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-5)
         loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
         return _share(loss, self, labels.numel())
 

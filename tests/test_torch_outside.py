@@ -84,6 +84,11 @@ LAYERS = {
     "conv1d_same": lambda m, x: m["conv"](x.transpose(1, 2)).transpose(1, 2),
     "conv1d_strided_dilated_grouped": lambda m, x: m["lin"](
         m["conv_sdg"](x.transpose(1, 2)).repeat(1, 1, 2).transpose(1, 2)),
+    "std_normalized": lambda m, x: (m["lin"](x) - x.mean(-1, keepdim=True))
+    / (x.std(-1, keepdim=True) + 1e-5),
+    "std_population_over_tokens": lambda m, x: m["lin"](x) * torch.std(x, dim=1, correction=0,
+                                                                       keepdim=True),
+    "std_of_everything": lambda m, x: m["lin"](x) * m["lin"](x).std(),
     "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
 }
 LOSSES = {

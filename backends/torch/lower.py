@@ -350,6 +350,7 @@ class _Lowerer:
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
+    stds: set[int] = field(default_factory=set)  # standard deviations (lower_std)
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     event: int = -1  # the event being lowered
@@ -2078,6 +2079,9 @@ HANDLERS.update(id_handlers(HANDLERS))
 from backends.torch.lower_compose import compose_handlers  # noqa: E402
 
 HANDLERS.update(compose_handlers(HANDLERS))
+from backends.torch.lower_std import std_handlers  # noqa: E402
+
+HANDLERS.update(std_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:

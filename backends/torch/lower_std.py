@@ -1,0 +1,81 @@
+"""Lowering of ``aten.std`` (``x.std()``, ``torch.std(dim, correction)``)
+and of the guard of its backward.
+
+The standard deviation is ``pow(var, 0.5)`` with ``var`` the ``var``
+lowering (``lower_more.var``) and the root uninterpreted, as every
+non-linear function. Autograd's backward of ``std`` is
+``(g / (2 s)).masked_fill_(s == 0, 0)`` handed to ``var``'s backward,
+which multiplies it by ``2 (x - mean(x)) / (n - correction)``; the fill is
+the identity here, because where ``s = 0`` every ``x`` along the reduced
+dims equals their mean and the product is 0 whatever the filled value
+(docs/soundness.md, "Plans traced from PyTorch", 17).
+
+Registered by ``lower.py`` over its own table: the comparison and the fill
+take their own cases and hand every other on to the handler they wrap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from backends.torch.errors import LoweringError
+from backends.torch.lower_more import var
+
+Handler = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class StdIsZero:
+    """``s == 0`` for ``s`` a lowered standard deviation, pending until the
+    backward's fill reads it."""
+    std: int
+
+
+def std(lw: Any, args, kwargs, shapes, group):
+    s = lw.emit("pow", [var(lw, args, kwargs, shapes, group)], shapes, {"exponent": 0.5})[0]
+    lw.stds.add(s)
+    return s
+
+
+def _arg(lw: Any, a: Any) -> Any:
+    return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
+
+
+def std_is_zero(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        s = _arg(lw, args[0])
+        if isinstance(s, int) and s in lw.stds and lw.const(args[1]) == 0:
+            return StdIsZero(s)
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def _twice(lw: Any, t: int, s: int) -> bool:
+    """t is ``s * 2`` (the backward's ``mul.Scalar(result, 2)``)."""
+    return any(n.outs == [t] and n.op == "mul_scalar" and n.ins == [s]
+               and n.kwargs.get("value") == 2.0 for n in reversed(lw.nodes))
+
+
+def std_guard(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        mask = _arg(lw, args[1])
+        if not isinstance(mask, StdIsZero):
+            return base(lw, args, kwargs, shapes, group)
+        q = lw.val(args[0])
+        quotient = lw.quotients.get(q)
+        if quotient is None or not _twice(lw, quotient[1], mask.std) or lw.const(args[2]) != 0:
+            raise LoweringError(f"{lw.name}: a fill where a standard deviation is 0 of other than "
+                                f"its backward's g / (2 std) is not lowered")
+        return q
+    return lower
+
+
+def std_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
+    """The entries this module adds to or wraps in ``table`` (lower.py's)."""
+    return {
+        "aten.std.correction": std,
+        "aten.eq.Scalar": std_is_zero(table["aten.eq.Scalar"]),
+        "aten.masked_fill_.Scalar": std_guard(table["aten.masked_fill_.Scalar"]),
+    }
