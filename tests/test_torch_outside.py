@@ -89,6 +89,9 @@ LAYERS = {
     "std_population_over_tokens": lambda m, x: m["lin"](x) * torch.std(x, dim=1, correction=0,
                                                                        keepdim=True),
     "std_of_everything": lambda m, x: m["lin"](x) * m["lin"](x).std(),
+    "cosine_similarity_gate": lambda m, x: m["lin"](x) * F.cosine_similarity(
+        m["lin"](x), x, dim=-1).unsqueeze(-1),
+    "normalize": lambda m, x: F.normalize(m["lin"](x), dim=-1),
     "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
 }
 LOSSES = {

@@ -136,6 +136,9 @@ def compose_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         # in-place forms of activations (recurrent cells write their gates in place)
         **{f"aten.{op}_.default": table[f"aten.{op}.default"] for op in ("sigmoid", "tanh", "relu")},
         "aten.transpose_.default": table["aten.transpose.int"],
+        # clamp_min by a one-value constant tensor (F.cosine_similarity's eps) is clamp by its value
+        "aten.clamp_min.Tensor": table["aten.clamp_min.default"],
+        "aten.clamp_min_.Tensor": table["aten.clamp_min.default"],
         "aten.tril.default": triangle(np.tril),
         "aten.triu.default": triangle(np.triu),
     }
