@@ -92,6 +92,10 @@ LAYERS = {
     "cosine_similarity_gate": lambda m, x: m["lin"](x) * F.cosine_similarity(
         m["lin"](x), x, dim=-1).unsqueeze(-1),
     "normalize": lambda m, x: F.normalize(m["lin"](x), dim=-1),
+    # max pooling over the tokens (kept) and over the features; ties share the gradient
+    "amax_pool_tokens": lambda m, x: m["lin"](x) + m["lin"](x).amax(1, keepdim=True),
+    "amax_of_features": lambda m, x: x * m["lin"](x).amax(-1).unsqueeze(-1),
+    "amax_with_ties": lambda m, x: m["lin"](x).clamp(max=0.0).amax(-1, keepdim=True) * x,
     "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
 }
 LOSSES = {

@@ -2082,6 +2082,9 @@ HANDLERS.update(compose_handlers(HANDLERS))
 from backends.torch.lower_std import std_handlers  # noqa: E402
 
 HANDLERS.update(std_handlers(HANDLERS))
+from backends.torch.lower_max import max_handlers  # noqa: E402
+
+HANDLERS.update(max_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
