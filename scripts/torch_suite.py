@@ -398,6 +398,13 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {USER_MODELS}conv_tagger --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
     ("outside conv_tagger ddp_linear_only bug",
      f"--model {USER_MODELS}conv_tagger --recipe {MISTAKES}ddp_linear_only --dp 2 --tp 1", 1),
+    # max pooling over time with torch.amax (ties share the gradient), per-rank mean loss
+    ("outside conv_pool_classifier ddp_avg dp2",
+     f"--model {USER_MODELS}conv_pool_classifier --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("outside conv_pool_classifier fsdp default dp2",
+     f"--model {USER_MODELS}conv_pool_classifier --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
+    ("outside conv_pool_classifier summed over dp bug",
+     f"--model {USER_MODELS}conv_pool_classifier --recipe {STOCK}ddp --dp 2 --tp 1", 1),
 ]
 
 

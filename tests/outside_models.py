@@ -686,6 +686,28 @@ class ConvTagger(nn.Module):
         return _share(loss, self, labels.numel())
 
 
+class ConvPoolClassifier(nn.Module):
+    """A text CNN: embeddings, ``nn.Conv1d`` filters of widths 2 and 3 over
+    the sequence, ReLU, max pooling over time written ``torch.amax``, a
+    classification head on the concatenated pools, ``F.cross_entropy``
+    against ``labels[:, 0] % 3`` (a mean over the rank's rows). The convs
+    sit in ``blocks`` for the stock recipes."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
+                 classes: int = 3):
+        super().__init__()
+        del layers, heads, seqlen
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(nn.Conv1d(hidden, ffn, width, padding=width - 1) for width in (2, 3))
+        self.classifier = nn.Linear(2 * ffn, classes)
+        self.classes = classes
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).transpose(1, 2)
+        pooled = torch.cat([torch.amax(F.relu(conv(x)), dim=-1) for conv in self.blocks], dim=-1)
+        return F.cross_entropy(self.classifier(pooled), labels[:, 0] % self.classes)
+
+
 # -- refused: not exact arithmetic -----------------------------------------------------------
 
 
@@ -792,6 +814,10 @@ def batchnorm_regressor(**kw) -> BatchNormRegressor:
 
 def conv_tagger(**kw) -> ConvTagger:
     return ConvTagger(**kw)
+
+
+def conv_pool_classifier(**kw) -> ConvPoolClassifier:
+    return ConvPoolClassifier(**kw)
 
 
 def partial_write(**kw) -> PartialWrite:

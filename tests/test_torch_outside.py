@@ -31,7 +31,7 @@ FLOAT32 = {"einsum_lm"}
 
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
-          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger"]
+          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier"]
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -911,6 +911,9 @@ class _Rank:
                 dims = [list(tokens.dims[-1]), list(grad.dims[-1])]
                 extra = {a for d in grad.dims[:-1] for a in d}
                 self.claim[o] = Claim(dims, frozenset(partial | extra), mbs)
+            elif node.op == "max":  # the gradient has the shape, and the layout, of the input
+                self.claim[o] = Claim([list(d) for d in self.claim[node.ins[0]].dims],
+                                      frozenset(partial), mbs)
             else:
                 self.claim[o] = Claim([list(d) for d in grad.dims], frozenset(partial), mbs)
             self.check(o)

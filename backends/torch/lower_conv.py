@@ -15,8 +15,8 @@ the output gradient with the weight), the windows' gradient put back by
 the adjoint of the windowing (each tap's gradient spread with zeros
 between strided positions, padded with zeros to its place and summed over
 taps, the padding cut off), and the bias gradient the sum over the batch
-and the positions. Every step is a slice (``narrow``), a concatenation
-with zeros (``cat``), a reshape, an ``einsum``, an ``add`` or a ``sum``:
+and the positions. Every step is a slice (``narrow``), a zero padding
+(``narrow``'s backward), a concatenation (``cat``), a reshape, an ``einsum``, an ``add`` or a ``sum``:
 exact rules, so the lowering equals the kernel in exact real arithmetic
 (docs/soundness.md, "Plans traced from PyTorch", 17; checked against torch
 autograd in float64 by the tests).
@@ -74,10 +74,6 @@ def _per_dim(lw: Any, value: Any, n: int, what: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _zeros(lw: Any, shape: list[int]) -> int:
-    return lw.emit("zeros", [], [tuple(shape)], {"shape": list(shape)}, direction="none")[0]
-
-
 def _narrow(lw: Any, x: int, dim: int, start: int, length: int) -> int:
     shape = list(lw.shapes[x])
     if start == 0 and length == shape[dim]:
@@ -87,19 +83,16 @@ def _narrow(lw: Any, x: int, dim: int, start: int, length: int) -> int:
 
 
 def _pad(lw: Any, x: int, dim: int, before: int, after: int) -> int:
-    """x with ``before`` and ``after`` zeros along dim."""
-    parts = []
-    for width, at_end in ((before, False), (after, True)):
-        if width:
-            shape = list(lw.shapes[x])
-            shape[dim] = width
-            parts.append((at_end, _zeros(lw, shape)))
-    if not parts:
+    """x with ``before`` and ``after`` zeros along dim: the ``narrow`` rule's
+    backward (its input's gradient, zero outside the slice), so that the
+    zeros are laid out and scaled as x is on every rank."""
+    if not before and not after:
         return x
-    pieces = [p for end, p in parts if not end] + [x] + [p for end, p in parts if end]
     shape = list(lw.shapes[x])
+    length = shape[dim]
     shape[dim] += before + after
-    return lw.emit("cat", pieces, [tuple(shape)], {"dim": dim})[0]
+    return lw.emit("narrow", [-1, x], [tuple(shape)],
+                   {"dim": dim, "start": before, "length": length}, direction="bw")[0]
 
 
 def _cat(lw: Any, parts: list[int], dim: int) -> int:
