@@ -152,6 +152,20 @@ def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: st
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
 
 
+def probe_max_dim_values(**_kw) -> Probe:
+    return Probe(lambda m, x: m["lin"](x) + m["lin"](x).max(1, keepdim=True).values,
+                 lin=nn.Linear(H, H))
+
+
+def test_max_with_indices_is_refused_naming_why() -> None:
+    """``x.max(dim)``'s backward sends the gradient to the first maximum's
+    index (a choice by value); amax shares it among ties and is lowered."""
+    with pytest.raises(LoweringError) as e:
+        lower_trace(_single(f"{__name__}:probe_max_dim_values"), SIZES["vocab"])
+    assert "x.max(dim)" in str(e.value) and "first maximum" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def _verdict(argv: str):
     from backends.torch.__main__ import parser, resolve, trace_and_build
     from main import verify
@@ -169,6 +183,8 @@ def _verdict(argv: str):
     f"--model {OUTSIDE}:glu_tagger --recipe backends.torch.stock_recipes:fsdp --dp 2 --tp 1",
     # causal depthwise and pointwise nn.Conv1d (replicated) beside a Megatron-split MLP
     f"--model {OUTSIDE}:conv_tagger --recipe backends.torch.stock_recipes:tp_mlp --dp 2 --tp 2",
+    # nn.Conv1d filters, torch.amax pooling over time, a per-rank mean averaged over dp
+    f"--model {OUTSIDE}:conv_pool_classifier --recipe ddp_avg --dp 2 --tp 1",
 ])
 def test_outside_models_verify_in_parallel(argv: str) -> None:
     verdict, _ = _verdict(argv)
