@@ -54,7 +54,6 @@ class Arrays:
     t_tid: np.ndarray
     t_version: np.ndarray
     t_lver: np.ndarray
-    t_shape: np.ndarray  # interned shape
     t_producer: np.ndarray  # node writing the tensor, -1 for inputs
     n_rank: np.ndarray
     n_mb: np.ndarray
@@ -87,51 +86,72 @@ _NODE_CHUNK = 1 << 20
 
 
 def arrays(cols: Columns) -> Arrays:
-    """The check's arrays, by array operations over the columns."""
-    t, n = cols.tensors, cols.nodes
-    nn, nt = len(n), len(t)
-    off = t.slice_offsets(cols.logical)
-    ndim = np.diff(off)
-    width = int(ndim.max(initial=0))
-    narrow_slices = t.slices.dtype.itemsize <= 4
-    extents = np.full((nt, max(width, 1)), -1, dtype=np.int32 if narrow_slices else np.int64)
-    if nt and width:
-        row = np.repeat(np.arange(nt), ndim)
-        col = np.arange(len(row)) - np.repeat(off[:-1], ndim)
-        extents[row, col] = t.slices[:, 1] - t.slices[:, 0]
-        del row, col
-    t_shape = index_array(_rows_id(extents))
-    del extents
-    ranges = np.stack([n.in_start.astype(np.int64), n.in_count.astype(np.int64)], axis=1)
-    key = ranges[:, 0] * (int(ranges[:, 1].max(initial=0)) + 1) + ranges[:, 1]
-    distinct, first, n_ins = np.unique(key, return_index=True, return_inverse=True)
-    del key
-    starts, in_lengths = ranges[first, 0], ranges[first, 1]
-    del ranges, first
-    out_lengths = np.diff(n.out_off.astype(np.int64))
-    lengths = np.concatenate((in_lengths, out_lengths))
-    ptr = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=ptr[1:])
-    del lengths
-    gather = np.repeat(starts - ptr[:len(distinct)], in_lengths) + np.arange(
-        int(in_lengths.sum()))
-    flat = index_array(np.concatenate((n.inputs[gather], n.outputs)))
-    del gather
-    producer = np.full(nt, -1, dtype=np.int32 if nn <= _I32.max else np.int64)
-    written = n.outputs
-    owner = np.repeat(np.arange(nn, dtype=producer.dtype), out_lengths)
-    keep = written >= 0
-    producer[written[keep]] = owner[keep]
-    del owner, keep
+    """The check's arrays, by array operations over the columns, whose
+    mapped pages are let go once copied (verdict/columns.py, drop_pages).
 
-    return Arrays(
+    The input tuples are the distinct input ranges of the pool, in pool
+    order, then one empty tuple (nodes without inputs); the output tuples
+    follow, one per node. Ranges are told apart by their first entry: the
+    ranges of a plan are the same or disjoint (backends/columnar.py checks
+    it of a file; Columns.from_plan makes them so), which is checked here
+    again (ValueError: an internal error)."""
+    t, n = cols.tensors, cols.nodes
+    nn, nt, size = len(n), len(t), len(n.inputs)
+    index = np.int32 if max(nn, nt, size + len(n.outputs)) < _I32.max - 2 else np.int64
+    nodes = np.flatnonzero(n.in_count > 0).astype(index)
+    start = n.in_start[nodes].astype(index)
+    count = np.zeros(size + 1, dtype=index)
+    count[start] = n.in_count[nodes]
+    if not np.array_equal(count[start], n.in_count[nodes]):
+        raise ValueError("two input ranges start at one pool entry")
+    r_start = np.flatnonzero(count[:size] > 0).astype(index)
+    r_count = count[r_start]
+    del count
+    ends = r_start.astype(np.int64) + r_count
+    if (r_start[1:] < ends[:-1]).any():
+        raise ValueError("two input ranges overlap")
+    k = len(r_start)
+    tuple_at = np.full(size + 1, k, dtype=index)  # the empty tuple: k
+    tuple_at[r_start] = np.arange(k, dtype=index)
+    n_ins = np.full(nn, k, dtype=index)
+    n_ins[nodes] = tuple_at[start]
+    del tuple_at, start, nodes
+    in_total = int(r_count.sum(dtype=np.int64))
+    out_off = n.out_off
+    ptr = np.empty(k + 2 + nn, dtype=index)
+    ptr[0] = 0
+    np.cumsum(r_count, out=ptr[1:k + 1])
+    ptr[k + 1] = in_total  # the empty tuple
+    ptr[k + 2:] = out_off[1:].astype(np.int64) + in_total
+    flat = np.empty(in_total + len(n.outputs), dtype=index)
+    if in_total == size:  # every pool entry in a range (no gaps)
+        flat[:size] = n.inputs
+    else:
+        marks = np.zeros(size + 1, dtype=np.int8)
+        marks[r_start] = 1
+        marks[ends] -= 1
+        flat[:in_total] = n.inputs[np.cumsum(marks[:size], dtype=np.int8).astype(bool)]
+        del marks
+    del r_start, r_count, ends
+    flat[in_total:] = n.outputs
+    producer = np.full(nt, -1, dtype=index)
+    for lo in range(0, nn, _NODE_CHUNK):
+        hi = min(lo + _NODE_CHUNK, nn)
+        a, b = int(out_off[lo]), int(out_off[hi])
+        owner = np.repeat(np.arange(lo, hi, dtype=index), np.diff(out_off[lo: hi + 1]))
+        written = n.outputs[a:b]
+        keep = written >= 0
+        producer[written[keep]] = owner[keep]
+    out = Arrays(
         t_rank=index_array(t.rank), t_mb=index_array(t.mb), t_tid=index_array(t.tid),
-        t_version=index_array(t.version), t_lver=index_array(t.lver), t_shape=t_shape,
+        t_version=index_array(t.version), t_lver=index_array(t.lver),
         t_producer=producer, n_rank=index_array(n.rank), n_mb=index_array(n.mb),
         n_op=index_array(n.op), n_dir=index_array(n.dir), n_kw=index_array(n.kwargs),
-        n_ins=index_array(n_ins.reshape(-1)),
-        n_outs=index_array(len(distinct) + np.arange(nn)),
-        ptr=index_array(ptr), flat=flat, ops=tuple(cols.ops), slice_off=index_array(off))
+        n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
+        ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
+            cols.logical)))
+    cols.drop_pages()
+    return out
 
 
 def _rows_id(matrix: np.ndarray) -> np.ndarray:
@@ -491,11 +511,25 @@ class BlockCheck:
                   "it reads another replica's tensor outside a sum over the replicas")
         self.flag(bad_rows[t], node, f"its {what} holds rows outside its block")
         differ = ((self.t_cls[t] != self.t_cls[r]) | (cols.t_tid[t] != cols.t_tid[r])
-                  | (cols.t_shape[t] != cols.t_shape[r])
+                  | self.shapes_differ(t, r)
                   | (self.t_view[t] != self.t_view[r])
                   | (~chain & ((rel_t != rel_r) | (cols.t_version[t] != cols.t_version[r])
                                | (cols.t_lver[t] != cols.t_lver[r]))))
         self.flag(differ, node, f"another {what} tensor, shape, slice or dataflow", rep)
+
+    def shapes_differ(self, t: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """Whether tensors ``t`` and ``r`` (pairwise) differ in local shape:
+        in number of dims or in some dim's extent (its slice's end - start)."""
+        off, slices = self.cols.slice_off, self.p.tensors.slices
+        t_off, r_off = off[t], off[r]
+        nd = off[t + 1] - t_off
+        differ = nd != off[r + 1] - r_off
+        for k in range(int(nd.max(initial=0))):
+            m = np.flatnonzero((k < nd) & ~differ)
+            a = slices[t_off[m] + k].astype(np.int64)
+            b = slices[r_off[m] + k].astype(np.int64)
+            differ[m] = (a[:, 1] - a[:, 0]) != (b[:, 1] - b[:, 0])
+        return differ
 
     def check_chains(self) -> None:
         """(b), (f): per rank and gradient buffer, the microbatches'

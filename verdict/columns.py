@@ -93,8 +93,7 @@ class TensorColumns:
 
     def ndims(self, logical: Sequence[Logical]) -> Array:
         """Each tensor's number of dims (that of its logical tensor)."""
-        per_tid = np.array([len(t.shape) for t in logical], dtype=np.int64)
-        return per_tid[self.tid]
+        return narrow([len(t.shape) for t in logical])[self.tid]
 
     def slice_offsets(self, logical: Sequence[Logical]) -> Array:
         """T + 1 offsets: tensor i's slices are rows off[i]:off[i + 1] of ``slices``."""
