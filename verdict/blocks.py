@@ -354,27 +354,33 @@ class BlockCheck:
         class lacks a block or a step program of some replica."""
         cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
         nn = len(cols.n_rank)
-        slot = cols.n_mb + 1  # 0: outside microbatches
-        wide = n_cls.astype(np.int64)
-        block = (wide * dp + n_d) * (nm + 1) + slot
-        order = np.argsort(block, kind="stable")
+        blocks = (int(n_cls.max(initial=0)) + 1) * dp * (nm + 1)
+        kind = np.int32 if max(blocks, 2 * nn) < _I32.max else np.int64
+        n_cls = n_cls.astype(kind, copy=False)
+        slot = cols.n_mb.astype(kind) + 1  # 0: outside microbatches
+        block = (n_cls * dp + n_d.astype(kind, copy=False)) * (nm + 1) + slot
+        order = np.argsort(block, kind="stable").astype(kind)
         ids, starts, counts = np.unique(block[order], return_index=True, return_counts=True)
-        pos = np.empty(nn, dtype=np.int64)
-        pos[order] = np.arange(nn) - np.repeat(starts, counts)
+        starts, counts = starts.astype(kind), counts.astype(kind)
+        pos = np.empty(nn, dtype=kind)
+        pos[order] = np.arange(nn, dtype=kind) - np.repeat(starts, counts)
         self.check_present(ids)
-        rep_d = 0 if self.rep_of_d is None else self.rep_of_d[n_d]
+        own_size = counts[np.searchsorted(ids, block).astype(kind)]
+        del block
+        rep_d = 0 if self.rep_of_d is None else self.rep_of_d.astype(kind)[n_d]
         rep_slot = np.minimum(slot, 1) if self.rep_of_m is None else \
-            np.where(slot > 0, self.rep_of_m[np.maximum(cols.n_mb, 0)] + 1, 0)
-        rep_block = (wide * dp + rep_d) * (nm + 1) + rep_slot
-        del wide
-        where = np.searchsorted(ids, rep_block)
-        where = np.minimum(where, len(ids) - 1)
+            np.where(slot > 0, self.rep_of_m.astype(kind)[np.maximum(cols.n_mb, 0)] + 1, 0)
+        del slot
+        rep_block = (n_cls * dp + rep_d) * (nm + 1) + rep_slot
+        del rep_d, rep_slot
+        where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1).astype(kind)
         found = ids[where] == rep_block
+        del rep_block
         size = np.where(found, counts[where], 0)
-        rep = index_array(np.where(found & (pos < size),
-                                   order[np.minimum(starts[where] + pos, nn - 1)], -1))
-        own_size = counts[np.searchsorted(ids, block)]
-        nodes = np.arange(nn)
+        found &= pos < size
+        rep = index_array(np.where(found, order[np.minimum(starts[where] + pos, nn - 1)], -1))
+        del found, pos
+        nodes = np.arange(nn, dtype=kind)
         self.flag(own_size != size, nodes, "its block has another number of nodes than the "
                   "representative's", np.where(rep >= 0, rep, order[starts[where]]))
         return rep
@@ -570,20 +576,21 @@ class BlockCheck:
         cols, p = self.cols, self.p
         is_end = getattr(self, "is_end", np.zeros(len(cols.t_rank), dtype=bool))
         sums = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)[cols.n_op]
-        # every inputs tuple is some node's (arrays() numbers the distinct ones)
-        tuples = np.arange(len(cols.ptr) - 1 - len(cols.n_rank))
-        lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
-        spans = _spans(cols.ptr, tuples)
-        ts = cols.flat[spans]
-        end_ok = np.ones(len(tuples), dtype=bool)
+        # the input tuples (every one some node's, or the empty one) lie first in
+        # flat, one after the other (arrays())
+        n_in = len(cols.ptr) - 1 - len(cols.n_rank)
+        ptr_in = cols.ptr[:n_in + 1]
+        lengths = np.diff(ptr_in)
+        ts = cols.flat[:int(ptr_in[-1])]
+        end_ok = np.ones(n_in, dtype=bool)
         if len(ts):
             bad = (ts < 0) | ~is_end[np.maximum(ts, 0)]
             nonempty = lengths > 0
-            starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-            end_ok[nonempty] = ~np.logical_or.reduceat(bad, starts[nonempty])
-        sums_ends = np.zeros(len(cols.n_ins), dtype=bool)
-        sums_ends[:] = end_ok[cols.n_ins] & sums
-        nodes = np.arange(len(cols.n_ins))
+            end_ok[nonempty] = ~np.logical_or.reduceat(bad, ptr_in[:-1][nonempty])
+            del bad, nonempty
+        sums_ends = end_ok[cols.n_ins] & sums
+        del sums, end_ok
+        nodes = np.arange(len(cols.n_ins), dtype=cols.n_ins.dtype)
         self.flag(orbit & (~sums_ends | (cols.n_mb != -1)), nodes,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
         sums = np.flatnonzero(orbit & sums_ends)
@@ -604,13 +611,7 @@ class BlockCheck:
         own = valid & (member >= 0) & (cols.t_rank[np.maximum(member, 0)] == cols.n_rank[sums])
         self.flag(~not_whole & ~own, sums, "its index is not its own position in the group")
         # (f) the gradient buffer a rank ends with
-        outs = _spans(cols.ptr, cols.n_outs)
-        writer = np.repeat(nodes, cols.ptr[cols.n_outs + 1] - cols.ptr[cols.n_outs])
-        t = cols.flat[outs]
-        keep = t >= 0
-        t, writer = t[keep], writer[keep]
-        g = self.t_gradbuf[t]
-        t, writer = t[g], writer[g]
+        t, writer = self.gradbuf_writes(n_in)
         if not len(t):
             return
         key = cols.t_rank[t].astype(np.int64) * (len(p.logical) + 1) + cols.t_tid[t]
@@ -621,6 +622,25 @@ class BlockCheck:
         ok = (self.is_acc[w] & is_end[out]) | sums_ends[w]
         self.flag(~ok, w, "the gradient buffer a rank ends with must be its accumulation's last "
                   "output or a sum of those (a reducer)")
+
+    def gradbuf_writes(self, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+        """The gradient buffers written and their writers, in node order:
+        the output tuples lie after the ``n_in`` input tuples in flat, one
+        per node (arrays()); read a chunk of nodes at a time."""
+        cols = self.cols
+        nn = len(cols.n_rank)
+        out_ptr = cols.ptr[n_in:]
+        found_t, found_w = [np.zeros(0, dtype=cols.flat.dtype)], [np.zeros(0, dtype=np.int64)]
+        for lo in range(0, nn, _NODE_CHUNK):
+            hi = min(lo + _NODE_CHUNK, nn)
+            t = cols.flat[int(out_ptr[lo]): int(out_ptr[hi])]
+            writer = np.repeat(np.arange(lo, hi), np.diff(out_ptr[lo: hi + 1]))
+            keep = t >= 0
+            t, writer = t[keep], writer[keep]
+            g = self.t_gradbuf[t]
+            found_t.append(t[g])
+            found_w.append(writer[g])
+        return np.concatenate(found_t), np.concatenate(found_w)
 
     def whole_orbit(self, members: np.ndarray) -> bool:
         """Every replica the same number of times with the same other
