@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.columns import Columns
+from verdict.columns import Columns, drop_pages
 from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, _Layout, batch_dims
 from verdict.lineage import StructureError
 from verdict.ops import get_op
@@ -80,7 +80,22 @@ def index_array(values: np.ndarray) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def small_array(values: np.ndarray, *limits: int) -> np.ndarray:
+    """A copy of ``values`` (never a view of a mapped column) as int16 when
+    they and ``limits`` (constants the check compares them with) fit in
+    -32768..32767, else :func:`index_array`'s type. For arrays that are only
+    compared, used as indices or cast before arithmetic."""
+    a = np.asarray(values)
+    low = min([int(a.min())] + list(limits)) if len(a) else 0
+    high = max([int(a.max())] + list(limits)) if len(a) else 0
+    if _I16.min <= low and high <= _I16.max:
+        return np.array(a, dtype=np.int16)
+    out = index_array(a)
+    return np.array(out) if out is a or out.base is not None else out
+
+
 _I32 = np.iinfo(np.int32)
+_I16 = np.iinfo(np.int16)
 #: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
 _NODE_CHUNK = 1 << 20
 
@@ -143,10 +158,10 @@ def arrays(cols: Columns) -> Arrays:
         keep = written >= 0
         producer[written[keep]] = owner[keep]
     out = Arrays(
-        t_rank=index_array(t.rank), t_mb=index_array(t.mb), t_tid=index_array(t.tid),
-        t_version=index_array(t.version), t_lver=index_array(t.lver),
+        t_rank=index_array(t.rank), t_mb=small_array(t.mb, -3), t_tid=index_array(t.tid),
+        t_version=small_array(t.version), t_lver=small_array(t.lver),
         t_producer=producer, n_rank=index_array(n.rank), n_mb=index_array(n.mb),
-        n_op=index_array(n.op), n_dir=index_array(n.dir), n_kw=index_array(n.kwargs),
+        n_op=small_array(n.op), n_dir=small_array(n.dir), n_kw=small_array(n.kwargs),
         n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
         ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
             cols.logical)))
@@ -265,8 +280,9 @@ class BlockCheck:
             raise StructureError("symmetry", "a node runs on a rank outside the world's layout")
         if nn and (int(cols.n_mb.max()) >= nm or int(cols.n_mb.min()) < -1):
             raise StructureError("symmetry", f"a node runs a microbatch outside 0..{nm - 1}")
-        self.n_cls, self.n_d = self.split(cols.n_rank)
-        self.t_cls, self.t_d = self.split(cols.t_rank)
+        classes = self.pp * self.cp * self.tp
+        self.n_cls, self.n_d = (small_array(a, dp, classes) for a in self.split(cols.n_rank))
+        self.t_cls, self.t_d = (small_array(a, dp, classes) for a in self.split(cols.t_rank))
         kinds = [lg.kind for lg in self.p.logical] or [""]
 
         def of_kind(*which: str) -> np.ndarray:
@@ -276,6 +292,7 @@ class BlockCheck:
         self.t_gradbuf = of_kind("gradbuf")
         self.check_offsets(of_kind("data", "tokens"))
         self.t_view, bad_rows = self.input_views()
+        drop_pages(self.p.tensors.slices, self.p.tensors.parts)
         rep = self.representatives(self.n_cls, self.n_d)
         self.rep = rep
         self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
@@ -342,7 +359,8 @@ class BlockCheck:
             view[owner, 2 * col] = shifted[:, 0]
             view[owner, 2 * col + 1] = shifted[:, 1]
         view[:, 2 * width:] = tc.parts[inputs]
-        ids = np.full(nt, -1, dtype=np.int32 if len(inputs) <= _I32.max else np.int64)
+        ids = np.full(nt, -1, dtype=np.int16 if len(inputs) < _I16.max else
+                      np.int32 if len(inputs) < _I32.max else np.int64)
         ids[inputs] = _rows_id(view)
         return ids, bad
 
@@ -437,7 +455,7 @@ class BlockCheck:
         orbit's ``index`` is compared as its own position (checked in
         :meth:`check_glue`), a send/receive peer as its class, in the replica."""
         cols, p = self.cols, self.p
-        kw = cols.n_kw.copy()
+        kw = cols.n_kw.astype(np.int32)
         table: dict[str, int] = {}
         send = np.array([op == "send_recv" for op in cols.ops] or [False])[cols.n_op]
         normal: dict[tuple, int] = {}
@@ -481,7 +499,7 @@ class BlockCheck:
             same = (rep >= 0) & (lengths == lengths[np.maximum(rep, 0)])
             # an orbit reading the same tuple as its representative reads the same tensors
             skip = orbit & (tuples == tuples[np.maximum(rep, 0)]) & (not outputs)
-            picked = np.flatnonzero(same & ~skip)
+            picked = np.flatnonzero(same & ~skip).astype(rep.dtype)
             del same, skip
             for lo in range(0, len(picked), _NODE_CHUNK):
                 nodes = picked[lo: lo + _NODE_CHUNK]
@@ -493,6 +511,7 @@ class BlockCheck:
                 chain = is_acc[node] & ((k == 0) | outputs)
                 self.compare(node, rep[node], t, r, chain, orbit[node] & (not outputs),
                              "output" if outputs else "input", bad_rows)
+                drop_pages(self.p.tensors.slices)  # read by shapes_differ
 
     def compare(self, node, rep, t, r, chain, orbit, what: str, bad_rows) -> None:
         cols = self.cols
