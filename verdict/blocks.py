@@ -96,6 +96,8 @@ def small_array(values: np.ndarray, *limits: int) -> np.ndarray:
 
 _I32 = np.iinfo(np.int32)
 _I16 = np.iinfo(np.int16)
+#: No finding (BlockCheck's per-node codes)
+_NONE = np.iinfo(np.int8).max
 #: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
 _NODE_CHUNK = 1 << 20
 
@@ -216,8 +218,18 @@ class BlockCheck:
         self.rep_of_d: np.ndarray | None = None
         #: likewise the representative microbatch of each microbatch's class
         self.rep_of_m: np.ndarray | None = None
+        nn = len(self.cols.n_rank)
         #: nodes that differ from their representative's (comparisons, not rules)
-        self.differs = np.zeros(len(self.cols.n_rank), dtype=bool)
+        self.differs = np.zeros(nn, dtype=bool)
+        #: each kind of finding (why, is a rule) -> its code, in the order the check meets them
+        self.sites: dict[tuple[str, bool], int] = {}
+        #: per node, the code of its first finding, rules and comparisons apart (_NONE: none),
+        #: and for a comparison the node it names in the representative's program
+        self.rule_code = np.full(nn, _NONE, dtype=np.int8)
+        self.diff_code = np.full(nn, _NONE, dtype=np.int8)
+        self.diff_ref = np.zeros(nn, dtype=index_array(np.array([nn])).dtype)
+        #: the representatives of the last pass (None: no pass yet)
+        self.last_reps: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- helpers ------------------------------------------------------------------
     def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -229,13 +241,36 @@ class BlockCheck:
         return (stage * self.cp + c) * self.tp + t, d
 
     def flag(self, mask: np.ndarray, nodes: np.ndarray, why: str, reps=None) -> None:
-        """Record the first node where ``mask`` holds."""
+        """Record ``why`` on every node where ``mask`` holds (a comparison,
+        naming ``reps``, or a rule when ``reps`` is None), unless the node
+        has a finding met earlier."""
+        rule = reps is None
+        code = self.sites.setdefault((why, rule), len(self.sites))
+        if code >= _NONE:
+            raise RuntimeError("too many kinds of findings")
         hit = np.flatnonzero(mask)
-        if hit.size and reps is not None:
-            self.differs[nodes[hit]] = True
-        if hit.size:
-            k = hit[np.argmin(nodes[hit])]
-            self.found.append((int(nodes[k]), None if reps is None else int(reps[k]), why))
+        if not hit.size:
+            return
+        at = nodes[hit]
+        codes = self.rule_code if rule else self.diff_code
+        first = codes[at] > code
+        codes[at[first]] = code
+        if not rule:
+            self.diff_ref[at[first]] = reps[hit[first]]
+
+    def findings(self) -> list[tuple[int, int | None, str]]:
+        """(node, representative's node or None, why): for each kind of
+        finding, the first node whose first finding it is."""
+        out: list[tuple[int, int | None, str]] = []
+        for codes, rule in ((self.rule_code, True), (self.diff_code, False)):
+            if not (codes != _NONE).any():
+                continue
+            for (why, is_rule), code in self.sites.items():
+                hit = np.flatnonzero(codes == code) if is_rule == rule else ()
+                if len(hit):
+                    i = int(hit[0])
+                    out.append((i, None if rule else int(self.diff_ref[i]), why))
+        return out
 
     def raise_first(self) -> None:
         if self.found:
@@ -270,9 +305,43 @@ class BlockCheck:
     def examine(self) -> None:
         """Every rule and comparison, recording findings in ``found`` (and
         the differing nodes in ``differs``) without raising, but for a
-        plan whose blocks cannot be matched at all."""
-        self.found = []
-        self.differs[:] = False
+        plan whose blocks cannot be matched at all.
+
+        A later pass (other ``rep_of_d``/``rep_of_m``, verdict/classes.py)
+        after one without rule findings redoes only what depends on the
+        representatives, for the nodes whose block's representative
+        changed: the others compare with the same representative's node as
+        before, and the rules not made in comparisons read no
+        representative (docs/soundness.md, "When the blocks differ")."""
+        if self.last_reps is not None and not (self.rule_code != _NONE).any():
+            self.recheck()
+        else:
+            self.first_pass()
+        self.last_reps = self.reps_now()
+        self.found = self.findings()
+        self.differs = self.diff_code != _NONE
+
+    def reps_now(self) -> tuple[np.ndarray, np.ndarray]:
+        """The representative of every replica and every microbatch, as arrays."""
+        dp, nm = self.fold.dp, self.fold.nm
+        return (np.zeros(dp, dtype=np.int64) if self.rep_of_d is None else self.rep_of_d.copy(),
+                np.zeros(nm, dtype=np.int64) if self.rep_of_m is None else self.rep_of_m.copy())
+
+    def recheck(self) -> None:
+        """The comparisons of the nodes whose block's representative changed."""
+        (old_d, old_m), (new_d, new_m) = self.last_reps, self.reps_now()
+        mb = self.cols.n_mb
+        changed = (old_d != new_d)[self.n_d] | (
+            (mb >= 0) & (old_m != new_m)[np.maximum(mb, 0)])
+        self.rule_code[changed] = _NONE
+        self.diff_code[changed] = _NONE
+        self.rep = rep = self.representatives(self.n_cls, self.n_d, changed)
+        self.check_kwargs(rep, self.orbit, changed)
+        self.check_entries(rep, self.orbit, self.is_acc, self.bad_rows, changed)
+
+    def first_pass(self) -> None:
+        self.rule_code[:] = _NONE
+        self.diff_code[:] = _NONE
         cols = self.cols
         dp, nm = self.fold.dp, self.fold.nm
         nn = len(cols.n_rank)
@@ -291,16 +360,16 @@ class BlockCheck:
         self.t_input = (cols.t_producer < 0) & of_kind(*INPUT_KINDS)
         self.t_gradbuf = of_kind("gradbuf")
         self.check_offsets(of_kind("data", "tokens"))
-        self.t_view, bad_rows = self.input_views()
+        self.t_view, self.bad_rows = self.input_views()
         drop_pages(self.p.tensors.slices, self.p.tensors.parts)
         rep = self.representatives(self.n_cls, self.n_d)
         self.rep = rep
         self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
             cols.n_mb >= 0)
         self.check_chains()
-        orbit = self.orbits(self.n_d)
+        self.orbit = orbit = self.orbits(self.n_d)
         self.check_kwargs(rep, orbit)
-        self.check_entries(rep, orbit, self.is_acc, bad_rows)
+        self.check_entries(rep, orbit, self.is_acc, self.bad_rows)
         self.check_glue(orbit)
 
     def check_offsets(self, t_data: np.ndarray) -> None:
@@ -364,7 +433,8 @@ class BlockCheck:
         ids[inputs] = _rows_id(view)
         return ids, bad
 
-    def representatives(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
+    def representatives(self, n_cls: np.ndarray, n_d: np.ndarray,
+                        only: np.ndarray | None = None) -> np.ndarray:
         """For each node, the node at its position in its class's
         representative program ((class, 0, 0) for a block, (class, 0) for
         a step program; (class, rep(d), rep(m)) and (class, rep(d)) when
@@ -399,6 +469,8 @@ class BlockCheck:
         rep = index_array(np.where(found, order[np.minimum(starts[where] + pos, nn - 1)], -1))
         del found, pos
         nodes = np.arange(nn, dtype=kind)
+        if only is not None:
+            own_size = np.where(only, own_size, size)
         self.flag(own_size != size, nodes, "its block has another number of nodes than the "
                   "representative's", np.where(rep >= 0, rep, order[starts[where]]))
         return rep
@@ -450,10 +522,12 @@ class BlockCheck:
         orbit[g] = ((lo != own) & (lo != big)) | ((hi != own) & (hi != -1))
         return orbit
 
-    def check_kwargs(self, rep: np.ndarray, orbit: np.ndarray) -> None:
-        """Operator, direction and kwargs equal the representative's; an
-        orbit's ``index`` is compared as its own position (checked in
-        :meth:`check_glue`), a send/receive peer as its class, in the replica."""
+    def check_kwargs(self, rep: np.ndarray, orbit: np.ndarray,
+                     only: np.ndarray | None = None) -> None:
+        """Operator, direction and kwargs equal the representative's (of the
+        nodes ``only``, default all); an orbit's ``index`` is compared as
+        its own position (checked in :meth:`check_glue`), a send/receive
+        peer as its class, in the replica."""
         cols, p = self.cols, self.p
         kw = cols.n_kw.astype(np.int32)
         table: dict[str, int] = {}
@@ -479,6 +553,8 @@ class BlockCheck:
         nodes = np.arange(len(kw))
         self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
         ok = rep >= 0
+        if only is not None:
+            ok &= only
         r = np.maximum(rep, 0)
         self.flag(ok & ((cols.n_op != cols.n_op[r]) | (cols.n_dir != cols.n_dir[r])), nodes,
                   "another operator or direction", rep)
@@ -488,15 +564,16 @@ class BlockCheck:
             self.flag(ok & (n != n[r]), nodes, f"another number of {what}", rep)
 
     def check_entries(self, rep: np.ndarray, orbit: np.ndarray, is_acc: np.ndarray,
-                      bad_rows: np.ndarray) -> None:
-        """Each tensor a node reads or writes against the one its
-        representative reads or writes at that position, a chunk of nodes
-        at a time (the flags keep the first node of every chunk; the
-        first of all is raised)."""
+                      bad_rows: np.ndarray, only: np.ndarray | None = None) -> None:
+        """Each tensor a node (of ``only``, default all) reads or writes
+        against the one its representative reads or writes at that
+        position, a chunk of nodes at a time."""
         cols = self.cols
         for outputs, tuples in ((False, cols.n_ins), (True, cols.n_outs)):
             lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
             same = (rep >= 0) & (lengths == lengths[np.maximum(rep, 0)])
+            if only is not None:
+                same &= only
             # an orbit reading the same tuple as its representative reads the same tensors
             skip = orbit & (tuples == tuples[np.maximum(rep, 0)]) & (not outputs)
             picked = np.flatnonzero(same & ~skip).astype(rep.dtype)
