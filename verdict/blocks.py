@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.columns import Columns, drop_pages
+from verdict.columns import Columns, NodeColumns, drop_pages
 from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, _Layout, batch_dims
 from verdict.lineage import StructureError
 from verdict.ops import get_op
@@ -113,8 +113,39 @@ def arrays(cols: Columns) -> Arrays:
     it of a file; Columns.from_plan makes them so), which is checked here
     again (ValueError: an internal error)."""
     t, n = cols.tensors, cols.nodes
-    nn, nt, size = len(n), len(t), len(n.inputs)
-    index = np.int32 if max(nn, nt, size + len(n.outputs)) < _I32.max - 2 else np.int64
+    nn, nt = len(n), len(t)
+    index = np.int32 if max(2 * nn + 2, nt, len(n.inputs) + len(n.outputs)) < _I32.max \
+        else np.int64
+    n_ins, r_count, inputs = _input_tuples(n, index)
+    k, in_total = len(r_count), len(inputs)
+    ptr = np.empty(k + 2 + nn, dtype=index)
+    ptr[0] = 0
+    np.cumsum(r_count, out=ptr[1:k + 1])
+    ptr[k + 1] = in_total  # the empty tuple
+    ptr[k + 2:] = n.out_off[1:].astype(np.int64) + in_total
+    flat = np.empty(in_total + len(n.outputs), dtype=index)
+    flat[:in_total] = inputs
+    del inputs, r_count
+    flat[in_total:] = n.outputs
+    out = Arrays(
+        t_rank=index_array(t.rank), t_mb=small_array(t.mb, -3), t_tid=index_array(t.tid),
+        t_version=small_array(t.version), t_lver=small_array(t.lver),
+        t_producer=_producers(n, nt, index), n_rank=index_array(n.rank),
+        n_mb=index_array(n.mb),
+        n_op=small_array(n.op), n_dir=small_array(n.dir), n_kw=small_array(n.kwargs),
+        n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
+        ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
+            cols.logical)))
+    cols.drop_pages()
+    return out
+
+
+def _input_tuples(n: NodeColumns, index: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each node's input tuple (the empty tuple, numbered last, for nodes
+    without inputs), each tuple's length and the pool entries of the
+    tuples one after the other (the pool itself when every entry is in a
+    range). Raises ValueError for ranges that share a first entry or overlap."""
+    size = len(n.inputs)
     nodes = np.flatnonzero(n.in_count > 0).astype(index)
     start = n.in_start[nodes].astype(index)
     count = np.zeros(size + 1, dtype=index)
@@ -128,47 +159,30 @@ def arrays(cols: Columns) -> Arrays:
     if (r_start[1:] < ends[:-1]).any():
         raise ValueError("two input ranges overlap")
     k = len(r_start)
-    tuple_at = np.full(size + 1, k, dtype=index)  # the empty tuple: k
+    tuple_at = np.full(size + 1, k, dtype=index)
     tuple_at[r_start] = np.arange(k, dtype=index)
-    n_ins = np.full(nn, k, dtype=index)
+    n_ins = np.full(len(n), k, dtype=index)
     n_ins[nodes] = tuple_at[start]
     del tuple_at, start, nodes
-    in_total = int(r_count.sum(dtype=np.int64))
-    out_off = n.out_off
-    ptr = np.empty(k + 2 + nn, dtype=index)
-    ptr[0] = 0
-    np.cumsum(r_count, out=ptr[1:k + 1])
-    ptr[k + 1] = in_total  # the empty tuple
-    ptr[k + 2:] = out_off[1:].astype(np.int64) + in_total
-    flat = np.empty(in_total + len(n.outputs), dtype=index)
-    if in_total == size:  # every pool entry in a range (no gaps)
-        flat[:size] = n.inputs
-    else:
-        marks = np.zeros(size + 1, dtype=np.int8)
-        marks[r_start] = 1
-        marks[ends] -= 1
-        flat[:in_total] = n.inputs[np.cumsum(marks[:size], dtype=np.int8).astype(bool)]
-        del marks
-    del r_start, r_count, ends
-    flat[in_total:] = n.outputs
+    if int(r_count.sum(dtype=np.int64)) == size:
+        return n_ins, r_count, n.inputs
+    marks = np.zeros(size + 1, dtype=np.int8)  # +1 where a range starts, -1 past its end
+    marks[r_start] = 1
+    marks[ends] -= 1
+    return n_ins, r_count, n.inputs[np.cumsum(marks[:size], dtype=np.int8).astype(bool)]
+
+
+def _producers(n: NodeColumns, nt: int, index: type) -> np.ndarray:
+    """The node writing each tensor, -1 for none, a chunk of nodes at a time."""
     producer = np.full(nt, -1, dtype=index)
-    for lo in range(0, nn, _NODE_CHUNK):
-        hi = min(lo + _NODE_CHUNK, nn)
-        a, b = int(out_off[lo]), int(out_off[hi])
-        owner = np.repeat(np.arange(lo, hi, dtype=index), np.diff(out_off[lo: hi + 1]))
-        written = n.outputs[a:b]
+    off = n.out_off
+    for lo in range(0, len(n), _NODE_CHUNK):
+        hi = min(lo + _NODE_CHUNK, len(n))
+        owner = np.repeat(np.arange(lo, hi, dtype=index), np.diff(off[lo: hi + 1]))
+        written = n.outputs[int(off[lo]): int(off[hi])]
         keep = written >= 0
         producer[written[keep]] = owner[keep]
-    out = Arrays(
-        t_rank=index_array(t.rank), t_mb=small_array(t.mb, -3), t_tid=index_array(t.tid),
-        t_version=small_array(t.version), t_lver=small_array(t.lver),
-        t_producer=producer, n_rank=index_array(n.rank), n_mb=index_array(n.mb),
-        n_op=small_array(n.op), n_dir=small_array(n.dir), n_kw=small_array(n.kwargs),
-        n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
-        ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
-            cols.logical)))
-    cols.drop_pages()
-    return out
+    return producer
 
 
 def _rows_id(matrix: np.ndarray) -> np.ndarray:
