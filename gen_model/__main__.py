@@ -188,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                         sequence_parallel=args.sequence_parallel, ulysses=args.ulysses,
                         cp_balance=args.cp_balance,
                         virtual_stages=args.vpp, zero=args.zero)
-        with Spill(args.out) as spill:
-            plan = build(args, cfg, par, policy, spill)
-            pkl, spec = save(args, cfg, par, plan)
+        plan = build(args, cfg, par, policy, Spill(args.out))
+        pkl, spec = save(args, cfg, par, plan)
     except (ConfigError, PlanError) as e:
         sys.stderr.write(f"gen_model: error: {e}\n")
         return 2

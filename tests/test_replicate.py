@@ -100,7 +100,7 @@ def test_cli_writes_columns(tmp_path, capsys):
     assert gen_main(args) == 0
     assert "nodes" in capsys.readouterr().out
     (path,) = tmp_path.glob("*.npz")
-    assert not list(tmp_path.glob(".spill-*"))  # the spilled columns are gone
+    assert not list(tmp_path.glob(".spill-*"))  # the spilled columns leave no file
     from backends.planfile import load_plan
     assert canonical(load_plan(path)) == canonical(make_plan(MLP, Parallelism(dp=4), 8))
 
@@ -110,11 +110,10 @@ def test_spilled_columns_write_the_same_file(tmp_path):
     the same bytes as columns kept in memory, which are np.savez's."""
     par = Parallelism(dp=5, tp=2, pp=2, nm=2)
     kept = make_columns(MLP, par, 20)
-    with Spill(tmp_path / "work") as spill:
-        spilled = make_columns(MLP, par, 20, spill=spill)
-        assert isinstance(spilled.nodes.inputs, np.memmap)
-        save_columns(spilled, tmp_path / "spilled.npz")
-    assert not list((tmp_path / "work").iterdir())
+    spilled = make_columns(MLP, par, 20, spill=Spill(tmp_path / "work"))
+    assert isinstance(spilled.nodes.inputs, np.memmap)
+    assert not list((tmp_path / "work").iterdir())  # unlinked once mapped
+    save_columns(spilled, tmp_path / "spilled.npz")
     save_columns(kept, tmp_path / "kept.npz")
     written = (tmp_path / "kept.npz").read_bytes()
     assert (tmp_path / "spilled.npz").read_bytes() == written == columns_bytes(kept)
