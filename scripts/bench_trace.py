@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve  # noqa: E402
 from backends.torch.build import build_plans  # noqa: E402
-from backends.torch.lower import LoweringError, lower_trace  # noqa: E402
+from backends.torch.lower import LoweringError, lower_ranks, lower_trace  # noqa: E402
 from backends.torch.rank import run  # noqa: E402
 from backends.torch.ranks import trace_ranks  # noqa: E402
 from main import verify  # noqa: E402
@@ -78,7 +78,7 @@ def measure(argv: str) -> dict:
              "ranks_cpu": traces[0]["processes_cpu"], "build": 0.0, "verify": 0.0}
     try:
         plan_s, plan_p = build_plans(lower_trace(single, args.vocab),
-                                     [lower_trace(t, args.vocab) for t in traces], world)
+                                     lower_ranks(traces, args.vocab), world)
     except LoweringError as e:
         return {**times, "build": time.perf_counter() - t2, "verdict": f"refused: {e}"}
     t3 = time.perf_counter()

@@ -115,6 +115,12 @@ MATERIALIZED_BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "mlp_mat_pp2_vpp2_dp4_nm4": (ModelConfig("mlp", layers=4, hidden=8),
                                  Parallelism(dp=4, pp=2, nm=4), Policy(virtual_stages=2)),
     "mlp_mat_zero1_dp4_nm4": (MLP, Parallelism(dp=4, nm=4), Policy(zero=1)),
+    "mlp_mat_zero1_dp4_pp2_tp2_nm4": (MLP, Parallelism(dp=4, tp=2, pp=2, nm=4),
+                                      Policy(zero=1)),
+    "mlp_adam_mat_zero1_dp4_nm4": (replace(MLP, optimizer="adam"), Parallelism(dp=4, nm=4),
+                                   Policy(zero=1)),
+    "mlp_mat_zero3_dp4_nm4": (MLP, Parallelism(dp=4, nm=4), Policy(zero=3)),
+    "moe_mat_dp4_ep2_nm4": (MOE, Parallelism(dp=4, ep=2, nm=4), Policy()),
 }
 #: The subset the test suite runs: pipeline, tensor and data parallelism,
 #: Megatron sequence parallelism with context parallelism, ZeRO-1 and ZeRO-2,

@@ -129,17 +129,19 @@ def test_wrong_replica_of_a_balanced_context_plan_fails():
 
 
 def test_zero_replica_owning_another_shard_fails():
-    """ZeRO plans are verified in full (docs/soundness.md): one replica
-    owning replica j's shard (shard j twice, its own by nobody), with and
-    without keeping j's gradient chunk, FAILs."""
+    """One replica owning replica j's shard (shard j twice, its own by
+    nobody), with and without keeping j's gradient chunk, FAILs: the owned
+    shards do not tile the parameter, so the plan is verified in full
+    (docs/soundness.md, "ZeRO-1: owned shards")."""
     single, plan = plan_pair(MLP, Parallelism(dp=4, nm=2), GBS, Policy(zero=1))
-    assert isinstance(find_symmetry(single, plan), Refusal)
+    assert isinstance(find_symmetry(single, plan), Symmetry)
     kinds = set()
     for k in range(4):
         made = mutations.owned_shard(plan, random.Random(f"owned/{k}"))
         assert made is not None
         kinds.add("keeps" in made[1])
         assert not judge(single, made[0]).right, made[1]
+        assert isinstance(find_symmetry(single, made[0]), Refusal), made[1]
         v = verify(single, made[0])
         assert not v.success, made[1]
     assert kinds == {True, False}

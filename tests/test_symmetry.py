@@ -127,8 +127,14 @@ def test_interleaved_schedule_is_covered():
     assert v.success and v.blocks[0] == 16
 
 
-def test_zero_is_verified_in_full():
+def test_zero1_is_proved_by_symmetry_and_zero3_in_full():
+    """ZeRO-1's owned shards are checked on the whole plan (verdict/owned.py);
+    ZeRO-2/3 reduce-scatter inside the blocks and are verified in full."""
     single, plan = pair(Parallelism(dp=4, nm=2), Policy(zero=1))
+    assert isinstance(find_symmetry(single, plan), Symmetry)
+    v = verify(single, plan)
+    assert v.success and v.blocks == (8, 4, 0), v.symmetry
+    single, plan = pair(Parallelism(dp=4, nm=2), Policy(zero=3))
     assert isinstance(find_symmetry(single, plan), Refusal)
     v = verify(single, plan)
     assert v.success and "in full" in v.symmetry and v.blocks == (0, 0, 0)

@@ -39,6 +39,7 @@ from verdict.columns import Columns, NodeColumns, drop_pages
 from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, _Layout, batch_dims
 from verdict.lineage import StructureError
 from verdict.ops import get_op
+from verdict.owned import Owned
 from verdict.plan import DIRECTIONS, INPUT_KINDS, Plan
 
 
@@ -244,6 +245,8 @@ class BlockCheck:
         self.diff_ref = np.zeros(nn, dtype=index_array(np.array([nn])).dtype)
         #: the representatives of the last pass (None: no pass yet)
         self.last_reps: tuple[np.ndarray, np.ndarray] | None = None
+        #: ZeRO-1's gathers, keeps and shard offsets (verdict/owned.py), checked there
+        self.owned = Owned.none(nn, len(self.cols.t_rank))
 
     # -- helpers ------------------------------------------------------------------
     def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -437,6 +440,12 @@ class BlockCheck:
                 a, b = int(shifted[j, 0]) - row, int(shifted[j, 1]) - row
                 bad[t] |= not (0 <= a < b <= self.rows)
                 shifted[j] = (a, b)
+        owned, dim, off = self.owned.shifts  # an owned shard: relative to its offset
+        where = cols.slice_off[owned].astype(np.int64) + dim
+        at_owned = np.minimum(np.searchsorted(rows, where), max(len(rows) - 1, 0))
+        if len(owned) and not (rows[at_owned] == where).all():
+            raise StructureError("symmetry", "an owned shard is not an input tensor")
+        shifted[at_owned] -= off[:, None]
         view = np.full((len(inputs), 2 * width + 3), -1, dtype=np.int64)
         if len(inputs) and width:
             view[owner, 2 * col] = shifted[:, 0]
@@ -547,13 +556,14 @@ class BlockCheck:
         table: dict[str, int] = {}
         send = np.array([op == "send_recv" for op in cols.ops] or [False])[cols.n_op]
         normal: dict[tuple, int] = {}
-        for i in np.flatnonzero(orbit | send).tolist():
+        own_index = orbit | self.owned.nodes  # checked in check_glue and verdict/owned.py
+        for i in np.flatnonzero(own_index | send).tolist():
             own_d = int(self.n_d[i])
             code = int(cols.n_kw[i])
-            key = (code, own_d, bool(orbit[i]))
+            key = (code, own_d, bool(own_index[i]))
             if key not in normal:
                 kwargs = p.kwargs_of(code)
-                if orbit[i]:
+                if own_index[i]:
                     kwargs.pop("index", None)
                 off = False
                 for k in ("src", "dst"):
@@ -620,7 +630,8 @@ class BlockCheck:
         self.flag((rel_t == -3) & ~chain, node, f"its {what} is another microbatch's tensor")
         made = cols.t_producer[t]
         constant = np.array([op in CONSTANTS for op in cols.ops], dtype=bool)
-        self.flag((mb >= 0) & (t_mb < 0) & (made >= 0) & ~constant[cols.n_op[np.maximum(made, 0)]],
+        self.flag((mb >= 0) & (t_mb < 0) & (made >= 0) & ~constant[cols.n_op[np.maximum(made, 0)]]
+                  & ~self.owned.gathered[t],
                   node, "it reads a value computed outside microbatches, which may depend on "
                   "every block")
         self.flag((self.t_d[t] != self.n_d[node]) & ~orbit, node,
@@ -701,7 +712,7 @@ class BlockCheck:
         sums_ends = end_ok[cols.n_ins] & sums
         del sums, end_ok
         nodes = np.arange(len(cols.n_ins), dtype=cols.n_ins.dtype)
-        self.flag(orbit & (~sums_ends | (cols.n_mb != -1)), nodes,
+        self.flag(orbit & ~self.owned.nodes & (~sums_ends | (cols.n_mb != -1)), nodes,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
         sums = np.flatnonzero(orbit & sums_ends)
         groups = cols.n_ins[sums]
@@ -729,7 +740,7 @@ class BlockCheck:
         key, writer, t = key[order], writer[order], t[order]
         last = np.concatenate((key[1:] != key[:-1], [True]))
         w, out = writer[last], t[last]
-        ok = (self.is_acc[w] & is_end[out]) | sums_ends[w]
+        ok = (self.is_acc[w] & is_end[out]) | sums_ends[w] | self.owned.keeps[w]
         self.flag(~ok, w, "the gradient buffer a rank ends with must be its accumulation's last "
                   "output or a sum of those (a reducer)")
 

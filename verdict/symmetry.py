@@ -30,6 +30,7 @@ from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
+from verdict.owned import OwnedError, find_owned
 from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor
 
 PlanLike = Plan | Columns
@@ -75,12 +76,16 @@ class Symmetry:
     base: tuple[int, ...] = (0, 1)  # the replicas of ``folded``
     base_mbs: tuple[int, ...] = (0, 1)  # and its microbatches
     classes: tuple[ClassCut, ...] = ()
+    owned: int = 0  # ZeRO-1 gathers checked on the whole plan (verdict/owned.py)
 
     def describe(self) -> str:
         w = self.folded.world
         text = (f"{w['fold_dp']} x {w['fold_nm']} blocks (replica x microbatch) checked against "
                 f"the representatives, replicas {_span(self.base)} and microbatches "
                 f"{_span(self.base_mbs)}, which were proved (docs/soundness.md)")
+        if self.owned:
+            text += (f"; ZeRO-1 owned shards checked on every rank ({self.owned} gathers tile "
+                     f"their parameters, each rank keeps its own gradient chunk)")
         if self.classes:
             text += (f"; {1 + len(self.classes)} classes of blocks, each proved by its own cut: "
                      + "; ".join(c.describe() for c in self.classes))
@@ -139,8 +144,9 @@ def eligible(parallel: PlanLike) -> str | None:
         return "not a materialized plan with more than two replicas or microbatches"
     if w.get("ep", 1) != 1:
         return "expert parallelism: replicas hold other experts"
-    if w.get("zero", 0):
-        return "ZeRO: each replica owns another shard"
+    if w.get("zero", 0) not in (0, 1):
+        return ("ZeRO-2/3: each microbatch's gradient is reduce-scattered across replicas "
+                "inside the blocks")
     if not isinstance(w.get("gbs"), int):
         return "its world has no integer gbs"
     return None
@@ -163,6 +169,7 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     whole = Fold(dp, nm, gbs, dp, nm, gbs)
     try:
         check = BlockCheck(single, cols, whole)
+        check.owned = find_owned(check)
         scaled = [i for i, t in enumerate(parallel.tensors) if t.scale != UNIT] \
             if isinstance(parallel, Plan) else []
         if any(check.cols.t_producer[i] < 0 for i in scaled):
@@ -173,7 +180,7 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
             return Refusal(f"tensor {free} is read or written by no node (only the tensors of "
                            f"compared nodes are compared)")
         replicas, microbatches = block_classes(check)
-    except FoldError as e:
+    except (FoldError, OwnedError) as e:
         return Refusal(str(e))
     except StructureError as e:
         return Refusal(str(e), difference=True)
@@ -194,7 +201,8 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
                 for r, q, d, m in _mixed_cuts(replicas, microbatches, base_d, base_m)]
     except FoldError as e:
         return Refusal(str(e))
-    return Symmetry(restricted, folded, dp * nm, rank_of, base_d, base_m, tuple(cuts))
+    return Symmetry(restricted, folded, dp * nm, rank_of, base_d, base_m, tuple(cuts),
+                    int(check.owned.gathers.sum()))
 
 
 def _mixed_cuts(replicas: Axis, microbatches: Axis, base_d: tuple[int, ...],
@@ -315,15 +323,29 @@ class _Cut:
         self.batch = check.batch
         self.rows = check.rows
         cols = check.cols
-        nodes = np.flatnonzero((self.pos[check.n_d] >= 0) & (
+        # ZeRO-1's gathers give way to their value, the loaded parameter, and
+        # its keeps are dropped: the cut is a plain data-parallel plan
+        # (docs/soundness.md, "ZeRO-1: owned shards")
+        nodes = np.flatnonzero((self.pos[check.n_d] >= 0) & ~check.owned.nodes & (
             (cols.n_mb < 0) | (self.pos_m[np.maximum(cols.n_mb, 0)] >= 0)))
         used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
+        rewired = [t for i in nodes.tolist() for t in check.owned.rewire.get(i, {}).values()]
+        used = np.concatenate((used, np.array(rewired, dtype=used.dtype)))
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
         self.orig = np.unique(used[used >= 0])
         self.p = (columns_sub_plan(parallel, nodes, self.orig) if isinstance(parallel, Columns)
                   else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
+        self.gathered = check.owned.gathered[self.orig]  # loaded parameters in the cut
+        owned = check.owned
+        #: node of self.p -> position -> tensor of self.p: an optimizer step on
+        #: owned shards runs on the whole box in the cut
+        self.rewire = {k: {pos: self.local(t) for pos, t in owned.rewire[i].items()}
+                       for k, i in enumerate(nodes.tolist()) if i in owned.rewire}
+        #: tensor of self.p -> the box its shard widens to
+        self.widen = {k: owned.widen[t] for k, t in enumerate(self.orig.tolist())
+                      if t in owned.widen}
         self.starts = self.block_starts()
         self.layouts: dict[int, Layout | None] = {}
         self.single_parts = self.own_parts()
@@ -525,6 +547,8 @@ class _Cut:
             ins = [ends.get(t, t) for t in node.inputs]
             if i in relinks:
                 ins[0] = relinks[i]
+            for pos, t in self.rewire.get(i, {}).items():
+                ins[pos] = t
             kwargs = dict(node.kwargs)
             for key in ("src", "dst"):  # peers are in the replica (checked): renumbered
                 peer = kwargs.get(key)
@@ -555,6 +579,11 @@ class _Cut:
                 real = claims[t]
                 x = x._replace(lver=real.lver, slices=real.slices, parts=real.parts,
                                scale=real.scale)
+            if self.gathered[t]:
+                x = x._replace(version=0)
+            if t in self.widen:
+                box = tuple(tuple(ab) for ab in self.widen[t])
+                x = x._replace(slices=box, shape=tuple(b - a for a, b in box))
             tensors.append(x._replace(rank=rank, mb=self.new_mb(x.mb), slices=self.slices(x, start),
                                       parts=self.parts(x, t in running)))
         nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
@@ -562,6 +591,8 @@ class _Cut:
                  for n in nodes]
         world = {**p.world, "dp": fold.dp, "nm": fold.nm, "gbs": fold.gbs,
                  **dict(zip(FOLD_KEYS, (fold.real_dp, fold.real_nm, fold.real_gbs)))}
+        if self.gathered.any():
+            world["zero"] = 0  # no shard left in the cut
         folded = Plan(world=world, logical=list(p.logical), tensors=tensors, nodes=nodes,
                       loss=p.loss, grads=dict(p.grads))
         return folded, rank_of

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
-from backends.torch.lower import LoweringError, check_even_shards, lower_trace
+from backends.torch.lower import LoweringError, check_even_shards, lower_ranks, lower_trace
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
 
@@ -39,11 +39,15 @@ MODELS = {
     **{name: f"backends.torch.stock_models:{name}" for name in (
         "gpt2_split", "gpt2_shifted", "gqa", "gqa_finfo", "gqa_additive", "gqa_pad", "gqa_pad_mean", "mlp_l1",
         "mlp_smooth_l1", "swiglu_regression", "swiglu_regression_mean")},
+    **{f"gpt2_{name}": f"backends.torch.loss_models:{name}" for name in (
+        "smooth", "smooth_mean", "smooth_pad", "smooth_pad_mean", "window", "padded", "padded_fill",
+        "token_weighted")},
 }
 #: the module a recipe named without one (``--recipe tp_sp``) is taken from
 RECIPES = "backends.torch.recipes"
 #: where a recipe named without a module is looked for, in order
-RECIPE_MODULES = (RECIPES, "backends.torch.stock_recipes", "backends.torch.scaling_recipes")
+RECIPE_MODULES = (RECIPES, "backends.torch.stock_recipes", "backends.torch.scaling_recipes",
+                  "backends.torch.loss_recipes")
 
 
 #: the default model and recipe (``--hf`` replaces them)
@@ -156,7 +160,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     world["nm"] = traces[0]["microbatches"]
     check_even_shards(traces)
     low_s = lower_trace(single, args.vocab)
-    lows = [lower_trace(t, args.vocab) for t in traces]
+    lows = lower_ranks(traces, args.vocab)
     return build_plans(low_s, lows, world), single
 
 

@@ -34,7 +34,7 @@ from backends.torch.lower_nn import (
     where,
 )
 
-__all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_trace"]
+__all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_ranks", "lower_trace"]
 
 
 @dataclass
@@ -67,6 +67,8 @@ class Lowered:
     states: dict[str, dict[str, int]] = field(default_factory=dict)
     #: HSDP: {"dps": s}, the data-parallel ranks cut into replicas of s shards
     split: dict[str, int] = field(default_factory=dict)
+    #: each SUM all-reduce of a count of kept labels: (group, this rank's count)
+    count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -304,6 +306,10 @@ class _Lowerer:
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
     owners: set[int] = field(default_factory=set)  # one-row parameters padded on other ranks
+    #: the step's value of each count all-reduce, in order (lower_ranks); None:
+    #: an all-reduced count is refused, "collect": this rank's counts are kept
+    counts: list[int] | str | None = None
+    count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -1037,8 +1043,9 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
     ids = lw.env.get(args[1][1])
-    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0:
-        raise LoweringError(f"{lw.name}: embedding with a padding_idx is not lowered")
+    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0 and isinstance(ids, _Shifted):
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel embedding with a padding_idx is "
+                            f"not lowered")
     if isinstance(ids, Const):
         rows = lw.shapes[lw.val(args[0])][0]
         onehot = one_hot_constant(lw, constant_value(lw, args[1]), rows)
@@ -1128,14 +1135,23 @@ def _index_put(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _embedding_bw(lw: _Lowerer, args, kwargs, shapes, group):
+    """The one-hot rows' transpose times the gradient. With a ``padding_idx``
+    p (the forward lookup is unchanged), the one-hot rows times the constant
+    row that is 0 at p and 1 elsewhere: a row of id p becomes a zero row and
+    adds nothing to the table's gradient, any other row is unchanged
+    (docs/soundness.md, "Plans traced from PyTorch", 16)."""
     padding = args[3] if len(args) > 3 else kwargs.get("padding_idx", -1)
-    if padding is not None and int(padding) >= 0 or (len(args) > 4 and args[4]):
-        raise LoweringError(f"{lw.name}: embedding backward with a padding_idx or "
-                            f"scale_grad_by_freq is not lowered")
+    rows = int(args[2])
+    if len(args) > 4 and args[4]:
+        raise LoweringError(f"{lw.name}: embedding backward with scale_grad_by_freq is not lowered")
     if isinstance(lw.env.get(args[1][1]), Const):
-        tokens = one_hot_constant(lw, constant_value(lw, args[1]), int(args[2]))
+        tokens = one_hot_constant(lw, constant_value(lw, args[1]), rows)
     else:
         tokens = _one_hot(lw, args[1])
+    if padding is not None and 0 <= int(padding) < rows:
+        keep = np.ones(rows)
+        keep[int(padding)] = 0.0
+        tokens = lw.emit("mul", [tokens, constant_input(lw, keep)], [lw.shapes[tokens]])[0]
     out = lw.new(shapes[0])
     lw.nodes.append(LNode("embedding", "bw", [tokens, -1, lw.val(args[0])], [-1, out], {},
                           lw.name, None, lw.mb))
@@ -1802,11 +1818,39 @@ HANDLERS: dict[str, Any] = {
 from backends.torch.lower_vocab_parallel import vocab_parallel_handlers  # noqa: E402
 
 HANDLERS.update(vocab_parallel_handlers(HANDLERS))
+# lower_masks reads the id types and wraps the entries above (lower_vocab_parallel's too)
+from backends.torch.lower_masks import mask_handlers  # noqa: E402
+
+HANDLERS.update(mask_handlers(HANDLERS))
 
 
-def lower_trace(trace: dict, vocab: int) -> Lowered:
-    """Lower one rank's trace (``backends.torch.rank.run``'s result)."""
-    lw = _Lowerer(trace, vocab)
+def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
+    """Lower every rank's trace (in rank order). A count of kept labels
+    all-reduced by a rank has, as its value, the sum of the group members'
+    recorded counts: each rank is lowered once to read its counts, and again
+    with the step's values when any rank all-reduces one (docs/soundness.md,
+    "Plans traced from PyTorch", 16)."""
+    first = [lower_trace(t, vocab, "collect") for t in traces]
+    if not any(low.count_reduces for low in first):
+        return first
+    by_rank = {low.rank: low.count_reduces for low in first}
+    counts = []
+    for low in first:
+        values = []
+        for k, (group, _) in enumerate(low.count_reduces):
+            members = [by_rank.get(m, []) for m in group]
+            if any(len(c) <= k or c[k][0] != group for c in members):
+                raise LoweringError(f"rank {low.rank}: its count all-reduce {k + 1} over ranks "
+                                    f"{list(group)} is not every member's {k + 1}th")
+            values.append(sum(c[k][1] for c in members))
+        counts.append(values)
+    return [lower_trace(t, vocab, c) for t, c in zip(traces, counts)]
+
+
+def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) -> Lowered:
+    """Lower one rank's trace (``backends.torch.rank.run``'s result);
+    ``counts`` as ``_Lowerer.counts`` (``lower_ranks`` gives them)."""
+    lw = _Lowerer(trace, vocab, counts=counts)
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
     for name, (v, full, dims) in trace["params"].items():
@@ -1852,7 +1896,8 @@ def lower_trace(trace: dict, vocab: int) -> Lowered:
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
-                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})))
+                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
+                   lw.count_reduces)
 
 
 def check_even_shards(traces: list[dict]) -> None:

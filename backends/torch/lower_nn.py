@@ -51,6 +51,9 @@ class SdpaSaved:
     probs: int
     causal: bool
     groups: int = 1  # query heads per key-value head (grouped-query attention)
+    #: the probabilities are a masked softmax (backends/torch/lower_masks.py):
+    #: their backward is written on them (``softmax_grad``), not on the scores
+    masked_probs: bool = False
 
 
 @dataclass(frozen=True)
@@ -501,10 +504,10 @@ def _sum_heads(lw: Any, g: int, groups: int) -> int:
     return lw.emit("sum", [g], [(b, hq // groups, s, d)], {"dim": [2], "keepdim": False})[0]
 
 
-def sdpa(lw: Any, args, kwargs, shapes, group):
-    """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function);
-    with fewer key-value heads than query heads (``enable_gqa``), each
-    key-value head serves ``groups`` consecutive query heads."""
+def sdpa_scores(lw: Any, args, kwargs) -> tuple[int, int, int, float, int, int, bool, Any]:
+    """``q @ k^T * scale`` of the CPU flash kernel's arguments: (q, the keys
+    and values with each key-value head repeated for its query heads, scale,
+    scores, groups, is_causal, the attn_mask argument)."""
     q, k, v = (lw.val(a) for a in args[:3])
     _, causal, mask = _sdpa_options(lw, args, kwargs, 3)
     qs, ks, vs = lw.shapes[q], lw.shapes[k], lw.shapes[v]
@@ -523,6 +526,15 @@ def sdpa(lw: Any, args, kwargs, shapes, group):
     if causal and scores_shape[-1] != scores_shape[-2]:
         raise LoweringError(f"{lw.name}: causal attention of {scores_shape[-2]} queries over "
                             f"{scores_shape[-1]} keys is not lowered")
+    return q, keys, values, scale, scores, groups, causal, mask
+
+
+def sdpa(lw: Any, args, kwargs, shapes, group):
+    """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function);
+    with fewer key-value heads than query heads (``enable_gqa``), each
+    key-value head serves ``groups`` consecutive query heads."""
+    q, keys, values, scale, scores, groups, causal, mask = sdpa_scores(lw, args, kwargs)
+    scores_shape = lw.shapes[scores]
     if mask is not None:
         value = constant_value(lw, mask)
         if causal or value is None:
@@ -541,6 +553,18 @@ def sdpa(lw: Any, args, kwargs, shapes, group):
     return [out, "logsumexp"]
 
 
+def softmax_grad(lw: Any, p: int, g: int, dim: int) -> int:
+    """The softmax backward written on its probabilities ``p``: ``p * g -
+    p * sum(p * g)`` along ``dim`` (the derivative of ``p = K exp(x) /
+    sum(K exp(x))`` for any constant K, so of a masked softmax too)."""
+    shape = lw.shapes[p]
+    dim %= len(shape)
+    row = [*shape[:dim], 1, *shape[dim + 1:]]
+    pg = lw.emit("mul", [p, g], [shape])[0]
+    total = lw.emit("sum", [pg], [row], {"dim": dim, "keepdim": True})[0]
+    return lw.emit("sub", [pg, lw.emit("mul", [p, total], [shape])[0]], [shape])[0]
+
+
 def sdpa_backward(lw: Any, args, kwargs, shapes, group):
     """dv = p^T g; ds = softmax'(g v^T) (masked); dq = ds k * scale; dk = ds^T q * scale."""
     g, out = lw.val(args[0]), lw.val(args[4])
@@ -551,7 +575,10 @@ def sdpa_backward(lw: Any, args, kwargs, shapes, group):
     shape = lw.shapes[saved.masked]
     dv = lw.emit("matmul", [_transposed(lw, saved.probs), g], [lw.shapes[saved.v]])[0]
     dp = lw.emit("matmul", [g, _transposed(lw, saved.v)], [shape])[0]
-    ds = lw.emit("softmax", [saved.masked, dp], [shape], {"dim": -1}, direction="bw")[0]
+    if saved.masked_probs:
+        ds = softmax_grad(lw, saved.probs, dp, -1)
+    else:
+        ds = lw.emit("softmax", [saved.masked, dp], [shape], {"dim": -1}, direction="bw")[0]
     if saved.causal:
         ds = lw.emit("causal_mask", [-1, ds], [shape], direction="bw")[0]
     ds = lw.emit("mul_scalar", [ds], [shape], {"value": saved.scale})[0]

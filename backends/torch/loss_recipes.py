@@ -1,0 +1,77 @@
+"""Recipes for the loss conventions of ``backends/torch/loss_models.py``,
+and the mistakes people make with them.
+
+The token-weighted mean divides each rank's summed loss by the step's
+count of kept labels, which the rank obtains by all-reducing its own count
+over "dp"; the gradients are then summed (each rank's loss is its share of
+the step's mean).
+"""
+
+from __future__ import annotations
+
+from backends.torch.recipes import all_reduce_dp, average_dp
+from backends.torch.stock_recipes import mlp_tp_plan
+
+
+def ddp_token_weighted(model, mesh):
+    """The count of kept labels all-reduced over "dp", gradients summed."""
+    model.count_group = mesh["dp"].get_group()
+    return all_reduce_dp
+
+
+def ddp_local_count(model, mesh):
+    """Bug: the count is not all-reduced, so each rank divides its summed
+    loss by its own count of kept labels, and the gradients are summed."""
+    return all_reduce_dp
+
+
+def ddp_token_weighted_avg(model, mesh):
+    """Bug: the count all-reduced (each rank's loss already its share of the
+    step's mean) and the gradients averaged too: divided by dp twice."""
+    model.count_group = mesh["dp"].get_group()
+    return average_dp
+
+
+def ddp_smoothing_first_rank(model, mesh):
+    """Bug: the label smoothing of the config reaches the first
+    data-parallel rank only; the others run with another (0.2, a stale
+    default), gradients summed."""
+    if mesh["dp"].get_local_rank() != 0:
+        model.label_smoothing = 0.2
+    return all_reduce_dp
+
+
+def ddp_avg_unsmoothed_first_rank(model, mesh):
+    """Bug: a per-rank mean averaged over "dp", the smoothing of the config on the first rank only."""
+    ddp_smoothing_first_rank(model, mesh)
+    return average_dp
+
+
+
+def tp_mlp_token_weighted(model, mesh):
+    """``ddp_token_weighted`` with the MLPs tensor-parallel on "tp"
+    (``stock_recipes.mlp_tp_plan``): the count all-reduced over "dp" only."""
+    mlp_tp_plan(model, mesh["tp"])
+    model.count_group = mesh["dp"].get_group()
+    return all_reduce_dp
+
+
+def ddp_pad_id_first_rank(model, mesh):
+    """Bug: the tokenizer's pad id reaches the first data-parallel rank only;
+    the others mask and ignore the next id instead, gradients summed. The
+    loss's ignore index is a constant no single-device constant matches:
+    refused (exit 2)."""
+    if mesh["dp"].get_local_rank() != 0:
+        model.pad += 1
+        model.key_pad += 1
+    return all_reduce_dp
+
+
+def ddp_key_mask_off_by_one(model, mesh):
+    """Bug: the key-padding mask of the ranks after the first masks the id
+    after the pad id (the loss still ignores the pad), gradients summed.
+    The rank reads another column of the one-hot ids than any the
+    single-device step reads: refused (exit 2), not verified."""
+    if mesh["dp"].get_local_rank() != 0:
+        model.key_pad += 1
+    return all_reduce_dp
