@@ -34,7 +34,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve  # noqa: E402
-from backends.torch.rank import load  # noqa: E402
+from backends.torch.rank import load, recipe_result, train_context  # noqa: E402
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +72,12 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
     try:
         mesh = init_device_mesh("cpu", (1, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
         model = _model(args)
-        after = load(args.recipe)(model, mesh)
+        runner, after = recipe_result(model, load(args.recipe)(model, mesh))
         tokens, labels = _batch(args)
         d = mesh["dp"].get_local_rank()
         rows = slice(d * args.batch // args.dp, (d + 1) * args.batch // args.dp)
-        model(tokens[rows], labels[rows]).backward()
+        with train_context(model):
+            runner(tokens[rows], labels[rows]).backward()
         if after is not None:
             after(model, mesh)
         problem = ""

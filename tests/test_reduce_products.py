@@ -33,3 +33,18 @@ def test_flatten_grows_the_outer_dim_when_it_can() -> None:
     size = _sizes(classes, [(flat, [outer, inner], 1)])
     assert size(flat) == size(outer) * size(inner)
     assert size(flat) % 4 == 0
+
+
+def test_flatten_keeps_the_minimum_of_its_output() -> None:
+    """A flattened [1, 1, 14] gradient that a parallel narrow reads (FSDP2's
+    padded shard: rows [0, 4) of 14) must keep its 14: the product grows
+    its factor to the output's minimum (before, it stayed at 7 and the
+    narrow's shapes broke: a false alarm)."""
+    classes = _Classes()
+    a, b, c, flat = (0, 0), (0, 1), (0, 2), (1, 0)
+    for ref, full in ((a, 1), (b, 1), (c, 14), (flat, 14)):
+        classes.add(ref, full)
+    classes.need(c, 7)
+    classes.need(flat, 7, minimum=14)
+    size = _sizes(classes, [(flat, [a, b, c], 1)])
+    assert size(flat) == 14 == size(a) * size(b) * size(c)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.lower import LoweringError, check_even_shards
+from backends.torch.lower import LoweringError, check_shards
 from tests.test_torch_layers import SIZES, Probe, _heads, _lower_and_check, _merge, _single
 
 H, S = SIZES["hidden"], SIZES["seqlen"]
@@ -147,15 +147,15 @@ def test_a_boolean_sdpa_mask_off_the_causal_pattern_matches_torch() -> None:
     _lower_and_check(_single(f"{__name__}:probe_bool_window"))
 
 
-def test_padded_shards_are_refused_naming_the_parameter() -> None:
-    """FSDP2 splits a 3-row parameter 2 and 1 over two ranks: refused before
-    lowering. A 1-row parameter (whole on the first rank, empty on the
-    others) is lowered (tests/test_torch_padded.py)."""
-    trace = {"params": {"out.weight": (0, (3, 2), [["dp"], []])}, "shapes": [(2, 2)]}
+def test_uneven_shards_off_dim_0_are_refused_naming_the_parameter() -> None:
+    """A 3-column parameter cut 2 and 1 along dim 1: refused before
+    lowering. Along dim 0 (FSDP2's padded shards) it is lowered
+    (tests/test_torch_padded.py)."""
+    trace = {"params": {"out.weight": (0, (2, 3), [[], ["tp"]])}, "shapes": [(2, 2)]}
     with pytest.raises(LoweringError, match=r"out\.weight.*unevenly"):
-        check_even_shards([trace])
-    check_even_shards([{"params": {"w": (0, (4, 2), [["dp"], []])}, "shapes": [(2, 2)]}])
-    check_even_shards([{"params": {"out.bias": (0, (1,), [["dp"]])}, "shapes": [(0,)]}])
+        check_shards([trace])
+    check_shards([{"params": {"w": (0, (3, 2), [["dp"], []])}, "shapes": [(2, 2)]}])
+    check_shards([{"params": {"out.bias": (0, (1,), [["dp"]])}, "shapes": [(0,)]}])
 
 
 # -- in parallel ------------------------------------------------------------------

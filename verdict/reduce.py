@@ -304,7 +304,7 @@ def _ts_name(single: Plan, t: int) -> str:
 def _sizes(classes: _Classes, products: list[tuple[Ref, list[Ref], int]]):
     """Reduced size of each dim: its class's size, products computed from
     their factors (and the first factor with room grown until the product
-    splits into the pieces the target needs)."""
+    reaches the target's minimum and splits into the pieces it needs)."""
     extra: dict[Ref, int] = {}
 
     def base(r: Ref) -> int:
@@ -315,6 +315,15 @@ def _sizes(classes: _Classes, products: list[tuple[Ref, list[Ref], int]]):
     for target, factors, k in products:
         root = classes.find(target)
         value = k * math.prod(base(f) for f in factors)
+        if 0 < value < classes.minimum[root]:
+            # the target must keep a minimum size (a narrow of it keeps its
+            # full size): grow a factor with room until the product does
+            grow = -(-classes.minimum[root] // value)
+            roots = [classes.find(f) for f in factors]
+            first = next((f for f in roots if base(f) * grow <= classes.full[f]), None)
+            if first is not None:
+                extra[first] = base(first) * grow
+                value *= grow
         count = classes.count[root]
         if value % count:
             grow = count // math.gcd(count, value)

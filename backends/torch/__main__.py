@@ -20,7 +20,8 @@ from pathlib import Path
 
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
-from backends.torch.lower import LoweringError, check_even_shards, lower_ranks, lower_trace
+from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower_trace
+from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
 
@@ -158,9 +159,11 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp,
                          single.get("imports", ()))
     world["nm"] = traces[0]["microbatches"]
-    check_even_shards(traces)
+    check_shards(traces)
+    check_broadcasts(traces)
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
+    check_bucket_layouts(lows)
     return build_plans(low_s, lows, world), single
 
 

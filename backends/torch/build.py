@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from backends.torch.lower import LNode, Lowered, LoweringError
+from backends.torch.lower import LNode, Lowered, LoweringError, padded_rows
 from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op
 from verdict.plan import Logical, Node, Plan, Tensor
@@ -47,11 +47,16 @@ class Claim:
     cutting each dim (``mb``: a pipeline's microbatches), the axes it is a
     partial sum over, and, when partial over ``mb``, the microbatches
     [lo, hi) it sums (None: its own microbatch), and the exact factor it
-    is of that piece (docs/soundness.md, "Scaled claims")."""
+    is of that piece (docs/soundness.md, "Scaled claims"). A dim whose
+    size the axes do not divide is cut as ``torch.chunk`` cuts it (FSDP2's
+    and DTensor's padded shards: ``lower.padded_rows``). ``at``: the
+    coordinates the axes are read at when they are not the holder's (a
+    piece received from another rank)."""
     dims: list[list[str]]
     partial: frozenset[str] = frozenset()
     mbs: tuple[int, int] | None = None
     scale: Fraction = Fraction(1)
+    at: dict[str, int] | None = None
 
 
 #: Operators whose output is the sum of their inputs (a scaled input must
@@ -264,6 +269,7 @@ class _Rank:
             self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
                                    for axes in low.axes[v]])
             self.check_input(v, name)
+            self.whole_where_held(v)
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""
@@ -279,7 +285,7 @@ class _Rank:
         shard dim, would not be)."""
         full, local = self.gshape(v), self.low.shapes[v]
         for k, axes in enumerate(self.claim[v].dims):
-            if full[k] != local[k] * math.prod(self.sizes[a] for a in axes):
+            if self.extent(axes, full[k]) != local[k]:
                 raise LoweringError(f"rank {self.low.rank}: input {name} of shape {list(local)} is "
                                     f"not its {list(full)} cut by {axes or 'no axis'} along dim {k}")
 
@@ -483,12 +489,18 @@ class _Rank:
                                 claim.scale)
 
     def receive(self, node: LNode, peer: _Rank, x: int) -> None:
-        """A value received from ``peer``: the value it sent, the same piece."""
+        """A value received from ``peer``: the value it sent, the same piece
+        (its axes read at the peer's coordinates where they differ from
+        this rank's; a dim the peer holds whole is whole)."""
         out = node.outs[0]
         self.sv[out] = peer.sv[x]
         self.mb[out] = peer.mb.get(x, -1)
         c = peer.claim[x]
-        self.claim[out] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale)
+        full = peer.gshape(x)
+        dims = [[] if peer.extent(d, n) == n else list(d) for d, n in zip(c.dims, full)]
+        at = {a: peer.low.coords[a] for d in dims for a in d
+              if a != "mb" and peer.low.coords[a] != self.low.coords[a]}
+        self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale, at or None)
 
     def aligns(self, node: LNode) -> bool:
         key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
@@ -629,7 +641,18 @@ class _Rank:
                     dims[node.kwargs["dim"]].extend(axes)
             scale = c.scale / len(node.group) if node.op in AVERAGES else c.scale
             self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale)
-            self.check(out)
+            self.check(out, uneven=True)
+            return
+        if node.op == "cat" and not self.aligns(node) and self.joins(node):
+            return
+        if node.op == "zeros" and node.outs[0] in self.low.empty_sums:
+            self.empty_sum(node, coords)
+            return
+        if node.outs[0] in self.low.row_cuts:
+            self.cut_rows(node, coords)
+            return
+        if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
+                and self.takes_piece(node):
             return
         souts = self.align(node)
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
@@ -647,6 +670,88 @@ class _Rank:
         for o, f in zip(node.outs, self.scales_of(node)):
             if o >= 0:
                 self.claim[o].scale = f * self.applied
+
+    def joins(self, node: LNode) -> bool:
+        """A ``cat`` of pieces of one value (FSDP2's padded shards gathered
+        from their ranks) whose sizes along the dim add up to the whole dim:
+        claimed to be the whole along it (the claim is proved; pieces in
+        the wrong order or overlapping fail). False when it is not one."""
+        d, out = node.kwargs["dim"], node.outs[0]
+        if len({self.sv[v] for v in node.ins}) != 1:
+            return False
+        full = self.gshape(node.ins[0])
+        views = [self.view(v) for v in node.ins]
+        first = self.claim[node.ins[0]]
+        if any(self.claim[v].partial or self.claim[v].scale != first.scale for v in node.ins) \
+                or len({tuple(s for k, s in enumerate(sl) if k != d) for sl, _ in views}) != 1 \
+                or sum(sl[d][1] - sl[d][0] for sl, _ in views) != full[d]:
+            return False
+        dims = [[] if k == d else list(axes) for k, axes in enumerate(first.dims)]
+        self.sv[out], self.mb[out] = self.sv[node.ins[0]], self.mb.get(node.ins[0], -1)
+        self.claim[out] = Claim(dims, frozenset(), None, first.scale)
+        want = tuple((0, full[d]) if k == d else s for k, s in enumerate(views[0][0]))
+        if self.view(out)[0] != want:
+            raise LoweringError(f"rank {self.low.rank}: a cat at {_scope(node.name)} joins "
+                                f"pieces cut along other dims than this rank's")
+        return True
+
+    def empty_sum(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        """The square sum (a zero) of a gradient's empty shard: this rank's
+        part of the partial square sum of the gradient over the group that
+        cuts it (a sum over no rows; the parts are proved to add up to the
+        single-device square sum)."""
+        g, group = self.low.empty_sums[node.outs[0]]
+        whole = self.sv[g]
+        by_key, nodes = self.b.s.by_key, self.b.s.low.nodes
+        sums = [nodes[m].outs[0] for m in by_key.get(("mul", "fw", (whole, whole), ()), [])]
+        sums = [nodes[c].outs[0] for sq in sums for c in by_key.get(
+            ("sum", "fw", (sq,), _key_kwargs({"dim": None, "keepdim": False})), [])]
+        if not sums:
+            raise AlignError(f"rank {self.low.rank} takes the norm of a gradient shard it holds "
+                             f"no rows of, whose square sum the single-device step never takes")
+        out = node.outs[0]
+        self.sv[out], self.mb[out] = sums[0], -1
+        self.claim[out] = Claim([], frozenset(self.axis_of(group, coords)))
+
+    def cut_rows(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        """A ``narrow`` of a padded gradient, whole along the dim, to the rows
+        this rank holds of it: claimed cut by the axes of the group whose
+        reduction cuts it (FSDP2's shard group), whose piece at this rank's
+        coordinates these rows must be (the claim is then proved like any)."""
+        x, out = node.ins[0], node.outs[0]
+        c, d = self.claim[x], node.kwargs["dim"]
+        axes = self.axis_of(self.low.row_cuts[out], coords)
+        full = self.gshape(x)[d]
+        rows = (node.kwargs["start"], node.kwargs["start"] + node.kwargs["length"])
+        if c.dims[d] or c.at or not axes or self.piece(axes, full, self.low.coords) != rows:
+            raise LoweringError(f"rank {self.low.rank}: rows [{rows[0]}, {rows[1]}) of a "
+                                f"gradient at {_scope(node.name)} are not its piece over the "
+                                f"ranks {list(self.low.row_cuts[out])}")
+        self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+        self.claim[out] = Claim([list(axes) if k == d else list(a) for k, a in enumerate(c.dims)],
+                                c.partial, c.mbs, c.scale)
+
+    def takes_piece(self, node: LNode) -> bool:
+        """A ``narrow`` of a value whole along the dim to this rank's piece of
+        it by tensor-parallel (else data-parallel) axes, torch.chunk's for a
+        size they do not divide (DTensor's uneven ``Shard``: the gradient of
+        a gathered piece): claimed cut by those axes (proved like any
+        claim). False when no axes give these rows."""
+        x, out = node.ins[0], node.outs[0]
+        c, d = self.claim[x], node.kwargs["dim"] % len(self.low.shapes[x])
+        if c.dims[d] or c.at:
+            return False
+        full = self.gshape(x)[d]
+        rows = (node.kwargs["start"], node.kwargs["start"] + node.kwargs["length"])
+        for axes in (["tp"], list(self.dp), [*self.dp, "tp"]):
+            if math.prod(self.sizes[a] for a in axes) > 1 \
+                    and self.piece(axes, full, self.low.coords) == rows:
+                self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+                self.claim[out] = Claim([list(axes) if k == d else list(a)
+                                         for k, a in enumerate(c.dims)],
+                                        c.partial, c.mbs, c.scale)
+                return True
+        return False
 
     def scales_of(self, node: LNode) -> list[Fraction]:
         """The factor of each output, from its inputs' factors: a sum keeps
@@ -699,6 +804,7 @@ class _Rank:
         rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
         tied_in: set[tuple[int, int]] = set()
         dims_out = [[None] * len(s) for s in shapes_out]
+        source: dict[tuple[int, int], int] = {}  # an output dim -> the full size it came from
         for r in rel:
             if r[0] == "eq":
                 a, c = r[1], r[2]
@@ -709,6 +815,7 @@ class _Rank:
                     axes = self.claim[ins[c[1]]].dims[c[2]]
                     if dims_out[a[1]][a[2]] is None or (axes and not dims_out[a[1]][a[2]]):
                         dims_out[a[1]][a[2]] = list(axes)
+                        source[(a[1], a[2])] = self.gshape(ins[c[1]])[c[2]]
             elif r[0] == "mul":
                 target, factors = r[1], r[2]
                 if target[0] == "o":  # flatten: the output dim is the product
@@ -749,7 +856,8 @@ class _Rank:
                     partial |= set(axes)
         for o, v in enumerate(outs):
             full = self.gshape(v)
-            dims = [axes if axes is not None and self.extent(axes, full[d]) == self.low.shapes[v][d]
+            dims = [axes if axes is not None and self.fits(axes, full[d], self.low.shapes[v][d],
+                                                           source.get((o, d)))
                     else None for d, axes in enumerate(dims_out[o])]
             for d, axes in enumerate(dims):
                 if axes is None:
@@ -762,7 +870,7 @@ class _Rank:
                              else (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
                     dims[d] = self.guess(self.low.shapes[v][d], full[d], used, order)
             self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None)
-            self.check(v)
+            self.check(v, uneven=True)
 
     def hint(self, v: int, d: int, local: int, full: int) -> list[str] | None:
         """The axes cutting dim d of v as its consumers see it: a dim of another
@@ -807,25 +915,66 @@ class _Rank:
                 self.claim[o] = Claim([list(d) for d in grad.dims], frozenset(partial), mbs)
             self.check(o)
 
-    def extent(self, axes: list[str], full: int) -> int:
-        return full // math.prod(self.sizes[a] for a in axes)
+    def fits(self, axes: list[str], full: int, local: int, source: int | None) -> bool:
+        """Axes carried to an output dim give its local size: in equal pieces,
+        or in torch.chunk's only when carried from an input dim of the same
+        size (a padded shard through an elementwise op), never when they
+        cut a dim of another size (a reshape) that they do not divide."""
+        if full % math.prod(self.sizes[a] for a in axes) == 0 or source == full:
+            return self.extent(axes, full) == local
+        return False
 
-    def check(self, v: int) -> None:
+    def extent(self, axes: list[str], full: int) -> int:
+        """The size of this rank's piece of a dim of ``full`` cut by ``axes``."""
+        lo, hi = self.piece(axes, full, self.low.coords)
+        return hi - lo
+
+    def piece(self, axes: list[str], full: int, coords: dict[str, int]) -> tuple[int, int]:
+        """The [lo, hi) of a dim of ``full`` cut by ``axes`` at ``coords``:
+        equal pieces, or (a size the axes do not divide) torch.chunk's."""
+        n = math.prod(self.sizes[a] for a in axes)
+        index = 0
+        for a in axes:
+            index = index * self.sizes[a] + coords.get(a, 0)
+        if full % n:
+            return padded_rows(full, n, index)
+        return index * (full // n), (index + 1) * (full // n)
+
+    def check(self, v: int, uneven: bool = False) -> None:
+        """Axes that do not give a dim's local size are replaced by a guess.
+        A dim the axes do not divide keeps them (torch.chunk's pieces) only
+        when ``uneven``: the axes were carried from a dim of the same size
+        (``fits``, a collective's input)."""
         full, local = self.gshape(v), self.low.shapes[v]
         c = self.claim[v]
         for d, axes in enumerate(c.dims):
-            if self.extent(axes, full[d]) != local[d]:
+            even = full[d] % math.prod(self.sizes[a] for a in axes) == 0
+            if self.extent(axes, full[d]) != local[d] or not (even or uneven):
                 c.dims[d] = self.guess(local[d], full[d])
+        self.whole_where_held(v)
+
+    def whole_where_held(self, v: int) -> None:
+        """A dim whose piece is all of it (the only member holding rows of a
+        padded dim) is claimed whole: its axes cut nothing, and no axis may
+        reach another dim through it."""
+        c = self.claim[v]
+        if c.at is None:
+            c.dims = [[] if axes and self.extent(axes, n) == n else axes
+                      for axes, n in zip(c.dims, self.gshape(v))]
 
     def view(self, v: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int]]:
         c, local = self.claim[v], self.low.shapes[v]
-        coords = {**self.low.coords, "mb": self.mb.get(v, -1)}
+        coords = {**self.low.coords, **(c.at or {}), "mb": self.mb.get(v, -1)}
+        full = self.gshape(v)
         slices = []
         for d, axes in enumerate(c.dims):
             index = 0
             for a in axes:
                 index = index * self.sizes[a] + coords[a]
-            slices.append((index * local[d], (index + 1) * local[d]))
+            if full[d] % math.prod(self.sizes[a] for a in axes):
+                slices.append(self.piece(axes, full[d], coords))
+            else:
+                slices.append((index * local[d], (index + 1) * local[d]))
         n, lo, hi = 1, 0, 1
         for a in self.part_axes:
             if a in c.partial and self.sizes[a] > 1:

@@ -19,6 +19,15 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lower_buckets import (
+    BUCKET_HANDLERS,
+    PER_PIECE_OPS,
+    Bucket,
+    all_reduce_bucket,
+    bucket_view,
+    per_piece,
+)
+from backends.torch.lower_more import MORE_HANDLERS, check_no_value_reads
 from backends.torch.lower_nn import (
     NN_HANDLERS,
     Complex,
@@ -34,7 +43,7 @@ from backends.torch.lower_nn import (
     where,
 )
 
-__all__ = ["LNode", "Lowered", "LoweringError", "check_even_shards", "lower_ranks", "lower_trace"]
+__all__ = ["LNode", "Lowered", "LoweringError", "check_shards", "lower_ranks", "lower_trace"]
 
 
 @dataclass
@@ -69,6 +78,14 @@ class Lowered:
     split: dict[str, int] = field(default_factory=dict)
     #: each SUM all-reduce of a count of kept labels: (group, this rank's count)
     count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    #: each gradient bucket all-reduced: (group, its pieces' sizes)
+    buckets: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    #: the square sum (a zero) of a gradient's empty shard -> (the local
+    #: gradient it is cut from, the group whose reduction cuts it)
+    empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    #: a padded gradient's rows this rank keeps (a narrow) -> the group whose
+    #: reduction cuts them
+    row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,8 +156,31 @@ class _Shifted:
 
 @dataclass
 class _Gathered:
+    """An all-gather along dim 0 of ``x`` over ``group``, not yet emitted.
+    ``padded``: x was padded at the end of a dim before the gather (DTensor's
+    uneven ``Shard``), so the pieces are equal only with the padding."""
     x: int
     group: tuple[int, ...]
+    padded: bool = False
+
+
+@dataclass(frozen=True)
+class _ZeroPadded:
+    """``x`` padded with ``width`` zeros at the end of ``dim`` (DTensor pads
+    its piece of an unevenly sharded dim to the chunk size before an
+    all-gather), not yet emitted; only that all-gather may read it."""
+    x: int
+    dim: int
+    width: int
+
+
+@dataclass(frozen=True)
+class _GatheredAlong:
+    """The all-gather ``g`` seen along ``dim`` (split along 0, cat along
+    dim), not yet emitted: a slice of its first rows may drop the padding
+    of an uneven shard."""
+    g: _Gathered
+    dim: int
 
 
 @dataclass
@@ -187,25 +227,30 @@ class _ChunkCat:
 
 @dataclass(frozen=True)
 class _Padding:
-    """FSDP2's padding buffer of a rank's empty shard of parameter ``param``
-    (a dim 0 of one row, which only the group's first rank holds): only
-    FSDP's all-gather copy-in reads it, and the lowering never reads its
-    values (docs/soundness.md, "Plans traced from PyTorch", 14)."""
+    """A rank's shard of parameter ``param`` (value id) followed by FSDP2's
+    padding rows (the shard of a dim the group size does not divide, padded
+    to its chunk; an empty shard is all padding): only FSDP's all-gather
+    copy-in reads it, and the lowering never reads the padding's values
+    (docs/soundness.md, "Plans traced from PyTorch", 15)."""
     param: int
 
 
 @dataclass(frozen=True)
-class _OwnerRow:
-    """A one-row parameter as FSDP2's all-gather gives it to every rank of
-    its group: ``x``, the first rank's shard (there) or that shard received
-    from it (elsewhere); read only as the parameter's first row."""
+class _Unpadded:
+    """A parameter FSDP2 pads, as its all-gather gives it to every rank of
+    the group: ``x``, the members' rows concatenated in group order (no
+    padding row); read only as the parameter's first rows."""
     x: int
 
 
 @dataclass(frozen=True)
 class _NoShard:
     """The empty shard of a parameter this rank holds no rows of, its
-    gradient's shard, or what only they made (its optimizer step)."""
+    gradient's shard, or what only they made (its optimizer step). The
+    gradient's empty shard names the local gradient it is cut from
+    (``grad``) and the group whose reduction cuts it."""
+    grad: int = -1
+    group: tuple[int, ...] = ()
 
 
 @dataclass
@@ -305,7 +350,10 @@ class _Lowerer:
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
-    owners: set[int] = field(default_factory=set)  # one-row parameters padded on other ranks
+    empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    event: int = -1  # the event being lowered
+    buckets: list = field(default_factory=list)  # gradient buckets all-reduced (lower_buckets)
     #: the step's value of each count all-reduce, in order (lower_ranks); None:
     #: an all-reduced count is refused, "collect": this rank's counts are kept
     counts: list[int] | str | None = None
@@ -348,7 +396,20 @@ class _Lowerer:
                     if self.trace.get("constvals", {}).get(x.v) is None:
                         raise
             return constant_input(self, constant_value(self, ("v", x.v)))
+        if isinstance(x, _GatheredAlong):
+            shape = list(self.shapes[x.g.x])
+            shape[x.dim] *= len(x.g.group)
+            if x.g.padded:
+                raise LoweringError(f"{self.name}: an all-gather of padded pieces is read "
+                                    f"with its padding")
+            return self.emit("all_gather", [x.g.x], [shape], {"dim": x.dim}, group=x.g.group)[0]
+        if isinstance(x, _ZeroPadded):
+            raise LoweringError(f"{self.name}: a zero-padded piece is read other than by "
+                                f"an all-gather")
         if isinstance(x, _Gathered):
+            if x.padded:
+                raise LoweringError(f"{self.name}: an all-gather of padded pieces is read "
+                                    f"with its padding")
             shape = list(self.shapes[x.x])
             shape[0] *= len(x.group)
             return self.emit("all_gather", [x.x], [shape], {"dim": 0}, group=x.group)[0]
@@ -398,9 +459,9 @@ class _Lowerer:
         for i, (op, _, outs, *_) in enumerate(self.trace["events"]):
             if i not in live:
                 continue
-            if outs and all(v in constants for v in outs) and op != "unknown":
-                for v in outs:
-                    self.env[v] = Const(v, i)
+            if outs and all(v in constants for v in outs):
+                for v in outs:  # a constant of unknown origin (written in place) is read by value
+                    self.env[v] = Const(v, i if op != "unknown" else -1)
                 continue
             if self.on_empty(i):
                 for v in outs:
@@ -423,21 +484,34 @@ class _Lowerer:
         """Lower event ``i`` through its handler; the lowered value of its
         output ``want``."""
         op, (args, kwargs), outs, out_shapes, scope, group, mb = self.trace["events"][i]
-        saved = self.name, self.mb
+        saved = self.name, self.mb, self.event
         self.name, self.mb = scope, mb
+        self.event = i
         handler = HANDLERS.get(op)
         if handler is None:
             raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
                                 f"onto the rule table")
+        if op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])), Bucket):
+            handler = _per_piece(handler)
         try:
             result = handler(self, args, kwargs, out_shapes, group)
         finally:
-            self.name, self.mb = saved
+            self.name, self.mb, self.event = saved
         if not isinstance(result, list):
             result = [result]
         for v, r in zip(outs, result):
             self.env[v] = r
         return self.env.get(want)
+
+
+def _first_value(a: Any) -> int | None:
+    return a[1] if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
+
+
+def _per_piece(handler):
+    def lower(lw: _Lowerer, args, kwargs, shapes, group):
+        return per_piece(lw, handler, args, kwargs, group)
+    return lower
 
 
 def _tensor_args(args: Any) -> list[int]:
@@ -619,6 +693,26 @@ def _nll_target(lw: _Lowerer, weight: Any, reduction: int, target: Any,
     return labels, count
 
 
+def _to_classes(lw: _Lowerer, labels: int, classes: int, target: Any) -> int:
+    """One-hot labels over the vocabulary cut to the first ``classes``
+    columns, for a loss over fewer classes than the vocabulary has ids
+    (a classifier's labels ``labels[:, 0] % classes``): exact on the
+    recorded labels, which all lie below ``classes`` (checked), so the
+    columns cut off are zero in every row (docs/soundness.md, "Plans traced
+    from PyTorch", 18)."""
+    width = lw.shapes[labels][-1]
+    if width == classes:
+        return labels
+    values = _label_values(lw, target)
+    inside = (values >= 0) & (values < lw.vocab)
+    if width < classes or np.any(values[inside] >= classes):
+        raise LoweringError(f"{lw.name}: nll_loss over {classes} classes against labels up to "
+                            f"{int(values.max())}")
+    shape = [*lw.shapes[labels][:-1], classes]
+    return lw.emit("narrow", [labels], [shape], {"dim": len(shape) - 1, "start": 0,
+                                                  "length": classes})[0]
+
+
 def _class_last(lw: _Lowerer, x: int) -> int:
     """``[N, C, d...]`` with the class dim moved last (nll_loss2d's layout to
     the one-hot labels' ``[N, d..., C]``), by adjacent transposes."""
@@ -649,6 +743,7 @@ def _nll(lw: _Lowerer, args, kwargs, shapes, group, classes_second: bool = False
     labels, count = _nll_target(lw, args[2], reduction, args[1],
                                 args[4] if len(args) > 4 else None)
     shape = lw.shapes[logp]
+    labels = _to_classes(lw, labels, shape[-1], args[1])
     if lw.shapes[labels] != shape:
         raise LoweringError(f"{lw.name}: nll_loss of {list(shape)} log-probabilities "
                             f"against labels {list(lw.shapes[labels][:-1])}")
@@ -702,6 +797,8 @@ def _nll_bw(lw: _Lowerer, args, kwargs, shapes, group, classes_second: bool = Fa
     g, reduction = lw.val(args[0]), int(args[4])
     ignore = args[5] if len(args) > 5 else None
     labels, count = _nll_target(lw, args[3], reduction, args[2], ignore)
+    width = lw.shapes[lw.val(args[1])][1 if classes_second else -1]
+    labels = _to_classes(lw, labels, width, args[2])
     whole = count == math.prod(lw.shapes[labels][:-1]) \
         and not isinstance(lw.env.get(args[2][1]), _IdRows) \
         and (ignore is None or not 0 <= int(ignore) < lw.vocab)
@@ -761,9 +858,20 @@ def _pg(lw: _Lowerer, a: Any) -> tuple[int, ...]:
 
 def _allgather_base(lw: _Lowerer, args, kwargs, shapes, group):
     packed = lw.env.get(args[1][1])
+    if not isinstance(packed, _Packed) and not isinstance(packed, (_ChunkCat, str)):
+        return _Gathered(lw.val(args[1]), _pg(lw, args[2]))  # dist.all_gather_into_tensor
     if not isinstance(packed, _Packed):
         raise LoweringError(f"{lw.name}: all-gather of a buffer FSDP's copy-in did not fill")
     return _Packed(packed.parts, _pg(lw, args[2]))
+
+
+def _plain_reduce_scatter(lw: _Lowerer, x: Any, op: Any, ranks: tuple[int, ...], shapes):
+    """``dist.reduce_scatter_tensor(out, x)`` of a tensor (not FSDP's
+    buffer): a reduce-scatter along dim 0, SUM or AVG."""
+    if op[1] not in (0, 1):
+        raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
+    return lw.emit("reduce_scatter" + ("_avg" if op[1] == 1 else ""), [lw.val(x)], shapes[:1],
+                   {"dim": 0}, group=ranks)[0]
 
 
 def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
@@ -773,54 +881,138 @@ def _split_copy(lw: _Lowerer, args, kwargs, shapes, group):
     n = len(packed.group)
     outs = []
     for p, shape in zip(packed.parts, shapes):
-        if isinstance(p, _Padding) or p in lw.owners:
-            outs.append(_owner_row(lw, p, packed.group))
+        param = p.param if isinstance(p, _Padding) else p
+        name = lw.params.get(param)
+        if name is not None and lw.trace["params"][name][1][0] % n:
+            if any(a not in ("dp", "dps", "dpr") for a in lw.trace["params"][name][2][0]):
+                raise LoweringError(f"{lw.name}: FSDP2 over a tensor-parallel shard of {name} "
+                                    f"(dim 0 of {lw.trace['params'][name][1][0]} rows, which the "
+                                    f"mesh does not divide) is not lowered")
+            outs.append(_Unpadded(_padded_gather(lw, name, param, packed.group)))
             continue
+        if isinstance(p, _Padding):
+            raise LoweringError(f"{lw.name}: FSDP pads a shard of a dim its group divides")
         full = (lw.shapes[p][0] * n, *lw.shapes[p][1:])
         x = lw.emit("all_gather", [p], [full], {"dim": 0}, group=packed.group)[0]
         outs.append(_As(x, tuple(shape)))
     return outs
 
 
-def _owner_row(lw: _Lowerer, p: int | _Padding, group: tuple[int, ...]) -> _OwnerRow:
-    """FSDP2's all-gather of a one-row parameter: the group's first rank
-    holds the row and every other rank only padding, so the gathered
-    parameter (the first row of the gathered buffer) is the first rank's
-    shard: sent from it to every other rank."""
-    me, first = lw.trace["rank"], group[0]
-    if isinstance(p, _Padding):
-        if me == first:
-            raise LoweringError(f"{lw.name}: the first rank of an FSDP group holds no row of a "
-                                f"one-row parameter")
-        full = tuple(lw.trace["params"][lw.params[p.param]][1])
-        return _OwnerRow(lw.emit("send_recv", [], [full], {"src": first, "dst": me},
-                                 group=(first, me))[0])
-    if me != first:
-        raise LoweringError(f"{lw.name}: a rank other than the first of its FSDP group holds "
-                            f"the row of a one-row parameter")
-    for dst in group[1:]:
-        lw.nodes.append(LNode("send", "fw", [p], [], {}, lw.name, (me, dst), lw.mb))
-    return _OwnerRow(p)
+def padded_rows(rows: int, n: int, index: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a dim of ``rows`` that member ``index`` of ``n``
+    holds when FSDP2 (or DTensor's ``Shard``) cuts it in chunks of
+    ceil(rows / n) (``torch.chunk``; the last members may hold fewer rows,
+    or none)."""
+    c = -(-rows // n)
+    return min(index * c, rows), min((index + 1) * c, rows)
 
 
-def _padded_rows(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int | _NoShard:
-    """A rank's shard of FSDP2's reduce-scatter of a one-row gradient
-    padded to one row per rank: the first rank's is the group's sum of the
-    row (an all-reduce; under HSDP then summed over the replicas, the
-    other shard groups' first ranks), every other rank's is empty (it still
-    joins the group's all-reduce, which its peers run)."""
+def _sliced_next(lw: _Lowerer, dim: int) -> bool:
+    """The first op that reads the current event's output is a slice of it
+    along ``dim`` from 0 (DTensor dropping an uneven shard's padding)."""
+    out = lw.trace["events"][lw.event][2][0]
+    for op, (args, kwargs), *_ in lw.trace["events"][lw.event + 1:]:
+        if out in _tensor_args([args, kwargs]):
+            return (op == "aten.slice.Tensor" and len(args) > 2
+                    and int(args[1]) % len(lw.trace["shapes"][out]) == dim and not args[2])
+    return False
+
+
+def _drops_padding(lw: _Lowerer, src: _GatheredAlong, rows: int, total: int) -> bool:
+    """The first ``rows`` of a gather along a dim (``total`` long) are the
+    pieces of an uneven shard without their padding: the gathered pieces
+    are chunks of ceil(rows / n), and this rank's own piece is its chunk of
+    ``rows`` (padded to the chunk when shorter)."""
+    n, d = len(src.g.group), src.dim
+    chunk = -(-rows // n)
+    lo, hi = padded_rows(rows, n, src.g.group.index(lw.trace["rank"]))
+    own = lw.shapes[src.g.x][d]
+    return (rows < total == chunk * n and own == hi - lo
+            and (src.g.padded or own == chunk))
+
+
+def _uneven_gather(lw: _Lowerer, src: _GatheredAlong, rows: int) -> int:
+    """DTensor's all-gather of a dim of ``rows`` the group does not divide:
+    each member's piece padded at the end to ceil(rows / n), gathered, the
+    first ``rows`` kept. Those are the members' own pieces in group order
+    (the padding lies past them): written as for FSDP2's padded parameter
+    (docs/soundness.md, "Plans traced from PyTorch", 15e)."""
+    g, d = src.g, src.dim
+    n = len(g.group)
+    full = list(lw.shapes[g.x])
+    full[d] = rows
+    if not g.padded and lw.shapes[g.x][d] * n == rows:
+        return lw.materialize(src)
+    return _gather_pieces(lw, g.x, tuple(full), d, g.group, "a DTensor shard")
+
+
+def _gather_pieces(lw: _Lowerer, own: Any, full: tuple[int, ...], dim: int,
+                   group: tuple[int, ...], what: str) -> int:
+    """The whole of a dim that ``group`` holds in torch.chunk's pieces (this
+    rank's is ``own``): each member's piece sent to every other member and
+    the pieces concatenated along ``dim`` in group order (one holder: its
+    piece alone)."""
+    me, n = lw.trace["rank"], len(group)
+    bounds = [padded_rows(full[dim], n, i) for i in range(n)]
+    lo, hi = bounds[group.index(me)]
+
+    def shape(a: int, b: int) -> tuple[int, ...]:
+        return tuple(b - a if k == dim else m for k, m in enumerate(full))
+
+    if hi > lo and (not isinstance(own, int) or lw.shapes[own] != shape(lo, hi)):
+        raise LoweringError(f"{lw.name}: rank {me}'s piece of {what} is not [{lo}, {hi}) of its "
+                            f"{full[dim]} along dim {dim}, as torch.chunk cuts it over {n} ranks")
+    if hi > lo:
+        for dst in group:
+            if dst != me:
+                lw.nodes.append(LNode("send", "fw", [own], [], {}, lw.name, (me, dst), lw.mb))
+    pieces = []
+    for src, (a, b) in zip(group, bounds):
+        if b == a:
+            continue
+        if src == me:
+            pieces.append(own)
+            continue
+        pieces.append(lw.emit("send_recv", [], [shape(a, b)], {"src": src, "dst": me},
+                              group=(src, me))[0])
+    if len(pieces) == 1:
+        return pieces[0]
+    return lw.emit("cat", pieces, [full], {"dim": dim})[0]
+
+
+def _padded_gather(lw: _Lowerer, name: str, param: int, group: tuple[int, ...]) -> int:
+    """FSDP2's all-gather of a parameter whose dim 0 the group does not
+    divide: the gathered buffer's first rows are the members' own rows in
+    group order, the padding after them. Each member's rows are sent to
+    every other member and concatenated in group order, so no padding value
+    enters the plan (docs/soundness.md, "Plans traced from PyTorch", 15)."""
+    return _gather_pieces(lw, lw.env.get(param), tuple(lw.trace["params"][name][1]), 0, group,
+                          name)
+
+
+def _padded_reduce(lw: _Lowerer, src: _ChunkCat, g: int, size: list[int]) -> int | _NoShard:
+    """A rank's shard of FSDP2's reduce-scatter of a gradient whose dim 0
+    the group does not divide (each gradient padded with zero rows to a
+    chunk per rank): rows [lo, hi) of the group's sum, written as the
+    group's all-reduce narrowed to the rank's rows (under HSDP then summed
+    over the replicas, the same rows of the other shard groups). A rank
+    holding no rows still joins the all-reduce, which its peers run, and
+    keeps nothing (docs/soundness.md, "Plans traced from PyTorch", 15)."""
     shape = list(lw.shapes[g])
-    index = src.group.index(lw.trace["rank"])
-    if size[0] != (1 if index == 0 else 0) or list(size[1:]) != shape[1:]:
+    lo, hi = padded_rows(shape[0], len(src.group), src.group.index(lw.trace["rank"]))
+    if list(size) != [hi - lo, *shape[1:]]:
         raise LoweringError(f"{lw.name}: a view of FSDP's reduce-scatter output of shape {size} "
-                            f"is not rank {index}'s shard of a one-row gradient")
+                            f"is not this rank's rows [{lo}, {hi}) of a gradient of {shape[0]}")
     x = lw.emit("all_reduce", [g], [shape], group=src.group)[0]
-    if index:
-        return _NoShard()
-    if src.replicas is not None:  # HSDP: the first ranks of the shard groups sum their rows
-        x = lw.emit("all_reduce", [x], [shape], group=src.replicas)[0]
+    if hi == lo:
+        return _NoShard(g, src.group)
+    if hi - lo != shape[0]:
+        x = lw.emit("narrow", [x], [size], {"dim": 0, "start": lo, "length": hi - lo})[0]
+        lw.row_cuts[x] = src.group
+    if src.replicas is not None:
+        x = lw.emit("all_reduce", [x], [size], group=src.replicas)[0]
     if src.divide != 1.0:
-        x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
+        x = lw.emit("div", [x], [size], {"value": src.divide})[0]
     return x
 
 
@@ -833,9 +1025,11 @@ def _chunk_cat(lw: _Lowerer, args, kwargs, shapes, group):
 
 def _reduce_scatter_base(lw: _Lowerer, args, kwargs, shapes, group):
     buf = lw.env.get(args[1][1])
+    op = args[3]
+    if not isinstance(buf, (_ChunkCat, _Packed, _Gathered, str)):
+        return _plain_reduce_scatter(lw, args[1], op, _pg(lw, args[2]), shapes)
     if not isinstance(buf, _ChunkCat):
         raise LoweringError(f"{lw.name}: reduce-scatter of a buffer chunk_cat did not fill")
-    op = args[3]
     if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
         raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
     g = _pg(lw, args[2])
@@ -851,11 +1045,13 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
     contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
     if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
+    if isinstance(src, Bucket):
+        return bucket_view(lw, src, offset, tuple(size))
     if isinstance(src, _As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
         return src.x
-    if isinstance(src, _OwnerRow):
+    if isinstance(src, _Unpadded):
         if offset != 0 or tuple(size) != lw.shapes[src.x]:
-            raise LoweringError(f"{lw.name}: a view of FSDP's all-gather output of a one-row "
+            raise LoweringError(f"{lw.name}: a view of FSDP's all-gather output of a padded "
                                 f"parameter at offset {offset} is not lowered")
         return src.x
     if isinstance(src, _ChunkCat) and (src.group is not None or src.chunks == 1):
@@ -863,10 +1059,10 @@ def _as_strided(lw: _Lowerer, args, kwargs, shapes, group):
         at = 0
         for g in src.grads:
             rows, *rest = lw.shapes[g]
-            if rows % src.chunks:  # padded to one row per rank (_check_even_shard)
+            if rows % src.chunks:  # each rank's chunk padded with zero rows
                 if at == offset:
-                    return _padded_rows(lw, src, g, size)
-                at += math.prod(rest)
+                    return _padded_reduce(lw, src, g, size)
+                at += -(-rows // src.chunks) * math.prod(rest)
                 continue
             numel = math.prod(lw.shapes[g]) // src.chunks
             if at == offset and numel == math.prod(size):
@@ -956,7 +1152,7 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
     dst = tuple(shapes[0])
     if isinstance(f, _Ids):
         return _Ids(f.source, f.index, f.parts, dst)
-    if isinstance(f, _Gathered):
+    if isinstance(f, _Gathered) and not f.padded:
         k = _gathered_dim(lw.shapes[f.x], dst, len(f.group))
         if k is not None:
             return lw.emit("all_gather", [f.x], [dst], {"dim": k}, group=f.group)[0]
@@ -966,7 +1162,7 @@ def _view(lw: _Lowerer, args, kwargs, shapes, group):
         return f.x
     if isinstance(f, _As):
         return _As(f.x, dst)
-    if isinstance(f, (_Packed, _ChunkCat, _OwnerRow)) or f == "empty":
+    if isinstance(f, (_Packed, _ChunkCat, _Unpadded)) or f == "empty":
         return f
     if isinstance(f, Complex):
         return Complex(lw.reshape(f.re, dst), lw.reshape(f.im, dst))
@@ -977,6 +1173,8 @@ def _view_to(lw: _Lowerer, x: int, dst: tuple[int, ...]) -> int | _Flat:
     src = lw.shapes[x]
     if src == dst:
         return x
+    if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == dst:
+        return lw.flat_of[x]  # a flattened value seen with its own shape again
     groups = _reshape_groups(src, dst)
     if groups and len(groups[0][0]) > 1 and len(groups[0][1]) == 1 and len(src) > 3 \
             and all(len(gi) == 1 and len(gj) == 1 for gi, gj in groups[1:]):
@@ -1024,6 +1222,11 @@ def _one_hot(lw: _Lowerer, ids: Any) -> int:
         return piece.x
     if not isinstance(piece, _Ids):
         raise LoweringError(f"{lw.name}: integer ids other than the batch's are not lowered")
+    return one_hot_of(lw, piece)
+
+
+def one_hot_of(lw: _Lowerer, piece: _Ids) -> int:
+    """The one-hot rows of a piece of the batch's ids, shaped as the piece."""
     base = _Ids(piece.source, piece.index, piece.parts)
     if base not in lw.id_pieces:
         x = lw.one_hot[piece.source]
@@ -1162,6 +1365,8 @@ def _copy(lw: _Lowerer, args, kwargs, shapes, group):
     src = lw.env.get(args[1][1])
     if isinstance(src, _ChunkCat) and src.chunks == 1:
         return src  # FSDP's gradient buffer of a one-rank shard group, copied out
+    if isinstance(src, Bucket):
+        return src
     return lw.val(args[1])
 
 
@@ -1176,6 +1381,9 @@ def _all_reduce(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _all_gather(lw: _Lowerer, args, kwargs, shapes, group):
+    x = lw.env.get(args[0][1])
+    if isinstance(x, _ZeroPadded):
+        return _Gathered(x.x, group, padded=True)
     return _Gathered(lw.val(args[0]), group)
 
 
@@ -1222,12 +1430,19 @@ def _split(lw: _Lowerer, args, kwargs, shapes, group):
 
 
 def _slice(lw: _Lowerer, args, kwargs, shapes, group):
-    """A slice that is one of equal pieces (a schedule's microbatch)."""
+    """A slice that is one of equal pieces (a schedule's microbatch); of
+    an all-gather, its first rows (DTensor's gather of an uneven shard)."""
     src = lw.env.get(args[0][1])
     dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
+    if isinstance(src, _GatheredAlong) and dim % len(shapes[0]) == src.dim and start == 0 \
+            and _drops_padding(lw, src, shapes[0][src.dim],
+                               lw.trace["shapes"][args[0][1]][src.dim]):
+        return _uneven_gather(lw, src, shapes[0][src.dim])
     step = args[4] if len(args) > 4 else 1
     if isinstance(src, _Ids) and (dim != 0 or src.shape is not None) or isinstance(src, _IdRows):
         return _slice_ids(lw, args, shapes)
+    if isinstance(src, Bucket) and step == 1 and dim == 0:
+        return bucket_view(lw, src, int(start), tuple(shapes[0]))
     if isinstance(src, _Ids):
         total = lw.trace["data"][1][0] // src.parts
     else:
@@ -1280,7 +1495,7 @@ def _pad_ids(lw: _Lowerer, args, kwargs, shapes, group):
     value = args[2] if len(args) > 2 else kwargs.get("value", 0)
     src = lw.env.get(args[0][1])
     if not isinstance(src, (_Ids, _IdRows)):
-        raise LoweringError(f"{lw.name}: constant_pad_nd of other than integer ids is not lowered")
+        return _zero_padded(lw, args, value)
     if 0 <= int(value) < lw.vocab:
         raise LoweringError(f"{lw.name}: ids padded with {value}, a label of the vocabulary, "
                             f"are not lowered (pad with the loss's ignore_index)")
@@ -1310,6 +1525,20 @@ def _pad_ids(lw: _Lowerer, args, kwargs, shapes, group):
     return _IdRows(x, ids)
 
 
+def _zero_padded(lw: _Lowerer, args, value) -> _ZeroPadded:
+    """A tensor padded with zeros at the end of one dim (DTensor's piece of
+    an uneven shard, before its all-gather): pending, read only by it."""
+    pads = [int(p) for p in args[1]]
+    x = lw.val(args[0])
+    widths = [(k, pads[2 * k], pads[2 * k + 1]) for k in range(len(pads) // 2)
+              if pads[2 * k] or pads[2 * k + 1]]
+    if float(value) != 0.0 or len(widths) != 1 or widths[0][1] != 0 or widths[0][2] < 0:
+        raise LoweringError(f"{lw.name}: constant_pad_nd of other than integer ids is not "
+                            f"lowered, except zeros at the end of one dim before an all-gather")
+    k, _, width = widths[0]
+    return _ZeroPadded(x, len(lw.shapes[x]) - 1 - k, width)
+
+
 def _send(lw: _Lowerer, args, kwargs, shapes, group):
     ranks = _pg(lw, args[1])
     (x,) = args[0]
@@ -1332,9 +1561,8 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     if all(isinstance(p, _Piece) for p in items) and [p.index for p in items] == list(range(len(items))) \
             and all(p.of is first.of for p in items) and len(items) == first.parts:
         if isinstance(first.of, _Gathered):
-            g = first.of
-            return lw.emit("all_gather", [g.x], shapes, {"dim": dim % len(shapes[0])},
-                           group=g.group)[0]
+            along = _GatheredAlong(first.of, dim % len(shapes[0]))
+            return along if _sliced_next(lw, along.dim) else lw.materialize(along)
         if dim == 0:
             return _Stacked(first.of, first.dim, first.parts)
         if dim % len(shapes[0]) == first.dim:
@@ -1342,6 +1570,9 @@ def _cat(lw: _Lowerer, args, kwargs, shapes, group):
     if any(isinstance(p, (_Gathered, _Packed, _ChunkCat)) for p in items):
         raise LoweringError(f"{lw.name}: cat of a collective's buffer is not lowered")
     parts = [lw.val(a) for a in args[0]]
+    if len(parts) > 1 and all(len(s) == 1 for s in shapes) and all(p in lw.flat_of for p in parts):
+        # flattened tensors side by side (a flat gradient bucket by hand)
+        return Bucket(tuple(lw.flat_of[p] for p in parts))
     if len(parts) == 1:
         return parts[0]
     return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
@@ -1353,6 +1584,8 @@ def _allreduce_inplace(lw: _Lowerer, args, kwargs, shapes, group):
     replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
     buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
+    if isinstance(buf, Bucket):
+        return [all_reduce_bucket(lw, buf, op, _pg(lw, args[1]))]
     if isinstance(buf, _ChunkCat) and (buf.group is not None or buf.chunks == 1):
         if buf.replicas is not None:
             raise LoweringError(f"{lw.name}: FSDP's reduced buffer all-reduced twice")
@@ -1419,7 +1652,18 @@ def _check_two_norm(lw: _Lowerer, ord_: Any) -> None:
 def _foreach_norm(lw: _Lowerer, args, kwargs, shapes, group):
     """One 2-norm per tensor: sqrt of its square sum, kept pending (``_Norm``)."""
     _check_two_norm(lw, args[1] if len(args) > 1 else 2.0)
-    return [_Norm(_square_sum(lw, lw.val(a))) for a in args[0]]
+    return [_Norm(_square_sum_of(lw, a)) for a in args[0]]
+
+
+def _square_sum_of(lw: _Lowerer, a: Any) -> int:
+    """The square sum of a tensor; of a gradient's empty shard, 0 (a sum
+    over no rows: docs/soundness.md, "Plans traced from PyTorch", 15d)."""
+    x = lw.env.get(a[1])
+    if isinstance(x, _NoShard) and x.grad >= 0:
+        s = lw.emit("zeros", [], [()], {"shape": []}, direction="none")[0]
+        lw.empty_sums[s] = (x.grad, x.group)
+        return s
+    return _square_sum(lw, lw.val(a))
 
 
 def _vector_norm(lw: _Lowerer, args, kwargs, shapes, group):
@@ -1612,7 +1856,8 @@ def _clamp(lw: _Lowerer, args, kwargs, shapes, group):
 def _foreach_mul_(lw: _Lowerer, args, kwargs, shapes, group):
     """Each tensor of the list times the scalar (clipping's coefficient)."""
     c = lw.val(args[1])
-    return [lw.emit("mul", [lw.val(a), c], [lw.shapes[lw.val(a)]])[0] for a in args[0]]
+    return [_NoShard() if isinstance(lw.env.get(a[1]), _NoShard)
+            else lw.emit("mul", [lw.val(a), c], [lw.shapes[lw.val(a)]])[0] for a in args[0]]
 
 
 # -- the optimizer step: torch.optim's AdamW and SGD (for-loop implementation) -----
@@ -1725,11 +1970,12 @@ HANDLERS: dict[str, Any] = {
     "unknown": lambda lw, args, kwargs, shapes, group: None,
     "aten.empty.memory_format": lambda lw, args, kwargs, shapes, group: "empty",
     "aten.empty_like.default": lambda lw, args, kwargs, shapes, group: "empty",
+    "aten.new_empty.default": lambda lw, args, kwargs, shapes, group: "empty",
     "fsdp.all_gather_copy_in.default": _copy_in,
     "c10d._allgather_base_.default": _allgather_base,
     "fsdp.split_with_sizes_copy.default": _split_copy,
     "fsdp.chunk_cat.default": _chunk_cat,
-    "fsdp.empty_shard_padding": lambda lw, args, kwargs, shapes, group: _Padding(args[0][1]),
+    "fsdp.padded_shard": lambda lw, args, kwargs, shapes, group: _Padding(args[0][1]),
     "c10d._reduce_scatter_base_.default": _reduce_scatter_base,
     "aten.as_strided.default": _as_strided,
     "aten.div_.Scalar": _scalar("div"),
@@ -1744,6 +1990,7 @@ HANDLERS: dict[str, Any] = {
     "c10d.send.default": _send,
     "c10d.recv_.default": _recv,
     "aten.mul.Tensor": _binary("mul", "mul_scalar"),
+    "aten.mul.out": _binary("mul", "mul_scalar"),
     "aten.mul.Scalar": _scalar("mul_scalar"),
     "aten.div.Scalar": _scalar("div"),
     "aten.rsqrt.default": _unary("rsqrt"),
@@ -1812,6 +2059,8 @@ HANDLERS: dict[str, Any] = {
     "aten.add_.Tensor": _add_pending(_binary("add", "add_scalar")),
     "aten.addcdiv_.default": _addcdiv,
     **NN_HANDLERS,
+    **MORE_HANDLERS,
+    **BUCKET_HANDLERS,
     "aten.where.self": _where_pending,
 }
 # lower_vocab_parallel reads this module's id types, so it is imported once they exist
@@ -1822,6 +2071,13 @@ HANDLERS.update(vocab_parallel_handlers(HANDLERS))
 from backends.torch.lower_masks import mask_handlers  # noqa: E402
 
 HANDLERS.update(mask_handlers(HANDLERS))
+# lower_ids and lower_compose take their own cases and hand the others to the entries above
+from backends.torch.lower_ids import id_handlers  # noqa: E402
+
+HANDLERS.update(id_handlers(HANDLERS))
+from backends.torch.lower_compose import compose_handlers  # noqa: E402
+
+HANDLERS.update(compose_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
@@ -1850,19 +2106,17 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
 def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) -> Lowered:
     """Lower one rank's trace (``backends.torch.rank.run``'s result);
     ``counts`` as ``_Lowerer.counts`` (``lower_ranks`` gives them)."""
+    check_no_value_reads(trace)
     lw = _Lowerer(trace, vocab, counts=counts)
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
     for name, (v, full, dims) in trace["params"].items():
         local = tuple(trace["shapes"][v])
-        _check_even_shard(name, tuple(full), local, dims)
+        _check_shard(name, tuple(full), local, dims)
         lw.params[v] = name
-        if _one_row_padded(tuple(full), dims) and local[0] == 0:
-            lw.env[v] = _NoShard()  # this rank holds no shard of it: not an input here
+        if any(axes and n == 0 for axes, n in zip(dims, local)):
+            lw.env[v] = _NoShard()  # this rank holds no rows of it: not an input here
             continue
-        if _one_row_padded(tuple(full), dims):
-            lw.owners.add(v)
-            dims = [[], *dims[1:]]  # the first rank's shard is the whole row
         lw.env[v] = v
         lw.shapes[v] = local
         inputs[v] = ("param", name)
@@ -1897,41 +2151,31 @@ def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) 
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
-                   lw.count_reduces)
+                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts)
 
 
-def check_even_shards(traces: list[dict]) -> None:
-    """``_check_even_shard`` for every parameter of every rank, before any
-    rank is lowered (the rank that shows the padding may not be the first)."""
+def check_shards(traces: list[dict]) -> None:
+    """``_check_shard`` for every parameter of every rank, before any rank
+    is lowered (the rank that shows an uneven cut may not be the first)."""
     for trace in traces:
         for name, (v, full, dims) in trace["params"].items():
-            _check_even_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
+            _check_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
 
 
-def _one_row_padded(full: tuple[int, ...], dims: list[list[str]]) -> bool:
-    """A parameter of one row sharded along dim 0 and nowhere else (a
-    regression head ``nn.Linear(h, 1)`` under FSDP2): the group's first rank
-    holds the row, every other rank an empty shard and FSDP2's padding."""
-    return bool(full) and full[0] == 1 and bool(dims[0]) and not any(dims[1:])
-
-
-def _check_even_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
-                      dims: list[list[str]]) -> None:
-    """Refuse a parameter whose shard is uneven: a dim cut by mesh axes that
-    its size does not split evenly is padded (FSDP2 and DTensor give the
-    last ranks fewer rows, or none), and padded shards are not lowered,
-    except a one-row parameter (``_one_row_padded``: whole or empty on each
-    rank). On every other uneven cut some rank holds no rows or a count that
-    does not divide the dim, so that rank's check stops the run."""
-    if _one_row_padded(full, dims) and local[0] in (0, 1) and local[1:] == full[1:]:
-        return
+def _check_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
+                 dims: list[list[str]]) -> None:
+    """Refuse a parameter cut unevenly along a dim other than 0: FSDP2's
+    padded shards (dim 0, any size: docs/soundness.md, "Plans traced from
+    PyTorch", 15) are lowered; an uneven cut of another dim (DTensor's
+    ``Shard(1)`` of a size the mesh does not divide) is not. That the rank's
+    rows are its chunk is checked where the claims are made (``build``)."""
     for d, axes in enumerate(dims):
-        if axes and (local[d] == 0 or full[d] % local[d]):
+        if d and axes and (local[d] == 0 or full[d] % local[d]):
             raise LoweringError(
                 f"parameter {name} of shape {list(full)} is sharded unevenly along dim {d} "
-                f"(this rank holds {local[d]} of its {full[d]} rows: the mesh axes {axes} do not "
-                f"divide it, so its shards are padded); padded shards are not lowered: choose "
-                f"sizes the shard group divides")
+                f"(this rank holds {local[d]} of its {full[d]}: the mesh axes {axes} do not "
+                f"divide it); uneven shards are lowered along dim 0 only: choose sizes the "
+                f"mesh divides")
 
 
 def _updated(lw: _Lowerer, name: str, v: int | None) -> int:

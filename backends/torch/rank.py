@@ -82,9 +82,9 @@ def _run(spec: dict, rank: int) -> dict:
     model = load(spec["model"])(**spec["model_kwargs"])._apply(in_float64)
     if hasattr(model, "global_tokens"):
         model.global_tokens = spec["batch"] * spec["seqlen"]
-    after = None
+    after, runner = None, model
     if spec["parallel"]:
-        after = load(spec["recipe"])(model, mesh)
+        runner, after = recipe_result(model, load(spec["recipe"])(model, mesh))
     coords = {"pp": 0, "dp": 0, "tp": 0}
     if mesh is not None:
         coords = {n: mesh[n].get_local_rank() for n in ("pp", "dp", "tp")}
@@ -107,7 +107,7 @@ def _run(spec: dict, rank: int) -> dict:
     split: dict[str, int] = {}  # HSDP's shard count, when a parameter is sharded on part of dp
     for name, p in model.named_parameters():
         params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p, layout, split))
-        rec.register_storage(local_of(p), params[name][0])
+        rec.register_storage(local_of(p), params[name][0], shard=True)
     buffers = {}
     for name, b in model.named_buffers():
         causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
@@ -121,7 +121,7 @@ def _run(spec: dict, rank: int) -> dict:
             if pipelined is not None:
                 losses = pipelined.run(tokens, labels)
             else:
-                losses = [model(tokens, labels)]
+                losses = [runner(tokens, labels)]
                 losses[0].backward()
         if after is not None:
             after(model, mesh)
@@ -129,7 +129,7 @@ def _run(spec: dict, rank: int) -> dict:
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
-        grads[name] = None if g is None else rec.value(local_of(g))
+        grads[name] = None if g is None else final_value(rec, local_of(g))
     updates, states = {}, {}
     if optimizer is not None:
         for name, p in model.named_parameters():
@@ -158,6 +158,33 @@ def _run(spec: dict, rank: int) -> dict:
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
         "values": values, "imports": imported_since(before) + modules_of(model),
     }
+
+
+def recipe_result(model: torch.nn.Module, result: Any) -> tuple[torch.nn.Module, Any]:
+    """The module a rank's step runs and what runs after its backward, from
+    what a recipe returned: a wrapper of the model (``DistributedDataParallel(
+    model)``, as users write ``model = DDP(model)``) is run instead of the
+    model, whose parameters it holds; anything else (an ``after_backward``
+    function, a ``PipelineStep``, None) is returned as it is."""
+    if isinstance(result, torch.nn.Module):
+        own = {id(p) for p in model.parameters()}
+        if result is not model and {id(p) for p in result.parameters()} != own:
+            raise ValueError("the recipe returned a module that does not hold exactly the "
+                             "model's parameters")
+        return result, None
+    return model, result
+
+
+def final_value(rec: Recorder, t: torch.Tensor) -> int | None:
+    """The recorded value a final gradient holds. A functional collective's
+    result not yet waited for (an ``AsyncCollectiveTensor``, kept as the
+    local tensor of ``DTensor.from_local``) is waited for here, under the
+    recorder, as the optimizer's first read of it would."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    if isinstance(t, AsyncCollectiveTensor):
+        with rec:
+            t = t.trigger_wait()
+    return rec.current(t)
 
 
 def train_context(model: torch.nn.Module):

@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
+from backends.torch.hidden_memory import HiddenMemory, is_partial_view
+
 #: ops whose output is the input value itself (no computation).
 ALIASES = {
     "aten.detach.default", "aten.alias.default", "aten.clone.default",
@@ -31,6 +33,13 @@ ALIASES = {
     "_c10d_functional.wait_tensor.default", "_c10d_functional._wrap_tensor_autograd.default",
 }
 
+
+#: ops whose value depends on their tensor arguments' shapes only: of integer
+#: ids (``torch.zeros_like(tokens)``, token types) they make a constant
+SHAPE_ONLY = {
+    "aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default",
+    "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
+}
 
 #: constants up to this many elements keep their value (masks, positions, tables)
 CONSTANT_NUMEL = 1 << 16
@@ -46,12 +55,13 @@ class Recorder(TorchDispatchMode):
     def __init__(self, tracker: ModuleTracker):
         super().__init__()
         self.tracker = tracker
-        self.refs: dict[int, tuple[int, weakref.ref]] = {}
+        self.refs: dict[int, tuple[int, weakref.ref, int]] = {}
+        self.memory = HiddenMemory()  # buffers allocated before recording (DDP's buckets)
         self.shapes: list[tuple[int, ...]] = []
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
         self.storages: dict[tuple[int, int, int], int] = {}
-        self.empty_shards: dict[tuple[int, int], int] = {}  # memory of a parameter with no rows
+        self.shard_starts: dict[tuple[int, int], tuple[int, int]] = {}  # a shard's memory -> (value, numel)
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
@@ -67,17 +77,43 @@ class Recorder(TorchDispatchMode):
         return v
 
     def bind(self, t: torch.Tensor, v: int) -> None:
-        self.refs[id(t)] = (v, weakref.ref(t))
+        self.refs[id(t)] = (v, weakref.ref(t), self.memory.generation(t))
 
     def value(self, t: torch.Tensor) -> int | None:
+        """The value ``t`` holds; None when unknown, or when ``t`` is memory
+        tracked by ``self.memory`` written since ``t`` was bound."""
         entry = self.refs.get(id(t))
         if entry is None or entry[1]() is not t:
             return None
+        if self.memory and entry[2] != self.memory.generation(t):
+            return None
         return entry[0]
+
+    def current(self, t: torch.Tensor) -> int | None:
+        """The value ``t`` holds now: as bound, or read from tracked memory."""
+        v = self.value(t)
+        return v if v is not None else self.from_memory(t)
+
+    def from_memory(self, t: torch.Tensor) -> int | None:
+        """``t`` read from tracked memory (``HiddenMemory``): the value of
+        the region it is, or a new value recorded as a slice of a region
+        (``mem.slice``) or the concatenation of regions (``mem.cat``)."""
+        read = self.memory.read(t) if self.memory else None
+        if read is None:
+            return None
+        if read.kind == "same" and self.shapes[read.values[0]] == tuple(t.shape):
+            self.bind(t, read.values[0])
+            return read.values[0]
+        v = self.new_value(t)
+        op, args = "mem.cat", [[("v", x) for x in read.values], list(t.shape)]
+        if read.kind != "cat":  # a slice, or the region seen with another shape
+            op, args = "mem.slice", [("v", read.values[0]), read.offset, list(t.shape)]
+        self.events.append((op, [args, {}], [v], [tuple(t.shape)], self.scope(), None, self.mb))
+        return v
 
     def arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
-            v = self.value(a)
+            v = self.current(a)
             if v is None and a.numel() > 0:
                 v = self.storage_view(a)
             if v is None:
@@ -105,14 +141,15 @@ class Recorder(TorchDispatchMode):
             return "script-object"
         return repr(a)
 
-    def register_storage(self, t: torch.Tensor, v: int) -> None:
-        """Remember a parameter's storage: FSDP reads it through other tensor
-        objects (flat views of the same memory). A rank's empty shard (FSDP2
-        gives it no rows of a dim the group size exceeds) is a view of FSDP's
-        padding buffer, which its all-gather reads."""
+    def register_storage(self, t: torch.Tensor, v: int, shard: bool = False) -> None:
+        """Remember a tensor's storage: FSDP reads a parameter through other
+        tensor objects (flat views of the same memory). For a parameter's
+        local ``shard`` also where it starts: FSDP2 pads a shard of a dim the
+        group size does not divide to its full chunk (an empty shard is all
+        padding), and its all-gather reads the shard with its padding."""
         self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())] = v
-        if t.numel() == 0:
-            self.empty_shards[(t.untyped_storage().data_ptr(), t.storage_offset())] = v
+        if shard:
+            self.shard_starts[(t.untyped_storage().data_ptr(), t.storage_offset())] = (v, t.numel())
 
     def storage_view(self, t: torch.Tensor) -> int | None:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
@@ -121,12 +158,13 @@ class Recorder(TorchDispatchMode):
             return None
         op = "aten.view.default"
         if src is None:
-            # the padding buffer of an empty shard, read whole: recorded as
-            # that (its values are not recorded; no lowering reads them)
-            src = self.empty_shards.get(key[:2])
-            op = "fsdp.empty_shard_padding"
-        if src is None:
-            return None
+            # a parameter's shard read with FSDP2's padding rows after it:
+            # recorded as that (the padding's values are not recorded; no
+            # lowering reads them)
+            shard = self.shard_starts.get(key[:2])
+            if shard is None or shard[1] >= t.numel():
+                return None
+            src, op = shard[0], "fsdp.padded_shard"
         v = self.new_value(t)
         self.events.append((op, [[("v", src), list(t.shape)], {}], [v],
                             [tuple(t.shape)], self.scope(), None, self.mb))
@@ -162,9 +200,34 @@ class Recorder(TorchDispatchMode):
         """An op whose tensor arguments (``tensors``) are all constants (or
         that has none) computes a constant, unless it communicates or leaves
         memory unset."""
+        if name == "c10d.broadcast_.default":  # equal on every member (lower_buckets)
+            return all(self.value(a) in self.constants for a in tensors)
         if name.startswith(("c10d", "_c10d_functional", "fsdp")) or "empty" in name:
             return False
+        if name in SHAPE_ONLY and not any(a.is_floating_point() or a.is_complex() for a in tensors):
+            return True
         return all(self.value(a) in self.constants for a in tensors)
+
+    def mark_partial_writes(self, name: str, func, args, kwargs) -> None:
+        """An op writing in place into part of a tensor (``y[:, 0] = 0``
+        writes through a view of ``y``) changes the tensor without an op
+        that produces it: from then on it is a new value made by a
+        ``partial_write`` event, which the lowering refuses. A constant's
+        new contents are read by value instead (``refresh_constants``)."""
+        if not name.startswith("aten."):
+            return
+        for t in _written(func, args, kwargs):
+            base = t._base
+            if base is None or base.numel() == t.numel():
+                continue
+            if self.memory and self.memory.tracks(_storage(t)):
+                continue  # memory whose regions the recorder follows (``record_writes``)
+            b = self.value(base)
+            if b is None or b in self.constants:
+                continue
+            fresh = self.new_value(base)
+            self.events.append(("partial_write", [[("v", b), name], {}], [fresh],
+                                [tuple(base.shape)], self.scope(), None, self.mb))
 
     def set_mb(self, mb: int) -> None:
         self.mb = mb
@@ -185,11 +248,15 @@ class Recorder(TorchDispatchMode):
                for a in tensors):
             return NotImplemented
         name = str(func)
+        unseen = {id(a) for a in tensors if self.value(a) is None}
         self.refresh_constants(tensors)
         constant = self.is_constant_op(name, tensors)
+        buffer = constant and any(self.value(a) in self.from_buffer for a in tensors)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
+        if name.startswith("c10d."):
+            out = with_completed_work(out)
         outs = tensors_in(out)
         if "out" in kwargs and not outs:
             outs = tensors_in(kwargs["out"])
@@ -204,10 +271,10 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        self.record_writes(outs, ids, {id(a) for a in tensors}, unseen)
         if not constant:
             self.tainted.update(s for s in map(_storage, outs) if s in self.const_storages)
         if constant:
-            buffer = any(self.value(a) in self.from_buffer for a in tensors)
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
         if name == "aten.as_strided.default":
@@ -215,14 +282,53 @@ class Recorder(TorchDispatchMode):
                 self.register_storage(o, v)
         self.events.append((name, [in_args, in_kwargs], ids, [tuple(o.shape) for o in outs],
                             self.scope(), group, self.mb))
+        self.mark_partial_writes(name, func, args, kwargs)
         for o, v in zip(outs, ids):
             base = o._base
             if base is not None and base.numel() == o.numel() and self.value(base) is not None:
                 # a write through a view of a whole buffer writes the buffer
                 b = self.new_value(base)
+                if v in self.constants:
+                    self.mark_constant(base, b, v in self.from_buffer)
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
+
+    def record_writes(self, outs: list[torch.Tensor], ids: list[int], inputs: set[int],
+                      unseen: set[int]) -> None:
+        """Outputs written in place (or through ``out=``) into memory that
+        ``self.memory`` tracks, or into part of a larger memory through a view
+        no recorded op made (a C++ buffer): the memory now holds them."""
+        for o, v in zip(outs, ids):
+            if id(o) not in inputs or not o.is_contiguous():
+                continue
+            tracked = self.memory and self.memory.tracks(_storage(o))
+            if tracked or (id(o) in unseen and is_partial_view(o)):
+                self.memory.write(o, v)
+                self.bind(o, v)
+
+
+def with_completed_work(out: Any) -> Any:
+    """A c10d op's ``(tensors, work)`` with the fake group's work, whose
+    future holds no value, replaced by a completed one holding the tensors,
+    as a real group's does: DDP's reducer and comm hooks read the reduced
+    bucket from that future (``fut.value()[0]``)."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list)
+            and isinstance(out[1], torch.ScriptObject)):
+        return out
+    from torch._C._distributed_c10d import _create_work_from_future
+    future = torch.futures.Future()
+    future.set_result(out[0])
+    return out[0], _create_work_from_future(future).boxed()
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place (its schema's mutable arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        given = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        out.extend(tensors_in(given))
+    return out
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -315,6 +421,20 @@ def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
     return None
 
 
+def is_tensor_parallel_dim(mesh, mesh_dim: int, layout: tuple[int, int, int]) -> bool:
+    """The mesh dim's ranks (through this rank) are exactly the backend's
+    tensor-parallel ranks of this rank's stage and data-parallel index, in
+    order: it is the "tp" axis whatever its name."""
+    _, dp, tp = layout
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    index = list(coordinate)
+    index[mesh_dim] = slice(None)
+    ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten()]
+    return len(ranks) == tp and ranks == list(range(ranks[0], ranks[0] + tp)) and ranks[0] % tp == 0
+
+
 def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
               split: dict[str, int] | None = None) -> list[list[str]]:
     """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer
@@ -332,6 +452,9 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
             split = {} if split is None else split
             for mesh_dim, name in enumerate(names):
                 if name in ("pp", "tp"):
+                    continue
+                if name != "dp" and is_tensor_parallel_dim(mesh, mesh_dim, layout):
+                    names[mesh_dim] = "tp"  # a dim of the user's own name over the tp ranks
                     continue
                 axis = data_parallel_axis(mesh, mesh_dim, layout, split)
                 if axis is None and name == "dp" and mesh.size(mesh_dim=mesh_dim) > 1:
