@@ -32,7 +32,7 @@ from backends.planfile import (
     _show,
     write_atomic,
 )
-from verdict.columns import INT_TYPES, Columns, NodeColumns, TensorColumns
+from verdict.columns import INT_TYPES, Columns, NodeColumns, TensorColumns, drop_pages, narrow
 from verdict.ops import OPS
 from verdict.plan import DIRECTIONS, FOLD_KEYS, Logical
 
@@ -110,8 +110,18 @@ def save_columns(cols: Columns, path: str | os.PathLike[str]) -> Path:
     except PlanError as e:
         raise PlanError(f"cannot save: {e.problem}", path) from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda f: np.savez(f, allow_pickle=False, **arrays))
+    write_atomic(path, lambda f: _write_members(f, arrays))
     return path
+
+
+def _write_members(f: Any, arrays: dict[str, np.ndarray]) -> None:
+    """The members as an uncompressed zip of .npy files, as ``np.savez``
+    writes them, each array's mapped pages let go once it is written."""
+    with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, a in arrays.items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, a, allow_pickle=False)
+            drop_pages(a)
 
 
 # ---------------------------------------------------------------- reading
@@ -269,8 +279,12 @@ def validate_columns(cols: Columns) -> None:
     _check_fold(cols.world)
     _check_tables(cols)
     _check_dtypes(cols)
-    _check_tensor_columns(cols)
-    _check_node_columns(cols)
+    try:
+        _check_tensor_columns(cols)
+        cols.drop_pages()
+        _check_node_columns(cols)
+    finally:
+        cols.drop_pages()
 
 
 def _check_fold(world: dict) -> None:
@@ -347,25 +361,26 @@ def _check_tensor_columns(cols: Columns) -> None:
     if bad.any():
         i = _first(bad)
         raise PlanError(f"tensor {i}: tid {int(t.tid[i])} is not a logical id (plan has {nl})")
-    ndim = np.array([len(x.shape) for x in cols.logical], dtype=np.int64)
+    ndim = narrow([len(x.shape) for x in cols.logical])
     per = ndim[t.tid]
-    total = int(per.sum())
+    total = int(per.sum(dtype=np.int64))
     if total != len(t.slices):
         raise PlanError(f"t_slices has {len(t.slices)} rows; the tensors' logical dims need "
                         f"{total}")
-    lo, hi, n = (t.parts[:, k].astype(np.int64) for k in range(3))
-    bad = ~((lo >= 0) & (lo < hi) & (hi <= np.abs(n)))
-    if bad.any():
-        i = _first(bad)
-        raise PlanError(f"tensor {i}: parts {t.parts[i].tolist()} must satisfy "
-                        "0 <= lo < hi <= |n|")
-    if t.scale is not None:
-        num, den = (t.scale[:, k].astype(np.int64) for k in range(2))
-        bad = (num == 0) | (den <= 0)
+    for at in range(0, nt, _CHUNK):
+        lo, hi, n = (t.parts[at: at + _CHUNK, k].astype(np.int64) for k in range(3))
+        bad = ~((lo >= 0) & (lo < hi) & (hi <= np.abs(n)))
         if bad.any():
-            i = _first(bad)
-            raise PlanError(f"tensor {i}: scale {t.scale[i].tolist()} must be [num, den] with "
-                            f"num != 0 and den > 0")
+            i = at + _first(bad)
+            raise PlanError(f"tensor {i}: parts {t.parts[i].tolist()} must satisfy "
+                            "0 <= lo < hi <= |n|")
+        if t.scale is not None:
+            num, den = (t.scale[at: at + _CHUNK, k].astype(np.int64) for k in range(2))
+            bad = (num == 0) | (den <= 0)
+            if bad.any():
+                i = at + _first(bad)
+                raise PlanError(f"tensor {i}: scale {t.scale[i].tolist()} must be [num, den] "
+                                f"with num != 0 and den > 0")
     if total:
         _check_slices(cols, per, total)
     if nt:
@@ -430,22 +445,33 @@ def _check_node_columns(cols: Columns) -> None:
             i = _first(bad)
             what = f">= {low}" if high is None else f"in [{low}, {high})"
             raise PlanError(f"node {i}: {name} code {int(arr[i])} must be {what}")
-    start, count = n.in_start.astype(np.int64), n.in_count.astype(np.int64)
-    bad = start + count > len(n.inputs)
-    if bad.any():
-        i = _first(bad)
-        raise PlanError(f"{_label(cols, i)}: inputs range past the end of the pool")
-    off = n.out_off.astype(np.int64)
-    if (off[0] != 0 or off[-1] != len(n.outputs) or (np.diff(off) < 0).any()):
+    bad = _past_end(n.in_start, n.in_count, len(n.inputs))
+    if bad >= 0:
+        raise PlanError(f"{_label(cols, bad)}: inputs range past the end of the pool")
+    off = n.out_off
+    if (int(off[0]) != 0 or int(off[-1]) != len(n.outputs) or (np.diff(off) < 0).any()):
         raise PlanError("n_out_off must rise from 0 to the number of outputs")
     for what, arr in (("input", n.inputs), ("output", n.outputs)):
         bad = (arr < -1) | (arr >= nt)
         if bad.any():
             v = int(arr[_first(bad)])
             raise PlanError(f"{what} {v} is not a tensor index (plan has {nt} tensors)")
+        del bad
+        drop_pages(arr)
     is_bw = n.dir == DIRECTIONS.index("bw")
     producer = _check_outputs(cols, off, is_bw, nt)
-    _check_inputs(cols, start, count, is_bw, producer)
+    drop_pages(n.outputs, n.out_off)
+    _check_inputs(cols, is_bw, producer)
+
+
+def _past_end(start: np.ndarray, count: np.ndarray, size: int) -> int:
+    """The first node whose inputs range ends past ``size`` entries, or -1
+    (int64 sums, a chunk of nodes at a time)."""
+    for lo in range(0, len(start), _CHUNK):
+        bad = start[lo: lo + _CHUNK].astype(np.int64) + count[lo: lo + _CHUNK] > size
+        if bad.any():
+            return lo + _first(bad)
+    return -1
 
 
 def _index_type(n: int) -> type:
@@ -464,67 +490,79 @@ def _check_outputs(cols: Columns, off: np.ndarray, is_bw: np.ndarray, nt: int) -
         i = int(writer[_first(bad)])
         raise PlanError(f"{_label(cols, i)}: output -1 (absent slot) is allowed only in bw nodes")
     present, who = n.outputs[~absent], writer[~absent]
-    twice = np.bincount(present, minlength=nt) > 1
-    if twice.any():
+    del writer, absent
+    producer = np.full(nt, -1, dtype=index)
+    producer[present] = who
+    if np.count_nonzero(producer >= 0) != len(present):  # some tensor written twice
+        twice = np.bincount(present, minlength=nt) > 1
         tensor = _first(twice)
         first, second = who[np.flatnonzero(present == tensor)[:2]].tolist()
         raise PlanError(f"{_label(cols, second)}: tensor {tensor} is already written "
                         f"by node {first} (each tensor is written once)")
-    producer = np.full(nt, -1, dtype=index)
-    producer[present] = who
     return producer
 
 
-def _check_inputs(cols: Columns, start: np.ndarray, count: np.ndarray, is_bw: np.ndarray,
-                  producer: np.ndarray) -> None:
+def _check_inputs(cols: Columns, is_bw: np.ndarray, producer: np.ndarray) -> None:
     """Reads after writes and -1 only in bw nodes, once per distinct input
     range (nodes share ranges): every tensor of a range is written before
     the first node that reads the range. A node that writes what it reads
-    fails too (its producer is not before it)."""
+    fails too (its producer is not before it). Ranges are told apart by
+    their first entry: two nodes whose ranges start at one entry must have
+    the same range, and distinct ranges must not overlap."""
     n = cols.nodes
-    nn = len(n.rank)
-    nodes = np.flatnonzero(count > 0)
+    nn, size = len(n.rank), len(n.inputs)
+    index = _index_type(max(nn, size) + 2)
+    nodes = np.flatnonzero(n.in_count > 0).astype(index)
     if not len(nodes):
         return
-    keys = start[nodes] * (int(count.max()) + 1) + count[nodes]
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    del keys
-    first_user = np.full(len(uniq), nn, dtype=np.int64)
-    np.minimum.at(first_user, inverse, nodes)
-    all_bw = np.ones(len(uniq), dtype=bool)
-    np.logical_and.at(all_bw, inverse, is_bw[nodes])
-    r_start, r_count = start[first_user], count[first_user]
-    order = np.argsort(r_start, kind="stable")
-    ends = r_start[order] + r_count[order]
-    if (r_start[order][1:] < ends[:-1]).any():
-        k = _first(r_start[order][1:] < ends[:-1]) + 1
-        raise PlanError(f"{_label(cols, int(first_user[order][k]))}: its inputs range overlaps "
+    start = n.in_start[nodes].astype(index)
+    # per pool entry that starts a range: its first reader, its count, whether
+    # a node other than bw reads it
+    first_user = np.full(size + 1, nn, dtype=index)
+    np.minimum.at(first_user, start, nodes)
+    count = np.zeros(size + 1, dtype=index)
+    count[start] = n.in_count[nodes]
+    other = np.flatnonzero(count[start] != n.in_count[nodes])
+    if len(other):
+        raise PlanError(f"{_label(cols, int(nodes[other[0]]))}: its inputs range overlaps "
                         "another node's without being the same range")
-    # each pool entry's range (+1; 0: in no range), painted by a cumulative sum
-    # over the disjoint ranges
-    index = _index_type(len(uniq) + 1)
-    marks = np.zeros(len(n.inputs) + 1, dtype=index)
-    ids = np.arange(1, len(uniq) + 1, dtype=index)
-    np.add.at(marks, r_start, ids)
-    np.add.at(marks, r_start + r_count, -ids)
-    where = np.cumsum(marks[:-1], dtype=index)
-    del marks
-    in_range = where > 0
-    rng = np.maximum(where - 1, 0)
-    absent = n.inputs == -1
-    bad = absent & in_range & ~all_bw[rng]
-    if bad.any():
-        k = int(rng[_first(bad)])
-        users = nodes[(inverse == k) & ~is_bw[nodes]]
-        raise PlanError(f"{_label(cols, int(users[0]))}: input -1 (absent slot) is allowed only "
-                        "in bw nodes")
-    prod = producer[np.maximum(n.inputs, 0)]
-    bad = in_range & ~absent & (prod >= first_user[rng])
-    if bad.any():
-        e = _first(bad)
-        tensor, writer, reader = int(n.inputs[e]), int(prod[e]), int(first_user[rng[e]])
-        if writer == reader:
-            raise PlanError(f"{_label(cols, reader)}: tensor {tensor} is both an input and an "
-                            "output")
-        raise PlanError(f"{_label(cols, reader)}: reads tensor {tensor} before node {writer} "
-                        "writes it")
+    not_bw = np.zeros(size + 1, dtype=bool)
+    not_bw[start[~is_bw[nodes]]] = True
+    del start
+    r_start = np.flatnonzero(first_user < nn)  # the distinct ranges, by first entry
+    ends = r_start + count[r_start]
+    del count
+    if (r_start[1:] < ends[:-1]).any():
+        k = _first(r_start[1:] < ends[:-1]) + 1
+        raise PlanError(f"{_label(cols, int(first_user[r_start[k]]))}: its inputs range "
+                        "overlaps another node's without being the same range")
+    # each pool entry's range's first entry (+1; 0: in no range), painted by a
+    # cumulative sum over the disjoint ranges
+    where = np.zeros(size + 1, dtype=index)
+    where[r_start] += (r_start + 1).astype(index)
+    where[ends] -= (r_start + 1).astype(index)
+    del ends, r_start
+    np.cumsum(where, out=where)
+    for lo in range(0, size, _CHUNK):
+        entries = n.inputs[lo: lo + _CHUNK]
+        first = where[lo: lo + len(entries)].astype(np.int64) - 1
+        bad = (entries == -1) & (first >= 0) & not_bw[np.maximum(first, 0)]
+        if bad.any():
+            head = int(first[_first(bad)])
+            users = nodes[(n.in_start[nodes] == head) & ~is_bw[nodes]]
+            raise PlanError(f"{_label(cols, int(users[0]))}: input -1 (absent slot) is allowed "
+                            "only in bw nodes")
+    for lo in range(0, size, _CHUNK):
+        entries = n.inputs[lo: lo + _CHUNK]
+        first = where[lo: lo + len(entries)].astype(np.int64) - 1
+        reader = first_user[np.maximum(first, 0)]
+        prod = producer[np.maximum(entries, 0)]
+        bad = (first >= 0) & (entries != -1) & (prod >= reader)
+        if bad.any():
+            e = _first(bad)
+            tensor, writer, reader = int(entries[e]), int(prod[e]), int(reader[e])
+            if writer == reader:
+                raise PlanError(f"{_label(cols, reader)}: tensor {tensor} is both an input "
+                                "and an output")
+            raise PlanError(f"{_label(cols, reader)}: reads tensor {tensor} before node "
+                            f"{writer} writes it")

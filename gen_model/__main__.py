@@ -16,6 +16,7 @@ from backends.planfile import PlanError, save_columns_plan, save_plan
 from gen_model.config import MODELS, ConfigError, ModelConfig, Parallelism, check_run, plan_stem
 from gen_model.generate import make_columns, make_plan
 from gen_model.parallelize import Policy
+from gen_model.spill import Spill
 from harness.bugs import inject
 from verdict.columns import Columns
 from verdict.plan import Plan
@@ -163,12 +164,13 @@ def config_from(args: argparse.Namespace) -> tuple[ModelConfig, Parallelism]:
 
 
 def build(args: argparse.Namespace, cfg: ModelConfig, par: Parallelism,
-          policy: Policy) -> Plan | Columns:
+          policy: Policy, spill: Spill) -> Plan | Columns:
     """The plan to write: columns for --format npz (by array arithmetic where
-    gen_model/replicate.py expresses it), else rows; a bug variant is
-    injected into rows (docs/bugs.md)."""
+    gen_model/replicate.py expresses it, its columns spilled to disk), else
+    rows; a bug variant is injected into rows (docs/bugs.md)."""
     if args.format == "npz" and not args.variant.startswith("br"):
-        return make_columns(cfg, par, args.gbs, args.variant, policy, fold=args.fold)
+        return make_columns(cfg, par, args.gbs, args.variant, policy, fold=args.fold,
+                            spill=spill)
     plan = make_plan(cfg, par, args.gbs, args.variant, policy, fold=args.fold)
     if args.variant.startswith("br") and not par.is_single():  # docs/bugs.md
         plan = inject(plan, int(args.variant[2:]))
@@ -186,19 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                         sequence_parallel=args.sequence_parallel, ulysses=args.ulysses,
                         cp_balance=args.cp_balance,
                         virtual_stages=args.vpp, zero=args.zero)
-        plan = build(args, cfg, par, policy)
-        stem = plan_stem(cfg, par, args.gbs, args.variant) + (
-            "_sp" if args.sequence_parallel else "") + ("_ulysses" if args.ulysses else "") + (
-                "_cpbal" if args.cp_balance else "") + (
-                f"_vpp{args.vpp}" if args.vpp > 1 else "") + (
-            f"_zero{args.zero}" if args.zero else "") + (
-            f"_{args.optimizer}" if args.optimizer != "none" else "") + (
-            "_fold" if args.fold else "")
-        target = args.out / f"{stem}.{args.format}"
-        if isinstance(plan, Columns):
-            pkl, spec = save_columns_plan(plan, target)
-        else:
-            pkl, spec = save_plan(plan, target)
+        plan = build(args, cfg, par, policy, Spill(args.out))
+        pkl, spec = save(args, cfg, par, plan)
     except (ConfigError, PlanError) as e:
         sys.stderr.write(f"gen_model: error: {e}\n")
         return 2
@@ -206,6 +197,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {pkl} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors, {took:.1f} s)")
     print(f"wrote {spec}")
     return 0
+
+
+def save(args: argparse.Namespace, cfg: ModelConfig, par: Parallelism,
+         plan: Plan | Columns) -> tuple[Path, Path]:
+    """Write the plan under its stem in --out; the plan file's and the world
+    spec's paths."""
+    stem = plan_stem(cfg, par, args.gbs, args.variant) + (
+        "_sp" if args.sequence_parallel else "") + ("_ulysses" if args.ulysses else "") + (
+        "_cpbal" if args.cp_balance else "") + (f"_vpp{args.vpp}" if args.vpp > 1 else "") + (
+        f"_zero{args.zero}" if args.zero else "") + (
+        f"_{args.optimizer}" if args.optimizer != "none" else "") + (
+        "_fold" if args.fold else "")
+    target = args.out / f"{stem}.{args.format}"
+    if isinstance(plan, Columns):
+        return save_columns_plan(plan, target)
+    return save_plan(plan, target)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from backends.columnar import validate_columns
 from backends.planfile import PlanError
 from gen_model.autodiff import derive_training_step
@@ -17,6 +19,7 @@ from gen_model.models import ZOO, build
 from gen_model.parallelize import Policy, Program, check_parallelism, check_policy, parallel_plan
 from gen_model.replicate import NotReplicable, replicable, replicate, small_sizes
 from gen_model.single import single_plan
+from gen_model.spill import keep
 from gen_model.trace import trace_forward
 from verdict.columns import Columns
 from verdict.plan import Plan
@@ -74,21 +77,23 @@ def make_plan(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "defa
 
 def make_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "default",
                  policy: Policy | None = None, fold: bool = False,
-                 edit: Callable[[Program], Program] | None = None) -> Columns:
+                 edit: Callable[[Program], Program] | None = None,
+                 spill: Callable[[np.ndarray], np.ndarray] = keep) -> Columns:
     """The plan of :func:`make_plan` as columns. A materialized plan of more
     than 3 replicas or more than 5 microbatches is expanded from small plans
     by array arithmetic (gen_model/replicate.py over replicas,
     gen_model/microbatches.py over microbatches), not built node by node;
     plans those paths do not express (ZeRO, expert parallelism, bug
     variants, or any the expansions' checks refuse) are built by the row
-    generator."""
+    generator. ``spill`` takes each column of the replica expansion as it is
+    made (gen_model/spill.py: to disk)."""
     policy = policy or Policy()
     if not fold and (replicable(par, policy, variant) or
                      microbatches_replicable(par, policy, variant)):
         check_parallelism(cfg, par, gbs)
         check_policy(cfg, par, policy)
         try:
-            return expanded_columns(cfg, par, gbs, variant, policy, edit)
+            return expanded_columns(cfg, par, gbs, variant, policy, edit, spill)
         except NotReplicable as e:  # correct but slow: say why
             logging.getLogger("gen_model").warning("the array path refused this plan (%s); "
                                                    "generating it row by row", e)
@@ -96,7 +101,8 @@ def make_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "d
 
 
 def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
-                     policy: Policy, edit: Callable[[Program], Program] | None) -> Columns:
+                     policy: Policy, edit: Callable[[Program], Program] | None,
+                     spill: Callable[[np.ndarray], np.ndarray] = keep) -> Columns:
     """The columns of ``par`` expanded from small plans: over microbatches
     (from 3, 4 and 5) when there are more than 5 and the policy allows it,
     then over replicas (from dp 2 and 3) when there are more than 3. The
@@ -116,8 +122,8 @@ def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
                                    plan_world(cfg, par_d, gbs_d, variant, policy))
 
     world = plan_world(cfg, par, gbs, variant, policy)
-    cols = (replicate(at_dp(2), at_dp(3), par, world) if replicable(par, policy, variant)
-            else at_dp(par.dp))
+    cols = (replicate(at_dp(2), at_dp(3), par, world, spill)
+            if replicable(par, policy, variant) else at_dp(par.dp))
     try:
         validate_columns(cols)
     except PlanError as e:

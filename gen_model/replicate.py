@@ -35,12 +35,14 @@ same tensors, and on every rank the same node sequence).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from gen_model.config import ConfigError, Parallelism
 from gen_model.parallelize import Policy
+from gen_model.spill import keep
 from verdict.blocks import _rows_id
 from verdict.columns import Columns, NodeColumns, TensorColumns, canonical_kwargs, narrow
 from verdict.plan import Logical
@@ -130,16 +132,23 @@ def _fit(v2_0: Array, v2_1: Array, v3_0: Array, v3_1: Array, v3_2: Array,
 _CHUNK = 1 << 22
 
 
-def _affine(coeffs: tuple[Array, Array, Array], rows: Array, d: Array, dp: int) -> Array:
-    """a + b D + c d of template ``rows`` on replicas ``d``, in the narrowest
-    type that holds every template's values on every replica, computed a
-    chunk of entries at a time."""
+def _affine_type(coeffs: tuple[Array, Array, Array], dp: int) -> np.dtype:
+    """The narrowest type that holds every template's a + b D + c d on
+    every replica d of D."""
     a, b, c = coeffs
     base = a + b * dp
     reach = base + c * (dp - 1)
-    out = np.empty(rows.shape + base.shape[1:], dtype=narrow(np.array(
-        [base.min(initial=0), base.max(initial=0), reach.min(initial=0),
-         reach.max(initial=0)])).dtype)
+    return narrow(np.array([base.min(initial=0), base.max(initial=0), reach.min(initial=0),
+                            reach.max(initial=0)])).dtype
+
+
+def _affine(coeffs: tuple[Array, Array, Array], rows: Array, d: Array, dp: int,
+            kind: np.dtype | None = None) -> Array:
+    """a + b D + c d of template ``rows`` on replicas ``d``, in ``kind`` (by
+    default :func:`_affine_type`), computed a chunk of entries at a time."""
+    a, b, c = coeffs
+    base = a + b * dp
+    out = np.empty(rows.shape + base.shape[1:], dtype=kind or _affine_type(coeffs, dp))
     wide = c.any()
     for lo in range(0, len(rows), _CHUNK):
         r = rows[lo: lo + _CHUNK]
@@ -151,24 +160,30 @@ def _affine(coeffs: tuple[Array, Array, Array], rows: Array, d: Array, dp: int) 
     return out
 
 
-def _concat(pieces: list[Array], empty_shape: tuple[int, ...]) -> Array:
-    """Narrowed pieces as one array of their widest type."""
-    if not pieces:
-        return np.zeros(empty_shape, dtype=np.int8)
-    kind = np.result_type(*pieces)
-    return np.concatenate(pieces).astype(kind, copy=False)
-
-
 def _runs(counts: Array) -> tuple[Array, Array]:
-    """For runs of the given lengths: each element's run and place in it."""
-    owner = np.repeat(np.arange(len(counts)), counts)
-    starts = np.cumsum(counts) - counts
-    return owner, np.arange(len(owner)) - starts[owner]
+    """For runs of the given lengths: each element's run and place in it
+    (int32 when the runs' total fits it: these index arrays are the size of
+    the output)."""
+    starts = np.cumsum(counts, dtype=np.int64)
+    total = int(starts[-1]) if len(starts) else 0
+    starts -= counts
+    kind = np.int32 if max(total, len(counts)) < _I32_MAX else np.int64
+    owner = np.repeat(np.arange(len(counts), dtype=kind), counts)
+    within = np.arange(total, dtype=kind)
+    within -= starts.astype(kind)[owner]
+    return owner, within
+
+
+_I32_MAX = np.iinfo(np.int32).max
 
 
 class _Expander:
-    def __init__(self, two: _Small, three: _Small, dp: int):
-        self.two, self.three, self.dp = two, three, dp
+    """The expansion; ``spill`` is applied to every finished column (it may
+    move it to disk: gen_model/spill.py)."""
+
+    def __init__(self, two: _Small, three: _Small, dp: int,
+                 spill: Callable[[Array], Array] = keep):
+        self.two, self.three, self.dp, self.spill = two, three, dp, spill
         tkeys2, nkeys2 = _keys(two)
         tkeys3, nkeys3 = _keys(three)
         self.tw = _twins(tkeys2, tkeys3, "tensor")
@@ -191,9 +206,9 @@ class _Expander:
         """Copies in output order: each dp-2 entry of replica 0 stands for
         replicas 0..D-2, of replica 1 for D-1. Returns (template row, d)."""
         counts = np.where(rep == 0, self.dp - 1, 1)
-        owner, within = _runs(counts)
-        d = np.where(rep[owner] == 0, within, self.dp - 1)
-        return template_rows[owner], d
+        owner, d = _runs(counts)
+        d[rep[owner] != 0] = self.dp - 1
+        return template_rows.astype(owner.dtype)[owner], d
 
     # ------------------------------------------------------------ tensors
     def tensors(self, logical: tuple[Logical, ...]) -> TensorColumns:
@@ -205,13 +220,14 @@ class _Expander:
             a2, a3 = getattr(c2, name).astype(np.int64), getattr(c3, name).astype(np.int64)
             fit = _fit(a2[tw[:, 0]], a2[tw[:, 1]], a3[tw[:, 2]], a3[tw[:, 3]], a3[tw[:, 4]],
                        f"tensor {name}")
-            out[name] = _affine(fit, rows, d, dp)
+            out[name] = self.spill(_affine(fit, rows, d, dp))
         p2, p3 = c2.parts.astype(np.int64), c3.parts.astype(np.int64)
         fit = _fit(p2[tw[:, 0]], p2[tw[:, 1]], p3[tw[:, 2]], p3[tw[:, 3]], p3[tw[:, 4]],
                    "tensor parts")
-        out["parts"] = _affine(fit, rows, d, dp)
-        out["scale"] = self.scales(rows)
-        out["slices"] = self.slices(rows, d)
+        out["parts"] = self.spill(_affine(fit, rows, d, dp))
+        scale = self.scales(rows)
+        out["scale"] = None if scale is None else self.spill(scale)
+        out["slices"] = self.spill(self.slices(rows, d))
         return TensorColumns(**out)
 
     def scales(self, rows: Array) -> Array | None:
@@ -243,13 +259,17 @@ class _Expander:
         fit = _fit(gather(0, 0), gather(0, 1), gather(1, 2), gather(1, 3), gather(1, 4),
                    "tensor slices")
         row_start = np.cumsum(ndim) - ndim
-        counts = ndim[rows]
-        pieces = []
+        counts = narrow(ndim)[rows]
+        kind = _affine_type(fit, self.dp)
+        out = np.empty((int(counts.sum(dtype=np.int64)), 2), dtype=kind)
+        at = 0
         for lo in range(0, len(rows), _CHUNK):
             r, dd = rows[lo: lo + _CHUNK], d[lo: lo + _CHUNK]
             owner, within = _runs(counts[lo: lo + _CHUNK])
-            pieces.append(_affine(fit, row_start[r[owner]] + within, dd[owner], self.dp))
-        return _concat(pieces, (0, 2))
+            piece = _affine(fit, row_start[r[owner]] + within, dd[owner], self.dp, kind)
+            out[at: at + len(piece)] = piece
+            at += len(piece)
+        return out
 
     # ------------------------------------------------------------ nodes
     def nodes(self) -> tuple[NodeColumns, tuple[str, ...]]:
@@ -264,11 +284,12 @@ class _Expander:
         r2, r3 = n2.rank.astype(np.int64), n3.rank.astype(np.int64)
         fit = _fit(r2[nw[:, 0]], r2[nw[:, 1]], r3[nw[:, 2]], r3[nw[:, 3]], r3[nw[:, 4]],
                    "node rank")
-        cols = {"rank": _affine(fit, rows, d, dp)}
+        cols = {"rank": self.spill(_affine(fit, rows, d, dp))}
         for name in ("mb", "op", "dir", "name"):
-            cols[name] = getattr(n2, name)[nw[rows, 0]]
+            cols[name] = self.spill(getattr(n2, name)[nw[:, 0]][rows])
         kw_codes, table = self.kwargs(rows, d)
-        cols["kwargs"] = kw_codes
+        cols["kwargs"] = self.spill(kw_codes)
+        del kw_codes
         cols.update(self.inputs(rows, d))
         cols.update(self.outputs(rows, d))
         self.check_three("in")
@@ -323,7 +344,7 @@ class _Expander:
                 classes[key] = len(varying)
                 varying.append((dicts[0], keys, coeffs))
             kind[i] = classes[key]
-        codes = fixed[rows]
+        codes = fixed.astype(np.int32)[rows]
         pick = np.flatnonzero(codes < 0)
         if len(pick):
             distinct, inverse = np.unique(kind[rows[pick]] * self.dp + d[pick],
@@ -370,33 +391,51 @@ class _Expander:
         ge0 = e0[~plain_entry]
         self.check_group(ge0, first, g_owner, g_within, half, s0)
         # the pool: own-replica lists copied per node copy, then one range per group
-        counts = np.where(group[rows], 0, n0[rows])
-        plain = self.copies(pool2, s0, counts, rows, d)
-        starts = np.cumsum(counts) - counts
-        in_count = np.where(group[rows], n0[rows] // 2 * self.dp, n0[rows])
-        pieces, g_start = [plain], np.zeros(len(self.nw), dtype=np.int64)
-        at = len(plain)
-        for t in np.flatnonzero(group).tolist():
-            block = self.entry_rows(pool2[s0[t]: s0[t] + n0[t] // 2])
+        counts = narrow(np.where(group, 0, n0))[rows]
+        blocks = [self.entry_rows(pool2[s0[t]: s0[t] + n0[t] // 2])
+                  for t in np.flatnonzero(group).tolist()]
+        extra = sum(len(b) for b in blocks) * self.dp
+        plain, at = self.copies(pool2, s0, counts, rows, d, extra)
+        g_start = np.zeros(len(self.nw), dtype=np.int64)
+        for t, block in zip(np.flatnonzero(group).tolist(), blocks):
             dd = np.repeat(np.arange(self.dp), len(block))
-            pieces.append(narrow(self.index_or_absent(np.tile(block, self.dp), dd)))
+            piece = self.index_or_absent(np.tile(block, self.dp), dd)
+            plain[at: at + len(piece)] = piece
             g_start[t] = at
-            at += len(pieces[-1])
-        in_start = np.where(group[rows], g_start[rows], starts)
-        return {"in_start": narrow(in_start), "in_count": narrow(in_count),
-                "inputs": _concat(pieces, (0,))}
+            at += len(piece)
+        out = {"inputs": self.spill(narrow(plain))}
+        del plain
+        out["in_count"] = self.spill(narrow(np.where(group, n0 // 2 * self.dp, n0))[rows])
+        in_start = np.cumsum(counts, dtype=np.int64)
+        in_start -= counts
+        del counts
+        in_group = np.flatnonzero(group[rows])
+        in_start[in_group] = g_start[rows[in_group]]
+        del in_group
+        out["in_start"] = self.spill(narrow(in_start))
+        return out
 
-    def copies(self, pool2: Array, s0: Array, counts: Array, rows: Array, d: Array) -> Array:
+    def copies(self, pool2: Array, s0: Array, counts: Array, rows: Array, d: Array,
+               extra: int = 0) -> tuple[Array, int]:
         """The entries of the node copies (``counts`` of template ``rows``
         on replicas ``d``, from the dp-2 pool at ``s0``), a chunk of nodes
-        at a time."""
-        pieces = []
+        at a time, in an array of tensor indices with ``extra`` more
+        entries left for the caller; and the number of entries written."""
+        total = int(counts.sum(dtype=np.int64))
+        index = np.int32 if self.t_total() < _I32_MAX else np.int64
+        out = np.empty(total + extra, dtype=index)
+        at = 0
         for lo in range(0, len(rows), _CHUNK):
             owner, within = _runs(counts[lo: lo + _CHUNK])
             r, dd = rows[lo: lo + _CHUNK][owner], d[lo: lo + _CHUNK][owner]
-            pieces.append(narrow(self.index_or_absent(self.entry_rows(pool2[s0[r] + within]),
-                                                      dd)))
-        return _concat(pieces, (0,))
+            piece = self.index_or_absent(self.entry_rows(pool2[s0[r] + within]), dd)
+            out[at: at + len(piece)] = piece
+            at += len(piece)
+        return out, at
+
+    def t_total(self) -> int:
+        """The number of tensors of the expanded plan."""
+        return int(self.t_count.sum())
 
     def entry_rows(self, entries: Array) -> Array:
         """Template rows of dp-2 tensor indices (-1 stays -1)."""
@@ -465,11 +504,11 @@ class _Expander:
         pool2 = self.two.cols.nodes.outputs.astype(np.int64)
         owner, within = _runs(n0)
         self.check_entries(pool2[s0[owner] + within], pool2[s1[owner] + within], True)
-        counts = n0[rows]
-        outs = self.copies(pool2, s0, counts, rows, d)
+        counts = narrow(n0)[rows]
+        outs = self.spill(narrow(self.copies(pool2, s0, counts, rows, d)[0]))
         off = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=off[1:])
-        return {"out_off": narrow(off), "outputs": outs}
+        return {"out_off": self.spill(narrow(off)), "outputs": outs}
 
 
 def real_logical(two: Columns, three: Columns, dp: int) -> tuple[Logical, ...]:
@@ -484,13 +523,15 @@ def real_logical(two: Columns, three: Columns, dp: int) -> tuple[Logical, ...]:
     return tuple(out)
 
 
-def replicate(two: Columns, three: Columns, par: Parallelism, world: dict) -> Columns:
-    """The columns of ``par`` (dp D) from its plans at dp 2 and dp 3."""
+def replicate(two: Columns, three: Columns, par: Parallelism, world: dict,
+              spill: Callable[[Array], Array] = keep) -> Columns:
+    """The columns of ``par`` (dp D) from its plans at dp 2 and dp 3, each
+    finished column passed through ``spill`` (gen_model/spill.py)."""
     block = par.cp * par.tp
     small2, small3 = _Small(two, 2, block), _Small(three, 3, block)
     if (two.loss, two.grads) != (three.loss, three.grads):
         raise NotReplicable("the loss or gradients differ between dp 2 and dp 3")
-    ex = _Expander(small2, small3, par.dp)
+    ex = _Expander(small2, small3, par.dp, spill)
     logical = real_logical(two, three, par.dp)
     tensors = ex.tensors(logical)
     nodes, kwargs = ex.nodes()

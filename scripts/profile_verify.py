@@ -5,8 +5,9 @@
 Runs the phases main.py runs before the representatives' proof, one after
 the other, and prints for each its wall seconds, the peak of Python-tracked
 allocations during it (tracemalloc: numpy arrays included, the file's
-memory-mapped pages not) and what it leaves allocated; then the bytes per
-node of the block check's arrays. Phases: open and validate the file, the
+memory-mapped pages not), what it leaves allocated, and the process's PSS
+(mapped pages included) at its start and its highest during it, sampled;
+then the bytes per node of the block check's arrays. Phases: open and validate the file, the
 block check's arrays, the check, the representatives' cut. The figures go
 to docs/benchmarks.md ("Columnar plans, materialized").
 """
@@ -14,8 +15,10 @@ to docs/benchmarks.md ("Columnar plans, materialized").
 from __future__ import annotations
 
 import argparse
+import re
 import resource
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -33,15 +36,44 @@ from verdict.fold import SHOWN, Fold  # noqa: E402
 from verdict.symmetry import _Cut  # noqa: E402
 
 
-def phase(name: str, nodes: int, run: Callable[[], Any]) -> Any:
+def pss() -> int:
+    """This process's proportional resident bytes (mapped file pages included)."""
+    rollup = Path("/proc/self/smaps_rollup").read_text()
+    return int(re.search(r"^Pss:\s+(\d+)", rollup, re.M).group(1)) * 1024
+
+
+class PssPeak:
+    """The highest PSS seen since the last reset, sampled every 20 ms."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self.sample, daemon=True).start()
+
+    def sample(self) -> None:
+        while True:
+            now = pss()
+            with self.lock:
+                self.peak = max(self.peak, now)
+            time.sleep(0.02)
+
+    def reset(self) -> int:
+        with self.lock:
+            self.peak = pss()
+            return self.peak
+
+
+def phase(name: str, nodes: int, run: Callable[[], Any], sampler: PssPeak) -> Any:
     tracemalloc.reset_peak()
     before = tracemalloc.get_traced_memory()[0]
+    start_pss = sampler.reset()
     start = time.perf_counter()
     out = run()
     took = time.perf_counter() - start
     now, peak = tracemalloc.get_traced_memory()
     print(f"{name:<28} {took:8.2f} s  peak {(peak - before) / 2**20:8.0f} MiB "
-          f"({(peak - before) / nodes:6.0f} B/node)  kept {(now - before) / 2**20:8.0f} MiB",
+          f"({(peak - before) / nodes:6.0f} B/node)  kept {(now - before) / 2**20:8.0f} MiB  "
+          f"PSS {start_pss / nodes:5.0f} -> peak {sampler.peak / nodes:5.0f} B/node",
           flush=True)
     return out
 
@@ -58,19 +90,20 @@ def main() -> int:
     print(f"{nodes} nodes, {len(cols.tensors)} tensors, {len(cols.nodes.inputs)} input entries; "
           f"file {args.parallel.stat().st_size / nodes:.0f} B/node", flush=True)
     tracemalloc.reset_peak()
-    phase("open and validate", nodes, lambda: load_columns_file(args.parallel))
+    sampler = PssPeak()
+    phase("open and validate", nodes, lambda: load_columns_file(args.parallel), sampler)
     w = cols.world
     dp, nm, gbs = w.get("dp", 1), w.get("nm", 1), w["gbs"]
     check = phase("block check: arrays", nodes,
-                  lambda: BlockCheck(single, cols, Fold(dp, nm, gbs, dp, nm, gbs)))
+                  lambda: BlockCheck(single, cols, Fold(dp, nm, gbs, dp, nm, gbs)), sampler)
     sizes = {k: v.nbytes for k, v in vars(check.cols).items() if isinstance(v, np.ndarray)}
     print("  arrays:", ", ".join(f"{k} {v / nodes:.1f}" for k, v in
                                  sorted(sizes.items(), key=lambda kv: -kv[1])),
           f"= {sum(sizes.values()) / nodes:.0f} B/node", flush=True)
-    phase("block check: run", nodes, check.run)
+    phase("block check: run", nodes, check.run, sampler)
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
-    phase("representatives' cut", nodes, lambda: _Cut(cols, check, shown).plan())
+    phase("representatives' cut", nodes, lambda: _Cut(cols, check, shown).plan(), sampler)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(f"peak resident {rss / 2**20:.2f} GiB ({rss * 1024 / nodes:.0f} B/node), "
           f"mapped file pages included", flush=True)

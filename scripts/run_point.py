@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,9 +148,7 @@ def main() -> int:
     append_rows(args.csv, [row])
     print(", ".join(f"{k}={v}" for k, v in row.items() if k not in ("model", "host")))
     if not args.keep:
-        for f in out.iterdir():
-            f.unlink()
-        out.rmdir()
+        shutil.rmtree(out)
     return 0 if verify["exit"] == 0 else 1
 
 

@@ -1,11 +1,14 @@
-"""The block check keeps its arrays narrow (int32) and compares entries a
-chunk of nodes at a time: a re-implementation of the same comparisons, so
-it must reach the same result as the wide, one-pass check, on uniform plans
-and on plans that differ in one block (verdict/blocks.py)."""
+"""The block check keeps its arrays narrow (int32, int16) and compares
+entries a chunk of nodes at a time, and its later passes recheck only the
+nodes whose representative changed: re-implementations of the same
+comparisons, so it must reach the same result as the wide, one-chunk check
+whose every pass is in full, on uniform plans and on plans that differ in
+one block (verdict/blocks.py)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -57,9 +60,14 @@ def test_narrow_chunked_check_agrees_with_the_wide_one(monkeypatch):
         tiny = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:
         m.setattr(blocks, "index_array", lambda a: np.asarray(a).astype(np.int64))
+        m.setattr(blocks, "small_array", lambda a, *limits: np.asarray(a).astype(np.int64))
         m.setattr(blocks, "_NODE_CHUNK", 1 << 40)
         wide = [outcome(s, p) for _, s, p in cases]
-    assert narrow == wide == tiny
+    with monkeypatch.context() as m:  # every pass of block_classes in full
+        m.setattr(blocks.BlockCheck, "recheck", blocks.BlockCheck.first_pass)
+        full = [outcome(s, p) for _, s, p in cases]
+    assert narrow == wide == tiny == full
+    assert any("class" in got for got in narrow)  # some plan needs a second pass
     assert len(cases) >= 5 and narrow[0].startswith("proved")
     for (name, _, _), got in zip(cases[1:], narrow[1:]):
         # caught: a finding, a refusal, or the differing blocks in a cut of their own
@@ -80,3 +88,44 @@ def test_arrays_of_narrow_and_wide_columns_are_equal(dtype):
     for name in ("t_rank", "n_rank", "flat", "ptr", "t_producer"):
         assert getattr(a, name).dtype == np.int32
     assert np.array_equal(a.n_rank, np.asarray(cols.nodes.rank, dtype=dtype).astype(np.int64))
+
+
+def tuples_of(a: blocks.Arrays, i: int) -> tuple[list[int], list[int]]:
+    """Node i's inputs and outputs as the check's arrays hold them."""
+    ins, outs = int(a.n_ins[i]), int(a.n_outs[i])
+    return (a.flat[a.ptr[ins]:a.ptr[ins + 1]].tolist(),
+            a.flat[a.ptr[outs]:a.ptr[outs + 1]].tolist())
+
+
+def with_gaps(cols: Columns) -> Columns:
+    """The same plan with an unused pool entry (tensor 0) before every input range."""
+    n = cols.nodes
+    starts, counts = n.in_start.astype(np.int64), n.in_count.astype(np.int64)
+    distinct = np.unique(starts[counts > 0])
+    moved = starts + np.searchsorted(distinct, starts, side="right")
+    pool = np.insert(n.inputs.astype(np.int64), distinct, 0)
+    return replace(cols, nodes=replace(n, in_start=moved, inputs=pool))
+
+
+def test_arrays_hold_every_nodes_entries_with_and_without_gaps_in_the_pool():
+    _, plan = plan_pair(MLP, MESH, 32)
+    cols = Columns.from_plan(plan)
+    for c in (cols, with_gaps(cols)):
+        a = blocks.arrays(c)
+        assert len(a.ptr) == len(a.n_ins) + int(a.n_ins.max()) + 2
+        for i in range(len(c.nodes)):
+            assert tuples_of(a, i) == (c.inputs_of(i).tolist(), c.outputs_of(i).tolist())
+        shared = [i for i in range(len(c.nodes)) if c.nodes.in_start[i] == c.nodes.in_start[0]
+                  and c.nodes.in_count[i] > 0]
+        assert len({int(a.n_ins[i]) for i in shared}) == 1  # one tuple per distinct range
+
+
+def test_arrays_refuse_overlapping_input_ranges():
+    _, plan = plan_pair(MLP, MESH, 32)
+    cols = Columns.from_plan(plan)
+    n = cols.nodes
+    i = int(np.flatnonzero(n.in_count.astype(np.int64) > 1)[0])
+    start = n.in_start.astype(np.int64)
+    start[i] += 1  # now inside another range, or overlapping the next
+    with pytest.raises(ValueError, match="input ranges"):
+        blocks.arrays(replace(cols, nodes=replace(n, in_start=start)))

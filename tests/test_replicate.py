@@ -8,12 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from backends.columnar import validate_columns
+from backends.columnar import columns_bytes, save_columns, validate_columns
 from gen_model.__main__ import main as gen_main
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_columns, make_plan, make_plan_at
 from gen_model.parallelize import Policy
 from gen_model.replicate import NotReplicable, replicable, replicate, small_sizes
+from gen_model.spill import Spill
 from verdict.columns import Columns
 from verdict.plan import Plan
 
@@ -99,5 +100,20 @@ def test_cli_writes_columns(tmp_path, capsys):
     assert gen_main(args) == 0
     assert "nodes" in capsys.readouterr().out
     (path,) = tmp_path.glob("*.npz")
+    assert not list(tmp_path.glob(".spill-*"))  # the spilled columns leave no file
     from backends.planfile import load_plan
     assert canonical(load_plan(path)) == canonical(make_plan(MLP, Parallelism(dp=4), 8))
+
+
+def test_spilled_columns_write_the_same_file(tmp_path):
+    """Columns spilled to disk as they are made (gen_model/spill.py) write
+    the same bytes as columns kept in memory, which are np.savez's."""
+    par = Parallelism(dp=5, tp=2, pp=2, nm=2)
+    kept = make_columns(MLP, par, 20)
+    spilled = make_columns(MLP, par, 20, spill=Spill(tmp_path / "work"))
+    assert isinstance(spilled.nodes.inputs, np.memmap)
+    assert not list((tmp_path / "work").iterdir())  # unlinked once mapped
+    save_columns(spilled, tmp_path / "spilled.npz")
+    save_columns(kept, tmp_path / "kept.npz")
+    written = (tmp_path / "kept.npz").read_bytes()
+    assert (tmp_path / "spilled.npz").read_bytes() == written == columns_bytes(kept)

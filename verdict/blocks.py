@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.columns import Columns
+from verdict.columns import Columns, NodeColumns, drop_pages
 from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, _Layout, batch_dims
 from verdict.lineage import StructureError
 from verdict.ops import get_op
@@ -55,7 +55,6 @@ class Arrays:
     t_tid: np.ndarray
     t_version: np.ndarray
     t_lver: np.ndarray
-    t_shape: np.ndarray  # interned shape
     t_producer: np.ndarray  # node writing the tensor, -1 for inputs
     n_rank: np.ndarray
     n_mb: np.ndarray
@@ -82,57 +81,109 @@ def index_array(values: np.ndarray) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def small_array(values: np.ndarray, *limits: int) -> np.ndarray:
+    """A copy of ``values`` (never a view of a mapped column) as int16 when
+    they and ``limits`` (constants the check compares them with) fit in
+    -32768..32767, else :func:`index_array`'s type. For arrays that are only
+    compared, used as indices or cast before arithmetic."""
+    a = np.asarray(values)
+    low = min([int(a.min())] + list(limits)) if len(a) else 0
+    high = max([int(a.max())] + list(limits)) if len(a) else 0
+    if _I16.min <= low and high <= _I16.max:
+        return np.array(a, dtype=np.int16)
+    out = index_array(a)
+    return np.array(out) if out is a or out.base is not None else out
+
+
 _I32 = np.iinfo(np.int32)
+_I16 = np.iinfo(np.int16)
+#: No finding (BlockCheck's per-node codes)
+_NONE = np.iinfo(np.int8).max
 #: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
 _NODE_CHUNK = 1 << 20
 
 
 def arrays(cols: Columns) -> Arrays:
-    """The check's arrays, by array operations over the columns."""
+    """The check's arrays, by array operations over the columns, whose
+    mapped pages are let go once copied (verdict/columns.py, drop_pages).
+
+    The input tuples are the distinct input ranges of the pool, in pool
+    order, then one empty tuple (nodes without inputs); the output tuples
+    follow, one per node. Ranges are told apart by their first entry: the
+    ranges of a plan are the same or disjoint (backends/columnar.py checks
+    it of a file; Columns.from_plan makes them so), which is checked here
+    again (ValueError: an internal error)."""
     t, n = cols.tensors, cols.nodes
     nn, nt = len(n), len(t)
-    off = t.slice_offsets(cols.logical)
-    ndim = np.diff(off)
-    width = int(ndim.max(initial=0))
-    narrow_slices = t.slices.dtype.itemsize <= 4
-    extents = np.full((nt, max(width, 1)), -1, dtype=np.int32 if narrow_slices else np.int64)
-    if nt and width:
-        row = np.repeat(np.arange(nt), ndim)
-        col = np.arange(len(row)) - np.repeat(off[:-1], ndim)
-        extents[row, col] = t.slices[:, 1] - t.slices[:, 0]
-        del row, col
-    t_shape = index_array(_rows_id(extents))
-    del extents
-    ranges = np.stack([n.in_start.astype(np.int64), n.in_count.astype(np.int64)], axis=1)
-    key = ranges[:, 0] * (int(ranges[:, 1].max(initial=0)) + 1) + ranges[:, 1]
-    distinct, first, n_ins = np.unique(key, return_index=True, return_inverse=True)
-    del key
-    starts, in_lengths = ranges[first, 0], ranges[first, 1]
-    del ranges, first
-    out_lengths = np.diff(n.out_off.astype(np.int64))
-    lengths = np.concatenate((in_lengths, out_lengths))
-    ptr = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=ptr[1:])
-    del lengths
-    gather = np.repeat(starts - ptr[:len(distinct)], in_lengths) + np.arange(
-        int(in_lengths.sum()))
-    flat = index_array(np.concatenate((n.inputs[gather], n.outputs)))
-    del gather
-    producer = np.full(nt, -1, dtype=np.int32 if nn <= _I32.max else np.int64)
-    written = n.outputs
-    owner = np.repeat(np.arange(nn, dtype=producer.dtype), out_lengths)
-    keep = written >= 0
-    producer[written[keep]] = owner[keep]
-    del owner, keep
+    index = np.int32 if max(2 * nn + 2, nt, len(n.inputs) + len(n.outputs)) < _I32.max \
+        else np.int64
+    n_ins, r_count, inputs = _input_tuples(n, index)
+    k, in_total = len(r_count), len(inputs)
+    ptr = np.empty(k + 2 + nn, dtype=index)
+    ptr[0] = 0
+    np.cumsum(r_count, out=ptr[1:k + 1])
+    ptr[k + 1] = in_total  # the empty tuple
+    ptr[k + 2:] = n.out_off[1:].astype(np.int64) + in_total
+    flat = np.empty(in_total + len(n.outputs), dtype=index)
+    flat[:in_total] = inputs
+    del inputs, r_count
+    flat[in_total:] = n.outputs
+    out = Arrays(
+        t_rank=index_array(t.rank), t_mb=small_array(t.mb, -3), t_tid=index_array(t.tid),
+        t_version=small_array(t.version), t_lver=small_array(t.lver),
+        t_producer=_producers(n, nt, index), n_rank=index_array(n.rank),
+        n_mb=index_array(n.mb),
+        n_op=small_array(n.op), n_dir=small_array(n.dir), n_kw=small_array(n.kwargs),
+        n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
+        ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
+            cols.logical)))
+    cols.drop_pages()
+    return out
 
-    return Arrays(
-        t_rank=index_array(t.rank), t_mb=index_array(t.mb), t_tid=index_array(t.tid),
-        t_version=index_array(t.version), t_lver=index_array(t.lver), t_shape=t_shape,
-        t_producer=producer, n_rank=index_array(n.rank), n_mb=index_array(n.mb),
-        n_op=index_array(n.op), n_dir=index_array(n.dir), n_kw=index_array(n.kwargs),
-        n_ins=index_array(n_ins.reshape(-1)),
-        n_outs=index_array(len(distinct) + np.arange(nn)),
-        ptr=index_array(ptr), flat=flat, ops=tuple(cols.ops), slice_off=index_array(off))
+
+def _input_tuples(n: NodeColumns, index: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each node's input tuple (the empty tuple, numbered last, for nodes
+    without inputs), each tuple's length and the pool entries of the
+    tuples one after the other (the pool itself when every entry is in a
+    range). Raises ValueError for ranges that share a first entry or overlap."""
+    size = len(n.inputs)
+    nodes = np.flatnonzero(n.in_count > 0).astype(index)
+    start = n.in_start[nodes].astype(index)
+    count = np.zeros(size + 1, dtype=index)
+    count[start] = n.in_count[nodes]
+    if not np.array_equal(count[start], n.in_count[nodes]):
+        raise ValueError("two input ranges start at one pool entry")
+    r_start = np.flatnonzero(count[:size] > 0).astype(index)
+    r_count = count[r_start]
+    del count
+    ends = r_start.astype(np.int64) + r_count
+    if (r_start[1:] < ends[:-1]).any():
+        raise ValueError("two input ranges overlap")
+    k = len(r_start)
+    tuple_at = np.full(size + 1, k, dtype=index)
+    tuple_at[r_start] = np.arange(k, dtype=index)
+    n_ins = np.full(len(n), k, dtype=index)
+    n_ins[nodes] = tuple_at[start]
+    del tuple_at, start, nodes
+    if int(r_count.sum(dtype=np.int64)) == size:
+        return n_ins, r_count, n.inputs
+    marks = np.zeros(size + 1, dtype=np.int8)  # +1 where a range starts, -1 past its end
+    marks[r_start] = 1
+    marks[ends] -= 1
+    return n_ins, r_count, n.inputs[np.cumsum(marks[:size], dtype=np.int8).astype(bool)]
+
+
+def _producers(n: NodeColumns, nt: int, index: type) -> np.ndarray:
+    """The node writing each tensor, -1 for none, a chunk of nodes at a time."""
+    producer = np.full(nt, -1, dtype=index)
+    off = n.out_off
+    for lo in range(0, len(n), _NODE_CHUNK):
+        hi = min(lo + _NODE_CHUNK, len(n))
+        owner = np.repeat(np.arange(lo, hi, dtype=index), np.diff(off[lo: hi + 1]))
+        written = n.outputs[int(off[lo]): int(off[hi])]
+        keep = written >= 0
+        producer[written[keep]] = owner[keep]
+    return producer
 
 
 def _rows_id(matrix: np.ndarray) -> np.ndarray:
@@ -182,10 +233,20 @@ class BlockCheck:
         self.rep_of_d: np.ndarray | None = None
         #: likewise the representative microbatch of each microbatch's class
         self.rep_of_m: np.ndarray | None = None
+        nn = len(self.cols.n_rank)
         #: nodes that differ from their representative's (comparisons, not rules)
-        self.differs = np.zeros(len(self.cols.n_rank), dtype=bool)
+        self.differs = np.zeros(nn, dtype=bool)
+        #: each kind of finding (why, is a rule) -> its code, in the order the check meets them
+        self.sites: dict[tuple[str, bool], int] = {}
+        #: per node, the code of its first finding, rules and comparisons apart (_NONE: none),
+        #: and for a comparison the node it names in the representative's program
+        self.rule_code = np.full(nn, _NONE, dtype=np.int8)
+        self.diff_code = np.full(nn, _NONE, dtype=np.int8)
+        self.diff_ref = np.zeros(nn, dtype=index_array(np.array([nn])).dtype)
+        #: the representatives of the last pass (None: no pass yet)
+        self.last_reps: tuple[np.ndarray, np.ndarray] | None = None
         #: ZeRO-1's gathers, keeps and shard offsets (verdict/owned.py), checked there
-        self.owned = Owned.none(len(self.cols.n_rank), len(self.cols.t_rank))
+        self.owned = Owned.none(nn, len(self.cols.t_rank))
 
     # -- helpers ------------------------------------------------------------------
     def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -197,13 +258,36 @@ class BlockCheck:
         return (stage * self.cp + c) * self.tp + t, d
 
     def flag(self, mask: np.ndarray, nodes: np.ndarray, why: str, reps=None) -> None:
-        """Record the first node where ``mask`` holds."""
+        """Record ``why`` on every node where ``mask`` holds (a comparison,
+        naming ``reps``, or a rule when ``reps`` is None), unless the node
+        has a finding met earlier."""
+        rule = reps is None
+        code = self.sites.setdefault((why, rule), len(self.sites))
+        if code >= _NONE:
+            raise RuntimeError("too many kinds of findings")
         hit = np.flatnonzero(mask)
-        if hit.size and reps is not None:
-            self.differs[nodes[hit]] = True
-        if hit.size:
-            k = hit[np.argmin(nodes[hit])]
-            self.found.append((int(nodes[k]), None if reps is None else int(reps[k]), why))
+        if not hit.size:
+            return
+        at = nodes[hit]
+        codes = self.rule_code if rule else self.diff_code
+        first = codes[at] > code
+        codes[at[first]] = code
+        if not rule:
+            self.diff_ref[at[first]] = reps[hit[first]]
+
+    def findings(self) -> list[tuple[int, int | None, str]]:
+        """(node, representative's node or None, why): for each kind of
+        finding, the first node whose first finding it is."""
+        out: list[tuple[int, int | None, str]] = []
+        for codes, rule in ((self.rule_code, True), (self.diff_code, False)):
+            if not (codes != _NONE).any():
+                continue
+            for (why, is_rule), code in self.sites.items():
+                hit = np.flatnonzero(codes == code) if is_rule == rule else ()
+                if len(hit):
+                    i = int(hit[0])
+                    out.append((i, None if rule else int(self.diff_ref[i]), why))
+        return out
 
     def raise_first(self) -> None:
         if self.found:
@@ -238,9 +322,43 @@ class BlockCheck:
     def examine(self) -> None:
         """Every rule and comparison, recording findings in ``found`` (and
         the differing nodes in ``differs``) without raising, but for a
-        plan whose blocks cannot be matched at all."""
-        self.found = []
-        self.differs[:] = False
+        plan whose blocks cannot be matched at all.
+
+        A later pass (other ``rep_of_d``/``rep_of_m``, verdict/classes.py)
+        after one without rule findings redoes only what depends on the
+        representatives, for the nodes whose block's representative
+        changed: the others compare with the same representative's node as
+        before, and the rules not made in comparisons read no
+        representative (docs/soundness.md, "When the blocks differ")."""
+        if self.last_reps is not None and not (self.rule_code != _NONE).any():
+            self.recheck()
+        else:
+            self.first_pass()
+        self.last_reps = self.reps_now()
+        self.found = self.findings()
+        self.differs = self.diff_code != _NONE
+
+    def reps_now(self) -> tuple[np.ndarray, np.ndarray]:
+        """The representative of every replica and every microbatch, as arrays."""
+        dp, nm = self.fold.dp, self.fold.nm
+        return (np.zeros(dp, dtype=np.int64) if self.rep_of_d is None else self.rep_of_d.copy(),
+                np.zeros(nm, dtype=np.int64) if self.rep_of_m is None else self.rep_of_m.copy())
+
+    def recheck(self) -> None:
+        """The comparisons of the nodes whose block's representative changed."""
+        (old_d, old_m), (new_d, new_m) = self.last_reps, self.reps_now()
+        mb = self.cols.n_mb
+        changed = (old_d != new_d)[self.n_d] | (
+            (mb >= 0) & (old_m != new_m)[np.maximum(mb, 0)])
+        self.rule_code[changed] = _NONE
+        self.diff_code[changed] = _NONE
+        self.rep = rep = self.representatives(self.n_cls, self.n_d, changed)
+        self.check_kwargs(rep, self.orbit, changed)
+        self.check_entries(rep, self.orbit, self.is_acc, self.bad_rows, changed)
+
+    def first_pass(self) -> None:
+        self.rule_code[:] = _NONE
+        self.diff_code[:] = _NONE
         cols = self.cols
         dp, nm = self.fold.dp, self.fold.nm
         nn = len(cols.n_rank)
@@ -248,8 +366,9 @@ class BlockCheck:
             raise StructureError("symmetry", "a node runs on a rank outside the world's layout")
         if nn and (int(cols.n_mb.max()) >= nm or int(cols.n_mb.min()) < -1):
             raise StructureError("symmetry", f"a node runs a microbatch outside 0..{nm - 1}")
-        self.n_cls, self.n_d = self.split(cols.n_rank)
-        self.t_cls, self.t_d = self.split(cols.t_rank)
+        classes = self.pp * self.cp * self.tp
+        self.n_cls, self.n_d = (small_array(a, dp, classes) for a in self.split(cols.n_rank))
+        self.t_cls, self.t_d = (small_array(a, dp, classes) for a in self.split(cols.t_rank))
         kinds = [lg.kind for lg in self.p.logical] or [""]
 
         def of_kind(*which: str) -> np.ndarray:
@@ -258,15 +377,16 @@ class BlockCheck:
         self.t_input = (cols.t_producer < 0) & of_kind(*INPUT_KINDS)
         self.t_gradbuf = of_kind("gradbuf")
         self.check_offsets(of_kind("data", "tokens"))
-        self.t_view, bad_rows = self.input_views()
+        self.t_view, self.bad_rows = self.input_views()
+        drop_pages(self.p.tensors.slices, self.p.tensors.parts)
         rep = self.representatives(self.n_cls, self.n_d)
         self.rep = rep
         self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
             cols.n_mb >= 0)
         self.check_chains()
-        orbit = self.orbits(self.n_d)
+        self.orbit = orbit = self.orbits(self.n_d)
         self.check_kwargs(rep, orbit)
-        self.check_entries(rep, orbit, self.is_acc, bad_rows)
+        self.check_entries(rep, orbit, self.is_acc, self.bad_rows)
         self.check_glue(orbit)
 
     def check_offsets(self, t_data: np.ndarray) -> None:
@@ -331,11 +451,13 @@ class BlockCheck:
             view[owner, 2 * col] = shifted[:, 0]
             view[owner, 2 * col + 1] = shifted[:, 1]
         view[:, 2 * width:] = tc.parts[inputs]
-        ids = np.full(nt, -1, dtype=np.int32 if len(inputs) <= _I32.max else np.int64)
+        ids = np.full(nt, -1, dtype=np.int16 if len(inputs) < _I16.max else
+                      np.int32 if len(inputs) < _I32.max else np.int64)
         ids[inputs] = _rows_id(view)
         return ids, bad
 
-    def representatives(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
+    def representatives(self, n_cls: np.ndarray, n_d: np.ndarray,
+                        only: np.ndarray | None = None) -> np.ndarray:
         """For each node, the node at its position in its class's
         representative program ((class, 0, 0) for a block, (class, 0) for
         a step program; (class, rep(d), rep(m)) and (class, rep(d)) when
@@ -343,27 +465,35 @@ class BlockCheck:
         class lacks a block or a step program of some replica."""
         cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
         nn = len(cols.n_rank)
-        slot = cols.n_mb + 1  # 0: outside microbatches
-        wide = n_cls.astype(np.int64)
-        block = (wide * dp + n_d) * (nm + 1) + slot
-        order = np.argsort(block, kind="stable")
+        blocks = (int(n_cls.max(initial=0)) + 1) * dp * (nm + 1)
+        kind = np.int32 if max(blocks, 2 * nn) < _I32.max else np.int64
+        n_cls = n_cls.astype(kind, copy=False)
+        slot = cols.n_mb.astype(kind) + 1  # 0: outside microbatches
+        block = (n_cls * dp + n_d.astype(kind, copy=False)) * (nm + 1) + slot
+        order = np.argsort(block, kind="stable").astype(kind)
         ids, starts, counts = np.unique(block[order], return_index=True, return_counts=True)
-        pos = np.empty(nn, dtype=np.int64)
-        pos[order] = np.arange(nn) - np.repeat(starts, counts)
+        starts, counts = starts.astype(kind), counts.astype(kind)
+        pos = np.empty(nn, dtype=kind)
+        pos[order] = np.arange(nn, dtype=kind) - np.repeat(starts, counts)
         self.check_present(ids)
-        rep_d = 0 if self.rep_of_d is None else self.rep_of_d[n_d]
+        own_size = counts[np.searchsorted(ids, block).astype(kind)]
+        del block
+        rep_d = 0 if self.rep_of_d is None else self.rep_of_d.astype(kind)[n_d]
         rep_slot = np.minimum(slot, 1) if self.rep_of_m is None else \
-            np.where(slot > 0, self.rep_of_m[np.maximum(cols.n_mb, 0)] + 1, 0)
-        rep_block = (wide * dp + rep_d) * (nm + 1) + rep_slot
-        del wide
-        where = np.searchsorted(ids, rep_block)
-        where = np.minimum(where, len(ids) - 1)
+            np.where(slot > 0, self.rep_of_m.astype(kind)[np.maximum(cols.n_mb, 0)] + 1, 0)
+        del slot
+        rep_block = (n_cls * dp + rep_d) * (nm + 1) + rep_slot
+        del rep_d, rep_slot
+        where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1).astype(kind)
         found = ids[where] == rep_block
+        del rep_block
         size = np.where(found, counts[where], 0)
-        rep = index_array(np.where(found & (pos < size),
-                                   order[np.minimum(starts[where] + pos, nn - 1)], -1))
-        own_size = counts[np.searchsorted(ids, block)]
-        nodes = np.arange(nn)
+        found &= pos < size
+        rep = index_array(np.where(found, order[np.minimum(starts[where] + pos, nn - 1)], -1))
+        del found, pos
+        nodes = np.arange(nn, dtype=kind)
+        if only is not None:
+            own_size = np.where(only, own_size, size)
         self.flag(own_size != size, nodes, "its block has another number of nodes than the "
                   "representative's", np.where(rep >= 0, rep, order[starts[where]]))
         return rep
@@ -415,12 +545,14 @@ class BlockCheck:
         orbit[g] = ((lo != own) & (lo != big)) | ((hi != own) & (hi != -1))
         return orbit
 
-    def check_kwargs(self, rep: np.ndarray, orbit: np.ndarray) -> None:
-        """Operator, direction and kwargs equal the representative's; an
-        orbit's ``index`` is compared as its own position (checked in
-        :meth:`check_glue`), a send/receive peer as its class, in the replica."""
+    def check_kwargs(self, rep: np.ndarray, orbit: np.ndarray,
+                     only: np.ndarray | None = None) -> None:
+        """Operator, direction and kwargs equal the representative's (of the
+        nodes ``only``, default all); an orbit's ``index`` is compared as
+        its own position (checked in :meth:`check_glue`), a send/receive
+        peer as its class, in the replica."""
         cols, p = self.cols, self.p
-        kw = cols.n_kw.copy()
+        kw = cols.n_kw.astype(np.int32)
         table: dict[str, int] = {}
         send = np.array([op == "send_recv" for op in cols.ops] or [False])[cols.n_op]
         normal: dict[tuple, int] = {}
@@ -445,6 +577,8 @@ class BlockCheck:
         nodes = np.arange(len(kw))
         self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
         ok = rep >= 0
+        if only is not None:
+            ok &= only
         r = np.maximum(rep, 0)
         self.flag(ok & ((cols.n_op != cols.n_op[r]) | (cols.n_dir != cols.n_dir[r])), nodes,
                   "another operator or direction", rep)
@@ -454,18 +588,19 @@ class BlockCheck:
             self.flag(ok & (n != n[r]), nodes, f"another number of {what}", rep)
 
     def check_entries(self, rep: np.ndarray, orbit: np.ndarray, is_acc: np.ndarray,
-                      bad_rows: np.ndarray) -> None:
-        """Each tensor a node reads or writes against the one its
-        representative reads or writes at that position, a chunk of nodes
-        at a time (the flags keep the first node of every chunk; the
-        first of all is raised)."""
+                      bad_rows: np.ndarray, only: np.ndarray | None = None) -> None:
+        """Each tensor a node (of ``only``, default all) reads or writes
+        against the one its representative reads or writes at that
+        position, a chunk of nodes at a time."""
         cols = self.cols
         for outputs, tuples in ((False, cols.n_ins), (True, cols.n_outs)):
             lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
             same = (rep >= 0) & (lengths == lengths[np.maximum(rep, 0)])
+            if only is not None:
+                same &= only
             # an orbit reading the same tuple as its representative reads the same tensors
             skip = orbit & (tuples == tuples[np.maximum(rep, 0)]) & (not outputs)
-            picked = np.flatnonzero(same & ~skip)
+            picked = np.flatnonzero(same & ~skip).astype(rep.dtype)
             del same, skip
             for lo in range(0, len(picked), _NODE_CHUNK):
                 nodes = picked[lo: lo + _NODE_CHUNK]
@@ -477,6 +612,7 @@ class BlockCheck:
                 chain = is_acc[node] & ((k == 0) | outputs)
                 self.compare(node, rep[node], t, r, chain, orbit[node] & (not outputs),
                              "output" if outputs else "input", bad_rows)
+                drop_pages(self.p.tensors.slices)  # read by shapes_differ
 
     def compare(self, node, rep, t, r, chain, orbit, what: str, bad_rows) -> None:
         cols = self.cols
@@ -502,11 +638,25 @@ class BlockCheck:
                   "it reads another replica's tensor outside a sum over the replicas")
         self.flag(bad_rows[t], node, f"its {what} holds rows outside its block")
         differ = ((self.t_cls[t] != self.t_cls[r]) | (cols.t_tid[t] != cols.t_tid[r])
-                  | (cols.t_shape[t] != cols.t_shape[r])
+                  | self.shapes_differ(t, r)
                   | (self.t_view[t] != self.t_view[r])
                   | (~chain & ((rel_t != rel_r) | (cols.t_version[t] != cols.t_version[r])
                                | (cols.t_lver[t] != cols.t_lver[r]))))
         self.flag(differ, node, f"another {what} tensor, shape, slice or dataflow", rep)
+
+    def shapes_differ(self, t: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """Whether tensors ``t`` and ``r`` (pairwise) differ in local shape:
+        in number of dims or in some dim's extent (its slice's end - start)."""
+        off, slices = self.cols.slice_off, self.p.tensors.slices
+        t_off, r_off = off[t], off[r]
+        nd = off[t + 1] - t_off
+        differ = nd != off[r + 1] - r_off
+        for k in range(int(nd.max(initial=0))):
+            m = np.flatnonzero((k < nd) & ~differ)
+            a = slices[t_off[m] + k].astype(np.int64)
+            b = slices[r_off[m] + k].astype(np.int64)
+            differ[m] = (a[:, 1] - a[:, 0]) != (b[:, 1] - b[:, 0])
+        return differ
 
     def check_chains(self) -> None:
         """(b), (f): per rank and gradient buffer, the microbatches'
@@ -547,20 +697,21 @@ class BlockCheck:
         cols, p = self.cols, self.p
         is_end = getattr(self, "is_end", np.zeros(len(cols.t_rank), dtype=bool))
         sums = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)[cols.n_op]
-        # every inputs tuple is some node's (arrays() numbers the distinct ones)
-        tuples = np.arange(len(cols.ptr) - 1 - len(cols.n_rank))
-        lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
-        spans = _spans(cols.ptr, tuples)
-        ts = cols.flat[spans]
-        end_ok = np.ones(len(tuples), dtype=bool)
+        # the input tuples (every one some node's, or the empty one) lie first in
+        # flat, one after the other (arrays())
+        n_in = len(cols.ptr) - 1 - len(cols.n_rank)
+        ptr_in = cols.ptr[:n_in + 1]
+        lengths = np.diff(ptr_in)
+        ts = cols.flat[:int(ptr_in[-1])]
+        end_ok = np.ones(n_in, dtype=bool)
         if len(ts):
             bad = (ts < 0) | ~is_end[np.maximum(ts, 0)]
             nonempty = lengths > 0
-            starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-            end_ok[nonempty] = ~np.logical_or.reduceat(bad, starts[nonempty])
-        sums_ends = np.zeros(len(cols.n_ins), dtype=bool)
-        sums_ends[:] = end_ok[cols.n_ins] & sums
-        nodes = np.arange(len(cols.n_ins))
+            end_ok[nonempty] = ~np.logical_or.reduceat(bad, ptr_in[:-1][nonempty])
+            del bad, nonempty
+        sums_ends = end_ok[cols.n_ins] & sums
+        del sums, end_ok
+        nodes = np.arange(len(cols.n_ins), dtype=cols.n_ins.dtype)
         self.flag(orbit & ~self.owned.nodes & (~sums_ends | (cols.n_mb != -1)), nodes,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
         sums = np.flatnonzero(orbit & sums_ends)
@@ -581,13 +732,7 @@ class BlockCheck:
         own = valid & (member >= 0) & (cols.t_rank[np.maximum(member, 0)] == cols.n_rank[sums])
         self.flag(~not_whole & ~own, sums, "its index is not its own position in the group")
         # (f) the gradient buffer a rank ends with
-        outs = _spans(cols.ptr, cols.n_outs)
-        writer = np.repeat(nodes, cols.ptr[cols.n_outs + 1] - cols.ptr[cols.n_outs])
-        t = cols.flat[outs]
-        keep = t >= 0
-        t, writer = t[keep], writer[keep]
-        g = self.t_gradbuf[t]
-        t, writer = t[g], writer[g]
+        t, writer = self.gradbuf_writes(n_in)
         if not len(t):
             return
         key = cols.t_rank[t].astype(np.int64) * (len(p.logical) + 1) + cols.t_tid[t]
@@ -598,6 +743,25 @@ class BlockCheck:
         ok = (self.is_acc[w] & is_end[out]) | sums_ends[w] | self.owned.keeps[w]
         self.flag(~ok, w, "the gradient buffer a rank ends with must be its accumulation's last "
                   "output or a sum of those (a reducer)")
+
+    def gradbuf_writes(self, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+        """The gradient buffers written and their writers, in node order:
+        the output tuples lie after the ``n_in`` input tuples in flat, one
+        per node (arrays()); read a chunk of nodes at a time."""
+        cols = self.cols
+        nn = len(cols.n_rank)
+        out_ptr = cols.ptr[n_in:]
+        found_t, found_w = [np.zeros(0, dtype=cols.flat.dtype)], [np.zeros(0, dtype=np.int64)]
+        for lo in range(0, nn, _NODE_CHUNK):
+            hi = min(lo + _NODE_CHUNK, nn)
+            t = cols.flat[int(out_ptr[lo]): int(out_ptr[hi])]
+            writer = np.repeat(np.arange(lo, hi), np.diff(out_ptr[lo: hi + 1]))
+            keep = t >= 0
+            t, writer = t[keep], writer[keep]
+            g = self.t_gradbuf[t]
+            found_t.append(t[g])
+            found_w.append(writer[g])
+        return np.concatenate(found_t), np.concatenate(found_w)
 
     def whole_orbit(self, members: np.ndarray) -> bool:
         """Every replica the same number of times with the same other

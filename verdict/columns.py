@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import json
+import mmap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,7 +53,8 @@ def narrow(values: Any) -> Array:
     """The values in the narrowest signed integer type that holds them all
     (columns are read, compared and used as indices; cast to int64 before
     arithmetic that could leave the type's range)."""
-    a = np.asarray(values, dtype=np.int64)
+    a = values if isinstance(values, np.ndarray) and values.dtype.kind == "i" else \
+        np.asarray(values, dtype=np.int64)
     if a.size == 0:
         return a.astype(np.int8)
     low, high = a.min(), a.max()
@@ -60,6 +62,19 @@ def narrow(values: Any) -> Array:
         if np.iinfo(kind).min <= low and high <= np.iinfo(kind).max:
             return a.astype(kind, copy=False)
     return a
+
+
+def drop_pages(*arrays: Any) -> None:
+    """Let go of the pages of every array here that is a view of a memory
+    map (a column mapped from a plan file): they leave this process's
+    resident set and are read again from the file (or the page cache) on
+    the next access. Arrays not mapped, and None, are left alone."""
+    for a in arrays:
+        base = a
+        while isinstance(base, np.ndarray):
+            base = base.base
+        if isinstance(base, mmap.mmap) and not base.closed:
+            base.madvise(mmap.MADV_DONTNEED)
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,8 +93,7 @@ class TensorColumns:
 
     def ndims(self, logical: Sequence[Logical]) -> Array:
         """Each tensor's number of dims (that of its logical tensor)."""
-        per_tid = np.array([len(t.shape) for t in logical], dtype=np.int64)
-        return per_tid[self.tid]
+        return narrow([len(t.shape) for t in logical])[self.tid]
 
     def slice_offsets(self, logical: Sequence[Logical]) -> Array:
         """T + 1 offsets: tensor i's slices are rows off[i]:off[i + 1] of ``slices``."""
@@ -138,6 +152,11 @@ class Columns:
         for group in (self.tensors, self.nodes):
             total += sum(a.nbytes for a in vars(group).values() if isinstance(a, np.ndarray))
         return total
+
+    def drop_pages(self) -> None:
+        """Let go of the resident pages of the mapped columns (:func:`drop_pages`)."""
+        for group in (self.tensors, self.nodes):
+            drop_pages(*vars(group).values())
 
     def is_folded(self) -> bool:
         return Plan(world=self.world).is_folded()

@@ -25,7 +25,7 @@ import numpy as np
 
 from verdict.blocks import BlockCheck, _spans
 from verdict.classes import Axis, block_classes
-from verdict.columns import Columns
+from verdict.columns import Columns, drop_pages
 from verdict.final import check_layout
 from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
 from verdict.lineage import StructureError
@@ -259,13 +259,23 @@ def tensor_rows(cols: Columns, picked: np.ndarray, off: np.ndarray | None = None
     off = t.slice_offsets(cols.logical) if off is None else off
     slices = t.slices.view(np.ndarray)  # not a memmap: indexed once per tensor
     rows = []
-    fields = zip(*(a[picked].tolist() for a in (t.rank, t.mb, t.tid, t.version, t.lver)),
-                 t.parts[picked].tolist(), off[picked].tolist(), off[picked + 1].tolist())
+    fields = zip(*(_gathered(a, picked) for a in (t.rank, t.mb, t.tid, t.version, t.lver,
+                                                  t.parts)),
+                 off[picked].tolist(), off[picked + 1].tolist())
     for rank, mb, tid, version, lver, parts, a, b in fields:
         sl = tuple(tuple(x) for x in slices[a:b].tolist())
         rows.append(Tensor(rank, mb, tid, version, tuple(e - s for s, e in sl), lver, sl,
                            tuple(parts)))
+    drop_pages(t.slices)
     return rows
+
+
+def _gathered(column: np.ndarray, picked: np.ndarray) -> list:
+    """``column[picked]`` as a list; a mapped column's pages are let go after
+    (the picked rows are spread over the whole file)."""
+    out = column[picked].tolist()
+    drop_pages(column)
+    return out
 
 
 def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
@@ -277,9 +287,9 @@ def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> P
     renum = {t: k for k, t in enumerate(tensors.tolist())}
     kwargs: dict[int, dict] = {}
     out = []
-    fields = zip(nodes.tolist(), *(a[nodes].tolist() for a in (
+    fields = zip(nodes.tolist(), *(_gathered(a, nodes) for a in (
         n.rank, n.mb, n.op, n.dir, n.kwargs, n.name, n.in_start, n.in_count)),
-        n.out_off[nodes].tolist(), n.out_off[nodes + 1].tolist())
+        n.out_off[nodes].tolist(), _gathered(n.out_off, nodes + 1))
     for _, rank, mb, op, dr, kw, name, start, count, o0, o1 in fields:
         if kw not in kwargs:
             kwargs[kw] = cols.kwargs_of(kw)
@@ -287,6 +297,7 @@ def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> P
         outs = tuple(renum[x] if x >= 0 else -1 for x in outputs[o0:o1].tolist())
         out.append(Node(rank, mb, cols.ops[op], DIRECTIONS[dr], ins, outs, dict(kwargs[kw]),
                         cols.names[name]))
+    drop_pages(inputs, outputs)
     return Plan(world=dict(cols.world), logical=list(cols.logical),
                 tensors=tensor_rows(cols, tensors), nodes=out, loss=cols.loss,
                 grads=dict(cols.grads))
@@ -590,7 +601,7 @@ class _Cut:
 def _positions(real: int, shown: int, picked: tuple[int, ...] | None) -> np.ndarray:
     """Position of each of ``real`` indices among the ``shown`` picked ones
     (0..shown-1 when None), -1 for the others."""
-    pos = np.full(real, -1, dtype=np.int64)
+    pos = np.full(real, -1, dtype=np.int32)
     pos[list(range(shown)) if picked is None else sorted(picked)] = np.arange(shown)
     return pos
 
