@@ -648,7 +648,8 @@ class BatchNormRegressor(nn.Module):
 class _ConvBlock(nn.Module):
     """A causal depthwise ``nn.Conv1d`` over the sequence (padded by
     kernel - 1, the tail cut off, as Mamba-style and ConvNeXt-style blocks
-    write it), a pointwise ``nn.Conv1d`` mixing channels, and an MLP
+    write it), a leaky ReLU written ``torch.maximum(h, 0.1 * h)``, a
+    pointwise ``nn.Conv1d`` mixing channels, and an MLP
     (``mlp.c_fc``/``c_proj``, GELU), each a residual branch."""
 
     def __init__(self, hidden: int, ffn: int, kernel: int = 3):
@@ -660,6 +661,7 @@ class _ConvBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seqlen = x.shape[1]
         h = self.depthwise(x.transpose(1, 2))[..., :seqlen]
+        h = torch.maximum(h, 0.1 * h)  # a leaky ReLU written by hand
         x = x + self.pointwise(F.silu(h)).transpose(1, 2)
         return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](x)))
 

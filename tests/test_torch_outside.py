@@ -96,6 +96,8 @@ LAYERS = {
     "amax_pool_tokens": lambda m, x: m["lin"](x) + m["lin"](x).amax(1, keepdim=True),
     "amax_of_features": lambda m, x: x * m["lin"](x).amax(-1).unsqueeze(-1),
     "amax_with_ties": lambda m, x: m["lin"](x).clamp(max=0.0).amax(-1, keepdim=True) * x,
+    "maximum": lambda m, x: torch.maximum(m["lin"](x), x),
+    "minimum_with_ties": lambda m, x: torch.minimum(m["lin"](x).clamp(min=0.0), x.clamp(min=0.0)),
     "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
 }
 LOSSES = {

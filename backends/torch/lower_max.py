@@ -6,6 +6,13 @@ backward (ties share the gradient evenly): each op is kept pending until
 the product completes the pattern, which is emitted as one ``max``
 backward node. A pending value read any other way is refused.
 
+``torch.maximum(a, b)`` is ``b + relu(a - b)`` and ``torch.minimum(a, b)``
+``a - relu(a - b)``; their backward, ``where(a == b, g / 2,
+g).masked_fill_(a > b, 0)`` (or ``a < b``), is ``g / 2 + (g / 2) step(b -
+a) - (g / 2) step(a - b)`` (or a and b swapped), with ``step`` the ``relu``
+rule's backward: g where the fill does not apply, g / 2 at ties, 0 where
+it does.
+
 ``x.max(dim)`` (values and indices) sends the gradient to the first
 maximum's index, which no rule of the table computes: refused in one line.
 
@@ -63,6 +70,42 @@ class MaxShare:
         _refuse(lw)
 
 
+@dataclass(frozen=True)
+class Tie:
+    """``a == b`` of two lowered values of one shape."""
+    a: int
+    b: int
+
+    def emit_into(self, lw: Any) -> int:
+        _refuse_tie(lw)
+
+
+@dataclass(frozen=True)
+class Order:
+    """``a > b`` or ``a < b`` of two lowered values of one shape."""
+    op: str
+    a: int
+    b: int
+
+    def emit_into(self, lw: Any) -> int:
+        _refuse_tie(lw)
+
+
+@dataclass(frozen=True)
+class TieSplit:
+    """``where(a == b, g / 2, g)``: the gradient halved at ties."""
+    tie: Tie
+    g: int
+
+    def emit_into(self, lw: Any) -> int:
+        _refuse_tie(lw)
+
+
+def _refuse_tie(lw: Any) -> None:
+    raise LoweringError(f"{lw.name}: a comparison of two computed tensors (==, >, <) other than "
+                        f"in the backward of torch.maximum/minimum is not lowered")
+
+
 def _env(lw: Any, a: Any) -> Any:
     return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" \
         else None
@@ -99,8 +142,84 @@ def equal(base: Handler) -> Handler:
                 raise LoweringError(f"{lw.name}: a comparison with a maximum that broadcasts x "
                                     f"is not lowered")
             return hit
+        if isinstance(a, int) and isinstance(b, int) and lw.shapes[a] == lw.shapes[b]:
+            return Tie(a, b)
         return base(lw, args, kwargs, shapes, group)
     return lower
+
+
+def order(op: str, base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        a, b = _env(lw, args[0]), _env(lw, args[1])
+        if isinstance(a, int) and isinstance(b, int) and lw.shapes[a] == lw.shapes[b]:
+            return Order(op, a, b)
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def _halved(lw: Any, half: Any, g: Any) -> bool:
+    """half is ``g / 2`` (a ``div`` node of g by 2)."""
+    node = _producer(lw, half) if isinstance(half, int) else None
+    return node is not None and node.op == "div" and node.ins == [g] \
+        and node.kwargs.get("value") == 2.0
+
+
+def split_ties(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        tie = _env(lw, args[0])
+        if not isinstance(tie, Tie):
+            return base(lw, args, kwargs, shapes, group)
+        g = lw.val(args[2])
+        if not _halved(lw, lw.val(args[1]), g) or lw.shapes[g] != lw.shapes[tie.a]:
+            _refuse_tie(lw)
+        return TieSplit(tie, g)
+    return lower
+
+
+def _step_times(lw: Any, a: int, b: int, t: int) -> int:
+    """``t * step(a - b)``: the relu rule's backward node."""
+    y = lw.emit("sub", [a, b], [lw.shapes[a]])[0]
+    return lw.emit("relu", [y, t], [lw.shapes[t]], direction="bw")[0]
+
+
+def fill_losing_side(base: Handler) -> Handler:
+    """``where(a == b, g / 2, g).masked_fill_(a > b, 0)``: g where a < b,
+    g / 2 at ties, 0 where a > b (``a < b``: the mirror)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        split, cmp = _env(lw, args[0]), _env(lw, args[1])
+        if not isinstance(split, TieSplit):
+            return base(lw, args, kwargs, shapes, group)
+        a, b = split.tie.a, split.tie.b
+        if not isinstance(cmp, Order) or (cmp.a, cmp.b) != (a, b) or lw.const(args[2]) != 0:
+            _refuse_tie(lw)
+        if cmp.op == "lt":
+            a, b = b, a
+        shape = lw.shapes[split.g]
+        half = lw.emit("div", [split.g], [shape], {"value": 2.0})[0]
+        kept = lw.emit("add", [half, _step_times(lw, b, a, half)], [shape])[0]
+        return lw.emit("sub", [kept, _step_times(lw, a, b, half)], [shape])[0]
+    return lower
+
+
+def _relu_of_difference(lw: Any, args) -> tuple[int, int, int]:
+    a, b = lw.val(args[0]), lw.val(args[1])
+    if lw.shapes[a] != lw.shapes[b]:
+        raise LoweringError(f"{lw.name}: torch.maximum/minimum of differently shaped tensors "
+                            f"(broadcast) is not lowered")
+    d = lw.emit("sub", [a, b], [lw.shapes[a]])[0]
+    return a, b, lw.emit("relu", [d], [lw.shapes[a]])[0]
+
+
+def maximum(lw: Any, args, kwargs, shapes, group):
+    """``b + relu(a - b)``."""
+    _, b, r = _relu_of_difference(lw, args)
+    return lw.emit("add", [b, r], [lw.shapes[b]])[0]
+
+
+def minimum(lw: Any, args, kwargs, shapes, group):
+    """``a - relu(a - b)``."""
+    a, _, r = _relu_of_difference(lw, args)
+    return lw.emit("sub", [a, r], [lw.shapes[a]])[0]
 
 
 def count(base: Handler) -> Handler:
@@ -162,6 +281,12 @@ def max_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.div.Tensor": share(table["aten.div.Tensor"]),
         "aten.mul.Tensor": spread(table["aten.mul.Tensor"]),
         "aten.max.dim": max_dim,
+        "aten.gt.Tensor": order("gt", table.get("aten.gt.Tensor", _unlowered("aten.gt.Tensor"))),
+        "aten.lt.Tensor": order("lt", table.get("aten.lt.Tensor", _unlowered("aten.lt.Tensor"))),
+        "aten.where.self": split_ties(table["aten.where.self"]),
+        "aten.masked_fill_.Scalar": fill_losing_side(table["aten.masked_fill_.Scalar"]),
+        "aten.maximum.default": maximum,
+        "aten.minimum.default": minimum,
     }
 
 
