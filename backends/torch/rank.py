@@ -1,6 +1,7 @@
 """One rank's training step, recorded: ``python -m backends.torch.rank SPEC RANK OUT``.
 
-SPEC is a JSON file (``backends.torch.trace.TraceSpec``). The rank joins a
+SPEC is a JSON file of the spec dict ``backends.torch.__main__`` builds (model,
+recipe, mesh sizes, seed, optimizer, clip). The rank joins a
 fake process group of the spec's world (collectives run no communication
 and return garbage; only the structure of what runs is used), builds the
 model in float64 with the spec's seed, applies the recipe, runs forward and

@@ -385,6 +385,13 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 AXIS_NAMES = {"fsdp": "dp", "dp_shard": "dp"}
 
 
+def dim_ranks(mesh, mesh_dim: int, coordinate: list[int]) -> list[int]:
+    """The global ranks along ``mesh_dim`` through the rank at ``coordinate``."""
+    index = list(coordinate)
+    index[mesh_dim] = slice(None)
+    return [int(r) for r in mesh.mesh[tuple(index)].flatten()]
+
+
 def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
                        split: dict[str, int]) -> str | None:
     """The backend axis a data-parallel mesh dim of a library's mesh runs
@@ -399,9 +406,7 @@ def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None
-    index = list(coordinate)
-    index[mesh_dim] = slice(None)
-    ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten()]
+    ranks = dim_ranks(mesh, mesh_dim, coordinate)
     stage = {r // (dp * tp) for r in ranks}
     column = {r % tp for r in ranks}
     ds = [(r // tp) % dp for r in ranks]
@@ -425,13 +430,11 @@ def is_tensor_parallel_dim(mesh, mesh_dim: int, layout: tuple[int, int, int]) ->
     """The mesh dim's ranks (through this rank) are exactly the backend's
     tensor-parallel ranks of this rank's stage and data-parallel index, in
     order: it is the "tp" axis whatever its name."""
-    _, dp, tp = layout
+    _, _, tp = layout
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return False
-    index = list(coordinate)
-    index[mesh_dim] = slice(None)
-    ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten()]
+    ranks = dim_ranks(mesh, mesh_dim, coordinate)
     return len(ranks) == tp and ranks == list(range(ranks[0], ranks[0] + tp)) and ranks[0] % tp == 0
 
 
