@@ -30,13 +30,21 @@ representative's node it differs from.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
 from verdict.columns import Columns, NodeColumns, drop_pages
-from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, _Layout, batch_dims
+from verdict.fold import (
+    ACCUMULATE,
+    CONSTANTS,
+    ORBIT_SUMS,
+    Fold,
+    _Layout,
+    batch_dims,
+    block_starts,
+    inner_size,
+)
 from verdict.lineage import StructureError
 from verdict.ops import get_op
 from verdict.owned import Owned
@@ -218,7 +226,7 @@ class BlockCheck:
     def __init__(self, single: Plan, parallel: Columns, fold: Fold):
         self.p, self.fold = parallel, fold
         w = parallel.world
-        self.cp, self.tp = int(w.get("cp", 1)), int(w.get("tp", 1))
+        self.cp, self.tp = inner_size(w), int(w.get("tp", 1))  # cp: ep x cp inner ranks
         self.pp = int(w.get("pp", 1))
         self.mesh = _Layout(fold.dp, self.cp, self.tp)
         self.batch = batch_dims(single)
@@ -390,7 +398,9 @@ class BlockCheck:
         self.check_glue(orbit)
 
     def check_offsets(self, t_data: np.ndarray) -> None:
-        """(c): per class, the blocks' first rows are b apart and cover [0, B)."""
+        """(c): the blocks' first rows (a block's: the first any of its ranks
+        loads) are b apart and cover [0, B); inputs are then compared
+        relative to their block's first row."""
         cols, slices = self.cols, self.p.tensors.slices
         data = np.flatnonzero((cols.t_producer < 0) & t_data & (cols.t_mb >= 0))
         first: dict[tuple, int] = {}
@@ -401,17 +411,13 @@ class BlockCheck:
                     start = int(slices[cols.slice_off[t] + k, 0])
                     key = (*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t]))
                     first[key] = min(first.get(key, start), start)
-        self.offset = first
-        by_cls: dict[tuple, list[int]] = defaultdict(list)
-        for (cls, _, _), row in first.items():
-            by_cls[cls].append(row)
-        want = [k * self.rows for k in range(self.fold.dp * self.fold.nm)]
-        for cls, rows in sorted(by_cls.items()):
-            if sorted(rows) != want:
-                raise StructureError("symmetry", (
-                    f"the blocks of rank class {cls} start at batch rows {_short(sorted(rows))}, "
-                    f"not every {self.rows} rows from 0: its replicas and microbatches do not "
-                    f"split the batch into blocks"))
+        starts = block_starts(first)  # a block's first row: the first any rank of it loads
+        rows = sorted(starts.values())
+        if rows != [k * self.rows for k in range(self.fold.dp * self.fold.nm)]:
+            raise StructureError("symmetry", (
+                f"the blocks start at batch rows {_short(rows)}, not every {self.rows} rows "
+                f"from 0: its replicas and microbatches do not split the batch into blocks"))
+        self.offset = {(cls, d, m): starts[(d, m)] for (cls, d, m) in first}
 
     def input_views(self) -> tuple[np.ndarray, np.ndarray]:
         """For every input tensor, an id of its slices relative to its

@@ -78,14 +78,37 @@ def fold_sizes(single: Plan, parallel: Plan) -> Fold:
     if fold.gbs != fold.dp * fold.nm * rows:
         raise FoldError(f"gbs {fold.gbs} is not dp {fold.dp} x nm {fold.nm} x {rows} rows per "
                         f"block, as fold_gbs {fold.real_gbs} gives")
-    for shown, real, name in ((fold.dp, fold.real_dp, "dp"), (fold.nm, fold.real_nm, "nm")):
+    ep = w.get("ep", 1)
+    if not isinstance(ep, int) or ep < 1 or fold.dp % ep or fold.real_dp % ep:
+        raise FoldError(f"ep {ep} must divide dp {fold.dp} and fold_dp {fold.real_dp}")
+    if w.get("zero", 0):
+        raise FoldError("a folded plan with ZeRO is not covered: replicas do not run one "
+                        "program")
+    orbit = orbit_units(fold, ep)
+    for shown, real, name in ((orbit.dp, orbit.real_dp, "dp / ep" if ep > 1 else "dp"),
+                              (fold.nm, fold.real_nm, "nm")):
         if shown not in (min(real, SHOWN), real):
             raise FoldError(f"{name} {shown} must be min(fold_{name}, {SHOWN}) = "
                             f"{min(real, SHOWN)} or fold_{name} {real}")
-    if w.get("ep", 1) != 1 or w.get("zero", 0):
-        raise FoldError("a folded plan with expert parallelism or ZeRO is not covered: "
-                        "replicas do not run one program")
     return fold
+
+
+def orbit_units(fold: Fold, ep: int) -> Fold:
+    """The fold with replicas counted as expert-data-parallel indices: with
+    expert parallelism (``ep`` > 1) a block is one edp index's ep ranks for
+    one microbatch, and the orbit of a rank class is its edp replicas
+    (docs/soundness.md, "Expert parallelism: the ep ranks inside a block")."""
+    return Fold(fold.dp // ep, fold.nm, fold.gbs, fold.real_dp // ep, fold.real_nm,
+                fold.real_gbs)
+
+
+def inner_size(world: dict) -> int:
+    """The ranks of one replica between its replica index and tp, as the
+    symmetry counts them: the ep ranks of the block times the cp ranks.
+    The mesh puts replica d = edp * ep + e, so a rank's (edp, e, c) is
+    (replica, inner index) of a mesh with edp replicas and ep * cp inner
+    ranks."""
+    return int(world.get("ep", 1)) * int(world.get("cp", 1))
 
 
 # -- restriction of the single-device plan ------------------------------------
@@ -264,7 +287,7 @@ class _Uniformity:
     def __init__(self, single: Plan, parallel: Plan, fold: Fold):
         self.p, self.fold = parallel, fold
         w = parallel.world
-        self.mesh = _Layout(fold.dp, int(w.get("cp", 1)), int(w.get("tp", 1)))
+        self.mesh = _Layout(fold.dp, inner_size(w), int(w.get("tp", 1)))
         self.batch = batch_dims(single)
         self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
         self.producer = parallel.producers()
@@ -337,19 +360,20 @@ class _Uniformity:
         return self.p.logical[self.p.tensors[t].tid].kind in ("data", "tokens")
 
     def check_offsets(self) -> None:
-        """Blocks of a class that load data start b rows apart and cover
-        [0, B') once."""
-        by_cls: dict[tuple, list[int]] = defaultdict(list)
-        for (cls, _, _), row in self.offset.items():
-            if row >= 0:
-                by_cls[cls].append(row)
+        """The blocks that load data start b rows apart and cover [0, B')
+        once, a block's start being the first row any of its ranks loads;
+        ``offset`` then holds each block's start for each of its classes,
+        which the input slices are compared relative to (with expert
+        parallelism the ep ranks of a block load consecutive rows of it)."""
+        starts = block_starts(self.offset)
         want = [k * self.rows for k in range(self.fold.dp * self.fold.nm)]
-        for cls, rows in by_cls.items():
-            if sorted(rows) != want:
-                raise StructureError("fold", (
-                    f"the folded plan's blocks of rank class {cls} start at batch rows "
-                    f"{sorted(rows)}, not {want}: its replicas and microbatches do not split "
-                    f"the batch into blocks of {self.rows} rows"))
+        if sorted(starts.values()) != want:
+            raise StructureError("fold", (
+                f"the folded plan's blocks start at batch rows {sorted(starts.values())}, "
+                f"not {want}: its replicas and microbatches do not split the batch into "
+                f"blocks of {self.rows} rows"))
+        self.offset = {(cls, d, m): starts[(d, m)] if row >= 0 else -1
+                       for (cls, d, m), row in self.offset.items()}
 
     def tensor(self, i: int, t: int, orbit: bool, chain: bool):
         """A tensor as the program of node i sees it, without the block."""
@@ -478,13 +502,24 @@ class _Uniformity:
                                "last output or a sum of those (a reducer)")
 
 
+def block_starts(first: dict[tuple, int]) -> dict[tuple[int, int], int]:
+    """(replica, microbatch) -> the first batch row any rank class loads in
+    that block, from (class, replica, microbatch) -> the class's first row
+    there (-1: it loads none)."""
+    out: dict[tuple[int, int], int] = {}
+    for (_, d, m), row in first.items():
+        if row >= 0:
+            out[(d, m)] = min(out.get((d, m), row), row)
+    return out
+
+
 def check_uniform(single: Plan, parallel: Plan, compare: bool = True) -> None:
     """Raises StructureError('fold') unless every shown replica and
     microbatch of each class of ranks runs one program (docs/soundness.md).
     ``single`` is the restricted single-device plan (for the batch dims).
     ``compare=False``: the rules only (a mixed cut of classes of blocks,
     verdict/symmetry.py, whose programs differ by construction)."""
-    fold = fold_of(parallel)
+    fold = orbit_units(fold_of(parallel), int(parallel.world.get("ep", 1)))
     _Uniformity(single, parallel, fold).run(compare)
 
 

@@ -27,7 +27,7 @@ from verdict.blocks import BlockCheck, _spans
 from verdict.classes import Axis, block_classes
 from verdict.columns import Columns, drop_pages
 from verdict.final import check_layout
-from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, restrict
+from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, inner_size, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
 from verdict.owned import OwnedError, find_owned
@@ -80,9 +80,14 @@ class Symmetry:
 
     def describe(self) -> str:
         w = self.folded.world
-        text = (f"{w['fold_dp']} x {w['fold_nm']} blocks (replica x microbatch) checked against "
-                f"the representatives, replicas {_span(self.base)} and microbatches "
+        ep = int(w.get("ep", 1))
+        replica = "expert-data-parallel replica" if ep > 1 else "replica"
+        text = (f"{w['fold_dp'] // ep} x {w['fold_nm']} blocks ({replica} x microbatch) checked "
+                f"against the representatives, replicas {_span(self.base)} and microbatches "
                 f"{_span(self.base_mbs)}, which were proved (docs/soundness.md)")
+        if ep > 1:
+            text += (f"; each block holds the {ep} expert-parallel ranks of its replica, whose "
+                     f"all-to-alls stay inside it")
         if self.owned:
             text += (f"; ZeRO-1 owned shards checked on every rank ({self.owned} gathers tile "
                      f"their parameters, each rank keeps its own gradient chunk)")
@@ -104,7 +109,7 @@ class Symmetry:
     def proved(self) -> int:
         """Blocks proved: the base cut's and each class cut's shown blocks."""
         w = self.folded.world
-        return w["dp"] * w["nm"] * (1 + len(self.classes))
+        return w["dp"] // int(w.get("ep", 1)) * w["nm"] * (1 + len(self.classes))
 
 
 def _ranks(rank_of: dict[int, int]) -> str:
@@ -130,11 +135,14 @@ class Refusal:
 
 
 def foldable(parallel: PlanLike) -> bool:
-    """A materialized plan with more than two replicas or microbatches."""
+    """A materialized plan with more than two replicas or microbatches (with
+    expert parallelism, replicas are expert-data-parallel indices)."""
     w = parallel.world
-    return not parallel.is_folded() and all(
-        isinstance(w.get(k, 1), int) for k in ("dp", "nm", "cp", "tp", "pp", "ep")) and (
-        w.get("dp", 1) > SHOWN or w.get("nm", 1) > SHOWN)
+    if parallel.is_folded() or not all(
+            isinstance(w.get(k, 1), int) for k in ("dp", "nm", "cp", "tp", "pp", "ep")):
+        return False
+    ep = max(w.get("ep", 1), 1)
+    return w.get("dp", 1) % ep == 0 and (w.get("dp", 1) // ep > SHOWN or w.get("nm", 1) > SHOWN)
 
 
 def eligible(parallel: PlanLike) -> str | None:
@@ -142,8 +150,8 @@ def eligible(parallel: PlanLike) -> str | None:
     w = parallel.world
     if not foldable(parallel):
         return "not a materialized plan with more than two replicas or microbatches"
-    if w.get("ep", 1) != 1:
-        return "expert parallelism: replicas hold other experts"
+    if w.get("ep", 1) != 1 and w.get("zero", 0):
+        return "ZeRO with expert parallelism: owned shards of expert and shared parameters"
     if w.get("zero", 0) not in (0, 1):
         return ("ZeRO-2/3: each microbatch's gradient is reduce-scattered across replicas "
                 "inside the blocks")
@@ -163,7 +171,8 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     if why:
         return Refusal(why)
     w = cols.world
-    dp, nm, gbs = w.get("dp", 1), w.get("nm", 1), w["gbs"]
+    ep = int(w.get("ep", 1))
+    dp, nm, gbs = w.get("dp", 1) // ep, w.get("nm", 1), w["gbs"]  # dp: edp replicas
     if single.world.get("gbs") != gbs or gbs % (dp * nm):
         return Refusal(f"gbs {gbs} does not split into dp {dp} x nm {nm} blocks")
     whole = Fold(dp, nm, gbs, dp, nm, gbs)
@@ -319,7 +328,8 @@ class _Cut:
         #: likewise among the shown microbatches
         self.pos_m = _positions(fold.real_nm, fold.nm, microbatches)
         w = parallel.world
-        self.tp, self.cp = int(w.get("tp", 1)), int(w.get("cp", 1))
+        self.tp, self.cp = int(w.get("tp", 1)), inner_size(w)  # cp: ep x cp inner ranks
+        self.ep = int(w.get("ep", 1))
         self.batch = check.batch
         self.rows = check.rows
         cols = check.cols
@@ -589,8 +599,8 @@ class _Cut:
         nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
                             outputs=tuple(index[t] if t >= 0 else -1 for t in n.outputs))
                  for n in nodes]
-        world = {**p.world, "dp": fold.dp, "nm": fold.nm, "gbs": fold.gbs,
-                 **dict(zip(FOLD_KEYS, (fold.real_dp, fold.real_nm, fold.real_gbs)))}
+        world = {**p.world, "dp": fold.dp * self.ep, "nm": fold.nm, "gbs": fold.gbs,
+                 **dict(zip(FOLD_KEYS, (fold.real_dp * self.ep, fold.real_nm, fold.real_gbs)))}
         if self.gathered.any():
             world["zero"] = 0  # no shard left in the cut
         folded = Plan(world=world, logical=list(p.logical), tensors=tensors, nodes=nodes,
