@@ -1299,6 +1299,132 @@ def owned_shard(plan: Plan, rng: random.Random) -> Result:
     return p, what
 
 
+def _expert_parallel(plan: Plan) -> int:
+    """The ep size of a materialized plan with expert parallelism, else 0."""
+    ep = int(plan.world.get("ep", 1))
+    return ep if _materialized(plan) and ep > 1 and not plan.world.get("zero") else 0
+
+
+def _ep_coords(plan: Plan, rank: int) -> tuple[int, int]:
+    """(edp, ep index) of a rank: its replica d is edp * ep + e."""
+    d = _replica(plan, rank)
+    ep = int(plan.world["ep"])
+    return d // ep, d % ep
+
+
+def _ep_rank(plan: Plan, rank: int, edp: int, e: int) -> int:
+    """The rank at ``rank``'s place (stage, cp, tp) in replica edp * ep + e."""
+    inner = int(plan.world.get("tp", 1)) * int(plan.world.get("cp", 1))
+    d = _replica(plan, rank)
+    return rank + (edp * int(plan.world["ep"]) + e - d) * inner
+
+
+def ep_peer(plan: Plan, rng: random.Random) -> Result:
+    """Expert parallelism: one site of the token all-to-all in one
+    expert-data-parallel replica (every microbatch, or one) routes wrong:
+    its group listed in another order, or a peer taken from another
+    replica (the rank at the peer's place there)."""
+    ep = _expert_parallel(plan)
+    if not ep:
+        return None
+    edp_n = int(plan.world["dp"]) // ep
+    sites = sorted({(n.dir, n.name) for n in plan.nodes if n.op == "all_to_all"})
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    edp = rng.randrange(edp_n)
+    mbs = {n.mb for n in plan.nodes}
+    mb = rng.choice(sorted(mbs)) if rng.random() < 0.5 else None
+    other = rng.choice([x for x in range(edp_n) if x != edp]) \
+        if edp_n > 1 and rng.random() < 0.5 else None
+    index = {(t.rank, t.mb, t.tid, t.version): i for i, t in enumerate(plan.tensors)}
+    p = copy_plan(plan)
+    changed = 0
+    for i, n in enumerate(plan.nodes):
+        if n.op != "all_to_all" or (n.dir, n.name) != site or \
+                _ep_coords(plan, n.rank)[0] != edp or (mb is not None and n.mb != mb):
+            continue
+        ins = list(n.inputs)
+        if other is None:
+            ins.reverse()
+        else:
+            k = next(k for k, t in enumerate(ins) if t >= 0 and plan.tensors[t].rank != n.rank)
+            t = plan.tensors[ins[k]]
+            moved = index.get((_ep_rank(plan, t.rank, other, _ep_coords(plan, t.rank)[1]), t.mb,
+                               t.tid, t.version))
+            if moved is None:
+                continue
+            ins[k] = moved
+        own = next(k for k, t in enumerate(ins) if t >= 0 and plan.tensors[t].rank == n.rank)
+        p.nodes[i] = n._replace(inputs=tuple(ins), kwargs={**n.kwargs, "index": own})
+        changed += 1
+    if not changed:
+        return None
+    how = "its group reversed" if other is None else f"a peer from replica {other}"
+    return p, (f"all_to_all ({site[0]}) {site[1]} of expert-data-parallel replica {edp}, "
+               f"{'every microbatch' if mb is None else f'microbatch {mb}'}: {how}")
+
+
+def ep_expert(plan: Plan, rng: random.Random) -> Result:
+    """Expert parallelism: one rank loads another ep rank's expert shards
+    (its loaded inputs whose slices differ between the ep ranks of its
+    replica take the other's slices)."""
+    ep = _expert_parallel(plan)
+    if not ep:
+        return None
+    ranks = sorted({n.rank for n in plan.nodes})
+    rank = rng.choice(ranks)
+    edp, e = _ep_coords(plan, rank)
+    f = rng.choice([x for x in range(ep) if x != e])
+    peer = _ep_rank(plan, rank, edp, f)
+    written = {o for n in plan.nodes for o in n.outputs}
+    source = {(t.mb, t.tid, t.version): t.slices for i, t in enumerate(plan.tensors)
+              if t.rank == peer and i not in written}
+    p = copy_plan(plan)
+    changed = 0
+    for i, t in enumerate(plan.tensors):
+        key = (t.mb, t.tid, t.version)
+        if t.rank == rank and i not in written and plan.logical[t.tid].kind not in (
+                "data", "tokens") and source.get(key, t.slices) != t.slices:
+            p.tensors[i] = t._replace(slices=source[key])
+            changed += 1
+    if not changed:
+        return None
+    return p, f"rank {rank} (replica {edp}, ep {e}) loads ep rank {f}'s experts ({changed} inputs)"
+
+
+def expert_group(plan: Plan, rng: random.Random) -> Result:
+    """Expert parallelism: one rank's reducer of an expert gradient (a sum
+    over the expert-data-parallel replicas) reads, in one replica's slot,
+    the buffer of another ep rank of that replica: other experts summed in."""
+    ep = _expert_parallel(plan)
+    if not ep:
+        return None
+    sites = [i for i, n in enumerate(plan.nodes) if n.op == "reducer" and len(
+        {_ep_coords(plan, plan.tensors[t].rank)[1] for t in n.inputs if t >= 0}) == 1]
+    i = _pick(rng, sites)
+    if i is None:
+        return None
+    n = plan.nodes[i]
+    index = {(t.rank, t.mb, t.tid, t.version): k for k, t in enumerate(plan.tensors)}
+    k = rng.randrange(len(n.inputs))
+    t = plan.tensors[n.inputs[k]]
+    edp, e = _ep_coords(plan, t.rank)
+    f = rng.choice([x for x in range(ep) if x != e])
+    moved = index.get((_ep_rank(plan, t.rank, edp, f), t.mb, t.tid, t.version))
+    if moved is None:
+        return None
+    ins = list(n.inputs)
+    ins[k] = moved
+    p = copy_plan(plan)
+    kw = dict(n.kwargs)
+    if "index" in kw:
+        kw["index"] = next((m for m, x in enumerate(ins) if x >= 0
+                            and p.tensors[x].rank == n.rank), kw["index"])
+    p.nodes[i] = n._replace(inputs=tuple(ins), kwargs=kw)
+    return p, f"{where(plan, i)}: ep rank {f}'s buffer in replica {edp}'s slot"
+
+
 MATERIALIZED_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "other_rows": other_rows,
     "last_microbatch": last_microbatch,
@@ -1306,4 +1432,7 @@ MATERIALIZED_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "replica_op": replica_op,
     "microbatch_op": microbatch_op,
     "owned_shard": owned_shard,
+    "ep_peer": ep_peer,
+    "ep_expert": ep_expert,
+    "expert_group": expert_group,
 }

@@ -306,7 +306,10 @@ class BlockCheck:
         replica, microbatch and node."""
         i, j, why = min(self.found, key=lambda f: f[0])
         mb, d = int(self.cols.n_mb[i]), int(self.n_d[i])
-        where = f"replica {d}" + (f", microbatch {mb}" if mb >= 0 else " (outside microbatches)")
+        replica = "expert-data-parallel replica" if int(self.p.world.get("ep", 1)) > 1 \
+            else "replica"
+        where = f"{replica} {d}" + (f", microbatch {mb}" if mb >= 0 else
+                                    " (outside microbatches)")
         ref = f", against the representative's {label(self.p, j)}" if j is not None else ""
         return f"{where}: {label(self.p, i)}{ref}: {why}"
 
