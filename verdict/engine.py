@@ -162,8 +162,9 @@ def _verify(single: Plan, parallel: Plan | Columns, options: dict
             single, _ = fold_pair(single, parallel)
         verdict = verify_pair(single, parallel, **options)
         w = parallel.world
-        shown = w["dp"] * w["nm"]
-        verdict.blocks = (0, shown, w["fold_dp"] * w["fold_nm"] - shown)
+        ep = int(w.get("ep", 1))  # blocks of expert-data-parallel replicas
+        shown = w["dp"] // ep * w["nm"]
+        verdict.blocks = (0, shown, w["fold_dp"] // ep * w["fold_nm"] - shown)
         return verdict, (single, parallel)
     if not foldable(parallel):
         return verify_pair(single, parallel, **options), (single, parallel)
