@@ -11,8 +11,9 @@
 #   BEFORE=/path/to/other/checkout bash scripts/run_ep_bench.sh
 #   # PY, LAYERS (4), DP (32), EP (4), NM (2), OUT (data/plans/ep_bench) may be set
 #
-# Prints, for each checkout, main.py's exit code, wall and CPU seconds and
-# peak resident memory (GNU time: the largest process), and its symmetry line.
+# Prints, for each checkout, wall and CPU seconds and peak resident memory
+# (GNU time: the largest process) and its symmetry line; main.py's Stats rows
+# go to OUT/stats_before and OUT/stats_after, not into either checkout.
 set -eu
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -33,15 +34,15 @@ if ! ls "$OUT"/*.npz > /dev/null 2>&1; then
         nice "$PY" -m gen_model $MODEL --gbs "$GBS" --dp "$DP" --ep "$EP" --nm "$NM" \
         --format npz -o "$OUT"
 fi
-sm=$(ls "$OUT"/*_dp1_pp1_tp1_nm1_*.pkl)
-pm=$(ls "$OUT"/*.npz)
+sm=$(realpath "$(ls "$OUT"/*_dp1_pp1_tp1_nm1_*.pkl)")
+pm=$(realpath "$(ls "$OUT"/*.npz)")
 for side in ${BEFORE:+before} after; do
     dir=$PWD
     [ "$side" = before ] && dir=$BEFORE
-    log="$OUT/verify_$side.log"
+    log=$(realpath "$OUT")/verify_$side.log
     ( cd "$dir" && /usr/bin/time -f "verify $side: %e s wall, %U+%S s CPU, %M KiB peak" \
-        nice "$PY" main.py --sm "$OLDPWD/$sm" --pm "$OLDPWD/$pm" --no_cache_nodes \
-        --no_cache_stages > "$OLDPWD/$log" 2>&1 ) || true
+        nice "$PY" main.py --sm "$sm" --pm "$pm" --no_cache_nodes --no_cache_stages \
+        --stats_dir "$(realpath "$OUT")/stats_$side" > "$log" 2>&1 ) || true
     tail -1 "$log"
     echo "verify $side: $(grep -m1 -i 'symmetry\|verified in full' "$log" || true)"
 done
