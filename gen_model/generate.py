@@ -17,7 +17,7 @@ from gen_model.microbatches import SIZES as MICROBATCH_SIZES
 from gen_model.microbatches import expand_microbatches, microbatches_replicable
 from gen_model.models import ZOO, build
 from gen_model.parallelize import Policy, Program, check_parallelism, check_policy, parallel_plan
-from gen_model.replicate import NotReplicable, replicable, replicate, small_sizes
+from gen_model.replicate import NotReplicable, replicable, replicate, second_size, small_sizes
 from gen_model.single import single_plan
 from gen_model.spill import keep
 from gen_model.trace import trace_forward
@@ -122,7 +122,7 @@ def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
                                    plan_world(cfg, par_d, gbs_d, variant, policy))
 
     world = plan_world(cfg, par, gbs, variant, policy)
-    cols = (replicate(at_dp(2), at_dp(3), par, world, spill)
+    cols = (replicate(at_dp(2), at_dp(second_size(par, policy)), par, world, spill)
             if replicable(par, policy, variant) else at_dp(par.dp))
     try:
         validate_columns(cols)
