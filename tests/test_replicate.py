@@ -13,8 +13,7 @@ from gen_model.__main__ import main as gen_main
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_columns, make_plan, make_plan_at
 from gen_model.parallelize import Policy
-from gen_model.replicate import (NotReplicable, _fit, replicable, replicate, second_size,
-                                  small_sizes)
+from gen_model.replicate import NotReplicable, _fit, replicable, replicate, second_size, small_sizes
 from gen_model.spill import Spill
 from verdict.columns import Columns
 from verdict.plan import Plan
