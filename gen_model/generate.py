@@ -17,7 +17,7 @@ from gen_model.microbatches import SIZES as MICROBATCH_SIZES
 from gen_model.microbatches import expand_microbatches, microbatches_replicable
 from gen_model.models import ZOO, build
 from gen_model.parallelize import Policy, Program, check_parallelism, check_policy, parallel_plan
-from gen_model.replicate import NotReplicable, replicable, replicate, second_size, small_sizes
+from gen_model.replicate import NotReplicable, replicable, replicas, replicate, second_size, small_sizes
 from gen_model.single import single_plan
 from gen_model.spill import keep
 from gen_model.trace import trace_forward
@@ -116,8 +116,8 @@ def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
     after writes); a plan that fails raises NotReplicable."""
     over_nm = microbatches_replicable(par, policy, variant)
 
-    def at_dp(dp: int) -> Columns:
-        par_d, gbs_d = small_sizes(par, gbs, dp)
+    def at_dp(count: int) -> Columns:
+        par_d, gbs_d = small_sizes(par, gbs, count)
         if not over_nm:
             return Columns.from_plan(make_plan_at(cfg, par_d, gbs_d, variant, policy,
                                                  loss_rows=gbs, edit=edit))
@@ -129,7 +129,7 @@ def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
 
     world = plan_world(cfg, par, gbs, variant, policy)
     cols = (replicate(at_dp(2), at_dp(second_size(par, policy)), par, world, spill)
-            if replicable(par, policy, variant) else at_dp(par.dp))
+            if replicable(par, policy, variant) else at_dp(replicas(par)))
     try:
         validate_columns(cols)
     except PlanError as e:

@@ -1,25 +1,34 @@
 """Materialized plans of many data-parallel replicas, by array arithmetic.
 
-The plan of dp D replicas is not built one Python object per node. The
-generator emits the plans of dp 2 and dp 3 (same microbatches, the same
-rows per replica), whose size does not depend on D, and expands them to D
-replicas with numpy (docs/plan-format.md, "Replicated generation"):
+The plan of D replicas is not built one Python object per node. The
+generator emits the plans of 2 and S replicas (S = 3, or with ZeRO a
+divisor of D: :func:`second_size`; same microbatches, the same rows per
+replica), whose size does not depend on D, and expands them to D replicas
+with numpy (docs/plan-format.md, "Replicated generation"). With expert
+parallelism a replica is one expert-parallel group: the data-parallel
+index is d' = d ep + e, and D counts the groups (:func:`replicas`).
 
 * Replica d of the plan of D replicas runs the same per-rank program as
   replica d of the small plans: node for node, the same ops, directions,
   names and microbatches, reading and writing tensors of the same logical
   ids and versions.
 * Every integer that differs between replicas (a rank, a batch slice, a
-  partial-sum part, a reducer's group index, a send's source rank) is
-  affine in (D, d): ``v = a + b D + c d``. The three coefficients come from
-  replicas 0 and 1 of dp 2 and replica 0 of dp 3; replicas 1 and 2 of dp 3
-  check the dependence on d, and a value that does not fit refuses the
-  array path (:class:`NotReplicable`). The dependence on D is fitted from
-  the two sizes: it is linear by the parallelizer's formulas (rank
-  ``(stage D + d) block + rest``, batch offset ``(m D + d) R w``, parts
-  ``d S + r`` of ``D S``, a reducer's index ``d cp + c``), and
-  tests/test_replicate.py compares the result with the row generator's.
-  A tensor's scale (a rational) must be the same on every replica and size.
+  partial-sum part, a reducer's group index, a send's source rank, a ZeRO
+  keep's or reduce-scatter's index) is affine in (D, d): ``v = a + b D +
+  c d``, or, with ZeRO, an owned shard's bound ``v = (e + f d) / D`` (d
+  times the width of a dim cut in D). The coefficients come from replicas
+  0 and 1 of dp 2 (and replica 0 of dp S for the linear form); the other
+  replicas of dp S check them, and a value that fits neither form, or both
+  with different values at D, refuses the array path
+  (:class:`NotReplicable`), as does an owned shard whose e and f do not
+  divide by D. The dependence on D of the linear form is fitted from the
+  two sizes: it is linear by the parallelizer's formulas (rank ``(stage D +
+  d) block + rest``, batch offset ``(m D + d) R w``, parts ``d S + r`` of
+  ``D S``, a reducer's index ``d cp + c``), and tests/test_replicate.py
+  compares the result with the row generator's. A ``zeros`` node's shape
+  that differs between replicas (ZeRO's owned gradient buffer) is its
+  output's extents, checked on the small plans. A tensor's scale (a
+  rational) must be the same on every replica and size.
 * A node reads tensors of its own replica, or (a cross-replica reducer) one
   block of tensors per replica, in replica order: the D members of such a
   group share one range of the input pool.
@@ -54,27 +63,38 @@ class NotReplicable(ValueError):
     """The plan is not the same program on every replica up to affine integers."""
 
 
+def replicas(par: Parallelism) -> int:
+    """The replicas D the expansion counts: data-parallel ranks, or with
+    expert parallelism the expert-data-parallel ones (a replica is then one
+    expert-parallel group: data-parallel index d = edp x ep + e)."""
+    return par.dp // par.ep_dp
+
+
 def second_size(par: Parallelism, policy: Policy) -> int | None:
     """The replicas S of the second small plan (the first has 2), or None
     when no size fits. 3 in general. With ZeRO, the smallest divisor of an
-    even D from 3 up to D - 1: every ZeRO-sharded dim then divides by 2 and
-    S whenever it divides by D, so the small plans shard the same dims as
-    the plan of D replicas (the parallelizer takes the first dim the owners
-    divide), and the owned shards' widths are whole at every size."""
+    even D from 3 up to D - 1: a dim that divides into D owned shards then
+    divides into 2 and S too, so the small plans shard the dim the plan of
+    D replicas shards (the parallelizer takes the first dim the owners
+    divide) or an earlier one; an earlier one does not cut into D and the
+    fit refuses it (:func:`_fit`)."""
+    dp = replicas(par)
     if not policy.zero:
         return 3
-    if par.dp % 2:
+    if dp % 2:
         return None
-    return next((s for s in range(3, par.dp) if par.dp % s == 0), None)
+    return next((s for s in range(3, dp) if dp % s == 0), None)
 
 
 def replicable(par: Parallelism, policy: Policy, variant: str) -> bool:
     """Whether the array path expresses this plan: replicas beyond 3, a
-    second small size (:func:`second_size`), none of what makes replicas
-    differ in program beyond integers (experts on the data-parallel index),
-    and no bug variant (edited per node)."""
-    return (par.dp > 3 and par.ep == 1 and variant == "default"
-            and second_size(par, policy) is not None)
+    second small size (:func:`second_size`), the small plans laying experts
+    out as the plan does (:attr:`Parallelism.experts_over_tp`), and no bug
+    variant (edited per node)."""
+    size = second_size(par, policy)
+    return (replicas(par) > 3 and variant == "default" and size is not None
+            and all(replace(par, dp=s * par.ep_dp).experts_over_tp == par.experts_over_tp
+                    for s in (2, size)))
 
 
 @dataclass(frozen=True)
@@ -610,23 +630,26 @@ def replicate(two: Columns, big: Columns, par: Parallelism, world: dict,
     S from its world spec, 3 <= S < D), each finished column passed through
     ``spill`` (gen_model/spill.py). ZeRO's owned shards (world key ``zero``)
     may be fitted as ``(e + f d) / D``."""
-    block = par.cp * par.tp
-    size = int(big.world.get("dp", 0))
-    if not 3 <= size < par.dp or int(two.world.get("dp", 0)) != 2:
-        raise NotReplicable(f"expands plans of dp 2 and dp S, 3 <= S < {par.dp}")
+    block = par.cp * par.tp * par.ep_dp
+    dp, unit = replicas(par), par.ep_dp
+    size = int(big.world.get("dp", 0)) // unit
+    if not 3 <= size < dp or int(two.world.get("dp", 0)) != 2 * unit:
+        raise NotReplicable(f"expands plans of 2 and S replicas, 3 <= S < {dp}")
     if (two.loss, two.grads) != (big.loss, big.grads):
         raise NotReplicable(f"the loss or gradients differ between dp 2 and dp {size}")
-    ex = _Expander(_Small(two, 2, block), _Small(big, size, block), par.dp, spill,
+    ex = _Expander(_Small(two, 2, block), _Small(big, size, block), dp, spill,
                    shards=bool(world.get("zero")))
-    logical = real_logical(two, big, size, par.dp)
+    logical = real_logical(two, big, size, dp)
     tensors = ex.tensors(logical)
     nodes, kwargs = ex.nodes()
     return Columns(world=dict(world), logical=logical, loss=two.loss, grads=dict(two.grads),
                    tensors=tensors, nodes=nodes, ops=two.ops, names=two.names, kwargs=kwargs)
 
 
-def small_sizes(par: Parallelism, gbs: int, dp: int) -> tuple[Parallelism, int]:
-    """The parallelism and batch of the same run at ``dp`` replicas."""
+def small_sizes(par: Parallelism, gbs: int, count: int) -> tuple[Parallelism, int]:
+    """The parallelism and batch of the same run at ``count`` replicas
+    (:func:`replicas`: expert-parallel groups with experts)."""
     if gbs % (par.dp * par.nm):
         raise ConfigError(f"--gbs {gbs} does not split into dp {par.dp} x nm {par.nm} microbatches")
+    dp = count * par.ep_dp
     return replace(par, dp=dp), gbs // par.dp * dp

@@ -1,5 +1,7 @@
-"""The array generator: a materialized plan of D replicas expanded from dp 2
-and dp 3 is the row generator's plan, up to the documented renumbering."""
+"""The array generator: a materialized plan of D replicas expanded from 2
+and S replicas (S = 3, or with ZeRO a divisor of D; a replica is an
+expert-parallel group with experts) is the row generator's plan, up to the
+documented renumbering."""
 
 from __future__ import annotations
 
@@ -52,7 +54,10 @@ def smalls(cfg, par, gbs, policy):
     (replace(LLAMA, layers=4), Parallelism(dp=4, tp=2, pp=2, nm=2), 16,
      Policy(sequence_parallel=True, virtual_stages=2)),
     (MOE, Parallelism(dp=4, nm=2), 8, Policy()),
-], ids=["mlp", "llama-vocab", "llama-cp", "llama-sp-vpp", "moe"])
+    (MOE, Parallelism(dp=8, ep=2, tp=2, pp=2, nm=2), 16, Policy()),
+    (replace(MOE, kv_heads=4), Parallelism(dp=6, ep=4, tp=4, nm=2), 12, Policy()),
+], ids=["mlp", "llama-vocab", "llama-cp", "llama-sp-vpp", "moe", "moe-ep2-edp4",
+        "moe-experts-over-tp-edp6"])
 def test_same_plan_as_the_row_generator(cfg, par, gbs, policy):
     assert replicable(par, policy, "default")
     rows = make_plan(cfg, par, gbs, policy=policy)
@@ -208,3 +213,22 @@ def test_the_generator_validates_once(tmp_path, monkeypatch):
     rows = make_plan(ModelConfig("mlp", layers=2, hidden=24), Parallelism(dp=6), 6,
                      policy=Policy(zero=2))
     assert canonical(load_plan(path)) == canonical(rows)
+
+
+def test_expert_parallel_zero_plans_are_the_row_generators():
+    """With experts a replica is an expert-parallel group (d = edp x ep + e):
+    ZeRO-3 at edp 8 from edp 2 and 4, dense shards cut over all 16 ranks and
+    expert shards over the 8 groups."""
+    cfg = replace(MOE, hidden=32, kv_heads=4, ffn=64, moe_ffn=32, experts=16)
+    par, gbs, policy = Parallelism(dp=16, ep=2, nm=2), 32, Policy(zero=3)
+    assert replicable(par, policy, "default") and second_size(par, policy) == 4
+    rows = make_plan(cfg, par, gbs, policy=policy)
+    cols = replicate(*smalls(cfg, par, gbs, policy), par, rows.world)
+    validate_columns(cols)
+    assert canonical(cols.to_plan()) == canonical(rows)
+
+
+def test_expert_layouts_that_change_with_the_size_stay_rows():
+    """ep 4 over tp 2 at dp 6 (2 groups of the data-parallel axis) lays
+    experts out otherwise at dp 4: no expansion."""
+    assert not replicable(Parallelism(dp=10, ep=4, tp=2), Policy(), "default")
