@@ -17,7 +17,15 @@ from gen_model.microbatches import SIZES as MICROBATCH_SIZES
 from gen_model.microbatches import expand_microbatches, microbatches_replicable
 from gen_model.models import ZOO, build
 from gen_model.parallelize import Policy, Program, check_parallelism, check_policy, parallel_plan
-from gen_model.replicate import NotReplicable, replicable, replicas, replicate, second_size, small_sizes
+from gen_model.replicate import (
+    NotReplicable,
+    replicable,
+    replicas,
+    replicate,
+    second_size,
+    small_policy,
+    small_sizes,
+)
 from gen_model.single import single_plan
 from gen_model.spill import keep
 from gen_model.trace import trace_forward
@@ -115,6 +123,8 @@ def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
     are more than 3. The result is validated (an execution order, reads
     after writes); a plan that fails raises NotReplicable."""
     over_nm = microbatches_replicable(par, policy, variant)
+    if replicable(par, policy, variant):
+        policy = small_policy(par, policy)
 
     def at_dp(count: int) -> Columns:
         par_d, gbs_d = small_sizes(par, gbs, count)

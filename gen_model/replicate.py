@@ -73,17 +73,23 @@ def replicas(par: Parallelism) -> int:
 def second_size(par: Parallelism, policy: Policy) -> int | None:
     """The replicas S of the second small plan (the first has 2), or None
     when no size fits. 3 in general. With ZeRO, the smallest divisor of an
-    even D from 3 up to D - 1: a dim that divides into D owned shards then
-    divides into 2 and S too, so the small plans shard the dim the plan of
-    D replicas shards (the parallelizer takes the first dim the owners
-    divide) or an earlier one; an earlier one does not cut into D and the
-    fit refuses it (:func:`_fit`)."""
+    even D from 3 up to D - 1: the small plans cut each parameter on the dim
+    the plan of D replicas cuts (``Policy.zero_dims_at``), and a dim that
+    cuts into D owned shards cuts into 2 and S too. (A dim cut other than
+    D's would not cut into D: the fit refuses it, :func:`_fit`.)"""
     dp = replicas(par)
     if not policy.zero:
         return 3
     if dp % 2:
         return None
     return next((s for s in range(3, dp) if dp % s == 0), None)
+
+
+def small_policy(par: Parallelism, policy: Policy) -> Policy:
+    """The policy of the small plans: with ZeRO, each parameter cut on the
+    dim the plan of ``par.dp`` ranks cuts (the first one its D owners
+    divide, which the small plans' fewer owners need not pass over)."""
+    return replace(policy, zero_dims_at=par.dp) if policy.zero else policy
 
 
 def replicable(par: Parallelism, policy: Policy, variant: str) -> bool:

@@ -15,7 +15,15 @@ from gen_model.__main__ import main as gen_main
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_columns, make_plan, make_plan_at
 from gen_model.parallelize import Policy
-from gen_model.replicate import NotReplicable, _fit, replicable, replicate, second_size, small_sizes
+from gen_model.replicate import (
+    NotReplicable,
+    _fit,
+    replicable,
+    replicate,
+    second_size,
+    small_policy,
+    small_sizes,
+)
 from gen_model.spill import Spill
 from verdict.columns import Columns
 from verdict.plan import Plan
@@ -42,8 +50,8 @@ def canonical(plan: Plan):
 
 
 def smalls(cfg, par, gbs, policy):
-    return [Columns.from_plan(make_plan_at(cfg, *small_sizes(par, gbs, dp), "default", policy,
-                                           loss_rows=gbs))
+    return [Columns.from_plan(make_plan_at(cfg, *small_sizes(par, gbs, dp), "default",
+                                           small_policy(par, policy), loss_rows=gbs))
             for dp in (2, second_size(par, policy))]
 
 
@@ -136,12 +144,15 @@ ZLLAMA = ModelConfig("llama3", layers=2, hidden=48, heads=4, kv_heads=2, ffn=96,
     (ZMLP, Parallelism(dp=6, tp=2, pp=2, nm=2), 12, 3, 3),
     (ZLLAMA, Parallelism(dp=8, tp=2, pp=2, nm=2), 16, 3, 4),
     (replace(ZLLAMA, optimizer="adam"), Parallelism(dp=6, tp=2, nm=2), 12, 1, 3),
+    (ZLLAMA, Parallelism(dp=16), 16, 1, 4),
 ], ids=["mlp-adam-zero1-dp6", "mlp-sgd-zero2-dp8", "mlp-adam-zero3-dp6", "llama-sgd-zero3-dp8",
-        "llama-adam-zero1-dp6"])
+        "llama-adam-zero1-dp6", "llama-sgd-zero1-dp16"])
 def test_zero_plans_are_the_row_generators(cfg, par, gbs, zero, size):
     """ZeRO replicas differ in their owned shard ((e + f d) / D), the keep's
     and reduce-scatter's index and the zeros' shape: expanded from dp 2 and
-    a divisor S of D, the plan is the row generator's up to renumbering."""
+    a divisor S of D, the plan is the row generator's up to renumbering. At
+    dp 16 the keys' dim (24) cuts into 2 and 4 owners but not 16: the small
+    plans cut the next dim, as dp 16 does (Policy.zero_dims_at)."""
     policy = Policy(zero=zero)
     assert replicable(par, policy, "default") and second_size(par, policy) == size
     rows = make_plan(cfg, par, gbs, policy=policy)
