@@ -258,6 +258,8 @@ class _Expander:
                  spill: Callable[[Array], Array] = keep, shards: bool = False):
         self.two, self.big, self.dp, self.spill = two, big, dp, spill
         self.shards = shards
+        self.slice_fit: Fit | None = None
+        self.slice_start: Array | None = None
         tkeys2, nkeys2 = _keys(two)
         tkeys_s, nkeys_s = _keys(big)
         self.tw = _twins(tkeys2, tkeys_s, big.dp, "tensor")
@@ -330,7 +332,8 @@ class _Expander:
                   for s, col in self.points]
         fit = _fit(points, self.dp, "tensor slices", self.shards)
         row_start = np.cumsum(ndim) - ndim
-        self.slice_fit, self.slice_start = fit, row_start
+        if self.shards:  # for the zeros nodes' shapes (:meth:`extents`), until nodes() ends
+            self.slice_fit, self.slice_start = fit, row_start
         counts = narrow(ndim)[rows]
         kind = _affine_type(fit, self.dp)
         out = np.empty((int(counts.sum(dtype=np.int64)), 2), dtype=kind)
@@ -370,6 +373,7 @@ class _Expander:
         for name in ("mb", "op", "dir", "name"):
             cols[name] = self.spill(getattr(n2, name)[nw[:, 0]][rows])
         kw_codes, table = self.kwargs(rows, d)
+        self.slice_fit = self.slice_start = None
         cols["kwargs"] = self.spill(kw_codes)
         del kw_codes
         cols.update(self.inputs(rows, d))
@@ -449,7 +453,8 @@ class _Expander:
             return _fit([np.array([v], dtype=np.int64) for v in values], self.dp,
                         "node kwargs", self.shards)
         n2 = self.two.cols.nodes
-        if key != "shape" or self.two.cols.ops[int(n2.op[self.nw[node, 0]])] != "zeros":
+        if not self.shards or key != "shape" or (
+                self.two.cols.ops[int(n2.op[self.nw[node, 0]])] != "zeros"):
             raise NotReplicable("replicas differ in a node's kwargs beyond integers")
         for (small, col), value in zip(self.points, values):
             n = small.cols.nodes
