@@ -8,9 +8,9 @@
 # temporary directory, removed at the end.
 #
 #   bash scripts/bench_generate_zero.sh    # PY, CHECKOUT may be set
-set -eu
+set -euo pipefail
 PY=${PY:-.venv/bin/python}
-PY=$(realpath "$PY")
+PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # absolute, the venv's link kept
 cd "${CHECKOUT:-$(dirname "$0")/..}"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
