@@ -173,8 +173,8 @@ def _fit(points: list[Array], dp: int, what: str, shards: bool = False) -> Fit:
     that is not linear may be an owned shard's bound, ``v = (e + f d) / D``
     (offset d times the width of a dim of length f cut in D), fitted from
     dp 2 and checked on every replica of dp S; its e and f must divide by D.
-    A value both forms fit (only one constant in d, and so unchecked by
-    either) must have the same value at D in both, else the fit refuses."""
+    A value both forms fit (possible only for one constant in d) must have
+    the same value at D in both, else the fit refuses."""
     v0, v1, big = points[0], points[1], points[2:]
     size = len(big)
     c = v1 - v0
@@ -265,6 +265,7 @@ class _Expander:
         self.tw = _twins(tkeys2, tkeys_s, big.dp, "tensor")
         self.nw = _twins(nkeys2, nkeys_s, big.dp, "node")
         self.points = [(two, 0), (two, 1)] + [(big, 2 + k) for k in range(big.dp)]
+        self.slice_off = {s.dp: s.cols.tensors.slice_offsets(s.cols.logical) for s in (two, big)}
         t2 = two.cols.tensors
         self.trep = two.replica(t2.rank.astype(np.int64))
         # template (replica-0 tensor of dp 2) of every dp-2 tensor, and its row in self.tw
@@ -346,10 +347,9 @@ class _Expander:
             at += len(piece)
         return out
 
-    @staticmethod
-    def offsets(small: _Small) -> Array:
+    def offsets(self, small: _Small) -> Array:
         """The slice offsets of a small plan's tensors."""
-        return small.cols.tensors.slice_offsets(small.cols.logical)
+        return self.slice_off[small.dp]
 
     def extents(self, row: int) -> Fit:
         """The extents of template tensor ``row`` (its shape) at D replicas,
@@ -358,6 +358,7 @@ class _Expander:
         count = int(np.diff(self.offsets(self.two))[self.tw[row, 0]])
         span = slice(at, at + count)
         return base[span, 1] - base[span, 0], step[span, 1] - step[span, 0]
+
     # ------------------------------------------------------------ nodes
     def nodes(self) -> tuple[NodeColumns, tuple[str, ...]]:
         n2 = self.two.cols.nodes
