@@ -23,6 +23,8 @@ from verdict.plan import Plan
 MLP = ModelConfig("mlp", layers=2, hidden=8)
 LLAMA = ModelConfig("llama3", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=32,
                     seqlen=8, optimizer="adam")
+MOE = ModelConfig("moe", layers=2, hidden=16, heads=4, kv_heads=2, ffn=32, vocab=32, seqlen=4,
+                  experts=4, topk=2, capacity_factor=1.0, first_dense=1, moe_ffn=16)
 
 
 def per_block(plan: Plan):
@@ -44,8 +46,9 @@ def per_block(plan: Plan):
     (MLP, Parallelism(dp=2, tp=2, pp=2, nm=6), 24, Policy(schedule="gpipe")),
     (LLAMA, Parallelism(dp=4, tp=2, pp=2, nm=6), 48, Policy(vocab_parallel=True)),
     (LLAMA, Parallelism(dp=2, cp=2, nm=6), 12, Policy(cp_balance=True, schedule="gpipe")),
+    (MOE, Parallelism(dp=8, ep=2, nm=6), 48, Policy()),
 ], ids=["mlp-pp", "mlp-dp-tp-gpipe", "llama-replicas-and-microbatches",
-        "llama-cp-two-accumulations-per-microbatch"])
+        "llama-cp-two-accumulations-per-microbatch", "moe-expert-groups-and-microbatches"])
 def test_same_plan_as_the_row_generator(cfg, par, gbs, policy):
     assert microbatches_replicable(par, policy, "default")
     cols = expanded_columns(cfg, par, gbs, "default", policy, None)
