@@ -91,9 +91,9 @@ def make_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "d
     than 3 replicas or more than 5 microbatches is expanded from small plans
     by array arithmetic (gen_model/replicate.py over replicas,
     gen_model/microbatches.py over microbatches), not built node by node;
-    plans those paths do not express (expert parallelism, bug variants, ZeRO
-    over microbatches or at a D without a small divisor, or any the
-    expansions' checks refuse) are built by the row generator. ``spill``
+    plans those paths do not express (bug variants, interleaved stages over
+    microbatches, ZeRO over replicas at a D without a small divisor, or any
+    the expansions' checks refuse) are built by the row generator. ``spill``
     takes each column of the replica expansion as it is made
     (gen_model/spill.py: to disk). The columns returned are validated
     (:func:`backends.columnar.validate_columns`; PlanError if not), once:

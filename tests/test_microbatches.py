@@ -47,8 +47,11 @@ def per_block(plan: Plan):
     (LLAMA, Parallelism(dp=4, tp=2, pp=2, nm=6), 48, Policy(vocab_parallel=True)),
     (LLAMA, Parallelism(dp=2, cp=2, nm=6), 12, Policy(cp_balance=True, schedule="gpipe")),
     (MOE, Parallelism(dp=8, ep=2, nm=6), 48, Policy()),
+    (replace(MLP, hidden=24), Parallelism(dp=6, tp=2, pp=2, nm=7), 42, Policy(zero=3)),
+    (LLAMA, Parallelism(dp=2, tp=2, pp=2, nm=6), 12, Policy(zero=2)),
 ], ids=["mlp-pp", "mlp-dp-tp-gpipe", "llama-replicas-and-microbatches",
-        "llama-cp-two-accumulations-per-microbatch", "moe-expert-groups-and-microbatches"])
+        "llama-cp-two-accumulations-per-microbatch", "moe-expert-groups-and-microbatches",
+        "mlp-zero3-replicas-and-microbatches", "llama-zero2"])
 def test_same_plan_as_the_row_generator(cfg, par, gbs, policy):
     assert microbatches_replicable(par, policy, "default")
     cols = expanded_columns(cfg, par, gbs, "default", policy, None)
@@ -99,7 +102,6 @@ def test_where_the_microbatch_path_does_not_apply():
     assert not microbatches_replicable(Parallelism(pp=2, nm=5), Policy(), "default")
     assert not microbatches_replicable(Parallelism(pp=2, nm=8), Policy(virtual_stages=2),
                                        "default")
-    assert not microbatches_replicable(Parallelism(dp=2, nm=8), Policy(zero=1), "default")
 
 
 def test_replica_expansion_in_small_chunks_is_the_same(monkeypatch):
