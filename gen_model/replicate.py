@@ -105,12 +105,13 @@ def replicable(par: Parallelism, policy: Policy, variant: str) -> bool:
 
 @dataclass(frozen=True)
 class _Small:
-    """One small plan (dp 2 or 3) in columns, with each rank's replica,
-    the rank's place in its replica, and each node's position on its rank."""
+    """One small plan (2 or S replicas) in columns, with each rank's
+    replica, the rank's place in its replica, and each node's position on
+    its rank."""
 
     cols: Columns
-    dp: int
-    block: int  # ranks per replica and stage: cp * tp
+    dp: int  # replicas (expert-parallel groups with experts)
+    block: int  # ranks per replica and stage: ep * cp * tp
 
     def replica(self, ranks: Array) -> Array:
         return (ranks // self.block) % self.dp
