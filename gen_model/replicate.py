@@ -111,7 +111,7 @@ class _Small:
 
     cols: Columns
     dp: int  # replicas (expert-parallel groups with experts)
-    block: int  # ranks per replica and stage: ep * cp * tp
+    block: int  # ranks per replica and stage: ep_dp * cp * tp
 
     def replica(self, ranks: Array) -> Array:
         return (ranks // self.block) % self.dp
