@@ -392,3 +392,33 @@ def test_a_rule_broken_by_a_right_plan_verifies_in_full():
     assert isinstance(found, Refusal), found
     v = verify(single, p)
     assert v.success and "verified in full" in v.symmetry, v.message
+
+
+def test_a_row_summing_another_buffers_value_fails():
+    """In microbatch 1 every replica's scatter of layers.0 reads replica 2's
+    layers.1 gradient in position 2 (and the other way round), and replica 2
+    accumulates each scatter into the other buffer: each replica's own value
+    goes into its own chain, as the cut sees it, but the sums mix the two
+    parameters."""
+    single, plan = zero_pair(2)
+    p = mutations.copy_plan(plan)
+    name = {t: lg.name for t, lg in enumerate(plan.logical)}
+    row: dict[tuple[int, str], int] = {}
+    for i, n in enumerate(plan.nodes):
+        if n.op == "reduce_scatter" and n.mb == 1:
+            row[(replica(plan, n.rank), name[plan.tensors[n.outputs[0]].tid][:8])] = i
+    for d in range(4):
+        a, b = row[(d, "layers.0")], row[(d, "layers.1")]
+        ia, ib = list(plan.nodes[a].inputs), list(plan.nodes[b].inputs)
+        ia[2], ib[2] = ib[2], ia[2]
+        p.nodes[a] = plan.nodes[a]._replace(inputs=tuple(ia))
+        p.nodes[b] = plan.nodes[b]._replace(inputs=tuple(ib))
+    out = {plan.nodes[row[(2, k)]].outputs[0]: k for k in ("layers.0", "layers.1")}
+    swap = {o: plan.nodes[row[(2, "layers.1" if k == "layers.0" else "layers.0")]].outputs[0]
+            for o, k in out.items()}
+    for i, n in enumerate(plan.nodes):
+        if n.op == "local_grad_accumulation" and n.inputs[1] in swap:
+            p.nodes[i] = n._replace(inputs=(n.inputs[0], swap[n.inputs[1]]))
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal) and "another gradient buffer" in found.why, found
+    wrong_and_fails(single, p)

@@ -391,11 +391,13 @@ class _Scan:
         _, row_id = np.unique(m, axis=0, return_inverse=True)
         row_id = row_id.reshape(-1)
         k = owner[m]
-        bad = (k < 0).any(axis=1) | (row_id[np.maximum(k, 0)] != row_id[:, None]).any(axis=1)
+        bad = (k < 0).any(axis=1) | (row_id[np.maximum(k, 0)] != row_id[:, None]).any(axis=1) | \
+            (cols.t_mb[m] != cols.n_mb[nodes][:, None]).any(axis=1)
         if bad.any():
             i = int(nodes[np.argmax(bad)])
             _refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} reads, in some "
-                    f"replica's position, another value than that replica's own scatter")
+                    f"replica's position, another value than that replica's own scatter of "
+                    f"the same row in its microbatch")
         param_of = {int(b): int(q) for q, b in self.p.grads.items()}
         read, reader = _inputs(cols)
         readers: dict[int, list[int]] = {}
@@ -403,7 +405,8 @@ class _Scan:
         for t, i in zip(read[watched].tolist(), reader[watched].tolist()):
             readers.setdefault(t, []).append(i)
         chains: dict[tuple[int, int], list[int]] = {}
-        for i, v in zip(nodes.tolist(), own.tolist()):
+        buffer = np.zeros(len(nodes), dtype=np.int64)  # the gradient buffer each one feeds
+        for at, (i, v) in enumerate(zip(nodes.tolist(), own.tolist())):
             rank, mb = int(cols.n_rank[i]), int(cols.n_mb[i])
             o = self.outs(i)[0] if len(self.outs(i)) == 1 else -1
             acc = readers.get(o, [])
@@ -426,6 +429,14 @@ class _Scan:
                         f"{self.p.logical[key[1]].name} to the shard the rank loads")
             chains.setdefault(key, []).append(acc[0])
             self.scattered[o] = v
+            buffer[at] = int(cols.t_tid[buf])
+        # one row, one buffer: replica j's value at position j is what its own
+        # chain of that buffer accumulates (docs/soundness.md)
+        bad = (buffer[k] != buffer[:, None]).any(axis=1)
+        if bad.any():
+            i = int(nodes[np.argmax(bad)])
+            _refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} sums values that "
+                    f"other replicas accumulate into another gradient buffer")
         self.scatters[nodes] = True
         self.chains(chains, param_of)
 
