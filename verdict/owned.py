@@ -1,4 +1,4 @@
-"""ZeRO-1 owned shards in a materialized plan, found and checked on the whole plan.
+"""ZeRO owned shards in a materialized plan, found and checked on the whole plan.
 
 With ZeRO-1 each replica loads another shard of a parameter (the one it
 owns), all-gathers the whole parameter from the orbit's shards before its
@@ -24,6 +24,18 @@ of the plan:
    of that box; nothing else reads the shard or the kept chunk.
 5. an *update*: an ``all_gather`` of the orbit's updated shards, read by
    nothing.
+
+ZeRO-2 and ZeRO-3 reduce-scatter each microbatch's gradient instead of
+reducing whole ones, and ZeRO-3 gathers the parameter per use inside the
+microbatches; :meth:`_Scan.find_scatters` and :meth:`_Scan.chains` check
+(6) such gathers as rule 1's, (7) every scatter: over the whole orbit at its
+own index, one row of block values per buffer shared by every replica, its
+own value the block's at the whole box, its output the rank's shard read by
+one accumulation only, and (8) the chain of those accumulations from zeros
+ending in what the rank ends with. The cut replaces each scatter by its own
+value, widens the chain to the box and sums the shown chain ends with a
+reducer: the ZeRO-1 shape (docs/soundness.md, "ZeRO-2 and ZeRO-3:
+reduce-scattered shards").
 
 The cut of the representatives (verdict/symmetry.py) replaces each gather
 by its value, the whole parameter loaded, drops keeps and updates, and
