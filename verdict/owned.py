@@ -411,9 +411,11 @@ class _Scan:
                     f"replica's position, another value than that replica's own scatter of "
                     f"the same row in its microbatch")
         param_of = {int(b): int(q) for q, b in self.p.grads.items()}
-        read, reader = _inputs(cols)
-        readers: dict[int, list[int]] = {}
-        watched = np.isin(read, cols.flat[cols.ptr[cols.n_outs[nodes]]])
+        outs = cols.flat[cols.ptr[cols.n_outs[nodes]]]
+        is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op]
+        read, reader = _inputs(cols, np.flatnonzero(is_acc))
+        readers: dict[int, list[int]] = {}  # an output read once, by an accumulation
+        watched = np.isin(read, outs[self.reads[np.maximum(outs, 0)] == 1])
         for t, i in zip(read[watched].tolist(), reader[watched].tolist()):
             readers.setdefault(t, []).append(i)
         chains: dict[tuple[int, int], list[int]] = {}
