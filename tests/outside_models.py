@@ -710,6 +710,34 @@ class ConvPoolClassifier(nn.Module):
         return F.cross_entropy(self.classifier(pooled), labels[:, 0] % self.classes)
 
 
+class MaxPoolClassifier(nn.Module):
+    """A small CNN over the embedded sequence seen as a one-channel image:
+    ``nn.Conv2d`` (3x3, padded), ReLU, ``nn.MaxPool2d(2, stride=1)``, then
+    ``nn.MaxPool1d(2)`` over the features and the strongest position kept
+    with ``h.max(dim=...).values`` (the gradient goes to the first maximum),
+    a classification head, ``F.cross_entropy`` against ``labels[:, 0] % 3``
+    (a mean over the rank's rows). The convolution sits in ``blocks`` for
+    the stock recipes."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
+                 classes: int = 3, channels: int = 4):
+        super().__init__()
+        del layers, heads, ffn, seqlen
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList([nn.Conv2d(1, channels, 3, padding=1)])
+        self.pool = nn.MaxPool2d(2, stride=1)
+        self.feature_pool = nn.MaxPool1d(2)
+        self.classifier = nn.Linear(channels * ((hidden - 1) // 2), classes)
+        self.classes = classes
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        image = self.embed(tokens).unsqueeze(1)  # (batch, 1, seqlen, hidden)
+        h = self.pool(F.relu(self.blocks[0](image)))  # (batch, channels, seqlen - 1, hidden - 1)
+        h = self.feature_pool(h.flatten(1, 2))  # (batch, channels * (seqlen - 1), (hidden - 1) // 2)
+        h = h.unflatten(1, (-1, tokens.shape[1] - 1)).max(dim=2).values  # strongest position
+        return F.cross_entropy(self.classifier(h.flatten(1)), labels[:, 0] % self.classes)
+
+
 # -- refused: not exact arithmetic -----------------------------------------------------------
 
 
@@ -820,6 +848,10 @@ def conv_tagger(**kw) -> ConvTagger:
 
 def conv_pool_classifier(**kw) -> ConvPoolClassifier:
     return ConvPoolClassifier(**kw)
+
+
+def max_pool_classifier(**kw) -> MaxPoolClassifier:
+    return MaxPoolClassifier(**kw)
 
 
 def partial_write(**kw) -> PartialWrite:

@@ -31,7 +31,8 @@ FLOAT32 = {"einsum_lm"}
 
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
-          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier"]
+          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier",
+          "max_pool_classifier"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -99,6 +100,17 @@ LAYERS = {
     "maximum": lambda m, x: torch.maximum(m["lin"](x), x),
     "minimum_with_ties": lambda m, x: torch.minimum(m["lin"](x).clamp(min=0.0), x.clamp(min=0.0)),
     "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
+    # a maximum with its index: the gradient goes to the first maximum (ties included)
+    "max_dim_values": lambda m, x: m["lin"](x) + m["lin"](x).max(1, keepdim=True).values,
+    "max_dim_of_features": lambda m, x: x * torch.max(m["lin"](x), -1)[0].unsqueeze(-1),
+    "max_dim_with_ties": lambda m, x: m["lin"](x).clamp(max=0.0).max(-1, keepdim=True)[0] * x,
+    "min_dim_with_ties": lambda m, x: x * m["lin"](x).clamp(min=0.0).min(1).values.unsqueeze(1),
+    "max_pool1d_over_tokens": lambda m, x: m["lin"](F.max_pool1d(
+        m["lin"](x).transpose(1, 2), 2, stride=1).transpose(1, 2)).repeat(1, 2, 1)[:, :x.shape[1]],
+    "max_pool1d_features_strided": lambda m, x: m["lin"](x) * F.max_pool1d(
+        x, 3, stride=2, dilation=2).sum(-1, keepdim=True),
+    "max_pool2d_with_ties": lambda m, x: x + nn.MaxPool2d((2, 3), stride=(1, 2))(
+        m["lin"](x).clamp(max=0.0).unsqueeze(1)).mean((1, 2, 3)).view(-1, 1, 1),
 }
 LOSSES = {
     "one_hot_by_hand": lambda m, h, y: -(F.one_hot(y, SIZES["vocab"]).to(h.dtype)
@@ -154,18 +166,29 @@ def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: st
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
 
 
-def probe_max_dim_values(**_kw) -> Probe:
-    return Probe(lambda m, x: m["lin"](x) + m["lin"](x).max(1, keepdim=True).values,
-                 lin=nn.Linear(H, H))
+def probe_max_index_read(**_kw) -> Probe:
+    """An argmax read as a value (a position used as a number)."""
+    def body(m, x):
+        return x * m["lin"](x).max(-1).indices.unsqueeze(-1).to(x.dtype)
+    return Probe(body, lin=nn.Linear(H, H))
 
 
-def test_max_with_indices_is_refused_naming_why() -> None:
-    """``x.max(dim)``'s backward sends the gradient to the first maximum's
-    index (a choice by value); amax shares it among ties and is lowered."""
+def test_the_index_of_a_maximum_read_otherwise_is_refused() -> None:
+    """``x.max(dim)``'s values and their backward are lowered; its indices
+    are lowered only as that backward's scatter."""
     with pytest.raises(LoweringError) as e:
-        lower_trace(_single(f"{__name__}:probe_max_dim_values"), SIZES["vocab"])
-    assert "x.max(dim)" in str(e.value) and "first maximum" in str(e.value)
-    assert "\n" not in str(e.value)
+        lower_trace(_single(f"{__name__}:probe_max_index_read"), SIZES["vocab"])
+    assert "the index of a maximum" in str(e.value) and "\n" not in str(e.value)
+
+
+def probe_max_pool_padded(**_kw) -> Probe:
+    return Probe(lambda m, x: F.max_pool1d(x, 3, stride=1, padding=1), lin=nn.Linear(H, H))
+
+
+def test_max_pooling_with_padding_is_refused_in_one_line() -> None:
+    with pytest.raises(LoweringError) as e:
+        lower_trace(_single(f"{__name__}:probe_max_pool_padded"), SIZES["vocab"])
+    assert "max pooling with padding" in str(e.value) and "\n" not in str(e.value)
 
 
 def _verdict(argv: str):

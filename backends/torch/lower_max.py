@@ -13,8 +13,7 @@ a) - (g / 2) step(a - b)`` (or a and b swapped), with ``step`` the ``relu``
 rule's backward: g where the fill does not apply, g / 2 at ties, 0 where
 it does.
 
-``x.max(dim)`` (values and indices) sends the gradient to the first
-maximum's index, which no rule of the table computes: refused in one line.
+``x.max(dim)`` (values and indices) and max pooling are ``lower_argmax``'s.
 
 Registered by ``lower.py`` over its own table: each handler takes its own
 cases and hands every other on to the handler it wraps.
@@ -267,12 +266,6 @@ def spread(base: Handler) -> Handler:
     return lower
 
 
-def max_dim(lw: Any, args, kwargs, shapes, group):
-    raise LoweringError(f"{lw.name}: x.max(dim) (values and indices) is not lowered: its backward "
-                        f"sends the gradient to the first maximum's index, which depends on the "
-                        f"values; torch.amax(x, dim) (ties share the gradient) is lowered")
-
-
 def max_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
     """The entries this module adds to or wraps in ``table`` (lower.py's)."""
     return {
@@ -280,7 +273,6 @@ def max_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.sum.dim_IntList": count(table["aten.sum.dim_IntList"]),
         "aten.div.Tensor": share(table["aten.div.Tensor"]),
         "aten.mul.Tensor": spread(table["aten.mul.Tensor"]),
-        "aten.max.dim": max_dim,
         "aten.gt.Tensor": order("gt", table.get("aten.gt.Tensor", _unlowered("aten.gt.Tensor"))),
         "aten.lt.Tensor": order("lt", table.get("aten.lt.Tensor", _unlowered("aten.lt.Tensor"))),
         "aten.where.self": split_ties(table["aten.where.self"]),
