@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -770,6 +771,55 @@ class PartialWrite(nn.Module):
         return F.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
 
 
+class BranchOnList(nn.Module):
+    """Control flow on a value read with ``.tolist()``: refused."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen, layers, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        if max(h.sum(-1).flatten().tolist()) > 1.0:
+            h = h * 0.5
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class ScaleFromNumpy(nn.Module):
+    """A scale computed with NumPy from the activations (``.numpy()``):
+    a constant of this trace only, refused."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen, layers, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h / float(np.abs(h.detach().numpy()).max())
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class IdsReadAsList(nn.Module):
+    """The batch's ids read with ``.tolist()`` (a fact of the batch, not of
+    the parameters): the label count read from the list divides the loss."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen, layers, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        count = len(labels.flatten().tolist())
+        loss = F.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), labels.flatten(),
+                               reduction="sum")
+        return loss / count
+
+
 class BranchOnValue(nn.Module):
     """Control flow on a tensor's value (``if h.sum() > 0``): refused."""
 
@@ -852,6 +902,18 @@ def conv_pool_classifier(**kw) -> ConvPoolClassifier:
 
 def max_pool_classifier(**kw) -> MaxPoolClassifier:
     return MaxPoolClassifier(**kw)
+
+
+def branch_on_list(**kw) -> BranchOnList:
+    return BranchOnList(**kw)
+
+
+def scale_from_numpy(**kw) -> ScaleFromNumpy:
+    return ScaleFromNumpy(**kw)
+
+
+def ids_read_as_list(**kw) -> IdsReadAsList:
+    return IdsReadAsList(**kw)
 
 
 def partial_write(**kw) -> PartialWrite:

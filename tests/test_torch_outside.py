@@ -32,7 +32,7 @@ FLOAT32 = {"einsum_lm"}
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
           "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier",
-          "max_pool_classifier"]
+          "max_pool_classifier", "ids_read_as_list"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -158,6 +158,8 @@ def test_activation_kernels_match_torch(name: str) -> None:
 @pytest.mark.parametrize("name, says", [
     ("dropout_mlp", "DropoutMLP.ff.2: a random draw"),
     ("branch_on_value", "BranchOnValue: Python reads the value of a computed tensor"),
+    ("branch_on_list", "BranchOnList: Python reads the value of a computed tensor"),
+    ("scale_from_numpy", "ScaleFromNumpy: Python reads the value of a computed tensor"),
     ("partial_write", "PartialWrite: a tensor written in place through a view of part of it"),
 ])
 def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: str) -> None:
