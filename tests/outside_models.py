@@ -716,7 +716,9 @@ class MaxPoolClassifier(nn.Module):
     ``nn.Conv2d`` (3x3, padded), ReLU, ``nn.MaxPool2d(2, stride=1)``, then
     ``nn.MaxPool1d(2)`` over the features and the strongest position kept
     with ``h.max(dim=...).values`` (the gradient goes to the first maximum),
-    a classification head, ``F.cross_entropy`` against ``labels[:, 0] % 3``
+    a classification head whose logits are held above a learned floor
+    (``torch.maximum`` of ``[batch, classes]`` and ``[classes]``, broadcast),
+    ``F.cross_entropy`` against ``labels[:, 0] % 3``
     (a mean over the rank's rows). The convolution sits in ``blocks`` for
     the stock recipes."""
 
@@ -729,6 +731,7 @@ class MaxPoolClassifier(nn.Module):
         self.pool = nn.MaxPool2d(2, stride=1)
         self.feature_pool = nn.MaxPool1d(2)
         self.classifier = nn.Linear(channels * ((hidden - 1) // 2), classes)
+        self.floor = nn.Parameter(torch.linspace(-0.3, 0.1, classes))
         self.classes = classes
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -736,7 +739,8 @@ class MaxPoolClassifier(nn.Module):
         h = self.pool(F.relu(self.blocks[0](image)))  # (batch, channels, seqlen - 1, hidden - 1)
         h = self.feature_pool(h.flatten(1, 2))  # (batch, channels * (seqlen - 1), (hidden - 1) // 2)
         h = h.unflatten(1, (-1, tokens.shape[1] - 1)).max(dim=2).values  # strongest position
-        return F.cross_entropy(self.classifier(h.flatten(1)), labels[:, 0] % self.classes)
+        logits = torch.maximum(self.classifier(h.flatten(1)), self.floor)
+        return F.cross_entropy(logits, labels[:, 0] % self.classes)
 
 
 # -- refused: not exact arithmetic -----------------------------------------------------------

@@ -100,6 +100,13 @@ LAYERS = {
     "maximum": lambda m, x: torch.maximum(m["lin"](x), x),
     "minimum_with_ties": lambda m, x: torch.minimum(m["lin"](x).clamp(min=0.0), x.clamp(min=0.0)),
     "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
+    # broadcast operands: a row, a per-token scale, a 0-d constant, the smaller one first
+    "maximum_broadcast_row": lambda m, x: torch.maximum(m["lin"](x), x[:, :1]),
+    "maximum_broadcast_feature": lambda m, x: torch.maximum(m["lin"](x), x.mean(-1, keepdim=True)),
+    "maximum_with_zero_tensor": lambda m, x: torch.maximum(m["lin"](x), torch.tensor(0.0,
+                                                                                    dtype=x.dtype)),
+    "minimum_smaller_first_with_ties": lambda m, x: torch.minimum(
+        x.clamp(min=0.0).amax(1, keepdim=True), m["lin"](x).clamp(min=0.0)),
     # a maximum with its index: the gradient goes to the first maximum (ties included)
     "max_dim_values": lambda m, x: m["lin"](x) + m["lin"](x).max(1, keepdim=True).values,
     "max_dim_of_features": lambda m, x: x * torch.max(m["lin"](x), -1)[0].unsqueeze(-1),
