@@ -405,6 +405,12 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {USER_MODELS}conv_pool_classifier --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
     ("outside conv_pool_classifier summed over dp bug",
      f"--model {USER_MODELS}conv_pool_classifier --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    # nn.ConvTranspose1d, padding_mode reflect and replicate (tests/outside_models.py:unet_tagger)
+    ("outside unet_tagger ddp dp2", f"--model {USER_MODELS}unet_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("outside unet_tagger fsdp dp2",
+     f"--model {USER_MODELS}unet_tagger --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("outside unet_tagger ddp_linear_only bug",
+     f"--model {USER_MODELS}unet_tagger --recipe {MISTAKES}ddp_linear_only --dp 2 --tp 1", 1),
     # max pooling (nn.MaxPool2d, nn.MaxPool1d) and x.max(dim): the gradient to the first maximum
     ("outside max_pool_classifier ddp_avg dp2",
      f"--model {USER_MODELS}max_pool_classifier --recipe ddp_avg --dp 2 --tp 1", 0),

@@ -711,6 +711,47 @@ class ConvPoolClassifier(nn.Module):
         return F.cross_entropy(self.classifier(pooled), labels[:, 0] % self.classes)
 
 
+class _UNetBlock(nn.Module):
+    """A 1-d U-Net step over the sequence: an ``nn.Conv1d`` with
+    ``padding_mode="reflect"``, GELU, a strided ``nn.Conv1d`` halving the
+    length, ReLU, an ``nn.ConvTranspose1d`` doubling it back (with
+    ``output_padding`` for an odd length), and a replicate-padded
+    ``nn.Conv1d`` on the skip connection's sum."""
+
+    def __init__(self, hidden: int, seqlen: int):
+        super().__init__()
+        self.smooth = nn.Conv1d(hidden, hidden, 3, padding=1, padding_mode="reflect")
+        self.down = nn.Conv1d(hidden, hidden, 2, stride=2)
+        self.up = nn.ConvTranspose1d(hidden, hidden, 2, stride=2, output_padding=seqlen % 2)
+        self.mix = nn.Conv1d(hidden, hidden, 3, padding=1, padding_mode="replicate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.transpose(1, 2)
+        skip = F.gelu(self.smooth(h))
+        h = self.up(F.relu(self.down(skip)))
+        return x + self.mix(h + skip).transpose(1, 2)
+
+
+class UNetTagger(nn.Module):
+    """Token embedding, ``_UNetBlock``s, a per-token head; the cross-entropy
+    summed over the rank's tokens, its share of the step's."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(_UNetBlock(hidden, seqlen) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+        self.global_tokens = 0
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
+        return _share(loss, self, labels.numel())
+
+
 class MaxPoolClassifier(nn.Module):
     """A small CNN over the embedded sequence seen as a one-channel image:
     ``nn.Conv2d`` (3x3, padded), ReLU, ``nn.MaxPool2d(2, stride=1)``, then
@@ -902,6 +943,10 @@ def conv_tagger(**kw) -> ConvTagger:
 
 def conv_pool_classifier(**kw) -> ConvPoolClassifier:
     return ConvPoolClassifier(**kw)
+
+
+def unet_tagger(**kw) -> UNetTagger:
+    return UNetTagger(**kw)
 
 
 def max_pool_classifier(**kw) -> MaxPoolClassifier:

@@ -32,7 +32,7 @@ FLOAT32 = {"einsum_lm"}
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
           "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier",
-          "max_pool_classifier", "ids_read_as_list"]
+          "max_pool_classifier", "ids_read_as_list", "unet_tagger"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -100,6 +100,14 @@ LAYERS = {
     "maximum": lambda m, x: torch.maximum(m["lin"](x), x),
     "minimum_with_ties": lambda m, x: torch.minimum(m["lin"](x).clamp(min=0.0), x.clamp(min=0.0)),
     "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
+    # transposed convolutions (upsampling back along the tokens), reflect and replicate padding
+    "conv_transpose1d_upsampled": lambda m, x: m["lin"](
+        m["convt"](x.transpose(1, 2)).transpose(1, 2)[:, :x.shape[1]]),
+    "conv_transpose1d_grouped_dilated": lambda m, x: m["convt"](x.transpose(1, 2))[
+        ..., :x.shape[1]].transpose(1, 2),
+    "conv_transpose2d": lambda m, x: m["convt"](x.unsqueeze(1)).mean(1)[:, :x.shape[1], :x.shape[2]],
+    "conv1d_reflect": lambda m, x: m["conv"](m["lin"](x).transpose(1, 2)).transpose(1, 2),
+    "conv2d_replicate": lambda m, x: m["conv2d"](m["lin"](x).unsqueeze(1)).mean(1)[:, 1:-1],
     # broadcast operands: a row, a per-token scale, a 0-d constant, the smaller one first
     "maximum_broadcast_row": lambda m, x: torch.maximum(m["lin"](x), x[:, :1]),
     "maximum_broadcast_feature": lambda m, x: torch.maximum(m["lin"](x), x.mean(-1, keepdim=True)),
@@ -136,6 +144,15 @@ CONVS = {
     "conv1d_strided_dilated_grouped": lambda: {
         "conv_sdg": nn.Conv1d(H, H, 3, stride=2, padding=2, dilation=2, groups=2, bias=False)},
     "conv2d_over_tokens_and_features": lambda: {"conv2d": nn.Conv2d(1, 3, 3, padding=1)},
+    "conv_transpose1d_upsampled": lambda: {
+        "convt": nn.ConvTranspose1d(H, H, 3, stride=2, padding=1, output_padding=1)},
+    "conv_transpose1d_grouped_dilated": lambda: {
+        "convt": nn.ConvTranspose1d(H, H, 2, dilation=2, groups=2, bias=False)},
+    "conv_transpose2d": lambda: {"convt": nn.ConvTranspose2d(1, 2, (2, 3), stride=(1, 2),
+                                                             padding=(0, 1))},
+    "conv1d_reflect": lambda: {"conv": nn.Conv1d(H, H, 3, padding=1, padding_mode="reflect")},
+    "conv2d_replicate": lambda: {"conv2d": nn.Conv2d(1, 3, 3, padding=(2, 1),
+                                                     padding_mode="replicate")},
 }
 
 RECURRENT = {
@@ -252,3 +269,16 @@ def test_convolutions_left_out_of_the_dp_sum_fail_at_their_gradients() -> None:
     assert not verdict.success
     assert "rank" in verdict.message and any(f"blocks.0.{m}wise" in verdict.message
                                             for m in ("depth", "point")), verdict.message
+
+
+def probe_conv_circular(**_kw) -> Probe:
+    return Probe(lambda m, x: m["conv"](m["lin"](x).transpose(1, 2)).transpose(1, 2),
+                 lin=nn.Linear(H, H), conv=nn.Conv1d(H, H, 3, padding=1, padding_mode="circular"))
+
+
+def test_circular_padding_is_refused_in_one_line() -> None:
+    """Torch writes circular padding into slices of an empty tensor: a write
+    into part of a tensor, refused (docs/soundness.md, item 17)."""
+    with pytest.raises(LoweringError) as e:
+        lower_trace(_single(f"{__name__}:probe_conv_circular"), SIZES["vocab"])
+    assert "written in place" in str(e.value) and "\n" not in str(e.value)
