@@ -282,3 +282,14 @@ def test_circular_padding_is_refused_in_one_line() -> None:
     with pytest.raises(LoweringError) as e:
         lower_trace(_single(f"{__name__}:probe_conv_circular"), SIZES["vocab"])
     assert "written in place" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("recipe", ["ddp_ignore_index_first_rank", "ddp_key_mask_off_by_one"])
+def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
+    """Rank 1 ignores (or masks) another id than the single-device step: its
+    constant is an input of its own, its column of the ids another one;
+    both FAIL at the model's node on rank 1, as the real runs differ."""
+    verdict, plan_p = _verdict(f"--model gpt2_padded --recipe {recipe} --dp 2 --tp 1")
+    assert not verdict.success and verdict.kind == "stage"
+    nodes = [plan_p.nodes[i] for r in verdict.failed for i in r.stage.gp_nodes]
+    assert any(n.rank == 1 and n.name == "MaskedLM" for n in nodes), nodes
