@@ -131,6 +131,7 @@ class _Builder:
         self.logical: list[Logical] = []
         self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "nm": 1})
         self.gradbuf: dict[str, int] = {}
+        self.own_inputs: dict[str, int] = {}  # a constant no single-device one matches -> tid
 
     # -- single-device plan ---------------------------------------------------
     def logical_of(self, name: str, shape, kind: str) -> int:
@@ -138,9 +139,13 @@ class _Builder:
         return len(self.logical) - 1
 
     def own_input(self, name: str, shape: tuple[int, ...], kind: str) -> int:
-        """A logical input that only a rank reads: written into the
-        single-device plan as an input no node reads."""
-        tid = self.logical_of(name, shape, kind)
+        """A logical input that only ranks read (one per constant's name,
+        which is its value's digest: ranks holding the same value read the
+        same input): written into the single-device plan as an input no node
+        reads."""
+        if name in self.own_inputs:
+            return self.own_inputs[name]
+        tid = self.own_inputs[name] = self.logical_of(name, shape, kind)
         mb = -1 if kind in ("param", "buffer") else 0
         self.plan_s.tensors.append(Tensor(0, mb, tid, 0, tuple(shape), 0,
                                           tuple((0, n) for n in shape), (0, 1, 1)))
@@ -309,8 +314,7 @@ class _Rank:
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
                                 f"reads one of its shape where this rank reads it")
-        self.own_tid[v] = self.b.own_input(f"{name}.rank{self.low.rank}", shape,
-                                           self.low.inputs[v][0])
+        self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", shape, self.low.inputs[v][0])
         return best, Claim([[] for _ in shape])
 
     def atomic(self, axes) -> list[str]:
