@@ -85,8 +85,10 @@ def test_arrays_of_narrow_and_wide_columns_are_equal(dtype):
     _, plan = plan_pair(MLP, MESH, 32)
     cols = Columns.from_plan(plan)
     a = blocks.arrays(cols)
-    for name in ("t_rank", "n_rank", "flat", "ptr", "t_producer"):
+    for name in ("flat", "ptr", "t_producer"):
         assert getattr(a, name).dtype == np.int32
+    for name in ("t_rank", "n_rank", "n_mb"):  # the world's ranks and microbatches fit int16
+        assert getattr(a, name).dtype == np.int16
     assert np.array_equal(a.n_rank, np.asarray(cols.nodes.rank, dtype=dtype).astype(np.int64))
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,7 +101,7 @@ _I16 = np.iinfo(np.int16)
 #: No finding (BlockCheck's per-node codes)
 _NONE = np.iinfo(np.int8).max
 #: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
-_NODE_CHUNK = 1 << 20
+_NODE_CHUNK = 1 << 18
 
 
 def arrays(cols: Columns) -> Arrays:
@@ -115,6 +116,10 @@ def arrays(cols: Columns) -> Arrays:
     again (ValueError: an internal error)."""
     t, n = cols.tensors, cols.nodes
     nn, nt = len(n), len(t)
+    w = cols.world
+    # the divisors and products of BlockCheck.split stay within the type of ranks
+    ranks = int(np.prod([int(w.get(k, 1)) for k in ("pp", "dp", "cp", "tp")]))
+    nm = int(w.get("nm", 1))
     index = np.int32 if max(2 * nn + 2, nt, len(n.inputs) + len(n.outputs)) < _I32.max \
         else np.int64
     n_ins, r_count, inputs = _input_tuples(n, index)
@@ -129,10 +134,10 @@ def arrays(cols: Columns) -> Arrays:
     del inputs, r_count
     flat[in_total:] = n.outputs
     out = Arrays(
-        t_rank=index_array(t.rank), t_mb=small_array(t.mb, -3), t_tid=index_array(t.tid),
+        t_rank=small_array(t.rank, ranks), t_mb=small_array(t.mb, -3), t_tid=index_array(t.tid),
         t_version=small_array(t.version), t_lver=small_array(t.lver),
-        t_producer=_producers(n, nt, index), n_rank=index_array(n.rank),
-        n_mb=index_array(n.mb),
+        t_producer=_producers(n, nt, index), n_rank=small_array(n.rank, ranks),
+        n_mb=small_array(n.mb, -1, nm),
         n_op=small_array(n.op), n_dir=small_array(n.dir), n_kw=small_array(n.kwargs),
         n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
         ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
@@ -203,6 +208,12 @@ def _rows_id(matrix: np.ndarray) -> np.ndarray:
     return np.unique(ids, return_inverse=True)[1].reshape(-1)
 
 
+def _chunks(n: int) -> Iterator[tuple[int, int]]:
+    """[lo, hi) ranges of at most _NODE_CHUNK of n items, in order."""
+    for lo in range(0, n, _NODE_CHUNK):
+        yield lo, min(lo + _NODE_CHUNK, n)
+
+
 def _spans(ptr: np.ndarray, groups: np.ndarray) -> np.ndarray:
     """Flat positions of the tuples ``groups``, one after the other."""
     lengths = ptr[groups + 1] - ptr[groups]
@@ -257,10 +268,11 @@ class BlockCheck:
         stage = ranks // (self.tp * self.cp * self.fold.dp)
         return (stage * self.cp + c) * self.tp + t, d
 
-    def flag(self, mask: np.ndarray, nodes: np.ndarray, why: str, reps=None) -> None:
+    def flag(self, mask: np.ndarray, nodes: np.ndarray | None, why: str, reps=None) -> None:
         """Record ``why`` on every node where ``mask`` holds (a comparison,
         naming ``reps``, or a rule when ``reps`` is None), unless the node
-        has a finding met earlier."""
+        has a finding met earlier. ``nodes`` names the node of each entry
+        of ``mask`` (None: entry i is node i)."""
         rule = reps is None
         code = self.sites.setdefault((why, rule), len(self.sites))
         if code >= _NONE:
@@ -268,7 +280,7 @@ class BlockCheck:
         hit = np.flatnonzero(mask)
         if not hit.size:
             return
-        at = nodes[hit]
+        at = hit if nodes is None else nodes[hit]
         codes = self.rule_code if rule else self.diff_code
         first = codes[at] > code
         codes[at[first]] = code
@@ -352,7 +364,7 @@ class BlockCheck:
             (mb >= 0) & (old_m != new_m)[np.maximum(mb, 0)])
         self.rule_code[changed] = _NONE
         self.diff_code[changed] = _NONE
-        self.rep = rep = self.representatives(self.n_cls, self.n_d, changed)
+        rep = self.representatives(self.n_cls, self.n_d, changed)
         self.check_kwargs(rep, self.orbit, changed)
         self.check_entries(rep, self.orbit, self.is_acc, self.bad_rows, changed)
 
@@ -380,7 +392,6 @@ class BlockCheck:
         self.t_view, self.bad_rows = self.input_views()
         drop_pages(self.p.tensors.slices, self.p.tensors.parts)
         rep = self.representatives(self.n_cls, self.n_d)
-        self.rep = rep
         self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
             cols.n_mb >= 0)
         self.check_chains()
@@ -462,41 +473,73 @@ class BlockCheck:
         representative program ((class, 0, 0) for a block, (class, 0) for
         a step program; (class, rep(d), rep(m)) and (class, rep(d)) when
         ``rep_of_d``/``rep_of_m`` are set); -1 where that program is shorter. Raises when a
-        class lacks a block or a step program of some replica."""
-        cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
-        nn = len(cols.n_rank)
-        blocks = (int(n_cls.max(initial=0)) + 1) * dp * (nm + 1)
-        kind = np.int32 if max(blocks, 2 * nn) < _I32.max else np.int64
-        n_cls = n_cls.astype(kind, copy=False)
-        slot = cols.n_mb.astype(kind) + 1  # 0: outside microbatches
-        block = (n_cls * dp + n_d.astype(kind, copy=False)) * (nm + 1) + slot
-        order = np.argsort(block, kind="stable").astype(kind)
-        ids, starts, counts = np.unique(block[order], return_index=True, return_counts=True)
-        starts, counts = starts.astype(kind), counts.astype(kind)
-        pos = np.empty(nn, dtype=kind)
-        pos[order] = np.arange(nn, dtype=kind) - np.repeat(starts, counts)
+        class lacks a block or a step program of some replica.
+
+        Three passes over the nodes, a chunk at a time: the blocks present
+        and their sizes; each node's position in its block and the blocks'
+        nodes in order (a stable counting sort); each node's representative.
+        Only those two and the answer span the whole plan."""
+        nn = len(self.cols.n_rank)
+        ids = self.block_ids(n_cls, n_d)
         self.check_present(ids)
-        own_size = counts[np.searchsorted(ids, block).astype(kind)]
-        del block
-        rep_d = 0 if self.rep_of_d is None else self.rep_of_d.astype(kind)[n_d]
-        rep_slot = np.minimum(slot, 1) if self.rep_of_m is None else \
-            np.where(slot > 0, self.rep_of_m.astype(kind)[np.maximum(cols.n_mb, 0)] + 1, 0)
-        del slot
-        rep_block = (n_cls * dp + rep_d) * (nm + 1) + rep_slot
-        del rep_d, rep_slot
-        where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1).astype(kind)
-        found = ids[where] == rep_block
-        del rep_block
-        size = np.where(found, counts[where], 0)
-        found &= pos < size
-        rep = index_array(np.where(found, order[np.minimum(starts[where] + pos, nn - 1)], -1))
-        del found, pos
-        nodes = np.arange(nn, dtype=kind)
-        if only is not None:
-            own_size = np.where(only, own_size, size)
-        self.flag(own_size != size, nodes, "its block has another number of nodes than the "
-                  "representative's", np.where(rep >= 0, rep, order[starts[where]]))
+        kind = np.int32 if max(len(ids), 2 * nn) < _I32.max else np.int64
+        counts = np.zeros(len(ids), dtype=np.int64)
+        for lo, hi in _chunks(nn):
+            b = np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))
+            counts += np.bincount(b, minlength=len(ids))
+        starts = np.zeros(len(ids), dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        order = np.empty(nn, dtype=kind)  # the nodes block by block, in node order within one
+        pos = np.empty(nn, dtype=kind)  # each node's position in its block
+        filled = np.zeros(len(ids), dtype=np.int64)
+        for lo, hi in _chunks(nn):
+            b = np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))
+            sort = np.argsort(b, kind="stable")
+            first = np.searchsorted(b[sort], b[sort], side="left")
+            within = np.empty(len(b), dtype=np.int64)
+            within[sort] = np.arange(len(b)) - first
+            at = filled[b] + within
+            pos[lo:hi] = at
+            order[starts[b] + at] = np.arange(lo, hi, dtype=kind)
+            filled += np.bincount(b, minlength=len(ids))
+        rep = np.empty(nn, dtype=index_array(np.array([nn])).dtype)
+        for lo, hi in _chunks(nn):
+            own_size = counts[np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))]
+            rep_block = self.block_of(n_cls, n_d, lo, hi, True)
+            where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1)
+            found = ids[where] == rep_block
+            size = np.where(found, counts[where], 0)
+            at = pos[lo:hi]
+            found &= at < size
+            got = np.where(found, order[np.minimum(starts[where] + at, nn - 1)], -1)
+            rep[lo:hi] = got
+            if only is not None:
+                own_size = np.where(only[lo:hi], own_size, size)
+            self.flag(own_size != size, np.arange(lo, hi), "its block has another number of "
+                      "nodes than the representative's",
+                      np.where(got >= 0, got, order[starts[where]]))
         return rep
+
+    def block_ids(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
+        """The distinct blocks of the nodes (:meth:`block_of`), sorted."""
+        found = [np.unique(self.block_of(n_cls, n_d, lo, hi, False))
+                 for lo, hi in _chunks(len(n_cls))]
+        return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
+
+    def block_of(self, n_cls: np.ndarray, n_d: np.ndarray, lo: int, hi: int,
+                 representative: bool) -> np.ndarray:
+        """The block of nodes lo..hi-1 (class, replica, microbatch + 1, 0:
+        outside microbatches) as one int64, or with ``representative`` the
+        block of their representative (``rep_of_d``, ``rep_of_m``)."""
+        dp, nm = self.fold.dp, self.fold.nm
+        d = n_d[lo:hi].astype(np.int64)
+        mb = self.cols.n_mb[lo:hi].astype(np.int64)
+        slot = mb + 1
+        if representative:
+            d = 0 if self.rep_of_d is None else self.rep_of_d.astype(np.int64)[d]
+            slot = np.minimum(slot, 1) if self.rep_of_m is None else \
+                np.where(slot > 0, self.rep_of_m.astype(np.int64)[np.maximum(mb, 0)] + 1, 0)
+        return (n_cls[lo:hi].astype(np.int64) * dp + d) * (nm + 1) + slot
 
     def check_present(self, ids: np.ndarray) -> None:
         """Every class with a block program has one for each (d, m), and a
@@ -551,41 +594,68 @@ class BlockCheck:
         nodes ``only``, default all); an orbit's ``index`` is compared as
         its own position (checked in :meth:`check_glue`), a send/receive
         peer as its class, in the replica."""
+        cols = self.cols
+        special, special_kw = self.normal_kwargs(orbit)
+
+        def kwargs_code(nodes: np.ndarray) -> np.ndarray:
+            """The kwargs code of nodes, the normalized one where there is one."""
+            kw = cols.n_kw[nodes].astype(np.int64)
+            at = np.minimum(np.searchsorted(special, nodes), max(len(special) - 1, 0))
+            hit = special[at] == nodes if len(special) else np.zeros(len(nodes), dtype=bool)
+            kw[hit] = special_kw[at[hit]]
+            return kw
+
+        for lo, hi in _chunks(len(cols.n_kw)):
+            nodes = np.arange(lo, hi)
+            kw = kwargs_code(nodes)
+            self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
+            ok = rep[lo:hi] >= 0
+            if only is not None:
+                ok &= only[lo:hi]
+            r = np.maximum(rep[lo:hi], 0)
+            self.flag(ok & ((cols.n_op[lo:hi] != cols.n_op[r]) | (cols.n_dir[lo:hi] != cols.n_dir[r])),
+                      nodes, "another operator or direction", rep[lo:hi])
+            self.flag(ok & (kw != kwargs_code(r)), nodes, "other kwargs", rep[lo:hi])
+            for tuples, what in ((cols.n_ins, "inputs"), (cols.n_outs, "outputs")):
+                own, of_r = tuples[lo:hi], tuples[r]
+                n = cols.ptr[own + 1] - cols.ptr[own]
+                self.flag(ok & (n != cols.ptr[of_r + 1] - cols.ptr[of_r]), nodes,
+                          f"another number of {what}", rep[lo:hi])
+
+    def normal_kwargs(self, orbit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes whose kwargs are compared normalized, in order, and
+        their normalized codes (-1: a send/receive peer in another replica).
+        An orbit's or an owned shard's ``index`` is left out (checked in
+        :meth:`check_glue` and verdict/owned.py), a send/receive peer is
+        its class, in the replica."""
         cols, p = self.cols, self.p
-        kw = cols.n_kw.astype(np.int32)
+        is_send = np.array([op == "send_recv" for op in cols.ops] or [False])
+        found = [np.flatnonzero(orbit[lo:hi] | self.owned.nodes[lo:hi] | is_send[cols.n_op[lo:hi]])
+                 + lo for lo, hi in _chunks(len(cols.n_kw))]
+        special = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        if not len(special):
+            return special, np.zeros(0, dtype=np.int64)
+        own_index = orbit[special] | self.owned.nodes[special]
+        # one normalization per (kwargs code, replica, own index), made as its first node has it
+        keys = np.stack((cols.n_kw[special].astype(np.int64), self.n_d[special].astype(np.int64),
+                         own_index.astype(np.int64)), axis=1)
+        distinct, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         table: dict[str, int] = {}
-        send = np.array([op == "send_recv" for op in cols.ops] or [False])[cols.n_op]
-        normal: dict[tuple, int] = {}
-        own_index = orbit | self.owned.nodes  # checked in check_glue and verdict/owned.py
-        for i in np.flatnonzero(own_index | send).tolist():
-            own_d = int(self.n_d[i])
-            code = int(cols.n_kw[i])
-            key = (code, own_d, bool(own_index[i]))
-            if key not in normal:
-                kwargs = p.kwargs_of(code)
-                if own_index[i]:
-                    kwargs.pop("index", None)
-                off = False
-                for k in ("src", "dst"):
-                    if send[i] and isinstance(kwargs.get(k), int):
-                        cls, d = self.mesh.split(kwargs[k])
-                        off |= d != own_d
-                        kwargs[k] = list(cls)
-                text = json.dumps(kwargs, sort_keys=True)
-                normal[key] = -1 if off else len(p.kwargs) + table.setdefault(text, len(table))
-            kw[i] = normal[key]
-        nodes = np.arange(len(kw))
-        self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
-        ok = rep >= 0
-        if only is not None:
-            ok &= only
-        r = np.maximum(rep, 0)
-        self.flag(ok & ((cols.n_op != cols.n_op[r]) | (cols.n_dir != cols.n_dir[r])), nodes,
-                  "another operator or direction", rep)
-        self.flag(ok & (kw != kw[r]), nodes, "other kwargs", rep)
-        for tuples, what in ((cols.n_ins, "inputs"), (cols.n_outs, "outputs")):
-            n = cols.ptr[tuples + 1] - cols.ptr[tuples]
-            self.flag(ok & (n != n[r]), nodes, f"another number of {what}", rep)
+        normal = np.empty(len(distinct), dtype=np.int64)
+        for k, ((code, own_d, own), i) in enumerate(zip(distinct.tolist(), special[first].tolist())):
+            kwargs = p.kwargs_of(code)
+            if own:
+                kwargs.pop("index", None)
+            off = False
+            for name in ("src", "dst"):
+                if is_send[cols.n_op[i]] and isinstance(kwargs.get(name), int):
+                    cls, d = self.mesh.split(kwargs[name])
+                    off |= d != own_d
+                    kwargs[name] = list(cls)
+            text = json.dumps(kwargs, sort_keys=True)
+            normal[k] = -1 if off else len(p.kwargs) + table.setdefault(text, len(table))
+        codes = normal[inverse.reshape(-1)]
+        return special, codes
 
     def check_entries(self, rep: np.ndarray, orbit: np.ndarray, is_acc: np.ndarray,
                       bad_rows: np.ndarray, only: np.ndarray | None = None) -> None:
@@ -711,8 +781,7 @@ class BlockCheck:
             del bad, nonempty
         sums_ends = end_ok[cols.n_ins] & sums
         del sums, end_ok
-        nodes = np.arange(len(cols.n_ins), dtype=cols.n_ins.dtype)
-        self.flag(orbit & ~self.owned.nodes & (~sums_ends | (cols.n_mb != -1)), nodes,
+        self.flag(orbit & ~self.owned.nodes & (~sums_ends | (cols.n_mb != -1)), None,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
         sums = np.flatnonzero(orbit & sums_ends)
         groups = cols.n_ins[sums]
