@@ -43,8 +43,7 @@ import numpy as np
 from gen_model.config import ConfigError, Parallelism
 from gen_model.parallelize import Policy
 from gen_model.spill import keep
-from verdict.blocks import _rows_id
-from verdict.columns import Columns, NodeColumns, TensorColumns, canonical_kwargs, narrow
+from verdict.columns import Columns, NodeColumns, TensorColumns, canonical_kwargs, narrow, row_ids
 from verdict.plan import Logical
 
 Array = np.ndarray
@@ -101,7 +100,7 @@ def _twins(keys2: tuple[Array, Array], keys3: tuple[Array, Array], what: str) ->
     """For each replica-0 entry of dp 2 (rows, in index order): its index in
     dp 2 replica 1 and dp 3 replicas 0, 1, 2. Columns: j0, j1, k0, k1, k2."""
     (rep2, k2), (rep3, k3) = keys2, keys3
-    ids = _rows_id(np.concatenate((k2, k3)))
+    ids = row_ids(np.concatenate((k2, k3)))
     id2, id3 = ids[:len(k2)], ids[len(k2):]
     where = np.full((5, int(ids.max(initial=-1)) + 1), -1, dtype=np.int64)
     for col, (rep, own, replica) in enumerate(((rep2, id2, 0), (rep2, id2, 1), (rep3, id3, 0),

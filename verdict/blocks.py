@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.columns import Columns, NodeColumns, drop_pages
-from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, _Layout, batch_dims
+from verdict.columns import Columns, NodeColumns, drop_pages, row_ids
+from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, batch_dims
+from verdict.layout import Layout
 from verdict.lineage import StructureError
 from verdict.ops import get_op
 from verdict.owned import Owned
@@ -191,23 +192,6 @@ def _producers(n: NodeColumns, nt: int, index: type) -> np.ndarray:
     return producer
 
 
-def _rows_id(matrix: np.ndarray) -> np.ndarray:
-    """An id per row of an int matrix, equal for equal rows: columns packed
-    into one int64 key while their ranges fit, then numbered by one sort."""
-    ids = np.zeros(len(matrix), dtype=np.int64)
-    span = 1
-    for k in range(matrix.shape[1] if matrix.ndim == 2 and len(matrix) else 0):
-        col = matrix[:, k].astype(np.int64)
-        lo = int(col.min())
-        width = int(col.max()) - lo + 1
-        if span * width >= 2 ** 62:
-            ids = np.unique(ids, return_inverse=True)[1].reshape(-1)
-            span = int(ids.max(initial=0)) + 1
-        ids = ids * width + (col - lo)
-        span *= width
-    return np.unique(ids, return_inverse=True)[1].reshape(-1)
-
-
 def _chunks(n: int) -> Iterator[tuple[int, int]]:
     """[lo, hi) ranges of at most _NODE_CHUNK of n items, in order."""
     for lo in range(0, n, _NODE_CHUNK):
@@ -231,7 +215,7 @@ class BlockCheck:
         w = parallel.world
         self.cp, self.tp = int(w.get("cp", 1)), int(w.get("tp", 1))
         self.pp = int(w.get("pp", 1))
-        self.mesh = _Layout(fold.dp, self.cp, self.tp)
+        self.mesh = Layout(fold.dp, self.cp, self.tp)
         self.batch = batch_dims(single)
         self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
         self.offset: dict[tuple, int] = {}
@@ -262,11 +246,7 @@ class BlockCheck:
     # -- helpers ------------------------------------------------------------------
     def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(class id, replica) of ranks: class = (stage, c, t) as one number."""
-        t = ranks % self.tp
-        c = (ranks // self.tp) % self.cp
-        d = (ranks // (self.tp * self.cp)) % self.fold.dp
-        stage = ranks // (self.tp * self.cp * self.fold.dp)
-        return (stage * self.cp + c) * self.tp + t, d
+        return self.mesh.split_array(ranks)
 
     def flag(self, mask: np.ndarray, nodes: np.ndarray | None, why: str, reps=None) -> None:
         """Record ``why`` on every node where ``mask`` holds (a comparison,
@@ -464,7 +444,7 @@ class BlockCheck:
         view[:, 2 * width:] = tc.parts[inputs]
         ids = np.full(nt, -1, dtype=np.int16 if len(inputs) < _I16.max else
                       np.int32 if len(inputs) < _I32.max else np.int64)
-        ids[inputs] = _rows_id(view)
+        ids[inputs] = row_ids(view)
         return ids, bad
 
     def representatives(self, n_cls: np.ndarray, n_d: np.ndarray,
