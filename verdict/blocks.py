@@ -234,10 +234,11 @@ class BlockCheck:
         #: each kind of finding (why, is a rule) -> its code, in the order the check meets them
         self.sites: dict[tuple[str, bool], int] = {}
         #: per node, the code of its first finding, rules and comparisons apart (_NONE: none),
-        #: and for a comparison the node it names in the representative's program
+        #: and for a comparison the node it names in the representative's program (made
+        #: at the first comparison found: a plan whose blocks agree needs none)
         self.rule_code = np.full(nn, _NONE, dtype=np.int8)
         self.diff_code = np.full(nn, _NONE, dtype=np.int8)
-        self.diff_ref = np.zeros(nn, dtype=index_array(np.array([nn])).dtype)
+        self.diff_ref: np.ndarray | None = None
         #: the representatives of the last pass (None: no pass yet)
         self.last_reps: tuple[np.ndarray, np.ndarray] | None = None
         #: ZeRO-1's gathers, keeps and shard offsets (verdict/owned.py), checked there
@@ -265,6 +266,9 @@ class BlockCheck:
         first = codes[at] > code
         codes[at[first]] = code
         if not rule:
+            if self.diff_ref is None:
+                n = len(self.diff_code)
+                self.diff_ref = np.zeros(n, dtype=index_array(np.array([n])).dtype)
             self.diff_ref[at[first]] = reps[hit[first]]
 
     def findings(self) -> list[tuple[int, int | None, str]]:
@@ -366,10 +370,10 @@ class BlockCheck:
         def of_kind(*which: str) -> np.ndarray:
             return np.array([k in which for k in kinds], dtype=bool)[cols.t_tid]
 
-        self.t_input = (cols.t_producer < 0) & of_kind(*INPUT_KINDS)
-        self.t_gradbuf = of_kind("gradbuf")
+        self.gradbuf_tid = np.array([k == "gradbuf" for k in kinds], dtype=bool)
         self.check_offsets(of_kind("data", "tokens"))
-        self.t_view, self.bad_rows = self.input_views()
+        self.t_view, self.bad_rows = self.input_views((cols.t_producer < 0) &
+                                                      of_kind(*INPUT_KINDS))
         drop_pages(self.p.tensors.slices, self.p.tensors.parts)
         rep = self.representatives(self.n_cls, self.n_d)
         self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
@@ -404,15 +408,15 @@ class BlockCheck:
                     f"not every {self.rows} rows from 0: its replicas and microbatches do not "
                     f"split the batch into blocks"))
 
-    def input_views(self) -> tuple[np.ndarray, np.ndarray]:
-        """For every input tensor, an id of its slices relative to its
+    def input_views(self, t_input: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For every input tensor (``t_input``), an id of its slices relative to its
         block's first row and its parts (-1 for computed tensors); and
         whether it holds rows outside its block. Only the input tensors'
         slices are copied."""
         cols, tc = self.cols, self.p.tensors
         nt = len(cols.t_rank)
         bad = np.zeros(nt, dtype=bool)
-        inputs = np.flatnonzero(self.t_input)
+        inputs = np.flatnonzero(t_input)
         ndim = (cols.slice_off[inputs + 1] - cols.slice_off[inputs]).astype(np.int64)
         width = int(ndim.max(initial=0))
         owner = np.repeat(np.arange(len(inputs)), ndim)
@@ -421,7 +425,7 @@ class BlockCheck:
         shifted = tc.slices[rows].astype(np.int64)  # moved to block coordinates below
         at = {int(r): k for k, r in enumerate(rows.tolist())} if len(rows) < 1 << 22 else None
         dims_of = {tid: dims for tid, dims in self.batch.items() if dims}
-        for t in np.flatnonzero(self.t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
+        for t in np.flatnonzero(t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
             row = self.offset.get((*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t])), -1)
             if row < 0:
                 continue
@@ -807,7 +811,7 @@ class BlockCheck:
             writer = np.repeat(np.arange(lo, hi), np.diff(out_ptr[lo: hi + 1]))
             keep = t >= 0
             t, writer = t[keep], writer[keep]
-            g = self.t_gradbuf[t]
+            g = self.gradbuf_tid[cols.t_tid[t]]
             found_t.append(t[g])
             found_w.append(writer[g])
         return np.concatenate(found_t), np.concatenate(found_w)
