@@ -134,6 +134,7 @@ def main() -> int:
     if args.steps:
         report_steps(nodes)
     phase("block check: run", nodes, check.run, sampler)
+    check.finish()
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
     phase("representatives' cut", nodes, lambda: _Cut(cols, check, shown).plan(), sampler)

@@ -307,6 +307,23 @@ class BlockCheck:
         free = np.flatnonzero(~seen)
         return int(free[0]) if free.size else -1
 
+    #: What only the passes read: the compared columns, and the passes' own masks,
+    #: views and findings. The representatives' cut (verdict/symmetry.py) reads the
+    #: tuples, microbatches, replicas, slice offsets, owned shards, offsets and chains.
+    PASS_ONLY_COLUMNS = ("t_rank", "t_mb", "t_tid", "t_version", "t_lver", "t_producer",
+                         "n_rank", "n_op", "n_dir", "n_kw")
+    PASS_ONLY = ("n_cls", "t_cls", "t_view", "bad_rows", "is_acc", "orbit", "is_end",
+                 "rule_code", "diff_code", "diff_ref", "differs", "last_reps")
+
+    def finish(self) -> None:
+        """Let go of what only the passes read (PASS_ONLY_COLUMNS and
+        PASS_ONLY, set to None), once the classes are found: a few tens of
+        bytes a node the cut does not need. No pass may run after."""
+        for name in self.PASS_ONLY_COLUMNS:
+            setattr(self.cols, name, None)
+        for name in self.PASS_ONLY:
+            setattr(self, name, None)
+
     def kwargs(self, i: int) -> dict:
         return self.p.kwargs_of(int(self.cols.n_kw[i]))
 
