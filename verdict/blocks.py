@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,26 +124,39 @@ def arrays(cols: Columns) -> Arrays:
     index = np.int32 if max(2 * nn + 2, nt, len(n.inputs) + len(n.outputs)) < _I32.max \
         else np.int64
     n_ins, r_count, inputs = _input_tuples(n, index)
+    drop_pages(n.in_start, n.in_count)
     k, in_total = len(r_count), len(inputs)
     ptr = np.empty(k + 2 + nn, dtype=index)
     ptr[0] = 0
     np.cumsum(r_count, out=ptr[1:k + 1])
     ptr[k + 1] = in_total  # the empty tuple
-    ptr[k + 2:] = n.out_off[1:].astype(np.int64) + in_total
+    np.add(n.out_off[1:], in_total, out=ptr[k + 2:], dtype=index, casting="unsafe")
     flat = np.empty(in_total + len(n.outputs), dtype=index)
     flat[:in_total] = inputs
     del inputs, r_count
+    drop_pages(n.inputs)
     flat[in_total:] = n.outputs
+    t_producer = _producers(n, nt, index)
+    drop_pages(n.outputs, n.out_off)
+
+    def copied(a: np.ndarray, copy: Callable[..., np.ndarray], *limits: int) -> np.ndarray:
+        """``copy(a, *limits)``, the mapped column's pages let go after: the
+        columns are read one at a time, so at most one is resident."""
+        out = np.array(copy(a, *limits), copy=True) if copy is index_array else copy(a, *limits)
+        drop_pages(a)
+        return out
+
     out = Arrays(
-        t_rank=small_array(t.rank, ranks), t_mb=small_array(t.mb, -3), t_tid=index_array(t.tid),
-        t_version=small_array(t.version), t_lver=small_array(t.lver),
-        t_producer=_producers(n, nt, index), n_rank=small_array(n.rank, ranks),
-        n_mb=small_array(n.mb, -1, nm),
-        n_op=small_array(n.op), n_dir=small_array(n.dir), n_kw=small_array(n.kwargs),
+        t_rank=copied(t.rank, small_array, ranks), t_mb=copied(t.mb, small_array, -3),
+        t_tid=copied(t.tid, index_array), t_version=copied(t.version, small_array),
+        t_lver=copied(t.lver, small_array), t_producer=t_producer,
+        n_rank=copied(n.rank, small_array, ranks), n_mb=copied(n.mb, small_array, -1, nm),
+        n_op=copied(n.op, small_array), n_dir=copied(n.dir, small_array),
+        n_kw=copied(n.kwargs, small_array),
         n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
         ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
             cols.logical)))
-    cols.drop_pages()
+    cols.drop_pages()  # the tensors' tids, read again for the slice offsets
     return out
 
 
@@ -665,18 +678,19 @@ class BlockCheck:
         position, a chunk of nodes at a time."""
         cols = self.cols
         for outputs, tuples in ((False, cols.n_ins), (True, cols.n_outs)):
-            lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
-            same = (rep >= 0) & (lengths == lengths[np.maximum(rep, 0)])
-            if only is not None:
-                same &= only
-            # an orbit reading the same tuple as its representative reads the same tensors
-            skip = orbit & (tuples == tuples[np.maximum(rep, 0)]) & (not outputs)
-            picked = np.flatnonzero(same & ~skip).astype(rep.dtype)
-            del same, skip
-            for lo in range(0, len(picked), _NODE_CHUNK):
-                nodes = picked[lo: lo + _NODE_CHUNK]
-                count = lengths[nodes].astype(np.int64)
-                node = np.repeat(nodes, count)
+            for lo, hi in _chunks(len(tuples)):
+                own, r = tuples[lo:hi], np.maximum(rep[lo:hi], 0)
+                lengths = cols.ptr[own + 1] - cols.ptr[own]
+                same = (rep[lo:hi] >= 0) & (lengths == cols.ptr[tuples[r] + 1] - cols.ptr[tuples[r]])
+                if only is not None:
+                    same &= only[lo:hi]
+                # an orbit reading the same tuple as its representative reads the same tensors
+                skip = orbit[lo:hi] & (own == tuples[r]) & (not outputs)
+                picked = np.flatnonzero(same & ~skip)
+                if not len(picked):
+                    continue
+                count = lengths[picked].astype(np.int64)
+                node = np.repeat(picked + lo, count)
                 k = np.arange(len(node)) - np.repeat(np.cumsum(count) - count, count)
                 t = cols.flat[cols.ptr[tuples[node]] + k]
                 r = cols.flat[cols.ptr[tuples[rep[node]]] + k]
