@@ -68,10 +68,12 @@ def is_columnar(path: str | os.PathLike[str]) -> bool:
 # ---------------------------------------------------------------- writing
 
 
-def _members(cols: Columns) -> dict[str, np.ndarray]:
-    """The .npz members of ``cols`` (validated first: a file that would be
-    refused on opening is never written)."""
-    validate_columns(cols)
+def _members(cols: Columns, validated: bool = False) -> dict[str, np.ndarray]:
+    """The .npz members of ``cols`` (validated first unless the caller has
+    just validated these very columns: a file that would be refused on
+    opening is never written)."""
+    if not validated:
+        validate_columns(cols)
     header = {
         "format": FORMAT, "version": VERSION, "world": cols.world, "loss": cols.loss,
         "grads": [[p, g] for p, g in cols.grads.items()],
@@ -99,14 +101,15 @@ def columns_bytes(cols: Columns) -> bytes:
     return stream.getvalue()
 
 
-def save_columns(cols: Columns, path: str | os.PathLike[str]) -> Path:
+def save_columns(cols: Columns, path: str | os.PathLike[str], validated: bool = False) -> Path:
     """Write ``cols`` to ``path`` atomically (the world spec JSON is written
     by the caller, as for pickled plans). The members stream into a
     temporary file beside ``path`` (numpy writes each in bounded pieces), so
-    writing holds no copy of the plan."""
+    writing holds no copy of the plan. ``validated``: the caller validated
+    ``cols`` (:func:`validate_columns`) and has not changed them since."""
     path = Path(path)
     try:
-        arrays = _members(cols)
+        arrays = _members(cols, validated)
     except PlanError as e:
         raise PlanError(f"cannot save: {e.problem}", path) from None
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -149,9 +149,11 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     return path, spec_path
 
 
-def save_columns_plan(cols: Any, path: str | os.PathLike[str]) -> tuple[Path, Path]:
+def save_columns_plan(cols: Any, path: str | os.PathLike[str],
+                      validated: bool = False) -> tuple[Path, Path]:
     """Write columns (:class:`verdict.columns.Columns`) as a columnar plan file
-    (.npz) and its world spec beside it. Returns both paths."""
+    (.npz) and its world spec beside it. Returns both paths. ``validated``:
+    as for :func:`backends.columnar.save_columns`."""
     from backends.columnar import save_columns  # columnar builds on this module
 
     path = Path(path)
@@ -159,7 +161,7 @@ def save_columns_plan(cols: Any, path: str | os.PathLike[str]) -> tuple[Path, Pa
         spec = json.dumps(cols.world, indent=2, sort_keys=True, allow_nan=False) + "\n"
     except ValueError as e:
         raise PlanError(f"cannot save: world spec: {_detail(e)}", path) from None
-    save_columns(cols, path)
+    save_columns(cols, path, validated)
     _write_atomic(world_path(path), spec.encode())
     return path, world_path(path)
 

@@ -211,7 +211,12 @@ def save(args: argparse.Namespace, cfg: ModelConfig, par: Parallelism,
         "_fold" if args.fold else "")
     target = args.out / f"{stem}.{args.format}"
     if isinstance(plan, Columns):
-        return save_columns_plan(plan, target)
+        # make_columns validated these columns (the array path needs that
+        # verdict to fall back to rows); they are immutable (a frozen
+        # dataclass over arrays, the spilled ones read-only maps) and nothing
+        # ran since, so validating them again while writing (1-2 minutes at
+        # 405B) would check the same arrays twice.
+        return save_columns_plan(plan, target, validated=True)
     return save_plan(plan, target)
 
 

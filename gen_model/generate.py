@@ -17,7 +17,15 @@ from gen_model.microbatches import SIZES as MICROBATCH_SIZES
 from gen_model.microbatches import expand_microbatches, microbatches_replicable
 from gen_model.models import ZOO, build
 from gen_model.parallelize import Policy, Program, check_parallelism, check_policy, parallel_plan
-from gen_model.replicate import NotReplicable, replicable, replicate, small_sizes
+from gen_model.replicate import (
+    NotReplicable,
+    replicable,
+    replicas,
+    replicate,
+    second_size,
+    small_policy,
+    small_sizes,
+)
 from gen_model.single import single_plan
 from gen_model.spill import keep
 from gen_model.trace import trace_forward
@@ -83,10 +91,14 @@ def make_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "d
     than 3 replicas or more than 5 microbatches is expanded from small plans
     by array arithmetic (gen_model/replicate.py over replicas,
     gen_model/microbatches.py over microbatches), not built node by node;
-    plans those paths do not express (ZeRO, expert parallelism, bug
-    variants, or any the expansions' checks refuse) are built by the row
-    generator. ``spill`` takes each column of the replica expansion as it is
-    made (gen_model/spill.py: to disk)."""
+    plans those paths do not express (bug variants, interleaved stages over
+    microbatches, ZeRO over replicas at a D without a small divisor, or any
+    the expansions' checks refuse) are built by the row generator. ``spill``
+    takes each column of the replica expansion as it is made
+    (gen_model/spill.py: to disk). The columns returned are validated
+    (:func:`backends.columnar.validate_columns`; PlanError if not), once:
+    the expansion needs the verdict to fall back to rows, and a writer told
+    so need not validate them again."""
     policy = policy or Policy()
     if not fold and (replicable(par, policy, variant) or
                      microbatches_replicable(par, policy, variant)):
@@ -97,7 +109,9 @@ def make_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str = "d
         except NotReplicable as e:  # correct but slow: say why
             logging.getLogger("gen_model").warning("the array path refused this plan (%s); "
                                                    "generating it row by row", e)
-    return Columns.from_plan(make_plan(cfg, par, gbs, variant, policy, fold, edit))
+    cols = Columns.from_plan(make_plan(cfg, par, gbs, variant, policy, fold, edit))
+    validate_columns(cols)
+    return cols
 
 
 def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
@@ -105,13 +119,15 @@ def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
                      spill: Callable[[np.ndarray], np.ndarray] = keep) -> Columns:
     """The columns of ``par`` expanded from small plans: over microbatches
     (from 3, 4 and 5) when there are more than 5 and the policy allows it,
-    then over replicas (from dp 2 and 3) when there are more than 3. The
-    result is validated (an execution order, reads after writes); a plan
-    that fails raises NotReplicable."""
+    then over replicas (from dp 2 and dp S, :func:`second_size`) when there
+    are more than 3. The result is validated (an execution order, reads
+    after writes); a plan that fails raises NotReplicable."""
     over_nm = microbatches_replicable(par, policy, variant)
+    if replicable(par, policy, variant):
+        policy = small_policy(par, policy)
 
-    def at_dp(dp: int) -> Columns:
-        par_d, gbs_d = small_sizes(par, gbs, dp)
+    def at_dp(count: int) -> Columns:
+        par_d, gbs_d = small_sizes(par, gbs, count)
         if not over_nm:
             return Columns.from_plan(make_plan_at(cfg, par_d, gbs_d, variant, policy,
                                                  loss_rows=gbs, edit=edit))
@@ -122,8 +138,8 @@ def expanded_columns(cfg: ModelConfig, par: Parallelism, gbs: int, variant: str,
                                    plan_world(cfg, par_d, gbs_d, variant, policy))
 
     world = plan_world(cfg, par, gbs, variant, policy)
-    cols = (replicate(at_dp(2), at_dp(3), par, world, spill)
-            if replicable(par, policy, variant) else at_dp(par.dp))
+    cols = (replicate(at_dp(2), at_dp(second_size(par, policy)), par, world, spill)
+            if replicable(par, policy, variant) else at_dp(replicas(par)))
     try:
         validate_columns(cols)
     except PlanError as e:

@@ -52,11 +52,9 @@ SIZES = (3, 4, 5)
 
 def microbatches_replicable(par: Parallelism, policy: Policy, variant: str) -> bool:
     """Whether the microbatch expansion applies: more than 5 microbatches,
-    no interleaved stages (their schedule ties nm to pp), and none of what
-    the replica expansion refuses either (ZeRO, experts on the data-parallel
-    index, bug variants)."""
-    return (par.nm > max(SIZES) and par.ep == 1 and not policy.zero
-            and policy.virtual_stages == 1 and variant == "default")
+    no interleaved stages (their schedule ties nm to pp), and no bug
+    variant (edited per node)."""
+    return par.nm > max(SIZES) and policy.virtual_stages == 1 and variant == "default"
 
 
 def _positions(keys: Array) -> Array:

@@ -63,6 +63,11 @@ class Policy:
     #: chunks and cp rank i holds chunks i and 2 cp - 1 - i (Megatron's
     #: layout), so every rank gets the same share of unmasked scores.
     cp_balance: bool = False
+    #: ZeRO: cut each parameter on the dim the plan of this many data-parallel
+    #: ranks (a multiple of dp) would cut, not this plan's first dim that its
+    #: owners divide (0: this plan's). The array generator's small plans use
+    #: it so that their shards are the large plan's (gen_model/replicate.py).
+    zero_dims_at: int = 0
 
 
 @dataclass(frozen=True)

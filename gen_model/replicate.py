@@ -1,25 +1,34 @@
 """Materialized plans of many data-parallel replicas, by array arithmetic.
 
-The plan of dp D replicas is not built one Python object per node. The
-generator emits the plans of dp 2 and dp 3 (same microbatches, the same
-rows per replica), whose size does not depend on D, and expands them to D
-replicas with numpy (docs/plan-format.md, "Replicated generation"):
+The plan of D replicas is not built one Python object per node. The
+generator emits the plans of 2 and S replicas (S = 3, or with ZeRO a
+divisor of D: :func:`second_size`; same microbatches, the same rows per
+replica), whose size does not depend on D, and expands them to D replicas
+with numpy (docs/plan-format.md, "Replicated generation"). With expert
+parallelism a replica is one expert-parallel group: the data-parallel
+index is d' = d ep + e, and D counts the groups (:func:`replicas`).
 
 * Replica d of the plan of D replicas runs the same per-rank program as
   replica d of the small plans: node for node, the same ops, directions,
   names and microbatches, reading and writing tensors of the same logical
   ids and versions.
 * Every integer that differs between replicas (a rank, a batch slice, a
-  partial-sum part, a reducer's group index, a send's source rank) is
-  affine in (D, d): ``v = a + b D + c d``. The three coefficients come from
-  replicas 0 and 1 of dp 2 and replica 0 of dp 3; replicas 1 and 2 of dp 3
-  check the dependence on d, and a value that does not fit refuses the
-  array path (:class:`NotReplicable`). The dependence on D is fitted from
-  the two sizes: it is linear by the parallelizer's formulas (rank
-  ``(stage D + d) block + rest``, batch offset ``(m D + d) R w``, parts
-  ``d S + r`` of ``D S``, a reducer's index ``d cp + c``), and
-  tests/test_replicate.py compares the result with the row generator's.
-  A tensor's scale (a rational) must be the same on every replica and size.
+  partial-sum part, a reducer's group index, a send's source rank, a ZeRO
+  keep's or reduce-scatter's index) is affine in (D, d): ``v = a + b D +
+  c d``, or, with ZeRO, an owned shard's bound ``v = (e + f d) / D`` (d
+  times the width of a dim cut in D). The coefficients come from replicas
+  0 and 1 of dp 2 (and replica 0 of dp S for the linear form); the other
+  replicas of dp S check them, and a value that fits neither form, or both
+  with different values at D, refuses the array path
+  (:class:`NotReplicable`), as does an owned shard whose e and f do not
+  divide by D. The dependence on D of the linear form is fitted from the
+  two sizes: it is linear by the parallelizer's formulas (rank ``(stage D +
+  d) block + rest``, batch offset ``(m D + d) R w``, parts ``d S + r`` of
+  ``D S``, a reducer's index ``d cp + c``), and tests/test_replicate.py
+  compares the result with the row generator's. A ``zeros`` node's shape
+  that differs between replicas (ZeRO's owned gradient buffer) is its
+  output's extents, checked on the small plans. A tensor's scale (a
+  rational) must be the same on every replica and size.
 * A node reads tensors of its own replica, or (a cross-replica reducer) one
   block of tensors per replica, in replica order: the D members of such a
   group share one range of the input pool.
@@ -53,21 +62,55 @@ class NotReplicable(ValueError):
     """The plan is not the same program on every replica up to affine integers."""
 
 
+def replicas(par: Parallelism) -> int:
+    """The replicas D the expansion counts: data-parallel ranks, or with
+    expert parallelism the expert-data-parallel ones (a replica is then one
+    expert-parallel group: data-parallel index d = edp x ep + e)."""
+    return par.dp // par.ep_dp
+
+
+def second_size(par: Parallelism, policy: Policy) -> int | None:
+    """The replicas S of the second small plan (the first has 2), or None
+    when no size fits. 3 in general. With ZeRO, the smallest divisor of an
+    even D from 3 up to D - 1: the small plans cut each parameter on the dim
+    the plan of D replicas cuts (``Policy.zero_dims_at``), and a dim that
+    cuts into D owned shards cuts into 2 and S too. (A dim cut other than
+    D's would not cut into D: the fit refuses it, :func:`_fit`.)"""
+    dp = replicas(par)
+    if not policy.zero:
+        return 3
+    if dp % 2:
+        return None
+    return next((s for s in range(3, dp) if dp % s == 0), None)
+
+
+def small_policy(par: Parallelism, policy: Policy) -> Policy:
+    """The policy of the small plans: with ZeRO, each parameter cut on the
+    dim the plan of ``par.dp`` ranks cuts (the first one its D owners
+    divide, which the small plans' fewer owners need not pass over)."""
+    return replace(policy, zero_dims_at=par.dp) if policy.zero else policy
+
+
 def replicable(par: Parallelism, policy: Policy, variant: str) -> bool:
-    """Whether the array path expresses this plan: replicas beyond 3, and none
-    of what makes replicas differ in program (ZeRO's owned shards, experts on
-    the data-parallel index) nor a bug variant (edited per node)."""
-    return par.dp > 3 and par.ep == 1 and not policy.zero and variant == "default"
+    """Whether the array path expresses this plan: replicas beyond 3, a
+    second small size (:func:`second_size`), the small plans laying experts
+    out as the plan does (:attr:`Parallelism.experts_over_tp`), and no bug
+    variant (edited per node)."""
+    size = second_size(par, policy)
+    return (replicas(par) > 3 and variant == "default" and size is not None
+            and all(replace(par, dp=s * par.ep_dp).experts_over_tp == par.experts_over_tp
+                    for s in (2, size)))
 
 
 @dataclass(frozen=True)
 class _Small:
-    """One small plan (dp 2 or 3) in columns, with each rank's replica,
-    the rank's place in its replica, and each node's position on its rank."""
+    """One small plan (2 or S replicas) in columns, with each rank's
+    replica, the rank's place in its replica, and each node's position on
+    its rank."""
 
     cols: Columns
-    dp: int
-    block: int  # ranks per replica and stage: cp * tp
+    dp: int  # replicas (expert-parallel groups with experts)
+    block: int  # ranks per replica and stage: ep_dp * cp * tp
 
     def replica(self, ranks: Array) -> Array:
         return (ranks // self.block) % self.dp
@@ -96,19 +139,20 @@ def _keys(small: _Small) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
     return (small.replica(t_ranks), tkeys), (small.replica(ranks), nkeys)
 
 
-def _twins(keys2: tuple[Array, Array], keys3: tuple[Array, Array], what: str) -> Array:
+def _twins(keys2: tuple[Array, Array], keys_s: tuple[Array, Array], size: int,
+           what: str) -> Array:
     """For each replica-0 entry of dp 2 (rows, in index order): its index in
-    dp 2 replica 1 and dp 3 replicas 0, 1, 2. Columns: j0, j1, k0, k1, k2."""
-    (rep2, k2), (rep3, k3) = keys2, keys3
-    ids = row_ids(np.concatenate((k2, k3)))
-    id2, id3 = ids[:len(k2)], ids[len(k2):]
-    where = np.full((5, int(ids.max(initial=-1)) + 1), -1, dtype=np.int64)
-    for col, (rep, own, replica) in enumerate(((rep2, id2, 0), (rep2, id2, 1), (rep3, id3, 0),
-                                               (rep3, id3, 1), (rep3, id3, 2))):
+    dp 2 replica 1 and dp S replicas 0 to S - 1. Columns: j0, j1, k0 .. k(S-1)."""
+    (rep2, k2), (rep_s, k_s) = keys2, keys_s
+    ids = row_ids(np.concatenate((k2, k_s)))
+    id2, id_s = ids[:len(k2)], ids[len(k2):]
+    points = [(rep2, id2, 0), (rep2, id2, 1)] + [(rep_s, id_s, k) for k in range(size)]
+    where = np.full((len(points), int(ids.max(initial=-1)) + 1), -1, dtype=np.int64)
+    for col, (rep, own, replica) in enumerate(points):
         pick = np.flatnonzero(rep == replica)
         where[col, own[pick]] = pick
     n0 = int((rep2 == 0).sum())
-    if 2 * n0 != len(k2) or 3 * n0 != len(k3):
+    if 2 * n0 != len(k2) or size * n0 != len(k_s):
         raise NotReplicable(f"the replicas do not hold the same {what}s")
     out = where[:, id2[rep2 == 0]].T
     if (out < 0).any():
@@ -116,38 +160,68 @@ def _twins(keys2: tuple[Array, Array], keys3: tuple[Array, Array], what: str) ->
     return out[np.argsort(out[:, 0])]
 
 
-def _fit(v2_0: Array, v2_1: Array, v3_0: Array, v3_1: Array, v3_2: Array,
-         what: str) -> tuple[Array, Array, Array]:
-    """Coefficients (a, b, c) of v = a + b D + c d, checked on dp 3 replicas 1 and 2."""
-    c = v2_1 - v2_0
-    b = v3_0 - v2_0
-    a = v2_0 - 2 * b
-    if not (np.array_equal(a + 3 * b + c, v3_1) and np.array_equal(a + 3 * b + 2 * c, v3_2)):
+#: A fitted value at D replicas: (base, step), the value on replica d is base + step d.
+Fit = tuple[Array, Array]
+
+
+def _fit(points: list[Array], dp: int, what: str, shards: bool = False) -> Fit:
+    """A value of every template at D replicas from its points: replicas 0
+    and 1 of dp 2, then replicas 0 to S - 1 of dp S.
+
+    Linear: ``v = a + b D + c d``, fitted from dp 2 and replica 0 of dp S,
+    checked on replicas 1 to S - 1 of dp S. With ``shards`` (ZeRO) a value
+    that is not linear may be an owned shard's bound, ``v = (e + f d) / D``
+    (offset d times the width of a dim of length f cut in D), fitted from
+    dp 2 and checked on every replica of dp S; its e and f must divide by D.
+    A value both forms fit (possible only for one constant in d) must have
+    the same value at D in both, else the fit refuses."""
+    v0, v1, big = points[0], points[1], points[2:]
+    size = len(big)
+    c = v1 - v0
+    b, rem = np.divmod(big[0] - v0, size - 2)
+    a = v0 - 2 * b
+    linear = rem == 0
+    for k in range(1, size):
+        linear &= a + b * size + c * k == big[k]
+    base, step = a + b * dp, c
+    if shards:
+        e, f = 2 * v0, 2 * c
+        sharded = np.ones_like(linear)
+        for k in range(size):
+            sharded &= size * big[k] == e + f * k
+        whole = (e % dp == 0) & (f % dp == 0)
+        shard_base, shard_step = e // dp, f // dp
+        if (linear & sharded & (~whole | (shard_base != base) | (shard_step != step))).any():
+            raise NotReplicable(f"{what} fits both a linear and an owned-shard family")
+        shard = sharded & ~linear
+        if (shard & ~whole).any():
+            raise NotReplicable(f"{what}: an owned shard does not cut into {dp}")
+        base = np.where(shard, shard_base, base)
+        step = np.where(shard, shard_step, step)
+        linear |= sharded
+    if not linear.all():
         raise NotReplicable(f"{what} is not affine in the replicas")
-    return a, b, c
+    return base, step
 
 
 #: Output entries computed at a time (bounds the int64 temporaries).
 _CHUNK = 1 << 22
 
 
-def _affine_type(coeffs: tuple[Array, Array, Array], dp: int) -> np.dtype:
-    """The narrowest type that holds every template's a + b D + c d on
-    every replica d of D."""
-    a, b, c = coeffs
-    base = a + b * dp
+def _affine_type(fit: Fit, dp: int) -> np.dtype:
+    """The narrowest type that holds every template's value on every
+    replica d of D."""
+    base, c = fit
     reach = base + c * (dp - 1)
     return narrow(np.array([base.min(initial=0), base.max(initial=0), reach.min(initial=0),
                             reach.max(initial=0)])).dtype
 
 
-def _affine(coeffs: tuple[Array, Array, Array], rows: Array, d: Array, dp: int,
-            kind: np.dtype | None = None) -> Array:
-    """a + b D + c d of template ``rows`` on replicas ``d``, in ``kind`` (by
-    default :func:`_affine_type`), computed a chunk of entries at a time."""
-    a, b, c = coeffs
-    base = a + b * dp
-    out = np.empty(rows.shape + base.shape[1:], dtype=kind or _affine_type(coeffs, dp))
+def _affine(fit: Fit, rows: Array, d: Array, dp: int, kind: np.dtype | None = None) -> Array:
+    """The fitted value of template ``rows`` on replicas ``d``, in ``kind``
+    (by default :func:`_affine_type`), computed a chunk of entries at a time."""
+    base, c = fit
+    out = np.empty(rows.shape + base.shape[1:], dtype=kind or _affine_type(fit, dp))
     wide = c.any()
     for lo in range(0, len(rows), _CHUNK):
         r = rows[lo: lo + _CHUNK]
@@ -180,13 +254,18 @@ class _Expander:
     """The expansion; ``spill`` is applied to every finished column (it may
     move it to disk: gen_model/spill.py)."""
 
-    def __init__(self, two: _Small, three: _Small, dp: int,
-                 spill: Callable[[Array], Array] = keep):
-        self.two, self.three, self.dp, self.spill = two, three, dp, spill
+    def __init__(self, two: _Small, big: _Small, dp: int,
+                 spill: Callable[[Array], Array] = keep, shards: bool = False):
+        self.two, self.big, self.dp, self.spill = two, big, dp, spill
+        self.shards = shards
+        self.slice_fit: Fit | None = None
+        self.slice_start: Array | None = None
         tkeys2, nkeys2 = _keys(two)
-        tkeys3, nkeys3 = _keys(three)
-        self.tw = _twins(tkeys2, tkeys3, "tensor")
-        self.nw = _twins(nkeys2, nkeys3, "node")
+        tkeys_s, nkeys_s = _keys(big)
+        self.tw = _twins(tkeys2, tkeys_s, big.dp, "tensor")
+        self.nw = _twins(nkeys2, nkeys_s, big.dp, "node")
+        self.points = [(two, 0), (two, 1)] + [(big, 2 + k) for k in range(big.dp)]
+        self.slice_off = {s.dp: s.cols.tensors.slice_offsets(s.cols.logical) for s in (two, big)}
         t2 = two.cols.tensors
         self.trep = two.replica(t2.rank.astype(np.int64))
         # template (replica-0 tensor of dp 2) of every dp-2 tensor, and its row in self.tw
@@ -209,21 +288,22 @@ class _Expander:
         d[rep[owner] != 0] = self.dp - 1
         return template_rows.astype(owner.dtype)[owner], d
 
+    def fit(self, values: Callable[[_Small], Array], index: Array, what: str,
+            shards: bool = False) -> Fit:
+        """The fit of ``values`` (an int64 column of a small plan) at the
+        entries ``index`` (rows of self.tw or self.nw: a column per point)."""
+        return _fit([values(small)[index[:, col]] for small, col in self.points], self.dp, what,
+                    shards)
+
     # ------------------------------------------------------------ tensors
     def tensors(self, logical: tuple[Logical, ...]) -> TensorColumns:
-        c2, c3 = self.two.cols.tensors, self.three.cols.tensors
         tw, dp = self.tw, self.dp
         rows, d = self.order(self.trep, self.t_row)
         out = {}
-        for name in ("rank", "mb", "tid", "version", "lver"):
-            a2, a3 = getattr(c2, name).astype(np.int64), getattr(c3, name).astype(np.int64)
-            fit = _fit(a2[tw[:, 0]], a2[tw[:, 1]], a3[tw[:, 2]], a3[tw[:, 3]], a3[tw[:, 4]],
-                       f"tensor {name}")
+        for name in ("rank", "mb", "tid", "version", "lver", "parts"):
+            fit = self.fit(lambda s, n=name: getattr(s.cols.tensors, n).astype(np.int64), tw,
+                           f"tensor {name}")
             out[name] = self.spill(_affine(fit, rows, d, dp))
-        p2, p3 = c2.parts.astype(np.int64), c3.parts.astype(np.int64)
-        fit = _fit(p2[tw[:, 0]], p2[tw[:, 1]], p3[tw[:, 2]], p3[tw[:, 3]], p3[tw[:, 4]],
-                   "tensor parts")
-        out["parts"] = self.spill(_affine(fit, rows, d, dp))
         scale = self.scales(rows)
         out["scale"] = None if scale is None else self.spill(scale)
         out["slices"] = self.spill(self.slices(rows, d))
@@ -232,32 +312,29 @@ class _Expander:
     def scales(self, rows: Array) -> Array | None:
         """The tensors' scales (None: none scaled), which must be the same
         on every replica and size."""
-        c2, c3, tw = self.two.cols.tensors, self.three.cols.tensors, self.tw
+        tw = self.tw
 
         def of(t: TensorColumns, col: int) -> Array:
             if t.scale is None:
                 return np.ones((len(tw), 2), dtype=np.int64)
             return t.scale[tw[:, col]].astype(np.int64)
 
-        scale = of(c2, 0)
-        if not all(np.array_equal(scale, of(c, k)) for c, k in ((c2, 1), (c3, 2), (c3, 3),
-                                                                 (c3, 4))):
+        scale = of(self.two.cols.tensors, 0)
+        if not all(np.array_equal(scale, of(s.cols.tensors, k)) for s, k in self.points[1:]):
             raise NotReplicable("a tensor's scale differs between replicas or sizes")
         return None if (scale == 1).all() else narrow(scale[rows])
 
     def slices(self, rows: Array, d: Array) -> Array:
-        small = [(s.cols.tensors, s.cols.tensors.slice_offsets(s.cols.logical))
-                 for s in (self.two, self.three)]
-        ndim = np.diff(small[0][1])[self.tw[:, 0]]
-
-        def gather(which: int, col: int) -> Array:
-            t, off = small[which]
-            owner, within = _runs(ndim)
-            return t.slices.astype(np.int64)[off[self.tw[owner, col]] + within]
-
-        fit = _fit(gather(0, 0), gather(0, 1), gather(1, 2), gather(1, 3), gather(1, 4),
-                   "tensor slices")
+        """The tensors' slices; a ZeRO owned shard's bounds are ``(e + f d) / D``."""
+        ndim = np.diff(self.offsets(self.two))[self.tw[:, 0]]
+        owner, within = _runs(ndim)
+        points = [s.cols.tensors.slices.astype(np.int64)[self.offsets(s)[self.tw[owner, col]]
+                                                          + within]
+                  for s, col in self.points]
+        fit = _fit(points, self.dp, "tensor slices", self.shards)
         row_start = np.cumsum(ndim) - ndim
+        if self.shards:  # for the zeros nodes' shapes (:meth:`extents`), until nodes() ends
+            self.slice_fit, self.slice_start = fit, row_start
         counts = narrow(ndim)[rows]
         kind = _affine_type(fit, self.dp)
         out = np.empty((int(counts.sum(dtype=np.int64)), 2), dtype=kind)
@@ -270,9 +347,21 @@ class _Expander:
             at += len(piece)
         return out
 
+    def offsets(self, small: _Small) -> Array:
+        """The slice offsets of a small plan's tensors."""
+        return self.slice_off[small.dp]
+
+    def extents(self, row: int) -> Fit:
+        """The extents of template tensor ``row`` (its shape) at D replicas,
+        per dim, from the slices' fit (:meth:`slices` runs first)."""
+        (base, step), at = self.slice_fit, int(self.slice_start[row])
+        count = int(np.diff(self.offsets(self.two))[self.tw[row, 0]])
+        span = slice(at, at + count)
+        return base[span, 1] - base[span, 0], step[span, 1] - step[span, 0]
+
     # ------------------------------------------------------------ nodes
     def nodes(self) -> tuple[NodeColumns, tuple[str, ...]]:
-        n2, n3 = self.two.cols.nodes, self.three.cols.nodes
+        n2 = self.two.cols.nodes
         nw, dp = self.nw, self.dp
         nrep = self.two.replica(n2.rank.astype(np.int64))
         n_row = np.full(len(n2.rank), -1, dtype=np.int64)
@@ -280,28 +369,28 @@ class _Expander:
         n_row[nw[:, 1]] = np.arange(len(nw))
         rows, d = self.order(nrep, n_row)
         self.same_program()
-        r2, r3 = n2.rank.astype(np.int64), n3.rank.astype(np.int64)
-        fit = _fit(r2[nw[:, 0]], r2[nw[:, 1]], r3[nw[:, 2]], r3[nw[:, 3]], r3[nw[:, 4]],
-                   "node rank")
+        fit = self.fit(lambda s: s.cols.nodes.rank.astype(np.int64), nw, "node rank")
         cols = {"rank": self.spill(_affine(fit, rows, d, dp))}
         for name in ("mb", "op", "dir", "name"):
             cols[name] = self.spill(getattr(n2, name)[nw[:, 0]][rows])
         kw_codes, table = self.kwargs(rows, d)
+        self.slice_fit = self.slice_start = None
         cols["kwargs"] = self.spill(kw_codes)
         del kw_codes
         cols.update(self.inputs(rows, d))
         cols.update(self.outputs(rows, d))
-        self.check_three("in")
-        self.check_three("out")
+        self.check_big("in")
+        self.check_big("out")
         return NodeColumns(**cols), table
 
     def same_program(self) -> None:
         """Replicas run the same ops, directions, names and microbatches."""
-        n2, n3 = self.two.cols, self.three.cols
+        n2 = self.two.cols
         nw = self.nw
         for name in ("mb", "op", "dir", "name"):
             ref = getattr(n2.nodes, name)[nw[:, 0]]
-            for which, col in ((n2, 1), (n3, 2), (n3, 3), (n3, 4)):
+            for small, col in self.points[1:]:
+                which = small.cols
                 vals = getattr(which.nodes, name)[nw[:, col]]
                 if name in ("op", "name"):
                     table = which.ops if name == "op" else which.names
@@ -315,33 +404,32 @@ class _Expander:
 
     def kwargs(self, rows: Array, d: Array) -> tuple[Array, tuple[str, ...]]:
         """Kwargs codes of the copies and the table: equal kwargs keep their
-        text; kwargs whose ints differ between replicas are fitted per key."""
-        c2, c3 = self.two.cols, self.three.cols
+        text; kwargs whose ints differ between replicas are fitted per key
+        (:func:`_fit`), and a ``zeros`` node's shape that differs is its
+        output's extents (a ZeRO owned shard's width is constant in d and
+        differs between sizes: fitting it could not tell D - a from e / D)."""
         nw = self.nw
-        texts = [[c.kwargs[int(k)] for k in c.nodes.kwargs[nw[:, col]].tolist()]
-                 for c, col in ((c2, 0), (c2, 1), (c3, 2), (c3, 3), (c3, 4))]
+        texts = [[s.cols.kwargs[int(k)] for k in s.cols.nodes.kwargs[nw[:, col]].tolist()]
+                 for s, col in self.points]
         table: dict[str, int] = {}
         fixed = np.full(len(nw), -1, dtype=np.int64)
-        # kwargs that vary by replica, in classes of equal (text, keys, coefficients)
+        # kwargs that vary by replica, in classes of equal (text, fitted fields)
         kind = np.full(len(nw), -1, dtype=np.int64)
         classes: dict[tuple, int] = {}
-        varying: list[tuple[dict, list[str], Array]] = []
+        varying: list[tuple[dict, list[tuple[str, Fit]]]] = []
         for i, group in enumerate(zip(*texts)):
             if all(g == group[0] for g in group):
                 fixed[i] = table.setdefault(group[0], len(table))
                 continue
             dicts = [json.loads(g) for g in group]
-            keys = [k for k in dicts[0] if any(x.get(k) != dicts[0][k] for x in dicts)]
-            if any(set(x) != set(dicts[0]) for x in dicts) or not all(
-                    isinstance(x[k], int) and not isinstance(x[k], bool)
-                    for x in dicts for k in keys):
-                raise NotReplicable("replicas differ in a node's kwargs beyond integers")
-            vals = np.array([[x[k] for k in keys] for x in dicts], dtype=np.int64)
-            coeffs = np.stack(_fit(*vals, what="node kwargs"))
-            key = (group[0], tuple(keys), coeffs.tobytes())
+            if any(set(x) != set(dicts[0]) for x in dicts):
+                raise NotReplicable("replicas differ in a node's kwargs keys")
+            fields = [(k, self.kwarg_fit(i, k, [x[k] for x in dicts])) for k in dicts[0]
+                      if any(x[k] != dicts[0][k] for x in dicts)]
+            key = (group[0], tuple((k, b.tobytes(), c.tobytes()) for k, (b, c) in fields))
             if key not in classes:
                 classes[key] = len(varying)
-                varying.append((dicts[0], keys, coeffs))
+                varying.append((dicts[0], fields))
             kind[i] = classes[key]
         codes = fixed.astype(np.int32)[rows]
         pick = np.flatnonzero(codes < 0)
@@ -350,12 +438,35 @@ class _Expander:
                                           return_inverse=True)
             made = np.empty(len(distinct), dtype=np.int64)
             for k, (cls, dv) in enumerate(zip(*np.divmod(distinct, self.dp))):
-                base, keys, coeffs = varying[int(cls)]
-                values = coeffs[0] + coeffs[1] * self.dp + coeffs[2] * int(dv)
-                kw = dict(base, **dict(zip(keys, values.tolist())))
+                base, fields = varying[int(cls)]
+                kw = dict(base)
+                for name, (b, c) in fields:
+                    value = (b + c * int(dv)).tolist()
+                    kw[name] = value if isinstance(base[name], list) else value[0]
                 made[k] = table.setdefault(canonical_kwargs(kw), len(table))
             codes[pick] = made[inverse.reshape(-1)]
         return narrow(codes), tuple(table)
+
+    def kwarg_fit(self, node: int, key: str, values: list) -> Fit:
+        """The fit of kwarg ``key`` of template ``node`` from its values at
+        the points: an int, or a zeros node's shape."""
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return _fit([np.array([v], dtype=np.int64) for v in values], self.dp,
+                        "node kwargs", self.shards)
+        n2 = self.two.cols.nodes
+        if not self.shards or key != "shape" or (
+                self.two.cols.ops[int(n2.op[self.nw[node, 0]])] != "zeros"):
+            raise NotReplicable("replicas differ in a node's kwargs beyond integers")
+        for (small, col), value in zip(self.points, values):
+            n = small.cols.nodes
+            idx = self.nw[node, col]
+            out = int(n.outputs[int(n.out_off[idx])])
+            off = self.offsets(small)
+            view = small.cols.tensors.slices[off[out]: off[out + 1]].astype(np.int64)
+            if value != (view[:, 1] - view[:, 0]).tolist():
+                raise NotReplicable("a zeros node's shape is not its output's extents")
+        out = int(n2.outputs[int(n2.out_off[self.nw[node, 0]])])
+        return self.extents(int(self.t_row[out]))
 
     def entries(self, cols: Columns, which_col: int, kind: str) -> tuple[Array, Array]:
         """Per template node (rows of self.nw) the (start, count) of its inputs
@@ -368,13 +479,13 @@ class _Expander:
         return off[idx], off[idx + 1] - off[idx]
 
     def inputs(self, rows: Array, d: Array) -> dict[str, Array]:
-        c2, c3 = self.two.cols, self.three.cols
+        c2 = self.two.cols
         s0, n0 = self.entries(c2, 0, "in")
         s1, n1 = self.entries(c2, 1, "in")
-        _, m0 = self.entries(c3, 2, "in")
+        _, m0 = self.entries(self.big.cols, 2, "in")
         group = m0 != n0
-        if not np.array_equal(n0, n1) or not (
-                np.array_equal(m0[group], n0[group] // 2 * 3) and (n0[group] % 2 == 0).all()):
+        if not np.array_equal(n0, n1) or not (np.array_equal(m0[group], n0[group] // 2 * self.big.dp)
+                                              and (n0[group] % 2 == 0).all()):
             raise NotReplicable("replicas differ in the number of a node's inputs")
         pool2 = c2.nodes.inputs.astype(np.int64)
         # own-replica entries: template of each entry, checked against replica 1
@@ -456,7 +567,7 @@ class _Expander:
     def check_group(self, ge0: Array, first: Array, g_owner: Array, g_within: Array,
                     half: Array, s0: Array) -> None:
         """A group list of dp 2 is [replica 0's block, replica 1's block], the
-        second block the twins of the first, and dp 3's list has three blocks."""
+        second block the twins of the first (dp S's S blocks: :meth:`check_big`)."""
         if (ge0 < 0).any():
             raise NotReplicable("a group list has absent slots")
         if (self.trep[ge0[first]] != 0).any() or (self.trep[ge0[~first]] != 1).any():
@@ -466,24 +577,24 @@ class _Expander:
         if not np.array_equal(self.tw[self.t_row[ge0[first]], 1], second):
             raise NotReplicable("a group list's replica blocks differ")
 
-    def check_three(self, kind: str) -> None:
-        """dp 3's replicas read and write what the fit predicts: replica k's
-        own tensors (the templates' rows), or, in a group list, three blocks."""
-        c2, c3 = self.two.cols, self.three.cols
+    def check_big(self, kind: str) -> None:
+        """dp S's replicas read and write what the fit predicts: replica k's
+        own tensors (the templates' rows), or, in a group list, S blocks."""
+        c2, c3, size = self.two.cols, self.big.cols, self.big.dp
         t3 = c3.tensors
         t3_row = np.full(len(t3), -1, dtype=np.int64)
-        for k in range(3):
+        for k in range(size):
             t3_row[self.tw[:, 2 + k]] = np.arange(len(self.tw))
-        t3_rep = self.three.replica(t3.rank.astype(np.int64))
+        t3_rep = self.big.replica(t3.rank.astype(np.int64))
         pool = "inputs" if kind == "in" else "outputs"
         pool2 = getattr(c2.nodes, pool).astype(np.int64)
         pool3 = getattr(c3.nodes, pool).astype(np.int64)
         s0, n0 = self.entries(c2, 0, kind)
         half = np.maximum(n0 // 2, 1)
-        for k in range(3):
+        for k in range(size):
             s3, n3 = self.entries(c3, 2 + k, kind)
             group = n3 != n0
-            if not np.array_equal(n3[group], n0[group] // 2 * 3):
+            if not np.array_equal(n3[group], n0[group] // 2 * size):
                 raise NotReplicable("replicas differ in the number of a node's entries")
             owner, within = _runs(n3)
             e3 = pool3[s3[owner] + within]
@@ -493,7 +604,7 @@ class _Expander:
             rows = self.entry_rows(src)
             want = np.stack([rows, np.where(rows < 0, -1, np.where(g, within // half[owner], k))])
             if not np.array_equal(got, want):
-                raise NotReplicable(f"dp 3's node {pool} are not those of dp 2's replicas")
+                raise NotReplicable(f"dp {size}'s node {pool} are not those of dp 2's replicas")
 
     def outputs(self, rows: Array, d: Array) -> dict[str, Array]:
         s0, n0 = self.entries(self.two.cols, 0, "out")
@@ -510,36 +621,47 @@ class _Expander:
         return {"out_off": self.spill(narrow(off)), "outputs": outs}
 
 
-def real_logical(two: Columns, three: Columns, dp: int) -> tuple[Logical, ...]:
+def real_logical(two: Columns, big: Columns, size: int, dp: int) -> tuple[Logical, ...]:
     """The logical tensors at dp replicas: batch dims grow linearly with the
-    replicas (fitted from dp 2 and 3), everything else is the same."""
+    replicas (fitted from dp 2 and dp ``size``), everything else is the same."""
     out = []
-    for a, b in zip(two.logical, three.logical, strict=True):
+    for a, b in zip(two.logical, big.logical, strict=True):
         if (a.name, a.kind, len(a.shape)) != (b.name, b.kind, len(b.shape)):
-            raise NotReplicable(f"logical tensor {a.name} differs between dp 2 and dp 3")
-        out.append(Logical(a.name, tuple(x + (y - x) * (dp - 2) for x, y in zip(a.shape, b.shape)),
+            raise NotReplicable(f"logical tensor {a.name} differs between dp 2 and dp {size}")
+        grow = [divmod(y - x, size - 2) for x, y in zip(a.shape, b.shape)]
+        if any(rem for _, rem in grow):
+            raise NotReplicable(f"logical tensor {a.name} does not grow linearly")
+        out.append(Logical(a.name, tuple(x + g * (dp - 2) for x, (g, _) in zip(a.shape, grow)),
                            a.kind))
     return tuple(out)
 
 
-def replicate(two: Columns, three: Columns, par: Parallelism, world: dict,
+def replicate(two: Columns, big: Columns, par: Parallelism, world: dict,
               spill: Callable[[Array], Array] = keep) -> Columns:
-    """The columns of ``par`` (dp D) from its plans at dp 2 and dp 3, each
-    finished column passed through ``spill`` (gen_model/spill.py)."""
-    block = par.cp * par.tp
-    small2, small3 = _Small(two, 2, block), _Small(three, 3, block)
-    if (two.loss, two.grads) != (three.loss, three.grads):
-        raise NotReplicable("the loss or gradients differ between dp 2 and dp 3")
-    ex = _Expander(small2, small3, par.dp, spill)
-    logical = real_logical(two, three, par.dp)
+    """The columns of ``par`` (dp D) from its plans at dp 2 and dp S (``big``,
+    S from its world spec, 3 <= S < D), each finished column passed through
+    ``spill`` (gen_model/spill.py). ZeRO's owned shards (world key ``zero``)
+    may be fitted as ``(e + f d) / D``."""
+    block = par.cp * par.tp * par.ep_dp
+    dp, unit = replicas(par), par.ep_dp
+    size = int(big.world.get("dp", 0)) // unit
+    if not 3 <= size < dp or int(two.world.get("dp", 0)) != 2 * unit:
+        raise NotReplicable(f"expands plans of 2 and S replicas, 3 <= S < {dp}")
+    if (two.loss, two.grads) != (big.loss, big.grads):
+        raise NotReplicable(f"the loss or gradients differ between dp 2 and dp {size}")
+    ex = _Expander(_Small(two, 2, block), _Small(big, size, block), dp, spill,
+                   shards=bool(world.get("zero")))
+    logical = real_logical(two, big, size, dp)
     tensors = ex.tensors(logical)
     nodes, kwargs = ex.nodes()
     return Columns(world=dict(world), logical=logical, loss=two.loss, grads=dict(two.grads),
                    tensors=tensors, nodes=nodes, ops=two.ops, names=two.names, kwargs=kwargs)
 
 
-def small_sizes(par: Parallelism, gbs: int, dp: int) -> tuple[Parallelism, int]:
-    """The parallelism and batch of the same run at ``dp`` replicas."""
+def small_sizes(par: Parallelism, gbs: int, count: int) -> tuple[Parallelism, int]:
+    """The parallelism and batch of the same run at ``count`` replicas
+    (:func:`replicas`: expert-parallel groups with experts)."""
     if gbs % (par.dp * par.nm):
         raise ConfigError(f"--gbs {gbs} does not split into dp {par.dp} x nm {par.nm} microbatches")
+    dp = count * par.ep_dp
     return replace(par, dp=dp), gbs // par.dp * dp

@@ -121,11 +121,17 @@ class Sharder:
 
     def zero_dim(self, tid: int, lay: list[Layout], axes: tuple[str, ...]) -> int:
         """The first dim of a parameter that no other axis splits and that the
-        owners divide evenly."""
+        owners divide evenly (the owners at ``policy.zero_dims_at``
+        data-parallel ranks when set: a multiple of this plan's)."""
         shape = self.g.shape(tid)
         owners = 1
         for a in axes:
             owners *= self.size[a]
+        if self.policy.zero_dims_at:
+            if self.policy.zero_dims_at % self.par.dp:
+                raise ConfigError(f"ZeRO dims of dp {self.policy.zero_dims_at} in a plan of "
+                                  f"dp {self.par.dp}")
+            owners *= self.policy.zero_dims_at // self.par.dp
         for d, n in enumerate(shape):
             pieces = 1
             for a, x in zip(AXES, lay):

@@ -12,8 +12,8 @@
 #
 #   bash scripts/run_symmetry_bench.sh [POINT...]   # PY, TIMEOUT (1800), MEM_GB (16) may be set
 #   POINT: dp8 dp64 dp512 nm2 nm32 wrong512 zero8 zero64 zero128 (default: all;
-#   the zero points are ZeRO-1, whose columns gen_model builds from Python rows:
-#   the array generator does not write ZeRO plans; hidden 128 splits into at most
+#   the zero points are ZeRO-1, whose columns gen_model expands from dp 2 and 4
+#   (gen_model/replicate.py); hidden 128 splits into at most
 #   128 shards; zero64 and zero128 are kept
 #   in data/plans/points for a comparison run)
 set -u

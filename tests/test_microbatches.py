@@ -23,6 +23,8 @@ from verdict.plan import Plan
 MLP = ModelConfig("mlp", layers=2, hidden=8)
 LLAMA = ModelConfig("llama3", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=32,
                     seqlen=8, optimizer="adam")
+MOE = ModelConfig("moe", layers=2, hidden=16, heads=4, kv_heads=2, ffn=32, vocab=32, seqlen=4,
+                  experts=4, topk=2, capacity_factor=1.0, first_dense=1, moe_ffn=16)
 
 
 def per_block(plan: Plan):
@@ -44,8 +46,12 @@ def per_block(plan: Plan):
     (MLP, Parallelism(dp=2, tp=2, pp=2, nm=6), 24, Policy(schedule="gpipe")),
     (LLAMA, Parallelism(dp=4, tp=2, pp=2, nm=6), 48, Policy(vocab_parallel=True)),
     (LLAMA, Parallelism(dp=2, cp=2, nm=6), 12, Policy(cp_balance=True, schedule="gpipe")),
+    (MOE, Parallelism(dp=8, ep=2, nm=6), 48, Policy()),
+    (replace(MLP, hidden=24), Parallelism(dp=6, tp=2, pp=2, nm=7), 42, Policy(zero=3)),
+    (LLAMA, Parallelism(dp=2, tp=2, pp=2, nm=6), 12, Policy(zero=2)),
 ], ids=["mlp-pp", "mlp-dp-tp-gpipe", "llama-replicas-and-microbatches",
-        "llama-cp-two-accumulations-per-microbatch"])
+        "llama-cp-two-accumulations-per-microbatch", "moe-expert-groups-and-microbatches",
+        "mlp-zero3-replicas-and-microbatches", "llama-zero2"])
 def test_same_plan_as_the_row_generator(cfg, par, gbs, policy):
     assert microbatches_replicable(par, policy, "default")
     cols = expanded_columns(cfg, par, gbs, "default", policy, None)
@@ -96,7 +102,6 @@ def test_where_the_microbatch_path_does_not_apply():
     assert not microbatches_replicable(Parallelism(pp=2, nm=5), Policy(), "default")
     assert not microbatches_replicable(Parallelism(pp=2, nm=8), Policy(virtual_stages=2),
                                        "default")
-    assert not microbatches_replicable(Parallelism(dp=2, nm=8), Policy(zero=1), "default")
 
 
 def test_replica_expansion_in_small_chunks_is_the_same(monkeypatch):
