@@ -194,6 +194,7 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
         if size > 1 and len(axis.members(axis.base())) < 2:
             return Refusal(f"no two {axis.name}s run one program "
                            f"({axis.why[max(axis.why)]})", difference=True)
+    check.finish()
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
     base_d = tuple(replicas.members(replicas.base())[:SHOWN])

@@ -1119,6 +1119,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         s = shards.pop()
         sizes.update(dpr=world["dp"] // s, dps=s)
     rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
+    channels = _Channels(ranks)
     coords = {low.rank: low.coords for low in ranks}
     plan_p = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
                   grads=dict(plan_s.grads))
@@ -1148,13 +1149,13 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                 t_of[(low.rank, o)] = tensor(r, o, max(r.mb.get(o, -1), 0))
         if node.op == "send_recv":
             src = rs[node.group[0]]
-            ins = (t_of[(src.low.rank, src.low.nodes[_nth(src.low, node, k)].ins[0])],)
+            ins = (t_of[(src.low.rank, src.low.nodes[channels.nth(src.low, node, k)].ins[0])],)
             kwargs = dict(node.kwargs)
         elif node.group is None:
             ins = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.ins)
             kwargs = dict(node.kwargs)
         else:
-            ins = tuple(t_of[(q, rs[q].low.nodes[_nth(rs[q].low, node, k)].ins[0])]
+            ins = tuple(t_of[(q, rs[q].low.nodes[channels.nth(rs[q].low, node, k)].ins[0])]
                         for q in node.group)
             kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
         outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
@@ -1171,7 +1172,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         members reduce one value (an ordinary all-reduce)."""
         units = {}
         for q in node.group:
-            x = rs[q].low.nodes[_nth(rs[q].low, node, k)].ins[0]
+            x = rs[q].low.nodes[channels.nth(rs[q].low, node, k)].ins[0]
             units[q] = rs[q].units(x)
         if len({rs[q].sv[u] for q in node.group for u in units[q]}) <= 1 \
                 and all(len(us) == 1 for us in units.values()):
@@ -1221,7 +1222,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         node = low.nodes[n]
         if node.op == "send_recv":
             peer = rs[node.group[0]]
-            x = peer.low.nodes[_nth(peer.low, node, k)].ins[0]
+            x = peer.low.nodes[channels.nth(peer.low, node, k)].ins[0]
             if x in peer.pending:
                 for extra in peer.materialize(x):
                     emit(peer, extra, -1)
@@ -1233,7 +1234,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         if node.group is not None and node.op != "send":
             for q in node.group:
                 peer = rs[q]
-                x = peer.low.nodes[_nth(peer.low, node, k)].ins[0]
+                x = peer.low.nodes[channels.nth(peer.low, node, k)].ins[0]
                 if x in peer.pending:
                     for extra in peer.materialize(x):
                         emit(peer, extra, -1)
@@ -1286,12 +1287,22 @@ def _channel(node: LNode) -> tuple:
     return ("p2p", *node.group) if node.op in P2P else node.group
 
 
-def _nth(low: Lowered, like: LNode, k: int) -> int:
-    """The index of ``low``'s k-th node on the channel of ``like``."""
-    seen, channel = 0, _channel(like)
-    for i, node in enumerate(low.nodes):
-        if node.group is not None and _channel(node) == channel:
-            if seen == k:
-                return i
-            seen += 1
-    raise LoweringError(f"rank {low.rank} has no collective {k} in group {list(like.group)}")
+class _Channels:
+    """Each rank's collective nodes by channel, indexed once: the k-th node
+    of a channel is looked up for every member of every collective."""
+
+    def __init__(self, ranks: list[Lowered]):
+        self.of: dict[int, dict[tuple, list[int]]] = {}
+        for low in ranks:
+            index: dict[tuple, list[int]] = {}
+            for i, node in enumerate(low.nodes):
+                if node.group is not None:
+                    index.setdefault(_channel(node), []).append(i)
+            self.of[low.rank] = index
+
+    def nth(self, low: Lowered, like: LNode, k: int) -> int:
+        """The index of ``low``'s k-th node on the channel of ``like``."""
+        found = self.of[low.rank].get(_channel(like), [])
+        if 0 <= k < len(found):
+            return found[k]
+        raise LoweringError(f"rank {low.rank} has no collective {k} in group {list(like.group)}")
