@@ -52,8 +52,7 @@ import numpy as np
 from gen_model.config import ConfigError, Parallelism
 from gen_model.parallelize import Policy
 from gen_model.spill import keep
-from verdict.blocks import _rows_id
-from verdict.columns import Columns, NodeColumns, TensorColumns, canonical_kwargs, narrow
+from verdict.columns import Columns, NodeColumns, TensorColumns, canonical_kwargs, narrow, row_ids
 from verdict.plan import Logical
 
 Array = np.ndarray
@@ -145,7 +144,7 @@ def _twins(keys2: tuple[Array, Array], keys_s: tuple[Array, Array], size: int,
     """For each replica-0 entry of dp 2 (rows, in index order): its index in
     dp 2 replica 1 and dp S replicas 0 to S - 1. Columns: j0, j1, k0 .. k(S-1)."""
     (rep2, k2), (rep_s, k_s) = keys2, keys_s
-    ids = _rows_id(np.concatenate((k2, k_s)))
+    ids = row_ids(np.concatenate((k2, k_s)))
     id2, id_s = ids[:len(k2)], ids[len(k2):]
     points = [(rep2, id2, 0), (rep2, id2, 1)] + [(rep_s, id_s, k) for k in range(size)]
     where = np.full((len(points), int(ids.max(initial=-1)) + 1), -1, dtype=np.int64)

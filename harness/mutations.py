@@ -1295,6 +1295,16 @@ def owned_shard(plan: Plan, rng: random.Random) -> Result:
                 out, whole = p.tensors[n.outputs[0]], p.tensors[n.inputs[0]]
                 p.tensors[n.outputs[0]] = out._replace(
                     slices=_chunk(whole.slices, n.kwargs["dim"], dp, j))
+        for i, n in enumerate(plan.nodes):  # ZeRO-2/3: every microbatch's scatter
+            if _replica(plan, n.rank) == d and n.op == "reduce_scatter" and \
+                    len(n.inputs) == dp and n.kwargs.get("index") == d:
+                p.nodes[i] = p.nodes[i]._replace(kwargs={**n.kwargs, "index": j})
+                out, whole = p.tensors[n.outputs[0]], p.tensors[n.inputs[j]]
+                p.tensors[n.outputs[0]] = out._replace(
+                    slices=_chunk(whole.slices, n.kwargs["dim"], dp, j))
+                out, whole = p.tensors[n.outputs[0]], p.tensors[n.inputs[0]]
+                p.tensors[n.outputs[0]] = out._replace(
+                    slices=_chunk(whole.slices, n.kwargs["dim"], dp, j))
         what += ", and keeps its gradient chunk"
     return p, what
 
@@ -1425,6 +1435,46 @@ def expert_group(plan: Plan, rng: random.Random) -> Result:
     return p, f"{where(plan, i)}: ep rank {f}'s buffer in replica {edp}'s slot"
 
 
+def scatter_row(plan: Plan, rng: random.Random) -> Result:
+    """ZeRO-2/3: one reduce-scatter row mixes two parameters. In microbatch m
+    every replica's scatters of two gradients of one shape exchange replica
+    j's member, and replica j accumulates each scatter into the other's
+    buffer: every replica's own values still go into its own chains (what the
+    symmetry's cut sees), the sums mix the two parameters."""
+    dp = int(plan.world.get("dp", 1))
+    if not _materialized(plan) or dp < 2 or int(plan.world.get("zero", 0) or 0) < 2:
+        return None
+    scatters: dict[tuple[int, int, int], int] = {}  # (rank, mb, gradient tid) -> node
+    for i, n in enumerate(plan.nodes):
+        if n.op == "reduce_scatter" and n.mb >= 0 and len(n.inputs) == dp:
+            scatters[(n.rank, n.mb, plan.tensors[n.outputs[0]].tid)] = i
+    pairs = sorted({(r, m, a, b) for (r, m, a) in scatters for (r2, m2, b) in scatters
+                    if (r2, m2) == (r, m) and a < b and
+                    plan.tensors[plan.nodes[scatters[(r, m, a)]].inputs[0]].shape ==
+                    plan.tensors[plan.nodes[scatters[(r, m, b)]].inputs[0]].shape})
+    if not pairs:
+        return None
+    _, m, a, b = rng.choice(pairs)
+    j = rng.randrange(dp)
+    p = copy_plan(plan)
+    swap: dict[int, int] = {}
+    for (r, mb, t), i in scatters.items():
+        other = scatters.get((r, mb, b if t == a else a))
+        if mb != m or t not in (a, b) or other is None:
+            continue
+        ins = list(plan.nodes[i].inputs)
+        ins[j] = plan.nodes[other].inputs[j]
+        p.nodes[i] = plan.nodes[i]._replace(inputs=tuple(ins))
+        if _replica(plan, r) == j:
+            swap[plan.nodes[i].outputs[0]] = plan.nodes[other].outputs[0]
+    for i, n in enumerate(plan.nodes):
+        if n.op == "local_grad_accumulation" and len(n.inputs) == 2 and n.inputs[1] in swap:
+            p.nodes[i] = n._replace(inputs=(n.inputs[0], swap[n.inputs[1]]))
+    return p, (f"microbatch {m}: the scatters of {plan.logical[a].name} and "
+               f"{plan.logical[b].name} exchange replica {j}'s member, which accumulates "
+               f"each into the other's buffer")
+
+
 MATERIALIZED_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "other_rows": other_rows,
     "last_microbatch": last_microbatch,
@@ -1435,4 +1485,5 @@ MATERIALIZED_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "ep_peer": ep_peer,
     "ep_expert": ep_expert,
     "expert_group": expert_group,
+    "scatter_row": scatter_row,
 }

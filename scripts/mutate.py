@@ -120,6 +120,9 @@ MATERIALIZED_BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "mlp_adam_mat_zero1_dp4_nm4": (replace(MLP, optimizer="adam"), Parallelism(dp=4, nm=4),
                                    Policy(zero=1)),
     "mlp_mat_zero3_dp4_nm4": (MLP, Parallelism(dp=4, nm=4), Policy(zero=3)),
+    "mlp_mat_zero2_dp4_nm4": (MLP, Parallelism(dp=4, nm=4), Policy(zero=2)),
+    "mlp_adam_mat_zero3_dp4_pp2_nm4": (replace(MLP, optimizer="adam"),
+                                       Parallelism(dp=4, pp=2, nm=4), Policy(zero=3)),
     "moe_mat_dp4_ep2_nm4": (MOE, Parallelism(dp=4, ep=2, nm=4), Policy()),
     "moe_mat_dp8_ep2_nm2": (MOE, Parallelism(dp=8, ep=2, nm=2), Policy()),
 }

@@ -1,6 +1,6 @@
 """Where the time and memory of verifying a materialized columnar plan go.
 
-    .venv/bin/python scripts/profile_verify.py SINGLE.pkl PARALLEL.npz
+    .venv/bin/python scripts/profile_verify.py SINGLE.pkl PARALLEL.npz [--steps]
 
 Runs the phases main.py runs before the representatives' proof, one after
 the other, and prints for each its wall seconds, the peak of Python-tracked
@@ -8,13 +8,16 @@ allocations during it (tracemalloc: numpy arrays included, the file's
 memory-mapped pages not), what it leaves allocated, and the process's PSS
 (mapped pages included) at its start and its highest during it, sampled;
 then the bytes per node of the block check's arrays. Phases: open and validate the file, the
-block check's arrays, the check, the representatives' cut. The figures go
+block check's arrays, the check, the representatives' cut. With --steps, each step of the
+check's first pass also prints its seconds and the tracemalloc bytes per node at its start,
+its peak and its end (the run phase's own peak is then that of its last step). The figures go
 to docs/benchmarks.md ("Columnar plans, materialized").
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import resource
 import sys
@@ -78,10 +81,38 @@ def phase(name: str, nodes: int, run: Callable[[], Any], sampler: PssPeak) -> An
     return out
 
 
+#: The block check's steps that --steps reports, in the order the first pass runs them.
+STEPS = ("check_offsets", "input_views", "representatives", "check_chains", "orbits",
+         "check_kwargs", "check_entries", "check_glue")
+
+
+def report_steps(nodes: int) -> None:
+    """Make each of BlockCheck's STEPS print its seconds and tracemalloc
+    bytes per node (start, peak, end) when it returns."""
+    for name in STEPS:
+        method = getattr(BlockCheck, name)
+
+        @functools.wraps(method)
+        def timed(*args: Any, _method: Callable = method, _name: str = name, **kwargs: Any) -> Any:
+            start_bytes = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            start = time.perf_counter()
+            out = _method(*args, **kwargs)
+            now, peak = tracemalloc.get_traced_memory()
+            print(f"  {_name:<26} {time.perf_counter() - start:8.2f} s  B/node: start "
+                  f"{start_bytes / nodes:5.0f}, peak {peak / nodes:5.0f}, end {now / nodes:5.0f}",
+                  flush=True)
+            return out
+
+        setattr(BlockCheck, name, timed)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("single", type=Path)
     p.add_argument("parallel", type=Path)
+    p.add_argument("--steps", action="store_true",
+                   help="also report each step of the block check (tracemalloc, B/node)")
     args = p.parse_args()
     single = load_plan(args.single)
     tracemalloc.start()
@@ -100,7 +131,10 @@ def main() -> int:
     print("  arrays:", ", ".join(f"{k} {v / nodes:.1f}" for k, v in
                                  sorted(sizes.items(), key=lambda kv: -kv[1])),
           f"= {sum(sizes.values()) / nodes:.0f} B/node", flush=True)
+    if args.steps:
+        report_steps(nodes)
     phase("block check: run", nodes, check.run, sampler)
+    check.finish()
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
     phase("representatives' cut", nodes, lambda: _Cut(cols, check, shown).plan(), sampler)

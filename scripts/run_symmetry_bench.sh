@@ -11,8 +11,9 @@
 # step go to data/stats/symmetry.csv (scripts/run_point.py).
 #
 #   bash scripts/run_symmetry_bench.sh [POINT...]   # PY, TIMEOUT (1800), MEM_GB (16) may be set
-#   POINT: dp8 dp64 dp512 nm2 nm32 wrong512 zero8 zero64 zero128 (default: all;
-#   the zero points are ZeRO-1, whose columns gen_model expands from dp 2 and 4
+#   POINT: dp8 dp64 dp512 nm2 nm32 wrong512 zero8 zero64 zero128 zero2_64 zero3_64
+#   zero2_128 zero3_128 (default: all; the zero points are ZeRO-1, zeroK_N ZeRO-K at dp N,
+#   whose columns gen_model expands from dp 2 and 4
 #   (gen_model/replicate.py); hidden 128 splits into at most
 #   128 shards; zero64 and zero128 are kept
 #   in data/plans/points for a comparison run)
@@ -47,7 +48,7 @@ wrong512() {  # replica 3 loads replica 2's rows, then runs another operator, in
     rm -rf "$dir"
 }
 
-for p in "${@:-dp8 dp64 dp512 nm2 nm32 wrong512 zero8 zero64 zero128}"; do
+for p in "${@:-dp8 dp64 dp512 nm2 nm32 wrong512 zero8 zero64 zero128 zero2_64 zero3_64 zero2_128 zero3_128}"; do
     for q in $p; do
         case $q in
             dp8) point mat_dp8 8 "--dp 8" ;;
@@ -58,6 +59,9 @@ for p in "${@:-dp8 dp64 dp512 nm2 nm32 wrong512 zero8 zero64 zero128}"; do
             zero8) point mat_zero1_dp8 8 "--dp 8 --zero 1" ;;
             zero64) point mat_zero1_dp64 64 "--dp 64 --zero 1" --keep ;;
             zero128) point mat_zero1_dp128 128 "--dp 128 --zero 1" --keep ;;
+            zero[23]_64|zero[23]_128)
+                z=${q:4:1} n=${q#*_}
+                point "mat_zero${z}_dp$n" "$n" "--dp $n --zero $z" --keep ;;
             wrong512) wrong512 ;;
             *) echo "unknown point $q" >&2; exit 2 ;;
         esac

@@ -253,10 +253,12 @@ CASES: list[tuple[str, str, int]] = [
      "--model gpt2_token_weighted --recipe tp_mlp_token_weighted --dp 2 --tp 2", 0),
     ("gpt2_smooth_pad_mean bug AVG of unequal kept-label means",
      "--model gpt2_smooth_pad_mean --recipe ddp_avg --dp 2 --tp 1", 1),
-    ("gpt2_padded bug pad id off by one on one rank (refused: its ignore index)",
-     "--model gpt2_padded --recipe ddp_pad_id_first_rank --dp 2 --tp 1", 2),
-    ("gpt2_padded bug key mask off by one id on one rank (refused: another column)",
-     "--model gpt2_padded --recipe ddp_key_mask_off_by_one --dp 2 --tp 1", 2),
+    ("gpt2_padded bug pad id off by one on one rank",
+     "--model gpt2_padded --recipe ddp_pad_id_first_rank --dp 2 --tp 1", 1),
+    ("gpt2_padded bug ignore index off by one on one rank (its own constant)",
+     "--model gpt2_padded --recipe ddp_ignore_index_first_rank --dp 2 --tp 1", 1),
+    ("gpt2_padded bug key mask off by one id on one rank (another column)",
+     "--model gpt2_padded --recipe ddp_key_mask_off_by_one --dp 2 --tp 1", 1),
     ("gpt2_token_weighted bug local count",
      "--model gpt2_token_weighted --recipe ddp_local_count --dp 2 --tp 1", 1),
     ("gpt2_token_weighted bug count all-reduced and grads averaged",
@@ -405,6 +407,19 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {USER_MODELS}conv_pool_classifier --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
     ("outside conv_pool_classifier summed over dp bug",
      f"--model {USER_MODELS}conv_pool_classifier --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    # nn.ConvTranspose1d, padding_mode reflect and replicate (tests/outside_models.py:unet_tagger)
+    ("outside unet_tagger ddp dp2", f"--model {USER_MODELS}unet_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("outside unet_tagger fsdp dp2",
+     f"--model {USER_MODELS}unet_tagger --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("outside unet_tagger ddp_linear_only bug",
+     f"--model {USER_MODELS}unet_tagger --recipe {MISTAKES}ddp_linear_only --dp 2 --tp 1", 1),
+    # max pooling (nn.MaxPool2d, nn.MaxPool1d) and x.max(dim): the gradient to the first maximum
+    ("outside max_pool_classifier ddp_avg dp2",
+     f"--model {USER_MODELS}max_pool_classifier --recipe ddp_avg --dp 2 --tp 1", 0),
+    ("outside max_pool_classifier fsdp default dp2",
+     f"--model {USER_MODELS}max_pool_classifier --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
+    ("outside max_pool_classifier summed over dp bug",
+     f"--model {USER_MODELS}max_pool_classifier --recipe {STOCK}ddp --dp 2 --tp 1", 1),
 ]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -710,6 +711,79 @@ class ConvPoolClassifier(nn.Module):
         return F.cross_entropy(self.classifier(pooled), labels[:, 0] % self.classes)
 
 
+class _UNetBlock(nn.Module):
+    """A 1-d U-Net step over the sequence: an ``nn.Conv1d`` with
+    ``padding_mode="reflect"``, GELU, a strided ``nn.Conv1d`` halving the
+    length, ReLU, an ``nn.ConvTranspose1d`` doubling it back (with
+    ``output_padding`` for an odd length), and a replicate-padded
+    ``nn.Conv1d`` on the skip connection's sum."""
+
+    def __init__(self, hidden: int, seqlen: int):
+        super().__init__()
+        self.smooth = nn.Conv1d(hidden, hidden, 3, padding=1, padding_mode="reflect")
+        self.down = nn.Conv1d(hidden, hidden, 2, stride=2)
+        self.up = nn.ConvTranspose1d(hidden, hidden, 2, stride=2, output_padding=seqlen % 2)
+        self.mix = nn.Conv1d(hidden, hidden, 3, padding=1, padding_mode="replicate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.transpose(1, 2)
+        skip = F.gelu(self.smooth(h))
+        h = self.up(F.relu(self.down(skip)))
+        return x + self.mix(h + skip).transpose(1, 2)
+
+
+class UNetTagger(nn.Module):
+    """Token embedding, ``_UNetBlock``s, a per-token head; the cross-entropy
+    summed over the rank's tokens, its share of the step's."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(_UNetBlock(hidden, seqlen) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+        self.global_tokens = 0
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
+        return _share(loss, self, labels.numel())
+
+
+class MaxPoolClassifier(nn.Module):
+    """A small CNN over the embedded sequence seen as a one-channel image:
+    ``nn.Conv2d`` (3x3, padded), ReLU, ``nn.MaxPool2d(2, stride=1)``, then
+    ``nn.MaxPool1d(2)`` over the features and the strongest position kept
+    with ``h.max(dim=...).values`` (the gradient goes to the first maximum),
+    a classification head whose logits are held above a learned floor
+    (``torch.maximum`` of ``[batch, classes]`` and ``[classes]``, broadcast),
+    ``F.cross_entropy`` against ``labels[:, 0] % 3``
+    (a mean over the rank's rows). The convolution sits in ``blocks`` for
+    the stock recipes."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
+                 classes: int = 3, channels: int = 4):
+        super().__init__()
+        del layers, heads, ffn, seqlen
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList([nn.Conv2d(1, channels, 3, padding=1)])
+        self.pool = nn.MaxPool2d(2, stride=1)
+        self.feature_pool = nn.MaxPool1d(2)
+        self.classifier = nn.Linear(channels * ((hidden - 1) // 2), classes)
+        self.floor = nn.Parameter(torch.linspace(-0.3, 0.1, classes))
+        self.classes = classes
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        image = self.embed(tokens).unsqueeze(1)  # (batch, 1, seqlen, hidden)
+        h = self.pool(F.relu(self.blocks[0](image)))  # (batch, channels, seqlen - 1, hidden - 1)
+        h = self.feature_pool(h.flatten(1, 2))  # (batch, channels * (seqlen - 1), (hidden - 1) // 2)
+        h = h.unflatten(1, (-1, tokens.shape[1] - 1)).max(dim=2).values  # strongest position
+        logits = torch.maximum(self.classifier(h.flatten(1)), self.floor)
+        return F.cross_entropy(logits, labels[:, 0] % self.classes)
+
+
 # -- refused: not exact arithmetic -----------------------------------------------------------
 
 
@@ -740,6 +814,55 @@ class PartialWrite(nn.Module):
         y = self.embed(tokens).clone()
         y[:, 0] = 0.0
         return F.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
+
+
+class BranchOnList(nn.Module):
+    """Control flow on a value read with ``.tolist()``: refused."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen, layers, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        if max(h.sum(-1).flatten().tolist()) > 1.0:
+            h = h * 0.5
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class ScaleFromNumpy(nn.Module):
+    """A scale computed with NumPy from the activations (``.numpy()``):
+    a constant of this trace only, refused."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen, layers, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h / float(np.abs(h.detach().numpy()).max())
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class IdsReadAsList(nn.Module):
+    """The batch's ids read with ``.tolist()`` (a fact of the batch, not of
+    the parameters): the label count read from the list divides the loss."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen, layers, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        count = len(labels.flatten().tolist())
+        loss = F.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), labels.flatten(),
+                               reduction="sum")
+        return loss / count
 
 
 class BranchOnValue(nn.Module):
@@ -820,6 +943,26 @@ def conv_tagger(**kw) -> ConvTagger:
 
 def conv_pool_classifier(**kw) -> ConvPoolClassifier:
     return ConvPoolClassifier(**kw)
+
+
+def unet_tagger(**kw) -> UNetTagger:
+    return UNetTagger(**kw)
+
+
+def max_pool_classifier(**kw) -> MaxPoolClassifier:
+    return MaxPoolClassifier(**kw)
+
+
+def branch_on_list(**kw) -> BranchOnList:
+    return BranchOnList(**kw)
+
+
+def scale_from_numpy(**kw) -> ScaleFromNumpy:
+    return ScaleFromNumpy(**kw)
+
+
+def ids_read_as_list(**kw) -> IdsReadAsList:
+    return IdsReadAsList(**kw)
 
 
 def partial_write(**kw) -> PartialWrite:

@@ -1,12 +1,15 @@
-"""The block check keeps its arrays narrow (int32, int16) and compares
-entries a chunk of nodes at a time, and its later passes recheck only the
-nodes whose representative changed: re-implementations of the same
-comparisons, so it must reach the same result as the wide, one-chunk check
-whose every pass is in full, on uniform plans and on plans that differ in
-one block (verdict/blocks.py)."""
+"""The block check keeps its arrays narrow (int32, int16), finds the
+representatives and compares kwargs and entries a chunk of nodes at a
+time, and its later passes recheck only the nodes whose representative
+changed: re-implementations of the same comparisons, so it must reach the
+same result as the wide, one-chunk check whose every pass is in full, and
+as the whole-plan representatives and kwargs comparison (kept here as the
+reference), on uniform plans and on plans that differ in one block, one
+microbatch, one rank's group or one replica's owned shard (verdict/blocks.py)."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 
 from gen_model.config import Parallelism
+from gen_model.parallelize import Policy
 from harness import mutations
 from tests.helpers import MLP, plan_pair
 from verdict import blocks
@@ -50,6 +54,75 @@ def plans():
     n = bad.nodes[i]
     bad.nodes[i] = n._replace(kwargs={**n.kwargs, "value": n.kwargs["value"] * 2})
     yield "one replica's constant", single, bad
+    single, zero = plan_pair(MLP, Parallelism(dp=4, nm=2), 16, Policy(zero=1))
+    yield "ZeRO-1", single, zero
+    for seed in range(2):  # with and without the gradient split moved along
+        made = mutations.owned_shard(zero, random.Random(f"narrow/owned/{seed}"))
+        assert made is not None
+        yield f"one replica's owned shard ({seed})", single, made[0]
+
+
+def whole_representatives(self, n_cls, n_d, only=None):
+    """The representatives as one whole-plan sort (the reference)."""
+    cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
+    nn = len(cols.n_rank)
+    mb = cols.n_mb.astype(np.int64)
+    block = (n_cls.astype(np.int64) * dp + n_d) * (nm + 1) + mb + 1
+    order = np.argsort(block, kind="stable")
+    ids, starts, counts = np.unique(block[order], return_index=True, return_counts=True)
+    pos = np.empty(nn, dtype=np.int64)
+    pos[order] = np.arange(nn) - np.repeat(starts, counts)
+    self.check_present(ids)
+    own_size = counts[np.searchsorted(ids, block)]
+    rep_d = 0 if self.rep_of_d is None else self.rep_of_d[n_d]
+    rep_slot = np.minimum(mb + 1, 1) if self.rep_of_m is None else \
+        np.where(mb >= 0, self.rep_of_m[np.maximum(mb, 0)] + 1, 0)
+    rep_block = (n_cls.astype(np.int64) * dp + rep_d) * (nm + 1) + rep_slot
+    where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1)
+    found = ids[where] == rep_block
+    size = np.where(found, counts[where], 0)
+    found &= pos < size
+    rep = np.where(found, order[np.minimum(starts[where] + pos, nn - 1)], -1)
+    if only is not None:
+        own_size = np.where(only, own_size, size)
+    self.flag(own_size != size, np.arange(nn), "its block has another number of nodes than the "
+              "representative's", np.where(rep >= 0, rep, order[starts[where]]))
+    return rep
+
+
+def whole_check_kwargs(self, rep, orbit, only=None):
+    """Operator, direction, kwargs and counts against the representative's,
+    over the whole plan at once, normalizing node by node (the reference)."""
+    cols, p = self.cols, self.p
+    kw = cols.n_kw.astype(np.int64)
+    table, normal = {}, {}
+    send = np.array([op == "send_recv" for op in cols.ops])[cols.n_op]
+    own_index = orbit | self.owned.nodes
+    for i in np.flatnonzero(own_index | send).tolist():
+        key = (int(cols.n_kw[i]), int(self.n_d[i]), bool(own_index[i]))
+        if key not in normal:
+            kwargs = p.kwargs_of(key[0])
+            if own_index[i]:
+                kwargs.pop("index", None)
+            off = False
+            for k in ("src", "dst"):
+                if send[i] and isinstance(kwargs.get(k), int):
+                    cls, d = self.mesh.split(kwargs[k])
+                    off |= d != key[1]
+                    kwargs[k] = list(cls)
+            text = json.dumps(kwargs, sort_keys=True)
+            normal[key] = -1 if off else len(p.kwargs) + table.setdefault(text, len(table))
+        kw[i] = normal[key]
+    nodes = np.arange(len(kw))
+    self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
+    ok = (rep >= 0) if only is None else (rep >= 0) & only
+    r = np.maximum(rep, 0)
+    self.flag(ok & ((cols.n_op != cols.n_op[r]) | (cols.n_dir != cols.n_dir[r])), nodes,
+              "another operator or direction", rep)
+    self.flag(ok & (kw != kw[r]), nodes, "other kwargs", rep)
+    for tuples, what in ((cols.n_ins, "inputs"), (cols.n_outs, "outputs")):
+        n = cols.ptr[tuples + 1] - cols.ptr[tuples]
+        self.flag(ok & (n != n[r]), nodes, f"another number of {what}", rep)
 
 
 def test_narrow_chunked_check_agrees_with_the_wide_one(monkeypatch):
@@ -66,12 +139,20 @@ def test_narrow_chunked_check_agrees_with_the_wide_one(monkeypatch):
     with monkeypatch.context() as m:  # every pass of block_classes in full
         m.setattr(blocks.BlockCheck, "recheck", blocks.BlockCheck.first_pass)
         full = [outcome(s, p) for _, s, p in cases]
-    assert narrow == wide == tiny == full
+    with monkeypatch.context() as m:  # the whole-plan reference
+        m.setattr(blocks.BlockCheck, "representatives", whole_representatives)
+        m.setattr(blocks.BlockCheck, "check_kwargs", whole_check_kwargs)
+        reference = [outcome(s, p) for _, s, p in cases]
+    assert narrow == wide == tiny == full == reference
     assert any("class" in got for got in narrow)  # some plan needs a second pass
-    assert len(cases) >= 5 and narrow[0].startswith("proved")
-    for (name, _, _), got in zip(cases[1:], narrow[1:]):
-        # caught: a finding, a refusal, or the differing blocks in a cut of their own
-        assert got != narrow[0], name
+    names = [name for name, _, _ in cases]
+    assert {"other_rows", "replica_group", "microbatch_op", "last_microbatch"} <= set(names)
+    zero = names.index("ZeRO-1")
+    assert narrow[0].startswith("proved") and narrow[zero].startswith("proved")
+    for name, got in zip(names, narrow):
+        if name not in ("uniform", "ZeRO-1"):
+            # caught: a finding, a refusal, or the differing blocks in a cut of their own
+            assert got != narrow[zero if "owned" in name else 0], name
 
 
 def test_index_arrays_are_int32_when_they_fit():
@@ -85,8 +166,10 @@ def test_arrays_of_narrow_and_wide_columns_are_equal(dtype):
     _, plan = plan_pair(MLP, MESH, 32)
     cols = Columns.from_plan(plan)
     a = blocks.arrays(cols)
-    for name in ("t_rank", "n_rank", "flat", "ptr", "t_producer"):
+    for name in ("flat", "ptr", "t_producer"):
         assert getattr(a, name).dtype == np.int32
+    for name in ("t_rank", "n_rank", "n_mb"):  # the world's ranks and microbatches fit int16
+        assert getattr(a, name).dtype == np.int16
     assert np.array_equal(a.n_rank, np.asarray(cols.nodes.rank, dtype=dtype).astype(np.int64))
 
 

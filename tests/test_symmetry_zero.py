@@ -53,13 +53,19 @@ def test_correct_zero1_verifies_by_classes(par):
     assert "ZeRO-1 owned shards checked on every rank" in v.symmetry
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_zero2_and_zero3_are_verified_in_full(zero):
-    single, plan = pair(4, 2, Policy(zero=zero))
-    found = find_symmetry(single, plan)
-    assert isinstance(found, Refusal) and "reduce-scattered" in found.why
+@pytest.mark.parametrize("zero,par", [(2, dict(dp=4)), (3, dict(dp=8)), (2, dict(dp=8, tp=2)),
+                                      (3, dict(dp=4, pp=2))],
+                         ids=["zero2_dp4", "zero3_dp8", "zero2_dp8_tp2", "zero3_dp4_pp2"])
+def test_correct_zero2_and_zero3_verify_by_classes(zero, par):
+    """docs/soundness.md "ZeRO-2 and ZeRO-3: reduce-scattered shards"."""
+    single, plan = plan_pair(replace(MLP, optimizer="adamw"), Parallelism(nm=4, **par),
+                             2 * par["dp"] * 4, Policy(zero=zero))
     v = verify(single, plan)
-    assert v.success and "verified in full" in v.symmetry, v.message
+    assert v.success, v.message
+    dp = par["dp"]
+    assert v.blocks == (dp * 4, 4, 0) and v.classes == 1, v.symmetry
+    assert f"ZeRO-{zero} owned shards checked on every rank" in v.symmetry
+    assert "reduce-scatters each keep the rank's own gradient chunk" in v.symmetry
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -239,4 +245,180 @@ def test_a_keep_of_another_parameters_sum_fails():
     assert hit
     found = find_symmetry(single, p)
     assert isinstance(found, Refusal) and "does not keep chunk 2 of 4" in found.why, found
+    wrong_and_fails(single, p)
+
+
+# ZeRO-2 and ZeRO-3: reduce-scatters inside microbatches, per-use gathers (ZeRO-3)
+
+def zero_pair(zero: int) -> tuple[Plan, Plan]:
+    return pair(4, 4, Policy(zero=zero))
+
+
+def scatters_of(plan: Plan, d: int, mb: int | None = None) -> list[int]:
+    return [i for i, n in enumerate(plan.nodes) if n.op == "reduce_scatter" and
+            replica(plan, n.rank) == d and (mb is None or n.mb == mb)]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_scatter_keeping_another_index_fails(zero):
+    """Replica 3's reduce-scatters in microbatch 1 keep chunk 1 (claims moved)."""
+    single, plan = zero_pair(zero)
+    p = mutations.copy_plan(plan)
+    for i in scatters_of(plan, 3, 1):
+        n = plan.nodes[i]
+        p.nodes[i] = n._replace(kwargs={**n.kwargs, "index": 1})
+        out, whole = plan.tensors[n.outputs[0]], plan.tensors[n.inputs[0]]
+        p.tensors[n.outputs[0]] = out._replace(
+            slices=mutations._chunk(whole.slices, n.kwargs["dim"], 4, 1))
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal), found
+    wrong_and_fails(single, p)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_replica_missing_from_a_scatter_group_fails(zero):
+    """Replica 1's scatters in microbatch 2 read replica 2's value in replica 3's slot."""
+    single, plan = zero_pair(zero)
+    p = mutations.copy_plan(plan)
+    for i in scatters_of(plan, 1, 2):
+        ins = list(plan.nodes[i].inputs)
+        ins[3] = ins[2]
+        p.nodes[i] = plan.nodes[i]._replace(inputs=tuple(ins))
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal) and "whole orbit" in found.why, found
+    wrong_and_fails(single, p)
+
+
+def test_a_replica_missing_from_a_zero3_gather_fails():
+    """Replica 2's per-use gathers of microbatch 3 read replica 0's shard in replica 1's slot."""
+    single, plan = zero_pair(3)
+    p = mutations.copy_plan(plan)
+    hit = 0
+    for i, n in enumerate(plan.nodes):
+        if n.op == "all_gather" and n.mb == 3 and replica(plan, n.rank) == 2:
+            ins = list(n.inputs)
+            ins[1] = ins[0]
+            p.nodes[i] = n._replace(inputs=tuple(ins))
+            hit += 1
+    assert hit
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal) and "whole orbit" in found.why, found
+    wrong_and_fails(single, p)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_two_replicas_owning_one_shard_fail_with_scatters(zero):
+    single, plan = zero_pair(zero)
+    wrong = owns(plan, 2, 1)
+    found = find_symmetry(single, wrong)
+    assert isinstance(found, Refusal) and "owned twice or by nobody" in found.why, found
+    wrong_and_fails(single, wrong)
+
+
+def accumulations(plan: Plan, d: int) -> dict[tuple[int, int, int], int]:
+    """(rank, buffer tid, mb) -> the accumulation node, on replica d."""
+    return {(n.rank, plan.tensors[n.outputs[0]].tid, n.mb): i for i, n in enumerate(plan.nodes)
+            if n.op == "local_grad_accumulation" and replica(plan, n.rank) == d}
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_shard_chain_missing_a_microbatch_fails(zero):
+    """Replica 1's accumulation of microbatch 2 adds to microbatch 0's buffer:
+    microbatch 1's scattered shard is lost."""
+    single, plan = zero_pair(zero)
+    p = mutations.copy_plan(plan)
+    accs = accumulations(plan, 1)
+    for (rank, tid, mb), i in accs.items():
+        if mb == 2:
+            n = plan.nodes[i]
+            p.nodes[i] = n._replace(inputs=(plan.nodes[accs[(rank, tid, 0)]].outputs[0],
+                                            *n.inputs[1:]))
+    wrong_and_fails(single, p)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_shard_chain_from_ones_fails(zero):
+    """Replica 3's gradient buffers start from ones."""
+    single, plan = zero_pair(zero)
+    p = mutations.copy_plan(plan)
+    hit = 0
+    for i, n in enumerate(plan.nodes):
+        if n.op == "zeros" and replica(plan, n.rank) == 3 and \
+                plan.tensors[n.outputs[0]].tid in set(plan.grads.values()):
+            p.nodes[i] = n._replace(op="ones")
+            hit += 1
+    assert hit
+    wrong_and_fails(single, p)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_one_microbatch_of_one_replica_wrong_fails_in_its_class_with_scatters(zero):
+    single, plan = zero_pair(zero)
+    wrong = swapped(plan, 2, 3, "mul_scalar", {"value": 32.0})
+    found = find_symmetry(single, wrong)
+    assert isinstance(found, Symmetry) and len(found.classes) >= 1, found
+    text = wrong_and_fails(single, wrong)
+    assert "FAILED in its own cut" in text and "microbatch 3" in text, text
+
+
+def test_one_microbatch_of_one_replica_equal_verifies_by_classes_with_scatters():
+    single, plan = zero_pair(2)
+    equal = swapped(plan, 2, 3, "mul_scalar", {"value": 1 / 32})
+    assert judge(single, equal).right
+    v = verify(single, equal)
+    assert v.success, v.message
+    assert v.classes > 1 and "ZeRO-2 owned shards checked" in v.symmetry, v.symmetry
+
+
+def test_a_rule_broken_by_a_right_plan_verifies_in_full():
+    """Replica 1's gradient buffers start from zeros times one: right, but no
+    chain from a zeros buffer, so the plan is verified in full."""
+    single, plan = zero_pair(2)
+    p = mutations.copy_plan(plan)
+    nodes = []
+    for n in plan.nodes:
+        nodes.append(n)
+        if n.op == "zeros" and replica(plan, n.rank) == 1 and \
+                plan.tensors[n.outputs[0]].tid in set(plan.grads.values()):
+            old = n.outputs[0]
+            p.tensors.append(plan.tensors[old]._replace(version=plan.tensors[old].version))
+            new = len(p.tensors) - 1
+            nodes[-1] = n._replace(outputs=(new,))
+            nodes.append(n._replace(op="mul_scalar", inputs=(new,), outputs=(old,),
+                                    kwargs={"value": 1.0}))
+    p.nodes = nodes
+    assert judge(single, p).right
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal), found
+    v = verify(single, p)
+    assert v.success and "verified in full" in v.symmetry, v.message
+
+
+def test_a_row_summing_another_buffers_value_fails():
+    """In microbatch 1 every replica's scatter of layers.0 reads replica 2's
+    layers.1 gradient in position 2 (and the other way round), and replica 2
+    accumulates each scatter into the other buffer: each replica's own value
+    goes into its own chain, as the cut sees it, but the sums mix the two
+    parameters."""
+    single, plan = zero_pair(2)
+    p = mutations.copy_plan(plan)
+    name = {t: lg.name for t, lg in enumerate(plan.logical)}
+    row: dict[tuple[int, str], int] = {}
+    for i, n in enumerate(plan.nodes):
+        if n.op == "reduce_scatter" and n.mb == 1:
+            row[(replica(plan, n.rank), name[plan.tensors[n.outputs[0]].tid][:8])] = i
+    for d in range(4):
+        a, b = row[(d, "layers.0")], row[(d, "layers.1")]
+        ia, ib = list(plan.nodes[a].inputs), list(plan.nodes[b].inputs)
+        ia[2], ib[2] = ib[2], ia[2]
+        p.nodes[a] = plan.nodes[a]._replace(inputs=tuple(ia))
+        p.nodes[b] = plan.nodes[b]._replace(inputs=tuple(ib))
+    out = {plan.nodes[row[(2, k)]].outputs[0]: k for k in ("layers.0", "layers.1")}
+    swap = {o: plan.nodes[row[(2, "layers.1" if k == "layers.0" else "layers.0")]].outputs[0]
+            for o, k in out.items()}
+    for i, n in enumerate(plan.nodes):
+        if n.op == "local_grad_accumulation" and n.inputs[1] in swap:
+            p.nodes[i] = n._replace(inputs=(n.inputs[0], swap[n.inputs[1]]))
+    found = find_symmetry(single, p)
+    assert isinstance(found, Refusal) and "another gradient buffer" in found.why, found
     wrong_and_fails(single, p)

@@ -31,7 +31,8 @@ FLOAT32 = {"einsum_lm"}
 
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
-          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier"]
+          "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier",
+          "max_pool_classifier", "ids_read_as_list", "unet_tagger"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -99,6 +100,32 @@ LAYERS = {
     "maximum": lambda m, x: torch.maximum(m["lin"](x), x),
     "minimum_with_ties": lambda m, x: torch.minimum(m["lin"](x).clamp(min=0.0), x.clamp(min=0.0)),
     "conv2d_over_tokens_and_features": lambda m, x: m["conv2d"](x.unsqueeze(1)).mean(1),
+    # transposed convolutions (upsampling back along the tokens), reflect and replicate padding
+    "conv_transpose1d_upsampled": lambda m, x: m["lin"](
+        m["convt"](x.transpose(1, 2)).transpose(1, 2)[:, :x.shape[1]]),
+    "conv_transpose1d_grouped_dilated": lambda m, x: m["convt"](x.transpose(1, 2))[
+        ..., :x.shape[1]].transpose(1, 2),
+    "conv_transpose2d": lambda m, x: m["convt"](x.unsqueeze(1)).mean(1)[:, :x.shape[1], :x.shape[2]],
+    "conv1d_reflect": lambda m, x: m["conv"](m["lin"](x).transpose(1, 2)).transpose(1, 2),
+    "conv2d_replicate": lambda m, x: m["conv2d"](m["lin"](x).unsqueeze(1)).mean(1)[:, 1:-1],
+    # broadcast operands: a row, a per-token scale, a 0-d constant, the smaller one first
+    "maximum_broadcast_row": lambda m, x: torch.maximum(m["lin"](x), x[:, :1]),
+    "maximum_broadcast_feature": lambda m, x: torch.maximum(m["lin"](x), x.mean(-1, keepdim=True)),
+    "maximum_with_zero_tensor": lambda m, x: torch.maximum(m["lin"](x), torch.tensor(0.0,
+                                                                                    dtype=x.dtype)),
+    "minimum_smaller_first_with_ties": lambda m, x: torch.minimum(
+        x.clamp(min=0.0).amax(1, keepdim=True), m["lin"](x).clamp(min=0.0)),
+    # a maximum with its index: the gradient goes to the first maximum (ties included)
+    "max_dim_values": lambda m, x: m["lin"](x) + m["lin"](x).max(1, keepdim=True).values,
+    "max_dim_of_features": lambda m, x: x * torch.max(m["lin"](x), -1)[0].unsqueeze(-1),
+    "max_dim_with_ties": lambda m, x: m["lin"](x).clamp(max=0.0).max(-1, keepdim=True)[0] * x,
+    "min_dim_with_ties": lambda m, x: x * m["lin"](x).clamp(min=0.0).min(1).values.unsqueeze(1),
+    "max_pool1d_over_tokens": lambda m, x: m["lin"](F.max_pool1d(
+        m["lin"](x).transpose(1, 2), 2, stride=1).transpose(1, 2)).repeat(1, 2, 1)[:, :x.shape[1]],
+    "max_pool1d_features_strided": lambda m, x: m["lin"](x) * F.max_pool1d(
+        x, 3, stride=2, dilation=2).sum(-1, keepdim=True),
+    "max_pool2d_with_ties": lambda m, x: x + nn.MaxPool2d((2, 3), stride=(1, 2))(
+        m["lin"](x).clamp(max=0.0).unsqueeze(1)).mean((1, 2, 3)).view(-1, 1, 1),
 }
 LOSSES = {
     "one_hot_by_hand": lambda m, h, y: -(F.one_hot(y, SIZES["vocab"]).to(h.dtype)
@@ -117,6 +144,15 @@ CONVS = {
     "conv1d_strided_dilated_grouped": lambda: {
         "conv_sdg": nn.Conv1d(H, H, 3, stride=2, padding=2, dilation=2, groups=2, bias=False)},
     "conv2d_over_tokens_and_features": lambda: {"conv2d": nn.Conv2d(1, 3, 3, padding=1)},
+    "conv_transpose1d_upsampled": lambda: {
+        "convt": nn.ConvTranspose1d(H, H, 3, stride=2, padding=1, output_padding=1)},
+    "conv_transpose1d_grouped_dilated": lambda: {
+        "convt": nn.ConvTranspose1d(H, H, 2, dilation=2, groups=2, bias=False)},
+    "conv_transpose2d": lambda: {"convt": nn.ConvTranspose2d(1, 2, (2, 3), stride=(1, 2),
+                                                             padding=(0, 1))},
+    "conv1d_reflect": lambda: {"conv": nn.Conv1d(H, H, 3, padding=1, padding_mode="reflect")},
+    "conv2d_replicate": lambda: {"conv2d": nn.Conv2d(1, 3, 3, padding=(2, 1),
+                                                     padding_mode="replicate")},
 }
 
 RECURRENT = {
@@ -146,6 +182,8 @@ def test_activation_kernels_match_torch(name: str) -> None:
 @pytest.mark.parametrize("name, says", [
     ("dropout_mlp", "DropoutMLP.ff.2: a random draw"),
     ("branch_on_value", "BranchOnValue: Python reads the value of a computed tensor"),
+    ("branch_on_list", "BranchOnList: Python reads the value of a computed tensor"),
+    ("scale_from_numpy", "ScaleFromNumpy: Python reads the value of a computed tensor"),
     ("partial_write", "PartialWrite: a tensor written in place through a view of part of it"),
 ])
 def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: str) -> None:
@@ -154,18 +192,29 @@ def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: st
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
 
 
-def probe_max_dim_values(**_kw) -> Probe:
-    return Probe(lambda m, x: m["lin"](x) + m["lin"](x).max(1, keepdim=True).values,
-                 lin=nn.Linear(H, H))
+def probe_max_index_read(**_kw) -> Probe:
+    """An argmax read as a value (a position used as a number)."""
+    def body(m, x):
+        return x * m["lin"](x).max(-1).indices.unsqueeze(-1).to(x.dtype)
+    return Probe(body, lin=nn.Linear(H, H))
 
 
-def test_max_with_indices_is_refused_naming_why() -> None:
-    """``x.max(dim)``'s backward sends the gradient to the first maximum's
-    index (a choice by value); amax shares it among ties and is lowered."""
+def test_the_index_of_a_maximum_read_otherwise_is_refused() -> None:
+    """``x.max(dim)``'s values and their backward are lowered; its indices
+    are lowered only as that backward's scatter."""
     with pytest.raises(LoweringError) as e:
-        lower_trace(_single(f"{__name__}:probe_max_dim_values"), SIZES["vocab"])
-    assert "x.max(dim)" in str(e.value) and "first maximum" in str(e.value)
-    assert "\n" not in str(e.value)
+        lower_trace(_single(f"{__name__}:probe_max_index_read"), SIZES["vocab"])
+    assert "the index of a maximum" in str(e.value) and "\n" not in str(e.value)
+
+
+def probe_max_pool_padded(**_kw) -> Probe:
+    return Probe(lambda m, x: F.max_pool1d(x, 3, stride=1, padding=1), lin=nn.Linear(H, H))
+
+
+def test_max_pooling_with_padding_is_refused_in_one_line() -> None:
+    with pytest.raises(LoweringError) as e:
+        lower_trace(_single(f"{__name__}:probe_max_pool_padded"), SIZES["vocab"])
+    assert "max pooling with padding" in str(e.value) and "\n" not in str(e.value)
 
 
 def _verdict(argv: str):
@@ -220,3 +269,27 @@ def test_convolutions_left_out_of_the_dp_sum_fail_at_their_gradients() -> None:
     assert not verdict.success
     assert "rank" in verdict.message and any(f"blocks.0.{m}wise" in verdict.message
                                             for m in ("depth", "point")), verdict.message
+
+
+def probe_conv_circular(**_kw) -> Probe:
+    return Probe(lambda m, x: m["conv"](m["lin"](x).transpose(1, 2)).transpose(1, 2),
+                 lin=nn.Linear(H, H), conv=nn.Conv1d(H, H, 3, padding=1, padding_mode="circular"))
+
+
+def test_circular_padding_is_refused_in_one_line() -> None:
+    """Torch writes circular padding into slices of an empty tensor: a write
+    into part of a tensor, refused (docs/soundness.md, item 17)."""
+    with pytest.raises(LoweringError) as e:
+        lower_trace(_single(f"{__name__}:probe_conv_circular"), SIZES["vocab"])
+    assert "written in place" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("recipe", ["ddp_ignore_index_first_rank", "ddp_key_mask_off_by_one"])
+def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
+    """Rank 1 ignores (or masks) another id than the single-device step: its
+    constant is an input of its own, its column of the ids another one;
+    both FAIL at the model's node on rank 1, as the real runs differ."""
+    verdict, plan_p = _verdict(f"--model gpt2_padded --recipe {recipe} --dp 2 --tp 1")
+    assert not verdict.success and verdict.kind == "stage"
+    nodes = [plan_p.nodes[i] for r in verdict.failed for i in r.stage.gp_nodes]
+    assert any(n.rank == 1 and n.name == "MaskedLM" for n in nodes), nodes

@@ -30,21 +30,14 @@ representative's node it differs from.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.columns import Columns, NodeColumns, drop_pages
-from verdict.fold import (
-    ACCUMULATE,
-    CONSTANTS,
-    ORBIT_SUMS,
-    Fold,
-    _Layout,
-    batch_dims,
-    block_starts,
-    inner_size,
-)
+from verdict.columns import Columns, NodeColumns, drop_pages, row_ids
+from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, batch_dims, block_starts, inner_size
+from verdict.layout import Layout
 from verdict.lineage import StructureError
 from verdict.ops import get_op
 from verdict.owned import Owned
@@ -108,7 +101,7 @@ _I16 = np.iinfo(np.int16)
 #: No finding (BlockCheck's per-node codes)
 _NONE = np.iinfo(np.int8).max
 #: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
-_NODE_CHUNK = 1 << 20
+_NODE_CHUNK = 1 << 18
 
 
 def arrays(cols: Columns) -> Arrays:
@@ -123,29 +116,46 @@ def arrays(cols: Columns) -> Arrays:
     again (ValueError: an internal error)."""
     t, n = cols.tensors, cols.nodes
     nn, nt = len(n), len(t)
+    w = cols.world
+    # the divisors and products of BlockCheck.split stay within the type of ranks
+    ranks = int(np.prod([int(w.get(k, 1)) for k in ("pp", "dp", "cp", "tp")]))
+    nm = int(w.get("nm", 1))
     index = np.int32 if max(2 * nn + 2, nt, len(n.inputs) + len(n.outputs)) < _I32.max \
         else np.int64
     n_ins, r_count, inputs = _input_tuples(n, index)
+    drop_pages(n.in_start, n.in_count)
     k, in_total = len(r_count), len(inputs)
     ptr = np.empty(k + 2 + nn, dtype=index)
     ptr[0] = 0
     np.cumsum(r_count, out=ptr[1:k + 1])
     ptr[k + 1] = in_total  # the empty tuple
-    ptr[k + 2:] = n.out_off[1:].astype(np.int64) + in_total
+    np.add(n.out_off[1:], in_total, out=ptr[k + 2:], dtype=index, casting="unsafe")
     flat = np.empty(in_total + len(n.outputs), dtype=index)
     flat[:in_total] = inputs
     del inputs, r_count
+    drop_pages(n.inputs)
     flat[in_total:] = n.outputs
+    t_producer = _producers(n, nt, index)
+    drop_pages(n.outputs, n.out_off)
+
+    def copied(a: np.ndarray, copy: Callable[..., np.ndarray], *limits: int) -> np.ndarray:
+        """``copy(a, *limits)``, the mapped column's pages let go after: the
+        columns are read one at a time, so at most one is resident."""
+        out = np.array(copy(a, *limits), copy=True) if copy is index_array else copy(a, *limits)
+        drop_pages(a)
+        return out
+
     out = Arrays(
-        t_rank=index_array(t.rank), t_mb=small_array(t.mb, -3), t_tid=index_array(t.tid),
-        t_version=small_array(t.version), t_lver=small_array(t.lver),
-        t_producer=_producers(n, nt, index), n_rank=index_array(n.rank),
-        n_mb=index_array(n.mb),
-        n_op=small_array(n.op), n_dir=small_array(n.dir), n_kw=small_array(n.kwargs),
+        t_rank=copied(t.rank, small_array, ranks), t_mb=copied(t.mb, small_array, -3),
+        t_tid=copied(t.tid, index_array), t_version=copied(t.version, small_array),
+        t_lver=copied(t.lver, small_array), t_producer=t_producer,
+        n_rank=copied(n.rank, small_array, ranks), n_mb=copied(n.mb, small_array, -1, nm),
+        n_op=copied(n.op, small_array), n_dir=copied(n.dir, small_array),
+        n_kw=copied(n.kwargs, small_array),
         n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
         ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
             cols.logical)))
-    cols.drop_pages()
+    cols.drop_pages()  # the tensors' tids, read again for the slice offsets
     return out
 
 
@@ -194,21 +204,10 @@ def _producers(n: NodeColumns, nt: int, index: type) -> np.ndarray:
     return producer
 
 
-def _rows_id(matrix: np.ndarray) -> np.ndarray:
-    """An id per row of an int matrix, equal for equal rows: columns packed
-    into one int64 key while their ranges fit, then numbered by one sort."""
-    ids = np.zeros(len(matrix), dtype=np.int64)
-    span = 1
-    for k in range(matrix.shape[1] if matrix.ndim == 2 and len(matrix) else 0):
-        col = matrix[:, k].astype(np.int64)
-        lo = int(col.min())
-        width = int(col.max()) - lo + 1
-        if span * width >= 2 ** 62:
-            ids = np.unique(ids, return_inverse=True)[1].reshape(-1)
-            span = int(ids.max(initial=0)) + 1
-        ids = ids * width + (col - lo)
-        span *= width
-    return np.unique(ids, return_inverse=True)[1].reshape(-1)
+def _chunks(n: int) -> Iterator[tuple[int, int]]:
+    """[lo, hi) ranges of at most _NODE_CHUNK of n items, in order."""
+    for lo in range(0, n, _NODE_CHUNK):
+        yield lo, min(lo + _NODE_CHUNK, n)
 
 
 def _spans(ptr: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -228,7 +227,7 @@ class BlockCheck:
         w = parallel.world
         self.cp, self.tp = inner_size(w), int(w.get("tp", 1))  # cp: ep x cp inner ranks
         self.pp = int(w.get("pp", 1))
-        self.mesh = _Layout(fold.dp, self.cp, self.tp)
+        self.mesh = Layout(fold.dp, self.cp, self.tp)
         self.batch = batch_dims(single)
         self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
         self.offset: dict[tuple, int] = {}
@@ -247,10 +246,11 @@ class BlockCheck:
         #: each kind of finding (why, is a rule) -> its code, in the order the check meets them
         self.sites: dict[tuple[str, bool], int] = {}
         #: per node, the code of its first finding, rules and comparisons apart (_NONE: none),
-        #: and for a comparison the node it names in the representative's program
+        #: and for a comparison the node it names in the representative's program (made
+        #: at the first comparison found: a plan whose blocks agree needs none)
         self.rule_code = np.full(nn, _NONE, dtype=np.int8)
         self.diff_code = np.full(nn, _NONE, dtype=np.int8)
-        self.diff_ref = np.zeros(nn, dtype=index_array(np.array([nn])).dtype)
+        self.diff_ref: np.ndarray | None = None
         #: the representatives of the last pass (None: no pass yet)
         self.last_reps: tuple[np.ndarray, np.ndarray] | None = None
         #: ZeRO-1's gathers, keeps and shard offsets (verdict/owned.py), checked there
@@ -259,16 +259,13 @@ class BlockCheck:
     # -- helpers ------------------------------------------------------------------
     def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(class id, replica) of ranks: class = (stage, c, t) as one number."""
-        t = ranks % self.tp
-        c = (ranks // self.tp) % self.cp
-        d = (ranks // (self.tp * self.cp)) % self.fold.dp
-        stage = ranks // (self.tp * self.cp * self.fold.dp)
-        return (stage * self.cp + c) * self.tp + t, d
+        return self.mesh.split_array(ranks)
 
-    def flag(self, mask: np.ndarray, nodes: np.ndarray, why: str, reps=None) -> None:
+    def flag(self, mask: np.ndarray, nodes: np.ndarray | None, why: str, reps=None) -> None:
         """Record ``why`` on every node where ``mask`` holds (a comparison,
         naming ``reps``, or a rule when ``reps`` is None), unless the node
-        has a finding met earlier."""
+        has a finding met earlier. ``nodes`` names the node of each entry
+        of ``mask`` (None: entry i is node i)."""
         rule = reps is None
         code = self.sites.setdefault((why, rule), len(self.sites))
         if code >= _NONE:
@@ -276,11 +273,14 @@ class BlockCheck:
         hit = np.flatnonzero(mask)
         if not hit.size:
             return
-        at = nodes[hit]
+        at = hit if nodes is None else nodes[hit]
         codes = self.rule_code if rule else self.diff_code
         first = codes[at] > code
         codes[at[first]] = code
         if not rule:
+            if self.diff_ref is None:
+                n = len(self.diff_code)
+                self.diff_ref = np.zeros(n, dtype=index_array(np.array([n])).dtype)
             self.diff_ref[at[first]] = reps[hit[first]]
 
     def findings(self) -> list[tuple[int, int | None, str]]:
@@ -321,6 +321,23 @@ class BlockCheck:
         seen[flat[flat >= 0]] = True
         free = np.flatnonzero(~seen)
         return int(free[0]) if free.size else -1
+
+    #: What only the passes read: the compared columns, and the passes' own masks,
+    #: views and findings. The representatives' cut (verdict/symmetry.py) reads the
+    #: tuples, microbatches, replicas, slice offsets, owned shards, offsets and chains.
+    PASS_ONLY_COLUMNS = ("t_rank", "t_mb", "t_tid", "t_version", "t_lver", "t_producer",
+                         "n_rank", "n_op", "n_dir", "n_kw")
+    PASS_ONLY = ("n_cls", "t_cls", "t_view", "bad_rows", "is_acc", "orbit", "is_end",
+                 "rule_code", "diff_code", "diff_ref", "differs", "last_reps")
+
+    def finish(self) -> None:
+        """Let go of what only the passes read (PASS_ONLY_COLUMNS and
+        PASS_ONLY, set to None), once the classes are found: a few tens of
+        bytes a node the cut does not need. No pass may run after."""
+        for name in self.PASS_ONLY_COLUMNS:
+            setattr(self.cols, name, None)
+        for name in self.PASS_ONLY:
+            setattr(self, name, None)
 
     def kwargs(self, i: int) -> dict:
         return self.p.kwargs_of(int(self.cols.n_kw[i]))
@@ -363,7 +380,7 @@ class BlockCheck:
             (mb >= 0) & (old_m != new_m)[np.maximum(mb, 0)])
         self.rule_code[changed] = _NONE
         self.diff_code[changed] = _NONE
-        self.rep = rep = self.representatives(self.n_cls, self.n_d, changed)
+        rep = self.representatives(self.n_cls, self.n_d, changed)
         self.check_kwargs(rep, self.orbit, changed)
         self.check_entries(rep, self.orbit, self.is_acc, self.bad_rows, changed)
 
@@ -385,13 +402,12 @@ class BlockCheck:
         def of_kind(*which: str) -> np.ndarray:
             return np.array([k in which for k in kinds], dtype=bool)[cols.t_tid]
 
-        self.t_input = (cols.t_producer < 0) & of_kind(*INPUT_KINDS)
-        self.t_gradbuf = of_kind("gradbuf")
+        self.gradbuf_tid = np.array([k == "gradbuf" for k in kinds], dtype=bool)
         self.check_offsets(of_kind("data", "tokens"))
-        self.t_view, self.bad_rows = self.input_views()
+        self.t_view, self.bad_rows = self.input_views((cols.t_producer < 0) &
+                                                      of_kind(*INPUT_KINDS))
         drop_pages(self.p.tensors.slices, self.p.tensors.parts)
         rep = self.representatives(self.n_cls, self.n_d)
-        self.rep = rep
         self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
             cols.n_mb >= 0)
         self.check_chains()
@@ -422,15 +438,15 @@ class BlockCheck:
                 f"from 0: its replicas and microbatches do not split the batch into blocks"))
         self.offset = {(cls, d, m): starts[(d, m)] for (cls, d, m) in first}
 
-    def input_views(self) -> tuple[np.ndarray, np.ndarray]:
-        """For every input tensor, an id of its slices relative to its
+    def input_views(self, t_input: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For every input tensor (``t_input``), an id of its slices relative to its
         block's first row and its parts (-1 for computed tensors); and
         whether it holds rows outside its block. Only the input tensors'
         slices are copied."""
         cols, tc = self.cols, self.p.tensors
         nt = len(cols.t_rank)
         bad = np.zeros(nt, dtype=bool)
-        inputs = np.flatnonzero(self.t_input)
+        inputs = np.flatnonzero(t_input)
         ndim = (cols.slice_off[inputs + 1] - cols.slice_off[inputs]).astype(np.int64)
         width = int(ndim.max(initial=0))
         owner = np.repeat(np.arange(len(inputs)), ndim)
@@ -439,7 +455,7 @@ class BlockCheck:
         shifted = tc.slices[rows].astype(np.int64)  # moved to block coordinates below
         at = {int(r): k for k, r in enumerate(rows.tolist())} if len(rows) < 1 << 22 else None
         dims_of = {tid: dims for tid, dims in self.batch.items() if dims}
-        for t in np.flatnonzero(self.t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
+        for t in np.flatnonzero(t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
             row = self.offset.get((*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t])), -1)
             if row < 0:
                 continue
@@ -462,7 +478,7 @@ class BlockCheck:
         view[:, 2 * width:] = tc.parts[inputs]
         ids = np.full(nt, -1, dtype=np.int16 if len(inputs) < _I16.max else
                       np.int32 if len(inputs) < _I32.max else np.int64)
-        ids[inputs] = _rows_id(view)
+        ids[inputs] = row_ids(view)
         return ids, bad
 
     def representatives(self, n_cls: np.ndarray, n_d: np.ndarray,
@@ -471,41 +487,73 @@ class BlockCheck:
         representative program ((class, 0, 0) for a block, (class, 0) for
         a step program; (class, rep(d), rep(m)) and (class, rep(d)) when
         ``rep_of_d``/``rep_of_m`` are set); -1 where that program is shorter. Raises when a
-        class lacks a block or a step program of some replica."""
-        cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
-        nn = len(cols.n_rank)
-        blocks = (int(n_cls.max(initial=0)) + 1) * dp * (nm + 1)
-        kind = np.int32 if max(blocks, 2 * nn) < _I32.max else np.int64
-        n_cls = n_cls.astype(kind, copy=False)
-        slot = cols.n_mb.astype(kind) + 1  # 0: outside microbatches
-        block = (n_cls * dp + n_d.astype(kind, copy=False)) * (nm + 1) + slot
-        order = np.argsort(block, kind="stable").astype(kind)
-        ids, starts, counts = np.unique(block[order], return_index=True, return_counts=True)
-        starts, counts = starts.astype(kind), counts.astype(kind)
-        pos = np.empty(nn, dtype=kind)
-        pos[order] = np.arange(nn, dtype=kind) - np.repeat(starts, counts)
+        class lacks a block or a step program of some replica.
+
+        Three passes over the nodes, a chunk at a time: the blocks present
+        and their sizes; each node's position in its block and the blocks'
+        nodes in order (a stable counting sort); each node's representative.
+        Only those two and the answer span the whole plan."""
+        nn = len(self.cols.n_rank)
+        ids = self.block_ids(n_cls, n_d)
         self.check_present(ids)
-        own_size = counts[np.searchsorted(ids, block).astype(kind)]
-        del block
-        rep_d = 0 if self.rep_of_d is None else self.rep_of_d.astype(kind)[n_d]
-        rep_slot = np.minimum(slot, 1) if self.rep_of_m is None else \
-            np.where(slot > 0, self.rep_of_m.astype(kind)[np.maximum(cols.n_mb, 0)] + 1, 0)
-        del slot
-        rep_block = (n_cls * dp + rep_d) * (nm + 1) + rep_slot
-        del rep_d, rep_slot
-        where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1).astype(kind)
-        found = ids[where] == rep_block
-        del rep_block
-        size = np.where(found, counts[where], 0)
-        found &= pos < size
-        rep = index_array(np.where(found, order[np.minimum(starts[where] + pos, nn - 1)], -1))
-        del found, pos
-        nodes = np.arange(nn, dtype=kind)
-        if only is not None:
-            own_size = np.where(only, own_size, size)
-        self.flag(own_size != size, nodes, "its block has another number of nodes than the "
-                  "representative's", np.where(rep >= 0, rep, order[starts[where]]))
+        kind = np.int32 if max(len(ids), 2 * nn) < _I32.max else np.int64
+        counts = np.zeros(len(ids), dtype=np.int64)
+        for lo, hi in _chunks(nn):
+            b = np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))
+            counts += np.bincount(b, minlength=len(ids))
+        starts = np.zeros(len(ids), dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        order = np.empty(nn, dtype=kind)  # the nodes block by block, in node order within one
+        pos = np.empty(nn, dtype=kind)  # each node's position in its block
+        filled = np.zeros(len(ids), dtype=np.int64)
+        for lo, hi in _chunks(nn):
+            b = np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))
+            sort = np.argsort(b, kind="stable")
+            first = np.searchsorted(b[sort], b[sort], side="left")
+            within = np.empty(len(b), dtype=np.int64)
+            within[sort] = np.arange(len(b)) - first
+            at = filled[b] + within
+            pos[lo:hi] = at
+            order[starts[b] + at] = np.arange(lo, hi, dtype=kind)
+            filled += np.bincount(b, minlength=len(ids))
+        rep = np.empty(nn, dtype=index_array(np.array([nn])).dtype)
+        for lo, hi in _chunks(nn):
+            own_size = counts[np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))]
+            rep_block = self.block_of(n_cls, n_d, lo, hi, True)
+            where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1)
+            found = ids[where] == rep_block
+            size = np.where(found, counts[where], 0)
+            at = pos[lo:hi]
+            found &= at < size
+            got = np.where(found, order[np.minimum(starts[where] + at, nn - 1)], -1)
+            rep[lo:hi] = got
+            if only is not None:
+                own_size = np.where(only[lo:hi], own_size, size)
+            self.flag(own_size != size, np.arange(lo, hi), "its block has another number of "
+                      "nodes than the representative's",
+                      np.where(got >= 0, got, order[starts[where]]))
         return rep
+
+    def block_ids(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
+        """The distinct blocks of the nodes (:meth:`block_of`), sorted."""
+        found = [np.unique(self.block_of(n_cls, n_d, lo, hi, False))
+                 for lo, hi in _chunks(len(n_cls))]
+        return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
+
+    def block_of(self, n_cls: np.ndarray, n_d: np.ndarray, lo: int, hi: int,
+                 representative: bool) -> np.ndarray:
+        """The block of nodes lo..hi-1 (class, replica, microbatch + 1, 0:
+        outside microbatches) as one int64, or with ``representative`` the
+        block of their representative (``rep_of_d``, ``rep_of_m``)."""
+        dp, nm = self.fold.dp, self.fold.nm
+        d = n_d[lo:hi].astype(np.int64)
+        mb = self.cols.n_mb[lo:hi].astype(np.int64)
+        slot = mb + 1
+        if representative:
+            d = 0 if self.rep_of_d is None else self.rep_of_d.astype(np.int64)[d]
+            slot = np.minimum(slot, 1) if self.rep_of_m is None else \
+                np.where(slot > 0, self.rep_of_m.astype(np.int64)[np.maximum(mb, 0)] + 1, 0)
+        return (n_cls[lo:hi].astype(np.int64) * dp + d) * (nm + 1) + slot
 
     def check_present(self, ids: np.ndarray) -> None:
         """Every class with a block program has one for each (d, m), and a
@@ -560,41 +608,68 @@ class BlockCheck:
         nodes ``only``, default all); an orbit's ``index`` is compared as
         its own position (checked in :meth:`check_glue`), a send/receive
         peer as its class, in the replica."""
+        cols = self.cols
+        special, special_kw = self.normal_kwargs(orbit)
+
+        def kwargs_code(nodes: np.ndarray) -> np.ndarray:
+            """The kwargs code of nodes, the normalized one where there is one."""
+            kw = cols.n_kw[nodes].astype(np.int64)
+            at = np.minimum(np.searchsorted(special, nodes), max(len(special) - 1, 0))
+            hit = special[at] == nodes if len(special) else np.zeros(len(nodes), dtype=bool)
+            kw[hit] = special_kw[at[hit]]
+            return kw
+
+        for lo, hi in _chunks(len(cols.n_kw)):
+            nodes = np.arange(lo, hi)
+            kw = kwargs_code(nodes)
+            self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
+            ok = rep[lo:hi] >= 0
+            if only is not None:
+                ok &= only[lo:hi]
+            r = np.maximum(rep[lo:hi], 0)
+            self.flag(ok & ((cols.n_op[lo:hi] != cols.n_op[r]) | (cols.n_dir[lo:hi] != cols.n_dir[r])),
+                      nodes, "another operator or direction", rep[lo:hi])
+            self.flag(ok & (kw != kwargs_code(r)), nodes, "other kwargs", rep[lo:hi])
+            for tuples, what in ((cols.n_ins, "inputs"), (cols.n_outs, "outputs")):
+                own, of_r = tuples[lo:hi], tuples[r]
+                n = cols.ptr[own + 1] - cols.ptr[own]
+                self.flag(ok & (n != cols.ptr[of_r + 1] - cols.ptr[of_r]), nodes,
+                          f"another number of {what}", rep[lo:hi])
+
+    def normal_kwargs(self, orbit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes whose kwargs are compared normalized, in order, and
+        their normalized codes (-1: a send/receive peer in another replica).
+        An orbit's or an owned shard's ``index`` is left out (checked in
+        :meth:`check_glue` and verdict/owned.py), a send/receive peer is
+        its class, in the replica."""
         cols, p = self.cols, self.p
-        kw = cols.n_kw.astype(np.int32)
+        is_send = np.array([op == "send_recv" for op in cols.ops] or [False])
+        found = [np.flatnonzero(orbit[lo:hi] | self.owned.nodes[lo:hi] | is_send[cols.n_op[lo:hi]])
+                 + lo for lo, hi in _chunks(len(cols.n_kw))]
+        special = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        if not len(special):
+            return special, np.zeros(0, dtype=np.int64)
+        own_index = orbit[special] | self.owned.nodes[special]
+        # one normalization per (kwargs code, replica, own index), made as its first node has it
+        keys = np.stack((cols.n_kw[special].astype(np.int64), self.n_d[special].astype(np.int64),
+                         own_index.astype(np.int64)), axis=1)
+        distinct, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         table: dict[str, int] = {}
-        send = np.array([op == "send_recv" for op in cols.ops] or [False])[cols.n_op]
-        normal: dict[tuple, int] = {}
-        own_index = orbit | self.owned.nodes  # checked in check_glue and verdict/owned.py
-        for i in np.flatnonzero(own_index | send).tolist():
-            own_d = int(self.n_d[i])
-            code = int(cols.n_kw[i])
-            key = (code, own_d, bool(own_index[i]))
-            if key not in normal:
-                kwargs = p.kwargs_of(code)
-                if own_index[i]:
-                    kwargs.pop("index", None)
-                off = False
-                for k in ("src", "dst"):
-                    if send[i] and isinstance(kwargs.get(k), int):
-                        cls, d = self.mesh.split(kwargs[k])
-                        off |= d != own_d
-                        kwargs[k] = list(cls)
-                text = json.dumps(kwargs, sort_keys=True)
-                normal[key] = -1 if off else len(p.kwargs) + table.setdefault(text, len(table))
-            kw[i] = normal[key]
-        nodes = np.arange(len(kw))
-        self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
-        ok = rep >= 0
-        if only is not None:
-            ok &= only
-        r = np.maximum(rep, 0)
-        self.flag(ok & ((cols.n_op != cols.n_op[r]) | (cols.n_dir != cols.n_dir[r])), nodes,
-                  "another operator or direction", rep)
-        self.flag(ok & (kw != kw[r]), nodes, "other kwargs", rep)
-        for tuples, what in ((cols.n_ins, "inputs"), (cols.n_outs, "outputs")):
-            n = cols.ptr[tuples + 1] - cols.ptr[tuples]
-            self.flag(ok & (n != n[r]), nodes, f"another number of {what}", rep)
+        normal = np.empty(len(distinct), dtype=np.int64)
+        for k, ((code, own_d, own), i) in enumerate(zip(distinct.tolist(), special[first].tolist())):
+            kwargs = p.kwargs_of(code)
+            if own:
+                kwargs.pop("index", None)
+            off = False
+            for name in ("src", "dst"):
+                if is_send[cols.n_op[i]] and isinstance(kwargs.get(name), int):
+                    cls, d = self.mesh.split(kwargs[name])
+                    off |= d != own_d
+                    kwargs[name] = list(cls)
+            text = json.dumps(kwargs, sort_keys=True)
+            normal[k] = -1 if off else len(p.kwargs) + table.setdefault(text, len(table))
+        codes = normal[inverse.reshape(-1)]
+        return special, codes
 
     def check_entries(self, rep: np.ndarray, orbit: np.ndarray, is_acc: np.ndarray,
                       bad_rows: np.ndarray, only: np.ndarray | None = None) -> None:
@@ -603,18 +678,19 @@ class BlockCheck:
         position, a chunk of nodes at a time."""
         cols = self.cols
         for outputs, tuples in ((False, cols.n_ins), (True, cols.n_outs)):
-            lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
-            same = (rep >= 0) & (lengths == lengths[np.maximum(rep, 0)])
-            if only is not None:
-                same &= only
-            # an orbit reading the same tuple as its representative reads the same tensors
-            skip = orbit & (tuples == tuples[np.maximum(rep, 0)]) & (not outputs)
-            picked = np.flatnonzero(same & ~skip).astype(rep.dtype)
-            del same, skip
-            for lo in range(0, len(picked), _NODE_CHUNK):
-                nodes = picked[lo: lo + _NODE_CHUNK]
-                count = lengths[nodes].astype(np.int64)
-                node = np.repeat(nodes, count)
+            for lo, hi in _chunks(len(tuples)):
+                own, r = tuples[lo:hi], np.maximum(rep[lo:hi], 0)
+                lengths = cols.ptr[own + 1] - cols.ptr[own]
+                same = (rep[lo:hi] >= 0) & (lengths == cols.ptr[tuples[r] + 1] - cols.ptr[tuples[r]])
+                if only is not None:
+                    same &= only[lo:hi]
+                # an orbit reading the same tuple as its representative reads the same tensors
+                skip = orbit[lo:hi] & (own == tuples[r]) & (not outputs)
+                picked = np.flatnonzero(same & ~skip)
+                if not len(picked):
+                    continue
+                count = lengths[picked].astype(np.int64)
+                node = np.repeat(picked + lo, count)
                 k = np.arange(len(node)) - np.repeat(np.cumsum(count) - count, count)
                 t = cols.flat[cols.ptr[tuples[node]] + k]
                 r = cols.flat[cols.ptr[tuples[rep[node]]] + k]
@@ -720,8 +796,7 @@ class BlockCheck:
             del bad, nonempty
         sums_ends = end_ok[cols.n_ins] & sums
         del sums, end_ok
-        nodes = np.arange(len(cols.n_ins), dtype=cols.n_ins.dtype)
-        self.flag(orbit & ~self.owned.nodes & (~sums_ends | (cols.n_mb != -1)), nodes,
+        self.flag(orbit & ~self.owned.nodes & (~sums_ends | (cols.n_mb != -1)), None,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
         sums = np.flatnonzero(orbit & sums_ends)
         groups = cols.n_ins[sums]
@@ -767,7 +842,7 @@ class BlockCheck:
             writer = np.repeat(np.arange(lo, hi), np.diff(out_ptr[lo: hi + 1]))
             keep = t >= 0
             t, writer = t[keep], writer[keep]
-            g = self.t_gradbuf[t]
+            g = self.gradbuf_tid[cols.t_tid[t]]
             found_t.append(t[g])
             found_w.append(writer[g])
         return np.concatenate(found_t), np.concatenate(found_w)

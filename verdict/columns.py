@@ -64,6 +64,23 @@ def narrow(values: Any) -> Array:
     return a
 
 
+def row_ids(matrix: np.ndarray) -> np.ndarray:
+    """An id per row of an int matrix, equal for equal rows: columns packed
+    into one int64 key while their ranges fit, then numbered by one sort."""
+    ids = np.zeros(len(matrix), dtype=np.int64)
+    span = 1
+    for k in range(matrix.shape[1] if matrix.ndim == 2 and len(matrix) else 0):
+        col = matrix[:, k].astype(np.int64)
+        lo = int(col.min())
+        width = int(col.max()) - lo + 1
+        if span * width >= 2 ** 62:
+            ids = np.unique(ids, return_inverse=True)[1].reshape(-1)
+            span = int(ids.max(initial=0)) + 1
+        ids = ids * width + (col - lo)
+        span *= width
+    return np.unique(ids, return_inverse=True)[1].reshape(-1)
+
+
 def drop_pages(*arrays: Any) -> None:
     """Let go of the pages of every array here that is a view of a memory
     map (a column mapped from a plan file): they leave this process's

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from verdict.layout import Layout
 from verdict.lineage import StructureError
 from verdict.ops import get_op
 from verdict.plan import FOLD_KEYS, INPUT_KINDS, Node, Plan, Tensor
@@ -266,28 +267,11 @@ def fold_pair(single: Plan, parallel: Plan) -> tuple[Plan, Fold | None]:
 
 # -- uniformity of the shown replicas and microbatches -------------------------
 
-@dataclass(frozen=True)
-class _Layout:
-    """The (pp, dp, cp, tp) mesh of the shown plan: a rank's class (stage,
-    cp index, tp index) and its replica d."""
-
-    dp: int
-    cp: int
-    tp: int
-
-    def split(self, rank: int) -> tuple[tuple[int, int, int], int]:
-        t = rank % self.tp
-        c = (rank // self.tp) % self.cp
-        d = (rank // (self.tp * self.cp)) % self.dp
-        stage = rank // (self.tp * self.cp * self.dp)
-        return (stage, c, t), d
-
-
 class _Uniformity:
     def __init__(self, single: Plan, parallel: Plan, fold: Fold):
         self.p, self.fold = parallel, fold
         w = parallel.world
-        self.mesh = _Layout(fold.dp, inner_size(w), int(w.get("tp", 1)))
+        self.mesh = Layout(fold.dp, inner_size(w), int(w.get("tp", 1)))
         self.batch = batch_dims(single)
         self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
         self.producer = parallel.producers()

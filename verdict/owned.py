@@ -1,4 +1,4 @@
-"""ZeRO-1 owned shards in a materialized plan, found and checked on the whole plan.
+"""ZeRO owned shards in a materialized plan, found and checked on the whole plan.
 
 With ZeRO-1 each replica loads another shard of a parameter (the one it
 owns), all-gathers the whole parameter from the orbit's shards before its
@@ -25,6 +25,18 @@ of the plan:
 5. an *update*: an ``all_gather`` of the orbit's updated shards, read by
    nothing.
 
+ZeRO-2 and ZeRO-3 reduce-scatter each microbatch's gradient instead of
+reducing whole ones, and ZeRO-3 gathers the parameter per use inside the
+microbatches; :meth:`_Scan.find_scatters` and :meth:`_Scan.chains` check
+(6) such gathers as rule 1's, (7) every scatter: over the whole orbit at its
+own index, one row of block values per buffer shared by every replica, its
+own value the block's at the whole box, its output the rank's shard read by
+one accumulation only, and (8) the chain of those accumulations from zeros
+ending in what the rank ends with. The cut replaces each scatter by its own
+value, widens the chain to the box and sums the shown chain ends with a
+reducer: the ZeRO-1 shape (docs/soundness.md, "ZeRO-2 and ZeRO-3:
+reduce-scattered shards").
+
 The cut of the representatives (verdict/symmetry.py) replaces each gather
 by its value, the whole parameter loaded, drops keeps and updates, and
 runs each optimizer step on the whole box (the gathered parameter, the
@@ -36,12 +48,12 @@ and the plan is verified in full.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from verdict.fold import ORBIT_SUMS
+from verdict.fold import ACCUMULATE, ORBIT_SUMS
 from verdict.ops.step import OPTIMIZERS
 from verdict.plan import UNIT
 
@@ -72,12 +84,20 @@ class Owned:
     shifts: tuple[np.ndarray, np.ndarray, np.ndarray]  # (tensor, dim, offset), by tensor
     rewire: dict[int, dict[int, int]]
     widen: dict[int, list[tuple[int, int]]]
+    #: ZeRO-2/3: the reduce-scatters inside microbatches (a node mask), each
+    #: one's output -> its input at its own index (the block's whole-box value)
+    scatters: np.ndarray | None = None
+    scattered: dict[int, int] = field(default_factory=dict)
+    #: ZeRO-2/3: (rank, gradient buffer tid) -> the box its chain of reduced
+    #: shards widens to in the cut, where a reducer sums the chain ends
+    reduced: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def nodes(self) -> np.ndarray:
         """The nodes whose ``index`` is their replica (compared without it),
         which the cut drops."""
-        return self.gathers | self.keeps | self.updates
+        out = self.gathers | self.keeps | self.updates
+        return out if self.scatters is None else out | self.scatters
 
     @staticmethod
     def none(nodes: int, tensors: int) -> Owned:
@@ -93,9 +113,8 @@ def find_owned(check: BlockCheck) -> Owned:
     p = check.p
     if not p.world.get("zero", 0):
         return Owned.none(len(check.cols.n_rank), len(check.cols.t_rank))
-    if int(p.world["zero"]) != 1:
-        return _refuse("ZeRO-2/3 reduce-scatter each microbatch's gradient across replicas "
-                       "inside the blocks")
+    if p.world["zero"] not in (1, 2, 3):
+        return _refuse(f"ZeRO stage {p.world['zero']!r} is none the owned shards cover")
     return _Scan(check).run()
 
 
@@ -104,6 +123,7 @@ class _Scan:
 
     def __init__(self, check: BlockCheck):
         self.cols, self.p, self.dp = check.cols, check.p, check.fold.dp
+        self.zero = int(self.p.world["zero"])
         cols = self.cols
         nn, nt = len(cols.n_rank), len(cols.t_rank)
         self.t_cls, self.t_d = check.split(cols.t_rank)
@@ -114,6 +134,9 @@ class _Scan:
         self.keeps = np.zeros(nn, dtype=bool)
         self.updates = np.zeros(nn, dtype=bool)
         self.gathered = np.zeros(nt, dtype=bool)
+        self.scatters = np.zeros(nn, dtype=bool)
+        self.scattered: dict[int, int] = {}
+        self.reduced: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.shifts: list[tuple[np.ndarray, ...]] = []  # (tensors, dims, offsets)
         self.kw_cache: dict[int, dict] = {}
         self.dim_of: dict[int, int] = {}  # gather node -> its dim
@@ -168,7 +191,10 @@ class _Scan:
             updates.append(nodes[~loaded])
         if self.shard_of:
             _check_loaded(self.cols, self.kinds, self.shard_of)
-            self.find_keeps()
+            if self.zero >= 2:
+                self.find_scatters()
+            else:
+                self.find_keeps()
             self.find_steps()
         for nodes in updates:
             for lo in range(0, len(nodes), step):
@@ -191,18 +217,18 @@ class _Scan:
             _refuse("a shard is gathered at two offsets")
         first = np.concatenate(([True], ~same))
         return Owned(self.gathers, self.keeps, self.updates, self.gathered,
-                     (t[first], dim[first], off[first]), self.rewire, self.widen)
+                     (t[first], dim[first], off[first]), self.rewire, self.widen,
+                     self.scatters, self.scattered, self.reduced)
 
     def is_loaded(self, t: np.ndarray) -> np.ndarray:
         c, s = self.cols, np.maximum(t, 0)
         return (t >= 0) & (c.t_producer[s] < 0) & (c.t_lver[s] == 0) & (c.t_mb[s] == -1)
 
-    def crossing(self) -> np.ndarray:
-        """The all_gathers that read another replica's tensor (outside
-        microbatches, else refused)."""
+    def crossing(self, op: str = "all_gather") -> np.ndarray:
+        """The nodes of ``op`` that read another replica's tensor; all_gathers
+        outside microbatches (ZeRO-3: also inside, per use), else refused."""
         cols = self.cols
-        ag = np.flatnonzero(np.array([op == "all_gather" for op in cols.ops] or [False]
-                                     )[cols.n_op])
+        ag = np.flatnonzero(np.array([o == op for o in cols.ops] or [False])[cols.n_op])
         if not ag.size:
             return ag
         read, reader = _inputs(cols, ag)
@@ -210,8 +236,10 @@ class _Scan:
         hit = np.zeros(len(cols.n_rank), dtype=bool)
         hit[reader[other]] = True
         out = ag[hit[ag]]
+        if op != "all_gather":
+            return out
         inside = out[cols.n_mb[out] >= 0]
-        if inside.size:
+        if inside.size and self.zero < 3:
             _refuse(f"the all_gather {int(inside[0])} on rank {int(cols.n_rank[inside[0]])} "
                     f"crosses replicas inside a microbatch")
         return out
@@ -263,9 +291,10 @@ class _Scan:
                     self.box(o) != box or not self.whole(o):
                 _refuse(f"{where}: its output does not claim the whole box its shards tile")
             key = (int(cols.n_rank[i]), t)
-            if key in self.shard_of:
+            found = (self.dim_of[i], w, int(row[d]), box, o)
+            if key in self.shard_of and (self.zero < 3 or self.shard_of[key][:4] != found[:4]):
                 _refuse(f"{where}: a second gather of {self.p.logical[t].name} on the rank")
-            self.shard_of[key] = (self.dim_of[i], w, int(row[d]), box, o)
+            self.shard_of.setdefault(key, found)
         self.gathers[nodes] = True
         self.gathered[out] = True
         d = self.n_d[nodes].astype(np.int64)  # each gather's own shard (every rank gathers)
@@ -348,6 +377,119 @@ class _Scan:
                 _refuse(f"rank {key[0]} writes a gradient buffer of "
                         f"{self.p.logical[key[1]].name} between the sum and the kept chunk")
 
+    def find_scatters(self) -> None:
+        """ZeRO-2/3: every reduce_scatter that crosses replicas runs inside a
+        microbatch over the whole orbit at its own index; every replica's
+        scatter of it reads the same row of block values (so position j holds
+        replica j's own value), its own value is computed in its block at the
+        whole box B of a gathered parameter, and its output, the rank's shard,
+        is read only by one accumulation of that parameter's gradient buffer
+        on the rank, as its contribution. Each such buffer is one chain of
+        these accumulations from a buffer nothing else reads, whose end is
+        the last gradient buffer the rank writes, the rank's shard, whole
+        (docs/soundness.md, "ZeRO-2 and ZeRO-3: reduce-scattered shards")."""
+        cols = self.cols
+        nodes = self.crossing("reduce_scatter")
+        inside = nodes[cols.n_mb[nodes] < 0]
+        if inside.size:
+            _refuse(f"the reduce_scatter {int(inside[0])} on rank "
+                    f"{int(cols.n_rank[inside[0]])} runs outside microbatches")
+        m = self.groups(nodes) if nodes.size else np.zeros((0, self.dp), dtype=np.int64)
+        own = m[np.arange(len(nodes)), self.n_d[nodes].astype(np.int64)]
+        owner = np.full(len(cols.t_rank), -1, dtype=np.int64)
+        owner[own] = np.arange(len(nodes))
+        if len(np.unique(own)) != len(own):
+            _refuse("two reduce_scatters read one value at their own index")
+        _, row_id = np.unique(m, axis=0, return_inverse=True)
+        row_id = row_id.reshape(-1)
+        k = owner[m]
+        bad = (k < 0).any(axis=1) | (row_id[np.maximum(k, 0)] != row_id[:, None]).any(axis=1) | \
+            (cols.t_mb[m] != cols.n_mb[nodes][:, None]).any(axis=1)
+        if bad.any():
+            i = int(nodes[np.argmax(bad)])
+            _refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} reads, in some "
+                    f"replica's position, another value than that replica's own scatter of "
+                    f"the same row in its microbatch")
+        param_of = {int(b): int(q) for q, b in self.p.grads.items()}
+        outs = cols.flat[cols.ptr[cols.n_outs[nodes]]]
+        is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op]
+        read, reader = _inputs(cols, np.flatnonzero(is_acc))
+        readers: dict[int, list[int]] = {}  # an output read once, by an accumulation
+        watched = np.isin(read, outs[self.reads[np.maximum(outs, 0)] == 1])
+        for t, i in zip(read[watched].tolist(), reader[watched].tolist()):
+            readers.setdefault(t, []).append(i)
+        chains: dict[tuple[int, int], list[int]] = {}
+        buffer = np.zeros(len(nodes), dtype=np.int64)  # the gradient buffer each one feeds
+        for at, (i, v) in enumerate(zip(nodes.tolist(), own.tolist())):
+            rank, mb = int(cols.n_rank[i]), int(cols.n_mb[i])
+            o = self.outs(i)[0] if len(self.outs(i)) == 1 else -1
+            acc = readers.get(o, [])
+            where = f"the reduce_scatter {i} on rank {rank}"
+            if len(acc) != 1 or self.op(acc[0]) != ACCUMULATE or \
+                    int(cols.n_rank[acc[0]]) != rank or int(cols.n_mb[acc[0]]) != mb or \
+                    self.ins(acc[0])[1:] != [o]:
+                _refuse(f"{where}: its output is read by another node than one accumulation "
+                        f"of its microbatch, as the contribution")
+            buf = self.outs(acc[0])[0]
+            key = (rank, param_of.get(int(cols.t_tid[buf]), -1))
+            if key not in self.shard_of:
+                _refuse(f"{where} accumulates into the gradient buffer of no gathered parameter")
+            dim, _, shard, full, _ = self.shard_of[key]
+            kw = self.kw(int(cols.n_kw[i]))
+            if kw.get("dim") != dim or self.box(o) != self.box(shard) or \
+                    int(cols.t_producer[v]) < 0 or int(cols.t_mb[v]) != mb or \
+                    self.box(v) != full:
+                _refuse(f"{where} does not scatter its block's value at the whole box of "
+                        f"{self.p.logical[key[1]].name} to the shard the rank loads")
+            chains.setdefault(key, []).append(acc[0])
+            self.scattered[o] = v
+            buffer[at] = int(cols.t_tid[buf])
+        # one row, one buffer: replica j's value at position j is what its own
+        # chain of that buffer accumulates (docs/soundness.md)
+        bad = (buffer[k] != buffer[:, None]).any(axis=1)
+        if bad.any():
+            i = int(nodes[np.argmax(bad)])
+            _refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} sums values that "
+                    f"other replicas accumulate into another gradient buffer")
+        self.scatters[nodes] = True
+        self.chains(chains, param_of)
+
+    def chains(self, chains: dict[tuple[int, int], list[int]], param_of: dict[int, int]) -> None:
+        """Each gathered parameter's gradient buffer on a rank: a chain of the
+        scatters' accumulations only, from a buffer read by the first one
+        only, each output read by the next only, the end the last gradient
+        buffer the rank writes, claiming the rank's shard, whole."""
+        cols = self.cols
+        last = _last_writers(cols, param_of)
+        is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op]
+        writes: dict[tuple[int, int], int] = {}
+        for a in np.flatnonzero(is_acc).tolist():
+            outs = self.outs(a)
+            if outs and outs[0] >= 0:
+                key = (int(cols.n_rank[a]), param_of.get(int(cols.t_tid[outs[0]]), -1))
+                writes[key] = writes.get(key, 0) + 1
+        for key, (_, _, shard, full, _) in self.shard_of.items():
+            accs = chains.get(key, [])
+            where = f"rank {key[0]}'s gradient buffer of {self.p.logical[key[1]].name}"
+            end = last.get(key, -1)
+            if not accs or writes.get(key) != len(accs) or end not in accs:
+                _refuse(f"{where} is not one chain of its reduce-scattered shards")
+            ends = self.outs(end)[0]
+            if self.box(ends) != self.box(shard) or not self.whole(ends):
+                _refuse(f"{where} does not end with the rank's shard, whole")
+            outs = {self.outs(a)[0] for a in accs}
+            prevs = {self.ins(a)[0] for a in accs}
+            for prev in prevs:
+                made = int(cols.t_producer[prev]) if prev >= 0 else -1
+                if int(self.reads[prev]) != 1 or \
+                        (prev not in outs and (made < 0 or self.op(made) != "zeros")):
+                    _refuse(f"{where}: a running buffer is read by another node, or starts "
+                            f"from another value than zeros")
+            if outs - prevs != {ends}:
+                _refuse(f"{where} is not one chain ending in the buffer the rank ends with")
+            self.kept[key] = (ends, ends)
+            self.reduced[(key[0], int(cols.t_tid[ends]))] = full
+
     def find_steps(self) -> None:
         """Rule 4: the only other reader of a rank's shard is an optimizer
         step on it, reading the kept chunk and loaded state shards of the
@@ -402,7 +544,8 @@ class _Scan:
             where = f"the all_gather {i} on rank {int(cols.n_rank[i])}"
             o = int(cols.flat[cols.ptr[cols.n_outs[i]]])
             key = (int(cols.n_rank[i]), tid)
-            if any(self.updated.get((cls, j, tid)) != t for j, t in enumerate(row)) or \
+            if int(cols.n_mb[i]) >= 0 or \
+                    any(self.updated.get((cls, j, tid)) != t for j, t in enumerate(row)) or \
                     key not in self.shard_of or \
                     self.kw(int(cols.n_kw[i])).get("dim") != self.shard_of[key][0]:
                 _refuse(f"{where} gathers neither loaded shards nor the orbit's updated shards "

@@ -18,6 +18,7 @@ never FAILs a plan by itself.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -76,7 +77,9 @@ class Symmetry:
     base: tuple[int, ...] = (0, 1)  # the replicas of ``folded``
     base_mbs: tuple[int, ...] = (0, 1)  # and its microbatches
     classes: tuple[ClassCut, ...] = ()
-    owned: int = 0  # ZeRO-1 gathers checked on the whole plan (verdict/owned.py)
+    owned: int = 0  # ZeRO gathers checked on the whole plan (verdict/owned.py)
+    zero: int = 0  # the plan's ZeRO stage
+    scatters: int = 0  # ZeRO-2/3 reduce-scatters checked on the whole plan
 
     def describe(self) -> str:
         w = self.folded.world
@@ -88,9 +91,13 @@ class Symmetry:
         if ep > 1:
             text += (f"; each block holds the {ep} expert-parallel ranks of its replica, whose "
                      f"all-to-alls stay inside it")
-        if self.owned:
-            text += (f"; ZeRO-1 owned shards checked on every rank ({self.owned} gathers tile "
-                     f"their parameters, each rank keeps its own gradient chunk)")
+        if self.owned and self.scatters:
+            text += (f"; ZeRO-{self.zero} owned shards checked on every rank ({self.owned} "
+                     f"gathers tile their parameters, {self.scatters} reduce-scatters each keep "
+                     f"the rank's own gradient chunk, accumulated from zeros)")
+        elif self.owned:
+            text += (f"; ZeRO-{self.zero} owned shards checked on every rank ({self.owned} "
+                     f"gathers tile their parameters, each rank keeps its own gradient chunk)")
         if self.classes:
             text += (f"; {1 + len(self.classes)} classes of blocks, each proved by its own cut: "
                      + "; ".join(c.describe() for c in self.classes))
@@ -152,9 +159,8 @@ def eligible(parallel: PlanLike) -> str | None:
         return "not a materialized plan with more than two replicas or microbatches"
     if w.get("ep", 1) != 1 and w.get("zero", 0):
         return "ZeRO with expert parallelism: owned shards of expert and shared parameters"
-    if w.get("zero", 0) not in (0, 1):
-        return ("ZeRO-2/3: each microbatch's gradient is reduce-scattered across replicas "
-                "inside the blocks")
+    if w.get("zero", 0) not in (0, 1, 2, 3):
+        return f"ZeRO stage {w.get('zero')!r}"
     if not isinstance(w.get("gbs"), int):
         return "its world has no integer gbs"
     return None
@@ -197,6 +203,7 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
         if size > 1 and len(axis.members(axis.base())) < 2:
             return Refusal(f"no two {axis.name}s run one program "
                            f"({axis.why[max(axis.why)]})", difference=True)
+    check.finish()
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
     base_d = tuple(replicas.members(replicas.base())[:SHOWN])
@@ -210,8 +217,10 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
                 for r, q, d, m in _mixed_cuts(replicas, microbatches, base_d, base_m)]
     except FoldError as e:
         return Refusal(str(e))
+    scatters = check.owned.scatters
     return Symmetry(restricted, folded, dp * nm, rank_of, base_d, base_m, tuple(cuts),
-                    int(check.owned.gathers.sum()))
+                    int(check.owned.gathers.sum()), int(w.get("zero", 0) or 0),
+                    0 if scatters is None else int(scatters.sum()))
 
 
 def _mixed_cuts(replicas: Axis, microbatches: Axis, base_d: tuple[int, ...],
@@ -356,6 +365,22 @@ class _Cut:
         #: tensor of self.p -> the box its shard widens to
         self.widen = {k: owned.widen[t] for k, t in enumerate(self.orig.tolist())
                       if t in owned.widen}
+        #: ZeRO-3 gathers each use: one loaded parameter per (rank, parameter)
+        self.canon: dict[int, int] = {}
+        first: dict[tuple[int, int], int] = {}
+        for k in np.flatnonzero(self.gathered).tolist():
+            x = self.p.tensors[k]
+            self.canon[k] = first.setdefault((x.rank, x.tid), k)
+        # ZeRO-2/3 ("ZeRO-2 and ZeRO-3: reduce-scattered shards"): a scatter's
+        # output gives way to its own input, the block's whole-box value, and
+        # each chain of scattered shards is widened to the box, its end
+        # summed over the shown replicas by a reducer of the cut
+        self.subst = {k: self.local(owned.scattered[t]) for k, t in enumerate(self.orig.tolist())
+                      if t in owned.scattered}
+        self.reduced = owned.reduced
+        for k, x in enumerate(self.p.tensors):
+            if (x.rank, x.tid) in self.reduced:
+                self.widen[k] = self.reduced[(x.rank, x.tid)]
         self.starts = self.block_starts()
         self.layouts: dict[int, Layout | None] = {}
         self.single_parts = self.own_parts()
@@ -512,11 +537,74 @@ class _Cut:
                 out = node.outputs[0]
                 x = self.p.tensors[out]
                 real = self.check.chain_end[(node.rank, x.tid)]
-                claims[out] = real
+                if (node.rank, x.tid) not in self.reduced:  # else a reducer follows
+                    claims[out] = real
                 end = self.local(real)
                 if end >= 0:  # read by a step node the representatives keep
                     ends[end] = out
         return ends, dict(zip(claims, self.source_tensors(list(claims.values()))))
+
+    def reducers(self, ends: dict[int, int]) -> dict[int, list[Node]]:
+        """ZeRO-2/3: node of ``self.p`` -> the reducers the cut runs after it:
+        each shown chain end of a reduced buffer (widened to its box) summed
+        over the shown replicas of its rank class, at its own position; the
+        real chain end, read by the optimizer step, becomes the sum
+        (``ends`` updated), as the keep's reducer of ZeRO-1."""
+        if not self.reduced:
+            return {}
+        last = int(np.flatnonzero(self.pos_m == self.fold.nm - 1)[0])
+        groups: dict[tuple, list[tuple[int, int, int]]] = {}
+        for i, node in enumerate(self.p.nodes):
+            x = self.p.tensors[node.outputs[0]] if node.outputs else None
+            if node.op == ACCUMULATE and node.mb == last and (node.rank, x.tid) in self.reduced:
+                cls, d = self.check.mesh.split(node.rank)
+                groups.setdefault((cls, x.tid), []).append((d, i, node.outputs[0]))
+        after: dict[int, list[Node]] = {}
+        for (_, tid), members in groups.items():
+            members.sort()
+            if len(members) != self.fold.dp:
+                raise FoldError(f"the chains of {self.p.logical[tid].name} are not shown on "
+                                f"every shown replica")
+            shown = tuple(out for _, _, out in members)
+            for pos, (_, i, out) in enumerate(members):
+                end = self.p.tensors[out]
+                box = tuple(tuple(ab) for ab in self.reduced[(end.rank, tid)])
+                self.p.tensors.append(end._replace(
+                    mb=-1, version=end.version + 1, shape=tuple(b - a for a, b in box),
+                    slices=box, parts=(0, 1, 1), scale=UNIT))
+                total = len(self.p.tensors) - 1
+                real = self.local(self.check.chain_end[(end.rank, tid)])
+                if real >= 0:
+                    ends[real] = total
+                after[i] = [*after.get(i, ()), Node(
+                    end.rank, -1, "reducer", "none", shown, (total,), {"index": pos},
+                    f"{self.p.logical[tid].name}.reduce")]
+        return after
+
+    def running_claim(self, node: Node) -> tuple[int, int, int]:
+        """ZeRO-2/3: what a widened running buffer claims in the plan's own
+        numbering: the blocks (its replica, microbatches 0..m) its chain has
+        summed by microbatch m, the parts of its contribution's block with the
+        microbatch digit run over 0..m (moved by ``parts`` as any claim)."""
+        v = self.p.tensors[node.inputs[1]]
+        lo, hi, n = v.parts
+        layout = self.part_layout(n) if n > 1 and n % (self.fold.real_dp *
+                                                       self.fold.real_nm) == 0 else None
+        if layout is None:
+            raise FoldError(f"{self.p.logical[v.tid].name}'s claim numbers no blocks")
+        size = self.radix(layout, n, real=True)
+        codes = set()
+        for i in range(lo, hi):
+            d, _, a, b = self.digits(layout, n, i, real=True)
+            for m in range(node.mb + 1):
+                value = {"d": d, "m": m, "a": a, "b": b}
+                code = 0
+                for name in layout[0]:
+                    code = code * size[name] + value[name]
+                codes.add(code)
+        if sorted(codes) != list(range(min(codes), min(codes) + len(codes))):
+            raise FoldError(f"the running sum of {self.p.logical[v.tid].name} is not contiguous")
+        return min(codes), min(codes) + len(codes), n
 
     def relinks(self) -> dict[int, int]:
         """Node of ``self.p`` -> the buffer its accumulation reads in the
@@ -552,13 +640,19 @@ class _Cut:
         shown = self.pos[self.d] >= 0
         relinks = self.relinks()
         running = {p.nodes[i].outputs[0] for i in relinks}
+        claim_of = {p.nodes[i].outputs[0]: self.running_claim(
+            p.nodes[i]._replace(inputs=tuple(self.subst.get(t, t) for t in p.nodes[i].inputs)))
+            for i in relinks if p.nodes[i].outputs[0] in self.widen}
+        after = self.reducers(ends)
+        shown = np.concatenate((shown, np.ones(len(p.tensors) - len(shown), dtype=bool)))
         nodes = []
         for i, node in enumerate(p.nodes):
-            ins = [ends.get(t, t) for t in node.inputs]
+            ins = [self.canon.get(t, t) for t in (ends.get(t, t) for t in
+                                                  (self.subst.get(t, t) for t in node.inputs))]
             if i in relinks:
                 ins[0] = relinks[i]
             for pos, t in self.rewire.get(i, {}).items():
-                ins[pos] = t
+                ins[pos] = self.canon.get(ends.get(t, t), ends.get(t, t))
             kwargs = dict(node.kwargs)
             for key in ("src", "dst"):  # peers are in the replica (checked): renumbered
                 peer = kwargs.get(key)
@@ -572,14 +666,19 @@ class _Cut:
                 ins = [e for t, e in zip(node.inputs, ins) if t < 0 or shown[t]]
                 if own >= 0:
                     kwargs["index"] = ins.index(ends.get(own, own))
+            if node.op == "zeros" and node.outputs[0] in self.widen:
+                kwargs["shape"] = [b - a for a, b in self.widen[node.outputs[0]]]
             nodes.append(node._replace(rank=self.new_rank(node.rank), mb=self.new_mb(node.mb),
                                        inputs=tuple(ins), kwargs=kwargs))
+            nodes.extend(r._replace(rank=self.new_rank(r.rank)) for r in after.get(i, ()))
         used = sorted({t for n in nodes for t in (*n.inputs, *n.outputs) if t >= 0})
         index = {t: k for k, t in enumerate(used)}
         start = self.new_start()
         tensors, rank_of = [], {}
         for t in used:
             x = p.tensors[t]
+            if t < len(self.gathered) and self.gathered[t]:  # a loaded parameter in the cut
+                x = x._replace(version=0, mb=-1)
             if self.new_mb(x.mb) is None or not shown[t]:
                 raise FoldError(f"the representatives read {p.logical[x.tid].name} of rank "
                                 f"{x.rank}, microbatch {x.mb}, which they do not hold")
@@ -589,8 +688,8 @@ class _Cut:
                 real = claims[t]
                 x = x._replace(lver=real.lver, slices=real.slices, parts=real.parts,
                                scale=real.scale)
-            if self.gathered[t]:
-                x = x._replace(version=0)
+            if t in claim_of:
+                x = x._replace(parts=claim_of[t])
             if t in self.widen:
                 box = tuple(tuple(ab) for ab in self.widen[t])
                 x = x._replace(slices=box, shape=tuple(b - a for a, b in box))
@@ -599,6 +698,8 @@ class _Cut:
         nodes = [n._replace(inputs=tuple(index[t] if t >= 0 else -1 for t in n.inputs),
                             outputs=tuple(index[t] if t >= 0 else -1 for t in n.outputs))
                  for n in nodes]
+        if after:  # a reducer reads chain ends of ranks that come later
+            nodes = _in_dataflow_order(nodes)
         world = {**p.world, "dp": fold.dp * self.ep, "nm": fold.nm, "gbs": fold.gbs,
                  **dict(zip(FOLD_KEYS, (fold.real_dp * self.ep, fold.real_nm, fold.real_gbs)))}
         if self.gathered.any():
@@ -606,6 +707,34 @@ class _Cut:
         folded = Plan(world=world, logical=list(p.logical), tensors=tensors, nodes=nodes,
                       loss=p.loss, grads=dict(p.grads))
         return folded, rank_of
+
+
+def _in_dataflow_order(nodes: list[Node]) -> list[Node]:
+    """``nodes`` in their order but that a node waits for the producers of
+    its inputs (a stable topological order: a plan lists its nodes in an
+    order that can run, which the cut's reducers, placed after their own
+    chain's end, can break for the other shown replicas' ends)."""
+    made = {t: i for i, n in enumerate(nodes) for t in n.outputs if t >= 0}
+    waits = [sorted({made[t] for t in n.inputs if t in made and made[t] != i})
+             for i, n in enumerate(nodes)]
+    blocks: dict[int, list[int]] = {}
+    for i, deps in enumerate(waits):
+        for j in deps:
+            blocks.setdefault(j, []).append(i)
+    left = [len(deps) for deps in waits]
+    ready = [i for i, k in enumerate(left) if k == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(nodes[i])
+        for j in blocks.get(i, ()):
+            left[j] -= 1
+            if not left[j]:
+                heapq.heappush(ready, j)
+    if len(out) != len(nodes):
+        raise FoldError("the cut's nodes form a cycle")
+    return out
 
 
 def _positions(real: int, shown: int, picked: tuple[int, ...] | None) -> np.ndarray:

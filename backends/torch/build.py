@@ -131,11 +131,25 @@ class _Builder:
         self.logical: list[Logical] = []
         self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "nm": 1})
         self.gradbuf: dict[str, int] = {}
+        self.own_inputs: dict[str, int] = {}  # a constant no single-device one matches -> tid
 
     # -- single-device plan ---------------------------------------------------
     def logical_of(self, name: str, shape, kind: str) -> int:
         self.logical.append(Logical(name, tuple(shape), kind))
         return len(self.logical) - 1
+
+    def own_input(self, name: str, shape: tuple[int, ...], kind: str) -> int:
+        """A logical input that only ranks read (one per constant's name,
+        which is its value's digest: ranks holding the same value read the
+        same input): written into the single-device plan as an input no node
+        reads."""
+        if name in self.own_inputs:
+            return self.own_inputs[name]
+        tid = self.own_inputs[name] = self.logical_of(name, shape, kind)
+        mb = -1 if kind in ("param", "buffer") else 0
+        self.plan_s.tensors.append(Tensor(0, mb, tid, 0, tuple(shape), 0,
+                                          tuple((0, n) for n in shape), (0, 1, 1)))
+        return tid
 
     def build_single(self) -> Plan:
         s, plan = self.s.low, self.plan_s
@@ -251,6 +265,7 @@ class _Rank:
         self.pending: dict[int, list[int]] = {}  # P value -> P leaves of a deferred sum
         self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
         self.fresh = 10**9
+        self.own_tid: dict[int, int] = {}  # a constant of this rank only -> its logical tensor
         self.consumers: dict[int, list[LNode]] = {}
         for node in low.nodes:
             for v in node.ins:
@@ -259,7 +274,10 @@ class _Rank:
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         for v, (_, name) in low.inputs.items():
             if name not in by_name and v in low.constants:
-                self.sv[v], self.claim[v] = self.const_piece(v)
+                try:
+                    self.sv[v], self.claim[v] = self.const_piece(v)
+                except LoweringError:
+                    self.sv[v], self.claim[v] = self.own_constant(v, name)
                 continue
             if name not in by_name:
                 what = "a constant" if name.startswith("const.") else f"the input {name}"
@@ -270,6 +288,34 @@ class _Rank:
                                    for axes in low.axes[v]])
             self.check_input(v, name)
             self.whole_where_held(v)
+
+    def own_constant(self, v: int, name: str) -> tuple[int, Claim]:
+        """A constant of this rank that is no piece of any single-device
+        constant (another pad id on one rank): a plan input of its own, a
+        fresh logical tensor no single-device node reads, so nothing ties
+        its value to the single-device step's (docs/soundness.md, "Plans
+        traced from PyTorch", 23). Its readers are aligned with the
+        single-device nodes that read, at the same position, the constant of
+        its shape they match; the verifier then judges them for every value
+        of both, the real ones included."""
+        mine = self.low.constants[v]
+        shape = tuple(self.low.shapes[v])
+        readers = [(node.op, node.dir, node.ins.index(v), _key_kwargs(node.kwargs))
+                   for node in self.consumers.get(v, [])]
+        best, hits = None, 0
+        for sv, full in self.b.s.low.constants.items():
+            if full.shape != mine.shape or sv not in self.b.s.low.inputs:
+                continue
+            n = sum(any(op == k[0] and d == k[1] and len(k[2]) > i and k[2][i] == sv and kw == k[3]
+                        for k in self.b.s.by_key) for op, d, i, kw in readers)
+            if n > hits:
+                best, hits = sv, n
+        if best is None:
+            raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
+                                f"piece of a single-device constant, and no single-device node "
+                                f"reads one of its shape where this rank reads it")
+        self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", shape, self.low.inputs[v][0])
+        return best, Claim([[] for _ in shape])
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""
@@ -333,6 +379,17 @@ class _Rank:
         raise LoweringError(f"rank {self.low.rank}: a dim of size {local} is not a piece of "
                             f"{full} on this mesh")
 
+    def other_column(self, key: tuple) -> list[int]:
+        """The single-device nodes that read another column of the same
+        one-hot ids (``ids != pad`` for another pad id): the same slice
+        along the same dim from another start. Aligned with them, the rank's
+        column is claimed to be theirs, which the verifier refutes unless it
+        is (docs/soundness.md, "Plans traced from PyTorch", 23)."""
+        op, d, ins, kwargs = key
+        rest = tuple(kv for kv in kwargs if kv[0] != "start")
+        return [c for k, cs in self.b.s.by_key.items() if k[:3] == (op, d, ins)
+                and tuple(kv for kv in k[3] if kv[0] != "start") == rest for c in cs]
+
     def align(self, node: LNode) -> list[int]:
         """The single-device node this compute node runs, or AlignError."""
         ins = []
@@ -344,6 +401,9 @@ class _Rank:
         self.padded = None
         if not cands and node.op == "narrow" and node.dir == "bw":
             cands = self.padded_piece(node, ins)
+        if not cands and node.op == "narrow" and node.dir == "fw" and len(ins) == 1 \
+                and self.low.inputs.get(node.ins[0], ("",))[0] == "tokens":
+            cands = self.other_column(key)
         if not cands and node.op in SCALINGS and len(node.ins) == 1:
             # a rescaling the single-device step does not do (a divide factor):
             # it claims to be what it rescales, times the factor it applies
@@ -1059,6 +1119,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         s = shards.pop()
         sizes.update(dpr=world["dp"] // s, dps=s)
     rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
+    channels = _Channels(ranks)
     coords = {low.rank: low.coords for low in ranks}
     plan_p = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
                   grads=dict(plan_s.grads))
@@ -1079,7 +1140,8 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
 
     for r in rs.values():
         for v, (kind, _) in r.low.inputs.items():
-            t_of[(r.low.rank, v)] = tensor(r, v, -1 if kind in ("param", "buffer") else 0)
+            t_of[(r.low.rank, v)] = tensor(r, v, -1 if kind in ("param", "buffer") else 0,
+                                           tid=r.own_tid.get(v))
     def emit(r: _Rank, node: LNode, k: int) -> None:
         low = r.low
         for o in node.outs:
@@ -1087,13 +1149,13 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                 t_of[(low.rank, o)] = tensor(r, o, max(r.mb.get(o, -1), 0))
         if node.op == "send_recv":
             src = rs[node.group[0]]
-            ins = (t_of[(src.low.rank, src.low.nodes[_nth(src.low, node, k)].ins[0])],)
+            ins = (t_of[(src.low.rank, src.low.nodes[channels.nth(src.low, node, k)].ins[0])],)
             kwargs = dict(node.kwargs)
         elif node.group is None:
             ins = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.ins)
             kwargs = dict(node.kwargs)
         else:
-            ins = tuple(t_of[(q, rs[q].low.nodes[_nth(rs[q].low, node, k)].ins[0])]
+            ins = tuple(t_of[(q, rs[q].low.nodes[channels.nth(rs[q].low, node, k)].ins[0])]
                         for q in node.group)
             kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
         outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
@@ -1110,7 +1172,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         members reduce one value (an ordinary all-reduce)."""
         units = {}
         for q in node.group:
-            x = rs[q].low.nodes[_nth(rs[q].low, node, k)].ins[0]
+            x = rs[q].low.nodes[channels.nth(rs[q].low, node, k)].ins[0]
             units[q] = rs[q].units(x)
         if len({rs[q].sv[u] for q in node.group for u in units[q]}) <= 1 \
                 and all(len(us) == 1 for us in units.values()):
@@ -1160,7 +1222,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         node = low.nodes[n]
         if node.op == "send_recv":
             peer = rs[node.group[0]]
-            x = peer.low.nodes[_nth(peer.low, node, k)].ins[0]
+            x = peer.low.nodes[channels.nth(peer.low, node, k)].ins[0]
             if x in peer.pending:
                 for extra in peer.materialize(x):
                     emit(peer, extra, -1)
@@ -1172,7 +1234,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         if node.group is not None and node.op != "send":
             for q in node.group:
                 peer = rs[q]
-                x = peer.low.nodes[_nth(peer.low, node, k)].ins[0]
+                x = peer.low.nodes[channels.nth(peer.low, node, k)].ins[0]
                 if x in peer.pending:
                     for extra in peer.materialize(x):
                         emit(peer, extra, -1)
@@ -1225,12 +1287,22 @@ def _channel(node: LNode) -> tuple:
     return ("p2p", *node.group) if node.op in P2P else node.group
 
 
-def _nth(low: Lowered, like: LNode, k: int) -> int:
-    """The index of ``low``'s k-th node on the channel of ``like``."""
-    seen, channel = 0, _channel(like)
-    for i, node in enumerate(low.nodes):
-        if node.group is not None and _channel(node) == channel:
-            if seen == k:
-                return i
-            seen += 1
-    raise LoweringError(f"rank {low.rank} has no collective {k} in group {list(like.group)}")
+class _Channels:
+    """Each rank's collective nodes by channel, indexed once: the k-th node
+    of a channel is looked up for every member of every collective."""
+
+    def __init__(self, ranks: list[Lowered]):
+        self.of: dict[int, dict[tuple, list[int]]] = {}
+        for low in ranks:
+            index: dict[tuple, list[int]] = {}
+            for i, node in enumerate(low.nodes):
+                if node.group is not None:
+                    index.setdefault(_channel(node), []).append(i)
+            self.of[low.rank] = index
+
+    def nth(self, low: Lowered, like: LNode, k: int) -> int:
+        """The index of ``low``'s k-th node on the channel of ``like``."""
+        found = self.of[low.rank].get(_channel(like), [])
+        if 0 <= k < len(found):
+            return found[k]
+        raise LoweringError(f"rank {low.rank} has no collective {k} in group {list(like.group)}")

@@ -58,20 +58,30 @@ def tp_mlp_token_weighted(model, mesh):
 
 def ddp_pad_id_first_rank(model, mesh):
     """Bug: the tokenizer's pad id reaches the first data-parallel rank only;
-    the others mask and ignore the next id instead, gradients summed. The
-    loss's ignore index is a constant no single-device constant matches:
-    refused (exit 2)."""
+    the others mask and ignore the next id instead, gradients summed: FAIL
+    at the key-padding mask on rank 1 (it reads another column of the
+    one-hot ids)."""
     if mesh["dp"].get_local_rank() != 0:
         model.pad += 1
         model.key_pad += 1
     return all_reduce_dp
 
 
+def ddp_ignore_index_first_rank(model, mesh):
+    """Bug: the loss of the ranks after the first ignores the id after the
+    pad id (the attention still masks the pad), gradients summed. The
+    ignore index's constant row is no single-device constant: an input of
+    those ranks only, and the loss FAILs where it reads it."""
+    if mesh["dp"].get_local_rank() != 0:
+        model.pad += 1
+    return all_reduce_dp
+
+
 def ddp_key_mask_off_by_one(model, mesh):
     """Bug: the key-padding mask of the ranks after the first masks the id
-    after the pad id (the loss still ignores the pad), gradients summed.
-    The rank reads another column of the one-hot ids than any the
-    single-device step reads: refused (exit 2), not verified."""
+    after the pad id (the loss still ignores the pad), gradients summed:
+    FAIL at the mask on rank 1, which reads another column of the one-hot
+    ids than the single-device step."""
     if mesh["dp"].get_local_rank() != 0:
         model.key_pad += 1
     return all_reduce_dp

@@ -1177,7 +1177,7 @@ def _view_to(lw: _Lowerer, x: int, dst: tuple[int, ...]) -> int | _Flat:
     if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == dst:
         return lw.flat_of[x]  # a flattened value seen with its own shape again
     groups = _reshape_groups(src, dst)
-    if groups and len(groups[0][0]) > 1 and len(groups[0][1]) == 1 and len(src) > 3 \
+    if groups and len(groups[0][0]) > 1 and len(groups[0][1]) == 1 and len(src) > 3 and len(dst) > 1 \
             and all(len(gi) == 1 and len(gj) == 1 for gi, gj in groups[1:]):
         return _Flat(x, len(groups[0][0]))
     if not groups:
@@ -2085,6 +2085,9 @@ HANDLERS.update(std_handlers(HANDLERS))
 from backends.torch.lower_max import max_handlers  # noqa: E402
 
 HANDLERS.update(max_handlers(HANDLERS))
+from backends.torch.lower_argmax import argmax_handlers  # noqa: E402
+
+HANDLERS.update(argmax_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:

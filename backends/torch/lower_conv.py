@@ -34,22 +34,24 @@ class _Conv:
     """A convolution's options, read from its recorded arguments."""
 
     def __init__(self, lw: Any, x: int, w: int, stride, padding, dilation, transposed,
-                 output_padding, groups) -> None:
+                 output_padding, groups, size: tuple[int, ...] = ()) -> None:
+        """``x`` is the convolution's input; of a transposed convolution, its
+        input is the output of the convolution it is the adjoint of, whose
+        input has the spatial ``size`` (the transposed one's output)."""
         self.spatial = len(lw.shapes[w]) - 2
-        if transposed:
-            raise LoweringError(f"{lw.name}: a transposed convolution (ConvTranspose) is not "
-                                f"lowered")
-        if any(int(p) for p in output_padding):
+        self.transposed = bool(transposed)
+        if not self.transposed and any(int(p) for p in output_padding):
             raise LoweringError(f"{lw.name}: a convolution with output_padding is not lowered")
         self.stride = _per_dim(lw, stride, self.spatial, "stride")
         self.padding = _per_dim(lw, padding, self.spatial, "padding")
         self.dilation = _per_dim(lw, dilation, self.spatial, "dilation")
         self.groups = int(groups)
         self.kernel = tuple(lw.shapes[w][2:])
-        self.size = tuple(lw.shapes[x][2:])
+        self.size = tuple(size) if self.transposed else tuple(lw.shapes[x][2:])
         self.out = tuple((s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in
                          zip(self.size, self.padding, self.dilation, self.kernel, self.stride))
-        if len(lw.shapes[x]) != self.spatial + 2 or any(o <= 0 for o in self.out):
+        if len(lw.shapes[x]) != self.spatial + 2 or any(o <= 0 for o in self.out) \
+                or (self.transposed and self.out != tuple(lw.shapes[x][2:])):
             raise LoweringError(f"{lw.name}: a convolution of an input of shape "
                                 f"{list(lw.shapes[x])} (unbatched or empty output) is not lowered")
 
@@ -176,44 +178,124 @@ def _group(lw: Any, x: int, dim: int, j: int, groups: int) -> int:
     return _narrow(lw, x, dim, j * size, size)
 
 
+def _grouped(lw: Any, eq: str, a: int, b: int, groups: int, cat_dim: int, b_dim: int = 0) -> int:
+    """``einsum(eq)`` of each group's channels (dim 1 of a, ``b_dim`` of b:
+    a weight's rows or an activation's channels), concatenated along
+    ``cat_dim``."""
+    return _cat(lw, [_einsum(lw, eq, _group(lw, a, 1, j, groups), _group(lw, b, b_dim, j, groups))
+                     for j in range(groups)], cat_dim)
+
+
+def _add_bias(lw: Any, y: int, b: int, spatial: int) -> int:
+    b = lw.reshape(b, (lw.shapes[b][0],) + (1,) * spatial)
+    b = lw.emit("expand", [b], [lw.shapes[y]], {"shape": list(lw.shapes[y])})[0]
+    return lw.emit("add", [y, b], [lw.shapes[y]])[0]
+
+
 def convolution(lw: Any, args, kwargs, shapes, group):
-    """The windows of each group's channels times its weight rows, plus the bias."""
+    """The windows of each group's channels times its weight rows, plus the
+    bias. A transposed convolution is the adjoint of the convolution with
+    the same weight: its input plays that convolution's output gradient."""
     x, w = lw.val(args[0]), lw.val(args[1])
-    conv = _Conv(lw, x, w, *args[3:9])
-    forward, _, _ = conv.equations()
-    win = _windows(lw, x, conv)
-    y = _cat(lw, [_einsum(lw, forward, _group(lw, win, 1, j, conv.groups),
-                          _group(lw, w, 0, j, conv.groups)) for j in range(conv.groups)], 1)
+    conv = _Conv(lw, x, w, *args[3:9], size=tuple(shapes[0][2:]))
+    forward, _, window_eq = conv.equations()
+    if conv.transposed:
+        y = _unwindow(lw, _grouped(lw, window_eq, x, w, conv.groups, 1), conv)
+    else:
+        y = _grouped(lw, forward, _windows(lw, x, conv), w, conv.groups, 1)
     if args[2] is not None:
-        b = lw.reshape(lw.val(args[2]), (lw.shapes[w][0],) + (1,) * conv.spatial)
-        b = lw.emit("expand", [b], [lw.shapes[y]], {"shape": list(lw.shapes[y])})[0]
-        y = lw.emit("add", [y, b], [lw.shapes[y]])[0]
+        y = _add_bias(lw, y, lw.val(args[2]), conv.spatial)
     return y
 
 
 def convolution_backward(lw: Any, args, kwargs, shapes, group):
     """(input, weight, bias) gradients, as ``output_mask`` asks."""
     g, x, w = lw.val(args[0]), lw.val(args[1]), lw.val(args[2])
-    conv = _Conv(lw, x, w, *args[4:10])
+    conv = _Conv(lw, x, w, *args[4:10], size=tuple(lw.shapes[g][2:]))
     mask = list(args[10])
-    _, weight_eq, window_eq = conv.equations()
+    forward, weight_eq, window_eq = conv.equations()
     outs: list[Any] = [None, None, None]
-    win = _windows(lw, x, conv) if mask[1] else None
-    if mask[0]:
-        parts = [_einsum(lw, window_eq, _group(lw, g, 1, j, conv.groups),
-                         _group(lw, w, 0, j, conv.groups)) for j in range(conv.groups)]
-        outs[0] = _unwindow(lw, _cat(lw, parts, 1), conv)
-    if mask[1]:
-        outs[1] = _cat(lw, [_einsum(lw, weight_eq, _group(lw, win, 1, j, conv.groups),
-                                    _group(lw, g, 1, j, conv.groups))
-                            for j in range(conv.groups)], 0)
+    if conv.transposed:  # the adjoint's gradients: the convolution of g, and its weight's
+        win = _windows(lw, g, conv) if mask[0] or mask[1] else None
+        if mask[0]:
+            outs[0] = _grouped(lw, forward, win, w, conv.groups, 1)
+        if mask[1]:
+            outs[1] = _grouped(lw, weight_eq, win, x, conv.groups, 0, b_dim=1)
+    else:
+        if mask[0]:
+            outs[0] = _unwindow(lw, _grouped(lw, window_eq, g, w, conv.groups, 1), conv)
+        if mask[1]:
+            outs[1] = _grouped(lw, weight_eq, _windows(lw, x, conv), g, conv.groups, 0, b_dim=1)
     if mask[2]:
         dims = [0, *range(2, 2 + conv.spatial)]
         outs[2] = lw.emit("sum", [g], [(lw.shapes[g][1],)], {"dim": dims, "keepdim": False})[0]
     return outs
 
 
+def _source(mode: str, j: int, before: int, length: int) -> int:
+    """The input position padded position j (of ``before + length +
+    after``) copies: reflected about the edge, or the edge replicated."""
+    i = j - before
+    if 0 <= i < length:
+        return i
+    if mode == "reflect":
+        return -i if i < 0 else 2 * (length - 1) - i
+    return 0 if i < 0 else length - 1
+
+
+def _pad_dims(lw: Any, x: int, pad: Any) -> list[tuple[int, int, int]]:
+    """(dim, before, after) of ``F.pad``'s list (last dim first)."""
+    pad = [int(p) for p in pad]
+    n = len(lw.shapes[x])
+    dims = [(n - 1 - i, pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]
+    if any(b < 0 or a < 0 for _, b, a in dims):
+        raise LoweringError(f"{lw.name}: a negative padding {pad} is not lowered")
+    return dims
+
+
+def padded(mode: str):
+    """``reflection_pad*d`` / ``replication_pad*d`` (``padding_mode`` of a
+    convolution, ``F.pad(mode=...)``): each padded position a copy of one
+    input position, written as a ``cat`` of one-wide slices around x."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = lw.val(args[0])
+        for dim, before, after in _pad_dims(lw, x, args[1]):
+            length = lw.shapes[x][dim]
+            if mode == "reflect" and max(before, after) >= length:
+                raise LoweringError(f"{lw.name}: reflect padding of {max(before, after)} on a "
+                                    f"dim of {length} is not lowered")
+            pieces = [_narrow(lw, x, dim, _source(mode, j, before, length), 1)
+                      for j in range(before)]
+            pieces.append(x)
+            pieces += [_narrow(lw, x, dim, _source(mode, before + length + j, before, length), 1)
+                       for j in range(after)]
+            x = _cat(lw, pieces, dim)
+        return x
+    return lower
+
+
+def padded_backward(mode: str):
+    """The adjoint: the middle of the gradient plus every padded position's
+    gradient added at the position it copies."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        g, x = lw.val(args[0]), lw.val(args[1])
+        for dim, before, after in _pad_dims(lw, x, args[2]):
+            length = lw.shapes[x][dim]
+            total = _narrow(lw, g, dim, before, length)
+            for j in [*range(before), *range(before + length, before + length + after)]:
+                i = _source(mode, j, before, length)
+                piece = _pad(lw, _narrow(lw, g, dim, j, 1), dim, i, length - 1 - i)
+                total = lw.emit("add", [total, piece], [lw.shapes[total]])[0]
+            g = total
+        return g
+    return lower
+
+
 CONV_HANDLERS: dict[str, Any] = {
     "aten.convolution.default": convolution,
     "aten.convolution_backward.default": convolution_backward,
+    **{f"aten.{kind}_pad{n}d.default": padded(mode)
+       for kind, mode in (("reflection", "reflect"), ("replication", "replicate")) for n in (1, 2, 3)},
+    **{f"aten.{kind}_pad{n}d_backward.default": padded_backward(mode)
+       for kind, mode in (("reflection", "reflect"), ("replication", "replicate")) for n in (1, 2, 3)},
 }

@@ -7,14 +7,15 @@ the product completes the pattern, which is emitted as one ``max``
 backward node. A pending value read any other way is refused.
 
 ``torch.maximum(a, b)`` is ``b + relu(a - b)`` and ``torch.minimum(a, b)``
-``a - relu(a - b)``; their backward, ``where(a == b, g / 2,
+``a - relu(a - b)``, a and b first expanded to the output's shape when
+they broadcast (torch's backward sums the gradient back over the expanded
+dims with its own ``sum``); their backward, ``where(a == b, g / 2,
 g).masked_fill_(a > b, 0)`` (or ``a < b``), is ``g / 2 + (g / 2) step(b -
 a) - (g / 2) step(a - b)`` (or a and b swapped), with ``step`` the ``relu``
 rule's backward: g where the fill does not apply, g / 2 at ties, 0 where
 it does.
 
-``x.max(dim)`` (values and indices) sends the gradient to the first
-maximum's index, which no rule of the table computes: refused in one line.
+``x.max(dim)`` (values and indices) and max pooling are ``lower_argmax``'s.
 
 Registered by ``lower.py`` over its own table: each handler takes its own
 cases and hands every other on to the handler it wraps.
@@ -72,9 +73,11 @@ class MaxShare:
 
 @dataclass(frozen=True)
 class Tie:
-    """``a == b`` of two lowered values of one shape."""
+    """``a == b`` of two lowered values broadcast to ``shape``."""
     a: int
     b: int
+    shape: tuple[int, ...]
+    recorded: tuple[Any, Any]  # the compared tensors' recorded ids
 
     def emit_into(self, lw: Any) -> int:
         _refuse_tie(lw)
@@ -82,10 +85,12 @@ class Tie:
 
 @dataclass(frozen=True)
 class Order:
-    """``a > b`` or ``a < b`` of two lowered values of one shape."""
+    """``a > b`` or ``a < b`` of two lowered values broadcast to ``shape``."""
     op: str
     a: int
     b: int
+    shape: tuple[int, ...]
+    recorded: tuple[Any, Any]
 
     def emit_into(self, lw: Any) -> int:
         _refuse_tie(lw)
@@ -109,6 +114,19 @@ def _refuse_tie(lw: Any) -> None:
 def _env(lw: Any, a: Any) -> Any:
     return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" \
         else None
+
+
+def _operands(lw: Any, args) -> tuple[Any, Any]:
+    """The two compared values, pending ones (a constant, a row maximum, a
+    slice) materialized: no other handler compares computed tensors."""
+    a, b = _env(lw, args[0]), _env(lw, args[1])
+    return tuple(lw.materialize(v) if v is not None and not isinstance(v, int) else v
+                 for v in (a, b))
+
+
+def _recorded(args) -> tuple[Any, Any]:
+    return tuple(a[1] if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else a
+                 for a in args[:2])
 
 
 def _producer(lw: Any, v: int):
@@ -137,22 +155,24 @@ def equal(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         a, b = _env(lw, args[0]), _env(lw, args[1])
         hit = _maximum_of(lw, a, b) or _maximum_of(lw, b, a)
+        if hit is None:
+            a, b = _operands(lw, args)
         if hit is not None:
             if tuple(shapes[0]) != tuple(lw.shapes[hit.x]):
                 raise LoweringError(f"{lw.name}: a comparison with a maximum that broadcasts x "
                                     f"is not lowered")
             return hit
-        if isinstance(a, int) and isinstance(b, int) and lw.shapes[a] == lw.shapes[b]:
-            return Tie(a, b)
+        if _broadcastable(lw, a, b, shapes[0]):
+            return Tie(a, b, tuple(shapes[0]), _recorded(args))
         return base(lw, args, kwargs, shapes, group)
     return lower
 
 
 def order(op: str, base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
-        a, b = _env(lw, args[0]), _env(lw, args[1])
-        if isinstance(a, int) and isinstance(b, int) and lw.shapes[a] == lw.shapes[b]:
-            return Order(op, a, b)
+        a, b = _operands(lw, args)
+        if _broadcastable(lw, a, b, shapes[0]):
+            return Order(op, a, b, tuple(shapes[0]), _recorded(args))
         return base(lw, args, kwargs, shapes, group)
     return lower
 
@@ -170,7 +190,7 @@ def split_ties(base: Handler) -> Handler:
         if not isinstance(tie, Tie):
             return base(lw, args, kwargs, shapes, group)
         g = lw.val(args[2])
-        if not _halved(lw, lw.val(args[1]), g) or lw.shapes[g] != lw.shapes[tie.a]:
+        if not _halved(lw, lw.val(args[1]), g) or lw.shapes[g] != tie.shape:
             _refuse_tie(lw)
         return TieSplit(tie, g)
     return lower
@@ -190,8 +210,10 @@ def fill_losing_side(base: Handler) -> Handler:
         if not isinstance(split, TieSplit):
             return base(lw, args, kwargs, shapes, group)
         a, b = split.tie.a, split.tie.b
-        if not isinstance(cmp, Order) or (cmp.a, cmp.b) != (a, b) or lw.const(args[2]) != 0:
+        if not isinstance(cmp, Order) or cmp.recorded != split.tie.recorded \
+                or lw.const(args[2]) != 0:
             _refuse_tie(lw)
+        a, b = _expand(lw, a, split.tie.shape), _expand(lw, b, split.tie.shape)
         if cmp.op == "lt":
             a, b = b, a
         shape = lw.shapes[split.g]
@@ -201,24 +223,45 @@ def fill_losing_side(base: Handler) -> Handler:
     return lower
 
 
-def _relu_of_difference(lw: Any, args) -> tuple[int, int, int]:
+def _broadcastable(lw: Any, a: Any, b: Any, shape: Any) -> bool:
+    """a and b are lowered values that broadcast to ``shape`` (torch's rule:
+    trailing dims aligned, each 1 or the output's)."""
+    if not (isinstance(a, int) and isinstance(b, int)):
+        return False
+    shape = tuple(shape)
+    return all(len(lw.shapes[v]) <= len(shape) and all(
+        s in (1, o) for s, o in zip(reversed(lw.shapes[v]), reversed(shape))) for v in (a, b))
+
+
+def _expand(lw: Any, x: int, shape: tuple[int, ...]) -> int:
+    """x broadcast to shape: leading dims of 1 added, then ``expand``."""
+    if lw.shapes[x] == shape:
+        return x
+    x = lw.reshape(x, (1,) * (len(shape) - len(lw.shapes[x])) + tuple(lw.shapes[x]))
+    if lw.shapes[x] == shape:
+        return x
+    return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
+
+
+def _relu_of_difference(lw: Any, args, shape: tuple[int, ...]) -> tuple[int, int, int]:
     a, b = lw.val(args[0]), lw.val(args[1])
-    if lw.shapes[a] != lw.shapes[b]:
-        raise LoweringError(f"{lw.name}: torch.maximum/minimum of differently shaped tensors "
-                            f"(broadcast) is not lowered")
+    if not _broadcastable(lw, a, b, shape):
+        raise LoweringError(f"{lw.name}: torch.maximum/minimum of shapes {list(lw.shapes[a])} "
+                            f"and {list(lw.shapes[b])} is not lowered")
+    a, b = _expand(lw, a, shape), _expand(lw, b, shape)
     d = lw.emit("sub", [a, b], [lw.shapes[a]])[0]
     return a, b, lw.emit("relu", [d], [lw.shapes[a]])[0]
 
 
 def maximum(lw: Any, args, kwargs, shapes, group):
     """``b + relu(a - b)``."""
-    _, b, r = _relu_of_difference(lw, args)
+    _, b, r = _relu_of_difference(lw, args, tuple(shapes[0]))
     return lw.emit("add", [b, r], [lw.shapes[b]])[0]
 
 
 def minimum(lw: Any, args, kwargs, shapes, group):
     """``a - relu(a - b)``."""
-    a, _, r = _relu_of_difference(lw, args)
+    a, _, r = _relu_of_difference(lw, args, tuple(shapes[0]))
     return lw.emit("sub", [a, r], [lw.shapes[a]])[0]
 
 
@@ -267,12 +310,6 @@ def spread(base: Handler) -> Handler:
     return lower
 
 
-def max_dim(lw: Any, args, kwargs, shapes, group):
-    raise LoweringError(f"{lw.name}: x.max(dim) (values and indices) is not lowered: its backward "
-                        f"sends the gradient to the first maximum's index, which depends on the "
-                        f"values; torch.amax(x, dim) (ties share the gradient) is lowered")
-
-
 def max_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
     """The entries this module adds to or wraps in ``table`` (lower.py's)."""
     return {
@@ -280,7 +317,6 @@ def max_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.sum.dim_IntList": count(table["aten.sum.dim_IntList"]),
         "aten.div.Tensor": share(table["aten.div.Tensor"]),
         "aten.mul.Tensor": spread(table["aten.mul.Tensor"]),
-        "aten.max.dim": max_dim,
         "aten.gt.Tensor": order("gt", table.get("aten.gt.Tensor", _unlowered("aten.gt.Tensor"))),
         "aten.lt.Tensor": order("lt", table.get("aten.lt.Tensor", _unlowered("aten.lt.Tensor"))),
         "aten.where.self": split_ties(table["aten.where.self"]),

@@ -469,8 +469,11 @@ def partial_write(lw: Any, args, kwargs, shapes, group):
                         f"lowered: build the tensor with torch.cat or torch.where")
 
 
+#: the recorder's event for ``.tolist()``, ``.numpy()``, ``np.asarray(t)`` (``record.ValueReads``)
+VALUE_READ_EVENT = "python.value_read"
 #: ops that hand a tensor's value to Python (``.item()``, ``bool(t)``, ``torch.equal``)
-VALUE_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"}
+VALUE_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default",
+               VALUE_READ_EVENT}
 
 
 def check_no_value_reads(trace: dict) -> None:
@@ -488,7 +491,8 @@ def check_no_value_reads(trace: dict) -> None:
         read = _values_read([args, kwargs])
         if op in VALUE_READS and tainted.intersection(read):
             raise LoweringError(f"{scope or 'top level'}: Python reads the value of a computed "
-                                f"tensor ({op}: .item(), bool(), an if on a tensor), so the "
+                                f"tensor ({op}: .item(), .tolist(), .numpy(), bool(), an if on a "
+                                f"tensor), so the "
                                 f"step's path depends on values; data-dependent control flow "
                                 f"is not lowered")
         if op.startswith(("c10d", "_c10d_functional")) or tainted.intersection(read):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from backends.torch.pipeline import Pipelined, PipelineStep
 from backends.torch.ranks import imported_since
-from backends.torch.record import Recorder, Tracker, dims_axes, local_of
+from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
 
 
 def load(ref: str) -> Any:
@@ -118,7 +118,7 @@ def _run(spec: dict, rank: int) -> dict:
         rec.mark_constant(local_of(b), buffers[name][0], buffer=True)
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
-    with tracker, rec:
+    with tracker, rec, ValueReads(rec):
         with train_context(model):
             if pipelined is not None:
                 losses = pipelined.run(tokens, labels)

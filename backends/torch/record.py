@@ -20,11 +20,13 @@ import torch
 import torch.distributed
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.hidden_memory import HiddenMemory, is_partial_view
+from backends.torch.lower_more import VALUE_READ_EVENT
 
 #: ops whose output is the input value itself (no computation).
 ALIASES = {
@@ -374,6 +376,31 @@ def group_from_name(name: str) -> tuple[int, ...]:
 def group_ranks(pg: Any) -> tuple[int, ...]:
     import torch.distributed as dist
     return tuple(dist.get_process_group_ranks(pg))
+
+
+#: Python-level reads of a tensor's values that dispatch no aten op
+VALUE_READ_METHODS = ("tolist", "numpy", "__array__")
+
+
+class ValueReads(TorchFunctionMode):
+    """Records ``t.tolist()``, ``t.numpy()`` and ``np.asarray(t)`` as events
+    reading t: they hand its values to Python without an aten op (unlike
+    ``.item()``, which is ``_local_scalar_dense``), so the dispatch mode
+    never sees them, and a branch on such a value would go unseen."""
+
+    def __init__(self, rec: Recorder):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in VALUE_READ_METHODS and args \
+                and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            v = self.rec.current(local_of(t)) if not isinstance(t, FakeTensor) else None
+            if v is not None:
+                self.rec.events.append((VALUE_READ_EVENT, [[("v", v)], {}], [], [],
+                                        self.rec.scope(), None, self.rec.mb))
+        return func(*args, **(kwargs or {}))
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
