@@ -215,7 +215,7 @@ class _Scan:
         same = t[1:] == t[:-1]
         if ((dim[1:] != dim[:-1]) | (off[1:] != off[:-1]))[same].any():
             _refuse("a shard is gathered at two offsets")
-        first = np.concatenate(([True], ~same))
+        first = np.concatenate((np.ones(min(1, len(t)), dtype=bool), ~same))  # none: no shifts
         return Owned(self.gathers, self.keeps, self.updates, self.gathered,
                      (t[first], dim[first], off[first]), self.rewire, self.widen,
                      self.scatters, self.scattered, self.reduced)
