@@ -19,7 +19,7 @@ from backends.planfile import PlanError, load_plan, save_plan
 from gen_model.config import ModelConfig, Parallelism
 from gen_model.generate import make_plan
 from gen_model.parallelize import Policy
-from verdict.columns import Columns
+from verdict.columns import Columns, trim_heap
 
 LLAMA = ModelConfig("llama3", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=32,
                     seqlen=4, optimizer="adam")
@@ -284,3 +284,14 @@ def test_a_node_writing_one_tensor_twice_is_refused(tmp_path, capsys):
     outs = arrays["n_outputs"].copy()
     outs[off[i] + 1] = outs[off[i]]
     _refused(write(tmp_path / "same.npz", dict(arrays, n_outputs=outs)), capsys, "already written")
+
+
+def test_trim_heap_keeps_live_arrays():
+    """Giving the heap's free pages back leaves every live array as it was
+    (BlockCheck.finish trims after the passes' temporaries are freed)."""
+    kept = np.arange(1 << 16, dtype=np.int64)
+    freed = [np.full(1 << 15, i, dtype=np.int64) for i in range(64)]
+    del freed[::2]
+    assert trim_heap() in (True, False)
+    assert (kept == np.arange(1 << 16)).all()
+    assert all((a == 2 * i + 1).all() for i, a in enumerate(freed))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.columns import Columns, NodeColumns, drop_pages, row_ids
+from verdict.columns import Columns, NodeColumns, drop_pages, row_ids, trim_heap
 from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, batch_dims, block_starts, inner_size
 from verdict.layout import Layout
 from verdict.lineage import StructureError
@@ -333,11 +333,13 @@ class BlockCheck:
     def finish(self) -> None:
         """Let go of what only the passes read (PASS_ONLY_COLUMNS and
         PASS_ONLY, set to None), once the classes are found: a few tens of
-        bytes a node the cut does not need. No pass may run after."""
+        bytes a node the cut does not need, and the heap pages the passes'
+        temporaries freed (:func:`trim_heap`). No pass may run after."""
         for name in self.PASS_ONLY_COLUMNS:
             setattr(self.cols, name, None)
         for name in self.PASS_ONLY:
             setattr(self, name, None)
+        trim_heap()
 
     def kwargs(self, i: int) -> dict:
         return self.p.kwargs_of(int(self.cols.n_kw[i]))

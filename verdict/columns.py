@@ -24,6 +24,7 @@ materializes all of a plan, or only some of its nodes.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import mmap
@@ -92,6 +93,23 @@ def drop_pages(*arrays: Any) -> None:
             base = base.base
         if isinstance(base, mmap.mmap) and not base.closed:
             base.madvise(mmap.MADV_DONTNEED)
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's
+    ``malloc_trim``; False where the C library has none). Arrays freed by
+    the block check stay resident otherwise: glibc raises its mmap
+    threshold after the first large free, so the chunk temporaries that
+    follow come from the heap, which keeps their pages once they are freed,
+    and forked workers then start from (and copy on write) a parent whose
+    resident set still holds the check's high-water mark."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
 
 
 @dataclass(frozen=True, eq=False)
