@@ -62,9 +62,10 @@ def plans():
         yield f"one replica's owned shard ({seed})", single, made[0]
 
 
-def whole_representatives(self, n_cls, n_d, only=None):
+def whole_representatives(self, only=None):
     """The representatives as one whole-plan sort (the reference)."""
     cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
+    n_cls, n_d = (a.astype(np.int64) for a in self.split(cols.n_rank.astype(np.int64)))
     nn = len(cols.n_rank)
     mb = cols.n_mb.astype(np.int64)
     block = (n_cls.astype(np.int64) * dp + n_d) * (nm + 1) + mb + 1
@@ -168,8 +169,9 @@ def test_arrays_of_narrow_and_wide_columns_are_equal(dtype):
     a = blocks.arrays(cols)
     for name in ("flat", "ptr", "t_producer"):
         assert getattr(a, name).dtype == np.int32
-    for name in ("t_rank", "n_rank", "n_mb"):  # the world's ranks and microbatches fit int16
-        assert getattr(a, name).dtype == np.int16
+    # the world's ranks, microbatches, ops and tensor ids fit int8
+    for name in ("t_rank", "n_rank", "n_mb", "t_mb", "n_op", "n_dir", "t_tid"):
+        assert getattr(a, name).dtype == np.int8
     assert np.array_equal(a.n_rank, np.asarray(cols.nodes.rank, dtype=dtype).astype(np.int64))
 
 
