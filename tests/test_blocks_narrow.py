@@ -135,6 +135,7 @@ def test_narrow_chunked_check_agrees_with_the_wide_one(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(blocks, "index_array", lambda a: np.asarray(a).astype(np.int64))
         m.setattr(blocks, "small_array", lambda a, *limits: np.asarray(a).astype(np.int64))
+        m.setattr(blocks, "fitting", lambda *values: np.dtype(np.int64))
         m.setattr(blocks, "_NODE_CHUNK", 1 << 40)
         wide = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:  # every pass of block_classes in full

@@ -89,18 +89,23 @@ def small_array(values: np.ndarray, *limits: int) -> np.ndarray:
     type. For arrays that are only compared, used as indices or cast before
     arithmetic."""
     a = np.asarray(values)
-    low = min([int(a.min())] + list(limits)) if len(a) else 0
-    high = max([int(a.max())] + list(limits)) if len(a) else 0
-    for kind in (_I8, _I16):
-        if kind.min <= low and high <= kind.max:
-            return np.array(a, dtype=kind.dtype)
+    kind = fitting(*limits, *((int(a.min()), int(a.max())) if len(a) else ()))
+    if kind.itemsize <= 2:
+        return np.array(a, dtype=kind)
     out = index_array(a)
     return np.array(out) if out is a or out.base is not None else out
 
 
+def fitting(*values: int) -> np.dtype:
+    """The narrowest of int8, int16, int32 and int64 that holds ``values``."""
+    low, high = min(values, default=0), max(values, default=0)
+    for kind in (np.int8, np.int16, np.int32):
+        if np.iinfo(kind).min <= low and high <= np.iinfo(kind).max:
+            return np.dtype(kind)
+    return np.dtype(np.int64)
+
+
 _I32 = np.iinfo(np.int32)
-_I16 = np.iinfo(np.int16)
-_I8 = np.iinfo(np.int8)
 #: No finding (BlockCheck's per-node codes)
 _NONE = np.iinfo(np.int8).max
 #: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
@@ -449,12 +454,12 @@ class BlockCheck:
                                                       of_kind(*INPUT_KINDS))
         drop_pages(self.p.tensors.slices, self.p.tensors.parts)
         rep = self.representatives()
-        is_end = self.check_chains()
+        ends = self.check_chains()
         self.orbit = orbit = self.orbits()
         self.check_kwargs(rep, orbit)
         self.check_entries(rep, orbit, self.bad_rows)
         del rep
-        self.check_glue(orbit, is_end)
+        self.check_glue(orbit, ends)
 
     def check_offsets(self, t_data: np.ndarray) -> None:
         """(c): the blocks' first rows (a block's: the first any of its ranks
@@ -481,8 +486,8 @@ class BlockCheck:
     def input_views(self, t_input: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For every input tensor (``t_input``), an id of its slices relative to its
         block's first row and its parts (-1 for computed tensors); and
-        whether it holds rows outside its block. Only the input tensors'
-        slices are copied."""
+        the tensors (sorted) that hold rows outside their block. Only the
+        input tensors' slices are copied."""
         cols, tc = self.cols, self.p.tensors
         nt = len(cols.t_rank)
         bad = np.zeros(nt, dtype=bool)
@@ -516,10 +521,11 @@ class BlockCheck:
             view[owner, 2 * col] = shifted[:, 0]
             view[owner, 2 * col + 1] = shifted[:, 1]
         view[:, 2 * width:] = tc.parts[inputs]
-        ids = np.full(nt, -1, dtype=np.int16 if len(inputs) < _I16.max else
-                      np.int32 if len(inputs) < _I32.max else np.int64)
-        ids[inputs] = row_ids(view)
-        return ids, bad
+        distinct = row_ids(view)
+        del view
+        ids = np.full(nt, -1, dtype=fitting(-1, int(distinct.max(initial=0))))
+        ids[inputs] = distinct
+        return ids, np.flatnonzero(bad)
 
     def representatives(self, only: np.ndarray | None = None) -> np.ndarray:
         """For each node, the node at its position in its class's
@@ -545,7 +551,7 @@ class BlockCheck:
         np.cumsum(counts[:-1], out=starts[1:])
         order = np.empty(nn, dtype=kind)  # the nodes block by block, in node order within one
         # each node's position in its block
-        pos = np.empty(nn, dtype=small_array(counts[:1], int(counts.max(initial=0))).dtype)
+        pos = np.empty(nn, dtype=fitting(int(counts.max(initial=0))))
         filled = np.zeros(len(ids), dtype=np.int64)
         for lo, hi in _chunks(nn):
             b = np.searchsorted(ids, self.block_of(lo, hi, False))
@@ -765,7 +771,8 @@ class BlockCheck:
         d, t_rank, r_rank = self.rank_d, cols.t_rank[t], cols.t_rank[r]
         self.flag((d[t_rank] != d[cols.n_rank[node]]) & ~orbit, node,
                   "it reads another replica's tensor outside a sum over the replicas")
-        self.flag(bad_rows[t], node, f"its {what} holds rows outside its block")
+        self.flag(np.isin(t, bad_rows) if len(bad_rows) else np.zeros(len(t), dtype=bool), node,
+                  f"its {what} holds rows outside its block")
         differ = ((self.rank_cls[t_rank] != self.rank_cls[r_rank]) | (cols.t_tid[t] != cols.t_tid[r])
                   | self.shapes_differ(t, r)
                   | (self.t_view[t] != self.t_view[r])
@@ -790,14 +797,13 @@ class BlockCheck:
     def check_chains(self) -> np.ndarray:
         """(b), (f): per rank and gradient buffer, the microbatches'
         accumulations form one chain from a zeros buffer. Returns the
-        chains' ends (a tensor mask)."""
+        chains' ends (tensors, sorted)."""
         cols = self.cols
-        is_end = np.zeros(len(cols.t_rank), dtype=bool)
         found = [np.flatnonzero(self.is_acc(slice(lo, hi))) + lo
                  for lo, hi in _chunks(len(cols.n_rank))]
         acc = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         if not acc.size:
-            return is_end
+            return np.zeros(0, dtype=np.int64)
         lengths = cols.ptr[cols.n_ins[acc] + 1] - cols.ptr[cols.n_ins[acc]]
         buf = np.where(lengths > 0, cols.flat[cols.ptr[cols.n_ins[acc]]], -1)
         out = cols.flat[cols.ptr[cols.n_outs[acc]]]
@@ -815,13 +821,12 @@ class BlockCheck:
         self.flag(~ok, acc, "its gradient buffer is not the running one (zeros, then each "
                   "microbatch's accumulation)")
         last = np.concatenate((key[1:] != key[:-1], [True]))
-        is_end[out[last]] = True
         #: (rank, gradient buffer) -> the zeros buffer its chain starts from
         self.chain_start = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(b)
                             for a, b, o in zip(acc[first], buf[first], out[first])}
         self.chain_end = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(o)
                           for a, o in zip(acc[last], out[last])}
-        return is_end
+        return np.unique(out[last])
 
     def sums_of_ends(self, is_end: np.ndarray) -> np.ndarray:
         """The nodes (in order) of an orbit-sum operator whose inputs are
@@ -843,11 +848,13 @@ class BlockCheck:
                 keep[lo + nonempty] = ~np.logical_or.reduceat(bad, starts)
         return cand[keep]
 
-    def check_glue(self, orbit: np.ndarray, is_end: np.ndarray) -> None:
-        """(a), (d), (f): orbits are sums of chain ends (``is_end``) over
+    def check_glue(self, orbit: np.ndarray, ends: np.ndarray) -> None:
+        """(a), (d), (f): orbits are sums of chain ends (``ends``) over
         the whole orbit, at their own index; a rank's last gradient buffer
         is a chain end or such a sum."""
         cols, p = self.cols, self.p
+        is_end = np.zeros(len(cols.t_rank), dtype=bool)
+        is_end[ends] = True
         sums_ends = self.sums_of_ends(is_end)
         found = [np.flatnonzero(orbit[lo:hi]) + lo for lo, hi in _chunks(len(orbit))]
         orbits = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
