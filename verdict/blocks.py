@@ -500,7 +500,10 @@ class BlockCheck:
         shifted = tc.slices[rows].astype(np.int64)  # moved to block coordinates below
         at = {int(r): k for k, r in enumerate(rows.tolist())} if len(rows) < 1 << 22 else None
         dims_of = {tid: dims for tid, dims in self.batch.items() if dims}
-        for t in np.flatnonzero(t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
+        # the logical tensors with batch dims (the single plan's tids index the same table)
+        batched = np.zeros(max([len(self.p.logical), *(k + 1 for k in dims_of)]), dtype=bool)
+        batched[list(dims_of)] = True
+        for t in inputs[batched[cols.t_tid[inputs]]].tolist():
             row = self.offset.get((*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t])), -1)
             if row < 0:
                 continue
@@ -625,29 +628,34 @@ class BlockCheck:
         return cls // (self.tp * self.cp), c, t
 
     def orbits(self) -> np.ndarray:
-        """Nodes of a group operator that read another replica's tensor."""
+        """Nodes of a group operator that read another replica's tensor, a
+        chunk of nodes at a time."""
         cols = self.cols
-        group = np.array([get_op(op).group for op in cols.ops], dtype=bool)[cols.n_op]
-        orbit = np.zeros(len(group), dtype=bool)
-        g = np.flatnonzero(group)
-        if not g.size:
-            return orbit
+        group = np.array([get_op(op).group for op in cols.ops], dtype=bool)
+        orbit = np.zeros(len(cols.n_op), dtype=bool)
+        for lo, hi in _chunks(len(orbit)):
+            g = np.flatnonzero(group[cols.n_op[lo:hi]]) + lo
+            if g.size:
+                orbit[g] = self.reads_other_replicas(g)
+        return orbit
+
+    def reads_other_replicas(self, g: np.ndarray) -> np.ndarray:
+        """Whether each node ``g`` reads a tensor of a replica not its own."""
+        cols = self.cols
         tuples, inverse = np.unique(cols.n_ins[g], return_inverse=True)
-        spans = _spans(cols.ptr, tuples)
-        ts = cols.flat[spans]
+        ts = cols.flat[_spans(cols.ptr, tuples)]
         lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
         d = self.rank_d[cols.t_rank[np.maximum(ts, 0)]]
         big = self.fold.dp
         starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
         nonempty = lengths > 0
-        lo = np.full(len(tuples), big)
-        hi = np.full(len(tuples), -1)
-        lo[nonempty] = np.minimum.reduceat(np.where(ts >= 0, d, big), starts[nonempty])
-        hi[nonempty] = np.maximum.reduceat(np.where(ts >= 0, d, -1), starts[nonempty])
+        low = np.full(len(tuples), big)
+        high = np.full(len(tuples), -1)
+        low[nonempty] = np.minimum.reduceat(np.where(ts >= 0, d, big), starts[nonempty])
+        high[nonempty] = np.maximum.reduceat(np.where(ts >= 0, d, -1), starts[nonempty])
         own = self.rank_d[cols.n_rank[g]]
-        lo, hi = lo[inverse], hi[inverse]
-        orbit[g] = ((lo != own) & (lo != big)) | ((hi != own) & (hi != -1))
-        return orbit
+        low, high = low[inverse.reshape(-1)], high[inverse.reshape(-1)]
+        return ((low != own) & (low != big)) | ((high != own) & (high != -1))
 
     def check_kwargs(self, rep: np.ndarray, orbit: np.ndarray,
                      only: np.ndarray | None = None) -> None:
