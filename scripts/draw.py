@@ -5,7 +5,7 @@
 
 Reads the rows scripts/run_trends.sh appended (the last row of each factor
 and value wins) and writes one PNG per factor: on the left, wall seconds of
-generation and verification and the verifier's phases (load and structure,
+generation and verification (wall and CPU) and the verifier's phases (load and structure,
 lineages and stages, reduction, proofs); on the right, peak resident memory
 of generation and of verification.
 """
@@ -17,7 +17,8 @@ import csv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMES = {"gen_s": "generate", "verify_s": "verify (wall)", "t_graph": "load + structure",
+TIMES = {"gen_s": "generate (wall)", "gen_cpu_s": "generate (CPU)", "verify_s": "verify (wall)",
+         "verify_cpu_s": "verify (CPU)", "t_graph": "load + structure",
          "t_lineage": "lineages + stages", "t_schedule": "reduction", "t_vrf": "proofs"}
 MEMORY = {"gen_mib": "generate", "verify_mib": "verify"}
 
