@@ -29,9 +29,11 @@ MESH = Parallelism(dp=4, tp=2, pp=2, nm=4)
 
 
 def outcome(single, plan) -> str:
-    """What find_symmetry concludes, as text (a layout finding included)."""
+    """What find_symmetry concludes of a plan or its columns, as text (a
+    layout finding included)."""
     try:
-        found = find_symmetry(single, Columns.from_plan(plan))
+        found = find_symmetry(single, plan if isinstance(plan, Columns) else
+                              Columns.from_plan(plan))
     except StructureError as e:
         return f"finding {e.kind}: {e}"
     if isinstance(found, Refusal):
@@ -215,3 +217,51 @@ def test_arrays_refuse_overlapping_input_ranges():
     start[i] += 1  # now inside another range, or overlapping the next
     with pytest.raises(ValueError, match="input ranges"):
         blocks.arrays(replace(cols, nodes=replace(n, in_start=start)))
+
+
+def padded(cols: Columns, ops: int, kwargs: int) -> Columns:
+    """The same plan with ``ops`` and ``kwargs`` unused entries before its
+    op and kwargs tables (codes moved along): the codes then need a wider
+    type than the plan's own."""
+    n = cols.nodes
+    return replace(cols, ops=(cols.ops[0],) * ops + cols.ops,
+                   kwargs=("{}",) * kwargs + cols.kwargs,
+                   nodes=replace(n, op=n.op.astype(np.int64) + ops,
+                                 kwargs=n.kwargs.astype(np.int64) + kwargs))
+
+
+def test_codes_and_ranks_past_the_narrow_types_take_the_wide_path():
+    """A world of 128 ranks (int16 ranks) and op and kwargs codes past
+    int8 and int16: the check's range checks choose the wide types, and it
+    concludes as it does with the narrow ones, on a uniform plan, one whose
+    blocks differ and one that breaks a rule."""
+    single, plan = plan_pair(MLP, Parallelism(dp=32, tp=2, pp=2, nm=2), 64)
+    cases = [("uniform", plan)]
+    for name in ("replica_op", "other_rows"):
+        made = mutations.MATERIALIZED_MUTATIONS[name](plan, random.Random(f"wide/{name}"))
+        assert made is not None
+        cases.append((name, made[0]))
+    seen = []
+    for name, p in cases:
+        cols = Columns.from_plan(p)
+        wide = padded(cols, 200, 40_000)
+        a = blocks.arrays(wide)
+        assert (a.n_rank.dtype, a.t_rank.dtype) == (np.int16, np.int16)
+        assert (a.n_op.dtype, a.n_kw.dtype) == (np.int16, np.int32)
+        assert blocks.arrays(cols).n_kw.dtype.itemsize < 4
+        got, want = outcome(single, wide), outcome(single, cols)
+        assert got == want, name
+        seen.append(got)
+    # the differing replica is proved as a class of its own, the rows outside a block refused
+    assert seen[0].startswith("proved") and "another operator" not in seen[0]
+    assert "another operator or direction" in seen[1]
+    assert not seen[2].startswith("proved")
+
+
+def test_fitting_types():
+    assert blocks.fitting(-1, 127) == np.int8
+    assert blocks.fitting(-129, 0) == np.int16
+    assert blocks.fitting(32768) == np.int32
+    assert blocks.fitting(-2**31 - 1) == np.int64
+    assert blocks.small_array(np.array([0, 40_000]), 5).dtype == np.int32
+    assert blocks.small_array(np.array([0, 3]), 128).dtype == np.int16
