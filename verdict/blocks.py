@@ -360,9 +360,26 @@ class BlockCheck:
         is in no block program, so nothing compares it."""
         seen = np.zeros(len(self.cols.t_rank), dtype=bool)
         flat = self.cols.flat
-        seen[flat[flat >= 0]] = True
+        for lo, hi in _chunks(len(flat)):
+            part = flat[lo:hi]
+            seen[part[part >= 0]] = True
         free = np.flatnonzero(~seen)
         return int(free[0]) if free.size else -1
+
+    def shown_nodes(self, pos_d: np.ndarray, pos_m: np.ndarray) -> np.ndarray:
+        """The nodes, in order, of the replicas d with ``pos_d[d] >= 0``: their
+        step programs and their blocks of the microbatches m with
+        ``pos_m[m] >= 0``, but for the owned shards' nodes; a chunk of nodes
+        at a time."""
+        cols = self.cols
+        owned = np.flatnonzero(self.owned.nodes)
+        found = [np.zeros(0, dtype=np.int64)]
+        for lo, hi in _chunks(len(cols.n_rank)):
+            mb = cols.n_mb[lo:hi]
+            keep = (pos_d[self.rank_d[cols.n_rank[lo:hi]]] >= 0) & ~_mask(owned, lo, hi) & (
+                (mb < 0) | (pos_m[np.maximum(mb, 0)] >= 0))
+            found.append(np.flatnonzero(keep) + lo)
+        return np.concatenate(found)
 
     #: What only the passes read: the compared columns, and the passes' own masks,
     #: views and findings. The representatives' cut (verdict/symmetry.py) reads the

@@ -345,8 +345,7 @@ class _Cut:
         # ZeRO-1's gathers give way to their value, the loaded parameter, and
         # its keeps are dropped: the cut is a plain data-parallel plan
         # (docs/soundness.md, "ZeRO-1: owned shards")
-        nodes = np.flatnonzero((self.pos[check.n_d] >= 0) & ~check.owned.nodes & (
-            (cols.n_mb < 0) | (self.pos_m[np.maximum(cols.n_mb, 0)] >= 0)))
+        nodes = check.shown_nodes(self.pos, self.pos_m)
         used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
         rewired = [t for i in nodes.tolist() for t in check.owned.rewire.get(i, {}).values()]
