@@ -296,10 +296,11 @@ def _gathered(column: np.ndarray, picked: np.ndarray) -> list:
     return out
 
 
-def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
+def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray,
+                     off: np.ndarray | None = None) -> Plan:
     """The plan of ``nodes`` and the ``tensors`` they touch (sorted), with
     only those made into Python objects (``Columns.to_plan`` numbers them
-    alike but reads every node)."""
+    alike but reads every node); ``off``: the slice offsets, when known."""
     n = cols.nodes
     inputs, outputs = n.inputs.view(np.ndarray), n.outputs.view(np.ndarray)
     renum = {t: k for k, t in enumerate(tensors.tolist())}
@@ -317,7 +318,7 @@ def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> P
                         cols.names[name]))
     drop_pages(inputs, outputs)
     return Plan(world=dict(cols.world), logical=list(cols.logical),
-                tensors=tensor_rows(cols, tensors), nodes=out, loss=cols.loss,
+                tensors=tensor_rows(cols, tensors, off), nodes=out, loss=cols.loss,
                 grads=dict(cols.grads))
 
 
@@ -352,7 +353,8 @@ class _Cut:
         used = np.concatenate((used, np.array(rewired, dtype=used.dtype)))
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
         self.orig = np.unique(used[used >= 0])
-        self.p = (columns_sub_plan(parallel, nodes, self.orig) if isinstance(parallel, Columns)
+        self.p = (columns_sub_plan(parallel, nodes, self.orig, cols.slice_off)
+                  if isinstance(parallel, Columns)
                   else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.gathered = check.owned.gathered[self.orig]  # loaded parameters in the cut
