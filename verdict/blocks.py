@@ -257,6 +257,8 @@ class BlockCheck:
         self.rank_cls, self.rank_d = (
             small_array(a, self.fold.dp) for a in
             self.split(np.arange(self.pp * self.fold.dp * self.cp * self.tp, dtype=np.int64)))
+        #: the replica of every node and tensor, kept once the passes are done
+        self.kept_d: tuple[np.ndarray, np.ndarray] | None = None
         #: which ops accumulate into a gradient buffer, by op code
         self.acc_op = np.array([op == ACCUMULATE for op in self.cols.ops] or [False])
         #: the representative replica of each replica's class (verdict/classes.py);
@@ -281,13 +283,14 @@ class BlockCheck:
     # -- helpers ------------------------------------------------------------------
     @property
     def n_d(self) -> np.ndarray:
-        """The replica of every node, made afresh (the passes look up a chunk's)."""
-        return self.rank_d[self.cols.n_rank]
+        """The replica of every node: made afresh until :meth:`finish`,
+        which keeps it for the cut (the passes look up a chunk's)."""
+        return self.rank_d[self.cols.n_rank] if self.kept_d is None else self.kept_d[0]
 
     @property
     def t_d(self) -> np.ndarray:
-        """The replica of every tensor, made afresh."""
-        return self.rank_d[self.cols.t_rank]
+        """The replica of every tensor, likewise."""
+        return self.rank_d[self.cols.t_rank] if self.kept_d is None else self.kept_d[1]
 
     @property
     def differs(self) -> np.ndarray:
@@ -366,21 +369,6 @@ class BlockCheck:
         free = np.flatnonzero(~seen)
         return int(free[0]) if free.size else -1
 
-    def shown_nodes(self, pos_d: np.ndarray, pos_m: np.ndarray) -> np.ndarray:
-        """The nodes, in order, of the replicas d with ``pos_d[d] >= 0``: their
-        step programs and their blocks of the microbatches m with
-        ``pos_m[m] >= 0``, but for the owned shards' nodes; a chunk of nodes
-        at a time."""
-        cols = self.cols
-        owned = np.flatnonzero(self.owned.nodes)
-        found = [np.zeros(0, dtype=np.int64)]
-        for lo, hi in _chunks(len(cols.n_rank)):
-            mb = cols.n_mb[lo:hi]
-            keep = (pos_d[self.rank_d[cols.n_rank[lo:hi]]] >= 0) & ~_mask(owned, lo, hi) & (
-                (mb < 0) | (pos_m[np.maximum(mb, 0)] >= 0))
-            found.append(np.flatnonzero(keep) + lo)
-        return np.concatenate(found)
-
     #: What only the passes read: the compared columns, and the passes' own masks,
     #: views and findings. The representatives' cut (verdict/symmetry.py) reads the
     #: tuples, microbatches, replicas, slice offsets, owned shards, offsets and chains.
@@ -393,11 +381,13 @@ class BlockCheck:
         """Let go of what only the passes read (PASS_ONLY_COLUMNS and
         PASS_ONLY, set to None), once the classes are found: a few tens of
         bytes a node the cut does not need, and the heap pages the passes'
-        temporaries freed (:func:`trim_heap`). No pass may run after."""
+        temporaries freed (:func:`trim_heap`); the replica of every node and
+        tensor is kept from then on, for the cut. No pass may run after."""
         for name in self.PASS_ONLY_COLUMNS:
             setattr(self.cols, name, None)
         for name in self.PASS_ONLY:
             setattr(self, name, None)
+        self.kept_d = (self.n_d, self.t_d)
         trim_heap()
 
     def kwargs(self, i: int) -> dict:
