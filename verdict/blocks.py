@@ -548,7 +548,7 @@ class BlockCheck:
         and their sizes; each node's position in its block and the blocks'
         nodes in order (a stable counting sort); each node's representative.
         Only those two and the answer span the whole plan (the position in
-        int16 when every block has fewer than 32768 nodes)."""
+        the narrowest type that holds the largest block's size)."""
         nn = len(self.cols.n_rank)
         ids = self.block_ids()
         self.check_present(ids)
