@@ -2088,6 +2088,9 @@ HANDLERS.update(max_handlers(HANDLERS))
 from backends.torch.lower_argmax import argmax_handlers  # noqa: E402
 
 HANDLERS.update(argmax_handlers(HANDLERS))
+from backends.torch.lower_max_all import max_all_handlers  # noqa: E402
+
+HANDLERS.update(max_all_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
