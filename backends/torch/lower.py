@@ -2089,6 +2089,9 @@ from backends.torch.lower_argmax import argmax_handlers  # noqa: E402
 
 HANDLERS.update(argmax_handlers(HANDLERS))
 from backends.torch.lower_max_all import max_all_handlers  # noqa: E402
+from backends.torch.lower_pool import POOL_HANDLERS  # noqa: E402
+
+HANDLERS.update(POOL_HANDLERS)
 
 HANDLERS.update(max_all_handlers(HANDLERS))
 

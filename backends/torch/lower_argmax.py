@@ -19,9 +19,9 @@ a ``narrow``, a ``sub``, a ``relu`` backward node or a ``cat``.
 A pooling window is cut out as a convolution's (``lower_conv``): the
 windows of an ``(N, C, S1, S2)`` input are ``(N, C, K1, O1, K2, O2)``, the
 maximum is taken over K2 and then K1 (a maximum of maxima), and the
-windows' gradient goes back through the adjoint of the windowing. Torch
-pads a pooled input with -inf, which no plan value can hold: padding is
-refused, as is ``ceil_mode`` when it adds a window.
+windows' gradient goes back through the adjoint of the windowing. With
+padding (torch pads with -inf) or ``ceil_mode``, the windows are
+``lower_pool``'s: each padded tap a copy of a valid tap of its window.
 
 The index itself is a pending value: it is read only by the backward
 (``scatter`` into zeros, ``max_pool*_with_indices_backward``); any other
@@ -38,6 +38,7 @@ from typing import Any
 from backends.torch.errors import LoweringError
 from backends.torch.lower_conv import _cat, _narrow, _unwindow, _windows
 from backends.torch.lower_ids import NewZeros
+from backends.torch.lower_pool import Dim, max_unwindow, max_windows, pool_dims
 
 Handler = Callable[..., Any]
 
@@ -53,6 +54,7 @@ class _Pool:
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     out: tuple[int, ...]
+    padded: tuple[Dim, ...] = ()  # with padding or ceil_mode: lower_pool's windows
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,10 @@ def _pool(lw: Any, shape: tuple[int, ...], spatial: int, kernel, stride, padding
     padding = _ints(padding, spatial)
     dilation = _ints(dilation, spatial)
     size = tuple(shape[2:])
-    if any(padding):
-        raise LoweringError(f"{lw.name}: max pooling with padding {list(padding)} is not lowered "
-                            f"(torch pads with -inf)")
+    if any(padding) or ceil_mode:  # windows over the padding or past the end: lower_pool's
+        dims = pool_dims(lw, size, kernel, stride, padding, dilation, ceil_mode, out_shape[2:])
+        return _Pool(spatial, size, kernel, stride, padding, dilation, tuple(out_shape[2:]),
+                     tuple(dims))
     out = tuple((s - d * (k - 1) - 1) // st + 1
                 for s, k, st, d in zip(size, kernel, stride, dilation))
     if len(kernel) != spatial or tuple(out_shape[2:]) != out or any(o <= 0 for o in out):
@@ -225,7 +228,7 @@ def max_pool(spatial: int) -> Handler:
         out_shape = tuple(shapes[0]) if len(shapes[0]) == spatial + 2 else (1, *shapes[0])
         pool = _pool(lw, lw.shapes[x], spatial, kernel, [] if stride is None else stride,
                      padding or 0, dilation or 1, bool(ceil_mode), out_shape)
-        win = _windows(lw, x, pool)
+        win = max_windows(lw, x, list(pool.padded)) if pool.padded else _windows(lw, x, pool)
         top = win
         for i in reversed(range(spatial)):
             top = _extreme(lw, top, 2 + 2 * i, least=False)
@@ -243,7 +246,10 @@ def max_pool_backward(lw: Any, args, kwargs, shapes, group):
     g = lw.reshape(lw.val(args[0]), lw.shapes[idx.top])
     dims = [2 + 2 * i for i in range(idx.pool.spatial)]
     win_grad = first_extreme_grad(lw, idx.windows, idx.top, g, dims)
-    return lw.reshape(_unwindow(lw, win_grad, idx.pool), lw.shapes[x])
+    pool = idx.pool
+    grad = max_unwindow(lw, win_grad, list(pool.padded)) if pool.padded \
+        else _unwindow(lw, win_grad, pool)
+    return lw.reshape(grad, lw.shapes[x])
 
 
 def argmax_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
