@@ -39,7 +39,9 @@ def _cut_at_even_offsets(tp):
 def rowwise_even_offsets(model, mesh):
     """Bug: as ``rowwise_replicated_input``, but the input's columns are cut
     by hand at even offsets (``rank * (n // tp)``): with 15 columns rank 1
-    reads columns 7 to 13 against its weight's columns 8 to 14."""
+    reads columns 7 to 13 against its weight's columns 8 to 14. (The hand
+    cut also leaves the input's gradient partial on each rank: its backward
+    pads the rank's columns with zeros, where DTensor's gathers them.)"""
     tp = mesh["tp"]
     for block in model.blocks:
         parallelize_module(block, tp, {"down": RowwiseParallel(input_layouts=Shard(-1))})

@@ -28,9 +28,12 @@ from torch.overrides import TorchFunctionMode
 
 def circular_pad(x: torch.Tensor, pad: Sequence[int]) -> torch.Tensor | None:
     """x padded circularly by ``pad`` (F.pad's list, last dim first) as a
-    concatenation of slices, or None when a padding is outside ``[0, size]``."""
+    concatenation of slices, or None where torch's kernel is left to run:
+    a padding outside ``[0, size]``, or a pad list of a length torch does
+    not take for x's dims (1, 2 or 3 padded dims of an input with one or
+    two more: torch raises)."""
     pad = [int(p) for p in pad]
-    if len(pad) % 2 or len(pad) // 2 > x.dim():
+    if len(pad) % 2 or len(pad) // 2 not in (1, 2, 3) or x.dim() - len(pad) // 2 not in (1, 2):
         return None
     dims = [(x.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]
     if any(not (0 <= b <= x.shape[d] and 0 <= a <= x.shape[d]) for d, b, a in dims):
