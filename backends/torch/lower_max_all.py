@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_max import MaxCount, MaxHit
+from backends.torch.lower_max import MaxCount, MaxHit, _dim_set
 
 Handler = Callable[..., Any]
 
@@ -93,11 +93,7 @@ def logical_or(base: Handler) -> Handler:
 
 
 def _all_dims(hit: MaxHit, ndim: int) -> bool:
-    dim = hit.kwargs[0]
-    if dim is None:
-        return True
-    dims = dim if isinstance(dim, (list, tuple)) else [dim]
-    return not dims or sorted(int(d) % max(1, ndim) for d in dims) == list(range(ndim))
+    return _dim_set(hit.kwargs[0], ndim) == list(range(ndim))
 
 
 def count_all(base: Handler) -> Handler:

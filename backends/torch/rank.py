@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from backends.torch.circular_pad import CircularPad
 from backends.torch.pipeline import Pipelined, PipelineStep
 from backends.torch.ranks import imported_since
-from backends.torch.circular_pad import CircularPad
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
 
 
