@@ -275,7 +275,7 @@ def minimum(lw: Any, args, kwargs, shapes, group):
     return lw.emit("sub", [a, r], [lw.shapes[a]])[0]
 
 
-def _dim_set(dims: Any, ndim: int) -> list[int]:
+def dim_set(dims: Any, ndim: int) -> list[int]:
     """The reduced dims, sorted; none (``None`` or ``[]``) is every dim."""
     dims = [] if dims is None else dims if isinstance(dims, (list, tuple)) else [dims]
     return sorted(int(d) % max(1, ndim) for d in dims) if dims else list(range(ndim))
@@ -287,9 +287,9 @@ def count(base: Handler) -> Handler:
         if not isinstance(hit, MaxHit):
             return base(lw, args, kwargs, shapes, group)
         ndim = len(lw.shapes[hit.x])
-        dims = _dim_set(args[1] if len(args) > 1 else kwargs.get("dim"), ndim)
+        dims = dim_set(args[1] if len(args) > 1 else kwargs.get("dim"), ndim)
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-        if dims != _dim_set(hit.kwargs[0], ndim) or not keepdim:
+        if dims != dim_set(hit.kwargs[0], ndim) or not keepdim:
             _refuse(lw)
         return MaxCount(hit)
     return lower

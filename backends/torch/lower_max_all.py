@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_max import MaxCount, MaxHit, _dim_set
+from backends.torch.lower_max import MaxCount, MaxHit, dim_set
 
 Handler = Callable[..., Any]
 
@@ -93,7 +93,7 @@ def logical_or(base: Handler) -> Handler:
 
 
 def _all_dims(hit: MaxHit, ndim: int) -> bool:
-    return _dim_set(hit.kwargs[0], ndim) == list(range(ndim))
+    return dim_set(hit.kwargs[0], ndim) == list(range(ndim))
 
 
 def count_all(base: Handler) -> Handler:
