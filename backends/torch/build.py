@@ -460,6 +460,14 @@ class _Rank:
             self.padded = (d, list(axes))
         return cands
 
+    def sliced_alike(self, node: LNode) -> bool:
+        """The single-device step has a backward of a slice this ``narrow``
+        backward can be matched with (``padded_piece``, item 13)."""
+        ins = [-1 if v < 0 else self.sv[v] for v in node.ins]
+        found = self.padded_piece(node, ins)
+        self.padded = None
+        return bool(found)
+
     def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> list[str]:
         """The mesh axes a collective's group runs along, outer first: one
         axis, or under HSDP both data-parallel sub-axes (the whole of "dp");
@@ -715,7 +723,7 @@ class _Rank:
                 and self.takes_piece(node):
             return
         if node.op == "narrow" and node.dir == "bw" and not self.aligns(node) \
-                and self.pads_piece(node):
+                and not self.sliced_alike(node) and self.pads_piece(node):
             return
         souts = self.align(node)
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
