@@ -156,6 +156,5 @@ def test_a_minimum_over_the_batch_fails_under_data_parallelism() -> None:
     verdict, plan_p = _verdict(f"--model {MODELS}batch_min_tagger --recipe {STOCK}ddp "
                                f"--dp 2 --tp 1")
     assert not verdict.success
-    failed = _failed_at(verdict, plan_p)
-    assert {name for _, _, name in failed} == {"MaxScaledTagger"} and {0, 1} & {
-        r for r, _, _ in failed}
+    assert _failed_at(verdict, plan_p) == {(0, "max", "MaxScaledTagger"),
+                                           (1, "max", "MaxScaledTagger")}
