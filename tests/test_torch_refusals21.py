@@ -1,8 +1,9 @@
 """Stock code the torch backend used to refuse: a whole tensor's maximum or
 minimum (``x.max()``, ``x.min()``, ``torch.amax(x)``), pooling with padding
 and ``ceil_mode`` (max and average, ``count_include_pad`` both ways,
-``divisor_override``), circular padding (``F.pad``, ``padding_mode`` of a
-convolution) and DTensor's uneven ``Shard(1)``.
+``divisor_override``; adaptive average pooling), circular padding
+(``F.pad``, ``padding_mode`` of a convolution), ``torch.roll``,
+``torch.flip`` and DTensor's uneven ``Shard(1)``.
 
 Each lowering is run in float64 on the traced values and compared with
 PyTorch's loss and gradients (ties included: hardtanh and relu outputs tie
@@ -57,6 +58,11 @@ BODIES = {
     "avg_pool2d_divisor_override": lambda m, x: F.avg_pool2d(
         _lin(x, m).unsqueeze(1), (2, 3), stride=(1, 2), padding=(1, 1), ceil_mode=True,
         divisor_override=4).squeeze(1).repeat(1, 1, 2)[:, :x.shape[1], :H],
+    "adaptive_avg_pool1d": lambda m, x: nn.AdaptiveAvgPool1d(3)(_lin(x, m)).repeat(1, 1, 3)[..., :H],
+    "adaptive_avg_pool2d": lambda m, x: nn.AdaptiveAvgPool2d((3, 5))(_lin(x, m).unsqueeze(1))
+    .squeeze(1).repeat(1, 2, 2)[:, :x.shape[1], :H],
+    "roll": lambda m, x: _lin(x, m) + torch.roll(_lin(x, m), (-3, 1), dims=(2, 1)),
+    "flip": lambda m, x: _lin(x, m) + _lin(x, m).flip(1, 2),
     "circular_pad": lambda m, x: F.pad(_lin(x, m), (1, 1), mode="circular")[..., 1:-1]
     + F.pad(x, (2, 1), mode="circular")[..., :H],
     "circular_pad_2d": lambda m, x: F.pad(_lin(x, m).unsqueeze(1), (1, 2, 2, 1), mode="circular")

@@ -2092,6 +2092,9 @@ from backends.torch.lower_max_all import max_all_handlers  # noqa: E402
 from backends.torch.lower_pool import POOL_HANDLERS  # noqa: E402
 
 HANDLERS.update(POOL_HANDLERS)
+from backends.torch.lower_copies import COPY_HANDLERS  # noqa: E402
+
+HANDLERS.update(COPY_HANDLERS)
 
 HANDLERS.update(max_all_handlers(HANDLERS))
 

@@ -262,3 +262,66 @@ POOL_HANDLERS: dict[str, Handler] = {
     "aten.avg_pool2d_backward.default": avg_pool_backward(2),
     "aten.avg_pool3d_backward.default": avg_pool_backward(3),
 }
+
+
+# -- adaptive average pooling -------------------------------------------------------
+
+def _adaptive_windows(size: int, out: int) -> list[tuple[int, int]]:
+    """torch's window ``[floor(o S / O), ceil((o + 1) S / O))`` of each output o."""
+    return [(o * size // out, -(-(o + 1) * size // out)) for o in range(out)]
+
+
+def adaptive_avg_pool(spatial: int) -> Handler:
+    """``_adaptive_avg_pool{n}d``: each output the mean of its window, dim by
+    dim (torch divides the window's sum by the product of its lengths)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = _batched(lw, lw.val(args[0]), spatial)
+        out = tuple(shapes[0])[-spatial:]
+        for i, o_size in enumerate(out):
+            dim = 2 + i
+            pieces = []
+            for lo, hi in _adaptive_windows(lw.shapes[x][dim], o_size):
+                piece = _narrow(lw, x, dim, lo, hi - lo)
+                shape = _with_axis(tuple(s for k, s in enumerate(lw.shapes[piece]) if k != dim), dim)
+                piece = lw.emit("sum", [piece], [shape], {"dim": [dim], "keepdim": True})[0]
+                if hi - lo != 1:
+                    piece = lw.emit("mul_scalar", [piece], [shape], {"value": 1.0 / (hi - lo)})[0]
+                pieces.append(piece)
+            x = _cat(lw, pieces, dim)
+        return lw.reshape(x, tuple(shapes[0]))
+    return lower
+
+
+def adaptive_avg_pool_backward(spatial: int) -> Handler:
+    """``_adaptive_avg_pool{n}d_backward(g, x)``: the adjoint, dim by dim."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x0 = lw.val(args[1])
+        x = _batched(lw, x0, spatial)
+        g = lw.val(args[0])
+        g = lw.reshape(g, (1, *lw.shapes[g]) if len(lw.shapes[g]) == spatial + 1
+                       else lw.shapes[g])
+        for i in reversed(range(spatial)):
+            dim, size = 2 + i, lw.shapes[x][2 + i]
+            total = None
+            for o, (lo, hi) in enumerate(_adaptive_windows(size, lw.shapes[g][dim])):
+                piece = _narrow(lw, g, dim, o, 1)
+                if hi - lo != 1:
+                    piece = lw.emit("mul_scalar", [piece], [lw.shapes[piece]],
+                                    {"value": 1.0 / (hi - lo)})[0]
+                    shape = list(lw.shapes[piece])
+                    shape[dim] = hi - lo
+                    piece = lw.emit("expand", [piece], [tuple(shape)], {"shape": shape})[0]
+                piece = _pad(lw, piece, dim, lo, size - hi)
+                total = piece if total is None else lw.emit("add", [total, piece],
+                                                            [lw.shapes[piece]])[0]
+            g = total
+        return lw.reshape(g, lw.shapes[x0])
+    return lower
+
+
+POOL_HANDLERS.update({
+    "aten._adaptive_avg_pool2d.default": adaptive_avg_pool(2),
+    "aten._adaptive_avg_pool3d.default": adaptive_avg_pool(3),
+    "aten._adaptive_avg_pool2d_backward.default": adaptive_avg_pool_backward(2),
+    "aten._adaptive_avg_pool3d_backward.default": adaptive_avg_pool_backward(3),
+})
