@@ -3,7 +3,7 @@ minimum (``x.max()``, ``x.min()``, ``torch.amax(x)``), pooling with padding
 and ``ceil_mode`` (max and average, ``count_include_pad`` both ways,
 ``divisor_override``; adaptive average pooling), circular padding
 (``F.pad``, ``padding_mode`` of a convolution), ``torch.roll``,
-``torch.flip`` and DTensor's uneven ``Shard(1)``.
+``torch.flip``, ``nn.GroupNorm`` and DTensor's uneven ``Shard(1)``.
 
 Each lowering is run in float64 on the traced values and compared with
 PyTorch's loss and gradients (ties included: hardtanh and relu outputs tie
@@ -63,6 +63,9 @@ BODIES = {
     .squeeze(1).repeat(1, 2, 2)[:, :x.shape[1], :H],
     "roll": lambda m, x: _lin(x, m) + torch.roll(_lin(x, m), (-3, 1), dims=(2, 1)),
     "flip": lambda m, x: _lin(x, m) + _lin(x, m).flip(1, 2),
+    "group_norm": lambda m, x: m["gn"](_lin(x, m).transpose(1, 2)).transpose(1, 2),
+    "group_norm_3d_no_affine": lambda m, x: m["gn"](
+        _lin(x, m).unsqueeze(-1).transpose(1, 2)).squeeze(-1).transpose(1, 2) * x,
     "circular_pad": lambda m, x: F.pad(_lin(x, m), (1, 1), mode="circular")[..., 1:-1]
     + F.pad(x, (2, 1), mode="circular")[..., :H],
     "circular_pad_2d": lambda m, x: F.pad(_lin(x, m).unsqueeze(1), (1, 2, 2, 1), mode="circular")
@@ -72,6 +75,8 @@ BODIES = {
 }
 
 PARTS = {
+    "group_norm": lambda: {"gn": nn.GroupNorm(2, H)},
+    "group_norm_3d_no_affine": lambda: {"gn": nn.GroupNorm(4, H, affine=False)},
     "conv1d_circular": lambda: {"conv": nn.Conv1d(H, H, 3, padding=1, padding_mode="circular")},
     "conv2d_circular": lambda: {"conv2d": nn.Conv2d(1, 2, 3, padding=(1, 1),
                                                     padding_mode="circular")},

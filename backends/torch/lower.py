@@ -2095,6 +2095,9 @@ HANDLERS.update(POOL_HANDLERS)
 from backends.torch.lower_copies import COPY_HANDLERS  # noqa: E402
 
 HANDLERS.update(COPY_HANDLERS)
+from backends.torch.lower_group_norm import GROUP_NORM_HANDLERS  # noqa: E402
+
+HANDLERS.update(GROUP_NORM_HANDLERS)
 
 HANDLERS.update(max_all_handlers(HANDLERS))
 
