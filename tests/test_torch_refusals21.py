@@ -1,7 +1,7 @@
 """Stock code the torch backend used to refuse: a whole tensor's maximum or
 minimum (``x.max()``, ``x.min()``, ``torch.amax(x)``), pooling with padding
 and ``ceil_mode`` (max and average, ``count_include_pad`` both ways,
-``divisor_override``; adaptive average pooling), circular padding
+``divisor_override``; adaptive average and max pooling), circular padding
 (``F.pad``, ``padding_mode`` of a convolution), ``torch.roll``,
 ``torch.flip``, ``nn.GroupNorm`` and DTensor's uneven ``Shard(1)``.
 
@@ -61,6 +61,10 @@ BODIES = {
     "adaptive_avg_pool1d": lambda m, x: nn.AdaptiveAvgPool1d(3)(_lin(x, m)).repeat(1, 1, 3)[..., :H],
     "adaptive_avg_pool2d": lambda m, x: nn.AdaptiveAvgPool2d((3, 5))(_lin(x, m).unsqueeze(1))
     .squeeze(1).repeat(1, 2, 2)[:, :x.shape[1], :H],
+    "adaptive_max_pool1d_global": lambda m, x: _lin(x, m) * nn.AdaptiveMaxPool1d(1)(
+        x.transpose(1, 2)).transpose(1, 2),
+    "adaptive_max_pool1d_ties": lambda m, x: nn.AdaptiveMaxPool1d(3)(F.relu(_lin(x, m)))
+    .repeat(1, 1, 3)[..., :H],
     "roll": lambda m, x: _lin(x, m) + torch.roll(_lin(x, m), (-3, 1), dims=(2, 1)),
     "flip": lambda m, x: _lin(x, m) + _lin(x, m).flip(1, 2),
     "group_norm": lambda m, x: m["gn"](_lin(x, m).transpose(1, 2)).transpose(1, 2),
