@@ -157,8 +157,9 @@ def eligible(parallel: PlanLike) -> str | None:
     w = parallel.world
     if not foldable(parallel):
         return "not a materialized plan with more than two replicas or microbatches"
-    if w.get("ep", 1) != 1 and w.get("zero", 0):
-        return "ZeRO with expert parallelism: owned shards of expert and shared parameters"
+    if w.get("ep", 1) != 1 and w.get("zero", 0) not in (0, 1):
+        return (f"ZeRO-{w.get('zero')} with expert parallelism: shared gradients are "
+                f"reduce-scattered in two levels")
     if w.get("zero", 0) not in (0, 1, 2, 3):
         return f"ZeRO stage {w.get('zero')!r}"
     if not isinstance(w.get("gbs"), int):
@@ -345,7 +346,7 @@ class _Cut:
         # ZeRO-1's gathers give way to their value, the loaded parameter, and
         # its keeps are dropped: the cut is a plain data-parallel plan
         # (docs/soundness.md, "ZeRO-1: owned shards")
-        nodes = np.flatnonzero((self.pos[check.n_d] >= 0) & ~check.owned.nodes & (
+        nodes = np.flatnonzero((self.pos[check.n_d] >= 0) & ~check.owned.dropped & (
             (cols.n_mb < 0) | (self.pos_m[np.maximum(cols.n_mb, 0)] >= 0)))
         used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
                                          _spans(cols.ptr, cols.n_outs[nodes])))]
