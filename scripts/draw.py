@@ -66,7 +66,9 @@ def draw(factor: str, rows: dict[float, dict], out: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     failed = [x for x in xs if rows[x].get("fate") not in ("ok", None)]
-    title = f"llama3 around 8B shapes, varying {factor}"
+    folded = any("--fold" in rows[x].get("par", "") for x in xs)
+    shown = "folded plans" if folded else "materialized plans (every rank)"
+    title = f"llama3 around 8B shapes, varying {factor}, {shown}"
     if failed:
         title += f" (no verdict at {', '.join(f'{x:g}' for x in failed)})"
     fig.suptitle(title, fontsize=9)
