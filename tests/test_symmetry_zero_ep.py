@@ -139,5 +139,7 @@ def test_one_microbatch_op_in_one_replica_fails():
 
 @pytest.mark.parametrize("seed", ["zep/ep_peer/0", "zep/ep_peer/1"])
 def test_an_all_to_all_peer_of_another_replica_fails(seed):
+    """Seed 1 gives replica 0 a peer of replica 2 in every microbatch: a
+    value listed after its reader, which a stage runs in dataflow order."""
     single, plan = pair(8, 2)
     wrong_and_fails(single, mutant(plan, "ep_peer", seed))
