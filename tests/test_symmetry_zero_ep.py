@@ -154,3 +154,22 @@ def test_an_all_to_all_peer_of_another_replica_fails(seed):
     value listed after its reader, which a stage runs in dataflow order."""
     single, plan = pair(8, 2)
     wrong_and_fails(single, mutant(plan, "ep_peer", seed))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_reduction_missing_a_replica_fails(zero):
+    """One rank's sum over the replicas (ZeRO-1: the reducer of an expert's
+    gradient; ZeRO-2: a microbatch's reduce-scatter, verified in full) reads
+    its own value in place of another replica's."""
+    single, plan = pair(8, 2, zero)
+    op = "reduce_scatter" if zero == 2 else None
+    p = mutations.copy_plan(plan)
+    i = next(i for i, n in enumerate(plan.nodes) if n.rank == rank(2, 1) and len(n.inputs) == 4
+             and (n.op == op or (op is None and n.mb < 0 and n.op != "all_gather"))
+             and any(plan.tensors[t].rank != n.rank for t in n.inputs))
+    n = plan.nodes[i]
+    own = next(t for t in n.inputs if plan.tensors[t].rank == n.rank)
+    ins = list(n.inputs)
+    ins[0] = own
+    p.nodes[i] = n._replace(inputs=tuple(ins))
+    wrong_and_fails(single, p)
