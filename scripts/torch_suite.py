@@ -437,7 +437,10 @@ def single_key(args: argparse.Namespace) -> tuple:
 def run_case(argv: str, singles: dict) -> tuple[int, str]:
     """The exit code ``python -m backends.torch`` then ``main.py`` would give,
     and the first line of the reason when it is not 0."""
-    args = resolve(backend_parser().parse_args(shlex.split(argv)))
+    try:
+        args = resolve(backend_parser().parse_args(shlex.split(argv)))
+    except LoweringError as e:
+        return 2, str(e)
     key = single_key(args)
     try:
         (plan_s, plan_p), singles[key] = trace_and_build(args, singles.get(key))

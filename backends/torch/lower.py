@@ -344,6 +344,8 @@ class _Lowerer:
     flat_of: dict[int, int] = field(default_factory=dict)
     mb: int = -1
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
+    #: (value, dim, index, parts) -> the split of that equal piece, emitted once
+    splits: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
     params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
     fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter
@@ -431,11 +433,17 @@ class _Lowerer:
         if hasattr(x, "emit_into"):  # a pending value of lower_vocab_parallel or _NllGrad
             return self.materialize(x.emit_into(self))
         if isinstance(x, _Piece):
+            # read once or many times (a chunk read in the forward and again by its
+            # backward), one split node: the rank's reads and the single-device
+            # step's then align node for node
             src = self.materialize(x.of)
-            shape = list(self.shapes[src])
-            shape[x.dim] //= x.parts
-            return self.emit("split", [src], [shape],
-                             {"dim": x.dim, "parts": x.parts, "index": x.index})[0]
+            key = (src, x.dim, x.index, x.parts)
+            if key not in self.splits:
+                shape = list(self.shapes[src])
+                shape[x.dim] //= x.parts
+                self.splits[key] = self.emit("split", [src], [shape], {
+                    "dim": x.dim, "parts": x.parts, "index": x.index})[0]
+            return self.splits[key]
         raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
 
     def reshape(self, x: int, shape: tuple[int, ...]) -> int:
@@ -2088,6 +2096,9 @@ HANDLERS.update(max_handlers(HANDLERS))
 from backends.torch.lower_argmax import argmax_handlers  # noqa: E402
 
 HANDLERS.update(argmax_handlers(HANDLERS))
+from backends.torch.lower_slices import slice_handlers  # noqa: E402
+
+HANDLERS.update(slice_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
