@@ -1254,10 +1254,10 @@ def one_hot_of(lw: _Lowerer, piece: _Ids) -> int:
 
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
+    """The lookup; its ``padding_idx`` changes only the backward (a separate
+    recorded op, ``_embedding_bw``), not the rows looked up, so it is not
+    read here (docs/soundness.md, "Plans traced from PyTorch", 25)."""
     ids = lw.env.get(args[1][1])
-    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0 and isinstance(ids, _Shifted):
-        raise LoweringError(f"{lw.name}: a vocabulary-parallel embedding with a padding_idx is "
-                            f"not lowered")
     if isinstance(ids, Const):
         rows = lw.shapes[lw.val(args[0])][0]
         onehot = one_hot_constant(lw, constant_value(lw, args[1]), rows)
