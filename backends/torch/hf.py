@@ -241,9 +241,65 @@ def ep_fsdp(model, mesh):
 
 
 
+def ddp(model, mesh):
+    """PyTorch's DDP over "dp" with a comm hook that sums the bucket (the
+    loss is already each rank's share of the step's mean): the recipe for a
+    family without a tensor-parallel plan, as for any other."""
+    from torch.nn.parallel import DistributedDataParallel
+    if mesh["tp"].size() != 1:
+        raise ValueError("the Hugging Face ddp recipe is data parallel only (--tp 1)")
+    group = mesh["dp"].get_group()
+    wrapped = DistributedDataParallel(model, process_group=group)
+    wrapped.register_comm_hook(group, _summed)
+    return wrapped
+
+
+def _summed(group, bucket):
+    import torch.distributed as dist
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def ddp_avg(model, mesh):
+    """A wrong plan: plain DDP, which averages the gradients over "dp", with
+    the loss already shared out over the step's tokens (the divide applied
+    twice: every gradient 1/dp of the single-device one)."""
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+
+
+def _plan_with(model: CausalLM, change: str, to: str, first_only: bool = True) -> dict[str, str]:
+    """Rules of the family's own tensor-parallel plan of style ``change``
+    planned ``to`` instead (the first, or every one; ValueError if none)."""
+    plan = dict(model.hf.config.base_model_tp_plan or {})
+    rules = [k for k, v in plan.items() if v == change][:1 if first_only else None]
+    if not rules:
+        raise ValueError(f"the family's tensor-parallel plan has no '{change}' rule")
+    prefix = f"{model.hf.base_model_prefix}." if model.hf.base_model_prefix else ""
+    return {prefix + rule: to for rule in rules}
+
+
+#: the style of ``tp_rowwise_not_reduced``: transformers' rowwise linear whose
+#: output is left as each rank's partial sum (registered by that recipe only)
+UNREDUCED_ROWWISE = "rowwise_output_partial"
+
+
+def tp_rowwise_not_reduced(model, mesh):
+    """A wrong plan: the family's plan with its first ``rowwise`` rule (an
+    attention output projection, typically) keeping its output partial: a
+    rowwise linear with no all-reduce after it, each rank going on with its
+    own heads' share of the projection."""
+    from torch.distributed.tensor import Partial, Shard
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, RowwiseParallel
+    ALL_PARALLEL_STYLES.register(UNREDUCED_ROWWISE, RowwiseParallel(
+        input_layouts=Shard(-1), output_layouts=Partial()))
+    return distribute(model, mesh, tp_plan=_plan_with(model, "rowwise", UNREDUCED_ROWWISE))
+
+
 def tp_norm_grads_not_reduced(model, mesh):
-    """A wrong plan: Qwen3's per-head ``q_norm``/``k_norm`` planned
-    "replicate" instead of "replicated_with_grad_allreduce", so each
-    tensor-parallel rank keeps the gradient of its own heads' share."""
-    return distribute(model, mesh, tp_plan={"model.layers.*.self_attn.q_norm": "replicate",
-                                            "model.layers.*.self_attn.k_norm": "replicate"})
+    """A wrong plan: every ``replicated_with_grad_allreduce`` rule of the
+    family's plan (Qwen3's and Gemma3's per-head ``q_norm``/``k_norm``)
+    planned "replicate", so each tensor-parallel rank keeps the gradient of
+    its own heads' share."""
+    return distribute(model, mesh, tp_plan=_plan_with(
+        model, "replicated_with_grad_allreduce", "replicate", first_only=False))
