@@ -125,8 +125,10 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     as many key-value heads when the head count is even, ``head_dim`` hidden
     / heads), every dropout probability 0 (dropout draws random numbers),
     a sliding window, where the family has one, of half the sequence (so
-    it masks), token ids outside the small vocabulary dropped, and
-    everything else the family's default."""
+    it masks), special token ids outside the small vocabulary moved to its
+    last id, untied input and output embeddings (transformers 5.23's
+    ``apply_tensor_parallelism`` fails on a tied ``lm_head``: KeyError
+    'lm_head.weight'), and everything else the family's default."""
     cfg_cls, _ = classes(family)
     default = cfg_cls()
     kw: dict = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
@@ -148,8 +150,10 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
             kw[name] = 0.0
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         ids = getattr(default, name, None)
-        if ids is not None and any(i >= vocab for i in (ids if isinstance(ids, list) else [ids])):
-            kw[name] = None
+        if isinstance(ids, int) and ids >= vocab:
+            kw[name] = vocab - 1
+        elif isinstance(ids, list) and any(i >= vocab for i in ids):
+            kw[name] = [vocab - 1]
     cfg = cfg_cls(**kw)
     cfg._attn_implementation = ATTENTION
     if hasattr(cfg, "_experts_implementation"):
