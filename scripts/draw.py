@@ -5,7 +5,7 @@
 
 Reads the rows scripts/run_trends.sh appended (the last row of each factor
 and value wins) and writes one PNG per factor: on the left, wall seconds of
-generation and verification and the verifier's phases (load and structure,
+generation and verification (wall and CPU) and the verifier's phases (load and structure,
 lineages and stages, reduction, proofs); on the right, peak resident memory
 of generation and of verification.
 """
@@ -17,7 +17,8 @@ import csv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMES = {"gen_s": "generate", "verify_s": "verify (wall)", "t_graph": "load + structure",
+TIMES = {"gen_s": "generate (wall)", "gen_cpu_s": "generate (CPU)", "verify_s": "verify (wall)",
+         "verify_cpu_s": "verify (CPU)", "t_graph": "load + structure",
          "t_lineage": "lineages + stages", "t_schedule": "reduction", "t_vrf": "proofs"}
 MEMORY = {"gen_mib": "generate", "verify_mib": "verify"}
 
@@ -65,7 +66,9 @@ def draw(factor: str, rows: dict[float, dict], out: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     failed = [x for x in xs if rows[x].get("fate") not in ("ok", None)]
-    title = f"llama3 around 8B shapes, varying {factor}"
+    folded = any("--fold" in rows[x].get("par", "") for x in xs)
+    shown = "folded plans" if folded else "materialized plans (every rank)"
+    title = f"llama3 around 8B shapes, varying {factor}, {shown}"
     if failed:
         title += f" (no verdict at {', '.join(f'{x:g}' for x in failed)})"
     fig.suptitle(title, fontsize=9)

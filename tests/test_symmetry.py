@@ -176,6 +176,20 @@ def test_cli_reports_checked_blocks(tmp_path, suffix):
     assert "blocks='16 checked in 1 class of blocks, 4 proved, 0 assumed'" in run.stdout
 
 
+def test_cut_holds_only_the_shown_replicas_tensors():
+    """The reducers over the orbit read every replica's gradient; the cut
+    makes objects of the shown replicas' only (its size does not grow with
+    dp), from a Plan and from its columns alike."""
+    sizes = []
+    for dp in (4, 8):
+        single, plan = pair(Parallelism(dp=dp, tp=2, nm=2))
+        folded = [find_symmetry(single, p).folded for p in (plan, Columns.from_plan(plan))]
+        assert folded[0].tensors == folded[1].tensors and folded[0].nodes == folded[1].nodes
+        assert {t.rank for t in folded[0].tensors} == set(range(4))  # 2 replicas x tp 2
+        sizes.append(len(folded[0].tensors))
+    assert sizes[0] == sizes[1]
+
+
 def test_columns_with_a_wrong_replica_fail(tmp_path):
     single, plan = pair(Parallelism(dp=4))
     bad = mutations.other_rows(plan, random.Random(1))[0]

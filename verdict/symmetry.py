@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.blocks import BlockCheck, _spans
+from verdict.blocks import BlockCheck, _chunks, _spans
 from verdict.classes import Axis, block_classes
 from verdict.columns import Columns, drop_pages
 from verdict.final import check_layout
@@ -35,6 +35,9 @@ from verdict.owned import OwnedError, find_owned
 from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor
 
 PlanLike = Plan | Columns
+#: an input of the cut's sub plan held by a replica the cut does not show
+#: (``_Cut.drop_foreign`` takes it out)
+FOREIGN = -2
 #: How an n-way partial sum numbers the blocks: digit names major first, and
 #: the size of digit b (see ``_Cut.part_layout``)
 Layout = tuple[tuple[str, ...], int]
@@ -296,10 +299,12 @@ def _gathered(column: np.ndarray, picked: np.ndarray) -> list:
     return out
 
 
-def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
+def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray,
+                     slice_off: np.ndarray | None = None) -> Plan:
     """The plan of ``nodes`` and the ``tensors`` they touch (sorted), with
     only those made into Python objects (``Columns.to_plan`` numbers them
-    alike but reads every node)."""
+    alike but reads every node); ``slice_off``: the tensors' slice offsets
+    when the caller holds them (else computed for every tensor)."""
     n = cols.nodes
     inputs, outputs = n.inputs.view(np.ndarray), n.outputs.view(np.ndarray)
     renum = {t: k for k, t in enumerate(tensors.tolist())}
@@ -311,13 +316,14 @@ def columns_sub_plan(cols: Columns, nodes: np.ndarray, tensors: np.ndarray) -> P
     for _, rank, mb, op, dr, kw, name, start, count, o0, o1 in fields:
         if kw not in kwargs:
             kwargs[kw] = cols.kwargs_of(kw)
-        ins = tuple(renum[x] if x >= 0 else -1 for x in inputs[start:start + count].tolist())
+        ins = tuple(renum.get(x, FOREIGN) if x >= 0 else -1
+                    for x in inputs[start:start + count].tolist())
         outs = tuple(renum[x] if x >= 0 else -1 for x in outputs[o0:o1].tolist())
         out.append(Node(rank, mb, cols.ops[op], DIRECTIONS[dr], ins, outs, dict(kwargs[kw]),
                         cols.names[name]))
     drop_pages(inputs, outputs)
     return Plan(world=dict(cols.world), logical=list(cols.logical),
-                tensors=tensor_rows(cols, tensors), nodes=out, loss=cols.loss,
+                tensors=tensor_rows(cols, tensors, slice_off), nodes=out, loss=cols.loss,
                 grads=dict(cols.grads))
 
 
@@ -345,16 +351,19 @@ class _Cut:
         # ZeRO-1's gathers give way to their value, the loaded parameter, and
         # its keeps are dropped: the cut is a plain data-parallel plan
         # (docs/soundness.md, "ZeRO-1: owned shards")
-        nodes = np.flatnonzero((self.pos[check.n_d] >= 0) & ~check.owned.nodes & (
-            (cols.n_mb < 0) | (self.pos_m[np.maximum(cols.n_mb, 0)] >= 0)))
-        used = cols.flat[np.concatenate((_spans(cols.ptr, cols.n_ins[nodes]),
-                                         _spans(cols.ptr, cols.n_outs[nodes])))]
+        nodes = self.shown_nodes()
+        read = cols.flat[_spans(cols.ptr, cols.n_ins[nodes])]
+        read = read[read >= 0]
+        # the orbit's collectives read every replica's tensor: those of
+        # replicas not shown are left out of the cut (FOREIGN, _drop_foreign)
+        read = read[self.pos[check.t_d[read]] >= 0]
+        written = cols.flat[_spans(cols.ptr, cols.n_outs[nodes])]
         rewired = [t for i in nodes.tolist() for t in check.owned.rewire.get(i, {}).values()]
-        used = np.concatenate((used, np.array(rewired, dtype=used.dtype)))
+        used = np.concatenate((read, written, np.array(rewired, dtype=written.dtype)))
         #: plan tensor of each tensor of ``self.p`` (as Columns.to_plan numbers them)
         self.orig = np.unique(used[used >= 0])
-        self.p = (columns_sub_plan(parallel, nodes, self.orig) if isinstance(parallel, Columns)
-                  else _sub_plan(parallel, nodes, self.orig))
+        self.p = (columns_sub_plan(parallel, nodes, self.orig, cols.slice_off)
+                  if isinstance(parallel, Columns) else _sub_plan(parallel, nodes, self.orig))
         self.d = check.t_d[self.orig]  # replica of each tensor of self.p
         self.gathered = check.owned.gathered[self.orig]  # loaded parameters in the cut
         owned = check.owned
@@ -362,6 +371,7 @@ class _Cut:
         #: owned shards runs on the whole box in the cut
         self.rewire = {k: {pos: self.local(t) for pos, t in owned.rewire[i].items()}
                        for k, i in enumerate(nodes.tolist()) if i in owned.rewire}
+        self.drop_foreign()
         #: tensor of self.p -> the box its shard widens to
         self.widen = {k: owned.widen[t] for k, t in enumerate(self.orig.tolist())
                       if t in owned.widen}
@@ -384,6 +394,41 @@ class _Cut:
         self.starts = self.block_starts()
         self.layouts: dict[int, Layout | None] = {}
         self.single_parts = self.own_parts()
+
+    def shown_nodes(self) -> np.ndarray:
+        """The nodes of the shown replicas and microbatches (steps and glue
+        of the shown replicas too), but for ZeRO-1's gathers and keeps,
+        picked a chunk of nodes at a time: the cut's cost in memory is that
+        of what it shows, not of the plan."""
+        check, picked = self.check, []
+        for a, b in _chunks(len(check.n_d)):
+            mb = check.cols.n_mb[a:b]
+            keep = (self.pos[check.n_d[a:b]] >= 0) & ~check.owned.nodes[a:b] & (
+                (mb < 0) | (self.pos_m[np.maximum(mb, 0)] >= 0))
+            picked.append(np.flatnonzero(keep) + a)
+        return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+
+    def drop_foreign(self) -> None:
+        """Leave the tensors of replicas not shown (FOREIGN in ``self.p``)
+        out of the inputs of the orbit's collectives outside microbatches,
+        their ``index`` moved along, as :meth:`plan` does with any input of
+        a replica not shown; any other node that reads one reads another
+        replica's tensor (FoldError). Done here, so that the cut never
+        makes those tensors into objects: a collective over dp replicas
+        reads dp of them."""
+        p = self.p
+        for i, node in enumerate(p.nodes):
+            if FOREIGN not in node.inputs:
+                continue
+            index = node.kwargs.get("index")
+            if not (get_op(node.op).group and node.mb < 0) or i in self.rewire or (
+                    isinstance(index, int) and node.inputs[index] == FOREIGN):
+                raise FoldError(f"{label_of(p, i)} reads another replica's tensor")
+            kwargs = dict(node.kwargs)
+            if isinstance(index, int):
+                kwargs["index"] = index - node.inputs[:index].count(FOREIGN)
+            p.nodes[i] = node._replace(inputs=tuple(t for t in node.inputs if t != FOREIGN),
+                                       kwargs=kwargs)
 
     def local(self, t: int) -> int:
         """The index in ``self.p`` of plan tensor ``t``, -1 when it holds none."""
@@ -750,12 +795,13 @@ def _sub_plan(plan: Plan, nodes: np.ndarray, tensors: np.ndarray) -> Plan:
     as ``Columns.to_plan`` numbers them; every field of a tensor kept."""
     index = {t: k for k, t in enumerate(tensors.tolist())}
 
-    def local(ts: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(index[t] if t >= 0 else -1 for t in ts)
+    def local(ts: tuple[int, ...], absent: int | None = None) -> tuple[int, ...]:
+        return tuple((index[t] if absent is None else index.get(t, absent)) if t >= 0 else -1
+                     for t in ts)
 
     return Plan(world=dict(plan.world), logical=list(plan.logical),
                 tensors=[plan.tensors[t] for t in tensors.tolist()],
-                nodes=[plan.nodes[i]._replace(inputs=local(plan.nodes[i].inputs),
+                nodes=[plan.nodes[i]._replace(inputs=local(plan.nodes[i].inputs, FOREIGN),
                                               outputs=local(plan.nodes[i].outputs))
                        for i in nodes.tolist()],
                 loss=plan.loss, grads=dict(plan.grads))
