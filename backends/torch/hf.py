@@ -2,14 +2,16 @@
 
     python -m backends.torch --hf llama --dp 2 --tp 2
 
-builds a causal language model of the family from a small configuration
-with random weights (nothing is downloaded), and in every rank's process
-applies the family's own ``base_model_tp_plan`` and FSDP2 plan through
-transformers' distributed API (``DistributedConfig``,
+builds a causal language model of the family (any causal-LM model type of
+the installed transformers, resolved through its auto mappings) from a
+small configuration with random weights (nothing is downloaded), and in
+every rank's process applies the family's own ``base_model_tp_plan`` and
+FSDP2 plan through transformers' distributed API (``DistributedConfig``,
 ``initialize_distributed_mesh``, ``maybe_distribute_model``), unpatched.
 
-The model factory (``--model backends.torch.hf:llama``, ...) wraps the
-transformers model in ``CausalLM``, whose ``forward(tokens, labels)``
+The model factory (``--model backends.torch.hf:FAMILY``, the module's
+``__getattr__``) wraps the transformers model in ``CausalLM``, whose
+``forward(tokens, labels)``
 calls it with ``shift_labels=labels`` (the labels are already the next
 tokens: nothing is shifted or padded) and ``num_items_in_batch`` the token
 count of the whole step, so the loss is the cross-entropy summed over the
@@ -84,12 +86,6 @@ def classes(family: str) -> tuple[type, type]:
         raise ValueError(f"transformers has no class {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]} "
                          f"for '{family}'")
     return CONFIG_MAPPING[family], model_cls
-
-
-def tp_plan_of(family: str) -> dict[str, str]:
-    """The family's own ``base_model_tp_plan`` (empty when it has none)."""
-    cfg_cls, _ = classes(family)
-    return dict(cfg_cls().base_model_tp_plan or {})
 
 
 def refusal(family: str, tp: int) -> str | None:
