@@ -96,8 +96,9 @@ def refusal(family: str, tp: int) -> str | None:
     family without a tensor-parallel plan."""
     cfg_cls, _ = classes(family)
     default = cfg_cls()
-    if getattr(default, "sub_configs", None):
-        towers = ", ".join(default.sub_configs)
+    subs = tuple(getattr(default, "sub_configs", None) or ())
+    if any(n == "text_config" or "vision" in n or "audio" in n for n in subs):
+        towers = ", ".join(subs)
         return (f"'{family}' is a composite model ({towers}): give its text model's type "
                 f"(the backend builds text-only causal LMs)")
     routed = [f for f in ROUTING_FIELDS if getattr(default, f, None)]
