@@ -4,7 +4,8 @@ mappings and parallelized by transformers itself (``--hf FAMILY``).
 The families here take distinct paths through the backend: GLM (interleaved
 and partial rotary: strided and empty slices; a chunked gate/up projection),
 Gemma2 (soft-capping, scaled embeddings, a sliding window, a
-vocabulary-parallel lookup with a ``padding_idx``), GPT-2 (no tensor-parallel
+vocabulary-parallel lookup with a ``padding_idx``), Phi-3 (fused projections
+gathered, a rotary pass-through part that is empty), GPT-2 (no tensor-parallel
 plan: DDP only; learned positions, layer norm with bias). Wrong plans built
 from a family's own plan fail naming the module and the rank; families the
 backend cannot build are one line. The other families and meshes are suite
@@ -41,6 +42,7 @@ def failure_text(argv: str) -> str:
 @pytest.mark.parametrize("argv", [
     "--hf glm --dp 1 --tp 2",
     "--hf gemma2 --dp 1 --tp 2",
+    "--hf phi3 --dp 1 --tp 2",
     "--hf gpt2 --recipe ddp --dp 2 --tp 1",
 ])
 def test_family_verifies(argv: str) -> None:
