@@ -42,6 +42,9 @@ OUTSIDE = "tests.outside_recipes:"
 #: models written outside the backend (tests/outside_models.py), recipes with mistakes for them
 USER_MODELS = "tests.outside_models:"
 MISTAKES = "tests.outside_mistakes:"
+#: whole-tensor maxima, padded pooling, circular padding, uneven Shard(1) (tests/refusals21_*.py)
+R21_MODELS = "tests.refusals21_models:"
+R21_RECIPES = "tests.refusals21_recipes:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
@@ -420,6 +423,23 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {USER_MODELS}max_pool_classifier --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
     ("outside max_pool_classifier summed over dp bug",
      f"--model {USER_MODELS}max_pool_classifier --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    # padded max and average pooling, circular conv and F.pad (tests/refusals21_models.py)
+    ("refusals21 pooled_tagger ddp dp2", f"--model {R21_MODELS}pooled_tagger --recipe {STOCK}ddp "
+     "--dp 2 --tp 1 --hidden 8 --ffn 8", 0),
+    ("refusals21 pooled_tagger tp_mlp dp2 tp2", f"--model {R21_MODELS}pooled_tagger --recipe "
+     f"{STOCK}tp_mlp --dp 2 --tp 2 --hidden 8 --ffn 8", 0),
+    ("refusals21 pooled_tagger ddp_linear_only bug", f"--model {R21_MODELS}pooled_tagger --recipe "
+     f"{MISTAKES}ddp_linear_only --dp 2 --tp 1 --hidden 8 --ffn 8", 1),
+    # x.max(), x.min() with no dim: of a weight (verifies), of the batch (data parallelism differs)
+    ("refusals21 max_scaled_tagger ddp dp2", f"--model {R21_MODELS}max_scaled_tagger --recipe "
+     f"{STOCK}ddp --dp 2 --tp 1 --hidden 8 --ffn 8", 0),
+    ("refusals21 batch_min_tagger ddp dp2 (h.min() over the batch)", f"--model {R21_MODELS}"
+     f"batch_min_tagger --recipe {STOCK}ddp --dp 2 --tp 1 --hidden 8 --ffn 8", 1),
+    # DTensor's uneven Shard(1): each down weight 8 and 7 columns
+    ("refusals21 mlp rowwise_replicated_input ffn 15 dp2 tp2", f"--model mlp --recipe "
+     f"{R21_RECIPES}rowwise_replicated_input --dp 2 --tp 2 --hidden 8 --ffn 15", 0),
+    ("refusals21 mlp rowwise_even_offsets ffn 15 bug", f"--model mlp --recipe "
+     f"{R21_RECIPES}rowwise_even_offsets --dp 1 --tp 2 --hidden 8 --ffn 15", 1),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto

@@ -211,10 +211,9 @@ def probe_max_pool_padded(**_kw) -> Probe:
     return Probe(lambda m, x: F.max_pool1d(x, 3, stride=1, padding=1), lin=nn.Linear(H, H))
 
 
-def test_max_pooling_with_padding_is_refused_in_one_line() -> None:
-    with pytest.raises(LoweringError) as e:
-        lower_trace(_single(f"{__name__}:probe_max_pool_padded"), SIZES["vocab"])
-    assert "max pooling with padding" in str(e.value) and "\n" not in str(e.value)
+def test_max_pooling_with_padding_matches_torch() -> None:
+    """Padding (-inf in torch) is lowered (backends/torch/lower_pool.py)."""
+    _lower_and_check(_single(f"{__name__}:probe_max_pool_padded"))
 
 
 def _verdict(argv: str):
@@ -276,11 +275,18 @@ def probe_conv_circular(**_kw) -> Probe:
                  lin=nn.Linear(H, H), conv=nn.Conv1d(H, H, 3, padding=1, padding_mode="circular"))
 
 
-def test_circular_padding_is_refused_in_one_line() -> None:
-    """Torch writes circular padding into slices of an empty tensor: a write
-    into part of a tensor, refused (docs/soundness.md, item 17)."""
+def probe_circular_crop(**_kw) -> Probe:
+    return Probe(lambda m, x: F.pad(m["lin"](x), (-1, 1), mode="circular"), lin=nn.Linear(H, H))
+
+
+def test_circular_padding_matches_torch_and_a_crop_is_refused() -> None:
+    """Torch writes circular padding into slices of an empty tensor; the
+    recorder runs it as a concatenation of slices (docs/soundness.md, "Plans
+    traced from PyTorch", 27). A negative (cropping) circular padding still
+    reaches torch's kernel: a write into part of a tensor, refused."""
+    _lower_and_check(_single(f"{__name__}:probe_conv_circular"))
     with pytest.raises(LoweringError) as e:
-        lower_trace(_single(f"{__name__}:probe_conv_circular"), SIZES["vocab"])
+        lower_trace(_single(f"{__name__}:probe_circular_crop"), SIZES["vocab"])
     assert "written in place" in str(e.value) and "\n" not in str(e.value)
 
 

@@ -201,9 +201,12 @@ def test_padded_shards_with_an_optimizer_step_verify() -> None:
     assert _held(plan_p, "embed.weight")[3] == ((9, 10), (0, 16))
 
 
-def test_an_uneven_cut_of_another_dim_is_refused() -> None:
-    trace = {"params": {"out.weight": (0, (2, 3), [[], ["tp"]])}, "shapes": [(2, 2)]}
-    with pytest.raises(LoweringError, match=r"out\.weight.*unevenly along dim 1"):
+def test_an_empty_shard_of_another_dim_is_refused() -> None:
+    """An uneven cut of dim 1 is lowered (tests/test_torch_refusals21.py); a
+    rank holding none of it is refused."""
+    check_shards([{"params": {"out.weight": (0, (2, 3), [[], ["tp"]])}, "shapes": [(2, 2)]}])
+    trace = {"params": {"out.weight": (0, (2, 1), [[], ["tp"]])}, "shapes": [(2, 0)]}
+    with pytest.raises(LoweringError, match=r"out\.weight.*holds none"):
         check_shards([trace])
     check_shards([{"params": {"w": (0, (15, 2), [["dp"], []])}, "shapes": [(7, 2)]}])
 

@@ -147,12 +147,14 @@ def test_a_boolean_sdpa_mask_off_the_causal_pattern_matches_torch() -> None:
     _lower_and_check(_single(f"{__name__}:probe_bool_window"))
 
 
-def test_uneven_shards_off_dim_0_are_refused_naming_the_parameter() -> None:
-    """A 3-column parameter cut 2 and 1 along dim 1: refused before
-    lowering. Along dim 0 (FSDP2's padded shards) it is lowered
-    (tests/test_torch_padded.py)."""
-    trace = {"params": {"out.weight": (0, (2, 3), [[], ["tp"]])}, "shapes": [(2, 2)]}
-    with pytest.raises(LoweringError, match=r"out\.weight.*unevenly"):
+def test_empty_shards_off_dim_0_are_refused_naming_the_parameter() -> None:
+    """A 3-column parameter cut 2 and 1 along dim 1 is lowered
+    (tests/test_torch_refusals21.py); one column over two ranks leaves one
+    empty, refused before lowering. Along dim 0 (FSDP2's padded shards) an
+    empty shard is lowered (tests/test_torch_padded.py)."""
+    check_shards([{"params": {"out.weight": (0, (2, 3), [[], ["tp"]])}, "shapes": [(2, 2)]}])
+    trace = {"params": {"out.weight": (0, (2, 1), [[], ["tp"]])}, "shapes": [(2, 0)]}
+    with pytest.raises(LoweringError, match=r"out\.weight.*holds none"):
         check_shards([trace])
     check_shards([{"params": {"w": (0, (3, 2), [["dp"], []])}, "shapes": [(2, 2)]}])
     check_shards([{"params": {"out.bias": (0, (1,), [["dp"]])}, "shapes": [(0,)]}])

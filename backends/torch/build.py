@@ -460,6 +460,14 @@ class _Rank:
             self.padded = (d, list(axes))
         return cands
 
+    def sliced_alike(self, node: LNode) -> bool:
+        """The single-device step has a backward of a slice this ``narrow``
+        backward can be matched with (``padded_piece``, item 13)."""
+        ins = [-1 if v < 0 else self.sv[v] for v in node.ins]
+        found = self.padded_piece(node, ins)
+        self.padded = None
+        return bool(found)
+
     def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> list[str]:
         """The mesh axes a collective's group runs along, outer first: one
         axis, or under HSDP both data-parallel sub-axes (the whole of "dp");
@@ -714,6 +722,9 @@ class _Rank:
         if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
                 and self.takes_piece(node):
             return
+        if node.op == "narrow" and node.dir == "bw" and not self.aligns(node) \
+                and not self.sliced_alike(node) and self.pads_piece(node):
+            return
         souts = self.align(node)
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
         for o, so in zip(node.outs, souts):
@@ -803,15 +814,36 @@ class _Rank:
             return False
         full = self.gshape(x)[d]
         rows = (node.kwargs["start"], node.kwargs["start"] + node.kwargs["length"])
-        for axes in (["tp"], list(self.dp), [*self.dp, "tp"]):
-            if math.prod(self.sizes[a] for a in axes) > 1 \
-                    and self.piece(axes, full, self.low.coords) == rows:
-                self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
-                self.claim[out] = Claim([list(axes) if k == d else list(a)
-                                         for k, a in enumerate(c.dims)],
-                                        c.partial, c.mbs, c.scale)
-                return True
-        return False
+        cuts = [axes for axes in (["tp"], list(self.dp), [*self.dp, "tp"])
+                if math.prod(self.sizes[a] for a in axes) > 1]
+        # the axes whose piece these rows are; else (rows of a piece's width
+        # read at another offset, docs/soundness.md, "Plans traced from
+        # PyTorch", 27) the tensor-parallel axis of that width: a claim the
+        # verifier refutes
+        found = [a for a in cuts if self.piece(a, full, self.low.coords) == rows] or \
+            [a for a in cuts[:1] if a == ["tp"] and self.extent(a, full) == rows[1] - rows[0]]
+        if not found:
+            return False
+        self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+        self.claim[out] = Claim([list(found[0]) if k == d else list(a)
+                                 for k, a in enumerate(c.dims)], c.partial, c.mbs, c.scale)
+        return True
+
+    def pads_piece(self, node: LNode) -> bool:
+        """The backward of ``takes_piece``'s slice: g, this rank's piece of a
+        single-device value along the dim, padded with zeros to the whole
+        dim, is this rank's term of the sum of the pieces over the axes that
+        cut it: claimed so (proved like any claim; rows padded at another
+        offset than the piece's fail). False when g is not such a piece."""
+        g, out = node.ins[-1], node.outs[0]
+        c, d = self.claim[g], node.kwargs["dim"] % len(self.low.shapes[g])
+        full = self.gshape(g)[d]
+        if not c.dims[d] or c.at or c.partial or self.low.shapes[out][d] != full:
+            return False
+        self.sv[out], self.mb[out] = self.sv[g], self.mb.get(g, -1)
+        self.claim[out] = Claim([[] if k == d else list(a) for k, a in enumerate(c.dims)],
+                                frozenset(c.dims[d]), c.mbs, c.scale)
+        return True
 
     def scales_of(self, node: LNode) -> list[Fraction]:
         """The factor of each output, from its inputs' factors: a sum keeps

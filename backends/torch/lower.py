@@ -2096,6 +2096,18 @@ HANDLERS.update(max_handlers(HANDLERS))
 from backends.torch.lower_argmax import argmax_handlers  # noqa: E402
 
 HANDLERS.update(argmax_handlers(HANDLERS))
+from backends.torch.lower_max_all import max_all_handlers  # noqa: E402
+from backends.torch.lower_pool import POOL_HANDLERS  # noqa: E402
+
+HANDLERS.update(POOL_HANDLERS)
+from backends.torch.lower_copies import COPY_HANDLERS  # noqa: E402
+
+HANDLERS.update(COPY_HANDLERS)
+from backends.torch.lower_group_norm import GROUP_NORM_HANDLERS  # noqa: E402
+
+HANDLERS.update(GROUP_NORM_HANDLERS)
+
+HANDLERS.update(max_all_handlers(HANDLERS))
 from backends.torch.lower_slices import slice_handlers  # noqa: E402
 
 HANDLERS.update(slice_handlers(HANDLERS))
@@ -2185,18 +2197,18 @@ def check_shards(traces: list[dict]) -> None:
 
 def _check_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
                  dims: list[list[str]]) -> None:
-    """Refuse a parameter cut unevenly along a dim other than 0: FSDP2's
-    padded shards (dim 0, any size: docs/soundness.md, "Plans traced from
-    PyTorch", 15) are lowered; an uneven cut of another dim (DTensor's
-    ``Shard(1)`` of a size the mesh does not divide) is not. That the rank's
-    rows are its chunk is checked where the claims are made (``build``)."""
+    """Refuse a rank holding none of a dim other than 0 of a parameter.
+    Uneven cuts are lowered along every dim: FSDP2's padded shards of dim 0
+    (a rank without rows holds no input of it), DTensor's uneven
+    ``Shard(d)`` (``torch.chunk``'s pieces: docs/soundness.md, "Plans traced
+    from PyTorch", 15 and 27). That the rank's rows are its chunk is checked
+    where the claims are made (``build``)."""
     for d, axes in enumerate(dims):
-        if d and axes and (local[d] == 0 or full[d] % local[d]):
+        if d and axes and local[d] == 0:
             raise LoweringError(
-                f"parameter {name} of shape {list(full)} is sharded unevenly along dim {d} "
-                f"(this rank holds {local[d]} of its {full[d]}: the mesh axes {axes} do not "
-                f"divide it); uneven shards are lowered along dim 0 only: choose sizes the "
-                f"mesh divides")
+                f"parameter {name} of shape {list(full)} is sharded along dim {d} so that this "
+                f"rank holds none of its {full[d]} (the mesh axes {axes}); a rank with an empty "
+                f"shard is lowered along dim 0 only: choose sizes the mesh divides")
 
 
 def _updated(lw: _Lowerer, name: str, v: int | None) -> int:

@@ -19,9 +19,9 @@ a ``narrow``, a ``sub``, a ``relu`` backward node or a ``cat``.
 A pooling window is cut out as a convolution's (``lower_conv``): the
 windows of an ``(N, C, S1, S2)`` input are ``(N, C, K1, O1, K2, O2)``, the
 maximum is taken over K2 and then K1 (a maximum of maxima), and the
-windows' gradient goes back through the adjoint of the windowing. Torch
-pads a pooled input with -inf, which no plan value can hold: padding is
-refused, as is ``ceil_mode`` when it adds a window.
+windows' gradient goes back through the adjoint of the windowing. With
+padding (torch pads with -inf) or ``ceil_mode``, the windows are
+``lower_pool``'s: each padded tap a copy of a valid tap of its window.
 
 The index itself is a pending value: it is read only by the backward
 (``scatter`` into zeros, ``max_pool*_with_indices_backward``); any other
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_conv import _cat, _narrow, _unwindow, _windows
+from backends.torch.lower_conv import _cat, _narrow, _pad, _unwindow, _windows
 from backends.torch.lower_ids import NewZeros
+from backends.torch.lower_pool import Dim, max_unwindow, max_windows, pool_dims
 
 Handler = Callable[..., Any]
 
@@ -53,6 +54,7 @@ class _Pool:
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     out: tuple[int, ...]
+    padded: tuple[Dim, ...] = ()  # with padding or ceil_mode: lower_pool's windows
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,10 @@ def _pool(lw: Any, shape: tuple[int, ...], spatial: int, kernel, stride, padding
     padding = _ints(padding, spatial)
     dilation = _ints(dilation, spatial)
     size = tuple(shape[2:])
-    if any(padding):
-        raise LoweringError(f"{lw.name}: max pooling with padding {list(padding)} is not lowered "
-                            f"(torch pads with -inf)")
+    if any(padding) or ceil_mode:  # windows over the padding or past the end: lower_pool's
+        dims = pool_dims(lw, size, kernel, stride, padding, dilation, ceil_mode, out_shape[2:])
+        return _Pool(spatial, size, kernel, stride, padding, dilation, tuple(out_shape[2:]),
+                     tuple(dims))
     out = tuple((s - d * (k - 1) - 1) // st + 1
                 for s, k, st, d in zip(size, kernel, stride, dilation))
     if len(kernel) != spatial or tuple(out_shape[2:]) != out or any(o <= 0 for o in out):
@@ -225,7 +228,7 @@ def max_pool(spatial: int) -> Handler:
         out_shape = tuple(shapes[0]) if len(shapes[0]) == spatial + 2 else (1, *shapes[0])
         pool = _pool(lw, lw.shapes[x], spatial, kernel, [] if stride is None else stride,
                      padding or 0, dilation or 1, bool(ceil_mode), out_shape)
-        win = _windows(lw, x, pool)
+        win = max_windows(lw, x, list(pool.padded)) if pool.padded else _windows(lw, x, pool)
         top = win
         for i in reversed(range(spatial)):
             top = _extreme(lw, top, 2 + 2 * i, least=False)
@@ -243,7 +246,71 @@ def max_pool_backward(lw: Any, args, kwargs, shapes, group):
     g = lw.reshape(lw.val(args[0]), lw.shapes[idx.top])
     dims = [2 + 2 * i for i in range(idx.pool.spatial)]
     win_grad = first_extreme_grad(lw, idx.windows, idx.top, g, dims)
-    return lw.reshape(_unwindow(lw, win_grad, idx.pool), lw.shapes[x])
+    pool = idx.pool
+    grad = max_unwindow(lw, win_grad, list(pool.padded)) if pool.padded \
+        else _unwindow(lw, win_grad, pool)
+    return lw.reshape(grad, lw.shapes[x])
+
+
+@dataclass(frozen=True)
+class AdaptiveIndex:
+    """The indices of an adaptive max pooling of ``x`` along ``dim`` (every
+    other spatial dim kept whole): each output's window ``[lo, hi)``, the
+    window's values and its maximum."""
+    x: int
+    dim: int
+    windows: tuple[tuple[int, int, int, int], ...]  # (lo, hi, window, top)
+
+    def emit_into(self, lw: Any) -> int:
+        _refuse_index(lw)
+
+
+def adaptive_max_pool(spatial: int) -> Handler:
+    """``adaptive_max_pool{n}d(x, out)`` with one pooled dim (the others of
+    the output size they have, as ``nn.AdaptiveMaxPool1d`` records): each
+    output the maximum of torch's window ``[floor(o S / O), ceil((o + 1) S
+    / O))``."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x0 = lw.val(args[0])
+        x = _batched(lw, x0, spatial)
+        size, out = lw.shapes[x][2:], tuple(shapes[0])[-spatial:]
+        pooled = [i for i in range(spatial) if size[i] != out[i]]
+        if len(pooled) > 1:
+            raise LoweringError(f"{lw.name}: adaptive max pooling of {list(size)} to "
+                                f"{list(out)} (more than one pooled dim) is not lowered")
+        dim = 2 + (pooled[0] if pooled else spatial - 1)
+        windows = []
+        for o in range(lw.shapes[x][dim] if not pooled else out[dim - 2]):
+            n = lw.shapes[x][dim]
+            lo, hi = (o, o + 1) if not pooled else (o * n // out[dim - 2],
+                                                    -(-(o + 1) * n // out[dim - 2]))
+            window = _narrow(lw, x, dim, lo, hi - lo)
+            windows.append((lo, hi, window, _extreme(lw, window, dim, least=False)))
+        top = _cat(lw, [w[3] for w in windows], dim)
+        return [lw.reshape(top, tuple(shapes[0])), AdaptiveIndex(x0, dim, tuple(windows))]
+    return lower
+
+
+def adaptive_max_pool_backward(lw: Any, args, kwargs, shapes, group):
+    """``adaptive_max_pool{n}d_backward(g, x, indices)``: each window's
+    gradient to its first maximum, put back in place and summed."""
+    idx = _env(lw, args[2] if len(args) > 2 else kwargs.get("indices"))
+    x = lw.val(args[1])
+    if not isinstance(idx, AdaptiveIndex) or idx.x != x:
+        raise LoweringError(f"{lw.name}: the backward of an adaptive max pooling whose indices "
+                            f"are not that pooling's is not lowered")
+    first = idx.windows[0][3]
+    shape = list(lw.shapes[first])
+    shape[idx.dim] = len(idx.windows)
+    g = lw.reshape(lw.val(args[0]), tuple(shape))
+    size = lw.shapes[idx.windows[0][2]][:idx.dim] + (idx.windows[-1][1],) \
+        + lw.shapes[idx.windows[0][2]][idx.dim + 1:]
+    total = None
+    for o, (lo, hi, window, top) in enumerate(idx.windows):
+        grad = first_extreme_grad(lw, window, top, _narrow(lw, g, idx.dim, o, 1), [idx.dim])
+        grad = _pad(lw, grad, idx.dim, lo, size[idx.dim] - hi)
+        total = grad if total is None else lw.emit("add", [total, grad], [lw.shapes[grad]])[0]
+    return lw.reshape(total, lw.shapes[x])
 
 
 def argmax_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
@@ -257,6 +324,10 @@ def argmax_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.max_pool3d_with_indices.default": max_pool(3),
         "aten.max_pool2d_with_indices_backward.default": max_pool_backward,
         "aten.max_pool3d_with_indices_backward.default": max_pool_backward,
+        "aten.adaptive_max_pool2d.default": adaptive_max_pool(2),
+        "aten.adaptive_max_pool3d.default": adaptive_max_pool(3),
+        "aten.adaptive_max_pool2d_backward.default": adaptive_max_pool_backward,
+        "aten.adaptive_max_pool3d_backward.default": adaptive_max_pool_backward,
     }
 
 

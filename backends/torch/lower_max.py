@@ -146,9 +146,19 @@ def _maximum_of(lw: Any, top: Any, x: Any) -> MaxHit | None:
     node = _producer(lw, top)
     while node is not None and node.op in _RESHAPES and len(node.ins) == 1:
         node = _producer(lw, node.ins[0])
+    if _negated(node):  # a minimum, -max(-x): x is minimal where -x is maximal
+        node = _producer(lw, node.ins[0])
+        neg = _producer(lw, node.ins[0]) if node is not None and node.op == "max" else None
+        if not _negated(neg) or neg.ins[0] != x:
+            return None
+        x = neg.outs[0]
     if node is None or node.op != "max" or node.ins[0] != x:
         return None
     return MaxHit(x, node.outs[0], (node.kwargs["dim"], node.kwargs["keepdim"]))
+
+
+def _negated(node: Any) -> bool:
+    return node is not None and node.op == "mul_scalar" and node.kwargs.get("value") == -1.0
 
 
 def equal(base: Handler) -> Handler:
@@ -265,19 +275,21 @@ def minimum(lw: Any, args, kwargs, shapes, group):
     return lw.emit("sub", [a, r], [lw.shapes[a]])[0]
 
 
+def dim_set(dims: Any, ndim: int) -> list[int]:
+    """The reduced dims, sorted; none (``None`` or ``[]``) is every dim."""
+    dims = [] if dims is None else dims if isinstance(dims, (list, tuple)) else [dims]
+    return sorted(int(d) % max(1, ndim) for d in dims) if dims else list(range(ndim))
+
+
 def count(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         hit = _env(lw, args[0])
         if not isinstance(hit, MaxHit):
             return base(lw, args, kwargs, shapes, group)
-        dims = args[1] if len(args) > 1 else kwargs.get("dim")
-        dims = [int(d) % len(lw.shapes[hit.x]) for d in
-                (dims if isinstance(dims, (list, tuple)) else [dims])]
+        ndim = len(lw.shapes[hit.x])
+        dims = dim_set(args[1] if len(args) > 1 else kwargs.get("dim"), ndim)
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-        reduced = hit.kwargs[0]
-        reduced = sorted(int(d) % len(lw.shapes[hit.x]) for d in
-                         (reduced if isinstance(reduced, (list, tuple)) else [reduced]))
-        if sorted(dims) != reduced or not keepdim:
+        if dims != dim_set(hit.kwargs[0], ndim) or not keepdim:
             _refuse(lw)
         return MaxCount(hit)
     return lower

@@ -207,8 +207,8 @@ def amax(lw: Any, args, kwargs, shapes, group):
     dims = args[1] if len(args) > 1 else kwargs.get("dim", [])
     keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     dims = [int(d) % len(lw.shapes[x]) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-    if len(dims) != 1:
-        raise LoweringError(f"{lw.name}: amax over {len(dims)} dims is not lowered")
+    if len(dims) != 1:  # several dims, or none (every dim)
+        return lw.emit("max", [x], shapes, {"dim": dims or None, "keepdim": keepdim})[0]
     if keepdim:
         return RowMax(x, dims[0])
     return lw.emit("max", [x], shapes, {"dim": dims[0], "keepdim": False})[0]

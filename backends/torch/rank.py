@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from backends.torch.circular_pad import CircularPad
 from backends.torch.pipeline import Pipelined, PipelineStep
 from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
@@ -118,7 +119,7 @@ def _run(spec: dict, rank: int) -> dict:
         rec.mark_constant(local_of(b), buffers[name][0], buffer=True)
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
-    with tracker, rec, ValueReads(rec):
+    with tracker, rec, ValueReads(rec), CircularPad():
         with train_context(model):
             if pipelined is not None:
                 losses = pipelined.run(tokens, labels)

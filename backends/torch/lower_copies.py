@@ -1,0 +1,51 @@
+"""Lowering of the ops whose every output position is a copy of one input
+position: ``torch.roll`` and ``torch.flip`` (``x.flip(dims)``), each a
+``cat`` of ``narrow``s (docs/soundness.md, "Plans traced from PyTorch",
+17: exact rules). Their backward is recorded as the same op (``roll`` by
+the opposite shifts, ``flip`` of the same dims), lowered alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.torch.errors import LoweringError
+from backends.torch.lower_conv import _cat, _narrow
+
+
+def _ints(value: Any) -> list[int]:
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def roll(lw: Any, args, kwargs, shapes, group):
+    """``torch.roll(x, shifts, dims)``: along each dim, the last ``s``
+    positions then the first ``n - s``."""
+    x = lw.val(args[0])
+    shifts = _ints(args[1] if len(args) > 1 else kwargs["shifts"])
+    dims = _ints(args[2] if len(args) > 2 else kwargs.get("dims", []))
+    if len(dims) != len(shifts) or not dims:
+        raise LoweringError(f"{lw.name}: torch.roll without a dim for each shift (a roll of the "
+                            f"flattened tensor) is not lowered")
+    for shift, d in zip(shifts, dims):
+        d %= len(lw.shapes[x])
+        n = lw.shapes[x][d]
+        s = shift % n if n else 0
+        if s:
+            x = _cat(lw, [_narrow(lw, x, d, n - s, s), _narrow(lw, x, d, 0, n - s)], d)
+    return x
+
+
+def flip(lw: Any, args, kwargs, shapes, group):
+    """``torch.flip(x, dims)``: along each dim, the one-wide slices reversed."""
+    x = lw.val(args[0])
+    for d in _ints(args[1] if len(args) > 1 else kwargs["dims"]):
+        d %= len(lw.shapes[x])
+        n = lw.shapes[x][d]
+        x = _cat(lw, [_narrow(lw, x, d, k, 1) for k in reversed(range(n))], d)
+    return x
+
+
+COPY_HANDLERS: dict[str, Any] = {
+    "aten.roll.default": roll,
+    "aten.flip.default": flip,
+}

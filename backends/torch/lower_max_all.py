@@ -1,0 +1,133 @@
+"""Lowering of the maximum and minimum of a whole tensor: ``x.max()``,
+``x.min()`` (``aten.max.default``, ``aten.min.default``) and ``torch.amax(x)``
+over every dim, with their backward.
+
+The value is the ``max`` rule over every dim (a minimum is ``-max(-x)``).
+Autograd's backward of ``x.max()`` (``evenly_distribute_backward``) is
+
+    nan = isnan(x) & isnan(top);  hit = (x == top) | nan;  g / hit.sum() * hit
+
+Plan values are real numbers, never NaN: ``isnan`` of a lowered value is
+false everywhere, so ``hit`` is ``x == top``, and the rest is the pattern of
+``lower_max`` (``amax``'s backward: the count of maxima, the share, the
+product), emitted as one ``max`` backward node (ties share the gradient
+evenly, as torch's kernel does; docs/soundness.md, "Plans traced from
+PyTorch", 26). The NaN flags are pending values that no reader but that
+pattern may read.
+
+``x.argmax()`` and ``x.argmin()`` stay refused: an index used as a value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from backends.torch.errors import LoweringError
+from backends.torch.lower_max import MaxCount, MaxHit, dim_set
+
+Handler = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class NotNaN:
+    """``isnan(v)`` of a lowered value (or a conjunction of such): false
+    everywhere in real arithmetic."""
+
+    def emit_into(self, lw: Any) -> int:
+        raise LoweringError(f"{lw.name}: isnan of a computed tensor is read other than by the "
+                            f"backward of x.max()/x.min(); it is not lowered")
+
+
+def _env(lw: Any, a: Any) -> Any:
+    return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" \
+        else None
+
+
+def extreme_all(least: bool) -> Handler:
+    """``x.max()`` (``x.min()``: ``-max(-x)``), a 0-d value."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = lw.val(args[0])
+        if least:
+            x = lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": -1.0})[0]
+        top = lw.emit("max", [x], [()], {"dim": None, "keepdim": False})[0]
+        if least:
+            top = lw.emit("mul_scalar", [top], [()], {"value": -1.0})[0]
+        return top
+    return lower
+
+
+def isnan(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = _env(lw, args[0])
+        if x is None:
+            return base(lw, args, kwargs, shapes, group)
+        lw.val(args[0])  # a lowered (real-valued) tensor
+        return NotNaN()
+    return lower
+
+
+def logical_and(base: Handler) -> Handler:
+    """``isnan(x) & isnan(top)``: false when either side is."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        if any(isinstance(_env(lw, a), NotNaN) for a in args[:2]):
+            return NotNaN()
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def logical_or(base: Handler) -> Handler:
+    """``(x == top) | nan``: the comparison itself when nan is false."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        a, b = _env(lw, args[0]), _env(lw, args[1])
+        if isinstance(b, NotNaN) and isinstance(a, MaxHit):
+            return a
+        if isinstance(a, NotNaN) and isinstance(b, MaxHit):
+            return b
+        if isinstance(a, NotNaN) or isinstance(b, NotNaN):
+            raise LoweringError(f"{lw.name}: isnan of a computed tensor is read other than by "
+                                f"the backward of x.max()/x.min(); it is not lowered")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def _all_dims(hit: MaxHit, ndim: int) -> bool:
+    return dim_set(hit.kwargs[0], ndim) == list(range(ndim))
+
+
+def count_all(base: Handler) -> Handler:
+    """``hit.sum()``: the number of maxima of a maximum over every dim."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        hit = _env(lw, args[0])
+        if not isinstance(hit, MaxHit):
+            return base(lw, args, kwargs, shapes, group)
+        if not _all_dims(hit, len(lw.shapes[hit.x])):
+            raise LoweringError(f"{lw.name}: a comparison with a maximum (amax(x) == x) read "
+                                f"other than by amax's backward is not lowered")
+        return MaxCount(hit)
+    return lower
+
+
+def max_all_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
+    """The entries this module adds to or wraps in ``table`` (lower.py's,
+    after ``lower_max``'s)."""
+    return {
+        "aten.max.default": extreme_all(least=False),
+        "aten.min.default": extreme_all(least=True),
+        "aten.isnan.default": isnan(table.get("aten.isnan.default", _unlowered("aten.isnan"))),
+        "aten.logical_and.default": logical_and(
+            table.get("aten.logical_and.default", _unlowered("aten.logical_and"))),
+        "aten.logical_or_.default": logical_or(
+            table.get("aten.logical_or_.default", _unlowered("aten.logical_or_"))),
+        "aten.logical_or.default": logical_or(
+            table.get("aten.logical_or.default", _unlowered("aten.logical_or"))),
+        "aten.sum.default": count_all(table["aten.sum.default"]),
+    }
+
+
+def _unlowered(op: str) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        raise LoweringError(f"aten op {op} (at {lw.name or 'top level'}) is not lowered onto the "
+                            f"rule table")
+    return lower

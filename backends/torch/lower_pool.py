@@ -1,0 +1,327 @@
+"""Pooling windows with padding and ``ceil_mode`` (max pooling's, for
+``lower_argmax``) and average pooling (``F.avg_pool1d/2d/3d``,
+``nn.AvgPool*d``: ``aten.avg_pool{2,3}d`` and their backward).
+
+Along a spatial dim of size S, window o of a pooling covers the positions
+``o * stride - padding + k * dilation`` for the taps k < K; positions
+outside ``[0, S)`` are padding, and with ``ceil_mode`` the last window may
+run past the padded end (torch keeps a window that starts inside the input
+or its left padding).
+
+*Max pooling* pads with -inf, which never wins a maximum. Here a padded tap
+is a copy of the window's nearest valid tap instead (its first valid one
+before, its last after): the window's maximum is unchanged, and its first
+maximum in row-major tap order is a copy of torch's first valid maximum
+(per dim the tap map is monotone, so the first tap whose source holds a
+maximum has torch's source; docs/soundness.md, "Plans traced from
+PyTorch", 26). Its backward sends the gradient through the adjoint of
+those copies, to the very input position torch's index names.
+
+*Average pooling* is linear and separable: along each dim, the input
+padded with zeros is windowed as a convolution's (``lower_conv``), the
+taps are summed, and each output position is divided by its share of the
+divisor (torch's divisor is the product over dims of the window's length
+inside the padded input, or inside the input when ``count_include_pad`` is
+false; ``divisor_override`` replaces it). The backward is the adjoint, dim
+by dim. Every step is a ``narrow``, a zero padding, a ``cat``, a reshape,
+a ``sum``, an ``add`` or a ``mul_scalar``: exact rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from backends.torch.errors import LoweringError
+from backends.torch.lower_conv import _cat, _every, _narrow, _pad, _spread, _with_axis
+
+Handler = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One spatial dim of a pooling: input size, kernel, stride, padding,
+    dilation and the recorded output size."""
+    size: int
+    kernel: int
+    stride: int
+    padding: int
+    dilation: int
+    out: int
+
+    def start(self, o: int) -> int:
+        return o * self.stride - self.padding
+
+    def taps(self, o: int) -> list[int]:
+        """The taps of window o that fall inside the input."""
+        return [k for k in range(self.kernel)
+                if 0 <= self.start(o) + k * self.dilation < self.size]
+
+    def sources(self, k: int) -> list[int]:
+        """The input position each window's tap k reads, a padded tap
+        replaced by the window's nearest valid tap (max pooling)."""
+        out = []
+        for o in range(self.out):
+            valid = self.taps(o)
+            out.append(self.start(o) + min(max(k, valid[0]), valid[-1]) * self.dilation)
+        return out
+
+
+def pool_dims(lw: Any, size, kernel, stride, padding, dilation, ceil_mode: bool,
+              out) -> list[Dim]:
+    """The pooling's dims, checked against torch's output size rule."""
+    dims = [Dim(*v) for v in zip(size, kernel, stride, padding, dilation, out)]
+    for d in dims:
+        span = d.size + 2 * d.padding - d.dilation * (d.kernel - 1) - 1
+        expect = -(-span // d.stride) + 1 if ceil_mode else span // d.stride + 1
+        if ceil_mode and (expect - 1) * d.stride >= d.size + d.padding:
+            expect -= 1
+        if d.out != expect or d.out <= 0 or 2 * d.padding > d.dilation * (d.kernel - 1) + 1 \
+                or any(not d.taps(o) for o in range(d.out)):
+            raise LoweringError(f"{lw.name}: pooling of spatial size {list(size)} with kernel "
+                                f"{list(kernel)}, stride {list(stride)}, padding {list(padding)}"
+                                f"{' and ceil_mode' if ceil_mode else ''} is not lowered")
+    return dims
+
+
+def _runs(idxs: list[int]) -> list[tuple[int, int, int]]:
+    """(first output, first source, length) of each run of consecutive sources."""
+    runs: list[tuple[int, int, int]] = []
+    for j, i in enumerate(idxs):
+        if runs and runs[-1][1] + runs[-1][2] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((j, i, 1))
+    return runs
+
+
+def _take(lw: Any, x: int, dim: int, idxs: list[int]) -> int:
+    """x's positions ``idxs`` along dim, in order (copies)."""
+    return _cat(lw, [_narrow(lw, x, dim, i, n) for _, i, n in _runs(idxs)], dim)
+
+
+def _put(lw: Any, g: int, dim: int, idxs: list[int], size: int) -> int:
+    """The adjoint of ``_take``: g's positions added at their sources."""
+    total = None
+    for j, i, n in _runs(idxs):
+        piece = _pad(lw, _narrow(lw, g, dim, j, n), dim, i, size - i - n)
+        total = piece if total is None else lw.emit("add", [total, piece], [lw.shapes[piece]])[0]
+    return total
+
+
+def max_windows(lw: Any, x: int, dims: list[Dim]) -> int:
+    """x's windows ``(N, C, K1, O1, ..., Kd, Od)``, padded taps copied."""
+    for i, d in enumerate(dims):
+        dim = 2 + 2 * i
+        taps = []
+        for k in range(d.kernel):
+            tap = _take(lw, x, dim, d.sources(k))
+            taps.append(lw.reshape(tap, _with_axis(lw.shapes[tap], dim)))
+        x = _cat(lw, taps, dim)
+    return x
+
+
+def max_unwindow(lw: Any, g: int, dims: list[Dim]) -> int:
+    """The adjoint of ``max_windows``."""
+    for i in reversed(range(len(dims))):
+        d, dim = dims[i], 2 + 2 * i
+        total = None
+        for k in range(d.kernel):
+            tap = _narrow(lw, g, dim, k, 1)
+            shape = lw.shapes[tap]
+            tap = _put(lw, lw.reshape(tap, (*shape[:dim], *shape[dim + 1:])), dim,
+                       d.sources(k), d.size)
+            total = tap if total is None else lw.emit("add", [total, tap], [lw.shapes[tap]])[0]
+        g = total
+    return g
+
+
+# -- average pooling ---------------------------------------------------------------
+
+def _right(d: Dim) -> int:
+    """Zeros after the input so that every window's taps exist."""
+    return max(0, (d.out - 1) * d.stride + d.kernel - d.padding - d.size)
+
+
+def _divisor(d: Dim, o: int, include_pad: bool) -> int:
+    lo, hi = d.start(o), min(d.start(o) + d.kernel, d.size + d.padding)
+    if not include_pad:
+        lo, hi = max(lo, 0), min(hi, d.size)
+    return hi - lo
+
+
+def _scale(lw: Any, x: int, dim: int, factors: list[float]) -> int:
+    """x times ``factors[o]`` at position o along dim (runs of equal factors)."""
+    parts, o = [], 0
+    while o < len(factors):
+        n = 1
+        while o + n < len(factors) and factors[o + n] == factors[o]:
+            n += 1
+        piece = _narrow(lw, x, dim, o, n)
+        if factors[o] != 1.0:
+            piece = lw.emit("mul_scalar", [piece], [lw.shapes[piece]], {"value": factors[o]})[0]
+        parts.append(piece)
+        o += n
+    return _cat(lw, parts, dim)
+
+
+@dataclass(frozen=True)
+class _Avg:
+    dims: list[Dim]
+    include_pad: bool
+    divisor: int | None
+
+    def factors(self, i: int) -> list[float]:
+        if self.divisor is not None:
+            return [1.0] * self.dims[i].out
+        d = self.dims[i]
+        return [1.0 / _divisor(d, o, self.include_pad) for o in range(d.out)]
+
+
+def _avg_of(lw: Any, x: int, args, kwargs, out_shape) -> _Avg:
+    spatial = len(out_shape) - 2
+    opts = [*args, *[None] * 7][:7]
+    kernel, stride, padding, ceil_mode, include_pad, divisor = opts[1:7]
+    kernel = _ints(kernel, spatial)
+    stride = _ints(stride, spatial) if stride else kernel
+    padding = _ints(padding if padding is not None else 0, spatial)
+    dims = pool_dims(lw, lw.shapes[x][2:], kernel, stride, padding, (1,) * spatial,
+                     bool(ceil_mode), out_shape[2:])
+    if divisor is not None and int(divisor) <= 0:
+        raise LoweringError(f"{lw.name}: average pooling with divisor_override {divisor}")
+    return _Avg(dims, True if include_pad is None else bool(include_pad),
+                None if divisor is None else int(divisor))
+
+
+def _ints(value: Any, n: int) -> tuple[int, ...]:
+    values = [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return tuple(values * n if len(values) == 1 else values)
+
+
+def _batched(lw: Any, x: int, spatial: int) -> int:
+    shape = lw.shapes[x]
+    if len(shape) == spatial + 1:
+        return lw.reshape(x, (1, *shape))
+    if len(shape) != spatial + 2:
+        raise LoweringError(f"{lw.name}: pooling of an input of shape {list(shape)}")
+    return x
+
+
+def avg_pool(spatial: int) -> Handler:
+    """``avg_pool{n}d``: each dim windowed over zeros, summed, scaled."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = _batched(lw, lw.val(args[0]), spatial)
+        out_shape = tuple(shapes[0]) if len(shapes[0]) == spatial + 2 else (1, *shapes[0])
+        avg = _avg_of(lw, x, args, kwargs, out_shape)
+        for i, d in enumerate(avg.dims):
+            dim = 2 + i
+            xp = _pad(lw, x, dim, d.padding, _right(d))
+            total = None
+            for k in range(d.kernel):
+                tap = _every(lw, _narrow(lw, xp, dim, k, (d.out - 1) * d.stride + 1), dim,
+                             d.stride, d.out)
+                total = tap if total is None else lw.emit("add", [total, tap],
+                                                          [lw.shapes[tap]])[0]
+            x = _scale(lw, total, dim, avg.factors(i))
+        if avg.divisor is not None:
+            x = lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": 1.0 / avg.divisor})[0]
+        return lw.reshape(x, tuple(shapes[0]))
+    return lower
+
+
+def avg_pool_backward(spatial: int) -> Handler:
+    """``avg_pool{n}d_backward(g, x, ...)``: the adjoint, dim by dim."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x0 = lw.val(args[1])
+        x = _batched(lw, x0, spatial)
+        g = lw.val(args[0])
+        g = lw.reshape(g, (1, *lw.shapes[g]) if len(lw.shapes[g]) == spatial + 1
+                       else lw.shapes[g])
+        avg = _avg_of(lw, x, args[1:], kwargs, lw.shapes[g])
+        if avg.divisor is not None:
+            g = lw.emit("mul_scalar", [g], [lw.shapes[g]], {"value": 1.0 / avg.divisor})[0]
+        for i in reversed(range(spatial)):
+            d, dim = avg.dims[i], 2 + i
+            g = _scale(lw, g, dim, avg.factors(i))
+            padded = d.size + d.padding + _right(d)
+            total = None
+            for k in range(d.kernel):
+                tap = _spread(lw, g, dim, d.stride, d.out)
+                tap = _pad(lw, tap, dim, k, padded - k - lw.shapes[tap][dim])
+                total = tap if total is None else lw.emit("add", [total, tap],
+                                                          [lw.shapes[tap]])[0]
+            g = _narrow(lw, total, dim, d.padding, d.size)
+        return lw.reshape(g, lw.shapes[x0])
+    return lower
+
+
+POOL_HANDLERS: dict[str, Handler] = {
+    "aten.avg_pool2d.default": avg_pool(2),
+    "aten.avg_pool3d.default": avg_pool(3),
+    "aten.avg_pool2d_backward.default": avg_pool_backward(2),
+    "aten.avg_pool3d_backward.default": avg_pool_backward(3),
+}
+
+
+# -- adaptive average pooling -------------------------------------------------------
+
+def _adaptive_windows(size: int, out: int) -> list[tuple[int, int]]:
+    """torch's window ``[floor(o S / O), ceil((o + 1) S / O))`` of each output o."""
+    return [(o * size // out, -(-(o + 1) * size // out)) for o in range(out)]
+
+
+def adaptive_avg_pool(spatial: int) -> Handler:
+    """``_adaptive_avg_pool{n}d``: each output the mean of its window, dim by
+    dim (torch divides the window's sum by the product of its lengths)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = _batched(lw, lw.val(args[0]), spatial)
+        out = tuple(shapes[0])[-spatial:]
+        for i, o_size in enumerate(out):
+            dim = 2 + i
+            pieces = []
+            for lo, hi in _adaptive_windows(lw.shapes[x][dim], o_size):
+                piece = _narrow(lw, x, dim, lo, hi - lo)
+                shape = _with_axis(tuple(s for k, s in enumerate(lw.shapes[piece]) if k != dim), dim)
+                piece = lw.emit("sum", [piece], [shape], {"dim": [dim], "keepdim": True})[0]
+                if hi - lo != 1:
+                    piece = lw.emit("mul_scalar", [piece], [shape], {"value": 1.0 / (hi - lo)})[0]
+                pieces.append(piece)
+            x = _cat(lw, pieces, dim)
+        return lw.reshape(x, tuple(shapes[0]))
+    return lower
+
+
+def adaptive_avg_pool_backward(spatial: int) -> Handler:
+    """``_adaptive_avg_pool{n}d_backward(g, x)``: the adjoint, dim by dim."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x0 = lw.val(args[1])
+        x = _batched(lw, x0, spatial)
+        g = lw.val(args[0])
+        g = lw.reshape(g, (1, *lw.shapes[g]) if len(lw.shapes[g]) == spatial + 1
+                       else lw.shapes[g])
+        for i in reversed(range(spatial)):
+            dim, size = 2 + i, lw.shapes[x][2 + i]
+            total = None
+            for o, (lo, hi) in enumerate(_adaptive_windows(size, lw.shapes[g][dim])):
+                piece = _narrow(lw, g, dim, o, 1)
+                if hi - lo != 1:
+                    piece = lw.emit("mul_scalar", [piece], [lw.shapes[piece]],
+                                    {"value": 1.0 / (hi - lo)})[0]
+                    shape = list(lw.shapes[piece])
+                    shape[dim] = hi - lo
+                    piece = lw.emit("expand", [piece], [tuple(shape)], {"shape": shape})[0]
+                piece = _pad(lw, piece, dim, lo, size - hi)
+                total = piece if total is None else lw.emit("add", [total, piece],
+                                                            [lw.shapes[piece]])[0]
+            g = total
+        return lw.reshape(g, lw.shapes[x0])
+    return lower
+
+
+POOL_HANDLERS.update({
+    "aten._adaptive_avg_pool2d.default": adaptive_avg_pool(2),
+    "aten._adaptive_avg_pool3d.default": adaptive_avg_pool(3),
+    "aten._adaptive_avg_pool2d_backward.default": adaptive_avg_pool_backward(2),
+    "aten._adaptive_avg_pool3d_backward.default": adaptive_avg_pool_backward(3),
+})
