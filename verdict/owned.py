@@ -35,7 +35,10 @@ one accumulation only, and (8) the chain of those accumulations from zeros
 ending in what the rank ends with. The cut replaces each scatter by its own
 value, widens the chain to the box and sums the shown chain ends with a
 reducer: the ZeRO-1 shape (docs/soundness.md, "ZeRO-2 and ZeRO-3:
-reduce-scattered shards").
+reduce-scattered shards"). With expert parallelism a shared parameter's
+gathers and scatters run in two levels, the ep ranks of a replica and the
+orbit (docs/soundness.md, "ZeRO-1 with expert parallelism" and "ZeRO-2 and
+ZeRO-3 with expert parallelism").
 
 The cut of the representatives (verdict/symmetry.py) replaces each gather
 by its value, the whole parameter loaded, drops keeps and updates, and
@@ -92,10 +95,15 @@ class Owned:
     #: shards widens to in the cut, where a reducer sums the chain ends
     reduced: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
     #: expert parallelism: the in-block gathers of a shared parameter's
-    #: loaded shards over the ep ranks of one replica (a node mask), whose
-    #: outputs the orbit's gathers read; compared with their index, dropped
-    #: by the cut with the gathers they feed
+    #: loaded shards over the ep ranks of one replica, whose outputs the
+    #: orbit's gathers read, and (ZeRO-2/3) the in-block scatters of the
+    #: orbit's scatters' outputs (a node mask); compared with their index,
+    #: dropped by the cut with the gathers and scatters they go with
     inner: np.ndarray | None = None
+    #: ZeRO-2/3 with expert parallelism: the (rank, gradient buffer tid) of
+    #: ``reduced`` scattered in two levels, whose reducer in the cut sums the
+    #: chain ends of every ep rank of the shown replicas
+    reduced_ep: frozenset = frozenset()
 
     @property
     def nodes(self) -> np.ndarray:
@@ -125,9 +133,6 @@ def find_owned(check: BlockCheck) -> Owned:
         return Owned.none(len(check.cols.n_rank), len(check.cols.t_rank))
     if p.world["zero"] not in (1, 2, 3):
         return _refuse(f"ZeRO stage {p.world['zero']!r} is none the owned shards cover")
-    if int(p.world.get("ep", 1)) > 1 and p.world["zero"] != 1:
-        return _refuse(f"ZeRO-{p.world['zero']} with expert parallelism: shared gradients "
-                       f"are reduce-scattered in two levels, which the rules do not describe")
     return _Scan(check).run()
 
 
@@ -157,6 +162,7 @@ class _Scan:
         #: gathered in two levels (else (D, replica))
         self.split_of: dict[tuple[int, int], tuple[int, int]] = {}
         self.scattered: dict[int, int] = {}
+        self.reduced_ep: set[tuple[int, int]] = set()
         self.reduced: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.shifts: list[tuple[np.ndarray, ...]] = []  # (tensors, dims, offsets)
         self.kw_cache: dict[int, dict] = {}
@@ -243,7 +249,8 @@ class _Scan:
         first = np.concatenate((np.ones(min(1, len(t)), dtype=bool), ~same))  # none: no shifts
         return Owned(self.gathers, self.keeps, self.updates, self.gathered,
                      (t[first], dim[first], off[first]), self.rewire, self.widen,
-                     self.scatters, self.scattered, self.reduced, self.inner)
+                     self.scatters, self.scattered, self.reduced, self.inner,
+                     frozenset(self.reduced_ep))
 
     def is_loaded(self, t: np.ndarray) -> np.ndarray:
         c, s = self.cols, np.maximum(t, 0)
@@ -373,7 +380,9 @@ class _Scan:
         ranks = cols.n_rank[nodes].astype(np.int64)
         e = ranks // self.ep_stride % ep
         index = np.array([self.kw(int(k)).get("index", -1) for k in cols.n_kw[nodes].tolist()])
-        bad = (lengths != ep) | (outs != 1) | (index != e) | (cols.n_mb[nodes] != -1)
+        # ZeRO-3 gathers per use: in the microbatch of the orbit's gather it feeds
+        mb = cols.n_mb[nodes]
+        bad = (lengths != ep) | (outs != 1) | (index != e) | ((mb != -1) & (self.zero < 3))
         m = cols.flat[cols.ptr[cols.n_ins[nodes]][:, None] + np.arange(ep)[None, :]
                       * ~bad[:, None]].astype(np.int64)
         safe = np.maximum(m, 0)
@@ -390,9 +399,10 @@ class _Scan:
                         dtype=object)
         width, full = self.tiling(nodes, m, dims, ep)
         out = cols.flat[cols.ptr[cols.n_outs[nodes]]].astype(np.int64)
-        for i, t, o, box in zip(nodes.tolist(), tid.tolist(), out.tolist(), full):
+        for i, t, o, box, at in zip(nodes.tolist(), tid.tolist(), out.tolist(), full,
+                                    mb.tolist()):
             if o < 0 or int(cols.t_tid[o]) != t or int(cols.t_lver[o]) != 0 or \
-                    int(cols.t_mb[o]) != -1 or self.box(o) != box or not self.whole(o):
+                    int(cols.t_mb[o]) != at or self.box(o) != box or not self.whole(o):
                 _refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])}: its output does "
                         f"not claim the whole box its shards tile")
         self.inner[nodes] = True
@@ -403,13 +413,16 @@ class _Scan:
 
     def check_inner_read(self) -> None:
         """The in-block gathers' outputs are read by the orbit's gathers only,
-        each by one of them at least."""
+        each by one of them at least, in its own microbatch (ZeRO-3 per use)."""
         made = np.flatnonzero(self.inner_made)
         if not made.size:
             return
-        read, _ = _inputs(self.cols, np.flatnonzero(self.gathers))
+        read, reader = _inputs(self.cols, np.flatnonzero(self.gathers))
+        keep = read >= 0
+        read, reader = read[keep], reader[keep]
+        same = self.cols.n_mb[reader] == self.cols.t_mb[read]
         by_gathers = np.zeros(len(self.cols.t_rank), dtype=np.int64)
-        np.add.at(by_gathers, read[read >= 0], 1)
+        np.add.at(by_gathers, read[same], 1)
         bad = (by_gathers[made] == 0) | (by_gathers[made] != self.reads[made])
         if bad.any():
             t = int(made[np.argmax(bad)])
@@ -529,6 +542,9 @@ class _Scan:
                     f"the same row in its microbatch")
         param_of = {int(b): int(q) for q, b in self.p.grads.items()}
         outs = cols.flat[cols.ptr[cols.n_outs[nodes]]]
+        inner_of, rows = self.inner_scatters(nodes, outs) if self.ep > 1 else ({}, None)
+        outs = np.concatenate((outs, np.array([self.outs(i)[0] if len(self.outs(i)) == 1 else -1
+                                               for i in inner_of.values()], dtype=outs.dtype)))
         is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op]
         read, reader = _inputs(cols, np.flatnonzero(is_acc))
         readers: dict[int, list[int]] = {}  # an output read once, by an accumulation
@@ -540,6 +556,9 @@ class _Scan:
         for at, (i, v) in enumerate(zip(nodes.tolist(), own.tolist())):
             rank, mb = int(cols.n_rank[i]), int(cols.n_mb[i])
             o = self.outs(i)[0] if len(self.outs(i)) == 1 else -1
+            mid = o if o in inner_of else -1  # two levels: the replica's box, scattered again
+            if mid >= 0:
+                o = self.outs(inner_of[mid])[0] if len(self.outs(inner_of[mid])) == 1 else -1
             acc = readers.get(o, [])
             where = f"the reduce_scatter {i} on rank {rank}"
             if len(acc) != 1 or self.op(acc[0]) != ACCUMULATE or \
@@ -551,13 +570,18 @@ class _Scan:
             key = (rank, param_of.get(int(cols.t_tid[buf]), -1))
             if key not in self.shard_of:
                 _refuse(f"{where} accumulates into the gradient buffer of no gathered parameter")
-            dim, _, shard, full, _ = self.shard_of[key]
+            dim, width, shard, full, _ = self.shard_of[key]
             kw = self.kw(int(cols.n_kw[i]))
+            two = self.split_of.get(key) is not None
             if kw.get("dim") != dim or self.box(o) != self.box(shard) or \
                     int(cols.t_producer[v]) < 0 or int(cols.t_mb[v]) != mb or \
-                    self.box(v) != full:
+                    self.box(v) != full or two != (mid >= 0) or (two and (
+                        self.box(mid) != self.replica_box(full, dim, width, int(self.n_d[i]))
+                        or self.kw(int(cols.n_kw[inner_of[mid]])).get("dim") != dim)):
                 _refuse(f"{where} does not scatter its block's value at the whole box of "
                         f"{self.p.logical[key[1]].name} to the shard the rank loads")
+            if two:
+                self.reduced_ep.add((rank, int(cols.t_tid[self.outs(acc[0])[0]])))
             chains.setdefault(key, []).append(acc[0])
             self.scattered[o] = v
             buffer[at] = int(cols.t_tid[buf])
@@ -568,8 +592,89 @@ class _Scan:
             i = int(nodes[np.argmax(bad)])
             _refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} sums values that "
                     f"other replicas accumulate into another gradient buffer")
+        if rows is not None:
+            self.inner_rows(inner_of, rows, buffer, nodes)
         self.scatters[nodes] = True
         self.chains(chains, param_of)
+
+    @staticmethod
+    def replica_box(full: list, dim: int, width: int, d: int) -> list[tuple[int, int]]:
+        """Replica ``d``'s box of ``full`` gathered in two levels: chunk d
+        along ``dim``, ``width`` wide."""
+        lo = full[dim][0] + d * width
+        return [(lo, lo + width) if k == dim else ab for k, ab in enumerate(full)]
+
+    def inner_scatters(self, nodes: np.ndarray, outs: np.ndarray
+                       ) -> tuple[dict[int, int], tuple[np.ndarray, np.ndarray] | None]:
+        """Expert parallelism (rule 7''): the reduce_scatters that read the
+        orbit's scatters' outputs, each inside the microbatch of its inputs,
+        over the ep ranks of its own replica and class (position j: the output
+        of the orbit's scatter on the ep rank j), at its own index e; every
+        member the own member of one of them with the same group. Returns
+        each orbit scatter's output -> the in-block scatter that reads it at
+        its own index, and the in-block scatters with, for each member, the
+        one whose own member it is (by position in the first); each such
+        output is read by in-block scatters only (docs/soundness.md, "ZeRO-2
+        and ZeRO-3 with expert parallelism")."""
+        cols, ep = self.cols, self.ep
+        made = np.zeros(len(cols.t_rank), dtype=bool)
+        made[outs[outs >= 0]] = True
+        rs = np.flatnonzero(np.array([o == "reduce_scatter" for o in cols.ops]
+                                     or [False])[cols.n_op])
+        rs = rs[~np.isin(rs, nodes)]
+        read, reader = _inputs(cols, rs)
+        found = np.unique(reader[(read >= 0) & made[np.maximum(read, 0)]])
+        if not found.size:
+            return {}, None
+        lengths = cols.ptr[cols.n_ins[found] + 1] - cols.ptr[cols.n_ins[found]]
+        nouts = cols.ptr[cols.n_outs[found] + 1] - cols.ptr[cols.n_outs[found]]
+        ranks = cols.n_rank[found].astype(np.int64)
+        e = ranks // self.ep_stride % ep
+        index = np.array([self.kw(int(k)).get("index", -1) for k in cols.n_kw[found].tolist()])
+        mb = cols.n_mb[found].astype(np.int64)
+        bad = (lengths != ep) | (nouts != 1) | (index != e) | (mb < 0)
+        m = cols.flat[cols.ptr[cols.n_ins[found]][:, None] + np.arange(ep)[None, :]
+                      * ~bad[:, None]].astype(np.int64)
+        safe = np.maximum(m, 0)
+        want = ranks[:, None] + (np.arange(ep)[None, :] - e[:, None]) * self.ep_stride
+        bad |= (m < 0).any(axis=1) | ~made[safe].all(axis=1) | \
+            (cols.t_rank[safe] != want).any(axis=1) | (cols.t_mb[safe] != mb[:, None]).any(axis=1)
+        own = m[np.arange(len(found)), e]
+        owner = np.full(len(cols.t_rank), -1, dtype=np.int64)
+        owner[own] = np.arange(len(found))
+        _, row_id = np.unique(m, axis=0, return_inverse=True)
+        row_id = row_id.reshape(-1)
+        k = owner[safe]
+        bad |= (k < 0).any(axis=1) | (row_id[np.maximum(k, 0)] != row_id[:, None]).any(axis=1)
+        if len(np.unique(own)) != len(own):
+            _refuse("two in-block reduce_scatters read one value at their own index")
+        by_inner = np.zeros(len(cols.t_rank), dtype=np.int64)
+        np.add.at(by_inner, m.reshape(-1), 1)
+        bad |= (by_inner[safe] != self.reads[safe]).any(axis=1)
+        if bad.any():
+            i = int(found[np.argmax(bad)])
+            _refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} is not one of the "
+                    f"orbit's scatters' outputs over the ep ranks of its replica, in its "
+                    f"microbatch, at its own index, whose every member is read by the "
+                    f"in-block scatters of one row only")
+        self.inner[found] = True
+        return dict(zip(own.tolist(), found.tolist())), (found, k)
+
+    def inner_rows(self, inner_of: dict[int, int], rows: tuple[np.ndarray, np.ndarray],
+                   buffer: np.ndarray, nodes: np.ndarray) -> None:
+        """One in-block row, one buffer: the in-block scatters of a row feed
+        the same gradient buffer (the orbit scatter whose output is each one's
+        own member feeds it, ``buffer`` by orbit scatter)."""
+        found, k = rows
+        of_orbit = {int(self.outs(i)[0]): b for i, b in zip(nodes.tolist(), buffer.tolist())}
+        buf = np.array([of_orbit.get(o, -1) for o in inner_of], dtype=np.int64)
+        at = np.empty(len(found), dtype=np.int64)
+        at[np.searchsorted(found, np.array(list(inner_of.values()), dtype=np.int64))] = buf
+        bad = (at < 0) | (at[k] != at[:, None]).any(axis=1)
+        if bad.any():
+            i = int(found[np.argmax(bad)])
+            _refuse(f"the reduce_scatter {i} on rank {int(self.cols.n_rank[i])} sums values "
+                    f"that other ep ranks accumulate into another gradient buffer")
 
     def chains(self, chains: dict[tuple[int, int], list[int]], param_of: dict[int, int]) -> None:
         """Each gathered parameter's gradient buffer on a rank: a chain of the

@@ -160,9 +160,6 @@ def eligible(parallel: PlanLike) -> str | None:
     w = parallel.world
     if not foldable(parallel):
         return "not a materialized plan with more than two replicas or microbatches"
-    if w.get("ep", 1) != 1 and w.get("zero", 0) not in (0, 1):
-        return (f"ZeRO-{w.get('zero')} with expert parallelism: shared gradients are "
-                f"reduce-scattered in two levels")
     if w.get("zero", 0) not in (0, 1, 2, 3):
         return f"ZeRO stage {w.get('zero')!r}"
     if not isinstance(w.get("gbs"), int):
@@ -594,26 +591,32 @@ class _Cut:
     def reducers(self, ends: dict[int, int]) -> dict[int, list[Node]]:
         """ZeRO-2/3: node of ``self.p`` -> the reducers the cut runs after it:
         each shown chain end of a reduced buffer (widened to its box) summed
-        over the shown replicas of its rank class, at its own position; the
+        over the shown replicas of its rank class (scattered in two levels:
+        of every ep rank of it), at its own position; the
         real chain end, read by the optimizer step, becomes the sum
         (``ends`` updated), as the keep's reducer of ZeRO-1."""
         if not self.reduced:
             return {}
         last = int(np.flatnonzero(self.pos_m == self.fold.nm - 1)[0])
-        groups: dict[tuple, list[tuple[int, int, int]]] = {}
+        groups: dict[tuple, list[tuple[int, int, int, int]]] = {}
+        stride = int(self.source.world.get("cp", 1)) * self.tp  # between two ep ranks
         for i, node in enumerate(self.p.nodes):
             x = self.p.tensors[node.outputs[0]] if node.outputs else None
             if node.op == ACCUMULATE and node.mb == last and (node.rank, x.tid) in self.reduced:
-                cls, d = self.check.mesh.split(node.rank)
-                groups.setdefault((cls, x.tid), []).append((d, i, node.outputs[0]))
+                # two levels ("ZeRO-2 and ZeRO-3 with expert parallelism"): every
+                # ep rank of the shown replicas, replica-major
+                e = node.rank // stride % self.ep if (node.rank, x.tid) in \
+                    self.check.owned.reduced_ep else 0
+                cls, d = self.check.mesh.split(node.rank - e * stride)
+                groups.setdefault((cls, x.tid), []).append((d, e, i, node.outputs[0]))
         after: dict[int, list[Node]] = {}
         for (_, tid), members in groups.items():
             members.sort()
-            if len(members) != self.fold.dp:
+            if len(members) != self.fold.dp * len({e for _, e, _, _ in members}):
                 raise FoldError(f"the chains of {self.p.logical[tid].name} are not shown on "
                                 f"every shown replica")
-            shown = tuple(out for _, _, out in members)
-            for pos, (_, i, out) in enumerate(members):
+            shown = tuple(out for _, _, _, out in members)
+            for pos, (_, _, i, out) in enumerate(members):
                 end = self.p.tensors[out]
                 box = tuple(tuple(ab) for ab in self.reduced[(end.rank, tid)])
                 self.p.tensors.append(end._replace(
