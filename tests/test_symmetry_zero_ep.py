@@ -2,8 +2,9 @@
 parameters owned over the expert-data-parallel replicas, shared ones over
 every data-parallel rank and gathered in two levels (docs/soundness.md,
 "ZeRO-1 with expert parallelism: shards in two levels"). Correct plans
-verify by classes; wrong ones FAIL, judged wrong by the oracle; ZeRO-2 and
-ZeRO-3 with expert parallelism are verified in full."""
+verify by classes; wrong ones FAIL, judged wrong by the oracle. ZeRO-2 and
+ZeRO-3 with expert parallelism likewise: shared gradients reduce-scattered
+in two levels ("ZeRO-2 and ZeRO-3 with expert parallelism")."""
 
 from __future__ import annotations
 
@@ -76,14 +77,21 @@ def test_shared_parameters_gather_in_two_levels_and_expert_ones_over_the_orbit()
     assert names["layers.0.attention.wq.weight"] in (2, 4)  # shared: ep, then edp
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_zero2_and_zero3_with_ep_are_verified_in_full(zero):
-    single, plan = pair(8, 2, zero)
-    found = find_symmetry(single, plan)
-    assert isinstance(found, Refusal) and "expert parallelism" in found.why
+@pytest.mark.parametrize("dp,nm,zero", [(8, 2, 2), (8, 2, 3), (8, 4, 2)],
+                         ids=["zero2_edp4_nm2", "zero3_edp4_nm2", "zero2_edp4_nm4"])
+def test_zero2_and_zero3_with_ep_verify_by_classes(dp, nm, zero):
+    """Shared gradients reduce-scattered in two levels (the orbit, then the
+    ep ranks of the replica), ZeRO-3's shared parameters gathered per use in
+    two levels (docs/soundness.md, "ZeRO-2 and ZeRO-3 with expert
+    parallelism")."""
+    single, plan = pair(dp, nm, zero)
+    assert isinstance(find_symmetry(single, plan), Symmetry)
     v = verify(single, plan)
     assert v.success, v.message
-    assert "verified in full" in v.symmetry, v.symmetry
+    edp = dp // EP
+    assert v.symmetry.startswith(f"{edp} x {nm} blocks (expert-data-parallel replica x "
+                                 f"microbatch) checked"), v.symmetry
+    assert f"ZeRO-{zero} owned shards checked on every rank" in v.symmetry, v.symmetry
 
 
 def test_an_optimizer_step_on_shared_shards_is_verified_in_full():
@@ -169,8 +177,8 @@ def test_an_all_to_all_peer_of_another_replica_fails(seed):
 @pytest.mark.parametrize("zero", [1, 2])
 def test_a_reduction_missing_a_replica_fails(zero):
     """One rank's sum over the replicas (ZeRO-1: the reducer of an expert's
-    gradient; ZeRO-2: a microbatch's reduce-scatter, verified in full) reads
-    its own value in place of another replica's."""
+    gradient; ZeRO-2: a microbatch's reduce-scatter over the orbit) reads its
+    own value in place of another replica's."""
     single, plan = pair(8, 2, zero)
     op = "reduce_scatter" if zero == 2 else None
     p = mutations.copy_plan(plan)
@@ -183,3 +191,64 @@ def test_a_reduction_missing_a_replica_fails(zero):
     ins[0] = own
     p.nodes[i] = n._replace(inputs=tuple(ins))
     wrong_and_fails(single, p)
+
+
+def _inner(plan: Plan, op: str, at: int, mb: int = 0) -> int:
+    """The first in-block ``op`` (over the ep ranks of one replica) of a
+    shared parameter on rank ``at`` in microbatch ``mb``."""
+    return next(i for i, n in enumerate(plan.nodes) if n.op == op and n.rank == at
+                and n.mb == mb and len(n.inputs) == EP
+                and all(plan.tensors[t].rank // EP == at // EP for t in n.inputs))
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_an_in_block_scatter_missing_an_ep_rank_fails(zero):
+    """Rank (2, 1)'s in-block reduce-scatter reads its own value in place of
+    ep rank 0's: its shard misses what ep rank 0's tokens contributed."""
+    single, plan = pair(8, 2, zero)
+    p = mutations.copy_plan(plan)
+    i = _inner(plan, "reduce_scatter", rank(2, 1), mb=1)
+    n = plan.nodes[i]
+    p.nodes[i] = n._replace(inputs=(n.inputs[1], n.inputs[1]))
+    wrong_and_fails(single, p)
+
+
+def test_a_shard_scattered_to_another_chunk_fails():
+    """Rank (3, 1)'s in-block reduce-scatter keeps ep rank 0's chunk of the
+    replica's box and accumulates it into the buffer of its own shard."""
+    single, plan = pair(8, 2, 2)
+    p = mutations.copy_plan(plan)
+    i = _inner(plan, "reduce_scatter", rank(3, 1))
+    n = plan.nodes[i]
+    p.nodes[i] = n._replace(kwargs={**n.kwargs, "index": 0})
+    wrong_and_fails(single, p)
+
+
+def test_a_per_use_gather_of_another_replicas_shard_fails():
+    """ZeRO-3: rank (3, 0)'s in-block gather in microbatch 1 reads replica
+    2's ep rank 1 shard in place of its own replica's."""
+    single, plan = pair(8, 2, 3)
+    p = mutations.copy_plan(plan)
+    i = _inner(plan, "all_gather", rank(3, 0), mb=1)
+    n = plan.nodes[i]
+    x = plan.tensors[n.inputs[1]]
+    other = next(k for k, t in enumerate(plan.tensors) if t.tid == x.tid
+                 and t.rank == rank(2, 1) and t.version == x.version and t.mb == x.mb)
+    p.nodes[i] = n._replace(inputs=(n.inputs[0], other))
+    wrong_and_fails(single, p)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_one_microbatch_op_in_one_replica_fails_with_scatters(zero):
+    single, plan = pair(4, 4, zero)
+    p = mutations.copy_plan(plan)
+    site = next((n.dir, n.name) for n in plan.nodes if n.op == "mul_scalar" and n.mb == 2
+                and abs(n.kwargs["value"]) not in (0, 1))
+    hit = 0
+    for i, n in enumerate(plan.nodes):  # replica edp 1
+        if (n.dir, n.name) == site and n.mb == 2 and n.rank in (rank(1, 0), rank(1, 1)):
+            p.nodes[i] = n._replace(op="div")
+            hit += 1
+    assert hit == 2
+    symmetry, _ = wrong_and_fails(single, p)
+    assert "microbatch 2" in symmetry
