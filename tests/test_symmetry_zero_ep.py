@@ -252,3 +252,26 @@ def test_one_microbatch_op_in_one_replica_fails_with_scatters(zero):
     assert hit == 2
     symmetry, _ = wrong_and_fails(single, p)
     assert "microbatch 2" in symmetry
+
+
+def test_ep_ranks_summing_each_others_values_of_another_buffer_fail():
+    """In every replica and microbatch, ep rank 0's in-block scatter of wq
+    sums ep rank 1's value of wo, and the other way round: every block is
+    alike and every rank's own chain is right (what the cut sees), but the
+    sums are wrong. The in-block one-buffer rule refuses it (without it: a
+    wrong SUCCESS); verified in full, it FAILs."""
+    single, plan = pair(8, 2, 2)
+    names = ("layers.0.attention.wq.weight.grad", "layers.0.attention.wo.weight.grad")
+    inner = {(n.rank, n.mb, plan.logical[plan.tensors[n.inputs[0]].tid].name): i
+             for i, n in enumerate(plan.nodes) if n.op == "reduce_scatter" and len(n.inputs) == EP}
+    p = mutations.copy_plan(plan)
+    for edp in range(4):
+        for mb in range(2):
+            at = {(e, a): inner[(rank(edp, e), mb, a)] for e in range(EP) for a in names}
+            own = {(e, a): plan.nodes[i].inputs[e] for (e, a), i in at.items()}
+            a, b = names
+            for e, x, y in ((0, a, b), (1, b, a), (0, b, a), (1, a, b)):
+                ins = (own[(0, x)], own[(1, y)]) if e == 0 else (own[(0, y)], own[(1, x)])
+                p.nodes[at[(e, x)]] = plan.nodes[at[(e, x)]]._replace(inputs=ins)
+    symmetry, _ = wrong_and_fails(single, p)
+    assert "another gradient buffer" in symmetry, symmetry
