@@ -605,14 +605,16 @@ class _Cut:
             if node.op == ACCUMULATE and node.mb == last and (node.rank, x.tid) in self.reduced:
                 # two levels ("ZeRO-2 and ZeRO-3 with expert parallelism"): every
                 # ep rank of the shown replicas, replica-major
-                e = node.rank // stride % self.ep if (node.rank, x.tid) in \
-                    self.check.owned.reduced_ep else 0
+                two = (node.rank, x.tid) in self.check.owned.reduced_ep
+                e = node.rank // stride % self.ep if two else 0
                 cls, d = self.check.mesh.split(node.rank - e * stride)
-                groups.setdefault((cls, x.tid), []).append((d, e, i, node.outputs[0]))
+                groups.setdefault((cls, x.tid, two), []).append((d, e, i, node.outputs[0]))
         after: dict[int, list[Node]] = {}
-        for (_, tid), members in groups.items():
+        for (_, tid, two), members in groups.items():
             members.sort()
-            if len(members) != self.fold.dp * len({e for _, e, _, _ in members}):
+            ep = self.ep if two else 1
+            if len(members) != self.fold.dp * ep or \
+                    {e for _, e, _, _ in members} != set(range(ep)):
                 raise FoldError(f"the chains of {self.p.logical[tid].name} are not shown on "
                                 f"every shown replica")
             shown = tuple(out for _, _, _, out in members)
