@@ -57,14 +57,15 @@ def test_correct_zero1_ep_plan_verifies_by_classes(dp, nm):
     assert v.blocks == (edp * nm, min(edp, 2) * min(nm, 2), 0) and v.classes == 1
 
 
-@pytest.mark.parametrize("mesh", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
-def test_zero1_ep_with_tensor_or_pipeline_parallelism_verifies_by_symmetry(mesh):
+@pytest.mark.parametrize("mesh,zero", [(dict(tp=2), 1), (dict(pp=2), 1), (dict(pp=2), 3)],
+                         ids=["tp2_zero1", "pp2_zero1", "pp2_zero3"])
+def test_zero_ep_with_tensor_or_pipeline_parallelism_verifies_by_symmetry(mesh, zero):
     """The ep ranks of a replica sit cp x tp ranks apart, in every stage."""
     cfg = replace(MOE, layers=2, kv_heads=2)
-    single, plan = plan_pair(cfg, Parallelism(dp=8, ep=EP, nm=2, **mesh), 32, Policy(zero=1))
+    single, plan = plan_pair(cfg, Parallelism(dp=8, ep=EP, nm=2, **mesh), 32, Policy(zero=zero))
     v = verify(single, plan)
     assert v.success, v.message
-    assert "ZeRO-1 owned shards checked on every rank" in v.symmetry, v.symmetry
+    assert f"ZeRO-{zero} owned shards checked on every rank" in v.symmetry, v.symmetry
 
 
 def test_shared_parameters_gather_in_two_levels_and_expert_ones_over_the_orbit():
