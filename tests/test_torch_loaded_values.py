@@ -7,12 +7,14 @@ input; the stock recipes, uneven FSDP2 shards and norms of ones verify."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import backends.torch.__main__ as backend
 from backends.torch.__main__ import parser, resolve, trace_and_build
-from backends.torch.check import LoadedValueMismatch
+from backends.torch.check import LoadedValueMismatch, check_loaded
 from main import verify
+from verdict.plan import Logical, Plan, Tensor
 
 MODELS = "backends.torch.stock_models:"
 STOCK = "backends.torch.stock_recipes:"
@@ -82,3 +84,34 @@ def test_the_check_reads_the_values_before_the_step() -> None:
     plan_s, plan_p = _trace(STOCK + "fsdp", "--dp", "2", "--tp", "1", "--optimizer", "sgd")
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
+
+
+def _two_ranks(full: np.ndarray, held: list[np.ndarray | None]):
+    """A parameter ``w`` cut in two row blocks, rank r claiming block r and
+    holding ``held[r]``."""
+    n = full.shape[0] // 2
+    plan = Plan(world={}, logical=[Logical("w", full.shape, "param")])
+    for r in range(2):
+        plan.tensors.append(Tensor(r, -1, 0, 0, (n, *full.shape[1:]), 0,
+                                   ((r * n, (r + 1) * n), (0, full.shape[1])), (0, 1, 1)))
+    single = {"loaded": {"params": {"w": full}, "buffers": {}}, "batch_ids": {}}
+    traces = [{"loaded": {"params": {"w": h}, "buffers": {}}, "batch_ids": {}} for h in held]
+    return single, traces, plan
+
+
+def test_equal_pieces_are_no_finding() -> None:
+    """A norm's ones match every piece: the claimed one is all that counts."""
+    full = np.ones((4, 2))
+    check_loaded(*_two_ranks(full, [full[:2].copy(), full[:2].copy()]))
+
+
+def test_collective_values_are_not_compared() -> None:
+    full = np.arange(8.0).reshape(4, 2)
+    check_loaded(*_two_ranks(full, [full[:2].copy(), None]))
+
+
+def test_values_of_no_piece_are_named_as_such() -> None:
+    full = np.arange(8.0).reshape(4, 2)
+    with pytest.raises(LoadedValueMismatch, match="rank 1 holds values of w that are not its "
+                                                  "claimed rows 2:4"):
+        check_loaded(*_two_ranks(full, [full[:2].copy(), -full[2:]]))

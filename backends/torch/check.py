@@ -154,9 +154,12 @@ def _evidence(rank: int, name: str, mine: np.ndarray, full: np.ndarray, want: Sl
     size, the piece its values are."""
     pieces = itertools.islice(_candidates(full.shape, mine.shape, others), SEARCHED)
     found = next((s for s in pieces if s != want and _equal(mine, _cut(full, s))), None)
-    what = "values that are no piece of it" if found is None else _piece(found, full.shape)
-    return (f"rank {rank} holds {what} of {name}, not its claimed {_piece(want, full.shape)} "
-            f"(the loaded values differ from the single-device tensor's piece)")
+    claim = _piece(want, full.shape)
+    if found is None:
+        return (f"rank {rank} holds values of {name} that are not its claimed {claim} of the "
+                f"single-device tensor (nor any piece of its shape at a claimed or aligned offset)")
+    return (f"rank {rank} holds {_piece(found, full.shape)} of {name}, not its claimed {claim} "
+            f"(its values before the step against the single-device tensor's)")
 
 
 def _candidates(full: tuple[int, ...], local: tuple[int, ...], others: list[Slices]):
