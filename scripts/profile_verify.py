@@ -3,13 +3,14 @@
     .venv/bin/python scripts/profile_verify.py SINGLE.pkl PARALLEL.npz [--steps]
 
 Runs the phases main.py runs before the representatives' proof, one after
-the other, and prints for each its wall seconds, the peak of Python-tracked
+the other, and prints for each its wall and CPU seconds (this process: the
+figure to compare on a loaded machine), the peak of Python-tracked
 allocations during it (tracemalloc: numpy arrays included, the file's
 memory-mapped pages not), what it leaves allocated, and the process's PSS
 (mapped pages included) at its start and its highest during it, sampled;
 then the bytes per node of the block check's arrays. Phases: open and validate the file, the
 block check's arrays, the check, the representatives' cut. With --steps, each step of the
-check's first pass also prints its seconds and the tracemalloc bytes per node at its start,
+check's first pass also prints its wall and CPU seconds and the tracemalloc bytes per node at its start,
 its peak and its end (the run phase's own peak is then that of its last step). The figures go
 to docs/benchmarks.md ("Columnar plans, materialized").
 """
@@ -70,11 +71,11 @@ def phase(name: str, nodes: int, run: Callable[[], Any], sampler: PssPeak) -> An
     tracemalloc.reset_peak()
     before = tracemalloc.get_traced_memory()[0]
     start_pss = sampler.reset()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = run()
-    took = time.perf_counter() - start
+    took, cpu = time.perf_counter() - start, time.process_time() - cpu
     now, peak = tracemalloc.get_traced_memory()
-    print(f"{name:<28} {took:8.2f} s  peak {(peak - before) / 2**20:8.0f} MiB "
+    print(f"{name:<28} {took:8.2f} s ({cpu:6.2f} s CPU)  peak {(peak - before) / 2**20:8.0f} MiB "
           f"({(peak - before) / nodes:6.0f} B/node)  kept {(now - before) / 2**20:8.0f} MiB  "
           f"PSS {start_pss / nodes:5.0f} -> peak {sampler.peak / nodes:5.0f} B/node",
           flush=True)
@@ -96,10 +97,11 @@ def report_steps(nodes: int) -> None:
         def timed(*args: Any, _method: Callable = method, _name: str = name, **kwargs: Any) -> Any:
             start_bytes = tracemalloc.get_traced_memory()[0]
             tracemalloc.reset_peak()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = _method(*args, **kwargs)
             now, peak = tracemalloc.get_traced_memory()
-            print(f"  {_name:<26} {time.perf_counter() - start:8.2f} s  B/node: start "
+            print(f"  {_name:<26} {time.perf_counter() - start:8.2f} s "
+                  f"({time.process_time() - cpu:6.2f} s CPU)  B/node: start "
                   f"{start_bytes / nodes:5.0f}, peak {peak / nodes:5.0f}, end {now / nodes:5.0f}",
                   flush=True)
             return out

@@ -29,9 +29,11 @@ MESH = Parallelism(dp=4, tp=2, pp=2, nm=4)
 
 
 def outcome(single, plan) -> str:
-    """What find_symmetry concludes, as text (a layout finding included)."""
+    """What find_symmetry concludes of a plan or its columns, as text (a
+    layout finding included)."""
     try:
-        found = find_symmetry(single, Columns.from_plan(plan))
+        found = find_symmetry(single, plan if isinstance(plan, Columns) else
+                              Columns.from_plan(plan))
     except StructureError as e:
         return f"finding {e.kind}: {e}"
     if isinstance(found, Refusal):
@@ -62,9 +64,10 @@ def plans():
         yield f"one replica's owned shard ({seed})", single, made[0]
 
 
-def whole_representatives(self, n_cls, n_d, only=None):
+def whole_representatives(self, only=None):
     """The representatives as one whole-plan sort (the reference)."""
     cols, dp, nm = self.cols, self.fold.dp, self.fold.nm
+    n_cls, n_d = (a.astype(np.int64) for a in self.split(cols.n_rank.astype(np.int64)))
     nn = len(cols.n_rank)
     mb = cols.n_mb.astype(np.int64)
     block = (n_cls.astype(np.int64) * dp + n_d) * (nm + 1) + mb + 1
@@ -134,6 +137,7 @@ def test_narrow_chunked_check_agrees_with_the_wide_one(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(blocks, "index_array", lambda a: np.asarray(a).astype(np.int64))
         m.setattr(blocks, "small_array", lambda a, *limits: np.asarray(a).astype(np.int64))
+        m.setattr(blocks, "fitting", lambda *values: np.dtype(np.int64))
         m.setattr(blocks, "_NODE_CHUNK", 1 << 40)
         wide = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:  # every pass of block_classes in full
@@ -168,8 +172,9 @@ def test_arrays_of_narrow_and_wide_columns_are_equal(dtype):
     a = blocks.arrays(cols)
     for name in ("flat", "ptr", "t_producer"):
         assert getattr(a, name).dtype == np.int32
-    for name in ("t_rank", "n_rank", "n_mb"):  # the world's ranks and microbatches fit int16
-        assert getattr(a, name).dtype == np.int16
+    # the world's ranks, microbatches, ops and tensor ids fit int8
+    for name in ("t_rank", "n_rank", "n_mb", "t_mb", "n_op", "n_dir", "t_tid"):
+        assert getattr(a, name).dtype == np.int8
     assert np.array_equal(a.n_rank, np.asarray(cols.nodes.rank, dtype=dtype).astype(np.int64))
 
 
@@ -212,3 +217,51 @@ def test_arrays_refuse_overlapping_input_ranges():
     start[i] += 1  # now inside another range, or overlapping the next
     with pytest.raises(ValueError, match="input ranges"):
         blocks.arrays(replace(cols, nodes=replace(n, in_start=start)))
+
+
+def padded(cols: Columns, ops: int, kwargs: int) -> Columns:
+    """The same plan with ``ops`` and ``kwargs`` unused entries before its
+    op and kwargs tables (codes moved along): the codes then need a wider
+    type than the plan's own."""
+    n = cols.nodes
+    return replace(cols, ops=(cols.ops[0],) * ops + cols.ops,
+                   kwargs=("{}",) * kwargs + cols.kwargs,
+                   nodes=replace(n, op=n.op.astype(np.int64) + ops,
+                                 kwargs=n.kwargs.astype(np.int64) + kwargs))
+
+
+def test_codes_and_ranks_past_the_narrow_types_take_the_wide_path():
+    """A world of 128 ranks (int16 ranks) and op and kwargs codes past
+    int8 and int16: the check's range checks choose the wide types, and it
+    concludes as it does with the narrow ones, on a uniform plan, one whose
+    blocks differ and one that breaks a rule."""
+    single, plan = plan_pair(MLP, Parallelism(dp=32, tp=2, pp=2, nm=2), 64)
+    cases = [("uniform", plan)]
+    for name in ("replica_op", "other_rows"):
+        made = mutations.MATERIALIZED_MUTATIONS[name](plan, random.Random(f"wide/{name}"))
+        assert made is not None
+        cases.append((name, made[0]))
+    seen = []
+    for name, p in cases:
+        cols = Columns.from_plan(p)
+        wide = padded(cols, 200, 40_000)
+        a = blocks.arrays(wide)
+        assert (a.n_rank.dtype, a.t_rank.dtype) == (np.int16, np.int16)
+        assert (a.n_op.dtype, a.n_kw.dtype) == (np.int16, np.int32)
+        assert blocks.arrays(cols).n_kw.dtype.itemsize < 4
+        got, want = outcome(single, wide), outcome(single, cols)
+        assert got == want, name
+        seen.append(got)
+    # the differing replica is proved as a class of its own, the rows outside a block refused
+    assert seen[0].startswith("proved") and "another operator" not in seen[0]
+    assert "another operator or direction" in seen[1]
+    assert not seen[2].startswith("proved")
+
+
+def test_fitting_types():
+    assert blocks.fitting(-1, 127) == np.int8
+    assert blocks.fitting(-129, 0) == np.int16
+    assert blocks.fitting(32768) == np.int32
+    assert blocks.fitting(-2**31 - 1) == np.int64
+    assert blocks.small_array(np.array([0, 40_000]), 5).dtype == np.int32
+    assert blocks.small_array(np.array([0, 3]), 128).dtype == np.int16

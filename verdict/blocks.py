@@ -83,21 +83,29 @@ def index_array(values: np.ndarray) -> np.ndarray:
 
 
 def small_array(values: np.ndarray, *limits: int) -> np.ndarray:
-    """A copy of ``values`` (never a view of a mapped column) as int16 when
-    they and ``limits`` (constants the check compares them with) fit in
-    -32768..32767, else :func:`index_array`'s type. For arrays that are only
-    compared, used as indices or cast before arithmetic."""
+    """A copy of ``values`` (never a view of a mapped column) as int8 or
+    int16 when they and ``limits`` (constants the check compares them with)
+    fit in -128..127 or -32768..32767 (checked), else :func:`index_array`'s
+    type. For arrays that are only compared, used as indices or cast before
+    arithmetic."""
     a = np.asarray(values)
-    low = min([int(a.min())] + list(limits)) if len(a) else 0
-    high = max([int(a.max())] + list(limits)) if len(a) else 0
-    if _I16.min <= low and high <= _I16.max:
-        return np.array(a, dtype=np.int16)
+    kind = fitting(*limits, *((int(a.min()), int(a.max())) if len(a) else ()))
+    if kind.itemsize <= 2:
+        return np.array(a, dtype=kind)
     out = index_array(a)
     return np.array(out) if out is a or out.base is not None else out
 
 
+def fitting(*values: int) -> np.dtype:
+    """The narrowest of int8, int16, int32 and int64 that holds ``values``."""
+    low, high = min(values, default=0), max(values, default=0)
+    for kind in (np.int8, np.int16, np.int32):
+        if np.iinfo(kind).min <= low and high <= np.iinfo(kind).max:
+            return np.dtype(kind)
+    return np.dtype(np.int64)
+
+
 _I32 = np.iinfo(np.int32)
-_I16 = np.iinfo(np.int16)
 #: No finding (BlockCheck's per-node codes)
 _NONE = np.iinfo(np.int8).max
 #: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
@@ -147,7 +155,7 @@ def arrays(cols: Columns) -> Arrays:
 
     out = Arrays(
         t_rank=copied(t.rank, small_array, ranks), t_mb=copied(t.mb, small_array, -3),
-        t_tid=copied(t.tid, index_array), t_version=copied(t.version, small_array),
+        t_tid=copied(t.tid, small_array), t_version=copied(t.version, small_array),
         t_lver=copied(t.lver, small_array), t_producer=t_producer,
         n_rank=copied(n.rank, small_array, ranks), n_mb=copied(n.mb, small_array, -1, nm),
         n_op=copied(n.op, small_array), n_dir=copied(n.dir, small_array),
@@ -210,6 +218,14 @@ def _chunks(n: int) -> Iterator[tuple[int, int]]:
         yield lo, min(lo + _NODE_CHUNK, n)
 
 
+def _mask(nodes: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Which of lo..hi-1 are in ``nodes`` (sorted indices)."""
+    mask = np.zeros(hi - lo, dtype=bool)
+    a, b = np.searchsorted(nodes, (lo, hi))
+    mask[nodes[a:b] - lo] = True
+    return mask
+
+
 def _spans(ptr: np.ndarray, groups: np.ndarray) -> np.ndarray:
     """Flat positions of the tuples ``groups``, one after the other."""
     lengths = ptr[groups + 1] - ptr[groups]
@@ -235,14 +251,22 @@ class BlockCheck:
         self.chain_start: dict[tuple[int, int], int] = {}
         self.found: list[tuple[int, int | None, str]] = []  # (node, representative, why)
         self.cols = arrays(parallel)
+        #: the class and replica of every rank of the world, by rank: the passes
+        #: look up a chunk's nodes and tensors here instead of keeping a class and
+        #: a replica per node and tensor (first_pass checks every rank is one of these)
+        self.rank_cls, self.rank_d = (
+            small_array(a, self.fold.dp) for a in
+            self.split(np.arange(self.pp * self.fold.dp * self.cp * self.tp, dtype=np.int64)))
+        #: the replica of every node and tensor, kept once the passes are done
+        self.kept_d: tuple[np.ndarray, np.ndarray] | None = None
+        #: which ops accumulate into a gradient buffer, by op code
+        self.acc_op = np.array([op == ACCUMULATE for op in self.cols.ops] or [False])
         #: the representative replica of each replica's class (verdict/classes.py);
         #: None: replica 0 for all
         self.rep_of_d: np.ndarray | None = None
         #: likewise the representative microbatch of each microbatch's class
         self.rep_of_m: np.ndarray | None = None
         nn = len(self.cols.n_rank)
-        #: nodes that differ from their representative's (comparisons, not rules)
-        self.differs = np.zeros(nn, dtype=bool)
         #: each kind of finding (why, is a rule) -> its code, in the order the check meets them
         self.sites: dict[tuple[str, bool], int] = {}
         #: per node, the code of its first finding, rules and comparisons apart (_NONE: none),
@@ -257,6 +281,27 @@ class BlockCheck:
         self.owned = Owned.none(nn, len(self.cols.t_rank))
 
     # -- helpers ------------------------------------------------------------------
+    @property
+    def n_d(self) -> np.ndarray:
+        """The replica of every node: made afresh until :meth:`finish`,
+        which keeps it for the cut (the passes look up a chunk's)."""
+        return self.rank_d[self.cols.n_rank] if self.kept_d is None else self.kept_d[0]
+
+    @property
+    def t_d(self) -> np.ndarray:
+        """The replica of every tensor, likewise."""
+        return self.rank_d[self.cols.t_rank] if self.kept_d is None else self.kept_d[1]
+
+    @property
+    def differs(self) -> np.ndarray:
+        """The nodes that differ from their representative's (comparisons, not rules)."""
+        return self.diff_code != _NONE
+
+    def is_acc(self, nodes: np.ndarray | slice) -> np.ndarray:
+        """Whether each of ``nodes`` accumulates a microbatch into a gradient buffer."""
+        cols = self.cols
+        return self.acc_op[cols.n_op[nodes]] & (cols.n_mb[nodes] >= 0)
+
     def split(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(class id, replica) of ranks: class = (stage, c, t) as one number."""
         return self.mesh.split_array(ranks)
@@ -305,7 +350,7 @@ class BlockCheck:
         """The first recorded finding, in execution order, naming its
         replica, microbatch and node."""
         i, j, why = min(self.found, key=lambda f: f[0])
-        mb, d = int(self.cols.n_mb[i]), int(self.n_d[i])
+        mb, d = int(self.cols.n_mb[i]), int(self.rank_d[self.cols.n_rank[i]])
         replica = "expert-data-parallel replica" if int(self.p.world.get("ep", 1)) > 1 \
             else "replica"
         where = f"{replica} {d}" + (f", microbatch {mb}" if mb >= 0 else
@@ -318,27 +363,31 @@ class BlockCheck:
         is in no block program, so nothing compares it."""
         seen = np.zeros(len(self.cols.t_rank), dtype=bool)
         flat = self.cols.flat
-        seen[flat[flat >= 0]] = True
+        for lo, hi in _chunks(len(flat)):
+            part = flat[lo:hi]
+            seen[part[part >= 0]] = True
         free = np.flatnonzero(~seen)
         return int(free[0]) if free.size else -1
 
     #: What only the passes read: the compared columns, and the passes' own masks,
     #: views and findings. The representatives' cut (verdict/symmetry.py) reads the
     #: tuples, microbatches, replicas, slice offsets, owned shards, offsets and chains.
-    PASS_ONLY_COLUMNS = ("t_rank", "t_mb", "t_tid", "t_version", "t_lver", "t_producer",
-                         "n_rank", "n_op", "n_dir", "n_kw")
-    PASS_ONLY = ("n_cls", "t_cls", "t_view", "bad_rows", "is_acc", "orbit", "is_end",
-                 "rule_code", "diff_code", "diff_ref", "differs", "last_reps")
+    PASS_ONLY_COLUMNS = ("t_mb", "t_tid", "t_version", "t_lver", "t_producer", "n_op", "n_dir",
+                         "n_kw")
+    PASS_ONLY = ("t_view", "bad_rows", "orbit", "rule_code", "diff_code", "diff_ref",
+                 "last_reps")
 
     def finish(self) -> None:
         """Let go of what only the passes read (PASS_ONLY_COLUMNS and
         PASS_ONLY, set to None), once the classes are found: a few tens of
         bytes a node the cut does not need, and the heap pages the passes'
-        temporaries freed (:func:`trim_heap`). No pass may run after."""
+        temporaries freed (:func:`trim_heap`); the replica of every node and
+        tensor is kept from then on, for the cut. No pass may run after."""
         for name in self.PASS_ONLY_COLUMNS:
             setattr(self.cols, name, None)
         for name in self.PASS_ONLY:
             setattr(self, name, None)
+        self.kept_d = (self.n_d, self.t_d)
         trim_heap()
 
     def kwargs(self, i: int) -> dict:
@@ -366,7 +415,6 @@ class BlockCheck:
             self.first_pass()
         self.last_reps = self.reps_now()
         self.found = self.findings()
-        self.differs = self.diff_code != _NONE
 
     def reps_now(self) -> tuple[np.ndarray, np.ndarray]:
         """The representative of every replica and every microbatch, as arrays."""
@@ -377,28 +425,31 @@ class BlockCheck:
     def recheck(self) -> None:
         """The comparisons of the nodes whose block's representative changed."""
         (old_d, old_m), (new_d, new_m) = self.last_reps, self.reps_now()
-        mb = self.cols.n_mb
-        changed = (old_d != new_d)[self.n_d] | (
-            (mb >= 0) & (old_m != new_m)[np.maximum(mb, 0)])
+        cols = self.cols
+        moved_d, moved_m = old_d != new_d, old_m != new_m
+        changed = np.empty(len(cols.n_rank), dtype=bool)
+        for lo, hi in _chunks(len(changed)):
+            mb = cols.n_mb[lo:hi]
+            changed[lo:hi] = moved_d[self.rank_d[cols.n_rank[lo:hi]]] | (
+                (mb >= 0) & moved_m[np.maximum(mb, 0)])
         self.rule_code[changed] = _NONE
         self.diff_code[changed] = _NONE
-        rep = self.representatives(self.n_cls, self.n_d, changed)
+        rep = self.representatives(changed)
         self.check_kwargs(rep, self.orbit, changed)
-        self.check_entries(rep, self.orbit, self.is_acc, self.bad_rows, changed)
+        self.check_entries(rep, self.orbit, self.bad_rows, changed)
 
     def first_pass(self) -> None:
         self.rule_code[:] = _NONE
         self.diff_code[:] = _NONE
         cols = self.cols
-        dp, nm = self.fold.dp, self.fold.nm
+        nm = self.fold.nm
         nn = len(cols.n_rank)
-        if nn and int(cols.n_rank.max()) >= self.pp * dp * self.cp * self.tp:
-            raise StructureError("symmetry", "a node runs on a rank outside the world's layout")
+        for what, ranks in (("node runs", cols.n_rank), ("tensor lives", cols.t_rank)):
+            if len(ranks) and (int(ranks.max()) >= len(self.rank_d) or int(ranks.min()) < 0):
+                raise StructureError("symmetry",
+                                     f"a {what} on a rank outside the world's layout")
         if nn and (int(cols.n_mb.max()) >= nm or int(cols.n_mb.min()) < -1):
             raise StructureError("symmetry", f"a node runs a microbatch outside 0..{nm - 1}")
-        classes = self.pp * self.cp * self.tp
-        self.n_cls, self.n_d = (small_array(a, dp, classes) for a in self.split(cols.n_rank))
-        self.t_cls, self.t_d = (small_array(a, dp, classes) for a in self.split(cols.t_rank))
         kinds = [lg.kind for lg in self.p.logical] or [""]
 
         def of_kind(*which: str) -> np.ndarray:
@@ -409,14 +460,13 @@ class BlockCheck:
         self.t_view, self.bad_rows = self.input_views((cols.t_producer < 0) &
                                                       of_kind(*INPUT_KINDS))
         drop_pages(self.p.tensors.slices, self.p.tensors.parts)
-        rep = self.representatives(self.n_cls, self.n_d)
-        self.is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op] & (
-            cols.n_mb >= 0)
-        self.check_chains()
-        self.orbit = orbit = self.orbits(self.n_d)
+        rep = self.representatives()
+        ends = self.check_chains()
+        self.orbit = orbit = self.orbits()
         self.check_kwargs(rep, orbit)
-        self.check_entries(rep, orbit, self.is_acc, self.bad_rows)
-        self.check_glue(orbit)
+        self.check_entries(rep, orbit, self.bad_rows)
+        del rep
+        self.check_glue(orbit, ends)
 
     def check_offsets(self, t_data: np.ndarray) -> None:
         """(c): the blocks' first rows (a block's: the first any of its ranks
@@ -443,8 +493,8 @@ class BlockCheck:
     def input_views(self, t_input: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For every input tensor (``t_input``), an id of its slices relative to its
         block's first row and its parts (-1 for computed tensors); and
-        whether it holds rows outside its block. Only the input tensors'
-        slices are copied."""
+        the tensors (sorted) that hold rows outside their block. Only the
+        input tensors' slices are copied."""
         cols, tc = self.cols, self.p.tensors
         nt = len(cols.t_rank)
         bad = np.zeros(nt, dtype=bool)
@@ -457,7 +507,10 @@ class BlockCheck:
         shifted = tc.slices[rows].astype(np.int64)  # moved to block coordinates below
         at = {int(r): k for k, r in enumerate(rows.tolist())} if len(rows) < 1 << 22 else None
         dims_of = {tid: dims for tid, dims in self.batch.items() if dims}
-        for t in np.flatnonzero(t_input & np.isin(cols.t_tid, list(dims_of))).tolist():
+        # the logical tensors with batch dims (the single plan's tids index the same table)
+        batched = np.zeros(max([len(self.p.logical), *(k + 1 for k in dims_of)]), dtype=bool)
+        batched[list(dims_of)] = True
+        for t in inputs[batched[cols.t_tid[inputs]]].tolist():
             row = self.offset.get((*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t])), -1)
             if row < 0:
                 continue
@@ -478,13 +531,13 @@ class BlockCheck:
             view[owner, 2 * col] = shifted[:, 0]
             view[owner, 2 * col + 1] = shifted[:, 1]
         view[:, 2 * width:] = tc.parts[inputs]
-        ids = np.full(nt, -1, dtype=np.int16 if len(inputs) < _I16.max else
-                      np.int32 if len(inputs) < _I32.max else np.int64)
-        ids[inputs] = row_ids(view)
-        return ids, bad
+        distinct = row_ids(view)
+        del view
+        ids = np.full(nt, -1, dtype=fitting(-1, int(distinct.max(initial=0))))
+        ids[inputs] = distinct
+        return ids, np.flatnonzero(bad)
 
-    def representatives(self, n_cls: np.ndarray, n_d: np.ndarray,
-                        only: np.ndarray | None = None) -> np.ndarray:
+    def representatives(self, only: np.ndarray | None = None) -> np.ndarray:
         """For each node, the node at its position in its class's
         representative program ((class, 0, 0) for a block, (class, 0) for
         a step program; (class, rep(d), rep(m)) and (class, rep(d)) when
@@ -494,22 +547,24 @@ class BlockCheck:
         Three passes over the nodes, a chunk at a time: the blocks present
         and their sizes; each node's position in its block and the blocks'
         nodes in order (a stable counting sort); each node's representative.
-        Only those two and the answer span the whole plan."""
+        Only those two and the answer span the whole plan (the position in
+        the narrowest type that holds the largest block's size)."""
         nn = len(self.cols.n_rank)
-        ids = self.block_ids(n_cls, n_d)
+        ids = self.block_ids()
         self.check_present(ids)
         kind = np.int32 if max(len(ids), 2 * nn) < _I32.max else np.int64
         counts = np.zeros(len(ids), dtype=np.int64)
         for lo, hi in _chunks(nn):
-            b = np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))
+            b = np.searchsorted(ids, self.block_of(lo, hi, False))
             counts += np.bincount(b, minlength=len(ids))
         starts = np.zeros(len(ids), dtype=np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
         order = np.empty(nn, dtype=kind)  # the nodes block by block, in node order within one
-        pos = np.empty(nn, dtype=kind)  # each node's position in its block
+        # each node's position in its block
+        pos = np.empty(nn, dtype=fitting(int(counts.max(initial=0))))
         filled = np.zeros(len(ids), dtype=np.int64)
         for lo, hi in _chunks(nn):
-            b = np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))
+            b = np.searchsorted(ids, self.block_of(lo, hi, False))
             sort = np.argsort(b, kind="stable")
             first = np.searchsorted(b[sort], b[sort], side="left")
             within = np.empty(len(b), dtype=np.int64)
@@ -520,8 +575,8 @@ class BlockCheck:
             filled += np.bincount(b, minlength=len(ids))
         rep = np.empty(nn, dtype=index_array(np.array([nn])).dtype)
         for lo, hi in _chunks(nn):
-            own_size = counts[np.searchsorted(ids, self.block_of(n_cls, n_d, lo, hi, False))]
-            rep_block = self.block_of(n_cls, n_d, lo, hi, True)
+            own_size = counts[np.searchsorted(ids, self.block_of(lo, hi, False))]
+            rep_block = self.block_of(lo, hi, True)
             where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1)
             found = ids[where] == rep_block
             size = np.where(found, counts[where], 0)
@@ -536,26 +591,26 @@ class BlockCheck:
                       np.where(got >= 0, got, order[starts[where]]))
         return rep
 
-    def block_ids(self, n_cls: np.ndarray, n_d: np.ndarray) -> np.ndarray:
+    def block_ids(self) -> np.ndarray:
         """The distinct blocks of the nodes (:meth:`block_of`), sorted."""
-        found = [np.unique(self.block_of(n_cls, n_d, lo, hi, False))
-                 for lo, hi in _chunks(len(n_cls))]
+        found = [np.unique(self.block_of(lo, hi, False))
+                 for lo, hi in _chunks(len(self.cols.n_rank))]
         return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
 
-    def block_of(self, n_cls: np.ndarray, n_d: np.ndarray, lo: int, hi: int,
-                 representative: bool) -> np.ndarray:
+    def block_of(self, lo: int, hi: int, representative: bool) -> np.ndarray:
         """The block of nodes lo..hi-1 (class, replica, microbatch + 1, 0:
         outside microbatches) as one int64, or with ``representative`` the
         block of their representative (``rep_of_d``, ``rep_of_m``)."""
         dp, nm = self.fold.dp, self.fold.nm
-        d = n_d[lo:hi].astype(np.int64)
+        rank = self.cols.n_rank[lo:hi]
+        d = self.rank_d[rank].astype(np.int64)
         mb = self.cols.n_mb[lo:hi].astype(np.int64)
         slot = mb + 1
         if representative:
             d = 0 if self.rep_of_d is None else self.rep_of_d.astype(np.int64)[d]
             slot = np.minimum(slot, 1) if self.rep_of_m is None else \
                 np.where(slot > 0, self.rep_of_m.astype(np.int64)[np.maximum(mb, 0)] + 1, 0)
-        return (n_cls[lo:hi].astype(np.int64) * dp + d) * (nm + 1) + slot
+        return (self.rank_cls[rank].astype(np.int64) * dp + d) * (nm + 1) + slot
 
     def check_present(self, ids: np.ndarray) -> None:
         """Every class with a block program has one for each (d, m), and a
@@ -579,30 +634,35 @@ class BlockCheck:
         c = (cls // self.tp) % self.cp
         return cls // (self.tp * self.cp), c, t
 
-    def orbits(self, n_d: np.ndarray) -> np.ndarray:
-        """Nodes of a group operator that read another replica's tensor."""
+    def orbits(self) -> np.ndarray:
+        """Nodes of a group operator that read another replica's tensor, a
+        chunk of nodes at a time."""
         cols = self.cols
-        group = np.array([get_op(op).group for op in cols.ops], dtype=bool)[cols.n_op]
-        orbit = np.zeros(len(n_d), dtype=bool)
-        g = np.flatnonzero(group)
-        if not g.size:
-            return orbit
+        group = np.array([get_op(op).group for op in cols.ops], dtype=bool)
+        orbit = np.zeros(len(cols.n_op), dtype=bool)
+        for lo, hi in _chunks(len(orbit)):
+            g = np.flatnonzero(group[cols.n_op[lo:hi]]) + lo
+            if g.size:
+                orbit[g] = self.reads_other_replicas(g)
+        return orbit
+
+    def reads_other_replicas(self, g: np.ndarray) -> np.ndarray:
+        """Whether each node ``g`` reads a tensor of a replica not its own."""
+        cols = self.cols
         tuples, inverse = np.unique(cols.n_ins[g], return_inverse=True)
-        spans = _spans(cols.ptr, tuples)
-        ts = cols.flat[spans]
+        ts = cols.flat[_spans(cols.ptr, tuples)]
         lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
-        d = self.t_d[np.maximum(ts, 0)]
+        d = self.rank_d[cols.t_rank[np.maximum(ts, 0)]]
         big = self.fold.dp
         starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
         nonempty = lengths > 0
-        lo = np.full(len(tuples), big)
-        hi = np.full(len(tuples), -1)
-        lo[nonempty] = np.minimum.reduceat(np.where(ts >= 0, d, big), starts[nonempty])
-        hi[nonempty] = np.maximum.reduceat(np.where(ts >= 0, d, -1), starts[nonempty])
-        own = n_d[g]
-        lo, hi = lo[inverse], hi[inverse]
-        orbit[g] = ((lo != own) & (lo != big)) | ((hi != own) & (hi != -1))
-        return orbit
+        low = np.full(len(tuples), big)
+        high = np.full(len(tuples), -1)
+        low[nonempty] = np.minimum.reduceat(np.where(ts >= 0, d, big), starts[nonempty])
+        high[nonempty] = np.maximum.reduceat(np.where(ts >= 0, d, -1), starts[nonempty])
+        own = self.rank_d[cols.n_rank[g]]
+        low, high = low[inverse.reshape(-1)], high[inverse.reshape(-1)]
+        return ((low != own) & (low != big)) | ((high != own) & (high != -1))
 
     def check_kwargs(self, rep: np.ndarray, orbit: np.ndarray,
                      only: np.ndarray | None = None) -> None:
@@ -646,14 +706,16 @@ class BlockCheck:
         its class, in the replica."""
         cols, p = self.cols, self.p
         is_send = np.array([op == "send_recv" for op in cols.ops] or [False])
-        found = [np.flatnonzero(orbit[lo:hi] | self.owned.nodes[lo:hi] | is_send[cols.n_op[lo:hi]])
+        owned = np.flatnonzero(self.owned.nodes)
+        found = [np.flatnonzero(orbit[lo:hi] | _mask(owned, lo, hi) | is_send[cols.n_op[lo:hi]])
                  + lo for lo, hi in _chunks(len(cols.n_kw))]
         special = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         if not len(special):
             return special, np.zeros(0, dtype=np.int64)
-        own_index = orbit[special] | self.owned.nodes[special]
+        own_index = orbit[special] | np.isin(special, owned)
         # one normalization per (kwargs code, replica, own index), made as its first node has it
-        keys = np.stack((cols.n_kw[special].astype(np.int64), self.n_d[special].astype(np.int64),
+        own_d = self.rank_d[cols.n_rank[special]].astype(np.int64)
+        keys = np.stack((cols.n_kw[special].astype(np.int64), own_d,
                          own_index.astype(np.int64)), axis=1)
         distinct, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         table: dict[str, int] = {}
@@ -673,8 +735,8 @@ class BlockCheck:
         codes = normal[inverse.reshape(-1)]
         return special, codes
 
-    def check_entries(self, rep: np.ndarray, orbit: np.ndarray, is_acc: np.ndarray,
-                      bad_rows: np.ndarray, only: np.ndarray | None = None) -> None:
+    def check_entries(self, rep: np.ndarray, orbit: np.ndarray, bad_rows: np.ndarray,
+                      only: np.ndarray | None = None) -> None:
         """Each tensor a node (of ``only``, default all) reads or writes
         against the one its representative reads or writes at that
         position, a chunk of nodes at a time."""
@@ -696,7 +758,7 @@ class BlockCheck:
                 k = np.arange(len(node)) - np.repeat(np.cumsum(count) - count, count)
                 t = cols.flat[cols.ptr[tuples[node]] + k]
                 r = cols.flat[cols.ptr[tuples[rep[node]]] + k]
-                chain = is_acc[node] & ((k == 0) | outputs)
+                chain = self.is_acc(node) & ((k == 0) | outputs)
                 self.compare(node, rep[node], t, r, chain, orbit[node] & (not outputs),
                              "output" if outputs else "input", bad_rows)
                 drop_pages(self.p.tensors.slices)  # read by shapes_differ
@@ -721,10 +783,12 @@ class BlockCheck:
                   & ~self.owned.gathered[t],
                   node, "it reads a value computed outside microbatches, which may depend on "
                   "every block")
-        self.flag((self.t_d[t] != self.n_d[node]) & ~orbit, node,
+        d, t_rank, r_rank = self.rank_d, cols.t_rank[t], cols.t_rank[r]
+        self.flag((d[t_rank] != d[cols.n_rank[node]]) & ~orbit, node,
                   "it reads another replica's tensor outside a sum over the replicas")
-        self.flag(bad_rows[t], node, f"its {what} holds rows outside its block")
-        differ = ((self.t_cls[t] != self.t_cls[r]) | (cols.t_tid[t] != cols.t_tid[r])
+        self.flag(np.isin(t, bad_rows) if len(bad_rows) else np.zeros(len(t), dtype=bool), node,
+                  f"its {what} holds rows outside its block")
+        differ = ((self.rank_cls[t_rank] != self.rank_cls[r_rank]) | (cols.t_tid[t] != cols.t_tid[r])
                   | self.shapes_differ(t, r)
                   | (self.t_view[t] != self.t_view[r])
                   | (~chain & ((rel_t != rel_r) | (cols.t_version[t] != cols.t_version[r])
@@ -745,15 +809,18 @@ class BlockCheck:
             differ[m] = (a[:, 1] - a[:, 0]) != (b[:, 1] - b[:, 0])
         return differ
 
-    def check_chains(self) -> None:
+    def check_chains(self) -> np.ndarray:
         """(b), (f): per rank and gradient buffer, the microbatches'
-        accumulations form one chain from a zeros buffer."""
+        accumulations form one chain from a zeros buffer. Returns the
+        chains' ends (tensors, sorted)."""
         cols = self.cols
-        acc = np.flatnonzero(self.is_acc)
+        found = [np.flatnonzero(self.is_acc(slice(lo, hi))) + lo
+                 for lo, hi in _chunks(len(cols.n_rank))]
+        acc = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         if not acc.size:
-            return
-        lengths = cols.ptr[cols.n_ins + 1] - cols.ptr[cols.n_ins]
-        buf = np.where(lengths[acc] > 0, cols.flat[cols.ptr[cols.n_ins[acc]]], -1)
+            return np.zeros(0, dtype=np.int64)
+        lengths = cols.ptr[cols.n_ins[acc] + 1] - cols.ptr[cols.n_ins[acc]]
+        buf = np.where(lengths > 0, cols.flat[cols.ptr[cols.n_ins[acc]]], -1)
         out = cols.flat[cols.ptr[cols.n_outs[acc]]]
         key_tid = np.where(buf >= 0, cols.t_tid[np.maximum(buf, 0)], -1)
         key = cols.n_rank[acc].astype(np.int64) * (len(self.p.logical) + 1) + key_tid + 1
@@ -769,38 +836,47 @@ class BlockCheck:
         self.flag(~ok, acc, "its gradient buffer is not the running one (zeros, then each "
                   "microbatch's accumulation)")
         last = np.concatenate((key[1:] != key[:-1], [True]))
-        self.is_end = np.zeros(len(cols.t_rank), dtype=bool)
-        self.is_end[out[last]] = True
         #: (rank, gradient buffer) -> the zeros buffer its chain starts from
         self.chain_start = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(b)
                             for a, b, o in zip(acc[first], buf[first], out[first])}
         self.chain_end = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(o)
                           for a, o in zip(acc[last], out[last])}
+        return np.unique(out[last])
 
-    def check_glue(self, orbit: np.ndarray) -> None:
-        """(a), (d), (f): orbits are sums of chain ends over the whole orbit,
-        at their own index; a rank's last gradient buffer is a chain end or
-        such a sum."""
-        cols, p = self.cols, self.p
-        is_end = getattr(self, "is_end", np.zeros(len(cols.t_rank), dtype=bool))
-        sums = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)[cols.n_op]
-        # the input tuples (every one some node's, or the empty one) lie first in
-        # flat, one after the other (arrays())
-        n_in = len(cols.ptr) - 1 - len(cols.n_rank)
-        ptr_in = cols.ptr[:n_in + 1]
-        lengths = np.diff(ptr_in)
-        ts = cols.flat[:int(ptr_in[-1])]
-        end_ok = np.ones(n_in, dtype=bool)
-        if len(ts):
+    def sums_of_ends(self, is_end: np.ndarray) -> np.ndarray:
+        """The nodes (in order) of an orbit-sum operator whose inputs are
+        all chain ends (``is_end``), a chunk of such nodes at a time."""
+        cols = self.cols
+        sums_op = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)
+        found = [np.flatnonzero(sums_op[cols.n_op[lo:hi]]) + lo
+                 for lo, hi in _chunks(len(cols.n_rank))]
+        cand = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        keep = np.ones(len(cand), dtype=bool)  # an empty input tuple holds no other tensor
+        for lo, hi in _chunks(len(cand)):
+            groups = cols.n_ins[cand[lo:hi]]
+            lengths = cols.ptr[groups + 1] - cols.ptr[groups]
+            ts = cols.flat[_spans(cols.ptr, groups)]
             bad = (ts < 0) | ~is_end[np.maximum(ts, 0)]
-            nonempty = lengths > 0
-            end_ok[nonempty] = ~np.logical_or.reduceat(bad, ptr_in[:-1][nonempty])
-            del bad, nonempty
-        sums_ends = end_ok[cols.n_ins] & sums
-        del sums, end_ok
-        self.flag(orbit & ~self.owned.nodes & (~sums_ends | (cols.n_mb != -1)), None,
+            nonempty = np.flatnonzero(lengths > 0)
+            if len(nonempty):
+                starts = (np.cumsum(lengths) - lengths)[nonempty]
+                keep[lo + nonempty] = ~np.logical_or.reduceat(bad, starts)
+        return cand[keep]
+
+    def check_glue(self, orbit: np.ndarray, ends: np.ndarray) -> None:
+        """(a), (d), (f): orbits are sums of chain ends (``ends``) over
+        the whole orbit, at their own index; a rank's last gradient buffer
+        is a chain end or such a sum."""
+        cols, p = self.cols, self.p
+        is_end = np.zeros(len(cols.t_rank), dtype=bool)
+        is_end[ends] = True
+        sums_ends = self.sums_of_ends(is_end)
+        found = [np.flatnonzero(orbit[lo:hi]) + lo for lo, hi in _chunks(len(orbit))]
+        orbits = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        of_ends = np.isin(orbits, sums_ends)
+        self.flag(~self.owned.nodes[orbits] & (~of_ends | (cols.n_mb[orbits] != -1)), orbits,
                   "only a sum of gradient buffers, after every microbatch, may cross replicas")
-        sums = np.flatnonzero(orbit & sums_ends)
+        sums = orbits[of_ends]
         groups = cols.n_ins[sums]
         whole = {int(g): self.whole_orbit(cols.flat[cols.ptr[g]:cols.ptr[g + 1]])
                  for g in np.unique(groups)}
@@ -818,7 +894,7 @@ class BlockCheck:
         own = valid & (member >= 0) & (cols.t_rank[np.maximum(member, 0)] == cols.n_rank[sums])
         self.flag(~not_whole & ~own, sums, "its index is not its own position in the group")
         # (f) the gradient buffer a rank ends with
-        t, writer = self.gradbuf_writes(n_in)
+        t, writer = self.gradbuf_writes(len(cols.ptr) - 1 - len(cols.n_rank))
         if not len(t):
             return
         key = cols.t_rank[t].astype(np.int64) * (len(p.logical) + 1) + cols.t_tid[t]
@@ -826,7 +902,7 @@ class BlockCheck:
         key, writer, t = key[order], writer[order], t[order]
         last = np.concatenate((key[1:] != key[:-1], [True]))
         w, out = writer[last], t[last]
-        ok = (self.is_acc[w] & is_end[out]) | sums_ends[w] | self.owned.keeps[w]
+        ok = (self.is_acc(w) & is_end[out]) | np.isin(w, sums_ends) | self.owned.keeps[w]
         self.flag(~ok, w, "the gradient buffer a rank ends with must be its accumulation's last "
                   "output or a sum of those (a reducer)")
 
@@ -856,7 +932,8 @@ class BlockCheck:
         if len(members) % dp or (members < 0).any():
             return False
         per = len(members) // dp
-        cls, d = self.t_cls[members], self.t_d[members]
+        rank = self.cols.t_rank[members]
+        cls, d = self.rank_cls[rank], self.rank_d[rank]
         major = np.repeat(np.arange(dp), per)
         minor = np.tile(np.arange(dp), per)
         if np.array_equal(d, major):

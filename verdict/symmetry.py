@@ -401,9 +401,10 @@ class _Cut:
         picked a chunk of nodes at a time: the cut's cost in memory is that
         of what it shows, not of the plan."""
         check, picked = self.check, []
-        for a, b in _chunks(len(check.n_d)):
+        n_d, dropped = check.n_d, check.owned.nodes  # each made once
+        for a, b in _chunks(len(n_d)):
             mb = check.cols.n_mb[a:b]
-            keep = (self.pos[check.n_d[a:b]] >= 0) & ~check.owned.nodes[a:b] & (
+            keep = (self.pos[n_d[a:b]] >= 0) & ~dropped[a:b] & (
                 (mb < 0) | (self.pos_m[np.maximum(mb, 0)] >= 0))
             picked.append(np.flatnonzero(keep) + a)
         return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
