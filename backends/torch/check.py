@@ -118,7 +118,7 @@ def check_loaded(single: dict, traces: list[dict], plan_p: Plan) -> None:
         full = loaded_value(single, logical)
         mine = loaded_value(traces[t.rank], logical)
         if full is None or mine is None:
-            continue  # a constant of the lowering: its name is its value's digest
+            continue  # a constant (its name is its value's digest) or a collective's values
         if not _equal(mine, _cut(full, t.slices)):
             raise LoadedValueMismatch(_evidence(t.rank, logical.name, mine, full, t.slices,
                                                 claimed[t.tid]))
@@ -142,9 +142,15 @@ def _cut(full: np.ndarray, slices: Slices) -> np.ndarray:
     return full[tuple(slice(lo, hi) for lo, hi in slices)]
 
 
-def _equal(a: np.ndarray, b: np.ndarray) -> bool:
-    nan = a.dtype.kind in "fc" and b.dtype.kind in "fc"
-    return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=nan))
+def _equal(mine: np.ndarray, full: np.ndarray) -> bool:
+    """Equal values; a rank holding a floating-point tensor in a narrower
+    type than the single-device run (a recipe's float32 copy) is compared
+    with the single-device values rounded to it: rounding is no other piece
+    (the verifier's arithmetic is exact either way)."""
+    floats = mine.dtype.kind in "fc" and full.dtype.kind in "fc"
+    if floats and mine.dtype.itemsize < full.dtype.itemsize:
+        full = full.astype(mine.dtype)
+    return mine.shape == full.shape and bool(np.array_equal(mine, full, equal_nan=floats))
 
 
 def _evidence(rank: int, name: str, mine: np.ndarray, full: np.ndarray, want: Slices,
@@ -181,5 +187,5 @@ def _piece(slices: Slices, shape: tuple[int, ...]) -> str:
     if cut == [0]:
         return f"rows {slices[0][0]}:{slices[0][1]}"
     if not cut:
-        return "whole tensor"
+        return "all"
     return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in slices) + "]"
