@@ -1312,7 +1312,7 @@ def owned_shard(plan: Plan, rng: random.Random) -> Result:
 def _expert_parallel(plan: Plan) -> int:
     """The ep size of a materialized plan with expert parallelism, else 0."""
     ep = int(plan.world.get("ep", 1))
-    return ep if _materialized(plan) and ep > 1 and not plan.world.get("zero") else 0
+    return ep if _materialized(plan) and ep > 1 else 0
 
 
 def _ep_coords(plan: Plan, rank: int) -> tuple[int, int]:

@@ -125,6 +125,7 @@ MATERIALIZED_BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
                                        Parallelism(dp=4, pp=2, nm=4), Policy(zero=3)),
     "moe_mat_dp4_ep2_nm4": (MOE, Parallelism(dp=4, ep=2, nm=4), Policy()),
     "moe_mat_dp8_ep2_nm2": (MOE, Parallelism(dp=8, ep=2, nm=2), Policy()),
+    "moe_mat_zero1_dp8_ep2_nm2": (MOE, Parallelism(dp=8, ep=2, nm=2), Policy(zero=1)),
 }
 #: The subset the test suite runs: pipeline, tensor and data parallelism,
 #: Megatron sequence parallelism with context parallelism, ZeRO-1 and ZeRO-2,

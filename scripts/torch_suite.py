@@ -451,6 +451,34 @@ CASES: list[tuple[str, str, int]] = [
      f"{LOADED}fsdp_swapped_checkpoint --dp 2 --tp 1 --hidden 8 --ffn 8", 1),
 ]
 
+#: transformers families with a tensor-parallel plan, built through transformers' auto
+#: mappings (backends/torch/hf.py; docs/torch-backend.md, "Any Hugging Face family")
+HF_TP_FAMILIES = ("mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt_neox",
+                  "granite", "starcoder2", "cohere", "glm", "helium", "smollm3", "phi", "olmo",
+                  "cohere2", "glm4", "exaone4", "nemotron", "vaultgemma", "seed_oss")
+#: families without one: data parallel only (FSDP2 through transformers, or DDP)
+HF_DP_FAMILIES = ("gpt2", "opt")
+CASES += [(f"hf {f} {mesh}", f"--hf {f} {MESHES[mesh]}", 0)
+          for f in HF_TP_FAMILIES for mesh in ("dp2", "dp1 tp2", "dp2 tp2")]
+CASES += [case for f in HF_DP_FAMILIES for case in (
+    (f"hf {f} fsdp2 dp2", f"--hf {f} --dp 2 --tp 1", 0),
+    (f"hf {f} ddp dp2", f"--hf {f} --recipe ddp --dp 2 --tp 1", 0),
+    (f"hf {f} tp2 refused (no tensor-parallel plan)", f"--hf {f} --dp 1 --tp 2", 2))]
+CASES += [
+    ("hf stablelm fsdp2 dp2 (partial rotary)", "--hf stablelm --dp 2 --tp 1 --hidden 32 --heads 2", 0),
+    ("hf mistral bug rowwise output partial",
+     "--hf mistral --recipe tp_rowwise_not_reduced --dp 1 --tp 2", 1),
+    ("hf gpt_neox bug rowwise output partial",
+     "--hf gpt_neox --recipe tp_rowwise_not_reduced --dp 2 --tp 2", 1),
+    ("hf gemma3_text bug norm grads not reduced",
+     "--hf gemma3_text --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
+    ("hf gemma bug fsdp avg", "--hf gemma --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("hf opt bug ddp averaging a shared-out loss", "--hf opt --recipe ddp_avg --dp 2 --tp 1", 1),
+    ("hf mixtral refused (top-k routing)", "--hf mixtral --dp 1 --tp 2", 2),
+    ("hf gemma3 refused (vision tower)", "--hf gemma3 --dp 1 --tp 2", 2),
+    ("hf falcon refused (its attention's aten.index is not lowered)", "--hf falcon --dp 2 --tp 1", 2),
+]
+
 
 def cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -466,7 +494,10 @@ def single_key(args: argparse.Namespace) -> tuple:
 def run_case(argv: str, singles: dict) -> tuple[int, str]:
     """The exit code ``python -m backends.torch`` then ``main.py`` would give,
     and the first line of the reason when it is not 0."""
-    args = resolve(backend_parser().parse_args(shlex.split(argv)))
+    try:
+        args = resolve(backend_parser().parse_args(shlex.split(argv)))
+    except LoweringError as e:
+        return 2, str(e)
     key = single_key(args)
     try:
         (plan_s, plan_p), singles[key] = trace_and_build(args, singles.get(key))

@@ -226,12 +226,13 @@ def test_the_generator_validates_once(tmp_path, monkeypatch):
     assert canonical(load_plan(path)) == canonical(rows)
 
 
-def test_expert_parallel_zero_plans_are_the_row_generators():
+@pytest.mark.parametrize("zero", [1, 3])
+def test_expert_parallel_zero_plans_are_the_row_generators(zero):
     """With experts a replica is an expert-parallel group (d = edp x ep + e):
-    ZeRO-3 at edp 8 from edp 2 and 4, dense shards cut over all 16 ranks and
-    expert shards over the 8 groups."""
+    ZeRO-1 and ZeRO-3 at edp 8 from edp 2 and 4, dense shards cut over all
+    16 ranks and expert shards over the 8 groups."""
     cfg = replace(MOE, hidden=32, kv_heads=4, ffn=64, moe_ffn=32, experts=16)
-    par, gbs, policy = Parallelism(dp=16, ep=2, nm=2), 32, Policy(zero=3)
+    par, gbs, policy = Parallelism(dp=16, ep=2, nm=2), 32, Policy(zero=zero)
     assert replicable(par, policy, "default") and second_size(par, policy) == 4
     rows = make_plan(cfg, par, gbs, policy=policy)
     cols = replicate(*smalls(cfg, par, gbs, policy), par, rows.world)

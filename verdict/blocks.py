@@ -845,23 +845,32 @@ class BlockCheck:
 
     def sums_of_ends(self, is_end: np.ndarray) -> np.ndarray:
         """The nodes (in order) of an orbit-sum operator whose inputs are
-        all chain ends (``is_end``), a chunk of such nodes at a time."""
+        all chain ends (``is_end``). Each distinct input tuple is read once
+        (the replicas of a reducer share theirs: a tuple of dp entries read
+        per node would be dp times the plan's entries), a bounded number of
+        entries at a time."""
         cols = self.cols
         sums_op = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)
         found = [np.flatnonzero(sums_op[cols.n_op[lo:hi]]) + lo
                  for lo, hi in _chunks(len(cols.n_rank))]
         cand = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-        keep = np.ones(len(cand), dtype=bool)  # an empty input tuple holds no other tensor
-        for lo, hi in _chunks(len(cand)):
-            groups = cols.n_ins[cand[lo:hi]]
-            lengths = cols.ptr[groups + 1] - cols.ptr[groups]
-            ts = cols.flat[_spans(cols.ptr, groups)]
+        groups, inverse = np.unique(cols.n_ins[cand], return_inverse=True)
+        lengths = (cols.ptr[groups + 1] - cols.ptr[groups]).astype(np.int64)
+        upto = np.cumsum(lengths)
+        ok = np.ones(len(groups), dtype=bool)  # an empty input tuple holds no other tensor
+        lo = 0
+        while lo < len(groups):
+            hi = max(lo + 1, int(np.searchsorted(upto, upto[lo] - lengths[lo] + _NODE_CHUNK,
+                                                 side="right")))
+            ln = lengths[lo:hi]
+            ts = cols.flat[_spans(cols.ptr, groups[lo:hi])]
             bad = (ts < 0) | ~is_end[np.maximum(ts, 0)]
-            nonempty = np.flatnonzero(lengths > 0)
+            nonempty = np.flatnonzero(ln > 0)
             if len(nonempty):
-                starts = (np.cumsum(lengths) - lengths)[nonempty]
-                keep[lo + nonempty] = ~np.logical_or.reduceat(bad, starts)
-        return cand[keep]
+                starts = (np.cumsum(ln) - ln)[nonempty]
+                ok[lo + nonempty] = ~np.logical_or.reduceat(bad, starts)
+            lo = hi
+        return cand[ok[inverse]]
 
     def check_glue(self, orbit: np.ndarray, ends: np.ndarray) -> None:
         """(a), (d), (f): orbits are sums of chain ends (``ends``) over

@@ -91,6 +91,11 @@ class Owned:
     #: ZeRO-2/3: (rank, gradient buffer tid) -> the box its chain of reduced
     #: shards widens to in the cut, where a reducer sums the chain ends
     reduced: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
+    #: expert parallelism: the in-block gathers of a shared parameter's
+    #: loaded shards over the ep ranks of one replica (a node mask), whose
+    #: outputs the orbit's gathers read; compared with their index, dropped
+    #: by the cut with the gathers they feed
+    inner: np.ndarray | None = None
 
     @property
     def nodes(self) -> np.ndarray:
@@ -98,6 +103,11 @@ class Owned:
         which the cut drops."""
         out = self.gathers | self.keeps | self.updates
         return out if self.scatters is None else out | self.scatters
+
+    @property
+    def dropped(self) -> np.ndarray:
+        """The nodes the cut leaves out: :attr:`nodes` and the in-block gathers."""
+        return self.nodes if self.inner is None else self.nodes | self.inner
 
     @staticmethod
     def none(nodes: int, tensors: int) -> Owned:
@@ -115,6 +125,9 @@ def find_owned(check: BlockCheck) -> Owned:
         return Owned.none(len(check.cols.n_rank), len(check.cols.t_rank))
     if p.world["zero"] not in (1, 2, 3):
         return _refuse(f"ZeRO stage {p.world['zero']!r} is none the owned shards cover")
+    if int(p.world.get("ep", 1)) > 1 and p.world["zero"] != 1:
+        return _refuse(f"ZeRO-{p.world['zero']} with expert parallelism: shared gradients "
+                       f"are reduce-scattered in two levels, which the rules do not describe")
     return _Scan(check).run()
 
 
@@ -124,6 +137,9 @@ class _Scan:
     def __init__(self, check: BlockCheck):
         self.cols, self.p, self.dp = check.cols, check.p, check.fold.dp
         self.zero = int(self.p.world["zero"])
+        self.ep = int(self.p.world.get("ep", 1))
+        #: ranks between two ep ranks of one replica (the mesh's cp x tp)
+        self.ep_stride = int(self.p.world.get("cp", 1)) * int(self.p.world.get("tp", 1))
         cols = self.cols
         nn, nt = len(cols.n_rank), len(cols.t_rank)
         self.t_cls, self.t_d = check.split(cols.t_rank)
@@ -135,6 +151,11 @@ class _Scan:
         self.updates = np.zeros(nn, dtype=bool)
         self.gathered = np.zeros(nt, dtype=bool)
         self.scatters = np.zeros(nn, dtype=bool)
+        self.inner = np.zeros(nn, dtype=bool)
+        self.inner_made = np.zeros(nt, dtype=bool)  # the in-block gathers' outputs
+        #: (rank, param tid) -> (parts, index) of its keep when its shards are
+        #: gathered in two levels (else (D, replica))
+        self.split_of: dict[tuple[int, int], tuple[int, int]] = {}
         self.scattered: dict[int, int] = {}
         self.reduced: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.shifts: list[tuple[np.ndarray, ...]] = []  # (tensors, dims, offsets)
@@ -181,14 +202,18 @@ class _Scan:
     # -- the rules ---------------------------------------------------------------
     def run(self) -> Owned:
         crossing = self.crossing()
+        if self.ep > 1:
+            self.find_inner(crossing)
         step = max(1, _ENTRIES // self.dp)  # gathers whose groups are read at a time
         updates = []
         for lo in range(0, len(crossing), step):
             nodes = crossing[lo:lo + step]
             groups = self.groups(nodes)
-            loaded = self.is_loaded(groups).all(axis=1)
+            loaded = self.is_loaded(groups).all(axis=1) | \
+                self.inner_made[np.maximum(groups, 0)].all(axis=1)
             self.gather(nodes[loaded], groups[loaded])
             updates.append(nodes[~loaded])
+        self.check_inner_read()
         if self.shard_of:
             _check_loaded(self.cols, self.kinds, self.shard_of)
             if self.zero >= 2:
@@ -218,7 +243,7 @@ class _Scan:
         first = np.concatenate((np.ones(min(1, len(t)), dtype=bool), ~same))  # none: no shifts
         return Owned(self.gathers, self.keeps, self.updates, self.gathered,
                      (t[first], dim[first], off[first]), self.rewire, self.widen,
-                     self.scatters, self.scattered, self.reduced)
+                     self.scatters, self.scattered, self.reduced, self.inner)
 
     def is_loaded(self, t: np.ndarray) -> np.ndarray:
         c, s = self.cols, np.maximum(t, 0)
@@ -291,21 +316,113 @@ class _Scan:
                     self.box(o) != box or not self.whole(o):
                 _refuse(f"{where}: its output does not claim the whole box its shards tile")
             key = (int(cols.n_rank[i]), t)
-            found = (self.dim_of[i], w, int(row[d]), box, o)
+            found = (self.dim_of[i], w, self.own_shard(i, int(row[d]), key), box, o)
             if key in self.shard_of and (self.zero < 3 or self.shard_of[key][:4] != found[:4]):
                 _refuse(f"{where}: a second gather of {self.p.logical[t].name} on the rank")
             self.shard_of.setdefault(key, found)
         self.gathers[nodes] = True
         self.gathered[out] = True
         d = self.n_d[nodes].astype(np.int64)  # each gather's own shard (every rank gathers)
-        self.shifts.append((m[np.arange(len(nodes)), d],
-                            [self.dim_of[i] for i in nodes.tolist()], d * width))
+        own = m[np.arange(len(nodes)), d]
+        one = ~self.inner_made[own]  # two levels: the in-block gathers' inputs are shifted
+        self.shifts.append((own[one], [self.dim_of[i] for i in nodes[one].tolist()],
+                            (d * width)[one]))
 
-    def tiling(self, nodes: np.ndarray, m: np.ndarray, dims: np.ndarray
+    def own_shard(self, i: int, own: int, key: tuple[int, int]) -> int:
+        """The shard the rank of gather ``i`` loads: its own member ``own``,
+        or, gathered in two levels, the in-block gather's input at the rank's
+        ep position, the in-block gather along the same dim (its keep is then
+        chunk ``d ep + e`` of ``D ep``, recorded in ``split_of``)."""
+        if not self.inner_made[own]:
+            return own
+        k = int(self.cols.t_producer[own])
+        e = self.ep_index(int(self.cols.n_rank[i]))
+        if self.dim_of[k] != self.dim_of[i]:
+            _refuse(f"the all_gather {i} on rank {int(self.cols.n_rank[i])} gathers along "
+                    f"another dim than the in-block gather {k} it reads")
+        self.split_of[key] = (self.dp * self.ep, int(self.n_d[i]) * self.ep + e)
+        return self.ins(k)[e]
+
+    def ep_index(self, rank: int) -> int:
+        """The rank's expert-parallel index e (data-parallel index d ep + e)."""
+        return rank // self.ep_stride % self.ep
+
+    def find_inner(self, crossing: np.ndarray) -> None:
+        """Expert parallelism: the gathers outside microbatches that read no
+        other replica's tensor but whose outputs an orbit's gather reads.
+        Each must read, in position j, the loaded shard of one parameter on
+        the ep rank j of its own replica and class (its rank moved by
+        (j - e) cp tp), j = 0..ep-1, tiling one box along its ``dim`` with
+        equal widths, its ``index`` its own e, its output claiming the box,
+        whole, version 0: the parameter at that box, the replica's piece of
+        the orbit's gather (docs/soundness.md, "ZeRO-1 with expert
+        parallelism"). Each replica's loaded shards are shifted by d times
+        the box's width, as rule 2 shifts a replica's shard."""
+        cols, ep = self.cols, self.ep
+        read, _ = _inputs(cols, crossing)
+        made = cols.t_producer[read[read >= 0]]
+        made = np.unique(made[made >= 0])
+        if not made.size:
+            return
+        is_ag = np.array([o == "all_gather" for o in cols.ops] or [False])[cols.n_op[made]]
+        nodes = made[is_ag & ~np.isin(made, crossing)]
+        if not nodes.size:
+            return
+        lengths = cols.ptr[cols.n_ins[nodes] + 1] - cols.ptr[cols.n_ins[nodes]]
+        outs = cols.ptr[cols.n_outs[nodes] + 1] - cols.ptr[cols.n_outs[nodes]]
+        ranks = cols.n_rank[nodes].astype(np.int64)
+        e = ranks // self.ep_stride % ep
+        index = np.array([self.kw(int(k)).get("index", -1) for k in cols.n_kw[nodes].tolist()])
+        bad = (lengths != ep) | (outs != 1) | (index != e) | (cols.n_mb[nodes] != -1)
+        m = cols.flat[cols.ptr[cols.n_ins[nodes]][:, None] + np.arange(ep)[None, :]
+                      * ~bad[:, None]].astype(np.int64)
+        safe = np.maximum(m, 0)
+        want = ranks[:, None] + (np.arange(ep)[None, :] - e[:, None]) * self.ep_stride
+        tid = cols.t_tid[safe[:, 0]].astype(np.int64)
+        param = np.array([k == "param" for k in self.kinds])[tid]
+        bad |= (m < 0).any(axis=1) | ~self.is_loaded(m).all(axis=1) | ~param | \
+            (cols.t_rank[safe] != want).any(axis=1) | (cols.t_tid[safe] != tid[:, None]).any(axis=1)
+        if bad.any():
+            i = int(nodes[np.argmax(bad)])
+            _refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])} is not one of the loaded "
+                    f"shards of one parameter over the ep ranks of its replica at its own index")
+        dims = np.array([self.kw(int(k)).get("dim") for k in cols.n_kw[nodes].tolist()],
+                        dtype=object)
+        width, full = self.tiling(nodes, m, dims, ep)
+        out = cols.flat[cols.ptr[cols.n_outs[nodes]]].astype(np.int64)
+        for i, t, o, box in zip(nodes.tolist(), tid.tolist(), out.tolist(), full):
+            if o < 0 or int(cols.t_tid[o]) != t or int(cols.t_lver[o]) != 0 or \
+                    int(cols.t_mb[o]) != -1 or self.box(o) != box or not self.whole(o):
+                _refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])}: its output does "
+                        f"not claim the whole box its shards tile")
+        self.inner[nodes] = True
+        self.inner_made[out] = True
+        d = self.n_d[nodes].astype(np.int64)
+        self.shifts.append((m.reshape(-1), np.repeat([self.dim_of[i] for i in nodes.tolist()], ep),
+                            np.repeat(d * width * ep, ep)))
+
+    def check_inner_read(self) -> None:
+        """The in-block gathers' outputs are read by the orbit's gathers only,
+        each by one of them at least."""
+        made = np.flatnonzero(self.inner_made)
+        if not made.size:
+            return
+        read, _ = _inputs(self.cols, np.flatnonzero(self.gathers))
+        by_gathers = np.zeros(len(self.cols.t_rank), dtype=np.int64)
+        np.add.at(by_gathers, read[read >= 0], 1)
+        bad = (by_gathers[made] == 0) | (by_gathers[made] != self.reads[made])
+        if bad.any():
+            t = int(made[np.argmax(bad)])
+            _refuse(f"the in-block gather of {self.p.logical[int(self.cols.t_tid[t])].name} on "
+                    f"rank {int(self.cols.t_rank[t])} is read by another node than the orbit's "
+                    f"gathers")
+
+    def tiling(self, nodes: np.ndarray, m: np.ndarray, dims: np.ndarray, size: int = 0
                ) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
         """Per gather, (shard width, the box) of shards that tile one box
-        along its ``dim`` in group order with equal widths (else refused)."""
-        cols, dp = self.cols, self.dp
+        along its ``dim`` in group order with equal widths (else refused);
+        groups of ``size`` members (default: the orbit's D)."""
+        cols, dp = self.cols, size or self.dp
         width = np.zeros(len(nodes), dtype=np.int64)
         full: list = [None] * len(nodes)
         ndim = (cols.slice_off[m[:, 0] + 1] - cols.slice_off[m[:, 0]]).astype(np.int64)
@@ -358,14 +475,14 @@ class _Scan:
             if made < 0 or self.op(made) not in ORBIT_SUMS or int(cols.n_rank[made]) != key[0]:
                 _refuse(f"{where} is not a split of a sum over the replicas")
             kw = self.p.kwargs_of(int(cols.n_kw[i]))
-            d = int(self.n_d[i])
+            parts, d = self.split_of.get(key, (dp, int(self.n_d[i])))
             o = self.outs(i)[0]
-            if (kw.get("dim"), kw.get("parts"), kw.get("index")) != (dim, dp, d) or \
+            if (kw.get("dim"), kw.get("parts"), kw.get("index")) != (dim, parts, d) or \
                     self.box(o) != self.box(shard) or self.box(src[0]) != full or \
                     not self.whole(o) or not self.whole(src[0]) or \
                     int(cols.t_lver[o]) != int(cols.t_lver[src[0]]) or \
                     int(cols.t_tid[o]) != int(cols.t_tid[src[0]]):
-                _refuse(f"{where} does not keep chunk {d} of {dp} of the whole reduced "
+                _refuse(f"{where} does not keep chunk {d} of {parts} of the whole reduced "
                         f"gradient along dim {dim}, the shard the rank loads")
             self.keeps[i] = True
             self.kept[key] = (o, src[0])
@@ -499,7 +616,7 @@ class _Scan:
         watched = [shard for _, _, shard, _, _ in self.shard_of.values()] + \
             [o for o, _ in self.kept.values()]
         read, reader = _inputs(cols)
-        pick = np.flatnonzero(np.isin(read, watched) & ~self.gathers[reader])
+        pick = np.flatnonzero(np.isin(read, watched) & ~self.gathers[reader] & ~self.inner[reader])
         readers: dict[int, list[int]] = {}
         for t, i in zip(read[pick].tolist(), reader[pick].tolist()):
             readers.setdefault(t, []).append(i)
@@ -512,6 +629,9 @@ class _Scan:
                     _refuse(f"{where}: its kept gradient chunk is read by another node than an "
                             f"optimizer step on the shard")
                 continue
+            if key in self.split_of:
+                _refuse(f"{where}: an optimizer step on a shard gathered in two levels (its "
+                        f"updated shards are gathered so too, which the rules do not describe)")
             i = steps[0]
             ins, outs = self.ins(i), self.outs(i)
             if len(steps) != 1 or readers.get(o) != [i] or self.op(i) not in OPTIMIZERS or \

@@ -14,6 +14,7 @@ the fly, say) but are computed get an 'input' stage first, with no Gs side.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from verdict.lineage import Lineage, StructureError
@@ -92,11 +93,44 @@ class _Cutter:
                 nodes.add(prod)
                 stack.extend(i for i in self.p.nodes[prod].inputs if i >= 0)
         inputs = sorted({self.of_gp[t] for t in sources})
-        stage = Stage(len(self.stages), gs_node, sorted(nodes), inputs, outputs, sorted(sources))
+        stage = Stage(len(self.stages), gs_node, self.dataflow_order(nodes), inputs, outputs,
+                      sorted(sources))
         self.stages.append(stage)
         self.verified |= targets
         self.verified_lineages |= set(outputs)
         return stage
+
+    def dataflow_order(self, nodes: set[int]) -> list[int]:
+        """The stage's nodes in plan order, or, when a node reads a tensor a
+        later node of the stage writes (a collective reading another rank's
+        value listed after it), in the dataflow order nearest to it: the
+        lowest ready node first. The plan's list order is not an SSA order
+        the verifier relies on; a stage's dependencies are."""
+        order = sorted(nodes)
+        at = {n: k for k, n in enumerate(order)}
+        needs = {n: {self.producer[t] for t in self.p.nodes[n].inputs
+                     if t >= 0 and self.producer[t] in at} for n in order}
+        if all(at[m] < at[n] for n in order for m in needs[n]):
+            return order
+        readers: dict[int, list[int]] = {}
+        for n in order:
+            for m in needs[n]:
+                readers.setdefault(m, []).append(n)
+        left = {n: len(needs[n]) for n in order}
+        ready = [n for n in order if not left[n]]
+        heapq.heapify(ready)
+        out = []
+        while ready:
+            n = heapq.heappop(ready)
+            out.append(n)
+            for r in readers.get(n, []):
+                left[r] -= 1
+                if not left[r]:
+                    heapq.heappush(ready, r)
+        if len(out) != len(order):
+            raise StructureError("structure", "the plan's nodes read each other's outputs in a "
+                                              "cycle")
+        return out
 
     def unreachable(self, gs_node: int, targets: set[int], t: int, how: str, lid: int,
                     unwritten: bool = False) -> None:

@@ -160,8 +160,9 @@ def eligible(parallel: PlanLike) -> str | None:
     w = parallel.world
     if not foldable(parallel):
         return "not a materialized plan with more than two replicas or microbatches"
-    if w.get("ep", 1) != 1 and w.get("zero", 0):
-        return "ZeRO with expert parallelism: owned shards of expert and shared parameters"
+    if w.get("ep", 1) != 1 and w.get("zero", 0) not in (0, 1):
+        return (f"ZeRO-{w.get('zero')} with expert parallelism: shared gradients are "
+                f"reduce-scattered in two levels")
     if w.get("zero", 0) not in (0, 1, 2, 3):
         return f"ZeRO stage {w.get('zero')!r}"
     if not isinstance(w.get("gbs"), int):
@@ -397,11 +398,11 @@ class _Cut:
 
     def shown_nodes(self) -> np.ndarray:
         """The nodes of the shown replicas and microbatches (steps and glue
-        of the shown replicas too), but for ZeRO-1's gathers and keeps,
+        of the shown replicas too), but for ZeRO's gathers (in-block ones too) and keeps,
         picked a chunk of nodes at a time: the cut's cost in memory is that
         of what it shows, not of the plan."""
         check, picked = self.check, []
-        n_d, dropped = check.n_d, check.owned.nodes  # each made once
+        n_d, dropped = check.n_d, check.owned.dropped  # each made once
         for a, b in _chunks(len(n_d)):
             mb = check.cols.n_mb[a:b]
             keep = (self.pos[n_d[a:b]] >= 0) & ~dropped[a:b] & (

@@ -62,6 +62,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     recipe named without a module is then one of ``backends.torch.hf``)."""
     hf = getattr(args, "hf", None)
     if hf is not None:
+        refuse_hf(hf, args.tp)
         model = f"backends.torch.hf:{hf}"
         if args.model not in (MODEL, model):
             raise LoweringError("--hf and --model name two models: give one")
@@ -76,6 +77,20 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ":" not in args.recipe:
         args.recipe = f"{recipe_module(args.recipe)}:{args.recipe}"
     return args
+
+
+def refuse_hf(family: str, tp: int) -> None:
+    """A ``--hf`` family the backend cannot build or parallelize at ``tp``:
+    one line (``backends.torch.hf.refusal``)."""
+    from backends.torch import hf
+    try:
+        why = hf.refusal(family, tp)
+    except ImportError as e:
+        raise LoweringError(f"--hf needs transformers (pip install '.[hf]'): {e}") from None
+    except Exception as e:  # a configuration transformers itself cannot build: bad input
+        raise LoweringError(f"--hf {family}: {type(e).__name__}: {e}") from None
+    if why is not None:
+        raise LoweringError(why)
 
 
 def recipe_module(name: str) -> str:
@@ -96,8 +111,9 @@ def parser() -> argparse.ArgumentParser:
                    help="parallelization recipe, package.module:function, or a function "
                         f"of {', '.join(RECIPE_MODULES)} by name (default: %(default)s)")
     p.add_argument("--hf", metavar="FAMILY", default=None,
-                   help="a Hugging Face transformers family (llama, qwen2, qwen3, ...) built from "
-                        "a small random config and parallelized by transformers itself; the "
+                   help="a Hugging Face transformers causal-LM model type (llama, gemma2, gpt2, "
+                        "phi3, ...: any of transformers' auto mapping) built from a small "
+                        "random config and parallelized by transformers itself; the "
                         "recipe defaults to backends.torch.hf:tp_fsdp (docs/torch-backend.md)")
     p.add_argument("--layers", type=int, default=1, help="transformer blocks (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=16, help="hidden size (default: %(default)s)")

@@ -2,14 +2,16 @@
 
     python -m backends.torch --hf llama --dp 2 --tp 2
 
-builds a causal language model of the family from a small configuration
-with random weights (nothing is downloaded), and in every rank's process
-applies the family's own ``base_model_tp_plan`` and FSDP2 plan through
-transformers' distributed API (``DistributedConfig``,
+builds a causal language model of the family (any causal-LM model type of
+the installed transformers, resolved through its auto mappings) from a
+small configuration with random weights (nothing is downloaded), and in
+every rank's process applies the family's own ``base_model_tp_plan`` and
+FSDP2 plan through transformers' distributed API (``DistributedConfig``,
 ``initialize_distributed_mesh``, ``maybe_distribute_model``), unpatched.
 
-The model factory (``--model backends.torch.hf:llama``, ...) wraps the
-transformers model in ``CausalLM``, whose ``forward(tokens, labels)``
+The model factory (``--model backends.torch.hf:FAMILY``, the module's
+``__getattr__``) wraps the transformers model in ``CausalLM``, whose
+``forward(tokens, labels)``
 calls it with ``shift_labels=labels`` (the labels are already the next
 tokens: nothing is shifted or padded) and ``num_items_in_batch`` the token
 count of the whole step, so the loss is the cross-entropy summed over the
@@ -28,22 +30,26 @@ d // fsdp, shard d % fsdp).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-#: family -> (configuration class, causal LM class) in ``transformers``
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-}
-
 #: transformers' attention kernel the models are built with: the eager one
 #: (matmul, softmax) is plain aten on every device
 ATTENTION = "eager"
+
+#: names a configuration gives each size the backend's flags set (the first
+#: it has; transformers' ``attribute_map`` resolves the standard names of
+#: families that call them otherwise, such as GPT-2's ``n_embd``)
+SIZE_FIELDS = {
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "seqlen": ("max_position_embeddings", "n_positions", "max_seq_len"),
+    "kv": ("num_key_value_heads", "num_kv_heads"),
+}
+#: configuration fields that choose top-k routing of tokens to experts
+ROUTING_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k_experts")
 
 
 class CausalLM(nn.Module):
@@ -60,54 +66,112 @@ class CausalLM(nn.Module):
         return out.loss
 
 
-def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
-    """A small configuration of ``family`` (grouped-query attention with
-    half as many key-value heads when the head count is even)."""
+def families() -> tuple[str, ...]:
+    """Every model type transformers maps to a causal-LM class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return tuple(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def classes(family: str) -> tuple[type, type]:
+    """The configuration class and the causal-LM class of ``family``, from
+    transformers' auto mappings."""
     import transformers
-    if family not in FAMILIES:
-        raise ValueError(f"unknown Hugging Face family '{family}' (known: {', '.join(FAMILIES)})")
-    cls = getattr(transformers, FAMILIES[family][0])
-    kv = heads // 2 if heads % 2 == 0 else heads
-    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-              num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
-              max_position_embeddings=max(seqlen, 8), tie_word_embeddings=False)
-    if family in ("qwen3_moe", "mixtral"):
-        experts = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=ffn,
-                                     norm_topk_prob=True, decoder_sparse_step=1),
-                   "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}[family]
-        kw.update(experts)
-    cfg = cls(**kw)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"'{family}' is not a causal-LM model type of transformers "
+                         f"{transformers.__version__} (e.g. {', '.join(families()[:6])}, ...)")
+    from transformers import CONFIG_MAPPING
+    model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family], None)
+    if model_cls is None:
+        raise ValueError(f"transformers has no class {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]} "
+                         f"for '{family}'")
+    return CONFIG_MAPPING[family], model_cls
+
+
+def refusal(family: str, tp: int) -> str | None:
+    """Why the backend cannot trace ``family`` at tensor-parallel degree
+    ``tp`` (None when it can): a composite model (a vision or audio tower
+    beside the text model), top-k routing to experts (each expert's rows are
+    as many as tokens the router sent it: values decide shapes), or TP for a
+    family without a tensor-parallel plan."""
+    cfg_cls, _ = classes(family)
+    default = cfg_cls()
+    subs = tuple(getattr(default, "sub_configs", None) or ())
+    if any(n == "text_config" or "vision" in n or "audio" in n for n in subs):
+        towers = ", ".join(subs)
+        return (f"'{family}' is a composite model ({towers}): give its text model's type "
+                f"(the backend builds text-only causal LMs)")
+    routed = [f for f in ROUTING_FIELDS if getattr(default, f, None)]
+    if routed:
+        return (f"'{family}' routes each token to its top-k experts ({routed[0]}): each expert's "
+                f"input has as many rows as tokens the router sent it, so shapes depend on the "
+                f"values (docs/soundness.md, \"Plans traced from PyTorch\", 12)")
+    if tp > 1 and not default.base_model_tp_plan:
+        return (f"'{family}' has no tensor-parallel plan (base_model_tp_plan): run it with --tp 1 "
+                f"(FSDP2 or DDP over dp)")
+    return None
+
+
+def _first(default, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if hasattr(default, n)), None)
+
+
+def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+    """A small configuration of ``family``: the backend's sizes in whichever
+    fields the family's configuration has (grouped-query attention with half
+    as many key-value heads when the head count is even, ``head_dim`` hidden
+    / heads), every dropout probability 0 (dropout draws random numbers),
+    a sliding window, where the family has one, of half the sequence (so
+    it masks), special token ids outside the small vocabulary moved to its
+    last id, untied input and output embeddings (transformers 5.23's
+    ``apply_tensor_parallelism`` fails on a tied ``lm_head``: KeyError
+    'lm_head.weight'), and everything else the family's default."""
+    cfg_cls, _ = classes(family)
+    default = cfg_cls()
+    kw: dict = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                    num_attention_heads=heads, tie_word_embeddings=False)
+    sizes = {"ffn": ffn, "seqlen": max(seqlen, 8), "kv": heads // 2 if heads % 2 == 0 else heads}
+    for size, names in SIZE_FIELDS.items():
+        name = _first(default, names)
+        if name is not None:
+            kw[name] = sizes[size]
+    if getattr(default, "head_dim", None) is not None and not isinstance(
+            getattr(cfg_cls, "head_dim", None), property):
+        kw["head_dim"] = hidden // heads
+    if getattr(default, "moe_intermediate_size", None) is not None:
+        kw["moe_intermediate_size"] = ffn
+    if getattr(default, "sliding_window", None) is not None:
+        kw["sliding_window"] = max(seqlen // 2, 1)
+    for name, value in default.to_dict().items():
+        if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+            kw[name] = 0.0
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = getattr(default, name, None)
+        if isinstance(ids, int) and ids >= vocab:
+            kw[name] = vocab - 1
+        elif isinstance(ids, list) and any(i >= vocab for i in ids):
+            kw[name] = [vocab - 1]
+    cfg = cfg_cls(**kw)
     cfg._attn_implementation = ATTENTION
-    if family in ("qwen3_moe", "mixtral"):
+    if hasattr(cfg, "_experts_implementation"):
         cfg._experts_implementation = "eager"  # grouped_mm takes no float64 on the CPU
     return cfg
 
 
 def build(family: str, **sizes) -> CausalLM:
     """The family's causal LM from ``config``, randomly initialized."""
-    import transformers
-    model = getattr(transformers, FAMILIES[family][1])(config(family, **sizes))
-    return CausalLM(model)
+    _, model_cls = classes(family)
+    return CausalLM(model_cls(config(family, **sizes)))
 
 
-def llama(**sizes) -> CausalLM:
-    return build("llama", **sizes)
-
-
-def qwen2(**sizes) -> CausalLM:
-    return build("qwen2", **sizes)
-
-
-def qwen3(**sizes) -> CausalLM:
-    return build("qwen3", **sizes)
-
-
-def qwen3_moe(**sizes) -> CausalLM:
-    return build("qwen3_moe", **sizes)
-
-
-def mixtral(**sizes) -> CausalLM:
-    return build("mixtral", **sizes)
+def __getattr__(name: str):
+    """``backends.torch.hf:FAMILY`` is the model factory of any causal-LM
+    model type of transformers (``build`` with the family bound)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if name not in families():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return functools.partial(build, name)
 
 
 def distribute(model: CausalLM, mesh, dp_replicate: int = 1,
@@ -178,9 +242,65 @@ def ep_fsdp(model, mesh):
 
 
 
+def ddp(model, mesh):
+    """PyTorch's DDP over "dp" with a comm hook that sums the bucket (the
+    loss is already each rank's share of the step's mean): the recipe for a
+    family without a tensor-parallel plan, as for any other."""
+    from torch.nn.parallel import DistributedDataParallel
+    if mesh["tp"].size() != 1:
+        raise ValueError("the Hugging Face ddp recipe is data parallel only (--tp 1)")
+    group = mesh["dp"].get_group()
+    wrapped = DistributedDataParallel(model, process_group=group)
+    wrapped.register_comm_hook(group, _summed)
+    return wrapped
+
+
+def _summed(group, bucket):
+    import torch.distributed as dist
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def ddp_avg(model, mesh):
+    """A wrong plan: plain DDP, which averages the gradients over "dp", with
+    the loss already shared out over the step's tokens (the divide applied
+    twice: every gradient 1/dp of the single-device one)."""
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+
+
+def _plan_with(model: CausalLM, change: str, to: str, first_only: bool = True) -> dict[str, str]:
+    """Rules of the family's own tensor-parallel plan of style ``change``
+    planned ``to`` instead (the first, or every one; ValueError if none)."""
+    plan = dict(model.hf.config.base_model_tp_plan or {})
+    rules = [k for k, v in plan.items() if v == change][:1 if first_only else None]
+    if not rules:
+        raise ValueError(f"the family's tensor-parallel plan has no '{change}' rule")
+    prefix = f"{model.hf.base_model_prefix}." if model.hf.base_model_prefix else ""
+    return {prefix + rule: to for rule in rules}
+
+
+#: the style of ``tp_rowwise_not_reduced``: transformers' rowwise linear whose
+#: output is left as each rank's partial sum (registered by that recipe only)
+UNREDUCED_ROWWISE = "rowwise_output_partial"
+
+
+def tp_rowwise_not_reduced(model, mesh):
+    """A wrong plan: the family's plan with its first ``rowwise`` rule (an
+    attention output projection, typically) keeping its output partial: a
+    rowwise linear with no all-reduce after it, each rank going on with its
+    own heads' share of the projection."""
+    from torch.distributed.tensor import Partial, Shard
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, RowwiseParallel
+    ALL_PARALLEL_STYLES.register(UNREDUCED_ROWWISE, RowwiseParallel(
+        input_layouts=Shard(-1), output_layouts=Partial()))
+    return distribute(model, mesh, tp_plan=_plan_with(model, "rowwise", UNREDUCED_ROWWISE))
+
+
 def tp_norm_grads_not_reduced(model, mesh):
-    """A wrong plan: Qwen3's per-head ``q_norm``/``k_norm`` planned
-    "replicate" instead of "replicated_with_grad_allreduce", so each
-    tensor-parallel rank keeps the gradient of its own heads' share."""
-    return distribute(model, mesh, tp_plan={"model.layers.*.self_attn.q_norm": "replicate",
-                                            "model.layers.*.self_attn.k_norm": "replicate"})
+    """A wrong plan: every ``replicated_with_grad_allreduce`` rule of the
+    family's plan (Qwen3's and Gemma3's per-head ``q_norm``/``k_norm``)
+    planned "replicate", so each tensor-parallel rank keeps the gradient of
+    its own heads' share."""
+    return distribute(model, mesh, tp_plan=_plan_with(
+        model, "replicated_with_grad_allreduce", "replicate", first_only=False))

@@ -344,6 +344,8 @@ class _Lowerer:
     flat_of: dict[int, int] = field(default_factory=dict)
     mb: int = -1
     id_pieces: dict[_Ids, int] = field(default_factory=dict)
+    #: (value, dim, index, parts) -> the split of that equal piece, emitted once
+    splits: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
     params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
     fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter
@@ -431,11 +433,17 @@ class _Lowerer:
         if hasattr(x, "emit_into"):  # a pending value of lower_vocab_parallel or _NllGrad
             return self.materialize(x.emit_into(self))
         if isinstance(x, _Piece):
+            # read once or many times (a chunk read in the forward and again by its
+            # backward), one split node: the rank's reads and the single-device
+            # step's then align node for node
             src = self.materialize(x.of)
-            shape = list(self.shapes[src])
-            shape[x.dim] //= x.parts
-            return self.emit("split", [src], [shape],
-                             {"dim": x.dim, "parts": x.parts, "index": x.index})[0]
+            key = (src, x.dim, x.index, x.parts)
+            if key not in self.splits:
+                shape = list(self.shapes[src])
+                shape[x.dim] //= x.parts
+                self.splits[key] = self.emit("split", [src], [shape], {
+                    "dim": x.dim, "parts": x.parts, "index": x.index})[0]
+            return self.splits[key]
         raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
 
     def reshape(self, x: int, shape: tuple[int, ...]) -> int:
@@ -1246,10 +1254,10 @@ def one_hot_of(lw: _Lowerer, piece: _Ids) -> int:
 
 
 def _embedding(lw: _Lowerer, args, kwargs, shapes, group):
+    """The lookup; its ``padding_idx`` changes only the backward (a separate
+    recorded op, ``_embedding_bw``), not the rows looked up, so it is not
+    read here (docs/soundness.md, "Plans traced from PyTorch", 25)."""
     ids = lw.env.get(args[1][1])
-    if len(args) > 2 and args[2] is not None and int(args[2]) >= 0 and isinstance(ids, _Shifted):
-        raise LoweringError(f"{lw.name}: a vocabulary-parallel embedding with a padding_idx is "
-                            f"not lowered")
     if isinstance(ids, Const):
         rows = lw.shapes[lw.val(args[0])][0]
         onehot = one_hot_constant(lw, constant_value(lw, args[1]), rows)
@@ -2100,6 +2108,9 @@ from backends.torch.lower_group_norm import GROUP_NORM_HANDLERS  # noqa: E402
 HANDLERS.update(GROUP_NORM_HANDLERS)
 
 HANDLERS.update(max_all_handlers(HANDLERS))
+from backends.torch.lower_slices import slice_handlers  # noqa: E402
+
+HANDLERS.update(slice_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
