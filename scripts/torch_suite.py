@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
+from backends.torch.check import LoadedValueMismatch  # noqa: E402
 from backends.torch.lower import LoweringError  # noqa: E402
 from main import verify  # noqa: E402
 
@@ -45,6 +46,7 @@ MISTAKES = "tests.outside_mistakes:"
 #: whole-tensor maxima, padded pooling, circular padding, uneven Shard(1) (tests/refusals21_*.py)
 R21_MODELS = "tests.refusals21_models:"
 R21_RECIPES = "tests.refusals21_recipes:"
+LOADED = "tests.loaded_values_recipes:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
@@ -440,6 +442,13 @@ CASES: list[tuple[str, str, int]] = [
      f"{R21_RECIPES}rowwise_replicated_input --dp 2 --tp 2 --hidden 8 --ffn 15", 0),
     ("refusals21 mlp rowwise_even_offsets ffn 15 bug", f"--model mlp --recipe "
      f"{R21_RECIPES}rowwise_even_offsets --dp 1 --tp 2 --hidden 8 --ffn 15", 1),
+    # shards loaded at other offsets than their placements claim (backends/torch/check.py)
+    ("loaded mlp from_local next rows bug", f"--model mlp --recipe {LOADED}tp_up_next_rows "
+     "--dp 2 --tp 2 --hidden 8 --ffn 8", 1),
+    ("loaded mlp from_local same rows bug", f"--model mlp --recipe {LOADED}tp_up_same_rows "
+     "--dp 1 --tp 2 --hidden 8 --ffn 8", 1),
+    ("loaded mlp fsdp swapped checkpoint bug", f"--model mlp --recipe "
+     f"{LOADED}fsdp_swapped_checkpoint --dp 2 --tp 1 --hidden 8 --ffn 8", 1),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto
@@ -494,6 +503,8 @@ def run_case(argv: str, singles: dict) -> tuple[int, str]:
         (plan_s, plan_p), singles[key] = trace_and_build(args, singles.get(key))
     except LoweringError as e:
         return 2, str(e)
+    except LoadedValueMismatch as e:
+        return 1, str(e)
     verdict = verify(plan_s, plan_p)
     if verdict.success:
         return 0, ""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
+from backends.torch.check import LoadedValueMismatch, check_loaded
 from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower_trace
 from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.rank import load, run
@@ -180,7 +181,9 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
     check_bucket_layouts(lows)
-    return build_plans(low_s, lows, world), single
+    plan_s, plan_p = build_plans(low_s, lows, world)
+    check_loaded(single, traces, plan_p)
+    return (plan_s, plan_p), single
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     except LoweringError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except LoadedValueMismatch as e:
+        print(f"FAIL: {e}")
+        return 1
     pp = f"_pp{args.pp}" if args.pp > 1 else ""
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")

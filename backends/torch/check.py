@@ -10,6 +10,7 @@ The trace must have been recorded with ``keep_values`` (``rank.run``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lower import Lowered
 from verdict.numeric import NumericXP, run_node
+from verdict.plan import Logical, Plan, Slices
 
 
 @dataclass
@@ -82,3 +84,108 @@ def check_lowering(trace: dict, low: Lowered, vocab: int) -> LoweringCheck:
         if g is not None and want is not None:
             check.grads[name] = (env[g], want)
     return check
+
+
+#: at most this many pieces are compared to name the one a rank holds instead
+SEARCHED = 4096
+
+
+class LoadedValueMismatch(Exception):
+    """A rank holds, for an input the plan claims is a piece of a
+    single-device tensor, values that are not that piece: the real step
+    computes with other values than the plan's (exit 1, not a refusal)."""
+
+
+def check_loaded(single: dict, traces: list[dict], plan_p: Plan) -> None:
+    """Every input each rank loaded (a parameter's local shard, a module's
+    buffer, its rows of the batch's tokens and labels) holds exactly the
+    piece of the single-device tensor its plan tensor claims (its
+    ``slices``). The claims are read from the plan, the values from the
+    runs before their step: equality, not a tolerance (they are copies).
+    Only a mismatch with the claimed piece is a finding: values that also
+    equal another piece (zeros, a norm's ones) are no evidence of anything
+    (docs/soundness.md, "Plans traced from PyTorch", 28)."""
+    produced = {t for node in plan_p.nodes for t in node.outputs}
+    claimed: dict[int, list[Slices]] = {}
+    held = []
+    for k, t in enumerate(plan_p.tensors):
+        if k in produced or t.version or t.parts[2] != 1 or t.scale != (1, 1):
+            continue
+        claimed.setdefault(t.tid, []).append(t.slices)
+        held.append(t)
+    for t in held:
+        logical = plan_p.logical[t.tid]
+        full = loaded_value(single, logical)
+        mine = loaded_value(traces[t.rank], logical)
+        if full is None or mine is None:
+            continue  # a constant (its name is its value's digest) or a collective's values
+        if not _equal(mine, _cut(full, t.slices)):
+            raise LoadedValueMismatch(_evidence(t.rank, logical.name, mine, full, t.slices,
+                                                claimed[t.tid]))
+
+
+def loaded_value(trace: dict, logical: Logical) -> np.ndarray | None:
+    """What a run loaded for a plan input (the batch's ids one-hot, as the
+    plan reads them), or None for an input no module or batch holds."""
+    loaded = trace["loaded"]
+    if logical.kind == "param":
+        return loaded["params"].get(logical.name)
+    if logical.kind == "buffer":
+        return loaded["buffers"].get(logical.name)
+    if logical.kind == "tokens":
+        ids = trace["batch_ids"].get(logical.name)
+        return None if ids is None else np.eye(logical.shape[-1], dtype=np.int8)[ids]
+    return None
+
+
+def _cut(full: np.ndarray, slices: Slices) -> np.ndarray:
+    return full[tuple(slice(lo, hi) for lo, hi in slices)]
+
+
+def _equal(mine: np.ndarray, full: np.ndarray) -> bool:
+    """Equal values; a rank holding a floating-point tensor in a narrower
+    type than the single-device run (a recipe's float32 copy) is compared
+    with the single-device values rounded to it: rounding is no other piece
+    (the verifier's arithmetic is exact either way)."""
+    floats = mine.dtype.kind in "fc" and full.dtype.kind in "fc"
+    if floats and mine.dtype.itemsize < full.dtype.itemsize:
+        full = full.astype(mine.dtype)
+    return mine.shape == full.shape and bool(np.array_equal(mine, full, equal_nan=floats))
+
+
+def _evidence(rank: int, name: str, mine: np.ndarray, full: np.ndarray, want: Slices,
+              others: list[Slices]) -> str:
+    """One line: the rank, the input, the piece it claims and, when one is
+    found among the pieces any rank claims or at the offsets of its own
+    size, the piece its values are."""
+    pieces = itertools.islice(_candidates(full.shape, mine.shape, others), SEARCHED)
+    found = next((s for s in pieces if s != want and _equal(mine, _cut(full, s))), None)
+    claim = _piece(want, full.shape)
+    if found is None:
+        return (f"rank {rank} holds values of {name} that are not its claimed {claim} of the "
+                f"single-device tensor (nor any piece of its shape at a claimed or aligned offset)")
+    return (f"rank {rank} holds {_piece(found, full.shape)} of {name}, not its claimed {claim} "
+            f"(its values before the step against the single-device tensor's)")
+
+
+def _candidates(full: tuple[int, ...], local: tuple[int, ...], others: list[Slices]):
+    """Pieces of ``full`` of the shape ``local``: those ranks claim, then
+    those at multiples of ``local`` along each dim (the usual wrong offsets),
+    lazily."""
+    for s in others:
+        if tuple(hi - lo for lo, hi in s) == local:
+            yield s
+    if len(full) != len(local) or any(n > f for n, f in zip(local, full)):
+        return
+    for starts in itertools.product(*(range(0, f - n + 1, n or 1) for n, f in zip(local, full))):
+        yield tuple((lo, lo + n) for lo, n in zip(starts, local))
+
+
+def _piece(slices: Slices, shape: tuple[int, ...]) -> str:
+    """``rows 4:8`` when only dim 0 is cut, else ``[4:8, 0:16]``."""
+    cut = [d for d, ((lo, hi), n) in enumerate(zip(slices, shape)) if (lo, hi) != (0, n)]
+    if cut == [0]:
+        return f"rows {slices[0][0]}:{slices[0][1]}"
+    if not cut:
+        return "all"
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in slices) + "]"

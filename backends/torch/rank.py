@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from backends.torch.circular_pad import CircularPad
+from backends.torch.loaded import SetupCollectives, loaded_values
 from backends.torch.pipeline import Pipelined, PipelineStep
 from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
@@ -84,10 +85,13 @@ def _run(spec: dict, rank: int) -> dict:
     model = load(spec["model"])(**spec["model_kwargs"])._apply(in_float64)
     if hasattr(model, "global_tokens"):
         model.global_tokens = spec["batch"] * spec["seqlen"]
-    after, runner = None, model
+    after, runner, setup = None, model, SetupCollectives()
     if spec["parallel"]:
-        runner, after = recipe_result(model, load(spec["recipe"])(model, mesh))
-        init_replicated(model)
+        with setup:
+            runner, after = recipe_result(model, load(spec["recipe"])(model, mesh))
+            init_replicated(model)
+    loaded = loaded_values(model, setup.storages())
+    del setup
     coords = {"pp": 0, "dp": 0, "tp": 0}
     if mesh is not None:
         coords = {n: mesh[n].get_local_rank() for n in ("pp", "dp", "tp")}
@@ -157,6 +161,7 @@ def _run(spec: dict, rank: int) -> dict:
         "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),
         "batch_ids": {"tokens": tokens.numpy().copy(), "labels": labels.numpy().copy()},
+        "loaded": loaded,  # what the rank holds before the step (check.check_loaded)
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
         "values": values, "imports": imported_since(before) + modules_of(model),
