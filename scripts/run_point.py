@@ -32,27 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from scripts.peak_pss import tree_pss_kib  # noqa: E402
 from verdict.report import append_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _rss_kib(pid: int) -> int:
-    """Proportional resident KiB (PSS) of a process and all its descendants,
-    from /proc: forked workers share pages copy-on-write with their parent,
-    which a sum of plain RSS would count once per process."""
-    total = 0
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
-            total += int(re.search(r"^Pss:\s+(\d+)", rollup, re.M).group(1))
-            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except (OSError, AttributeError):
-            continue
-        stack.extend(int(c) for c in children)
-    return total
 
 
 def run_step(cmd: list[str], timeout: float, mem_gb: float, log: Path) -> dict:
@@ -69,7 +52,7 @@ def run_step(cmd: list[str], timeout: float, mem_gb: float, log: Path) -> dict:
                 break
             if done == proc.pid:
                 break
-            peak_sum = max(peak_sum, _rss_kib(proc.pid))
+            peak_sum = max(peak_sum, tree_pss_kib(proc.pid))
             took = time.perf_counter() - start
             if took > timeout or peak_sum > mem_gb * 2**20:
                 fate = (f"killed at {took:.0f} s (timeout)" if took > timeout

@@ -230,14 +230,18 @@ def avg_pool(spatial: int) -> Handler:
     return lower
 
 
+def _backward_args(lw: Any, args, spatial: int) -> tuple[Any, Any, Any]:
+    """A pooling backward's ``(g, x, ...)``: x as given, x and g batched."""
+    x0 = lw.val(args[1])
+    g = lw.val(args[0])
+    g = lw.reshape(g, (1, *lw.shapes[g]) if len(lw.shapes[g]) == spatial + 1 else lw.shapes[g])
+    return x0, _batched(lw, x0, spatial), g
+
+
 def avg_pool_backward(spatial: int) -> Handler:
     """``avg_pool{n}d_backward(g, x, ...)``: the adjoint, dim by dim."""
     def lower(lw: Any, args, kwargs, shapes, group):
-        x0 = lw.val(args[1])
-        x = _batched(lw, x0, spatial)
-        g = lw.val(args[0])
-        g = lw.reshape(g, (1, *lw.shapes[g]) if len(lw.shapes[g]) == spatial + 1
-                       else lw.shapes[g])
+        x0, x, g = _backward_args(lw, args, spatial)
         avg = _avg_of(lw, x, args[1:], kwargs, lw.shapes[g])
         if avg.divisor is not None:
             g = lw.emit("mul_scalar", [g], [lw.shapes[g]], {"value": 1.0 / avg.divisor})[0]
@@ -295,11 +299,7 @@ def adaptive_avg_pool(spatial: int) -> Handler:
 def adaptive_avg_pool_backward(spatial: int) -> Handler:
     """``_adaptive_avg_pool{n}d_backward(g, x)``: the adjoint, dim by dim."""
     def lower(lw: Any, args, kwargs, shapes, group):
-        x0 = lw.val(args[1])
-        x = _batched(lw, x0, spatial)
-        g = lw.val(args[0])
-        g = lw.reshape(g, (1, *lw.shapes[g]) if len(lw.shapes[g]) == spatial + 1
-                       else lw.shapes[g])
+        x0, x, g = _backward_args(lw, args, spatial)
         for i in reversed(range(spatial)):
             dim, size = 2 + i, lw.shapes[x][2 + i]
             total = None
