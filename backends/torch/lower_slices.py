@@ -32,6 +32,7 @@ from backends.torch.errors import LoweringError
 
 # imported by lower.py once the id types exist
 from backends.torch.lower import Bucket, _IdRows, _Ids, _Piece
+from backends.torch.lower_conv import _narrow, _pad
 
 Handler = Callable[..., Any]
 
@@ -40,25 +41,6 @@ Handler = Callable[..., Any]
 class Empty:
     """A tensor with no values (a slice of length 0)."""
     shape: tuple[int, ...]
-
-
-def _narrow(lw: Any, x: int, dim: int, start: int, length: int) -> int:
-    shape = list(lw.shapes[x])
-    if start == 0 and length == shape[dim]:
-        return x
-    shape[dim] = length
-    return lw.emit("narrow", [x], [tuple(shape)], {"dim": dim, "start": start, "length": length})[0]
-
-
-def _pad(lw: Any, x: int, dim: int, before: int, after: int) -> int:
-    """x with ``before`` and ``after`` zeros along dim (``narrow``'s backward)."""
-    if not before and not after:
-        return x
-    shape = list(lw.shapes[x])
-    length = shape[dim]
-    shape[dim] += before + after
-    return lw.emit("narrow", [-1, x], [tuple(shape)],
-                   {"dim": dim, "start": before, "length": length}, direction="bw")[0]
 
 
 def _every(lw: Any, x: int, dim: int, start: int, step: int, count: int) -> int:
