@@ -34,8 +34,8 @@ from verdict.differential import NumericRefused, check_size, compare
 from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
 from verdict.fold import FoldError, fold_pair
-from verdict.plan import Plan, pair_problem
-from verdict.report import append_stats, evidence, failure, make_stats, time_line, tp_label, ts_label
+from verdict.plan import InputError, Plan, pair_problem
+from verdict.report import append_stats, assumed, evidence, failure, make_stats, time_line, tp_label, ts_label
 from verdict.solve import Outcome, Prover
 from verdict.structure import node_label
 
@@ -152,6 +152,7 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
     too, on plans made in memory); the exit code."""
     cache = StageCache(args.cache_dir if args.cache_stages else None)
     memo = {key: Outcome("proved") for key in cache.proved}
+    earlier = set(cache.proved)  # proved by an earlier run: assumed by this one
     progress = sys.stderr.isatty()
     executor = make_executor(args.executor, args.max_vrf_proc, args.ray_address, PROVER)
     verdict = verify(single, parallel, seed=args.seed, keep_going=args.keep_going, memo=memo,
@@ -162,6 +163,7 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
         log.debug("stage %d (%s): %s in %.3fs%s", r.stage.id, r.key[:8], r.outcome.status,
                   r.outcome.seconds, " (memo)" if r.memo else "")
     stats = make_stats(verdict, parallel, t_load)
+    took = assumed(parallel, verdict, sum(r.key in earlier for r in verdict.results))
     if verdict.pair:  # a materialized plan proved by its representatives
         single, parallel = verdict.pair
     dump(args, single, parallel, verdict)
@@ -170,6 +172,7 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
     if verdict.success:
         for line in evidence(verdict, single):
             print(line)
+        print(took)
         print(f"PID: {os.getpid()} - ✅ SUCCESS")
     else:
         for line in failure(verdict, single, parallel):
@@ -180,7 +183,7 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
         print(time_line(stats, t_load))
     append_stats(stats, args.stats_dir)
     if args.json:
-        write_json(args.json, verdict, stats, single, parallel)
+        write_json(args.json, verdict, stats, single, parallel, took)
     return EXIT_EQUAL if verdict.success else EXIT_DIFFERENT
 
 
@@ -218,7 +221,8 @@ def dump(args: argparse.Namespace, single: Plan, parallel: Plan, verdict: Verdic
         (folder / "stages.txt").write_text("\n".join(lines) + "\n")
 
 
-def write_json(path: Path, verdict: Verdict, stats, single: Plan, parallel: Plan) -> None:
+def write_json(path: Path, verdict: Verdict, stats, single: Plan, parallel: Plan,
+               took: str) -> None:
     failing = []
     for r in verdict.failed:
         failing.append({
@@ -229,7 +233,7 @@ def write_json(path: Path, verdict: Verdict, stats, single: Plan, parallel: Plan
         })
     summary = {"mode": "symbolic", "success": verdict.success, "kind": verdict.kind,
                "message": verdict.message, "stats": asdict(stats), "failing_stages": failing,
-               "coverage": verdict.coverage}
+               "coverage": verdict.coverage, "assumed": took if verdict.success else ""}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
 
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.numeric:
             make_executor(args.executor, args.max_vrf_proc, args.ray_address, PROVER)
         return run_numeric(args) if args.numeric else run_verify(args)
-    except (UsageError, PlanError, NumericRefused, ExecutorUnavailable) as e:
+    except (UsageError, PlanError, InputError, NumericRefused, ExecutorUnavailable) as e:
         sys.stderr.write(f"error: {e}\n")
         return EXIT_BAD_INPUT
     except NoVerdict as e:
