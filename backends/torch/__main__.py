@@ -186,16 +186,10 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     return (plan_s, plan_p), single
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        (plan_s, plan_p), _ = trace_and_build(args)
-    except LoweringError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except LoadedValueMismatch as e:
-        print(f"FAIL: {e}")
-        return 1
+def write_plans(args: argparse.Namespace) -> tuple[Path, Path]:
+    """Trace, build and write the pair into ``args.out``; the two paths.
+    Raises LoweringError (exit 2) and LoadedValueMismatch (exit 1)."""
+    (plan_s, plan_p), _ = trace_and_build(args)  # resolves args' short names in place
     pp = f"_pp{args.pp}" if args.pp > 1 else ""
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")
@@ -205,6 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     for path, plan in ((sm, plan_s), (pm, plan_p)):
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")
+    return sm, pm
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        sm, pm = write_plans(args)
+    except LoweringError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except LoadedValueMismatch as e:
+        print(f"FAIL: {e}")
+        return 1
     print(f"verify them: python main.py --sm {sm} --pm {pm}")
     return 0
 
