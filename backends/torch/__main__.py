@@ -23,6 +23,7 @@ from backends.torch.build import build_plans
 from backends.torch.check import LoadedValueMismatch, check_loaded
 from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower_trace
 from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
+from backends.torch.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
 
@@ -129,6 +130,13 @@ def parser() -> argparse.ArgumentParser:
                    help="tensor-parallel degree of the mesh (default: %(default)s)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages, for a pipelining recipe (default: %(default)s)")
+    p.add_argument("--mesh", default=None, metavar="NAME=SIZE,...",
+                   help="the recipe's mesh, dims named and sized in your order (e.g. "
+                        "dp_replicate=2,dp_shard=2,cp=1,tp=2); replaces --pp/--dp/--tp "
+                        "(default: pp=PP,dp=DP,tp=TP; backends/torch/mesh.py)")
+    p.add_argument("--data-dims", dest="data_dims", default=None, metavar="NAME,...",
+                   help="the --mesh dims that split the batch, outer first (default: those "
+                        "named " + ", ".join(DATA_NAMES) + ")")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's weights and inputs (default: %(default)s)")
     p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="none",
@@ -148,20 +156,34 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def user_mesh(args: argparse.Namespace) -> MeshSpec | None:
+    """``--mesh`` (None without it), its layout set as ``args``' pp, dp, tp."""
+    text = getattr(args, "mesh", None)
+    if text is None:
+        if getattr(args, "data_dims", None):
+            raise LoweringError("--data-dims names dims of --mesh: give --mesh too")
+        return None
+    mesh = text if isinstance(text, MeshSpec) else parse_mesh(text, getattr(args, "data_dims", None))
+    args.pp, args.dp, args.tp = mesh.layout()
+    return mesh
+
+
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
     args = resolve(args)
+    mesh = user_mesh(args)
     kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
             "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
             "vocab": args.vocab, "seed": args.seed, "optimizer": args.optimizer,
-            "clip": args.clip, "clipper": args.clipper}
+            "clip": args.clip, "clipper": args.clipper,
+            **({"mesh": mesh.as_spec()} if mesh else {})}
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
              "tp": args.tp, "pp": args.pp, "ep": 1, "nm": 1,
              "recipe": args.recipe,
-             **{k: v for k, v in kw.items()}}
+             **{k: v for k, v in kw.items()}, **({"mesh": mesh.label()} if mesh else {})}
     for ref in (args.model, args.recipe, *([args.clipper] if args.clipper else [])):
         try:
             load(ref)
