@@ -7,7 +7,8 @@
 Exit codes are main.py's: 0 equivalent, 1 not equivalent (with the
 evidence), 2 bad input (one line), 3 no verdict. ``verdict torch`` writes
 its plans to a temporary directory that is removed after the proof, unless
-``-o DIR`` keeps them there.
+``-o DIR`` keeps them there; a FAIL prints the diagnosis and writes the
+full counterexample to a file (``--details`` prints it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import sys
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 USAGE = __doc__.split("\n\n")[1]
 
@@ -36,26 +36,35 @@ def gen(argv: list[str]) -> int:
 
 
 def torch(argv: list[str]) -> int:
-    """Trace with the torch backend, then prove the pair it wrote."""
+    """Trace with the torch backend, then prove the pair it wrote. A FAIL
+    prints its diagnosis; the full counterexample goes to a file (main.py's
+    --brief) unless --details prints it too."""
     import main
     from backends.torch.__main__ import parser, write_plans
     from backends.torch.check import LoadedValueMismatch
     from backends.torch.lower import LoweringError
 
+    details = "--details" in argv
+    argv = [a for a in argv if a != "--details"]
     keep = any(a in ("-o", "--out") or a.startswith("--out=") for a in argv)
+    p = parser()
+    p.prog = "verdict torch"
+    p.add_argument("--details", action="store_true",
+                   help="on a FAIL, print the full counterexample (nodes, tensors, values) too")
     with tempfile.TemporaryDirectory(prefix="verdict-torch-") as tmp:
-        args = parser().parse_args(argv if keep else [*argv, "-o", tmp])
         try:
-            sm, pm = write_plans(args)
+            args = p.parse_args(argv if keep else [*argv, "-o", tmp])
+        except SystemExit as e:  # --help, or a bad flag (argparse printed why)
+            return main.EXIT_EQUAL if e.code == 0 else main.EXIT_BAD_INPUT
+        try:
+            sm, pm = write_plans(args, say=keep)
         except LoweringError as e:
             print(f"error: {e}", file=sys.stderr)
             return main.EXIT_BAD_INPUT
         except LoadedValueMismatch as e:
             print(f"❌ FAIL: {e}")
             return main.EXIT_DIFFERENT
-        state = Path(tmp)
-        return main.main(["--sm", str(sm), "--pm", str(pm), "--cache_dir", str(state / "cache"),
-                          "--stats_dir", str(state / "stats"), "--log_dir", str(state / "logs")])
+        return main.main(["--sm", str(sm), "--pm", str(pm), *([] if details else ["--brief"])])
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"check": check, "torch": torch, "gen": gen}

@@ -26,6 +26,7 @@ from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
+from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
 MODELS = {
@@ -147,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
                    help="how a rank clips, package.module:function called as "
                         "clipper(model, mesh, max_norm) (default: "
                         "backends.torch.recipes:clip_grad_norm)")
-    p.add_argument("-o", "--out", default="data/plans/torch",
+    p.add_argument("-o", "--out", default=str(user_dir("plans") / "torch"),
                    help="output directory (default: %(default)s)")
     p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
                    help="plan file form: pickled rows or columnar (docs/plan-format.md; "
@@ -208,9 +209,10 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     return (plan_s, plan_p), single
 
 
-def write_plans(args: argparse.Namespace) -> tuple[Path, Path]:
-    """Trace, build and write the pair into ``args.out``; the two paths.
-    Raises LoweringError (exit 2) and LoadedValueMismatch (exit 1)."""
+def write_plans(args: argparse.Namespace, say: bool = True) -> tuple[Path, Path]:
+    """Trace, build and write the pair into ``args.out``; the two paths
+    (printed unless not ``say``). Raises LoweringError (exit 2) and
+    LoadedValueMismatch (exit 1)."""
     (plan_s, plan_p), _ = trace_and_build(args)  # resolves args' short names in place
     pp = f"_pp{args.pp}" if args.pp > 1 else ""
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
@@ -218,7 +220,7 @@ def write_plans(args: argparse.Namespace) -> tuple[Path, Path]:
     out = Path(args.out)
     sm, _ = save_plan(plan_s, out / f"{stem}_single.{args.format}")
     pm, _ = save_plan(plan_p, out / f"{stem}_parallel.{args.format}")
-    for path, plan in ((sm, plan_s), (pm, plan_p)):
+    for path, plan in ((sm, plan_s), (pm, plan_p)) if say else ():
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")
     return sm, pm
