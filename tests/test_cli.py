@@ -1,0 +1,48 @@
+"""The ``verdict`` command (verdict_cli.py): check, torch and gen, with
+main.py's exit codes."""
+
+from __future__ import annotations
+
+import pytest
+
+import verdict_cli
+from gen_model.config import Parallelism
+from tests.helpers import mlp_plan_files
+
+
+def test_help_lists_the_commands(capsys) -> None:
+    assert verdict_cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"verdict {c}" in out for c in ("check", "torch", "gen"))
+    assert verdict_cli.main([]) == 2
+    assert verdict_cli.main(["prove"]) == 2
+    assert "unknown command 'prove'" in capsys.readouterr().err
+
+
+def test_check_is_main(tmp_path, capsys) -> None:
+    files = mlp_plan_files(tmp_path, Parallelism(dp=2, tp=2))
+    common = ["--stats_dir", str(tmp_path), "--cache_dir", str(tmp_path / "c")]
+    assert verdict_cli.main(["check", "--sm", str(files["single"]), "--pm",
+                             str(files["parallel"]), *common]) == 0
+    assert "✅ SUCCESS" in capsys.readouterr().out
+    assert verdict_cli.main(["check", "--sm", str(files["single"]), "--pm",
+                             str(files["wrong"]), *common]) == 1
+    assert verdict_cli.main(["check", "--sm", str(tmp_path / "none.pkl"), "--pm",
+                             str(files["wrong"]), *common]) == 2
+
+
+def test_gen_writes_plans(tmp_path) -> None:
+    assert verdict_cli.main(["gen", "--model", "mlp", "--layers", "2", "--hidden", "8",
+                             "--gbs", "8", "--dp", "2", "--out", str(tmp_path)]) == 0
+    assert list(tmp_path.glob("mlp_default_dp2*.pkl"))
+
+
+@pytest.mark.parametrize(("recipe", "code"), [("tp_mlp", 0), ("ddp_weights_only", 1)])
+def test_torch_traces_and_proves(tmp_path, capsys, recipe: str, code: int) -> None:
+    argv = ["torch", "--model", "mlp", "--recipe", recipe, "--dp", "2", "--tp", "2"
+            if recipe == "tp_mlp" else "1", "--layers", "1", "--hidden", "8", "--batch", "4"]
+    assert verdict_cli.main(argv) == code
+    out = capsys.readouterr().out
+    assert ("✅ SUCCESS" if code == 0 else "❌ FAIL") in out
+    assert verdict_cli.main([*argv, "-o", str(tmp_path)]) == code
+    assert len(list(tmp_path.glob("*.pkl"))) == 2
