@@ -47,6 +47,8 @@ MISTAKES = "tests.outside_mistakes:"
 R21_MODELS = "tests.refusals21_models:"
 R21_RECIPES = "tests.refusals21_recipes:"
 LOADED = "tests.loaded_values_recipes:"
+#: clipping by trainers' gradient norms (tests/norm_clippers.py)
+CLIP = "--clip 0.5 --clipper tests.norm_clippers:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
@@ -449,6 +451,27 @@ CASES: list[tuple[str, str, int]] = [
      "--dp 1 --tp 2 --hidden 8 --ffn 8", 1),
     ("loaded mlp fsdp swapped checkpoint bug", f"--model mlp --recipe "
      f"{LOADED}fsdp_swapped_checkpoint --dp 2 --tp 1 --hidden 8 --ffn 8", 1),
+    # gradient norms as trainers compute them for clipping (tests/norm_clippers.py)
+    ("clip tp rank 0 counts duplicates (Megatron) tp_sp dp2 tp2",
+     f"--model llama --recipe tp_sp {CLIP}clip_tp_rank0", 0),
+    ("clip tp rank 0 counts duplicates (Megatron) fsdp_tp dp2 tp2",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_tp_rank0", 0),
+    ("clip two all-reduces tp_sp dp2 tp2", f"--model llama --recipe tp_sp {CLIP}clip_tp_two_reduces", 0),
+    ("clip two all-reduces fsdp_tp dp2 tp2",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_tp_two_reduces", 0),
+    ("clip accumulated from zero tp_sp dp1 tp2",
+     f"--model llama --recipe tp_sp --dp 1 {CLIP}clip_tp_accumulated", 0),
+    ("clip accumulated from zero fsdp_tp dp2 tp2",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_tp_accumulated", 0),
+    ("clip stacked norms over the flattened dp x tp group fsdp_tp dp2 tp2",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_stacked_norms_flat_group", 0),
+    ("clip bug duplicates counted per tp rank (NeMo-RL 3788) tp_sp",
+     f"--model llama --recipe tp_sp {CLIP}clip_tp_counted_per_rank", 1),
+    ("clip bug duplicates counted per tp rank (NeMo-RL 3788) fsdp_tp",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_tp_counted_per_rank", 1),
+    ("clip bug square sum not all-reduced", f"--model llama --recipe tp_sp {CLIP}clip_tp_not_reduced", 1),
+    ("clip bug dp replicas' squares summed over dp x tp",
+     f"--model llama --recipe tp_sp {CLIP}clip_pow_sum_flat_group_unsharded", 1),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto

@@ -361,6 +361,9 @@ class _Lowerer:
     #: an all-reduced count is refused, "collect": this rank's counts are kept
     counts: list[int] | str | None = None
     count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    #: pow(x, 2) -> x, and the exact zeros of accumulators (lower_norm_sums)
+    squares: dict[int, int] = field(default_factory=dict)
+    zero_values: set[int] = field(default_factory=set)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -2111,6 +2114,9 @@ HANDLERS.update(max_all_handlers(HANDLERS))
 from backends.torch.lower_slices import slice_handlers  # noqa: E402
 
 HANDLERS.update(slice_handlers(HANDLERS))
+from backends.torch.lower_norm_sums import norm_sum_handlers  # noqa: E402
+
+HANDLERS.update(norm_sum_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
