@@ -47,6 +47,10 @@ MISTAKES = "tests.outside_mistakes:"
 R21_MODELS = "tests.refusals21_models:"
 R21_RECIPES = "tests.refusals21_recipes:"
 LOADED = "tests.loaded_values_recipes:"
+#: PyTorch's test Transformer and its own parallelize (tests/dtensor_transformer.py)
+DT = "tests.dtensor_transformer:"
+#: labels masked before the loss (tests/label_mask_models.py)
+LM = "tests.label_mask_models:"
 #: clipping by trainers' gradient norms (tests/norm_clippers.py)
 CLIP = "--clip 0.5 --clipper tests.norm_clippers:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
@@ -472,6 +476,31 @@ CASES: list[tuple[str, str, int]] = [
     ("clip bug square sum not all-reduced", f"--model llama --recipe tp_sp {CLIP}clip_tp_not_reduced", 1),
     ("clip bug dp replicas' squares summed over dp x tp",
      f"--model llama --recipe tp_sp {CLIP}clip_pow_sum_flat_group_unsharded", 1),
+    # PyTorch's own tensor-parallel test model with its parallelize (tests/dtensor_transformer.py):
+    # the position table sharded by rows, looked up at torch.arange positions
+    *[(f"dtensor {model} {recipe} {mesh}", f"--model {DT}{model} --recipe {DT}{recipe} {mesh}", 0)
+      for model, recipe, mesh in [
+          ("transformer", "tp", "--dp 2 --tp 2"), ("transformer", "tp_sp", "--dp 2 --tp 2"),
+          ("transformer_tied", "tp_sp", "--dp 2 --tp 2"),
+          ("transformer", "tp_sp", "--dp 1 --tp 4 --seqlen 8"),
+          ("transformer_tied", "tp", "--dp 1 --tp 4"), ("transformer", "fsdp_tp", "--dp 2 --tp 2"),
+          ("transformer_tied", "fsdp_tp", "--dp 2 --tp 2")]],
+    ("dtensor transformer bug gradients averaged over dp",
+     f"--model {DT}transformer --recipe {DT}tp_sp_dp_averaged --dp 2 --tp 2", 1),
+    # labels masked before the loss ignores them (tests/label_mask_models.py)
+    ("labels masked_fill(labels == pad, -100) ddp dp2",
+     f"--model {LM}masked_fill --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("labels torch.where(labels == pad, -100, labels) fsdp dp2",
+     f"--model {LM}where --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("labels labels[labels == pad] = -100 fsdp_tp_mlp dp2 tp2",
+     f"--model {LM}index_put --recipe {STOCK}fsdp_tp_mlp --dp 2 --tp 2", 0),
+    ("labels masked_fill tp_mlp dp2 tp2", f"--model {LM}masked_fill --recipe {STOCK}tp_mlp", 0),
+    ("labels masked_fill mean tp_mlp dp1 tp2",
+     f"--model {LM}masked_fill_mean --recipe {STOCK}tp_mlp --dp 1 --tp 2", 0),
+    ("labels masked_fill bug per-rank kept-label means summed over dp",
+     f"--model {LM}masked_fill_mean --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    ("labels read as numbers refused (naming the op and the ids)",
+     f"--model {LM}doubled --recipe {STOCK}ddp --dp 2 --tp 1", 2),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto

@@ -447,7 +447,8 @@ class _Lowerer:
                 self.splits[key] = self.emit("split", [src], [shape], {
                     "dim": x.dim, "parts": x.parts, "index": x.index})[0]
             return self.splits[key]
-        raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
+        from backends.torch.lower_refusals import refusal
+        raise LoweringError(refusal(self, x))
 
     def reshape(self, x: int, shape: tuple[int, ...]) -> int:
         """Value x seen with ``shape`` (flatten/unflatten nodes)."""
@@ -507,6 +508,11 @@ class _Lowerer:
             handler = _per_piece(handler)
         try:
             result = handler(self, args, kwargs, out_shapes, group)
+        except LoweringError as e:
+            if not str(e).startswith(": "):
+                raise
+            # an op outside every module (a clipper's, the step's): say which op
+            raise LoweringError(f"{op} at top level{e}") from None
         finally:
             self.name, self.mb, self.event = saved
         if not isinstance(result, list):
@@ -2117,6 +2123,15 @@ HANDLERS.update(slice_handlers(HANDLERS))
 from backends.torch.lower_norm_sums import norm_sum_handlers  # noqa: E402
 
 HANDLERS.update(norm_sum_handlers(HANDLERS))
+from backends.torch.lower_const_lookup import const_lookup_handlers  # noqa: E402
+
+HANDLERS.update(const_lookup_handlers(HANDLERS))
+from backends.torch.lower_chunk import chunk_handlers  # noqa: E402
+
+HANDLERS.update(chunk_handlers(HANDLERS))
+from backends.torch.lower_label_masks import label_mask_handlers  # noqa: E402
+
+HANDLERS.update(label_mask_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
