@@ -51,6 +51,8 @@ LOADED = "tests.loaded_values_recipes:"
 DT = "tests.dtensor_transformer:"
 #: labels masked before the loss (tests/label_mask_models.py)
 LM = "tests.label_mask_models:"
+#: losses read off the log-probabilities (tests/loss_parallel_models.py)
+LP = "tests.loss_parallel_models:"
 #: clipping by trainers' gradient norms (tests/norm_clippers.py)
 CLIP = "--clip 0.5 --clipper tests.norm_clippers:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
@@ -501,6 +503,14 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {LM}masked_fill_mean --recipe {STOCK}ddp --dp 2 --tp 1", 1),
     ("labels read as numbers refused (naming the op and the ids)",
      f"--model {LM}doubled --recipe {STOCK}ddp --dp 2 --tp 1", 2),
+    # log-probabilities read by the loss (tests/loss_parallel_models.py)
+    ("log_softmax 3-D, flatten, nll_loss tp_sp_loss_parallel dp2 tp2",
+     f"--model {LP}log_softmax_nll --recipe tp_sp_loss_parallel", 0),
+    ("log_softmax 3-D, flatten, nll_loss tp_sp dp2 tp2", f"--model {LP}log_softmax_nll --recipe tp_sp", 0),
+    ("log_softmax label smoothing, a second reader, tp_sp dp2 tp2",
+     f"--model {LP}log_softmax_smoothed --recipe tp_sp", 0),
+    ("log_softmax bug second reader under loss_parallel (pytorch 190746)",
+     f"--model {LP}log_softmax_smoothed --recipe tp_sp_loss_parallel", 1),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto

@@ -2132,6 +2132,9 @@ HANDLERS.update(chunk_handlers(HANDLERS))
 from backends.torch.lower_label_masks import label_mask_handlers  # noqa: E402
 
 HANDLERS.update(label_mask_handlers(HANDLERS))
+from backends.torch.lower_logprob_views import logprob_view_handlers  # noqa: E402
+
+HANDLERS.update(logprob_view_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
