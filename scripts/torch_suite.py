@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
 from backends.torch.check import LoadedValueMismatch  # noqa: E402
+from backends.torch.errors import WrongStep  # noqa: E402
 from backends.torch.lower import LoweringError  # noqa: E402
 from main import verify  # noqa: E402
 
@@ -53,6 +54,8 @@ DT = "tests.dtensor_transformer:"
 LM = "tests.label_mask_models:"
 #: losses read off the log-probabilities (tests/loss_parallel_models.py)
 LP = "tests.loss_parallel_models:"
+#: plans applied to values they do not describe (tests/tp_plan_mistakes.py)
+TPM = "tests.tp_plan_mistakes:"
 #: clipping by trainers' gradient norms (tests/norm_clippers.py)
 CLIP = "--clip 0.5 --clipper tests.norm_clippers:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
@@ -511,6 +514,13 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {LP}log_softmax_smoothed --recipe tp_sp", 0),
     ("log_softmax bug second reader under loss_parallel (pytorch 190746)",
      f"--model {LP}log_softmax_smoothed --recipe tp_sp_loss_parallel", 1),
+    # plans applied to values they do not describe (tests/tp_plan_mistakes.py): findings
+    ("mlp bug sequence-parallel plan on whole rows",
+     f"--model mlp --recipe {TPM}sp_mlp_on_whole_rows --dp 1 --tp 2", 1),
+    ("gpt2 tied head re-tied after the vocabulary plan",
+     f"--model gpt2 --recipe {TPM}tied_head_retied --dp 2 --tp 2", 0),
+    ("gpt2 bug tie broken by the vocabulary plan",
+     f"--model gpt2 --recipe {TPM}tied_head_untied_by_tp --dp 2 --tp 2", 1),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto
@@ -563,6 +573,8 @@ def run_case(argv: str, singles: dict) -> tuple[int, str]:
     key = single_key(args)
     try:
         (plan_s, plan_p), singles[key] = trace_and_build(args, singles.get(key))
+    except WrongStep as e:
+        return 1, str(e)
     except LoweringError as e:
         return 2, str(e)
     except LoadedValueMismatch as e:

@@ -21,6 +21,7 @@ from pathlib import Path
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
 from backends.torch.check import LoadedValueMismatch, check_loaded
+from backends.torch.errors import WrongStep
 from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower_trace
 from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.rank import load, run
@@ -190,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         (plan_s, plan_p), _ = trace_and_build(args)
+    except WrongStep as e:
+        print(f"FAIL: {e}")
+        return 1
     except LoweringError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

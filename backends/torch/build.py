@@ -23,6 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from backends.torch.errors import WrongStep
 from backends.torch.lower import LNode, Lowered, LoweringError, padded_rows
 from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op
@@ -279,13 +280,19 @@ class _Rank:
                       and node.outs[0] not in low.empty_sums and self.consumers.get(node.outs[0])
                       and all(c.op == "all_reduce" for c in self.consumers[node.outs[0]])}
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
-        for v, (_, name) in low.inputs.items():
+        for v, (kind, name) in low.inputs.items():
             if name not in by_name and v in low.constants:
                 try:
                     self.sv[v], self.claim[v] = self.const_piece(v)
                 except LoweringError:
                     self.sv[v], self.claim[v] = self.own_constant(v, name)
                 continue
+            tied = b.s.low.ties.get(name) if kind == "param" else None
+            if name not in by_name and tied is not None:
+                raise WrongStep(f"rank {low.rank} holds {name} as a parameter of its own, but "
+                                f"the single-device model ties it to {tied} (one tensor): the "
+                                f"tie is broken, so {tied}'s gradient misses {name}'s part and "
+                                f"the two are updated apart")
             if name not in by_name:
                 what = "a constant" if name.startswith("const.") else f"the input {name}"
                 raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
@@ -1067,6 +1074,14 @@ class _Rank:
         (``fits``, a collective's input)."""
         full, local = self.gshape(v), self.low.shapes[v]
         c = self.claim[v]
+        for d, n in enumerate(local):
+            if d < len(full) and n > full[d]:
+                node = self.producer.get(v)
+                where = f"{node.op} at {_scope(node.name)}" if node is not None else "a value"
+                raise WrongStep(f"rank {self.low.rank}: {where} makes {n} entries along dim {d} "
+                                f"where the single-device step's value has {full[d]}: no piece "
+                                f"of it (a layout that takes whole values for pieces counts "
+                                f"them more than once)")
         for d, axes in enumerate(c.dims):
             even = full[d] % math.prod(self.sizes[a] for a in axes) == 0
             if self.extent(axes, full[d]) != local[d] or not (even or uneven):

@@ -86,6 +86,8 @@ class Lowered:
     #: a padded gradient's rows this rank keeps (a narrow) -> the group whose
     #: reduction cuts them
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: parameters the model ties: another name of one -> the name it is held under
+    ties: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -2208,7 +2210,8 @@ def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) 
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
-                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts)
+                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
+                   dict(trace.get("ties", {})))
 
 
 def check_shards(traces: list[dict]) -> None:
