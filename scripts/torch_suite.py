@@ -521,6 +521,17 @@ CASES: list[tuple[str, str, int]] = [
      f"--model gpt2 --recipe {TPM}tied_head_retied --dp 2 --tp 2", 0),
     ("gpt2 bug tie broken by the vocabulary plan",
      f"--model gpt2 --recipe {TPM}tied_head_untied_by_tp --dp 2 --tp 2", 1),
+    # torchtitan's models by family, its own parallelize, the tie made again (backends/torch/titan.py)
+    ("titan qwen3 debugmodel tp2 (tied)", "--model titan:qwen3 --recipe titan:parallelize --dp 1 "
+     "--tp 2 --vocab 2048 --batch 2", 0),
+    ("titan qwen3 debugmodel dp2 tp2 (tied)", "--model titan:qwen3 --recipe titan:parallelize "
+     "--dp 2 --tp 2 --vocab 2048 --batch 4", 0),
+    ("titan llama3 by family tp2", "--model titan:llama3 --recipe titan:parallelize --dp 1 --tp 2 "
+     "--vocab 2048 --batch 2", 0),
+    ("titan qwen3 bug tie not made again after parallelize", "--model titan:qwen3 --recipe "
+     f"{TPM}titan_tie_not_made_again --dp 1 --tp 2 --vocab 2048 --batch 2", 1),
+    ("hf deepseek_v2 refused (top-k routing, num_experts_per_tok None)",
+     "--hf deepseek_v2 --dp 1 --tp 2", 2),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto

@@ -54,3 +54,11 @@ def tied_head_untied_by_tp(model, mesh):
     projection's part."""
     _vocab_plan(model, mesh)
     return all_reduce_dp
+
+
+def titan_tie_not_made_again(model, mesh):
+    """A mistake: torchtitan's own parallelize of a model that ties its token
+    table to its output projection (``--model titan:qwen3``) without the tie
+    its trainer makes again afterwards (``backends.torch.titan.retie``)."""
+    from backends.torch.titan import parallelize
+    return parallelize(model, mesh, tie_again=False)

@@ -74,10 +74,24 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             args.recipe = f"backends.torch.hf:{args.recipe}"
         args.name = args.name or (f"hf_{hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
                                   f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
-    args.model = MODELS.get(args.model, args.model)
+    args.model = _short_module(MODELS.get(args.model, args.model))
+    args.recipe = _short_module(args.recipe)
+    if getattr(args, "clipper", None):
+        args.clipper = _short_module(args.clipper)
     if ":" not in args.recipe:
         args.recipe = f"{recipe_module(args.recipe)}:{args.recipe}"
     return args
+
+
+#: module shorthands of ``--model``, ``--recipe`` and ``--clipper`` (``titan:qwen3``)
+SHORT_MODULES = {"titan": "backends.torch.titan", "hf": "backends.torch.hf"}
+
+
+def _short_module(ref: str) -> str:
+    """``titan:NAME`` as ``backends.torch.titan:NAME`` (and the others of
+    ``SHORT_MODULES``); any other reference as given."""
+    module, sep, name = ref.partition(":")
+    return f"{SHORT_MODULES[module]}:{name}" if sep and module in SHORT_MODULES else ref
 
 
 def refuse_hf(family: str, tp: int) -> None:

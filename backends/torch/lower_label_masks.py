@@ -87,9 +87,7 @@ def label_mask_handlers(base: dict) -> dict:
                                                        {"value": -1.0})[0]],
                                 [lw.shapes[flag.x]], {"value": -1.0})[0], ~flag.value)
             return replaced(lw, a, keep, _fill(lw, b))
-        raise LoweringError(f"{lw.name}: where choosing between the batch's ids and other than "
-                            f"an integer number, by other than a mask of the ids or a constant, "
-                            f"is not lowered")
+        return plain(lw, args, kwargs, shapes, group)  # the loss-parallel pattern, or refused
 
     def index_put(op: str):
         plain = base.get(op)
