@@ -532,6 +532,11 @@ CASES: list[tuple[str, str, int]] = [
      f"{TPM}titan_tie_not_made_again --dp 1 --tp 2 --vocab 2048 --batch 2", 1),
     ("hf deepseek_v2 refused (top-k routing, num_experts_per_tok None)",
      "--hf deepseek_v2 --dp 1 --tp 2", 2),
+    # running sums, flips and zero padding of computed tensors (tests/scan_models.py)
+    ("scan_tagger cumsum, flip, pad ddp dp2",
+     f"--model tests.scan_models:scan_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("hf qwen3_5_text refused (Gated DeltaNet's triangular solve)", "--hf qwen3_5_text --dp 2 --tp 2",
+     2),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto

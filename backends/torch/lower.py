@@ -411,9 +411,9 @@ class _Lowerer:
                 raise LoweringError(f"{self.name}: an all-gather of padded pieces is read "
                                     f"with its padding")
             return self.emit("all_gather", [x.g.x], [shape], {"dim": x.dim}, group=x.g.group)[0]
-        if isinstance(x, _ZeroPadded):
-            raise LoweringError(f"{self.name}: a zero-padded piece is read other than by "
-                                f"an all-gather")
+        if isinstance(x, _ZeroPadded):  # read as the padded tensor (lower_conv._pad)
+            from backends.torch.lower_conv import _pad
+            return _pad(self, x.x, x.dim, 0, x.width)
         if isinstance(x, _Gathered):
             if x.padded:
                 raise LoweringError(f"{self.name}: an all-gather of padded pieces is read "
@@ -2137,6 +2137,9 @@ HANDLERS.update(label_mask_handlers(HANDLERS))
 from backends.torch.lower_logprob_views import logprob_view_handlers  # noqa: E402
 
 HANDLERS.update(logprob_view_handlers(HANDLERS))
+from backends.torch.lower_scan import scan_handlers  # noqa: E402
+
+HANDLERS.update(scan_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
