@@ -62,7 +62,7 @@ def _single_grads(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     model(tokens, labels).backward()
     if args.clip:
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), args.clip)
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
@@ -89,10 +89,14 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
         problem = ""
         # a gradient that is exactly 0 in real arithmetic (a key bias under softmax) is
         # rounding noise in float64: errors are measured against the largest gradient too
-        top = max(float(g.abs().max()) for g in expected.values())
+        top = max((float(g.abs().max()) for g in expected.values()), default=1.0)
         for name, p in model.named_parameters():
             g = p.grad
-            if g is None:
+            if name not in expected:  # no gradient on one device (a parameter the loss never reads)
+                if g is not None and float(abs(g.full_tensor() if isinstance(g, DTensor) else g)
+                                           .max()) != 0.0:
+                    problem = f"rank {rank} ends with a gradient of {name}, which has none"
+            elif g is None:
                 problem = f"rank {rank} ends with no gradient of {name}"
             elif isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
                 problem = f"rank {rank} ends with a partial gradient of {name}"

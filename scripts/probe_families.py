@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, args in cases(opts.family):
         rows[name] = row(name, args)
         print(rows[name], flush=True)
-    if not opts.no_write:
-        write(rows)
+        if not opts.no_write:  # row by row: an interrupted run keeps what it found
+            write({name: rows[name]})
     return 0
 
 
