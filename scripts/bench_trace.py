@@ -46,6 +46,9 @@ CASES: list[tuple[str, str]] = [
     ("titan debugmodel 8 ranks", f"{TITAN} --dp 4 --tp 2 --batch 8"),
     ("titan debugmodel tp2 pp2 4 ranks", f"{TITAN} --dp 1 --tp 2 --pp 2 --batch 4"),
     ("titan debugmodel dp2 tp2 pp2 8 ranks", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8"),
+    # the production-mesh targets of docs/benchmarks.md ("Tracing a 64-rank step")
+    ("titan debugmodel dp2 tp2 pp4 16 ranks", f"{TITAN} --dp 2 --tp 2 --pp 4 --batch 8"),
+    ("titan debugmodel dp4 tp4 pp4 64 ranks", f"{TITAN} --dp 4 --tp 4 --pp 4 --batch 16"),
 ]
 
 
