@@ -200,8 +200,9 @@ def fail_lines(args: argparse.Namespace, verdict: Verdict, single: Plan, paralle
     if verdict.kind != "stage":  # a structural finding: its message is the lead line
         return [*full, *mesh_lines(parallel, verdict.message)]
     lead = diagnose(verdict, single, parallel)
-    if not args.brief:
-        return [*lead, "", *full]
+    if not args.brief:  # the diagnosis right under its stage's first line
+        at = full.index(lead[0]) + 1 if lead and lead[0] in full else 0
+        return [*full[:at], *(lead[1:] if at else lead), *full[at:]]
     folder = args.log_dir / args.pm.stem
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "failure.txt").write_text("\n".join(full) + "\n")

@@ -45,3 +45,10 @@ def test_what_cannot_run_in_a_rank_is_refused() -> None:
     assert result.code == 2 and not result and "top level of an importable module" in result.message
     assert reference(fsdp_summed, "x") == f"{__name__}:fsdp_summed"
     assert verify(mlp_mean, fsdp_summed, mesh="tp=2,dp=2").code == 2
+
+
+def test_the_docs_show_the_example_test_as_it_is() -> None:
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    example = (root / "tests" / "test_verify_example.py").read_text()
+    assert f"```python\n{example}```" in (root / "docs" / "torch-backend.md").read_text()

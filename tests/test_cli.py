@@ -3,8 +3,6 @@ main.py's exit codes."""
 
 from __future__ import annotations
 
-import pytest
-
 import verdict_cli
 from gen_model.config import Parallelism
 from tests.helpers import mlp_plan_files
@@ -37,12 +35,13 @@ def test_gen_writes_plans(tmp_path) -> None:
     assert list(tmp_path.glob("mlp_default_dp2*.pkl"))
 
 
-@pytest.mark.parametrize(("recipe", "code"), [("tp_mlp", 0), ("ddp_weights_only", 1)])
-def test_torch_traces_and_proves(tmp_path, capsys, recipe: str, code: int) -> None:
-    argv = ["torch", "--model", "mlp", "--recipe", recipe, "--dp", "2", "--tp", "2"
-            if recipe == "tp_mlp" else "1", "--layers", "1", "--hidden", "8", "--batch", "4"]
-    assert verdict_cli.main(argv) == code
+def test_torch_traces_and_proves(tmp_path, capsys) -> None:
+    common = ["--model", "mlp", "--layers", "1", "--hidden", "8", "--batch", "4"]
+    right = ["torch", "--recipe", "tp_mlp", "--dp", "2", "--tp", "2", *common]
+    assert verdict_cli.main([*right, "-o", str(tmp_path)]) == 0
+    assert "✅ SUCCESS" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("*.pkl"))) == 2  # kept with -o
+    wrong = ["torch", "--recipe", "ddp_weights_only", "--dp", "2", "--tp", "1", *common]
+    assert verdict_cli.main(wrong) == 1
     out = capsys.readouterr().out
-    assert ("✅ SUCCESS" if code == 0 else "❌ FAIL") in out
-    assert verdict_cli.main([*argv, "-o", str(tmp_path)]) == code
-    assert len(list(tmp_path.glob("*.pkl"))) == 2
+    assert "❌ FAIL" in out and "wrote " not in out  # the plans went to a removed directory

@@ -25,12 +25,15 @@ import numpy as np
 
 from verdict.engine import StageResult, Verdict
 from verdict.plan import Plan
+from verdict.report import stage_failure
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 
 
 def diagnose(verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
-    """The lead lines of a FAIL (no trailing ``❌ FAIL`` line)."""
+    """The lead lines of a FAIL (no trailing ``❌ FAIL`` line): for a failing
+    stage its ``❌ Stage N ...`` line, then what, where, why and the values,
+    indented; for a structural finding its one line."""
     if verdict.success:
         return []
     if verdict.kind != "stage":
@@ -87,10 +90,10 @@ def stage_lines(r: StageResult, single: Plan, parallel: Plan) -> list[str]:
         where = f"module {node.name or '(top)'}, operator {node.op} ({direction(node.dir)})"
     else:
         where = "the stage's inputs"
+    head = stage_failure(r, None, single, parallel)[0]  # "❌ Stage N not equivalent: ..."
     if out.status != "counterexample":
-        what = "could not be decided" if out.status == "unknown" else "cannot run at reduced shapes"
-        return [f"❌ stage {stage.id} {what}: {out.detail}", f"   where: {where}"]
-    lines = []
+        return [head, f"   where: {where}"]
+    lines = [head]
     for c, g in out.bad:
         fact = p.claims[c]
         ts = p.ts_global[fact.ts]
@@ -104,7 +107,7 @@ def stage_lines(r: StageResult, single: Plan, parallel: Plan) -> list[str]:
         tensors = [parallel.tensors[p.tp_global[m]] for m in members]
         ranks, mbs = _ranks(t.rank for t in tensors), _ranks(t.mb for t in tensors)
         when = "outside microbatches" if mbs == "-1" else f"microbatch {mbs}"
-        lines.append(f"❌ not equivalent: {tensor_name(single, ts)} differs on rank"
+        lines.append(f"   what: {tensor_name(single, ts)} differs on rank"
                      f"{'s' if len(set(t.rank for t in tensors)) > 1 else ''} {ranks} ({when})")
         lines.append(f"   where: {where}")
         lines.append(f"   why: {relation(r, single, parallel, fact, g, members, expected)}")

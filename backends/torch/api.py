@@ -10,8 +10,10 @@ every rank of the mesh (CPU, fake process group, one process per rank),
 lowers both, proves them equal with Z3 and returns a :class:`Result`. The
 model factory and the parallelize function are ``package.module:name``
 references or functions defined at the top level of an importable module
-(each rank's process imports them). ``backends/torch/pytest_plugin.py``
-wraps it as an assertion for a test suite.
+(each rank's process imports them); a script calls it under
+``if __name__ == "__main__":`` (the ranks start from multiprocessing's
+fork server). ``backends/torch/pytest_plugin.py`` wraps it as an
+assertion for a test suite.
 """
 
 from __future__ import annotations
