@@ -9,10 +9,15 @@ evidence), 2 bad input (one line), 3 no verdict. ``verdict torch`` writes
 its plans to a temporary directory that is removed after the proof, unless
 ``-o DIR`` keeps them there; a FAIL prints the diagnosis and writes the
 full counterexample to a file (``--details`` prints it).
+
+A ``module:name`` reference (``--model``, ``--recipe``, ``--clipper``) is
+imported as ``python -m`` would import it: from the current directory first,
+then the installed packages.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -81,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
               f"'verdict COMMAND --help' lists a command's flags.")
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
+    if os.getcwd() not in sys.path:  # a console script's path starts at its bin folder
+        sys.path.insert(0, os.getcwd())
     if command is None:
         print(f"error: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)})",
               file=sys.stderr)

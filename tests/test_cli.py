@@ -45,3 +45,24 @@ def test_torch_traces_and_proves(tmp_path, capsys) -> None:
     assert verdict_cli.main(wrong) == 1
     out = capsys.readouterr().out
     assert "❌ FAIL" in out and "wrote " not in out  # the plans went to a removed directory
+
+
+def test_references_import_from_the_current_directory(tmp_path) -> None:
+    """A user's ``mymodule:recipe`` is found in the folder the command runs
+    in, as ``python -m`` finds it: the console script's own path starts at
+    the virtual environment's bin folder."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "my_recipes_here.py").write_text("X = 1\n")
+    script = Path(sys.executable).parent / "verdict"
+    if not script.exists():
+        import pytest
+
+        pytest.skip("the console script is installed by make")
+    done = subprocess.run([str(script), "torch", "--model", "mlp", "--recipe",
+                           "my_recipes_here:absent"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert "has no attribute 'absent'" in done.stderr, done.stderr
