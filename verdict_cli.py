@@ -42,6 +42,7 @@ def torch(argv: list[str]) -> int:
     import main
     from backends.torch.__main__ import parser, write_plans
     from backends.torch.check import LoadedValueMismatch
+    from backends.torch.errors import WrongStep
     from backends.torch.lower import LoweringError
 
     details = "--details" in argv
@@ -58,6 +59,9 @@ def torch(argv: list[str]) -> int:
             return main.EXIT_EQUAL if e.code == 0 else main.EXIT_BAD_INPUT
         try:
             sm, pm = write_plans(args, say=keep)
+        except WrongStep as e:  # a finding before any proof (a LoweringError's subclass)
+            print(f"❌ FAIL: {e}")
+            return main.EXIT_DIFFERENT
         except LoweringError as e:
             print(f"error: {e}", file=sys.stderr)
             return main.EXIT_BAD_INPUT

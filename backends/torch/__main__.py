@@ -21,6 +21,7 @@ from pathlib import Path
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
 from backends.torch.check import LoadedValueMismatch, check_loaded
+from backends.torch.errors import WrongStep
 from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower_trace
 from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.mesh import DATA_NAMES, MeshSpec, parse_mesh
@@ -75,10 +76,24 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             args.recipe = f"backends.torch.hf:{args.recipe}"
         args.name = args.name or (f"hf_{hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
                                   f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
-    args.model = MODELS.get(args.model, args.model)
+    args.model = _short_module(MODELS.get(args.model, args.model))
+    args.recipe = _short_module(args.recipe)
+    if getattr(args, "clipper", None):
+        args.clipper = _short_module(args.clipper)
     if ":" not in args.recipe:
         args.recipe = f"{recipe_module(args.recipe)}:{args.recipe}"
     return args
+
+
+#: module shorthands of ``--model``, ``--recipe`` and ``--clipper`` (``titan:qwen3``)
+SHORT_MODULES = {"titan": "backends.torch.titan", "hf": "backends.torch.hf"}
+
+
+def _short_module(ref: str) -> str:
+    """``titan:NAME`` as ``backends.torch.titan:NAME`` (and the others of
+    ``SHORT_MODULES``); any other reference as given."""
+    module, sep, name = ref.partition(":")
+    return f"{SHORT_MODULES[module]}:{name}" if sep and module in SHORT_MODULES else ref
 
 
 def refuse_hf(family: str, tp: int) -> None:
@@ -230,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         sm, pm = write_plans(args)
+    except WrongStep as e:  # a finding before any proof (a LoweringError's subclass)
+        print(f"FAIL: {e}")
+        return 1
     except LoweringError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

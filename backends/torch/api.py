@@ -111,7 +111,7 @@ def verify(model: Any, parallelize: Any, mesh: Any = None, batch: int = 4, *,
     files into (verify them again with ``verdict check``)."""
     from backends.torch.__main__ import parser, trace_and_build
     from backends.torch.check import LoadedValueMismatch
-    from backends.torch.errors import LoweringError
+    from backends.torch.errors import LoweringError, WrongStep
     from backends.torch.mesh import default_spec, from_device_mesh
 
     start = time.perf_counter()
@@ -130,6 +130,8 @@ def verify(model: Any, parallelize: Any, mesh: Any = None, batch: int = 4, *,
                       ffn=ffn, optimizer=optimizer, clip=clip, seed=seed)
     try:
         (single, parallel), _ = trace_and_build(args)
+    except WrongStep as e:  # a finding before any proof (a LoweringError's subclass)
+        return _mismatch(str(e), start)
     except LoweringError as e:
         return Result(REFUSED, str(e), timings={"total": time.perf_counter() - start})
     except LoadedValueMismatch as e:
@@ -142,7 +144,8 @@ def verify(model: Any, parallelize: Any, mesh: Any = None, batch: int = 4, *,
 
 
 def _mismatch(message: str, start: float) -> Result:
-    """A rank's loaded shard or batch rows that are not its claimed piece."""
+    """A finding before the proof: a rank's loaded shard or batch rows that are not
+    its claimed piece, or a step wrong on its face."""
     found = re.search(r"\brank (\d+)\b", message)
     return Result(NOT_EQUIVALENT, message, diagnosis=[f"❌ not equivalent: {message}"],
                   rank=int(found.group(1)) if found else None,

@@ -153,7 +153,12 @@ def _run(spec: dict, rank: int) -> dict:
             "grads": {n: None if p.grad is None else local_of(p.grad).detach().numpy().copy()
                       for n, p in model.named_parameters()},
         }
+    # parameters the model ties (one tensor under two names): alias -> the name kept
+    kept = {id(p): n for n, p in model.named_parameters()}
+    ties = {n: kept[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+            if kept.get(id(p), n) != n}
     return {
+        "ties": ties,
         "rank": rank, "coords": coords, "split": split, "events": rec.events, "shapes": rec.shapes,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
