@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower import _IdRows, _Ids, _label_values, _one_hot
-from backends.torch.lower_nn import (
+from backends.torch.lowering.core import _IdRows, _Ids, _label_values, _one_hot
+from backends.torch.lowering.nn import (
     NEG_INF,
     Const,
     SdpaSaved,

@@ -31,8 +31,8 @@ from typing import Any
 from backends.torch.errors import LoweringError
 
 # imported by lower.py once the id types exist
-from backends.torch.lower import Bucket, _IdRows, _Ids, _Piece
-from backends.torch.lower_conv import _narrow, _pad
+from backends.torch.lowering.core import Bucket, _IdRows, _Ids, _Piece
+from backends.torch.lowering.conv import _narrow, _pad
 
 Handler = Callable[..., Any]
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_conv import _cat, _every, _narrow, _pad, _spread, _with_axis
+from backends.torch.lowering.conv import _cat, _every, _narrow, _pad, _spread, _with_axis
 
 Handler = Callable[..., Any]
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower import _Compare, _Norm, _selected
-from backends.torch.lower_nn import constant_input
+from backends.torch.lowering.core import _Compare, _Norm, _selected
+from backends.torch.lowering.nn import constant_input
 
 Handler = Callable[..., Any]
 

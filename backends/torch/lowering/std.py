@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_more import var
+from backends.torch.lowering.activations import var
 
 Handler = Callable[..., Any]
 

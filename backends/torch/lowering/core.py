@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_buckets import (
+from backends.torch.lowering.buckets import (
     BUCKET_HANDLERS,
     PER_PIECE_OPS,
     Bucket,
@@ -27,8 +27,8 @@ from backends.torch.lower_buckets import (
     bucket_view,
     per_piece,
 )
-from backends.torch.lower_more import MORE_HANDLERS, check_no_value_reads
-from backends.torch.lower_nn import (
+from backends.torch.lowering.activations import MORE_HANDLERS, check_no_value_reads
+from backends.torch.lowering.nn import (
     NN_HANDLERS,
     Complex,
     Const,
@@ -2073,42 +2073,42 @@ HANDLERS: dict[str, Any] = {
     "aten.where.self": _where_pending,
 }
 # lower_vocab_parallel reads this module's id types, so it is imported once they exist
-from backends.torch.lower_vocab_parallel import vocab_parallel_handlers  # noqa: E402
+from backends.torch.lowering.vocab_parallel import vocab_parallel_handlers  # noqa: E402
 
 HANDLERS.update(vocab_parallel_handlers(HANDLERS))
 # lower_masks reads the id types and wraps the entries above (lower_vocab_parallel's too)
-from backends.torch.lower_masks import mask_handlers  # noqa: E402
+from backends.torch.lowering.masks import mask_handlers  # noqa: E402
 
 HANDLERS.update(mask_handlers(HANDLERS))
 # lower_ids and lower_compose take their own cases and hand the others to the entries above
-from backends.torch.lower_ids import id_handlers  # noqa: E402
+from backends.torch.lowering.ids import id_handlers  # noqa: E402
 
 HANDLERS.update(id_handlers(HANDLERS))
-from backends.torch.lower_compose import compose_handlers  # noqa: E402
+from backends.torch.lowering.compose import compose_handlers  # noqa: E402
 
 HANDLERS.update(compose_handlers(HANDLERS))
-from backends.torch.lower_std import std_handlers  # noqa: E402
+from backends.torch.lowering.std import std_handlers  # noqa: E402
 
 HANDLERS.update(std_handlers(HANDLERS))
-from backends.torch.lower_max import max_handlers  # noqa: E402
+from backends.torch.lowering.max import max_handlers  # noqa: E402
 
 HANDLERS.update(max_handlers(HANDLERS))
-from backends.torch.lower_argmax import argmax_handlers  # noqa: E402
+from backends.torch.lowering.argmax import argmax_handlers  # noqa: E402
 
 HANDLERS.update(argmax_handlers(HANDLERS))
-from backends.torch.lower_max_all import max_all_handlers  # noqa: E402
-from backends.torch.lower_pool import POOL_HANDLERS  # noqa: E402
+from backends.torch.lowering.max_all import max_all_handlers  # noqa: E402
+from backends.torch.lowering.pool import POOL_HANDLERS  # noqa: E402
 
 HANDLERS.update(POOL_HANDLERS)
-from backends.torch.lower_copies import COPY_HANDLERS  # noqa: E402
+from backends.torch.lowering.copies import COPY_HANDLERS  # noqa: E402
 
 HANDLERS.update(COPY_HANDLERS)
-from backends.torch.lower_group_norm import GROUP_NORM_HANDLERS  # noqa: E402
+from backends.torch.lowering.group_norm import GROUP_NORM_HANDLERS  # noqa: E402
 
 HANDLERS.update(GROUP_NORM_HANDLERS)
 
 HANDLERS.update(max_all_handlers(HANDLERS))
-from backends.torch.lower_slices import slice_handlers  # noqa: E402
+from backends.torch.lowering.slices import slice_handlers  # noqa: E402
 
 HANDLERS.update(slice_handlers(HANDLERS))
 

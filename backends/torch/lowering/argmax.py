@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_conv import _cat, _narrow, _pad, _unwindow, _windows
-from backends.torch.lower_ids import NewZeros
-from backends.torch.lower_pool import Dim, max_unwindow, max_windows, pool_dims
+from backends.torch.lowering.conv import _cat, _narrow, _pad, _unwindow, _windows
+from backends.torch.lowering.ids import NewZeros
+from backends.torch.lowering.pool import Dim, max_unwindow, max_windows, pool_dims
 
 Handler = Callable[..., Any]
 

@@ -4,7 +4,7 @@ rule table's operators so that the composition equals the kernel's function
 in exact real arithmetic, branch conditions included (docs/soundness.md,
 "Plans traced from PyTorch", 17).
 
-Handlers have the signature of ``backends.torch.lower.HANDLERS``:
+Handlers have the signature of ``backends.torch.lowering.core.HANDLERS``:
 ``(lowerer, args, kwargs, out_shapes, group) -> value``. A branch of a
 kernel (``x > 0 ? a : b``) is ``b + step(x) * (a - b)``, with ``step`` the
 uninterpreted step of the ``relu`` rule's backward (``t * step(y)``, 1 for
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_conv import CONV_HANDLERS
+from backends.torch.lowering.conv import CONV_HANDLERS
 
 
 def _arg(args, kwargs, i: int, name: str, default: Any) -> Any:

@@ -154,7 +154,7 @@ def check_broadcasts(traces: list[dict]) -> None:
     traced from PyTorch", 20): the broadcast then changes nothing. Only
     broadcasts the loss or the gradients depend on are checked (DDP's
     exchange of shapes at its construction is not)."""
-    from backends.torch.lower import live_events
+    from backends.torch.lowering.core import live_events
     sent: dict[tuple, list] = {}
     for t in traces:
         count: dict[tuple, int] = {}

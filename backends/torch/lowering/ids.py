@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower import (
+from backends.torch.lowering.core import (
     LNode,
     _id_rows,
     _IdRows,
@@ -32,7 +32,7 @@ from backends.torch.lower import (
     _label_values,
     one_hot_of,
 )
-from backends.torch.lower_nn import constant_input, constant_value
+from backends.torch.lowering.nn import constant_input, constant_value
 
 Handler = Callable[..., Any]
 

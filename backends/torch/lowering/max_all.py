@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_max import MaxCount, MaxHit, dim_set
+from backends.torch.lowering.max import MaxCount, MaxHit, dim_set
 
 Handler = Callable[..., Any]
 

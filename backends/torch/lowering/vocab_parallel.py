@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower import LNode, _Ids, _IdsTest, _one_hot, _or, _Shifted, _VocabMask
-from backends.torch.lower_nn import Const, constant_value
+from backends.torch.lowering.core import LNode, _Ids, _IdsTest, _one_hot, _or, _Shifted, _VocabMask
+from backends.torch.lowering.nn import Const, constant_value
 
 Handler = Callable[..., Any]
 

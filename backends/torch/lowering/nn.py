@@ -1,7 +1,7 @@
 """Lowerings of the kernels stock ``torch.nn`` layers run on the CPU, and of
 the constants models compute (positions, masks, tables).
 
-Each handler has the signature of ``backends.torch.lower.HANDLERS``:
+Each handler has the signature of ``backends.torch.lowering.core.HANDLERS``:
 ``(lowerer, args, kwargs, out_shapes, group) -> value(s)``, and emits nodes
 of the rule table whose composition is exactly the kernel's function in
 real arithmetic (layer norm as mean, sub, mul and rsqrt; attention as

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_conv import _cat, _narrow
+from backends.torch.lowering.conv import _cat, _narrow
 
 
 def _ints(value: Any) -> list[int]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower_vocab_parallel import RowMax
+from backends.torch.lowering.vocab_parallel import RowMax
 
 Handler = Callable[..., Any]
 
