@@ -26,7 +26,7 @@ def table() -> dict[str, Any]:
     try:
         from backends.torch.lowering.registry import handlers
     except ImportError:
-        from backends.torch.lowering.core import HANDLERS
+        from backends.torch.lowering import HANDLERS
         return HANDLERS
     return handlers()
 

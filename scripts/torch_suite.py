@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
 from backends.torch.check import LoadedValueMismatch  # noqa: E402
-from backends.torch.lowering.core import LoweringError  # noqa: E402
+from backends.torch.lowering import LoweringError  # noqa: E402
 from main import verify  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from backends.torch.__main__ import parser, resolve, trace_and_build, trace_ranks
-from backends.torch.lowering.core import LoweringError, lower_trace
+from backends.torch.lowering import LoweringError, lower_trace
 from harness.oracle import judge
 from main import verify
 

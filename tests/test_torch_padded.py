@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from backends.torch.__main__ import parser, resolve, trace_and_build
-from backends.torch.lowering.core import LoweringError, check_shards
+from backends.torch.lowering import LoweringError, check_shards
 from harness.mutations import copy_plan
 from harness.oracle import judge
 from main import verify

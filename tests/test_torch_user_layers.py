@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.lowering.core import LoweringError, check_shards
+from backends.torch.lowering import LoweringError, check_shards
 from tests.test_torch_layers import SIZES, Probe, _heads, _lower_and_check, _merge, _single
 
 H, S = SIZES["hidden"], SIZES["seqlen"]

@@ -21,8 +21,14 @@ from pathlib import Path
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
 from backends.torch.check import LoadedValueMismatch, check_loaded
-from backends.torch.lowering.core import LoweringError, check_shards, lower_ranks, lower_trace
-from backends.torch.lowering.buckets import check_broadcasts, check_bucket_layouts
+from backends.torch.lowering import (
+    LoweringError,
+    check_broadcasts,
+    check_bucket_layouts,
+    check_shards,
+    lower_ranks,
+    lower_trace,
+)
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
 

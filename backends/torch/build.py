@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from backends.torch.lowering.core import LNode, Lowered, LoweringError, padded_rows
+from backends.torch.lowering import LNode, Lowered, LoweringError, padded_rows
 from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op
 from verdict.plan import Logical, Node, Plan, Tensor

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.hidden_memory import HiddenMemory, is_partial_view
-from backends.torch.lowering.activations import VALUE_READ_EVENT
+from backends.torch.lowering.constants import VALUE_READ_EVENT
 
 #: ops whose output is the input value itself (no computation).
 ALIASES = {

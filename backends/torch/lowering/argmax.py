@@ -31,16 +31,23 @@ reader (an accuracy, a gather at the argmax) is refused in one line.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.conv import _cat, _narrow, _pad, _unwindow, _windows
-from backends.torch.lowering.ids import NewZeros
-from backends.torch.lowering.pool import Dim, max_unwindow, max_windows, pool_dims
-
-Handler = Callable[..., Any]
+from backends.torch.lowering.ir import NewZeros, Pending
+from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
+from backends.torch.lowering.shapes import (
+    Dim,
+    cat,
+    conv_windows,
+    max_unwindow,
+    max_windows,
+    narrow,
+    pad,
+    pool_dims,
+    unwindow,
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class _Pool:
 
 
 @dataclass(frozen=True)
-class MaxIndex:
+class MaxIndex(Pending):
     """The indices of ``x.max(dim)`` (``x.min(dim)`` when ``least``):
     ``top`` is the extreme value kept along ``dim`` (keepdim shape)."""
     x: int
@@ -67,12 +74,12 @@ class MaxIndex:
     keepdim: bool
     least: bool
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         _refuse_index(lw)
 
 
 @dataclass(frozen=True)
-class PoolIndex:
+class PoolIndex(Pending):
     """The indices of a max pooling of ``x``: its windows, their maximum
     (shape ``(N, C, 1, O1, 1, O2, ...)``) and the pooling's options."""
     x: int
@@ -80,7 +87,7 @@ class PoolIndex:
     top: int
     pool: _Pool
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         _refuse_index(lw)
 
 
@@ -106,7 +113,7 @@ def first_extreme_grad(lw: Any, x: int, top: int, g: int, dims: list[int],
     for taps in itertools.product(*(range(shape[d]) for d in dims)):
         xk = x
         for d, k in zip(dims, taps):
-            xk = _narrow(lw, xk, d, k, 1)
+            xk = narrow(lw, xk, d, k, 1)
         gap = [xk, top] if least else [top, xk]  # > 0 where entry k is not the extreme
         y = lw.emit("sub", gap, [lw.shapes[t]])[0]
         below = lw.emit("relu", [y, t], [lw.shapes[t]], direction="bw")[0]
@@ -123,7 +130,7 @@ def _assemble(lw: Any, parts: dict[tuple[int, ...], int], dims: list[int],
         return parts[prefix]
     d = dims[len(prefix)]
     count = 1 + max(k[len(prefix)] for k in parts)
-    return _cat(lw, [_assemble(lw, parts, dims, (*prefix, k)) for k in range(count)], d)
+    return cat(lw, [_assemble(lw, parts, dims, (*prefix, k)) for k in range(count)], d)
 
 
 def _extreme(lw: Any, x: int, dim: int, least: bool) -> int:
@@ -152,6 +159,7 @@ def max_dim(least: bool) -> Handler:
     return lower
 
 
+@refines("aten.unsqueeze.default")
 def unsqueeze(base: Handler) -> Handler:
     """The backward's ``indices.unsqueeze(dim)``: the index with its dim kept."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -164,6 +172,7 @@ def unsqueeze(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.scatter.src", absent=lambda op: not_lowered(op, " other than as the backward of x.max(dim)"))
 def scatter(base: Handler) -> Handler:
     """``zeros.scatter(dim, indices, g)``: ``value_selecting_reduction_backward``."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -228,7 +237,7 @@ def max_pool(spatial: int) -> Handler:
         out_shape = tuple(shapes[0]) if len(shapes[0]) == spatial + 2 else (1, *shapes[0])
         pool = _pool(lw, lw.shapes[x], spatial, kernel, [] if stride is None else stride,
                      padding or 0, dilation or 1, bool(ceil_mode), out_shape)
-        win = max_windows(lw, x, list(pool.padded)) if pool.padded else _windows(lw, x, pool)
+        win = max_windows(lw, x, list(pool.padded)) if pool.padded else conv_windows(lw, x, pool)
         top = win
         for i in reversed(range(spatial)):
             top = _extreme(lw, top, 2 + 2 * i, least=False)
@@ -236,6 +245,7 @@ def max_pool(spatial: int) -> Handler:
     return lower
 
 
+@lowers("aten.max_pool2d_with_indices_backward.default", "aten.max_pool3d_with_indices_backward.default")
 def max_pool_backward(lw: Any, args, kwargs, shapes, group):
     """``max_pool{n}d_with_indices_backward(g, x, ..., indices)``."""
     idx = _env(lw, args[7] if len(args) > 7 else kwargs.get("indices"))
@@ -248,12 +258,12 @@ def max_pool_backward(lw: Any, args, kwargs, shapes, group):
     win_grad = first_extreme_grad(lw, idx.windows, idx.top, g, dims)
     pool = idx.pool
     grad = max_unwindow(lw, win_grad, list(pool.padded)) if pool.padded \
-        else _unwindow(lw, win_grad, pool)
+        else unwindow(lw, win_grad, pool)
     return lw.reshape(grad, lw.shapes[x])
 
 
 @dataclass(frozen=True)
-class AdaptiveIndex:
+class AdaptiveIndex(Pending):
     """The indices of an adaptive max pooling of ``x`` along ``dim`` (every
     other spatial dim kept whole): each output's window ``[lo, hi)``, the
     window's values and its maximum."""
@@ -261,7 +271,7 @@ class AdaptiveIndex:
     dim: int
     windows: tuple[tuple[int, int, int, int], ...]  # (lo, hi, window, top)
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         _refuse_index(lw)
 
 
@@ -284,13 +294,14 @@ def adaptive_max_pool(spatial: int) -> Handler:
             n = lw.shapes[x][dim]
             lo, hi = (o, o + 1) if not pooled else (o * n // out[dim - 2],
                                                     -(-(o + 1) * n // out[dim - 2]))
-            window = _narrow(lw, x, dim, lo, hi - lo)
+            window = narrow(lw, x, dim, lo, hi - lo)
             windows.append((lo, hi, window, _extreme(lw, window, dim, least=False)))
-        top = _cat(lw, [w[3] for w in windows], dim)
+        top = cat(lw, [w[3] for w in windows], dim)
         return [lw.reshape(top, tuple(shapes[0])), AdaptiveIndex(x0, dim, tuple(windows))]
     return lower
 
 
+@lowers("aten.adaptive_max_pool2d_backward.default", "aten.adaptive_max_pool3d_backward.default")
 def adaptive_max_pool_backward(lw: Any, args, kwargs, shapes, group):
     """``adaptive_max_pool{n}d_backward(g, x, indices)``: each window's
     gradient to its first maximum, put back in place and summed."""
@@ -307,32 +318,17 @@ def adaptive_max_pool_backward(lw: Any, args, kwargs, shapes, group):
         + lw.shapes[idx.windows[0][2]][idx.dim + 1:]
     total = None
     for o, (lo, hi, window, top) in enumerate(idx.windows):
-        grad = first_extreme_grad(lw, window, top, _narrow(lw, g, idx.dim, o, 1), [idx.dim])
-        grad = _pad(lw, grad, idx.dim, lo, size[idx.dim] - hi)
+        grad = first_extreme_grad(lw, window, top, narrow(lw, g, idx.dim, o, 1), [idx.dim])
+        grad = pad(lw, grad, idx.dim, lo, size[idx.dim] - hi)
         total = grad if total is None else lw.emit("add", [total, grad], [lw.shapes[grad]])[0]
     return lw.reshape(total, lw.shapes[x])
 
 
-def argmax_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module adds to or wraps in ``table`` (lower.py's)."""
-    return {
-        "aten.max.dim": max_dim(least=False),
-        "aten.min.dim": max_dim(least=True),
-        "aten.unsqueeze.default": unsqueeze(table["aten.unsqueeze.default"]),
-        "aten.scatter.src": scatter(table.get("aten.scatter.src", _unlowered("aten.scatter.src"))),
-        "aten.max_pool2d_with_indices.default": max_pool(2),
-        "aten.max_pool3d_with_indices.default": max_pool(3),
-        "aten.max_pool2d_with_indices_backward.default": max_pool_backward,
-        "aten.max_pool3d_with_indices_backward.default": max_pool_backward,
-        "aten.adaptive_max_pool2d.default": adaptive_max_pool(2),
-        "aten.adaptive_max_pool3d.default": adaptive_max_pool(3),
-        "aten.adaptive_max_pool2d_backward.default": adaptive_max_pool_backward,
-        "aten.adaptive_max_pool3d_backward.default": adaptive_max_pool_backward,
-    }
 
 
-def _unlowered(op: str) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
-        raise LoweringError(f"aten op {op} (at {lw.name or 'top level'}) is not lowered onto the "
-                            f"rule table other than as the backward of x.max(dim)")
-    return lower
+lowers("aten.max.dim")(max_dim(least=False))
+lowers("aten.min.dim")(max_dim(least=True))
+lowers("aten.max_pool2d_with_indices.default")(max_pool(2))
+lowers("aten.max_pool3d_with_indices.default")(max_pool(3))
+lowers("aten.adaptive_max_pool2d.default")(adaptive_max_pool(2))
+lowers("aten.adaptive_max_pool3d.default")(adaptive_max_pool(3))

@@ -16,29 +16,31 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.core import _Compare, _Norm, _selected
-from backends.torch.lowering.nn import constant_input
-
-Handler = Callable[..., Any]
+from backends.torch.lowering.constants import constant_input
+from backends.torch.lowering.fills import selected
+from backends.torch.lowering.ir import Compare, Norm
+from backends.torch.lowering.registry import Handler, lowers, refines
 
 
 @dataclass(frozen=True)
 class Both:
     """``a & b`` of two comparisons with numbers, pending until a ``where``
     selects with it."""
-    a: _Compare
-    b: _Compare
+    a: Compare
+    b: Compare
 
 
+@refines("aten.logical_and_.default", "aten.logical_and.default", absent=lambda op: _refused)
 def logical_and(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         a, b = (lw.env.get(t[1]) if isinstance(t, (list, tuple)) else None for t in args[:2])
-        if isinstance(a, _Compare) and isinstance(b, _Compare):
+        if isinstance(a, Compare) and isinstance(b, Compare):
             return Both(a, b)
         return base(lw, args, kwargs, shapes, group)
     return lower
 
 
+@refines("aten.where.self")
 def where(base: Handler) -> Handler:
     """``where(a & b, t, 0)`` = ``t`` times both indicators: the selection
     by b, then by a (exact: a product of 0/1 indicators)."""
@@ -49,17 +51,18 @@ def where(base: Handler) -> Handler:
         if lw.const(args[2]) != 0:
             raise LoweringError(f"{lw.name}: where on two comparisons without a zero branch "
                                 f"is not lowered")
-        inner = _selected(lw, cond.b, lw.val(args[1]), True, shapes[0])
-        return _selected(lw, cond.a, inner, True, shapes[0])
+        inner = selected(lw, cond.b, lw.val(args[1]), True, shapes[0])
+        return selected(lw, cond.a, inner, True, shapes[0])
     return lower
 
 
+@refines("aten.stack.default")
 def stack(base: Handler) -> Handler:
     """``torch.stack(xs, dim)``: each piece with a dim of 1 inserted at dim,
     concatenated along it (norms keep their own fold)."""
     def lower(lw: Any, args, kwargs, shapes, group):
         items = [lw.env.get(a[1]) for a in args[0]]
-        if items and all(isinstance(x, _Norm) for x in items):
+        if items and all(isinstance(x, Norm) for x in items):
             return base(lw, args, kwargs, shapes, group)
         dim = int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))
         out = tuple(shapes[0])
@@ -72,6 +75,7 @@ def stack(base: Handler) -> Handler:
     return lower
 
 
+@lowers("aten.repeat.default")
 def repeat(lw: Any, args, kwargs, shapes, group):
     """``x.repeat(r_0, ..., r_k)``: x seen with leading dims of 1 for the
     extra repeats, then, along each dim with r > 1, r copies concatenated
@@ -94,6 +98,7 @@ def repeat(lw: Any, args, kwargs, shapes, group):
     return x
 
 
+@lowers("aten.unbind.int")
 def unbind(lw: Any, args, kwargs, shapes, group):
     """``x.unbind(dim)``: each index along dim, a ``narrow`` of length 1 with
     the dim dropped (its backward is a ``stack``)."""
@@ -123,27 +128,23 @@ def triangle(keep: Callable[..., Any]):
     return lower
 
 
-def compose_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module adds to or wraps in ``table`` (lower.py's)."""
-    return {
-        "aten.logical_and_.default": logical_and(table.get("aten.logical_and_.default", _refused)),
-        "aten.logical_and.default": logical_and(table.get("aten.logical_and.default", _refused)),
-        "aten.where.self": where(table["aten.where.self"]),
-        "aten.stack.default": stack(table["aten.stack.default"]),
-        "aten.repeat.default": repeat,
-        "aten.unbind.int": unbind,
-        "aten.unsafe_split.Tensor": table["aten.split.Tensor"],  # split without view tracking
-        # in-place forms of activations (recurrent cells write their gates in place)
-        **{f"aten.{op}_.default": table[f"aten.{op}.default"] for op in ("sigmoid", "tanh", "relu")},
-        "aten.transpose_.default": table["aten.transpose.int"],
-        # clamp_min by a one-value constant tensor (F.cosine_similarity's eps) is clamp by its value
-        "aten.clamp_min.Tensor": table["aten.clamp_min.default"],
-        "aten.clamp_min_.Tensor": table["aten.clamp_min.default"],
-        "aten.tril.default": triangle(np.tril),
-        "aten.triu.default": triangle(np.triu),
-    }
-
-
 def _refused(lw: Any, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: logical_and other than of two comparisons with numbers "
                         f"is not lowered")
+
+
+def _same(base: Handler | None) -> Handler | None:
+    """The base itself: an op lowered as another is."""
+    return base
+
+
+# split without view tracking
+refines("aten.unsafe_split.Tensor", base="aten.split.Tensor")(_same)
+# in-place forms of activations (recurrent cells write their gates in place)
+for _op in ("sigmoid", "tanh", "relu"):
+    refines(f"aten.{_op}_.default", base=f"aten.{_op}.default")(_same)
+refines("aten.transpose_.default", base="aten.transpose.int")(_same)
+# clamp_min by a one-value constant tensor (F.cosine_similarity's eps) is clamp by its value
+refines("aten.clamp_min.Tensor", "aten.clamp_min_.Tensor", base="aten.clamp_min.default")(_same)
+lowers("aten.tril.default")(triangle(np.tril))
+lowers("aten.triu.default")(triangle(np.triu))

@@ -24,145 +24,11 @@ autograd in float64 by the tests).
 
 from __future__ import annotations
 
-import string
 from typing import Any
 
 from backends.torch.errors import LoweringError
-
-
-class _Conv:
-    """A convolution's options, read from its recorded arguments."""
-
-    def __init__(self, lw: Any, x: int, w: int, stride, padding, dilation, transposed,
-                 output_padding, groups, size: tuple[int, ...] = ()) -> None:
-        """``x`` is the convolution's input; of a transposed convolution, its
-        input is the output of the convolution it is the adjoint of, whose
-        input has the spatial ``size`` (the transposed one's output)."""
-        self.spatial = len(lw.shapes[w]) - 2
-        self.transposed = bool(transposed)
-        if not self.transposed and any(int(p) for p in output_padding):
-            raise LoweringError(f"{lw.name}: a convolution with output_padding is not lowered")
-        self.stride = _per_dim(lw, stride, self.spatial, "stride")
-        self.padding = _per_dim(lw, padding, self.spatial, "padding")
-        self.dilation = _per_dim(lw, dilation, self.spatial, "dilation")
-        self.groups = int(groups)
-        self.kernel = tuple(lw.shapes[w][2:])
-        self.size = tuple(size) if self.transposed else tuple(lw.shapes[x][2:])
-        self.out = tuple((s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in
-                         zip(self.size, self.padding, self.dilation, self.kernel, self.stride))
-        if len(lw.shapes[x]) != self.spatial + 2 or any(o <= 0 for o in self.out) \
-                or (self.transposed and self.out != tuple(lw.shapes[x][2:])):
-            raise LoweringError(f"{lw.name}: a convolution of an input of shape "
-                                f"{list(lw.shapes[x])} (unbatched or empty output) is not lowered")
-
-    def equations(self) -> tuple[str, str, str]:
-        """The forward einsum (windows, weight -> output) and the two
-        gradients' (windows, output -> weight; output, weight -> windows)."""
-        letters = iter(string.ascii_letters[3:])
-        taps = [next(letters) for _ in range(self.spatial)]
-        outs = [next(letters) for _ in range(self.spatial)]
-        win = "nc" + "".join(k + o for k, o in zip(taps, outs))
-        weight = "ac" + "".join(taps)
-        out = "na" + "".join(outs)
-        return f"{win},{weight}->{out}", f"{win},{out}->{weight}", f"{out},{weight}->{win}"
-
-
-def _per_dim(lw: Any, value: Any, n: int, what: str) -> tuple[int, ...]:
-    values = [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-    if len(values) == 1:
-        values *= n
-    if len(values) != n or any(v < 0 for v in values):
-        raise LoweringError(f"{lw.name}: a convolution's {what} {value!r} is not lowered")
-    return tuple(values)
-
-
-def _narrow(lw: Any, x: int, dim: int, start: int, length: int) -> int:
-    shape = list(lw.shapes[x])
-    if start == 0 and length == shape[dim]:
-        return x
-    shape[dim] = length
-    return lw.emit("narrow", [x], [tuple(shape)], {"dim": dim, "start": start, "length": length})[0]
-
-
-def _pad(lw: Any, x: int, dim: int, before: int, after: int) -> int:
-    """x with ``before`` and ``after`` zeros along dim: the ``narrow`` rule's
-    backward (its input's gradient, zero outside the slice), so that the
-    zeros are laid out and scaled as x is on every rank."""
-    if not before and not after:
-        return x
-    shape = list(lw.shapes[x])
-    length = shape[dim]
-    shape[dim] += before + after
-    return lw.emit("narrow", [-1, x], [tuple(shape)],
-                   {"dim": dim, "start": before, "length": length}, direction="bw")[0]
-
-
-def _cat(lw: Any, parts: list[int], dim: int) -> int:
-    if len(parts) == 1:
-        return parts[0]
-    shape = list(lw.shapes[parts[0]])
-    shape[dim] = sum(lw.shapes[p][dim] for p in parts)
-    return lw.emit("cat", parts, [tuple(shape)], {"dim": dim})[0]
-
-
-def _with_axis(shape: tuple[int, ...], dim: int, size: int = 1) -> tuple[int, ...]:
-    return (*shape[:dim], size, *shape[dim:])
-
-
-def _every(lw: Any, x: int, dim: int, step: int, count: int) -> int:
-    """Positions 0, step, ..., (count - 1) step of x along dim (x holds
-    ``(count - 1) step + 1`` of them): padded to ``count * step``, split
-    into (count, step) and the first of each kept."""
-    if step == 1:
-        return x
-    x = _pad(lw, x, dim, 0, step - 1)
-    shape = lw.shapes[x]
-    split = (*shape[:dim], count, step, *shape[dim + 1:])
-    x = lw.reshape(x, split)
-    return lw.reshape(_narrow(lw, x, dim + 1, 0, 1), (*shape[:dim], count, *shape[dim + 1:]))
-
-
-def _spread(lw: Any, g: int, dim: int, step: int, count: int) -> int:
-    """The adjoint of ``_every``: g's values at 0, step, ..., zeros between."""
-    if step == 1:
-        return g
-    shape = lw.shapes[g]
-    g = _pad(lw, lw.reshape(g, _with_axis(shape, dim + 1)), dim + 1, 0, step - 1)
-    g = lw.reshape(g, (*shape[:dim], count * step, *shape[dim + 1:]))
-    return _narrow(lw, g, dim, 0, (count - 1) * step + 1)
-
-
-def _windows(lw: Any, x: int, conv: _Conv) -> int:
-    """x's windows, shape ``(N, C, K1, O1, ..., Kd, Od)``."""
-    for i in range(conv.spatial):
-        dim = 2 + 2 * i  # the spatial dim i, after the (tap, position) pairs before it
-        x = _pad(lw, x, dim, conv.padding[i], conv.padding[i])
-        taps = []
-        for k in range(conv.kernel[i]):
-            length = (conv.out[i] - 1) * conv.stride[i] + 1
-            tap = _every(lw, _narrow(lw, x, dim, k * conv.dilation[i], length), dim,
-                         conv.stride[i], conv.out[i])
-            taps.append(lw.reshape(tap, _with_axis(lw.shapes[tap], dim)))
-        x = _cat(lw, taps, dim)
-    return x
-
-
-def _unwindow(lw: Any, g: int, conv: _Conv) -> int:
-    """The adjoint of ``_windows``: the input's gradient from the windows'."""
-    for i in reversed(range(conv.spatial)):
-        dim = 2 + 2 * i
-        padded = conv.size[i] + 2 * conv.padding[i]
-        total = None
-        for k in range(conv.kernel[i]):
-            tap = _narrow(lw, g, dim, k, 1)
-            shape = lw.shapes[tap]
-            tap = lw.reshape(tap, (*shape[:dim], *shape[dim + 1:]))
-            tap = _spread(lw, tap, dim, conv.stride[i], conv.out[i])
-            start = k * conv.dilation[i]
-            tap = _pad(lw, tap, dim, start, padded - start - lw.shapes[tap][dim])
-            total = tap if total is None else lw.emit("add", [total, tap], [lw.shapes[tap]])[0]
-        g = _narrow(lw, total, dim, conv.padding[i], conv.size[i])
-    return g
+from backends.torch.lowering.registry import lowers
+from backends.torch.lowering.shapes import Conv, cat, conv_windows, narrow, pad, unwindow
 
 
 def _einsum(lw: Any, eq: str, a: int, b: int) -> int:
@@ -175,14 +41,14 @@ def _einsum(lw: Any, eq: str, a: int, b: int) -> int:
 
 def _group(lw: Any, x: int, dim: int, j: int, groups: int) -> int:
     size = lw.shapes[x][dim] // groups
-    return _narrow(lw, x, dim, j * size, size)
+    return narrow(lw, x, dim, j * size, size)
 
 
 def _grouped(lw: Any, eq: str, a: int, b: int, groups: int, cat_dim: int, b_dim: int = 0) -> int:
     """``einsum(eq)`` of each group's channels (dim 1 of a, ``b_dim`` of b:
     a weight's rows or an activation's channels), concatenated along
     ``cat_dim``."""
-    return _cat(lw, [_einsum(lw, eq, _group(lw, a, 1, j, groups), _group(lw, b, b_dim, j, groups))
+    return cat(lw, [_einsum(lw, eq, _group(lw, a, 1, j, groups), _group(lw, b, b_dim, j, groups))
                      for j in range(groups)], cat_dim)
 
 
@@ -192,40 +58,42 @@ def _add_bias(lw: Any, y: int, b: int, spatial: int) -> int:
     return lw.emit("add", [y, b], [lw.shapes[y]])[0]
 
 
+@lowers("aten.convolution.default")
 def convolution(lw: Any, args, kwargs, shapes, group):
     """The windows of each group's channels times its weight rows, plus the
     bias. A transposed convolution is the adjoint of the convolution with
     the same weight: its input plays that convolution's output gradient."""
     x, w = lw.val(args[0]), lw.val(args[1])
-    conv = _Conv(lw, x, w, *args[3:9], size=tuple(shapes[0][2:]))
+    conv = Conv(lw, x, w, *args[3:9], size=tuple(shapes[0][2:]))
     forward, _, window_eq = conv.equations()
     if conv.transposed:
-        y = _unwindow(lw, _grouped(lw, window_eq, x, w, conv.groups, 1), conv)
+        y = unwindow(lw, _grouped(lw, window_eq, x, w, conv.groups, 1), conv)
     else:
-        y = _grouped(lw, forward, _windows(lw, x, conv), w, conv.groups, 1)
+        y = _grouped(lw, forward, conv_windows(lw, x, conv), w, conv.groups, 1)
     if args[2] is not None:
         y = _add_bias(lw, y, lw.val(args[2]), conv.spatial)
     return y
 
 
+@lowers("aten.convolution_backward.default")
 def convolution_backward(lw: Any, args, kwargs, shapes, group):
     """(input, weight, bias) gradients, as ``output_mask`` asks."""
     g, x, w = lw.val(args[0]), lw.val(args[1]), lw.val(args[2])
-    conv = _Conv(lw, x, w, *args[4:10], size=tuple(lw.shapes[g][2:]))
+    conv = Conv(lw, x, w, *args[4:10], size=tuple(lw.shapes[g][2:]))
     mask = list(args[10])
     forward, weight_eq, window_eq = conv.equations()
     outs: list[Any] = [None, None, None]
     if conv.transposed:  # the adjoint's gradients: the convolution of g, and its weight's
-        win = _windows(lw, g, conv) if mask[0] or mask[1] else None
+        win = conv_windows(lw, g, conv) if mask[0] or mask[1] else None
         if mask[0]:
             outs[0] = _grouped(lw, forward, win, w, conv.groups, 1)
         if mask[1]:
             outs[1] = _grouped(lw, weight_eq, win, x, conv.groups, 0, b_dim=1)
     else:
         if mask[0]:
-            outs[0] = _unwindow(lw, _grouped(lw, window_eq, g, w, conv.groups, 1), conv)
+            outs[0] = unwindow(lw, _grouped(lw, window_eq, g, w, conv.groups, 1), conv)
         if mask[1]:
-            outs[1] = _grouped(lw, weight_eq, _windows(lw, x, conv), g, conv.groups, 0, b_dim=1)
+            outs[1] = _grouped(lw, weight_eq, conv_windows(lw, x, conv), g, conv.groups, 0, b_dim=1)
     if mask[2]:
         dims = [0, *range(2, 2 + conv.spatial)]
         outs[2] = lw.emit("sum", [g], [(lw.shapes[g][1],)], {"dim": dims, "keepdim": False})[0]
@@ -264,12 +132,12 @@ def padded(mode: str):
             if mode == "reflect" and max(before, after) >= length:
                 raise LoweringError(f"{lw.name}: reflect padding of {max(before, after)} on a "
                                     f"dim of {length} is not lowered")
-            pieces = [_narrow(lw, x, dim, _source(mode, j, before, length), 1)
+            pieces = [narrow(lw, x, dim, _source(mode, j, before, length), 1)
                       for j in range(before)]
             pieces.append(x)
-            pieces += [_narrow(lw, x, dim, _source(mode, before + length + j, before, length), 1)
+            pieces += [narrow(lw, x, dim, _source(mode, before + length + j, before, length), 1)
                        for j in range(after)]
-            x = _cat(lw, pieces, dim)
+            x = cat(lw, pieces, dim)
         return x
     return lower
 
@@ -281,21 +149,18 @@ def padded_backward(mode: str):
         g, x = lw.val(args[0]), lw.val(args[1])
         for dim, before, after in _pad_dims(lw, x, args[2]):
             length = lw.shapes[x][dim]
-            total = _narrow(lw, g, dim, before, length)
+            total = narrow(lw, g, dim, before, length)
             for j in [*range(before), *range(before + length, before + length + after)]:
                 i = _source(mode, j, before, length)
-                piece = _pad(lw, _narrow(lw, g, dim, j, 1), dim, i, length - 1 - i)
+                piece = pad(lw, narrow(lw, g, dim, j, 1), dim, i, length - 1 - i)
                 total = lw.emit("add", [total, piece], [lw.shapes[total]])[0]
             g = total
         return g
     return lower
 
 
-CONV_HANDLERS: dict[str, Any] = {
-    "aten.convolution.default": convolution,
-    "aten.convolution_backward.default": convolution_backward,
-    **{f"aten.{kind}_pad{n}d.default": padded(mode)
-       for kind, mode in (("reflection", "reflect"), ("replication", "replicate")) for n in (1, 2, 3)},
-    **{f"aten.{kind}_pad{n}d_backward.default": padded_backward(mode)
-       for kind, mode in (("reflection", "reflect"), ("replication", "replicate")) for n in (1, 2, 3)},
-}
+
+
+for _kind, _mode in (("reflection", "reflect"), ("replication", "replicate")):
+    lowers(*(f"aten.{_kind}_pad{n}d.default" for n in (1, 2, 3)))(padded(_mode))
+    lowers(*(f"aten.{_kind}_pad{n}d_backward.default" for n in (1, 2, 3)))(padded_backward(_mode))

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.conv import _cat, _narrow
+from backends.torch.lowering.registry import lowers
+from backends.torch.lowering.shapes import cat, narrow
 
 
 def _ints(value: Any) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
+@lowers("aten.roll.default")
 def roll(lw: Any, args, kwargs, shapes, group):
     """``torch.roll(x, shifts, dims)``: along each dim, the last ``s``
     positions then the first ``n - s``."""
@@ -31,21 +33,18 @@ def roll(lw: Any, args, kwargs, shapes, group):
         n = lw.shapes[x][d]
         s = shift % n if n else 0
         if s:
-            x = _cat(lw, [_narrow(lw, x, d, n - s, s), _narrow(lw, x, d, 0, n - s)], d)
+            x = cat(lw, [narrow(lw, x, d, n - s, s), narrow(lw, x, d, 0, n - s)], d)
     return x
 
 
+@lowers("aten.flip.default")
 def flip(lw: Any, args, kwargs, shapes, group):
     """``torch.flip(x, dims)``: along each dim, the one-wide slices reversed."""
     x = lw.val(args[0])
     for d in _ints(args[1] if len(args) > 1 else kwargs["dims"]):
         d %= len(lw.shapes[x])
         n = lw.shapes[x][d]
-        x = _cat(lw, [_narrow(lw, x, d, k, 1) for k in reversed(range(n))], d)
+        x = cat(lw, [narrow(lw, x, d, k, 1) for k in reversed(range(n))], d)
     return x
 
 
-COPY_HANDLERS: dict[str, Any] = {
-    "aten.roll.default": roll,
-    "aten.flip.default": flip,
-}

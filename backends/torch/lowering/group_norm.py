@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.registry import lowers
 
 
 def _grouped(lw: Any, x: int, groups: int) -> tuple[int, int, int]:
@@ -36,6 +37,7 @@ def _per_channel(lw: Any, p: int, shape: tuple[int, ...]) -> int:
     return lw.emit("expand", [p], [shape], {"shape": list(shape)})[0]
 
 
+@lowers("aten.native_group_norm.default")
 def group_norm(lw: Any, args, kwargs, shapes, group):
     """``native_group_norm(x, w, b, N, C, HxW, G, eps)`` -> (y, mean, rstd)."""
     x = lw.val(args[0])
@@ -57,6 +59,7 @@ def group_norm(lw: Any, args, kwargs, shapes, group):
     return [y, lw.reshape(mean, tuple(shapes[1])), lw.reshape(rstd, tuple(shapes[2]))]
 
 
+@lowers("aten.native_group_norm_backward.default")
 def group_norm_backward(lw: Any, args, kwargs, shapes, group):
     """dx = rstd (gy - mean(gy) - y mean(gy y)) per group, gy = g w;
     dw = sum(g y), db = sum(g) over the batch and the positions."""
@@ -88,7 +91,3 @@ def group_norm_backward(lw: Any, args, kwargs, shapes, group):
     return outs
 
 
-GROUP_NORM_HANDLERS: dict[str, Any] = {
-    "aten.native_group_norm.default": group_norm,
-    "aten.native_group_norm_backward.default": group_norm_backward,
-}

@@ -16,45 +16,30 @@ cases: a handler here takes only plain ids and hands everything else on).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.core import (
-    LNode,
-    _id_rows,
-    _IdRows,
-    _Ids,
-    _ids_value,
-    _label_values,
-    one_hot_of,
-)
-from backends.torch.lowering.nn import constant_input, constant_value
+from backends.torch.lowering.constants import constant_input, constant_value
+from backends.torch.lowering.context import LNode
+from backends.torch.lowering.ir import IdRows, Ids, NewZeros
+from backends.torch.lowering.onehot import id_rows, ids_value, label_values, one_hot_of
+from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
 
-Handler = Callable[..., Any]
+#: how the ids' refinements end the line of an op they do not lower
+OTHER_THAN_IDS = " other than at the batch's ids"
 
 
-@dataclass(frozen=True)
-class NewZeros:
-    """``x.new_zeros(shape)`` not yet read: the start of a backward kernel
-    that accumulates into zeros."""
-    shape: tuple[int, ...]
-
-    def emit_into(self, lw: Any) -> int:
-        return lw.emit("zeros", [], [self.shape], {"shape": list(self.shape)}, direction="none")[0]
-
-
-def _ids(lw: Any, a: Any) -> _Ids | None:
+def _ids(lw: Any, a: Any) -> Ids | None:
     if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
         found = lw.env.get(a[1])
-        return found if isinstance(found, _Ids) else None
+        return found if isinstance(found, Ids) else None
     return None
 
 
-def _without_trailing_one(lw: Any, ids: _Ids) -> _Ids:
+def _without_trailing_one(lw: Any, ids: Ids) -> Ids:
     """Ids ``[..., 1]`` (``labels.unsqueeze(-1)``) seen without the last dim."""
     shape = ids.shape
     if shape is None or not shape or shape[-1] != 1:
@@ -76,12 +61,13 @@ def _table_rows(lw: Any, onehot: int, table: int) -> int:
                                                   "length": rows})[0]
 
 
+@refines("aten.index.Tensor", absent=lambda op: not_lowered(op, OTHER_THAN_IDS))
 def index(base: Handler) -> Handler:
     """``table[ids]``: the ``embedding`` of the one-hot rows."""
     def lower(lw: Any, args, kwargs, shapes, group):
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         src = lw.env.get(indices[0][1]) if len(indices) == 1 and indices[0] is not None else None
-        if not isinstance(src, (_Ids, _IdRows)):
+        if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)
         table = lw.val(args[0])
         rank = len(lw.shapes[table])
@@ -90,16 +76,19 @@ def index(base: Handler) -> Handler:
                                 f"[rows, width] are lowered)")
         if rank == 1:  # a column of one number per id
             table = lw.reshape(table, (lw.shapes[table][0], 1))
-        onehot = _table_rows(lw, src.x if isinstance(src, _IdRows) else one_hot_of(lw, src), table)
+        onehot = _table_rows(lw, src.x if isinstance(src, IdRows) else one_hot_of(lw, src), table)
         out = lw.emit("embedding", [onehot, table], [(*lw.shapes[onehot][:-1], lw.shapes[table][1])])[0]
         return lw.reshape(out, tuple(shapes[0]))
     return lower
 
 
+@lowers("aten.new_zeros.default")
 def new_zeros(lw: Any, args, kwargs, shapes, group):
     return NewZeros(tuple(shapes[0]))
 
 
+@refines("aten.index_put.default", "aten.index_put_.default",
+         absent=lambda op: not_lowered(op, OTHER_THAN_IDS))
 def index_put(base: Handler) -> Handler:
     """``new_zeros(table).index_put([ids], g, accumulate=True)``: the
     ``embedding`` rule's backward (the one-hot rows' transpose times g)."""
@@ -130,6 +119,7 @@ def _picked_width(lw: Any, x_shape: tuple[int, ...], dim: int) -> None:
                             f"vocabulary's size")
 
 
+@refines("aten.gather.default")
 def gather(base: Handler) -> Handler:
     """``x.gather(-1, ids.unsqueeze(-1))``: ``sum(x * onehot, -1, keepdim)``."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -145,6 +135,7 @@ def gather(base: Handler) -> Handler:
     return lower
 
 
+@lowers("aten.scatter_add.default")
 def scatter_add(lw: Any, args, kwargs, shapes, group):
     """gather's backward, ``new_zeros(x).scatter_add(-1, ids[..., None], g)``:
     the one-hot rows times g (broadcast along the last dim)."""
@@ -160,6 +151,7 @@ def scatter_add(lw: Any, args, kwargs, shapes, group):
     return lw.emit("mul", [g, onehot], [target.shape])[0]
 
 
+@lowers("aten.scatter_.value")
 def scatter_one(lw: Any, args, kwargs, shapes, group):
     """``zeros(..., C).scatter_(-1, ids.unsqueeze(-1), 1)`` (``F.one_hot``):
     the one-hot rows, their first C columns (the recorded ids all lie below
@@ -172,7 +164,7 @@ def scatter_one(lw: Any, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: scatter_ other than F.one_hot of the batch's ids "
                             f"is not lowered")
     piece = _without_trailing_one(lw, ids)
-    rows = _IdRows(one_hot_of(lw, piece), _label_values(lw, ("v", _ids_value(lw, ids))))
+    rows = IdRows(one_hot_of(lw, piece), label_values(lw, ("v", ids_value(lw, ids))))
     classes = zeros.shape[-1]
     if np.any(rows.ids >= classes) or classes > lw.vocab:
         raise LoweringError(f"{lw.name}: F.one_hot with {classes} classes of ids up to "
@@ -184,6 +176,7 @@ def scatter_one(lw: Any, args, kwargs, shapes, group):
                                                   "length": classes})[0]
 
 
+@lowers("aten.addcmul.default")
 def addcmul(lw: Any, args, kwargs, shapes, group):
     """``x + value * a * b`` (``torch.addcmul``), broadcasting as torch does."""
     x, a, b = (lw.val(t) for t in args[:3])
@@ -204,85 +197,61 @@ def _broadcast(lw: Any, x: int, shape: tuple[int, ...]) -> int:
     return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
 
 
-def id_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module adds to or wraps in ``table`` (lower.py's)."""
-    return {
-        "aten.index.Tensor": index(table.get("aten.index.Tensor", _refuse("aten.index.Tensor"))),
-        "aten.new_zeros.default": new_zeros,
-        "aten.index_put.default": index_put(table.get("aten.index_put.default",
-                                                      _refuse("aten.index_put.default"))),
-        "aten.index_put_.default": index_put(table["aten.index_put_.default"]),
-        "aten.gather.default": gather(table["aten.gather.default"]),
-        "aten.scatter_add.default": scatter_add,
-        "aten.addcmul.default": addcmul,
-        "aten.scatter_.value": scatter_one,
-        "aten.remainder.Scalar": remainder(table.get("aten.remainder.Scalar",
-                                                     _refuse("aten.remainder.Scalar"))),
-        "aten.select.int": select(table["aten.select.int"]),
-        "aten._to_copy.default": to_copy(table["aten._to_copy.default"]),
-        "aten.t.default": transpose(table["aten.t.default"]),
-        "aten.transpose.int": transpose(table["aten.transpose.int"]),
-    }
-
-
-def _refuse(op: str) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
-        raise LoweringError(f"aten op {op} (at {lw.name or 'top level'}) is not lowered onto "
-                            f"the rule table other than at the batch's ids")
-    return lower
-
 
 
 # -- integer functions of the ids, ids as numbers ------------------------------------------------
 
-def _mapped(lw: Any, rows: _IdRows, values: np.ndarray, ids: np.ndarray) -> _IdRows:
+def _mapped(lw: Any, rows: IdRows, values: np.ndarray, ids: np.ndarray) -> IdRows:
     """Ids mapped by ``i -> values[i]`` (in ``[0, vocab)``): their one-hot rows
     are the old rows times the constant 0/1 matrix ``P[i, values[i]] = 1``."""
     table = np.zeros((lw.vocab, lw.vocab))
     table[np.arange(lw.vocab), values] = 1.0
     x = lw.emit("embedding", [rows.x, constant_input(lw, table)], [lw.shapes[rows.x]])[0]
-    return _IdRows(x, ids)
+    return IdRows(x, ids)
 
 
+@refines("aten.remainder.Scalar", absent=lambda op: not_lowered(op, OTHER_THAN_IDS))
 def remainder(base: Handler) -> Handler:
     """``ids % c`` for a positive integer c (floor modulo, as torch's)."""
     def lower(lw: Any, args, kwargs, shapes, group):
         src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
-        if not isinstance(src, (_Ids, _IdRows)):
+        if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)
         c = lw.const(args[1])
         if c is None or c != int(c) or c <= 0:
             raise LoweringError(f"{lw.name}: the batch's ids modulo {args[1]!r} (only a positive "
                                 f"integer is lowered)")
-        rows = _id_rows(lw, args[0])
+        rows = id_rows(lw, args[0])
         return _mapped(lw, rows, np.arange(lw.vocab) % int(c), rows.ids % int(c))
     return lower
 
 
+@refines("aten.select.int")
 def select(base: Handler) -> Handler:
     """``ids[:, k]``: a narrow of the one-hot rows, its dim dropped."""
     def lower(lw: Any, args, kwargs, shapes, group):
         src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
-        if not isinstance(src, (_Ids, _IdRows)):
+        if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)
-        rows = _id_rows(lw, args[0])
+        rows = id_rows(lw, args[0])
         dim = int(args[1]) % rows.ids.ndim
         index = int(args[2]) % rows.ids.shape[dim]
         shape = list(lw.shapes[rows.x])
         shape[dim] = 1
         x = lw.emit("narrow", [rows.x], [shape], {"dim": dim, "start": index, "length": 1})[0]
         ids = np.take(rows.ids, index, axis=dim)
-        return _IdRows(lw.reshape(x, (*ids.shape, lw.vocab)), ids)
+        return IdRows(lw.reshape(x, (*ids.shape, lw.vocab)), ids)
     return lower
 
 
+@refines("aten._to_copy.default")
 def to_copy(base: Handler) -> Handler:
     """Ids converted to numbers: the one-hot rows times the column of the
     ids' values (``0 .. vocab - 1``, or the mapped values). Another integer
     type keeps them ids."""
     def lower(lw: Any, args, kwargs, shapes, group):
         src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
-        if not isinstance(src, (_Ids, _IdRows)):
+        if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)
         dtype = str(kwargs.get("dtype", ""))
         if not dtype:  # a copy to another device or layout: still the ids
@@ -291,26 +260,27 @@ def to_copy(base: Handler) -> Handler:
             if "int" in dtype or "long" in dtype:
                 return src
             raise LoweringError(f"{lw.name}: the batch's integer ids converted to {dtype}")
-        rows = _id_rows(lw, args[0])
+        rows = id_rows(lw, args[0])
         column = constant_input(lw, np.arange(lw.vocab, dtype=np.float64).reshape(lw.vocab, 1))
         numbers = lw.emit("embedding", [rows.x, column], [(*rows.ids.shape, 1)])[0]
         return lw.reshape(numbers, tuple(shapes[0]))
     return lower
 
 
+@refines("aten.t.default", "aten.transpose.int")
 def transpose(base: Handler) -> Handler:
     """Ids with two dims swapped (``tokens.t()``, sequence-first models): the
     one-hot rows with the same dims swapped."""
     def lower(lw: Any, args, kwargs, shapes, group):
         src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
-        if not isinstance(src, (_Ids, _IdRows)):
+        if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)
-        rows = _id_rows(lw, args[0])
+        rows = id_rows(lw, args[0])
         nd = rows.ids.ndim
         d0, d1 = ((int(args[1]) % nd, int(args[2]) % nd) if len(args) > 2 else (0, 1 % nd))
         ids = np.swapaxes(rows.ids, d0, d1)
         if d0 == d1:
             return rows
         x = lw.emit("transpose", [rows.x], [(*ids.shape, lw.vocab)], {"dim0": d0, "dim1": d1})[0]
-        return _IdRows(x, ids)
+        return IdRows(x, ids)
     return lower

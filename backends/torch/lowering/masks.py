@@ -31,26 +31,17 @@ case to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.core import _IdRows, _Ids, _label_values, _one_hot
-from backends.torch.lowering.nn import (
-    NEG_INF,
-    Const,
-    SdpaSaved,
-    _causal_fill,
-    constant_input,
-    constant_value,
-    sdpa_scores,
-    softmax_grad,
-)
-
-Handler = Callable[..., Any]
+from backends.torch.lowering.attention import sdpa_scores, softmax_grad
+from backends.torch.lowering.constants import NEG_INF, causal_fill, constant_input, constant_value
+from backends.torch.lowering.ir import Const, IdRows, Ids, Pending, SdpaSaved
+from backends.torch.lowering.onehot import label_values, one_hot
+from backends.torch.lowering.registry import Handler, refines
 
 #: the score a hidden position stands in with when the masked softmax picks
 #: its shift (the largest kept score); any shift gives the same probabilities
@@ -58,47 +49,47 @@ HIDDEN_SCORE = 1e30
 
 
 @dataclass(frozen=True)
-class Flag:
+class Flag(Pending):
     """A boolean tensor as its lowered 0/1 value ``x`` (1 where true) and its
     recorded booleans ``value`` (this rank's)."""
     x: int
     value: np.ndarray
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         return self.x
 
 
 @dataclass(frozen=True)
-class NegInfMask:
+class NegInfMask(Pending):
     """An additive float mask, 0 where ``keep`` holds and -inf elsewhere
     (SDPA's conversion of a boolean ``attn_mask``, or ``where(keep, 0,
     -inf)``): only an addition to scores or SDPA may read it."""
     keep: Flag
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         raise LoweringError(f"{lw.name}: an additive -inf mask is read other than by SDPA or an "
                             f"addition to attention scores (-inf is no value a plan holds)")
 
 
 @dataclass(frozen=True)
-class Masked:
+class Masked(Pending):
     """Scores ``x`` with -inf where ``keep`` is false: only a softmax may read them."""
     x: int
     keep: Flag
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         raise LoweringError(f"{lw.name}: scores masked with -inf are read other than by a "
                             f"softmax (-inf is no value a plan holds)")
 
 
 @dataclass(frozen=True)
-class Count:
+class Count(Pending):
     """The number of true entries of a flag in the recorded batch (after a
     SUM all-reduce, the group's total): read only as a divisor, a constant
     of the traced step like the cross-entropy's own mean count."""
     value: int
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         raise LoweringError(f"{lw.name}: a count of a mask's true entries is read other than as "
                             f"a divisor")
 
@@ -147,12 +138,12 @@ def _ids_equal(lw: Any, a: Any, c: int) -> Flag:
     """``ids == c``: the one-hot column c; for c outside the vocabulary,
     ``1 - (row sum)``, 0 on every one-hot row and 1 on the zero rows of
     pads, which must then all be c."""
-    ids = np.asarray(_label_values(lw, a))
+    ids = np.asarray(label_values(lw, a))
     outside = (ids < 0) | (ids >= lw.vocab)
     if np.any(outside & (ids != c)):
         raise LoweringError(f"{lw.name}: ids outside the vocabulary other than {c} compared "
                             f"with {c}")
-    onehot = _one_hot(lw, a)
+    onehot = one_hot(lw, a)
     shape = lw.shapes[onehot]
     rows = (*shape[:-1], 1)
     if 0 <= c < lw.vocab:
@@ -171,7 +162,7 @@ def compare_ids(op: str, base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         ids, c = _env(lw, args[0]), lw.const(args[1])
         inside = c is not None and 0 <= int(c) < lw.vocab
-        if c is None or not (isinstance(ids, _IdRows) or isinstance(ids, _Ids)
+        if c is None or not (isinstance(ids, IdRows) or isinstance(ids, Ids)
                              and (inside or op == "eq")):
             return base(lw, args, kwargs, shapes, group)
         flag = _ids_equal(lw, args[0], int(c))
@@ -179,6 +170,7 @@ def compare_ids(op: str, base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.bitwise_not.default", "aten.logical_not.default")
 def logical_not(base: Handler | None) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         f = _flag(lw, args[0])
@@ -217,6 +209,8 @@ def combine(op: str, base: Handler | None) -> Handler:
     return lower
 
 
+@refines("aten.unsqueeze.default", "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+          "aten.expand.default")
 def view(base: Handler) -> Handler:
     """A view or expansion of a flag is a flag of the output's shape."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -271,11 +265,12 @@ def _off_causal(lw: Any, a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     if not isinstance(_env(lw, a), Const):
         return None
     value = constant_value(lw, a)
-    if value is None or value.dtype != bool or _causal_fill(value, shape):
+    if value is None or value.dtype != bool or causal_fill(value, shape):
         return None
     return value
 
 
+@refines("aten.masked_fill.Scalar", "aten.masked_fill_.Scalar", "aten.masked_fill.Tensor")
 def masked_fill(base: Handler) -> Handler:
     """``masked_fill(x, mask, c)`` with a flag (any c), or with a constant
     mask off the causal pattern and c = -inf."""
@@ -293,6 +288,7 @@ def masked_fill(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.where.self")
 def where(base: Handler) -> Handler:
     """``where(cond, a, b)`` with a flag (or a constant mask off the causal
     pattern and a -inf branch): 0 and -inf branches make an additive mask;
@@ -306,7 +302,7 @@ def where(base: Handler) -> Handler:
             if value is None or value.dtype != bool or NEG_INF not in (a, b):
                 return base(lw, args, kwargs, shapes, group)
             hidden = value if a == NEG_INF else ~value
-            if _causal_fill(hidden, shape):
+            if causal_fill(hidden, shape):
                 return base(lw, args, kwargs, shapes, group)
             cond = _constant_flag(lw, value)
         if a is not None and b is not None:
@@ -328,6 +324,7 @@ def _shaped(lw: Any, f: Flag, shape: tuple[int, ...]) -> Flag:
     return Flag(_expanded(lw, f.x, shape), np.broadcast_to(f.value, shape))
 
 
+@refines("aten.add.Tensor")
 def add(base: Handler) -> Handler:
     """``scores + mask`` for an additive -inf mask: a flag's, or a constant's
     whose -inf entries are not the causal pattern (its finite entries added)."""
@@ -353,7 +350,7 @@ def _constant_keep(lw: Any, a: Any, shape: tuple[int, ...]) -> Flag | None:
         return None
     value = np.asarray(value, dtype=np.float64)
     hidden = np.isneginf(value)
-    if not hidden.any() or _causal_fill(hidden, shape):
+    if not hidden.any() or causal_fill(hidden, shape):
         return None
     if np.any(np.isnan(value) | np.isposinf(value)):
         raise LoweringError(f"{lw.name}: an attention mask with nan or +inf entries is not lowered")
@@ -400,6 +397,7 @@ def _masked_softmax(lw: Any, m: Masked, dim: int) -> int:
     return probs
 
 
+@refines("aten._softmax.default")
 def softmax(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         m = _env(lw, args[0])
@@ -409,6 +407,7 @@ def softmax(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten._softmax_backward_data.default")
 def softmax_backward(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         out = lw.val(args[1])
@@ -418,6 +417,7 @@ def softmax_backward(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten._scaled_dot_product_flash_attention_for_cpu.default")
 def sdpa(base: Handler) -> Handler:
     """SDPA with a flag's -inf mask, or a constant one off the causal pattern:
     the masked softmax of the scores, then times the values."""
@@ -456,13 +456,14 @@ def _sdpa_keep_const(lw: Any, args: Any, mask: Any) -> np.ndarray | None:
     hidden = np.isneginf(value)
     q, k = lw.shapes[lw.val(args[0])], lw.shapes[lw.val(args[1])]
     if not hidden.any() or len(q) != 4 or len(k) != 4 \
-            or _causal_fill(hidden, (*q[:3], k[2])):
+            or causal_fill(hidden, (*q[:3], k[2])):
         return None
     return value
 
 
 # -- counts -----------------------------------------------------------------------
 
+@refines("aten.sum.default", "aten.sum.dim_IntList")
 def count(base: Handler) -> Handler:
     """The sum of every entry of a flag: its count in the recorded batch."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -473,6 +474,7 @@ def count(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.div.Tensor")
 def divide(base: Handler) -> Handler:
     """``x / count``: a division by the constant count."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -486,6 +488,7 @@ def divide(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten._to_copy.default", "aten.to.dtype")
 def cast(base: Handler) -> Handler:
     """A cast of a count or of an additive -inf mask to a floating type is
     the same count or mask."""
@@ -511,6 +514,7 @@ def _reduced_count(lw: Any, c: Count, group: tuple[int, ...]) -> Count:
     return Count(lw.counts[k])
 
 
+@refines("c10d.allreduce_.default")
 def count_all_reduce_inplace(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         tensors = args[0]
@@ -524,6 +528,7 @@ def count_all_reduce_inplace(base: Handler) -> Handler:
     return lower
 
 
+@refines("_c10d_functional.all_reduce.default")
 def count_all_reduce(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         c = _env(lw, args[0])
@@ -536,36 +541,21 @@ def count_all_reduce(base: Handler) -> Handler:
     return lower
 
 
-def mask_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module wraps in ``table`` (lower.py's)."""
-    out = {
-        "aten.eq.Scalar": compare_ids("eq", table["aten.eq.Scalar"]),
-        "aten.ne.Scalar": compare_ids("ne", table["aten.ne.Scalar"]),
-        "aten.bitwise_not.default": logical_not(table.get("aten.bitwise_not.default")),
-        "aten.logical_not.default": logical_not(table.get("aten.logical_not.default")),
-        "aten._softmax.default": softmax(table["aten._softmax.default"]),
-        "aten._softmax_backward_data.default":
-            softmax_backward(table["aten._softmax_backward_data.default"]),
-        "aten.add.Tensor": add(table["aten.add.Tensor"]),
-        "aten.where.self": where(table["aten.where.self"]),
-        "aten._scaled_dot_product_flash_attention_for_cpu.default":
-            sdpa(table["aten._scaled_dot_product_flash_attention_for_cpu.default"]),
-    }
-    for op in ("aten.sum.default", "aten.sum.dim_IntList"):
-        out[op] = count(table[op])
-    out["aten.div.Tensor"] = divide(table["aten.div.Tensor"])
-    for op in ("aten._to_copy.default", "aten.to.dtype"):
-        out[op] = cast(table[op])
-    out["c10d.allreduce_.default"] = count_all_reduce_inplace(table["c10d.allreduce_.default"])
-    out["_c10d_functional.all_reduce.default"] = count_all_reduce(
-        table["_c10d_functional.all_reduce.default"])
-    for op in ("aten.bitwise_and.Tensor", "aten.__and__.Tensor", "aten.logical_and.default"):
-        out[op] = combine("and", table.get(op))
-    for op in ("aten.bitwise_or.Tensor", "aten.__or__.Tensor", "aten.logical_or.default"):
-        out[op] = combine("or", table.get(op))
-    for op in ("aten.masked_fill.Scalar", "aten.masked_fill_.Scalar", "aten.masked_fill.Tensor"):
-        out[op] = masked_fill(table[op])
-    for op in ("aten.unsqueeze.default", "aten.view.default", "aten._unsafe_view.default",
-               "aten.reshape.default", "aten.expand.default"):
-        out[op] = view(table[op])
-    return out
+@refines("aten.eq.Scalar")
+def compare_eq(base: Handler) -> Handler:
+    return compare_ids("eq", base)
+
+
+@refines("aten.ne.Scalar")
+def compare_ne(base: Handler) -> Handler:
+    return compare_ids("ne", base)
+
+
+@refines("aten.bitwise_and.Tensor", "aten.__and__.Tensor", "aten.logical_and.default")
+def combine_and(base: Handler | None) -> Handler:
+    return combine("and", base)
+
+
+@refines("aten.bitwise_or.Tensor", "aten.__or__.Tensor", "aten.logical_or.default")
+def combine_or(base: Handler | None) -> Handler:
+    return combine("or", base)

@@ -23,68 +23,42 @@ cases and hands every other on to the handler it wraps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.vocab_parallel import RowMax
-
-Handler = Callable[..., Any]
+from backends.torch.lowering.ir import MaxCount, MaxHit, Pending, RowMax, refuse_max_read
+from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
+from backends.torch.lowering.shapes import dim_set
 
 #: reshapes a maximum may pass through before autograd compares it with its input
 _RESHAPES = ("flatten", "unflatten")
 
 
-def _refuse(lw: Any) -> None:
-    raise LoweringError(f"{lw.name}: a comparison with a maximum (amax(x) == x) read other than "
-                        f"by amax's backward is not lowered")
-
-
 @dataclass(frozen=True)
-class MaxHit:
-    """``amax(x) == x``: where x is maximal along the reduced dims."""
-    x: int
-    top: int  # the max node's output
-    kwargs: tuple  # the max node's (dim, keepdim)
-
-    def emit_into(self, lw: Any) -> int:
-        _refuse(lw)
-
-
-@dataclass(frozen=True)
-class MaxCount:
-    """The number of maxima along the dims, ``hit.sum(dims, keepdim=True)``."""
-    hit: MaxHit
-
-    def emit_into(self, lw: Any) -> int:
-        _refuse(lw)
-
-
-@dataclass(frozen=True)
-class MaxShare:
+class MaxShare(Pending):
     """``g / count``: each maximum's share of the gradient."""
     g: int
     hit: MaxHit
 
-    def emit_into(self, lw: Any) -> int:
-        _refuse(lw)
+    def materialize(self, lw: Any) -> int:
+        refuse_max_read(lw)
 
 
 @dataclass(frozen=True)
-class Tie:
+class Tie(Pending):
     """``a == b`` of two lowered values broadcast to ``shape``."""
     a: int
     b: int
     shape: tuple[int, ...]
     recorded: tuple[Any, Any]  # the compared tensors' recorded ids
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         _refuse_tie(lw)
 
 
 @dataclass(frozen=True)
-class Order:
+class Order(Pending):
     """``a > b`` or ``a < b`` of two lowered values broadcast to ``shape``."""
     op: str
     a: int
@@ -92,17 +66,17 @@ class Order:
     shape: tuple[int, ...]
     recorded: tuple[Any, Any]
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         _refuse_tie(lw)
 
 
 @dataclass(frozen=True)
-class TieSplit:
+class TieSplit(Pending):
     """``where(a == b, g / 2, g)``: the gradient halved at ties."""
     tie: Tie
     g: int
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         _refuse_tie(lw)
 
 
@@ -161,6 +135,7 @@ def _negated(node: Any) -> bool:
     return node is not None and node.op == "mul_scalar" and node.kwargs.get("value") == -1.0
 
 
+@refines("aten.eq.Tensor", absent=not_lowered)
 def equal(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         a, b = _env(lw, args[0]), _env(lw, args[1])
@@ -194,6 +169,7 @@ def _halved(lw: Any, half: Any, g: Any) -> bool:
         and node.kwargs.get("value") == 2.0
 
 
+@refines("aten.where.self")
 def split_ties(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         tie = _env(lw, args[0])
@@ -212,6 +188,7 @@ def _step_times(lw: Any, a: int, b: int, t: int) -> int:
     return lw.emit("relu", [y, t], [lw.shapes[t]], direction="bw")[0]
 
 
+@refines("aten.masked_fill_.Scalar")
 def fill_losing_side(base: Handler) -> Handler:
     """``where(a == b, g / 2, g).masked_fill_(a > b, 0)``: g where a < b,
     g / 2 at ties, 0 where a > b (``a < b``: the mirror)."""
@@ -263,24 +240,21 @@ def _relu_of_difference(lw: Any, args, shape: tuple[int, ...]) -> tuple[int, int
     return a, b, lw.emit("relu", [d], [lw.shapes[a]])[0]
 
 
+@lowers("aten.maximum.default")
 def maximum(lw: Any, args, kwargs, shapes, group):
     """``b + relu(a - b)``."""
     _, b, r = _relu_of_difference(lw, args, tuple(shapes[0]))
     return lw.emit("add", [b, r], [lw.shapes[b]])[0]
 
 
+@lowers("aten.minimum.default")
 def minimum(lw: Any, args, kwargs, shapes, group):
     """``a - relu(a - b)``."""
     a, _, r = _relu_of_difference(lw, args, tuple(shapes[0]))
     return lw.emit("sub", [a, r], [lw.shapes[a]])[0]
 
 
-def dim_set(dims: Any, ndim: int) -> list[int]:
-    """The reduced dims, sorted; none (``None`` or ``[]``) is every dim."""
-    dims = [] if dims is None else dims if isinstance(dims, (list, tuple)) else [dims]
-    return sorted(int(d) % max(1, ndim) for d in dims) if dims else list(range(ndim))
-
-
+@refines("aten.sum.dim_IntList")
 def count(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         hit = _env(lw, args[0])
@@ -290,11 +264,12 @@ def count(base: Handler) -> Handler:
         dims = dim_set(args[1] if len(args) > 1 else kwargs.get("dim"), ndim)
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         if dims != dim_set(hit.kwargs[0], ndim) or not keepdim:
-            _refuse(lw)
+            refuse_max_read(lw)
         return MaxCount(hit)
     return lower
 
 
+@refines("aten.div.Tensor")
 def share(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         c = _env(lw, args[1])
@@ -304,6 +279,7 @@ def share(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.mul.Tensor")
 def spread(base: Handler) -> Handler:
     """``share * hit``: the ``max`` rule's backward of the share's gradient."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -311,10 +287,10 @@ def spread(base: Handler) -> Handler:
         s, hit = (a, b) if isinstance(a, MaxShare) else (b, a)
         if not isinstance(s, MaxShare):
             if any(isinstance(v, (MaxHit, MaxCount)) for v in (a, b)):
-                _refuse(lw)
+                refuse_max_read(lw)
             return base(lw, args, kwargs, shapes, group)
         if hit != s.hit:
-            _refuse(lw)
+            refuse_max_read(lw)
         g = lw.reshape(s.g, lw.shapes[hit.top])
         dim, keepdim = hit.kwargs
         return lw.emit("max", [hit.x, g], [lw.shapes[hit.x]], {"dim": dim, "keepdim": keepdim},
@@ -322,24 +298,13 @@ def spread(base: Handler) -> Handler:
     return lower
 
 
-def max_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module adds to or wraps in ``table`` (lower.py's)."""
-    return {
-        "aten.eq.Tensor": equal(table.get("aten.eq.Tensor", _unlowered("aten.eq.Tensor"))),
-        "aten.sum.dim_IntList": count(table["aten.sum.dim_IntList"]),
-        "aten.div.Tensor": share(table["aten.div.Tensor"]),
-        "aten.mul.Tensor": spread(table["aten.mul.Tensor"]),
-        "aten.gt.Tensor": order("gt", table.get("aten.gt.Tensor", _unlowered("aten.gt.Tensor"))),
-        "aten.lt.Tensor": order("lt", table.get("aten.lt.Tensor", _unlowered("aten.lt.Tensor"))),
-        "aten.where.self": split_ties(table["aten.where.self"]),
-        "aten.masked_fill_.Scalar": fill_losing_side(table["aten.masked_fill_.Scalar"]),
-        "aten.maximum.default": maximum,
-        "aten.minimum.default": minimum,
-    }
 
 
-def _unlowered(op: str) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
-        raise LoweringError(f"aten op {op} (at {lw.name or 'top level'}) is not lowered onto the "
-                            f"rule table")
-    return lower
+@refines("aten.gt.Tensor", absent=not_lowered)
+def order_gt(base: Handler) -> Handler:
+    return order("gt", base)
+
+
+@refines("aten.lt.Tensor", absent=not_lowered)
+def order_lt(base: Handler) -> Handler:
+    return order("lt", base)

@@ -20,22 +20,26 @@ pattern may read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.max import MaxCount, MaxHit, dim_set
+from backends.torch.lowering.ir import MaxCount, MaxHit, Pending
+from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
+from backends.torch.lowering.shapes import dim_set
 
-Handler = Callable[..., Any]
+
+def _unlowered(op: str) -> Handler:
+    """``not_lowered``, naming the op without its ``.default`` overload."""
+    return not_lowered(op.removesuffix(".default"))
 
 
 @dataclass(frozen=True)
-class NotNaN:
+class NotNaN(Pending):
     """``isnan(v)`` of a lowered value (or a conjunction of such): false
     everywhere in real arithmetic."""
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         raise LoweringError(f"{lw.name}: isnan of a computed tensor is read other than by the "
                             f"backward of x.max()/x.min(); it is not lowered")
 
@@ -58,6 +62,7 @@ def extreme_all(least: bool) -> Handler:
     return lower
 
 
+@refines("aten.isnan.default", absent=_unlowered)
 def isnan(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         x = _env(lw, args[0])
@@ -68,6 +73,7 @@ def isnan(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.logical_and.default", absent=_unlowered)
 def logical_and(base: Handler) -> Handler:
     """``isnan(x) & isnan(top)``: false when either side is."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -77,6 +83,7 @@ def logical_and(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.logical_or_.default", "aten.logical_or.default", absent=_unlowered)
 def logical_or(base: Handler) -> Handler:
     """``(x == top) | nan``: the comparison itself when nan is false."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -96,6 +103,7 @@ def _all_dims(hit: MaxHit, ndim: int) -> bool:
     return dim_set(hit.kwargs[0], ndim) == list(range(ndim))
 
 
+@refines("aten.sum.default")
 def count_all(base: Handler) -> Handler:
     """``hit.sum()``: the number of maxima of a maximum over every dim."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -109,25 +117,5 @@ def count_all(base: Handler) -> Handler:
     return lower
 
 
-def max_all_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module adds to or wraps in ``table`` (lower.py's,
-    after ``lower_max``'s)."""
-    return {
-        "aten.max.default": extreme_all(least=False),
-        "aten.min.default": extreme_all(least=True),
-        "aten.isnan.default": isnan(table.get("aten.isnan.default", _unlowered("aten.isnan"))),
-        "aten.logical_and.default": logical_and(
-            table.get("aten.logical_and.default", _unlowered("aten.logical_and"))),
-        "aten.logical_or_.default": logical_or(
-            table.get("aten.logical_or_.default", _unlowered("aten.logical_or_"))),
-        "aten.logical_or.default": logical_or(
-            table.get("aten.logical_or.default", _unlowered("aten.logical_or"))),
-        "aten.sum.default": count_all(table["aten.sum.default"]),
-    }
-
-
-def _unlowered(op: str) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
-        raise LoweringError(f"aten op {op} (at {lw.name or 'top level'}) is not lowered onto the "
-                            f"rule table")
-    return lower
+lowers("aten.max.default")(extreme_all(least=False))
+lowers("aten.min.default")(extreme_all(least=True))

@@ -29,113 +29,12 @@ a ``sum``, an ``add`` or a ``mul_scalar``: exact rules.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.conv import _cat, _every, _narrow, _pad, _spread, _with_axis
-
-Handler = Callable[..., Any]
-
-
-@dataclass(frozen=True)
-class Dim:
-    """One spatial dim of a pooling: input size, kernel, stride, padding,
-    dilation and the recorded output size."""
-    size: int
-    kernel: int
-    stride: int
-    padding: int
-    dilation: int
-    out: int
-
-    def start(self, o: int) -> int:
-        return o * self.stride - self.padding
-
-    def taps(self, o: int) -> list[int]:
-        """The taps of window o that fall inside the input."""
-        return [k for k in range(self.kernel)
-                if 0 <= self.start(o) + k * self.dilation < self.size]
-
-    def sources(self, k: int) -> list[int]:
-        """The input position each window's tap k reads, a padded tap
-        replaced by the window's nearest valid tap (max pooling)."""
-        out = []
-        for o in range(self.out):
-            valid = self.taps(o)
-            out.append(self.start(o) + min(max(k, valid[0]), valid[-1]) * self.dilation)
-        return out
-
-
-def pool_dims(lw: Any, size, kernel, stride, padding, dilation, ceil_mode: bool,
-              out) -> list[Dim]:
-    """The pooling's dims, checked against torch's output size rule."""
-    dims = [Dim(*v) for v in zip(size, kernel, stride, padding, dilation, out)]
-    for d in dims:
-        span = d.size + 2 * d.padding - d.dilation * (d.kernel - 1) - 1
-        expect = -(-span // d.stride) + 1 if ceil_mode else span // d.stride + 1
-        if ceil_mode and (expect - 1) * d.stride >= d.size + d.padding:
-            expect -= 1
-        if d.out != expect or d.out <= 0 or 2 * d.padding > d.dilation * (d.kernel - 1) + 1 \
-                or any(not d.taps(o) for o in range(d.out)):
-            raise LoweringError(f"{lw.name}: pooling of spatial size {list(size)} with kernel "
-                                f"{list(kernel)}, stride {list(stride)}, padding {list(padding)}"
-                                f"{' and ceil_mode' if ceil_mode else ''} is not lowered")
-    return dims
-
-
-def _runs(idxs: list[int]) -> list[tuple[int, int, int]]:
-    """(first output, first source, length) of each run of consecutive sources."""
-    runs: list[tuple[int, int, int]] = []
-    for j, i in enumerate(idxs):
-        if runs and runs[-1][1] + runs[-1][2] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((j, i, 1))
-    return runs
-
-
-def _take(lw: Any, x: int, dim: int, idxs: list[int]) -> int:
-    """x's positions ``idxs`` along dim, in order (copies)."""
-    return _cat(lw, [_narrow(lw, x, dim, i, n) for _, i, n in _runs(idxs)], dim)
-
-
-def _put(lw: Any, g: int, dim: int, idxs: list[int], size: int) -> int:
-    """The adjoint of ``_take``: g's positions added at their sources."""
-    total = None
-    for j, i, n in _runs(idxs):
-        piece = _pad(lw, _narrow(lw, g, dim, j, n), dim, i, size - i - n)
-        total = piece if total is None else lw.emit("add", [total, piece], [lw.shapes[piece]])[0]
-    return total
-
-
-def max_windows(lw: Any, x: int, dims: list[Dim]) -> int:
-    """x's windows ``(N, C, K1, O1, ..., Kd, Od)``, padded taps copied."""
-    for i, d in enumerate(dims):
-        dim = 2 + 2 * i
-        taps = []
-        for k in range(d.kernel):
-            tap = _take(lw, x, dim, d.sources(k))
-            taps.append(lw.reshape(tap, _with_axis(lw.shapes[tap], dim)))
-        x = _cat(lw, taps, dim)
-    return x
-
-
-def max_unwindow(lw: Any, g: int, dims: list[Dim]) -> int:
-    """The adjoint of ``max_windows``."""
-    for i in reversed(range(len(dims))):
-        d, dim = dims[i], 2 + 2 * i
-        total = None
-        for k in range(d.kernel):
-            tap = _narrow(lw, g, dim, k, 1)
-            shape = lw.shapes[tap]
-            tap = _put(lw, lw.reshape(tap, (*shape[:dim], *shape[dim + 1:])), dim,
-                       d.sources(k), d.size)
-            total = tap if total is None else lw.emit("add", [total, tap], [lw.shapes[tap]])[0]
-        g = total
-    return g
-
+from backends.torch.lowering.registry import Handler, lowers
+from backends.torch.lowering.shapes import Dim, cat, every, narrow, pad, pool_dims, spread, with_axis
 
 # -- average pooling ---------------------------------------------------------------
 
@@ -158,12 +57,12 @@ def _scale(lw: Any, x: int, dim: int, factors: list[float]) -> int:
         n = 1
         while o + n < len(factors) and factors[o + n] == factors[o]:
             n += 1
-        piece = _narrow(lw, x, dim, o, n)
+        piece = narrow(lw, x, dim, o, n)
         if factors[o] != 1.0:
             piece = lw.emit("mul_scalar", [piece], [lw.shapes[piece]], {"value": factors[o]})[0]
         parts.append(piece)
         o += n
-    return _cat(lw, parts, dim)
+    return cat(lw, parts, dim)
 
 
 @dataclass(frozen=True)
@@ -216,10 +115,10 @@ def avg_pool(spatial: int) -> Handler:
         avg = _avg_of(lw, x, args, kwargs, out_shape)
         for i, d in enumerate(avg.dims):
             dim = 2 + i
-            xp = _pad(lw, x, dim, d.padding, _right(d))
+            xp = pad(lw, x, dim, d.padding, _right(d))
             total = None
             for k in range(d.kernel):
-                tap = _every(lw, _narrow(lw, xp, dim, k, (d.out - 1) * d.stride + 1), dim,
+                tap = every(lw, narrow(lw, xp, dim, k, (d.out - 1) * d.stride + 1), dim,
                              d.stride, d.out)
                 total = tap if total is None else lw.emit("add", [total, tap],
                                                           [lw.shapes[tap]])[0]
@@ -251,21 +150,15 @@ def avg_pool_backward(spatial: int) -> Handler:
             padded = d.size + d.padding + _right(d)
             total = None
             for k in range(d.kernel):
-                tap = _spread(lw, g, dim, d.stride, d.out)
-                tap = _pad(lw, tap, dim, k, padded - k - lw.shapes[tap][dim])
+                tap = spread(lw, g, dim, d.stride, d.out)
+                tap = pad(lw, tap, dim, k, padded - k - lw.shapes[tap][dim])
                 total = tap if total is None else lw.emit("add", [total, tap],
                                                           [lw.shapes[tap]])[0]
-            g = _narrow(lw, total, dim, d.padding, d.size)
+            g = narrow(lw, total, dim, d.padding, d.size)
         return lw.reshape(g, lw.shapes[x0])
     return lower
 
 
-POOL_HANDLERS: dict[str, Handler] = {
-    "aten.avg_pool2d.default": avg_pool(2),
-    "aten.avg_pool3d.default": avg_pool(3),
-    "aten.avg_pool2d_backward.default": avg_pool_backward(2),
-    "aten.avg_pool3d_backward.default": avg_pool_backward(3),
-}
 
 
 # -- adaptive average pooling -------------------------------------------------------
@@ -285,13 +178,13 @@ def adaptive_avg_pool(spatial: int) -> Handler:
             dim = 2 + i
             pieces = []
             for lo, hi in _adaptive_windows(lw.shapes[x][dim], o_size):
-                piece = _narrow(lw, x, dim, lo, hi - lo)
-                shape = _with_axis(tuple(s for k, s in enumerate(lw.shapes[piece]) if k != dim), dim)
+                piece = narrow(lw, x, dim, lo, hi - lo)
+                shape = with_axis(tuple(s for k, s in enumerate(lw.shapes[piece]) if k != dim), dim)
                 piece = lw.emit("sum", [piece], [shape], {"dim": [dim], "keepdim": True})[0]
                 if hi - lo != 1:
                     piece = lw.emit("mul_scalar", [piece], [shape], {"value": 1.0 / (hi - lo)})[0]
                 pieces.append(piece)
-            x = _cat(lw, pieces, dim)
+            x = cat(lw, pieces, dim)
         return lw.reshape(x, tuple(shapes[0]))
     return lower
 
@@ -304,14 +197,14 @@ def adaptive_avg_pool_backward(spatial: int) -> Handler:
             dim, size = 2 + i, lw.shapes[x][2 + i]
             total = None
             for o, (lo, hi) in enumerate(_adaptive_windows(size, lw.shapes[g][dim])):
-                piece = _narrow(lw, g, dim, o, 1)
+                piece = narrow(lw, g, dim, o, 1)
                 if hi - lo != 1:
                     piece = lw.emit("mul_scalar", [piece], [lw.shapes[piece]],
                                     {"value": 1.0 / (hi - lo)})[0]
                     shape = list(lw.shapes[piece])
                     shape[dim] = hi - lo
                     piece = lw.emit("expand", [piece], [tuple(shape)], {"shape": shape})[0]
-                piece = _pad(lw, piece, dim, lo, size - hi)
+                piece = pad(lw, piece, dim, lo, size - hi)
                 total = piece if total is None else lw.emit("add", [total, piece],
                                                             [lw.shapes[piece]])[0]
             g = total
@@ -319,9 +212,12 @@ def adaptive_avg_pool_backward(spatial: int) -> Handler:
     return lower
 
 
-POOL_HANDLERS.update({
-    "aten._adaptive_avg_pool2d.default": adaptive_avg_pool(2),
-    "aten._adaptive_avg_pool3d.default": adaptive_avg_pool(3),
-    "aten._adaptive_avg_pool2d_backward.default": adaptive_avg_pool_backward(2),
-    "aten._adaptive_avg_pool3d_backward.default": adaptive_avg_pool_backward(3),
-})
+
+lowers("aten.avg_pool2d.default")(avg_pool(2))
+lowers("aten.avg_pool3d.default")(avg_pool(3))
+lowers("aten.avg_pool2d_backward.default")(avg_pool_backward(2))
+lowers("aten.avg_pool3d_backward.default")(avg_pool_backward(3))
+lowers("aten._adaptive_avg_pool2d.default")(adaptive_avg_pool(2))
+lowers("aten._adaptive_avg_pool3d.default")(adaptive_avg_pool(3))
+lowers("aten._adaptive_avg_pool2d_backward.default")(adaptive_avg_pool_backward(2))
+lowers("aten._adaptive_avg_pool3d_backward.default")(adaptive_avg_pool_backward(3))

@@ -24,17 +24,16 @@ input it was cut from) is zeros of the input's shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.ir import Bucket, IdRows, Ids, Piece
+from backends.torch.lowering.registry import Handler, refines
+from backends.torch.lowering.shapes import narrow, pad
 
 # imported by lower.py once the id types exist
-from backends.torch.lowering.core import Bucket, _IdRows, _Ids, _Piece
-from backends.torch.lowering.conv import _narrow, _pad
 
-Handler = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -45,11 +44,11 @@ class Empty:
 
 def _every(lw: Any, x: int, dim: int, start: int, step: int, count: int) -> int:
     """The values of x at ``start + k step`` along dim, k < count."""
-    x = _narrow(lw, x, dim, start, (count - 1) * step + 1)
-    x = _pad(lw, x, dim, 0, step - 1)
+    x = narrow(lw, x, dim, start, (count - 1) * step + 1)
+    x = pad(lw, x, dim, 0, step - 1)
     shape = lw.shapes[x]
     x = lw.reshape(x, (*shape[:dim], count, step, *shape[dim + 1:]))
-    return lw.reshape(_narrow(lw, x, dim + 1, 0, 1), (*shape[:dim], count, *shape[dim + 1:]))
+    return lw.reshape(narrow(lw, x, dim + 1, 0, 1), (*shape[:dim], count, *shape[dim + 1:]))
 
 
 def _spread(lw: Any, g: int, dim: int, start: int, step: int, size: int) -> int:
@@ -57,11 +56,11 @@ def _spread(lw: Any, g: int, dim: int, start: int, step: int, size: int) -> int:
     positions along dim, zeros elsewhere."""
     shape = lw.shapes[g]
     count = shape[dim]
-    g = _pad(lw, lw.reshape(g, (*shape[:dim], count, 1, *shape[dim + 1:])), dim + 1, 0, step - 1)
+    g = pad(lw, lw.reshape(g, (*shape[:dim], count, 1, *shape[dim + 1:])), dim + 1, 0, step - 1)
     g = lw.reshape(g, (*shape[:dim], count * step, *shape[dim + 1:]))
     span = (count - 1) * step + 1
-    g = _narrow(lw, g, dim, 0, span)
-    return _pad(lw, g, dim, start, size - start - span)
+    g = narrow(lw, g, dim, 0, span)
+    return pad(lw, g, dim, start, size - start - span)
 
 
 def _bounds(total: int, args, at: int) -> tuple[int, int, int]:
@@ -76,7 +75,7 @@ def _computed(lw: Any, a: Any) -> bool:
     """Whether a recorded argument is a computed tensor (not the batch's
     integer ids, which lower.py slices as one-hot rows)."""
     x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
-    return x is not None and not isinstance(x, (_Ids, _IdRows, Bucket))
+    return x is not None and not isinstance(x, (Ids, IdRows, Bucket))
 
 
 def _source(lw: Any, a: Any, dim: int) -> tuple[int, int, int]:
@@ -85,13 +84,14 @@ def _source(lw: Any, a: Any, dim: int) -> tuple[int, int, int]:
     is read from the tensor itself at the piece's offset, so that the rank
     and the single-device step slice the same node."""
     src = lw.env.get(a[1])
-    if isinstance(src, _Piece) and src.dim == dim and isinstance(src.of, int):
+    if isinstance(src, Piece) and src.dim == dim and isinstance(src.of, int):
         size = lw.shapes[src.of][dim] // src.parts
         return src.of, src.index * size, size
     x = lw.val(a)
     return x, 0, lw.shapes[x][dim]
 
 
+@refines("aten.slice.Tensor")
 def strided_slice(inner: Handler) -> Handler:
     def handler(lw: Any, args, kwargs, shapes, group):
         out = tuple(shapes[0])
@@ -110,6 +110,7 @@ def strided_slice(inner: Handler) -> Handler:
     return handler
 
 
+@refines("aten.slice_backward.default")
 def strided_slice_backward(inner: Handler) -> Handler:
     def handler(lw: Any, args, kwargs, shapes, group):
         g = lw.env.get(args[0][1])
@@ -129,6 +130,7 @@ def strided_slice_backward(inner: Handler) -> Handler:
     return handler
 
 
+@refines("aten.cat.default")
 def cat_skipping_empty(inner: Handler) -> Handler:
     def handler(lw: Any, args, kwargs, shapes, group):
         tensors = [a for a in args[0] if not isinstance(lw.env.get(a[1]), Empty)]
@@ -138,12 +140,3 @@ def cat_skipping_empty(inner: Handler) -> Handler:
             return inner(lw, args, kwargs, shapes, group)
         return inner(lw, [tensors, *args[1:]], kwargs, shapes, group)
     return handler
-
-
-def slice_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module wraps in ``table`` (lower.py's)."""
-    return {
-        "aten.slice.Tensor": strided_slice(table["aten.slice.Tensor"]),
-        "aten.slice_backward.default": strided_slice_backward(table["aten.slice_backward.default"]),
-        "aten.cat.default": cat_skipping_empty(table["aten.cat.default"]),
-    }

@@ -16,14 +16,12 @@ take their own cases and hand every other on to the handler they wrap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.activations import var
-
-Handler = Callable[..., Any]
+from backends.torch.lowering.emit import emit_binary, expand_to, number
+from backends.torch.lowering.registry import Handler, lowers, refines
 
 
 @dataclass(frozen=True)
@@ -33,6 +31,7 @@ class StdIsZero:
     std: int
 
 
+@lowers("aten.std.correction")
 def std(lw: Any, args, kwargs, shapes, group):
     s = lw.emit("pow", [var(lw, args, kwargs, shapes, group)], shapes, {"exponent": 0.5})[0]
     lw.stds.add(s)
@@ -43,6 +42,7 @@ def _arg(lw: Any, a: Any) -> Any:
     return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
 
 
+@refines("aten.eq.Scalar")
 def std_is_zero(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         s = _arg(lw, args[0])
@@ -58,6 +58,7 @@ def _twice(lw: Any, t: int, s: int) -> bool:
                and n.kwargs.get("value") == 2.0 for n in reversed(lw.nodes))
 
 
+@refines("aten.masked_fill_.Scalar")
 def std_guard(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         mask = _arg(lw, args[1])
@@ -72,10 +73,24 @@ def std_guard(base: Handler) -> Handler:
     return lower
 
 
-def std_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module adds to or wraps in ``table`` (lower.py's)."""
-    return {
-        "aten.std.correction": std,
-        "aten.eq.Scalar": std_is_zero(table["aten.eq.Scalar"]),
-        "aten.masked_fill_.Scalar": std_guard(table["aten.masked_fill_.Scalar"]),
-    }
+@lowers("aten.var.correction")
+def var(lw: Any, args, kwargs, shapes, group):
+    """``sum((x - mean(x))^2, dims) / (n - correction)`` along dims."""
+    x = lw.val(args[0])
+    nd = len(lw.shapes[x])
+    dims = _arg(args, kwargs, 1, "dim", None)
+    dims = list(range(nd)) if dims is None else [int(d) % nd for d in dims]
+    correction = number(lw, kwargs.get("correction", 1), "var's correction")
+    keepdim = bool(kwargs.get("keepdim", False))
+    n = 1
+    for d in dims:
+        n *= lw.shapes[x][d]
+    if n - correction <= 0:
+        raise LoweringError(f"{lw.name}: var over {n} values with correction {correction}")
+    dim = dims[0] if len(dims) == 1 else dims
+    kept = tuple(1 if d in dims else k for d, k in enumerate(lw.shapes[x]))
+    mean = lw.emit("mean", [x], [kept], {"dim": dim, "keepdim": True})[0]
+    centered = emit_binary(lw, "sub", x, expand_to(lw, mean, lw.shapes[x]))
+    total = lw.emit("sum", [emit_binary(lw, "mul", centered, centered)], shapes,
+                    {"dim": dim, "keepdim": keepdim})[0]
+    return lw.emit("div", [total], shapes, {"value": float(n - correction)})[0]

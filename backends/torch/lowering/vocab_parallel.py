@@ -30,54 +30,40 @@ table it extends (``vocab_parallel_handlers``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.core import LNode, _Ids, _IdsTest, _one_hot, _or, _Shifted, _VocabMask
-from backends.torch.lowering.nn import Const, constant_value
+from backends.torch.lowering.constants import constant_value
+from backends.torch.lowering.context import LNode
+from backends.torch.lowering.ir import Const, Ids, IdsTest, Pending, RowMax, Shifted, VocabMask
+from backends.torch.lowering.onehot import one_hot
+from backends.torch.lowering.registry import Handler, lowers, refines
 
-Handler = Callable[..., Any]
 
-
-class PatternOnly:
+class PatternOnly(Pending):
     """A helper value only the next op of its pattern may read: any other
     reader (materializing it) stops the run with one line."""
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         raise LoweringError(f"{lw.name}: a vocabulary-parallel mask, shifted ids or masked "
                             f"value ({type(self).__name__}) is read outside the patterns "
                             f"lowered (backends/torch/lower_vocab_parallel.py)")
 
 
 @dataclass(frozen=True)
-class RowMax:
-    """``amax(x, dim, keepdim=True)`` of a local tensor, not yet emitted: a
-    MAX all-reduce of it is the maximum of the gathered rows; any other
-    reader gets the local ``max``."""
-    x: int
-    dim: int
-
-    def emit_into(self, lw: Any) -> int:
-        shape = list(lw.shapes[self.x])
-        shape[self.dim] = 1
-        return lw.emit("max", [self.x], [shape], {"dim": self.dim, "keepdim": True})[0]
-
-
-@dataclass(frozen=True)
 class AllLabels(PatternOnly):
     """``labels != ignore_index`` with the index outside the vocabulary: true
     for every label (the backend draws them in ``[0, vocab)``)."""
-    ids: _Ids
+    ids: Ids
 
 
 @dataclass(frozen=True)
 class InRange(PatternOnly):
     """``(ids >= lo) & (ids < hi)``: torchtitan's embedding range mask."""
-    ids: _Ids
+    ids: Ids
     lo: int
     hi: int
 
@@ -97,14 +83,14 @@ class AsFloat(PatternOnly):
 @dataclass(frozen=True)
 class LabelUpdate(PatternOnly):
     """``mask.float() - 1``: -1 for the labels inside the rows, 0 outside."""
-    mask: _VocabMask
+    mask: VocabMask
 
 
 @dataclass(frozen=True)
 class Clamped(PatternOnly):
     """``(ids - lo).clamp(0, rows - 1)``: torchtitan's local row of each id,
     clamped into the table (the rows outside are zeroed by its mask)."""
-    ids: _Ids
+    ids: Ids
     lo: int
     rows: int
 
@@ -115,7 +101,7 @@ class ClampedLookup(PatternOnly):
     one-hot columns ``[lo, lo + rows)`` times the table: equal to the lookup
     only after the output is multiplied by its range mask."""
     value: int
-    ids: _Ids
+    ids: Ids
     lo: int
     rows: int
 
@@ -135,7 +121,7 @@ class MaskedPick(PatternOnly):
     ``[lo, hi)``: equal to the gather only once the picks outside the rows
     are zeroed (``index_put_`` of 0 at ``mask``), the one reader allowed."""
     value: int
-    mask: _VocabMask
+    mask: VocabMask
 
 
 @dataclass(frozen=True)
@@ -145,12 +131,12 @@ class Zeros(PatternOnly):
 
 
 @dataclass(frozen=True)
-class Spread:
+class Spread(Pending):
     """Value ``x`` broadcast to ``shape`` by ``where`` (not yet emitted)."""
     x: int
     shape: tuple[int, ...]
 
-    def emit_into(self, lw: Any) -> int:
+    def materialize(self, lw: Any) -> int:
         return lw.emit("expand", [self.x], [list(self.shape)], {"shape": list(self.shape)})[0]
 
 
@@ -170,7 +156,7 @@ def _refuse_pending(lw: Any, args: Any, what: str) -> None:
                                 f"(backends/torch/lower_vocab_parallel.py)")
 
 
-def _vocab_columns(lw: Any, ids: _Ids, lo: int, rows: int, what: str,
+def _vocab_columns(lw: Any, ids: Ids, lo: int, rows: int, what: str,
                    shape: tuple[int, ...] | None = None) -> int:
     """The one-hot rows of ``ids`` (seen with ``shape`` when given),
     columns ``[lo, lo + rows)``: a ``split`` of the vocabulary into equal
@@ -179,8 +165,8 @@ def _vocab_columns(lw: Any, ids: _Ids, lo: int, rows: int, what: str,
         raise LoweringError(f"{lw.name}: {what} of the rows [{lo}, {lo + rows}) is not one of "
                             f"equal vocabulary shards")
     if shape is not None and ids.shape != tuple(shape):
-        ids = _Ids(ids.source, ids.index, ids.parts, tuple(shape))
-    onehot = _one_hot(lw, ("v", _ids_source(lw, ids)))
+        ids = Ids(ids.source, ids.index, ids.parts, tuple(shape))
+    onehot = one_hot(lw, ("v", _ids_source(lw, ids)))
     if rows == lw.vocab:
         return onehot
     shape = [*lw.shapes[onehot][:-1], rows]
@@ -189,7 +175,7 @@ def _vocab_columns(lw: Any, ids: _Ids, lo: int, rows: int, what: str,
                                                  "index": lo // rows})[0]
 
 
-def _ids_source(lw: Any, ids: _Ids) -> int:
+def _ids_source(lw: Any, ids: Ids) -> int:
     """A recorded value holding ``ids`` (added to the environment, under a
     fresh negative key, when no op produced them with that shape)."""
     for v, x in lw.env.items():
@@ -202,6 +188,7 @@ def _ids_source(lw: Any, ids: _Ids) -> int:
 
 # -- the stable log-softmax ------------------------------------------------------
 
+@lowers("aten.amax.default")
 def amax(lw: Any, args, kwargs, shapes, group):
     x = lw.val(args[0])
     dims = args[1] if len(args) > 1 else kwargs.get("dim", [])
@@ -214,6 +201,7 @@ def amax(lw: Any, args, kwargs, shapes, group):
     return lw.emit("max", [x], shapes, {"dim": dims[0], "keepdim": False})[0]
 
 
+@refines("_c10d_functional.all_reduce.default")
 def all_reduce(base: Handler) -> Handler:
     """A MAX all-reduce of local row maxima: the maximum of the gathered rows."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -237,16 +225,19 @@ def unary(op: str) -> Handler:
 
 # -- masks and shifted labels ---------------------------------------------------
 
+@lowers("aten.ne.Scalar")
 def ne(lw: Any, args, kwargs, shapes, group):
     """``labels != ignore_index``: true for every label when the index is
     outside the vocabulary."""
     ids, value = _env(lw, args[0]), lw.const(args[1])
-    if isinstance(ids, _Ids) and value is not None and not 0 <= int(value) < lw.vocab:
+    if isinstance(ids, Ids) and value is not None and not 0 <= int(value) < lw.vocab:
         return AllLabels(ids)
     raise LoweringError(f"{lw.name}: a comparison 'ne' other than of the labels with an "
                         f"ignore index outside the vocabulary is not lowered")
 
 
+@refines("aten.where.self")
+@refines("aten.where.ScalarOther", absent=lambda op: _no_where)
 def where(base: Handler) -> Handler:
     """``where(labels != ignore, x, 0)`` is x (broadcast to the output's
     shape) when no label is ignored."""
@@ -258,7 +249,7 @@ def where(base: Handler) -> Handler:
             _refuse_pending(lw, args, "where")
             return base(lw, args, kwargs, shapes, group)
         kept = _env(lw, args[1])
-        if isinstance(kept, _Ids):
+        if isinstance(kept, Ids):
             return kept
         x = lw.val(args[1])
         if lw.shapes[x] == tuple(shapes[0]):
@@ -272,6 +263,7 @@ def _no_where(lw: Any, args, kwargs, shapes, group):
                         f"ignore-index mask is not lowered")
 
 
+@refines("aten.view_as.default", "aten.flatten.using_ints", base="aten.view.default")
 def view_like(view: Handler) -> Handler:
     """``view_as`` and ``flatten``: a view to the output's shape."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -280,18 +272,20 @@ def view_like(view: Handler) -> Handler:
     return lower
 
 
+@lowers("aten.bitwise_and.Tensor")
 def bitwise_and(lw: Any, args, kwargs, shapes, group):
     a, b = _env(lw, args[0]), _env(lw, args[1])
-    if isinstance(a, _IdsTest) and isinstance(b, _IdsTest) and a.ids == b.ids \
+    if isinstance(a, IdsTest) and isinstance(b, IdsTest) and a.ids == b.ids \
             and (a.op, b.op) == ("ge", "lt"):
         return InRange(a.ids, a.value, b.value)
     raise LoweringError(f"{lw.name}: an 'and' other than of ids >= lo and ids < hi is not lowered")
 
 
+@refines("aten.unsqueeze.default")
 def unsqueeze(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         x = _env(lw, args[0])
-        if isinstance(x, (AllLabels, InRange, _VocabMask, _Shifted)):
+        if isinstance(x, (AllLabels, InRange, VocabMask, Shifted)):
             if int(args[1]) not in (-1, len(shapes[0]) - 1):
                 raise LoweringError(f"{lw.name}: a mask or shifted ids unsqueezed at dim "
                                     f"{args[1]} is not lowered")
@@ -301,18 +295,20 @@ def unsqueeze(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten._to_copy.default")
 def to_copy(base: Handler) -> Handler:
     """A boolean mask converted to numbers stays a mask."""
     def lower(lw: Any, args, kwargs, shapes, group):
         x = _env(lw, args[0])
-        if isinstance(x, (InRange, _VocabMask)) or isinstance(x, Unsqueezed) \
-                and isinstance(x.of, (InRange, _VocabMask)):
+        if isinstance(x, (InRange, VocabMask)) or isinstance(x, Unsqueezed) \
+                and isinstance(x.of, (InRange, VocabMask)):
             return AsFloat(x)
         _refuse_pending(lw, args[:1], "a conversion")
         return base(lw, args, kwargs, shapes, group)
     return lower
 
 
+@refines("aten.to.dtype", base="aten._to_copy.default")
 def to_dtype(to_copy_handler: Handler) -> Handler:
     """``x.to(dtype)`` (DTensor's loss-parallel log-softmax backward) as
     ``_to_copy``."""
@@ -321,11 +317,12 @@ def to_dtype(to_copy_handler: Handler) -> Handler:
     return lower
 
 
+@refines("aten.sub.Tensor")
 def sub(base: Handler) -> Handler:
     """``mask.float() - 1``: the value the fused backward writes at the label."""
     def lower(lw: Any, args, kwargs, shapes, group):
         x = _env(lw, args[0])
-        if isinstance(x, AsFloat) and isinstance(x.mask, _VocabMask) and lw.const(args[1]) == 1:
+        if isinstance(x, AsFloat) and isinstance(x.mask, VocabMask) and lw.const(args[1]) == 1:
             return LabelUpdate(x.mask)
         _refuse_pending(lw, args, "a subtraction")
         return base(lw, args, kwargs, shapes, group)
@@ -337,7 +334,7 @@ def clamp(lw: Any, args, kwargs, shapes, group):
     x = _env(lw, args[0])
     low = lw.const(args[1]) if len(args) > 1 else None
     high = lw.const(args[2]) if len(args) > 2 else None
-    if isinstance(x, _Shifted) and x.mask is None and low == 0 and high is not None:
+    if isinstance(x, Shifted) and x.mask is None and low == 0 and high is not None:
         return Clamped(x.ids, x.lo, int(high) + 1)
     raise LoweringError(f"{lw.name}: clamp other than of shifted ids into a table's rows is "
                         f"not lowered")
@@ -345,6 +342,7 @@ def clamp(lw: Any, args, kwargs, shapes, group):
 
 # -- torchtitan's masked lookup -------------------------------------------------
 
+@refines("aten.embedding.default")
 def embedding(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         ids = _env(lw, args[1])
@@ -370,6 +368,7 @@ def _range_mask(x: Any) -> InRange | None:
     return None
 
 
+@refines("aten.mul.Tensor")
 def mul(base: Handler) -> Handler:
     """A clamped lookup times its range mask (the lookup), a gradient times
     it (pending for the lookup's backward), or ``x * where(...)``."""
@@ -394,6 +393,7 @@ def mul(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.embedding_dense_backward.default")
 def embedding_backward(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         g, ids = _env(lw, args[0]), _env(lw, args[1])
@@ -417,6 +417,7 @@ def embedding_backward(base: Handler) -> Handler:
 
 # -- the target logit and the fused backward --------------------------------------
 
+@lowers("aten.gather.default")
 def gather(lw: Any, args, kwargs, shapes, group):
     """``gather(logp, -1, local_labels.unsqueeze(-1))`` with the labels
     shifted by ``lo`` and 0 outside ``[lo, hi)``: the row sum of ``logp``
@@ -426,7 +427,7 @@ def gather(lw: Any, args, kwargs, shapes, group):
     index = _env(lw, args[2])
     dim = int(args[1]) % len(lw.shapes[x])
     shifted = index.of if isinstance(index, Unsqueezed) else index
-    if dim != len(lw.shapes[x]) - 1 or not isinstance(shifted, _Shifted) or shifted.mask is None \
+    if dim != len(lw.shapes[x]) - 1 or not isinstance(shifted, Shifted) or shifted.mask is None \
             or shifted.mask.lo != shifted.lo or shifted.mask.ids != shifted.ids:
         raise LoweringError(f"{lw.name}: gather other than of a vocabulary shard's rows at "
                             f"the masked local labels is not lowered")
@@ -441,6 +442,7 @@ def gather(lw: Any, args, kwargs, shapes, group):
     return MaskedPick(out, shifted.mask)
 
 
+@refines("aten.index_put_.default")
 def index_put(base: Handler) -> Handler:
     """The picked logits zeroed outside the rows (already zero), or the
     fused backward's ``-1`` at each local label."""
@@ -471,7 +473,7 @@ def _label_update(lw: Any, target: Zeros, indices, masks, value: Any, shapes) ->
     shifted = masks[1]
     n, width = target.shape[0], target.shape[-1]
     if rows is None or len(target.shape) != 2 or not np.array_equal(rows, np.arange(n)) \
-            or not isinstance(shifted, _Shifted) or not isinstance(value, LabelUpdate) \
+            or not isinstance(shifted, Shifted) or not isinstance(value, LabelUpdate) \
             or shifted.mask != value.mask or shifted.mask is None \
             or (shifted.mask.lo, shifted.mask.hi) != (shifted.lo, shifted.lo + width):
         raise LoweringError(f"{lw.name}: index_put_ into zeros other than the loss-parallel "
@@ -483,6 +485,7 @@ def _label_update(lw: Any, target: Zeros, indices, masks, value: Any, shapes) ->
     return lw.emit("mul_scalar", [columns], shapes, {"value": -1.0})[0]
 
 
+@refines("aten.zeros_like.default")
 def zeros_like(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         if lw.env.get(args[0][1]) in lw.params:
@@ -491,6 +494,7 @@ def zeros_like(base: Handler) -> Handler:
     return lower
 
 
+@refines("aten.add.Tensor")
 def add(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         _refuse_pending(lw, args[:2], "an addition")
@@ -498,40 +502,15 @@ def add(base: Handler) -> Handler:
     return lower
 
 
-def vocab_parallel_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
-    """The entries this module adds to or wraps in ``table`` (lower.py's)."""
-    return {
-        "aten.amax.default": amax,
-        "_c10d_functional.all_reduce.default": all_reduce(table["_c10d_functional.all_reduce.default"]),
-        "aten.exp.default": unary("exp"),
-        "aten.log.default": unary("log"),
-        "aten.ne.Scalar": ne,
-        "aten.where.self": where(table["aten.where.self"]),
-        "aten.where.ScalarOther": where(_no_where),
-        "aten.view_as.default": view_like(table["aten.view.default"]),
-        "aten.flatten.using_ints": view_like(table["aten.view.default"]),
-        "aten.bitwise_or.Tensor": _or,
-        "aten.bitwise_and.Tensor": bitwise_and,
-        "aten.unsqueeze.default": unsqueeze(table["aten.unsqueeze.default"]),
-        "aten._to_copy.default": to_copy(table["aten._to_copy.default"]),
-        "aten.to.dtype": to_dtype(table["aten._to_copy.default"]),
-        "aten.sub.Tensor": sub(table["aten.sub.Tensor"]),
-        "aten.clamp.default": clamp_or(table.get("aten.clamp.default")),
-        "aten.embedding.default": embedding(table["aten.embedding.default"]),
-        "aten.mul.Tensor": mul(table["aten.mul.Tensor"]),
-        "aten.embedding_dense_backward.default":
-            embedding_backward(table["aten.embedding_dense_backward.default"]),
-        "aten.gather.default": gather,
-        "aten.index_put_.default": index_put(table["aten.index_put_.default"]),
-        "aten.zeros_like.default": zeros_like(table["aten.zeros_like.default"]),
-        "aten.add.Tensor": add(table["aten.add.Tensor"]),
-    }
-
-
+@refines("aten.clamp.default")
 def clamp_or(base: Handler | None) -> Handler:
     """torchtitan's clamp of shifted ids, else the table's clamp."""
     def lower(lw: Any, args, kwargs, shapes, group):
-        if isinstance(_env(lw, args[0]), _Shifted) or base is None:
+        if isinstance(_env(lw, args[0]), Shifted) or base is None:
             return clamp(lw, args, kwargs, shapes, group)
         return base(lw, args, kwargs, shapes, group)
     return lower
+
+
+lowers("aten.exp.default")(unary("exp"))
+lowers("aten.log.default")(unary("log"))

@@ -1,0 +1,497 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.constants import constant_input, constant_value
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
+
+class Pending:
+    """A value the lowering has not emitted yet. ``Lowerer.materialize``
+    calls ``materialize`` when an op reads it as a tensor: it emits the
+    value's nodes and returns the lowered value (or another pending value,
+    materialized in turn), or refuses the read in one line."""
+
+    def materialize(self, lw: Lowerer) -> Any:
+        raise LoweringError(f"{lw.name}: a collective's layout buffer is read directly")
+
+
+@dataclass(frozen=True)
+class Ids:
+    """Row block ``index`` of ``parts`` of the batch's integer ``source``
+    ids (``tokens`` or ``labels``; a pipeline schedule's microbatch, the
+    whole batch is (0, 1)), seen with ``shape`` (None: as loaded). In the
+    plan, ids are one-hot inputs ``[..., vocab]``."""
+    source: str = "tokens"
+    index: int = 0
+    parts: int = 1
+    shape: tuple[int, ...] | None = None
+
+    def cut(self, index: int, parts: int) -> Ids:
+        return Ids(self.source, self.index * parts + index, self.parts * parts)
+
+
+@dataclass(frozen=True, eq=False)
+class IdRows:
+    """Integer ids the model cut or padded (``labels[:, 1:]``, ``F.pad(...,
+    value=-100)``): their one-hot rows ``x`` (lowered, ``[*ids.shape,
+    vocab]``; an id outside the vocabulary, a pad, is a zero row) and the
+    recorded ids themselves (for the count a mean divides by)."""
+    x: int
+    ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class IdsTest:
+    """``ids < value`` (op "lt") or ``ids >= value`` (op "ge")."""
+    ids: Ids
+    op: str
+    value: int
+
+
+@dataclass(frozen=True)
+class VocabMask:
+    """``(ids < lo) | (ids >= hi)``: the ids outside the rows [lo, hi) of a
+    vocabulary-parallel embedding table."""
+    ids: Ids
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class MaskedLookup(Pending):
+    """A vocabulary-parallel lookup (its lowered value ``out``: the one-hot
+    slice times the local table, already zero outside the rows) before the
+    recorded run zeroes the rows of ids outside the shard. Until that
+    ``index_put_`` only it may read the lookup: the recorded tensor still
+    holds table row 0 there, which the lowered value does not."""
+    out: int
+    mask: VocabMask
+
+    def materialize(self, lw: Any) -> int:
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel lookup is read before the rows "
+                            f"of ids outside its shard are zeroed")
+
+
+@dataclass(frozen=True)
+class Shifted:
+    """``ids - lo``, then (``mask`` set) 0 where the mask holds: the local
+    row of each id in the shard [lo, hi)."""
+    ids: Ids
+    lo: int
+    mask: VocabMask | None = None
+
+
+@dataclass
+class Gathered(Pending):
+    """An all-gather along dim 0 of ``x`` over ``group``, not yet emitted.
+    ``padded``: x was padded at the end of a dim before the gather (DTensor's
+    uneven ``Shard``), so the pieces are equal only with the padding."""
+    x: int
+    group: tuple[int, ...]
+    padded: bool = False
+
+    def materialize(self, lw: Lowerer) -> int:
+        if self.padded:
+            raise LoweringError(f"{lw.name}: an all-gather of padded pieces is read "
+                                f"with its padding")
+        shape = list(lw.shapes[self.x])
+        shape[0] *= len(self.group)
+        return lw.emit("all_gather", [self.x], [shape], {"dim": 0}, group=self.group)[0]
+
+
+@dataclass(frozen=True)
+class ZeroPadded(Pending):
+    """``x`` padded with ``width`` zeros at the end of ``dim`` (DTensor pads
+    its piece of an unevenly sharded dim to the chunk size before an
+    all-gather), not yet emitted; only that all-gather may read it."""
+    x: int
+    dim: int
+    width: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: a zero-padded piece is read other than by "
+                            f"an all-gather")
+
+
+@dataclass(frozen=True)
+class GatheredAlong(Pending):
+    """The all-gather ``g`` seen along ``dim`` (split along 0, cat along
+    dim), not yet emitted: a slice of its first rows may drop the padding
+    of an uneven shard."""
+    g: Gathered
+    dim: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        shape = list(lw.shapes[self.g.x])
+        shape[self.dim] *= len(self.g.group)
+        if self.g.padded:
+            raise LoweringError(f"{lw.name}: an all-gather of padded pieces is read "
+                                f"with its padding")
+        return lw.emit("all_gather", [self.g.x], [shape], {"dim": self.dim}, group=self.g.group)[0]
+
+
+@dataclass
+class Piece(Pending):
+    of: Any  # a value id or a Gathered
+    dim: int
+    index: int
+    parts: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        # read once or many times (a chunk read in the forward and again by its
+        # backward), one split node: the rank's reads and the single-device
+        # step's then align node for node
+        src = lw.materialize(self.of)
+        key = (src, self.dim, self.index, self.parts)
+        if key not in lw.splits:
+            shape = list(lw.shapes[src])
+            shape[self.dim] //= self.parts
+            lw.splits[key] = lw.emit("split", [src], [shape], {
+                "dim": self.dim, "parts": self.parts, "index": self.index})[0]
+        return lw.splits[key]
+
+
+@dataclass
+class Stacked:
+    x: int
+    dim: int
+    parts: int
+
+
+@dataclass
+class Flat(Pending):
+    """x with its first k dims merged (torch.matmul's batch folding), not yet emitted."""
+    x: int
+    k: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        shape = list(lw.shapes[self.x])
+        merged = [math.prod(shape[:self.k])] + shape[self.k:]
+        return lw.emit("flatten", [self.x], [merged], {"start": 0, "end": self.k - 1})[0]
+
+
+@dataclass
+class Packed:
+    """FSDP's flat all-gather buffer: each rank's flat parameter shards,
+    concatenated; ``group`` once all-gathered."""
+    parts: list[int]
+    group: tuple[int, ...] | None = None
+
+
+@dataclass
+class ChunkCat:
+    """FSDP's flat reduce-scatter buffer: each gradient cut in ``chunks``
+    along dim 0, chunk i of every gradient in row i; ``group`` once reduced."""
+    grads: list[int]
+    chunks: int
+    group: tuple[int, ...] | None = None
+    divide: float = 1.0
+    #: HSDP: the replica group the reduced buffer is then all-reduced over
+    replicas: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Padding:
+    """A rank's shard of parameter ``param`` (value id) followed by FSDP2's
+    padding rows (the shard of a dim the group size does not divide, padded
+    to its chunk; an empty shard is all padding): only FSDP's all-gather
+    copy-in reads it, and the lowering never reads the padding's values
+    (docs/soundness.md, "Plans traced from PyTorch", 15)."""
+    param: int
+
+
+@dataclass(frozen=True)
+class Unpadded:
+    """A parameter FSDP2 pads, as its all-gather gives it to every rank of
+    the group: ``x``, the members' rows concatenated in group order (no
+    padding row); read only as the parameter's first rows."""
+    x: int
+
+
+@dataclass(frozen=True)
+class NoShard(Pending):
+    """The empty shard of a parameter this rank holds no rows of, its
+    gradient's shard, or what only they made (its optimizer step). The
+    gradient's empty shard names the local gradient it is cut from
+    (``grad``) and the group whose reduction cuts it."""
+    grad: int = -1
+    group: tuple[int, ...] = ()
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: a shard of a parameter this rank holds no rows of "
+                            f"(FSDP2 pads it) is read beyond its own optimizer step")
+
+
+@dataclass
+class As(Pending):
+    """Value x seen with another shape, not yet emitted as a reshape."""
+    x: int
+    shape: tuple[int, ...]
+
+    def materialize(self, lw: Lowerer) -> int:
+        return lw.reshape(self.x, self.shape)
+
+
+@dataclass(frozen=True)
+class Norm(Pending):
+    """sqrt(s / share), s a sum of squares (so s >= 0): a 2-norm, not yet
+    emitted. ``share`` is n when DTensor turned a replicated norm into one
+    of n partial norms (dividing it by sqrt(n))."""
+    s: int
+    share: int = 1
+
+    def materialize(self, lw: Lowerer) -> int:
+        s = self.s
+        if self.share != 1:
+            s = lw.emit("div", [s], [lw.shapes[s]], {"value": float(self.share)})[0]
+        return lw.emit("pow", [s], [lw.shapes[s]], {"exponent": 0.5})[0]
+
+
+@dataclass(frozen=True)
+class NormStack:
+    """torch.stack of norms (``squared``: then squared elementwise, one
+    square sum per entry, ``Norm.share`` kept)."""
+    norms: tuple[Norm, ...]
+    squared: bool = False
+
+
+@dataclass(frozen=True)
+class Decayed:
+    """p * keep: AdamW's decoupled weight decay, ``p.mul_(1 - lr * wd)``."""
+    p: int
+    keep: float
+
+
+@dataclass(frozen=True)
+class Moment1:
+    """``m.lerp_(g, weight)``: Adam's first moment, m a fresh state."""
+    m: int
+    g: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """``v.mul_(factor)`` of a fresh optimizer state."""
+    v: int
+    factor: float
+
+
+@dataclass(frozen=True)
+class Moment2:
+    """``v.mul_(beta2).addcmul_(g, g, value=1 - beta2)``: Adam's second moment."""
+    v: int
+    g: int
+    beta2: float
+
+
+@dataclass(frozen=True)
+class Denom:
+    """``(sqrt(v2) / scale) + eps``: Adam's denominator (``root``: sqrt only)."""
+    v2: Moment2
+    scale: float = 1.0
+    eps: float = 0.0
+    root: bool = False
+
+
+@dataclass(frozen=True)
+class SgdGrad:
+    """``g + wd * p`` (``torch.add(g, p, alpha=wd)``): SGD's weight decay."""
+    g: int
+    p: int
+    wd: float
+
+
+@dataclass(frozen=True)
+class Compare:
+    """``x op c`` for a computed tensor x and a number c (op gt, ge, lt, le):
+    kept pending until a ``where`` selects with it."""
+    x: int
+    op: str
+    c: float
+
+
+@dataclass(frozen=True)
+class NormIsZero:
+    """``norm == 0`` for a 2-norm along dims (kept dims) of a tensor."""
+    norm: int
+
+
+@dataclass(frozen=True)
+class Const(Pending):
+    """Recorded value ``v``, a constant, computed by event ``event`` (not
+    lowered until a lowered op reads it)."""
+    v: int
+    event: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        if self.v in lw.trace.get("from_buffer", ()) and self.event >= 0:
+            # computed from a module's buffer (an input by name): lowered
+            # op by op, so that its pieces on other ranks align with it;
+            # through an op the rule table lacks (the cos and sin of a
+            # rotary table), read by value like any other constant
+            try:
+                return lw.materialize(lw.lower_event(self.event, self.v))
+            except LoweringError:
+                if lw.trace.get("constvals", {}).get(self.v) is None:
+                    raise
+        return constant_input(lw, constant_value(lw, ("v", self.v)))
+
+
+@dataclass(frozen=True)
+class SdpaSaved:
+    """What the attention backward recomputes from: the inputs, the masked
+    scores (the softmax's input) and the probabilities."""
+    q: int
+    k: int
+    v: int
+    scale: float
+    masked: int
+    probs: int
+    causal: bool
+    groups: int = 1  # query heads per key-value head (grouped-query attention)
+    #: the probabilities are a masked softmax (backends/torch/lower_masks.py):
+    #: their backward is written on them (``softmax_grad``), not on the scores
+    masked_probs: bool = False
+
+
+@dataclass(frozen=True)
+class Complex:
+    """A complex tensor as its real and imaginary parts (lowered values)."""
+    re: int
+    im: int
+
+
+def refuse_max_read(lw: Any) -> None:
+    raise LoweringError(f"{lw.name}: a comparison with a maximum (amax(x) == x) read other than "
+                        f"by amax's backward is not lowered")
+
+
+@dataclass(frozen=True)
+class MaxHit(Pending):
+    """``amax(x) == x``: where x is maximal along the reduced dims."""
+    x: int
+    top: int  # the max node's output
+    kwargs: tuple  # the max node's (dim, keepdim)
+
+    def materialize(self, lw: Any) -> int:
+        refuse_max_read(lw)
+
+
+@dataclass(frozen=True)
+class MaxCount(Pending):
+    """The number of maxima along the dims, ``hit.sum(dims, keepdim=True)``."""
+    hit: MaxHit
+
+    def materialize(self, lw: Any) -> int:
+        refuse_max_read(lw)
+
+
+@dataclass(frozen=True)
+class NewZeros(Pending):
+    """``x.new_zeros(shape)`` not yet read: the start of a backward kernel
+    that accumulates into zeros."""
+    shape: tuple[int, ...]
+
+    def materialize(self, lw: Any) -> int:
+        return lw.emit("zeros", [], [self.shape], {"shape": list(self.shape)}, direction="none")[0]
+
+
+@dataclass(frozen=True)
+class RowMax(Pending):
+    """``amax(x, dim, keepdim=True)`` of a local tensor, not yet emitted: a
+    MAX all-reduce of it is the maximum of the gathered rows; any other
+    reader gets the local ``max``."""
+    x: int
+    dim: int
+
+    def materialize(self, lw: Any) -> int:
+        shape = list(lw.shapes[self.x])
+        shape[self.dim] = 1
+        return lw.emit("max", [self.x], [shape], {"dim": self.dim, "keepdim": True})[0]
+
+
+#: elementwise ops a bucket may go through (a comm hook's ``div_``, the
+#: reducer's ``mul.out`` by 1 / world size), applied piece by piece
+PER_PIECE_OPS = frozenset({
+    "aten.div_.Scalar", "aten.div_.Tensor", "aten.div.Scalar", "aten.div.Tensor",
+    "aten.mul_.Scalar", "aten.mul_.Tensor", "aten.mul.Scalar", "aten.mul.Tensor", "aten.mul.out",
+})
+
+
+@dataclass(frozen=True)
+class Bucket(Pending):
+    """A flat buffer made of ``pieces`` (lowered values, each with its own
+    shape) side by side, in memory order."""
+    pieces: tuple[int, ...]
+
+    def materialize(self, lw: Any) -> int:
+        """The bucket built, when an op reads it whole: the pieces
+        flattened and concatenated."""
+        flat = [lw.reshape(p, (numel(lw, p),)) for p in self.pieces]
+        return lw.emit("cat", flat, [(sum(numel(lw, p) for p in self.pieces),)], {"dim": 0})[0]
+
+
+def numel(lw: Any, x: int) -> int:
+    return math.prod(lw.shapes[x])
+
+
+def bucket_view(lw: Any, bucket: Bucket, offset: int, size: tuple[int, ...]) -> Any:
+    """Elements [offset, offset + prod(size)) of a bucket: one piece seen
+    with ``size``, or a run of whole pieces (a smaller bucket)."""
+    end, at, run = offset + math.prod(size), 0, []
+    for p in bucket.pieces:
+        n = numel(lw, p)
+        if at >= offset and at + n <= end:
+            run.append(p)
+        at += n
+    covered = sum(numel(lw, p) for p in run)
+    starts = np.cumsum([0] + [numel(lw, p) for p in bucket.pieces])
+    if run and covered == end - offset and offset in starts:
+        return lw.reshape(run[0], size) if len(run) == 1 else Bucket(tuple(run))
+    raise LoweringError(f"{lw.name}: a view of a gradient bucket at offset {offset} "
+                        f"({math.prod(size)} elements) is not whole gradients")
+
+
+def per_piece(lw: Any, handler, args, kwargs, group) -> Bucket:
+    """An elementwise op whose first argument is a bucket, its other tensor
+    arguments constants: the op on each piece."""
+    key = args[0][1]
+    bucket = lw.env[key]
+    others = [a for a in [*args[1:], *(v for k, v in kwargs.items() if k != "out")]
+              if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"]
+    if any(lw.const(a) is None for a in others):
+        return handler(lw, args, kwargs, [lw.shapes[lw.materialize(bucket)]], group)
+    out = []
+    try:
+        for p in bucket.pieces:
+            lw.env[key] = p
+            out.append(lw.materialize(handler(lw, args, kwargs, [lw.shapes[p]], group)))
+    finally:
+        lw.env[key] = bucket
+    return Bucket(tuple(out))
+
+
+#: c10d reduce ops (``("redop", n)``) the bucket's all-reduce may use: SUM, AVG
+_REDOPS = {0: "all_reduce", 1: "all_reduce_avg"}
+
+
+def all_reduce_bucket(lw: Any, bucket: Bucket, op: Any, ranks: tuple[int, ...]) -> Bucket:
+    """A bucket all-reduced in place: each piece all-reduced; the layout is
+    kept for ``check_bucket_layouts``."""
+    if op[1] not in _REDOPS:
+        raise LoweringError(f"{lw.name}: a gradient bucket all-reduced with reduce op {op[1]} "
+                            f"is not lowered (SUM and AVG are)")
+    lw.buckets.append((tuple(ranks), tuple(numel(lw, p) for p in bucket.pieces)))
+    return Bucket(tuple(lw.emit(_REDOPS[op[1]], [p], [lw.shapes[p]], group=tuple(ranks))[0]
+                        for p in bucket.pieces))
