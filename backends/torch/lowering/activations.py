@@ -4,7 +4,7 @@ rule table's operators so that the composition equals the kernel's function
 in exact real arithmetic, branch conditions included (docs/soundness.md,
 "Plans traced from PyTorch", 17).
 
-Handlers have the signature of ``backends.torch.lowering.core.HANDLERS``:
+Handlers have the signature of ``backends.torch.lowering.registry``:
 ``(lowerer, args, kwargs, out_shapes, group) -> value``. A branch of a
 kernel (``x > 0 ? a : b``) is ``b + step(x) * (a - b)``, with ``step`` the
 uninterpreted step of the ``relu`` rule's backward (``t * step(y)``, 1 for
@@ -14,7 +14,7 @@ sigmoid are the rule table's uninterpreted functions.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,20 +31,23 @@ from backends.torch.lowering.emit import (
 )
 from backends.torch.lowering.registry import lowers
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
-def _branch(lw: Any, cond: int, then: int, other: int) -> int:
+
+def _branch(lw: Lowerer, cond: int, then: int, other: int) -> int:
     """``cond > 0 ? then : other`` as ``other + step(cond) * (then - other)``."""
     return emit_binary(lw, "add", other, step_times(lw, cond, emit_binary(lw, "sub", then, other)))
 
 
-def _relu(lw: Any, x: int) -> int:
+def _relu(lw: Lowerer, x: int) -> int:
     return emit_unary(lw, "relu", x)
 
 
 # -- LeakyReLU ---------------------------------------------------------------------------------
 
 @lowers("aten.leaky_relu.default", "aten.leaky_relu_.default")
-def leaky_relu(lw: Any, args, kwargs, shapes, group):
+def leaky_relu(lw: Lowerer, args, kwargs, shapes, group):
     """``x > 0 ? x : a x`` = ``a x + (1 - a) relu(x)`` (relu(x) = x step(x))."""
     x = lw.val(args[0])
     a = number(lw, arg(args, kwargs, 1, "negative_slope", 0.01), "leaky_relu's slope")
@@ -52,7 +55,7 @@ def leaky_relu(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.leaky_relu_backward.default")
-def leaky_relu_backward(lw: Any, args, kwargs, shapes, group):
+def leaky_relu_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``x > 0 ? g : a g`` = ``a g + (1 - a) g step(x)``. With the output
     given instead of x (in place), its sign is x's for a slope a > 0."""
     g, x = lw.val(args[0]), lw.val(args[1])
@@ -64,7 +67,7 @@ def leaky_relu_backward(lw: Any, args, kwargs, shapes, group):
 
 # -- Hardtanh, ReLU6 ---------------------------------------------------------------------------
 
-def _bounds(lw: Any, args, kwargs) -> tuple[float, float]:
+def _bounds(lw: Lowerer, args, kwargs) -> tuple[float, float]:
     lo = number(lw, arg(args, kwargs, 1, "min_val", -1.0), "hardtanh's min_val")
     hi = number(lw, arg(args, kwargs, 2, "max_val", 1.0), "hardtanh's max_val")
     if not lo < hi:
@@ -73,7 +76,7 @@ def _bounds(lw: Any, args, kwargs) -> tuple[float, float]:
 
 
 @lowers("aten.hardtanh.default", "aten.hardtanh_.default")
-def hardtanh(lw: Any, args, kwargs, shapes, group):
+def hardtanh(lw: Lowerer, args, kwargs, shapes, group):
     """``min(max(x, lo), hi)`` = ``lo + relu(x - lo) - relu(x - hi)`` for lo < hi."""
     x = lw.val(args[0])
     lo, hi = _bounds(lw, args, kwargs)
@@ -83,7 +86,7 @@ def hardtanh(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.hardtanh_backward.default")
-def hardtanh_backward(lw: Any, args, kwargs, shapes, group):
+def hardtanh_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``lo < x < hi ? g : 0`` = ``g step(x - lo) - g (1 - step(hi - x))``:
     ``x >= hi`` implies ``x > lo``, so the second term removes exactly it."""
     g, x = lw.val(args[0]), lw.val(args[1])
@@ -96,7 +99,7 @@ def hardtanh_backward(lw: Any, args, kwargs, shapes, group):
 
 # -- ELU (SELU, CELU) --------------------------------------------------------------------------
 
-def _elu_params(lw: Any, args, kwargs, first: int) -> tuple[float, float, float]:
+def _elu_params(lw: Lowerer, args, kwargs, first: int) -> tuple[float, float, float]:
     names = ("alpha", "scale", "input_scale")
     values = tuple(number(lw, arg(args, kwargs, first + i, n, 1.0), f"elu's {n}")
                    for i, n in enumerate(names))
@@ -106,7 +109,7 @@ def _elu_params(lw: Any, args, kwargs, first: int) -> tuple[float, float, float]
 
 
 @lowers("aten.elu.default", "aten.elu_.default")
-def elu(lw: Any, args, kwargs, shapes, group):
+def elu(lw: Lowerer, args, kwargs, shapes, group):
     """``x > 0 ? s x : s a (exp(i x) - 1)``."""
     x = lw.val(args[0])
     a, s, i = _elu_params(lw, args, kwargs, 1)
@@ -115,7 +118,7 @@ def elu(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.celu.default", "aten.celu_.default")
-def celu(lw: Any, args, kwargs, shapes, group):
+def celu(lw: Lowerer, args, kwargs, shapes, group):
     """``celu(x, a)`` is ``elu(x, a, 1, 1 / a)``."""
     a = number(lw, arg(args, kwargs, 1, "alpha", 1.0), "celu's alpha")
     if a <= 0:
@@ -124,7 +127,7 @@ def celu(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.elu_backward.default")
-def elu_backward(lw: Any, args, kwargs, shapes, group):
+def elu_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``x > 0 ? g s : g i s a exp(i x)``; given the output y instead (in
     place), ``g i (y + s a)`` on the negative side, and y has x's sign (a,
     s > 0)."""
@@ -141,7 +144,7 @@ def elu_backward(lw: Any, args, kwargs, shapes, group):
 
 # -- Softplus, Mish ----------------------------------------------------------------------------
 
-def _softplus_params(lw: Any, args, kwargs, first: int) -> tuple[float, float]:
+def _softplus_params(lw: Lowerer, args, kwargs, first: int) -> tuple[float, float]:
     beta = number(lw, arg(args, kwargs, first, "beta", 1.0), "softplus's beta")
     threshold = number(lw, arg(args, kwargs, first + 1, "threshold", 20.0), "softplus's threshold")
     if beta <= 0:
@@ -149,12 +152,12 @@ def _softplus_params(lw: Any, args, kwargs, first: int) -> tuple[float, float]:
     return beta, threshold
 
 
-def _log1p_exp(lw: Any, x: int) -> int:
+def _log1p_exp(lw: Lowerer, x: int) -> int:
     return emit_unary(lw, "log", shifted(lw, emit_unary(lw, "exp", x), 1.0))
 
 
 @lowers("aten.softplus.default")
-def softplus(lw: Any, args, kwargs, shapes, group):
+def softplus(lw: Lowerer, args, kwargs, shapes, group):
     """``b x > t ? x : log(1 + exp(b x)) / b`` (torch's kernel, its
     threshold branch included)."""
     x = lw.val(args[0])
@@ -165,7 +168,7 @@ def softplus(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.softplus_backward.default")
-def softplus_backward(lw: Any, args, kwargs, shapes, group):
+def softplus_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``b x > t ? g : g z / (z + 1)``, z = exp(b x): ``z / (z + 1)`` is
     ``sigmoid(b x)``."""
     g, x = lw.val(args[0]), lw.val(args[1])
@@ -176,14 +179,14 @@ def softplus_backward(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.mish.default", "aten.mish_.default")
-def mish(lw: Any, args, kwargs, shapes, group):
+def mish(lw: Lowerer, args, kwargs, shapes, group):
     """``x tanh(log(1 + exp(x)))`` (torch's CPU kernel has no threshold)."""
     x = lw.val(args[0])
     return emit_binary(lw, "mul", x, emit_unary(lw, "tanh", _log1p_exp(lw, x)))
 
 
 @lowers("aten.mish_backward.default")
-def mish_backward(lw: Any, args, kwargs, shapes, group):
+def mish_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``g (t + x sigmoid(x) (1 - t^2))``, t = tanh(sp), sp = log(1 + exp(x)):
     ``g t`` plus the tanh rule's backward at sp of ``g x sigmoid(x)``."""
     g, x = lw.val(args[0]), lw.val(args[1])
@@ -196,7 +199,7 @@ def mish_backward(lw: Any, args, kwargs, shapes, group):
 
 # -- GLU -----------------------------------------------------------------------------------------
 
-def _halves(lw: Any, x: int, dim: int) -> tuple[int, int, int]:
+def _halves(lw: Lowerer, x: int, dim: int) -> tuple[int, int, int]:
     shape = list(lw.shapes[x])
     d = dim % len(shape)
     if shape[d] % 2:
@@ -209,7 +212,7 @@ def _halves(lw: Any, x: int, dim: int) -> tuple[int, int, int]:
 
 
 @lowers("aten.glu.default")
-def glu(lw: Any, args, kwargs, shapes, group):
+def glu(lw: Lowerer, args, kwargs, shapes, group):
     """``a * sigmoid(b)`` for the halves a, b of x along dim."""
     x = lw.val(args[0])
     a, b, _ = _halves(lw, x, int(arg(args, kwargs, 1, "dim", -1)))
@@ -217,7 +220,7 @@ def glu(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.glu_backward.default")
-def glu_backward(lw: Any, args, kwargs, shapes, group):
+def glu_backward(lw: Lowerer, args, kwargs, shapes, group):
     """The halves' gradients ``g sigmoid(b)`` and the sigmoid rule's backward
     at b of ``g a``, concatenated along dim."""
     g, x = lw.val(args[0]), lw.val(args[1])
@@ -230,7 +233,7 @@ def glu_backward(lw: Any, args, kwargs, shapes, group):
 # -- LogSigmoid, Hardsigmoid, Hardswish, PReLU ------------------------------------------------
 
 @lowers("aten.log_sigmoid_forward.default")
-def log_sigmoid(lw: Any, args, kwargs, shapes, group):
+def log_sigmoid(lw: Lowerer, args, kwargs, shapes, group):
     """``-log(1 + exp(-x))``; the kernel's second output (a buffer only its
     backward reads) is not lowered."""
     x = lw.val(args[0])
@@ -238,25 +241,25 @@ def log_sigmoid(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.log_sigmoid_backward.default")
-def log_sigmoid_backward(lw: Any, args, kwargs, shapes, group):
+def log_sigmoid_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``g sigmoid(-x)`` (the derivative of ``-log(1 + exp(-x))``)."""
     g, x = lw.val(args[0]), lw.val(args[1])
     return emit_binary(lw, "mul", g, emit_unary(lw, "sigmoid", scaled(lw, x, -1.0)))
 
 
-def _relu6_of_x_plus_3(lw: Any, x: int) -> int:
+def _relu6_of_x_plus_3(lw: Lowerer, x: int) -> int:
     """``min(max(x + 3, 0), 6)`` = ``relu(x + 3) - relu(x - 3)``."""
     return emit_binary(lw, "sub", _relu(lw, shifted(lw, x, 3.0)), _relu(lw, shifted(lw, x, -3.0)))
 
 
 @lowers("aten.hardsigmoid.default")
-def hardsigmoid(lw: Any, args, kwargs, shapes, group):
+def hardsigmoid(lw: Lowerer, args, kwargs, shapes, group):
     """``relu6(x + 3) / 6``."""
     return scaled(lw, _relu6_of_x_plus_3(lw, lw.val(args[0])), 1.0 / 6.0)
 
 
 @lowers("aten.hardsigmoid_backward.default")
-def hardsigmoid_backward(lw: Any, args, kwargs, shapes, group):
+def hardsigmoid_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``-3 < x < 3 ? g c : 0`` = ``g c (step(x + 3) - 1 + step(3 - x))``, with
     the kernel's own constant c: 1/6 rounded to float32 (``1.0f / 6.0f``)."""
     g, x = lw.val(args[0]), lw.val(args[1])
@@ -267,14 +270,14 @@ def hardsigmoid_backward(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.hardswish.default")
-def hardswish(lw: Any, args, kwargs, shapes, group):
+def hardswish(lw: Lowerer, args, kwargs, shapes, group):
     """``x relu6(x + 3) / 6`` (0 for x <= -3, x for x >= 3, as torch's)."""
     x = lw.val(args[0])
     return emit_binary(lw, "mul", x, scaled(lw, _relu6_of_x_plus_3(lw, x), 1.0 / 6.0))
 
 
 @lowers("aten.hardswish_backward.default")
-def hardswish_backward(lw: Any, args, kwargs, shapes, group):
+def hardswish_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``x < -3 ? 0 : x <= 3 ? g (x / 3 + 1 / 2) : g``: the middle value
     times the indicator of ``x >= -3`` (``1 - step(-3 - x)``), plus ``g``
     minus it where ``x > 3`` (which implies ``x >= -3``)."""
@@ -287,7 +290,7 @@ def hardswish_backward(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten._prelu_kernel.default")
-def prelu(lw: Any, args, kwargs, shapes, group):
+def prelu(lw: Lowerer, args, kwargs, shapes, group):
     """``x > 0 ? x : w x`` = ``relu(x) - w relu(-x)``, w broadcast."""
     x, w = lw.val(args[0]), lw.val(args[1])
     w = expand_to(lw, w, lw.shapes[x])
@@ -295,7 +298,7 @@ def prelu(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten._prelu_kernel_backward.default")
-def prelu_backward(lw: Any, args, kwargs, shapes, group):
+def prelu_backward(lw: Lowerer, args, kwargs, shapes, group):
     """Input gradient ``g step(x) + w (g - g step(x))``; the weight's,
     before autograd sums it to w's shape, ``g (x - relu(x))`` (x where
     x <= 0, else 0)."""
@@ -309,7 +312,7 @@ def prelu_backward(lw: Any, args, kwargs, shapes, group):
 
 # -- statistics ----------------------------------------------------------------------------------
 
-def _channel_row(lw: Any, x: int) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
+def _channel_row(lw: Lowerer, x: int) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
     """BatchNorm's reduced dims (all but the channel dim 1), the shape of a
     per-channel statistic kept along them, and of a parameter broadcast
     along the trailing dims."""
@@ -322,7 +325,7 @@ def _channel_row(lw: Any, x: int) -> tuple[list[int], tuple[int, ...], tuple[int
 
 
 @lowers("aten.native_batch_norm.default")
-def batch_norm(lw: Any, args, kwargs, shapes, group):
+def batch_norm(lw: Lowerer, args, kwargs, shapes, group):
     """Training mode: the statistics of the batch (the rank's own rows, as
     the real run computes them) over every dim but the channels,
     ``y = (x - mean) * rsqrt(var + eps) * w + b``; the running statistics
@@ -351,7 +354,7 @@ def batch_norm(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.native_batch_norm_backward.default")
-def batch_norm_backward(lw: Any, args, kwargs, shapes, group):
+def batch_norm_backward(lw: Lowerer, args, kwargs, shapes, group):
     """The layer norm backward over BatchNorm's dims: ``dx = rstd (gy -
     mean(gy) - y mean(gy y))``, gy = g w; ``dw = sum(g y)``, ``db = sum(g)``."""
     g, x = lw.val(args[0]), lw.val(args[1])
@@ -386,7 +389,7 @@ def batch_norm_backward(lw: Any, args, kwargs, shapes, group):
 # -- losses written with logarithms ---------------------------------------------------------------
 
 @lowers("aten.binary_cross_entropy_with_logits.default")
-def bce_with_logits(lw: Any, args, kwargs, shapes, group):
+def bce_with_logits(lw: Lowerer, args, kwargs, shapes, group):
     """``(1 - t) x + log(1 + exp(-x))`` (torch's kernel, with its max shift,
     which cancels in exact arithmetic) = ``log(1 + exp(x)) - t x``; summed
     or averaged. Class weights and ``pos_weight`` are not lowered."""
@@ -410,7 +413,7 @@ def bce_with_logits(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.xlogy.Tensor")
-def xlogy(lw: Any, args, kwargs, shapes, group):
+def xlogy(lw: Lowerer, args, kwargs, shapes, group):
     """``x log(y)`` (0 where x is 0, log uninterpreted: exact wherever
     torch's value is finite; ``F.kl_div``'s ``t log t``)."""
     x, y = lw.val(args[0]), lw.val(args[1])
@@ -420,7 +423,7 @@ def xlogy(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.logsumexp.default")
-def logsumexp(lw: Any, args, kwargs, shapes, group):
+def logsumexp(lw: Lowerer, args, kwargs, shapes, group):
     """``log(sum(exp(x), dims))``: torch's max shift cancels in exact
     arithmetic (``m + log(sum(exp(x - m))) = log(sum(exp(x)))``)."""
     x = lw.val(args[0])
@@ -433,7 +436,7 @@ def logsumexp(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("partial_write")
-def partial_write(lw: Any, args, kwargs, shapes, group):
+def partial_write(lw: Lowerer, args, kwargs, shapes, group):
     """A tensor read after an op wrote into part of it (``record.py``)."""
     raise LoweringError(f"{lw.name}: a tensor written in place through a view of part of it "
                         f"({args[1]}, e.g. y[:, 0] = ...) is read after; such writes are not "

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import NewZeros, Pending
@@ -48,6 +48,9 @@ from backends.torch.lowering.shapes import (
     pool_dims,
     unwindow,
 )
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class MaxIndex(Pending):
     keepdim: bool
     least: bool
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         _refuse_index(lw)
 
 
@@ -87,22 +90,22 @@ class PoolIndex(Pending):
     top: int
     pool: _Pool
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         _refuse_index(lw)
 
 
-def _refuse_index(lw: Any) -> None:
+def _refuse_index(lw: Lowerer) -> None:
     raise LoweringError(f"{lw.name}: the index of a maximum (x.max(dim)'s indices, max "
                         f"pooling's return_indices) is read other than by its backward; only "
                         f"the values are lowered")
 
 
-def _env(lw: Any, a: Any) -> Any:
+def _env(lw: Lowerer, a: Any) -> Any:
     return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" \
         else None
 
 
-def first_extreme_grad(lw: Any, x: int, top: int, g: int, dims: list[int],
+def first_extreme_grad(lw: Lowerer, x: int, top: int, g: int, dims: list[int],
                        least: bool = False) -> int:
     """The gradient of x when g (the shape of ``top``, x with size 1 along
     ``dims``) goes to the first maximum (minimum when ``least``) of each
@@ -122,7 +125,7 @@ def first_extreme_grad(lw: Any, x: int, top: int, g: int, dims: list[int],
     return _assemble(lw, parts, dims, ())
 
 
-def _assemble(lw: Any, parts: dict[tuple[int, ...], int], dims: list[int],
+def _assemble(lw: Lowerer, parts: dict[tuple[int, ...], int], dims: list[int],
               prefix: tuple[int, ...]) -> int:
     """The pieces keyed by their taps, concatenated along ``dims`` (the
     last innermost)."""
@@ -133,7 +136,7 @@ def _assemble(lw: Any, parts: dict[tuple[int, ...], int], dims: list[int],
     return cat(lw, [_assemble(lw, parts, dims, (*prefix, k)) for k in range(count)], d)
 
 
-def _extreme(lw: Any, x: int, dim: int, least: bool) -> int:
+def _extreme(lw: Lowerer, x: int, dim: int, least: bool) -> int:
     """The maximum (minimum: ``-max(-x)``) of x along dim, keeping dim."""
     shape = list(lw.shapes[x])
     shape[dim] = 1
@@ -147,7 +150,7 @@ def _extreme(lw: Any, x: int, dim: int, least: bool) -> int:
 
 def max_dim(least: bool) -> Handler:
     """``x.max(dim, keepdim)`` (``x.min``): the values and a pending index."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = lw.val(args[0])
         dim = int(args[1] if len(args) > 1 else kwargs["dim"]) % max(1, len(lw.shapes[x]))
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
@@ -162,7 +165,7 @@ def max_dim(least: bool) -> Handler:
 @refines("aten.unsqueeze.default")
 def unsqueeze(base: Handler) -> Handler:
     """The backward's ``indices.unsqueeze(dim)``: the index with its dim kept."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         idx = _env(lw, args[0])
         if not isinstance(idx, MaxIndex):
             return base(lw, args, kwargs, shapes, group)
@@ -175,7 +178,7 @@ def unsqueeze(base: Handler) -> Handler:
 @refines("aten.scatter.src", absent=lambda op: not_lowered(op, " other than as the backward of x.max(dim)"))
 def scatter(base: Handler) -> Handler:
     """``zeros.scatter(dim, indices, g)``: ``value_selecting_reduction_backward``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         zeros, idx = _env(lw, args[0]), _env(lw, args[2])
         if not isinstance(idx, MaxIndex):
             return base(lw, args, kwargs, shapes, group)
@@ -197,7 +200,7 @@ def _ints(value: Any, n: int, default: tuple[int, ...] | None = None) -> tuple[i
     return tuple(values * n if len(values) == 1 else values)
 
 
-def _pool(lw: Any, shape: tuple[int, ...], spatial: int, kernel, stride, padding, dilation,
+def _pool(lw: Lowerer, shape: tuple[int, ...], spatial: int, kernel, stride, padding, dilation,
           ceil_mode, out_shape: tuple[int, ...]) -> _Pool:
     kernel = _ints(kernel, spatial)
     stride = _ints(stride, spatial, kernel)
@@ -217,7 +220,7 @@ def _pool(lw: Any, shape: tuple[int, ...], spatial: int, kernel, stride, padding
     return _Pool(spatial, size, kernel, stride, padding, dilation, out)
 
 
-def _batched(lw: Any, x: int, spatial: int) -> int:
+def _batched(lw: Lowerer, x: int, spatial: int) -> int:
     """x with a batch dim of 1 when it has none (an unbatched ``(C, S...)``)."""
     shape = lw.shapes[x]
     if len(shape) == spatial + 1:
@@ -229,7 +232,7 @@ def _batched(lw: Any, x: int, spatial: int) -> int:
 
 def max_pool(spatial: int) -> Handler:
     """``max_pool{n}d_with_indices``: the maximum over each window."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x0 = lw.val(args[0])
         x = _batched(lw, x0, spatial)
         opts = [*args[1:6], *[None] * (6 - len(args))][:5]
@@ -246,7 +249,7 @@ def max_pool(spatial: int) -> Handler:
 
 
 @lowers("aten.max_pool2d_with_indices_backward.default", "aten.max_pool3d_with_indices_backward.default")
-def max_pool_backward(lw: Any, args, kwargs, shapes, group):
+def max_pool_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``max_pool{n}d_with_indices_backward(g, x, ..., indices)``."""
     idx = _env(lw, args[7] if len(args) > 7 else kwargs.get("indices"))
     x = lw.val(args[1])
@@ -271,7 +274,7 @@ class AdaptiveIndex(Pending):
     dim: int
     windows: tuple[tuple[int, int, int, int], ...]  # (lo, hi, window, top)
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         _refuse_index(lw)
 
 
@@ -280,7 +283,7 @@ def adaptive_max_pool(spatial: int) -> Handler:
     the output size they have, as ``nn.AdaptiveMaxPool1d`` records): each
     output the maximum of torch's window ``[floor(o S / O), ceil((o + 1) S
     / O))``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x0 = lw.val(args[0])
         x = _batched(lw, x0, spatial)
         size, out = lw.shapes[x][2:], tuple(shapes[0])[-spatial:]
@@ -302,7 +305,7 @@ def adaptive_max_pool(spatial: int) -> Handler:
 
 
 @lowers("aten.adaptive_max_pool2d_backward.default", "aten.adaptive_max_pool3d_backward.default")
-def adaptive_max_pool_backward(lw: Any, args, kwargs, shapes, group):
+def adaptive_max_pool_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``adaptive_max_pool{n}d_backward(g, x, indices)``: each window's
     gradient to its first maximum, put back in place and summed."""
     idx = _env(lw, args[2] if len(args) > 2 else kwargs.get("indices"))

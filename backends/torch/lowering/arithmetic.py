@@ -1,4 +1,6 @@
-"""TODO"""
+"""Elementwise arithmetic, reductions, matmul, 2-norms and the optimizer's
+in-place updates (torch.optim's AdamW and SGD, for-loop implementation),
+kept pending until their last op shows the whole update."""
 
 from __future__ import annotations
 
@@ -443,7 +445,7 @@ def _addcdiv(lw: Lowerer, args, kwargs, shapes, group):
     return new_p
 
 
-def causal_add(lw: Any, args: Any, shapes: list) -> int | None:
+def causal_add(lw: Lowerer, args: Any, shapes: list) -> int | None:
     """``scores + mask`` with a constant mask holding -inf: the causal mask
     (and the mask's finite entries added as a constant)."""
     for mine, other in ((args[0], args[1]), (args[1], args[0])):
@@ -456,7 +458,7 @@ def causal_add(lw: Any, args: Any, shapes: list) -> int | None:
     return None
 
 
-def _complex_parts(lw: Any, a: Any) -> tuple[int, int | None] | None:
+def _complex_parts(lw: Lowerer, a: Any) -> tuple[int, int | None] | None:
     """(real, imaginary) of a complex argument, (x, None) for a real tensor."""
     x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
     if isinstance(x, Complex):
@@ -467,7 +469,7 @@ def _complex_parts(lw: Any, a: Any) -> tuple[int, int | None] | None:
     return None
 
 
-def complex_mul(lw: Any, args: Any, shapes: list) -> Complex | None:
+def complex_mul(lw: Lowerer, args: Any, shapes: list) -> Complex | None:
     """(x + iy)(u + iv) = (xu - yv) + i(xv + yu); None when neither factor is complex."""
     pa, pb = _complex_parts(lw, args[0]), _complex_parts(lw, args[1])
     if pa is None and pb is None:
@@ -487,7 +489,7 @@ def complex_mul(lw: Any, args: Any, shapes: list) -> Complex | None:
                    lw.emit("add", [mul(x, v), mul(y, u)], [shape])[0])
 
 
-def to_copy(lw: Any, args, kwargs, shapes, group):
+def to_copy(lw: Lowerer, args, kwargs, shapes, group):
     """A change of floating (or complex) precision: the same real number (the
     proof is in exact arithmetic); other conversions are refused."""
     x = lw.env.get(args[0][1])

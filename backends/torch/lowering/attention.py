@@ -1,21 +1,26 @@
-"""TODO"""
+"""The scores of ``scaled_dot_product_attention`` (grouped-query heads
+repeated) and the softmax's backward, shared by the attention handlers and
+the masked-attention refinements."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
-def transposed(lw: Any, x: int) -> int:
+
+def transposed(lw: Lowerer, x: int) -> int:
     shape = list(lw.shapes[x])
     shape[-1], shape[-2] = shape[-2], shape[-1]
     nd = len(shape)
     return lw.emit("transpose", [x], [shape], {"dim0": nd - 2, "dim1": nd - 1})[0]
 
 
-def sdpa_options(lw: Any, args: Any, kwargs: dict, at: int) -> tuple[float, bool, Any]:
+def sdpa_options(lw: Lowerer, args: Any, kwargs: dict, at: int) -> tuple[float, bool, Any]:
     dropout = float(args[at] if len(args) > at else kwargs.get("dropout_p", 0.0))
     causal = bool(args[at + 1] if len(args) > at + 1 else kwargs.get("is_causal", False))
     if dropout != 0.0:
@@ -24,7 +29,7 @@ def sdpa_options(lw: Any, args: Any, kwargs: dict, at: int) -> tuple[float, bool
     return dropout, causal, kwargs.get("attn_mask")
 
 
-def _repeat_heads(lw: Any, x: int, groups: int) -> int:
+def _repeat_heads(lw: Lowerer, x: int, groups: int) -> int:
     """``[B, H, S, D]`` with each head repeated ``groups`` times in place
     (``repeat_interleave(groups, dim=1)``): unflatten, expand, flatten."""
     b, h, s, d = lw.shapes[x]
@@ -33,14 +38,14 @@ def _repeat_heads(lw: Any, x: int, groups: int) -> int:
     return lw.reshape(x, (b, h * groups, s, d))
 
 
-def sum_heads(lw: Any, g: int, groups: int) -> int:
+def sum_heads(lw: Lowerer, g: int, groups: int) -> int:
     """The backward of ``_repeat_heads``: each group of heads summed."""
     b, hq, s, d = lw.shapes[g]
     g = lw.reshape(g, (b, hq // groups, groups, s, d))
     return lw.emit("sum", [g], [(b, hq // groups, s, d)], {"dim": [2], "keepdim": False})[0]
 
 
-def sdpa_scores(lw: Any, args, kwargs) -> tuple[int, int, int, float, int, int, bool, Any]:
+def sdpa_scores(lw: Lowerer, args, kwargs) -> tuple[int, int, int, float, int, int, bool, Any]:
     """``q @ k^T * scale`` of the CPU flash kernel's arguments: (q, the keys
     and values with each key-value head repeated for its query heads, scale,
     scores, groups, is_causal, the attn_mask argument)."""
@@ -65,7 +70,7 @@ def sdpa_scores(lw: Any, args, kwargs) -> tuple[int, int, int, float, int, int, 
     return q, keys, values, scale, scores, groups, causal, mask
 
 
-def softmax_grad(lw: Any, p: int, g: int, dim: int) -> int:
+def softmax_grad(lw: Lowerer, p: int, g: int, dim: int) -> int:
     """The softmax backward written on its probabilities ``p``: ``p * g -
     p * sum(p * g)`` along ``dim`` (the derivative of ``p = K exp(x) /
     sum(K exp(x))`` for any constant K, so of a masked softmax too)."""

@@ -17,7 +17,7 @@ constants every member holds alike (``check_broadcasts``; item 20).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,9 +26,12 @@ from backends.torch.lowering.context import live_events
 from backends.torch.lowering.ir import Bucket, bucket_view, numel
 from backends.torch.lowering.registry import lowers
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
 
 @lowers("mem.cat")
-def mem_cat(lw: Any, args, kwargs, shapes, group) -> Bucket:
+def mem_cat(lw: Lowerer, args, kwargs, shapes, group) -> Bucket:
     """The regions a buffer was written as, side by side."""
     pieces: list[int] = []
     for a in args[0]:
@@ -38,7 +41,7 @@ def mem_cat(lw: Any, args, kwargs, shapes, group) -> Bucket:
 
 
 @lowers("mem.slice")
-def mem_slice(lw: Any, args, kwargs, shapes, group) -> Any:
+def mem_slice(lw: Lowerer, args, kwargs, shapes, group) -> Any:
     """A view of part of a region (a gradient's view of a reduced bucket)."""
     src = lw.env.get(args[0][1])
     if isinstance(src, Bucket):
@@ -51,7 +54,7 @@ def mem_slice(lw: Any, args, kwargs, shapes, group) -> Any:
 
 
 @lowers("c10d.broadcast_.default")
-def broadcast(lw: Any, args, kwargs, shapes, group) -> list:
+def broadcast(lw: Lowerer, args, kwargs, shapes, group) -> list:
     """``broadcast_`` of constants (DDP's buffers, every forward): each
     member keeps the value it holds, the root's (``check_broadcasts``)."""
     tensors = args[0]

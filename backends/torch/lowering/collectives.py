@@ -1,4 +1,5 @@
-"""TODO"""
+"""Collectives on lowered values: functional and in-place all-reduce,
+all-gather, reduce-scatter, send and receive, and ``copy_``."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from backends.torch.lowering.constants import constant_input
 from backends.torch.lowering.fills import selected
 from backends.torch.lowering.ir import Compare, Norm
 from backends.torch.lowering.registry import Handler, lowers, refines
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class Both:
 
 @refines("aten.logical_and_.default", "aten.logical_and.default", absent=lambda op: _refused)
 def logical_and(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = (lw.env.get(t[1]) if isinstance(t, (list, tuple)) else None for t in args[:2])
         if isinstance(a, Compare) and isinstance(b, Compare):
             return Both(a, b)
@@ -44,7 +47,7 @@ def logical_and(base: Handler) -> Handler:
 def where(base: Handler) -> Handler:
     """``where(a & b, t, 0)`` = ``t`` times both indicators: the selection
     by b, then by a (exact: a product of 0/1 indicators)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         cond = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
         if not isinstance(cond, Both):
             return base(lw, args, kwargs, shapes, group)
@@ -60,7 +63,7 @@ def where(base: Handler) -> Handler:
 def stack(base: Handler) -> Handler:
     """``torch.stack(xs, dim)``: each piece with a dim of 1 inserted at dim,
     concatenated along it (norms keep their own fold)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         items = [lw.env.get(a[1]) for a in args[0]]
         if items and all(isinstance(x, Norm) for x in items):
             return base(lw, args, kwargs, shapes, group)
@@ -76,7 +79,7 @@ def stack(base: Handler) -> Handler:
 
 
 @lowers("aten.repeat.default")
-def repeat(lw: Any, args, kwargs, shapes, group):
+def repeat(lw: Lowerer, args, kwargs, shapes, group):
     """``x.repeat(r_0, ..., r_k)``: x seen with leading dims of 1 for the
     extra repeats, then, along each dim with r > 1, r copies concatenated
     (``out[..., j] = x[..., j mod n]``, what ``repeat`` tiles)."""
@@ -99,7 +102,7 @@ def repeat(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.unbind.int")
-def unbind(lw: Any, args, kwargs, shapes, group):
+def unbind(lw: Lowerer, args, kwargs, shapes, group):
     """``x.unbind(dim)``: each index along dim, a ``narrow`` of length 1 with
     the dim dropped (its backward is a ``stack``)."""
     x = lw.val(args[0])
@@ -114,7 +117,7 @@ def triangle(keep: Callable[..., Any]):
     """``torch.tril``/``triu`` of a computed tensor: times the constant 0/1
     mask of the kept triangle of its last two dims (exact: each entry is
     kept or made 0)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = lw.val(args[0])
         k = int(args[1]) if len(args) > 1 else int(kwargs.get("diagonal", 0))
         shape = tuple(lw.shapes[x])
@@ -128,7 +131,7 @@ def triangle(keep: Callable[..., Any]):
     return lower
 
 
-def _refused(lw: Any, args, kwargs, shapes, group):
+def _refused(lw: Lowerer, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: logical_and other than of two comparisons with numbers "
                         f"is not lowered")
 

@@ -1,19 +1,24 @@
-"""TODO"""
+"""Constants as plan inputs (a recorded value read by value, a one-hot of
+recorded ids) and the refusal of traces that read a computed value in
+Python."""
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from backends.torch.errors import LoweringError
 from verdict.ops.nn import causal_positions
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
 NEG_INF = float("-inf")
 
 
-def constant_value(lw: Any, a: Any) -> np.ndarray | None:
+def constant_value(lw: Lowerer, a: Any) -> np.ndarray | None:
     """The value of a recorded constant argument (None: not a constant)."""
     if not (isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"):
         return None
@@ -25,7 +30,7 @@ def constant_value(lw: Any, a: Any) -> np.ndarray | None:
     return value
 
 
-def constant_input(lw: Any, value: np.ndarray) -> int:
+def constant_input(lw: Lowerer, value: np.ndarray) -> int:
     """The plan input holding ``value`` (one per distinct value and rank),
     named by its value."""
     array = np.ascontiguousarray(np.asarray(value, dtype=np.float64))
@@ -43,7 +48,7 @@ def constant_input(lw: Any, value: np.ndarray) -> int:
     return lw.const_inputs[name]
 
 
-def one_hot_constant(lw: Any, ids: np.ndarray, rows: int) -> int:
+def one_hot_constant(lw: Lowerer, ids: np.ndarray, rows: int) -> int:
     """Constant integer ids (positions) as the one-hot input ``[..., rows]``."""
     ids = np.asarray(ids)
     if ids.dtype.kind not in "iu" or ids.size and (ids.min() < 0 or ids.max() >= rows):

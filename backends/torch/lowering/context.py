@@ -1,4 +1,14 @@
-"""TODO"""
+"""The lowering context every handler receives, and what lowering yields.
+
+``Lowerer`` holds one rank's lowering: the recorded trace, the lowered
+values' shapes, the nodes emitted so far (``LNode``), and what each recorded
+value has become (``env``: a value id, or a pending value of ``ir``). Its
+methods are the handlers' vocabulary: ``val`` (a recorded argument as a
+lowered value), ``emit`` (append a node, checked against its op's rule),
+``materialize``, ``reshape``, ``const``. ``run`` walks the trace and calls
+each live event's handler (``registry.handlers()``). ``Lowered`` is a rank's
+result, read by ``backends/torch/tracing/build.py``.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +28,7 @@ from backends.torch.lowering.ir import (
 )
 from backends.torch.lowering.registry import handlers
 from backends.torch.lowering.shapes import view_to
+from verdict.ops import OPS, ShapeError
 
 
 @dataclass
@@ -109,6 +120,12 @@ class Lowerer:
 
     def emit(self, op: str, ins: list[int], out_shapes: list, kwargs: dict | None = None,
              direction: str = "fw", group=None) -> list[int]:
+        """Append an ``op`` node reading ``ins``; its new outputs, of
+        ``out_shapes``. The node is checked against ``op``'s rule first
+        (``check_emitted``): a handler that names an op the table lacks, or
+        computes other output shapes than the rule, fails here."""
+        check_emitted(self.name, op, direction, [self.shapes.get(v) for v in ins], out_shapes,
+                      kwargs or {})
         outs = [self.new(s) for s in out_shapes]
         self.nodes.append(LNode(op, direction, ins, outs, kwargs or {}, self.name, group, self.mb))
         return outs
@@ -197,6 +214,40 @@ class Lowerer:
         for v, r in zip(outs, result):
             self.env[v] = r
         return self.env.get(want)
+
+
+def check_emitted(name: str, op: str, direction: str, in_shapes: list, out_shapes: list,
+                  kwargs: dict) -> None:
+    """Refuse a node that does not obey ``op``'s rule: an op the rule table
+    lacks, another number of outputs, or other output shapes than the rule
+    computes from the inputs'. A backward node (``direction`` "bw") reads
+    the forward inputs, then the output gradients, and makes the input
+    gradients, as plans hold it (``verdict.structure.fw_shapes``). A
+    collective's node is checked in the plan, where it reads every
+    member's input."""
+    rule = OPS.get(op)
+    if rule is None:
+        raise LoweringError(f"{name}: emits {op}, which the rule table does not have")
+    if rule.group:
+        return
+    want: list = [tuple(s) for s in out_shapes]
+    ins = in_shapes
+    if direction == "bw" and rule.backward is not None:
+        n = len(want)
+        ins = [s if s is not None else g for s, g in zip(in_shapes[:n], want)]
+        want = list(in_shapes[n:])
+    if any(s is None for s in ins):
+        return
+    shown = f"{op} of shapes {[list(s) for s in ins]} with {kwargs}"
+    try:
+        got = rule.shape([tuple(s) for s in ins], **kwargs)
+    except (ShapeError, TypeError, ValueError, IndexError, KeyError) as e:
+        raise LoweringError(f"{name}: {shown} breaks its rule: {e}") from None
+    if len(got) != len(want) or any(w is not None and tuple(w) != tuple(g)
+                                    for w, g in zip(want, got)):
+        made = [None if w is None else list(w) for w in want]
+        raise LoweringError(f"{name}: {shown} makes {[list(g) for g in got]} by its rule, "
+                            f"not {made}")
 
 
 def _first_value(a: Any) -> int | None:

@@ -24,14 +24,17 @@ autograd in float64 by the tests).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.registry import lowers
 from backends.torch.lowering.shapes import Conv, cat, conv_windows, narrow, pad, unwindow
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
-def _einsum(lw: Any, eq: str, a: int, b: int) -> int:
+
+def _einsum(lw: Lowerer, eq: str, a: int, b: int) -> int:
     ins, out = eq.split("->")
     sizes: dict[str, int] = {}
     for sub, v in zip(ins.split(","), (a, b)):
@@ -39,12 +42,12 @@ def _einsum(lw: Any, eq: str, a: int, b: int) -> int:
     return lw.emit("einsum", [a, b], [tuple(sizes[c] for c in out)], {"eq": eq})[0]
 
 
-def _group(lw: Any, x: int, dim: int, j: int, groups: int) -> int:
+def _group(lw: Lowerer, x: int, dim: int, j: int, groups: int) -> int:
     size = lw.shapes[x][dim] // groups
     return narrow(lw, x, dim, j * size, size)
 
 
-def _grouped(lw: Any, eq: str, a: int, b: int, groups: int, cat_dim: int, b_dim: int = 0) -> int:
+def _grouped(lw: Lowerer, eq: str, a: int, b: int, groups: int, cat_dim: int, b_dim: int = 0) -> int:
     """``einsum(eq)`` of each group's channels (dim 1 of a, ``b_dim`` of b:
     a weight's rows or an activation's channels), concatenated along
     ``cat_dim``."""
@@ -52,14 +55,14 @@ def _grouped(lw: Any, eq: str, a: int, b: int, groups: int, cat_dim: int, b_dim:
                      for j in range(groups)], cat_dim)
 
 
-def _add_bias(lw: Any, y: int, b: int, spatial: int) -> int:
+def _add_bias(lw: Lowerer, y: int, b: int, spatial: int) -> int:
     b = lw.reshape(b, (lw.shapes[b][0],) + (1,) * spatial)
     b = lw.emit("expand", [b], [lw.shapes[y]], {"shape": list(lw.shapes[y])})[0]
     return lw.emit("add", [y, b], [lw.shapes[y]])[0]
 
 
 @lowers("aten.convolution.default")
-def convolution(lw: Any, args, kwargs, shapes, group):
+def convolution(lw: Lowerer, args, kwargs, shapes, group):
     """The windows of each group's channels times its weight rows, plus the
     bias. A transposed convolution is the adjoint of the convolution with
     the same weight: its input plays that convolution's output gradient."""
@@ -76,7 +79,7 @@ def convolution(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.convolution_backward.default")
-def convolution_backward(lw: Any, args, kwargs, shapes, group):
+def convolution_backward(lw: Lowerer, args, kwargs, shapes, group):
     """(input, weight, bias) gradients, as ``output_mask`` asks."""
     g, x, w = lw.val(args[0]), lw.val(args[1]), lw.val(args[2])
     conv = Conv(lw, x, w, *args[4:10], size=tuple(lw.shapes[g][2:]))
@@ -111,7 +114,7 @@ def _source(mode: str, j: int, before: int, length: int) -> int:
     return 0 if i < 0 else length - 1
 
 
-def _pad_dims(lw: Any, x: int, pad: Any) -> list[tuple[int, int, int]]:
+def _pad_dims(lw: Lowerer, x: int, pad: Any) -> list[tuple[int, int, int]]:
     """(dim, before, after) of ``F.pad``'s list (last dim first)."""
     pad = [int(p) for p in pad]
     n = len(lw.shapes[x])
@@ -125,7 +128,7 @@ def padded(mode: str):
     """``reflection_pad*d`` / ``replication_pad*d`` (``padding_mode`` of a
     convolution, ``F.pad(mode=...)``): each padded position a copy of one
     input position, written as a ``cat`` of one-wide slices around x."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = lw.val(args[0])
         for dim, before, after in _pad_dims(lw, x, args[1]):
             length = lw.shapes[x][dim]
@@ -145,7 +148,7 @@ def padded(mode: str):
 def padded_backward(mode: str):
     """The adjoint: the middle of the gradient plus every padded position's
     gradient added at the position it copies."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         g, x = lw.val(args[0]), lw.val(args[1])
         for dim, before, after in _pad_dims(lw, x, args[2]):
             length = lw.shapes[x][dim]

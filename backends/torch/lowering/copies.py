@@ -7,11 +7,14 @@ the opposite shifts, ``flip`` of the same dims), lowered alike.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.registry import lowers
 from backends.torch.lowering.shapes import cat, narrow
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 
 def _ints(value: Any) -> list[int]:
@@ -19,7 +22,7 @@ def _ints(value: Any) -> list[int]:
 
 
 @lowers("aten.roll.default")
-def roll(lw: Any, args, kwargs, shapes, group):
+def roll(lw: Lowerer, args, kwargs, shapes, group):
     """``torch.roll(x, shifts, dims)``: along each dim, the last ``s``
     positions then the first ``n - s``."""
     x = lw.val(args[0])
@@ -38,7 +41,7 @@ def roll(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.flip.default")
-def flip(lw: Any, args, kwargs, shapes, group):
+def flip(lw: Lowerer, args, kwargs, shapes, group):
     """``torch.flip(x, dims)``: along each dim, the one-wide slices reversed."""
     x = lw.val(args[0])
     for d in _ints(args[1] if len(args) > 1 else kwargs["dims"]):

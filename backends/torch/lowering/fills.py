@@ -1,4 +1,6 @@
-"""TODO"""
+"""Masked fills and selections: ``masked_fill``, ``where`` and additive
+masks against constant (causal or padding) masks, shared by the families
+that lower attention and comparisons."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def selected(lw: Lowerer, cmp: Compare, t: int, where_true: bool, shape) -> int:
     return lw.emit("sub", [t, stepped], [shape])[0]
 
 
-def additive_mask(lw: Any, x: int, mask: np.ndarray, shape: tuple[int, ...]) -> int:
+def additive_mask(lw: Lowerer, x: int, mask: np.ndarray, shape: tuple[int, ...]) -> int:
     """``x + mask`` for a constant float mask: its finite entries added as a
     constant, its -inf entries the causal mask (any other -inf pattern is
     refused: -inf is no number a plan input can hold)."""
@@ -52,7 +54,7 @@ def additive_mask(lw: Any, x: int, mask: np.ndarray, shape: tuple[int, ...]) -> 
     return x
 
 
-def _masked(lw: Any, x: Any, hidden: np.ndarray, fill: float | None, shapes: list) -> int:
+def _masked(lw: Lowerer, x: Any, hidden: np.ndarray, fill: float | None, shapes: list) -> int:
     """``x`` with the positions ``hidden`` (a constant boolean mask) set to
     ``fill``: -inf on the causal pattern is the causal mask, 0 there its
     backward; any finite fill of any constant mask is ``x * keep + fill *
@@ -74,7 +76,7 @@ def _masked(lw: Any, x: Any, hidden: np.ndarray, fill: float | None, shapes: lis
     return out
 
 
-def masked_fill(lw: Any, args, kwargs, shapes, group):
+def masked_fill(lw: Lowerer, args, kwargs, shapes, group):
     mask = constant_value(lw, args[1])
     if mask is None:
         raise LoweringError(f"{lw.name}: masked_fill with a mask that is not a constant is not "
@@ -82,7 +84,7 @@ def masked_fill(lw: Any, args, kwargs, shapes, group):
     return _masked(lw, args[0], np.asarray(mask, dtype=bool), lw.const(args[2]), shapes)
 
 
-def where(lw: Any, args, kwargs, shapes, group):
+def where(lw: Lowerer, args, kwargs, shapes, group):
     """``where(mask, x, fill)`` or ``where(mask, fill, x)`` with a constant
     mask and a constant fill: a masked fill."""
     cond = constant_value(lw, args[0])

@@ -12,13 +12,16 @@ float64 by the tests).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.registry import lowers
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
-def _grouped(lw: Any, x: int, groups: int) -> tuple[int, int, int]:
+
+def _grouped(lw: Lowerer, x: int, groups: int) -> tuple[int, int, int]:
     """x viewed as (N, G, D)."""
     shape = lw.shapes[x]
     if len(shape) < 2 or groups <= 0 or shape[1] % groups:
@@ -31,14 +34,14 @@ def _grouped(lw: Any, x: int, groups: int) -> tuple[int, int, int]:
     return n, groups, d // groups
 
 
-def _per_channel(lw: Any, p: int, shape: tuple[int, ...]) -> int:
+def _per_channel(lw: Lowerer, p: int, shape: tuple[int, ...]) -> int:
     """A (C,) parameter broadcast to ``shape`` (N, C, *S)."""
     p = lw.reshape(p, (shape[1],) + (1,) * (len(shape) - 2))
     return lw.emit("expand", [p], [shape], {"shape": list(shape)})[0]
 
 
 @lowers("aten.native_group_norm.default")
-def group_norm(lw: Any, args, kwargs, shapes, group):
+def group_norm(lw: Lowerer, args, kwargs, shapes, group):
     """``native_group_norm(x, w, b, N, C, HxW, G, eps)`` -> (y, mean, rstd)."""
     x = lw.val(args[0])
     weight, bias, groups, eps = args[1], args[2], int(args[6]), float(args[7])
@@ -60,7 +63,7 @@ def group_norm(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.native_group_norm_backward.default")
-def group_norm_backward(lw: Any, args, kwargs, shapes, group):
+def group_norm_backward(lw: Lowerer, args, kwargs, shapes, group):
     """dx = rstd (gy - mean(gy) - y mean(gy y)) per group, gy = g w;
     dw = sum(g y), db = sum(g) over the batch and the positions."""
     g, x = lw.val(args[0]), lw.val(args[1])

@@ -17,7 +17,7 @@ cases: a handler here takes only plain ids and hands everything else on).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,18 +28,21 @@ from backends.torch.lowering.ir import IdRows, Ids, NewZeros
 from backends.torch.lowering.onehot import id_rows, ids_value, label_values, one_hot_of
 from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
 #: how the ids' refinements end the line of an op they do not lower
 OTHER_THAN_IDS = " other than at the batch's ids"
 
 
-def _ids(lw: Any, a: Any) -> Ids | None:
+def _ids(lw: Lowerer, a: Any) -> Ids | None:
     if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
         found = lw.env.get(a[1])
         return found if isinstance(found, Ids) else None
     return None
 
 
-def _without_trailing_one(lw: Any, ids: Ids) -> Ids:
+def _without_trailing_one(lw: Lowerer, ids: Ids) -> Ids:
     """Ids ``[..., 1]`` (``labels.unsqueeze(-1)``) seen without the last dim."""
     shape = ids.shape
     if shape is None or not shape or shape[-1] != 1:
@@ -47,7 +50,7 @@ def _without_trailing_one(lw: Any, ids: Ids) -> Ids:
     return replace(ids, shape=tuple(shape[:-1]))
 
 
-def _table_rows(lw: Any, onehot: int, table: int) -> int:
+def _table_rows(lw: Lowerer, onehot: int, table: int) -> int:
     """The one-hot rows cut to the table's row count (ids index a table of
     at most ``vocab`` rows; any id the run used is below its row count)."""
     rows, width = lw.shapes[table][0], lw.shapes[onehot][-1]
@@ -64,7 +67,7 @@ def _table_rows(lw: Any, onehot: int, table: int) -> int:
 @refines("aten.index.Tensor", absent=lambda op: not_lowered(op, OTHER_THAN_IDS))
 def index(base: Handler) -> Handler:
     """``table[ids]``: the ``embedding`` of the one-hot rows."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         src = lw.env.get(indices[0][1]) if len(indices) == 1 and indices[0] is not None else None
         if not isinstance(src, (Ids, IdRows)):
@@ -83,7 +86,7 @@ def index(base: Handler) -> Handler:
 
 
 @lowers("aten.new_zeros.default")
-def new_zeros(lw: Any, args, kwargs, shapes, group):
+def new_zeros(lw: Lowerer, args, kwargs, shapes, group):
     return NewZeros(tuple(shapes[0]))
 
 
@@ -92,7 +95,7 @@ def new_zeros(lw: Any, args, kwargs, shapes, group):
 def index_put(base: Handler) -> Handler:
     """``new_zeros(table).index_put([ids], g, accumulate=True)``: the
     ``embedding`` rule's backward (the one-hot rows' transpose times g)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         target = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         ids = _ids(lw, indices[0]) if len(indices) == 1 else None
@@ -113,7 +116,7 @@ def index_put(base: Handler) -> Handler:
     return lower
 
 
-def _picked_width(lw: Any, x_shape: tuple[int, ...], dim: int) -> None:
+def _picked_width(lw: Lowerer, x_shape: tuple[int, ...], dim: int) -> None:
     if dim != len(x_shape) - 1 or x_shape[-1] != lw.vocab:
         raise LoweringError(f"{lw.name}: ids pick along a dim other than a last dim of the "
                             f"vocabulary's size")
@@ -122,7 +125,7 @@ def _picked_width(lw: Any, x_shape: tuple[int, ...], dim: int) -> None:
 @refines("aten.gather.default")
 def gather(base: Handler) -> Handler:
     """``x.gather(-1, ids.unsqueeze(-1))``: ``sum(x * onehot, -1, keepdim)``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         ids = _ids(lw, args[2])
         if ids is None:
             return base(lw, args, kwargs, shapes, group)
@@ -136,7 +139,7 @@ def gather(base: Handler) -> Handler:
 
 
 @lowers("aten.scatter_add.default")
-def scatter_add(lw: Any, args, kwargs, shapes, group):
+def scatter_add(lw: Lowerer, args, kwargs, shapes, group):
     """gather's backward, ``new_zeros(x).scatter_add(-1, ids[..., None], g)``:
     the one-hot rows times g (broadcast along the last dim)."""
     target = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
@@ -152,7 +155,7 @@ def scatter_add(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.scatter_.value")
-def scatter_one(lw: Any, args, kwargs, shapes, group):
+def scatter_one(lw: Lowerer, args, kwargs, shapes, group):
     """``zeros(..., C).scatter_(-1, ids.unsqueeze(-1), 1)`` (``F.one_hot``):
     the one-hot rows, their first C columns (the recorded ids all lie below
     C, checked: the columns cut off are zero, item 18)."""
@@ -177,7 +180,7 @@ def scatter_one(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.addcmul.default")
-def addcmul(lw: Any, args, kwargs, shapes, group):
+def addcmul(lw: Lowerer, args, kwargs, shapes, group):
     """``x + value * a * b`` (``torch.addcmul``), broadcasting as torch does."""
     x, a, b = (lw.val(t) for t in args[:3])
     value = lw.const(args[3] if len(args) > 3 else kwargs.get("value", 1.0))
@@ -191,7 +194,7 @@ def addcmul(lw: Any, args, kwargs, shapes, group):
     return lw.emit("add", [x, prod], [shape])[0]
 
 
-def _broadcast(lw: Any, x: int, shape: tuple[int, ...]) -> int:
+def _broadcast(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
     if tuple(lw.shapes[x]) == shape:
         return x
     return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
@@ -201,7 +204,7 @@ def _broadcast(lw: Any, x: int, shape: tuple[int, ...]) -> int:
 
 # -- integer functions of the ids, ids as numbers ------------------------------------------------
 
-def _mapped(lw: Any, rows: IdRows, values: np.ndarray, ids: np.ndarray) -> IdRows:
+def _mapped(lw: Lowerer, rows: IdRows, values: np.ndarray, ids: np.ndarray) -> IdRows:
     """Ids mapped by ``i -> values[i]`` (in ``[0, vocab)``): their one-hot rows
     are the old rows times the constant 0/1 matrix ``P[i, values[i]] = 1``."""
     table = np.zeros((lw.vocab, lw.vocab))
@@ -213,7 +216,7 @@ def _mapped(lw: Any, rows: IdRows, values: np.ndarray, ids: np.ndarray) -> IdRow
 @refines("aten.remainder.Scalar", absent=lambda op: not_lowered(op, OTHER_THAN_IDS))
 def remainder(base: Handler) -> Handler:
     """``ids % c`` for a positive integer c (floor modulo, as torch's)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
         if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)
@@ -229,7 +232,7 @@ def remainder(base: Handler) -> Handler:
 @refines("aten.select.int")
 def select(base: Handler) -> Handler:
     """``ids[:, k]``: a narrow of the one-hot rows, its dim dropped."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
         if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)
@@ -249,7 +252,7 @@ def to_copy(base: Handler) -> Handler:
     """Ids converted to numbers: the one-hot rows times the column of the
     ids' values (``0 .. vocab - 1``, or the mapped values). Another integer
     type keeps them ids."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
         if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)
@@ -271,7 +274,7 @@ def to_copy(base: Handler) -> Handler:
 def transpose(base: Handler) -> Handler:
     """Ids with two dims swapped (``tokens.t()``, sequence-first models): the
     one-hot rows with the same dims swapped."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         src = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
         if not isinstance(src, (Ids, IdRows)):
             return base(lw, args, kwargs, shapes, group)

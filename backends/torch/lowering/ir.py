@@ -1,4 +1,82 @@
-"""TODO"""
+"""The lowering's pending values: what a handler may return instead of nodes.
+
+A handler that cannot yet know which nodes a value needs returns a small
+record of it; the op that reads it decides (an all-gather seen along dim d
+by a later split and cat becomes one all-gather along d). Every record that
+an op may read as a tensor is a ``Pending``: ``Lowerer.materialize`` calls
+its ``materialize``, which emits its nodes or refuses the read in one line.
+A record that is not ``Pending`` is read only by the handlers named below;
+any other op reading it stops the run ("a collective's layout buffer is
+read directly").
+
+- ``Ids``: made by walk (the batch), layout, onehot, vocab_parallel; read by
+  ids, masks, tokens, slices, layout, onehot, arithmetic, vocab_parallel; not
+  Pending: one-hot inputs (``onehot.one_hot``).
+- ``IdRows``: made by ids, layout, onehot, tokens; read by ids, masks, tokens,
+  slices, layout; not Pending: its one-hot rows ``x``.
+- ``IdsTest``: made by tokens (``ids < c``); read by tokens, arithmetic,
+  vocab_parallel; not Pending.
+- ``VocabMask``: made by tokens (``lt | ge``); read by tokens, arithmetic,
+  vocab_parallel; not Pending.
+- ``Shifted``: made by tokens (``ids - lo``); read by tokens, arithmetic,
+  vocab_parallel; not Pending.
+- ``MaskedLookup``: made by tokens (vocab-parallel emb); read by tokens (its
+  ``index_put_``); refused until the rows are zeroed.
+- ``Gathered``: made by collectives, layout; read by layout (split, cat,
+  view); ``all_gather`` along dim 0.
+- ``GatheredAlong``: made by layout (split + cat); read by layout (slice);
+  ``all_gather`` along ``dim``.
+- ``ZeroPadded``: made by tokens (DTensor's pad); read by collectives (all-
+  gather); refused.
+- ``Piece``: made by layout (split, chunk); read by layout, slices; one
+  ``split`` node, emitted once.
+- ``Stacked``: made by layout (cat along 0); read by collectives (reduce-
+  scatter); not Pending.
+- ``Flat``: made by layout, arithmetic, shapes; read by layout, arithmetic;
+  ``flatten``.
+- ``As``: made by layout (views of buffers); read by layout; a reshape
+  (``Lowerer.reshape``).
+- ``Packed``: made by layout (FSDP copy-in); read by layout (all-gather, split
+  copy); not Pending.
+- ``ChunkCat``: made by layout (FSDP chunk_cat); read by layout, collectives,
+  arithmetic; not Pending.
+- ``Padding``: made by layout (FSDP padded shard); read by layout (copy-in);
+  not Pending.
+- ``Unpadded``: made by layout (FSDP all-gather); read by layout (as_strided,
+  view); not Pending.
+- ``NoShard``: made by walk, layout, arithmetic; read by walk, arithmetic,
+  Lowerer.run; refused (an empty shard).
+- ``Norm``: made by arithmetic, collectives; read by arithmetic, compose;
+  ``div`` by the share, ``pow`` 0.5.
+- ``NormStack``: made by arithmetic, collectives; read by arithmetic,
+  collectives; not Pending.
+- ``Decayed``: made by arithmetic (AdamW, SGD: Moment1, Moment2, Scaled,
+  Denom, SgdGrad); read by arithmetic, walk (the final values); not Pending:
+  folded into ``adam_step`` / ``sgd`` nodes.
+- ``Compare``: made by tokens (``ids_test``); read by arithmetic, compose
+  (``where``); not Pending.
+- ``NormIsZero``: made by arithmetic (``norm == 0``); read by arithmetic
+  (``masked_fill_``); not Pending.
+- ``Const``: made by Lowerer.run, walk; read by masks, tokens, vocab_parallel;
+  its recorded value as a constant input, or its ops lowered.
+- ``SdpaSaved``: made by nn, masks (attention); read by nn (its backward); not
+  Pending (kept in ``lw.sdpa``).
+- ``Complex``: made by nn, layout, arithmetic; read by nn, layout, arithmetic;
+  not Pending: two real values.
+- ``MaxHit``: made by max (``amax(x) == x``); read by max, max_all; refused
+  (``refuse_max_read``).
+- ``MaxCount``: made by max, max_all; read by max; refused.
+- ``NewZeros``: made by ids (``new_zeros``); read by ids, argmax; ``zeros`` of
+  its shape.
+- ``RowMax``: made by vocab_parallel (``amax``); read by vocab_parallel, max;
+  the local ``max``.
+- ``Bucket``: made by buckets (``mem.cat``), layout; read by buckets, layout,
+  collectives, slices; the pieces flattened and ``cat``.
+
+Families keep the pending kinds only they make and read (``masks.Flag``,
+``argmax.MaxIndex``, ``vocab_parallel.PatternOnly`` ...); those follow the
+same ``Pending`` protocol.
+"""
 
 from __future__ import annotations
 
@@ -77,7 +155,7 @@ class MaskedLookup(Pending):
     out: int
     mask: VocabMask
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: a vocabulary-parallel lookup is read before the rows "
                             f"of ids outside its shard are zeroed")
 
@@ -372,7 +450,7 @@ class Complex:
     im: int
 
 
-def refuse_max_read(lw: Any) -> None:
+def refuse_max_read(lw: Lowerer) -> None:
     raise LoweringError(f"{lw.name}: a comparison with a maximum (amax(x) == x) read other than "
                         f"by amax's backward is not lowered")
 
@@ -384,7 +462,7 @@ class MaxHit(Pending):
     top: int  # the max node's output
     kwargs: tuple  # the max node's (dim, keepdim)
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         refuse_max_read(lw)
 
 
@@ -393,7 +471,7 @@ class MaxCount(Pending):
     """The number of maxima along the dims, ``hit.sum(dims, keepdim=True)``."""
     hit: MaxHit
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         refuse_max_read(lw)
 
 
@@ -403,7 +481,7 @@ class NewZeros(Pending):
     that accumulates into zeros."""
     shape: tuple[int, ...]
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         return lw.emit("zeros", [], [self.shape], {"shape": list(self.shape)}, direction="none")[0]
 
 
@@ -415,7 +493,7 @@ class RowMax(Pending):
     x: int
     dim: int
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         shape = list(lw.shapes[self.x])
         shape[self.dim] = 1
         return lw.emit("max", [self.x], [shape], {"dim": self.dim, "keepdim": True})[0]
@@ -435,18 +513,18 @@ class Bucket(Pending):
     shape) side by side, in memory order."""
     pieces: tuple[int, ...]
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         """The bucket built, when an op reads it whole: the pieces
         flattened and concatenated."""
         flat = [lw.reshape(p, (numel(lw, p),)) for p in self.pieces]
         return lw.emit("cat", flat, [(sum(numel(lw, p) for p in self.pieces),)], {"dim": 0})[0]
 
 
-def numel(lw: Any, x: int) -> int:
+def numel(lw: Lowerer, x: int) -> int:
     return math.prod(lw.shapes[x])
 
 
-def bucket_view(lw: Any, bucket: Bucket, offset: int, size: tuple[int, ...]) -> Any:
+def bucket_view(lw: Lowerer, bucket: Bucket, offset: int, size: tuple[int, ...]) -> Any:
     """Elements [offset, offset + prod(size)) of a bucket: one piece seen
     with ``size``, or a run of whole pieces (a smaller bucket)."""
     end, at, run = offset + math.prod(size), 0, []
@@ -463,7 +541,7 @@ def bucket_view(lw: Any, bucket: Bucket, offset: int, size: tuple[int, ...]) -> 
                         f"({math.prod(size)} elements) is not whole gradients")
 
 
-def per_piece(lw: Any, handler, args, kwargs, group) -> Bucket:
+def per_piece(lw: Lowerer, handler, args, kwargs, group) -> Bucket:
     """An elementwise op whose first argument is a bucket, its other tensor
     arguments constants: the op on each piece."""
     key = args[0][1]
@@ -486,7 +564,7 @@ def per_piece(lw: Any, handler, args, kwargs, group) -> Bucket:
 _REDOPS = {0: "all_reduce", 1: "all_reduce_avg"}
 
 
-def all_reduce_bucket(lw: Any, bucket: Bucket, op: Any, ranks: tuple[int, ...]) -> Bucket:
+def all_reduce_bucket(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ...]) -> Bucket:
     """A bucket all-reduced in place: each piece all-reduced; the layout is
     kept for ``check_bucket_layouts``."""
     if op[1] not in _REDOPS:

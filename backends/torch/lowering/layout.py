@@ -1,4 +1,11 @@
-"""TODO"""
+"""Views, splits, cats and the layout moves around collectives.
+
+The layout moves DTensor wraps around a collective (an all-gather along dim
+0 followed by split and cat along dim d; split along d and cat along 0
+before a reduce-scatter) are folded into one collective along d, so that
+every value stays a slice of some single-device value; FSDP's flat copy-in
+and chunk-cat buffers are followed piece by piece and never built.
+"""
 
 from __future__ import annotations
 

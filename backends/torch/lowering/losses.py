@@ -1,4 +1,5 @@
-"""TODO"""
+"""Softmax, log-softmax and the negative log-likelihood (``nll_loss``,
+``nll_loss2d``) with their backwards; labels are one-hot inputs."""
 
 from __future__ import annotations
 

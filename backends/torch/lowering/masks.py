@@ -32,7 +32,7 @@ case to it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from backends.torch.lowering.constants import NEG_INF, causal_fill, constant_inp
 from backends.torch.lowering.ir import Const, IdRows, Ids, Pending, SdpaSaved
 from backends.torch.lowering.onehot import label_values, one_hot
 from backends.torch.lowering.registry import Handler, refines
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 #: the score a hidden position stands in with when the masked softmax picks
 #: its shift (the largest kept score); any shift gives the same probabilities
@@ -55,7 +58,7 @@ class Flag(Pending):
     x: int
     value: np.ndarray
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         return self.x
 
 
@@ -66,7 +69,7 @@ class NegInfMask(Pending):
     -inf)``): only an addition to scores or SDPA may read it."""
     keep: Flag
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: an additive -inf mask is read other than by SDPA or an "
                             f"addition to attention scores (-inf is no value a plan holds)")
 
@@ -77,7 +80,7 @@ class Masked(Pending):
     x: int
     keep: Flag
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: scores masked with -inf are read other than by a "
                             f"softmax (-inf is no value a plan holds)")
 
@@ -89,23 +92,23 @@ class Count(Pending):
     of the traced step like the cross-entropy's own mean count."""
     value: int
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: a count of a mask's true entries is read other than as "
                             f"a divisor")
 
 
-def _env(lw: Any, a: Any) -> Any:
+def _env(lw: Lowerer, a: Any) -> Any:
     if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
         return lw.env.get(a[1])
     return None
 
 
-def _constant_flag(lw: Any, value: np.ndarray) -> Flag:
+def _constant_flag(lw: Lowerer, value: np.ndarray) -> Flag:
     value = np.asarray(value, dtype=bool)
     return Flag(constant_input(lw, value.astype(np.float64)), value)
 
 
-def _flag(lw: Any, a: Any) -> Flag | None:
+def _flag(lw: Lowerer, a: Any) -> Flag | None:
     """The argument as a flag: a flag, or a constant boolean mask."""
     x = _env(lw, a)
     if isinstance(x, Flag):
@@ -116,25 +119,25 @@ def _flag(lw: Any, a: Any) -> Flag | None:
     return None
 
 
-def _expanded(lw: Any, x: int, shape: tuple[int, ...]) -> int:
+def _expanded(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
     if lw.shapes[x] == tuple(shape):
         return x
     return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
 
 
-def _one_minus(lw: Any, x: int) -> int:
+def _one_minus(lw: Lowerer, x: int) -> int:
     shape = [lw.shapes[x]]
     negated = lw.emit("mul_scalar", [x], shape, {"value": -1.0})[0]
     return lw.emit("add_scalar", [negated], shape, {"value": 1.0})[0]
 
 
-def _not(lw: Any, f: Flag) -> Flag:
+def _not(lw: Lowerer, f: Flag) -> Flag:
     return Flag(_one_minus(lw, f.x), ~f.value)
 
 
 # -- flags from the batch's ids ---------------------------------------------------
 
-def _ids_equal(lw: Any, a: Any, c: int) -> Flag:
+def _ids_equal(lw: Lowerer, a: Any, c: int) -> Flag:
     """``ids == c``: the one-hot column c; for c outside the vocabulary,
     ``1 - (row sum)``, 0 on every one-hot row and 1 on the zero rows of
     pads, which must then all be c."""
@@ -159,7 +162,7 @@ def compare_ids(op: str, base: Handler) -> Handler:
     """``ids == c`` and ``ids != c`` of the batch's ids as flags (``ne`` of
     labels with an index outside the vocabulary stays the loss-parallel
     pattern of ``base``)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         ids, c = _env(lw, args[0]), lw.const(args[1])
         inside = c is not None and 0 <= int(c) < lw.vocab
         if c is None or not (isinstance(ids, IdRows) or isinstance(ids, Ids)
@@ -172,7 +175,7 @@ def compare_ids(op: str, base: Handler) -> Handler:
 
 @refines("aten.bitwise_not.default", "aten.logical_not.default")
 def logical_not(base: Handler | None) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         f = _flag(lw, args[0])
         if f is not None:
             return _not(lw, f)
@@ -183,7 +186,7 @@ def logical_not(base: Handler | None) -> Handler:
     return lower
 
 
-def combine_flags(lw: Any, a: Flag, b: Flag, op: str) -> Flag:
+def combine_flags(lw: Lowerer, a: Flag, b: Flag, op: str) -> Flag:
     """``a & b`` (``a b``) or ``a | b`` (``a + b - a b``) of two flags of one shape."""
     shape = lw.shapes[a.x]
     both = lw.emit("mul", [a.x, b.x], [shape])[0]
@@ -196,7 +199,7 @@ def combine_flags(lw: Any, a: Flag, b: Flag, op: str) -> Flag:
 def combine(op: str, base: Handler | None) -> Handler:
     """``a & b`` (the product) and ``a | b`` (``a + b - a b``) of flags or
     constant masks, broadcast to the output's shape."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         if isinstance(_env(lw, args[0]), Flag) or isinstance(_env(lw, args[1]), Flag):
             a, b = _flag(lw, args[0]), _flag(lw, args[1])
             if a is not None and b is not None:
@@ -213,7 +216,7 @@ def combine(op: str, base: Handler | None) -> Handler:
           "aten.expand.default")
 def view(base: Handler) -> Handler:
     """A view or expansion of a flag is a flag of the output's shape."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         f = _env(lw, args[0])
         out = base(lw, args, kwargs, shapes, group)
         if not isinstance(f, Flag):
@@ -227,7 +230,7 @@ def view(base: Handler) -> Handler:
 
 # -- masking -------------------------------------------------------------------------
 
-def _select(lw: Any, x: int, hidden: Flag, fill: float, shape: tuple[int, ...]) -> Any:
+def _select(lw: Lowerer, x: int, hidden: Flag, fill: float, shape: tuple[int, ...]) -> Any:
     """``x`` with the positions of ``hidden`` set to ``fill``: a finite fill
     is ``x (1 - m) + fill m``; -inf makes the pending ``Masked``."""
     if fill == NEG_INF:
@@ -244,7 +247,7 @@ def _select(lw: Any, x: int, hidden: Flag, fill: float, shape: tuple[int, ...]) 
     return out
 
 
-def _refill(lw: Any, m: Masked, hidden: Flag | None, fill: float | None,
+def _refill(lw: Lowerer, m: Masked, hidden: Flag | None, fill: float | None,
             shape: tuple[int, ...]) -> Masked:
     """A -inf masked value filled again where ``hidden`` holds: with -inf the
     kept set shrinks to ``K (1 - h)``; with a finite c the filled positions
@@ -259,7 +262,7 @@ def _refill(lw: Any, m: Masked, hidden: Flag | None, fill: float | None,
     return Masked(x, combine_flags(lw, m.keep, h, "or"))
 
 
-def _off_causal(lw: Any, a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+def _off_causal(lw: Lowerer, a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     """The hidden positions of a constant boolean mask that is not the causal
     pattern (None for anything else: lower.py's lowering applies)."""
     if not isinstance(_env(lw, a), Const):
@@ -274,7 +277,7 @@ def _off_causal(lw: Any, a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
 def masked_fill(base: Handler) -> Handler:
     """``masked_fill(x, mask, c)`` with a flag (any c), or with a constant
     mask off the causal pattern and c = -inf."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape, fill = tuple(shapes[0]), lw.const(args[2])
         f = _env(lw, args[1])
         if isinstance(_env(lw, args[0]), Masked):
@@ -293,7 +296,7 @@ def where(base: Handler) -> Handler:
     """``where(cond, a, b)`` with a flag (or a constant mask off the causal
     pattern and a -inf branch): 0 and -inf branches make an additive mask;
     a tensor and a constant make a masked fill."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape = tuple(shapes[0])
         cond = _env(lw, args[0])
         a, b = lw.const(args[1]), lw.const(args[2])
@@ -320,7 +323,7 @@ def where(base: Handler) -> Handler:
     return lower
 
 
-def _shaped(lw: Any, f: Flag, shape: tuple[int, ...]) -> Flag:
+def _shaped(lw: Lowerer, f: Flag, shape: tuple[int, ...]) -> Flag:
     return Flag(_expanded(lw, f.x, shape), np.broadcast_to(f.value, shape))
 
 
@@ -328,7 +331,7 @@ def _shaped(lw: Any, f: Flag, shape: tuple[int, ...]) -> Flag:
 def add(base: Handler) -> Handler:
     """``scores + mask`` for an additive -inf mask: a flag's, or a constant's
     whose -inf entries are not the causal pattern (its finite entries added)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape = tuple(shapes[0])
         for mine, other in ((args[0], args[1]), (args[1], args[0])):
             m = _env(lw, mine)
@@ -342,7 +345,7 @@ def add(base: Handler) -> Handler:
     return lower
 
 
-def _constant_keep(lw: Any, a: Any, shape: tuple[int, ...]) -> Flag | None:
+def _constant_keep(lw: Lowerer, a: Any, shape: tuple[int, ...]) -> Flag | None:
     """The kept positions of a constant float mask holding -inf off the
     causal pattern (None otherwise)."""
     value = constant_value(lw, a) if isinstance(_env(lw, a), Const) else None
@@ -357,7 +360,7 @@ def _constant_keep(lw: Any, a: Any, shape: tuple[int, ...]) -> Flag | None:
     return _shaped(lw, _constant_flag(lw, ~hidden), shape)
 
 
-def _plus_finite(lw: Any, x: int, value: np.ndarray, shape: tuple[int, ...]) -> int:
+def _plus_finite(lw: Lowerer, x: int, value: np.ndarray, shape: tuple[int, ...]) -> int:
     """``x`` plus the finite entries of a constant additive mask (0 at its -inf ones)."""
     finite = np.where(np.isneginf(value), 0.0, value)
     if lw.shapes[x] != shape:
@@ -369,7 +372,7 @@ def _plus_finite(lw: Any, x: int, value: np.ndarray, shape: tuple[int, ...]) -> 
 
 # -- the masked softmax --------------------------------------------------------------
 
-def _masked_softmax(lw: Any, m: Masked, dim: int) -> int:
+def _masked_softmax(lw: Lowerer, m: Masked, dim: int) -> int:
     """``K exp(y - t) / sum(K exp(y - t))`` along the last dim, with ``y = x
     K + (K - 1) 1e30`` (x where kept: the product with K is the same for K
     in {0, 1}; far below everything where hidden, so that exp neither
@@ -399,7 +402,7 @@ def _masked_softmax(lw: Any, m: Masked, dim: int) -> int:
 
 @refines("aten._softmax.default")
 def softmax(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         m = _env(lw, args[0])
         if isinstance(m, Masked):
             return _masked_softmax(lw, m, int(args[1]))
@@ -409,7 +412,7 @@ def softmax(base: Handler) -> Handler:
 
 @refines("aten._softmax_backward_data.default")
 def softmax_backward(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         out = lw.val(args[1])
         if lw.fw_in.get(out, ("",))[0] == "masked_softmax":
             return softmax_grad(lw, out, lw.val(args[0]), int(args[2]))
@@ -421,7 +424,7 @@ def softmax_backward(base: Handler) -> Handler:
 def sdpa(base: Handler) -> Handler:
     """SDPA with a flag's -inf mask, or a constant one off the causal pattern:
     the masked softmax of the scores, then times the values."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         mask = kwargs.get("attn_mask")
         m = _env(lw, mask)
         value = None if isinstance(m, NegInfMask) else _sdpa_keep_const(lw, args, mask)
@@ -444,7 +447,7 @@ def sdpa(base: Handler) -> Handler:
     return lower
 
 
-def _sdpa_keep_const(lw: Any, args: Any, mask: Any) -> np.ndarray | None:
+def _sdpa_keep_const(lw: Lowerer, args: Any, mask: Any) -> np.ndarray | None:
     """A constant SDPA mask whose -inf (or False) entries are not the causal
     pattern, as an additive float mask (None otherwise: lower_nn's sdpa)."""
     value = constant_value(lw, mask) if isinstance(_env(lw, mask), Const) else None
@@ -466,7 +469,7 @@ def _sdpa_keep_const(lw: Any, args: Any, mask: Any) -> np.ndarray | None:
 @refines("aten.sum.default", "aten.sum.dim_IntList")
 def count(base: Handler) -> Handler:
     """The sum of every entry of a flag: its count in the recorded batch."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         f = _env(lw, args[0])
         if isinstance(f, Flag) and tuple(shapes[0]) == ():
             return Count(int(np.sum(f.value)))
@@ -477,7 +480,7 @@ def count(base: Handler) -> Handler:
 @refines("aten.div.Tensor")
 def divide(base: Handler) -> Handler:
     """``x / count``: a division by the constant count."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         c = _env(lw, args[1])
         if not isinstance(c, Count):
             return base(lw, args, kwargs, shapes, group)
@@ -492,7 +495,7 @@ def divide(base: Handler) -> Handler:
 def cast(base: Handler) -> Handler:
     """A cast of a count or of an additive -inf mask to a floating type is
     the same count or mask."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         c = _env(lw, args[0])
         dtype = str(kwargs.get("dtype", args[1] if len(args) > 1 else ""))
         if isinstance(c, Count) or isinstance(c, NegInfMask) and "float" in dtype:
@@ -501,7 +504,7 @@ def cast(base: Handler) -> Handler:
     return lower
 
 
-def _reduced_count(lw: Any, c: Count, group: tuple[int, ...]) -> Count:
+def _reduced_count(lw: Lowerer, c: Count, group: tuple[int, ...]) -> Count:
     """A SUM all-reduce of a count over ``group``: the members' counts summed,
     as ``lower.lower_ranks`` computes them from every rank's recorded counts."""
     if lw.counts is None:
@@ -516,7 +519,7 @@ def _reduced_count(lw: Any, c: Count, group: tuple[int, ...]) -> Count:
 
 @refines("c10d.allreduce_.default")
 def count_all_reduce_inplace(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         tensors = args[0]
         c = _env(lw, tensors[0]) if len(tensors) == 1 else None
         if not isinstance(c, Count):
@@ -530,7 +533,7 @@ def count_all_reduce_inplace(base: Handler) -> Handler:
 
 @refines("_c10d_functional.all_reduce.default")
 def count_all_reduce(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         c = _env(lw, args[0])
         if not isinstance(c, Count):
             return base(lw, args, kwargs, shapes, group)

@@ -24,12 +24,15 @@ cases and hands every other on to the handler it wraps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import MaxCount, MaxHit, Pending, RowMax, refuse_max_read
 from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
 from backends.torch.lowering.shapes import dim_set
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 #: reshapes a maximum may pass through before autograd compares it with its input
 _RESHAPES = ("flatten", "unflatten")
@@ -41,7 +44,7 @@ class MaxShare(Pending):
     g: int
     hit: MaxHit
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         refuse_max_read(lw)
 
 
@@ -53,7 +56,7 @@ class Tie(Pending):
     shape: tuple[int, ...]
     recorded: tuple[Any, Any]  # the compared tensors' recorded ids
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         _refuse_tie(lw)
 
 
@@ -66,7 +69,7 @@ class Order(Pending):
     shape: tuple[int, ...]
     recorded: tuple[Any, Any]
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         _refuse_tie(lw)
 
 
@@ -76,21 +79,21 @@ class TieSplit(Pending):
     tie: Tie
     g: int
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         _refuse_tie(lw)
 
 
-def _refuse_tie(lw: Any) -> None:
+def _refuse_tie(lw: Lowerer) -> None:
     raise LoweringError(f"{lw.name}: a comparison of two computed tensors (==, >, <) other than "
                         f"in the backward of torch.maximum/minimum is not lowered")
 
 
-def _env(lw: Any, a: Any) -> Any:
+def _env(lw: Lowerer, a: Any) -> Any:
     return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" \
         else None
 
 
-def _operands(lw: Any, args) -> tuple[Any, Any]:
+def _operands(lw: Lowerer, args) -> tuple[Any, Any]:
     """The two compared values, pending ones (a constant, a row maximum, a
     slice) materialized: no other handler compares computed tensors."""
     a, b = _env(lw, args[0]), _env(lw, args[1])
@@ -103,14 +106,14 @@ def _recorded(args) -> tuple[Any, Any]:
                  for a in args[:2])
 
 
-def _producer(lw: Any, v: int):
+def _producer(lw: Lowerer, v: int):
     for node in reversed(lw.nodes):
         if v in node.outs:
             return node
     return None
 
 
-def _maximum_of(lw: Any, top: Any, x: Any) -> MaxHit | None:
+def _maximum_of(lw: Lowerer, top: Any, x: Any) -> MaxHit | None:
     """MaxHit when ``top`` is the ``max`` of ``x`` along some dims (seen
     through reshapes) and x a lowered value."""
     if isinstance(top, RowMax):  # amax(x, dim, keepdim=True), pending for a MAX all-reduce
@@ -137,7 +140,7 @@ def _negated(node: Any) -> bool:
 
 @refines("aten.eq.Tensor", absent=not_lowered)
 def equal(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = _env(lw, args[0]), _env(lw, args[1])
         hit = _maximum_of(lw, a, b) or _maximum_of(lw, b, a)
         if hit is None:
@@ -154,7 +157,7 @@ def equal(base: Handler) -> Handler:
 
 
 def order(op: str, base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = _operands(lw, args)
         if _broadcastable(lw, a, b, shapes[0]):
             return Order(op, a, b, tuple(shapes[0]), _recorded(args))
@@ -162,7 +165,7 @@ def order(op: str, base: Handler) -> Handler:
     return lower
 
 
-def _halved(lw: Any, half: Any, g: Any) -> bool:
+def _halved(lw: Lowerer, half: Any, g: Any) -> bool:
     """half is ``g / 2`` (a ``div`` node of g by 2)."""
     node = _producer(lw, half) if isinstance(half, int) else None
     return node is not None and node.op == "div" and node.ins == [g] \
@@ -171,7 +174,7 @@ def _halved(lw: Any, half: Any, g: Any) -> bool:
 
 @refines("aten.where.self")
 def split_ties(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         tie = _env(lw, args[0])
         if not isinstance(tie, Tie):
             return base(lw, args, kwargs, shapes, group)
@@ -182,7 +185,7 @@ def split_ties(base: Handler) -> Handler:
     return lower
 
 
-def _step_times(lw: Any, a: int, b: int, t: int) -> int:
+def _step_times(lw: Lowerer, a: int, b: int, t: int) -> int:
     """``t * step(a - b)``: the relu rule's backward node."""
     y = lw.emit("sub", [a, b], [lw.shapes[a]])[0]
     return lw.emit("relu", [y, t], [lw.shapes[t]], direction="bw")[0]
@@ -192,7 +195,7 @@ def _step_times(lw: Any, a: int, b: int, t: int) -> int:
 def fill_losing_side(base: Handler) -> Handler:
     """``where(a == b, g / 2, g).masked_fill_(a > b, 0)``: g where a < b,
     g / 2 at ties, 0 where a > b (``a < b``: the mirror)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         split, cmp = _env(lw, args[0]), _env(lw, args[1])
         if not isinstance(split, TieSplit):
             return base(lw, args, kwargs, shapes, group)
@@ -210,7 +213,7 @@ def fill_losing_side(base: Handler) -> Handler:
     return lower
 
 
-def _broadcastable(lw: Any, a: Any, b: Any, shape: Any) -> bool:
+def _broadcastable(lw: Lowerer, a: Any, b: Any, shape: Any) -> bool:
     """a and b are lowered values that broadcast to ``shape`` (torch's rule:
     trailing dims aligned, each 1 or the output's)."""
     if not (isinstance(a, int) and isinstance(b, int)):
@@ -220,7 +223,7 @@ def _broadcastable(lw: Any, a: Any, b: Any, shape: Any) -> bool:
         s in (1, o) for s, o in zip(reversed(lw.shapes[v]), reversed(shape))) for v in (a, b))
 
 
-def _expand(lw: Any, x: int, shape: tuple[int, ...]) -> int:
+def _expand(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
     """x broadcast to shape: leading dims of 1 added, then ``expand``."""
     if lw.shapes[x] == shape:
         return x
@@ -230,7 +233,7 @@ def _expand(lw: Any, x: int, shape: tuple[int, ...]) -> int:
     return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
 
 
-def _relu_of_difference(lw: Any, args, shape: tuple[int, ...]) -> tuple[int, int, int]:
+def _relu_of_difference(lw: Lowerer, args, shape: tuple[int, ...]) -> tuple[int, int, int]:
     a, b = lw.val(args[0]), lw.val(args[1])
     if not _broadcastable(lw, a, b, shape):
         raise LoweringError(f"{lw.name}: torch.maximum/minimum of shapes {list(lw.shapes[a])} "
@@ -241,14 +244,14 @@ def _relu_of_difference(lw: Any, args, shape: tuple[int, ...]) -> tuple[int, int
 
 
 @lowers("aten.maximum.default")
-def maximum(lw: Any, args, kwargs, shapes, group):
+def maximum(lw: Lowerer, args, kwargs, shapes, group):
     """``b + relu(a - b)``."""
     _, b, r = _relu_of_difference(lw, args, tuple(shapes[0]))
     return lw.emit("add", [b, r], [lw.shapes[b]])[0]
 
 
 @lowers("aten.minimum.default")
-def minimum(lw: Any, args, kwargs, shapes, group):
+def minimum(lw: Lowerer, args, kwargs, shapes, group):
     """``a - relu(a - b)``."""
     a, _, r = _relu_of_difference(lw, args, tuple(shapes[0]))
     return lw.emit("sub", [a, r], [lw.shapes[a]])[0]
@@ -256,7 +259,7 @@ def minimum(lw: Any, args, kwargs, shapes, group):
 
 @refines("aten.sum.dim_IntList")
 def count(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         hit = _env(lw, args[0])
         if not isinstance(hit, MaxHit):
             return base(lw, args, kwargs, shapes, group)
@@ -271,7 +274,7 @@ def count(base: Handler) -> Handler:
 
 @refines("aten.div.Tensor")
 def share(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         c = _env(lw, args[1])
         if not isinstance(c, MaxCount):
             return base(lw, args, kwargs, shapes, group)
@@ -282,7 +285,7 @@ def share(base: Handler) -> Handler:
 @refines("aten.mul.Tensor")
 def spread(base: Handler) -> Handler:
     """``share * hit``: the ``max`` rule's backward of the share's gradient."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = _env(lw, args[0]), _env(lw, args[1])
         s, hit = (a, b) if isinstance(a, MaxShare) else (b, a)
         if not isinstance(s, MaxShare):

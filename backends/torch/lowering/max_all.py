@@ -21,12 +21,15 @@ pattern may read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import MaxCount, MaxHit, Pending
 from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
 from backends.torch.lowering.shapes import dim_set
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 
 def _unlowered(op: str) -> Handler:
@@ -39,19 +42,19 @@ class NotNaN(Pending):
     """``isnan(v)`` of a lowered value (or a conjunction of such): false
     everywhere in real arithmetic."""
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: isnan of a computed tensor is read other than by the "
                             f"backward of x.max()/x.min(); it is not lowered")
 
 
-def _env(lw: Any, a: Any) -> Any:
+def _env(lw: Lowerer, a: Any) -> Any:
     return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" \
         else None
 
 
 def extreme_all(least: bool) -> Handler:
     """``x.max()`` (``x.min()``: ``-max(-x)``), a 0-d value."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = lw.val(args[0])
         if least:
             x = lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": -1.0})[0]
@@ -64,7 +67,7 @@ def extreme_all(least: bool) -> Handler:
 
 @refines("aten.isnan.default", absent=_unlowered)
 def isnan(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = _env(lw, args[0])
         if x is None:
             return base(lw, args, kwargs, shapes, group)
@@ -76,7 +79,7 @@ def isnan(base: Handler) -> Handler:
 @refines("aten.logical_and.default", absent=_unlowered)
 def logical_and(base: Handler) -> Handler:
     """``isnan(x) & isnan(top)``: false when either side is."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         if any(isinstance(_env(lw, a), NotNaN) for a in args[:2]):
             return NotNaN()
         return base(lw, args, kwargs, shapes, group)
@@ -86,7 +89,7 @@ def logical_and(base: Handler) -> Handler:
 @refines("aten.logical_or_.default", "aten.logical_or.default", absent=_unlowered)
 def logical_or(base: Handler) -> Handler:
     """``(x == top) | nan``: the comparison itself when nan is false."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = _env(lw, args[0]), _env(lw, args[1])
         if isinstance(b, NotNaN) and isinstance(a, MaxHit):
             return a
@@ -106,7 +109,7 @@ def _all_dims(hit: MaxHit, ndim: int) -> bool:
 @refines("aten.sum.default")
 def count_all(base: Handler) -> Handler:
     """``hit.sum()``: the number of maxima of a maximum over every dim."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         hit = _env(lw, args[0])
         if not isinstance(hit, MaxHit):
             return base(lw, args, kwargs, shapes, group)

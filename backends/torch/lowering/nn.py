@@ -1,7 +1,7 @@
 """Lowerings of the kernels stock ``torch.nn`` layers run on the CPU, and of
 the constants models compute (positions, masks, tables).
 
-Each handler has the signature of ``backends.torch.lowering.core.HANDLERS``:
+Each handler has the signature of ``backends.torch.lowering.registry``:
 ``(lowerer, args, kwargs, out_shapes, group) -> value(s)``, and emits nodes
 of the rule table whose composition is exactly the kernel's function in
 real arithmetic (layer norm as mean, sub, mul and rsqrt; attention as
@@ -21,7 +21,7 @@ its value as the causal pattern, which the rule table has an operator for.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,13 +32,16 @@ from backends.torch.lowering.fills import additive_mask, masked_fill
 from backends.torch.lowering.ir import Complex, SdpaSaved
 from backends.torch.lowering.registry import lowers
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
 # -- constants ------------------------------------------------------------------
 
 
 # -- linear, norms, activations -------------------------------------------------
 
 @lowers("aten.addmm.default")
-def addmm(lw: Any, args, kwargs, shapes, group):
+def addmm(lw: Lowerer, args, kwargs, shapes, group):
     """bias + m1 @ m2 (``nn.Linear`` with a bias)."""
     if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
         raise LoweringError(f"{lw.name}: addmm with beta or alpha is not lowered")
@@ -47,7 +50,7 @@ def addmm(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.baddbmm.default")
-def baddbmm(lw: Any, args, kwargs, shapes, group):
+def baddbmm(lw: Lowerer, args, kwargs, shapes, group):
     """input + alpha * (b1 @ b2) (``nn.MultiheadAttention``'s scores with its
     mask as ``input``: a constant mask holding -inf is the causal mask)."""
     beta = float(args[3] if len(args) > 3 else kwargs.get("beta", 1))
@@ -64,7 +67,7 @@ def baddbmm(lw: Any, args, kwargs, shapes, group):
     return lw.emit("add", [out, lw.val(args[0])], [shape])[0]
 
 
-def _norm_dims(lw: Any, x: int, normalized: Any) -> list[int]:
+def _norm_dims(lw: Lowerer, x: int, normalized: Any) -> list[int]:
     nd = len(lw.shapes[x])
     k = len(normalized)
     if not 1 <= k <= nd or list(lw.shapes[x][nd - k:]) != list(normalized):
@@ -72,7 +75,7 @@ def _norm_dims(lw: Any, x: int, normalized: Any) -> list[int]:
     return list(range(nd - k, nd))
 
 
-def _normalized(lw: Any, x: int, mean: int, rstd: int) -> int:
+def _normalized(lw: Lowerer, x: int, mean: int, rstd: int) -> int:
     """(x - mean) * rstd, once per (x, mean, rstd)."""
     key = (x, mean, rstd)
     if key not in lw.ln_y:
@@ -83,7 +86,7 @@ def _normalized(lw: Any, x: int, mean: int, rstd: int) -> int:
 
 
 @lowers("aten.native_layer_norm.default")
-def layer_norm(lw: Any, args, kwargs, shapes, group):
+def layer_norm(lw: Lowerer, args, kwargs, shapes, group):
     """mean, rstd = rsqrt(mean((x - mean)^2) + eps); y = (x - mean) * rstd * w + b."""
     x = lw.val(args[0])
     dims = _norm_dims(lw, x, args[1])
@@ -105,7 +108,7 @@ def layer_norm(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.native_layer_norm_backward.default")
-def layer_norm_backward(lw: Any, args, kwargs, shapes, group):
+def layer_norm_backward(lw: Lowerer, args, kwargs, shapes, group):
     """dx = rstd * (gy - mean(gy) - y * mean(gy * y)) with gy = g * w,
     dw = sum(g * y), db = sum(g) over the leading dims."""
     g, x = lw.val(args[0]), lw.val(args[1])
@@ -137,7 +140,7 @@ def layer_norm_backward(lw: Any, args, kwargs, shapes, group):
 def activation(op: str, kw_names: tuple[str, ...] = ()):
     """A unary activation; its input is remembered for a backward kernel
     that reads the output (tanh, sigmoid, relu)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = lw.val(args[0])
         kw = {}
         for i, name in enumerate(kw_names, start=1):
@@ -151,7 +154,7 @@ def activation(op: str, kw_names: tuple[str, ...] = ()):
 def activation_backward_of_output(op: str):
     """``op_backward(grad, output)``: the rule's backward node on the input
     of the op that produced ``output``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         out = lw.val(args[1])
         producer, x = lw.fw_in.get(out, ("", -1))
         if producer != op:
@@ -163,53 +166,53 @@ def activation_backward_of_output(op: str):
 
 
 @lowers("aten.gelu_backward.default")
-def gelu_backward(lw: Any, args, kwargs, shapes, group):
+def gelu_backward(lw: Lowerer, args, kwargs, shapes, group):
     approximate = args[2] if len(args) > 2 else kwargs.get("approximate", "none")
     return lw.emit("gelu", [lw.val(args[1]), lw.val(args[0])], shapes,
                    {"approximate": approximate}, direction="bw")[0]
 
 
-def _step_times(lw: Any, y: int, t: int) -> int:
+def _step_times(lw: Lowerer, y: int, t: int) -> int:
     """t * step(y), step(y) = 1 for y > 0, else 0: the relu rule's backward."""
     return lw.emit("relu", [y, t], [lw.shapes[t]], direction="bw")[0]
 
 
-def _negated(lw: Any, x: int) -> int:
+def _negated(lw: Lowerer, x: int) -> int:
     return lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": -1.0})[0]
 
 
-def _abs(lw: Any, x: int) -> int:
+def _abs(lw: Lowerer, x: int) -> int:
     """|x| = relu(x) + relu(-x) (exact: x step(x) - x step(-x))."""
     shape = [lw.shapes[x]]
     pos = lw.emit("relu", [x], shape)[0]
     return lw.emit("add", [pos, lw.emit("relu", [_negated(lw, x)], shape)[0]], shape)[0]
 
 
-def _sgn_times(lw: Any, x: int, t: int) -> int:
+def _sgn_times(lw: Lowerer, x: int, t: int) -> int:
     """t * sgn(x) = t step(x) - t step(-x) (0 at 0, as torch's sgn)."""
     return lw.emit("sub", [_step_times(lw, x, t), _step_times(lw, _negated(lw, x), t)],
                    [lw.shapes[t]])[0]
 
 
 @lowers("aten.abs.default")
-def abs_(lw: Any, args, kwargs, shapes, group):
+def abs_(lw: Lowerer, args, kwargs, shapes, group):
     return _abs(lw, lw.val(args[0]))
 
 
 @lowers("aten.sgn.default", "aten.sign.default")
-def sgn(lw: Any, args, kwargs, shapes, group):
+def sgn(lw: Lowerer, args, kwargs, shapes, group):
     x = lw.val(args[0])
     ones = lw.emit("ones", [], [lw.shapes[x]], {"shape": list(lw.shapes[x])}, direction="none")[0]
     return _sgn_times(lw, x, ones)
 
 
 @lowers("aten.neg.default")
-def neg(lw: Any, args, kwargs, shapes, group):
+def neg(lw: Lowerer, args, kwargs, shapes, group):
     return lw.emit("mul_scalar", [lw.val(args[0])], shapes, {"value": -1.0})[0]
 
 
 @lowers("aten.rsub.Scalar", "aten.rsub.Tensor")
-def rsub(lw: Any, args, kwargs, shapes, group):
+def rsub(lw: Lowerer, args, kwargs, shapes, group):
     """other - alpha * x."""
     alpha = float(args[2] if len(args) > 2 else kwargs.get("alpha", 1))
     other = lw.const(args[1])
@@ -223,7 +226,7 @@ def rsub(lw: Any, args, kwargs, shapes, group):
 
 # -- losses ---------------------------------------------------------------------
 
-def _reduction(lw: Any, args: Any, at: int, kwargs: dict) -> int:
+def _reduction(lw: Lowerer, args: Any, at: int, kwargs: dict) -> int:
     reduction = int(args[at] if len(args) > at else kwargs.get("reduction", 1))
     if reduction not in (0, 1, 2):
         raise LoweringError(f"{lw.name}: loss reduction {reduction} is not lowered")
@@ -231,7 +234,7 @@ def _reduction(lw: Any, args: Any, at: int, kwargs: dict) -> int:
 
 
 @lowers("aten.mse_loss.default")
-def mse_loss(lw: Any, args, kwargs, shapes, group):
+def mse_loss(lw: Lowerer, args, kwargs, shapes, group):
     """mean or sum of (x - t)^2."""
     x, t = lw.val(args[0]), lw.val(args[1])
     reduction = _reduction(lw, args, 2, kwargs)
@@ -247,7 +250,7 @@ def mse_loss(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.mse_loss_backward.default")
-def mse_loss_backward(lw: Any, args, kwargs, shapes, group):
+def mse_loss_backward(lw: Lowerer, args, kwargs, shapes, group):
     """2 * (x - t) * g, divided by the element count for a mean."""
     g, x, t = lw.val(args[0]), lw.val(args[1]), lw.val(args[2])
     reduction = _reduction(lw, args, 3, kwargs)
@@ -259,7 +262,7 @@ def mse_loss_backward(lw: Any, args, kwargs, shapes, group):
     return out
 
 
-def _robust_parts(lw: Any, args: Any, kwargs: dict, at: int, name: str) -> tuple[int, int, float]:
+def _robust_parts(lw: Lowerer, args: Any, kwargs: dict, at: int, name: str) -> tuple[int, int, float]:
     """(x - t, reduction, beta) of a smooth L1 or Huber loss or its backward."""
     x, t = lw.val(args[at]), lw.val(args[at + 1])
     if lw.shapes[t] != lw.shapes[x]:
@@ -272,7 +275,7 @@ def _robust_parts(lw: Any, args: Any, kwargs: dict, at: int, name: str) -> tuple
     return lw.emit("sub", [x, t], [lw.shapes[x]])[0], reduction, beta
 
 
-def _near(lw: Any, d: int, beta: float) -> int:
+def _near(lw: Lowerer, d: int, beta: float) -> int:
     """beta - |d|: positive exactly where the loss is quadratic."""
     return lw.emit("add_scalar", [_negated(lw, _abs(lw, d))], [lw.shapes[d]], {"value": beta})[0]
 
@@ -281,7 +284,7 @@ def robust_loss(name: str):
     """Smooth L1 (beta) and Huber (delta) losses: elementwise
     ``|d| - beta/2 + step(beta - |d|) (d^2 / (2 beta) - |d| + beta/2)``, Huber
     that times delta, then reduced."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         d, reduction, beta = _robust_parts(lw, args, kwargs, 0, name)
         shape = [lw.shapes[d]]
         lin = lw.emit("add_scalar", [_abs(lw, d)], shape, {"value": -0.5 * beta})[0]
@@ -301,7 +304,7 @@ def robust_loss(name: str):
 def robust_loss_backward(name: str):
     """``g * (sgn(d) + step(beta - |d|) (d / beta - sgn(d)))``, Huber's times
     delta, divided by the element count for a mean."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         d, reduction, beta = _robust_parts(lw, args, kwargs, 1, name)
         shape = lw.shapes[d]
         g = lw.val(args[0])
@@ -324,7 +327,7 @@ def robust_loss_backward(name: str):
 
 
 @lowers("aten._scaled_dot_product_flash_attention_for_cpu.default")
-def sdpa(lw: Any, args, kwargs, shapes, group):
+def sdpa(lw: Lowerer, args, kwargs, shapes, group):
     """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function);
     with fewer key-value heads than query heads (``enable_gqa``), each
     key-value head serves ``groups`` consecutive query heads."""
@@ -349,7 +352,7 @@ def sdpa(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
-def sdpa_backward(lw: Any, args, kwargs, shapes, group):
+def sdpa_backward(lw: Lowerer, args, kwargs, shapes, group):
     """dv = p^T g; ds = softmax'(g v^T) (masked); dq = ds k * scale; dk = ds^T q * scale."""
     g, out = lw.val(args[0]), lw.val(args[4])
     saved = lw.sdpa.get(out)
@@ -374,7 +377,7 @@ def sdpa_backward(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.slice_backward.default")
-def slice_backward(lw: Any, args, kwargs, shapes, group):
+def slice_backward(lw: Lowerer, args, kwargs, shapes, group):
     """The gradient of a slice, zero outside it: narrow's backward."""
     g = lw.val(args[0])
     sizes, dim, start, step = list(args[1]), int(args[2]), int(args[3]), int(args[5])
@@ -387,7 +390,7 @@ def slice_backward(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.select.int")
-def select(lw: Any, args, kwargs, shapes, group):
+def select(lw: Lowerer, args, kwargs, shapes, group):
     """``x[..., index, ...]``: a narrow of length 1, its dim dropped."""
     x = lw.val(args[0])
     shape = lw.shapes[x]
@@ -399,7 +402,7 @@ def select(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.select_backward.default")
-def select_backward(lw: Any, args, kwargs, shapes, group):
+def select_backward(lw: Lowerer, args, kwargs, shapes, group):
     """The gradient of a select: zero outside the index (narrow's backward)."""
     sizes = list(args[1])
     dim = int(args[2]) % len(sizes)
@@ -414,7 +417,7 @@ def select_backward(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.view_as_complex.default")
-def view_as_complex(lw: Any, args, kwargs, shapes, group):
+def view_as_complex(lw: Lowerer, args, kwargs, shapes, group):
     """x[..., 0] + i x[..., 1]."""
     x = lw.val(args[0])
     shape = lw.shapes[x]
@@ -428,7 +431,7 @@ def view_as_complex(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.view_as_real.default")
-def view_as_real(lw: Any, args, kwargs, shapes, group):
+def view_as_real(lw: Lowerer, args, kwargs, shapes, group):
     """The parts stacked in a last dim of 2."""
     c = lw.env.get(args[0][1])
     if not isinstance(c, Complex):
@@ -441,7 +444,7 @@ def view_as_real(lw: Any, args, kwargs, shapes, group):
 # -- randomness -------------------------------------------------------------------
 
 @lowers("aten.native_dropout.default")
-def dropout(lw: Any, args, kwargs, shapes, group):
+def dropout(lw: Lowerer, args, kwargs, shapes, group):
     """``native_dropout`` with p = 0 is the identity (its mask all ones);
     any other p draws random numbers."""
     p = float(args[1])
@@ -453,14 +456,14 @@ def dropout(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers("aten.native_dropout_backward.default")
-def dropout_backward(lw: Any, args, kwargs, shapes, group):
+def dropout_backward(lw: Lowerer, args, kwargs, shapes, group):
     if lw.env.get(args[1][1]) != "dropout-mask" or float(args[2]) != 1.0:
         raise LoweringError(f"{lw.name}: dropout backward of a dropout with p > 0")
     return lw.val(args[0])
 
 
 @lowers("aten.bernoulli_.float", "aten.bernoulli_.Tensor", "aten.bernoulli.p", "aten.bernoulli.default")
-def random_fill(lw: Any, args, kwargs, shapes, group):
+def random_fill(lw: Lowerer, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: a random draw (dropout with p > 0, or bernoulli) is not "
                         f"lowered: set dropout's p = 0 to verify")
 

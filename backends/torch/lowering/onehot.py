@@ -1,4 +1,5 @@
-"""TODO"""
+"""Ids as one-hot rows: the one-hot input of (a piece of) the batch's ids,
+the values of recorded labels, and ids the model cut or padded."""
 
 from __future__ import annotations
 

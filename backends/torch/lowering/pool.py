@@ -30,11 +30,14 @@ a ``sum``, an ``add`` or a ``mul_scalar``: exact rules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.registry import Handler, lowers
 from backends.torch.lowering.shapes import Dim, cat, every, narrow, pad, pool_dims, spread, with_axis
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 # -- average pooling ---------------------------------------------------------------
 
@@ -50,7 +53,7 @@ def _divisor(d: Dim, o: int, include_pad: bool) -> int:
     return hi - lo
 
 
-def _scale(lw: Any, x: int, dim: int, factors: list[float]) -> int:
+def _scale(lw: Lowerer, x: int, dim: int, factors: list[float]) -> int:
     """x times ``factors[o]`` at position o along dim (runs of equal factors)."""
     parts, o = [], 0
     while o < len(factors):
@@ -78,7 +81,7 @@ class _Avg:
         return [1.0 / _divisor(d, o, self.include_pad) for o in range(d.out)]
 
 
-def _avg_of(lw: Any, x: int, args, kwargs, out_shape) -> _Avg:
+def _avg_of(lw: Lowerer, x: int, args, kwargs, out_shape) -> _Avg:
     spatial = len(out_shape) - 2
     opts = [*args, *[None] * 7][:7]
     kernel, stride, padding, ceil_mode, include_pad, divisor = opts[1:7]
@@ -98,7 +101,7 @@ def _ints(value: Any, n: int) -> tuple[int, ...]:
     return tuple(values * n if len(values) == 1 else values)
 
 
-def _batched(lw: Any, x: int, spatial: int) -> int:
+def _batched(lw: Lowerer, x: int, spatial: int) -> int:
     shape = lw.shapes[x]
     if len(shape) == spatial + 1:
         return lw.reshape(x, (1, *shape))
@@ -109,7 +112,7 @@ def _batched(lw: Any, x: int, spatial: int) -> int:
 
 def avg_pool(spatial: int) -> Handler:
     """``avg_pool{n}d``: each dim windowed over zeros, summed, scaled."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = _batched(lw, lw.val(args[0]), spatial)
         out_shape = tuple(shapes[0]) if len(shapes[0]) == spatial + 2 else (1, *shapes[0])
         avg = _avg_of(lw, x, args, kwargs, out_shape)
@@ -129,7 +132,7 @@ def avg_pool(spatial: int) -> Handler:
     return lower
 
 
-def _backward_args(lw: Any, args, spatial: int) -> tuple[Any, Any, Any]:
+def _backward_args(lw: Lowerer, args, spatial: int) -> tuple[Any, Any, Any]:
     """A pooling backward's ``(g, x, ...)``: x as given, x and g batched."""
     x0 = lw.val(args[1])
     g = lw.val(args[0])
@@ -139,7 +142,7 @@ def _backward_args(lw: Any, args, spatial: int) -> tuple[Any, Any, Any]:
 
 def avg_pool_backward(spatial: int) -> Handler:
     """``avg_pool{n}d_backward(g, x, ...)``: the adjoint, dim by dim."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x0, x, g = _backward_args(lw, args, spatial)
         avg = _avg_of(lw, x, args[1:], kwargs, lw.shapes[g])
         if avg.divisor is not None:
@@ -171,7 +174,7 @@ def _adaptive_windows(size: int, out: int) -> list[tuple[int, int]]:
 def adaptive_avg_pool(spatial: int) -> Handler:
     """``_adaptive_avg_pool{n}d``: each output the mean of its window, dim by
     dim (torch divides the window's sum by the product of its lengths)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = _batched(lw, lw.val(args[0]), spatial)
         out = tuple(shapes[0])[-spatial:]
         for i, o_size in enumerate(out):
@@ -191,7 +194,7 @@ def adaptive_avg_pool(spatial: int) -> Handler:
 
 def adaptive_avg_pool_backward(spatial: int) -> Handler:
     """``_adaptive_avg_pool{n}d_backward(g, x)``: the adjoint, dim by dim."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x0, x, g = _backward_args(lw, args, spatial)
         for i in reversed(range(spatial)):
             dim, size = 2 + i, lw.shapes[x][2 + i]

@@ -30,9 +30,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 #: ``handler(lw, args, kwargs, out_shapes, group)``; see the module docstring
 Handler = Callable[..., Any]
@@ -90,7 +93,7 @@ def refines(*ops: str, base: str | None = None,
 
 def not_lowered(op: str, why: str = "") -> Handler:
     """A handler that refuses ``op`` in one line (``why`` ends the line)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"aten op {op} (at {lw.name or 'top level'}) is not lowered onto the "
                             f"rule table{why}")
     return lower

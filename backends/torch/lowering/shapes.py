@@ -1,4 +1,7 @@
-"""TODO"""
+"""Shape helpers shared by the families: reshapes between shapes
+(``view_to``), slices, zero padding and concatenation along a dim
+(``narrow``, ``pad``, ``cat``), and the windows of convolutions and
+poolings (``conv_windows``, ``max_windows`` and their adjoints)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
 class Conv:
     """A convolution's options, read from its recorded arguments."""
 
-    def __init__(self, lw: Any, x: int, w: int, stride, padding, dilation, transposed,
+    def __init__(self, lw: Lowerer, x: int, w: int, stride, padding, dilation, transposed,
                  output_padding, groups, size: tuple[int, ...] = ()) -> None:
         """``x`` is the convolution's input; of a transposed convolution, its
         input is the output of the convolution it is the adjoint of, whose
@@ -51,7 +54,7 @@ class Conv:
         return f"{win},{weight}->{out}", f"{win},{out}->{weight}", f"{out},{weight}->{win}"
 
 
-def _per_dim(lw: Any, value: Any, n: int, what: str) -> tuple[int, ...]:
+def _per_dim(lw: Lowerer, value: Any, n: int, what: str) -> tuple[int, ...]:
     values = [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
     if len(values) == 1:
         values *= n
@@ -60,7 +63,7 @@ def _per_dim(lw: Any, value: Any, n: int, what: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def narrow(lw: Any, x: int, dim: int, start: int, length: int) -> int:
+def narrow(lw: Lowerer, x: int, dim: int, start: int, length: int) -> int:
     shape = list(lw.shapes[x])
     if start == 0 and length == shape[dim]:
         return x
@@ -68,7 +71,7 @@ def narrow(lw: Any, x: int, dim: int, start: int, length: int) -> int:
     return lw.emit("narrow", [x], [tuple(shape)], {"dim": dim, "start": start, "length": length})[0]
 
 
-def pad(lw: Any, x: int, dim: int, before: int, after: int) -> int:
+def pad(lw: Lowerer, x: int, dim: int, before: int, after: int) -> int:
     """x with ``before`` and ``after`` zeros along dim: the ``narrow`` rule's
     backward (its input's gradient, zero outside the slice), so that the
     zeros are laid out and scaled as x is on every rank."""
@@ -81,7 +84,7 @@ def pad(lw: Any, x: int, dim: int, before: int, after: int) -> int:
                    {"dim": dim, "start": before, "length": length}, direction="bw")[0]
 
 
-def cat(lw: Any, parts: list[int], dim: int) -> int:
+def cat(lw: Lowerer, parts: list[int], dim: int) -> int:
     if len(parts) == 1:
         return parts[0]
     shape = list(lw.shapes[parts[0]])
@@ -93,7 +96,7 @@ def with_axis(shape: tuple[int, ...], dim: int, size: int = 1) -> tuple[int, ...
     return (*shape[:dim], size, *shape[dim:])
 
 
-def every(lw: Any, x: int, dim: int, step: int, count: int) -> int:
+def every(lw: Lowerer, x: int, dim: int, step: int, count: int) -> int:
     """Positions 0, step, ..., (count - 1) step of x along dim (x holds
     ``(count - 1) step + 1`` of them): padded to ``count * step``, split
     into (count, step) and the first of each kept."""
@@ -106,7 +109,7 @@ def every(lw: Any, x: int, dim: int, step: int, count: int) -> int:
     return lw.reshape(narrow(lw, x, dim + 1, 0, 1), (*shape[:dim], count, *shape[dim + 1:]))
 
 
-def spread(lw: Any, g: int, dim: int, step: int, count: int) -> int:
+def spread(lw: Lowerer, g: int, dim: int, step: int, count: int) -> int:
     """The adjoint of ``every``: g's values at 0, step, ..., zeros between."""
     if step == 1:
         return g
@@ -116,7 +119,7 @@ def spread(lw: Any, g: int, dim: int, step: int, count: int) -> int:
     return narrow(lw, g, dim, 0, (count - 1) * step + 1)
 
 
-def conv_windows(lw: Any, x: int, conv: Conv) -> int:
+def conv_windows(lw: Lowerer, x: int, conv: Conv) -> int:
     """x's windows, shape ``(N, C, K1, O1, ..., Kd, Od)``."""
     for i in range(conv.spatial):
         dim = 2 + 2 * i  # the spatial dim i, after the (tap, position) pairs before it
@@ -131,7 +134,7 @@ def conv_windows(lw: Any, x: int, conv: Conv) -> int:
     return x
 
 
-def unwindow(lw: Any, g: int, conv: Conv) -> int:
+def unwindow(lw: Lowerer, g: int, conv: Conv) -> int:
     """The adjoint of ``conv_windows``: the input's gradient from the windows'."""
     for i in reversed(range(conv.spatial)):
         dim = 2 + 2 * i
@@ -178,7 +181,7 @@ class Dim:
         return out
 
 
-def pool_dims(lw: Any, size, kernel, stride, padding, dilation, ceil_mode: bool,
+def pool_dims(lw: Lowerer, size, kernel, stride, padding, dilation, ceil_mode: bool,
               out) -> list[Dim]:
     """The pooling's dims, checked against torch's output size rule."""
     dims = [Dim(*v) for v in zip(size, kernel, stride, padding, dilation, out)]
@@ -206,12 +209,12 @@ def _runs(idxs: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _take(lw: Any, x: int, dim: int, idxs: list[int]) -> int:
+def _take(lw: Lowerer, x: int, dim: int, idxs: list[int]) -> int:
     """x's positions ``idxs`` along dim, in order (copies)."""
     return cat(lw, [narrow(lw, x, dim, i, n) for _, i, n in _runs(idxs)], dim)
 
 
-def _put(lw: Any, g: int, dim: int, idxs: list[int], size: int) -> int:
+def _put(lw: Lowerer, g: int, dim: int, idxs: list[int], size: int) -> int:
     """The adjoint of ``_take``: g's positions added at their sources."""
     total = None
     for j, i, n in _runs(idxs):
@@ -220,7 +223,7 @@ def _put(lw: Any, g: int, dim: int, idxs: list[int], size: int) -> int:
     return total
 
 
-def max_windows(lw: Any, x: int, dims: list[Dim]) -> int:
+def max_windows(lw: Lowerer, x: int, dims: list[Dim]) -> int:
     """x's windows ``(N, C, K1, O1, ..., Kd, Od)``, padded taps copied."""
     for i, d in enumerate(dims):
         dim = 2 + 2 * i
@@ -232,7 +235,7 @@ def max_windows(lw: Any, x: int, dims: list[Dim]) -> int:
     return x
 
 
-def max_unwindow(lw: Any, g: int, dims: list[Dim]) -> int:
+def max_unwindow(lw: Lowerer, g: int, dims: list[Dim]) -> int:
     """The adjoint of ``max_windows``."""
     for i in reversed(range(len(dims))):
         d, dim = dims[i], 2 + 2 * i

@@ -25,12 +25,15 @@ input it was cut from) is zeros of the input's shape.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import Bucket, IdRows, Ids, Piece
 from backends.torch.lowering.registry import Handler, refines
 from backends.torch.lowering.shapes import narrow, pad
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 # imported by lower.py once the id types exist
 
@@ -42,7 +45,7 @@ class Empty:
     shape: tuple[int, ...]
 
 
-def _every(lw: Any, x: int, dim: int, start: int, step: int, count: int) -> int:
+def _every(lw: Lowerer, x: int, dim: int, start: int, step: int, count: int) -> int:
     """The values of x at ``start + k step`` along dim, k < count."""
     x = narrow(lw, x, dim, start, (count - 1) * step + 1)
     x = pad(lw, x, dim, 0, step - 1)
@@ -51,7 +54,7 @@ def _every(lw: Any, x: int, dim: int, start: int, step: int, count: int) -> int:
     return lw.reshape(narrow(lw, x, dim + 1, 0, 1), (*shape[:dim], count, *shape[dim + 1:]))
 
 
-def _spread(lw: Any, g: int, dim: int, start: int, step: int, size: int) -> int:
+def _spread(lw: Lowerer, g: int, dim: int, start: int, step: int, size: int) -> int:
     """The adjoint of ``_every``: g's values at ``start + k step`` of ``size``
     positions along dim, zeros elsewhere."""
     shape = lw.shapes[g]
@@ -71,14 +74,14 @@ def _bounds(total: int, args, at: int) -> tuple[int, int, int]:
     return slice(start or 0, end, step).indices(total)
 
 
-def _computed(lw: Any, a: Any) -> bool:
+def _computed(lw: Lowerer, a: Any) -> bool:
     """Whether a recorded argument is a computed tensor (not the batch's
     integer ids, which lower.py slices as one-hot rows)."""
     x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
     return x is not None and not isinstance(x, (Ids, IdRows, Bucket))
 
 
-def _source(lw: Any, a: Any, dim: int) -> tuple[int, int, int]:
+def _source(lw: Lowerer, a: Any, dim: int) -> tuple[int, int, int]:
     """(tensor, offset, size) along dim of what a slice reads: an equal piece
     of a tensor along the same dim (``x[..., :half]``, not yet materialized)
     is read from the tensor itself at the piece's offset, so that the rank
@@ -93,7 +96,7 @@ def _source(lw: Any, a: Any, dim: int) -> tuple[int, int, int]:
 
 @refines("aten.slice.Tensor")
 def strided_slice(inner: Handler) -> Handler:
-    def handler(lw: Any, args, kwargs, shapes, group):
+    def handler(lw: Lowerer, args, kwargs, shapes, group):
         out = tuple(shapes[0])
         dim = int(args[1]) % len(out) if len(args) > 1 else 0
         step = int(args[4]) if len(args) > 4 else 1
@@ -112,7 +115,7 @@ def strided_slice(inner: Handler) -> Handler:
 
 @refines("aten.slice_backward.default")
 def strided_slice_backward(inner: Handler) -> Handler:
-    def handler(lw: Any, args, kwargs, shapes, group):
+    def handler(lw: Lowerer, args, kwargs, shapes, group):
         g = lw.env.get(args[0][1])
         sizes = tuple(int(s) for s in args[1])
         dim = int(args[2]) % len(sizes)
@@ -132,7 +135,7 @@ def strided_slice_backward(inner: Handler) -> Handler:
 
 @refines("aten.cat.default")
 def cat_skipping_empty(inner: Handler) -> Handler:
-    def handler(lw: Any, args, kwargs, shapes, group):
+    def handler(lw: Lowerer, args, kwargs, shapes, group):
         tensors = [a for a in args[0] if not isinstance(lw.env.get(a[1]), Empty)]
         if not tensors:
             return Empty(tuple(shapes[0]))

@@ -17,11 +17,14 @@ take their own cases and hand every other on to the handler they wrap.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.emit import emit_binary, expand_to, number
+from backends.torch.lowering.emit import arg, emit_binary, expand_to, number
 from backends.torch.lowering.registry import Handler, lowers, refines
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 
 @dataclass(frozen=True)
@@ -32,19 +35,19 @@ class StdIsZero:
 
 
 @lowers("aten.std.correction")
-def std(lw: Any, args, kwargs, shapes, group):
+def std(lw: Lowerer, args, kwargs, shapes, group):
     s = lw.emit("pow", [var(lw, args, kwargs, shapes, group)], shapes, {"exponent": 0.5})[0]
     lw.stds.add(s)
     return s
 
 
-def _arg(lw: Any, a: Any) -> Any:
+def _arg(lw: Lowerer, a: Any) -> Any:
     return lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
 
 
 @refines("aten.eq.Scalar")
 def std_is_zero(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         s = _arg(lw, args[0])
         if isinstance(s, int) and s in lw.stds and lw.const(args[1]) == 0:
             return StdIsZero(s)
@@ -52,7 +55,7 @@ def std_is_zero(base: Handler) -> Handler:
     return lower
 
 
-def _twice(lw: Any, t: int, s: int) -> bool:
+def _twice(lw: Lowerer, t: int, s: int) -> bool:
     """t is ``s * 2`` (the backward's ``mul.Scalar(result, 2)``)."""
     return any(n.outs == [t] and n.op == "mul_scalar" and n.ins == [s]
                and n.kwargs.get("value") == 2.0 for n in reversed(lw.nodes))
@@ -60,7 +63,7 @@ def _twice(lw: Any, t: int, s: int) -> bool:
 
 @refines("aten.masked_fill_.Scalar")
 def std_guard(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         mask = _arg(lw, args[1])
         if not isinstance(mask, StdIsZero):
             return base(lw, args, kwargs, shapes, group)
@@ -74,11 +77,11 @@ def std_guard(base: Handler) -> Handler:
 
 
 @lowers("aten.var.correction")
-def var(lw: Any, args, kwargs, shapes, group):
+def var(lw: Lowerer, args, kwargs, shapes, group):
     """``sum((x - mean(x))^2, dims) / (n - correction)`` along dims."""
     x = lw.val(args[0])
     nd = len(lw.shapes[x])
-    dims = _arg(args, kwargs, 1, "dim", None)
+    dims = arg(args, kwargs, 1, "dim", None)
     dims = list(range(nd)) if dims is None else [int(d) % nd for d in dims]
     correction = number(lw, kwargs.get("correction", 1), "var's correction")
     keepdim = bool(kwargs.get("keepdim", False))

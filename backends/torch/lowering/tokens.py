@@ -1,4 +1,6 @@
-"""TODO"""
+"""The batch's ids as inputs: embedding lookups and their backward, tests
+and arithmetic on ids (the pieces of a vocabulary-parallel lookup), padding
+and writes of ids."""
 
 from __future__ import annotations
 

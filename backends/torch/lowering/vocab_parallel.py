@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,12 +42,15 @@ from backends.torch.lowering.ir import Const, Ids, IdsTest, Pending, RowMax, Shi
 from backends.torch.lowering.onehot import one_hot
 from backends.torch.lowering.registry import Handler, lowers, refines
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
 
 class PatternOnly(Pending):
     """A helper value only the next op of its pattern may read: any other
     reader (materializing it) stops the run with one line."""
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: a vocabulary-parallel mask, shifted ids or masked "
                             f"value ({type(self).__name__}) is read outside the patterns "
                             f"lowered (backends/torch/lower_vocab_parallel.py)")
@@ -136,17 +139,17 @@ class Spread(Pending):
     x: int
     shape: tuple[int, ...]
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         return lw.emit("expand", [self.x], [list(self.shape)], {"shape": list(self.shape)})[0]
 
 
-def _env(lw: Any, a: Any) -> Any:
+def _env(lw: Lowerer, a: Any) -> Any:
     if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
         return lw.env.get(a[1])
     return None
 
 
-def _refuse_pending(lw: Any, args: Any, what: str) -> None:
+def _refuse_pending(lw: Lowerer, args: Any, what: str) -> None:
     """Stop when an op outside the patterns reads a pending helper value."""
     items = args if isinstance(args, (list, tuple)) else [args]
     for a in items:
@@ -156,7 +159,7 @@ def _refuse_pending(lw: Any, args: Any, what: str) -> None:
                                 f"(backends/torch/lower_vocab_parallel.py)")
 
 
-def _vocab_columns(lw: Any, ids: Ids, lo: int, rows: int, what: str,
+def _vocab_columns(lw: Lowerer, ids: Ids, lo: int, rows: int, what: str,
                    shape: tuple[int, ...] | None = None) -> int:
     """The one-hot rows of ``ids`` (seen with ``shape`` when given),
     columns ``[lo, lo + rows)``: a ``split`` of the vocabulary into equal
@@ -175,7 +178,7 @@ def _vocab_columns(lw: Any, ids: Ids, lo: int, rows: int, what: str,
                                                  "index": lo // rows})[0]
 
 
-def _ids_source(lw: Any, ids: Ids) -> int:
+def _ids_source(lw: Lowerer, ids: Ids) -> int:
     """A recorded value holding ``ids`` (added to the environment, under a
     fresh negative key, when no op produced them with that shape)."""
     for v, x in lw.env.items():
@@ -189,7 +192,7 @@ def _ids_source(lw: Any, ids: Ids) -> int:
 # -- the stable log-softmax ------------------------------------------------------
 
 @lowers("aten.amax.default")
-def amax(lw: Any, args, kwargs, shapes, group):
+def amax(lw: Lowerer, args, kwargs, shapes, group):
     x = lw.val(args[0])
     dims = args[1] if len(args) > 1 else kwargs.get("dim", [])
     keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
@@ -204,7 +207,7 @@ def amax(lw: Any, args, kwargs, shapes, group):
 @refines("_c10d_functional.all_reduce.default")
 def all_reduce(base: Handler) -> Handler:
     """A MAX all-reduce of local row maxima: the maximum of the gathered rows."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = _env(lw, args[0])
         if args[1] != "max":
             _refuse_pending(lw, args[:1], "an all_reduce")
@@ -226,7 +229,7 @@ def unary(op: str) -> Handler:
 # -- masks and shifted labels ---------------------------------------------------
 
 @lowers("aten.ne.Scalar")
-def ne(lw: Any, args, kwargs, shapes, group):
+def ne(lw: Lowerer, args, kwargs, shapes, group):
     """``labels != ignore_index``: true for every label when the index is
     outside the vocabulary."""
     ids, value = _env(lw, args[0]), lw.const(args[1])
@@ -241,7 +244,7 @@ def ne(lw: Any, args, kwargs, shapes, group):
 def where(base: Handler) -> Handler:
     """``where(labels != ignore, x, 0)`` is x (broadcast to the output's
     shape) when no label is ignored."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         cond = _env(lw, args[0])
         if isinstance(cond, Unsqueezed):
             cond = cond.of
@@ -258,7 +261,7 @@ def where(base: Handler) -> Handler:
     return lower
 
 
-def _no_where(lw: Any, args, kwargs, shapes, group):
+def _no_where(lw: Lowerer, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: where with a scalar other than of the labels' "
                         f"ignore-index mask is not lowered")
 
@@ -266,14 +269,14 @@ def _no_where(lw: Any, args, kwargs, shapes, group):
 @refines("aten.view_as.default", "aten.flatten.using_ints", base="aten.view.default")
 def view_like(view: Handler) -> Handler:
     """``view_as`` and ``flatten``: a view to the output's shape."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         _refuse_pending(lw, args[:1], "a view")
         return view(lw, args[:1], {}, shapes, group)
     return lower
 
 
 @lowers("aten.bitwise_and.Tensor")
-def bitwise_and(lw: Any, args, kwargs, shapes, group):
+def bitwise_and(lw: Lowerer, args, kwargs, shapes, group):
     a, b = _env(lw, args[0]), _env(lw, args[1])
     if isinstance(a, IdsTest) and isinstance(b, IdsTest) and a.ids == b.ids \
             and (a.op, b.op) == ("ge", "lt"):
@@ -283,7 +286,7 @@ def bitwise_and(lw: Any, args, kwargs, shapes, group):
 
 @refines("aten.unsqueeze.default")
 def unsqueeze(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = _env(lw, args[0])
         if isinstance(x, (AllLabels, InRange, VocabMask, Shifted)):
             if int(args[1]) not in (-1, len(shapes[0]) - 1):
@@ -298,7 +301,7 @@ def unsqueeze(base: Handler) -> Handler:
 @refines("aten._to_copy.default")
 def to_copy(base: Handler) -> Handler:
     """A boolean mask converted to numbers stays a mask."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = _env(lw, args[0])
         if isinstance(x, (InRange, VocabMask)) or isinstance(x, Unsqueezed) \
                 and isinstance(x.of, (InRange, VocabMask)):
@@ -312,7 +315,7 @@ def to_copy(base: Handler) -> Handler:
 def to_dtype(to_copy_handler: Handler) -> Handler:
     """``x.to(dtype)`` (DTensor's loss-parallel log-softmax backward) as
     ``_to_copy``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         return to_copy(to_copy_handler)(lw, args[:1], {"dtype": args[1]}, shapes, group)
     return lower
 
@@ -320,7 +323,7 @@ def to_dtype(to_copy_handler: Handler) -> Handler:
 @refines("aten.sub.Tensor")
 def sub(base: Handler) -> Handler:
     """``mask.float() - 1``: the value the fused backward writes at the label."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = _env(lw, args[0])
         if isinstance(x, AsFloat) and isinstance(x.mask, VocabMask) and lw.const(args[1]) == 1:
             return LabelUpdate(x.mask)
@@ -329,7 +332,7 @@ def sub(base: Handler) -> Handler:
     return lower
 
 
-def clamp(lw: Any, args, kwargs, shapes, group):
+def clamp(lw: Lowerer, args, kwargs, shapes, group):
     """``(ids - lo).clamp(0, rows - 1)`` of torchtitan's embedding."""
     x = _env(lw, args[0])
     low = lw.const(args[1]) if len(args) > 1 else None
@@ -344,7 +347,7 @@ def clamp(lw: Any, args, kwargs, shapes, group):
 
 @refines("aten.embedding.default")
 def embedding(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         ids = _env(lw, args[1])
         if not isinstance(ids, Clamped):
             _refuse_pending(lw, args, "an embedding")
@@ -372,7 +375,7 @@ def _range_mask(x: Any) -> InRange | None:
 def mul(base: Handler) -> Handler:
     """A clamped lookup times its range mask (the lookup), a gradient times
     it (pending for the lookup's backward), or ``x * where(...)``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = _env(lw, args[0]), _env(lw, args[1])
         mask = _range_mask(b)
         if mask is not None:
@@ -395,7 +398,7 @@ def mul(base: Handler) -> Handler:
 
 @refines("aten.embedding_dense_backward.default")
 def embedding_backward(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         g, ids = _env(lw, args[0]), _env(lw, args[1])
         if not isinstance(ids, Clamped):
             _refuse_pending(lw, args, "an embedding backward")
@@ -418,7 +421,7 @@ def embedding_backward(base: Handler) -> Handler:
 # -- the target logit and the fused backward --------------------------------------
 
 @lowers("aten.gather.default")
-def gather(lw: Any, args, kwargs, shapes, group):
+def gather(lw: Lowerer, args, kwargs, shapes, group):
     """``gather(logp, -1, local_labels.unsqueeze(-1))`` with the labels
     shifted by ``lo`` and 0 outside ``[lo, hi)``: the row sum of ``logp``
     times the one-hot columns ``[lo, hi)``, pending until the picks outside
@@ -446,7 +449,7 @@ def gather(lw: Any, args, kwargs, shapes, group):
 def index_put(base: Handler) -> Handler:
     """The picked logits zeroed outside the rows (already zero), or the
     fused backward's ``-1`` at each local label."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         target = _env(lw, args[0])
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         masks = [_env(lw, m) for m in indices]
@@ -465,7 +468,7 @@ def index_put(base: Handler) -> Handler:
     return lower
 
 
-def _label_update(lw: Any, target: Zeros, indices, masks, value: Any, shapes) -> int:
+def _label_update(lw: Lowerer, target: Zeros, indices, masks, value: Any, shapes) -> int:
     """``zeros[arange(n), local_labels] = mask.float() - 1``: -1 at every
     label inside the rows, nothing outside (the masked label 0 receives 0):
     minus the one-hot columns ``[lo, hi)``."""
@@ -487,7 +490,7 @@ def _label_update(lw: Any, target: Zeros, indices, masks, value: Any, shapes) ->
 
 @refines("aten.zeros_like.default")
 def zeros_like(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         if lw.env.get(args[0][1]) in lw.params:
             return base(lw, args, kwargs, shapes, group)
         return Zeros(tuple(shapes[0]))
@@ -496,7 +499,7 @@ def zeros_like(base: Handler) -> Handler:
 
 @refines("aten.add.Tensor")
 def add(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         _refuse_pending(lw, args[:2], "an addition")
         return base(lw, args, kwargs, shapes, group)
     return lower
@@ -505,7 +508,7 @@ def add(base: Handler) -> Handler:
 @refines("aten.clamp.default")
 def clamp_or(base: Handler | None) -> Handler:
     """torchtitan's clamp of shifted ids, else the table's clamp."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         if isinstance(_env(lw, args[0]), Shifted) or base is None:
             return clamp(lw, args, kwargs, shapes, group)
         return base(lw, args, kwargs, shapes, group)

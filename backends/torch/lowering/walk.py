@@ -1,4 +1,6 @@
-"""TODO"""
+"""Lower whole traces: a rank's (``lower_trace``), every rank's
+(``lower_ranks``), and the parameter shards checked before any is lowered
+(``check_shards``)."""
 
 from __future__ import annotations
 
