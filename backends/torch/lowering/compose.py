@@ -3,7 +3,7 @@
 ``torch.stack`` of any tensors, ``Tensor.repeat``, ``unbind``, and
 ``tril``/``triu`` of a computed tensor.
 
-Registered by ``lower.py`` over its own table: each handler takes its own
+Registered by ``lowering/`` over its own table: each handler takes its own
 cases and hands every other on to the handler it wraps.
 """
 

@@ -9,8 +9,8 @@ traced from PyTorch", 18): indexing a table of ``vocab`` rows by ids is the
 one-hot rows times the table (the ``embedding`` rule), and picking along
 the last dim of a ``[..., vocab]`` tensor is the row sum of the tensor times
 the one-hot rows. Both are exact for ids in ``[0, vocab)``, the only ids
-the backend draws. Registered by ``lower.py`` over its own table (the
-vocabulary-parallel patterns of ``lower_vocab_parallel.py`` keep their
+the backend draws. Registered by ``lowering/`` over its own table (the
+vocabulary-parallel patterns of ``lowering/vocab_parallel.py`` keep their
 cases: a handler here takes only plain ids and hands everything else on).
 """
 

@@ -438,7 +438,7 @@ class SdpaSaved:
     probs: int
     causal: bool
     groups: int = 1  # query heads per key-value head (grouped-query attention)
-    #: the probabilities are a masked softmax (backends/torch/lower_masks.py):
+    #: the probabilities are a masked softmax (backends/torch/lowering/masks.py):
     #: their backward is written on them (``softmax_grad``), not on the scores
     masked_probs: bool = False
 

@@ -25,7 +25,7 @@ Two kinds of value, both exact in real arithmetic (docs/soundness.md,
   softmax's backward is written on its probabilities
   (``lower_nn.softmax_grad``).
 
-Each handler wraps lower.py's entry for the same op and hands every other
+Each handler refines the earlier layers' entry for the same op and hands every other
 case to it.
 """
 
@@ -264,7 +264,7 @@ def _refill(lw: Lowerer, m: Masked, hidden: Flag | None, fill: float | None,
 
 def _off_causal(lw: Lowerer, a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     """The hidden positions of a constant boolean mask that is not the causal
-    pattern (None for anything else: lower.py's lowering applies)."""
+    pattern (None for anything else: the earlier layers' lowering applies)."""
     if not isinstance(_env(lw, a), Const):
         return None
     value = constant_value(lw, a)

@@ -17,7 +17,7 @@ it does.
 
 ``x.max(dim)`` (values and indices) and max pooling are ``lower_argmax``'s.
 
-Registered by ``lower.py`` over its own table: each handler takes its own
+Registered by ``lowering/`` over its own table: each handler takes its own
 cases and hands every other on to the handler it wraps.
 """
 

@@ -35,7 +35,6 @@ from backends.torch.lowering.shapes import narrow, pad
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
 
-# imported by lower.py once the id types exist
 
 
 
@@ -76,7 +75,7 @@ def _bounds(total: int, args, at: int) -> tuple[int, int, int]:
 
 def _computed(lw: Lowerer, a: Any) -> bool:
     """Whether a recorded argument is a computed tensor (not the batch's
-    integer ids, which lower.py slices as one-hot rows)."""
+    integer ids, which the layout family slices as one-hot rows)."""
     x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
     return x is not None and not isinstance(x, (Ids, IdRows, Bucket))
 

@@ -10,7 +10,7 @@ the identity here, because where ``s = 0`` every ``x`` along the reduced
 dims equals their mean and the product is 0 whatever the filled value
 (docs/soundness.md, "Plans traced from PyTorch", 17).
 
-Registered by ``lower.py`` over its own table: the comparison and the fill
+Registered by ``lowering/`` over its own table: the comparison and the fill
 take their own cases and hand every other on to the handler they wrap.
 """
 

@@ -23,7 +23,7 @@ vocabulary rows ``[lo, hi)`` of logits ``x``:
 
 Every helper value (a mask, a shifted id, a float copy of a mask) is a
 pending object that only the next op of the pattern may read; any other
-use stops the run with one line naming it. Imported by ``lower.py``, whose
+use stops the run with one line naming it. Imported by ``lowering/``, whose
 table it extends (``vocab_parallel_handlers``).
 """
 
@@ -53,7 +53,7 @@ class PatternOnly(Pending):
     def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: a vocabulary-parallel mask, shifted ids or masked "
                             f"value ({type(self).__name__}) is read outside the patterns "
-                            f"lowered (backends/torch/lower_vocab_parallel.py)")
+                            f"lowered (backends/torch/lowering/vocab_parallel.py)")
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def _refuse_pending(lw: Lowerer, args: Any, what: str) -> None:
         if isinstance(_env(lw, a), PatternOnly):
             raise LoweringError(f"{lw.name}: {what} reads a vocabulary-parallel mask or "
                                 f"shifted ids outside the patterns lowered "
-                                f"(backends/torch/lower_vocab_parallel.py)")
+                                f"(backends/torch/lowering/vocab_parallel.py)")
 
 
 def _vocab_columns(lw: Lowerer, ids: Ids, lo: int, rows: int, what: str,
