@@ -26,7 +26,7 @@ def table() -> dict[str, Any]:
     try:
         from backends.torch.lowering.registry import handlers
     except ImportError:
-        from backends.torch.lowering import HANDLERS
+        from backends.torch.lower import HANDLERS  # the layout before backends/torch/lowering/
         return HANDLERS
     return handlers()
 
