@@ -31,7 +31,7 @@ from gen_model.config import ConfigError
 from gen_model.parallelize import number_versions
 from harness.bugs import scatter_gather
 from verdict.ops import get_op
-from verdict.plan import INPUT_KINDS, Node, Plan
+from verdict.plan import INPUT_KINDS, UNIT, Node, Plan
 
 Result = tuple[Plan, str] | None
 COLLECTIVES = ("all_reduce", "all_reduce_max", "all_gather", "reduce_scatter", "all_to_all",
@@ -828,6 +828,32 @@ def stale_step(plan: Plan, rng: random.Random) -> Result:
     return p, f"{where(plan, i)} reads {plan.logical[x.tid].name} mb {x.mb} v{x.version}"
 
 
+def scaled_load(plan: Plan, rng: random.Random) -> Result:
+    """A load (a parameter shard or a batch piece no node writes) that claims
+    a factor 2, read by its consumers through a ``mul_scalar(0.5)`` copy that
+    claims factor 1: the consumers see half the loaded value, and a verifier
+    that took the load's claim on trust would see the halving as right."""
+    written = {o for n in plan.nodes for o in n.outputs}
+    read = {t for n in plan.nodes for t in n.inputs}
+    sites = [i for i, t in enumerate(plan.tensors) if i not in written and i in read
+             and plan.logical[t.tid].kind in ("param", "data") and t.scale == UNIT]
+    t = _pick(rng, sites)
+    if t is None:
+        return None
+    p = copy_plan(plan)
+    x = p.tensors[t]
+    p.tensors[t] = x._replace(scale=(2, 1))
+    half = len(p.tensors)
+    p.tensors.append(x._replace(version=max(u.version for u in plan.tensors if (
+        u.rank, u.mb, u.tid) == (x.rank, x.mb, x.tid)) + 1))
+    first = min(i for i, n in enumerate(p.nodes) if t in n.inputs)
+    _reroute(p, t, half, first)
+    p.nodes.insert(first, Node(x.rank, x.mb if x.mb >= 0 else p.nodes[first].mb, "mul_scalar",
+                               p.nodes[first].dir, (t,), (half,), {"value": 0.5}, "halve_load"))
+    return p, (f"{plan.logical[x.tid].name} on rank {x.rank} mb {x.mb} claimed 2 x its slice, "
+               f"read halved")
+
+
 MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "drop_collective": drop_collective,
     "replace_collective": replace_collective,
@@ -860,6 +886,7 @@ MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "factor_one_rank": factor_one_rank,
     "factor_every_rank": factor_every_rank,
     "factor_twice": factor_twice,
+    "scaled_load": scaled_load,
 }
 
 
@@ -1024,6 +1051,85 @@ def rescale(plan: Plan, rng: random.Random) -> Result:
     return p, f"{plan.logical[x.tid].name} on rank {x.rank} mb {x.mb} times {factor} and back"
 
 
+#: Operators that are linear in every input a gradient flows through (the
+#: glue between backward nodes): a factor on such an input is a factor on
+#: the output.
+_LINEAR_GLUE = ("local_grad_accumulation", "reducer", "send_recv", "split", "concat", "add",
+                "mul_scalar", "div", *COLLECTIVES)
+
+
+def _loss_pieces(plan: Plan) -> dict[tuple[int, int], int]:
+    """(rank, mb) -> the loss tensor that rank writes last in that microbatch."""
+    last = {}
+    for n in plan.nodes:
+        for o in n.outputs:
+            if o >= 0 and plan.tensors[o].tid == plan.loss:
+                last[(plan.tensors[o].rank, plan.tensors[o].mb)] = o
+    return last
+
+
+def per_rank_mean(plan: Plan, rng: random.Random) -> Result:
+    """The per-rank mean convention written out: each (rank, microbatch)
+    differentiates the mean over its own data. Its last loss piece is k times
+    its share (k = n / (hi - lo) for parts [lo, hi) of n), claimed so; the
+    backward's seed is k times 1, so every gradient of the microbatch carries
+    k, claimed so; and each gradient is multiplied by 1/k before it is
+    accumulated (the correction a trainer applies), claimed 1. What every rank
+    ends with is its mean loss and the exact gradients."""
+    pieces = _loss_pieces(plan)
+    factors = {Fraction(abs(plan.tensors[o].parts[2]),
+                        plan.tensors[o].parts[1] - plan.tensors[o].parts[0])
+               for o in pieces.values()}
+    seeds = [i for i, n in enumerate(plan.nodes) if n.op == "ones" and n.dir == "bw"
+             and n.mb >= 0]
+    if len(factors) != 1 or not seeds or any(plan.tensors[o].scale != UNIT
+                                            for o in pieces.values()):
+        return None
+    w = plan.world  # a folded plan's parts number the shown blocks; k is the real mean's
+    k = factors.pop() * (Fraction(w["fold_dp"] * w["fold_nm"], w["dp"] * w["nm"])
+                         if "fold_dp" in w else 1)
+    if k == 1:
+        return None
+    p = copy_plan(plan)
+    scaled: set[int] = set()
+    for i in reversed(seeds):  # the seed times k; its readers read the scaled copy
+        if not _scale_after(p, p.nodes[i].outputs[0], k, "mean_seed"):
+            return None
+        scaled.add(len(p.tensors) - 1)
+    nodes: list[Node] = []
+    corrected: set[int] = set()
+    for n in p.nodes:
+        if n.name == "mean_seed" or not scaled & set(n.inputs):
+            nodes.append(n)
+            continue
+        if n.op == "local_grad_accumulation" and n.inputs[1] in scaled:
+            fixed = _add_tensor(p, n.inputs[1])
+            _times_claim(p, fixed, 1 / k)
+            corrected.add(p.tensors[fixed].tid)
+            nodes.append(Node(n.rank, n.mb, "mul_scalar", n.dir, (n.inputs[1],), (fixed,),
+                              {"value": float(1 / k)}, "mean_correction"))
+            nodes.append(n._replace(inputs=(n.inputs[0], fixed, *n.inputs[2:])))
+            continue
+        if n.dir != "bw" and n.op not in _LINEAR_GLUE:
+            return None  # a gradient read by a non-linear step (a norm): not this rewrite
+        for o in n.outputs:
+            if o >= 0:
+                _times_claim(p, o, k)
+                scaled.add(o)
+        nodes.append(n)
+    p.nodes = nodes
+    for (rank, mb), o in pieces.items():  # the loss each rank ends with: its mean
+        i = next(j for j, n in enumerate(p.nodes) if o in n.outputs)
+        mean = _add_tensor(p, o)
+        _reroute(p, o, mean, i + 1)
+        _times_claim(p, mean, k)
+        p.nodes.insert(i + 1, Node(rank, mb, "mul_scalar", p.nodes[i].dir, (o,), (mean,),
+                                   {"value": float(k)}, "mean_loss"))
+    number_versions(p, frozenset({plan.loss, *corrected}))
+    return p, (f"every rank's loss a mean over its own data ({k} x its share), its gradients "
+               f"/ {k} before they are accumulated")
+
+
 REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
     "reorder": reorder,
     "split_all_reduce": split_all_reduce,
@@ -1032,6 +1138,7 @@ REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
     "scatter_as_reduce_split": scatter_as_reduce_split,
     "regroup_accumulation": regroup_accumulation,
     "rescale": rescale,
+    "per_rank_mean": per_rank_mean,
 }
 
 
@@ -1122,7 +1229,7 @@ FOLD_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
 }
 #: Rewrites that keep every block's program (a rewrite on one rank makes a
 #: folded plan's blocks differ, which is a finding by design).
-FOLD_REWRITES = ("rename",)
+FOLD_REWRITES = ("rename", "per_rank_mean")
 
 
 # ------------------------------------------------------ materialized plans

@@ -189,10 +189,14 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
     if not groups:
         return Judgement(False, "no rank ends with the loss")
     loss = float(np.sum(ref[last_single[single.loss]]))
+    w = parallel.world
+    # a folded plan shows some of the real blocks: a mean over a block's own
+    # data is real blocks / shown blocks times a mean over the shown ones
+    real = (w["fold_dp"] * w["fold_nm"]) / (w["dp"] * w["nm"]) if "fold_dp" in w else 1
     for (stage, tp_index), total in groups.items():
         # each rank's loss is its share of the loss (they sum to it), or the
         # mean over its own data (their mean is the loss)
-        mean = total / count[(stage, tp_index)]
+        mean = total / count[(stage, tp_index)] / real
         if not (_close(np.array(total), np.array(loss)) or _close(np.array(mean), np.array(loss))):
             return Judgement(False, f"the loss of stage {stage} tp {tp_index} is {total}, "
                                     f"not {loss}")

@@ -54,6 +54,7 @@ from harness.mutations import (  # noqa: E402
 )
 from harness.oracle import judge, judge_folded  # noqa: E402
 from main import verify  # noqa: E402
+from verdict.columns import Columns  # noqa: E402
 from verdict.fold import FoldError, fold_pair  # noqa: E402
 from verdict.plan import Plan, pair_problem  # noqa: E402
 from verdict.report import append_rows  # noqa: E402
@@ -164,7 +165,11 @@ class Row:
         return "equivalent, proved" if ok else "equivalent, failed"
 
 
-def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
+def run_one(single: Plan, mutant: Plan, memo: dict, columns: bool = False) -> str:
+    """The verifier's outcome on a mutant, as main.py would reach it. With
+    ``columns`` (materialized bases) the mutant is verified as a Plan and as
+    its columns (what a .npz file loads): a SUCCESS needs both, a FAIL of
+    either is the outcome, and a crash of either is no verdict."""
     try:
         validate(mutant.to_data())
     except PlanError:
@@ -175,13 +180,19 @@ def run_one(single: Plan, mutant: Plan, memo: dict) -> str:
         return "FAIL:refused"  # main.py: exit 2, one line
     if pair_problem(single, mutant):
         return "FAIL:refused"  # main.py: exit 2, one line
-    try:
-        v = verify(single, mutant, memo=memo)
-    except Exception as e:  # a crash is reported, never counted as a verdict
-        return f"NO VERDICT:{type(e).__name__}: {e}"
-    if v.kind == "internal":
-        return f"NO VERDICT:{v.message}"
-    return "SUCCESS" if v.success else f"FAIL:{v.kind}"
+    forms: list[Plan | Columns] = [mutant]
+    if columns:
+        forms.append(Columns.from_plan(mutant))
+    outcomes = []
+    for form in forms:
+        try:
+            v = verify(single, form, memo=memo)
+        except Exception as e:  # a crash is reported, never counted as a verdict
+            return f"NO VERDICT:{type(e).__name__}: {e}"
+        if v.kind == "internal":
+            return f"NO VERDICT:{v.message}"
+        outcomes.append("SUCCESS" if v.success else f"FAIL:{v.kind}")
+    return next((o for o in outcomes if o != "SUCCESS"), "SUCCESS")
 
 
 def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: int,
@@ -199,9 +210,10 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
             return judge(single, mutant)
         return judge_folded(single, single_shown, mutant)
 
-    if run_one(single, plan, memo) != "SUCCESS" or not oracle(plan).right:
+    if run_one(single, plan, memo, materialized) != "SUCCESS" or not oracle(plan).right:
         raise SystemExit(f"base plan {base} does not verify: the harness needs a good base")
-    rows = [] if single_shown is not None else run_canaries(single, plan, base, memo, oracle)
+    rows = [] if single_shown is not None else run_canaries(single, plan, base, memo, oracle,
+                                                            materialized)
     operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
     operators += [("rewrite", n, f) for n, f in REWRITES.items()
                   if single_shown is None or n in FOLD_REWRITES]
@@ -218,7 +230,7 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
             mutant, target = made
             start = time.perf_counter()
             right = "right" if oracle(mutant).right else "wrong"
-            verdict = run_one(single, mutant, memo)
+            verdict = run_one(single, mutant, memo, materialized)
             row = Row(base, kind, name, target, right, verdict, time.perf_counter() - start)
             rows.append(row)
             if progress and row.outcome in ("WRONG SUCCESS", "FALSE ALARM", "NO VERDICT"):
@@ -226,7 +238,8 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
     return rows
 
 
-def run_canaries(single: Plan, plan: Plan, base: str, memo: dict, oracle) -> list[Row]:
+def run_canaries(single: Plan, plan: Plan, base: str, memo: dict, oracle,
+                 materialized: bool = False) -> list[Row]:
     rows = []
     for name, make in CANARIES.items():
         canary = make(plan)
@@ -234,7 +247,7 @@ def run_canaries(single: Plan, plan: Plan, base: str, memo: dict, oracle) -> lis
             continue
         start = time.perf_counter()
         right = "right" if oracle(canary).right else "wrong"
-        row = Row(base, "canary", name, "", right, run_one(single, canary, memo),
+        row = Row(base, "canary", name, "", right, run_one(single, canary, memo, materialized),
                   time.perf_counter() - start)
         rows.append(row)
         if row.outcome != "caught":

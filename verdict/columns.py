@@ -35,7 +35,17 @@ from typing import Any
 
 import numpy as np
 
-from verdict.plan import DIRECTIONS, SHARED_MIN, UNIT, Logical, Node, Plan, Tensor, lowest
+from verdict.plan import (
+    DIRECTIONS,
+    SHARED_MIN,
+    UNIT,
+    Logical,
+    Node,
+    Plan,
+    Tensor,
+    load_factor_message,
+    lowest,
+)
 
 Array = np.ndarray
 
@@ -195,6 +205,29 @@ class Columns:
 
     def is_folded(self) -> bool:
         return Plan(world=self.world).is_folded()
+
+    def written(self) -> Array:
+        """A mask of the tensors some node writes (the others are loads)."""
+        written = np.zeros(len(self.tensors), dtype=bool)
+        out = self.nodes.outputs
+        written[out[out >= 0]] = True
+        return written
+
+    def scaled_load(self) -> str | None:
+        """:meth:`verdict.plan.Plan.scaled_load` on the columns, by arrays."""
+        scale = self.tensors.scale
+        if scale is None:
+            return None
+        written = self.written()
+        bad = np.flatnonzero((scale[:, 0] != scale[:, 1]) & ~written)
+        if not len(bad):
+            return None
+        i = int(bad[0])
+        t = self.tensors
+        row = Tensor(int(t.rank[i]), int(t.mb[i]), int(t.tid[i]), int(t.version[i]), (),
+                     int(t.lver[i]), (), tuple(int(x) for x in t.parts[i]),
+                     lowest(int(scale[i, 0]), int(scale[i, 1])))
+        return load_factor_message(self, i, row)
 
     # ------------------------------------------------------------ conversions
     @classmethod

@@ -19,7 +19,7 @@ from verdict.executor import Executor, SolveFn, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
 from verdict.fold import check_uniform, fold_of, fold_pair
 from verdict.lineage import Lineage, StructureError, infer_lineages
-from verdict.plan import Plan
+from verdict.plan import InputError, Plan
 from verdict.problem import Problem, build_problem
 from verdict.progress import progress as bar
 from verdict.reduce import RuleMemo, reduce_stage
@@ -143,7 +143,11 @@ def verify(single: Plan, parallel: Plan | Columns, *, prover: SolveFn, seed: int
     (a Plan, or its columns) whose blocks are uniform is proved by its
     representatives (verdict/symmetry.py); any other is verified in full.
     ``Verdict.pair`` is the pair the stages index when it is not the one given
-    (the given columns stay columns when no stage ran)."""
+    (the given columns stay columns when no stage ran). A load that claims a
+    factor is refused with InputError (``Plan.scaled_load``)."""
+    problem = single.scaled_load() or parallel.scaled_load()
+    if problem:
+        raise InputError(problem)
     memo = {} if memo is None else memo  # shared by the cuts of classes of blocks
     options = dict(prover=prover, seed=seed, workers=workers, keep_going=keep_going, memo=memo,
                    progress=progress, executor=executor)

@@ -38,7 +38,7 @@ import numpy as np
 
 from verdict.lineage import Lineage, StructureError
 from verdict.ops.step import OPTIMIZERS
-from verdict.plan import UNIT, Plan, Slices
+from verdict.plan import FOLD_KEYS, UNIT, Plan, Slices
 
 
 @dataclass
@@ -345,16 +345,29 @@ def _check_update(parallel: Plan, rank: int, pname: str, box: Slices, u: int | N
     return []
 
 
-def _loss_convention(tensors) -> str | None:
+def _loss_convention(tensors, shown: Fraction = Fraction(1)) -> str | None:
     """How a replica set's loss tensors are scaled: 'share' (each its parts of
     the loss, scale 1), 'mean' (each the mean over its own data: n/(hi-lo)
     times its parts), or None for anything else (docs/soundness.md, "Scaled
-    claims")."""
+    claims"). In a folded plan or a cut of one, whose parts number the shown
+    blocks only, a mean over a block's own data is still a mean of the real
+    run: n counts the real blocks, ``shown`` times the parts' n (the real
+    blocks over the shown ones; "Scaled claims under a fold or a cut")."""
     if all(t.scale == UNIT for t in tensors):
         return "share"
-    if all(t.factor() == Fraction(abs(t.parts[2]), t.parts[1] - t.parts[0]) for t in tensors):
+    if all(t.factor() == shown * Fraction(abs(t.parts[2]), t.parts[1] - t.parts[0])
+           for t in tensors):
         return "mean"
     return None
+
+
+def shown_ratio(world: dict) -> Fraction:
+    """The real blocks (replicas x microbatches) over the shown ones: 1 for a
+    plan that is not folded."""
+    if not all(k in world for k in FOLD_KEYS):
+        return Fraction(1)
+    return Fraction(int(world["fold_dp"]) * int(world["fold_nm"]),
+                    int(world["dp"]) * int(world["nm"]))
 
 
 def factor_origin(parallel: Plan, t: int) -> str:
@@ -392,7 +405,7 @@ def _check_loss(single: Plan, parallel: Plan, states: dict[int, RankState],
             problems.append(f"{where}: Tensor(rank={t.rank}, mb={t.mb}, tid={t.tid}, "
                             f"v={t.version}) is version {t.lver} of the loss, not {final}")
             continue
-        convention = _loss_convention(tensors)
+        convention = _loss_convention(tensors, shown_ratio(parallel.world))
         if convention is None:
             shown = ", ".join(f"r{t.rank}/mb{t.mb}: {t.factor()} x parts {t.parts[0]}..{t.parts[1]}"
                               f" of {t.parts[2]}" for t in tensors)

@@ -25,6 +25,11 @@ UNIT = (1, 1)
 #: (docs/soundness.md, "Folded plans"); ``dp``, ``nm``, ``gbs`` are the shown ones.
 FOLD_KEYS = ("fold_dp", "fold_nm", "fold_gbs")
 
+class InputError(ValueError):
+    """A plan the verifier refuses as input (exit 2): it claims what no stage
+    can prove and the verifier will not assume."""
+
+
 def lowest(num: int, den: int) -> tuple[int, int]:
     """A factor as (num, den) in lowest terms, den > 0."""
     f = Fraction(num, den)
@@ -188,6 +193,23 @@ class Plan:
                     last[(self.tensors[o].tid, self.tensors[o].rank)] = o
         return last
 
+    def scaled_load(self) -> str | None:
+        """Why the plan is refused for a load that claims a factor, or None.
+
+        A load (a tensor no node writes: a parameter shard, a batch piece) is
+        the checkpoint's or the batch's slice itself; nothing in the step
+        could prove it to be a multiple of that slice, so a factor other than
+        1 on it is refused, never assumed (docs/soundness.md, "What a SUCCESS
+        assumes")."""
+        scaled = [i for i, t in enumerate(self.tensors) if t.scale != UNIT]
+        if not scaled:
+            return None
+        written = {o for node in self.nodes for o in node.outputs}
+        for i in scaled:
+            if i not in written:
+                return load_factor_message(self, i, self.tensors[i])
+        return None
+
     def producers(self) -> list[int]:
         """For each tensor, the index of the node writing it (-1 for inputs)."""
         prod = [-1] * len(self.tensors)
@@ -196,6 +218,16 @@ class Plan:
                 if t >= 0:
                     prod[t] = i
         return prod
+
+
+def load_factor_message(plan: Plan | Any, i: int, t: Tensor) -> str:
+    """The refusal of a load ``t`` (tensor ``i``) that claims a factor."""
+    num, den = t.scale
+    factor = str(num) if den == 1 else f"{num}/{den}"
+    return (f"tensor {i} ({plan.logical[t.tid].name} v{t.version} on rank {t.rank}, mb "
+            f"{t.mb}) is loaded (no node writes it) but claims {factor} x its slice: a load is "
+            f"its slice of the checkpoint or batch itself, and only a computed tensor may "
+            f"claim a factor")
 
 
 #: World fields that describe parallelism; all others describe the model.
@@ -243,4 +275,9 @@ def pair_problem(single: Plan, parallel: Plan) -> str | None:
             return f"the plans are of different models: logical tensor {a.name} vs {b.name}"
     if (single.loss, single.grads) != (parallel.loss, parallel.grads):
         return "the plans are of different models: loss or gradients differ"
-    return None
+    scaled = next((i for i, t in enumerate(single.tensors) if t.scale != UNIT), None)
+    if scaled is not None:
+        return (f"--sm: tensor {scaled} claims a factor; the single-device plan's tensors are "
+                f"its logical tensors themselves")
+    problem = parallel.scaled_load()
+    return f"--pm: {problem}" if problem else None

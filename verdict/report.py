@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from verdict.columns import Columns
 from verdict.engine import StageResult, Verdict
 from verdict.plan import Plan
 from verdict.structure import node_label
@@ -176,6 +177,43 @@ def evidence(verdict: Verdict, single: Plan) -> list[str]:
         lines.append(f"folded plan: {verdict.fold}")
     lines += symmetry_lines(verdict)
     return lines
+
+
+def loads(parallel: Plan | Columns) -> tuple[Counter, int]:
+    """The tensors no node writes, by kind of logical tensor, and the ranks
+    that hold them."""
+    kinds = [lg.kind for lg in parallel.logical]
+    if isinstance(parallel, Columns):
+        t = parallel.tensors
+        written = parallel.written()
+        tids = np.asarray(t.tid)[~written]
+        counts = np.bincount(tids, minlength=len(kinds))
+        by_kind = Counter()
+        for tid in np.flatnonzero(counts):
+            by_kind[kinds[tid]] += int(counts[tid])
+        return by_kind, len(np.unique(np.asarray(t.rank)[~written]))
+    written_set = {o for n in parallel.nodes for o in n.outputs}
+    loaded = [t for i, t in enumerate(parallel.tensors) if i not in written_set]
+    return Counter(kinds[t.tid] for t in loaded), len({t.rank for t in loaded})
+
+
+def assumed(parallel: Plan | Columns, verdict: Verdict, cached: int = 0) -> str:
+    """What a SUCCESS took without a proof, for this plan, in one line
+    (docs/soundness.md, "What a SUCCESS assumes")."""
+    by_kind, ranks = loads(parallel)
+    shards = by_kind["param"] + by_kind["buffer"]
+    batch = by_kind["data"] + by_kind["tokens"]
+    parts = [f"the {sum(by_kind.values())} loaded tensors on {ranks} rank"
+             f"{'s' if ranks != 1 else ''} are the slices they claim, factor 1 "
+             f"({shards} parameter and buffer shards of the checkpoint, {batch} batch pieces)",
+             "the plan's nodes are what the ranks ran"]
+    if verdict.fold:
+        parts.append(f"the blocks a folded file leaves out run its shown blocks' programs "
+                     f"({verdict.fold})")
+    if cached:
+        parts.append(f"{cached} stage{'s' if cached != 1 else ''} proved by an earlier run "
+                     f"(the proof cache)")
+    return "assumed, not proved: " + "; ".join(parts)
 
 
 def symmetry_lines(verdict: Verdict) -> list[str]:

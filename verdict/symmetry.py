@@ -32,7 +32,7 @@ from verdict.fold import ACCUMULATE, SHOWN, Fold, FoldError, inner_size, restric
 from verdict.lineage import StructureError
 from verdict.ops import get_op
 from verdict.owned import OwnedError, find_owned
-from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor
+from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor, lowest
 
 PlanLike = Plan | Columns
 #: an input of the cut's sub plan held by a replica the cut does not show
@@ -186,9 +186,9 @@ def find_symmetry(single: Plan, parallel: PlanLike) -> Symmetry | Refusal:
     try:
         check = BlockCheck(single, cols, whole)
         check.owned = find_owned(check)
-        scaled = [i for i, t in enumerate(parallel.tensors) if t.scale != UNIT] \
-            if isinstance(parallel, Plan) else []
-        if any(check.cols.t_producer[i] < 0 for i in scaled):
+        scale = cols.tensors.scale
+        scaled = np.flatnonzero(scale[:, 0] != scale[:, 1]) if scale is not None else None
+        if scaled is not None and (check.cols.t_producer[scaled] < 0).any():
             return Refusal("an input tensor claims a factor (the block check compares inputs "
                            "by slices and parts)")
         free = check.free_tensors()
@@ -261,9 +261,7 @@ def layout_view(cols: Columns) -> Plan:
     if top >= size:
         raise StructureError("layout", f"rank {top} is outside the world's layout of "
                                        f"pp*dp*cp*tp = {size} ranks")
-    written = np.zeros(len(t), dtype=bool)
-    out = cols.nodes.outputs
-    written[out[out >= 0]] = True
+    written = cols.written()
     kinds = np.array([lg.kind in ("data", "tokens") for lg in cols.logical] or [False])
     data = np.flatnonzero(kinds[t.tid] & ~written)
     return Plan(world=dict(w), logical=list(cols.logical), tensors=tensor_rows(cols, data),
@@ -278,13 +276,14 @@ def tensor_rows(cols: Columns, picked: np.ndarray, off: np.ndarray | None = None
     off = t.slice_offsets(cols.logical) if off is None else off
     slices = t.slices.view(np.ndarray)  # not a memmap: indexed once per tensor
     rows = []
+    scales = _gathered(t.scale, picked) if t.scale is not None else [UNIT] * len(picked)
     fields = zip(*(_gathered(a, picked) for a in (t.rank, t.mb, t.tid, t.version, t.lver,
                                                   t.parts)),
-                 off[picked].tolist(), off[picked + 1].tolist())
-    for rank, mb, tid, version, lver, parts, a, b in fields:
+                 off[picked].tolist(), off[picked + 1].tolist(), scales)
+    for rank, mb, tid, version, lver, parts, a, b, scale in fields:
         sl = tuple(tuple(x) for x in slices[a:b].tolist())
         rows.append(Tensor(rank, mb, tid, version, tuple(e - s for s, e in sl), lver, sl,
-                           tuple(parts)))
+                           tuple(parts), lowest(*scale)))
     drop_pages(t.slices)
     return rows
 

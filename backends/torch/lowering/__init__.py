@@ -6,8 +6,8 @@ The package's rooms, in the order they depend on each other:
   of refinements (``LAYERS``) and the dispatch table they build;
 - ``ir``: the pending values a handler may return instead of emitting
   nodes at once, and how each is materialized;
-- ``constants``, ``shapes``, ``emit``, ``onehot``, ``fills``, ``attention``:
-  helpers the families share;
+- ``constants``, ``emit``, ``shapes``, ``onehot``, ``fills``, ``attention``,
+  ``refusals``: helpers the families share;
 - ``context``: the ``Lowerer`` every handler receives, and the lowered
   records (``LNode``, ``Lowered``);
 - one module per family of ops, each registering its handlers beside them;
@@ -23,19 +23,25 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     argmax,
     arithmetic,
     buckets,
+    chunk,
     collectives,
     compose,
+    const_lookup,
     conv,
     copies,
     group_norm,
     ids,
+    label_masks,
     layout,
+    logprob_views,
     losses,
     masks,
     max,
     max_all,
     nn,
+    norm_sums,
     pool,
+    scan,
     slices,
     std,
     tokens,

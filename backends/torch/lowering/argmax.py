@@ -16,12 +16,12 @@ kernel's function for every real input, ties included (docs/soundness.md,
 "Plans traced from PyTorch", 21): no tie assumption is made. Every step is
 a ``narrow``, a ``sub``, a ``relu`` backward node or a ``cat``.
 
-A pooling window is cut out as a convolution's (``lower_conv``): the
+A pooling window is cut out as a convolution's (``conv``): the
 windows of an ``(N, C, S1, S2)`` input are ``(N, C, K1, O1, K2, O2)``, the
 maximum is taken over K2 and then K1 (a maximum of maxima), and the
 windows' gradient goes back through the adjoint of the windowing. With
 padding (torch pads with -inf) or ``ceil_mode``, the windows are
-``lower_pool``'s: each padded tap a copy of a valid tap of its window.
+``pool``'s: each padded tap a copy of a valid tap of its window.
 
 The index itself is a pending value: it is read only by the backward
 (``scatter`` into zeros, ``max_pool*_with_indices_backward``); any other
@@ -35,16 +35,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.emit import cat, narrow, pad
 from backends.torch.lowering.ir import NewZeros, Pending
 from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
 from backends.torch.lowering.shapes import (
     Dim,
-    cat,
     conv_windows,
     max_unwindow,
     max_windows,
-    narrow,
-    pad,
     pool_dims,
     unwindow,
 )
@@ -56,7 +54,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class _Pool:
     """A max pooling's options, read from its recorded arguments, in the
-    attribute names ``lower_conv``'s windowing reads."""
+    attribute names ``conv``'s windowing reads."""
     spatial: int
     size: tuple[int, ...]
     kernel: tuple[int, ...]
@@ -64,7 +62,7 @@ class _Pool:
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     out: tuple[int, ...]
-    padded: tuple[Dim, ...] = ()  # with padding or ceil_mode: lower_pool's windows
+    padded: tuple[Dim, ...] = ()  # with padding or ceil_mode: pool's windows
 
 
 @dataclass(frozen=True)
@@ -207,7 +205,7 @@ def _pool(lw: Lowerer, shape: tuple[int, ...], spatial: int, kernel, stride, pad
     padding = _ints(padding, spatial)
     dilation = _ints(dilation, spatial)
     size = tuple(shape[2:])
-    if any(padding) or ceil_mode:  # windows over the padding or past the end: lower_pool's
+    if any(padding) or ceil_mode:  # windows over the padding or past the end: pool's
         dims = pool_dims(lw, size, kernel, stride, padding, dilation, ceil_mode, out_shape[2:])
         return _Pool(spatial, size, kernel, stride, padding, dilation, tuple(out_shape[2:]),
                      tuple(dims))

@@ -134,7 +134,7 @@ def _add(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("aten._to_copy.default")
 def _to_copy(lw: Lowerer, args, kwargs, shapes, group):
-    """A change of precision (lower_nn.to_copy); the batch's integer ids are
+    """A change of precision (arithmetic.to_copy); the batch's integer ids are
     never converted to numbers."""
     x = lw.env.get(args[0][1])
     if isinstance(x, (Ids, Shifted, IdsTest, VocabMask)):
@@ -221,7 +221,7 @@ def _eq_scalar(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("aten.masked_fill_.Scalar")
 def _masked_fill_pending(lw: Lowerer, args, kwargs, shapes, group):
-    """A constant mask's fill (``lower_nn.masked_fill``), or the norm's
+    """A constant mask's fill (``fills.masked_fill``), or the norm's
     backward guard ``(x / n).masked_fill_(n == 0, 0)`` for ``n`` the 2-norm
     of ``x`` along kept dims: the identity, since in real arithmetic ``n =
     0`` only where every entry of ``x`` along the dims is 0, where ``x / n``
@@ -240,7 +240,7 @@ def _masked_fill_pending(lw: Lowerer, args, kwargs, shapes, group):
 @lowers("aten.where.self")
 def _where_pending(lw: Lowerer, args, kwargs, shapes, group):
     """``where(x op c, t, 0)`` or ``where(x op c, 0, t)`` (clamp's backward),
-    else a constant mask's ``where`` (``lower_nn.where``)."""
+    else a constant mask's ``where`` (``fills.where``)."""
     cond = lw.env.get(args[0][1])
     if not isinstance(cond, Compare):
         return where(lw, args, kwargs, shapes, group)

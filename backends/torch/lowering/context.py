@@ -7,7 +7,7 @@ methods are the handlers' vocabulary: ``val`` (a recorded argument as a
 lowered value), ``emit`` (append a node, checked against its op's rule),
 ``materialize``, ``reshape``, ``const``. ``run`` walks the trace and calls
 each live event's handler (``registry.handlers()``). ``Lowered`` is a rank's
-result, read by ``backends/torch/tracing/build.py``.
+result, read by ``backends/torch/build.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from backends.torch.lowering.ir import (
     SdpaSaved,
     per_piece,
 )
+from backends.torch.lowering.refusals import refusal
 from backends.torch.lowering.registry import handlers
 from backends.torch.lowering.shapes import view_to
 from verdict.ops import OPS, ShapeError
@@ -71,6 +72,8 @@ class Lowered:
     #: a padded gradient's rows this rank keeps (a narrow) -> the group whose
     #: reduction cuts them
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: parameters the model ties: another name of one -> the name it is held under
+    ties: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,15 +104,18 @@ class Lowerer:
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
-    stds: set[int] = field(default_factory=set)  # standard deviations (lower_std)
+    stds: set[int] = field(default_factory=set)  # standard deviations (std)
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     event: int = -1  # the event being lowered
-    buckets: list = field(default_factory=list)  # gradient buckets all-reduced (lower_buckets)
+    buckets: list = field(default_factory=list)  # gradient buckets all-reduced (buckets)
     #: the step's value of each count all-reduce, in order (lower_ranks); None:
     #: an all-reduced count is refused, "collect": this rank's counts are kept
     counts: list[int] | str | None = None
     count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    #: pow(x, 2) -> x, and the exact zeros of accumulators (norm_sums)
+    squares: dict[int, int] = field(default_factory=dict)
+    zero_values: set[int] = field(default_factory=set)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -141,11 +147,12 @@ class Lowerer:
 
     def materialize(self, x: Any) -> int:
         """The lowered value of ``x``: a value id as it is, a pending value
-        (``ir.Pending``) emitted; anything else is a collective's layout
-        buffer, which no op may read whole."""
+        (``ir.Pending``) emitted; any other record is read only by the
+        handlers that know it, so reading it here is refused in one line
+        naming the op and the value (``refusals.refusal``)."""
         while not isinstance(x, int):
             if not isinstance(x, Pending):
-                raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
+                raise LoweringError(refusal(self, x))
             x = x.materialize(self)
         return x
 
@@ -207,6 +214,11 @@ class Lowerer:
             handler = _per_piece(handler)
         try:
             result = handler(self, args, kwargs, out_shapes, group)
+        except LoweringError as e:
+            if not str(e).startswith(": "):
+                raise
+            # an op outside every module (a clipper's, the step's): say which op
+            raise LoweringError(f"{op} at top level{e}") from None
         finally:
             self.name, self.mb, self.event = saved
         if not isinstance(result, list):

@@ -27,19 +27,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.emit import cat, einsum, narrow, pad
 from backends.torch.lowering.registry import lowers
-from backends.torch.lowering.shapes import Conv, cat, conv_windows, narrow, pad, unwindow
+from backends.torch.lowering.shapes import Conv, conv_windows, unwindow
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
-
-
-def _einsum(lw: Lowerer, eq: str, a: int, b: int) -> int:
-    ins, out = eq.split("->")
-    sizes: dict[str, int] = {}
-    for sub, v in zip(ins.split(","), (a, b)):
-        sizes.update(zip(sub, lw.shapes[v]))
-    return lw.emit("einsum", [a, b], [tuple(sizes[c] for c in out)], {"eq": eq})[0]
 
 
 def _group(lw: Lowerer, x: int, dim: int, j: int, groups: int) -> int:
@@ -51,7 +44,7 @@ def _grouped(lw: Lowerer, eq: str, a: int, b: int, groups: int, cat_dim: int, b_
     """``einsum(eq)`` of each group's channels (dim 1 of a, ``b_dim`` of b:
     a weight's rows or an activation's channels), concatenated along
     ``cat_dim``."""
-    return cat(lw, [_einsum(lw, eq, _group(lw, a, 1, j, groups), _group(lw, b, b_dim, j, groups))
+    return cat(lw, [einsum(lw, eq, _group(lw, a, 1, j, groups), _group(lw, b, b_dim, j, groups))
                      for j in range(groups)], cat_dim)
 
 
@@ -160,8 +153,6 @@ def padded_backward(mode: str):
             g = total
         return g
     return lower
-
-
 
 
 for _kind, _mode in (("reflection", "reflect"), ("replication", "replicate")):

@@ -1,8 +1,8 @@
-"""Lowering of the ops whose every output position is a copy of one input
-position: ``torch.roll`` and ``torch.flip`` (``x.flip(dims)``), each a
-``cat`` of ``narrow``s (docs/soundness.md, "Plans traced from PyTorch",
-17: exact rules). Their backward is recorded as the same op (``roll`` by
-the opposite shifts, ``flip`` of the same dims), lowered alike.
+"""Lowering of ``torch.roll``, whose every output position is a copy of one
+input position: a ``cat`` of ``narrow``s (docs/soundness.md, "Plans traced
+from PyTorch", 17: exact rules). Its backward is recorded as the same op
+(``roll`` by the opposite shifts), lowered alike. ``torch.flip`` is lowered
+by ``scan`` (a product with the anti-identity along each dim).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.emit import cat, narrow
 from backends.torch.lowering.registry import lowers
-from backends.torch.lowering.shapes import cat, narrow
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -38,16 +38,3 @@ def roll(lw: Lowerer, args, kwargs, shapes, group):
         if s:
             x = cat(lw, [narrow(lw, x, d, n - s, s), narrow(lw, x, d, 0, n - s)], d)
     return x
-
-
-@lowers("aten.flip.default")
-def flip(lw: Lowerer, args, kwargs, shapes, group):
-    """``torch.flip(x, dims)``: along each dim, the one-wide slices reversed."""
-    x = lw.val(args[0])
-    for d in _ints(args[1] if len(args) > 1 else kwargs["dims"]):
-        d %= len(lw.shapes[x])
-        n = lw.shapes[x][d]
-        x = cat(lw, [narrow(lw, x, d, k, 1) for k in reversed(range(n))], d)
-    return x
-
-

@@ -3,7 +3,7 @@ backward) as a layer norm over each group: the input ``(N, C, *S)``
 viewed as ``(N, G, C / G * prod(S))``, normalized over the last dim
 (``mean``, the mean square of the centered values plus eps, ``rsqrt``),
 viewed back and scaled and shifted per channel. The backward is the layer
-norm's (``lower_nn.layer_norm_backward``'s formula) over the same view,
+norm's (``nn.layer_norm_backward``'s formula) over the same view,
 the weight's and bias's gradients summed over the batch and the positions.
 Every step is a rule of the table (docs/soundness.md, "Plans traced from
 PyTorch", 5: the stock layer's own function, checked against autograd in

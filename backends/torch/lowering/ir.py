@@ -6,14 +6,16 @@ by a later split and cat becomes one all-gather along d). Every record that
 an op may read as a tensor is a ``Pending``: ``Lowerer.materialize`` calls
 its ``materialize``, which emits its nodes or refuses the read in one line.
 A record that is not ``Pending`` is read only by the handlers named below;
-any other op reading it stops the run ("a collective's layout buffer is
-read directly").
+any other op reading it (or a ``Pending`` without a reading of its own)
+stops the run with one line naming the op and the value
+(``refusals.refusal``).
 
 - ``Ids``: made by walk (the batch), layout, onehot, vocab_parallel; read by
-  ids, masks, tokens, slices, layout, onehot, arithmetic, vocab_parallel; not
-  Pending: one-hot inputs (``onehot.one_hot``).
-- ``IdRows``: made by ids, layout, onehot, tokens; read by ids, masks, tokens,
-  slices, layout; not Pending: its one-hot rows ``x``.
+  ids, masks, tokens, slices, layout, onehot, arithmetic, vocab_parallel,
+  label_masks, scan; not Pending: one-hot inputs (``onehot.one_hot``).
+- ``IdRows``: made by ids, layout, onehot, tokens, label_masks; read by ids,
+  masks, tokens, slices, layout, label_masks, scan; not Pending: its one-hot
+  rows ``x``.
 - ``IdsTest``: made by tokens (``ids < c``); read by tokens, arithmetic,
   vocab_parallel; not Pending.
 - ``VocabMask``: made by tokens (``lt | ge``); read by tokens, arithmetic,
@@ -27,7 +29,7 @@ read directly").
 - ``GatheredAlong``: made by layout (split + cat); read by layout (slice);
   ``all_gather`` along ``dim``.
 - ``ZeroPadded``: made by tokens (DTensor's pad); read by collectives (all-
-  gather); refused.
+  gather); the padded tensor (a ``narrow`` backward, ``emit.pad``).
 - ``Piece``: made by layout (split, chunk); read by layout, slices; one
   ``split`` node, emitted once.
 - ``Stacked``: made by layout (cat along 0); read by collectives (reduce-
@@ -46,10 +48,10 @@ read directly").
   view); not Pending.
 - ``NoShard``: made by walk, layout, arithmetic; read by walk, arithmetic,
   Lowerer.run; refused (an empty shard).
-- ``Norm``: made by arithmetic, collectives; read by arithmetic, compose;
-  ``div`` by the share, ``pow`` 0.5.
+- ``Norm``: made by arithmetic, collectives; read by arithmetic, compose,
+  norm_sums; ``div`` by the share, ``pow`` 0.5.
 - ``NormStack``: made by arithmetic, collectives; read by arithmetic,
-  collectives; not Pending.
+  collectives, norm_sums; not Pending.
 - ``Decayed``: made by arithmetic (AdamW, SGD: Moment1, Moment2, Scaled,
   Denom, SgdGrad); read by arithmetic, walk (the final values); not Pending:
   folded into ``adam_step`` / ``sgd`` nodes.
@@ -57,8 +59,9 @@ read directly").
   (``where``); not Pending.
 - ``NormIsZero``: made by arithmetic (``norm == 0``); read by arithmetic
   (``masked_fill_``); not Pending.
-- ``Const``: made by Lowerer.run, walk; read by masks, tokens, vocab_parallel;
-  its recorded value as a constant input, or its ops lowered.
+- ``Const``: made by Lowerer.run, walk; read by masks, tokens, vocab_parallel,
+  const_lookup, norm_sums, ``as_flag``; its recorded value as a constant
+  input, or its ops lowered.
 - ``SdpaSaved``: made by nn, masks (attention); read by nn (its backward); not
   Pending (kept in ``lw.sdpa``).
 - ``Complex``: made by nn, layout, arithmetic; read by nn, layout, arithmetic;
@@ -70,12 +73,20 @@ read directly").
   its shape.
 - ``RowMax``: made by vocab_parallel (``amax``); read by vocab_parallel, max;
   the local ``max``.
+- ``NllGrad``: made by losses (``nll_loss_backward``); read by losses (the
+  log-softmax backward's fusion), logprob_views; ``-labels * g``.
+- ``Flag``: made by masks, label_masks, ``as_flag`` (a constant boolean
+  mask); read by masks, label_masks; its 0/1 value.
+- ``Zeros`` (a ``PatternOnly``): made by vocab_parallel (``zeros_like``);
+  read by vocab_parallel (the label update), norm_sums (an exact zero);
+  refused, like every ``PatternOnly`` (a helper value of one pattern).
 - ``Bucket``: made by buckets (``mem.cat``), layout; read by buckets, layout,
   collectives, slices; the pieces flattened and ``cat``.
 
-Families keep the pending kinds only they make and read (``masks.Flag``,
-``argmax.MaxIndex``, ``vocab_parallel.PatternOnly`` ...); those follow the
-same ``Pending`` protocol.
+Families keep the pending kinds only they make and read (``masks.Masked``,
+``argmax.MaxIndex``, ``vocab_parallel.Clamped``, ``const_lookup.ConstLookup``,
+``logprob_views.ReadNllGrad`` ...); those follow the same ``Pending``
+protocol. A kind a second family comes to read moves here.
 """
 
 from __future__ import annotations
@@ -88,6 +99,8 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
+from backends.torch.lowering.emit import pad
+from backends.torch.lowering.refusals import refusal
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -100,7 +113,7 @@ class Pending:
     materialized in turn), or refuses the read in one line."""
 
     def materialize(self, lw: Lowerer) -> Any:
-        raise LoweringError(f"{lw.name}: a collective's layout buffer is read directly")
+        raise LoweringError(refusal(lw, self))
 
 
 @dataclass(frozen=True)
@@ -191,14 +204,14 @@ class Gathered(Pending):
 class ZeroPadded(Pending):
     """``x`` padded with ``width`` zeros at the end of ``dim`` (DTensor pads
     its piece of an unevenly sharded dim to the chunk size before an
-    all-gather), not yet emitted; only that all-gather may read it."""
+    all-gather), not yet emitted: that all-gather reads the piece, any
+    other reader the padded tensor."""
     x: int
     dim: int
     width: int
 
     def materialize(self, lw: Lowerer) -> int:
-        raise LoweringError(f"{lw.name}: a zero-padded piece is read other than by "
-                            f"an all-gather")
+        return pad(lw, self.x, self.dim, 0, self.width)  # read as the padded tensor
 
 
 @dataclass(frozen=True)
@@ -441,6 +454,90 @@ class SdpaSaved:
     #: the probabilities are a masked softmax (backends/torch/lowering/masks.py):
     #: their backward is written on them (``softmax_grad``), not on the scores
     masked_probs: bool = False
+
+
+@dataclass(frozen=True)
+class NllGrad(Pending):
+    """The nll backward, ``-labels * g`` (divided by the kept-label count
+    for a mean), not yet emitted. When every label row is one-hot (no
+    label ignored or padded: ``whole``), the log-softmax backward reading
+    it fuses into ``(exp(logp) - labels) * g``, which equals ``g' -
+    exp(logp) * sum(g')`` for ``g' = -labels * g`` because every row of
+    the labels sums to 1 (docs/soundness.md, "Plans traced from PyTorch",
+    2 and 7c); an ignored row is a zero row, so it is never fused."""
+    labels: int
+    g: int
+    count: int | None
+    whole: bool
+
+    def materialize(self, lw: Lowerer) -> int:
+        shape = lw.shapes[self.labels]
+        out = lw.emit("mul_scalar", [lw.emit("mul", [self.labels, self.g], [shape])[0]], [shape],
+                      {"value": -1.0})[0]
+        return self.divided(lw, out)
+
+    def fused(self, lw: Lowerer, logp: int) -> int:
+        shape = lw.shapes[logp]
+        negated = lw.emit("mul_scalar", [self.labels], [shape], {"value": -1.0})[0]
+        e = lw.emit("exp", [logp], [shape])[0]
+        total = lw.emit("add", [negated, e], [shape])[0]
+        return self.divided(lw, lw.emit("mul", [total, self.g], [shape])[0])
+
+    def divided(self, lw: Lowerer, x: int) -> int:
+        if self.count is None:
+            return x
+        return lw.emit("div", [x], [lw.shapes[x]], {"value": float(self.count)})[0]
+
+
+@dataclass(frozen=True)
+class Flag(Pending):
+    """A boolean tensor as its lowered 0/1 value ``x`` (1 where true) and its
+    recorded booleans ``value`` (this rank's)."""
+    x: int
+    value: np.ndarray
+
+    def materialize(self, lw: Lowerer) -> int:
+        return self.x
+
+
+def pending_of(lw: Lowerer, a: Any) -> Any:
+    """What a recorded tensor argument stands for (a value id or a pending
+    value); None for any other argument."""
+    if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
+        return lw.env.get(a[1])
+    return None
+
+
+def constant_flag(lw: Lowerer, value: np.ndarray) -> Flag:
+    value = np.asarray(value, dtype=bool)
+    return Flag(constant_input(lw, value.astype(np.float64)), value)
+
+
+def as_flag(lw: Lowerer, a: Any) -> Flag | None:
+    """The argument as a flag: a flag, or a constant boolean mask."""
+    x = pending_of(lw, a)
+    if isinstance(x, Flag):
+        return x
+    value = constant_value(lw, a) if isinstance(x, Const) else None
+    if value is not None and value.dtype == bool:
+        return constant_flag(lw, value)
+    return None
+
+
+class PatternOnly(Pending):
+    """A helper value only the next op of its pattern may read: any other
+    reader (materializing it) stops the run with one line."""
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel mask, shifted ids or masked "
+                            f"value ({type(self).__name__}) is read outside the patterns "
+                            f"lowered (backends/torch/lowering/vocab_parallel.py)")
+
+
+@dataclass(frozen=True)
+class Zeros(PatternOnly):
+    """``zeros_like`` of a value that is not a parameter."""
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)

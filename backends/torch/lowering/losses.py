@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input
-from backends.torch.lowering.ir import IdRows, Pending
+from backends.torch.lowering.ir import IdRows, NllGrad
 from backends.torch.lowering.onehot import label_values, one_hot
 from backends.torch.lowering.registry import lowers
 
@@ -54,12 +53,12 @@ def _log_softmax(lw: Lowerer, args, kwargs, shapes, group):
 @lowers("aten._log_softmax_backward_data.default")
 def _log_softmax_bw(lw: Lowerer, args, kwargs, shapes, group):
     """g - exp(out) * sum(g) along the dim; of the nll backward's gradient,
-    the fused form ``(exp(out) - labels) * g`` (``_NllGrad``)."""
+    the fused form ``(exp(out) - labels) * g`` (``NllGrad``)."""
     pending = lw.env.get(args[0][1])
     out, dim = lw.val(args[1]), int(args[2])
     shape = list(lw.shapes[out])
     dim %= len(shape)
-    if isinstance(pending, _NllGrad) and pending.whole and dim == len(shape) - 1:
+    if isinstance(pending, NllGrad) and pending.whole and dim == len(shape) - 1:
         return pending.fused(lw, out)
     g = lw.val(args[0])
     row = [*shape[:dim], 1, *shape[dim + 1:]]
@@ -167,43 +166,10 @@ def _nll(lw: Lowerer, args, kwargs, shapes, group, classes_second: bool = False)
     return [out, "count"]
 
 
-@dataclass(frozen=True)
-class _NllGrad(Pending):
-    """The nll backward, ``-labels * g`` (divided by the kept-label count
-    for a mean), not yet emitted. When every label row is one-hot (no
-    label ignored or padded: ``whole``), the log-softmax backward reading
-    it fuses into ``(exp(logp) - labels) * g``, which equals ``g' -
-    exp(logp) * sum(g')`` for ``g' = -labels * g`` because every row of
-    the labels sums to 1 (docs/soundness.md, "Plans traced from PyTorch",
-    2 and 7c); an ignored row is a zero row, so it is never fused."""
-    labels: int
-    g: int
-    count: int | None
-    whole: bool
-
-    def materialize(self, lw: Lowerer) -> int:
-        shape = lw.shapes[self.labels]
-        out = lw.emit("mul_scalar", [lw.emit("mul", [self.labels, self.g], [shape])[0]], [shape],
-                      {"value": -1.0})[0]
-        return self.divided(lw, out)
-
-    def fused(self, lw: Lowerer, logp: int) -> int:
-        shape = lw.shapes[logp]
-        negated = lw.emit("mul_scalar", [self.labels], [shape], {"value": -1.0})[0]
-        e = lw.emit("exp", [logp], [shape])[0]
-        total = lw.emit("add", [negated, e], [shape])[0]
-        return self.divided(lw, lw.emit("mul", [total, self.g], [shape])[0])
-
-    def divided(self, lw: Lowerer, x: int) -> int:
-        if self.count is None:
-            return x
-        return lw.emit("div", [x], [lw.shapes[x]], {"value": float(self.count)})[0]
-
-
 @lowers("aten.nll_loss_backward.default")
 def _nll_bw(lw: Lowerer, args, kwargs, shapes, group, classes_second: bool = False):
     """-one-hot labels * g, divided by the kept-label count for a mean
-    (pending: ``_NllGrad``; nll_loss2d's gradient moved back to its layout)."""
+    (pending: ``NllGrad``; nll_loss2d's gradient moved back to its layout)."""
     g, reduction = lw.val(args[0]), int(args[4])
     ignore = args[5] if len(args) > 5 else None
     labels, count = _nll_target(lw, args[3], reduction, args[2], ignore)
@@ -212,7 +178,7 @@ def _nll_bw(lw: Lowerer, args, kwargs, shapes, group, classes_second: bool = Fal
     whole = count == math.prod(lw.shapes[labels][:-1]) \
         and not isinstance(lw.env.get(args[2][1]), IdRows) \
         and (ignore is None or not 0 <= int(ignore) < lw.vocab)
-    grad = _NllGrad(labels, g, count if reduction == 1 else None, whole)
+    grad = NllGrad(labels, g, count if reduction == 1 else None, whole)
     return _class_second(lw, grad.materialize(lw)) if classes_second else grad
 
 

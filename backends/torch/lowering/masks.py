@@ -23,7 +23,7 @@ Two kinds of value, both exact in real arithmetic (docs/soundness.md,
   0`` drops the hidden entries from the sum and makes their probabilities
   0. A row with every position hidden is NaN in torch: refused. The
   softmax's backward is written on its probabilities
-  (``lower_nn.softmax_grad``).
+  (``attention.softmax_grad``).
 
 Each handler refines the earlier layers' entry for the same op and hands every other
 case to it.
@@ -39,7 +39,17 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.attention import sdpa_scores, softmax_grad
 from backends.torch.lowering.constants import NEG_INF, causal_fill, constant_input, constant_value
-from backends.torch.lowering.ir import Const, IdRows, Ids, Pending, SdpaSaved
+from backends.torch.lowering.ir import (
+    Const,
+    Flag,
+    IdRows,
+    Ids,
+    Pending,
+    SdpaSaved,
+    as_flag,
+    constant_flag,
+    pending_of,
+)
 from backends.torch.lowering.onehot import label_values, one_hot
 from backends.torch.lowering.registry import Handler, refines
 
@@ -49,17 +59,6 @@ if TYPE_CHECKING:
 #: the score a hidden position stands in with when the masked softmax picks
 #: its shift (the largest kept score); any shift gives the same probabilities
 HIDDEN_SCORE = 1e30
-
-
-@dataclass(frozen=True)
-class Flag(Pending):
-    """A boolean tensor as its lowered 0/1 value ``x`` (1 where true) and its
-    recorded booleans ``value`` (this rank's)."""
-    x: int
-    value: np.ndarray
-
-    def materialize(self, lw: Lowerer) -> int:
-        return self.x
 
 
 @dataclass(frozen=True)
@@ -95,28 +94,6 @@ class Count(Pending):
     def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: a count of a mask's true entries is read other than as "
                             f"a divisor")
-
-
-def _env(lw: Lowerer, a: Any) -> Any:
-    if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
-        return lw.env.get(a[1])
-    return None
-
-
-def _constant_flag(lw: Lowerer, value: np.ndarray) -> Flag:
-    value = np.asarray(value, dtype=bool)
-    return Flag(constant_input(lw, value.astype(np.float64)), value)
-
-
-def _flag(lw: Lowerer, a: Any) -> Flag | None:
-    """The argument as a flag: a flag, or a constant boolean mask."""
-    x = _env(lw, a)
-    if isinstance(x, Flag):
-        return x
-    value = constant_value(lw, a) if isinstance(x, Const) else None
-    if value is not None and value.dtype == bool:
-        return _constant_flag(lw, value)
-    return None
 
 
 def _expanded(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
@@ -163,7 +140,7 @@ def compare_ids(op: str, base: Handler) -> Handler:
     labels with an index outside the vocabulary stays the loss-parallel
     pattern of ``base``)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        ids, c = _env(lw, args[0]), lw.const(args[1])
+        ids, c = pending_of(lw, args[0]), lw.const(args[1])
         inside = c is not None and 0 <= int(c) < lw.vocab
         if c is None or not (isinstance(ids, IdRows) or isinstance(ids, Ids)
                              and (inside or op == "eq")):
@@ -176,7 +153,7 @@ def compare_ids(op: str, base: Handler) -> Handler:
 @refines("aten.bitwise_not.default", "aten.logical_not.default")
 def logical_not(base: Handler | None) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        f = _flag(lw, args[0])
+        f = as_flag(lw, args[0])
         if f is not None:
             return _not(lw, f)
         if base is None:
@@ -200,8 +177,8 @@ def combine(op: str, base: Handler | None) -> Handler:
     """``a & b`` (the product) and ``a | b`` (``a + b - a b``) of flags or
     constant masks, broadcast to the output's shape."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        if isinstance(_env(lw, args[0]), Flag) or isinstance(_env(lw, args[1]), Flag):
-            a, b = _flag(lw, args[0]), _flag(lw, args[1])
+        if isinstance(pending_of(lw, args[0]), Flag) or isinstance(pending_of(lw, args[1]), Flag):
+            a, b = as_flag(lw, args[0]), as_flag(lw, args[1])
             if a is not None and b is not None:
                 return combine_flags(lw, _shaped(lw, a, tuple(shapes[0])),
                                      _shaped(lw, b, tuple(shapes[0])), op)
@@ -217,7 +194,7 @@ def combine(op: str, base: Handler | None) -> Handler:
 def view(base: Handler) -> Handler:
     """A view or expansion of a flag is a flag of the output's shape."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        f = _env(lw, args[0])
+        f = pending_of(lw, args[0])
         out = base(lw, args, kwargs, shapes, group)
         if not isinstance(f, Flag):
             return out
@@ -265,7 +242,7 @@ def _refill(lw: Lowerer, m: Masked, hidden: Flag | None, fill: float | None,
 def _off_causal(lw: Lowerer, a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     """The hidden positions of a constant boolean mask that is not the causal
     pattern (None for anything else: the earlier layers' lowering applies)."""
-    if not isinstance(_env(lw, a), Const):
+    if not isinstance(pending_of(lw, a), Const):
         return None
     value = constant_value(lw, a)
     if value is None or value.dtype != bool or causal_fill(value, shape):
@@ -279,14 +256,14 @@ def masked_fill(base: Handler) -> Handler:
     mask off the causal pattern and c = -inf."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape, fill = tuple(shapes[0]), lw.const(args[2])
-        f = _env(lw, args[1])
-        if isinstance(_env(lw, args[0]), Masked):
-            return _refill(lw, _env(lw, args[0]), _flag(lw, args[1]), fill, shape)
+        f = pending_of(lw, args[1])
+        if isinstance(pending_of(lw, args[0]), Masked):
+            return _refill(lw, pending_of(lw, args[0]), as_flag(lw, args[1]), fill, shape)
         if isinstance(f, Flag) and fill is not None:
             return _select(lw, lw.val(args[0]), f, fill, shape)
         hidden = _off_causal(lw, args[1], shape)
         if hidden is not None and fill == NEG_INF:
-            return _select(lw, lw.val(args[0]), _constant_flag(lw, hidden), fill, shape)
+            return _select(lw, lw.val(args[0]), constant_flag(lw, hidden), fill, shape)
         return base(lw, args, kwargs, shapes, group)
     return lower
 
@@ -298,7 +275,7 @@ def where(base: Handler) -> Handler:
     a tensor and a constant make a masked fill."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape = tuple(shapes[0])
-        cond = _env(lw, args[0])
+        cond = pending_of(lw, args[0])
         a, b = lw.const(args[1]), lw.const(args[2])
         if not isinstance(cond, Flag):
             value = constant_value(lw, args[0]) if isinstance(cond, Const) else None
@@ -307,7 +284,7 @@ def where(base: Handler) -> Handler:
             hidden = value if a == NEG_INF else ~value
             if causal_fill(hidden, shape):
                 return base(lw, args, kwargs, shapes, group)
-            cond = _constant_flag(lw, value)
+            cond = constant_flag(lw, value)
         if a is not None and b is not None:
             if (a, b) == (0.0, NEG_INF):
                 return NegInfMask(_shaped(lw, cond, shape))
@@ -334,7 +311,7 @@ def add(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape = tuple(shapes[0])
         for mine, other in ((args[0], args[1]), (args[1], args[0])):
-            m = _env(lw, mine)
+            m = pending_of(lw, mine)
             if isinstance(m, NegInfMask):
                 return _select(lw, lw.val(other), _not(lw, m.keep), NEG_INF, shape)
             keep = _constant_keep(lw, mine, shape)
@@ -348,7 +325,7 @@ def add(base: Handler) -> Handler:
 def _constant_keep(lw: Lowerer, a: Any, shape: tuple[int, ...]) -> Flag | None:
     """The kept positions of a constant float mask holding -inf off the
     causal pattern (None otherwise)."""
-    value = constant_value(lw, a) if isinstance(_env(lw, a), Const) else None
+    value = constant_value(lw, a) if isinstance(pending_of(lw, a), Const) else None
     if value is None or value.dtype == bool or value.size <= 1:
         return None
     value = np.asarray(value, dtype=np.float64)
@@ -357,7 +334,7 @@ def _constant_keep(lw: Lowerer, a: Any, shape: tuple[int, ...]) -> Flag | None:
         return None
     if np.any(np.isnan(value) | np.isposinf(value)):
         raise LoweringError(f"{lw.name}: an attention mask with nan or +inf entries is not lowered")
-    return _shaped(lw, _constant_flag(lw, ~hidden), shape)
+    return _shaped(lw, constant_flag(lw, ~hidden), shape)
 
 
 def _plus_finite(lw: Lowerer, x: int, value: np.ndarray, shape: tuple[int, ...]) -> int:
@@ -403,7 +380,7 @@ def _masked_softmax(lw: Lowerer, m: Masked, dim: int) -> int:
 @refines("aten._softmax.default")
 def softmax(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        m = _env(lw, args[0])
+        m = pending_of(lw, args[0])
         if isinstance(m, Masked):
             return _masked_softmax(lw, m, int(args[1]))
         return base(lw, args, kwargs, shapes, group)
@@ -426,7 +403,7 @@ def sdpa(base: Handler) -> Handler:
     the masked softmax of the scores, then times the values."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         mask = kwargs.get("attn_mask")
-        m = _env(lw, mask)
+        m = pending_of(lw, mask)
         value = None if isinstance(m, NegInfMask) else _sdpa_keep_const(lw, args, mask)
         if not isinstance(m, NegInfMask) and value is None:
             return base(lw, args, kwargs, shapes, group)
@@ -438,7 +415,7 @@ def sdpa(base: Handler) -> Handler:
             masked = Masked(scores, _shaped(lw, m.keep, shape))
         else:
             masked = Masked(_plus_finite(lw, scores, value, shape),
-                            _shaped(lw, _constant_flag(lw, ~np.isneginf(value)), shape))
+                            _shaped(lw, constant_flag(lw, ~np.isneginf(value)), shape))
         probs = _masked_softmax(lw, masked, -1)
         out = lw.emit("matmul", [probs, values], [shapes[0]])[0]
         lw.sdpa[out] = SdpaSaved(q, keys, values, scale, masked.x, probs, False, groups,
@@ -449,8 +426,8 @@ def sdpa(base: Handler) -> Handler:
 
 def _sdpa_keep_const(lw: Lowerer, args: Any, mask: Any) -> np.ndarray | None:
     """A constant SDPA mask whose -inf (or False) entries are not the causal
-    pattern, as an additive float mask (None otherwise: lower_nn's sdpa)."""
-    value = constant_value(lw, mask) if isinstance(_env(lw, mask), Const) else None
+    pattern, as an additive float mask (None otherwise: nn's sdpa)."""
+    value = constant_value(lw, mask) if isinstance(pending_of(lw, mask), Const) else None
     if value is None:
         return None
     if value.dtype == bool:
@@ -470,7 +447,7 @@ def _sdpa_keep_const(lw: Lowerer, args: Any, mask: Any) -> np.ndarray | None:
 def count(base: Handler) -> Handler:
     """The sum of every entry of a flag: its count in the recorded batch."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        f = _env(lw, args[0])
+        f = pending_of(lw, args[0])
         if isinstance(f, Flag) and tuple(shapes[0]) == ():
             return Count(int(np.sum(f.value)))
         return base(lw, args, kwargs, shapes, group)
@@ -481,7 +458,7 @@ def count(base: Handler) -> Handler:
 def divide(base: Handler) -> Handler:
     """``x / count``: a division by the constant count."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        c = _env(lw, args[1])
+        c = pending_of(lw, args[1])
         if not isinstance(c, Count):
             return base(lw, args, kwargs, shapes, group)
         if c.value == 0:
@@ -496,7 +473,7 @@ def cast(base: Handler) -> Handler:
     """A cast of a count or of an additive -inf mask to a floating type is
     the same count or mask."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        c = _env(lw, args[0])
+        c = pending_of(lw, args[0])
         dtype = str(kwargs.get("dtype", args[1] if len(args) > 1 else ""))
         if isinstance(c, Count) or isinstance(c, NegInfMask) and "float" in dtype:
             return c
@@ -521,7 +498,7 @@ def _reduced_count(lw: Lowerer, c: Count, group: tuple[int, ...]) -> Count:
 def count_all_reduce_inplace(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         tensors = args[0]
-        c = _env(lw, tensors[0]) if len(tensors) == 1 else None
+        c = pending_of(lw, tensors[0]) if len(tensors) == 1 else None
         if not isinstance(c, Count):
             return base(lw, args, kwargs, shapes, group)
         if args[2] not in (["redop", 0], ("redop", 0)):
@@ -534,7 +511,7 @@ def count_all_reduce_inplace(base: Handler) -> Handler:
 @refines("_c10d_functional.all_reduce.default")
 def count_all_reduce(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        c = _env(lw, args[0])
+        c = pending_of(lw, args[0])
         if not isinstance(c, Count):
             return base(lw, args, kwargs, shapes, group)
         if args[1] != "sum":

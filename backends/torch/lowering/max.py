@@ -15,7 +15,7 @@ a) - (g / 2) step(a - b)`` (or a and b swapped), with ``step`` the ``relu``
 rule's backward: g where the fill does not apply, g / 2 at ties, 0 where
 it does.
 
-``x.max(dim)`` (values and indices) and max pooling are ``lower_argmax``'s.
+``x.max(dim)`` (values and indices) and max pooling are ``argmax``'s.
 
 Registered by ``lowering/`` over its own table: each handler takes its own
 cases and hands every other on to the handler it wraps.

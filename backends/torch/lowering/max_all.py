@@ -9,7 +9,7 @@ Autograd's backward of ``x.max()`` (``evenly_distribute_backward``) is
 
 Plan values are real numbers, never NaN: ``isnan`` of a lowered value is
 false everywhere, so ``hit`` is ``x == top``, and the rest is the pattern of
-``lower_max`` (``amax``'s backward: the count of maxima, the share, the
+``max`` (``amax``'s backward: the count of maxima, the share, the
 product), emitted as one ``max`` backward node (ties share the gradient
 evenly, as torch's kernel does; docs/soundness.md, "Plans traced from
 PyTorch", 26). The NaN flags are pending values that no reader but that

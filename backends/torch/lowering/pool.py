@@ -1,5 +1,5 @@
 """Pooling windows with padding and ``ceil_mode`` (max pooling's, for
-``lower_argmax``) and average pooling (``F.avg_pool1d/2d/3d``,
+``argmax``) and average pooling (``F.avg_pool1d/2d/3d``,
 ``nn.AvgPool*d``: ``aten.avg_pool{2,3}d`` and their backward).
 
 Along a spatial dim of size S, window o of a pooling covers the positions
@@ -18,7 +18,7 @@ PyTorch", 26). Its backward sends the gradient through the adjoint of
 those copies, to the very input position torch's index names.
 
 *Average pooling* is linear and separable: along each dim, the input
-padded with zeros is windowed as a convolution's (``lower_conv``), the
+padded with zeros is windowed as a convolution's (``conv``), the
 taps are summed, and each output position is divided by its share of the
 divisor (torch's divisor is the product over dims of the window's length
 inside the padded input, or inside the input when ``count_include_pad`` is
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.emit import cat, narrow, pad
 from backends.torch.lowering.registry import Handler, lowers
-from backends.torch.lowering.shapes import Dim, cat, every, narrow, pad, pool_dims, spread, with_axis
+from backends.torch.lowering.shapes import Dim, every, pool_dims, spread, with_axis
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer

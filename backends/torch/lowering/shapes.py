@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.emit import cat, narrow, pad
 from backends.torch.lowering.ir import Flat
 
 if TYPE_CHECKING:
@@ -62,34 +63,6 @@ def _per_dim(lw: Lowerer, value: Any, n: int, what: str) -> tuple[int, ...]:
         raise LoweringError(f"{lw.name}: a convolution's {what} {value!r} is not lowered")
     return tuple(values)
 
-
-def narrow(lw: Lowerer, x: int, dim: int, start: int, length: int) -> int:
-    shape = list(lw.shapes[x])
-    if start == 0 and length == shape[dim]:
-        return x
-    shape[dim] = length
-    return lw.emit("narrow", [x], [tuple(shape)], {"dim": dim, "start": start, "length": length})[0]
-
-
-def pad(lw: Lowerer, x: int, dim: int, before: int, after: int) -> int:
-    """x with ``before`` and ``after`` zeros along dim: the ``narrow`` rule's
-    backward (its input's gradient, zero outside the slice), so that the
-    zeros are laid out and scaled as x is on every rank."""
-    if not before and not after:
-        return x
-    shape = list(lw.shapes[x])
-    length = shape[dim]
-    shape[dim] += before + after
-    return lw.emit("narrow", [-1, x], [tuple(shape)],
-                   {"dim": dim, "start": before, "length": length}, direction="bw")[0]
-
-
-def cat(lw: Lowerer, parts: list[int], dim: int) -> int:
-    if len(parts) == 1:
-        return parts[0]
-    shape = list(lw.shapes[parts[0]])
-    shape[dim] = sum(lw.shapes[p][dim] for p in parts)
-    return lw.emit("cat", parts, [tuple(shape)], {"dim": dim})[0]
 
 
 def with_axis(shape: tuple[int, ...], dim: int, size: int = 1) -> tuple[int, ...]:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.emit import narrow, pad
 from backends.torch.lowering.ir import Bucket, IdRows, Ids, Piece
 from backends.torch.lowering.registry import Handler, refines
-from backends.torch.lowering.shapes import narrow, pad
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer

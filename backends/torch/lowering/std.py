@@ -2,7 +2,7 @@
 and of the guard of its backward.
 
 The standard deviation is ``pow(var, 0.5)`` with ``var`` the ``var``
-lowering (``lower_more.var``) and the root uninterpreted, as every
+lowering (``std.var``) and the root uninterpreted, as every
 non-linear function. Autograd's backward of ``std`` is
 ``(g / (2 s)).masked_fill_(s == 0, 0)`` handed to ``var``'s backward,
 which multiplies it by ``2 (x - mean(x)) / (n - correction)``; the fill is

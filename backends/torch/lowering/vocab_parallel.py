@@ -38,22 +38,22 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.context import LNode
-from backends.torch.lowering.ir import Const, Ids, IdsTest, Pending, RowMax, Shifted, VocabMask
+from backends.torch.lowering.ir import (
+    Const,
+    Ids,
+    IdsTest,
+    PatternOnly,
+    Pending,
+    RowMax,
+    Shifted,
+    VocabMask,
+    Zeros,
+)
 from backends.torch.lowering.onehot import one_hot
 from backends.torch.lowering.registry import Handler, lowers, refines
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
-
-
-class PatternOnly(Pending):
-    """A helper value only the next op of its pattern may read: any other
-    reader (materializing it) stops the run with one line."""
-
-    def materialize(self, lw: Lowerer) -> int:
-        raise LoweringError(f"{lw.name}: a vocabulary-parallel mask, shifted ids or masked "
-                            f"value ({type(self).__name__}) is read outside the patterns "
-                            f"lowered (backends/torch/lowering/vocab_parallel.py)")
 
 
 @dataclass(frozen=True)
@@ -125,12 +125,6 @@ class MaskedPick(PatternOnly):
     are zeroed (``index_put_`` of 0 at ``mask``), the one reader allowed."""
     value: int
     mask: VocabMask
-
-
-@dataclass(frozen=True)
-class Zeros(PatternOnly):
-    """``zeros_like`` of a value that is not a parameter."""
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)

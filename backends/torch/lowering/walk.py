@@ -81,7 +81,8 @@ def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) 
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
-                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts)
+                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
+                   dict(trace.get("ties", {})))
 
 
 def check_shards(traces: list[dict]) -> None:
