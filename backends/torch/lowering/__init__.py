@@ -7,7 +7,7 @@ The package's rooms, in the order they depend on each other:
 - ``ir``: the pending values a handler may return instead of emitting
   nodes at once, and how each is materialized;
 - ``constants``, ``emit``, ``shapes``, ``onehot``, ``fills``, ``attention``,
-  ``refusals``: helpers the families share;
+  ``refusals``, ``bucket_pieces``: helpers the families share;
 - ``context``: the ``Lowerer`` every handler receives, and the lowered
   records (``LNode``, ``Lowered``);
 - one module per family of ops, each registering its handlers beside them;

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.bucket_pieces import bucket_view
 from backends.torch.lowering.context import live_events
-from backends.torch.lowering.ir import Bucket, bucket_view, numel
+from backends.torch.lowering.ir import Bucket, numel
 from backends.torch.lowering.registry import lowers
 
 if TYPE_CHECKING:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.bucket_pieces import all_reduce_bucket
 from backends.torch.lowering.context import LNode, pg
 from backends.torch.lowering.ir import (
     Bucket,
@@ -15,7 +16,6 @@ from backends.torch.lowering.ir import (
     NormStack,
     Stacked,
     ZeroPadded,
-    all_reduce_bucket,
 )
 from backends.torch.lowering.registry import lowers
 

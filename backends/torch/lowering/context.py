@@ -16,15 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.bucket_pieces import PER_PIECE_OPS, per_piece
 from backends.torch.lowering.ir import (
-    PER_PIECE_OPS,
     Bucket,
     Const,
     Ids,
     NoShard,
     Pending,
     SdpaSaved,
-    per_piece,
 )
 from backends.torch.lowering.refusals import refusal
 from backends.torch.lowering.registry import handlers

@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.bucket_pieces import bucket_view
 from backends.torch.lowering.context import LNode, pg, tensor_args
 from backends.torch.lowering.ir import (
     As,
@@ -30,7 +31,6 @@ from backends.torch.lowering.ir import (
     Piece,
     Stacked,
     Unpadded,
-    bucket_view,
 )
 from backends.torch.lowering.onehot import slice_ids
 from backends.torch.lowering.registry import lowers
