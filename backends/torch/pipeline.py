@@ -48,6 +48,17 @@ class PipelineStep:
     after_backward: Callable | None = None
 
 
+@dataclass
+class OwnSchedule:
+    """A step a library's own schedule runs (Megatron's
+    ``get_forward_backward_func()``): ``run(tokens, labels)`` runs the rank's
+    forward and backward on its rows and returns the loss tensors backward
+    ran from; ``after_backward(model, mesh)`` runs after it."""
+
+    run: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+    after_backward: Callable | None = None
+
+
 class StaticOnly(RuntimeError):
     """A stage whose metadata is not static: it cannot run under the fake group."""
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from backends.torch.circular_pad import CircularPad
 from backends.torch.loaded import SetupCollectives, loaded_values
-from backends.torch.pipeline import Pipelined, PipelineStep
+from backends.torch.pipeline import OwnSchedule, Pipelined, PipelineStep
 from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
 
@@ -105,7 +105,9 @@ def _run(spec: dict, rank: int) -> dict:
 
     tracker = Tracker()
     rec = Recorder(tracker)
-    pipelined = None
+    pipelined, own = None, None
+    if isinstance(after, OwnSchedule):
+        own, after = after, after.after_backward
     if isinstance(after, PipelineStep):
         pipelined = Pipelined(after, tokens, rec.set_mb)
         after = after.after_backward
@@ -127,6 +129,8 @@ def _run(spec: dict, rank: int) -> dict:
         with train_context(model):
             if pipelined is not None:
                 losses = pipelined.run(tokens, labels)
+            elif own is not None:
+                losses = own.run(tokens, labels)
             else:
                 losses = [runner(tokens, labels)]
                 losses[0].backward()
