@@ -551,9 +551,18 @@ def live_events(trace: dict) -> set[int]:
             continue  # overwrites its buffers
         if op == "aten.copy_.default":
             need.update(_tensor_args(args[1]))
+        elif op == "aten.baddbmm.default" and _beta_zero(args, kwargs):
+            need.update(_tensor_args([args[1:], kwargs]))  # the input is not read
         else:
             need.update(_tensor_args([args, kwargs]))
     return live
+
+
+def _beta_zero(args: list, kwargs: dict) -> bool:
+    """``baddbmm(input, b1, b2, beta=0)``: torch does not read ``input``
+    (Megatron's attention passes an uninitialized buffer)."""
+    beta = args[3] if len(args) > 3 else kwargs.get("beta", 1)
+    return isinstance(beta, (int, float)) and beta == 0
 
 
 # -- handlers ------------------------------------------------------------------
@@ -2111,6 +2120,10 @@ HANDLERS.update(max_all_handlers(HANDLERS))
 from backends.torch.lower_slices import slice_handlers  # noqa: E402
 
 HANDLERS.update(slice_handlers(HANDLERS))
+# Megatron-Core's vocabulary-parallel cross-entropy: takes its own cases, hands on the others
+from backends.torch.lower_megatron import megatron_handlers  # noqa: E402
+
+HANDLERS.update(megatron_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:

@@ -128,6 +128,9 @@ def load_pieces(full: nn.Module, sharded: nn.Module, tp_rank: int, tp: int) -> N
                     raise ValueError(f"Megatron parameter {name} is strided across tensor-parallel "
                                      f"ranks (partition_stride {p.partition_stride}): not supported")
                 whole = whole.chunk(tp, dim=p.partition_dim)[tp_rank]
+                axes: list[list[str]] = [[] for _ in range(p.dim())]
+                axes[p.partition_dim].append("tp")
+                p.mesh_axes = axes
             p.data = whole.detach().clone().to(whole.dtype)
 
 

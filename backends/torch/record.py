@@ -472,9 +472,15 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
     or one named as in ``AXIS_NAMES``); with the backend's mesh ``layout``
     (pp, dp, tp), a data-parallel one is the axis its ranks run along
     (``data_parallel_axis``: an HSDP shard dim is "dps", and ``split``
-    records its size)."""
+    records its size). A plain tensor with a ``mesh_axes`` attribute (a
+    recipe's, such as Megatron's sharded parameters) has those axes (the
+    plan's claims they make are checked against the values loaded,
+    ``check.check_loaded``)."""
     from torch.distributed.tensor.placement_types import _StridedShard
     axes: list[list[str]] = [[] for _ in range(t.dim())]
+    own = getattr(t, "mesh_axes", None)  # a plain tensor's layout, set by its recipe
+    if own is not None and not isinstance(t, DTensor):
+        return [list(a) for a in own]
     if isinstance(t, DTensor):
         mesh = t.device_mesh
         names = [AXIS_NAMES.get(n, n) for n in mesh.mesh_dim_names or ()]

@@ -1,0 +1,463 @@
+"""Lowering of Megatron-Core's vocabulary-parallel cross-entropy
+(``megatron/core/tensor_parallel/cross_entropy.py``) and of the MAX
+all-reduce of row maxima.
+
+Megatron computes the loss of logits ``x`` ``[S, B, V/t]`` (the rank's
+vocabulary rows ``[lo, hi)``) against labels ``[S, B]`` (the batch's
+labels transposed: one-hot rows in the plan) with c10d's in-place
+collectives and in-place tensor writes:
+
+- ``m = x.max(-1)[0]`` all-reduced with MAX: lowered as the maximum along
+  the vocabulary of ``x`` all-gathered along it (the same value for every
+  input: max is associative and commutative), as lower_vocab_parallel's
+  ``amax`` pattern, and one the verifier proves equal to the single-device
+  ``max`` (the gathered pieces must be the logits' columns in order);
+- ``mask = (labels < lo) | (labels >= hi)``, ``local = labels - lo``,
+  ``local[mask] = 0``; ``x.view(-1, w)[arange(n), local.view(-1)]``, the
+  picks then zeroed where ``mask`` holds: the row sum of ``x`` times the
+  one-hot labels' columns ``[lo, hi)`` (in-range rows pick the same entry,
+  the others are 0 both ways);
+- the backward's ``g2d[arange(n), local] -= 1 - mask.float()`` (an
+  ``index`` at the same places, ``sub_``, ``index_put_`` back): ``g2d``
+  minus the one-hot columns ``[lo, hi)`` (an in-range row loses 1 at its
+  label, an out-of-range row 0 at column 0).
+
+Every helper (a comparison, the mask, the local labels, a pick) is a
+pending object only the next op of these patterns may read; any other
+reader stops the run with one line. Registered last by ``lower.py``
+(``megatron_handlers``): every other case is handed to the table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from backends.torch.lower import (
+    LNode,
+    _IdRows,
+    _ids_value,
+    _one_hot,
+    _pg,
+    _Shifted,
+    _VocabMask,
+    one_hot_of,
+)
+from backends.torch.lower_nn import constant_value
+
+Handler = Callable[..., Any]
+
+#: c10d's ReduceOp.MAX
+REDOP_MAX = 4
+
+
+class _Pending:
+    def emit_into(self, lw: Any) -> int:
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel label mask, local labels or "
+                            f"pick ({type(self).__name__}) is read outside Megatron's "
+                            f"cross-entropy (backends/torch/lower_megatron.py)")
+
+
+@dataclass(frozen=True)
+class Compare(_Pending):
+    """``labels < value`` (op "lt") or ``labels >= value`` (op "ge")."""
+    src: int  # the recorded value holding the labels (one-hot rows in the plan)
+    op: str
+    value: int
+
+
+@dataclass(frozen=True)
+class OutOfRange(_Pending):
+    """``(labels < lo) | (labels >= hi)``, seen with ``shape``."""
+    src: int
+    lo: int
+    hi: int
+    shape: tuple[int, ...]
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.src, self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class AsNumbers(_Pending):
+    """``mask.float()``."""
+    mask: OutOfRange
+
+
+@dataclass(frozen=True)
+class Inside(_Pending):
+    """``1 - mask.float()``: 1 for the labels in ``[lo, hi)``."""
+    mask: OutOfRange
+
+
+@dataclass(frozen=True)
+class Local(_Pending):
+    """``labels - lo`` (then 0 where ``mask`` holds), seen with ``shape``."""
+    src: int
+    lo: int
+    mask: OutOfRange | None
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Pick(_Pending):
+    """``x2d[arange(n), local]``: ``value`` is the row sum of ``x2d`` times the
+    one-hot columns of the local labels' range (seen with ``shape``), equal
+    to the pick once the out-of-range picks are zeroed."""
+    x: int
+    local: Local
+    value: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PickMinusInside(_Pending):
+    """``x2d[arange(n), local] - (1 - mask.float())``."""
+    x: int
+    local: Local
+
+
+def _env(lw: Any, a: Any) -> Any:
+    if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
+        return lw.env.get(a[1])
+    return None
+
+
+def _refuse_pending(lw: Any, args: Any, what: str) -> None:
+    for a in args if isinstance(args, (list, tuple)) else [args]:
+        if isinstance(_env(lw, a), _Pending):
+            raise LoweringError(f"{lw.name}: {what} reads a vocabulary-parallel label mask, "
+                                f"local labels or pick outside Megatron's cross-entropy "
+                                f"(backends/torch/lower_megatron.py)")
+
+
+def _columns(lw: Any, local: Local, width: int, shape: tuple[int, ...]) -> int:
+    """The one-hot rows of the labels ``local`` shifts, seen with ``shape``
+    (without the vocabulary), columns ``[lo, lo + width)``."""
+    src = lw.env.get(local.src)
+    onehot = src.x if isinstance(src, _IdRows) else one_hot_of(lw, src)
+    if math.prod(lw.shapes[onehot][:-1]) != math.prod(shape):
+        raise LoweringError(f"{lw.name}: the labels do not match the logits' rows")
+    onehot = lw.reshape(onehot, (*shape, lw.vocab))
+    if width <= 0 or lw.vocab % width or local.lo % width:
+        raise LoweringError(f"{lw.name}: a pick of the vocabulary rows [{local.lo}, "
+                            f"{local.lo + width}) is not one of equal vocabulary shards")
+    if width == lw.vocab:
+        return onehot
+    return lw.emit("split", [onehot], [[*shape, width]], {
+        "dim": len(shape), "parts": lw.vocab // width, "index": local.lo // width})[0]
+
+
+# -- the MAX all-reduce ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowMax:
+    """``x.max(dim)``'s values read only by a MAX all-reduce, not yet emitted
+    (any other reader gets the local maximum)."""
+    x: int
+    dim: int
+    keepdim: bool
+
+    def emit_into(self, lw: Any) -> int:
+        shape = list(lw.shapes[self.x])
+        if self.keepdim:
+            shape[self.dim] = 1
+        else:
+            del shape[self.dim]
+        return lw.emit("max", [self.x], [shape], {"dim": self.dim, "keepdim": self.keepdim})[0]
+
+
+class Unread(_Pending):
+    """An output no later op reads."""
+
+
+def _readers(lw: Any, value: int) -> list[tuple]:
+    """The events after the current one that read ``value``."""
+    from backends.torch.lower import _tensor_args
+    return [e for e in lw.trace["events"][lw.event + 1:] if value in _tensor_args(e[1])]
+
+
+def max_dim(base: Handler) -> Handler:
+    """``x.max(dim)`` whose values only a MAX all-reduce reads and whose
+    indices nothing reads: a pending row maximum (``RowMax``); else the
+    table's."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        outs = lw.trace["events"][lw.event][2]
+        if len(outs) == 2 and not _readers(lw, outs[1]):
+            readers = _readers(lw, outs[0])
+            if readers and all(e[0] == "c10d.allreduce_.default"
+                               and tuple(e[1][0][2]) == ("redop", REDOP_MAX) for e in readers):
+                x = lw.val(args[0])
+                dim = int(args[1] if len(args) > 1 else kwargs["dim"]) % len(lw.shapes[x])
+                keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+                return [RowMax(x, dim, keepdim), Unread()]
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def all_reduce_inplace(base: Handler) -> Handler:
+    """c10d's in-place MAX all-reduce of ``x.max(dim)``'s values: the maximum
+    along ``dim`` of ``x`` all-gathered along it. Over a group of one rank
+    (Megatron's at tensor-parallel size 1) any all-reduce of a computed
+    value is the identity."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        tensors, op = args[0], args[2]
+        if len(tensors) == 1 and len(_pg(lw, args[1])) == 1 \
+                and isinstance(_env(lw, tensors[0]), int):
+            return [lw.val(tensors[0])]  # over a group of one rank: the identity
+        if not (isinstance(op, (list, tuple)) and op[0] == "redop" and op[1] == REDOP_MAX):
+            _refuse_pending(lw, tensors, "an all-reduce")
+            return base(lw, args, kwargs, shapes, group)
+        top = _env(lw, tensors[0]) if len(tensors) == 1 else None
+        if not isinstance(top, RowMax):
+            raise LoweringError(f"{lw.name}: a MAX all-reduce of anything but the values of "
+                                f"x.max(dim) is not lowered")
+        ranks = _pg(lw, args[1])
+        shape = list(lw.shapes[top.x])
+        shape[top.dim] *= len(ranks)
+        rows = top.x if len(ranks) == 1 else lw.emit(  # a group of one rank: the identity
+            "all_gather", [top.x], [shape], {"dim": top.dim}, group=ranks)[0]
+        return [lw.emit("max", [rows], shapes[:1], {"dim": top.dim, "keepdim": top.keepdim})[0]]
+    return lower
+
+
+# -- the label mask and the local labels -----------------------------------------
+
+def compare(op: str, base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        value = lw.const(args[1])
+        if isinstance(_env(lw, args[0]), _IdRows) and value is not None:
+            return Compare(args[0][1], op, int(value))
+        _refuse_pending(lw, args, f"a comparison '{op}'")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def bitwise_or(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        a, b = _env(lw, args[0]), _env(lw, args[1])
+        if isinstance(a, Compare) and isinstance(b, Compare) and a.src == b.src:
+            low, high = (a, b) if a.op == "lt" else (b, a)
+            if (low.op, high.op) == ("lt", "ge"):
+                return OutOfRange(a.src, low.value, high.value, tuple(shapes[0]))
+        _refuse_pending(lw, args, "an 'or'")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def sub(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        value = lw.const(args[1]) if len(args) > 1 else None
+        if isinstance(_env(lw, args[0]), _IdRows) and value is not None \
+                and kwargs.get("alpha", 1) == 1:
+            return Local(args[0][1], int(value), None, tuple(shapes[0]))
+        _refuse_pending(lw, args, "a subtraction")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def view(base: Handler) -> Handler:
+    """A mask, local labels or pick seen with another shape."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x, shape = _env(lw, args[0]), tuple(shapes[0])
+        if isinstance(x, (OutOfRange, Local)):
+            return type(x)(**{**x.__dict__, "shape": shape})
+        if isinstance(x, Pick):
+            return Pick(x.x, x.local, lw.reshape(x.value, shape), shape)
+        _refuse_pending(lw, args[:1], "a view")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def to_copy(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = _env(lw, args[0])
+        if isinstance(x, OutOfRange):
+            return AsNumbers(x)
+        _refuse_pending(lw, args[:1], "a conversion")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def rsub(base: Handler) -> Handler:
+    """``1 - mask.float()``."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = _env(lw, args[0])
+        if isinstance(x, AsNumbers) and lw.const(args[1]) == 1 and kwargs.get("alpha", 1) == 1:
+            return Inside(x.mask)
+        _refuse_pending(lw, args, "a subtraction")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+# -- the picks ----------------------------------------------------------------------
+
+def _rows_and_local(lw: Any, x: int, indices: Any) -> Local | None:
+    """The local labels of ``x2d[arange(n), local]``, or None."""
+    if not isinstance(indices, (list, tuple)) or len(indices) != 2:
+        return None
+    local = _env(lw, indices[1])
+    rows = constant_value(lw, indices[0])
+    n = lw.shapes[x][0] if len(lw.shapes[x]) == 2 else -1
+    if not isinstance(local, Local) or rows is None or not np.array_equal(rows, np.arange(n)):
+        return None
+    if local.mask is None or local.mask.lo != local.lo or local.mask.src != local.src \
+            or local.mask.hi - local.lo != lw.shapes[x][1] or local.shape != (n,):
+        raise LoweringError(f"{lw.name}: a pick at local labels not masked to the logits' "
+                            f"vocabulary rows is not lowered")
+    return local
+
+
+def index(base: Handler) -> Handler:
+    """``x2d[arange(n), local]`` (``Pick``)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        if isinstance(_env(lw, args[0]), _Pending):
+            _refuse_pending(lw, args[:1], "an index")
+        x = lw.val(args[0]) if isinstance(_env(lw, args[0]), int) else None
+        local = _rows_and_local(lw, x, args[1]) if x is not None else None
+        if local is None:
+            _refuse_pending(lw, args[1] if isinstance(args[1], (list, tuple)) else [], "an index")
+            return base(lw, args, kwargs, shapes, group)
+        width = lw.shapes[x][1]
+        columns = _columns(lw, local, width, local.shape)
+        picked = lw.emit("mul", [x, columns], [lw.shapes[x]])[0]
+        value = lw.emit("sum", [picked], shapes, {"dim": 1, "keepdim": False})[0]
+        return Pick(x, local, value, tuple(shapes[0]))
+    return lower
+
+
+def sub_inplace(base: Handler) -> Handler:
+    """``pick -= 1 - mask.float()`` (the backward's update)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        a, b = _env(lw, args[0]), _env(lw, args[1])
+        if isinstance(a, Pick) and isinstance(b, Inside) and kwargs.get("alpha", 1) == 1:
+            if a.local.mask is None or a.local.mask.key() != b.mask.key():
+                raise LoweringError(f"{lw.name}: a pick updated by another range's mask")
+            return PickMinusInside(a.x, a.local)
+        _refuse_pending(lw, args, "an in-place subtraction")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def index_put(base: Handler) -> Handler:
+    """``local[mask] = 0``; ``pick[mask] = 0``; ``x2d[arange(n), local] =
+    pick - (1 - mask.float())``."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        target, value = _env(lw, args[0]), _env(lw, args[2])
+        indices = args[1] if isinstance(args[1], (list, tuple)) else []
+        accumulate = bool(args[3]) if len(args) > 3 else False
+        mask = _env(lw, indices[0]) if len(indices) == 1 else None
+        zero = lw.const(args[2]) == 0
+        if isinstance(target, Local) and isinstance(mask, OutOfRange) and zero \
+                and not accumulate and target.mask is None \
+                and (target.src, target.lo) == (mask.src, mask.lo):
+            return Local(target.src, target.lo, mask, target.shape)
+        if isinstance(target, Pick):
+            if not (isinstance(mask, OutOfRange) and zero and not accumulate
+                    and target.local.mask is not None and mask.key() == target.local.mask.key()):
+                raise LoweringError(f"{lw.name}: picked logits not zeroed outside the "
+                                    f"vocabulary rows by their mask")
+            return target.value
+        if isinstance(value, PickMinusInside):
+            x = lw.val(args[0]) if isinstance(target, int) else None
+            local = _rows_and_local(lw, x, indices) if x is not None else None
+            if x != value.x or local != value.local or accumulate:
+                raise LoweringError(f"{lw.name}: an update of picked logits written back "
+                                    f"elsewhere is not lowered")
+            columns = _columns(lw, local, lw.shapes[x][1], local.shape)
+            return lw.emit("sub", [x, columns], [lw.shapes[x]])[0]
+        _refuse_pending(lw, [args[0], args[2], *indices], "index_put_")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+# -- the backward of VocabParallelEmbedding -------------------------------------------
+
+@dataclass(frozen=True)
+class MaskedGrad(_Pending):
+    """``g`` with the rows of ids outside a vocabulary shard zeroed (the
+    backward of the lookup's ``out[mask] = 0``), read only by the lookup's
+    backward."""
+    g: int
+    mask: _VocabMask
+
+
+def index_put_copy(base: Handler) -> Handler:
+    """``index_put(g, [mask], 0)`` (out of place) with a vocabulary shard's mask."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        indices = args[1] if isinstance(args[1], (list, tuple)) else []
+        mask = _env(lw, indices[0]) if len(indices) == 1 else None
+        accumulate = bool(args[3]) if len(args) > 3 else False
+        if isinstance(mask, _VocabMask) and lw.const(args[2]) == 0 and not accumulate \
+                and isinstance(_env(lw, args[0]), int):
+            return MaskedGrad(lw.val(args[0]), mask)
+        _refuse_pending(lw, [args[0], args[2], *indices], "index_put")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def embedding_backward(base: Handler) -> Handler:
+    """The backward of a vocabulary-parallel lookup (ids shifted by ``lo``, 0
+    outside ``[lo, hi)``) of a gradient zeroed outside: the one-hot columns
+    ``[lo, hi)`` transposed times the gradient (a masked id's row, picked
+    at local row 0, brings a zero row)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        g, ids = _env(lw, args[0]), _env(lw, args[1])
+        if not isinstance(g, MaskedGrad):
+            _refuse_pending(lw, args[:2], "an embedding backward")
+            return base(lw, args, kwargs, shapes, group)
+        rows = int(args[2])
+        padding = args[3] if len(args) > 3 else -1
+        if not isinstance(ids, _Shifted) or ids.mask != g.mask or ids.mask.lo != ids.lo \
+                or ids.mask.hi - ids.lo != rows or (len(args) > 4 and args[4]) \
+                or (padding is not None and int(padding) >= 0):
+            raise LoweringError(f"{lw.name}: the backward of a masked gradient other than by "
+                                f"its vocabulary-parallel lookup is not lowered")
+        if rows <= 0 or lw.vocab % rows or ids.lo % rows:
+            raise LoweringError(f"{lw.name}: a lookup of the rows [{ids.lo}, {ids.lo + rows}) "
+                                f"is not one of equal vocabulary shards")
+        onehot = _one_hot(lw, ("v", _ids_value(lw, ids.ids)))
+        shape = [*lw.shapes[onehot][:-1], rows]
+        part = onehot if rows == lw.vocab else lw.emit(
+            "split", [onehot], [shape], {"dim": len(shape) - 1, "parts": lw.vocab // rows,
+                                         "index": ids.lo // rows})[0]
+        out = lw.new(shapes[0])
+        lw.nodes.append(LNode("embedding", "bw", [part, -1, g.g], [-1, out], {}, lw.name, None,
+                              lw.mb))
+        return out
+    return lower
+
+
+def out_form(base: Handler) -> Handler:
+    """``op(x, out=y)``: the op's value (the recorder renames ``y`` to it)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        return base(lw, args, {k: v for k, v in kwargs.items() if k != "out"}, shapes, group)
+    return lower
+
+
+def megatron_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
+    """The entries this module wraps in ``table`` (lower.py's, complete)."""
+    return {
+        "aten.max.dim": max_dim(table["aten.max.dim"]),
+        "c10d.allreduce_.default": all_reduce_inplace(table["c10d.allreduce_.default"]),
+        "aten.lt.Scalar": compare("lt", table["aten.lt.Scalar"]),
+        "aten.ge.Scalar": compare("ge", table["aten.ge.Scalar"]),
+        "aten.bitwise_or.Tensor": bitwise_or(table["aten.bitwise_or.Tensor"]),
+        "aten.sub.Tensor": sub(table["aten.sub.Tensor"]),
+        "aten.view.default": view(table["aten.view.default"]),
+        "aten._to_copy.default": to_copy(table["aten._to_copy.default"]),
+        "aten.rsub.Scalar": rsub(table["aten.rsub.Scalar"]),
+        "aten.index.Tensor": index(table["aten.index.Tensor"]),
+        "aten.sub_.Tensor": sub_inplace(table.get("aten.sub_.Tensor", table["aten.sub.Tensor"])),
+        "aten.index_put_.default": index_put(table["aten.index_put_.default"]),
+        "aten.exp.out": out_form(table["aten.exp.default"]),
+        "aten.index_put.default": index_put_copy(table.get("aten.index_put.default",
+                                                           table["aten.index_put_.default"])),
+        "aten.embedding_dense_backward.default":
+            embedding_backward(table["aten.embedding_dense_backward.default"]),
+    }
