@@ -551,6 +551,8 @@ def live_events(trace: dict) -> set[int]:
             continue  # overwrites its buffers
         if op == "aten.copy_.default":
             need.update(_tensor_args(args[1]))
+        elif op == "c10d._allgather_base_.default":
+            need.update(_tensor_args(args[1:]))  # its output buffer is written, not read
         elif op == "aten.baddbmm.default" and _beta_zero(args, kwargs):
             need.update(_tensor_args([args[1:], kwargs]))  # the input is not read
         else:
