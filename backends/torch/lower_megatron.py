@@ -48,6 +48,7 @@ from backends.torch.lower import (
     _VocabMask,
     one_hot_of,
 )
+from backends.torch.lower_buckets import Bucket, bucket_view
 from backends.torch.lower_nn import constant_value
 
 Handler = Callable[..., Any]
@@ -207,9 +208,12 @@ def all_reduce_inplace(base: Handler) -> Handler:
     value is the identity."""
     def lower(lw: Any, args, kwargs, shapes, group):
         tensors, op = args[0], args[2]
-        if len(tensors) == 1 and len(_pg(lw, args[1])) == 1 \
-                and isinstance(_env(lw, tensors[0]), int):
-            return [lw.val(tensors[0])]  # over a group of one rank: the identity
+        if len(tensors) == 1 and len(_pg(lw, args[1])) == 1:
+            x = _env(lw, tensors[0])
+            if isinstance(x, Bucket):
+                return [x]  # over a group of one rank: the identity
+            if isinstance(x, int):
+                return [lw.val(tensors[0])]
         if not (isinstance(op, (list, tuple)) and op[0] == "redop" and op[1] == REDOP_MAX):
             _refuse_pending(lw, tensors, "an all-reduce")
             return base(lw, args, kwargs, shapes, group)
@@ -433,6 +437,70 @@ def embedding_backward(base: Handler) -> Handler:
     return lower
 
 
+# -- zeroed memory ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Zeroed:
+    """``t.zero_()``: zeros of ``shape`` (a gradient buffer's view before the
+    backward adds into it); an addition of it is the other operand."""
+    shape: tuple[int, ...]
+
+    def emit_into(self, lw: Any) -> int:
+        return lw.emit("zeros", [], [self.shape], {"shape": list(self.shape)}, direction="none")[0]
+
+
+def zero_(lw: Any, args, kwargs, shapes, group):
+    _refuse_pending(lw, args[:1], "zero_")
+    return Zeroed(tuple(shapes[0]))
+
+
+def add_zero(base: Handler) -> Handler:
+    """``zeros + x`` (``main_grad.add_(grad)`` into a zeroed buffer) is x."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        for i in (0, 1):
+            if len(args) > 1 and isinstance(_env(lw, args[i]), Zeroed) \
+                    and isinstance(args[1 - i], (list, tuple)) and kwargs.get("alpha", 1) == 1:
+                x = lw.val(args[1 - i])
+                if tuple(lw.shapes[x]) == tuple(shapes[0]):
+                    return x
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+# -- a flat buffer of gradients built by hand ---------------------------------------------
+
+def cat_flat(base: Handler) -> Handler:
+    """``torch.cat`` of flat tensors along dim 0 that only in-place
+    all-reduces read (``_flatten_dense_tensors`` in ``finalize_model_grads``):
+    a ``Bucket`` of them, all-reduced piece by piece (lower_buckets)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        parts = args[0] if isinstance(args[0], (list, tuple)) else []
+        outs = lw.trace["events"][lw.event][2]
+        if dim == 0 and parts and all(isinstance(_env(lw, a), int) for a in parts) \
+                and all(len(lw.shapes[lw.val(a)]) == 1 for a in parts):
+            readers = _readers(lw, outs[0])
+            if readers and all(e[0] == "c10d.allreduce_.default" for e in readers):
+                return Bucket(tuple(lw.val(a) for a in parts))
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def slice_bucket(base: Handler) -> Handler:
+    """``flat[a:b]`` of a bucket (``_unflatten_dense_tensors``): its pieces there."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        b = _env(lw, args[0])
+        if not isinstance(b, Bucket):
+            return base(lw, args, kwargs, shapes, group)
+        dim = int(args[1]) if len(args) > 1 else 0
+        start = int(args[2]) if len(args) > 2 and args[2] is not None else 0
+        step = int(args[4]) if len(args) > 4 else 1
+        if dim != 0 or step != 1:
+            raise LoweringError(f"{lw.name}: a strided slice of a gradient bucket is not lowered")
+        return bucket_view(lw, b, start, tuple(shapes[0]))
+    return lower
+
+
 def out_form(base: Handler) -> Handler:
     """``op(x, out=y)``: the op's value (the recorder renames ``y`` to it)."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -456,6 +524,11 @@ def megatron_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.sub_.Tensor": sub_inplace(table.get("aten.sub_.Tensor", table["aten.sub.Tensor"])),
         "aten.index_put_.default": index_put(table["aten.index_put_.default"]),
         "aten.exp.out": out_form(table["aten.exp.default"]),
+        "aten.zero_.default": zero_,
+        "aten.cat.default": cat_flat(table["aten.cat.default"]),
+        "aten.slice.Tensor": slice_bucket(table["aten.slice.Tensor"]),
+        "aten.add_.Tensor": add_zero(table["aten.add_.Tensor"]),
+        "aten.add.Tensor": add_zero(table["aten.add.Tensor"]),
         "aten.index_put.default": index_put_copy(table.get("aten.index_put.default",
                                                            table["aten.index_put_.default"])),
         "aten.embedding_dense_backward.default":

@@ -51,12 +51,15 @@ class PipelineStep:
 @dataclass
 class OwnSchedule:
     """A step a library's own schedule runs (Megatron's
-    ``get_forward_backward_func()``): ``run(tokens, labels)`` runs the rank's
-    forward and backward on its rows and returns the loss tensors backward
-    ran from; ``after_backward(model, mesh)`` runs after it."""
+    ``get_forward_backward_func()``): ``run(tokens, labels, set_mb)`` runs the
+    rank's forward and backward on its rows in ``microbatches`` microbatches
+    (numbered 0.. in the order of the rows), reporting to ``set_mb`` the
+    microbatch each op it runs belongs to, and returns the loss tensors
+    backward ran from; ``after_backward(model, mesh)`` runs after it."""
 
-    run: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+    run: Callable[..., list[torch.Tensor]]
     after_backward: Callable | None = None
+    microbatches: int = 1
 
 
 class StaticOnly(RuntimeError):

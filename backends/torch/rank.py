@@ -130,7 +130,7 @@ def _run(spec: dict, rank: int) -> dict:
             if pipelined is not None:
                 losses = pipelined.run(tokens, labels)
             elif own is not None:
-                losses = own.run(tokens, labels)
+                losses = own.run(tokens, labels, rec.set_mb)
             else:
                 losses = [runner(tokens, labels)]
                 losses[0].backward()
@@ -167,7 +167,8 @@ def _run(spec: dict, rank: int) -> dict:
         "batch_ids": {"tokens": tokens.numpy().copy(), "labels": labels.numpy().copy()},
         "loaded": loaded,  # what the rank holds before the step (check.check_loaded)
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
-        "microbatches": 1 if pipelined is None else pipelined.microbatches,
+        "microbatches": pipelined.microbatches if pipelined is not None
+        else own.microbatches if own is not None else 1,
         "values": values, "imports": imported_since(before) + modules_of(model),
     }
 
