@@ -272,7 +272,8 @@ def view(base: Handler) -> Handler:
         if isinstance(x, (OutOfRange, Local)):
             return type(x)(**{**x.__dict__, "shape": shape})
         if isinstance(x, Pick):
-            return Pick(x.x, x.local, lw.reshape(x.value, shape), shape)
+            value = x.value if tuple(lw.shapes[x.value]) == shape else lw.reshape(x.value, shape)
+            return Pick(x.x, x.local, value, shape)
         _refuse_pending(lw, args[:1], "a view")
         return base(lw, args, kwargs, shapes, group)
     return lower
@@ -301,37 +302,58 @@ def rsub(base: Handler) -> Handler:
 
 # -- the picks ----------------------------------------------------------------------
 
-def _rows_and_local(lw: Any, x: int, indices: Any) -> Local | None:
+def _logits(lw: Any, a: Any) -> tuple[int, tuple[int, ...]] | None:
+    """The logits a pick reads: a 2-d value ``[n, w]``, or a 3-d one
+    ``[s, b, w]`` merged to ``[s * b, w]`` (``Merged``); and its rows' shape."""
+    x = _env(lw, a)
+    if isinstance(x, Merged) and not x.transposed:
+        return x.x, tuple(lw.shapes[x.x][:2])
+    if isinstance(x, int) and len(lw.shapes[x]) == 2:
+        return x, (lw.shapes[x][0],)
+    return None
+
+
+def _rows_and_local(lw: Any, x: int, rows_shape: tuple[int, ...], indices: Any) -> Local | None:
     """The local labels of ``x2d[arange(n), local]``, or None."""
     if not isinstance(indices, (list, tuple)) or len(indices) != 2:
         return None
     local = _env(lw, indices[1])
     rows = constant_value(lw, indices[0])
-    n = lw.shapes[x][0] if len(lw.shapes[x]) == 2 else -1
+    n = math.prod(rows_shape)
     if not isinstance(local, Local) or rows is None or not np.array_equal(rows, np.arange(n)):
         return None
     if local.mask is None or local.mask.lo != local.lo or local.mask.src != local.src \
-            or local.mask.hi - local.lo != lw.shapes[x][1] or local.shape != (n,):
+            or local.mask.hi - local.lo != lw.shapes[x][-1] or local.shape != (n,):
         raise LoweringError(f"{lw.name}: a pick at local labels not masked to the logits' "
                             f"vocabulary rows is not lowered")
     return local
 
 
+def _label_columns(lw: Any, local: Local, x: int, rows_shape: tuple[int, ...]) -> int:
+    """The one-hot columns of ``local``'s range shaped as ``x``'s rows: the
+    labels' one-hot rows as they are when their shape is ``rows_shape``."""
+    src = lw.env.get(local.src)
+    onehot = src.x if isinstance(src, _IdRows) else one_hot_of(lw, src)
+    shape = tuple(lw.shapes[onehot][:-1]) if tuple(lw.shapes[onehot][:-1]) == rows_shape \
+        else rows_shape
+    return _columns(lw, local, lw.shapes[x][-1], shape)
+
+
 def index(base: Handler) -> Handler:
     """``x2d[arange(n), local]`` (``Pick``)."""
     def lower(lw: Any, args, kwargs, shapes, group):
-        if isinstance(_env(lw, args[0]), _Pending):
-            _refuse_pending(lw, args[:1], "an index")
-        x = lw.val(args[0]) if isinstance(_env(lw, args[0]), int) else None
-        local = _rows_and_local(lw, x, args[1]) if x is not None else None
+        found = _logits(lw, args[0])
+        local = _rows_and_local(lw, found[0], found[1], args[1]) if found else None
         if local is None:
-            _refuse_pending(lw, args[1] if isinstance(args[1], (list, tuple)) else [], "an index")
+            _refuse_pending(lw, [args[0], *(args[1] if isinstance(args[1], (list, tuple))
+                                            else [])], "an index")
             return base(lw, args, kwargs, shapes, group)
-        width = lw.shapes[x][1]
-        columns = _columns(lw, local, width, local.shape)
+        x, rows_shape = found
+        columns = _label_columns(lw, local, x, rows_shape)
         picked = lw.emit("mul", [x, columns], [lw.shapes[x]])[0]
-        value = lw.emit("sum", [picked], shapes, {"dim": 1, "keepdim": False})[0]
-        return Pick(x, local, value, tuple(shapes[0]))
+        value = lw.emit("sum", [picked], [rows_shape], {"dim": len(rows_shape),
+                                                        "keepdim": False})[0]
+        return Pick(x, local, value, rows_shape)
     return lower
 
 
@@ -368,12 +390,13 @@ def index_put(base: Handler) -> Handler:
                                     f"vocabulary rows by their mask")
             return target.value
         if isinstance(value, PickMinusInside):
-            x = lw.val(args[0]) if isinstance(target, int) else None
-            local = _rows_and_local(lw, x, indices) if x is not None else None
-            if x != value.x or local != value.local or accumulate:
+            found = _logits(lw, args[0])
+            local = _rows_and_local(lw, found[0], found[1], indices) if found else None
+            if found is None or found[0] != value.x or local != value.local or accumulate:
                 raise LoweringError(f"{lw.name}: an update of picked logits written back "
                                     f"elsewhere is not lowered")
-            columns = _columns(lw, local, lw.shapes[x][1], local.shape)
+            x, rows_shape = found
+            columns = _label_columns(lw, local, x, rows_shape)
             return lw.emit("sub", [x, columns], [lw.shapes[x]])[0]
         _refuse_pending(lw, [args[0], args[2], *indices], "index_put_")
         return base(lw, args, kwargs, shapes, group)
@@ -501,6 +524,94 @@ def slice_bucket(base: Handler) -> Handler:
     return lower
 
 
+# -- a 2-d matmul of a 3-d value with its leading dims merged ------------------------
+
+@dataclass(frozen=True)
+class Merged:
+    """``x`` ``[a, b, c]`` seen as ``[a * b, c]`` (``transposed``: then as its
+    transpose ``[c, a * b]``), read only by ``mm``: kept 3-d, so that a piece
+    of either leading dim (a data-parallel cut of the batch of Megatron's
+    ``[s, b, h]`` activations) stays a piece. Any other reader gets the
+    flattened value."""
+    x: int
+    transposed: bool = False
+
+    def emit_into(self, lw: Any) -> int:
+        a, b, c = lw.shapes[self.x]
+        flat = lw.emit("flatten", [self.x], [(a * b, c)], {"start": 0, "end": 1})[0]
+        if not self.transposed:
+            return flat
+        return lw.emit("transpose", [flat], [(c, a * b)], {"dim0": 0, "dim1": 1})[0]
+
+
+def _only_mm_reads(lw: Any, value: int) -> bool:
+    readers = _readers(lw, value)
+    for e in readers:
+        if e[0] == "aten.t.default":
+            if not all(r[0] == "aten.mm.default" for r in _readers(lw, e[2][0])):
+                return False
+        elif e[0] not in ("aten.mm.default", "aten.index.Tensor", "aten.index_put_.default"):
+            return False
+    return bool(readers)
+
+
+def view_merged(base: Handler) -> Handler:
+    """``x.view(a * b, c)`` of a 3-d ``x`` read only by ``mm`` (``Merged``);
+    the 3-d product seen again as ``[a, b, n]``."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x, dst = _env(lw, args[0]), tuple(shapes[0])
+        if isinstance(x, Merged) and not x.transposed and len(dst) == 3 \
+                and tuple(lw.shapes[x.x]) == dst:
+            return x.x
+        if isinstance(x, int) and len(lw.shapes[x]) == 3 and len(dst) == 2:
+            a, b, c = lw.shapes[x]
+            outs = lw.trace["events"][lw.event][2]
+            if dst == (a * b, c) and _only_mm_reads(lw, outs[0]):
+                return Merged(x)
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def t_merged(base: Handler) -> Handler:
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = _env(lw, args[0])
+        if isinstance(x, Merged) and not x.transposed:
+            return Merged(x.x, True)
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def mm_merged(base: Handler) -> Handler:
+    """``mm`` of merged values as one ``einsum`` over the 3-d values:
+    ``[ab, c] @ [c, n]`` is ``abc,cn->abn`` (seen as ``[a, b, n]``, a
+    ``Merged`` value), ``[n, ab] @ [ab, c]`` is ``abn,abc->nc``."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x, y = _env(lw, args[0]), _env(lw, args[1])
+        if isinstance(x, Merged) and not x.transposed and isinstance(y, int):
+            a, b, c = lw.shapes[x.x]
+            n = lw.shapes[lw.val(args[1])][1]
+            out = lw.emit("einsum", [x.x, lw.val(args[1])], [(a, b, n)], {"eq": "abc,cn->abn"})[0]
+            return Merged(out)
+        if isinstance(x, Merged) and x.transposed and isinstance(y, Merged) \
+                and not y.transposed and lw.shapes[x.x][:2] == lw.shapes[y.x][:2]:
+            n, c = lw.shapes[x.x][2], lw.shapes[y.x][2]
+            return lw.emit("einsum", [x.x, y.x], [(n, c)], {"eq": "abn,abc->nc"})[0]
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def all_reduce_coalesced(all_reduce: Handler) -> Handler:
+    """c10d's ``allreduce_coalesced_`` (Megatron's coalescing manager around
+    its buckets' all-reduces): each tensor all-reduced in place, as one
+    ``allreduce_`` of it."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        out = []
+        for t, shape in zip(args[0], shapes):
+            out += all_reduce(lw, [[t], args[1], args[2], None], {}, [shape], group)
+        return out
+    return lower
+
+
 def out_form(base: Handler) -> Handler:
     """``op(x, out=y)``: the op's value (the recorder renames ``y`` to it)."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -517,7 +628,10 @@ def megatron_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.ge.Scalar": compare("ge", table["aten.ge.Scalar"]),
         "aten.bitwise_or.Tensor": bitwise_or(table["aten.bitwise_or.Tensor"]),
         "aten.sub.Tensor": sub(table["aten.sub.Tensor"]),
-        "aten.view.default": view(table["aten.view.default"]),
+        "aten.view.default": view_merged(view(table["aten.view.default"])),
+        "aten._unsafe_view.default": view_merged(table["aten._unsafe_view.default"]),
+        "aten.t.default": t_merged(table["aten.t.default"]),
+        "aten.mm.default": mm_merged(table["aten.mm.default"]),
         "aten._to_copy.default": to_copy(table["aten._to_copy.default"]),
         "aten.rsub.Scalar": rsub(table["aten.rsub.Scalar"]),
         "aten.index.Tensor": index(table["aten.index.Tensor"]),
@@ -525,6 +639,8 @@ def megatron_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.index_put_.default": index_put(table["aten.index_put_.default"]),
         "aten.exp.out": out_form(table["aten.exp.default"]),
         "aten.zero_.default": zero_,
+        "c10d.allreduce_coalesced_.default": all_reduce_coalesced(
+            all_reduce_inplace(table["c10d.allreduce_.default"])),
         "aten.cat.default": cat_flat(table["aten.cat.default"]),
         "aten.slice.Tensor": slice_bucket(table["aten.slice.Tensor"]),
         "aten.add_.Tensor": add_zero(table["aten.add_.Tensor"]),

@@ -124,8 +124,9 @@ class GPTStep:
 
 
 def batch_of(tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A microbatch as Megatron's GPT data loaders give it."""
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    """A microbatch as Megatron's GPT data loaders give it (one row of
+    positions, broadcast over the rows by the embedding's addition)."""
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
     return {"tokens": tokens, "labels": labels, "position_ids": positions}
 
 

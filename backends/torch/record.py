@@ -70,6 +70,10 @@ class Recorder(TorchDispatchMode):
         self.const_storages: set[int] = set()  # memory of the constants whose value is kept
         self.tainted: set[int] = set()  # of that memory, what a non-constant op wrote
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
+        # per storage, the value each bound view of it (offset, shape, strides) holds, until
+        # an op writes into the storage: a tensor whose ``.data`` was reassigned (no op
+        # runs) is the value its new memory holds
+        self.by_memory: dict[int, dict[tuple, int]] = {}
 
     # -- values ---------------------------------------------------------------
     def new_value(self, t: torch.Tensor) -> int:
@@ -80,6 +84,24 @@ class Recorder(TorchDispatchMode):
 
     def bind(self, t: torch.Tensor, v: int) -> None:
         self.refs[id(t)] = (v, weakref.ref(t), self.memory.generation(t))
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 1:
+            self.by_memory.setdefault(_storage(t), {})[_view_key(t)] = v
+
+    def written(self, t: torch.Tensor, v: int) -> None:
+        """``t``'s memory written by an op: of its storage's views, only ``t``'s
+        value is known."""
+        self.by_memory[_storage(t)] = {_view_key(t): v}
+
+    def reassigned(self, t: torch.Tensor, v: int) -> int | None:
+        """The value of ``t``, bound to ``v`` of another shape: its ``.data``
+        was reassigned (Megatron's ``make_viewless_tensor``: an ``empty`` whose
+        data becomes another tensor's); the value the same view of its memory
+        was last bound to with no write since, or None."""
+        found = self.by_memory.get(_storage(t), {}).get(_view_key(t))
+        if found is None or self.shapes[found] != tuple(t.shape):
+            return None
+        self.bind(t, found)
+        return found
 
     def value(self, t: torch.Tensor) -> int | None:
         """The value ``t`` holds; None when unknown, or when ``t`` is memory
@@ -116,6 +138,8 @@ class Recorder(TorchDispatchMode):
     def arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
             v = self.current(a)
+            if v is not None and self.shapes[v] != tuple(a.shape):
+                v = self.reassigned(a, v)
             if v is None and a.numel() > 0:
                 v = self.storage_view(a)
             if v is None:
@@ -262,8 +286,8 @@ class Recorder(TorchDispatchMode):
         outs = tensors_in(out)
         if "out" in kwargs and not outs:
             outs = tensors_in(kwargs["out"])
-        if name == "c10d.recv_.default":
-            outs = list(args[0])  # received in place: the buffers hold new values
+        if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
+            outs = list(args[0])  # received or reduced in place: the buffers hold new values
         if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
             outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
         group = None
@@ -273,6 +297,9 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        for o, v in zip(outs, ids):
+            if o._base is None or any(o is a for a in tensors):
+                self.written(o, v)  # written in place, or new memory
         self.record_writes(outs, ids, {id(a) for a in tensors}, unseen)
         if not constant:
             self.tainted.update(s for s in map(_storage, outs) if s in self.const_storages)
@@ -308,6 +335,10 @@ class Recorder(TorchDispatchMode):
             if tracked or (id(o) in unseen and is_partial_view(o)):
                 self.memory.write(o, v)
                 self.bind(o, v)
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def with_completed_work(out: Any) -> Any:
