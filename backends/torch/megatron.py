@@ -251,7 +251,7 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
                 "sequence_parallel": options.sequence_parallel,
                 "batch_p2p_comm": options.batch_p2p_comm}
     if pp > 1:
-        parallel["pipeline_dtype"] = torch.float32
+        parallel["pipeline_dtype"] = torch.float64  # what the backend runs in
     if vpp is not None:
         parallel["virtual_pipeline_model_parallel_size"] = vpp
     config = user.config(**parallel)

@@ -10,7 +10,9 @@ Megatron's is edited) and prints one line for each, every time it is called
    ``CudaRNGStatesTracker``) reads, seeds and sets the CUDA generator: it
    uses the CPU generator instead;
 2. ``torch.cuda.current_device()`` used as a device (the TP/SP gathers and
-   scatters, attention's global memory buffer, the grad buffers) is the CPU;
+   scatters, attention's global memory buffer, the grad buffers) is the CPU,
+   and ``Tensor.cuda()`` (the tied embedding's setup across pipeline
+   stages) leaves a tensor on the CPU;
 3. the local spec's torch norm refuses ``sequence_parallel=True`` (without
    apex): it is built as without sequence parallelism and its parameters
    then carry ``sequence_parallel = True``, as apex's fused norms mark
@@ -43,7 +45,7 @@ import torch
 #: one line per adaptation, printed by ``apply``
 PATCHES = (
     "CUDA RNG tracker state -> the CPU generator",
-    "torch.cuda.current_device() as a device -> cpu",
+    "torch.cuda.current_device() as a device, Tensor.cuda() -> cpu",
     "torch LayerNorm/RMSNorm with sequence_parallel=True: parameters marked sequence_parallel "
     "(as apex's)",
     "CUDA streams, events, synchronize, empty_cache -> no-ops",
@@ -219,6 +221,8 @@ def apply() -> None:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         WrappedTorchNorm.__new__ = staticmethod(_norm_new(WrappedTorchNorm.__new__))
         torch.Tensor.type = _tensor_type(torch.Tensor.type)
+        if not torch.cuda.is_available():  # a CPU build: .cuda() can only fail
+            torch.Tensor.cuda = lambda self, *args, **kwargs: self
         _applied = True
     for number, line in enumerate(PATCHES, 1):
         print(f"Megatron-Core CPU shim (backends/torch/megatron_shim.py) {number}: {line}",

@@ -333,7 +333,18 @@ class Recorder(TorchDispatchMode):
                 continue
             tracked = self.memory and self.memory.tracks(_storage(o))
             if tracked or (id(o) in unseen and is_partial_view(o)):
+                # what a partial overwrite of a region leaves: slices of its value
+                kept = []
+                for region, start, numel in self.memory.remainders(o) if tracked else []:
+                    part = len(self.shapes)
+                    self.shapes.append((numel,))
+                    self.events.append(("mem.slice", [[("v", region.value), start - region.start,
+                                                       [numel]], {}], [part], [(numel,)],
+                                        self.scope(), None, self.mb))
+                    kept.append((start, numel, part))
                 self.memory.write(o, v)
+                for start, numel, part in kept:
+                    self.memory.keep(o, start, numel, part)
                 self.bind(o, v)
 
 
