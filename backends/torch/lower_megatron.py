@@ -556,14 +556,18 @@ def _only_mm_reads(lw: Any, value: int) -> bool:
 
 
 def view_merged(base: Handler) -> Handler:
-    """``x.view(a * b, c)`` of a 3-d ``x`` read only by ``mm`` (``Merged``);
-    the 3-d product seen again as ``[a, b, n]``."""
+    """``x.view(a * b, c)`` of a 3-d ``x`` read only by ``mm`` (``Merged``), in
+    the step of a model whose activations are sequence first (``[s, b, h]``:
+    the model's ``sequence_first``, Megatron's layout), where the batch dim
+    is the inner one of the two merged; the 3-d product seen again as
+    ``[a, b, n]``."""
     def lower(lw: Any, args, kwargs, shapes, group):
         x, dst = _env(lw, args[0]), tuple(shapes[0])
         if isinstance(x, Merged) and not x.transposed and len(dst) == 3 \
                 and tuple(lw.shapes[x.x]) == dst:
             return x.x
-        if isinstance(x, int) and len(lw.shapes[x]) == 3 and len(dst) == 2:
+        if isinstance(x, int) and len(lw.shapes[x]) == 3 and len(dst) == 2 \
+                and lw.trace.get("sequence_first"):
             a, b, c = lw.shapes[x]
             outs = lw.trace["events"][lw.event][2]
             if dst == (a * b, c) and _only_mm_reads(lw, outs[0]):

@@ -143,6 +143,7 @@ class MegatronModel(nn.Module):
         self.user = user
         self.model = user.model_provider(user.config())
         self.global_tokens = 1  # set by the backend (unused: the loss function is the user's)
+        self.sequence_first = True  # Megatron's activations are [s, b, h]
         self.chunks: nn.ModuleList | None = None
         self.names: dict[int, str] = {}
 

@@ -170,6 +170,8 @@ def _run(spec: dict, rank: int) -> dict:
         "microbatches": pipelined.microbatches if pipelined is not None
         else own.microbatches if own is not None else 1,
         "values": values, "imports": imported_since(before) + modules_of(model),
+        # activations laid out [s, b, h] (the model says so: Megatron's)
+        "sequence_first": bool(getattr(model, "sequence_first", False)),
     }
 
 
