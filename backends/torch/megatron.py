@@ -356,6 +356,19 @@ class _Microbatches:
         return wrapped
 
 
+def _sends_first(batch_isend_irecv: Callable) -> Callable:
+    """``batch_isend_irecv`` with a batch's sends posted before its receives
+    (each kind in its own order). The ops of a batch run concurrently and a
+    receive from a peer matches that peer's sends to it in the order both
+    were posted, so the messages are the same; the trace, read in program
+    order, then has every send of a batch before the receives that may
+    wait for the peer's (docs/soundness.md, "Plans traced from PyTorch")."""
+    def batch(ops: list) -> list:
+        sends = [op for op in ops if op.op in (dist.isend, dist.send)]
+        return batch_isend_irecv(sends + [op for op in ops if op not in sends])
+    return batch
+
+
 def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
                   tokens: torch.Tensor, labels: torch.Tensor,
                   set_mb: Callable[[int], None] | None = None) -> list[torch.Tensor]:
@@ -376,6 +389,8 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
     kept = schedules.forward_step, schedules.backward_step
     schedules.forward_step = track.forward(kept[0])
     schedules.backward_step = track.backward(kept[1])
+    batched = dist.batch_isend_irecv
+    dist.batch_isend_irecv = _sends_first(batched)
     try:
         get_forward_backward_func()(
             forward_step_func=model.user.forward_step,
@@ -385,6 +400,7 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
             forward_only=False)
     finally:
         schedules.forward_step, schedules.backward_step = kept
+        dist.batch_isend_irecv = batched
         track.set_mb(-1)
     return track.losses
 
