@@ -550,6 +550,11 @@ def _only_mm_reads(lw: Any, value: int) -> bool:
         if e[0] == "aten.t.default":
             if not all(r[0] == "aten.mm.default" for r in _readers(lw, e[2][0])):
                 return False
+        elif e[0] == "aten.sum.dim_IntList":
+            dims = e[1][0][1] if len(e[1][0]) > 1 else None
+            keep = e[1][0][2] if len(e[1][0]) > 2 else False
+            if list(dims or []) != [0] or keep:
+                return False
         elif e[0] not in ("aten.mm.default", "aten.index.Tensor", "aten.index_put_.default"):
             return False
     return bool(readers)
@@ -566,12 +571,13 @@ def view_merged(base: Handler) -> Handler:
         if isinstance(x, Merged) and not x.transposed and len(dst) == 3 \
                 and tuple(lw.shapes[x.x]) == dst:
             return x.x
-        if isinstance(x, int) and len(lw.shapes[x]) == 3 and len(dst) == 2 \
-                and lw.trace.get("sequence_first"):
-            a, b, c = lw.shapes[x]
+        if x is not None and not isinstance(x, (_Pending, Merged, Bucket)) \
+                and lw.trace.get("sequence_first") and len(dst) == 2:
             outs = lw.trace["events"][lw.event][2]
-            if dst == (a * b, c) and _only_mm_reads(lw, outs[0]):
-                return Merged(x)
+            shape = tuple(lw.trace["shapes"][args[0][1]])
+            if len(shape) == 3 and dst == (shape[0] * shape[1], shape[2]) \
+                    and _only_mm_reads(lw, outs[0]):
+                return Merged(lw.val(args[0]))  # a pending gather is emitted here
         return base(lw, args, kwargs, shapes, group)
     return lower
 
@@ -616,6 +622,17 @@ def all_reduce_coalesced(all_reduce: Handler) -> Handler:
     return lower
 
 
+def sum_merged(base: Handler) -> Handler:
+    """``sum(x.view(a * b, c), 0)`` (a bias's gradient): the sum over both
+    leading dims of x."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        x = _env(lw, args[0])
+        if isinstance(x, Merged) and not x.transposed:
+            return lw.emit("sum", [x.x], shapes, {"dim": [0, 1], "keepdim": False})[0]
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
 def out_form(base: Handler) -> Handler:
     """``op(x, out=y)``: the op's value (the recorder renames ``y`` to it)."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -636,6 +653,7 @@ def megatron_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten._unsafe_view.default": view_merged(table["aten._unsafe_view.default"]),
         "aten.t.default": t_merged(table["aten.t.default"]),
         "aten.mm.default": mm_merged(table["aten.mm.default"]),
+        "aten.sum.dim_IntList": sum_merged(table["aten.sum.dim_IntList"]),
         "aten._to_copy.default": to_copy(table["aten._to_copy.default"]),
         "aten.rsub.Scalar": rsub(table["aten.rsub.Scalar"]),
         "aten.index.Tensor": index(table["aten.index.Tensor"]),
