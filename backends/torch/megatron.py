@@ -112,13 +112,22 @@ class GPTStep:
                         post_process=post_process, share_embeddings_and_output_weights=True,
                         vp_stage=vp_stage)
 
-    @staticmethod
-    def forward_step(data_iterator: Iterator, model: nn.Module):
+    #: a shipped mistake of the loss function (None: Megatron's GPT pretraining's)
+    loss_bug: str | None = None
+    #: the step's microbatches per rank (set by the recipe)
+    microbatches: int = 1
+
+    def forward_step(self, data_iterator: Iterator, model: nn.Module):
         batch = next(data_iterator)
         losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
         def loss_func(per_token: torch.Tensor):
             loss = per_token.sum() / per_token.numel()
+            if self.loss_bug == "over_microbatches":  # divided again by the schedule
+                loss = loss / self.microbatches
+            elif self.loss_bug == "global_mean":  # a global mean, averaged again by DDP
+                from megatron.core import parallel_state
+                loss = loss / parallel_state.get_data_parallel_world_size()
             return loss, {"lm loss": loss.detach()}
         return losses, loss_func
 
@@ -248,6 +257,10 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
     init_parallel_state(tp, pp, vpp)
     _check_rank_order(mesh)
     user = model.user
+    if isinstance(user, GPTStep):
+        user.microbatches = options.microbatches
+        if options.bug in ("over_microbatches", "global_mean"):
+            user.loss_bug = options.bug
     parallel = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                 "sequence_parallel": options.sequence_parallel,
                 "batch_p2p_comm": options.batch_p2p_comm}
@@ -429,3 +442,6 @@ full = recipe(sequence_parallel=True, microbatches=2)
 # shipped mistakes
 tp_sp_norm_unmarked = recipe(sequence_parallel=True, bug="sp_norm_unmarked")
 pp_tied_embedding_not_reduced = recipe(microbatches=2, bug="tied_embedding_not_reduced")
+loss_over_microbatches = recipe(microbatches=2, bug="over_microbatches")
+loss_global_mean = recipe(microbatches=2, bug="global_mean")
+ddp_average_global_mean = recipe(microbatches=2, average_in_collective=True, bug="global_mean")
