@@ -403,7 +403,8 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
     schedules.forward_step = track.forward(kept[0])
     schedules.backward_step = track.backward(kept[1])
     batched = dist.batch_isend_irecv
-    dist.batch_isend_irecv = _sends_first(batched)
+    if set_mb is not None:  # traced (a real run, scripts/gloo_truth.py, posts them as Megatron)
+        dist.batch_isend_irecv = _sends_first(batched)
     try:
         get_forward_backward_func()(
             forward_step_func=model.user.forward_step,
