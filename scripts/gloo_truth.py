@@ -104,11 +104,15 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
                 problem = f"rank {rank} ends with a partial gradient of {name}"
             else:
                 full = g.full_tensor() if isinstance(g, DTensor) else g
-                err = float((full - expected[name]).abs().max())
-                scale = max(float(expected[name].abs().max()), 1e-6 * top) or 1.0
+                want = expected[name]
+                for dim, axes in enumerate(getattr(p, "mesh_axes", None) or []):
+                    for axis in axes:  # a plain tensor's own layout (Megatron's shards)
+                        want = want.chunk(mesh[axis].size(), dim)[mesh[axis].get_local_rank()]
+                err = float((full - want).abs().max())
+                scale = max(float(want.abs().max()), 1e-6 * top) or 1.0
                 if err > args.rtol * scale:
-                    ratio = float((full.flatten() @ expected[name].flatten())
-                                  / (expected[name].flatten() @ expected[name].flatten()))
+                    ratio = float((full.flatten() @ want.flatten())
+                                  / (want.flatten() @ want.flatten()))
                     problem = (f"rank {rank} ends with a wrong gradient of {name} (max error "
                                f"{err:.3g}, about {ratio:.3g} x the single-device one)")
             if problem:

@@ -170,12 +170,21 @@ class MegatronModel(nn.Module):
                 yield self.names[id(p)], p
 
 
+def user_model(user: Any) -> MegatronModel:
+    """A user's Megatron step (an object with ``config(**parallel)``,
+    ``model_provider(config, pre_process, post_process, vp_stage)`` and
+    ``forward_step(data_iterator, model)``) as the backend's model: the CPU
+    shim applied, ``parallel_state`` on one rank, the provider's model
+    built (docs/torch-backend.md, "Megatron-Core")."""
+    megatron_shim.apply()
+    init_parallel_state()
+    return MegatronModel(user)
+
+
 def gpt(**sizes: int) -> MegatronModel:
     """Megatron's GPTModel at the size flags (``layers``, ``hidden``, ``heads``,
     ``ffn``, ``vocab``, ``seqlen``) with GPT pretraining's forward step."""
-    megatron_shim.apply()
-    init_parallel_state()
-    return MegatronModel(GPTStep(sizes))
+    return user_model(GPTStep(sizes))
 
 
 # -- the recipe: Megatron's parallelism, its schedule, DDP and finalize ------------
