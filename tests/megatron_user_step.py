@@ -58,3 +58,18 @@ def model(**sizes: int) -> megatron.MegatronModel:
 
 tp_sp = megatron.recipe(sequence_parallel=True, microbatches=2)
 pipeline = megatron.recipe(microbatches=2)
+
+
+class GatedStep(ReluStep):
+    """The same with a SwiGLU MLP: Megatron fuses its two input projections
+    into one ``linear_fc1`` strided across tensor-parallel ranks
+    (``partition_stride`` 2), which the backend refuses."""
+
+    def config(self, **parallel):
+        import dataclasses
+        return dataclasses.replace(super().config(**parallel), gated_linear_unit=True,
+                                   activation_func=F.silu)
+
+
+def gated_model(**sizes: int) -> megatron.MegatronModel:
+    return megatron.user_model(GatedStep(sizes))

@@ -1,8 +1,10 @@
 """Megatron-Core on the torch backend (docs/torch-backend.md, "Megatron-Core"):
 the CPU shim's six patches apply and are printed, and Megatron's GPTModel at
-TP 2 runs through its own schedule on every rank and is refused at lowering
-in one line (docs/torch-backend.md lists the three refusals seen). Each runs in a fresh
-interpreter: the shim patches ``torch.Tensor.type`` process-wide."""
+TP 2 + SP verifies through its own schedule, DDP and finalize_model_grads,
+a shipped mistake FAILs, the interleaved PP 2 batched-p2p finding and a
+strided shard are refused in one line. Each runs in a fresh interpreter:
+the shim patches ``torch.Tensor.type`` process-wide. The other Megatron
+cases are scripts/torch_suite.py -k megatron."""
 
 from __future__ import annotations
 
@@ -61,19 +63,31 @@ def test_shim_applies_and_prints_each_patch():
         [str(n) for n in range(1, 7)]
 
 
-def test_tp2_runs_on_every_rank_and_is_refused_in_one_line(tmp_path):
+def _suite(*cases: str) -> subprocess.CompletedProcess:
+    args = [a for case in cases for a in ("-k", case)]
+    return subprocess.run([sys.executable, "scripts/torch_suite.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
+
+
+def test_tp2_sp_verifies_1446_fails_and_interleaved_batched_p2p_is_refused():
+    """Megatron's TP 2 + SP step verifies; its norm left unmarked for the SP
+    all-reduce (1446) FAILs; the interleaved schedule at PP 2 with batched
+    p2p is refused at the first op reading a mismatched message."""
+    run = _suite("megatron tp2 sp", "megatron bug sp norm", "megatron pp2 interleaved batched")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
+    assert sum(ln.startswith("Megatron-Core CPU shim") for ln in run.stderr.splitlines()) >= 6
+
+
+def test_a_strided_shard_is_refused_in_one_line(tmp_path):
+    """A gated MLP's fused linear_fc1 is strided across tensor-parallel ranks
+    (``partition_stride`` 2): refused, exit 2, one line."""
     run = subprocess.run(
-        [sys.executable, "-m", "backends.torch", "--model", "backends.torch.megatron:gpt",
-         "--recipe", "backends.torch.megatron:tp", "--dp", "1", "--tp", "2", "-o", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "backends.torch", "--model", "tests.megatron_user_step:gated_model",
+         "--recipe", "tests.megatron_user_step:tp_sp", "--dp", "1", "--tp", "2", "-o",
+         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert run.returncode == 2, run.stderr[-2000:]
     errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
-    # one of the three documented refusals, met in this order: the attention's read
-    # of the global memory buffer, the cross-entropy's MAX all-reduce, a plain-tensor
-    # shard with no claim (the first the lowering does not cover is reported)
-    assert len(errors) == 1, errors
-    assert ("self_attention.core_attention" in errors[0]
-            or "c10d allreduce_ other than a SUM" in errors[0]
-            or "cut by no axis" in errors[0]), errors
-    assert sum(ln.startswith("Megatron-Core CPU shim") for ln in run.stderr.splitlines()) >= 6
+    assert len(errors) == 1 and "partition_stride 2" in errors[0], errors
