@@ -180,6 +180,8 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron bug global mean averaged by ddp", f"{MEGATRON}loss_global_mean --dp 2 --tp 1 --batch 8", 1),
     ("megatron bug global mean averaged in collective",
      f"{MEGATRON}ddp_average_global_mean --dp 2 --tp 1 --batch 8", 1),
+    ("megatron dp2 distributed optimizer (not traced yet)",
+     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8", 2),
     ("megatron pp2 interleaved batched p2p (1450)",
      f"{MEGATRON}pp_interleaved --pp 2 --dp 1 --tp 1 --layers 4 --batch 8", 2),
     # layers as users write them (docs/torch-backend.md, "Models written by users")
