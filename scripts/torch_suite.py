@@ -182,6 +182,8 @@ CASES: list[tuple[str, str, int]] = [
      f"{MEGATRON}ddp_average_global_mean --dp 2 --tp 1 --batch 8", 1),
     ("megatron dp2 distributed optimizer (not traced yet)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8", 2),
+    ("megatron tp2 clip_grad_norm (reads the norm with .item())",
+     f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper backends.torch.megatron:clip_grad_norm", 2),
     ("megatron pp2 interleaved batched p2p (1450)",
      f"{MEGATRON}pp_interleaved --pp 2 --dp 1 --tp 1 --layers 4 --batch 8", 2),
     # layers as users write them (docs/torch-backend.md, "Models written by users")

@@ -459,3 +459,25 @@ pp_tied_embedding_not_reduced = recipe(microbatches=2, bug="tied_embedding_not_r
 loss_over_microbatches = recipe(microbatches=2, bug="over_microbatches")
 loss_global_mean = recipe(microbatches=2, bug="global_mean")
 ddp_average_global_mean = recipe(microbatches=2, average_in_collective=True, bug="global_mean")
+
+
+def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
+    """Megatron's gradient clipping as its optimizer runs it (``--clipper``):
+    the norm of the gradients each parameter counts once (not shared, not a
+    tensor-parallel duplicate) over the model-parallel group
+    (``get_grad_norm_fp32``), then ``clip_grad_by_total_norm_fp32``. Megatron
+    reads the norm into Python (``.item()``) and branches on it: the
+    backend refuses that read (a value-dependent step)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,
+        get_grad_norm_fp32,
+    )
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+    params = [p for p in model.parameters() if p.grad is not None]
+    counted = [p.grad for p in params
+               if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    total = get_grad_norm_fp32(counted, norm_type=2,
+                               grad_stats_parallel_group=ps.get_model_parallel_group())
+    clip_grad_by_total_norm_fp32(params, max_norm, total)
