@@ -180,6 +180,8 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron bug global mean averaged by ddp", f"{MEGATRON}loss_global_mean --dp 2 --tp 1 --batch 8", 1),
     ("megatron bug global mean averaged in collective",
      f"{MEGATRON}ddp_average_global_mean --dp 2 --tp 1 --batch 8", 1),
+    ("megatron bug ddp buckets reduced over the tp group",
+     f"{MEGATRON}ddp_wrong_group --dp 2 --tp 2 --batch 8", 1),
     ("megatron dp2 distributed optimizer (not traced yet)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8", 2),
     ("megatron tp2 clip_grad_norm (reads the norm with .item())",

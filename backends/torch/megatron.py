@@ -309,6 +309,10 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         wrapped = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     for w in wrapped:
         w.zero_grad_buffer()
+    if options.bug == "wrong_group":  # the buckets reduced over the tensor-parallel group
+        for w in wrapped:
+            for group in w.bucket_groups:
+                group.data_parallel_group = ps.get_tensor_model_parallel_group()
     config.finalize_model_grads_func = finalize.finalize_model_grads
     if options.bug == "tied_embedding_not_reduced":
         config.finalize_model_grads_func = _without_embedding_all_reduce
@@ -463,6 +467,7 @@ pp_tied_embedding_not_reduced = recipe(microbatches=2, bug="tied_embedding_not_r
 loss_over_microbatches = recipe(microbatches=2, bug="over_microbatches")
 loss_global_mean = recipe(microbatches=2, bug="global_mean")
 ddp_average_global_mean = recipe(microbatches=2, average_in_collective=True, bug="global_mean")
+ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
 
 
 def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
