@@ -257,7 +257,7 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    tp, pp, dp = mesh["tp"].size(), mesh["pp"].size(), mesh["dp"].size()
+    tp, pp = mesh["tp"].size(), mesh["pp"].size()
     vpp = options.virtual_pp
     if options.sequence_parallel and tp == 1:
         raise ValueError("Megatron sequence parallelism needs --tp 2 or more")
@@ -320,7 +320,6 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         config.no_sync_func = [w.no_sync for w in wrapped] if vpp else wrapped[0].no_sync
         config.grad_sync_func = [w.start_grad_sync for w in wrapped] if vpp \
             else wrapped[0].start_grad_sync
-    del dp
     run = functools.partial(megatron_step, model, wrapped, config, options)
     return OwnSchedule(run, after_backward=_main_grads(wrapped), microbatches=options.microbatches)
 
