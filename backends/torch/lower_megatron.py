@@ -493,9 +493,12 @@ def add_zero(base: Handler) -> Handler:
 # -- a flat buffer of gradients built by hand ---------------------------------------------
 
 def cat_flat(base: Handler) -> Handler:
-    """``torch.cat`` of flat tensors along dim 0 that only in-place
-    all-reduces read (``_flatten_dense_tensors`` in ``finalize_model_grads``):
-    a ``Bucket`` of them, all-reduced piece by piece (lower_buckets)."""
+    """``torch.cat`` of 1-d tensors along dim 0 that only in-place all-reduces
+    read (``_flatten_dense_tensors`` of the sequence-parallel gradients in
+    ``finalize_model_grads``): a ``Bucket`` of them, all-reduced piece by
+    piece (lower_buckets). A part that is another value flattened (a
+    ``view(-1)`` of a 2-d gradient) is that value in the bucket, with its
+    own shape: its elements in the same order."""
     def lower(lw: Any, args, kwargs, shapes, group):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         parts = args[0] if isinstance(args[0], (list, tuple)) else []
@@ -504,7 +507,7 @@ def cat_flat(base: Handler) -> Handler:
                 and all(len(lw.shapes[lw.val(a)]) == 1 for a in parts):
             readers = _readers(lw, outs[0])
             if readers and all(e[0] == "c10d.allreduce_.default" for e in readers):
-                return Bucket(tuple(lw.val(a) for a in parts))
+                return Bucket(tuple(lw.flat_of.get(lw.val(a), lw.val(a)) for a in parts))
         return base(lw, args, kwargs, shapes, group)
     return lower
 
