@@ -1,5 +1,5 @@
 """The general lowerings Megatron-Core's step needs, each on a tiny model
-without Megatron (docs/soundness.md, "Plans traced from PyTorch", 29): the
+without Megatron (docs/soundness.md, "Plans traced from PyTorch", 35): the
 lowered single-device step computes the loss and gradients torch computed
 (backends/torch/check.py). Quick, in-process."""
 

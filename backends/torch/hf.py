@@ -50,6 +50,9 @@ SIZE_FIELDS = {
 }
 #: configuration fields that choose top-k routing of tokens to experts
 ROUTING_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k_experts")
+#: configuration fields that count the experts a router chooses among
+EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts",
+                 "num_experts_routed", "n_experts", "num_moe_experts")
 
 
 class CausalLM(nn.Module):
@@ -102,6 +105,10 @@ def refusal(family: str, tp: int) -> str | None:
         return (f"'{family}' is a composite model ({towers}): give its text model's type "
                 f"(the backend builds text-only causal LMs)")
     routed = [f for f in ROUTING_FIELDS if getattr(default, f, None)]
+    # a family may leave the routing count unset by default (deepseek_v2's
+    # num_experts_per_tok is None) yet hold many routed experts
+    routed += [f"{f}={getattr(default, f)}" for f in EXPERT_FIELDS
+               if isinstance(getattr(default, f, None), int) and getattr(default, f) > 1]
     if routed:
         return (f"'{family}' routes each token to its top-k experts ({routed[0]}): each expert's "
                 f"input has as many rows as tokens the router sent it, so shapes depend on the "
