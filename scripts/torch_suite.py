@@ -193,7 +193,7 @@ CASES: list[tuple[str, str, int]] = [
      f"{MEGATRON}ddp_average_global_mean --dp 2 --tp 1 --batch 8", 1),
     ("megatron bug ddp buckets reduced over the tp group",
      f"{MEGATRON}ddp_wrong_group --dp 2 --tp 2 --batch 8", 1),
-    ("megatron dp2 distributed optimizer (not traced yet)",
+    ("megatron dp2 distributed optimizer (flat shards cut parameters)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8", 2),
     ("megatron tp2 clip_grad_norm (reads the norm with .item())",
      f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper backends.torch.megatron:clip_grad_norm", 2),

@@ -264,9 +264,10 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
     if vpp is not None and pp == 1:
         raise ValueError("Megatron's interleaved schedule needs --pp 2 or more")
     if options.use_distributed_optimizer:
-        raise ValueError("Megatron's distributed optimizer is not traced yet (its reduce-scatter "
-                         "of the grad buffers into shards and the parameter all-gather of its "
-                         "step): use_distributed_optimizer=False")
+        raise ValueError("Megatron's distributed optimizer is not traced: its reduce-scatter "
+                         "leaves each rank a flat range of the padded grad buffer, which can cut "
+                         "parameters at any element (gradient claims are blocks along dims), and "
+                         "its step reads the norm with .item(): use_distributed_optimizer=False")
     init_parallel_state(tp, pp, vpp)
     _check_rank_order(mesh)
     user = model.user
