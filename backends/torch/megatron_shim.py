@@ -56,7 +56,6 @@ PATCHES = (
 FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
              "empty_like", "full_like", "randn", "rand")
 
-_applied = False
 
 
 def _cpu(device: Any) -> Any:
@@ -169,11 +168,22 @@ class _TypeName(str):
     __hash__ = str.__hash__
 
 
-def _tensor_type(original: Any) -> Any:
-    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        return _TypeName(result) if not args and not kwargs and isinstance(result, str) else result
-    return type_
+class _TypeMethod:
+    """``Tensor.type`` returning ``_TypeName`` when called without arguments
+    (patch 6); its presence on ``torch.Tensor`` marks the shim as applied."""
+
+    def __init__(self, original: Any):
+        self.original = original
+
+    def __get__(self, tensor: torch.Tensor | None, owner: type) -> Any:
+        if tensor is None:
+            return self
+
+        def type_(*args: Any, **kwargs: Any) -> Any:
+            result = self.original(tensor, *args, **kwargs)
+            return _TypeName(result) if not args and not kwargs and isinstance(result, str) \
+                else result
+        return type_
 
 
 def _norm_new(original: Any) -> Any:
@@ -204,8 +214,7 @@ MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_paralle
 
 def apply() -> None:
     """Apply the six patches (once per process) and print them, one line each."""
-    global _applied
-    if not _applied:
+    if not isinstance(torch.Tensor.type, _TypeMethod):  # applied once per process
         import importlib
         for name in MODULES:
             importlib.import_module(name)
@@ -220,10 +229,9 @@ def apply() -> None:
             torch.set_rng_state(state)
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         WrappedTorchNorm.__new__ = staticmethod(_norm_new(WrappedTorchNorm.__new__))
-        torch.Tensor.type = _tensor_type(torch.Tensor.type)
+        torch.Tensor.type = _TypeMethod(torch.Tensor.type)
         if not torch.cuda.is_available():  # a CPU build: .cuda() can only fail
             torch.Tensor.cuda = lambda self, *args, **kwargs: self
-        _applied = True
     for number, line in enumerate(PATCHES, 1):
         print(f"Megatron-Core CPU shim (backends/torch/megatron_shim.py) {number}: {line}",
               file=sys.stderr)
