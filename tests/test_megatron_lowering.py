@@ -12,7 +12,7 @@ from torch import nn
 
 from backends.torch.check import check_lowering
 from backends.torch.errors import LoweringError
-from backends.torch.lower import lower_trace
+from backends.torch.lowering import lower_trace
 from backends.torch.rank import run
 
 SIZES = {"layers": 1, "hidden": 8, "heads": 2, "ffn": 12, "vocab": 10, "seqlen": 4}
