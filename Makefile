@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml
 	@# the third-party extras (transformers, torchtitan, triton) so the tests that trace
 	@# them run; their torch requirement is met by the CPU build above
 	$(BIN)/pip install -q -e '.[dev,ray,thirdparty]'
+	@# Megatron-Core (the extra 'megatron') without its dependencies: torch is the CPU build
+	$(BIN)/pip install -q --no-deps 'megatron-core==0.16.1'
 	touch $(STAMP)
 
 $(MLP_SINGLE): $(STAMP)

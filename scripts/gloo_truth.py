@@ -15,7 +15,9 @@ does not read the plans or the verifier: it is the truth their verdicts
 are checked against (docs/torch-backend.md, "Scaling conventions and their
 mistakes"). With ``--clip``, the single-device gradients are clipped by
 torch's ``clip_grad_norm_`` and every rank's by its ``--clipper`` (the
-backend's default when none is given). Pipelining recipes are not run.
+backend's default when none is given). Pipelining recipes are not run,
+except Megatron's (its own schedule runs over gloo; every stage's
+gradients are compared).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve  # noqa: E402
+from backends.torch.pipeline import OwnSchedule  # noqa: E402
 from backends.torch.rank import load, recipe_result, train_context  # noqa: E402
 
 
@@ -62,7 +65,13 @@ def _single_grads(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     model(tokens, labels).backward()
     if args.clip:
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), args.clip)
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    if dist.is_initialized():  # Megatron's single device: a group of one rank, left now
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return grads
 
 
 def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
@@ -70,18 +79,23 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
     from torch.distributed.tensor import DTensor
 
     warnings.filterwarnings("ignore")
-    world = args.dp * args.tp
+    world = args.pp * args.dp * args.tp
     expected = _single_grads(args)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (1, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh("cpu", (args.pp, args.dp, args.tp),
+                                mesh_dim_names=("pp", "dp", "tp"))
         model = _model(args)
         runner, after = recipe_result(model, load(args.recipe)(model, mesh))
         tokens, labels = _batch(args)
         d = mesh["dp"].get_local_rank()
         rows = slice(d * args.batch // args.dp, (d + 1) * args.batch // args.dp)
         with train_context(model):
-            runner(tokens[rows], labels[rows]).backward()
+            if isinstance(after, OwnSchedule):  # a library's own schedule (Megatron's)
+                after.run(tokens[rows], labels[rows])
+                after = after.after_backward
+            else:
+                runner(tokens[rows], labels[rows]).backward()
         if after is not None:
             after(model, mesh)
         if args.clip:
@@ -102,11 +116,15 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
                 problem = f"rank {rank} ends with a partial gradient of {name}"
             else:
                 full = g.full_tensor() if isinstance(g, DTensor) else g
-                err = float((full - expected[name]).abs().max())
-                scale = max(float(expected[name].abs().max()), 1e-6 * top) or 1.0
+                want = expected[name]
+                for dim, axes in enumerate(getattr(p, "mesh_axes", None) or []):
+                    for axis in axes:  # a plain tensor's own layout (Megatron's shards)
+                        want = want.chunk(mesh[axis].size(), dim)[mesh[axis].get_local_rank()]
+                err = float((full - want).abs().max())
+                scale = max(float(want.abs().max()), 1e-6 * top) or 1.0
                 if err > args.rtol * scale:
-                    ratio = float((full.flatten() @ expected[name].flatten())
-                                  / (expected[name].flatten() @ expected[name].flatten()))
+                    ratio = float((full.flatten() @ want.flatten())
+                                  / (want.flatten() @ want.flatten()))
                     problem = (f"rank {rank} ends with a wrong gradient of {name} (max error "
                                f"{err:.3g}, about {ratio:.3g} x the single-device one)")
             if problem:
@@ -125,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     opts, rest = tolerance.parse_known_args(argv)
     args = resolve(backend_parser().parse_args(rest))
     args.rtol = opts.rtol
-    if args.pp != 1:
-        print("pipelining recipes are not run", file=sys.stderr)
+    if args.pp != 1 and "megatron" not in args.recipe:
+        print("pipelining recipes are not run (Megatron's are)", file=sys.stderr)
         return 2
-    world = args.dp * args.tp
+    world = args.pp * args.dp * args.tp
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
         store = os.path.join(tmp, "store")

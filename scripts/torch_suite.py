@@ -39,6 +39,9 @@ SCALING = "backends.torch.scaling_recipes:"
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
          "--vocab 2048")
 
+#: Megatron-Core's GPTModel and training step, parallelized and run by Megatron (backends/torch/megatron.py)
+MEGATRON = "--model backends.torch.megatron:gpt --recipe backends.torch.megatron:"
+
 #: recipes written with PyTorch's own APIs outside the backend (tests/outside_recipes.py)
 OUTSIDE = "tests.outside_recipes:"
 #: models written outside the backend (tests/outside_models.py), recipes with mistakes for them
@@ -171,6 +174,31 @@ CASES: list[tuple[str, str, int]] = [
     ("titan llama3 debugmodel pp2 (pipeline_llm 1F1B)", f"{TITAN} --dp 1 --tp 1 --pp 2 --batch 4", 0),
     ("titan llama3 debugmodel tp2 pp2", f"{TITAN} --dp 1 --tp 2 --pp 2 --batch 4", 0),
     ("titan llama3 debugmodel dp2 tp2 pp2", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8", 0),
+    ("megatron tp2", f"{MEGATRON}tp --dp 1 --tp 2", 0),
+    ("megatron tp2 sp", f"{MEGATRON}tp_sp --dp 1 --tp 2", 0),
+    ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
+    ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
+    ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),
+    ("megatron pp2 1f1b", f"{MEGATRON}pp_1f1b --pp 2 --dp 1 --tp 1 --layers 2", 0),
+    ("megatron pp2 interleaved unbatched p2p",
+     f"{MEGATRON}pp_interleaved_unbatched --pp 2 --dp 1 --tp 1 --layers 4 --batch 8", 0),
+    ("megatron dp2 tp2 pp2 sp", f"{MEGATRON}full --pp 2 --dp 2 --tp 2 --layers 2 --batch 8", 0),
+    ("megatron bug sp norm unmarked (1446)", f"{MEGATRON}tp_sp_norm_unmarked --dp 1 --tp 2", 1),
+    ("megatron bug tied embedding not reduced",
+     f"{MEGATRON}pp_tied_embedding_not_reduced --pp 2 --dp 1 --tp 1 --layers 2", 1),
+    ("megatron bug loss over microbatches twice",
+     f"{MEGATRON}loss_over_microbatches --dp 2 --tp 1 --batch 8", 1),
+    ("megatron bug global mean averaged by ddp", f"{MEGATRON}loss_global_mean --dp 2 --tp 1 --batch 8", 1),
+    ("megatron bug global mean averaged in collective",
+     f"{MEGATRON}ddp_average_global_mean --dp 2 --tp 1 --batch 8", 1),
+    ("megatron bug ddp buckets reduced over the tp group",
+     f"{MEGATRON}ddp_wrong_group --dp 2 --tp 2 --batch 8", 1),
+    ("megatron dp2 distributed optimizer (flat shards cut parameters)",
+     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8", 2),
+    ("megatron tp2 clip_grad_norm (reads the norm with .item())",
+     f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper backends.torch.megatron:clip_grad_norm", 2),
+    ("megatron pp2 interleaved batched p2p (1450)",
+     f"{MEGATRON}pp_interleaved --pp 2 --dp 1 --tp 1 --layers 4 --batch 8", 2),
     # layers as users write them (docs/torch-backend.md, "Models written by users")
     ("gpt2_split tp_attention dp2 tp2", "--model gpt2_split --recipe tp_attention --layers 2", 0),
     ("gpt2_split fsdp_tp_attention dp2 tp2", "--model gpt2_split --recipe fsdp_tp_attention", 0),

@@ -348,7 +348,9 @@ def _check_update(parallel: Plan, rank: int, pname: str, box: Slices, u: int | N
 def _loss_convention(tensors, shown: Fraction = Fraction(1)) -> str | None:
     """How a replica set's loss tensors are scaled: 'share' (each its parts of
     the loss, scale 1), 'mean' (each the mean over its own data: n/(hi-lo)
-    times its parts), or None for anything else (docs/soundness.md, "Scaled
+    times its parts), 'rank mean' (each n/H times its parts, H the parts
+    its rank's loss tensors hold in all: microbatch means over the
+    microbatch count), or None for anything else (docs/soundness.md, "Scaled
     claims"). In a folded plan or a cut of one, whose parts number the shown
     blocks only, a mean over a block's own data is still a mean of the real
     run: n counts the real blocks, ``shown`` times the parts' n (the real
@@ -358,6 +360,11 @@ def _loss_convention(tensors, shown: Fraction = Fraction(1)) -> str | None:
     if all(t.factor() == shown * Fraction(abs(t.parts[2]), t.parts[1] - t.parts[0])
            for t in tensors):
         return "mean"
+    held: dict[int, int] = {}  # the parts each rank's loss tensors hold in all
+    for t in tensors:
+        held[t.rank] = held.get(t.rank, 0) + t.parts[1] - t.parts[0]
+    if all(t.factor() == shown * Fraction(abs(t.parts[2]), held[t.rank]) for t in tensors):
+        return "rank mean"  # Megatron's: each microbatch's mean over the microbatch count
     return None
 
 

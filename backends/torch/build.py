@@ -956,8 +956,17 @@ class _Rank:
                             continue
                         o, d = f[1], f[2]
                         full = self.b.s.low.shapes[self.sv[outs[o]]][d]
-                        if axes and self.low.shapes[outs[o]][d] < full:
-                            dims_out[o][d], axes = axes, []
+                        local = self.low.shapes[outs[o]][d]
+                        if axes and local < full:
+                            # the outer axes first, as many as cut this dim (a merged
+                            # batch and heads dim cut by "mb" and "tp" splits into both)
+                            take = 1
+                            while take < len(axes) and math.prod(
+                                    self.sizes.get(a, 1) for a in axes[:take]) * local < full:
+                                take += 1
+                            if math.prod(self.sizes.get(a, 1) for a in axes[:take]) * local != full:
+                                take = len(axes)
+                            dims_out[o][d], axes = axes[:take], axes[take:]
                         elif dims_out[o][d] is None:
                             dims_out[o][d] = []
         parent: dict[tuple, tuple] = {}

@@ -79,6 +79,29 @@ class HiddenMemory:
         self.regions[storage] = sorted([*kept, Region(start, numel, value)], key=lambda r: r.start)
         self.writes[storage] = self.writes.get(storage, 0) + 1
 
+    def remainders(self, t: torch.Tensor) -> list[tuple[Region, int, int]]:
+        """The parts of regions a write of ``t`` leaves as they were: for
+        each region it overlaps only partly, (region, start, numel) of each
+        part outside ``t`` (Megatron's all-reduce of one gradient's view of
+        an already reduced bucket)."""
+        start, end = t.storage_offset(), t.storage_offset() + t.numel()
+        out = []
+        for r in self.regions.get(storage_of(t), []):
+            r_end = r.start + r.numel
+            if r_end <= start or r.start >= end or (start <= r.start and r_end <= end):
+                continue
+            if r.start < start:
+                out.append((r, r.start, start - r.start))
+            if r_end > end:
+                out.append((r, end, r_end - end))
+        return out
+
+    def keep(self, t: torch.Tensor, start: int, numel: int, value: int) -> None:
+        """Elements [start, start + numel) of ``t``'s memory hold ``value``."""
+        regions = self.regions.setdefault(storage_of(t), [])
+        regions.append(Region(start, numel, value))
+        regions.sort(key=lambda r: r.start)
+
     def read(self, t: torch.Tensor) -> Read | None:
         """What the tracked memory says ``t`` holds, or None."""
         if not t.is_contiguous() or t.numel() == 0:

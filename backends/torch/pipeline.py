@@ -48,6 +48,20 @@ class PipelineStep:
     after_backward: Callable | None = None
 
 
+@dataclass
+class OwnSchedule:
+    """A step a library's own schedule runs (Megatron's
+    ``get_forward_backward_func()``): ``run(tokens, labels, set_mb)`` runs the
+    rank's forward and backward on its rows in ``microbatches`` microbatches
+    (numbered 0.. in the order of the rows), reporting to ``set_mb`` the
+    microbatch each op it runs belongs to, and returns the loss tensors
+    backward ran from; ``after_backward(model, mesh)`` runs after it."""
+
+    run: Callable[..., list[torch.Tensor]]
+    after_backward: Callable | None = None
+    microbatches: int = 1
+
+
 class StaticOnly(RuntimeError):
     """A stage whose metadata is not static: it cannot run under the fake group."""
 

@@ -28,7 +28,7 @@ from backends.torch.circular_pad import CircularPad
 from backends.torch.loaded import SetupCollectives, loaded_values
 from backends.torch.mesh import build as build_mesh
 from backends.torch.mesh import coords as mesh_coords
-from backends.torch.pipeline import Pipelined, PipelineStep
+from backends.torch.pipeline import OwnSchedule, Pipelined, PipelineStep
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
 
 
@@ -112,7 +112,9 @@ def _run(spec: dict, rank: int) -> dict:
 
     tracker = Tracker()
     rec = Recorder(tracker)
-    pipelined = None
+    pipelined, own = None, None
+    if isinstance(after, OwnSchedule):
+        own, after = after, after.after_backward
     if isinstance(after, PipelineStep):
         pipelined = Pipelined(after, tokens, rec.set_mb)
         after = after.after_backward
@@ -134,6 +136,8 @@ def _run(spec: dict, rank: int) -> dict:
         with train_context(model):
             if pipelined is not None:
                 losses = pipelined.run(tokens, labels)
+            elif own is not None:
+                losses = own.run(tokens, labels, rec.set_mb)
             else:
                 losses = [runner(tokens, labels)]
                 losses[0].backward()
@@ -175,8 +179,11 @@ def _run(spec: dict, rank: int) -> dict:
         "batch_ids": {"tokens": tokens.numpy().copy(), "labels": labels.numpy().copy()},
         "loaded": loaded,  # what the rank holds before the step (check.check_loaded)
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
-        "microbatches": 1 if pipelined is None else pipelined.microbatches,
+        "microbatches": pipelined.microbatches if pipelined is not None
+        else own.microbatches if own is not None else 1,
         "values": values, "imports": imported_since(before) + modules_of(model),
+        # activations laid out [s, b, h] (the model says so: Megatron's)
+        "sequence_first": bool(getattr(model, "sequence_first", False)),
     }
 
 

@@ -74,6 +74,10 @@ class Recorder(TorchDispatchMode):
         self.const_storages: set[int] = set()  # memory of the constants whose value is kept
         self.tainted: set[int] = set()  # of that memory, what a non-constant op wrote
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
+        # per storage, the value each bound view of it (offset, shape, strides) holds, until
+        # an op writes into the storage: a tensor whose ``.data`` was reassigned (no op
+        # runs) is the value its new memory holds
+        self.by_memory: dict[int, dict[tuple, int]] = {}
         #: a same-region view -> the tensor it views (``DTensor.to_local()`` of a
         #: gradient): an in-place write into either writes both
         self.twins: dict[int, weakref.ref] = {}
@@ -87,6 +91,24 @@ class Recorder(TorchDispatchMode):
 
     def bind(self, t: torch.Tensor, v: int) -> None:
         self.refs[id(t)] = (v, weakref.ref(t), self.memory.generation(t))
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 1:
+            self.by_memory.setdefault(_storage(t), {})[_view_key(t)] = v
+
+    def written(self, t: torch.Tensor, v: int) -> None:
+        """``t``'s memory written by an op: of its storage's views, only ``t``'s
+        value is known."""
+        self.by_memory[_storage(t)] = {_view_key(t): v}
+
+    def reassigned(self, t: torch.Tensor, v: int) -> int | None:
+        """The value of ``t``, bound to ``v`` of another shape: its ``.data``
+        was reassigned (Megatron's ``make_viewless_tensor``: an ``empty`` whose
+        data becomes another tensor's); the value the same view of its memory
+        was last bound to with no write since, or None."""
+        found = self.by_memory.get(_storage(t), {}).get(_view_key(t))
+        if found is None or self.shapes[found] != tuple(t.shape):
+            return None
+        self.bind(t, found)
+        return found
 
     def value(self, t: torch.Tensor) -> int | None:
         """The value ``t`` holds; None when unknown, or when ``t`` is memory
@@ -123,6 +145,8 @@ class Recorder(TorchDispatchMode):
     def arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
             v = self.current(a)
+            if v is not None and self.shapes[v] != tuple(a.shape):
+                v = self.reassigned(a, v)
             if v is None and a.numel() > 0:
                 v = self.storage_view(a)
             if v is None:
@@ -284,8 +308,8 @@ class Recorder(TorchDispatchMode):
         outs = tensors_in(out)
         if "out" in kwargs and not outs:
             outs = tensors_in(kwargs["out"])
-        if name == "c10d.recv_.default":
-            outs = list(args[0])  # received in place: the buffers hold new values
+        if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
+            outs = list(args[0])  # received or reduced in place: the buffers hold new values
         if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
             outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
         group = None
@@ -295,6 +319,9 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        for o, v in zip(outs, ids):
+            if o._base is None or any(o is a for a in tensors):
+                self.written(o, v)  # written in place, or new memory
         self.record_writes(outs, ids, {id(a) for a in tensors}, unseen)
         if not constant:
             self.tainted.update(s for s in map(_storage, outs) if s in self.const_storages)
@@ -352,8 +379,23 @@ class Recorder(TorchDispatchMode):
                 continue
             tracked = self.memory and self.memory.tracks(_storage(o))
             if tracked or (id(o) in unseen and is_partial_view(o)):
+                # what a partial overwrite of a region leaves: slices of its value
+                kept = []
+                for region, start, numel in self.memory.remainders(o) if tracked else []:
+                    part = len(self.shapes)
+                    self.shapes.append((numel,))
+                    self.events.append(("mem.slice", [[("v", region.value), start - region.start,
+                                                       [numel]], {}], [part], [(numel,)],
+                                        self.scope(), None, self.mb))
+                    kept.append((start, numel, part))
                 self.memory.write(o, v)
+                for start, numel, part in kept:
+                    self.memory.keep(o, start, numel, part)
                 self.bind(o, v)
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def with_completed_work(out: Any) -> Any:
@@ -518,9 +560,15 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
     or one named as in ``AXIS_NAMES``); with the backend's mesh ``layout``
     (pp, dp, tp), a data-parallel one is the axis its ranks run along
     (``data_parallel_axis``: an HSDP shard dim is "dps", and ``split``
-    records its size)."""
+    records its size). A plain tensor with a ``mesh_axes`` attribute (a
+    recipe's, such as Megatron's sharded parameters) has those axes (the
+    plan's claims they make are checked against the values loaded,
+    ``check.check_loaded``)."""
     from torch.distributed.tensor.placement_types import _StridedShard
     axes: list[list[str]] = [[] for _ in range(t.dim())]
+    own = getattr(t, "mesh_axes", None)  # a plain tensor's layout, set by its recipe
+    if own is not None and not isinstance(t, DTensor):
+        return [list(a) for a in own]
     if isinstance(t, DTensor):
         mesh = t.device_mesh
         names = [AXIS_NAMES.get(n, n) for n in mesh.mesh_dim_names or ()]

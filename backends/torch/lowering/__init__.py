@@ -29,6 +29,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     const_lookup,
     conv,
     copies,
+    grad_buffers,
     group_norm,
     ids,
     label_masks,
@@ -38,6 +39,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     masks,
     max,
     max_all,
+    merged_views,
     nn,
     norm_sums,
     pool,
@@ -46,6 +48,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     std,
     tokens,
     vocab_parallel,
+    vocab_picks,
 )
 from backends.torch.lowering.buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.lowering.context import LNode, Lowered, Lowerer

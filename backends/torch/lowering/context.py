@@ -299,9 +299,20 @@ def live_events(trace: dict) -> set[int]:
             continue  # overwrites its buffers
         if op == "aten.copy_.default":
             need.update(tensor_args(args[1]))
+        elif op == "c10d._allgather_base_.default":
+            need.update(tensor_args(args[1:]))  # its output buffer is written, not read
+        elif op == "aten.baddbmm.default" and _beta_zero(args, kwargs):
+            need.update(tensor_args([args[1:], kwargs]))  # the input is not read
         else:
             need.update(tensor_args([args, kwargs]))
     return live
+
+
+def _beta_zero(args: list, kwargs: dict) -> bool:
+    """``baddbmm(input, b1, b2, beta=0)``: torch does not read ``input``
+    (Megatron's attention passes an uninitialized buffer)."""
+    beta = args[3] if len(args) > 3 else kwargs.get("beta", 1)
+    return isinstance(beta, (int, float)) and beta == 0
 
 
 def pg(lw: Lowerer, a: Any) -> tuple[int, ...]:

@@ -80,8 +80,12 @@ stops the run with one line naming the op and the value
 - ``Zeros`` (a ``PatternOnly``): made by vocab_parallel (``zeros_like``);
   read by vocab_parallel (the label update), norm_sums (an exact zero);
   refused, like every ``PatternOnly`` (a helper value of one pattern).
-- ``Bucket``: made by buckets (``mem.cat``), layout; read by buckets, layout,
-  collectives, slices; the pieces flattened and ``cat``.
+- ``Bucket``: made by buckets (``mem.cat``), layout, grad_buffers; read by
+  buckets, layout, collectives, slices, grad_buffers; the pieces flattened
+  and ``cat``.
+- ``Merged``: made by merged_views (``view(a * b, c)`` of a sequence-first
+  3-d value); read by merged_views, vocab_picks; ``flatten`` (and
+  ``transpose``).
 
 Families keep the pending kinds only they make and read (``masks.Masked``,
 ``argmax.MaxIndex``, ``vocab_parallel.Clamped``, ``const_lookup.ConstLookup``,
@@ -611,3 +615,21 @@ class Bucket(Pending):
 
 def numel(lw: Lowerer, x: int) -> int:
     return math.prod(lw.shapes[x])
+
+
+@dataclass(frozen=True)
+class Merged(Pending):
+    """``x`` ``[a, b, c]`` seen as ``[a * b, c]`` (``transposed``: then as its
+    transpose ``[c, a * b]``), read only by ``mm``, a bias gradient's
+    ``sum(0)`` or a pick: kept 3-d, so that a piece of either leading dim (a
+    data-parallel cut of the batch of ``[s, b, h]`` activations) stays a
+    piece. Any other reader gets the flattened value."""
+    x: int
+    transposed: bool = False
+
+    def materialize(self, lw: Lowerer) -> int:
+        a, b, c = lw.shapes[self.x]
+        flat = lw.emit("flatten", [self.x], [(a * b, c)], {"start": 0, "end": 1})[0]
+        if not self.transposed:
+            return flat
+        return lw.emit("transpose", [flat], [(c, a * b)], {"dim0": 0, "dim1": 1})[0]

@@ -55,12 +55,14 @@ def baddbmm(lw: Lowerer, args, kwargs, shapes, group):
     mask as ``input``: a constant mask holding -inf is the causal mask)."""
     beta = float(args[3] if len(args) > 3 else kwargs.get("beta", 1))
     alpha = float(args[4] if len(args) > 4 else kwargs.get("alpha", 1))
-    if beta != 1:
+    if beta not in (0, 1):
         raise LoweringError(f"{lw.name}: baddbmm with beta {beta} is not lowered")
     shape = tuple(shapes[0])
     out = lw.emit("matmul", [lw.val(args[1]), lw.val(args[2])], [shape])[0]
     if alpha != 1:
         out = lw.emit("mul_scalar", [out], [shape], {"value": alpha})[0]
+    if beta == 0:  # the input is not read (torch ignores it, NaN included): Megatron's scores
+        return out
     mask = constant_value(lw, args[0])
     if mask is not None and np.any(np.isneginf(mask)):
         return additive_mask(lw, out, mask, shape)

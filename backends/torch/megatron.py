@@ -1,0 +1,492 @@
+"""Megatron-Core's training step, parallelized and run by Megatron itself.
+
+    python -m backends.torch --model backends.torch.megatron:gpt \\
+        --recipe backends.torch.megatron:tp_sp --dp 1 --tp 2
+
+The model (``MegatronModel``) is a Megatron model provider and forward step
+function as a Megatron user writes them (``GPTStep`` is the one for
+Megatron's ``GPTModel`` with its local, non-TransformerEngine layer spec).
+On one device it is the provider's model at tensor- and pipeline-parallel
+size 1 (Megatron's ``parallel_state`` on a single rank: its collectives run
+on groups of one rank), its forward the user's forward step on the whole
+batch and its loss function.
+
+In every rank's process a recipe (``Options``) initializes ``parallel_state``
+on the backend's process group at the mesh's sizes (Megatron's rank order,
+tensor-parallel fastest then data then pipeline, is the backend's mesh
+order, checked), builds the rank's model chunks with the provider (Megatron
+shards its layers at construction; a pipeline stage holds its layers), loads
+into each parameter its piece of the single-device weights (the block its
+``partition_dim`` names, as a checkpoint loader does), wraps each chunk in
+Megatron's ``DistributedDataParallel`` and returns an ``OwnSchedule``: the
+rank's step is Megatron's ``get_forward_backward_func()`` over the rank's
+rows in ``microbatches`` microbatches, ending in ``finalize_model_grads``
+(the data-parallel reduction, the sequence-parallel norms' all-reduce, the
+tied embedding's all-reduce between the first and the last stage). The
+final gradient of a parameter is its ``main_grad`` (what Megatron's
+optimizer steps on). Megatron's CPU adaptations (``megatron_shim``) are
+applied and printed on every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from backends.torch import megatron_shim
+from backends.torch.pipeline import OwnSchedule
+
+#: the seed of Megatron's RNG tracker (its dropout streams; dropout is 0 here)
+TRACKER_SEED = 1234
+
+
+@contextlib.contextmanager
+def _cpu_rng_kept() -> Iterator[None]:
+    """The CPU generator's state restored after: Megatron's seeding does not
+    change the weights the backend's seed draws."""
+    state = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
+    """Megatron's ``parallel_state`` at these sizes on the default process
+    group (one of a single rank when none is initialized, as on one
+    device), and its RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    if not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    # its gloo side groups (CPU copies of the data-parallel groups) are not built: under
+    # the fake process group a gloo group cannot be created, and nothing traced uses them
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             create_gloo_process_groups=False)
+    with _cpu_rng_kept():
+        model_parallel_cuda_manual_seed(TRACKER_SEED)
+
+
+# -- the user's side: a model provider and a forward step -----------------------------
+
+class GPTStep:
+    """Megatron's ``GPTModel`` (local spec: learned positions, LayerNorm, fused
+    QKV ``ColumnParallelLinear``, ``RowParallelLinear``, GELU MLP, a
+    ``VocabParallelEmbedding`` tied to the output layer, the
+    vocabulary-parallel cross-entropy, dropout 0) and the forward step of
+    Megatron's GPT pretraining: per-token losses, their mean over the
+    microbatch's tokens."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
+
+    def config(self, **parallel: Any):
+        """The ``TransformerConfig`` (``parallel``: its parallelism fields)."""
+        from megatron.core.transformer import TransformerConfig
+        s = self.sizes
+        return TransformerConfig(
+            num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+            ffn_hidden_size=s["ffn"], hidden_dropout=0.0, attention_dropout=0.0,
+            use_cpu_initialization=True, params_dtype=torch.float32, **parallel)
+
+    def model_provider(self, config, pre_process: bool = True, post_process: bool = True,
+                       vp_stage: int | None = None) -> nn.Module:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=self.sizes["vocab"],
+                        max_sequence_length=self.sizes["seqlen"], pre_process=pre_process,
+                        post_process=post_process, share_embeddings_and_output_weights=True,
+                        vp_stage=vp_stage)
+
+    #: a shipped mistake of the loss function (None: Megatron's GPT pretraining's)
+    loss_bug: str | None = None
+    #: the step's microbatches per rank (set by the recipe)
+    microbatches: int = 1
+
+    def forward_step(self, data_iterator: Iterator, model: nn.Module):
+        batch = next(data_iterator)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+        def loss_func(per_token: torch.Tensor):
+            loss = per_token.sum() / per_token.numel()
+            if self.loss_bug == "over_microbatches":  # divided again by the schedule
+                loss = loss / self.microbatches
+            elif self.loss_bug == "global_mean":  # a global mean, averaged again by DDP
+                from megatron.core import parallel_state
+                loss = loss / parallel_state.get_data_parallel_world_size()
+            return loss, {"lm loss": loss.detach()}
+        return losses, loss_func
+
+
+def batch_of(tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A microbatch as Megatron's GPT data loaders give it (one row of
+    positions, broadcast over the rows by the embedding's addition)."""
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    return {"tokens": tokens, "labels": labels, "position_ids": positions}
+
+
+class MegatronModel(nn.Module):
+    """A user's Megatron step (``user``: ``config(**parallel)``,
+    ``model_provider(config, pre_process, post_process, vp_stage)`` and
+    ``forward_step(data_iterator, model)``) as the backend's model: on one
+    device the provider's model, ``forward(tokens, labels)`` the forward
+    step's loss on the whole batch; after a recipe, the rank's chunks, its
+    parameters named as the single-device model's."""
+
+    def __init__(self, user: Any):
+        super().__init__()
+        self.user = user
+        self.model = user.model_provider(user.config())
+        self.global_tokens = 1  # set by the backend (unused: the loss function is the user's)
+        self.sequence_first = True  # Megatron's activations are [s, b, h]
+        self.chunks: nn.ModuleList | None = None
+        self.names: dict[int, str] = {}
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        output, loss_func = self.user.forward_step(iter([batch_of(tokens, labels)]), self.model)
+        return loss_func(output)[0]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        if self.chunks is None:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                yield self.names[id(p)], p
+
+
+def user_model(user: Any) -> MegatronModel:
+    """A user's Megatron step (an object with ``config(**parallel)``,
+    ``model_provider(config, pre_process, post_process, vp_stage)`` and
+    ``forward_step(data_iterator, model)``) as the backend's model: the CPU
+    shim applied, ``parallel_state`` on one rank, the provider's model
+    built (docs/torch-backend.md, "Megatron-Core")."""
+    megatron_shim.apply()
+    init_parallel_state()
+    return MegatronModel(user)
+
+
+def gpt(**sizes: int) -> MegatronModel:
+    """Megatron's GPTModel at the size flags (``layers``, ``hidden``, ``heads``,
+    ``ffn``, ``vocab``, ``seqlen``) with GPT pretraining's forward step."""
+    return user_model(GPTStep(sizes))
+
+
+# -- the recipe: Megatron's parallelism, its schedule, DDP and finalize ------------
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How Megatron parallelizes and runs the step (its own configuration
+    fields where it has them)."""
+    sequence_parallel: bool = False
+    microbatches: int = 1
+    virtual_pp: int | None = None
+    batch_p2p_comm: bool = True
+    overlap_grad_reduce: bool = False
+    average_in_collective: bool = False
+    use_distributed_optimizer: bool = False
+    #: shipped mistakes, each on Megatron's own code path (docs/torch-backend.md)
+    bug: str | None = None
+
+
+def global_names(chunk: nn.Module) -> dict[str, str]:
+    """A chunk's parameter names as the single-device model's: a stage's
+    layer ``i`` is global layer ``layer_number - 1``; a last stage's output
+    weight tied to the embedding is the embedding's."""
+    layers = {}
+    decoder = getattr(chunk, "decoder", None)
+    for i, layer in enumerate(getattr(decoder, "layers", [])):
+        layers[str(i)] = str(layer.layer_number - 1)
+    out = {}
+    for name, _ in chunk.named_parameters():
+        g = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{layers[m[1]]}.", name)
+        if g == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights",
+                                                  False):
+            g = "embedding.word_embeddings.weight"
+        out[name] = "model." + g
+    return out
+
+
+def load_pieces(full: dict[str, torch.Tensor], chunk: nn.Module, names: dict[str, str],
+                tp_rank: int, tp: int) -> None:
+    """Each of the chunk's parameters set to its piece of the single-device
+    weight of its global name: the ``tp_rank``-th of ``tp`` equal blocks along
+    its ``partition_dim`` for a tensor-parallel one (its ``mesh_axes`` then
+    say so), the whole otherwise."""
+    with torch.no_grad():
+        for name, p in chunk.named_parameters():
+            whole = full[names[name]]
+            if getattr(p, "tensor_model_parallel", False) and tp > 1:
+                if getattr(p, "partition_stride", 1) != 1:
+                    raise ValueError(f"Megatron parameter {name} is strided across tensor-parallel "
+                                     f"ranks (partition_stride {p.partition_stride}): not supported")
+                whole = whole.chunk(tp, dim=p.partition_dim)[tp_rank]
+                axes: list[list[str]] = [[] for _ in range(p.dim())]
+                axes[p.partition_dim].append("tp")
+                p.mesh_axes = axes
+            p.data = whole.detach().clone()
+
+
+def _check_rank_order(mesh) -> None:
+    from megatron.core import parallel_state as ps
+    mine = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
+            ps.get_tensor_model_parallel_rank())
+    mesh_coords = tuple(mesh[n].get_local_rank() for n in ("pp", "dp", "tp"))
+    if mine != mesh_coords:
+        raise ValueError(f"Megatron's (pp, dp, tp) coordinates {mine} are not the mesh's "
+                         f"{mesh_coords}")
+
+
+def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
+    """Megatron's parallelism of ``model`` on the mesh (docstring of the module)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    tp, pp = mesh["tp"].size(), mesh["pp"].size()
+    vpp = options.virtual_pp
+    if options.sequence_parallel and tp == 1:
+        raise ValueError("Megatron sequence parallelism needs --tp 2 or more")
+    if vpp is not None and pp == 1:
+        raise ValueError("Megatron's interleaved schedule needs --pp 2 or more")
+    if options.use_distributed_optimizer:
+        raise ValueError("Megatron's distributed optimizer is not traced: its reduce-scatter "
+                         "leaves each rank a flat range of the padded grad buffer, which can cut "
+                         "parameters at any element (gradient claims are blocks along dims), and "
+                         "its step reads the norm with .item(): use_distributed_optimizer=False")
+    init_parallel_state(tp, pp, vpp)
+    _check_rank_order(mesh)
+    user = model.user
+    if isinstance(user, GPTStep):
+        user.microbatches = options.microbatches
+        if options.bug in ("over_microbatches", "global_mean"):
+            user.loss_bug = options.bug
+    parallel = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "sequence_parallel": options.sequence_parallel,
+                "batch_p2p_comm": options.batch_p2p_comm}
+    if pp > 1:
+        parallel["pipeline_dtype"] = torch.float64  # what the backend runs in
+    if vpp is not None:
+        parallel["virtual_pipeline_model_parallel_size"] = vpp
+    config = user.config(**parallel)
+    full = {n: p for n, p in nn.Module.named_parameters(model)}
+    chunks = []
+    for stage in range(vpp or 1):
+        vp = stage if vpp is not None else None
+        chunk = user.model_provider(config, ps.is_pipeline_first_stage(ignore_virtual=False,
+                                                                      vp_stage=vp),
+                                    ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                                    vp_stage=vp)
+        names = global_names(chunk)
+        load_pieces(full, chunk, names, ps.get_tensor_model_parallel_rank(), tp)
+        model.names.update({id(p): names[n] for n, p in chunk.named_parameters()})
+        chunks.append(chunk)
+    if options.bug == "sp_norm_unmarked":
+        for chunk in chunks:  # 1446: a norm without the flag finalize_model_grads reads
+            for name, p in chunk.named_parameters():
+                if "layernorm" in name and hasattr(p, "sequence_parallel"):
+                    del p.sequence_parallel
+    del model.model
+    model.chunks = nn.ModuleList(chunks)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=options.overlap_grad_reduce,
+        use_distributed_optimizer=options.use_distributed_optimizer,
+        average_in_collective=options.average_in_collective)
+    with _cpu_rng_kept():
+        wrapped = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    for w in wrapped:
+        w.zero_grad_buffer()
+    if options.bug == "wrong_group":  # the buckets reduced over the tensor-parallel group
+        for w in wrapped:
+            for group in w.bucket_groups:
+                group.data_parallel_group = ps.get_tensor_model_parallel_group()
+    config.finalize_model_grads_func = finalize.finalize_model_grads
+    if options.bug == "tied_embedding_not_reduced":
+        config.finalize_model_grads_func = _without_embedding_all_reduce
+    if options.overlap_grad_reduce:
+        config.no_sync_func = [w.no_sync for w in wrapped] if vpp else wrapped[0].no_sync
+        config.grad_sync_func = [w.start_grad_sync for w in wrapped] if vpp \
+            else wrapped[0].start_grad_sync
+    run = functools.partial(megatron_step, model, wrapped, config, options)
+    return OwnSchedule(run, after_backward=_main_grads(wrapped), microbatches=options.microbatches)
+
+
+def _without_embedding_all_reduce(model: list, *args: Any, **kwargs: Any) -> None:
+    """``finalize_model_grads`` with its all-reduce of the tied embedding's
+    gradient between the first and the last stage left out."""
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    kept = finalize._allreduce_word_embedding_grads
+    finalize._allreduce_word_embedding_grads = lambda *a, **k: None
+    try:
+        finalize.finalize_model_grads(model, *args, **kwargs)
+    finally:
+        finalize._allreduce_word_embedding_grads = kept
+
+
+def _main_grads(wrapped: list) -> Callable:
+    """After the step: each parameter's gradient is its ``main_grad`` (what
+    Megatron's optimizer reads)."""
+    def after(model: nn.Module, mesh) -> None:
+        for w in wrapped:
+            for p in w.module.parameters():
+                p.grad = p.main_grad
+    return after
+
+
+class _Microbatches:
+    """The recorder's microbatch id while Megatron's schedule runs: its
+    ``forward_step`` and ``backward_step`` wrapped (for the duration of the
+    step) to report the microbatch of each chunk's call, in the order each
+    chunk's forwards and backwards run (first in, first out, as every
+    schedule of Megatron's does)."""
+
+    def __init__(self, set_mb: Callable[[int], None], chunks: list):
+        self.set_mb = set_mb
+        self.chunks = chunks
+        self.started = [0] * len(chunks)
+        self.pending: list[tuple[Any, int]] = []  # (output tensor, microbatch)
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, original: Callable) -> Callable:
+        def wrapped(forward_step_func, data_iterator, model, *args, **kwargs):
+            chunk = next(i for i, c in enumerate(self.chunks) if c is model)
+            mb = self.started[chunk]
+            self.started[chunk] += 1
+            self.set_mb(mb)
+            out = original(forward_step_func, data_iterator, model, *args, **kwargs)
+            self.pending.append((out[0], mb))
+            return out
+        return wrapped
+
+    def backward(self, original: Callable) -> Callable:
+        def wrapped(input_tensor, output_tensor, output_tensor_grad, *args, **kwargs):
+            hit = next((k for k, (t, _) in enumerate(self.pending) if t is output_tensor), None)
+            if hit is None:
+                raise ValueError("Megatron's schedule ran a backward of an output it did not "
+                                 "forward")
+            out, mb = self.pending.pop(hit)
+            self.set_mb(mb)
+            if output_tensor_grad is None or output_tensor_grad == [None]:
+                self.losses.append(out[0] if isinstance(out, list) else out)
+            return original(input_tensor, output_tensor, output_tensor_grad, *args, **kwargs)
+        return wrapped
+
+
+def _sends_first(batch_isend_irecv: Callable) -> Callable:
+    """``batch_isend_irecv`` with a batch's sends posted before its receives
+    (each kind in its own order). The ops of a batch run concurrently and a
+    receive from a peer matches that peer's sends to it in the order both
+    were posted, so the messages are the same; the trace, read in program
+    order, then has every send of a batch before the receives that may
+    wait for the peer's (docs/soundness.md, "Plans traced from PyTorch")."""
+    def batch(ops: list) -> list:
+        sends = [op for op in ops if op.op in (dist.isend, dist.send)]
+        return batch_isend_irecv(sends + [op for op in ops if op not in sends])
+    return batch
+
+
+def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
+                  tokens: torch.Tensor, labels: torch.Tensor,
+                  set_mb: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """The rank's step through Megatron's ``get_forward_backward_func()`` on
+    its rows in ``options.microbatches`` microbatches; the loss tensors
+    backward ran from (the last stage's)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+    n = options.microbatches
+    if tokens.shape[0] % n:
+        raise ValueError(f"{tokens.shape[0]} rows per data-parallel rank do not split into "
+                         f"{n} microbatches")
+    if tokens.shape[0] // n < 2:
+        raise ValueError("a Megatron microbatch of one row is not traced (its [s, 1, h] views "
+                         "lower unlike the single-device step's): give --batch at least "
+                         f"2 x dp x {n}")
+    batches = [batch_of(t, lab) for t, lab in zip(tokens.chunk(n), labels.chunk(n))]
+    iterators = [iter(batches) for _ in wrapped]
+    for w in wrapped:  # Megatron's zero_grad_buffer, one parameter's view at a time
+        for p in w.module.parameters():
+            p.main_grad.zero_()
+    track = _Microbatches(set_mb or (lambda mb: None), wrapped)
+    kept = schedules.forward_step, schedules.backward_step
+    schedules.forward_step = track.forward(kept[0])
+    schedules.backward_step = track.backward(kept[1])
+    batched = dist.batch_isend_irecv
+    if set_mb is not None:  # traced (a real run, scripts/gloo_truth.py, posts them as Megatron)
+        dist.batch_isend_irecv = _sends_first(batched)
+    try:
+        get_forward_backward_func()(
+            forward_step_func=model.user.forward_step,
+            data_iterator=iterators if len(wrapped) > 1 else iterators[0],
+            model=wrapped if len(wrapped) > 1 else wrapped[0], num_microbatches=n,
+            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0] // n,
+            forward_only=False)
+    finally:
+        schedules.forward_step, schedules.backward_step = kept
+        dist.batch_isend_irecv = batched
+        track.set_mb(-1)
+    return track.losses
+
+
+# -- recipes -------------------------------------------------------------------------
+
+def recipe(**fields: Any) -> Callable:
+    options = Options(**fields)
+
+    def apply(model: MegatronModel, mesh) -> OwnSchedule:
+        return parallelize(model, mesh, options)
+    apply.__doc__ = f"Megatron's parallelism with {options}."
+    return apply
+
+
+tp = recipe()
+tp_sp = recipe(sequence_parallel=True)
+ddp = recipe(microbatches=2)
+pp_1f1b = recipe(microbatches=2)
+pp_interleaved = recipe(microbatches=4, virtual_pp=2)
+pp_interleaved_unbatched = recipe(microbatches=4, virtual_pp=2, batch_p2p_comm=False)
+ddp_overlap = recipe(microbatches=2, overlap_grad_reduce=True)
+ddp_average = recipe(microbatches=2, average_in_collective=True)
+dist_opt = recipe(microbatches=2, use_distributed_optimizer=True)
+full = recipe(sequence_parallel=True, microbatches=2)
+# shipped mistakes
+tp_sp_norm_unmarked = recipe(sequence_parallel=True, bug="sp_norm_unmarked")
+pp_tied_embedding_not_reduced = recipe(microbatches=2, bug="tied_embedding_not_reduced")
+loss_over_microbatches = recipe(microbatches=2, bug="over_microbatches")
+loss_global_mean = recipe(microbatches=2, bug="global_mean")
+ddp_average_global_mean = recipe(microbatches=2, average_in_collective=True, bug="global_mean")
+ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
+
+
+def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
+    """Megatron's gradient clipping as its optimizer runs it (``--clipper``):
+    the norm of the gradients each parameter counts once (not shared, not a
+    tensor-parallel duplicate) over the model-parallel group
+    (``get_grad_norm_fp32``), then ``clip_grad_by_total_norm_fp32``. Megatron
+    reads the norm into Python (``.item()``) and branches on it: the
+    backend refuses that read (a value-dependent step)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,
+        get_grad_norm_fp32,
+    )
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+    params = [p for p in model.parameters() if p.grad is not None]
+    counted = [p.grad for p in params
+               if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    total = get_grad_norm_fp32(counted, norm_type=2,
+                               grad_stats_parallel_group=ps.get_model_parallel_group())
+    clip_grad_by_total_norm_fp32(params, max_norm, total)

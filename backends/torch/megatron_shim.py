@@ -1,0 +1,237 @@
+"""The CPU adaptations megatron-core 0.16.1 needs to run on a CPU, in one place.
+
+Megatron-Core is written for CUDA devices. Six things in its local
+(non-TransformerEngine) layers, schedules, grad buffers and optimizer do not
+run on a CPU; ``apply()`` changes exactly these at run time (no file of
+Megatron's is edited) and prints one line for each, every time it is called
+(a changed run is never silent):
+
+1. its RNG tracker (``tensor_parallel/random.py``: ``model_parallel_cuda_manual_seed``,
+   ``CudaRNGStatesTracker``) reads, seeds and sets the CUDA generator: it
+   uses the CPU generator instead;
+2. ``torch.cuda.current_device()`` used as a device (the TP/SP gathers and
+   scatters, attention's global memory buffer, the grad buffers) is the CPU,
+   and ``Tensor.cuda()`` (the tied embedding's setup across pipeline
+   stages) leaves a tensor on the CPU;
+3. the local spec's torch norm refuses ``sequence_parallel=True`` (without
+   apex): it is built as without sequence parallelism and its parameters
+   then carry ``sequence_parallel = True``, as apex's fused norms mark
+   theirs (what ``finalize_model_grads`` reads to all-reduce their
+   gradients over the tensor-parallel group);
+4. CUDA streams, events, ``synchronize`` and ``empty_cache`` (the grad
+   buffers' communication stream) do nothing: on the CPU every op runs in
+   program order;
+5. ``device="cuda"`` in a tensor factory call of Megatron's (its optimizer's
+   scalars, clipping's norms) is the CPU;
+6. ``Tensor.type()`` compared with a CUDA type name (``"torch.cuda.FloatTensor"``
+   in ``clip_grads.py``, ``optimizer.py``, ``distrib_optimizer.py``) accepts
+   the CPU type of the same name, and a float64 tensor as a float32 one (the
+   backend runs in float64 what Megatron runs in float32; Megatron then takes
+   its float32 path).
+
+Patches 1, 2, 4 and 5 replace the name ``torch`` in the modules of
+``megatron.core`` by a view of torch that differs in these names only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from typing import Any
+
+import torch
+
+#: one line per adaptation, printed by ``apply``
+PATCHES = (
+    "CUDA RNG tracker state -> the CPU generator",
+    "torch.cuda.current_device() as a device, Tensor.cuda() -> cpu",
+    "torch LayerNorm/RMSNorm with sequence_parallel=True: parameters marked sequence_parallel "
+    "(as apex's)",
+    "CUDA streams, events, synchronize, empty_cache -> no-ops",
+    "device='cuda' in Megatron's tensor factory calls -> cpu",
+    "Tensor.type() == 'torch.cuda.FloatTensor' accepts the CPU type (float64 as float32)",
+)
+#: torch's tensor factories whose ``device`` argument patch 5 rewrites
+FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
+             "empty_like", "full_like", "randn", "rand")
+
+
+
+def _cpu(device: Any) -> Any:
+    """A CUDA device (a name, an index, a ``torch.device``) as the CPU."""
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _NoStream:
+    """A CUDA stream or event that orders nothing: CPU ops run in program order."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class _CudaView(types.ModuleType):
+    """``torch.cuda`` with patches 1, 2 and 4."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+        self.random = types.SimpleNamespace(get_rng_state=lambda device=None: torch.get_rng_state(),
+                                            set_rng_state=lambda state, device=None:
+                                            torch.set_rng_state(state))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    Stream = Event = _NoStream
+
+    @staticmethod
+    def stream(stream: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def default_stream(device: Any = None) -> _NoStream:
+        return _NoStream()
+
+    current_stream = default_stream
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+class _TorchView(types.ModuleType):
+    """``torch`` with ``cuda`` replaced by ``_CudaView`` and its tensor
+    factories placing ``device='cuda'`` on the CPU (patch 5)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaView()
+        for name in FACTORIES:
+            setattr(self, name, self._on_cpu(getattr(torch, name)))
+
+    @staticmethod
+    def _on_cpu(factory: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu(kwargs["device"])
+            return factory(*args, **kwargs)
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _TypeName(str):
+    """A tensor's type name that also equals its CUDA name (patch 6); a
+    float64 one equals the float32 names too."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, str):
+            return NotImplemented
+        if str.__eq__(self, other):
+            return True
+        cpu = other.replace("torch.cuda.", "torch.", 1)
+        return str.__eq__(self, cpu) or (str(self) == "torch.DoubleTensor"
+                                         and cpu == "torch.FloatTensor")
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = str.__hash__
+
+
+class _TypeMethod:
+    """``Tensor.type`` returning ``_TypeName`` when called without arguments
+    (patch 6); its presence on ``torch.Tensor`` marks the shim as applied."""
+
+    def __init__(self, original: Any):
+        self.original = original
+
+    def __get__(self, tensor: torch.Tensor | None, owner: type) -> Any:
+        if tensor is None:
+            return self
+
+        def type_(*args: Any, **kwargs: Any) -> Any:
+            result = self.original(tensor, *args, **kwargs)
+            return _TypeName(result) if not args and not kwargs and isinstance(result, str) \
+                else result
+        return type_
+
+
+def _norm_new(original: Any) -> Any:
+    """``WrappedTorchNorm.__new__`` accepting ``sequence_parallel`` (patch 3)."""
+    def new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, **kwargs)
+        import dataclasses
+        norm = original(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size,
+                        eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+    return new
+
+
+#: the modules loaded before the patches, so that each gets the view of torch
+MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.mappings",
+           "megatron.core.tensor_parallel.layers", "megatron.core.transformer.attention",
+           "megatron.core.utils", "megatron.core.models.gpt.gpt_model",
+           "megatron.core.pipeline_parallel.schedules",
+           "megatron.core.distributed.param_and_grad_buffer",
+           "megatron.core.distributed.distributed_data_parallel",
+           "megatron.core.distributed.finalize_model_grads", "megatron.core.optimizer",
+           "megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer",
+           "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.grad_scaler")
+
+
+def apply() -> None:
+    """Apply the six patches (once per process) and print them, one line each."""
+    if not isinstance(torch.Tensor.type, _TypeMethod):  # applied once per process
+        import importlib
+        for name in MODULES:
+            importlib.import_module(name)
+        view = _TorchView()
+        for name, module in list(sys.modules.items()):
+            if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+                module.torch = view
+        from megatron.core.tensor_parallel import random
+        random._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: \
+            torch.get_rng_state()
+        random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: \
+            torch.set_rng_state(state)
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        WrappedTorchNorm.__new__ = staticmethod(_norm_new(WrappedTorchNorm.__new__))
+        torch.Tensor.type = _TypeMethod(torch.Tensor.type)
+        if not torch.cuda.is_available():  # a CPU build: .cuda() can only fail
+            torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    for number, line in enumerate(PATCHES, 1):
+        print(f"Megatron-Core CPU shim (backends/torch/megatron_shim.py) {number}: {line}",
+              file=sys.stderr)

@@ -1,0 +1,93 @@
+"""Megatron-Core on the torch backend (docs/torch-backend.md, "Megatron-Core"):
+the CPU shim's six patches apply and are printed, and Megatron's GPTModel at
+TP 2 + SP verifies through its own schedule, DDP and finalize_model_grads,
+a shipped mistake FAILs, the interleaved PP 2 batched-p2p finding and a
+strided shard are refused in one line. Each runs in a fresh interpreter:
+the shim patches ``torch.Tensor.type`` process-wide. The other Megatron
+cases are scripts/torch_suite.py -k megatron."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SHIM_CHECK = """
+import warnings
+warnings.filterwarnings("ignore")
+import dataclasses, torch
+from backends.torch import megatron_shim
+megatron_shim.apply()
+from megatron.core.tensor_parallel import mappings, random
+from megatron.core.optimizer import clip_grads
+from megatron.core.distributed import param_and_grad_buffer as buffers
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+tracker = random.get_cuda_rng_tracker()
+tracker.add("check", 7)
+with tracker.fork("check"):
+    drawn = torch.rand(3)
+torch.manual_seed(7)
+assert torch.equal(drawn, torch.rand(3)), "1: the tracker's stream is not the CPU generator's"
+assert mappings.torch.cuda.current_device() == torch.device("cpu"), "2"
+config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                           tensor_model_parallel_size=2)
+norm = WrappedTorchNorm(dataclasses.replace(config, sequence_parallel=True), 8)
+assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters()), "3"
+assert not any(hasattr(p, "sequence_parallel") for p in WrappedTorchNorm(config, 8).parameters())
+with buffers.torch.cuda.stream(buffers.torch.cuda.Stream()):
+    buffers.torch.cuda.default_stream().wait_stream(None)
+buffers.torch.cuda.synchronize()
+assert clip_grads.torch.zeros(1, device="cuda").device.type == "cpu", "5"
+assert torch.zeros(1).type() == "torch.cuda.FloatTensor", "6"
+assert torch.zeros(1, dtype=torch.float64).type() == "torch.cuda.FloatTensor", "6"
+assert torch.zeros(1, dtype=torch.float64).type() in ["torch.cuda.FloatTensor"], "6"
+assert torch.zeros(1, dtype=torch.int64).type() != "torch.cuda.FloatTensor", "6"
+print("patched")
+"""
+
+
+def test_shim_applies_and_prints_each_patch():
+    run = subprocess.run([sys.executable, "-c", SHIM_CHECK], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "patched"
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("Megatron-Core CPU shim")]
+    assert [ln.split(")", 1)[1].split(":", 1)[0].strip() for ln in lines] == \
+        [str(n) for n in range(1, 7)]
+
+
+def _suite(*cases: str) -> subprocess.CompletedProcess:
+    args = [a for case in cases for a in ("-k", case)]
+    return subprocess.run([sys.executable, "scripts/torch_suite.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
+
+
+def test_tp2_sp_verifies_1446_fails_and_interleaved_batched_p2p_is_refused():
+    """Megatron's TP 2 + SP step verifies; its norm left unmarked for the SP
+    all-reduce (1446) FAILs; the interleaved schedule at PP 2 with batched
+    p2p is refused at the first op reading a mismatched message."""
+    run = _suite("megatron tp2 sp", "megatron bug sp norm", "megatron pp2 interleaved batched")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
+    assert sum(ln.startswith("Megatron-Core CPU shim") for ln in run.stderr.splitlines()) >= 6
+
+
+def test_a_strided_shard_is_refused_in_one_line(tmp_path):
+    """A gated MLP's fused linear_fc1 is strided across tensor-parallel ranks
+    (``partition_stride`` 2): refused, exit 2, one line."""
+    run = subprocess.run(
+        [sys.executable, "-m", "backends.torch", "--model", "tests.megatron_user_step:gated_model",
+         "--recipe", "tests.megatron_user_step:tp_sp", "--dp", "1", "--tp", "2", "-o",
+         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert run.returncode == 2, run.stderr[-2000:]
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "partition_stride 2" in errors[0], errors
