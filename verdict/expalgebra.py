@@ -1,40 +1,48 @@
-"""Exact algebra of exp and log on Z3 terms: what the merge of partial
-attentions by their log-sum-exps needs (docs/soundness.md, "Exponentials
-and logarithms: the exact merge").
+"""Exact algebra of exp and log on Z3 terms: the normal form that proves the
+merge of attention blocks by their log-sum-exps (docs/soundness.md,
+"Exponentials and logarithms: the exact merge of attention blocks").
 
-exp and log stay uninterpreted functions (``exp``, ``log``: Real -> Real),
-and two facts of real analysis are applied where they hold exactly:
+exp and log stay uninterpreted functions in the terms the rules build. To
+compare two terms, both are reduced to a quotient N / D of *exponential
+polynomials*:
 
-* L1. exp(a + b) = exp(a) exp(b), for all reals a, b;
-* L2. exp(log P) = P, for P > 0 (so exp(c log P) = P^c for an integer c).
+* N is a sum of monomials ``c * a_1^k_1 ... a_r^k_r * exp(E)``: c rational,
+  the a's atoms (variables, If-terms, other functions' applications, and
+  logarithms of normalised positive polynomials), E a polynomial of the
+  same kind (an interned id; 0 is the zero polynomial, exp(0) = 1).
+  Monomials multiply by exp(E) exp(F) = exp(E + F) (L1).
+* D is a multiset of factors, each a normalised polynomial known to be
+  positive (so never zero).
+* exp(x) takes the terms ``k log P`` (k an integer) out of x's exponent as
+  P^k (L2); log(x), for x positive by its syntax, is
+  ``log c + mean exponent + log P'`` with P' the normalised positive
+  (L2, and the mean makes every common shift cancel: L3).
 
-A term is *positive* when its syntax makes it so for every value of its
-variables: a positive rational, an application of exp, and sums (of
-non-negative terms, one positive), products, quotients and integer powers
-of positive terms. A sum of exponentials, the log-sum-exp's argument, is
-positive: log is applied to it where it is defined.
-
-``exp_factored`` writes exp(x), with x = sum_k c_k log(P_k) + r (P_k
-positive, c_k integers), as prod_k P_k^c_k * exp(r); terms with no such
-log are left as exp(x), exactly as before. ``equal`` decides a == b for
-terms the algebra covers: the difference a - b = sum_k c_k log(P_k) + r
-is zero when r is zero as a rational function and prod_k P_k^c_k is 1
-(exp is injective), each checked by clearing positive denominators and
-expanding to a polynomial that must be identically 0 (every remaining
-application, variable or If-term an independent atom). It answers True
-only on such a proof; anything else is left to the solver.
+Every rewrite is an identity of real arithmetic whose side condition
+(positivity) is read off the term's syntax; atoms are independent. So equal
+normal forms prove equality for every value of the atoms; anything else is
+left to the solver. ``equal`` answers True only on such a proof.
 """
 
 from __future__ import annotations
 
+import sys
 from fractions import Fraction
 
 import z3
 
 EXP, LOG = "exp", "log"
-#: a cleared numerator larger than this (in Z3 AST nodes, before expansion)
-#: is left to the solver
-LIMIT = 200_000
+#: a polynomial with more monomials than this is left to the solver
+LIMIT = 20_000
+
+Mono = tuple[tuple[tuple[int, int], ...], int]  # (atom powers, exponent id)
+Poly = dict[Mono, Fraction]
+Frac = tuple[Poly, tuple[int, ...]]  # numerator, denominator factors (poly ids)
+ONE: Mono = ((), 0)
+
+
+class TooBig(Exception):
+    """A polynomial past LIMIT: no answer from the algebra."""
 
 
 def _is_fn(t: z3.ExprRef, name: str) -> bool:
@@ -56,7 +64,8 @@ def _integer_power(t: z3.ExprRef) -> int | None:
 
 
 def sign(t: z3.ExprRef, memo: dict[int, int] | None = None) -> int:
-    """2: positive, 1: non-negative, 0: unknown, by syntax alone."""
+    """2: positive, 1: non-negative, 0: unknown, by syntax alone (real exp
+    is positive)."""
     memo = {} if memo is None else memo
     key = t.get_id()
     if key in memo:
@@ -86,178 +95,274 @@ def positive(t: z3.ExprRef) -> bool:
     return z3.is_expr(t) and sign(t) == 2
 
 
-def _terms(t: z3.ExprRef) -> list[z3.ExprRef]:
-    return list(t.children()) if z3.is_app_of(t, z3.Z3_OP_ADD) else [t]
-
-
-def _split(term: z3.ExprRef) -> tuple[Fraction, z3.ExprRef | None]:
-    """A term of a sum in Z3's sum-of-monomials form as (coefficient, the
-    rest of the product; None for a constant)."""
-    v = _value(term)
-    if v is not None:
-        return v, None
-    if z3.is_app_of(term, z3.Z3_OP_MUL):
-        kids = term.children()
-        c = _value(kids[0])
-        if c is not None:
-            rest = kids[1:]
-            return c, rest[0] if len(rest) == 1 else z3.Product(*rest)
-    return Fraction(1), term
-
-
-def log_parts(x: z3.ExprRef) -> tuple[list[tuple[z3.ExprRef, int]], list[z3.ExprRef]]:
-    """x = sum_k c_k log(P_k) + sum(rest): the logs of positive terms with
-    integer coefficients, and the other terms of x's sum-of-monomials form."""
-    s = z3.simplify(x, som=True)
-    logs: list[tuple[z3.ExprRef, int]] = []
-    rest: list[z3.ExprRef] = []
-    for term in _terms(s):
-        c, mono = _split(term)
-        if mono is not None and c.denominator == 1 and _is_fn(mono, LOG) \
-                and positive(mono.arg(0)):
-            logs.append((mono.arg(0), int(c)))
-        else:
-            rest.append(term)
-    return logs, rest
-
-
-def _power(base: z3.ExprRef, n: int) -> z3.ExprRef:
-    out = base
-    for _ in range(n - 1):
-        out = out * base
-    return out
-
-
-def exp_factored(x: z3.ExprRef, exp_fn: z3.FuncDeclRef) -> z3.ExprRef:
-    """exp(x) with the logs of positive terms taken out of the exponent
-    (L1, L2): prod P_k^c_k * exp(r); exp(x) itself when x has none."""
-    logs, rest = log_parts(x)
-    if not logs:
-        return exp_fn(x)
-    up = [_power(p, c) for p, c in logs if c > 0]
-    down = [_power(p, -c) for p, c in logs if c < 0]
-    out = exp_fn(z3.Sum(*rest)) if rest else None
-    for f in up:
-        out = f if out is None else out * f
-    if out is None:
-        out = z3.RealVal(1)
-    for f in down:
-        out = out / f
-    return out
-
-
-def has_factorable_log(x: z3.ExprRef) -> bool:
-    return bool(log_parts(x)[0])
-
-
-class _Fractions:
-    """Terms as (numerator, denominator) with positive denominators; None:
-    a division by a term not known positive."""
+class Algebra:
+    """Normal forms of Z3 terms; one instance shares its atoms and memo
+    between the terms it compares (those of one stage)."""
 
     def __init__(self) -> None:
-        self.memo: dict[int, tuple[z3.ExprRef, z3.ExprRef | None] | None] = {}
+        self.ids: dict[tuple, int] = {(): 0}  # frozen polynomial -> id
+        self.polys: list[Poly] = [{}]
+        self.atoms: dict[tuple, int] = {}
+        self.log_atoms: dict[int, int] = {}  # atom -> id of the positive it is the log of
+        self.const_logs: dict[int, Fraction] = {}  # atom -> c of log c
+        self.memo: dict[int, Frac] = {}
+        self.signs: dict[int, int] = {}
+        self.sums: dict[tuple[int, int], int] = {}
 
-    def of(self, t: z3.ExprRef) -> tuple[z3.ExprRef, z3.ExprRef | None] | None:
-        key = t.get_id()
-        if key not in self.memo:
-            self.memo[key] = self._of(t)
-        return self.memo[key]
+    # polynomials
 
-    def _of(self, t: z3.ExprRef):
-        kids = t.children() if z3.is_app(t) else []
-        if z3.is_app_of(t, z3.Z3_OP_ADD) or z3.is_app_of(t, z3.Z3_OP_SUB):
-            parts = [self.of(c) for c in kids]
-            if any(p is None for p in parts):
-                return None
-            n, d = parts[0]
-            for n2, d2 in parts[1:]:
-                if z3.is_app_of(t, z3.Z3_OP_SUB):
-                    n2 = -n2
-                if (d is None and d2 is None) or (d is not None and d2 is not None and d.eq(d2)):
-                    n = n + n2
+    def intern(self, p: Poly) -> int:
+        frozen = tuple(sorted((m, c) for m, c in p.items() if c))
+        got = self.ids.get(frozen)
+        if got is None:
+            got = self.ids[frozen] = len(self.polys)
+            self.polys.append(dict(frozen))
+        return got
+
+    def add_ids(self, a: int, b: int) -> int:
+        if not a or not b:
+            return a or b
+        key = (a, b) if a < b else (b, a)
+        got = self.sums.get(key)
+        if got is None:
+            got = self.sums[key] = self.intern(self.add(self.polys[a], self.polys[b]))
+        return got
+
+    def mono_mul(self, m: Mono, n: Mono) -> Mono:
+        if not m[0] and not n[0]:
+            return (), self.add_ids(m[1], n[1])
+        powers = dict(m[0])
+        for a, k in n[0]:
+            powers[a] = powers.get(a, 0) + k
+        return (tuple(sorted((a, k) for a, k in powers.items() if k)),
+                self.add_ids(m[1], n[1]))
+
+    @staticmethod
+    def add(p: Poly, q: Poly, sign_q: int = 1) -> Poly:
+        out = dict(p)
+        for m, c in q.items():
+            v = out.get(m, 0) + sign_q * c
+            if v:
+                out[m] = v
+            else:
+                out.pop(m, None)
+        return out
+
+    def mul(self, p: Poly, q: Poly) -> Poly:
+        if len(p) * len(q) > LIMIT:
+            raise TooBig
+        out: Poly = {}
+        for m, c in p.items():
+            for n, d in q.items():
+                k = self.mono_mul(m, n)
+                v = out.get(k, 0) + c * d
+                if v:
+                    out[k] = v
                 else:
-                    n = (n if d2 is None else n * d2) + (n2 if d is None else n2 * d)
-                    d = _mul(d, d2)
+                    out.pop(k, None)
+        return out
+
+    def expand(self, factors: tuple[int, ...]) -> Poly:
+        out: Poly = {ONE: Fraction(1)}
+        for f in factors:
+            out = self.mul(out, self.polys[f])
+        return out
+
+    def unit(self, p: Poly) -> tuple[Fraction, Poly, int]:
+        """p = c exp(E) p' with E the mean of p's exponents and c the first
+        coefficient of p' when positive: (c, E as a polynomial, id of p')."""
+        mean: Poly = {}
+        for m in p:
+            mean = self.add(mean, self.polys[m[1]])
+        mean = {m: c / len(p) for m, c in mean.items()}
+        shift = self.intern({m: -c for m, c in mean.items()})
+        rest = {self.mono_mul(m, ((), shift)): c for m, c in p.items()}
+        first = rest[min(rest)]
+        c = first if first > 0 else Fraction(1)
+        return c, mean, self.intern({m: v / c for m, v in rest.items()})
+
+    # quotients
+
+    def frac_add(self, a: Frac, b: Frac, sign_b: int = 1) -> Frac:
+        (n1, d1), (n2, d2) = a, b
+        if d1 == d2:
+            return self.add(n1, n2, sign_b), d1
+        lcm = _union(d1, d2)
+        return (self.add(self.mul(n1, self.expand(_minus(lcm, d1))),
+                         self.mul(n2, self.expand(_minus(lcm, d2))), sign_b), lcm)
+
+    def cancel(self, n: Poly, d: tuple[int, ...]) -> tuple[Poly, tuple[int, ...]]:
+        """n / d with n = c exp(E) f for a factor f of d: c exp(E) / (d - f)."""
+        if not n or not d:
             return n, d
+        c, mean, rest = self.unit(n)
+        if rest in d:
+            return {((), self.intern(mean)): c}, _minus(d, (rest,))
+        return n, d
+
+    def frac_mul(self, a: Frac, b: Frac) -> Frac:
+        (n1, d1), (n2, d2) = a, b
+        n1, d2 = self.cancel(n1, d2)
+        n2, d1 = self.cancel(n2, d1)
+        return self.mul(n1, n2), tuple(sorted(d1 + d2))
+
+    def frac_div(self, a: Frac, b: Frac) -> Frac:
+        """a / b for b positive."""
+        (n1, d1), (n2, d2) = a, b
+        c, mean, rest = self.unit(n2)
+        inverse = {((), self.intern({m: -v for m, v in mean.items()})): 1 / c}
+        common = _common(d1, d2)
+        top = self.mul(self.mul(n1, inverse), self.expand(_minus(d2, common)))
+        return self.cancel(top, tuple(sorted(_minus(d1, common) + (rest,))))
+
+    # atoms
+
+    def atom(self, key: tuple) -> Poly:
+        a = self.atoms.get(key)
+        if a is None:
+            a = self.atoms[key] = len(self.atoms) + 1
+        return {(((a, 1),), 0): Fraction(1)}
+
+    def log_of(self, p: Poly) -> Poly:
+        """log p for p positive (L2, L3)."""
+        c, mean, rest = self.unit(p)
+        out = dict(mean)
+        if rest != self.intern({ONE: Fraction(1)}):
+            atom = self.atom(("log", rest))
+            self.log_atoms[next(iter(atom))[0][0][0]] = rest
+            out = self.add(out, atom)
+        if c != 1:
+            atom = self.atom(("logc", c))
+            self.const_logs[next(iter(atom))[0][0][0]] = c
+            out = self.add(out, atom)
+        return out
+
+    def exp_of(self, x: Frac) -> Frac:
+        n, d = x
+        if d:
+            return self.atom(("exp", self.intern(n), d)), ()
+        rest: Poly = {}
+        up: list[int] = []
+        down: list[int] = []
+        scale = Fraction(1)
+        for m, c in n.items():
+            atoms, e = m
+            if (e == 0 and len(atoms) == 1 and atoms[0][1] == 1 and c.denominator == 1
+                    and (atoms[0][0] in self.log_atoms or atoms[0][0] in self.const_logs)):
+                a, k = atoms[0][0], int(c)
+                if a in self.const_logs:
+                    scale *= self.const_logs[a] ** k
+                else:
+                    (up if k > 0 else down).extend([self.log_atoms[a]] * abs(k))
+                continue
+            rest[m] = c
+        top = self.mul({((), self.intern(rest)): scale}, self.expand(tuple(up)))
+        return self.cancel(top, tuple(sorted(down)))
+
+    # terms
+
+    def of(self, t) -> Frac:
+        if not z3.is_expr(t):
+            return ({ONE: Fraction(t)} if t else {}), ()
+        key = t.get_id()
+        got = self.memo.get(key)
+        if got is None:
+            got = self.memo[key] = self._of(t)
+        return got
+
+    def _positive(self, t: z3.ExprRef) -> bool:
+        return sign(t, self.signs) == 2
+
+    def _of(self, t: z3.ExprRef) -> Frac:
+        v = _value(t)
+        if v is not None:
+            return ({ONE: v} if v else {}), ()
+        kids = t.children() if z3.is_app(t) else []
+        if z3.is_app_of(t, z3.Z3_OP_ADD):
+            out = self.of(kids[0])
+            for k in kids[1:]:
+                out = self.frac_add(out, self.of(k))
+            return out
+        if z3.is_app_of(t, z3.Z3_OP_SUB):
+            out = self.of(kids[0])
+            for k in kids[1:]:
+                out = self.frac_add(out, self.of(k), -1)
+            return out
         if z3.is_app_of(t, z3.Z3_OP_UMINUS):
-            p = self.of(kids[0])
-            return None if p is None else (-p[0], p[1])
+            n, d = self.of(kids[0])
+            return {m: -c for m, c in n.items()}, d
         if z3.is_app_of(t, z3.Z3_OP_MUL):
-            parts = [self.of(c) for c in kids]
-            if any(p is None for p in parts):
-                return None
-            n, d = parts[0]
-            for n2, d2 in parts[1:]:
-                n, d = n * n2, _mul(d, d2)
-            return n, d
-        if z3.is_app_of(t, z3.Z3_OP_DIV):
-            a, b = self.of(kids[0]), self.of(kids[1])
-            if a is None or b is None or not positive(kids[1]):
-                return None
-            return (a[0] if b[1] is None else a[0] * b[1]), _mul(a[1], b[0])
-        e = _integer_power(t)
-        if e is not None:
-            p = self.of(kids[0])
-            if p is None:
-                return None
-            if e >= 0:
-                return (_power(p[0], e) if e else z3.RealVal(1)), (
-                    None if p[1] is None or e == 0 else _power(p[1], e))
-            if not positive(kids[0]):
-                return None
-            return (z3.RealVal(1) if p[1] is None else _power(p[1], -e)), _power(p[0], -e)
-        return t, None
+            out = self.of(kids[0])
+            for k in kids[1:]:
+                out = self.frac_mul(out, self.of(k))
+            return out
+        if z3.is_app_of(t, z3.Z3_OP_DIV) and self._positive(kids[1]):
+            return self.frac_div(self.of(kids[0]), self.of(kids[1]))
+        power = _integer_power(t)
+        if power is not None and (power >= 0 or self._positive(kids[0])):
+            base = self.of(kids[0])
+            out: Frac = ({ONE: Fraction(1)}, ())
+            for _ in range(abs(power)):
+                out = self.frac_mul(out, base)
+            return out if power >= 0 else self.frac_div(({ONE: Fraction(1)}, ()), out)
+        if _is_fn(t, EXP):
+            return self.exp_of(self.of(kids[0]))
+        if _is_fn(t, LOG) and self._positive(kids[0]):
+            n, d = self.of(kids[0])
+            out = self.log_of(n)
+            for f in d:
+                out = self.add(out, self.log_of(self.polys[f]), -1)
+            return out, ()
+        if z3.is_app(t) and t.decl().kind() == z3.Z3_OP_UNINTERPRETED:
+            args = tuple((self.intern(n), d) for n, d in (self.of(k) for k in kids))
+            return self.atom(("fn", t.decl().name(), args)), ()
+        return self.atom(("term", t.get_id())), ()
+
+    def equal(self, a, b) -> bool:
+        """True only if a == b is proved by the normal form."""
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 20_000))
+        try:
+            n, _ = self.frac_add(self.of(a), self.of(b), -1)
+            return not n
+        except (TooBig, RecursionError, ZeroDivisionError):
+            return False
+        finally:
+            sys.setrecursionlimit(limit)
 
 
-def _mul(a: z3.ExprRef | None, b: z3.ExprRef | None) -> z3.ExprRef | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a * b
+def _union(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    out = list(a)
+    rest = list(a)
+    for f in b:
+        if f in rest:
+            rest.remove(f)
+        else:
+            out.append(f)
+    return tuple(sorted(out))
 
 
-def _size(t: z3.ExprRef, limit: int) -> int:
-    seen: set[int] = set()
-    stack = [t]
-    while stack and len(seen) <= limit:
-        e = stack.pop()
-        if e.get_id() in seen:
-            continue
-        seen.add(e.get_id())
-        stack.extend(e.children())
-    return len(seen)
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    rest, out = list(b), []
+    for f in a:
+        if f in rest:
+            rest.remove(f)
+            out.append(f)
+    return tuple(sorted(out))
 
 
-def _zero(t: z3.ExprRef) -> bool:
-    if _size(t, LIMIT) > LIMIT:
+def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    out = list(a)
+    for f in b:
+        out.remove(f)
+    return tuple(out)
+
+
+def touches(t) -> bool:
+    """Whether a term holds an exp, a log or a division: where the normal
+    form can add to Z3's polynomial normalisation."""
+    if not z3.is_expr(t):
         return False
-    s = z3.simplify(t, som=True)
-    v = _value(s)
-    return v is not None and v == 0
-
-
-def _rational_zero(terms: list[z3.ExprRef], fr: _Fractions) -> bool:
-    if not terms:
-        return True
-    p = fr.of(z3.Sum(*terms) if len(terms) > 1 else terms[0])
-    return p is not None and _zero(p[0])
-
-
-def _ratio_one(logs: list[tuple[z3.ExprRef, int]], fr: _Fractions) -> bool:
-    up = [_power(p, c) for p, c in logs if c > 0]
-    down = [_power(p, -c) for p, c in logs if c < 0]
-    top = fr.of(z3.Product(*up) if len(up) > 1 else up[0] if up else z3.RealVal(1))
-    bottom = fr.of(z3.Product(*down) if len(down) > 1 else down[0] if down else z3.RealVal(1))
-    if top is None or bottom is None:
-        return False
-    (n1, d1), (n2, d2) = top, bottom
-    return _zero((n1 if d2 is None else n1 * d2) - (n2 if d1 is None else n2 * d1))
-
-
-def _touches(t: z3.ExprRef) -> bool:
-    """Whether t holds a division or a log: where the algebra can add to
-    Z3's own normal form."""
     seen: set[int] = set()
     stack = [t]
     while stack:
@@ -265,19 +370,12 @@ def _touches(t: z3.ExprRef) -> bool:
         if e.get_id() in seen:
             continue
         seen.add(e.get_id())
-        if z3.is_app_of(e, z3.Z3_OP_DIV) or _is_fn(e, LOG):
+        if z3.is_app_of(e, z3.Z3_OP_DIV) or _is_fn(e, LOG) or _is_fn(e, EXP):
             return True
         stack.extend(e.children())
     return False
 
 
-def equal(a: z3.ExprRef, b: z3.ExprRef) -> bool:
-    """True only if a == b is proved by the algebra (module docstring)."""
-    a, b = (v if z3.is_expr(v) else z3.RealVal(v) for v in (a, b))
-    if not (_touches(a) or _touches(b)):
-        return False
-    logs, rest = log_parts(a - b)
-    fr = _Fractions()
-    if not logs:  # the terms as built: Z3's simplifier may guard its divisions
-        return _rational_zero([a - b], fr)
-    return _rational_zero(rest, fr) and _ratio_one(logs, fr)
+def equal(a, b) -> bool:
+    """True only if a == b is proved by the normal form (module docstring)."""
+    return Algebra().equal(a, b)

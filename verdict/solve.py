@@ -7,8 +7,10 @@ members, which are fresh. A scaled Tp (docs/soundness.md, "Scaled claims")
 takes part through its norm, Tp / scale: the substitution sets Tp to scale
 times the value a Tp of scale 1 would get, and every claim compares norms.
 Cheap proofs come first: a claim whose difference simplifies to 0 is proved
-without the solver. What is left goes to Z3 as one query: is there an input
-for which some claim fails?
+without the solver, and so is one whose two sides have one exponential
+normal form (verdict/expalgebra.py: exp(a + b) = exp(a) exp(b), exp(log x)
+= x for x > 0; docs/soundness.md, "Exponentials and logarithms"). What is
+left goes to Z3 as one query: is there an input for which some claim fails?
 
 The symbolic arrays come from a backend passed in (:class:`Symbolic`; main.py
 passes ``backends.z3backend.Z3``): verdict/ never imports backends/.
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import z3
 
+from verdict.expalgebra import Algebra, touches
 from verdict.numeric import run_node
 from verdict.plan import Node
 from verdict.problem import LineageFact, Problem
@@ -188,6 +191,7 @@ class _Run:
         """Open claims (as Z3 inequalities), definitely failing groups, and
         whether every claim was settled without the solver."""
         open_, definite = [], []
+        algebra = Algebra()  # one per stage: its atoms are shared by the claims
         for c, g, total, piece in self.pairs():
             for a, b in zip(np.ravel(total), np.ravel(piece)):
                 if _is_const(a) or _is_const(b):
@@ -202,6 +206,8 @@ class _Run:
                 diff = z3.simplify(a - b, som=True)
                 if z3.is_rational_value(diff) and diff.as_fraction() == 0:
                     continue
+                if (touches(a) or touches(b)) and algebra.equal(a, b):
+                    continue  # the exponential normal form (verdict/expalgebra.py)
                 open_.append((c, g, a != b))
         return open_, definite, not open_
 
