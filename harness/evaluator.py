@@ -161,6 +161,20 @@ def _attention_grad(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     return [(ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ dout]
 
 
+def _lse_merge(oa: Tensor, la: Tensor, ob: Tensor, lb: Tensor) -> list[Tensor]:
+    """The attention over the union of two disjoint key sets from each one's
+    output and log-sum-exp: lse = logaddexp(la, lb), out = exp(la - lse) oa
+    + exp(lb - lse) ob (0 and -inf when neither saw a key)."""
+    _same_shape(oa, ob)
+    _same_shape(la, lb)
+    if oa.shape[:-1] != la.shape:
+        raise EvaluationError("lse_merge: outs and lses do not fit")
+    lse = torch.logaddexp(la, lb)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    wa, wb = torch.exp(la - finite), torch.exp(lb - finite)
+    return [wa[..., None] * oa + wb[..., None] * ob, lse]
+
+
 def _route(scores: Tensor, topk: int, capacity: int) -> Tensor:
     """Dispatch mask [B, S, E, C] of top-k routing with a static capacity:
     per sample, tokens in order, each token's experts by decreasing score
@@ -365,6 +379,7 @@ LOCAL: dict[str, Forward] = {
     "detach": lambda x: [_single(x).detach().clone()],
     "route": lambda x, topk, capacity: [_route(_single(x), topk, capacity)],
     "attention_grad": lambda x, **kw: _attention_grad(*x, **kw),
+    "lse_merge": lambda x: _lse_merge(*x),
     "sgd_step": _sgd,
     "adam_step": _adam,
     "clamp": lambda x, min=None, max=None: [torch.clamp(_single(x), min=min, max=max)],  # noqa: A006

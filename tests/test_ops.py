@@ -40,6 +40,7 @@ COVERED = {
     "transpose", "unflatten", "flatten", "repeat_interleave", "sum", "mean", "max",
     # nn (model leaves)
     "apply_rotary_emb", "causal_mask", "route", "attention", "attention_grad",
+    "lse_merge",
     # step
     "multiref", "zeros", "ones", "local_grad_accumulation", "detach", "sgd_step", "adam_step",
     # collectives
@@ -687,6 +688,7 @@ SHAPE_ERRORS: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
     ("attention", [(2, 3, 4), (2, 5, 3), (2, 5, 3)], {"scale": 1.0}),  # head dim
     ("attention_grad", [(2, 3, 3), (2, 3, 4), (2, 5, 4), (2, 5, 3), (2, 3, 3), (2, 4)],
      {"scale": 1.0}),  # lse rows
+    ("lse_merge", [(2, 3, 4), (2, 3), (2, 3, 4), (3, 2)], {}),
     ("route", [(2, 6)], {"topk": 1, "capacity": 2}),
     ("route", [(2, 6, 4)], {"topk": 5, "capacity": 2}),
     ("route", [(2, 6, 4)], {"topk": 0, "capacity": 2}),
@@ -762,5 +764,5 @@ def test_cases_cover_every_differentiable_op() -> None:
     assert forward_only == {"zeros", "ones", "local_grad_accumulation", "route", "detach",
                             "sgd_step", "adam_step",  # the steps: tests/test_optimizer.py
                             "clamp",  # test_clamp_is_torch_clamp
-                            "attention_grad"}  # tests/test_attention_merge.py
+                            "attention_grad", "lse_merge"}  # tests/test_attention_merge.py
     assert all(n in OPS for n in COLLECTIVES)

@@ -322,4 +322,59 @@ ATTENTION_GRAD = Op(
 )
 
 
-OPS = (ROTARY, CAUSAL_MASK, ROUTE, ATTENTION, ATTENTION_GRAD)
+def _neg_inf(x) -> np.ndarray:
+    """Where an array holds -inf (a Python or numpy float; never a term)."""
+    return np.vectorize(lambda v: isinstance(v, float) and v == -np.inf, otypes=[bool])(x) \
+        if np.size(x) else np.zeros(np.shape(x), dtype=bool)
+
+
+def _lse_merge_forward(xp, x):
+    """Two attentions over disjoint key sets merged by their log-sum-exps,
+    with the maximum shift kernels use: m = max(la, lb), lse = m +
+    log(exp(la - m) + exp(lb - m)), out = exp(la - lse) oa + exp(lb - lse) ob.
+    A side whose lse is -inf (it saw no key) weighs 0; both: 0 and -inf."""
+    oa, la, ob, lb = x
+    ea, eb = _neg_inf(la), _neg_inf(lb)
+    both = ea & eb
+    la0, lb0 = np.where(ea, 0.0, la), np.where(eb, 0.0, lb)
+    m = np.where(ea, lb0, np.where(eb, la0, xp.maximum(la0, lb0)))
+    wa = np.where(ea, 0.0, xp.exp(la0 - m))
+    wb = np.where(eb, 0.0, xp.exp(lb0 - m))
+    total = np.where(both, 1.0, wa + wb)
+    lse = m + xp.log(total)
+    pa = np.where(ea, 0.0, xp.exp(la0 - lse))
+    pb = np.where(eb, 0.0, xp.exp(lb0 - lse))
+    out = pa[..., None] * oa + pb[..., None] * ob
+    return np.where(both[..., None], 0.0, out), np.where(both, -np.inf, lse)
+
+
+def _lse_merge_shape(in_shapes):
+    expect(len(in_shapes) == 4, "lse_merge takes out_a, lse_a, out_b, lse_b")
+    oa, la, ob, lb = (tuple(s) for s in in_shapes)
+    expect(oa == ob and la == lb and len(oa) >= 1 and la == oa[:-1],
+           f"lse_merge: outs {oa}, {ob} and lses {la}, {lb} do not fit")
+    return [oa, la]
+
+
+def _lse_merge_dims(ins, outs):
+    shapes = [*ins, *outs]
+    slots = [("i", 0), ("i", 1), ("i", 2), ("i", 3), ("o", 0), ("o", 1)]
+    refs: dict[int, list[tuple]] = {}
+    for (side, pos), shape in zip(slots, shapes):
+        if shape is not None:
+            for d in range(len(shape)):
+                refs.setdefault(d, []).append((side, pos, d))
+    return [("eq", r[0], o) for r in refs.values() for o in r[1:]]
+
+
+LSE_MERGE = Op(
+    "lse_merge",
+    dims=_lse_merge_dims,
+    shape=_lse_merge_shape,
+    forward=_lse_merge_forward,
+    doc="two attentions over disjoint keys merged by their log-sum-exps (max-shifted): "
+        "(out, lse) of the union",
+)
+
+
+OPS = (ROTARY, CAUSAL_MASK, ROUTE, ATTENTION, ATTENTION_GRAD, LSE_MERGE)
