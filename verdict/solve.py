@@ -237,6 +237,22 @@ def _divisions(terms) -> list[z3.BoolRef]:
     return out
 
 
+def _decimal(val: z3.ExprRef) -> float:
+    """A huge rational's value, read from its leading digits (inf when it
+    is beyond a float)."""
+    num, den = val.numerator().as_string(), val.denominator().as_string()
+    sign = -1.0 if num.startswith("-") else 1.0
+    num = num.lstrip("-")
+
+    def lead(digits: str) -> float:
+        return float(digits[:17]) / 10.0 ** (min(len(digits), 17) - 1)
+
+    try:
+        return sign * lead(num) / lead(den) * 10.0 ** (len(num) - len(den))
+    except OverflowError:
+        return sign * math.inf
+
+
 def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
     out = np.empty(arr.shape, dtype=float)
     for idx, v in np.ndenumerate(arr):
@@ -244,10 +260,11 @@ def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
             out[idx] = float(v)
             continue
         val = model.eval(v, model_completion=True)
-        if z3.is_rational_value(val):
-            out[idx] = float(val.as_fraction())
-        else:
-            out[idx] = float(val.as_decimal(12).rstrip("?"))
+        try:
+            out[idx] = float(val.as_fraction()) if z3.is_rational_value(val) else float(
+                val.as_decimal(12).rstrip("?"))
+        except (ValueError, OverflowError):  # a rational past Python's digit limit
+            out[idx] = _decimal(val)
     return out
 
 
