@@ -359,8 +359,8 @@ def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def touches(t) -> bool:
-    """Whether a term holds an exp, a log or a division: where the normal
-    form can add to Z3's polynomial normalisation."""
+    """Whether a term holds an exp or a log: where the normal form can add
+    to Z3's polynomial normalisation."""
     if not z3.is_expr(t):
         return False
     seen: set[int] = set()
@@ -370,7 +370,7 @@ def touches(t) -> bool:
         if e.get_id() in seen:
             continue
         seen.add(e.get_id())
-        if z3.is_app_of(e, z3.Z3_OP_DIV) or _is_fn(e, LOG) or _is_fn(e, EXP):
+        if _is_fn(e, LOG) or _is_fn(e, EXP):
             return True
         stack.extend(e.children())
     return False

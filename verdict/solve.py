@@ -28,6 +28,8 @@ import numpy as np
 import z3
 
 from verdict.expalgebra import Algebra, touches
+from verdict.falsify import evaluate as evaluate_at
+from verdict.falsify import falsify
 from verdict.numeric import run_node
 from verdict.plan import Node
 from verdict.problem import LineageFact, Problem
@@ -114,6 +116,7 @@ class _Run:
         self.ts: dict[int, np.ndarray] = {}
         self.tp: dict[int, np.ndarray] = {}
         self.assume: list[z3.BoolRef] = []
+        self.open_pairs: list[tuple[int, int, Any, Any]] = []  # (claim, group, left, right)
 
     def setup(self) -> None:
         p = self.p
@@ -209,6 +212,7 @@ class _Run:
                 if (touches(a) or touches(b)) and algebra.equal(a, b):
                     continue  # the exponential normal form (verdict/expalgebra.py)
                 open_.append((c, g, a != b))
+                self.open_pairs.append((c, g, a, b))
         return open_, definite, not open_
 
 
@@ -282,6 +286,16 @@ def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000, *,
         return Outcome("error", f"{type(e).__name__}: {e}", time.perf_counter() - start)
     if cheap and not definite:
         return Outcome("proved", seconds=time.perf_counter() - start)
+    if not definite and not run.assume and any(touches(a) or touches(b)
+                                               for _, _, a, b in run.open_pairs):
+        found = falsify(run.open_pairs, seed)  # verdict/falsify.py
+        if found is not None:
+            values, bad = found
+            out = Outcome("counterexample", "evaluated", time.perf_counter() - start)
+            out.ts_values = {i: evaluate_at(values, a) for i, a in run.ts.items()}
+            out.tp_values = {i: evaluate_at(values, a) for i, a in run.tp.items()}
+            out.bad = bad
+            return out
     solver = z3.Solver()
     solver.set("random_seed", seed)
     solver.set("timeout", timeout_ms)
