@@ -16,7 +16,9 @@ polynomials*:
 * exp(x) takes the terms ``k log P`` (k an integer) out of x's exponent as
   P^k (L2); log(x), for x positive by its syntax, is
   ``log c + mean exponent + log P'`` with P' the normalised positive
-  (L2, and the mean makes every common shift cancel: L3).
+  (L2, and the mean makes every common shift cancel: L3); sigmoid(x) is
+  1 / (1 + exp(-x)), its definition (PyTorch's ring merges with sigmoid
+  and logsigmoid).
 
 Every rewrite is an identity of real arithmetic whose side condition
 (positivity) is read off the term's syntax; atoms are independent. So equal
@@ -31,7 +33,7 @@ from fractions import Fraction
 
 import z3
 
-EXP, LOG = "exp", "log"
+EXP, LOG, SIGMOID = "exp", "log", "sigmoid"
 #: a polynomial with more monomials than this is left to the solver
 LIMIT = 20_000
 
@@ -73,7 +75,7 @@ def sign(t: z3.ExprRef, memo: dict[int, int] | None = None) -> int:
     v = _value(t)
     if v is not None:
         out = 2 if v > 0 else 1 if v == 0 else 0
-    elif _is_fn(t, EXP):
+    elif _is_fn(t, EXP) or _is_fn(t, SIGMOID):
         out = 2
     elif z3.is_app_of(t, z3.Z3_OP_ADD):
         signs = [sign(c, memo) for c in t.children()]
@@ -307,6 +309,11 @@ class Algebra:
             return out if power >= 0 else self.frac_div(({ONE: Fraction(1)}, ()), out)
         if _is_fn(t, EXP):
             return self.exp_of(self.of(kids[0]))
+        if _is_fn(t, SIGMOID):  # 1 / (1 + exp(-x)), its definition
+            n, d = self.of(kids[0])
+            denominator = self.frac_add(({ONE: Fraction(1)}, ()),
+                                        self.exp_of(({m: -c for m, c in n.items()}, d)))
+            return self.frac_div(({ONE: Fraction(1)}, ()), denominator)
         if _is_fn(t, LOG) and self._positive(kids[0]):
             n, d = self.of(kids[0])
             out = self.log_of(n)
