@@ -10,8 +10,9 @@ kernels do; every parameter has a gradient buffer.
 The ring: rank c holds sequence chunk c of q, k, v and r. At step t it
 holds the key and value chunk of rank c - t (received from rank c - 1 with
 ``send_recv``), computes its query chunk's block against it unless that
-chunk comes after its own (a block wholly above the diagonal is skipped),
-and merges the block into its running (out, lse) with ``lse_merge``. The
+chunk comes after its own (a block wholly above the diagonal is skipped;
+a chunk no later rank computes with is not sent on), and merges the block
+into its running (out, lse) with ``lse_merge``. The
 backward runs ``attention_grad`` per block with the merged out and lse,
 sums the blocks' dq on the rank, and sends each block's dk and dv to the
 rank that holds the chunk, which sums them.
@@ -210,10 +211,17 @@ def ring_plan(ring: Ring) -> Plan:
     # the ring: at step t rank c holds the chunk of rank c - t
     arrivals: dict[int, list[tuple[int, int, int]]] = {c: [(c, k[c], v[c])] for c in range(C)}
     held = {c: (k[c], v[c]) for c in range(C)}
+    # a chunk is sent on while a rank after it still computes with it
+    needed = {(C - 1, c): (c + 1) % C <= c for c in range(C)}
+    for t in range(C - 2, -1, -1):
+        needed.update({(t, c): (c - t) % C <= c or needed[(t + 1, (c + 1) % C)]
+                       for c in range(C)})
     for t in range(1, C):
         moved = {}
         for c in range(C):
             src, chunk = (c - 1) % C, (c - t) % C
+            if not needed[(t, c)]:
+                continue
             kk, vv = w.piece(c, 0, "k", chunk), w.piece(c, 0, "v", chunk)
             w.node(c, "send_recv", "fw", [held[src][0]], [kk], {"src": src, "dst": c}, "ring.k")
             w.node(c, "send_recv", "fw", [held[src][1]], [vv], {"src": src, "dst": c}, "ring.v")
