@@ -29,6 +29,7 @@ left to the solver. ``equal`` answers True only on such a proof.
 from __future__ import annotations
 
 import sys
+import time
 from fractions import Fraction
 
 import z3
@@ -44,7 +45,7 @@ ONE: Mono = ((), 0)
 
 
 class TooBig(Exception):
-    """A polynomial past LIMIT: no answer from the algebra."""
+    """A polynomial past LIMIT, or the time budget spent: no answer."""
 
 
 def _is_fn(t: z3.ExprRef, name: str) -> bool:
@@ -101,7 +102,10 @@ class Algebra:
     """Normal forms of Z3 terms; one instance shares its atoms and memo
     between the terms it compares (those of one stage)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: float = 20.0) -> None:
+        #: seconds this instance may spend; past them every answer is "not
+        #: proved" and the claims go to the solver
+        self.deadline = time.perf_counter() + budget
         self.ids: dict[tuple, int] = {(): 0}  # frozen polynomial -> id
         self.polys: list[Poly] = [{}]
         self.atoms: dict[tuple, int] = {}
@@ -151,7 +155,7 @@ class Algebra:
         return out
 
     def mul(self, p: Poly, q: Poly) -> Poly:
-        if len(p) * len(q) > LIMIT:
+        if len(p) * len(q) > LIMIT or time.perf_counter() > self.deadline:
             raise TooBig
         out: Poly = {}
         for m, c in p.items():
@@ -215,7 +219,9 @@ class Algebra:
         inverse = {((), self.intern({m: -v for m, v in mean.items()})): 1 / c}
         common = _common(d1, d2)
         top = self.mul(self.mul(n1, inverse), self.expand(_minus(d2, common)))
-        return self.cancel(top, tuple(sorted(_minus(d1, common) + (rest,))))
+        one = self.intern({ONE: Fraction(1)})
+        return self.cancel(top, tuple(sorted(_minus(d1, common) + ((rest,) if rest != one
+                                                                    else ()))))
 
     # atoms
 
@@ -327,6 +333,8 @@ class Algebra:
 
     def equal(self, a, b) -> bool:
         """True only if a == b is proved by the normal form."""
+        if time.perf_counter() > self.deadline:
+            return False
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, 20_000))
         try:
