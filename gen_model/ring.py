@@ -2,20 +2,25 @@
 step, and its step on a ring of ``cp`` ranks that merges key blocks by
 their log-sum-exps (docs/parallelism.md, "Ring attention").
 
-The model: parameters q, k [B, S, D] and v [B, S, Dv], data r [B, S, Dv];
-``out, lse = attention(q, k, v)`` (causal), ``loss = sum(out * r)``. Its
-backward runs ``attention_grad`` with the forward's out and lse, as flash
-kernels do; every parameter has a gradient buffer.
+The model: data x [B, S, H] and r [B, S, Dv], parameters wq, wk [D, H]
+and wv [Dv, H]; ``q, k, v = linear(x, w*)``, ``out, lse = attention(q, k,
+v)`` (causal), ``loss = sum(out * r)``. Its backward runs
+``attention_grad`` with the forward's out and lse, as flash kernels do,
+then the projections' backward; every weight has a gradient buffer.
 
-The ring: rank c holds sequence chunk c of q, k, v and r. At step t it
-holds the key and value chunk of rank c - t (received from rank c - 1 with
-``send_recv``), computes its query chunk's block against it unless that
-chunk comes after its own (a block wholly above the diagonal is skipped;
-a chunk no later rank computes with is not sent on), and merges the block
-into its running (out, lse) with ``lse_merge``. The
-backward runs ``attention_grad`` per block with the merged out and lse,
-sums the blocks' dq on the rank, and sends each block's dk and dv to the
-rank that holds the chunk, which sums them.
+The ring: the sequence is cut into ``cp`` chunks, rank c holding chunk c,
+or, load-balanced, into 2 cp chunks, rank c holding chunks c and
+2 cp - 1 - c (PyTorch's head-tail balancer, Megatron's layout). Weights
+are replicated. Each rank projects its chunks; at step t it holds the key
+and value chunks of rank c - t (received from rank c - 1 with
+``send_recv``; a chunk no later rank computes with is not sent on), runs
+each of its query chunks against each key chunk not after it (a block
+wholly above the diagonal is skipped) and merges the block into that query
+chunk's running (out, lse) with ``lse_merge``. The backward runs
+``attention_grad`` per block with the merged out and lse, sums a query
+chunk's dq over its blocks, sends each block's dk and dv to the rank that
+holds the key chunk, which sums them, and accumulates the weights'
+gradients per chunk; a reducer sums the buffers over the ranks.
 
 A block's output and log-sum-exp, and a running merge, are pieces of no
 single-device tensor: they claim loose parts of the attention's out and
@@ -31,48 +36,70 @@ from dataclasses import dataclass
 
 from verdict.plan import Logical, Node, Plan, Tensor
 
-NAMES = ("q", "k", "v", "r", "out", "lse", "y", "loss", "loss.grad", "y.grad", "out.grad",
-         "q.grad", "k.grad", "v.grad", "q.grad_buffer", "k.grad_buffer", "v.grad_buffer")
+WEIGHTS = ("wq", "wk", "wv")
+NAMES = ("x", "r", *WEIGHTS, "q", "k", "v", "out", "lse", "y", "loss", "loss.grad", "y.grad",
+         "out.grad", "q.grad", "k.grad", "v.grad", *(f"{w}.grad" for w in WEIGHTS),
+         *(f"{w}.grad_buffer" for w in WEIGHTS))
 #: The masked scores' row maximum, computed and unused by the single-device
 #: step of a model whose ring has the "no_shift" fault (the fault reads it).
 SCORES = ("scores", "scores.scaled", "scores.masked", "rowmax")
 T = {name: tid for tid, name in enumerate(NAMES + SCORES)}
 WHOLE = (0, 1, 1)
-#: Faults a ring can be written with, each on the last rank (the one with
-#: the most blocks): a block left out of the merge, a block merged with the
-#: lse of the block before it, the diagonal block masked as the chunk
-#: before it (every key visible), a block's lse without its shift (the
-#: kernel's row maximum not added back).
+#: Faults a ring can be written with, each on the last rank's last query
+#: chunk (the one with the most blocks): a block left out of the merge, a
+#: block merged with the lse of the block before it, the diagonal block
+#: masked as the chunk before it (every key visible), a block's lse without
+#: its shift (the kernel's row maximum not added back).
 FAULTS = ("dropped_block", "other_lse", "mask_chunk", "no_shift")
 
 
 @dataclass(frozen=True)
 class Ring:
-    """A ring attention layer: ``cp`` ranks, ``chunk`` positions each."""
+    """A ring attention layer: ``cp`` ranks, ``chunk`` positions a chunk."""
 
     cp: int = 2
     chunk: int = 2
     batch: int = 1
+    hidden: int = 2
     head_dim: int = 2
     value_dim: int = 2
-    #: a fault of the last rank's forward, for the checks of the checker
-    #: (FAULTS); "" for none
+    #: two chunks a rank, head and tail (load balancing of causal attention)
+    balanced: bool = False
+    #: a fault (FAULTS) of the last rank's forward, for the checks of the
+    #: checker; "" for none
     fault: str = ""
 
     @property
+    def chunks(self) -> int:
+        return self.cp * (2 if self.balanced else 1)
+
+    @property
     def seqlen(self) -> int:
-        return self.cp * self.chunk
+        return self.chunks * self.chunk
 
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
 
+    def held(self, rank: int) -> list[int]:
+        """The sequence chunks of a rank."""
+        return [rank, 2 * self.cp - 1 - rank] if self.balanced else [rank]
+
+    def owner(self, chunk: int) -> int:
+        return chunk if chunk < self.cp else 2 * self.cp - 1 - chunk
+
+    def part(self, chunk: int) -> int:
+        """A chunk's part of a sum over chunks: by rank, then which of the
+        rank's chunks, so that a rank's chunks are one range."""
+        return 2 * self.owner(chunk) + int(chunk >= self.cp) if self.balanced else chunk
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        b, s, d, dv = self.batch, self.seqlen, self.head_dim, self.value_dim
-        three = {"q": d, "k": d, "v": dv, "r": dv, "out": dv, "y": dv, "y.grad": dv,
-                 "out.grad": dv, "q.grad": d, "k.grad": d, "v.grad": dv, "q.grad_buffer": d,
-                 "k.grad_buffer": d, "v.grad_buffer": dv}
-        out = {name: (b, s, last) for name, last in three.items()}
+        b, s, h, d, dv = self.batch, self.seqlen, self.hidden, self.head_dim, self.value_dim
+        last = {"x": h, "r": dv, "q": d, "k": d, "v": dv, "out": dv, "y": dv, "y.grad": dv,
+                "out.grad": dv, "q.grad": d, "k.grad": d, "v.grad": dv}
+        out = {name: (b, s, n) for name, n in last.items()}
+        for w, rows in zip(WEIGHTS, (d, d, dv)):
+            out.update({w: (rows, h), f"{w}.grad": (rows, h), f"{w}.grad_buffer": (rows, h)})
         out.update({"lse": (b, s), "loss": (), "loss.grad": (), "rowmax": (b, s)})
         out.update({name: (b, s, s) for name in SCORES[:3]})
         return out
@@ -82,14 +109,17 @@ class Ring:
 
     def world(self, parallel: bool) -> dict:
         w = {"model": "ring_attention", "variant": "default", "gbs": self.batch, "dp": 1,
-             "tp": 1, "pp": 1, "ep": 1, "nm": 1, "seqlen": self.seqlen, "heads": 1,
-             "head_dim": self.head_dim, "value_dim": self.value_dim, "optimizer": "none"}
+             "tp": 1, "pp": 1, "ep": 1, "nm": 1, "seqlen": self.seqlen, "hidden": self.hidden,
+             "heads": 1, "head_dim": self.head_dim, "value_dim": self.value_dim,
+             "optimizer": "none"}
         if parallel:
             w["cp"] = self.cp
+            if self.balanced:
+                w["cp_balance"] = True
         return w
 
     def logical(self) -> list[Logical]:
-        kinds = {"q": "param", "k": "param", "v": "param", "r": "data", "loss": "loss"}
+        kinds = {"x": "data", "r": "data", "loss": "loss", **{w: "param" for w in WEIGHTS}}
         shapes = self.shapes()
         return [Logical(n, shapes[n], kinds.get(n, "grad" if n.endswith(".grad") else
                                                 "gradbuf" if n.endswith("_buffer") else "act"))
@@ -100,17 +130,17 @@ class Ring:
 
 
 class _Writer:
-    """Tensors with SSA versions per (rank, tensor) and nodes, in order."""
+    """Tensors with SSA versions per (rank, tensor), and nodes in order."""
 
     def __init__(self, ring: Ring, parallel: bool):
         self.ring = ring
         self.plan = Plan(world=ring.world(parallel), logical=ring.logical(), loss=T["loss"],
-                         grads={T[p]: T[f"{p}.grad_buffer"] for p in ("q", "k", "v")})
+                         grads={T[w]: T[f"{w}.grad_buffer"] for w in WEIGHTS})
         self.versions: Counter = Counter()
         self.loose_count = 0
         self.shapes = ring.shapes()
 
-    def piece(self, rank: int, mb: int, name: str, chunk: int | None,
+    def piece(self, rank: int, mb: int, name: str, chunk: int | None = None,
               parts: tuple[int, int, int] = WHOLE, lver: int = 0, cols: int | None = None
               ) -> int:
         """Tensor ``name`` on ``rank``: sequence chunk ``chunk`` (None: whole),
@@ -140,41 +170,21 @@ class _Writer:
         self.plan.nodes.append(Node(rank, mb, op, direction, tuple(inputs), tuple(outputs),
                                     dict(kw or {}), name or op))
 
-    def buffers(self, rank: int, grads: dict[str, int], chunk: int | None) -> None:
-        for p in ("q", "k", "v"):
-            name = f"{p}.grad_buffer"
-            zero = self.piece(rank, -1, name, chunk)
-            self.node(rank, "zeros", "none", [], [zero],
-                      {"shape": list(self.plan.tensors[zero].shape)}, name, mb=-1)
-            done = self.piece(rank, 0, name, chunk, lver=1)
-            self.node(rank, "local_grad_accumulation", "none", [zero, grads[p]], [done], {},
-                      name)
+    def project(self, rank: int, x: int, weights: dict[str, int], chunk: int | None
+                ) -> dict[str, int]:
+        out = {}
+        for name, w in zip("qkv", WEIGHTS):
+            out[name] = self.piece(rank, 0, name, chunk)
+            self.node(rank, "linear", "fw", [x, weights[w]], [out[name]], {}, name)
+        return out
 
-
-def single_plan(ring: Ring) -> Plan:
-    """The single-device step of the layer."""
-    w = _Writer(ring, parallel=False)
-    q, k, v = (w.piece(0, -1, n, None) for n in ("q", "k", "v"))
-    r = w.piece(0, 0, "r", None)
-    out, lse = w.piece(0, 0, "out", None), w.piece(0, 0, "lse", None)
-    if ring.fault == "no_shift":
-        _row_max(w, ring, 0, q, k, None, None)
-    w.node(0, "attention", "fw", [q, k, v], [out, lse], ring.attention_kw())
-    y = w.piece(0, 0, "y", None)
-    w.node(0, "mul", "fw", [out, r], [y])
-    loss = w.piece(0, 0, "loss", None)
-    w.node(0, "sum", "fw", [y], [loss], {"dim": None, "keepdim": False})
-    seed = w.piece(0, 0, "loss.grad", None)
-    w.node(0, "ones", "bw", [], [seed], {"shape": []}, "loss.grad")
-    dy = w.piece(0, 0, "y.grad", None)
-    w.node(0, "sum", "bw", [-1, seed], [dy], {"dim": None, "keepdim": False})
-    dout = w.piece(0, 0, "out.grad", None)
-    w.node(0, "mul", "bw", [out, r, dy], [dout, -1])
-    grads = {p: w.piece(0, 0, f"{p}.grad", None) for p in ("q", "k", "v")}
-    w.node(0, "attention_grad", "bw", [dout, q, k, v, out, lse],
-           [grads["q"], grads["k"], grads["v"]], ring.attention_kw())
-    w.buffers(0, grads, None)
-    return w.plan
+    def project_back(self, rank: int, x: int, weights: dict[str, int], grads: dict[str, int],
+                     chunk: int | None, parts: tuple[int, int, int]) -> dict[str, int]:
+        out = {}
+        for name, w in zip("qkv", WEIGHTS):
+            out[w] = self.piece(rank, 0, f"{w}.grad", None, parts)
+            self.node(rank, "linear", "bw", [x, weights[w], grads[name]], [-1, out[w]], {}, name)
+        return out
 
 
 def _row_max(w: _Writer, ring: Ring, rank: int, q: int, k: int, row: int | None,
@@ -191,123 +201,211 @@ def _row_max(w: _Writer, ring: Ring, rank: int, q: int, k: int, row: int | None,
     return top
 
 
-def _unshifted(w: _Writer, ring: Ring, c: int, b: int, q: int, k: int, lse: int) -> int:
+def single_plan(ring: Ring) -> Plan:
+    """The single-device step of the layer."""
+    w = _Writer(ring, parallel=False)
+    weights = {name: w.piece(0, -1, name) for name in WEIGHTS}
+    x, r = w.piece(0, 0, "x"), w.piece(0, 0, "r")
+    qkv = w.project(0, x, weights, None)
+    if ring.fault == "no_shift":
+        _row_max(w, ring, 0, qkv["q"], qkv["k"], None, None)
+    out, lse = w.piece(0, 0, "out"), w.piece(0, 0, "lse")
+    w.node(0, "attention", "fw", [qkv["q"], qkv["k"], qkv["v"]], [out, lse], ring.attention_kw())
+    y = w.piece(0, 0, "y")
+    w.node(0, "mul", "fw", [out, r], [y])
+    loss = w.piece(0, 0, "loss")
+    w.node(0, "sum", "fw", [y], [loss], {"dim": None, "keepdim": False})
+    seed = w.piece(0, 0, "loss.grad")
+    w.node(0, "ones", "bw", [], [seed], {"shape": []}, "loss.grad")
+    dy = w.piece(0, 0, "y.grad")
+    w.node(0, "sum", "bw", [-1, seed], [dy], {"dim": None, "keepdim": False})
+    dout = w.piece(0, 0, "out.grad")
+    w.node(0, "mul", "bw", [out, r, dy], [dout, -1])
+    grads = {n: w.piece(0, 0, f"{n}.grad") for n in "qkv"}
+    w.node(0, "attention_grad", "bw", [dout, qkv["q"], qkv["k"], qkv["v"], out, lse],
+           [grads["q"], grads["k"], grads["v"]], ring.attention_kw())
+    wgrads = w.project_back(0, x, weights, grads, None, WHOLE)
+    for name in WEIGHTS:
+        buf = f"{name}.grad_buffer"
+        zero = w.piece(0, -1, buf)
+        w.node(0, "zeros", "none", [], [zero], {"shape": list(ring.shapes()[buf])}, buf, mb=-1)
+        done = w.piece(0, 0, buf, lver=1)
+        w.node(0, "local_grad_accumulation", "none", [zero, wgrads[name]], [done], {}, buf)
+    return w.plan
+
+
+def _unshifted(w: _Writer, ring: Ring, rank: int, a: int, b: int, q: int, k: int,
+               lse: int) -> int:
     """lse minus the block's row maximum of its masked scores: the
     log-sum-exp of the shifted scores, as a kernel that forgets to add its
     shift back returns it. The block's row maximum is part b of the partial
     maximum over key chunks of the single-device row maximum."""
-    top = _row_max(w, ring, c, q, k, c, b, (b, b + 1, -ring.cp))
-    out = w.piece(c, 0, "lse", c, w.loose())
-    w.node(c, "sub", "fw", [lse, top], [out], {}, "ring.unshifted")
+    top = _row_max(w, ring, rank, q, k, a, b, (b, b + 1, -ring.chunks))
+    out = w.piece(rank, 0, "lse", a, w.loose())
+    w.node(rank, "sub", "fw", [lse, top], [out], {}, "ring.unshifted")
     return out
+
+
+def _rotate(w: _Writer, ring: Ring, qkv: dict[int, dict[str, int]]
+            ) -> dict[int, list[tuple[int, int, int]]]:
+    """The key and value chunks each rank holds, in the order they arrive:
+    (chunk, k, v). A rank's chunks travel on to the next rank while a later
+    rank computes with them."""
+    C = ring.cp
+
+    def used(rank: int, chunk: int) -> bool:
+        return any(a >= chunk for a in ring.held(rank))
+
+    needed = {(C - 1, c, a): used(c, a) for c in range(C) for a in ring.held((c + 1) % C)}
+    for t in range(C - 2, -1, -1):
+        for c in range(C):
+            for a in ring.held((c - t) % C):
+                needed[(t, c, a)] = used(c, a) or needed[(t + 1, (c + 1) % C, a)]
+    held = {c: {a: (qkv[a]["k"], qkv[a]["v"]) for a in ring.held(c)} for c in range(C)}
+    arrivals = {c: [(a, *held[c][a]) for a in ring.held(c)] for c in range(C)}
+    for t in range(1, C):
+        moved: dict[int, dict[int, tuple[int, int]]] = {}
+        for c in range(C):
+            src = (c - 1) % C
+            moved[c] = {}
+            for a in ring.held((c - t) % C):
+                if not needed[(t, c, a)]:
+                    continue
+                kk, vv = w.piece(c, 0, "k", a), w.piece(c, 0, "v", a)
+                w.node(c, "send_recv", "fw", [held[src][a][0]], [kk], {"src": src, "dst": c},
+                       "ring.k")
+                w.node(c, "send_recv", "fw", [held[src][a][1]], [vv], {"src": src, "dst": c},
+                       "ring.v")
+                moved[c][a] = (kk, vv)
+                arrivals[c].append((a, kk, vv))
+        held = moved
+    return arrivals
+
+
+def _merge(w: _Writer, ring: Ring, rank: int, a: int, q: int, blocks, fault: str
+           ) -> tuple[int, int]:
+    """Query chunk a's blocks, merged in arrival order: its (out, lse)."""
+    merged = blocks[:-1] if fault == "dropped_block" else blocks
+    run, previous = None, -1
+    for i, (b, kk, vv) in enumerate(merged):
+        final = i == len(merged) - 1
+        alone = len(merged) == 1
+        o = w.piece(rank, 0, "out", a, WHOLE if alone else w.loose())
+        lo = w.piece(rank, 0, "lse", a, WHOLE if alone else w.loose())
+        col = b - 1 if fault == "mask_chunk" and b == a else b
+        w.node(rank, "attention", "fw", [q, kk, vv], [o, lo], ring.attention_kw(a, col),
+               f"ring.block{i}")
+        if fault == "no_shift" and final:
+            lo = _unshifted(w, ring, rank, a, b, q, kk, lo)
+        if run is None:
+            run, previous = (o, lo), lo
+            continue
+        if fault == "other_lse" and final:
+            lo = previous
+        previous = lo
+        parts = WHOLE if final else w.loose()
+        mo, ml = w.piece(rank, 0, "out", a, parts), w.piece(rank, 0, "lse", a, parts)
+        w.node(rank, "lse_merge", "fw", [run[0], run[1], o, lo], [mo, ml], {},
+               f"ring.merge{i}")
+        run = (mo, ml)
+    return run
 
 
 def ring_plan(ring: Ring) -> Plan:
     """The step on a ring of ``ring.cp`` ranks (module docstring)."""
     w = _Writer(ring, parallel=True)
-    C = ring.cp
-    q, k, v, r = ({c: w.piece(c, -1 if n != "r" else 0, n, c) for c in range(C)}
-                  for n in ("q", "k", "v", "r"))
-    # the ring: at step t rank c holds the chunk of rank c - t
-    arrivals: dict[int, list[tuple[int, int, int]]] = {c: [(c, k[c], v[c])] for c in range(C)}
-    held = {c: (k[c], v[c]) for c in range(C)}
-    # a chunk is sent on while a rank after it still computes with it
-    needed = {(C - 1, c): (c + 1) % C <= c for c in range(C)}
-    for t in range(C - 2, -1, -1):
-        needed.update({(t, c): (c - t) % C <= c or needed[(t + 1, (c + 1) % C)]
-                       for c in range(C)})
-    for t in range(1, C):
-        moved = {}
-        for c in range(C):
-            src, chunk = (c - 1) % C, (c - t) % C
-            if not needed[(t, c)]:
-                continue
-            kk, vv = w.piece(c, 0, "k", chunk), w.piece(c, 0, "v", chunk)
-            w.node(c, "send_recv", "fw", [held[src][0]], [kk], {"src": src, "dst": c}, "ring.k")
-            w.node(c, "send_recv", "fw", [held[src][1]], [vv], {"src": src, "dst": c}, "ring.v")
-            moved[c] = (kk, vv)
-            arrivals[c].append((chunk, kk, vv))
-        held = moved
-    blocks = {c: [a for a in arrivals[c] if a[0] <= c] for c in range(C)}
-    outs, lses, losses = {}, {}, {}
+    C, n = ring.cp, ring.chunks
+    weights = {c: {name: w.piece(c, -1, name) for name in WEIGHTS} for c in range(C)}
+    x = {a: w.piece(ring.owner(a), 0, "x", a) for c in range(C) for a in ring.held(c)}
+    r = {a: w.piece(ring.owner(a), 0, "r", a) for c in range(C) for a in ring.held(c)}
+    qkv = {a: w.project(ring.owner(a), x[a], weights[ring.owner(a)], a)
+           for c in range(C) for a in ring.held(c)}
+    arrivals = _rotate(w, ring, qkv)
+    blocks = {a: [blk for blk in arrivals[ring.owner(a)] if blk[0] <= a]
+              for c in range(C) for a in ring.held(c)}
+    outs, losses = {}, {}
     for c in range(C):
-        fault = ring.fault if c == C - 1 and len(blocks[c]) > 1 else ""
-        merged = blocks[c][:-1] if fault == "dropped_block" else blocks[c]
-        run, previous = None, -1
-        for i, (b, kk, vv) in enumerate(merged):
-            final = i == len(merged) - 1
-            alone = len(merged) == 1
-            o = w.piece(c, 0, "out", c, WHOLE if alone else w.loose())
-            lo = w.piece(c, 0, "lse", c, WHOLE if alone else w.loose())
-            col = b - 1 if fault == "mask_chunk" and b == c else b
-            w.node(c, "attention", "fw", [q[c], kk, vv], [o, lo], ring.attention_kw(c, col),
-                   f"ring.block{i}")
-            if fault == "no_shift" and final:
-                lo = _unshifted(w, ring, c, b, q[c], kk, lo)
-            if run is None:
-                run, previous = (o, lo), lo
-                continue
-            if fault == "other_lse" and final:
-                lo = previous
-            previous = lo
-            parts = WHOLE if final else w.loose()
-            mo, ml = w.piece(c, 0, "out", c, parts), w.piece(c, 0, "lse", c, parts)
-            w.node(c, "lse_merge", "fw", [run[0], run[1], o, lo], [mo, ml], {}, f"ring.merge{i}")
-            run = (mo, ml)
-        outs[c], lses[c] = run
-        y = w.piece(c, 0, "y", c)
-        w.node(c, "mul", "fw", [outs[c], r[c]], [y])
-        losses[c] = w.piece(c, 0, "loss", None, (c, c + 1, C))
-        w.node(c, "sum", "fw", [y], [losses[c]], {"dim": None, "keepdim": False})
+        chunks = ring.held(c)
+        for a in chunks:
+            fault = ring.fault if (c == C - 1 and a == chunks[-1] and len(blocks[a]) > 1) else ""
+            outs[a] = _merge(w, ring, c, a, qkv[a]["q"], blocks[a], fault)
+            y = w.piece(c, 0, "y", a)
+            w.node(c, "mul", "fw", [outs[a][0], r[a]], [y])
+            losses[a] = w.piece(c, 0, "loss", None, (ring.part(a), ring.part(a) + 1, n))
+            w.node(c, "sum", "fw", [y], [losses[a]], {"dim": None, "keepdim": False})
+        if len(chunks) == 2:
+            total = w.piece(c, 0, "loss", None, (2 * c, 2 * c + 2, n))
+            w.node(c, "add", "fw", [losses[chunks[0]], losses[chunks[1]]], [total], {}, "loss")
     # backward
-    dk_parts: dict[int, list[tuple[int, int, int]]] = {b: [] for b in range(C)}
-    grads: dict[int, dict[str, int]] = {c: {} for c in range(C)}
+    dq: dict[int, int] = {}
+    contributions: dict[int, list[tuple[int, int, int]]] = {a: [] for a in qkv}
     for c in range(C):
-        seed = w.piece(c, 0, "loss.grad", None)
+        seed = w.piece(c, 0, "loss.grad")
         w.node(c, "ones", "bw", [], [seed], {"shape": []}, "loss.grad")
-        dy = w.piece(c, 0, "y.grad", c)
-        w.node(c, "sum", "bw", [-1, seed], [dy], {"dim": None, "keepdim": False})
-        dout = w.piece(c, 0, "out.grad", c)
-        w.node(c, "mul", "bw", [outs[c], r[c], dy], [dout, -1])
-        n = len(blocks[c])
-        dq = None
-        for i, (b, kk, vv) in enumerate(blocks[c]):
-            part = WHOLE if n == 1 else (i, i + 1, n)
-            g = w.piece(c, 0, "q.grad", c, part)
-            m = C - b  # query chunks b..C-1 see key chunk b
-            key_part = WHOLE if m == 1 else (c - b, c - b + 1, m)
-            gk, gv = w.piece(c, 0, "k.grad", b, key_part), w.piece(c, 0, "v.grad", b, key_part)
-            w.node(c, "attention_grad", "bw", [dout, q[c], kk, vv, outs[c], lses[c]], [g, gk, gv],
-                   ring.attention_kw(c, b), f"ring.block{i}")
-            dk_parts[b].append((c, gk, gv))
-            if dq is None:
-                dq = g
-                continue
-            total = w.piece(c, 0, "q.grad", c, WHOLE if i == n - 1 else (0, i + 1, n))
-            w.node(c, "add", "none", [dq, g], [total], {}, "ring.dq")
-            dq = total
-        grads[c]["q"] = dq
-    for b in range(C):
-        m = C - b
-        run = None
-        for c, gk, gv in sorted(dk_parts[b]):
-            if c != b:  # sent back to the chunk's rank
-                key_part = (c - b, c - b + 1, m)
-                rk, rv = w.piece(b, 0, "k.grad", b, key_part), w.piece(b, 0, "v.grad", b, key_part)
-                w.node(b, "send_recv", "bw", [gk], [rk], {"src": c, "dst": b}, "ring.dk")
-                w.node(b, "send_recv", "bw", [gv], [rv], {"src": c, "dst": b}, "ring.dv")
+        for a in ring.held(c):
+            dy = w.piece(c, 0, "y.grad", a)
+            w.node(c, "sum", "bw", [-1, seed], [dy], {"dim": None, "keepdim": False})
+            dout = w.piece(c, 0, "out.grad", a)
+            w.node(c, "mul", "bw", [outs[a][0], r[a], dy], [dout, -1])
+            count = len(blocks[a])
+            for i, (b, kk, vv) in enumerate(blocks[a]):
+                g = w.piece(c, 0, "q.grad", a, WHOLE if count == 1 else (i, i + 1, count))
+                m = n - b  # the query chunks b..n-1 see key chunk b
+                key_part = WHOLE if m == 1 else (a - b, a - b + 1, m)
+                gk, gv = w.piece(c, 0, "k.grad", b, key_part), w.piece(c, 0, "v.grad", b, key_part)
+                w.node(c, "attention_grad", "bw",
+                       [dout, qkv[a]["q"], kk, vv, outs[a][0], outs[a][1]], [g, gk, gv],
+                       ring.attention_kw(a, b), f"ring.block{i}")
+                contributions[b].append((a, gk, gv))
+                if i:
+                    total = w.piece(c, 0, "q.grad", a, WHOLE if i == count - 1 else (0, i + 1, count))
+                    w.node(c, "add", "none", [dq[a], g], [total], {}, "ring.dq")
+                    g = total
+                dq[a] = g
+    grads = {a: {"q": dq[a]} for a in qkv}
+    for b in qkv:
+        m, home, run = n - b, ring.owner(b), None
+        for a, gk, gv in sorted(contributions[b]):
+            src = ring.owner(a)
+            if src != home:  # sent back to the chunk's rank
+                part = (a - b, a - b + 1, m)
+                rk, rv = w.piece(home, 0, "k.grad", b, part), w.piece(home, 0, "v.grad", b, part)
+                w.node(home, "send_recv", "bw", [gk], [rk], {"src": src, "dst": home}, "ring.dk")
+                w.node(home, "send_recv", "bw", [gv], [rv], {"src": src, "dst": home}, "ring.dv")
                 gk, gv = rk, rv
-            if run is None:
-                run = (gk, gv)
-                continue
-            parts = WHOLE if c == C - 1 else (0, c - b + 1, m)
-            tk, tv = w.piece(b, 0, "k.grad", b, parts), w.piece(b, 0, "v.grad", b, parts)
-            w.node(b, "add", "none", [run[0], gk], [tk], {}, "ring.dk")
-            w.node(b, "add", "none", [run[1], gv], [tv], {}, "ring.dv")
-            run = (tk, tv)
+            if run is not None:
+                parts = WHOLE if a == n - 1 else (0, a - b + 1, m)
+                tk, tv = w.piece(home, 0, "k.grad", b, parts), w.piece(home, 0, "v.grad", b, parts)
+                w.node(home, "add", "none", [run[0], gk], [tk], {}, "ring.dk")
+                w.node(home, "add", "none", [run[1], gv], [tv], {}, "ring.dv")
+                gk, gv = tk, tv
+            run = (gk, gv)
         grads[b]["k"], grads[b]["v"] = run
+    final: dict[int, dict[str, int]] = {}
     for c in range(C):
-        w.buffers(c, grads[c], c)
+        buffers = {}
+        for name in WEIGHTS:
+            buf = f"{name}.grad_buffer"
+            buffers[name] = w.piece(c, -1, buf)
+            w.node(c, "zeros", "none", [], [buffers[name]], {"shape": list(ring.shapes()[buf])},
+                   buf, mb=-1)
+        first = ring.part(ring.held(c)[0])
+        for a in ring.held(c):
+            wgrads = w.project_back(c, x[a], weights[c], grads[a], a,
+                                    (ring.part(a), ring.part(a) + 1, n))
+            for name in WEIGHTS:
+                buf = f"{name}.grad_buffer"
+                done = w.piece(c, 0, buf, None, (first, ring.part(a) + 1, n), lver=1)
+                w.node(c, "local_grad_accumulation", "none", [buffers[name], wgrads[name]],
+                       [done], {}, buf)
+                buffers[name] = done
+        final[c] = buffers
+    for name in WEIGHTS:
+        group = [final[c][name] for c in range(C)]
+        for c in range(C):
+            out = w.piece(c, -1, f"{name}.grad_buffer", lver=1)
+            w.node(c, "reducer", "none", group, [out], {"index": c}, f"{name}.grad_buffer",
+                   mb=-1)
     return w.plan
 
 

@@ -263,10 +263,12 @@ def test_falsify_refutes_only_what_differs() -> None:
 # ---------------------------------------------------------------- ring plans
 
 
+@pytest.mark.parametrize("balanced", [False, True], ids=["contiguous", "balanced"])
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_cp_ring_plans_verify(cp) -> None:
-    """cp ring: blocks merged by lse_merge, the flash backward per block."""
-    single, plan = ring_pair(Ring(cp=cp))
+def test_cp_ring_plans_verify(cp, balanced) -> None:
+    """cp ring: blocks merged by lse_merge, the flash backward per block;
+    contiguous chunks or head-tail load balancing."""
+    single, plan = ring_pair(Ring(cp=cp, balanced=balanced))
     assert judge(single, plan).right
     start = time.perf_counter()
     v = verify(single, plan)
@@ -277,10 +279,11 @@ def test_cp_ring_plans_verify(cp) -> None:
     assert attention and not any(r.outcome.solver for r in attention)
 
 
+@pytest.mark.parametrize("balanced", [False, True], ids=["contiguous", "balanced"])
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_cp_ring_faults_fail(cp, fault) -> None:
-    single, plan = ring_pair(Ring(cp=cp, fault=fault))
+def test_cp_ring_faults_fail(cp, fault, balanced) -> None:
+    single, plan = ring_pair(Ring(cp=cp, fault=fault, balanced=balanced))
     assert not judge(single, plan).right
     v = verify(single, plan)
     assert not v.success and v.kind == "stage", v.message
@@ -292,12 +295,13 @@ def test_cp_ring_faults_fail(cp, fault) -> None:
 
 @pytest.mark.parametrize("operator", ["mask_offset", "drop_send", "wrong_peer", "swap_inputs",
                                       "stale_version", "delete_node", "change_constant"])
-def test_cp_ring_mutations_fail(operator) -> None:
-    single, plan = ring_pair(Ring(cp=3))
+@pytest.mark.parametrize("balanced", [False, True], ids=["contiguous", "balanced"])
+def test_cp_ring_mutations_fail(operator, balanced) -> None:
+    single, plan = ring_pair(Ring(cp=3, balanced=balanced))
     memo: dict = {}
     caught = 0
     for k in range(3):
-        made = mutations.MUTATIONS[operator](plan, random.Random(f"ring/{operator}/{k}"))
+        made = mutations.MUTATIONS[operator](plan, random.Random(f"ring{balanced}/{operator}/{k}"))
         if made is None:
             continue
         mutant, where = made
