@@ -106,6 +106,41 @@ def test_attention_and_its_backward_against_torch() -> None:
     np.testing.assert_allclose(again[0], merged[0], rtol=1e-15)
 
 
+def test_ops_are_the_cpu_flash_kernels() -> None:
+    """attention and attention_grad compute what PyTorch's CPU flash kernel
+    and its backward compute, also as a ring runs them: the backward of a
+    key block given the merged (whole) out and lse, the blocks' dq adding
+    up and each block's dk, dv the whole's columns."""
+    aten = torch.ops.aten
+    q, k, v = (_randn(1, 2, 8, 3, seed=s) for s in (20, 21, 22))
+    xp = NumericXP()
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.4)
+    mine = ATTENTION.forward(xp, [q.numpy(), k.numpy(), v.numpy()], scale=0.4, causal=True)
+    np.testing.assert_allclose(mine[0], out.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(mine[1], lse.numpy(), rtol=1e-12, atol=1e-14)
+    dout = _randn(1, 2, 8, 3, seed=23)
+    whole = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, True, scale=0.4)
+    rows = slice(4, 8)
+    dq = 0
+    for c, causal in ((0, False), (1, True)):  # query chunk 1 against key chunks 0 and 1
+        keys = slice(4 * c, 4 * c + 4)
+        theirs = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+            lse[:, :, rows], 0.0, causal, scale=0.4)
+        ours = GRAD.forward(xp, [t.numpy() for t in (dout[:, :, rows], q[:, :, rows],
+                                                       k[:, :, keys], v[:, :, keys],
+                                                       out[:, :, rows], lse[:, :, rows])],
+                            scale=0.4, causal=True, row_chunk=1, col_chunk=c)
+        for a, b in zip(ours, theirs):
+            np.testing.assert_allclose(a, b.numpy(), rtol=1e-12, atol=1e-14)
+        dq = dq + ours[0]
+        if c == 1:  # only query chunk 1 sees key chunk 1
+            for a, b in zip(ours[1:], whole[1:]):
+                np.testing.assert_allclose(a, b[:, :, keys].numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(dq, whole[0][:, :, rows].numpy(), rtol=1e-12, atol=1e-14)
+
+
 # ---------------------------------------------------------------- the normal form
 
 
