@@ -31,6 +31,7 @@ verifier never assumes (docs/soundness.md, "Exponentials and logarithms").
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass
 
@@ -412,3 +413,40 @@ def ring_plan(ring: Ring) -> Plan:
 def ring_pair(ring: Ring) -> tuple[Plan, Plan]:
     """The single-device plan and the ring's."""
     return single_plan(ring), ring_plan(ring)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m gen_model.ring --cp C [--balanced] [--fault F] --out DIR:
+    write the pair as DIR/ring_single_sqS.pkl (S the sequence length;
+    _no_shift for that fault, whose single-device step computes one more
+    value) and DIR/ring_cpC[_bal][_F].pkl."""
+    import argparse
+    from pathlib import Path
+
+    from backends.planfile import save_plan
+
+    ap = argparse.ArgumentParser(prog="python -m gen_model.ring", description=main.__doc__)
+    ap.add_argument("--cp", type=int, default=2, help="ranks of the ring (at least 2)")
+    ap.add_argument("--chunk", type=int, default=2, help="sequence positions a chunk")
+    ap.add_argument("--balanced", action="store_true",
+                    help="two chunks a rank, head and tail (causal load balancing)")
+    ap.add_argument("--fault", choices=FAULTS, default="", help="a fault of the last rank")
+    ap.add_argument("--out", type=Path, default=Path("plans"), help="output directory")
+    args = ap.parse_args(argv)
+    if args.cp < 2 or args.chunk < 1:
+        print("error: --cp must be at least 2 and --chunk at least 1", file=sys.stderr)
+        return 2
+    ring = Ring(cp=args.cp, chunk=args.chunk, balanced=args.balanced, fault=args.fault)
+    single, parallel = ring_pair(ring)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"ring_cp{args.cp}" + ("_bal" if args.balanced else "") + (
+        f"_{args.fault}" if args.fault else "")
+    name = f"ring_single_sq{ring.seqlen}" + ("_no_shift" if args.fault == "no_shift" else "")
+    save_plan(single, args.out / f"{name}.pkl")
+    save_plan(parallel, args.out / f"{stem}.pkl")
+    print(f"wrote {args.out}/{stem}.pkl and its single-device plan {args.out}/{name}.pkl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
