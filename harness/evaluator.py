@@ -127,6 +127,54 @@ def _causal_mask(x: Tensor, row_chunk: int = 0, col_chunk: int = 0) -> Tensor:
     return x.masked_fill(cols > rows, float("-inf"))
 
 
+def _masked_scores(q: Tensor, k: Tensor, scale: float, causal: bool, row_chunk: int,
+                   col_chunk: int) -> Tensor:
+    if q.dim() < 2 or k.dim() != q.dim() or q.shape[:-2] != k.shape[:-2] \
+            or q.shape[-1] != k.shape[-1]:
+        raise EvaluationError("attention: q and k do not fit")
+    s = (q @ k.transpose(-1, -2)) * scale
+    return _causal_mask(s, row_chunk, col_chunk) if causal else s
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False,
+               row_chunk: int = 0, col_chunk: int = 0) -> list[Tensor]:
+    """softmax(masked scores) @ v and the rows' log-sum-exp; a row that sees
+    no key gives 0 and -inf (what flash kernels return)."""
+    if v.dim() != k.dim() or v.shape[:-1] != k.shape[:-1]:
+        raise EvaluationError("attention: k and v do not fit")
+    s = _masked_scores(q, k, scale, causal, row_chunk, col_chunk)
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return [torch.exp(s - finite[..., None]) @ v, lse]
+
+
+def _attention_grad(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    scale: float, causal: bool = False, row_chunk: int = 0,
+                    col_chunk: int = 0) -> list[Tensor]:
+    """The flash backward from the given out and lse: p = exp(s - lse),
+    dv = p^T dout, ds = p (dout v^T - rowsum(dout out)), dq = scale ds k,
+    dk = scale ds^T q."""
+    _same_shape(dout, out)
+    s = _masked_scores(q, k, scale, causal, row_chunk, col_chunk)
+    p = torch.exp(s - lse[..., None])
+    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    return [(ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ dout]
+
+
+def _lse_merge(oa: Tensor, la: Tensor, ob: Tensor, lb: Tensor) -> list[Tensor]:
+    """The attention over the union of two disjoint key sets from each one's
+    output and log-sum-exp: lse = logaddexp(la, lb), out = exp(la - lse) oa
+    + exp(lb - lse) ob (0 and -inf when neither saw a key)."""
+    _same_shape(oa, ob)
+    _same_shape(la, lb)
+    if oa.shape[:-1] != la.shape:
+        raise EvaluationError("lse_merge: outs and lses do not fit")
+    lse = torch.logaddexp(la, lb)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    wa, wb = torch.exp(la - finite), torch.exp(lb - finite)
+    return [wa[..., None] * oa + wb[..., None] * ob, lse]
+
+
 def _route(scores: Tensor, topk: int, capacity: int) -> Tensor:
     """Dispatch mask [B, S, E, C] of top-k routing with a static capacity:
     per sample, tokens in order, each token's experts by decreasing score
@@ -201,6 +249,7 @@ DIFFERENTIABLE: dict[str, Forward] = {
     "max": lambda x, dim=None, keepdim=False: [_reduce(torch.amax, x[0], dim, keepdim)],
     "apply_rotary_emb": lambda x: _rotary(*x),
     "causal_mask": lambda x, row_chunk=0, col_chunk=0: [_causal_mask(x[0], row_chunk, col_chunk)],
+    "attention": lambda x, **kw: _attention(*x, **kw),
     "multiref": lambda x, times: [x[0].clone() for _ in range(times)],
     "expand": lambda x, shape: [_expand(x[0], shape)],
     "gelu": lambda x, approximate="none": [F.gelu(x[0], approximate=approximate)],
@@ -329,6 +378,8 @@ LOCAL: dict[str, Forward] = {
     "local_grad_accumulation": lambda x: [_accumulate(*x)],
     "detach": lambda x: [_single(x).detach().clone()],
     "route": lambda x, topk, capacity: [_route(_single(x), topk, capacity)],
+    "attention_grad": lambda x, **kw: _attention_grad(*x, **kw),
+    "lse_merge": lambda x: _lse_merge(*x),
     "sgd_step": _sgd,
     "adam_step": _adam,
     "clamp": lambda x, min=None, max=None: [torch.clamp(_single(x), min=min, max=max)],  # noqa: A006

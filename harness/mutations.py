@@ -297,7 +297,7 @@ def factor_twice(plan: Plan, rng: random.Random) -> Result:
 
 #: Numeric kwargs a mutation may change: an operator's constant, an exponent,
 #: the optimizer's hyperparameters.
-CONSTANTS = ("value", "exponent", "lr", "weight_decay", "beta1", "beta2", "eps", "step")
+CONSTANTS = ("value", "exponent", "lr", "weight_decay", "beta1", "beta2", "eps", "step", "scale")
 
 
 def change_constant(plan: Plan, rng: random.Random) -> Result:
@@ -701,8 +701,11 @@ def mislabel_layout(plan: Plan, rng: random.Random) -> Result:
 
 def mask_offset(plan: Plan, rng: random.Random) -> Result:
     """A causal mask that places its rows or columns one chunk off in the
-    sequence (``row_chunk`` or ``col_chunk`` moved by one)."""
-    sites = [(i, k) for i, n in enumerate(plan.nodes) if n.op == "causal_mask"
+    sequence (``row_chunk`` or ``col_chunk`` moved by one): of a mask, or
+    of a causal attention block or its backward."""
+    sites = [(i, k) for i, n in enumerate(plan.nodes)
+             if n.op == "causal_mask" or (n.op in ("attention", "attention_grad")
+                                          and n.kwargs.get("causal"))
              for k in ("row_chunk", "col_chunk")]
     site = _pick(rng, sites)
     if site is None:

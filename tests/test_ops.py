@@ -39,7 +39,8 @@ COVERED = {
     # layout
     "transpose", "unflatten", "flatten", "repeat_interleave", "sum", "mean", "max",
     # nn (model leaves)
-    "apply_rotary_emb", "causal_mask", "route",
+    "apply_rotary_emb", "causal_mask", "route", "attention", "attention_grad",
+    "lse_merge",
     # step
     "multiref", "zeros", "ones", "local_grad_accumulation", "detach", "sgd_step", "adam_step",
     # collectives
@@ -93,6 +94,16 @@ def _torch_reduce(op: str, dim: Any, keep: bool) -> Callable[[torch.Tensor], tor
         return getattr(t, op)(dim=tuple(dim) if isinstance(dim, list) else dim, keepdim=keep)
 
     return fn
+
+
+def _torch_attention(q, k, v, scale, causal=False, row_chunk=0, col_chunk=0):
+    """softmax(scale q k^T masked) v and the rows' logsumexp, in torch."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(q.shape[-2])[:, None] + row_chunk * q.shape[-2]
+        cols = torch.arange(k.shape[-2])[None, :] + col_chunk * k.shape[-2]
+        s = s.masked_fill(cols > rows, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
 def _cases() -> list[Case]:
@@ -206,6 +217,14 @@ def _cases() -> list[Case]:
     c.append(Case("causal_mask_square", "causal_mask", [randn(2, 3, 4, 4, seed=37)],
                   leaf.causal_mask))
     c.append(Case("causal_mask_rect", "causal_mask", [randn(3, 5, seed=38)], leaf.causal_mask))
+    qkv = [randn(2, 3, 3, 2, seed=61), randn(2, 3, 5, 2, seed=62), randn(2, 3, 5, 3, seed=63)]
+    for chunks in ((0, 0), (1, 1), (2, 0)):
+        kw = {"scale": 0.7, "causal": True, "row_chunk": chunks[0], "col_chunk": chunks[1]}
+        c.append(Case(f"attention_causal_{chunks[0]}_{chunks[1]}", "attention",
+                      [x[..., :3, :] if chunks[1] and i else x for i, x in enumerate(qkv)],
+                      lambda q, k, v, kw=kw: _torch_attention(q, k, v, **kw), kw))
+    c.append(Case("attention_full", "attention", qkv, lambda q, k, v: _torch_attention(q, k, v, 0.5),
+                  {"scale": 0.5}))
 
     # -- max (torch.amax): ties share the gradient evenly
     ties = np.array([[[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [5.0, -1.0, 0.0, 4.0]],
@@ -665,6 +684,11 @@ SHAPE_ERRORS: list[tuple[str, list[tuple[int, ...]], dict[str, Any]]] = [
     ("apply_rotary_emb", [(2, 5, 4, 5), (2, 5, 2, 5), (5, 5), (5, 5)], {}),  # odd head dim
     ("apply_rotary_emb", [(5, 4, 6), (5, 2, 6), (5, 6), (5, 6)], {}),  # not 4-d
     ("causal_mask", [(5,)], {}),
+    ("attention", [(2, 3, 4), (2, 5, 4), (2, 4, 3)], {"scale": 1.0}),  # keys of v
+    ("attention", [(2, 3, 4), (2, 5, 3), (2, 5, 3)], {"scale": 1.0}),  # head dim
+    ("attention_grad", [(2, 3, 3), (2, 3, 4), (2, 5, 4), (2, 5, 3), (2, 3, 3), (2, 4)],
+     {"scale": 1.0}),  # lse rows
+    ("lse_merge", [(2, 3, 4), (2, 3), (2, 3, 4), (3, 2)], {}),
     ("route", [(2, 6)], {"topk": 1, "capacity": 2}),
     ("route", [(2, 6, 4)], {"topk": 5, "capacity": 2}),
     ("route", [(2, 6, 4)], {"topk": 0, "capacity": 2}),
@@ -739,5 +763,6 @@ def test_cases_cover_every_differentiable_op() -> None:
     forward_only = {n for n, op in OPS.items() if op.backward is None} - COLLECTIVES
     assert forward_only == {"zeros", "ones", "local_grad_accumulation", "route", "detach",
                             "sgd_step", "adam_step",  # the steps: tests/test_optimizer.py
-                            "clamp"}  # test_clamp_is_torch_clamp
+                            "clamp",  # test_clamp_is_torch_clamp
+                            "attention_grad", "lse_merge"}  # tests/test_attention_merge.py
     assert all(n in OPS for n in COLLECTIVES)

@@ -238,7 +238,11 @@ def failure(verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
 def stage_failure(r: StageResult, verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
     out = r.outcome
     stage = r.stage
-    if out.status == "counterexample":
+    if out.status == "counterexample" and out.detail == "evaluated":
+        head = (f"❌ Stage {stage.id} not equivalent: 🚨 inputs on which the plans differ, "
+                f"found by evaluating both sides with exp and log as real functions "
+                f"(verdict/falsify.py)")
+    elif out.status == "counterexample":
         head = (f"❌ Stage {stage.id} not equivalent: 🚨 the solver found inputs on which "
                 f"the plans differ (sat)")
     elif out.status == "unknown":

@@ -7,8 +7,10 @@ members, which are fresh. A scaled Tp (docs/soundness.md, "Scaled claims")
 takes part through its norm, Tp / scale: the substitution sets Tp to scale
 times the value a Tp of scale 1 would get, and every claim compares norms.
 Cheap proofs come first: a claim whose difference simplifies to 0 is proved
-without the solver. What is left goes to Z3 as one query: is there an input
-for which some claim fails?
+without the solver, and so is one whose two sides have one exponential
+normal form (verdict/expalgebra.py: exp(a + b) = exp(a) exp(b), exp(log x)
+= x for x > 0; docs/soundness.md, "Exponentials and logarithms"). What is
+left goes to Z3 as one query: is there an input for which some claim fails?
 
 The symbolic arrays come from a backend passed in (:class:`Symbolic`; main.py
 passes ``backends.z3backend.Z3``): verdict/ never imports backends/.
@@ -25,6 +27,9 @@ from typing import Any, Protocol
 import numpy as np
 import z3
 
+from verdict.expalgebra import Algebra, touches
+from verdict.falsify import evaluate as evaluate_at
+from verdict.falsify import falsify
 from verdict.numeric import run_node
 from verdict.plan import Node
 from verdict.problem import LineageFact, Problem
@@ -111,6 +116,7 @@ class _Run:
         self.ts: dict[int, np.ndarray] = {}
         self.tp: dict[int, np.ndarray] = {}
         self.assume: list[z3.BoolRef] = []
+        self.open_pairs: list[tuple[int, int, Any, Any]] = []  # (claim, group, left, right)
 
     def setup(self) -> None:
         p = self.p
@@ -188,6 +194,7 @@ class _Run:
         """Open claims (as Z3 inequalities), definitely failing groups, and
         whether every claim was settled without the solver."""
         open_, definite = [], []
+        algebra = Algebra()  # one per stage: its atoms are shared by the claims
         for c, g, total, piece in self.pairs():
             for a, b in zip(np.ravel(total), np.ravel(piece)):
                 if _is_const(a) or _is_const(b):
@@ -202,7 +209,10 @@ class _Run:
                 diff = z3.simplify(a - b, som=True)
                 if z3.is_rational_value(diff) and diff.as_fraction() == 0:
                     continue
+                if (touches(a) or touches(b)) and algebra.equal(a, b):
+                    continue  # the exponential normal form (verdict/expalgebra.py)
                 open_.append((c, g, a != b))
+                self.open_pairs.append((c, g, a, b))
         return open_, definite, not open_
 
 
@@ -231,6 +241,22 @@ def _divisions(terms) -> list[z3.BoolRef]:
     return out
 
 
+def _decimal(val: z3.ExprRef) -> float:
+    """A huge rational's value, read from its leading digits (inf when it
+    is beyond a float)."""
+    num, den = val.numerator().as_string(), val.denominator().as_string()
+    sign = -1.0 if num.startswith("-") else 1.0
+    num = num.lstrip("-")
+
+    def lead(digits: str) -> float:
+        return float(digits[:17]) / 10.0 ** (min(len(digits), 17) - 1)
+
+    try:
+        return sign * lead(num) / lead(den) * 10.0 ** (len(num) - len(den))
+    except OverflowError:
+        return sign * math.inf
+
+
 def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
     out = np.empty(arr.shape, dtype=float)
     for idx, v in np.ndenumerate(arr):
@@ -238,10 +264,11 @@ def _evaluate(model: z3.ModelRef, arr: np.ndarray) -> np.ndarray:
             out[idx] = float(v)
             continue
         val = model.eval(v, model_completion=True)
-        if z3.is_rational_value(val):
-            out[idx] = float(val.as_fraction())
-        else:
-            out[idx] = float(val.as_decimal(12).rstrip("?"))
+        try:
+            out[idx] = float(val.as_fraction()) if z3.is_rational_value(val) else float(
+                val.as_decimal(12).rstrip("?"))
+        except (ValueError, OverflowError):  # a rational past Python's digit limit
+            out[idx] = _decimal(val)
     return out
 
 
@@ -259,6 +286,16 @@ def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000, *,
         return Outcome("error", f"{type(e).__name__}: {e}", time.perf_counter() - start)
     if cheap and not definite:
         return Outcome("proved", seconds=time.perf_counter() - start)
+    if not definite and not run.assume and any(touches(a) or touches(b)
+                                               for _, _, a, b in run.open_pairs):
+        found = falsify(run.open_pairs, seed)  # verdict/falsify.py
+        if found is not None:
+            values, bad = found
+            out = Outcome("counterexample", "evaluated", time.perf_counter() - start)
+            out.ts_values = {i: evaluate_at(values, a) for i, a in run.ts.items()}
+            out.tp_values = {i: evaluate_at(values, a) for i, a in run.tp.items()}
+            out.bad = bad
+            return out
     solver = z3.Solver()
     solver.set("random_seed", seed)
     solver.set("timeout", timeout_ms)

@@ -1,5 +1,6 @@
 """Model-specific operators traced as leaf functions: rotary embedding,
-causal mask, and MoE top-k routing in the static capacity formulation."""
+causal mask, MoE top-k routing in the static capacity formulation, and
+attention with its log-sum-exp and its flash backward."""
 
 from __future__ import annotations
 
@@ -164,4 +165,216 @@ ROUTE = Op(
     doc="top-k dispatch mask per sample; no gradient; uninterpreted per row symbolically",
 )
 
-OPS = (ROTARY, CAUSAL_MASK, ROUTE)
+# Attention with its log-sum-exp: the per-block kernel of context-parallel
+# rings and its flash backward (docs/soundness.md, "Exponentials and
+# logarithms: the exact merge of attention blocks").
+
+
+def _scores(q, k, scale, causal, row_chunk, col_chunk):
+    """The scaled scores and where the causal mask hides them (the scores
+    themselves are left finite: masked entries are dropped by position)."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    hidden = (causal_positions(q.shape[-2], k.shape[-2], row_chunk, col_chunk) if causal
+              else np.zeros((q.shape[-2], k.shape[-2]), dtype=bool))
+    return s, np.broadcast_to(hidden, s.shape)
+
+
+def _row_max(xp, s, hidden):
+    """The maximum of each row's visible scores, [..., R, 1]; 0 for a row
+    with every key hidden."""
+    m = np.full((*s.shape[:-1], 1), -np.inf)
+    for j in range(s.shape[-1]):
+        m = np.where(hidden[..., j:j + 1], m, xp.maximum(m, s[..., j:j + 1]))
+    return np.where(hidden.all(-1, keepdims=True), 0.0, m)
+
+
+def _attention_values(xp, q, k, v, scale, causal, row_chunk, col_chunk):
+    s, hidden = _scores(q, k, scale, causal, row_chunk, col_chunk)
+    m = _row_max(xp, s, hidden)
+    e = np.where(hidden, 0.0, xp.exp(np.where(hidden, 0.0, s) - m))
+    empty = hidden.all(-1, keepdims=True)
+    total = np.where(empty, 1.0, e.sum(-1, keepdims=True))
+    out = (e @ v) / total
+    lse = np.where(empty, -np.inf, m + xp.log(total))[..., 0]
+    return out, lse
+
+
+def _attention_forward(xp, x, scale, causal=False, row_chunk=0, col_chunk=0):
+    return _attention_values(xp, *x, scale, causal, row_chunk, col_chunk)
+
+
+def _attention_grads(xp, dout, q, k, v, out, lse, scale, causal, row_chunk, col_chunk,
+                     dlse=None):
+    """The flash backward: probabilities from the forward's lse, the row term
+    from its out. ``dlse``: a gradient of lse too (it adds p * dlse)."""
+    s, hidden = _scores(q, k, scale, causal, row_chunk, col_chunk)
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = np.where(hidden, 0.0, xp.exp(np.where(hidden, 0.0, s) - lse[..., None]))
+    dv = np.swapaxes(p, -1, -2) @ dout
+    row = (dout * out).sum(-1, keepdims=True)
+    ds = p * (dout @ np.swapaxes(v, -1, -2) - row)
+    if dlse is not None:
+        ds = ds + p * dlse[..., None]
+    dq = (ds @ k) * scale
+    dk = (np.swapaxes(ds, -1, -2) @ q) * scale
+    return dq, dk, dv
+
+
+def _attention_backward(xp, saved, g, shapes, scale, causal=False, row_chunk=0, col_chunk=0):
+    q, k, v = saved[:3]
+    out, lse = _attention_values(xp, q, k, v, scale, causal, row_chunk, col_chunk)
+    dout = g[0] if g[0] is not None else np.zeros(out.shape)
+    return _attention_grads(xp, dout, q, k, v, out, lse, scale, causal, row_chunk, col_chunk,
+                            g[1])
+
+
+def _attention_grad_forward(xp, x, scale, causal=False, row_chunk=0, col_chunk=0):
+    return _attention_grads(xp, *x, scale, causal, row_chunk, col_chunk)
+
+
+def _check_qkv(q, k, v, what):
+    expect(len(q) >= 2 and len(k) == len(q) and len(v) == len(q),
+           f"{what}: q, k, v must have one rank >= 2, got {q}, {k}, {v}")
+    expect(tuple(q[:-2]) == tuple(k[:-2]) == tuple(v[:-2]),
+           f"{what}: batch dims differ: {q}, {k}, {v}")
+    expect(q[-1] == k[-1], f"{what}: q {q} and k {k} differ in the head dim")
+    expect(k[-2] == v[-2], f"{what}: k {k} and v {v} differ in the number of keys")
+
+
+def _attention_shape(in_shapes, scale, causal=False, row_chunk=0, col_chunk=0):
+    expect(len(in_shapes) == 3, "attention takes q, k, v")
+    q, k, v = in_shapes
+    _check_qkv(q, k, v, "attention")
+    return [(*q[:-1], v[-1]), tuple(q[:-1])]
+
+
+def _attention_grad_shape(in_shapes, scale, causal=False, row_chunk=0, col_chunk=0):
+    expect(len(in_shapes) == 6, "attention_grad takes dout, q, k, v, out, lse")
+    dout, q, k, v, out, lse = in_shapes
+    _check_qkv(q, k, v, "attention_grad")
+    want = (*q[:-1], v[-1])
+    expect(tuple(dout) == want and tuple(out) == want,
+           f"attention_grad: dout {dout} and out {out} must be {want}")
+    expect(tuple(lse) == tuple(q[:-1]), f"attention_grad: lse {lse} must be {tuple(q[:-1])}")
+    return [tuple(q), tuple(k), tuple(v)]
+
+
+#: the dims of each tensor of attention after its batch dims
+_LAYOUT = {"q": ("R", "D"), "k": ("C", "D"), "v": ("C", "Dv"), "out": ("R", "Dv"), "lse": ("R",)}
+
+
+def _ties(slots: list[tuple[str, str, int, tuple | None]]) -> list[tuple]:
+    """Dims relations of attention's tensors, given as (kind, side, position,
+    shape): batch dims aligned; rows, keys, head and value dims tied by
+    role; the head dim at least 2; the row and key dims kept whole (a
+    block's mask places it by its chunk index: at full size every chunk
+    boundary and the diagonal are kept as they are)."""
+    named: dict[object, list[tuple]] = {}
+    for kind, side, pos, shape in slots:
+        if shape is None:
+            continue
+        roles = _LAYOUT[kind]
+        batch = len(shape) - len(roles)
+        for d in range(len(shape)):
+            name = d if d < batch else roles[d - batch]
+            named.setdefault(name, []).append(((side, pos, d), shape[d]))
+    rel: list[tuple] = []
+    for name, refs in named.items():
+        rel += [("eq", refs[0][0], r) for r, _ in refs[1:]]
+        if name == "D":
+            rel.append(("min", refs[0][0], 2))
+        if name in ("R", "C"):
+            rel += [("min", r, n) for r, n in refs]
+    return rel
+
+
+def _attention_dims(ins, outs, **_kw):
+    kinds = [("q", "i", 0), ("k", "i", 1), ("v", "i", 2), ("out", "o", 0), ("lse", "o", 1)]
+    shapes = [*ins, *outs]
+    return _ties([(k, s, p, shape) for (k, s, p), shape in zip(kinds, shapes)])
+
+
+def _attention_grad_dims(ins, outs, **_kw):
+    kinds = [("out", "i", 0), ("q", "i", 1), ("k", "i", 2), ("v", "i", 3), ("out", "i", 4),
+             ("lse", "i", 5), ("q", "o", 0), ("k", "o", 1), ("v", "o", 2)]
+    shapes = [*ins, *outs]
+    return _ties([(k, s, p, shape) for (k, s, p), shape in zip(kinds, shapes)])
+
+
+ATTENTION = Op(
+    "attention",
+    dims=_attention_dims,
+    shape=_attention_shape,
+    forward=_attention_forward,
+    backward=_attention_backward,
+    saves=(0, 1, 2),
+    doc="softmax(scale q k^T, causally masked at row_chunk/col_chunk) v and the rows' "
+        "log-sum-exp (a flash kernel's two outputs)",
+)
+
+ATTENTION_GRAD = Op(
+    "attention_grad",
+    dims=_attention_grad_dims,
+    shape=_attention_grad_shape,
+    forward=_attention_grad_forward,
+    doc="the flash backward of attention: dq, dk, dv from dout, q, k, v and the "
+        "forward's out and lse",
+)
+
+
+def _neg_inf(x) -> np.ndarray:
+    """Where an array holds -inf (a Python or numpy float; never a term)."""
+    return np.vectorize(lambda v: isinstance(v, float) and v == -np.inf, otypes=[bool])(x) \
+        if np.size(x) else np.zeros(np.shape(x), dtype=bool)
+
+
+def _lse_merge_forward(xp, x):
+    """Two attentions over disjoint key sets merged by their log-sum-exps,
+    with the maximum shift kernels use: m = max(la, lb), lse = m +
+    log(exp(la - m) + exp(lb - m)), out = exp(la - lse) oa + exp(lb - lse) ob.
+    A side whose lse is -inf (it saw no key) weighs 0; both: 0 and -inf."""
+    oa, la, ob, lb = x
+    ea, eb = _neg_inf(la), _neg_inf(lb)
+    both = ea & eb
+    la0, lb0 = np.where(ea, 0.0, la), np.where(eb, 0.0, lb)
+    m = np.where(ea, lb0, np.where(eb, la0, xp.maximum(la0, lb0)))
+    wa = np.where(ea, 0.0, xp.exp(la0 - m))
+    wb = np.where(eb, 0.0, xp.exp(lb0 - m))
+    total = np.where(both, 1.0, wa + wb)
+    lse = m + xp.log(total)
+    pa = np.where(ea, 0.0, xp.exp(la0 - lse))
+    pb = np.where(eb, 0.0, xp.exp(lb0 - lse))
+    out = pa[..., None] * oa + pb[..., None] * ob
+    return np.where(both[..., None], 0.0, out), np.where(both, -np.inf, lse)
+
+
+def _lse_merge_shape(in_shapes):
+    expect(len(in_shapes) == 4, "lse_merge takes out_a, lse_a, out_b, lse_b")
+    oa, la, ob, lb = (tuple(s) for s in in_shapes)
+    expect(oa == ob and la == lb and len(oa) >= 1 and la == oa[:-1],
+           f"lse_merge: outs {oa}, {ob} and lses {la}, {lb} do not fit")
+    return [oa, la]
+
+
+def _lse_merge_dims(ins, outs):
+    shapes = [*ins, *outs]
+    slots = [("i", 0), ("i", 1), ("i", 2), ("i", 3), ("o", 0), ("o", 1)]
+    refs: dict[int, list[tuple]] = {}
+    for (side, pos), shape in zip(slots, shapes):
+        if shape is not None:
+            for d in range(len(shape)):
+                refs.setdefault(d, []).append((side, pos, d))
+    return [("eq", r[0], o) for r in refs.values() for o in r[1:]]
+
+
+LSE_MERGE = Op(
+    "lse_merge",
+    dims=_lse_merge_dims,
+    shape=_lse_merge_shape,
+    forward=_lse_merge_forward,
+    doc="two attentions over disjoint keys merged by their log-sum-exps (max-shifted): "
+        "(out, lse) of the union",
+)
+
+
+OPS = (ROTARY, CAUSAL_MASK, ROUTE, ATTENTION, ATTENTION_GRAD, LSE_MERGE)
