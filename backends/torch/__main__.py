@@ -25,6 +25,7 @@ from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower
 from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
+from backends.torch.routing import describe
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
 MODELS = {
@@ -173,7 +174,10 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
-    traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp,
+    routing = single.get("routing") or None  # replayed on every rank (routing.py)
+    if routing is not None:
+        world["routing"] = single["routing_summary"]
+    traces = trace_ranks({**spec, "parallel": True, "routing": routing}, args.pp * args.dp * args.tp,
                          single.get("imports", ()))
     world["nm"] = traces[0]["microbatches"]
     check_shards(traces)
@@ -205,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     for path, plan in ((sm, plan_s), (pm, plan_p)):
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")
+    if "routing" in plan_s.world:
+        print("the routing recorded on one device and replayed on every rank (what a SUCCESS "
+              "covers):\n" + describe(plan_s.world["routing"]))
     print(f"verify them: python main.py --sm {sm} --pm {pm}")
     return 0
 

@@ -2112,6 +2112,10 @@ from backends.torch.lower_slices import slice_handlers  # noqa: E402
 
 HANDLERS.update(slice_handlers(HANDLERS))
 
+from backends.torch.lower_routing import routing_handlers  # noqa: E402  (top-k routing, issue 30)
+
+HANDLERS.update(routing_handlers(HANDLERS))
+
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
     """Lower every rank's trace (in rank order). A count of kept labels

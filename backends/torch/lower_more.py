@@ -495,6 +495,9 @@ def check_no_value_reads(trace: dict) -> None:
                                 f"tensor), so the "
                                 f"step's path depends on values; data-dependent control flow "
                                 f"is not lowered")
+        if op == "aten.topk.default" and outs[1:2] and outs[1] in trace.get("constants", ()):
+            tainted.update(outs[:1])  # its indices are the recorded routing (routing.py)
+            continue
         if op.startswith(("c10d", "_c10d_functional")) or tainted.intersection(read):
             tainted.update(outs)
 

@@ -29,6 +29,7 @@ from backends.torch.loaded import SetupCollectives, loaded_values
 from backends.torch.pipeline import Pipelined, PipelineStep
 from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
+from backends.torch.routing import Routing
 
 
 def load(ref: str) -> Any:
@@ -105,6 +106,8 @@ def _run(spec: dict, rank: int) -> dict:
 
     tracker = Tracker()
     rec = Recorder(tracker)
+    block = (coords["dp"], spec["dp"]) if spec["parallel"] else (0, 1)
+    rec.routing = Routing(spec.get("routing"), block)
     pipelined = None
     if isinstance(after, PipelineStep):
         pipelined = Pipelined(after, tokens, rec.set_mb)
@@ -165,6 +168,7 @@ def _run(spec: dict, rank: int) -> dict:
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
         "values": values, "imports": imported_since(before) + modules_of(model),
+        "routing": rec.routing.recorded, "routing_summary": rec.routing.summary(),
     }
 
 

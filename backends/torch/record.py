@@ -27,6 +27,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.hidden_memory import HiddenMemory, is_partial_view
 from backends.torch.lower_more import VALUE_READ_EVENT
+from backends.torch.routing import ROUTED, Routing
 
 #: ops whose output is the input value itself (no computation).
 ALIASES = {
@@ -70,6 +71,7 @@ class Recorder(TorchDispatchMode):
         self.const_storages: set[int] = set()  # memory of the constants whose value is kept
         self.tainted: set[int] = set()  # of that memory, what a non-constant op wrote
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
+        self.routing: Routing | None = None  # top-k routing recorded or replayed (routing.py)
 
     # -- values ---------------------------------------------------------------
     def new_value(self, t: torch.Tensor) -> int:
@@ -257,6 +259,8 @@ class Recorder(TorchDispatchMode):
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
+        if self.routing is not None and name in ROUTED:
+            out = self.routing.call(func, args, kwargs, out)
         if name.startswith("c10d."):
             out = with_completed_work(out)
         outs = tensors_in(out)
@@ -279,6 +283,8 @@ class Recorder(TorchDispatchMode):
         if constant:
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
+        if self.routing is not None and name in ROUTED:
+            self.mark_constant(outs[1], ids[1])  # the routing: recorded data of the step
         if name == "aten.as_strided.default":
             for o, v in zip(outs, ids):
                 self.register_storage(o, v)
