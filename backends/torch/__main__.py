@@ -176,7 +176,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:
-        world["routing"] = single["routing_summary"]
+        world["routing"] = describe(single["routing_summary"])
     traces = trace_ranks({**spec, "parallel": True, "routing": routing}, args.pp * args.dp * args.tp,
                          single.get("imports", ()))
     world["nm"] = traces[0]["microbatches"]
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
               f"and its world spec {path.with_suffix('.json')}")
     if "routing" in plan_s.world:
         print("the routing recorded on one device and replayed on every rank (what a SUCCESS "
-              "covers):\n" + describe(plan_s.world["routing"]))
+              "covers): " + plan_s.world["routing"])
     print(f"verify them: python main.py --sm {sm} --pm {pm}")
     return 0
 

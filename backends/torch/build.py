@@ -17,6 +17,7 @@ by the verifier, so a wrong one is a FAIL, not an assumption.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -266,6 +267,9 @@ class _Rank:
         self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
         self.fresh = 10**9
         self.own_tid: dict[int, int] = {}  # a constant of this rank only -> its logical tensor
+        #: a constant equal to the slice of several single-device constants ->
+        #: all of them (each a true claim), until a reader chooses one
+        self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
         self.consumers: dict[int, list[LNode]] = {}
         for node in low.nodes:
             for v in node.ins:
@@ -342,6 +346,7 @@ class _Rank:
         contents. The claim is then true by those contents; no match stops
         the run."""
         mine = self.low.constants[v]
+        found: list[tuple[int, Claim]] = []
         for sv, full in self.b.s.low.constants.items():
             if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
                 continue
@@ -358,7 +363,13 @@ class _Rank:
             except LoweringError:
                 continue
             if np.array_equal(full[tuple(index)], mine):
-                return sv, Claim(dims)
+                found.append((sv, Claim(dims)))
+        if found:
+            # every match is a true claim; several (two experts' masks equal
+            # on this rank's rows) are kept for the first reader to choose
+            if len(found) > 1:
+                self.alternatives[v] = found
+            return found[0]
         raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
                             f"piece of a single-device constant")
 
@@ -397,6 +408,10 @@ class _Rank:
             ins.append(-1 if v < 0 else self.sv[v])
         key = (node.op, node.dir, tuple(ins), _key_kwargs(node.kwargs))
         cands = self.b.s.by_key.get(key)
+        if not cands:
+            key, cands = self.choose_constants(node, key)
+        for v in node.ins:
+            self.alternatives.pop(v, None)  # chosen by this reader
         self.applied = Fraction(1)
         self.padded = None
         if not cands and node.op == "narrow" and node.dir == "bw":
@@ -439,6 +454,27 @@ class _Rank:
             ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
+
+    def choose_constants(self, node: LNode, key: tuple) -> tuple[tuple, list[int] | None]:
+        """A reader of constants that match several single-device ones (each
+        claim true by the values): the first choice under which the
+        single-device step runs this node; the choice then holds for every
+        later reader."""
+        slots = [(i, v) for i, v in enumerate(node.ins) if v in self.alternatives]
+        if not slots:
+            return key, None
+        choices = [self.alternatives[v] for _, v in slots]
+        for pick in itertools.product(*choices):
+            ins = list(key[2])
+            for (i, _), (sv, _) in zip(slots, pick):
+                ins[i] = sv
+            trial = (key[0], key[1], tuple(ins), key[3])
+            if self.b.s.by_key.get(trial):
+                for (_, v), (sv, claim) in zip(slots, pick):
+                    self.sv[v], self.claim[v] = sv, claim
+                    del self.alternatives[v]
+                return trial, self.b.s.by_key[trial]
+        return key, None
 
     def padded_piece(self, node: LNode, ins: list[int]) -> list[int] | None:
         """The backward of a slice that took this rank's piece of a dim cut by

@@ -91,9 +91,10 @@ def classes(family: str) -> tuple[type, type]:
 def refusal(family: str, tp: int) -> str | None:
     """Why the backend cannot trace ``family`` at tensor-parallel degree
     ``tp`` (None when it can): a composite model (a vision or audio tower
-    beside the text model), top-k routing to experts (each expert's rows are
-    as many as tokens the router sent it: values decide shapes), or TP for a
-    family without a tensor-parallel plan."""
+    beside the text model), or TP for a family without a tensor-parallel
+    plan. A family that routes tokens to its top-k experts is traced with
+    its routing recorded (docs/soundness.md, "Plans traced from PyTorch",
+    29)."""
     cfg_cls, _ = classes(family)
     default = cfg_cls()
     subs = tuple(getattr(default, "sub_configs", None) or ())
@@ -101,11 +102,6 @@ def refusal(family: str, tp: int) -> str | None:
         towers = ", ".join(subs)
         return (f"'{family}' is a composite model ({towers}): give its text model's type "
                 f"(the backend builds text-only causal LMs)")
-    routed = [f for f in ROUTING_FIELDS if getattr(default, f, None)]
-    if routed:
-        return (f"'{family}' routes each token to its top-k experts ({routed[0]}): each expert's "
-                f"input has as many rows as tokens the router sent it, so shapes depend on the "
-                f"values (docs/soundness.md, \"Plans traced from PyTorch\", 12)")
     if tp > 1 and not default.base_model_tp_plan:
         return (f"'{family}' has no tensor-parallel plan (base_model_tp_plan): run it with --tp 1 "
                 f"(FSDP2 or DDP over dp)")

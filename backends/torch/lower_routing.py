@@ -212,6 +212,34 @@ def _pair_pick(lw: Any, x: int, rows: np.ndarray, slots: np.ndarray) -> Rows:
     return Rows(summed, rows)
 
 
+#: ops that only give their input another shape
+_VIEWS = frozenset({"aten.unsqueeze.default", "aten.view.default", "aten.reshape.default",
+                    "aten._unsafe_view.default", "aten.squeeze.dim"})
+
+
+def _seen_as(lw: Any, a: Any) -> int:
+    """A value read through a view op (``w.unsqueeze(-1)`` written again
+    for each expert): the viewed value, reshaped once per shape, so that
+    every expert's pick reads one node (on one device and on a rank)."""
+    producers = getattr(lw, "_routing_producers", None)
+    if producers is None:
+        producers = {v: i for i, ev in enumerate(lw.trace["events"]) for v in ev[2]}
+        lw._routing_producers = producers
+        lw._routing_views = {}
+    i = producers.get(a[1])
+    shape = tuple(lw.trace["shapes"][a[1]])
+    if i is None or lw.trace["events"][i][0] not in _VIEWS:
+        return lw.val(a)
+    src = lw.trace["events"][i][1][0][0]
+    if not isinstance(_value(lw, src), int):
+        return lw.val(a)
+    x = lw.val(src)
+    key = (x, shape)
+    if key not in lw._routing_views:
+        lw._routing_views[key] = lw.reshape(x, shape)
+    return lw._routing_views[key]
+
+
 def index(base: Handler) -> Handler:
     """``x[idx]`` and ``x[rows, slots]`` at recorded indices."""
     def lower(lw: Any, args, kwargs, shapes, group):
@@ -219,11 +247,11 @@ def index(base: Handler) -> Handler:
         found = [_index(lw, a) if a is not None else None for a in indices]
         if not indices or any(f is None for f in found) or isinstance(_value(lw, args[0]), (Rows, RowsT)):
             return base(lw, args, kwargs, shapes, group)
+        if len(found) == 2 and found[0].shape == found[1].shape and found[0].ndim == 1:
+            return _pair_pick(lw, _seen_as(lw, args[0]), found[0], found[1])
         x = lw.val(args[0])
         if len(found) == 1:
             return Rows(x, _distinct(lw, found[0], lw.shapes[x][0]))
-        if len(found) == 2 and found[0].shape == found[1].shape and found[0].ndim == 1:
-            return _pair_pick(lw, x, found[0], found[1])
         raise LoweringError(f"{lw.name}: indexing at {len(found)} recorded indices")
     return lower
 

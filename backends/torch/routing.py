@@ -84,6 +84,8 @@ class Routing:
 
 
 def describe(summary: list[dict]) -> str:
-    """One line per router call of a routing summary."""
-    return "\n".join(f"  router call {i}: indices {s['shape']} sha256:{s['digest']}, tokens per "
-                     f"expert {s['tokens_per_expert']}" for i, s in enumerate(summary))
+    """The routing a plan pair was traced with, one router call after
+    another (the world spec's ``routing``, a string: what a SUCCESS covers)."""
+    return "; ".join(f"router call {i}: indices {'x'.join(map(str, s['shape']))} "
+                     f"sha256:{s['digest']}, tokens per expert "
+                     f"{','.join(map(str, s['tokens_per_expert']))}" for i, s in enumerate(summary))
