@@ -276,12 +276,13 @@ class _Rank:
                 if v >= 0:
                     self.consumers.setdefault(v, []).append(node)
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
+        own: list[tuple[int, str]] = []  # constants no single-device one holds
         for v, (_, name) in low.inputs.items():
             if name not in by_name and v in low.constants:
                 try:
                     self.sv[v], self.claim[v] = self.const_piece(v)
                 except LoweringError:
-                    self.sv[v], self.claim[v] = self.own_constant(v, name)
+                    own.append((v, name))
                 continue
             if name not in by_name:
                 what = "a constant" if name.startswith("const.") else f"the input {name}"
@@ -292,6 +293,9 @@ class _Rank:
                                    for axes in low.axes[v]])
             self.check_input(v, name)
             self.whole_where_held(v)
+        self.taken = {self.sv[u] for u in self.sv}
+        for v, name in own:
+            self.sv[v], self.claim[v] = self.own_constant(v, name)
 
     def own_constant(self, v: int, name: str) -> tuple[int, Claim]:
         """A constant of this rank that is no piece of any single-device
@@ -304,22 +308,45 @@ class _Rank:
         of both, the real ones included."""
         mine = self.low.constants[v]
         shape = tuple(self.low.shapes[v])
+        tied: list[int] = []
         readers = [(node.op, node.dir, node.ins.index(v), _key_kwargs(node.kwargs))
                    for node in self.consumers.get(v, [])]
         best, hits = None, 0
         for sv, full in self.b.s.low.constants.items():
-            if full.shape != mine.shape or sv not in self.b.s.low.inputs:
+            # of the same shape, or one this rank's would be a piece of
+            # (another routing of its rows: docs/soundness.md, "Plans traced
+            # from PyTorch", 29)
+            if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)) \
+                    or sv not in self.b.s.low.inputs:
                 continue
             n = sum(any(op == k[0] and d == k[1] and len(k[2]) > i and k[2][i] == sv and kw == k[3]
                         for k in self.b.s.by_key) for op, d, i, kw in readers)
+            if n and n == hits:
+                tied.append(sv)
             if n > hits:
-                best, hits = sv, n
+                best, hits, tied = sv, n, [sv]
         if best is None:
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
                                 f"reads one of its shape where this rank reads it")
-        self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", shape, self.low.inputs[v][0])
-        return best, Claim([[] for _ in shape])
+        left = [sv for sv in tied if sv not in self.taken]
+        if len(tied) > 1 and left:
+            # several read alike (one per expert): the first that no
+            # constant of this rank matched by value (both loops run in one
+            # order); the claim is its own input's either way
+            best = left[0]
+            self.taken.add(best)
+        full = tuple(self.b.s.low.shapes[best])
+        dims: list[list[str]] = [[] for _ in shape]
+        if full != shape:
+            # the piece at this rank's coordinates of an input of the
+            # single-device constant's shape, which no single-device node
+            # reads (another routing of its rows)
+            dims = [self.guess(m, f, order=self.orders((("dp",), ("tp",), ("dp", "tp")) if k == 0
+                                                       else (("tp",), ("dp",), ("dp", "tp"))))
+                    for k, (m, f) in enumerate(zip(shape, full))]
+        self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
+        return best, Claim(dims)
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lower import LNode
 from backends.torch.lower_ids import NewZeros
 from backends.torch.lower_nn import Const, constant_input, constant_value
 from backends.torch.lower_vocab_parallel import Zeros
@@ -245,8 +246,12 @@ def index(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         found = [_index(lw, a) if a is not None else None for a in indices]
-        if not indices or any(f is None for f in found) or isinstance(_value(lw, args[0]), (Rows, RowsT)):
+        if not indices or any(f is None for f in found) or isinstance(_value(lw, args[0]), RowsT):
             return base(lw, args, kwargs, shapes, group)
+        inner = _value(lw, args[0])
+        if isinstance(inner, Rows) and len(found) == 1:  # rows of rows: one index
+            picked = inner.index[_distinct(lw, found[0], len(inner.index))]
+            return Rows(inner.base, picked)
         if len(found) == 2 and found[0].shape == found[1].shape and found[0].ndim == 1:
             return _pair_pick(lw, _seen_as(lw, args[0]), found[0], found[1])
         x = lw.val(args[0])
@@ -300,11 +305,14 @@ def index_put(base: Handler) -> Handler:
         src = _value(lw, args[2])
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         found = [_index(lw, a) if a is not None else None for a in indices]
-        if not isinstance(target, NewZeros) or not isinstance(src, Rows) or not found \
-                or any(f is None for f in found):
+        if not isinstance(target, NewZeros) or not found or any(f is None for f in found):
             return base(lw, args, kwargs, shapes, group)
         accumulate = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
         shape = tuple(shapes[0])
+        if not isinstance(src, Rows):
+            if len(found) != 1:
+                return base(lw, args, kwargs, shapes, group)
+            return _scatter_rows(lw, lw.val(args[2]), _distinct(lw, found[0], shape[0]), shape)
         if not accumulate and len(np.unique(found[0])) != len(found[0]):
             raise LoweringError(f"{lw.name}: index_put at repeated rows without accumulate")
         _same_rows(lw, found[0], src)
@@ -323,6 +331,23 @@ def index_put(base: Handler) -> Handler:
             p = lw.emit("expand", [p], [shape], {"shape": list(shape)})[0]
         return lw.emit("mul", [g, p], [shape])[0]
     return lower
+
+
+def _scatter_rows(lw: Any, g: int, index: np.ndarray, shape: tuple[int, ...]) -> int:
+    """Rows ``g`` put at rows ``index`` of zeros of ``shape``: the one-hot
+    rows' transpose times g (the ``embedding`` rule's backward)."""
+    n = len(index)
+    width = int(np.prod(shape[1:], dtype=np.int64))
+    if tuple(lw.shapes[g]) != (n, *shape[1:]):
+        raise LoweringError(f"{lw.name}: rows of shape {list(lw.shapes[g])} put into zeros of "
+                            f"shape {list(shape)}")
+    select = np.zeros((n, shape[0]))
+    select[np.arange(n), index] = 1.0
+    flat = lw.reshape(g, (n, width))
+    out = lw.new((shape[0], width))
+    lw.nodes.append(LNode("embedding", "bw", [constant_input(lw, select), -1, flat], [-1, out], {},
+                          lw.name, None, lw.mb))
+    return lw.reshape(out, shape)
 
 
 def transpose_rows(base: Handler) -> Handler:

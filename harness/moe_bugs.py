@@ -1,0 +1,76 @@
+"""Wrong plans of a top-k mixture of experts, each a recipe passed to
+``python -m backends.torch --hf FAMILY`` (``--recipe harness.moe_bugs:NAME``):
+transformers' own data-parallel plan (``backends.torch.hf.tp_fsdp``) with one
+fault on the first data-parallel rank, at the experts module every
+transformers MoE family has (the module its ``base_model_ep_plan`` names
+``layers.*.mlp.experts``). The backend never applies them; each must FAIL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.torch.hf import tp_fsdp
+
+
+def _experts(model) -> list[torch.nn.Module]:
+    """Every module called with (hidden_states, top_k_index, top_k_weights)."""
+    return [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+
+
+def _on_first_rank(model, mesh, hook) -> None:
+    if mesh["dp"].get_local_rank() == 0:
+        for experts in _experts(model):
+            experts.register_forward_pre_hook(hook)
+
+
+def token_to_other_expert(model, mesh):
+    """On the first data-parallel rank, the first token's first choice is
+    sent to another expert (one it did not choose): a dispatch that differs
+    from the router's for one token."""
+    after = tp_fsdp(model, mesh)
+
+    def hook(module, args):
+        hidden, index, weights = args
+        index = index.clone()
+        chosen = set(index[0].tolist())
+        other = next(e for e in range(int(index.max()) + 2) if e not in chosen)
+        index[0, 0] = other % max(int(index.max()) + 1, 2)
+        if int(index[0, 0]) in chosen:
+            index[0, 0] = next(e for e in range(64) if e not in chosen)
+        return hidden, index, weights
+
+    _on_first_rank(model, mesh, hook)
+    return after
+
+
+def combine_other_gate(model, mesh):
+    """On the first data-parallel rank, the first two tokens' routing
+    weights are swapped: each token's expert outputs are combined with the
+    other token's gate."""
+    after = tp_fsdp(model, mesh)
+
+    def hook(module, args):
+        hidden, index, weights = args
+        order = torch.arange(weights.shape[0])
+        order[0], order[1] = 1, 0
+        return hidden, index, weights[order]
+
+    _on_first_rank(model, mesh, hook)
+    return after
+
+
+def routed_to_other_token(model, mesh):
+    """On the first data-parallel rank, the first two tokens' expert choices
+    are swapped (each token dispatched with the other's routing, its own
+    gate values kept): the routing of another token."""
+    after = tp_fsdp(model, mesh)
+
+    def hook(module, args):
+        hidden, index, weights = args
+        order = torch.arange(index.shape[0])
+        order[0], order[1] = 1, 0
+        return hidden, index[order], weights
+
+    _on_first_rank(model, mesh, hook)
+    return after
