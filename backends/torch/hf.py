@@ -50,6 +50,10 @@ SIZE_FIELDS = {
 }
 #: configuration fields that choose top-k routing of tokens to experts
 ROUTING_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k_experts")
+#: configuration fields that hold the number of routed experts
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+#: the routed experts and the experts per token of a family's small mixture
+EXPERTS, TOP_K = 4, 2
 
 
 class CausalLM(nn.Module):
@@ -138,6 +142,13 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
         kw["moe_intermediate_size"] = ffn
     if getattr(default, "sliding_window", None) is not None:
         kw["sliding_window"] = max(seqlen // 2, 1)
+    experts = _first(default, EXPERT_FIELDS)
+    routed = _first(default, ROUTING_FIELDS)
+    if experts is not None and routed is not None and isinstance(getattr(default, experts), int):
+        # a small mixture, so that a small batch gives every expert tokens on
+        # every rank (an expert with no token on a rank: docs/torch-backend.md)
+        kw[experts] = min(getattr(default, experts), EXPERTS)
+        kw[routed] = min(getattr(default, routed), TOP_K)
     for name, value in default.to_dict().items():
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             kw[name] = 0.0
