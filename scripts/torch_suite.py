@@ -474,9 +474,33 @@ CASES += [
      "--hf gemma3_text --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf gemma bug fsdp avg", "--hf gemma --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf opt bug ddp averaging a shared-out loss", "--hf opt --recipe ddp_avg --dp 2 --tp 1", 1),
-    ("hf mixtral refused (top-k routing)", "--hf mixtral --dp 1 --tp 2", 2),
+    ("hf mixtral tp2 refused (packed expert columns: a strided shard)", "--hf mixtral --dp 1 --tp 2", 2),
     ("hf gemma3 refused (vision tower)", "--hf gemma3 --dp 1 --tp 2", 2),
     ("hf falcon refused (its attention's aten.index is not lowered)", "--hf falcon --dp 2 --tp 1", 2),
+]
+
+#: top-k mixtures of experts, their routing recorded and replayed (docs/soundness.md, "Plans
+#: traced from PyTorch", 29); wrong plans in harness/moe_bugs.py
+MOE_BUGS = "harness.moe_bugs:"
+CASES += [
+    ("moe mixtral dp2", "--hf mixtral --dp 2 --tp 1", 0),
+    ("moe mixtral ddp dp2", "--hf mixtral --recipe ddp --dp 2 --tp 1", 0),
+    ("moe mixtral dp2 batch 8 uneven routing", "--hf mixtral --dp 2 --tp 1 --batch 8 --seed 9", 0),
+    ("moe qwen3_moe dp2", "--hf qwen3_moe --dp 2 --tp 1", 0),
+    ("moe olmoe dp2", "--hf olmoe --dp 2 --tp 1", 0),
+    ("moe mixtral bug token to another expert", f"--hf mixtral --recipe {MOE_BUGS}token_to_other_expert "
+     "--dp 2 --tp 1", 1),
+    ("moe mixtral bug routed with another token's experts",
+     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1", 1),
+    ("moe qwen3_moe bug token to another expert", f"--hf qwen3_moe --recipe {MOE_BUGS}token_to_other_expert "
+     "--dp 2 --tp 1", 1),
+    ("moe olmoe bug routed with another token's experts",
+     f"--hf olmoe --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1", 1),
+    ("moe mixtral bug fsdp avg", "--hf mixtral --recipe tp_fsdp_avg --dp 2 --tp 1", 1),
+    ("moe mixtral combine with another token's gate refused (a permutation no single-device op "
+     "runs)", f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 2),
+    ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
+    ("moe mixtral ep refused (all-to-all dispatch)", "--hf mixtral --recipe ep_fsdp --dp 2 --tp 1", 2),
 ]
 
 
