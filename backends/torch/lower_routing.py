@@ -320,8 +320,9 @@ def index_put(base: Handler) -> Handler:
             if tuple(lw.shapes[src.base]) != shape:
                 raise LoweringError(f"{lw.name}: rows put into zeros of another shape")
             return masked(lw, src)
-        if len(found) != 2:
-            raise LoweringError(f"{lw.name}: index_put at {len(found)} recorded indices")
+        if len(found) != 2 or tuple(lw.shapes[src.base]) != (shape[0], *shape[2:]):
+            raise LoweringError(f"{lw.name}: index_put at {len(found)} recorded indices of rows "
+                                f"of another shape")
         onehot = np.zeros(shape[:2] + (1,) * (len(shape) - 2))
         onehot[src.index, found[1]] = 1.0
         g = lw.reshape(src.base, (shape[0], 1, *shape[2:]))
@@ -380,20 +381,18 @@ def mm(base: Handler) -> Handler:
 
 # -- row-wise ops on gathered rows ---------------------------------------------
 
-def _dim_arg(args: tuple, kwargs: dict, pos: int, default: int = 0) -> int | None:
-    a = args[pos] if len(args) > pos else kwargs.get("dim", default)
-    if isinstance(a, (list, tuple)):
-        return None if any(int(d) == 0 for d in a) else 1
-    return int(a)
-
-
-def _not_rows_dim(pos: int, default: int = 0) -> Callable[[Any, tuple], bool]:
-    """The op's dim argument (at ``pos``) is not the rows' dim 0."""
+def _not_rows_dim(pos: int, default: int = 0, added: int = 0) -> Callable[..., bool]:
+    """The op's dim argument (at ``pos``; a list of dims, or one) is not the
+    rows' dim 0; ``added``: the op adds that many dims (``unsqueeze``), so a
+    negative dim counts from the output's end."""
     def ok(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
-        d = _dim_arg(args, kwargs or {}, pos, default)
-        rows = next((_value(lw, a) for a in _tensor_refs(args) if isinstance(_value(lw, a), Rows)), None)
-        nd = len(lw.shapes[rows.base]) if rows is not None else 1
-        return d is not None and d % max(nd, 1) != 0
+        a = args[pos] if len(args) > pos else (kwargs or {}).get("dim", default)
+        rows = next((_value(lw, r) for r in _tensor_refs(args) if isinstance(_value(lw, r), Rows)), None)
+        if a is None or rows is None:
+            return False
+        nd = len(lw.shapes[rows.base]) + added
+        dims = a if isinstance(a, (list, tuple)) else [a]
+        return bool(dims) and all(int(d) % nd != 0 for d in dims)
     return ok
 
 
@@ -452,7 +451,10 @@ def _rowwise(base: Handler, keeps_rows: Callable[..., bool]) -> Handler:
             return a
 
         wide = [(total, *s[1:]) if s else s for s in shapes]
-        result = base(lw, sub(args), sub(kwargs), wide, group)
+        args = sub(args)
+        if keeps_rows in (_view_keeps_rows, _expand_keeps_rows):  # the size names the rows
+            args = [args[0], [total, *args[1][1:]], *args[2:]]
+        result = base(lw, args, sub(kwargs), wide, group)
         for key in swap.values():
             lw.env.pop(key, None)
         if isinstance(result, list):
@@ -469,11 +471,19 @@ def _keeps(keeps_rows: Callable[..., bool], lw: Any, args, kwargs) -> bool:
 
 
 def _view_keeps_rows(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
+    """A view (or expand) whose first dim stays the rows' (an expand to as
+    many dims as its input)."""
     rows = _value(lw, args[0])
     if not isinstance(rows, Rows):
         return False
     size = list(args[1]) if len(args) > 1 and isinstance(args[1], (list, tuple)) else []
-    return bool(size) and int(size[0]) in (len(rows.index), -1)
+    return bool(size) and int(size[0]) == len(rows.index) and \
+        all(isinstance(n, int) and n >= 0 for n in size)
+
+
+def _expand_keeps_rows(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
+    rows = _value(lw, args[0])
+    return _view_keeps_rows(lw, args) and len(args[1]) == len(lw.shapes[rows.base])
 
 
 def _always(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
@@ -491,9 +501,9 @@ ROWWISE: dict[str, Callable[..., bool]] = {
     "aten.split_with_sizes.default": _not_rows_dim(2),
     "aten.sum.dim_IntList": _not_rows_dim(1),
     "aten.cat.default": _not_rows_dim(1),
-    "aten.unsqueeze.default": _not_rows_dim(1),
+    "aten.unsqueeze.default": _not_rows_dim(1, added=1),
     "aten.squeeze.dim": _not_rows_dim(1),
-    "aten.expand.default": _view_keeps_rows,
+    "aten.expand.default": _expand_keeps_rows,
     "aten.view.default": _view_keeps_rows,
     "aten._unsafe_view.default": _view_keeps_rows,
     "aten.reshape.default": _view_keeps_rows,
