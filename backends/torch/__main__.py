@@ -25,7 +25,7 @@ from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower
 from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
-from backends.torch.routing import describe
+from backends.torch.routing import check_every_expert_reached, describe
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
 MODELS = {
@@ -180,6 +180,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     traces = trace_ranks({**spec, "parallel": True, "routing": routing}, args.pp * args.dp * args.tp,
                          single.get("imports", ()))
     world["nm"] = traces[0]["microbatches"]
+    check_every_expert_reached(single, traces)
     check_shards(traces)
     check_broadcasts(traces)
     low_s = lower_trace(single, args.vocab)

@@ -2115,6 +2115,9 @@ HANDLERS.update(slice_handlers(HANDLERS))
 from backends.torch.lower_routing import routing_handlers  # noqa: E402  (top-k routing, issue 30)
 
 HANDLERS.update(routing_handlers(HANDLERS))
+from backends.torch.lower_safe_softmax import safe_softmax_handlers  # noqa: E402
+
+HANDLERS.update(safe_softmax_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:

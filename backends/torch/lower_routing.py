@@ -148,6 +148,28 @@ def topk(lw: Any, args, kwargs, shapes, group):
     return [values, Const(outs[1], lw.event)]
 
 
+def gather(base: Handler) -> Handler:
+    """``x.gather(-1, idx)`` at a recorded index (a router's scores at the
+    experts it chose): ``sum(x[..., None, :] * R, -1)``, as topk's values."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        idx = _index(lw, args[2])
+        if idx is None or isinstance(_value(lw, args[0]), (Rows, RowsT, Const)):
+            return base(lw, args, kwargs, shapes, group)
+        x = lw.val(args[0])
+        shape = tuple(lw.shapes[x])
+        dim = int(args[1]) % len(shape)
+        if dim != len(shape) - 1 or idx.shape[:-1] != shape[:-1]:
+            return base(lw, args, kwargs, shapes, group)
+        k = idx.shape[-1]
+        wide = (*shape[:-1], k, shape[-1])
+        onehot = constant_input(lw, _one_hot(idx, shape[-1]))
+        spread = lw.emit("expand", [lw.reshape(x, (*shape[:-1], 1, shape[-1]))], [wide],
+                         {"shape": list(wide)})[0]
+        picked = lw.emit("mul", [spread, onehot], [wide])[0]
+        return lw.emit("sum", [picked], [tuple(shapes[0])], {"dim": len(wide) - 1, "keepdim": False})[0]
+    return lower
+
+
 def value_selecting_backward(lw: Any, args, kwargs, shapes, group):
     """``value_selecting_reduction_backward(g, dim, indices, sizes, keepdim)``:
     g placed at the recorded indices, zero elsewhere."""
@@ -537,6 +559,9 @@ def routing_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
         "aten.index_put_.default": index_put(table.get("aten.index_put_.default",
                                                        refuse("aten.index_put_.default"))),
         "aten.scatter.src": scatter(table.get("aten.scatter.src", refuse("aten.scatter.src"))),
+        "aten.scatter_add.default": scatter(table.get("aten.scatter_add.default",
+                                                      refuse("aten.scatter_add.default"))),
+        "aten.gather.default": gather(table.get("aten.gather.default", refuse("aten.gather.default"))),
         "aten.t.default": transpose_rows(table["aten.t.default"]),
         "aten.mm.default": mm(table["aten.mm.default"]),
     })

@@ -200,7 +200,7 @@ class Recorder(TorchDispatchMode):
             self.events.append(("unknown", [[], {}], [fresh], [tuple(t.shape)], self.scope(),
                                 None, self.mb))
 
-    def is_constant_op(self, name: str, tensors: list[torch.Tensor]) -> bool:
+    def is_constant_op(self, name: str, tensors: list[torch.Tensor], kwargs: dict | None = None) -> bool:
         """An op whose tensor arguments (``tensors``) are all constants (or
         that has none) computes a constant, unless it communicates or leaves
         memory unset."""
@@ -210,6 +210,9 @@ class Recorder(TorchDispatchMode):
             return False
         if name in SHAPE_ONLY and not any(a.is_floating_point() or a.is_complex() for a in tensors):
             return True
+        dtype = (kwargs or {}).get("dtype")
+        if name in SHAPE_ONLY and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            return True  # zeros_like(scores, dtype=torch.bool): a mask to fill, of the shape only
         return all(self.value(a) in self.constants for a in tensors)
 
     def mark_partial_writes(self, name: str, func, args, kwargs) -> None:
@@ -254,7 +257,7 @@ class Recorder(TorchDispatchMode):
         name = str(func)
         unseen = {id(a) for a in tensors if self.value(a) is None}
         self.refresh_constants(tensors)
-        constant = self.is_constant_op(name, tensors)
+        constant = self.is_constant_op(name, tensors, kwargs)
         buffer = constant and any(self.value(a) in self.from_buffer for a in tensors)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}

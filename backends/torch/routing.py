@@ -89,3 +89,22 @@ def describe(summary: list[dict]) -> str:
     return "; ".join(f"router call {i}: indices {'x'.join(map(str, s['shape']))} "
                      f"sha256:{s['digest']}, tokens per expert "
                      f"{','.join(map(str, s['tokens_per_expert']))}" for i, s in enumerate(summary))
+
+
+def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
+    """Refuse a step in which some rank's rows send no token to an expert
+    the single-device step routes tokens to: a library's experts loop then
+    runs no code for that expert on the rank, where the single-device step
+    adds a term (zero on the rank's rows, but only by the routing masks'
+    values, which the proof treats as symbols: docs/soundness.md, "Plans
+    traced from PyTorch", 29 g)."""
+    from backends.torch.errors import LoweringError
+    for trace in traces:
+        for k, (mine, full) in enumerate(zip(trace.get("routing", []), single.get("routing", []))):
+            missing = sorted(set(np.unique(full).tolist()) - set(np.unique(mine).tolist()))
+            if missing:
+                raise LoweringError(f"rank {trace['rank']} routes no token to expert {missing[0]} at "
+                                    f"router call {k} (the single-device step does): an expert with "
+                                    f"no token on a rank is not traced (docs/soundness.md, \"Plans "
+                                    f"traced from PyTorch\", 29 g); another --seed or --batch routes "
+                                    f"otherwise")
