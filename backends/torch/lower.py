@@ -2118,6 +2118,9 @@ HANDLERS.update(routing_handlers(HANDLERS))
 from backends.torch.lower_safe_softmax import safe_softmax_handlers  # noqa: E402
 
 HANDLERS.update(safe_softmax_handlers(HANDLERS))
+from backends.torch.lower_grouped import grouped_handlers  # noqa: E402
+
+HANDLERS.update(grouped_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:

@@ -499,8 +499,8 @@ def _view_keeps_rows(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
     if not isinstance(rows, Rows):
         return False
     size = list(args[1]) if len(args) > 1 and isinstance(args[1], (list, tuple)) else []
-    return bool(size) and int(size[0]) == len(rows.index) and \
-        all(isinstance(n, int) and n >= 0 for n in size)
+    return bool(size) and int(size[0]) in (len(rows.index), -1) and \
+        all(isinstance(n, int) and n >= 0 for n in size[1:])
 
 
 def _expand_keeps_rows(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
