@@ -63,6 +63,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         self.global_tokens = 1  # set by the backend to the step's label count
+        #: transformers' eager experts loop runs no code for an expert no
+        #: token chose (backends/torch/routing.py, check_every_expert_reached)
+        self.skips_unrouted_experts = _first(hf.config, ROUTING_FIELDS) is not None
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         out = self.hf(input_ids=tokens, labels=labels, shift_labels=labels,

@@ -169,6 +169,7 @@ def _run(spec: dict, rank: int) -> dict:
         "microbatches": 1 if pipelined is None else pipelined.microbatches,
         "values": values, "imports": imported_since(before) + modules_of(model),
         "routing": rec.routing.recorded, "routing_summary": rec.routing.summary(),
+        "skips_unrouted_experts": bool(getattr(model, "skips_unrouted_experts", False)),
     }
 
 

@@ -93,8 +93,9 @@ def describe(summary: list[dict]) -> str:
 
 def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
     """Refuse a step in which some rank's rows send no token to an expert
-    the single-device step routes tokens to: a library's experts loop then
-    runs no code for that expert on the rank, where the single-device step
+    the single-device step routes tokens to, for a model whose experts loop
+    then runs no code for that expert on the rank (``skips_unrouted_experts``:
+    transformers' eager loop; torchtitan's grouped GEMMs run every expert), where the single-device step
     adds a term (zero on the rank's rows, but only by the routing masks'
     values, which the proof treats as symbols: docs/soundness.md, "Plans
     traced from PyTorch", 29 g)."""

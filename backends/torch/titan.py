@@ -19,8 +19,8 @@ for the debugmodel); ``--seqlen`` sets the sequence length; the other size
 flags are not used (the flavor fixes them). FSDP's mixed precision is
 float64 (the shim's adaptation 4), the precision every traced model runs
 in. Its DeepSeek-V3 ``debugmodel`` builds too (``deepseek_v3_debugmodel``),
-but its parallelization is refused with the reason
-(``parallelize_deepseekv3``: top-k routing).
+parallelized by its own ``parallelize_deepseekv3`` over dp with its top-k
+routing recorded (expert parallelism is refused).
 """
 
 from __future__ import annotations
@@ -89,25 +89,24 @@ def llama3_debugmodel(**sizes) -> TitanLM:
 
 def deepseek_v3_debugmodel(**sizes) -> TitanLM:
     """torchtitan's DeepSeek-V3 ``debugmodel`` (MLA attention, top-k routed
-    MoE feed-forwards); its parallelization is refused
-    (``parallelize_deepseekv3``)."""
+    MoE feed-forwards, a shared expert)."""
     return build("debugmodel", family="deepseek_v3", **sizes)
 
 
 def parallelize_deepseekv3(model: TitanLM, mesh):
-    """torchtitan's ``parallelize_deepseekv3``: refused. Its MoE layers route
-    each token to its top-k experts, so every expert's input has as many
-    rows as tokens chose it: the traced shapes are those of one routing
-    only, and under the fake process group its expert-parallel token-count
-    all-to-all returns the rank's own counts, so they would be invented
-    (docs/soundness.md, "Plans traced from PyTorch", 12)."""
-    raise ValueError("torchtitan's DeepSeek-V3 is not traced: its MoE routes tokens by top-k, "
-                     "so each expert's input shape depends on the values (one routing of many), "
-                     "and under the fake process group the expert-parallel token counts would "
-                     "be invented (docs/soundness.md, \"Plans traced from PyTorch\", 12)")
+    """torchtitan's ``parallelize_deepseekv3`` on its own ``ParallelDims``
+    mesh (FSDP2 over "dp", ``ep`` 1: its local token dispatch), the top-k
+    routing recorded and replayed (docs/soundness.md, "Plans traced from
+    PyTorch", 29). Expert and tensor parallelism and pipelining are refused:
+    the expert-parallel all-to-all dispatch is not lowered yet."""
+    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3 as apply
+    if mesh["tp"].size() != 1 or mesh["pp"].size() != 1:
+        raise ValueError("backends.torch.titan:parallelize_deepseekv3 runs FSDP2 over dp only "
+                         "(--tp 1 --pp 1): its expert-parallel all-to-all dispatch is not lowered")
+    return parallelize(model, mesh, apply)
 
 
-def parallelize(model: TitanLM, mesh):
+def parallelize(model: TitanLM, mesh, apply=None):
     """torchtitan's ``parallelize_llama`` on its own ``ParallelDims`` mesh of
     the backend's sizes (``dp_shard`` = dp, ``tp`` = tp); with ``pp`` > 1,
     torchtitan's ``pipeline_llm`` (its stage split, ``parallelize_llama`` on
@@ -135,7 +134,7 @@ def parallelize(model: TitanLM, mesh):
               "parallelism": _parallelism(dp, tp, pp, microbatch),
               "compile_config": CompileConfig(), "ac_config": None, "dump_folder": "/tmp"}
     if pp == 1:
-        parallelize_llama(model.model, **common)
+        (apply or parallelize_llama)(model.model, **common)
         return None
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     with titan_shim.static_stages(model.config, microbatch, model.seqlen,
