@@ -363,6 +363,25 @@ def _experts_rowwise(base: Handler) -> Handler:
     return lower
 
 
+def _as_rows(base: Handler) -> Handler:
+    """An op with a dim argument on grouped rows: on each row's own group's
+    result (``collapse``) seen as gathered rows, which ``lower_routing``'s
+    row-wise rule takes."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        refs = _tensor_refs([args, kwargs])
+        experts = {r[1]: _value(lw, r) for r in refs if isinstance(_value(lw, r), Experts)}
+        if not experts:
+            return base(lw, args, kwargs, shapes, group)
+        saved = {v: lw.env[v] for v in experts}
+        for v, e in experts.items():
+            lw.env[v] = Rows(collapse(lw, e), e.index)
+        try:
+            return base(lw, args, kwargs, shapes, group)
+        finally:
+            lw.env.update(saved)
+    return lower
+
+
 #: element by element ops (no dim argument) that run on grouped rows
 _ELEMENTWISE = frozenset(op for op, keeps in ROWWISE.items()
                          if op.startswith("aten.") and keeps.__name__ == "_always")
@@ -371,6 +390,7 @@ _ELEMENTWISE = frozenset(op for op, keeps in ROWWISE.items()
 def grouped_handlers(table: dict[str, Handler]) -> dict[str, Handler]:
     """The entries this module adds to or wraps in ``table`` (lower.py's)."""
     out: dict[str, Handler] = {op: _experts_rowwise(table[op]) for op in _ELEMENTWISE if op in table}
+    out.update({op: _as_rows(table[op]) for op in ROWWISE if op in table and op not in _ELEMENTWISE})
 
     def refuse(op: str) -> Handler:
         def lower(lw: Any, args, kwargs, shapes, group):

@@ -111,10 +111,11 @@ def _mask(lw: Any, index: np.ndarray, shape: tuple[int, ...]) -> int:
 
 
 def masked(lw: Any, rows: Rows) -> int:
-    """``mask * base``: the gathered rows where they were, zero elsewhere."""
+    """``mask * base``: the gathered rows put back where they were (the
+    index has no repeats), zero elsewhere; every row gathered, the base."""
     shape = lw.shapes[rows.base]
     if len(rows.index) == shape[0]:
-        return rows.base if np.array_equal(rows.index, np.arange(shape[0])) else lw.materialize(rows)
+        return rows.base
     return lw.emit("mul", [rows.base, _mask(lw, rows.index, shape)], [shape])[0]
 
 
