@@ -74,3 +74,25 @@ def routed_to_other_token(model, mesh):
 
     _on_first_rank(model, mesh, hook)
     return after
+
+
+def titan_routed_to_other_token(model, mesh):
+    """torchtitan's DeepSeek-V3 under its own ``parallelize_deepseekv3``
+    (dp, ep 1) with, on the first data-parallel rank, the first two tokens'
+    expert choices swapped before its routed experts run (each token
+    dispatched with the other's experts, its own scores kept)."""
+    from backends.torch.titan import parallelize_deepseekv3
+    after = parallelize_deepseekv3(model, mesh)
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        flat = ids.reshape(-1, ids.shape[-1])
+        order = torch.arange(flat.shape[0])
+        order[0], order[1] = 1, 0
+        return x, scores, flat[order].reshape(ids.shape), counts
+
+    if mesh["dp"].get_local_rank() == 0:
+        for name, module in model.named_modules():
+            if name.endswith("moe.routed_experts"):
+                module.register_forward_pre_hook(hook)
+    return after

@@ -272,7 +272,7 @@ CASES: list[tuple[str, str, int]] = [
      "--model gpt2_smooth --recipe ddp_smoothing_first_rank --dp 2 --tp 1", 1),
     ("gpt2_smooth_mean bug smoothing differs on one rank, AVG",
      "--model gpt2_smooth_mean --recipe ddp_avg_unsmoothed_first_rank --dp 2 --tp 1", 1),
-    ("titan deepseek_v3 debugmodel refused (top-k MoE)",
+    ("titan deepseek_v3 debugmodel dp2 tp2 refused (tensor parallelism of its MoE not lowered)",
      "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
      "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),
     # recipes as users write them (tests/outside_recipes.py; docs/torch-backend.md, "Recipes
@@ -482,6 +482,9 @@ CASES += [
 #: top-k mixtures of experts, their routing recorded and replayed (docs/soundness.md, "Plans
 #: traced from PyTorch", 29); wrong plans in harness/moe_bugs.py
 MOE_BUGS = "harness.moe_bugs:"
+#: torchtitan's DeepSeek-V3 debugmodel under its own parallelize_deepseekv3 (ep 1)
+DEEPSEEK = ("--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
+            "backends.torch.titan:parallelize_deepseekv3 --vocab 2048")
 CASES += [
     ("moe mixtral dp2", "--hf mixtral --dp 2 --tp 1", 0),
     ("moe mixtral ddp dp2", "--hf mixtral --recipe ddp --dp 2 --tp 1", 0),
@@ -501,6 +504,12 @@ CASES += [
      "runs)", f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 2),
     ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
     ("moe mixtral ep refused (all-to-all dispatch)", "--hf mixtral --recipe ep_fsdp --dp 2 --tp 1", 2),
+    ("moe titan deepseek_v3 parallelize_deepseekv3 dp2", f"{DEEPSEEK} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 bug routed with another token's experts",
+     f"{DEEPSEEK.split(' --recipe')[0]} --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
+     "--dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 tp2 refused (expert and tensor parallelism not lowered)",
+     f"{DEEPSEEK} --dp 1 --tp 2", 2),
 ]
 
 
