@@ -504,6 +504,8 @@ CASES += [
      "runs)", f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 2),
     ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
     ("moe mixtral ep refused (all-to-all dispatch)", "--hf mixtral --recipe ep_fsdp --dp 2 --tp 1", 2),
+    ("moe mixtral aux loss per rank (the load-balancing loss of each rank's tokens, not the step's)",
+     "--model backends.torch.hf_moe:mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 1),
     ("moe titan deepseek_v3 parallelize_deepseekv3 dp2", f"{DEEPSEEK} --dp 2 --tp 1", 0),
     ("moe titan deepseek_v3 bug routed with another token's experts",
      f"{DEEPSEEK.split(' --recipe')[0]} --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
