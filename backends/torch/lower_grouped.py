@@ -212,7 +212,9 @@ def index(base: Handler) -> Handler:
         if len(indices) != 1 or indices[0] is None or not isinstance(_value(lw, args[0]), int):
             return base(lw, args, kwargs, shapes, group)
         found = copies_of(lw, indices[0])
-        if found is None or found[1] == 1:
+        value = constant_value(lw, indices[0])
+        if found is None or found[1] == 1 or value is None \
+                or not np.array_equal(value, found[0] // found[1]):
             return base(lw, args, kwargs, shapes, group)
         p, c = found
         x = lw.val(args[0])
@@ -274,7 +276,10 @@ def scatter_add(base: Handler) -> Handler:
         if len(args) == 4 and int(args[1]) != 0:
             return base(lw, args, kwargs, shapes, group)
         found = copies_of(lw, index_ref)
-        if found is None:
+        value = constant_value(lw, index_ref)
+        if found is None or value is None or value.ndim != 2 \
+                or value.shape != (len(found[0]), shapes[0][-1]) \
+                or not np.all(value == (found[0] // found[1])[:, None]):
             return base(lw, args, kwargs, shapes, group)
         return _summed_copies(lw, src, found[0], found[1], tuple(shapes[0]))
     return lower
@@ -289,8 +294,10 @@ def index_put(base: Handler) -> Handler:
         if not isinstance(target, NewZeros) or not isinstance(src, (Rows, Experts)) or len(indices) != 1:
             return base(lw, args, kwargs, shapes, group)
         found = copies_of(lw, indices[0])
+        value = constant_value(lw, indices[0])
         accumulate = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
-        if found is None or found[1] == 1 or not accumulate:
+        if found is None or found[1] == 1 or not accumulate or value is None \
+                or not np.array_equal(value, found[0] // found[1]):
             return base(lw, args, kwargs, shapes, group)
         return _summed_copies(lw, src, found[0], found[1], tuple(shapes[0]))
     return lower
