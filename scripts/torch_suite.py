@@ -504,6 +504,8 @@ CASES += [
      "runs)", f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 2),
     ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
     ("moe mixtral ep refused (all-to-all dispatch)", "--hf mixtral --recipe ep_fsdp --dp 2 --tp 1", 2),
+    ("moe mixtral tied router scores (two experts take every token, two none)",
+     "--model backends.torch.hf_moe:tied_mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 0),
     ("moe mixtral aux loss per rank (the load-balancing loss of each rank's tokens, not the step's)",
      "--model backends.torch.hf_moe:mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 1),
     ("moe titan deepseek_v3 parallelize_deepseekv3 dp2", f"{DEEPSEEK} --dp 2 --tp 1", 0),

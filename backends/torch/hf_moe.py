@@ -1,11 +1,14 @@
 """transformers mixtures of experts with their auxiliary load-balancing
 loss on (``output_router_logits``): ``--model backends.torch.hf_moe:FAMILY``
-with a ``backends.torch.hf`` recipe (docs/torch-backend.md, "Top-k mixtures
-of experts")."""
+with a ``backends.torch.hf`` recipe; ``tied_FAMILY``: the family's model
+with every router weight zero, so every token's scores tie
+(docs/torch-backend.md, "Top-k mixtures of experts")."""
 
 from __future__ import annotations
 
 import functools
+
+import torch
 
 from backends.torch import hf
 
@@ -24,9 +27,22 @@ def build(family: str, **sizes) -> hf.CausalLM:
     return hf.CausalLM(model_cls(cfg))
 
 
+def tied(family: str, **sizes) -> hf.CausalLM:
+    """The family's causal LM (``hf.build``) with every router weight zero:
+    each token's expert scores are equal, the router's top-k picks among
+    ties (the recorded routing is that pick)."""
+    model = hf.build(family, **sizes)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.zero_()
+    return model
+
+
 def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(name)
-    if name not in hf.families():
+    family, make = (name[len("tied_"):], tied) if name.startswith("tied_") else (name, build)
+    if family not in hf.families():
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return functools.partial(build, name)
+    return functools.partial(make, family)
