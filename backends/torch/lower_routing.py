@@ -445,7 +445,7 @@ def _rowwise(base: Handler, keeps_rows: Callable[..., bool]) -> Handler:
         first = rows[0]
         n, total = len(first.index), lw.shapes[first.base][0]
         same = all(np.array_equal(r.index, first.index) and lw.shapes[r.base][0] == total for r in rows)
-        if not same or not _keeps(keeps_rows, lw, args, kwargs) \
+        if not same or not keeps_rows(lw, args, kwargs) \
                 or any(s and s[0] != n for s in shapes):
             return base(lw, args, kwargs, shapes, group)
         out_nd = max(len(s) for s in shapes)
@@ -484,13 +484,6 @@ def _rowwise(base: Handler, keeps_rows: Callable[..., bool]) -> Handler:
             return [Rows(lw.materialize(r), first.index) for r in result]
         return Rows(lw.materialize(result), first.index)
     return lower
-
-
-def _keeps(keeps_rows: Callable[..., bool], lw: Any, args, kwargs) -> bool:
-    try:
-        return keeps_rows(lw, args, kwargs)
-    except TypeError:
-        return keeps_rows(lw, args)
 
 
 def _view_keeps_rows(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
