@@ -1,5 +1,5 @@
 # make demo: set up, generate the demo plans, check them.   make test: the test suite
-# (two workers; under 10 minutes on 2 cores, README "Set up and run").
+# (two workers; under 10 minutes on 2 cores, docs/workflow.md "Set up and the test suite").
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

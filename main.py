@@ -26,10 +26,12 @@ from pathlib import Path
 
 from backends.plancache import load_plan_cached
 from backends.planfile import PlanError, load_plan, save_plan
+from backends.userdirs import user_dir
 from backends.z3backend import Z3
 from verdict import engine
 from verdict.cache import StageCache
 from verdict.columns import Columns
+from verdict.diagnosis import diagnose, mesh_lines
 from verdict.differential import NumericRefused, check_size, compare
 from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
@@ -108,12 +110,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dump_stages", action="store_true",
                    help="write every stage, its outcome and its nodes to "
                         "LOG_DIR/<parallel plan>/stages.txt")
-    p.add_argument("--cache_dir", type=Path, default=Path("data/cache"),
+    p.add_argument("--cache_dir", type=Path, default=user_dir("cache"),
                    help="where the plan and stage caches live (default: %(default)s)")
-    p.add_argument("--log_dir", type=Path, default=Path("data/logs"),
+    p.add_argument("--log_dir", type=Path, default=user_dir("logs"),
                    help="where --dump_* write (default: %(default)s)")
-    p.add_argument("--stats_dir", type=Path, default=Path("data/stats"),
+    p.add_argument("--stats_dir", type=Path, default=user_dir("stats"),
                    help="where the Stats row is appended, as stats.csv (default: %(default)s)")
+    p.add_argument("--brief", action="store_true",
+                   help="on a FAIL print the diagnosis only and write the full counterexample "
+                        "to LOG_DIR/<parallel plan>/failure.txt")
     p.add_argument("--keep-going", dest="keep_going", action="store_true",
                    help="report every failing stage instead of stopping at the first")
     p.add_argument("--numeric", action="store_true",
@@ -177,7 +182,7 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
             print(f"for the routing traced, not every routing: {single.world['routing']}")
         print(f"PID: {os.getpid()} - ✅ SUCCESS")
     else:
-        for line in failure(verdict, single, parallel):
+        for line in fail_lines(args, verdict, single, parallel):
             print(line)
         print(f"PID: {os.getpid()} - ❌ FAIL")
     print(stats.line())
@@ -187,6 +192,23 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
     if args.json:
         write_json(args.json, verdict, stats, single, parallel, took)
     return EXIT_EQUAL if verdict.success else EXIT_DIFFERENT
+
+
+def fail_lines(args: argparse.Namespace, verdict: Verdict, single: Plan, parallel: Plan) -> list[str]:
+    """A FAIL: the diagnosis in the model's names (verdict/diagnosis.py), then
+    the full dump (Node/Tensor lines, the counterexample's values); with
+    --brief the dump goes to LOG_DIR/<parallel plan>/failure.txt instead."""
+    full = failure(verdict, single, parallel)
+    if verdict.kind != "stage":  # a structural finding: its message is the lead line
+        return [*full, *mesh_lines(parallel, verdict.message)]
+    lead = diagnose(verdict, single, parallel)
+    if not args.brief:  # the diagnosis right under its stage's first line
+        at = full.index(lead[0]) + 1 if lead and lead[0] in full else 0
+        return [*full[:at], *(lead[1:] if at else lead), *full[at:]]
+    folder = args.log_dir / args.pm.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "failure.txt").write_text("\n".join(full) + "\n")
+    return [*lead, f"   the full counterexample (nodes, tensors, values): {folder / 'failure.txt'}"]
 
 
 def dump(args: argparse.Namespace, single: Plan, parallel: Plan, verdict: Verdict) -> None:
@@ -235,7 +257,8 @@ def write_json(path: Path, verdict: Verdict, stats, single: Plan, parallel: Plan
         })
     summary = {"mode": "symbolic", "success": verdict.success, "kind": verdict.kind,
                "message": verdict.message, "stats": asdict(stats), "failing_stages": failing,
-               "coverage": verdict.coverage, "assumed": took if verdict.success else ""}
+               "coverage": verdict.coverage, "assumed": took if verdict.success else "",
+               "diagnosis": [] if verdict.success else diagnose(verdict, single, parallel)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
 

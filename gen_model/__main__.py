@@ -22,7 +22,7 @@ from verdict.columns import Columns
 from verdict.plan import Plan
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "mgeners"
-#: Sizes of llama3 and moe left out (README, "Generate plans").
+#: Sizes of llama3 and moe left out (docs/workflow.md, "Generate plans").
 DEFAULT_HEADS = 4
 DEFAULT_SEQLEN = 128
 EPILOG = """Writes {model}_{variant}_dp{D}_pp{P}_tp{T}_nm{M}_gbs{G}_ly{L}_h{H}_hi{I}_sq{S}.pkl

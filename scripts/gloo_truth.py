@@ -13,7 +13,9 @@ one line, ``same`` or ``differs: ...`` with the first rank and parameter
 that differ, and exits 0 when the step is right, 1 when it is not. This
 does not read the plans or the verifier: it is the truth their verdicts
 are checked against (docs/torch-backend.md, "Scaling conventions and their
-mistakes"). Pipelining recipes are not run.
+mistakes"). With ``--clip``, the single-device gradients are clipped by
+torch's ``clip_grad_norm_`` and every rank's by its ``--clipper`` (the
+backend's default when none is given). Pipelining recipes are not run.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def _single_grads(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     model = _model(args)
     tokens, labels = _batch(args)
     model(tokens, labels).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if args.clip:
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), args.clip)
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
@@ -80,13 +84,19 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
             runner(tokens[rows], labels[rows]).backward()
         if after is not None:
             after(model, mesh)
+        if args.clip:
+            load(args.clipper or "backends.torch.recipes:clip_grad_norm")(model, mesh, args.clip)
         problem = ""
         # a gradient that is exactly 0 in real arithmetic (a key bias under softmax) is
         # rounding noise in float64: errors are measured against the largest gradient too
-        top = max(float(g.abs().max()) for g in expected.values())
+        top = max((float(g.abs().max()) for g in expected.values()), default=1.0)
         for name, p in model.named_parameters():
             g = p.grad
-            if g is None:
+            if name not in expected:  # no gradient on one device (a parameter the loss never reads)
+                if g is not None and float(abs(g.full_tensor() if isinstance(g, DTensor) else g)
+                                           .max()) != 0.0:
+                    problem = f"rank {rank} ends with a gradient of {name}, which has none"
+            elif g is None:
                 problem = f"rank {rank} ends with no gradient of {name}"
             elif isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
                 problem = f"rank {rank} ends with a partial gradient of {name}"

@@ -116,7 +116,8 @@ def main() -> int:
     if single["exit"] == 0 and parallel["exit"] == 0 and sm and pm:
         summary = out / "summary.json"
         verify = run_step([py, "main.py", "--sm", str(sm), "--pm", str(pm), "--no_cache_nodes",
-                           "--no_cache_stages", "--max_vrf_proc", str(args.workers),
+                           "--no_cache_stages", "--stats_dir", str(ROOT / "data/stats"),
+                           "--max_vrf_proc", str(args.workers),
                            "--json", str(summary)],
                           args.timeout, args.mem_gb, logs / f"{args.name}.verify.log")
         fate = verify["fate"]

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
 from backends.torch.check import LoadedValueMismatch  # noqa: E402
+from backends.torch.errors import WrongStep  # noqa: E402
 from backends.torch.lower import LoweringError  # noqa: E402
 from main import verify  # noqa: E402
 
@@ -47,6 +48,16 @@ MISTAKES = "tests.outside_mistakes:"
 R21_MODELS = "tests.refusals21_models:"
 R21_RECIPES = "tests.refusals21_recipes:"
 LOADED = "tests.loaded_values_recipes:"
+#: PyTorch's test Transformer and its own parallelize (tests/dtensor_transformer.py)
+DT = "tests.dtensor_transformer:"
+#: labels masked before the loss (tests/label_mask_models.py)
+LM = "tests.label_mask_models:"
+#: losses read off the log-probabilities (tests/loss_parallel_models.py)
+LP = "tests.loss_parallel_models:"
+#: plans applied to values they do not describe (tests/tp_plan_mistakes.py)
+TPM = "tests.tp_plan_mistakes:"
+#: clipping by trainers' gradient norms (tests/norm_clippers.py)
+CLIP = "--clip 0.5 --clipper tests.norm_clippers:"
 MESHES = {"dp2": "--dp 2 --tp 1", "dp2 tp2": "--dp 2 --tp 2", "dp1 tp2": "--dp 1 --tp 2"}
 
 #: (case, arguments of ``python -m backends.torch``, expected exit code)
@@ -449,6 +460,83 @@ CASES: list[tuple[str, str, int]] = [
      "--dp 1 --tp 2 --hidden 8 --ffn 8", 1),
     ("loaded mlp fsdp swapped checkpoint bug", f"--model mlp --recipe "
      f"{LOADED}fsdp_swapped_checkpoint --dp 2 --tp 1 --hidden 8 --ffn 8", 1),
+    # gradient norms as trainers compute them for clipping (tests/norm_clippers.py)
+    ("clip tp rank 0 counts duplicates (Megatron) tp_sp dp2 tp2",
+     f"--model llama --recipe tp_sp {CLIP}clip_tp_rank0", 0),
+    ("clip tp rank 0 counts duplicates (Megatron) fsdp_tp dp2 tp2",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_tp_rank0", 0),
+    ("clip two all-reduces tp_sp dp2 tp2", f"--model llama --recipe tp_sp {CLIP}clip_tp_two_reduces", 0),
+    ("clip two all-reduces fsdp_tp dp2 tp2",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_tp_two_reduces", 0),
+    ("clip accumulated from zero tp_sp dp1 tp2",
+     f"--model llama --recipe tp_sp --dp 1 {CLIP}clip_tp_accumulated", 0),
+    ("clip accumulated from zero fsdp_tp dp2 tp2",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_tp_accumulated", 0),
+    ("clip stacked norms over the flattened dp x tp group fsdp_tp dp2 tp2",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_stacked_norms_flat_group", 0),
+    ("clip bug duplicates counted per tp rank (NeMo-RL 3788) tp_sp",
+     f"--model llama --recipe tp_sp {CLIP}clip_tp_counted_per_rank", 1),
+    ("clip bug duplicates counted per tp rank (NeMo-RL 3788) fsdp_tp",
+     f"--model llama --recipe fsdp_tp {CLIP}clip_tp_counted_per_rank", 1),
+    ("clip bug square sum not all-reduced", f"--model llama --recipe tp_sp {CLIP}clip_tp_not_reduced", 1),
+    ("clip bug dp replicas' squares summed over dp x tp",
+     f"--model llama --recipe tp_sp {CLIP}clip_pow_sum_flat_group_unsharded", 1),
+    # PyTorch's own tensor-parallel test model with its parallelize (tests/dtensor_transformer.py):
+    # the position table sharded by rows, looked up at torch.arange positions
+    *[(f"dtensor {model} {recipe} {mesh}", f"--model {DT}{model} --recipe {DT}{recipe} {mesh}", 0)
+      for model, recipe, mesh in [
+          ("transformer", "tp", "--dp 2 --tp 2"), ("transformer", "tp_sp", "--dp 2 --tp 2"),
+          ("transformer_tied", "tp_sp", "--dp 2 --tp 2"),
+          ("transformer", "tp_sp", "--dp 1 --tp 4 --seqlen 8"),
+          ("transformer_tied", "tp", "--dp 1 --tp 4"), ("transformer", "fsdp_tp", "--dp 2 --tp 2"),
+          ("transformer_tied", "fsdp_tp", "--dp 2 --tp 2")]],
+    ("dtensor transformer bug gradients averaged over dp",
+     f"--model {DT}transformer --recipe {DT}tp_sp_dp_averaged --dp 2 --tp 2", 1),
+    # labels masked before the loss ignores them (tests/label_mask_models.py)
+    ("labels masked_fill(labels == pad, -100) ddp dp2",
+     f"--model {LM}masked_fill --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("labels torch.where(labels == pad, -100, labels) fsdp dp2",
+     f"--model {LM}where --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("labels labels[labels == pad] = -100 fsdp_tp_mlp dp2 tp2",
+     f"--model {LM}index_put --recipe {STOCK}fsdp_tp_mlp --dp 2 --tp 2", 0),
+    ("labels masked_fill tp_mlp dp2 tp2", f"--model {LM}masked_fill --recipe {STOCK}tp_mlp", 0),
+    ("labels masked_fill mean tp_mlp dp1 tp2",
+     f"--model {LM}masked_fill_mean --recipe {STOCK}tp_mlp --dp 1 --tp 2", 0),
+    ("labels masked_fill bug per-rank kept-label means summed over dp",
+     f"--model {LM}masked_fill_mean --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    ("labels read as numbers refused (naming the op and the ids)",
+     f"--model {LM}doubled --recipe {STOCK}ddp --dp 2 --tp 1", 2),
+    # log-probabilities read by the loss (tests/loss_parallel_models.py)
+    ("log_softmax 3-D, flatten, nll_loss tp_sp_loss_parallel dp2 tp2",
+     f"--model {LP}log_softmax_nll --recipe tp_sp_loss_parallel", 0),
+    ("log_softmax 3-D, flatten, nll_loss tp_sp dp2 tp2", f"--model {LP}log_softmax_nll --recipe tp_sp", 0),
+    ("log_softmax label smoothing, a second reader, tp_sp dp2 tp2",
+     f"--model {LP}log_softmax_smoothed --recipe tp_sp", 0),
+    ("log_softmax bug second reader under loss_parallel (pytorch 190746)",
+     f"--model {LP}log_softmax_smoothed --recipe tp_sp_loss_parallel", 1),
+    # plans applied to values they do not describe (tests/tp_plan_mistakes.py): findings
+    ("mlp bug sequence-parallel plan on whole rows",
+     f"--model mlp --recipe {TPM}sp_mlp_on_whole_rows --dp 1 --tp 2", 1),
+    ("gpt2 tied head re-tied after the vocabulary plan",
+     f"--model gpt2 --recipe {TPM}tied_head_retied --dp 2 --tp 2", 0),
+    ("gpt2 bug tie broken by the vocabulary plan",
+     f"--model gpt2 --recipe {TPM}tied_head_untied_by_tp --dp 2 --tp 2", 1),
+    # torchtitan's models by family, its own parallelize, the tie made again (backends/torch/titan.py)
+    ("titan qwen3 debugmodel tp2 (tied)", "--model titan:qwen3 --recipe titan:parallelize --dp 1 "
+     "--tp 2 --vocab 2048 --batch 2", 0),
+    ("titan qwen3 debugmodel dp2 tp2 (tied)", "--model titan:qwen3 --recipe titan:parallelize "
+     "--dp 2 --tp 2 --vocab 2048 --batch 4", 0),
+    ("titan llama3 by family tp2", "--model titan:llama3 --recipe titan:parallelize --dp 1 --tp 2 "
+     "--vocab 2048 --batch 2", 0),
+    ("titan qwen3 bug tie not made again after parallelize", "--model titan:qwen3 --recipe "
+     f"{TPM}titan_tie_not_made_again --dp 1 --tp 2 --vocab 2048 --batch 2", 1),
+    ("hf deepseek_v2 refused (top-k routing, num_experts_per_tok None)",
+     "--hf deepseek_v2 --dp 1 --tp 2", 2),
+    # running sums, flips and zero padding of computed tensors (tests/scan_models.py)
+    ("scan_tagger cumsum, flip, pad ddp dp2",
+     f"--model tests.scan_models:scan_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("hf qwen3_5_text refused (Gated DeltaNet's triangular solve)", "--hf qwen3_5_text --dp 2 --tp 2",
+     2),
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto
@@ -480,7 +568,7 @@ CASES += [
 ]
 
 #: top-k mixtures of experts, their routing recorded and replayed (docs/soundness.md, "Plans
-#: traced from PyTorch", 29); wrong plans in harness/moe_bugs.py
+#: traced from PyTorch", 35); wrong plans in harness/moe_bugs.py
 MOE_BUGS = "harness.moe_bugs:"
 #: torchtitan's DeepSeek-V3 debugmodel under its own parallelize_deepseekv3 (ep 1)
 DEEPSEEK = ("--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
@@ -538,6 +626,8 @@ def run_case(argv: str, singles: dict) -> tuple[int, str]:
     key = single_key(args)
     try:
         (plan_s, plan_p), singles[key] = trace_and_build(args, singles.get(key))
+    except WrongStep as e:
+        return 1, str(e)
     except LoweringError as e:
         return 2, str(e)
     except LoadedValueMismatch as e:

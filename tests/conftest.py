@@ -5,12 +5,20 @@ it ends; a file added, changed or removed fails the run, named."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+#: what the tools write by default (backends/userdirs.py: caches, Stats rows,
+#: logs, traced plans) goes to a temporary directory of this run, inherited
+#: by the commands the tests start
+os.environ["VERDICT_CACHE_DIR"] = tempfile.mkdtemp(prefix="verdict-tests-")
+atexit.register(shutil.rmtree, os.environ["VERDICT_CACHE_DIR"], ignore_errors=True)
 #: Directories a test run may write to: version control, the venv, Python's
 #: and the tools' own caches.
 NOT_WATCHED = (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache")

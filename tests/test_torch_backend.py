@@ -116,9 +116,9 @@ def _trace(events: list, shapes: list) -> dict:
 
 
 def test_unlowered_op_is_one_line() -> None:
-    trace = _trace([("aten.cumsum.default", [[("v", 0), 1], {}], [2], [(2, 2)], "m", None, -1)],
+    trace = _trace([("aten.cumprod.default", [[("v", 0), 1], {}], [2], [(2, 2)], "m", None, -1)],
                    [(2, 2), (2,), (2, 2)])
-    with pytest.raises(LoweringError, match=r"^aten op aten.cumsum.default \(at m\) is not lowered"):
+    with pytest.raises(LoweringError, match=r"^aten op aten.cumprod.default \(at m\) is not lowered"):
         lower_trace(trace, 4)
 
 

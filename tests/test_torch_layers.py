@@ -211,8 +211,8 @@ def probe_dropout(**_sizes) -> Probe:
     return Probe(lambda m, x: m["drop"](x), drop=nn.Dropout(0.1))
 
 
-def probe_cumsum(**_sizes) -> Probe:
-    return Probe(lambda m, x: m["lin"](x).cumsum(1), lin=nn.Linear(H, H))
+def probe_cumprod(**_sizes) -> Probe:
+    return Probe(lambda m, x: m["lin"](x).cumprod(1), lin=nn.Linear(H, H))
 
 
 def test_dropout_with_p_is_refused_in_one_line() -> None:
@@ -222,8 +222,8 @@ def test_dropout_with_p_is_refused_in_one_line() -> None:
 
 
 def test_an_op_not_lowered_is_named_with_its_module() -> None:
-    with pytest.raises(LoweringError, match=r"aten\.cumsum.*Probe") as e:
-        lower_trace(_single(f"{__name__}:probe_cumsum"), SIZES["vocab"])
+    with pytest.raises(LoweringError, match=r"aten\.cumprod.*Probe") as e:
+        lower_trace(_single(f"{__name__}:probe_cumprod"), SIZES["vocab"])
     assert "\n" not in str(e.value)
 
 

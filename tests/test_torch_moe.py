@@ -1,5 +1,5 @@
 """Top-k mixtures of experts traced with their routing recorded and replayed
-(docs/soundness.md, "Plans traced from PyTorch", 29): the single-device
+(docs/soundness.md, "Plans traced from PyTorch", 35): the single-device
 lowering against torch, a data-parallel step that verifies for the routing
 it names, a rank that routes one token otherwise failing, and the replay's
 refusals. More families and wrong plans are suite cases

@@ -206,14 +206,19 @@ class Columns:
     def is_folded(self) -> bool:
         return Plan(world=self.world).is_folded()
 
+    def written(self) -> Array:
+        """A mask of the tensors some node writes (the others are loads)."""
+        written = np.zeros(len(self.tensors), dtype=bool)
+        out = self.nodes.outputs
+        written[out[out >= 0]] = True
+        return written
+
     def scaled_load(self) -> str | None:
         """:meth:`verdict.plan.Plan.scaled_load` on the columns, by arrays."""
         scale = self.tensors.scale
         if scale is None:
             return None
-        written = np.zeros(len(self.tensors), dtype=bool)
-        out = self.nodes.outputs
-        written[out[out >= 0]] = True
+        written = self.written()
         bad = np.flatnonzero((scale[:, 0] != scale[:, 1]) & ~written)
         if not len(bad):
             return None

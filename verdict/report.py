@@ -185,9 +185,7 @@ def loads(parallel: Plan | Columns) -> tuple[Counter, int]:
     kinds = [lg.kind for lg in parallel.logical]
     if isinstance(parallel, Columns):
         t = parallel.tensors
-        written = np.zeros(len(t), dtype=bool)
-        out = parallel.nodes.outputs
-        written[out[out >= 0]] = True
+        written = parallel.written()
         tids = np.asarray(t.tid)[~written]
         counts = np.bincount(tids, minlength=len(kinds))
         by_kind = Counter()

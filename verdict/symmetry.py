@@ -261,9 +261,7 @@ def layout_view(cols: Columns) -> Plan:
     if top >= size:
         raise StructureError("layout", f"rank {top} is outside the world's layout of "
                                        f"pp*dp*cp*tp = {size} ranks")
-    written = np.zeros(len(t), dtype=bool)
-    out = cols.nodes.outputs
-    written[out[out >= 0]] = True
+    written = cols.written()
     kinds = np.array([lg.kind in ("data", "tokens") for lg in cols.logical] or [False])
     data = np.flatnonzero(kinds[t.tid] & ~written)
     return Plan(world=dict(w), logical=list(cols.logical), tensors=tensor_rows(cols, data),

@@ -21,11 +21,14 @@ from pathlib import Path
 from backends.planfile import save_plan
 from backends.torch.build import build_plans
 from backends.torch.check import LoadedValueMismatch, check_loaded
+from backends.torch.errors import WrongStep
 from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower_trace
 from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
+from backends.torch.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
 from backends.torch.routing import check_every_expert_reached, describe
+from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
 MODELS = {
@@ -74,10 +77,24 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             args.recipe = f"backends.torch.hf:{args.recipe}"
         args.name = args.name or (f"hf_{hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
                                   f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
-    args.model = MODELS.get(args.model, args.model)
+    args.model = _short_module(MODELS.get(args.model, args.model))
+    args.recipe = _short_module(args.recipe)
+    if getattr(args, "clipper", None):
+        args.clipper = _short_module(args.clipper)
     if ":" not in args.recipe:
         args.recipe = f"{recipe_module(args.recipe)}:{args.recipe}"
     return args
+
+
+#: module shorthands of ``--model``, ``--recipe`` and ``--clipper`` (``titan:qwen3``)
+SHORT_MODULES = {"titan": "backends.torch.titan", "hf": "backends.torch.hf"}
+
+
+def _short_module(ref: str) -> str:
+    """``titan:NAME`` as ``backends.torch.titan:NAME`` (and the others of
+    ``SHORT_MODULES``); any other reference as given."""
+    module, sep, name = ref.partition(":")
+    return f"{SHORT_MODULES[module]}:{name}" if sep and module in SHORT_MODULES else ref
 
 
 def refuse_hf(family: str, tp: int) -> None:
@@ -130,6 +147,13 @@ def parser() -> argparse.ArgumentParser:
                    help="tensor-parallel degree of the mesh (default: %(default)s)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages, for a pipelining recipe (default: %(default)s)")
+    p.add_argument("--mesh", default=None, metavar="NAME=SIZE,...",
+                   help="the recipe's mesh, dims named and sized in your order (e.g. "
+                        "dp_replicate=2,dp_shard=2,cp=1,tp=2); replaces --pp/--dp/--tp "
+                        "(default: pp=PP,dp=DP,tp=TP; backends/torch/mesh.py)")
+    p.add_argument("--data-dims", dest="data_dims", default=None, metavar="NAME,...",
+                   help="the --mesh dims that split the batch, outer first (default: those "
+                        "named " + ", ".join(DATA_NAMES) + ")")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's weights and inputs (default: %(default)s)")
     p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="none",
@@ -140,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
                    help="how a rank clips, package.module:function called as "
                         "clipper(model, mesh, max_norm) (default: "
                         "backends.torch.recipes:clip_grad_norm)")
-    p.add_argument("-o", "--out", default="data/plans/torch",
+    p.add_argument("-o", "--out", default=str(user_dir("plans") / "torch"),
                    help="output directory (default: %(default)s)")
     p.add_argument("--format", choices=("pkl", "npz"), default="pkl",
                    help="plan file form: pickled rows or columnar (docs/plan-format.md; "
@@ -149,20 +173,34 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def user_mesh(args: argparse.Namespace) -> MeshSpec | None:
+    """``--mesh`` (None without it), its layout set as ``args``' pp, dp, tp."""
+    text = getattr(args, "mesh", None)
+    if text is None:
+        if getattr(args, "data_dims", None):
+            raise LoweringError("--data-dims names dims of --mesh: give --mesh too")
+        return None
+    mesh = text if isinstance(text, MeshSpec) else parse_mesh(text, getattr(args, "data_dims", None))
+    args.pp, args.dp, args.tp = mesh.layout()
+    return mesh
+
+
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
     args = resolve(args)
+    mesh = user_mesh(args)
     kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
           "vocab": args.vocab, "seqlen": args.seqlen}
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
             "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
             "vocab": args.vocab, "seed": args.seed, "optimizer": args.optimizer,
-            "clip": args.clip, "clipper": args.clipper}
+            "clip": args.clip, "clipper": args.clipper,
+            **({"mesh": mesh.as_spec()} if mesh else {})}
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
              "tp": args.tp, "pp": args.pp, "ep": 1, "nm": 1,
              "recipe": args.recipe,
-             **{k: v for k, v in kw.items()}}
+             **{k: v for k, v in kw.items()}, **({"mesh": mesh.label()} if mesh else {})}
     for ref in (args.model, args.recipe, *([args.clipper] if args.clipper else [])):
         try:
             load(ref)
@@ -192,28 +230,39 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     return (plan_s, plan_p), single
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        (plan_s, plan_p), _ = trace_and_build(args)
-    except LoweringError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except LoadedValueMismatch as e:
-        print(f"FAIL: {e}")
-        return 1
+def write_plans(args: argparse.Namespace, say: bool = True) -> tuple[Path, Path]:
+    """Trace, build and write the pair into ``args.out``; the two paths
+    (printed unless not ``say``). Raises LoweringError (exit 2) and
+    LoadedValueMismatch (exit 1)."""
+    (plan_s, plan_p), _ = trace_and_build(args)  # resolves args' short names in place
     pp = f"_pp{args.pp}" if args.pp > 1 else ""
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"_ly{args.layers}_b{args.batch}")
     out = Path(args.out)
     sm, _ = save_plan(plan_s, out / f"{stem}_single.{args.format}")
     pm, _ = save_plan(plan_p, out / f"{stem}_parallel.{args.format}")
-    for path, plan in ((sm, plan_s), (pm, plan_p)):
+    for path, plan in ((sm, plan_s), (pm, plan_p)) if say else ():
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")
-    if "routing" in plan_s.world:
+    if say and "routing" in plan_s.world:
         print("the routing recorded on one device and replayed on every rank (what a SUCCESS "
               "covers): " + plan_s.world["routing"])
+    return sm, pm
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        sm, pm = write_plans(args)
+    except WrongStep as e:  # a finding before any proof (a LoweringError's subclass)
+        print(f"FAIL: {e}")
+        return 1
+    except LoweringError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except LoadedValueMismatch as e:
+        print(f"FAIL: {e}")
+        return 1
     print(f"verify them: python main.py --sm {sm} --pm {pm}")
     return 0
 

@@ -24,6 +24,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from backends.torch.errors import WrongStep
 from backends.torch.lower import LNode, Lowered, LoweringError, padded_rows
 from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op
@@ -271,19 +272,32 @@ class _Rank:
         #: all of them (each a true claim), until a reader chooses one
         self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
         self.consumers: dict[int, list[LNode]] = {}
+        self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
         for node in low.nodes:
             for v in node.ins:
                 if v >= 0:
                     self.consumers.setdefault(v, []).append(node)
+        #: exact zeros only all-reduced (a rank that counts no term of a sum:
+        #: lower_norm_sums), no term of the sum (``sum_across``)
+        self.zeros = {node.outs[0] for node in low.nodes
+                      if node.op == "zeros" and not node.ins and not low.shapes[node.outs[0]]
+                      and node.outs[0] not in low.empty_sums and self.consumers.get(node.outs[0])
+                      and all(c.op == "all_reduce" for c in self.consumers[node.outs[0]])}
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         own: list[tuple[int, str]] = []  # constants no single-device one holds
-        for v, (_, name) in low.inputs.items():
+        for v, (kind, name) in low.inputs.items():
             if name not in by_name and v in low.constants:
                 try:
                     self.sv[v], self.claim[v] = self.const_piece(v)
                 except LoweringError:
                     own.append((v, name))
                 continue
+            tied = b.s.low.ties.get(name) if kind == "param" else None
+            if name not in by_name and tied is not None:
+                raise WrongStep(f"rank {low.rank} holds {name} as a parameter of its own, but "
+                                f"the single-device model ties it to {tied} (one tensor): the "
+                                f"tie is broken, so {tied}'s gradient misses {name}'s part and "
+                                f"the two are updated apart")
             if name not in by_name:
                 what = "a constant" if name.startswith("const.") else f"the input {name}"
                 raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
@@ -315,7 +329,7 @@ class _Rank:
         for sv, full in self.b.s.low.constants.items():
             # of the same shape, or one this rank's would be a piece of
             # (another routing of its rows: docs/soundness.md, "Plans traced
-            # from PyTorch", 29)
+            # from PyTorch", 35)
             if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)) \
                     or sv not in self.b.s.low.inputs:
                 continue
@@ -547,7 +561,7 @@ class _Rank:
     def step(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[LNode]:
         """The nodes to emit for this node (additions may be deferred and
         regrouped in the single-device order)."""
-        if node.op == "send":
+        if node.op == "send" or (node.outs and node.outs[0] in self.zeros):
             return []
         if node.op == "add":
             ready = [self.root_of(v) for v in node.ins]
@@ -701,6 +715,24 @@ class _Rank:
     def units(self, x: int) -> list[int]:
         """The values a sum is made of on this rank: its deferred terms, or x."""
         return list(self.pending[x]) if x in self.pending else [x]
+
+    def terms(self, x: int) -> list[int]:
+        """The terms of a scalar sum on this rank: its deferred terms, and the
+        terms of each scalar addition it was computed by (x = a + b has the
+        terms of a and of b), in order; x itself when it is no sum."""
+        out: list[int] = []
+        todo = [x]
+        while todo:
+            v = todo.pop()
+            node = self.producer.get(v)
+            if v in self.pending:
+                todo.extend(reversed(self.pending[v]))
+            elif node is not None and node.op == "add" and not self.low.shapes[v] \
+                    and all(not self.low.shapes[a] for a in node.ins):
+                todo.extend(reversed(node.ins))
+            else:
+                out.append(v)
+        return out
 
     def computed_split(self, node: LNode, cut: bool = False) -> list[int] | None:
         """The single-device split this split computes (the same piece of the
@@ -1105,6 +1137,14 @@ class _Rank:
         (``fits``, a collective's input)."""
         full, local = self.gshape(v), self.low.shapes[v]
         c = self.claim[v]
+        for d, n in enumerate(local):
+            if d < len(full) and n > full[d]:
+                node = self.producer.get(v)
+                where = f"{node.op} at {_scope(node.name)}" if node is not None else "a value"
+                raise WrongStep(f"rank {self.low.rank}: {where} makes {n} entries along dim {d} "
+                                f"where the single-device step's value has {full[d]}: no piece "
+                                f"of it (a layout that takes whole values for pieces counts "
+                                f"them more than once)")
         for d, axes in enumerate(c.dims):
             even = full[d] % math.prod(self.sizes[a] for a in axes) == 0
             if self.extent(axes, full[d]) != local[d] or not (even or uneven):
@@ -1259,40 +1299,52 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                                  _scope(node.name)))
 
     def sum_across(r: _Rank, node: LNode, k: int) -> bool:
-        """An all-reduce of sums whose terms together make one single-device
-        sum, each member holding some of them (the stages' squared gradient
-        norms summed over a pipeline): written, on each member, as receiving
-        the other members' terms and adding all of them in the single-device
-        order (addition is associative in exact arithmetic). False when the
-        members reduce one value (an ordinary all-reduce)."""
-        units = {}
+        """An all-reduce of sums whose terms together make single-device
+        terms, each member holding some of them, whole or as its part (the
+        stages' squared gradient norms summed over a pipeline, a trainer's
+        squared norms of sharded gradients on every rank and of replicated
+        ones on one rank, an exact zero on a rank that counts none): written,
+        on each member, as receiving the other members' terms, adding the
+        pieces of each single-device term (claimed as the all-reduce claims
+        them: partial over fewer axes), and adding those in the
+        single-device order, or leaving them a deferred sum when they are
+        only some of a single-device sum's terms (addition is associative
+        and commutative in exact arithmetic; every member's term is used
+        once: docs/soundness.md, "Plans traced from PyTorch", 3 and 29).
+        False when the members reduce one value (an ordinary all-reduce)."""
+        units, zero = {}, False
         for q in node.group:
             x = rs[q].low.nodes[channels.nth(rs[q].low, node, k)].ins[0]
-            units[q] = rs[q].units(x)
-        if len({rs[q].sv[u] for q in node.group for u in units[q]}) <= 1 \
+            units[q] = [] if x in rs[q].zeros else rs[q].terms(x)
+            zero |= x in rs[q].zeros
+        if not zero and len({rs[q].sv[u] for q in node.group for u in units[q]}) <= 1 \
                 and all(len(us) == 1 for us in units.values()):
             return False
-        s_leaves = sorted(t for q in node.group for u in units[q] for t in b.leaves_of(rs[q].sv[u]))
-        root = b.s_trees.get(tuple(s_leaves))
-        if root is None:
-            return False
-        avail: dict[int, int] = {r.sv[u]: u for u in units[r.low.rank]}
+        by_sv: dict[int, list[tuple[int, int]]] = {}
         for q in node.group:
-            if q == r.low.rank:
-                continue
-            peer = rs[q]
             for u in units[q]:
-                new = r.fresh
-                r.fresh += 1
-                c = peer.claim[u]
-                r.sv[new], r.mb[new] = peer.sv[u], -1
-                r.claim[new] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale)
-                r.low.shapes[new] = peer.low.shapes[u]
-                t_of[(r.low.rank, new)] = tensor(r, new, 0)
-                plan_p.nodes.append(Node(r.low.rank, 0, "send_recv", "fw", (t_of[(q, u)],),
-                                         (t_of[(r.low.rank, new)],), {"src": q, "dst": r.low.rank},
-                                         _scope(node.name)))
-                avail[peer.sv[u]] = new
+                by_sv.setdefault(rs[q].sv[u], []).append((q, u))
+        s_leaves = sorted(t for sv in by_sv for t in b.leaves_of(sv))
+        root = b.s_trees.get(tuple(s_leaves))
+        if root is None and (len(by_sv) < 2 or b.superset(s_leaves) is None):
+            if zero:
+                raise AlignError(f"rank {r.low.rank} all-reduces at {_scope(node.name)} terms "
+                                 f"that make no single-device sum")
+            return False
+        # the mesh axes the group runs along (several for a flattened group;
+        # none for pipeline stages, whose terms are whole)
+        axes = {a for a in r.axes if len({coords[q][a] for q in node.group}) > 1}
+        out = node.outs[0]
+        avail = {sv: combine(r, sv, terms, axes, node) for sv, terms in by_sv.items()}
+        if root is None and len(by_sv) == 1:  # the all-reduce's value is that one term's sum
+            acc = avail[next(iter(by_sv))]
+            t_of[(r.low.rank, out)] = t_of[(r.low.rank, acc)]
+            r.sv[out], r.mb[out], r.claim[out] = r.sv[acc], r.mb.get(acc, -1), r.claim[acc]
+            r.low.shapes[out] = r.low.shapes[acc]
+            return True
+        if root is None:
+            r.pending[out] = list(avail.values())
+            return True
 
         def add_tree(sv: int, target: int | None) -> int:
             if sv in avail:
@@ -1308,8 +1360,67 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
             emit(r, new, -1)
             return target
 
-        add_tree(root, node.outs[0])
+        add_tree(root, out)
+        if avail:  # every member's term is added once, or the sum is not written
+            raise AlignError(f"rank {r.low.rank} all-reduces at {_scope(node.name)} terms the "
+                             f"single-device sum they stand for does not add")
         return True
+
+    def combine(r: _Rank, sv: int, terms: list[tuple[int, int]], axes: set[str],
+                node: LNode) -> int:
+        """Rank r's sum of the members' pieces of one single-device term,
+        summed one mesh axis of the group at a time (innermost first): the
+        pieces that differ only along that axis are added, and their sum
+        is claimed partial over one axis fewer, at their common
+        coordinates (a piece no other member completes keeps its claim;
+        the verifier proves or refutes each claim)."""
+        items = [(dict(coords[q]), u if q == r.low.rank else received(r, rs[q], u, node))
+                 for q, u in terms]
+        done: set[str] = set()
+        for axis in [a for a in reversed(r.axes) if a in axes]:
+            done.add(axis)
+            merged: dict[tuple, list[tuple[dict, int]]] = {}
+            for at, v in items:
+                merged.setdefault(tuple(at[a] for a in r.axes if a not in done),
+                                  []).append((at, v))
+            items = []
+            for same in merged.values():
+                at, acc = same[0]
+                for _, v in same[1:]:
+                    target = r.fresh
+                    r.fresh += 1
+                    r.low.shapes[target] = r.low.shapes[acc]
+                    ca, cv = r.claim[acc], r.claim[v]
+                    partial = (ca.partial | cv.partial) - {axis}
+                    held = {a for d in ca.dims for a in d} | partial
+                    where = {a: at[a] for a in held if a in at and at[a] != r.low.coords[a]}
+                    r.sv[target], r.mb[target] = sv, -1
+                    r.claim[target] = Claim([list(d) for d in ca.dims], partial, ca.mbs,
+                                            ca.scale, where or None)
+                    emit(r, LNode("add", "fw", [acc, v], [target], {}, node.name), -1)
+                    acc = target
+                items.append((at, acc))
+        if len(items) != 1:
+            raise AlignError(f"rank {r.low.rank} all-reduces at {_scope(node.name)} pieces of "
+                             f"one term over ranks {list(node.group)} that no mesh axis joins")
+        return items[0][1]
+
+    def received(r: _Rank, peer: _Rank, u: int, node: LNode) -> int:
+        """Rank r's copy of ``peer``'s term u (a ``send_recv``): the same
+        piece, its axes read at the peer's coordinates."""
+        target = r.fresh
+        r.fresh += 1
+        c = peer.claim[u]
+        at = {a: peer.low.coords[a] for a in [*(a for d in c.dims for a in d), *c.partial]
+              if a != "mb" and peer.low.coords[a] != r.low.coords[a]}
+        r.sv[target], r.mb[target] = peer.sv[u], -1
+        r.claim[target] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale, at or None)
+        r.low.shapes[target] = peer.low.shapes[u]
+        t_of[(r.low.rank, target)] = tensor(r, target, 0)
+        plan_p.nodes.append(Node(r.low.rank, 0, "send_recv", "fw", (t_of[(peer.low.rank, u)],),
+                                 (t_of[(r.low.rank, target)],),
+                                 {"src": peer.low.rank, "dst": r.low.rank}, _scope(node.name)))
+        return target
 
     for i, n, k in _order(ranks):
         low = ranks[i]

@@ -50,8 +50,9 @@ SIZE_FIELDS = {
 }
 #: configuration fields that choose top-k routing of tokens to experts
 ROUTING_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k_experts")
-#: configuration fields that hold the number of routed experts
-EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+#: configuration fields that count the experts a router chooses among
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                 "num_experts_routed", "n_experts", "num_moe_experts")
 #: the routed experts and the experts per token of a family's small mixture
 EXPERTS, TOP_K = 4, 2
 
@@ -101,7 +102,7 @@ def refusal(family: str, tp: int) -> str | None:
     beside the text model), or TP for a family without a tensor-parallel
     plan. A family that routes tokens to its top-k experts is traced with
     its routing recorded (docs/soundness.md, "Plans traced from PyTorch",
-    29)."""
+    35)."""
     cfg_cls, _ = classes(family)
     default = cfg_cls()
     subs = tuple(getattr(default, "sub_configs", None) or ())
@@ -151,7 +152,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
         # a small mixture, so that a small batch gives every expert tokens on
         # every rank (an expert with no token on a rank: docs/torch-backend.md)
         kw[experts] = min(getattr(default, experts), EXPERTS)
-        kw[routed] = min(getattr(default, routed), TOP_K)
+        # a family may leave the count unset (deepseek_v2's num_experts_per_tok)
+        kw[routed] = min(getattr(default, routed) or TOP_K, TOP_K)
     for name, value in default.to_dict().items():
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             kw[name] = 0.0

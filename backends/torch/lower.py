@@ -86,6 +86,8 @@ class Lowered:
     #: a padded gradient's rows this rank keeps (a narrow) -> the group whose
     #: reduction cuts them
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: parameters the model ties: another name of one -> the name it is held under
+    ties: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,9 @@ class _Lowerer:
     #: an all-reduced count is refused, "collect": this rank's counts are kept
     counts: list[int] | str | None = None
     count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    #: pow(x, 2) -> x, and the exact zeros of accumulators (lower_norm_sums)
+    squares: dict[int, int] = field(default_factory=dict)
+    zero_values: set[int] = field(default_factory=set)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -406,9 +411,9 @@ class _Lowerer:
                 raise LoweringError(f"{self.name}: an all-gather of padded pieces is read "
                                     f"with its padding")
             return self.emit("all_gather", [x.g.x], [shape], {"dim": x.dim}, group=x.g.group)[0]
-        if isinstance(x, _ZeroPadded):
-            raise LoweringError(f"{self.name}: a zero-padded piece is read other than by "
-                                f"an all-gather")
+        if isinstance(x, _ZeroPadded):  # read as the padded tensor (lower_conv._pad)
+            from backends.torch.lower_conv import _pad
+            return _pad(self, x.x, x.dim, 0, x.width)
         if isinstance(x, _Gathered):
             if x.padded:
                 raise LoweringError(f"{self.name}: an all-gather of padded pieces is read "
@@ -444,7 +449,8 @@ class _Lowerer:
                 self.splits[key] = self.emit("split", [src], [shape], {
                     "dim": x.dim, "parts": x.parts, "index": x.index})[0]
             return self.splits[key]
-        raise LoweringError(f"{self.name}: a collective's layout buffer is read directly")
+        from backends.torch.lower_refusals import refusal
+        raise LoweringError(refusal(self, x))
 
     def reshape(self, x: int, shape: tuple[int, ...]) -> int:
         """Value x seen with ``shape`` (flatten/unflatten nodes)."""
@@ -504,6 +510,11 @@ class _Lowerer:
             handler = _per_piece(handler)
         try:
             result = handler(self, args, kwargs, out_shapes, group)
+        except LoweringError as e:
+            if not str(e).startswith(": "):
+                raise
+            # an op outside every module (a clipper's, the step's): say which op
+            raise LoweringError(f"{op} at top level{e}") from None
         finally:
             self.name, self.mb, self.event = saved
         if not isinstance(result, list):
@@ -2111,6 +2122,24 @@ HANDLERS.update(max_all_handlers(HANDLERS))
 from backends.torch.lower_slices import slice_handlers  # noqa: E402
 
 HANDLERS.update(slice_handlers(HANDLERS))
+from backends.torch.lower_norm_sums import norm_sum_handlers  # noqa: E402
+
+HANDLERS.update(norm_sum_handlers(HANDLERS))
+from backends.torch.lower_const_lookup import const_lookup_handlers  # noqa: E402
+
+HANDLERS.update(const_lookup_handlers(HANDLERS))
+from backends.torch.lower_chunk import chunk_handlers  # noqa: E402
+
+HANDLERS.update(chunk_handlers(HANDLERS))
+from backends.torch.lower_label_masks import label_mask_handlers  # noqa: E402
+
+HANDLERS.update(label_mask_handlers(HANDLERS))
+from backends.torch.lower_logprob_views import logprob_view_handlers  # noqa: E402
+
+HANDLERS.update(logprob_view_handlers(HANDLERS))
+from backends.torch.lower_scan import scan_handlers  # noqa: E402
+
+HANDLERS.update(scan_handlers(HANDLERS))
 
 from backends.torch.lower_routing import routing_handlers  # noqa: E402  (top-k routing, issue 30)
 
@@ -2194,7 +2223,8 @@ def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) 
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
-                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts)
+                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
+                   dict(trace.get("ties", {})))
 
 
 def check_shards(traces: list[dict]) -> None:

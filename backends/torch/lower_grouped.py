@@ -1,5 +1,5 @@
 """Grouped GEMMs on rows gathered at recorded routing (docs/soundness.md,
-"Plans traced from PyTorch", 29 c).
+"Plans traced from PyTorch", 35 c).
 
 - ``x[p // C]`` for a recorded index ``p`` without repeats (each token once
   per expert it chose, sorted by expert: torchtitan's local dispatch) is

@@ -1,5 +1,5 @@
 """Lowerings of top-k routing on recorded routing data (docs/soundness.md,
-"Plans traced from PyTorch", 29).
+"Plans traced from PyTorch", 35).
 
 The routing (``topk``'s indices) and everything computed from it alone are
 constants of the step (``routing.py``). What remains is lowered here, each

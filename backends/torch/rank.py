@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from backends.torch.circular_pad import CircularPad
 from backends.torch.loaded import SetupCollectives, loaded_values
+from backends.torch.mesh import build as build_mesh
+from backends.torch.mesh import coords as mesh_coords
 from backends.torch.pipeline import Pipelined, PipelineStep
 from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
@@ -77,11 +79,9 @@ def _run(spec: dict, rank: int) -> dict:
     world = spec["dp"] * spec["tp"] * spec["pp"]
     mesh = None
     if spec["parallel"]:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-        mesh = init_device_mesh("cpu", (spec["pp"], spec["dp"], spec["tp"]),
-                                mesh_dim_names=("pp", "dp", "tp"))
+        mesh = build_mesh(spec)  # the user's mesh (--mesh) or ("pp", "dp", "tp")
     torch.manual_seed(spec["seed"])
     model = load(spec["model"])(**spec["model_kwargs"])._apply(in_float64)
     if hasattr(model, "global_tokens"):
@@ -95,7 +95,7 @@ def _run(spec: dict, rank: int) -> dict:
     del setup
     coords = {"pp": 0, "dp": 0, "tp": 0}
     if mesh is not None:
-        coords = {n: mesh[n].get_local_rank() for n in ("pp", "dp", "tp")}
+        coords = mesh_coords(rank, spec["pp"], spec["dp"], spec["tp"])
     gen = torch.Generator().manual_seed(spec["seed"])
     shape = (spec["batch"], spec["seqlen"])
     tokens = torch.randint(0, spec["vocab"], shape, generator=gen)
@@ -156,7 +156,12 @@ def _run(spec: dict, rank: int) -> dict:
             "grads": {n: None if p.grad is None else local_of(p.grad).detach().numpy().copy()
                       for n, p in model.named_parameters()},
         }
+    # parameters the model ties (one tensor under two names): alias -> the name kept
+    kept = {id(p): n for n, p in model.named_parameters()}
+    ties = {n: kept[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+            if kept.get(id(p), n) != n}
     return {
+        "ties": ties,
         "rank": rank, "coords": coords, "split": split, "events": rec.events, "shapes": rec.shapes,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,

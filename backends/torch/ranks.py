@@ -36,6 +36,7 @@ import threading
 from multiprocessing.connection import Connection, wait
 
 from backends.torch.errors import LoweringError
+from verdict.progress import progress
 
 #: modules the fork server imports once: torch's parallel APIs (pipelining
 #: alone imports torch._dynamo, 0.7 s of CPU) and the backend's recording
@@ -57,16 +58,19 @@ def trace_ranks(spec: dict, world: int, imports: list[str] | tuple[str, ...] = (
     zygote.start()
     send.close()
     results: dict[int, dict | str] = {}
+    bar = progress(None, "tracing ranks", total=world)  # on a terminal, after a second
     try:
         while len(results) < world:
             rank, payload = recv.recv()
             results[rank] = pickle.loads(payload) if isinstance(payload, bytes) else payload
+            bar.update(1)
         _, processes_cpu = recv.recv()
     except EOFError:
         zygote.join()
         raise LoweringError(f"the ranks' parent process ended with exit code {zygote.exitcode} "
                             f"before every rank was traced") from None
     finally:
+        bar.close()
         recv.close()
         zygote.join()
     for rank in range(world):

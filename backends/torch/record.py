@@ -72,6 +72,9 @@ class Recorder(TorchDispatchMode):
         self.tainted: set[int] = set()  # of that memory, what a non-constant op wrote
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
         self.routing: Routing | None = None  # top-k routing recorded or replayed (routing.py)
+        #: a same-region view -> the tensor it views (``DTensor.to_local()`` of a
+        #: gradient): an in-place write into either writes both
+        self.twins: dict[int, weakref.ref] = {}
 
     # -- values ---------------------------------------------------------------
     def new_value(self, t: torch.Tensor) -> int:
@@ -172,6 +175,11 @@ class Recorder(TorchDispatchMode):
         v = self.new_value(t)
         self.events.append((op, [[("v", src), list(t.shape)], {}], [v],
                             [tuple(t.shape)], self.scope(), None, self.mb))
+        if op == "aten.view.default":
+            for held, ref, _ in list(self.refs.values()):
+                a = ref() if held == src else None
+                if a is not None and a is not t:
+                    self.note_twins(op, [a], [t], [v])
         return v
 
     def mark_constant(self, t: torch.Tensor, v: int, buffer: bool = False) -> None:
@@ -294,6 +302,7 @@ class Recorder(TorchDispatchMode):
         self.events.append((name, [in_args, in_kwargs], ids, [tuple(o.shape) for o in outs],
                             self.scope(), group, self.mb))
         self.mark_partial_writes(name, func, args, kwargs)
+        self.note_twins(name, args, outs, ids)
         for o, v in zip(outs, ids):
             base = o._base
             if base is not None and base.numel() == o.numel() and self.value(base) is not None:
@@ -304,6 +313,29 @@ class Recorder(TorchDispatchMode):
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
+
+    def note_twins(self, name: str, args, outs: list[torch.Tensor], ids: list[int]) -> None:
+        """A view of exactly the memory of its input, with its shape and
+        strides (``DTensor.to_local()`` of a gradient FSDP2 keeps in a
+        larger buffer), is remembered with it; an in-place write into one
+        of the two (clipping's ``mul_``) gives the other the new value too,
+        since both read the same memory."""
+        if name == "aten.view.default" and len(outs) == 1 and isinstance(args[0], torch.Tensor):
+            a, o = args[0], outs[0]
+            if (_storage(a), a.storage_offset(), a.shape, a.stride()) == \
+                    (_storage(o), o.storage_offset(), o.shape, o.stride()):
+                self.twins[id(o)] = weakref.ref(a)
+                self.twins[id(a)] = weakref.ref(o)
+            return
+        if not name.startswith("aten.") or not name.split(".")[1].endswith("_"):
+            return
+        for o, v in zip(outs, ids):
+            ref = self.twins.get(id(o))
+            twin = ref() if ref is not None else None
+            if twin is not None and self.value(twin) is not None and \
+                    (_storage(twin), twin.storage_offset(), twin.shape) == \
+                    (_storage(o), o.storage_offset(), o.shape):
+                self.bind(twin, v)
 
     def record_writes(self, outs: list[torch.Tensor], ids: list[int], inputs: set[int],
                       unseen: set[int]) -> None:

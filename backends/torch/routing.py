@@ -1,5 +1,5 @@
 """Top-k routing as recorded data (docs/soundness.md, "Plans traced from
-PyTorch", 29).
+PyTorch", 35).
 
 On one device, the index output of every ``aten.topk`` is recorded as a
 constant of the step: the routing. Everything computed from it alone (the
@@ -98,7 +98,7 @@ def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
     transformers' eager loop; torchtitan's grouped GEMMs run every expert), where the single-device step
     adds a term (zero on the rank's rows, but only by the routing masks'
     values, which the proof treats as symbols: docs/soundness.md, "Plans
-    traced from PyTorch", 29 g)."""
+    traced from PyTorch", 35 g)."""
     from backends.torch.errors import LoweringError
     for trace in traces:
         for k, (mine, full) in enumerate(zip(trace.get("routing", []), single.get("routing", []))):
@@ -107,5 +107,5 @@ def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
                 raise LoweringError(f"rank {trace['rank']} routes no token to expert {missing[0]} at "
                                     f"router call {k} (the single-device step does): an expert with "
                                     f"no token on a rank is not traced (docs/soundness.md, \"Plans "
-                                    f"traced from PyTorch\", 29 g); another --seed or --batch routes "
+                                    f"traced from PyTorch\", 35 g); another --seed or --batch routes "
                                     f"otherwise")

@@ -80,11 +80,36 @@ def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3",
     model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
-    return TitanLM(model, config, seqlen)
+    lm = TitanLM(model, config, seqlen)
+    lm.parallelize_fn = registry(flavor).parallelize_fn  # the family's own (parallelize_qwen3, ...)
+    return lm
 
 
 def llama3_debugmodel(**sizes) -> TitanLM:
     return build("debugmodel", **sizes)
+
+
+def llama3(**sizes) -> TitanLM:
+    """torchtitan's Llama3 ``debugmodel`` (``--model titan:llama3``)."""
+    return build("debugmodel", family="llama3", **sizes)
+
+
+def qwen3(**sizes) -> TitanLM:
+    """torchtitan's Qwen3 ``debugmodel`` (``--model titan:qwen3``): its token
+    table tied to its output projection, QK-norm, fused QKV."""
+    return build("debugmodel", family="qwen3", **sizes)
+
+
+def retie(model: nn.Module) -> None:
+    """What torchtitan's trainer does after parallelizing a model that ties
+    its token table to its output projection: its ``init_weights`` starts by
+    pointing ``tok_embeddings.weight`` at ``lm_head.weight`` again
+    (``Decoder.init_states``), since parallelizing gave each module a
+    parameter of its own. The values are kept: they are the build's, the
+    weights a checkpoint gives every rank alike (torchtitan's random draws
+    on DTensor shards are not the single-device draws on the CPU)."""
+    if getattr(model, "enable_weight_tying", False):
+        model.tok_embeddings.weight = model.lm_head.weight
 
 
 def deepseek_v3_debugmodel(**sizes) -> TitanLM:
@@ -97,7 +122,7 @@ def parallelize_deepseekv3(model: TitanLM, mesh):
     """torchtitan's ``parallelize_deepseekv3`` on its own ``ParallelDims``
     mesh (FSDP2 over "dp", ``ep`` 1: its local token dispatch), the top-k
     routing recorded and replayed (docs/soundness.md, "Plans traced from
-    PyTorch", 29). Expert and tensor parallelism and pipelining are refused:
+    PyTorch", 35). Expert and tensor parallelism and pipelining are refused:
     the expert-parallel all-to-all dispatch is not lowered yet."""
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3 as apply
     if mesh["tp"].size() != 1 or mesh["pp"].size() != 1:
@@ -106,9 +131,12 @@ def parallelize_deepseekv3(model: TitanLM, mesh):
     return parallelize(model, mesh, apply)
 
 
-def parallelize(model: TitanLM, mesh, apply=None):
-    """torchtitan's ``parallelize_llama`` on its own ``ParallelDims`` mesh of
-    the backend's sizes (``dp_shard`` = dp, ``tp`` = tp); with ``pp`` > 1,
+def parallelize(model: TitanLM, mesh, apply=None, tie_again: bool = True):
+    """The model family's own parallelize function (``apply``, else the
+    family's: torchtitan's ``parallelize_llama``, ``parallelize_qwen3``) on
+    its own ``ParallelDims`` mesh of the backend's sizes, then the tie
+    torchtitan's trainer makes again (``retie``) (``dp_shard`` = dp, ``tp``
+    = tp); with ``pp`` > 1,
     torchtitan's ``pipeline_llm`` (its stage split, ``parallelize_llama`` on
     each stage, its 1F1B schedule, ``MICROBATCHES`` microbatches of the
     rank's rows), the rank keeping its stage."""
@@ -134,7 +162,9 @@ def parallelize(model: TitanLM, mesh, apply=None):
               "parallelism": _parallelism(dp, tp, pp, microbatch),
               "compile_config": CompileConfig(), "ac_config": None, "dump_folder": "/tmp"}
     if pp == 1:
-        (apply or parallelize_llama)(model.model, **common)
+        (apply or getattr(model, "parallelize_fn", parallelize_llama))(model.model, **common)
+        if tie_again:
+            retie(model.model)
         return None
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     with titan_shim.static_stages(model.config, microbatch, model.seqlen,
