@@ -22,6 +22,7 @@ from backends.planfile import save_plan
 from backends.torch.build import build_plans
 from backends.torch.check import LoadedValueMismatch, check_loaded
 from backends.torch.errors import WrongStep
+from backends.torch.exchange import settle
 from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower_trace
 from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.mesh import DATA_NAMES, MeshSpec, parse_mesh
@@ -215,8 +216,9 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:
         world["routing"] = describe(single["routing_summary"])
-    traces = trace_ranks({**spec, "parallel": True, "routing": routing}, args.pp * args.dp * args.tp,
-                         single.get("imports", ()))
+    traces = settle(lambda sent: trace_ranks(
+        {**spec, "parallel": True, "routing": routing, "exchanges": sent},
+        args.pp * args.dp * args.tp, single.get("imports", ())))
     world["nm"] = traces[0]["microbatches"]
     if single.get("skips_unrouted_experts"):
         check_every_expert_reached(single, traces)

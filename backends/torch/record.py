@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
+from backends.torch.exchange import Exchanges
 from backends.torch.hidden_memory import HiddenMemory, is_partial_view
 from backends.torch.lower_more import VALUE_READ_EVENT
 from backends.torch.routing import ROUTED, Routing
@@ -72,6 +73,7 @@ class Recorder(TorchDispatchMode):
         self.tainted: set[int] = set()  # of that memory, what a non-constant op wrote
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
         self.routing: Routing | None = None  # top-k routing recorded or replayed (routing.py)
+        self.exchanges: Exchanges | None = None  # all-to-alls of constants answered (exchange.py)
         #: a same-region view -> the tensor it views (``DTensor.to_local()`` of a
         #: gradient): an in-place write into either writes both
         self.twins: dict[int, weakref.ref] = {}
@@ -272,9 +274,15 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.routing is not None and name in ROUTED:
             out = self.routing.call(func, args, kwargs, out)
+        if self.exchanges is not None and self.exchanges.handles(name):
+            x = args[1] if name.startswith("c10d.") else args[0]
+            if self.value(x) in self.constants:  # token counts: answered (exchange.py)
+                constant = self.exchanges.call(name, args, kwargs, out, self.group_of)
         if name.startswith("c10d."):
             out = with_completed_work(out)
         outs = tensors_in(out)
+        if name == "c10d.alltoall_base_.default":
+            outs = [args[0]]  # received in place
         if "out" in kwargs and not outs:
             outs = tensors_in(kwargs["out"])
         if name == "c10d.recv_.default":
@@ -313,6 +321,11 @@ class Recorder(TorchDispatchMode):
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
+
+    @staticmethod
+    def group_of(group: Any) -> tuple[int, ...]:
+        """A collective's members, from its group's name or its group."""
+        return group_from_name(group) if isinstance(group, str) else group_ranks(group)
 
     def note_twins(self, name: str, args, outs: list[torch.Tensor], ids: list[int]) -> None:
         """A view of exactly the memory of its input, with its shape and
