@@ -2150,6 +2150,13 @@ HANDLERS.update(safe_softmax_handlers(HANDLERS))
 from backends.torch.lower_grouped import grouped_handlers  # noqa: E402
 
 HANDLERS.update(grouped_handlers(HANDLERS))
+from backends.torch.lower_all_to_all import OPS as ALL_TO_ALL_OPS  # noqa: E402
+from backends.torch.lower_all_to_all import NeedPeers, all_to_all_handlers  # noqa: E402
+
+HANDLERS.update(all_to_all_handlers(HANDLERS))
+from backends.torch.lower_permute import permute_handlers  # noqa: E402
+
+HANDLERS.update(permute_handlers(HANDLERS))
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
@@ -2158,7 +2165,8 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
     recorded counts: each rank is lowered once to read its counts, and again
     with the step's values when any rank all-reduces one (docs/soundness.md,
     "Plans traced from PyTorch", 16)."""
-    first = [lower_trace(t, vocab, "collect") for t in traces]
+    peers = _all_to_all_peers(traces, vocab)
+    first = [lower_trace(t, vocab, "collect", peers) for t in traces]
     if not any(low.count_reduces for low in first):
         return first
     by_rank = {low.rank: low.count_reduces for low in first}
@@ -2172,14 +2180,49 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
                                     f"{list(group)} is not every member's {k + 1}th")
             values.append(sum(c[k][1] for c in members))
         counts.append(values)
-    return [lower_trace(t, vocab, c) for t, c in zip(traces, counts)]
+    return [lower_trace(t, vocab, c, peers) for t, c in zip(traces, counts)]
 
 
-def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) -> Lowered:
+def _all_to_all_peers(traces: list[dict], vocab: int) -> dict | None:
+    """What every rank sends at each of its all-to-alls of data (rank ->
+    ``lower_all_to_all.Sent`` by (group, k)): the ranks are lowered in
+    rounds, each publishing its sends, until none stops for want of a
+    member's (None when no rank runs one)."""
+    ops = set(ALL_TO_ALL_OPS)
+    if not any(ev[0] in ops for t in traces for ev in t["events"]):
+        return None
+    peers: dict[int, dict] = {}
+    rounds = 2 + max(sum(ev[0] in ops for ev in t["events"]) for t in traces)
+    for _ in range(rounds):
+        waiting = False
+        for t in traces:
+            lw = _Lowerer(t, vocab, counts="collect")
+            lw.peers = peers
+            try:
+                _lower_into(lw, t)
+            except NeedPeers:
+                waiting = True
+            peers[t["rank"]] = dict(getattr(lw, "published", {}))
+        if not waiting:
+            return peers
+    raise LoweringError("the ranks' all-to-alls wait on each other's sends (a member that "
+                        "never reaches an all-to-all another one runs)")
+
+
+def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None,
+                peers: dict | None = None) -> Lowered:
     """Lower one rank's trace (``backends.torch.rank.run``'s result);
-    ``counts`` as ``_Lowerer.counts`` (``lower_ranks`` gives them)."""
+    ``counts`` as ``_Lowerer.counts`` (``lower_ranks`` gives them);
+    ``peers``: the members' sends at its all-to-alls (``_all_to_all_peers``)."""
     check_no_value_reads(trace)
     lw = _Lowerer(trace, vocab, counts=counts)
+    lw.peers = peers
+    return _lower_into(lw, trace)
+
+
+def _lower_into(lw: _Lowerer, trace: dict) -> Lowered:
+    """The body of ``lower_trace`` on a lowerer made for ``trace``."""
+    vocab = lw.vocab
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
     for name, (v, full, dims) in trace["params"].items():
