@@ -573,6 +573,10 @@ MOE_BUGS = "harness.moe_bugs:"
 #: torchtitan's DeepSeek-V3 debugmodel under its own parallelize_deepseekv3 (ep 1)
 DEEPSEEK = ("--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
             "backends.torch.titan:parallelize_deepseekv3 --vocab 2048")
+#: the same with expert parallelism over the data-parallel ranks (ep = dp)
+DEEPSEEK_EP_MODEL = "--model backends.torch.titan:deepseek_v3_debugmodel_ep"
+DEEPSEEK_EP = (f"{DEEPSEEK_EP_MODEL} --recipe backends.torch.titan:parallelize_deepseekv3_ep "
+               "--vocab 2048")
 CASES += [
     ("moe mixtral dp2", "--hf mixtral --dp 2 --tp 1", 0),
     ("moe mixtral ddp dp2", "--hf mixtral --recipe ddp --dp 2 --tp 1", 0),
@@ -602,6 +606,19 @@ CASES += [
      "--dp 2 --tp 1", 1),
     ("moe titan deepseek_v3 tp2 refused (expert and tensor parallelism not lowered)",
      f"{DEEPSEEK} --dp 1 --tp 2", 2),
+    # expert parallelism: torchtitan's all-to-all token dispatcher, uneven splits
+    # (docs/soundness.md, "Plans traced from PyTorch", 36)
+    ("moe titan deepseek_v3 parallelize_deepseekv3 dp2 ep2", f"{DEEPSEEK_EP} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 ep2 bug expert grads 2x (pytorch 160285: FSDP's default division "
+     "over the expert-data-parallel group, a per-rank mean loss)",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_expert_grads_undivided --vocab 2048 "
+     "--dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 ep2 bug wrong split size refused (a rank constant no piece matches "
+     "is read where another layer's is)",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 --dp 2 --tp 1", 2),
+    ("moe titan deepseek_v3 ep2 bug routed with another token's experts refused (as above)",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_routed_to_other_token --vocab 2048 "
+     "--dp 2 --tp 1", 2),
 ]
 
 

@@ -307,7 +307,10 @@ class _Rank:
                                    for axes in low.axes[v]])
             self.check_input(v, name)
             self.whole_where_held(v)
-        self.taken = {self.sv[u] for u in self.sv}
+        #: single-device constants matched, with the shape of the rank's
+        #: constant matched to each (two pieces of one mask, cut along
+        #: different dims, are two rank constants of one single-device one)
+        self.taken = {(self.sv[u], tuple(low.shapes[u])) for u in self.sv}
         for v, name in own:
             self.sv[v], self.claim[v] = self.own_constant(v, name)
 
@@ -343,13 +346,13 @@ class _Rank:
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
                                 f"reads one of its shape where this rank reads it")
-        left = [sv for sv in tied if sv not in self.taken]
+        left = [sv for sv in tied if (sv, shape) not in self.taken]
         if len(tied) > 1 and left:
             # several read alike (one per expert): the first that no
             # constant of this rank matched by value (both loops run in one
             # order); the claim is its own input's either way
             best = left[0]
-            self.taken.add(best)
+            self.taken.add((best, shape))
         full = tuple(self.b.s.low.shapes[best])
         dims: list[list[str]] = [[] for _ in shape]
         if full != shape:
