@@ -609,6 +609,8 @@ CASES += [
     # expert parallelism: torchtitan's all-to-all token dispatcher, uneven splits
     # (docs/soundness.md, "Plans traced from PyTorch", 36)
     ("moe titan deepseek_v3 parallelize_deepseekv3 dp2 ep2", f"{DEEPSEEK_EP} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 dp2 ep2 an expert that receives no token (batch 2, seed 1: expert 0 "
+     "at router call 0)", f"{DEEPSEEK_EP} --dp 2 --tp 1 --batch 2 --seed 1", 0),
     ("moe titan deepseek_v3 ep2 bug expert grads 2x (pytorch 160285: FSDP's default division "
      "over the expert-data-parallel group, a per-rank mean loss)",
      f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_expert_grads_undivided --vocab 2048 "

@@ -193,6 +193,11 @@ def _is_zeros(lw: Any, a: Any) -> bool:
     x = _value(lw, a)
     if isinstance(x, (Zeros, NewZeros)):
         return True
+    of = getattr(x, "of", None)  # a piece of a lowered value (DTensor's chunk of a gradient)
+    if isinstance(of, int) and hasattr(x, "parts"):
+        made = next((n for n in reversed(lw.nodes) if of in n.outs), None)
+        if made is not None and made.op == "zeros" and not made.ins:
+            return True  # a piece of zeros is zeros
     value = constant_value(lw, a) if isinstance(x, Const) else None
     return value is not None and not np.any(value)
 

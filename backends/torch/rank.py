@@ -108,7 +108,8 @@ def _run(spec: dict, rank: int) -> dict:
     tracker = Tracker()
     rec = Recorder(tracker)
     block = (coords["dp"], spec["dp"]) if spec["parallel"] else (0, 1)
-    rec.routing = Routing(spec.get("routing"), block)
+    seq_block = (coords["tp"], spec["tp"]) if spec["parallel"] else (0, 1)
+    rec.routing = Routing(spec.get("routing"), block, seq_block)
     if spec["parallel"]:
         rec.exchanges = Exchanges(rank, spec.get("exchanges"))
     pipelined = None

@@ -37,9 +37,11 @@ class Routing:
     single-device step's), each call returns the replayed one. ``block`` is
     the rank's data-parallel block (index, parts) of the flattened rows."""
 
-    def __init__(self, replay: list[np.ndarray] | None = None, block: tuple[int, int] = (0, 1)):
+    def __init__(self, replay: list[np.ndarray] | None = None, block: tuple[int, int] = (0, 1),
+                 seq_block: tuple[int, int] = (0, 1)):
         self.replay = replay
         self.block = block
+        self.seq_block = seq_block  # the rank's tensor-parallel block of the positions
         self.recorded: list[np.ndarray] = []
         self.experts: list[int] = []
 
@@ -51,9 +53,16 @@ class Routing:
         index, parts = self.block
         if len(shape) == full.ndim and shape[0] * parts == full.shape[0] and shape[1:] == full.shape[1:]:
             return full[index * shape[0]:(index + 1) * shape[0]]
+        at, cuts = self.seq_block
+        if len(shape) == full.ndim >= 3 and shape[2:] == full.shape[2:] \
+                and shape[0] * parts == full.shape[0] and shape[1] * cuts == full.shape[1]:
+            # sequence parallelism: the rank's rows and its block of the positions
+            rows = full[index * shape[0]:(index + 1) * shape[0]]
+            return rows[:, at * shape[1]:(at + 1) * shape[1]]
         raise RoutingError(f"a router call of shape {list(shape)} reads no rows of the recorded "
                            f"routing {list(full.shape)} (its rows are neither the whole batch nor "
-                           f"this rank's data-parallel block)")
+                           f"this rank's data-parallel block, nor that block's tensor-parallel "
+                           f"block of the positions)")
 
     def call(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         """``topk``'s result, replayed when there is a routing to replay."""
