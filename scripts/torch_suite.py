@@ -617,12 +617,12 @@ CASES += [
      "--dp 2 --tp 1", 1),
     ("moe titan deepseek_v3 dp2 ep2 tp2 refused (sequence-parallel token rows: a rank's rows of "
      "the flattened (batch, position) rows are no block of them)", f"{DEEPSEEK_EP} --dp 2 --tp 2", 2),
-    ("moe titan deepseek_v3 ep2 bug wrong split size refused (a rank constant no piece matches "
-     "is read where another layer's is)",
-     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 --dp 2 --tp 1", 2),
-    ("moe titan deepseek_v3 ep2 bug routed with another token's experts refused (as above)",
+    ("moe titan deepseek_v3 ep2 bug wrong split size (a token's row sent to the next rank's "
+     "expert)", f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 "
+     "--dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 ep2 bug routed with another token's experts",
      f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_routed_to_other_token --vocab 2048 "
-     "--dp 2 --tp 1", 2),
+     "--dp 2 --tp 1", 1),
 ]
 
 

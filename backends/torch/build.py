@@ -346,6 +346,17 @@ class _Rank:
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
                                 f"reads one of its shape where this rank reads it")
+        if len(tied) > 1:
+            # one per layer: those read by the single-device nodes of this
+            # constant's readers' modules
+            names = {node.name for node in self.consumers.get(v, [])}
+            nodes = self.b.s.low.nodes
+            same = {sv: sum(nodes[c].name in names for k, cs in self.b.s.by_key.items()
+                            if sv in k[2] for c in cs) for sv in tied}
+            top = max(same.values())
+            if top:
+                tied = [sv for sv in tied if same[sv] == top]
+                best = tied[0]
         left = [sv for sv in tied if (sv, shape) not in self.taken]
         if len(tied) > 1 and left:
             # several read alike (one per expert): the first that no
