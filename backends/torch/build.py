@@ -307,10 +307,7 @@ class _Rank:
                                    for axes in low.axes[v]])
             self.check_input(v, name)
             self.whole_where_held(v)
-        #: single-device constants matched, with the shape of the rank's
-        #: constant matched to each (two pieces of one mask, cut along
-        #: different dims, are two rank constants of one single-device one)
-        self.taken = {(self.sv[u], tuple(low.shapes[u])) for u in self.sv}
+        self.taken = {self.sv[u] for u in self.sv}
         for v, name in own:
             self.sv[v], self.claim[v] = self.own_constant(v, name)
 
@@ -357,13 +354,13 @@ class _Rank:
             if top:
                 tied = [sv for sv in tied if same[sv] == top]
                 best = tied[0]
-        left = [sv for sv in tied if (sv, shape) not in self.taken]
+        left = [sv for sv in tied if sv not in self.taken]
         if len(tied) > 1 and left:
             # several read alike (one per expert): the first that no
             # constant of this rank matched by value (both loops run in one
             # order); the claim is its own input's either way
             best = left[0]
-            self.taken.add((best, shape))
+            self.taken.add(best)
         full = tuple(self.b.s.low.shapes[best])
         dims: list[list[str]] = [[] for _ in shape]
         if full != shape:
