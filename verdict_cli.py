@@ -48,7 +48,7 @@ def torch(argv: list[str]) -> int:
     from backends.torch.__main__ import parser, write_plans
     from backends.torch.check import LoadedValueMismatch
     from backends.torch.errors import WrongStep
-    from backends.torch.lower import LoweringError
+    from backends.torch.lowering import LoweringError
 
     details = "--details" in argv
     argv = [a for a in argv if a != "--details"]

@@ -1,5 +1,5 @@
 """Mistakes in a loss-parallel log-softmax, for the tests of
-``backends/torch/lower_vocab_parallel.py``: each is a recipe that applies
+``backends/torch/lowering/vocab_parallel.py``: each is a recipe that applies
 ``recipes.tp_sp_loss_parallel`` with DTensor's loss-parallel
 ``_log_softmax`` replaced (in the rank's own process) by a variant whose
 stabilizing shift is not the all-reduced row maximum. docs/soundness.md

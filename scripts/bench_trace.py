@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve  # noqa: E402
 from backends.torch.build import build_plans  # noqa: E402
-from backends.torch.lower import LoweringError, lower_ranks, lower_trace  # noqa: E402
+from backends.torch.lowering import LoweringError, lower_ranks, lower_trace  # noqa: E402
 from backends.torch.rank import run  # noqa: E402
 from backends.torch.ranks import trace_ranks  # noqa: E402
 from main import verify  # noqa: E402

@@ -23,7 +23,7 @@ from backends.torch import hf  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import trace_and_build  # noqa: E402
 from backends.torch.check import LoadedValueMismatch  # noqa: E402
-from backends.torch.lower import LoweringError  # noqa: E402
+from backends.torch.errors import LoweringError  # noqa: E402
 from main import verify  # noqa: E402
 
 

@@ -30,7 +30,7 @@ from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
 from backends.torch.check import LoadedValueMismatch  # noqa: E402
 from backends.torch.errors import WrongStep  # noqa: E402
-from backends.torch.lower import LoweringError  # noqa: E402
+from backends.torch.lowering import LoweringError  # noqa: E402
 from main import verify  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"
@@ -158,7 +158,7 @@ CASES: list[tuple[str, str, int]] = [
     ("gpt2_mean bug fsdp mean summed", f"--model gpt2_mean --recipe {STOCK}fsdp --dp 2 --tp 1",
      1),
     ("gpt2 bug colwise fused qkv", f"--model gpt2 --recipe {SCALING}tp_fused_qkv_colwise", 1),
-    # loss parallelism (backends/torch/lower_vocab_parallel.py) and torchtitan's meshes
+    # loss parallelism (backends/torch/lowering/vocab_parallel.py) and torchtitan's meshes
     ("llama tp_sp_loss_parallel tp2", "--model llama --recipe tp_sp_loss_parallel --dp 1 --tp 2", 0),
     ("llama tp_sp_loss_parallel dp2 tp2", "--model llama --recipe tp_sp_loss_parallel", 0),
     ("llama bug loss_parallel partial as replicate (torchtitan 3412)",

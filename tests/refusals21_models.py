@@ -1,6 +1,6 @@
 """Models with whole-tensor maxima, padded pooling and circular padding,
 written as users write them (``--model tests.refusals21_models:NAME``),
-for ``tests/test_torch_refusals21.py`` and scripts/torch_suite.py.
+for ``tests/test_torch_pools_extrema_padding.py`` and scripts/torch_suite.py.
 
 Each factory takes the size keywords ``layers, hidden, heads, ffn, vocab,
 seqlen``; ``forward(tokens, labels)`` returns the summed cross-entropy

@@ -42,3 +42,98 @@ def test_importing_verdict_loads_no_producer():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+# -- the torch backend: no import circle, no private name across modules, families apart
+
+TORCH = ROOT / "backends" / "torch"
+LOWERING = TORCH / "lowering"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(path: Path) -> list[ast.ImportFrom | ast.Import]:
+    """The import statements of a module that run (anywhere in it), leaving
+    out those under ``if TYPE_CHECKING:``, which only type checkers read."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+               and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+               for stmt in block.body for n in ast.walk(stmt)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+            and id(n) not in skipped]
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules under ``root`` it imports (a package's
+    ``from pkg import mod`` counts as importing ``pkg.mod``)."""
+    paths = {module_name(p): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        found = set()
+        for node in runtime_imports(path):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif node.level == 0 and node.module:
+                found.add(node.module)
+                found |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (a package importing its own modules
+    from its ``__init__`` is not one), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if m.startswith(n + "."):
+                continue  # a module importing the package it is in
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_torch_backend_has_no_import_circle():
+    assert cycle(import_graph(TORCH)) is None, cycle(import_graph(TORCH))
+
+
+def test_torch_backend_imports_no_private_name_of_another_module():
+    bad = [f"{path.relative_to(ROOT)} imports {a.name} from {node.module}"
+           for path in sorted(TORCH.rglob("*.py")) for node in runtime_imports(path)
+           if isinstance(node, ast.ImportFrom) and node.module
+           and node.module.startswith("backends.") for a in node.names
+           if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad
+
+
+def registers_handlers(path: Path) -> bool:
+    """A lowering family: a module that registers handlers (``lowers``,
+    ``refines``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return path.stem != "registry" and any(
+        isinstance(n, ast.Name) and n.id in ("lowers", "refines") for n in ast.walk(tree))
+
+
+def test_no_lowering_family_imports_another():
+    families = {module_name(p) for p in LOWERING.glob("*.py")
+                if p.name != "__init__.py" and registers_handlers(p)}
+    assert len(families) > 10, families
+    graph = import_graph(LOWERING)
+    bad = [f"{m} imports {n}" for m in sorted(families) for n in sorted(graph[m] & families)]
+    assert not bad, bad

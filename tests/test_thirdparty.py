@@ -14,7 +14,7 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 
 from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
-from backends.torch.lower import LoweringError  # noqa: E402
+from backends.torch.lowering import LoweringError  # noqa: E402
 from backends.torch.rank import run  # noqa: E402
 from main import verify  # noqa: E402
 

@@ -16,7 +16,7 @@ import torch
 from backends.torch.__main__ import main as torch_main
 from backends.torch.__main__ import parser, trace_and_build
 from backends.torch.build import _Builder
-from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.lowering import LoweringError, lower_trace
 from backends.torch.models import llama
 from backends.torch.rank import run
 from harness.mutations import MUTATIONS, REWRITES

@@ -3,7 +3,7 @@ PyTorch's own tensor-parallel test model (tests/dtensor_transformer.py), its
 position table under ``RowwiseParallel`` looked up at ``torch.arange``
 positions, verifies under its own ``Transformer.parallelize`` (TP, TP+SP,
 tp 4, tied, FSDP2), and a mistake in the same plan fails at the gradient
-(backends/torch/lower_const_lookup.py; scripts/gloo_truth.py agrees)."""
+(backends/torch/lowering/const_lookup.py; scripts/gloo_truth.py agrees)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Labels masked the usual ways before the loss ignores them
-(tests/label_mask_models.py; backends/torch/lower_label_masks.py):
+(tests/label_mask_models.py; backends/torch/lowering/label_masks.py):
 ``masked_fill``, ``torch.where`` and an in-place write at ``labels == pad``
 verify under data and tensor parallelism; a per-rank mean over unequal
 kept-label counts summed over dp fails; ids read as numbers are refused
-with the op and the value named (backends/torch/lower_refusals.py), never
+with the op and the value named (backends/torch/lowering/refusals.py), never
 a fall-through."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch import nn
 
 from backends.torch.__main__ import parser, trace_and_build
 from backends.torch.check import check_lowering
-from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.lowering import LoweringError, lower_trace
 from backends.torch.rank import run
 
 SIZES = {"layers": 1, "hidden": 8, "heads": 2, "ffn": 12, "vocab": 10, "seqlen": 4}

@@ -1,5 +1,5 @@
 """Losses read off the log-probabilities (tests/loss_parallel_models.py;
-backends/torch/lower_logprob_views.py): ``log_softmax`` of 3-D logits,
+backends/torch/lowering/logprob_views.py): ``log_softmax`` of 3-D logits,
 flattened, then ``nll_loss`` verifies with and without DTensor's
 ``loss_parallel()``; a second reader of the log-probabilities (label
 smoothing) verifies without it and fails with a counterexample under it,

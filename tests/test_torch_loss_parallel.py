@@ -1,5 +1,5 @@
 """DTensor's ``loss_parallel()`` cross-entropy, traced and verified
-(backends/torch/lower_vocab_parallel.py): the logits stay sharded along the
+(backends/torch/lowering/vocab_parallel.py): the logits stay sharded along the
 vocabulary; the plan verifies and the oracle agrees. A stabilizing shift
 that is not the all-reduced row maximum (a rank's own maximum, or the
 maxima summed) FAILs (docs/soundness.md, "Plans traced from PyTorch", 7a),
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from backends.torch.__main__ import parser, resolve, trace_and_build, trace_ranks
-from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.lowering import LoweringError, lower_trace
 from harness.oracle import judge
 from main import verify
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.lowering import LoweringError, lower_trace
 from tests.test_torch_layers import SIZES, Probe, _heads, _lower_and_check, _merge, _single
 from tests.test_torch_user_layers import _verdict
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="needs the [hf] extra 
 
 from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
 from backends.torch.check import check_lowering  # noqa: E402
-from backends.torch.lower import lower_trace  # noqa: E402
+from backends.torch.lowering import lower_trace  # noqa: E402
 from backends.torch.rank import run  # noqa: E402
 from backends.torch.routing import Routing, RoutingError  # noqa: E402
 from main import verify  # noqa: E402

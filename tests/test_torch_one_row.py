@@ -1,6 +1,6 @@
 """A data-parallel slice of one row under tensor and sequence parallelism:
 DTensor gathers the sequence with a view of the stacked pieces instead of
-split and cat (backends/torch/lower.py ``_gathered_dim``); the plan
+split and cat (backends/torch/lowering/ ``_gathered_dim``); the plan
 verifies and the oracle agrees."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ recipes (``tests/outside_mistakes.py``), loaded as a user loads theirs.
 Every model's single-device lowering is run in float64 on the traced run's
 values and compared with PyTorch's loss and gradients
 (backends/torch/check.py), and so is every activation kernel of
-``backends/torch/lower_more.py`` with non-default parameters, in place and
+``backends/torch/lowering/activations.py`` with non-default parameters, in place and
 not (both sides of each branch are hit: the inputs are N(0, 1)). What must
 be refused is refused in one line naming the module. A few parallel cases
 exercise the new paths (ids transposed, selected and taken modulo, a
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.lowering import LoweringError, lower_trace
 from tests.test_torch_layers import SIZES, Probe, _lower_and_check, _single
 
 OUTSIDE = "tests.outside_models"
@@ -212,7 +212,7 @@ def probe_max_pool_padded(**_kw) -> Probe:
 
 
 def test_max_pooling_with_padding_matches_torch() -> None:
-    """Padding (-inf in torch) is lowered (backends/torch/lower_pool.py)."""
+    """Padding (-inf in torch) is lowered (backends/torch/lowering/pool.py)."""
     _lower_and_check(_single(f"{__name__}:probe_max_pool_padded"))
 
 

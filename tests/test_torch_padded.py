@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from backends.torch.__main__ import parser, resolve, trace_and_build
-from backends.torch.lower import LoweringError, check_shards
+from backends.torch.lowering import LoweringError, check_shards
 from harness.mutations import copy_plan
 from harness.oracle import judge
 from main import verify
@@ -202,7 +202,7 @@ def test_padded_shards_with_an_optimizer_step_verify() -> None:
 
 
 def test_an_empty_shard_of_another_dim_is_refused() -> None:
-    """An uneven cut of dim 1 is lowered (tests/test_torch_refusals21.py); a
+    """An uneven cut of dim 1 is lowered (tests/test_torch_pools_extrema_padding.py); a
     rank holding none of it is refused."""
     check_shards([{"params": {"out.weight": (0, (2, 3), [[], ["tp"]])}, "shapes": [(2, 2)]}])
     trace = {"params": {"out.weight": (0, (2, 1), [[], ["tp"]])}, "shapes": [(2, 0)]}

@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from backends.torch.build import build_plans
-from backends.torch.lower import LoweringError, lower_trace
+from backends.torch.lowering import LoweringError, lower_trace
 from backends.torch.models import llama
 from backends.torch.rank import run
 from backends.torch.ranks import trace_ranks

@@ -1,5 +1,5 @@
 """``torch.cumsum``, ``torch.flip`` and zero padding (and its crop, the
-padding's backward) of computed tensors (backends/torch/lower_scan.py,
+padding's backward) of computed tensors (backends/torch/lowering/scan.py,
 tests/scan_models.py): the lowered single-device step equals PyTorch's loss
 and gradients, and the model verifies under DDP. The same holds for the
 label-smoothing and log-softmax readers and the label masks lowered
@@ -11,7 +11,7 @@ import pytest
 
 from backends.torch.__main__ import parser, resolve, trace_and_build
 from backends.torch.check import check_lowering
-from backends.torch.lower import lower_trace
+from backends.torch.lowering import lower_trace
 from backends.torch.rank import run
 from main import verify
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.lower import LoweringError, check_shards
+from backends.torch.lowering import LoweringError, check_shards
 from tests.test_torch_layers import SIZES, Probe, _heads, _lower_and_check, _merge, _single
 
 H, S = SIZES["hidden"], SIZES["seqlen"]
@@ -143,13 +143,13 @@ def probe_bool_window(**_sizes) -> Probe:
 
 def test_a_boolean_sdpa_mask_off_the_causal_pattern_matches_torch() -> None:
     """SDPA turns it into -inf off the causal pattern: the masked softmax
-    (backends/torch/lower_masks.py; tests/test_torch_losses.py has more)."""
+    (backends/torch/lowering/masks.py; tests/test_torch_losses.py has more)."""
     _lower_and_check(_single(f"{__name__}:probe_bool_window"))
 
 
 def test_empty_shards_off_dim_0_are_refused_naming_the_parameter() -> None:
     """A 3-column parameter cut 2 and 1 along dim 1 is lowered
-    (tests/test_torch_refusals21.py); one column over two ranks leaves one
+    (tests/test_torch_pools_extrema_padding.py); one column over two ranks leaves one
     empty, refused before lowering. Along dim 0 (FSDP2's padded shards) an
     empty shard is lowered (tests/test_torch_padded.py)."""
     check_shards([{"params": {"out.weight": (0, (2, 3), [[], ["tp"]])}, "shapes": [(2, 2)]}])

@@ -23,8 +23,14 @@ from backends.torch.build import build_plans
 from backends.torch.check import LoadedValueMismatch, check_loaded
 from backends.torch.errors import WrongStep
 from backends.torch.exchange import settle
-from backends.torch.lower import LoweringError, check_shards, lower_ranks, lower_trace
-from backends.torch.lower_buckets import check_broadcasts, check_bucket_layouts
+from backends.torch.lowering import (
+    LoweringError,
+    check_broadcasts,
+    check_bucket_layouts,
+    check_shards,
+    lower_ranks,
+    lower_trace,
+)
 from backends.torch.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks

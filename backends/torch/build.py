@@ -25,7 +25,7 @@ from fractions import Fraction
 import numpy as np
 
 from backends.torch.errors import WrongStep
-from backends.torch.lower import LNode, Lowered, LoweringError, padded_rows
+from backends.torch.lowering import LNode, Lowered, LoweringError, padded_rows
 from verdict.numeric import NumericXP, run_node
 from verdict.ops import get_op
 from verdict.plan import Logical, Node, Plan, Tensor
@@ -278,7 +278,7 @@ class _Rank:
                 if v >= 0:
                     self.consumers.setdefault(v, []).append(node)
         #: exact zeros only all-reduced (a rank that counts no term of a sum:
-        #: lower_norm_sums), no term of the sum (``sum_across``)
+        #: lowering/norm_sums), no term of the sum (``sum_across``)
         self.zeros = {node.outs[0] for node in low.nodes
                       if node.op == "zeros" and not node.ins and not low.shapes[node.outs[0]]
                       and node.outs[0] not in low.empty_sums and self.consumers.get(node.outs[0])

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lower import Lowered
+from backends.torch.lowering import Lowered
 from verdict.numeric import NumericXP, run_node
 from verdict.plan import Logical, Plan, Slices
 

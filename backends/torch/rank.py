@@ -30,9 +30,16 @@ from backends.torch.loaded import SetupCollectives, loaded_values
 from backends.torch.mesh import build as build_mesh
 from backends.torch.mesh import coords as mesh_coords
 from backends.torch.pipeline import Pipelined, PipelineStep
-from backends.torch.ranks import imported_since
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
 from backends.torch.routing import Routing
+
+
+def imported_since(before: set[str]) -> list[str]:
+    """The modules imported since ``before`` (a snapshot of ``sys.modules``),
+    in import order, to name as ``trace_ranks``'s ``imports`` (a step that
+    imports what an earlier one already did finds only the new ones: naming
+    too few costs time in every rank, never a different trace)."""
+    return [name for name in list(sys.modules) if name not in before and not name.startswith("__")]
 
 
 def load(ref: str) -> Any:

@@ -79,14 +79,6 @@ def trace_ranks(spec: dict, world: int, imports: list[str] | tuple[str, ...] = (
     return [{**results[rank], "processes_cpu": processes_cpu} for rank in range(world)]
 
 
-def imported_since(before: set[str]) -> list[str]:
-    """The modules imported since ``before`` (a snapshot of ``sys.modules``),
-    in import order, to name as ``trace_ranks``'s ``imports`` (a step that
-    imports what an earlier one already did finds only the new ones: naming
-    too few costs time in every rank, never a different trace)."""
-    return [name for name in list(sys.modules) if name not in before and not name.startswith("__")]
-
-
 def _zygote(spec: dict, world: int, imports: list[str], out: Connection) -> None:
     """Import ``imports``, fork every rank (at most one per core at a time),
     send each ``(rank, pickled trace or error line)`` to ``out``. What a

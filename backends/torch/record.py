@@ -27,7 +27,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.exchange import Exchanges
 from backends.torch.hidden_memory import HiddenMemory, is_partial_view
-from backends.torch.lower_more import VALUE_READ_EVENT
+from backends.torch.lowering.constants import VALUE_READ_EVENT
 from backends.torch.routing import ROUTED, Routing
 
 #: ops whose output is the input value itself (no computation).
@@ -214,7 +214,7 @@ class Recorder(TorchDispatchMode):
         """An op whose tensor arguments (``tensors``) are all constants (or
         that has none) computes a constant, unless it communicates or leaves
         memory unset."""
-        if name == "c10d.broadcast_.default":  # equal on every member (lower_buckets)
+        if name == "c10d.broadcast_.default":  # equal on every member (buckets)
             return all(self.value(a) in self.constants for a in tensors)
         if name.startswith(("c10d", "_c10d_functional", "fsdp")) or "empty" in name:
             return False

@@ -1,0 +1,75 @@
+"""What a gradient bucket (``ir.Bucket``) goes through: a view of part of
+it, an elementwise op applied piece by piece, an all-reduce in place.
+Shared by the families that meet buckets (``buckets``, ``layout``,
+``collectives``) and by ``Lowerer.lower_event``."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.ir import Bucket, numel
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
+#: elementwise ops a bucket may go through (a comm hook's ``div_``, the
+#: reducer's ``mul.out`` by 1 / world size), applied piece by piece
+PER_PIECE_OPS = frozenset({
+    "aten.div_.Scalar", "aten.div_.Tensor", "aten.div.Scalar", "aten.div.Tensor",
+    "aten.mul_.Scalar", "aten.mul_.Tensor", "aten.mul.Scalar", "aten.mul.Tensor", "aten.mul.out",
+})
+
+
+def bucket_view(lw: Lowerer, bucket: Bucket, offset: int, size: tuple[int, ...]) -> Any:
+    """Elements [offset, offset + prod(size)) of a bucket: one piece seen
+    with ``size``, or a run of whole pieces (a smaller bucket)."""
+    end, at, run = offset + math.prod(size), 0, []
+    for p in bucket.pieces:
+        n = numel(lw, p)
+        if at >= offset and at + n <= end:
+            run.append(p)
+        at += n
+    covered = sum(numel(lw, p) for p in run)
+    starts = np.cumsum([0] + [numel(lw, p) for p in bucket.pieces])
+    if run and covered == end - offset and offset in starts:
+        return lw.reshape(run[0], size) if len(run) == 1 else Bucket(tuple(run))
+    raise LoweringError(f"{lw.name}: a view of a gradient bucket at offset {offset} "
+                        f"({math.prod(size)} elements) is not whole gradients")
+
+
+def per_piece(lw: Lowerer, handler, args, kwargs, group) -> Bucket:
+    """An elementwise op whose first argument is a bucket, its other tensor
+    arguments constants: the op on each piece."""
+    key = args[0][1]
+    bucket = lw.env[key]
+    others = [a for a in [*args[1:], *(v for k, v in kwargs.items() if k != "out")]
+              if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"]
+    if any(lw.const(a) is None for a in others):
+        return handler(lw, args, kwargs, [lw.shapes[lw.materialize(bucket)]], group)
+    out = []
+    try:
+        for p in bucket.pieces:
+            lw.env[key] = p
+            out.append(lw.materialize(handler(lw, args, kwargs, [lw.shapes[p]], group)))
+    finally:
+        lw.env[key] = bucket
+    return Bucket(tuple(out))
+
+
+#: c10d reduce ops (``("redop", n)``) the bucket's all-reduce may use: SUM, AVG
+_REDOPS = {0: "all_reduce", 1: "all_reduce_avg"}
+
+
+def all_reduce_bucket(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ...]) -> Bucket:
+    """A bucket all-reduced in place: each piece all-reduced; the layout is
+    kept for ``check_bucket_layouts``."""
+    if op[1] not in _REDOPS:
+        raise LoweringError(f"{lw.name}: a gradient bucket all-reduced with reduce op {op[1]} "
+                            f"is not lowered (SUM and AVG are)")
+    lw.buckets.append((tuple(ranks), tuple(numel(lw, p) for p in bucket.pieces)))
+    return Bucket(tuple(lw.emit(_REDOPS[op[1]], [p], [lw.shapes[p]], group=tuple(ranks))[0]
+                        for p in bucket.pieces))

@@ -1,0 +1,113 @@
+"""Lowering of flat gradient buckets (``DistributedDataParallel``'s
+reducer, its comm hooks) and of the buffer broadcasts DDP runs.
+
+A bucket is read from memory the reducer wrote gradient by gradient
+(``backends/torch/hidden_memory.py``: a ``mem.cat`` of the values written
+into it). It stays a ``Bucket``, the list of its pieces, and is never
+built: an elementwise op on it (the hook's division by the world size) is
+applied to each piece, its all-reduce is one all-reduce per piece, and a
+view of it at a piece's offset (the copy back into the gradient) is that
+piece. docs/soundness.md, "Plans traced from PyTorch", 19, says why this
+is the same computation: an all-reduce is elementwise across the group,
+and the members' buckets are cut at the same offsets
+(``check_bucket_layouts``). A broadcast is lowered only when it sends
+constants every member holds alike (``check_broadcasts``; item 20).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.bucket_pieces import bucket_view
+from backends.torch.lowering.context import live_events
+from backends.torch.lowering.ir import Bucket, numel
+from backends.torch.lowering.registry import lowers
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
+
+@lowers("mem.cat")
+def mem_cat(lw: Lowerer, args, kwargs, shapes, group) -> Bucket:
+    """The regions a buffer was written as, side by side."""
+    pieces: list[int] = []
+    for a in args[0]:
+        item = lw.env.get(a[1])
+        pieces.extend(item.pieces if isinstance(item, Bucket) else [lw.val(a)])
+    return Bucket(tuple(pieces))
+
+
+@lowers("mem.slice")
+def mem_slice(lw: Lowerer, args, kwargs, shapes, group) -> Any:
+    """A view of part of a region (a gradient's view of a reduced bucket)."""
+    src = lw.env.get(args[0][1])
+    if isinstance(src, Bucket):
+        return bucket_view(lw, src, int(args[1]), tuple(args[2]))
+    x = lw.val(args[0])
+    if int(args[1]) != 0 or math.prod(args[2]) != numel(lw, x):
+        raise LoweringError(f"{lw.name}: a view of part of a buffer at offset {args[1]} is "
+                            f"not lowered")
+    return lw.reshape(x, tuple(args[2]))
+
+
+@lowers("c10d.broadcast_.default")
+def broadcast(lw: Lowerer, args, kwargs, shapes, group) -> list:
+    """``broadcast_`` of constants (DDP's buffers, every forward): each
+    member keeps the value it holds, the root's (``check_broadcasts``)."""
+    tensors = args[0]
+    constants = lw.trace.get("constants", set())
+    if not all(t[1] in constants for t in tensors):
+        raise LoweringError(f"{lw.name}: a broadcast of values computed in the step (not "
+                            f"constants) is not lowered")
+    return [lw.val(t) for t in tensors]
+
+
+def check_bucket_layouts(lows: list) -> None:
+    """Every member of a bucket's all-reduce cuts its k-th bucket on that
+    group at the same offsets (docs/soundness.md, "Plans traced from
+    PyTorch", 19)."""
+    seen: dict[tuple[tuple[int, ...], int], tuple[int, tuple[int, ...]]] = {}
+    for low in lows:
+        count: dict[tuple[int, ...], int] = {}
+        for ranks, layout in low.buckets:
+            k = count[ranks] = count.get(ranks, -1) + 1
+            first = seen.setdefault((ranks, k), (low.rank, layout))
+            if first[1] != layout:
+                raise LoweringError(f"rank {low.rank}'s gradient bucket {k} on ranks {ranks} "
+                                    f"holds gradients of sizes {layout}, rank {first[0]}'s "
+                                    f"{first[1]}: an all-reduce would add unrelated elements")
+
+
+def check_broadcasts(traces: list[dict]) -> None:
+    """Every member of a broadcast of constants holds, in its k-th
+    broadcast on that group, the root's values (docs/soundness.md, "Plans
+    traced from PyTorch", 20): the broadcast then changes nothing. Only
+    broadcasts the loss or the gradients depend on are checked (DDP's
+    exchange of shapes at its construction is not)."""
+    sent: dict[tuple, list] = {}
+    for t in traces:
+        count: dict[tuple, int] = {}
+        live = live_events(t)
+        for i, (op, (args, _), *_) in enumerate(t["events"]):
+            if op != "c10d.broadcast_.default" or i not in live:
+                continue
+            ranks = tuple(args[1][1])
+            k = count[ranks] = count.get(ranks, -1) + 1
+            values = [t.get("constvals", {}).get(a[1]) for a in args[0]]
+            sent.setdefault((ranks, k), []).append((t["rank"], values))
+    for (ranks, k), members in sent.items():
+        ref_rank, ref = members[0]
+        for rank, values in members[1:]:
+            same = len(values) == len(ref) and all(
+                a is not None and b is not None and a.shape == b.shape and np.array_equal(a, b)
+                for a, b in zip(values, ref))
+            if not same:
+                raise LoweringError(f"broadcast {k} on ranks {ranks}: rank {rank} holds other "
+                                    f"values than rank {ref_rank} (or values not kept): not "
+                                    f"lowered")
+
+

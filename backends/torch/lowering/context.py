@@ -1,0 +1,321 @@
+"""The lowering context every handler receives, and what lowering yields.
+
+``Lowerer`` holds one rank's lowering: the recorded trace, the lowered
+values' shapes, the nodes emitted so far (``LNode``), and what each recorded
+value has become (``env``: a value id, or a pending value of ``ir``). Its
+methods are the handlers' vocabulary: ``val`` (a recorded argument as a
+lowered value), ``emit`` (append a node, checked against its op's rule),
+``materialize``, ``reshape``, ``const``. ``run`` walks the trace and calls
+each live event's handler (``registry.handlers()``). ``Lowered`` is a rank's
+result, read by ``backends/torch/build.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.bucket_pieces import PER_PIECE_OPS, per_piece
+from backends.torch.lowering.ir import (
+    Bucket,
+    Const,
+    Ids,
+    NoShard,
+    Pending,
+    SdpaSaved,
+)
+from backends.torch.lowering.refusals import refusal
+from backends.torch.lowering.registry import handlers
+from backends.torch.lowering.shapes import view_to
+from verdict.ops import OPS, ShapeError
+
+
+@dataclass
+class LNode:
+    op: str
+    dir: str
+    ins: list[int]
+    outs: list[int]
+    kwargs: dict[str, Any]
+    name: str
+    group: tuple[int, ...] | None = None
+    mb: int = -1  # the microbatch a pipeline schedule ran it for, -1 outside one
+
+
+@dataclass
+class Lowered:
+    rank: int
+    coords: dict[str, int]
+    shapes: dict[int, tuple[int, ...]]
+    nodes: list[LNode]
+    inputs: dict[int, tuple[str, str]]  # value -> (kind, name)
+    axes: dict[int, list[list[str]]]  # input value -> mesh axes per dim
+    losses: list[int]  # one per microbatch the rank computes a loss for
+    grads: dict[str, int | None]
+    tokens_value: int = -1
+    constants: dict[int, Any] = field(default_factory=dict)  # constant input -> its value
+    #: with an optimizer step: each parameter's updated value, and its
+    #: optimizer states' new values (state name -> value)
+    updates: dict[str, int] = field(default_factory=dict)
+    states: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: HSDP: {"dps": s}, the data-parallel ranks cut into replicas of s shards
+    split: dict[str, int] = field(default_factory=dict)
+    #: each SUM all-reduce of a count of kept labels: (group, this rank's count)
+    count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    #: each gradient bucket all-reduced: (group, its pieces' sizes)
+    buckets: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    #: the square sum (a zero) of a gradient's empty shard -> (the local
+    #: gradient it is cut from, the group whose reduction cuts it)
+    empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    #: a padded gradient's rows this rank keeps (a narrow) -> the group whose
+    #: reduction cuts them
+    row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: parameters the model ties: another name of one -> the name it is held under
+    ties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Lowerer:
+    trace: dict
+    vocab: int
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    nodes: list[LNode] = field(default_factory=list)
+    env: dict[int, Any] = field(default_factory=dict)
+    fw_in: dict[int, tuple[str, int]] = field(default_factory=dict)  # output -> (op, input)
+    ln_y: dict[tuple[int, int, int], int] = field(default_factory=dict)  # a layer norm's (x-mean)*rstd
+    sdpa: dict[int, SdpaSaved] = field(default_factory=dict)  # attention output -> its saved values
+    inputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # value -> (kind, name)
+    axes: dict[int, list[list[str]]] = field(default_factory=dict)  # input value -> mesh axes
+    const_inputs: dict[str, int] = field(default_factory=dict)  # constant's name -> input
+    const_values: dict[int, Any] = field(default_factory=dict)  # constant input -> its value
+    next_id: int = 0
+    name: str = ""
+    tokens: int = -1
+    flat_of: dict[int, int] = field(default_factory=dict)
+    mb: int = -1
+    id_pieces: dict[Ids, int] = field(default_factory=dict)
+    #: (value, dim, index, parts) -> the split of that equal piece, emitted once
+    splits: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
+    params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
+    fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter
+    updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
+    quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
+    norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input
+    stds: set[int] = field(default_factory=set)  # standard deviations (std)
+    empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    event: int = -1  # the event being lowered
+    buckets: list = field(default_factory=list)  # gradient buckets all-reduced (buckets)
+    #: the step's value of each count all-reduce, in order (lower_ranks); None:
+    #: an all-reduced count is refused, "collect": this rank's counts are kept
+    counts: list[int] | str | None = None
+    count_reduces: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    #: pow(x, 2) -> x, and the exact zeros of accumulators (norm_sums)
+    squares: dict[int, int] = field(default_factory=dict)
+    zero_values: set[int] = field(default_factory=set)
+    #: routing: recorded value -> the event that made it; a value reshaped once per shape
+    routing_producers: dict[int, int] | None = None
+    routing_views: dict[tuple[int, tuple[int, ...]], int] = field(default_factory=dict)
+    #: grouped: recorded value -> the event that made it; (value, C) -> its C-fold copy
+    grouped_producers: dict[int, int] | None = None
+    grouped_copies: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: all_to_all: the members' sends (rank -> (group, k) -> Sent; walk.lower_ranks),
+    #: this rank's, and its all-to-alls per group so far
+    peers: dict | None = None
+    published: dict = field(default_factory=dict)
+    all_to_alls: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    # -- values -------------------------------------------------------------
+    def new(self, shape) -> int:
+        v = self.next_id
+        self.next_id += 1
+        self.shapes[v] = tuple(shape)
+        return v
+
+    def emit(self, op: str, ins: list[int], out_shapes: list, kwargs: dict | None = None,
+             direction: str = "fw", group=None) -> list[int]:
+        """Append an ``op`` node reading ``ins``; its new outputs, of
+        ``out_shapes``. The node is checked against ``op``'s rule first
+        (``check_emitted``): a handler that names an op the table lacks, or
+        computes other output shapes than the rule, fails here."""
+        check_emitted(self.name, op, direction, [self.shapes.get(v) for v in ins], out_shapes,
+                      kwargs or {})
+        outs = [self.new(s) for s in out_shapes]
+        self.nodes.append(LNode(op, direction, ins, outs, kwargs or {}, self.name, group, self.mb))
+        return outs
+
+    def val(self, a: Any) -> int:
+        """The lowered value of a recorded argument, materializing pending layouts."""
+        if not (isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"):
+            raise LoweringError(f"{self.name}: expected a tensor, got {a!r}")
+        x = self.env.get(a[1])
+        if x is None:
+            raise LoweringError(f"{self.name}: reads a tensor that no recorded op produced")
+        return self.materialize(x)
+
+    def materialize(self, x: Any) -> int:
+        """The lowered value of ``x``: a value id as it is, a pending value
+        (``ir.Pending``) emitted; any other record is read only by the
+        handlers that know it, so reading it here is refused in one line
+        naming the op and the value (``refusals.refusal``)."""
+        while not isinstance(x, int):
+            if not isinstance(x, Pending):
+                raise LoweringError(refusal(self, x))
+            x = x.materialize(self)
+        return x
+
+    def reshape(self, x: int, shape: tuple[int, ...]) -> int:
+        """Value x seen with ``shape`` (flatten/unflatten nodes)."""
+        return self.materialize(view_to(self, x, tuple(shape)))
+
+    def const(self, a: Any) -> float | None:
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return float(a)
+        if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
+            if a[1] in self.trace["consts"]:
+                return self.trace["consts"][a[1]]
+            value = self.trace.get("constvals", {}).get(a[1])
+            if a[1] in self.trace.get("constants", ()) and value is not None and value.size == 1 \
+                    and value.dtype.kind in "fiu":
+                return float(value.reshape(()))
+        return None
+
+    # -- the walk -----------------------------------------------------------
+    def run(self, live: set[int]) -> None:
+        constants = self.trace.get("constants", set())
+        for i, (op, _, outs, *_) in enumerate(self.trace["events"]):
+            if i not in live:
+                continue
+            if outs and all(v in constants for v in outs):
+                for v in outs:  # a constant of unknown origin (written in place) is read by value
+                    self.env[v] = Const(v, i if op != "unknown" else -1)
+                continue
+            if self.on_empty(i):
+                for v in outs:
+                    self.env[v] = NoShard()
+                continue
+            self.lower_event(i)
+
+    def on_empty(self, i: int) -> bool:
+        """Event i reads only the empty shards of parameters this rank holds
+        no rows of, or what such events made (their optimizer step), writes
+        only empty tensors and communicates nothing: it computes no value,
+        and its outputs may be read by no other op."""
+        op, (args, kwargs), outs, out_shapes, *_ = self.trace["events"][i]
+        ins = tensor_args([args, kwargs])
+        return (bool(ins) and bool(outs) and not op.startswith(("c10d", "_c10d_functional", "fsdp"))
+                and all(isinstance(self.env.get(v), NoShard) for v in ins)
+                and all(0 in tuple(s) for s in out_shapes))
+
+    def lower_event(self, i: int, want: int = -1) -> Any:
+        """Lower event ``i`` through its handler; the lowered value of its
+        output ``want``."""
+        op, (args, kwargs), outs, out_shapes, scope, group, mb = self.trace["events"][i]
+        saved = self.name, self.mb, self.event
+        self.name, self.mb = scope, mb
+        self.event = i
+        handler = handlers().get(op)
+        if handler is None:
+            raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
+                                f"onto the rule table")
+        if op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])), Bucket):
+            handler = _per_piece(handler)
+        try:
+            result = handler(self, args, kwargs, out_shapes, group)
+        except LoweringError as e:
+            if not str(e).startswith(": "):
+                raise
+            # an op outside every module (a clipper's, the step's): say which op
+            raise LoweringError(f"{op} at top level{e}") from None
+        finally:
+            self.name, self.mb, self.event = saved
+        if not isinstance(result, list):
+            result = [result]
+        for v, r in zip(outs, result):
+            self.env[v] = r
+        return self.env.get(want)
+
+
+def check_emitted(name: str, op: str, direction: str, in_shapes: list, out_shapes: list,
+                  kwargs: dict) -> None:
+    """Refuse a node that does not obey ``op``'s rule: an op the rule table
+    lacks, another number of outputs, or other output shapes than the rule
+    computes from the inputs'. A backward node (``direction`` "bw") reads
+    the forward inputs, then the output gradients, and makes the input
+    gradients, as plans hold it (``verdict.structure.fw_shapes``). A
+    collective's node is checked in the plan, where it reads every
+    member's input."""
+    rule = OPS.get(op)
+    if rule is None:
+        raise LoweringError(f"{name}: emits {op}, which the rule table does not have")
+    if rule.group:
+        return
+    want: list = [tuple(s) for s in out_shapes]
+    ins = in_shapes
+    if direction == "bw" and rule.backward is not None:
+        n = len(want)
+        ins = [s if s is not None else g for s, g in zip(in_shapes[:n], want)]
+        want = list(in_shapes[n:])
+    if any(s is None for s in ins):
+        return
+    shown = f"{op} of shapes {[list(s) for s in ins]} with {kwargs}"
+    try:
+        got = rule.shape([tuple(s) for s in ins], **kwargs)
+    except (ShapeError, TypeError, ValueError, IndexError, KeyError) as e:
+        raise LoweringError(f"{name}: {shown} breaks its rule: {e}") from None
+    if len(got) != len(want) or any(w is not None and tuple(w) != tuple(g)
+                                    for w, g in zip(want, got)):
+        made = [None if w is None else list(w) for w in want]
+        raise LoweringError(f"{name}: {shown} makes {[list(g) for g in got]} by its rule, "
+                            f"not {made}")
+
+
+def _first_value(a: Any) -> int | None:
+    return a[1] if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
+
+
+def _per_piece(handler):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        return per_piece(lw, handler, args, kwargs, group)
+    return lower
+
+
+def tensor_args(args: Any) -> list[int]:
+    out = []
+    if isinstance(args, (list, tuple)):
+        if len(args) == 2 and args[0] == "v" and isinstance(args[1], int):
+            return [args[1]]
+        for a in args:
+            out.extend(tensor_args(a))
+    elif isinstance(args, dict):
+        for a in args.values():
+            out.extend(tensor_args(a))
+    return out
+
+
+def live_events(trace: dict) -> set[int]:
+    """Events the loss and the final gradients depend on."""
+    need = set(trace["losses"]) | {g for g in trace["grads"].values() if g is not None}
+    need |= {v for v in trace.get("updates", {}).values() if v is not None}
+    need |= {v for st in trace.get("states", {}).values() for v in st.values() if v is not None}
+    live = set()
+    for i in range(len(trace["events"]) - 1, -1, -1):
+        op, (args, kwargs), outs = trace["events"][i][:3]
+        if not need.intersection(outs) and op != "c10d.send.default":
+            continue
+        live.add(i)
+        if op == "c10d.recv_.default":
+            continue  # overwrites its buffers
+        if op == "aten.copy_.default":
+            need.update(tensor_args(args[1]))
+        else:
+            need.update(tensor_args([args, kwargs]))
+    return live
+
+
+def pg(lw: Lowerer, a: Any) -> tuple[int, ...]:
+    if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "pg":
+        return tuple(a[1])
+    raise LoweringError(f"{lw.name}: a c10d collective without a process group")

@@ -1,0 +1,621 @@
+"""The lowering's pending values: what a handler may return instead of nodes.
+
+A handler that cannot yet know which nodes a value needs returns a small
+record of it; the op that reads it decides (an all-gather seen along dim d
+by a later split and cat becomes one all-gather along d). Every record that
+an op may read as a tensor is a ``Pending``: ``Lowerer.materialize`` calls
+its ``materialize``, which emits its nodes or refuses the read in one line.
+A record that is not ``Pending`` is read only by the handlers named below;
+any other op reading it (or a ``Pending`` without a reading of its own)
+stops the run with one line naming the op and the value
+(``refusals.refusal``).
+
+- ``Ids``: made by walk (the batch), layout, onehot, vocab_parallel; read by
+  ids, masks, tokens, slices, layout, onehot, arithmetic, vocab_parallel,
+  label_masks, scan; not Pending: one-hot inputs (``onehot.one_hot``).
+- ``IdRows``: made by ids, layout, onehot, tokens, label_masks; read by ids,
+  masks, tokens, slices, layout, label_masks, scan; not Pending: its one-hot
+  rows ``x``.
+- ``IdsTest``: made by tokens (``ids < c``); read by tokens, arithmetic,
+  vocab_parallel; not Pending.
+- ``VocabMask``: made by tokens (``lt | ge``); read by tokens, arithmetic,
+  vocab_parallel; not Pending.
+- ``Shifted``: made by tokens (``ids - lo``); read by tokens, arithmetic,
+  vocab_parallel; not Pending.
+- ``MaskedLookup``: made by tokens (vocab-parallel emb); read by tokens (its
+  ``index_put_``); refused until the rows are zeroed.
+- ``Gathered``: made by collectives, layout; read by layout (split, cat,
+  view); ``all_gather`` along dim 0.
+- ``GatheredAlong``: made by layout (split + cat); read by layout (slice);
+  ``all_gather`` along ``dim``.
+- ``ZeroPadded``: made by tokens (DTensor's pad); read by collectives (all-
+  gather); the padded tensor (a ``narrow`` backward, ``emit.pad``).
+- ``Piece``: made by layout (split, chunk); read by layout, slices; one
+  ``split`` node, emitted once.
+- ``Stacked``: made by layout (cat along 0); read by collectives (reduce-
+  scatter); not Pending.
+- ``Flat``: made by layout, arithmetic, shapes; read by layout, arithmetic;
+  ``flatten``.
+- ``As``: made by layout (views of buffers); read by layout; a reshape
+  (``Lowerer.reshape``).
+- ``Packed``: made by layout (FSDP copy-in); read by layout (all-gather, split
+  copy); not Pending.
+- ``ChunkCat``: made by layout (FSDP chunk_cat); read by layout, collectives,
+  arithmetic; not Pending.
+- ``Padding``: made by layout (FSDP padded shard); read by layout (copy-in);
+  not Pending.
+- ``Unpadded``: made by layout (FSDP all-gather); read by layout (as_strided,
+  view); not Pending.
+- ``NoShard``: made by walk, layout, arithmetic; read by walk, arithmetic,
+  Lowerer.run; refused (an empty shard).
+- ``Norm``: made by arithmetic, collectives; read by arithmetic, compose,
+  norm_sums; ``div`` by the share, ``pow`` 0.5.
+- ``NormStack``: made by arithmetic, collectives; read by arithmetic,
+  collectives, norm_sums; not Pending.
+- ``Decayed``: made by arithmetic (AdamW, SGD: Moment1, Moment2, Scaled,
+  Denom, SgdGrad); read by arithmetic, walk (the final values); not Pending:
+  folded into ``adam_step`` / ``sgd`` nodes.
+- ``Compare``: made by tokens (``ids_test``); read by arithmetic, compose
+  (``where``); not Pending.
+- ``NormIsZero``: made by arithmetic (``norm == 0``); read by arithmetic
+  (``masked_fill_``); not Pending.
+- ``Const``: made by Lowerer.run, walk; read by masks, tokens, vocab_parallel,
+  const_lookup, norm_sums, ``as_flag``; its recorded value as a constant
+  input, or its ops lowered.
+- ``SdpaSaved``: made by nn, masks (attention); read by nn (its backward); not
+  Pending (kept in ``lw.sdpa``).
+- ``Complex``: made by nn, layout, arithmetic; read by nn, layout, arithmetic;
+  not Pending: two real values.
+- ``MaxHit``: made by max (``amax(x) == x``); read by max, max_all; refused
+  (``refuse_max_read``).
+- ``MaxCount``: made by max, max_all; read by max; refused.
+- ``NewZeros``: made by ids (``new_zeros``); read by ids, argmax; ``zeros`` of
+  its shape.
+- ``RowMax``: made by vocab_parallel (``amax``); read by vocab_parallel, max;
+  the local ``max``.
+- ``NllGrad``: made by losses (``nll_loss_backward``); read by losses (the
+  log-softmax backward's fusion), logprob_views; ``-labels * g``.
+- ``Flag``: made by masks, label_masks, ``as_flag`` (a constant boolean
+  mask); read by masks, label_masks; its 0/1 value.
+- ``Zeros`` (a ``PatternOnly``): made by vocab_parallel (``zeros_like``);
+  read by vocab_parallel (the label update), norm_sums (an exact zero);
+  refused, like every ``PatternOnly`` (a helper value of one pattern).
+- ``Bucket``: made by buckets (``mem.cat``), layout; read by buckets, layout,
+  collectives, slices; the pieces flattened and ``cat``.
+- ``Rows``, ``RowsT`` (in the helper ``routed_rows``, beside the rules
+  that make them): made by routing, grouped, permute, all_to_all; read by
+  the same four; rows of a base at a recorded index, materialized as the
+  one-hot rows of the index times the base (``RowsT`` its transpose).
+- ``Experts``, ``Transposed`` (in the helper ``grouped_rows``): made by
+  grouped, permute, all_to_all; read by the same three; every group's
+  result on every row of a base, each row's own group's kept
+  (``collapse``) and gathered.
+
+Families keep the pending kinds only they make and read (``masks.Masked``,
+``argmax.MaxIndex``, ``vocab_parallel.Clamped``, ``const_lookup.ConstLookup``,
+``logprob_views.ReadNllGrad`` ...); those follow the same ``Pending``
+protocol. A kind a second family comes to read moves here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.constants import constant_input, constant_value
+from backends.torch.lowering.emit import pad
+from backends.torch.lowering.refusals import refusal
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
+
+class Pending:
+    """A value the lowering has not emitted yet. ``Lowerer.materialize``
+    calls ``materialize`` when an op reads it as a tensor: it emits the
+    value's nodes and returns the lowered value (or another pending value,
+    materialized in turn), or refuses the read in one line."""
+
+    def materialize(self, lw: Lowerer) -> Any:
+        raise LoweringError(refusal(lw, self))
+
+
+@dataclass(frozen=True)
+class Ids:
+    """Row block ``index`` of ``parts`` of the batch's integer ``source``
+    ids (``tokens`` or ``labels``; a pipeline schedule's microbatch, the
+    whole batch is (0, 1)), seen with ``shape`` (None: as loaded). In the
+    plan, ids are one-hot inputs ``[..., vocab]``."""
+    source: str = "tokens"
+    index: int = 0
+    parts: int = 1
+    shape: tuple[int, ...] | None = None
+
+    def cut(self, index: int, parts: int) -> Ids:
+        return Ids(self.source, self.index * parts + index, self.parts * parts)
+
+
+@dataclass(frozen=True, eq=False)
+class IdRows:
+    """Integer ids the model cut or padded (``labels[:, 1:]``, ``F.pad(...,
+    value=-100)``): their one-hot rows ``x`` (lowered, ``[*ids.shape,
+    vocab]``; an id outside the vocabulary, a pad, is a zero row) and the
+    recorded ids themselves (for the count a mean divides by)."""
+    x: int
+    ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class IdsTest:
+    """``ids < value`` (op "lt") or ``ids >= value`` (op "ge")."""
+    ids: Ids
+    op: str
+    value: int
+
+
+@dataclass(frozen=True)
+class VocabMask:
+    """``(ids < lo) | (ids >= hi)``: the ids outside the rows [lo, hi) of a
+    vocabulary-parallel embedding table."""
+    ids: Ids
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class MaskedLookup(Pending):
+    """A vocabulary-parallel lookup (its lowered value ``out``: the one-hot
+    slice times the local table, already zero outside the rows) before the
+    recorded run zeroes the rows of ids outside the shard. Until that
+    ``index_put_`` only it may read the lookup: the recorded tensor still
+    holds table row 0 there, which the lowered value does not."""
+    out: int
+    mask: VocabMask
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel lookup is read before the rows "
+                            f"of ids outside its shard are zeroed")
+
+
+@dataclass(frozen=True)
+class Shifted:
+    """``ids - lo``, then (``mask`` set) 0 where the mask holds: the local
+    row of each id in the shard [lo, hi)."""
+    ids: Ids
+    lo: int
+    mask: VocabMask | None = None
+
+
+@dataclass
+class Gathered(Pending):
+    """An all-gather along dim 0 of ``x`` over ``group``, not yet emitted.
+    ``padded``: x was padded at the end of a dim before the gather (DTensor's
+    uneven ``Shard``), so the pieces are equal only with the padding."""
+    x: int
+    group: tuple[int, ...]
+    padded: bool = False
+
+    def materialize(self, lw: Lowerer) -> int:
+        if self.padded:
+            raise LoweringError(f"{lw.name}: an all-gather of padded pieces is read "
+                                f"with its padding")
+        shape = list(lw.shapes[self.x])
+        shape[0] *= len(self.group)
+        return lw.emit("all_gather", [self.x], [shape], {"dim": 0}, group=self.group)[0]
+
+
+@dataclass(frozen=True)
+class ZeroPadded(Pending):
+    """``x`` padded with ``width`` zeros at the end of ``dim`` (DTensor pads
+    its piece of an unevenly sharded dim to the chunk size before an
+    all-gather), not yet emitted: that all-gather reads the piece, any
+    other reader the padded tensor."""
+    x: int
+    dim: int
+    width: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        return pad(lw, self.x, self.dim, 0, self.width)  # read as the padded tensor
+
+
+@dataclass(frozen=True)
+class GatheredAlong(Pending):
+    """The all-gather ``g`` seen along ``dim`` (split along 0, cat along
+    dim), not yet emitted: a slice of its first rows may drop the padding
+    of an uneven shard."""
+    g: Gathered
+    dim: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        shape = list(lw.shapes[self.g.x])
+        shape[self.dim] *= len(self.g.group)
+        if self.g.padded:
+            raise LoweringError(f"{lw.name}: an all-gather of padded pieces is read "
+                                f"with its padding")
+        return lw.emit("all_gather", [self.g.x], [shape], {"dim": self.dim}, group=self.g.group)[0]
+
+
+@dataclass
+class Piece(Pending):
+    of: Any  # a value id or a Gathered
+    dim: int
+    index: int
+    parts: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        # read once or many times (a chunk read in the forward and again by its
+        # backward), one split node: the rank's reads and the single-device
+        # step's then align node for node
+        src = lw.materialize(self.of)
+        key = (src, self.dim, self.index, self.parts)
+        if key not in lw.splits:
+            shape = list(lw.shapes[src])
+            shape[self.dim] //= self.parts
+            lw.splits[key] = lw.emit("split", [src], [shape], {
+                "dim": self.dim, "parts": self.parts, "index": self.index})[0]
+        return lw.splits[key]
+
+
+@dataclass
+class Stacked:
+    x: int
+    dim: int
+    parts: int
+
+
+@dataclass
+class Flat(Pending):
+    """x with its first k dims merged (torch.matmul's batch folding), not yet emitted."""
+    x: int
+    k: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        shape = list(lw.shapes[self.x])
+        merged = [math.prod(shape[:self.k])] + shape[self.k:]
+        return lw.emit("flatten", [self.x], [merged], {"start": 0, "end": self.k - 1})[0]
+
+
+@dataclass
+class Packed:
+    """FSDP's flat all-gather buffer: each rank's flat parameter shards,
+    concatenated; ``group`` once all-gathered."""
+    parts: list[int]
+    group: tuple[int, ...] | None = None
+
+
+@dataclass
+class ChunkCat:
+    """FSDP's flat reduce-scatter buffer: each gradient cut in ``chunks``
+    along dim 0, chunk i of every gradient in row i; ``group`` once reduced."""
+    grads: list[int]
+    chunks: int
+    group: tuple[int, ...] | None = None
+    divide: float = 1.0
+    #: HSDP: the replica group the reduced buffer is then all-reduced over
+    replicas: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Padding:
+    """A rank's shard of parameter ``param`` (value id) followed by FSDP2's
+    padding rows (the shard of a dim the group size does not divide, padded
+    to its chunk; an empty shard is all padding): only FSDP's all-gather
+    copy-in reads it, and the lowering never reads the padding's values
+    (docs/soundness.md, "Plans traced from PyTorch", 15)."""
+    param: int
+
+
+@dataclass(frozen=True)
+class Unpadded:
+    """A parameter FSDP2 pads, as its all-gather gives it to every rank of
+    the group: ``x``, the members' rows concatenated in group order (no
+    padding row); read only as the parameter's first rows."""
+    x: int
+
+
+@dataclass(frozen=True)
+class NoShard(Pending):
+    """The empty shard of a parameter this rank holds no rows of, its
+    gradient's shard, or what only they made (its optimizer step). The
+    gradient's empty shard names the local gradient it is cut from
+    (``grad``) and the group whose reduction cuts it."""
+    grad: int = -1
+    group: tuple[int, ...] = ()
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: a shard of a parameter this rank holds no rows of "
+                            f"(FSDP2 pads it) is read beyond its own optimizer step")
+
+
+@dataclass
+class As(Pending):
+    """Value x seen with another shape, not yet emitted as a reshape."""
+    x: int
+    shape: tuple[int, ...]
+
+    def materialize(self, lw: Lowerer) -> int:
+        return lw.reshape(self.x, self.shape)
+
+
+@dataclass(frozen=True)
+class Norm(Pending):
+    """sqrt(s / share), s a sum of squares (so s >= 0): a 2-norm, not yet
+    emitted. ``share`` is n when DTensor turned a replicated norm into one
+    of n partial norms (dividing it by sqrt(n))."""
+    s: int
+    share: int = 1
+
+    def materialize(self, lw: Lowerer) -> int:
+        s = self.s
+        if self.share != 1:
+            s = lw.emit("div", [s], [lw.shapes[s]], {"value": float(self.share)})[0]
+        return lw.emit("pow", [s], [lw.shapes[s]], {"exponent": 0.5})[0]
+
+
+@dataclass(frozen=True)
+class NormStack:
+    """torch.stack of norms (``squared``: then squared elementwise, one
+    square sum per entry, ``Norm.share`` kept)."""
+    norms: tuple[Norm, ...]
+    squared: bool = False
+
+
+@dataclass(frozen=True)
+class Decayed:
+    """p * keep: AdamW's decoupled weight decay, ``p.mul_(1 - lr * wd)``."""
+    p: int
+    keep: float
+
+
+@dataclass(frozen=True)
+class Moment1:
+    """``m.lerp_(g, weight)``: Adam's first moment, m a fresh state."""
+    m: int
+    g: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """``v.mul_(factor)`` of a fresh optimizer state."""
+    v: int
+    factor: float
+
+
+@dataclass(frozen=True)
+class Moment2:
+    """``v.mul_(beta2).addcmul_(g, g, value=1 - beta2)``: Adam's second moment."""
+    v: int
+    g: int
+    beta2: float
+
+
+@dataclass(frozen=True)
+class Denom:
+    """``(sqrt(v2) / scale) + eps``: Adam's denominator (``root``: sqrt only)."""
+    v2: Moment2
+    scale: float = 1.0
+    eps: float = 0.0
+    root: bool = False
+
+
+@dataclass(frozen=True)
+class SgdGrad:
+    """``g + wd * p`` (``torch.add(g, p, alpha=wd)``): SGD's weight decay."""
+    g: int
+    p: int
+    wd: float
+
+
+@dataclass(frozen=True)
+class Compare:
+    """``x op c`` for a computed tensor x and a number c (op gt, ge, lt, le):
+    kept pending until a ``where`` selects with it."""
+    x: int
+    op: str
+    c: float
+
+
+@dataclass(frozen=True)
+class NormIsZero:
+    """``norm == 0`` for a 2-norm along dims (kept dims) of a tensor."""
+    norm: int
+
+
+@dataclass(frozen=True)
+class Const(Pending):
+    """Recorded value ``v``, a constant, computed by event ``event`` (not
+    lowered until a lowered op reads it)."""
+    v: int
+    event: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        if self.v in lw.trace.get("from_buffer", ()) and self.event >= 0:
+            # computed from a module's buffer (an input by name): lowered
+            # op by op, so that its pieces on other ranks align with it;
+            # through an op the rule table lacks (the cos and sin of a
+            # rotary table), read by value like any other constant
+            try:
+                return lw.materialize(lw.lower_event(self.event, self.v))
+            except LoweringError:
+                if lw.trace.get("constvals", {}).get(self.v) is None:
+                    raise
+        return constant_input(lw, constant_value(lw, ("v", self.v)))
+
+
+@dataclass(frozen=True)
+class SdpaSaved:
+    """What the attention backward recomputes from: the inputs, the masked
+    scores (the softmax's input) and the probabilities."""
+    q: int
+    k: int
+    v: int
+    scale: float
+    masked: int
+    probs: int
+    causal: bool
+    groups: int = 1  # query heads per key-value head (grouped-query attention)
+    #: the probabilities are a masked softmax (backends/torch/lowering/masks.py):
+    #: their backward is written on them (``softmax_grad``), not on the scores
+    masked_probs: bool = False
+
+
+@dataclass(frozen=True)
+class NllGrad(Pending):
+    """The nll backward, ``-labels * g`` (divided by the kept-label count
+    for a mean), not yet emitted. When every label row is one-hot (no
+    label ignored or padded: ``whole``), the log-softmax backward reading
+    it fuses into ``(exp(logp) - labels) * g``, which equals ``g' -
+    exp(logp) * sum(g')`` for ``g' = -labels * g`` because every row of
+    the labels sums to 1 (docs/soundness.md, "Plans traced from PyTorch",
+    2 and 7c); an ignored row is a zero row, so it is never fused."""
+    labels: int
+    g: int
+    count: int | None
+    whole: bool
+
+    def materialize(self, lw: Lowerer) -> int:
+        shape = lw.shapes[self.labels]
+        out = lw.emit("mul_scalar", [lw.emit("mul", [self.labels, self.g], [shape])[0]], [shape],
+                      {"value": -1.0})[0]
+        return self.divided(lw, out)
+
+    def fused(self, lw: Lowerer, logp: int) -> int:
+        shape = lw.shapes[logp]
+        negated = lw.emit("mul_scalar", [self.labels], [shape], {"value": -1.0})[0]
+        e = lw.emit("exp", [logp], [shape])[0]
+        total = lw.emit("add", [negated, e], [shape])[0]
+        return self.divided(lw, lw.emit("mul", [total, self.g], [shape])[0])
+
+    def divided(self, lw: Lowerer, x: int) -> int:
+        if self.count is None:
+            return x
+        return lw.emit("div", [x], [lw.shapes[x]], {"value": float(self.count)})[0]
+
+
+@dataclass(frozen=True)
+class Flag(Pending):
+    """A boolean tensor as its lowered 0/1 value ``x`` (1 where true) and its
+    recorded booleans ``value`` (this rank's)."""
+    x: int
+    value: np.ndarray
+
+    def materialize(self, lw: Lowerer) -> int:
+        return self.x
+
+
+def pending_of(lw: Lowerer, a: Any) -> Any:
+    """What a recorded tensor argument stands for (a value id or a pending
+    value); None for any other argument."""
+    if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v":
+        return lw.env.get(a[1])
+    return None
+
+
+def constant_flag(lw: Lowerer, value: np.ndarray) -> Flag:
+    value = np.asarray(value, dtype=bool)
+    return Flag(constant_input(lw, value.astype(np.float64)), value)
+
+
+def as_flag(lw: Lowerer, a: Any) -> Flag | None:
+    """The argument as a flag: a flag, or a constant boolean mask."""
+    x = pending_of(lw, a)
+    if isinstance(x, Flag):
+        return x
+    value = constant_value(lw, a) if isinstance(x, Const) else None
+    if value is not None and value.dtype == bool:
+        return constant_flag(lw, value)
+    return None
+
+
+class PatternOnly(Pending):
+    """A helper value only the next op of its pattern may read: any other
+    reader (materializing it) stops the run with one line."""
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: a vocabulary-parallel mask, shifted ids or masked "
+                            f"value ({type(self).__name__}) is read outside the patterns "
+                            f"lowered (backends/torch/lowering/vocab_parallel.py)")
+
+
+@dataclass(frozen=True)
+class Zeros(PatternOnly):
+    """``zeros_like`` of a value that is not a parameter."""
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Complex:
+    """A complex tensor as its real and imaginary parts (lowered values)."""
+    re: int
+    im: int
+
+
+def refuse_max_read(lw: Lowerer) -> None:
+    raise LoweringError(f"{lw.name}: a comparison with a maximum (amax(x) == x) read other than "
+                        f"by amax's backward is not lowered")
+
+
+@dataclass(frozen=True)
+class MaxHit(Pending):
+    """``amax(x) == x``: where x is maximal along the reduced dims."""
+    x: int
+    top: int  # the max node's output
+    kwargs: tuple  # the max node's (dim, keepdim)
+
+    def materialize(self, lw: Lowerer) -> int:
+        refuse_max_read(lw)
+
+
+@dataclass(frozen=True)
+class MaxCount(Pending):
+    """The number of maxima along the dims, ``hit.sum(dims, keepdim=True)``."""
+    hit: MaxHit
+
+    def materialize(self, lw: Lowerer) -> int:
+        refuse_max_read(lw)
+
+
+@dataclass(frozen=True)
+class NewZeros(Pending):
+    """``x.new_zeros(shape)`` not yet read: the start of a backward kernel
+    that accumulates into zeros."""
+    shape: tuple[int, ...]
+
+    def materialize(self, lw: Lowerer) -> int:
+        return lw.emit("zeros", [], [self.shape], {"shape": list(self.shape)}, direction="none")[0]
+
+
+@dataclass(frozen=True)
+class RowMax(Pending):
+    """``amax(x, dim, keepdim=True)`` of a local tensor, not yet emitted: a
+    MAX all-reduce of it is the maximum of the gathered rows; any other
+    reader gets the local ``max``."""
+    x: int
+    dim: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        shape = list(lw.shapes[self.x])
+        shape[self.dim] = 1
+        return lw.emit("max", [self.x], [shape], {"dim": self.dim, "keepdim": True})[0]
+
+
+@dataclass(frozen=True)
+class Bucket(Pending):
+    """A flat buffer made of ``pieces`` (lowered values, each with its own
+    shape) side by side, in memory order."""
+    pieces: tuple[int, ...]
+
+    def materialize(self, lw: Lowerer) -> int:
+        """The bucket built, when an op reads it whole: the pieces
+        flattened and concatenated."""
+        flat = [lw.reshape(p, (numel(lw, p),)) for p in self.pieces]
+        return lw.emit("cat", flat, [(sum(numel(lw, p) for p in self.pieces),)], {"dim": 0})[0]
+
+
+def numel(lw: Lowerer, x: int) -> int:
+    return math.prod(lw.shapes[x])

@@ -1,0 +1,485 @@
+"""Views, splits, cats and the layout moves around collectives.
+
+The layout moves DTensor wraps around a collective (an all-gather along dim
+0 followed by split and cat along dim d; split along d and cat along 0
+before a reduce-scatter) are folded into one collective along d, so that
+every value stays a slice of some single-device value; FSDP's flat copy-in
+and chunk-cat buffers are followed piece by piece and never built.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.bucket_pieces import bucket_view
+from backends.torch.lowering.context import LNode, pg, tensor_args
+from backends.torch.lowering.ir import (
+    As,
+    Bucket,
+    ChunkCat,
+    Complex,
+    Flat,
+    Gathered,
+    GatheredAlong,
+    IdRows,
+    Ids,
+    NoShard,
+    Packed,
+    Padding,
+    Piece,
+    Stacked,
+    Unpadded,
+)
+from backends.torch.lowering.onehot import slice_ids
+from backends.torch.lowering.registry import lowers
+from backends.torch.lowering.shapes import view_to
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
+
+@lowers("fsdp.all_gather_copy_in.default")
+def _copy_in(lw: Lowerer, args, kwargs, shapes, group):
+    parts = [lw.env.get(a[1]) if isinstance(lw.env.get(a[1]), Padding) else lw.val(a)
+             for a in args[0]]
+    parts = [lw.flat_of.get(p, p) if isinstance(p, int) else p for p in parts]
+    if any(isinstance(p, int) and lw.shapes[p][0] * len(lw.shapes[p]) == 0 for p in parts):
+        raise LoweringError(f"{lw.name}: FSDP copy-in of a shard that is not flat")
+    packed = Packed(parts)
+    return [packed, packed]
+
+
+@lowers("c10d._allgather_base_.default")
+def _allgather_base(lw: Lowerer, args, kwargs, shapes, group):
+    packed = lw.env.get(args[1][1])
+    if not isinstance(packed, Packed) and not isinstance(packed, (ChunkCat, str)):
+        return Gathered(lw.val(args[1]), pg(lw, args[2]))  # dist.all_gather_into_tensor
+    if not isinstance(packed, Packed):
+        raise LoweringError(f"{lw.name}: all-gather of a buffer FSDP's copy-in did not fill")
+    return Packed(packed.parts, pg(lw, args[2]))
+
+
+def _plain_reduce_scatter(lw: Lowerer, x: Any, op: Any, ranks: tuple[int, ...], shapes):
+    """``dist.reduce_scatter_tensor(out, x)`` of a tensor (not FSDP's
+    buffer): a reduce-scatter along dim 0, SUM or AVG."""
+    if op[1] not in (0, 1):
+        raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
+    return lw.emit("reduce_scatter" + ("_avg" if op[1] == 1 else ""), [lw.val(x)], shapes[:1],
+                   {"dim": 0}, group=ranks)[0]
+
+
+@lowers("fsdp.split_with_sizes_copy.default")
+def _split_copy(lw: Lowerer, args, kwargs, shapes, group):
+    packed = lw.env.get(args[0][1])
+    if not isinstance(packed, Packed) or packed.group is None:
+        raise LoweringError(f"{lw.name}: FSDP copy-out of a buffer that was not all-gathered")
+    n = len(packed.group)
+    outs = []
+    for p, shape in zip(packed.parts, shapes):
+        param = p.param if isinstance(p, Padding) else p
+        name = lw.params.get(param)
+        if name is not None and lw.trace["params"][name][1][0] % n:
+            if any(a not in ("dp", "dps", "dpr") for a in lw.trace["params"][name][2][0]):
+                raise LoweringError(f"{lw.name}: FSDP2 over a tensor-parallel shard of {name} "
+                                    f"(dim 0 of {lw.trace['params'][name][1][0]} rows, which the "
+                                    f"mesh does not divide) is not lowered")
+            outs.append(Unpadded(_padded_gather(lw, name, param, packed.group)))
+            continue
+        if isinstance(p, Padding):
+            raise LoweringError(f"{lw.name}: FSDP pads a shard of a dim its group divides")
+        full = (lw.shapes[p][0] * n, *lw.shapes[p][1:])
+        x = lw.emit("all_gather", [p], [full], {"dim": 0}, group=packed.group)[0]
+        outs.append(As(x, tuple(shape)))
+    return outs
+
+
+def padded_rows(rows: int, n: int, index: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a dim of ``rows`` that member ``index`` of ``n``
+    holds when FSDP2 (or DTensor's ``Shard``) cuts it in chunks of
+    ceil(rows / n) (``torch.chunk``; the last members may hold fewer rows,
+    or none)."""
+    c = -(-rows // n)
+    return min(index * c, rows), min((index + 1) * c, rows)
+
+
+def _sliced_next(lw: Lowerer, dim: int) -> bool:
+    """The first op that reads the current event's output is a slice of it
+    along ``dim`` from 0 (DTensor dropping an uneven shard's padding)."""
+    out = lw.trace["events"][lw.event][2][0]
+    for op, (args, kwargs), *_ in lw.trace["events"][lw.event + 1:]:
+        if out in tensor_args([args, kwargs]):
+            return (op == "aten.slice.Tensor" and len(args) > 2
+                    and int(args[1]) % len(lw.trace["shapes"][out]) == dim and not args[2])
+    return False
+
+
+def _drops_padding(lw: Lowerer, src: GatheredAlong, rows: int, total: int) -> bool:
+    """The first ``rows`` of a gather along a dim (``total`` long) are the
+    pieces of an uneven shard without their padding: the gathered pieces
+    are chunks of ceil(rows / n), and this rank's own piece is its chunk of
+    ``rows`` (padded to the chunk when shorter)."""
+    n, d = len(src.g.group), src.dim
+    chunk = -(-rows // n)
+    lo, hi = padded_rows(rows, n, src.g.group.index(lw.trace["rank"]))
+    own = lw.shapes[src.g.x][d]
+    return (rows < total == chunk * n and own == hi - lo
+            and (src.g.padded or own == chunk))
+
+
+def _uneven_gather(lw: Lowerer, src: GatheredAlong, rows: int) -> int:
+    """DTensor's all-gather of a dim of ``rows`` the group does not divide:
+    each member's piece padded at the end to ceil(rows / n), gathered, the
+    first ``rows`` kept. Those are the members' own pieces in group order
+    (the padding lies past them): written as for FSDP2's padded parameter
+    (docs/soundness.md, "Plans traced from PyTorch", 15e)."""
+    g, d = src.g, src.dim
+    n = len(g.group)
+    full = list(lw.shapes[g.x])
+    full[d] = rows
+    if not g.padded and lw.shapes[g.x][d] * n == rows:
+        return lw.materialize(src)
+    return _gather_pieces(lw, g.x, tuple(full), d, g.group, "a DTensor shard")
+
+
+def _gather_pieces(lw: Lowerer, own: Any, full: tuple[int, ...], dim: int,
+                   group: tuple[int, ...], what: str) -> int:
+    """The whole of a dim that ``group`` holds in torch.chunk's pieces (this
+    rank's is ``own``): each member's piece sent to every other member and
+    the pieces concatenated along ``dim`` in group order (one holder: its
+    piece alone)."""
+    me, n = lw.trace["rank"], len(group)
+    bounds = [padded_rows(full[dim], n, i) for i in range(n)]
+    lo, hi = bounds[group.index(me)]
+
+    def shape(a: int, b: int) -> tuple[int, ...]:
+        return tuple(b - a if k == dim else m for k, m in enumerate(full))
+
+    if hi > lo and (not isinstance(own, int) or lw.shapes[own] != shape(lo, hi)):
+        raise LoweringError(f"{lw.name}: rank {me}'s piece of {what} is not [{lo}, {hi}) of its "
+                            f"{full[dim]} along dim {dim}, as torch.chunk cuts it over {n} ranks")
+    if hi > lo:
+        for dst in group:
+            if dst != me:
+                lw.nodes.append(LNode("send", "fw", [own], [], {}, lw.name, (me, dst), lw.mb))
+    pieces = []
+    for src, (a, b) in zip(group, bounds):
+        if b == a:
+            continue
+        if src == me:
+            pieces.append(own)
+            continue
+        pieces.append(lw.emit("send_recv", [], [shape(a, b)], {"src": src, "dst": me},
+                              group=(src, me))[0])
+    if len(pieces) == 1:
+        return pieces[0]
+    return lw.emit("cat", pieces, [full], {"dim": dim})[0]
+
+
+def _padded_gather(lw: Lowerer, name: str, param: int, group: tuple[int, ...]) -> int:
+    """FSDP2's all-gather of a parameter whose dim 0 the group does not
+    divide: the gathered buffer's first rows are the members' own rows in
+    group order, the padding after them. Each member's rows are sent to
+    every other member and concatenated in group order, so no padding value
+    enters the plan (docs/soundness.md, "Plans traced from PyTorch", 15)."""
+    return _gather_pieces(lw, lw.env.get(param), tuple(lw.trace["params"][name][1]), 0, group,
+                          name)
+
+
+def _padded_reduce(lw: Lowerer, src: ChunkCat, g: int, size: list[int]) -> int | NoShard:
+    """A rank's shard of FSDP2's reduce-scatter of a gradient whose dim 0
+    the group does not divide (each gradient padded with zero rows to a
+    chunk per rank): rows [lo, hi) of the group's sum, written as the
+    group's all-reduce narrowed to the rank's rows (under HSDP then summed
+    over the replicas, the same rows of the other shard groups). A rank
+    holding no rows still joins the all-reduce, which its peers run, and
+    keeps nothing (docs/soundness.md, "Plans traced from PyTorch", 15)."""
+    shape = list(lw.shapes[g])
+    lo, hi = padded_rows(shape[0], len(src.group), src.group.index(lw.trace["rank"]))
+    if list(size) != [hi - lo, *shape[1:]]:
+        raise LoweringError(f"{lw.name}: a view of FSDP's reduce-scatter output of shape {size} "
+                            f"is not this rank's rows [{lo}, {hi}) of a gradient of {shape[0]}")
+    x = lw.emit("all_reduce", [g], [shape], group=src.group)[0]
+    if hi == lo:
+        return NoShard(g, src.group)
+    if hi - lo != shape[0]:
+        x = lw.emit("narrow", [x], [size], {"dim": 0, "start": lo, "length": hi - lo})[0]
+        lw.row_cuts[x] = src.group
+    if src.replicas is not None:
+        x = lw.emit("all_reduce", [x], [size], group=src.replicas)[0]
+    if src.divide != 1.0:
+        x = lw.emit("div", [x], [size], {"value": src.divide})[0]
+    return x
+
+
+@lowers("fsdp.chunk_cat.default")
+def _chunk_cat(lw: Lowerer, args, kwargs, shapes, group):
+    grads = [lw.val(a) for a in args[0]]
+    if int(args[1]) != 0:
+        raise LoweringError(f"{lw.name}: chunk_cat along dim {args[1]} is not lowered")
+    return ChunkCat(grads, int(args[2]))
+
+
+@lowers("c10d._reduce_scatter_base_.default")
+def _reduce_scatter_base(lw: Lowerer, args, kwargs, shapes, group):
+    buf = lw.env.get(args[1][1])
+    op = args[3]
+    if not isinstance(buf, (ChunkCat, Packed, Gathered, str)):
+        return _plain_reduce_scatter(lw, args[1], op, pg(lw, args[2]), shapes)
+    if not isinstance(buf, ChunkCat):
+        raise LoweringError(f"{lw.name}: reduce-scatter of a buffer chunk_cat did not fill")
+    if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
+        raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
+    g = pg(lw, args[2])
+    if len(g) != buf.chunks:
+        raise LoweringError(f"{lw.name}: reduce-scatter of {buf.chunks} chunks over {len(g)} ranks")
+    return ChunkCat(buf.grads, buf.chunks, g, buf.divide * (float(buf.chunks) if op[1] == 1 else 1.0))
+
+
+@lowers("aten.as_strided.default")
+def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
+    src = lw.env.get(args[0][1])
+    size, stride = list(args[1]), list(args[2])
+    offset = int(args[3]) if len(args) > 3 and args[3] is not None else 0
+    contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
+    if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
+        raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
+    if isinstance(src, Bucket):
+        return bucket_view(lw, src, offset, tuple(size))
+    if isinstance(src, As) and offset == 0 and tuple(size) == lw.shapes[src.x]:
+        return src.x
+    if isinstance(src, Unpadded):
+        if offset != 0 or tuple(size) != lw.shapes[src.x]:
+            raise LoweringError(f"{lw.name}: a view of FSDP's all-gather output of a padded "
+                                f"parameter at offset {offset} is not lowered")
+        return src.x
+    if isinstance(src, ChunkCat) and (src.group is not None or src.chunks == 1):
+        # reduce-scattered, or (a shard group of one rank) never communicated
+        at = 0
+        for g in src.grads:
+            rows, *rest = lw.shapes[g]
+            if rows % src.chunks:  # each rank's chunk padded with zero rows
+                if at == offset:
+                    return _padded_reduce(lw, src, g, size)
+                at += -(-rows // src.chunks) * math.prod(rest)
+                continue
+            numel = math.prod(lw.shapes[g]) // src.chunks
+            if at == offset and numel == math.prod(size):
+                shape = list(lw.shapes[g])
+                shape[0] //= src.chunks
+                x = g
+                if src.group is not None:
+                    x = lw.emit("reduce_scatter", [g], [shape], {"dim": 0}, group=src.group)[0]
+                if src.replicas is not None:
+                    x = lw.emit("all_reduce", [x], [shape], group=src.replicas)[0]
+                if src.divide != 1.0:
+                    x = lw.emit("div", [x], [shape], {"value": src.divide})[0]
+                return view_to(lw, x, tuple(size))
+            at += numel
+        raise LoweringError(f"{lw.name}: a view of FSDP's reduce-scatter output at offset "
+                            f"{offset} is not one gradient's shard")
+    x = lw.val(args[0])
+    if offset != 0 or math.prod(size) != math.prod(lw.shapes[x]):
+        raise LoweringError(f"{lw.name}: as_strided at offset {offset} is not lowered")
+    if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == tuple(size):
+        return lw.flat_of[x]  # a flattened value seen whole again (FSDP of one rank)
+    return view_to(lw, x, tuple(size))
+
+
+@lowers("aten.t.default")
+def _t(lw: Lowerer, args, kwargs, shapes, group):
+    x = lw.val(args[0])
+    if len(lw.shapes[x]) < 2:
+        return x
+    return lw.emit("transpose", [x], shapes, {"dim0": 0, "dim1": 1})[0]
+
+
+@lowers("aten.transpose.int")
+def _transpose(lw: Lowerer, args, kwargs, shapes, group):
+    f = lw.env.get(args[0][1])
+    if isinstance(f, Flat) and int(args[1]) % 3 and int(args[2]) % 3 and len(shapes[0]) == 3:
+        d0, d1 = int(args[1]) % 3 + f.k - 1, int(args[2]) % 3 + f.k - 1
+        shape = list(lw.shapes[f.x])
+        shape[d0], shape[d1] = shape[d1], shape[d0]
+        return Flat(lw.emit("transpose", [f.x], [shape], {"dim0": d0, "dim1": d1})[0], f.k)
+    x = lw.val(args[0])
+    nd = len(lw.shapes[x])
+    d0, d1 = int(args[1]) % nd, int(args[2]) % nd
+    if d0 == d1:
+        return x
+    return lw.emit("transpose", [x], shapes, {"dim0": d0, "dim1": d1})[0]
+
+
+def _gathered_dim(src: tuple[int, ...], dst: tuple[int, ...], n: int) -> int | None:
+    """The dim k along which an all-gather (along dim 0) of ``src`` pieces,
+    seen with shape ``dst``, is an all-gather along k: ``dst`` is ``src``
+    with dim k n times longer and every dim before k of size 1 (the ranks'
+    pieces then lie one after another along k; DTensor's gather of a
+    one-row batch along the sequence is such a view)."""
+    if len(src) != len(dst):
+        return None
+    grown = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(grown) != 1:
+        return None
+    k = grown[0]
+    return k if dst[k] == n * src[k] and all(a == 1 for a in src[:k]) else None
+
+
+@lowers(
+        "aten.view.default",
+        "aten._unsafe_view.default",
+        "aten.reshape.default",
+        "aten.unsqueeze.default",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.squeeze.default",)
+def _view(lw: Lowerer, args, kwargs, shapes, group):
+    f = lw.env.get(args[0][1])
+    dst = tuple(shapes[0])
+    if isinstance(f, Ids):
+        return Ids(f.source, f.index, f.parts, dst)
+    if isinstance(f, Gathered) and not f.padded:
+        k = _gathered_dim(lw.shapes[f.x], dst, len(f.group))
+        if k is not None:
+            return lw.emit("all_gather", [f.x], [dst], {"dim": k}, group=f.group)[0]
+    if isinstance(f, IdRows):
+        return IdRows(lw.reshape(f.x, (*dst, lw.vocab)), f.ids.reshape(dst))
+    if isinstance(f, (Flat, As)) and lw.shapes[f.x] == dst:
+        return f.x
+    if isinstance(f, As):
+        return As(f.x, dst)
+    if isinstance(f, (Packed, ChunkCat, Unpadded)) or f == "empty":
+        return f
+    if isinstance(f, Complex):
+        return Complex(lw.reshape(f.re, dst), lw.reshape(f.im, dst))
+    return view_to(lw, lw.val(args[0]), dst)
+
+
+@lowers("aten.expand.default")
+def _expand(lw: Lowerer, args, kwargs, shapes, group):
+    x = lw.val(args[0])
+    if lw.shapes[x] == tuple(shapes[0]):
+        return x
+    return lw.emit("expand", [x], shapes, {"shape": list(shapes[0])})[0]
+
+
+@lowers("aten.split.Tensor", "aten.split_with_sizes.default")
+def _split(lw: Lowerer, args, kwargs, shapes, group):
+    """Equal pieces (``split``, ``chunk``) stay pieces until read (DTensor's
+    and FSDP's layouts fold them away); unequal ones are ``narrow`` nodes."""
+    src = lw.env.get(args[0][1])
+    dim = int(args[2]) if len(args) > 2 else int(kwargs.get("dim", 0))
+    n = len(shapes)
+    if len({tuple(s) for s in shapes}) != 1:
+        if isinstance(src, Ids):
+            raise LoweringError(f"{lw.name}: integer ids split into unequal pieces")
+        x = lw.val(args[0])
+        dim %= len(lw.shapes[x])
+        outs, at = [], 0
+        for shape in shapes:
+            size = shape[dim]
+            outs.append(lw.emit("narrow", [x], [shape], {"dim": dim, "start": at, "length": size})[0])
+            at += size
+        return outs
+    if isinstance(src, Ids) and dim == 0 and src.shape is None:
+        return [src.cut(i, n) for i in range(n)]
+    if n == 1:
+        return lw.val(args[0])
+    if isinstance(src, Gathered) and dim == 0 and n == len(src.group):
+        return [Piece(src, 0, i, n) for i in range(n)]
+    x = lw.val(args[0])
+    return [Piece(x, dim % len(lw.shapes[x]), i, n) for i in range(n)]
+
+
+@lowers("aten.slice.Tensor")
+def _slice(lw: Lowerer, args, kwargs, shapes, group):
+    """A slice that is one of equal pieces (a schedule's microbatch); of
+    an all-gather, its first rows (DTensor's gather of an uneven shard)."""
+    src = lw.env.get(args[0][1])
+    dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
+    if isinstance(src, GatheredAlong) and dim % len(shapes[0]) == src.dim and start == 0 \
+            and _drops_padding(lw, src, shapes[0][src.dim],
+                               lw.trace["shapes"][args[0][1]][src.dim]):
+        return _uneven_gather(lw, src, shapes[0][src.dim])
+    step = args[4] if len(args) > 4 else 1
+    if isinstance(src, Ids) and (dim != 0 or src.shape is not None) or isinstance(src, IdRows):
+        return slice_ids(lw, args, shapes)
+    if isinstance(src, Bucket) and step == 1 and dim == 0:
+        return bucket_view(lw, src, int(start), tuple(shapes[0]))
+    if isinstance(src, Ids):
+        total = lw.trace["data"][1][0] // src.parts
+    else:
+        x = lw.val(args[0])
+        dim %= len(lw.shapes[x])
+        total = lw.shapes[x][dim]
+    size = shapes[0][dim]
+    start = start + total if start < 0 else start
+    if step == 1 and size and not isinstance(src, Ids) and (total % size or start % size):
+        return lw.emit("narrow", [x], shapes, {"dim": dim, "start": start, "length": size})[0]
+    if step != 1 or size == 0 or total % size or start % size:
+        raise LoweringError(f"{lw.name}: a slice of dim {dim} at {start} that is not one of "
+                            f"equal pieces")
+    index, parts = start // size, total // size
+    if isinstance(src, Ids):
+        return src.cut(index, parts)
+    return x if parts == 1 else Piece(x, dim, index, parts)
+
+
+@lowers("aten.cat.default")
+def _cat(lw: Lowerer, args, kwargs, shapes, group):
+    items = [lw.env.get(a[1]) for a in args[0]]
+    dim = int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))
+    first = items[0]
+    if all(isinstance(p, Piece) for p in items) and [p.index for p in items] == list(range(len(items))) \
+            and all(p.of is first.of for p in items) and len(items) == first.parts:
+        if isinstance(first.of, Gathered):
+            along = GatheredAlong(first.of, dim % len(shapes[0]))
+            return along if _sliced_next(lw, along.dim) else lw.materialize(along)
+        if dim == 0:
+            return Stacked(first.of, first.dim, first.parts)
+        if dim % len(shapes[0]) == first.dim:
+            return first.of
+    if any(isinstance(p, (Gathered, Packed, ChunkCat)) for p in items):
+        raise LoweringError(f"{lw.name}: cat of a collective's buffer is not lowered")
+    parts = [lw.val(a) for a in args[0]]
+    if len(parts) > 1 and all(len(s) == 1 for s in shapes) and all(p in lw.flat_of for p in parts):
+        # flattened tensors side by side (a flat gradient bucket by hand)
+        return Bucket(tuple(lw.flat_of[p] for p in parts))
+    if len(parts) == 1:
+        return parts[0]
+    return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
+
+
+@lowers("aten.permute.default")
+def _permute(lw: Lowerer, args, kwargs, shapes, group):
+    """A permutation as the transposes that sort it."""
+    x = lw.val(args[0])
+    order = [int(d) % len(lw.shapes[x]) for d in args[1]]
+    current = list(range(len(order)))
+    for pos, want in enumerate(order):
+        at = current.index(want)
+        if at != pos:
+            shape = list(lw.shapes[x])
+            shape[pos], shape[at] = shape[at], shape[pos]
+            x = lw.emit("transpose", [x], [shape], {"dim0": pos, "dim1": at})[0]
+            current[pos], current[at] = current[at], current[pos]
+    return x
+
+
+@lowers("unknown")
+def unknown(lw: Lowerer, args, kwargs, shapes, group):
+    """An op the recorder could not name: its outputs are never read as values."""
+    return None
+
+
+@lowers("aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default")
+def empty(lw: Lowerer, args, kwargs, shapes, group):
+    """An uninitialized buffer, written before it is read (FSDP's)."""
+    return "empty"
+
+
+@lowers("fsdp.padded_shard")
+def padded_shard(lw: Lowerer, args, kwargs, shapes, group):
+    return Padding(args[0][1])
+

@@ -1,0 +1,541 @@
+"""Lowering of boolean masks and of -inf masking off the causal pattern.
+
+Two kinds of value, both exact in real arithmetic (docs/soundness.md,
+"Plans traced from PyTorch", 16):
+
+* A *flag* (``Flag``): a boolean tensor computed from the batch's ids
+  (``ids != pad``, ``labels == ignore_index``), or combined from such
+  flags and constant masks with ``~``, ``&`` and ``|``. It is lowered as a
+  0/1 tensor computed from the one-hot ids: ``ids == c`` is the one-hot
+  column ``c`` (``1 - sum`` of the row for a ``c`` outside the
+  vocabulary, which no id of the vocabulary equals), ``~a`` is ``1 - a``,
+  ``a & b`` is ``a * b``, ``a | b`` is ``a + b - a b``. Read as a number
+  it is that 0/1 tensor, which is what torch promotes a boolean to; read
+  as a mask by ``masked_fill`` or ``where`` with a finite fill ``c`` it
+  selects: ``x (1 - m) + c m``. The sum of all its entries (a count of
+  kept labels, ``Count``) is its recorded count, read only as a divisor;
+  a SUM all-reduce of it is the group's total (``lower.lower_ranks``).
+
+* A *-inf mask* (``Masked``): scores with -inf at the positions a keep
+  mask ``K`` (a flag, or a constant mask off the causal pattern) zeroes.
+  Only a softmax may read it, which is then ``K exp(x - t) / sum(K exp(x
+  - t))`` along the last dim (``_masked_softmax``): torch's ``exp(-inf) =
+  0`` drops the hidden entries from the sum and makes their probabilities
+  0. A row with every position hidden is NaN in torch: refused. The
+  softmax's backward is written on its probabilities
+  (``attention.softmax_grad``).
+
+Each handler refines the earlier layers' entry for the same op and hands every other
+case to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.attention import sdpa_scores, softmax_grad
+from backends.torch.lowering.constants import NEG_INF, causal_fill, constant_input, constant_value
+from backends.torch.lowering.ir import (
+    Const,
+    Flag,
+    IdRows,
+    Ids,
+    Pending,
+    SdpaSaved,
+    as_flag,
+    constant_flag,
+    pending_of,
+)
+from backends.torch.lowering.onehot import label_values, one_hot
+from backends.torch.lowering.registry import Handler, refines
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
+#: the score a hidden position stands in with when the masked softmax picks
+#: its shift (the largest kept score); any shift gives the same probabilities
+HIDDEN_SCORE = 1e30
+
+
+@dataclass(frozen=True)
+class NegInfMask(Pending):
+    """An additive float mask, 0 where ``keep`` holds and -inf elsewhere
+    (SDPA's conversion of a boolean ``attn_mask``, or ``where(keep, 0,
+    -inf)``): only an addition to scores or SDPA may read it."""
+    keep: Flag
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: an additive -inf mask is read other than by SDPA or an "
+                            f"addition to attention scores (-inf is no value a plan holds)")
+
+
+@dataclass(frozen=True)
+class Masked(Pending):
+    """Scores ``x`` with -inf where ``keep`` is false: only a softmax may read them."""
+    x: int
+    keep: Flag
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: scores masked with -inf are read other than by a "
+                            f"softmax (-inf is no value a plan holds)")
+
+
+@dataclass(frozen=True)
+class Count(Pending):
+    """The number of true entries of a flag in the recorded batch (after a
+    SUM all-reduce, the group's total): read only as a divisor, a constant
+    of the traced step like the cross-entropy's own mean count."""
+    value: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: a count of a mask's true entries is read other than as "
+                            f"a divisor")
+
+
+def _expanded(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
+    if lw.shapes[x] == tuple(shape):
+        return x
+    return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
+
+
+def _one_minus(lw: Lowerer, x: int) -> int:
+    shape = [lw.shapes[x]]
+    negated = lw.emit("mul_scalar", [x], shape, {"value": -1.0})[0]
+    return lw.emit("add_scalar", [negated], shape, {"value": 1.0})[0]
+
+
+def _not(lw: Lowerer, f: Flag) -> Flag:
+    return Flag(_one_minus(lw, f.x), ~f.value)
+
+
+# -- flags from the batch's ids ---------------------------------------------------
+
+def _ids_equal(lw: Lowerer, a: Any, c: int) -> Flag:
+    """``ids == c``: the one-hot column c; for c outside the vocabulary,
+    ``1 - (row sum)``, 0 on every one-hot row and 1 on the zero rows of
+    pads, which must then all be c."""
+    ids = np.asarray(label_values(lw, a))
+    outside = (ids < 0) | (ids >= lw.vocab)
+    if np.any(outside & (ids != c)):
+        raise LoweringError(f"{lw.name}: ids outside the vocabulary other than {c} compared "
+                            f"with {c}")
+    onehot = one_hot(lw, a)
+    shape = lw.shapes[onehot]
+    rows = (*shape[:-1], 1)
+    if 0 <= c < lw.vocab:
+        column = lw.emit("narrow", [onehot], [rows], {"dim": len(shape) - 1, "start": c,
+                                                       "length": 1})[0]
+    else:
+        column = _one_minus(lw, lw.emit("sum", [onehot], [rows], {"dim": len(shape) - 1,
+                                                                  "keepdim": True})[0])
+    return Flag(lw.reshape(column, tuple(shape[:-1])), ids == c)
+
+
+def compare_ids(op: str, base: Handler) -> Handler:
+    """``ids == c`` and ``ids != c`` of the batch's ids as flags (``ne`` of
+    labels with an index outside the vocabulary stays the loss-parallel
+    pattern of ``base``)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        ids, c = pending_of(lw, args[0]), lw.const(args[1])
+        inside = c is not None and 0 <= int(c) < lw.vocab
+        if c is None or not (isinstance(ids, IdRows) or isinstance(ids, Ids)
+                             and (inside or op == "eq")):
+            return base(lw, args, kwargs, shapes, group)
+        flag = _ids_equal(lw, args[0], int(c))
+        return flag if op == "eq" else _not(lw, flag)
+    return lower
+
+
+@refines("aten.bitwise_not.default", "aten.logical_not.default")
+def logical_not(base: Handler | None) -> Handler:
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        f = as_flag(lw, args[0])
+        if f is not None:
+            return _not(lw, f)
+        if base is None:
+            raise LoweringError(f"{lw.name}: a negation of other than a mask of the batch's ids "
+                                f"or a constant mask is not lowered")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def combine_flags(lw: Lowerer, a: Flag, b: Flag, op: str) -> Flag:
+    """``a & b`` (``a b``) or ``a | b`` (``a + b - a b``) of two flags of one shape."""
+    shape = lw.shapes[a.x]
+    both = lw.emit("mul", [a.x, b.x], [shape])[0]
+    if op == "and":
+        return Flag(both, a.value & b.value)
+    either = lw.emit("sub", [lw.emit("add", [a.x, b.x], [shape])[0], both], [shape])[0]
+    return Flag(either, a.value | b.value)
+
+
+def combine(op: str, base: Handler | None) -> Handler:
+    """``a & b`` (the product) and ``a | b`` (``a + b - a b``) of flags or
+    constant masks, broadcast to the output's shape."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        if isinstance(pending_of(lw, args[0]), Flag) or isinstance(pending_of(lw, args[1]), Flag):
+            a, b = as_flag(lw, args[0]), as_flag(lw, args[1])
+            if a is not None and b is not None:
+                return combine_flags(lw, _shaped(lw, a, tuple(shapes[0])),
+                                     _shaped(lw, b, tuple(shapes[0])), op)
+        if base is None:
+            raise LoweringError(f"{lw.name}: an '{op}' of other than masks of the batch's ids or "
+                                f"constant masks is not lowered")
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+@refines("aten.unsqueeze.default", "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+          "aten.expand.default")
+def view(base: Handler) -> Handler:
+    """A view or expansion of a flag is a flag of the output's shape."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        f = pending_of(lw, args[0])
+        out = base(lw, args, kwargs, shapes, group)
+        if not isinstance(f, Flag):
+            return out
+        shape = tuple(shapes[0])
+        value = f.value.reshape(shape) if f.value.size == int(np.prod(shape)) else \
+            np.broadcast_to(f.value, shape)
+        return Flag(lw.materialize(out), value)
+    return lower
+
+
+# -- masking -------------------------------------------------------------------------
+
+def _select(lw: Lowerer, x: int, hidden: Flag, fill: float, shape: tuple[int, ...]) -> Any:
+    """``x`` with the positions of ``hidden`` set to ``fill``: a finite fill
+    is ``x (1 - m) + fill m``; -inf makes the pending ``Masked``."""
+    if fill == NEG_INF:
+        if lw.shapes[x] != shape:
+            raise LoweringError(f"{lw.name}: a -inf mask broadcasting its scores is not lowered")
+        return Masked(x, _shaped(lw, _not(lw, hidden), shape))
+    if not np.isfinite(fill):
+        raise LoweringError(f"{lw.name}: masking with the value {fill} is not lowered")
+    m = _expanded(lw, hidden.x, shape)
+    out = lw.emit("mul", [_expanded(lw, x, shape), _one_minus(lw, m)], [shape])[0]
+    if fill != 0:
+        out = lw.emit("add", [out, lw.emit("mul_scalar", [m], [shape], {"value": fill})[0]],
+                      [shape])[0]
+    return out
+
+
+def _refill(lw: Lowerer, m: Masked, hidden: Flag | None, fill: float | None,
+            shape: tuple[int, ...]) -> Masked:
+    """A -inf masked value filled again where ``hidden`` holds: with -inf the
+    kept set shrinks to ``K (1 - h)``; with a finite c the filled positions
+    hold c and are kept, ``K + h - K h``."""
+    if hidden is None or fill is None or lw.shapes[m.x] != shape:
+        raise LoweringError(f"{lw.name}: scores masked with -inf are filled again with other "
+                            f"than a mask and a number")
+    h = _shaped(lw, hidden, shape)
+    if fill == NEG_INF:
+        return Masked(m.x, _shaped(lw, combine_flags(lw, m.keep, _not(lw, h), "and"), shape))
+    x = _select(lw, m.x, h, fill, shape)
+    return Masked(x, combine_flags(lw, m.keep, h, "or"))
+
+
+def _off_causal(lw: Lowerer, a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The hidden positions of a constant boolean mask that is not the causal
+    pattern (None for anything else: the earlier layers' lowering applies)."""
+    if not isinstance(pending_of(lw, a), Const):
+        return None
+    value = constant_value(lw, a)
+    if value is None or value.dtype != bool or causal_fill(value, shape):
+        return None
+    return value
+
+
+@refines("aten.masked_fill.Scalar", "aten.masked_fill_.Scalar", "aten.masked_fill.Tensor")
+def masked_fill(base: Handler) -> Handler:
+    """``masked_fill(x, mask, c)`` with a flag (any c), or with a constant
+    mask off the causal pattern and c = -inf."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        shape, fill = tuple(shapes[0]), lw.const(args[2])
+        f = pending_of(lw, args[1])
+        if isinstance(pending_of(lw, args[0]), Masked):
+            return _refill(lw, pending_of(lw, args[0]), as_flag(lw, args[1]), fill, shape)
+        if isinstance(f, Flag) and fill is not None:
+            return _select(lw, lw.val(args[0]), f, fill, shape)
+        hidden = _off_causal(lw, args[1], shape)
+        if hidden is not None and fill == NEG_INF:
+            return _select(lw, lw.val(args[0]), constant_flag(lw, hidden), fill, shape)
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+@refines("aten.where.self")
+def where(base: Handler) -> Handler:
+    """``where(cond, a, b)`` with a flag (or a constant mask off the causal
+    pattern and a -inf branch): 0 and -inf branches make an additive mask;
+    a tensor and a constant make a masked fill."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        shape = tuple(shapes[0])
+        cond = pending_of(lw, args[0])
+        a, b = lw.const(args[1]), lw.const(args[2])
+        if not isinstance(cond, Flag):
+            value = constant_value(lw, args[0]) if isinstance(cond, Const) else None
+            if value is None or value.dtype != bool or NEG_INF not in (a, b):
+                return base(lw, args, kwargs, shapes, group)
+            hidden = value if a == NEG_INF else ~value
+            if causal_fill(hidden, shape):
+                return base(lw, args, kwargs, shapes, group)
+            cond = constant_flag(lw, value)
+        if a is not None and b is not None:
+            if (a, b) == (0.0, NEG_INF):
+                return NegInfMask(_shaped(lw, cond, shape))
+            if (a, b) == (NEG_INF, 0.0):
+                return NegInfMask(_shaped(lw, _not(lw, cond), shape))
+            raise LoweringError(f"{lw.name}: where of a mask between the constants {a} and {b} "
+                                f"is not lowered")
+        if b is not None:
+            return _select(lw, lw.val(args[1]), _not(lw, cond), b, shape)
+        if a is not None:
+            return _select(lw, lw.val(args[2]), cond, a, shape)
+        raise LoweringError(f"{lw.name}: where of a mask between two tensors is not lowered")
+    return lower
+
+
+def _shaped(lw: Lowerer, f: Flag, shape: tuple[int, ...]) -> Flag:
+    return Flag(_expanded(lw, f.x, shape), np.broadcast_to(f.value, shape))
+
+
+@refines("aten.add.Tensor")
+def add(base: Handler) -> Handler:
+    """``scores + mask`` for an additive -inf mask: a flag's, or a constant's
+    whose -inf entries are not the causal pattern (its finite entries added)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        shape = tuple(shapes[0])
+        for mine, other in ((args[0], args[1]), (args[1], args[0])):
+            m = pending_of(lw, mine)
+            if isinstance(m, NegInfMask):
+                return _select(lw, lw.val(other), _not(lw, m.keep), NEG_INF, shape)
+            keep = _constant_keep(lw, mine, shape)
+            if keep is not None:
+                value = np.asarray(constant_value(lw, mine), dtype=np.float64)
+                return Masked(_plus_finite(lw, lw.val(other), value, shape), keep)
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def _constant_keep(lw: Lowerer, a: Any, shape: tuple[int, ...]) -> Flag | None:
+    """The kept positions of a constant float mask holding -inf off the
+    causal pattern (None otherwise)."""
+    value = constant_value(lw, a) if isinstance(pending_of(lw, a), Const) else None
+    if value is None or value.dtype == bool or value.size <= 1:
+        return None
+    value = np.asarray(value, dtype=np.float64)
+    hidden = np.isneginf(value)
+    if not hidden.any() or causal_fill(hidden, shape):
+        return None
+    if np.any(np.isnan(value) | np.isposinf(value)):
+        raise LoweringError(f"{lw.name}: an attention mask with nan or +inf entries is not lowered")
+    return _shaped(lw, constant_flag(lw, ~hidden), shape)
+
+
+def _plus_finite(lw: Lowerer, x: int, value: np.ndarray, shape: tuple[int, ...]) -> int:
+    """``x`` plus the finite entries of a constant additive mask (0 at its -inf ones)."""
+    finite = np.where(np.isneginf(value), 0.0, value)
+    if lw.shapes[x] != shape:
+        raise LoweringError(f"{lw.name}: a -inf mask broadcasting its scores is not lowered")
+    if not np.any(finite):
+        return x
+    return lw.emit("add", [x, constant_input(lw, finite)], [shape])[0]
+
+
+# -- the masked softmax --------------------------------------------------------------
+
+def _masked_softmax(lw: Lowerer, m: Masked, dim: int) -> int:
+    """``K exp(y - t) / sum(K exp(y - t))`` along the last dim, with ``y = x
+    K + (K - 1) 1e30`` (x where kept: the product with K is the same for K
+    in {0, 1}; far below everything where hidden, so that exp neither
+    overflows nor matters) and ``t`` the row's maximum of y, its largest
+    kept score. A row with no kept position (NaN in torch) is refused."""
+    shape = lw.shapes[m.x]
+    if dim % len(shape) != len(shape) - 1:
+        raise LoweringError(f"{lw.name}: a softmax of -inf masked scores along other than the "
+                            f"last dim is not lowered")
+    if not np.all(np.any(np.broadcast_to(m.keep.value, shape), axis=-1)):
+        raise LoweringError(f"{lw.name}: a row of attention has every position masked with -inf "
+                            f"(torch computes NaN there)")
+    row = (*shape[:-1], 1)
+    keep = _expanded(lw, m.keep.x, shape)
+    far = lw.emit("mul_scalar", [lw.emit("add_scalar", [keep], [shape], {"value": -1.0})[0]],
+                  [shape], {"value": HIDDEN_SCORE})[0]
+    candidates = lw.emit("add", [lw.emit("mul", [m.x, keep], [shape])[0], far], [shape])[0]
+    top = lw.emit("max", [candidates], [row], {"dim": len(shape) - 1, "keepdim": True})[0]
+    shifted = lw.emit("sub", [candidates, top], [shape])[0]
+    kept = lw.emit("mul", [lw.emit("exp", [shifted], [shape])[0], keep], [shape])[0]
+    total = lw.emit("sum", [kept], [row], {"dim": len(shape) - 1, "keepdim": True})[0]
+    inverse = lw.emit("pow", [total], [row], {"exponent": -1.0})[0]
+    probs = lw.emit("mul", [kept, inverse], [shape])[0]
+    lw.fw_in[probs] = ("masked_softmax", m.x)
+    return probs
+
+
+@refines("aten._softmax.default")
+def softmax(base: Handler) -> Handler:
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        m = pending_of(lw, args[0])
+        if isinstance(m, Masked):
+            return _masked_softmax(lw, m, int(args[1]))
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+@refines("aten._softmax_backward_data.default")
+def softmax_backward(base: Handler) -> Handler:
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        out = lw.val(args[1])
+        if lw.fw_in.get(out, ("",))[0] == "masked_softmax":
+            return softmax_grad(lw, out, lw.val(args[0]), int(args[2]))
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+@refines("aten._scaled_dot_product_flash_attention_for_cpu.default")
+def sdpa(base: Handler) -> Handler:
+    """SDPA with a flag's -inf mask, or a constant one off the causal pattern:
+    the masked softmax of the scores, then times the values."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        mask = kwargs.get("attn_mask")
+        m = pending_of(lw, mask)
+        value = None if isinstance(m, NegInfMask) else _sdpa_keep_const(lw, args, mask)
+        if not isinstance(m, NegInfMask) and value is None:
+            return base(lw, args, kwargs, shapes, group)
+        q, keys, values, scale, scores, groups, causal, _ = sdpa_scores(lw, args, kwargs)
+        shape = lw.shapes[scores]
+        if causal:
+            raise LoweringError(f"{lw.name}: an attention mask given with is_causal is not lowered")
+        if isinstance(m, NegInfMask):
+            masked = Masked(scores, _shaped(lw, m.keep, shape))
+        else:
+            masked = Masked(_plus_finite(lw, scores, value, shape),
+                            _shaped(lw, constant_flag(lw, ~np.isneginf(value)), shape))
+        probs = _masked_softmax(lw, masked, -1)
+        out = lw.emit("matmul", [probs, values], [shapes[0]])[0]
+        lw.sdpa[out] = SdpaSaved(q, keys, values, scale, masked.x, probs, False, groups,
+                                 masked_probs=True)
+        return [out, "logsumexp"]
+    return lower
+
+
+def _sdpa_keep_const(lw: Lowerer, args: Any, mask: Any) -> np.ndarray | None:
+    """A constant SDPA mask whose -inf (or False) entries are not the causal
+    pattern, as an additive float mask (None otherwise: nn's sdpa)."""
+    value = constant_value(lw, mask) if isinstance(pending_of(lw, mask), Const) else None
+    if value is None:
+        return None
+    if value.dtype == bool:
+        value = np.where(value, 0.0, NEG_INF)
+    value = np.asarray(value, dtype=np.float64)
+    hidden = np.isneginf(value)
+    q, k = lw.shapes[lw.val(args[0])], lw.shapes[lw.val(args[1])]
+    if not hidden.any() or len(q) != 4 or len(k) != 4 \
+            or causal_fill(hidden, (*q[:3], k[2])):
+        return None
+    return value
+
+
+# -- counts -----------------------------------------------------------------------
+
+@refines("aten.sum.default", "aten.sum.dim_IntList")
+def count(base: Handler) -> Handler:
+    """The sum of every entry of a flag: its count in the recorded batch."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        f = pending_of(lw, args[0])
+        if isinstance(f, Flag) and tuple(shapes[0]) == ():
+            return Count(int(np.sum(f.value)))
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+@refines("aten.div.Tensor")
+def divide(base: Handler) -> Handler:
+    """``x / count``: a division by the constant count."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        c = pending_of(lw, args[1])
+        if not isinstance(c, Count):
+            return base(lw, args, kwargs, shapes, group)
+        if c.value == 0:
+            raise LoweringError(f"{lw.name}: a division by a count of kept labels that is 0 in "
+                                f"the recorded batch")
+        return lw.emit("div", [lw.val(args[0])], shapes, {"value": float(c.value)})[0]
+    return lower
+
+
+@refines("aten._to_copy.default", "aten.to.dtype")
+def cast(base: Handler) -> Handler:
+    """A cast of a count or of an additive -inf mask to a floating type is
+    the same count or mask."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        c = pending_of(lw, args[0])
+        dtype = str(kwargs.get("dtype", args[1] if len(args) > 1 else ""))
+        if isinstance(c, Count) or isinstance(c, NegInfMask) and "float" in dtype:
+            return c
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+def _reduced_count(lw: Lowerer, c: Count, group: tuple[int, ...]) -> Count:
+    """A SUM all-reduce of a count over ``group``: the members' counts summed,
+    as ``lower.lower_ranks`` computes them from every rank's recorded counts."""
+    if lw.counts is None:
+        raise LoweringError(f"{lw.name}: an all-reduced count of kept labels needs every rank's "
+                            f"counts (lower the ranks with lower_ranks)")
+    k = len(lw.count_reduces)
+    lw.count_reduces.append((tuple(group), c.value))
+    if lw.counts == "collect":
+        return c
+    return Count(lw.counts[k])
+
+
+@refines("c10d.allreduce_.default")
+def count_all_reduce_inplace(base: Handler) -> Handler:
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        tensors = args[0]
+        c = pending_of(lw, tensors[0]) if len(tensors) == 1 else None
+        if not isinstance(c, Count):
+            return base(lw, args, kwargs, shapes, group)
+        if args[2] not in (["redop", 0], ("redop", 0)):
+            raise LoweringError(f"{lw.name}: an all-reduce of a count with reduce op {args[2]} is "
+                                f"not lowered (SUM is)")
+        return [_reduced_count(lw, c, tuple(args[1][1]))]
+    return lower
+
+
+@refines("_c10d_functional.all_reduce.default")
+def count_all_reduce(base: Handler) -> Handler:
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        c = pending_of(lw, args[0])
+        if not isinstance(c, Count):
+            return base(lw, args, kwargs, shapes, group)
+        if args[1] != "sum":
+            raise LoweringError(f"{lw.name}: an all-reduce of a count with op {args[1]} is not "
+                                f"lowered (sum is)")
+        return _reduced_count(lw, c, tuple(group))
+    return lower
+
+
+@refines("aten.eq.Scalar")
+def compare_eq(base: Handler) -> Handler:
+    return compare_ids("eq", base)
+
+
+@refines("aten.ne.Scalar")
+def compare_ne(base: Handler) -> Handler:
+    return compare_ids("ne", base)
+
+
+@refines("aten.bitwise_and.Tensor", "aten.__and__.Tensor", "aten.logical_and.default")
+def combine_and(base: Handler | None) -> Handler:
+    return combine("and", base)
+
+
+@refines("aten.bitwise_or.Tensor", "aten.__or__.Tensor", "aten.logical_or.default")
+def combine_or(base: Handler | None) -> Handler:
+    return combine("or", base)

@@ -1,0 +1,168 @@
+"""Lower whole traces: a rank's (``lower_trace``), every rank's
+(``lower_ranks``), and the parameter shards checked before any is lowered
+(``check_shards``)."""
+
+from __future__ import annotations
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.all_to_all import OPS as ALL_TO_ALL_OPS
+from backends.torch.lowering.all_to_all import NeedPeers
+from backends.torch.lowering.constants import check_no_value_reads
+from backends.torch.lowering.context import LNode, Lowered, Lowerer, live_events
+from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard
+
+
+def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
+    """Lower every rank's trace (in rank order). A count of kept labels
+    all-reduced by a rank has, as its value, the sum of the group members'
+    recorded counts: each rank is lowered once to read its counts, and again
+    with the step's values when any rank all-reduces one (docs/soundness.md,
+    "Plans traced from PyTorch", 16)."""
+    peers = _all_to_all_peers(traces, vocab)
+    first = [lower_trace(t, vocab, "collect", peers) for t in traces]
+    if not any(low.count_reduces for low in first):
+        return first
+    by_rank = {low.rank: low.count_reduces for low in first}
+    counts = []
+    for low in first:
+        values = []
+        for k, (group, _) in enumerate(low.count_reduces):
+            members = [by_rank.get(m, []) for m in group]
+            if any(len(c) <= k or c[k][0] != group for c in members):
+                raise LoweringError(f"rank {low.rank}: its count all-reduce {k + 1} over ranks "
+                                    f"{list(group)} is not every member's {k + 1}th")
+            values.append(sum(c[k][1] for c in members))
+        counts.append(values)
+    return [lower_trace(t, vocab, c, peers) for t, c in zip(traces, counts)]
+
+
+def _all_to_all_peers(traces: list[dict], vocab: int) -> dict | None:
+    """What every rank sends at each of its all-to-alls of data (rank ->
+    ``all_to_all.Sent`` by (group, k)): the ranks are lowered in rounds,
+    each publishing its sends, until none stops for want of a member's
+    (None when no rank runs one; docs/soundness.md, "Plans traced from
+    PyTorch", 36)."""
+    if not any(ev[0] in ALL_TO_ALL_OPS for t in traces for ev in t["events"]):
+        return None
+    peers: dict[int, dict] = {}
+    rounds = 2 + max(sum(ev[0] in ALL_TO_ALL_OPS for ev in t["events"]) for t in traces)
+    for _ in range(rounds):
+        waiting = False
+        for t in traces:
+            lw = Lowerer(t, vocab, counts="collect", peers=peers)
+            try:
+                _lower_into(lw, t)
+            except NeedPeers:
+                waiting = True
+            peers[t["rank"]] = dict(lw.published)
+        if not waiting:
+            return peers
+    raise LoweringError("the ranks' all-to-alls wait on each other's sends (a member that "
+                        "never reaches an all-to-all another one runs)")
+
+
+def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None,
+                peers: dict | None = None) -> Lowered:
+    """Lower one rank's trace (``backends.torch.rank.run``'s result);
+    ``counts`` as ``Lowerer.counts`` (``lower_ranks`` gives them);
+    ``peers``: the members' sends at its all-to-alls (``_all_to_all_peers``)."""
+    check_no_value_reads(trace)
+    return _lower_into(Lowerer(trace, vocab, counts=counts, peers=peers), trace)
+
+
+def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
+    """The body of ``lower_trace`` on a lowerer made for ``trace``."""
+    vocab = lw.vocab
+    lw.next_id = len(trace["shapes"])
+    inputs, axes = lw.inputs, lw.axes
+    for name, (v, full, dims) in trace["params"].items():
+        local = tuple(trace["shapes"][v])
+        _check_shard(name, tuple(full), local, dims)
+        lw.params[v] = name
+        if any(axes and n == 0 for axes, n in zip(dims, local)):
+            lw.env[v] = NoShard()  # this rank holds no rows of it: not an input here
+            continue
+        lw.env[v] = v
+        lw.shapes[v] = local
+        inputs[v] = ("param", name)
+        axes[v] = dims
+    for name, (v, shape, what) in trace["buffers"].items():
+        if what == "causal":
+            lw.env[v] = Const(v, -1)
+            continue
+        lw.env[v] = v
+        lw.shapes[v] = tuple(shape)
+        inputs[v] = ("buffer", name)
+        axes[v] = [[] for _ in shape]
+    for source in ("data", "labels"):
+        if source not in trace:
+            continue
+        v, ids_shape = trace[source]
+        name = "tokens" if source == "data" else source
+        lw.env[v] = Ids(name)
+        x = lw.one_hot[name] = lw.new((*ids_shape, vocab))
+        inputs[x] = ("tokens", name)
+        axes[x] = [["dp"]] + [[] for _ in ids_shape]
+    lw.tokens = lw.one_hot["tokens"]
+    lw.run(live_events(trace))
+    losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
+    held = {n for n, (v, _, _) in trace["params"].items() if not isinstance(lw.env[v], NoShard)}
+    grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()
+             if n in held}
+    updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items() if n in held}
+    states = {n: {k: _updated(lw, n, v) for k, v in st.items()}
+              for n, st in trace.get("states", {}).items() if n in held}
+    finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
+    return Lowered(trace["rank"], trace["coords"], lw.shapes,
+                   _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
+                   lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
+                   lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
+                   dict(trace.get("ties", {})))
+
+
+def check_shards(traces: list[dict]) -> None:
+    """``_check_shard`` for every parameter of every rank, before any rank
+    is lowered (the rank that shows an uneven cut may not be the first)."""
+    for trace in traces:
+        for name, (v, full, dims) in trace["params"].items():
+            _check_shard(name, tuple(full), tuple(trace["shapes"][v]), dims)
+
+
+def _check_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
+                 dims: list[list[str]]) -> None:
+    """Refuse a rank holding none of a dim other than 0 of a parameter.
+    Uneven cuts are lowered along every dim: FSDP2's padded shards of dim 0
+    (a rank without rows holds no input of it), DTensor's uneven
+    ``Shard(d)`` (``torch.chunk``'s pieces: docs/soundness.md, "Plans traced
+    from PyTorch", 15 and 27). That the rank's rows are its chunk is checked
+    where the claims are made (``build``)."""
+    for d, axes in enumerate(dims):
+        if d and axes and local[d] == 0:
+            raise LoweringError(
+                f"parameter {name} of shape {list(full)} is sharded along dim {d} so that this "
+                f"rank holds none of its {full[d]} (the mesh axes {axes}); a rank with an empty "
+                f"shard is lowered along dim 0 only: choose sizes the mesh divides")
+
+
+def _updated(lw: Lowerer, name: str, v: int | None) -> int:
+    """The lowered value a parameter or an optimizer state ends the step with."""
+    x = lw.env.get(v) if v is not None else None
+    x = lw.updated.get(x, x) if isinstance(x, (Moment1, Moment2)) else x
+    if not isinstance(x, int) or x in lw.params:
+        raise LoweringError(f"the optimizer step of {name} is not lowered (it is not "
+                            f"torch.optim's AdamW or SGD, for-loop implementation)")
+    return x
+
+
+def _used(nodes: list[LNode], losses: list[int], grads: dict[str, int | None],
+          finals: list[int] = ()) -> list[LNode]:
+    """The nodes the losses, the gradients and the updated parameters and
+    states depend on (collectives and sends always stay: their peers on
+    other ranks are matched by order)."""
+    need = set(losses) | {g for g in grads.values() if g is not None} | set(finals)
+    keep = []
+    for node in reversed(nodes):
+        if node.group is not None or need.intersection(node.outs):
+            keep.append(node)
+            need.update(v for v in node.ins if v >= 0)
+    return keep[::-1]
