@@ -86,3 +86,16 @@ def test_unknown_family_is_not_a_model_factory() -> None:
         hf.no_such_family  # noqa: B018
     with pytest.raises(LoweringError, match="not a causal-LM model type"):
         trace_and_build(parser().parse_args(["--hf", "bert_nope"]))
+
+
+@pytest.mark.parametrize("family", ["codegen", "gptj", "blenderbot", "gpt_neo", "hunyuan_v1_dense",
+                                    "bamba", "gemma3n_text"])
+def test_per_layer_and_per_head_fields_fit_the_small_sizes(family: str) -> None:
+    """Fields a family checks against the sizes (a rotary width, the
+    decoder's heads, a list of attention kinds, shared key-value layers, a
+    Mamba mixer's heads, a head size left None) fitted to them: the family's
+    model runs one step at the backend's small sizes."""
+    import torch
+    model = hf.build(family, layers=1, hidden=16, heads=4, ffn=8, vocab=16, seqlen=4).double()
+    tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
+    model(tokens, tokens).backward()

@@ -120,6 +120,36 @@ def _first(default, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if hasattr(default, n)), None)
 
 
+def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
+    """The per-layer and per-head fields a family's configuration checks
+    against the sizes, fitted to them: a rotary dimension no wider than a
+    head, the encoder's and decoder's head counts, a list of attention kinds
+    cut to the layer count (the family's own pattern, from its first layer),
+    no layers sharing another's key-value cache, and a
+    Mamba mixer's heads dividing its expanded width. Each applies only where
+    the family has the field, whatever the family."""
+    kw: dict = {}
+    if isinstance(getattr(default, "rotary_dim", None), int):
+        kw["rotary_dim"] = min(default.rotary_dim, hidden // heads)
+    for name in ("encoder_attention_heads", "decoder_attention_heads"):
+        if isinstance(getattr(default, name, None), int):
+            kw[name] = heads
+    if isinstance(getattr(default, "num_kv_shared_layers", None), int):
+        kw["num_kv_shared_layers"] = 0
+    if isinstance(getattr(default, "attention_layers", None), list) and \
+            isinstance(getattr(default, "attention_types", None), list):
+        kinds = [default.attention_layers[i % len(default.attention_layers)]
+                 for i in range(layers)]
+        kw["attention_types"] = [[[kind], 1] for kind in kinds]
+    expand = getattr(default, "mamba_expand", None)
+    if isinstance(getattr(default, "mamba_n_heads", None), int) and isinstance(expand, int) \
+            and getattr(default, "mamba_d_ssm", None) is None:  # a width of its own: kept
+        kw["mamba_n_heads"] = heads
+        if isinstance(getattr(default, "mamba_d_head", None), int):
+            kw["mamba_d_head"] = expand * hidden // heads
+    return kw
+
+
 def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
     """A small configuration of ``family``: the backend's sizes in whichever
     fields the family's configuration has (grouped-query attention with half
@@ -139,9 +169,9 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
         name = _first(default, names)
         if name is not None:
             kw[name] = sizes[size]
-    if getattr(default, "head_dim", None) is not None and not isinstance(
-            getattr(cfg_cls, "head_dim", None), property):
-        kw["head_dim"] = hidden // heads
+    if hasattr(default, "head_dim") and not isinstance(getattr(cfg_cls, "head_dim", None), property):
+        kw["head_dim"] = hidden // heads  # also where the default leaves it None
+    kw.update(_layer_shapes(default, layers, hidden, heads))
     if getattr(default, "moe_intermediate_size", None) is not None:
         kw["moe_intermediate_size"] = ffn
     if getattr(default, "sliding_window", None) is not None:

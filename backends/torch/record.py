@@ -64,8 +64,12 @@ class Recorder(TorchDispatchMode):
         self.shapes: list[tuple[int, ...]] = []
         self.events: list[tuple] = []
         self.consts: dict[int, Any] = {}
-        self.storages: dict[tuple[int, int, int], int] = {}
-        self.shard_starts: dict[tuple[int, int], tuple[int, int]] = {}  # a shard's memory -> (value, numel)
+        #: memory of a parameter or a view of one -> (value, the storage held):
+        #: the storage is held so that its memory is not given to another tensor
+        #: while the entry stands (``storage_view``)
+        self.storages: dict[tuple[int, int, int], tuple[int, torch.UntypedStorage]] = {}
+        #: a shard's memory -> (value, numel, the storage held)
+        self.shard_starts: dict[tuple[int, int], tuple[int, int, torch.UntypedStorage]] = {}
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
@@ -156,13 +160,23 @@ class Recorder(TorchDispatchMode):
         local ``shard`` also where it starts: FSDP2 pads a shard of a dim the
         group size does not divide to its full chunk (an empty shard is all
         padding), and its all-gather reads the shard with its padding."""
-        self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())] = v
+        storage = t.untyped_storage()
+        self.storages[(storage.data_ptr(), t.storage_offset(), t.numel())] = (v, storage)
         if shard:
-            self.shard_starts[(t.untyped_storage().data_ptr(), t.storage_offset())] = (v, t.numel())
+            self.shard_starts[(storage.data_ptr(), t.storage_offset())] = (v, t.numel(), storage)
 
     def storage_view(self, t: torch.Tensor) -> int | None:
+        """The value of a tensor that is registered memory seen through
+        another tensor object. An entry counts only while its storage still
+        has the address it was registered at: the entry holds the storage, so
+        the memory cannot pass to another tensor unless the storage itself
+        gives it up (FSDP2 frees an unsharded parameter by resizing its
+        storage to nothing), and then its address has moved. Without that
+        check, a freed parameter's address reused by an unrelated tensor (an
+        optimizer's step count) would be read as the parameter."""
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-        src = self.storages.get(key)
+        entry = self.storages.get(key)
+        src = entry[0] if entry is not None and entry[1].data_ptr() == key[0] else None
         if not t.is_contiguous():
             return None
         op = "aten.view.default"
@@ -171,7 +185,7 @@ class Recorder(TorchDispatchMode):
             # recorded as that (the padding's values are not recorded; no
             # lowering reads them)
             shard = self.shard_starts.get(key[:2])
-            if shard is None or shard[1] >= t.numel():
+            if shard is None or shard[1] >= t.numel() or shard[2].data_ptr() != key[0]:
                 return None
             src, op = shard[0], "fsdp.padded_shard"
         v = self.new_value(t)
