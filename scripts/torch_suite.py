@@ -617,6 +617,11 @@ CASES += [
      "--dp 2 --tp 1", 1),
     ("moe titan deepseek_v3 dp2 ep2 tp2 refused (sequence-parallel token rows: a rank's rows of "
      "the flattened (batch, position) rows are no block of them)", f"{DEEPSEEK_EP} --dp 2 --tp 2", 2),
+    ("moe titan deepseek_v3 ep2 clip by the norm over every expert (harness.moe_clippers)",
+     f"{DEEPSEEK_EP} --dp 2 --tp 1 --clip 0.5 --clipper harness.moe_clippers:clip_ep", 0),
+    ("moe titan deepseek_v3 ep2 bug clip norm not reduced across the ep ranks (NeMo-Automodel "
+     "PR 3817)", f"{DEEPSEEK_EP} --dp 2 --tp 1 --clip 0.5 --clipper "
+     "harness.moe_clippers:clip_ep_experts_not_reduced", 1),
     ("moe titan deepseek_v3 ep2 bug wrong split size (a token's row sent to the next rank's "
      "expert)", f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 "
      "--dp 2 --tp 1", 1),
