@@ -311,7 +311,7 @@ CASES: list[tuple[str, str, int]] = [
      "--model gpt2_smooth --recipe ddp_smoothing_first_rank --dp 2 --tp 1", 1),
     ("gpt2_smooth_mean bug smoothing differs on one rank, AVG",
      "--model gpt2_smooth_mean --recipe ddp_avg_unsmoothed_first_rank --dp 2 --tp 1", 1),
-    ("titan deepseek_v3 debugmodel refused (top-k MoE)",
+    ("titan deepseek_v3 debugmodel dp2 tp2 refused (tensor parallelism of its MoE not lowered)",
      "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
      "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),
     # recipes as users write them (tests/outside_recipes.py; docs/torch-backend.md, "Recipes
@@ -590,9 +590,72 @@ CASES += [
      "--hf gemma3_text --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf gemma bug fsdp avg", "--hf gemma --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf opt bug ddp averaging a shared-out loss", "--hf opt --recipe ddp_avg --dp 2 --tp 1", 1),
-    ("hf mixtral refused (top-k routing)", "--hf mixtral --dp 1 --tp 2", 2),
+    ("hf mixtral tp2 refused (packed expert columns: a strided shard)", "--hf mixtral --dp 1 --tp 2", 2),
     ("hf gemma3 refused (vision tower)", "--hf gemma3 --dp 1 --tp 2", 2),
     ("hf falcon refused (its attention's aten.index is not lowered)", "--hf falcon --dp 2 --tp 1", 2),
+]
+
+#: top-k mixtures of experts, their routing recorded and replayed (docs/soundness.md, "Plans
+#: traced from PyTorch", 36); wrong plans in harness/moe_bugs.py
+MOE_BUGS = "harness.moe_bugs:"
+#: torchtitan's DeepSeek-V3 debugmodel under its own parallelize_deepseekv3 (ep 1)
+DEEPSEEK = ("--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
+            "backends.torch.titan:parallelize_deepseekv3 --vocab 2048")
+#: the same with expert parallelism over the data-parallel ranks (ep = dp)
+DEEPSEEK_EP_MODEL = "--model backends.torch.titan:deepseek_v3_debugmodel_ep"
+DEEPSEEK_EP = (f"{DEEPSEEK_EP_MODEL} --recipe backends.torch.titan:parallelize_deepseekv3_ep "
+               "--vocab 2048")
+CASES += [
+    ("moe mixtral dp2", "--hf mixtral --dp 2 --tp 1", 0),
+    ("moe mixtral ddp dp2", "--hf mixtral --recipe ddp --dp 2 --tp 1", 0),
+    ("moe mixtral dp2 batch 8 uneven routing", "--hf mixtral --dp 2 --tp 1 --batch 8 --seed 9", 0),
+    ("moe qwen3_moe dp2", "--hf qwen3_moe --dp 2 --tp 1", 0),
+    ("moe olmoe dp2", "--hf olmoe --dp 2 --tp 1", 0),
+    ("moe mixtral bug token to another expert", f"--hf mixtral --recipe {MOE_BUGS}token_to_other_expert "
+     "--dp 2 --tp 1", 1),
+    ("moe mixtral bug routed with another token's experts",
+     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1", 1),
+    ("moe qwen3_moe bug token to another expert", f"--hf qwen3_moe --recipe {MOE_BUGS}token_to_other_expert "
+     "--dp 2 --tp 1", 1),
+    ("moe olmoe bug routed with another token's experts",
+     f"--hf olmoe --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1", 1),
+    ("moe mixtral bug fsdp avg", "--hf mixtral --recipe tp_fsdp_avg --dp 2 --tp 1", 1),
+    ("moe mixtral combine with another token's gate refused (a permutation no single-device op "
+     "runs)", f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 2),
+    ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
+    ("moe mixtral ep refused (all-to-all dispatch)", "--hf mixtral --recipe ep_fsdp --dp 2 --tp 1", 2),
+    ("moe mixtral tied router scores (two experts take every token, two none)",
+     "--model backends.torch.hf_moe:tied_mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 0),
+    ("moe mixtral aux loss per rank (the load-balancing loss of each rank's tokens, not the step's)",
+     "--model backends.torch.hf_moe:mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 parallelize_deepseekv3 dp2", f"{DEEPSEEK} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 bug routed with another token's experts",
+     f"{DEEPSEEK.split(' --recipe')[0]} --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
+     "--dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 tp2 refused (expert and tensor parallelism not lowered)",
+     f"{DEEPSEEK} --dp 1 --tp 2", 2),
+    # expert parallelism: torchtitan's all-to-all token dispatcher, uneven splits
+    # (docs/soundness.md, "Plans traced from PyTorch", 37)
+    ("moe titan deepseek_v3 parallelize_deepseekv3 dp2 ep2", f"{DEEPSEEK_EP} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 dp2 ep2 an expert that receives no token (batch 2, seed 1: expert 0 "
+     "at router call 0)", f"{DEEPSEEK_EP} --dp 2 --tp 1 --batch 2 --seed 1", 0),
+    ("moe titan deepseek_v3 ep2 bug expert grads 2x (pytorch 160285: FSDP's default division "
+     "over the expert-data-parallel group, a per-rank mean loss)",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_expert_grads_undivided --vocab 2048 "
+     "--dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 dp2 ep2 tp2 refused (sequence-parallel token rows: a rank's rows of "
+     "the flattened (batch, position) rows are no block of them)", f"{DEEPSEEK_EP} --dp 2 --tp 2", 2),
+    ("moe titan deepseek_v3 ep2 clip by the norm over every expert (harness.moe_clippers)",
+     f"{DEEPSEEK_EP} --dp 2 --tp 1 --clip 0.5 --clipper harness.moe_clippers:clip_ep", 0),
+    ("moe titan deepseek_v3 ep2 bug clip norm not reduced across the ep ranks (NeMo-Automodel "
+     "PR 3817)", f"{DEEPSEEK_EP} --dp 2 --tp 1 --clip 0.5 --clipper "
+     "harness.moe_clippers:clip_ep_experts_not_reduced", 1),
+    ("moe titan deepseek_v3 ep2 bug wrong split size (a token's row sent to the next rank's "
+     "expert)", f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 "
+     "--dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 ep2 bug routed with another token's experts",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_routed_to_other_token --vocab 2048 "
+     "--dp 2 --tp 1", 1),
 ]
 
 

@@ -62,7 +62,6 @@ def test_ddp_averaging_a_shared_out_loss_fails() -> None:
 
 @pytest.mark.parametrize("family, reason", [
     ("gpt2", "no tensor-parallel plan"),
-    ("mixtral", "top-k experts"),
     ("gemma3", "composite model"),
     ("no_such_family", "not a causal-LM model type"),
 ])

@@ -26,9 +26,18 @@ def test_titan_debugmodel_tp2_verifies() -> None:
     assert {t.rank for t in plan_p.tensors} == {0, 1}
 
 
-def test_deepseek_v3_parallelization_is_refused_with_its_reason() -> None:
-    """Top-k routing makes expert shapes depend on the values: refused, the
-    reason named (the suite runs it end to end: exit 2)."""
+def test_deepseek_v3_tensor_parallelism_is_refused_with_its_reason() -> None:
+    """Its top-k routing is traced recorded (tests/test_torch_moe.py; the
+    suite's "moe titan" cases); expert and tensor parallelism are refused,
+    the reason named (the suite runs it end to end: exit 2)."""
     from backends.torch.titan import parallelize_deepseekv3
-    with pytest.raises(ValueError, match="top-k"):
-        parallelize_deepseekv3(None, None)
+
+    class Dim:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def size(self) -> int:
+            return self.n
+
+    with pytest.raises(ValueError, match="all-to-all dispatch is not lowered"):
+        parallelize_deepseekv3(None, {"tp": Dim(2), "pp": Dim(1), "dp": Dim(1)})

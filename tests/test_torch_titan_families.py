@@ -1,15 +1,17 @@
 """torchtitan's models by family (``--model titan:llama3``, ``titan:qwen3``)
 under the family's own parallelize and the tie torchtitan's trainer makes
 again after it (backends/torch/titan.py); the module shorthand ``titan:``
-of the docs; ``--hf deepseek_v2`` refused for its top-k routing although
-its configuration leaves ``num_experts_per_tok`` unset."""
+of the docs; ``--hf deepseek_v2`` given a small mixture although its
+configuration leaves ``num_experts_per_tok`` unset (routed families are
+traced with their routing recorded)."""
 
 from __future__ import annotations
 
 import pytest
 
+from backends.torch import hf
 from backends.torch.__main__ import parser, resolve, trace_and_build
-from backends.torch.errors import LoweringError, WrongStep
+from backends.torch.errors import WrongStep
 from main import verify
 
 QWEN3 = ["--model", "titan:qwen3", "--vocab", "2048", "--dp", "1", "--tp", "2", "--batch", "2"]
@@ -32,7 +34,7 @@ def test_qwen3_tied_verifies_and_its_broken_tie_is_a_finding() -> None:
     assert "model.lm_head.weight" in str(e.value)
 
 
-def test_deepseek_v2_is_refused_for_its_routing() -> None:
-    with pytest.raises(LoweringError) as e:
-        resolve(parser().parse_args(["--hf", "deepseek_v2", "--tp", "2"]))
-    assert "top-k" in str(e.value) and "n_routed_experts" in str(e.value)
+def test_deepseek_v2_gets_a_small_mixture() -> None:
+    cfg = hf.config("deepseek_v2", layers=1, hidden=64, heads=4, ffn=128, vocab=256, seqlen=4)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok) == (hf.EXPERTS, hf.TOP_K)
+    assert hf.refusal("deepseek_v2", 1) is None

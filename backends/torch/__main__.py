@@ -22,6 +22,7 @@ from backends.planfile import save_plan
 from backends.torch.build import build_plans
 from backends.torch.check import LoadedValueMismatch, check_loaded
 from backends.torch.errors import WrongStep
+from backends.torch.exchange import settle
 from backends.torch.lowering import (
     LoweringError,
     check_broadcasts,
@@ -33,6 +34,7 @@ from backends.torch.lowering import (
 from backends.torch.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.rank import load, run
 from backends.torch.ranks import trace_ranks
+from backends.torch.routing import check_every_expert_reached, describe
 from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
@@ -217,9 +219,15 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
-    traces = trace_ranks({**spec, "parallel": True}, args.pp * args.dp * args.tp,
-                         single.get("imports", ()))
+    routing = single.get("routing") or None  # replayed on every rank (routing.py)
+    if routing is not None:
+        world["routing"] = describe(single["routing_summary"])
+    traces = settle(lambda sent: trace_ranks(
+        {**spec, "parallel": True, "routing": routing, "exchanges": sent},
+        args.pp * args.dp * args.tp, single.get("imports", ())))
     world["nm"] = traces[0]["microbatches"]
+    if single.get("skips_unrouted_experts"):
+        check_every_expert_reached(single, traces)
     check_shards(traces)
     check_broadcasts(traces)
     low_s = lower_trace(single, args.vocab)
@@ -244,6 +252,9 @@ def write_plans(args: argparse.Namespace, say: bool = True) -> tuple[Path, Path]
     for path, plan in ((sm, plan_s), (pm, plan_p)) if say else ():
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")
+    if say and "routing" in plan_s.world:
+        print("the routing recorded on one device and replayed on every rank (what a SUCCESS "
+              "covers): " + plan_s.world["routing"])
     return sm, pm
 
 

@@ -17,6 +17,7 @@ by the verifier, so a wrong one is a FAIL, not an assumption.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -267,6 +268,9 @@ class _Rank:
         self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
         self.fresh = 10**9
         self.own_tid: dict[int, int] = {}  # a constant of this rank only -> its logical tensor
+        #: a constant equal to the slice of several single-device constants ->
+        #: all of them (each a true claim), until a reader chooses one
+        self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
         for node in low.nodes:
@@ -280,12 +284,13 @@ class _Rank:
                       and node.outs[0] not in low.empty_sums and self.consumers.get(node.outs[0])
                       and all(c.op == "all_reduce" for c in self.consumers[node.outs[0]])}
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
+        own: list[tuple[int, str]] = []  # constants no single-device one holds
         for v, (kind, name) in low.inputs.items():
             if name not in by_name and v in low.constants:
                 try:
                     self.sv[v], self.claim[v] = self.const_piece(v)
                 except LoweringError:
-                    self.sv[v], self.claim[v] = self.own_constant(v, name)
+                    own.append((v, name))
                 continue
             tied = b.s.low.ties.get(name) if kind == "param" else None
             if name not in by_name and tied is not None:
@@ -302,6 +307,9 @@ class _Rank:
                                    for axes in low.axes[v]])
             self.check_input(v, name)
             self.whole_where_held(v)
+        self.taken = {self.sv[u] for u in self.sv}
+        for v, name in own:
+            self.sv[v], self.claim[v] = self.own_constant(v, name)
 
     def own_constant(self, v: int, name: str) -> tuple[int, Claim]:
         """A constant of this rank that is no piece of any single-device
@@ -314,22 +322,56 @@ class _Rank:
         of both, the real ones included."""
         mine = self.low.constants[v]
         shape = tuple(self.low.shapes[v])
+        tied: list[int] = []
         readers = [(node.op, node.dir, node.ins.index(v), _key_kwargs(node.kwargs))
                    for node in self.consumers.get(v, [])]
         best, hits = None, 0
         for sv, full in self.b.s.low.constants.items():
-            if full.shape != mine.shape or sv not in self.b.s.low.inputs:
+            # of the same shape, or one this rank's would be a piece of
+            # (another routing of its rows: docs/soundness.md, "Plans traced
+            # from PyTorch", 36)
+            if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)) \
+                    or sv not in self.b.s.low.inputs:
                 continue
             n = sum(any(op == k[0] and d == k[1] and len(k[2]) > i and k[2][i] == sv and kw == k[3]
                         for k in self.b.s.by_key) for op, d, i, kw in readers)
+            if n and n == hits:
+                tied.append(sv)
             if n > hits:
-                best, hits = sv, n
+                best, hits, tied = sv, n, [sv]
         if best is None:
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
                                 f"reads one of its shape where this rank reads it")
-        self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", shape, self.low.inputs[v][0])
-        return best, Claim([[] for _ in shape])
+        if len(tied) > 1:
+            # one per layer: those read by the single-device nodes of this
+            # constant's readers' modules
+            names = {node.name for node in self.consumers.get(v, [])}
+            nodes = self.b.s.low.nodes
+            same = {sv: sum(nodes[c].name in names for k, cs in self.b.s.by_key.items()
+                            if sv in k[2] for c in cs) for sv in tied}
+            top = max(same.values())
+            if top:
+                tied = [sv for sv in tied if same[sv] == top]
+                best = tied[0]
+        left = [sv for sv in tied if sv not in self.taken]
+        if len(tied) > 1 and left:
+            # several read alike (one per expert): the first that no
+            # constant of this rank matched by value (both loops run in one
+            # order); the claim is its own input's either way
+            best = left[0]
+            self.taken.add(best)
+        full = tuple(self.b.s.low.shapes[best])
+        dims: list[list[str]] = [[] for _ in shape]
+        if full != shape:
+            # the piece at this rank's coordinates of an input of the
+            # single-device constant's shape, which no single-device node
+            # reads (another routing of its rows)
+            dims = [self.guess(m, f, order=self.orders((("dp",), ("tp",), ("dp", "tp")) if k == 0
+                                                       else (("tp",), ("dp",), ("dp", "tp"))))
+                    for k, (m, f) in enumerate(zip(shape, full))]
+        self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
+        return best, Claim(dims)
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""
@@ -356,6 +398,7 @@ class _Rank:
         contents. The claim is then true by those contents; no match stops
         the run."""
         mine = self.low.constants[v]
+        found: list[tuple[int, Claim]] = []
         for sv, full in self.b.s.low.constants.items():
             if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
                 continue
@@ -372,7 +415,13 @@ class _Rank:
             except LoweringError:
                 continue
             if np.array_equal(full[tuple(index)], mine):
-                return sv, Claim(dims)
+                found.append((sv, Claim(dims)))
+        if found:
+            # every match is a true claim; several (two experts' masks equal
+            # on this rank's rows) are kept for the first reader to choose
+            if len(found) > 1:
+                self.alternatives[v] = found
+            return found[0]
         raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
                             f"piece of a single-device constant")
 
@@ -411,6 +460,10 @@ class _Rank:
             ins.append(-1 if v < 0 else self.sv[v])
         key = (node.op, node.dir, tuple(ins), _key_kwargs(node.kwargs))
         cands = self.b.s.by_key.get(key)
+        if not cands:
+            key, cands = self.choose_constants(node, key)
+        for v in node.ins:
+            self.alternatives.pop(v, None)  # chosen by this reader
         self.applied = Fraction(1)
         self.padded = None
         if not cands and node.op == "narrow" and node.dir == "bw":
@@ -453,6 +506,27 @@ class _Rank:
             ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
+
+    def choose_constants(self, node: LNode, key: tuple) -> tuple[tuple, list[int] | None]:
+        """A reader of constants that match several single-device ones (each
+        claim true by the values): the first choice under which the
+        single-device step runs this node; the choice then holds for every
+        later reader."""
+        slots = [(i, v) for i, v in enumerate(node.ins) if v in self.alternatives]
+        if not slots:
+            return key, None
+        choices = [self.alternatives[v] for _, v in slots]
+        for pick in itertools.product(*choices):
+            ins = list(key[2])
+            for (i, _), (sv, _) in zip(slots, pick):
+                ins[i] = sv
+            trial = (key[0], key[1], tuple(ins), key[3])
+            if self.b.s.by_key.get(trial):
+                for (_, v), (sv, claim) in zip(slots, pick):
+                    self.sv[v], self.claim[v] = sv, claim
+                    del self.alternatives[v]
+                return trial, self.b.s.by_key[trial]
+        return key, None
 
     def padded_piece(self, node: LNode, ins: list[int]) -> list[int] | None:
         """The backward of a slice that took this rank's piece of a dim cut by

@@ -51,8 +51,10 @@ SIZE_FIELDS = {
 #: configuration fields that choose top-k routing of tokens to experts
 ROUTING_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k_experts")
 #: configuration fields that count the experts a router chooses among
-EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts",
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
                  "num_experts_routed", "n_experts", "num_moe_experts")
+#: the routed experts and the experts per token of a family's small mixture
+EXPERTS, TOP_K = 4, 2
 
 
 class CausalLM(nn.Module):
@@ -62,6 +64,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         self.global_tokens = 1  # set by the backend to the step's label count
+        #: transformers' eager experts loop runs no code for an expert no
+        #: token chose (backends/torch/routing.py, check_every_expert_reached)
+        self.skips_unrouted_experts = _first(hf.config, ROUTING_FIELDS) is not None
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         out = self.hf(input_ids=tokens, labels=labels, shift_labels=labels,
@@ -94,9 +99,10 @@ def classes(family: str) -> tuple[type, type]:
 def refusal(family: str, tp: int) -> str | None:
     """Why the backend cannot trace ``family`` at tensor-parallel degree
     ``tp`` (None when it can): a composite model (a vision or audio tower
-    beside the text model), top-k routing to experts (each expert's rows are
-    as many as tokens the router sent it: values decide shapes), or TP for a
-    family without a tensor-parallel plan."""
+    beside the text model), or TP for a family without a tensor-parallel
+    plan. A family that routes tokens to its top-k experts is traced with
+    its routing recorded (docs/soundness.md, "Plans traced from PyTorch",
+    35)."""
     cfg_cls, _ = classes(family)
     default = cfg_cls()
     subs = tuple(getattr(default, "sub_configs", None) or ())
@@ -104,15 +110,6 @@ def refusal(family: str, tp: int) -> str | None:
         towers = ", ".join(subs)
         return (f"'{family}' is a composite model ({towers}): give its text model's type "
                 f"(the backend builds text-only causal LMs)")
-    routed = [f for f in ROUTING_FIELDS if getattr(default, f, None)]
-    # a family may leave the routing count unset by default (deepseek_v2's
-    # num_experts_per_tok is None) yet hold many routed experts
-    routed += [f"{f}={getattr(default, f)}" for f in EXPERT_FIELDS
-               if isinstance(getattr(default, f, None), int) and getattr(default, f) > 1]
-    if routed:
-        return (f"'{family}' routes each token to its top-k experts ({routed[0]}): each expert's "
-                f"input has as many rows as tokens the router sent it, so shapes depend on the "
-                f"values (docs/soundness.md, \"Plans traced from PyTorch\", 12)")
     if tp > 1 and not default.base_model_tp_plan:
         return (f"'{family}' has no tensor-parallel plan (base_model_tp_plan): run it with --tp 1 "
                 f"(FSDP2 or DDP over dp)")
@@ -179,6 +176,14 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
         kw["moe_intermediate_size"] = ffn
     if getattr(default, "sliding_window", None) is not None:
         kw["sliding_window"] = max(seqlen // 2, 1)
+    experts = _first(default, EXPERT_FIELDS)
+    routed = _first(default, ROUTING_FIELDS)
+    if experts is not None and routed is not None and isinstance(getattr(default, experts), int):
+        # a small mixture, so that a small batch gives every expert tokens on
+        # every rank (an expert with no token on a rank: docs/torch-backend.md)
+        kw[experts] = min(getattr(default, experts), EXPERTS)
+        # a family may leave the count unset (deepseek_v2's num_experts_per_tok)
+        kw[routed] = min(getattr(default, routed) or TOP_K, TOP_K)
     for name, value in default.to_dict().items():
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             kw[name] = 0.0

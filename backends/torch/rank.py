@@ -25,11 +25,13 @@ import torch
 import torch.distributed as dist
 
 from backends.torch.circular_pad import CircularPad
+from backends.torch.exchange import Exchanges
 from backends.torch.loaded import SetupCollectives, loaded_values
 from backends.torch.mesh import build as build_mesh
 from backends.torch.mesh import coords as mesh_coords
 from backends.torch.pipeline import OwnSchedule, Pipelined, PipelineStep
 from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
+from backends.torch.routing import Routing
 
 
 def imported_since(before: set[str]) -> list[str]:
@@ -112,6 +114,11 @@ def _run(spec: dict, rank: int) -> dict:
 
     tracker = Tracker()
     rec = Recorder(tracker)
+    block = (coords["dp"], spec["dp"]) if spec["parallel"] else (0, 1)
+    seq_block = (coords["tp"], spec["tp"]) if spec["parallel"] else (0, 1)
+    rec.routing = Routing(spec.get("routing"), block, seq_block)
+    if spec["parallel"]:
+        rec.exchanges = Exchanges(rank, spec.get("exchanges"))
     pipelined, own = None, None
     if isinstance(after, OwnSchedule):
         own, after = after, after.after_backward
@@ -132,18 +139,27 @@ def _run(spec: dict, rank: int) -> dict:
         rec.mark_constant(local_of(b), buffers[name][0], buffer=True)
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
-    with tracker, rec, ValueReads(rec), CircularPad():
-        with train_context(model):
-            if pipelined is not None:
-                losses = pipelined.run(tokens, labels)
-            elif own is not None:
-                losses = own.run(tokens, labels, rec.set_mb)
-            else:
-                losses = [runner(tokens, labels)]
-                losses[0].backward()
-        if after is not None:
-            after(model, mesh)
-        optimizer = update(model, mesh, spec)
+    try:
+        with tracker, rec, ValueReads(rec), CircularPad():
+            with train_context(model):
+                if pipelined is not None:
+                    losses = pipelined.run(tokens, labels)
+                elif own is not None:
+                    losses = own.run(tokens, labels, rec.set_mb)
+                else:
+                    losses = [runner(tokens, labels)]
+                    losses[0].backward()
+            if after is not None:
+                after(model, mesh)
+            optimizer = update(model, mesh, spec)
+    except Exception as e:
+        if rec.exchanges is None or not rec.exchanges.unanswered:
+            raise
+        # shapes from an all-to-all the fake group answered: the next pass
+        # answers it from what this one sent (exchange.settle)
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        return {"rank": rank, "exchanges": rec.exchanges.sent, "unanswered": rec.exchanges.unanswered,
+                "failed": f"{type(e).__name__}: {last}", "imports": imported_since(before)}
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
@@ -184,6 +200,10 @@ def _run(spec: dict, rank: int) -> dict:
         "values": values, "imports": imported_since(before) + modules_of(model),
         # activations laid out [s, b, h] (the model says so: Megatron's)
         "sequence_first": bool(getattr(model, "sequence_first", False)),
+        "routing": rec.routing.recorded, "routing_summary": rec.routing.summary(),
+        "exchanges": rec.exchanges.sent if rec.exchanges else [],
+        "unanswered": rec.exchanges.unanswered if rec.exchanges else 0,
+        "skips_unrouted_experts": bool(getattr(model, "skips_unrouted_experts", False)),
     }
 
 

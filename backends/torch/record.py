@@ -25,8 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
+from backends.torch.exchange import Exchanges
 from backends.torch.hidden_memory import HiddenMemory, is_partial_view
 from backends.torch.lowering.constants import VALUE_READ_EVENT
+from backends.torch.routing import ROUTED, Routing
 
 #: ops whose output is the input value itself (no computation).
 ALIASES = {
@@ -78,6 +80,8 @@ class Recorder(TorchDispatchMode):
         # an op writes into the storage: a tensor whose ``.data`` was reassigned (no op
         # runs) is the value its new memory holds
         self.by_memory: dict[int, dict[tuple, int]] = {}
+        self.routing: Routing | None = None  # top-k routing recorded or replayed (routing.py)
+        self.exchanges: Exchanges | None = None  # all-to-alls of constants answered (exchange.py)
         #: a same-region view -> the tensor it views (``DTensor.to_local()`` of a
         #: gradient): an in-place write into either writes both
         self.twins: dict[int, weakref.ref] = {}
@@ -244,7 +248,7 @@ class Recorder(TorchDispatchMode):
             self.events.append(("unknown", [[], {}], [fresh], [tuple(t.shape)], self.scope(),
                                 None, self.mb))
 
-    def is_constant_op(self, name: str, tensors: list[torch.Tensor]) -> bool:
+    def is_constant_op(self, name: str, tensors: list[torch.Tensor], kwargs: dict | None = None) -> bool:
         """An op whose tensor arguments (``tensors``) are all constants (or
         that has none) computes a constant, unless it communicates or leaves
         memory unset."""
@@ -254,6 +258,9 @@ class Recorder(TorchDispatchMode):
             return False
         if name in SHAPE_ONLY and not any(a.is_floating_point() or a.is_complex() for a in tensors):
             return True
+        dtype = (kwargs or {}).get("dtype")
+        if name in SHAPE_ONLY and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            return True  # zeros_like(scores, dtype=torch.bool): a mask to fill, of the shape only
         return all(self.value(a) in self.constants for a in tensors)
 
     def mark_partial_writes(self, name: str, func, args, kwargs) -> None:
@@ -298,14 +305,22 @@ class Recorder(TorchDispatchMode):
         name = str(func)
         unseen = {id(a) for a in tensors if self.value(a) is None}
         self.refresh_constants(tensors)
-        constant = self.is_constant_op(name, tensors)
+        constant = self.is_constant_op(name, tensors, kwargs)
         buffer = constant and any(self.value(a) in self.from_buffer for a in tensors)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
+        if self.routing is not None and name in ROUTED:
+            out = self.routing.call(func, args, kwargs, out)
+        if self.exchanges is not None and self.exchanges.handles(name):
+            x = args[1] if name.startswith("c10d.") else args[0]
+            if self.value(x) in self.constants:  # token counts: answered (exchange.py)
+                constant = self.exchanges.call(name, args, kwargs, out, self.group_of)
         if name.startswith("c10d."):
             out = with_completed_work(out)
         outs = tensors_in(out)
+        if name == "c10d.alltoall_base_.default":
+            outs = [args[0]]  # received in place
         if "out" in kwargs and not outs:
             outs = tensors_in(kwargs["out"])
         if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
@@ -328,6 +343,8 @@ class Recorder(TorchDispatchMode):
         if constant:
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
+        if self.routing is not None and name in ROUTED:
+            self.mark_constant(outs[1], ids[1])  # the routing: recorded data of the step
         if name == "aten.as_strided.default":
             for o, v in zip(outs, ids):
                 self.register_storage(o, v)
@@ -345,6 +362,11 @@ class Recorder(TorchDispatchMode):
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
         return out
+
+    @staticmethod
+    def group_of(group: Any) -> tuple[int, ...]:
+        """A collective's members, from its group's name or its group."""
+        return group_from_name(group) if isinstance(group, str) else group_ranks(group)
 
     def note_twins(self, name: str, args, outs: list[torch.Tensor], ids: list[int]) -> None:
         """A view of exactly the memory of its input, with its shape and

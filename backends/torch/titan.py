@@ -19,8 +19,8 @@ for the debugmodel); ``--seqlen`` sets the sequence length; the other size
 flags are not used (the flavor fixes them). FSDP's mixed precision is
 float64 (the shim's adaptation 4), the precision every traced model runs
 in. Its DeepSeek-V3 ``debugmodel`` builds too (``deepseek_v3_debugmodel``),
-but its parallelization is refused with the reason
-(``parallelize_deepseekv3``: top-k routing).
+parallelized by its own ``parallelize_deepseekv3`` over dp with its top-k
+routing recorded (expert parallelism is refused).
 """
 
 from __future__ import annotations
@@ -61,14 +61,15 @@ class TitanLM(nn.Module):
 MICROBATCHES = 2
 
 
-def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1):
+def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1, ep: int = 1):
     from torchtitan.config import ParallelismConfig
     return ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
                              pipeline_parallel_degree=pp, spmd_backend=titan_shim.SPMD_BACKEND,
-                             pipeline_parallel_microbatch_size=microbatch)
+                             pipeline_parallel_microbatch_size=microbatch,
+                             expert_parallel_degree=ep)
 
 
-def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3",
+def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3", ep: int = 1,
           **_sizes) -> TitanLM:
     """torchtitan's ``family`` model (a package of ``torchtitan.models``) of
     ``flavor`` with its weights initialized on the CPU (``seqlen``: the
@@ -76,7 +77,7 @@ def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3",
     titan_shim.apply()
     registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
     config = titan_shim.sdpa_attention(registry(flavor).model)
-    config.update_from_config(config=SimpleNamespace(parallelism=_parallelism()))
+    config.update_from_config(config=SimpleNamespace(parallelism=_parallelism(ep=ep)))
     model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
@@ -114,29 +115,49 @@ def retie(model: nn.Module) -> None:
 
 def deepseek_v3_debugmodel(**sizes) -> TitanLM:
     """torchtitan's DeepSeek-V3 ``debugmodel`` (MLA attention, top-k routed
-    MoE feed-forwards); its parallelization is refused
-    (``parallelize_deepseekv3``)."""
+    MoE feed-forwards, a shared expert)."""
     return build("debugmodel", family="deepseek_v3", **sizes)
 
 
+def deepseek_v3_debugmodel_ep(**sizes) -> TitanLM:
+    """``deepseek_v3_debugmodel`` configured as torchtitan's trainer
+    configures it for expert parallelism (``expert_parallel_degree`` > 1:
+    its experts' sharding declares the "ep" dim); on one device the same
+    model and step."""
+    return build("debugmodel", family="deepseek_v3", ep=2, **sizes)
+
+
 def parallelize_deepseekv3(model: TitanLM, mesh):
-    """torchtitan's ``parallelize_deepseekv3``: refused. Its MoE layers route
-    each token to its top-k experts, so every expert's input has as many
-    rows as tokens chose it: the traced shapes are those of one routing
-    only, and under the fake process group its expert-parallel token-count
-    all-to-all returns the rank's own counts, so they would be invented
-    (docs/soundness.md, "Plans traced from PyTorch", 12)."""
-    raise ValueError("torchtitan's DeepSeek-V3 is not traced: its MoE routes tokens by top-k, "
-                     "so each expert's input shape depends on the values (one routing of many), "
-                     "and under the fake process group the expert-parallel token counts would "
-                     "be invented (docs/soundness.md, \"Plans traced from PyTorch\", 12)")
+    """torchtitan's ``parallelize_deepseekv3`` on its own ``ParallelDims``
+    mesh (FSDP2 over "dp", ``ep`` 1: its local token dispatch), the top-k
+    routing recorded and replayed (docs/soundness.md, "Plans traced from
+    PyTorch", 36). Expert and tensor parallelism and pipelining are refused:
+    the expert-parallel all-to-all dispatch is not lowered yet."""
+    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3 as apply
+    if mesh["tp"].size() != 1 or mesh["pp"].size() != 1:
+        raise ValueError("backends.torch.titan:parallelize_deepseekv3 runs FSDP2 over dp only "
+                         "(--tp 1 --pp 1): its expert-parallel all-to-all dispatch is not lowered")
+    return parallelize(model, mesh, apply)
 
 
-def parallelize(model: TitanLM, mesh, tie_again: bool = True):
-    """The model family's own parallelize function (torchtitan's
-    ``parallelize_llama``, ``parallelize_qwen3``) on its own ``ParallelDims`` mesh of
-    the backend's sizes, then the tie torchtitan's trainer makes again
-    (``retie``) (``dp_shard`` = dp, ``tp`` = tp); with ``pp`` > 1,
+def parallelize_deepseekv3_ep(model: TitanLM, mesh):
+    """torchtitan's ``parallelize_deepseekv3`` with expert parallelism over
+    the data-parallel ranks (``ep`` = dp, torchtitan's dp2ep): each rank
+    holds its share of the routed experts (``deepseek_v3_debugmodel_ep``), tokens
+    dispatched to them by its all-to-all of uneven split sizes
+    (docs/soundness.md, "Plans traced from PyTorch", 37)."""
+    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3 as apply
+    if mesh["pp"].size() != 1:
+        raise ValueError("backends.torch.titan:parallelize_deepseekv3_ep is not pipelined (--pp 1)")
+    return parallelize(model, mesh, apply, ep=mesh["dp"].size())
+
+
+def parallelize(model: TitanLM, mesh, apply=None, tie_again: bool = True, ep: int = 1):
+    """The model family's own parallelize function (``apply``, else the
+    family's: torchtitan's ``parallelize_llama``, ``parallelize_qwen3``) on
+    its own ``ParallelDims`` mesh of the backend's sizes, then the tie
+    torchtitan's trainer makes again (``retie``) (``dp_shard`` = dp, ``tp``
+    = tp); with ``pp`` > 1,
     torchtitan's ``pipeline_llm`` (its stage split, ``parallelize_llama`` on
     each stage, its 1F1B schedule, ``MICROBATCHES`` microbatches of the
     rank's rows), the rank keeping its stage."""
@@ -144,7 +165,7 @@ def parallelize(model: TitanLM, mesh, tie_again: bool = True):
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.llama3.parallelize import parallelize_llama
     dp, tp, pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=pp, ep=1,
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=pp, ep=ep,
                         world_size=dp * tp * pp, spmd_backend=titan_shim.SPMD_BACKEND)
     dims.build_mesh()
     from torchtitan.distributed import utils as dist_utils
@@ -159,10 +180,10 @@ def parallelize(model: TitanLM, mesh, tie_again: bool = True):
                          f"(--batch)")
     microbatch = max(1, rows // MICROBATCHES)
     common = {"parallel_dims": dims, "training": training,
-              "parallelism": _parallelism(dp, tp, pp, microbatch),
+              "parallelism": _parallelism(dp, tp, pp, microbatch, ep),
               "compile_config": CompileConfig(), "ac_config": None, "dump_folder": "/tmp"}
     if pp == 1:
-        getattr(model, "parallelize_fn", parallelize_llama)(model.model, **common)
+        (apply or getattr(model, "parallelize_fn", parallelize_llama))(model.model, **common)
         if tie_again:
             retie(model.model)
         return None

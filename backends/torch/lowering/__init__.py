@@ -20,6 +20,7 @@ the first op is lowered.
 from backends.torch.errors import LoweringError
 from backends.torch.lowering import (  # noqa: F401  (each registers its handlers)
     activations,
+    all_to_all,
     argmax,
     arithmetic,
     buckets,
@@ -31,6 +32,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     copies,
     grad_buffers,
     group_norm,
+    grouped,
     ids,
     label_masks,
     layout,
@@ -42,7 +44,10 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     merged_views,
     nn,
     norm_sums,
+    permute,
     pool,
+    routing,
+    safe_softmax,
     scan,
     slices,
     std,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.exchange import ALL_TO_ALL
 from verdict.ops.nn import causal_positions
 
 if TYPE_CHECKING:
@@ -87,8 +88,10 @@ def check_no_value_reads(trace: dict) -> None:
     A value computed from the batch's ids and constants only
     (``ignore_index=int(labels[0, 0])``) is a fact of the traced step, as
     the label counts a mean divides by are, and so is the device mesh's
-    own bookkeeping."""
+    own bookkeeping, and so are the answers to an all-to-all of such
+    values (the token counts: exchange.py)."""
     tainted: set[int] = {v for v, _, _ in trace["params"].values()}
+    constants = set(trace.get("constants", ()))
     for op, (args, kwargs), outs, _shapes, scope, *_ in trace["events"]:
         read = _values_read([args, kwargs])
         if op in VALUE_READS and tainted.intersection(read):
@@ -97,6 +100,15 @@ def check_no_value_reads(trace: dict) -> None:
                                 f"tensor), so the "
                                 f"step's path depends on values; data-dependent control flow "
                                 f"is not lowered")
+        if op == "aten.topk.default" and outs[1:2] and outs[1] in constants:
+            tainted.update(outs[:1])  # its indices are the recorded routing (routing.py)
+            continue
+        if outs and set(outs) <= constants and (
+                op in ALL_TO_ALL and not tainted.intersection(read)
+                or not op.startswith(("c10d", "_c10d_functional"))):
+            # a constant (of shapes and constants only: zeros_like(scores)),
+            # or counts answered with the members' constants (exchange.py)
+            continue
         if op.startswith(("c10d", "_c10d_functional")) or tainted.intersection(read):
             tainted.update(outs)
 

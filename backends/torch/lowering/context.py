@@ -115,6 +115,17 @@ class Lowerer:
     #: pow(x, 2) -> x, and the exact zeros of accumulators (norm_sums)
     squares: dict[int, int] = field(default_factory=dict)
     zero_values: set[int] = field(default_factory=set)
+    #: routing: recorded value -> the event that made it; a value reshaped once per shape
+    routing_producers: dict[int, int] | None = None
+    routing_views: dict[tuple[int, tuple[int, ...]], int] = field(default_factory=dict)
+    #: grouped: recorded value -> the event that made it; (value, C) -> its C-fold copy
+    grouped_producers: dict[int, int] | None = None
+    grouped_copies: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: all_to_all: the members' sends (rank -> (group, k) -> Sent; walk.lower_ranks),
+    #: this rank's, and its all-to-alls per group so far
+    peers: dict | None = None
+    published: dict = field(default_factory=dict)
+    all_to_alls: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:

@@ -86,6 +86,14 @@ stops the run with one line naming the op and the value
 - ``Merged``: made by merged_views (``view(a * b, c)`` of a sequence-first
   3-d value); read by merged_views, vocab_picks; ``flatten`` (and
   ``transpose``).
+- ``Rows``, ``RowsT`` (in the helper ``routed_rows``, beside the rules
+  that make them): made by routing, grouped, permute, all_to_all; read by
+  the same four; rows of a base at a recorded index, materialized as the
+  one-hot rows of the index times the base (``RowsT`` its transpose).
+- ``Experts``, ``Transposed`` (in the helper ``grouped_rows``): made by
+  grouped, permute, all_to_all; read by the same three; every group's
+  result on every row of a base, each row's own group's kept
+  (``collapse``) and gathered.
 
 Families keep the pending kinds only they make and read (``masks.Masked``,
 ``argmax.MaxIndex``, ``vocab_parallel.Clamped``, ``const_lookup.ConstLookup``,

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.all_to_all import OPS as ALL_TO_ALL_OPS
+from backends.torch.lowering.all_to_all import NeedPeers
 from backends.torch.lowering.constants import check_no_value_reads
 from backends.torch.lowering.context import LNode, Lowered, Lowerer, live_events
 from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard
@@ -16,7 +18,8 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
     recorded counts: each rank is lowered once to read its counts, and again
     with the step's values when any rank all-reduces one (docs/soundness.md,
     "Plans traced from PyTorch", 16)."""
-    first = [lower_trace(t, vocab, "collect") for t in traces]
+    peers = _all_to_all_peers(traces, vocab)
+    first = [lower_trace(t, vocab, "collect", peers) for t in traces]
     if not any(low.count_reduces for low in first):
         return first
     by_rank = {low.rank: low.count_reduces for low in first}
@@ -30,14 +33,46 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
                                     f"{list(group)} is not every member's {k + 1}th")
             values.append(sum(c[k][1] for c in members))
         counts.append(values)
-    return [lower_trace(t, vocab, c) for t, c in zip(traces, counts)]
+    return [lower_trace(t, vocab, c, peers) for t, c in zip(traces, counts)]
 
 
-def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None) -> Lowered:
+def _all_to_all_peers(traces: list[dict], vocab: int) -> dict | None:
+    """What every rank sends at each of its all-to-alls of data (rank ->
+    ``all_to_all.Sent`` by (group, k)): the ranks are lowered in rounds,
+    each publishing its sends, until none stops for want of a member's
+    (None when no rank runs one; docs/soundness.md, "Plans traced from
+    PyTorch", 37)."""
+    if not any(ev[0] in ALL_TO_ALL_OPS for t in traces for ev in t["events"]):
+        return None
+    peers: dict[int, dict] = {}
+    rounds = 2 + max(sum(ev[0] in ALL_TO_ALL_OPS for ev in t["events"]) for t in traces)
+    for _ in range(rounds):
+        waiting = False
+        for t in traces:
+            lw = Lowerer(t, vocab, counts="collect", peers=peers)
+            try:
+                _lower_into(lw, t)
+            except NeedPeers:
+                waiting = True
+            peers[t["rank"]] = dict(lw.published)
+        if not waiting:
+            return peers
+    raise LoweringError("the ranks' all-to-alls wait on each other's sends (a member that "
+                        "never reaches an all-to-all another one runs)")
+
+
+def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None,
+                peers: dict | None = None) -> Lowered:
     """Lower one rank's trace (``backends.torch.rank.run``'s result);
-    ``counts`` as ``Lowerer.counts`` (``lower_ranks`` gives them)."""
+    ``counts`` as ``Lowerer.counts`` (``lower_ranks`` gives them);
+    ``peers``: the members' sends at its all-to-alls (``_all_to_all_peers``)."""
     check_no_value_reads(trace)
-    lw = Lowerer(trace, vocab, counts=counts)
+    return _lower_into(Lowerer(trace, vocab, counts=counts, peers=peers), trace)
+
+
+def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
+    """The body of ``lower_trace`` on a lowerer made for ``trace``."""
+    vocab = lw.vocab
     lw.next_id = len(trace["shapes"])
     inputs, axes = lw.inputs, lw.axes
     for name, (v, full, dims) in trace["params"].items():

@@ -1,0 +1,161 @@
+"""Collectives on constants, answered with the members' recorded values
+(docs/soundness.md, "Plans traced from PyTorch", 37 a).
+
+Under the fake process group a collective communicates nothing. When every
+tensor an all-to-all reads on a rank is a constant (the per-expert token
+counts computed from the replayed routing), the values every member sends
+are known after one pass: the ranks are traced again, each such collective
+answered with what it defines on the members' values of the previous pass,
+until every rank sends what it sent in the pass before (``settle``). The
+answer is then the value a real run's collective returns for the traced
+step, and it is a constant of the step like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from backends.torch.errors import LoweringError
+
+#: the all-to-alls answered: op name -> positions of (output or None, input,
+#: output splits, input splits) in its arguments; the group is found apart
+ALL_TO_ALL = {
+    "c10d.alltoall_base_.default": (0, 1, 2, 3),
+    "_c10d_functional.all_to_all_single.default": (None, 0, 1, 2),
+}
+#: passes of the ranks before the sent values must have settled (one per
+#: layer whose counts depend on an earlier answer, and one to check)
+PASSES = 8
+
+
+def _splits(sizes: Any) -> list[int] | None:
+    if sizes is None:
+        return None
+    sizes = [int(s) for s in sizes]
+    return sizes or None
+
+
+def _cut(rows: int, splits: list[int] | None, n: int) -> list[tuple[int, int]]:
+    """The row ranges an input of ``rows`` rows sends to the n members."""
+    if splits is None:
+        if rows % n:
+            raise LoweringError(f"an all-to-all without split sizes of {rows} rows over {n} "
+                                f"members")
+        splits = [rows // n] * n
+    if len(splits) != n or sum(splits) != rows:
+        raise LoweringError(f"an all-to-all's input split sizes {splits} do not cut its {rows} "
+                            f"rows among {n} members")
+    bounds = np.concatenate([[0], np.cumsum(splits)]).tolist()
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(n)]
+
+
+class Exchanges:
+    """The constant all-to-alls of one rank's step: what it sends (``sent``,
+    in call order: group, input, input splits, output splits) and, given
+    the members' sends of the pass before (``previous``: rank -> sent), the
+    answers."""
+
+    def __init__(self, rank: int, previous: dict[int, list[dict]] | None = None):
+        self.rank = rank
+        self.previous = previous
+        self.sent: list[dict] = []
+        self.count: dict[tuple[int, ...], int] = {}  # per group: constant all-to-alls so far
+        self.unanswered = 0  # constant all-to-alls left as the fake group returned them
+
+    def handles(self, name: str) -> bool:
+        return name in ALL_TO_ALL
+
+    def call(self, name: str, args: tuple, kwargs: dict, out: Any,
+             group_of: Callable[[Any], tuple[int, ...]]) -> bool:
+        """Record a constant all-to-all's send; write the answer into its
+        output when the members' sends are known (True then)."""
+        at_out, at_in, at_osplit, at_isplit = ALL_TO_ALL[name]
+        x = args[at_in]
+        group = group_of(args[-1] if at_out is None else args[4])
+        k = self.count.get(group, 0)
+        self.count[group] = k + 1
+        record = {"group": list(group), "k": k, "input": x.detach().cpu().numpy().copy(),
+                  "in_splits": _splits(args[at_isplit]), "out_splits": _splits(args[at_osplit])}
+        self.sent.append(record)
+        target = out if at_out is None else args[at_out]
+        answer = None if self.previous is None else self.answer(group, k, tuple(target.shape))
+        if answer is None:  # a member did not get this far in the pass before
+            self.unanswered += 1
+            return False
+        with torch.no_grad():
+            target.copy_(torch.as_tensor(answer, dtype=target.dtype))
+        return True
+
+    def answer(self, group: tuple[int, ...], k: int, shape: tuple[int, ...]) -> np.ndarray | None:
+        """Member ``self.rank``'s output of the k-th constant all-to-all on
+        ``group``: the rows every member's input sends it, in group order
+        (None when some member's pass before stopped short of it)."""
+        me = group.index(self.rank)
+        pieces = []
+        for member in group:
+            sends = [s for s in self.previous.get(member, []) if tuple(s["group"]) == group]
+            if k >= len(sends):
+                return None
+            s = sends[k]
+            lo, hi = _cut(s["input"].shape[0], s["in_splits"], len(group))[me]
+            pieces.append(s["input"][lo:hi])
+        out = np.concatenate(pieces, axis=0)
+        if tuple(out.shape) != shape:
+            raise LoweringError(f"rank {self.rank}'s all-to-all on group {list(group)} expects "
+                                f"{list(shape)}, its members send {list(out.shape)}")
+        return out
+
+
+def settled(before: dict[int, list[dict]], after: dict[int, list[dict]]) -> bool:
+    """Every rank sent, in the later pass, exactly what it sent before."""
+    if before.keys() != after.keys():
+        return False
+    for rank, sent in after.items():
+        old = before[rank]
+        if len(old) != len(sent):
+            return False
+        for a, b in zip(old, sent):
+            if (a["group"], a["k"], a["in_splits"], a["out_splits"]) != \
+                    (b["group"], b["k"], b["in_splits"], b["out_splits"]) or \
+                    a["input"].shape != b["input"].shape or not np.array_equal(a["input"], b["input"]):
+                return False
+    return True
+
+
+def _failed(traces: list[dict]) -> dict | None:
+    return next((t for t in traces if "failed" in t), None)
+
+
+def settle(trace: Callable[[dict | None], list[dict]]) -> list[dict]:
+    """The ranks' traces (``trace(previous)``) once every constant all-to-all
+    is answered with the members' sends of the pass that produced them:
+    passes are repeated until the sends of two passes agree and every rank
+    ran its step, at most ``PASSES`` (refused past them). A rank whose step
+    fails on an unanswered exchange (shapes from the fake group's counts)
+    returns what it sent so far (``failed``), which the next pass answers."""
+    traces = trace(None)
+    sent = {t["rank"]: t.get("exchanges", []) for t in traces}
+    if not any(sent.values()):
+        failed = _failed(traces)
+        if failed is not None:
+            raise LoweringError(f"rank {failed['rank']} did not run: {failed['failed']}")
+        return traces
+    for _ in range(PASSES - 1):
+        traces = trace(sent)
+        again = {t["rank"]: t.get("exchanges", []) for t in traces}
+        failed = _failed(traces)
+        if settled(sent, again):
+            if failed is None and any(t.get("unanswered") for t in traces):
+                failed = {"rank": next(t["rank"] for t in traces if t.get("unanswered")),
+                          "failed": "an all-to-all of constants no member's send answers"}
+            if failed is not None:
+                raise LoweringError(f"rank {failed['rank']} did not run: {failed['failed']}")
+            return traces
+        sent = again
+    raise LoweringError(f"the constants the ranks exchange by all-to-all did not settle in "
+                        f"{PASSES} passes (docs/soundness.md, \"Plans traced from PyTorch\", 37 a)")
+

@@ -1,0 +1,237 @@
+"""``all_to_all_single`` with split sizes, as its definition written out
+(docs/soundness.md, "Plans traced from PyTorch", 37 b, c).
+
+Member j's output is the concatenation, in group order, of block j of
+every member's input (member i cuts its rows into blocks of its input
+split sizes). Of a lowered tensor: the blocks sent (``send`` of a
+``narrow``) and received (``send_recv``) and concatenated (``cat``). Of
+rows at a recorded index (``Rows``, ``Experts``: routed_rows.py,
+grouped_rows.py): every member's base sent whole and concatenated, the
+output the rows of that base at the composed index; when every row read
+lies in this member's even share of the base's rows, the base is cut to
+that share (a ``narrow``, the index shifted).
+
+A member needs the other members' indices to compose its own. The ranks
+are lowered in rounds (``walk.lower_ranks``): each round publishes what
+every rank sends at each all-to-all (``Sent``); a rank missing a member's
+stops (``NeedPeers``) and is lowered again in the next round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.context import LNode
+from backends.torch.lowering.grouped_rows import Experts
+from backends.torch.lowering.registry import lowers
+from backends.torch.lowering.routed_rows import Rows, value_of
+
+#: the data all-to-alls lowered here (args: input, output splits, input splits, group)
+OPS = ("_c10d_functional.all_to_all_single.default",
+       "_c10d_functional_autograd.all_to_all_single.default")
+
+
+class NeedPeers(Exception):
+    """A member's send at this all-to-all is not known yet (next round)."""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What one member sends at one all-to-all: the kind of its input
+    ("tensor", "rows", "experts"), the shape of what it sends whole (its
+    base, or its grouped result), the index and groups of its rows, and its
+    input split sizes."""
+    kind: str
+    shape: tuple[int, ...]
+    index: np.ndarray | None
+    groups: np.ndarray | None
+    splits: tuple[int, ...]
+
+
+def _splits(sizes: Any, rows: int, n: int, what: str) -> tuple[int, ...]:
+    if sizes is None or (isinstance(sizes, (list, tuple)) and not sizes):
+        if rows % n:
+            raise LoweringError(f"an all-to-all without {what} split sizes of {rows} rows over "
+                                f"{n} members")
+        return (rows // n,) * n
+    out = tuple(int(s) for s in sizes)
+    if len(out) != n or sum(out) != rows:
+        raise LoweringError(f"an all-to-all's {what} split sizes {list(out)} do not cut its "
+                            f"{rows} rows among {n} members")
+    return out
+
+
+def _starts(splits: tuple[int, ...]) -> list[int]:
+    return [int(s) for s in np.concatenate([[0], np.cumsum(splits)[:-1]])]
+
+
+def _describe(lw: Any, x: Any, in_splits: Any, n: int) -> tuple[Sent, int]:
+    """This member's send: its description and the lowered value it sends whole."""
+    if isinstance(x, Rows):
+        rows = len(x.index)
+        return Sent("rows", tuple(lw.shapes[x.base]), np.asarray(x.index), None,
+                    _splits(in_splits, rows, n, "input")), x.base
+    if isinstance(x, Experts):
+        rows = len(x.index)
+        return Sent("experts", tuple(lw.shapes[x.y]), np.asarray(x.index), np.asarray(x.group),
+                    _splits(in_splits, rows, n, "input")), x.y
+    v = lw.materialize(x)
+    return Sent("tensor", tuple(lw.shapes[v]), None, None,
+                _splits(in_splits, lw.shapes[v][0], n, "input")), v
+
+
+def _exchange_whole(lw: Any, me: int, group: tuple[int, ...], own: int,
+                    shapes: list[tuple[int, ...]], dim: int) -> int:
+    """Every member's value sent whole and concatenated along ``dim`` in
+    group order (an all-gather of values of possibly unequal lengths)."""
+    for dst in group:
+        if dst != me:
+            lw.nodes.append(_send(lw, own, me, dst))
+    pieces = []
+    for src, shape in zip(group, shapes):
+        if src == me:
+            pieces.append(own)
+        elif shape[dim]:
+            pieces.append(lw.emit("send_recv", [], [shape], {"src": src, "dst": me},
+                                  group=(src, me))[0])
+    pieces = [p for p in pieces if lw.shapes[p][dim]] or pieces[:1]
+    if len(pieces) == 1:
+        return pieces[0]
+    full = list(shapes[0])
+    full[dim] = sum(lw.shapes[p][dim] for p in pieces)
+    return lw.emit("cat", pieces, [tuple(full)], {"dim": dim})[0]
+
+
+def _send(lw: Any, v: int, me: int, dst: int) -> LNode:
+    return LNode("send", "fw", [v], [], {}, lw.name, (me, dst), lw.mb)
+
+
+def _narrow(lw: Any, v: int, dim: int, start: int, length: int) -> int:
+    shape = list(lw.shapes[v])
+    if start == 0 and length == shape[dim]:
+        return v
+    shape[dim] = length
+    return lw.emit("narrow", [v], [tuple(shape)], {"dim": dim, "start": start, "length": length})[0]
+
+
+def _tensor(lw: Any, me: int, group: tuple[int, ...], x: int, sends: dict[int, Sent],
+            out_shape: tuple[int, ...]) -> int:
+    """The definition with point-to-point operators: blocks sent, received,
+    concatenated."""
+    i = group.index(me)
+    mine = sends[me]
+    starts = _starts(mine.splits)
+    for k, dst in enumerate(group):
+        if dst != me and mine.splits[k]:
+            lw.nodes.append(_send(lw, _narrow(lw, x, 0, starts[k], mine.splits[k]), me, dst))
+    pieces = []
+    for src in group:
+        s = sends[src]
+        rows = s.splits[i]
+        if not rows:
+            continue
+        if src == me:
+            pieces.append(_narrow(lw, x, 0, starts[i], rows))
+        else:
+            pieces.append(lw.emit("send_recv", [], [(rows, *s.shape[1:])], {"src": src, "dst": me},
+                                  group=(src, me))[0])
+    if not pieces:
+        raise LoweringError(f"{lw.name}: an all-to-all of a tensor that sends this rank no row")
+    out = pieces[0] if len(pieces) == 1 else \
+        lw.emit("cat", pieces, [out_shape], {"dim": 0})[0]
+    return out
+
+
+def _composed(group: tuple[int, ...], me: int, sends: dict[int, Sent], along: int
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rows (and groups) this member receives, as positions in the
+    members' concatenated bases (``along``: the dim of the bases the
+    concatenation runs along: 0 rows, 1 groups)."""
+    i = group.index(me)
+    index, groups = [], []
+    offset = 0
+    for src in group:
+        s = sends[src]
+        lo = _starts(s.splits)[i]
+        block = s.index[lo:lo + s.splits[i]]
+        if along == 0:
+            index.append(block + offset)
+        else:
+            index.append(block)
+            groups.append(s.groups[lo:lo + s.splits[i]] + offset)
+        offset += s.shape[0]
+    return (np.concatenate(index).astype(np.int64),
+            np.concatenate(groups).astype(np.int64) if groups else None)
+
+
+def _own_share(lw: Any, base: int, index: np.ndarray, me: int, group: tuple[int, ...],
+               dim: int) -> tuple[int, np.ndarray]:
+    """The base cut to this member's even share of its rows (along
+    ``dim``) when every row read lies in it; else the base whole."""
+    rows, n = lw.shapes[base][dim], len(group)
+    if rows % n or not len(index):
+        return base, index
+    share = rows // n
+    lo = group.index(me) * share
+    if index.min() < lo or index.max() >= lo + share:
+        return base, index
+    return _narrow(lw, base, dim, lo, share), index - lo
+
+
+@lowers(*OPS)
+def all_to_all(lw: Any, args, kwargs, shapes, group):
+    """Lower one ``all_to_all_single`` (see the module's docstring)."""
+    if group is None:
+        raise LoweringError(f"{lw.name}: an all-to-all without its group")
+    group = tuple(group)
+    me, n = lw.trace["rank"], len(group)
+    x = value_of(lw, args[0])
+    if x is None:
+        raise LoweringError(f"{lw.name}: an all-to-all of a tensor no recorded op produced")
+    mine, whole = _describe(lw, x, args[2] if len(args) > 2 else None, n)
+    counter = lw.all_to_alls
+    k = counter.get(group, 0)
+    counter[group] = k + 1
+    key = (group, k)
+    published = lw.published
+    published[key] = mine
+    peers = lw.peers or {}
+    sends = {me: mine}
+    for m in group:
+        if m != me:
+            sent = peers.get(m, {}).get(key)
+            if sent is None:
+                raise NeedPeers(f"rank {m}'s all-to-all {k + 1} on {list(group)}")
+            sends[m] = sent
+    kinds = {s.kind for s in sends.values()}
+    if len(kinds) != 1:
+        raise LoweringError(f"{lw.name}: an all-to-all whose members send different kinds of "
+                            f"rows ({sorted(kinds)})")
+    i = group.index(me)
+    received = sum(s.splits[i] for s in sends.values())
+    if received != shapes[0][0]:
+        raise LoweringError(f"{lw.name}: an all-to-all receives {received} rows by its members' "
+                            f"input splits, {shapes[0][0]} by its own output splits")
+    out_splits = args[1] if len(args) > 1 else None
+    if out_splits and tuple(int(s) for s in out_splits) != tuple(sends[m].splits[i] for m in group):
+        raise LoweringError(f"{lw.name}: an all-to-all's output split sizes "
+                            f"{[int(s) for s in out_splits]} are not what its members send it")
+    if mine.kind == "tensor":
+        return _tensor(lw, me, group, whole, sends, tuple(shapes[0]))
+    if mine.kind == "rows":
+        if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):
+            raise LoweringError(f"{lw.name}: an all-to-all of rows of bases of other widths")
+        base = _exchange_whole(lw, me, group, whole, [sends[m].shape for m in group], 0)
+        index, _ = _composed(group, me, sends, 0)
+        base, index = _own_share(lw, base, index, me, group, 0)
+        return Rows(base, index)
+    if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):
+        raise LoweringError(f"{lw.name}: an all-to-all of grouped rows over bases of other rows")
+    y = _exchange_whole(lw, me, group, whole, [sends[m].shape for m in group], 0)
+    index, groups = _composed(group, me, sends, 1)
+    y, index = _own_share(lw, y, index, me, group, 1)
+    return Experts(y, groups, index)

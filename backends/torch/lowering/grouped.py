@@ -1,0 +1,24 @@
+"""Grouped GEMMs on rows gathered at recorded routing (docs/soundness.md,
+"Plans traced from PyTorch", 36 c): ``torch._grouped_mm`` and its
+backward, rows of a C-fold copy, their adds back at the tokens, and the
+row-wise ops on grouped results. The rules and their pending values are in
+``grouped_rows``."""
+
+from __future__ import annotations
+
+from backends.torch.lowering import grouped_rows as g
+from backends.torch.lowering.registry import not_lowered, refines
+from backends.torch.lowering.routed_rows import ROWWISE
+
+for _op in g.ELEMENTWISE:
+    refines(_op, absent=not_lowered)(lambda base: g.experts_rowwise(base))
+for _op in ROWWISE:
+    if _op not in g.ELEMENTWISE:
+        refines(_op, absent=not_lowered)(lambda base: g.as_rows(base))
+refines("aten._grouped_mm.default", absent=not_lowered)(lambda base: g.grouped_mm(base))
+refines("aten.index.Tensor")(lambda base: g.index(base))
+refines("aten.gather.default")(lambda base: g.gather_rows(base))
+refines("aten.scatter_add.default")(lambda base: g.scatter_add(base))
+refines("torchtitan.deterministic_scatter_add.default", absent=not_lowered)(lambda base: g.scatter_add(base))
+refines("aten.index_put.default")(lambda base: g.index_put(base))
+refines("aten.transpose.int", "aten.t.default")(lambda base: g.transpose(base))

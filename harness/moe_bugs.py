@@ -1,0 +1,177 @@
+"""Wrong plans of a top-k mixture of experts, each a recipe passed to
+``python -m backends.torch --hf FAMILY`` (``--recipe harness.moe_bugs:NAME``):
+transformers' own data-parallel plan (``backends.torch.hf.tp_fsdp``) with one
+fault on the first data-parallel rank, at the experts module every
+transformers MoE family has (the module its ``base_model_ep_plan`` names
+``layers.*.mlp.experts``). The backend never applies them; each must FAIL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.torch.hf import tp_fsdp
+
+
+def _experts(model) -> list[torch.nn.Module]:
+    """Every module called with (hidden_states, top_k_index, top_k_weights)."""
+    return [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+
+
+def _on_first_rank(model, mesh, hook) -> None:
+    if mesh["dp"].get_local_rank() == 0:
+        for experts in _experts(model):
+            experts.register_forward_pre_hook(hook)
+
+
+def token_to_other_expert(model, mesh):
+    """On the first data-parallel rank, the first token's first choice is
+    sent to another expert (one it did not choose): a dispatch that differs
+    from the router's for one token."""
+    after = tp_fsdp(model, mesh)
+
+    def hook(module, args):
+        hidden, index, weights = args
+        index = index.clone()
+        chosen = set(index[0].tolist())
+        other = next(e for e in range(int(index.max()) + 2) if e not in chosen)
+        index[0, 0] = other % max(int(index.max()) + 1, 2)
+        if int(index[0, 0]) in chosen:
+            index[0, 0] = next(e for e in range(64) if e not in chosen)
+        return hidden, index, weights
+
+    _on_first_rank(model, mesh, hook)
+    return after
+
+
+def combine_other_gate(model, mesh):
+    """On the first data-parallel rank, the first two tokens' routing
+    weights are swapped: each token's expert outputs are combined with the
+    other token's gate."""
+    after = tp_fsdp(model, mesh)
+
+    def hook(module, args):
+        hidden, index, weights = args
+        order = torch.arange(weights.shape[0])
+        order[0], order[1] = 1, 0
+        return hidden, index, weights[order]
+
+    _on_first_rank(model, mesh, hook)
+    return after
+
+
+def routed_to_other_token(model, mesh):
+    """On the first data-parallel rank, the first two tokens' expert choices
+    are swapped (each token dispatched with the other's routing, its own
+    gate values kept): the routing of another token."""
+    after = tp_fsdp(model, mesh)
+
+    def hook(module, args):
+        hidden, index, weights = args
+        order = torch.arange(index.shape[0])
+        order[0], order[1] = 1, 0
+        return hidden, index[order], weights
+
+    _on_first_rank(model, mesh, hook)
+    return after
+
+
+def titan_routed_to_other_token(model, mesh):
+    """torchtitan's DeepSeek-V3 under its own ``parallelize_deepseekv3``
+    (dp, ep 1) with, on the first data-parallel rank, the first two tokens'
+    expert choices swapped before its routed experts run (each token
+    dispatched with the other's experts, its own scores kept)."""
+    from backends.torch.titan import parallelize_deepseekv3
+    after = parallelize_deepseekv3(model, mesh)
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        flat = ids.reshape(-1, ids.shape[-1])
+        order = torch.arange(flat.shape[0])
+        order[0], order[1] = 1, 0
+        return x, scores, flat[order].reshape(ids.shape), counts
+
+    if mesh["dp"].get_local_rank() == 0:
+        for name, module in model.named_modules():
+            if name.endswith("moe.routed_experts"):
+                module.register_forward_pre_hook(hook)
+    return after
+
+
+def _routed_experts(model) -> list[torch.nn.Module]:
+    return [m for name, m in model.named_modules() if name.endswith("moe.routed_experts")]
+
+
+def titan_ep_wrong_split(model, mesh):
+    """torchtitan's DeepSeek-V3 with expert parallelism (ep = dp) where the
+    first data-parallel rank counts one token of its last local expert's
+    neighbour wrong: its per-expert counts move one token from the last
+    expert of the first expert-parallel rank to the first of the next, so
+    the split sizes of its all-to-all send that token's row to the other
+    rank, where another expert computes it (a wrong split size)."""
+    from backends.torch.titan import parallelize_deepseekv3_ep
+    after = parallelize_deepseekv3_ep(model, mesh)
+    ep = mesh["dp"].size()
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        edge = counts.shape[0] // ep
+        moved = counts.clone()
+        last = int(torch.nonzero(moved[:edge]).max()) if bool((moved[:edge] > 0).any()) else None
+        if last is not None:
+            moved[last] -= 1
+            moved[edge] += 1
+        return x, scores, ids, moved
+
+    if mesh["dp"].get_local_rank() == 0:
+        for module in _routed_experts(model):
+            module.register_forward_pre_hook(hook)
+    return after
+
+
+def _fsdp_default_division(model, experts_factor: float | None = None) -> None:
+    """FSDP2's default gradient division (the mean over each parameter
+    group's own shard group: ``gradient_divide_factor`` None), the experts'
+    groups (their weights are [experts, ...]) divided by ``experts_factor``
+    when given."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            expert = any(len(p._orig_size) == 3 for p in group.fsdp_params)
+            group.gradient_divide_factor = experts_factor if expert else None
+
+
+def titan_ep_expert_grads_undivided(model, mesh):
+    """pytorch issue 160285 as it shipped: torchtitan's DeepSeek-V3 with
+    expert parallelism (ep = dp), each rank's loss the mean over its own
+    tokens and FSDP2's default division, the mean over each module's shard
+    group: the dense modules' group is dp, the experts' the expert-data-
+    parallel group (dp / ep ranks, here 1), so the experts' gradients are
+    ep times the single-device ones."""
+    from backends.torch.titan import parallelize_deepseekv3_ep
+    after = parallelize_deepseekv3_ep(model, mesh)
+    model.global_tokens //= mesh["dp"].size()
+    _fsdp_default_division(model.model)
+    return after
+
+
+def titan_ep_routed_to_other_token(model, mesh):
+    """``titan_routed_to_other_token`` under expert parallelism (ep = dp):
+    the first rank dispatches its first two tokens with each other's
+    experts, so the all-to-all sends their rows to the other's experts."""
+    from backends.torch.titan import parallelize_deepseekv3_ep
+    after = parallelize_deepseekv3_ep(model, mesh)
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        flat = ids.reshape(-1, ids.shape[-1])
+        order = torch.arange(flat.shape[0])
+        order[0], order[1] = 1, 0
+        return x, scores, flat[order].reshape(ids.shape), counts
+
+    if mesh["dp"].get_local_rank() == 0:
+        for module in _routed_experts(model):
+            module.register_forward_pre_hook(hook)
+    return after
