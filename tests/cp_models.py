@@ -22,14 +22,15 @@ def _block(q, k, v, causal: bool):
 
 class TwoBlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, other_lse: bool = False):
         half = q.shape[2] // 2
         (q0, q1), (k0, k1), (v0, v1) = (t.split(half, dim=2) for t in (q, k, v))
         out0, lse0 = _block(q0, k0, v0, True)
         out, lse = _block(q1, k0, v0, False)
         out_b, lse_b = _block(q1, k1, v1, True)
         lse, lse_b = lse.unsqueeze(-1), lse_b.unsqueeze(-1)
-        out = out - torch.sigmoid(lse_b - lse) * (out - out_b)
+        shift = lse0.unsqueeze(-1) if other_lse else lse
+        out = out - torch.sigmoid(lse_b - shift) * (out - out_b)
         lse = (lse - F.logsigmoid(lse - lse_b)).squeeze(-1)
         ctx.save_for_backward(q, k, v, out, lse)
         return torch.cat([out0, out], dim=2)
@@ -48,7 +49,7 @@ class TwoBlockAttention(torch.autograd.Function):
         dq1b, dk1, dv1 = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             g1, q1, k1, v1, out, lse, 0.0, True)
         return (torch.cat([dq0, dq1 + dq1b], dim=2), torch.cat([dk0 + dk0b, dk1], dim=2),
-                torch.cat([dv0 + dv0b, dv1], dim=2))
+                torch.cat([dv0 + dv0b, dv1], dim=2), None)
 
 
 class RingTagger(nn.Module):
@@ -59,13 +60,18 @@ class RingTagger(nn.Module):
         self.embed = nn.Embedding(vocab, hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.head = nn.Linear(hidden, vocab)
+        #: attention as a ring of two computes it (else one SDPA call)
+        self.ring = True
+        self.fault = ""
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         b, s, d = h.shape
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
                    for t in self.qkv(h).chunk(3, dim=-1))
-        y = TwoBlockAttention.apply(q, k, v).transpose(1, 2).reshape(b, s, d)
+        y = TwoBlockAttention.apply(q, k, v, self.fault == "other_lse") if self.ring else \
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, s, d)
         logits = self.head(h + y).flatten(0, 1)
         total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
         return total / (self.global_tokens or labels.numel())
@@ -73,3 +79,31 @@ class RingTagger(nn.Module):
 
 def ring_tagger(**kw) -> RingTagger:
     return RingTagger(**kw)
+
+
+def sdpa_tagger(**kw) -> RingTagger:
+    """The tagger with one SDPA call: the single-device step of ring_ddp."""
+    model = RingTagger(**kw)
+    model.ring = False
+    return model
+
+
+def ring_ddp(model, mesh):
+    """Data parallelism by hand over "dp", each rank's attention computed as a
+    ring of two computes it, against the single-device SDPA. Refused today
+    (exit 2): the backend aligns every parallel value with a single-device
+    one, and a block's softmax over part of each row is a piece of none
+    (docs/torch-backend.md, "Context parallelism")."""
+    from backends.torch.recipes import all_reduce_dp
+    model.ring = True
+    return all_reduce_dp
+
+
+def ring_ddp_wrong_merge(model, mesh):
+    """ring_ddp with the second block merged against another block's
+    log-sum-exp (the first query half's: sigmoid(lse_b - lse0) instead of
+    sigmoid(lse_b - lse))."""
+    from backends.torch.recipes import all_reduce_dp
+    model.ring = True
+    model.fault = "other_lse"
+    return all_reduce_dp

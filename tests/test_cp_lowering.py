@@ -6,6 +6,9 @@ loss and gradients equal torch's."""
 
 from __future__ import annotations
 
+import pytest
+
+import verdict_cli
 from backends.torch.check import check_lowering
 from backends.torch.lowering import lower_trace
 from backends.torch.rank import run
@@ -23,3 +26,13 @@ def test_two_block_ring_lowering_matches_torch() -> None:
     assert {"attention", "attention_grad", "sigmoid"} <= ops
     check = check_lowering(trace, low, SIZES["vocab"])
     assert check.grads and not check.differences(rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("recipe", ["ring_ddp", "ring_ddp_wrong_merge"])
+def test_blocks_of_no_single_device_tensor_are_refused_not_passed(recipe, capsys) -> None:
+    code = verdict_cli.torch(["--model", "tests.cp_models:sdpa_tagger", "--recipe",
+                              f"tests.cp_models:{recipe}", "--dp", "2", "--tp", "1",
+                              "--layers", "1", "--hidden", "8", "--heads", "2", "--seqlen", "4",
+                              "--vocab", "10"])
+    assert code == 2
+    assert "never combines that way" in capsys.readouterr().err
