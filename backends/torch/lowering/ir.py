@@ -457,10 +457,13 @@ class KernelLse(Pending):
     causal: bool
 
     def materialize(self, lw: Lowerer) -> int:
-        q, k, v = (lw.shapes[x] for x in (self.q, self.k, self.v))
-        out_shape, lse_shape = (*q[:-1], v[-1]), tuple(q[:-1])
-        return lw.emit("attention", [self.q, self.k, self.v], [out_shape, lse_shape],
-                       {"scale": self.scale, "causal": self.causal})[1]
+        if self not in lw.kernel_lse:
+            q, k, v = (lw.shapes[x] for x in (self.q, self.k, self.v))
+            out_shape, lse_shape = (*q[:-1], v[-1]), tuple(q[:-1])
+            lw.kernel_lse[self] = lw.emit("attention", [self.q, self.k, self.v],
+                                          [out_shape, lse_shape],
+                                          {"scale": self.scale, "causal": self.causal})[1]
+        return lw.kernel_lse[self]
 
 
 @dataclass(frozen=True)
