@@ -70,5 +70,5 @@ def test_a_wrong_update_on_one_rank_fails(clipped_adamw) -> None:
 
 
 def test_context_parallel_is_refused_with_its_reason() -> None:
-    with pytest.raises(ContextParallelRefused, match="CPU"):
+    with pytest.raises(ContextParallelRefused, match="not traced yet"):
         cp_sdpa(None, None)

@@ -484,19 +484,22 @@ def clip_grad_norm(model, mesh, max_norm: float) -> None:
 
 
 class ContextParallelRefused(RuntimeError):
-    """PyTorch's context parallelism does not run on the CPU."""
+    """PyTorch's context parallelism is not traced yet."""
 
 
 def cp_sdpa(model, mesh):
     """Context parallelism with PyTorch's own
     ``torch.distributed.tensor.experimental.context_parallel``: refused. Its
-    ring attention replaces only the CUDA attention kernels (flash,
-    efficient, cuDNN); on the CPU, SDPA runs
-    ``_scaled_dot_product_flash_attention_for_cpu``, for which it raises
-    ``NotImplementedError`` (docs/torch-backend.md)."""
+    ring runs on the CPU through ``backends.torch.cp_shim`` and its ops are
+    lowered (the CPU kernel's log-sum-exp and backward, the merge), but two
+    things are not traced yet: the batch cut along the sequence over a "cp"
+    mesh dim (``mesh.py``), and the claims of the ring's intermediates (a
+    block's softmax over part of a row is a piece of no single-device
+    tensor: the backend aligns every value with one, docs/torch-backend.md)."""
     raise ContextParallelRefused(
-        "context_parallel does not run on the CPU: its ring attention handles only the CUDA "
-        "SDPA kernels (flash, efficient, cuDNN), not _scaled_dot_product_flash_attention_for_cpu")
+        "context_parallel is not traced yet: its ring runs on the CPU (backends/torch/cp_shim.py) "
+        "but the sequence split over a cp mesh dim and the ring's block intermediates (pieces of "
+        "no single-device tensor) are not traced")
 
 
 def pp_dualpipev(model, mesh):

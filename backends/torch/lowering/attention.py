@@ -45,10 +45,10 @@ def sum_heads(lw: Lowerer, g: int, groups: int) -> int:
     return lw.emit("sum", [g], [(b, hq // groups, s, d)], {"dim": [2], "keepdim": False})[0]
 
 
-def sdpa_scores(lw: Lowerer, args, kwargs) -> tuple[int, int, int, float, int, int, bool, Any]:
-    """``q @ k^T * scale`` of the CPU flash kernel's arguments: (q, the keys
-    and values with each key-value head repeated for its query heads, scale,
-    scores, groups, is_causal, the attn_mask argument)."""
+def sdpa_inputs(lw: Lowerer, args, kwargs) -> tuple[int, int, int, float, int, bool, Any]:
+    """The CPU flash kernel's arguments ``q, k, v, dropout_p, is_causal``:
+    (q, the keys and values with each key-value head repeated for its query
+    heads, scale, groups, is_causal, the attn_mask argument)."""
     q, k, v = (lw.val(a) for a in args[:3])
     _, causal, mask = sdpa_options(lw, args, kwargs, 3)
     qs, ks, vs = lw.shapes[q], lw.shapes[k], lw.shapes[v]
@@ -61,6 +61,15 @@ def sdpa_scores(lw: Lowerer, args, kwargs) -> tuple[int, int, int, float, int, i
                                                _repeat_heads(lw, v, groups))
     scale = kwargs.get("scale")
     scale = 1.0 / math.sqrt(qs[-1]) if scale is None else float(scale)
+    return q, keys, values, scale, groups, causal, mask
+
+
+def sdpa_scores(lw: Lowerer, args, kwargs) -> tuple[int, int, int, float, int, int, bool, Any]:
+    """``q @ k^T * scale`` of the CPU flash kernel's arguments: (q, the keys
+    and values with each key-value head repeated for its query heads, scale,
+    scores, groups, is_causal, the attn_mask argument)."""
+    q, keys, values, scale, groups, causal, mask = sdpa_inputs(lw, args, kwargs)
+    qs, ks = lw.shapes[q], lw.shapes[keys]
     scores_shape = (*qs[:3], ks[2])
     scores = lw.emit("matmul", [q, transposed(lw, keys)], [scores_shape])[0]
     scores = lw.emit("mul_scalar", [scores], [scores_shape], {"value": scale})[0]

@@ -85,6 +85,8 @@ class Lowerer:
     fw_in: dict[int, tuple[str, int]] = field(default_factory=dict)  # output -> (op, input)
     ln_y: dict[tuple[int, int, int], int] = field(default_factory=dict)  # a layer norm's (x-mean)*rstd
     sdpa: dict[int, SdpaSaved] = field(default_factory=dict)  # attention output -> its saved values
+    #: a kernel's log-sum-exp (ir.KernelLse) -> its lowered value, emitted once however often read
+    kernel_lse: dict[Any, int] = field(default_factory=dict)
     inputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # value -> (kind, name)
     axes: dict[int, list[list[str]]] = field(default_factory=dict)  # input value -> mesh axes
     const_inputs: dict[str, int] = field(default_factory=dict)  # constant's name -> input

@@ -452,6 +452,29 @@ class Const(Pending):
 
 
 @dataclass(frozen=True)
+class KernelLse(Pending):
+    """The log-sum-exp output of the CPU flash kernel, lowered only when an op
+    reads it: the ``lse`` of the rule table's ``attention`` of the same
+    query, keys and values (heads already repeated), which is the kernel's
+    second output by its definition (docs/soundness.md, "Plans traced from
+    PyTorch", 36 (c))."""
+    q: int
+    k: int
+    v: int
+    scale: float
+    causal: bool
+
+    def materialize(self, lw: Lowerer) -> int:
+        if self not in lw.kernel_lse:
+            q, k, v = (lw.shapes[x] for x in (self.q, self.k, self.v))
+            out_shape, lse_shape = (*q[:-1], v[-1]), tuple(q[:-1])
+            lw.kernel_lse[self] = lw.emit("attention", [self.q, self.k, self.v],
+                                          [out_shape, lse_shape],
+                                          {"scale": self.scale, "causal": self.causal})[1]
+        return lw.kernel_lse[self]
+
+
+@dataclass(frozen=True)
 class SdpaSaved:
     """What the attention backward recomputes from: the inputs, the masked
     scores (the softmax's input) and the probabilities."""

@@ -26,10 +26,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.attention import sdpa_options, sdpa_scores, softmax_grad, sum_heads, transposed
+from backends.torch.lowering.attention import (
+    sdpa_inputs,
+    sdpa_options,
+    sdpa_scores,
+    softmax_grad,
+    sum_heads,
+    transposed,
+)
 from backends.torch.lowering.constants import NEG_INF, constant_value
 from backends.torch.lowering.fills import additive_mask, masked_fill
-from backends.torch.lowering.ir import Complex, SdpaSaved
+from backends.torch.lowering.ir import Complex, KernelLse, SdpaSaved
 from backends.torch.lowering.registry import lowers
 
 if TYPE_CHECKING:
@@ -350,7 +357,9 @@ def sdpa(lw: Lowerer, args, kwargs, shapes, group):
     lw.fw_in[probs] = ("softmax", scores)
     out = lw.emit("matmul", [probs, values], [shapes[0]])[0]
     lw.sdpa[out] = SdpaSaved(q, keys, values, scale, scores, probs, causal, groups)
-    return [out, "logsumexp"]
+    if mask is not None:
+        return [out, "logsumexp"]
+    return [out, KernelLse(q, keys, values, scale, causal)]
 
 
 @lowers("aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
@@ -359,7 +368,7 @@ def sdpa_backward(lw: Lowerer, args, kwargs, shapes, group):
     g, out = lw.val(args[0]), lw.val(args[4])
     saved = lw.sdpa.get(out)
     if saved is None:
-        raise LoweringError(f"{lw.name}: attention backward of an output no attention produced")
+        return _flash_backward(lw, args, kwargs, g, out)
     sdpa_options(lw, args, kwargs, 6)
     shape = lw.shapes[saved.masked]
     dv = lw.emit("matmul", [transposed(lw, saved.probs), g], [lw.shapes[saved.v]])[0]
@@ -375,6 +384,31 @@ def sdpa_backward(lw: Lowerer, args, kwargs, shapes, group):
     dk = lw.emit("matmul", [transposed(lw, ds), saved.q], [lw.shapes[saved.k]])[0]
     if saved.groups > 1:
         dk, dv = sum_heads(lw, dk, saved.groups), sum_heads(lw, dv, saved.groups)
+    return [dq, dk, dv]
+
+
+def _flash_backward(lw: Lowerer, args, kwargs, g: int, out: int) -> list[int]:
+    """The kernel's backward at an ``out`` and ``lse`` no kernel call of this
+    trace produced (a ring's merged ones): ``attention_grad`` of the recorded
+    gradient, query, keys, values, out and lse, the kernel's function of all
+    six (docs/soundness.md, "Plans traced from PyTorch", 36 (c))."""
+    q, keys, values, scale, groups, causal, mask = sdpa_inputs(
+        lw, [args[1], args[2], args[3], *args[6:]], kwargs)
+    if mask is not None:
+        raise LoweringError(f"{lw.name}: an attention backward with a mask at an output no "
+                            f"attention produced is not lowered")
+    if causal and lw.shapes[q][-2] != lw.shapes[keys][-2]:
+        raise LoweringError(f"{lw.name}: causal attention backward of {lw.shapes[q][-2]} queries "
+                            f"over {lw.shapes[keys][-2]} keys is not lowered")
+    lse = lw.val(args[5])
+    if lw.shapes[lse] != tuple(lw.shapes[q][:-1]):
+        raise LoweringError(f"{lw.name}: attention backward with a log-sum-exp of shape "
+                            f"{list(lw.shapes[lse])}, not {list(lw.shapes[q][:-1])}")
+    dq, dk, dv = lw.emit("attention_grad", [g, q, keys, values, out, lse],
+                         [lw.shapes[q], lw.shapes[keys], lw.shapes[values]],
+                         {"scale": scale, "causal": causal})
+    if groups > 1:
+        dk, dv = sum_heads(lw, dk, groups), sum_heads(lw, dv, groups)
     return [dq, dk, dv]
 
 

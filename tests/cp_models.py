@@ -1,0 +1,109 @@
+"""cp: a causal attention tagger whose attention is computed as a ring of two
+ranks computes it, in one process: the second half of the queries attends
+the first half of the keys (no mask) and its own half (causal) with the CPU
+flash kernel, the two blocks merged by their log-sum-exps in PyTorch's
+sigmoid form (``out - sigmoid(lse_b - lse) (out - out_b)``, ``lse -
+logsigmoid(lse - lse_b)``), and the backward runs the kernel's backward per
+block at the merged out and lse, as CP's ring does. Its lowering is checked
+against torch's loss and gradients (tests/test_cp_lowering.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+aten = torch.ops.aten
+
+
+def _block(q, k, v, causal: bool):
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+class TwoBlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, other_lse: bool = False):
+        half = q.shape[2] // 2
+        (q0, q1), (k0, k1), (v0, v1) = (t.split(half, dim=2) for t in (q, k, v))
+        out0, lse0 = _block(q0, k0, v0, True)
+        out, lse = _block(q1, k0, v0, False)
+        out_b, lse_b = _block(q1, k1, v1, True)
+        lse, lse_b = lse.unsqueeze(-1), lse_b.unsqueeze(-1)
+        shift = lse0.unsqueeze(-1) if other_lse else lse
+        out = out - torch.sigmoid(lse_b - shift) * (out - out_b)
+        lse = (lse - F.logsigmoid(lse - lse_b)).squeeze(-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return torch.cat([out0, out], dim=2)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, out, lse = ctx.saved_tensors
+        half = q.shape[2] // 2
+        (q0, q1), (k0, k1), (v0, v1) = (t.split(half, dim=2) for t in (q, k, v))
+        g0, g1 = g.split(half, dim=2)
+        out0, lse0 = _block(q0, k0, v0, True)
+        dq0, dk0, dv0 = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g0, q0, k0, v0, out0, lse0, 0.0, True)
+        dq1, dk0b, dv0b = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g1, q1, k0, v0, out, lse, 0.0, False)
+        dq1b, dk1, dv1 = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g1, q1, k1, v1, out, lse, 0.0, True)
+        return (torch.cat([dq0, dq1 + dq1b], dim=2), torch.cat([dk0 + dk0b, dk1], dim=2),
+                torch.cat([dv0 + dv0b, dv1], dim=2), None)
+
+
+class RingTagger(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        self.global_tokens = 0
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.head = nn.Linear(hidden, vocab)
+        #: attention as a ring of two computes it (else one SDPA call)
+        self.ring = True
+        self.fault = ""
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        b, s, d = h.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(h).chunk(3, dim=-1))
+        y = TwoBlockAttention.apply(q, k, v, self.fault == "other_lse") if self.ring else \
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, s, d)
+        logits = self.head(h + y).flatten(0, 1)
+        total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
+        return total / (self.global_tokens or labels.numel())
+
+
+def ring_tagger(**kw) -> RingTagger:
+    return RingTagger(**kw)
+
+
+def sdpa_tagger(**kw) -> RingTagger:
+    """The tagger with one SDPA call: the single-device step of ring_ddp."""
+    model = RingTagger(**kw)
+    model.ring = False
+    return model
+
+
+def ring_ddp(model, mesh):
+    """Data parallelism by hand over "dp", each rank's attention computed as a
+    ring of two computes it, against the single-device SDPA. Refused today
+    (exit 2): the backend aligns every parallel value with a single-device
+    one, and a block's softmax over part of each row is a piece of none
+    (docs/torch-backend.md, "Context parallelism")."""
+    from backends.torch.recipes import all_reduce_dp
+    model.ring = True
+    return all_reduce_dp
+
+
+def ring_ddp_wrong_merge(model, mesh):
+    """ring_ddp with the second block merged against another block's
+    log-sum-exp (the first query half's: sigmoid(lse_b - lse0) instead of
+    sigmoid(lse_b - lse))."""
+    from backends.torch.recipes import all_reduce_dp
+    model.ring = True
+    model.fault = "other_lse"
+    return all_reduce_dp
