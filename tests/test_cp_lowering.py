@@ -1,6 +1,6 @@
 """cp: the CPU flash kernel's log-sum-exp and its backward at a merged out
 and lse (a ring's) lowered onto the rule table's ``attention`` and
-``attention_grad`` (docs/soundness.md, "Plans traced from PyTorch", 36 (c)),
+``attention_grad`` (docs/soundness.md, "Plans traced from PyTorch", 38 (c)),
 with the ring's sigmoid-form merge as plain arithmetic: the lowered step's
 loss and gradients equal torch's."""
 

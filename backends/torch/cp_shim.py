@@ -18,7 +18,7 @@ block choice, its load-balanced halves and its merge (``_SDPAMerger``) run
 as they ship; only the kernel each block calls is the CPU one. It says so
 on stderr every time (a changed run is never silent). The argument that
 this changes nothing the step computes is docs/soundness.md, "Plans traced
-from PyTorch", item 36.
+from PyTorch", item 38.
 """
 
 from __future__ import annotations

@@ -457,7 +457,7 @@ class KernelLse(Pending):
     reads it: the ``lse`` of the rule table's ``attention`` of the same
     query, keys and values (heads already repeated), which is the kernel's
     second output by its definition (docs/soundness.md, "Plans traced from
-    PyTorch", 36 (c))."""
+    PyTorch", 38 (c))."""
     q: int
     k: int
     v: int

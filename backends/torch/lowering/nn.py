@@ -391,7 +391,7 @@ def _flash_backward(lw: Lowerer, args, kwargs, g: int, out: int) -> list[int]:
     """The kernel's backward at an ``out`` and ``lse`` no kernel call of this
     trace produced (a ring's merged ones): ``attention_grad`` of the recorded
     gradient, query, keys, values, out and lse, the kernel's function of all
-    six (docs/soundness.md, "Plans traced from PyTorch", 36 (c))."""
+    six (docs/soundness.md, "Plans traced from PyTorch", 38 (c))."""
     q, keys, values, scale, groups, causal, mask = sdpa_inputs(
         lw, [args[1], args[2], args[3], *args[6:]], kwargs)
     if mask is not None:
