@@ -160,7 +160,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     / heads), every dropout probability 0 (dropout draws random numbers),
     a sliding window, where the family has one, of half the sequence (so
     it masks), special token ids outside the small vocabulary moved to its
-    last id, untied input and output embeddings (transformers 5.23's
+    last id, the rows of other tables looked up by the ids
+    (``vocab_size_*``) cut to the vocabulary, untied input and output embeddings (transformers 5.23's
     ``apply_tensor_parallelism`` fails on a tied ``lm_head``: KeyError
     'lm_head.weight'), and everything else the family's default."""
     cfg_cls, _ = classes(family)
@@ -182,6 +183,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     for name, value in default.to_dict().items():
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             kw[name] = 0.0
+        if name.startswith("vocab_size_") and isinstance(value, int) and value > vocab:
+            kw[name] = vocab  # a second table's rows (gemma3n's per-layer inputs)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         ids = getattr(default, name, None)
         if isinstance(ids, int) and ids >= vocab:

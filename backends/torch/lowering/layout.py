@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.bucket_pieces import bucket_view
 from backends.torch.lowering.context import LNode, pg, tensor_args
+from backends.torch.lowering.emit import narrow
 from backends.torch.lowering.ir import (
     As,
     Bucket,
@@ -243,6 +244,18 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
     size, stride = list(args[1]), list(args[2])
     offset = int(args[3]) if len(args) > 3 and args[3] is not None else 0
     contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
+    block = kwargs.get("block")
+    x = lw.env.get(args[0][1])
+    if block is not None and isinstance(x, int) \
+            and (offset != 0 or math.prod(size) != math.prod(lw.shapes[x])):
+        # a block of a contiguous input, as the recorder found it: the input
+        # seen with the block's base shape, narrowed, seen with the view's
+        # shape (soundness.md, "Plans traced from PyTorch", 35d)
+        sizes, region = block
+        x = lw.reshape(x, tuple(sizes))
+        for d, (start, length, _) in enumerate(region):
+            x = narrow(lw, x, d, start, length)
+        return view_to(lw, x, tuple(size))
     if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
     if isinstance(src, Bucket):

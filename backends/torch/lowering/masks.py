@@ -44,13 +44,14 @@ from backends.torch.lowering.ir import (
     Flag,
     IdRows,
     Ids,
+    IdsTest,
     Pending,
     SdpaSaved,
     as_flag,
     constant_flag,
     pending_of,
 )
-from backends.torch.lowering.onehot import label_values, one_hot
+from backends.torch.lowering.onehot import flag_of, label_values, one_hot
 from backends.torch.lowering.registry import Handler, refines
 
 if TYPE_CHECKING:
@@ -179,6 +180,18 @@ def combine(op: str, base: Handler | None) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         if isinstance(pending_of(lw, args[0]), Flag) or isinstance(pending_of(lw, args[1]), Flag):
             a, b = as_flag(lw, args[0]), as_flag(lw, args[1])
+            if a is not None and b is not None:
+                return combine_flags(lw, _shaped(lw, a, tuple(shapes[0])),
+                                     _shaped(lw, b, tuple(shapes[0])), op)
+        if any(isinstance(pending_of(lw, x), IdsTest) for x in args[:2]):
+            # comparisons of the ids: the vocabulary-parallel patterns first,
+            # then any such comparison as a flag
+            if base is not None:
+                try:
+                    return base(lw, args, kwargs, shapes, group)
+                except LoweringError:
+                    pass
+            a, b = flag_of(lw, args[0]), flag_of(lw, args[1])
             if a is not None and b is not None:
                 return combine_flags(lw, _shaped(lw, a, tuple(shapes[0])),
                                      _shaped(lw, b, tuple(shapes[0])), op)
