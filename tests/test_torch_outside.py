@@ -131,6 +131,9 @@ LAYERS = {
         m["lin"](x) > 0, m["lin"](x) * x, torch.expm1(torch.minimum(m["lin"](x), x)) - x),
     "one_value_reshaped": lambda m, x: x * (m["lin"](x).mean() + 1.0).reshape(1, 1, 1)
     + torch.log1p(m["lin"](x).sum((0, 1)).reshape(1, 1, -1).abs()) - 2.0,
+    # features taken at constant indices, some twice, some never (Falcon's fused heads)
+    "index_at_constant_indices": lambda m, x: m["lin"](x)[
+        :, :, (torch.arange(H) // 2 + 1) % H] * x,
     # writes into blocks of a tensor read after: rows shifted and added, a column set
     "written_blocks": lambda m, x: _written_blocks(m["lin"](x), x),
 }
@@ -156,6 +159,9 @@ LOSSES = {
     "ids_in_range_looked_up": lambda m, h, y: F.cross_entropy(m.out(h + F.embedding(
         torch.where(torch.logical_and(y >= 2, y < 6.5), y, 0), m.out.weight)).flatten(0, 1),
         torch.where(torch.logical_or(y > 9, y <= 1.5), 1, y).flatten()),
+    # a mask of the ids between two numbers (cpmant's position bias)
+    "ids_mask_between_numbers": lambda m, h, y: F.cross_entropy(
+        m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1)).flatten(0, 1), y.flatten()),
 }
 
 
@@ -324,12 +330,14 @@ def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
 @pytest.mark.parametrize("name, module, helper, wrong", [
     ("written_blocks", "activations", "put_block",
      lambda real: lambda lw, x, starts, block: real(lw, x, [max(s - 1, 0) for s in starts], block)),
+    ("index_at_constant_indices", "const_index", "_checked",
+     lambda real: lambda lw, values, size: (real(lw, values, size) + 1) % size),
     ("where_between_tensors", "arithmetic", "selected",
      lambda real: lambda lw, cmp, t, where_true, shape: real(lw, cmp, t, not where_true, shape)),
 ])
 def test_a_lowering_made_wrong_fails_the_comparison(monkeypatch, name, module, helper, wrong) -> None:
     """The comparison with PyTorch is the oracle of these lowerings: a block
-    moved by one, or the branches swapped, does not match."""
+    moved by one, indices off by one, or the branches swapped, do not match."""
     import importlib
     mod = importlib.import_module(f"backends.torch.lowering.{module}")
     monkeypatch.setattr(mod, helper, wrong(getattr(mod, helper)))

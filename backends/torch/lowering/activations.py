@@ -459,7 +459,8 @@ def partial_write(lw: Lowerer, args, kwargs, shapes, group):
     PyTorch", 35d)."""
     region = args[2] if len(args) > 2 else None
     written = args[3] if len(args) > 3 else None
-    if region is None or written is None:
+    if region is None or written is None or isinstance(lw.env.get(written[1]), str) \
+            or isinstance(lw.env.get(args[0][1]), str):
         raise LoweringError(f"{lw.name}: a tensor written in place through a view of part of it "
                             f"({args[1]}) that is no block of it (strided or reshaped) is read "
                             f"after; such writes are not lowered: build the tensor with "

@@ -289,6 +289,8 @@ def where(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape = tuple(shapes[0])
         cond = pending_of(lw, args[0])
+        if isinstance(cond, IdsTest):
+            cond = flag_of(lw, args[0])
         a, b = lw.const(args[1]), lw.const(args[2])
         if not isinstance(cond, Flag):
             value = constant_value(lw, args[0]) if isinstance(cond, Const) else None
@@ -303,8 +305,14 @@ def where(base: Handler) -> Handler:
                 return NegInfMask(_shaped(lw, cond, shape))
             if (a, b) == (NEG_INF, 0.0):
                 return NegInfMask(_shaped(lw, _not(lw, cond), shape))
-            raise LoweringError(f"{lw.name}: where of a mask between the constants {a} and {b} "
-                                f"is not lowered")
+            if not np.isfinite([a, b]).all():
+                raise LoweringError(f"{lw.name}: where of a mask between the constants {a} and "
+                                    f"{b} is not lowered (an infinite number other than an "
+                                    f"additive -inf mask's)")
+            # b + (a - b) m for the 0/1 mask m (soundness.md, "Plans traced from PyTorch", 35e)
+            m = _shaped(lw, cond, shape)
+            scaled = lw.emit("mul_scalar", [m.x], [shape], {"value": a - b})[0]
+            return lw.emit("add_scalar", [scaled], [shape], {"value": b})[0]
         if b is not None:
             return _select(lw, lw.val(args[1]), _not(lw, cond), b, shape)
         if a is not None:

@@ -45,7 +45,8 @@ Refinement = Callable[[Handler | None], Handler]
 #: the families whose refinements wrap the handlers, innermost first: a
 #: family refines what the ones before it made
 LAYERS = ("vocab_parallel", "masks", "ids", "compose", "std", "max", "argmax", "max_all", "slices",
-          "norm_sums", "const_lookup", "chunk", "label_masks", "logprob_views", "scan")
+          "norm_sums", "const_lookup", "chunk", "label_masks", "logprob_views", "scan",
+          "const_index")
 
 _PACKAGE = "backends.torch.lowering."
 
