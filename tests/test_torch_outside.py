@@ -161,7 +161,8 @@ LOSSES = {
         torch.where(torch.logical_or(y > 9, y <= 1.5), 1, y).flatten()),
     # a mask of the ids between two numbers (cpmant's position bias)
     "ids_mask_between_numbers": lambda m, h, y: F.cross_entropy(
-        m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1)).flatten(0, 1), y.flatten()),
+        m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1) + (y != 3).int().unsqueeze(-1))
+        .flatten(0, 1), y.flatten()),
 }
 
 

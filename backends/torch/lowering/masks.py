@@ -492,12 +492,15 @@ def divide(base: Handler) -> Handler:
 @refines("aten._to_copy.default", "aten.to.dtype")
 def cast(base: Handler) -> Handler:
     """A cast of a count or of an additive -inf mask to a floating type is
-    the same count or mask."""
+    the same count or mask; a flag (or a comparison of the ids) cast to any
+    numeric type is its 0/1 values, which it already stands for."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         c = pending_of(lw, args[0])
         dtype = str(kwargs.get("dtype", args[1] if len(args) > 1 else ""))
         if isinstance(c, Count) or isinstance(c, NegInfMask) and "float" in dtype:
             return c
+        if isinstance(c, (Flag, IdsTest)) and "complex" not in dtype:
+            return flag_of(lw, args[0])
         return base(lw, args, kwargs, shapes, group)
     return lower
 
