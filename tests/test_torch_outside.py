@@ -131,6 +131,9 @@ LAYERS = {
         m["lin"](x) > 0, m["lin"](x) * x, torch.expm1(torch.minimum(m["lin"](x), x)) - x),
     "one_value_reshaped": lambda m, x: x * (m["lin"](x).mean() + 1.0).reshape(1, 1, 1)
     + torch.log1p(m["lin"](x).sum((0, 1)).reshape(1, 1, -1).abs()) - 2.0,
+    # bounds at infinity (Mamba's time-step limits): no bound, in the forward and the backward
+    "clamp_to_infinity": lambda m, x: m["lin"](x).clamp(0.0, float("inf")) * x
+    + m["lin"](x).clamp(float("-inf"), 0.5),
     # features taken at constant indices, some twice, some never (Falcon's fused heads)
     "index_at_constant_indices": lambda m, x: m["lin"](x)[
         :, :, (torch.arange(H) // 2 + 1) % H] * x,

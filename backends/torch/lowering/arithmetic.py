@@ -332,6 +332,12 @@ def _clamp(lw: Lowerer, args, kwargs, shapes, group):
     bounds = {"min": None if lo is None else lw.const(lo), "max": None if hi is None else lw.const(hi)}
     if (lo is not None and bounds["min"] is None) or (hi is not None and bounds["max"] is None):
         raise LoweringError(f"{lw.name}: clamp by a tensor is not lowered")
+    # an infinite bound bounds no real number: no bound (soundness.md, "Plans
+    # traced from PyTorch", 35g)
+    bounds = {k: None if v is not None and math.isinf(v) and (v > 0) == (k == "max") else v
+              for k, v in bounds.items()}
+    if all(v is None for v in bounds.values()):
+        return lw.val(args[0])
     return lw.emit("clamp", [lw.val(args[0])], shapes, bounds)[0]
 
 
