@@ -228,7 +228,8 @@ class Recorder(TorchDispatchMode):
             return
         for t in _written(func, args, kwargs):
             base = t._base
-            if base is None or base.numel() == t.numel():
+            if base is None or base.numel() == t.numel() and t.is_contiguous() \
+                    and base.is_contiguous():
                 continue
             if self.memory and self.memory.tracks(_storage(t)):
                 continue  # memory whose regions the recorder follows (``record_writes``)
@@ -303,8 +304,10 @@ class Recorder(TorchDispatchMode):
         self.note_twins(name, args, outs, ids)
         for o, v in zip(outs, ids):
             base = o._base
-            if base is not None and base.numel() == o.numel() and self.value(base) is not None:
-                # a write through a view of a whole buffer writes the buffer
+            if base is not None and base.numel() == o.numel() and self.value(base) is not None \
+                    and o.is_contiguous() and base.is_contiguous():
+                # a write through a view of a whole buffer, in its memory
+                # order, writes the buffer (another order: a partial write)
                 b = self.new_value(base)
                 if v in self.constants:
                     self.mark_constant(base, b, v in self.from_buffer)
@@ -396,10 +399,11 @@ def _region(base: torch.Tensor, view: torch.Tensor) -> tuple[list[int], list[lis
         if n == 1:
             continue
         d = next((d for d, (bst, m) in enumerate(zip(strides, sizes)) if bst == st and m > 1), None)
-        if d is None or (mapped and d <= max(mapped)) or starts[d] + n > sizes[d]:
-            return None  # not a block (a permuted, overlapping or outside view)
+        if d is None or d in mapped or starts[d] + n > sizes[d]:
+            return None  # not a block (an overlapping or outside view)
         mapped[d] = n
-    return sizes, [[starts[d], mapped.get(d, 1), int(d in mapped)] for d in range(len(sizes))]
+    order = {d: k for k, d in enumerate(mapped)}
+    return sizes, [[starts[d], mapped.get(d, 1), order.get(d, -1)] for d in range(len(sizes))]
 
 
 def _flat_shape(numel: int, strides: list[int]) -> list[int] | None:

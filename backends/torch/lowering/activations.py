@@ -465,9 +465,13 @@ def partial_write(lw: Lowerer, args, kwargs, shapes, group):
                             f"({args[1]}) that is no block of it (strided or reshaped) is read "
                             f"after; such writes are not lowered: build the tensor with "
                             f"torch.cat or torch.where")
-    x, w = lw.val(args[0]), lw.val(written)
     sizes, region = region
+    x, w = lw.val(args[0]), lw.val(written)
     shape = lw.shapes[x]
+    # the view's dims of size > 1 (in the view's order) put in the base's order
+    w = lw.reshape(w, tuple(length for _, length in sorted((at, n) for _, n, at in region
+                                                           if at >= 0)))
+    w = permuted(lw, w, [at for _, _, at in region if at >= 0])
     block = tuple(length for _, length, _ in region)
     whole = put_block(lw, lw.reshape(x, tuple(sizes)), [start for start, _, _ in region],
                       lw.reshape(w, block))
@@ -490,3 +494,16 @@ def put_block(lw: Lowerer, x: int, starts: list[int], block: int) -> int:
             parts.append(narrow(lw, x, d, start + length, shape[d] - start - length))
         return cat(lw, parts, d)
     return block
+
+
+def permuted(lw: Lowerer, x: int, order: list[int]) -> int:
+    """``x.permute(order)`` as transposes."""
+    current = list(range(len(order)))
+    for k, want in enumerate(order):
+        j = current.index(want)
+        if j != k:
+            dims = list(lw.shapes[x])
+            dims[j], dims[k] = dims[k], dims[j]
+            x = lw.emit("transpose", [x], [tuple(dims)], {"dim0": k, "dim1": j})[0]
+            current[j], current[k] = current[k], current[j]
+    return x
