@@ -228,8 +228,7 @@ class Recorder(TorchDispatchMode):
             return
         for t in _written(func, args, kwargs):
             base = t._base
-            if base is None or base.numel() == t.numel() and t.is_contiguous() \
-                    and base.is_contiguous():
+            if base is None or base.numel() == t.numel() and _same_order(base, t):
                 continue
             if self.memory and self.memory.tracks(_storage(t)):
                 continue  # memory whose regions the recorder follows (``record_writes``)
@@ -305,7 +304,7 @@ class Recorder(TorchDispatchMode):
         for o, v in zip(outs, ids):
             base = o._base
             if base is not None and base.numel() == o.numel() and self.value(base) is not None \
-                    and o.is_contiguous() and base.is_contiguous():
+                    and _same_order(base, o):
                 # a write through a view of a whole buffer, in its memory
                 # order, writes the buffer (another order: a partial write)
                 b = self.new_value(base)
@@ -404,6 +403,13 @@ def _region(base: torch.Tensor, view: torch.Tensor) -> tuple[list[int], list[lis
         mapped[d] = n
     order = {d: k for k, d in enumerate(mapped)}
     return sizes, [[starts[d], mapped.get(d, 1), order.get(d, -1)] for d in range(len(sizes))]
+
+
+def _same_order(base: torch.Tensor, view: torch.Tensor) -> bool:
+    """A view of all of ``base`` that lists its entries in the same order
+    (both contiguous, or the same shape and strides): a reshape of it."""
+    return (base.is_contiguous() and view.is_contiguous()) \
+        or (base.shape == view.shape and base.stride() == view.stride())
 
 
 def _flat_shape(numel: int, strides: list[int]) -> list[int] | None:
