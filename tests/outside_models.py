@@ -802,7 +802,7 @@ class DropoutMLP(nn.Module):
 
 class PartialWrite(nn.Module):
     """A tensor written in place through a view of part of it
-    (``y[:, 0] = 0``): refused."""
+    (``y[:, 0] = 0``): the tensor with that column replaced."""
 
     def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
         super().__init__()
@@ -813,6 +813,16 @@ class PartialWrite(nn.Module):
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         y = self.embed(tokens).clone()
         y[:, 0] = 0.0
+        return F.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
+
+
+class StridedWrite(PartialWrite):
+    """A write through a strided view (every other token): no block of the
+    tensor, refused."""
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        y = self.embed(tokens).clone()
+        y[:, ::2] = 0.0
         return F.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
 
 
@@ -967,6 +977,10 @@ def ids_read_as_list(**kw) -> IdsReadAsList:
 
 def partial_write(**kw) -> PartialWrite:
     return PartialWrite(**kw)
+
+
+def strided_write(**kw) -> StridedWrite:
+    return StridedWrite(**kw)
 
 
 def dropout_mlp(**kw) -> DropoutMLP:

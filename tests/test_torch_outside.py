@@ -32,7 +32,7 @@ FLOAT32 = {"einsum_lm"}
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
           "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier",
-          "max_pool_classifier", "ids_read_as_list", "unet_tagger"]
+          "max_pool_classifier", "ids_read_as_list", "unet_tagger", "partial_write"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -126,7 +126,29 @@ LAYERS = {
         x, 3, stride=2, dilation=2).sum(-1, keepdim=True),
     "max_pool2d_with_ties": lambda m, x: x + nn.MaxPool2d((2, 3), stride=(1, 2))(
         m["lin"](x).clamp(max=0.0).unsqueeze(1)).mean((1, 2, 3)).view(-1, 1, 1),
+    # xIELU's kernel: a where between two computed tensors, expm1, a 0-d value reshaped
+    "where_between_tensors": lambda m, x: torch.where(
+        m["lin"](x) > 0, m["lin"](x) * x, torch.expm1(torch.minimum(m["lin"](x), x)) - x),
+    "one_value_reshaped": lambda m, x: x * (m["lin"](x).mean() + 1.0).reshape(1, 1, 1)
+    + torch.log1p(m["lin"](x).sum((0, 1)).reshape(1, 1, -1).abs()) - 2.0,
+    # bounds at infinity (Mamba's time-step limits): no bound, in the forward and the backward
+    "clamp_to_infinity": lambda m, x: m["lin"](x).clamp(0.0, float("inf")) * x
+    + m["lin"](x).clamp(float("-inf"), 0.5),
+    # features taken at constant indices, some twice, some never (Falcon's fused heads)
+    "index_at_constant_indices": lambda m, x: m["lin"](x)[
+        :, :, (torch.arange(H) // 2 + 1) % H] * x,
+    # writes into blocks of a tensor read after: rows shifted and added, a column set
+    "written_blocks": lambda m, x: _written_blocks(m["lin"](x), x),
 }
+
+
+def _written_blocks(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = h * 2.0
+    y[:, 1:] += x[:, :-1]
+    y[:, 0] = 0.5
+    y[..., 2:4] *= h[..., :2]
+    y.transpose(1, 2).mul_(x.transpose(1, 2))  # a write through a permuted view of all of y
+    return y * h
 LOSSES = {
     "one_hot_by_hand": lambda m, h, y: -(F.one_hot(y, SIZES["vocab"]).to(h.dtype)
                                          * F.log_softmax(m.out(h), -1)).sum(-1).mean(),
@@ -136,6 +158,15 @@ LOSSES = {
             SIZES["vocab"], SIZES["vocab"])[y[:, 1:]]),
     "prelu_then_ce": lambda m, h, y: F.cross_entropy(
         m.out(m.parts["prelu"](h)).flatten(0, 1), y.flatten()),
+    # ids kept where two comparisons of them both hold, 0 elsewhere, then looked up
+    # (gemma3n's per-layer inputs); a bound between two ids
+    "ids_in_range_looked_up": lambda m, h, y: F.cross_entropy(m.out(h + F.embedding(
+        torch.where(torch.logical_and(y >= 2, y < 6.5), y, 0), m.out.weight)).flatten(0, 1),
+        torch.where(torch.logical_or(y > 9, y <= 1.5), 1, y).flatten()),
+    # a mask of the ids between two numbers (cpmant's position bias)
+    "ids_mask_between_numbers": lambda m, h, y: F.cross_entropy(
+        m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1) + (y != 3).int().unsqueeze(-1))
+        .flatten(0, 1), y.flatten()),
 }
 
 
@@ -184,7 +215,7 @@ def test_activation_kernels_match_torch(name: str) -> None:
     ("branch_on_value", "BranchOnValue: Python reads the value of a computed tensor"),
     ("branch_on_list", "BranchOnList: Python reads the value of a computed tensor"),
     ("scale_from_numpy", "ScaleFromNumpy: Python reads the value of a computed tensor"),
-    ("partial_write", "PartialWrite: a tensor written in place through a view of part of it"),
+    ("strided_write", "StridedWrite: a tensor written in place through a view of part of it"),
 ])
 def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: str) -> None:
     with pytest.raises(LoweringError) as e:
@@ -299,3 +330,21 @@ def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
     assert not verdict.success and verdict.kind == "stage"
     nodes = [plan_p.nodes[i] for r in verdict.failed for i in r.stage.gp_nodes]
     assert any(n.rank == 1 and n.name == "MaskedLM" for n in nodes), nodes
+
+
+@pytest.mark.parametrize("name, module, helper, wrong", [
+    ("written_blocks", "activations", "put_block",
+     lambda real: lambda lw, x, starts, block: real(lw, x, [max(s - 1, 0) for s in starts], block)),
+    ("index_at_constant_indices", "const_index", "_checked",
+     lambda real: lambda lw, values, size: (real(lw, values, size) + 1) % size),
+    ("where_between_tensors", "arithmetic", "selected",
+     lambda real: lambda lw, cmp, t, where_true, shape: real(lw, cmp, t, not where_true, shape)),
+])
+def test_a_lowering_made_wrong_fails_the_comparison(monkeypatch, name, module, helper, wrong) -> None:
+    """The comparison with PyTorch is the oracle of these lowerings: a block
+    moved by one, indices off by one, or the branches swapped, do not match."""
+    import importlib
+    mod = importlib.import_module(f"backends.torch.lowering.{module}")
+    monkeypatch.setattr(mod, helper, wrong(getattr(mod, helper)))
+    with pytest.raises(AssertionError):
+        _lower_and_check(_single(f"{__name__}:probe_{name}"))

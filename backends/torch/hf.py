@@ -153,18 +153,23 @@ def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
 def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
     """A small configuration of ``family``: the backend's sizes in whichever
     fields the family's configuration has (grouped-query attention with half
-    as many key-value heads when the head count is even, ``head_dim`` hidden
+    as many key-value heads when the head count is even, except under
+    latent attention, ``head_dim`` hidden
     / heads), every dropout probability 0 (dropout draws random numbers),
     a sliding window, where the family has one, of half the sequence (so
     it masks), special token ids outside the small vocabulary moved to its
-    last id, untied input and output embeddings (transformers 5.23's
+    last id, the rows of other tables looked up by the ids
+    (``vocab_size_*``) cut to the vocabulary, untied input and output embeddings (transformers 5.23's
     ``apply_tensor_parallelism`` fails on a tied ``lm_head``: KeyError
     'lm_head.weight'), and everything else the family's default."""
     cfg_cls, _ = classes(family)
     default = cfg_cls()
     kw: dict = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                     num_attention_heads=heads, tie_word_embeddings=False)
-    sizes = {"ffn": ffn, "seqlen": max(seqlen, 8), "kv": heads // 2 if heads % 2 == 0 else heads}
+    # latent attention (a key-value low-rank projection) makes one key and
+    # value per query head: grouped-query heads would be repeated again
+    grouped = heads % 2 == 0 and getattr(default, "kv_lora_rank", None) is None
+    sizes = {"ffn": ffn, "seqlen": max(seqlen, 8), "kv": heads // 2 if grouped else heads}
     for size, names in SIZE_FIELDS.items():
         name = _first(default, names)
         if name is not None:
@@ -187,6 +192,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     for name, value in default.to_dict().items():
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             kw[name] = 0.0
+        if name.startswith("vocab_size_") and isinstance(value, int) and value > vocab:
+            kw[name] = vocab  # a second table's rows (gemma3n's per-layer inputs)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         ids = getattr(default, name, None)
         if isinstance(ids, int) and ids >= vocab:

@@ -273,16 +273,19 @@ class Recorder(TorchDispatchMode):
             return
         for t in _written(func, args, kwargs):
             base = t._base
-            if base is None or base.numel() == t.numel():
+            if base is None or base.numel() == t.numel() and _same_order(base, t):
                 continue
             if self.memory and self.memory.tracks(_storage(t)):
                 continue  # memory whose regions the recorder follows (``record_writes``)
             b = self.value(base)
             if b is None or b in self.constants:
                 continue
+            written = self.value(t)
+            block = _region(base, t)
             fresh = self.new_value(base)
-            self.events.append(("partial_write", [[("v", b), name], {}], [fresh],
-                                [tuple(base.shape)], self.scope(), None, self.mb))
+            self.events.append(("partial_write", [[("v", b), name, block,
+                                                   None if written is None else ("v", written)], {}],
+                                [fresh], [tuple(base.shape)], self.scope(), None, self.mb))
 
     def set_mb(self, mb: int) -> None:
         self.mb = mb
@@ -348,14 +351,20 @@ class Recorder(TorchDispatchMode):
         if name == "aten.as_strided.default":
             for o, v in zip(outs, ids):
                 self.register_storage(o, v)
+            if outs and isinstance(args[0], torch.Tensor):
+                # where the view lies in its input, when a block of it (the
+                # offset argument counts from the memory's start, not the input's)
+                in_kwargs["block"] = _region(args[0], outs[0])
         self.events.append((name, [in_args, in_kwargs], ids, [tuple(o.shape) for o in outs],
                             self.scope(), group, self.mb))
         self.mark_partial_writes(name, func, args, kwargs)
         self.note_twins(name, args, outs, ids)
         for o, v in zip(outs, ids):
             base = o._base
-            if base is not None and base.numel() == o.numel() and self.value(base) is not None:
-                # a write through a view of a whole buffer writes the buffer
+            if base is not None and base.numel() == o.numel() and self.value(base) is not None \
+                    and _same_order(base, o):
+                # a write through a view of a whole buffer, in its memory
+                # order, writes the buffer (another order: a partial write)
                 b = self.new_value(base)
                 if v in self.constants:
                     self.mark_constant(base, b, v in self.from_buffer)
@@ -441,6 +450,58 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
         given = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
         out.extend(tensors_in(given))
     return out
+
+
+def _region(base: torch.Tensor, view: torch.Tensor) -> tuple[list[int], list[list[int]]] | None:
+    """Where a view lies in its base, as the shape the base is read with (its
+    own when contiguous; for a flat buffer, the contiguous shape whose
+    strides are the view's) and ``[start, length, kept]`` per dim of that
+    shape (``kept`` 0 for a dim the view selects one index of and drops), or
+    None when the view is no such block (a permuted or overlapping view)."""
+    if view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
+            or not base.is_contiguous():
+        return None
+    offset = view.storage_offset() - base.storage_offset()
+    sizes = list(base.shape)
+    if base.dim() == 1:
+        sizes = _flat_shape(base.numel(), [st for st, n in zip(view.stride(), view.shape) if n > 1])
+        if sizes is None:
+            return None
+    strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+    starts = [offset // st % n if n > 1 else 0 for st, n in zip(strides, sizes)]
+    if sum(i * st for i, st in zip(starts, strides)) != offset:
+        return None
+    mapped: dict[int, int] = {}
+    for n, st in zip(view.shape, view.stride()):
+        if n == 1:
+            continue
+        d = next((d for d, (bst, m) in enumerate(zip(strides, sizes)) if bst == st and m > 1), None)
+        if d is None or d in mapped or starts[d] + n > sizes[d]:
+            return None  # not a block (an overlapping or outside view)
+        mapped[d] = n
+    order = {d: k for k, d in enumerate(mapped)}
+    return sizes, [[starts[d], mapped.get(d, 1), order.get(d, -1)] for d in range(len(sizes))]
+
+
+def _same_order(base: torch.Tensor, view: torch.Tensor) -> bool:
+    """A view of all of ``base`` that lists its entries in the same order
+    (both contiguous, or the same shape and strides): a reshape of it."""
+    return (base.is_contiguous() and view.is_contiguous()) \
+        or (base.shape == view.shape and base.stride() == view.stride())
+
+
+def _flat_shape(numel: int, strides: list[int]) -> list[int] | None:
+    """The contiguous shape of ``numel`` entries whose dims' strides include
+    ``strides`` (each dividing the one before), or None."""
+    strides = sorted(set(strides) | {1}, reverse=True)
+    if not strides or numel % strides[0]:
+        return None
+    sizes = [numel // strides[0]]
+    for a, b in zip(strides, strides[1:]):
+        if a % b:
+            return None
+        sizes.append(a // b)
+    return sizes
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -27,6 +27,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     chunk,
     collectives,
     compose,
+    const_index,
     const_lookup,
     conv,
     copies,

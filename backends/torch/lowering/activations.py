@@ -21,9 +21,11 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.emit import (
     arg,
+    cat,
     emit_binary,
     emit_unary,
     expand_to,
+    narrow,
     number,
     scaled,
     shifted,
@@ -154,6 +156,19 @@ def _softplus_params(lw: Lowerer, args, kwargs, first: int) -> tuple[float, floa
 
 def _log1p_exp(lw: Lowerer, x: int) -> int:
     return emit_unary(lw, "log", shifted(lw, emit_unary(lw, "exp", x), 1.0))
+
+
+@lowers("aten.expm1.default")
+def expm1(lw: Lowerer, args, kwargs, shapes, group):
+    """``exp(x) - 1``: the kernel's extra precision near 0 is a float matter,
+    in exact arithmetic the two are one value."""
+    return shifted(lw, emit_unary(lw, "exp", lw.val(args[0])), -1.0)
+
+
+@lowers("aten.log1p.default")
+def log1p(lw: Lowerer, args, kwargs, shapes, group):
+    """``log(1 + x)`` (as ``expm1``, one value in exact arithmetic)."""
+    return emit_unary(lw, "log", shifted(lw, lw.val(args[0]), 1.0))
 
 
 @lowers("aten.softplus.default")
@@ -437,9 +452,58 @@ def logsumexp(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("partial_write")
 def partial_write(lw: Lowerer, args, kwargs, shapes, group):
-    """A tensor read after an op wrote into part of it (``record.py``)."""
-    raise LoweringError(f"{lw.name}: a tensor written in place through a view of part of it "
-                        f"({args[1]}, e.g. y[:, 0] = ...) is read after; such writes are not "
-                        f"lowered: build the tensor with torch.cat or torch.where")
+    """A tensor read after an op wrote into a block of it through a view
+    (``y[1:] += x``, ``y[:, 0] = x``; ``record.py`` gives the block): the
+    tensor with that block replaced by the view's new value, pieced together
+    with ``narrow`` and ``cat`` (docs/soundness.md, "Plans traced from
+    PyTorch", 35d)."""
+    region = args[2] if len(args) > 2 else None
+    written = args[3] if len(args) > 3 else None
+    if region is None or written is None or isinstance(lw.env.get(written[1]), str) \
+            or isinstance(lw.env.get(args[0][1]), str):
+        raise LoweringError(f"{lw.name}: a tensor written in place through a view of part of it "
+                            f"({args[1]}) that is no block of it (strided or reshaped) is read "
+                            f"after; such writes are not lowered: build the tensor with "
+                            f"torch.cat or torch.where")
+    sizes, region = region
+    x, w = lw.val(args[0]), lw.val(written)
+    shape = lw.shapes[x]
+    # the view's dims of size > 1 (in the view's order) put in the base's order
+    w = lw.reshape(w, tuple(length for _, length in sorted((at, n) for _, n, at in region
+                                                           if at >= 0)))
+    w = permuted(lw, w, [at for _, _, at in region if at >= 0])
+    block = tuple(length for _, length, _ in region)
+    whole = put_block(lw, lw.reshape(x, tuple(sizes)), [start for start, _, _ in region],
+                      lw.reshape(w, block))
+    return lw.reshape(whole, shape)
 
 
+
+
+
+def put_block(lw: Lowerer, x: int, starts: list[int], block: int) -> int:
+    """``x`` with the block at ``starts`` (of ``block``'s shape) replaced by ``block``."""
+    shape = lw.shapes[x]
+    for d, (start, length) in enumerate(zip(starts, lw.shapes[block])):
+        if length == shape[d]:
+            continue
+        inner = put_block(lw, narrow(lw, x, d, start, length), [0] * (d + 1) + starts[d + 1:], block)
+        parts = [narrow(lw, x, d, 0, start)] if start else []
+        parts.append(inner)
+        if start + length < shape[d]:
+            parts.append(narrow(lw, x, d, start + length, shape[d] - start - length))
+        return cat(lw, parts, d)
+    return block
+
+
+def permuted(lw: Lowerer, x: int, order: list[int]) -> int:
+    """``x.permute(order)`` as transposes."""
+    current = list(range(len(order)))
+    for k, want in enumerate(order):
+        j = current.index(want)
+        if j != k:
+            dims = list(lw.shapes[x])
+            dims[j], dims[k] = dims[k], dims[j]
+            x = lw.emit("transpose", [x], [tuple(dims)], {"dim0": k, "dim1": j})[0]
+            current[j], current[k] = current[k], current[j]
+    return x

@@ -22,6 +22,16 @@ def selected(lw: Lowerer, cmp: Compare, t: int, where_true: bool, shape) -> int:
     0. With step(y) = 1 for y > 0, else 0 (relu's derivative, the rule
     table's ``relu`` backward is ``g * step(y)``): x > c is step(x - c),
     x < c is step(c - x), x >= c and x <= c their complements."""
+    if math.isinf(cmp.c):
+        # x op ±inf of a real x is the same for every x: t, or zeros
+        # (soundness.md, "Plans traced from PyTorch", 35g)
+        holds = (cmp.op in ("lt", "le")) == (cmp.c > 0)
+        if lw.shapes[t] != tuple(shape):
+            raise LoweringError(f"{lw.name}: a where on a comparison that broadcasts is not "
+                                f"lowered")
+        if holds == where_true:
+            return t
+        return lw.emit("mul_scalar", [t], [tuple(shape)], {"value": 0.0})[0]  # t finite
     positive = cmp.op in ("gt", "le")  # gt: step(x - c); le: 1 - step(x - c)
     sign = 1.0 if positive else -1.0
     y = lw.emit("mul_scalar", [cmp.x], [lw.shapes[cmp.x]], {"value": sign})[0]

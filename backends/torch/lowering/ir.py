@@ -77,9 +77,9 @@ stops the run with one line naming the op and the value
   log-softmax backward's fusion), logprob_views; ``-labels * g``.
 - ``Flag``: made by masks, label_masks, ``as_flag`` (a constant boolean
   mask); read by masks, label_masks; its 0/1 value.
-- ``Zeros`` (a ``PatternOnly``): made by vocab_parallel (``zeros_like``);
-  read by vocab_parallel (the label update), norm_sums (an exact zero);
-  refused, like every ``PatternOnly`` (a helper value of one pattern).
+- ``Zeros``: made by vocab_parallel (``zeros_like``); read by vocab_parallel
+  (the label update), norm_sums (an exact zero); any other reader gets
+  ``zeros``.
 - ``Bucket``: made by buckets (``mem.cat``), layout, grad_buffers; read by
   buckets, layout, collectives, slices, grad_buffers; the pieces flattened
   and ``cat``.
@@ -570,9 +570,14 @@ class PatternOnly(Pending):
 
 
 @dataclass(frozen=True)
-class Zeros(PatternOnly):
-    """``zeros_like`` of a value that is not a parameter."""
+class Zeros(Pending):
+    """``zeros_like`` of a value that is not a parameter: read by the
+    loss-parallel backward's ``index_put_`` as its pattern, by any other op as
+    the zeros it is (a write into it in place is a new value of the record)."""
     shape: tuple[int, ...]
+
+    def materialize(self, lw: Lowerer) -> int:
+        return lw.emit("zeros", [], [self.shape], {"shape": list(self.shape)}, direction="none")[0]
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input
-from backends.torch.lowering.ir import Flag, IdRows, Ids, as_flag
-from backends.torch.lowering.onehot import label_values, one_hot
+from backends.torch.lowering.ir import Flag, IdRows, Ids
+from backends.torch.lowering.onehot import flag_of, label_values, one_hot
 from backends.torch.lowering.registry import Handler, refines
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def masked_fill(op: str):
         def lower(lw: Lowerer, args, kwargs, shapes, group):
             if not _is_ids(lw, args[0]):
                 return plain(lw, args, kwargs, shapes, group)
-            flag, c = as_flag(lw, args[1]), _fill(lw, args[2])
+            flag, c = flag_of(lw, args[1]), _fill(lw, args[2])
             if flag is None or c is None:
                 raise LoweringError(f"{lw.name}: {op} of the batch's ids where the mask is not "
                                     f"one of their comparisons or a constant, or the fill is not "
@@ -89,7 +89,7 @@ def where(plain: Handler) -> Handler:
         cond, a, b = args[0], args[1], args[2]
         if not (_is_ids(lw, a) or _is_ids(lw, b)):
             return plain(lw, args, kwargs, shapes, group)
-        flag = as_flag(lw, cond)
+        flag = flag_of(lw, cond)
         if flag is not None and _is_ids(lw, b) and _fill(lw, a) is not None:
             return replaced(lw, b, flag, _fill(lw, a))
         if flag is not None and _is_ids(lw, a) and _fill(lw, b) is not None:
@@ -110,7 +110,7 @@ def index_put(op: str):
                     raise LoweringError(f"{lw.name}: {op} is not lowered")
                 return plain(lw, args, kwargs, shapes, group)
             index = args[1] if isinstance(args[1], (list, tuple)) else []
-            flag = as_flag(lw, index[0]) if len(index) == 1 and index[0] is not None else None
+            flag = flag_of(lw, index[0]) if len(index) == 1 and index[0] is not None else None
             c = _fill(lw, args[2])
             if flag is None or c is None or (len(args) > 3 and args[3]):
                 raise LoweringError(f"{lw.name}: {op} into the batch's ids other than an integer "

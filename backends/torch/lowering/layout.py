@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.bucket_pieces import bucket_view
 from backends.torch.lowering.context import LNode, pg, tensor_args
+from backends.torch.lowering.emit import narrow
 from backends.torch.lowering.ir import (
     As,
     Bucket,
@@ -243,6 +244,33 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
     size, stride = list(args[1]), list(args[2])
     offset = int(args[3]) if len(args) > 3 and args[3] is not None else 0
     contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
+    block = kwargs.get("block")
+    x = lw.env.get(args[0][1])
+    if block is not None and isinstance(x, int) \
+            and (offset != 0 or math.prod(size) != math.prod(lw.shapes[x])
+                 or any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1)):
+        # a block of a contiguous input, as the recorder found it: the input
+        # seen with the block's base shape, narrowed, seen with the view's
+        # shape (soundness.md, "Plans traced from PyTorch", 35d)
+        sizes, region = block
+        x = lw.reshape(x, tuple(sizes))
+        for d, (start, length, _) in enumerate(region):
+            x = narrow(lw, x, d, start, length)
+        # the view's dims of size > 1, in the base's order, then in the view's
+        mapped = [(at, length) for _, length, at in region if at >= 0]
+        x = lw.materialize(view_to(lw, x, tuple(length for _, length in mapped)))
+        # x's dim k is the view's dim order[k]: the view is x permuted by
+        # the inverse order
+        order = [at for at, _ in mapped]
+        current = list(range(len(order)))
+        for k in range(len(order)):
+            j = current.index(order.index(k))
+            if j != k:
+                shape = list(lw.shapes[x])
+                shape[j], shape[k] = shape[k], shape[j]
+                x = lw.emit("transpose", [x], [tuple(shape)], {"dim0": k, "dim1": j})[0]
+                current[j], current[k] = current[k], current[j]
+        return view_to(lw, x, tuple(size))
     if any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1):
         raise LoweringError(f"{lw.name}: as_strided with strides {stride} is not lowered")
     if isinstance(src, Bucket):

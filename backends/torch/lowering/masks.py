@@ -44,13 +44,14 @@ from backends.torch.lowering.ir import (
     Flag,
     IdRows,
     Ids,
+    IdsTest,
     Pending,
     SdpaSaved,
     as_flag,
     constant_flag,
     pending_of,
 )
-from backends.torch.lowering.onehot import label_values, one_hot
+from backends.torch.lowering.onehot import flag_of, label_values, one_hot
 from backends.torch.lowering.registry import Handler, refines
 
 if TYPE_CHECKING:
@@ -182,6 +183,18 @@ def combine(op: str, base: Handler | None) -> Handler:
             if a is not None and b is not None:
                 return combine_flags(lw, _shaped(lw, a, tuple(shapes[0])),
                                      _shaped(lw, b, tuple(shapes[0])), op)
+        if any(isinstance(pending_of(lw, x), IdsTest) for x in args[:2]):
+            # comparisons of the ids: the vocabulary-parallel patterns first,
+            # then any such comparison as a flag
+            if base is not None:
+                try:
+                    return base(lw, args, kwargs, shapes, group)
+                except LoweringError:
+                    pass
+            a, b = flag_of(lw, args[0]), flag_of(lw, args[1])
+            if a is not None and b is not None:
+                return combine_flags(lw, _shaped(lw, a, tuple(shapes[0])),
+                                     _shaped(lw, b, tuple(shapes[0])), op)
         if base is None:
             raise LoweringError(f"{lw.name}: an '{op}' of other than masks of the batch's ids or "
                                 f"constant masks is not lowered")
@@ -276,6 +289,8 @@ def where(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape = tuple(shapes[0])
         cond = pending_of(lw, args[0])
+        if isinstance(cond, IdsTest):
+            cond = flag_of(lw, args[0])
         a, b = lw.const(args[1]), lw.const(args[2])
         if not isinstance(cond, Flag):
             value = constant_value(lw, args[0]) if isinstance(cond, Const) else None
@@ -290,8 +305,14 @@ def where(base: Handler) -> Handler:
                 return NegInfMask(_shaped(lw, cond, shape))
             if (a, b) == (NEG_INF, 0.0):
                 return NegInfMask(_shaped(lw, _not(lw, cond), shape))
-            raise LoweringError(f"{lw.name}: where of a mask between the constants {a} and {b} "
-                                f"is not lowered")
+            if not np.isfinite([a, b]).all():
+                raise LoweringError(f"{lw.name}: where of a mask between the constants {a} and "
+                                    f"{b} is not lowered (an infinite number other than an "
+                                    f"additive -inf mask's)")
+            # b + (a - b) m for the 0/1 mask m (soundness.md, "Plans traced from PyTorch", 35e)
+            m = _shaped(lw, cond, shape)
+            scaled = lw.emit("mul_scalar", [m.x], [shape], {"value": a - b})[0]
+            return lw.emit("add_scalar", [scaled], [shape], {"value": b})[0]
         if b is not None:
             return _select(lw, lw.val(args[1]), _not(lw, cond), b, shape)
         if a is not None:
@@ -471,12 +492,15 @@ def divide(base: Handler) -> Handler:
 @refines("aten._to_copy.default", "aten.to.dtype")
 def cast(base: Handler) -> Handler:
     """A cast of a count or of an additive -inf mask to a floating type is
-    the same count or mask."""
+    the same count or mask; a flag (or a comparison of the ids) cast to any
+    numeric type is its 0/1 values, which it already stands for."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         c = pending_of(lw, args[0])
         dtype = str(kwargs.get("dtype", args[1] if len(args) > 1 else ""))
         if isinstance(c, Count) or isinstance(c, NegInfMask) and "float" in dtype:
             return c
+        if isinstance(c, (Flag, IdsTest)) and "complex" not in dtype:
+            return flag_of(lw, args[0])
         return base(lw, args, kwargs, shapes, group)
     return lower
 

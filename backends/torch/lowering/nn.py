@@ -233,6 +233,37 @@ def rsub(lw: Lowerer, args, kwargs, shapes, group):
     return lw.emit("sub", [lw.val(args[1]), lw.val(args[0])], shapes)[0]
 
 
+def _plus_number(sign: float):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        """x + alpha * c (x - alpha * c) for a number c."""
+        alpha = float(args[2] if len(args) > 2 else kwargs.get("alpha", 1))
+        c = lw.const(args[1])
+        if c is None:
+            raise LoweringError(f"{lw.name}: an addition of a scalar that is not a number is "
+                                f"not lowered")
+        return lw.emit("add_scalar", [lw.val(args[0])], shapes, {"value": sign * alpha * c})[0]
+    return lower
+
+
+@lowers("aten.fill_.Scalar", "aten.fill_.Tensor", "aten.fill.Scalar", "aten.fill.Tensor")
+def fill(lw: Lowerer, args, kwargs, shapes, group):
+    """Every entry set to a number (ones times it) or to a one-value tensor
+    (broadcast to the shape)."""
+    shape = tuple(shapes[0])
+    c = lw.const(args[1])
+    if c is not None:
+        ones = lw.emit("ones", [], [shape], {"shape": list(shape)}, direction="none")[0]
+        return lw.emit("mul_scalar", [ones], [shape], {"value": c})[0]
+    value = lw.val(args[1])
+    if math.prod(lw.shapes[value]) != 1:
+        raise LoweringError(f"{lw.name}: a fill with a tensor of more than one value")
+    return lw.emit("expand", [lw.reshape(value, ())], [shape], {"shape": list(shape)})[0]
+
+
+lowers("aten.add.Scalar")(_plus_number(1.0))
+lowers("aten.sub.Scalar")(_plus_number(-1.0))
+
+
 # -- losses ---------------------------------------------------------------------
 
 def _reduction(lw: Lowerer, args: Any, at: int, kwargs: dict) -> int:

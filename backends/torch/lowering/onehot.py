@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.ir import IdRows, Ids
+from backends.torch.lowering.constants import constant_input
+from backends.torch.lowering.ir import Flag, IdRows, Ids, IdsTest, as_flag, pending_of
 from backends.torch.lowering.shapes import view_to
 
 if TYPE_CHECKING:
@@ -91,3 +92,43 @@ def slice_ids(lw: Lowerer, args, shapes) -> IdRows:
     shape[dim] = length
     x = lw.emit("narrow", [rows.x], [shape], {"dim": dim, "start": start, "length": length})[0]
     return IdRows(x, np.take(rows.ids, range(start, start + length), axis=dim))
+
+
+_TESTS = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+          "eq": np.equal, "ne": np.not_equal}
+
+
+def ids_test_flag(lw: Lowerer, test: IdsTest) -> Flag:
+    """``ids op c`` as a 0/1 tensor of the one-hot rows: the sum of the
+    columns whose id passes the test (each one-hot row has a single 1), plus
+    ``1 - (row sum)`` when the ids outside the vocabulary (zero rows) pass
+    it, which must then hold for every one of them (docs/soundness.md,
+    "Plans traced from PyTorch", 35c)."""
+    onehot = one_hot_of(lw, test.ids)
+    values = label_values(lw, ("v", ids_value(lw, test.ids)))
+    held = _TESTS[test.op](values, test.value)
+    outside = (values < 0) | (values >= lw.vocab)
+    if np.any(held[outside]) and not np.all(held[outside]):
+        raise LoweringError(f"{lw.name}: a comparison of ids with {test.value} that holds for "
+                            f"some ids outside the vocabulary and not others is not lowered")
+    shape = lw.shapes[onehot]
+    columns = _TESTS[test.op](np.arange(lw.vocab), test.value).astype(np.float64)
+    picked = lw.emit("mul", [onehot, constant_input(lw, columns)], [shape])[0]
+    x = lw.emit("sum", [picked], [shape[:-1]], {"dim": [len(shape) - 1], "keepdim": False})[0]
+    if np.any(held[outside]):
+        rows = lw.emit("sum", [onehot], [shape[:-1]], {"dim": [len(shape) - 1],
+                                                       "keepdim": False})[0]
+        zero_rows = lw.emit("add_scalar", [lw.emit("mul_scalar", [rows], [shape[:-1]],
+                                                   {"value": -1.0})[0]],
+                            [shape[:-1]], {"value": 1.0})[0]
+        x = lw.emit("add", [x, zero_rows], [shape[:-1]])[0]
+    return Flag(x, held)
+
+
+def flag_of(lw: Lowerer, a: Any) -> Flag | None:
+    """The argument as a flag: a flag, a constant boolean mask, or a
+    comparison of the batch's ids with a number (``IdsTest``)."""
+    x = pending_of(lw, a)
+    if isinstance(x, IdsTest):
+        return ids_test_flag(lw, x)
+    return as_flag(lw, a)

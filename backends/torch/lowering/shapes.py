@@ -252,12 +252,25 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[li
     return groups
 
 
+def _one_value(lw: Lowerer, x: int, dst: tuple[int, ...]) -> int:
+    """A one-value tensor seen with another number of size-one dims, when one
+    side has none (soundness.md, "Plans traced from PyTorch", 35a): a 0-d tensor gains its
+    dims by an expand (new leading dims), a (1, ..., 1) tensor loses them by
+    the sum of its one element."""
+    if not lw.shapes[x]:
+        return lw.emit("expand", [x], [dst], {"shape": list(dst)})[0]
+    x = lw.emit("sum", [x], [()], {"dim": None, "keepdim": False})[0]
+    return x if not dst else lw.emit("expand", [x], [dst], {"shape": list(dst)})[0]
+
+
 def view_to(lw: Lowerer, x: int, dst: tuple[int, ...]) -> int | Flat:
     src = lw.shapes[x]
     if src == dst:
         return x
     if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == dst:
         return lw.flat_of[x]  # a flattened value seen with its own shape again
+    if (not src or not dst) and math.prod(src) == math.prod(dst) == 1:
+        return _one_value(lw, x, dst)
     groups = _reshape_groups(src, dst)
     if groups and len(groups[0][0]) > 1 and len(groups[0][1]) == 1 and len(src) > 3 and len(dst) > 1 \
             and all(len(gi) == 1 and len(gj) == 1 for gi, gj in groups[1:]):

@@ -4,6 +4,7 @@ and writes of ids."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,7 +68,10 @@ def _ids_test(op: str):
         if not isinstance(ids, Ids) or value is None:
             raise LoweringError(f"{lw.name}: a comparison other than of the batch's ids with "
                                 f"a number is not lowered")
-        return IdsTest(ids, op, int(value))
+        # an integer id passes x < c (x >= c) as it passes x < ceil(c) (x >= ceil(c)),
+        # x > c (x <= c) as x > floor(c) (x <= floor(c))
+        bound = math.ceil(value) if op in ("lt", "ge") else math.floor(value)
+        return IdsTest(ids, op, int(bound))
     return lower
 
 

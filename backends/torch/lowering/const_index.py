@@ -1,0 +1,106 @@
+"""Lowering of a computed tensor indexed along one dim by a constant tensor of
+integers (``x[:, :, idx]`` with ``idx`` built from constants, as Falcon
+splits its fused query-key-value projection), and of the ``index_put`` that
+is its backward.
+
+``x[..., idx, ...]`` along dim d takes, for each entry ``v`` of ``idx``, the
+slice ``v`` of x along d: the ``narrow`` of that slice, concatenated along d
+in ``idx``'s order and seen with ``idx``'s shape at d. ``t.index_put(...,
+idx, ..., g, accumulate)`` adds each slice of g to the slice ``v`` of t (the
+``narrow`` rule's backward puts it there among zeros); without accumulation
+the slices written are first cleared (a constant 0/1 factor), and repeated
+indices are refused (which write lands is not defined). Each is the op's
+definition for the recorded constant indices, exact for every x
+(docs/soundness.md, "Plans traced from PyTorch", 35f).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.constants import constant_input, constant_value
+from backends.torch.lowering.emit import cat, narrow, pad
+from backends.torch.lowering.ir import Const, NewZeros, Zeros
+from backends.torch.lowering.registry import Handler, refines
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
+INDEX_PUTS = ("aten.index_put_.default", "aten.index_put.default")
+
+
+def _one_index(lw: Lowerer, indices: Any) -> tuple[int, np.ndarray] | None:
+    """(dim, values) when the indices are one constant integer tensor (the
+    other dims taken whole), else None."""
+    if not isinstance(indices, (list, tuple)):
+        return None
+    given = [(d, a) for d, a in enumerate(indices) if a is not None]
+    if len(given) != 1 or not isinstance(lw.env.get(given[0][1][1]), Const):
+        return None
+    value = constant_value(lw, given[0][1])
+    if value is None or value.dtype.kind not in "iu":
+        return None
+    return given[0][0], np.asarray(value)
+
+
+def _checked(lw: Lowerer, values: np.ndarray, size: int) -> np.ndarray:
+    if np.any((values < -size) | (values >= size)):
+        raise LoweringError(f"{lw.name}: an index outside a dim of size {size}")
+    return values % size
+
+
+@refines("aten.index.Tensor")
+def index(base: Handler) -> Handler:
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        found = _one_index(lw, args[1])
+        if found is None or not isinstance(lw.env.get(args[0][1]), int):
+            return base(lw, args, kwargs, shapes, group)
+        dim, values = found
+        x = lw.val(args[0])
+        flat = _checked(lw, values.reshape(-1), lw.shapes[x][dim])
+        out = cat(lw, [narrow(lw, x, dim, int(v), 1) for v in flat], dim)
+        return lw.reshape(out, tuple(shapes[0]))
+    return lower
+
+
+def index_put(plain: Handler) -> Handler:
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        found = _one_index(lw, args[1])
+        target = lw.env.get(args[0][1])
+        if found is None or not isinstance(target, (int, NewZeros, Zeros)):
+            return plain(lw, args, kwargs, shapes, group)
+        dim, values = found
+        accumulate = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
+        t = lw.val(args[0])
+        shape = lw.shapes[t]
+        flat = _checked(lw, values.reshape(-1), shape[dim])
+        if not accumulate and len(set(flat.tolist())) != len(flat):
+            raise LoweringError(f"{lw.name}: index_put without accumulation at repeated "
+                                f"indices is not lowered (which write lands is not defined)")
+        piece = list(shape)
+        piece[dim] = len(flat)
+        g = lw.val(args[2])
+        if lw.shapes[g] != tuple(piece):
+            expanded = (*shape[:dim], *values.shape, *shape[dim + 1:])
+            g = lw.reshape(lw.emit("expand", [g], [expanded], {"shape": list(expanded)})[0]
+                           if lw.shapes[g] != expanded else g, tuple(piece))
+        if not accumulate:
+            keep = np.ones(shape)
+            np.moveaxis(keep, dim, 0)[flat] = 0.0
+            t = lw.emit("mul", [t, constant_input(lw, keep)], [shape])[0]
+        for i, v in enumerate(flat):
+            part = pad(lw, narrow(lw, g, dim, i, 1), dim, int(v), shape[dim] - int(v) - 1)
+            t = lw.emit("add", [t, part], [shape])[0]
+        return t
+    return lower
+
+
+def _refused(lw: Lowerer, args, kwargs, shapes, group):
+    raise LoweringError(f"{lw.name}: index_put other than at one constant index tensor is not "
+                        f"lowered")
+
+
+refines(*INDEX_PUTS, absent=lambda op: _refused)(index_put)
