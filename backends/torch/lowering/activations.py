@@ -456,7 +456,7 @@ def partial_write(lw: Lowerer, args, kwargs, shapes, group):
     (``y[1:] += x``, ``y[:, 0] = x``; ``record.py`` gives the block): the
     tensor with that block replaced by the view's new value, pieced together
     with ``narrow`` and ``cat`` (docs/soundness.md, "Plans traced from
-    PyTorch", 35d)."""
+    PyTorch", 39d)."""
     region = args[2] if len(args) > 2 else None
     written = args[3] if len(args) > 3 else None
     if region is None or written is None or isinstance(lw.env.get(written[1]), str) \

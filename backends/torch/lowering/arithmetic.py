@@ -251,7 +251,7 @@ def _where_pending(lw: Lowerer, args, kwargs, shapes, group):
     if lw.const(args[1]) is None and lw.const(args[2]) is None:
         # two tensors: each selected by its side of the comparison, summed
         # (one of the two terms is 0 at every position: soundness.md, "Plans
-        # traced from PyTorch", 35b)
+        # traced from PyTorch", 39b)
         then = selected(lw, cond, lw.val(args[1]), True, shapes[0])
         other = selected(lw, cond, lw.val(args[2]), False, shapes[0])
         return lw.emit("add", [then, other], [tuple(shapes[0])])[0]
@@ -333,7 +333,7 @@ def _clamp(lw: Lowerer, args, kwargs, shapes, group):
     if (lo is not None and bounds["min"] is None) or (hi is not None and bounds["max"] is None):
         raise LoweringError(f"{lw.name}: clamp by a tensor is not lowered")
     # an infinite bound bounds no real number: no bound (soundness.md, "Plans
-    # traced from PyTorch", 35g)
+    # traced from PyTorch", 39g)
     bounds = {k: None if v is not None and math.isinf(v) and (v > 0) == (k == "max") else v
               for k, v in bounds.items()}
     if all(v is None for v in bounds.values()):

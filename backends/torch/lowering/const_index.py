@@ -11,7 +11,7 @@ idx, ..., g, accumulate)`` adds each slice of g to the slice ``v`` of t (the
 the slices written are first cleared (a constant 0/1 factor), and repeated
 indices are refused (which write lands is not defined). Each is the op's
 definition for the recorded constant indices, exact for every x
-(docs/soundness.md, "Plans traced from PyTorch", 35f).
+(docs/soundness.md, "Plans traced from PyTorch", 39f).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def selected(lw: Lowerer, cmp: Compare, t: int, where_true: bool, shape) -> int:
     x < c is step(c - x), x >= c and x <= c their complements."""
     if math.isinf(cmp.c):
         # x op ±inf of a real x is the same for every x: t, or zeros
-        # (soundness.md, "Plans traced from PyTorch", 35g)
+        # (soundness.md, "Plans traced from PyTorch", 39g)
         holds = (cmp.op in ("lt", "le")) == (cmp.c > 0)
         if lw.shapes[t] != tuple(shape):
             raise LoweringError(f"{lw.name}: a where on a comparison that broadcasts is not "

@@ -251,7 +251,7 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
                  or any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1)):
         # a block of a contiguous input, as the recorder found it: the input
         # seen with the block's base shape, narrowed, seen with the view's
-        # shape (soundness.md, "Plans traced from PyTorch", 35d)
+        # shape (soundness.md, "Plans traced from PyTorch", 39d)
         sizes, region = block
         x = lw.reshape(x, tuple(sizes))
         for d, (start, length, _) in enumerate(region):

@@ -309,7 +309,7 @@ def where(base: Handler) -> Handler:
                 raise LoweringError(f"{lw.name}: where of a mask between the constants {a} and "
                                     f"{b} is not lowered (an infinite number other than an "
                                     f"additive -inf mask's)")
-            # b + (a - b) m for the 0/1 mask m (soundness.md, "Plans traced from PyTorch", 35e)
+            # b + (a - b) m for the 0/1 mask m (soundness.md, "Plans traced from PyTorch", 39e)
             m = _shaped(lw, cond, shape)
             scaled = lw.emit("mul_scalar", [m.x], [shape], {"value": a - b})[0]
             return lw.emit("add_scalar", [scaled], [shape], {"value": b})[0]

@@ -103,7 +103,7 @@ def ids_test_flag(lw: Lowerer, test: IdsTest) -> Flag:
     columns whose id passes the test (each one-hot row has a single 1), plus
     ``1 - (row sum)`` when the ids outside the vocabulary (zero rows) pass
     it, which must then hold for every one of them (docs/soundness.md,
-    "Plans traced from PyTorch", 35c)."""
+    "Plans traced from PyTorch", 39c)."""
     onehot = one_hot_of(lw, test.ids)
     values = label_values(lw, ("v", ids_value(lw, test.ids)))
     held = _TESTS[test.op](values, test.value)

@@ -254,7 +254,7 @@ def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[li
 
 def _one_value(lw: Lowerer, x: int, dst: tuple[int, ...]) -> int:
     """A one-value tensor seen with another number of size-one dims, when one
-    side has none (soundness.md, "Plans traced from PyTorch", 35a): a 0-d tensor gains its
+    side has none (soundness.md, "Plans traced from PyTorch", 39a): a 0-d tensor gains its
     dims by an expand (new leading dims), a (1, ..., 1) tensor loses them by
     the sum of its one element."""
     if not lw.shapes[x]:
