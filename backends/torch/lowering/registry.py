@@ -46,9 +46,8 @@ Refinement = Callable[[Handler | None], Handler]
 #: family refines what the ones before it made
 LAYERS = ("vocab_parallel", "masks", "ids", "compose", "std", "max", "argmax", "max_all", "slices",
           "norm_sums", "const_lookup", "chunk", "label_masks", "logprob_views", "scan",
-          "vocab_picks", "merged_views", "grad_buffers",
-          "routing", "safe_softmax", "grouped", "permute",
-          "const_index")
+          "const_index", "vocab_picks", "merged_views", "grad_buffers",
+          "routing", "safe_softmax", "grouped", "permute")
 
 _PACKAGE = "backends.torch.lowering."
 
