@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from backends.torch.__main__ import model_kwargs, resolve  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
-from backends.torch.__main__ import resolve  # noqa: E402
 from backends.torch.build import build_plans  # noqa: E402
 from backends.torch.lowering import LoweringError, lower_ranks, lower_trace  # noqa: E402
 from backends.torch.rank import run  # noqa: E402
@@ -51,12 +51,15 @@ CASES: list[tuple[str, str]] = [
     # which refuses more stages than microbatches)
     ("titan debugmodel dp4 tp2 pp2 16 ranks", f"{TITAN} --dp 4 --tp 2 --pp 2 --batch 16"),
     ("titan debugmodel dp8 tp4 pp2 64 ranks", f"{TITAN} --dp 8 --tp 4 --pp 2 --batch 32"),
+    ("titan debugmodel 8 layers dp4 tp4 pp4 64 ranks",
+     f"{TITAN} --dp 4 --tp 4 --pp 4 --layers 8 --batch 16"),
+    ("titan debugmodel 8 layers dp16 tp4 pp4 256 ranks",
+     f"{TITAN} --dp 16 --tp 4 --pp 4 --layers 8 --batch 64"),
 ]
 
 
 def spec_of(args: argparse.Namespace) -> dict:
-    kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
-          "vocab": args.vocab, "seqlen": args.seqlen}
+    kw = model_kwargs(args)
     return {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
             "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
             "vocab": args.vocab, "seed": args.seed}

@@ -36,8 +36,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from backends.torch.__main__ import model_kwargs, resolve  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
-from backends.torch.__main__ import resolve  # noqa: E402
 from backends.torch.pipeline import OwnSchedule  # noqa: E402
 from backends.torch.rank import load, recipe_result, train_context  # noqa: E402
 
@@ -51,8 +51,7 @@ def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _model(args: argparse.Namespace):
     torch.manual_seed(args.seed)
-    kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
-          "vocab": args.vocab, "seqlen": args.seqlen}
+    kw = model_kwargs(args)
     model = load(args.model)(**kw).to(torch.float64)
     if hasattr(model, "global_tokens"):
         model.global_tokens = args.batch * args.seqlen

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from backends.torch.__main__ import parser, resolve
+    from backends.torch.__main__ import model_kwargs, parser, resolve
     from backends.torch.rank import in_float64, load
     from backends.torch.ranks import PRELOAD
     from backends.torch.record import Recorder, Tracker, local_of
@@ -51,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     phases["import torch, parallel APIs"] = cpu() - t
 
     args = resolve(parser().parse_args(backend))
-    sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
-             "vocab": args.vocab, "seqlen": args.seqlen}
+    sizes = model_kwargs(args)
     world = args.pp * args.dp * args.tp
     torch.set_num_threads(1)  # as a rank runs (rank.one_thread)
     dist.init_process_group("fake", rank=opts.rank, world_size=world, store=FakeStore())

@@ -13,7 +13,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 
-from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
+from backends.torch.__main__ import model_kwargs, parser, trace_and_build  # noqa: E402
 from backends.torch.lowering import LoweringError  # noqa: E402
 from backends.torch.rank import run  # noqa: E402
 from main import verify  # noqa: E402
@@ -26,8 +26,7 @@ def single_trace():
     args = parser().parse_args(HF_ARGS)
     from backends.torch.__main__ import resolve
     resolve(args)
-    spec = {"model": args.model, "model_kwargs": {"layers": args.layers, "hidden": args.hidden,
-            "heads": args.heads, "ffn": args.ffn, "vocab": args.vocab, "seqlen": args.seqlen},
+    spec = {"model": args.model, "model_kwargs": model_kwargs(args),
             "recipe": "", "dp": 1, "tp": 1, "pp": 1, "batch": args.batch,
             "seqlen": args.seqlen, "vocab": args.vocab, "seed": args.seed, "parallel": False}
     return run(spec, 0)

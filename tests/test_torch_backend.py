@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backends.torch.__main__ import main as torch_main
-from backends.torch.__main__ import parser, trace_and_build
+from backends.torch.__main__ import model_kwargs, parser, trace_and_build
 from backends.torch.build import _Builder
 from backends.torch.lowering import LoweringError, lower_trace
 from backends.torch.models import llama
@@ -30,8 +30,7 @@ RECIPES = "backends.torch.recipes:"
 @pytest.fixture(scope="module")
 def single_trace():
     args = parser().parse_args([])
-    spec = {"model": args.model, "model_kwargs": {"layers": args.layers, "hidden": args.hidden,
-            "heads": args.heads, "ffn": args.ffn, "vocab": args.vocab, "seqlen": args.seqlen},
+    spec = {"model": args.model, "model_kwargs": model_kwargs(args),
             "recipe": "", "dp": 1, "tp": 1, "pp": 1, "batch": args.batch,
             "seqlen": args.seqlen, "vocab": args.vocab, "seed": args.seed, "parallel": False}
     return run(spec, 0)
@@ -152,8 +151,7 @@ PP_ARGS = ["--pp", "2", "--dp", "1", "--tp", "1", "--layers", "2", "--batch", "8
 @pytest.fixture(scope="module")
 def pp_single_trace():
     args = parser().parse_args(PP_ARGS)
-    spec = {"model": args.model, "model_kwargs": {"layers": args.layers, "hidden": args.hidden,
-            "heads": args.heads, "ffn": args.ffn, "vocab": args.vocab, "seqlen": args.seqlen},
+    spec = {"model": args.model, "model_kwargs": model_kwargs(args),
             "recipe": "", "dp": 1, "tp": 1, "pp": 1, "batch": args.batch,
             "seqlen": args.seqlen, "vocab": args.vocab, "seed": args.seed, "parallel": False}
     return run(spec, 0)
@@ -201,8 +199,7 @@ def test_lowered_step_computes_what_torch_computes(single_trace) -> None:
     values = execute(plan)
     inputs = {plan.logical[t.tid].name: values[i] for i, t in enumerate(plan.tensors)
               if values[i] is not None and plan.logical[t.tid].kind in ("param", "buffer", "tokens")}
-    model = llama(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn,
-                  vocab=args.vocab, seqlen=args.seqlen).to(torch.float64)
+    model = llama(**model_kwargs(args)).to(torch.float64)
     model.global_tokens = args.batch * args.seqlen
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:

@@ -41,3 +41,17 @@ def test_deepseek_v3_tensor_parallelism_is_refused_with_its_reason() -> None:
 
     with pytest.raises(ValueError, match="all-to-all dispatch is not lowered"):
         parallelize_deepseekv3(None, {"tp": Dim(2), "pp": Dim(1), "dp": Dim(1)})
+
+
+def test_layers_cut_or_repeat_the_flavors_blocks() -> None:
+    """``--layers N``: the flavor's first N blocks, or its blocks and copies
+    of its last; without it the flavor's own; the pipeline takes one
+    microbatch a stage past two stages."""
+    from backends.torch.__main__ import model_kwargs
+    from backends.torch.titan import llama3_debugmodel, microbatches
+    assert len(llama3_debugmodel(layers=8).model.layers) == 8
+    assert len(llama3_debugmodel(layers=2).model.layers) == 2
+    assert "layers" not in model_kwargs(parser().parse_args(TITAN))
+    assert model_kwargs(parser().parse_args(TITAN + ["--layers", "3"]))["layers"] == 3
+    assert model_kwargs(parser().parse_args([]))["layers"] == 1
+    assert [microbatches(pp) for pp in (1, 2, 4, 8)] == [2, 2, 4, 8]

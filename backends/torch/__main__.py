@@ -78,19 +78,37 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if args.model not in (MODEL, model):
             raise LoweringError("--hf and --model name two models: give one")
         args.model = model
+        args.layers = 1 if args.layers is None else args.layers
         if args.recipe == RECIPE:
             args.recipe = "tp_fsdp"
         if ":" not in args.recipe:
             args.recipe = f"backends.torch.hf:{args.recipe}"
         args.name = args.name or (f"hf_{hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
-                                  f"_tp{args.tp}_ly{args.layers}_b{args.batch}")
+                                  f"_tp{args.tp}{_layers_tag(args)}_b{args.batch}")
     args.model = _short_module(MODELS.get(args.model, args.model))
     args.recipe = _short_module(args.recipe)
+    if args.layers is None and not args.model.startswith(f"{SHORT_MODULES['titan']}:"):
+        args.layers = 1  # torchtitan's models keep their flavor's blocks
     if getattr(args, "clipper", None):
         args.clipper = _short_module(args.clipper)
     if ":" not in args.recipe:
         args.recipe = f"{recipe_module(args.recipe)}:{args.recipe}"
     return args
+
+
+def model_kwargs(args: argparse.Namespace) -> dict:
+    """The size keywords the model factory is called with (``layers`` left
+    out where a torchtitan model keeps its flavor's blocks)."""
+    layers = args.layers
+    if layers is None and not _short_module(args.model).startswith(f"{SHORT_MODULES['titan']}:"):
+        layers = 1
+    return {**({"layers": layers} if layers is not None else {}), "hidden": args.hidden,
+            "heads": args.heads, "ffn": args.ffn, "vocab": args.vocab, "seqlen": args.seqlen}
+
+
+def _layers_tag(args: argparse.Namespace) -> str:
+    """``_lyN`` of a plan file's name (nothing for a flavor's own blocks)."""
+    return "" if args.layers is None else f"_ly{args.layers}"
 
 
 #: module shorthands of ``--model``, ``--recipe`` and ``--clipper`` (``titan:qwen3``)
@@ -140,7 +158,8 @@ def parser() -> argparse.ArgumentParser:
                         "phi3, ...: any of transformers' auto mapping) built from a small "
                         "random config and parallelized by transformers itself; the "
                         "recipe defaults to backends.torch.hf:tp_fsdp (docs/torch-backend.md)")
-    p.add_argument("--layers", type=int, default=1, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer blocks (default: 1; torchtitan's models: the flavor's)")
     p.add_argument("--hidden", type=int, default=16, help="hidden size (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
     p.add_argument("--ffn", type=int, default=32, help="feed-forward size (default: %(default)s)")
@@ -197,8 +216,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     rank; the two plans."""
     args = resolve(args)
     mesh = user_mesh(args)
-    kw = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "ffn": args.ffn,
-          "vocab": args.vocab, "seqlen": args.seqlen}
+    kw = model_kwargs(args)
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
             "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
             "vocab": args.vocab, "seed": args.seed, "optimizer": args.optimizer,
@@ -245,7 +263,7 @@ def write_plans(args: argparse.Namespace, say: bool = True) -> tuple[Path, Path]
     (plan_s, plan_p), _ = trace_and_build(args)  # resolves args' short names in place
     pp = f"_pp{args.pp}" if args.pp > 1 else ""
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
-                         f"_ly{args.layers}_b{args.batch}")
+                         f"{_layers_tag(args)}_b{args.batch}")
     out = Path(args.out)
     sm, _ = save_plan(plan_s, out / f"{stem}_single.{args.format}")
     pm, _ = save_plan(plan_p, out / f"{stem}_parallel.{args.format}")

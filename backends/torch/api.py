@@ -93,7 +93,7 @@ def reference(obj: Any, what: str) -> str:
 
 def verify(model: Any, parallelize: Any, mesh: Any = None, batch: int = 4, *,
            data_dims: list[str] | tuple[str, ...] | None = None, seqlen: int = 4,
-           vocab: int = 16, layers: int = 1, hidden: int = 16, heads: int = 4, ffn: int = 32,
+           vocab: int = 16, layers: int | None = None, hidden: int = 16, heads: int = 4, ffn: int = 32,
            optimizer: str = "none", clip: float | None = None, clipper: Any = None,
            seed: int = 0, keep: str | Path | None = None) -> Result:
     """Prove ``parallelize`` (called as ``parallelize(model, mesh)`` on every

@@ -10,13 +10,15 @@ vocabulary-parallel loss, FSDP2 over "dp") on torchtitan's own
 ``ParallelDims`` mesh, unpatched but for the CPU adaptations of
 ``backends.torch.titan_shim`` (applied here, printed on stderr). With
 ``--pp 2`` it runs torchtitan's ``pipeline_llm`` instead (its stage split,
-``parallelize_llama`` on each stage, 1F1B over two microbatches).
+``parallelize_llama`` on each stage, 1F1B over ``microbatches(pp)``
+microbatches: two, or one a stage when there are more stages).
 
 The loss is torchtitan's: ``cross_entropy_loss`` (a sum over the rank's
 tokens) divided by the step's token count, as its trainer divides by
 ``global_valid_tokens``. ``--vocab`` must be the model's vocabulary (2048
 for the debugmodel); ``--seqlen`` sets the sequence length; the other size
-flags are not used (the flavor fixes them). FSDP's mixed precision is
+flags are not used (the flavor fixes them) but for ``--layers``, which cuts the
+flavor's blocks or repeats its last one (without it, the flavor's). FSDP's mixed precision is
 float64 (the shim's adaptation 4), the precision every traced model runs
 in. Its DeepSeek-V3 ``debugmodel`` builds too (``deepseek_v3_debugmodel``),
 parallelized by its own ``parallelize_deepseekv3`` over dp with its top-k
@@ -25,6 +27,7 @@ routing recorded (expert parallelism is refused).
 
 from __future__ import annotations
 
+import copy
 import importlib
 from types import SimpleNamespace
 
@@ -57,8 +60,10 @@ class TitanLM(nn.Module):
         return cross_entropy_loss(self.model(tokens), labels) / self.global_tokens
 
 
-#: microbatches per pipeline step: torchtitan's 1F1B wants at least one per stage
-MICROBATCHES = 2
+def microbatches(pp: int) -> int:
+    """Microbatches of a pipelined step: two, and at least one per stage
+    (torchtitan's 1F1B refuses fewer)."""
+    return max(2, pp)
 
 
 def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1, ep: int = 1):
@@ -70,13 +75,16 @@ def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1, ep:
 
 
 def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3", ep: int = 1,
-          **_sizes) -> TitanLM:
+          layers: int | None = None, **_sizes) -> TitanLM:
     """torchtitan's ``family`` model (a package of ``torchtitan.models``) of
     ``flavor`` with its weights initialized on the CPU (``seqlen``: the
-    step's sequence length, for pipeline stage shapes)."""
+    step's sequence length, for pipeline stage shapes; ``layers``: the
+    flavor's first blocks, or its blocks and copies of its last one)."""
     titan_shim.apply()
     registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
     config = titan_shim.sdpa_attention(registry(flavor).model)
+    if layers is not None:
+        config.layers = with_blocks(config.layers, layers)
     config.update_from_config(config=SimpleNamespace(parallelism=_parallelism(ep=ep)))
     model = config.build()
     with torch.no_grad():
@@ -84,6 +92,14 @@ def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3", e
     lm = TitanLM(model, config, seqlen)
     lm.parallelize_fn = registry(flavor).parallelize_fn  # the family's own (parallelize_qwen3, ...)
     return lm
+
+
+def with_blocks(blocks: list, n: int) -> list:
+    """``n`` block configurations: the first ``n`` of ``blocks``, or all of
+    them and copies of the last (its own initialization scale)."""
+    if n < 1:
+        raise ValueError(f"backends.torch.titan: --layers {n}: give at least one block")
+    return [copy.deepcopy(blocks[min(i, len(blocks) - 1)]) for i in range(n)]
 
 
 def llama3_debugmodel(**sizes) -> TitanLM:
@@ -159,7 +175,7 @@ def parallelize(model: TitanLM, mesh, apply=None, tie_again: bool = True, ep: in
     torchtitan's trainer makes again (``retie``) (``dp_shard`` = dp, ``tp``
     = tp); with ``pp`` > 1,
     torchtitan's ``pipeline_llm`` (its stage split, ``parallelize_llama`` on
-    each stage, its 1F1B schedule, ``MICROBATCHES`` microbatches of the
+    each stage, its 1F1B schedule, ``microbatches(pp)`` microbatches of the
     rank's rows), the rank keeping its stage."""
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -174,11 +190,11 @@ def parallelize(model: TitanLM, mesh, apply=None, tie_again: bool = True, ep: in
     training = TrainingConfig(mixed_precision_param=titan_shim.PRECISION,
                               mixed_precision_reduce=titan_shim.PRECISION, local_batch_size=rows,
                               seq_len=model.seqlen)
-    if pp > 1 and rows % MICROBATCHES:
-        raise ValueError(f"backends.torch.titan:parallelize pipelines {MICROBATCHES} microbatches: "
-                         f"give each data-parallel rank a multiple of {MICROBATCHES} rows "
-                         f"(--batch)")
-    microbatch = max(1, rows // MICROBATCHES)
+    n_micro = microbatches(pp)
+    if pp > 1 and rows % n_micro:
+        raise ValueError(f"backends.torch.titan:parallelize pipelines {n_micro} microbatches: "
+                         f"give each data-parallel rank a multiple of {n_micro} rows (--batch)")
+    microbatch = max(1, rows // n_micro)
     common = {"parallel_dims": dims, "training": training,
               "parallelism": _parallelism(dp, tp, pp, microbatch, ep),
               "compile_config": CompileConfig(), "ac_config": None, "dump_folder": "/tmp"}
