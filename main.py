@@ -35,7 +35,7 @@ from verdict.diagnosis import diagnose, mesh_lines
 from verdict.differential import NumericRefused, check_size, compare
 from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
-from verdict.fold import FoldError, fold_pair
+from verdict.symmetry.fold import FoldError, fold_pair
 from verdict.plan import InputError, Plan, pair_problem
 from verdict.report import append_stats, assumed, evidence, failure, make_stats, time_line, tp_label, ts_label
 from verdict.solve import Outcome, Prover

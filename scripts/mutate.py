@@ -55,7 +55,7 @@ from harness.mutations import (  # noqa: E402
 from harness.oracle import judge, judge_folded  # noqa: E402
 from main import verify  # noqa: E402
 from verdict.columns import Columns  # noqa: E402
-from verdict.fold import FoldError, fold_pair  # noqa: E402
+from verdict.symmetry.fold import FoldError, fold_pair  # noqa: E402
 from verdict.plan import Plan, pair_problem  # noqa: E402
 from verdict.report import append_rows  # noqa: E402
 

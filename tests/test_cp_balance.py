@@ -24,7 +24,7 @@ from harness.oracle import judge
 from main import verify
 from verdict.differential import compare
 from verdict.final import rank_states
-from verdict.fold import fold_pair
+from verdict.symmetry.fold import fold_pair
 from verdict.lineage import infer_lineages
 from verdict.ops.nn import causal_positions
 from verdict.plan import Plan, pair_problem

@@ -20,7 +20,7 @@ from harness.mutations import FOLD_MUTATIONS, MUTATIONS, _add_tensor, copy_plan
 from harness.oracle import judge, judge_folded
 from main import main as verify_main
 from main import verify
-from verdict.fold import FoldError, batch_dims, fold_pair
+from verdict.symmetry.fold import FoldError, batch_dims, fold_pair
 from verdict.plan import Node, Plan
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)

@@ -17,12 +17,12 @@ from harness import mutations
 from harness.oracle import judge
 from main import verify
 from tests.helpers import MLP, plan_pair
-from verdict.blocks import BlockCheck
+from verdict.symmetry.blocks import BlockCheck
 from verdict.columns import Columns
-from verdict.fold import Fold, _Uniformity
+from verdict.symmetry.fold import Fold, _Uniformity
 from verdict.lineage import StructureError
 from verdict.plan import Plan
-from verdict.symmetry import Symmetry, find_symmetry
+from verdict.symmetry.cut import Symmetry, find_symmetry
 
 ROOT = Path(__file__).resolve().parent.parent
 GBS = 32

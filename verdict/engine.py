@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from verdict.columns import Columns
 from verdict.executor import Executor, SolveFn, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
-from verdict.fold import check_uniform, fold_of, fold_pair
+from verdict.symmetry.fold import check_uniform, fold_of, fold_pair
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import InputError, Plan
 from verdict.problem import Problem, build_problem
@@ -26,7 +26,7 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
-from verdict.symmetry import Refusal, Symmetry, find_symmetry, foldable
+from verdict.symmetry.cut import Refusal, Symmetry, find_symmetry, foldable
 
 
 @dataclass
@@ -137,7 +137,7 @@ def verify(single: Plan, parallel: Plan | Columns, *, prover: SolveFn, seed: int
     (verdict/executor.py); by default this process, or a pool of ``workers``
     processes running ``prover``. A folded parallel plan
     is compared with the single-device plan restricted to its rows
-    (``verdict.fold.fold_pair``, which main.py calls; done here when the
+    (``verdict.symmetry.fold.fold_pair``, which main.py calls; done here when the
     caller passes the real single-device plan, and FoldError when that
     cannot be done); its uniformity is checked here. A materialized plan
     (a Plan, or its columns) whose blocks are uniform is proved by its

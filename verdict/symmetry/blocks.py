@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from verdict.columns import Columns, NodeColumns, drop_pages, row_ids, trim_heap
-from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, batch_dims, block_starts, inner_size
+from verdict.symmetry.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, batch_dims, block_starts, inner_size
 from verdict.layout import Layout
 from verdict.lineage import StructureError
 from verdict.ops import get_op
-from verdict.owned import Owned
+from verdict.symmetry.owned import Owned
 from verdict.plan import DIRECTIONS, INPUT_KINDS, Plan
 
 

@@ -56,12 +56,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from verdict.fold import ACCUMULATE, ORBIT_SUMS
+from verdict.symmetry.fold import ACCUMULATE, ORBIT_SUMS
 from verdict.ops.step import OPTIMIZERS
 from verdict.plan import UNIT
 
-if TYPE_CHECKING:  # verdict.blocks imports this module
-    from verdict.blocks import BlockCheck
+if TYPE_CHECKING:  # verdict.symmetry.blocks imports this module
+    from verdict.symmetry.blocks import BlockCheck
 
 #: Group entries (gathers x replicas) the scan holds at a time.
 _ENTRIES = 1 << 19

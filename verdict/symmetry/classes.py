@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.blocks import BlockCheck
+from verdict.symmetry.blocks import BlockCheck
 from verdict.lineage import StructureError
 
 #: Most check passes (each finds one new class); past them the plan is
