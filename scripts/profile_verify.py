@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backends.columnar import load_columns_file  # noqa: E402
 from backends.planfile import load_plan  # noqa: E402
 from verdict.symmetry.blocks import BlockCheck  # noqa: E402
-from verdict.symmetry.fold import SHOWN, Fold  # noqa: E402
 from verdict.symmetry.cut import _Cut  # noqa: E402
+from verdict.symmetry.fold import SHOWN, Fold  # noqa: E402
 
 
 def pss() -> int:

@@ -20,9 +20,9 @@ from gen_model.config import Parallelism
 from gen_model.parallelize import Policy
 from harness import mutations
 from tests.helpers import MLP, plan_pair
-from verdict.symmetry import blocks
 from verdict.columns import Columns
 from verdict.lineage import StructureError
+from verdict.symmetry import blocks
 from verdict.symmetry.cut import Refusal, Symmetry, find_symmetry
 
 MESH = Parallelism(dp=4, tp=2, pp=2, nm=4)

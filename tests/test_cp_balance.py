@@ -24,12 +24,12 @@ from harness.oracle import judge
 from main import verify
 from verdict.differential import compare
 from verdict.final import rank_states
-from verdict.symmetry.fold import fold_pair
 from verdict.lineage import infer_lineages
 from verdict.ops.nn import causal_positions
 from verdict.plan import Plan, pair_problem
 from verdict.reduce import reduce_stage
 from verdict.stages import cut_stages
+from verdict.symmetry.fold import fold_pair
 
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
                     seqlen=8)

@@ -17,12 +17,13 @@ from harness import mutations
 from harness.oracle import judge
 from main import verify
 from tests.helpers import MLP, plan_pair
-from verdict.symmetry.blocks import BlockCheck
 from verdict.columns import Columns
-from verdict.symmetry.fold import Fold, _Uniformity
 from verdict.lineage import StructureError
 from verdict.plan import Plan
+from verdict.symmetry.blocks import BlockCheck
 from verdict.symmetry.cut import Symmetry, find_symmetry
+from verdict.symmetry.fold import Fold
+from verdict.symmetry.uniform import Uniformity
 
 ROOT = Path(__file__).resolve().parent.parent
 GBS = 32
@@ -151,7 +152,7 @@ def test_block_check_agrees_with_the_fold_uniformity():
         except StructureError:
             return False
 
-    assert accepts(BlockCheck, plan) and accepts(_Uniformity, plan)
+    assert accepts(BlockCheck, plan) and accepts(Uniformity, plan)
     for name in ("wrong_group", "other_microbatch", "drop_accumulation", "early_reducer",
                  "wrong_reducer_group", "stale_version", "wrong_peer", "reorder"):
         operator = mutations.MUTATIONS.get(name) or mutations.REWRITES[name]
@@ -159,7 +160,7 @@ def test_block_check_agrees_with_the_fold_uniformity():
             made = operator(plan, random.Random(f"agree/{name}/{k}"))
             if made is None:
                 break
-            assert accepts(BlockCheck, made[0]) == accepts(_Uniformity, made[0]), (name, made[1])
+            assert accepts(BlockCheck, made[0]) == accepts(Uniformity, made[0]), (name, made[1])
 
 
 @pytest.mark.parametrize("suffix", [".pkl", ".npz"])

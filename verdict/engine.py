@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from verdict.columns import Columns
 from verdict.executor import Executor, SolveFn, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
-from verdict.symmetry.fold import check_uniform, fold_of, fold_pair
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import InputError, Plan
 from verdict.problem import Problem, build_problem
@@ -27,6 +26,8 @@ from verdict.solve import Outcome
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
 from verdict.symmetry.cut import Refusal, Symmetry, find_symmetry, foldable
+from verdict.symmetry.fold import fold_of, fold_pair
+from verdict.symmetry.uniform import check_uniform
 
 
 @dataclass

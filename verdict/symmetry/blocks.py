@@ -36,12 +36,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from verdict.columns import Columns, NodeColumns, drop_pages, row_ids, trim_heap
-from verdict.symmetry.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, batch_dims, block_starts, inner_size
 from verdict.layout import Layout
 from verdict.lineage import StructureError
 from verdict.ops import get_op
-from verdict.symmetry.owned import Owned
 from verdict.plan import DIRECTIONS, INPUT_KINDS, Plan
+from verdict.symmetry.fold import Fold, batch_dims
+from verdict.symmetry.owned import Owned
+from verdict.symmetry.rules import (
+    ACCUMULATE,
+    CONSTANTS,
+    NOT_A_SUM_OF_ENDS,
+    NOT_LAST_BUFFER,
+    NOT_OWN_INDEX,
+    NOT_RUNNING_BUFFER,
+    NOT_WHOLE_ORBIT,
+    ORBIT_SUMS,
+    READS_OUTSIDE,
+    block_starts,
+    inner_size,
+)
 
 
 @dataclass
@@ -781,8 +794,7 @@ class BlockCheck:
         constant = np.array([op in CONSTANTS for op in cols.ops], dtype=bool)
         self.flag((mb >= 0) & (t_mb < 0) & (made >= 0) & ~constant[cols.n_op[np.maximum(made, 0)]]
                   & ~self.owned.gathered[t],
-                  node, "it reads a value computed outside microbatches, which may depend on "
-                  "every block")
+                  node, READS_OUTSIDE)
         d, t_rank, r_rank = self.rank_d, cols.t_rank[t], cols.t_rank[r]
         self.flag((d[t_rank] != d[cols.n_rank[node]]) & ~orbit, node,
                   "it reads another replica's tensor outside a sum over the replicas")
@@ -833,8 +845,7 @@ class BlockCheck:
         starts = (buf >= 0) & (made >= 0) & zeros_op[cols.n_op[np.maximum(made, 0)]] & \
             (cols.t_mb[np.maximum(buf, 0)] == -1)
         ok = np.where(first, starts, linked)
-        self.flag(~ok, acc, "its gradient buffer is not the running one (zeros, then each "
-                  "microbatch's accumulation)")
+        self.flag(~ok, acc, NOT_RUNNING_BUFFER)
         last = np.concatenate((key[1:] != key[:-1], [True]))
         #: (rank, gradient buffer) -> the zeros buffer its chain starts from
         self.chain_start = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(b)
@@ -884,13 +895,13 @@ class BlockCheck:
         orbits = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         of_ends = np.isin(orbits, sums_ends)
         self.flag(~self.owned.nodes[orbits] & (~of_ends | (cols.n_mb[orbits] != -1)), orbits,
-                  "only a sum of gradient buffers, after every microbatch, may cross replicas")
+                  NOT_A_SUM_OF_ENDS)
         sums = orbits[of_ends]
         groups = cols.n_ins[sums]
         whole = {int(g): self.whole_orbit(cols.flat[cols.ptr[g]:cols.ptr[g + 1]])
                  for g in np.unique(groups)}
         not_whole = np.array([not whole[int(g)] for g in groups], dtype=bool)
-        self.flag(not_whole, sums, "its group is not the whole orbit of replicas")
+        self.flag(not_whole, sums, NOT_WHOLE_ORBIT)
         index_of: dict[int, int] = {}  # kwargs code -> its index, -1 when not an int
         for code in np.unique(cols.n_kw[sums]).tolist():
             index = self.p.kwargs_of(code).get("index")
@@ -901,7 +912,7 @@ class BlockCheck:
         valid = (index >= 0) & (index < size)
         member = cols.flat[np.where(valid, cols.ptr[groups] + index, 0)]
         own = valid & (member >= 0) & (cols.t_rank[np.maximum(member, 0)] == cols.n_rank[sums])
-        self.flag(~not_whole & ~own, sums, "its index is not its own position in the group")
+        self.flag(~not_whole & ~own, sums, NOT_OWN_INDEX)
         # (f) the gradient buffer a rank ends with
         t, writer = self.gradbuf_writes(len(cols.ptr) - 1 - len(cols.n_rank))
         if not len(t):
@@ -912,8 +923,7 @@ class BlockCheck:
         last = np.concatenate((key[1:] != key[:-1], [True]))
         w, out = writer[last], t[last]
         ok = (self.is_acc(w) & is_end[out]) | np.isin(w, sums_ends) | self.owned.keeps[w]
-        self.flag(~ok, w, "the gradient buffer a rank ends with must be its accumulation's last "
-                  "output or a sum of those (a reducer)")
+        self.flag(~ok, w, NOT_LAST_BUFFER)
 
     def gradbuf_writes(self, n_in: int) -> tuple[np.ndarray, np.ndarray]:
         """The gradient buffers written and their writers, in node order:

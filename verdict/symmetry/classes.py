@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.symmetry.blocks import BlockCheck
 from verdict.lineage import StructureError
+from verdict.symmetry.blocks import BlockCheck
 
 #: Most check passes (each finds one new class); past them the plan is
 #: verified in full.

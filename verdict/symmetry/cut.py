@@ -24,15 +24,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.symmetry.blocks import BlockCheck, _chunks, _spans
-from verdict.symmetry.classes import Axis, block_classes
 from verdict.columns import Columns, drop_pages
 from verdict.final import check_layout
-from verdict.symmetry.fold import ACCUMULATE, SHOWN, Fold, FoldError, inner_size, restrict
 from verdict.lineage import StructureError
 from verdict.ops import get_op
-from verdict.symmetry.owned import OwnedError, find_owned
 from verdict.plan import DIRECTIONS, FOLD_KEYS, UNIT, Node, Plan, Slices, Tensor, lowest
+from verdict.symmetry.blocks import BlockCheck, _chunks, _spans
+from verdict.symmetry.classes import Axis, block_classes
+from verdict.symmetry.fold import Fold, FoldError, restrict
+from verdict.symmetry.owned import OwnedError, find_owned
+from verdict.symmetry.rules import ACCUMULATE, SHOWN, inner_size
 
 PlanLike = Plan | Columns
 #: an input of the cut's sub plan held by a replica the cut does not show

@@ -56,9 +56,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from verdict.symmetry.fold import ACCUMULATE, ORBIT_SUMS
 from verdict.ops.step import OPTIMIZERS
 from verdict.plan import UNIT
+from verdict.symmetry.rules import ACCUMULATE, ORBIT_SUMS
 
 if TYPE_CHECKING:  # verdict.symmetry.blocks imports this module
     from verdict.symmetry.blocks import BlockCheck
