@@ -21,7 +21,7 @@ from verdict.columns import Columns
 from verdict.lineage import StructureError
 from verdict.plan import Plan
 from verdict.symmetry.blocks import BlockCheck
-from verdict.symmetry.cut import Symmetry, find_symmetry
+from verdict.symmetry.find import Symmetry, find_symmetry
 from verdict.symmetry.fold import Fold
 from verdict.symmetry.uniform import Uniformity
 

@@ -25,7 +25,7 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
-from verdict.symmetry.cut import Refusal, Symmetry, find_symmetry, foldable
+from verdict.symmetry.find import Refusal, Symmetry, find_symmetry, foldable
 from verdict.symmetry.fold import fold_of, fold_pair
 from verdict.symmetry.uniform import check_uniform
 
