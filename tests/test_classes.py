@@ -1,4 +1,4 @@
-"""Replica classes of materialized plans (verdict/classes.py; docs/soundness.md
+"""Replica classes of materialized plans (verdict/symmetry/classes.py; docs/soundness.md
 "When the blocks differ: classes")."""
 
 from __future__ import annotations

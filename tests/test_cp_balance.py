@@ -81,7 +81,7 @@ def visible(plan: Plan) -> dict[int, int]:
 
 def test_folded_balanced_plan_verifies():
     """Two of four replicas and two of four microbatches shown
-    (verdict/fold.py); a cp rank's two chunks are part of its class."""
+    (verdict/symmetry/fold.py); a cp rank's two chunks are part of its class."""
     single = make_plan(LLAMA, Parallelism(), 16)
     plan = make_plan(LLAMA, Parallelism(cp=2, dp=4, nm=4), 16, policy=BALANCED, fold=True)
     shown, _ = fold_pair(single, plan)

@@ -1,5 +1,5 @@
 """Materialized plans: blocks found and checked, representatives proved
-(verdict/symmetry.py, verdict/blocks.py; docs/soundness.md "Materialized plans")."""
+(verdict/symmetry/find.py, verdict/symmetry/blocks.py; docs/soundness.md "Materialized plans")."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_interleaved_schedule_is_covered():
 
 def test_zero1_and_zero3_are_proved_by_symmetry():
     """Owned shards, ZeRO-3's reduce-scatters and per-use gathers are checked
-    on the whole plan (verdict/owned.py)."""
+    on the whole plan (verdict/symmetry/owned.py)."""
     for zero in (1, 3):
         single, plan = pair(Parallelism(dp=4, nm=2), Policy(zero=zero))
         assert isinstance(find_symmetry(single, plan), Symmetry)
@@ -139,7 +139,7 @@ def test_zero1_and_zero3_are_proved_by_symmetry():
 
 
 def test_block_check_agrees_with_the_fold_uniformity():
-    """The array check and verdict/fold.py's rules (shown = real) accept
+    """The array check and verdict/symmetry/uniform.py's rules (shown = real) accept
     and reject the same plans."""
     single, plan = pair()
     w = plan.world

@@ -1,4 +1,4 @@
-"""ZeRO-1 materialized plans proved by their checked symmetry (verdict/owned.py;
+"""ZeRO-1 materialized plans proved by their checked symmetry (verdict/symmetry/owned.py;
 docs/soundness.md "ZeRO-1: owned shards"): correct plans verify by classes,
 wrong ones FAIL, whichever path proves them."""
 

@@ -1,6 +1,6 @@
 """Every block of a materialized plan compared with its representative, on arrays.
 
-The uniformity rules of verdict/fold.py ("Folded plans", step 3 in
+The uniformity rules of verdict/symmetry/rules.py ("Folded plans", step 3 in
 docs/soundness.md), applied to every replica and microbatch of a plan that
 writes them all out, as array operations over the plan's columns
 (verdict/columns.py), so that their cost per node is a few array passes,
@@ -8,7 +8,7 @@ not a Python function call:
 
 * every block program (class, d, m) equals the one of (class, 0, 0), and
   every step program (class, d) the one of (class, 0) (or those of the
-  representatives of d's and m's classes, verdict/classes.py), node by
+  representatives of d's and m's classes, verdict/symmetry/classes.py), node by
   node: same
   operator, direction and kwargs, and the same tensors up to renaming (the
   tensor's class, own microbatch or outside microbatches, logical id,
@@ -97,7 +97,7 @@ class BlockCheck:
         self.kept_d: tuple[np.ndarray, np.ndarray] | None = None
         #: which ops accumulate into a gradient buffer, by op code
         self.acc_op = np.array([op == ACCUMULATE for op in self.cols.ops] or [False])
-        #: the representative replica of each replica's class (verdict/classes.py);
+        #: the representative replica of each replica's class (verdict/symmetry/classes.py);
         #: None: replica 0 for all
         self.rep_of_d: np.ndarray | None = None
         #: likewise the representative microbatch of each microbatch's class
@@ -207,7 +207,7 @@ class BlockCheck:
         return int(free[0]) if free.size else -1
 
     #: What only the passes read: the compared columns, and the passes' own masks,
-    #: views and findings. The representatives' cut (verdict/symmetry.py) reads the
+    #: views and findings. The representatives' cut (verdict/symmetry/cut.py) reads the
     #: tuples, microbatches, replicas, slice offsets, owned shards, offsets and chains.
     PASS_ONLY_COLUMNS = ("t_mb", "t_tid", "t_version", "t_lver", "t_producer", "n_op", "n_dir",
                          "n_kw")
@@ -240,7 +240,7 @@ class BlockCheck:
         the differing nodes in ``differs``) without raising, but for a
         plan whose blocks cannot be matched at all.
 
-        A later pass (other ``rep_of_d``/``rep_of_m``, verdict/classes.py)
+        A later pass (other ``rep_of_d``/``rep_of_m``, verdict/symmetry/classes.py)
         after one without rule findings redoes only what depends on the
         representatives, for the nodes whose block's representative
         changed: the others compare with the same representative's node as
@@ -539,7 +539,7 @@ class BlockCheck:
         """The nodes whose kwargs are compared normalized, in order, and
         their normalized codes (-1: a send/receive peer in another replica).
         An orbit's or an owned shard's ``index`` is left out (checked in
-        :meth:`check_glue` and verdict/owned.py), a send/receive peer is
+        :meth:`check_glue` and verdict/symmetry/owned.py), a send/receive peer is
         its class, in the replica."""
         cols, p = self.cols, self.p
         is_send = np.array([op == "send_recv" for op in cols.ops] or [False])

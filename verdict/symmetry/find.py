@@ -71,7 +71,7 @@ class Symmetry:
     base: tuple[int, ...] = (0, 1)  # the replicas of ``folded``
     base_mbs: tuple[int, ...] = (0, 1)  # and its microbatches
     classes: tuple[ClassCut, ...] = ()
-    owned: int = 0  # ZeRO gathers checked on the whole plan (verdict/owned.py)
+    owned: int = 0  # ZeRO gathers checked on the whole plan (verdict/symmetry/owned.py)
     zero: int = 0  # the plan's ZeRO stage
     scatters: int = 0  # ZeRO-2/3 reduce-scatters checked on the whole plan
 

@@ -5,7 +5,7 @@ owns), all-gathers the whole parameter from the orbit's shards before its
 microbatches, reduces whole gradients as plain data parallelism does,
 keeps the chunk of the reduced gradient it owns (a local ``split``) and,
 with an optimizer, updates its shard and all-gathers the updated shards.
-The block check (verdict/blocks.py) compares replicas up to these
+The block check (verdict/symmetry/blocks.py) compares replicas up to these
 differences, which :func:`find_owned` checks here instead, for every node
 of the plan:
 
@@ -40,7 +40,7 @@ gathers and scatters run in two levels, the ep ranks of a replica and the
 orbit (docs/soundness.md, "ZeRO-1 with expert parallelism" and "ZeRO-2 and
 ZeRO-3 with expert parallelism").
 
-The cut of the representatives (verdict/symmetry.py) replaces each gather
+The cut of the representatives (verdict/symmetry/cut.py) replaces each gather
 by its value, the whole parameter loaded, drops keeps and updates, and
 runs each optimizer step on the whole box (the gathered parameter, the
 reduced gradient, its state widened to the box): the cut is a plain
