@@ -15,12 +15,13 @@ every block and step program equals its                ``run``, ``normal``      
 representative's (operator, kwargs, tensors up to                                ``check_kwargs``,
 renaming)                                                                        ``check_entries``
 every class runs a program in every block              ``check_blocks``          ``check_present``
-(a) another replica's tensor only in a sum over the    ``check_orbit``           ``check_glue``,
-whole orbit, at the node's own index                                             ``whole_orbit``
-(b) another microbatch's tensor only as the running    ``check_chains``          ``check_chains``
-buffer of an accumulation chain from zeros
-(c) the blocks start :func:`block_starts` rows apart   ``check_offsets``         ``check_offsets``,
-and cover the batch once                                                         ``input_views``
+(a) another replica's tensor only in a sum over the    ``tensor``,               ``compare``,
+whole orbit, at the node's own index                   ``check_orbit``           ``check_glue``,
+                                                                                 ``whole_orbit``
+(b) another microbatch's tensor only as the running    ``tensor``,               ``compare``,
+buffer of an accumulation chain from zeros             ``check_chains``          ``check_chains``
+(c) the blocks start :func:`block_starts` rows apart   ``check_offsets``,        ``check_offsets``,
+and cover the batch once                               ``tensor``                ``input_views``
 (d) only sums of chain ends (:data:`ORBIT_SUMS`)       ``normal``                ``check_glue``
 cross replicas
 (e) a block reads nothing computed outside             ``tensor``                ``compare``
