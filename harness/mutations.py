@@ -1412,10 +1412,10 @@ def mask_chunk(plan: Plan, rng: random.Random) -> Result:
 
 def kv_wrong_peer(plan: Plan, rng: random.Random) -> Result:
     """Ring attention: a key/value block rotated to the wrong peer. One
-    forward send_recv of a sequence chunk reads the piece of another rank
-    holding another chunk, and so do the sends of the same chunk's other
-    tensors (the values with the keys); what arrives still claims the chunk
-    the ring expected."""
+    forward send_recv of a sequence chunk reads another chunk's piece (of
+    another rank, or the sender's other chunk), and so do the sends of the
+    same chunk's other tensors (the values with the keys); what arrives
+    still claims the chunk the ring expected."""
     if _cp_size(plan) < 2:
         return None
     made = _producers(plan)
@@ -1426,7 +1426,7 @@ def kv_wrong_peer(plan: Plan, rng: random.Random) -> Result:
 
     def others(i: int, x) -> list[int]:
         return [j for j, u in enumerate(plan.tensors) if (u.tid, u.mb, u.shape) == (
-            x.tid, x.mb, x.shape) and u.rank not in (x.rank, plan.nodes[i].rank)
+            x.tid, x.mb, x.shape) and u.rank != plan.nodes[i].rank
             and len(u.slices) > 1 and u.slices[1] != x.slices[1] and ready(j, i)]
 
     sends = [i for i, n in enumerate(plan.nodes) if n.op == "send_recv" and n.dir == "fw"
