@@ -147,10 +147,11 @@ RING_BASES: dict[str, Ring] = {
 }
 #: The subset the test suite runs: pipeline, tensor and data parallelism,
 #: Megatron sequence parallelism with context parallelism, ZeRO-1 and ZeRO-2,
-#: both optimizers, and a folded plan (the mlp bases cost seconds, the llama3
-#: one most).
+#: both optimizers, a folded plan and a load-balanced ring (the mlp bases
+#: and the ring cost seconds, the llama3 one most).
 QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_sp_cp2_tp2_nm2", "mlp_zero1_dp2_pp2_tp2_nm2",
-               "mlp_sgd_dp2_tp2_nm2", "mlp_adam_zero2_dp2_nm2", "mlp_fold_dp4_pp2_tp2_nm4")
+               "mlp_sgd_dp2_tp2_nm2", "mlp_adam_zero2_dp2_nm2", "mlp_fold_dp4_pp2_tp2_nm4",
+               "ring_cpbal2")
 
 
 @dataclass
