@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import z3
 from helpers import MLP, plan_pair
 
 from gen_model.config import ModelConfig, Parallelism
@@ -20,6 +21,7 @@ from gen_model.ring import Ring, ring_pair
 from harness import mutations
 from harness.oracle import judge
 from main import verify
+from verdict import falsify
 from verdict.plan import Plan
 
 RING = Ring(cp=2, balanced=True, scores=True)
@@ -110,3 +112,13 @@ def test_cp_operators_leave_other_plans_alone():
     _, contiguous = _ring(Ring(cp=2))
     assert mutations.balance_order(contiguous, random.Random(0)) is None
     assert mutations.merge_unshifted(contiguous, random.Random(0)) is None  # no scores
+
+
+def test_falsify_decides_a_term_against_itself_by_syntax():
+    x, y = z3.Reals("x y")
+    tie = z3.If(x >= x, x, y)  # the condition holds for every x
+    assert falsify.falsify([(0, 0, tie + 1, x)]) is not None
+    assert falsify.falsify([(0, 0, tie, x)]) is None
+    same = z3.If(x > y, x + y, x + y)  # one term either way: no tie to meet
+    assert falsify.falsify([(0, 0, same, x)]) is not None
+    assert falsify.falsify([(0, 0, z3.If(x > x, y, x), x)]) is None
