@@ -1462,45 +1462,31 @@ def _coords(plan: Plan, rank: int) -> tuple[int, int, int, int]:
     return rank // (tp * cp * dp), (rank // (tp * cp)) % dp, (rank // tp) % cp, rank % tp
 
 
-def _union_parts(plan: Plan, group: list[int]) -> tuple[int, int, int]:
-    """The parts a sum of the group's tensors claims when they are one range
-    of one count; else the first one's (a parallelizer's guess)."""
-    parts = [plan.tensors[t].parts for t in group]
-    lo, hi, n = min(a for a, _, _ in parts), max(b for _, b, _ in parts), parts[0][2]
-    if all(c == n for _, _, c in parts) and sum(b - a for a, b, _ in parts) == hi - lo:
-        return (lo, hi, n)
-    return parts[0]
-
-
 def loss_twice(plan: Plan, rng: random.Random) -> Result:
     """The loss aggregated over cp and dp twice (torchtitan's issue 3280):
-    every rank's loss all-reduced over its context-parallel group and then
-    over the data- and context-parallel ranks together, or, half the time,
+    the token count a loss is normalised by summed over the cp ranks twice,
+    so every rank's loss and its backward seed come out divided by cp (the
+    claims unchanged: the plan believes its normaliser); or, half the time,
     the gradient buffers reduced over the dp x cp group and then again over
     the cp group."""
-    if _cp_size(plan) < 2:
+    cp = _cp_size(plan)
+    if cp < 2:
         return None
     p = copy_plan(plan)
     if rng.random() < 0.5:
         pieces = _loss_pieces(plan)
-        if not pieces:
+        seeds = [n.outputs[0] for n in plan.nodes if n.op == "ones" and n.dir == "bw"
+                 and n.mb >= 0]
+        if not pieces or not seeds:
             return None
-        current = dict(pieces)
-        for step, key in ((1, lambda c: (c[0], c[1], c[3])), (2, lambda c: (c[0], c[3]))):
-            groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-            for rank, mb in sorted(current):
-                groups[(mb, *key(_coords(plan, rank)))].append((rank, mb))
-            after = {}
-            for members in groups.values():
-                ins = tuple(current[m] for m in members)
-                parts = _union_parts(p, list(ins))
-                for index, (rank, mb) in enumerate(members):
-                    out = _like(p, current[(rank, mb)], parts)
-                    p.nodes.append(Node(rank, mb, "all_reduce", "fw", ins, (out,),
-                                        {"index": index}, f"loss.all_reduce{step}"))
-                    after[(rank, mb)] = out
-            current = after
-        return p, "every rank's loss all-reduced over cp, then over dp x cp"
+        for t in sorted({*pieces.values(), *seeds}, reverse=True):
+            x = p.tensors[t]
+            prod = next(i for i, n in enumerate(p.nodes) if t in n.outputs)
+            out = _add_tensor(p, t)
+            _reroute(p, t, out, prod + 1)
+            p.nodes.insert(prod + 1, Node(x.rank, x.mb, "mul_scalar", p.nodes[prod].dir, (t,),
+                                          (out,), {"value": 1 / cp}, "normalised_twice"))
+        return p, f"every rank's loss and backward seed divided by cp {cp} once more"
     reducers = [i for i, n in enumerate(plan.nodes) if n.op == "reducer"]
     if not reducers:
         return None
