@@ -42,7 +42,9 @@ NAMES = ("x", "r", *WEIGHTS, "q", "k", "v", "out", "lse", "y", "loss", "loss.gra
          "out.grad", "q.grad", "k.grad", "v.grad", *(f"{w}.grad" for w in WEIGHTS),
          *(f"{w}.grad_buffer" for w in WEIGHTS))
 #: The masked scores' row maximum, computed and unused by the single-device
-#: step of a model whose ring has the "no_shift" fault (the fault reads it).
+#: step of a model whose ring has the "no_shift" fault (the fault reads it),
+#: or of one written with ``scores`` (what a ring's mutant that takes a
+#: block's shift off claims: harness/mutations.py).
 SCORES = ("scores", "scores.scaled", "scores.masked", "rowmax")
 T = {name: tid for tid, name in enumerate(NAMES + SCORES)}
 WHOLE = (0, 1, 1)
@@ -69,6 +71,13 @@ class Ring:
     #: a fault (FAULTS) of the last rank's forward, for the checks of the
     #: checker; "" for none
     fault: str = ""
+    #: the single-device step also computes its masked scores' row maximum,
+    #: unused (so that a ring's mutants have those tensors to claim)
+    scores: bool = False
+
+    @property
+    def with_scores(self) -> bool:
+        return self.scores or self.fault == "no_shift"
 
     @property
     def chunks(self) -> int:
@@ -106,7 +115,7 @@ class Ring:
         return out
 
     def names(self) -> tuple[str, ...]:
-        return NAMES + SCORES if self.fault == "no_shift" else NAMES
+        return NAMES + SCORES if self.with_scores else NAMES
 
     def world(self, parallel: bool) -> dict:
         w = {"model": "ring_attention", "variant": "default", "gbs": self.batch, "dp": 1,
@@ -208,7 +217,7 @@ def single_plan(ring: Ring) -> Plan:
     weights = {name: w.piece(0, -1, name) for name in WEIGHTS}
     x, r = w.piece(0, 0, "x"), w.piece(0, 0, "r")
     qkv = w.project(0, x, weights, None)
-    if ring.fault == "no_shift":
+    if ring.with_scores:
         _row_max(w, ring, 0, qkv["q"], qkv["k"], None, None)
     out, lse = w.piece(0, 0, "out"), w.piece(0, 0, "lse")
     w.node(0, "attention", "fw", [qkv["q"], qkv["k"], qkv["v"]], [out, lse], ring.attention_kw())

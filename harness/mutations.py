@@ -1145,6 +1145,446 @@ REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
 }
 
 
+# ------------------------------------------------------ context-parallel plans
+# Operators for plans with a context-parallel axis (world ``cp`` > 1): the
+# generator's all-gather and ring attention plans (gen_model/ring.py),
+# and PyTorch's ring once traced. Each writes one of the shipped CP bugs
+# (issue: context parallelism) as a small change; they return None on other
+# plans. New tensors of a written-out merge or shift claim loose parts (one
+# part of a partial maximum that no other tensor completes, as the ring's
+# own intermediates do): such a claim is never assumed, so it says nothing.
+
+
+def _cp_size(plan: Plan) -> int:
+    return int(plan.world.get("cp", 1))
+
+
+def _loose_parts(plan: Plan) -> Callable[[], tuple[int, int, int]]:
+    """Fresh loose parts, each with a partial-maximum count no tensor uses."""
+    low = [min([t.parts[2] for t in plan.tensors] + [-1])]
+
+    def fresh() -> tuple[int, int, int]:
+        low[0] -= 1
+        return (0, 1, low[0])
+    return fresh
+
+
+def _new_tensor(plan: Plan, rank: int, mb: int, tid: int, shape: tuple[int, ...],
+                slices: tuple, parts: tuple[int, int, int]) -> int:
+    """A new tensor (the next free version of (rank, mb, tid))."""
+    later = max((u.version for u in plan.tensors if (u.rank, u.mb, u.tid) == (rank, mb, tid)),
+                default=-1)
+    plan.tensors.append(plan.tensors[0]._replace(
+        rank=rank, mb=mb, tid=tid, version=later + 1, shape=tuple(shape), lver=0,
+        slices=tuple(slices), parts=parts, scale=UNIT))
+    return len(plan.tensors) - 1
+
+
+def _like(plan: Plan, t: int, parts: tuple[int, int, int], last: int | None = None) -> int:
+    """A new tensor on t's rank claiming t's piece with ``parts``; with
+    ``last`` its last dim is [0, last) (a loose claim needs only to fit)."""
+    x = plan.tensors[t]
+    shape, slices = x.shape, x.slices
+    if last is not None:
+        shape = (*shape[:-1], last)
+        slices = (*slices[:-1], (slices[-1][0], slices[-1][0] + last))
+    return _new_tensor(plan, x.rank, x.mb, x.tid, shape, slices, parts)
+
+
+def _merges(plan: Plan) -> list[int]:
+    return [i for i, n in enumerate(plan.nodes) if n.op == "lse_merge"] \
+        if _cp_size(plan) > 1 else []
+
+
+def _producers(plan: Plan) -> dict[int, int]:
+    return {o: i for i, n in enumerate(plan.nodes) for o in n.outputs if o >= 0}
+
+
+def merge_unshifted(plan: Plan, rng: random.Random) -> Result:
+    """Ring attention: a block's log-sum-exp merged without its max shift
+    (the kernel's row maximum of its masked scores not added back). The
+    block's scores, scaled and masked as its attention masks them, and
+    their row maximum are written out and the maximum taken off the lse
+    the merge reads. Needs the single-device step to hold the scores and
+    their row maximum (``Ring(scores=True)``), whose pieces they claim."""
+    names = {lg.name: tid for tid, lg in enumerate(plan.logical)}
+    if not {"scores", "scores.scaled", "scores.masked", "rowmax"} <= set(names):
+        return None
+    made = _producers(plan)
+    sites = [(i, k) for i in _merges(plan) for k in (1, 3)
+             if plan.nodes[made.get(plan.nodes[i].inputs[k], i)].op == "attention"
+             and plan.nodes[made[plan.nodes[i].inputs[k]]].kwargs.get("causal")
+             and len(plan.tensors[plan.nodes[i].inputs[k]].shape) == 2]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, k = site
+    p = copy_plan(plan)
+    merge = p.nodes[i]
+    block = p.nodes[made[merge.inputs[k]]]
+    q, kk = (p.tensors[t] for t in block.inputs[:2])
+    kw = block.kwargs
+    fresh = _loose_parts(plan)
+    rows, cols = q.slices[1], kk.slices[1]
+    score_slices = (q.slices[0], rows, cols)
+    shape = (q.shape[0], q.shape[1], kk.shape[1])
+    s, scaled, masked = (_new_tensor(p, merge.rank, merge.mb, names[n], shape, score_slices,
+                                     (0, 1, 1)) for n in ("scores", "scores.scaled",
+                                                          "scores.masked"))
+    top = _new_tensor(p, merge.rank, merge.mb, names["rowmax"], shape[:2], score_slices[:2],
+                      fresh())
+    lse = _like(p, merge.inputs[k], fresh())
+    new = [Node(merge.rank, merge.mb, "einsum", "fw", block.inputs[:2], (s,),
+                {"eq": "bqd,bkd->bqk"}, "scores"),
+           Node(merge.rank, merge.mb, "mul_scalar", "fw", (s,), (scaled,),
+                {"value": kw["scale"]}, "scores.scaled"),
+           Node(merge.rank, merge.mb, "causal_mask", "fw", (scaled,), (masked,),
+                {"row_chunk": kw.get("row_chunk", 0), "col_chunk": kw.get("col_chunk", 0)},
+                "scores.masked"),
+           Node(merge.rank, merge.mb, "max", "fw", (masked,), (top,),
+                {"dim": -1, "keepdim": False}, "rowmax"),
+           Node(merge.rank, merge.mb, "sub", "fw", (merge.inputs[k], top), (lse,), {},
+                "unshifted")]
+    ins = list(merge.inputs)
+    ins[k] = lse
+    p.nodes[i] = merge._replace(inputs=tuple(ins))
+    p.nodes[i:i] = new
+    return p, f"{where(plan, i)}: its {'first' if k == 1 else 'second'} lse without its shift"
+
+
+def merge_other_lse(plan: Plan, rng: random.Random) -> Result:
+    """Ring attention: a block merged with another block's log-sum-exp (or
+    the running one) in place of its own."""
+    made = _producers(plan)
+    sites = []
+    for i in _merges(plan):
+        n = plan.nodes[i]
+        lb = plan.tensors[n.inputs[3]]
+        sites += [(i, t) for t, j in made.items() if j < i and t != n.inputs[3]
+                  and (plan.tensors[t].rank, plan.tensors[t].tid, plan.tensors[t].slices,
+                       plan.tensors[t].shape) == (lb.rank, lb.tid, lb.slices, lb.shape)
+                  and plan.nodes[j].op in ("attention", "lse_merge")]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, t = site
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    p.nodes[i] = n._replace(inputs=(*n.inputs[:3], t))
+    return p, f"{where(plan, i)} reads the lse of {where(plan, made[t])}"
+
+
+def merge_dropped_block(plan: Plan, rng: random.Random) -> Result:
+    """Ring attention: a rank that merges one block fewer (one lse_merge
+    left out: its readers read the running out and lse before it)."""
+    i = _pick(rng, _merges(plan))
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes.pop(i)
+    _reroute(p, n.outputs[0], n.inputs[0], i)
+    _reroute(p, n.outputs[1], n.inputs[1], i)
+    return drop_orphans(p), where(plan, i)
+
+
+def _loaded(plan: Plan) -> list[int]:
+    written = {o for n in plan.nodes for o in n.outputs}
+    return [i for i in range(len(plan.tensors)) if i not in written]
+
+
+def balance_order(plan: Plan, rng: random.Random) -> Result:
+    """Load-balanced CP: one rank undoes the head-tail chunk order wrongly.
+    The two sequence chunks of one of its data inputs (the tokens, the
+    targets) change places: it reads chunk b's positions where it
+    computes as chunk a, and a's where b."""
+    if _cp_size(plan) < 2 or not plan.world.get("cp_balance"):
+        return None
+    pieces: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    for i in _loaded(plan):
+        t = plan.tensors[i]
+        if plan.logical[t.tid].kind in ("data", "tokens") and len(t.shape) >= 2:
+            pieces[(t.rank, t.mb, t.tid)].append(i)
+    sites = sorted(key for key, ts in pieces.items()
+                   if len({plan.tensors[i].slices[1] for i in ts}) == 2 and len(ts) == 2
+                   and plan.tensors[ts[0]].shape == plan.tensors[ts[1]].shape)
+    key = _pick(rng, sites)
+    if key is None:
+        return None
+    a, b = pieces[key]
+    p = copy_plan(plan)
+    p.tensors[a] = plan.tensors[a]._replace(slices=plan.tensors[b].slices)
+    p.tensors[b] = plan.tensors[b]._replace(slices=plan.tensors[a].slices)
+    rank, mb, tid = key
+    return p, f"rank {rank} mb {mb}: the chunks of {plan.logical[tid].name} swapped"
+
+
+def _offset_sites(plan: Plan) -> dict[int, list[tuple[int, str]]]:
+    """rank -> (node, what) of the position offsets a CP rank applies: its
+    rotary tables' splits along the sequence (a loaded buffer split in at
+    least cp parts, index not 0) and its masks' query chunk (row_chunk not
+    0) of causal_mask, attention and attention_grad."""
+    cp = _cp_size(plan)
+    loaded = set(_loaded(plan))
+    out: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    if cp < 2:
+        return out
+    for i, n in enumerate(plan.nodes):
+        if n.op == "split" and n.kwargs.get("dim") == 0 and n.kwargs.get("parts", 1) >= cp \
+                and n.kwargs.get("index") and n.inputs[0] in loaded \
+                and plan.logical[plan.tensors[n.inputs[0]].tid].kind == "buffer":
+            out[n.rank].append((i, "index"))
+        elif n.op in ("causal_mask", "attention", "attention_grad") \
+                and n.kwargs.get("row_chunk") and (n.op == "causal_mask" or n.kwargs.get("causal")):
+            out[n.rank].append((i, "row_chunk"))
+    return out
+
+
+def position_offset(plan: Plan, rng: random.Random) -> Result:
+    """The position offset of one CP rank not shifted: its rotary tables
+    sliced at the sequence start (the rank's position ids start at 0), or,
+    in a plan without them (or half the time), its masks placing its
+    queries at the sequence start (row_chunk 0), forward and backward."""
+    sites = _offset_sites(plan)
+    rank = _pick(rng, sorted(sites))
+    if rank is None:
+        return None
+    kinds = sorted({what for _, what in sites[rank]})
+    what = kinds[0] if len(kinds) == 1 else rng.choice(kinds)
+    p = copy_plan(plan)
+    for i, kind in sites[rank]:
+        if kind == what:
+            p.nodes[i] = p.nodes[i]._replace(kwargs={**p.nodes[i].kwargs, kind: 0})
+    how = "rotary tables at position 0" if what == "index" else "queries masked at position 0"
+    return p, f"rank {rank}: {how}"
+
+
+def _chunks(plan: Plan) -> int:
+    return _cp_size(plan) * (2 if plan.world.get("cp_balance") else 1)
+
+
+def _visible(kind: str, chunk: int, other: int) -> int:
+    """What a block's rows see of its keys, for a block of equal-sized query
+    and key chunks: every key (-1), up to the diagonal (0) or none (1)."""
+    row, col = (chunk, other) if kind == "row_chunk" else (other, chunk)
+    return (col > row) - (col < row)
+
+
+def mask_chunk(plan: Plan, rng: random.Random) -> Result:
+    """One rank's block attention (or causal mask) with the wrong causal mask
+    chunk: its key chunk (or query chunk) another of the sequence's chunks,
+    in the forward and, half the time, in the matching backward. A block's
+    new chunk changes what its rows see (a key chunk before the queries
+    moved to another one before them masks nothing differently)."""
+    n_chunks = _chunks(plan)
+    if _cp_size(plan) < 2:
+        return None
+    sites = [(i, k) for i, n in enumerate(plan.nodes) if n.dir == "fw" and (
+        n.op == "causal_mask" or n.op == "attention" and n.kwargs.get("causal"))
+        for k in ("row_chunk", "col_chunk")]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, k = site
+    n = plan.nodes[i]
+    old = n.kwargs.get(k, 0)
+    choices = [c for c in range(n_chunks) if c != old]
+    if n.op == "attention":  # a block: a chunk that changes what its rows see
+        other = n.kwargs.get("col_chunk" if k == "row_chunk" else "row_chunk", 0)
+        choices = [c for c in choices if _visible(k, c, other) != _visible(k, old, other)]
+    if not choices:
+        return None
+    new = rng.choice(choices)
+    p = copy_plan(plan)
+    touched = [i]
+    if rng.random() < 0.5:
+        if n.op == "attention":
+            touched += [j for j, m in enumerate(plan.nodes) if m.op == "attention_grad"
+                        and m.rank == n.rank and m.inputs[1:4] == n.inputs and m.kwargs == n.kwargs]
+        else:
+            touched += [j for j, m in enumerate(plan.nodes) if m.op == "causal_mask"
+                        and m.dir == "bw" and (m.rank, m.mb, m.name, m.kwargs) == (
+                            n.rank, n.mb, n.name, n.kwargs)]
+    for j in touched:
+        p.nodes[j] = p.nodes[j]._replace(kwargs={**p.nodes[j].kwargs, k: new})
+    return p, f"{where(plan, i)}: {k} {old} -> {new}" + (" and its backward" if len(touched) > 1
+                                                         else "")
+
+
+def kv_wrong_peer(plan: Plan, rng: random.Random) -> Result:
+    """Ring attention: a key/value block rotated to the wrong peer. One
+    forward send_recv of a sequence chunk reads another chunk's piece (of
+    another rank, or the sender's other chunk), and so do the sends of the
+    same chunk's other tensors (the values with the keys); what arrives
+    still claims the chunk the ring expected."""
+    if _cp_size(plan) < 2:
+        return None
+    made = _producers(plan)
+    loaded = set(_loaded(plan))
+
+    def ready(t: int, i: int) -> bool:
+        return t in loaded or made.get(t, len(plan.nodes)) < i
+
+    def others(i: int, x) -> list[int]:
+        return [j for j, u in enumerate(plan.tensors) if (u.tid, u.mb, u.shape) == (
+            x.tid, x.mb, x.shape) and u.rank != plan.nodes[i].rank
+            and len(u.slices) > 1 and u.slices[1] != x.slices[1] and ready(j, i)]
+
+    sends = [i for i, n in enumerate(plan.nodes) if n.op == "send_recv" and n.dir == "fw"
+             and len(plan.tensors[n.inputs[0]].shape) > 1]
+    sites = [(i, j) for i in sends for j in others(i, plan.tensors[plan.nodes[i].inputs[0]])]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, j = site
+    n, x, y = plan.nodes[i], plan.tensors[plan.nodes[i].inputs[0]], plan.tensors[j]
+    p = copy_plan(plan)
+    p.nodes[i] = n._replace(inputs=(j,), kwargs={**n.kwargs, "src": y.rank})
+    moved = 1
+    for k in sends:
+        m = plan.nodes[k]
+        z = plan.tensors[m.inputs[0]]
+        if k == i or m.rank != n.rank or z.rank != x.rank or z.mb != x.mb \
+                or z.slices[1] != x.slices[1] or z.tid == x.tid:
+            continue
+        twin = [t for t in others(k, z) if plan.tensors[t].rank == y.rank
+                and plan.tensors[t].slices[1] == y.slices[1]]
+        if twin:
+            p.nodes[k] = m._replace(inputs=(twin[0],), kwargs={**m.kwargs, "src": y.rank})
+            moved += 1
+    return p, (f"{where(plan, i)}: rank {y.rank}'s chunk {y.slices[1]} in place of rank "
+               f"{x.rank}'s {x.slices[1]} ({moved} sends)")
+
+
+def _coords(plan: Plan, rank: int) -> tuple[int, int, int, int]:
+    """(stage, replica, cp index, tp index) of a rank."""
+    w = plan.world
+    tp, cp, dp = int(w.get("tp", 1)), _cp_size(plan), int(w.get("dp", 1))
+    return rank // (tp * cp * dp), (rank // (tp * cp)) % dp, (rank // tp) % cp, rank % tp
+
+
+def loss_twice(plan: Plan, rng: random.Random) -> Result:
+    """The loss aggregated over cp and dp twice (torchtitan's issue 3280):
+    the token count a loss is normalised by summed over the cp ranks twice,
+    so every rank's loss and its backward seed come out divided by cp (the
+    claims unchanged: the plan believes its normaliser); or, half the time,
+    the gradient buffers reduced over the dp x cp group and then again over
+    the cp group."""
+    cp = _cp_size(plan)
+    if cp < 2:
+        return None
+    p = copy_plan(plan)
+    if rng.random() < 0.5:
+        pieces = _loss_pieces(plan)
+        seeds = [n.outputs[0] for n in plan.nodes if n.op == "ones" and n.dir == "bw"
+                 and n.mb >= 0]
+        if not pieces or not seeds:
+            return None
+        for t in sorted({*pieces.values(), *seeds}, reverse=True):
+            x = p.tensors[t]
+            prod = next(i for i, n in enumerate(p.nodes) if t in n.outputs)
+            out = _add_tensor(p, t)
+            _reroute(p, t, out, prod + 1)
+            p.nodes.insert(prod + 1, Node(x.rank, x.mb, "mul_scalar", p.nodes[prod].dir, (t,),
+                                          (out,), {"value": 1 / cp}, "normalised_twice"))
+        return p, f"every rank's loss and backward seed divided by cp {cp} once more"
+    reducers = [i for i, n in enumerate(plan.nodes) if n.op == "reducer"]
+    if not reducers:
+        return None
+    groups = defaultdict(list)
+    for i in reducers:
+        n = plan.nodes[i]
+        c = _coords(plan, n.rank)
+        groups[(n.name, plan.tensors[n.outputs[0]].tid, c[0], c[1], c[3])].append(i)
+    for members in groups.values():
+        ins = tuple(plan.nodes[i].outputs[0] for i in sorted(members, key=lambda i: plan.nodes[
+            i].rank))
+        for index, t in enumerate(ins):
+            out = _like(p, t, plan.tensors[t].parts)
+            p.nodes.append(Node(plan.tensors[t].rank, -1, "reducer", "none", ins, (out,),
+                                {"index": index}, plan.nodes[members[0]].name))
+    return p, "the gradient buffers reduced over dp x cp, then again over cp"
+
+
+CP_MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
+    "merge_unshifted": merge_unshifted,
+    "merge_other_lse": merge_other_lse,
+    "merge_dropped_block": merge_dropped_block,
+    "balance_order": balance_order,
+    "position_offset": position_offset,
+    "mask_chunk": mask_chunk,
+    "kv_wrong_peer": kv_wrong_peer,
+    "loss_twice": loss_twice,
+}
+
+
+def merge_order(plan: Plan, rng: random.Random) -> Result:
+    """Ring attention: blocks merged in another order. Two merges in a row,
+    (run + b1) + b2, written (run + b2) + b1, or one merge with its two
+    sides in the other order."""
+    made = _producers(plan)
+    readers: dict[int, int] = defaultdict(int)
+    for n in plan.nodes:
+        for t in n.inputs:
+            readers[t] += 1
+    merges = _merges(plan)
+    chains = [(made[plan.nodes[j].inputs[0]], j) for j in merges
+              if plan.nodes[made.get(plan.nodes[j].inputs[0], j)].op == "lse_merge"
+              and plan.nodes[made[plan.nodes[j].inputs[0]]].outputs == plan.nodes[j].inputs[:2]
+              and all(readers[t] == 1 for t in plan.nodes[j].inputs[:2])]
+    p = copy_plan(plan)
+    if chains and rng.random() < 0.5:
+        i, j = rng.choice(chains)
+        first, second = plan.nodes[i], plan.nodes[j]
+        new_first = first._replace(inputs=(*first.inputs[:2], *second.inputs[2:]))
+        new_second = second._replace(inputs=(*first.outputs, *first.inputs[2:]))
+        p.nodes[j:j + 1] = [new_first, new_second]
+        p.nodes.pop(i)
+        return p, f"{where(plan, i)} and {where(plan, j)}: their blocks in the other order"
+    i = _pick(rng, merges)
+    if i is None:
+        return None
+    n = plan.nodes[i]
+    p.nodes[i] = n._replace(inputs=(*n.inputs[2:], *n.inputs[:2]))
+    return p, f"{where(plan, i)}: its sides in the other order"
+
+
+def merge_sigmoid(plan: Plan, rng: random.Random) -> Result:
+    """Ring attention: one merge written the way PyTorch's ring merges,
+    with sigmoid and a log of it: out = out_a - sigmoid(lse_b - lse_a)
+    (out_a - out_b), lse = lse_a - log sigmoid(lse_a - lse_b)."""
+    i = _pick(rng, _merges(plan))
+    if i is None:
+        return None
+    p = copy_plan(plan)
+    n = p.nodes[i]
+    oa, la, ob, lb = n.inputs
+    out, lse = n.outputs
+    fresh = _loose_parts(plan)
+    d, w, gap, lg, diff, step = (_like(p, la, fresh()), _like(p, la, fresh()),
+                                 _like(p, la, fresh()), _like(p, la, fresh()),
+                                 _like(p, oa, fresh()), _like(p, oa, fresh()))
+    col, sig = _like(p, oa, fresh(), last=1), _like(p, la, fresh())
+    rows = p.tensors[la].shape[-1]
+
+    def node(op: str, ins: tuple, outs: tuple, kw: dict | None = None) -> Node:
+        return Node(n.rank, n.mb, op, n.dir, ins, outs, kw or {}, f"{n.name}.sigmoid")
+    p.nodes[i:i + 1] = [
+        node("sub", (lb, la), (d,)), node("sigmoid", (d,), (w,)),
+        node("unflatten", (w,), (col,), {"dim": -1, "sizes": [rows, 1]}),
+        node("sub", (oa, ob), (diff,)), node("mul", (col, diff), (step,)),
+        node("sub", (oa, step), (out,)),
+        node("sub", (la, lb), (gap,)), node("sigmoid", (gap,), (sig,)),
+        node("log", (sig,), (lg,)), node("sub", (la, lg), (lse,)),
+    ]
+    return p, f"{where(plan, i)} in the sigmoid form"
+
+
+CP_REWRITES: dict[str, Callable[[Plan, random.Random], Result]] = {
+    "merge_order": merge_order,
+    "merge_sigmoid": merge_sigmoid,
+}
+
+
 # ---------------------------------------------------------------- folded plans
 # Operators for folded plans (docs/soundness.md, "Folded plans"): they return
 # None on a plan without the fold keys.

@@ -3,8 +3,9 @@
     .venv/bin/python scripts/mutate.py [--per-operator N] [--seed S] [--quick]
         [--bases NAME,...] [--operators NAME,...] [--csv FILE]
 
-Each base plan (small mlp, llama3 and moe plans) is mutated by every
-operator of harness/mutations.py, N times with different targets. Each
+Each base plan (small mlp, llama3 and moe plans, ring attention layers) is
+mutated by every operator of harness/mutations.py (context-parallel plans
+by its CP operators too), N times with different targets. Each
 mutant is judged by the oracle (harness/oracle.py: run in float64, compare
 what every rank ends with; no claim of a computed tensor is trusted) and by
 the verifier (in process, with one memo shared by all mutants: a memo entry
@@ -43,9 +44,12 @@ from backends.planfile import PlanError, validate  # noqa: E402
 from gen_model.config import ModelConfig, Parallelism  # noqa: E402
 from gen_model.generate import fold_sizes, make_plan, make_plan_at  # noqa: E402
 from gen_model.parallelize import Policy  # noqa: E402
+from gen_model.ring import Ring, ring_pair  # noqa: E402
 from harness.blindness import blind_spots, write_floors  # noqa: E402
 from harness.canaries import CANARIES  # noqa: E402
 from harness.mutations import (  # noqa: E402
+    CP_MUTATIONS,
+    CP_REWRITES,
     FOLD_MUTATIONS,
     FOLD_REWRITES,
     MATERIALIZED_MUTATIONS,
@@ -130,12 +134,24 @@ MATERIALIZED_BASES: dict[str, tuple[ModelConfig, Parallelism, Policy]] = {
     "moe_mat_zero2_dp8_ep2_nm2": (MOE, Parallelism(dp=8, ep=2, nm=2), Policy(zero=2)),
     "moe_mat_zero3_dp8_ep2_nm2": (MOE, Parallelism(dp=8, ep=2, nm=2), Policy(zero=3)),
 }
+#: Ring attention bases (gen_model/ring.py): one causal attention layer whose
+#: ring merges key blocks by their log-sum-exps, cp 2 and 4, contiguous and
+#: head-tail load-balanced chunks. The single-device step also computes its
+#: masked scores' row maximum (``scores``), which the mutants that take a
+#: block's shift off claim. They take the context-parallel operators too.
+RING_BASES: dict[str, Ring] = {
+    "ring_cp2": Ring(cp=2, scores=True),
+    "ring_cpbal2": Ring(cp=2, balanced=True, scores=True),
+    "ring_cp4": Ring(cp=4, scores=True),
+    "ring_cpbal4": Ring(cp=4, balanced=True, scores=True),
+}
 #: The subset the test suite runs: pipeline, tensor and data parallelism,
 #: Megatron sequence parallelism with context parallelism, ZeRO-1 and ZeRO-2,
-#: both optimizers, and a folded plan (the mlp bases cost seconds, the llama3
-#: one most).
+#: both optimizers, a folded plan and a load-balanced ring (the mlp bases
+#: and the ring cost seconds, the llama3 one most).
 QUICK_BASES = ("mlp_dp2_pp2_tp2_nm2", "llama3_sp_cp2_tp2_nm2", "mlp_zero1_dp2_pp2_tp2_nm2",
-               "mlp_sgd_dp2_tp2_nm2", "mlp_adam_zero2_dp2_nm2", "mlp_fold_dp4_pp2_tp2_nm4")
+               "mlp_sgd_dp2_tp2_nm2", "mlp_adam_zero2_dp2_nm2", "mlp_fold_dp4_pp2_tp2_nm4",
+               "ring_cpbal2")
 
 
 @dataclass
@@ -217,6 +233,10 @@ def mutate_base(single: Plan, plan: Plan, base: str, per_operator: int, seed: in
     operators = [("mutation", n, f) for n, f in MUTATIONS.items()]
     operators += [("rewrite", n, f) for n, f in REWRITES.items()
                   if single_shown is None or n in FOLD_REWRITES]
+    if int(plan.world.get("cp", 1)) > 1:
+        operators += [("mutation", n, f) for n, f in CP_MUTATIONS.items()]
+        if single_shown is None:
+            operators += [("rewrite", n, f) for n, f in CP_REWRITES.items()]
     if single_shown is not None:
         operators += [("mutation", n, f) for n, f in FOLD_MUTATIONS.items()]
     if materialized:
@@ -259,6 +279,10 @@ def run(bases: list[str], per_operator: int, seed: int, progress: bool,
         only: set[str] | None = None) -> list[Row]:
     rows = []
     for base in bases:
+        if base in RING_BASES:
+            single, plan = ring_pair(RING_BASES[base])
+            rows += mutate_base(single, plan, base, per_operator, seed, progress, only)
+            continue
         if base in FOLD_BASES:
             cfg, par, policy = FOLD_BASES[base]
             single = make_plan(cfg, Parallelism(), FOLD_GBS)
@@ -301,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-operator", type=int, default=14, help="mutants per operator and base")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--bases", default=",".join([*BASES, *FOLD_BASES, *MATERIALIZED_BASES]),
-                    help=f"from {', '.join([*BASES, *FOLD_BASES, *MATERIALIZED_BASES])}")
+    every = [*BASES, *FOLD_BASES, *MATERIALIZED_BASES, *RING_BASES]
+    ap.add_argument("--bases", default=",".join(every), help=f"from {', '.join(every)}")
     ap.add_argument("--quick", action="store_true",
                     help="the seeded subset run by the test suite (QUICK_BASES, 2 per operator)")
     ap.add_argument("--operators", help="only these mutations and rewrites (comma-separated)")
@@ -312,13 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     bases = list(QUICK_BASES) if args.quick else args.bases.split(",")
     per = 2 if args.quick else args.per_operator
-    unknown = [b for b in bases
-               if b not in BASES and b not in FOLD_BASES and b not in MATERIALIZED_BASES]
+    unknown = [b for b in bases if b not in every]
     if unknown:
-        print(f"error: unknown base {unknown[0]} (bases: {', '.join(BASES)})", file=sys.stderr)
+        print(f"error: unknown base {unknown[0]} (bases: {', '.join(every)})", file=sys.stderr)
         return 2
     only = set(args.operators.split(",")) if args.operators else None
-    known = set(MUTATIONS) | set(REWRITES) | set(FOLD_MUTATIONS) | set(MATERIALIZED_MUTATIONS)
+    known = set(MUTATIONS) | set(REWRITES) | set(FOLD_MUTATIONS) | set(MATERIALIZED_MUTATIONS) \
+        | set(CP_MUTATIONS) | set(CP_REWRITES)
     if only and only - known:
         print(f"error: unknown operator {sorted(only - known)[0]} (operators: "
               f"{', '.join(sorted(known))})", file=sys.stderr)

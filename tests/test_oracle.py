@@ -19,7 +19,7 @@ from harness import evaluator
 from harness.blindness import FLOORS, OFTEN_EQUIVALENT, above_ceilings
 from harness.bugs import BUGS, inject
 from harness.canaries import CANARIES
-from harness.mutations import MUTATIONS
+from harness.mutations import CP_MUTATIONS, MUTATIONS
 from harness.oracle import judge
 from main import PROVER, verify
 from verdict import numeric
@@ -114,7 +114,7 @@ def test_quick_floors_cover_every_quick_base_and_operator():
     assert bases == set(HARNESS["QUICK_BASES"])
     ops = {key.split("/")[1] for key in floors}
     assert {"scale_one_rank", "drop_collective", "stale_version", "wrong_peer"} <= ops
-    assert ops <= set(MUTATIONS) | set(HARNESS["FOLD_MUTATIONS"])
+    assert ops <= set(MUTATIONS) | set(HARNESS["FOLD_MUTATIONS"]) | set(CP_MUTATIONS)
     assert sum(floors.values()) >= 200
 
 

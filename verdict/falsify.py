@@ -16,6 +16,10 @@ random input might break them) or when a term holds a function it cannot
 evaluate. A comparison (a maximum's If-term, an equality test) or a step
 whose two sides are within the margin is a near tie that rounding could
 decide: that try is given up, so no branch is taken on rounding error.
+Two cases are decided by syntax instead, exactly: a term compared with
+itself (``a >= a`` holds, ``a > a`` does not), and an If whose two branches
+are one term (its value is that term's whichever branch is taken). A merge
+of a block with its own log-sum-exp takes the maximum of a term and itself.
 """
 
 from __future__ import annotations
@@ -72,6 +76,11 @@ FUNCTIONS: dict[str, Callable[[decimal.Decimal], decimal.Decimal]] = {
 }
 
 
+#: A comparison of a term with itself, by kind: its value whatever the term's.
+_SELF = {z3.Z3_OP_GE: True, z3.Z3_OP_LE: True, z3.Z3_OP_EQ: True, z3.Z3_OP_GT: False,
+         z3.Z3_OP_LT: False}
+
+
 class _Values:
     def __init__(self, seed: int):
         self.seed = seed
@@ -96,7 +105,11 @@ class _Values:
             return z3.is_true(t)
         kind = t.decl().kind()
         if kind == z3.Z3_OP_ITE:
+            if t.arg(1).eq(t.arg(2)):  # both branches one term: no choice to make
+                return self.of(t.arg(1))
             return self.of(t.arg(1)) if self.of(t.arg(0)) else self.of(t.arg(2))
+        if kind in _SELF and t.num_args() == 2 and t.arg(0).eq(t.arg(1)):
+            return _SELF[kind]  # a term compared with itself: decided by its syntax
         args = [self.of(a) for a in t.children()]
         if kind == z3.Z3_OP_UNINTERPRETED:
             name = t.decl().name()
