@@ -321,7 +321,7 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         config.no_sync_func = [w.no_sync for w in wrapped] if vpp else wrapped[0].no_sync
         config.grad_sync_func = [w.start_grad_sync for w in wrapped] if vpp \
             else wrapped[0].start_grad_sync
-    run = functools.partial(megatron_step, model, wrapped, config, options)
+    run = functools.partial(megatron_step, model, wrapped, config, options, padding_views(wrapped))
     return OwnSchedule(run, after_backward=_main_grads(wrapped), microbatches=options.microbatches)
 
 
@@ -399,8 +399,26 @@ def _sends_first(batch_isend_irecv: Callable) -> Callable:
     return batch
 
 
+def padding_views(wrapped: list) -> list[torch.Tensor]:
+    """Views of the ranges of Megatron's grad buffers no parameter's
+    gradient occupies (the padding the distributed optimizer adds after
+    parameters and buckets; none without it), made before the step as the
+    parameters' ``main_grad`` views are: with them the step zeroes the
+    whole buffer, as Megatron's ``zero_grad_buffer`` does."""
+    views = []
+    for w in wrapped:
+        for buffer in w.buffers:
+            taken = sorted((start, end) for start, end, _ in buffer.param_index_map.values())
+            at = 0
+            for start, end in taken + [(buffer.grad_data.numel(),) * 2]:
+                if start > at:
+                    views.append(buffer.grad_data[at:start])
+                at = max(at, end)
+    return views
+
+
 def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
-                  tokens: torch.Tensor, labels: torch.Tensor,
+                  padding: list[torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor,
                   set_mb: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """The rank's step through Megatron's ``get_forward_backward_func()`` on
     its rows in ``options.microbatches`` microbatches; the loss tensors
@@ -419,6 +437,8 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
     for w in wrapped:  # Megatron's zero_grad_buffer, one parameter's view at a time
         for p in w.module.parameters():
             p.main_grad.zero_()
+    for view in padding:  # and the padding after them (the distributed optimizer's)
+        view.zero_()
     track = _Microbatches(set_mb or (lambda mb: None), wrapped)
     kept = schedules.forward_step, schedules.backward_step
     schedules.forward_step = track.forward(kept[0])
