@@ -194,6 +194,13 @@ CASES: list[tuple[str, str, int]] = [
      f"{MEGATRON}ddp_average_global_mean --dp 2 --tp 1 --batch 8", 1),
     ("megatron bug ddp buckets reduced over the tp group",
      f"{MEGATRON}ddp_wrong_group --dp 2 --tp 2 --batch 8", 1),
+    ("megatron dp2 mtp", "--model backends.torch.megatron:gpt_mtp --recipe backends.torch.megatron:tp "
+     "--dp 2 --tp 1 --batch 4", 0),
+    ("megatron bug mtp loss normalized by local token counts (7452)",
+     "--model backends.torch.megatron:gpt_mtp_masked --recipe backends.torch.megatron:tp "
+     "--dp 2 --tp 1 --batch 4 --seed 1", 1),
+    ("megatron tp2 mtp (the rolled ids' vocabulary-parallel lookup)",
+     "--model backends.torch.megatron:gpt_mtp --recipe backends.torch.megatron:tp --dp 1 --tp 2", 2),
     ("megatron dp2 distributed optimizer (flat shards cut parameters)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8", 2),
     ("megatron tp2 clip_grad_norm (reads the norm with .item())",

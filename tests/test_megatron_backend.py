@@ -82,6 +82,15 @@ def test_tp2_sp_verifies_1446_fails_and_interleaved_batched_p2p_is_refused():
     assert sum(ln.startswith("Megatron-Core CPU shim") for ln in run.stderr.splitlines()) >= 6
 
 
+def test_mtp_verifies_and_its_local_count_normalization_fails():
+    """GPTModel with its multi-token prediction block verifies at DP 2; with a
+    loss mask whose counts differ between the data-parallel ranks, the MTP
+    loss divided by each rank's own count (Megatron-LM issue 7452) FAILs."""
+    run = _suite("megatron dp2 mtp", "megatron bug mtp loss normalized")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "torch suite: 2 of 2 as expected" in run.stdout, run.stdout[-2000:]
+
+
 def test_a_strided_shard_is_refused_in_one_line(tmp_path):
     """A gated MLP's fused linear_fc1 is strided across tensor-parallel ranks
     (``partition_stride`` 2): refused, exit 2, one line."""

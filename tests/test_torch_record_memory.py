@@ -35,3 +35,41 @@ def test_memory_given_up_is_no_longer_the_parameter() -> None:
     rec.storages = {(later.untyped_storage().data_ptr(), 0, 1): entry}
     rec.shard_starts = {(later.untyped_storage().data_ptr(), 0): (v, 1, entry[1])}
     assert rec.storage_view(later) is None
+
+
+COALESCED = """
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from backends.torch.record import Recorder, Tracker
+dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+rec = Recorder(Tracker())
+bucket = torch.ones(8)
+rec.new_value(bucket)
+mine = bucket[0:4]  # this rank's range of the bucket, written by the reduce-scatter
+with rec:
+    with _coalescing_manager(dist.group.WORLD, async_ops=False):
+        dist.reduce_scatter_tensor(mine, bucket)
+name, _, ids, shapes = rec.events[-1][:4]
+assert name == "c10d.reduce_scatter_tensor_coalesced_.default", name
+assert ids and shapes == [(4,)], (ids, shapes)
+assert rec.value(mine) == ids[0]
+print("ok")
+"""
+
+
+def test_a_coalesced_collective_writes_its_outputs() -> None:
+    """c10d's coalesced collectives (``reduce_scatter_tensor`` inside a
+    ``_coalescing_manager``, as Megatron's grad buffers run it) return only
+    their work: the output buffers they write hold new values, never the
+    old ones (read as they were, the step would be judged on values the
+    memory no longer holds)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", COALESCED], cwd=root, capture_output=True,
+                         text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("ok")

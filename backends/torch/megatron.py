@@ -91,8 +91,13 @@ class GPTStep:
     Megatron's GPT pretraining: per-token losses, their mean over the
     microbatch's tokens."""
 
-    def __init__(self, sizes: dict[str, int]):
+    def __init__(self, sizes: dict[str, int], mtp: bool = False, mtp_mask_below: int | None = None):
         self.sizes = sizes
+        #: Megatron's multi-token prediction block (one layer, its local spec)
+        self.mtp = mtp
+        #: the loss mask the model's MTP loss reads: the labels below this id
+        #: (None: every token, GPTModel's default)
+        self.mtp_mask_below = mtp_mask_below
 
     def config(self, **parallel: Any):
         """The ``TransformerConfig`` (``parallel``: its parallelism fields)."""
@@ -101,16 +106,23 @@ class GPTStep:
         return TransformerConfig(
             num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
             ffn_hidden_size=s["ffn"], hidden_dropout=0.0, attention_dropout=0.0,
-            use_cpu_initialization=True, params_dtype=torch.float32, **parallel)
+            use_cpu_initialization=True, params_dtype=torch.float32,
+            mtp_num_layers=1 if self.mtp else None, **parallel)
 
     def model_provider(self, config, pre_process: bool = True, post_process: bool = True,
                        vp_stage: int | None = None) -> nn.Module:
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=self.sizes["vocab"],
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_mtp_block_spec,
+        )
+        spec = get_gpt_layer_local_spec()
+        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
+                                     vp_stage=vp_stage) if self.mtp else None
+        return GPTModel(config, spec, vocab_size=self.sizes["vocab"],
                         max_sequence_length=self.sizes["seqlen"], pre_process=pre_process,
                         post_process=post_process, share_embeddings_and_output_weights=True,
-                        vp_stage=vp_stage)
+                        mtp_block_spec=mtp, vp_stage=vp_stage)
 
     #: a shipped mistake of the loss function (None: Megatron's GPT pretraining's)
     loss_bug: str | None = None
@@ -119,7 +131,11 @@ class GPTStep:
 
     def forward_step(self, data_iterator: Iterator, model: nn.Module):
         batch = next(data_iterator)
-        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        mask = None
+        if self.mtp_mask_below is not None:
+            mask = (batch["labels"] < self.mtp_mask_below).to(torch.float64)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       loss_mask=mask)
 
         def loss_func(per_token: torch.Tensor):
             loss = per_token.sum() / per_token.numel()
@@ -157,6 +173,9 @@ class MegatronModel(nn.Module):
         self.names: dict[int, str] = {}
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+        # the MTP loss's backward scale Megatron's schedule sets for one microbatch
+        MTPLossAutoScaler.set_loss_scale(torch.ones(1))
         output, loss_func = self.user.forward_step(iter([batch_of(tokens, labels)]), self.model)
         return loss_func(output)[0]
 
@@ -185,6 +204,20 @@ def gpt(**sizes: int) -> MegatronModel:
     """Megatron's GPTModel at the size flags (``layers``, ``hidden``, ``heads``,
     ``ffn``, ``vocab``, ``seqlen``) with GPT pretraining's forward step."""
     return user_model(GPTStep(sizes))
+
+
+def gpt_mtp(**sizes: int) -> MegatronModel:
+    """``gpt`` with Megatron's multi-token prediction block (``mtp_num_layers=1``):
+    GPTModel adds the MTP loss (its labels rolled by one position, the last
+    masked) to the gradients through its ``MTPLossAutoScaler``."""
+    return user_model(GPTStep(sizes, mtp=True))
+
+
+def gpt_mtp_masked(**sizes: int) -> MegatronModel:
+    """``gpt_mtp`` with a loss mask (the labels below half the vocabulary) the
+    MTP loss reads: GPTModel divides each rank's MTP loss by the rank's own
+    count of kept tokens (Megatron-LM issue 7452)."""
+    return user_model(GPTStep(sizes, mtp=True, mtp_mask_below=sizes["vocab"] // 2))
 
 
 # -- the recipe: Megatron's parallelism, its schedule, DDP and finalize ------------
@@ -321,7 +354,7 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         config.no_sync_func = [w.no_sync for w in wrapped] if vpp else wrapped[0].no_sync
         config.grad_sync_func = [w.start_grad_sync for w in wrapped] if vpp \
             else wrapped[0].start_grad_sync
-    run = functools.partial(megatron_step, model, wrapped, config, options)
+    run = functools.partial(megatron_step, model, wrapped, config, options, padding_views(wrapped))
     return OwnSchedule(run, after_backward=_main_grads(wrapped), microbatches=options.microbatches)
 
 
@@ -399,8 +432,26 @@ def _sends_first(batch_isend_irecv: Callable) -> Callable:
     return batch
 
 
+def padding_views(wrapped: list) -> list[torch.Tensor]:
+    """Views of the ranges of Megatron's grad buffers no parameter's
+    gradient occupies (the padding the distributed optimizer adds after
+    parameters and buckets; none without it), made before the step as the
+    parameters' ``main_grad`` views are: with them the step zeroes the
+    whole buffer, as Megatron's ``zero_grad_buffer`` does."""
+    views = []
+    for w in wrapped:
+        for buffer in w.buffers:
+            taken = sorted((start, end) for start, end, _ in buffer.param_index_map.values())
+            at = 0
+            for start, end in taken + [(buffer.grad_data.numel(),) * 2]:
+                if start > at:
+                    views.append(buffer.grad_data[at:start])
+                at = max(at, end)
+    return views
+
+
 def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
-                  tokens: torch.Tensor, labels: torch.Tensor,
+                  padding: list[torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor,
                   set_mb: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """The rank's step through Megatron's ``get_forward_backward_func()`` on
     its rows in ``options.microbatches`` microbatches; the loss tensors
@@ -419,6 +470,8 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
     for w in wrapped:  # Megatron's zero_grad_buffer, one parameter's view at a time
         for p in w.module.parameters():
             p.main_grad.zero_()
+    for view in padding:  # and the padding after them (the distributed optimizer's)
+        view.zero_()
     track = _Microbatches(set_mb or (lambda mb: None), wrapped)
     kept = schedules.forward_step, schedules.backward_step
     schedules.forward_step = track.forward(kept[0])

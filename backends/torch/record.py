@@ -328,6 +328,11 @@ class Recorder(TorchDispatchMode):
             outs = tensors_in(kwargs["out"])
         if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
             outs = list(args[0])  # received or reduced in place: the buffers hold new values
+        if name.startswith("c10d.") and name.split(".")[1].endswith("_") and not outs:
+            # an in-place collective that returns only its work (a coalesced
+            # reduce-scatter or all-gather, a reduce): it writes the tensors of
+            # its first argument, which then hold new values, never the old
+            outs = tensors_in(args[0])
         if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
             outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
         group = None

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.activations import put_block
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
+from backends.torch.lowering.emit import cat, narrow
 from backends.torch.lowering.ir import IdRows, Ids, NewZeros
 from backends.torch.lowering.onehot import id_rows, ids_value, label_values, one_hot_of
 from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
@@ -285,5 +287,85 @@ def transpose(base: Handler) -> Handler:
         if d0 == d1:
             return rows
         x = lw.emit("transpose", [rows.x], [(*ids.shape, lw.vocab)], {"dim0": d0, "dim1": d1})[0]
+        return IdRows(x, ids)
+    return lower
+
+
+# -- ids moved and overwritten (a shifted copy of the labels) ------------------------------------
+
+def _id_source(lw: Lowerer, a: Any) -> Ids | IdRows | None:
+    found = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" \
+        else None
+    return found if isinstance(found, (Ids, IdRows)) else None
+
+
+@refines("aten.roll.default")
+def roll(base: Handler) -> Handler:
+    """``torch.roll(ids, shifts, dims)``: every position a copy of one
+    position of the ids, so the one-hot rows rolled along the same dims
+    (the last ``s`` rows then the first ``n - s``, ``copies.roll``)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        if _id_source(lw, args[0]) is None:
+            return base(lw, args, kwargs, shapes, group)
+        rows = id_rows(lw, args[0])
+        nd = rows.ids.ndim
+        shifts = args[1] if len(args) > 1 else kwargs["shifts"]
+        dims = args[2] if len(args) > 2 else kwargs.get("dims", [])
+        shifts = [int(s) for s in (shifts if isinstance(shifts, (list, tuple)) else [shifts])]
+        dims = [int(d) % nd for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+        if len(dims) != len(shifts) or not dims:
+            raise LoweringError(f"{lw.name}: torch.roll of the batch's ids without a dim for "
+                                f"each shift is not lowered")
+        x = rows.x
+        for shift, d in zip(shifts, dims):
+            n = rows.ids.shape[d]
+            s = shift % n if n else 0
+            if s:
+                x = cat(lw, [narrow(lw, x, d, n - s, s), narrow(lw, x, d, 0, n - s)], d)
+        return IdRows(x, np.roll(rows.ids, shifts, axis=dims))
+    return lower
+
+
+@refines("aten.fill_.Scalar", "aten.fill.Scalar")
+def fill(base: Handler) -> Handler:
+    """Ids all set to one id ``c`` in ``[0, vocab)``: the constant one-hot
+    rows of ``c`` (an id's value, not a number of the step)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        if _id_source(lw, args[0]) is None:
+            return base(lw, args, kwargs, shapes, group)
+        c = lw.const(args[1])
+        if c is None or c != int(c) or not 0 <= c < lw.vocab:
+            raise LoweringError(f"{lw.name}: the batch's ids filled with {args[1]!r} (only an id "
+                                f"of the vocabulary is lowered)")
+        ids = np.full(tuple(shapes[0]), int(c))
+        return IdRows(constant_input(lw, np.eye(lw.vocab)[ids]), ids)
+    return lower
+
+
+@refines("partial_write")
+def partial_write(base: Handler) -> Handler:
+    """Ids with a block of them overwritten by other ids (``rolled.select(-1,
+    -1).fill_(0)``): the one-hot rows with that block replaced by the new
+    ids' rows (``activations.put_block`` along the ids' dims; the vocabulary
+    dim whole), and the recorded ids likewise."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        if _id_source(lw, args[0]) is None:
+            return base(lw, args, kwargs, shapes, group)
+        region = args[2] if len(args) > 2 else None
+        written = args[3] if len(args) > 3 else None
+        if region is None or written is None or _id_source(lw, written) is None:
+            raise LoweringError(f"{lw.name}: the batch's ids written in place with values other "
+                                f"than ids, or through a view that is no block of them")
+        rows, new = id_rows(lw, args[0]), id_rows(lw, written)
+        sizes, blocks = region
+        kept = [at for _, _, at in blocks if at >= 0]
+        if tuple(sizes) != rows.ids.shape or kept != sorted(kept):
+            raise LoweringError(f"{lw.name}: the batch's ids written through a reshaped or "
+                                f"permuted view are not lowered")
+        block = tuple(length for _, length, _ in blocks)
+        starts = [start for start, _, _ in blocks]
+        x = put_block(lw, rows.x, [*starts, 0], lw.reshape(new.x, (*block, lw.vocab)))
+        ids = rows.ids.copy()
+        ids[tuple(slice(s, s + n) for s, n in zip(starts, block))] = new.ids.reshape(block)
         return IdRows(x, ids)
     return lower
