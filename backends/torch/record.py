@@ -545,7 +545,11 @@ def group_from_name(name: str) -> tuple[int, ...]:
 
 
 def group_ranks(pg: Any) -> tuple[int, ...]:
+    """The members of a process group, given as one or as the boxed group a
+    c10d op receives."""
     import torch.distributed as dist
+    if isinstance(pg, torch.ScriptObject):
+        pg = dist.ProcessGroup.unbox(pg)
     return tuple(dist.get_process_group_ranks(pg))
 
 
