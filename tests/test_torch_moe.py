@@ -8,6 +8,8 @@ refusals. More families and wrong plans are suite cases
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -59,6 +61,15 @@ def test_data_parallel_step_verifies_for_the_routing_it_names() -> None:
     assert plan_p.world["routing"] == plan_s.world["routing"]
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
+    # a rank reading another recorded constant (another routing's mask or
+    # pick, another rank's rows of it): wrong by the oracle, and FAILs
+    from harness.mutations import other_routing
+    from harness.oracle import judge
+    for k in range(3):
+        mutant, what = other_routing(plan_p, random.Random(f"routing/{k}"))
+        assert not judge(plan_s, mutant).right, what
+        verdict = verify(plan_s, mutant)
+        assert not verdict.success and verdict.kind != "internal", what
 
 
 def test_a_token_routed_otherwise_on_one_rank_fails() -> None:
