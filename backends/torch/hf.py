@@ -141,6 +141,31 @@ def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
         kinds = [default.attention_layers[i % len(default.attention_layers)]
                  for i in range(layers)]
         kw["attention_types"] = [[[kind], 1] for kind in kinds]
+    if isinstance(getattr(default, "qk_rope_head_dim", None), int):
+        # latent attention: its rotary, plain and value head widths fitted to
+        # a head (the rotary one is the configuration's head_dim), its
+        # low-rank projections to the hidden size
+        for name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            if isinstance(getattr(default, name, None), int):
+                kw[name] = hidden // heads
+        for name in ("kv_lora_rank", "q_lora_rank"):
+            if isinstance(getattr(default, name, None), int):
+                kw[name] = hidden
+    # a mixture's routed layers from the first one on, so that a one-layer
+    # model routes (a family that keeps its first layers dense would trace
+    # no router at the backend's sizes), and its experts in one group
+    for name in ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index",
+                 "expert_layer_offset"):
+        if isinstance(getattr(default, name, None), int):
+            kw[name] = 0
+    if isinstance(getattr(default, "mlp_only_layers", None), list):
+        kw["mlp_only_layers"] = []
+    types = getattr(default, "mlp_layer_types", None)
+    if isinstance(types, list) and "sparse" in types:
+        kw["mlp_layer_types"] = ["sparse"] * layers
+    for name in ("n_group", "topk_group"):
+        if isinstance(getattr(default, name, None), int):
+            kw[name] = 1
     expand = getattr(default, "mamba_expand", None)
     if isinstance(getattr(default, "mamba_n_heads", None), int) and isinstance(expand, int) \
             and getattr(default, "mamba_d_ssm", None) is None:  # a width of its own: kept
