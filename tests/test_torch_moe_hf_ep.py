@@ -53,3 +53,29 @@ def test_mixtral_ep2_traces_its_dispatch_and_stops_at_the_received_rows() -> Non
     args = parser().parse_args(["--hf", "mixtral", "--dp", "2", "--tp", "1", "--ep", "2"])
     with pytest.raises(LoweringError, match="experts"):
         trace_and_build(args)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "jamba", "afmoe", "ernie4_5_moe", "beam",
+                                    "deepseek_v3", "flint"])
+def test_a_small_mixture_routes_at_its_one_layer(family: str) -> None:
+    """Families that keep their first layers dense (``first_k_dense_replace``,
+    ``mlp_layer_types``, ``expert_layer_offset``, ...) are configured so that
+    the backend's one-layer model routes: its step calls ``topk``."""
+    pytest.importorskip("transformers")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from backends.torch import hf
+
+    calls = []
+
+    class Topk(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) == "aten.topk.default":
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model = hf.build(family, layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4).double()
+    tokens = torch.randint(0, 16, (4, 4), generator=torch.Generator().manual_seed(0))
+    with Topk():
+        model(tokens, tokens)
+    assert calls
