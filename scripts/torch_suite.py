@@ -611,6 +611,10 @@ CASES += [
     ("moe mixtral dp2 batch 8 uneven routing", "--hf mixtral --dp 2 --tp 1 --batch 8 --seed 9", 0),
     ("moe qwen3_moe dp2", "--hf qwen3_moe --dp 2 --tp 1", 0),
     ("moe olmoe dp2", "--hf olmoe --dp 2 --tp 1", 0),
+    ("moe glm4_moe dp2 (group-limited router: a group mask scattered at the groups chosen)",
+     "--hf glm4_moe --dp 2 --tp 1", 0),
+    ("moe glm4_moe bug token to another expert", f"--hf glm4_moe --recipe "
+     f"{MOE_BUGS}token_to_other_expert --dp 2 --tp 1", 1),
     ("moe mixtral bug token to another expert", f"--hf mixtral --recipe {MOE_BUGS}token_to_other_expert "
      "--dp 2 --tp 1", 1),
     ("moe mixtral bug routed with another token's experts",

@@ -95,3 +95,17 @@ def test_replay_refuses_rows_it_cannot_place() -> None:
         routing.call(torch.topk, (scores, 2), {}, torch.topk(scores, 2))
     with pytest.raises(RoutingError, match="more often"):
         Routing([], block=(0, 1)).call(torch.topk, (scores, 2), {}, torch.topk(scores, 2))
+
+
+def test_group_limited_router_lowering_matches_torch() -> None:
+    """glm4_moe's router: a group mask scattered at the recorded group
+    choice (a constant), the other groups' scores masked, top-k of the rest
+    (docs/soundness.md, "Plans traced from PyTorch", group-limited routers)."""
+    spec = {"model": "backends.torch.hf:glm4_moe", "model_kwargs": SIZES, "recipe": "", "dp": 1,
+            "tp": 1, "pp": 1, "batch": 4, "seqlen": 4, "vocab": 16, "seed": 0, "parallel": False,
+            "keep_values": True}
+    trace = run(spec, 0)
+    assert len(trace["routing_summary"]) == 3  # within groups, the groups, the experts
+    check = check_lowering(trace, lower_trace(trace, 16), 16)
+    assert "hf.model.layers.0.mlp.gate.weight" in check.grads
+    assert not check.differences(rtol=1e-5, atol=1e-7)
