@@ -175,3 +175,23 @@ def titan_ep_routed_to_other_token(model, mesh):
         for module in _routed_experts(model):
             module.register_forward_pre_hook(hook)
     return after
+
+
+def titan_ep_combine_other_gate(model, mesh):
+    """torchtitan's DeepSeek-V3 with expert parallelism (ep = dp) where the
+    first rank combines its first two tokens' expert outputs with each
+    other's gates (their routing scores swapped, their experts kept)."""
+    from backends.torch.titan import parallelize_deepseekv3_ep
+    after = parallelize_deepseekv3_ep(model, mesh)
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        flat = scores.reshape(-1, scores.shape[-1])
+        order = torch.arange(flat.shape[0])
+        order[0], order[1] = 1, 0
+        return x, flat[order].reshape(scores.shape), ids, counts
+
+    if mesh["dp"].get_local_rank() == 0:
+        for module in _routed_experts(model):
+            module.register_forward_pre_hook(hook)
+    return after

@@ -45,3 +45,15 @@ def clip_ep_experts_not_reduced(model, mesh, max_norm: float) -> None:
     experts = sum((_local(p.grad) ** 2).sum() for p in params if _expert(p))
     total = funcol.all_reduce(dense, "sum", mesh["dp"]) + experts
     _scale(params, max_norm, total.sqrt())
+
+
+def clip_ep_expert_norms_averaged(model, mesh, max_norm: float) -> None:
+    """DeepSpeed PR 8478 (the bug it fixed): the experts' square sums are
+    averaged over the data-parallel ranks (each rank's divided by their
+    count, then all-reduced, as for a replicated gradient), where each
+    expert's square sum is held by one rank and must be summed once: the
+    norm undercounts the experts and the clip factor is too large."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    ranks = mesh["dp"].size()
+    total = sum((_local(p.grad) ** 2).sum() / (ranks if _expert(p) else 1) for p in params)
+    _scale(params, max_norm, funcol.all_reduce(total, "sum", mesh["dp"]).sqrt())

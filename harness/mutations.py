@@ -857,6 +857,45 @@ def scaled_load(plan: Plan, rng: random.Random) -> Result:
                f"read halved")
 
 
+def other_routing(plan: Plan, rng: random.Random) -> Result:
+    """One rank reads another recorded constant in place of one of its own:
+    another constant of the same shape (a routing mask, one-hot, per-slot
+    pick or split of another value: a token sent to other experts, a
+    combine picking another slot, rows cut by other split sizes), or
+    another rank's piece of the same constant (the routing of other rows
+    replayed). A traced plan's constants are inputs named by their value
+    (docs/soundness.md, "Plans traced from PyTorch", 36 d), so a rank that
+    routed otherwise reads an input of another name or piece."""
+    written = {o for n in plan.nodes for o in n.outputs}
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for tid, lg in enumerate(plan.logical):
+        if lg.name.startswith("const."):
+            by_shape.setdefault(tuple(lg.shape), []).append(tid)
+    loads = [i for i, t in enumerate(plan.tensors)
+             if i not in written and plan.logical[t.tid].name.startswith("const.")]
+    pieces: dict[int, set] = {}
+    for i in loads:
+        pieces.setdefault(plan.tensors[i].tid, set()).add(plan.tensors[i].slices)
+    held = {(t.rank, t.mb, t.tid, t.version, t.slices) for t in plan.tensors}
+    sites = []
+    for i in loads:
+        t = plan.tensors[i]
+        options = [(other, t.slices) for other in by_shape[tuple(plan.logical[t.tid].shape)]
+                   if other != t.tid]
+        options += [(t.tid, sl) for sl in sorted(pieces[t.tid]) if sl != t.slices]
+        sites += [(i, tid, sl) for tid, sl in options
+                  if (t.rank, t.mb, tid, t.version, sl) not in held]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    i, tid, sl = site
+    p = copy_plan(plan)
+    t = p.tensors[i]
+    p.tensors[i] = t._replace(tid=tid, slices=sl)
+    return p, (f"rank {t.rank} reads {plan.logical[tid].name} {list(sl)} in place of "
+               f"{plan.logical[t.tid].name} {list(t.slices)}")
+
+
 MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "drop_collective": drop_collective,
     "replace_collective": replace_collective,
@@ -890,6 +929,7 @@ MUTATIONS: dict[str, Callable[[Plan, random.Random], Result]] = {
     "factor_every_rank": factor_every_rank,
     "factor_twice": factor_twice,
     "scaled_load": scaled_load,
+    "other_routing": other_routing,
 }
 
 

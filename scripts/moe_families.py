@@ -1,9 +1,11 @@
 """Every transformers causal-LM family that routes tokens to its top-k
 experts, traced at dp2 (FSDP2 through transformers, its routing recorded)
 and verified: one line per family, ``verified``, ``FAIL`` or ``refused``
-with the one-line reason.
+with the one-line reason; with ``--ep``, also at dp2 ep2 through the
+family's own expert-parallel plan (``--hf FAMILY --ep 2``) where it has
+one (``base_model_ep_plan``).
 
-    .venv/bin/python scripts/moe_families.py [FAMILY ...]
+    .venv/bin/python scripts/moe_families.py [--ep] [FAMILY ...]
 
 Ends with the counts; prints a Markdown table with ``--markdown``
 (docs/torch-backend.md, "Top-k mixtures of experts").
@@ -41,11 +43,17 @@ def routed_families() -> list[str]:
     return out
 
 
-def judge(family: str) -> tuple[str, str]:
-    """(verdict, reason) of ``--hf FAMILY --dp 2 --tp 1``."""
+def has_ep_plan(family: str) -> bool:
+    """Whether the family's default configuration has an expert-parallel plan."""
+    cfg_cls, _ = hf.classes(family)
+    return bool(getattr(cfg_cls(), "base_model_ep_plan", None))
+
+
+def judge(family: str, ep: int = 1) -> tuple[str, str]:
+    """(verdict, reason) of ``--hf FAMILY --dp 2 --tp 1 [--ep EP]``."""
     try:
         (plan_s, plan_p), _ = trace_and_build(backend_parser().parse_args(
-            ["--hf", family, "--dp", "2", "--tp", "1"]))
+            ["--hf", family, "--dp", "2", "--tp", "1", "--ep", str(ep)]))
     except LoweringError as e:
         return "refused", str(e).splitlines()[0]
     except LoadedValueMismatch as e:
@@ -60,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("families", nargs="*", help="families to run (default: every routed one)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table at the end")
+    p.add_argument("--ep", action="store_true",
+                   help="also trace dp2 ep2 through the family's expert-parallel plan")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     families = args.families or routed_families()
@@ -68,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         verdict, reason = judge(family)
         rows.append((family, verdict, reason))
         print(f"{family:28s} {verdict:10s} {reason[:160]}", flush=True)
+        if args.ep and has_ep_plan(family):
+            verdict, reason = judge(family, ep=2)
+            rows.append((f"{family} ep2", verdict, reason))
+            print(f"{family + ' ep2':28s} {verdict:10s} {reason[:160]}", flush=True)
     counts = {v: sum(r[1] == v for r in rows) for v in ("verified", "FAIL", "refused", "no verdict")}
     print("moe families: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + f" of {len(rows)}")
     if args.markdown:

@@ -621,6 +621,10 @@ CASES += [
     ("moe mixtral dp2 batch 8 uneven routing", "--hf mixtral --dp 2 --tp 1 --batch 8 --seed 9", 0),
     ("moe qwen3_moe dp2", "--hf qwen3_moe --dp 2 --tp 1", 0),
     ("moe olmoe dp2", "--hf olmoe --dp 2 --tp 1", 0),
+    ("moe glm4_moe dp2 (group-limited router: a group mask scattered at the groups chosen)",
+     "--hf glm4_moe --dp 2 --tp 1", 0),
+    ("moe glm4_moe bug token to another expert", f"--hf glm4_moe --recipe "
+     f"{MOE_BUGS}token_to_other_expert --dp 2 --tp 1", 1),
     ("moe mixtral bug token to another expert", f"--hf mixtral --recipe {MOE_BUGS}token_to_other_expert "
      "--dp 2 --tp 1", 1),
     ("moe mixtral bug routed with another token's experts",
@@ -660,9 +664,15 @@ CASES += [
     ("moe titan deepseek_v3 ep2 bug clip norm not reduced across the ep ranks (NeMo-Automodel "
      "PR 3817)", f"{DEEPSEEK_EP} --dp 2 --tp 1 --clip 0.5 --clipper "
      "harness.moe_clippers:clip_ep_experts_not_reduced", 1),
+    ("moe titan deepseek_v3 ep2 bug expert norms averaged over dp (DeepSpeed PR 8478)",
+     f"{DEEPSEEK_EP} --dp 2 --tp 1 --clip 0.5 --clipper "
+     "harness.moe_clippers:clip_ep_expert_norms_averaged", 1),
     ("moe titan deepseek_v3 ep2 bug wrong split size (a token's row sent to the next rank's "
      "expert)", f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 "
      "--dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 ep2 combine with another token's gate refused (a permutation of the "
+     "scores no single-device op runs)", f"{DEEPSEEK_EP_MODEL} --recipe "
+     f"{MOE_BUGS}titan_ep_combine_other_gate --vocab 2048 --dp 2 --tp 1", 2),
     ("moe titan deepseek_v3 ep2 bug routed with another token's experts",
      f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_routed_to_other_token --vocab 2048 "
      "--dp 2 --tp 1", 1),

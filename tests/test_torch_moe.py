@@ -8,6 +8,8 @@ refusals. More families and wrong plans are suite cases
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -59,6 +61,15 @@ def test_data_parallel_step_verifies_for_the_routing_it_names() -> None:
     assert plan_p.world["routing"] == plan_s.world["routing"]
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
+    # a rank reading another recorded constant (another routing's mask or
+    # pick, another rank's rows of it): wrong by the oracle, and FAILs
+    from harness.mutations import other_routing
+    from harness.oracle import judge
+    for k in range(3):
+        mutant, what = other_routing(plan_p, random.Random(f"routing/{k}"))
+        assert not judge(plan_s, mutant).right, what
+        verdict = verify(plan_s, mutant)
+        assert not verdict.success and verdict.kind != "internal", what
 
 
 def test_a_token_routed_otherwise_on_one_rank_fails() -> None:
@@ -84,3 +95,17 @@ def test_replay_refuses_rows_it_cannot_place() -> None:
         routing.call(torch.topk, (scores, 2), {}, torch.topk(scores, 2))
     with pytest.raises(RoutingError, match="more often"):
         Routing([], block=(0, 1)).call(torch.topk, (scores, 2), {}, torch.topk(scores, 2))
+
+
+def test_group_limited_router_lowering_matches_torch() -> None:
+    """glm4_moe's router: a group mask scattered at the recorded group
+    choice (a constant), the other groups' scores masked, top-k of the rest
+    (docs/soundness.md, "Plans traced from PyTorch", group-limited routers)."""
+    spec = {"model": "backends.torch.hf:glm4_moe", "model_kwargs": SIZES, "recipe": "", "dp": 1,
+            "tp": 1, "pp": 1, "batch": 4, "seqlen": 4, "vocab": 16, "seed": 0, "parallel": False,
+            "keep_values": True}
+    trace = run(spec, 0)
+    assert len(trace["routing_summary"]) == 3  # within groups, the groups, the experts
+    check = check_lowering(trace, lower_trace(trace, 16), 16)
+    assert "hf.model.layers.0.mlp.gate.weight" in check.grads
+    assert not check.differences(rtol=1e-5, atol=1e-7)

@@ -79,12 +79,20 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise LoweringError("--hf and --model name two models: give one")
         args.model = model
         args.layers = 1 if args.layers is None else args.layers
+        ep = getattr(args, "ep", 1)
+        if ep > 1 and ep != args.dp * args.tp:
+            raise LoweringError(f"--ep {ep}: transformers' expert-parallel plan is traced with "
+                                f"ep = dp x tp ({args.dp * args.tp}: every rank holds its own "
+                                f"experts)")
         if args.recipe == RECIPE:
-            args.recipe = "tp_fsdp"
+            args.recipe = "ep_fsdp" if ep > 1 else "tp_fsdp"
         if ":" not in args.recipe:
             args.recipe = f"backends.torch.hf:{args.recipe}"
         args.name = args.name or (f"hf_{hf}_{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}"
                                   f"_tp{args.tp}{_layers_tag(args)}_b{args.batch}")
+    elif getattr(args, "ep", 1) > 1:
+        raise LoweringError("--ep is for --hf families (torchtitan's expert-parallel recipes set "
+                            "ep = dp themselves: titan:parallelize_deepseekv3_ep)")
     args.model = _short_module(MODELS.get(args.model, args.model))
     args.recipe = _short_module(args.recipe)
     if args.layers is None and not args.model.startswith(f"{SHORT_MODULES['titan']}:"):
@@ -171,6 +179,11 @@ def parser() -> argparse.ArgumentParser:
                    help="data-parallel degree of the mesh (default: %(default)s)")
     p.add_argument("--tp", type=int, default=2,
                    help="tensor-parallel degree of the mesh (default: %(default)s)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree of a --hf mixture of experts: its own "
+                        "expert-parallel plan (base_model_ep_plan) through "
+                        "DistributedConfig(ep_size=EP), EP = dp x tp; the recipe defaults to "
+                        "backends.torch.hf:ep_fsdp (default: %(default)s)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages, for a pipelining recipe (default: %(default)s)")
     p.add_argument("--mesh", default=None, metavar="NAME=SIZE,...",

@@ -22,10 +22,13 @@ import torch
 from backends.torch.errors import LoweringError
 
 #: the all-to-alls answered: op name -> positions of (output or None, input,
-#: output splits, input splits) in its arguments; the group is found apart
+#: output splits, input splits, group) in its arguments (the schemas'
+#: ``alltoall_base_(output, input, process_group, output_split_sizes,
+#: input_split_sizes)`` and ``all_to_all_single(input, output_split_sizes,
+#: input_split_sizes, group_name)``)
 ALL_TO_ALL = {
-    "c10d.alltoall_base_.default": (0, 1, 2, 3),
-    "_c10d_functional.all_to_all_single.default": (None, 0, 1, 2),
+    "c10d.alltoall_base_.default": (0, 1, 3, 4, 2),
+    "_c10d_functional.all_to_all_single.default": (None, 0, 1, 2, 3),
 }
 #: passes of the ranks before the sent values must have settled (one per
 #: layer whose counts depend on an earlier answer, and one to check)
@@ -73,9 +76,9 @@ class Exchanges:
              group_of: Callable[[Any], tuple[int, ...]]) -> bool:
         """Record a constant all-to-all's send; write the answer into its
         output when the members' sends are known (True then)."""
-        at_out, at_in, at_osplit, at_isplit = ALL_TO_ALL[name]
+        at_out, at_in, at_osplit, at_isplit, at_group = ALL_TO_ALL[name]
         x = args[at_in]
-        group = group_of(args[-1] if at_out is None else args[4])
+        group = group_of(args[at_group])
         k = self.count.get(group, 0)
         self.count[group] = k + 1
         record = {"group": list(group), "k": k, "input": x.detach().cpu().numpy().copy(),

@@ -141,6 +141,31 @@ def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
         kinds = [default.attention_layers[i % len(default.attention_layers)]
                  for i in range(layers)]
         kw["attention_types"] = [[[kind], 1] for kind in kinds]
+    if isinstance(getattr(default, "qk_rope_head_dim", None), int):
+        # latent attention: its rotary, plain and value head widths fitted to
+        # a head (the rotary one is the configuration's head_dim), its
+        # low-rank projections to the hidden size
+        for name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            if isinstance(getattr(default, name, None), int):
+                kw[name] = hidden // heads
+        for name in ("kv_lora_rank", "q_lora_rank"):
+            if isinstance(getattr(default, name, None), int):
+                kw[name] = hidden
+    # a mixture's routed layers from the first one on, so that a one-layer
+    # model routes (a family that keeps its first layers dense would trace
+    # no router at the backend's sizes), and its experts in one group
+    for name in ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index",
+                 "expert_layer_offset"):
+        if isinstance(getattr(default, name, None), int):
+            kw[name] = 0
+    if isinstance(getattr(default, "mlp_only_layers", None), list):
+        kw["mlp_only_layers"] = []
+    types = getattr(default, "mlp_layer_types", None)
+    if isinstance(types, list) and "sparse" in types:
+        kw["mlp_layer_types"] = ["sparse"] * layers
+    for name in ("n_group", "topk_group"):
+        if isinstance(getattr(default, name, None), int):
+            kw[name] = 1
     expand = getattr(default, "mamba_expand", None)
     if isinstance(getattr(default, "mamba_n_heads", None), int) and isinstance(expand, int) \
             and getattr(default, "mamba_d_ssm", None) is None:  # a width of its own: kept
@@ -224,7 +249,8 @@ def __getattr__(name: str):
 
 
 def distribute(model: CausalLM, mesh, dp_replicate: int = 1,
-               divide_factor: float | None = 1.0, tp_plan: dict[str, str] | None = None):
+               divide_factor: float | None = 1.0, tp_plan: dict[str, str] | None = None,
+               ep: int = 1):
     """Apply transformers' own parallelism to ``model.hf`` for the backend's
     mesh: TP over "tp", FSDP2 over "dp" (``dp_replicate`` replicas of
     ``dp // dp_replicate`` shards). The loss is shared out over
@@ -238,8 +264,9 @@ def distribute(model: CausalLM, mesh, dp_replicate: int = 1,
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     if dp % dp_replicate:
         raise ValueError(f"dp {dp} is not a multiple of {dp_replicate} replicas")
+    extra = {"ep_size": ep, "ep_implementation": "all_to_all"} if ep > 1 else {}
     cfg = DistributedConfig(tp_size=tp, fsdp_size=dp // dp_replicate, dp_replicate_size=dp_replicate,
-                            tp_plan=tp_plan)
+                            tp_plan=tp_plan, **extra)
     _, mesh_manager = initialize_distributed_mesh(cfg)
     hf = type(model.hf).maybe_distribute_model(model.hf, cfg, mesh_manager)
     model.hf = hf
@@ -278,17 +305,11 @@ def tp_fsdp_avg(model, mesh):
 
 
 def ep_fsdp(model, mesh):
-    """Expert parallelism (transformers' token-dispatch plan): refused. Under
-    the fake process group the all-to-all that exchanges the routed token
-    counts returns this rank's own counts, so every expert shape traced
-    after it would be invented; and with real collectives the shapes are
-    those of one routing only (docs/soundness.md, "Plans traced from
-    PyTorch", 12)."""
-    raise ValueError("expert parallelism is not traced: each expert's input has as many rows "
-                     "as tokens the router sent it, so its shapes depend on the values (and "
-                     "under the fake process group the token-count all-to-all echoes this "
-                     "rank's own counts)")
-
+    """transformers' expert-parallel plan (``base_model_ep_plan``) over the
+    data-parallel ranks (ep = dp: ``DistributedConfig(ep_size=dp)``, its
+    all-to-all token dispatch) with its FSDP2 plan over "dp" and TP over
+    "tp"."""
+    return distribute(model, mesh, ep=mesh["dp"].size() * mesh["tp"].size())
 
 
 def ddp(model, mesh):

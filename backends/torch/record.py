@@ -44,6 +44,9 @@ SHAPE_ONLY = {
     "aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default",
     "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
 }
+#: writes of a number at an index (``mask.scatter_(1, idx, 1)``): of a
+#: tensor made by a ``SHAPE_ONLY`` op at a constant index, a constant
+SCATTER_FILLS = {"aten.scatter_.value", "aten.scatter.value"}
 
 #: constants up to this many elements keep their value (masks, positions, tables)
 CONSTANT_NUMEL = 1 << 16
@@ -71,6 +74,7 @@ class Recorder(TorchDispatchMode):
         #: a shard's memory -> (value, numel, the storage held)
         self.shard_starts: dict[tuple[int, int], tuple[int, int, torch.UntypedStorage]] = {}
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
+        self.shape_only: set[int] = set()  # SHAPE_ONLY results of computed tensors (zeros_like(x))
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
         self.const_storages: set[int] = set()  # memory of the constants whose value is kept
@@ -261,6 +265,11 @@ class Recorder(TorchDispatchMode):
         dtype = (kwargs or {}).get("dtype")
         if name in SHAPE_ONLY and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
             return True  # zeros_like(scores, dtype=torch.bool): a mask to fill, of the shape only
+        if name in SCATTER_FILLS and tensors and self.value(tensors[0]) in self.shape_only \
+                and all(self.value(a) in self.constants for a in tensors[1:]):
+            # zeros_like(group_scores).scatter_(1, group_idx, 1): every element
+            # the fill of a shape, or the number written at a recorded index
+            return True
         return all(self.value(a) in self.constants for a in tensors)
 
     def mark_partial_writes(self, name: str, func, args, kwargs) -> None:
@@ -351,6 +360,8 @@ class Recorder(TorchDispatchMode):
         if constant:
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
+        elif name in SHAPE_ONLY:
+            self.shape_only.update(ids)
         if self.routing is not None and name in ROUTED:
             self.mark_constant(outs[1], ids[1])  # the routing: recorded data of the step
         if name == "aten.as_strided.default":
@@ -550,7 +561,11 @@ def group_from_name(name: str) -> tuple[int, ...]:
 
 
 def group_ranks(pg: Any) -> tuple[int, ...]:
+    """The members of a process group, given as one or as the boxed group a
+    c10d op receives."""
     import torch.distributed as dist
+    if isinstance(pg, torch.ScriptObject):
+        pg = dist.ProcessGroup.unbox(pg)
     return tuple(dist.get_process_group_ranks(pg))
 
 

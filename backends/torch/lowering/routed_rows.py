@@ -129,8 +129,14 @@ def _one_hot(index: np.ndarray, classes: int) -> np.ndarray:
 
 def topk(lw: Any, args, kwargs, shapes, group):
     """``topk(x, k, dim)`` with recorded indices: the values picked from x
-    by the one-hot rows of the indices (their gradient flows to x)."""
-    x = lw.val(args[0])
+    by the one-hot rows of the indices (their gradient flows to x). Scores
+    masked with -inf (a group-limited router's experts outside the chosen
+    groups) are read unmasked when every recorded index picks a kept
+    position: topk's values are the entries at its indices, and there the
+    masked scores are the scores."""
+    from backends.torch.lowering.masks import Masked
+    src = value_of(lw, args[0])
+    x = src.x if isinstance(src, Masked) else lw.val(args[0])
     shape = tuple(lw.shapes[x])
     dim = (int(args[2]) if len(args) > 2 else int(kwargs.get("dim", -1))) % len(shape)
     if dim != len(shape) - 1:
@@ -139,6 +145,10 @@ def topk(lw: Any, args, kwargs, shapes, group):
     index = constant_value(lw, ("v", outs[1]))
     if index is None:
         raise LoweringError(f"{lw.name}: topk whose indices were not recorded as the routing")
+    if isinstance(src, Masked):
+        kept = np.broadcast_to(np.asarray(src.keep.value, dtype=bool), shape)
+        if not np.take_along_axis(kept, index.astype(np.int64), -1).all():
+            raise LoweringError(f"{lw.name}: topk picks a score masked with -inf")
     k = index.shape[-1]
     onehot = constant_input(lw, _one_hot(index.astype(np.int64), shape[-1]))
     wide = (*shape[:-1], k, shape[-1])
