@@ -131,7 +131,7 @@ class _Builder:
         self.s = _Single(single)
         self.world = world
         self.logical: list[Logical] = []
-        self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "nm": 1})
+        self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "cp": 1, "nm": 1})
         self.gradbuf: dict[str, int] = {}
         self.own_inputs: dict[str, int] = {}  # a constant no single-device one matches -> tid
 
@@ -254,10 +254,11 @@ class _Rank:
         self.b, self.low, self.sizes = b, low, sizes
         #: the atomic axes "dp" stands for (HSDP: its sub-axes)
         self.dp = list(DP_SUBAXES) if "dps" in sizes else ["dp"]
-        self.axes = (*self.dp, "tp")
+        self.axes = (*self.dp, "cp", "tp")
         #: the order of part numbering of a partial sum (microbatches fastest,
         #: as in docs/parallelism.md "Partial-sum part numbering")
-        self.part_axes = (*self.dp, "tp", "mb")
+        self.part_axes = (*self.dp, "cp", "tp", "mb")
+        low.coords.setdefault("cp", 0)
         if "dps" in sizes:
             d = low.coords["dp"]
             low.coords.update(dpr=d // sizes["dps"], dps=d % sizes["dps"])
@@ -1265,7 +1266,7 @@ def _order(ranks: list[Lowered]) -> list[tuple[int, int, int]]:
 def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Plan, Plan]:
     b = _Builder(single, world)
     plan_s = b.build_single()
-    sizes = {"dp": world["dp"], "tp": world["tp"], "mb": world["nm"]}
+    sizes = {"dp": world["dp"], "cp": world.get("cp", 1), "tp": world["tp"], "mb": world["nm"]}
     shards = {low.split["dps"] for low in ranks if "dps" in low.split}
     if len(shards) > 1:
         raise LoweringError(f"the ranks shard their parameters over data-parallel groups of "

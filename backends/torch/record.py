@@ -628,7 +628,7 @@ def is_tensor_parallel_dim(mesh, mesh_dim: int, layout: tuple[int, int, int]) ->
     """The mesh dim's ranks (through this rank) are exactly the backend's
     tensor-parallel ranks of this rank's stage and data-parallel index, in
     order: it is the "tp" axis whatever its name."""
-    _, _, tp = layout
+    tp = layout[2]
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return False

@@ -1,0 +1,42 @@
+"""cp: recipes for a step whose sequence is cut over a "cp" mesh dim (each
+rank's tokens and labels its chunk of the sequence, backends/torch/rank.py),
+on a model that computes each position on its own (no attention): the
+weights are replicated and their gradients summed over the context-parallel
+ranks, and over the data-parallel ones when the mesh has them. The wrong
+ones as such steps ship: a gradient left unreduced over cp, and the loss
+averaged over cp where it is summed (the loss aggregated over two axes,
+torchtitan issue 3280)."""
+
+from __future__ import annotations
+
+import torch.distributed._functional_collectives as funcol
+
+
+def _reduce(model, mesh, dims: tuple[str, ...], op: str = "sum") -> None:
+    names = mesh.mesh_dim_names or ()
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        for dim in dims:
+            if dim in names and mesh[dim].size() > 1:
+                p.grad.copy_(funcol.all_reduce(p.grad, op, mesh[dim]))
+
+
+def cp_sum(model, mesh):
+    """Gradients summed over cp, then over dp."""
+    return lambda model, mesh: _reduce(model, mesh, ("cp", "dp"))
+
+
+def cp_unreduced(model, mesh):
+    """Bug: gradients summed over dp only; each cp rank keeps its chunk's part."""
+    return lambda model, mesh: _reduce(model, mesh, ("dp",))
+
+
+def cp_averaged(model, mesh):
+    """Bug (torchtitan 3280's mechanism): the gradients averaged over cp, as
+    if each cp rank held a replica's whole loss; the loss already divides by
+    the whole step's token count, so the step is 1/cp of the single-device one."""
+    def after(model, mesh):
+        _reduce(model, mesh, ("cp",), "avg")
+        _reduce(model, mesh, ("dp",))
+    return after
