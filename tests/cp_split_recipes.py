@@ -40,3 +40,32 @@ def cp_averaged(model, mesh):
         _reduce(model, mesh, ("cp",), "avg")
         _reduce(model, mesh, ("dp",))
     return after
+
+
+class _Ring:
+    """The context ``context_parallel`` enters around a step, without its
+    buffers (the backend has cut the batch already): PyTorch's ring for SDPA,
+    through the CPU shim, with the given rotation and no load balancer."""
+
+    def __init__(self, mesh, method: str):
+        self.mesh, self.method = mesh, method
+
+    def __enter__(self):
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+        from backends.torch import cp_shim
+        cp_shim.apply()
+        set_rotate_method(self.method)
+        cp._cp_options.enable_load_balance = False
+        cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=self.mesh)
+
+    def __exit__(self, *exc):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        cp._disable_context_parallel_dispatcher_impl()
+
+
+def ring_allgather(model, mesh):
+    """PyTorch's ring attention over "cp" (all-gather rotation), gradients summed."""
+    model.train_context = lambda: _Ring(mesh["cp"], "allgather")
+    return cp_sum(model, mesh)
