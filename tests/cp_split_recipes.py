@@ -10,16 +10,24 @@ torchtitan issue 3280)."""
 from __future__ import annotations
 
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
 def _reduce(model, mesh, dims: tuple[str, ...], op: str = "sum") -> None:
+    """Each gradient's local tensor (a DTensor's shard) all-reduced over the
+    mesh dims ``dims`` the mesh has with more than one rank."""
     names = mesh.mesh_dim_names or ()
     for p in model.parameters():
         if p.grad is None:
             continue
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            p.grad = p.grad.redistribute(placements=p.placements)
+        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
         for dim in dims:
             if dim in names and mesh[dim].size() > 1:
-                p.grad.copy_(funcol.all_reduce(p.grad, op, mesh[dim]))
+                local.copy_(funcol.all_reduce(local, op, mesh[dim]))
 
 
 def cp_sum(model, mesh):
@@ -68,4 +76,53 @@ class _Ring:
 def ring_allgather(model, mesh):
     """PyTorch's ring attention over "cp" (all-gather rotation), gradients summed."""
     model.train_context = lambda: _Ring(mesh["cp"], "allgather")
+    return cp_sum(model, mesh)
+
+
+def cp_tp(model, mesh):
+    """Tensor parallelism of the SwiGLU blocks over "tp" (gate and up by
+    columns, down by rows) on the sequence split over "cp"; gradients
+    summed over cp and dp."""
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"gate": ColwiseParallel(), "up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+    return cp_sum(model, mesh)
+
+
+def _fsdp(model, mesh) -> None:
+    """FSDP2 over "dp", its reduce-scatter summing (divide factor 1: the loss
+    already divides by the whole step's token count)."""
+    for module in (*model.blocks, model):
+        fully_shard(module, mesh=mesh["dp"])
+        module.set_gradient_divide_factor(1.0)
+
+
+def cp_fsdp(model, mesh):
+    """FSDP2 over "dp" on the sequence split over "cp"; the shards then
+    summed over cp."""
+    _fsdp(model, mesh)
+    return lambda model, mesh: _reduce(model, mesh, ("cp",))
+
+
+def cp_fsdp_unreduced(model, mesh):
+    """Bug: cp_fsdp without the sum over cp (FSDP2 sharded over "dp" alone,
+    where torchtitan shards over the flattened dp and cp ranks)."""
+    _fsdp(model, mesh)
+
+
+def _chunk_start(model, mesh) -> int:
+    """Where this rank's chunk of the sequence starts."""
+    return mesh["cp"].get_local_rank() * (model.positions.num_embeddings // mesh["cp"].size())
+
+
+def cp_positions(model, mesh):
+    """The positions shifted to this rank's chunk; gradients summed over cp and dp."""
+    model.position_offset = _chunk_start(model, mesh)
+    return cp_sum(model, mesh)
+
+
+def cp_positions_unshifted(model, mesh):
+    """Bug: the positions left at 0 on every context-parallel rank (position
+    ids or rotary offsets not shifted per rank): rank c embeds its chunk
+    with the first chunk's positions."""
     return cp_sum(model, mesh)

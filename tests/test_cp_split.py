@@ -4,7 +4,8 @@ sequence split): each rank's tokens and labels are its chunk of the
 sequence, claimed as that chunk, on a model that computes each position on
 its own. Summed gradients verify; the gradients left unreduced over cp, or
 averaged over it (torchtitan 3280's loss aggregated over two axes), FAIL
-at the gradient."""
+at the gradient; positions not shifted per context-parallel rank FAIL at
+the position embedding."""
 
 from __future__ import annotations
 
@@ -16,18 +17,25 @@ from backends.torch.__main__ import parser, trace_and_build
 SIZES = ["--layers", "1", "--hidden", "8", "--seqlen", "4", "--vocab", "10", "--batch", "2"]
 
 
-def _verify(recipe: str, mesh: str) -> int:
-    return verdict_cli.torch(["--model", "backends.torch.stock_models:mlp", "--recipe",
-                              f"tests.cp_split_recipes:{recipe}", "--mesh", mesh, *SIZES])
+MLP = "backends.torch.stock_models:mlp"
+POSITIONS = "tests.cp_split_models:position_tagger"
 
 
-@pytest.mark.parametrize(("recipe", "mesh", "code", "says"), [
-    ("cp_sum", "cp=2", 0, "SUCCESS"),
-    ("cp_unreduced", "cp=2", 1, "not the fully accumulated and reduced gradient"),
-    ("cp_averaged", "dp=2,cp=2", 1, "1/2 x the gradient"),
+def _verify(model: str, recipe: str, mesh: str) -> int:
+    return verdict_cli.torch(["--model", model, "--recipe", f"tests.cp_split_recipes:{recipe}",
+                              "--mesh", mesh, *SIZES])
+
+
+@pytest.mark.parametrize(("model", "recipe", "mesh", "code", "says"), [
+    (MLP, "cp_sum", "cp=2", 0, "SUCCESS"),
+    (MLP, "cp_unreduced", "cp=2", 1, "not the fully accumulated and reduced gradient"),
+    (MLP, "cp_averaged", "dp=2,cp=2", 1, "1/2 x the gradient"),
+    (POSITIONS, "cp_positions", "cp=2", 0, "SUCCESS"),
+    (POSITIONS, "cp_positions_unshifted", "cp=2", 1,
+     "where: module PositionTagger.positions, operator embedding"),
 ])
-def test_the_sequence_split_over_cp(recipe, mesh, code, says, capsys) -> None:
-    assert _verify(recipe, mesh) == code
+def test_the_sequence_split_over_cp(model, recipe, mesh, code, says, capsys) -> None:
+    assert _verify(model, recipe, mesh) == code
     assert says in capsys.readouterr().out
 
 

@@ -61,6 +61,12 @@ class Claim:
     at: dict[str, int] | None = None
 
 
+#: The mesh axes a constant's dim may be cut by, in the order they are
+#: tried: the batch dim (0) data-parallel first, any other dim model- or
+#: context-parallel first (a sequence of positions cut by "cp")
+CONST_CUTS = ((("dp",), ("tp",), ("cp",), ("dp", "tp"), ("dp", "cp")),
+              (("tp",), ("cp",), ("dp",), ("dp", "tp"), ("cp", "tp")))
+
 #: Operators whose output is the sum of their inputs (a scaled input must
 #: have the scale of the others, up to a replicated value split n ways).
 ADDITIONS = ("add", "sub", "local_grad_accumulation")
@@ -368,8 +374,7 @@ class _Rank:
             # the piece at this rank's coordinates of an input of the
             # single-device constant's shape, which no single-device node
             # reads (another routing of its rows)
-            dims = [self.guess(m, f, order=self.orders((("dp",), ("tp",), ("dp", "tp")) if k == 0
-                                                       else (("tp",), ("dp",), ("dp", "tp"))))
+            dims = [self.guess(m, f, order=self.orders(CONST_CUTS[min(k, 1)]))
                     for k, (m, f) in enumerate(zip(shape, full))]
         self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
         return best, Claim(dims)
@@ -403,20 +408,18 @@ class _Rank:
         for sv, full in self.b.s.low.constants.items():
             if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
                 continue
-            dims, index = [], []
-            try:
-                for k, (m, f) in enumerate(zip(mine.shape, full.shape)):
-                    order = (("dp",), ("tp",), ("dp", "tp")) if k == 0 else (("tp",), ("dp",), ("dp", "tp"))
-                    axes = self.guess(m, f, order=self.orders(order))
+            per_dim = [self.cuts(m, f, CONST_CUTS[min(k, 1)])
+                       for k, (m, f) in enumerate(zip(mine.shape, full.shape))]
+            for dims in itertools.product(*per_dim):
+                index = []
+                for axes, m in zip(dims, mine.shape):
                     i = 0
                     for a in axes:
                         i = i * self.sizes[a] + self.low.coords[a]
-                    dims.append(axes)
                     index.append(slice(i * m, (i + 1) * m))
-            except LoweringError:
-                continue
-            if np.array_equal(full[tuple(index)], mine):
-                found.append((sv, Claim(dims)))
+                if np.array_equal(full[tuple(index)], mine):
+                    found.append((sv, Claim([list(a) for a in dims])))
+                    break
         if found:
             # every match is a true claim; several (two experts' masks equal
             # on this rank's rows) are kept for the first reader to choose
@@ -425,6 +428,15 @@ class _Rank:
             return found[0]
         raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
                             f"piece of a single-device constant")
+
+    def cuts(self, local: int, full: int, order: tuple) -> list[tuple[str, ...]]:
+        """Every axes of ``order`` (in its order) cutting ``full`` into
+        pieces of ``local`` on this mesh; ``[()]`` when local is full."""
+        ratio = full // local if local else 1
+        if ratio == 1:
+            return [()]
+        return [a for a in self.orders(order)
+                if math.prod(self.sizes[x] for x in a) == ratio and all(self.sizes[x] > 1 for x in a)]
 
     def gshape(self, v: int) -> tuple[int, ...]:
         return self.b.s.low.shapes[self.sv[v]]
