@@ -664,6 +664,7 @@ CASES += [
 CP = "tests.cp_split_recipes:"
 CP_SIZES = "--layers 1 --hidden 8 --seqlen 4 --vocab 10 --batch 2"
 CP_POSITIONS = f"--model tests.cp_split_models:position_tagger {CP_SIZES}"
+CP_TABLE = f"--model tests.cp_split_models:table_position_tagger {CP_SIZES}"
 CASES += [
     ("cp split mlp cp2", f"--model mlp --recipe {CP}cp_sum --mesh cp=2 {CP_SIZES}", 0),
     ("cp split mlp dp2 cp2", f"--model mlp --recipe {CP}cp_sum --mesh dp=2,cp=2 {CP_SIZES}", 0),
@@ -679,6 +680,10 @@ CASES += [
      f"--model mlp --recipe {CP}cp_fsdp_unreduced --mesh dp=2,cp=2 {CP_SIZES}", 1),
     ("cp split bug positions not shifted per cp rank",
      f"{CP_POSITIONS} --recipe {CP}cp_positions_unshifted --mesh cp=2", 1),
+    ("cp split position table cut along the sequence dp2 cp2",
+     f"{CP_TABLE} --recipe {CP}cp_table --mesh dp=2,cp=2", 0),
+    ("cp split bug position table's chunk order wrong on one rank",
+     f"{CP_TABLE} --recipe {CP}cp_table_other_chunk --mesh cp=2", 1),
 ]
 
 

@@ -34,3 +34,28 @@ class PositionTagger(nn.Module):
 
 def position_tagger(**kw) -> PositionTagger:
     return PositionTagger(**kw)
+
+
+
+class TablePositionTagger(PositionTagger):
+    """PositionTagger adding a fixed table of position features (a buffer
+    [seqlen, hidden], as a rotary table is) in place of the learned one;
+    a context-parallel recipe cuts the table along the sequence as
+    ``context_parallel`` cuts the buffers it is given (torchtitan gives it
+    the rotary table)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        seqlen, hidden = kw["seqlen"], kw["hidden"]
+        angle = torch.arange(seqlen)[:, None] / (1 + torch.arange(hidden))[None, :]
+        self.register_buffer("table", torch.sin(angle + 0.5), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(tokens) + self.table)
+        logits = self.head(h).flatten(0, 1)
+        total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
+        return total / (self.global_tokens or labels.numel())
+
+
+def table_position_tagger(**kw) -> TablePositionTagger:
+    return TablePositionTagger(**kw)

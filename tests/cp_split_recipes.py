@@ -126,3 +126,22 @@ def cp_positions_unshifted(model, mesh):
     ids or rotary offsets not shifted per rank): rank c embeds its chunk
     with the first chunk's positions."""
     return cp_sum(model, mesh)
+
+
+def _cut_table(model, mesh, chunk: int) -> None:
+    model.table = model.table.chunk(mesh["cp"].size())[chunk].clone()
+
+
+def cp_table(model, mesh):
+    """The position table cut along the sequence, each rank its own chunk
+    (what ``context_parallel`` does to the buffers it is given)."""
+    _cut_table(model, mesh, mesh["cp"].get_local_rank())
+    return cp_sum(model, mesh)
+
+
+def cp_table_other_chunk(model, mesh):
+    """Bug: the last context-parallel rank cuts the position table at the
+    chunk before its own (a chunk order undone wrongly on one rank)."""
+    c, n = mesh["cp"].get_local_rank(), mesh["cp"].size()
+    _cut_table(model, mesh, c - 1 if c == n - 1 else c)
+    return cp_sum(model, mesh)

@@ -5,7 +5,9 @@ sequence, claimed as that chunk, on a model that computes each position on
 its own. Summed gradients verify; the gradients left unreduced over cp, or
 averaged over it (torchtitan 3280's loss aggregated over two axes), FAIL
 at the gradient; positions not shifted per context-parallel rank FAIL at
-the position embedding."""
+the position embedding; a module buffer cut along the sequence (as
+``context_parallel`` cuts its buffers) is claimed as the rank's chunk, and
+a chunk cut at the wrong place is caught by the loaded-value check."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ SIZES = ["--layers", "1", "--hidden", "8", "--seqlen", "4", "--vocab", "10", "--
 
 MLP = "backends.torch.stock_models:mlp"
 POSITIONS = "tests.cp_split_models:position_tagger"
+TABLE = "tests.cp_split_models:table_position_tagger"
 
 
 def _verify(model: str, recipe: str, mesh: str) -> int:
@@ -33,6 +36,8 @@ def _verify(model: str, recipe: str, mesh: str) -> int:
     (POSITIONS, "cp_positions", "cp=2", 0, "SUCCESS"),
     (POSITIONS, "cp_positions_unshifted", "cp=2", 1,
      "where: module PositionTagger.positions, operator embedding"),
+    (TABLE, "cp_table", "dp=2,cp=2", 0, "SUCCESS"),
+    (TABLE, "cp_table_other_chunk", "cp=2", 1, "rank 1 holds rows 0:2 of table, not its claimed rows 2:4"),
 ])
 def test_the_sequence_split_over_cp(model, recipe, mesh, code, says, capsys) -> None:
     assert _verify(model, recipe, mesh) == code

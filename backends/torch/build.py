@@ -67,6 +67,10 @@ class Claim:
 CONST_CUTS = ((("dp",), ("tp",), ("cp",), ("dp", "tp"), ("dp", "cp")),
               (("tp",), ("cp",), ("dp",), ("dp", "tp"), ("cp", "tp")))
 
+#: The mesh axes a module buffer a recipe cut may be cut by, in the order
+#: they are tried (``_Rank.buffer_piece``)
+BUFFER_CUTS = (("cp",), ("tp",), ("cp", "tp"))
+
 #: Operators whose output is the sum of their inputs (a scaled input must
 #: have the scale of the others, up to a replicated value split n ways).
 ADDITIONS = ("add", "sub", "local_grad_accumulation")
@@ -312,6 +316,8 @@ class _Rank:
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
                                    for axes in low.axes[v]])
+            if kind == "buffer" and tuple(low.shapes[v]) != self.gshape(v):
+                self.claim[v] = self.buffer_piece(v)
             self.check_input(v, name)
             self.whole_where_held(v)
         self.taken = {self.sv[u] for u in self.sv}
@@ -428,6 +434,17 @@ class _Rank:
             return found[0]
         raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
                             f"piece of a single-device constant")
+
+    def buffer_piece(self, v: int) -> Claim:
+        """A module buffer a recipe cut (``context_parallel`` cuts the
+        buffers it is given along the sequence): claimed, by its shape, as
+        the piece at this rank's coordinates of the first axes of the
+        right ratio in ``BUFFER_CUTS`` (a module's state is the same on
+        every data-parallel rank: never cut by "dp"). The claim is not
+        trusted: ``check.check_loaded`` compares the buffer's values with
+        that piece (docs/soundness.md, "Plans traced from PyTorch", 28)."""
+        return Claim([self.guess(m, f, order=BUFFER_CUTS)
+                      for m, f in zip(self.low.shapes[v], self.gshape(v))])
 
     def cuts(self, local: int, full: int, order: tuple) -> list[tuple[str, ...]]:
         """Every axes of ``order`` (in its order) cutting ``full`` into
