@@ -684,6 +684,9 @@ CASES += [
      f"{CP_TABLE} --recipe {CP}cp_table --mesh dp=2,cp=2", 0),
     ("cp split bug position table's chunk order wrong on one rank",
      f"{CP_TABLE} --recipe {CP}cp_table_other_chunk --mesh cp=2", 1),
+    ("cp ring allgather cp2 refused (the ring's blocks are not claimed yet)",
+     f"--model tests.cp_models:sdpa_tagger --heads 2 --recipe {CP}ring_allgather --mesh cp=2 "
+     f"{CP_SIZES}", 2),
 ]
 
 

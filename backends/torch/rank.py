@@ -212,8 +212,8 @@ def _run(spec: dict, rank: int) -> dict:
 def sequence_chunk(rows: torch.Tensor, c: int, cp: int) -> torch.Tensor:
     """Context-parallel rank ``c``'s piece of ``rows`` [batch, seq]: chunk c
     of ``cp`` equal chunks of the sequence, as ``context_parallel``'s
-    buffers are cut without a load balancer (the whole when cp is 1). The
-    head-tail load balancer's two chunks a rank are refused (``check_cp``)."""
+    buffers are cut without a load balancer (the whole when cp is 1). A
+    ring attention run is refused (``check_cp``)."""
     seqlen = rows.shape[1]
     if seqlen % cp:
         raise ValueError(f"the sequence length {seqlen} is not a multiple of the "
@@ -223,10 +223,11 @@ def sequence_chunk(rows: torch.Tensor, c: int, cp: int) -> torch.Tensor:
 
 
 def check_cp(cp: int) -> None:
-    """Refuse a context-parallel step whose ring attention (enabled, through
-    ``cp_shim``, in DTensor's custom op handlers) runs with PyTorch's load
-    balancer: its buffers hold two chunks a rank (head and tail), a piece
-    the backend does not claim yet."""
+    """Refuse, in one line, a context-parallel step whose ring attention ran
+    (enabled, through ``cp_shim``, in DTensor's custom op handlers): the
+    ring's blocks and running merges are pieces of no single-device tensor,
+    which the backend does not claim yet, and with PyTorch's load balancer
+    on (its default) a rank's buffers hold two chunks of the sequence."""
     if cp == 1 or "torch.distributed.tensor.experimental._context_parallel._attention" \
             not in sys.modules:
         return
@@ -234,11 +235,13 @@ def check_cp(cp: int) -> None:
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
     from backends.torch.cp_shim import FORWARD
-    ring = FORWARD in DTensor._op_dispatcher._custom_op_handlers
-    if ring and _attention._cp_options.enable_load_balance:
-        raise ValueError("context parallelism with the head-tail load balancer (two sequence "
-                         "chunks a rank) is not traced yet; set _cp_options."
-                         "enable_load_balance = False")
+    if FORWARD not in DTensor._op_dispatcher._custom_op_handlers:
+        return
+    balanced = _attention._cp_options.enable_load_balance
+    raise ValueError("context parallelism's ring attention ran (backends/torch/cp_shim.py) but "
+                     "is not verified yet: its blocks and running merges are claimed by no "
+                     "single-device tensor" + (", and the head-tail load balancer (on) gives a "
+                     "rank two chunks of the sequence" if balanced else ""))
 
 
 def recipe_result(model: torch.nn.Module, result: Any) -> tuple[torch.nn.Module, Any]:
