@@ -667,6 +667,7 @@ CP_POSITIONS = f"--model tests.cp_split_models:position_tagger {CP_SIZES}"
 CP_TABLE = f"--model tests.cp_split_models:table_position_tagger {CP_SIZES}"
 CASES += [
     ("cp split mlp cp2", f"--model mlp --recipe {CP}cp_sum --mesh cp=2 {CP_SIZES}", 0),
+    ("cp split mlp cp4", f"--model mlp --recipe {CP}cp_sum --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
     ("cp split mlp dp2 cp2", f"--model mlp --recipe {CP}cp_sum --mesh dp=2,cp=2 {CP_SIZES}", 0),
     ("cp split mlp cp2 tp2", f"--model mlp --recipe {CP}cp_tp --mesh cp=2,tp=2 {CP_SIZES}", 0),
     ("cp split mlp fsdp2 dp2 cp2",

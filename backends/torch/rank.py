@@ -116,7 +116,10 @@ def _run(spec: dict, rank: int) -> dict:
     tracker = Tracker()
     rec = Recorder(tracker)
     block = (coords["dp"], spec["dp"]) if spec["parallel"] else (0, 1)
-    seq_block = (coords["tp"], spec["tp"]) if spec["parallel"] else (0, 1)
+    # the rank's block of the positions: its context-parallel chunk, cut by
+    # the tensor-parallel ranks under sequence parallelism
+    seq_block = (coords["cp"] * spec["tp"] + coords["tp"], cp * spec["tp"]) \
+        if spec["parallel"] else (0, 1)
     rec.routing = Routing(spec.get("routing"), block, seq_block)
     if spec["parallel"]:
         rec.exchanges = Exchanges(rank, spec.get("exchanges"))
