@@ -35,11 +35,11 @@ from verdict.diagnosis import diagnose, mesh_lines
 from verdict.differential import NumericRefused, check_size, compare
 from verdict.engine import Verdict
 from verdict.executor import EXECUTORS, ExecutorUnavailable, make_executor
-from verdict.fold import FoldError, fold_pair
 from verdict.plan import InputError, Plan, pair_problem
 from verdict.report import append_stats, assumed, evidence, failure, make_stats, time_line, tp_label, ts_label
 from verdict.solve import Outcome, Prover
 from verdict.structure import node_label
+from verdict.symmetry.fold import FoldError, fold_pair
 
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_CODES = """exit codes:

@@ -6,7 +6,7 @@ zip's own headers and numpy's ``.npy`` header (a literal), then mapped from
 the file read-only; no pickle is ever read. Members must be stored, not
 compressed, and lie inside the file, so a small file cannot expand into a
 large allocation. Every check is an array operation over all tensors or all
-nodes at once; every problem is one :class:`backends.planfile.PlanError`
+nodes at once; every problem is one :class:`backends.plancheck.PlanError`
 naming the first offending entry.
 """
 
@@ -23,18 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from backends.planfile import (
+from backends.plancheck import (
     PlanError,
-    _check_logical,
-    _check_loss_and_grads,
-    _check_world,
-    _detail,
-    _show,
+    check_fold_keys,
+    check_logical,
+    check_loss_and_grads,
+    check_world,
+    detail,
+    show,
     write_atomic,
 )
 from verdict.columns import INT_TYPES, Columns, NodeColumns, TensorColumns, drop_pages, narrow
 from verdict.ops import OPS
-from verdict.plan import DIRECTIONS, FOLD_KEYS, Logical
+from verdict.plan import DIRECTIONS, Logical
 
 FORMAT = "verdict-columns"
 VERSION = 1
@@ -83,7 +84,7 @@ def _members(cols: Columns, validated: bool = False) -> dict[str, np.ndarray]:
     try:
         text = json.dumps(header, sort_keys=True, allow_nan=False).encode()
     except ValueError as e:
-        raise PlanError(f"cannot save: {_detail(e)}") from None
+        raise PlanError(f"cannot save: {detail(e)}") from None
     arrays = {"header": np.frombuffer(text, dtype=np.uint8)}
     for k in TENSOR_ARRAYS:
         arrays[f"t_{k}"] = np.ascontiguousarray(getattr(cols.tensors, k))
@@ -134,17 +135,17 @@ def _member(f: Any, size: int, info: zipfile.ZipInfo, path: Path) -> np.ndarray:
     """One stored .npy member, mapped read-only from the file."""
     name = info.filename
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-        raise PlanError(f"member {_show(name)} is compressed: columnar plans are stored "
+        raise PlanError(f"member {show(name)} is compressed: columnar plans are stored "
                         "uncompressed")
     f.seek(info.header_offset)
     raw = f.read(_LOCAL_HEADER.size)
     if len(raw) != _LOCAL_HEADER.size or raw[:4] != MAGIC:
-        raise PlanError(f"member {_show(name)}: bad zip local header (truncated?)")
+        raise PlanError(f"member {show(name)}: bad zip local header (truncated?)")
     fields = _LOCAL_HEADER.unpack(raw)
     start = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
     end = start + info.file_size
     if end > size:
-        raise PlanError(f"member {_show(name)} runs past the end of the file (truncated)")
+        raise PlanError(f"member {show(name)} runs past the end of the file (truncated)")
     f.seek(start)
     try:
         version = np.lib.format.read_magic(f)
@@ -155,15 +156,15 @@ def _member(f: Any, size: int, info: zipfile.ZipInfo, path: Path) -> np.ndarray:
         else:
             raise ValueError(f".npy version {version}")
     except ValueError as e:
-        raise PlanError(f"member {_show(name)}: not a .npy array ({_detail(e)})") from None
+        raise PlanError(f"member {show(name)}: not a .npy array ({detail(e)})") from None
     if dtype.hasobject:
-        raise PlanError(f"member {_show(name)} holds Python objects: refused")
+        raise PlanError(f"member {show(name)} holds Python objects: refused")
     if fortran and len(shape) > 1:
-        raise PlanError(f"member {_show(name)} is in Fortran order")
+        raise PlanError(f"member {show(name)} is in Fortran order")
     offset = f.tell()
     count = math.prod(int(k) for k in shape)
     if offset + count * dtype.itemsize > end:
-        raise PlanError(f"member {_show(name)}: its data runs past the member (truncated)")
+        raise PlanError(f"member {show(name)}: its data runs past the member (truncated)")
     if count == 0:
         return np.zeros(shape, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape))
@@ -176,13 +177,13 @@ def _read_members(path: Path) -> dict[str, np.ndarray]:
             try:
                 infos = zipfile.ZipFile(f).infolist()
             except (zipfile.BadZipFile, ValueError, EOFError, struct.error) as e:
-                raise PlanError(f"not a valid .npz (zip) file, or truncated ({_detail(e)})") \
+                raise PlanError(f"not a valid .npz (zip) file, or truncated ({detail(e)})") \
                     from None
             names = [i.filename for i in infos]
             want = {f"{m}.npy" for m in (*MEMBERS, *OPTIONAL_MEMBERS)}
             for n in names:
                 if n not in want:
-                    raise PlanError(f"unknown member {_show(n)} (members: "
+                    raise PlanError(f"unknown member {show(n)} (members: "
                                     f"{', '.join((*MEMBERS, *OPTIONAL_MEMBERS))})")
             if len(set(names)) != len(names):
                 raise PlanError("a member appears twice")
@@ -197,7 +198,7 @@ def _read_members(path: Path) -> dict[str, np.ndarray]:
     except PermissionError:
         raise PlanError("not readable (permission denied)") from None
     except (OSError, MemoryError) as e:
-        raise PlanError(f"cannot read ({_detail(e)})") from None
+        raise PlanError(f"cannot read ({detail(e)})") from None
 
 
 def _header(raw: np.ndarray) -> dict[str, Any]:
@@ -206,21 +207,21 @@ def _header(raw: np.ndarray) -> dict[str, Any]:
     try:
         header = json.loads(bytes(raw))
     except (ValueError, RecursionError) as e:
-        raise PlanError(f"header is not valid JSON ({_detail(e)})") from None
+        raise PlanError(f"header is not valid JSON ({detail(e)})") from None
     if not isinstance(header, dict):
         raise PlanError(f"header is a JSON {type(header).__name__}, not an object")
     if header.get("format") != FORMAT:
-        raise PlanError(f"not a columnar verdict plan: format is {_show(header.get('format'))}, "
+        raise PlanError(f"not a columnar verdict plan: format is {show(header.get('format'))}, "
                         f"expected {FORMAT!r}")
     if header.get("version") not in VERSIONS:
-        raise PlanError(f"unsupported columnar plan version {_show(header.get('version'))}: "
+        raise PlanError(f"unsupported columnar plan version {show(header.get('version'))}: "
                         f"this verdict reads version {', '.join(map(str, VERSIONS))}")
     for key in HEADER_FIELDS:
         if key not in header:
             raise PlanError(f"header: missing field {key!r}")
     for key in header:
         if key not in HEADER_FIELDS:
-            raise PlanError(f"header: unknown field {_show(key)}")
+            raise PlanError(f"header: unknown field {show(key)}")
     return header
 
 
@@ -234,18 +235,18 @@ def _table(header: dict, key: str) -> tuple[str, ...]:
 def _columns_of(header: dict, arrays: dict[str, np.ndarray]) -> Columns:
     """Columns from a parsed header and arrays; the header's own fields are
     checked here (the arrays by :func:`validate_columns`)."""
-    _check_world(header["world"])
+    check_world(header["world"])
     logical_rows = header["logical"]
     if not isinstance(logical_rows, list):
         raise PlanError("header 'logical' must be a list")
-    shapes = _check_logical(logical_rows)
+    shapes = check_logical(logical_rows)
     grads = header["grads"]
     if not isinstance(grads, list):
         raise PlanError("header 'grads' must be a list")
     loss = header["loss"]
     if not isinstance(loss, int) or isinstance(loss, bool):
-        raise PlanError(f"header 'loss' must be an int, got {_show(loss)}")
-    _check_loss_and_grads(loss, grads, len(shapes))
+        raise PlanError(f"header 'loss' must be an int, got {show(loss)}")
+    check_loss_and_grads(loss, grads, len(shapes))
     logical = tuple(Logical(r[0], s, r[2]) for r, s in zip(logical_rows, shapes))
     return Columns(
         world=header["world"], logical=logical, loss=loss, grads={p: g for p, g in grads},
@@ -267,7 +268,7 @@ def load_columns_file(path: str | os.PathLike[str]) -> Columns:
     except PlanError as e:
         raise e.at(path) from None
     except Exception as e:  # a safety net: the checks above should catch it all
-        raise PlanError(f"invalid columnar plan ({_detail(e)})", path) from None
+        raise PlanError(f"invalid columnar plan ({detail(e)})", path) from None
     return cols
 
 
@@ -279,7 +280,7 @@ def validate_columns(cols: Columns) -> None:
     checks rows: types, ranges, references, slices inside the logical shapes,
     unique tensor keys, single assignment, reads after writes. Raises
     PlanError (without a path) naming the first offending entry."""
-    _check_fold(cols.world)
+    check_fold_keys(cols.world)
     _check_tables(cols)
     _check_dtypes(cols)
     try:
@@ -290,26 +291,15 @@ def validate_columns(cols: Columns) -> None:
         cols.drop_pages()
 
 
-def _check_fold(world: dict) -> None:
-    present = [k for k in FOLD_KEYS if k in world]
-    if present and len(present) != len(FOLD_KEYS):
-        raise PlanError(f"world: a folded plan needs all of {', '.join(FOLD_KEYS)}; "
-                        f"it has {', '.join(present)}")
-    for key in present:
-        value = world[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"world {key!r}: must be an int >= 1, got {_show(value)}")
-
-
 def _check_tables(cols: Columns) -> None:
     for i, op in enumerate(cols.ops):
         if op not in OPS:
-            raise PlanError(f"op table entry {i}: unknown operator {_show(op)}")
+            raise PlanError(f"op table entry {i}: unknown operator {show(op)}")
     for i, text in enumerate(cols.kwargs):
         try:
             kw = json.loads(text)
         except (ValueError, RecursionError) as e:
-            raise PlanError(f"kwargs table entry {i}: not valid JSON ({_detail(e)})") from None
+            raise PlanError(f"kwargs table entry {i}: not valid JSON ({detail(e)})") from None
         if not isinstance(kw, dict):
             raise PlanError(f"kwargs table entry {i}: a JSON {type(kw).__name__}, not an object")
 

@@ -15,104 +15,52 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import pickle
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
+from backends import columnar
+from backends.plancheck import (
+    PlanError,
+    Shape,
+    as_int,
+    as_ints,
+    as_row,
+    as_seq,
+    as_str,
+    check_fold_keys,
+    check_logical,
+    check_loss_and_grads,
+    check_world,
+    check_world_matches,
+    clip,
+    detail,
+    is_int,
+    is_seq,
+    one_line,
+    show,
+    type_name,
+    world_path,
+    write_atomic,
+)
 from verdict.ops import OPS
-from verdict.plan import DIRECTIONS, FOLD_KEYS, FORMAT, KINDS, SHARED_MIN, VERSIONS, Plan
+from verdict.plan import DIRECTIONS, FORMAT, SHARED_MIN, VERSIONS, Plan
 from verdict.progress import progress
 
 #: Top-level fields of a plan, in the order to_data() writes them.
 FIELDS = ("format", "version", "world", "logical", "tensors", "nodes", "loss", "grads")
-LOGICAL_COLUMNS = ("name", "shape", "kind")
 TENSOR_COLUMNS = ("rank", "mb", "tid", "version", "shape", "lver", "slices", "parts")
 NODE_COLUMNS = ("rank", "mb", "op", "dir", "inputs", "outputs", "kwargs", "name")
 
-_SHOW_LIMIT = 60
-_DETAIL_LIMIT = 200
-_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # ints in a plan fit in 64 bits
 
-Shape = tuple[int, ...]
-
-
-class PlanError(ValueError):
-    """A plan file that cannot be used. ``str()`` is one line: ``<path>: <problem>``."""
-
-    def __init__(self, problem: str, path: str | os.PathLike[str] | None = None) -> None:
-        self.problem = _one_line(problem)
-        self.path = None if path is None else Path(path)
-        super().__init__(self.problem, self.path)
-
-    def __str__(self) -> str:
-        if self.path is None:
-            return self.problem
-        return _one_line(f"{self.path}: {self.problem}")
-
-    def at(self, path: str | os.PathLike[str]) -> PlanError:
-        """The same problem, reported against ``path``."""
-        return PlanError(self.problem, path)
-
-
-# ---------------------------------------------------------------- messages
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _clip(text: str, limit: int = _SHOW_LIMIT) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _show(value: Any) -> str:
-    """A short, safe repr of a value read from a file, for messages."""
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):  # ints beyond the str-digits limit, deep nesting
-        text = f"<{type(value).__name__}>"
-    return _clip(_one_line(text))
-
-
-def _type(value: Any) -> str:
-    return type(value).__name__
-
-
-def _detail(exc: BaseException) -> str:
-    return _clip(_one_line(f"{_type(exc)}: {exc}"), _DETAIL_LIMIT)
-
-
-# ---------------------------------------------------------------- paths and writing
-
-
-def world_path(path: str | os.PathLike[str]) -> Path:
-    """The JSON world spec beside a plan file: same stem, suffix .json."""
-    return Path(path).with_suffix(".json")
+# ---------------------------------------------------------------- writing
 
 
 def _write_atomic(path: Path, blob: bytes) -> None:
     """Write ``blob`` to ``path`` so that a crash leaves the old file or the new one."""
     write_atomic(path, lambda f: f.write(blob))
-
-
-def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """Call ``write`` on a temporary file beside ``path``, then move it to
-    ``path``: a crash leaves the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -154,14 +102,12 @@ def save_columns_plan(cols: Any, path: str | os.PathLike[str],
     """Write columns (:class:`verdict.columns.Columns`) as a columnar plan file
     (.npz) and its world spec beside it. Returns both paths. ``validated``:
     as for :func:`backends.columnar.save_columns`."""
-    from backends.columnar import save_columns  # columnar builds on this module
-
     path = Path(path)
     try:
         spec = json.dumps(cols.world, indent=2, sort_keys=True, allow_nan=False) + "\n"
     except ValueError as e:
-        raise PlanError(f"cannot save: world spec: {_detail(e)}", path) from None
-    save_columns(cols, path, validated)
+        raise PlanError(f"cannot save: world spec: {detail(e)}", path) from None
+    columnar.save_columns(cols, path, validated)
     _write_atomic(world_path(path), spec.encode())
     return path, world_path(path)
 
@@ -178,7 +124,7 @@ class _PlainPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) in _PLAIN_TYPES:
             return NotImplemented
-        raise PlanError(f"holds a {_type(obj)} {_show(obj)}, which is not plain data")
+        raise PlanError(f"holds a {type_name(obj)} {show(obj)}, which is not plain data")
 
 
 def _plain_dumps(data: Any) -> bytes:
@@ -195,12 +141,12 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         raise PlanError(
-            f"refused global {_clip(_one_line(f'{module}.{name}'))}: a plan file holds plain "
+            f"refused global {clip(one_line(f'{module}.{name}'))}: a plan file holds plain "
             "data only, never code or class instances"
         )
 
     def persistent_load(self, pid: Any) -> Any:
-        raise PlanError(f"refused persistent id {_show(pid)}: a plan file holds plain data only")
+        raise PlanError(f"refused persistent id {show(pid)}: a plan file holds plain data only")
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -213,7 +159,7 @@ def _read_bytes(path: Path) -> bytes:
     except PermissionError:
         raise PlanError("not readable (permission denied)", path) from None
     except (OSError, MemoryError) as e:
-        raise PlanError(f"cannot read ({_detail(e)})", path) from None
+        raise PlanError(f"cannot read ({detail(e)})", path) from None
     if not blob:
         raise PlanError("empty file (0 bytes)", path)
     return blob
@@ -227,11 +173,11 @@ def _unpickle(blob: bytes) -> Any:
     except PlanError:
         raise
     except (pickle.UnpicklingError, EOFError) as e:
-        raise PlanError(f"truncated or not a pickle ({_detail(e)})") from None
+        raise PlanError(f"truncated or not a pickle ({detail(e)})") from None
     except MemoryError:
         raise PlanError("not a valid pickle: it declares an object too large for memory") from None
     except Exception as e:  # any input bytes must give a PlanError
-        raise PlanError(f"not a valid pickle, or truncated ({_detail(e)})") from None
+        raise PlanError(f"not a valid pickle, or truncated ({detail(e)})") from None
     extra = len(blob) - stream.tell()
     if extra:
         raise PlanError(f"{extra} trailing bytes after the pickle: not a single plan")
@@ -245,9 +191,9 @@ def load_world(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         spec = json.loads(blob)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-        raise PlanError(f"not valid JSON ({_detail(e)})", spec_path) from None
+        raise PlanError(f"not valid JSON ({detail(e)})", spec_path) from None
     if not isinstance(spec, dict):
-        raise PlanError(f"world spec is a JSON {_type(spec)}, not an object", spec_path)
+        raise PlanError(f"world spec is a JSON {type_name(spec)}, not an object", spec_path)
     return spec
 
 
@@ -255,12 +201,10 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Load and validate a plan file, pickled or columnar (told apart by its
     first bytes, not its suffix); every problem is a one-line :class:`PlanError`."""
     path = Path(path)
-    from backends import columnar  # columnar builds on this module's checks
-
     if columnar.is_columnar(path):
         plan = columnar.load_columns_file(path).to_plan()
         if world_path(path).exists():
-            _check_world_matches(plan.world, load_world(path), path)
+            check_world_matches(plan.world, load_world(path), path)
         return plan
     try:
         data = _unpickle(_read_bytes(path))
@@ -269,9 +213,9 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except PlanError as e:
         raise e.at(path) from None
     except Exception as e:  # a safety net: validate() should catch it all
-        raise PlanError(f"invalid plan data ({_detail(e)})", path) from None
+        raise PlanError(f"invalid plan data ({detail(e)})", path) from None
     if world_path(path).exists():
-        _check_world_matches(plan.world, load_world(path), path)
+        check_world_matches(plan.world, load_world(path), path)
     return plan
 
 
@@ -279,28 +223,12 @@ def load_plan_or_columns(path: str | os.PathLike[str]):
     """A columnar file as its validated columns (no Node objects made:
     ``verdict.engine.verify`` takes columns), any other plan file as a Plan."""
     path = Path(path)
-    from backends import columnar
-
     if not columnar.is_columnar(path):
         return load_plan(path)
     cols = columnar.load_columns_file(path)
     if world_path(path).exists():
-        _check_world_matches(cols.world, load_world(path), path)
+        check_world_matches(cols.world, load_world(path), path)
     return cols
-
-
-def _check_world_matches(world: dict[str, Any], spec: dict[str, Any], path: Path) -> None:
-    if spec == world:
-        return
-    for key in sorted(set(world) | set(spec)):
-        if world.get(key, ...) != spec.get(key, ...):
-            got = _show(spec[key]) if key in spec else "nothing"
-            want = _show(world[key]) if key in world else "nothing"
-            raise PlanError(
-                f"world spec {world_path(path).name} does not match the plan: "
-                f"{_show(key)} is {got} in the JSON but {want} in the plan",
-                path,
-            )
 
 
 # ---------------------------------------------------------------- validation
@@ -312,73 +240,30 @@ def validate(data: Any) -> None:
     Raises :class:`PlanError` (without a path) naming the offending entry.
     """
     _check_header(data)
-    _check_world(data["world"])
-    _check_fold_keys(data["world"], data["version"])
-    shapes = _check_logical(data["logical"])
+    check_world(data["world"])
+    check_fold_keys(data["world"], data["version"])
+    shapes = check_logical(data["logical"])
     n_tensors = _check_tensors(data["tensors"], shapes, data["version"])
     _check_nodes(data["nodes"], n_tensors)
-    _check_loss_and_grads(data["loss"], data["grads"], len(shapes))
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_seq(x: Any) -> bool:
-    return isinstance(x, (list, tuple))
-
-
-def _int(x: Any, where: str, what: str, low: int | None = None) -> int:
-    if not _is_int(x):
-        raise PlanError(f"{where}: {what} must be an int, got {_type(x)} {_show(x)}")
-    if not _INT_MIN <= x <= _INT_MAX:
-        raise PlanError(f"{where}: {what} does not fit in 64 bits")
-    if low is not None and x < low:
-        raise PlanError(f"{where}: {what} must be >= {low}, got {x}")
-    return x
-
-
-def _seq(x: Any, where: str, what: str, length: int | None = None) -> Sequence[Any]:
-    if not _is_seq(x):
-        raise PlanError(f"{where}: {what} must be a list, got {_type(x)}")
-    if length is not None and len(x) != length:
-        raise PlanError(f"{where}: {what} must have {length} entries, got {len(x)}")
-    return x
-
-
-def _ints(x: Any, where: str, what: str, low: int | None = None) -> tuple[int, ...]:
-    return tuple(_int(v, where, f"{what}[{i}]", low) for i, v in enumerate(_seq(x, where, what)))
-
-
-def _str(x: Any, where: str, what: str) -> str:
-    if not isinstance(x, str):
-        raise PlanError(f"{where}: {what} must be a str, got {_type(x)} {_show(x)}")
-    return x
-
-
-def _row(x: Any, where: str, columns: Sequence[str]) -> Sequence[Any]:
-    if not _is_seq(x) or len(x) != len(columns):
-        got = f"{len(x)} entries" if _is_seq(x) else _type(x)
-        raise PlanError(f"{where}: must be a list [{', '.join(columns)}], got {got}")
-    return x
+    check_loss_and_grads(data["loss"], data["grads"], len(shapes))
 
 
 def _check_header(data: Any) -> None:
     if not isinstance(data, dict):
-        raise PlanError(f"plan data is a {_type(data)}, not a dict")
+        raise PlanError(f"plan data is a {type_name(data)}, not a dict")
     if "format" not in data:
         raise PlanError("missing field 'format': not a verdict plan")
     if data["format"] != FORMAT:
-        got = _show(data["format"])
+        got = show(data["format"])
         raise PlanError(f"not a verdict plan: format is {got}, expected {FORMAT!r}")
     if "version" not in data:
         raise PlanError("missing field 'version'")
     version = data["version"]
-    if not _is_int(version):
-        raise PlanError(f"plan version must be an int, got {_type(version)} {_show(version)}")
+    if not is_int(version):
+        raise PlanError(f"plan version must be an int, got {type_name(version)} {show(version)}")
     if version not in VERSIONS:
         raise PlanError(
-            f"unsupported plan version {_show(version)}: this verdict reads versions "
+            f"unsupported plan version {show(version)}: this verdict reads versions "
             f"{', '.join(map(str, VERSIONS[:-1]))} and {VERSIONS[-1]}"
         )
     for key in FIELDS:
@@ -386,80 +271,35 @@ def _check_header(data: Any) -> None:
             raise PlanError(f"missing field {key!r}")
     for key in data:
         if key not in FIELDS:
-            raise PlanError(f"unknown field {_show(key)} (fields: {', '.join(FIELDS)})")
+            raise PlanError(f"unknown field {show(key)} (fields: {', '.join(FIELDS)})")
     for key in ("logical", "tensors", "nodes", "grads"):
-        _seq(data[key], "plan", f"field {key!r}")
-    _int(data["loss"], "plan", "field 'loss'")
-
-
-def _check_world(world: Any) -> None:
-    """The world spec is a flat dict of JSON scalars, so it round-trips through JSON."""
-    if not isinstance(world, dict):
-        raise PlanError(f"field 'world' must be a dict, got {_type(world)}")
-    for key, value in world.items():
-        where = f"world {_show(key)}"
-        if not isinstance(key, str):
-            raise PlanError(f"{where}: keys must be str, got {_type(key)}")
-        if not (value is None or isinstance(value, (str, int, float))):
-            allowed = "a str, number, bool or None"
-            raise PlanError(f"{where}: value must be {allowed}, not {_type(value)}")
-        if _is_int(value):
-            _int(value, where, "value")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise PlanError(f"{where}: value must be a finite number, got {value}")
-
-
-def _check_fold_keys(world: dict, version: int) -> None:
-    """A folded plan's keys: version 2 or later, all three, positive ints."""
-    present = [k for k in FOLD_KEYS if k in world]
-    if not present:
-        return
-    if version < 2:
-        raise PlanError(f"world {present[0]!r}: folded-plan keys need plan version 2, "
-                        f"this file is version {version}")
-    if len(present) != len(FOLD_KEYS):
-        raise PlanError(f"world: a folded plan needs all of {', '.join(FOLD_KEYS)}; "
-                        f"it has {', '.join(present)}")
-    for key in FOLD_KEYS:
-        if not _is_int(world[key]) or world[key] < 1:
-            raise PlanError(f"world {key!r}: must be an int >= 1, got {_show(world[key])}")
-
-
-def _check_logical(rows: Sequence[Any]) -> list[Shape]:
-    shapes = []
-    for i, row in enumerate(rows):
-        where = f"logical {i}"
-        name, shape, kind = _row(row, where, LOGICAL_COLUMNS)
-        _str(name, where, "name")
-        shapes.append(_ints(shape, where, "shape", low=0))
-        if kind not in KINDS:
-            raise PlanError(f"{where} ({_show(name)}): kind {_show(kind)} is not one of {KINDS}")
-    return shapes
+        as_seq(data[key], "plan", f"field {key!r}")
+    as_int(data["loss"], "plan", "field 'loss'")
 
 
 def _check_tensors(rows: Sequence[Any], shapes: list[Shape], file_version: int) -> int:
     seen: dict[tuple[int, int, int, int], int] = {}
     for i, row in enumerate(progress(rows, "checking tensors")):
         where = f"tensor {i}"
-        if _is_seq(row) and len(row) == len(TENSOR_COLUMNS) + 1:
+        if is_seq(row) and len(row) == len(TENSOR_COLUMNS) + 1:
             if file_version < 3:
                 raise PlanError(f"{where}: a scale (9th entry) needs plan version 3, this file "
                                 f"is version {file_version}")
             _check_scale(row[-1], where)
             row = row[:-1]
-        rank, mb, tid, version, shape, lver, slices, parts = _row(row, where, TENSOR_COLUMNS)
-        _int(rank, where, "rank", low=0)
-        _int(mb, where, "mb", low=-1)
-        _int(tid, where, "tid", low=0)
+        rank, mb, tid, version, shape, lver, slices, parts = as_row(row, where, TENSOR_COLUMNS)
+        as_int(rank, where, "rank", low=0)
+        as_int(mb, where, "mb", low=-1)
+        as_int(tid, where, "tid", low=0)
         if tid >= len(shapes):
             raise PlanError(f"{where}: tid {tid} is not a logical id (plan has {len(shapes)})")
-        _int(version, where, "version", low=0)
-        shape = _ints(shape, where, "shape", low=0)
-        _int(lver, where, "lver", low=0)
+        as_int(version, where, "version", low=0)
+        shape = as_ints(shape, where, "shape", low=0)
+        as_int(lver, where, "lver", low=0)
         extents = _check_slices(slices, shapes[tid], where)
         if shape != extents:
             raise PlanError(
-                f"{where}: shape {list(shape)} does not match its slices {_show(slices)} "
+                f"{where}: shape {list(shape)} does not match its slices {show(slices)} "
                 f"(extents {list(extents)})"
             )
         _check_parts(parts, where)
@@ -474,10 +314,10 @@ def _check_tensors(rows: Sequence[Any], shapes: list[Shape], file_version: int) 
 
 def _check_slices(slices: Any, full: Shape, where: str) -> Shape:
     """Extents of the slices: one [start, end) per dim of the logical shape."""
-    _seq(slices, where, "slices", length=len(full))
+    as_seq(slices, where, "slices", length=len(full))
     extents = []
     for dim, (pair, size) in enumerate(zip(slices, full, strict=True)):
-        start, end = _ints(_seq(pair, where, f"slices[{dim}]", length=2), where, f"slices[{dim}]")
+        start, end = as_ints(as_seq(pair, where, f"slices[{dim}]", length=2), where, f"slices[{dim}]")
         if not (0 <= start <= end <= size and (start < end or size == 0)):
             need = f"0 <= start < end <= {size}" if size else "[0, 0] for a dim of size 0"
             raise PlanError(
@@ -491,16 +331,16 @@ def _check_slices(slices: Any, full: Shape, where: str) -> Shape:
 def _check_scale(scale: Any, where: str) -> None:
     """A tensor's factor: [num, den], a nonzero rational (Plan.from_data
     brings it to lowest terms)."""
-    _seq(scale, where, "scale", length=2)
-    num, den = _ints(scale, where, "scale")
+    as_seq(scale, where, "scale", length=2)
+    num, den = as_ints(scale, where, "scale")
     if num == 0 or den <= 0:
         raise PlanError(f"{where}: scale {[num, den]} must be [num, den] with num != 0 and "
                         f"den > 0")
 
 
 def _check_parts(parts: Any, where: str) -> None:
-    _seq(parts, where, "parts", length=3)
-    lo, hi, n = _ints(parts, where, "parts")
+    as_seq(parts, where, "parts", length=3)
+    lo, hi, n = as_ints(parts, where, "parts")
     if not 0 <= lo < hi <= abs(n):
         raise PlanError(f"{where}: parts {[lo, hi, n]} must satisfy 0 <= lo < hi <= |n|")
 
@@ -514,25 +354,25 @@ def _check_node_row(i: int, row: Any, typed: set[int]) -> str:
     """Check one node's columns; returns its label for later messages.
     ``typed``: ids of long inputs lists already checked (shared by nodes)."""
     where = f"node {i}"
-    rank, mb, op, direction, inputs, outputs, kwargs, name = _row(row, where, NODE_COLUMNS)
-    _int(rank, where, "rank", low=0)
-    _int(mb, where, "mb", low=-1)
-    _str(op, where, "op")
+    rank, mb, op, direction, inputs, outputs, kwargs, name = as_row(row, where, NODE_COLUMNS)
+    as_int(rank, where, "rank", low=0)
+    as_int(mb, where, "mb", low=-1)
+    as_str(op, where, "op")
     if op not in OPS:
-        raise PlanError(f"{where}: unknown operator {_show(op)}")
+        raise PlanError(f"{where}: unknown operator {show(op)}")
     where = _node_label(i, row)
     if direction not in DIRECTIONS:
-        raise PlanError(f"{where}: dir {_show(direction)} is not one of {DIRECTIONS}")
+        raise PlanError(f"{where}: dir {show(direction)} is not one of {DIRECTIONS}")
     if id(inputs) not in typed:
-        _ints(inputs, where, "inputs")
+        as_ints(inputs, where, "inputs")
         if len(inputs) >= SHARED_MIN:
             typed.add(id(inputs))
-    _ints(outputs, where, "outputs")
+    as_ints(outputs, where, "outputs")
     if not isinstance(kwargs, dict):
-        raise PlanError(f"{where}: kwargs must be a dict, got {_type(kwargs)}")
+        raise PlanError(f"{where}: kwargs must be a dict, got {type_name(kwargs)}")
     for key in kwargs:
-        _str(key, where, "kwargs key")
-    _str(name, where, "name")
+        as_str(key, where, "kwargs key")
+    as_str(name, where, "name")
     return where
 
 
@@ -597,21 +437,6 @@ def _check_nodes(rows: Sequence[Any], n_tensors: int) -> None:
                 )
 
 
-def _check_loss_and_grads(loss: int, grads: Sequence[Any], n_logical: int) -> None:
-    if not 0 <= loss < n_logical:
-        raise PlanError(f"loss {loss} is not a logical id (plan has {n_logical})")
-    params: dict[int, int] = {}
-    for i, pair in enumerate(grads):
-        where = f"grad {i}"
-        param, grad = _ints(_seq(pair, where, "entry", length=2), where, "entry")
-        for what, tid in (("param", param), ("grad", grad)):
-            if not 0 <= tid < n_logical:
-                raise PlanError(f"{where}: {what} {tid} is not a logical id (plan has {n_logical})")
-        if param in params:
-            raise PlanError(f"{where}: param {param} already has a gradient (grad {params[param]})")
-        params[param] = i
-
-
 def load_plan_data_unchecked(path: str | os.PathLike[str]) -> Plan:
     """Read a plan file that was validated before (a cache entry keyed by its
     bytes). Still safe to open: the restricted unpickler refuses all code."""
@@ -621,4 +446,4 @@ def load_plan_data_unchecked(path: str | os.PathLike[str]) -> Plan:
     except PlanError as e:
         raise e.at(path) from None
     except Exception as e:
-        raise PlanError(f"invalid cached plan ({_detail(e)})", path) from None
+        raise PlanError(f"invalid cached plan ({detail(e)})", path) from None

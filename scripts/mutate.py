@@ -55,9 +55,9 @@ from harness.mutations import (  # noqa: E402
 from harness.oracle import judge, judge_folded  # noqa: E402
 from main import verify  # noqa: E402
 from verdict.columns import Columns  # noqa: E402
-from verdict.fold import FoldError, fold_pair  # noqa: E402
 from verdict.plan import Plan, pair_problem  # noqa: E402
 from verdict.report import append_rows  # noqa: E402
+from verdict.symmetry.fold import FoldError, fold_pair  # noqa: E402
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,

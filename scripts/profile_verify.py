@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends.columnar import load_columns_file  # noqa: E402
 from backends.planfile import load_plan  # noqa: E402
-from verdict.blocks import BlockCheck  # noqa: E402
-from verdict.fold import SHOWN, Fold  # noqa: E402
-from verdict.symmetry import _Cut  # noqa: E402
+from verdict.symmetry.blocks import BlockCheck  # noqa: E402
+from verdict.symmetry.cut import Cut  # noqa: E402
+from verdict.symmetry.fold import SHOWN, Fold  # noqa: E402
 
 
 def pss() -> int:
@@ -139,7 +139,7 @@ def main() -> int:
     check.finish()
     shown = Fold(min(dp, SHOWN), min(nm, SHOWN), min(dp, SHOWN) * min(nm, SHOWN) * check.rows,
                  dp, nm, gbs)
-    phase("representatives' cut", nodes, lambda: _Cut(cols, check, shown).plan(), sampler)
+    phase("representatives' cut", nodes, lambda: Cut(cols, check, shown).plan(), sampler)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(f"peak resident {rss / 2**20:.2f} GiB ({rss * 1024 / nodes:.0f} B/node), "
           f"mapped file pages included", flush=True)

@@ -47,9 +47,10 @@ OUTSIDE = "tests.outside_recipes:"
 #: models written outside the backend (tests/outside_models.py), recipes with mistakes for them
 USER_MODELS = "tests.outside_models:"
 MISTAKES = "tests.outside_mistakes:"
-#: whole-tensor maxima, padded pooling, circular padding, uneven Shard(1) (tests/refusals21_*.py)
-R21_MODELS = "tests.refusals21_models:"
-R21_RECIPES = "tests.refusals21_recipes:"
+#: whole-tensor maxima, padded pooling, circular padding (tests/pooling_padding_models.py),
+#: uneven Shard(1) (tests/uneven_shard_recipes.py)
+POOL_MODELS = "tests.pooling_padding_models:"
+UNEVEN_RECIPES = "tests.uneven_shard_recipes:"
 LOADED = "tests.loaded_values_recipes:"
 #: PyTorch's test Transformer and its own parallelize (tests/dtensor_transformer.py)
 DT = "tests.dtensor_transformer:"
@@ -436,7 +437,9 @@ CASES: list[tuple[str, str, int]] = [
           ("activation_tower", f"{STOCK}fsdp", "dp2", 1),
           ("dropout_mlp", f"{STOCK}ddp", "dp2", 2),
           ("branch_on_value", f"{STOCK}ddp", "dp2", 2),
-          ("partial_write", f"{STOCK}ddp", "dp2", 2),
+          ("partial_write", "ddp_avg", "dp2", 0),
+          ("partial_write", f"{STOCK}ddp", "dp2", 1),
+          ("strided_write", "ddp_avg", "dp2", 2),
       ]],
     # issue 18's last stock ops: convolutions (tests/outside_models.py:conv_tagger)
     ("outside conv_tagger ddp dp2", f"--model {USER_MODELS}conv_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
@@ -464,23 +467,23 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {USER_MODELS}max_pool_classifier --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
     ("outside max_pool_classifier summed over dp bug",
      f"--model {USER_MODELS}max_pool_classifier --recipe {STOCK}ddp --dp 2 --tp 1", 1),
-    # padded max and average pooling, circular conv and F.pad (tests/refusals21_models.py)
-    ("refusals21 pooled_tagger ddp dp2", f"--model {R21_MODELS}pooled_tagger --recipe {STOCK}ddp "
+    # padded max and average pooling, circular conv and F.pad (tests/pooling_padding_models.py)
+    ("pooling pooled_tagger ddp dp2", f"--model {POOL_MODELS}pooled_tagger --recipe {STOCK}ddp "
      "--dp 2 --tp 1 --hidden 8 --ffn 8", 0),
-    ("refusals21 pooled_tagger tp_mlp dp2 tp2", f"--model {R21_MODELS}pooled_tagger --recipe "
+    ("pooling pooled_tagger tp_mlp dp2 tp2", f"--model {POOL_MODELS}pooled_tagger --recipe "
      f"{STOCK}tp_mlp --dp 2 --tp 2 --hidden 8 --ffn 8", 0),
-    ("refusals21 pooled_tagger ddp_linear_only bug", f"--model {R21_MODELS}pooled_tagger --recipe "
+    ("pooling pooled_tagger ddp_linear_only bug", f"--model {POOL_MODELS}pooled_tagger --recipe "
      f"{MISTAKES}ddp_linear_only --dp 2 --tp 1 --hidden 8 --ffn 8", 1),
     # x.max(), x.min() with no dim: of a weight (verifies), of the batch (data parallelism differs)
-    ("refusals21 max_scaled_tagger ddp dp2", f"--model {R21_MODELS}max_scaled_tagger --recipe "
+    ("pooling max_scaled_tagger ddp dp2", f"--model {POOL_MODELS}max_scaled_tagger --recipe "
      f"{STOCK}ddp --dp 2 --tp 1 --hidden 8 --ffn 8", 0),
-    ("refusals21 batch_min_tagger ddp dp2 (h.min() over the batch)", f"--model {R21_MODELS}"
+    ("pooling batch_min_tagger ddp dp2 (h.min() over the batch)", f"--model {POOL_MODELS}"
      f"batch_min_tagger --recipe {STOCK}ddp --dp 2 --tp 1 --hidden 8 --ffn 8", 1),
     # DTensor's uneven Shard(1): each down weight 8 and 7 columns
-    ("refusals21 mlp rowwise_replicated_input ffn 15 dp2 tp2", f"--model mlp --recipe "
-     f"{R21_RECIPES}rowwise_replicated_input --dp 2 --tp 2 --hidden 8 --ffn 15", 0),
-    ("refusals21 mlp rowwise_even_offsets ffn 15 bug", f"--model mlp --recipe "
-     f"{R21_RECIPES}rowwise_even_offsets --dp 1 --tp 2 --hidden 8 --ffn 15", 1),
+    ("uneven shard mlp rowwise_replicated_input ffn 15 dp2 tp2", f"--model mlp --recipe "
+     f"{UNEVEN_RECIPES}rowwise_replicated_input --dp 2 --tp 2 --hidden 8 --ffn 15", 0),
+    ("uneven shard mlp rowwise_even_offsets ffn 15 bug", f"--model mlp --recipe "
+     f"{UNEVEN_RECIPES}rowwise_even_offsets --dp 1 --tp 2 --hidden 8 --ffn 15", 1),
     # shards loaded at other offsets than their placements claim (backends/torch/check.py)
     ("loaded mlp from_local next rows bug", f"--model mlp --recipe {LOADED}tp_up_next_rows "
      "--dp 2 --tp 2 --hidden 8 --ffn 8", 1),
@@ -592,7 +595,7 @@ CASES += [
     ("hf opt bug ddp averaging a shared-out loss", "--hf opt --recipe ddp_avg --dp 2 --tp 1", 1),
     ("hf mixtral tp2 refused (packed expert columns: a strided shard)", "--hf mixtral --dp 1 --tp 2", 2),
     ("hf gemma3 refused (vision tower)", "--hf gemma3 --dp 1 --tp 2", 2),
-    ("hf falcon refused (its attention's aten.index is not lowered)", "--hf falcon --dp 2 --tp 1", 2),
+    ("hf falcon dp2 (its attention's constant-index lookup: soundness 39 f)", "--hf falcon --dp 2 --tp 1", 0),
 ]
 
 #: top-k mixtures of experts, their routing recorded and replayed (docs/soundness.md, "Plans

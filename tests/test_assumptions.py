@@ -21,8 +21,8 @@ from harness.oracle import judge, judge_folded
 from main import main, verify
 from tests.helpers import MLP, plan_pair
 from verdict.columns import Columns
-from verdict.fold import fold_pair
 from verdict.plan import InputError, Plan, pair_problem
+from verdict.symmetry.fold import fold_pair
 
 MATERIALIZED = Parallelism(dp=4, tp=2, pp=2, nm=4)
 GBS = 32

@@ -5,7 +5,7 @@ changed: re-implementations of the same comparisons, so it must reach the
 same result as the wide, one-chunk check whose every pass is in full, and
 as the whole-plan representatives and kwargs comparison (kept here as the
 reference), on uniform plans and on plans that differ in one block, one
-microbatch, one rank's group or one replica's owned shard (verdict/blocks.py)."""
+microbatch, one rank's group or one replica's owned shard (verdict/symmetry/blocks.py, arrays.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from gen_model.config import Parallelism
 from gen_model.parallelize import Policy
 from harness import mutations
 from tests.helpers import MLP, plan_pair
-from verdict import blocks
 from verdict.columns import Columns
 from verdict.lineage import StructureError
-from verdict.symmetry import Refusal, Symmetry, find_symmetry
+from verdict.symmetry import arrays, blocks
+from verdict.symmetry.find import Refusal, Symmetry, find_symmetry
 
 MESH = Parallelism(dp=4, tp=2, pp=2, nm=4)
 
@@ -132,13 +132,15 @@ def test_narrow_chunked_check_agrees_with_the_wide_one(monkeypatch):
     cases = list(plans())
     narrow = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:
-        m.setattr(blocks, "_NODE_CHUNK", 7)  # many chunks, split inside blocks
+        for module in (arrays, blocks):
+            m.setattr(module, "NODE_CHUNK", 7)  # many chunks, split inside blocks
         tiny = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:
-        m.setattr(blocks, "index_array", lambda a: np.asarray(a).astype(np.int64))
-        m.setattr(blocks, "small_array", lambda a, *limits: np.asarray(a).astype(np.int64))
-        m.setattr(blocks, "fitting", lambda *values: np.dtype(np.int64))
-        m.setattr(blocks, "_NODE_CHUNK", 1 << 40)
+        for module in (arrays, blocks):  # where the check's arrays are made and read
+            m.setattr(module, "index_array", lambda a: np.asarray(a).astype(np.int64))
+            m.setattr(module, "small_array", lambda a, *limits: np.asarray(a).astype(np.int64))
+            m.setattr(module, "fitting", lambda *values: np.dtype(np.int64))
+            m.setattr(module, "NODE_CHUNK", 1 << 40)
         wide = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:  # every pass of block_classes in full
         m.setattr(blocks.BlockCheck, "recheck", blocks.BlockCheck.first_pass)
@@ -160,16 +162,16 @@ def test_narrow_chunked_check_agrees_with_the_wide_one(monkeypatch):
 
 
 def test_index_arrays_are_int32_when_they_fit():
-    assert blocks.index_array(np.array([0, 2**31 - 1], dtype=np.int64)).dtype == np.int32
-    assert blocks.index_array(np.array([-1, 5], dtype=np.int8)).dtype == np.int32
-    assert blocks.index_array(np.array([2**31], dtype=np.int64)).dtype == np.int64
+    assert arrays.index_array(np.array([0, 2**31 - 1], dtype=np.int64)).dtype == np.int32
+    assert arrays.index_array(np.array([-1, 5], dtype=np.int8)).dtype == np.int32
+    assert arrays.index_array(np.array([2**31], dtype=np.int64)).dtype == np.int64
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.int64])
 def test_arrays_of_narrow_and_wide_columns_are_equal(dtype):
     _, plan = plan_pair(MLP, MESH, 32)
     cols = Columns.from_plan(plan)
-    a = blocks.arrays(cols)
+    a = arrays.arrays(cols)
     for name in ("flat", "ptr", "t_producer"):
         assert getattr(a, name).dtype == np.int32
     # the world's ranks, microbatches, ops and tensor ids fit int8
@@ -178,7 +180,7 @@ def test_arrays_of_narrow_and_wide_columns_are_equal(dtype):
     assert np.array_equal(a.n_rank, np.asarray(cols.nodes.rank, dtype=dtype).astype(np.int64))
 
 
-def tuples_of(a: blocks.Arrays, i: int) -> tuple[list[int], list[int]]:
+def tuples_of(a: arrays.Arrays, i: int) -> tuple[list[int], list[int]]:
     """Node i's inputs and outputs as the check's arrays hold them."""
     ins, outs = int(a.n_ins[i]), int(a.n_outs[i])
     return (a.flat[a.ptr[ins]:a.ptr[ins + 1]].tolist(),
@@ -199,7 +201,7 @@ def test_arrays_hold_every_nodes_entries_with_and_without_gaps_in_the_pool():
     _, plan = plan_pair(MLP, MESH, 32)
     cols = Columns.from_plan(plan)
     for c in (cols, with_gaps(cols)):
-        a = blocks.arrays(c)
+        a = arrays.arrays(c)
         assert len(a.ptr) == len(a.n_ins) + int(a.n_ins.max()) + 2
         for i in range(len(c.nodes)):
             assert tuples_of(a, i) == (c.inputs_of(i).tolist(), c.outputs_of(i).tolist())
@@ -216,7 +218,7 @@ def test_arrays_refuse_overlapping_input_ranges():
     start = n.in_start.astype(np.int64)
     start[i] += 1  # now inside another range, or overlapping the next
     with pytest.raises(ValueError, match="input ranges"):
-        blocks.arrays(replace(cols, nodes=replace(n, in_start=start)))
+        arrays.arrays(replace(cols, nodes=replace(n, in_start=start)))
 
 
 def padded(cols: Columns, ops: int, kwargs: int) -> Columns:
@@ -245,10 +247,10 @@ def test_codes_and_ranks_past_the_narrow_types_take_the_wide_path():
     for name, p in cases:
         cols = Columns.from_plan(p)
         wide = padded(cols, 200, 40_000)
-        a = blocks.arrays(wide)
+        a = arrays.arrays(wide)
         assert (a.n_rank.dtype, a.t_rank.dtype) == (np.int16, np.int16)
         assert (a.n_op.dtype, a.n_kw.dtype) == (np.int16, np.int32)
-        assert blocks.arrays(cols).n_kw.dtype.itemsize < 4
+        assert arrays.arrays(cols).n_kw.dtype.itemsize < 4
         got, want = outcome(single, wide), outcome(single, cols)
         assert got == want, name
         seen.append(got)
@@ -259,9 +261,9 @@ def test_codes_and_ranks_past_the_narrow_types_take_the_wide_path():
 
 
 def test_fitting_types():
-    assert blocks.fitting(-1, 127) == np.int8
-    assert blocks.fitting(-129, 0) == np.int16
-    assert blocks.fitting(32768) == np.int32
-    assert blocks.fitting(-2**31 - 1) == np.int64
-    assert blocks.small_array(np.array([0, 40_000]), 5).dtype == np.int32
-    assert blocks.small_array(np.array([0, 3]), 128).dtype == np.int16
+    assert arrays.fitting(-1, 127) == np.int8
+    assert arrays.fitting(-129, 0) == np.int16
+    assert arrays.fitting(32768) == np.int32
+    assert arrays.fitting(-2**31 - 1) == np.int64
+    assert arrays.small_array(np.array([0, 40_000]), 5).dtype == np.int32
+    assert arrays.small_array(np.array([0, 3]), 128).dtype == np.int16

@@ -1,4 +1,4 @@
-"""Replica classes of materialized plans (verdict/classes.py; docs/soundness.md
+"""Replica classes of materialized plans (verdict/symmetry/classes.py; docs/soundness.md
 "When the blocks differ: classes")."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from harness.oracle import judge
 from main import verify
 from tests.helpers import MLP, plan_pair
 from verdict.plan import Plan
-from verdict.symmetry import Refusal, Symmetry, find_symmetry
+from verdict.symmetry.find import Refusal, Symmetry, find_symmetry
 
 GBS = 32
 ROOT = Path(__file__).resolve().parent.parent

@@ -295,3 +295,36 @@ def test_trim_heap_keeps_live_arrays():
     assert trim_heap() in (True, False)
     assert (kept == np.arange(1 << 16)).all()
     assert all((a == 2 * i + 1).all() for i, a in enumerate(freed))
+
+
+def _world(data: dict, **extra) -> dict:
+    return {**data["world"], **extra}
+
+
+#: Defects of what both plan forms hold alike (the world, the logical tensors,
+#: the loss and gradients), each made in the plan data and in a columnar header.
+SHARED_DEFECTS = {
+    "world value": lambda d: {"world": _world(d, dp=[1])},
+    "fold keys": lambda d: {"world": _world(d, fold_dp=4)},
+    "logical kind": lambda d: {"logical": [[*d["logical"][0][:2], "weird"], *d["logical"][1:]]},
+    "loss": lambda d: {"loss": 10**6},
+    "grads": lambda d: {"grads": [*d["grads"], d["grads"][0]]},
+}
+
+
+@pytest.mark.parametrize("defect", SHARED_DEFECTS)
+def test_both_readers_refuse_a_shared_defect_alike(tmp_path, defect):
+    """The plan-file and columnar readers check the world, the logical
+    tensors, the loss and gradients through one code path
+    (backends/plancheck.py): one defect, one message."""
+    from backends.planfile import validate
+
+    data = plan().to_data()
+    change = SHARED_DEFECTS[defect](data)
+    version = {"version": 2} if defect == "fold keys" else {}  # a pickled plan's fold keys need 2
+    with pytest.raises(PlanError) as pickled:
+        validate({**data, **change, **version})
+    arrays = _header(members(Columns.from_plan(plan())), **change)
+    with pytest.raises(PlanError) as columnar:
+        load_columns_file(write(tmp_path / "bad.npz", arrays))
+    assert pickled.value.problem == columnar.value.problem, (pickled.value, columnar.value)

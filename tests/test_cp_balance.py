@@ -24,12 +24,12 @@ from harness.oracle import judge
 from main import verify
 from verdict.differential import compare
 from verdict.final import rank_states
-from verdict.fold import fold_pair
 from verdict.lineage import infer_lineages
 from verdict.ops.nn import causal_positions
 from verdict.plan import Plan, pair_problem
 from verdict.reduce import reduce_stage
 from verdict.stages import cut_stages
+from verdict.symmetry.fold import fold_pair
 
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,
                     seqlen=8)
@@ -81,7 +81,7 @@ def visible(plan: Plan) -> dict[int, int]:
 
 def test_folded_balanced_plan_verifies():
     """Two of four replicas and two of four microbatches shown
-    (verdict/fold.py); a cp rank's two chunks are part of its class."""
+    (verdict/symmetry/fold.py); a cp rank's two chunks are part of its class."""
     single = make_plan(LLAMA, Parallelism(), 16)
     plan = make_plan(LLAMA, Parallelism(cp=2, dp=4, nm=4), 16, policy=BALANCED, fold=True)
     shown, _ = fold_pair(single, plan)

@@ -137,3 +137,65 @@ def test_no_lowering_family_imports_another():
     graph = import_graph(LOWERING)
     bad = [f"{m} imports {n}" for m in sorted(families) for n in sorted(graph[m] & families)]
     assert not bad, bad
+
+
+# -- the verifier and the plan readers: no import circle, no private name across modules
+
+VERDICT = ROOT / "verdict"
+SYMMETRY = VERDICT / "symmetry"
+
+
+def readers_graph() -> dict[str, set[str]]:
+    """The import graph of backends/ without the torch backend (the plan
+    readers and their shared checks)."""
+    graph = import_graph(ROOT / "backends")
+    return {m: {n for n in deps if not n.startswith("backends.torch")}
+            for m, deps in graph.items() if not m.startswith("backends.torch")}
+
+
+def private_imports(paths: list[Path], prefix: str) -> list[str]:
+    return [f"{path.relative_to(ROOT)} imports {a.name} from {node.module}"
+            for path in paths for node in runtime_imports(path)
+            if isinstance(node, ast.ImportFrom) and node.module
+            and node.module.startswith(prefix) for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_verdict_has_no_import_circle():
+    assert cycle(import_graph(VERDICT)) is None, cycle(import_graph(VERDICT))
+
+
+def test_plan_readers_have_no_import_circle():
+    """backends/planfile.py and backends/columnar.py share their checks
+    through backends/plancheck.py, which imports neither."""
+    graph = readers_graph()
+    assert cycle(graph) is None, cycle(graph)
+    assert "backends.planfile" not in graph["backends.columnar"]
+    assert not graph["backends.plancheck"] & {"backends.planfile", "backends.columnar"}
+
+
+def test_verdict_and_readers_import_no_private_name_of_another_module():
+    paths = sorted(VERDICT.rglob("*.py")) + sorted((ROOT / "backends").glob("*.py"))
+    bad = private_imports(paths, "verdict.") + private_imports(paths, "backends.")
+    assert not bad, bad
+
+
+def test_symmetry_modules_import_one_way():
+    """The symmetry package's modules import only those listed before them
+    in its docstring (verdict/symmetry/__init__.py), even under
+    TYPE_CHECKING."""
+    order = ["rules", "fold", "uniform", "arrays", "owned", "blocks", "classes", "cut", "find"]
+    assert sorted(order) == sorted(p.stem for p in SYMMETRY.glob("*.py") if p.stem != "__init__")
+    doc = ast.get_docstring(ast.parse((SYMMETRY / "__init__.py").read_text()))
+    assert [m for m in order if f"``{m}``" in doc] == order
+    assert sorted(order, key=lambda m: doc.index(f"``{m}``")) == order
+    bad = []
+    for k, name in enumerate(order):
+        tree = ast.parse((SYMMETRY / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.startswith("verdict.symmetry."):
+                other = node.module.split(".")[2]
+                if other not in order[:k]:
+                    bad.append(f"{name} imports {other}")
+    assert not bad, bad

@@ -20,8 +20,8 @@ from harness.mutations import FOLD_MUTATIONS, MUTATIONS, _add_tensor, copy_plan
 from harness.oracle import judge, judge_folded
 from main import main as verify_main
 from main import verify
-from verdict.fold import FoldError, batch_dims, fold_pair
 from verdict.plan import Node, Plan
+from verdict.symmetry.fold import FoldError, batch_dims, fold_pair
 
 MLP = ModelConfig("mlp", layers=2, hidden=8)
 LLAMA = ModelConfig("llama3", layers=2, hidden=16, heads=4, kv_heads=2, ffn=24, vocab=16,

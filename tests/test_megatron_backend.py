@@ -49,6 +49,8 @@ assert torch.zeros(1).type() == "torch.cuda.FloatTensor", "6"
 assert torch.zeros(1, dtype=torch.float64).type() == "torch.cuda.FloatTensor", "6"
 assert torch.zeros(1, dtype=torch.float64).type() in ["torch.cuda.FloatTensor"], "6"
 assert torch.zeros(1, dtype=torch.int64).type() != "torch.cuda.FloatTensor", "6"
+assert torch.Tensor.type(torch.zeros(1)) == "torch.FloatTensor", "6: called through the class"
+assert torch.Tensor.type(torch.zeros(1), torch.int64).dtype == torch.int64, "6: a conversion"
 print("patched")
 """
 

@@ -1,5 +1,5 @@
 """Materialized plans: blocks found and checked, representatives proved
-(verdict/symmetry.py, verdict/blocks.py; docs/soundness.md "Materialized plans")."""
+(verdict/symmetry/find.py, verdict/symmetry/blocks.py; docs/soundness.md "Materialized plans")."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from harness import mutations
 from harness.oracle import judge
 from main import verify
 from tests.helpers import MLP, plan_pair
-from verdict.blocks import BlockCheck
 from verdict.columns import Columns
-from verdict.fold import Fold, _Uniformity
 from verdict.lineage import StructureError
 from verdict.plan import Plan
-from verdict.symmetry import Symmetry, find_symmetry
+from verdict.symmetry.blocks import BlockCheck
+from verdict.symmetry.find import Symmetry, find_symmetry
+from verdict.symmetry.fold import Fold
+from verdict.symmetry.uniform import Uniformity
 
 ROOT = Path(__file__).resolve().parent.parent
 GBS = 32
@@ -129,7 +130,7 @@ def test_interleaved_schedule_is_covered():
 
 def test_zero1_and_zero3_are_proved_by_symmetry():
     """Owned shards, ZeRO-3's reduce-scatters and per-use gathers are checked
-    on the whole plan (verdict/owned.py)."""
+    on the whole plan (verdict/symmetry/owned.py)."""
     for zero in (1, 3):
         single, plan = pair(Parallelism(dp=4, nm=2), Policy(zero=zero))
         assert isinstance(find_symmetry(single, plan), Symmetry)
@@ -138,7 +139,7 @@ def test_zero1_and_zero3_are_proved_by_symmetry():
 
 
 def test_block_check_agrees_with_the_fold_uniformity():
-    """The array check and verdict/fold.py's rules (shown = real) accept
+    """The array check and verdict/symmetry/uniform.py's rules (shown = real) accept
     and reject the same plans."""
     single, plan = pair()
     w = plan.world
@@ -151,7 +152,7 @@ def test_block_check_agrees_with_the_fold_uniformity():
         except StructureError:
             return False
 
-    assert accepts(BlockCheck, plan) and accepts(_Uniformity, plan)
+    assert accepts(BlockCheck, plan) and accepts(Uniformity, plan)
     for name in ("wrong_group", "other_microbatch", "drop_accumulation", "early_reducer",
                  "wrong_reducer_group", "stale_version", "wrong_peer", "reorder"):
         operator = mutations.MUTATIONS.get(name) or mutations.REWRITES[name]
@@ -159,7 +160,7 @@ def test_block_check_agrees_with_the_fold_uniformity():
             made = operator(plan, random.Random(f"agree/{name}/{k}"))
             if made is None:
                 break
-            assert accepts(BlockCheck, made[0]) == accepts(_Uniformity, made[0]), (name, made[1])
+            assert accepts(BlockCheck, made[0]) == accepts(Uniformity, made[0]), (name, made[1])
 
 
 @pytest.mark.parametrize("suffix", [".pkl", ".npz"])

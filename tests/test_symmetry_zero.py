@@ -1,4 +1,4 @@
-"""ZeRO-1 materialized plans proved by their checked symmetry (verdict/owned.py;
+"""ZeRO-1 materialized plans proved by their checked symmetry (verdict/symmetry/owned.py;
 docs/soundness.md "ZeRO-1: owned shards"): correct plans verify by classes,
 wrong ones FAIL, whichever path proves them."""
 
@@ -16,7 +16,7 @@ from harness.oracle import judge
 from main import verify
 from tests.helpers import MLP, plan_pair
 from verdict.plan import Plan
-from verdict.symmetry import Refusal, Symmetry, find_symmetry
+from verdict.symmetry.find import Refusal, Symmetry, find_symmetry
 
 ZERO1 = Policy(zero=1)
 

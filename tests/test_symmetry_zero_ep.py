@@ -20,7 +20,7 @@ from harness.oracle import judge
 from main import verify
 from tests.helpers import plan_pair
 from verdict.plan import Plan
-from verdict.symmetry import Refusal, Symmetry, find_symmetry
+from verdict.symmetry.find import Refusal, Symmetry, find_symmetry
 
 MOE = ModelConfig("moe", layers=1, hidden=8, heads=2, kv_heads=1, ffn=8, vocab=8, seqlen=2,
                   experts=4, topk=2, moe_ffn=4, first_dense=0)

@@ -348,3 +348,17 @@ def test_a_lowering_made_wrong_fails_the_comparison(monkeypatch, name, module, h
     monkeypatch.setattr(mod, helper, wrong(getattr(mod, helper)))
     with pytest.raises(AssertionError):
         _lower_and_check(_single(f"{__name__}:probe_{name}"))
+
+
+def test_block_write_under_a_per_rank_mean_verifies_and_its_sum_fails_at_the_mean() -> None:
+    """``y[:, 0] = 0``: its backward puts a block of zeros beside the
+    gradient, which a per-rank mean scales by 2 on each of two replicas;
+    the zeros take that factor (docs/soundness.md, "Plans traced from
+    PyTorch", 40), so averaging over dp verifies, and summing over dp
+    fails naming the loss's division, not the zeros."""
+    verdict, _ = _verdict(f"--model {OUTSIDE}:partial_write --recipe ddp_avg --dp 2 --tp 1")
+    assert verdict.success, verdict.message
+    verdict, _ = _verdict(f"--model {OUTSIDE}:partial_write --recipe "
+                          f"backends.torch.stock_recipes:ddp --dp 2 --tp 1")
+    assert not verdict.success
+    assert "2 x the gradient, a factor applied by div" in verdict.message

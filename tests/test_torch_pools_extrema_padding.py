@@ -126,8 +126,8 @@ def test_a_flat_argmax_read_as_a_value_stays_refused() -> None:
 
 # -- in parallel ----------------------------------------------------------------------
 
-MODELS = "tests.refusals21_models:"
-RECIPES = "tests.refusals21_recipes:"
+MODELS = "tests.pooling_padding_models:"
+RECIPES = "tests.uneven_shard_recipes:"
 STOCK = "backends.torch.stock_recipes:"
 
 

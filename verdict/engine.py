@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from verdict.columns import Columns
 from verdict.executor import Executor, SolveFn, make_executor
 from verdict.final import add_loss_groups, check_final, check_layout, loss_groups, rank_states
-from verdict.fold import check_uniform, fold_of, fold_pair
 from verdict.lineage import Lineage, StructureError, infer_lineages
 from verdict.plan import InputError, Plan
 from verdict.problem import Problem, build_problem
@@ -26,7 +25,9 @@ from verdict.reduce import RuleMemo, reduce_stage
 from verdict.solve import Outcome
 from verdict.stages import Stage, cut_stages
 from verdict.structure import check_structure
-from verdict.symmetry import Refusal, Symmetry, find_symmetry, foldable
+from verdict.symmetry.find import Refusal, Symmetry, find_symmetry, foldable
+from verdict.symmetry.fold import fold_of, fold_pair
+from verdict.symmetry.uniform import check_uniform
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Verdict:
     memo_hits: int = 0
     fold: str = ""  # a folded plan: what was shown of the real sizes
     #: a materialized plan: which blocks were checked and proved, or why it
-    #: was verified in full (verdict/symmetry.py)
+    #: was verified in full (verdict/symmetry/find.py)
     symmetry: str = ""
     #: the blocks of the plan: (checked against the representatives, proved,
     #: assumed); (0, 0, 0) when every node was proved
@@ -137,11 +138,11 @@ def verify(single: Plan, parallel: Plan | Columns, *, prover: SolveFn, seed: int
     (verdict/executor.py); by default this process, or a pool of ``workers``
     processes running ``prover``. A folded parallel plan
     is compared with the single-device plan restricted to its rows
-    (``verdict.fold.fold_pair``, which main.py calls; done here when the
+    (``verdict.symmetry.fold.fold_pair``, which main.py calls; done here when the
     caller passes the real single-device plan, and FoldError when that
     cannot be done); its uniformity is checked here. A materialized plan
     (a Plan, or its columns) whose blocks are uniform is proved by its
-    representatives (verdict/symmetry.py); any other is verified in full.
+    representatives (verdict/symmetry/find.py); any other is verified in full.
     ``Verdict.pair`` is the pair the stages index when it is not the one given
     (the given columns stay columns when no stage ran). A load that claims a
     factor is refused with InputError (``Plan.scaled_load``)."""
@@ -238,7 +239,7 @@ def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0,
     restricted to its rows). ``uniform=False`` checks only the rules of the
     folded uniformity check, not that its blocks run one program: a mixed
     cut of classes of blocks, whose programs were compared on the whole
-    plan (verdict/symmetry.py)."""
+    plan (verdict/symmetry/find.py)."""
     memo = {} if memo is None else memo
     executor = executor or make_executor("process", workers, None, prover)
     times: dict[str, float] = {}
@@ -248,7 +249,7 @@ def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0,
         check_structure(parallel, "the parallel plan")
         check_layout(parallel)
         if parallel.is_folded():
-            # single: restricted (verdict/fold.py fold_pair)
+            # single: restricted (verdict/symmetry/fold.py fold_pair)
             check_uniform(single, parallel, compare=uniform)
         times["t_graph"] = time.perf_counter() - t0
         t1 = time.perf_counter()

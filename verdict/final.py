@@ -391,7 +391,10 @@ def factor_origin(parallel: Plan, t: int) -> str:
         if not same:
             return (f", a factor applied by {node.op} ({node.dir}) at {node.name or 'the step'} "
                     f"on rank {node.rank} mb {node.mb}")
-        t = same[0]
+        # past a value made from nothing (zeros claimed at the factor of
+        # what they are put beside) when another input carries the factor
+        made = [i for i in same if producer[i] >= 0 and parallel.nodes[producer[i]].inputs]
+        t = (made or same)[0]
     return ""
 
 

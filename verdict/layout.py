@@ -1,7 +1,7 @@
 """The (pp, dp, cp, tp) rank layout, tp fastest: a rank's class (its
 stage, cp index and tp index, which replicas share) and its replica.
-Used by the folded plans' uniformity check (verdict/fold.py) and the
-materialized plans' block check (verdict/blocks.py)."""
+Used by the folded plans' uniformity check (verdict/symmetry/uniform.py) and the
+materialized plans' block check (verdict/symmetry/blocks.py)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 import numpy as np
@@ -114,6 +114,20 @@ def probe_scale(node: LNode, shapes: dict[int, tuple[int, ...]],
             b[~keep & np.isfinite(a)], 0, atol=1e-12)
         out.append(guess if exact and guess != 0 else Fraction(1))
     return out
+
+
+def maps_zero_to_zero(node: LNode, shapes: dict[int, tuple[int, ...]]) -> bool:
+    """``node`` run on zeros gives exact zeros (its meaning, evaluated
+    once: a guess for a factor's claim, which the verifier proves)."""
+    args = [None if v < 0 else np.zeros(shapes[v]) for v in node.ins]
+    out_shapes = [None if o < 0 else shapes[o] for o in node.outs]
+    fake = Node(0, 0, node.op, node.dir, tuple(node.ins), tuple(node.outs), dict(node.kwargs))
+    try:
+        with np.errstate(all="ignore"):
+            outs = run_node(NumericXP(), fake, args, out_shapes)
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError):
+        return False
+    return all(o is None or not np.any(np.asarray(o, dtype=float)) for o in outs)
 
 
 @dataclass
@@ -284,6 +298,7 @@ class _Rank:
         self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
+        self.zero_memo: dict[int, bool] = {}  # value -> exactly zero by its making
         for node in low.nodes:
             for v in node.ins:
                 if v >= 0:
@@ -625,8 +640,41 @@ class _Rank:
         for v in node.ins:
             if v in self.pending:
                 emitted += self.materialize(v)
+        node, zeros = self.zeros_at_common_scale(node)
         self.one(node, coords)
-        return [*emitted, node]
+        return [*emitted, *zeros, node]
+
+    def zeros_at_common_scale(self, node: LNode) -> tuple[LNode, list[LNode]]:
+        """``node`` reading, in place of each exact zero whose factor is not
+        the one factor of its other inputs, fresh zeros claimed at that
+        factor (zeros are every multiple of themselves; a ``cat`` of a block
+        of zeros and a gradient scaled by a per-rank mean): the zeros made
+        first. Each claim is proved like any other (docs/soundness.md,
+        "Plans traced from PyTorch", 40)."""
+        ins = [v for v in node.ins if v >= 0]
+        zero = {v for v in ins if self.is_zero(v)}
+        others = {self.claim[v].scale for v in ins if v not in zero}
+        if len(others) != 1:
+            return node, []
+        scale = others.pop()
+        made, swap = [], {}
+        for v in zero:
+            if self.claim[v].scale == scale:
+                continue
+            target = self.fresh
+            self.fresh += 1
+            c = self.claim[v]
+            self.low.shapes[target] = self.low.shapes[v]
+            self.sv[target], self.mb[target] = self.sv[v], self.mb.get(v, -1)
+            self.claim[target] = Claim([list(d) for d in c.dims], c.partial, c.mbs, scale, c.at)
+            zeros = LNode("zeros", "none", [], [target],
+                          {"shape": list(self.low.shapes[v])}, node.name)
+            self.producer[target], self.zero_memo[target] = zeros, True
+            made.append(zeros)
+            swap[v] = target
+        if not swap:
+            return node, []
+        return replace(node, ins=[swap.get(v, v) for v in node.ins]), made
 
     def root_of(self, v: int) -> int | None:
         """The single-device value of v, also for a deferred sum whose terms
@@ -1013,6 +1061,24 @@ class _Rank:
             return [Fraction(1)] * len(node.outs)
         return probe_scale(node, self.low.shapes, scales)
 
+    def is_zero(self, v: int) -> bool:
+        """Value v is exactly zero by its making: a ``zeros`` node, a
+        constant of zeros, or an operator that gives zeros on zeros (a
+        reshape, a slice, a ``cat``: ``maps_zero_to_zero``) of zeros."""
+        if v not in self.zero_memo:
+            made = self.producer.get(v)
+            const = self.low.constants.get(v)
+            if made is None:
+                self.zero_memo[v] = const is not None and not np.any(np.asarray(const))
+            elif made.op == "zeros" and not made.ins:
+                self.zero_memo[v] = True
+            else:
+                self.zero_memo[v] = False  # while its inputs are asked
+                ins = [u for u in made.ins if u >= 0]
+                self.zero_memo[v] = bool(ins) and all(self.is_zero(u) for u in ins) \
+                    and maps_zero_to_zero(made, self.low.shapes)
+        return self.zero_memo[v]
+
     def infer(self, node: LNode) -> None:
         ins = [v for v in node.ins]
         shapes_in = [None if v < 0 else self.low.shapes[v] for v in ins]
@@ -1293,8 +1359,19 @@ def _order(ranks: list[Lowered]) -> list[tuple[int, int, int]]:
 
 
 def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Plan, Plan]:
+    """The single-device plan and the parallel plan of the lowered traces."""
     b = _Builder(single, world)
     plan_s = b.build_single()
+    writer = _Writer(b, ranks, world, plan_s)
+    writer.walk()
+    writer.materialize_finals()
+    writer.grad_buffers()
+    return plan_s, writer.plan
+
+
+def _rank_sizes(ranks: list[Lowered], world: dict) -> dict[str, int]:
+    """The mesh sizes the ranks' claims read (``dpr`` and ``dps`` when the
+    parameters are sharded over groups of the data-parallel ranks)."""
     sizes = {"dp": world["dp"], "cp": world.get("cp", 1), "tp": world["tp"], "mb": world["nm"]}
     shards = {low.split["dps"] for low in ranks if "dps" in low.split}
     if len(shards) > 1:
@@ -1303,52 +1380,132 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
     if shards:
         s = shards.pop()
         sizes.update(dpr=world["dp"] // s, dps=s)
-    rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
-    channels = _Channels(ranks)
-    coords = {low.rank: low.coords for low in ranks}
-    plan_p = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
-                  grads=dict(plan_s.grads))
-    versions: dict[tuple[int, int, int], int] = {}
-    t_of: dict[tuple[int, int], int] = {}
+    return sizes
 
-    def tensor(r: _Rank, v: int, mb: int, tid: int | None = None, lver: int | None = None) -> int:
+
+class _Writer:
+    """The parallel plan, written node by node in the ranks' joint order:
+    each rank's claims inferred (``_Rank``), its tensors numbered in
+    versions, collectives wired to their peers' inputs."""
+
+    def __init__(self, b: _Builder, ranks: list[Lowered], world: dict, plan_s: Plan) -> None:
+        self.b = b
+        self.ranks = ranks
+        sizes = _rank_sizes(ranks, world)
+        self.rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
+        self.channels = _Channels(ranks)
+        self.coords = {low.rank: low.coords for low in ranks}
+        self.plan = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
+                         grads=dict(plan_s.grads))
+        self.versions: dict[tuple[int, int, int], int] = {}
+        self.t_of: dict[tuple[int, int], int] = {}
+        for r in self.rs.values():
+            for v, (kind, _) in r.low.inputs.items():
+                self.t_of[(r.low.rank, v)] = self.tensor(
+                    r, v, -1 if kind in ("param", "buffer") else 0, tid=r.own_tid.get(v))
+
+    def tensor(self, r: _Rank, v: int, mb: int, tid: int | None = None,
+               lver: int | None = None) -> int:
+        """A new version of rank r's value v as a tensor of the plan."""
+        b = self.b
         tid = b.s.tid[r.sv[v]] if tid is None else tid
         lver = b.s.lver.get(r.sv[v], 0) if lver is None else lver
         key = (r.low.rank, mb, tid)
-        version = versions.get(key, 0)
-        versions[key] = version + 1
+        version = self.versions.get(key, 0)
+        self.versions[key] = version + 1
         slices, parts = r.view(v)
         f = r.claim[v].scale
-        plan_p.tensors.append(Tensor(r.low.rank, mb, tid, version, tuple(r.low.shapes[v]), lver,
-                                     slices, parts, (f.numerator, f.denominator)))
-        return len(plan_p.tensors) - 1
+        self.plan.tensors.append(Tensor(r.low.rank, mb, tid, version, tuple(r.low.shapes[v]),
+                                        lver, slices, parts, (f.numerator, f.denominator)))
+        return len(self.plan.tensors) - 1
 
-    for r in rs.values():
-        for v, (kind, _) in r.low.inputs.items():
-            t_of[(r.low.rank, v)] = tensor(r, v, -1 if kind in ("param", "buffer") else 0,
-                                           tid=r.own_tid.get(v))
-    def emit(r: _Rank, node: LNode, k: int) -> None:
-        low = r.low
+    def peer_input(self, q: int, node: LNode, k: int) -> int:
+        """The value rank q gives to the collective ``node`` (its k-th)."""
+        peer = self.rs[q]
+        return peer.low.nodes[self.channels.nth(peer.low, node, k)].ins[0]
+
+    def emit(self, r: _Rank, node: LNode, k: int) -> None:
+        low, t_of = r.low, self.t_of
         for o in node.outs:
             if o >= 0:
-                t_of[(low.rank, o)] = tensor(r, o, max(r.mb.get(o, -1), 0))
+                t_of[(low.rank, o)] = self.tensor(r, o, max(r.mb.get(o, -1), 0))
         if node.op == "send_recv":
-            src = rs[node.group[0]]
-            ins = (t_of[(src.low.rank, src.low.nodes[channels.nth(src.low, node, k)].ins[0])],)
+            src = node.group[0]
+            ins = (t_of[(src, self.peer_input(src, node, k))],)
             kwargs = dict(node.kwargs)
         elif node.group is None:
             ins = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.ins)
             kwargs = dict(node.kwargs)
         else:
-            ins = tuple(t_of[(q, rs[q].low.nodes[channels.nth(rs[q].low, node, k)].ins[0])]
-                        for q in node.group)
+            ins = tuple(t_of[(q, self.peer_input(q, node, k))] for q in node.group)
             kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
         outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
         mb = max((r.mb.get(o, -1) for o in node.outs if o >= 0), default=-1)
-        plan_p.nodes.append(Node(low.rank, max(mb, 0), node.op, node.dir, ins, outs, kwargs,
-                                 _scope(node.name)))
+        self.plan.nodes.append(Node(low.rank, max(mb, 0), node.op, node.dir, ins, outs, kwargs,
+                                    _scope(node.name)))
 
-    def sum_across(r: _Rank, node: LNode, k: int) -> bool:
+    def materialize(self, r: _Rank, x: int) -> None:
+        """Rank r's pending value x written out, if it is pending."""
+        if x in r.pending:
+            for extra in r.materialize(x):
+                self.emit(r, extra, -1)
+
+    def walk(self) -> None:
+        """Every rank's nodes in the joint order."""
+        for i, n, k in _order(self.ranks):
+            low = self.ranks[i]
+            r = self.rs[low.rank]
+            node = low.nodes[n]
+            if node.op == "send_recv":
+                peer = self.rs[node.group[0]]
+                x = self.peer_input(peer.low.rank, node, k)
+                self.materialize(peer, x)
+                r.receive(node, peer, x)
+                self.emit(r, node, k)
+                continue
+            if node.op == "all_reduce" and self.sum_across(r, node, k):
+                continue
+            if node.group is not None and node.op != "send":
+                for q in node.group:
+                    self.materialize(self.rs[q], self.peer_input(q, node, k))
+            for out in r.step(node, self.coords):
+                self.emit(r, out, k)
+
+    def materialize_finals(self) -> None:
+        """The gradients and losses the ranks end with, written out."""
+        for r in self.rs.values():
+            for name in list(r.low.grads):
+                self.materialize(r, r.low.grads[name])
+            for loss in r.low.losses:
+                self.materialize(r, loss)
+
+    def grad_buffers(self) -> None:
+        """Each held parameter's gradient accumulated into its zeroed
+        buffer, the final gradient of the plan."""
+        for r in self.rs.values():
+            held = {n: v for v, (kind, n) in r.low.inputs.items() if kind == "param"}
+            for name, buf in self.b.gradbuf.items():
+                if name not in held:
+                    continue  # another pipeline stage's parameter
+                g = r.low.grads.get(name)
+                param = held[name]
+                if g is None:
+                    raise LoweringError(f"rank {r.low.rank} ends with no gradient for {name}")
+                rank = r.low.rank
+                zero_claim = r.claim[param]
+                r.claim[-1 - buf] = Claim([list(d) for d in zero_claim.dims])
+                r.sv[-1 - buf] = r.sv[param]
+                r.low.shapes[-1 - buf] = r.low.shapes[param]
+                zero = self.tensor(r, -1 - buf, -1, buf, 0)
+                self.plan.nodes.append(Node(rank, -1, "zeros", "none", (), (zero,),
+                                            {"shape": list(r.low.shapes[param])},
+                                            f"{name}.grad_buffer"))
+                final = self.tensor(r, g, 0, buf, 1)
+                self.plan.nodes.append(Node(rank, 0, "local_grad_accumulation", "none",
+                                            (zero, self.t_of[(rank, g)]), (final,), {},
+                                            f"{name}.grad_buffer"))
+
+    def sum_across(self, r: _Rank, node: LNode, k: int) -> bool:
         """An all-reduce of sums whose terms together make single-device
         terms, each member holding some of them, whole or as its part (the
         stages' squared gradient norms summed over a pipeline, a trainer's
@@ -1364,31 +1521,31 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         False when the members reduce one value (an ordinary all-reduce)."""
         units, zero = {}, False
         for q in node.group:
-            x = rs[q].low.nodes[channels.nth(rs[q].low, node, k)].ins[0]
-            units[q] = [] if x in rs[q].zeros else rs[q].terms(x)
-            zero |= x in rs[q].zeros
-        if not zero and len({rs[q].sv[u] for q in node.group for u in units[q]}) <= 1 \
+            x = self.peer_input(q, node, k)
+            units[q] = [] if x in self.rs[q].zeros else self.rs[q].terms(x)
+            zero |= x in self.rs[q].zeros
+        if not zero and len({self.rs[q].sv[u] for q in node.group for u in units[q]}) <= 1 \
                 and all(len(us) == 1 for us in units.values()):
             return False
         by_sv: dict[int, list[tuple[int, int]]] = {}
         for q in node.group:
             for u in units[q]:
-                by_sv.setdefault(rs[q].sv[u], []).append((q, u))
-        s_leaves = sorted(t for sv in by_sv for t in b.leaves_of(sv))
-        root = b.s_trees.get(tuple(s_leaves))
-        if root is None and (len(by_sv) < 2 or b.superset(s_leaves) is None):
+                by_sv.setdefault(self.rs[q].sv[u], []).append((q, u))
+        s_leaves = sorted(t for sv in by_sv for t in self.b.leaves_of(sv))
+        root = self.b.s_trees.get(tuple(s_leaves))
+        if root is None and (len(by_sv) < 2 or self.b.superset(s_leaves) is None):
             if zero:
                 raise AlignError(f"rank {r.low.rank} all-reduces at {_scope(node.name)} terms "
                                  f"that make no single-device sum")
             return False
         # the mesh axes the group runs along (several for a flattened group;
         # none for pipeline stages, whose terms are whole)
-        axes = {a for a in r.axes if len({coords[q][a] for q in node.group}) > 1}
+        axes = {a for a in r.axes if len({self.coords[q][a] for q in node.group}) > 1}
         out = node.outs[0]
-        avail = {sv: combine(r, sv, terms, axes, node) for sv, terms in by_sv.items()}
+        avail = {sv: self.combine(r, sv, terms, axes, node) for sv, terms in by_sv.items()}
         if root is None and len(by_sv) == 1:  # the all-reduce's value is that one term's sum
             acc = avail[next(iter(by_sv))]
-            t_of[(r.low.rank, out)] = t_of[(r.low.rank, acc)]
+            self.t_of[(r.low.rank, out)] = self.t_of[(r.low.rank, acc)]
             r.sv[out], r.mb[out], r.claim[out] = r.sv[acc], r.mb.get(acc, -1), r.claim[acc]
             r.low.shapes[out] = r.low.shapes[acc]
             return True
@@ -1399,7 +1556,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         def add_tree(sv: int, target: int | None) -> int:
             if sv in avail:
                 return avail.pop(sv)
-            s_node = b.s_add[sv]
+            s_node = self.b.s_add[sv]
             a, c = add_tree(s_node.ins[0], None), add_tree(s_node.ins[1], None)
             if target is None:
                 target = r.fresh
@@ -1407,7 +1564,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                 r.low.shapes[target] = r.low.shapes[a]
             new = LNode("add", s_node.dir, [a, c], [target], {}, s_node.name)
             r.one(new, {})
-            emit(r, new, -1)
+            self.emit(r, new, -1)
             return target
 
         add_tree(root, out)
@@ -1416,7 +1573,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                              f"single-device sum they stand for does not add")
         return True
 
-    def combine(r: _Rank, sv: int, terms: list[tuple[int, int]], axes: set[str],
+    def combine(self, r: _Rank, sv: int, terms: list[tuple[int, int]], axes: set[str],
                 node: LNode) -> int:
         """Rank r's sum of the members' pieces of one single-device term,
         summed one mesh axis of the group at a time (innermost first): the
@@ -1424,7 +1581,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         is claimed partial over one axis fewer, at their common
         coordinates (a piece no other member completes keeps its claim;
         the verifier proves or refutes each claim)."""
-        items = [(dict(coords[q]), u if q == r.low.rank else received(r, rs[q], u, node))
+        items = [(dict(self.coords[q]), u if q == r.low.rank else self.received(r, self.rs[q], u, node))
                  for q, u in terms]
         done: set[str] = set()
         for axis in [a for a in reversed(r.axes) if a in axes]:
@@ -1447,7 +1604,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                     r.sv[target], r.mb[target] = sv, -1
                     r.claim[target] = Claim([list(d) for d in ca.dims], partial, ca.mbs,
                                             ca.scale, where or None)
-                    emit(r, LNode("add", "fw", [acc, v], [target], {}, node.name), -1)
+                    self.emit(r, LNode("add", "fw", [acc, v], [target], {}, node.name), -1)
                     acc = target
                 items.append((at, acc))
         if len(items) != 1:
@@ -1455,7 +1612,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
                              f"one term over ranks {list(node.group)} that no mesh axis joins")
         return items[0][1]
 
-    def received(r: _Rank, peer: _Rank, u: int, node: LNode) -> int:
+    def received(self, r: _Rank, peer: _Rank, u: int, node: LNode) -> int:
         """Rank r's copy of ``peer``'s term u (a ``send_recv``): the same
         piece, its axes read at the peer's coordinates."""
         target = r.fresh
@@ -1466,67 +1623,11 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
         r.sv[target], r.mb[target] = peer.sv[u], -1
         r.claim[target] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale, at or None)
         r.low.shapes[target] = peer.low.shapes[u]
-        t_of[(r.low.rank, target)] = tensor(r, target, 0)
-        plan_p.nodes.append(Node(r.low.rank, 0, "send_recv", "fw", (t_of[(peer.low.rank, u)],),
-                                 (t_of[(r.low.rank, target)],),
+        self.t_of[(r.low.rank, target)] = self.tensor(r, target, 0)
+        self.plan.nodes.append(Node(r.low.rank, 0, "send_recv", "fw", (self.t_of[(peer.low.rank, u)],),
+                                 (self.t_of[(r.low.rank, target)],),
                                  {"src": peer.low.rank, "dst": r.low.rank}, _scope(node.name)))
         return target
-
-    for i, n, k in _order(ranks):
-        low = ranks[i]
-        r = rs[low.rank]
-        node = low.nodes[n]
-        if node.op == "send_recv":
-            peer = rs[node.group[0]]
-            x = peer.low.nodes[channels.nth(peer.low, node, k)].ins[0]
-            if x in peer.pending:
-                for extra in peer.materialize(x):
-                    emit(peer, extra, -1)
-            r.receive(node, peer, x)
-            emit(r, node, k)
-            continue
-        if node.op == "all_reduce" and sum_across(r, node, k):
-            continue
-        if node.group is not None and node.op != "send":
-            for q in node.group:
-                peer = rs[q]
-                x = peer.low.nodes[channels.nth(peer.low, node, k)].ins[0]
-                if x in peer.pending:
-                    for extra in peer.materialize(x):
-                        emit(peer, extra, -1)
-        for out in r.step(node, coords):
-            emit(r, out, k)
-    for r in rs.values():
-        for name in list(r.low.grads):
-            g = r.low.grads[name]
-            if g in r.pending:
-                for node in r.materialize(g):
-                    emit(r, node, -1)
-        for loss in r.low.losses:
-            if loss in r.pending:
-                for node in r.materialize(loss):
-                    emit(r, node, -1)
-    for r in rs.values():
-        held = {n: v for v, (kind, n) in r.low.inputs.items() if kind == "param"}
-        for name, buf in b.gradbuf.items():
-            if name not in held:
-                continue  # another pipeline stage's parameter
-            g = r.low.grads.get(name)
-            param = held[name]
-            if g is None:
-                raise LoweringError(f"rank {r.low.rank} ends with no gradient for {name}")
-            rank = r.low.rank
-            zero_claim = r.claim[param]
-            r.claim[-1 - buf] = Claim([list(d) for d in zero_claim.dims])
-            r.sv[-1 - buf] = r.sv[param]
-            r.low.shapes[-1 - buf] = r.low.shapes[param]
-            zero = tensor(r, -1 - buf, -1, buf, 0)
-            plan_p.nodes.append(Node(rank, -1, "zeros", "none", (), (zero,),
-                                     {"shape": list(r.low.shapes[param])}, f"{name}.grad_buffer"))
-            final = tensor(r, g, 0, buf, 1)
-            plan_p.nodes.append(Node(rank, 0, "local_grad_accumulation", "none",
-                                     (zero, t_of[(rank, g)]), (final,), {}, f"{name}.grad_buffer"))
-    return plan_s, plan_p
 
 
 def _find(parent: dict[tuple, tuple], x: tuple) -> tuple:

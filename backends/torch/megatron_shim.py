@@ -177,13 +177,13 @@ class _TypeMethod:
 
     def __get__(self, tensor: torch.Tensor | None, owner: type) -> Any:
         if tensor is None:
-            return self
+            return self  # ``torch.Tensor.type(x)``: called through ``__call__``
+        return lambda *args, **kwargs: self(tensor, *args, **kwargs)
 
-        def type_(*args: Any, **kwargs: Any) -> Any:
-            result = self.original(tensor, *args, **kwargs)
-            return _TypeName(result) if not args and not kwargs and isinstance(result, str) \
-                else result
-        return type_
+    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = self.original(tensor, *args, **kwargs)
+        return _TypeName(result) if not args and not kwargs and isinstance(result, str) \
+            else result
 
 
 def _norm_new(original: Any) -> Any:

@@ -1,6 +1,6 @@
 """Every block of a materialized plan compared with its representative, on arrays.
 
-The uniformity rules of verdict/fold.py ("Folded plans", step 3 in
+The uniformity rules of verdict/symmetry/rules.py ("Folded plans", step 3 in
 docs/soundness.md), applied to every replica and microbatch of a plan that
 writes them all out, as array operations over the plan's columns
 (verdict/columns.py), so that their cost per node is a few array passes,
@@ -8,7 +8,7 @@ not a Python function call:
 
 * every block program (class, d, m) equals the one of (class, 0, 0), and
   every step program (class, d) the one of (class, 0) (or those of the
-  representatives of d's and m's classes, verdict/classes.py), node by
+  representatives of d's and m's classes, verdict/symmetry/classes.py), node by
   node: same
   operator, direction and kwargs, and the same tensors up to renaming (the
   tensor's class, own microbatch or outside microbatches, logical id,
@@ -30,207 +30,43 @@ representative's node it differs from.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.columns import Columns, NodeColumns, drop_pages, row_ids, trim_heap
-from verdict.fold import ACCUMULATE, CONSTANTS, ORBIT_SUMS, Fold, batch_dims, block_starts, inner_size
+from verdict.columns import Columns, drop_pages, row_ids, trim_heap
 from verdict.layout import Layout
 from verdict.lineage import StructureError
 from verdict.ops import get_op
-from verdict.owned import Owned
 from verdict.plan import DIRECTIONS, INPUT_KINDS, Plan
+from verdict.symmetry.arrays import (
+    I32,
+    NODE_CHUNK,
+    arrays,
+    chunks,
+    fitting,
+    index_array,
+    member_mask,
+    small_array,
+    spans,
+)
+from verdict.symmetry.fold import Fold, batch_dims
+from verdict.symmetry.owned import find_owned
+from verdict.symmetry.rules import (
+    ACCUMULATE,
+    CONSTANTS,
+    NOT_A_SUM_OF_ENDS,
+    NOT_LAST_BUFFER,
+    NOT_OWN_INDEX,
+    NOT_RUNNING_BUFFER,
+    NOT_WHOLE_ORBIT,
+    ORBIT_SUMS,
+    READS_OUTSIDE,
+    block_starts,
+    inner_size,
+)
 
-
-@dataclass
-class Arrays:
-    """What the check reads of a plan's columns, with the inputs and outputs
-    of every node as tuples of one CSR pool: a tuple is a range of the
-    columns' pools, so nodes that share an inputs range (a replica group's
-    members) share a tuple."""
-
-    t_rank: np.ndarray
-    t_mb: np.ndarray
-    t_tid: np.ndarray
-    t_version: np.ndarray
-    t_lver: np.ndarray
-    t_producer: np.ndarray  # node writing the tensor, -1 for inputs
-    n_rank: np.ndarray
-    n_mb: np.ndarray
-    n_op: np.ndarray  # index into ops
-    n_dir: np.ndarray
-    n_kw: np.ndarray  # index into the columns' kwargs table
-    n_ins: np.ndarray  # tuple id
-    n_outs: np.ndarray
-    ptr: np.ndarray  # tuple k holds flat[ptr[k]:ptr[k + 1]]
-    flat: np.ndarray
-    ops: tuple[str, ...]
-    slice_off: np.ndarray  # tensor t's slices: rows slice_off[t]:slice_off[t + 1]
-
-
-def index_array(values: np.ndarray) -> np.ndarray:
-    """``values`` as int32 when they fit (checked), else int64: the check
-    stores its arrays narrow and widens to int64 wherever it computes keys
-    that could leave int32's range."""
-    a = np.asarray(values)
-    if a.dtype == np.int32:
-        return a
-    if not len(a) or (int(a.max()) <= _I32.max and int(a.min()) >= _I32.min):
-        return a.astype(np.int32)
-    return a.astype(np.int64)
-
-
-def small_array(values: np.ndarray, *limits: int) -> np.ndarray:
-    """A copy of ``values`` (never a view of a mapped column) as int8 or
-    int16 when they and ``limits`` (constants the check compares them with)
-    fit in -128..127 or -32768..32767 (checked), else :func:`index_array`'s
-    type. For arrays that are only compared, used as indices or cast before
-    arithmetic."""
-    a = np.asarray(values)
-    kind = fitting(*limits, *((int(a.min()), int(a.max())) if len(a) else ()))
-    if kind.itemsize <= 2:
-        return np.array(a, dtype=kind)
-    out = index_array(a)
-    return np.array(out) if out is a or out.base is not None else out
-
-
-def fitting(*values: int) -> np.dtype:
-    """The narrowest of int8, int16, int32 and int64 that holds ``values``."""
-    low, high = min(values, default=0), max(values, default=0)
-    for kind in (np.int8, np.int16, np.int32):
-        if np.iinfo(kind).min <= low and high <= np.iinfo(kind).max:
-            return np.dtype(kind)
-    return np.dtype(np.int64)
-
-
-_I32 = np.iinfo(np.int32)
 #: No finding (BlockCheck's per-node codes)
 _NONE = np.iinfo(np.int8).max
-#: Nodes whose entries are compared at a time (bounds the per-entry temporaries).
-_NODE_CHUNK = 1 << 18
-
-
-def arrays(cols: Columns) -> Arrays:
-    """The check's arrays, by array operations over the columns, whose
-    mapped pages are let go once copied (verdict/columns.py, drop_pages).
-
-    The input tuples are the distinct input ranges of the pool, in pool
-    order, then one empty tuple (nodes without inputs); the output tuples
-    follow, one per node. Ranges are told apart by their first entry: the
-    ranges of a plan are the same or disjoint (backends/columnar.py checks
-    it of a file; Columns.from_plan makes them so), which is checked here
-    again (ValueError: an internal error)."""
-    t, n = cols.tensors, cols.nodes
-    nn, nt = len(n), len(t)
-    w = cols.world
-    # the divisors and products of BlockCheck.split stay within the type of ranks
-    ranks = int(np.prod([int(w.get(k, 1)) for k in ("pp", "dp", "cp", "tp")]))
-    nm = int(w.get("nm", 1))
-    index = np.int32 if max(2 * nn + 2, nt, len(n.inputs) + len(n.outputs)) < _I32.max \
-        else np.int64
-    n_ins, r_count, inputs = _input_tuples(n, index)
-    drop_pages(n.in_start, n.in_count)
-    k, in_total = len(r_count), len(inputs)
-    ptr = np.empty(k + 2 + nn, dtype=index)
-    ptr[0] = 0
-    np.cumsum(r_count, out=ptr[1:k + 1])
-    ptr[k + 1] = in_total  # the empty tuple
-    np.add(n.out_off[1:], in_total, out=ptr[k + 2:], dtype=index, casting="unsafe")
-    flat = np.empty(in_total + len(n.outputs), dtype=index)
-    flat[:in_total] = inputs
-    del inputs, r_count
-    drop_pages(n.inputs)
-    flat[in_total:] = n.outputs
-    t_producer = _producers(n, nt, index)
-    drop_pages(n.outputs, n.out_off)
-
-    def copied(a: np.ndarray, copy: Callable[..., np.ndarray], *limits: int) -> np.ndarray:
-        """``copy(a, *limits)``, the mapped column's pages let go after: the
-        columns are read one at a time, so at most one is resident."""
-        out = np.array(copy(a, *limits), copy=True) if copy is index_array else copy(a, *limits)
-        drop_pages(a)
-        return out
-
-    out = Arrays(
-        t_rank=copied(t.rank, small_array, ranks), t_mb=copied(t.mb, small_array, -3),
-        t_tid=copied(t.tid, small_array), t_version=copied(t.version, small_array),
-        t_lver=copied(t.lver, small_array), t_producer=t_producer,
-        n_rank=copied(n.rank, small_array, ranks), n_mb=copied(n.mb, small_array, -1, nm),
-        n_op=copied(n.op, small_array), n_dir=copied(n.dir, small_array),
-        n_kw=copied(n.kwargs, small_array),
-        n_ins=n_ins, n_outs=(k + 1 + np.arange(nn, dtype=index)),
-        ptr=ptr, flat=flat, ops=tuple(cols.ops), slice_off=index_array(t.slice_offsets(
-            cols.logical)))
-    cols.drop_pages()  # the tensors' tids, read again for the slice offsets
-    return out
-
-
-def _input_tuples(n: NodeColumns, index: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each node's input tuple (the empty tuple, numbered last, for nodes
-    without inputs), each tuple's length and the pool entries of the
-    tuples one after the other (the pool itself when every entry is in a
-    range). Raises ValueError for ranges that share a first entry or overlap."""
-    size = len(n.inputs)
-    nodes = np.flatnonzero(n.in_count > 0).astype(index)
-    start = n.in_start[nodes].astype(index)
-    count = np.zeros(size + 1, dtype=index)
-    count[start] = n.in_count[nodes]
-    if not np.array_equal(count[start], n.in_count[nodes]):
-        raise ValueError("two input ranges start at one pool entry")
-    r_start = np.flatnonzero(count[:size] > 0).astype(index)
-    r_count = count[r_start]
-    del count
-    ends = r_start.astype(np.int64) + r_count
-    if (r_start[1:] < ends[:-1]).any():
-        raise ValueError("two input ranges overlap")
-    k = len(r_start)
-    tuple_at = np.full(size + 1, k, dtype=index)
-    tuple_at[r_start] = np.arange(k, dtype=index)
-    n_ins = np.full(len(n), k, dtype=index)
-    n_ins[nodes] = tuple_at[start]
-    del tuple_at, start, nodes
-    if int(r_count.sum(dtype=np.int64)) == size:
-        return n_ins, r_count, n.inputs
-    marks = np.zeros(size + 1, dtype=np.int8)  # +1 where a range starts, -1 past its end
-    marks[r_start] = 1
-    marks[ends] -= 1
-    return n_ins, r_count, n.inputs[np.cumsum(marks[:size], dtype=np.int8).astype(bool)]
-
-
-def _producers(n: NodeColumns, nt: int, index: type) -> np.ndarray:
-    """The node writing each tensor, -1 for none, a chunk of nodes at a time."""
-    producer = np.full(nt, -1, dtype=index)
-    off = n.out_off
-    for lo in range(0, len(n), _NODE_CHUNK):
-        hi = min(lo + _NODE_CHUNK, len(n))
-        owner = np.repeat(np.arange(lo, hi, dtype=index), np.diff(off[lo: hi + 1]))
-        written = n.outputs[int(off[lo]): int(off[hi])]
-        keep = written >= 0
-        producer[written[keep]] = owner[keep]
-    return producer
-
-
-def _chunks(n: int) -> Iterator[tuple[int, int]]:
-    """[lo, hi) ranges of at most _NODE_CHUNK of n items, in order."""
-    for lo in range(0, n, _NODE_CHUNK):
-        yield lo, min(lo + _NODE_CHUNK, n)
-
-
-def _mask(nodes: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Which of lo..hi-1 are in ``nodes`` (sorted indices)."""
-    mask = np.zeros(hi - lo, dtype=bool)
-    a, b = np.searchsorted(nodes, (lo, hi))
-    mask[nodes[a:b] - lo] = True
-    return mask
-
-
-def _spans(ptr: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """Flat positions of the tuples ``groups``, one after the other."""
-    lengths = ptr[groups + 1] - ptr[groups]
-    starts = np.repeat(ptr[groups] - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return starts + np.arange(int(lengths.sum()))
 
 
 class BlockCheck:
@@ -261,7 +97,7 @@ class BlockCheck:
         self.kept_d: tuple[np.ndarray, np.ndarray] | None = None
         #: which ops accumulate into a gradient buffer, by op code
         self.acc_op = np.array([op == ACCUMULATE for op in self.cols.ops] or [False])
-        #: the representative replica of each replica's class (verdict/classes.py);
+        #: the representative replica of each replica's class (verdict/symmetry/classes.py);
         #: None: replica 0 for all
         self.rep_of_d: np.ndarray | None = None
         #: likewise the representative microbatch of each microbatch's class
@@ -277,8 +113,9 @@ class BlockCheck:
         self.diff_ref: np.ndarray | None = None
         #: the representatives of the last pass (None: no pass yet)
         self.last_reps: tuple[np.ndarray, np.ndarray] | None = None
-        #: ZeRO-1's gathers, keeps and shard offsets (verdict/owned.py), checked there
-        self.owned = Owned.none(nn, len(self.cols.t_rank))
+        #: ZeRO's gathers, keeps, scatters and shard offsets, found and checked on
+        #: the whole plan (verdict/symmetry/owned.py; OwnedError when a rule breaks)
+        self.owned = find_owned(parallel, self.cols, fold.dp, self.mesh)
 
     # -- helpers ------------------------------------------------------------------
     @property
@@ -363,14 +200,14 @@ class BlockCheck:
         is in no block program, so nothing compares it."""
         seen = np.zeros(len(self.cols.t_rank), dtype=bool)
         flat = self.cols.flat
-        for lo, hi in _chunks(len(flat)):
+        for lo, hi in chunks(len(flat)):
             part = flat[lo:hi]
             seen[part[part >= 0]] = True
         free = np.flatnonzero(~seen)
         return int(free[0]) if free.size else -1
 
     #: What only the passes read: the compared columns, and the passes' own masks,
-    #: views and findings. The representatives' cut (verdict/symmetry.py) reads the
+    #: views and findings. The representatives' cut (verdict/symmetry/cut.py) reads the
     #: tuples, microbatches, replicas, slice offsets, owned shards, offsets and chains.
     PASS_ONLY_COLUMNS = ("t_mb", "t_tid", "t_version", "t_lver", "t_producer", "n_op", "n_dir",
                          "n_kw")
@@ -403,7 +240,7 @@ class BlockCheck:
         the differing nodes in ``differs``) without raising, but for a
         plan whose blocks cannot be matched at all.
 
-        A later pass (other ``rep_of_d``/``rep_of_m``, verdict/classes.py)
+        A later pass (other ``rep_of_d``/``rep_of_m``, verdict/symmetry/classes.py)
         after one without rule findings redoes only what depends on the
         representatives, for the nodes whose block's representative
         changed: the others compare with the same representative's node as
@@ -428,7 +265,7 @@ class BlockCheck:
         cols = self.cols
         moved_d, moved_m = old_d != new_d, old_m != new_m
         changed = np.empty(len(cols.n_rank), dtype=bool)
-        for lo, hi in _chunks(len(changed)):
+        for lo, hi in chunks(len(changed)):
             mb = cols.n_mb[lo:hi]
             changed[lo:hi] = moved_d[self.rank_d[cols.n_rank[lo:hi]]] | (
                 (mb >= 0) & moved_m[np.maximum(mb, 0)])
@@ -552,9 +389,9 @@ class BlockCheck:
         nn = len(self.cols.n_rank)
         ids = self.block_ids()
         self.check_present(ids)
-        kind = np.int32 if max(len(ids), 2 * nn) < _I32.max else np.int64
+        kind = np.int32 if max(len(ids), 2 * nn) < I32.max else np.int64
         counts = np.zeros(len(ids), dtype=np.int64)
-        for lo, hi in _chunks(nn):
+        for lo, hi in chunks(nn):
             b = np.searchsorted(ids, self.block_of(lo, hi, False))
             counts += np.bincount(b, minlength=len(ids))
         starts = np.zeros(len(ids), dtype=np.int64)
@@ -563,7 +400,7 @@ class BlockCheck:
         # each node's position in its block
         pos = np.empty(nn, dtype=fitting(int(counts.max(initial=0))))
         filled = np.zeros(len(ids), dtype=np.int64)
-        for lo, hi in _chunks(nn):
+        for lo, hi in chunks(nn):
             b = np.searchsorted(ids, self.block_of(lo, hi, False))
             sort = np.argsort(b, kind="stable")
             first = np.searchsorted(b[sort], b[sort], side="left")
@@ -574,7 +411,7 @@ class BlockCheck:
             order[starts[b] + at] = np.arange(lo, hi, dtype=kind)
             filled += np.bincount(b, minlength=len(ids))
         rep = np.empty(nn, dtype=index_array(np.array([nn])).dtype)
-        for lo, hi in _chunks(nn):
+        for lo, hi in chunks(nn):
             own_size = counts[np.searchsorted(ids, self.block_of(lo, hi, False))]
             rep_block = self.block_of(lo, hi, True)
             where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1)
@@ -594,7 +431,7 @@ class BlockCheck:
     def block_ids(self) -> np.ndarray:
         """The distinct blocks of the nodes (:meth:`block_of`), sorted."""
         found = [np.unique(self.block_of(lo, hi, False))
-                 for lo, hi in _chunks(len(self.cols.n_rank))]
+                 for lo, hi in chunks(len(self.cols.n_rank))]
         return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
 
     def block_of(self, lo: int, hi: int, representative: bool) -> np.ndarray:
@@ -640,7 +477,7 @@ class BlockCheck:
         cols = self.cols
         group = np.array([get_op(op).group for op in cols.ops], dtype=bool)
         orbit = np.zeros(len(cols.n_op), dtype=bool)
-        for lo, hi in _chunks(len(orbit)):
+        for lo, hi in chunks(len(orbit)):
             g = np.flatnonzero(group[cols.n_op[lo:hi]]) + lo
             if g.size:
                 orbit[g] = self.reads_other_replicas(g)
@@ -650,7 +487,7 @@ class BlockCheck:
         """Whether each node ``g`` reads a tensor of a replica not its own."""
         cols = self.cols
         tuples, inverse = np.unique(cols.n_ins[g], return_inverse=True)
-        ts = cols.flat[_spans(cols.ptr, tuples)]
+        ts = cols.flat[spans(cols.ptr, tuples)]
         lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
         d = self.rank_d[cols.t_rank[np.maximum(ts, 0)]]
         big = self.fold.dp
@@ -681,7 +518,7 @@ class BlockCheck:
             kw[hit] = special_kw[at[hit]]
             return kw
 
-        for lo, hi in _chunks(len(cols.n_kw)):
+        for lo, hi in chunks(len(cols.n_kw)):
             nodes = np.arange(lo, hi)
             kw = kwargs_code(nodes)
             self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
@@ -702,13 +539,13 @@ class BlockCheck:
         """The nodes whose kwargs are compared normalized, in order, and
         their normalized codes (-1: a send/receive peer in another replica).
         An orbit's or an owned shard's ``index`` is left out (checked in
-        :meth:`check_glue` and verdict/owned.py), a send/receive peer is
+        :meth:`check_glue` and verdict/symmetry/owned.py), a send/receive peer is
         its class, in the replica."""
         cols, p = self.cols, self.p
         is_send = np.array([op == "send_recv" for op in cols.ops] or [False])
         owned = np.flatnonzero(self.owned.nodes)
-        found = [np.flatnonzero(orbit[lo:hi] | _mask(owned, lo, hi) | is_send[cols.n_op[lo:hi]])
-                 + lo for lo, hi in _chunks(len(cols.n_kw))]
+        found = [np.flatnonzero(orbit[lo:hi] | member_mask(owned, lo, hi) | is_send[cols.n_op[lo:hi]])
+                 + lo for lo, hi in chunks(len(cols.n_kw))]
         special = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         if not len(special):
             return special, np.zeros(0, dtype=np.int64)
@@ -742,7 +579,7 @@ class BlockCheck:
         position, a chunk of nodes at a time."""
         cols = self.cols
         for outputs, tuples in ((False, cols.n_ins), (True, cols.n_outs)):
-            for lo, hi in _chunks(len(tuples)):
+            for lo, hi in chunks(len(tuples)):
                 own, r = tuples[lo:hi], np.maximum(rep[lo:hi], 0)
                 lengths = cols.ptr[own + 1] - cols.ptr[own]
                 same = (rep[lo:hi] >= 0) & (lengths == cols.ptr[tuples[r] + 1] - cols.ptr[tuples[r]])
@@ -781,8 +618,7 @@ class BlockCheck:
         constant = np.array([op in CONSTANTS for op in cols.ops], dtype=bool)
         self.flag((mb >= 0) & (t_mb < 0) & (made >= 0) & ~constant[cols.n_op[np.maximum(made, 0)]]
                   & ~self.owned.gathered[t],
-                  node, "it reads a value computed outside microbatches, which may depend on "
-                  "every block")
+                  node, READS_OUTSIDE)
         d, t_rank, r_rank = self.rank_d, cols.t_rank[t], cols.t_rank[r]
         self.flag((d[t_rank] != d[cols.n_rank[node]]) & ~orbit, node,
                   "it reads another replica's tensor outside a sum over the replicas")
@@ -815,7 +651,7 @@ class BlockCheck:
         chains' ends (tensors, sorted)."""
         cols = self.cols
         found = [np.flatnonzero(self.is_acc(slice(lo, hi))) + lo
-                 for lo, hi in _chunks(len(cols.n_rank))]
+                 for lo, hi in chunks(len(cols.n_rank))]
         acc = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         if not acc.size:
             return np.zeros(0, dtype=np.int64)
@@ -833,8 +669,7 @@ class BlockCheck:
         starts = (buf >= 0) & (made >= 0) & zeros_op[cols.n_op[np.maximum(made, 0)]] & \
             (cols.t_mb[np.maximum(buf, 0)] == -1)
         ok = np.where(first, starts, linked)
-        self.flag(~ok, acc, "its gradient buffer is not the running one (zeros, then each "
-                  "microbatch's accumulation)")
+        self.flag(~ok, acc, NOT_RUNNING_BUFFER)
         last = np.concatenate((key[1:] != key[:-1], [True]))
         #: (rank, gradient buffer) -> the zeros buffer its chain starts from
         self.chain_start = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(b)
@@ -852,7 +687,7 @@ class BlockCheck:
         cols = self.cols
         sums_op = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)
         found = [np.flatnonzero(sums_op[cols.n_op[lo:hi]]) + lo
-                 for lo, hi in _chunks(len(cols.n_rank))]
+                 for lo, hi in chunks(len(cols.n_rank))]
         cand = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         groups, inverse = np.unique(cols.n_ins[cand], return_inverse=True)
         lengths = (cols.ptr[groups + 1] - cols.ptr[groups]).astype(np.int64)
@@ -860,10 +695,10 @@ class BlockCheck:
         ok = np.ones(len(groups), dtype=bool)  # an empty input tuple holds no other tensor
         lo = 0
         while lo < len(groups):
-            hi = max(lo + 1, int(np.searchsorted(upto, upto[lo] - lengths[lo] + _NODE_CHUNK,
+            hi = max(lo + 1, int(np.searchsorted(upto, upto[lo] - lengths[lo] + NODE_CHUNK,
                                                  side="right")))
             ln = lengths[lo:hi]
-            ts = cols.flat[_spans(cols.ptr, groups[lo:hi])]
+            ts = cols.flat[spans(cols.ptr, groups[lo:hi])]
             bad = (ts < 0) | ~is_end[np.maximum(ts, 0)]
             nonempty = np.flatnonzero(ln > 0)
             if len(nonempty):
@@ -880,17 +715,17 @@ class BlockCheck:
         is_end = np.zeros(len(cols.t_rank), dtype=bool)
         is_end[ends] = True
         sums_ends = self.sums_of_ends(is_end)
-        found = [np.flatnonzero(orbit[lo:hi]) + lo for lo, hi in _chunks(len(orbit))]
+        found = [np.flatnonzero(orbit[lo:hi]) + lo for lo, hi in chunks(len(orbit))]
         orbits = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         of_ends = np.isin(orbits, sums_ends)
         self.flag(~self.owned.nodes[orbits] & (~of_ends | (cols.n_mb[orbits] != -1)), orbits,
-                  "only a sum of gradient buffers, after every microbatch, may cross replicas")
+                  NOT_A_SUM_OF_ENDS)
         sums = orbits[of_ends]
         groups = cols.n_ins[sums]
         whole = {int(g): self.whole_orbit(cols.flat[cols.ptr[g]:cols.ptr[g + 1]])
                  for g in np.unique(groups)}
         not_whole = np.array([not whole[int(g)] for g in groups], dtype=bool)
-        self.flag(not_whole, sums, "its group is not the whole orbit of replicas")
+        self.flag(not_whole, sums, NOT_WHOLE_ORBIT)
         index_of: dict[int, int] = {}  # kwargs code -> its index, -1 when not an int
         for code in np.unique(cols.n_kw[sums]).tolist():
             index = self.p.kwargs_of(code).get("index")
@@ -901,7 +736,7 @@ class BlockCheck:
         valid = (index >= 0) & (index < size)
         member = cols.flat[np.where(valid, cols.ptr[groups] + index, 0)]
         own = valid & (member >= 0) & (cols.t_rank[np.maximum(member, 0)] == cols.n_rank[sums])
-        self.flag(~not_whole & ~own, sums, "its index is not its own position in the group")
+        self.flag(~not_whole & ~own, sums, NOT_OWN_INDEX)
         # (f) the gradient buffer a rank ends with
         t, writer = self.gradbuf_writes(len(cols.ptr) - 1 - len(cols.n_rank))
         if not len(t):
@@ -912,8 +747,7 @@ class BlockCheck:
         last = np.concatenate((key[1:] != key[:-1], [True]))
         w, out = writer[last], t[last]
         ok = (self.is_acc(w) & is_end[out]) | np.isin(w, sums_ends) | self.owned.keeps[w]
-        self.flag(~ok, w, "the gradient buffer a rank ends with must be its accumulation's last "
-                  "output or a sum of those (a reducer)")
+        self.flag(~ok, w, NOT_LAST_BUFFER)
 
     def gradbuf_writes(self, n_in: int) -> tuple[np.ndarray, np.ndarray]:
         """The gradient buffers written and their writers, in node order:
@@ -923,8 +757,8 @@ class BlockCheck:
         nn = len(cols.n_rank)
         out_ptr = cols.ptr[n_in:]
         found_t, found_w = [np.zeros(0, dtype=cols.flat.dtype)], [np.zeros(0, dtype=np.int64)]
-        for lo in range(0, nn, _NODE_CHUNK):
-            hi = min(lo + _NODE_CHUNK, nn)
+        for lo in range(0, nn, NODE_CHUNK):
+            hi = min(lo + NODE_CHUNK, nn)
             t = cols.flat[int(out_ptr[lo]): int(out_ptr[hi])]
             writer = np.repeat(np.arange(lo, hi), np.diff(out_ptr[lo: hi + 1]))
             keep = t >= 0

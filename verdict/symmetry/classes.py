@@ -7,8 +7,8 @@ microbatches. Instead of verifying such a plan node by node,
 microbatches into classes, so that every block (replica d, microbatch m)
 runs the block program of (representative of d's class, representative of
 m's class) and every replica the step program of its class's
-representative (checked by the block check of verdict/blocks.py); one cut
-per pair of classes is then proved (verdict/symmetry.py). docs/soundness.md,
+representative (checked by the block check of verdict/symmetry/blocks.py); one cut
+per pair of classes is then proved (verdict/symmetry/find.py). docs/soundness.md,
 "Materialized plans", "When the blocks differ: classes", holds the argument.
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verdict.blocks import BlockCheck
 from verdict.lineage import StructureError
+from verdict.symmetry.blocks import BlockCheck
 
 #: Most check passes (each finds one new class); past them the plan is
 #: verified in full.

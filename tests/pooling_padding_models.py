@@ -1,5 +1,5 @@
 """Models with whole-tensor maxima, padded pooling and circular padding,
-written as users write them (``--model tests.refusals21_models:NAME``),
+written as users write them (``--model tests.pooling_padding_models:NAME``),
 for ``tests/test_torch_pools_extrema_padding.py`` and scripts/torch_suite.py.
 
 Each factory takes the size keywords ``layers, hidden, heads, ffn, vocab,

@@ -1,5 +1,5 @@
 """Recipes that cut a parameter unevenly along a dim other than 0
-(``tests/test_torch_pools_extrema_padding.py``): ``--recipe tests.refusals21_recipes:NAME``
+(``tests/test_torch_pools_extrema_padding.py``): ``--recipe tests.uneven_shard_recipes:NAME``
 on ``backends.torch.stock_models:mlp`` with an inner size the
 tensor-parallel group does not divide (``--ffn 15`` on ``tp 2``: each
 ``down`` weight ``Shard(1)``, 8 and 7 columns). Functions whose docstring

@@ -5,7 +5,7 @@ owns), all-gathers the whole parameter from the orbit's shards before its
 microbatches, reduces whole gradients as plain data parallelism does,
 keeps the chunk of the reduced gradient it owns (a local ``split``) and,
 with an optimizer, updates its shard and all-gathers the updated shards.
-The block check (verdict/blocks.py) compares replicas up to these
+The block check (verdict/symmetry/blocks.py) compares replicas up to these
 differences, which :func:`find_owned` checks here instead, for every node
 of the plan:
 
@@ -40,7 +40,7 @@ gathers and scatters run in two levels, the ep ranks of a replica and the
 orbit (docs/soundness.md, "ZeRO-1 with expert parallelism" and "ZeRO-2 and
 ZeRO-3 with expert parallelism").
 
-The cut of the representatives (verdict/symmetry.py) replaces each gather
+The cut of the representatives (verdict/symmetry/cut.py) replaces each gather
 by its value, the whole parameter loaded, drops keeps and updates, and
 runs each optimizer step on the whole box (the gathered parameter, the
 reduced gradient, its state widened to the box): the cut is a plain
@@ -52,16 +52,15 @@ and the plan is verified in full.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from verdict.fold import ACCUMULATE, ORBIT_SUMS
+from verdict.columns import Columns
+from verdict.layout import Layout
 from verdict.ops.step import OPTIMIZERS
 from verdict.plan import UNIT
-
-if TYPE_CHECKING:  # verdict.blocks imports this module
-    from verdict.blocks import BlockCheck
+from verdict.symmetry.arrays import Arrays
+from verdict.symmetry.rules import ACCUMULATE, ORBIT_SUMS
 
 #: Group entries (gathers x replicas) the scan holds at a time.
 _ENTRIES = 1 << 19
@@ -124,31 +123,31 @@ class Owned:
                      (np.zeros(0, dtype=np.int64),) * 3, {}, {})
 
 
-def find_owned(check: BlockCheck) -> Owned:
-    """The owned shards of the plan ``check`` reads, every gather, keep and optimizer step on them checked;
-    Owned.none for a plan without ZeRO. Raises OwnedError when a rule does
-    not hold."""
-    p = check.p
-    if not p.world.get("zero", 0):
-        return Owned.none(len(check.cols.n_rank), len(check.cols.t_rank))
-    if p.world["zero"] not in (1, 2, 3):
-        return _refuse(f"ZeRO stage {p.world['zero']!r} is none the owned shards cover")
-    return _Scan(check).run()
+def find_owned(plan: Columns, cols: Arrays, dp: int, mesh: Layout) -> Owned:
+    """The owned shards of ``plan`` (read through the block check's arrays
+    ``cols``, with ``dp`` replicas on ``mesh``), every gather, keep and
+    optimizer step on them checked; Owned.none for a plan without ZeRO.
+    Raises OwnedError when a rule does not hold."""
+    if not plan.world.get("zero", 0):
+        return Owned.none(len(cols.n_rank), len(cols.t_rank))
+    if plan.world["zero"] not in (1, 2, 3):
+        return _refuse(f"ZeRO stage {plan.world['zero']!r} is none the owned shards cover")
+    return _Scan(plan, cols, dp, mesh).run()
 
 
 class _Scan:
     """One pass over the plan's collectives, splits and optimizer steps."""
 
-    def __init__(self, check: BlockCheck):
-        self.cols, self.p, self.dp = check.cols, check.p, check.fold.dp
+    def __init__(self, plan: Columns, cols: Arrays, dp: int, mesh: Layout):
+        self.cols, self.p, self.dp = cols, plan, dp
         self.zero = int(self.p.world["zero"])
         self.ep = int(self.p.world.get("ep", 1))
         #: ranks between two ep ranks of one replica (the mesh's cp x tp)
         self.ep_stride = int(self.p.world.get("cp", 1)) * int(self.p.world.get("tp", 1))
         cols = self.cols
         nn, nt = len(cols.n_rank), len(cols.t_rank)
-        self.t_cls, self.t_d = check.split(cols.t_rank)
-        self.n_cls, self.n_d = check.split(cols.n_rank)
+        self.t_cls, self.t_d = mesh.split_array(cols.t_rank)
+        self.n_cls, self.n_d = mesh.split_array(cols.n_rank)
         self.kinds = [lg.kind for lg in self.p.logical]
         self.reads = _reads(cols)
         self.gathers = np.zeros(nn, dtype=bool)

@@ -1,0 +1,78 @@
+"""The uniformity rules: one home for each, shared by the two checks.
+
+A parallel plan's replicas and microbatches run one program when these
+rules hold (docs/soundness.md, "Folded plans", step 3, and "Materialized
+plans"). Two checks apply them: :class:`verdict.symmetry.uniform.Uniformity`
+node by node on a folded plan, and
+:class:`verdict.symmetry.blocks.BlockCheck` on arrays over every block of a
+materialized plan. Each rule's facts and the text of its finding live here;
+the table names where each check applies it.
+
+=====================================================  ========================  =========================
+rule                                                   node by node (uniform)    on arrays (blocks)
+=====================================================  ========================  =========================
+every block and step program equals its                ``run``, ``normal``       ``representatives``,
+representative's (operator, kwargs, tensors up to                                ``check_kwargs``,
+renaming)                                                                        ``check_entries``
+every class runs a program in every block              ``check_blocks``          ``check_present``
+(a) another replica's tensor only in a sum over the    ``tensor``,               ``compare``,
+whole orbit, at the node's own index                   ``check_orbit``           ``check_glue``,
+                                                                                 ``whole_orbit``
+(b) another microbatch's tensor only as the running    ``tensor``,               ``compare``,
+buffer of an accumulation chain from zeros             ``check_chains``          ``check_chains``
+(c) the blocks start :func:`block_starts` rows apart   ``check_offsets``,        ``check_offsets``,
+and cover the batch once                               ``tensor``                ``input_views``
+(d) only sums of chain ends (:data:`ORBIT_SUMS`)       ``normal``                ``check_glue``
+cross replicas
+(e) a block reads nothing computed outside             ``tensor``                ``compare``
+microbatches but :data:`CONSTANTS`
+(f) a rank's last gradient buffer is its chain's end   ``check_final_buffers``   ``check_glue``
+or a sum of chain ends
+=====================================================  ========================  =========================
+"""
+
+from __future__ import annotations
+
+#: Replicas and microbatches a folded plan shows on an axis it folds.
+SHOWN = 2
+#: The op that adds a microbatch's gradient into the running buffer.
+ACCUMULATE = "local_grad_accumulation"
+#: Collectives that may cross replicas: sums of gradient buffers' chain ends.
+ORBIT_SUMS = ("reducer", "all_reduce")
+#: Input-less nodes whose outputs a block may read outside microbatches.
+CONSTANTS = ("zeros", "ones")
+
+#: (a) a collective across replicas spans the orbit, at the node's own position
+NOT_WHOLE_ORBIT = "its group is not the whole orbit of replicas"
+NOT_OWN_INDEX = "its index is not its own position in the group"
+#: (b) the running gradient buffer
+NOT_RUNNING_BUFFER = ("its gradient buffer is not the running one (zeros, then each "
+                      "microbatch's accumulation)")
+#: (d) what may cross replicas
+NOT_A_SUM_OF_ENDS = "only a sum of gradient buffers, after every microbatch, may cross replicas"
+#: (e) what a block may read outside microbatches
+READS_OUTSIDE = ("it reads a value computed outside microbatches, which may depend on every "
+                 "block")
+#: (f) the gradient buffer a rank ends with
+NOT_LAST_BUFFER = ("the gradient buffer a rank ends with must be its accumulation's last "
+                   "output or a sum of those (a reducer)")
+
+
+def inner_size(world: dict) -> int:
+    """The ranks of one replica between its replica index and tp, as the
+    symmetry counts them: the ep ranks of the block times the cp ranks.
+    The mesh puts replica d = edp * ep + e, so a rank's (edp, e, c) is
+    (replica, inner index) of a mesh with edp replicas and ep * cp inner
+    ranks."""
+    return int(world.get("ep", 1)) * int(world.get("cp", 1))
+
+
+def block_starts(first: dict[tuple, int]) -> dict[tuple[int, int], int]:
+    """(replica, microbatch) -> the first batch row any rank class loads in
+    that block, from (class, replica, microbatch) -> the class's first row
+    there (-1: it loads none)."""
+    out: dict[tuple[int, int], int] = {}
+    for (_, d, m), row in first.items():
+        if row >= 0:
+            out[(d, m)] = min(out.get((d, m), row), row)
+    return out

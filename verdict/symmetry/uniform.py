@@ -1,0 +1,258 @@
+"""The uniformity rules node by node: a folded plan's shown replicas and
+microbatches run one program (docs/soundness.md, "Folded plans", step 3).
+
+:func:`check_uniform` raises ``StructureError('fold')`` at the first node
+that breaks a rule of verdict/symmetry/rules.py or differs from replica 0's
+and microbatch 0's program.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from verdict.layout import Layout
+from verdict.lineage import StructureError
+from verdict.ops import get_op
+from verdict.plan import INPUT_KINDS, Node, Plan
+from verdict.structure import node_label
+from verdict.symmetry.fold import Fold, batch_dims, fold_of, orbit_units
+from verdict.symmetry.rules import (
+    ACCUMULATE,
+    CONSTANTS,
+    NOT_A_SUM_OF_ENDS,
+    NOT_LAST_BUFFER,
+    NOT_OWN_INDEX,
+    NOT_RUNNING_BUFFER,
+    NOT_WHOLE_ORBIT,
+    ORBIT_SUMS,
+    READS_OUTSIDE,
+    block_starts,
+    inner_size,
+)
+
+
+class Uniformity:
+    """The rules and comparisons over a folded plan's nodes."""
+
+    def __init__(self, single: Plan, parallel: Plan, fold: Fold):
+        self.p, self.fold = parallel, fold
+        w = parallel.world
+        self.mesh = Layout(fold.dp, inner_size(w), int(w.get("tp", 1)))
+        self.batch = batch_dims(single)
+        self.rows = fold.real_gbs // (fold.real_dp * fold.real_nm)
+        self.producer = parallel.producers()
+        self.offset: dict[tuple, int] = {}
+        #: (rank, gradient buffer tid) -> the tensor its last accumulation writes
+        self.chain_end: dict[tuple[int, int], int] = {}
+
+    def fail(self, i: int, j: int | None, why: str) -> None:
+        other = f" and {node_label(self.p, j)}" if j is not None else ""
+        raise StructureError("fold", f"the folded plan is not uniform: {node_label(self.p, i)}"
+                                     f"{other}: {why}; a folded plan's shown replicas and "
+                                     f"microbatches must run one program (docs/soundness.md)")
+
+    def run(self, compare: bool = True) -> None:
+        """The rules, and with ``compare`` every block and step program
+        against replica 0's and microbatch 0's."""
+        programs: dict[tuple, list[int]] = defaultdict(list)
+        for i, node in enumerate(self.p.nodes):
+            cls, d = self.mesh.split(node.rank)
+            programs[(cls, d, node.mb)].append(i)
+        for (cls, d, mb), nodes in programs.items():
+            if mb >= 0:
+                self.offset[(cls, d, mb)] = self.first_row(nodes)
+        self.check_offsets()
+        self.check_blocks(programs)
+        self.check_chains()
+        self.check_final_buffers()
+        seen: dict[int, tuple] = {}
+        for (cls, _, mb), nodes in sorted(programs.items()):
+            base = (cls, 0, 0) if mb >= 0 else (cls, 0, -1)
+            if base not in programs:
+                self.fail(nodes[0], None, "its class has no block of replica 0, microbatch 0")
+            ref = programs[base]
+            if not compare:
+                for i in nodes:
+                    self.normal(i)  # checks what is checked, not compared
+                continue
+            if len(ref) != len(nodes):
+                self.fail(nodes[0], ref[0], f"{len(nodes)} nodes against {len(ref)}")
+            for i, j in zip(nodes, ref):
+                if j not in seen:
+                    seen[j] = self.normal(j)  # also checks what is checked, not compared
+                if i != j and self.normal(i) != seen[j]:
+                    self.fail(i, j, "a different operator, kwargs, shape or dataflow")
+
+    def check_blocks(self, programs: dict[tuple, list[int]]) -> None:
+        """Every class with a block program has one for each shown (d, m),
+        and nothing else: no replica or microbatch beyond the shown ones."""
+        want = {(d, m) for d in range(self.fold.dp) for m in range(self.fold.nm)}
+        have: dict[tuple, set] = defaultdict(set)
+        for cls, d, mb in programs:
+            if mb >= 0:
+                have[cls].add((d, mb))
+        for cls, blocks in have.items():
+            if blocks != want:
+                extra, missing = sorted(blocks - want), sorted(want - blocks)
+                raise StructureError("fold", (
+                    f"the folded plan's rank class {cls} runs blocks (replica, microbatch) "
+                    f"{extra} beyond, or lacks {missing} of, the shown dp {self.fold.dp} x "
+                    f"nm {self.fold.nm}"))
+
+    def first_row(self, nodes: list[int]) -> int:
+        """The first batch row the block's data and tokens inputs hold."""
+        starts = [self.p.tensors[t].slices[d][0] for i in nodes for t in self.p.nodes[i].inputs
+                  if t >= 0 and self.producer[t] < 0 and self.is_data(t)
+                  for d in self.batch.get(self.p.tensors[t].tid, ())]
+        return min(starts, default=-1)
+
+    def is_data(self, t: int) -> bool:
+        return self.p.logical[self.p.tensors[t].tid].kind in ("data", "tokens")
+
+    def check_offsets(self) -> None:
+        """The blocks that load data start b rows apart and cover [0, B')
+        once, a block's start being the first row any of its ranks loads;
+        ``offset`` then holds each block's start for each of its classes,
+        which the input slices are compared relative to (with expert
+        parallelism the ep ranks of a block load consecutive rows of it)."""
+        starts = block_starts(self.offset)
+        want = [k * self.rows for k in range(self.fold.dp * self.fold.nm)]
+        if sorted(starts.values()) != want:
+            raise StructureError("fold", (
+                f"the folded plan's blocks start at batch rows {sorted(starts.values())}, "
+                f"not {want}: its replicas and microbatches do not split the batch into "
+                f"blocks of {self.rows} rows"))
+        self.offset = {(cls, d, m): starts[(d, m)] if row >= 0 else -1
+                       for (cls, d, m), row in self.offset.items()}
+
+    def tensor(self, i: int, t: int, orbit: bool, chain: bool):
+        """A tensor as the program of node i sees it, without the block."""
+        if t < 0:
+            return None
+        node, x = self.p.nodes[i], self.p.tensors[t]
+        cls, d = self.mesh.split(x.rank)
+        if d != self.mesh.split(node.rank)[1] and not orbit:
+            self.fail(i, None, f"it reads replica {d}'s tensor outside a collective over "
+                               f"the replicas")
+        mb: object = x.mb
+        version: object = x.version
+        lver: object = x.lver
+        if node.mb >= 0:
+            if chain:
+                mb = version = lver = "chain"
+            elif x.mb == node.mb:
+                mb = "own"
+            elif x.mb != -1:
+                self.fail(i, None, f"it reads microbatch {x.mb}'s tensor")
+            elif self.producer[t] >= 0 and self.p.nodes[self.producer[t]].op not in CONSTANTS:
+                self.fail(i, None, READS_OUTSIDE)
+        desc = (cls, mb, x.tid, version, lver, x.shape)
+        if self.producer[t] < 0 and self.p.logical[x.tid].kind in INPUT_KINDS:
+            row = self.offset.get((self.mesh.split(node.rank)[0], d, x.mb), -1)
+            slices = list(x.slices)
+            for k in self.batch.get(x.tid, ()):
+                if row < 0:
+                    continue
+                a, b = slices[k][0] - row, slices[k][1] - row
+                if not (0 <= a < b <= self.rows):
+                    self.fail(i, None, f"its input {self.p.logical[x.tid].name} holds rows "
+                                       f"outside its block")
+                slices[k] = (a, b)
+            desc += (tuple(slices), x.parts)
+        return desc
+
+    def normal(self, i: int) -> tuple:
+        """Node i without its block: what must equal across blocks (its name,
+        a label, is not part of it)."""
+        node = self.p.nodes[i]
+        kwargs = dict(node.kwargs)
+        own_d = self.mesh.split(node.rank)[1]
+        orbit = get_op(node.op).group and any(
+            t >= 0 and self.mesh.split(self.p.tensors[t].rank)[1] != own_d for t in node.inputs)
+        if orbit:
+            if node.op not in ORBIT_SUMS or node.mb != -1 or not self.sums_chain_ends(node):
+                self.fail(i, None, NOT_A_SUM_OF_ENDS)
+            self.check_orbit(i)
+            kwargs.pop("index", None)
+        for key in ("src", "dst"):
+            if node.op == "send_recv" and key in kwargs:
+                cls, d = self.mesh.split(kwargs[key])
+                if d != own_d:
+                    self.fail(i, None, f"its {key} rank {kwargs[key]} is in replica {d}")
+                kwargs[key] = cls
+        chain = node.op == ACCUMULATE and node.mb >= 0
+        ins = tuple(self.tensor(i, t, orbit, chain and k == 0) for k, t in enumerate(node.inputs))
+        outs = tuple(self.tensor(i, t, False, chain) for t in node.outputs)
+        return (node.op, node.dir, repr(sorted(kwargs.items())), ins, outs)
+
+    def check_orbit(self, i: int) -> None:
+        """A collective across replicas spans the whole orbit: every replica
+        d' the same number of times, with the same other coordinates, in
+        replica-major or replica-minor order, its own rank at ``index``."""
+        node = self.p.nodes[i]
+        ranks = [self.p.tensors[t].rank for t in node.inputs if t >= 0]
+        parts = [self.mesh.split(r) for r in ranks]
+        dp = self.fold.dp
+        per = len(parts) // dp
+        by_d = [[c for c, d in parts if d == k] for k in range(dp)]
+        major = [d for d in range(dp) for _ in range(per)]
+        minor = [d for _ in range(per) for d in range(dp)]
+        if len(parts) % dp or any(g != by_d[0] for g in by_d) or \
+                [d for _, d in parts] not in (major, minor):
+            self.fail(i, None, NOT_WHOLE_ORBIT)
+        index = node.kwargs.get("index")
+        if not isinstance(index, int) or not 0 <= index < len(ranks) or ranks[index] != node.rank:
+            self.fail(i, None, NOT_OWN_INDEX)
+
+    def check_chains(self) -> None:
+        """Per rank and gradient buffer, the microbatches' accumulations form
+        one chain: each reads the previous one's output, the first a buffer
+        made outside microbatches."""
+        last: dict[tuple[int, int], int] = {}
+        for i, node in enumerate(self.p.nodes):
+            if node.op != ACCUMULATE or node.mb < 0:
+                continue
+            buf = node.inputs[0] if node.inputs else -1
+            key = (node.rank, self.p.tensors[buf].tid if buf >= 0 else -1)
+            if key in last:
+                ok = buf == self.p.nodes[last[key]].outputs[0]
+            else:
+                start = self.producer[buf] if buf >= 0 else -1
+                ok = start >= 0 and self.p.nodes[start].op == "zeros" and \
+                    self.p.tensors[buf].mb == -1
+            if not ok:
+                self.fail(i, last.get(key), NOT_RUNNING_BUFFER)
+            last[key] = i
+        self.chain_end = {key: self.p.nodes[i].outputs[0] for key, i in last.items()}
+
+    def sums_chain_ends(self, node: Node) -> bool:
+        return all(t >= 0 and self.chain_end.get((self.p.tensors[t].rank, self.p.tensors[t].tid))
+                   == t for t in node.inputs)
+
+    def check_final_buffers(self) -> None:
+        """The gradient buffer a rank ends with is its chain's end, or a sum
+        of chain ends (the reducer): the glue between the blocks and what a
+        rank ends with is a plain sum, which repeats to any number of
+        replicas and microbatches (docs/soundness.md)."""
+        last: dict[tuple[int, int], int] = {}
+        for i, node in enumerate(self.p.nodes):
+            for o in node.outputs:
+                if o >= 0 and self.p.logical[self.p.tensors[o].tid].kind == "gradbuf":
+                    last[(self.p.tensors[o].rank, self.p.tensors[o].tid)] = i
+        for key, i in last.items():
+            node = self.p.nodes[i]
+            if node.op == ACCUMULATE and node.mb >= 0 and self.chain_end.get(key) in node.outputs:
+                continue
+            if node.op in ORBIT_SUMS and self.sums_chain_ends(node):
+                continue
+            self.fail(i, None, NOT_LAST_BUFFER)
+
+
+def check_uniform(single: Plan, parallel: Plan, compare: bool = True) -> None:
+    """Raises StructureError('fold') unless every shown replica and
+    microbatch of each class of ranks runs one program (docs/soundness.md).
+    ``single`` is the restricted single-device plan (for the batch dims).
+    ``compare=False``: the rules only (a mixed cut of classes of blocks,
+    verdict/symmetry/cut.py, whose programs differ by construction)."""
+    fold = orbit_units(fold_of(parallel), int(parallel.world.get("ep", 1)))
+    Uniformity(single, parallel, fold).run(compare)
