@@ -3,7 +3,8 @@
     .venv/bin/python scripts/gloo_truth.py --model llama_mean --recipe tp_sp --dp 2 --tp 2
 
 Runs the training step of ``python -m backends.torch`` (the same model,
-seed, batch and data-parallel row split) on ``dp * tp`` CPU processes with
+seed, batch, data-parallel row split and, with a "cp" dim in ``--mesh``,
+sequence split) on ``pp * dp * cp * tp`` CPU processes with
 the ``gloo`` process group, and compares every rank's final gradients with
 the single-device step's, which each process computes first on the whole
 batch: a gradient left ``Partial`` differs; a DTensor gradient is compared
@@ -36,10 +37,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from backends.torch.__main__ import model_kwargs, resolve  # noqa: E402
+from backends.torch.__main__ import model_kwargs, resolve, user_mesh  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
+from backends.torch.mesh import build as build_mesh  # noqa: E402
+from backends.torch.mesh import coords as mesh_coords  # noqa: E402
 from backends.torch.pipeline import OwnSchedule  # noqa: E402
-from backends.torch.rank import load, recipe_result, train_context  # noqa: E402
+from backends.torch.rank import load, recipe_result, sequence_chunk, train_context  # noqa: E402
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,17 +81,24 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
     from torch.distributed.tensor import DTensor
 
     warnings.filterwarnings("ignore")
-    world = args.pp * args.dp * args.tp
+    world = args.pp * args.dp * args.cp * args.tp
     expected = _single_grads(args)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (args.pp, args.dp, args.tp),
-                                mesh_dim_names=("pp", "dp", "tp"))
+        if args.mesh is not None:  # the user's mesh, as the backend builds it
+            mesh = build_mesh({"mesh": args.mesh.as_spec()})
+        else:
+            mesh = init_device_mesh("cpu", (args.pp, args.dp, args.tp),
+                                    mesh_dim_names=("pp", "dp", "tp"))
         model = _model(args)
         runner, after = recipe_result(model, load(args.recipe)(model, mesh))
         tokens, labels = _batch(args)
-        d = mesh["dp"].get_local_rank()
+        at = mesh_coords(rank, args.pp, args.dp, args.tp, args.cp)
+        d = at["dp"]
         rows = slice(d * args.batch // args.dp, (d + 1) * args.batch // args.dp)
+        # a context-parallel rank's chunk of the sequence (the backend's cut)
+        tokens, labels = (sequence_chunk(t[rows], at["cp"], args.cp) for t in (tokens, labels))
+        rows = slice(None)
         with train_context(model):
             if isinstance(after, OwnSchedule):  # a library's own schedule (Megatron's)
                 after.run(tokens[rows], labels[rows])
@@ -141,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                                 "x.float(), rounds to about 1e-7)")
     opts, rest = tolerance.parse_known_args(argv)
     args = resolve(backend_parser().parse_args(rest))
+    args.mesh = user_mesh(args)  # --mesh: its layout as args' pp, dp, tp, cp
+    args.cp = args.cp if args.mesh is not None else 1
     args.rtol = opts.rtol
     if args.pp != 1 and "megatron" not in args.recipe:
         print("pipelining recipes are not run (Megatron's are)", file=sys.stderr)
         return 2
-    world = args.pp * args.dp * args.tp
+    world = args.pp * args.dp * args.cp * args.tp
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
         store = os.path.join(tmp, "store")

@@ -678,6 +678,38 @@ CASES += [
      "--dp 2 --tp 1", 1),
 ]
 
+#: the sequence split over a "cp" mesh dim (docs/soundness.md, "Plans traced from PyTorch",
+#: the sequence split), on models that compute each position on its own; recipes in
+#: tests/cp_split_recipes.py, gloo agrees on each (scripts/gloo_truth.py --mesh)
+CP = "tests.cp_split_recipes:"
+CP_SIZES = "--layers 1 --hidden 8 --seqlen 4 --vocab 10 --batch 2"
+CP_POSITIONS = f"--model tests.cp_split_models:position_tagger {CP_SIZES}"
+CP_TABLE = f"--model tests.cp_split_models:table_position_tagger {CP_SIZES}"
+CASES += [
+    ("cp split mlp cp2", f"--model mlp --recipe {CP}cp_sum --mesh cp=2 {CP_SIZES}", 0),
+    ("cp split mlp cp4", f"--model mlp --recipe {CP}cp_sum --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
+    ("cp split mlp dp2 cp2", f"--model mlp --recipe {CP}cp_sum --mesh dp=2,cp=2 {CP_SIZES}", 0),
+    ("cp split mlp cp2 tp2", f"--model mlp --recipe {CP}cp_tp --mesh cp=2,tp=2 {CP_SIZES}", 0),
+    ("cp split mlp fsdp2 dp2 cp2",
+     f"--model mlp --recipe {CP}cp_fsdp --mesh dp=2,cp=2 {CP_SIZES}", 0),
+    ("cp split positions cp2", f"{CP_POSITIONS} --recipe {CP}cp_positions --mesh cp=2", 0),
+    ("cp split bug gradients not reduced over cp",
+     f"--model mlp --recipe {CP}cp_unreduced --mesh cp=2 {CP_SIZES}", 1),
+    ("cp split bug loss averaged over cp and summed over dp (torchtitan 3280)",
+     f"--model mlp --recipe {CP}cp_averaged --mesh dp=2,cp=2 {CP_SIZES}", 1),
+    ("cp split bug fsdp2 shards not reduced over cp",
+     f"--model mlp --recipe {CP}cp_fsdp_unreduced --mesh dp=2,cp=2 {CP_SIZES}", 1),
+    ("cp split bug positions not shifted per cp rank",
+     f"{CP_POSITIONS} --recipe {CP}cp_positions_unshifted --mesh cp=2", 1),
+    ("cp split position table cut along the sequence dp2 cp2",
+     f"{CP_TABLE} --recipe {CP}cp_table --mesh dp=2,cp=2", 0),
+    ("cp split bug position table's chunk order wrong on one rank",
+     f"{CP_TABLE} --recipe {CP}cp_table_other_chunk --mesh cp=2", 1),
+    ("cp ring allgather cp2 refused (the ring's blocks are not claimed yet)",
+     f"--model tests.cp_models:sdpa_tagger --heads 2 --recipe {CP}ring_allgather --mesh cp=2 "
+     f"{CP_SIZES}", 2),
+]
+
 
 def cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)

@@ -1,5 +1,5 @@
 """The user's mesh (backends/torch/mesh.py): --mesh NAME=SIZE,... in the
-user's order, mapped onto the backend's (pp, dp, tp) layout or refused."""
+user's order, mapped onto the backend's (pp, dp, cp, tp) layout or refused."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_the_batch_split_follows_the_named_data_dims() -> None:
 
 @pytest.mark.parametrize(("text", "says"), [
     ("tp=2,dp_shard=2", "then the data dims"),
-    ("dp=2,cp=2,tp=1", "context parallelism"),
+    ("cp=2,dp=2", "then at most one context-parallel dim"),
+    ("dp=2,tp=2,cp=2", "then at most one context-parallel dim"),
     ("dp=2,ep=2,tp=2", "at most one model-parallel dim"),
     ("dp=two", "NAME=SIZE"),
     ("dp=2,dp=2", "occurs twice"),
@@ -35,6 +36,14 @@ def test_the_batch_split_follows_the_named_data_dims() -> None:
 def test_meshes_the_layout_cannot_read_are_refused(text: str, says: str) -> None:
     with pytest.raises(LoweringError, match=says):
         parse_mesh(text)
+
+
+def test_a_context_parallel_dim_stands_between_the_data_and_model_dims() -> None:
+    mesh = parse_mesh("dp_shard=2,cp=2,tp=2")
+    assert mesh.layout() == (1, 2, 2) and mesh.size("cp") == 2
+    # rank ((stage * dp + d) * cp + c) * tp + t, as verdict.final.rank_coords reads it
+    assert [(c["dp"], c["cp"], c["tp"]) for c in (coords(r, 1, 2, 2, 2) for r in range(8))] == \
+        [(d, c, t) for d in range(2) for c in range(2) for t in range(2)]
 
 
 def test_size_one_dims_may_stand_anywhere() -> None:

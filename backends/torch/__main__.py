@@ -213,7 +213,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def user_mesh(args: argparse.Namespace) -> MeshSpec | None:
-    """``--mesh`` (None without it), its layout set as ``args``' pp, dp, tp."""
+    """``--mesh`` (None without it), its layout set as ``args``' pp, dp, tp
+    and cp (the context-parallel size; 1 without ``--mesh``)."""
     text = getattr(args, "mesh", None)
     if text is None:
         if getattr(args, "data_dims", None):
@@ -221,6 +222,7 @@ def user_mesh(args: argparse.Namespace) -> MeshSpec | None:
         return None
     mesh = text if isinstance(text, MeshSpec) else parse_mesh(text, getattr(args, "data_dims", None))
     args.pp, args.dp, args.tp = mesh.layout()
+    args.cp = mesh.size("cp")
     return mesh
 
 
@@ -229,14 +231,15 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     rank; the two plans."""
     args = resolve(args)
     mesh = user_mesh(args)
+    cp = getattr(args, "cp", 1) if mesh is not None else 1
     kw = model_kwargs(args)
     spec = {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
-            "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
+            "tp": args.tp, "pp": args.pp, "cp": cp, "batch": args.batch, "seqlen": args.seqlen,
             "vocab": args.vocab, "seed": args.seed, "optimizer": args.optimizer,
             "clip": args.clip, "clipper": args.clipper,
             **({"mesh": mesh.as_spec()} if mesh else {})}
     world = {"model": args.model, "variant": "torch", "gbs": args.batch, "dp": args.dp,
-             "tp": args.tp, "pp": args.pp, "ep": 1, "nm": 1,
+             "tp": args.tp, "pp": args.pp, "cp": cp, "ep": 1, "nm": 1,
              "recipe": args.recipe,
              **{k: v for k, v in kw.items()}, **({"mesh": mesh.label()} if mesh else {})}
     for ref in (args.model, args.recipe, *([args.clipper] if args.clipper else [])):
@@ -255,7 +258,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         world["routing"] = describe(single["routing_summary"])
     traces = settle(lambda sent: trace_ranks(
         {**spec, "parallel": True, "routing": routing, "exchanges": sent},
-        args.pp * args.dp * args.tp, single.get("imports", ())))
+        args.pp * args.dp * cp * args.tp, single.get("imports", ())))
     world["nm"] = traces[0]["microbatches"]
     if single.get("skips_unrouted_experts"):
         check_every_expert_reached(single, traces)
@@ -275,6 +278,7 @@ def write_plans(args: argparse.Namespace, say: bool = True) -> tuple[Path, Path]
     LoadedValueMismatch (exit 1)."""
     (plan_s, plan_p), _ = trace_and_build(args)  # resolves args' short names in place
     pp = f"_pp{args.pp}" if args.pp > 1 else ""
+    pp += f"_cp{args.cp}" if getattr(args, "cp", 1) > 1 else ""
     stem = args.name or (f"{args.recipe.rsplit(':', 1)[-1]}_dp{args.dp}_tp{args.tp}{pp}"
                          f"{_layers_tag(args)}_b{args.batch}")
     out = Path(args.out)

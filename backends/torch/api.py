@@ -125,7 +125,8 @@ def verify(model: Any, parallelize: Any, mesh: Any = None, batch: int = 4, *,
     args = parser().parse_args([])
     pp, dp, tp = spec.layout()
     vars(args).update(model=refs[0], recipe=refs[1], clipper=refs[2] if clipper else None,
-                      mesh=None if mesh is None else spec, pp=pp, dp=dp, tp=tp, batch=batch,
+                      mesh=None if mesh is None else spec, pp=pp, dp=dp, tp=tp,
+                      cp=spec.size("cp"), batch=batch,
                       seqlen=seqlen, vocab=vocab, layers=layers, hidden=hidden, heads=heads,
                       ffn=ffn, optimizer=optimizer, clip=clip, seed=seed)
     try:

@@ -61,6 +61,16 @@ class Claim:
     at: dict[str, int] | None = None
 
 
+#: The mesh axes a constant's dim may be cut by, in the order they are
+#: tried: the batch dim (0) data-parallel first, any other dim model- or
+#: context-parallel first (a sequence of positions cut by "cp")
+CONST_CUTS = ((("dp",), ("tp",), ("cp",), ("dp", "tp"), ("dp", "cp")),
+              (("tp",), ("cp",), ("dp",), ("dp", "tp"), ("cp", "tp")))
+
+#: The mesh axes a module buffer a recipe cut may be cut by, in the order
+#: they are tried (``_Rank.buffer_piece``)
+BUFFER_CUTS = (("cp",), ("tp",), ("cp", "tp"))
+
 #: Operators whose output is the sum of their inputs (a scaled input must
 #: have the scale of the others, up to a replicated value split n ways).
 ADDITIONS = ("add", "sub", "local_grad_accumulation")
@@ -145,7 +155,7 @@ class _Builder:
         self.s = _Single(single)
         self.world = world
         self.logical: list[Logical] = []
-        self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "nm": 1})
+        self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "cp": 1, "nm": 1})
         self.gradbuf: dict[str, int] = {}
         self.own_inputs: dict[str, int] = {}  # a constant no single-device one matches -> tid
 
@@ -268,10 +278,11 @@ class _Rank:
         self.b, self.low, self.sizes = b, low, sizes
         #: the atomic axes "dp" stands for (HSDP: its sub-axes)
         self.dp = list(DP_SUBAXES) if "dps" in sizes else ["dp"]
-        self.axes = (*self.dp, "tp")
+        self.axes = (*self.dp, "cp", "tp")
         #: the order of part numbering of a partial sum (microbatches fastest,
         #: as in docs/parallelism.md "Partial-sum part numbering")
-        self.part_axes = (*self.dp, "tp", "mb")
+        self.part_axes = (*self.dp, "cp", "tp", "mb")
+        low.coords.setdefault("cp", 0)
         if "dps" in sizes:
             d = low.coords["dp"]
             low.coords.update(dpr=d // sizes["dps"], dps=d % sizes["dps"])
@@ -320,6 +331,8 @@ class _Rank:
             self.sv[v] = by_name[name]
             self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
                                    for axes in low.axes[v]])
+            if kind == "buffer" and tuple(low.shapes[v]) != self.gshape(v):
+                self.claim[v] = self.buffer_piece(v)
             self.check_input(v, name)
             self.whole_where_held(v)
         self.taken = {self.sv[u] for u in self.sv}
@@ -382,8 +395,7 @@ class _Rank:
             # the piece at this rank's coordinates of an input of the
             # single-device constant's shape, which no single-device node
             # reads (another routing of its rows)
-            dims = [self.guess(m, f, order=self.orders((("dp",), ("tp",), ("dp", "tp")) if k == 0
-                                                       else (("tp",), ("dp",), ("dp", "tp"))))
+            dims = [self.guess(m, f, order=self.orders(CONST_CUTS[min(k, 1)]))
                     for k, (m, f) in enumerate(zip(shape, full))]
         self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
         return best, Claim(dims)
@@ -417,20 +429,18 @@ class _Rank:
         for sv, full in self.b.s.low.constants.items():
             if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
                 continue
-            dims, index = [], []
-            try:
-                for k, (m, f) in enumerate(zip(mine.shape, full.shape)):
-                    order = (("dp",), ("tp",), ("dp", "tp")) if k == 0 else (("tp",), ("dp",), ("dp", "tp"))
-                    axes = self.guess(m, f, order=self.orders(order))
+            per_dim = [self.cuts(m, f, CONST_CUTS[min(k, 1)])
+                       for k, (m, f) in enumerate(zip(mine.shape, full.shape))]
+            for dims in itertools.product(*per_dim):
+                index = []
+                for axes, m in zip(dims, mine.shape):
                     i = 0
                     for a in axes:
                         i = i * self.sizes[a] + self.low.coords[a]
-                    dims.append(axes)
                     index.append(slice(i * m, (i + 1) * m))
-            except LoweringError:
-                continue
-            if np.array_equal(full[tuple(index)], mine):
-                found.append((sv, Claim(dims)))
+                if np.array_equal(full[tuple(index)], mine):
+                    found.append((sv, Claim([list(a) for a in dims])))
+                    break
         if found:
             # every match is a true claim; several (two experts' masks equal
             # on this rank's rows) are kept for the first reader to choose
@@ -439,6 +449,26 @@ class _Rank:
             return found[0]
         raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
                             f"piece of a single-device constant")
+
+    def buffer_piece(self, v: int) -> Claim:
+        """A module buffer a recipe cut (``context_parallel`` cuts the
+        buffers it is given along the sequence): claimed, by its shape, as
+        the piece at this rank's coordinates of the first axes of the
+        right ratio in ``BUFFER_CUTS`` (a module's state is the same on
+        every data-parallel rank: never cut by "dp"). The claim is not
+        trusted: ``check.check_loaded`` compares the buffer's values with
+        that piece (docs/soundness.md, "Plans traced from PyTorch", 28)."""
+        return Claim([self.guess(m, f, order=BUFFER_CUTS)
+                      for m, f in zip(self.low.shapes[v], self.gshape(v))])
+
+    def cuts(self, local: int, full: int, order: tuple) -> list[tuple[str, ...]]:
+        """Every axes of ``order`` (in its order) cutting ``full`` into
+        pieces of ``local`` on this mesh; ``[()]`` when local is full."""
+        ratio = full // local if local else 1
+        if ratio == 1:
+            return [()]
+        return [a for a in self.orders(order)
+                if math.prod(self.sizes[x] for x in a) == ratio and all(self.sizes[x] > 1 for x in a)]
 
     def gshape(self, v: int) -> tuple[int, ...]:
         return self.b.s.low.shapes[self.sv[v]]
@@ -1342,7 +1372,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
 def _rank_sizes(ranks: list[Lowered], world: dict) -> dict[str, int]:
     """The mesh sizes the ranks' claims read (``dpr`` and ``dps`` when the
     parameters are sharded over groups of the data-parallel ranks)."""
-    sizes = {"dp": world["dp"], "tp": world["tp"], "mb": world["nm"]}
+    sizes = {"dp": world["dp"], "cp": world.get("cp", 1), "tp": world["tp"], "mb": world["nm"]}
     shards = {low.split["dps"] for low in ranks if "dps" in low.split}
     if len(shards) > 1:
         raise LoweringError(f"the ranks shard their parameters over data-parallel groups of "

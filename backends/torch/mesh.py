@@ -6,15 +6,18 @@ backend's rank layout.
 builds, on every rank, ``init_device_mesh("cpu", (2, 2, 1, 2),
 mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))`` and passes it to
 the recipe as it is. The backend itself reads a rank as a coordinate
-(stage, data-parallel index, tensor-parallel index) of the layout
-(pp, dp, tp), rank ``(stage * dp + d) * tp + t``. A user's mesh maps onto
-it when its dims, outer to inner and leaving out those of size 1, are: at
-most one pipeline dim ("pp"), then the data dims (their product is dp;
-the batch is split along them, outer first), then at most one
-model-parallel dim (tp). torchtitan's order (pp, dp_replicate, dp_shard,
-cp, tp) and Megatron-Core's (pp, dp, ep, cp, tp, outer to inner) are such
-orders. Any other order, two model-parallel dims of size > 1, or a
-context-parallel dim of size > 1 is refused in one line.
+(stage, data-parallel index, context-parallel index, tensor-parallel index)
+of the layout (pp, dp, cp, tp), rank ``((stage * dp + d) * cp + c) * tp +
+t`` (the verifier's layout, ``verdict.final.rank_coords``). A user's mesh
+maps onto it when its dims, outer to inner and leaving out those of size 1,
+are: at most one pipeline dim ("pp"), then the data dims (their product is
+dp; the batch is split along them, outer first), then at most one
+context-parallel dim ("cp": each rank's tokens and labels are its chunks of
+the sequence), then at most one model-parallel dim (tp). torchtitan's
+order (pp, dp_replicate, dp_shard, cp, tp) and Megatron-Core's (pp, dp,
+ep, cp, tp, outer to inner) are such orders. Any other order, or two
+pipeline, context-parallel or model-parallel dims of size > 1, is refused
+in one line.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ from backends.torch.errors import LoweringError
 #: dims that split the batch unless the user names the data dims
 DATA_NAMES = ("dp", "dp_replicate", "dp_shard", "fsdp", "ddp", "hsdp", "data")
 PIPELINE_NAMES = ("pp",)
-#: dims that would split the sequence: refused at a size > 1 until the
-#: backend cuts the batch along the sequence
+#: the dim that splits the sequence (context parallelism)
 CONTEXT_NAMES = ("cp",)
 #: the default mesh, (pp, dp, tp) in this order
 DEFAULT_NAMES = ("pp", "dp", "tp")
@@ -46,16 +48,18 @@ class MeshSpec:
         return math.prod(self.sizes)
 
     def size(self, kind: str) -> int:
-        """The product of the sizes of the dims of ``kind`` (pp, dp, tp)."""
+        """The product of the sizes of the dims of ``kind`` (pp, dp, cp, tp)."""
         return math.prod(s for n, s in zip(self.names, self.sizes) if self.kind(n) == kind)
 
     def kind(self, name: str) -> str:
         if name in PIPELINE_NAMES:
             return "pp"
-        return "dp" if name in self.data else "tp"
+        if name in self.data:
+            return "dp"
+        return "cp" if name in CONTEXT_NAMES else "tp"
 
     def layout(self) -> tuple[int, int, int]:
-        """The backend's (pp, dp, tp)."""
+        """The backend's (pp, dp, tp); the context-parallel size is ``size("cp")``."""
         return self.size("pp"), self.size("dp"), self.size("tp")
 
     def label(self) -> str:
@@ -106,21 +110,16 @@ def mesh_spec(names, sizes, data=None) -> MeshSpec:
 def check_order(spec: MeshSpec) -> None:
     """Refuse a mesh whose ranks are not laid out as the backend reads them."""
     big = [(n, s) for n, s in zip(spec.names, spec.sizes) if s > 1]
-    for n, s in big:
-        if n in CONTEXT_NAMES and n not in spec.data:
-            raise LoweringError(f"mesh dim {n}={s}: context parallelism (the sequence split "
-                                f"across ranks) is not traced yet; give it size 1")
     kinds = [spec.kind(n) for n, _ in big]
-    rank = {"pp": 0, "dp": 1, "tp": 2}
+    rank = {"pp": 0, "dp": 1, "cp": 2, "tp": 3}
     order = [rank[k] for k in kinds]
-    model = [n for n, _ in big if spec.kind(n) == "tp"]
-    pipes = [n for n, _ in big if spec.kind(n) == "pp"]
-    if order != sorted(order) or len(model) > 1 or len(pipes) > 1:
+    if order != sorted(order) or any(kinds.count(k) > 1 for k in ("pp", "cp", "tp")):
         shown = ", ".join(f"{n}={s} ({spec.kind(n)})" for n, s in big)
         raise LoweringError(
             f"mesh {spec.label()}: its dims of size > 1, outer to inner, are {shown}; the "
             f"backend reads a mesh of at most one pipeline dim, then the data dims "
-            f"{list(spec.data) or '(none)'}, then at most one model-parallel dim, in this order")
+            f"{list(spec.data) or '(none)'}, then at most one context-parallel dim (cp), then "
+            f"at most one model-parallel dim, in this order")
 
 
 def default_spec(pp: int, dp: int, tp: int) -> MeshSpec:
@@ -157,6 +156,7 @@ def build(spec: dict):
     return init_device_mesh("cpu", tuple(user["sizes"]), mesh_dim_names=tuple(user["names"]))
 
 
-def coords(rank: int, pp: int, dp: int, tp: int) -> dict[str, int]:
-    """The backend's coordinate of a global rank: (stage * dp + d) * tp + t."""
-    return {"pp": rank // (dp * tp), "dp": (rank // tp) % dp, "tp": rank % tp}
+def coords(rank: int, pp: int, dp: int, tp: int, cp: int = 1) -> dict[str, int]:
+    """The backend's coordinate of a global rank: ((stage * dp + d) * cp + c) * tp + t."""
+    return {"pp": rank // (dp * cp * tp), "dp": (rank // (cp * tp)) % dp,
+            "cp": (rank // tp) % cp, "tp": rank % tp}

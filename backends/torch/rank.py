@@ -84,7 +84,8 @@ def run(spec: dict, rank: int) -> dict:
 
 def _run(spec: dict, rank: int) -> dict:
     before = set(sys.modules)
-    world = spec["dp"] * spec["tp"] * spec["pp"]
+    cp = spec.get("cp", 1) if spec["parallel"] else 1
+    world = spec["dp"] * cp * spec["tp"] * spec["pp"]
     mesh = None
     if spec["parallel"]:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -101,21 +102,24 @@ def _run(spec: dict, rank: int) -> dict:
             init_replicated(model)
     loaded = loaded_values(model, setup.storages())
     del setup
-    coords = {"pp": 0, "dp": 0, "tp": 0}
+    coords = {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
     if mesh is not None:
-        coords = mesh_coords(rank, spec["pp"], spec["dp"], spec["tp"])
+        coords = mesh_coords(rank, spec["pp"], spec["dp"], spec["tp"], cp)
     gen = torch.Generator().manual_seed(spec["seed"])
     shape = (spec["batch"], spec["seqlen"])
     tokens = torch.randint(0, spec["vocab"], shape, generator=gen)
     labels = torch.randint(0, spec["vocab"], shape, generator=gen)
     local_batch = spec["batch"] // spec["dp"] if spec["parallel"] else spec["batch"]
     rows = slice(coords["dp"] * local_batch, (coords["dp"] + 1) * local_batch)
-    tokens, labels = tokens[rows].clone(), labels[rows].clone()
+    tokens, labels = (sequence_chunk(t[rows], coords["cp"], cp) for t in (tokens, labels))
 
     tracker = Tracker()
     rec = Recorder(tracker)
     block = (coords["dp"], spec["dp"]) if spec["parallel"] else (0, 1)
-    seq_block = (coords["tp"], spec["tp"]) if spec["parallel"] else (0, 1)
+    # the rank's block of the positions: its context-parallel chunk, cut by
+    # the tensor-parallel ranks under sequence parallelism
+    seq_block = (coords["cp"] * spec["tp"] + coords["tp"], cp * spec["tp"]) \
+        if spec["parallel"] else (0, 1)
     rec.routing = Routing(spec.get("routing"), block, seq_block)
     if spec["parallel"]:
         rec.exchanges = Exchanges(rank, spec.get("exchanges"))
@@ -126,7 +130,7 @@ def _run(spec: dict, rank: int) -> dict:
         pipelined = Pipelined(after, tokens, rec.set_mb)
         after = after.after_backward
     params = {}
-    layout = (spec["pp"], spec["dp"], spec["tp"]) if spec["parallel"] else None
+    layout = (spec["pp"], spec["dp"], spec["tp"], cp) if spec["parallel"] else None
     split: dict[str, int] = {}  # HSDP's shard count, when a parameter is sharded on part of dp
     for name, p in model.named_parameters():
         params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p, layout, split))
@@ -148,6 +152,7 @@ def _run(spec: dict, rank: int) -> dict:
                     losses = own.run(tokens, labels, rec.set_mb)
                 else:
                     losses = [runner(tokens, labels)]
+                    check_cp(cp)
                     losses[0].backward()
             if after is not None:
                 after(model, mesh)
@@ -205,6 +210,41 @@ def _run(spec: dict, rank: int) -> dict:
         "unanswered": rec.exchanges.unanswered if rec.exchanges else 0,
         "skips_unrouted_experts": bool(getattr(model, "skips_unrouted_experts", False)),
     }
+
+
+def sequence_chunk(rows: torch.Tensor, c: int, cp: int) -> torch.Tensor:
+    """Context-parallel rank ``c``'s piece of ``rows`` [batch, seq]: chunk c
+    of ``cp`` equal chunks of the sequence, as ``context_parallel``'s
+    buffers are cut without a load balancer (the whole when cp is 1). A
+    ring attention run is refused (``check_cp``)."""
+    seqlen = rows.shape[1]
+    if seqlen % cp:
+        raise ValueError(f"the sequence length {seqlen} is not a multiple of the "
+                         f"context-parallel size {cp}")
+    n = seqlen // cp
+    return rows[:, c * n:(c + 1) * n].clone()
+
+
+def check_cp(cp: int) -> None:
+    """Refuse, in one line, a context-parallel step whose ring attention ran
+    (enabled, through ``cp_shim``, in DTensor's custom op handlers): the
+    ring's blocks and running merges are pieces of no single-device tensor,
+    which the backend does not claim yet, and with PyTorch's load balancer
+    on (its default) a rank's buffers hold two chunks of the sequence."""
+    if cp == 1 or "torch.distributed.tensor.experimental._context_parallel._attention" \
+            not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    from backends.torch.cp_shim import FORWARD
+    if FORWARD not in DTensor._op_dispatcher._custom_op_handlers:
+        return
+    balanced = _attention._cp_options.enable_load_balance
+    raise ValueError("context parallelism's ring attention ran (backends/torch/cp_shim.py) but "
+                     "is not verified yet: its blocks and running merges are claimed by no "
+                     "single-device tensor" + (", and the head-tail load balancer (on) gives a "
+                     "rank two chunks of the sequence" if balanced else ""))
 
 
 def recipe_result(model: torch.nn.Module, result: Any) -> tuple[torch.nn.Module, Any]:

@@ -491,15 +491,15 @@ def cp_sdpa(model, mesh):
     """Context parallelism with PyTorch's own
     ``torch.distributed.tensor.experimental.context_parallel``: refused. Its
     ring runs on the CPU through ``backends.torch.cp_shim`` and its ops are
-    lowered (the CPU kernel's log-sum-exp and backward, the merge), but two
-    things are not traced yet: the batch cut along the sequence over a "cp"
-    mesh dim (``mesh.py``), and the claims of the ring's intermediates (a
-    block's softmax over part of a row is a piece of no single-device
-    tensor: the backend aligns every value with one, docs/torch-backend.md)."""
+    lowered (the CPU kernel's log-sum-exp and backward, the merge), and the
+    batch is cut along the sequence over a "cp" mesh dim (``rank.py``), but
+    the claims of the ring's intermediates are not traced yet (a block's
+    softmax over part of a row is a piece of no single-device tensor: the
+    backend aligns every value with one, docs/torch-backend.md)."""
     raise ContextParallelRefused(
         "context_parallel is not traced yet: its ring runs on the CPU (backends/torch/cp_shim.py) "
-        "but the sequence split over a cp mesh dim and the ring's block intermediates (pieces of "
-        "no single-device tensor) are not traced")
+        "and the sequence is cut over a cp mesh dim, but the ring's block intermediates (pieces "
+        "of no single-device tensor) are not claimed")
 
 
 def pp_dualpipev(model, mesh):

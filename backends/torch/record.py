@@ -619,8 +619,10 @@ def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
     replica group); ``split["dps"]`` records s. None when the ranks vary
     in anything but the data-parallel coordinate, or not in one of these
     patterns, or when this rank's index in the mesh dim is not its
-    coordinate on that axis."""
-    _, dp, tp = layout
+    coordinate on that axis. ``layout`` is (pp, dp, tp) or (pp, dp, tp, cp):
+    a data-parallel index's ranks are its cp * tp consecutive ones."""
+    _, dp, tp = layout[:3]
+    tp *= layout[3] if len(layout) > 3 else 1
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None
@@ -648,7 +650,7 @@ def is_tensor_parallel_dim(mesh, mesh_dim: int, layout: tuple[int, int, int]) ->
     """The mesh dim's ranks (through this rank) are exactly the backend's
     tensor-parallel ranks of this rank's stage and data-parallel index, in
     order: it is the "tp" axis whatever its name."""
-    _, _, tp = layout
+    tp = layout[2]
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return False

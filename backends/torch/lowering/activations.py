@@ -255,6 +255,15 @@ def log_sigmoid(lw: Lowerer, args, kwargs, shapes, group):
     return [scaled(lw, _log1p_exp(lw, scaled(lw, x, -1.0)), -1.0), "log_sigmoid buffer"]
 
 
+@lowers("aten.log_sigmoid.default")
+def log_sigmoid_alone(lw: Lowerer, args, kwargs, shapes, group):
+    """``-log(1 + exp(-x))`` (recorded undecomposed where autograd is off,
+    e.g. inside a DTensor op handler such as the context-parallel ring's
+    merge)."""
+    x = lw.val(args[0])
+    return scaled(lw, _log1p_exp(lw, scaled(lw, x, -1.0)), -1.0)
+
+
 @lowers("aten.log_sigmoid_backward.default")
 def log_sigmoid_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``g sigmoid(-x)`` (the derivative of ``-log(1 + exp(-x))``)."""

@@ -102,7 +102,9 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
         lw.env[v] = Ids(name)
         x = lw.one_hot[name] = lw.new((*ids_shape, vocab))
         inputs[x] = ("tokens", name)
-        axes[x] = [["dp"]] + [[] for _ in ids_shape]
+        # rows cut by the data-parallel ranks, the sequence by the
+        # context-parallel ones (rank.sequence_chunk)
+        axes[x] = [["dp"]] + [["cp"] if d == 1 else [] for d in range(1, len(ids_shape) + 1)]
     lw.tokens = lw.one_hot["tokens"]
     lw.run(live_events(trace))
     losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]

@@ -1,0 +1,147 @@
+"""cp: recipes for a step whose sequence is cut over a "cp" mesh dim (each
+rank's tokens and labels its chunk of the sequence, backends/torch/rank.py),
+on a model that computes each position on its own (no attention): the
+weights are replicated and their gradients summed over the context-parallel
+ranks, and over the data-parallel ones when the mesh has them. The wrong
+ones as such steps ship: a gradient left unreduced over cp, and the loss
+averaged over cp where it is summed (the loss aggregated over two axes,
+torchtitan issue 3280)."""
+
+from __future__ import annotations
+
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+def _reduce(model, mesh, dims: tuple[str, ...], op: str = "sum") -> None:
+    """Each gradient's local tensor (a DTensor's shard) all-reduced over the
+    mesh dims ``dims`` the mesh has with more than one rank."""
+    names = mesh.mesh_dim_names or ()
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            p.grad = p.grad.redistribute(placements=p.placements)
+        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        for dim in dims:
+            if dim in names and mesh[dim].size() > 1:
+                local.copy_(funcol.all_reduce(local, op, mesh[dim]))
+
+
+def cp_sum(model, mesh):
+    """Gradients summed over cp, then over dp."""
+    return lambda model, mesh: _reduce(model, mesh, ("cp", "dp"))
+
+
+def cp_unreduced(model, mesh):
+    """Bug: gradients summed over dp only; each cp rank keeps its chunk's part."""
+    return lambda model, mesh: _reduce(model, mesh, ("dp",))
+
+
+def cp_averaged(model, mesh):
+    """Bug (torchtitan 3280's mechanism): the gradients averaged over cp, as
+    if each cp rank held a replica's whole loss; the loss already divides by
+    the whole step's token count, so the step is 1/cp of the single-device one."""
+    def after(model, mesh):
+        _reduce(model, mesh, ("cp",), "avg")
+        _reduce(model, mesh, ("dp",))
+    return after
+
+
+class _Ring:
+    """The context ``context_parallel`` enters around a step, without its
+    buffers (the backend has cut the batch already): PyTorch's ring for SDPA,
+    through the CPU shim, with the given rotation and no load balancer."""
+
+    def __init__(self, mesh, method: str):
+        self.mesh, self.method = mesh, method
+
+    def __enter__(self):
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+        from backends.torch import cp_shim
+        cp_shim.apply()
+        set_rotate_method(self.method)
+        cp._cp_options.enable_load_balance = False
+        cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=self.mesh)
+
+    def __exit__(self, *exc):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        cp._disable_context_parallel_dispatcher_impl()
+
+
+def ring_allgather(model, mesh):
+    """PyTorch's ring attention over "cp" (all-gather rotation), gradients summed."""
+    model.train_context = lambda: _Ring(mesh["cp"], "allgather")
+    return cp_sum(model, mesh)
+
+
+def cp_tp(model, mesh):
+    """Tensor parallelism of the SwiGLU blocks over "tp" (gate and up by
+    columns, down by rows) on the sequence split over "cp"; gradients
+    summed over cp and dp."""
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"gate": ColwiseParallel(), "up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+    return cp_sum(model, mesh)
+
+
+def _fsdp(model, mesh) -> None:
+    """FSDP2 over "dp", its reduce-scatter summing (divide factor 1: the loss
+    already divides by the whole step's token count)."""
+    for module in (*model.blocks, model):
+        fully_shard(module, mesh=mesh["dp"])
+        module.set_gradient_divide_factor(1.0)
+
+
+def cp_fsdp(model, mesh):
+    """FSDP2 over "dp" on the sequence split over "cp"; the shards then
+    summed over cp."""
+    _fsdp(model, mesh)
+    return lambda model, mesh: _reduce(model, mesh, ("cp",))
+
+
+def cp_fsdp_unreduced(model, mesh):
+    """Bug: cp_fsdp without the sum over cp (FSDP2 sharded over "dp" alone,
+    where torchtitan shards over the flattened dp and cp ranks)."""
+    _fsdp(model, mesh)
+
+
+def _chunk_start(model, mesh) -> int:
+    """Where this rank's chunk of the sequence starts."""
+    return mesh["cp"].get_local_rank() * (model.positions.num_embeddings // mesh["cp"].size())
+
+
+def cp_positions(model, mesh):
+    """The positions shifted to this rank's chunk; gradients summed over cp and dp."""
+    model.position_offset = _chunk_start(model, mesh)
+    return cp_sum(model, mesh)
+
+
+def cp_positions_unshifted(model, mesh):
+    """Bug: the positions left at 0 on every context-parallel rank (position
+    ids or rotary offsets not shifted per rank): rank c embeds its chunk
+    with the first chunk's positions."""
+    return cp_sum(model, mesh)
+
+
+def _cut_table(model, mesh, chunk: int) -> None:
+    model.table = model.table.chunk(mesh["cp"].size())[chunk].clone()
+
+
+def cp_table(model, mesh):
+    """The position table cut along the sequence, each rank its own chunk
+    (what ``context_parallel`` does to the buffers it is given)."""
+    _cut_table(model, mesh, mesh["cp"].get_local_rank())
+    return cp_sum(model, mesh)
+
+
+def cp_table_other_chunk(model, mesh):
+    """Bug: the last context-parallel rank cuts the position table at the
+    chunk before its own (a chunk order undone wrongly on one rank)."""
+    c, n = mesh["cp"].get_local_rank(), mesh["cp"].size()
+    _cut_table(model, mesh, c - 1 if c == n - 1 else c)
+    return cp_sum(model, mesh)
