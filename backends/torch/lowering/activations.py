@@ -21,12 +21,11 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.emit import (
     arg,
-    cat,
     emit_binary,
     emit_unary,
     expand_to,
-    narrow,
     number,
+    put_block,
     scaled,
     shifted,
     step_times,
@@ -488,21 +487,6 @@ def partial_write(lw: Lowerer, args, kwargs, shapes, group):
 
 
 
-
-
-def put_block(lw: Lowerer, x: int, starts: list[int], block: int) -> int:
-    """``x`` with the block at ``starts`` (of ``block``'s shape) replaced by ``block``."""
-    shape = lw.shapes[x]
-    for d, (start, length) in enumerate(zip(starts, lw.shapes[block])):
-        if length == shape[d]:
-            continue
-        inner = put_block(lw, narrow(lw, x, d, start, length), [0] * (d + 1) + starts[d + 1:], block)
-        parts = [narrow(lw, x, d, 0, start)] if start else []
-        parts.append(inner)
-        if start + length < shape[d]:
-            parts.append(narrow(lw, x, d, start + length, shape[d] - start - length))
-        return cat(lw, parts, d)
-    return block
 
 
 def permuted(lw: Lowerer, x: int, order: list[int]) -> int:

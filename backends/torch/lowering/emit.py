@@ -1,6 +1,6 @@
 """Small emitters shared by the families: elementwise nodes, argument
 readers, and the cuts and joins of a value along a dim (``narrow``, ``pad``
-as narrow's backward, ``cat``, a two-operand ``einsum``)."""
+as narrow's backward, ``cat``, ``put_block``, a two-operand ``einsum``)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,21 @@ def cat(lw: Lowerer, parts: list[int], dim: int) -> int:
     shape = list(lw.shapes[parts[0]])
     shape[dim] = sum(lw.shapes[p][dim] for p in parts)
     return lw.emit("cat", parts, [tuple(shape)], {"dim": dim})[0]
+
+
+def put_block(lw: Lowerer, x: int, starts: list[int], block: int) -> int:
+    """``x`` with the block at ``starts`` (of ``block``'s shape) replaced by ``block``."""
+    shape = lw.shapes[x]
+    for d, (start, length) in enumerate(zip(starts, lw.shapes[block])):
+        if length == shape[d]:
+            continue
+        inner = put_block(lw, narrow(lw, x, d, start, length), [0] * (d + 1) + starts[d + 1:], block)
+        parts = [narrow(lw, x, d, 0, start)] if start else []
+        parts.append(inner)
+        if start + length < shape[d]:
+            parts.append(narrow(lw, x, d, start + length, shape[d] - start - length))
+        return cat(lw, parts, d)
+    return block
 
 
 def einsum(lw: Lowerer, eq: str, a: int, b: int) -> int:

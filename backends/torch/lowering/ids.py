@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.activations import put_block
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
-from backends.torch.lowering.emit import cat, narrow
+from backends.torch.lowering.emit import cat, narrow, put_block
 from backends.torch.lowering.ir import IdRows, Ids, NewZeros
 from backends.torch.lowering.onehot import id_rows, ids_value, label_values, one_hot_of
 from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
@@ -346,7 +345,7 @@ def fill(base: Handler) -> Handler:
 def partial_write(base: Handler) -> Handler:
     """Ids with a block of them overwritten by other ids (``rolled.select(-1,
     -1).fill_(0)``): the one-hot rows with that block replaced by the new
-    ids' rows (``activations.put_block`` along the ids' dims; the vocabulary
+    ids' rows (``emit.put_block`` along the ids' dims; the vocabulary
     dim whole), and the recorded ids likewise."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         if _id_source(lw, args[0]) is None:
