@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 from backends.torch.__main__ import model_kwargs, resolve  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
-from backends.torch.build import build_plans  # noqa: E402
 from backends.torch.lowering import LoweringError, lower_ranks, lower_trace  # noqa: E402
-from backends.torch.rank import run  # noqa: E402
-from backends.torch.ranks import trace_ranks  # noqa: E402
+from backends.torch.tracer.build import build_plans  # noqa: E402
+from backends.torch.tracer.rank import run  # noqa: E402
+from backends.torch.tracer.ranks import trace_ranks  # noqa: E402
 from main import verify  # noqa: E402
 
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "

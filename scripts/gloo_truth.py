@@ -38,8 +38,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from backends.torch.__main__ import model_kwargs, resolve  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
-from backends.torch.pipeline import OwnSchedule  # noqa: E402
-from backends.torch.rank import load, recipe_result, train_context  # noqa: E402
+from backends.torch.tracer.pipeline import OwnSchedule  # noqa: E402
+from backends.torch.tracer.rank import load, recipe_result, train_context  # noqa: E402
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:

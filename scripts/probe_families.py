@@ -37,7 +37,7 @@ TITAN = ("llama3", "qwen3")
 
 def cases(only: list[str]) -> list[tuple[str, str]]:
     """(row name, arguments of ``python -m backends.torch``) per model."""
-    from backends.torch import hf
+    from backends.torch.zoo import hf
     out = []
     for family in hf.families():
         try:

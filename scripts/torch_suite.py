@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
-from backends.torch.check import LoadedValueMismatch  # noqa: E402
 from backends.torch.errors import WrongStep  # noqa: E402
 from backends.torch.lowering import LoweringError  # noqa: E402
+from backends.torch.tracer.check import LoadedValueMismatch  # noqa: E402
 from main import verify  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"

@@ -7,7 +7,7 @@ import pytest
 
 import verdict_cli
 from backends.torch.errors import LoweringError
-from backends.torch.mesh import coords, from_device_mesh, parse_mesh
+from backends.torch.tracer.mesh import coords, from_device_mesh, parse_mesh
 
 
 def test_torchtitan_and_megatron_orders_map_onto_the_layout() -> None:

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.torch.__main__ import parser, trace_and_build
-from backends.torch.check import check_lowering
 from backends.torch.lowering import LoweringError, lower_trace
-from backends.torch.rank import run
+from backends.torch.tracer.check import check_lowering
+from backends.torch.tracer.rank import run
 
 SIZES = {"layers": 1, "hidden": 8, "heads": 2, "ffn": 12, "vocab": 10, "seqlen": 4}
 STOCK = "backends.torch.stock_models:"

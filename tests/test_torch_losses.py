@@ -183,7 +183,7 @@ def test_smoothing_that_differs_on_one_rank_fails() -> None:
 
 def test_an_all_reduced_count_needs_every_rank() -> None:
     """Lowered alone, a rank cannot know the step's count: refused."""
-    from backends.torch.rank import run
+    from backends.torch.tracer.rank import run
     spec = {"model": "backends.torch.loss_models:token_weighted", "recipe":
             "backends.torch.loss_recipes:ddp_token_weighted", "dp": 2, "tp": 1, "pp": 1,
             "batch": 4, "seqlen": 4, "vocab": 16, "seed": 0, "parallel": True,

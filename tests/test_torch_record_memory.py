@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch.record import Recorder, Tracker
+from backends.torch.tracer.record import Recorder, Tracker
 
 
 def test_a_live_parameter_read_through_another_tensor_is_its_value() -> None:

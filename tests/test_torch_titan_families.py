@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from backends.torch import hf
 from backends.torch.__main__ import parser, resolve, trace_and_build
 from backends.torch.errors import WrongStep
+from backends.torch.zoo import hf
 from main import verify
 
 QWEN3 = ["--model", "titan:qwen3", "--vocab", "2048", "--dp", "1", "--tp", "2", "--batch", "2"]

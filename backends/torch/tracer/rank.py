@@ -24,14 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.torch.circular_pad import CircularPad
-from backends.torch.exchange import Exchanges
-from backends.torch.loaded import SetupCollectives, loaded_values
-from backends.torch.mesh import build as build_mesh
-from backends.torch.mesh import coords as mesh_coords
-from backends.torch.pipeline import OwnSchedule, Pipelined, PipelineStep
-from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
-from backends.torch.routing import Routing
+from backends.torch.tracer.circular_pad import CircularPad
+from backends.torch.tracer.exchange import Exchanges
+from backends.torch.tracer.loaded import SetupCollectives, loaded_values
+from backends.torch.tracer.mesh import build as build_mesh
+from backends.torch.tracer.mesh import coords as mesh_coords
+from backends.torch.tracer.pipeline import OwnSchedule, Pipelined, PipelineStep
+from backends.torch.tracer.record import Recorder, Tracker, ValueReads, dims_axes, local_of
+from backends.torch.tracer.routing import Routing
 
 
 def imported_since(before: set[str]) -> list[str]:
