@@ -31,7 +31,7 @@ from torch_suite import run_case  # noqa: E402
 
 DOC = ROOT / "docs" / "torch-backend.md"
 BEGIN, END = "<!-- families:begin -->", "<!-- families:end -->"
-#: torchtitan models by family (backends/torch/titan.py)
+#: torchtitan models by family (backends/torch/zoo/titan.py)
 TITAN = ("llama3", "qwen3")
 
 

@@ -1,5 +1,5 @@
 """cp: PyTorch's context parallelism run on the CPU through the shim
-(backends/torch/cp_shim.py), over real gloo process groups.
+(backends/torch/zoo/cp_shim.py), over real gloo process groups.
 
 The ring (CP's own ``_templated_ring_attention`` and its backward, with
 the CPU flash kernel per block) computes the loss and the weights'

@@ -1,5 +1,5 @@
 """The data-parallel axis of a parameter's mesh dim is read off the mesh's
-ranks, not its name (backends/torch/record.py, ``data_parallel_axis``;
+ranks, not its name (backends/torch/tracer/record.py, ``data_parallel_axis``;
 docs/soundness.md, "Plans traced from PyTorch", 11). Each case runs in a
 child process: a fake process group per rank of an 8-rank (pp 1, dp 4,
 tp 2) mesh."""

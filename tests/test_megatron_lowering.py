@@ -1,7 +1,7 @@
 """The general lowerings Megatron-Core's step needs, each on a tiny model
 without Megatron (docs/soundness.md, "Plans traced from PyTorch", 35): the
 lowered single-device step computes the loss and gradients torch computed
-(backends/torch/check.py). Quick, in-process."""
+(backends/torch/tracer/check.py). Quick, in-process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The user's mesh (backends/torch/mesh.py): --mesh NAME=SIZE,... in the
+"""The user's mesh (backends/torch/tracer/mesh.py): --mesh NAME=SIZE,... in the
 user's order, mapped onto the backend's (pp, dp, tp) layout or refused."""
 
 from __future__ import annotations

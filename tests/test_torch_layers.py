@@ -1,6 +1,6 @@
 """Stock torch.nn layers through the torch backend: each layer's lowering
 computes, in float64 on the traced run's own values, the loss and the
-gradients PyTorch computed (backends/torch/check.py), and a GPT-2 style
+gradients PyTorch computed (backends/torch/tracer/check.py), and a GPT-2 style
 model verifies under a data-parallel recipe while a wrong one fails.
 
 Each probe is a tiny model (``factory(**sizes)`` with ``forward(tokens,
@@ -271,6 +271,6 @@ def test_gpt2_ddp_skipping_biases_fails(gpt2_single) -> None:
 
 
 def test_soft_moe_matches_torch() -> None:
-    """The soft-routed MoE Llama of backends/torch/moe.py, lowered on one
+    """The soft-routed MoE Llama of backends/torch/zoo/moe.py, lowered on one
     device, computes torch's loss and gradients."""
     _lower_and_check(_single("backends.torch.moe:moe"))

@@ -6,9 +6,9 @@ masks computed from the ids, and the token-weighted mean whose count of
 kept labels is all-reduced over dp.
 
 Each probe's lowering is compared with PyTorch's loss and gradients
-(backends/torch/check.py). The parallel cases are the models of
-``backends/torch/loss_models.py`` under the recipes of
-``backends/torch/loss_recipes.py``; every verdict here agrees with a real
+(backends/torch/tracer/check.py). The parallel cases are the models of
+``backends/torch/zoo/loss_models.py`` under the recipes of
+``backends/torch/zoo/loss_recipes.py``; every verdict here agrees with a real
 gloo run (scripts/gloo_truth.py, docs/torch-backend.md).
 """
 

@@ -1,4 +1,4 @@
-"""How the torch backend starts its ranks (backends/torch/ranks.py): every
+"""How the torch backend starts its ranks (backends/torch/tracer/ranks.py): every
 rank forked from one clean process that imported the step's modules.
 
 A rank traced that way is the rank a fresh interpreter traces; nothing the

@@ -1,4 +1,4 @@
-"""The recorder's registered memory (backends/torch/record.py,
+"""The recorder's registered memory (backends/torch/tracer/record.py,
 ``Recorder.storage_view``): a tensor object that reads a parameter's memory
 is that parameter only while the memory is still the parameter's."""
 

@@ -1,6 +1,6 @@
 """torchtitan's models by family (``--model titan:llama3``, ``titan:qwen3``)
 under the family's own parallelize and the tie torchtitan's trainer makes
-again after it (backends/torch/titan.py); the module shorthand ``titan:``
+again after it (backends/torch/zoo/titan.py); the module shorthand ``titan:``
 of the docs; ``--hf deepseek_v2`` given a small mixture although its
 configuration leaves ``num_experts_per_tok`` unset (routed families are
 traced with their routing recorded)."""

@@ -1,5 +1,5 @@
 """Tensor-parallel plans applied to values they do not describe, for the
-stock SwiGLU tower (backends/torch/stock_models.py ``mlp``): each runs, and
+stock SwiGLU tower (backends/torch/zoo/stock_models.py ``mlp``): each runs, and
 each computes other gradients than the single-device step; the verifier
 must say FAIL, not refuse."""
 
