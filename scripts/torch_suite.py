@@ -39,7 +39,7 @@ SCALING = "backends.torch.scaling_recipes:"
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
          "--vocab 2048")
 
-#: Megatron-Core's GPTModel and training step, parallelized and run by Megatron (backends/torch/zoo/megatron.py)
+#: Megatron-Core's GPTModel and training step, run by Megatron itself (backends/torch/zoo/megatron.py)
 MEGATRON = "--model backends.torch.megatron:gpt --recipe backends.torch.megatron:"
 
 #: recipes written with PyTorch's own APIs outside the backend (tests/outside_recipes.py)
