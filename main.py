@@ -178,7 +178,7 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
         for line in evidence(verdict, single):
             print(line)
         print(took)
-        if single.world.get("routing"):  # top-k routing recorded when traced (backends/torch/routing.py)
+        if single.world.get("routing"):  # top-k routing recorded when traced (tracer/routing.py)
             print(f"for the routing traced, not every routing: {single.world['routing']}")
         print(f"PID: {os.getpid()} - ✅ SUCCESS")
     else:

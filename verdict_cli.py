@@ -46,9 +46,9 @@ def torch(argv: list[str]) -> int:
     --brief) unless --details prints it too."""
     import main
     from backends.torch.__main__ import parser, write_plans
-    from backends.torch.check import LoadedValueMismatch
     from backends.torch.errors import WrongStep
     from backends.torch.lowering import LoweringError
+    from backends.torch.tracer.check import LoadedValueMismatch
 
     details = "--details" in argv
     argv = [a for a in argv if a != "--details"]

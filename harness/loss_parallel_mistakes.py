@@ -12,7 +12,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor.parallel import loss as dtensor_loss
 
-from backends.torch.recipes import tp_sp_loss_parallel
+from backends.torch.zoo.recipes import tp_sp_loss_parallel
 
 
 def _log_softmax_shifted_by(reduce_op: str | None):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch.hf import tp_fsdp
+from backends.torch.zoo.hf import tp_fsdp
 
 
 def _experts(model) -> list[torch.nn.Module]:
@@ -81,7 +81,7 @@ def titan_routed_to_other_token(model, mesh):
     (dp, ep 1) with, on the first data-parallel rank, the first two tokens'
     expert choices swapped before its routed experts run (each token
     dispatched with the other's experts, its own scores kept)."""
-    from backends.torch.titan import parallelize_deepseekv3
+    from backends.torch.zoo.titan import parallelize_deepseekv3
     after = parallelize_deepseekv3(model, mesh)
 
     def hook(module, args):
@@ -109,7 +109,7 @@ def titan_ep_wrong_split(model, mesh):
     expert of the first expert-parallel rank to the first of the next, so
     the split sizes of its all-to-all send that token's row to the other
     rank, where another expert computes it (a wrong split size)."""
-    from backends.torch.titan import parallelize_deepseekv3_ep
+    from backends.torch.zoo.titan import parallelize_deepseekv3_ep
     after = parallelize_deepseekv3_ep(model, mesh)
     ep = mesh["dp"].size()
 
@@ -150,7 +150,7 @@ def titan_ep_expert_grads_undivided(model, mesh):
     group: the dense modules' group is dp, the experts' the expert-data-
     parallel group (dp / ep ranks, here 1), so the experts' gradients are
     ep times the single-device ones."""
-    from backends.torch.titan import parallelize_deepseekv3_ep
+    from backends.torch.zoo.titan import parallelize_deepseekv3_ep
     after = parallelize_deepseekv3_ep(model, mesh)
     model.global_tokens //= mesh["dp"].size()
     _fsdp_default_division(model.model)
@@ -161,7 +161,7 @@ def titan_ep_routed_to_other_token(model, mesh):
     """``titan_routed_to_other_token`` under expert parallelism (ep = dp):
     the first rank dispatches its first two tokens with each other's
     experts, so the all-to-all sends their rows to the other's experts."""
-    from backends.torch.titan import parallelize_deepseekv3_ep
+    from backends.torch.zoo.titan import parallelize_deepseekv3_ep
     after = parallelize_deepseekv3_ep(model, mesh)
 
     def hook(module, args):
@@ -181,7 +181,7 @@ def titan_ep_combine_other_gate(model, mesh):
     """torchtitan's DeepSeek-V3 with expert parallelism (ep = dp) where the
     first rank combines its first two tokens' expert outputs with each
     other's gates (their routing scores swapped, their experts kept)."""
-    from backends.torch.titan import parallelize_deepseekv3_ep
+    from backends.torch.zoo.titan import parallelize_deepseekv3_ep
     after = parallelize_deepseekv3_ep(model, mesh)
 
     def hook(module, args):

@@ -14,8 +14,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from backends.torch.moe import reduce_grads, shard_experts
-from backends.torch.recipes import all_reduce_dp, hsdp_mesh, llama_tp_plan, replicate_fp32
+from backends.torch.zoo.moe import reduce_grads, shard_experts
+from backends.torch.zoo.recipes import all_reduce_dp, hsdp_mesh, llama_tp_plan, replicate_fp32
 
 
 def tp_sp_local_token_mean(model, mesh):

@@ -1,5 +1,5 @@
 """How the torch backend's tracing scales with the mesh: wall seconds to
-trace every rank (one process per rank, backends/torch/ranks.py), to lower
+trace every rank (one process per rank, backends/torch/tracer/ranks.py), to lower
 and build the plans, and to verify them, for meshes of 4 and 8 ranks of the
 same model and recipe, and the CPU seconds of the ranks' processes (which,
 unlike wall seconds, hold under load).
@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 from backends.torch.__main__ import model_kwargs, resolve  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
-from backends.torch.build import build_plans  # noqa: E402
 from backends.torch.lowering import LoweringError, lower_ranks, lower_trace  # noqa: E402
-from backends.torch.rank import run  # noqa: E402
-from backends.torch.ranks import trace_ranks  # noqa: E402
+from backends.torch.tracer.build import build_plans  # noqa: E402
+from backends.torch.tracer.rank import run  # noqa: E402
+from backends.torch.tracer.ranks import trace_ranks  # noqa: E402
 from main import verify  # noqa: E402
 
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
@@ -47,7 +47,7 @@ CASES: list[tuple[str, str]] = [
     ("titan debugmodel tp2 pp2 4 ranks", f"{TITAN} --dp 1 --tp 2 --pp 2 --batch 4"),
     ("titan debugmodel dp2 tp2 pp2 8 ranks", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8"),
     # the production-mesh targets of docs/benchmarks.md ("Tracing a 64-rank step")
-    # (pp 2: backends/torch/titan.py runs torchtitan's 1F1B with 2 microbatches,
+    # (pp 2: backends/torch/zoo/titan.py runs torchtitan's 1F1B with 2 microbatches,
     # which refuses more stages than microbatches)
     ("titan debugmodel dp4 tp2 pp2 16 ranks", f"{TITAN} --dp 4 --tp 2 --pp 2 --batch 16"),
     ("titan debugmodel dp8 tp4 pp2 64 ranks", f"{TITAN} --dp 8 --tp 4 --pp 2 --batch 32"),

@@ -39,10 +39,10 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from backends.torch.__main__ import model_kwargs, resolve, user_mesh  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
-from backends.torch.mesh import build as build_mesh  # noqa: E402
-from backends.torch.mesh import coords as mesh_coords  # noqa: E402
-from backends.torch.pipeline import OwnSchedule  # noqa: E402
-from backends.torch.rank import load, recipe_result, sequence_chunk, train_context  # noqa: E402
+from backends.torch.tracer.mesh import build as build_mesh  # noqa: E402
+from backends.torch.tracer.mesh import coords as mesh_coords  # noqa: E402
+from backends.torch.tracer.pipeline import OwnSchedule  # noqa: E402
+from backends.torch.tracer.rank import load, recipe_result, sequence_chunk, train_context  # noqa: E402
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,11 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backends.torch import hf  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import trace_and_build  # noqa: E402
-from backends.torch.check import LoadedValueMismatch  # noqa: E402
 from backends.torch.errors import LoweringError  # noqa: E402
+from backends.torch.tracer.check import LoadedValueMismatch  # noqa: E402
+from backends.torch.zoo import hf  # noqa: E402
 from main import verify  # noqa: E402
 
 

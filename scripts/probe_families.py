@@ -31,13 +31,13 @@ from torch_suite import run_case  # noqa: E402
 
 DOC = ROOT / "docs" / "torch-backend.md"
 BEGIN, END = "<!-- families:begin -->", "<!-- families:end -->"
-#: torchtitan models by family (backends/torch/titan.py)
+#: torchtitan models by family (backends/torch/zoo/titan.py)
 TITAN = ("llama3", "qwen3")
 
 
 def cases(only: list[str]) -> list[tuple[str, str]]:
     """(row name, arguments of ``python -m backends.torch``) per model."""
-    from backends.torch import hf
+    from backends.torch.zoo import hf
     out = []
     for family in hf.families():
         try:

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from backends.torch.__main__ import model_kwargs, parser, resolve
-    from backends.torch.rank import in_float64, load
-    from backends.torch.ranks import PRELOAD
-    from backends.torch.record import Recorder, Tracker, local_of
+    from backends.torch.tracer.rank import in_float64, load
+    from backends.torch.tracer.ranks import PRELOAD
+    from backends.torch.tracer.record import Recorder, Tracker, local_of
     for name in PRELOAD:
         __import__(name)
     phases["import torch, parallel APIs"] = cpu() - t

@@ -28,18 +28,18 @@ sys.path.insert(0, str(ROOT))
 
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
-from backends.torch.check import LoadedValueMismatch  # noqa: E402
 from backends.torch.errors import WrongStep  # noqa: E402
 from backends.torch.lowering import LoweringError  # noqa: E402
+from backends.torch.tracer.check import LoadedValueMismatch  # noqa: E402
 from main import verify  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"
 SCALING = "backends.torch.scaling_recipes:"
-#: torchtitan's Llama3 debugmodel under its own parallelize_llama (backends/torch/titan.py)
+#: torchtitan's Llama3 debugmodel under its own parallelize_llama (backends/torch/zoo/titan.py)
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
          "--vocab 2048")
 
-#: Megatron-Core's GPTModel and training step, parallelized and run by Megatron (backends/torch/megatron.py)
+#: Megatron-Core's GPTModel and training step, run by Megatron itself (backends/torch/zoo/megatron.py)
 MEGATRON = "--model backends.torch.megatron:gpt --recipe backends.torch.megatron:"
 
 #: recipes written with PyTorch's own APIs outside the backend (tests/outside_recipes.py)
@@ -84,7 +84,7 @@ CASES: list[tuple[str, str, int]] = [
     ("mlp tp_mlp dp2 tp2", f"--model mlp --recipe {STOCK}tp_mlp --dp 2 --tp 2", 0),
     ("mlp ddp dp2", f"--model mlp --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("mlp fsdp dp2", f"--model mlp --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
-    # Hugging Face transformers, parallelized by transformers itself (backends/torch/hf.py)
+    # Hugging Face transformers, parallelized by transformers itself (backends/torch/zoo/hf.py)
     ("hf llama tp2", "--hf llama --dp 1 --tp 2", 0),
     ("hf llama tp2 fsdp2", "--hf llama --dp 2 --tp 2", 0),
     ("hf qwen2 tp2", "--hf qwen2 --dp 1 --tp 2", 0),
@@ -95,7 +95,7 @@ CASES: list[tuple[str, str, int]] = [
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf qwen3_moe ep refused", "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
     ("hf llama hsdp dp4", "--hf llama --recipe hsdp --dp 4 --tp 1", 0),
-    # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py; docs/torch-backend.md,
+    # torchtitan 0.3.0, its own parallelize_llama (backends/torch/zoo/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
     ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),
     ("llama pp_tp pp2 tp2", "--model llama --recipe pp_tp --pp 2 --dp 1 --tp 2 --layers 2", 0),
@@ -279,7 +279,7 @@ CASES: list[tuple[str, str, int]] = [
      "--model llama_mean --recipe harness.torch_bugs:replicate_fp32_factor_ignored --dp 2 --tp 1", 1),
     ("llama_mean bug float64 one shard divided twice (torch 2.13)",
      "--model llama_mean --recipe replicate_fp64 --dp 2 --tp 1", 1),
-    # expert parallelism with static shapes (backends/torch/moe.py)
+    # expert parallelism with static shapes (backends/torch/zoo/moe.py)
     ("moe ep dp2", "--model backends.torch.moe:moe --recipe backends.torch.moe:ep --dp 2 --tp 1", 0),
     ("moe ep dp4", "--model backends.torch.moe:moe --recipe backends.torch.moe:ep --dp 4 --tp 1", 0),
     ("moe_mean ep_mean dp2 (pytorch 160285 fix)",
@@ -289,7 +289,7 @@ CASES: list[tuple[str, str, int]] = [
     ("moe bug experts summed over dp", "--model backends.torch.moe:moe "
      "--recipe harness.torch_bugs:ep_experts_summed_over_dp --dp 2 --tp 1", 1),
     # label smoothing, masks off the causal pattern and from the ids, the
-    # token-weighted mean with its count all-reduced (backends/torch/loss_models.py)
+    # token-weighted mean with its count all-reduced (backends/torch/zoo/loss_models.py)
     ("gpt2_smooth ddp dp2", f"--model gpt2_smooth --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("gpt2_smooth_mean ddp_avg dp2", "--model gpt2_smooth_mean --recipe ddp_avg --dp 2 --tp 1", 0),
     ("gpt2_smooth_pad fsdp dp2", f"--model gpt2_smooth_pad --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
@@ -491,7 +491,7 @@ CASES: list[tuple[str, str, int]] = [
      f"{UNEVEN_RECIPES}rowwise_replicated_input --dp 2 --tp 2 --hidden 8 --ffn 15", 0),
     ("uneven shard mlp rowwise_even_offsets ffn 15 bug", f"--model mlp --recipe "
      f"{UNEVEN_RECIPES}rowwise_even_offsets --dp 1 --tp 2 --hidden 8 --ffn 15", 1),
-    # shards loaded at other offsets than their placements claim (backends/torch/check.py)
+    # shards loaded at other offsets than their placements claim (backends/torch/tracer/check.py)
     ("loaded mlp from_local next rows bug", f"--model mlp --recipe {LOADED}tp_up_next_rows "
      "--dp 2 --tp 2 --hidden 8 --ffn 8", 1),
     ("loaded mlp from_local same rows bug", f"--model mlp --recipe {LOADED}tp_up_same_rows "
@@ -559,7 +559,7 @@ CASES: list[tuple[str, str, int]] = [
      f"--model gpt2 --recipe {TPM}tied_head_retied --dp 2 --tp 2", 0),
     ("gpt2 bug tie broken by the vocabulary plan",
      f"--model gpt2 --recipe {TPM}tied_head_untied_by_tp --dp 2 --tp 2", 1),
-    # torchtitan's models by family, its own parallelize, the tie made again (backends/torch/titan.py)
+    # torchtitan's models by family, its own parallelize, the tie made again (backends/torch/zoo/titan.py)
     ("titan qwen3 debugmodel tp2 (tied)", "--model titan:qwen3 --recipe titan:parallelize --dp 1 "
      "--tp 2 --vocab 2048 --batch 2", 0),
     ("titan qwen3 debugmodel dp2 tp2 (tied)", "--model titan:qwen3 --recipe titan:parallelize "
@@ -578,7 +578,7 @@ CASES: list[tuple[str, str, int]] = [
 ]
 
 #: transformers families with a tensor-parallel plan, built through transformers' auto
-#: mappings (backends/torch/hf.py; docs/torch-backend.md, "Any Hugging Face family")
+#: mappings (backends/torch/zoo/hf.py; docs/torch-backend.md, "Any Hugging Face family")
 HF_TP_FAMILIES = ("mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt_neox",
                   "granite", "starcoder2", "cohere", "glm", "helium", "smollm3", "phi", "olmo",
                   "cohere2", "glm4", "exaone4", "nemotron", "vaultgemma", "seed_oss")

@@ -94,7 +94,7 @@ def ring_ddp(model, mesh):
     (exit 2): the backend aligns every parallel value with a single-device
     one, and a block's softmax over part of each row is a piece of none
     (docs/torch-backend.md, "Context parallelism")."""
-    from backends.torch.recipes import all_reduce_dp
+    from backends.torch.zoo.recipes import all_reduce_dp
     model.ring = True
     return all_reduce_dp
 
@@ -103,7 +103,7 @@ def ring_ddp_wrong_merge(model, mesh):
     """ring_ddp with the second block merged against another block's
     log-sum-exp (the first query half's: sigmoid(lse_b - lse0) instead of
     sigmoid(lse_b - lse))."""
-    from backends.torch.recipes import all_reduce_dp
+    from backends.torch.zoo.recipes import all_reduce_dp
     model.ring = True
     model.fault = "other_lse"
     return all_reduce_dp

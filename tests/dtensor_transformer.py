@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from backends.torch.recipes import all_reduce_dp, reduce_tp_partials
+from backends.torch.zoo.recipes import all_reduce_dp, reduce_tp_partials
 
 
 def _common_dtensor():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.torch.loss_models import MaskedLM
+from backends.torch.zoo.loss_models import MaskedLM
 
 
 class LabelMaskedLM(MaskedLM):

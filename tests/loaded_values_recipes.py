@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from backends.torch.recipes import all_reduce_dp
-from backends.torch.stock_recipes import fsdp, mlp_tp_plan
+from backends.torch.zoo.recipes import all_reduce_dp
+from backends.torch.zoo.stock_recipes import fsdp, mlp_tp_plan
 
 
 def _load_up_rows(model, mesh, piece_of) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.torch.models import Llama, LlamaArgs
+from backends.torch.zoo.models import Llama, LlamaArgs
 
 EPS = 0.1
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch import megatron
+from backends.torch.zoo import megatron
 
 
 class ReluStep:

@@ -1,6 +1,6 @@
 """Recipes written for torchtitan's mesh dims ("dp_replicate", "dp_shard",
 "cp", "tp"), as a torchtitan user writes them, for the tower ``mlp`` of
-backends/torch/stock_models.py; verified through ``--mesh``
+backends/torch/zoo/stock_models.py; verified through ``--mesh``
 (tests/test_mesh.py)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from backends.torch.stock_recipes import blocks
+from backends.torch.zoo.stock_recipes import blocks
 
 
 def _local_grad(p):

@@ -1,5 +1,5 @@
 """Small models written the way other code bases write them, kept outside the
-backend's own model zoo (``backends/torch/stock_models.py``) and loaded as a
+backend's own model zoo (``backends/torch/zoo/stock_models.py``) and loaded as a
 user loads theirs: ``--model tests.outside_models:NAME``.
 
 Each factory takes the size keywords ``layers, hidden, heads, ffn, vocab,

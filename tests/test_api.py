@@ -9,7 +9,7 @@ from torch.distributed.fsdp import fully_shard
 
 from backends.torch.api import Result, reference, verify
 from backends.torch.pytest_plugin import assert_equivalent
-from backends.torch.stock_models import mlp_mean
+from backends.torch.zoo.stock_models import mlp_mean
 
 
 def fsdp_summed(model, mesh):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 import verdict_cli
-from backends.torch.check import check_lowering
 from backends.torch.lowering import lower_trace
-from backends.torch.rank import run
+from backends.torch.tracer.check import check_lowering
+from backends.torch.tracer.rank import run
 
 SIZES = {"layers": 1, "hidden": 8, "heads": 2, "ffn": 12, "vocab": 10, "seqlen": 4}
 

@@ -1,5 +1,5 @@
 """cp: PyTorch's context parallelism run on the CPU through the shim
-(backends/torch/cp_shim.py), over real gloo process groups.
+(backends/torch/zoo/cp_shim.py), over real gloo process groups.
 
 The ring (CP's own ``_templated_ring_attention`` and its backward, with
 the CPU flash kernel per block) computes the loss and the weights'
@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, port: int, method: str, balance: bool, shim: 
     from torch.distributed.tensor.experimental._attention import set_rotate_method
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
-    from backends.torch import cp_shim
+    from backends.torch.zoo import cp_shim
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:

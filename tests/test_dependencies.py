@@ -139,6 +139,41 @@ def test_no_lowering_family_imports_another():
     assert not bad, bad
 
 
+def imported_names(path: Path) -> set[str]:
+    """Every module a file imports, under ``TYPE_CHECKING`` too (``from pkg
+    import mod`` also counts as ``pkg.mod``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_tracer_and_lowering_import_no_zoo():
+    """The rooms run one way: the zoo (models, recipes, adapters) uses the
+    tracer's interfaces; the tracer and the lowering reach a model or recipe
+    only by the reference the user gave, never by an import."""
+    from backends.torch import OLD_PATHS
+
+    def zoo(module: str) -> bool:
+        return OLD_PATHS.get(module, module).startswith("backends.torch.zoo")
+    bad = [f"{path.relative_to(ROOT)} imports {m}"
+           for room in ("tracer", "lowering") for path in sorted((TORCH / room).rglob("*.py"))
+           for m in sorted(imported_names(path)) if zoo(m)]
+    assert not bad, bad
+
+
+def test_torch_backend_imports_no_old_path():
+    """The backend's own modules import the rooms' names; the old flat names
+    (``backends.torch.recipes``) are kept for plans, users, scripts and tests."""
+    from backends.torch import OLD_PATHS
+    bad = [f"{path.relative_to(ROOT)} imports {m}" for path in sorted(TORCH.rglob("*.py"))
+           for m in sorted(imported_names(path)) if m in OLD_PATHS]
+    assert not bad, bad
+
+
 # -- the verifier and the plan readers: no import circle, no private name across modules
 
 VERDICT = ROOT / "verdict"

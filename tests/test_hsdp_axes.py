@@ -1,5 +1,5 @@
 """The data-parallel axis of a parameter's mesh dim is read off the mesh's
-ranks, not its name (backends/torch/record.py, ``data_parallel_axis``;
+ranks, not its name (backends/torch/tracer/record.py, ``data_parallel_axis``;
 docs/soundness.md, "Plans traced from PyTorch", 11). Each case runs in a
 child process: a fake process group per rank of an 8-rank (pp 1, dp 4,
 tp 2) mesh."""
@@ -18,7 +18,7 @@ import json, sys
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from backends.torch.record import data_parallel_axis
+from backends.torch.tracer.record import data_parallel_axis
 rank = int(sys.argv[1])
 dist.init_process_group("fake", rank=rank, world_size=8, store=FakeStore())
 mesh = init_device_mesh("cpu", (1, 4, 2), mesh_dim_names=("pp", "dp", "tp"))

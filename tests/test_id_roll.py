@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from backends.torch.check import check_lowering
 from backends.torch.errors import LoweringError
 from backends.torch.lowering import lower_trace
-from backends.torch.rank import run
+from backends.torch.tracer.check import check_lowering
+from backends.torch.tracer.rank import run
 
 SIZES = {"hidden": 4, "vocab": 10, "seqlen": 4}
 

@@ -22,7 +22,7 @@ SHIM_CHECK = """
 import warnings
 warnings.filterwarnings("ignore")
 import dataclasses, torch
-from backends.torch import megatron_shim
+from backends.torch.zoo import megatron_shim
 megatron_shim.apply()
 from megatron.core.tensor_parallel import mappings, random
 from megatron.core.optimizer import clip_grads

@@ -1,7 +1,7 @@
 """The general lowerings Megatron-Core's step needs, each on a tiny model
 without Megatron (docs/soundness.md, "Plans traced from PyTorch", 35): the
 lowered single-device step computes the loss and gradients torch computed
-(backends/torch/check.py). Quick, in-process."""
+(backends/torch/tracer/check.py). Quick, in-process."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.check import check_lowering
 from backends.torch.errors import LoweringError
 from backends.torch.lowering import lower_trace
-from backends.torch.rank import run
+from backends.torch.tracer.check import check_lowering
+from backends.torch.tracer.rank import run
 
 SIZES = {"layers": 1, "hidden": 8, "heads": 2, "ffn": 12, "vocab": 10, "seqlen": 4}
 

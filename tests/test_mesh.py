@@ -1,4 +1,4 @@
-"""The user's mesh (backends/torch/mesh.py): --mesh NAME=SIZE,... in the
+"""The user's mesh (backends/torch/tracer/mesh.py): --mesh NAME=SIZE,... in the
 user's order, mapped onto the backend's (pp, dp, cp, tp) layout or refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 import verdict_cli
 from backends.torch.errors import LoweringError
-from backends.torch.mesh import coords, from_device_mesh, parse_mesh
+from backends.torch.tracer.mesh import coords, from_device_mesh, parse_mesh
 
 
 def test_torchtitan_and_megatron_orders_map_onto_the_layout() -> None:

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="needs the [hf] extra 
 
 from backends.torch.__main__ import model_kwargs, parser, trace_and_build  # noqa: E402
 from backends.torch.lowering import LoweringError  # noqa: E402
-from backends.torch.rank import run  # noqa: E402
+from backends.torch.tracer.rank import run  # noqa: E402
 from main import verify  # noqa: E402
 
 HF_ARGS = ["--hf", "llama", "--dp", "1", "--tp", "2", "--batch", "2"]

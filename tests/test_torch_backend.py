@@ -15,10 +15,10 @@ import torch
 
 from backends.torch.__main__ import main as torch_main
 from backends.torch.__main__ import model_kwargs, parser, trace_and_build
-from backends.torch.build import _Builder
 from backends.torch.lowering import LoweringError, lower_trace
-from backends.torch.models import llama
-from backends.torch.rank import run
+from backends.torch.tracer.build import _Builder
+from backends.torch.tracer.rank import run
+from backends.torch.zoo.models import llama
 from harness.mutations import MUTATIONS, REWRITES
 from harness.oracle import judge
 from main import verify

@@ -73,7 +73,7 @@ def test_divide_factor_on_one_shard() -> None:
 
 
 def test_expert_parallelism_and_expert_gradients_2x() -> None:
-    """Expert parallelism over dp (backends/torch/moe.py) verifies; pytorch
+    """Expert parallelism over dp (backends/torch/zoo/moe.py) verifies; pytorch
     issue 160285: with a per-rank mean loss, the expert gradients left
     undivided by ep are 2 x at EP 2 (the fix ``ep_mean`` verifies); expert
     gradients summed over dp like the dense ones fail."""

@@ -11,7 +11,7 @@ import shlex
 import pytest
 
 from backends.torch.__main__ import parser, resolve, trace_and_build
-from backends.torch.recipes import ContextParallelRefused, cp_sdpa
+from backends.torch.zoo.recipes import ContextParallelRefused, cp_sdpa
 from harness.oracle import judge
 from main import verify
 

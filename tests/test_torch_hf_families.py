@@ -18,10 +18,10 @@ import pytest
 
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 
-from backends.torch import hf  # noqa: E402
 from backends.torch.__main__ import main as backend_main  # noqa: E402
 from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
 from backends.torch.lowering import LoweringError  # noqa: E402
+from backends.torch.zoo import hf  # noqa: E402
 from main import verify  # noqa: E402
 from verdict.report import failure  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Stock torch.nn layers through the torch backend: each layer's lowering
 computes, in float64 on the traced run's own values, the loss and the
-gradients PyTorch computed (backends/torch/check.py), and a GPT-2 style
+gradients PyTorch computed (backends/torch/tracer/check.py), and a GPT-2 style
 model verifies under a data-parallel recipe while a wrong one fails.
 
 Each probe is a tiny model (``factory(**sizes)`` with ``forward(tokens,
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.torch.__main__ import parser, trace_and_build
-from backends.torch.check import check_lowering
 from backends.torch.lowering import LoweringError, lower_trace
-from backends.torch.rank import run
+from backends.torch.tracer.check import check_lowering
+from backends.torch.tracer.rank import run
 
 SIZES = {"layers": 1, "hidden": 8, "heads": 2, "ffn": 12, "vocab": 10, "seqlen": 4}
 STOCK = "backends.torch.stock_models:"
@@ -271,6 +271,6 @@ def test_gpt2_ddp_skipping_biases_fails(gpt2_single) -> None:
 
 
 def test_soft_moe_matches_torch() -> None:
-    """The soft-routed MoE Llama of backends/torch/moe.py, lowered on one
+    """The soft-routed MoE Llama of backends/torch/zoo/moe.py, lowered on one
     device, computes torch's loss and gradients."""
     _lower_and_check(_single("backends.torch.moe:moe"))

@@ -12,7 +12,7 @@ import pytest
 
 import backends.torch.__main__ as backend
 from backends.torch.__main__ import parser, resolve, trace_and_build
-from backends.torch.check import LoadedValueMismatch, check_loaded
+from backends.torch.tracer.check import LoadedValueMismatch, check_loaded
 from main import verify
 from verdict.plan import Logical, Plan, Tensor
 

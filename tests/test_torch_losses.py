@@ -6,9 +6,9 @@ masks computed from the ids, and the token-weighted mean whose count of
 kept labels is all-reduced over dp.
 
 Each probe's lowering is compared with PyTorch's loss and gradients
-(backends/torch/check.py). The parallel cases are the models of
-``backends/torch/loss_models.py`` under the recipes of
-``backends/torch/loss_recipes.py``; every verdict here agrees with a real
+(backends/torch/tracer/check.py). The parallel cases are the models of
+``backends/torch/zoo/loss_models.py`` under the recipes of
+``backends/torch/zoo/loss_recipes.py``; every verdict here agrees with a real
 gloo run (scripts/gloo_truth.py, docs/torch-backend.md).
 """
 
@@ -183,7 +183,7 @@ def test_smoothing_that_differs_on_one_rank_fails() -> None:
 
 def test_an_all_reduced_count_needs_every_rank() -> None:
     """Lowered alone, a rank cannot know the step's count: refused."""
-    from backends.torch.rank import run
+    from backends.torch.tracer.rank import run
     spec = {"model": "backends.torch.loss_models:token_weighted", "recipe":
             "backends.torch.loss_recipes:ddp_token_weighted", "dp": 2, "tp": 1, "pp": 1,
             "batch": 4, "seqlen": 4, "vocab": 16, "seed": 0, "parallel": True,

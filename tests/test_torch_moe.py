@@ -17,10 +17,10 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 
 from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
-from backends.torch.check import check_lowering  # noqa: E402
 from backends.torch.lowering import lower_trace  # noqa: E402
-from backends.torch.rank import run  # noqa: E402
-from backends.torch.routing import Routing, RoutingError  # noqa: E402
+from backends.torch.tracer.check import check_lowering  # noqa: E402
+from backends.torch.tracer.rank import run  # noqa: E402
+from backends.torch.tracer.routing import Routing, RoutingError  # noqa: E402
 from main import verify  # noqa: E402
 
 SIZES = dict(layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)

@@ -13,7 +13,7 @@ pytest.importorskip("torchtitan", reason="needs torchtitan")
 
 from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
 from backends.torch.errors import LoweringError  # noqa: E402
-from backends.torch.exchange import Exchanges, settled  # noqa: E402
+from backends.torch.tracer.exchange import Exchanges, settled  # noqa: E402
 from main import verify  # noqa: E402
 
 EP = ["--model", "backends.torch.titan:deepseek_v3_debugmodel_ep", "--vocab", "2048",

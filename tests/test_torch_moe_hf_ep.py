@@ -12,7 +12,7 @@ import torch
 
 from backends.torch.__main__ import parser, resolve, trace_and_build
 from backends.torch.errors import LoweringError
-from backends.torch.exchange import Exchanges
+from backends.torch.tracer.exchange import Exchanges
 
 
 def test_alltoall_base_reads_its_group_and_splits_where_its_schema_puts_them() -> None:

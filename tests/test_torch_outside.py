@@ -3,7 +3,7 @@ recipes (``tests/outside_mistakes.py``), loaded as a user loads theirs.
 
 Every model's single-device lowering is run in float64 on the traced run's
 values and compared with PyTorch's loss and gradients
-(backends/torch/check.py), and so is every activation kernel of
+(backends/torch/tracer/check.py), and so is every activation kernel of
 ``backends/torch/lowering/activations.py`` with non-default parameters, in place and
 not (both sides of each branch are hit: the inputs are N(0, 1)). What must
 be refused is refused in one line naming the module. A few parallel cases

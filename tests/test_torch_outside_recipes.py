@@ -15,8 +15,8 @@ import torch
 
 from backends.torch.__main__ import parser, resolve, trace_and_build
 from backends.torch.errors import LoweringError
-from backends.torch.hidden_memory import HiddenMemory
 from backends.torch.lowering import Lowered, check_broadcasts, check_bucket_layouts
+from backends.torch.tracer.hidden_memory import HiddenMemory
 from harness.oracle import judge
 from main import verify
 

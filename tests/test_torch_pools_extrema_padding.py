@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.circular_pad import circular_pad
 from backends.torch.lowering import LoweringError, lower_trace
+from backends.torch.tracer.circular_pad import circular_pad
 from tests.test_torch_layers import SIZES, Probe, _lower_and_check, _single
 
 H = SIZES["hidden"]

@@ -1,4 +1,4 @@
-"""How the torch backend starts its ranks (backends/torch/ranks.py): every
+"""How the torch backend starts its ranks (backends/torch/tracer/ranks.py): every
 rank forked from one clean process that imported the step's modules.
 
 A rank traced that way is the rank a fresh interpreter traces; nothing the
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from backends.torch.build import build_plans
 from backends.torch.lowering import LoweringError, lower_trace
-from backends.torch.models import llama
-from backends.torch.rank import run
-from backends.torch.ranks import trace_ranks
+from backends.torch.tracer.build import build_plans
+from backends.torch.tracer.rank import run
+from backends.torch.tracer.ranks import trace_ranks
+from backends.torch.zoo.models import llama
 
 ROOT = Path(__file__).resolve().parent.parent
 ME = __name__

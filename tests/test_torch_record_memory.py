@@ -1,4 +1,4 @@
-"""The recorder's registered memory (backends/torch/record.py,
+"""The recorder's registered memory (backends/torch/tracer/record.py,
 ``Recorder.storage_view``): a tensor object that reads a parameter's memory
 is that parameter only while the memory is still the parameter's."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch.record import Recorder, Tracker
+from backends.torch.tracer.record import Recorder, Tracker
 
 
 def test_a_live_parameter_read_through_another_tensor_is_its_value() -> None:
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from backends.torch.record import Recorder, Tracker
+from backends.torch.tracer.record import Recorder, Tracker
 dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
 rec = Recorder(Tracker())
 bucket = torch.ones(8)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from backends.torch.__main__ import parser, resolve, trace_and_build
-from backends.torch.check import check_lowering
 from backends.torch.lowering import lower_trace
-from backends.torch.rank import run
+from backends.torch.tracer.check import check_lowering
+from backends.torch.tracer.rank import run
 from main import verify
 
 SIZES = {"layers": 1, "hidden": 8, "heads": 2, "ffn": 12, "vocab": 10, "seqlen": 4}

@@ -30,7 +30,7 @@ def test_deepseek_v3_tensor_parallelism_is_refused_with_its_reason() -> None:
     """Its top-k routing is traced recorded (tests/test_torch_moe.py; the
     suite's "moe titan" cases); expert and tensor parallelism are refused,
     the reason named (the suite runs it end to end: exit 2)."""
-    from backends.torch.titan import parallelize_deepseekv3
+    from backends.torch.zoo.titan import parallelize_deepseekv3
 
     class Dim:
         def __init__(self, n: int) -> None:
@@ -48,7 +48,7 @@ def test_layers_cut_or_repeat_the_flavors_blocks() -> None:
     of its last; without it the flavor's own; the pipeline takes one
     microbatch a stage past two stages."""
     from backends.torch.__main__ import model_kwargs
-    from backends.torch.titan import llama3_debugmodel, microbatches
+    from backends.torch.zoo.titan import llama3_debugmodel, microbatches
     assert len(llama3_debugmodel(layers=8).model.layers) == 8
     assert len(llama3_debugmodel(layers=2).model.layers) == 2
     assert "layers" not in model_kwargs(parser().parse_args(TITAN))

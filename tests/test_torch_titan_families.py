@@ -1,6 +1,6 @@
 """torchtitan's models by family (``--model titan:llama3``, ``titan:qwen3``)
 under the family's own parallelize and the tie torchtitan's trainer makes
-again after it (backends/torch/titan.py); the module shorthand ``titan:``
+again after it (backends/torch/zoo/titan.py); the module shorthand ``titan:``
 of the docs; ``--hf deepseek_v2`` given a small mixture although its
 configuration leaves ``num_experts_per_tok`` unset (routed families are
 traced with their routing recorded)."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from backends.torch import hf
 from backends.torch.__main__ import parser, resolve, trace_and_build
 from backends.torch.errors import WrongStep
+from backends.torch.zoo import hf
 from main import verify
 
 QWEN3 = ["--model", "titan:qwen3", "--vocab", "2048", "--dp", "1", "--tp", "2", "--batch", "2"]

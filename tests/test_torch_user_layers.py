@@ -6,7 +6,7 @@ weights, norms along a dim and division by a tensor, the cross-entropy on
 labels shifted (and padded) by the model, L1, smooth L1 and Huber losses.
 
 Each probe's lowering is run in float64 on the traced run's values and
-compared with PyTorch's loss and gradients (backends/torch/check.py), as in
+compared with PyTorch's loss and gradients (backends/torch/tracer/check.py), as in
 tests/test_torch_layers.py; what is still refused is refused in one line.
 Two parallel cases: the grouped-query decoder verifies under tensor
 parallelism, and a mean over the rank's kept labels (whose count differs

@@ -2,7 +2,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from backends.torch.pytest_plugin import assert_equivalent
-from backends.torch.stock_models import mlp_mean as model  # your model factory
+from backends.torch.zoo.stock_models import mlp_mean as model  # your model factory
 
 
 def parallelize(model, mesh):  # your recipe: TP on "tp", FSDP2 on "dp"

@@ -1,5 +1,5 @@
 """Tensor-parallel plans applied to values they do not describe, for the
-stock SwiGLU tower (backends/torch/stock_models.py ``mlp``): each runs, and
+stock SwiGLU tower (backends/torch/zoo/stock_models.py ``mlp``): each runs, and
 each computes other gradients than the single-device step; the verifier
 must say FAIL, not refuse."""
 
@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from backends.torch.recipes import all_reduce_dp
+from backends.torch.zoo.recipes import all_reduce_dp
 
 
 def sp_mlp_on_whole_rows(model, mesh):
@@ -60,5 +60,5 @@ def titan_tie_not_made_again(model, mesh):
     """A mistake: torchtitan's own parallelize of a model that ties its token
     table to its output projection (``--model titan:qwen3``) without the tie
     its trainer makes again afterwards (``backends.torch.titan.retie``)."""
-    from backends.torch.titan import parallelize
+    from backends.torch.zoo.titan import parallelize
     return parallelize(model, mesh, tie_again=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-from backends.torch.recipes import all_reduce_dp
+from backends.torch.zoo.recipes import all_reduce_dp
 
 
 def rowwise_replicated_input(model, mesh):

@@ -19,10 +19,7 @@ import sys
 from pathlib import Path
 
 from backends.planfile import save_plan
-from backends.torch.build import build_plans
-from backends.torch.check import LoadedValueMismatch, check_loaded
 from backends.torch.errors import WrongStep
-from backends.torch.exchange import settle
 from backends.torch.lowering import (
     LoweringError,
     check_broadcasts,
@@ -31,10 +28,13 @@ from backends.torch.lowering import (
     lower_ranks,
     lower_trace,
 )
-from backends.torch.mesh import DATA_NAMES, MeshSpec, parse_mesh
-from backends.torch.rank import load, run
-from backends.torch.ranks import trace_ranks
-from backends.torch.routing import check_every_expert_reached, describe
+from backends.torch.tracer.build import build_plans
+from backends.torch.tracer.check import LoadedValueMismatch, check_loaded
+from backends.torch.tracer.exchange import settle
+from backends.torch.tracer.mesh import DATA_NAMES, MeshSpec, parse_mesh
+from backends.torch.tracer.rank import load, run
+from backends.torch.tracer.ranks import trace_ranks
+from backends.torch.tracer.routing import check_every_expert_reached, describe
 from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
@@ -133,7 +133,7 @@ def _short_module(ref: str) -> str:
 def refuse_hf(family: str, tp: int) -> None:
     """A ``--hf`` family the backend cannot build or parallelize at ``tp``:
     one line (``backends.torch.hf.refusal``)."""
-    from backends.torch import hf
+    from backends.torch.zoo import hf
     try:
         why = hf.refusal(family, tp)
     except ImportError as e:

@@ -110,9 +110,9 @@ def verify(model: Any, parallelize: Any, mesh: Any = None, batch: int = 4, *,
     (``seqlen`` tokens a row). ``keep``: a directory to write the two plan
     files into (verify them again with ``verdict check``)."""
     from backends.torch.__main__ import parser, trace_and_build
-    from backends.torch.check import LoadedValueMismatch
     from backends.torch.errors import LoweringError, WrongStep
-    from backends.torch.mesh import default_spec, from_device_mesh
+    from backends.torch.tracer.check import LoadedValueMismatch
+    from backends.torch.tracer.mesh import default_spec, from_device_mesh
 
     start = time.perf_counter()
     try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.exchange import ALL_TO_ALL
+from backends.torch.tracer.exchange import ALL_TO_ALL
 from verdict.ops.nn import causal_positions
 
 if TYPE_CHECKING:

@@ -34,8 +34,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from backends.torch import titan_shim
-from backends.torch.pipeline import PipelineStep
+from backends.torch.tracer.pipeline import PipelineStep
+from backends.torch.zoo import titan_shim
 
 
 class TitanLM(nn.Module):

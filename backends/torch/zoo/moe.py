@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from backends.torch.models import Llama, LlamaArgs
+from backends.torch.zoo.models import Llama, LlamaArgs
 
 #: experts per MoE layer
 EXPERTS = 8

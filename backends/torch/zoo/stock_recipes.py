@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from backends.torch.recipes import all_reduce_dp, hsdp_mesh, reduce_tp_partials
+from backends.torch.zoo.recipes import all_reduce_dp, hsdp_mesh, reduce_tp_partials
 
 
 def blocks(model) -> list:

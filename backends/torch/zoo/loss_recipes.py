@@ -9,8 +9,8 @@ the step's mean).
 
 from __future__ import annotations
 
-from backends.torch.recipes import all_reduce_dp, average_dp
-from backends.torch.stock_recipes import mlp_tp_plan
+from backends.torch.zoo.recipes import all_reduce_dp, average_dp
+from backends.torch.zoo.stock_recipes import mlp_tp_plan
 
 
 def ddp_token_weighted(model, mesh):

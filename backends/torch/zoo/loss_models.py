@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.stock_models import MLP
+from backends.torch.zoo.stock_models import MLP
 
 
 class MaskedAttention(nn.Module):

@@ -16,8 +16,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from backends.torch.recipes import all_reduce_dp, average_dp, reduce_tp_partials
-from backends.torch.stock_recipes import blocks, mlp_tp_plan
+from backends.torch.zoo.recipes import all_reduce_dp, average_dp, reduce_tp_partials
+from backends.torch.zoo.stock_recipes import blocks, mlp_tp_plan
 
 
 def fsdp_default(model, mesh):

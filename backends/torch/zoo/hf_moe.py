@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from backends.torch import hf
+from backends.torch.zoo import hf
 
 #: the auxiliary loss's weight in the step's loss (transformers' default for
 #: Mixtral is 0.001; larger here so that its gradient is not lost in rounding)

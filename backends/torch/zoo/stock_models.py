@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.models import Llama, LlamaArgs
+from backends.torch.zoo.models import Llama, LlamaArgs
 
 
 class CausalSelfAttention(nn.Module):

@@ -41,7 +41,7 @@ from verdict.progress import progress
 #: modules the fork server imports once: torch's parallel APIs (pipelining
 #: alone imports torch._dynamo, 0.7 s of CPU) and the backend's recording
 PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.fsdp", "torch.distributed.pipelining", "backends.torch.rank"]
+           "torch.distributed.fsdp", "torch.distributed.pipelining", "backends.torch.tracer.rank"]
 
 
 def trace_ranks(spec: dict, world: int, imports: list[str] | tuple[str, ...] = ()) -> list[dict]:
@@ -130,7 +130,7 @@ def _import(names: list[str]) -> None:
 def _rank(spec: dict, rank: int, out: Connection) -> None:
     """A rank's process: the modules its step imported and its trace (or its
     error's last line), pickled."""
-    from backends.torch.rank import run_isolated
+    from backends.torch.tracer.rank import run_isolated
     trace = run_isolated(spec, rank)
     out.send((trace["imports"] if isinstance(trace, dict) else [], pickle.dumps(trace)))
     out.close()

@@ -25,10 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
-from backends.torch.exchange import Exchanges
-from backends.torch.hidden_memory import HiddenMemory, is_partial_view
 from backends.torch.lowering.constants import VALUE_READ_EVENT
-from backends.torch.routing import ROUTED, Routing
+from backends.torch.tracer.exchange import Exchanges
+from backends.torch.tracer.hidden_memory import HiddenMemory, is_partial_view
+from backends.torch.tracer.routing import ROUTED, Routing
 
 #: ops whose output is the input value itself (no computation).
 ALIASES = {

@@ -24,14 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.torch.circular_pad import CircularPad
-from backends.torch.exchange import Exchanges
-from backends.torch.loaded import SetupCollectives, loaded_values
-from backends.torch.mesh import build as build_mesh
-from backends.torch.mesh import coords as mesh_coords
-from backends.torch.pipeline import OwnSchedule, Pipelined, PipelineStep
-from backends.torch.record import Recorder, Tracker, ValueReads, dims_axes, local_of
-from backends.torch.routing import Routing
+from backends.torch.tracer.circular_pad import CircularPad
+from backends.torch.tracer.exchange import Exchanges
+from backends.torch.tracer.loaded import SetupCollectives, loaded_values
+from backends.torch.tracer.mesh import build as build_mesh
+from backends.torch.tracer.mesh import coords as mesh_coords
+from backends.torch.tracer.pipeline import OwnSchedule, Pipelined, PipelineStep
+from backends.torch.tracer.record import Recorder, Tracker, ValueReads, dims_axes, local_of
+from backends.torch.tracer.routing import Routing
 
 
 def imported_since(before: set[str]) -> list[str]:
@@ -237,11 +237,11 @@ def check_cp(cp: int) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
-    from backends.torch.cp_shim import FORWARD
-    if FORWARD not in DTensor._op_dispatcher._custom_op_handlers:
+    cpu_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # cp_shim's
+    if cpu_kernel not in DTensor._op_dispatcher._custom_op_handlers:
         return
     balanced = _attention._cp_options.enable_load_balance
-    raise ValueError("context parallelism's ring attention ran (backends/torch/cp_shim.py) but "
+    raise ValueError("context parallelism's ring attention ran (backends/torch/zoo/cp_shim.py) but "
                      "is not verified yet: its blocks and running merges are claimed by no "
                      "single-device tensor" + (", and the head-tail load balancer (on) gives a "
                      "rank two chunks of the sequence" if balanced else ""))

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from backends.torch import megatron_shim
-from backends.torch.pipeline import OwnSchedule
+from backends.torch.tracer.pipeline import OwnSchedule
+from backends.torch.zoo import megatron_shim
 
 #: the seed of Megatron's RNG tracker (its dropout streams; dropout is 0 here)
 TRACKER_SEED = 1234

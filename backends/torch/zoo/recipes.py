@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from backends.torch.pipeline import PipelineStep
+from backends.torch.tracer.pipeline import PipelineStep
 
 
 def llama_tp_plan(model, tp_mesh, norms: bool = True, vocab_parallel: bool = False,
