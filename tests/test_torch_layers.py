@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.__main__ import parser, trace_and_build
+from backends.torch.__main__ import model_kwargs, parser, trace_and_build
 from backends.torch.lowering import LoweringError, lower_trace
 from backends.torch.tracer.check import check_lowering
 from backends.torch.tracer.rank import run
@@ -242,8 +242,7 @@ def test_constant_inputs_are_named_by_value() -> None:
 @pytest.fixture(scope="module")
 def gpt2_single():
     args = parser().parse_args(["--model", "gpt2"])
-    spec = {"model": STOCK + "gpt2", "model_kwargs": {
-        k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab", "seqlen")},
+    spec = {"model": STOCK + "gpt2", "model_kwargs": model_kwargs(args),
         "recipe": "", "dp": 1, "tp": 1, "pp": 1, "batch": args.batch, "seqlen": args.seqlen,
         "vocab": args.vocab, "seed": args.seed, "parallel": False}
     return run(spec, 0)
