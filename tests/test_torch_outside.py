@@ -139,7 +139,36 @@ LAYERS = {
         :, :, (torch.arange(H) // 2 + 1) % H] * x,
     # writes into blocks of a tensor read after: rows shifted and added, a column set
     "written_blocks": lambda m, x: _written_blocks(m["lin"](x), x),
+    # an empty tensor filled by two copies into its halves (MiniCPM3's keys)
+    "empty_filled_by_blocks": lambda m, x: _empty_filled(m["lin"](x), x),
+    # a split into unequal pieces, one through an identity, joined again (an MLA
+    # projection's plan); a cat's parts sliced back at their bounds
+    "split_rejoined": lambda m, x: _split_rejoined(m["lin"](x), x),
 }
+
+
+def _empty_filled(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = h.new_empty(*h.shape[:-1], 2 * H)
+    y[..., :H].copy_(h * x)
+    y[..., H:].copy_(h.tanh())
+    return y[..., :H] * y[..., H:] + y[..., 1:H + 1]
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _split_rejoined(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    a, b = h.split([H - 3, 3], dim=-1)
+    joined = torch.cat([a, _Identity.apply(b)], dim=-1)
+    both = torch.cat([joined * x, x.tanh()], dim=-1)
+    return both[..., H:] * both[..., :H] + joined
 
 
 def _written_blocks(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -221,6 +250,21 @@ def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: st
     with pytest.raises(LoweringError) as e:
         lower_trace(_single(f"{OUTSIDE}:{name}"), SIZES["vocab"])
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def probe_empty_half_written(**_kw) -> Probe:
+    """An empty tensor read where nothing was written."""
+    def body(m, x):
+        y = x.new_empty(*x.shape)
+        y[..., :2].copy_(m["lin"](x)[..., :2])
+        return y * x
+    return Probe(body, lin=nn.Linear(H, H))
+
+
+def test_an_empty_tensor_read_where_nothing_was_written_is_refused() -> None:
+    with pytest.raises(LoweringError) as e:
+        lower_trace(_single(f"{__name__}:probe_empty_half_written"), SIZES["vocab"])
+    assert "uninitialized memory" in str(e.value) and "\n" not in str(e.value)
 
 
 def probe_max_index_read(**_kw) -> Probe:
@@ -337,6 +381,8 @@ def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
      lambda real: lambda lw, x, starts, block: real(lw, x, [max(s - 1, 0) for s in starts], block)),
     ("index_at_constant_indices", "const_index", "_checked",
      lambda real: lambda lw, values, size: (real(lw, values, size) + 1) % size),
+    ("split_rejoined", "layout", "_cat_part",
+     lambda real: lambda lw, f: real(lw, type(f)(f.x, f.dim, 0, f.length))),
     ("where_between_tensors", "arithmetic", "selected",
      lambda real: lambda lw, cmp, t, where_true, shape: real(lw, cmp, t, not where_true, shape)),
 ])
