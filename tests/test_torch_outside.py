@@ -192,11 +192,23 @@ LOSSES = {
     "ids_in_range_looked_up": lambda m, h, y: F.cross_entropy(m.out(h + F.embedding(
         torch.where(torch.logical_and(y >= 2, y < 6.5), y, 0), m.out.weight)).flatten(0, 1),
         torch.where(torch.logical_or(y > 9, y <= 1.5), 1, y).flatten()),
+    # positions counted from the ids that are not a pad id, token types picked at
+    # them, each looked up in a table (RoBERTa's embeddings)
+    "positions_from_ids": lambda m, h, y: F.cross_entropy(
+        m.out(_positions_looked_up(m, h, y)).flatten(0, 1), y.flatten()),
     # a mask of the ids between two numbers (cpmant's position bias)
     "ids_mask_between_numbers": lambda m, h, y: F.cross_entropy(
         m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1) + (y != 3).int().unsqueeze(-1))
         .flatten(0, 1), y.flatten()),
 }
+
+
+def _positions_looked_up(m, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    mask = y.ne(1).int()
+    pos = ((torch.cumsum(mask, dim=1).type_as(mask) + 0) * mask).long() + 1
+    types = torch.gather(torch.zeros(1, SIZES["vocab"], dtype=torch.long).expand(y.shape[0], -1),
+                         1, pos)
+    return h + F.embedding(pos, m.out.weight, padding_idx=1) + F.embedding(types, m.out.weight)
 
 
 CONVS = {
@@ -376,11 +388,21 @@ def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
     assert any(n.rank == 1 and n.name == "MaskedLM" for n in nodes), nodes
 
 
+def _one_point_fewer(real):
+    """One-hot rows of bounded integers interpolated without their top value."""
+    def rows(lw, v, n):
+        lo, hi = lw.integral[v]
+        lw.integral[v] = (lo, hi - 1)
+        return real(lw, v, n)
+    return rows
+
+
 @pytest.mark.parametrize("name, module, helper, wrong", [
     ("written_blocks", "activations", "put_block",
      lambda real: lambda lw, x, starts, block: real(lw, x, [max(s - 1, 0) for s in starts], block)),
     ("index_at_constant_indices", "const_index", "_checked",
      lambda real: lambda lw, values, size: (real(lw, values, size) + 1) % size),
+    ("positions_from_ids", "counts", "one_hot_rows", _one_point_fewer),
     ("split_rejoined", "layout", "_cat_part",
      lambda real: lambda lw, f: real(lw, type(f)(f.x, f.dim, 0, f.length))),
     ("where_between_tensors", "arithmetic", "selected",
