@@ -139,12 +139,23 @@ LAYERS = {
         :, :, (torch.arange(H) // 2 + 1) % H] * x,
     # writes into blocks of a tensor read after: rows shifted and added, a column set
     "written_blocks": lambda m, x: _written_blocks(m["lin"](x), x),
+    # unit triangular solves, lower from the left and upper from the right (Gated
+    # DeltaNet's UT transform)
+    "unit_triangular_solve": lambda m, x: _unit_solves(m["lin"](x), x),
     # an empty tensor filled by two copies into its halves (MiniCPM3's keys)
     "empty_filled_by_blocks": lambda m, x: _empty_filled(m["lin"](x), x),
     # a split into unequal pieces, one through an identity, joined again (an MLA
     # projection's plan); a cat's parts sliced back at their bounds
     "split_rejoined": lambda m, x: _split_rejoined(m["lin"](x), x),
 }
+
+
+def _unit_solves(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    a = h @ x.transpose(1, 2)  # [B, S, S]: its diagonal is not read
+    low = torch.linalg.solve_triangular(a, h, upper=False, unitriangular=True)
+    up = torch.linalg.solve_triangular(a.tanh(), x.transpose(1, 2), upper=True, left=False,
+                                       unitriangular=True)
+    return low * x + up.transpose(1, 2)
 
 
 def _empty_filled(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -403,6 +414,8 @@ def _one_point_fewer(real):
     ("index_at_constant_indices", "const_index", "_checked",
      lambda real: lambda lw, values, size: (real(lw, values, size) + 1) % size),
     ("positions_from_ids", "counts", "one_hot_rows", _one_point_fewer),
+    ("unit_triangular_solve", "triangular", "unit_triangular_inverse",
+     lambda real: lambda lw, a, upper: real(lw, a, not upper)),
     ("split_rejoined", "layout", "_cat_part",
      lambda real: lambda lw, f: real(lw, type(f)(f.x, f.dim, 0, f.length))),
     ("where_between_tensors", "arithmetic", "selected",

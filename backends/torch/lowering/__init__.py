@@ -54,6 +54,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     slices,
     std,
     tokens,
+    triangular,
     vocab_parallel,
     vocab_picks,
 )
