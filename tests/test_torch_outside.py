@@ -381,11 +381,13 @@ def test_circular_padding_matches_torch_and_a_crop_is_refused() -> None:
     """Torch writes circular padding into slices of an empty tensor; the
     recorder runs it as a concatenation of slices (docs/soundness.md, "Plans
     traced from PyTorch", 27). A negative (cropping) circular padding still
-    reaches torch's kernel: a write into part of a tensor, refused."""
+    reaches torch's kernel: it writes the cropped part into an empty tensor,
+    then copies the wrapped column from that tensor before it is whole: a
+    read of a tensor partly written, refused."""
     _lower_and_check(_single(f"{__name__}:probe_conv_circular"))
     with pytest.raises(LoweringError) as e:
         lower_trace(_single(f"{__name__}:probe_circular_crop"), SIZES["vocab"])
-    assert "written in place" in str(e.value) and "\n" not in str(e.value)
+    assert "uninitialized memory" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("recipe", ["ddp_ignore_index_first_rank", "ddp_key_mask_off_by_one"])
