@@ -142,6 +142,9 @@ LAYERS = {
     # unit triangular solves, lower from the left and upper from the right (Gated
     # DeltaNet's UT transform)
     "unit_triangular_solve": lambda m, x: _unit_solves(m["lin"](x), x),
+    # writes into zeros laid out as a transposed tensor (zeros_like keeps its strides:
+    # Gated DeltaNet's output buffer)
+    "written_into_permuted": lambda m, x: _written_permuted(m["lin"](x), x),
     # an empty tensor filled by two copies into its halves (MiniCPM3's keys)
     "empty_filled_by_blocks": lambda m, x: _empty_filled(m["lin"](x), x),
     # a split into unequal pieces, one through an identity, joined again (an MLA
@@ -156,6 +159,13 @@ def _unit_solves(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     up = torch.linalg.solve_triangular(a.tanh(), x.transpose(1, 2), upper=True, left=False,
                                        unitriangular=True)
     return low * x + up.transpose(1, 2)
+
+
+def _written_permuted(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros_like((h * x).transpose(1, 2))  # [B, H, S], not contiguous
+    y[:, 2:5] = h.transpose(1, 2)[:, :3]
+    y[:, :, 1] += x[:, 1]
+    return (y * x.transpose(1, 2)).transpose(1, 2)
 
 
 def _empty_filled(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,9 @@ def _bounds(lw: Lowerer, a: Any) -> tuple[int, int] | None:
         value = constant_value(lw, a)
     except LoweringError:
         value = None
-    if value is not None and np.size(value) and np.all(np.asarray(value) == np.round(value)):
+    value = None if value is None else np.asarray(value)
+    if value is not None and value.size and value.dtype.kind in "biuf" \
+            and np.all(np.isfinite(value)) and np.all(value == np.round(value)):
         return int(np.min(value)), int(np.max(value))
     return None
 
