@@ -351,6 +351,15 @@ def tp_rowwise_not_reduced(model, mesh):
     return distribute(model, mesh, tp_plan=_plan_with(model, "rowwise", UNREDUCED_ROWWISE))
 
 
+def tp_mla_rope_not_reduced(model, mesh):
+    """A wrong plan: the family's ``mla_kv_a_proj`` rules (latent attention's
+    shared projection, whose rotary part skips the column-parallel ``kv_b_proj``)
+    planned "replicate", so the rotary part's gradient, a sum over every
+    rank's heads, stays each rank's own share."""
+    return distribute(model, mesh, tp_plan=_plan_with(
+        model, "mla_kv_a_proj", "replicate", first_only=False))
+
+
 def tp_norm_grads_not_reduced(model, mesh):
     """A wrong plan: every ``replicated_with_grad_allreduce`` rule of the
     family's plan (Qwen3's and Gemma3's per-head ``q_norm``/``k_norm``)
