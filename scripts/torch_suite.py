@@ -104,8 +104,8 @@ CASES: list[tuple[str, str, int]] = [
     ("outside hf data2vec-text dp2", "--hf data2vec-text --dp 2 --tp 1", 0),
     ("outside hf camembert ddp avg bug", "--hf camembert --recipe ddp_avg --dp 2 --tp 1", 1),
     ("outside hf qwen3_5_text dp2 tp2", "--hf qwen3_5_text --dp 2 --tp 2", 0),
-    ("outside hf qwen3_5_text rowwise not reduced bug",
-     "--hf qwen3_5_text --recipe tp_rowwise_not_reduced --dp 1 --tp 2", 1),
+    ("outside hf qwen3_5_text fsdp avg bug",
+     "--hf qwen3_5_text --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
     ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),
