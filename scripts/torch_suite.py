@@ -95,6 +95,18 @@ CASES: list[tuple[str, str, int]] = [
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf qwen3_moe ep refused", "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
     ("hf llama hsdp dp4", "--hf llama --recipe hsdp --dp 4 --tp 1", 0),
+    # issue 33's families: blocks written into an empty tensor and a split rejoined
+    # (MiniCPM3), positions counted from the ids (RoBERTa's), a unit triangular
+    # solve (Gated DeltaNet); each with a wrong plan
+    ("outside hf minicpm3 dp2 tp2", "--hf minicpm3 --dp 2 --tp 2", 0),
+    ("outside hf minicpm3 mla rope not reduced bug",
+     "--hf minicpm3 --recipe tp_mla_rope_not_reduced --dp 1 --tp 2", 1),
+    ("outside hf camembert dp2", "--hf camembert --dp 2 --tp 1", 0),
+    ("outside hf data2vec-text dp2", "--hf data2vec-text --dp 2 --tp 1", 0),
+    ("outside hf camembert ddp avg bug", "--hf camembert --recipe ddp_avg --dp 2 --tp 1", 1),
+    ("outside hf qwen3_5_text dp2 tp2", "--hf qwen3_5_text --dp 2 --tp 2", 0),
+    ("outside hf qwen3_5_text fsdp avg bug",
+     "--hf qwen3_5_text --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/zoo/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
     ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),

@@ -139,7 +139,57 @@ LAYERS = {
         :, :, (torch.arange(H) // 2 + 1) % H] * x,
     # writes into blocks of a tensor read after: rows shifted and added, a column set
     "written_blocks": lambda m, x: _written_blocks(m["lin"](x), x),
+    # unit triangular solves, lower from the left and upper from the right (Gated
+    # DeltaNet's UT transform)
+    "unit_triangular_solve": lambda m, x: _unit_solves(m["lin"](x), x),
+    # writes into zeros laid out as a transposed tensor (zeros_like keeps its strides:
+    # Gated DeltaNet's output buffer)
+    "written_into_permuted": lambda m, x: _written_permuted(m["lin"](x), x),
+    # an empty tensor filled by two copies into its halves (MiniCPM3's keys)
+    "empty_filled_by_blocks": lambda m, x: _empty_filled(m["lin"](x), x),
+    # a split into unequal pieces, one through an identity, joined again (an MLA
+    # projection's plan); a cat's parts sliced back at their bounds
+    "split_rejoined": lambda m, x: _split_rejoined(m["lin"](x), x),
 }
+
+
+def _unit_solves(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    a = h @ x.transpose(1, 2)  # [B, S, S]: its diagonal is not read
+    low = torch.linalg.solve_triangular(a, h, upper=False, unitriangular=True)
+    up = torch.linalg.solve_triangular(a.tanh(), x.transpose(1, 2), upper=True, left=False,
+                                       unitriangular=True)
+    return low * x + up.transpose(1, 2)
+
+
+def _written_permuted(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros_like((h * x).transpose(1, 2))  # [B, H, S], not contiguous
+    y[:, 2:5] = h.transpose(1, 2)[:, :3]
+    y[:, :, 1] += x[:, 1]
+    return (y * x.transpose(1, 2)).transpose(1, 2)
+
+
+def _empty_filled(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = h.new_empty(*h.shape[:-1], 2 * H)
+    y[..., :H].copy_(h * x)
+    y[..., H:].copy_(h.tanh())
+    return y[..., :H] * y[..., H:] + y[..., 1:H + 1]
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _split_rejoined(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    a, b = h.split([H - 3, 3], dim=-1)
+    joined = torch.cat([a, _Identity.apply(b)], dim=-1)
+    both = torch.cat([joined * x, x.tanh()], dim=-1)
+    return both[..., H:] * both[..., :H] + joined
 
 
 def _written_blocks(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -163,11 +213,23 @@ LOSSES = {
     "ids_in_range_looked_up": lambda m, h, y: F.cross_entropy(m.out(h + F.embedding(
         torch.where(torch.logical_and(y >= 2, y < 6.5), y, 0), m.out.weight)).flatten(0, 1),
         torch.where(torch.logical_or(y > 9, y <= 1.5), 1, y).flatten()),
+    # positions counted from the ids that are not a pad id, token types picked at
+    # them, each looked up in a table (RoBERTa's embeddings)
+    "positions_from_ids": lambda m, h, y: F.cross_entropy(
+        m.out(_positions_looked_up(m, h, y)).flatten(0, 1), y.flatten()),
     # a mask of the ids between two numbers (cpmant's position bias)
     "ids_mask_between_numbers": lambda m, h, y: F.cross_entropy(
         m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1) + (y != 3).int().unsqueeze(-1))
         .flatten(0, 1), y.flatten()),
 }
+
+
+def _positions_looked_up(m, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    mask = y.ne(1).int()
+    pos = ((torch.cumsum(mask, dim=1).type_as(mask) + 0) * mask).long() + 1
+    types = torch.gather(torch.zeros(1, SIZES["vocab"], dtype=torch.long).expand(y.shape[0], -1),
+                         1, pos)
+    return h + F.embedding(pos, m.out.weight, padding_idx=1) + F.embedding(types, m.out.weight)
 
 
 CONVS = {
@@ -221,6 +283,21 @@ def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: st
     with pytest.raises(LoweringError) as e:
         lower_trace(_single(f"{OUTSIDE}:{name}"), SIZES["vocab"])
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def probe_empty_half_written(**_kw) -> Probe:
+    """An empty tensor read where nothing was written."""
+    def body(m, x):
+        y = x.new_empty(*x.shape)
+        y[..., :2].copy_(m["lin"](x)[..., :2])
+        return y * x
+    return Probe(body, lin=nn.Linear(H, H))
+
+
+def test_an_empty_tensor_read_where_nothing_was_written_is_refused() -> None:
+    with pytest.raises(LoweringError) as e:
+        lower_trace(_single(f"{__name__}:probe_empty_half_written"), SIZES["vocab"])
+    assert "uninitialized memory" in str(e.value) and "\n" not in str(e.value)
 
 
 def probe_max_index_read(**_kw) -> Probe:
@@ -314,11 +391,13 @@ def test_circular_padding_matches_torch_and_a_crop_is_refused() -> None:
     """Torch writes circular padding into slices of an empty tensor; the
     recorder runs it as a concatenation of slices (docs/soundness.md, "Plans
     traced from PyTorch", 27). A negative (cropping) circular padding still
-    reaches torch's kernel: a write into part of a tensor, refused."""
+    reaches torch's kernel: it writes the cropped part into an empty tensor,
+    then copies the wrapped column from that tensor before it is whole: a
+    read of a tensor partly written, refused."""
     _lower_and_check(_single(f"{__name__}:probe_conv_circular"))
     with pytest.raises(LoweringError) as e:
         lower_trace(_single(f"{__name__}:probe_circular_crop"), SIZES["vocab"])
-    assert "written in place" in str(e.value) and "\n" not in str(e.value)
+    assert "uninitialized memory" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("recipe", ["ddp_ignore_index_first_rank", "ddp_key_mask_off_by_one"])
@@ -332,11 +411,25 @@ def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
     assert any(n.rank == 1 and n.name == "MaskedLM" for n in nodes), nodes
 
 
+def _one_point_fewer(real):
+    """One-hot rows of bounded integers interpolated without their top value."""
+    def rows(lw, v, n):
+        lo, hi = lw.integral[v]
+        lw.integral[v] = (lo, hi - 1)
+        return real(lw, v, n)
+    return rows
+
+
 @pytest.mark.parametrize("name, module, helper, wrong", [
     ("written_blocks", "activations", "put_block",
      lambda real: lambda lw, x, starts, block: real(lw, x, [max(s - 1, 0) for s in starts], block)),
     ("index_at_constant_indices", "const_index", "_checked",
      lambda real: lambda lw, values, size: (real(lw, values, size) + 1) % size),
+    ("positions_from_ids", "counts", "one_hot_rows", _one_point_fewer),
+    ("unit_triangular_solve", "triangular", "unit_triangular_inverse",
+     lambda real: lambda lw, a, upper: real(lw, a, not upper)),
+    ("split_rejoined", "layout", "_cat_part",
+     lambda real: lambda lw, f: real(lw, type(f)(f.x, f.dim, 0, f.length))),
     ("where_between_tensors", "arithmetic", "selected",
      lambda real: lambda lw, cmp, t, where_true, shape: real(lw, cmp, t, not where_true, shape)),
 ])

@@ -31,6 +31,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     const_lookup,
     conv,
     copies,
+    counts,
     grad_buffers,
     group_norm,
     grouped,
@@ -53,6 +54,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     slices,
     std,
     tokens,
+    triangular,
     vocab_parallel,
     vocab_picks,
 )

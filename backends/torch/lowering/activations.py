@@ -14,6 +14,7 @@ sigmoid are the rule table's uninterpreted functions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from backends.torch.lowering.emit import (
     shifted,
     step_times,
 )
+from backends.torch.lowering.ir import Pending
 from backends.torch.lowering.registry import lowers
 
 if TYPE_CHECKING:
@@ -458,35 +460,73 @@ def logsumexp(lw: Lowerer, args, kwargs, shapes, group):
     return emit_unary(lw, "log", total)
 
 
+@dataclass(frozen=True)
+class Written(Pending):
+    """An uninitialized tensor (``empty``) seen as ``sizes`` with blocks
+    written into it (``(starts, block value)``, disjoint), read as ``shape``.
+    Read as a tensor only when the blocks cover it: every entry is then the
+    value written there (docs/soundness.md, "Plans traced from PyTorch", 45)."""
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]
+    blocks: tuple[tuple[tuple[int, ...], int], ...]
+
+    def materialize(self, lw: Lowerer) -> int:
+        covered = sum(int(np.prod(lw.shapes[b])) for _, b in self.blocks)
+        if covered != int(np.prod(self.sizes)):
+            raise LoweringError(f"{lw.name}: reads a tensor made by torch.empty of which only "
+                                f"{covered} of {int(np.prod(self.sizes))} entries were written "
+                                f"(the others are uninitialized memory)")
+        whole = lw.emit("zeros", [], [self.sizes], {"shape": list(self.sizes)},
+                        direction="none")[0]
+        for starts, block in self.blocks:  # every zero is replaced: the blocks cover it
+            whole = put_block(lw, whole, list(starts), block)
+        return lw.reshape(whole, self.shape)
+
+
+def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]],
+             b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    """Whether two blocks ``(starts, lengths)`` share an entry."""
+    return all(sa < sb + lb and sb < sa + la for sa, la, sb, lb in zip(*a, *b))
+
+
 @lowers("partial_write")
 def partial_write(lw: Lowerer, args, kwargs, shapes, group):
     """A tensor read after an op wrote into a block of it through a view
     (``y[1:] += x``, ``y[:, 0] = x``; ``record.py`` gives the block): the
     tensor with that block replaced by the view's new value, pieced together
     with ``narrow`` and ``cat`` (docs/soundness.md, "Plans traced from
-    PyTorch", 39d)."""
+    PyTorch", 39d). Blocks written into a tensor made by ``torch.empty``
+    (MiniCPM3's keys, filled by two ``copy_`` into halves) are kept until
+    they cover it (``Written``)."""
     region = args[2] if len(args) > 2 else None
     written = args[3] if len(args) > 3 else None
-    if region is None or written is None or isinstance(lw.env.get(written[1]), str) \
-            or isinstance(lw.env.get(args[0][1]), str):
+    base = lw.env.get(args[0][1])
+    if region is None or written is None or isinstance(lw.env.get(written[1]), str):
         raise LoweringError(f"{lw.name}: a tensor written in place through a view of part of it "
                             f"({args[1]}) that is no block of it (strided or reshaped) is read "
                             f"after; such writes are not lowered: build the tensor with "
                             f"torch.cat or torch.where")
     sizes, region = region
-    x, w = lw.val(args[0]), lw.val(written)
-    shape = lw.shapes[x]
+    w = lw.val(written)
     # the view's dims of size > 1 (in the view's order) put in the base's order
     w = lw.reshape(w, tuple(length for _, length in sorted((at, n) for _, n, at in region
                                                            if at >= 0)))
     w = permuted(lw, w, [at for _, _, at in region if at >= 0])
-    block = tuple(length for _, length, _ in region)
-    whole = put_block(lw, lw.reshape(x, tuple(sizes)), [start for start, _, _ in region],
-                      lw.reshape(w, block))
-    return lw.reshape(whole, shape)
-
-
-
+    block = lw.reshape(w, tuple(length for _, length, _ in region))
+    starts = tuple(start for start, _, _ in region)
+    if base == "empty" or isinstance(base, Written):
+        before = base.blocks if isinstance(base, Written) else ()
+        mine = (starts, tuple(lw.shapes[block]))
+        if any(_overlap(mine, (s, tuple(lw.shapes[b]))) for s, b in before):
+            raise LoweringError(f"{lw.name}: blocks of a tensor made by torch.empty written "
+                                f"twice ({args[1]}) are not lowered")
+        return Written(tuple(sizes), tuple(shapes[0]), (*before, (starts, block)))
+    if isinstance(base, str):
+        raise LoweringError(f"{lw.name}: a tensor written in place through a view ({args[1]}) "
+                            f"whose base has no value ({base}) is read after")
+    x = lw.val(args[0])
+    whole = put_block(lw, lw.reshape(x, tuple(sizes)), list(starts), block)
+    return lw.reshape(whole, lw.shapes[x])
 
 
 def permuted(lw: Lowerer, x: int, order: list[int]) -> int:

@@ -99,6 +99,14 @@ class Lowerer:
     id_pieces: dict[Ids, int] = field(default_factory=dict)
     #: (value, dim, index, parts) -> the split of that equal piece, emitted once
     splits: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    #: layout: an unequal split's piece (source, dim, start, length) -> its narrow, emitted once
+    #: layout: a cat's value -> (its dim, its parts), for slices at the parts' bounds
+    #: counts: an integer value computed from the ids -> its bounds for every batch;
+    #: (value, rows) -> its one-hot rows
+    integral: dict[int, tuple[int, int]] = field(default_factory=dict)
+    integral_rows: dict[tuple[int, int], int] = field(default_factory=dict)
+    cats: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    narrows: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
     params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
     fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter

@@ -10,12 +10,13 @@ and chunk-cat buffers are followed piece by piece and never built.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.bucket_pieces import bucket_view
 from backends.torch.lowering.context import LNode, pg, tensor_args
-from backends.torch.lowering.emit import narrow
+from backends.torch.lowering.emit import cat, narrow
 from backends.torch.lowering.ir import (
     As,
     Bucket,
@@ -29,6 +30,7 @@ from backends.torch.lowering.ir import (
     NoShard,
     Packed,
     Padding,
+    Pending,
     Piece,
     Stacked,
     Unpadded,
@@ -367,6 +369,8 @@ def _view(lw: Lowerer, args, kwargs, shapes, group):
     dst = tuple(shapes[0])
     if isinstance(f, Ids):
         return Ids(f.source, f.index, f.parts, dst)
+    if isinstance(f, Narrowed) and _narrowed_shape(lw, f) == dst:
+        return f  # a view of a piece as it is (an autograd identity's output)
     if isinstance(f, Gathered) and not f.padded:
         k = _gathered_dim(lw.shapes[f.x], dst, len(f.group))
         if k is not None:
@@ -407,7 +411,7 @@ def _split(lw: Lowerer, args, kwargs, shapes, group):
         outs, at = [], 0
         for shape in shapes:
             size = shape[dim]
-            outs.append(lw.emit("narrow", [x], [shape], {"dim": dim, "start": at, "length": size})[0])
+            outs.append(Narrowed(x, dim, at, size))
             at += size
         return outs
     if isinstance(src, Ids) and dim == 0 and src.shape is None:
@@ -443,8 +447,12 @@ def _slice(lw: Lowerer, args, kwargs, shapes, group):
         total = lw.shapes[x][dim]
     size = shapes[0][dim]
     start = start + total if start < 0 else start
+    part = None if isinstance(src, Ids) or step != 1 or not size \
+        else _cat_part(lw, Narrowed(x, dim, start, size))
+    if part is not None:
+        return part
     if step == 1 and size and not isinstance(src, Ids) and (total % size or start % size):
-        return lw.emit("narrow", [x], shapes, {"dim": dim, "start": start, "length": size})[0]
+        return Narrowed(x, dim, start, size).materialize(lw)
     if step != 1 or size == 0 or total % size or start % size:
         raise LoweringError(f"{lw.name}: a slice of dim {dim} at {start} that is not one of "
                             f"equal pieces")
@@ -452,6 +460,69 @@ def _slice(lw: Lowerer, args, kwargs, shapes, group):
     if isinstance(src, Ids):
         return src.cut(index, parts)
     return x if parts == 1 else Piece(x, dim, index, parts)
+
+
+@dataclass(frozen=True)
+class Narrowed(Pending):
+    """A piece of an unequal split (``x.split([a, b], dim)``): the ``narrow``
+    of ``length`` at ``start``, emitted once when read (every reader of the
+    piece reads one node, as for ``Piece``); a ``cat`` of all the pieces in
+    order reads none of them (``_rejoined``)."""
+    x: int
+    dim: int
+    start: int
+    length: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        key = (self.x, self.dim, self.start, self.length)
+        part = _cat_part(lw, self)
+        if part is not None:
+            return part
+        if key not in lw.narrows:
+            lw.narrows[key] = lw.emit("narrow", [self.x], [_narrowed_shape(lw, self)],
+                                      {"dim": self.dim, "start": self.start,
+                                       "length": self.length})[0]
+        return lw.narrows[key]
+
+
+def _cat_part(lw: Lowerer, f: Narrowed) -> int | None:
+    """The parts of a ``cat`` along the piece's dim that the piece is exactly
+    (``cat([a, b])[len(a):]`` is b; autograd's backward of a ``cat`` slices
+    the gradient at the parts' bounds), joined when several; else None."""
+    dim, parts = lw.cats.get(f.x, (None, ()))
+    if dim != f.dim:
+        return None
+    at, chosen = 0, []
+    for p in parts:
+        if at >= f.start and at + lw.shapes[p][dim] <= f.start + f.length:
+            chosen.append(p)
+        elif at < f.start + f.length and at + lw.shapes[p][dim] > f.start:
+            return None  # the piece cuts this part
+        at += lw.shapes[p][dim]
+    if not chosen or sum(lw.shapes[p][dim] for p in chosen) != f.length:
+        return None
+    return chosen[0] if len(chosen) == 1 else cat(lw, chosen, dim)
+
+
+def _narrowed_shape(lw: Lowerer, f: Narrowed) -> tuple[int, ...]:
+    shape = list(lw.shapes[f.x])
+    shape[f.dim] = f.length
+    return tuple(shape)
+
+
+def _rejoined(lw: Lowerer, items: list, dim: int) -> int | None:
+    """The source of the pieces when ``items`` are an unequal split's pieces
+    of one value along ``dim``, all of them in order: ``cat(x.split([a, b]))``
+    is x (transformers' MLA projection splits its output, passes one part
+    through an identity, and joins them); else None."""
+    if len(items) < 2 or not all(isinstance(p, Narrowed) for p in items):
+        return None
+    at = 0
+    for p in items:
+        if p.x != items[0].x or p.dim != dim or p.start != at:
+            return None
+        at += p.length
+    return items[0].x if at == lw.shapes[items[0].x][dim] else None
 
 
 @lowers("aten.cat.default")
@@ -470,13 +541,18 @@ def _cat(lw: Lowerer, args, kwargs, shapes, group):
             return first.of
     if any(isinstance(p, (Gathered, Packed, ChunkCat)) for p in items):
         raise LoweringError(f"{lw.name}: cat of a collective's buffer is not lowered")
+    whole = _rejoined(lw, items, dim % len(shapes[0]))
+    if whole is not None:
+        return whole
     parts = [lw.val(a) for a in args[0]]
     if len(parts) > 1 and all(len(s) == 1 for s in shapes) and all(p in lw.flat_of for p in parts):
         # flattened tensors side by side (a flat gradient bucket by hand)
         return Bucket(tuple(lw.flat_of[p] for p in parts))
     if len(parts) == 1:
         return parts[0]
-    return lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
+    out = lw.emit("cat", parts, shapes, {"dim": dim % len(shapes[0])})[0]
+    lw.cats[out] = (dim % len(shapes[0]), tuple(parts))
+    return out
 
 
 @lowers("aten.permute.default")

@@ -474,16 +474,21 @@ def _region(base: torch.Tensor, view: torch.Tensor) -> tuple[list[int], list[lis
     strides are the view's) and ``[start, length, kept]`` per dim of that
     shape (``kept`` 0 for a dim the view selects one index of and drops), or
     None when the view is no such block (a permuted or overlapping view)."""
-    if view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
-            or not base.is_contiguous():
+    if view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
         return None
     offset = view.storage_offset() - base.storage_offset()
     sizes = list(base.shape)
-    if base.dim() == 1:
-        sizes = _flat_shape(base.numel(), [st for st, n in zip(view.stride(), view.shape) if n > 1])
-        if sizes is None:
+    if not base.is_contiguous():
+        if not _dense(base):
             return None
-    strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+        strides = list(base.stride())  # a permuted layout (zeros_like of a transposed tensor)
+    else:
+        if base.dim() == 1:
+            sizes = _flat_shape(base.numel(),
+                                [st for st, n in zip(view.stride(), view.shape) if n > 1])
+            if sizes is None:
+                return None
+        strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
     starts = [offset // st % n if n > 1 else 0 for st, n in zip(strides, sizes)]
     if sum(i * st for i, st in zip(starts, strides)) != offset:
         return None
@@ -497,6 +502,19 @@ def _region(base: torch.Tensor, view: torch.Tensor) -> tuple[list[int], list[lis
         mapped[d] = n
     order = {d: k for k, d in enumerate(mapped)}
     return sizes, [[starts[d], mapped.get(d, 1), order.get(d, -1)] for d in range(len(sizes))]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s entries fill its memory once each in some order of its
+    dims (a contiguous tensor with its dims permuted): each dim's stride,
+    in decreasing order, is the product of the sizes of the dims after it."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _same_order(base: torch.Tensor, view: torch.Tensor) -> bool:

@@ -183,7 +183,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     / heads), every dropout probability 0 (dropout draws random numbers),
     a sliding window, where the family has one, of half the sequence (so
     it masks), special token ids outside the small vocabulary moved to its
-    last id, the rows of other tables looked up by the ids
+    last id, linear attention's heads as many and as wide as the
+    others, the rows of other tables looked up by the ids
     (``vocab_size_*``) cut to the vocabulary, untied input and output embeddings (transformers 5.23's
     ``apply_tensor_parallelism`` fails on a tied ``lm_head``: KeyError
     'lm_head.weight'), and everything else the family's default."""
@@ -202,6 +203,10 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     if hasattr(default, "head_dim") and not isinstance(getattr(cfg_cls, "head_dim", None), property):
         kw["head_dim"] = hidden // heads  # also where the default leaves it None
     kw.update(_layer_shapes(default, layers, hidden, heads))
+    # linear attention's own heads (Gated DeltaNet: Qwen3.5, Qwen3-Next), as small as the others
+    linear = {"linear_key_head_dim": hidden // heads, "linear_value_head_dim": hidden // heads,
+              "linear_num_key_heads": sizes["kv"], "linear_num_value_heads": heads}
+    kw.update({k: v for k, v in linear.items() if isinstance(getattr(default, k, None), int)})
     if getattr(default, "moe_intermediate_size", None) is not None:
         kw["moe_intermediate_size"] = ffn
     if getattr(default, "sliding_window", None) is not None:
@@ -365,6 +370,15 @@ def tp_rowwise_not_reduced(model, mesh):
     ALL_PARALLEL_STYLES.register(UNREDUCED_ROWWISE, RowwiseParallel(
         input_layouts=Shard(-1), output_layouts=Partial()))
     return distribute(model, mesh, tp_plan=_plan_with(model, "rowwise", UNREDUCED_ROWWISE))
+
+
+def tp_mla_rope_not_reduced(model, mesh):
+    """A wrong plan: the family's ``mla_kv_a_proj`` rules (latent attention's
+    shared projection, whose rotary part skips the column-parallel ``kv_b_proj``)
+    planned "replicate", so the rotary part's gradient, a sum over every
+    rank's heads, stays each rank's own share."""
+    return distribute(model, mesh, tp_plan=_plan_with(
+        model, "mla_kv_a_proj", "replicate", first_only=False))
 
 
 def tp_norm_grads_not_reduced(model, mesh):
