@@ -39,6 +39,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     layout,
     logprob_views,
     losses,
+    masked_select,
     masks,
     max,
     max_all,
