@@ -52,11 +52,50 @@ def _select(positions: np.ndarray, n: int) -> np.ndarray:
     return s
 
 
+def _columns(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """For a two-dim mask ``[A, B]`` read in row-major order: each selected
+    entry's column t and its copy number (how many selected entries of
+    column t come before it), and C, the most any column holds."""
+    rows, cols = np.nonzero(mask)
+    seen: dict[int, int] = {}
+    copy = np.empty(len(cols), dtype=np.int64)
+    for i, t in enumerate(cols.tolist()):
+        copy[i] = seen.get(t, 0)
+        seen[t] = copy[i] + 1
+    return cols.astype(np.int64), copy, max(seen.values(), default=1)
+
+
+def _pick_matrix(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``OH[t, c, a] = 1`` where the c-th selected entry of column t is in
+    row a; the selected entries' rows of the C-fold copy (``t * C + c``)."""
+    a_of = np.nonzero(mask)[0]
+    cols, copy, c = _columns(mask)
+    onehot = np.zeros((mask.shape[1], c, mask.shape[0]))
+    onehot[cols, copy, a_of] = 1.0
+    return onehot, cols * c + copy, c
+
+
 @lowers("aten.masked_select.default")
 def masked_select(lw: Lowerer, args, kwargs, shapes, group):
+    """Of a two-dim x (``probs.T`` at the routing map): rows of the copies
+    of x's columns, ``Q[t * C + c] = x[a, t]`` for the c-th selected entry
+    a of column t, so that the result lines up, row for row, with the
+    tokens' rows an index repeating each token reads (``grouped_rows``:
+    the same numbering). Otherwise ``S @ vec(x)``."""
+    from backends.torch.lowering.routed_rows import Rows
     x = lw.val(args[0])
     shape = tuple(lw.shapes[x])
-    positions = np.flatnonzero(_mask(lw, args[1], shape))
+    mask = _mask(lw, args[1], shape)
+    positions = np.flatnonzero(mask)
+    if len(shape) == 2 and len(positions):
+        onehot, index, c = _pick_matrix(mask)
+        a, b = shape
+        xt = lw.emit("transpose", [x], [(b, a)], {"dim0": 0, "dim1": 1})[0]
+        wide = (b, c, a)
+        spread = lw.emit("expand", [lw.reshape(xt, (b, 1, a))], [wide], {"shape": list(wide)})[0]
+        picked = lw.emit("mul", [spread, constant_input(lw, onehot)], [wide])[0]
+        q = lw.emit("sum", [picked], [(b, c)], {"dim": 2, "keepdim": False})[0]
+        return Rows(lw.reshape(q, (b * c,)), index)
     n = int(np.prod(shape, dtype=np.int64))
     flat = lw.reshape(x, (n, 1))
     out = lw.emit("embedding", [constant_input(lw, _select(positions, n)), flat],
@@ -70,8 +109,23 @@ def masked_scatter(lw: Lowerer, args, kwargs, shapes, group):
     shape = tuple(lw.shapes[t])
     mask = _mask(lw, args[1], shape)
     positions = np.flatnonzero(mask)
-    src = lw.val(args[2])
     k = len(positions)
+    from backends.torch.lowering.routed_rows import Rows, masked
+    rows = lw.env.get(args[2][1])
+    if isinstance(rows, Rows) and len(shape) == 2 and k and len(lw.shapes[rows.base]) == 1:
+        onehot, index, c = _pick_matrix(mask)
+        a, b = shape
+        if np.array_equal(rows.index, index) and lw.shapes[rows.base][0] == b * c:
+            # the copies' rows put back at their entries: the pick's transpose
+            q = lw.reshape(masked(lw, rows), (b, c, 1))
+            wide = (b, c, a)
+            spread = lw.emit("expand", [q], [wide], {"shape": list(wide)})[0]
+            placed = lw.emit("mul", [spread, constant_input(lw, onehot)], [wide])[0]
+            summed = lw.emit("sum", [placed], [(b, a)], {"dim": 1, "keepdim": False})[0]
+            placed = lw.emit("transpose", [summed], [(a, b)], {"dim0": 0, "dim1": 1})[0]
+            kept = lw.emit("mul", [t, constant_input(lw, (~mask).astype(np.float64))], [shape])[0]
+            return lw.emit("add", [kept, placed], [shape])[0]
+    src = lw.val(args[2])
     count = int(np.prod(lw.shapes[src], dtype=np.int64))
     if count < k:
         raise LoweringError(f"{lw.name}: masked_scatter of {count} values at {k} positions")
