@@ -32,7 +32,10 @@ from backends.torch.lowering.routed_rows import Rows, value_of
 
 #: the data all-to-alls lowered here (args: input, output splits, input splits, group)
 OPS = ("_c10d_functional.all_to_all_single.default",
-       "_c10d_functional_autograd.all_to_all_single.default")
+       "_c10d_functional_autograd.all_to_all_single.default", "c10d.alltoall_base_.default")
+#: ``torch.distributed.all_to_all_single``'s op (Megatron's dispatcher): args
+#: (output written in place, input, group, output splits, input splits)
+IN_PLACE = "c10d.alltoall_base_.default"
 
 
 class NeedPeers(Exception):
@@ -182,7 +185,18 @@ def _own_share(lw: Any, base: int, index: np.ndarray, me: int, group: tuple[int,
     return _narrow(lw, base, dim, lo, share), index - lo
 
 
-@lowers(*OPS)
+@lowers(IN_PLACE)
+def all_to_all_in_place(lw: Any, args, kwargs, shapes, group):
+    """``torch.distributed.all_to_all_single(out, x, out_splits, in_splits,
+    group)``: the functional op's definition, its result the output
+    (written in place)."""
+    pg = args[2]
+    if not (isinstance(pg, (list, tuple)) and len(pg) == 2 and pg[0] == "pg"):
+        raise LoweringError(f"{lw.name}: an all-to-all without its group")
+    return all_to_all(lw, [args[1], args[3], args[4]], {}, shapes, tuple(pg[1]))
+
+
+@lowers(*OPS[:2])
 def all_to_all(lw: Any, args, kwargs, shapes, group):
     """Lower one ``all_to_all_single`` (see the module's docstring)."""
     if group is None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.emit import narrow
 from backends.torch.lowering.ir import Bucket, numel
 
 if TYPE_CHECKING:
@@ -26,7 +27,8 @@ PER_PIECE_OPS = frozenset({
 
 def bucket_view(lw: Lowerer, bucket: Bucket, offset: int, size: tuple[int, ...]) -> Any:
     """Elements [offset, offset + prod(size)) of a bucket: one piece seen
-    with ``size``, or a run of whole pieces (a smaller bucket)."""
+    with ``size``, or a run of whole pieces (a smaller bucket), or else
+    those elements of the bucket built."""
     end, at, run = offset + math.prod(size), 0, []
     for p in bucket.pieces:
         n = numel(lw, p)
@@ -37,8 +39,11 @@ def bucket_view(lw: Lowerer, bucket: Bucket, offset: int, size: tuple[int, ...])
     starts = np.cumsum([0] + [numel(lw, p) for p in bucket.pieces])
     if run and covered == end - offset and offset in starts:
         return lw.reshape(run[0], size) if len(run) == 1 else Bucket(tuple(run))
-    raise LoweringError(f"{lw.name}: a view of a gradient bucket at offset {offset} "
-                        f"({math.prod(size)} elements) is not whole gradients")
+    # elements across or inside pieces (the backward of a split: its pieces' gradients
+    # concatenated, then read again at other bounds): the concatenation built, and the
+    # elements read from it (exact: the bucket is that concatenation)
+    flat = narrow(lw, lw.materialize(bucket), 0, offset, math.prod(size))
+    return lw.reshape(flat, size)
 
 
 def per_piece(lw: Lowerer, handler, args, kwargs, group) -> Bucket:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.tracer.exchange import ALL_TO_ALL
+from backends.torch.tracer.exchange import ANSWERED
 from verdict.ops.nn import causal_positions
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def check_no_value_reads(trace: dict) -> None:
             tainted.update(outs[:1])  # its indices are the recorded routing (routing.py)
             continue
         if outs and set(outs) <= constants and (
-                op in ALL_TO_ALL and not tainted.intersection(read)
+                op in ANSWERED and not tainted.intersection(read)
                 or not op.startswith(("c10d", "_c10d_functional"))):
             # a constant (of shapes and constants only: zeros_like(scores)),
             # or counts answered with the members' constants (exchange.py)

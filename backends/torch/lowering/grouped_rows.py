@@ -80,7 +80,7 @@ def copies_of(lw: Any, a: Any) -> tuple[np.ndarray, int] | None:
             v = args[0][1] if isinstance(args[0], (list, tuple)) else None
             continue
         if op not in ("aten.floor_divide.default", "aten.div.Tensor_mode"):
-            return None
+            return _numbered_copies(lw, v)
         p = constant_value(lw, args[0])
         c = args[1] if isinstance(args[1], int) else lw.const(args[1])
         if p is None or c is None or p.ndim != 1 or int(c) != c or c < 1:
@@ -90,6 +90,47 @@ def copies_of(lw: Any, a: Any) -> tuple[np.ndarray, int] | None:
             return None
         return p, int(c)
     return None
+
+
+def _numbered_copies(lw: Any, v: int) -> tuple[np.ndarray, int] | None:
+    """(p, C) for a recorded one-dim index ``idx`` that repeats a row (each
+    token once per expert it chose, in the routing map's order: Megatron's
+    permutation): C the most times a row occurs, and p[i] = idx[i] * C +
+    (how many times idx[i] occurred before i), so that p has no repeats and
+    ``p // C == idx`` (docs/soundness.md, "Plans traced from PyTorch", 47 b).
+    The numbering is a function of idx alone: the same index read again
+    (the backward's scatter) gets the same p."""
+    if v not in lw.trace.get("constants", ()):
+        return None
+    idx = lw.trace.get("constvals", {}).get(v)
+    if idx is None or np.asarray(idx).ndim != 1 or np.asarray(idx).dtype.kind not in "iu":
+        return None
+    idx = np.asarray(idx).astype(np.int64)
+    if len(idx) == 0 or idx.min() < 0 or len(np.unique(idx)) == len(idx):
+        return None
+    seen: dict[int, int] = {}
+    occurrence = np.empty_like(idx)
+    for i, t in enumerate(idx.tolist()):
+        occurrence[i] = seen.get(t, 0)
+        seen[t] = occurrence[i] + 1
+    c = int(max(seen.values()))
+    return idx * c + occurrence, c
+
+
+def index_select(base: Handler) -> Handler:
+    """``x.index_select(0, idx)`` at a recorded index that repeats rows: the
+    rows p of x's C-fold copy (``_numbered_copies``)."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        if int(args[1]) != 0 or not isinstance(value_of(lw, args[0]), int):
+            return base(lw, args, kwargs, shapes, group)
+        found = copies_of(lw, args[2])
+        if found is None or found[1] == 1:
+            return base(lw, args, kwargs, shapes, group)
+        p, c = found
+        x = lw.val(args[0])
+        _check_copies(lw, p, c, lw.shapes[x][0])
+        return Rows(_copied(lw, x, c), p)
+    return lower
 
 
 def _copied(lw: Any, x: int, c: int) -> int:

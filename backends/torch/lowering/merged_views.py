@@ -54,7 +54,8 @@ def view_merged(base: Handler) -> Handler:
         if isinstance(x, Merged) and not x.transposed and len(dst) == 3 \
                 and tuple(lw.shapes[x.x]) == dst:
             return x.x
-        if x is not None and not isinstance(x, (PatternOnly, Merged, Bucket)) \
+        recorded = args[0][1] < len(lw.trace["shapes"])  # not a row-wise rule's stand-in
+        if x is not None and not isinstance(x, (PatternOnly, Merged, Bucket)) and recorded \
                 and lw.trace.get("sequence_first") and len(dst) == 2:
             outs = lw.trace["events"][lw.event][2]
             shape = tuple(lw.trace["shapes"][args[0][1]])

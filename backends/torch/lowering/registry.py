@@ -47,7 +47,8 @@ Refinement = Callable[[Handler | None], Handler]
 LAYERS = ("vocab_parallel", "masks", "ids", "compose", "std", "max", "argmax", "max_all", "slices",
           "norm_sums", "const_lookup", "chunk", "label_masks", "logprob_views", "scan",
           "const_index", "vocab_picks", "merged_views", "grad_buffers",
-          "routing", "safe_softmax", "grouped", "permute", "counts")
+          "routing", "safe_softmax", "grouped", "permute", "counts",
+          "expert_rows")
 
 _PACKAGE = "backends.torch.lowering."
 

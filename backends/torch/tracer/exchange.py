@@ -30,6 +30,13 @@ ALL_TO_ALL = {
     "c10d.alltoall_base_.default": (0, 1, 3, 4, 2),
     "_c10d_functional.all_to_all_single.default": (None, 0, 1, 2, 3),
 }
+#: the all-gathers answered (Megatron's dispatcher gathers its per-expert
+#: counts over the tensor- and expert-parallel ranks): op name -> positions
+#: of (output, input, group); each member's output is every member's input,
+#: concatenated along dim 0 in group order
+ALL_GATHER = {"c10d._allgather_base_.default": (0, 1, 2)}
+#: every collective of constants answered
+ANSWERED = frozenset(ALL_TO_ALL) | frozenset(ALL_GATHER)
 #: passes of the ranks before the sent values must have settled (one per
 #: layer whose counts depend on an earlier answer, and one to check)
 PASSES = 8
@@ -70,19 +77,31 @@ class Exchanges:
         self.unanswered = 0  # constant all-to-alls left as the fake group returned them
 
     def handles(self, name: str) -> bool:
-        return name in ALL_TO_ALL
+        return name in ANSWERED
 
     def call(self, name: str, args: tuple, kwargs: dict, out: Any,
              group_of: Callable[[Any], tuple[int, ...]]) -> bool:
-        """Record a constant all-to-all's send; write the answer into its
-        output when the members' sends are known (True then)."""
-        at_out, at_in, at_osplit, at_isplit, at_group = ALL_TO_ALL[name]
-        x = args[at_in]
-        group = group_of(args[at_group])
+        """Record a constant all-to-all's (or all-gather's) send; write the
+        answer into its output when the members' sends are known (True
+        then). An all-gather is an all-to-all sending its whole input to
+        every member."""
+        gather = name in ALL_GATHER
+        if gather:
+            at_out, at_in, at_group = ALL_GATHER[name]
+            x = args[at_in]
+            group = group_of(args[at_group])
+            args = (args[at_out], x, None, None)
+            at_osplit = at_isplit = 2
+            at_out, at_in = 0, 1
+        else:
+            at_out, at_in, at_osplit, at_isplit, at_group = ALL_TO_ALL[name]
+            x = args[at_in]
+            group = group_of(args[at_group])
         k = self.count.get(group, 0)
         self.count[group] = k + 1
         record = {"group": list(group), "k": k, "input": x.detach().cpu().numpy().copy(),
-                  "in_splits": _splits(args[at_isplit]), "out_splits": _splits(args[at_osplit])}
+                  "in_splits": _splits(args[at_isplit]), "out_splits": _splits(args[at_osplit]),
+                  "whole": gather}
         self.sent.append(record)
         target = out if at_out is None else args[at_out]
         answer = None if self.previous is None else self.answer(group, k, tuple(target.shape))
@@ -104,6 +123,10 @@ class Exchanges:
             if k >= len(sends):
                 return None
             s = sends[k]
+            if s.get("whole"):
+                pieces.append(s["input"].reshape(-1, *s["input"].shape[1:]) if s["input"].ndim
+                              else s["input"].reshape(1))
+                continue
             lo, hi = _cut(s["input"].shape[0], s["in_splits"], len(group))[me]
             pieces.append(s["input"][lo:hi])
         out = np.concatenate(pieces, axis=0)

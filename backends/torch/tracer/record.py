@@ -77,6 +77,8 @@ class Recorder(TorchDispatchMode):
         self.shape_only: set[int] = set()  # SHAPE_ONLY results of computed tensors (zeros_like(x))
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
+        #: values a SHAPE_ONLY op made (a fill of a shape, of any dtype)
+        self.fills: set[int] = set()
         self.const_storages: set[int] = set()  # memory of the constants whose value is kept
         self.tainted: set[int] = set()  # of that memory, what a non-constant op wrote
         self.mb = -1  # the microbatch a pipeline schedule is running, -1 outside one
@@ -270,6 +272,9 @@ class Recorder(TorchDispatchMode):
             # zeros_like(group_scores).scatter_(1, group_idx, 1): every element
             # the fill of a shape, or the number written at a recorded index
             return True
+        if name == "aten._to_copy.default" and tensors and self.value(tensors[0]) in self.fills \
+                and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            return True  # zeros_like(scores).int(): the same mask to fill, cast after
         return all(self.value(a) in self.constants for a in tensors)
 
     def mark_partial_writes(self, name: str, func, args, kwargs) -> None:
@@ -351,6 +356,8 @@ class Recorder(TorchDispatchMode):
             self.bind(outs[0], in_args[0][1])
             return out
         ids = [self.new_value(o) for o in outs]
+        if name in SHAPE_ONLY:
+            self.fills.update(ids)
         for o, v in zip(outs, ids):
             if o._base is None or any(o is a for a in tensors):
                 self.written(o, v)  # written in place, or new memory
@@ -390,7 +397,10 @@ class Recorder(TorchDispatchMode):
 
     @staticmethod
     def group_of(group: Any) -> tuple[int, ...]:
-        """A collective's members, from its group's name or its group."""
+        """A collective's members, from its group's name or its group (boxed
+        as a script object when a c10d op reads it)."""
+        if isinstance(group, torch.ScriptObject):
+            group = torch.distributed.ProcessGroup.unbox(group)
         return group_from_name(group) if isinstance(group, str) else group_ranks(group)
 
     def note_twins(self, name: str, args, outs: list[torch.Tensor], ids: list[int]) -> None:

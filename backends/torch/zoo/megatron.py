@@ -60,10 +60,12 @@ def _cpu_rng_kept() -> Iterator[None]:
         torch.set_rng_state(state)
 
 
-def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
+def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
+                        etp: int | None = None) -> None:
     """Megatron's ``parallel_state`` at these sizes on the default process
     group (one of a single rank when none is initialized, as on one
-    device), and its RNG tracker."""
+    device), and its RNG tracker (``ep``, ``etp``: the experts' parallel
+    sizes, ``etp`` None for Megatron's default, the tensor-parallel size)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     if not dist.is_initialized():
@@ -76,6 +78,8 @@ def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None) -> Non
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp,
                                              create_gloo_process_groups=False)
     with _cpu_rng_kept():
         model_parallel_cuda_manual_seed(TRACKER_SEED)
@@ -146,6 +150,36 @@ class GPTStep:
                 loss = loss / parallel_state.get_data_parallel_world_size()
             return loss, {"lm loss": loss.detach()}
         return losses, loss_func
+
+
+class MoEGPTStep(GPTStep):
+    """``GPTStep`` with a mixture of experts in place of every layer's MLP
+    (Megatron's local MoE spec: its ``TopKRouter`` (softmax scores, top-k),
+    the all-to-all token dispatcher, a ``SequentialMLP`` of ``experts``
+    experts, each a local ``MLP``: the grouped GEMMs need CUDA), top-2
+    routing, no auxiliary loss (Megatron's default coefficient 0), and no
+    linear biases (``add_bias_linear=False``, as Megatron's MoE recipes
+    run: with biases the local expert MLP adds its bias in place into the
+    output of a tensor-parallel reduction, which autograd refuses)."""
+
+    experts = 4
+    topk = 2
+
+    def config(self, **parallel: Any):
+        return super().config(num_moe_experts=self.experts, moe_router_topk=self.topk,
+                              moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                              moe_ffn_hidden_size=self.sizes["ffn"], add_bias_linear=False,
+                              **parallel)
+
+    def model_provider(self, config, pre_process: bool = True, post_process: bool = True,
+                       vp_stage: int | None = None) -> nn.Module:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        spec = get_gpt_layer_local_spec(num_experts=self.experts, moe_grouped_gemm=False)
+        return GPTModel(config, spec, vocab_size=self.sizes["vocab"],
+                        max_sequence_length=self.sizes["seqlen"], pre_process=pre_process,
+                        post_process=post_process, share_embeddings_and_output_weights=True,
+                        vp_stage=vp_stage)
 
 
 def batch_of(tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -220,6 +254,12 @@ def gpt_mtp_masked(**sizes: int) -> MegatronModel:
     return user_model(GPTStep(sizes, mtp=True, mtp_mask_below=sizes["vocab"] // 2))
 
 
+def moe_gpt(**sizes: int) -> MegatronModel:
+    """``gpt`` with a mixture of four experts, top-2 routed, in every layer
+    (``MoEGPTStep``); ``ffn`` is each expert's hidden size."""
+    return user_model(MoEGPTStep(sizes))
+
+
 # -- the recipe: Megatron's parallelism, its schedule, DDP and finalize ------------
 
 @dataclasses.dataclass(frozen=True)
@@ -233,21 +273,34 @@ class Options:
     overlap_grad_reduce: bool = False
     average_in_collective: bool = False
     use_distributed_optimizer: bool = False
+    #: the experts' parallel sizes (``expert_model_parallel_size``,
+    #: ``expert_tensor_parallel_size``; None: Megatron's default, the
+    #: tensor-parallel size)
+    ep: int = 1
+    etp: int | None = None
     #: shipped mistakes, each on Megatron's own code path (docs/torch-backend.md)
     bug: str | None = None
 
 
-def global_names(chunk: nn.Module) -> dict[str, str]:
+def global_names(chunk: nn.Module, ep_rank: int = 0) -> dict[str, str]:
     """A chunk's parameter names as the single-device model's: a stage's
     layer ``i`` is global layer ``layer_number - 1``; a last stage's output
-    weight tied to the embedding is the embedding's."""
+    weight tied to the embedding is the embedding's; local expert ``i`` of
+    expert-parallel rank ``ep_rank`` is expert ``ep_rank * local + i`` (the
+    experts Megatron gives the rank)."""
     layers = {}
+    local = {}
+    for name, module in chunk.named_modules():
+        if hasattr(module, "local_experts"):
+            local[name] = len(module.local_experts)
     decoder = getattr(chunk, "decoder", None)
     for i, layer in enumerate(getattr(decoder, "layers", [])):
         layers[str(i)] = str(layer.layer_number - 1)
     out = {}
     for name, _ in chunk.named_parameters():
-        g = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{layers[m[1]]}.", name)
+        g = re.sub(r"^(.*)\.local_experts\.(\d+)\.",
+                   lambda m: f"{m[1]}.local_experts.{ep_rank * local[m[1]] + int(m[2])}.", name)
+        g = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{layers[m[1]]}.", g)
         if g == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights",
                                                   False):
             g = "embedding.word_embeddings.weight"
@@ -256,19 +309,26 @@ def global_names(chunk: nn.Module) -> dict[str, str]:
 
 
 def load_pieces(full: dict[str, torch.Tensor], chunk: nn.Module, names: dict[str, str],
-                tp_rank: int, tp: int) -> None:
+                tp_rank: int, tp: int, etp_rank: int = 0, etp: int = 1) -> None:
     """Each of the chunk's parameters set to its piece of the single-device
     weight of its global name: the ``tp_rank``-th of ``tp`` equal blocks along
     its ``partition_dim`` for a tensor-parallel one (its ``mesh_axes`` then
-    say so), the whole otherwise."""
+    say so; an expert's: the ``etp_rank``-th of ``etp``, Megatron's expert
+    tensor parallelism, whose group must then be the tensor-parallel one),
+    the whole otherwise."""
     with torch.no_grad():
         for name, p in chunk.named_parameters():
             whole = full[names[name]]
-            if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            expert = ".local_experts." in name
+            n, at = (etp, etp_rank) if expert else (tp, tp_rank)
+            if getattr(p, "tensor_model_parallel", False) and n > 1:
+                if n != tp:
+                    raise ValueError(f"Megatron's expert tensor-parallel size {n} is neither 1 nor "
+                                     f"the tensor-parallel size {tp}: not supported")
                 if getattr(p, "partition_stride", 1) != 1:
                     raise ValueError(f"Megatron parameter {name} is strided across tensor-parallel "
                                      f"ranks (partition_stride {p.partition_stride}): not supported")
-                whole = whole.chunk(tp, dim=p.partition_dim)[tp_rank]
+                whole = whole.chunk(n, dim=p.partition_dim)[at]
                 axes: list[list[str]] = [[] for _ in range(p.dim())]
                 axes[p.partition_dim].append("tp")
                 p.mesh_axes = axes
@@ -301,7 +361,7 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
                          "leaves each rank a flat range of the padded grad buffer, which can cut "
                          "parameters at any element (gradient claims are blocks along dims), and "
                          "its step reads the norm with .item(): use_distributed_optimizer=False")
-    init_parallel_state(tp, pp, vpp)
+    init_parallel_state(tp, pp, vpp, options.ep, options.etp)
     _check_rank_order(mesh)
     user = model.user
     if isinstance(user, GPTStep):
@@ -311,6 +371,9 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
     parallel = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                 "sequence_parallel": options.sequence_parallel,
                 "batch_p2p_comm": options.batch_p2p_comm}
+    if options.ep > 1 or options.etp is not None:
+        parallel["expert_model_parallel_size"] = options.ep
+        parallel["expert_tensor_parallel_size"] = options.etp or tp
     if pp > 1:
         parallel["pipeline_dtype"] = torch.float64  # what the backend runs in
     if vpp is not None:
@@ -324,8 +387,9 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
                                                                       vp_stage=vp),
                                     ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                                     vp_stage=vp)
-        names = global_names(chunk)
-        load_pieces(full, chunk, names, ps.get_tensor_model_parallel_rank(), tp)
+        names = global_names(chunk, ps.get_expert_model_parallel_rank())
+        load_pieces(full, chunk, names, ps.get_tensor_model_parallel_rank(), tp,
+                    ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
         model.names.update({id(p): names[n] for n, p in chunk.named_parameters()})
         chunks.append(chunk)
     if options.bug == "sp_norm_unmarked":
@@ -521,6 +585,10 @@ loss_over_microbatches = recipe(microbatches=2, bug="over_microbatches")
 loss_global_mean = recipe(microbatches=2, bug="global_mean")
 ddp_average_global_mean = recipe(microbatches=2, average_in_collective=True, bug="global_mean")
 ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
+# mixtures of experts (moe_gpt): expert parallelism over the data-parallel ranks (dp 2 ep 2)
+# or, with tensor parallelism, expert tensor parallelism of the tp size or 1
+moe_ep2 = recipe(ep=2)
+moe_ep2_etp1 = recipe(ep=2, etp=1)
 
 
 def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:

@@ -1,6 +1,6 @@
 """The CPU adaptations megatron-core 0.16.1 needs to run on a CPU, in one place.
 
-Megatron-Core is written for CUDA devices. Six things in its local
+Megatron-Core is written for CUDA devices. Eight things in its local
 (non-TransformerEngine) layers, schedules, grad buffers and optimizer do not
 run on a CPU; ``apply()`` changes exactly these at run time (no file of
 Megatron's is edited) and prints one line for each, every time it is called
@@ -27,7 +27,15 @@ Megatron's is edited) and prints one line for each, every time it is called
    in ``clip_grads.py``, ``optimizer.py``, ``distrib_optimizer.py``) accepts
    the CPU type of the same name, and a float64 tensor as a float32 one (the
    backend runs in float64 what Megatron runs in float32; Megatron then takes
-   its float32 path).
+   its float32 path);
+7. without TransformerEngine, ``moe/moe_utils.py`` leaves ``te_general_gemm``
+   undefined (its import fails before the name is bound) and the MoE
+   router's gating linear reads it: it is bound to None, which selects
+   Megatron's own torch path (``torch.mm``) as the code means;
+8. the all-to-all dispatcher moves its split sizes to the host as numpy
+   arrays (``maybe_move_tensor_to_cpu(..., as_numpy=True)``) only from a
+   CUDA tensor, and ``all_to_all_single`` refuses them as tensors: a CPU
+   tensor is given as the numpy array of its values, as from a device.
 
 Patches 1, 2, 4 and 5 replace the name ``torch`` in the modules of
 ``megatron.core`` by a view of torch that differs in these names only.
@@ -51,6 +59,10 @@ PATCHES = (
     "CUDA streams, events, synchronize, empty_cache -> no-ops",
     "device='cuda' in Megatron's tensor factory calls -> cpu",
     "Tensor.type() == 'torch.cuda.FloatTensor' accepts the CPU type (float64 as float32)",
+    "moe_utils.te_general_gemm (unbound without TransformerEngine) -> None: the router's "
+    "torch.mm path",
+    "moe_utils.maybe_move_tensor_to_cpu(as_numpy=True) of a CPU tensor -> its numpy values (the "
+    "all-to-all's split sizes, as from a device)",
 )
 #: torch's tensor factories whose ``device`` argument patch 5 rewrites
 FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
@@ -74,7 +86,8 @@ class _NoStream:
         pass
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
+        # a method's result (an event recorded, a stream waited on) orders nothing either
+        return lambda *args, **kwargs: _NoStream()
 
 
 class _CudaView(types.ModuleType):
@@ -200,6 +213,17 @@ def _norm_new(original: Any) -> Any:
     return new
 
 
+def _to_host(original: Any) -> Any:
+    """``maybe_move_tensor_to_cpu`` giving a CPU tensor asked ``as_numpy`` as
+    the numpy array of its values (patch 8)."""
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            import numpy as np
+            return np.array(tensor.tolist(), dtype=np.int64)
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    return move
+
+
 #: the modules loaded before the patches, so that each gets the view of torch
 MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.mappings",
            "megatron.core.tensor_parallel.layers", "megatron.core.transformer.attention",
@@ -209,11 +233,14 @@ MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_paralle
            "megatron.core.distributed.distributed_data_parallel",
            "megatron.core.distributed.finalize_model_grads", "megatron.core.optimizer",
            "megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer",
-           "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.grad_scaler")
+           "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.grad_scaler",
+           "megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils",
+           "megatron.core.transformer.moe.token_dispatcher",
+           "megatron.core.transformer.moe.experts", "megatron.core.transformer.moe.moe_layer")
 
 
 def apply() -> None:
-    """Apply the six patches (once per process) and print them, one line each."""
+    """Apply the eight patches (once per process) and print them, one line each."""
     if not isinstance(torch.Tensor.type, _TypeMethod):  # applied once per process
         import importlib
         for name in MODULES:
@@ -229,6 +256,11 @@ def apply() -> None:
             torch.set_rng_state(state)
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         WrappedTorchNorm.__new__ = staticmethod(_norm_new(WrappedTorchNorm.__new__))
+        from megatron.core.transformer.moe import moe_utils
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+        from megatron.core.transformer.moe import token_dispatcher
+        token_dispatcher.maybe_move_tensor_to_cpu = _to_host(moe_utils.maybe_move_tensor_to_cpu)
         torch.Tensor.type = _TypeMethod(torch.Tensor.type)
         if not torch.cuda.is_available():  # a CPU build: .cuda() can only fail
             torch.Tensor.cuda = lambda self, *args, **kwargs: self
