@@ -1,5 +1,5 @@
 """Megatron-Core on the torch backend (docs/torch-backend.md, "Megatron-Core"):
-the CPU shim's six patches apply and are printed, and Megatron's GPTModel at
+the CPU shim's eight patches apply and are printed, and Megatron's GPTModel at
 TP 2 + SP verifies through its own schedule, DDP and finalize_model_grads,
 a shipped mistake FAILs, the interleaved PP 2 batched-p2p finding and a
 strided shard are refused in one line. Each runs in a fresh interpreter:
@@ -62,7 +62,7 @@ def test_shim_applies_and_prints_each_patch():
     assert run.stdout.strip() == "patched"
     lines = [ln for ln in run.stderr.splitlines() if ln.startswith("Megatron-Core CPU shim")]
     assert [ln.split(")", 1)[1].split(":", 1)[0].strip() for ln in lines] == \
-        [str(n) for n in range(1, 7)]
+        [str(n) for n in range(1, 9)]
 
 
 def _suite(*cases: str) -> subprocess.CompletedProcess:

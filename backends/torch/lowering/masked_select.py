@@ -146,10 +146,10 @@ def scatter_add_rows(lw: Lowerer, args, kwargs, shapes, group):
     constant index (Megatron's unpermutation, each token's rows summed back
     at the token): ``S^T @ src`` with ``S[i, idx[i]] = 1``, repeats adding
     (docs/soundness.md, "Plans traced from PyTorch", 47 a)."""
-    from backends.torch.lowering.routed_rows import _is_zeros
+    from backends.torch.lowering.routed_rows import is_zeros
     index = constant_value(lw, args[2])
     sizes = tuple(shapes[0])
-    if not _is_zeros(lw, args[0]) or index is None or int(args[1]) != 0 or index.ndim != 2 \
+    if not is_zeros(lw, args[0]) or index is None or int(args[1]) != 0 or index.ndim != 2 \
             or len(sizes) != 2 or index.shape[1] != sizes[1] \
             or not np.all(index == index[:, :1]):
         raise LoweringError(f"{lw.name}: scatter_add_ other than rows added into zeros at a "
@@ -182,7 +182,7 @@ def index_add_rows(lw: Lowerer, args, kwargs, shapes, group):
     added = lw.emit("embedding", [constant_input(lw, _select(rows, sizes[0]).T), src],
                     [(sizes[0], rest)])[0]
     added = lw.reshape(added, sizes)
-    from backends.torch.lowering.routed_rows import _is_zeros
-    if _is_zeros(lw, args[0]):
+    from backends.torch.lowering.routed_rows import is_zeros
+    if is_zeros(lw, args[0]):
         return added
     return lw.emit("add", [lw.val(args[0]), added], [sizes])[0]

@@ -199,7 +199,7 @@ def value_selecting_backward(lw: Any, args, kwargs, shapes, group):
     return lw.emit("sum", [placed], [sizes], {"dim": len(wide) - 2, "keepdim": False})[0]
 
 
-def _is_zeros(lw: Any, a: Any) -> bool:
+def is_zeros(lw: Any, a: Any) -> bool:
     x = value_of(lw, a)
     if isinstance(x, (Zeros, NewZeros)):
         return True
@@ -217,7 +217,7 @@ def scatter(base: Handler) -> Handler:
     along the dim (topk's backward on the CPU): ``sum(g[..., None] * R, -2)``."""
     def lower(lw: Any, args, kwargs, shapes, group):
         idx = index_of(lw, args[2])
-        if idx is None or not _is_zeros(lw, args[0]):
+        if idx is None or not is_zeros(lw, args[0]):
             return base(lw, args, kwargs, shapes, group)
         sizes = tuple(shapes[0])
         dim = int(args[1]) % len(sizes)
