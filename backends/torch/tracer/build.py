@@ -1064,20 +1064,36 @@ class _Rank:
     def is_zero(self, v: int) -> bool:
         """Value v is exactly zero by its making: a ``zeros`` node, a
         constant of zeros, or an operator that gives zeros on zeros (a
-        reshape, a slice, a ``cat``: ``maps_zero_to_zero``) of zeros."""
-        if v not in self.zero_memo:
-            made = self.producer.get(v)
-            const = self.low.constants.get(v)
+        reshape, a slice, a ``cat``: ``maps_zero_to_zero``) of zeros. Its
+        makers are walked with a stack, not by recursion (a long chain of
+        values deferred as sums is never asked one by one)."""
+        memo, stack, opened = self.zero_memo, [v], set()
+        while stack:
+            u = stack[-1]
+            if u in memo:
+                stack.pop()
+                continue
+            made = self.producer.get(u)
             if made is None:
-                self.zero_memo[v] = const is not None and not np.any(np.asarray(const))
+                const = self.low.constants.get(u)
+                memo[u] = const is not None and not np.any(np.asarray(const))
             elif made.op == "zeros" and not made.ins:
-                self.zero_memo[v] = True
+                memo[u] = True
             else:
-                self.zero_memo[v] = False  # while its inputs are asked
-                ins = [u for u in made.ins if u >= 0]
-                self.zero_memo[v] = bool(ins) and all(self.is_zero(u) for u in ins) \
+                ins = [w for w in made.ins if w >= 0]
+                todo = [w for w in ins if w not in memo]
+                if todo and u not in opened:
+                    opened.add(u)
+                    stack.extend(todo)
+                    continue
+                if todo:  # a value read by its own maker: not zero by making
+                    memo[u] = False
+                    stack.pop()
+                    continue
+                memo[u] = bool(ins) and all(memo[w] for w in ins) \
                     and maps_zero_to_zero(made, self.low.shapes)
-        return self.zero_memo[v]
+            stack.pop()
+        return memo[v]
 
     def infer(self, node: LNode) -> None:
         ins = [v for v in node.ins]
