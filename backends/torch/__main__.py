@@ -78,7 +78,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if args.model not in (MODEL, model):
             raise LoweringError("--hf and --model name two models: give one")
         args.model = model
-        args.layers = 1 if args.layers is None else args.layers
+        args.layers = layers_of(args)
         ep = getattr(args, "ep", 1)
         if ep > 1 and ep != args.dp * args.tp:
             raise LoweringError(f"--ep {ep}: transformers' expert-parallel plan is traced with "
@@ -95,8 +95,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                             "ep = dp themselves: titan:parallelize_deepseekv3_ep)")
     args.model = _short_module(MODELS.get(args.model, args.model))
     args.recipe = _short_module(args.recipe)
-    if args.layers is None and not args.model.startswith(f"{SHORT_MODULES['titan']}:"):
-        args.layers = 1  # torchtitan's models keep their flavor's blocks
+    args.layers = layers_of(args)
     if getattr(args, "clipper", None):
         args.clipper = _short_module(args.clipper)
     if ":" not in args.recipe:
@@ -104,12 +103,19 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def layers_of(args: argparse.Namespace) -> int | None:
+    """``--layers``, else 1, or None for a torchtitan model (its flavor's
+    blocks)."""
+    if args.layers is not None or _short_module(args.model).startswith(
+            f"{SHORT_MODULES['titan']}:"):
+        return args.layers
+    return 1
+
+
 def model_kwargs(args: argparse.Namespace) -> dict:
     """The size keywords the model factory is called with (``layers`` left
     out where a torchtitan model keeps its flavor's blocks)."""
-    layers = args.layers
-    if layers is None and not _short_module(args.model).startswith(f"{SHORT_MODULES['titan']}:"):
-        layers = 1
+    layers = layers_of(args)
     return {**({"layers": layers} if layers is not None else {}), "hidden": args.hidden,
             "heads": args.heads, "ffn": args.ffn, "vocab": args.vocab, "seqlen": args.seqlen}
 
