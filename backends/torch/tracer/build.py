@@ -651,6 +651,8 @@ class _Rank:
         of zeros and a gradient scaled by a per-rank mean): the zeros made
         first. Each claim is proved like any other (docs/soundness.md,
         "Plans traced from PyTorch", 40)."""
+        if node.op != "cat":  # only pieces put side by side (other readers: an open case, see 40)
+            return node, []
         ins = [v for v in node.ins if v >= 0]
         zero = {v for v in ins if self.is_zero(v)}
         others = {self.claim[v].scale for v in ins if v not in zero}
