@@ -146,3 +146,17 @@ def test_solver_finds_a_wrong_claim_behind_a_right_one():
     problem.claims = problem.claims[:1]
     right = PROVER(problem)
     assert right.status == "proved" and right.solver
+
+
+def test_an_input_stage_with_no_loaded_piece_is_decided():
+    """An input stage whose pieces are all computed (fresh zeros claimed as
+    a loaded constant, the input read as any value) has no given lineage:
+    its input is still a free value, so the claim is refuted, never left
+    without a verdict (docs/soundness.md, "Plans traced from PyTorch", 40)."""
+    whole = ((0, 2),)
+    problem = Problem(
+        ts_shapes=[(2,)], tp_shapes=[(2,)], gs=None,
+        gp=[("zeros", "none", {"shape": [2]}, [], [0])],
+        given=[], claims=[LineageFact(0, [(whole, (0,))], [])])
+    out = PROVER(problem)
+    assert out.status == "counterexample", out

@@ -123,6 +123,8 @@ class _Run:
         needed = {f.ts for f in p.given}
         if p.gs is not None:
             needed |= {i for i in p.gs[3] if i >= 0}
+        else:  # an input stage: the input its pieces claim, even when none is loaded
+            needed |= {f.ts for f in p.claims}
         for i in sorted(needed):
             if i in p.constants:
                 op, direction, kw = p.constants[i]

@@ -651,8 +651,6 @@ class _Rank:
         of zeros and a gradient scaled by a per-rank mean): the zeros made
         first. Each claim is proved like any other (docs/soundness.md,
         "Plans traced from PyTorch", 40)."""
-        if node.op != "cat":  # only pieces put side by side (other readers: an open case, see 40)
-            return node, []
         ins = [v for v in node.ins if v >= 0]
         zero = {v for v in ins if self.is_zero(v)}
         others = {self.claim[v].scale for v in ins if v not in zero}
@@ -1064,11 +1062,14 @@ class _Rank:
         return probe_scale(node, self.low.shapes, scales)
 
     def is_zero(self, v: int) -> bool:
-        """Value v is exactly zero by its making: a ``zeros`` node, a
-        constant of zeros, or an operator that gives zeros on zeros (a
-        reshape, a slice, a ``cat``: ``maps_zero_to_zero``) of zeros. Its
-        makers are walked with a stack, not by recursion (a long chain of
-        values deferred as sums is never asked one by one)."""
+        """Value v is exactly zero by its making in the plan: a ``zeros``
+        node, or an operator that gives zeros on zeros (a reshape, a slice,
+        a ``cat``: ``maps_zero_to_zero``) of zeros. A loaded constant is not
+        zero by making even when its traced value is: the verifier reads it
+        as any value, so a claim that fresh zeros are a multiple of it could
+        never be proved. Its makers are walked with a stack, not by
+        recursion (a long chain of values deferred as sums is never asked
+        one by one)."""
         memo, stack, opened = self.zero_memo, [v], set()
         while stack:
             u = stack[-1]
@@ -1077,8 +1078,7 @@ class _Rank:
                 continue
             made = self.producer.get(u)
             if made is None:
-                const = self.low.constants.get(u)
-                memo[u] = const is not None and not np.any(np.asarray(const))
+                memo[u] = False
             elif made.op == "zeros" and not made.ins:
                 memo[u] = True
             else:
