@@ -305,6 +305,11 @@ def tensor_args(args: Any) -> list[int]:
     return out
 
 
+#: ops that read only their tensor argument's shape and dtype, never its values
+SHAPE_ONLY = frozenset({"aten.ones_like.default", "aten.zeros_like.default",
+                        "aten.empty_like.default"})
+
+
 def live_events(trace: dict) -> set[int]:
     """Events the loss and the final gradients depend on."""
     need = set(trace["losses"]) | {g for g in trace["grads"].values() if g is not None}
@@ -316,8 +321,8 @@ def live_events(trace: dict) -> set[int]:
         if not need.intersection(outs) and op != "c10d.send.default":
             continue
         live.add(i)
-        if op == "c10d.recv_.default":
-            continue  # overwrites its buffers
+        if op == "c10d.recv_.default" or op in SHAPE_ONLY:
+            continue  # overwrites its buffers; reads only its argument's shape
         if op == "aten.copy_.default":
             need.update(tensor_args(args[1]))
         elif op == "c10d._allgather_base_.default":

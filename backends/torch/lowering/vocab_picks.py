@@ -121,9 +121,20 @@ class PickMinusInside(Helper):
 class MaskedGrad(Helper):
     """``g`` with the rows of ids outside a vocabulary shard zeroed (the
     backward of the lookup's ``out[mask] = 0``), read only by the lookup's
-    backward."""
+    backward. ``mask``: of the batch's ids (``VocabMask``) or of ids the
+    model computed (``OutOfRange``)."""
     g: int
-    mask: VocabMask
+    mask: VocabMask | OutOfRange
+
+
+@dataclass(frozen=True)
+class RowsLookup(Helper):
+    """A vocabulary-parallel lookup of computed ids (``Local`` masked by
+    ``mask``): ``out`` is the one-hot columns ``[lo, hi)`` times the local
+    table, zero for ids outside the rows, where the recorded lookup still
+    holds table row 0 until ``out[mask] = 0``, the one reader allowed."""
+    out: int
+    mask: OutOfRange
 
 
 @dataclass(frozen=True)
@@ -392,6 +403,12 @@ def index_put(base: Handler) -> Handler:
                 and not accumulate and target.mask is None \
                 and (target.src, target.lo) == (mask.src, mask.lo):
             return Local(target.src, target.lo, mask, target.shape)
+        if isinstance(target, RowsLookup):
+            if not (isinstance(mask, OutOfRange) and zero and not accumulate
+                    and mask.key() == target.mask.key()):
+                raise LoweringError(f"{lw.name}: a vocabulary-parallel lookup not zeroed "
+                                    f"outside the shard's rows by its mask")
+            return target.out
         if isinstance(target, Pick):
             if not (isinstance(mask, OutOfRange) and zero and not accumulate
                     and target.local.mask is not None and mask.key() == target.local.mask.key()):
@@ -420,6 +437,40 @@ def exp_out(base: Handler) -> Handler:
     return lower
 
 
+# -- a vocabulary-parallel lookup of computed ids, and its backward -----------------
+
+def _lookup_columns(lw: Lowerer, local: Local, rows: int) -> int:
+    """The one-hot columns ``[lo, lo + rows)`` of the ids ``local`` shifts
+    (seen with its shape), for a lookup of a table of ``rows`` rows: the
+    ids must be masked to exactly those rows."""
+    if local.mask is None or local.mask.lo != local.lo or local.mask.hi - local.lo != rows:
+        raise LoweringError(f"{lw.name}: a lookup of ids not masked to its table's "
+                            f"{rows} rows is not lowered")
+    return _columns(lw, local, rows, local.shape)
+
+
+@refines("aten.embedding.default")
+def embedding(base: Handler) -> Handler:
+    """``embedding(local, w)`` with ``local`` computed ids shifted by ``lo``
+    and 0 outside ``[lo, hi)`` (Megatron's ``VocabParallelEmbedding`` of ids
+    the model rolled): the one-hot columns ``[lo, hi)`` times ``w``, equal to
+    the recorded lookup once the rows of ids outside are zeroed
+    (``RowsLookup``); docs/soundness.md, "Plans traced from PyTorch",
+    4X-megdist32."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        ids = _env(lw, args[1])
+        if not isinstance(ids, Local):
+            return base(lw, args, kwargs, shapes, group)
+        w = lw.val(args[0])
+        if len(args) > 2 and args[2] is not None and int(args[2]) >= 0:
+            raise LoweringError(f"{lw.name}: a vocabulary-parallel lookup with a padding_idx "
+                                f"is not lowered")
+        part = _lookup_columns(lw, ids, lw.shapes[w][0])
+        out = lw.emit("embedding", [part, w], shapes)[0]
+        return RowsLookup(out, ids.mask)
+    return lower
+
+
 # -- the backward of a vocabulary-parallel lookup -------------------------------------
 
 @refines("aten.index_put.default")
@@ -429,8 +480,8 @@ def index_put_copy(base: Handler) -> Handler:
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         mask = _env(lw, indices[0]) if len(indices) == 1 else None
         accumulate = bool(args[3]) if len(args) > 3 else False
-        if isinstance(mask, VocabMask) and lw.const(args[2]) == 0 and not accumulate \
-                and isinstance(_env(lw, args[0]), int):
+        if isinstance(mask, (VocabMask, OutOfRange)) and lw.const(args[2]) == 0 \
+                and not accumulate and isinstance(_env(lw, args[0]), int):
             return MaskedGrad(lw.val(args[0]), mask)
         _refuse_helpers(lw, [args[0], args[2], *indices], "index_put")
         return base(lw, args, kwargs, shapes, group)
@@ -450,6 +501,16 @@ def embedding_backward(base: Handler) -> Handler:
             return base(lw, args, kwargs, shapes, group)
         rows = int(args[2])
         padding = args[3] if len(args) > 3 else -1
+        if isinstance(g.mask, OutOfRange):
+            if not isinstance(ids, Local) or ids.mask is None or ids.mask.key() != g.mask.key() \
+                    or (len(args) > 4 and args[4]) or (padding is not None and int(padding) >= 0):
+                raise LoweringError(f"{lw.name}: the backward of a masked gradient other than "
+                                    f"by its vocabulary-parallel lookup is not lowered")
+            part = _lookup_columns(lw, ids, rows)
+            out = lw.new(shapes[0])
+            lw.nodes.append(LNode("embedding", "bw", [part, -1, g.g], [-1, out], {}, lw.name,
+                                  None, lw.mb))
+            return out
         if not isinstance(ids, Shifted) or ids.mask != g.mask or ids.mask.lo != ids.lo \
                 or ids.mask.hi - ids.lo != rows or (len(args) > 4 and args[4]) \
                 or (padding is not None and int(padding) >= 0):
