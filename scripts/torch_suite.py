@@ -213,6 +213,12 @@ CASES: list[tuple[str, str, int]] = [
      "--dp 2 --tp 1 --batch 4 --seed 1", 1),
     ("megatron tp2 mtp (the rolled ids' vocabulary-parallel lookup)",
      "--model backends.torch.megatron:gpt_mtp --recipe backends.torch.megatron:tp --dp 1 --tp 2", 0),
+    ("megatron dp2 tp2 mtp 2 microbatches (a loss mask of each microbatch)",
+     "--model backends.torch.megatron:gpt_mtp --recipe backends.torch.megatron:ddp "
+     "--dp 2 --tp 2 --batch 8", 0),
+    ("megatron bug mtp loss normalized by local token counts, tp2 2 microbatches (7452)",
+     "--model backends.torch.megatron:gpt_mtp_masked --recipe backends.torch.megatron:ddp "
+     "--dp 1 --tp 2 --batch 4 --seed 1", 1),
     ("megatron dp2 distributed optimizer (flat shards cut parameters)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8", 2),
     ("megatron tp2 clip_grad_norm (reads the norm with .item())",

@@ -67,6 +67,11 @@ class Claim:
 CONST_CUTS = ((("dp",), ("tp",), ("cp",), ("dp", "tp"), ("dp", "cp")),
               (("tp",), ("cp",), ("dp",), ("dp", "tp"), ("cp", "tp")))
 
+#: The cuts of a constant's batch dim added for a constant of one microbatch
+#: (``_Rank.per_microbatch``): its rows are the microbatch's rows of the
+#: data-parallel rank's (dp major, as the batch is laid out)
+MB_CUTS = (("dp", "mb"), ("mb",))
+
 #: The mesh axes a module buffer a recipe cut may be cut by, in the order
 #: they are tried (``_Rank.buffer_piece``)
 BUFFER_CUTS = (("cp",), ("tp",), ("cp", "tp"))
@@ -291,6 +296,8 @@ class _Rank:
         self.used: set[tuple[int, int]] = set()  # (microbatch, S node) matched
         self.pending: dict[int, list[int]] = {}  # P value -> P leaves of a deferred sum
         self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
+        #: a constant's copy for one microbatch -> the constant (``per_microbatch``)
+        self.split_from: dict[int, int] = {}
         self.fresh = 10**9
         self.own_tid: dict[int, int] = {}  # a constant of this rank only -> its logical tensor
         #: a constant equal to the slice of several single-device constants ->
@@ -311,12 +318,16 @@ class _Rank:
                       and all(c.op == "all_reduce" for c in self.consumers[node.outs[0]])}
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         own: list[tuple[int, str]] = []  # constants no single-device one holds
+        split: list[tuple[int, str]] = []  # constants read in several microbatches
         for v, (kind, name) in low.inputs.items():
             if name not in by_name and v in low.constants:
+                if self.microbatch_rows(v):
+                    split.append((v, name))
+                    continue
                 try:
                     self.sv[v], self.claim[v] = self.const_piece(v)
                 except LoweringError:
-                    own.append((v, name))
+                    split.append((v, name))
                 continue
             tied = b.s.low.ties.get(name) if kind == "param" else None
             if name not in by_name and tied is not None:
@@ -335,9 +346,69 @@ class _Rank:
                 self.claim[v] = self.buffer_piece(v)
             self.check_input(v, name)
             self.whole_where_held(v)
+        for v, name in split:
+            copies = self.per_microbatch(v)
+            if not copies:
+                own.append((v, name))
+                continue
+            for table in (low.inputs, low.axes, low.constants):  # read by its copies only
+                table.pop(v, None)
+            for u in copies:
+                try:
+                    self.sv[u], self.claim[u] = self.const_piece(u)
+                except LoweringError:
+                    own.append((u, low.inputs[u][1]))
         self.taken = {self.sv[u] for u in self.sv}
         for v, name in own:
             self.sv[v], self.claim[v] = self.own_constant(v, name)
+
+    def microbatch_rows(self, v: int) -> bool:
+        """Constant ``v`` is read in microbatches only, no single-device
+        constant has its shape, and one has its shape but for more rows: its
+        rows are a microbatch's, cut by "mb" (``per_microbatch``), whatever
+        other cut its values would also fit (rows all alike fit any)."""
+        readers = self.consumers.get(v, [])
+        shape = tuple(self.low.shapes[v])
+        if self.sizes.get("mb", 1) < 2 or not readers or any(n.mb < 0 for n in readers) \
+                or not shape or not shape[0]:
+            return False
+        fulls = [tuple(f.shape) for f in self.b.s.low.constants.values()]
+        return shape not in fulls and any(
+            len(f) == len(shape) and f[1:] == shape[1:] and f[0] > shape[0]
+            and f[0] % shape[0] == 0 for f in fulls)
+
+    def per_microbatch(self, v: int) -> list[int]:
+        """A constant input read in microbatches (one value, as the
+        lowering keeps one input per distinct constant) that is no piece of
+        a single-device constant as a whole: one copy per microbatch that
+        reads it, each read by that microbatch's nodes only and placed in
+        it, so that ``const_piece`` can claim each as the microbatch's
+        piece (GPTModel's all-ones loss mask, rolled: the same values in
+        every microbatch), or as a constant of its own in that microbatch
+        (``own_constant``). Each claim is then checked by value as any
+        constant's. No copies (an empty list) when a reader is in no
+        microbatch or the step has one."""
+        readers = self.consumers.get(v, [])
+        mbs = sorted({node.mb for node in readers})
+        if self.sizes.get("mb", 1) < 2 or not mbs or mbs[0] < 0:
+            return []
+        kind, name = self.low.inputs[v]
+        copies = []
+        for m in mbs:
+            u = max(self.low.shapes) + 1
+            self.low.shapes[u] = self.low.shapes[v]
+            self.low.inputs[u] = (kind, f"{name}.mb{m}")
+            self.low.axes[u] = self.low.axes[v]
+            self.low.constants[u] = self.low.constants[v]
+            for node in readers:
+                if node.mb == m:
+                    node.ins = [u if x == v else x for x in node.ins]
+                    self.consumers.setdefault(u, []).append(node)
+            self.mb[u] = m
+            self.split_from[u] = v
+            copies.append(u)
+        del self.consumers[v]
+        return copies
 
     def own_constant(self, v: int, name: str) -> tuple[int, Claim]:
         """A constant of this rank that is no piece of any single-device
@@ -395,7 +466,8 @@ class _Rank:
             # the piece at this rank's coordinates of an input of the
             # single-device constant's shape, which no single-device node
             # reads (another routing of its rows)
-            dims = [self.guess(m, f, order=self.orders(CONST_CUTS[min(k, 1)]))
+            first = MB_CUTS + CONST_CUTS[0] if self.mb.get(v, -1) >= 0 else CONST_CUTS[0]
+            dims = [self.guess(m, f, order=self.orders((first, CONST_CUTS[1])[min(k, 1)]))
                     for k, (m, f) in enumerate(zip(shape, full))]
         self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
         return best, Claim(dims)
@@ -425,18 +497,23 @@ class _Rank:
         contents. The claim is then true by those contents; no match stops
         the run."""
         mine = self.low.constants[v]
+        coords = {**self.low.coords, "mb": self.mb.get(v, -1)}
+        # the batch dim of a constant of one microbatch is first the microbatch's rows
+        # (a constant equal on every row is a piece at several cuts, all true; the
+        # one its readers' other inputs are cut by is the microbatch's)
+        orders = (MB_CUTS + CONST_CUTS[0] if coords["mb"] >= 0 else CONST_CUTS[0], CONST_CUTS[1])
         found: list[tuple[int, Claim]] = []
         for sv, full in self.b.s.low.constants.items():
             if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
                 continue
-            per_dim = [self.cuts(m, f, CONST_CUTS[min(k, 1)])
+            per_dim = [self.cuts(m, f, orders[min(k, 1)])
                        for k, (m, f) in enumerate(zip(mine.shape, full.shape))]
             for dims in itertools.product(*per_dim):
                 index = []
                 for axes, m in zip(dims, mine.shape):
                     i = 0
                     for a in axes:
-                        i = i * self.sizes[a] + self.low.coords[a]
+                        i = i * self.sizes[a] + coords[a]
                     index.append(slice(i * m, (i + 1) * m))
                 if np.array_equal(full[tuple(index)], mine):
                     found.append((sv, Claim([list(a) for a in dims])))
@@ -1419,8 +1496,8 @@ class _Writer:
         self.t_of: dict[tuple[int, int], int] = {}
         for r in self.rs.values():
             for v, (kind, _) in r.low.inputs.items():
-                self.t_of[(r.low.rank, v)] = self.tensor(
-                    r, v, -1 if kind in ("param", "buffer") else 0, tid=r.own_tid.get(v))
+                mb = r.mb[v] if v in r.split_from else -1 if kind in ("param", "buffer") else 0
+                self.t_of[(r.low.rank, v)] = self.tensor(r, v, mb, tid=r.own_tid.get(v))
 
     def tensor(self, r: _Rank, v: int, mb: int, tid: int | None = None,
                lver: int | None = None) -> int:
