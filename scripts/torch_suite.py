@@ -216,7 +216,7 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron dp2 tp2 mtp 2 microbatches (a loss mask of each microbatch)",
      "--model backends.torch.megatron:gpt_mtp --recipe backends.torch.megatron:ddp "
      "--dp 2 --tp 2 --batch 8", 0),
-    ("megatron bug mtp loss normalized by local token counts, tp2 2 microbatches (7452)",
+    ("megatron bug mtp tp2 2 microbatches, each normalized by its own token count (7452)",
      "--model backends.torch.megatron:gpt_mtp_masked --recipe backends.torch.megatron:ddp "
      "--dp 1 --tp 2 --batch 4 --seed 1", 1),
     ("megatron dp2 distributed optimizer (flat shards cut parameters)",
