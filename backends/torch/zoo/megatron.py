@@ -589,6 +589,11 @@ ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
 # or, with tensor parallelism, expert tensor parallelism of the tp size or 1
 moe_ep2 = recipe(ep=2)
 moe_ep2_etp1 = recipe(ep=2, etp=1)
+# tensor and sequence parallelism with the experts over the tensor-parallel ranks
+# (tp 2 ep 2 etp 1), or each rank holding every expert whole (tp 2 ep 1 etp 1: the
+# experts' gradients all-reduced over the expert-data-parallel group, the tp ranks)
+moe_tp_sp_ep2 = recipe(sequence_parallel=True, ep=2, etp=1)
+moe_tp_sp_etp1 = recipe(sequence_parallel=True, ep=1, etp=1)
 
 
 def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
