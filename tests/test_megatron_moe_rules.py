@@ -17,7 +17,7 @@ from backends.torch.tracer.routing import Routing, RoutingError
 
 
 def _lowerer(env: dict) -> SimpleNamespace:
-    return SimpleNamespace(env=env, name="experts", shapes={})
+    return SimpleNamespace(env=env, name="experts", shapes={}, trace={"shapes": []})
 
 
 def _never(*args, **kwargs):

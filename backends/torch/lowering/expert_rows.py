@@ -85,6 +85,14 @@ def _stacked(lw: Any, bases: list[int]) -> int:
     return lw.emit("cat", parts, [(len(parts), *shape)], {"dim": 0})[0]
 
 
+def _empty(lw: Any, ref: Any) -> bool:
+    """A recorded value with no rows."""
+    if not (isinstance(ref, (list, tuple)) and len(ref) == 2 and ref[0] == "v"):
+        return False
+    shapes = lw.trace["shapes"]
+    return ref[1] < len(shapes) and len(shapes[ref[1]]) > 0 and shapes[ref[1]][0] == 0
+
+
 def _experts_cat(lw: Any, items: list[Experts]) -> Experts:
     """Blocks of one grouped result put side by side (the dispatcher's
     unsort of the experts' output): row i is ``y[group[i], index[i]]`` of
@@ -102,8 +110,11 @@ def cat(base: Handler) -> Handler:
     """``cat`` along the rows of gathered rows."""
     def lower(lw: Any, args, kwargs, shapes, group):
         refs = args[0] if isinstance(args[0], (list, tuple)) else []
-        items = [value_of(lw, a) for a in refs]
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if _rows_dim(dim):
+            # a block of no rows (an expert no row was routed to) adds nothing
+            refs = [a for a in refs if not _empty(lw, a)] or refs[:1]
+        items = [value_of(lw, a) for a in refs]
         if items and _rows_dim(dim) and all(isinstance(i, Experts) for i in items) \
                 and len({i.y for i in items}) == 1:
             return _experts_cat(lw, items)

@@ -404,6 +404,15 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
             for name, p in chunk.named_parameters():
                 if "layernorm" in name and hasattr(p, "sequence_parallel"):
                     del p.sequence_parallel
+    if options.bug == "experts_sorted_wrong":
+        # the received rows sorted into the local experts' blocks in the reverse
+        # order: each local expert runs on rows the routing sent another
+        for chunk in chunks:
+            for module in chunk.modules():
+                dispatcher = getattr(module, "token_dispatcher", None)
+                if dispatcher is not None and hasattr(dispatcher, "sort_input_by_local_experts"):
+                    dispatcher.sort_input_by_local_experts = \
+                        dispatcher.sort_input_by_local_experts.flip(0)
     if options.expert_topology_fix and (options.ep > 1 or (options.etp or tp) != tp):
         for chunk in chunks:
             for name, p in chunk.named_parameters():
@@ -610,6 +619,8 @@ moe_tp_sp_etp1_fixed = recipe(sequence_parallel=True, ep=1, etp=1, expert_topolo
 # experts' parameters keep allreduce=True, so DDP reduces their gradients over the dense
 # data-parallel group, not over the expert-data-parallel group of the tp ranks)
 moe_tp_sp_etp1 = recipe(sequence_parallel=True, ep=1, etp=1)
+# a wrong step: the dispatcher sorts the received rows by local expert in the reverse order
+moe_tp_sp_ep2_sorted_wrong = recipe(sequence_parallel=True, ep=2, etp=1, bug="experts_sorted_wrong")
 
 
 def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
