@@ -697,6 +697,27 @@ CASES += [
      "--dp 2 --tp 1", 1),
 ]
 
+#: Megatron-Core's MoE layer (local spec, its all-to-all token dispatcher, top-2 of four
+#: experts) in its GPTModel, parallelized and run by Megatron (docs/soundness.md, "Plans
+#: traced from PyTorch", 47 and 4X-mmoe30d)
+MEGATRON_MOE = "--model backends.torch.megatron:moe_gpt --recipe backends.torch.megatron:"
+CASES += [
+    ("moe megatron ep2 tp2 sp etp1 (the experts over the tensor-parallel ranks)",
+     f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2", 0),
+    ("moe megatron ep2 tp2 sp skewed routing (seed 3: experts 0 and 1 take 27 of 32 rows, "
+     "rank 0 sends expert 2 no token)", f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2 --seed 3", 0),
+    ("moe megatron ep2 tp2 sp an expert with no token from each rank (seed 5)",
+     f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2 --seed 5", 0),
+    ("moe megatron ep2 tp2 sp rows sorted to the other local expert refused (rows added back "
+     "at other tokens than they came from)", f"{MEGATRON_MOE}moe_tp_sp_ep2_sorted_wrong --dp 1 --tp 2", 2),
+    ("moe megatron bug ep1 etp1 tp2 expert grads not reduced over the expert-data-parallel "
+     "group (Megatron-LM PR 5916, as 0.16.1 ships it)", f"{MEGATRON_MOE}moe_tp_sp_etp1 --dp 1 --tp 2", 1),
+    ("moe megatron ep1 etp1 tp2 with PR 5916's fix (experts marked allreduce=False)",
+     f"{MEGATRON_MOE}moe_tp_sp_etp1_fixed --dp 1 --tp 2", 0),
+    ("moe megatron dp2 ep2 refused (a rank's sequence-first token rows are no block)",
+     f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1", 2),
+]
+
 #: the sequence split over a "cp" mesh dim (docs/soundness.md, "Plans traced from PyTorch",
 #: the sequence split), on models that compute each position on its own; recipes in
 #: tests/cp_split_recipes.py, gloo agrees on each (scripts/gloo_truth.py --mesh)

@@ -34,7 +34,11 @@ from backends.torch.tracer.exchange import settle
 from backends.torch.tracer.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.tracer.rank import load, run
 from backends.torch.tracer.ranks import trace_ranks
-from backends.torch.tracer.routing import check_every_expert_reached, describe
+from backends.torch.tracer.routing import (
+    check_every_expert_reached,
+    check_rows_are_blocks,
+    describe,
+)
 from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
@@ -259,6 +263,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
+    check_rows_are_blocks(single, args.dp)
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:
         world["routing"] = describe(single["routing_summary"])

@@ -11,7 +11,10 @@ the tokens per expert, one MLP each, ``cat`` of the results).
 - a ``cat`` along the rows of gathered rows of one base is the rows at the
   concatenated index (no row repeated, checked); of rows of several bases
   of one shape (each expert's result on all rows), the ``Experts`` of the
-  bases stacked, each row of the group of its block.
+  bases stacked, each row of the group of its block; of blocks of one
+  grouped result (``Experts`` of one ``y``: the unsort of the experts'
+  output), ``y`` at the concatenated (group, index) pairs (no pair
+  repeated, checked).
 
 Each is the op's definition on the recorded index: exact for every value.
 Anything else is handed on.
@@ -82,12 +85,39 @@ def _stacked(lw: Any, bases: list[int]) -> int:
     return lw.emit("cat", parts, [(len(parts), *shape)], {"dim": 0})[0]
 
 
+def _empty(lw: Any, ref: Any) -> bool:
+    """A recorded value with no rows."""
+    if not (isinstance(ref, (list, tuple)) and len(ref) == 2 and ref[0] == "v"):
+        return False
+    shapes = lw.trace["shapes"]
+    return ref[1] < len(shapes) and len(shapes[ref[1]]) > 0 and shapes[ref[1]][0] == 0
+
+
+def _experts_cat(lw: Any, items: list[Experts]) -> Experts:
+    """Blocks of one grouped result put side by side (the dispatcher's
+    unsort of the experts' output): row i is ``y[group[i], index[i]]`` of
+    the block it came from, so the whole is ``y`` at the concatenated
+    (group, index) pairs. A pair taken twice is refused."""
+    group = np.concatenate([i.group for i in items]).astype(np.int64)
+    index = np.concatenate([i.index for i in items]).astype(np.int64)
+    pairs = group * (int(index.max(initial=0)) + 1) + index
+    if len(np.unique(pairs)) != len(pairs):
+        raise LoweringError(f"{lw.name}: grouped rows put side by side that repeat a row")
+    return Experts(items[0].y, group, index)
+
+
 def cat(base: Handler) -> Handler:
     """``cat`` along the rows of gathered rows."""
     def lower(lw: Any, args, kwargs, shapes, group):
         refs = args[0] if isinstance(args[0], (list, tuple)) else []
-        items = [value_of(lw, a) for a in refs]
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if _rows_dim(dim):
+            # a block of no rows (an expert no row was routed to) adds nothing
+            refs = [a for a in refs if not _empty(lw, a)] or refs[:1]
+        items = [value_of(lw, a) for a in refs]
+        if items and _rows_dim(dim) and all(isinstance(i, Experts) for i in items) \
+                and len({i.y for i in items}) == 1:
+            return _experts_cat(lw, items)
         if not items or not _rows_dim(dim) or not all(isinstance(i, Rows) for i in items):
             return base(lw, args, kwargs, shapes, group)
         index = np.concatenate([i.index for i in items]).astype(np.int64)

@@ -35,7 +35,14 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.ir import NewZeros, Pending, Zeros
-from backends.torch.lowering.routed_rows import ROWWISE, Rows, RowsT, tensor_refs, value_of
+from backends.torch.lowering.routed_rows import (
+    ROWWISE,
+    Rows,
+    RowsT,
+    is_zeros,
+    tensor_refs,
+    value_of,
+)
 
 Handler = Callable[..., Any]
 
@@ -312,7 +319,8 @@ def scatter_add(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         target, src = value_of(lw, args[0]), value_of(lw, args[-1])
         index_ref = args[2] if len(args) == 4 else args[1]
-        if not isinstance(target, (Zeros, NewZeros)) or not isinstance(src, (Rows, Experts)):
+        if not (isinstance(target, (Zeros, NewZeros)) or is_zeros(lw, args[0])) \
+                or not isinstance(src, (Rows, Experts)):
             return base(lw, args, kwargs, shapes, group)
         if len(args) == 4 and int(args[1]) != 0:
             return base(lw, args, kwargs, shapes, group)
@@ -341,6 +349,27 @@ def index_put(base: Handler) -> Handler:
                 or not np.array_equal(value, found[0] // found[1]):
             return base(lw, args, kwargs, shapes, group)
         return _summed_copies(lw, src, found[0], found[1], tuple(shapes[0]))
+    return lower
+
+
+def index_add(base: Handler) -> Handler:
+    """``t.index_add(0, p // C, rows)`` with rows the rows p of a C-fold
+    copy (the backward of ``x.index_select(0, p // C)``): ``t`` plus the
+    rows summed back at their token."""
+    def lower(lw: Any, args, kwargs, shapes, group):
+        src = value_of(lw, args[3]) if len(args) > 3 else None
+        alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
+        if not isinstance(src, (Rows, Experts)) or int(args[1]) != 0 or alpha != 1:
+            return base(lw, args, kwargs, shapes, group)
+        found = copies_of(lw, args[2])
+        value = constant_value(lw, args[2])
+        if found is None or found[1] == 1 or value is None \
+                or not np.array_equal(value, found[0] // found[1]):
+            return base(lw, args, kwargs, shapes, group)
+        summed = _summed_copies(lw, src, found[0], found[1], tuple(shapes[0]))
+        if isinstance(value_of(lw, args[0]), (Zeros, NewZeros)):
+            return summed
+        return lw.emit("add", [lw.val(args[0]), summed], [tuple(shapes[0])])[0]
     return lower
 
 

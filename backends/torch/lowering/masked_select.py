@@ -61,7 +61,7 @@ def _columns(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     copy = np.empty(len(cols), dtype=np.int64)
     for i, t in enumerate(cols.tolist()):
         copy[i] = seen.get(t, 0)
-        seen[t] = copy[i] + 1
+        seen[t] = int(copy[i]) + 1
     return cols.astype(np.int64), copy, max(seen.values(), default=1)
 
 
@@ -110,8 +110,13 @@ def masked_scatter(lw: Lowerer, args, kwargs, shapes, group):
     mask = _mask(lw, args[1], shape)
     positions = np.flatnonzero(mask)
     k = len(positions)
+    from backends.torch.lowering.grouped_rows import Experts, collapse
     from backends.torch.lowering.routed_rows import Rows, masked
     rows = lw.env.get(args[2][1])
+    if isinstance(rows, Experts) and len(lw.shapes[rows.y]) == 2:
+        # each row's own group's value (the experts' gradients of the
+        # routing probabilities), on the base
+        rows = Rows(collapse(lw, rows), rows.index)
     if isinstance(rows, Rows) and len(shape) == 2 and k and len(lw.shapes[rows.base]) == 1:
         onehot, index, c = _pick_matrix(mask)
         a, b = shape

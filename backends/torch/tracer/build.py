@@ -166,7 +166,7 @@ class _Builder:
 
     # -- single-device plan ---------------------------------------------------
     def logical_of(self, name: str, shape, kind: str) -> int:
-        self.logical.append(Logical(name, tuple(shape), kind))
+        self.logical.append(Logical(name, tuple(int(n) for n in shape), kind))
         return len(self.logical) - 1
 
     def own_input(self, name: str, shape: tuple[int, ...], kind: str) -> int:
@@ -616,10 +616,14 @@ class _Rank:
                              f"{_scope(node.name)} on values the single-device step never "
                              f"combines that way")
         # several single-device nodes compute the same value (e.g. a buffer
-        # expanded in every layer): prefer the one of the same module, not yet
-        # matched in this microbatch
+        # expanded in every layer): prefer the one of the same module, then
+        # the one this rank's readers combine as the single-device step does
+        # (an expert-parallel rank's local expert 0 is another global
+        # expert), not yet matched in this microbatch
         nodes = self.b.s.low.nodes
-        pick = min(cands, key=lambda c: (nodes[c].name != node.name, (node.mb, c) in self.used,
+        misses = {c: self.readers_missed(node, c) for c in cands} if len(cands) > 1 else {}
+        pick = min(cands, key=lambda c: (nodes[c].name != node.name, misses.get(c, 0),
+                                         (node.mb, c) in self.used,
                                          nodes[c].kwargs != node.kwargs))
         self.used.add((node.mb, pick))
         if node.op in SCALINGS and nodes[pick].kwargs.get("value") != node.kwargs.get("value"):
@@ -628,6 +632,23 @@ class _Rank:
             ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
+
+    def readers_missed(self, node: LNode, cand: int) -> int:
+        """How many of the readers of ``node``'s outputs whose other inputs
+        are aligned already would read a combination the single-device step
+        never runs, were ``node`` aligned with the single-device node
+        ``cand`` (a choice among nodes computing equal values: which is
+        chosen never changes a claim's truth, only where the stages meet)."""
+        outs = self.b.s.low.nodes[cand].outs
+        missed = 0
+        for o, so in zip(node.outs, outs):
+            for reader in self.consumers.get(o, []) if o >= 0 else []:
+                ins = [so if v == o else (-1 if v < 0 else self.sv.get(v)) for v in reader.ins]
+                if None in ins:
+                    continue
+                key = (reader.op, reader.dir, tuple(ins), _key_kwargs(reader.kwargs))
+                missed += key not in self.b.s.by_key
+        return missed
 
     def choose_constants(self, node: LNode, key: tuple) -> tuple[tuple, list[int] | None]:
         """A reader of constants that match several single-device ones (each
@@ -972,7 +993,8 @@ class _Rank:
             self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale)
             self.check(out, uneven=True)
             return
-        if node.op == "cat" and not self.aligns(node) and self.joins(node):
+        if node.op == "cat" and not self.aligns(node) and (self.joins(node)
+                                                           or self.cat_block(node)):
             return
         if node.op == "zeros" and node.outs[0] in self.low.empty_sums:
             self.empty_sum(node, coords)
@@ -1014,7 +1036,13 @@ class _Rank:
         full = self.gshape(node.ins[0])
         views = [self.view(v) for v in node.ins]
         first = self.claim[node.ins[0]]
-        if any(self.claim[v].partial or self.claim[v].scale != first.scale for v in node.ins) \
+        # pieces partial over the axes that cut them along the dim (the
+        # gradient of each data-parallel rank's rows, from its own loss):
+        # each piece is the one part its rows have, so the whole is no
+        # longer partial over them (claimed, and proved like any claim)
+        cutting = set(first.dims[d])
+        if any(self.claim[v].partial != first.partial or self.claim[v].scale != first.scale
+               for v in node.ins) or not first.partial <= cutting \
                 or len({tuple(s for k, s in enumerate(sl) if k != d) for sl, _ in views}) != 1 \
                 or sum(sl[d][1] - sl[d][0] for sl, _ in views) != full[d]:
             return False
@@ -1026,6 +1054,50 @@ class _Rank:
             raise LoweringError(f"rank {self.low.rank}: a cat at {_scope(node.name)} joins "
                                 f"pieces cut along other dims than this rank's")
         return True
+
+    def cat_block(self, node: LNode) -> bool:
+        """A ``cat`` of values aligned with consecutive inputs of a
+        single-device ``cat`` along the same dim (a rank's local experts
+        stacked: Megatron's expert-parallel ranks each stack their own
+        experts' results, the single-device step all of them): the block of
+        that cat's output its inputs make, claimed as the piece of the mesh
+        axes whose coordinates on this rank give that block (the claim is
+        proved like any). False when it is none (docs/soundness.md, "Plans
+        traced from PyTorch", 4X-mmoe30d)."""
+        d, mine = node.kwargs["dim"], [self.sv[v] for v in node.ins]
+        claims = [self.claim[v] for v in node.ins]
+        first = claims[0]
+        if any(c.dims != first.dims or c.partial != first.partial or c.scale != first.scale
+               or c.mbs != first.mbs or c.at for c in claims) or first.dims[d]:
+            return False
+        rest = _key_kwargs(node.kwargs)
+        s_nodes = self.b.s.low.nodes
+        for key, cands in self.b.s.by_key.items():
+            if key[0] != "cat" or key[1] != node.dir or key[3] != rest \
+                    or len(key[2]) <= len(mine):
+                continue
+            ins = list(key[2])
+            starts = [k for k in range(len(ins) - len(mine) + 1)
+                      if ins[k:k + len(mine)] == mine]
+            if len(starts) != 1:
+                continue
+            shapes = self.b.s.low.shapes
+            lo = sum(shapes[v][d] for v in ins[:starts[0]])
+            hi = lo + sum(shapes[v][d] for v in mine)
+            out = s_nodes[cands[0]].outs[0]
+            full = shapes[out][d]
+            for axes in self.orders(CONST_CUTS[1]):
+                if all(self.sizes[a] > 1 for a in axes) and full % math.prod(
+                        self.sizes[a] for a in axes) == 0 \
+                        and self.piece(list(axes), full, self.low.coords) == (lo, hi):
+                    o = node.outs[0]
+                    self.sv[o] = out
+                    self.mb[o] = max((self.mb.get(v, -1) for v in node.ins), default=-1)
+                    dims = [list(axes) if k == d else list(a) for k, a in enumerate(first.dims)]
+                    self.claim[o] = Claim(dims, first.partial, first.mbs, first.scale)
+                    self.used.add((node.mb, cands[0]))
+                    return True
+        return False
 
     def empty_sum(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
         """The square sum (a zero) of a gradient's empty shard: this rank's

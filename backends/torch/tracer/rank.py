@@ -120,7 +120,9 @@ def _run(spec: dict, rank: int) -> dict:
     # the tensor-parallel ranks under sequence parallelism
     seq_block = (coords["cp"] * spec["tp"] + coords["tp"], cp * spec["tp"]) \
         if spec["parallel"] else (0, 1)
-    rec.routing = Routing(spec.get("routing"), block, seq_block)
+    rec.routing = Routing(spec.get("routing"), block, seq_block,
+                          bool(getattr(model, "sequence_first", False)))
+    rec.routing.batch = spec["batch"]
     if spec["parallel"]:
         rec.exchanges = Exchanges(rank, spec.get("exchanges"))
     pipelined, own = None, None

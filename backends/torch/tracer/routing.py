@@ -38,10 +38,14 @@ class Routing:
     the rank's data-parallel block (index, parts) of the flattened rows."""
 
     def __init__(self, replay: list[np.ndarray] | None = None, block: tuple[int, int] = (0, 1),
-                 seq_block: tuple[int, int] = (0, 1)):
+                 seq_block: tuple[int, int] = (0, 1), sequence_first: bool = False):
         self.replay = replay
         self.block = block
         self.seq_block = seq_block  # the rank's tensor-parallel block of the positions
+        #: the model's token rows are (position, batch row) pairs, position
+        #: outer (Megatron-Core's ``[s, b, h]`` flattened), of ``batch`` rows
+        self.sequence_first = sequence_first
+        self.batch: int | None = None
         self.recorded: list[np.ndarray] = []
         self.experts: list[int] = []
 
@@ -51,9 +55,22 @@ class Routing:
         if tuple(full.shape) == shape:
             return full
         index, parts = self.block
+        at, cuts = self.seq_block
+        if self.sequence_first and len(shape) == full.ndim and shape[1:] == full.shape[1:] \
+                and shape[0] * parts * cuts == full.shape[0]:
+            # rows (position, batch row), position outer: the rank's block of
+            # the positions (sequence parallelism) at its data-parallel block
+            # of the batch rows (not one block of the flattened rows when both
+            # are cut: the replay is the routing of exactly the rank's tokens)
+            batch = self.batch
+            if batch is None or full.shape[0] % batch or batch % parts:
+                raise RoutingError(f"a router call of shape {list(shape)} on sequence-first rows "
+                                   f"of an unknown batch")
+            grid = full.reshape(full.shape[0] // batch, batch, *full.shape[1:])
+            s, b = grid.shape[0] // cuts, batch // parts
+            return grid[at * s:(at + 1) * s, index * b:(index + 1) * b].reshape(shape)
         if len(shape) == full.ndim and shape[0] * parts == full.shape[0] and shape[1:] == full.shape[1:]:
             return full[index * shape[0]:(index + 1) * shape[0]]
-        at, cuts = self.seq_block
         if len(shape) == full.ndim >= 3 and shape[2:] == full.shape[2:] \
                 and shape[0] * parts == full.shape[0] and shape[1] * cuts == full.shape[1]:
             # sequence parallelism: the rank's rows and its block of the positions
@@ -118,3 +135,18 @@ def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
                                     f"no token on a rank is not traced (docs/soundness.md, \"Plans "
                                     f"traced from PyTorch\", 36 g); another --seed or --batch routes "
                                     f"otherwise")
+
+
+def check_rows_are_blocks(single: dict, dp: int) -> None:
+    """Refuse a routed step of a sequence-first model (token rows ``[s, b]``
+    flattened, position outer: Megatron-Core's) with data parallelism: a
+    rank's tokens are then a strided set of the single-device rows (its
+    batch rows at every position), which no claim of a block states
+    (docs/soundness.md, "Plans traced from PyTorch", 4X-mmoe30d g)."""
+    from backends.torch.errors import LoweringError
+    if single.get("routing") and single.get("sequence_first") and dp > 1:
+        raise LoweringError("a routed mixture of experts in a sequence-first model with data "
+                            "parallelism is not traced: each rank's token rows (its batch rows at "
+                            "every position) are no block of the flattened [s, b] rows; use "
+                            "--dp 1 (tensor and sequence parallelism with the experts over the "
+                            "tensor-parallel ranks)")

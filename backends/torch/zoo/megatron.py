@@ -278,6 +278,13 @@ class Options:
     #: tensor-parallel size)
     ep: int = 1
     etp: int | None = None
+    #: Megatron-LM PR 5916's fix of the expert topology, applied to the
+    #: installed 0.16.1 (which ships without it): an expert's parameters are
+    #: marked ``allreduce=False`` (reduced over the expert-data-parallel
+    #: group) whenever the experts' layout differs from the dense one
+    #: (``ep > 1`` or ``etp`` other than the tensor-parallel size), not only
+    #: when ``ep > 1``
+    expert_topology_fix: bool = False
     #: shipped mistakes, each on Megatron's own code path (docs/torch-backend.md)
     bug: str | None = None
 
@@ -397,6 +404,20 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
             for name, p in chunk.named_parameters():
                 if "layernorm" in name and hasattr(p, "sequence_parallel"):
                     del p.sequence_parallel
+    if options.bug == "experts_sorted_wrong":
+        # the received rows sorted into the local experts' blocks in the reverse
+        # order: each local expert runs on rows the routing sent another
+        for chunk in chunks:
+            for module in chunk.modules():
+                dispatcher = getattr(module, "token_dispatcher", None)
+                if dispatcher is not None and hasattr(dispatcher, "sort_input_by_local_experts"):
+                    dispatcher.sort_input_by_local_experts = \
+                        dispatcher.sort_input_by_local_experts.flip(0)
+    if options.expert_topology_fix and (options.ep > 1 or (options.etp or tp) != tp):
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if ".local_experts." in name:
+                    p.allreduce = False
     del model.model
     model.chunks = nn.ModuleList(chunks)
     ddp_config = DistributedDataParallelConfig(
@@ -589,6 +610,17 @@ ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
 # or, with tensor parallelism, expert tensor parallelism of the tp size or 1
 moe_ep2 = recipe(ep=2)
 moe_ep2_etp1 = recipe(ep=2, etp=1)
+# tensor and sequence parallelism with the experts over the tensor-parallel ranks
+# (tp 2 ep 2 etp 1), or each rank holding every expert whole (tp 2 ep 1 etp 1: the
+# experts' gradients all-reduced over the expert-data-parallel group, the tp ranks)
+moe_tp_sp_ep2 = recipe(sequence_parallel=True, ep=2, etp=1)
+moe_tp_sp_etp1_fixed = recipe(sequence_parallel=True, ep=1, etp=1, expert_topology_fix=True)
+# shipped: Megatron-LM PR 5916's uncommon case as 0.16.1 runs it (ep 1, etp 1 != tp 2: the
+# experts' parameters keep allreduce=True, so DDP reduces their gradients over the dense
+# data-parallel group, not over the expert-data-parallel group of the tp ranks)
+moe_tp_sp_etp1 = recipe(sequence_parallel=True, ep=1, etp=1)
+# a wrong step: the dispatcher sorts the received rows by local expert in the reverse order
+moe_tp_sp_ep2_sorted_wrong = recipe(sequence_parallel=True, ep=2, etp=1, bug="experts_sorted_wrong")
 
 
 def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
