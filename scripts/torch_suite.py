@@ -458,7 +458,7 @@ CASES: list[tuple[str, str, int]] = [
           ("branch_on_value", f"{STOCK}ddp", "dp2", 2),
           ("partial_write", "ddp_avg", "dp2", 0),
           ("partial_write", f"{STOCK}ddp", "dp2", 1),
-          ("strided_write", "ddp_avg", "dp2", 2),
+          ("strided_write", "ddp_avg", "dp2", 0),
       ]],
     # issue 18's last stock ops: convolutions (tests/outside_models.py:conv_tagger)
     ("outside conv_tagger ddp dp2", f"--model {USER_MODELS}conv_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
