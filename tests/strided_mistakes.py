@@ -33,3 +33,11 @@ def fsdp_swapped_on_rank_0(model, mesh):
 def tp_mlp_avg_swapped_on_rank_0(model, mesh):
     _swap_on_rank_0(model)
     return tp_mlp_avg(model, mesh)
+
+
+def ddp_avg_positions_shifted_on_rank_0(model, mesh):
+    """Rank 0 reads its rotary angles one position on (an offset meant for
+    a sequence shard applied to rows it holds whole)."""
+    if dist.get_rank() == 0:
+        model.offset = 1
+    return ddp_avg(model, mesh)

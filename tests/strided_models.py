@@ -89,7 +89,8 @@ class _LM(nn.Module):
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(_MLP(hidden, ffn, self.pairs) for _ in range(layers))
         self.head = nn.Linear(hidden, vocab, bias=False)
-        cos, sin = _angles(seqlen, hidden)
+        self.offset = 0  # where the rows' positions start in the angle tables
+        cos, sin = _angles(2 * seqlen, hidden)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -107,8 +108,8 @@ class InterleavedRope(_LM):
     """Interleaved rotary embedding of the activations before each block."""
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.shape[1]
-        return rotate_interleaved(x, self.cos[:s], self.sin[:s], self.swapped)
+        s, at = x.shape[1], self.offset
+        return rotate_interleaved(x, self.cos[at:at + s], self.sin[at:at + s], self.swapped)
 
 
 class EveryOtherZero(_LM):

@@ -474,15 +474,53 @@ class Written(Pending):
     blocks: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
 
     def materialize(self, lw: Lowerer) -> int:
+        if self not in lw.emitted_once:  # one value for every reader
+            lw.emitted_once[self] = self.emit(lw)
+        return lw.emitted_once[self]
+
+    def emit(self, lw: Lowerer) -> int:
         covered = sum(int(np.prod(lw.shapes[b])) for _, _, b in self.blocks)
         if covered != int(np.prod(self.sizes)):
             raise LoweringError(f"{lw.name}: reads a tensor made by torch.empty of which only "
                                 f"{covered} of {int(np.prod(self.sizes))} entries were written "
                                 f"(the others are uninitialized memory)")
+        interleaved = self.interleaved(lw)
+        if interleaved is not None:
+            return lw.reshape(interleaved, self.shape)
         whole = None  # zeros, every one of them replaced: the regions cover them
         for starts, steps, block in self.blocks:
             whole = put_region(lw, whole, list(starts), list(steps), block, self.sizes)
         return lw.reshape(whole, self.shape)
+
+
+    def interleaved(self, lw: Lowerer) -> int | None:
+        """Regions that interleave along one dim d (s regions of step s,
+        starting at 0, ..., s - 1, each n entries with n s the dim's size,
+        whole along every other dim): the ``cat`` of the regions, each seen
+        ``(n, 1)`` along d, in the order of their starts, seen as the dim
+        again (docs/soundness.md, "Plans traced from PyTorch",
+        4X-strided33 (d)). None when they are not such."""
+        count = len(self.blocks)
+        dims = {d for starts, steps, _ in self.blocks for d, k in enumerate(steps) if k > 1}
+        if count < 2 or len(dims) != 1:
+            return None
+        d = dims.pop()
+        by_start = {}
+        for starts, steps, block in self.blocks:
+            shape = lw.shapes[block]
+            if steps[d] != count or shape[d] * count != self.sizes[d] \
+                    or any(starts[e] or steps[e] != 1 or shape[e] != self.sizes[e]
+                           for e in range(len(self.sizes)) if e != d):
+                return None
+            by_start[starts[d]] = block
+        if sorted(by_start) != list(range(count)):
+            return None
+        n = self.sizes[d] // count
+        parts = [lw.reshape(by_start[k], (*self.sizes[:d], n, 1, *self.sizes[d + 1:]))
+                 for k in range(count)]
+        pairs = (*self.sizes[:d], n, count, *self.sizes[d + 1:])
+        joined = lw.emit("cat", parts, [pairs], {"dim": d + 1})[0]
+        return lw.reshape(joined, tuple(self.sizes))
 
 
 def _indices(start: int, length: int, step: int) -> set[int]:

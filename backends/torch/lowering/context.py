@@ -127,6 +127,8 @@ class Lowerer:
     zero_values: set[int] = field(default_factory=set)
     #: the values made by a ``zeros`` node (emit.put_region cuts no part of them)
     zeros_made: set[int] = field(default_factory=set)
+    #: a pending value emitted once for all its readers -> its lowered value
+    emitted_once: dict[Any, int] = field(default_factory=dict)
     #: routing: recorded value -> the event that made it; a value reshaped once per shape
     routing_producers: dict[int, int] | None = None
     routing_views: dict[tuple[int, tuple[int, ...]], int] = field(default_factory=dict)
