@@ -47,6 +47,8 @@ OUTSIDE = "tests.outside_recipes:"
 #: models written outside the backend (tests/outside_models.py), recipes with mistakes for them
 USER_MODELS = "tests.outside_models:"
 MISTAKES = "tests.outside_mistakes:"
+#: models with strided slices and writes (tests/strided_models.py)
+STRIDED = "tests.strided_models:"
 #: whole-tensor maxima, padded pooling, circular padding (tests/pooling_padding_models.py),
 #: uneven Shard(1) (tests/uneven_shard_recipes.py)
 POOL_MODELS = "tests.pooling_padding_models:"
@@ -464,7 +466,25 @@ CASES: list[tuple[str, str, int]] = [
           ("branch_on_value", f"{STOCK}ddp", "dp2", 2),
           ("partial_write", "ddp_avg", "dp2", 0),
           ("partial_write", f"{STOCK}ddp", "dp2", 1),
-          ("strided_write", "ddp_avg", "dp2", 2),
+          ("strided_write", "ddp_avg", "dp2", 0),
+      ]],
+    # strided slices and writes through strided views (tests/strided_models.py): interleaved
+    # rotary pairs written into torch.empty, y[:, ::2] = 0, copy_ into a strided view,
+    # slice_scatter with a step, as_strided views, pairs of a column-sharded projection
+    *[(f"outside strided {model} {recipe.split(':')[-1]} {mesh}{' bug' if expected else ''}",
+       f"--model {STRIDED}{model} --recipe {recipe} {MESHES[mesh]}", expected)
+      for model, recipe, mesh, expected in [
+          ("interleaved_rope", "ddp_avg", "dp2", 0),
+          ("interleaved_rope", f"{SCALING}fsdp_default", "dp2", 0),
+          ("every_other_zero", "ddp_avg", "dp2", 0),
+          ("copy_into_strided", f"{SCALING}fsdp_default", "dp2", 0),
+          ("slice_scatter", "ddp_avg", "dp2", 0),
+          ("as_strided_pairs", f"{SCALING}fsdp_default", "dp2", 0),
+          ("pair_gated", f"{SCALING}tp_mlp_avg", "dp2 tp2", 0),
+          ("pair_gated", f"{SCALING}tp_mlp_avg", "dp1 tp2", 0),
+          # a per-rank mean summed over dp (the shipped mistake of item "Scaling conventions")
+          ("interleaved_rope", f"{STOCK}ddp", "dp2", 1),
+          ("pair_gated", f"{STOCK}tp_mlp", "dp2 tp2", 1),
       ]],
     # issue 18's last stock ops: convolutions (tests/outside_models.py:conv_tagger)
     ("outside conv_tagger ddp dp2", f"--model {USER_MODELS}conv_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
@@ -665,8 +685,9 @@ CASES += [
     ("moe titan deepseek_v3 bug routed with another token's experts",
      f"{DEEPSEEK.split(' --recipe')[0]} --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
      "--dp 2 --tp 1", 1),
-    ("moe titan deepseek_v3 tp2 refused (expert and tensor parallelism not lowered)",
-     f"{DEEPSEEK} --dp 1 --tp 2", 2),
+    # its own tensor-parallel plan (a softmax backward at the piece DTensor cuts of the
+    # router's output: docs/soundness.md, "Plans traced from PyTorch", 4X-strided33 g)
+    ("moe titan deepseek_v3 parallelize_deepseekv3 dp1 tp2", f"{DEEPSEEK} --dp 1 --tp 2", 0),
     # expert parallelism: torchtitan's all-to-all token dispatcher, uneven splits
     # (docs/soundness.md, "Plans traced from PyTorch", 37)
     ("moe titan deepseek_v3 parallelize_deepseekv3 dp2 ep2", f"{DEEPSEEK_EP} --dp 2 --tp 1", 0),

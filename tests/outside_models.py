@@ -817,8 +817,8 @@ class PartialWrite(nn.Module):
 
 
 class StridedWrite(PartialWrite):
-    """A write through a strided view (every other token): no block of the
-    tensor, refused."""
+    """A write through a strided view (every other token): the tensor with
+    those tokens replaced."""
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         y = self.embed(tokens).clone()

@@ -32,7 +32,7 @@ FLOAT32 = {"einsum_lm"}
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
           "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier",
-          "max_pool_classifier", "ids_read_as_list", "unet_tagger", "partial_write"]
+          "max_pool_classifier", "ids_read_as_list", "unet_tagger", "partial_write", "strided_write"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -277,7 +277,6 @@ def test_activation_kernels_match_torch(name: str) -> None:
     ("branch_on_value", "BranchOnValue: Python reads the value of a computed tensor"),
     ("branch_on_list", "BranchOnList: Python reads the value of a computed tensor"),
     ("scale_from_numpy", "ScaleFromNumpy: Python reads the value of a computed tensor"),
-    ("strided_write", "StridedWrite: a tensor written in place through a view of part of it"),
 ])
 def test_what_is_not_exact_arithmetic_is_refused_in_one_line(name: str, says: str) -> None:
     with pytest.raises(LoweringError) as e:
@@ -421,8 +420,9 @@ def _one_point_fewer(real):
 
 
 @pytest.mark.parametrize("name, module, helper, wrong", [
-    ("written_blocks", "activations", "put_block",
-     lambda real: lambda lw, x, starts, block: real(lw, x, [max(s - 1, 0) for s in starts], block)),
+    ("written_blocks", "activations", "put_region",
+     lambda real: lambda lw, x, starts, steps, block, shape=None:
+     real(lw, x, [max(s - 1, 0) for s in starts], steps, block, shape)),
     ("index_at_constant_indices", "const_index", "_checked",
      lambda real: lambda lw, values, size: (real(lw, values, size) + 1) % size),
     ("positions_from_ids", "counts", "one_hot_rows", _one_point_fewer),

@@ -26,7 +26,8 @@ from backends.torch.lowering.emit import (
     emit_unary,
     expand_to,
     number,
-    put_block,
+    put_region,
+    region_dims,
     scaled,
     shifted,
     step_times,
@@ -462,70 +463,119 @@ def logsumexp(lw: Lowerer, args, kwargs, shapes, group):
 
 @dataclass(frozen=True)
 class Written(Pending):
-    """An uninitialized tensor (``empty``) seen as ``sizes`` with blocks
-    written into it (``(starts, block value)``, disjoint), read as ``shape``.
-    Read as a tensor only when the blocks cover it: every entry is then the
-    value written there (docs/soundness.md, "Plans traced from PyTorch", 45)."""
+    """An uninitialized tensor (``empty``) seen as ``sizes`` with regions
+    written into it (``(starts, steps, value)``: the value's entries at
+    ``starts[d] + k steps[d]`` along each dim d; disjoint), read as
+    ``shape``. Read as a tensor only when the regions cover it: every entry
+    is then the value written there (docs/soundness.md, "Plans traced from
+    PyTorch", 45 and 4X-strided33)."""
     sizes: tuple[int, ...]
     shape: tuple[int, ...]
-    blocks: tuple[tuple[tuple[int, ...], int], ...]
+    blocks: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
 
     def materialize(self, lw: Lowerer) -> int:
-        covered = sum(int(np.prod(lw.shapes[b])) for _, b in self.blocks)
+        if self not in lw.emitted_once:  # one value for every reader
+            lw.emitted_once[self] = self.emit(lw)
+        return lw.emitted_once[self]
+
+    def emit(self, lw: Lowerer) -> int:
+        covered = sum(int(np.prod(lw.shapes[b])) for _, _, b in self.blocks)
         if covered != int(np.prod(self.sizes)):
             raise LoweringError(f"{lw.name}: reads a tensor made by torch.empty of which only "
                                 f"{covered} of {int(np.prod(self.sizes))} entries were written "
                                 f"(the others are uninitialized memory)")
-        whole = lw.emit("zeros", [], [self.sizes], {"shape": list(self.sizes)},
-                        direction="none")[0]
-        for starts, block in self.blocks:  # every zero is replaced: the blocks cover it
-            whole = put_block(lw, whole, list(starts), block)
+        interleaved = self.interleaved(lw)
+        if interleaved is not None:
+            return lw.reshape(interleaved, self.shape)
+        whole = None  # zeros, every one of them replaced: the regions cover them
+        for starts, steps, block in self.blocks:
+            whole = put_region(lw, whole, list(starts), list(steps), block, self.sizes)
         return lw.reshape(whole, self.shape)
 
 
-def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]],
-             b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    """Whether two blocks ``(starts, lengths)`` share an entry."""
-    return all(sa < sb + lb and sb < sa + la for sa, la, sb, lb in zip(*a, *b))
+    def interleaved(self, lw: Lowerer) -> int | None:
+        """Regions that interleave along one dim d (s regions of step s,
+        starting at 0, ..., s - 1, each n entries with n s the dim's size,
+        whole along every other dim): the ``cat`` of the regions, each seen
+        ``(n, 1)`` along d, in the order of their starts, seen as the dim
+        again (docs/soundness.md, "Plans traced from PyTorch",
+        4X-strided33 (d)). None when they are not such."""
+        count = len(self.blocks)
+        dims = {d for starts, steps, _ in self.blocks for d, k in enumerate(steps) if k > 1}
+        if count < 2 or len(dims) != 1:
+            return None
+        d = dims.pop()
+        by_start = {}
+        for starts, steps, block in self.blocks:
+            shape = lw.shapes[block]
+            if steps[d] != count or shape[d] * count != self.sizes[d] \
+                    or any(starts[e] or steps[e] != 1 or shape[e] != self.sizes[e]
+                           for e in range(len(self.sizes)) if e != d):
+                return None
+            by_start[starts[d]] = block
+        if sorted(by_start) != list(range(count)):
+            return None
+        n = self.sizes[d] // count
+        parts = [lw.reshape(by_start[k], (*self.sizes[:d], n, 1, *self.sizes[d + 1:]))
+                 for k in range(count)]
+        pairs = (*self.sizes[:d], n, count, *self.sizes[d + 1:])
+        joined = lw.emit("cat", parts, [pairs], {"dim": d + 1})[0]
+        return lw.reshape(joined, tuple(self.sizes))
+
+
+def _indices(start: int, length: int, step: int) -> set[int]:
+    return set(range(start, start + length * step, step))
+
+
+def _overlap(a: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
+             b: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]) -> bool:
+    """Whether two regions ``(starts, lengths, steps)`` share an entry: they
+    do when their indices meet along every dim."""
+    return all(_indices(sa, la, ka) & _indices(sb, lb, kb)
+               for sa, la, ka, sb, lb, kb in zip(*a, *b))
 
 
 @lowers("partial_write")
 def partial_write(lw: Lowerer, args, kwargs, shapes, group):
-    """A tensor read after an op wrote into a block of it through a view
-    (``y[1:] += x``, ``y[:, 0] = x``; ``record.py`` gives the block): the
-    tensor with that block replaced by the view's new value, pieced together
-    with ``narrow`` and ``cat`` (docs/soundness.md, "Plans traced from
-    PyTorch", 39d). Blocks written into a tensor made by ``torch.empty``
-    (MiniCPM3's keys, filled by two ``copy_`` into halves) are kept until
-    they cover it (``Written``)."""
+    """A tensor read after an op wrote into a region of it through a view
+    (``y[1:] += x``, ``y[:, 0] = x``, ``y[..., ::2] = x``; ``record.py``
+    gives the region: a start, length and step per dim): the tensor with
+    those entries replaced by the view's new value, pieced together with
+    ``narrow``, zero padding, reshapes and ``cat`` (docs/soundness.md,
+    "Plans traced from PyTorch", 39d and 4X-strided33). Regions written into
+    a tensor made by ``torch.empty`` (MiniCPM3's keys, filled by two
+    ``copy_`` into halves; an interleaved rotary embedding's even and odd
+    positions) are kept until they cover it (``Written``)."""
     region = args[2] if len(args) > 2 else None
     written = args[3] if len(args) > 3 else None
     base = lw.env.get(args[0][1])
     if region is None or written is None or isinstance(lw.env.get(written[1]), str):
         raise LoweringError(f"{lw.name}: a tensor written in place through a view of part of it "
-                            f"({args[1]}) that is no block of it (strided or reshaped) is read "
-                            f"after; such writes are not lowered: build the tensor with "
+                            f"({args[1]}) that is no region of it (overlapping or reshaped) is "
+                            f"read after; such writes are not lowered: build the tensor with "
                             f"torch.cat or torch.where")
-    sizes, region = region
+    sizes, dims = region[0], region_dims(region[1])
     w = lw.val(written)
     # the view's dims of size > 1 (in the view's order) put in the base's order
-    w = lw.reshape(w, tuple(length for _, length in sorted((at, n) for _, n, at in region
+    w = lw.reshape(w, tuple(length for _, length in sorted((at, n) for _, n, at, _ in dims
                                                            if at >= 0)))
-    w = permuted(lw, w, [at for _, _, at in region if at >= 0])
-    block = lw.reshape(w, tuple(length for _, length, _ in region))
-    starts = tuple(start for start, _, _ in region)
+    w = permuted(lw, w, [at for _, _, at, _ in dims if at >= 0])
+    block = lw.reshape(w, tuple(length for _, length, _, _ in dims))
+    starts = tuple(start for start, _, _, _ in dims)
+    steps = tuple(step for _, _, _, step in dims)
     if base == "empty" or isinstance(base, Written):
         before = base.blocks if isinstance(base, Written) else ()
-        mine = (starts, tuple(lw.shapes[block]))
-        if any(_overlap(mine, (s, tuple(lw.shapes[b]))) for s, b in before):
-            raise LoweringError(f"{lw.name}: blocks of a tensor made by torch.empty written "
+        mine = (starts, tuple(lw.shapes[block]), steps)
+        if any(_overlap(mine, (s, tuple(lw.shapes[b]), k)) for s, k, b in before):
+            raise LoweringError(f"{lw.name}: entries of a tensor made by torch.empty written "
                                 f"twice ({args[1]}) are not lowered")
-        return Written(tuple(sizes), tuple(shapes[0]), (*before, (starts, block)))
+        return Written(tuple(sizes), tuple(shapes[0]), (*before, (starts, steps, block)))
     if isinstance(base, str):
         raise LoweringError(f"{lw.name}: a tensor written in place through a view ({args[1]}) "
                             f"whose base has no value ({base}) is read after")
     x = lw.val(args[0])
-    whole = put_block(lw, lw.reshape(x, tuple(sizes)), list(starts), block)
+    seen = None if x in lw.zeros_made else lw.reshape(x, tuple(sizes))  # zeros: cut no part
+    whole = put_region(lw, seen, list(starts), list(steps), block, tuple(sizes))
     return lw.reshape(whole, lw.shapes[x])
 
 

@@ -125,6 +125,10 @@ class Lowerer:
     #: pow(x, 2) -> x, and the exact zeros of accumulators (norm_sums)
     squares: dict[int, int] = field(default_factory=dict)
     zero_values: set[int] = field(default_factory=set)
+    #: the values made by a ``zeros`` node (emit.put_region cuts no part of them)
+    zeros_made: set[int] = field(default_factory=set)
+    #: a pending value emitted once for all its readers -> its lowered value
+    emitted_once: dict[Any, int] = field(default_factory=dict)
     #: routing: recorded value -> the event that made it; a value reshaped once per shape
     routing_producers: dict[int, int] | None = None
     routing_views: dict[tuple[int, tuple[int, ...]], int] = field(default_factory=dict)
@@ -154,6 +158,8 @@ class Lowerer:
                       kwargs or {})
         outs = [self.new(s) for s in out_shapes]
         self.nodes.append(LNode(op, direction, ins, outs, kwargs or {}, self.name, group, self.mb))
+        if op == "zeros" and not ins:
+            self.zeros_made.update(outs)
         return outs
 
     def val(self, a: Any) -> int:

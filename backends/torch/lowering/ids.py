@@ -24,7 +24,7 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
-from backends.torch.lowering.emit import cat, narrow, put_block
+from backends.torch.lowering.emit import cat, narrow, put_region, region_dims
 from backends.torch.lowering.ir import IdRows, Ids, NewZeros
 from backends.torch.lowering.onehot import id_rows, ids_value, label_values, one_hot_of
 from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
@@ -345,7 +345,7 @@ def fill(base: Handler) -> Handler:
 def partial_write(base: Handler) -> Handler:
     """Ids with a block of them overwritten by other ids (``rolled.select(-1,
     -1).fill_(0)``): the one-hot rows with that block replaced by the new
-    ids' rows (``emit.put_block`` along the ids' dims; the vocabulary
+    ids' rows (``emit.put_region`` along the ids' dims; the vocabulary
     dim whole), and the recorded ids likewise."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         if _id_source(lw, args[0]) is None:
@@ -356,15 +356,18 @@ def partial_write(base: Handler) -> Handler:
             raise LoweringError(f"{lw.name}: the batch's ids written in place with values other "
                                 f"than ids, or through a view that is no block of them")
         rows, new = id_rows(lw, args[0]), id_rows(lw, written)
-        sizes, blocks = region
-        kept = [at for _, _, at in blocks if at >= 0]
+        sizes, blocks = region[0], region_dims(region[1])
+        kept = [at for _, _, at, _ in blocks if at >= 0]
         if tuple(sizes) != rows.ids.shape or kept != sorted(kept):
             raise LoweringError(f"{lw.name}: the batch's ids written through a reshaped or "
                                 f"permuted view are not lowered")
-        block = tuple(length for _, length, _ in blocks)
-        starts = [start for start, _, _ in blocks]
-        x = put_block(lw, rows.x, [*starts, 0], lw.reshape(new.x, (*block, lw.vocab)))
+        block = tuple(length for _, length, _, _ in blocks)
+        starts = [start for start, _, _, _ in blocks]
+        steps = [step for _, _, _, step in blocks]
+        x = put_region(lw, rows.x, [*starts, 0], [*steps, 1],
+                       lw.reshape(new.x, (*block, lw.vocab)))
         ids = rows.ids.copy()
-        ids[tuple(slice(s, s + n) for s, n in zip(starts, block))] = new.ids.reshape(block)
+        ids[tuple(slice(s, s + n * k, k) for s, n, k in zip(starts, block, steps))] = \
+            new.ids.reshape(block)
         return IdRows(x, ids)
     return lower

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.bucket_pieces import bucket_view
 from backends.torch.lowering.context import LNode, pg, tensor_args
-from backends.torch.lowering.emit import cat, narrow
+from backends.torch.lowering.emit import cat, region_dims, take_region
 from backends.torch.lowering.ir import (
     As,
     Bucket,
@@ -251,15 +251,16 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
     if block is not None and isinstance(x, int) \
             and (offset != 0 or math.prod(size) != math.prod(lw.shapes[x])
                  or any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1)):
-        # a block of a contiguous input, as the recorder found it: the input
-        # seen with the block's base shape, narrowed, seen with the view's
-        # shape (soundness.md, "Plans traced from PyTorch", 39d)
-        sizes, region = block
+        # a region of a contiguous input, as the recorder found it: the
+        # input seen with the region's base shape, narrowed (every step-th
+        # entry along a strided dim), seen with the view's shape
+        # (soundness.md, "Plans traced from PyTorch", 39d and 4X-strided33)
+        sizes, region = block[0], region_dims(block[1])
         x = lw.reshape(x, tuple(sizes))
-        for d, (start, length, _) in enumerate(region):
-            x = narrow(lw, x, d, start, length)
+        x = take_region(lw, x, [start for start, _, _, _ in region],
+                        [length for _, length, _, _ in region], [step for _, _, _, step in region])
         # the view's dims of size > 1, in the base's order, then in the view's
-        mapped = [(at, length) for _, length, at in region if at >= 0]
+        mapped = [(at, length) for _, length, at, _ in region if at >= 0]
         x = lw.materialize(view_to(lw, x, tuple(length for _, length in mapped)))
         # x's dim k is the view's dim order[k]: the view is x permuted by
         # the inverse order

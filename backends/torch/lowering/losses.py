@@ -10,7 +10,7 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input
-from backends.torch.lowering.ir import IdRows, NllGrad
+from backends.torch.lowering.ir import IdRows, NllGrad, Piece
 from backends.torch.lowering.onehot import label_values, one_hot
 from backends.torch.lowering.registry import lowers
 
@@ -30,6 +30,16 @@ def _softmax(lw: Lowerer, args, kwargs, shapes, group):
 def _softmax_bw(lw: Lowerer, args, kwargs, shapes, group):
     out = lw.val(args[1])
     producer, x = lw.fw_in.get(out, ("", -1))
+    piece = lw.env.get(args[1][1])
+    dim = int(args[2]) % len(lw.shapes[out])
+    if producer != "softmax" and isinstance(piece, Piece) and isinstance(piece.of, int) \
+            and piece.dim % len(lw.shapes[out]) != dim:
+        # an equal piece of a softmax's output along another dim (DTensor
+        # cuts the saved output to the gradient's shard): the softmax of the
+        # same piece of its input, row by row the same rows
+        producer, whole = lw.fw_in.get(piece.of, ("", -1))
+        if producer == "softmax":
+            x = Piece(whole, piece.dim, piece.index, piece.parts).materialize(lw)
     if producer != "softmax":
         raise LoweringError(f"{lw.name}: softmax backward of a value no softmax produced")
     return lw.emit("softmax", [x, lw.val(args[0])], shapes, {"dim": int(args[2])},

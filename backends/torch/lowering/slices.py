@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.emit import narrow, pad
+from backends.torch.lowering.emit import every, put_region, spread
 from backends.torch.lowering.ir import Bucket, IdRows, Ids, Piece
-from backends.torch.lowering.registry import Handler, refines
+from backends.torch.lowering.registry import Handler, lowers, refines
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -42,27 +42,6 @@ if TYPE_CHECKING:
 class Empty:
     """A tensor with no values (a slice of length 0)."""
     shape: tuple[int, ...]
-
-
-def _every(lw: Lowerer, x: int, dim: int, start: int, step: int, count: int) -> int:
-    """The values of x at ``start + k step`` along dim, k < count."""
-    x = narrow(lw, x, dim, start, (count - 1) * step + 1)
-    x = pad(lw, x, dim, 0, step - 1)
-    shape = lw.shapes[x]
-    x = lw.reshape(x, (*shape[:dim], count, step, *shape[dim + 1:]))
-    return lw.reshape(narrow(lw, x, dim + 1, 0, 1), (*shape[:dim], count, *shape[dim + 1:]))
-
-
-def _spread(lw: Lowerer, g: int, dim: int, start: int, step: int, size: int) -> int:
-    """The adjoint of ``_every``: g's values at ``start + k step`` of ``size``
-    positions along dim, zeros elsewhere."""
-    shape = lw.shapes[g]
-    count = shape[dim]
-    g = pad(lw, lw.reshape(g, (*shape[:dim], count, 1, *shape[dim + 1:])), dim + 1, 0, step - 1)
-    g = lw.reshape(g, (*shape[:dim], count * step, *shape[dim + 1:]))
-    span = (count - 1) * step + 1
-    g = narrow(lw, g, dim, 0, span)
-    return pad(lw, g, dim, start, size - start - span)
 
 
 def _bounds(total: int, args, at: int) -> tuple[int, int, int]:
@@ -108,7 +87,7 @@ def strided_slice(inner: Handler) -> Handler:
         if len(range(start, stop, step)) != out[dim]:
             raise LoweringError(f"{lw.name}: a strided slice of {out[dim]} values that its "
                                 f"bounds do not give")
-        return _every(lw, x, dim, offset + start, step, out[dim])
+        return every(lw, x, dim, offset + start, step, out[dim])
     return handler
 
 
@@ -128,7 +107,7 @@ def strided_slice_backward(inner: Handler) -> Handler:
         if len(range(start, stop, step)) != lw.shapes[g][dim]:
             raise LoweringError(f"{lw.name}: the backward of a strided slice whose gradient "
                                 f"its bounds do not give")
-        return _spread(lw, g, dim, start, step, sizes[dim])
+        return spread(lw, g, dim, start, step, sizes[dim])
     return handler
 
 
@@ -142,3 +121,41 @@ def cat_skipping_empty(inner: Handler) -> Handler:
             return inner(lw, args, kwargs, shapes, group)
         return inner(lw, [tensors, *args[1:]], kwargs, shapes, group)
     return handler
+
+
+def _zeros_or_val(lw: Lowerer, a: Any) -> int:
+    """A recorded constant whose kept value is all zeros (the zeros autograd
+    scatters into the gradient in ``slice_scatter``'s backward) as a
+    ``zeros`` node, zeros by its making, which a reader's claim may take at
+    the factor of its other inputs (docs/soundness.md, "Plans traced from
+    PyTorch", 40); any other value as it is."""
+    value = lw.trace.get("constvals", {}).get(a[1]) if a[1] in lw.trace.get("constants", ()) \
+        else None
+    if value is not None and value.dtype.kind in "fiu" and not value.any():
+        return lw.emit("zeros", [], [tuple(value.shape)], {"shape": list(value.shape)},
+                       direction="none")[0]
+    return lw.val(a)
+
+
+@lowers("aten.slice_scatter.default")
+def slice_scatter(lw: Lowerer, args, kwargs, shapes, group):
+    """``torch.slice_scatter(x, src, dim, start, end, step)``: x with its
+    entries at ``start + k step`` along dim replaced by src's (``put_region``;
+    autograd records its backward as a ``slice_scatter`` of zeros into the
+    gradient and a slice of it)."""
+    shape = tuple(shapes[0])
+    dim = int(args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(shape)
+    bounds = [args[3] if len(args) > 3 else kwargs.get("start"),
+              args[4] if len(args) > 4 else kwargs.get("end"),
+              args[5] if len(args) > 5 else kwargs.get("step", 1)]
+    start, stop, step = slice(bounds[0], bounds[1], int(bounds[2] or 1)).indices(shape[dim])
+    count = len(range(start, stop, step))
+    if isinstance(lw.env.get(args[1][1]), Empty) or count == 0:
+        return lw.val(args[0])
+    x, src = lw.val(args[0]), _zeros_or_val(lw, args[1])
+    if lw.shapes[src][dim] != count or lw.shapes[x] != shape:
+        raise LoweringError(f"{lw.name}: slice_scatter of {lw.shapes[src][dim]} values where "
+                            f"its bounds give {count}")
+    starts = [start if d == dim else 0 for d in range(len(shape))]
+    steps = [step if d == dim else 1 for d in range(len(shape))]
+    return put_region(lw, x, starts, steps, src)

@@ -481,9 +481,11 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 def _region(base: torch.Tensor, view: torch.Tensor) -> tuple[list[int], list[list[int]]] | None:
     """Where a view lies in its base, as the shape the base is read with (its
     own when contiguous; for a flat buffer, the contiguous shape whose
-    strides are the view's) and ``[start, length, kept]`` per dim of that
-    shape (``kept`` 0 for a dim the view selects one index of and drops), or
-    None when the view is no such block (a permuted or overlapping view)."""
+    strides are the view's) and ``[start, length, kept, step]`` per dim of
+    that shape: the view holds the indices ``start + k step``, k < length
+    (``kept``: the view's order of the dim, -1 for a dim it holds one index
+    of), or None when the view is no such region (an overlapping or outside
+    view)."""
     if view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
         return None
     offset = view.storage_offset() - base.storage_offset()
@@ -502,16 +504,23 @@ def _region(base: torch.Tensor, view: torch.Tensor) -> tuple[list[int], list[lis
     starts = [offset // st % n if n > 1 else 0 for st, n in zip(strides, sizes)]
     if sum(i * st for i, st in zip(starts, strides)) != offset:
         return None
-    mapped: dict[int, int] = {}
+    mapped: dict[int, tuple[int, int]] = {}
     for n, st in zip(view.shape, view.stride()):
         if n == 1:
             continue
-        d = next((d for d, (bst, m) in enumerate(zip(strides, sizes)) if bst == st and m > 1), None)
-        if d is None or d in mapped or starts[d] + n > sizes[d]:
+        # the base dim along which the view steps: the one whose stride
+        # divides the view's with every index inside it (one at most, as the
+        # base fills its memory once: a larger dim's stride is at least this
+        # dim's stride times its size)
+        d = next((d for d, (bst, m) in enumerate(zip(strides, sizes))
+                  if m > 1 and st > 0 and st % bst == 0
+                  and starts[d] + (n - 1) * (st // bst) < m), None)
+        if d is None or d in mapped:
             return None  # not a block (an overlapping or outside view)
-        mapped[d] = n
+        mapped[d] = (n, st // strides[d])
     order = {d: k for k, d in enumerate(mapped)}
-    return sizes, [[starts[d], mapped.get(d, 1), order.get(d, -1)] for d in range(len(sizes))]
+    return sizes, [[starts[d], mapped.get(d, (1, 1))[0], order.get(d, -1), mapped.get(d, (1, 1))[1]]
+                   for d in range(len(sizes))]
 
 
 def _dense(t: torch.Tensor) -> bool:

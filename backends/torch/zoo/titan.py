@@ -147,12 +147,12 @@ def parallelize_deepseekv3(model: TitanLM, mesh):
     """torchtitan's ``parallelize_deepseekv3`` on its own ``ParallelDims``
     mesh (FSDP2 over "dp", ``ep`` 1: its local token dispatch), the top-k
     routing recorded and replayed (docs/soundness.md, "Plans traced from
-    PyTorch", 36). Expert and tensor parallelism and pipelining are refused:
-    the expert-parallel all-to-all dispatch is not lowered yet."""
+    PyTorch", 36); with tp > 1, its tensor-parallel plan (the attention's
+    and the experts' own). Pipelining is refused (``parallelize_deepseekv3_ep``
+    for expert parallelism)."""
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3 as apply
-    if mesh["tp"].size() != 1 or mesh["pp"].size() != 1:
-        raise ValueError("backends.torch.titan:parallelize_deepseekv3 runs FSDP2 over dp only "
-                         "(--tp 1 --pp 1): its expert-parallel all-to-all dispatch is not lowered")
+    if mesh["pp"].size() != 1:
+        raise ValueError("backends.torch.titan:parallelize_deepseekv3 is not pipelined (--pp 1)")
     return parallelize(model, mesh, apply)
 
 
