@@ -89,7 +89,8 @@ def test_unknown_family_is_not_a_model_factory() -> None:
 
 
 @pytest.mark.parametrize("family", ["codegen", "gptj", "blenderbot", "gpt_neo", "hunyuan_v1_dense",
-                                    "bamba", "gemma3n_text"])
+                                    "bamba", "gemma3n_text", "mamba2", "gemma4_text", "prophetnet",
+                                    "xmod"])
 def test_per_layer_and_per_head_fields_fit_the_small_sizes(family: str) -> None:
     """Fields a family checks against the sizes (a rotary width, the
     decoder's heads, a list of attention kinds, shared key-value layers, a
@@ -99,3 +100,37 @@ def test_per_layer_and_per_head_fields_fit_the_small_sizes(family: str) -> None:
     model = hf.build(family, layers=1, hidden=16, heads=4, ffn=8, vocab=16, seqlen=4).double()
     tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
     model(tokens, tokens).backward()
+
+
+@pytest.mark.parametrize("family, layers", [("olmo_hybrid", 2), ("zamba", 2), ("zamba2", 2),
+                                            ("llama", 1), ("rwkv", 2)])
+def test_a_family_refusing_one_layer_builds_with_each_kind(family: str, layers: int) -> None:
+    """A hybrid whose configuration refuses one layer (it needs each of its
+    kinds of layer) is built with the fewest layers that hold every kind;
+    a family whose model cannot be built with one layer (RWKV divides by
+    the layer count less one) with two."""
+    assert hf.fewest_layers(family) == layers
+    cfg = hf.config(family, layers=layers, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+    kinds = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    default = hf.classes(family)[0]()
+    every = getattr(default, "layer_types", None) or getattr(default, "layers_block_type", None)
+    if every:
+        assert set(kinds) == set(every) and len(kinds) == layers
+
+
+def test_one_layer_too_few_for_a_hybrid_is_one_line() -> None:
+    with pytest.raises(ValueError, match="each of its kinds of layer .*--layers 2"):
+        hf.config("zamba", layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+
+
+@pytest.mark.parametrize("family", ["bart", "marian", "prophetnet", "trocr"])
+def test_an_encoder_decoder_family_gets_the_layer_count_in_both_stacks(family: str) -> None:
+    """Its causal LM is the decoder: the decoder's layers are the backend's
+    count (bart's decoder kept its 12 where ``num_hidden_layers`` names the
+    encoder's), and it is a decoder (``is_decoder``)."""
+    cfg = hf.config(family, layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+    fields = cfg.to_dict()
+    counts = [fields[n] for n in ("encoder_layers", "decoder_layers", "num_encoder_layers",
+                                  "num_decoder_layers") if n in fields]
+    assert counts and set(counts) == {1}, fields
+    assert cfg.is_decoder
