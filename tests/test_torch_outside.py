@@ -217,11 +217,31 @@ LOSSES = {
     # them, each looked up in a table (RoBERTa's embeddings)
     "positions_from_ids": lambda m, h, y: F.cross_entropy(
         m.out(_positions_looked_up(m, h, y)).flatten(0, 1), y.flatten()),
+    # lengths counted from the ids compared with ranges of positions (forward and
+    # reversed), segments compared with each other as an attention mask (cpmant's)
+    "lengths_and_segments": lambda m, h, y: F.cross_entropy(
+        m.out(_length_masked(h, y)).flatten(0, 1), y.flatten()),
     # a mask of the ids between two numbers (cpmant's position bias)
     "ids_mask_between_numbers": lambda m, h, y: F.cross_entropy(
         m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1) + (y != 3).int().unsqueeze(-1))
         .flatten(0, 1), y.flatten()),
 }
+
+
+def _length_masked(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Scores masked where two tokens' segments differ (a segment is 2 for
+    an id other than 0, else 0), rows weighted by whether their position is
+    below the row's count of ids other than 0, counted from either end."""
+    batch, seqlen = y.shape
+    length = (y != 0).sum(-1).to(torch.int32)
+    ahead = torch.arange(seqlen)[None, :] < length[:, None]
+    behind = torch.tensor(list(range(seqlen))[::-1])[None, :].repeat(batch, 1) <= length[:, None]
+    segment = torch.where(y != 0, 2, 0).to(torch.int32)
+    segment = segment * 3 + 1
+    same = segment[:, :, None] == segment[:, None, :]
+    scores = (h @ h.transpose(1, 2)).masked_fill(same == torch.tensor(False), float("-inf"))
+    weight = ahead.to(h.dtype) + 0.5 * behind.to(h.dtype)
+    return (scores.softmax(-1) @ h) * weight[..., None] + h
 
 
 def _positions_looked_up(m, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
