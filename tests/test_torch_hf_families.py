@@ -134,3 +134,29 @@ def test_an_encoder_decoder_family_gets_the_layer_count_in_both_stacks(family: s
                                   "num_decoder_layers") if n in fields]
     assert counts and set(counts) == {1}, fields
     assert cfg.is_decoder
+
+
+def _rms_norm_in_float64(self, hidden):
+    return hidden * (hidden.pow(2).mean(dim=-1, keepdim=True) + self.eps).rsqrt() * self.weight
+
+
+def test_cpmant_masks_from_counts_lower_exactly(monkeypatch) -> None:
+    """CPM-Ant builds its attention mask and position bias from the ids:
+    lengths counted from them and compared with ranges of positions, segments
+    compared with each other, prompt ids joined before the tokens, a bucket
+    selected between a constant and the segments' and looked up, rows with
+    every key masked (NaN in torch) zeroed by a later fill. Its step, with
+    its layer norm in float64 (it computes the variance in float32), lowers
+    to torch's loss and gradients."""
+    from transformers.models.cpmant import modeling_cpmant
+
+    from backends.torch.lowering import lower_trace
+    from backends.torch.tracer.check import check_lowering
+    from backends.torch.tracer.rank import run
+    monkeypatch.setattr(modeling_cpmant.CpmAntLayerNorm, "forward", _rms_norm_in_float64)
+    sizes = {"layers": 1, "hidden": 16, "heads": 4, "ffn": 32, "vocab": 16, "seqlen": 4}
+    trace = run({"model": "backends.torch.hf:cpmant", "model_kwargs": sizes, "recipe": "",
+                 "dp": 1, "tp": 1, "pp": 1, "batch": 4, "seqlen": 4, "vocab": 16, "seed": 0,
+                 "parallel": False, "keep_values": True}, 0)
+    check = check_lowering(trace, lower_trace(trace, 16), 16)
+    assert check.grads and not check.differences(rtol=1e-9, atol=1e-11), check.differences()

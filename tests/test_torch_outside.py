@@ -32,7 +32,8 @@ FLOAT32 = {"einsum_lm"}
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
           "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier",
-          "max_pool_classifier", "ids_read_as_list", "unet_tagger", "partial_write"]
+          "max_pool_classifier", "ids_read_as_list", "unet_tagger", "partial_write",
+          "segment_length_lm"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -431,6 +432,10 @@ def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
     assert any(n.rank == 1 and n.name == "MaskedLM" for n in nodes), nodes
 
 
+def _flipped(truth):
+    return lambda x, y: truth(y, x)
+
+
 def _one_point_fewer(real):
     """One-hot rows of bounded integers interpolated without their top value."""
     def rows(lw, v, n):
@@ -450,6 +455,12 @@ def _one_point_fewer(real):
      lambda real: lambda lw, a, upper: real(lw, a, not upper)),
     ("split_rejoined", "layout", "_cat_part",
      lambda real: lambda lw, f: real(lw, type(f)(f.x, f.dim, 0, f.length))),
+    # a comparison's truths read from the other side (a < b as b < a)
+    ("lengths_and_segments", "counts", "COMPARISONS",
+     lambda real: {op: (_flipped(truth), swapped) for op, (truth, swapped) in real.items()}),
+    # the rows divided by another common denominator than theirs
+    ("lengths_and_segments", "counts", "scaled_rows",
+     lambda real: lambda lw, v: (lambda rows, d: (rows, d + 1))(*real(lw, v))),
     ("where_between_tensors", "arithmetic", "selected",
      lambda real: lambda lw, cmp, t, where_true, shape: real(lw, cmp, t, not where_true, shape)),
 ])

@@ -22,8 +22,9 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
-from backends.torch.lowering.emit import einsum, pad
-from backends.torch.lowering.ir import Const, Flag, pending_of
+from backends.torch.lowering.emit import cat, einsum, pad
+from backends.torch.lowering.ir import Const, Flag, IdRows, Ids, pending_of
+from backends.torch.lowering.onehot import id_rows
 from backends.torch.lowering.registry import Handler, refines
 
 if TYPE_CHECKING:
@@ -157,9 +158,32 @@ def one_hot_rows(lw: Lowerer, v: int, rows: int) -> int:
     if lo < 0 or hi >= rows:
         raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at integers computed "
                             f"from the ids that may lie in [{lo}, {hi}] (outside its rows)")
+    if v in lw.integral_where:
+        # the rows of where(m, a, b): m a's rows + (1 - m) b's rows
+        m, a, b = lw.integral_where[v]
+        shape = (*lw.shapes[v], rows)
+        first, second = (_spread(lw, _rows_of(lw, x, rows), shape) for x in (a, b))
+        mask = _spread(lw, lw.reshape(m, (*lw.shapes[m], 1)), shape)
+        gap = lw.emit("sub", [first, second], [shape])[0]
+        out = lw.emit("add", [second, lw.emit("mul", [mask, gap], [shape])[0]], [shape])[0]
+        lw.integral_rows[key] = out
+        return out
     out = pad(lw, value_rows(lw, v), len(lw.shapes[v]), lo, rows - hi - 1)
     lw.integral_rows[key] = out
     return out
+
+
+def _rows_of(lw: Lowerer, a: Any, rows: int) -> int:
+    """The one-hot rows (``rows`` wide) of a selection's branch: a bounded
+    value's, or a constant's or number's (a constant of the plan)."""
+    if isinstance(a, int) and not isinstance(a, bool) and a in lw.integral:
+        return one_hot_rows(lw, a, rows)
+    value = np.asarray(a if isinstance(a, (int, float, bool)) else constant_value(lw, a))
+    if value.size and (value.min() < 0 or value.max() >= rows):
+        raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at a constant outside "
+                            f"its rows")
+    onehot = (value[..., None] == np.arange(rows)).astype(np.float64)
+    return constant_input(lw, onehot)
 
 
 def value_rows(lw: Lowerer, v: int) -> int:
@@ -240,6 +264,17 @@ def lookup(base: Handler) -> Handler:
     """A table looked up at bounded integers: the one-hot rows times the table."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         v = _bounded(lw, args[1])
+        ids = pending_of(lw, args[1])
+        if isinstance(ids, IdRows) and lw.shapes[ids.x][-1] > lw.vocab:
+            # ids joined with constant ids past the vocabulary (``joined``):
+            # their rows widened to the table's
+            table = lw.val(args[0])
+            rows, width = lw.shapes[table][0], lw.shapes[ids.x][-1]
+            if width > rows:
+                raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at ids up to "
+                                    f"{width - 1}")
+            onehot = pad(lw, ids.x, len(lw.shapes[ids.x]) - 1, 0, rows - width)
+            return lw.emit("embedding", [onehot, table], shapes)[0]
         if v is None:
             return base(lw, args, kwargs, shapes, group)
         table = lw.val(args[0])
@@ -254,13 +289,22 @@ def lookup_backward(base: Handler) -> Handler:
     rows at ``padding_idx`` left out (as ``tokens._embedding_bw``)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         v = _bounded(lw, args[1])
-        if v is None:
+        ids = pending_of(lw, args[1])
+        wide = isinstance(ids, IdRows) and lw.shapes[ids.x][-1] > lw.vocab
+        if v is None and not wide:
             return base(lw, args, kwargs, shapes, group)
         if len(args) > 4 and args[4]:
             raise LoweringError(f"{lw.name}: embedding backward with scale_grad_by_freq is not "
                                 f"lowered")
         rows = int(args[2])
-        tokens = one_hot_rows(lw, v, rows)
+        if wide:  # ids joined with constant ids past the vocabulary (``joined``)
+            width = lw.shapes[ids.x][-1]
+            if width > rows:
+                raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at ids up to "
+                                    f"{width - 1}")
+            tokens = pad(lw, ids.x, len(lw.shapes[ids.x]) - 1, 0, rows - width)
+        else:
+            tokens = one_hot_rows(lw, v, rows)
         padding = args[3] if len(args) > 3 else kwargs.get("padding_idx", -1)
         if padding is not None and 0 <= int(padding) < rows:
             keep = np.ones(rows)
@@ -355,9 +399,11 @@ def selected(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         cond = pending_of(lw, args[0])
         pa, pb = _points(lw, args[1]), _points(lw, args[2])
+        bounds = [_bounds(lw, a) for a in args[1:3]]
         integral = [isinstance(a, (int, bool)) or _computed(lw, a) is not None
                     or isinstance(pending_of(lw, a), Const) for a in args[1:3]]
-        if not isinstance(cond, Flag) or pa is None or pb is None or not all(integral):
+        if not isinstance(cond, Flag) or None in bounds or not all(integral) \
+                or (pa is None or pb is None) and not any(_computed(lw, a) for a in args[1:3]):
             return base(lw, args, kwargs, shapes, group)
         shape = tuple(shapes[0])
         if all(isinstance(a, (int, bool)) for a in args[1:3]):
@@ -368,10 +414,16 @@ def selected(base: Handler) -> Handler:
             gap = lw.emit("sub", [a, b], [shape])[0]
             out = lw.emit("add", [b, lw.emit("mul", [m, gap], [shape])[0]], [shape])[0]
         if isinstance(out, int):
-            taken = tuple(sorted(set(pa) | set(pb)))
-            lw.integral[out] = (taken[0], taken[-1])
-            if len(taken) < taken[-1] - taken[0] + 1:
-                lw.integral_sets[out] = taken
+            ends = [e for bound in bounds for e in bound]
+            lw.integral[out] = (min(ends), max(ends))
+            if pa is not None and pb is not None:
+                taken = tuple(sorted(set(pa) | set(pb)))
+                if len(taken) < taken[-1] - taken[0] + 1:
+                    lw.integral_sets[out] = taken
+            if not all(isinstance(a, (int, bool)) for a in args[1:3]):
+                branches = [_computed(lw, a) if _computed(lw, a) is not None else
+                            a if isinstance(a, (int, bool)) else a for a in args[1:3]]
+                lw.integral_where[out] = (cond.x, *branches)
         return out
     return lower
 
@@ -458,3 +510,77 @@ def _compared(op: str):
 
 for _op in COMPARISONS:
     refines(f"aten.{_op}.Tensor", f"aten.{_op}.Scalar", absent=lambda op: None)(_compared(_op))
+
+
+@refines("aten.cat.default")
+def joined(base: Handler) -> Handler:
+    """A ``cat`` of the batch's ids with constant ids (CPM-Ant's prompt ids
+    before its tokens): one-hot rows as wide as the largest id needs, each
+    part's rows (ids padded with zero columns, constants as constant rows)
+    joined; of flags and constant masks: a flag; of bounded integers and
+    integer constants: a bounded integer (the hull of the bounds, the union
+    of the sets)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        parts = list(args[0]) if isinstance(args[0], (list, tuple)) else []
+        dim = int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))
+        found = [pending_of(lw, p) for p in parts]
+        if not parts or not any(isinstance(x, (Ids, IdRows, Flag)) or _computed(lw, p) is not None
+                                for p, x in zip(parts, found)):
+            return base(lw, args, kwargs, shapes, group)
+        consts = [np.asarray(constant_value(lw, p)) if isinstance(x, Const) else None
+                  for p, x in zip(parts, found)]
+        if any(x is not None and not isinstance(x, Const) and c is None
+               for x, c in zip(found, consts)) and not all(
+                isinstance(x, (Ids, IdRows, Flag, Const)) or _computed(lw, p) is not None
+                for p, x in zip(parts, found)):
+            return base(lw, args, kwargs, shapes, group)
+        if any(isinstance(x, (Ids, IdRows)) for x in found):
+            return _joined_ids(lw, parts, found, consts, dim)
+        if all(isinstance(x, Flag) or c is not None and c.dtype == bool
+               for x, c in zip(found, consts)):
+            flags = [x if isinstance(x, Flag) else None for x in found]
+            d = dim % len(shapes[0])
+            values = np.concatenate([f.value if f is not None else c
+                                     for f, c in zip(flags, consts)], axis=d)
+            xs = [f.x if f is not None else constant_input(lw, c.astype(np.float64))
+                  for f, c in zip(flags, consts)]
+            return Flag(cat(lw, xs, d), values)
+        bounds = [_bounds(lw, p) for p in parts]
+        if None in bounds:
+            return base(lw, args, kwargs, shapes, group)
+        out = base(lw, args, kwargs, shapes, group)
+        if isinstance(out, int):
+            ends = [e for bound in bounds for e in bound]
+            lw.integral[out] = (min(ends), max(ends))
+            points = [_points(lw, p) for p in parts]
+            if None not in points:
+                taken = tuple(sorted(set().union(*points)))
+                if len(taken) < taken[-1] - taken[0] + 1:
+                    lw.integral_sets[out] = taken
+        return out
+    return lower
+
+
+def _joined_ids(lw: Lowerer, parts: list, found: list, consts: list, dim: int) -> IdRows:
+    """Ids and constant ids joined along ``dim`` as one-hot rows."""
+    values = []
+    for p, x, c in zip(parts, found, consts):
+        if isinstance(x, (Ids, IdRows)):
+            values.append(np.asarray(id_rows(lw, p).ids))
+        elif c is not None and c.dtype.kind in "iu":
+            values.append(c)
+        else:
+            raise LoweringError(f"{lw.name}: the batch's ids joined (cat) with other than "
+                                f"constant integer ids")
+    if any(np.any(v < 0) for v in values):
+        raise LoweringError(f"{lw.name}: the batch's ids joined (cat) with negative ids")
+    width = max(lw.vocab, *(int(v.max()) + 1 for v in values if v.size))
+    d = dim % values[0].ndim
+    rows = []
+    for p, x, v in zip(parts, found, values):
+        if isinstance(x, (Ids, IdRows)):
+            r = id_rows(lw, p).x
+            rows.append(pad(lw, r, len(lw.shapes[r]) - 1, 0, width - lw.shapes[r][-1]))
+        else:
+            rows.append(constant_input(lw, (v[..., None] == np.arange(width)).astype(np.float64)))
+    return IdRows(cat(lw, rows, d), np.concatenate(values, axis=d))

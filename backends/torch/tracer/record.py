@@ -379,8 +379,9 @@ class Recorder(TorchDispatchMode):
                 self.mark_constant(o, v, buffer)
         else:
             for o, v in zip(outs, ids):
-                if not (o.is_floating_point() or o.is_complex()) and o.numel() <= CONSTANT_NUMEL \
-                        and o.device.type == "cpu" and o.layout == torch.strided:
+                if type(o) is torch.Tensor and not (o.is_floating_point() or o.is_complex()) \
+                        and o.numel() <= CONSTANT_NUMEL and o.device.type == "cpu" \
+                        and o.layout == torch.strided:
                     self.int_values[v] = o.detach().numpy().copy()
         if not constant and name in SHAPE_ONLY:
             self.shape_only.update(ids)
