@@ -109,11 +109,17 @@ CASES: list[tuple[str, str, int]] = [
      "--hf qwen3_5_text --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     # CPM-Ant's masks from counts of the ids (lengths against position ranges, segments,
     # prompt ids joined, position buckets selected and looked up, rows zeroed after a NaN
-    # softmax): DDP verifies; transformers' FSDP plan gives the layer norms 2x their
-    # gradient (a real gloo run: differs, about 2 x)
+    # softmax); its loss a mean over the rank's tokens, taken as the rank's share
+    ("hf cpmant dp2", "--hf cpmant --dp 2 --tp 1", 0),
     ("hf cpmant ddp dp2", "--hf cpmant --recipe ddp --dp 2 --tp 1", 0),
     ("hf cpmant ddp avg bug", "--hf cpmant --recipe ddp_avg --dp 2 --tp 1", 1),
-    ("hf cpmant fsdp dp2 finding", "--hf cpmant --dp 2 --tp 1", 1),
+    # an encoder-decoder family's decoder (its mean loss taken as the rank's share; its
+    # decoder at the layer count)
+    ("hf bart dp2", "--hf bart --dp 2 --tp 1", 0),
+    ("hf bart ddp avg bug", "--hf bart --recipe ddp_avg --dp 2 --tp 1", 1),
+    # masks of lengths counted from the ids (XLM's), a cache started empty
+    ("hf xlm dp2", "--hf xlm --dp 2 --tp 1", 0),
+    ("hf xlm ddp avg bug", "--hf xlm --recipe ddp_avg --dp 2 --tp 1", 1),
     # configurations fitted: Mamba-2's heads, hybrids at two layers
     ("hf mamba2 dp2", "--hf mamba2 --dp 2 --tp 1", 0),
     ("hf olmo_hybrid dp2 tp2 ly2", "--hf olmo_hybrid --dp 2 --tp 2 --layers 2", 0),

@@ -160,3 +160,19 @@ def test_cpmant_masks_from_counts_lower_exactly(monkeypatch) -> None:
                  "parallel": False, "keep_values": True}, 0)
     check = check_lowering(trace, lower_trace(trace, 16), 16)
     assert check.grads and not check.differences(rtol=1e-9, atol=1e-11), check.differences()
+
+
+@pytest.mark.parametrize("family, mean", [("bart", True), ("cpmant", True), ("xlm", True),
+                                          ("llama", False), ("gpt2", False)])
+def test_a_family_computing_its_own_mean_gives_the_ranks_share(family: str, mean: bool) -> None:
+    """A family whose forward takes its own mean over the tokens it is given
+    (no ``num_items_in_batch``) returns, like the others, the rank's share of
+    the step's mean: its mean times the rank's tokens over the step's."""
+    import torch
+    model = hf.build(family, layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4).double()
+    assert model.mean_loss is mean
+    tokens = torch.randint(1, 16, (2, 4), generator=torch.Generator().manual_seed(0))
+    model.global_tokens = tokens.numel()
+    whole = model(tokens, tokens)
+    model.global_tokens = 2 * tokens.numel()
+    assert torch.allclose(model(tokens, tokens), whole / 2)

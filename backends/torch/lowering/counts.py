@@ -348,11 +348,15 @@ def gather(base: Handler) -> Handler:
          "aten.select.int", "aten.clone.default", "aten.alias.default",
          "aten.transpose.int", "aten.t.default", "aten.permute.default")
 def moved(base: Handler) -> Handler:
-    """Bounded integers reshaped, repeated, cut or moved: the same numbers."""
+    """Bounded integers reshaped, repeated, cut or moved: the same numbers;
+    a flag so moved, a flag (its recorded booleans the op's recorded output)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = pending_of(lw, args[0])
         bounds = _bounds(lw, args[0]) if isinstance(x, (int, Const)) else None
         out = base(lw, args, kwargs, shapes, group)
+        recorded = _recorded(lw)
+        if isinstance(x, Flag) and not isinstance(out, Flag) and recorded is not None:
+            return Flag(lw.materialize(out), np.asarray(recorded, dtype=bool))
         if bounds is not None and isinstance(out, int):
             lw.integral[out] = bounds
         return out
@@ -428,6 +432,14 @@ def selected(base: Handler) -> Handler:
     return lower
 
 
+def _recorded(lw: Lowerer) -> np.ndarray | None:
+    """The recorded value of the current op's first output, when the
+    recorder kept it (a small integer or boolean tensor)."""
+    events = lw.trace.get("events", [])
+    outs = events[lw.event][2] if 0 <= lw.event < len(events) else []
+    return lw.trace.get("int_values", {}).get(outs[0]) if outs else None
+
+
 def _operand(lw: Lowerer, a: Any) -> int:
     """A number or tensor argument as a lowered value."""
     if isinstance(a, (int, float, bool)):
@@ -497,9 +509,7 @@ def _compared(op: str):
             x = lw.emit("sum", [picked], [shape], {"dim": len(shape), "keepdim": False})[0]
             if common != 1:
                 x = lw.emit("div", [x], [shape], {"value": float(common)})[0]
-            outs = lw.trace["events"][lw.event][2] if 0 <= lw.event < len(lw.trace["events"]) \
-                else []
-            recorded = lw.trace.get("int_values", {}).get(outs[0]) if outs else None
+            recorded = _recorded(lw)
             if recorded is None:
                 raise LoweringError(f"{lw.name}: a comparison ({op}) of integers counted from the "
                                     f"ids whose recorded value is missing")

@@ -16,7 +16,10 @@ calls it with ``shift_labels=labels`` (the labels are already the next
 tokens: nothing is shifted or padded) and ``num_items_in_batch`` the token
 count of the whole step, so the loss is the cross-entropy summed over the
 rank's tokens divided by the step's count: each rank's share of the
-step's mean, as transformers' ``ForCausalLMLoss`` computes it.
+step's mean, as transformers' ``ForCausalLMLoss`` computes it (a family
+whose forward computes its own mean and takes no ``num_items_in_batch``
+has that mean scaled by the rank's share of the step's tokens: the same
+share).
 
 The recipes (``--recipe backends.torch.hf:tp_fsdp``, ...) map the backend's
 ("pp", "dp", "tp") mesh onto a ``DistributedConfig``: ``tp_size`` = tp,
@@ -31,6 +34,7 @@ d // fsdp, shard d % fsdp).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -68,11 +72,27 @@ class CausalLM(nn.Module):
         #: transformers' eager experts loop runs no code for an expert no
         #: token chose (backends/torch/routing.py, check_every_expert_reached)
         self.skips_unrouted_experts = _first(hf.config, ROUTING_FIELDS) is not None
+        #: a family whose loss is its own mean over the tokens it is given (its
+        #: forward computes the cross-entropy itself and takes no
+        #: ``num_items_in_batch``: BART's, CPM-Ant's, XLM's decoders)
+        self.mean_loss = not _shares_its_loss(type(hf))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         out = self.hf(input_ids=tokens, labels=labels, shift_labels=labels,
                       num_items_in_batch=self.global_tokens, use_cache=False)
+        if self.mean_loss:  # the mean over the rank's tokens as its share of the step's
+            return out.loss * (labels.numel() / self.global_tokens)
         return out.loss
+
+
+def _shares_its_loss(model_cls: type) -> bool:
+    """Whether a causal-LM class's loss divides by ``num_items_in_batch``
+    (transformers' ``loss_function``), read off its ``forward``'s source."""
+    try:
+        source = inspect.getsource(model_cls.forward)
+    except (OSError, TypeError):
+        return True
+    return "loss_function" in source or "num_items_in_batch" in source
 
 
 def families() -> tuple[str, ...]:
