@@ -222,6 +222,11 @@ LOSSES = {
     # reversed), segments compared with each other as an attention mask (cpmant's)
     "lengths_and_segments": lambda m, h, y: F.cross_entropy(
         m.out(_length_masked(h, y)).flatten(0, 1), y.flatten()),
+    # a table's rows at a constant index of two dims with repeats (Whisper's positions,
+    # ``weight[position_ids]``) and its index_put backward
+    "table_rows_at_positions": lambda m, h, y: F.cross_entropy(m.out(
+        h + m.out.weight[:, :SIZES["hidden"]][(torch.arange(y.shape[1]) % 3).repeat(y.shape[0], 1)])
+        .flatten(0, 1), y.flatten()),
     # a mask of the ids between two numbers (cpmant's position bias)
     "ids_mask_between_numbers": lambda m, h, y: F.cross_entropy(
         m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1) + (y != 3).int().unsqueeze(-1))

@@ -594,3 +594,64 @@ def _joined_ids(lw: Lowerer, parts: list, found: list, consts: list, dim: int) -
         else:
             rows.append(constant_input(lw, (v[..., None] == np.arange(width)).astype(np.float64)))
     return IdRows(cat(lw, rows, d), np.concatenate(values, axis=d))
+
+
+# -- rows of a table at a constant index of several dims -------------------------------
+
+def _constant_index(lw: Lowerer, indices: Any, rows: int) -> np.ndarray | None:
+    """The one index of ``x[idx]`` when it is a constant of integers of two
+    or more dims (positions ``[1, S]`` looked up in a table: Whisper's), its
+    negative entries counted from the end; None otherwise (a 1-d index keeps
+    the lowering of recorded rows)."""
+    if not isinstance(indices, (list, tuple)) or len(indices) != 1:
+        return None
+    if not isinstance(pending_of(lw, indices[0]), Const):
+        return None
+    value = constant_value(lw, indices[0])
+    if value is None or value.dtype.kind not in "iu" or value.ndim < 2:
+        return None
+    value = np.where(value < 0, value + rows, value).astype(np.int64)
+    if value.size and (value.min() < 0 or value.max() >= rows):
+        raise LoweringError(f"{lw.name}: a table of {rows} rows indexed at a constant outside them")
+    return value
+
+
+@refines("aten.index.Tensor")
+def rows_at_constant(base: Handler) -> Handler:
+    """``x[idx]`` with a constant integer index of several dims: the constant
+    one-hot rows of idx times x's rows (an ``embedding`` of x seen as a
+    table), repeated rows included."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        x = pending_of(lw, args[0])
+        table_shape = lw.shapes.get(x) if isinstance(x, int) else None
+        index = _constant_index(lw, args[1], table_shape[0]) if table_shape else None
+        if index is None:
+            return base(lw, args, kwargs, shapes, group)
+        rows, width = table_shape[0], int(np.prod(table_shape[1:]))
+        table = lw.reshape(x, (rows, width))
+        onehot = constant_input(lw, (index[..., None] == np.arange(rows)).astype(np.float64))
+        out = lw.emit("embedding", [onehot, table], [(*index.shape, width)])[0]
+        return lw.reshape(out, tuple(shapes[0]))
+    return lower
+
+
+@refines("aten.index_put.default", "aten.index_put_.default")
+def rows_put_at_constant(base: Handler) -> Handler:
+    """The backward of ``rows_at_constant``: ``index_put`` with
+    ``accumulate`` into zeros at the same constant index, the rows' gradient
+    summed into each row they came from (the ``embedding`` rule's backward)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+        zeros = type(pending_of(lw, args[0])).__name__ == "NewZeros"
+        shape = tuple(shapes[0])
+        index = _constant_index(lw, args[1], shape[0]) if accumulate and zeros else None
+        if index is None:
+            return base(lw, args, kwargs, shapes, group)
+        rows, width = shape[0], int(np.prod(shape[1:]))
+        onehot = constant_input(lw, (index[..., None] == np.arange(rows)).astype(np.float64))
+        grad = lw.reshape(lw.val(args[2]), (*index.shape, width))
+        out = lw.new((rows, width))
+        lw.nodes.append(LNode("embedding", "bw", [onehot, -1, grad], [-1, out], {}, lw.name,
+                              None, lw.mb))
+        return lw.reshape(out, shape)
+    return lower

@@ -341,6 +341,13 @@ def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vo
             kw[name] = vocab - 1
         elif isinstance(ids, list) and any(i >= vocab for i in ids):
             kw[name] = [vocab - 1]
+    # rotary parameters keyed by kind of layer that the family's default
+    # leaves empty (Cohere Compass reads ``rope_parameters[kind]``): the
+    # default rotary for each kind
+    kinds_name = _kinds_field(default)
+    if fields.get("rope_parameters") == {} and kinds_name is not None:
+        kw["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                 for kind in dict.fromkeys(fields[kinds_name])}
     # the parts a family configures apart (BLT's encoder, decoder, global
     # transformer and patcher), each as small
     for name in getattr(default, "sub_configs", None) or {}:
