@@ -7,7 +7,9 @@ table of what happened into docs/torch-backend.md.
 A transformers family runs as ``--hf FAMILY`` at dp 2 tp 2 when it has a
 tensor-parallel plan, else at dp 2 tp 1 (FSDP2 through transformers); a
 torchtitan model as ``--model titan:FAMILY --recipe titan:parallelize``
-at dp 1 tp 2. Each row: verified, FAIL (a finding: its first line),
+at dp 1 tp 2. A family runs at one layer, or, when its configuration
+refuses one (a hybrid built with each of its kinds of layer), at the
+fewest it builds with (``hf.fewest_layers``). Each row: verified, FAIL (a finding: its first line),
 refused (exit 2: its one-line reason) or no verdict. The table replaces
 what lies between the markers ``<!-- families:begin -->`` and
 ``<!-- families:end -->`` of docs/torch-backend.md (``--no-write``: print
@@ -45,6 +47,11 @@ def cases(only: list[str]) -> list[tuple[str, str]]:
         except Exception:  # noqa: BLE001 - a configuration transformers cannot build: its row says so
             plan = False
         mesh = "--dp 2 --tp 2" if plan else "--dp 2 --tp 1"
+        try:
+            layers = hf.fewest_layers(family)
+        except Exception:  # noqa: BLE001 - its row says why it does not build
+            layers = 1
+        mesh += f" --layers {layers}" if layers > 1 else ""
         out.append((f"hf {family}", f"--hf {family} {mesh}"))
     out += [(f"titan {f}", f"--model titan:{f} --recipe titan:parallelize --dp 1 --tp 2 "
                            f"--vocab 2048 --batch 2") for f in TITAN]

@@ -109,6 +109,24 @@ CASES: list[tuple[str, str, int]] = [
     ("outside hf qwen3_5_text dp2 tp2", "--hf qwen3_5_text --dp 2 --tp 2", 0),
     ("outside hf qwen3_5_text fsdp avg bug",
      "--hf qwen3_5_text --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    # CPM-Ant's masks from counts of the ids (lengths against position ranges, segments,
+    # prompt ids joined, position buckets selected and looked up, rows zeroed after a NaN
+    # softmax); its loss a mean over the rank's tokens, taken as the rank's share
+    ("hf cpmant dp2", "--hf cpmant --dp 2 --tp 1", 0),
+    ("hf cpmant ddp dp2", "--hf cpmant --recipe ddp --dp 2 --tp 1", 0),
+    ("hf cpmant ddp avg bug", "--hf cpmant --recipe ddp_avg --dp 2 --tp 1", 1),
+    # an encoder-decoder family's decoder (its mean loss taken as the rank's share; its
+    # decoder at the layer count)
+    ("hf bart dp2", "--hf bart --dp 2 --tp 1", 0),
+    ("hf bart ddp avg bug", "--hf bart --recipe ddp_avg --dp 2 --tp 1", 1),
+    # masks of lengths counted from the ids (XLM's), a cache started empty
+    ("hf xlm dp2", "--hf xlm --dp 2 --tp 1", 0),
+    ("hf xlm ddp avg bug", "--hf xlm --recipe ddp_avg --dp 2 --tp 1", 1),
+    # configurations fitted: Mamba-2's heads, hybrids at two layers
+    ("hf mamba2 dp2", "--hf mamba2 --dp 2 --tp 1", 0),
+    ("hf olmo_hybrid dp2 tp2 ly2", "--hf olmo_hybrid --dp 2 --tp 2 --layers 2", 0),
+    ("hf gemma4_text dp2 tp2", "--hf gemma4_text --dp 2 --tp 2", 0),
+    ("hf olmo_hybrid fsdp avg bug", "--hf olmo_hybrid --recipe tp_fsdp_avg --dp 2 --tp 2 --layers 2", 1),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/zoo/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
     ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),
@@ -499,6 +517,17 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {USER_MODELS}conv_pool_classifier --recipe {SCALING}fsdp_default --dp 2 --tp 1", 0),
     ("outside conv_pool_classifier summed over dp bug",
      f"--model {USER_MODELS}conv_pool_classifier --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    # masks from counts of the ids: lengths against position ranges, segments against each
+    # other (tests/outside_models.py:segment_length_lm; cpmant's mechanism)
+    ("outside segment_length_lm ddp dp2",
+     f"--model {USER_MODELS}segment_length_lm --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("outside segment_length_lm tp_mlp dp2 tp2",
+     f"--model {USER_MODELS}segment_length_lm --recipe {STOCK}tp_mlp --dp 2 --tp 2 --layers 2", 0),
+    ("outside segment_length_lm bug mlp output partial",
+     f"--model {USER_MODELS}segment_length_lm --recipe {MISTAKES}tp_mlp_partial_output --dp 2 "
+     f"--tp 2 --layers 2", 1),
+    ("outside segment_length_lm bug ddp linear only",
+     f"--model {USER_MODELS}segment_length_lm --recipe {MISTAKES}ddp_linear_only --dp 2 --tp 1", 1),
     # nn.ConvTranspose1d, padding_mode reflect and replicate (tests/outside_models.py:unet_tagger)
     ("outside unet_tagger ddp dp2", f"--model {USER_MODELS}unet_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("outside unet_tagger fsdp dp2",

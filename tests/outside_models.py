@@ -891,6 +891,57 @@ class BranchOnValue(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
+class _SegmentBlock(nn.Module):
+    """Attention over the tokens of the same segment (scores masked with
+    -inf where two tokens' segments differ), each row weighted by whether
+    its position lies below the row's length, then a GPT-2 style MLP."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.query = nn.Linear(hidden, hidden, bias=False)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(hidden, ffn), "c_proj": nn.Linear(ffn, hidden)})
+
+    def forward(self, x: torch.Tensor, same: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        scores = (self.query(h) @ h.transpose(1, 2)).masked_fill(~same, float("-inf"))
+        x = x + (scores.softmax(-1) @ h) * weight[..., None]
+        return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](x)))
+
+
+class SegmentLengthLM(nn.Module):
+    """Masks computed from counts of the ids, as CPM-Ant builds them: each
+    row's length (its ids other than 0, counted), positions compared with it
+    from the start (``arange(S) < length``) and from the end (a reversed
+    range made from a Python list, ``<= length``), and segments (2 for an id
+    other than 0, else 0, as int32) compared with each other as an attention
+    mask; a tower of ``_SegmentBlock``s and a per-token head, the
+    cross-entropy summed over the rank's tokens, its share of the step's."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del heads, seqlen
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(_SegmentBlock(hidden, ffn) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+        self.global_tokens = 0
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        batch, seqlen = tokens.shape
+        ids = tokens.to(torch.int32)
+        length = (ids != 0).sum(-1).to(torch.int32)
+        ahead = torch.arange(seqlen)[None, :] < length[:, None]
+        behind = torch.tensor(list(range(seqlen))[::-1])[None, :].repeat(batch, 1) <= length[:, None]
+        segment = torch.where(ids != 0, 2, 0).to(torch.int32)
+        same = segment[:, :, None] == segment[:, None, :]
+        weight = ahead.to(torch.float64) + 0.5 * behind.to(torch.float64)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, same, weight)
+        loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
+        return _share(loss, self, labels.numel())
+
+
 def mha_seq_first(**kw) -> MHASeqFirstLM:
     return MHASeqFirstLM(**kw)
 
@@ -990,3 +1041,7 @@ def dropout_mlp(**kw) -> DropoutMLP:
 def branch_on_value(**kw) -> BranchOnValue:
     return BranchOnValue(**kw)
 
+
+
+def segment_length_lm(**kw) -> SegmentLengthLM:
+    return SegmentLengthLM(**kw)

@@ -89,7 +89,8 @@ def test_unknown_family_is_not_a_model_factory() -> None:
 
 
 @pytest.mark.parametrize("family", ["codegen", "gptj", "blenderbot", "gpt_neo", "hunyuan_v1_dense",
-                                    "bamba", "gemma3n_text"])
+                                    "bamba", "gemma3n_text", "mamba2", "gemma4_text", "prophetnet",
+                                    "xmod"])
 def test_per_layer_and_per_head_fields_fit_the_small_sizes(family: str) -> None:
     """Fields a family checks against the sizes (a rotary width, the
     decoder's heads, a list of attention kinds, shared key-value layers, a
@@ -99,3 +100,79 @@ def test_per_layer_and_per_head_fields_fit_the_small_sizes(family: str) -> None:
     model = hf.build(family, layers=1, hidden=16, heads=4, ffn=8, vocab=16, seqlen=4).double()
     tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
     model(tokens, tokens).backward()
+
+
+@pytest.mark.parametrize("family, layers", [("olmo_hybrid", 2), ("zamba", 2), ("zamba2", 2),
+                                            ("llama", 1), ("rwkv", 2)])
+def test_a_family_refusing_one_layer_builds_with_each_kind(family: str, layers: int) -> None:
+    """A hybrid whose configuration refuses one layer (it needs each of its
+    kinds of layer) is built with the fewest layers that hold every kind;
+    a family whose model cannot be built with one layer (RWKV divides by
+    the layer count less one) with two."""
+    assert hf.fewest_layers(family) == layers
+    cfg = hf.config(family, layers=layers, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+    kinds = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    default = hf.classes(family)[0]()
+    every = getattr(default, "layer_types", None) or getattr(default, "layers_block_type", None)
+    if every:
+        assert set(kinds) == set(every) and len(kinds) == layers
+
+
+def test_one_layer_too_few_for_a_hybrid_is_one_line() -> None:
+    with pytest.raises(ValueError, match="each of its kinds of layer .*--layers 2"):
+        hf.config("zamba", layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+
+
+@pytest.mark.parametrize("family", ["bart", "marian", "prophetnet", "trocr"])
+def test_an_encoder_decoder_family_gets_the_layer_count_in_both_stacks(family: str) -> None:
+    """Its causal LM is the decoder: the decoder's layers are the backend's
+    count (bart's decoder kept its 12 where ``num_hidden_layers`` names the
+    encoder's), and it is a decoder (``is_decoder``)."""
+    cfg = hf.config(family, layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+    fields = cfg.to_dict()
+    counts = [fields[n] for n in ("encoder_layers", "decoder_layers", "num_encoder_layers",
+                                  "num_decoder_layers") if n in fields]
+    assert counts and set(counts) == {1}, fields
+    assert cfg.is_decoder
+
+
+def _rms_norm_in_float64(self, hidden):
+    return hidden * (hidden.pow(2).mean(dim=-1, keepdim=True) + self.eps).rsqrt() * self.weight
+
+
+def test_cpmant_masks_from_counts_lower_exactly(monkeypatch) -> None:
+    """CPM-Ant builds its attention mask and position bias from the ids:
+    lengths counted from them and compared with ranges of positions, segments
+    compared with each other, prompt ids joined before the tokens, a bucket
+    selected between a constant and the segments' and looked up, rows with
+    every key masked (NaN in torch) zeroed by a later fill. Its step, with
+    its layer norm in float64 (it computes the variance in float32), lowers
+    to torch's loss and gradients."""
+    from transformers.models.cpmant import modeling_cpmant
+
+    from backends.torch.lowering import lower_trace
+    from backends.torch.tracer.check import check_lowering
+    from backends.torch.tracer.rank import run
+    monkeypatch.setattr(modeling_cpmant.CpmAntLayerNorm, "forward", _rms_norm_in_float64)
+    sizes = {"layers": 1, "hidden": 16, "heads": 4, "ffn": 32, "vocab": 16, "seqlen": 4}
+    trace = run({"model": "backends.torch.hf:cpmant", "model_kwargs": sizes, "recipe": "",
+                 "dp": 1, "tp": 1, "pp": 1, "batch": 4, "seqlen": 4, "vocab": 16, "seed": 0,
+                 "parallel": False, "keep_values": True}, 0)
+    check = check_lowering(trace, lower_trace(trace, 16), 16)
+    assert check.grads and not check.differences(rtol=1e-9, atol=1e-11), check.differences()
+
+
+@pytest.mark.parametrize("family, mean", [("bart", True), ("cpmant", True), ("xlm", True),
+                                          ("llama", False), ("gpt2", False)])
+def test_a_family_computing_its_own_mean_gives_the_ranks_share(family: str, mean: bool) -> None:
+    """A family whose forward takes its own mean over the tokens it is given
+    (no ``num_items_in_batch``) returns, like the others, the rank's share of
+    the step's mean: its mean times the rank's tokens over the step's."""
+    import torch
+    model = hf.build(family, layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4).double()
+    assert model.mean_loss is mean
+    tokens = torch.randint(1, 16, (2, 4), generator=torch.Generator().manual_seed(0))
+    model.global_tokens = tokens.numel()
+    whole = model(tokens, tokens)
+    model.global_tokens = 2 * tokens.numel()
+    assert torch.allclose(model(tokens, tokens), whole / 2)

@@ -32,7 +32,8 @@ FLOAT32 = {"einsum_lm"}
 MODELS = ["mha_seq_first", "mha_causal", "sentence_classifier", "decoder_regressor", "einsum_lm",
           "baddbmm_lm", "activation_tower", "glu_tagger", "distiller", "sigmoid_tower",
           "rotary_lm", "mixer", "lstm_tagger", "batchnorm_regressor", "conv_tagger", "conv_pool_classifier",
-          "max_pool_classifier", "ids_read_as_list", "unet_tagger", "partial_write", "strided_write"]
+          "max_pool_classifier", "ids_read_as_list", "unet_tagger", "partial_write", "strided_write",
+          "segment_length_lm"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -217,11 +218,36 @@ LOSSES = {
     # them, each looked up in a table (RoBERTa's embeddings)
     "positions_from_ids": lambda m, h, y: F.cross_entropy(
         m.out(_positions_looked_up(m, h, y)).flatten(0, 1), y.flatten()),
+    # lengths counted from the ids compared with ranges of positions (forward and
+    # reversed), segments compared with each other as an attention mask (cpmant's)
+    "lengths_and_segments": lambda m, h, y: F.cross_entropy(
+        m.out(_length_masked(h, y)).flatten(0, 1), y.flatten()),
+    # a table's rows at a constant index of two dims with repeats (Whisper's positions,
+    # ``weight[position_ids]``) and its index_put backward
+    "table_rows_at_positions": lambda m, h, y: F.cross_entropy(m.out(
+        h + m.out.weight[:, :SIZES["hidden"]][(torch.arange(y.shape[1]) % 3).repeat(y.shape[0], 1)])
+        .flatten(0, 1), y.flatten()),
     # a mask of the ids between two numbers (cpmant's position bias)
     "ids_mask_between_numbers": lambda m, h, y: F.cross_entropy(
         m.out(h * torch.where(y > 3, 2.0, 0.5).unsqueeze(-1) + (y != 3).int().unsqueeze(-1))
         .flatten(0, 1), y.flatten()),
 }
+
+
+def _length_masked(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Scores masked where two tokens' segments differ (a segment is 2 for
+    an id other than 0, else 0), rows weighted by whether their position is
+    below the row's count of ids other than 0, counted from either end."""
+    batch, seqlen = y.shape
+    length = (y != 0).sum(-1).to(torch.int32)
+    ahead = torch.arange(seqlen)[None, :] < length[:, None]
+    behind = torch.tensor(list(range(seqlen))[::-1])[None, :].repeat(batch, 1) <= length[:, None]
+    segment = torch.where(y != 0, 2, 0).to(torch.int32)
+    segment = segment * 3 + 1
+    same = segment[:, :, None] == segment[:, None, :]
+    scores = (h @ h.transpose(1, 2)).masked_fill(same == torch.tensor(False), float("-inf"))
+    weight = ahead.to(h.dtype) + 0.5 * behind.to(h.dtype)
+    return (scores.softmax(-1) @ h) * weight[..., None] + h
 
 
 def _positions_looked_up(m, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -410,6 +436,10 @@ def test_a_pad_id_that_differs_on_one_rank_fails_there(recipe: str) -> None:
     assert any(n.rank == 1 and n.name == "MaskedLM" for n in nodes), nodes
 
 
+def _flipped(truth):
+    return lambda x, y: truth(y, x)
+
+
 def _one_point_fewer(real):
     """One-hot rows of bounded integers interpolated without their top value."""
     def rows(lw, v, n):
@@ -430,6 +460,12 @@ def _one_point_fewer(real):
      lambda real: lambda lw, a, upper: real(lw, a, not upper)),
     ("split_rejoined", "layout", "_cat_part",
      lambda real: lambda lw, f: real(lw, type(f)(f.x, f.dim, 0, f.length))),
+    # a comparison's truths read from the other side (a < b as b < a)
+    ("lengths_and_segments", "counts", "COMPARISONS",
+     lambda real: {op: (_flipped(truth), swapped) for op, (truth, swapped) in real.items()}),
+    # the rows divided by another common denominator than theirs
+    ("lengths_and_segments", "counts", "scaled_rows",
+     lambda real: lambda lw, v: (lambda rows, d: (rows, d + 1))(*real(lw, v))),
     ("where_between_tensors", "arithmetic", "selected",
      lambda real: lambda lw, cmp, t, where_true, shape: real(lw, cmp, t, not where_true, shape)),
 ])

@@ -140,6 +140,13 @@ def _short_module(ref: str) -> str:
     return f"{SHORT_MODULES[module]}:{name}" if sep and module in SHORT_MODULES else ref
 
 
+def _last_line(e: Exception) -> str:
+    """The last non-empty line of an error's text: where transformers'
+    validation errors say the cause (their first line names the validator)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def refuse_hf(family: str, tp: int) -> None:
     """A ``--hf`` family the backend cannot build or parallelize at ``tp``:
     one line (``backends.torch.hf.refusal``)."""
@@ -149,7 +156,8 @@ def refuse_hf(family: str, tp: int) -> None:
     except ImportError as e:
         raise LoweringError(f"--hf needs transformers (pip install '.[hf]'): {e}") from None
     except Exception as e:  # a configuration transformers itself cannot build: bad input
-        raise LoweringError(f"--hf {family}: {type(e).__name__}: {e}") from None
+        raise LoweringError(f"--hf {family}: transformers cannot build its default configuration: "
+                            f"{type(e).__name__}: {_last_line(e)}") from None
     if why is not None:
         raise LoweringError(why)
 
@@ -262,7 +270,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
             single = run({**spec, "parallel": False}, 0)
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
-                                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from None
+                                f"{_last_line(e)}") from None
     check_rows_are_blocks(single, args.dp)
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:

@@ -513,7 +513,9 @@ def to_copy(lw: Lowerer, args, kwargs, shapes, group):
         return x
     if not isinstance(x, Complex) and (floating or not dtype):
         return lw.val(args[0])
-    raise LoweringError(f"{lw.name}: a conversion to {dtype or 'another layout'} is not lowered")
+    raise LoweringError(f"{lw.name}: a conversion of a computed value to {dtype or 'another layout'} "
+                        f"is not lowered (only the batch's ids, masks of them and integers "
+                        f"counted from them convert exactly; any other value would be rounded)")
 
 lowers("aten.div_.Scalar", "aten.div_.Tensor", "aten.div.Scalar")(_scalar('div'))
 lowers("aten.mul.Scalar")(_scalar('mul_scalar'))

@@ -105,6 +105,12 @@ class Lowerer:
     #: (value, rows) -> its one-hot rows
     integral: dict[int, tuple[int, int]] = field(default_factory=dict)
     integral_rows: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: the integers a bounded value may take, when fewer than its bounds hold
+    #: (``where(ids != 0, 2, 0)`` is 0 or 2)
+    integral_sets: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: a bounded value selected between two (``where(flag, a, b)``): the flag's
+    #: 0/1 value and the two arguments, whose one-hot rows it selects between
+    integral_where: dict[int, tuple[int, Any, Any]] = field(default_factory=dict)
     cats: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     narrows: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input

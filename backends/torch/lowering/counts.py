@@ -14,6 +14,7 @@ bounds (docs/soundness.md, "Plans traced from PyTorch", 45).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,8 +22,9 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
-from backends.torch.lowering.emit import einsum, pad
-from backends.torch.lowering.ir import Const, Flag, pending_of
+from backends.torch.lowering.emit import cat, einsum, pad
+from backends.torch.lowering.ir import Const, Flag, IdRows, Ids, pending_of
+from backends.torch.lowering.onehot import id_rows
 from backends.torch.lowering.registry import Handler, refines
 
 if TYPE_CHECKING:
@@ -56,6 +58,23 @@ def _bounds(lw: Lowerer, a: Any) -> tuple[int, int] | None:
             and np.all(np.isfinite(value)) and np.all(value == np.round(value)):
         return int(np.min(value)), int(np.max(value))
     return None
+
+
+def _points(lw: Lowerer, a: Any) -> tuple[int, ...] | None:
+    """The integers an argument may take, when few (a number, a flag, a
+    bounded value's set or bounds, a constant's values); None otherwise."""
+    bounds = _bounds(lw, a)
+    if bounds is None:
+        return None
+    x = pending_of(lw, a)
+    if isinstance(x, int) and x in lw.integral_sets:
+        return lw.integral_sets[x]
+    if isinstance(x, Const):
+        value = np.asarray(constant_value(lw, a))
+        found = tuple(int(k) for k in np.unique(value))
+        return found if len(found) <= MAX_POINTS else None
+    lo, hi = bounds
+    return tuple(range(lo, hi + 1)) if hi - lo < MAX_POINTS else None
 
 
 def _integer_type(dtype: str) -> bool:
@@ -106,13 +125,18 @@ def _combined(op: str):
             if a is None or b is None or not isinstance(out, int) or alpha != int(alpha) \
                     or not any(isinstance(pending_of(lw, x), (int, Flag)) for x in args[:2]):
                 return out
-            if op == "mul":
-                ends = [p * q for p in a for q in b]
-                lw.integral[out] = (min(ends), max(ends))
-            else:
-                sign = int(alpha) if op == "add" else -int(alpha)
-                ends = [p + sign * q for p in a for q in b]
-                lw.integral[out] = (min(ends), max(ends))
+            sign = int(alpha) if op == "add" else -int(alpha)
+
+            def made_of(p: int, q: int) -> int:
+                return p * q if op == "mul" else p + sign * q
+
+            ends = [made_of(p, q) for p in a for q in b]
+            lw.integral[out] = (min(ends), max(ends))
+            pa, pb = _points(lw, args[0]), _points(lw, args[1])
+            if pa is not None and pb is not None and len(pa) * len(pb) <= MAX_POINTS ** 2:
+                made = {made_of(p, q) for p in pa for q in pb}
+                if len(made) < lw.integral[out][1] - lw.integral[out][0] + 1:
+                    lw.integral_sets[out] = tuple(sorted(made))
             return out
         return lower
     return refine
@@ -134,19 +158,54 @@ def one_hot_rows(lw: Lowerer, v: int, rows: int) -> int:
     if lo < 0 or hi >= rows:
         raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at integers computed "
                             f"from the ids that may lie in [{lo}, {hi}] (outside its rows)")
-    if hi - lo + 1 > MAX_POINTS:
-        raise LoweringError(f"{lw.name}: a lookup at integers computed from the ids that may "
-                            f"take {hi - lo + 1} values (more than {MAX_POINTS})")
-    points = np.arange(lo, hi + 1, dtype=np.float64)
-    shape = (*lw.shapes[v], len(points))
+    if v in lw.integral_where:
+        # the rows of where(m, a, b): m a's rows + (1 - m) b's rows
+        m, a, b = lw.integral_where[v]
+        shape = (*lw.shapes[v], rows)
+        first, second = (_spread(lw, _rows_of(lw, x, rows), shape) for x in (a, b))
+        mask = _spread(lw, lw.reshape(m, (*lw.shapes[m], 1)), shape)
+        gap = lw.emit("sub", [first, second], [shape])[0]
+        out = lw.emit("add", [second, lw.emit("mul", [mask, gap], [shape])[0]], [shape])[0]
+        lw.integral_rows[key] = out
+        return out
+    out = pad(lw, value_rows(lw, v), len(lw.shapes[v]), lo, rows - hi - 1)
+    lw.integral_rows[key] = out
+    return out
+
+
+def _rows_of(lw: Lowerer, a: Any, rows: int) -> int:
+    """The one-hot rows (``rows`` wide) of a selection's branch: a bounded
+    value's, or a constant's or number's (a constant of the plan)."""
+    if isinstance(a, int) and not isinstance(a, bool) and a in lw.integral:
+        return one_hot_rows(lw, a, rows)
+    value = np.asarray(a if isinstance(a, (int, float, bool)) else constant_value(lw, a))
+    if value.size and (value.min() < 0 or value.max() >= rows):
+        raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at a constant outside "
+                            f"its rows")
+    onehot = (value[..., None] == np.arange(rows)).astype(np.float64)
+    return constant_input(lw, onehot)
+
+
+def value_rows(lw: Lowerer, v: int) -> int:
+    """``[v == k]`` for k in ``lo .. hi`` (``[*v.shape, hi - lo + 1]``) of
+    a bounded integer v taking the values ``S`` (its set, else every integer
+    of its bounds): in column k of S, ``prod_{r in S, r != k} (v - r) / (k -
+    r)``; in a column outside S, 0."""
+    lo, hi = lw.integral[v]
+    taken = lw.integral_sets.get(v) or tuple(range(lo, hi + 1))
+    if len(taken) > MAX_POINTS:
+        raise LoweringError(f"{lw.name}: a lookup or comparison at integers computed from the "
+                            f"ids that may take {len(taken)} values (more than {MAX_POINTS})")
+    columns = np.arange(lo, hi + 1, dtype=np.float64)
+    shape = (*lw.shapes[v], len(columns))
     column = lw.reshape(v, (*lw.shapes[v], 1))
     spread = lw.emit("expand", [column], [shape], {"shape": list(shape)})[0]
     out = None
-    for r in points:
-        if len(points) == 1:
+    for r in taken:
+        if len(taken) == 1:
             break
         # (v - r) / (k - r) in column k != r, 1 in column r
-        gap = points - r
+        gap = columns - r
         scale = np.where(gap == 0, 0.0, 1.0 / np.where(gap == 0, 1.0, gap))
         shift = np.where(gap == 0, 1.0, -r * scale)
         factor = lw.emit("mul", [spread, constant_input(lw, scale)], [shape])[0]
@@ -154,9 +213,45 @@ def one_hot_rows(lw: Lowerer, v: int, rows: int) -> int:
         out = factor if out is None else lw.emit("mul", [out, factor], [shape])[0]
     if out is None:  # one possible value: its row is always 1
         out = lw.emit("ones", [], [shape], {"shape": list(shape)}, direction="none")[0]
-    out = pad(lw, out, len(shape) - 1, lo, rows - hi - 1)
-    lw.integral_rows[key] = out
+    if len(taken) < len(columns):  # columns of no value the integer takes: 0
+        inside = np.isin(columns, np.asarray(taken, dtype=np.float64)).astype(np.float64)
+        out = lw.emit("mul", [out, constant_input(lw, inside)], [shape])[0]
     return out
+
+
+def scaled_rows(lw: Lowerer, v: int) -> tuple[int, int]:
+    """``D [v == k]`` for k in ``lo .. hi`` and the integer D, with integer
+    coefficients only: column k of the set S is ``prod_{r in S, r != k} (v -
+    r)`` times the integer ``D / prod_{r != k} (k - r)`` (D the least common
+    multiple of those products), so that its constants are exact in a plan
+    (``value_rows``'s fractions ``1 / (k - r)`` are not) and a comparison
+    divides by D once, exactly."""
+    lo, hi = lw.integral[v]
+    taken = lw.integral_sets.get(v) or tuple(range(lo, hi + 1))
+    columns = np.arange(lo, hi + 1)
+    products = {k: math.prod(k - r for r in taken if r != k) for k in taken}
+    common = math.lcm(*(abs(d) for d in products.values()))
+    if len(taken) > MAX_POINTS or common * max(abs(d) for d in products.values()) >= 2 ** 52:
+        raise LoweringError(f"{lw.name}: a comparison of integers counted from the ids that may "
+                            f"take {len(taken)} values (too many to compare exactly)")
+    shape = (*lw.shapes[v], len(columns))
+    column = lw.reshape(v, (*lw.shapes[v], 1))
+    spread = lw.emit("expand", [column], [shape], {"shape": list(shape)})[0]
+    weight = np.array([common // products[k] if k in products else 0 for k in columns],
+                      dtype=np.float64)
+    out = lw.emit("mul", [lw.emit("ones", [], [shape], {"shape": list(shape)},
+                                  direction="none")[0], constant_input(lw, weight)], [shape])[0]
+    for r in taken:
+        if len(taken) == 1:
+            break
+        # (v - r) in column k != r, 1 in column r
+        gap = columns - r
+        scale = np.where(gap == 0, 0.0, 1.0)
+        shift = np.where(gap == 0, 1.0, -float(r))
+        factor = lw.emit("mul", [spread, constant_input(lw, scale)], [shape])[0]
+        factor = lw.emit("add", [factor, constant_input(lw, shift)], [shape])[0]
+        out = lw.emit("mul", [out, factor], [shape])[0]
+    return out, common
 
 
 def _bounded(lw: Lowerer, a: Any) -> int | None:
@@ -169,6 +264,17 @@ def lookup(base: Handler) -> Handler:
     """A table looked up at bounded integers: the one-hot rows times the table."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         v = _bounded(lw, args[1])
+        ids = pending_of(lw, args[1])
+        if isinstance(ids, IdRows) and lw.shapes[ids.x][-1] > lw.vocab:
+            # ids joined with constant ids past the vocabulary (``joined``):
+            # their rows widened to the table's
+            table = lw.val(args[0])
+            rows, width = lw.shapes[table][0], lw.shapes[ids.x][-1]
+            if width > rows:
+                raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at ids up to "
+                                    f"{width - 1}")
+            onehot = pad(lw, ids.x, len(lw.shapes[ids.x]) - 1, 0, rows - width)
+            return lw.emit("embedding", [onehot, table], shapes)[0]
         if v is None:
             return base(lw, args, kwargs, shapes, group)
         table = lw.val(args[0])
@@ -183,13 +289,22 @@ def lookup_backward(base: Handler) -> Handler:
     rows at ``padding_idx`` left out (as ``tokens._embedding_bw``)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         v = _bounded(lw, args[1])
-        if v is None:
+        ids = pending_of(lw, args[1])
+        wide = isinstance(ids, IdRows) and lw.shapes[ids.x][-1] > lw.vocab
+        if v is None and not wide:
             return base(lw, args, kwargs, shapes, group)
         if len(args) > 4 and args[4]:
             raise LoweringError(f"{lw.name}: embedding backward with scale_grad_by_freq is not "
                                 f"lowered")
         rows = int(args[2])
-        tokens = one_hot_rows(lw, v, rows)
+        if wide:  # ids joined with constant ids past the vocabulary (``joined``)
+            width = lw.shapes[ids.x][-1]
+            if width > rows:
+                raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at ids up to "
+                                    f"{width - 1}")
+            tokens = pad(lw, ids.x, len(lw.shapes[ids.x]) - 1, 0, rows - width)
+        else:
+            tokens = one_hot_rows(lw, v, rows)
         padding = args[3] if len(args) > 3 else kwargs.get("padding_idx", -1)
         if padding is not None and 0 <= int(padding) < rows:
             keep = np.ones(rows)
@@ -233,12 +348,310 @@ def gather(base: Handler) -> Handler:
          "aten.select.int", "aten.clone.default", "aten.alias.default",
          "aten.transpose.int", "aten.t.default", "aten.permute.default")
 def moved(base: Handler) -> Handler:
-    """Bounded integers reshaped, repeated, cut or moved: the same numbers."""
+    """Bounded integers reshaped, repeated, cut or moved: the same numbers;
+    a flag so moved, a flag (its recorded booleans the op's recorded output)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = pending_of(lw, args[0])
         bounds = _bounds(lw, args[0]) if isinstance(x, (int, Const)) else None
         out = base(lw, args, kwargs, shapes, group)
+        recorded = _recorded(lw)
+        if isinstance(x, Flag) and not isinstance(out, Flag) and recorded is not None:
+            return Flag(lw.materialize(out), np.asarray(recorded, dtype=bool))
         if bounds is not None and isinstance(out, int):
             lw.integral[out] = bounds
         return out
+    return lower
+
+
+# -- sums, selections and comparisons of bounded integers ------------------------------
+
+def _computed(lw: Lowerer, a: Any) -> int | None:
+    """The lowered value of a bounded integer or a flag argument (a flag's
+    0/1 value bounded by [0, 1]); None for a number, a constant or anything
+    else."""
+    x = pending_of(lw, a)
+    if isinstance(x, Flag):
+        lw.integral.setdefault(x.x, (0, 1))
+        return x.x
+    return x if isinstance(x, int) and x in lw.integral else None
+
+
+@refines("aten.sum.dim_IntList")
+def summed(base: Handler) -> Handler:
+    """A sum over some dims of a flag or of bounded integers (``(ids !=
+    pad).sum(-1)``, each row's length): n entries in [lo, hi] sum to an
+    integer in [n lo, n hi]. A whole flag summed to one number stays the
+    recorded count (``masks.count``)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        v = _computed(lw, args[0])
+        if v is None or tuple(shapes[0]) == ():
+            return base(lw, args, kwargs, shapes, group)
+        lo, hi = lw.integral[v]
+        out = base(lw, args, {k: x for k, x in kwargs.items() if k != "dtype"}, shapes, group)
+        n = int(np.prod(lw.shapes[v])) // max(int(np.prod(shapes[0])), 1)
+        if isinstance(out, int):
+            lw.integral[out] = (min(lo, n * lo), max(hi, n * hi))
+        return out
+    return lower
+
+
+@refines("aten.where.self")
+def selected(base: Handler) -> Handler:
+    """``where(flag, a, b)`` between bounded integers (or integer numbers or
+    constants): ``b + flag (a - b)``, an integer taking a's or b's values
+    (``where(ids != 0, 2, 0)`` is 0 or 2)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        cond = pending_of(lw, args[0])
+        pa, pb = _points(lw, args[1]), _points(lw, args[2])
+        bounds = [_bounds(lw, a) for a in args[1:3]]
+        integral = [isinstance(a, (int, bool)) or _computed(lw, a) is not None
+                    or isinstance(pending_of(lw, a), Const) for a in args[1:3]]
+        if not isinstance(cond, Flag) or None in bounds or not all(integral) \
+                or (pa is None or pb is None) and not any(_computed(lw, a) for a in args[1:3]):
+            return base(lw, args, kwargs, shapes, group)
+        shape = tuple(shapes[0])
+        if all(isinstance(a, (int, bool)) for a in args[1:3]):
+            out = base(lw, args, kwargs, shapes, group)
+        else:
+            m = _spread(lw, cond.x, shape)
+            a, b = (_spread(lw, _operand(lw, x), shape) for x in args[1:3])
+            gap = lw.emit("sub", [a, b], [shape])[0]
+            out = lw.emit("add", [b, lw.emit("mul", [m, gap], [shape])[0]], [shape])[0]
+        if isinstance(out, int):
+            ends = [e for bound in bounds for e in bound]
+            lw.integral[out] = (min(ends), max(ends))
+            if pa is not None and pb is not None:
+                taken = tuple(sorted(set(pa) | set(pb)))
+                if len(taken) < taken[-1] - taken[0] + 1:
+                    lw.integral_sets[out] = taken
+            if not all(isinstance(a, (int, bool)) for a in args[1:3]):
+                branches = [_computed(lw, a) if _computed(lw, a) is not None else
+                            a if isinstance(a, (int, bool)) else a for a in args[1:3]]
+                lw.integral_where[out] = (cond.x, *branches)
+        return out
+    return lower
+
+
+def _recorded(lw: Lowerer) -> np.ndarray | None:
+    """The recorded value of the current op's first output, when the
+    recorder kept it (a small integer or boolean tensor)."""
+    events = lw.trace.get("events", [])
+    outs = events[lw.event][2] if 0 <= lw.event < len(events) else []
+    return lw.trace.get("int_values", {}).get(outs[0]) if outs else None
+
+
+def _operand(lw: Lowerer, a: Any) -> int:
+    """A number or tensor argument as a lowered value."""
+    if isinstance(a, (int, float, bool)):
+        return constant_input(lw, np.asarray(float(a)))
+    return lw.val(a)
+
+
+def _spread(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
+    """x broadcast to ``shape`` (leading dims of 1 added, then expanded)."""
+    if lw.shapes[x] == shape:
+        return x
+    lead = (1,) * (len(shape) - len(lw.shapes[x]))
+    if lead:
+        x = lw.reshape(x, (*lead, *lw.shapes[x]))
+    return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
+
+
+#: a comparison's truth at two integers, and the comparison with its sides swapped
+COMPARISONS = {"eq": (np.equal, "eq"), "ne": (np.not_equal, "ne"), "lt": (np.less, "gt"),
+               "le": (np.less_equal, "ge"), "gt": (np.greater, "lt"), "ge": (np.greater_equal, "le")}
+
+
+def _compared(op: str):
+    def refine(base: Handler | None) -> Handler:
+        """``a op b`` where a or b is a bounded integer (or a flag) and the
+        other a bounded integer, an integer number or a constant: the flag
+        ``sum_j [a == j] [j op b]`` over a's one-hot rows (``value_rows``),
+        with b's rows too when b is computed (``sum_jk [a == j] [b == k]
+        [j op k]``). Exact wherever a and b take the integers their bounds
+        say (docs/soundness.md, "Plans traced from PyTorch",
+        4X-outside33d). cpmant's ``arange(S) < length[:, None]``, its equal
+        segments."""
+        def lower(lw: Lowerer, args, kwargs, shapes, group):
+            a, b = args[0], args[1]
+            name = op
+            if _computed(lw, a) is None and _computed(lw, b) is not None:
+                a, b, name = b, a, COMPARISONS[op][1]
+            v = _computed(lw, a)
+            if v is None or _points(lw, b) is None:
+                if base is None:
+                    raise LoweringError(f"{lw.name}: a comparison ({op}) of two computed "
+                                        f"tensors other than integers counted from the ids "
+                                        f"(bounded) or the backward of torch.maximum/minimum is "
+                                        f"not lowered")
+                return base(lw, args, kwargs, shapes, group)
+            shape = tuple(shapes[0])
+            truth = COMPARISONS[name][0]
+            lo, hi = lw.integral[v]
+            columns = np.arange(lo, hi + 1)
+            first, common = scaled_rows(lw, v)
+            rows = _spread(lw, first, (*shape, len(columns)))
+            w = _computed(lw, b)
+            if w is None:
+                other = np.asarray(b if isinstance(b, (int, float, bool)) else constant_value(lw, b))
+                table = truth(columns, np.broadcast_to(other, shape)[..., None]).astype(np.float64)
+                picked = lw.emit("mul", [rows, constant_input(lw, table)], [(*shape, len(columns))])[0]
+            else:
+                lo2, hi2 = lw.integral[w]
+                second = np.arange(lo2, hi2 + 1)
+                table = truth(columns[:, None], second[None, :]).astype(np.float64)
+                lead = "abcdefgh"[:len(shape)]
+                through = einsum(lw, f"{lead}j,jk->{lead}k", rows, constant_input(lw, table))
+                second_rows, scale = scaled_rows(lw, w)
+                common *= scale
+                other_rows = _spread(lw, second_rows, (*shape, len(second)))
+                picked = lw.emit("mul", [through, other_rows], [(*shape, len(second))])[0]
+            x = lw.emit("sum", [picked], [shape], {"dim": len(shape), "keepdim": False})[0]
+            if common != 1:
+                x = lw.emit("div", [x], [shape], {"value": float(common)})[0]
+            recorded = _recorded(lw)
+            if recorded is None:
+                raise LoweringError(f"{lw.name}: a comparison ({op}) of integers counted from the "
+                                    f"ids whose recorded value is missing")
+            return Flag(x, np.asarray(recorded, dtype=bool).reshape(shape))
+        return lower
+    return refine
+
+
+for _op in COMPARISONS:
+    refines(f"aten.{_op}.Tensor", f"aten.{_op}.Scalar", absent=lambda op: None)(_compared(_op))
+
+
+@refines("aten.cat.default")
+def joined(base: Handler) -> Handler:
+    """A ``cat`` of the batch's ids with constant ids (CPM-Ant's prompt ids
+    before its tokens): one-hot rows as wide as the largest id needs, each
+    part's rows (ids padded with zero columns, constants as constant rows)
+    joined; of flags and constant masks: a flag; of bounded integers and
+    integer constants: a bounded integer (the hull of the bounds, the union
+    of the sets)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        parts = list(args[0]) if isinstance(args[0], (list, tuple)) else []
+        dim = int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))
+        found = [pending_of(lw, p) for p in parts]
+        if not parts or not any(isinstance(x, (Ids, IdRows, Flag)) or _computed(lw, p) is not None
+                                for p, x in zip(parts, found)):
+            return base(lw, args, kwargs, shapes, group)
+        consts = [np.asarray(constant_value(lw, p)) if isinstance(x, Const) else None
+                  for p, x in zip(parts, found)]
+        if any(x is not None and not isinstance(x, Const) and c is None
+               for x, c in zip(found, consts)) and not all(
+                isinstance(x, (Ids, IdRows, Flag, Const)) or _computed(lw, p) is not None
+                for p, x in zip(parts, found)):
+            return base(lw, args, kwargs, shapes, group)
+        if any(isinstance(x, (Ids, IdRows)) for x in found):
+            return _joined_ids(lw, parts, found, consts, dim)
+        if all(isinstance(x, Flag) or c is not None and c.dtype == bool
+               for x, c in zip(found, consts)):
+            flags = [x if isinstance(x, Flag) else None for x in found]
+            d = dim % len(shapes[0])
+            values = np.concatenate([f.value if f is not None else c
+                                     for f, c in zip(flags, consts)], axis=d)
+            xs = [f.x if f is not None else constant_input(lw, c.astype(np.float64))
+                  for f, c in zip(flags, consts)]
+            return Flag(cat(lw, xs, d), values)
+        bounds = [_bounds(lw, p) for p in parts]
+        if None in bounds:
+            return base(lw, args, kwargs, shapes, group)
+        out = base(lw, args, kwargs, shapes, group)
+        if isinstance(out, int):
+            ends = [e for bound in bounds for e in bound]
+            lw.integral[out] = (min(ends), max(ends))
+            points = [_points(lw, p) for p in parts]
+            if None not in points:
+                taken = tuple(sorted(set().union(*points)))
+                if len(taken) < taken[-1] - taken[0] + 1:
+                    lw.integral_sets[out] = taken
+        return out
+    return lower
+
+
+def _joined_ids(lw: Lowerer, parts: list, found: list, consts: list, dim: int) -> IdRows:
+    """Ids and constant ids joined along ``dim`` as one-hot rows."""
+    values = []
+    for p, x, c in zip(parts, found, consts):
+        if isinstance(x, (Ids, IdRows)):
+            values.append(np.asarray(id_rows(lw, p).ids))
+        elif c is not None and c.dtype.kind in "iu":
+            values.append(c)
+        else:
+            raise LoweringError(f"{lw.name}: the batch's ids joined (cat) with other than "
+                                f"constant integer ids")
+    if any(np.any(v < 0) for v in values):
+        raise LoweringError(f"{lw.name}: the batch's ids joined (cat) with negative ids")
+    width = max(lw.vocab, *(int(v.max()) + 1 for v in values if v.size))
+    d = dim % values[0].ndim
+    rows = []
+    for p, x, v in zip(parts, found, values):
+        if isinstance(x, (Ids, IdRows)):
+            r = id_rows(lw, p).x
+            rows.append(pad(lw, r, len(lw.shapes[r]) - 1, 0, width - lw.shapes[r][-1]))
+        else:
+            rows.append(constant_input(lw, (v[..., None] == np.arange(width)).astype(np.float64)))
+    return IdRows(cat(lw, rows, d), np.concatenate(values, axis=d))
+
+
+# -- rows of a table at a constant index of several dims -------------------------------
+
+def _constant_index(lw: Lowerer, indices: Any, rows: int) -> np.ndarray | None:
+    """The one index of ``x[idx]`` when it is a constant of integers of two
+    or more dims (positions ``[1, S]`` looked up in a table: Whisper's), its
+    negative entries counted from the end; None otherwise (a 1-d index keeps
+    the lowering of recorded rows)."""
+    if not isinstance(indices, (list, tuple)) or len(indices) != 1:
+        return None
+    if not isinstance(pending_of(lw, indices[0]), Const):
+        return None
+    value = constant_value(lw, indices[0])
+    if value is None or value.dtype.kind not in "iu" or value.ndim < 2:
+        return None
+    value = np.where(value < 0, value + rows, value).astype(np.int64)
+    if value.size and (value.min() < 0 or value.max() >= rows):
+        raise LoweringError(f"{lw.name}: a table of {rows} rows indexed at a constant outside them")
+    return value
+
+
+@refines("aten.index.Tensor")
+def rows_at_constant(base: Handler) -> Handler:
+    """``x[idx]`` with a constant integer index of several dims: the constant
+    one-hot rows of idx times x's rows (an ``embedding`` of x seen as a
+    table), repeated rows included."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        x = pending_of(lw, args[0])
+        table_shape = lw.shapes.get(x) if isinstance(x, int) else None
+        index = _constant_index(lw, args[1], table_shape[0]) if table_shape else None
+        if index is None:
+            return base(lw, args, kwargs, shapes, group)
+        rows, width = table_shape[0], int(np.prod(table_shape[1:]))
+        table = lw.reshape(x, (rows, width))
+        onehot = constant_input(lw, (index[..., None] == np.arange(rows)).astype(np.float64))
+        out = lw.emit("embedding", [onehot, table], [(*index.shape, width)])[0]
+        return lw.reshape(out, tuple(shapes[0]))
+    return lower
+
+
+@refines("aten.index_put.default", "aten.index_put_.default")
+def rows_put_at_constant(base: Handler) -> Handler:
+    """The backward of ``rows_at_constant``: ``index_put`` with
+    ``accumulate`` into zeros at the same constant index, the rows' gradient
+    summed into each row they came from (the ``embedding`` rule's backward)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+        zeros = type(pending_of(lw, args[0])).__name__ == "NewZeros"
+        shape = tuple(shapes[0])
+        index = _constant_index(lw, args[1], shape[0]) if accumulate and zeros else None
+        if index is None:
+            return base(lw, args, kwargs, shapes, group)
+        rows, width = shape[0], int(np.prod(shape[1:]))
+        onehot = constant_input(lw, (index[..., None] == np.arange(rows)).astype(np.float64))
+        grad = lw.reshape(lw.val(args[2]), (*index.shape, width))
+        out = lw.new((rows, width))
+        lw.nodes.append(LNode("embedding", "bw", [onehot, -1, grad], [-1, out], {}, lw.name,
+                              None, lw.mb))
+        return lw.reshape(out, shape)
     return lower

@@ -549,13 +549,17 @@ def constant_flag(lw: Lowerer, value: np.ndarray) -> Flag:
 
 
 def as_flag(lw: Lowerer, a: Any) -> Flag | None:
-    """The argument as a flag: a flag, or a constant boolean mask."""
+    """The argument as a flag: a flag, or a constant boolean mask (or one
+    of integers 0 and 1)."""
     x = pending_of(lw, a)
     if isinstance(x, Flag):
         return x
     value = constant_value(lw, a) if isinstance(x, Const) else None
     if value is not None and value.dtype == bool:
         return constant_flag(lw, value)
+    if value is not None and value.dtype.kind in "iu" and np.isin(value, (0, 1)).all():
+        # integers 0 and 1 (an int32 mask): ``&`` and ``|`` of them are the logical ones
+        return constant_flag(lw, value.astype(bool))
     return None
 
 

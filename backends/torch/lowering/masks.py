@@ -85,6 +85,22 @@ class Masked(Pending):
                             f"softmax (-inf is no value a plan holds)")
 
 
+@dataclass(frozen=True, eq=False)
+class DeadRows(Pending):
+    """A masked softmax ``x`` with rows of no kept position (``dead``,
+    recorded, broadcast over the row): NaN in torch, 0 in ``x``. Only a
+    ``masked_fill`` with 0 whose mask hides every entry of those rows (the
+    recorded one: CPM-Ant's attention zeroes what it masked) and the
+    softmax's backward read it."""
+    x: int
+    dead: np.ndarray
+
+    def materialize(self, lw: Lowerer) -> int:
+        raise LoweringError(f"{lw.name}: a row of attention has every position masked with -inf "
+                            f"(torch computes NaN there) and is read other than by a masked_fill "
+                            f"with 0 of every entry of the row")
+
+
 @dataclass(frozen=True)
 class Count(Pending):
     """The number of true entries of a flag in the recorded batch (after a
@@ -270,6 +286,13 @@ def masked_fill(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         shape, fill = tuple(shapes[0]), lw.const(args[2])
         f = pending_of(lw, args[1])
+        dead = pending_of(lw, args[0])
+        if isinstance(dead, DeadRows):
+            hidden = as_flag(lw, args[1])
+            if hidden is None or fill != 0 or not np.all(
+                    np.broadcast_to(hidden.value, shape)[np.broadcast_to(dead.dead, shape)]):
+                return lw.materialize(dead)  # refused: the NaN is read
+            return _select(lw, dead.x, hidden, 0.0, shape)
         if isinstance(pending_of(lw, args[0]), Masked):
             return _refill(lw, pending_of(lw, args[0]), as_flag(lw, args[1]), fill, shape)
         if isinstance(f, Flag) and fill is not None:
@@ -375,14 +398,14 @@ def _masked_softmax(lw: Lowerer, m: Masked, dim: int) -> int:
     K + (K - 1) 1e30`` (x where kept: the product with K is the same for K
     in {0, 1}; far below everything where hidden, so that exp neither
     overflows nor matters) and ``t`` the row's maximum of y, its largest
-    kept score. A row with no kept position (NaN in torch) is refused."""
+    kept score. A row with no kept position (NaN in torch) is 0."""
     shape = lw.shapes[m.x]
     if dim % len(shape) != len(shape) - 1:
         raise LoweringError(f"{lw.name}: a softmax of -inf masked scores along other than the "
                             f"last dim is not lowered")
-    if not np.all(np.any(np.broadcast_to(m.keep.value, shape), axis=-1)):
-        raise LoweringError(f"{lw.name}: a row of attention has every position masked with -inf "
-                            f"(torch computes NaN there)")
+    # a mask computed from the data may hide a whole row for some batch (on
+    # some rank): its softmax is written for such rows on every rank alike
+    dead_rows = _from_data(lw, m.keep.x)
     row = (*shape[:-1], 1)
     keep = _expanded(lw, m.keep.x, shape)
     far = lw.emit("mul_scalar", [lw.emit("add_scalar", [keep], [shape], {"value": -1.0})[0]],
@@ -392,10 +415,42 @@ def _masked_softmax(lw: Lowerer, m: Masked, dim: int) -> int:
     shifted = lw.emit("sub", [candidates, top], [shape])[0]
     kept = lw.emit("mul", [lw.emit("exp", [shifted], [shape])[0], keep], [shape])[0]
     total = lw.emit("sum", [kept], [row], {"dim": len(shape) - 1, "keepdim": True})[0]
+    if dead_rows:
+        # a row with no kept position (NaN in torch, which a finite step
+        # fills away): 0 here, its sum made 1 by the row's flag of having
+        # none, ``1 - max(K)`` (docs/soundness.md, "Plans traced from
+        # PyTorch", 4X-outside33d)
+        any_kept = lw.emit("max", [keep], [row], {"dim": len(shape) - 1, "keepdim": True})[0]
+        total = lw.emit("sub", [lw.emit("add_scalar", [total], [row], {"value": 1.0})[0],
+                                any_kept], [row])[0]
     inverse = lw.emit("pow", [total], [row], {"exponent": -1.0})[0]
     probs = lw.emit("mul", [kept, inverse], [shape])[0]
     lw.fw_in[probs] = ("masked_softmax", m.x)
     return probs
+
+
+def _from_data(lw: Lowerer, x: int) -> bool:
+    """Whether value x depends on an input that is not a constant (the
+    batch's ids, a parameter): a walk back over the nodes emitted so far."""
+    producer = {out: node for node in lw.nodes for out in node.outs if out >= 0}
+    stack, seen = [x], {x}
+    while stack:
+        v = stack.pop()
+        node = producer.get(v)
+        if node is None:
+            if v not in lw.const_values and lw.inputs.get(v, ("",))[0] != "buffer":
+                return True
+            continue
+        for u in node.ins:
+            if u >= 0 and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return False
+
+
+def _dead_rows(m: Masked, shape: tuple[int, ...]) -> np.ndarray:
+    """The recorded rows of ``m`` with no kept position (``[..., 1]``)."""
+    return ~np.any(np.broadcast_to(m.keep.value, shape), axis=-1, keepdims=True)
 
 
 @refines("aten._softmax.default")
@@ -403,7 +458,9 @@ def softmax(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         m = pending_of(lw, args[0])
         if isinstance(m, Masked):
-            return _masked_softmax(lw, m, int(args[1]))
+            probs = _masked_softmax(lw, m, int(args[1]))
+            dead = _dead_rows(m, lw.shapes[m.x])
+            return DeadRows(probs, dead) if dead.any() else probs
         return base(lw, args, kwargs, shapes, group)
     return lower
 
@@ -411,7 +468,8 @@ def softmax(base: Handler) -> Handler:
 @refines("aten._softmax_backward_data.default")
 def softmax_backward(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        out = lw.val(args[1])
+        dead = pending_of(lw, args[1])
+        out = dead.x if isinstance(dead, DeadRows) else lw.val(args[1])
         if lw.fw_in.get(out, ("",))[0] == "masked_softmax":
             return softmax_grad(lw, out, lw.val(args[0]), int(args[2]))
         return base(lw, args, kwargs, shapes, group)
@@ -437,6 +495,9 @@ def sdpa(base: Handler) -> Handler:
         else:
             masked = Masked(_plus_finite(lw, scores, value, shape),
                             _shaped(lw, constant_flag(lw, ~np.isneginf(value)), shape))
+        if _dead_rows(masked, lw.shapes[masked.x]).any():
+            raise LoweringError(f"{lw.name}: a row of attention has every position masked with "
+                                f"-inf (torch computes NaN there)")
         probs = _masked_softmax(lw, masked, -1)
         out = lw.emit("matmul", [probs, values], [shapes[0]])[0]
         lw.sdpa[out] = SdpaSaved(q, keys, values, scale, masked.x, probs, False, groups,

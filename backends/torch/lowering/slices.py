@@ -113,8 +113,12 @@ def strided_slice_backward(inner: Handler) -> Handler:
 
 @refines("aten.cat.default")
 def cat_skipping_empty(inner: Handler) -> Handler:
+    """A ``cat`` leaves out its operands of no entries (an empty slice, a
+    cache started as ``torch.empty(0)``, XLM's): they add nothing."""
     def handler(lw: Lowerer, args, kwargs, shapes, group):
-        tensors = [a for a in args[0] if not isinstance(lw.env.get(a[1]), Empty)]
+        shapes_of = lw.trace.get("shapes", [])
+        tensors = [a for a in args[0] if not isinstance(lw.env.get(a[1]), Empty)
+                   and not (a[1] < len(shapes_of) and 0 in tuple(shapes_of[a[1]]))]
         if not tensors:
             return Empty(tuple(shapes[0]))
         if len(tensors) == len(args[0]):

@@ -196,6 +196,7 @@ def _run(spec: dict, rank: int) -> dict:
         "rank": rank, "coords": coords, "split": split, "events": rec.events, "shapes": rec.shapes,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
+        "int_values": rec.int_values,
         "from_buffer": rec.from_buffer,
         "params": params, "buffers": buffers,
         "data": (data, tuple(tokens.shape)), "labels": (label_data, tuple(labels.shape)),

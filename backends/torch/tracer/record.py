@@ -76,6 +76,9 @@ class Recorder(TorchDispatchMode):
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
         self.shape_only: set[int] = set()  # SHAPE_ONLY results of computed tensors (zeros_like(x))
         self.constvals: dict[int, Any] = {}  # their values (numpy), when small
+        #: the recorded values of small integer and boolean tensors computed from
+        #: the data (counts and masks of the ids): what a comparison of them held
+        self.int_values: dict[int, Any] = {}
         self.from_buffer: set[int] = set()  # constants computed from a module's buffer
         #: values a SHAPE_ONLY op made (a fill of a shape, of any dtype)
         self.fills: set[int] = set()
@@ -163,6 +166,13 @@ class Recorder(TorchDispatchMode):
                 v = self.new_value(a)
                 if a.numel() <= 1 and a.dtype != torch.bool and not a.is_complex():
                     self.consts[v] = float(a.item()) if a.numel() else 0.0
+                    self.mark_constant(a, v)
+                elif not (a.is_floating_point() or a.is_complex() or a.requires_grad) \
+                        and a.numel() <= CONSTANT_NUMEL:
+                    # integers or booleans made from Python numbers
+                    # (``torch.tensor(list(range(n))[::-1])``): a reading of a
+                    # computed tensor's value on the way is recorded and refused
+                    # (``ValueReads``), so these are the same in every run
                     self.mark_constant(a, v)
                 self.events.append(("unknown", [[], {}], [v], [tuple(a.shape)], self.scope(),
                                     None, self.mb))
@@ -367,7 +377,13 @@ class Recorder(TorchDispatchMode):
         if constant:
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
-        elif name in SHAPE_ONLY:
+        else:
+            for o, v in zip(outs, ids):
+                if type(o) is torch.Tensor and not (o.is_floating_point() or o.is_complex()) \
+                        and o.numel() <= CONSTANT_NUMEL and o.device.type == "cpu" \
+                        and o.layout == torch.strided:
+                    self.int_values[v] = o.detach().numpy().copy()
+        if not constant and name in SHAPE_ONLY:
             self.shape_only.update(ids)
         if self.routing is not None and name in ROUTED:
             self.mark_constant(outs[1], ids[1])  # the routing: recorded data of the step

@@ -16,7 +16,10 @@ calls it with ``shift_labels=labels`` (the labels are already the next
 tokens: nothing is shifted or padded) and ``num_items_in_batch`` the token
 count of the whole step, so the loss is the cross-entropy summed over the
 rank's tokens divided by the step's count: each rank's share of the
-step's mean, as transformers' ``ForCausalLMLoss`` computes it.
+step's mean, as transformers' ``ForCausalLMLoss`` computes it (a family
+whose forward computes its own mean and takes no ``num_items_in_batch``
+has that mean scaled by the rank's share of the step's tokens: the same
+share).
 
 The recipes (``--recipe backends.torch.hf:tp_fsdp``, ...) map the backend's
 ("pp", "dp", "tp") mesh onto a ``DistributedConfig``: ``tp_size`` = tp,
@@ -31,6 +34,8 @@ d // fsdp, shard d % fsdp).
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 
 import torch
 from torch import nn
@@ -67,11 +72,27 @@ class CausalLM(nn.Module):
         #: transformers' eager experts loop runs no code for an expert no
         #: token chose (backends/torch/routing.py, check_every_expert_reached)
         self.skips_unrouted_experts = _first(hf.config, ROUTING_FIELDS) is not None
+        #: a family whose loss is its own mean over the tokens it is given (its
+        #: forward computes the cross-entropy itself and takes no
+        #: ``num_items_in_batch``: BART's, CPM-Ant's, XLM's decoders)
+        self.mean_loss = not _shares_its_loss(type(hf))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         out = self.hf(input_ids=tokens, labels=labels, shift_labels=labels,
                       num_items_in_batch=self.global_tokens, use_cache=False)
+        if self.mean_loss:  # the mean over the rank's tokens as its share of the step's
+            return out.loss * (labels.numel() / self.global_tokens)
         return out.loss
+
+
+def _shares_its_loss(model_cls: type) -> bool:
+    """Whether a causal-LM class's loss divides by ``num_items_in_batch``
+    (transformers' ``loss_function``), read off its ``forward``'s source."""
+    try:
+        source = inspect.getsource(model_cls.forward)
+    except (OSError, TypeError):
+        return True
+    return "loss_function" in source or "num_items_in_batch" in source
 
 
 def families() -> tuple[str, ...]:
@@ -117,7 +138,16 @@ def refusal(family: str, tp: int) -> str | None:
 
 
 def _first(default, names: tuple[str, ...]) -> str | None:
-    return next((n for n in names if hasattr(default, n)), None)
+    return next((n for n in names if _has(default, n)), None)
+
+
+def _has(default, name: str) -> bool:
+    """Whether the configuration has ``name`` (a field read per layer, such
+    as Gemma 4's ``head_dim``, refuses a global read but is a field)."""
+    try:
+        return hasattr(default, name)
+    except Exception:  # noqa: BLE001 - transformers' per-layer refusal of a global read
+        return name in default.to_dict()
 
 
 def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
@@ -134,6 +164,8 @@ def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
     for name in ("encoder_attention_heads", "decoder_attention_heads"):
         if isinstance(getattr(default, name, None), int):
             kw[name] = heads
+    if isinstance(getattr(default, "d_head", None), int):  # XLNet's head width
+        kw["d_head"] = hidden // heads
     if isinstance(getattr(default, "num_kv_shared_layers", None), int):
         kw["num_kv_shared_layers"] = 0
     if isinstance(getattr(default, "attention_layers", None), list) and \
@@ -172,26 +204,97 @@ def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
         kw["mamba_n_heads"] = heads
         if isinstance(getattr(default, "mamba_d_head", None), int):
             kw["mamba_d_head"] = expand * hidden // heads
+    kw.update(_ssm_heads(default, hidden, heads))
     return kw
 
 
-def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
-    """A small configuration of ``family``: the backend's sizes in whichever
-    fields the family's configuration has (grouped-query attention with half
-    as many key-value heads when the head count is even, except under
-    latent attention, ``head_dim`` hidden
-    / heads), every dropout probability 0 (dropout draws random numbers),
-    a sliding window, where the family has one, of half the sequence (so
-    it masks), special token ids outside the small vocabulary moved to its
-    last id, linear attention's heads as many and as wide as the
-    others, the rows of other tables looked up by the ids
-    (``vocab_size_*``) cut to the vocabulary, untied input and output embeddings (transformers 5.23's
-    ``apply_tensor_parallelism`` fails on a tied ``lm_head``: KeyError
-    'lm_head.weight'), and everything else the family's default."""
-    cfg_cls, _ = classes(family)
-    default = cfg_cls()
+def _ssm_heads(default, hidden: int, heads: int) -> dict:
+    """A state-space mixer whose heads tile its expanded width
+    (``num_heads * head_dim == expand * hidden_size`` in the family's own
+    default, Mamba-2's check): ``heads`` heads as wide as that width needs,
+    and its groups of heads (``n_groups``) as many as still divide them."""
+    fields = default.to_dict()
+    expand, n, width = (fields.get(k) for k in ("expand", "num_heads", "head_dim"))
+    if not all(isinstance(v, int) and v > 0 for v in (expand, n, width)) \
+            or n * width != expand * fields.get("hidden_size", 0) or expand * hidden % heads:
+        return {}
+    kw = {"num_heads": heads, "head_dim": expand * hidden // heads}
+    if isinstance(fields.get("n_groups"), int):
+        kw["n_groups"] = math.gcd(fields["n_groups"], heads)
+    return kw
+
+
+#: configuration fields that list each layer's kind (attention, linear
+#: attention, a hybrid block)
+KIND_FIELDS = ("layer_types", "layers_block_type")
+
+
+def _kinds_field(default) -> str | None:
+    """The field of ``default`` listing each layer's kind, when it has one."""
+    fields = default.to_dict()
+    return next((n for n in KIND_FIELDS if isinstance(fields.get(n), list) and fields[n]
+                 and all(isinstance(k, str) for k in fields[n])), None)
+
+
+def _kinds(default, layers: int) -> list[str] | None:
+    """Each of ``layers`` layers' kind, the family's own pattern from its
+    first layer with every kind it has at least once (a missing kind in
+    place of the last layers, as OLMo-Hybrid's configuration forces its
+    full attention): None when the family has no such list or more kinds
+    than layers."""
+    name = _kinds_field(default)
+    if name is None:
+        return None
+    pattern = list(default.to_dict()[name])
+    kinds = list(dict.fromkeys(pattern))
+    if len(kinds) > layers:
+        return None
+    fitted = [pattern[i % len(pattern)] for i in range(layers)]
+    missing = [k for k in kinds if k not in fitted]
+    if missing:
+        fitted[len(fitted) - len(missing):] = missing
+    return fitted
+
+
+def fewest_layers(family: str) -> int:
+    """The fewest layers a model of ``family`` builds with: 1, or, when its
+    configuration or model refuses one (a hybrid that needs each of its
+    kinds of layer; RWKV's initialization divides by the layer count less
+    one), as many as it has kinds, at least 2 (1 when neither builds: its
+    row says why)."""
+    cfg_cls, model_cls = classes(family)
+    name = _kinds_field(cfg_cls())
+    kinds = len(set(cfg_cls().to_dict()[name])) if name else 1
+    for layers in dict.fromkeys((1, max(2, kinds))):
+        try:
+            model_cls(config(family, layers=layers, hidden=16, heads=4, ffn=32, vocab=16,
+                             seqlen=4))  # tiny: built and initialized as the step will be
+            return layers
+        except Exception:  # noqa: BLE001 - any refusal of this count: the next one
+            continue
+    return 1
+
+
+def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vocab: int,
+            seqlen: int) -> dict:
+    """The fields ``config`` sets on ``default`` (of class ``cfg_cls``), and
+    on each part it configures apart."""
     kw: dict = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                     num_attention_heads=heads, tie_word_embeddings=False)
+    fields = default.to_dict()
+    # an encoder-decoder family's causal LM is its decoder: both stacks get
+    # the layer count (bart's decoder kept 12 layers where
+    # ``num_hidden_layers`` names its encoder's)
+    for name in ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers"):
+        if isinstance(fields.get(name), int):
+            kw[name] = layers
+    # a causal LM is a decoder (a BERT-like family's LM head attends causally
+    # only so; Reformer's refuses to build otherwise)
+    if fields.get("is_decoder") is False:
+        kw["is_decoder"] = True
+    # adapters by language (X-MOD): the first one the family names
+    if fields.get("default_language", 0) is None and fields.get("languages"):
+        kw["default_language"] = fields["languages"][0]
     # latent attention (a key-value low-rank projection) makes one key and
     # value per query head: grouped-query heads would be repeated again
     grouped = heads % 2 == 0 and getattr(default, "kv_lora_rank", None) is None
@@ -200,7 +303,12 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
         name = _first(default, names)
         if name is not None:
             kw[name] = sizes[size]
-    if hasattr(default, "head_dim") and not isinstance(getattr(cfg_cls, "head_dim", None), property):
+    # a size the family derives and refuses to be given (ProphetNet's layer
+    # count, XLNet's unlimited positions): a property of the class
+    for name in [n for n in kw if isinstance(getattr(cfg_cls, n, None), property)]:
+        if name not in fields:
+            del kw[name]
+    if _has(default, "head_dim") and not isinstance(getattr(cfg_cls, "head_dim", None), property):
         kw["head_dim"] = hidden // heads  # also where the default leaves it None
     kw.update(_layer_shapes(default, layers, hidden, heads))
     # linear attention's own heads (Gated DeltaNet: Qwen3.5, Qwen3-Next), as small as the others
@@ -222,15 +330,65 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     for name, value in default.to_dict().items():
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             kw[name] = 0.0
-        if name.startswith("vocab_size_") and isinstance(value, int) and value > vocab:
-            kw[name] = vocab  # a second table's rows (gemma3n's per-layer inputs)
+        if (name.startswith("vocab_size_") or name.endswith("_vocab")) \
+                and isinstance(value, int) and value > vocab:
+            kw[name] = vocab  # a second table's rows (gemma3n's per-layer inputs, BLT's hashes)
+        if name.startswith("hidden_size_") and isinstance(value, int):
+            kw[name] = hidden  # another part's width (BLT's global transformer)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         ids = getattr(default, name, None)
         if isinstance(ids, int) and ids >= vocab:
             kw[name] = vocab - 1
         elif isinstance(ids, list) and any(i >= vocab for i in ids):
             kw[name] = [vocab - 1]
-    cfg = cfg_cls(**kw)
+    # rotary parameters keyed by kind of layer that the family's default
+    # leaves empty (Cohere Compass reads ``rope_parameters[kind]``): the
+    # default rotary for each kind
+    kinds_name = _kinds_field(default)
+    if fields.get("rope_parameters") == {} and kinds_name is not None:
+        kw["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                 for kind in dict.fromkeys(fields[kinds_name])}
+    # the parts a family configures apart (BLT's encoder, decoder, global
+    # transformer and patcher), each as small
+    for name in getattr(default, "sub_configs", None) or {}:
+        part = getattr(default, name, None)
+        if hasattr(part, "to_dict") and part is not default:
+            kw[name] = type(part)(**_fitted(type(part), part, layers, hidden, heads, ffn, vocab,
+                                            seqlen))
+    return kw
+
+
+def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+    """A small configuration of ``family``: the backend's sizes in whichever
+    fields the family's configuration has (grouped-query attention with half
+    as many key-value heads when the head count is even, except under
+    latent attention, ``head_dim`` hidden
+    / heads), every dropout probability 0 (dropout draws random numbers),
+    a sliding window, where the family has one, of half the sequence (so
+    it masks), special token ids outside the small vocabulary moved to its
+    last id, linear attention's heads as many and as wide as the
+    others, the rows of other tables looked up by the ids
+    (``vocab_size_*``, ``*_vocab``) cut to the vocabulary, the parts a
+    family configures apart (``sub_configs``) as small, untied input and
+    output embeddings (transformers 5.23's ``apply_tensor_parallelism`` fails on a tied ``lm_head``: KeyError
+    'lm_head.weight'), and everything else the family's default."""
+    cfg_cls, _ = classes(family)
+    default = cfg_cls()
+    kw = _fitted(cfg_cls, default, layers, hidden, heads, ffn, vocab, seqlen)
+    try:
+        cfg = cfg_cls(**kw)
+    except Exception:
+        # a hybrid whose own list of layer kinds refuses the layer count
+        # (Zamba's three first kinds, OLMo-Hybrid's two): the family's
+        # pattern with each kind at least once, when the count allows it
+        name, kinds = _kinds_field(default), _kinds(default, layers)
+        if name is None:
+            raise
+        if kinds is None:
+            every = sorted(set(default.to_dict()[name]))
+            raise ValueError(f"'{family}' is built with each of its kinds of layer "
+                             f"({', '.join(every)}): --layers {len(every)} or more") from None
+        cfg = cfg_cls(**{**kw, name: kinds})
     cfg._attn_implementation = ATTENTION
     if hasattr(cfg, "_experts_implementation"):
         cfg._experts_implementation = "eager"  # grouped_mm takes no float64 on the CPU
