@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.arranged import Arranged, Base, blocks_of, settled
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.grouped_rows import Experts
 from backends.torch.lowering.registry import lowers
@@ -47,12 +48,15 @@ class Sent:
     """What one member sends at one all-to-all: the kind of its input
     ("tensor", "rows", "experts"), the shape of what it sends whole (its
     base, or its grouped result), the index and groups of its rows, and its
-    input split sizes."""
+    input split sizes; of a tensor that is a view of earlier values (its
+    bases, ``arranged.blocks_of``), each base's shape and each block's
+    element numbers of it."""
     kind: str
     shape: tuple[int, ...]
     index: np.ndarray | None
     groups: np.ndarray | None
     splits: tuple[int, ...]
+    bases: tuple[tuple[tuple[int, ...], tuple[np.ndarray, ...]], ...] = ()
 
 
 def _splits(sizes: Any, rows: int, n: int, what: str) -> tuple[int, ...]:
@@ -83,8 +87,13 @@ def _describe(lw: Any, x: Any, in_splits: Any, n: int) -> tuple[Sent, int]:
         return Sent("experts", tuple(lw.shapes[x.y]), np.asarray(x.index), np.asarray(x.group),
                     _splits(in_splits, rows, n, "input")), x.y
     v = lw.materialize(x)
-    return Sent("tensor", tuple(lw.shapes[v]), None, None,
-                _splits(in_splits, lw.shapes[v][0], n, "input")), v
+    splits = _splits(in_splits, lw.shapes[v][0], n, "input")
+    viewed = blocks_of(lw, v, splits)
+    if viewed:
+        lw.bases_sent[v] = tuple(base for base, _ in viewed)
+        return Sent("tensor", tuple(lw.shapes[v]), None, None, splits,
+                    tuple((tuple(lw.shapes[base]), tuple(blocks)) for base, blocks in viewed)), v
+    return Sent("tensor", tuple(lw.shapes[v]), None, None, splits), v
 
 
 def _exchange_whole(lw: Any, me: int, group: tuple[int, ...], own: int,
@@ -147,6 +156,27 @@ def _tensor(lw: Any, me: int, group: tuple[int, ...], x: int, sends: dict[int, S
     out = pieces[0] if len(pieces) == 1 else \
         lw.emit("cat", pieces, [out_shape], {"dim": 0})[0]
     return out
+
+
+def _arranged(lw: Any, group: tuple[int, ...], own: tuple[int, ...], sends: dict[int, Sent],
+              out_shape: tuple[int, ...]) -> Any:
+    """The output as the elements of the members' bases it holds
+    (``arranged.Arranged``): the block each member sends this one, in group
+    order, as the definition says; one reading per base every member has
+    at the same distance (``own``: this member's bases, nearest first)."""
+    i = group.index(lw.trace["rank"])
+    pos = np.concatenate([np.full(sends[src].bases[0][1][i].shape, p, dtype=np.int64)
+                          for p, src in enumerate(group)])
+    if pos.shape != out_shape:
+        raise LoweringError(f"{lw.name}: an all-to-all receives blocks of shape "
+                            f"{list(pos.shape)}, its output is {list(out_shape)}")
+    bases = []
+    for k, value in enumerate(own):
+        if any(len(sends[src].bases) <= k for src in group):
+            break
+        flat = np.concatenate([sends[src].bases[k][1][i] for src in group])
+        bases.append(Base(value, tuple(sends[src].bases[k][0] for src in group), flat))
+    return settled(lw, Arranged(group, pos, tuple(bases)))
 
 
 def _composed(group: tuple[int, ...], me: int, sends: dict[int, Sent], along: int
@@ -234,7 +264,12 @@ def all_to_all(lw: Any, args, kwargs, shapes, group):
     if out_splits and tuple(int(s) for s in out_splits) != tuple(sends[m].splits[i] for m in group):
         raise LoweringError(f"{lw.name}: an all-to-all's output split sizes "
                             f"{[int(s) for s in out_splits]} are not what its members send it")
+    if mine.kind == "tensor" and all(s.bases for s in sends.values()):
+        return _arranged(lw, group, lw.bases_sent[whole], sends, tuple(shapes[0]))
     if mine.kind == "tensor":
+        if any(s.bases for s in sends.values()):
+            raise LoweringError(f"{lw.name}: an all-to-all some of whose members send views of "
+                                f"an earlier value and some not")
         return _tensor(lw, me, group, whole, sends, tuple(shapes[0]))
     if mine.kind == "rows":
         if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.arranged import Arranged, settled
 from backends.torch.lowering.bucket_pieces import bucket_view
 from backends.torch.lowering.context import LNode, pg, tensor_args
 from backends.torch.lowering.emit import cat, narrow
@@ -319,6 +320,9 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("aten.t.default")
 def _t(lw: Lowerer, args, kwargs, shapes, group):
+    f = lw.env.get(args[0][1])
+    if isinstance(f, Arranged) and f.pos.ndim == 2:
+        return settled(lw, f.permuted([1, 0]))
     x = lw.val(args[0])
     if len(lw.shapes[x]) < 2:
         return x
@@ -328,6 +332,11 @@ def _t(lw: Lowerer, args, kwargs, shapes, group):
 @lowers("aten.transpose.int")
 def _transpose(lw: Lowerer, args, kwargs, shapes, group):
     f = lw.env.get(args[0][1])
+    if isinstance(f, Arranged):
+        order = list(range(f.pos.ndim))
+        d0, d1 = int(args[1]) % len(order), int(args[2]) % len(order)
+        order[d0], order[d1] = order[d1], order[d0]
+        return settled(lw, f.permuted(order))
     if isinstance(f, Flat) and int(args[1]) % 3 and int(args[2]) % 3 and len(shapes[0]) == 3:
         d0, d1 = int(args[1]) % 3 + f.k - 1, int(args[2]) % 3 + f.k - 1
         shape = list(lw.shapes[f.x])
@@ -369,6 +378,8 @@ def _view(lw: Lowerer, args, kwargs, shapes, group):
     dst = tuple(shapes[0])
     if isinstance(f, Ids):
         return Ids(f.source, f.index, f.parts, dst)
+    if isinstance(f, Arranged):
+        return settled(lw, f.viewed(dst))
     if isinstance(f, Narrowed) and _narrowed_shape(lw, f) == dst:
         return f  # a view of a piece as it is (an autograd identity's output)
     if isinstance(f, Gathered) and not f.padded:
@@ -558,6 +569,9 @@ def _cat(lw: Lowerer, args, kwargs, shapes, group):
 @lowers("aten.permute.default")
 def _permute(lw: Lowerer, args, kwargs, shapes, group):
     """A permutation as the transposes that sort it."""
+    f = lw.env.get(args[0][1])
+    if isinstance(f, Arranged):
+        return settled(lw, f.permuted([int(d) % f.pos.ndim for d in args[1]]))
     x = lw.val(args[0])
     order = [int(d) % len(lw.shapes[x]) for d in args[1]]
     current = list(range(len(order)))
