@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
 
 #: lowered nodes that only rearrange their one input's elements
-VIEWS = ("transpose", "flatten", "unflatten", "narrow")
+VIEWS = ("transpose", "flatten", "unflatten", "narrow", "split")
 
 
 def _producer(lw: Lowerer, v: int):
@@ -49,7 +49,7 @@ def _producer(lw: Lowerer, v: int):
     return None
 
 
-def _replay(node, numbers: np.ndarray) -> np.ndarray:
+def _replay_view(node, numbers: np.ndarray) -> np.ndarray:
     """What a view node does to its input's element numbers."""
     kw = node.kwargs
     if node.op == "transpose":
@@ -60,6 +60,10 @@ def _replay(node, numbers: np.ndarray) -> np.ndarray:
     if node.op == "unflatten":
         s = numbers.shape
         return numbers.reshape(*s[:kw["dim"]], *kw["sizes"], *s[kw["dim"] + 1:])
+    if node.op == "split":
+        size = numbers.shape[kw["dim"]] // kw["parts"]
+        return np.take(numbers, range(kw["index"] * size, (kw["index"] + 1) * size),
+                       axis=kw["dim"])
     return np.take(numbers, range(kw["start"], kw["start"] + kw["length"]), axis=kw["dim"])
 
 
@@ -77,7 +81,7 @@ def chain(lw: Lowerer, x: int) -> list[tuple[int, np.ndarray]]:
     for k, base in enumerate(path):
         numbers = np.arange(math.prod(lw.shapes[base]), dtype=np.int64).reshape(lw.shapes[base])
         for v in reversed(path[:k]):
-            numbers = _replay(_producer(lw, v), numbers)
+            numbers = _replay_view(_producer(lw, v), numbers)
         if numbers.shape != tuple(lw.shapes[x]):
             raise LoweringError(f"{lw.name}: the views before an all-to-all do not give its "
                                 f"input's shape")
@@ -130,21 +134,31 @@ class Arranged(Pending):
     pos: np.ndarray
     bases: tuple[Base, ...]
     gathered: dict = field(default_factory=dict)
+    #: the form this one is a view of, and the view
+    prev: Arranged | None = None
+    step: tuple = ()
 
-    def mapped(self, f) -> Arranged:
+    def mapped(self, f, step: tuple) -> Arranged:
         """The same elements moved by ``f`` (a numpy rearrangement)."""
         return Arranged(self.group, f(self.pos),
                         tuple(Base(b.value, b.shapes, f(b.flat)) for b in self.bases),
-                        self.gathered)
+                        self.gathered, self, step)
 
     def viewed(self, shape: tuple[int, ...]) -> Arranged:
-        return self.mapped(lambda a: a.reshape(shape))
+        return self.mapped(lambda a: a.reshape(shape), ("view", tuple(shape)))
 
     def permuted(self, order: list[int]) -> Arranged:
-        return self.mapped(lambda a: a.transpose(order))
+        return self.mapped(lambda a: a.transpose(order), ("permute", tuple(order)))
 
     def flipped(self, dims: list[int]) -> Arranged:
-        return self.mapped(lambda a: np.flip(a, dims))
+        return self.mapped(lambda a: np.flip(a, dims), ("flip", tuple(dims)))
+
+    def joins(self, others: list[Arranged]) -> bool:
+        """``others`` are outputs of the same all-to-all read the same ways."""
+        return all(o.gathered is self.gathered and len(o.bases) == len(self.bases)
+                   and all(a.value == b.value and a.shapes == b.shapes
+                           for a, b in zip(o.bases, self.bases)) for o in others)
+
 
     def _gathered(self) -> list[tuple[int, int, tuple[int, ...], list[np.ndarray]]]:
         """For each candidate base k, dim d and order of the members: the
@@ -218,15 +232,44 @@ class Arranged(Pending):
         return None if found is None else self._piece(lw, *found)
 
     def materialize(self, lw: Lowerer) -> int:
-        x = self.settle(lw)
-        if x is None:
-            raise LoweringError(f"{lw.name}: an all-to-all's output is read as shape "
-                                f"{list(self.pos.shape)}, which is no piece of its members' "
-                                f"inputs gathered along one dim in any order")
-        return x
+        """The value, read by an op that is no view: the latest form that is
+        a box of the gathered bases (this one, or one it is a view of),
+        then the views after it as nodes."""
+        steps, form = [], self
+        while form is not None:
+            x = form.settle(lw)
+            if x is not None:
+                for kind, arg in reversed(steps):
+                    x = _replay(lw, x, kind, arg)
+                return x
+            steps.append(form.step)
+            form = form.prev
+        raise LoweringError(f"{lw.name}: an all-to-all's output is read as shape "
+                            f"{list(self.pos.shape)}, which is no piece of its members' "
+                            f"inputs gathered along one dim in any order")
 
 
-def settled(lw: Lowerer, a: Arranged) -> int | Arranged:
-    """``a`` emitted when it is a box of the gathered bases, else ``a``."""
-    x = a.settle(lw)
-    return a if x is None else x
+def joined(items: list[Arranged], dim: int) -> Arranged:
+    """The concatenation along ``dim`` of outputs of one all-to-all (``joins``)."""
+    first = items[0]
+    bases = tuple(Base(b.value, b.shapes, np.concatenate([i.bases[k].flat for i in items], dim))
+                  for k, b in enumerate(first.bases))
+    return Arranged(first.group, np.concatenate([i.pos for i in items], dim), bases,
+                    first.gathered)
+
+def _replay(lw: Lowerer, x: int, kind: str, arg: tuple) -> int:
+    """A view of an emitted value, as nodes."""
+    if kind == "view":
+        return lw.reshape(x, arg)
+    if kind == "flip":
+        raise LoweringError(f"{lw.name}: a flip of an all-to-all's output after the form it "
+                            f"is read in is not lowered")
+    current = list(range(len(arg)))
+    for at, want in enumerate(arg):
+        j = current.index(want)
+        if j != at:
+            shape = list(lw.shapes[x])
+            shape[at], shape[j] = shape[j], shape[at]
+            x = lw.emit("transpose", [x], [tuple(shape)], {"dim0": at, "dim1": j})[0]
+            current[at], current[j] = current[j], current[at]
+    return x

@@ -904,7 +904,7 @@ class _Rank:
             self.cut_rows(node, coords)
             return
         if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
-                and (self.takes_piece(node) or self.takes_cp_piece(node)):
+                and (self.takes_cp_piece(node) or self.takes_piece(node)):
             return
         if node.op == "narrow" and node.dir == "bw" and not self.aligns(node) \
                 and not self.sliced_alike(node) and self.pads_piece(node):
