@@ -609,6 +609,8 @@ class _Rank:
         if len(group) == 1:
             return []
         varying = [a for a in self.axes if len({coords[r][a] for r in group}) > 1]
+        if varying == [*self.dp, "cp"] and list(group) == sorted(group):
+            return varying  # the data- and context-parallel ranks together (torchtitan's fsdp)
         if len(varying) != 1 and varying != self.dp:
             raise LoweringError(f"rank {self.low.rank}: a collective over ranks {list(group)} "
                                 f"is not along one mesh axis")
