@@ -755,6 +755,12 @@ CASES += [
      f"{ULY_MODEL} --recipe {ULY}ulysses_averaged --mesh dp=2,cp=2", 1),
     ("cp ulysses bug positions not shifted per cp rank",
      f"{ULY_MODEL} --recipe {ULY}ulysses_unshifted --mesh cp=2", 1),
+    # torchtitan's own CP (backends/torch/zoo/titan.py, parallelize_cp): every rank traced
+    # through the step, CP's ring on the CPU (cp_shim), refused at rank.check_cp (the ring's
+    # blocks are claimed by no single-device tensor yet)
+    ("cp titan llama3 debugmodel cp2 refused (torchtitan's ring attention: not claimed yet)",
+     "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
+     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2", 2),
 ]
 
 def cpu_seconds() -> float:
