@@ -801,6 +801,45 @@ CASES += [
 ]
 
 
+#: Ulysses-style context parallelism (docs/soundness.md, "Plans traced from PyTorch",
+#: all-to-alls of views): the sequence cut over "cp", all-to-alls to the heads and back as
+#: DeepSpeed (all_to_all_single) and VeOmni (all_to_all of pieces) write them; models in
+#: tests/cp_ulysses_models.py, recipes in tests/cp_ulysses_recipes.py; gloo agrees on each
+ULY = "tests.cp_ulysses_recipes:"
+ULY_SIZES = "--layers 1 --hidden 8 --heads 4 --seqlen 8 --vocab 10 --batch 2"
+ULY_MODEL = f"--model tests.cp_ulysses_models:ulysses_tagger {ULY_SIZES}"
+CASES += [
+    ("cp ulysses cp2 causal (DeepSpeed's all_to_all_single)",
+     f"{ULY_MODEL} --recipe {ULY}ulysses --mesh cp=2", 0),
+    ("cp ulysses cp4 causal", f"{ULY_MODEL} --recipe {ULY}ulysses --mesh cp=4", 0),
+    ("cp ulysses cp2 all_to_all of pieces (VeOmni's)",
+     f"{ULY_MODEL} --recipe {ULY}ulysses_list --mesh cp=2", 0),
+    ("cp ulysses cp2 [seq, batch, heads, dim]",
+     f"--model tests.cp_ulysses_models:ulysses_tagger_sbhd {ULY_SIZES} --recipe {ULY}ulysses "
+     "--mesh cp=2", 0),
+    ("cp ulysses cp2 tp2", f"{ULY_MODEL} --recipe {ULY}ulysses_tp --mesh cp=2,tp=2", 0),
+    ("cp ulysses fsdp2 dp2 cp2", f"{ULY_MODEL} --recipe {ULY}ulysses_fsdp --mesh dp=2,cp=2", 0),
+    ("cp ulysses dp2 cp2 full attention",
+     f"--model tests.cp_ulysses_models:ulysses_tagger_full {ULY_SIZES} --recipe {ULY}ulysses "
+     "--mesh dp=2,cp=2", 0),
+    ("cp ulysses bug heads and sequence swapped in the all-to-all's split",
+     f"{ULY_MODEL} --recipe {ULY}ulysses_swapped --mesh cp=2", 1),
+    ("cp ulysses bug inverse all-to-all's head groups in the wrong order",
+     f"{ULY_MODEL} --recipe {ULY}ulysses_wrong_order --mesh cp=2", 1),
+    ("cp ulysses bug inverse all_to_all of pieces in the wrong order",
+     f"{ULY_MODEL} --recipe {ULY}ulysses_list_wrong_order --mesh cp=2", 1),
+    ("cp ulysses bug loss averaged over cp and summed over dp (torchtitan 3280)",
+     f"{ULY_MODEL} --recipe {ULY}ulysses_averaged --mesh dp=2,cp=2", 1),
+    ("cp ulysses bug positions not shifted per cp rank",
+     f"{ULY_MODEL} --recipe {ULY}ulysses_unshifted --mesh cp=2", 1),
+    # torchtitan's own CP (backends/torch/zoo/titan.py, parallelize_cp): every rank traced
+    # through the step, CP's ring on the CPU (cp_shim), refused at rank.check_cp (the ring's
+    # blocks are claimed by no single-device tensor yet)
+    ("cp titan llama3 debugmodel cp2 refused (torchtitan's ring attention: not claimed yet)",
+     "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
+     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2", 2),
+]
+
 def cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -25,17 +25,22 @@ from typing import Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.arranged import Arranged, Base, blocks_of, chain, is_box
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.grouped_rows import Experts
 from backends.torch.lowering.registry import lowers
 from backends.torch.lowering.routed_rows import Rows, value_of
 
-#: the data all-to-alls lowered here (args: input, output splits, input splits, group)
+#: the data all-to-alls lowered here (args: input, output splits, input splits, group;
+#: then ``torch.distributed.all_to_all``'s of lists)
 OPS = ("_c10d_functional.all_to_all_single.default",
-       "_c10d_functional_autograd.all_to_all_single.default", "c10d.alltoall_base_.default")
+       "_c10d_functional_autograd.all_to_all_single.default", "c10d.alltoall_base_.default",
+       "c10d.alltoall_.default")
 #: ``torch.distributed.all_to_all_single``'s op (Megatron's dispatcher): args
 #: (output written in place, input, group, output splits, input splits)
 IN_PLACE = "c10d.alltoall_base_.default"
+#: ``torch.distributed.all_to_all``'s op: args (outputs, inputs, group)
+LISTS = OPS[3]
 
 
 class NeedPeers(Exception):
@@ -47,12 +52,15 @@ class Sent:
     """What one member sends at one all-to-all: the kind of its input
     ("tensor", "rows", "experts"), the shape of what it sends whole (its
     base, or its grouped result), the index and groups of its rows, and its
-    input split sizes."""
+    input split sizes; of a tensor that is a view of earlier values (its
+    bases, ``arranged.blocks_of``), each base's shape and each block's
+    element numbers of it."""
     kind: str
     shape: tuple[int, ...]
     index: np.ndarray | None
     groups: np.ndarray | None
     splits: tuple[int, ...]
+    bases: tuple[tuple[tuple[int, ...], tuple[np.ndarray, ...]], ...] = ()
 
 
 def _splits(sizes: Any, rows: int, n: int, what: str) -> tuple[int, ...]:
@@ -83,8 +91,13 @@ def _describe(lw: Any, x: Any, in_splits: Any, n: int) -> tuple[Sent, int]:
         return Sent("experts", tuple(lw.shapes[x.y]), np.asarray(x.index), np.asarray(x.group),
                     _splits(in_splits, rows, n, "input")), x.y
     v = lw.materialize(x)
-    return Sent("tensor", tuple(lw.shapes[v]), None, None,
-                _splits(in_splits, lw.shapes[v][0], n, "input")), v
+    splits = _splits(in_splits, lw.shapes[v][0], n, "input")
+    viewed = blocks_of(lw, v, splits)
+    if viewed:
+        lw.bases_sent[v] = tuple(base for base, _ in viewed)
+        return Sent("tensor", tuple(lw.shapes[v]), None, None, splits,
+                    tuple((tuple(lw.shapes[base]), tuple(blocks)) for base, blocks in viewed)), v
+    return Sent("tensor", tuple(lw.shapes[v]), None, None, splits), v
 
 
 def _exchange_whole(lw: Any, me: int, group: tuple[int, ...], own: int,
@@ -149,6 +162,27 @@ def _tensor(lw: Any, me: int, group: tuple[int, ...], x: int, sends: dict[int, S
     return out
 
 
+def _arranged(lw: Any, group: tuple[int, ...], own: tuple[int, ...], sends: dict[int, Sent],
+              out_shape: tuple[int, ...]) -> Any:
+    """The output as the elements of the members' bases it holds
+    (``arranged.Arranged``): the block each member sends this one, in group
+    order, as the definition says; one reading per base every member has
+    at the same distance (``own``: this member's bases, nearest first)."""
+    i = group.index(lw.trace["rank"])
+    pos = np.concatenate([np.full(sends[src].bases[0][1][i].shape, p, dtype=np.int64)
+                          for p, src in enumerate(group)])
+    if pos.shape != out_shape:
+        raise LoweringError(f"{lw.name}: an all-to-all receives blocks of shape "
+                            f"{list(pos.shape)}, its output is {list(out_shape)}")
+    bases = []
+    for k, value in enumerate(own):
+        if any(len(sends[src].bases) <= k for src in group):
+            break
+        flat = np.concatenate([sends[src].bases[k][1][i] for src in group])
+        bases.append(Base(value, tuple(sends[src].bases[k][0] for src in group), flat))
+    return Arranged(group, pos, tuple(bases))
+
+
 def _composed(group: tuple[int, ...], me: int, sends: dict[int, Sent], along: int
               ) -> tuple[np.ndarray, np.ndarray | None]:
     """The rows (and groups) this member receives, as positions in the
@@ -183,6 +217,59 @@ def _own_share(lw: Any, base: int, index: np.ndarray, me: int, group: tuple[int,
     if index.min() < lo or index.max() >= lo + share:
         return base, index
     return _narrow(lw, base, dim, lo, share), index - lo
+
+
+@lowers(LISTS)
+def all_to_all_list(lw: Any, args, kwargs, shapes, group):
+    """``torch.distributed.all_to_all(outputs, inputs, group)``: output i is
+    member i's input at this member's position. Every input a view of one
+    value (``tensor_split``'s pieces, VeOmni's): the outputs read as the
+    elements of the members' bases (``arranged.Arranged``), one reading
+    shared by all, joined again by a ``cat``."""
+    pg = args[2]
+    if not (isinstance(pg, (list, tuple)) and len(pg) == 2 and pg[0] == "pg"):
+        raise LoweringError(f"{lw.name}: an all-to-all without its group")
+    group = tuple(pg[1])
+    me, n = lw.trace["rank"], len(group)
+    ins = [lw.val(a) for a in args[1]]
+    if len(ins) != n or len(args[0]) != n:
+        raise LoweringError(f"{lw.name}: an all-to-all of {len(ins)} tensors over {n} members")
+    chains = [dict(chain(lw, v)) for v in ins]
+    bases = [(b, [c[b] for c in chains]) for b in chains[0]
+             if all(b in c for c in chains[1:])
+             and all(is_box(c[b], lw.shapes[b]) for c in chains)]
+    if not bases:
+        raise LoweringError(f"{lw.name}: an all-to-all of tensors that are no views of one value")
+    mine = Sent("tensor", (), None, None, tuple(1 for _ in ins),
+                tuple((tuple(lw.shapes[b]), tuple(blocks)) for b, blocks in bases))
+    counter = lw.all_to_alls
+    k = counter.get(group, 0)
+    counter[group] = k + 1
+    lw.published[(group, k)] = mine
+    sends = {me: mine}
+    for m in group:
+        if m != me:
+            sent = (lw.peers or {}).get(m, {}).get((group, k))
+            if sent is None:
+                raise NeedPeers(f"rank {m}'s all-to-all {k + 1} on {list(group)}")
+            sends[m] = sent
+    i = group.index(me)
+    gathered: dict = {}
+    outs = []
+    for p, src in enumerate(group):
+        readings = []
+        for j, (value, _) in enumerate(bases):
+            if any(len(sends[m].bases) <= j for m in group):
+                break
+            readings.append(Base(value, tuple(sends[m].bases[j][0] for m in group),
+                                 sends[src].bases[j][1][i]))
+        block = sends[src].bases[0][1][i]
+        if block.shape != tuple(shapes[p]):
+            raise LoweringError(f"{lw.name}: an all-to-all receives a tensor of shape "
+                                f"{list(block.shape)} into one of {list(shapes[p])}")
+        outs.append(Arranged(group, np.full(block.shape, p, dtype=np.int64), tuple(readings),
+                             gathered))
+    return outs
 
 
 @lowers(IN_PLACE)
@@ -234,7 +321,12 @@ def all_to_all(lw: Any, args, kwargs, shapes, group):
     if out_splits and tuple(int(s) for s in out_splits) != tuple(sends[m].splits[i] for m in group):
         raise LoweringError(f"{lw.name}: an all-to-all's output split sizes "
                             f"{[int(s) for s in out_splits]} are not what its members send it")
+    if mine.kind == "tensor" and all(s.bases for s in sends.values()):
+        return _arranged(lw, group, lw.bases_sent[whole], sends, tuple(shapes[0]))
     if mine.kind == "tensor":
+        if any(s.bases for s in sends.values()):
+            raise LoweringError(f"{lw.name}: an all-to-all some of whose members send views of "
+                                f"an earlier value and some not")
         return _tensor(lw, me, group, whole, sends, tuple(shapes[0]))
     if mine.kind == "rows":
         if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):

@@ -146,6 +146,8 @@ class Lowerer:
     peers: dict | None = None
     published: dict = field(default_factory=dict)
     all_to_alls: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: an all-to-all's input that is a view: its bases, nearest first (arranged.blocks_of)
+    bases_sent: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.arranged import Arranged, joined
 from backends.torch.lowering.bucket_pieces import bucket_view
 from backends.torch.lowering.context import LNode, pg, tensor_args
 from backends.torch.lowering.emit import cat, region_dims, take_region
@@ -320,6 +321,9 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("aten.t.default")
 def _t(lw: Lowerer, args, kwargs, shapes, group):
+    f = lw.env.get(args[0][1])
+    if isinstance(f, Arranged) and f.pos.ndim == 2:
+        return f.permuted([1, 0])
     x = lw.val(args[0])
     if len(lw.shapes[x]) < 2:
         return x
@@ -329,6 +333,11 @@ def _t(lw: Lowerer, args, kwargs, shapes, group):
 @lowers("aten.transpose.int")
 def _transpose(lw: Lowerer, args, kwargs, shapes, group):
     f = lw.env.get(args[0][1])
+    if isinstance(f, Arranged):
+        order = list(range(f.pos.ndim))
+        d0, d1 = int(args[1]) % len(order), int(args[2]) % len(order)
+        order[d0], order[d1] = order[d1], order[d0]
+        return f.permuted(order)
     if isinstance(f, Flat) and int(args[1]) % 3 and int(args[2]) % 3 and len(shapes[0]) == 3:
         d0, d1 = int(args[1]) % 3 + f.k - 1, int(args[2]) % 3 + f.k - 1
         shape = list(lw.shapes[f.x])
@@ -370,6 +379,8 @@ def _view(lw: Lowerer, args, kwargs, shapes, group):
     dst = tuple(shapes[0])
     if isinstance(f, Ids):
         return Ids(f.source, f.index, f.parts, dst)
+    if isinstance(f, Arranged):
+        return f.viewed(dst)
     if isinstance(f, Narrowed) and _narrowed_shape(lw, f) == dst:
         return f  # a view of a piece as it is (an autograd identity's output)
     if isinstance(f, Gathered) and not f.padded:
@@ -531,6 +542,8 @@ def _cat(lw: Lowerer, args, kwargs, shapes, group):
     items = [lw.env.get(a[1]) for a in args[0]]
     dim = int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))
     first = items[0]
+    if all(isinstance(p, Arranged) for p in items) and first.joins(items[1:]):
+        return joined(items, dim % first.pos.ndim)  # one all-to-all's outputs, joined
     if all(isinstance(p, Piece) for p in items) and [p.index for p in items] == list(range(len(items))) \
             and all(p.of is first.of for p in items) and len(items) == first.parts:
         if isinstance(first.of, Gathered):
@@ -559,6 +572,9 @@ def _cat(lw: Lowerer, args, kwargs, shapes, group):
 @lowers("aten.permute.default")
 def _permute(lw: Lowerer, args, kwargs, shapes, group):
     """A permutation as the transposes that sort it."""
+    f = lw.env.get(args[0][1])
+    if isinstance(f, Arranged):
+        return f.permuted([int(d) % f.pos.ndim for d in args[1]])
     x = lw.val(args[0])
     order = [int(d) % len(lw.shapes[x]) for d in args[1]]
     current = list(range(len(order)))

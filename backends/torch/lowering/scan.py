@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.arranged import Arranged
 from backends.torch.lowering.constants import constant_input
 from backends.torch.lowering.emit import einsum, narrow, pad
 from backends.torch.lowering.ir import IdRows, Ids
@@ -49,6 +50,9 @@ def cumsum(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("aten.flip.default")
 def flip(lw: Lowerer, args, kwargs, shapes, group):
+    f = lw.env.get(args[0][1])
+    if isinstance(f, Arranged):  # an all-to-all's blocks reordered: their elements moved
+        return f.flipped([int(d) % f.pos.ndim for d in args[1]])
     x = lw.val(args[0])
     for dim in [int(d) for d in args[1]]:
         n = lw.shapes[x][dim]

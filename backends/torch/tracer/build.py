@@ -707,6 +707,8 @@ class _Rank:
         if len(group) == 1:
             return []
         varying = [a for a in self.axes if len({coords[r][a] for r in group}) > 1]
+        if varying == [*self.dp, "cp"] and list(group) == sorted(group):
+            return varying  # the data- and context-parallel ranks together (torchtitan's fsdp)
         if len(varying) != 1 and varying != self.dp:
             raise LoweringError(f"rank {self.low.rank}: a collective over ranks {list(group)} "
                                 f"is not along one mesh axis")
@@ -1003,7 +1005,7 @@ class _Rank:
             self.cut_rows(node, coords)
             return
         if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
-                and self.takes_piece(node):
+                and (self.takes_cp_piece(node) or self.takes_piece(node)):
             return
         if node.op == "narrow" and node.dir == "bw" and not self.aligns(node) \
                 and not self.sliced_alike(node) and self.pads_piece(node):
@@ -1160,6 +1162,27 @@ class _Rank:
         self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
         self.claim[out] = Claim([list(found[0]) if k == d else list(a)
                                  for k, a in enumerate(c.dims)], c.partial, c.mbs, c.scale)
+        return True
+
+    def takes_cp_piece(self, node: LNode) -> bool:
+        """A ``narrow`` of a value to this rank's piece of a dim by one more
+        axis, "cp", inside the axes that already cut it (an all-to-all of
+        Ulysses-style context parallelism lowered as an all-gather and this
+        narrow: ``lowering.arranged``): claimed cut by those axes and "cp"
+        (proved like any claim). False when these rows are not that piece."""
+        x, out = node.ins[0], node.outs[0]
+        c, d = self.claim[x], node.kwargs["dim"] % len(self.low.shapes[x])
+        if c.at or self.sizes.get("cp", 1) == 1 or any("cp" in axes for axes in c.dims):
+            return False
+        full = self.gshape(x)[d]
+        lo, _ = self.piece(c.dims[d], full, self.low.coords) if c.dims[d] else (0, full)
+        rows = (lo + node.kwargs["start"], lo + node.kwargs["start"] + node.kwargs["length"])
+        axes = [*c.dims[d], "cp"]
+        if self.piece(axes, full, self.low.coords) != rows:
+            return False
+        self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+        self.claim[out] = Claim([axes if k == d else list(a) for k, a in enumerate(c.dims)],
+                                c.partial, c.mbs, c.scale)
         return True
 
     def pads_piece(self, node: LNode) -> bool:

@@ -699,6 +699,30 @@ def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
     return None
 
 
+def context_parallel_axes(mesh, mesh_dim: int, layout: tuple[int, ...]) -> str | None:
+    """"cp" when the mesh dim's ranks (through this rank) are exactly this
+    rank's context-parallel ranks in order (its stage, data-parallel and
+    tensor-parallel coordinates fixed), "dp+cp" when they are every
+    data-parallel and context-parallel rank of its stage and tensor-parallel
+    coordinate, data-parallel outer (torchtitan's "fsdp" dim, dp_shard x
+    cp); else None. ``layout`` is (pp, dp, tp, cp)."""
+    if len(layout) < 4 or layout[3] == 1:
+        return None
+    _, dp, tp, cp = layout
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    ranks = dim_ranks(mesh, mesh_dim, coordinate)
+    first = ranks[0]
+    if len(ranks) == cp and ranks == [first + c * tp for c in range(cp)] \
+            and (first // tp) % cp == 0:
+        return "cp"
+    if dp > 1 and len(ranks) == dp * cp and ranks == [first + j * tp for j in range(dp * cp)] \
+            and (first // tp) % (dp * cp) == 0:
+        return "dp+cp"
+    return None
+
+
 def is_tensor_parallel_dim(mesh, mesh_dim: int, layout: tuple[int, int, int]) -> bool:
     """The mesh dim's ranks (through this rank) are exactly the backend's
     tensor-parallel ranks of this rank's stage and data-parallel index, in
@@ -738,7 +762,8 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
                 if name != "dp" and is_tensor_parallel_dim(mesh, mesh_dim, layout):
                     names[mesh_dim] = "tp"  # a dim of the user's own name over the tp ranks
                     continue
-                axis = data_parallel_axis(mesh, mesh_dim, layout, split)
+                axis = context_parallel_axes(mesh, mesh_dim, layout) \
+                    or data_parallel_axis(mesh, mesh_dim, layout, split)
                 if axis is None and name == "dp" and mesh.size(mesh_dim=mesh_dim) > 1:
                     # a shard's position would be its index in this dim,
                     # which is no coordinate of the backend's mesh
@@ -752,7 +777,7 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
             if isinstance(p, _StridedShard):
                 strided.append((p.dim % t.dim(), p.split_factor, mesh_dim))
             elif p.is_shard():
-                axes[p.dim % t.dim()].append(names[mesh_dim])
+                axes[p.dim % t.dim()].extend(names[mesh_dim].split("+"))
             elif not p.is_replicate():
                 raise ValueError(f"parameter placement {p} is not supported")
         for dim, factor, mesh_dim in strided:
@@ -760,5 +785,5 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
             inner = [mesh.size(mesh_dim=names.index(a)) for a in axes[dim]]
             if factor != math.prod(inner):
                 raise ValueError(f"parameter placement {t.placements} is not supported")
-            axes[dim].append(names[mesh_dim])
+            axes[dim].extend(names[mesh_dim].split("+"))
     return axes

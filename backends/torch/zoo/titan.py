@@ -47,6 +47,8 @@ class TitanLM(nn.Module):
         self.config = config  # torchtitan's model configuration (pipelining reads it)
         self.seqlen = seqlen
         self.global_tokens = 1  # set by the backend to the step's label count
+        #: the positions of the rank's tokens, when they are a chunk of the sequence
+        self.positions: torch.Tensor | None = None
 
     def loss(self, pred: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """torchtitan's loss function as its pipeline schedule calls it:
@@ -57,6 +59,9 @@ class TitanLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from torchtitan.components.loss import cross_entropy_loss
+        if self.positions is not None:  # a context-parallel rank's chunk (parallelize_cp)
+            return cross_entropy_loss(self.model(tokens, positions=self.positions),
+                                      labels) / self.global_tokens
         return cross_entropy_loss(self.model(tokens), labels) / self.global_tokens
 
 
@@ -66,12 +71,14 @@ def microbatches(pp: int) -> int:
     return max(2, pp)
 
 
-def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1, ep: int = 1):
+def _parallelism(dp: int = 1, tp: int = 1, pp: int = 1, microbatch: int = 1, ep: int = 1,
+                 cp: int = 1):
     from torchtitan.config import ParallelismConfig
     return ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
                              pipeline_parallel_degree=pp, spmd_backend=titan_shim.SPMD_BACKEND,
                              pipeline_parallel_microbatch_size=microbatch,
-                             expert_parallel_degree=ep)
+                             expert_parallel_degree=ep, context_parallel_degree=cp,
+                             context_parallel_load_balancer=None)
 
 
 def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3", ep: int = 1,
@@ -168,7 +175,45 @@ def parallelize_deepseekv3_ep(model: TitanLM, mesh):
     return parallelize(model, mesh, apply, ep=mesh["dp"].size())
 
 
-def parallelize(model: TitanLM, mesh, apply=None, tie_again: bool = True, ep: int = 1):
+def _size(mesh, name: str) -> int:
+    """The size of the backend mesh's dim ``name`` (1 when it has none)."""
+    return mesh[name].size() if name in (mesh.mesh_dim_names or ()) else 1
+
+
+def parallelize_cp(model: TitanLM, mesh):
+    """torchtitan's ``parallelize_llama`` with context parallelism over "cp"
+    (``--mesh cp=2``, with dp or tp beside it), as its trainer applies it:
+    its ``ParallelDims`` with ``cp``, whose parallelize wraps every attention
+    for CP's SDPA dispatcher (``apply_cp_to_forward``: q, k, v as DTensors
+    cut along the sequence) and shards FSDP2 over dp x cp; the rank's
+    positions are torchtitan's own ``cp_shard`` of the sequence's (no load
+    balancer, so the rank's tokens are chunk c of the sequence, as the
+    backend cuts them); CP's ring attention runs on the CPU through
+    ``cp_shim``. The ring is not verified yet: the run is refused in one
+    line (``rank.check_cp``, exit 2) after every rank is traced."""
+    from torchtitan.distributed.context_parallel import cp_shard
+
+    from backends.torch.zoo import cp_shim
+    cp_shim.apply()
+    rows = model.global_tokens // (model.seqlen * _size(mesh, "dp"))
+    positions = torch.arange(model.seqlen).expand(rows, model.seqlen).contiguous()
+    dims = _dims(mesh)
+    (model.positions,), _ = cp_shard(dims.get_mesh("cp"), (positions,), None, None)
+    return parallelize(model, mesh, dims=dims)
+
+
+def _dims(mesh, ep: int = 1):
+    """torchtitan's ``ParallelDims`` of the backend mesh's sizes, its mesh built."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    dp, cp, tp, pp = (_size(mesh, n) for n in ("dp", "cp", "tp", "pp"))
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=cp, tp=tp, pp=pp, ep=ep,
+                        world_size=dp * cp * tp * pp, spmd_backend=titan_shim.SPMD_BACKEND)
+    dims.build_mesh()
+    return dims
+
+
+def parallelize(model: TitanLM, mesh, apply=None, tie_again: bool = True, ep: int = 1,
+                dims=None):
     """The model family's own parallelize function (``apply``, else the
     family's: torchtitan's ``parallelize_llama``, ``parallelize_qwen3``) on
     its own ``ParallelDims`` mesh of the backend's sizes, then the tie
@@ -178,12 +223,9 @@ def parallelize(model: TitanLM, mesh, apply=None, tie_again: bool = True, ep: in
     each stage, its 1F1B schedule, ``microbatches(pp)`` microbatches of the
     rank's rows), the rank keeping its stage."""
     from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.llama3.parallelize import parallelize_llama
-    dp, tp, pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=pp, ep=ep,
-                        world_size=dp * tp * pp, spmd_backend=titan_shim.SPMD_BACKEND)
-    dims.build_mesh()
+    dp, cp, tp, pp = (_size(mesh, n) for n in ("dp", "cp", "tp", "pp"))
+    dims = dims or _dims(mesh, ep)
     from torchtitan.distributed import utils as dist_utils
     dist_utils.set_spmd_backend(titan_shim.SPMD_BACKEND)  # as its trainer does from the config
     rows = model.global_tokens // (model.seqlen * dp)  # the rank's batch rows
@@ -196,7 +238,7 @@ def parallelize(model: TitanLM, mesh, apply=None, tie_again: bool = True, ep: in
                          f"give each data-parallel rank a multiple of {n_micro} rows (--batch)")
     microbatch = max(1, rows // n_micro)
     common = {"parallel_dims": dims, "training": training,
-              "parallelism": _parallelism(dp, tp, pp, microbatch, ep),
+              "parallelism": _parallelism(dp, tp, pp, microbatch, ep, cp),
               "compile_config": CompileConfig(), "ac_config": None, "dump_folder": "/tmp"}
     if pp == 1:
         (apply or getattr(model, "parallelize_fn", parallelize_llama))(model.model, **common)

@@ -1,0 +1,186 @@
+"""cp: Ulysses-style context parallelism written with PyTorch's collectives,
+in the two ways it ships.
+
+Each rank holds a chunk of the sequence with every head. Before attention an
+all-to-all turns that into the whole sequence with a group of the heads
+(scatter the heads, gather the sequence); attention runs on the rank's heads
+over the whole sequence; a second all-to-all turns it back (scatter the
+sequence, gather the heads). On one device (no group) both are the identity.
+
+- ``exchange="single"``: DeepSpeed's way, one ``all_to_all_single`` on a
+  tensor reshaped so that dim 0 numbers the destination, then the received
+  blocks moved back into place (``_single_seq_to_heads``,
+  ``_single_heads_to_seq``).
+- ``exchange="list"``: VeOmni's way, ``torch.distributed.all_to_all`` of the
+  pieces ``tensor_split`` cuts along the scattered dim, concatenated along
+  the gathered one (``_list_all_to_all``).
+
+``layout`` is the order of the activations around attention: "bshd" ([batch,
+seq, heads, dim]) or "sbhd" ([seq, batch, heads, dim], Megatron's order).
+The positions are a learned embedding at ``position_offset`` + 0..s-1 (the
+recipe sets the offset to the rank's chunk). ``fault`` names a mistake as
+it ships (tests/cp_ulysses_recipes.py): "swapped" (the first all-to-all
+scatters the sequence and gathers the heads, the second the reverse),
+"order" (the second all-to-all's received head groups concatenated in
+reverse order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _list_all_to_all(x: torch.Tensor, scatter: int, gather: int, group, reverse: bool = False
+                     ) -> torch.Tensor:
+    """VeOmni's all-to-all: ``x`` cut in ``n`` pieces along ``scatter``,
+    piece j sent to member j; what is received concatenated along
+    ``gather`` in member order (reversed with ``reverse``: a mistake)."""
+    n = dist.get_world_size(group)
+    send = [p.contiguous() for p in torch.tensor_split(x, n, scatter)]
+    recv = [torch.empty_like(send[0]) for _ in range(n)]
+    dist.all_to_all(recv, send, group=group)
+    return torch.cat(recv[::-1] if reverse else recv, dim=gather).contiguous()
+
+
+def _single_seq_to_heads(x: torch.Tensor, seq: int, group) -> torch.Tensor:
+    """DeepSpeed's all-to-all scattering the heads (dim 2) and gathering the
+    sequence (``seq``: 1 for [b, s, h, d], 0 for [s, b, h, d])."""
+    n = dist.get_world_size(group)
+    shape = list(x.shape)
+    h = shape[2] // n
+    # [..., n, h/n, d] with the destination moved to dim 0
+    t = x.reshape(*shape[:2], n, h, shape[3]).movedim(2, 0).contiguous()
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=group)
+    # out[j] is member j's chunk of the sequence: put it before the local positions
+    out = out.movedim(0, seq)
+    full = list(shape)
+    full[seq] *= n
+    full[2] = h
+    return out.reshape(full).contiguous()
+
+
+def _single_heads_to_seq(x: torch.Tensor, seq: int, group, reverse: bool = False
+                         ) -> torch.Tensor:
+    """The inverse of ``_single_seq_to_heads``: scatter the sequence, gather
+    the heads (reversed with ``reverse``: a mistake)."""
+    n = dist.get_world_size(group)
+    shape = list(x.shape)
+    s = shape[seq] // n
+    split = shape[:seq] + [n, s] + shape[seq + 1:]
+    t = x.reshape(split).movedim(seq, 0).contiguous()
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=group)
+    if reverse:
+        out = out.flip(0)
+    # out[j] holds member j's heads of this rank's chunk: heads j*h .. (j+1)*h
+    out = out.movedim(0, 2)  # [.., n, h, d] at dims 2, 3
+    full = list(shape)
+    full[seq] = s
+    full[2] *= n
+    return out.reshape(full).contiguous()
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all as DeepSpeed's ``_SeqAllToAll`` wraps it: the backward
+    is the inverse exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, model: UlyssesTagger, to_heads: bool) -> torch.Tensor:
+        ctx.model, ctx.to_heads = model, to_heads
+        return model.seq_to_heads(x) if to_heads else model.heads_to_seq(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        m = ctx.model
+        return (m.heads_to_seq(g) if ctx.to_heads else m.seq_to_heads(g)), None, None
+
+
+class UlyssesTagger(nn.Module):
+    """One attention layer (learned positions, q, k, v, an output projection,
+    a residual) and a per-position head, the cross-entropy summed over the
+    step's tokens divided by all of them."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del layers, ffn
+        self.global_tokens = 0
+        self.position_offset = 0
+        self.head_dim = hidden // heads
+        self.group = None
+        self.exchange = "single"
+        self.layout = "bshd"
+        self.causal = True
+        self.fault = ""
+        self.embed = nn.Embedding(vocab, hidden)
+        self.positions = nn.Embedding(seqlen, hidden)
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Linear(hidden, hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.head = nn.Linear(hidden, vocab)
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[.., s/n, .., h, d] -> [.., s, .., h/n, d] over ``group``."""
+        seq = self.layout.index("s")
+        if self.exchange == "list":
+            if self.fault == "swapped":
+                return _list_all_to_all(x, seq, 2, self.group)
+            return _list_all_to_all(x, 2, seq, self.group)
+        return _single_seq_to_heads(x, seq, self.group)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``seq_to_heads``."""
+        seq = self.layout.index("s")
+        reverse = self.fault == "order"
+        if self.exchange == "list":
+            if self.fault == "swapped":
+                return _list_all_to_all(x, 2, seq, self.group)
+            return _list_all_to_all(x, seq, 2, self.group, reverse)
+        return _single_heads_to_seq(x, seq, self.group, reverse)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        start = self.position_offset
+        ids = torch.arange(start, start + tokens.shape[1])
+        h = self.embed(tokens) + self.positions(ids)
+        if self.layout == "sbhd":
+            h = h.transpose(0, 1)
+        a, b = h.shape[:2]
+        q, k, v = (f(h).view(a, b, -1, self.head_dim) for f in (self.q, self.k, self.v))
+        if self.group is not None:
+            q, k, v = (_Exchange.apply(t, self, True) for t in (q, k, v))
+        # SDPA's [batch, heads, seq, dim]
+        order = (0, 2, 1, 3) if self.layout == "bshd" else (1, 2, 0, 3)
+        y = F.scaled_dot_product_attention(*(t.permute(order) for t in (q, k, v)),
+                                           is_causal=self.causal)
+        y = y.permute(0, 2, 1, 3) if self.layout == "bshd" else y.permute(2, 0, 1, 3)
+        if self.group is not None:
+            y = _Exchange.apply(y, self, False)
+        h = h + self.proj(y.reshape(a, b, -1))
+        if self.layout == "sbhd":
+            h = h.transpose(0, 1)
+        logits = self.head(torch.tanh(h)).flatten(0, 1)
+        total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
+        return total / (self.global_tokens or labels.numel())
+
+
+def ulysses_tagger(**kw) -> UlyssesTagger:
+    """Causal attention, [batch, seq, heads, dim] around it."""
+    return UlyssesTagger(**kw)
+
+
+def ulysses_tagger_sbhd(**kw) -> UlyssesTagger:
+    """Causal attention, [seq, batch, heads, dim] around it."""
+    model = UlyssesTagger(**kw)
+    model.layout = "sbhd"
+    return model
+
+
+def ulysses_tagger_full(**kw) -> UlyssesTagger:
+    """Attention over every position (no causal mask), [batch, seq, heads, dim]."""
+    model = UlyssesTagger(**kw)
+    model.causal = False
+    return model
