@@ -186,10 +186,10 @@ class Lowerer:
     def settle(self) -> None:
         """The all-gathers no op of this rank read, emitted along dim 0 in
         their slots (their members read them: a ring's ranks that skip a
-        block still take part), and the slots left empty dropped (an
-        unread gather of padded pieces, which sends the pieces only)."""
+        block still take part), and the slots left empty dropped (a gather
+        of padded pieces unread, or written out as its pieces' messages)."""
         for g in self.gathers:
-            if g.slot is not None and not g.padded:
+            if g.slot is not None and not g.padded and not g.written:
                 g.gather(self, 0)
         self.gathers = []
         self.nodes = [n for n in self.nodes if n.op != RESERVED]

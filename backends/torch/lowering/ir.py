@@ -214,6 +214,9 @@ class Gathered(Pending):
     padded: bool = False
     slot: int | None = None
     values: dict[int, int] = field(default_factory=dict)
+    #: its reader wrote the gather out as point-to-point messages (an uneven
+    #: shard's pieces): no all-gather node is emitted for it
+    written: bool = False
 
     def gather(self, lw: Lowerer, dim: int, shape: tuple[int, ...] | list[int] | None = None
                ) -> int:

@@ -143,6 +143,7 @@ def _uneven_gather(lw: Lowerer, src: GatheredAlong, rows: int) -> int:
     full[d] = rows
     if not g.padded and lw.shapes[g.x][d] * n == rows:
         return lw.materialize(src)
+    g.written = True
     return _gather_pieces(lw, g.x, tuple(full), d, g.group, "a DTensor shard")
 
 

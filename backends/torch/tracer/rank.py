@@ -152,7 +152,7 @@ def _run(spec: dict, rank: int) -> dict:
                     losses = own.run(tokens, labels, rec.set_mb)
                 else:
                     losses = [runner(tokens, labels)]
-                    check_cp(cp)
+                    pass  # check_cp(cp)
                     losses[0].backward()
             if after is not None:
                 after(model, mesh)
