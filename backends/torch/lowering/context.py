@@ -78,6 +78,11 @@ class Lowered:
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: parameters the model ties: another name of one -> the name it is held under
     ties: dict[str, str] = field(default_factory=dict)
+    #: a ring attention's merged out or lse -> ("out" or "lse", q, k, v): the
+    #: attention of the rank's query over the keys and values k and v are
+    #: pieces of (the shim's ``ring_result``; docs/soundness.md, "Plans
+    #: traced from PyTorch", 4X-ring31 (d))
+    anchors: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -141,6 +146,8 @@ class Lowerer:
     peers: dict | None = None
     published: dict = field(default_factory=dict)
     all_to_alls: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: nn: a ring attention's merged out and lse -> what they are (``Lowered.anchors``)
+    anchors: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
     #: collectives: all-gathers not emitted yet, each holding its reserved slot in ``nodes``
     gathers: list[Gathered] = field(default_factory=list)
 
@@ -347,7 +354,9 @@ def tensor_args(args: Any) -> list[int]:
 #: member that never reads it (a ring's rank that skips a block) still
 #: takes part, and the members' collectives are matched by order
 ALWAYS_LIVE = ("c10d.send.default", "_c10d_functional.all_gather_into_tensor.default",
-               "_c10d_functional_autograd.all_gather_into_tensor.default")
+               "_c10d_functional_autograd.all_gather_into_tensor.default",
+               "_c10d_functional.all_to_all_single.default",
+               "_c10d_functional_autograd.all_to_all_single.default")
 
 
 def live_events(trace: dict) -> set[int]:

@@ -120,7 +120,7 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
                    lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
-                   dict(trace.get("ties", {})))
+                   dict(trace.get("ties", {})), dict(lw.anchors))
 
 
 def check_shards(traces: list[dict]) -> None:
