@@ -69,6 +69,7 @@ class _Ring:
         cp_shim.apply()
         set_rotate_method(self.method)
         cp._cp_options.enable_load_balance = False
+        cp._cp_options.convert_to_f32 = False  # merge in float64 (a cast changes no proof)
         if self.merger is not None:
             self.saved = cp._SDPAMerger
             cp._SDPAMerger = self.merger(cp._SDPAMerger)
