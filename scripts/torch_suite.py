@@ -727,6 +727,9 @@ CASES += [
     ("cp ring allgather cp4", f"{CP_RING}ring_allgather --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
     ("cp ring alltoall cp4", f"{CP_RING}ring_alltoall --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
     ("cp ring allgather dp2 cp2", f"{CP_RING}ring_allgather --mesh dp=2,cp=2 {CP_SIZES}", 0),
+    ("cp ring alltoall cp4 not causal",
+     f"--model tests.cp_models:sdpa_encoder --heads 2 --recipe {CP}ring_alltoall --mesh cp=4 "
+     f"{CP_SIZES} --seqlen 8", 0),
     ("cp ring bug a block merged with another block's lse",
      f"{CP_RING}ring_other_lse --mesh cp=2 {CP_SIZES}", 1),
     ("cp ring load-balanced refused (a rank's head and tail chunks are not claimed yet)",
