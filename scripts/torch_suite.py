@@ -775,6 +775,7 @@ CP = "tests.cp_split_recipes:"
 CP_SIZES = "--layers 1 --hidden 8 --seqlen 4 --vocab 10 --batch 2"
 CP_POSITIONS = f"--model tests.cp_split_models:position_tagger {CP_SIZES}"
 CP_TABLE = f"--model tests.cp_split_models:table_position_tagger {CP_SIZES}"
+CP_RING = f"--model tests.cp_models:sdpa_tagger --heads 2 --recipe {CP}"
 CASES += [
     ("cp split mlp cp2", f"--model mlp --recipe {CP}cp_sum --mesh cp=2 {CP_SIZES}", 0),
     ("cp split mlp cp4", f"--model mlp --recipe {CP}cp_sum --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
@@ -795,9 +796,21 @@ CASES += [
      f"{CP_TABLE} --recipe {CP}cp_table --mesh dp=2,cp=2", 0),
     ("cp split bug position table's chunk order wrong on one rank",
      f"{CP_TABLE} --recipe {CP}cp_table_other_chunk --mesh cp=2", 1),
-    ("cp ring allgather cp2 refused (the ring's blocks are not claimed yet)",
-     f"--model tests.cp_models:sdpa_tagger --heads 2 --recipe {CP}ring_allgather --mesh cp=2 "
-     f"{CP_SIZES}", 2),
+    # PyTorch's own ring attention (context_parallel's SDPA dispatcher, through the
+    # CPU shim), causal, forward and backward as they ship (docs/soundness.md,
+    # "Plans traced from PyTorch", 4X-ring31)
+    ("cp ring allgather cp2", f"{CP_RING}ring_allgather --mesh cp=2 {CP_SIZES}", 0),
+    ("cp ring alltoall cp2", f"{CP_RING}ring_alltoall --mesh cp=2 {CP_SIZES}", 0),
+    ("cp ring allgather cp4", f"{CP_RING}ring_allgather --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
+    ("cp ring alltoall cp4", f"{CP_RING}ring_alltoall --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
+    ("cp ring allgather dp2 cp2", f"{CP_RING}ring_allgather --mesh dp=2,cp=2 {CP_SIZES}", 0),
+    ("cp ring alltoall cp4 not causal",
+     f"--model tests.cp_models:sdpa_encoder --heads 2 --recipe {CP}ring_alltoall --mesh cp=4 "
+     f"{CP_SIZES} --seqlen 8", 0),
+    ("cp ring bug a block merged with another block's lse",
+     f"{CP_RING}ring_other_lse --mesh cp=2 {CP_SIZES}", 1),
+    ("cp ring load-balanced refused (a rank's head and tail chunks are not claimed yet)",
+     f"{CP_RING}ring_balanced --mesh cp=2 {CP_SIZES}", 2),
 ]
 
 

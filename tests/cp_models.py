@@ -63,6 +63,8 @@ class RingTagger(nn.Module):
         #: attention as a ring of two computes it (else one SDPA call)
         self.ring = True
         self.fault = ""
+        #: the one-call attention is causal (else every key is seen)
+        self.causal = True
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
@@ -70,7 +72,7 @@ class RingTagger(nn.Module):
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
                    for t in self.qkv(h).chunk(3, dim=-1))
         y = TwoBlockAttention.apply(q, k, v, self.fault == "other_lse") if self.ring else \
-            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         y = y.transpose(1, 2).reshape(b, s, d)
         logits = self.head(h + y).flatten(0, 1)
         total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
@@ -85,6 +87,13 @@ def sdpa_tagger(**kw) -> RingTagger:
     """The tagger with one SDPA call: the single-device step of ring_ddp."""
     model = RingTagger(**kw)
     model.ring = False
+    return model
+
+
+def sdpa_encoder(**kw) -> RingTagger:
+    """The tagger with one SDPA call that sees every key (not causal)."""
+    model = sdpa_tagger(**kw)
+    model.causal = False
     return model
 
 

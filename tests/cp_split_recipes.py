@@ -53,10 +53,13 @@ def cp_averaged(model, mesh):
 class _Ring:
     """The context ``context_parallel`` enters around a step, without its
     buffers (the backend has cut the batch already): PyTorch's ring for SDPA,
-    through the CPU shim, with the given rotation and no load balancer."""
+    through the CPU shim, with the given rotation and no load balancer.
+    ``merger``: a class to merge the blocks with in place of CP's own
+    ``_SDPAMerger`` (a merge written wrong, as such code ships)."""
 
-    def __init__(self, mesh, method: str):
-        self.mesh, self.method = mesh, method
+    def __init__(self, mesh, method: str, merger=None):
+        self.mesh, self.method, self.merger = mesh, method, merger
+        self.saved = None
 
     def __enter__(self):
         from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -66,16 +69,73 @@ class _Ring:
         cp_shim.apply()
         set_rotate_method(self.method)
         cp._cp_options.enable_load_balance = False
+        cp._cp_options.convert_to_f32 = False  # merge in float64 (a cast changes no proof)
+        if self.merger is not None:
+            self.saved = cp._SDPAMerger
+            cp._SDPAMerger = self.merger(cp._SDPAMerger)
         cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=self.mesh)
 
     def __exit__(self, *exc):
         from torch.distributed.tensor.experimental._context_parallel import _attention as cp
         cp._disable_context_parallel_dispatcher_impl()
+        if self.saved is not None:
+            cp._SDPAMerger = self.saved
 
 
 def ring_allgather(model, mesh):
     """PyTorch's ring attention over "cp" (all-gather rotation), gradients summed."""
     model.train_context = lambda: _Ring(mesh["cp"], "allgather")
+    return cp_sum(model, mesh)
+
+
+def ring_alltoall(model, mesh):
+    """PyTorch's ring attention over "cp" (all-to-all rotation: each step's
+    keys and values passed to the next rank), gradients summed."""
+    model.train_context = lambda: _Ring(mesh["cp"], "alltoall")
+    return cp_sum(model, mesh)
+
+
+def _other_lse(merger):
+    class OtherLse(merger):
+        """Each block after the first merged with the log-sum-exp of the block
+        before it (another block's lse)."""
+
+        def _merge_one(self, block_out, block_lse, partial):
+            previous = getattr(self, "previous_lse", None)
+            self.previous_lse = block_lse
+            super()._merge_one(block_out, block_lse if previous is None else previous, partial)
+    return OtherLse
+
+
+def ring_other_lse(model, mesh):
+    """Bug: PyTorch's ring (all-gather rotation) whose merge takes, for every
+    block after the first, the log-sum-exp of the block before it."""
+    model.train_context = lambda: _Ring(mesh["cp"], "allgather", _other_lse)
+    return cp_sum(model, mesh)
+
+
+def ring_balanced(model, mesh):
+    """PyTorch's ring with its head-tail load balancer on (refused: a rank's
+    two chunks are not claimed yet)."""
+    def balanced():
+        ring = _Ring(mesh["cp"], "allgather")
+
+        class On:
+            def __enter__(self):
+                from torch.distributed.tensor.experimental._context_parallel import (
+                    _attention as cp,
+                )
+                ring.__enter__()
+                cp._cp_options.enable_load_balance = True
+
+            def __exit__(self, *exc):
+                from torch.distributed.tensor.experimental._context_parallel import (
+                    _attention as cp,
+                )
+                cp._cp_options.enable_load_balance = False
+                ring.__exit__(*exc)
+        return On()
+    model.train_context = balanced
     return cp_sum(model, mesh)
 
 

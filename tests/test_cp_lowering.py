@@ -24,8 +24,9 @@ def test_two_block_ring_lowering_matches_torch() -> None:
     low = lower_trace(trace, SIZES["vocab"])
     ops = [node.op for node in low.nodes]
     assert {"attention", "attention_grad", "sigmoid"} <= set(ops)
-    # the two merged blocks' lses, each read twice by the merge, each emitted once
-    assert ops.count("attention") == 2
+    # one attention node per kernel call: three blocks, and the first recomputed
+    # by the backward (its lse read twice by the merge, each emitted once)
+    assert ops.count("attention") == 4
     check = check_lowering(trace, low, SIZES["vocab"])
     assert check.grads and not check.differences(rtol=1e-9, atol=1e-11)
 

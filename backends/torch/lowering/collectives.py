@@ -49,8 +49,8 @@ def _all_reduce(lw: Lowerer, args, kwargs, shapes, group):
 def _all_gather(lw: Lowerer, args, kwargs, shapes, group):
     x = lw.env.get(args[0][1])
     if isinstance(x, ZeroPadded):
-        return Gathered(x.x, group, padded=True)
-    return Gathered(lw.val(args[0]), group)
+        return lw.reserve(Gathered(x.x, group, padded=True))
+    return lw.reserve(Gathered(lw.val(args[0]), group))
 
 
 @lowers(

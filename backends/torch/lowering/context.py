@@ -20,6 +20,7 @@ from backends.torch.lowering.bucket_pieces import PER_PIECE_OPS, per_piece
 from backends.torch.lowering.ir import (
     Bucket,
     Const,
+    Gathered,
     Ids,
     NoShard,
     Pending,
@@ -29,6 +30,10 @@ from backends.torch.lowering.refusals import refusal
 from backends.torch.lowering.registry import handlers
 from backends.torch.lowering.shapes import view_to
 from verdict.ops import OPS, ShapeError
+
+#: the op of a placeholder node: the place of a collective not emitted yet
+#: (``Lowerer.reserve``)
+RESERVED = "reserved"
 
 
 @dataclass
@@ -73,6 +78,11 @@ class Lowered:
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: parameters the model ties: another name of one -> the name it is held under
     ties: dict[str, str] = field(default_factory=dict)
+    #: a ring attention's merged out or lse -> ("out" or "lse", q, k, v): the
+    #: attention of the rank's query over the keys and values k and v are
+    #: pieces of (the shim's ``ring_result``; docs/soundness.md, "Plans
+    #: traced from PyTorch", 4X-ring31 (d))
+    anchors: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -148,6 +158,10 @@ class Lowerer:
     all_to_alls: dict[tuple[int, ...], int] = field(default_factory=dict)
     #: an all-to-all's input that is a view: its bases, nearest first (arranged.blocks_of)
     bases_sent: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: nn: a ring attention's merged out and lse -> what they are (``Lowered.anchors``)
+    anchors: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
+    #: collectives: all-gathers not emitted yet, each holding its reserved slot in ``nodes``
+    gathers: list[Gathered] = field(default_factory=list)
 
     # -- values -------------------------------------------------------------
     def new(self, shape) -> int:
@@ -169,6 +183,37 @@ class Lowerer:
         if op == "zeros" and not ins:
             self.zeros_made.update(outs)
         return outs
+
+    def reserve(self, gathered: Gathered) -> Gathered:
+        """Reserve the place of a collective whose form its readers decide
+        (``ir.Gathered``): a placeholder node, filled by ``fill`` when it is
+        first read, or by ``settle`` at the end of the trace, so that it runs
+        once, where it was recorded, whether this rank reads it or not."""
+        gathered.slot = len(self.nodes)
+        self.nodes.append(LNode(RESERVED, "fw", [], [], {}, self.name, gathered.group, self.mb))
+        self.gathers.append(gathered)
+        return gathered
+
+    def fill(self, slot: int | None, node: LNode) -> None:
+        """Put ``node`` in the reserved ``slot`` (with the recorded op's
+        module and microbatch), or append it when no slot is left."""
+        if slot is None or self.nodes[slot].op != RESERVED:
+            self.nodes.append(node)
+            return
+        held = self.nodes[slot]
+        node.name, node.mb = held.name, held.mb
+        self.nodes[slot] = node
+
+    def settle(self) -> None:
+        """The all-gathers no op of this rank read, emitted along dim 0 in
+        their slots (their members read them: a ring's ranks that skip a
+        block still take part), and the slots left empty dropped (a gather
+        of padded pieces unread, or written out as its pieces' messages)."""
+        for g in self.gathers:
+            if g.slot is not None and not g.padded and not g.written:
+                g.gather(self, 0)
+        self.gathers = []
+        self.nodes = [n for n in self.nodes if n.op != RESERVED]
 
     def val(self, a: Any) -> int:
         """The lowered value of a recorded argument, materializing pending layouts."""
@@ -323,16 +368,25 @@ def tensor_args(args: Any) -> list[int]:
 SHAPE_ONLY = frozenset({"aten.ones_like.default", "aten.zeros_like.default",
                         "aten.empty_like.default"})
 
+#: collectives that run whether or not this rank reads their result: a
+#: member that never reads it (a ring's rank that skips a block) still
+#: takes part, and the members' collectives are matched by order
+ALWAYS_LIVE = ("c10d.send.default", "_c10d_functional.all_gather_into_tensor.default",
+               "_c10d_functional_autograd.all_gather_into_tensor.default",
+               "_c10d_functional.all_to_all_single.default",
+               "_c10d_functional_autograd.all_to_all_single.default")
+
 
 def live_events(trace: dict) -> set[int]:
-    """Events the loss and the final gradients depend on."""
+    """Events the loss and the final gradients depend on, and the
+    collectives of ``ALWAYS_LIVE``."""
     need = set(trace["losses"]) | {g for g in trace["grads"].values() if g is not None}
     need |= {v for v in trace.get("updates", {}).values() if v is not None}
     need |= {v for st in trace.get("states", {}).values() for v in st.values() if v is not None}
     live = set()
     for i in range(len(trace["events"]) - 1, -1, -1):
         op, (args, kwargs), outs = trace["events"][i][:3]
-        if not need.intersection(outs) and op != "c10d.send.default":
+        if not need.intersection(outs) and op not in ALWAYS_LIVE:
             continue
         live.add(i)
         if op == "c10d.recv_.default" or op in SHAPE_ONLY:

@@ -104,7 +104,7 @@ protocol. A kind a second family comes to read moves here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -198,18 +198,46 @@ class Shifted:
 class Gathered(Pending):
     """An all-gather along dim 0 of ``x`` over ``group``, not yet emitted.
     ``padded``: x was padded at the end of a dim before the gather (DTensor's
-    uneven ``Shard``), so the pieces are equal only with the padding."""
+    uneven ``Shard``), so the pieces are equal only with the padding.
+
+    Its readers decide the dim it is emitted along (a split and cat make it
+    one all-gather along d), but it runs once, where it was recorded, on
+    every member: ``slot`` is its reserved place among the rank's nodes
+    (``Lowerer.reserve``), filled by the first read of each dim
+    (``gather``, kept in ``values``), or, when no op of this rank reads it,
+    by the gather along dim 0 (``Lowerer.settle``). A read-once-per-use
+    emission gave two all-gathers on a rank that read the result twice and
+    none on a rank that never read it (a ring's rank that skips the block),
+    so the members' collectives did not match."""
     x: int
     group: tuple[int, ...]
     padded: bool = False
+    slot: int | None = None
+    values: dict[int, int] = field(default_factory=dict)
+    #: its reader wrote the gather out as point-to-point messages (an uneven
+    #: shard's pieces): no all-gather node is emitted for it
+    written: bool = False
+
+    def gather(self, lw: Lowerer, dim: int, shape: tuple[int, ...] | list[int] | None = None
+               ) -> int:
+        """The all-gather along ``dim``, emitted once (in the reserved slot
+        for the first dim read)."""
+        if dim not in self.values:
+            if shape is None:
+                shape = list(lw.shapes[self.x])
+                shape[dim] *= len(self.group)
+            out = lw.emit("all_gather", [self.x], [list(shape)], {"dim": dim},
+                          group=self.group)[0]
+            lw.fill(self.slot, lw.nodes.pop())
+            self.slot = None
+            self.values[dim] = out
+        return self.values[dim]
 
     def materialize(self, lw: Lowerer) -> int:
         if self.padded:
             raise LoweringError(f"{lw.name}: an all-gather of padded pieces is read "
                                 f"with its padding")
-        shape = list(lw.shapes[self.x])
-        shape[0] *= len(self.group)
-        return lw.emit("all_gather", [self.x], [shape], {"dim": 0}, group=self.group)[0]
+        return self.gather(lw, 0)
 
 
 @dataclass(frozen=True)
@@ -235,12 +263,10 @@ class GatheredAlong(Pending):
     dim: int
 
     def materialize(self, lw: Lowerer) -> int:
-        shape = list(lw.shapes[self.g.x])
-        shape[self.dim] *= len(self.g.group)
         if self.g.padded:
             raise LoweringError(f"{lw.name}: an all-gather of padded pieces is read "
                                 f"with its padding")
-        return lw.emit("all_gather", [self.g.x], [shape], {"dim": self.dim}, group=self.g.group)[0]
+        return self.g.gather(lw, self.dim)
 
 
 @dataclass

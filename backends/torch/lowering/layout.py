@@ -59,7 +59,7 @@ def _copy_in(lw: Lowerer, args, kwargs, shapes, group):
 def _allgather_base(lw: Lowerer, args, kwargs, shapes, group):
     packed = lw.env.get(args[1][1])
     if not isinstance(packed, Packed) and not isinstance(packed, (ChunkCat, str)):
-        return Gathered(lw.val(args[1]), pg(lw, args[2]))  # dist.all_gather_into_tensor
+        return lw.reserve(Gathered(lw.val(args[1]), pg(lw, args[2])))  # dist.all_gather_into_tensor
     if not isinstance(packed, Packed):
         raise LoweringError(f"{lw.name}: all-gather of a buffer FSDP's copy-in did not fill")
     return Packed(packed.parts, pg(lw, args[2]))
@@ -144,6 +144,7 @@ def _uneven_gather(lw: Lowerer, src: GatheredAlong, rows: int) -> int:
     full[d] = rows
     if not g.padded and lw.shapes[g.x][d] * n == rows:
         return lw.materialize(src)
+    g.written = True
     return _gather_pieces(lw, g.x, tuple(full), d, g.group, "a DTensor shard")
 
 
@@ -386,7 +387,7 @@ def _view(lw: Lowerer, args, kwargs, shapes, group):
     if isinstance(f, Gathered) and not f.padded:
         k = _gathered_dim(lw.shapes[f.x], dst, len(f.group))
         if k is not None:
-            return lw.emit("all_gather", [f.x], [dst], {"dim": k}, group=f.group)[0]
+            return f.gather(lw, k, dst)
     if isinstance(f, IdRows):
         return IdRows(lw.reshape(f.x, (*dst, lw.vocab)), f.ids.reshape(dst))
     if isinstance(f, (Flat, As)) and lw.shapes[f.x] == dst:

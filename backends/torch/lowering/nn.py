@@ -371,6 +371,8 @@ def sdpa(lw: Lowerer, args, kwargs, shapes, group):
     """softmax(mask(q @ k^T * scale)) @ v (the CPU flash kernel's function);
     with fewer key-value heads than query heads (``enable_gqa``), each
     key-value head serves ``groups`` consecutive query heads."""
+    if sdpa_options(lw, args, kwargs, 3)[2] is None:
+        return _attention(lw, args, kwargs, shapes)
     q, keys, values, scale, scores, groups, causal, mask = sdpa_scores(lw, args, kwargs)
     scores_shape = lw.shapes[scores]
     if mask is not None:
@@ -391,6 +393,37 @@ def sdpa(lw: Lowerer, args, kwargs, shapes, group):
     if mask is not None:
         return [out, "logsumexp"]
     return [out, KernelLse(q, keys, values, scale, causal)]
+
+
+def _attention(lw: Lowerer, args, kwargs, shapes) -> list[int]:
+    """The kernel without a mask: the rule table's ``attention`` of the query
+    and the keys and values (grouped heads repeated), its two outputs the
+    kernel's two (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31 (c)).
+    One operator on both plans, so that a ring's blocks (the same kernel
+    over a key block) and the single-device attention align."""
+    q, keys, values, scale, _, causal, _ = sdpa_inputs(lw, args, kwargs)
+    qs, ks = lw.shapes[q], lw.shapes[keys]
+    if causal and qs[-2] != ks[-2]:
+        raise LoweringError(f"{lw.name}: causal attention of {qs[-2]} queries over {ks[-2]} keys "
+                            f"is not lowered")
+    out, lse = lw.emit("attention", [q, keys, values], [shapes[0], tuple(qs[:-1])],
+                       {"scale": scale, "causal": causal})
+    return [out, lse]
+
+
+@lowers("verdict_cp.ring_result.default")
+def ring_result(lw: Lowerer, args, kwargs, shapes, group):
+    """The shim's name for a ring's merged (out, lse): the values as they
+    are, recorded as the attention of the rank's query over the keys and
+    values its local ones are pieces of (``Lowerer.anchors``; the build
+    claims them so, and the claim is proved)."""
+    out, lse, q, k, v = (lw.val(a) for a in args[:5])
+    if lw.shapes[out] != tuple(shapes[0]) or lw.shapes[lse] != tuple(shapes[1]):
+        raise LoweringError(f"{lw.name}: a ring's result of shapes {list(shapes[0])}, "
+                            f"{list(shapes[1])} named for values of other shapes")
+    lw.anchors[out] = ("out", q, k, v)
+    lw.anchors[lse] = ("lse", q, k, v)
+    return [out, lse]
 
 
 @lowers("aten._scaled_dot_product_flash_attention_for_cpu_backward.default")

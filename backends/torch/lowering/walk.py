@@ -115,11 +115,12 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
     states = {n: {k: _updated(lw, n, v) for k, v in st.items()}
               for n, st in trace.get("states", {}).items() if n in held}
     finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
+    lw.settle()
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
                    lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
-                   dict(trace.get("ties", {})))
+                   dict(trace.get("ties", {})), dict(lw.anchors))
 
 
 def check_shards(traces: list[dict]) -> None:

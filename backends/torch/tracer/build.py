@@ -59,6 +59,15 @@ class Claim:
     mbs: tuple[int, int] | None = None
     scale: Fraction = Fraction(1)
     at: dict[str, int] | None = None
+    #: partial over the ring's steps ("step"): the parts [lo, hi) of n it sums,
+    #: n the key (or query) blocks that contribute to it (docs/soundness.md,
+    #: "Plans traced from PyTorch", 4X-ring31 (f))
+    steps: tuple[int, int, int] | None = None
+    #: a value of no single-device tensor (a ring block's softmax over part of
+    #: its keys, a running merge): its number k > 0, whole along its own
+    #: shape, part 0 of a partial maximum of size -(k + 1) that no other
+    #: tensor uses, so never grouped (4X-ring31 (e)); 0 for any other value
+    loose: int = 0
 
 
 #: The mesh axes a constant's dim may be cut by, in the order they are
@@ -75,6 +84,10 @@ MB_CUTS = (("dp", "mb"), ("mb",))
 #: The mesh axes a module buffer a recipe cut may be cut by, in the order
 #: they are tried (``_Rank.buffer_piece``)
 BUFFER_CUTS = (("cp",), ("tp",), ("cp", "tp"))
+
+#: Operators a ring runs per key block: aligned with the single-device one
+#: reading the same tensors whatever their mask kwargs
+BLOCK_OPS = ("attention", "attention_grad")
 
 #: Operators whose output is the sum of their inputs (a scaled input must
 #: have the scale of the others, up to a replicated value split n ways).
@@ -163,6 +176,14 @@ class _Builder:
         self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "cp": 1, "nm": 1})
         self.gradbuf: dict[str, int] = {}
         self.own_inputs: dict[str, int] = {}  # a constant no single-device one matches -> tid
+        self.loose = 0  # loose values numbered so far (``loose_number``)
+        #: each single-device value -> the node that makes it
+        self.s_made = {o: node for node in single.nodes for o in node.outs if o >= 0}
+
+    def loose_number(self) -> int:
+        """A fresh number for a loose value's part (4X-ring31 (e))."""
+        self.loose += 1
+        return self.loose
 
     # -- single-device plan ---------------------------------------------------
     def logical_of(self, name: str, shape, kind: str) -> int:
@@ -286,7 +307,7 @@ class _Rank:
         self.axes = (*self.dp, "cp", "tp")
         #: the order of part numbering of a partial sum (microbatches fastest,
         #: as in docs/parallelism.md "Partial-sum part numbering")
-        self.part_axes = (*self.dp, "cp", "tp", "mb")
+        self.part_axes = (*self.dp, "cp", "tp", "step", "mb")
         low.coords.setdefault("cp", 0)
         if "dps" in sizes:
             d = low.coords["dp"]
@@ -582,6 +603,10 @@ class _Rank:
             ins.append(-1 if v < 0 else self.sv[v])
         key = (node.op, node.dir, tuple(ins), _key_kwargs(node.kwargs))
         cands = self.b.s.by_key.get(key)
+        if not cands and node.op in BLOCK_OPS:
+            # a block of the attention: the kernel as called on it (its own
+            # causal flag), over pieces of the single-device tensors
+            cands = [c for k, cs in self.b.s.by_key.items() if k[:3] == key[:3] for c in cs]
         if not cands:
             key, cands = self.choose_constants(node, key)
         for v in node.ins:
@@ -719,6 +744,9 @@ class _Rank:
         regrouped in the single-device order)."""
         if node.op == "send" or (node.outs and node.outs[0] in self.zeros):
             return []
+        ring = self.ring_step(node)
+        if ring is not None:
+            return self.anchored(ring)
         if node.op == "add":
             ready = [self.root_of(v) for v in node.ins]
             if None not in ready and ready[0] == ready[1]:
@@ -742,7 +770,7 @@ class _Rank:
                 emitted += self.materialize(v)
         node, zeros = self.zeros_at_common_scale(node)
         self.one(node, coords)
-        return [*emitted, *zeros, node]
+        return self.anchored([*emitted, *zeros, node])
 
     def zeros_at_common_scale(self, node: LNode) -> tuple[LNode, list[LNode]]:
         """``node`` reading, in place of each exact zero whose factor is not
@@ -824,17 +852,20 @@ class _Rank:
 
     def receive(self, node: LNode, peer: _Rank, x: int) -> None:
         """A value received from ``peer``: the value it sent, the same piece
-        (its axes read at the peer's coordinates where they differ from
-        this rank's; a dim the peer holds whole is whole)."""
+        (its axes read at the coordinates the peer reads them at, where they
+        differ from this rank's; a dim the peer holds whole is whole)."""
         out = node.outs[0]
         self.sv[out] = peer.sv[x]
         self.mb[out] = peer.mb.get(x, -1)
         c = peer.claim[x]
         full = peer.gshape(x)
         dims = [[] if peer.extent(d, n) == n else list(d) for d, n in zip(c.dims, full)]
-        at = {a: peer.low.coords[a] for d in dims for a in d
-              if a != "mb" and peer.low.coords[a] != self.low.coords[a]}
-        self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale, at or None)
+        # read at the peer's coordinates, or at those its own claim names (a
+        # piece it received and passes on: a ring's keys)
+        held = {**peer.low.coords, **(c.at or {})}
+        at = {a: held[a] for d in dims for a in d
+              if a != "mb" and held[a] != self.low.coords[a]}
+        self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale, at or None, c.steps)
 
     def aligns(self, node: LNode) -> bool:
         key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
@@ -992,7 +1023,8 @@ class _Rank:
                     partial -= set(axes)
                     dims[node.kwargs["dim"]].extend(axes)
             scale = c.scale / len(node.group) if node.op in AVERAGES else c.scale
-            self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale)
+            self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale,
+                                    steps=c.steps if "step" in partial else None)
             self.check(out, uneven=True)
             return
         if node.op == "cat" and not self.aligns(node) and (self.joins(node)
@@ -1010,12 +1042,22 @@ class _Rank:
         if node.op == "narrow" and node.dir == "bw" and not self.aligns(node) \
                 and not self.sliced_alike(node) and self.pads_piece(node):
             return
+        if node.op == "zeros" and not node.ins and not self.aligns(node) \
+                and all(c.op == "add" for c in self.consumers.get(node.outs[0], [None])):
+            self.make_loose(node)  # a ring's accumulator or skipped block (ring_step)
+            return
         souts = self.align(node)
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
         for o, so in zip(node.outs, souts):
             if o >= 0:
                 self.sv[o] = so
                 self.mb[o] = mb
+        if node.op == "attention" and not self.whole_rows(node.ins[1]):
+            self.make_loose(node, souts)  # a block over some of the keys: a piece of nothing
+            return
+        if node.op == "attention_grad":
+            self.infer_attention_grad(node)
+            return
         self.infer(node)
         if self.padded is not None:
             d, axes = self.padded
@@ -1026,6 +1068,197 @@ class _Rank:
         for o, f in zip(node.outs, self.scales_of(node)):
             if o >= 0:
                 self.claim[o].scale = f * self.applied
+
+    # -- ring attention (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31) --
+    def is_loose(self, v: int) -> bool:
+        return v >= 0 and v in self.claim and self.claim[v].loose
+
+    def make_loose(self, node: LNode, bases: list[int] | None = None) -> None:
+        """Every output of ``node`` a loose value (4X-ring31 (e)): claimed as
+        the leading corner of a single-device tensor its shape fits in (its
+        base: ``bases``, else a loose input's or its producer's other
+        output, else the first that fits),
+        with a part that no cover holds. Which tensor it names is no
+        statement: the part is never grouped."""
+        mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
+        # the loose inputs' single-device tensors and their producers' other
+        # outputs (a block's lse unsqueezed fits in the attention's out): its
+        # stage is the one that reads the loose inputs' producers
+        near = []
+        for v in node.ins:
+            if self.is_loose(v):
+                made = self.b.s_made.get(self.sv[v])
+                near += [self.sv[v], *(o for o in (made.outs if made else ()) if o >= 0)]
+        for i, o in enumerate(node.outs):
+            if o < 0:
+                continue
+            shape = tuple(self.low.shapes[o])
+            tries = ([bases[i]] if bases else []) + near
+            base = next((t for t in tries if self.fits_in(shape, t)), None)
+            if base is None:
+                base = next((t for t in self.b.s.low.shapes if self.fits_in(shape, t)), None)
+            if base is None:
+                raise AlignError(f"rank {self.low.rank} runs {node.op} at {_scope(node.name)} "
+                                 f"on values of no single-device tensor, into a shape "
+                                 f"{list(shape)} no single-device value holds")
+            self.sv[o], self.mb[o] = base, mb
+            self.claim[o] = Claim([[] for _ in shape], loose=self.b.loose_number())
+
+    def fits_in(self, shape: tuple[int, ...], sv: int) -> bool:
+        """A value of ``shape`` fits in the leading corner of single-device
+        value sv (which the single-device plan writes)."""
+        full = self.b.s.low.shapes.get(sv)
+        return (sv in self.b.s.tid and full is not None and len(full) == len(shape)
+                and all(a <= b for a, b in zip(shape, full)))
+
+    def whole_rows(self, v: int) -> bool:
+        """Value v holds every row (dim -2: the keys or queries) of its
+        single-device tensor."""
+        rows = self.view(v)[0][-2]
+        return rows == (0, self.gshape(v)[-2])
+
+    def ring_step(self, node: LNode) -> list[LNode] | None:
+        """The nodes to emit for a node a ring runs outside the single-device
+        step's operators: a reader of a loose value that the single-device
+        step does not run (the merge's arithmetic: loose too), or an
+        addition accumulating a ring's parts (``accumulates_steps``); None
+        for any other node."""
+        if node.group is not None:
+            return None
+        if any(self.is_loose(v) and not self.is_zero(v) for v in node.ins):
+            emitted: list[LNode] = []
+            for v in node.ins:
+                if v in self.pending:
+                    emitted += self.materialize(v)
+            self.make_loose(node)
+            return [*emitted, node]
+        if node.op == "add" and len(node.ins) == 2 \
+                and not any(v in self.pending for v in node.ins) and self.accumulates_steps(node):
+            return [node]
+        return None
+
+    def accumulates_steps(self, node: LNode) -> bool:
+        """An addition of a ring's parts (4X-ring31 (f)): exact zeros plus a
+        value (the accumulator's start: the value's claim); a value summing
+        steps [lo, hi) plus exact zeros (a skipped block: step hi); two
+        pieces of one single-device value with the same dims, summing
+        adjacent steps (their union, whole once it holds every step)."""
+        a, b = node.ins
+        out = node.outs[0]
+        za, zb = self.is_zero(a), self.is_zero(b)
+        ca, cb = self.claim.get(a), self.claim.get(b)
+        if za and not zb and cb is not None and not cb.loose and cb.steps is not None:
+            self.sv[out], self.mb[out] = self.sv[b], self.mb.get(b, -1)
+            self.claim[out] = replace(cb, dims=[list(d) for d in cb.dims])
+            return True
+        if ca is None or cb is None or ca.loose or ca.steps is None:
+            return False
+        lo, hi, n = ca.steps
+        if zb and not za:
+            if hi >= n:
+                return False
+            hi += 1
+        elif not cb.loose and cb.steps is not None and self.sv[a] == self.sv[b] \
+                and ca.dims == cb.dims and ca.at == cb.at and ca.partial == cb.partial \
+                and ca.scale == cb.scale and cb.steps[2] == n and hi == cb.steps[0]:
+            hi = cb.steps[1]
+        else:
+            return False
+        partial = set(ca.partial)
+        if (lo, hi) == (0, n):
+            partial.discard("step")
+        self.sv[out], self.mb[out] = self.sv[a], self.mb.get(a, -1)
+        self.claim[out] = Claim([list(d) for d in ca.dims], frozenset(partial), ca.mbs, ca.scale,
+                                ca.at, None if (lo, hi) == (0, n) else (lo, hi, n))
+        return True
+
+    def anchored(self, nodes: list[LNode]) -> list[LNode]:
+        """``nodes``, with the ring's merged out and lse among their outputs
+        claimed as the single-device attention's (4X-ring31 (d))."""
+        for node in nodes:
+            for o in node.outs:
+                if o in self.low.anchors:
+                    self.anchor(o)
+        return nodes
+
+    def anchor(self, o: int) -> None:
+        kind, q, k, v = self.low.anchors[o]
+        nodes = self.b.s.low.nodes
+        cands = [n for n in nodes if n.op == "attention" and n.dir == "fw"
+                 and n.ins[0] == self.sv.get(q)]
+        cands.sort(key=lambda n: (n.ins[1] != self.sv.get(k), n.ins[2] != self.sv.get(v)))
+        if not cands:
+            raise AlignError(f"rank {self.low.rank}: a ring attention's result whose query the "
+                             f"single-device step never attends with")
+        cq, cv = self.claim[q], self.claim[v]
+        dims = [list(d) for d in cq.dims[:-1]]
+        if kind == "out":
+            dims.append(list(cv.dims[-1]))
+        self.sv[o] = cands[0].outs[0 if kind == "out" else 1]
+        self.mb[o] = self.mb.get(q, -1)
+        self.claim[o] = Claim(dims, frozenset(cq.partial), cq.mbs, cq.scale, cq.at)
+        self.check(o)
+
+    def infer_attention_grad(self, node: LNode) -> None:
+        """dq has the query's layout, dk and dv the keys' and values'. A block
+        of a ring (query rows and key rows both pieces) gives parts of the
+        ring step (query chunk - key chunk) mod cp (4X-ring31 (f)); with all
+        keys and a piece of the queries, dk and dv are partial over the axes
+        cutting the queries' rows (and dq, with all queries and a piece of
+        the keys, over the keys')."""
+        dout, q, k, v = node.ins[:4]
+        partial: set[str] = set()
+        for x in node.ins:
+            if x >= 0:
+                partial |= self.claim[x].partial
+        cq, ck = self.claim[q], self.claim[k]
+        q_whole, k_whole = self.whole_rows(q), self.whole_rows(k)
+        for_q, for_kv = set(partial), set(partial)
+        step_q = step_kv = None
+        if not q_whole and not k_whole:
+            step_q, step_kv = self.block_steps(node)
+            for_q |= {"step"} if step_q[2] > 1 else set()
+            for_kv |= {"step"} if step_kv[2] > 1 else set()
+        elif not q_whole:
+            for_kv |= set(cq.dims[-2])
+        elif not k_whole:
+            for_q |= set(ck.dims[-2])
+        mb = node.mb if node.mb >= 0 else max((self.mb.get(x, -1) for x in node.ins), default=-1)
+        for o, like, part, steps in zip(node.outs, (q, k, v), (for_q, for_kv, for_kv),
+                                        (step_q, step_kv, step_kv)):
+            if o < 0:
+                continue
+            c = self.claim[like]
+            self.mb[o] = mb
+            self.claim[o] = Claim([list(d) for d in c.dims], frozenset(part), c.mbs, c.scale, c.at,
+                                  steps if "step" in part else None)
+            self.check(o)
+
+    def block_steps(self, node: LNode) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """The parts a ring block's dq and dk (dv) are, (label, label + 1, n):
+        chunks qc of the queries and kc of the keys, of C equal chunks. With
+        the single-device attention causal, the key chunks a query chunk
+        sees are kc <= qc: dq is part qc - kc of qc + 1, dk part qc - kc of
+        C - kc (the query chunks that see it); else part (qc - kc) mod C of
+        C. The label is the ring step the block runs at, so a ring's sums
+        cover adjacent ranges (4X-ring31 (f))."""
+        q, k = node.ins[1], node.ins[2]
+        qr, kr = self.view(q)[0][-2], self.view(k)[0][-2]
+        chunk = self.low.shapes[q][-2]
+        full = self.gshape(q)[-2]
+        if self.low.shapes[k][-2] != chunk or qr[0] % chunk or kr[0] % chunk or full % chunk:
+            raise AlignError(f"rank {self.low.rank} runs attention_grad at {_scope(node.name)} "
+                             f"on query and key pieces of unequal chunks")
+        qc, kc, chunks = qr[0] // chunk, kr[0] // chunk, full // chunk
+        single = self.b.s_made[self.sv[node.outs[0]]]
+        if not single.kwargs.get("causal"):
+            label = (qc - kc) % chunks
+            return (label, label + 1, chunks), (label, label + 1, chunks)
+        if kc > qc:
+            raise AlignError(f"rank {self.low.rank} runs attention_grad at {_scope(node.name)} "
+                             f"on a key block wholly after its queries (every score masked)")
+        label = qc - kc
+        return (label, label + 1, qc + 1), (label, label + 1, chunks - kc)
 
     def joins(self, node: LNode) -> bool:
         """A ``cat`` of pieces of one value (FSDP2's padded shards gathered
@@ -1275,14 +1508,19 @@ class _Rank:
         outs = [o for o in node.outs]
         partial: set[str] = set()
         mbs = None
+        steps = None
         for v in ins:
             if v >= 0:
                 partial |= self.claim[v].partial
                 mbs = mbs or self.claim[v].mbs
+                steps = steps or self.claim[v].steps
         if node.op in ("ones", "zeros"):
             partial = set()
         if node.dir == "bw":
             self.infer_backward(node, partial, mbs)
+            for o in outs:
+                if o >= 0 and "step" in self.claim[o].partial:
+                    self.claim[o].steps = steps
             return
         shapes_out = [self.low.shapes[o] for o in outs]
         rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
@@ -1362,7 +1600,8 @@ class _Rank:
                     order = ((("dp",), ("mb",), ("dp", "mb"), ("tp",), ("dp", "tp")) if d == 0
                              else (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
                     dims[d] = self.guess(self.low.shapes[v][d], full[d], used, order)
-            self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None)
+            self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None,
+                                  steps=steps if "step" in partial else None)
             self.check(v, uneven=True)
 
     def hint(self, v: int, d: int, local: int, full: int) -> list[str] | None:
@@ -1468,6 +1707,8 @@ class _Rank:
 
     def view(self, v: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int]]:
         c, local = self.claim[v], self.low.shapes[v]
+        if c.loose:
+            return tuple((0, n) for n in local), (0, 1, -(c.loose + 1))
         coords = {**self.low.coords, **(c.at or {}), "mb": self.mb.get(v, -1)}
         full = self.gshape(v)
         slices = []
@@ -1481,10 +1722,12 @@ class _Rank:
                 slices.append((index * local[d], (index + 1) * local[d]))
         n, lo, hi = 1, 0, 1
         for a in self.part_axes:
-            if a in c.partial and self.sizes[a] > 1:
-                first, last = (c.mbs if a == "mb" and c.mbs else (coords[a], coords[a] + 1))
-                n *= self.sizes[a]
-                lo, hi = lo * self.sizes[a] + first, (hi - 1) * self.sizes[a] + last
+            size = c.steps[2] if a == "step" and c.steps else self.sizes[a]
+            if a in c.partial and size > 1:
+                first, last = (c.mbs if a == "mb" and c.mbs else c.steps[:2] if a == "step"
+                               else (coords[a], coords[a] + 1))
+                n *= size
+                lo, hi = lo * size + first, (hi - 1) * size + last
         cut = any("mb" in d for d in c.dims) or ("mb" in c.partial and c.mbs is None)
         if cut and coords["mb"] < 0:
             raise LoweringError(f"rank {self.low.rank}: a value outside the schedule's "
@@ -1555,6 +1798,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
     writer = _Writer(b, ranks, world, plan_s)
     writer.walk()
     writer.materialize_finals()
+    writer.refuse_loose_finals()
     writer.grad_buffers()
     return plan_s, writer.plan
 
@@ -1562,7 +1806,8 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
 def _rank_sizes(ranks: list[Lowered], world: dict) -> dict[str, int]:
     """The mesh sizes the ranks' claims read (``dpr`` and ``dps`` when the
     parameters are sharded over groups of the data-parallel ranks)."""
-    sizes = {"dp": world["dp"], "cp": world.get("cp", 1), "tp": world["tp"], "mb": world["nm"]}
+    sizes = {"dp": world["dp"], "cp": world.get("cp", 1), "tp": world["tp"], "mb": world["nm"],
+             "step": world.get("cp", 1)}
     shards = {low.split["dps"] for low in ranks if "dps" in low.split}
     if len(shards) > 1:
         raise LoweringError(f"the ranks shard their parameters over data-parallel groups of "
@@ -1668,6 +1913,20 @@ class _Writer:
                 self.materialize(r, r.low.grads[name])
             for loss in r.low.losses:
                 self.materialize(r, loss)
+
+    def refuse_loose_finals(self) -> None:
+        """A loss or gradient a rank ends with that is loose (computed from
+        attention over part of the keys whose merge no ring result names:
+        a ring written by hand, outside the CP shim) is refused in one line:
+        it names no single-device value, so no claim about it could be
+        proved (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31 (e))."""
+        for r in self.rs.values():
+            finals = [*r.low.losses, *(g for g in r.low.grads.values() if g is not None)]
+            if any(r.is_loose(v) for v in finals):
+                raise AlignError(f"rank {r.low.rank} runs attention over part of the keys and "
+                                 f"merges the blocks into a value the single-device step never "
+                                 f"combines that way (a ring is verified when its merged result "
+                                 f"is named: backends/torch/zoo/cp_shim.py ring_result)")
 
     def grad_buffers(self) -> None:
         """Each held parameter's gradient accumulated into its zeroed

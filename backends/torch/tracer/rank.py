@@ -230,10 +230,11 @@ def sequence_chunk(rows: torch.Tensor, c: int, cp: int) -> torch.Tensor:
 
 def check_cp(cp: int) -> None:
     """Refuse, in one line, a context-parallel step whose ring attention ran
-    (enabled, through ``cp_shim``, in DTensor's custom op handlers): the
-    ring's blocks and running merges are pieces of no single-device tensor,
-    which the backend does not claim yet, and with PyTorch's load balancer
-    on (its default) a rank's buffers hold two chunks of the sequence."""
+    (enabled, through ``cp_shim``, in DTensor's custom op handlers) with
+    PyTorch's head-tail load balancer on: a rank's buffers then hold two
+    chunks of the sequence (c and 2 cp - 1 - c), which the backend does not
+    claim as two pieces yet. Without it the ring is traced and verified
+    (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31)."""
     if cp == 1 or "torch.distributed.tensor.experimental._context_parallel._attention" \
             not in sys.modules:
         return
@@ -243,11 +244,11 @@ def check_cp(cp: int) -> None:
     cpu_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # cp_shim's
     if cpu_kernel not in DTensor._op_dispatcher._custom_op_handlers:
         return
-    balanced = _attention._cp_options.enable_load_balance
-    raise ValueError("context parallelism's ring attention ran (backends/torch/zoo/cp_shim.py) but "
-                     "is not verified yet: its blocks and running merges are claimed by no "
-                     "single-device tensor" + (", and the head-tail load balancer (on) gives a "
-                     "rank two chunks of the sequence" if balanced else ""))
+    if _attention._cp_options.enable_load_balance:
+        raise ValueError("context parallelism's ring attention ran (backends/torch/zoo/cp_shim.py) "
+                         "with the head-tail load balancer on, which gives a rank two chunks of "
+                         "the sequence: not verified yet (turn it off: _cp_options."
+                         "enable_load_balance = False)")
 
 
 def recipe_result(model: torch.nn.Module, result: Any) -> tuple[torch.nn.Module, Any]:

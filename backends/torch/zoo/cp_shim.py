@@ -15,8 +15,9 @@ it takes the local query, key and value (each cut along the sequence, dim
 its backward) with the CPU kernel as the per-block attention. The ring's
 rotation (all-gather or all-to-all, ``set_rotate_method``), its causal
 block choice, its load-balanced halves and its merge (``_SDPAMerger``) run
-as they ship; only the kernel each block calls is the CPU one. It says so
-on stderr every time (a changed run is never silent). The argument that
+as they ship; only the kernel each block calls is the CPU one. The merged
+result passes through ``ring_result``, a copy that names it for the trace.
+It says so on stderr every time (a changed run is never silent). The argument that
 this changes nothing the step computes is docs/soundness.md, "Plans traced
 from PyTorch", item 38.
 """
@@ -90,15 +91,30 @@ def _options(args: tuple, kwargs: dict, at: int) -> tuple[float, bool]:
     return dropout, causal
 
 
+@torch.library.custom_op("verdict_cp::ring_result", mutates_args=())
+def ring_result(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's merged (out, lse) for the rank's local query, keys and
+    values, as they are (copies): it names, for the trace, what the merge
+    computed (the attention of that query over the keys and values the
+    local ones are pieces of; docs/soundness.md, "Plans traced from
+    PyTorch", 4X-ring31 (d)). It computes nothing, so a real run is
+    unchanged."""
+    del query, key, value
+    return out.clone(), lse.clone()
+
+
 def _forward_handler(op_call, args: tuple, kwargs: dict):
     """CP's ring with the CPU kernel per block (what CP's handler does for
-    ``_scaled_dot_product_flash_attention``)."""
+    ``_scaled_dot_product_flash_attention``), its result named by
+    ``ring_result``."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
     dropout, causal = _options(args, kwargs, 3)
     mesh, (q, k, v) = _local(list(args[:3]))
     out, lse = cp._templated_ring_attention(
         mesh.get_group(), SEQ_DIM, _block_forward, query=q, key=k, value=v, is_causal=causal,
         dropout_p=dropout, scale=kwargs.get("scale"))
+    out, lse = ring_result(out, lse, q, k, v)
     return _wrap(mesh, out, args[0]), _wrap(mesh, lse, args[0])
 
 
@@ -123,4 +139,5 @@ def apply() -> None:
         cp.custom_ops[BACKWARD] = _backward_handler
     print("context-parallel CPU shim (backends/torch/cp_shim.py): CP's ring attention calls "
           "_scaled_dot_product_flash_attention_for_cpu and its backward per block; its rotation "
-          "and merge run as they ship", file=sys.stderr)
+          "and merge run as they ship; its merged result is named by verdict_cp::ring_result "
+          "(a copy)", file=sys.stderr)
