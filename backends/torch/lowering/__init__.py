@@ -48,6 +48,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     merged_views,
     nn,
     norm_sums,
+    pair_combine,
     permute,
     pool,
     routing,
