@@ -195,3 +195,92 @@ def titan_ep_combine_other_gate(model, mesh):
         for module in _routed_experts(model):
             module.register_forward_pre_hook(hook)
     return after
+
+
+# -- transformers' own expert-parallel plan (``--hf FAMILY --ep N``) ----------
+
+def _ep(model, mesh, hook=None):
+    """transformers' expert-parallel plan (``backends.torch.hf.ep_fsdp``),
+    with ``hook`` before the experts of the first data-parallel rank (the
+    rows, expert ids and gates its dispatch reads)."""
+    from backends.torch.zoo.hf import ep_fsdp
+    after = ep_fsdp(model, mesh)
+    if hook is not None:
+        _on_first_rank(model, mesh, hook)
+    return after
+
+
+def ep_token_to_other_expert(model, mesh):
+    """``token_to_other_expert`` under transformers' expert parallelism: the
+    first rank's first token's first choice is dispatched to another
+    expert (its row sent to that expert's rank)."""
+    def hook(module, args):
+        hidden, index, weights = args
+        index = index.clone()
+        chosen = set(index[0].tolist())
+        index[0, 0] = next(e for e in range(int(index.max()) + 2) if e not in chosen)
+        index[0, 0] = index[0, 0] % max(int(index.max()) + 1, 2)
+        if int(index[0, 0]) in chosen:
+            index[0, 0] = next(e for e in range(64) if e not in chosen)
+        return hidden, index, weights
+    return _ep(model, mesh, hook)
+
+
+def ep_routed_to_other_token(model, mesh):
+    """``routed_to_other_token`` under transformers' expert parallelism: the
+    first rank dispatches its first two tokens with each other's experts."""
+    def hook(module, args):
+        hidden, index, weights = args
+        order = torch.arange(index.shape[0])
+        order[0], order[1] = 1, 0
+        return hidden, index[order], weights
+    return _ep(model, mesh, hook)
+
+
+def ep_combine_other_gate(model, mesh):
+    """``combine_other_gate`` under transformers' expert parallelism: the
+    first rank weighs its first two tokens' expert outputs with each
+    other's gates."""
+    def hook(module, args):
+        hidden, index, weights = args
+        order = torch.arange(weights.shape[0])
+        order[0], order[1] = 1, 0
+        return hidden, index, weights[order]
+    return _ep(model, mesh, hook)
+
+
+def ep_wrong_split(model, mesh):
+    """transformers' expert parallelism where the first rank counts one
+    token of the first expert-parallel rank's last expert as the next
+    rank's first expert's: its per-expert counts (the input of the count
+    all-to-all, which the split sizes are summed from) move one token, so
+    that token's row goes to the other rank, where another expert computes
+    it (a wrong split size, both sides of the exchange consistent)."""
+    import transformers.distributed.expert_parallel as ep_module
+    after = _ep(model, mesh)
+    if mesh["dp"].get_local_rank() != 0:
+        return after
+    exchange = ep_module.all_to_all_single
+
+    def moved(output, counts, *args, **kwargs):
+        if counts.dtype == torch.long and counts.dim() == 2 and counts.shape[0] > 1:
+            last = int(torch.nonzero(counts[0]).max()) if bool((counts[0] > 0).any()) else None
+            if last is not None:
+                counts[0, last] -= 1
+                counts[1, 0] += 1
+        return exchange(output, counts, *args, **kwargs)
+
+    ep_module.all_to_all_single = moved
+    return after
+
+
+def ep_expert_grads_undivided(model, mesh):
+    """pytorch issue 160285 under transformers' expert parallelism (ep =
+    dp): each rank's loss the mean over its own tokens and FSDP2's default
+    division, the mean over each module's shard group: dp ranks for the
+    dense modules, the expert-data-parallel group (one rank) for the
+    experts, whose gradients are then ep times the single-device ones."""
+    after = _ep(model, mesh)
+    model.global_tokens //= mesh["dp"].size()
+    _fsdp_default_division(model.hf)
+    return after

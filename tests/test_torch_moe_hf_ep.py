@@ -1,8 +1,7 @@
 """transformers' expert-parallel plan (``--hf FAMILY --ep N``): the flag,
 the c10d all-to-all its dispatch calls (``alltoall_base_``: output, input,
 group, output splits, input splits) answered from the members' sends, and
-where the trace stops today (docs/torch-backend.md, "Top-k mixtures of
-experts")."""
+the step verified (docs/torch-backend.md, "Top-k mixtures of experts")."""
 
 from __future__ import annotations
 
@@ -45,14 +44,19 @@ def test_ep_flag() -> None:
         resolve(parser().parse_args(["--dp", "2", "--tp", "1", "--ep", "2"]))
 
 
-def test_mixtral_ep2_traces_its_dispatch_and_stops_at_the_received_rows() -> None:
+def test_mixtral_ep2_verifies_for_the_routing_it_names() -> None:
     """The ranks run transformers' all-to-all dispatch (the token counts
-    answered in passes); the experts loop over the received pairs is not
-    lowered yet: exit 2, never a verdict."""
+    answered in passes), the experts loop over the received pairs and the
+    combine (docs/soundness.md, "Plans traced from PyTorch", 4X-hfep30): a
+    SUCCESS naming the routing."""
     pytest.importorskip("transformers")
+    from main import verify
+
     args = parser().parse_args(["--hf", "mixtral", "--dp", "2", "--tp", "1", "--ep", "2"])
-    with pytest.raises(LoweringError, match="experts"):
-        trace_and_build(args)
+    (plan_s, plan_p), _ = trace_and_build(args)
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    assert "tokens per expert" in plan_s.world["routing"]
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "jamba", "afmoe", "ernie4_5_moe", "beam",

@@ -49,6 +49,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     nn,
     norm_sums,
     packs,
+    pair_combine,
     permute,
     pool,
     routing,

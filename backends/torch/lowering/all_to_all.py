@@ -27,7 +27,8 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.arranged import Arranged, Base, blocks_of, chain, is_box
 from backends.torch.lowering.context import LNode
-from backends.torch.lowering.grouped_rows import Experts
+from backends.torch.lowering.grouped_rows import Experts, copied
+from backends.torch.lowering.pair_rows import Assembled, Pairs
 from backends.torch.lowering.registry import lowers
 from backends.torch.lowering.routed_rows import Rows, value_of
 
@@ -50,16 +51,23 @@ class NeedPeers(Exception):
 @dataclass(frozen=True)
 class Sent:
     """What one member sends at one all-to-all: the kind of its input
-    ("tensor", "rows", "experts"), the shape of what it sends whole (its
-    base, or its grouped result), the index and groups of its rows, and its
-    input split sizes; of a tensor that is a view of earlier values (its
-    bases, ``arranged.blocks_of``), each base's shape and each block's
-    element numbers of it."""
+    ("tensor", "rows", "experts", "assembled", "pairs"), the shape of what
+    it sends whole (its base, or its grouped result, or each of its
+    values), the index and groups of its rows, and its input split sizes;
+    of a tensor that is a view of earlier values (its bases,
+    ``arranged.blocks_of``), each base's shape and each block's element
+    numbers of it; ``copies``: the base is the C-fold copy of a value of
+    ``source`` shape, which is sent in its place; ``values``: how many
+    values it sends whole (the ``g`` and ``w`` of pairs: their shapes in
+    ``source``)."""
     kind: str
     shape: tuple[int, ...]
     index: np.ndarray | None
     groups: np.ndarray | None
     splits: tuple[int, ...]
+    copies: int = 1
+    source: tuple[tuple[int, ...], ...] = ()
+    values: int = 1
     bases: tuple[tuple[tuple[int, ...], tuple[np.ndarray, ...]], ...] = ()
 
 
@@ -84,8 +92,21 @@ def _describe(lw: Any, x: Any, in_splits: Any, n: int) -> tuple[Sent, int]:
     """This member's send: its description and the lowered value it sends whole."""
     if isinstance(x, Rows):
         rows = len(x.index)
+        copy = next(((v, c) for (v, c), made in lw.grouped_copies.items() if made == x.base), None)
+        if copy is not None:  # the copy's source sent in its place
+            return Sent("rows", tuple(lw.shapes[x.base]), np.asarray(x.index), None,
+                        _splits(in_splits, rows, n, "input"), copy[1],
+                        (tuple(lw.shapes[copy[0]]),)), copy[0]
         return Sent("rows", tuple(lw.shapes[x.base]), np.asarray(x.index), None,
                     _splits(in_splits, rows, n, "input")), x.base
+    if isinstance(x, Assembled) and x.group.ndim == 1:
+        return Sent("assembled", tuple(lw.shapes[x.values[0]]), np.asarray(x.index),
+                    np.asarray(x.group), _splits(in_splits, len(x.group), n, "input"),
+                    values=len(x.values)), x.values
+    if isinstance(x, Pairs) and x.pair.ndim == 1:
+        return Sent("pairs", (lw.shapes[x.g][0] * x.k,), np.asarray(x.pair), None,
+                    _splits(in_splits, len(x.pair), n, "input"), x.k,
+                    (tuple(lw.shapes[x.g]), tuple(lw.shapes[x.w])), 2), (x.g, x.w)
     if isinstance(x, Experts):
         rows = len(x.index)
         return Sent("experts", tuple(lw.shapes[x.y]), np.asarray(x.index), np.asarray(x.group),
@@ -96,7 +117,8 @@ def _describe(lw: Any, x: Any, in_splits: Any, n: int) -> tuple[Sent, int]:
     if viewed:
         lw.bases_sent[v] = tuple(base for base, _ in viewed)
         return Sent("tensor", tuple(lw.shapes[v]), None, None, splits,
-                    tuple((tuple(lw.shapes[base]), tuple(blocks)) for base, blocks in viewed)), v
+                    bases=tuple((tuple(lw.shapes[base]), tuple(blocks))
+                                for base, blocks in viewed)), v
     return Sent("tensor", tuple(lw.shapes[v]), None, None, splits), v
 
 
@@ -241,7 +263,7 @@ def all_to_all_list(lw: Any, args, kwargs, shapes, group):
     if not bases:
         raise LoweringError(f"{lw.name}: an all-to-all of tensors that are no views of one value")
     mine = Sent("tensor", (), None, None, tuple(1 for _ in ins),
-                tuple((tuple(lw.shapes[b]), tuple(blocks)) for b, blocks in bases))
+                bases=tuple((tuple(lw.shapes[b]), tuple(blocks)) for b, blocks in bases))
     counter = lw.all_to_alls
     k = counter.get(group, 0)
     counter[group] = k + 1
@@ -328,6 +350,12 @@ def all_to_all(lw: Any, args, kwargs, shapes, group):
             raise LoweringError(f"{lw.name}: an all-to-all some of whose members send views of "
                                 f"an earlier value and some not")
         return _tensor(lw, me, group, whole, sends, tuple(shapes[0]))
+    if mine.kind in ("assembled", "pairs"):
+        return _values(lw, me, group, whole, sends)
+    if mine.kind == "rows" and all(s.copies == mine.copies > 1 for s in sends.values()):
+        return _copies(lw, me, group, whole, sends)
+    if any(s.copies > 1 for s in sends.values()):
+        raise LoweringError(f"{lw.name}: an all-to-all of rows of copies beside other rows")
     if mine.kind == "rows":
         if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):
             raise LoweringError(f"{lw.name}: an all-to-all of rows of bases of other widths")
@@ -341,3 +369,77 @@ def all_to_all(lw: Any, args, kwargs, shapes, group):
     index, groups = _composed(group, me, sends, 1)
     y, index = _own_share(lw, y, index, me, group, 1)
     return Experts(y, groups, index)
+
+
+def _copies(lw: Any, me: int, group: tuple[int, ...], own: int, sends: dict[int, Sent]) -> Rows:
+    """Rows of the members' C-fold copies: the copied values sent whole and
+    concatenated (cut to this member's share of them when every row read
+    lies in it), the rows those of its copy at the composed index (row
+    ``off * C + p`` of the copy of the concatenation is row p of the copy
+    of the member whose rows start at ``off``)."""
+    c = sends[me].copies
+    x = _exchange_whole(lw, me, group, own, [sends[m].source[0] for m in group], 0)
+    index, _ = _composed(group, me, sends, 0)
+    tokens, n = lw.shapes[x][0], len(group)
+    if tokens % n == 0 and len(index):
+        share = tokens // n
+        lo = group.index(me) * share
+        if index.min() >= lo * c and index.max() < (lo + share) * c:
+            x, index = _narrow(lw, x, 0, lo, share), index - lo * c
+    return Rows(copied(lw, x, c), index)
+
+
+def _values(lw: Any, me: int, group: tuple[int, ...], own: tuple[int, ...],
+            sends: dict[int, Sent]) -> Assembled | Pairs:
+    """Rows of token-space values (``pair_rows``): every member's values
+    sent whole, in order, to every other member; the rows received those of
+    the concatenation (``Assembled``: the members' values one after
+    another, the groups renumbered; ``Pairs``: g and w each concatenated
+    along the tokens, the pairs shifted by the tokens before)."""
+    i = group.index(me)
+    mine = sends[me]
+    for dst in group:
+        if dst != me:
+            for v in own:
+                lw.nodes.append(_send(lw, v, me, dst))
+    received: list[list[int]] = []
+    for src in group:
+        s = sends[src]
+        if s.kind != mine.kind or s.values != mine.values:
+            raise LoweringError(f"{lw.name}: an all-to-all whose members send other values")
+        if src == me:
+            received.append(list(own))
+            continue
+        shapes = s.source if mine.kind == "pairs" else (s.shape,) * s.values
+        received.append([lw.emit("send_recv", [], [tuple(shape)], {"src": src, "dst": me},
+                                 group=(src, me))[0] for shape in shapes])
+    groups, index = [], []
+    offset = 0
+    for src in group:
+        s = sends[src]
+        lo = _starts(s.splits)[i]
+        block = slice(lo, lo + s.splits[i])
+        if mine.kind == "assembled":
+            g = s.groups[block]
+            groups.append(np.where(g >= 0, g + offset, -1))
+            index.append(s.index[block])
+            offset += s.values
+        else:
+            index.append(s.index[block] + offset * mine.copies)
+            offset += s.source[0][0]
+    if mine.kind == "assembled":
+        values = tuple(v for vs in received for v in vs)
+        return Assembled(values, np.concatenate(groups).astype(np.int64),
+                         np.concatenate(index).astype(np.int64))
+    g = _cat(lw, [vs[0] for vs in received])
+    w = _cat(lw, [vs[1] for vs in received])
+    return Pairs(g, w, mine.copies, np.concatenate(index).astype(np.int64))
+
+
+def _cat(lw: Any, pieces: list[int]) -> int:
+    pieces = [p for p in pieces if lw.shapes[p][0]] or pieces[:1]
+    if len(pieces) == 1:
+        return pieces[0]
+    shape = list(lw.shapes[pieces[0]])
+    shape[0] = sum(lw.shapes[p][0] for p in pieces)
+    return lw.emit("cat", pieces, [tuple(shape)], {"dim": 0})[0]

@@ -151,6 +151,8 @@ class Lowerer:
     #: grouped: recorded value -> the event that made it; (value, C) -> its C-fold copy
     grouped_producers: dict[int, int] | None = None
     grouped_copies: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: the weights a combine of pair rows read (``pair_combine``)
+    pair_weights: set[int] = field(default_factory=set)
     #: all_to_all: the members' sends (rank -> (group, k) -> Sent; walk.lower_ranks),
     #: this rank's, and its all-to-alls per group so far
     peers: dict | None = None

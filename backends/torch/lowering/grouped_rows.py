@@ -136,11 +136,11 @@ def index_select(base: Handler) -> Handler:
         p, c = found
         x = lw.val(args[0])
         _check_copies(lw, p, c, lw.shapes[x][0])
-        return Rows(_copied(lw, x, c), p)
+        return Rows(copied(lw, x, c), p)
     return lower
 
 
-def _copied(lw: Any, x: int, c: int) -> int:
+def copied(lw: Any, x: int, c: int) -> int:
     """x's rows, each repeated c times in place (``[T * c, ...]``), once per
     value and count."""
     memo = lw.grouped_copies
@@ -267,7 +267,7 @@ def index(base: Handler) -> Handler:
         p, c = found
         x = lw.val(args[0])
         _check_copies(lw, p, c, lw.shapes[x][0])
-        return Rows(_copied(lw, x, c), p)
+        return Rows(copied(lw, x, c), p)
     return lower
 
 
@@ -286,7 +286,7 @@ def gather_rows(base: Handler) -> Handler:
         if idx.shape[1] != lw.shapes[x][1] or not np.all(idx == (p // c)[:, None]):
             return base(lw, args, kwargs, shapes, group)
         _check_copies(lw, p, c, lw.shapes[x][0])
-        return Rows(_copied(lw, x, c), p)
+        return Rows(copied(lw, x, c), p)
     return lower
 
 

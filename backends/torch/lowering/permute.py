@@ -61,6 +61,8 @@ def index_put(base: Handler) -> Handler:
     def lower(lw: Any, args, kwargs, shapes, group):
         src = value_of(lw, args[2])
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
+        if isinstance(src, int) and len(lw.shapes[src]) and lw.shapes[src][0] == shapes[0][0]:
+            src = Rows(src, np.arange(lw.shapes[src][0]))  # a lowered value: all its rows
         if not isinstance(src, (Rows, Experts)) or len(indices) != 1 or indices[0] is None:
             return base(lw, args, kwargs, shapes, group)
         perm = index_of(lw, indices[0])

@@ -100,6 +100,18 @@ def _distinct(lw: Any, index: np.ndarray, rows: int) -> np.ndarray:
     return index
 
 
+def _in_range(lw: Any, index: np.ndarray, rows: int) -> np.ndarray:
+    """A one-dim index into ``rows`` rows, repeats allowed (an accumulating
+    write adds the rows a repeated index names: the one-hot rows' transpose
+    times the values sums them)."""
+    if index.ndim != 1:
+        raise LoweringError(f"{lw.name}: rows put at an index of {index.ndim} dims")
+    index = np.where(index < 0, index + rows, index)
+    if len(index) and (index.min() < 0 or index.max() >= rows):
+        raise LoweringError(f"{lw.name}: rows put at a recorded index that leaves the {rows} rows")
+    return index
+
+
 def _mask(lw: Any, index: np.ndarray, shape: tuple[int, ...]) -> int:
     """The 0/1 column of the rows ``index`` of a ``shape`` value, expanded to it."""
     column = np.zeros((shape[0],) + (1,) * (len(shape) - 1))
@@ -349,7 +361,8 @@ def index_put(base: Handler) -> Handler:
         if not isinstance(src, Rows):
             if len(found) != 1:
                 return base(lw, args, kwargs, shapes, group)
-            return _scatter_rows(lw, lw.val(args[2]), _distinct(lw, found[0], shape[0]), shape)
+            at = _in_range(lw, found[0], shape[0]) if accumulate else _distinct(lw, found[0], shape[0])
+            return _scatter_rows(lw, lw.val(args[2]), at, shape)
         if not accumulate and len(np.unique(found[0])) != len(found[0]):
             raise LoweringError(f"{lw.name}: index_put at repeated rows without accumulate")
         _same_rows(lw, found[0], src)
@@ -373,7 +386,8 @@ def index_put(base: Handler) -> Handler:
 
 def _scatter_rows(lw: Any, g: int, index: np.ndarray, shape: tuple[int, ...]) -> int:
     """Rows ``g`` put at rows ``index`` of zeros of ``shape``: the one-hot
-    rows' transpose times g (the ``embedding`` rule's backward)."""
+    rows' transpose times g (the ``embedding`` rule's backward); rows put
+    at one row twice are added there."""
     n = len(index)
     width = int(np.prod(shape[1:], dtype=np.int64))
     if tuple(lw.shapes[g]) != (n, *shape[1:]):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -324,6 +325,11 @@ class _Rank:
         #: a constant equal to the slice of several single-device constants ->
         #: all of them (each a true claim), until a reader chooses one
         self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
+        # a value matched with one of several single-device nodes of one key
+        # (equal values: the same op on the same inputs), not read yet -> the
+        # others' outputs; its first reader may take any of them
+        self.twins: dict[int, list[int]] = {}
+        self.retagged: list[int] = []  # values whose match a twin replaced (the writer retags)
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
         self.zero_memo: dict[int, bool] = {}  # value -> exactly zero by its making
@@ -451,7 +457,7 @@ class _Rank:
             # (another routing of its rows: docs/soundness.md, "Plans traced
             # from PyTorch", 36)
             if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)) \
-                    or sv not in self.b.s.low.inputs:
+                    or sv not in self.b.s.low.inputs or not self.cut_by_mesh(shape, full.shape):
                 continue
             n = sum(any(op == k[0] and d == k[1] and len(k[2]) > i and k[2][i] == sv and kw == k[3]
                         for k in self.b.s.by_key) for op, d, i, kw in readers)
@@ -492,6 +498,17 @@ class _Rank:
                     for k, (m, f) in enumerate(zip(shape, full))]
         self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
         return best, Claim(dims)
+
+    def cut_by_mesh(self, local: tuple[int, ...], full: tuple[int, ...]) -> bool:
+        """Every dim of ``full`` cut into ``local`` by some axes of the mesh
+        (``own_constant``'s guess can claim a piece of that shape)."""
+        try:
+            for k, (m, f) in enumerate(zip(local, full)):
+                if m != f:
+                    self.guess(m, f, order=self.orders(CONST_CUTS[min(k, 1)]))
+        except LoweringError:
+            return False
+        return True
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""
@@ -637,9 +654,13 @@ class _Rank:
             if whole is not None:
                 cands = self.b.s.by_key[key_of(whole)]
         if not cands:
+            key, cands = self.choose_twins(node, key)
+        if not cands:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
                              f"{_scope(node.name)} on values the single-device step never "
                              f"combines that way")
+        for v in node.ins:
+            self.twins.pop(v, None)  # read: its match stays
         # several single-device nodes compute the same value (e.g. a buffer
         # expanded in every layer): prefer the one of the same module, then
         # the one this rank's readers combine as the single-device step does
@@ -651,6 +672,10 @@ class _Rank:
                                          (node.mb, c) in self.used,
                                          nodes[c].kwargs != node.kwargs))
         self.used.add((node.mb, pick))
+        same = [nodes[c].outs[0] for c in cands if c != pick and len(nodes[c].outs) == 1
+                and nodes[c].kwargs == nodes[pick].kwargs]
+        if same and len(node.outs) == 1:
+            self.twins[node.outs[0]] = same
         if node.op in SCALINGS and nodes[pick].kwargs.get("value") != node.kwargs.get("value"):
             # the single-device step scales by another constant (a mean over
             # the rank's own tokens where the step divides by all of them)
@@ -693,6 +718,29 @@ class _Rank:
                 for (_, v), (sv, claim) in zip(slots, pick):
                     self.sv[v], self.claim[v] = sv, claim
                     del self.alternatives[v]
+                return trial, self.b.s.by_key[trial]
+        return key, None
+
+    def choose_twins(self, node: LNode, key: tuple) -> tuple[tuple, list[int] | None]:
+        """A reader of values matched with one of several equal single-device
+        values (the same op on the same inputs, e.g. a mask expanded once
+        per reader), none read before: the first choice of those under which
+        the single-device step runs this node (an equal value, so every
+        claim stays true)."""
+        slots = [(i, v) for i, v in enumerate(node.ins) if v in self.twins]
+        if not slots:
+            return key, None
+        choices = [[self.sv[v], *self.twins[v]] for _, v in slots]
+        for pick in itertools.product(*choices):
+            ins = list(key[2])
+            for (i, _), sv in zip(slots, pick):
+                ins[i] = sv
+            trial = (key[0], key[1], tuple(ins), key[3])
+            if self.b.s.by_key.get(trial):
+                for (_, v), sv in zip(slots, pick):
+                    if self.sv[v] != sv:
+                        self.sv[v] = sv
+                        self.retagged.append(v)
                 return trial, self.b.s.by_key[trial]
         return key, None
 
@@ -758,7 +806,7 @@ class _Rank:
                     self.one(node, coords)
                     return [*emitted, node]
         if node.op == "add" and (any(v in self.pending for v in node.ins)
-                                 or not self.aligns(node)):
+                                 or not self.aligns(node) or self.part_of_grad(node)):
             leaves = []
             for v in node.ins:
                 leaves += self.pending.pop(v, [v])
@@ -885,6 +933,13 @@ class _Rank:
         root = self.b.s_trees.get(tuple(sorted(s_leaves)))
         if root is None:
             return self.partial_tree(v, leaves, s_leaves)
+        grads = {g for g in self.b.s.low.grads.values() if g is not None}
+        if root not in grads and self.same_piece(leaves):
+            # pieces of some terms of a parameter's gradient sum (a rank's
+            # experts' gradients): the other terms are zero on the piece
+            whole = self.b.superset(s_leaves, lambda r: r in grads)
+            if whole is not None:
+                return self.zero_terms(v, leaves, s_leaves, whole)
         out: list[LNode] = []
 
         def emit(sv: int, target: int | None) -> int:
@@ -907,14 +962,23 @@ class _Rank:
 
     def partial_tree(self, v: int, leaves: list[int], s_leaves: list[int]) -> list[LNode]:
         """A sum of some of the terms of a single-device sum (a pipeline
-        stage's share of a gradient norm, used as if it were the whole):
-        each of its additions is claimed to be the whole sum, which the
-        verifier refutes at the first of them. AlignError if no
-        single-device sum has all these terms."""
+        stage's share of a gradient norm, used as if it were the whole; a
+        rank's experts' gradients, each a piece of its expert's padded
+        gradient, summed over its experts only): each of its additions is
+        claimed to be the whole sum, or, when every term is the same piece
+        of its own single-device term, that piece of the whole sum; the
+        verifier proves it or refutes it at the first addition (the
+        single-device terms left out must be zero on the piece). AlignError
+        if no single-device sum has all these terms."""
         root = self.b.superset(s_leaves)
         if root is None:
             raise AlignError(f"rank {self.low.rank} sums gradient terms the single-device step "
                              f"never sums together")
+        first = self.claim[leaves[0]]
+        same = self.same_piece(leaves)
+        dims = [list(d) for d in first.dims] if same else None
+        if same:
+            return self.zero_terms(v, leaves, s_leaves, root)
         out: list[LNode] = []
         acc = leaves[0]
         for k, p in enumerate(leaves[1:]):
@@ -926,11 +990,69 @@ class _Rank:
             partial = self.claim[acc].partial | self.claim[p].partial
             self.sv[target] = root
             self.mb[target] = max(self.mb.get(acc, -1), self.mb.get(p, -1))
-            self.claim[target] = Claim([[] for _ in self.gshape(target)], partial)
+            if dims is not None:
+                self.claim[target] = Claim([list(d) for d in dims], partial, None, first.scale,
+                                           first.at)
+            else:
+                self.claim[target] = Claim([[] for _ in self.gshape(target)], partial)
             self.check(target)
             out.append(new)
             acc = target
         return out
+
+    def part_of_grad(self, node: LNode) -> bool:
+        """An addition of the same piece of two terms of a parameter's
+        gradient sum that is not the whole sum (deferred: ``materialize``
+        writes it with the sum's other terms as zeros)."""
+        if any(v < 0 or v not in self.claim for v in node.ins) or not self.same_piece(node.ins):
+            return False
+        grads = {g for g in self.b.s.low.grads.values() if g is not None}
+        leaves = [self.sv[v] for v in node.ins]
+        if self.b.s_trees.get(tuple(sorted(leaves))) in grads:
+            return False
+        return self.b.superset(leaves, lambda r: r in grads) is not None
+
+    def same_piece(self, leaves: list[int]) -> bool:
+        """Every value is the same piece (cut along some dim, at the same
+        coordinates and factor) of a single-device value of one shape."""
+        first = self.claim[leaves[0]]
+        return any(first.dims) and all(
+            self.claim[p].dims == first.dims and self.claim[p].at == first.at
+            and self.claim[p].scale == first.scale and not self.claim[p].partial
+            and self.gshape(p) == self.gshape(leaves[0]) for p in leaves)
+
+    def zero_terms(self, v: int, leaves: list[int], s_leaves: list[int], root: int
+                   ) -> list[LNode]:
+        """``partial_tree``'s sum of pieces (one slice of each term, cut
+        along some dim): the single-device sum's other terms written as
+        zeros, each claimed to be its term's piece at that slice (a claim
+        its own stage proves: the term must be zero there, e.g. another
+        expert's gradient padded to the experts' weights), and the whole
+        sum then added in the single-device order, as ``materialize``
+        does."""
+        key = next(k for k, r in self.b.s_trees.items() if r == root)
+        missing = Counter(key) - Counter(s_leaves)
+        first = leaves[0]
+        c = self.claim[first]
+        made: list[LNode] = []
+        terms = list(leaves)
+        for sv in sorted(missing.elements()):
+            if self.b.s.low.shapes[sv] != self.gshape(first):
+                raise AlignError(f"rank {self.low.rank} sums pieces of terms of another shape "
+                                 f"than the single-device sum's")
+            target = self.fresh
+            self.fresh += 1
+            self.low.shapes[target] = self.low.shapes[first]
+            self.sv[target], self.mb[target] = sv, self.mb.get(first, -1)
+            self.claim[target] = Claim([list(d) for d in c.dims], frozenset(), c.mbs, c.scale,
+                                       c.at)
+            zeros = LNode("zeros", "none", [], [target], {"shape": list(self.low.shapes[first])},
+                          self.b.s_add[root].name)
+            self.producer[target], self.zero_memo[target] = zeros, True
+            made.append(zeros)
+            terms.append(target)
+        self.pending[v] = terms
+        return made + self.materialize(v)
 
     def units(self, x: int) -> list[int]:
         """The values a sum is made of on this rank: its deferred terms, or x."""
@@ -1036,8 +1158,12 @@ class _Rank:
         if node.outs[0] in self.low.row_cuts:
             self.cut_rows(node, coords)
             return
+        if node.op == "narrow" and node.dir == "fw" and self.narrows_piece(node):
+            return
         if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
                 and (self.takes_cp_piece(node) or self.takes_piece(node)):
+            return
+        if node.op == "narrow" and node.dir == "bw" and self.pads_into_piece(node):
             return
         if node.op == "narrow" and node.dir == "bw" and not self.aligns(node) \
                 and not self.sliced_alike(node) and self.pads_piece(node):
@@ -1369,6 +1495,70 @@ class _Rank:
         self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
         self.claim[out] = Claim([list(axes) if k == d else list(a) for k, a in enumerate(c.dims)],
                                 c.partial, c.mbs, c.scale)
+
+    def narrows_piece(self, node: LNode) -> bool:
+        """A ``narrow`` inside a piece of a value cut along the dim (one
+        expert of a rank's shard of the experts' weights): the single-device
+        ``narrow`` at the piece's offset plus the rank's start, whole along
+        the dim (the narrowed rows lie in the piece). False when the value
+        is not cut along the dim, the rows leave the piece, or the
+        single-device step takes no such slice."""
+        x, out = node.ins[0], node.outs[0]
+        if x < 0 or x not in self.claim:
+            return False
+        c, d = self.claim[x], node.kwargs["dim"] % len(self.low.shapes[x])
+        if not c.dims[d] or c.at or c.partial:
+            return False
+        lo, hi = self.view(x)[0][d]
+        start = lo + node.kwargs["start"]
+        if start + node.kwargs["length"] > hi:
+            return False
+        key = (node.op, node.dir, (self.sv[x],),
+               _key_kwargs({**node.kwargs, "start": start}))
+        cands = self.b.s.by_key.get(key)
+        if not cands:
+            return False
+        nodes = self.b.s.low.nodes
+        pick = min(cands, key=lambda k: (nodes[k].name != node.name, k))
+        self.sv[out], self.mb[out] = nodes[pick].outs[0], self.mb.get(x, -1)
+        self.claim[out] = Claim([[] if k == d else list(a) for k, a in enumerate(c.dims)],
+                                c.partial, c.mbs, c.scale)
+        return True
+
+    def pads_into_piece(self, node: LNode) -> bool:
+        """The backward of ``narrows_piece``: g padded with zeros to a piece
+        of a value cut along the dim (a rank's shard of the experts'
+        weights), the slice at the rank's start inside it: the single-device
+        backward of the slice at the piece's offset plus that start, cut
+        along the dim by the axes whose piece at this rank's coordinates
+        holds it (tensor-parallel, then data-parallel axes; the claim is
+        proved like any). False when the output is whole along the dim or
+        no such backward is in the single-device step."""
+        g, out = node.ins[-1], node.outs[0]
+        if g < 0 or g not in self.claim:
+            return False
+        c, d = self.claim[g], node.kwargs["dim"] % len(self.low.shapes[g])
+        local = self.low.shapes[out][d]
+        nodes = self.b.s.low.nodes
+        for axes in (["tp"], list(self.dp), [*self.dp, "tp"]):
+            if math.prod(self.sizes[a] for a in axes) < 2 or c.dims[d] or c.at:
+                continue
+            full = local * math.prod(self.sizes[a] for a in axes)
+            lo, hi = self.piece(axes, full, self.low.coords)
+            if lo == 0 or hi - lo != local:
+                continue
+            key = (node.op, node.dir, (-1, self.sv[g]),
+                   _key_kwargs({**node.kwargs, "start": lo + node.kwargs["start"]}))
+            cands = [k for k in self.b.s.by_key.get(key, ())
+                     if self.b.s.low.shapes[nodes[k].outs[0]][d] == full]
+            if not cands:
+                continue
+            pick = min(cands, key=lambda k: (nodes[k].name != node.name, k))
+            self.sv[out], self.mb[out] = nodes[pick].outs[0], self.mb.get(g, -1)
+            self.claim[out] = Claim([list(axes) if k == d else list(a)
+                                     for k, a in enumerate(c.dims)], c.partial, c.mbs, c.scale)
+            return True
+        return False
 
     def takes_piece(self, node: LNode) -> bool:
         """A ``narrow`` of a value whole along the dim to this rank's piece of
@@ -1859,7 +2049,29 @@ class _Writer:
         peer = self.rs[q]
         return peer.low.nodes[self.channels.nth(peer.low, node, k)].ins[0]
 
+    def retag(self, r: _Rank) -> None:
+        """The tensors of values whose match ``choose_twins`` moved to an
+        equal single-device value, renamed as that value's (their last
+        version of the old name given back)."""
+        for v in r.retagged:
+            t = self.t_of[(r.low.rank, v)]
+            old = self.plan.tensors[t]
+            key = (old.rank, old.mb, old.tid)
+            if self.versions.get(key) != old.version + 1:
+                raise LoweringError(f"rank {r.low.rank}: a value matched again after a later "
+                                    f"version of its match was written")
+            self.versions[key] = old.version
+            tid = self.b.s.tid[r.sv[v]]
+            new = (old.rank, old.mb, tid)
+            version = self.versions.get(new, 0)
+            self.versions[new] = version + 1
+            self.plan.tensors[t] = old._replace(tid=tid, version=version,
+                                                lver=self.b.s.lver.get(r.sv[v], 0))
+        r.retagged.clear()
+
     def emit(self, r: _Rank, node: LNode, k: int) -> None:
+        if r.retagged:
+            self.retag(r)
         low, t_of = r.low, self.t_of
         for o in node.outs:
             if o >= 0:
