@@ -335,20 +335,7 @@ class Recorder(TorchDispatchMode):
                 constant = self.exchanges.call(name, args, kwargs, out, self.group_of)
         if name.startswith("c10d."):
             out = with_completed_work(out)
-        outs = tensors_in(out)
-        if name == "c10d.alltoall_base_.default":
-            outs = [args[0]]  # received in place
-        if "out" in kwargs and not outs:
-            outs = tensors_in(kwargs["out"])
-        if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
-            outs = list(args[0])  # received or reduced in place: the buffers hold new values
-        if name.startswith("c10d.") and name.split(".")[1].endswith("_") and not outs:
-            # an in-place collective that returns only its work (a coalesced
-            # reduce-scatter or all-gather, a reduce): it writes the tensors of
-            # its first argument, which then hold new values, never the old
-            outs = tensors_in(args[0])
-        if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
-            outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
+        outs = _outputs_written(name, args, kwargs, out)
         group = None
         if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))
@@ -382,18 +369,22 @@ class Recorder(TorchDispatchMode):
                             self.scope(), group, self.mb))
         self.mark_partial_writes(name, func, args, kwargs)
         self.note_twins(name, args, outs, ids)
+        self.write_whole_bases(outs, ids)
+        return out
+
+    def write_whole_bases(self, outs: list[torch.Tensor], ids: list[int]) -> None:
+        """A write through a view of a whole buffer, in its memory order,
+        writes the buffer (another order: a partial write): the buffer's
+        new value recorded as a view of the written one."""
         for o, v in zip(outs, ids):
             base = o._base
             if base is not None and base.numel() == o.numel() and self.value(base) is not None \
                     and _same_order(base, o):
-                # a write through a view of a whole buffer, in its memory
-                # order, writes the buffer (another order: a partial write)
                 b = self.new_value(base)
                 if v in self.constants:
                     self.mark_constant(base, b, v in self.from_buffer)
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
-        return out
 
     @staticmethod
     def group_of(group: Any) -> tuple[int, ...]:
@@ -525,6 +516,27 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= n
     return True
+
+
+def _outputs_written(name: str, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
+    """The tensors an op writes: those it returns, or, for an op that
+    writes in place and returns nothing (or only its work), the tensors it
+    writes into."""
+    outs = tensors_in(out)
+    if name == "c10d.alltoall_base_.default":
+        outs = [args[0]]  # received in place
+    if "out" in kwargs and not outs:
+        outs = tensors_in(kwargs["out"])
+    if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
+        outs = list(args[0])  # received or reduced in place: the buffers hold new values
+    if name.startswith("c10d.") and name.split(".")[1].endswith("_") and not outs:
+        # an in-place collective that returns only its work (a coalesced
+        # reduce-scatter or all-gather, a reduce): it writes the tensors of
+        # its first argument, which then hold new values, never the old
+        outs = tensors_in(args[0])
+    if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
+        outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
+    return outs
 
 
 def _same_order(base: torch.Tensor, view: torch.Tensor) -> bool:

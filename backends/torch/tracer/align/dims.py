@@ -67,6 +67,8 @@ class Dims(Pieces):
     consumers: dict[int, list[LNode]]
 
     def infer(self, node: LNode) -> None:
+        """The claims of a compute node's outputs, from its inputs' claims
+        (a backward node: ``infer_backward``)."""
         ins = [v for v in node.ins]
         shapes_in = [None if v < 0 else self.low.shapes[v] for v in ins]
         outs = [o for o in node.outs]
@@ -83,8 +85,16 @@ class Dims(Pieces):
             return
         shapes_out = [self.low.shapes[o] for o in outs]
         rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
-        tied_in: set[tuple[int, int]] = set()
-        dims_out = [[None] * len(s) for s in shapes_out]
+        dims_out, source = self.carried_dims(rel, ins, outs)
+        partial |= self.summed_axes(rel, ins, shapes_out)
+        self.claim_outputs(outs, dims_out, source, partial, mbs)
+
+    def carried_dims(self, rel: list, ins: list[int], outs: list[int]
+                     ) -> tuple[list[list], dict[tuple[int, int], int]]:
+        """The axes each output dim carries from the input dims its
+        relations tie it to (None: no relation says), and, for an output
+        dim equal to an input dim, the full size it came from."""
+        dims_out = [[None] * len(self.low.shapes[o]) for o in outs]
         source: dict[tuple[int, int], int] = {}  # an output dim -> the full size it came from
         for r in rel:
             if r[0] == "eq":
@@ -92,7 +102,6 @@ class Dims(Pieces):
                 if a[0] == "i":
                     a, c = c, a
                 if a[0] == "o" and c[0] == "i":
-                    tied_in.add((c[1], c[2]))
                     axes = self.claim[ins[c[1]]].dims[c[2]]
                     if dims_out[a[1]][a[2]] is None or (axes and not dims_out[a[1]][a[2]]):
                         dims_out[a[1]][a[2]] = list(axes)
@@ -102,11 +111,9 @@ class Dims(Pieces):
                 if target[0] == "o":  # flatten: the output dim is the product
                     axes = []
                     for f in factors:
-                        tied_in.add((f[1], f[2]))
                         axes += self.claim[ins[f[1]]].dims[f[2]]
                     dims_out[target[1]][target[2]] = axes
                 else:  # unflatten: the input dim is the product of output dims
-                    tied_in.add((target[1], target[2]))
                     axes = list(self.claim[ins[target[1]]].dims[target[2]])
                     for f in factors:
                         if f[0] != "o":
@@ -126,24 +133,31 @@ class Dims(Pieces):
                             dims_out[o][d], axes = axes[:take], axes[take:]
                         elif dims_out[o][d] is None:
                             dims_out[o][d] = []
+        return dims_out, source
+
+    def summed_axes(self, rel: list, ins: list[int], shapes_out: list) -> set[str]:
+        """The axes of the input dims that reach no output dim through the
+        relations (a contraction): the outputs are partial sums over them."""
         parent: dict[tuple, tuple] = {}
-
-        def find(x: tuple) -> tuple:
-            while parent.get(x, x) != x:
-                x = parent[x]
-            return x
-
         for r in rel:
             refs = [r[1], r[2]] if r[0] == "eq" else ([r[1], *r[2]] if r[0] == "mul" else [])
             for x in refs[1:]:
-                parent[find(tuple(x))] = find(tuple(refs[0]))
-        reaches_out = {find(("o", o, d)) for o, sh in enumerate(shapes_out) for d in range(len(sh))}
+                parent[_find(parent, tuple(x))] = _find(parent, tuple(refs[0]))
+        reaches_out = {_find(parent, ("o", o, d))
+                       for o, sh in enumerate(shapes_out) for d in range(len(sh))}
+        summed: set[str] = set()
         for i, v in enumerate(ins):
             if v < 0:
                 continue
             for d, axes in enumerate(self.claim[v].dims):
-                if axes and find(("i", i, d)) not in reaches_out:
-                    partial |= set(axes)
+                if axes and _find(parent, ("i", i, d)) not in reaches_out:
+                    summed |= set(axes)
+        return summed
+
+    def claim_outputs(self, outs: list[int], dims_out: list[list], source: dict,
+                      partial: set[str], mbs) -> None:
+        """Each output's claim: the carried axes that give its local size,
+        else its consumers' (``hint``), else a guess; then checked."""
         for o, v in enumerate(outs):
             full = self.gshape(v)
             dims = [axes if axes is not None and self.fits(axes, full[d], self.low.shapes[v][d],
