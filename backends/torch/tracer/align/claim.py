@@ -51,10 +51,13 @@ def rank_coords(coords: dict[str, int], sizes: dict[str, int]) -> dict[str, int]
 
 
 def key_kwargs(kw: dict) -> tuple:
+    """A node's kwargs as a key of the single-device nodes, sizes left out
+    (a rank's node runs on pieces of the single-device node's values)."""
     return tuple(sorted((k, repr(v)) for k, v in kw.items() if k not in SIZE_KWARGS))
 
 
 def scope(name: str) -> str:
+    """A recorded module path as a plan node's name."""
     return name.removeprefix("bw:").removeprefix("Llama.") or "step"
 
 
