@@ -29,9 +29,8 @@ from backends.torch.tracer.align.nodes import NodeMatching
 from backends.torch.tracer.align.rows import Rows
 from backends.torch.tracer.align.sums import Sums
 from backends.torch.tracer.align.zeros import Zeros
+from backends.torch.tracer.joint_order import Channels, joint_order
 from verdict.plan import Logical, Node, Plan, Tensor
-
-P2P = ("send", "send_recv")
 
 
 @dataclass
@@ -280,62 +279,6 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
 
 
 
-def _order(ranks: list[Lowered]) -> list[tuple[int, int, int]]:
-    """(rank position, node index, collective number) in an order where every
-    collective runs after all its group members reached it, and every
-    receive after its send (the k-th receive from a rank matches the k-th
-    send to it: a pipeline's sends carry no microbatch id)."""
-    pos = [0] * len(ranks)
-    count: list[dict[tuple, int]] = [dict() for _ in ranks]
-    sent: dict[tuple, int] = {}
-    index = {low.rank: i for i, low in enumerate(ranks)}
-    out = []
-
-    def local(i: int) -> bool:
-        """Run rank i up to its next collective (or a receive not sent yet)."""
-        moved = False
-        nodes = ranks[i].nodes
-        while pos[i] < len(nodes):
-            node = nodes[pos[i]]
-            k = count[i].get(_channel(node), 0) if node.group is not None else -1
-            if node.op == "send":
-                sent[node.group] = sent.get(node.group, 0) + 1
-            elif (node.op == "send_recv" and sent.get(node.group, 0) <= k) or \
-                    (node.group is not None and node.op not in P2P):
-                return moved
-            if node.group is not None:
-                count[i][_channel(node)] = k + 1
-            out.append((i, pos[i], k))
-            pos[i] += 1
-            moved = True
-        return moved
-
-    while True:
-        progressed = False
-        for i in range(len(ranks)):
-            progressed |= local(i)
-        waiting = [i for i, low in enumerate(ranks) if pos[i] < len(low.nodes)]
-        if not waiting:
-            return out
-        for i in waiting:
-            node = ranks[i].nodes[pos[i]]
-            if node.op in P2P:
-                continue
-            k = count[i].get(node.group, 0)
-            members = [index[r] for r in node.group]
-            if all(pos[j] < len(ranks[j].nodes) and ranks[j].nodes[pos[j]].group == node.group
-                   and count[j].get(node.group, 0) == k for j in members):
-                for j in members:
-                    out.append((j, pos[j], k))
-                    pos[j] += 1
-                    count[j][node.group] = k + 1
-                progressed = True
-                break
-        if not progressed:
-            raise LoweringError("the ranks' collectives do not match in order within their "
-                                "groups, or a receive has no send")
-
-
 def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Plan, Plan]:
     """The single-device plan and the parallel plan of the lowered traces."""
     b = _Builder(single, world)
@@ -371,7 +314,7 @@ class _Writer:
         self.ranks = ranks
         sizes = _rank_sizes(ranks, world)
         self.rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
-        self.channels = _Channels(ranks)
+        self.channels = Channels(ranks)
         self.coords = {rank: r.low.coords for rank, r in self.rs.items()}
         self.plan = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
                          grads=dict(plan_s.grads))
@@ -430,7 +373,7 @@ class _Writer:
 
     def walk(self) -> None:
         """Every rank's nodes in the joint order."""
-        for i, n, k in _order(self.ranks):
+        for i, n, k in joint_order(self.ranks):
             low = self.ranks[i]
             r = self.rs[low.rank]
             node = low.nodes[n]
@@ -606,33 +549,3 @@ class _Writer:
                                  (self.t_of[(r.low.rank, target)],),
                                  {"src": peer.low.rank, "dst": r.low.rank}, scope(node.name)))
         return target
-
-
-
-
-def _channel(node: LNode) -> tuple:
-    """What a node's number k counts along: its group's collectives, or
-    (a send or a receive) the messages from one rank to another, which are
-    matched apart from the collectives of a group of the same two ranks."""
-    return ("p2p", *node.group) if node.op in P2P else node.group
-
-
-class _Channels:
-    """Each rank's collective nodes by channel, indexed once: the k-th node
-    of a channel is looked up for every member of every collective."""
-
-    def __init__(self, ranks: list[Lowered]):
-        self.of: dict[int, dict[tuple, list[int]]] = {}
-        for low in ranks:
-            index: dict[tuple, list[int]] = {}
-            for i, node in enumerate(low.nodes):
-                if node.group is not None:
-                    index.setdefault(_channel(node), []).append(i)
-            self.of[low.rank] = index
-
-    def nth(self, low: Lowered, like: LNode, k: int) -> int:
-        """The index of ``low``'s k-th node on the channel of ``like``."""
-        found = self.of[low.rank].get(_channel(like), [])
-        if 0 <= k < len(found):
-            return found[k]
-        raise LoweringError(f"rank {low.rank} has no collective {k} in group {list(like.group)}")
