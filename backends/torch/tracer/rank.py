@@ -30,7 +30,8 @@ from backends.torch.tracer.loaded import SetupCollectives, loaded_values
 from backends.torch.tracer.mesh import build as build_mesh
 from backends.torch.tracer.mesh import coords as mesh_coords
 from backends.torch.tracer.pipeline import OwnSchedule, Pipelined, PipelineStep
-from backends.torch.tracer.record import Recorder, Tracker, ValueReads, dims_axes, local_of
+from backends.torch.tracer.placements import dims_axes
+from backends.torch.tracer.record import Recorder, Tracker, ValueReads, local_of
 from backends.torch.tracer.routing import Routing
 
 
