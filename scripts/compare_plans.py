@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     if not names:
         print("error: no suite case matches the -k given", file=sys.stderr)
         return 2
+    if len({slug(n) for n in names}) != len(names):
+        print("error: two selected cases have one file name (slug): rename one", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(opts.out or tmp).resolve()
         for side, root in (("before", before), ("after", after)):
