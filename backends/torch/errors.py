@@ -12,3 +12,7 @@ class WrongStep(LoweringError):
     computing a value no piece of the single-device one can be (more rows
     than it has), a tie of two parameters broken. A finding, exit 1, one
     line naming the rank, the module and the value."""
+
+
+class AlignError(LoweringError):
+    """A parallel op with no single-device counterpart."""

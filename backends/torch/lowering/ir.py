@@ -48,17 +48,8 @@ stops the run with one line naming the op and the value
   view); not Pending.
 - ``NoShard``: made by walk, layout, arithmetic; read by walk, arithmetic,
   Lowerer.run; refused (an empty shard).
-- ``Norm``: made by arithmetic, collectives; read by arithmetic, compose,
-  norm_sums; ``div`` by the share, ``pow`` 0.5.
-- ``NormStack``: made by arithmetic, collectives; read by arithmetic,
-  collectives, norm_sums; not Pending.
-- ``Decayed``: made by arithmetic (AdamW, SGD: Moment1, Moment2, Scaled,
-  Denom, SgdGrad); read by arithmetic, walk (the final values); not Pending:
-  folded into ``adam_step`` / ``sgd`` nodes.
 - ``Compare``: made by tokens (``ids_test``); read by arithmetic, compose
   (``where``); not Pending.
-- ``NormIsZero``: made by arithmetic (``norm == 0``); read by arithmetic
-  (``masked_fill_``); not Pending.
 - ``Const``: made by Lowerer.run, walk; read by masks, tokens, vocab_parallel,
   const_lookup, norm_sums, ``as_flag``; its recorded value as a constant
   input, or its ops lowered.
@@ -83,6 +74,8 @@ stops the run with one line naming the op and the value
 - ``Bucket``: made by buckets (``mem.cat``), layout, grad_buffers; read by
   buckets, layout, collectives, slices, grad_buffers; the pieces flattened
   and ``cat``.
+- ``Norm``, ``NormStack``, ``NormIsZero``, and the optimizer step's
+  ``Decayed`` and its kin: in ``ir_optimizer`` (imported here).
 - ``Merged``: made by merged_views (``view(a * b, c)`` of a sequence-first
   3-d value); read by merged_views, vocab_picks; ``flatten`` (and
   ``transpose``).
@@ -112,20 +105,19 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.emit import pad
-from backends.torch.lowering.refusals import refusal
+from backends.torch.lowering.ir_optimizer import Decayed as Decayed
+from backends.torch.lowering.ir_optimizer import Denom as Denom
+from backends.torch.lowering.ir_optimizer import Moment1 as Moment1
+from backends.torch.lowering.ir_optimizer import Moment2 as Moment2
+from backends.torch.lowering.ir_optimizer import Norm as Norm
+from backends.torch.lowering.ir_optimizer import NormIsZero as NormIsZero
+from backends.torch.lowering.ir_optimizer import NormStack as NormStack
+from backends.torch.lowering.ir_optimizer import Scaled as Scaled
+from backends.torch.lowering.ir_optimizer import SgdGrad as SgdGrad
+from backends.torch.lowering.pending import Pending
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
-
-
-class Pending:
-    """A value the lowering has not emitted yet. ``Lowerer.materialize``
-    calls ``materialize`` when an op reads it as a tensor: it emits the
-    value's nodes and returns the lowered value (or another pending value,
-    materialized in turn), or refuses the read in one line."""
-
-    def materialize(self, lw: Lowerer) -> Any:
-        raise LoweringError(refusal(lw, self))
 
 
 @dataclass(frozen=True)
@@ -372,88 +364,12 @@ class As(Pending):
 
 
 @dataclass(frozen=True)
-class Norm(Pending):
-    """sqrt(s / share), s a sum of squares (so s >= 0): a 2-norm, not yet
-    emitted. ``share`` is n when DTensor turned a replicated norm into one
-    of n partial norms (dividing it by sqrt(n))."""
-    s: int
-    share: int = 1
-
-    def materialize(self, lw: Lowerer) -> int:
-        s = self.s
-        if self.share != 1:
-            s = lw.emit("div", [s], [lw.shapes[s]], {"value": float(self.share)})[0]
-        return lw.emit("pow", [s], [lw.shapes[s]], {"exponent": 0.5})[0]
-
-
-@dataclass(frozen=True)
-class NormStack:
-    """torch.stack of norms (``squared``: then squared elementwise, one
-    square sum per entry, ``Norm.share`` kept)."""
-    norms: tuple[Norm, ...]
-    squared: bool = False
-
-
-@dataclass(frozen=True)
-class Decayed:
-    """p * keep: AdamW's decoupled weight decay, ``p.mul_(1 - lr * wd)``."""
-    p: int
-    keep: float
-
-
-@dataclass(frozen=True)
-class Moment1:
-    """``m.lerp_(g, weight)``: Adam's first moment, m a fresh state."""
-    m: int
-    g: int
-    weight: float
-
-
-@dataclass(frozen=True)
-class Scaled:
-    """``v.mul_(factor)`` of a fresh optimizer state."""
-    v: int
-    factor: float
-
-
-@dataclass(frozen=True)
-class Moment2:
-    """``v.mul_(beta2).addcmul_(g, g, value=1 - beta2)``: Adam's second moment."""
-    v: int
-    g: int
-    beta2: float
-
-
-@dataclass(frozen=True)
-class Denom:
-    """``(sqrt(v2) / scale) + eps``: Adam's denominator (``root``: sqrt only)."""
-    v2: Moment2
-    scale: float = 1.0
-    eps: float = 0.0
-    root: bool = False
-
-
-@dataclass(frozen=True)
-class SgdGrad:
-    """``g + wd * p`` (``torch.add(g, p, alpha=wd)``): SGD's weight decay."""
-    g: int
-    p: int
-    wd: float
-
-
-@dataclass(frozen=True)
 class Compare:
     """``x op c`` for a computed tensor x and a number c (op gt, ge, lt, le):
     kept pending until a ``where`` selects with it."""
     x: int
     op: str
     c: float
-
-
-@dataclass(frozen=True)
-class NormIsZero:
-    """``norm == 0`` for a 2-norm along dims (kept dims) of a tensor."""
-    norm: int
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from backends.torch.tracer.loaded import SetupCollectives, loaded_values
 from backends.torch.tracer.mesh import build as build_mesh
 from backends.torch.tracer.mesh import coords as mesh_coords
 from backends.torch.tracer.pipeline import OwnSchedule, Pipelined, PipelineStep
-from backends.torch.tracer.record import Recorder, Tracker, ValueReads, dims_axes, local_of
+from backends.torch.tracer.placements import dims_axes
+from backends.torch.tracer.record import Recorder, Tracker, ValueReads, local_of
 from backends.torch.tracer.routing import Routing
 
 
@@ -86,32 +87,8 @@ def _run(spec: dict, rank: int) -> dict:
     before = set(sys.modules)
     cp = spec.get("cp", 1) if spec["parallel"] else 1
     world = spec["dp"] * cp * spec["tp"] * spec["pp"]
-    mesh = None
-    if spec["parallel"]:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-        mesh = build_mesh(spec)  # the user's mesh (--mesh) or ("pp", "dp", "tp")
-    torch.manual_seed(spec["seed"])
-    model = load(spec["model"])(**spec["model_kwargs"])._apply(in_float64)
-    if hasattr(model, "global_tokens"):
-        model.global_tokens = spec["batch"] * spec["seqlen"]
-    after, runner, setup = None, model, SetupCollectives()
-    if spec["parallel"]:
-        with setup:
-            runner, after = recipe_result(model, load(spec["recipe"])(model, mesh))
-            init_replicated(model)
-    loaded = loaded_values(model, setup.storages())
-    del setup
-    coords = {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
-    if mesh is not None:
-        coords = mesh_coords(rank, spec["pp"], spec["dp"], spec["tp"], cp)
-    gen = torch.Generator().manual_seed(spec["seed"])
-    shape = (spec["batch"], spec["seqlen"])
-    tokens = torch.randint(0, spec["vocab"], shape, generator=gen)
-    labels = torch.randint(0, spec["vocab"], shape, generator=gen)
-    local_batch = spec["batch"] // spec["dp"] if spec["parallel"] else spec["batch"]
-    rows = slice(coords["dp"] * local_batch, (coords["dp"] + 1) * local_batch)
-    tokens, labels = (sequence_chunk(t[rows], coords["cp"], cp) for t in (tokens, labels))
+    model, runner, after, mesh, loaded, coords = _setup(spec, rank, cp, world)
+    tokens, labels = _batch(spec, coords, cp)
 
     tracker = Tracker()
     rec = Recorder(tracker)
@@ -131,18 +108,7 @@ def _run(spec: dict, rank: int) -> dict:
     if isinstance(after, PipelineStep):
         pipelined = Pipelined(after, tokens, rec.set_mb)
         after = after.after_backward
-    params = {}
-    layout = (spec["pp"], spec["dp"], spec["tp"], cp) if spec["parallel"] else None
-    split: dict[str, int] = {}  # HSDP's shard count, when a parameter is sharded on part of dp
-    for name, p in model.named_parameters():
-        params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p, layout, split))
-        rec.register_storage(local_of(p), params[name][0], shard=True)
-    buffers = {}
-    for name, b in model.named_buffers():
-        causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
-                  and bool((b == torch.ones_like(b).triu(1)).all()))
-        buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
-        rec.mark_constant(local_of(b), buffers[name][0], buffer=True)
+    params, buffers, split = _held(rec, model, spec, cp)
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
     try:
@@ -167,32 +133,10 @@ def _run(spec: dict, rank: int) -> dict:
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return {"rank": rank, "exchanges": rec.exchanges.sent, "unanswered": rec.exchanges.unanswered,
                 "failed": f"{type(e).__name__}: {last}", "imports": imported_since(before)}
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        grads[name] = None if g is None else final_value(rec, local_of(g))
-    updates, states = {}, {}
-    if optimizer is not None:
-        for name, p in model.named_parameters():
-            updates[name] = rec.value(local_of(p))
-            states[name] = {k: rec.value(local_of(t)) for k, t in optimizer.state[p].items()
-                            if isinstance(t, torch.Tensor) and t.shape == p.shape}
-    values = None
-    if spec.get("keep_values"):
-        values = {
-            "params": {n: local_of(p).detach().numpy().copy() for n, p in model.named_parameters()},
-            "buffers": {n: local_of(b).detach().numpy().copy() for n, b in model.named_buffers()},
-            "tokens": tokens.numpy().copy(), "labels": labels.numpy().copy(),
-            "losses": [float(local_of(loss).detach()) for loss in losses],
-            "grads": {n: None if p.grad is None else local_of(p.grad).detach().numpy().copy()
-                      for n, p in model.named_parameters()},
-        }
-    # parameters the model ties (one tensor under two names): alias -> the name kept
-    kept = {id(p): n for n, p in model.named_parameters()}
-    ties = {n: kept[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
-            if kept.get(id(p), n) != n}
+    grads, updates, states = _ends(rec, model, optimizer)
+    values = _values(model, tokens, labels, losses) if spec.get("keep_values") else None
     return {
-        "ties": ties,
+        "ties": _ties(model),
         "rank": rank, "coords": coords, "split": split, "events": rec.events, "shapes": rec.shapes,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
@@ -213,6 +157,102 @@ def _run(spec: dict, rank: int) -> dict:
         "unanswered": rec.exchanges.unanswered if rec.exchanges else 0,
         "skips_unrouted_experts": bool(getattr(model, "skips_unrouted_experts", False)),
     }
+
+
+def _setup(spec: dict, rank: int, cp: int, world: int) -> tuple:
+    """The rank's model under its recipe (the fake process group and the
+    mesh first, when parallel): the model, what runs it, what runs after
+    its backward, the mesh, the values it holds before the step and the
+    rank's coordinates."""
+    mesh = None
+    if spec["parallel"]:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        mesh = build_mesh(spec)  # the user's mesh (--mesh) or ("pp", "dp", "tp")
+    torch.manual_seed(spec["seed"])
+    model = load(spec["model"])(**spec["model_kwargs"])._apply(in_float64)
+    if hasattr(model, "global_tokens"):
+        model.global_tokens = spec["batch"] * spec["seqlen"]
+    after, runner, setup = None, model, SetupCollectives()
+    if spec["parallel"]:
+        with setup:
+            runner, after = recipe_result(model, load(spec["recipe"])(model, mesh))
+            init_replicated(model)
+    loaded = loaded_values(model, setup.storages())
+    del setup
+    coords = {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    if mesh is not None:
+        coords = mesh_coords(rank, spec["pp"], spec["dp"], spec["tp"], cp)
+    return model, runner, after, mesh, loaded, coords
+
+
+def _batch(spec: dict, coords: dict[str, int], cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank's tokens and labels: its data-parallel rows of the batch,
+    its context-parallel chunk of the sequence."""
+    gen = torch.Generator().manual_seed(spec["seed"])
+    shape = (spec["batch"], spec["seqlen"])
+    tokens = torch.randint(0, spec["vocab"], shape, generator=gen)
+    labels = torch.randint(0, spec["vocab"], shape, generator=gen)
+    local_batch = spec["batch"] // spec["dp"] if spec["parallel"] else spec["batch"]
+    rows = slice(coords["dp"] * local_batch, (coords["dp"] + 1) * local_batch)
+    tokens, labels = (sequence_chunk(t[rows], coords["cp"], cp) for t in (tokens, labels))
+    return tokens, labels
+
+
+def _held(rec: Recorder, model: torch.nn.Module, spec: dict, cp: int) -> tuple[dict, dict, dict]:
+    """The parameters and buffers the rank holds, as recorded values (in
+    the model's order), and HSDP's shard count when a parameter is sharded
+    on part of the data-parallel ranks."""
+    params = {}
+    layout = (spec["pp"], spec["dp"], spec["tp"], cp) if spec["parallel"] else None
+    split: dict[str, int] = {}  # HSDP's shard count, when a parameter is sharded on part of dp
+    for name, p in model.named_parameters():
+        params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p, layout, split))
+        rec.register_storage(local_of(p), params[name][0], shard=True)
+    buffers = {}
+    for name, b in model.named_buffers():
+        causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
+                  and bool((b == torch.ones_like(b).triu(1)).all()))
+        buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
+        rec.mark_constant(local_of(b), buffers[name][0], buffer=True)
+    return params, buffers, split
+
+
+def _ends(rec: Recorder, model: torch.nn.Module, optimizer) -> tuple[dict, dict, dict]:
+    """What the step ends with: each parameter's gradient, and after an
+    optimizer step its updated value and its optimizer states."""
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name] = None if g is None else final_value(rec, local_of(g))
+    updates, states = {}, {}
+    if optimizer is not None:
+        for name, p in model.named_parameters():
+            updates[name] = rec.value(local_of(p))
+            states[name] = {k: rec.value(local_of(t)) for k, t in optimizer.state[p].items()
+                            if isinstance(t, torch.Tensor) and t.shape == p.shape}
+    return grads, updates, states
+
+
+def _values(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+            losses: list) -> dict:
+    """The real values of the step (``keep_values``)."""
+    return {
+        "params": {n: local_of(p).detach().numpy().copy() for n, p in model.named_parameters()},
+        "buffers": {n: local_of(b).detach().numpy().copy() for n, b in model.named_buffers()},
+        "tokens": tokens.numpy().copy(), "labels": labels.numpy().copy(),
+        "losses": [float(local_of(loss).detach()) for loss in losses],
+        "grads": {n: None if p.grad is None else local_of(p.grad).detach().numpy().copy()
+                  for n, p in model.named_parameters()},
+    }
+
+
+def _ties(model: torch.nn.Module) -> dict[str, str]:
+    """Parameters the model ties (one tensor under two names): alias -> the
+    name kept."""
+    kept = {id(p): n for n, p in model.named_parameters()}
+    return {n: kept[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+            if kept.get(id(p), n) != n}
 
 
 def sequence_chunk(rows: torch.Tensor, c: int, cp: int) -> torch.Tensor:

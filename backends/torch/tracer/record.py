@@ -28,6 +28,8 @@ from torch.utils.module_tracker import ModuleTracker
 from backends.torch.lowering.constants import VALUE_READ_EVENT
 from backends.torch.tracer.exchange import Exchanges
 from backends.torch.tracer.hidden_memory import HiddenMemory, is_partial_view
+from backends.torch.tracer.placements import data_parallel_axis as data_parallel_axis
+from backends.torch.tracer.placements import dims_axes as dims_axes
 from backends.torch.tracer.routing import ROUTED, Routing
 
 #: ops whose output is the input value itself (no computation).
@@ -345,20 +347,7 @@ class Recorder(TorchDispatchMode):
                 constant = self.exchanges.call(name, args, kwargs, out, self.group_of)
         if name.startswith("c10d."):
             out = with_completed_work(out)
-        outs = tensors_in(out)
-        if name == "c10d.alltoall_base_.default":
-            outs = [args[0]]  # received in place
-        if "out" in kwargs and not outs:
-            outs = tensors_in(kwargs["out"])
-        if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
-            outs = list(args[0])  # received or reduced in place: the buffers hold new values
-        if name.startswith("c10d.") and name.split(".")[1].endswith("_") and not outs:
-            # an in-place collective that returns only its work (a coalesced
-            # reduce-scatter or all-gather, a reduce): it writes the tensors of
-            # its first argument, which then hold new values, never the old
-            outs = tensors_in(args[0])
-        if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
-            outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
+        outs = _outputs_written(name, args, kwargs, out)
         group = None
         if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))
@@ -398,18 +387,22 @@ class Recorder(TorchDispatchMode):
                             self.scope(), group, self.mb))
         self.mark_partial_writes(name, func, args, kwargs)
         self.note_twins(name, args, outs, ids)
+        self.write_whole_bases(outs, ids)
+        return out
+
+    def write_whole_bases(self, outs: list[torch.Tensor], ids: list[int]) -> None:
+        """A write through a view of a whole buffer, in its memory order,
+        writes the buffer (another order: a partial write): the buffer's
+        new value recorded as a view of the written one."""
         for o, v in zip(outs, ids):
             base = o._base
             if base is not None and base.numel() == o.numel() and self.value(base) is not None \
                     and _same_order(base, o):
-                # a write through a view of a whole buffer, in its memory
-                # order, writes the buffer (another order: a partial write)
                 b = self.new_value(base)
                 if v in self.constants:
                     self.mark_constant(base, b, v in self.from_buffer)
                 self.events.append(("aten.view.default", [[("v", v), list(base.shape)], {}],
                                     [b], [tuple(base.shape)], self.scope(), None, self.mb))
-        return out
 
     @staticmethod
     def group_of(group: Any) -> tuple[int, ...]:
@@ -552,6 +545,27 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _outputs_written(name: str, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
+    """The tensors an op writes: those it returns, or, for an op that
+    writes in place and returns nothing (or only its work), the tensors it
+    writes into."""
+    outs = tensors_in(out)
+    if name == "c10d.alltoall_base_.default":
+        outs = [args[0]]  # received in place
+    if "out" in kwargs and not outs:
+        outs = tensors_in(kwargs["out"])
+    if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
+        outs = list(args[0])  # received or reduced in place: the buffers hold new values
+    if name.startswith("c10d.") and name.split(".")[1].endswith("_") and not outs:
+        # an in-place collective that returns only its work (a coalesced
+        # reduce-scatter or all-gather, a reduce): it writes the tensors of
+        # its first argument, which then hold new values, never the old
+        outs = tensors_in(args[0])
+    if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
+        outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
+    return outs
+
+
 def _same_order(base: torch.Tensor, view: torch.Tensor) -> bool:
     """A view of all of ``base`` that lists its entries in the same order
     (both contiguous, or the same shape and strides): a reshape of it."""
@@ -649,141 +663,3 @@ class ValueReads(TorchFunctionMode):
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-#: the backend's axis of a mesh dim a library names otherwise (transformers'
-#: "fsdp", torchtitan's "dp_shard"): the data-parallel axis
-AXIS_NAMES = {"fsdp": "dp", "dp_shard": "dp"}
-
-
-def dim_ranks(mesh, mesh_dim: int, coordinate: list[int]) -> list[int]:
-    """The global ranks along ``mesh_dim`` through the rank at ``coordinate``."""
-    index = list(coordinate)
-    index[mesh_dim] = slice(None)
-    return [int(r) for r in mesh.mesh[tuple(index)].flatten()]
-
-
-def data_parallel_axis(mesh, mesh_dim: int, layout: tuple[int, int, int],
-                       split: dict[str, int]) -> str | None:
-    """The backend axis a data-parallel mesh dim of a library's mesh runs
-    along, read off the global ranks it holds (not its name): "dp" when it
-    spans every data-parallel rank, "dps" when it spans s consecutive ones
-    (an HSDP shard group), "dpr" when it spans every s-th one (an HSDP
-    replica group); ``split["dps"]`` records s. None when the ranks vary
-    in anything but the data-parallel coordinate, or not in one of these
-    patterns, or when this rank's index in the mesh dim is not its
-    coordinate on that axis. ``layout`` is (pp, dp, tp) or (pp, dp, tp, cp):
-    a data-parallel index's ranks are its cp * tp consecutive ones."""
-    _, dp, tp = layout[:3]
-    tp *= layout[3] if len(layout) > 3 else 1
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return None
-    ranks = dim_ranks(mesh, mesh_dim, coordinate)
-    stage = {r // (dp * tp) for r in ranks}
-    column = {r % tp for r in ranks}
-    ds = [(r // tp) % dp for r in ranks]
-    k = len(ds)
-    if len(stage) != 1 or len(column) != 1 or k < 2 or dp % k:
-        return None
-    s = dp // k
-    here = ds[coordinate[mesh_dim]]
-    if k == dp and ds == list(range(dp)):
-        return "dp"
-    if ds == [ds[0] + j for j in range(k)] and ds[0] % k == 0 and split.get("dps", k) == k:
-        split["dps"] = k
-        return "dps" if here % k == coordinate[mesh_dim] else None
-    if ds == [ds[0] + j * s for j in range(k)] and ds[0] < s and split.get("dps", s) == s:
-        split["dps"] = s
-        return "dpr" if here // s == coordinate[mesh_dim] else None
-    return None
-
-
-def context_parallel_axes(mesh, mesh_dim: int, layout: tuple[int, ...]) -> str | None:
-    """"cp" when the mesh dim's ranks (through this rank) are exactly this
-    rank's context-parallel ranks in order (its stage, data-parallel and
-    tensor-parallel coordinates fixed), "dp+cp" when they are every
-    data-parallel and context-parallel rank of its stage and tensor-parallel
-    coordinate, data-parallel outer (torchtitan's "fsdp" dim, dp_shard x
-    cp); else None. ``layout`` is (pp, dp, tp, cp)."""
-    if len(layout) < 4 or layout[3] == 1:
-        return None
-    _, dp, tp, cp = layout
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return None
-    ranks = dim_ranks(mesh, mesh_dim, coordinate)
-    first = ranks[0]
-    if len(ranks) == cp and ranks == [first + c * tp for c in range(cp)] \
-            and (first // tp) % cp == 0:
-        return "cp"
-    if dp > 1 and len(ranks) == dp * cp and ranks == [first + j * tp for j in range(dp * cp)] \
-            and (first // tp) % (dp * cp) == 0:
-        return "dp+cp"
-    return None
-
-
-def is_tensor_parallel_dim(mesh, mesh_dim: int, layout: tuple[int, int, int]) -> bool:
-    """The mesh dim's ranks (through this rank) are exactly the backend's
-    tensor-parallel ranks of this rank's stage and data-parallel index, in
-    order: it is the "tp" axis whatever its name."""
-    tp = layout[2]
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return False
-    ranks = dim_ranks(mesh, mesh_dim, coordinate)
-    return len(ranks) == tp and ranks == list(range(ranks[0], ranks[0] + tp)) and ranks[0] % tp == 0
-
-
-def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
-              split: dict[str, int] | None = None) -> list[list[str]]:
-    """For each dim of a (DTensor) parameter, the mesh axes sharding it, outer
-    first. A mesh dim is the backend axis of its name ("pp", "dp", "tp",
-    or one named as in ``AXIS_NAMES``); with the backend's mesh ``layout``
-    (pp, dp, tp), a data-parallel one is the axis its ranks run along
-    (``data_parallel_axis``: an HSDP shard dim is "dps", and ``split``
-    records its size). A plain tensor with a ``mesh_axes`` attribute (a
-    recipe's, such as Megatron's sharded parameters) has those axes (the
-    plan's claims they make are checked against the values loaded,
-    ``check.check_loaded``)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-    axes: list[list[str]] = [[] for _ in range(t.dim())]
-    own = getattr(t, "mesh_axes", None)  # a plain tensor's layout, set by its recipe
-    if own is not None and not isinstance(t, DTensor):
-        return [list(a) for a in own]
-    if isinstance(t, DTensor):
-        mesh = t.device_mesh
-        names = [AXIS_NAMES.get(n, n) for n in mesh.mesh_dim_names or ()]
-        if layout is not None:
-            split = {} if split is None else split
-            for mesh_dim, name in enumerate(names):
-                if name in ("pp", "tp"):
-                    continue
-                if name != "dp" and is_tensor_parallel_dim(mesh, mesh_dim, layout):
-                    names[mesh_dim] = "tp"  # a dim of the user's own name over the tp ranks
-                    continue
-                axis = context_parallel_axes(mesh, mesh_dim, layout) \
-                    or data_parallel_axis(mesh, mesh_dim, layout, split)
-                if axis is None and name == "dp" and mesh.size(mesh_dim=mesh_dim) > 1:
-                    # a shard's position would be its index in this dim,
-                    # which is no coordinate of the backend's mesh
-                    raise ValueError(f"mesh dim '{mesh.mesh_dim_names[mesh_dim]}' spans ranks "
-                                     f"in no data-parallel layout the backend reads")
-                names[mesh_dim] = axis or name
-        strided = []
-        for mesh_dim, p in enumerate(t.placements):
-            if (p.is_shard() or isinstance(p, _StridedShard)) and mesh.size(mesh_dim=mesh_dim) == 1:
-                continue  # a shard over one rank is the whole
-            if isinstance(p, _StridedShard):
-                strided.append((p.dim % t.dim(), p.split_factor, mesh_dim))
-            elif p.is_shard():
-                axes[p.dim % t.dim()].extend(names[mesh_dim].split("+"))
-            elif not p.is_replicate():
-                raise ValueError(f"parameter placement {p} is not supported")
-        for dim, factor, mesh_dim in strided:
-            # sharded after the mesh dims already on this dim (FSDP over TP)
-            inner = [mesh.size(mesh_dim=names.index(a)) for a in axes[dim]]
-            if factor != math.prod(inner):
-                raise ValueError(f"parameter placement {t.placements} is not supported")
-            axes[dim].extend(names[mesh_dim].split("+"))
-    return axes

@@ -1,0 +1,7 @@
+"""The alignment and claims of one rank's lowered trace, in parts that the
+builder's rank (``build._Rank``) is made of: which piece of its
+single-device value each value of the rank is (``claim``), how inputs and
+constants are matched (``inputs``), compute nodes (``nodes``), collectives
+and splits (``collectives``), slices and joins of rows (``rows``), sums
+deferred and regrouped (``sums``), exact zeros (``zeros``), and how a claim
+is carried through an operator (``dims``)."""

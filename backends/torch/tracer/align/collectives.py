@@ -1,0 +1,114 @@
+"""Claims moved by collectives and splits: a collective's output is its
+input's value with the axes its group runs along gathered, reduced or
+scattered; a received value is the piece its sender held."""
+
+from __future__ import annotations
+
+from backends.torch.errors import AlignError
+from backends.torch.lowering import LNode, LoweringError
+from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs
+
+#: Averaging collectives divide by their group's size.
+AVERAGES = ("all_reduce_avg", "reduce_scatter_avg")
+
+
+class Collectives(Pieces):
+    """The claims of collectives, splits and received values."""
+
+    def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> list[str]:
+        """The mesh axes a collective's group runs along, outer first: one
+        axis, or under HSDP both data-parallel sub-axes (the whole of "dp");
+        none for a group of one rank (a mesh dim of size 1), where every
+        collective is the identity."""
+        if len(group) == 1:
+            return []
+        varying = [a for a in self.axes if len({coords[r][a] for r in group}) > 1]
+        if varying == [*self.dp, "cp"] and list(group) == sorted(group):
+            return varying  # the data- and context-parallel ranks together (torchtitan's fsdp)
+        if len(varying) != 1 and varying != self.dp:
+            raise LoweringError(f"rank {self.low.rank}: a collective over ranks {list(group)} "
+                                f"is not along one mesh axis")
+        return varying
+
+    def layout_step(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        """A collective's or a split's output: its input's value, the claim
+        moved by the op (a pipeline's microbatch of the batch; a split by a
+        mesh axis, or else the single-device split it computes; the axes
+        the collective's group runs along gathered, reduced or
+        scattered)."""
+        x = node.ins[0]
+        out = node.outs[0]
+        self.sv[out] = self.sv[x]
+        self.mb[out] = node.mb if node.mb >= 0 else self.mb.get(x, -1)
+        c = self.claim[x]
+        dims = [list(d) for d in c.dims]
+        partial = set(c.partial)
+        if node.op == "split" and self.low.inputs.get(x, ("",))[0] == "tokens" \
+                and node.kwargs["dim"] == 0:
+            # a pipeline schedule's microbatch of the batch
+            if node.kwargs["parts"] != self.sizes["mb"]:
+                raise LoweringError(f"rank {self.low.rank} cuts the batch in "
+                                    f"{node.kwargs['parts']}, not in its "
+                                    f"{self.sizes['mb']} microbatches")
+            dims[0].append("mb")
+            self.mb[out] = node.kwargs["index"]
+        elif node.op == "split":
+            try:
+                dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
+            except LoweringError:
+                souts = self.computed_split(node, cut=True)
+                if souts is None:
+                    raise
+                self.split_as_single(node, souts)
+                return
+        else:
+            axes = self.axis_of(node.group, coords)
+            if node.op in ("all_reduce", "all_reduce_avg"):
+                partial -= set(axes)
+            elif node.op == "all_gather":
+                d = dims[node.kwargs["dim"]]
+                for axis in axes:
+                    if axis in d:
+                        d.remove(axis)
+            elif node.op in ("reduce_scatter", "reduce_scatter_avg"):
+                partial -= set(axes)
+                dims[node.kwargs["dim"]].extend(axes)
+        scale = c.scale / len(node.group) if node.op in AVERAGES else c.scale
+        self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale,
+                                steps=c.steps if "step" in partial else None)
+        self.check(out, uneven=True)
+
+    def receive(self, node: LNode, peer: Pieces, x: int) -> None:
+        """A value received from ``peer``: the value it sent, the same piece
+        (its axes read at the coordinates the peer reads them at, where they
+        differ from this rank's; a dim the peer holds whole is whole)."""
+        out = node.outs[0]
+        self.sv[out] = peer.sv[x]
+        self.mb[out] = peer.mb.get(x, -1)
+        c = peer.claim[x]
+        full = peer.gshape(x)
+        dims = [[] if peer.extent(d, n) == n else list(d) for d, n in zip(c.dims, full)]
+        # read at the peer's coordinates, or at those its own claim names (a
+        # piece it received and passes on: a ring's keys)
+        held = {**peer.low.coords, **(c.at or {})}
+        at = {a: held[a] for d in dims for a in d
+              if a != "mb" and held[a] != self.low.coords[a]}
+        self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale, at or None, c.steps)
+
+    def empty_sum(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        """The square sum (a zero) of a gradient's empty shard: this rank's
+        part of the partial square sum of the gradient over the group that
+        cuts it (a sum over no rows; the parts are proved to add up to the
+        single-device square sum)."""
+        g, group = self.low.empty_sums[node.outs[0]]
+        whole = self.sv[g]
+        by_key, nodes = self.b.s.by_key, self.b.s.low.nodes
+        sums = [nodes[m].outs[0] for m in by_key.get(("mul", "fw", (whole, whole), ()), [])]
+        sums = [nodes[c].outs[0] for sq in sums for c in by_key.get(
+            ("sum", "fw", (sq,), key_kwargs({"dim": None, "keepdim": False})), [])]
+        if not sums:
+            raise AlignError(f"rank {self.low.rank} takes the norm of a gradient shard it holds "
+                             f"no rows of, whose square sum the single-device step never takes")
+        out = node.outs[0]
+        self.sv[out], self.mb[out] = sums[0], -1
+        self.claim[out] = Claim([], frozenset(self.axis_of(group, coords)))

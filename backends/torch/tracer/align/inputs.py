@@ -1,0 +1,211 @@
+"""A rank's inputs and constants matched with the single-device step's: by
+name, or a constant by its contents (the piece of a single-device
+constant it is), or, when it is none, as a plan input of its own."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from backends.torch.errors import AlignError, WrongStep
+from backends.torch.lowering import LNode, LoweringError
+from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs
+
+#: The mesh axes a constant's dim may be cut by, in the order they are
+#: tried: the batch dim (0) data-parallel first, any other dim model- or
+#: context-parallel first (a sequence of positions cut by "cp")
+CONST_CUTS = ((("dp",), ("tp",), ("cp",), ("dp", "tp"), ("dp", "cp")),
+              (("tp",), ("cp",), ("dp",), ("dp", "tp"), ("cp", "tp")))
+
+#: The cuts of a constant's batch dim added for a constant of one microbatch
+#: (``per_microbatch``): its rows are the microbatch's rows of the
+#: data-parallel rank's (dp major, as the batch is laid out)
+MB_CUTS = (("dp", "mb"), ("mb",))
+
+#: The mesh axes a module buffer a recipe cut may be cut by, in the order
+#: they are tried (``InputMatching.buffer_piece``)
+BUFFER_CUTS = (("cp",), ("tp",), ("cp", "tp"))
+
+
+class InputMatching(Pieces):
+    """The claims of a rank's inputs and constants."""
+
+    own_tid: dict[int, int]
+    alternatives: dict[int, list[tuple[int, Claim]]]
+    consumers: dict[int, list[LNode]]
+    taken: set[int]
+
+    def match_inputs(self) -> None:
+        """Each input's single-device value and claim: by name (its claim
+        from the axes it was placed on, checked against its shape), a
+        constant no single-device input is named as by its contents, and
+        last the constants no single-device constant holds (a plan input
+        of their own)."""
+        low, b, sizes = self.low, self.b, self.sizes
+        by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
+        own: list[tuple[int, str]] = []  # constants no single-device one holds
+        split: list[tuple[int, str]] = []  # constants read in several microbatches
+        for v, (kind, name) in low.inputs.items():
+            if name not in by_name and v in low.constants:
+                if self.microbatch_rows(v):
+                    split.append((v, name))
+                    continue
+                try:
+                    self.sv[v], self.claim[v] = self.const_piece(v)
+                except LoweringError:
+                    split.append((v, name))
+                continue
+            tied = b.s.low.ties.get(name) if kind == "param" else None
+            if name not in by_name and tied is not None:
+                raise WrongStep(f"rank {low.rank} holds {name} as a parameter of its own, but "
+                                f"the single-device model ties it to {tied} (one tensor): the "
+                                f"tie is broken, so {tied}'s gradient misses {name}'s part and "
+                                f"the two are updated apart")
+            if name not in by_name:
+                what = "a constant" if name.startswith("const.") else f"the input {name}"
+                raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
+                                 f"that the single-device step never reads")
+            self.sv[v] = by_name[name]
+            self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
+                                   for axes in low.axes[v]])
+            if kind == "buffer" and tuple(low.shapes[v]) != self.gshape(v):
+                self.claim[v] = self.buffer_piece(v)
+            self.check_input(v, name)
+            self.whole_where_held(v)
+        for v, name in split:
+            copies = self.per_microbatch(v)
+            if not copies:
+                own.append((v, name))
+                continue
+            for table in (low.inputs, low.axes, low.constants):  # read by its copies only
+                table.pop(v, None)
+            for u in copies:
+                try:
+                    self.sv[u], self.claim[u] = self.const_piece(u)
+                except LoweringError:
+                    own.append((u, low.inputs[u][1]))
+        self.taken = {self.sv[u] for u in self.sv}
+        for v, name in own:
+            self.sv[v], self.claim[v] = self.own_constant(v, name)
+
+    def own_constant(self, v: int, name: str) -> tuple[int, Claim]:
+        """A constant of this rank that is no piece of any single-device
+        constant (another pad id on one rank): a plan input of its own, a
+        fresh logical tensor no single-device node reads, so nothing ties
+        its value to the single-device step's (docs/soundness.md, "Plans
+        traced from PyTorch", 23). Its readers are aligned with the
+        single-device nodes that read, at the same position, the constant of
+        its shape they match; the verifier then judges them for every value
+        of both, the real ones included."""
+        mine = self.low.constants[v]
+        shape = tuple(self.low.shapes[v])
+        tied: list[int] = []
+        readers = [(node.op, node.dir, node.ins.index(v), key_kwargs(node.kwargs))
+                   for node in self.consumers.get(v, [])]
+        best, hits = None, 0
+        for sv, full in self.b.s.low.constants.items():
+            # of the same shape, or one this rank's would be a piece of
+            # (another routing of its rows: docs/soundness.md, "Plans traced
+            # from PyTorch", 36)
+            if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)) \
+                    or sv not in self.b.s.low.inputs or not self.cut_by_mesh(shape, full.shape):
+                continue
+            n = sum(any(op == k[0] and d == k[1] and len(k[2]) > i and k[2][i] == sv and kw == k[3]
+                        for k in self.b.s.by_key) for op, d, i, kw in readers)
+            if n and n == hits:
+                tied.append(sv)
+            if n > hits:
+                best, hits, tied = sv, n, [sv]
+        if best is None:
+            raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
+                                f"piece of a single-device constant, and no single-device node "
+                                f"reads one of its shape where this rank reads it")
+        if len(tied) > 1:
+            # one per layer: those read by the single-device nodes of this
+            # constant's readers' modules
+            names = {node.name for node in self.consumers.get(v, [])}
+            nodes = self.b.s.low.nodes
+            same = {sv: sum(nodes[c].name in names for k, cs in self.b.s.by_key.items()
+                            if sv in k[2] for c in cs) for sv in tied}
+            top = max(same.values())
+            if top:
+                tied = [sv for sv in tied if same[sv] == top]
+                best = tied[0]
+        left = [sv for sv in tied if sv not in self.taken]
+        if len(tied) > 1 and left:
+            # several read alike (one per expert): the first that no
+            # constant of this rank matched by value (both loops run in one
+            # order); the claim is its own input's either way
+            best = left[0]
+            self.taken.add(best)
+        full = tuple(self.b.s.low.shapes[best])
+        dims: list[list[str]] = [[] for _ in shape]
+        if full != shape:
+            # the piece at this rank's coordinates of an input of the
+            # single-device constant's shape, which no single-device node
+            # reads (another routing of its rows)
+            first = MB_CUTS + CONST_CUTS[0] if self.mb.get(v, -1) >= 0 else CONST_CUTS[0]
+            dims = [self.guess(m, f, order=self.orders((first, CONST_CUTS[1])[min(k, 1)]))
+                    for k, (m, f) in enumerate(zip(shape, full))]
+        self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
+        return best, Claim(dims)
+
+    def check_input(self, v: int, name: str) -> None:
+        """An input's claim is assumed, not proved: its local shape must be its
+        full shape cut by exactly the claimed axes (a library mesh dim read as
+        "dp" that spans only part of the data-parallel ranks, as HSDP's
+        shard dim, would not be)."""
+        full, local = self.gshape(v), self.low.shapes[v]
+        for k, axes in enumerate(self.claim[v].dims):
+            if self.extent(axes, full[k]) != local[k]:
+                raise LoweringError(f"rank {self.low.rank}: input {name} of shape {list(local)} is "
+                                    f"not its {list(full)} cut by {axes or 'no axis'} along dim {k}")
+
+    def const_piece(self, v: int) -> tuple[int, Claim]:
+        """The single-device constant this rank's constant is a piece of: the
+        one whose slice at the rank's coordinates (each smaller dim cut by mesh
+        axes of its ratio, the batch dim by "dp" first) holds exactly its
+        contents. The claim is then true by those contents; no match stops
+        the run."""
+        mine = self.low.constants[v]
+        coords = {**self.low.coords, "mb": self.mb.get(v, -1)}
+        # the batch dim of a constant of one microbatch is first the microbatch's rows
+        # (a constant equal on every row is a piece at several cuts, all true; the
+        # one its readers' other inputs are cut by is the microbatch's)
+        orders = (MB_CUTS + CONST_CUTS[0] if coords["mb"] >= 0 else CONST_CUTS[0], CONST_CUTS[1])
+        found: list[tuple[int, Claim]] = []
+        for sv, full in self.b.s.low.constants.items():
+            if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
+                continue
+            per_dim = [self.cuts(m, f, orders[min(k, 1)])
+                       for k, (m, f) in enumerate(zip(mine.shape, full.shape))]
+            for dims in itertools.product(*per_dim):
+                index = []
+                for axes, m in zip(dims, mine.shape):
+                    i = 0
+                    for a in axes:
+                        i = i * self.sizes[a] + coords[a]
+                    index.append(slice(i * m, (i + 1) * m))
+                if np.array_equal(full[tuple(index)], mine):
+                    found.append((sv, Claim([list(a) for a in dims])))
+                    break
+        if found:
+            # every match is a true claim; several (two experts' masks equal
+            # on this rank's rows) are kept for the first reader to choose
+            if len(found) > 1:
+                self.alternatives[v] = found
+            return found[0]
+        raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
+                            f"piece of a single-device constant")
+
+    def buffer_piece(self, v: int) -> Claim:
+        """A module buffer a recipe cut (``context_parallel`` cuts the
+        buffers it is given along the sequence): claimed, by its shape, as
+        the piece at this rank's coordinates of the first axes of the
+        right ratio in ``BUFFER_CUTS`` (a module's state is the same on
+        every data-parallel rank: never cut by "dp"). The claim is not
+        trusted: ``check.check_loaded`` compares the buffer's values with
+        that piece (docs/soundness.md, "Plans traced from PyTorch", 28)."""
+        return Claim([self.guess(m, f, order=BUFFER_CUTS)
+                      for m, f in zip(self.low.shapes[v], self.gshape(v))])

@@ -1,0 +1,194 @@
+"""A rank's compute nodes matched with the single-device nodes they run: the
+same operator on the aligned inputs, or (a rescaling, a slice of a padded
+piece, another column of one-hot ids, a function of a partial sum) the
+single-device node it is claimed to stand for, a claim the verifier proves."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from fractions import Fraction
+
+from backends.torch.errors import AlignError
+from backends.torch.lowering import LNode
+from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, scope
+
+SCALINGS = ("div", "mul_scalar")
+
+
+def _factor(value) -> Fraction:
+    """A scalar kwarg as the exact rational Z3 reads it (its decimal repr)."""
+    return Fraction(repr(float(value)))
+
+#: Operators a ring runs per key block: aligned with the single-device one
+#: reading the same tensors whatever their mask kwargs
+BLOCK_OPS = ("attention", "attention_grad")
+
+
+class NodeMatching(Pieces):
+    """The single-device node each compute node of a rank runs."""
+
+    alternatives: dict[int, list[tuple[int, Claim]]]
+    used: set[tuple[int, int]]
+    applied: Fraction
+    padded: tuple[int, list[str]] | None
+
+    def align(self, node: LNode) -> list[int]:
+        """The single-device node this compute node runs, or AlignError."""
+        ins = []
+        for v in node.ins:
+            ins.append(-1 if v < 0 else self.sv[v])
+        key = (node.op, node.dir, tuple(ins), key_kwargs(node.kwargs))
+        cands = self.b.s.by_key.get(key)
+        if not cands and node.op in BLOCK_OPS:
+            # a block of the attention: the kernel as called on it (its own
+            # causal flag), over pieces of the single-device tensors
+            cands = [c for k, cs in self.b.s.by_key.items() if k[:3] == key[:3] for c in cs]
+        if not cands:
+            key, cands = self.choose_constants(node, key)
+        for v in node.ins:
+            self.alternatives.pop(v, None)  # chosen by this reader
+        self.applied = Fraction(1)
+        self.padded = None
+        if not cands and node.op == "narrow" and node.dir == "bw":
+            cands = self.padded_piece(node, ins)
+        if not cands and node.op == "narrow" and node.dir == "fw" and len(ins) == 1 \
+                and self.low.inputs.get(node.ins[0], ("",))[0] == "tokens":
+            cands = self.other_column(key)
+        if not cands and node.op in SCALINGS and len(node.ins) == 1:
+            # a rescaling the single-device step does not do (a divide factor):
+            # it claims to be what it rescales, times the factor it applies
+            self.applied = _factor(node.kwargs["value"])
+            if node.op == "div":
+                self.applied = 1 / self.applied
+            return [self.sv[node.ins[0]]]
+        if not cands and node.op != "add" and len(node.ins) == 1 and node.ins[0] >= 0:
+            # a function of a partial sum used as if it were the whole sum (a
+            # stage's own gradient norm): matched with that function of the
+            # whole, so the verifier judges it
+            def key_of(root: int) -> tuple:
+                return (node.op, node.dir, (root,), key_kwargs(node.kwargs))
+
+            whole = self.b.superset(self.b.leaves_of(self.sv[node.ins[0]]),
+                                    lambda root: key_of(root) in self.b.s.by_key)
+            if whole is not None:
+                cands = self.b.s.by_key[key_of(whole)]
+        if not cands:
+            key, cands = self.choose_twins(node, key)
+        if not cands:
+            raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
+                             f"{scope(node.name)} on values the single-device step never "
+                             f"combines that way")
+        for v in node.ins:
+            self.twins.pop(v, None)  # read: its match stays
+        # several single-device nodes compute the same value (e.g. a buffer
+        # expanded in every layer): prefer the one of the same module, then
+        # the one this rank's readers combine as the single-device step does
+        # (an expert-parallel rank's local expert 0 is another global
+        # expert), not yet matched in this microbatch
+        nodes = self.b.s.low.nodes
+        misses = {c: self.readers_missed(node, c) for c in cands} if len(cands) > 1 else {}
+        pick = min(cands, key=lambda c: (nodes[c].name != node.name, misses.get(c, 0),
+                                         (node.mb, c) in self.used,
+                                         nodes[c].kwargs != node.kwargs))
+        self.used.add((node.mb, pick))
+        same = [nodes[c].outs[0] for c in cands if c != pick and len(nodes[c].outs) == 1
+                and nodes[c].kwargs == nodes[pick].kwargs]
+        if same and len(node.outs) == 1:
+            self.twins[node.outs[0]] = same
+        if node.op in SCALINGS and nodes[pick].kwargs.get("value") != node.kwargs.get("value"):
+            # the single-device step scales by another constant (a mean over
+            # the rank's own tokens where the step divides by all of them)
+            ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
+            self.applied = 1 / ratio if node.op == "div" else ratio
+        return self.b.s.low.nodes[pick].outs
+
+    def choose_constants(self, node: LNode, key: tuple) -> tuple[tuple, list[int] | None]:
+        """A reader of constants that match several single-device ones (each
+        claim true by the values): the first choice under which the
+        single-device step runs this node; the choice then holds for every
+        later reader."""
+        slots = [(i, v) for i, v in enumerate(node.ins) if v in self.alternatives]
+        if not slots:
+            return key, None
+        choices = [self.alternatives[v] for _, v in slots]
+        for pick in itertools.product(*choices):
+            ins = list(key[2])
+            for (i, _), (sv, _) in zip(slots, pick):
+                ins[i] = sv
+            trial = (key[0], key[1], tuple(ins), key[3])
+            if self.b.s.by_key.get(trial):
+                for (_, v), (sv, claim) in zip(slots, pick):
+                    self.sv[v], self.claim[v] = sv, claim
+                    del self.alternatives[v]
+                return trial, self.b.s.by_key[trial]
+        return key, None
+
+    def other_column(self, key: tuple) -> list[int]:
+        """The single-device nodes that read another column of the same
+        one-hot ids (``ids != pad`` for another pad id): the same slice
+        along the same dim from another start. Aligned with them, the rank's
+        column is claimed to be theirs, which the verifier refutes unless it
+        is (docs/soundness.md, "Plans traced from PyTorch", 23)."""
+        op, d, ins, kwargs = key
+        rest = tuple(kv for kv in kwargs if kv[0] != "start")
+        return [c for k, cs in self.b.s.by_key.items() if k[:3] == (op, d, ins)
+                and tuple(kv for kv in k[3] if kv[0] != "start") == rest for c in cs]
+
+    def padded_piece(self, node: LNode, ins: list[int]) -> list[int] | None:
+        """The backward of a slice that took this rank's piece of a dim cut by
+        mesh axes (zeros outside the piece) is one term of the sum of the
+        pieces: matched with the single-device backward of the slice of the
+        whole dim, and claimed partial over those axes (``self.padded``)."""
+        g = node.ins[-1]
+        d = node.kwargs["dim"] % len(self.low.shapes[g])
+        axes = self.claim[g].dims[d]
+        if not axes:
+            return None
+        # the claim (this rank's piece, by its coordinates) is proved, not
+        # assumed: a rank that took another piece fails
+        whole = node.kwargs["length"] * math.prod(self.sizes[a] for a in axes)
+        key = (node.op, node.dir, tuple(ins),
+               key_kwargs({**node.kwargs, "start": 0, "length": whole}))
+        cands = self.b.s.by_key.get(key)
+        if cands:
+            self.padded = (d, list(axes))
+        return cands
+
+    def sliced_alike(self, node: LNode) -> bool:
+        """The single-device step has a backward of a slice this ``narrow``
+        backward can be matched with (``padded_piece``, item 13)."""
+        ins = [-1 if v < 0 else self.sv[v] for v in node.ins]
+        found = self.padded_piece(node, ins)
+        self.padded = None
+        return bool(found)
+
+    def aligns(self, node: LNode) -> bool:
+        key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
+               key_kwargs(node.kwargs))
+        return bool(self.b.s.by_key.get(key))
+
+    def computed_split(self, node: LNode, cut: bool = False) -> list[int] | None:
+        """The single-device split this split computes (the same piece of the
+        aligned input), or None: then it is a cut by a mesh axis. With
+        ``cut``, also of a dim that mesh axes cut already (the model's own
+        split of a sharded value, e.g. a fused projection's chunk)."""
+        if node.op != "split" or node.ins[0] not in self.sv:
+            return None
+        key = (node.op, node.dir, (self.sv[node.ins[0]],), key_kwargs(node.kwargs))
+        nodes = self.b.s.low.nodes
+        for c in self.b.s.by_key.get(key, []):
+            if nodes[c].kwargs == node.kwargs and (
+                    cut or not self.claim[node.ins[0]].dims[node.kwargs["dim"]]):
+                return nodes[c].outs
+        return None
+
+    def split_as_single(self, node: LNode, souts: list[int]) -> None:
+        """Claim a split's piece as the single-device split's piece it stands
+        for (the claim is proved: a split that does not follow the shards
+        fails at this node)."""
+        self.sv[node.outs[0]] = souts[0]
+        self.mb[node.outs[0]] = node.mb if node.mb >= 0 else self.mb.get(node.ins[0], -1)
+        self.infer(node)
+        self.applied = Fraction(1)
+        self.claim[node.outs[0]].scale = self.scales_of(node)[0]
