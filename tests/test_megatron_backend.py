@@ -91,6 +91,16 @@ def test_mtp_verifies_and_its_local_count_normalization_fails():
     assert "torch suite: 2 of 2 as expected" in run.stdout, run.stdout[-2000:]
 
 
+def test_mtp_at_tp2_and_with_two_microbatches_verifies_and_its_local_counts_fail():
+    """The MTP block's vocabulary-parallel lookup of the rolled ids verifies at
+    TP 2; with 2 microbatches (a loss mask of each microbatch) at DP 2 TP 2
+    too; each microbatch's MTP loss divided by its own count of kept tokens
+    (Megatron-LM issue 7452) FAILs at TP 2 with 2 microbatches."""
+    run = _suite("megatron tp2 mtp", "megatron dp2 tp2 mtp", "megatron bug mtp tp2")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
+
+
 def test_a_strided_shard_is_refused_in_one_line(tmp_path):
     """A gated MLP's fused linear_fc1 is strided across tensor-parallel ranks
     (``partition_stride`` 2): refused, exit 2, one line."""

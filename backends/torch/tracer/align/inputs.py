@@ -45,7 +45,7 @@ class InputMatching(Pieces):
         low, b, sizes = self.low, self.b, self.sizes
         by_name = {name: v for v, (_, name) in b.s.low.inputs.items()}
         own: list[tuple[int, str]] = []  # constants no single-device one holds
-        split: list[tuple[int, str]] = []  # constants read in several microbatches
+        split: list[tuple[int, str]] = []  # constants claimed per microbatch
         for v, (kind, name) in low.inputs.items():
             if name not in by_name and v in low.constants:
                 if self.microbatch_rows(v):
