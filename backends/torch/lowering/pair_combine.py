@@ -265,6 +265,9 @@ def _into_pairs(lw: Any, dest: Any, at: np.ndarray, src: Rows, rows: int) -> Ass
                                                              src.index)
     if same and not isinstance(dest, Assembled):
         return None
+    flat = np.where(at < 0, at + rows, at)
+    if flat.ndim != 1 or len(np.unique(flat)) != len(flat):
+        return None  # rows summed at one row (a repeating gather's backward): not pair rows
     return written(lw, dest if isinstance(dest, Assembled) else None, at, src, rows)
 
 
