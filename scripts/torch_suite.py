@@ -32,6 +32,7 @@ from backends.torch.errors import WrongStep  # noqa: E402
 from backends.torch.lowering import LoweringError  # noqa: E402
 from backends.torch.tracer.check import LoadedValueMismatch  # noqa: E402
 from main import verify  # noqa: E402
+from verdict.diagnosis import diagnose  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"
 SCALING = "backends.torch.scaling_recipes:"
@@ -784,6 +785,9 @@ def run_case(argv: str, singles: dict) -> tuple[int, str]:
     if verdict.success:
         return 0, ""
     first = verdict.message.splitlines()[0] if verdict.message else ""
+    if verdict.kind == "stage":  # a failing stage: its diagnosis in the model's names
+        lead = diagnose(verdict, plan_s, plan_p)
+        first = lead[0] if lead else first
     return (3 if verdict.kind == "internal" else 1), first
 
 
