@@ -118,6 +118,9 @@ CASES: list[tuple[str, str, int]] = [
     # decoder at the layer count)
     ("hf bart dp2", "--hf bart --dp 2 --tp 1", 0),
     ("hf bart ddp avg bug", "--hf bart --recipe ddp_avg --dp 2 --tp 1", 1),
+    # positions looked up at a constant index of two dims (Whisper's decoder)
+    ("hf whisper dp2", "--hf whisper --dp 2 --tp 1", 0),
+    ("hf whisper ddp avg bug", "--hf whisper --recipe ddp_avg --dp 2 --tp 1", 1),
     # masks of lengths counted from the ids (XLM's), a cache started empty
     ("hf xlm dp2", "--hf xlm --dp 2 --tp 1", 0),
     ("hf xlm ddp avg bug", "--hf xlm --recipe ddp_avg --dp 2 --tp 1", 1),
