@@ -32,6 +32,7 @@ from backends.torch.errors import WrongStep  # noqa: E402
 from backends.torch.lowering import LoweringError  # noqa: E402
 from backends.torch.tracer.check import LoadedValueMismatch  # noqa: E402
 from main import verify  # noqa: E402
+from verdict.diagnosis import diagnose  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"
 SCALING = "backends.torch.scaling_recipes:"
@@ -119,6 +120,9 @@ CASES: list[tuple[str, str, int]] = [
     # decoder at the layer count)
     ("hf bart dp2", "--hf bart --dp 2 --tp 1", 0),
     ("hf bart ddp avg bug", "--hf bart --recipe ddp_avg --dp 2 --tp 1", 1),
+    # positions looked up at a constant index of two dims (Whisper's decoder)
+    ("hf whisper dp2", "--hf whisper --dp 2 --tp 1", 0),
+    ("hf whisper ddp avg bug", "--hf whisper --recipe ddp_avg --dp 2 --tp 1", 1),
     # masks of lengths counted from the ids (XLM's), a cache started empty
     ("hf xlm dp2", "--hf xlm --dp 2 --tp 1", 0),
     ("hf xlm ddp avg bug", "--hf xlm --recipe ddp_avg --dp 2 --tp 1", 1),
@@ -884,6 +888,9 @@ def run_case(argv: str, singles: dict) -> tuple[int, str]:
     if verdict.success:
         return 0, ""
     first = verdict.message.splitlines()[0] if verdict.message else ""
+    if verdict.kind == "stage":  # a failing stage: its diagnosis in the model's names
+        lead = diagnose(verdict, plan_s, plan_p)
+        first = lead[0] if lead else first
     return (3 if verdict.kind == "internal" else 1), first
 
 
