@@ -721,6 +721,7 @@ CASES += [
     # its own tensor-parallel plan (a softmax backward at the piece DTensor cuts of the
     # router's output: docs/soundness.md, "Plans traced from PyTorch", 4X-strided33 g)
     ("moe titan deepseek_v3 parallelize_deepseekv3 dp1 tp2", f"{DEEPSEEK} --dp 1 --tp 2", 0),
+    ("moe titan deepseek_v3 parallelize_deepseekv3 dp2 tp2", f"{DEEPSEEK} --dp 2 --tp 2", 0),
     # expert parallelism: torchtitan's all-to-all token dispatcher, uneven splits
     # (docs/soundness.md, "Plans traced from PyTorch", 37)
     ("moe titan deepseek_v3 parallelize_deepseekv3 dp2 ep2", f"{DEEPSEEK_EP} --dp 2 --tp 1", 0),
