@@ -184,3 +184,83 @@ def ulysses_tagger_full(**kw) -> UlyssesTagger:
     model = UlyssesTagger(**kw)
     model.causal = False
     return model
+
+
+class UlyssesBlock(nn.Module):
+    """A residual attention block with Ulysses' all-to-alls (a stage of
+    ``UlyssesStack``): the attention and exchanges of ``UlyssesTagger``."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.group = None
+        self.exchange = "single"
+        self.layout = "bshd"
+        self.fault = ""
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Linear(hidden, hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+
+    seq_to_heads = UlyssesTagger.seq_to_heads
+    heads_to_seq = UlyssesTagger.heads_to_seq
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        a, b = h.shape[:2]
+        q, k, v = (f(h).view(a, b, -1, self.head_dim) for f in (self.q, self.k, self.v))
+        if self.group is not None:
+            q, k, v = (_Exchange.apply(t, self, True) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                           is_causal=True).transpose(1, 2)
+        if self.group is not None:
+            y = _Exchange.apply(y, self, False)
+        return h + self.proj(y.reshape(a, b, -1))
+
+
+class UlyssesStack(nn.Module):
+    """Learned positions, ``layers`` Ulysses blocks and a per-position head,
+    laid out for pipelining: ``forward(x)`` runs the modules this rank
+    keeps (the token table and positions on the first stage, the head on
+    the last; ``keep``), ``forward(tokens, labels)`` the whole step's loss;
+    ``loss`` is a schedule's loss function (the summed cross-entropy over
+    the step's token count)."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del ffn
+        self.global_tokens = 0
+        self.position_offset = 0
+        self.embed = nn.Embedding(vocab, hidden)
+        self.positions = nn.Embedding(seqlen, hidden)
+        self.blocks = nn.ModuleDict({str(i): UlyssesBlock(hidden, heads) for i in range(layers)})
+        self.head = nn.Linear(hidden, vocab)
+        self.first, self.last = True, True
+
+    def keep(self, stage: int, stages: int) -> None:
+        """Keep, in place, the modules of pipeline stage ``stage`` of ``stages``."""
+        n = len(self.blocks)
+        mine = range(stage * n // stages, (stage + 1) * n // stages)
+        self.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in mine})
+        self.first, self.last = stage == 0, stage == stages - 1
+        if not self.first:
+            self.embed = self.positions = None
+        if not self.last:
+            self.head = None
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return total / (self.global_tokens or labels.numel())
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            start = self.position_offset
+            x = self.embed(x) + self.positions(torch.arange(start, start + x.shape[1]))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.last:
+            x = self.head(torch.tanh(x))
+        return x if labels is None else self.loss(x, labels)
+
+
+def ulysses_stack(**kw) -> UlyssesStack:
+    return UlyssesStack(**kw)
