@@ -735,6 +735,8 @@ CASES += [
     ("cp ulysses cp2 causal (DeepSpeed's all_to_all_single)",
      f"{ULY_MODEL} --recipe {ULY}ulysses --mesh cp=2", 0),
     ("cp ulysses cp4 causal", f"{ULY_MODEL} --recipe {ULY}ulysses --mesh cp=4", 0),
+    ("cp ulysses cp2 all_to_all_single_autograd (the functional collective)",
+     f"{ULY_MODEL} --recipe {ULY}ulysses_functional --mesh cp=2", 0),
     ("cp ulysses cp2 all_to_all of pieces (VeOmni's)",
      f"{ULY_MODEL} --recipe {ULY}ulysses_list --mesh cp=2", 0),
     ("cp ulysses cp2 [seq, batch, heads, dim]",

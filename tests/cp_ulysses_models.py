@@ -11,6 +11,9 @@ sequence, gather the heads). On one device (no group) both are the identity.
   tensor reshaped so that dim 0 numbers the destination, then the received
   blocks moved back into place (``_single_seq_to_heads``,
   ``_single_heads_to_seq``).
+- ``exchange="functional"``: DeepSpeed's layout moves around PyTorch's
+  differentiable ``all_to_all_single_autograd`` (autograd runs the inverse
+  exchange in the backward itself).
 - ``exchange="list"``: VeOmni's way, ``torch.distributed.all_to_all`` of the
   pieces ``tensor_split`` cuts along the scattered dim, concatenated along
   the gathered one (``_list_all_to_all``).
@@ -45,7 +48,20 @@ def _list_all_to_all(x: torch.Tensor, scatter: int, gather: int, group, reverse:
     return torch.cat(recv[::-1] if reverse else recv, dim=gather).contiguous()
 
 
-def _single_seq_to_heads(x: torch.Tensor, seq: int, group) -> torch.Tensor:
+def _exchange_rows(t: torch.Tensor, group, differentiable: bool) -> torch.Tensor:
+    """Block j of t's rows to member j: ``dist.all_to_all_single`` into a new
+    tensor (inside an autograd function), or the functional collective that
+    autograd differentiates itself (``differentiable``)."""
+    if differentiable:
+        import torch.distributed._functional_collectives as funcol
+        return funcol.all_to_all_single_autograd(t, None, None, group)
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=group)
+    return out
+
+
+def _single_seq_to_heads(x: torch.Tensor, seq: int, group, differentiable: bool = False
+                         ) -> torch.Tensor:
     """DeepSpeed's all-to-all scattering the heads (dim 2) and gathering the
     sequence (``seq``: 1 for [b, s, h, d], 0 for [s, b, h, d])."""
     n = dist.get_world_size(group)
@@ -53,8 +69,7 @@ def _single_seq_to_heads(x: torch.Tensor, seq: int, group) -> torch.Tensor:
     h = shape[2] // n
     # [..., n, h/n, d] with the destination moved to dim 0
     t = x.reshape(*shape[:2], n, h, shape[3]).movedim(2, 0).contiguous()
-    out = torch.empty_like(t)
-    dist.all_to_all_single(out, t, group=group)
+    out = _exchange_rows(t, group, differentiable)
     # out[j] is member j's chunk of the sequence: put it before the local positions
     out = out.movedim(0, seq)
     full = list(shape)
@@ -63,8 +78,8 @@ def _single_seq_to_heads(x: torch.Tensor, seq: int, group) -> torch.Tensor:
     return out.reshape(full).contiguous()
 
 
-def _single_heads_to_seq(x: torch.Tensor, seq: int, group, reverse: bool = False
-                         ) -> torch.Tensor:
+def _single_heads_to_seq(x: torch.Tensor, seq: int, group, reverse: bool = False,
+                         differentiable: bool = False) -> torch.Tensor:
     """The inverse of ``_single_seq_to_heads``: scatter the sequence, gather
     the heads (reversed with ``reverse``: a mistake)."""
     n = dist.get_world_size(group)
@@ -72,8 +87,7 @@ def _single_heads_to_seq(x: torch.Tensor, seq: int, group, reverse: bool = False
     s = shape[seq] // n
     split = shape[:seq] + [n, s] + shape[seq + 1:]
     t = x.reshape(split).movedim(seq, 0).contiguous()
-    out = torch.empty_like(t)
-    dist.all_to_all_single(out, t, group=group)
+    out = _exchange_rows(t, group, differentiable)
     if reverse:
         out = out.flip(0)
     # out[j] holds member j's heads of this rank's chunk: heads j*h .. (j+1)*h
@@ -130,7 +144,7 @@ class UlyssesTagger(nn.Module):
             if self.fault == "swapped":
                 return _list_all_to_all(x, seq, 2, self.group)
             return _list_all_to_all(x, 2, seq, self.group)
-        return _single_seq_to_heads(x, seq, self.group)
+        return _single_seq_to_heads(x, seq, self.group, self.exchange == "functional")
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse of ``seq_to_heads``."""
@@ -140,7 +154,7 @@ class UlyssesTagger(nn.Module):
             if self.fault == "swapped":
                 return _list_all_to_all(x, 2, seq, self.group)
             return _list_all_to_all(x, seq, 2, self.group, reverse)
-        return _single_heads_to_seq(x, seq, self.group, reverse)
+        return _single_heads_to_seq(x, seq, self.group, reverse, self.exchange == "functional")
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         start = self.position_offset
@@ -150,14 +164,18 @@ class UlyssesTagger(nn.Module):
             h = h.transpose(0, 1)
         a, b = h.shape[:2]
         q, k, v = (f(h).view(a, b, -1, self.head_dim) for f in (self.q, self.k, self.v))
-        if self.group is not None:
+        if self.group is not None and self.exchange == "functional":
+            q, k, v = (self.seq_to_heads(t) for t in (q, k, v))
+        elif self.group is not None:
             q, k, v = (_Exchange.apply(t, self, True) for t in (q, k, v))
         # SDPA's [batch, heads, seq, dim]
         order = (0, 2, 1, 3) if self.layout == "bshd" else (1, 2, 0, 3)
         y = F.scaled_dot_product_attention(*(t.permute(order) for t in (q, k, v)),
                                            is_causal=self.causal)
         y = y.permute(0, 2, 1, 3) if self.layout == "bshd" else y.permute(2, 0, 1, 3)
-        if self.group is not None:
+        if self.group is not None and self.exchange == "functional":
+            y = self.heads_to_seq(y)
+        elif self.group is not None:
             y = _Exchange.apply(y, self, False)
         h = h + self.proj(y.reshape(a, b, -1))
         if self.layout == "sbhd":

@@ -48,6 +48,13 @@ def ulysses(model, mesh):
     return _summed(model, mesh)
 
 
+def ulysses_functional(model, mesh):
+    """The all-to-alls as PyTorch's differentiable functional collective
+    (``all_to_all_single_autograd``) over "cp"; gradients summed."""
+    _ulysses(model, mesh, "functional")
+    return _summed(model, mesh)
+
+
 def ulysses_list(model, mesh):
     """VeOmni's all-to-all (``all_to_all`` of pieces) over "cp"; gradients summed."""
     _ulysses(model, mesh, "list")
