@@ -18,7 +18,8 @@ mistakes"). With ``--clip``, the single-device gradients are clipped by
 torch's ``clip_grad_norm_`` and every rank's by its ``--clipper`` (the
 backend's default when none is given). Pipelining recipes are not run,
 except Megatron's (its own schedule runs over gloo; every stage's
-gradients are compared).
+gradients are compared), and those run with ``--mesh`` (PyTorch's
+schedule for one step, every stage's gradients compared).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from backends.torch.__main__ import model_kwargs, resolve, user_mesh  # noqa: E4
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.tracer.mesh import build as build_mesh  # noqa: E402
 from backends.torch.tracer.mesh import coords as mesh_coords  # noqa: E402
-from backends.torch.tracer.pipeline import OwnSchedule  # noqa: E402
+from backends.torch.tracer.pipeline import OwnSchedule, PipelineStep  # noqa: E402
 from backends.torch.tracer.rank import load, recipe_result, sequence_chunk, train_context  # noqa: E402
 
 
@@ -76,6 +77,17 @@ def _single_grads(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return grads
 
 
+def _pipelined(step: PipelineStep, mesh, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+    """One step of a pipelining recipe's schedule on this rank's rows: the
+    first stage feeds the tokens, the last the labels."""
+    if step.accumulation != 1:
+        raise ValueError("pipelining recipes with gradient accumulation are not run")
+    stage, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    schedule = step.schedule(tokens)
+    kwargs = {"target": labels} if stage == stages - 1 else {}
+    schedule.step(*((tokens,) if stage == 0 else ()), **kwargs)
+
+
 def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -102,6 +114,9 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
         with train_context(model):
             if isinstance(after, OwnSchedule):  # a library's own schedule (Megatron's)
                 after.run(tokens[rows], labels[rows])
+                after = after.after_backward
+            elif isinstance(after, PipelineStep):  # PyTorch's schedule over "pp"
+                _pipelined(after, mesh, tokens[rows], labels[rows])
                 after = after.after_backward
             else:
                 runner(tokens[rows], labels[rows]).backward()
@@ -154,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     args.mesh = user_mesh(args)  # --mesh: its layout as args' pp, dp, tp, cp
     args.cp = args.cp if args.mesh is not None else 1
     args.rtol = opts.rtol
-    if args.pp != 1 and "megatron" not in args.recipe:
-        print("pipelining recipes are not run (Megatron's are)", file=sys.stderr)
+    if args.pp != 1 and args.mesh is None and "megatron" not in args.recipe:
+        print("pipelining recipes are run with --mesh only (and Megatron's)", file=sys.stderr)
         return 2
     world = args.pp * args.dp * args.cp * args.tp
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:

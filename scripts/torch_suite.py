@@ -830,6 +830,8 @@ CASES += [
     ("cp ulysses cp2 causal (DeepSpeed's all_to_all_single)",
      f"{ULY_MODEL} --recipe {ULY}ulysses --mesh cp=2", 0),
     ("cp ulysses cp4 causal", f"{ULY_MODEL} --recipe {ULY}ulysses --mesh cp=4", 0),
+    ("cp ulysses cp2 all_to_all_single_autograd (the functional collective)",
+     f"{ULY_MODEL} --recipe {ULY}ulysses_functional --mesh cp=2", 0),
     ("cp ulysses cp2 all_to_all of pieces (VeOmni's)",
      f"{ULY_MODEL} --recipe {ULY}ulysses_list --mesh cp=2", 0),
     ("cp ulysses cp2 [seq, batch, heads, dim]",
@@ -850,6 +852,12 @@ CASES += [
      f"{ULY_MODEL} --recipe {ULY}ulysses_averaged --mesh dp=2,cp=2", 1),
     ("cp ulysses bug positions not shifted per cp rank",
      f"{ULY_MODEL} --recipe {ULY}ulysses_unshifted --mesh cp=2", 1),
+    ("cp ulysses pp2 cp2 (GPipe, a Ulysses block per stage)",
+     f"--model tests.cp_ulysses_models:ulysses_stack {ULY_SIZES.replace('--layers 1', '--layers 2')} "
+     f"--recipe {ULY}ulysses_pp --mesh pp=2,cp=2", 0),
+    ("cp ulysses bug pp2 cp2 positions not shifted per cp rank",
+     f"--model tests.cp_ulysses_models:ulysses_stack {ULY_SIZES.replace('--layers 1', '--layers 2')} "
+     f"--recipe {ULY}ulysses_pp_unshifted --mesh pp=2,cp=2", 1),
     # torchtitan's own CP (backends/torch/zoo/titan.py, parallelize_cp): every rank traced
     # through the step, CP's ring on the CPU (cp_shim), refused at rank.check_cp (the ring's
     # blocks are claimed by no single-device tensor yet)

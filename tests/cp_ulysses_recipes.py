@@ -48,6 +48,13 @@ def ulysses(model, mesh):
     return _summed(model, mesh)
 
 
+def ulysses_functional(model, mesh):
+    """The all-to-alls as PyTorch's differentiable functional collective
+    (``all_to_all_single_autograd``) over "cp"; gradients summed."""
+    _ulysses(model, mesh, "functional")
+    return _summed(model, mesh)
+
+
 def ulysses_list(model, mesh):
     """VeOmni's all-to-all (``all_to_all`` of pieces) over "cp"; gradients summed."""
     _ulysses(model, mesh, "list")
@@ -107,3 +114,41 @@ def ulysses_list_wrong_order(model, mesh):
     """Bug: ulysses_wrong_order with VeOmni's all-to-all."""
     _ulysses(model, mesh, "list", fault="order")
     return _summed(model, mesh)
+
+
+def ulysses_pp(model, mesh, shift: bool = True):
+    """Pipeline parallelism over "pp" (GPipe, two microbatches; each rank
+    keeps its stage of ``UlyssesStack``) with Ulysses over "cp" inside every
+    stage: the activations between stages are the rank's chunk of the
+    sequence; gradients summed over cp and dp."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from backends.torch.tracer.pipeline import PipelineStep
+    pp, cp = mesh["pp"], mesh["cp"]
+    stage, stages = pp.get_local_rank(), pp.size()
+    model.keep(stage, stages)
+    for block in model.blocks.values():
+        block.group = cp.get_group()
+    width = model.blocks[next(iter(model.blocks))].q.in_features
+    vocab = model.head.out_features if model.head is not None else 0
+    if model.positions is not None and shift:
+        total = model.positions.num_embeddings
+        model.position_offset = cp.get_local_rank() * (total // cp.size())
+
+    def schedule(tokens):
+        rows, seq = tokens.shape[0] // 2, tokens.shape[1]
+        hidden = torch.empty(rows, seq, width, dtype=torch.float64, requires_grad=True)
+        last = torch.empty(rows, seq, vocab, dtype=torch.float64, requires_grad=True)
+        built = PipelineStage(model, stage, stages, torch.device("cpu"),
+                              input_args=tokens[:rows] if stage == 0 else hidden,
+                              output_args=last if stage == stages - 1 else hidden,
+                              group=pp.get_group())
+        return ScheduleGPipe(built, 2, loss_fn=model.loss, scale_grads=False)
+
+    return PipelineStep(schedule, 1, lambda model, mesh: _reduce(model, mesh, ("cp", "dp")))
+
+
+def ulysses_pp_unshifted(model, mesh):
+    """Bug: ulysses_pp with every cp rank's positions left at the first chunk's."""
+    return ulysses_pp(model, mesh, shift=False)
