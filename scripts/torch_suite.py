@@ -650,7 +650,17 @@ CASES += [
     ("moe mixtral combine with another token's gate refused (a permutation no single-device op "
      "runs)", f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 2),
     ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
-    ("moe mixtral ep refused (all-to-all dispatch)", "--hf mixtral --recipe ep_fsdp --dp 2 --tp 1", 2),
+    ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "
+     "combined per token)", "--hf mixtral --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf qwen3_moe ep2", "--hf qwen3_moe --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf olmoe ep2", "--hf olmoe --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf deepseek_v3 ep2 (group-limited router, a shared expert)",
+     "--hf deepseek_v3 --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf mixtral ep2 bug expert grads 2x (pytorch 160285: each rank's own mean, FSDP's "
+     "default division, the experts' shard group of one rank)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_expert_grads_undivided --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf mixtral ep2 bug fsdp avg (every gradient's mean over its shard group: dense 1/2 x)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_fsdp_avg --dp 2 --tp 1 --ep 2", 1),
     ("moe mixtral tied router scores (two experts take every token, two none)",
      "--model backends.torch.hf_moe:tied_mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 0),
     ("moe mixtral aux loss per rank (the load-balancing loss of each rank's tokens, not the step's)",
