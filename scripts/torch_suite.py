@@ -652,6 +652,10 @@ CASES += [
     ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
     ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "
      "combined per token)", "--hf mixtral --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf mixtral ep2 skewed routing (batch 8, seed 9: 22, 25, 7, 10 tokens per expert)",
+     "--hf mixtral --dp 2 --tp 1 --ep 2 --batch 8 --seed 9", 0),
+    ("moe hf mixtral ep2 an expert with no token on a rank (seed 5: expert 1's two tokens from "
+     "rank 1 only)", "--hf mixtral --dp 2 --tp 1 --ep 2 --seed 5", 0),
     ("moe hf qwen3_moe ep2", "--hf qwen3_moe --dp 2 --tp 1 --ep 2", 0),
     ("moe hf olmoe ep2", "--hf olmoe --dp 2 --tp 1 --ep 2", 0),
     ("moe hf deepseek_v3 ep2 (group-limited router, a shared expert)",

@@ -314,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     except LoadedValueMismatch as e:
         print(f"FAIL: {e}")
         return 1
+    except Exception as e:  # an internal error is no verdict: never exit 0 or 1
+        print(f"internal error (no verdict): {type(e).__name__}: {e}", file=sys.stderr)
+        return 3
     print(f"verify them: python main.py --sm {sm} --pm {pm}")
     return 0
 
