@@ -665,6 +665,14 @@ CASES += [
      f"--hf mixtral --recipe {MOE_BUGS}ep_expert_grads_undivided --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug fsdp avg (every gradient's mean over its shard group: dense 1/2 x)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_fsdp_avg --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf mixtral ep2 token to another expert refused (the receiver's masks, inputs of their "
+     "own, not aligned: a FAIL is left to do)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 2),
+    ("moe hf mixtral ep2 wrong split size refused (as above)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 2),
+    ("moe hf mixtral ep2 combine with another token's gate refused (its backward sends rows, "
+     "not a token's gradient times its gates)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_combine_other_gate --dp 2 --tp 1 --ep 2", 2),
     ("moe mixtral tied router scores (two experts take every token, two none)",
      "--model backends.torch.hf_moe:tied_mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 0),
     ("moe mixtral aux loss per rank (the load-balancing loss of each rank's tokens, not the step's)",
