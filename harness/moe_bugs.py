@@ -284,3 +284,12 @@ def ep_expert_grads_undivided(model, mesh):
     model.global_tokens //= mesh["dp"].size()
     _fsdp_default_division(model.hf)
     return after
+
+
+def ep_fsdp_avg(model, mesh):
+    """transformers' expert parallelism with FSDP's default divide factor
+    (the mean over each module's shard group) and the loss shared out over
+    the step: the dense gradients 1/dp of the single-device ones."""
+    after = _ep(model, mesh)
+    _fsdp_default_division(model.hf)
+    return after

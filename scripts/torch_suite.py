@@ -709,7 +709,29 @@ CASES += [
     ("moe mixtral combine with another token's gate refused (a permutation no single-device op "
      "runs)", f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 2),
     ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
-    ("moe mixtral ep refused (all-to-all dispatch)", "--hf mixtral --recipe ep_fsdp --dp 2 --tp 1", 2),
+    ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "
+     "combined per token)", "--hf mixtral --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf mixtral ep2 skewed routing (batch 8, seed 9: 22, 25, 7, 10 tokens per expert)",
+     "--hf mixtral --dp 2 --tp 1 --ep 2 --batch 8 --seed 9", 0),
+    ("moe hf mixtral ep2 an expert with no token on a rank (seed 5: expert 1's two tokens from "
+     "rank 1 only)", "--hf mixtral --dp 2 --tp 1 --ep 2 --seed 5", 0),
+    ("moe hf qwen3_moe ep2", "--hf qwen3_moe --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf olmoe ep2", "--hf olmoe --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf deepseek_v3 ep2 (group-limited router, a shared expert)",
+     "--hf deepseek_v3 --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf mixtral ep2 bug expert grads 2x (pytorch 160285: each rank's own mean, FSDP's "
+     "default division, the experts' shard group of one rank)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_expert_grads_undivided --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf mixtral ep2 bug fsdp avg (every gradient's mean over its shard group: dense 1/2 x)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_fsdp_avg --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf mixtral ep2 token to another expert refused (the receiver's masks, inputs of their "
+     "own, not aligned: a FAIL is left to do)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 2),
+    ("moe hf mixtral ep2 wrong split size refused (as above)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 2),
+    ("moe hf mixtral ep2 combine with another token's gate refused (its backward sends rows, "
+     "not a token's gradient times its gates)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_combine_other_gate --dp 2 --tp 1 --ep 2", 2),
     ("moe mixtral tied router scores (two experts take every token, two none)",
      "--model backends.torch.hf_moe:tied_mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 0),
     ("moe mixtral aux loss per rank (the load-balancing loss of each rank's tokens, not the step's)",

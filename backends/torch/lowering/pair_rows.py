@@ -209,9 +209,7 @@ def combine(lw: Any, x: Weighted, out_shape: tuple[int, ...]) -> int:
     o, t = token_rows(lw, a)
     parts = []
     for g, v in enumerate(a.values):
-        hit = a.group == g
-        if not hit.any():
-            continue
+        hit = a.group == g  # no pair of these tokens reads g: its term is zero here
         f = own_rows(lw, v, o, t)
         shape = tuple(lw.shapes[f])
         s = _slot_pick(lw, x.w, hit.astype(np.float64))
@@ -234,9 +232,7 @@ def gate_grad(lw: Any, x: Dotted, out_shape: tuple[int, ...]) -> int:
     k = a.group.shape[1]
     parts = []
     for g, v in enumerate(a.values):
-        hit = a.group == g
-        if not hit.any():
-            continue
+        hit = a.group == g  # no pair of these tokens reads g: its term is zero here
         f = own_rows(lw, v, o, t)
         shape = tuple(lw.shapes[f])
         prod = lw.emit("mul", [x.g, f], [shape])[0]
@@ -271,8 +267,6 @@ def gathered_back(lw: Any, a: Assembled, tokens: np.ndarray, shape: tuple[int, .
     parts = []
     for g, v in enumerate(a.values):
         hit = live & (group == g)
-        if not hit.any():
-            continue
         f = own_rows(lw, v, o, t)
         count = np.bincount(tokens[hit], minlength=t).astype(np.float64)
         parts.append(lw.emit("mul", [f, _column(lw, count, tuple(lw.shapes[f]))],

@@ -67,6 +67,11 @@ class InputMatching(Pieces):
                 raise AlignError(f"rank {low.rank} reads {what} of shape {list(low.shapes[v])} "
                                  f"that the single-device step never reads")
             self.sv[v] = by_name[name]
+            unknown = sorted({a for axes in low.axes[v] for a in self.atomic(axes)} - set(sizes))
+            if unknown:
+                raise LoweringError(f"rank {low.rank}: {name} is cut by the mesh dim "
+                                    f"{unknown[0]!r}, which spans ranks of more than one of the "
+                                    f"mesh's own dims: such a cut is not lowered")
             self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
                                    for axes in low.axes[v]])
             if kind == "buffer" and tuple(low.shapes[v]) != self.gshape(v):
