@@ -956,8 +956,8 @@ class _Rank:
             return
         if node.op == "attention_grad":
             self.infer_attention_grad(node)
-            return
-        self.infer(node)
+        else:
+            self.infer(node)
         if self.padded is not None:
             d, axes = self.padded
             c = self.claim[node.outs[0]]
@@ -1107,9 +1107,11 @@ class _Rank:
         the keys, over the keys')."""
         dout, q, k, v = node.ins[:4]
         partial: set[str] = set()
+        mbs = None
         for x in node.ins:
             if x >= 0:
                 partial |= self.claim[x].partial
+                mbs = mbs or self.claim[x].mbs
         cq, ck = self.claim[q], self.claim[k]
         q_whole, k_whole = self.whole_rows(q), self.whole_rows(k)
         for_q, for_kv = set(partial), set(partial)
@@ -1129,7 +1131,8 @@ class _Rank:
                 continue
             c = self.claim[like]
             self.mb[o] = mb
-            self.claim[o] = Claim([list(d) for d in c.dims], frozenset(part), c.mbs, c.scale, c.at,
+            self.claim[o] = Claim([list(d) for d in c.dims], frozenset(part),
+                                  mbs if "mb" in part else None, c.scale, c.at,
                                   steps if "step" in part else None)
             self.check(o)
 
