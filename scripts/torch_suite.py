@@ -836,6 +836,8 @@ CASES += [
      f"{CP_SIZES} --seqlen 8", 0),
     ("cp ring bug a block merged with another block's lse",
      f"{CP_RING}ring_other_lse --mesh cp=2 {CP_SIZES}", 1),
+    ("cp ring bug the merged lse without its shift (alltoall)",
+     f"{CP_RING}ring_lse_unshifted --mesh cp=2 {CP_SIZES}", 1),
     ("cp ring load-balanced refused (a rank's head and tail chunks are not claimed yet)",
      f"{CP_RING}ring_balanced --mesh cp=2 {CP_SIZES}", 2),
 ]

@@ -114,6 +114,32 @@ def ring_other_lse(model, mesh):
     return cp_sum(model, mesh)
 
 
+def _unshifted(merger):
+    import torch.nn.functional as F
+
+    class Unshifted(merger):
+        """The merged log-sum-exp written without its shift: ``-logsigmoid(lse
+        - lse_b)`` where it is ``lse - logsigmoid(lse - lse_b)`` (the running
+        lse, which the sigmoid form's log-sum-exp is taken relative to, left
+        out); the outputs are merged right."""
+
+        def _merge_one(self, block_out, block_lse, partial):
+            before = self._lse
+            super()._merge_one(block_out, block_lse, partial)
+            if before is None or partial:
+                return
+            lse_b = block_lse.unsqueeze(-1) if block_lse.dim() < block_out.dim() else block_lse
+            self._lse = -F.logsigmoid(before - lse_b)
+    return Unshifted
+
+
+def ring_lse_unshifted(model, mesh):
+    """Bug: PyTorch's ring (all-to-all rotation) whose merge drops the shift
+    of the merged log-sum-exp; the backward, which reads it, is wrong."""
+    model.train_context = lambda: _Ring(mesh["cp"], "alltoall", _unshifted)
+    return cp_sum(model, mesh)
+
+
 def ring_balanced(model, mesh):
     """PyTorch's ring with its head-tail load balancer on (refused: a rank's
     two chunks are not claimed yet)."""

@@ -1,8 +1,9 @@
 """cp: PyTorch's own ring attention (``context_parallel``'s SDPA dispatcher,
 through the CPU shim) traced, lowered and verified as it ships, forward and
 backward (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31): both
-rotations verify; a merge that takes another block's log-sum-exp fails at
-the attention on the rank that merges it; the head-tail load balancer is
+rotations verify; a merge that takes another block's log-sum-exp, or drops
+the merged one's shift, fails at the attention on the rank that merges it;
+the head-tail load balancer is
 refused in one line. Real gloo runs agree (scripts/gloo_truth.py, the suite's
 ``cp ring`` cases)."""
 
@@ -29,8 +30,11 @@ def test_ring_verifies(recipe, capsys) -> None:
     assert "SUCCESS" in out
 
 
-def test_a_block_merged_with_another_blocks_lse_fails_at_the_attention(capsys) -> None:
-    code, out = _run("ring_other_lse", capsys)
+@pytest.mark.parametrize("recipe", ["ring_other_lse", "ring_lse_unshifted"])
+def test_a_wrong_merge_fails_at_the_attention(recipe, capsys) -> None:
+    """Another block's lse (the merged out is wrong), or the merged lse
+    without its shift (the out is right, the lse the backward reads is not)."""
+    code, out = _run(recipe, capsys)
     assert code == 1, out
     assert "operator attention" in out and "rank 1" in out
 

@@ -301,8 +301,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
             return
         if node.op == "attention_grad":
             self.infer_attention_grad(node)
-            return
-        self.infer(node)
+        else:
+            self.infer(node)
         if self.padded is not None:
             d, axes = self.padded
             c = self.claim[node.outs[0]]
@@ -604,9 +604,11 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
         the keys, over the keys')."""
         dout, q, k, v = node.ins[:4]
         partial: set[str] = set()
+        mbs = None
         for x in node.ins:
             if x >= 0:
                 partial |= self.claim[x].partial
+                mbs = mbs or self.claim[x].mbs
         cq, ck = self.claim[q], self.claim[k]
         q_whole, k_whole = self.whole_rows(q), self.whole_rows(k)
         for_q, for_kv = set(partial), set(partial)
@@ -626,7 +628,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
                 continue
             c = self.claim[like]
             self.mb[o] = mb
-            self.claim[o] = Claim([list(d) for d in c.dims], frozenset(part), c.mbs, c.scale, c.at,
+            self.claim[o] = Claim([list(d) for d in c.dims], frozenset(part),
+                                  mbs if "mb" in part else None, c.scale, c.at,
                                   steps if "step" in part else None)
             self.check(o)
 

@@ -259,7 +259,8 @@ def sequence_chunk(rows: torch.Tensor, c: int, cp: int) -> torch.Tensor:
     """Context-parallel rank ``c``'s piece of ``rows`` [batch, seq]: chunk c
     of ``cp`` equal chunks of the sequence, as ``context_parallel``'s
     buffers are cut without a load balancer (the whole when cp is 1). A
-    ring attention run is refused (``check_cp``)."""
+    ring attention run with the head-tail load balancer on is refused
+    (``check_cp``)."""
     seqlen = rows.shape[1]
     if seqlen % cp:
         raise ValueError(f"the sequence length {seqlen} is not a multiple of the "
