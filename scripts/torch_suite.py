@@ -741,7 +741,7 @@ CASES += [
      f"{DEEPSEEK.split(' --recipe')[0]} --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
      "--dp 2 --tp 1", 1),
     # its own tensor-parallel plan (a softmax backward at the piece DTensor cuts of the
-    # router's output: docs/soundness.md, "Plans traced from PyTorch", 4X-strided33 g)
+    # router's output: docs/soundness.md, "Plans traced from PyTorch", 50 g)
     ("moe titan deepseek_v3 parallelize_deepseekv3 dp1 tp2", f"{DEEPSEEK} --dp 1 --tp 2", 0),
     ("moe titan deepseek_v3 parallelize_deepseekv3 dp2 tp2", f"{DEEPSEEK} --dp 2 --tp 2", 0),
     # expert parallelism: torchtitan's all-to-all token dispatcher, uneven splits
@@ -776,7 +776,7 @@ CASES += [
 
 #: Megatron-Core's MoE layer (local spec, its all-to-all token dispatcher, top-2 of four
 #: experts) in its GPTModel, parallelized and run by Megatron (docs/soundness.md, "Plans
-#: traced from PyTorch", 47 and 4X-mmoe30d)
+#: traced from PyTorch", 47 and 48)
 MEGATRON_MOE = "--model backends.torch.megatron:moe_gpt --recipe backends.torch.megatron:"
 CASES += [
     ("moe megatron ep2 tp2 sp etp1 (the experts over the tensor-parallel ranks)",
@@ -825,7 +825,7 @@ CASES += [
      f"{CP_TABLE} --recipe {CP}cp_table_other_chunk --mesh cp=2", 1),
     # PyTorch's own ring attention (context_parallel's SDPA dispatcher, through the
     # CPU shim), causal, forward and backward as they ship (docs/soundness.md,
-    # "Plans traced from PyTorch", 4X-ring31)
+    # "Plans traced from PyTorch", 53)
     ("cp ring allgather cp2", f"{CP_RING}ring_allgather --mesh cp=2 {CP_SIZES}", 0),
     ("cp ring alltoall cp2", f"{CP_RING}ring_alltoall --mesh cp=2 {CP_SIZES}", 0),
     ("cp ring allgather cp4", f"{CP_RING}ring_allgather --mesh cp=4 {CP_SIZES} --seqlen 8", 0),

@@ -1,6 +1,6 @@
 """cp: PyTorch's own ring attention (``context_parallel``'s SDPA dispatcher,
 through the CPU shim) traced, lowered and verified as it ships, forward and
-backward (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31): both
+backward (docs/soundness.md, "Plans traced from PyTorch", 53): both
 rotations verify; a merge that takes another block's log-sum-exp, or drops
 the merged one's shift, fails at the attention on the rank that merges it;
 the head-tail load balancer is

@@ -1,5 +1,5 @@
 """The rules Megatron-Core's expert-parallel step rests on
-(docs/soundness.md, "Plans traced from PyTorch", 4X-mmoe30d), each on
+(docs/soundness.md, "Plans traced from PyTorch", 48), each on
 small arrays: blocks of one grouped result put side by side, and the
 replayed routing of a sequence-first model's rows."""
 

@@ -2,7 +2,7 @@
 ``VocabParallelEmbedding`` of the labels its multi-token prediction rolls,
 ``backends/torch/lowering/vocab_picks.py``), and values read for their
 shape only (``backends/torch/lowering/context.py`` ``live_events``);
-docs/soundness.md, "Plans traced from PyTorch", 4X-megdist32. The lookup
+docs/soundness.md, "Plans traced from PyTorch", 49. The lookup
 is written here without Megatron, on one device: the vocabulary in two
 tables of half its rows, each looked up as a tensor-parallel rank does."""
 

@@ -3,7 +3,7 @@ single-device constant, read alike in every microbatch
 (``backends/torch/tracer/build.py`` ``_Rank.per_microbatch``; GPTModel's
 all-ones loss mask, rolled, in Megatron's multi-token prediction with 2
 microbatches); docs/soundness.md, "Plans traced from PyTorch",
-4X-megdist32 (c). Here a Llama whose loss keeps every position but the
+49 (c). Here a Llama whose loss keeps every position but the
 last of each row, by a mask made from the labels' shape, run through
 PyTorch's 1F1B schedule at pp 2 with 2 microbatches."""
 

@@ -1,5 +1,5 @@
 """The facts the pair-row sums rely on are checked on the recorded picks,
-never assumed (docs/soundness.md, "Plans traced from PyTorch", 4X-hfep30):
+never assumed (docs/soundness.md, "Plans traced from PyTorch", 54):
 a token's pairs must read its own row, no token may read one expert's
 value twice, two writes may not land on one row."""
 

@@ -3,7 +3,7 @@
 added back at a recorded index that repeats (the backward of ``x[idx]``
 when its gradient is a computed tensor): the lowered single-device step
 computes the loss and gradients torch computed (docs/soundness.md, "Plans
-traced from PyTorch", 4X-hfep30). Quick, in-process."""
+traced from PyTorch", 54). Quick, in-process."""
 
 from __future__ import annotations
 

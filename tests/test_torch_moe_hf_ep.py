@@ -47,7 +47,7 @@ def test_ep_flag() -> None:
 def test_mixtral_ep2_verifies_for_the_routing_it_names() -> None:
     """The ranks run transformers' all-to-all dispatch (the token counts
     answered in passes), the experts loop over the received pairs and the
-    combine (docs/soundness.md, "Plans traced from PyTorch", 4X-hfep30): a
+    combine (docs/soundness.md, "Plans traced from PyTorch", 54): a
     SUCCESS naming the routing."""
     pytest.importorskip("transformers")
     from main import verify

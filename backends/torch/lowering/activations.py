@@ -468,7 +468,7 @@ class Written(Pending):
     ``starts[d] + k steps[d]`` along each dim d; disjoint), read as
     ``shape``. Read as a tensor only when the regions cover it: every entry
     is then the value written there (docs/soundness.md, "Plans traced from
-    PyTorch", 45 and 4X-strided33)."""
+    PyTorch", 45 and 50)."""
     sizes: tuple[int, ...]
     shape: tuple[int, ...]
     blocks: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
@@ -499,7 +499,7 @@ class Written(Pending):
         whole along every other dim): the ``cat`` of the regions, each seen
         ``(n, 1)`` along d, in the order of their starts, seen as the dim
         again (docs/soundness.md, "Plans traced from PyTorch",
-        4X-strided33 (d)). None when they are not such."""
+        50 (d)). None when they are not such."""
         count = len(self.blocks)
         dims = {d for starts, steps, _ in self.blocks for d, k in enumerate(steps) if k > 1}
         if count < 2 or len(dims) != 1:
@@ -542,7 +542,7 @@ def partial_write(lw: Lowerer, args, kwargs, shapes, group):
     gives the region: a start, length and step per dim): the tensor with
     those entries replaced by the view's new value, pieced together with
     ``narrow``, zero padding, reshapes and ``cat`` (docs/soundness.md,
-    "Plans traced from PyTorch", 39d and 4X-strided33). Regions written into
+    "Plans traced from PyTorch", 39d and 50). Regions written into
     a tensor made by ``torch.empty`` (MiniCPM3's keys, filled by two
     ``copy_`` into halves; an interleaved rotary embedding's even and odd
     positions) are kept until they cover it (``Written``)."""

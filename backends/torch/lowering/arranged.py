@@ -1,5 +1,5 @@
 """An all-to-all of a rearranged tensor, read through the views after it
-(docs/soundness.md, "Plans traced from PyTorch", 4X-ulysses31).
+(docs/soundness.md, "Plans traced from PyTorch", 52).
 
 Ulysses-style context parallelism (DeepSpeed, VeOmni) reshapes and permutes
 a tensor so that dim 0 numbers the destination, runs an all-to-all, and

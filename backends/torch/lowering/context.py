@@ -81,7 +81,7 @@ class Lowered:
     #: a ring attention's merged out or lse -> ("out" or "lse", q, k, v): the
     #: attention of the rank's query over the keys and values k and v are
     #: pieces of (the shim's ``ring_result``; docs/soundness.md, "Plans
-    #: traced from PyTorch", 4X-ring31 (d))
+    #: traced from PyTorch", 53 (d))
     anchors: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
 
 

@@ -470,7 +470,7 @@ def _compared(op: str):
         with b's rows too when b is computed (``sum_jk [a == j] [b == k]
         [j op k]``). Exact wherever a and b take the integers their bounds
         say (docs/soundness.md, "Plans traced from PyTorch",
-        4X-outside33d). cpmant's ``arange(S) < length[:, None]``, its equal
+        51). cpmant's ``arange(S) < length[:, None]``, its equal
         segments."""
         def lower(lw: Lowerer, args, kwargs, shapes, group):
             a, b = args[0], args[1]

@@ -158,7 +158,7 @@ def put_region(lw: Lowerer, x: int | None, starts: list[int], steps: list[int], 
     values, the span from the start is padded with ``s - 1`` zeros and seen
     as ``(n, s)``: the written entries are then the block at column 0 of
     that dim pair, and the padding is cut off again (docs/soundness.md,
-    "Plans traced from PyTorch", 4X-strided33)."""
+    "Plans traced from PyTorch", 50)."""
     shape = tuple(lw.shapes[x]) if x is not None else tuple(shape)
     if x in lw.zeros_made:
         x = None

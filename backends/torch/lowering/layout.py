@@ -256,7 +256,7 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
         # a region of a contiguous input, as the recorder found it: the
         # input seen with the region's base shape, narrowed (every step-th
         # entry along a strided dim), seen with the view's shape
-        # (soundness.md, "Plans traced from PyTorch", 39d and 4X-strided33)
+        # (soundness.md, "Plans traced from PyTorch", 39d and 50)
         sizes, region = block[0], region_dims(block[1])
         x = lw.reshape(x, tuple(sizes))
         x = take_region(lw, x, [start for start, _, _, _ in region],

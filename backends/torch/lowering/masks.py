@@ -419,7 +419,7 @@ def _masked_softmax(lw: Lowerer, m: Masked, dim: int) -> int:
         # a row with no kept position (NaN in torch, which a finite step
         # fills away): 0 here, its sum made 1 by the row's flag of having
         # none, ``1 - max(K)`` (docs/soundness.md, "Plans traced from
-        # PyTorch", 4X-outside33d)
+        # PyTorch", 51)
         any_kept = lw.emit("max", [keep], [row], {"dim": len(shape) - 1, "keepdim": True})[0]
         total = lw.emit("sub", [lw.emit("add_scalar", [total], [row], {"value": 1.0})[0],
                                 any_kept], [row])[0]

@@ -398,7 +398,7 @@ def sdpa(lw: Lowerer, args, kwargs, shapes, group):
 def _attention(lw: Lowerer, args, kwargs, shapes) -> list[int]:
     """The kernel without a mask: the rule table's ``attention`` of the query
     and the keys and values (grouped heads repeated), its two outputs the
-    kernel's two (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31 (c)).
+    kernel's two (docs/soundness.md, "Plans traced from PyTorch", 53 (c)).
     One operator on both plans, so that a ring's blocks (the same kernel
     over a key block) and the single-device attention align."""
     q, keys, values, scale, _, causal, _ = sdpa_inputs(lw, args, kwargs)

@@ -7,7 +7,7 @@ so (``cat([k.flatten(), v.flatten()])``, ``_AllGatherRotater``,
 
 The collective is written as its definition with point-to-point
 operators, piece by piece (docs/soundness.md, "Plans traced from
-PyTorch", 4X-ring31): an all-gather sends each of the rank's pieces to
+PyTorch", 53): an all-gather sends each of the rank's pieces to
 every other member and receives each member's pieces (``Gathers``, whose
 chunk per member is that member's ``Bucket``); an all-to-all whose input
 splits send the whole pack to one member and whose output splits take a

@@ -1,6 +1,6 @@
 """An experts loop on the (token, slot) rows an expert-parallel dispatch
 received, and the combine of their results back per token
-(docs/soundness.md, "Plans traced from PyTorch", 4X-hfep30); the pending
+(docs/soundness.md, "Plans traced from PyTorch", 54); the pending
 values and the sums they meet are in ``pair_rows``.
 
 - rows of rows of the C-fold copy of x (``recv[token_idx]``, the dispatch's

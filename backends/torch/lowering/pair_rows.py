@@ -1,6 +1,6 @@
 """Token-space values behind (token, slot) rows: the pending values and
 handler bodies the ``pair_combine`` family registers (docs/soundness.md,
-"Plans traced from PyTorch", 4X-hfep30). A helper module: it registers
+"Plans traced from PyTorch", 54). A helper module: it registers
 nothing.
 
 An expert-parallel step in the style of transformers' ``AllToAllEP`` moves

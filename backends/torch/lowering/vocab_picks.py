@@ -456,7 +456,7 @@ def embedding(base: Handler) -> Handler:
     the model rolled): the one-hot columns ``[lo, hi)`` times ``w``, equal to
     the recorded lookup once the rows of ids outside are zeroed
     (``RowsLookup``); docs/soundness.md, "Plans traced from PyTorch",
-    4X-megdist32."""
+    49."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         ids = _env(lw, args[1])
         if not isinstance(ids, Local):

@@ -172,7 +172,7 @@ class _Builder:
         return found[0][1] if found else None
 
     def loose_number(self) -> int:
-        """A fresh number for a loose value's part (4X-ring31 (e))."""
+        """A fresh number for a loose value's part (53 (e))."""
         self.loose += 1
         return self.loose
 
@@ -470,7 +470,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
         return v >= 0 and v in self.claim and self.claim[v].loose
 
     def make_loose(self, node: LNode, bases: list[int] | None = None) -> None:
-        """Every output of ``node`` a loose value (4X-ring31 (e)): claimed as
+        """Every output of ``node`` a loose value (53 (e)): claimed as
         the leading corner of a single-device tensor its shape fits in (its
         base: ``bases``, else a loose input's or its producer's other
         output, else the first that fits),
@@ -534,7 +534,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
         return None
 
     def accumulates_steps(self, node: LNode) -> bool:
-        """An addition of a ring's parts (4X-ring31 (f)): exact zeros plus a
+        """An addition of a ring's parts (53 (f)): exact zeros plus a
         value (the accumulator's start: the value's claim); a value summing
         steps [lo, hi) plus exact zeros (a skipped block: step hi); two
         pieces of one single-device value with the same dims, summing
@@ -570,7 +570,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
 
     def anchored(self, nodes: list[LNode]) -> list[LNode]:
         """``nodes``, with the ring's merged out and lse among their outputs
-        claimed as the single-device attention's (4X-ring31 (d))."""
+        claimed as the single-device attention's (53 (d))."""
         for node in nodes:
             for o in node.outs:
                 if o in self.low.anchors:
@@ -598,7 +598,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
     def infer_attention_grad(self, node: LNode) -> None:
         """dq has the query's layout, dk and dv the keys' and values'. A block
         of a ring (query rows and key rows both pieces) gives parts of the
-        ring step (query chunk - key chunk) mod cp (4X-ring31 (f)); with all
+        ring step (query chunk - key chunk) mod cp (53 (f)); with all
         keys and a piece of the queries, dk and dv are partial over the axes
         cutting the queries' rows (and dq, with all queries and a piece of
         the keys, over the keys')."""
@@ -640,7 +640,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
         sees are kc <= qc: dq is part qc - kc of qc + 1, dk part qc - kc of
         C - kc (the query chunks that see it); else part (qc - kc) mod C of
         C. The label is the ring step the block runs at, so a ring's sums
-        cover adjacent ranges (4X-ring31 (f))."""
+        cover adjacent ranges (53 (f))."""
         q, k = node.ins[1], node.ins[2]
         qr, kr = self.view(q)[0][-2], self.view(k)[0][-2]
         chunk = self.low.shapes[q][-2]
@@ -667,7 +667,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
         that cat's output its inputs make, claimed as the piece of the mesh
         axes whose coordinates on this rank give that block (the claim is
         proved like any). False when it is none (docs/soundness.md, "Plans
-        traced from PyTorch", 4X-mmoe30d)."""
+        traced from PyTorch", 48)."""
         d, mine = node.kwargs["dim"], [self.sv[v] for v in node.ins]
         claims = [self.claim[v] for v in node.ins]
         first = claims[0]
@@ -1090,7 +1090,7 @@ class _Writer:
         attention over part of the keys whose merge no ring result names:
         a ring written by hand, outside the CP shim) is refused in one line:
         it names no single-device value, so no claim about it could be
-        proved (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31 (e))."""
+        proved (docs/soundness.md, "Plans traced from PyTorch", 53 (e))."""
         for r in self.rs.values():
             finals = [*r.low.losses, *(g for g in r.low.grads.values() if g is not None)]
             if any(r.is_loose(v) for v in finals):

@@ -275,7 +275,7 @@ def check_cp(cp: int) -> None:
     PyTorch's head-tail load balancer on: a rank's buffers then hold two
     chunks of the sequence (c and 2 cp - 1 - c), which the backend does not
     claim as two pieces yet. Without it the ring is traced and verified
-    (docs/soundness.md, "Plans traced from PyTorch", 4X-ring31)."""
+    (docs/soundness.md, "Plans traced from PyTorch", 53)."""
     if cp == 1 or "torch.distributed.tensor.experimental._context_parallel._attention" \
             not in sys.modules:
         return

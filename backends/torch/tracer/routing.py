@@ -142,7 +142,7 @@ def check_rows_are_blocks(single: dict, dp: int) -> None:
     flattened, position outer: Megatron-Core's) with data parallelism: a
     rank's tokens are then a strided set of the single-device rows (its
     batch rows at every position), which no claim of a block states
-    (docs/soundness.md, "Plans traced from PyTorch", 4X-mmoe30d g)."""
+    (docs/soundness.md, "Plans traced from PyTorch", 48 g)."""
     from backends.torch.errors import LoweringError
     if single.get("routing") and single.get("sequence_first") and dp > 1:
         raise LoweringError("a routed mixture of experts in a sequence-first model with data "

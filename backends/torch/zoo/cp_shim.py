@@ -98,7 +98,7 @@ def ring_result(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: 
     values, as they are (copies): it names, for the trace, what the merge
     computed (the attention of that query over the keys and values the
     local ones are pieces of; docs/soundness.md, "Plans traced from
-    PyTorch", 4X-ring31 (d)). It computes nothing, so a real run is
+    PyTorch", 53 (d)). It computes nothing, so a real run is
     unchanged."""
     del query, key, value
     return out.clone(), lse.clone()

@@ -37,12 +37,12 @@ class Claim:
     at: dict[str, int] | None = None
     #: partial over the ring's steps ("step"): the parts [lo, hi) of n it sums,
     #: n the key (or query) blocks that contribute to it (docs/soundness.md,
-    #: "Plans traced from PyTorch", 4X-ring31 (f))
+    #: "Plans traced from PyTorch", 53 (f))
     steps: tuple[int, int, int] | None = None
     #: a value of no single-device tensor (a ring block's softmax over part of
     #: its keys, a running merge): its number k > 0, whole along its own
     #: shape, part 0 of a partial maximum of size -(k + 1) that no other
-    #: tensor uses, so never grouped (4X-ring31 (e)); 0 for any other value
+    #: tensor uses, so never grouped (53 (e)); 0 for any other value
     loose: int = 0
 
 
