@@ -187,6 +187,9 @@ class _TypeMethod:
 
     def __init__(self, original: Any):
         self.original = original
+        # named as the method it wraps: code that lists Tensor's methods by
+        # name (torch.overrides) keeps working in the same process
+        self.__name__ = self.__qualname__ = getattr(original, "__name__", "type")
 
     def __get__(self, tensor: torch.Tensor | None, owner: type) -> Any:
         if tensor is None:
