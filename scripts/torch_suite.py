@@ -361,9 +361,6 @@ CASES: list[tuple[str, str, int]] = [
      "--model gpt2_smooth --recipe ddp_smoothing_first_rank --dp 2 --tp 1", 1),
     ("gpt2_smooth_mean bug smoothing differs on one rank, AVG",
      "--model gpt2_smooth_mean --recipe ddp_avg_unsmoothed_first_rank --dp 2 --tp 1", 1),
-    ("titan deepseek_v3 debugmodel dp2 tp2 refused (tensor parallelism of its MoE not lowered)",
-     "--model backends.torch.titan:deepseek_v3_debugmodel --recipe "
-     "backends.torch.titan:parallelize_deepseekv3 --dp 2 --tp 2 --vocab 2048 --batch 4", 2),
     # recipes as users write them (tests/outside_recipes.py; docs/torch-backend.md, "Recipes
     # written with PyTorch's own APIs")
     ("outside mlp_mean ddp dp2", f"--model mlp_mean --recipe {OUTSIDE}ddp --dp 2 --tp 1", 0),

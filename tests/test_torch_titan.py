@@ -26,21 +26,16 @@ def test_titan_debugmodel_tp2_verifies() -> None:
     assert {t.rank for t in plan_p.tensors} == {0, 1}
 
 
-def test_deepseek_v3_tensor_parallelism_is_refused_with_its_reason() -> None:
-    """Its top-k routing is traced recorded (tests/test_torch_moe.py; the
-    suite's "moe titan" cases); expert and tensor parallelism are refused,
-    the reason named (the suite runs it end to end: exit 2)."""
-    from backends.torch.zoo.titan import parallelize_deepseekv3
-
-    class Dim:
-        def __init__(self, n: int) -> None:
-            self.n = n
-
-        def size(self) -> int:
-            return self.n
-
-    with pytest.raises(ValueError, match="all-to-all dispatch is not lowered"):
-        parallelize_deepseekv3(None, {"tp": Dim(2), "pp": Dim(1), "dp": Dim(1)})
+def test_deepseek_v3_tensor_parallelism_verifies() -> None:
+    """torchtitan's DeepSeek-V3 under its own tensor-parallel plan (the
+    attention's and the experts' own, the routing recorded and replayed):
+    every rank's loss and gradients as the single-device step's."""
+    argv = ["--model", "backends.torch.titan:deepseek_v3_debugmodel", "--recipe",
+            "backends.torch.titan:parallelize_deepseekv3", "--dp", "1", "--tp", "2",
+            "--vocab", "2048"]
+    (plan_s, plan_p), _ = trace_and_build(parser().parse_args(argv))
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
 
 
 def test_layers_cut_or_repeat_the_flavors_blocks() -> None:

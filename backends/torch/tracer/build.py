@@ -27,7 +27,7 @@ from backends.torch.lowering import LNode, Lowered, LoweringError
 from backends.torch.tracer.align.claim import DP_SUBAXES, Claim, key_kwargs, rank_coords, scope
 from backends.torch.tracer.align.collectives import Collectives
 from backends.torch.tracer.align.dims import Dims
-from backends.torch.tracer.align.inputs import CONST_CUTS, InputMatching
+from backends.torch.tracer.align.inputs import CONST_CUTS, MB_CUTS, InputMatching
 from backends.torch.tracer.align.nodes import NodeMatching
 from backends.torch.tracer.align.rows import Rows
 from backends.torch.tracer.align.sums import Sums
@@ -361,13 +361,17 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims):
         del self.consumers[v]
         return copies
 
-    def cut_by_mesh(self, local: tuple[int, ...], full: tuple[int, ...]) -> bool:
-        """Every dim of ``full`` cut into ``local`` by some axes of the mesh
-        (``own_constant``'s guess can claim a piece of that shape)."""
+    def cut_by_mesh(self, local: tuple[int, ...], full: tuple[int, ...],
+                    microbatch: bool = False) -> bool:
+        """Every dim of ``full`` cut into ``local`` by some axes of the mesh,
+        the batch dim of a constant of one microbatch also by the
+        microbatches (``own_constant``'s guess can claim a piece of that
+        shape)."""
+        first = MB_CUTS + CONST_CUTS[0] if microbatch else CONST_CUTS[0]
         try:
             for k, (m, f) in enumerate(zip(local, full)):
                 if m != f:
-                    self.guess(m, f, order=self.orders(CONST_CUTS[min(k, 1)]))
+                    self.guess(m, f, order=self.orders((first, CONST_CUTS[1])[min(k, 1)]))
         except LoweringError:
             return False
         return True

@@ -114,7 +114,8 @@ class InputMatching(Pieces):
             # (another routing of its rows: docs/soundness.md, "Plans traced
             # from PyTorch", 36)
             if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)) \
-                    or sv not in self.b.s.low.inputs or not self.cut_by_mesh(shape, full.shape):
+                    or sv not in self.b.s.low.inputs \
+                    or not self.cut_by_mesh(shape, full.shape, self.mb.get(v, -1) >= 0):
                 continue
             n = sum(any(op == k[0] and d == k[1] and len(k[2]) > i and k[2][i] == sv and kw == k[3]
                         for k in self.b.s.by_key) for op, d, i, kw in readers)

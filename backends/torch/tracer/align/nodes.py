@@ -87,6 +87,7 @@ class NodeMatching(Pieces):
         # (an expert-parallel rank's local expert 0 is another global
         # expert), not yet matched in this microbatch
         nodes = self.b.s.low.nodes
+        cands = self.shaped_alike(node, cands)
         misses = {c: self.readers_missed(node, c) for c in cands} if len(cands) > 1 else {}
         pick = min(cands, key=lambda c: (nodes[c].name != node.name, misses.get(c, 0),
                                          (node.mb, c) in self.used,
@@ -102,6 +103,22 @@ class NodeMatching(Pieces):
             ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
+
+    def shaped_alike(self, node: LNode, cands: list[int]) -> list[int]:
+        """Of several candidates, those whose outputs this node's outputs can
+        be pieces of (as many dims, none larger): a ``ones`` of shape [2, 4]
+        keys alike with every ``ones`` (sizes are left out of keys) but
+        runs only the [4, 4] one's. All of them when none is."""
+        if len(cands) < 2:
+            return cands
+        shapes = self.low.shapes
+        full = self.b.s.low.shapes
+
+        def fits(c: int) -> bool:
+            return all(o < 0 or so < 0 or (len(shapes[o]) == len(full[so]) and all(
+                m <= f for m, f in zip(shapes[o], full[so])))
+                for o, so in zip(node.outs, self.b.s.low.nodes[c].outs))
+        return [c for c in cands if fits(c)] or cands
 
     def choose_constants(self, node: LNode, key: tuple) -> tuple[tuple, list[int] | None]:
         """A reader of constants that match several single-device ones (each
