@@ -886,6 +886,9 @@ CASES += [
     ("cp titan llama3 debugmodel cp2",
      "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
      "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2", 0),
+    ("cp titan llama3 debugmodel dp2 cp2 (FSDP2 over dp x cp)",
+     "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
+     "--vocab 2048 --seqlen 8 --batch 4 --mesh dp=2,cp=2", 0),
     ("cp titan bug llama3 debugmodel cp2 positions of the next chunk",
      "--model backends.torch.titan:llama3_debugmodel "
      "--recipe backends.torch.titan:parallelize_cp_other_chunk "
