@@ -880,11 +880,19 @@ CASES += [
      f"--model tests.cp_ulysses_models:ulysses_stack {ULY_SIZES.replace('--layers 1', '--layers 2')} "
      f"--recipe {ULY}ulysses_pp_unshifted --mesh pp=2,cp=2", 1),
     # torchtitan's own CP (backends/torch/zoo/titan.py, parallelize_cp): every rank traced
-    # through the step, CP's ring on the CPU (cp_shim), refused at rank.check_cp (the ring's
-    # blocks are claimed by no single-device tensor yet)
-    ("cp titan llama3 debugmodel cp2 refused (torchtitan's ring attention: not claimed yet)",
+    # through the step, CP's ring on the CPU (cp_shim), the rotary table gathered at the
+    # rank's positions read as its one row (docs/soundness.md, "Plans traced from PyTorch",
+    # 55); gloo agrees on each (scripts/gloo_truth.py --rtol 1e-6: CP merges in float32)
+    ("cp titan llama3 debugmodel cp2",
      "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
-     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2", 2),
+     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2", 0),
+    ("cp titan llama3 debugmodel dp2 cp2 (FSDP2 over dp x cp)",
+     "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
+     "--vocab 2048 --seqlen 8 --batch 4 --mesh dp=2,cp=2", 0),
+    ("cp titan bug llama3 debugmodel cp2 positions of the next chunk",
+     "--model backends.torch.titan:llama3_debugmodel "
+     "--recipe backends.torch.titan:parallelize_cp_other_chunk "
+     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2", 1),
 ]
 
 def cpu_seconds() -> float:

@@ -189,14 +189,26 @@ def parallelize_cp(model: TitanLM, mesh):
     positions are torchtitan's own ``cp_shard`` of the sequence's (no load
     balancer, so the rank's tokens are chunk c of the sequence, as the
     backend cuts them); CP's ring attention runs on the CPU through
-    ``cp_shim``. The ring is not verified yet: the run is refused in one
-    line (``rank.check_cp``, exit 2) after every rank is traced."""
+    ``cp_shim``. The rotary table gathered at the rank's positions is one
+    row per batch row (docs/soundness.md, "Plans traced from PyTorch",
+    55)."""
+    return _parallelize_cp(model, mesh, shift=0)
+
+
+def parallelize_cp_other_chunk(model: TitanLM, mesh):
+    """``parallelize_cp`` with a bug: the positions given to ``cp_shard``
+    are the sequence's rolled by one chunk, so rank c rotates its tokens
+    (chunk c) by the angles of chunk c + 1 (gloo differs)."""
+    return _parallelize_cp(model, mesh, shift=model.seqlen // _size(mesh, "cp"))
+
+
+def _parallelize_cp(model: TitanLM, mesh, shift: int):
     from torchtitan.distributed.context_parallel import cp_shard
 
     from backends.torch.zoo import cp_shim
     cp_shim.apply()
     rows = model.global_tokens // (model.seqlen * _size(mesh, "dp"))
-    positions = torch.arange(model.seqlen).expand(rows, model.seqlen).contiguous()
+    positions = torch.arange(model.seqlen).roll(-shift).expand(rows, model.seqlen).contiguous()
     dims = _dims(mesh)
     (model.positions,), _ = cp_shard(dims.get_mesh("cp"), (positions,), None, None)
     return parallelize(model, mesh, dims=dims)

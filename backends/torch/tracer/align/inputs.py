@@ -23,9 +23,27 @@ CONST_CUTS = ((("dp",), ("tp",), ("cp",), ("dp", "tp"), ("dp", "cp")),
 #: data-parallel rank's (dp major, as the batch is laid out)
 MB_CUTS = (("dp", "mb"), ("mb",))
 
+#: Operators that broadcast a size-1 dim of either input (the rule table's
+#: "with broadcasting" ones): a constant repeated along a dim they read as
+#: its one row (``InputMatching.slim_constant``)
+BROADCASTING = ("add", "mul", "sub")
+
 #: The mesh axes a module buffer a recipe cut may be cut by, in the order
 #: they are tried (``InputMatching.buffer_piece``)
 BUFFER_CUTS = (("cp",), ("tp",), ("cp", "tp"))
+
+
+def _holds_block(full: np.ndarray, mine: np.ndarray) -> bool:
+    """Whether ``full`` holds ``mine`` as one of the blocks of ``mine``'s
+    shape that tile it."""
+    if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
+        return False
+    counts = [f // m for f, m in zip(full.shape, mine.shape)]
+    for at in itertools.product(*(range(c) for c in counts)):
+        index = tuple(slice(i * m, (i + 1) * m) for i, m in zip(at, mine.shape))
+        if np.array_equal(full[index], mine):
+            return True
+    return False
 
 
 class InputMatching(Pieces):
@@ -54,7 +72,11 @@ class InputMatching(Pieces):
                 try:
                     self.sv[v], self.claim[v] = self.const_piece(v)
                 except LoweringError:
-                    split.append((v, name))
+                    slim = self.slim_constant(v)
+                    if slim is None:
+                        split.append((v, name))
+                    else:
+                        self.sv[v], self.claim[v] = slim
                 continue
             tied = b.s.low.ties.get(name) if kind == "param" else None
             if name not in by_name and tied is not None:
@@ -81,6 +103,7 @@ class InputMatching(Pieces):
         for v, name in split:
             copies = self.per_microbatch(v)
             if not copies:
+                self.slim_constant(v, keep=True)
                 own.append((v, name))
                 continue
             for table in (low.inputs, low.axes, low.constants):  # read by its copies only
@@ -127,6 +150,14 @@ class InputMatching(Pieces):
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
                                 f"reads one of its shape where this rank reads it")
+        if len(tied) > 1:
+            # several read alike (a rotary table's two parts): those that hold
+            # this rank's values as some block (another rank's piece, the
+            # wrong chunk), if any; a choice of the single-device readers to
+            # align with only, the constant stays an input of its own
+            holding = [sv for sv in tied if _holds_block(self.b.s.low.constants[sv], mine)]
+            tied = holding or tied
+            best = tied[0]
         if len(tied) > 1:
             # one per layer: those read by the single-device nodes of this
             # constant's readers' modules
@@ -204,6 +235,62 @@ class InputMatching(Pieces):
             return found[0]
         raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
                             f"piece of a single-device constant")
+
+    def slim_constant(self, v: int, keep: bool = False) -> tuple[int, Claim] | None:
+        """A constant repeated along some dims (every slice along each equal
+        to the first), read only by broadcasting operators whose other input
+        has that dim's size, as the one slice: its readers compute the same
+        values from either (broadcasting repeats the slice), so the rank's
+        program is unchanged, and the slice is matched as a piece of a
+        single-device constant of size 1 there (a rotary table gathered at
+        the rank's positions, one row per batch row, where the single-device
+        step reads it once for all rows: docs/soundness.md, "Plans traced
+        from PyTorch", 55). None when no slice is a piece: the constant is
+        then left as it was, or with ``keep`` (a constant about to be an
+        input of its own, ``own_constant``, judged for every value) as its
+        slice along every such dim."""
+        mine = self.low.constants[v]
+        shape = tuple(self.low.shapes[v])
+        readers = self.consumers.get(v, [])
+        if not readers or mine.ndim != len(shape):
+            return None
+        repeated = [k for k in range(mine.ndim) if shape[k] > 1
+                    and np.array_equal(mine, np.broadcast_to(mine.take([0], axis=k), shape))]
+
+        def kept_by_readers(k: int) -> bool:
+            for node in readers:
+                if node.op not in BROADCASTING or node.dir != "fw" or len(node.ins) != 2 \
+                        or node.ins.count(v) != 1 or len(node.outs) != 1:
+                    return False
+                other = self.low.shapes[node.ins[1 - node.ins.index(v)]]
+                if len(other) != len(shape) or other[k] != shape[k] \
+                        or tuple(self.low.shapes[node.outs[0]]) != tuple(
+                            max(a, b) for a, b in zip(other, shape)):
+                    return False
+            return True
+
+        repeated = [k for k in repeated if kept_by_readers(k)]
+        trials = [repeated] + [[k] for k in repeated] if len(repeated) > 1 else [repeated]
+        for dims in trials:
+            if not dims:
+                continue
+            one = mine
+            for k in dims:
+                one = one.take([0], axis=k)
+            self.low.constants[v], self.low.shapes[v] = one, tuple(one.shape)
+            try:
+                return self.const_piece(v)
+            except LoweringError:
+                pass
+        self.low.constants[v], self.low.shapes[v] = mine, shape
+        if repeated and keep:
+            # no piece: read as the one slice all the same (the same
+            # program), a constant of its own (own_constant)
+            one = mine
+            for k in repeated:
+                one = one.take([0], axis=k)
+            self.low.constants[v], self.low.shapes[v] = one, tuple(one.shape)
+        return None
 
     def buffer_piece(self, v: int) -> Claim:
         """A module buffer a recipe cut (``context_parallel`` cuts the

@@ -1,0 +1,36 @@
+"""torchtitan's own context parallelism (``titan:parallelize_cp``, CP's ring
+through the CPU shim) on one layer of its Llama3 debugmodel: the rotary table
+gathered at each rank's positions is read as its one row
+(docs/soundness.md, "Plans traced from PyTorch", 55), so the step verifies;
+the positions of the next chunk give each rank the wrong angles, and FAIL
+(gloo differs too: scripts/gloo_truth.py). The six-layer runs are suite
+cases (``-k "cp titan"``)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="needs the [titan] extra (torchtitan)")
+pytest.importorskip("triton", reason="torchtitan imports triton")
+
+from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
+from main import verify  # noqa: E402
+
+
+def _verdict(recipe: str):
+    argv = ["--model", "backends.torch.titan:llama3_debugmodel", "--recipe",
+            f"backends.torch.titan:{recipe}", "--vocab", "2048", "--seqlen", "8",
+            "--batch", "2", "--layers", "1", "--mesh", "cp=2"]
+    (plan_s, plan_p), _ = trace_and_build(parser().parse_args(argv))
+    return verify(plan_s, plan_p)
+
+
+def test_titan_cp2_verifies() -> None:
+    verdict = _verdict("parallelize_cp")
+    assert verdict.success, verdict.message
+
+
+def test_titan_cp2_positions_of_the_next_chunk_fail() -> None:
+    verdict = _verdict("parallelize_cp_other_chunk")
+    assert not verdict.success
+    assert verdict.kind != "internal", verdict.message
