@@ -1,6 +1,6 @@
 """A constant of each microbatch that is the microbatch's piece of a
 single-device constant, read alike in every microbatch
-(``backends/torch/tracer/build.py`` ``_Rank.per_microbatch``; GPTModel's
+(``backends/torch/tracer/align/inputs.py`` ``_Rank.per_microbatch``; GPTModel's
 all-ones loss mask, rolled, in Megatron's multi-token prediction with 2
 microbatches); docs/soundness.md, "Plans traced from PyTorch",
 49 (c). Here a Llama whose loss keeps every position but the

@@ -26,6 +26,7 @@ from backends.torch.lowering.emit import (
     emit_unary,
     expand_to,
     number,
+    permuted,
     put_region,
     region_dims,
     scaled,
@@ -578,15 +579,3 @@ def partial_write(lw: Lowerer, args, kwargs, shapes, group):
     whole = put_region(lw, seen, list(starts), list(steps), block, tuple(sizes))
     return lw.reshape(whole, lw.shapes[x])
 
-
-def permuted(lw: Lowerer, x: int, order: list[int]) -> int:
-    """``x.permute(order)`` as transposes."""
-    current = list(range(len(order)))
-    for k, want in enumerate(order):
-        j = current.index(want)
-        if j != k:
-            dims = list(lw.shapes[x])
-            dims[j], dims[k] = dims[k], dims[j]
-            x = lw.emit("transpose", [x], [tuple(dims)], {"dim0": k, "dim1": j})[0]
-            current[j], current[k] = current[k], current[j]
-    return x

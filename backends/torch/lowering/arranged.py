@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.emit import narrow
+from backends.torch.lowering.emit import narrow, permuted
 from backends.torch.lowering.ir import Pending
 
 if TYPE_CHECKING:
@@ -264,12 +264,4 @@ def _replay(lw: Lowerer, x: int, kind: str, arg: tuple) -> int:
     if kind == "flip":
         raise LoweringError(f"{lw.name}: a flip of an all-to-all's output after the form it "
                             f"is read in is not lowered")
-    current = list(range(len(arg)))
-    for at, want in enumerate(arg):
-        j = current.index(want)
-        if j != at:
-            shape = list(lw.shapes[x])
-            shape[at], shape[j] = shape[j], shape[at]
-            x = lw.emit("transpose", [x], [tuple(shape)], {"dim0": at, "dim1": j})[0]
-            current[at], current[j] = current[j], current[at]
-    return x
+    return permuted(lw, x, list(arg))

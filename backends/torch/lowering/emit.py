@@ -1,6 +1,7 @@
 """Small emitters shared by the families: elementwise nodes, argument
 readers, and the cuts and joins of a value along a dim (``narrow``, ``pad``
-as narrow's backward, ``cat``, ``put_block``, a two-operand ``einsum``)."""
+as narrow's backward, ``cat``, ``put_block``, a two-operand ``einsum``, a permutation as
+transposes)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,19 @@ def einsum(lw: Lowerer, eq: str, a: int, b: int) -> int:
     for sub, v in zip(ins.split(","), (a, b)):
         sizes.update(zip(sub, lw.shapes[v]))
     return lw.emit("einsum", [a, b], [tuple(sizes[c] for c in out)], {"eq": eq})[0]
+
+
+def permuted(lw: Lowerer, x: int, order: list[int]) -> int:
+    """``x.permute(order)`` as transposes."""
+    current = list(range(len(order)))
+    for k, want in enumerate(order):
+        j = current.index(want)
+        if j != k:
+            dims = list(lw.shapes[x])
+            dims[j], dims[k] = dims[k], dims[j]
+            x = lw.emit("transpose", [x], [tuple(dims)], {"dim0": k, "dim1": j})[0]
+            current[j], current[k] = current[k], current[j]
+    return x
 
 
 def every(lw: Lowerer, x: int, dim: int, start: int, step: int, count: int) -> int:

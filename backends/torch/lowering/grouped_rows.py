@@ -63,7 +63,8 @@ class Experts(Pending):
         return lw.materialize(Rows(collapse(lw, self), self.index))
 
 
-def _producer(lw: Any, v: int) -> tuple | None:
+def producer(lw: Any, v: int) -> tuple | None:
+    """The recorded event that made value v (None: an input of the trace)."""
     producers = lw.grouped_producers
     if producers is None:
         producers = {o: i for i, ev in enumerate(lw.trace["events"]) for o in ev[2]}
@@ -79,7 +80,7 @@ def copies_of(lw: Any, a: Any) -> tuple[np.ndarray, int] | None:
     for _ in range(8):
         if v is None:
             return None
-        ev = _producer(lw, v)
+        ev = producer(lw, v)
         if ev is None:
             return None
         op, (args, _kw) = ev[0], ev[1]

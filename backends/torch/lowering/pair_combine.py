@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from backends.torch.lowering.constants import constant_value
+from backends.torch.lowering.grouped_rows import producer
 from backends.torch.lowering.ir import Const, NewZeros, Zeros
 from backends.torch.lowering.pair_rows import (
     Assembled,
@@ -50,15 +51,6 @@ from backends.torch.lowering.routed_rows import Rows, index_of, value_of
 Handler = Callable[..., Any]
 
 _VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
-
-
-def _producer(lw: Any, v: int) -> tuple | None:
-    producers = lw.grouped_producers
-    if producers is None:
-        producers = {o: i for i, ev in enumerate(lw.trace["events"]) for o in ev[2]}
-        lw.grouped_producers = producers
-    i = producers.get(v)
-    return None if i is None else lw.trace["events"][i]
 
 
 def _copy_of(lw: Any, base: int) -> tuple[int, int] | None:
@@ -139,11 +131,11 @@ def _all_ones(lw: Any, a: Any) -> bool:
 def _spread_of(lw: Any, a: Any, k: int) -> int | None:
     """g (lowered, ``[T, ...]``) when the recorded ``a`` is
     ``g.unsqueeze(1).expand(T, k, ...)``."""
-    ev = _producer(lw, a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
+    ev = producer(lw, a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
     if ev is None or ev[0] != "aten.expand.default":
         return None
     inner = ev[1][0][0]
-    ev2 = _producer(lw, inner[1])
+    ev2 = producer(lw, inner[1])
     if ev2 is None or ev2[0] != "aten.unsqueeze.default" or int(ev2[1][0][1]) != 1:
         return None
     src = ev2[1][0][0]

@@ -3,5 +3,6 @@ builder's rank (``build._Rank``) is made of: which piece of its
 single-device value each value of the rank is (``claim``), how inputs and
 constants are matched (``inputs``), compute nodes (``nodes``), collectives
 and splits (``collectives``), slices and joins of rows (``rows``), sums
-deferred and regrouped (``sums``), exact zeros (``zeros``), and how a claim
-is carried through an operator (``dims``)."""
+deferred and regrouped (``sums``), exact zeros (``zeros``), how a claim is
+carried through an operator (``dims``), a ring's attention (``ring``), and
+values that are pieces of no single-device value (``loose``)."""

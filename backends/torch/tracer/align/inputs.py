@@ -53,6 +53,7 @@ class InputMatching(Pieces):
     alternatives: dict[int, list[tuple[int, Claim]]]
     consumers: dict[int, list[LNode]]
     taken: set[int]
+    split_from: dict[int, int]
 
     def match_inputs(self) -> None:
         """Each input's single-device value and claim: by name (its claim
@@ -302,3 +303,66 @@ class InputMatching(Pieces):
         that piece (docs/soundness.md, "Plans traced from PyTorch", 28)."""
         return Claim([self.guess(m, f, order=BUFFER_CUTS)
                       for m, f in zip(self.low.shapes[v], self.gshape(v))])
+
+    def microbatch_rows(self, v: int) -> bool:
+        """Constant ``v`` is read in microbatches only, no single-device
+        constant has its shape, and one has its shape but for more rows: its
+        rows are a microbatch's, cut by "mb" (``per_microbatch``), whatever
+        other cut its values would also fit (rows all alike fit any)."""
+        readers = self.consumers.get(v, [])
+        shape = tuple(self.low.shapes[v])
+        if self.sizes.get("mb", 1) < 2 or not readers or any(n.mb < 0 for n in readers) \
+                or not shape or not shape[0]:
+            return False
+        fulls = [tuple(f.shape) for f in self.b.s.low.constants.values()]
+        return shape not in fulls and any(
+            len(f) == len(shape) and f[1:] == shape[1:] and f[0] > shape[0]
+            and f[0] % shape[0] == 0 for f in fulls)
+
+    def per_microbatch(self, v: int) -> list[int]:
+        """A constant input read in microbatches (one value, as the
+        lowering keeps one input per distinct constant) that is no piece of
+        a single-device constant as a whole: one copy per microbatch that
+        reads it, each read by that microbatch's nodes only and placed in
+        it, so that ``const_piece`` can claim each as the microbatch's
+        piece (GPTModel's all-ones loss mask, rolled: the same values in
+        every microbatch), or as a constant of its own in that microbatch
+        (``own_constant``). Each claim is then checked by value as any
+        constant's. No copies (an empty list) when a reader is in no
+        microbatch or the step has one."""
+        readers = self.consumers.get(v, [])
+        mbs = sorted({node.mb for node in readers})
+        if self.sizes.get("mb", 1) < 2 or not mbs or mbs[0] < 0:
+            return []
+        kind, name = self.low.inputs[v]
+        copies = []
+        for m in mbs:
+            u = max(self.low.shapes) + 1
+            self.low.shapes[u] = self.low.shapes[v]
+            self.low.inputs[u] = (kind, f"{name}.mb{m}")
+            self.low.axes[u] = self.low.axes[v]
+            self.low.constants[u] = self.low.constants[v]
+            for node in readers:
+                if node.mb == m:
+                    node.ins = [u if x == v else x for x in node.ins]
+                    self.consumers.setdefault(u, []).append(node)
+            self.mb[u] = m
+            self.split_from[u] = v
+            copies.append(u)
+        del self.consumers[v]
+        return copies
+
+    def cut_by_mesh(self, local: tuple[int, ...], full: tuple[int, ...],
+                    microbatch: bool = False) -> bool:
+        """Every dim of ``full`` cut into ``local`` by some axes of the mesh,
+        the batch dim of a constant of one microbatch also by the
+        microbatches (``own_constant``'s guess can claim a piece of that
+        shape)."""
+        first = MB_CUTS + CONST_CUTS[0] if microbatch else CONST_CUTS[0]
+        try:
+            for k, (m, f) in enumerate(zip(local, full)):
+                if m != f:
+                    self.guess(m, f, order=self.orders((first, CONST_CUTS[1])[min(k, 1)]))
+        except LoweringError:
+            return False
+        return True

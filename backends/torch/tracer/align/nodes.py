@@ -30,6 +30,9 @@ class NodeMatching(Pieces):
 
     alternatives: dict[int, list[tuple[int, Claim]]]
     used: set[tuple[int, int]]
+    consumers: dict[int, list[LNode]]
+    twins: dict[int, list[int]]
+    retagged: list[int]
     applied: Fraction
     padded: tuple[int, list[str]] | None
 
@@ -209,3 +212,43 @@ class NodeMatching(Pieces):
         self.infer(node)
         self.applied = Fraction(1)
         self.claim[node.outs[0]].scale = self.scales_of(node)[0]
+
+    def readers_missed(self, node: LNode, cand: int) -> int:
+        """How many of the readers of ``node``'s outputs whose other inputs
+        are aligned already would read a combination the single-device step
+        never runs, were ``node`` aligned with the single-device node
+        ``cand`` (a choice among nodes computing equal values: which is
+        chosen never changes a claim's truth, only where the stages meet)."""
+        outs = self.b.s.low.nodes[cand].outs
+        missed = 0
+        for o, so in zip(node.outs, outs):
+            for reader in self.consumers.get(o, []) if o >= 0 else []:
+                ins = [so if v == o else (-1 if v < 0 else self.sv.get(v)) for v in reader.ins]
+                if None in ins:
+                    continue
+                key = (reader.op, reader.dir, tuple(ins), key_kwargs(reader.kwargs))
+                missed += key not in self.b.s.by_key
+        return missed
+
+    def choose_twins(self, node: LNode, key: tuple) -> tuple[tuple, list[int] | None]:
+        """A reader of values matched with one of several equal single-device
+        values (the same op on the same inputs, e.g. a mask expanded once
+        per reader), none read before: the first choice of those under which
+        the single-device step runs this node (an equal value, so every
+        claim stays true)."""
+        slots = [(i, v) for i, v in enumerate(node.ins) if v in self.twins]
+        if not slots:
+            return key, None
+        choices = [[self.sv[v], *self.twins[v]] for _, v in slots]
+        for pick in itertools.product(*choices):
+            ins = list(key[2])
+            for (i, _), sv in zip(slots, pick):
+                ins[i] = sv
+            trial = (key[0], key[1], tuple(ins), key[3])
+            if self.b.s.by_key.get(trial):
+                for (_, v), sv in zip(slots, pick):
+                    if self.sv[v] != sv:
+                        self.sv[v] = sv
+                        self.retagged.append(v)
+                return trial, self.b.s.by_key[trial]
+        return key, None

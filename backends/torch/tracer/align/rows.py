@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 from backends.torch.lowering import LNode, LoweringError
-from backends.torch.tracer.align.claim import Claim, Pieces, scope
+from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, scope
+from backends.torch.tracer.align.inputs import CONST_CUTS
 
 
 class Rows(Pieces):
@@ -102,4 +103,133 @@ class Rows(Pieces):
         self.sv[out], self.mb[out] = self.sv[g], self.mb.get(g, -1)
         self.claim[out] = Claim([[] if k == d else list(a) for k, a in enumerate(c.dims)],
                                 frozenset(c.dims[d]), c.mbs, c.scale)
+        return True
+
+    def cat_block(self, node: LNode) -> bool:
+        """A ``cat`` of values aligned with consecutive inputs of a
+        single-device ``cat`` along the same dim (a rank's local experts
+        stacked: Megatron's expert-parallel ranks each stack their own
+        experts' results, the single-device step all of them): the block of
+        that cat's output its inputs make, claimed as the piece of the mesh
+        axes whose coordinates on this rank give that block (the claim is
+        proved like any). False when it is none (docs/soundness.md, "Plans
+        traced from PyTorch", 48)."""
+        d, mine = node.kwargs["dim"], [self.sv[v] for v in node.ins]
+        claims = [self.claim[v] for v in node.ins]
+        first = claims[0]
+        if any(c.dims != first.dims or c.partial != first.partial or c.scale != first.scale
+               or c.mbs != first.mbs or c.at for c in claims) or first.dims[d]:
+            return False
+        rest = key_kwargs(node.kwargs)
+        s_nodes = self.b.s.low.nodes
+        for key, cands in self.b.s.by_key.items():
+            if key[0] != "cat" or key[1] != node.dir or key[3] != rest \
+                    or len(key[2]) <= len(mine):
+                continue
+            ins = list(key[2])
+            starts = [k for k in range(len(ins) - len(mine) + 1)
+                      if ins[k:k + len(mine)] == mine]
+            if len(starts) != 1:
+                continue
+            shapes = self.b.s.low.shapes
+            lo = sum(shapes[v][d] for v in ins[:starts[0]])
+            hi = lo + sum(shapes[v][d] for v in mine)
+            out = s_nodes[cands[0]].outs[0]
+            full = shapes[out][d]
+            for axes in self.orders(CONST_CUTS[1]):
+                if all(self.sizes[a] > 1 for a in axes) and full % math.prod(
+                        self.sizes[a] for a in axes) == 0 \
+                        and self.piece(list(axes), full, self.low.coords) == (lo, hi):
+                    o = node.outs[0]
+                    self.sv[o] = out
+                    self.mb[o] = max((self.mb.get(v, -1) for v in node.ins), default=-1)
+                    dims = [list(axes) if k == d else list(a) for k, a in enumerate(first.dims)]
+                    self.claim[o] = Claim(dims, first.partial, first.mbs, first.scale)
+                    self.used.add((node.mb, cands[0]))
+                    return True
+        return False
+
+    def narrows_piece(self, node: LNode) -> bool:
+        """A ``narrow`` inside a piece of a value cut along the dim (one
+        expert of a rank's shard of the experts' weights): the single-device
+        ``narrow`` at the piece's offset plus the rank's start, whole along
+        the dim (the narrowed rows lie in the piece). False when the value
+        is not cut along the dim, the rows leave the piece, or the
+        single-device step takes no such slice."""
+        x, out = node.ins[0], node.outs[0]
+        if x < 0 or x not in self.claim:
+            return False
+        c, d = self.claim[x], node.kwargs["dim"] % len(self.low.shapes[x])
+        if not c.dims[d] or c.at or c.partial:
+            return False
+        lo, hi = self.view(x)[0][d]
+        start = lo + node.kwargs["start"]
+        if start + node.kwargs["length"] > hi:
+            return False
+        key = (node.op, node.dir, (self.sv[x],),
+               key_kwargs({**node.kwargs, "start": start}))
+        cands = self.b.s.by_key.get(key)
+        if not cands:
+            return False
+        nodes = self.b.s.low.nodes
+        pick = min(cands, key=lambda k: (nodes[k].name != node.name, k))
+        self.sv[out], self.mb[out] = nodes[pick].outs[0], self.mb.get(x, -1)
+        self.claim[out] = Claim([[] if k == d else list(a) for k, a in enumerate(c.dims)],
+                                c.partial, c.mbs, c.scale)
+        return True
+
+    def pads_into_piece(self, node: LNode) -> bool:
+        """The backward of ``narrows_piece``: g padded with zeros to a piece
+        of a value cut along the dim (a rank's shard of the experts'
+        weights), the slice at the rank's start inside it: the single-device
+        backward of the slice at the piece's offset plus that start, cut
+        along the dim by the axes whose piece at this rank's coordinates
+        holds it (tensor-parallel, then data-parallel axes; the claim is
+        proved like any). False when the output is whole along the dim or
+        no such backward is in the single-device step."""
+        g, out = node.ins[-1], node.outs[0]
+        if g < 0 or g not in self.claim:
+            return False
+        c, d = self.claim[g], node.kwargs["dim"] % len(self.low.shapes[g])
+        local = self.low.shapes[out][d]
+        nodes = self.b.s.low.nodes
+        for axes in (["tp"], list(self.dp), [*self.dp, "tp"]):
+            if math.prod(self.sizes[a] for a in axes) < 2 or c.dims[d] or c.at:
+                continue
+            full = local * math.prod(self.sizes[a] for a in axes)
+            lo, hi = self.piece(axes, full, self.low.coords)
+            if lo == 0 or hi - lo != local:
+                continue
+            key = (node.op, node.dir, (-1, self.sv[g]),
+                   key_kwargs({**node.kwargs, "start": lo + node.kwargs["start"]}))
+            cands = [k for k in self.b.s.by_key.get(key, ())
+                     if self.b.s.low.shapes[nodes[k].outs[0]][d] == full]
+            if not cands:
+                continue
+            pick = min(cands, key=lambda k: (nodes[k].name != node.name, k))
+            self.sv[out], self.mb[out] = nodes[pick].outs[0], self.mb.get(g, -1)
+            self.claim[out] = Claim([list(axes) if k == d else list(a)
+                                     for k, a in enumerate(c.dims)], c.partial, c.mbs, c.scale)
+            return True
+        return False
+
+    def takes_cp_piece(self, node: LNode) -> bool:
+        """A ``narrow`` of a value to this rank's piece of a dim by one more
+        axis, "cp", inside the axes that already cut it (an all-to-all of
+        Ulysses-style context parallelism lowered as an all-gather and this
+        narrow: ``lowering.arranged``): claimed cut by those axes and "cp"
+        (proved like any claim). False when these rows are not that piece."""
+        x, out = node.ins[0], node.outs[0]
+        c, d = self.claim[x], node.kwargs["dim"] % len(self.low.shapes[x])
+        if c.at or self.sizes.get("cp", 1) == 1 or any("cp" in axes for axes in c.dims):
+            return False
+        full = self.gshape(x)[d]
+        lo, _ = self.piece(c.dims[d], full, self.low.coords) if c.dims[d] else (0, full)
+        rows = (lo + node.kwargs["start"], lo + node.kwargs["start"] + node.kwargs["length"])
+        axes = [*c.dims[d], "cp"]
+        if self.piece(axes, full, self.low.coords) != rows:
+            return False
+        self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+        self.claim[out] = Claim([axes if k == d else list(a) for k, a in enumerate(c.dims)],
+                                c.partial, c.mbs, c.scale)
         return True

@@ -5,6 +5,8 @@ single-device sum's terms."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode
 from backends.torch.tracer.align.claim import Claim, Pieces
@@ -15,6 +17,7 @@ class Sums(Pieces):
 
     pending: dict[int, list[int]]
     fresh: int
+    zero_memo: dict[int, bool]
 
     def root_of(self, v: int) -> int | None:
         """The single-device value of v, also for a deferred sum whose terms
@@ -163,3 +166,57 @@ class Sums(Pieces):
             else:
                 out.append(v)
         return out
+
+    def part_of_grad(self, node: LNode) -> bool:
+        """An addition of the same piece of two terms of a parameter's
+        gradient sum that is not the whole sum (deferred: ``materialize``
+        writes it with the sum's other terms as zeros)."""
+        if any(v < 0 or v not in self.claim for v in node.ins) or not self.same_piece(node.ins):
+            return False
+        grads = {g for g in self.b.s.low.grads.values() if g is not None}
+        leaves = [self.sv[v] for v in node.ins]
+        if self.b.s_trees.get(tuple(sorted(leaves))) in grads:
+            return False
+        return self.b.superset(leaves, lambda r: r in grads) is not None
+
+    def same_piece(self, leaves: list[int]) -> bool:
+        """Every value is the same piece (cut along some dim, at the same
+        coordinates and factor) of a single-device value of one shape."""
+        first = self.claim[leaves[0]]
+        return any(first.dims) and all(
+            self.claim[p].dims == first.dims and self.claim[p].at == first.at
+            and self.claim[p].scale == first.scale and not self.claim[p].partial
+            and self.gshape(p) == self.gshape(leaves[0]) for p in leaves)
+
+    def zero_terms(self, v: int, leaves: list[int], s_leaves: list[int], root: int
+                   ) -> list[LNode]:
+        """``partial_tree``'s sum of pieces (one slice of each term, cut
+        along some dim): the single-device sum's other terms written as
+        zeros, each claimed to be its term's piece at that slice (a claim
+        its own stage proves: the term must be zero there, e.g. another
+        expert's gradient padded to the experts' weights), and the whole
+        sum then added in the single-device order, as ``materialize``
+        does."""
+        key = next(k for k, r in self.b.s_trees.items() if r == root)
+        missing = Counter(key) - Counter(s_leaves)
+        first = leaves[0]
+        c = self.claim[first]
+        made: list[LNode] = []
+        terms = list(leaves)
+        for sv in sorted(missing.elements()):
+            if self.b.s.low.shapes[sv] != self.gshape(first):
+                raise AlignError(f"rank {self.low.rank} sums pieces of terms of another shape "
+                                 f"than the single-device sum's")
+            target = self.fresh
+            self.fresh += 1
+            self.low.shapes[target] = self.low.shapes[first]
+            self.sv[target], self.mb[target] = sv, self.mb.get(first, -1)
+            self.claim[target] = Claim([list(d) for d in c.dims], frozenset(), c.mbs, c.scale,
+                                       c.at)
+            zeros = LNode("zeros", "none", [], [target], {"shape": list(self.low.shapes[first])},
+                          self.b.s_add[root].name)
+            self.producer[target], self.zero_memo[target] = zeros, True
+            made.append(zeros)
+            terms.append(target)
+        self.pending[v] = terms
+        return made + self.materialize(v)

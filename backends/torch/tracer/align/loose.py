@@ -1,0 +1,56 @@
+"""Loose values (docs/soundness.md, "Plans traced from PyTorch", 53 (e)):
+values a rank computes that are no piece of any single-device value (a
+ring's block over some of the keys, the merge's arithmetic), each claimed
+as the leading corner of a single-device tensor its shape fits in, with a
+part no cover holds."""
+
+from __future__ import annotations
+
+from backends.torch.errors import AlignError
+from backends.torch.lowering import LNode
+from backends.torch.tracer.align.claim import Claim, Pieces, scope
+
+
+class Loose(Pieces):
+    """The claims of loose values."""
+
+    def is_loose(self, v: int) -> bool:
+        return v >= 0 and v in self.claim and self.claim[v].loose
+
+    def make_loose(self, node: LNode, bases: list[int] | None = None) -> None:
+        """Every output of ``node`` a loose value (53 (e)): claimed as
+        the leading corner of a single-device tensor its shape fits in (its
+        base: ``bases``, else a loose input's or its producer's other
+        output, else the first that fits),
+        with a part that no cover holds. Which tensor it names is no
+        statement: the part is never grouped."""
+        mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
+        # the loose inputs' single-device tensors and their producers' other
+        # outputs (a block's lse unsqueezed fits in the attention's out): its
+        # stage is the one that reads the loose inputs' producers
+        near = []
+        for v in node.ins:
+            if self.is_loose(v):
+                made = self.b.s_made.get(self.sv[v])
+                near += [self.sv[v], *(o for o in (made.outs if made else ()) if o >= 0)]
+        for i, o in enumerate(node.outs):
+            if o < 0:
+                continue
+            shape = tuple(self.low.shapes[o])
+            tries = ([bases[i]] if bases else []) + near
+            base = next((t for t in tries if self.fits_in(shape, t)), None)
+            if base is None:
+                base = next((t for t in self.b.s.low.shapes if self.fits_in(shape, t)), None)
+            if base is None:
+                raise AlignError(f"rank {self.low.rank} runs {node.op} at {scope(node.name)} "
+                                 f"on values of no single-device tensor, into a shape "
+                                 f"{list(shape)} no single-device value holds")
+            self.sv[o], self.mb[o] = base, mb
+            self.claim[o] = Claim([[] for _ in shape], loose=self.b.loose_number())
+
+    def fits_in(self, shape: tuple[int, ...], sv: int) -> bool:
+        """A value of ``shape`` fits in the leading corner of single-device
+        value sv (which the single-device plan writes)."""
+        full = self.b.s.low.shapes.get(sv)
+        return (sv in self.b.s.tid and full is not None and len(full) == len(shape)
+                and all(a <= b for a, b in zip(shape, full)))
