@@ -146,7 +146,7 @@ def topk(lw: Any, args, kwargs, shapes, group):
     groups) are read unmasked when every recorded index picks a kept
     position: topk's values are the entries at its indices, and there the
     masked scores are the scores."""
-    from backends.torch.lowering.masks import Masked
+    from backends.torch.lowering.mask_values import Masked
     src = value_of(lw, args[0])
     x = src.x if isinstance(src, Masked) else lw.val(args[0])
     shape = tuple(lw.shapes[x])
