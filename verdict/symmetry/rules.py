@@ -5,8 +5,10 @@ rules hold (docs/soundness.md, "Folded plans", step 3, and "Materialized
 plans"). Two checks apply them: :class:`verdict.symmetry.uniform.Uniformity`
 node by node on a folded plan, and
 :class:`verdict.symmetry.blocks.BlockCheck` on arrays over every block of a
-materialized plan. Each rule's facts and the text of its finding live here;
-the table names where each check applies it.
+materialized plan. Each rule's facts and the text of its finding live here,
+and the rules (a) to (c) themselves (:func:`whole_orbit`,
+:func:`accumulation_chains`, :func:`block_offsets`), over arrays both checks
+gather; the table names where each check applies each rule.
 
 =====================================================  ========================  =========================
 rule                                                   node by node (uniform)    on arrays (blocks)
@@ -16,12 +18,13 @@ representative's (operator, kwargs, tensors up to                               
 renaming)                                                                        ``check_entries``
 every class runs a program in every block              ``check_blocks``          ``check_present``
 (a) another replica's tensor only in a sum over the    ``tensor``,               ``compare``,
-whole orbit, at the node's own index                   ``check_orbit``           ``check_glue``,
-                                                                                 ``whole_orbit``
+whole orbit (:func:`whole_orbit`), at the node's own   ``check_orbit``           ``check_glue``,
+index                                                                            ``whole_orbit``
 (b) another microbatch's tensor only as the running    ``tensor``,               ``compare``,
 buffer of an accumulation chain from zeros             ``check_chains``          ``check_chains``
-(c) the blocks start :func:`block_starts` rows apart   ``check_offsets``,        ``check_offsets``,
-and cover the batch once                               ``tensor``                ``input_views``
+(:func:`accumulation_chains`)
+(c) the blocks start b rows apart and cover the batch  ``check_offsets``,        ``check_offsets``,
+once (:func:`block_offsets`, :func:`block_starts`)     ``tensor``                ``input_views``
 (d) only sums of chain ends (:data:`ORBIT_SUMS`)       ``normal``                ``check_glue``
 cross replicas
 (e) a block reads nothing computed outside             ``tensor``                ``compare``

@@ -1,7 +1,7 @@
 """Build the single-device plan and the parallel plan from lowered traces.
 
-This is the only module of the backend that constructs plans (through
-``verdict.plan``'s in-memory API).
+With ``single_plan`` (the single-device plan), this is the only module of
+the backend that constructs plans (through ``verdict.plan``'s in-memory API).
 
 Every parallel value is aligned with the single-device value it computes:
 inputs by name, a computing node with the single-device node of the same
