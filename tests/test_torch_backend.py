@@ -16,8 +16,8 @@ import torch
 from backends.torch.__main__ import main as torch_main
 from backends.torch.__main__ import model_kwargs, parser, trace_and_build
 from backends.torch.lowering import LoweringError, lower_trace
-from backends.torch.tracer.single_plan import Builder
 from backends.torch.tracer.rank import run
+from backends.torch.tracer.single_plan import Builder
 from backends.torch.zoo.models import llama
 from harness.mutations import MUTATIONS, REWRITES
 from harness.oracle import judge
