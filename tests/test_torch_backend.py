@@ -16,8 +16,8 @@ import torch
 from backends.torch.__main__ import main as torch_main
 from backends.torch.__main__ import model_kwargs, parser, trace_and_build
 from backends.torch.lowering import LoweringError, lower_trace
-from backends.torch.tracer.build import _Builder
 from backends.torch.tracer.rank import run
+from backends.torch.tracer.single_plan import Builder
 from backends.torch.zoo.models import llama
 from harness.mutations import MUTATIONS, REWRITES
 from harness.oracle import judge
@@ -195,7 +195,7 @@ def test_lowered_step_computes_what_torch_computes(single_trace) -> None:
     gives torch's own loss and gradients on the same inputs (every lowering,
     the cross-entropy's included, against autograd)."""
     args = parser().parse_args([])
-    plan = _Builder(lower_trace(single_trace, args.vocab), {"dp": 1, "tp": 1}).build_single()
+    plan = Builder(lower_trace(single_trace, args.vocab), {"dp": 1, "tp": 1}).build_single()
     values = execute(plan)
     inputs = {plan.logical[t.tid].name: values[i] for i, t in enumerate(plan.tensors)
               if values[i] is not None and plan.logical[t.tid].kind in ("param", "buffer", "tokens")}

@@ -61,8 +61,10 @@ from verdict.symmetry.rules import (
     NOT_WHOLE_ORBIT,
     ORBIT_SUMS,
     READS_OUTSIDE,
-    block_starts,
+    accumulation_chains,
+    block_offsets,
     inner_size,
+    whole_orbit,
 )
 
 #: No finding (BlockCheck's per-node codes)
@@ -306,9 +308,9 @@ class BlockCheck:
         self.check_glue(orbit, ends)
 
     def check_offsets(self, t_data: np.ndarray) -> None:
-        """(c): the blocks' first rows (a block's: the first any of its ranks
-        loads) are b apart and cover [0, B); inputs are then compared
-        relative to their block's first row."""
+        """Rule (c), :func:`~verdict.symmetry.rules.block_offsets`, over the
+        first row each class loads in each block; inputs are then compared
+        relative to their block's first row (``offset``)."""
         cols, slices = self.cols, self.p.tensors.slices
         data = np.flatnonzero((cols.t_producer < 0) & t_data & (cols.t_mb >= 0))
         first: dict[tuple, int] = {}
@@ -319,13 +321,11 @@ class BlockCheck:
                     start = int(slices[cols.slice_off[t] + k, 0])
                     key = (*self.mesh.split(int(cols.t_rank[t])), int(cols.t_mb[t]))
                     first[key] = min(first.get(key, start), start)
-        starts = block_starts(first)  # a block's first row: the first any rank of it loads
-        rows = sorted(starts.values())
-        if rows != [k * self.rows for k in range(self.fold.dp * self.fold.nm)]:
+        self.offset, found = block_offsets(first, self.rows, self.fold.dp * self.fold.nm)
+        if found is not None:
             raise StructureError("symmetry", (
-                f"the blocks start at batch rows {_short(rows)}, not every {self.rows} rows "
+                f"the blocks start at batch rows {_short(found)}, not every {self.rows} rows "
                 f"from 0: its replicas and microbatches do not split the batch into blocks"))
-        self.offset = {(cls, d, m): starts[(d, m)] for (cls, d, m) in first}
 
     def input_views(self, t_input: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For every input tensor (``t_input``), an id of its slices relative to its
@@ -646,9 +646,10 @@ class BlockCheck:
         return differ
 
     def check_chains(self) -> np.ndarray:
-        """(b), (f): per rank and gradient buffer, the microbatches'
-        accumulations form one chain from a zeros buffer. Returns the
-        chains' ends (tensors, sorted)."""
+        """Rule (b), :func:`~verdict.symmetry.rules.accumulation_chains`, per
+        rank and gradient buffer, every accumulation that breaks it flagged.
+        Returns the chains' ends (tensors, sorted), which rules (d) and (f)
+        read."""
         cols = self.cols
         found = [np.flatnonzero(self.is_acc(slice(lo, hi))) + lo
                  for lo, hi in chunks(len(cols.n_rank))]
@@ -660,17 +661,13 @@ class BlockCheck:
         out = cols.flat[cols.ptr[cols.n_outs[acc]]]
         key_tid = np.where(buf >= 0, cols.t_tid[np.maximum(buf, 0)], -1)
         key = cols.n_rank[acc].astype(np.int64) * (len(self.p.logical) + 1) + key_tid + 1
-        order = np.lexsort((acc, key))
-        acc, buf, out, key = acc[order], buf[order], out[order], key[order]
-        first = np.concatenate(([True], key[1:] != key[:-1]))
-        linked = np.concatenate(([False], buf[1:] == out[:-1]))
         zeros_op = np.array([op == "zeros" for op in cols.ops], dtype=bool)
         made = cols.t_producer[np.maximum(buf, 0)]
-        starts = (buf >= 0) & (made >= 0) & zeros_op[cols.n_op[np.maximum(made, 0)]] & \
+        from_zeros = (buf >= 0) & (made >= 0) & zeros_op[cols.n_op[np.maximum(made, 0)]] & \
             (cols.t_mb[np.maximum(buf, 0)] == -1)
-        ok = np.where(first, starts, linked)
+        order, ok, first, last = accumulation_chains(acc, key, buf, out, from_zeros)
+        acc, buf, out = acc[order], buf[order], out[order]
         self.flag(~ok, acc, NOT_RUNNING_BUFFER)
-        last = np.concatenate((key[1:] != key[:-1], [True]))
         #: (rank, gradient buffer) -> the zeros buffer its chain starts from
         self.chain_start = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(b)
                             for a, b, o in zip(acc[first], buf[first], out[first])}
@@ -769,23 +766,12 @@ class BlockCheck:
         return np.concatenate(found_t), np.concatenate(found_w)
 
     def whole_orbit(self, members: np.ndarray) -> bool:
-        """Every replica the same number of times with the same other
-        coordinates, replica-major or replica-minor."""
-        dp = self.fold.dp
-        if len(members) % dp or (members < 0).any():
+        """Rule (a), :func:`~verdict.symmetry.rules.whole_orbit`, of a
+        collective's input tensors (none absent)."""
+        if (members < 0).any():
             return False
-        per = len(members) // dp
         rank = self.cols.t_rank[members]
-        cls, d = self.rank_cls[rank], self.rank_d[rank]
-        major = np.repeat(np.arange(dp), per)
-        minor = np.tile(np.arange(dp), per)
-        if np.array_equal(d, major):
-            grid = cls.reshape(dp, per)
-        elif np.array_equal(d, minor):
-            grid = cls.reshape(per, dp).T
-        else:
-            return False
-        return bool((grid == grid[0]).all())
+        return whole_orbit(self.rank_cls[rank], self.rank_d[rank], self.fold.dp)
 
 
 def label(plan: Columns, i: int) -> str:

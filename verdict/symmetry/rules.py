@@ -5,8 +5,10 @@ rules hold (docs/soundness.md, "Folded plans", step 3, and "Materialized
 plans"). Two checks apply them: :class:`verdict.symmetry.uniform.Uniformity`
 node by node on a folded plan, and
 :class:`verdict.symmetry.blocks.BlockCheck` on arrays over every block of a
-materialized plan. Each rule's facts and the text of its finding live here;
-the table names where each check applies it.
+materialized plan. Each rule's facts and the text of its finding live here,
+and the rules (a) to (c) themselves (:func:`whole_orbit`,
+:func:`accumulation_chains`, :func:`block_offsets`), over arrays both checks
+gather; the table names where each check applies each rule.
 
 =====================================================  ========================  =========================
 rule                                                   node by node (uniform)    on arrays (blocks)
@@ -16,12 +18,13 @@ representative's (operator, kwargs, tensors up to                               
 renaming)                                                                        ``check_entries``
 every class runs a program in every block              ``check_blocks``          ``check_present``
 (a) another replica's tensor only in a sum over the    ``tensor``,               ``compare``,
-whole orbit, at the node's own index                   ``check_orbit``           ``check_glue``,
-                                                                                 ``whole_orbit``
+whole orbit (:func:`whole_orbit`), at the node's own   ``check_orbit``           ``check_glue``,
+index                                                                            ``whole_orbit``
 (b) another microbatch's tensor only as the running    ``tensor``,               ``compare``,
 buffer of an accumulation chain from zeros             ``check_chains``          ``check_chains``
-(c) the blocks start :func:`block_starts` rows apart   ``check_offsets``,        ``check_offsets``,
-and cover the batch once                               ``tensor``                ``input_views``
+(:func:`accumulation_chains`)
+(c) the blocks start b rows apart and cover the batch  ``check_offsets``,        ``check_offsets``,
+once (:func:`block_offsets`, :func:`block_starts`)     ``tensor``                ``input_views``
 (d) only sums of chain ends (:data:`ORBIT_SUMS`)       ``normal``                ``check_glue``
 cross replicas
 (e) a block reads nothing computed outside             ``tensor``                ``compare``
@@ -32,6 +35,8 @@ or a sum of chain ends
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 #: Replicas and microbatches a folded plan shows on an axis it folds.
 SHOWN = 2
@@ -76,3 +81,58 @@ def block_starts(first: dict[tuple, int]) -> dict[tuple[int, int], int]:
         if row >= 0:
             out[(d, m)] = min(out.get((d, m), row), row)
     return out
+
+
+def block_offsets(first: dict[tuple, int], rows: int,
+                  blocks: int) -> tuple[dict[tuple, int], list[int] | None]:
+    """(c): the blocks' first rows (:func:`block_starts`) are ``rows``
+    apart from 0, ``blocks`` of them, so that they cover the batch once.
+    ``first``: (class, replica, microbatch) -> the class's first row there
+    (-1: it loads none). Returns each key of ``first`` mapped to its
+    block's first row (-1 where the class loads none), which inputs are
+    compared relative to, and None; or, when the rule breaks, an empty map
+    and the first rows found, sorted."""
+    starts = block_starts(first)
+    found = sorted(starts.values())
+    if found != [k * rows for k in range(blocks)]:
+        return {}, found
+    return {(cls, d, m): starts[(d, m)] if row >= 0 else -1
+            for (cls, d, m), row in first.items()}, None
+
+
+def accumulation_chains(node: np.ndarray, key: np.ndarray, buf: np.ndarray, out: np.ndarray,
+                        from_zeros: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(b): per ``key`` (a rank and its gradient buffer), the accumulations
+    of microbatches (nodes ``node``, reading the buffer ``buf`` and writing
+    ``out``) form one chain in node order: the first reads a zeros buffer
+    made outside microbatches (``from_zeros``), every other the output of
+    the one before it. Returns the order that sorts the accumulations by
+    key, then node, and, in that order, whether each keeps the rule and
+    whether it is the first and the last of its chain."""
+    if not len(node):
+        empty = np.zeros(0, dtype=bool)
+        return np.zeros(0, dtype=np.int64), empty, empty, empty
+    order = np.lexsort((node, key))
+    key, buf, out, from_zeros = key[order], buf[order], out[order], from_zeros[order]
+    first = np.concatenate(([True], key[1:] != key[:-1]))
+    linked = np.concatenate(([False], buf[1:] == out[:-1]))
+    last = np.concatenate((key[1:] != key[:-1], [True]))
+    return order, np.where(first, from_zeros, linked), first, last
+
+
+def whole_orbit(cls: np.ndarray, d: np.ndarray, dp: int) -> bool:
+    """(a): the members of a collective across replicas, by their class
+    and replica, are the whole orbit: every one of the ``dp`` replicas the
+    same number of times with the same classes, in replica-major or
+    replica-minor order."""
+    if len(d) % dp:
+        return False
+    per = len(d) // dp
+    if np.array_equal(d, np.repeat(np.arange(dp), per)):
+        grid = cls.reshape(dp, per)
+    elif np.array_equal(d, np.tile(np.arange(dp), per)):
+        grid = cls.reshape(per, dp).T
+    else:
+        return False
+    return bool((grid == grid[0]).all())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
 from verdict.layout import Layout
 from verdict.lineage import StructureError
 from verdict.ops import get_op
@@ -26,8 +28,10 @@ from verdict.symmetry.rules import (
     NOT_WHOLE_ORBIT,
     ORBIT_SUMS,
     READS_OUTSIDE,
-    block_starts,
+    accumulation_chains,
+    block_offsets,
     inner_size,
+    whole_orbit,
 )
 
 
@@ -110,20 +114,17 @@ class Uniformity:
         return self.p.logical[self.p.tensors[t].tid].kind in ("data", "tokens")
 
     def check_offsets(self) -> None:
-        """The blocks that load data start b rows apart and cover [0, B')
-        once, a block's start being the first row any of its ranks loads;
-        ``offset`` then holds each block's start for each of its classes,
-        which the input slices are compared relative to (with expert
-        parallelism the ep ranks of a block load consecutive rows of it)."""
-        starts = block_starts(self.offset)
-        want = [k * self.rows for k in range(self.fold.dp * self.fold.nm)]
-        if sorted(starts.values()) != want:
+        """Rule (c), :func:`~verdict.symmetry.rules.block_offsets`, over the
+        first row each class loads in each block (with expert parallelism
+        the ep ranks of a block load consecutive rows of it); ``offset``
+        then holds each block's start for each of its classes."""
+        self.offset, found = block_offsets(self.offset, self.rows, self.fold.dp * self.fold.nm)
+        if found is not None:
+            want = [k * self.rows for k in range(self.fold.dp * self.fold.nm)]
             raise StructureError("fold", (
-                f"the folded plan's blocks start at batch rows {sorted(starts.values())}, "
+                f"the folded plan's blocks start at batch rows {found}, "
                 f"not {want}: its replicas and microbatches do not split the batch into "
                 f"blocks of {self.rows} rows"))
-        self.offset = {(cls, d, m): starts[(d, m)] if row >= 0 else -1
-                       for (cls, d, m), row in self.offset.items()}
 
     def tensor(self, i: int, t: int, orbit: bool, chain: bool):
         """A tensor as the program of node i sees it, without the block."""
@@ -192,38 +193,42 @@ class Uniformity:
         node = self.p.nodes[i]
         ranks = [self.p.tensors[t].rank for t in node.inputs if t >= 0]
         parts = [self.mesh.split(r) for r in ranks]
-        dp = self.fold.dp
-        per = len(parts) // dp
-        by_d = [[c for c, d in parts if d == k] for k in range(dp)]
-        major = [d for d in range(dp) for _ in range(per)]
-        minor = [d for _ in range(per) for d in range(dp)]
-        if len(parts) % dp or any(g != by_d[0] for g in by_d) or \
-                [d for _, d in parts] not in (major, minor):
+        numbered: dict[tuple, int] = {}  # a class -> a number, for the rule's arrays
+        cls = np.array([numbered.setdefault(c, len(numbered)) for c, _ in parts], dtype=np.int64)
+        if not whole_orbit(cls, np.array([d for _, d in parts], dtype=np.int64), self.fold.dp):
             self.fail(i, None, NOT_WHOLE_ORBIT)
         index = node.kwargs.get("index")
         if not isinstance(index, int) or not 0 <= index < len(ranks) or ranks[index] != node.rank:
             self.fail(i, None, NOT_OWN_INDEX)
 
     def check_chains(self) -> None:
-        """Per rank and gradient buffer, the microbatches' accumulations form
-        one chain: each reads the previous one's output, the first a buffer
-        made outside microbatches."""
-        last: dict[tuple[int, int], int] = {}
-        for i, node in enumerate(self.p.nodes):
-            if node.op != ACCUMULATE or node.mb < 0:
-                continue
-            buf = node.inputs[0] if node.inputs else -1
-            key = (node.rank, self.p.tensors[buf].tid if buf >= 0 else -1)
-            if key in last:
-                ok = buf == self.p.nodes[last[key]].outputs[0]
-            else:
-                start = self.producer[buf] if buf >= 0 else -1
-                ok = start >= 0 and self.p.nodes[start].op == "zeros" and \
-                    self.p.tensors[buf].mb == -1
-            if not ok:
-                self.fail(i, last.get(key), NOT_RUNNING_BUFFER)
-            last[key] = i
-        self.chain_end = {key: self.p.nodes[i].outputs[0] for key, i in last.items()}
+        """Rule (b), :func:`~verdict.symmetry.rules.accumulation_chains`,
+        per rank and gradient buffer; fails at the first accumulation (in
+        node order) that breaks it. ``chain_end`` then holds each chain's
+        last output."""
+        nodes, tensors = self.p.nodes, self.p.tensors
+        acc = [i for i, node in enumerate(nodes) if node.op == ACCUMULATE and node.mb >= 0]
+        keys: dict[tuple[int, int], int] = {}  # (rank, gradient buffer tid) -> its number
+        key, buf, out, from_zeros = [], [], [], []
+        for i in acc:
+            node = nodes[i]
+            b = node.inputs[0] if node.inputs else -1
+            key.append(keys.setdefault((node.rank, tensors[b].tid if b >= 0 else -1), len(keys)))
+            buf.append(b)
+            out.append(node.outputs[0])
+            start = self.producer[b] if b >= 0 else -1
+            from_zeros.append(start >= 0 and nodes[start].op == "zeros" and tensors[b].mb == -1)
+        order, ok, first, last = accumulation_chains(
+            np.array(acc, dtype=np.int64), np.array(key, dtype=np.int64),
+            np.array(buf, dtype=np.int64), np.array(out, dtype=np.int64),
+            np.array(from_zeros, dtype=bool))
+        at = [acc[k] for k in order.tolist()]
+        bad = np.flatnonzero(~ok)
+        if bad.size:
+            k = int(bad[np.argmin([at[b] for b in bad.tolist()])])  # the first in node order
+            self.fail(at[k], None if first[k] else at[k - 1], NOT_RUNNING_BUFFER)
+        named = list(keys)
+        self.chain_end = {named[key[a]]: out[a] for a, end in zip(order.tolist(), last) if end}
 
     def sums_chain_ends(self, node: Node) -> bool:
         return all(t >= 0 and self.chain_end.get((self.p.tensors[t].rank, self.p.tensors[t].tid))

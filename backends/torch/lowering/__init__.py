@@ -7,7 +7,7 @@ The package's rooms, in the order they depend on each other:
 - ``ir``: the pending values a handler may return instead of emitting
   nodes at once, and how each is materialized;
 - ``constants``, ``emit``, ``shapes``, ``onehot``, ``fills``, ``attention``,
-  ``refusals``, ``bucket_pieces``: helpers the families share;
+  ``refusals``, ``bucket_pieces``, ``uneven_shards``: helpers the families share;
 - ``context``: the ``Lowerer`` every handler receives, and the lowered
   records (``LNode``, ``Lowered``);
 - one module per family of ops, each registering its handlers beside them;
@@ -64,8 +64,8 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
 )
 from backends.torch.lowering.buckets import check_broadcasts, check_bucket_layouts
 from backends.torch.lowering.context import LNode, Lowered, Lowerer
-from backends.torch.lowering.layout import padded_rows
 from backends.torch.lowering.registry import handlers
+from backends.torch.lowering.uneven_shards import padded_rows
 from backends.torch.lowering.walk import check_shards, lower_ranks, lower_trace
 
 __all__ = ["LNode", "Lowered", "Lowerer", "LoweringError", "check_broadcasts",

@@ -20,7 +20,7 @@ stops (``NeedPeers``) and is lowered again in the next round.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from backends.torch.lowering.grouped_rows import Experts, copied
 from backends.torch.lowering.pair_rows import Assembled, Pairs
 from backends.torch.lowering.registry import lowers
 from backends.torch.lowering.routed_rows import Rows, value_of
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 #: the data all-to-alls lowered here (args: input, output splits, input splits, group;
 #: then ``torch.distributed.all_to_all``'s of lists)
@@ -88,7 +91,7 @@ def _starts(splits: tuple[int, ...]) -> list[int]:
     return [int(s) for s in np.concatenate([[0], np.cumsum(splits)[:-1]])]
 
 
-def _describe(lw: Any, x: Any, in_splits: Any, n: int) -> tuple[Sent, int]:
+def _describe(lw: Lowerer, x: Any, in_splits: Any, n: int) -> tuple[Sent, int]:
     """This member's send: its description and the lowered value it sends whole."""
     if isinstance(x, Rows):
         rows = len(x.index)
@@ -122,7 +125,7 @@ def _describe(lw: Any, x: Any, in_splits: Any, n: int) -> tuple[Sent, int]:
     return Sent("tensor", tuple(lw.shapes[v]), None, None, splits), v
 
 
-def _exchange_whole(lw: Any, me: int, group: tuple[int, ...], own: int,
+def _exchange_whole(lw: Lowerer, me: int, group: tuple[int, ...], own: int,
                     shapes: list[tuple[int, ...]], dim: int) -> int:
     """Every member's value sent whole and concatenated along ``dim`` in
     group order (an all-gather of values of possibly unequal lengths)."""
@@ -144,11 +147,11 @@ def _exchange_whole(lw: Any, me: int, group: tuple[int, ...], own: int,
     return lw.emit("cat", pieces, [tuple(full)], {"dim": dim})[0]
 
 
-def _send(lw: Any, v: int, me: int, dst: int) -> LNode:
+def _send(lw: Lowerer, v: int, me: int, dst: int) -> LNode:
     return LNode("send", "fw", [v], [], {}, lw.name, (me, dst), lw.mb)
 
 
-def _narrow(lw: Any, v: int, dim: int, start: int, length: int) -> int:
+def _narrow(lw: Lowerer, v: int, dim: int, start: int, length: int) -> int:
     shape = list(lw.shapes[v])
     if start == 0 and length == shape[dim]:
         return v
@@ -156,7 +159,7 @@ def _narrow(lw: Any, v: int, dim: int, start: int, length: int) -> int:
     return lw.emit("narrow", [v], [tuple(shape)], {"dim": dim, "start": start, "length": length})[0]
 
 
-def _tensor(lw: Any, me: int, group: tuple[int, ...], x: int, sends: dict[int, Sent],
+def _tensor(lw: Lowerer, me: int, group: tuple[int, ...], x: int, sends: dict[int, Sent],
             out_shape: tuple[int, ...]) -> int:
     """The definition with point-to-point operators: blocks sent, received,
     concatenated."""
@@ -184,7 +187,7 @@ def _tensor(lw: Any, me: int, group: tuple[int, ...], x: int, sends: dict[int, S
     return out
 
 
-def _arranged(lw: Any, group: tuple[int, ...], own: tuple[int, ...], sends: dict[int, Sent],
+def _arranged(lw: Lowerer, group: tuple[int, ...], own: tuple[int, ...], sends: dict[int, Sent],
               out_shape: tuple[int, ...]) -> Any:
     """The output as the elements of the members' bases it holds
     (``arranged.Arranged``): the block each member sends this one, in group
@@ -227,7 +230,7 @@ def _composed(group: tuple[int, ...], me: int, sends: dict[int, Sent], along: in
             np.concatenate(groups).astype(np.int64) if groups else None)
 
 
-def _own_share(lw: Any, base: int, index: np.ndarray, me: int, group: tuple[int, ...],
+def _own_share(lw: Lowerer, base: int, index: np.ndarray, me: int, group: tuple[int, ...],
                dim: int) -> tuple[int, np.ndarray]:
     """The base cut to this member's even share of its rows (along
     ``dim``) when every row read lies in it; else the base whole."""
@@ -242,7 +245,7 @@ def _own_share(lw: Any, base: int, index: np.ndarray, me: int, group: tuple[int,
 
 
 @lowers(LISTS)
-def all_to_all_list(lw: Any, args, kwargs, shapes, group):
+def all_to_all_list(lw: Lowerer, args, kwargs, shapes, group):
     """``torch.distributed.all_to_all(outputs, inputs, group)``: output i is
     member i's input at this member's position. Every input a view of one
     value (``tensor_split``'s pieces, VeOmni's): the outputs read as the
@@ -295,7 +298,7 @@ def all_to_all_list(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers(IN_PLACE)
-def all_to_all_in_place(lw: Any, args, kwargs, shapes, group):
+def all_to_all_in_place(lw: Lowerer, args, kwargs, shapes, group):
     """``torch.distributed.all_to_all_single(out, x, out_splits, in_splits,
     group)``: the functional op's definition, its result the output
     (written in place)."""
@@ -306,7 +309,7 @@ def all_to_all_in_place(lw: Any, args, kwargs, shapes, group):
 
 
 @lowers(*OPS[:2])
-def all_to_all(lw: Any, args, kwargs, shapes, group):
+def all_to_all(lw: Lowerer, args, kwargs, shapes, group):
     """Lower one ``all_to_all_single`` (see the module's docstring)."""
     if group is None:
         raise LoweringError(f"{lw.name}: an all-to-all without its group")
@@ -371,7 +374,7 @@ def all_to_all(lw: Any, args, kwargs, shapes, group):
     return Experts(y, groups, index)
 
 
-def _copies(lw: Any, me: int, group: tuple[int, ...], own: int, sends: dict[int, Sent]) -> Rows:
+def _copies(lw: Lowerer, me: int, group: tuple[int, ...], own: int, sends: dict[int, Sent]) -> Rows:
     """Rows of the members' C-fold copies: the copied values sent whole and
     concatenated (cut to this member's share of them when every row read
     lies in it), the rows those of its copy at the composed index (row
@@ -389,7 +392,7 @@ def _copies(lw: Any, me: int, group: tuple[int, ...], own: int, sends: dict[int,
     return Rows(copied(lw, x, c), index)
 
 
-def _values(lw: Any, me: int, group: tuple[int, ...], own: tuple[int, ...],
+def _values(lw: Lowerer, me: int, group: tuple[int, ...], own: tuple[int, ...],
             sends: dict[int, Sent]) -> Assembled | Pairs:
     """Rows of token-space values (``pair_rows``): every member's values
     sent whole, in order, to every other member; the rows received those of
@@ -436,7 +439,7 @@ def _values(lw: Any, me: int, group: tuple[int, ...], own: tuple[int, ...],
     return Pairs(g, w, mine.copies, np.concatenate(index).astype(np.int64))
 
 
-def _cat(lw: Any, pieces: list[int]) -> int:
+def _cat(lw: Lowerer, pieces: list[int]) -> int:
     pieces = [p for p in pieces if lw.shapes[p][0]] or pieces[:1]
     if len(pieces) == 1:
         return pieces[0]

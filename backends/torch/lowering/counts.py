@@ -14,7 +14,6 @@ bounds (docs/soundness.md, "Plans traced from PyTorch", 45).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +22,16 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.emit import cat, einsum, pad
+from backends.torch.lowering.integer_rows import (
+    MAX_POINTS,
+    bounded_value,
+    integer_bounds,
+    integer_points,
+    integer_type,
+    one_hot_rows,
+    scaled_rows,
+    spread,
+)
 from backends.torch.lowering.ir import Const, Flag, IdRows, Ids, pending_of
 from backends.torch.lowering.onehot import id_rows
 from backends.torch.lowering.registry import Handler, refines
@@ -30,66 +39,15 @@ from backends.torch.lowering.registry import Handler, refines
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
 
-#: the widest bounds whose one-hot rows are written as a polynomial
-MAX_POINTS = 64
-
-
-def _bounds(lw: Lowerer, a: Any) -> tuple[int, int] | None:
-    """The bounds of an integer argument: a flag (0 or 1), a value the layer
-    bounded, or an integer number; None for anything else."""
-    if isinstance(a, bool):
-        return int(a), int(a)
-    if isinstance(a, int):
-        return a, a
-    x = pending_of(lw, a)
-    if isinstance(x, Flag):
-        return 0, 1
-    if isinstance(x, int) and x in lw.integral:
-        return lw.integral[x]
-    if not isinstance(x, (int, Const)):
-        return None
-    # a constant of integers (the same for every batch)
-    try:
-        value = constant_value(lw, a)
-    except LoweringError:
-        value = None
-    value = None if value is None else np.asarray(value)
-    if value is not None and value.size and value.dtype.kind in "biuf" \
-            and np.all(np.isfinite(value)) and np.all(value == np.round(value)):
-        return int(np.min(value)), int(np.max(value))
-    return None
-
-
-def _points(lw: Lowerer, a: Any) -> tuple[int, ...] | None:
-    """The integers an argument may take, when few (a number, a flag, a
-    bounded value's set or bounds, a constant's values); None otherwise."""
-    bounds = _bounds(lw, a)
-    if bounds is None:
-        return None
-    x = pending_of(lw, a)
-    if isinstance(x, int) and x in lw.integral_sets:
-        return lw.integral_sets[x]
-    if isinstance(x, Const):
-        value = np.asarray(constant_value(lw, a))
-        found = tuple(int(k) for k in np.unique(value))
-        return found if len(found) <= MAX_POINTS else None
-    lo, hi = bounds
-    return tuple(range(lo, hi + 1)) if hi - lo < MAX_POINTS else None
-
-
-def _integer_type(dtype: str) -> bool:
-    return any(t in dtype for t in ("int", "long", "bool")) and "complex" not in dtype
-
-
 @refines("aten._to_copy.default", "aten.to.dtype")
 def convert(base: Handler) -> Handler:
     """A bounded integer converted to an integer type is itself; a flag
     converted to one keeps its bounds (0, 1)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        bounds = _bounds(lw, args[0])
+        bounds = integer_bounds(lw, args[0])
         dtype = str(kwargs.get("dtype", args[1] if len(args) > 1 else ""))
         x = pending_of(lw, args[0])
-        if bounds is not None and isinstance(x, int) and _integer_type(dtype):
+        if bounds is not None and isinstance(x, int) and integer_type(dtype):
             return x
         out = base(lw, args, kwargs, shapes, group)
         if bounds is not None and isinstance(out, int):
@@ -102,7 +60,7 @@ def convert(base: Handler) -> Handler:
 def running_sum(base: Handler) -> Handler:
     """A running sum of bounded integers (to any type: the same numbers)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        bounds = _bounds(lw, args[0])
+        bounds = integer_bounds(lw, args[0])
         if bounds is None:
             return base(lw, args, kwargs, shapes, group)
         dim = int(args[1]) if len(args) > 1 else int(kwargs["dim"])
@@ -119,7 +77,7 @@ def _combined(op: str):
         """Sums and products of bounded integers (or integer numbers) are
         bounded integers."""
         def lower(lw: Lowerer, args, kwargs, shapes, group):
-            a, b = _bounds(lw, args[0]), _bounds(lw, args[1]) if len(args) > 1 else None
+            a, b = integer_bounds(lw, args[0]), integer_bounds(lw, args[1]) if len(args) > 1 else None
             alpha = kwargs.get("alpha", 1)
             out = base(lw, args, kwargs, shapes, group)
             if a is None or b is None or not isinstance(out, int) or alpha != int(alpha) \
@@ -132,7 +90,7 @@ def _combined(op: str):
 
             ends = [made_of(p, q) for p in a for q in b]
             lw.integral[out] = (min(ends), max(ends))
-            pa, pb = _points(lw, args[0]), _points(lw, args[1])
+            pa, pb = integer_points(lw, args[0]), integer_points(lw, args[1])
             if pa is not None and pb is not None and len(pa) * len(pb) <= MAX_POINTS ** 2:
                 made = {made_of(p, q) for p in pa for q in pb}
                 if len(made) < lw.integral[out][1] - lw.integral[out][0] + 1:
@@ -147,123 +105,11 @@ refines("aten.sub.Tensor", "aten.sub.Scalar")(_combined("sub"))
 refines("aten.mul.Tensor", "aten.mul.Scalar")(_combined("mul"))
 
 
-def one_hot_rows(lw: Lowerer, v: int, rows: int) -> int:
-    """``[v == k]`` for k in ``0 .. rows - 1`` (``[*v.shape, rows]``) of a
-    bounded integer v, as Lagrange polynomials over its bounds; emitted once
-    per (v, rows)."""
-    key = (v, rows)
-    if key in lw.integral_rows:
-        return lw.integral_rows[key]
-    lo, hi = lw.integral[v]
-    if lo < 0 or hi >= rows:
-        raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at integers computed "
-                            f"from the ids that may lie in [{lo}, {hi}] (outside its rows)")
-    if v in lw.integral_where:
-        # the rows of where(m, a, b): m a's rows + (1 - m) b's rows
-        m, a, b = lw.integral_where[v]
-        shape = (*lw.shapes[v], rows)
-        first, second = (_spread(lw, _rows_of(lw, x, rows), shape) for x in (a, b))
-        mask = _spread(lw, lw.reshape(m, (*lw.shapes[m], 1)), shape)
-        gap = lw.emit("sub", [first, second], [shape])[0]
-        out = lw.emit("add", [second, lw.emit("mul", [mask, gap], [shape])[0]], [shape])[0]
-        lw.integral_rows[key] = out
-        return out
-    out = pad(lw, value_rows(lw, v), len(lw.shapes[v]), lo, rows - hi - 1)
-    lw.integral_rows[key] = out
-    return out
-
-
-def _rows_of(lw: Lowerer, a: Any, rows: int) -> int:
-    """The one-hot rows (``rows`` wide) of a selection's branch: a bounded
-    value's, or a constant's or number's (a constant of the plan)."""
-    if isinstance(a, int) and not isinstance(a, bool) and a in lw.integral:
-        return one_hot_rows(lw, a, rows)
-    value = np.asarray(a if isinstance(a, (int, float, bool)) else constant_value(lw, a))
-    if value.size and (value.min() < 0 or value.max() >= rows):
-        raise LoweringError(f"{lw.name}: a table of {rows} rows looked up at a constant outside "
-                            f"its rows")
-    onehot = (value[..., None] == np.arange(rows)).astype(np.float64)
-    return constant_input(lw, onehot)
-
-
-def value_rows(lw: Lowerer, v: int) -> int:
-    """``[v == k]`` for k in ``lo .. hi`` (``[*v.shape, hi - lo + 1]``) of
-    a bounded integer v taking the values ``S`` (its set, else every integer
-    of its bounds): in column k of S, ``prod_{r in S, r != k} (v - r) / (k -
-    r)``; in a column outside S, 0."""
-    lo, hi = lw.integral[v]
-    taken = lw.integral_sets.get(v) or tuple(range(lo, hi + 1))
-    if len(taken) > MAX_POINTS:
-        raise LoweringError(f"{lw.name}: a lookup or comparison at integers computed from the "
-                            f"ids that may take {len(taken)} values (more than {MAX_POINTS})")
-    columns = np.arange(lo, hi + 1, dtype=np.float64)
-    shape = (*lw.shapes[v], len(columns))
-    column = lw.reshape(v, (*lw.shapes[v], 1))
-    spread = lw.emit("expand", [column], [shape], {"shape": list(shape)})[0]
-    out = None
-    for r in taken:
-        if len(taken) == 1:
-            break
-        # (v - r) / (k - r) in column k != r, 1 in column r
-        gap = columns - r
-        scale = np.where(gap == 0, 0.0, 1.0 / np.where(gap == 0, 1.0, gap))
-        shift = np.where(gap == 0, 1.0, -r * scale)
-        factor = lw.emit("mul", [spread, constant_input(lw, scale)], [shape])[0]
-        factor = lw.emit("add", [factor, constant_input(lw, shift)], [shape])[0]
-        out = factor if out is None else lw.emit("mul", [out, factor], [shape])[0]
-    if out is None:  # one possible value: its row is always 1
-        out = lw.emit("ones", [], [shape], {"shape": list(shape)}, direction="none")[0]
-    if len(taken) < len(columns):  # columns of no value the integer takes: 0
-        inside = np.isin(columns, np.asarray(taken, dtype=np.float64)).astype(np.float64)
-        out = lw.emit("mul", [out, constant_input(lw, inside)], [shape])[0]
-    return out
-
-
-def scaled_rows(lw: Lowerer, v: int) -> tuple[int, int]:
-    """``D [v == k]`` for k in ``lo .. hi`` and the integer D, with integer
-    coefficients only: column k of the set S is ``prod_{r in S, r != k} (v -
-    r)`` times the integer ``D / prod_{r != k} (k - r)`` (D the least common
-    multiple of those products), so that its constants are exact in a plan
-    (``value_rows``'s fractions ``1 / (k - r)`` are not) and a comparison
-    divides by D once, exactly."""
-    lo, hi = lw.integral[v]
-    taken = lw.integral_sets.get(v) or tuple(range(lo, hi + 1))
-    columns = np.arange(lo, hi + 1)
-    products = {k: math.prod(k - r for r in taken if r != k) for k in taken}
-    common = math.lcm(*(abs(d) for d in products.values()))
-    if len(taken) > MAX_POINTS or common * max(abs(d) for d in products.values()) >= 2 ** 52:
-        raise LoweringError(f"{lw.name}: a comparison of integers counted from the ids that may "
-                            f"take {len(taken)} values (too many to compare exactly)")
-    shape = (*lw.shapes[v], len(columns))
-    column = lw.reshape(v, (*lw.shapes[v], 1))
-    spread = lw.emit("expand", [column], [shape], {"shape": list(shape)})[0]
-    weight = np.array([common // products[k] if k in products else 0 for k in columns],
-                      dtype=np.float64)
-    out = lw.emit("mul", [lw.emit("ones", [], [shape], {"shape": list(shape)},
-                                  direction="none")[0], constant_input(lw, weight)], [shape])[0]
-    for r in taken:
-        if len(taken) == 1:
-            break
-        # (v - r) in column k != r, 1 in column r
-        gap = columns - r
-        scale = np.where(gap == 0, 0.0, 1.0)
-        shift = np.where(gap == 0, 1.0, -float(r))
-        factor = lw.emit("mul", [spread, constant_input(lw, scale)], [shape])[0]
-        factor = lw.emit("add", [factor, constant_input(lw, shift)], [shape])[0]
-        out = lw.emit("mul", [out, factor], [shape])[0]
-    return out, common
-
-
-def _bounded(lw: Lowerer, a: Any) -> int | None:
-    x = pending_of(lw, a)
-    return x if isinstance(x, int) and x in lw.integral else None
-
-
 @refines("aten.embedding.default")
 def lookup(base: Handler) -> Handler:
     """A table looked up at bounded integers: the one-hot rows times the table."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        v = _bounded(lw, args[1])
+        v = bounded_value(lw, args[1])
         ids = pending_of(lw, args[1])
         if isinstance(ids, IdRows) and lw.shapes[ids.x][-1] > lw.vocab:
             # ids joined with constant ids past the vocabulary (``joined``):
@@ -288,7 +134,7 @@ def lookup_backward(base: Handler) -> Handler:
     """The table's gradient: the one-hot rows' transpose times the gradient,
     rows at ``padding_idx`` left out (as ``tokens._embedding_bw``)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        v = _bounded(lw, args[1])
+        v = bounded_value(lw, args[1])
         ids = pending_of(lw, args[1])
         wide = isinstance(ids, IdRows) and lw.shapes[ids.x][-1] > lw.vocab
         if v is None and not wide:
@@ -323,7 +169,7 @@ def gather(base: Handler) -> Handler:
     picked at its positions): the sum over the last dim of x times v's
     one-hot rows; integers picked from integers keep x's bounds."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        v = _bounded(lw, args[2])
+        v = bounded_value(lw, args[2])
         if v is None:
             return base(lw, args, kwargs, shapes, group)
         x = lw.val(args[0])
@@ -335,7 +181,7 @@ def gather(base: Handler) -> Handler:
         rows = one_hot_rows(lw, v, lw.shapes[x][-1])
         lead = "abcdefgh"[:nd - 1]
         out = einsum(lw, f"{lead}z,{lead}yz->{lead}y", x, rows)
-        bounds = _bounds(lw, args[0])
+        bounds = integer_bounds(lw, args[0])
         if bounds is not None:
             lw.integral[out] = bounds
         return out
@@ -352,7 +198,7 @@ def moved(base: Handler) -> Handler:
     a flag so moved, a flag (its recorded booleans the op's recorded output)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = pending_of(lw, args[0])
-        bounds = _bounds(lw, args[0]) if isinstance(x, (int, Const)) else None
+        bounds = integer_bounds(lw, args[0]) if isinstance(x, (int, Const)) else None
         out = base(lw, args, kwargs, shapes, group)
         recorded = _recorded(lw)
         if isinstance(x, Flag) and not isinstance(out, Flag) and recorded is not None:
@@ -402,8 +248,8 @@ def selected(base: Handler) -> Handler:
     (``where(ids != 0, 2, 0)`` is 0 or 2)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         cond = pending_of(lw, args[0])
-        pa, pb = _points(lw, args[1]), _points(lw, args[2])
-        bounds = [_bounds(lw, a) for a in args[1:3]]
+        pa, pb = integer_points(lw, args[1]), integer_points(lw, args[2])
+        bounds = [integer_bounds(lw, a) for a in args[1:3]]
         integral = [isinstance(a, (int, bool)) or _computed(lw, a) is not None
                     or isinstance(pending_of(lw, a), Const) for a in args[1:3]]
         if not isinstance(cond, Flag) or None in bounds or not all(integral) \
@@ -413,8 +259,8 @@ def selected(base: Handler) -> Handler:
         if all(isinstance(a, (int, bool)) for a in args[1:3]):
             out = base(lw, args, kwargs, shapes, group)
         else:
-            m = _spread(lw, cond.x, shape)
-            a, b = (_spread(lw, _operand(lw, x), shape) for x in args[1:3])
+            m = spread(lw, cond.x, shape)
+            a, b = (spread(lw, _operand(lw, x), shape) for x in args[1:3])
             gap = lw.emit("sub", [a, b], [shape])[0]
             out = lw.emit("add", [b, lw.emit("mul", [m, gap], [shape])[0]], [shape])[0]
         if isinstance(out, int):
@@ -447,16 +293,6 @@ def _operand(lw: Lowerer, a: Any) -> int:
     return lw.val(a)
 
 
-def _spread(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
-    """x broadcast to ``shape`` (leading dims of 1 added, then expanded)."""
-    if lw.shapes[x] == shape:
-        return x
-    lead = (1,) * (len(shape) - len(lw.shapes[x]))
-    if lead:
-        x = lw.reshape(x, (*lead, *lw.shapes[x]))
-    return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
-
-
 #: a comparison's truth at two integers, and the comparison with its sides swapped
 COMPARISONS = {"eq": (np.equal, "eq"), "ne": (np.not_equal, "ne"), "lt": (np.less, "gt"),
                "le": (np.less_equal, "ge"), "gt": (np.greater, "lt"), "ge": (np.greater_equal, "le")}
@@ -478,7 +314,7 @@ def _compared(op: str):
             if _computed(lw, a) is None and _computed(lw, b) is not None:
                 a, b, name = b, a, COMPARISONS[op][1]
             v = _computed(lw, a)
-            if v is None or _points(lw, b) is None:
+            if v is None or integer_points(lw, b) is None:
                 if base is None:
                     raise LoweringError(f"{lw.name}: a comparison ({op}) of two computed "
                                         f"tensors other than integers counted from the ids "
@@ -490,7 +326,7 @@ def _compared(op: str):
             lo, hi = lw.integral[v]
             columns = np.arange(lo, hi + 1)
             first, common = scaled_rows(lw, v)
-            rows = _spread(lw, first, (*shape, len(columns)))
+            rows = spread(lw, first, (*shape, len(columns)))
             w = _computed(lw, b)
             if w is None:
                 other = np.asarray(b if isinstance(b, (int, float, bool)) else constant_value(lw, b))
@@ -504,7 +340,7 @@ def _compared(op: str):
                 through = einsum(lw, f"{lead}j,jk->{lead}k", rows, constant_input(lw, table))
                 second_rows, scale = scaled_rows(lw, w)
                 common *= scale
-                other_rows = _spread(lw, second_rows, (*shape, len(second)))
+                other_rows = spread(lw, second_rows, (*shape, len(second)))
                 picked = lw.emit("mul", [through, other_rows], [(*shape, len(second))])[0]
             x = lw.emit("sum", [picked], [shape], {"dim": len(shape), "keepdim": False})[0]
             if common != 1:
@@ -555,14 +391,14 @@ def joined(base: Handler) -> Handler:
             xs = [f.x if f is not None else constant_input(lw, c.astype(np.float64))
                   for f, c in zip(flags, consts)]
             return Flag(cat(lw, xs, d), values)
-        bounds = [_bounds(lw, p) for p in parts]
+        bounds = [integer_bounds(lw, p) for p in parts]
         if None in bounds:
             return base(lw, args, kwargs, shapes, group)
         out = base(lw, args, kwargs, shapes, group)
         if isinstance(out, int):
             ends = [e for bound in bounds for e in bound]
             lw.integral[out] = (min(ends), max(ends))
-            points = [_points(lw, p) for p in parts]
+            points = [integer_points(lw, p) for p in parts]
             if None not in points:
                 taken = tuple(sorted(set().union(*points)))
                 if len(taken) < taken[-1] - taken[0] + 1:

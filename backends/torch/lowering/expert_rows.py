@@ -23,7 +23,7 @@ Anything else is handed on.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.grouped_rows import Experts
 from backends.torch.lowering.registry import refines
 from backends.torch.lowering.routed_rows import Rows, value_of
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 Handler = Callable[..., Any]
 
@@ -47,7 +50,7 @@ def _rows_dim(dim: Any) -> bool:
 
 def split(base: Handler) -> Handler:
     """``split``/``split_with_sizes`` along the rows of gathered rows."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
         if not isinstance(x, (Rows, Experts)) or not _rows_dim(dim):
@@ -62,7 +65,7 @@ def split(base: Handler) -> Handler:
 
 def slice_rows(base: Handler) -> Handler:
     """``x[a:b]`` along the rows of gathered rows (the backward of a ``cat``)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         step = args[4] if len(args) > 4 else kwargs.get("step", 1)
@@ -76,7 +79,7 @@ def slice_rows(base: Handler) -> Handler:
     return lower
 
 
-def _stacked(lw: Any, bases: list[int]) -> int:
+def _stacked(lw: Lowerer, bases: list[int]) -> int:
     """The bases ``[N, ...]`` stacked into ``[G, N, ...]``."""
     shape = tuple(lw.shapes[bases[0]])
     parts = [lw.reshape(b, (1, *shape)) for b in bases]
@@ -85,7 +88,7 @@ def _stacked(lw: Any, bases: list[int]) -> int:
     return lw.emit("cat", parts, [(len(parts), *shape)], {"dim": 0})[0]
 
 
-def _empty(lw: Any, ref: Any) -> bool:
+def _empty(lw: Lowerer, ref: Any) -> bool:
     """A recorded value with no rows."""
     if not (isinstance(ref, (list, tuple)) and len(ref) == 2 and ref[0] == "v"):
         return False
@@ -93,7 +96,7 @@ def _empty(lw: Any, ref: Any) -> bool:
     return ref[1] < len(shapes) and len(shapes[ref[1]]) > 0 and shapes[ref[1]][0] == 0
 
 
-def _experts_cat(lw: Any, items: list[Experts]) -> Experts:
+def _experts_cat(lw: Lowerer, items: list[Experts]) -> Experts:
     """Blocks of one grouped result put side by side (the dispatcher's
     unsort of the experts' output): row i is ``y[group[i], index[i]]`` of
     the block it came from, so the whole is ``y`` at the concatenated
@@ -108,7 +111,7 @@ def _experts_cat(lw: Any, items: list[Experts]) -> Experts:
 
 def cat(base: Handler) -> Handler:
     """``cat`` along the rows of gathered rows."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         refs = args[0] if isinstance(args[0], (list, tuple)) else []
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if _rows_dim(dim):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from backends.torch.lowering.routed_rows import (
     tensor_refs,
     value_of,
 )
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 Handler = Callable[..., Any]
 
@@ -59,11 +62,11 @@ class Experts(Pending):
     group: np.ndarray
     index: np.ndarray
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         return lw.materialize(Rows(collapse(lw, self), self.index))
 
 
-def producer(lw: Any, v: int) -> tuple | None:
+def producer(lw: Lowerer, v: int) -> tuple | None:
     """The recorded event that made value v (None: an input of the trace)."""
     producers = lw.grouped_producers
     if producers is None:
@@ -73,7 +76,7 @@ def producer(lw: Any, v: int) -> tuple | None:
     return None if i is None else lw.trace["events"][i]
 
 
-def copies_of(lw: Any, a: Any) -> tuple[np.ndarray, int] | None:
+def copies_of(lw: Lowerer, a: Any) -> tuple[np.ndarray, int] | None:
     """(p, C) when the recorded index ``a`` is ``p // C`` (seen through
     views and expands) with p a recorded index without repeats."""
     v = a[1] if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
@@ -100,7 +103,7 @@ def copies_of(lw: Any, a: Any) -> tuple[np.ndarray, int] | None:
     return None
 
 
-def _numbered_copies(lw: Any, v: int) -> tuple[np.ndarray, int] | None:
+def _numbered_copies(lw: Lowerer, v: int) -> tuple[np.ndarray, int] | None:
     """(p, C) for a recorded one-dim index ``idx`` that repeats a row (each
     token once per expert it chose, in the routing map's order: Megatron's
     permutation): C the most times a row occurs, and p[i] = idx[i] * C +
@@ -128,7 +131,7 @@ def _numbered_copies(lw: Any, v: int) -> tuple[np.ndarray, int] | None:
 def index_select(base: Handler) -> Handler:
     """``x.index_select(0, idx)`` at a recorded index that repeats rows: the
     rows p of x's C-fold copy (``_numbered_copies``)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         if int(args[1]) != 0 or not isinstance(value_of(lw, args[0]), int):
             return base(lw, args, kwargs, shapes, group)
         found = copies_of(lw, args[2])
@@ -141,7 +144,7 @@ def index_select(base: Handler) -> Handler:
     return lower
 
 
-def copied(lw: Any, x: int, c: int) -> int:
+def copied(lw: Lowerer, x: int, c: int) -> int:
     """x's rows, each repeated c times in place (``[T * c, ...]``), once per
     value and count."""
     memo = lw.grouped_copies
@@ -154,19 +157,19 @@ def copied(lw: Any, x: int, c: int) -> int:
     return memo[(x, c)]
 
 
-def _check_copies(lw: Any, p: np.ndarray, c: int, rows: int) -> None:
+def _check_copies(lw: Lowerer, p: np.ndarray, c: int, rows: int) -> None:
     if len(p) and p.max() >= rows * c:
         raise LoweringError(f"{lw.name}: a pair index beyond {rows} rows of {c} copies")
 
 
-def _groups(lw: Any, offs: np.ndarray, n: int) -> np.ndarray:
+def _groups(lw: Lowerer, offs: np.ndarray, n: int) -> np.ndarray:
     ends = offs.astype(np.int64)
     if len(ends) == 0 or np.any(np.diff(ends) < 0) or ends[-1] != n:
         raise LoweringError(f"{lw.name}: a grouped GEMM whose offsets do not end at its {n} rows")
     return np.searchsorted(ends, np.arange(n), side="right")
 
 
-def _group_mask(lw: Any, e: Experts, shape: tuple[int, ...]) -> int:
+def _group_mask(lw: Lowerer, e: Experts, shape: tuple[int, ...]) -> int:
     """The 0/1 ``[G, N, 1, ...]`` of each group's rows, expanded to shape."""
     mask = np.zeros((shape[0], shape[1]) + (1,) * (len(shape) - 2))
     mask[e.group, e.index] = 1.0
@@ -176,7 +179,7 @@ def _group_mask(lw: Any, e: Experts, shape: tuple[int, ...]) -> int:
     return lw.emit("expand", [m], [shape], {"shape": list(shape)})[0]
 
 
-def collapse(lw: Any, e: Experts) -> int:
+def collapse(lw: Lowerer, e: Experts) -> int:
     """``sum_g M[g] * y[g]``: each row's own group's result, on the base."""
     shape = tuple(lw.shapes[e.y])
     if len(np.unique(e.index)) != len(e.index):
@@ -185,14 +188,14 @@ def collapse(lw: Any, e: Experts) -> int:
     return lw.emit("sum", [kept], [shape[1:]], {"dim": 0, "keepdim": False})[0]
 
 
-def _spread(lw: Any, base: int, groups: int) -> int:
+def _spread(lw: Lowerer, base: int, groups: int) -> int:
     shape = tuple(lw.shapes[base])
     wide = (groups, *shape)
     return lw.emit("expand", [lw.reshape(base, (1, *shape))], [wide], {"shape": list(wide)})[0]
 
 
 def grouped_mm(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = value_of(lw, args[0]), value_of(lw, args[1])
         offs_ref = args[2] if len(args) > 2 else kwargs.get("offs")
         offs = constant_value(lw, offs_ref) if offs_ref is not None else None
@@ -223,13 +226,13 @@ class Transposed(Pending):
     """The transpose of grouped rows (a grouped GEMM's B gradient reads it)."""
     of: Any
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         x = lw.materialize(self.of)
         n, d = lw.shapes[x]
         return lw.emit("transpose", [x], [(d, n)], {"dim0": 0, "dim1": 1})[0]
 
 
-def _grouped_mm_bw(lw: Any, a: Any, args, offs: np.ndarray, shapes) -> int:
+def _grouped_mm_bw(lw: Lowerer, a: Any, args, offs: np.ndarray, shapes) -> int:
     """``_grouped_mm(A^T, G, offs)``: out[g] = A[rows of g]^T @ G[rows of g]."""
     g_val = value_of(lw, args[1])
     left = a.of if isinstance(a, Transposed) else a.rows
@@ -256,7 +259,7 @@ def _grouped_mm_bw(lw: Any, a: Any, args, offs: np.ndarray, shapes) -> int:
 
 def index(base: Handler) -> Handler:
     """``x[p // C]``: the rows p of x's C-fold copy."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         if len(indices) != 1 or indices[0] is None or not isinstance(value_of(lw, args[0]), int):
             return base(lw, args, kwargs, shapes, group)
@@ -275,7 +278,7 @@ def index(base: Handler) -> Handler:
 def gather_rows(base: Handler) -> Handler:
     """``x.gather(0, (p // C)[:, None].expand(-1, D))``: the rows p of x's
     C-fold copy (a scatter_add's backward)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         if int(args[1]) != 0 or not isinstance(value_of(lw, args[0]), int):
             return base(lw, args, kwargs, shapes, group)
         found = copies_of(lw, args[2])
@@ -291,7 +294,7 @@ def gather_rows(base: Handler) -> Handler:
     return lower
 
 
-def _summed_copies(lw: Any, src: Any, p: np.ndarray, c: int, shape: tuple[int, ...]) -> int:
+def _summed_copies(lw: Lowerer, src: Any, p: np.ndarray, c: int, shape: tuple[int, ...]) -> int:
     """Rows (p's rows of a C-fold copy) added into zeros of ``shape`` at
     their token p // C."""
     if not np.array_equal(src.index, p):
@@ -317,7 +320,7 @@ def _summed_copies(lw: Any, src: Any, p: np.ndarray, c: int, shape: tuple[int, .
 
 def scatter_add(base: Handler) -> Handler:
     """``zeros.scatter_add(0, (p // C)[:, None].expand(-1, D), rows)``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         target, src = value_of(lw, args[0]), value_of(lw, args[-1])
         index_ref = args[2] if len(args) == 4 else args[1]
         if not (isinstance(target, (Zeros, NewZeros)) or is_zeros(lw, args[0])) \
@@ -338,7 +341,7 @@ def scatter_add(base: Handler) -> Handler:
 def index_put(base: Handler) -> Handler:
     """``zeros.index_put([p // C], rows, accumulate=True)``: the backward of
     ``x[p // C]``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         target, src = value_of(lw, args[0]), value_of(lw, args[2])
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         if not isinstance(target, NewZeros) or not isinstance(src, (Rows, Experts)) or len(indices) != 1:
@@ -357,7 +360,7 @@ def index_add(base: Handler) -> Handler:
     """``t.index_add(0, p // C, rows)`` with rows the rows p of a C-fold
     copy (the backward of ``x.index_select(0, p // C)``): ``t`` plus the
     rows summed back at their token."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         src = value_of(lw, args[3]) if len(args) > 3 else None
         alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
         if not isinstance(src, (Rows, Experts)) or int(args[1]) != 0 or alpha != 1:
@@ -375,7 +378,7 @@ def index_add(base: Handler) -> Handler:
 
 
 def transpose(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         dims = [int(a) for a in args[1:3]] if len(args) > 2 else [0, 1]
         if len(shapes[0]) == 2 and sorted(d % 2 for d in dims) == [0, 1]:
@@ -390,7 +393,7 @@ def transpose(base: Handler) -> Handler:
 def experts_rowwise(base: Handler) -> Handler:
     """A row-wise op on grouped rows (and rows gathered at the same index):
     on all of ``y`` (a row's other tensors must not vary along the rows)."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         refs = tensor_refs([args, kwargs])
         pending = [value_of(lw, a) for a in refs]
         experts = [p for p in pending if isinstance(p, Experts)]
@@ -445,7 +448,7 @@ def as_rows(base: Handler) -> Handler:
     """An op with a dim argument on grouped rows: on each row's own group's
     result (``collapse``) seen as gathered rows, which ``routed_rows``'s
     row-wise rule takes."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         refs = tensor_refs([args, kwargs])
         experts = {r[1]: value_of(lw, r) for r in refs if isinstance(value_of(lw, r), Experts)}
         if not experts:

@@ -10,20 +10,8 @@ any other op reading it (or a ``Pending`` without a reading of its own)
 stops the run with one line naming the op and the value
 (``refusals.refusal``).
 
-- ``Ids``: made by walk (the batch), layout, onehot, vocab_parallel; read by
-  ids, masks, tokens, slices, layout, onehot, arithmetic, vocab_parallel,
-  label_masks, scan; not Pending: one-hot inputs (``onehot.one_hot``).
-- ``IdRows``: made by ids, layout, onehot, tokens, label_masks; read by ids,
-  masks, tokens, slices, layout, label_masks, scan; not Pending: its one-hot
-  rows ``x``.
-- ``IdsTest``: made by tokens (``ids < c``); read by tokens, arithmetic,
-  vocab_parallel; not Pending.
-- ``VocabMask``: made by tokens (``lt | ge``); read by tokens, arithmetic,
-  vocab_parallel; not Pending.
-- ``Shifted``: made by tokens (``ids - lo``); read by tokens, arithmetic,
-  vocab_parallel; not Pending.
-- ``MaskedLookup``: made by tokens (vocab-parallel emb); read by tokens (its
-  ``index_put_``); refused until the rows are zeroed.
+- ``Ids``, ``IdRows``, ``IdsTest``, ``VocabMask``, ``Shifted``,
+  ``MaskedLookup``: the batch's ids, in ``ir_ids`` (imported here).
 - ``Gathered``: made by collectives, layout; read by layout (split, cat,
   view); ``all_gather`` along dim 0.
 - ``GatheredAlong``: made by layout (split + cat); read by layout (slice);
@@ -105,6 +93,12 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.emit import pad
+from backends.torch.lowering.ir_ids import IdRows as IdRows
+from backends.torch.lowering.ir_ids import Ids as Ids
+from backends.torch.lowering.ir_ids import IdsTest as IdsTest
+from backends.torch.lowering.ir_ids import MaskedLookup as MaskedLookup
+from backends.torch.lowering.ir_ids import Shifted as Shifted
+from backends.torch.lowering.ir_ids import VocabMask as VocabMask
 from backends.torch.lowering.ir_optimizer import Decayed as Decayed
 from backends.torch.lowering.ir_optimizer import Denom as Denom
 from backends.torch.lowering.ir_optimizer import Moment1 as Moment1
@@ -118,72 +112,6 @@ from backends.torch.lowering.pending import Pending
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
-
-
-@dataclass(frozen=True)
-class Ids:
-    """Row block ``index`` of ``parts`` of the batch's integer ``source``
-    ids (``tokens`` or ``labels``; a pipeline schedule's microbatch, the
-    whole batch is (0, 1)), seen with ``shape`` (None: as loaded). In the
-    plan, ids are one-hot inputs ``[..., vocab]``."""
-    source: str = "tokens"
-    index: int = 0
-    parts: int = 1
-    shape: tuple[int, ...] | None = None
-
-    def cut(self, index: int, parts: int) -> Ids:
-        return Ids(self.source, self.index * parts + index, self.parts * parts)
-
-
-@dataclass(frozen=True, eq=False)
-class IdRows:
-    """Integer ids the model cut or padded (``labels[:, 1:]``, ``F.pad(...,
-    value=-100)``): their one-hot rows ``x`` (lowered, ``[*ids.shape,
-    vocab]``; an id outside the vocabulary, a pad, is a zero row) and the
-    recorded ids themselves (for the count a mean divides by)."""
-    x: int
-    ids: np.ndarray
-
-
-@dataclass(frozen=True)
-class IdsTest:
-    """``ids < value`` (op "lt") or ``ids >= value`` (op "ge")."""
-    ids: Ids
-    op: str
-    value: int
-
-
-@dataclass(frozen=True)
-class VocabMask:
-    """``(ids < lo) | (ids >= hi)``: the ids outside the rows [lo, hi) of a
-    vocabulary-parallel embedding table."""
-    ids: Ids
-    lo: int
-    hi: int
-
-
-@dataclass(frozen=True)
-class MaskedLookup(Pending):
-    """A vocabulary-parallel lookup (its lowered value ``out``: the one-hot
-    slice times the local table, already zero outside the rows) before the
-    recorded run zeroes the rows of ids outside the shard. Until that
-    ``index_put_`` only it may read the lookup: the recorded tensor still
-    holds table row 0 there, which the lowered value does not."""
-    out: int
-    mask: VocabMask
-
-    def materialize(self, lw: Lowerer) -> int:
-        raise LoweringError(f"{lw.name}: a vocabulary-parallel lookup is read before the rows "
-                            f"of ids outside its shard are zeroed")
-
-
-@dataclass(frozen=True)
-class Shifted:
-    """``ids - lo``, then (``mask`` set) 0 where the mask holds: the local
-    row of each id in the shard [lo, hi)."""
-    ids: Ids
-    lo: int
-    mask: VocabMask | None = None
 
 
 @dataclass

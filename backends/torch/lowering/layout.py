@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.arranged import Arranged, joined
 from backends.torch.lowering.bucket_pieces import bucket_view
-from backends.torch.lowering.context import LNode, pg, tensor_args
+from backends.torch.lowering.context import pg
 from backends.torch.lowering.emit import cat, region_dims, take_region
 from backends.torch.lowering.ir import (
     As,
@@ -28,7 +28,6 @@ from backends.torch.lowering.ir import (
     GatheredAlong,
     IdRows,
     Ids,
-    NoShard,
     Packed,
     Padding,
     Pending,
@@ -39,6 +38,13 @@ from backends.torch.lowering.ir import (
 from backends.torch.lowering.onehot import slice_ids
 from backends.torch.lowering.registry import lowers
 from backends.torch.lowering.shapes import view_to
+from backends.torch.lowering.uneven_shards import (
+    drops_padding,
+    padded_gather,
+    padded_reduce,
+    sliced_next,
+    uneven_gather,
+)
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -89,7 +95,7 @@ def _split_copy(lw: Lowerer, args, kwargs, shapes, group):
                 raise LoweringError(f"{lw.name}: FSDP2 over a tensor-parallel shard of {name} "
                                     f"(dim 0 of {lw.trace['params'][name][1][0]} rows, which the "
                                     f"mesh does not divide) is not lowered")
-            outs.append(Unpadded(_padded_gather(lw, name, param, packed.group)))
+            outs.append(Unpadded(padded_gather(lw, name, param, packed.group)))
             continue
         if isinstance(p, Padding):
             raise LoweringError(f"{lw.name}: FSDP pads a shard of a dim its group divides")
@@ -97,125 +103,6 @@ def _split_copy(lw: Lowerer, args, kwargs, shapes, group):
         x = lw.emit("all_gather", [p], [full], {"dim": 0}, group=packed.group)[0]
         outs.append(As(x, tuple(shape)))
     return outs
-
-
-def padded_rows(rows: int, n: int, index: int) -> tuple[int, int]:
-    """The rows [lo, hi) of a dim of ``rows`` that member ``index`` of ``n``
-    holds when FSDP2 (or DTensor's ``Shard``) cuts it in chunks of
-    ceil(rows / n) (``torch.chunk``; the last members may hold fewer rows,
-    or none)."""
-    c = -(-rows // n)
-    return min(index * c, rows), min((index + 1) * c, rows)
-
-
-def _sliced_next(lw: Lowerer, dim: int) -> bool:
-    """The first op that reads the current event's output is a slice of it
-    along ``dim`` from 0 (DTensor dropping an uneven shard's padding)."""
-    out = lw.trace["events"][lw.event][2][0]
-    for op, (args, kwargs), *_ in lw.trace["events"][lw.event + 1:]:
-        if out in tensor_args([args, kwargs]):
-            return (op == "aten.slice.Tensor" and len(args) > 2
-                    and int(args[1]) % len(lw.trace["shapes"][out]) == dim and not args[2])
-    return False
-
-
-def _drops_padding(lw: Lowerer, src: GatheredAlong, rows: int, total: int) -> bool:
-    """The first ``rows`` of a gather along a dim (``total`` long) are the
-    pieces of an uneven shard without their padding: the gathered pieces
-    are chunks of ceil(rows / n), and this rank's own piece is its chunk of
-    ``rows`` (padded to the chunk when shorter)."""
-    n, d = len(src.g.group), src.dim
-    chunk = -(-rows // n)
-    lo, hi = padded_rows(rows, n, src.g.group.index(lw.trace["rank"]))
-    own = lw.shapes[src.g.x][d]
-    return (rows < total == chunk * n and own == hi - lo
-            and (src.g.padded or own == chunk))
-
-
-def _uneven_gather(lw: Lowerer, src: GatheredAlong, rows: int) -> int:
-    """DTensor's all-gather of a dim of ``rows`` the group does not divide:
-    each member's piece padded at the end to ceil(rows / n), gathered, the
-    first ``rows`` kept. Those are the members' own pieces in group order
-    (the padding lies past them): written as for FSDP2's padded parameter
-    (docs/soundness.md, "Plans traced from PyTorch", 15e)."""
-    g, d = src.g, src.dim
-    n = len(g.group)
-    full = list(lw.shapes[g.x])
-    full[d] = rows
-    if not g.padded and lw.shapes[g.x][d] * n == rows:
-        return lw.materialize(src)
-    g.written = True
-    return _gather_pieces(lw, g.x, tuple(full), d, g.group, "a DTensor shard")
-
-
-def _gather_pieces(lw: Lowerer, own: Any, full: tuple[int, ...], dim: int,
-                   group: tuple[int, ...], what: str) -> int:
-    """The whole of a dim that ``group`` holds in torch.chunk's pieces (this
-    rank's is ``own``): each member's piece sent to every other member and
-    the pieces concatenated along ``dim`` in group order (one holder: its
-    piece alone)."""
-    me, n = lw.trace["rank"], len(group)
-    bounds = [padded_rows(full[dim], n, i) for i in range(n)]
-    lo, hi = bounds[group.index(me)]
-
-    def shape(a: int, b: int) -> tuple[int, ...]:
-        return tuple(b - a if k == dim else m for k, m in enumerate(full))
-
-    if hi > lo and (not isinstance(own, int) or lw.shapes[own] != shape(lo, hi)):
-        raise LoweringError(f"{lw.name}: rank {me}'s piece of {what} is not [{lo}, {hi}) of its "
-                            f"{full[dim]} along dim {dim}, as torch.chunk cuts it over {n} ranks")
-    if hi > lo:
-        for dst in group:
-            if dst != me:
-                lw.nodes.append(LNode("send", "fw", [own], [], {}, lw.name, (me, dst), lw.mb))
-    pieces = []
-    for src, (a, b) in zip(group, bounds):
-        if b == a:
-            continue
-        if src == me:
-            pieces.append(own)
-            continue
-        pieces.append(lw.emit("send_recv", [], [shape(a, b)], {"src": src, "dst": me},
-                              group=(src, me))[0])
-    if len(pieces) == 1:
-        return pieces[0]
-    return lw.emit("cat", pieces, [full], {"dim": dim})[0]
-
-
-def _padded_gather(lw: Lowerer, name: str, param: int, group: tuple[int, ...]) -> int:
-    """FSDP2's all-gather of a parameter whose dim 0 the group does not
-    divide: the gathered buffer's first rows are the members' own rows in
-    group order, the padding after them. Each member's rows are sent to
-    every other member and concatenated in group order, so no padding value
-    enters the plan (docs/soundness.md, "Plans traced from PyTorch", 15)."""
-    return _gather_pieces(lw, lw.env.get(param), tuple(lw.trace["params"][name][1]), 0, group,
-                          name)
-
-
-def _padded_reduce(lw: Lowerer, src: ChunkCat, g: int, size: list[int]) -> int | NoShard:
-    """A rank's shard of FSDP2's reduce-scatter of a gradient whose dim 0
-    the group does not divide (each gradient padded with zero rows to a
-    chunk per rank): rows [lo, hi) of the group's sum, written as the
-    group's all-reduce narrowed to the rank's rows (under HSDP then summed
-    over the replicas, the same rows of the other shard groups). A rank
-    holding no rows still joins the all-reduce, which its peers run, and
-    keeps nothing (docs/soundness.md, "Plans traced from PyTorch", 15)."""
-    shape = list(lw.shapes[g])
-    lo, hi = padded_rows(shape[0], len(src.group), src.group.index(lw.trace["rank"]))
-    if list(size) != [hi - lo, *shape[1:]]:
-        raise LoweringError(f"{lw.name}: a view of FSDP's reduce-scatter output of shape {size} "
-                            f"is not this rank's rows [{lo}, {hi}) of a gradient of {shape[0]}")
-    x = lw.emit("all_reduce", [g], [shape], group=src.group)[0]
-    if hi == lo:
-        return NoShard(g, src.group)
-    if hi - lo != shape[0]:
-        x = lw.emit("narrow", [x], [size], {"dim": 0, "start": lo, "length": hi - lo})[0]
-        lw.row_cuts[x] = src.group
-    if src.replicas is not None:
-        x = lw.emit("all_reduce", [x], [size], group=src.replicas)[0]
-    if src.divide != 1.0:
-        x = lw.emit("div", [x], [size], {"value": src.divide})[0]
-    return x
 
 
 @lowers("fsdp.chunk_cat.default")
@@ -294,7 +181,7 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
             rows, *rest = lw.shapes[g]
             if rows % src.chunks:  # each rank's chunk padded with zero rows
                 if at == offset:
-                    return _padded_reduce(lw, src, g, size)
+                    return padded_reduce(lw, src, g, size)
                 at += -(-rows // src.chunks) * math.prod(rest)
                 continue
             numel = math.prod(lw.shapes[g]) // src.chunks
@@ -444,9 +331,9 @@ def _slice(lw: Lowerer, args, kwargs, shapes, group):
     src = lw.env.get(args[0][1])
     dim, start = (int(args[1]) if len(args) > 1 else 0), (args[2] if len(args) > 2 else 0) or 0
     if isinstance(src, GatheredAlong) and dim % len(shapes[0]) == src.dim and start == 0 \
-            and _drops_padding(lw, src, shapes[0][src.dim],
+            and drops_padding(lw, src, shapes[0][src.dim],
                                lw.trace["shapes"][args[0][1]][src.dim]):
-        return _uneven_gather(lw, src, shapes[0][src.dim])
+        return uneven_gather(lw, src, shapes[0][src.dim])
     step = args[4] if len(args) > 4 else 1
     if isinstance(src, Ids) and (dim != 0 or src.shape is not None) or isinstance(src, IdRows):
         return slice_ids(lw, args, shapes)
@@ -549,7 +436,7 @@ def _cat(lw: Lowerer, args, kwargs, shapes, group):
             and all(p.of is first.of for p in items) and len(items) == first.parts:
         if isinstance(first.of, Gathered):
             along = GatheredAlong(first.of, dim % len(shapes[0]))
-            return along if _sliced_next(lw, along.dim) else lw.materialize(along)
+            return along if sliced_next(lw, along.dim) else lw.materialize(along)
         if dim == 0:
             return Stacked(first.of, first.dim, first.parts)
         if dim % len(shapes[0]) == first.dim:

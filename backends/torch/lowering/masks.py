@@ -31,7 +31,6 @@ case to it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,112 +44,27 @@ from backends.torch.lowering.ir import (
     IdRows,
     Ids,
     IdsTest,
-    Pending,
     SdpaSaved,
     as_flag,
     constant_flag,
     pending_of,
 )
-from backends.torch.lowering.onehot import flag_of, label_values, one_hot
+from backends.torch.lowering.mask_values import (
+    HIDDEN_SCORE,
+    Count,
+    DeadRows,
+    Masked,
+    NegInfMask,
+    expanded,
+    flag_not,
+    ids_equal,
+    one_minus,
+)
+from backends.torch.lowering.onehot import flag_of
 from backends.torch.lowering.registry import Handler, refines
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
-
-#: the score a hidden position stands in with when the masked softmax picks
-#: its shift (the largest kept score); any shift gives the same probabilities
-HIDDEN_SCORE = 1e30
-
-
-@dataclass(frozen=True)
-class NegInfMask(Pending):
-    """An additive float mask, 0 where ``keep`` holds and -inf elsewhere
-    (SDPA's conversion of a boolean ``attn_mask``, or ``where(keep, 0,
-    -inf)``): only an addition to scores or SDPA may read it."""
-    keep: Flag
-
-    def materialize(self, lw: Lowerer) -> int:
-        raise LoweringError(f"{lw.name}: an additive -inf mask is read other than by SDPA or an "
-                            f"addition to attention scores (-inf is no value a plan holds)")
-
-
-@dataclass(frozen=True)
-class Masked(Pending):
-    """Scores ``x`` with -inf where ``keep`` is false: only a softmax may read them."""
-    x: int
-    keep: Flag
-
-    def materialize(self, lw: Lowerer) -> int:
-        raise LoweringError(f"{lw.name}: scores masked with -inf are read other than by a "
-                            f"softmax (-inf is no value a plan holds)")
-
-
-@dataclass(frozen=True, eq=False)
-class DeadRows(Pending):
-    """A masked softmax ``x`` with rows of no kept position (``dead``,
-    recorded, broadcast over the row): NaN in torch, 0 in ``x``. Only a
-    ``masked_fill`` with 0 whose mask hides every entry of those rows (the
-    recorded one: CPM-Ant's attention zeroes what it masked) and the
-    softmax's backward read it."""
-    x: int
-    dead: np.ndarray
-
-    def materialize(self, lw: Lowerer) -> int:
-        raise LoweringError(f"{lw.name}: a row of attention has every position masked with -inf "
-                            f"(torch computes NaN there) and is read other than by a masked_fill "
-                            f"with 0 of every entry of the row")
-
-
-@dataclass(frozen=True)
-class Count(Pending):
-    """The number of true entries of a flag in the recorded batch (after a
-    SUM all-reduce, the group's total): read only as a divisor, a constant
-    of the traced step like the cross-entropy's own mean count."""
-    value: int
-
-    def materialize(self, lw: Lowerer) -> int:
-        raise LoweringError(f"{lw.name}: a count of a mask's true entries is read other than as "
-                            f"a divisor")
-
-
-def _expanded(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
-    if lw.shapes[x] == tuple(shape):
-        return x
-    return lw.emit("expand", [x], [shape], {"shape": list(shape)})[0]
-
-
-def _one_minus(lw: Lowerer, x: int) -> int:
-    shape = [lw.shapes[x]]
-    negated = lw.emit("mul_scalar", [x], shape, {"value": -1.0})[0]
-    return lw.emit("add_scalar", [negated], shape, {"value": 1.0})[0]
-
-
-def _not(lw: Lowerer, f: Flag) -> Flag:
-    return Flag(_one_minus(lw, f.x), ~f.value)
-
-
-# -- flags from the batch's ids ---------------------------------------------------
-
-def _ids_equal(lw: Lowerer, a: Any, c: int) -> Flag:
-    """``ids == c``: the one-hot column c; for c outside the vocabulary,
-    ``1 - (row sum)``, 0 on every one-hot row and 1 on the zero rows of
-    pads, which must then all be c."""
-    ids = np.asarray(label_values(lw, a))
-    outside = (ids < 0) | (ids >= lw.vocab)
-    if np.any(outside & (ids != c)):
-        raise LoweringError(f"{lw.name}: ids outside the vocabulary other than {c} compared "
-                            f"with {c}")
-    onehot = one_hot(lw, a)
-    shape = lw.shapes[onehot]
-    rows = (*shape[:-1], 1)
-    if 0 <= c < lw.vocab:
-        column = lw.emit("narrow", [onehot], [rows], {"dim": len(shape) - 1, "start": c,
-                                                       "length": 1})[0]
-    else:
-        column = _one_minus(lw, lw.emit("sum", [onehot], [rows], {"dim": len(shape) - 1,
-                                                                  "keepdim": True})[0])
-    return Flag(lw.reshape(column, tuple(shape[:-1])), ids == c)
-
 
 def compare_ids(op: str, base: Handler) -> Handler:
     """``ids == c`` and ``ids != c`` of the batch's ids as flags (``ne`` of
@@ -162,8 +76,8 @@ def compare_ids(op: str, base: Handler) -> Handler:
         if c is None or not (isinstance(ids, IdRows) or isinstance(ids, Ids)
                              and (inside or op == "eq")):
             return base(lw, args, kwargs, shapes, group)
-        flag = _ids_equal(lw, args[0], int(c))
-        return flag if op == "eq" else _not(lw, flag)
+        flag = ids_equal(lw, args[0], int(c))
+        return flag if op == "eq" else flag_not(lw, flag)
     return lower
 
 
@@ -172,7 +86,7 @@ def logical_not(base: Handler | None) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         f = as_flag(lw, args[0])
         if f is not None:
-            return _not(lw, f)
+            return flag_not(lw, f)
         if base is None:
             raise LoweringError(f"{lw.name}: a negation of other than a mask of the batch's ids "
                                 f"or a constant mask is not lowered")
@@ -242,11 +156,11 @@ def _select(lw: Lowerer, x: int, hidden: Flag, fill: float, shape: tuple[int, ..
     if fill == NEG_INF:
         if lw.shapes[x] != shape:
             raise LoweringError(f"{lw.name}: a -inf mask broadcasting its scores is not lowered")
-        return Masked(x, _shaped(lw, _not(lw, hidden), shape))
+        return Masked(x, _shaped(lw, flag_not(lw, hidden), shape))
     if not np.isfinite(fill):
         raise LoweringError(f"{lw.name}: masking with the value {fill} is not lowered")
-    m = _expanded(lw, hidden.x, shape)
-    out = lw.emit("mul", [_expanded(lw, x, shape), _one_minus(lw, m)], [shape])[0]
+    m = expanded(lw, hidden.x, shape)
+    out = lw.emit("mul", [expanded(lw, x, shape), one_minus(lw, m)], [shape])[0]
     if fill != 0:
         out = lw.emit("add", [out, lw.emit("mul_scalar", [m], [shape], {"value": fill})[0]],
                       [shape])[0]
@@ -263,7 +177,7 @@ def _refill(lw: Lowerer, m: Masked, hidden: Flag | None, fill: float | None,
                             f"than a mask and a number")
     h = _shaped(lw, hidden, shape)
     if fill == NEG_INF:
-        return Masked(m.x, _shaped(lw, combine_flags(lw, m.keep, _not(lw, h), "and"), shape))
+        return Masked(m.x, _shaped(lw, combine_flags(lw, m.keep, flag_not(lw, h), "and"), shape))
     x = _select(lw, m.x, h, fill, shape)
     return Masked(x, combine_flags(lw, m.keep, h, "or"))
 
@@ -327,7 +241,7 @@ def where(base: Handler) -> Handler:
             if (a, b) == (0.0, NEG_INF):
                 return NegInfMask(_shaped(lw, cond, shape))
             if (a, b) == (NEG_INF, 0.0):
-                return NegInfMask(_shaped(lw, _not(lw, cond), shape))
+                return NegInfMask(_shaped(lw, flag_not(lw, cond), shape))
             if not np.isfinite([a, b]).all():
                 raise LoweringError(f"{lw.name}: where of a mask between the constants {a} and "
                                     f"{b} is not lowered (an infinite number other than an "
@@ -337,7 +251,7 @@ def where(base: Handler) -> Handler:
             scaled = lw.emit("mul_scalar", [m.x], [shape], {"value": a - b})[0]
             return lw.emit("add_scalar", [scaled], [shape], {"value": b})[0]
         if b is not None:
-            return _select(lw, lw.val(args[1]), _not(lw, cond), b, shape)
+            return _select(lw, lw.val(args[1]), flag_not(lw, cond), b, shape)
         if a is not None:
             return _select(lw, lw.val(args[2]), cond, a, shape)
         raise LoweringError(f"{lw.name}: where of a mask between two tensors is not lowered")
@@ -345,7 +259,7 @@ def where(base: Handler) -> Handler:
 
 
 def _shaped(lw: Lowerer, f: Flag, shape: tuple[int, ...]) -> Flag:
-    return Flag(_expanded(lw, f.x, shape), np.broadcast_to(f.value, shape))
+    return Flag(expanded(lw, f.x, shape), np.broadcast_to(f.value, shape))
 
 
 @refines("aten.add.Tensor")
@@ -357,7 +271,7 @@ def add(base: Handler) -> Handler:
         for mine, other in ((args[0], args[1]), (args[1], args[0])):
             m = pending_of(lw, mine)
             if isinstance(m, NegInfMask):
-                return _select(lw, lw.val(other), _not(lw, m.keep), NEG_INF, shape)
+                return _select(lw, lw.val(other), flag_not(lw, m.keep), NEG_INF, shape)
             keep = _constant_keep(lw, mine, shape)
             if keep is not None:
                 value = np.asarray(constant_value(lw, mine), dtype=np.float64)
@@ -407,7 +321,7 @@ def _masked_softmax(lw: Lowerer, m: Masked, dim: int) -> int:
     # some rank): its softmax is written for such rows on every rank alike
     dead_rows = _from_data(lw, m.keep.x)
     row = (*shape[:-1], 1)
-    keep = _expanded(lw, m.keep.x, shape)
+    keep = expanded(lw, m.keep.x, shape)
     far = lw.emit("mul_scalar", [lw.emit("add_scalar", [keep], [shape], {"value": -1.0})[0]],
                   [shape], {"value": HIDDEN_SCORE})[0]
     candidates = lw.emit("add", [lw.emit("mul", [m.x, keep], [shape])[0], far], [shape])[0]

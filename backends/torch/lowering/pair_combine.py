@@ -25,7 +25,7 @@ values and the sums they meet are in ``pair_rows``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,12 +48,15 @@ from backends.torch.lowering.pair_rows import (
 from backends.torch.lowering.registry import refines
 from backends.torch.lowering.routed_rows import Rows, index_of, value_of
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
 Handler = Callable[..., Any]
 
 _VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
 
 
-def _copy_of(lw: Any, base: int) -> tuple[int, int] | None:
+def _copy_of(lw: Lowerer, base: int) -> tuple[int, int] | None:
     """(x, C) when ``base`` is the C-fold copy of x made by ``grouped_rows``."""
     for (x, c), made in lw.grouped_copies.items():
         if made == base:
@@ -61,7 +64,7 @@ def _copy_of(lw: Any, base: int) -> tuple[int, int] | None:
     return None
 
 
-def _one_index(lw: Any, args: Any) -> np.ndarray | None:
+def _one_index(lw: Lowerer, args: Any) -> np.ndarray | None:
     indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else []
     if len(indices) != 1 or indices[0] is None:
         return None
@@ -69,7 +72,7 @@ def _one_index(lw: Any, args: Any) -> np.ndarray | None:
     return at if at is not None and at.ndim == 1 else None
 
 
-def _token_rows(lw: Any, x: Rows, at: np.ndarray) -> Rows | None:
+def _token_rows(lw: Lowerer, x: Rows, at: np.ndarray) -> Rows | None:
     """Rows ``at`` of rows of a C-fold copy, as rows of the copied value
     when their tokens are distinct."""
     found = _copy_of(lw, x.base)
@@ -88,7 +91,7 @@ def _token_rows(lw: Any, x: Rows, at: np.ndarray) -> Rows | None:
 
 @refines("aten.index.Tensor")
 def index(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         if isinstance(x, (Rows, Pairs, Assembled)):
             at = _one_index(lw, args)
@@ -107,7 +110,7 @@ def index(base: Handler) -> Handler:
 
 @refines("aten.index_select.default")
 def index_select(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         at = index_of(lw, args[2]) if int(args[1]) == 0 else None
         if at is not None and at.ndim == 1:
@@ -121,14 +124,14 @@ def index_select(base: Handler) -> Handler:
     return lower
 
 
-def _all_ones(lw: Any, a: Any) -> bool:
+def _all_ones(lw: Lowerer, a: Any) -> bool:
     if not isinstance(value_of(lw, a), Const):
         return False
     value = constant_value(lw, a)
     return value is not None and value.size > 0 and bool(np.all(value == 1))
 
 
-def _spread_of(lw: Any, a: Any, k: int) -> int | None:
+def _spread_of(lw: Lowerer, a: Any, k: int) -> int | None:
     """g (lowered, ``[T, ...]``) when the recorded ``a`` is
     ``g.unsqueeze(1).expand(T, k, ...)``."""
     ev = producer(lw, a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
@@ -147,7 +150,7 @@ def _spread_of(lw: Any, a: Any, k: int) -> int | None:
 
 @refines("aten.mul.Tensor")
 def mul(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         if len(args) == 2 and all(isinstance(a, (list, tuple)) for a in args):
             out = tuple(shapes[0])
             for one, other in ((args[0], args[1]), (args[1], args[0])):
@@ -179,7 +182,7 @@ def mul(base: Handler) -> Handler:
 
 @refines("aten.sum.dim_IntList")
 def sum_(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         if isinstance(x, (Weighted, Dotted)):
             dims = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -200,7 +203,7 @@ def seen_again(base: Handler) -> Handler:
     """A value not yet seen with its shape (``Viewed``), seen with another:
     still pending; with its own: itself. ``_to_copy`` between floating
     types is the identity."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         if isinstance(x, Viewed) and len(shapes) == 1:
             dtype = str((kwargs or {}).get("dtype", "torch.float"))
@@ -214,7 +217,7 @@ def seen_again(base: Handler) -> Handler:
 
 @refines(*_VIEWS)
 def view(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         out = tuple(shapes[0])
         if isinstance(x, Viewed):
@@ -238,7 +241,7 @@ def view(base: Handler) -> Handler:
 
 @refines("aten.add.Tensor")
 def add(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = (value_of(lw, x) for x in args[:2])
         alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
         if isinstance(a, Assembled) and isinstance(b, Assembled) and alpha == 1:
@@ -247,7 +250,7 @@ def add(base: Handler) -> Handler:
     return lower
 
 
-def _into_pairs(lw: Any, dest: Any, at: np.ndarray, src: Rows, rows: int) -> Assembled | None:
+def _into_pairs(lw: Lowerer, dest: Any, at: np.ndarray, src: Rows, rows: int) -> Assembled | None:
     """Rows added into zeros (or into such rows) where the token-space rule
     does not apply: at other rows than they were gathered from, or into a
     value of another number of rows."""
@@ -265,7 +268,7 @@ def _into_pairs(lw: Any, dest: Any, at: np.ndarray, src: Rows, rows: int) -> Ass
 
 @refines("aten.index_add_.default", "aten.index_add.default")
 def index_add(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         at = index_of(lw, args[2])
         src = value_of(lw, args[3])
         alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
@@ -280,7 +283,7 @@ def index_add(base: Handler) -> Handler:
 
 @refines("aten.index_put.default", "aten.index_put_.default")
 def index_put(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         at = _one_index(lw, args)
         src = value_of(lw, args[2])
         dest = value_of(lw, args[0])

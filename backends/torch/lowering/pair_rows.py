@@ -38,7 +38,7 @@ checked on their recorded arrays (docs/soundness.md names each):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,9 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input
 from backends.torch.lowering.ir import Pending
 from backends.torch.lowering.routed_rows import Rows
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +59,7 @@ class Assembled(Pending):
     group: np.ndarray
     index: np.ndarray
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         """``sum_g S_g @ values[g]``, ``S_g`` the one-hot picks of group g."""
         rows = self.group.reshape(-1)
         index = self.index.reshape(-1)
@@ -84,7 +87,7 @@ class Pairs(Pending):
     k: int
     pair: np.ndarray
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         t, *rest = lw.shapes[self.g]
         wide = (t, self.k, *rest)
         spread = lw.emit("expand", [lw.reshape(self.g, (t, 1, *rest))], [wide],
@@ -106,7 +109,7 @@ class Weighted(Pending):
     rows: Assembled
     w: int
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         a = lw.materialize(self.rows)
         shape = tuple(lw.shapes[a])
         w = self.w
@@ -121,7 +124,7 @@ class Dotted(Pending):
     rows: Assembled
     g: int
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         a = lw.materialize(self.rows)
         shape = tuple(lw.shapes[a])
         t, *rest = lw.shapes[self.g]
@@ -137,13 +140,13 @@ class Viewed(Pending):
     v: int
     shape: tuple[int, ...]
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         return lw.reshape(self.v, self.shape)
 
 
 # -- facts about the picks, checked -------------------------------------------
 
-def token_rows(lw: Any, a: Assembled) -> tuple[int, int]:
+def token_rows(lw: Lowerer, a: Assembled) -> tuple[int, int]:
     """(o, T): the pairs of token t (row t of ``a``'s ``[T, K]`` rows) all
     read row ``o + t`` of their values, and no token has one group twice."""
     group, index = a.group, a.index
@@ -169,7 +172,7 @@ def token_rows(lw: Any, a: Assembled) -> tuple[int, int]:
     return o, t
 
 
-def own_rows(lw: Any, v: int, o: int, t: int) -> int:
+def own_rows(lw: Lowerer, v: int, o: int, t: int) -> int:
     """Rows ``[o, o + t)`` of v (a ``narrow``; all of them: v)."""
     shape = list(lw.shapes[v])
     if o == 0 and t == shape[0]:
@@ -178,7 +181,7 @@ def own_rows(lw: Any, v: int, o: int, t: int) -> int:
     return lw.emit("narrow", [v], [tuple(shape)], {"dim": 0, "start": o, "length": t})[0]
 
 
-def _column(lw: Any, column: np.ndarray, shape: tuple[int, ...]) -> int:
+def _column(lw: Lowerer, column: np.ndarray, shape: tuple[int, ...]) -> int:
     """A constant ``[T, 1...]`` expanded to ``shape``."""
     c = constant_input(lw, column.reshape((shape[0],) + (1,) * (len(shape) - 1)))
     if tuple(lw.shapes[c]) == tuple(shape):
@@ -186,7 +189,7 @@ def _column(lw: Any, column: np.ndarray, shape: tuple[int, ...]) -> int:
     return lw.emit("expand", [c], [tuple(shape)], {"shape": list(shape)})[0]
 
 
-def _slot_pick(lw: Any, w: int, onehot: np.ndarray) -> int:
+def _slot_pick(lw: Lowerer, w: int, onehot: np.ndarray) -> int:
     """``sum_s(w * P)`` ``[T, 1...]`` of w ``[T, K, 1...]``."""
     shape = tuple(lw.shapes[w])
     p = constant_input(lw, onehot.reshape(shape[:2] + (1,) * (len(shape) - 2)))
@@ -196,14 +199,14 @@ def _slot_pick(lw: Any, w: int, onehot: np.ndarray) -> int:
     return lw.emit("sum", [picked], [(shape[0], *shape[2:])], {"dim": 1, "keepdim": False})[0]
 
 
-def _add_all(lw: Any, parts: list[int], shape: tuple[int, ...]) -> int:
+def _add_all(lw: Lowerer, parts: list[int], shape: tuple[int, ...]) -> int:
     out = parts[0]
     for p in parts[1:]:
         out = lw.emit("add", [out, p], [shape])[0]
     return out
 
 
-def combine(lw: Any, x: Weighted, out_shape: tuple[int, ...]) -> int:
+def combine(lw: Lowerer, x: Weighted, out_shape: tuple[int, ...]) -> int:
     """``sum_s A[t, s] * w[t, s]``: the single-device loop's token-space sum."""
     a = x.rows
     o, t = token_rows(lw, a)
@@ -224,7 +227,7 @@ def combine(lw: Any, x: Weighted, out_shape: tuple[int, ...]) -> int:
     return out
 
 
-def gate_grad(lw: Any, x: Dotted, out_shape: tuple[int, ...]) -> int:
+def gate_grad(lw: Lowerer, x: Dotted, out_shape: tuple[int, ...]) -> int:
     """``sum_h A[t, s, h] * g[t, h]`` (keepdim): each group's ``sum_h(g *
     F_g[rows])`` placed at its pairs, ``[T, K]`` each, added."""
     a = x.rows
@@ -248,7 +251,7 @@ def gate_grad(lw: Any, x: Dotted, out_shape: tuple[int, ...]) -> int:
     return out if tuple(out_shape) == (t, k) else Viewed(out, tuple(out_shape))
 
 
-def gathered_back(lw: Any, a: Assembled, tokens: np.ndarray, shape: tuple[int, ...]) -> int:
+def gathered_back(lw: Lowerer, a: Assembled, tokens: np.ndarray, shape: tuple[int, ...]) -> int:
     """Rows of ``a`` added into zeros of ``shape`` at ``tokens`` (row r to
     token ``tokens[r]``): each group's ``mask_g * F_g[rows]``, added."""
     group, index = a.group.reshape(-1), a.index.reshape(-1)
@@ -274,7 +277,7 @@ def gathered_back(lw: Any, a: Assembled, tokens: np.ndarray, shape: tuple[int, .
     return _add_all(lw, parts, tuple(shape))
 
 
-def expert_rows(lw: Any, p: Pairs, at: np.ndarray) -> Rows:
+def expert_rows(lw: Lowerer, p: Pairs, at: np.ndarray) -> Rows:
     """Rows ``at`` of ``p`` when their tokens are distinct: the rows of ``g *
     sum_s(w * P)`` at the tokens, P the one-hot of their pairs."""
     pairs = p.pair.reshape(-1)[at]
@@ -289,7 +292,7 @@ def expert_rows(lw: Any, p: Pairs, at: np.ndarray) -> Rows:
     return Rows(lw.emit("mul", [p.g, s], [shape])[0], tokens)
 
 
-def add_assembled(lw: Any, a: Assembled, b: Assembled) -> Assembled:
+def add_assembled(lw: Lowerer, a: Assembled, b: Assembled) -> Assembled:
     """Two pair-row values written at disjoint rows, added: their union."""
     if a.group.shape != b.group.shape:
         raise LoweringError(f"{lw.name}: pair rows of other shapes added")
@@ -301,7 +304,7 @@ def add_assembled(lw: Any, a: Assembled, b: Assembled) -> Assembled:
     return Assembled(a.values + b.values, group, index)
 
 
-def written(lw: Any, dest: Any, at: np.ndarray, src: Rows, rows: int) -> Assembled:
+def written(lw: Lowerer, dest: Any, at: np.ndarray, src: Rows, rows: int) -> Assembled:
     """``dest`` (zeros of ``rows`` rows, or pair rows) with ``src``'s rows
     added at the distinct rows ``at``."""
     at = np.where(at < 0, at + rows, at)

@@ -16,7 +16,7 @@ backwards.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,10 +25,13 @@ from backends.torch.lowering.ir import NewZeros, Zeros
 from backends.torch.lowering.registry import refines
 from backends.torch.lowering.routed_rows import Rows, index_of, value_of
 
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
 Handler = Callable[..., Any]
 
 
-def _picked(lw: Any, x: Rows | Experts, at: np.ndarray) -> Rows | Experts | int:
+def _picked(lw: Lowerer, x: Rows | Experts, at: np.ndarray) -> Rows | Experts | int:
     """x's rows at ``at``; every row of a base in its order is the base."""
     if isinstance(x, Rows):
         index = x.index[at]
@@ -40,7 +43,7 @@ def _picked(lw: Any, x: Rows | Experts, at: np.ndarray) -> Rows | Experts | int:
 
 @refines("aten.index.Tensor")
 def index(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         if not isinstance(x, Experts) or len(indices) != 1 or indices[0] is None:
@@ -58,7 +61,7 @@ def index(base: Handler) -> Handler:
 
 @refines("aten.index_put.default", "aten.index_put_.default")
 def index_put(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         src = value_of(lw, args[2])
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         if isinstance(src, int) and len(lw.shapes[src]) and lw.shapes[src][0] == shapes[0][0]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.ir import Const, NewZeros, Pending, Zeros
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 Handler = Callable[..., Any]
 
@@ -52,7 +55,7 @@ class Rows(Pending):
     base: int
     index: np.ndarray
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         """The rows themselves: the one-hot rows of the index times the base."""
         shape = lw.shapes[self.base]
         flat = lw.reshape(self.base, (shape[0], int(np.prod(shape[1:], dtype=np.int64))))
@@ -68,19 +71,19 @@ class RowsT(Pending):
     """The transpose of a two-dim ``Rows`` (a weight gradient's operand)."""
     rows: Rows
 
-    def materialize(self, lw: Any) -> int:
+    def materialize(self, lw: Lowerer) -> int:
         x = lw.materialize(self.rows)
         n, d = lw.shapes[x]
         return lw.emit("transpose", [x], [(d, n)], {"dim0": 0, "dim1": 1})[0]
 
 
-def value_of(lw: Any, a: Any) -> Any:
+def value_of(lw: Lowerer, a: Any) -> Any:
     if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" and isinstance(a[1], int):
         return lw.env.get(a[1])
     return None
 
 
-def index_of(lw: Any, a: Any) -> np.ndarray | None:
+def index_of(lw: Lowerer, a: Any) -> np.ndarray | None:
     """A recorded integer index (a constant of the step), or None."""
     if not isinstance(value_of(lw, a), Const):
         return None
@@ -90,7 +93,7 @@ def index_of(lw: Any, a: Any) -> np.ndarray | None:
     return value.astype(np.int64)
 
 
-def _distinct(lw: Any, index: np.ndarray, rows: int) -> np.ndarray:
+def _distinct(lw: Lowerer, index: np.ndarray, rows: int) -> np.ndarray:
     if index.ndim != 1:
         raise LoweringError(f"{lw.name}: rows gathered at an index of {index.ndim} dims")
     index = np.where(index < 0, index + rows, index)
@@ -100,7 +103,7 @@ def _distinct(lw: Any, index: np.ndarray, rows: int) -> np.ndarray:
     return index
 
 
-def _in_range(lw: Any, index: np.ndarray, rows: int) -> np.ndarray:
+def _in_range(lw: Lowerer, index: np.ndarray, rows: int) -> np.ndarray:
     """A one-dim index into ``rows`` rows, repeats allowed (an accumulating
     write adds the rows a repeated index names: the one-hot rows' transpose
     times the values sums them)."""
@@ -112,7 +115,7 @@ def _in_range(lw: Any, index: np.ndarray, rows: int) -> np.ndarray:
     return index
 
 
-def _mask(lw: Any, index: np.ndarray, shape: tuple[int, ...]) -> int:
+def _mask(lw: Lowerer, index: np.ndarray, shape: tuple[int, ...]) -> int:
     """The 0/1 column of the rows ``index`` of a ``shape`` value, expanded to it."""
     column = np.zeros((shape[0],) + (1,) * (len(shape) - 1))
     column[index] = 1.0
@@ -122,7 +125,7 @@ def _mask(lw: Any, index: np.ndarray, shape: tuple[int, ...]) -> int:
     return lw.emit("expand", [mask], [shape], {"shape": list(shape)})[0]
 
 
-def masked(lw: Any, rows: Rows) -> int:
+def masked(lw: Lowerer, rows: Rows) -> int:
     """``mask * base``: the gathered rows put back where they were (the
     index has no repeats), zero elsewhere; every row gathered, the base."""
     shape = lw.shapes[rows.base]
@@ -139,14 +142,14 @@ def _one_hot(index: np.ndarray, classes: int) -> np.ndarray:
     return out
 
 
-def topk(lw: Any, args, kwargs, shapes, group):
+def topk(lw: Lowerer, args, kwargs, shapes, group):
     """``topk(x, k, dim)`` with recorded indices: the values picked from x
     by the one-hot rows of the indices (their gradient flows to x). Scores
     masked with -inf (a group-limited router's experts outside the chosen
     groups) are read unmasked when every recorded index picks a kept
     position: topk's values are the entries at its indices, and there the
     masked scores are the scores."""
-    from backends.torch.lowering.masks import Masked
+    from backends.torch.lowering.mask_values import Masked
     src = value_of(lw, args[0])
     x = src.x if isinstance(src, Masked) else lw.val(args[0])
     shape = tuple(lw.shapes[x])
@@ -174,7 +177,7 @@ def topk(lw: Any, args, kwargs, shapes, group):
 def gather(base: Handler) -> Handler:
     """``x.gather(-1, idx)`` at a recorded index (a router's scores at the
     experts it chose): ``sum(x[..., None, :] * R, -1)``, as topk's values."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         idx = index_of(lw, args[2])
         if idx is None or isinstance(value_of(lw, args[0]), (Rows, RowsT, Const)):
             return base(lw, args, kwargs, shapes, group)
@@ -193,7 +196,7 @@ def gather(base: Handler) -> Handler:
     return lower
 
 
-def value_selecting_backward(lw: Any, args, kwargs, shapes, group):
+def value_selecting_backward(lw: Lowerer, args, kwargs, shapes, group):
     """``value_selecting_reduction_backward(g, dim, indices, sizes, keepdim)``:
     g placed at the recorded indices, zero elsewhere."""
     g = lw.val(args[0])
@@ -211,7 +214,7 @@ def value_selecting_backward(lw: Any, args, kwargs, shapes, group):
     return lw.emit("sum", [placed], [sizes], {"dim": len(wide) - 2, "keepdim": False})[0]
 
 
-def is_zeros(lw: Any, a: Any) -> bool:
+def is_zeros(lw: Lowerer, a: Any) -> bool:
     x = value_of(lw, a)
     if isinstance(x, (Zeros, NewZeros)):
         return True
@@ -227,7 +230,7 @@ def is_zeros(lw: Any, a: Any) -> bool:
 def scatter(base: Handler) -> Handler:
     """``zeros.scatter(-1, indices, g)`` at recorded indices without repeats
     along the dim (topk's backward on the CPU): ``sum(g[..., None] * R, -2)``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         idx = index_of(lw, args[2])
         if idx is None or not is_zeros(lw, args[0]):
             return base(lw, args, kwargs, shapes, group)
@@ -249,7 +252,7 @@ def scatter(base: Handler) -> Handler:
 
 # -- gathered rows -------------------------------------------------------------
 
-def _pair_pick(lw: Any, x: int, rows: np.ndarray, slots: np.ndarray) -> Rows:
+def _pair_pick(lw: Lowerer, x: int, rows: np.ndarray, slots: np.ndarray) -> Rows:
     """``x[rows, slots]`` for distinct rows: ``sum(x * P, 1)`` at ``rows``."""
     shape = tuple(lw.shapes[x])
     rows = _distinct(lw, rows, shape[0])
@@ -268,7 +271,7 @@ _VIEWS = frozenset({"aten.unsqueeze.default", "aten.view.default", "aten.reshape
                     "aten._unsafe_view.default", "aten.squeeze.dim"})
 
 
-def _seen_as(lw: Any, a: Any) -> int:
+def _seen_as(lw: Lowerer, a: Any) -> int:
     """A value read through a view op (``w.unsqueeze(-1)`` written again
     for each expert): the viewed value, reshaped once per shape, so that
     every expert's pick reads one node (on one device and on a rank)."""
@@ -292,7 +295,7 @@ def _seen_as(lw: Any, a: Any) -> int:
 
 def index(base: Handler) -> Handler:
     """``x[idx]`` and ``x[rows, slots]`` at recorded indices."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
         found = [index_of(lw, a) if a is not None else None for a in indices]
         if not indices or any(f is None for f in found) or isinstance(value_of(lw, args[0]), RowsT):
@@ -311,7 +314,7 @@ def index(base: Handler) -> Handler:
 
 
 def index_select(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         idx = index_of(lw, args[2])
         if idx is None or int(args[1]) != 0:
             return base(lw, args, kwargs, shapes, group)
@@ -320,7 +323,7 @@ def index_select(base: Handler) -> Handler:
     return lower
 
 
-def _same_rows(lw: Any, at: np.ndarray, rows: Rows) -> None:
+def _same_rows(lw: Lowerer, at: np.ndarray, rows: Rows) -> None:
     if not np.array_equal(np.where(at < 0, at + lw.shapes[rows.base][0], at), rows.index):
         raise LoweringError(f"{lw.name}: rows added back at other rows than they were gathered "
                             f"from are not lowered")
@@ -329,7 +332,7 @@ def _same_rows(lw: Any, at: np.ndarray, rows: Rows) -> None:
 def index_add(base: Handler) -> Handler:
     """``x.index_add_(0, idx, src)`` with src the rows idx of a value like x:
     ``x + mask * src``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         idx = index_of(lw, args[2])
         src = value_of(lw, args[3])
         if idx is None or not isinstance(src, Rows):
@@ -349,7 +352,7 @@ def index_add(base: Handler) -> Handler:
 def index_put(base: Handler) -> Handler:
     """``zeros.index_put([idx], rows, accumulate=True)`` (the backward of a
     gather): ``mask * rows``; at (row, slot) pairs, ``P * rows``."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         target = value_of(lw, args[0])
         src = value_of(lw, args[2])
         indices = args[1] if isinstance(args[1], (list, tuple)) else []
@@ -384,7 +387,7 @@ def index_put(base: Handler) -> Handler:
     return lower
 
 
-def _scatter_rows(lw: Any, g: int, index: np.ndarray, shape: tuple[int, ...]) -> int:
+def _scatter_rows(lw: Lowerer, g: int, index: np.ndarray, shape: tuple[int, ...]) -> int:
     """Rows ``g`` put at rows ``index`` of zeros of ``shape``: the one-hot
     rows' transpose times g (the ``embedding`` rule's backward); rows put
     at one row twice are added there."""
@@ -403,7 +406,7 @@ def _scatter_rows(lw: Any, g: int, index: np.ndarray, shape: tuple[int, ...]) ->
 
 
 def transpose_rows(base: Handler) -> Handler:
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
         if isinstance(x, Rows) and len(lw.shapes[x.base]) == 2:
             return RowsT(x)
@@ -414,7 +417,7 @@ def transpose_rows(base: Handler) -> Handler:
 def mm(base: Handler) -> Handler:
     """``a^T @ b`` of rows gathered at one index: ``(mask * a)^T @ b``;
     ``rows @ w``: row-wise."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = value_of(lw, args[0]), value_of(lw, args[1])
         if isinstance(a, RowsT) and isinstance(b, Rows) and np.array_equal(a.rows.index, b.index) \
                 and lw.shapes[a.rows.base][0] == lw.shapes[b.base][0]:
@@ -436,7 +439,7 @@ def _not_rows_dim(pos: int, default: int = 0, added: int = 0) -> Callable[..., b
     """The op's dim argument (at ``pos``; a list of dims, or one) is not the
     rows' dim 0; ``added``: the op adds that many dims (``unsqueeze``), so a
     negative dim counts from the output's end."""
-    def ok(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
+    def ok(lw: Lowerer, args: tuple, kwargs: dict | None = None) -> bool:
         a = args[pos] if len(args) > pos else (kwargs or {}).get("dim", default)
         rows = next((value_of(lw, r) for r in tensor_refs(args) if isinstance(value_of(lw, r), Rows)), None)
         if a is None or rows is None:
@@ -464,7 +467,7 @@ def rowwise(base: Handler, keeps_rows: Callable[..., bool]) -> Handler:
     """An op that acts on each row alone: on gathered rows of one index it
     acts on all rows of their base (its other tensors must not vary along
     the rows); anything else is handed on."""
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         refs = tensor_refs([args, kwargs])
         pending = [value_of(lw, a) for a in refs]
         rows = [p for p in pending if isinstance(p, Rows)]
@@ -514,7 +517,7 @@ def rowwise(base: Handler, keeps_rows: Callable[..., bool]) -> Handler:
     return lower
 
 
-def _view_keeps_rows(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
+def _view_keeps_rows(lw: Lowerer, args: tuple, kwargs: dict | None = None) -> bool:
     """A view (or expand) whose first dim stays the rows' (an expand to as
     many dims as its input)."""
     rows = value_of(lw, args[0])
@@ -525,12 +528,12 @@ def _view_keeps_rows(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
         all(isinstance(n, int) and n >= 0 for n in size[1:])
 
 
-def _expand_keeps_rows(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
+def _expand_keeps_rows(lw: Lowerer, args: tuple, kwargs: dict | None = None) -> bool:
     rows = value_of(lw, args[0])
     return _view_keeps_rows(lw, args) and len(args[1]) == len(lw.shapes[rows.base])
 
 
-def _always(lw: Any, args: tuple, kwargs: dict | None = None) -> bool:
+def _always(lw: Lowerer, args: tuple, kwargs: dict | None = None) -> bool:
     return True
 
 

@@ -11,10 +11,13 @@ mask whole rows) is refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.registry import refines
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
 
 Handler = Callable[..., Any]
 
@@ -24,7 +27,7 @@ def safe_softmax(softmax: Handler) -> Handler:
     """``_safe_softmax(x, dim)`` through the table's ``_softmax`` (which
     also records it for the backward kernel, ``_softmax_backward_data``)."""
 
-    def lower(lw: Any, args, kwargs, shapes, group):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = lw.val(args[0])
         producer = next((n for n in reversed(lw.nodes) if x in n.outs), None)
         last = len(lw.shapes[x]) - 1

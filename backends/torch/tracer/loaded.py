@@ -14,7 +14,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backends.torch.tracer.record import local_of, tensors_in
+from backends.torch.tracer.record import local_of
+from backends.torch.tracer.tensor_views import tensors_in
 
 #: the tensor types whose values are the rank's own memory
 PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -12,7 +12,6 @@ accumulates a tensor.
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -31,6 +30,14 @@ from backends.torch.tracer.hidden_memory import HiddenMemory, is_partial_view
 from backends.torch.tracer.placements import data_parallel_axis as data_parallel_axis
 from backends.torch.tracer.placements import dims_axes as dims_axes
 from backends.torch.tracer.routing import ROUTED, Routing
+from backends.torch.tracer.tensor_views import (
+    outputs_written,
+    same_order,
+    storage_of,
+    tensors_in,
+    view_region,
+    written_tensors,
+)
 
 #: ops whose output is the input value itself (no computation).
 ALIASES = {
@@ -107,19 +114,19 @@ class Recorder(TorchDispatchMode):
     def bind(self, t: torch.Tensor, v: int) -> None:
         self.refs[id(t)] = (v, weakref.ref(t), self.memory.generation(t))
         if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 1:
-            self.by_memory.setdefault(_storage(t), {})[_view_key(t)] = v
+            self.by_memory.setdefault(storage_of(t), {})[_view_key(t)] = v
 
     def written(self, t: torch.Tensor, v: int) -> None:
         """``t``'s memory written by an op: of its storage's views, only ``t``'s
         value is known."""
-        self.by_memory[_storage(t)] = {_view_key(t): v}
+        self.by_memory[storage_of(t)] = {_view_key(t): v}
 
     def reassigned(self, t: torch.Tensor, v: int) -> int | None:
         """The value of ``t``, bound to ``v`` of another shape: its ``.data``
         was reassigned (Megatron's ``make_viewless_tensor``: an ``empty`` whose
         data becomes another tensor's); the value the same view of its memory
         was last bound to with no write since, or None."""
-        found = self.by_memory.get(_storage(t), {}).get(_view_key(t))
+        found = self.by_memory.get(storage_of(t), {}).get(_view_key(t))
         if found is None or self.shapes[found] != tuple(t.shape):
             return None
         self.bind(t, found)
@@ -248,7 +255,7 @@ class Recorder(TorchDispatchMode):
             self.from_buffer.add(v)
         if t.numel() <= CONSTANT_NUMEL:
             self.constvals[v] = t.detach().cpu().resolve_conj().numpy().copy()
-            self.const_storages.add(_storage(t))
+            self.const_storages.add(storage_of(t))
 
     def refresh_constants(self, tensors: list[torch.Tensor]) -> None:
         """A constant written in place through a view (``mask[:, 0] = 0.5``)
@@ -261,7 +268,7 @@ class Recorder(TorchDispatchMode):
             if kept is None or t.is_complex() or torch.equal(t.detach().cpu(), torch.from_numpy(kept)):
                 continue
             fresh = self.new_value(t)
-            if _storage(t) not in self.tainted:
+            if storage_of(t) not in self.tainted:
                 self.mark_constant(t, fresh)
             self.events.append(("unknown", [[], {}], [fresh], [tuple(t.shape)], self.scope(),
                                 None, self.mb))
@@ -297,17 +304,17 @@ class Recorder(TorchDispatchMode):
         new contents are read by value instead (``refresh_constants``)."""
         if not name.startswith("aten."):
             return
-        for t in _written(func, args, kwargs):
+        for t in written_tensors(func, args, kwargs):
             base = t._base
-            if base is None or base.numel() == t.numel() and _same_order(base, t):
+            if base is None or base.numel() == t.numel() and same_order(base, t):
                 continue
-            if self.memory and self.memory.tracks(_storage(t)):
+            if self.memory and self.memory.tracks(storage_of(t)):
                 continue  # memory whose regions the recorder follows (``record_writes``)
             b = self.value(base)
             if b is None or b in self.constants:
                 continue
             written = self.value(t)
-            block = _region(base, t)
+            block = view_region(base, t)
             fresh = self.new_value(base)
             self.events.append(("partial_write", [[("v", b), name, block,
                                                    None if written is None else ("v", written)], {}],
@@ -347,7 +354,7 @@ class Recorder(TorchDispatchMode):
                 constant = self.exchanges.call(name, args, kwargs, out, self.group_of)
         if name.startswith("c10d."):
             out = with_completed_work(out)
-        outs = _outputs_written(name, args, kwargs, out)
+        outs = outputs_written(name, args, kwargs, out)
         group = None
         if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))
@@ -362,7 +369,7 @@ class Recorder(TorchDispatchMode):
                 self.written(o, v)  # written in place, or new memory
         self.record_writes(outs, ids, {id(a) for a in tensors}, unseen)
         if not constant:
-            self.tainted.update(s for s in map(_storage, outs) if s in self.const_storages)
+            self.tainted.update(s for s in map(storage_of, outs) if s in self.const_storages)
         if constant:
             for o, v in zip(outs, ids):
                 self.mark_constant(o, v, buffer)
@@ -382,7 +389,7 @@ class Recorder(TorchDispatchMode):
             if outs and isinstance(args[0], torch.Tensor):
                 # where the view lies in its input, when a block of it (the
                 # offset argument counts from the memory's start, not the input's)
-                in_kwargs["block"] = _region(args[0], outs[0])
+                in_kwargs["block"] = view_region(args[0], outs[0])
         self.events.append((name, [in_args, in_kwargs], ids, [tuple(o.shape) for o in outs],
                             self.scope(), group, self.mb))
         self.mark_partial_writes(name, func, args, kwargs)
@@ -397,7 +404,7 @@ class Recorder(TorchDispatchMode):
         for o, v in zip(outs, ids):
             base = o._base
             if base is not None and base.numel() == o.numel() and self.value(base) is not None \
-                    and _same_order(base, o):
+                    and same_order(base, o):
                 b = self.new_value(base)
                 if v in self.constants:
                     self.mark_constant(base, b, v in self.from_buffer)
@@ -420,8 +427,8 @@ class Recorder(TorchDispatchMode):
         since both read the same memory."""
         if name == "aten.view.default" and len(outs) == 1 and isinstance(args[0], torch.Tensor):
             a, o = args[0], outs[0]
-            if (_storage(a), a.storage_offset(), a.shape, a.stride()) == \
-                    (_storage(o), o.storage_offset(), o.shape, o.stride()):
+            if (storage_of(a), a.storage_offset(), a.shape, a.stride()) == \
+                    (storage_of(o), o.storage_offset(), o.shape, o.stride()):
                 self.twins[id(o)] = weakref.ref(a)
                 self.twins[id(a)] = weakref.ref(o)
             return
@@ -431,8 +438,8 @@ class Recorder(TorchDispatchMode):
             ref = self.twins.get(id(o))
             twin = ref() if ref is not None else None
             if twin is not None and self.value(twin) is not None and \
-                    (_storage(twin), twin.storage_offset(), twin.shape) == \
-                    (_storage(o), o.storage_offset(), o.shape):
+                    (storage_of(twin), twin.storage_offset(), twin.shape) == \
+                    (storage_of(o), o.storage_offset(), o.shape):
                 self.bind(twin, v)
 
     def record_writes(self, outs: list[torch.Tensor], ids: list[int], inputs: set[int],
@@ -443,7 +450,7 @@ class Recorder(TorchDispatchMode):
         for o, v in zip(outs, ids):
             if id(o) not in inputs or not o.is_contiguous():
                 continue
-            tracked = self.memory and self.memory.tracks(_storage(o))
+            tracked = self.memory and self.memory.tracks(storage_of(o))
             if tracked or (id(o) in unseen and is_partial_view(o)):
                 # what a partial overwrite of a region leaves: slices of its value
                 kept = []
@@ -476,120 +483,6 @@ def with_completed_work(out: Any) -> Any:
     future = torch.futures.Future()
     future.set_result(out[0])
     return out[0], _create_work_from_future(future).boxed()
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """The tensors an op writes in place (its schema's mutable arguments)."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        given = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        out.extend(tensors_in(given))
-    return out
-
-
-def _region(base: torch.Tensor, view: torch.Tensor) -> tuple[list[int], list[list[int]]] | None:
-    """Where a view lies in its base, as the shape the base is read with (its
-    own when contiguous; for a flat buffer, the contiguous shape whose
-    strides are the view's) and ``[start, length, kept, step]`` per dim of
-    that shape: the view holds the indices ``start + k step``, k < length
-    (``kept``: the view's order of the dim, -1 for a dim it holds one index
-    of), or None when the view is no such region (an overlapping or outside
-    view)."""
-    if view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-        return None
-    offset = view.storage_offset() - base.storage_offset()
-    sizes = list(base.shape)
-    if not base.is_contiguous():
-        if not _dense(base):
-            return None
-        strides = list(base.stride())  # a permuted layout (zeros_like of a transposed tensor)
-    else:
-        if base.dim() == 1:
-            sizes = _flat_shape(base.numel(),
-                                [st for st, n in zip(view.stride(), view.shape) if n > 1])
-            if sizes is None:
-                return None
-        strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
-    starts = [offset // st % n if n > 1 else 0 for st, n in zip(strides, sizes)]
-    if sum(i * st for i, st in zip(starts, strides)) != offset:
-        return None
-    mapped: dict[int, tuple[int, int]] = {}
-    for n, st in zip(view.shape, view.stride()):
-        if n == 1:
-            continue
-        # the base dim along which the view steps: the one whose stride
-        # divides the view's with every index inside it (one at most, as the
-        # base fills its memory once: a larger dim's stride is at least this
-        # dim's stride times its size)
-        d = next((d for d, (bst, m) in enumerate(zip(strides, sizes))
-                  if m > 1 and st > 0 and st % bst == 0
-                  and starts[d] + (n - 1) * (st // bst) < m), None)
-        if d is None or d in mapped:
-            return None  # not a block (an overlapping or outside view)
-        mapped[d] = (n, st // strides[d])
-    order = {d: k for k, d in enumerate(mapped)}
-    return sizes, [[starts[d], mapped.get(d, (1, 1))[0], order.get(d, -1), mapped.get(d, (1, 1))[1]]
-                   for d in range(len(sizes))]
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s entries fill its memory once each in some order of its
-    dims (a contiguous tensor with its dims permuted): each dim's stride,
-    in decreasing order, is the product of the sizes of the dims after it."""
-    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
-    expected = 1
-    for st, n in dims:
-        if st != expected:
-            return False
-        expected *= n
-    return True
-
-
-def _outputs_written(name: str, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
-    """The tensors an op writes: those it returns, or, for an op that
-    writes in place and returns nothing (or only its work), the tensors it
-    writes into."""
-    outs = tensors_in(out)
-    if name == "c10d.alltoall_base_.default":
-        outs = [args[0]]  # received in place
-    if "out" in kwargs and not outs:
-        outs = tensors_in(kwargs["out"])
-    if name in ("c10d.recv_.default", "c10d.allreduce_coalesced_.default"):
-        outs = list(args[0])  # received or reduced in place: the buffers hold new values
-    if name.startswith("c10d.") and name.split(".")[1].endswith("_") and not outs:
-        # an in-place collective that returns only its work (a coalesced
-        # reduce-scatter or all-gather, a reduce): it writes the tensors of
-        # its first argument, which then hold new values, never the old
-        outs = tensors_in(args[0])
-    if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
-        outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
-    return outs
-
-
-def _same_order(base: torch.Tensor, view: torch.Tensor) -> bool:
-    """A view of all of ``base`` that lists its entries in the same order
-    (both contiguous, or the same shape and strides): a reshape of it."""
-    return (base.is_contiguous() and view.is_contiguous()) \
-        or (base.shape == view.shape and base.stride() == view.stride())
-
-
-def _flat_shape(numel: int, strides: list[int]) -> list[int] | None:
-    """The contiguous shape of ``numel`` entries whose dims' strides include
-    ``strides`` (each dividing the one before), or None."""
-    strides = sorted(set(strides) | {1}, reverse=True)
-    if not strides or numel % strides[0]:
-        return None
-    sizes = [numel // strides[0]]
-    for a, b in zip(strides, strides[1:]):
-        if a % b:
-            return None
-        sizes.append(a // b)
-    return sizes
-
-
-def _storage(t: torch.Tensor) -> int:
-    """The address of a tensor's memory (shared by its views)."""
-    return t.untyped_storage().data_ptr()
 
 
 class Tracker(ModuleTracker):
@@ -607,19 +500,6 @@ class Tracker(ModuleTracker):
             return
         name = self._get_mod_name(mod)
         self._get_append_fn(name, False)()
-
-
-def tensors_in(x: Any) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or results (nested lists, tuples and
-    dicts), in order: what ``tree_flatten`` would find, without its cost on
-    every op."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in tensors_in(item)]
-    if isinstance(x, dict):
-        return [t for item in x.values() for t in tensors_in(item)]
-    return []
 
 
 def group_from_name(name: str) -> tuple[int, ...]:

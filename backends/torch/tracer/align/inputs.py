@@ -47,7 +47,12 @@ def _holds_block(full: np.ndarray, mine: np.ndarray) -> bool:
 
 
 class InputMatching(Pieces):
-    """The claims of a rank's inputs and constants."""
+    """The claims of a rank's inputs and constants.
+
+    It rewrites the rank's ``Lowered`` in place (``slim_constant``,
+    ``per_microbatch``): the slimmed constants and per-microbatch copies it
+    makes are the rank's program from then on, read by every later part
+    of the rank and by the plan writer, which all hold that one record."""
 
     own_tid: dict[int, int]
     alternatives: dict[int, list[tuple[int, Claim]]]
