@@ -56,8 +56,15 @@ def per_piece(lw: Lowerer, handler, args, kwargs, group) -> Bucket:
     if any(lw.const(a) is None for a in others):
         return handler(lw, args, kwargs, [lw.shapes[lw.materialize(bucket)]], group)
     out = []
+    consts = [lw.const(a) for a in others]
+    # zeros the step wrote into a bucket's padding (Megatron's distributed
+    # optimizer) times or over a finite nonzero constant are those zeros
+    keeps_zeros = all(math.isfinite(c) and c != 0 for c in consts)
     try:
         for p in bucket.pieces:
+            if keeps_zeros and p in lw.zeros_made:
+                out.append(p)
+                continue
             lw.env[key] = p
             out.append(lw.materialize(handler(lw, args, kwargs, [lw.shapes[p]], group)))
     finally:

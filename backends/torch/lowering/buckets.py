@@ -10,8 +10,11 @@ view of it at a piece's offset (the copy back into the gradient) is that
 piece. docs/soundness.md, "Plans traced from PyTorch", 19, says why this
 is the same computation: an all-reduce is elementwise across the group,
 and the members' buckets are cut at the same offsets
-(``check_bucket_layouts``). A broadcast is lowered only when it sends
-constants every member holds alike (``check_broadcasts``; item 20).
+(``check_bucket_layouts``). A bucket reduce-scattered into equal ranges
+(Megatron's distributed optimizer) is every piece all-reduced, of which the
+member keeps its range (``flat_ranges``; items 56 and 57). A broadcast is
+lowered only when it sends constants every member holds alike
+(``check_broadcasts``; item 20).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.bucket_pieces import bucket_view
-from backends.torch.lowering.context import live_events
+from backends.torch.lowering.bucket_pieces import all_reduce_bucket, bucket_view
+from backends.torch.lowering.context import live_events, pg
+from backends.torch.lowering.flat_ranges import Block, FlatRange, parts_of, read_flat, whole_pieces
 from backends.torch.lowering.ir import Bucket, numel
 from backends.torch.lowering.registry import lowers
 
@@ -45,13 +49,64 @@ def mem_cat(lw: Lowerer, args, kwargs, shapes, group) -> Bucket:
 def mem_slice(lw: Lowerer, args, kwargs, shapes, group) -> Any:
     """A view of part of a region (a gradient's view of a reduced bucket)."""
     src = lw.env.get(args[0][1])
-    if isinstance(src, Bucket):
+    if isinstance(src, Bucket) and whole_pieces(lw, src, int(args[1]), tuple(args[2])):
         return bucket_view(lw, src, int(args[1]), tuple(args[2]))
+    if isinstance(src, (Bucket, FlatRange, Block)):
+        # a view of a reduce-scattered range, or of a bucket across or inside
+        # its pieces (built as bucket_view builds it when another op reads it)
+        return read_flat(lw, src, int(args[1]), tuple(args[2]))
     x = lw.val(args[0])
     if int(args[1]) != 0 or math.prod(args[2]) != numel(lw, x):
-        raise LoweringError(f"{lw.name}: a view of part of a buffer at offset {args[1]} is "
-                            f"not lowered")
+        # what a write into part of a region leaves of its value: its elements there
+        return read_flat(lw, x, int(args[1]), tuple(args[2]))
     return lw.reshape(x, tuple(args[2]))
+
+
+def _all_reduce_pieces(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ...]) -> Bucket:
+    """Every piece of the bucket all-reduced (item 19), except the zeros the
+    step wrote into its padding, which stay: they are zeros on every member
+    (the bucket's layout, with each zero piece's size negated, is checked
+    to be every member's: ``buckets.check_bucket_layouts``), whose sum is
+    zeros."""
+    zero = [p in lw.zeros_made for p in bucket.pieces]
+    kept = [p for p, z in zip(bucket.pieces, zero) if not z]
+    reduced = iter(all_reduce_bucket(lw, Bucket(tuple(kept)), op, ranks).pieces if kept else [])
+    lw.buckets[-1:] = [] if kept else lw.buckets[-1:]
+    lw.buckets.append((tuple(ranks), tuple(-numel(lw, p) if z else numel(lw, p)
+                                           for p, z in zip(bucket.pieces, zero))))
+    return Bucket(tuple(p if z else next(reduced) for p, z in zip(bucket.pieces, zero)))
+
+
+@lowers("c10d.reduce_scatter_tensor_coalesced_.default")
+def reduce_scatter_buckets(lw: Lowerer, args, kwargs, shapes, group) -> list:
+    """Each (output, input) pair: the input a gradient bucket reduce-scattered
+    over the group with SUM or AVG (Megatron's distributed optimizer): every
+    piece all-reduced, the member keeping its range (module docstring)."""
+    outs, ins, ranks, op = args[0], args[1], pg(lw, args[2]), args[3]
+    me = lw.trace["rank"]
+    if me not in ranks:
+        raise LoweringError(f"{lw.name}: a reduce-scatter over a group without this rank")
+    result = []
+    for out, shape in zip(outs, shapes):
+        del out  # written: its value is the one made here
+        bucket = lw.env.get(ins[len(result)][1])
+        if not isinstance(bucket, Bucket):
+            raise LoweringError(f"{lw.name}: a coalesced reduce-scatter of a tensor that is no "
+                                f"gradient bucket is not lowered")
+        total = sum(numel(lw, p) for p in bucket.pieces)
+        size = math.prod(shape)
+        if size * len(ranks) != total:
+            raise LoweringError(f"{lw.name}: a reduce-scatter of {total} elements into ranges of "
+                                f"{size} over {len(ranks)} ranks")
+        reduced = _all_reduce_pieces(lw, bucket, op, ranks)
+        i = ranks.index(me)
+        kept = read_flat(lw, reduced, i * size, (size,))
+        parts = parts_of(lw, kept) if not isinstance(kept, FlatRange) else list(kept.parts)
+        if not parts:
+            raise LoweringError(f"{lw.name}: a reduce-scattered range that is no run of "
+                                f"gradient elements")
+        result.append(FlatRange(tuple(parts)))
+    return result
 
 
 @lowers("c10d.broadcast_.default")
