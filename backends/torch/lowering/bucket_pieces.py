@@ -76,12 +76,18 @@ def per_piece(lw: Lowerer, handler, args, kwargs, group) -> Bucket:
 _REDOPS = {0: "all_reduce", 1: "all_reduce_avg"}
 
 
-def all_reduce_bucket(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ...]) -> Bucket:
+def all_reduce_bucket(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ...],
+                      zeros: frozenset[int] = frozenset()) -> Bucket:
     """A bucket all-reduced in place: each piece all-reduced; the layout is
-    kept for ``check_bucket_layouts``."""
+    kept for ``check_bucket_layouts``. ``zeros``: pieces that are zeros the
+    step wrote (a bucket's padding), left as they are, since a sum or mean
+    of zeros is zeros; the layout records their sizes negated, so every
+    member must hold zeros there too."""
     if op[1] not in _REDOPS:
         raise LoweringError(f"{lw.name}: a gradient bucket all-reduced with reduce op {op[1]} "
                             f"is not lowered (SUM and AVG are)")
-    lw.buckets.append((tuple(ranks), tuple(numel(lw, p) for p in bucket.pieces)))
-    return Bucket(tuple(lw.emit(_REDOPS[op[1]], [p], [lw.shapes[p]], group=tuple(ranks))[0]
+    lw.buckets.append((tuple(ranks), tuple(-numel(lw, p) if p in zeros else numel(lw, p)
+                                           for p in bucket.pieces)))
+    return Bucket(tuple(p if p in zeros else
+                        lw.emit(_REDOPS[op[1]], [p], [lw.shapes[p]], group=tuple(ranks))[0]
                         for p in bucket.pieces))

@@ -27,7 +27,14 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.bucket_pieces import all_reduce_bucket, bucket_view
 from backends.torch.lowering.context import live_events, pg
-from backends.torch.lowering.flat_ranges import Block, FlatRange, parts_of, read_flat, whole_pieces
+from backends.torch.lowering.flat_ranges import (
+    Block,
+    FlatRange,
+    parts_of,
+    pick,
+    read_flat,
+    whole_pieces,
+)
 from backends.torch.lowering.ir import Bucket, numel
 from backends.torch.lowering.registry import lowers
 
@@ -62,50 +69,31 @@ def mem_slice(lw: Lowerer, args, kwargs, shapes, group) -> Any:
     return lw.reshape(x, tuple(args[2]))
 
 
-def _all_reduce_pieces(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ...]) -> Bucket:
-    """Every piece of the bucket all-reduced (item 19), except the zeros the
-    step wrote into its padding, which stay: they are zeros on every member
-    (the bucket's layout, with each zero piece's size negated, is checked
-    to be every member's: ``buckets.check_bucket_layouts``), whose sum is
-    zeros."""
-    zero = [p in lw.zeros_made for p in bucket.pieces]
-    kept = [p for p, z in zip(bucket.pieces, zero) if not z]
-    reduced = iter(all_reduce_bucket(lw, Bucket(tuple(kept)), op, ranks).pieces if kept else [])
-    lw.buckets[-1:] = [] if kept else lw.buckets[-1:]
-    lw.buckets.append((tuple(ranks), tuple(-numel(lw, p) if z else numel(lw, p)
-                                           for p, z in zip(bucket.pieces, zero))))
-    return Bucket(tuple(p if z else next(reduced) for p, z in zip(bucket.pieces, zero)))
-
-
 @lowers("c10d.reduce_scatter_tensor_coalesced_.default")
 def reduce_scatter_buckets(lw: Lowerer, args, kwargs, shapes, group) -> list:
-    """Each (output, input) pair: the input a gradient bucket reduce-scattered
-    over the group with SUM or AVG (Megatron's distributed optimizer): every
-    piece all-reduced, the member keeping its range (module docstring)."""
-    outs, ins, ranks, op = args[0], args[1], pg(lw, args[2]), args[3]
-    me = lw.trace["rank"]
-    if me not in ranks:
+    """Each input a gradient bucket reduce-scattered over the group with SUM
+    or AVG into its output (Megatron's distributed optimizer): every piece
+    all-reduced but the padding's zeros, which a sum leaves zeros
+    (``all_reduce_bucket``), the member keeping the elements of its range,
+    the i-th of the group's equal ranges for its position i in the group
+    (``flat_ranges``; docs/soundness.md, "Plans traced from PyTorch", 56)."""
+    ins, ranks, op = args[1], pg(lw, args[2]), args[3]
+    if lw.trace["rank"] not in ranks:
         raise LoweringError(f"{lw.name}: a reduce-scatter over a group without this rank")
+    i = ranks.index(lw.trace["rank"])
     result = []
-    for out, shape in zip(outs, shapes):
-        del out  # written: its value is the one made here
-        bucket = lw.env.get(ins[len(result)][1])
+    for a, shape in zip(ins, shapes):
+        bucket = lw.env.get(a[1])
         if not isinstance(bucket, Bucket):
             raise LoweringError(f"{lw.name}: a coalesced reduce-scatter of a tensor that is no "
                                 f"gradient bucket is not lowered")
-        total = sum(numel(lw, p) for p in bucket.pieces)
-        size = math.prod(shape)
+        total, size = sum(numel(lw, p) for p in bucket.pieces), math.prod(shape)
         if size * len(ranks) != total:
             raise LoweringError(f"{lw.name}: a reduce-scatter of {total} elements into ranges of "
                                 f"{size} over {len(ranks)} ranks")
-        reduced = _all_reduce_pieces(lw, bucket, op, ranks)
-        i = ranks.index(me)
-        kept = read_flat(lw, reduced, i * size, (size,))
-        parts = parts_of(lw, kept) if not isinstance(kept, FlatRange) else list(kept.parts)
-        if not parts:
-            raise LoweringError(f"{lw.name}: a reduce-scattered range that is no run of "
-                                f"gradient elements")
-        result.append(FlatRange(tuple(parts)))
+        zeros = frozenset(p for p in bucket.pieces if p in lw.zeros_made)
+        reduced = all_reduce_bucket(lw, bucket, op, ranks, zeros)
+        result.append(FlatRange(tuple(pick(parts_of(lw, reduced), i * size, size))))
     return result
 
 

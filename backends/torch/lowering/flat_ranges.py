@@ -140,6 +140,18 @@ def parts_of(lw: Lowerer, src: Any) -> list[tuple[int, int, int]] | None:
     return None
 
 
+def pick(parts: list[tuple[int, int, int]], offset: int, n: int) -> list[tuple[int, int, int]]:
+    """Elements [offset, offset + n) of parts (value, lo, hi) side by side:
+    the parts of them there, in order."""
+    at, picked = 0, []
+    for v, lo, hi in parts:
+        a, b = max(offset, at), min(offset + n, at + hi - lo)
+        if a < b:
+            picked.append((v, lo + a - at, lo + b - at))
+        at += hi - lo
+    return picked
+
+
 def read_flat(lw: Lowerer, src: Any, offset: int, shape: tuple[int, ...]) -> Any:
     """Elements [offset, offset + prod(shape)) of a flat source seen with
     ``shape``: a whole value (reshaped), a ``Block`` of one value, or
@@ -151,13 +163,8 @@ def read_flat(lw: Lowerer, src: Any, offset: int, shape: tuple[int, ...]) -> Any
     if parts is None:
         raise LoweringError(f"{lw.name}: a view of part of a buffer at offset {offset} is not "
                             f"lowered")
-    end, at, picked = offset + math.prod(shape), 0, []
-    for v, lo, hi in parts:
-        a, b = max(offset, at), min(end, at + hi - lo)
-        if a < b:
-            picked.append((v, lo + a - at, lo + b - at))
-        at += hi - lo
-    if sum(b - a for _, a, b in picked) != end - offset:
+    picked = pick(parts, offset, math.prod(shape))
+    if sum(b - a for _, a, b in picked) != math.prod(shape):
         raise LoweringError(f"{lw.name}: a view past the end of a reduced range")
     if len(picked) == 1:
         v, a, b = picked[0]
