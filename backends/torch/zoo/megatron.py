@@ -24,7 +24,9 @@ rows in ``microbatches`` microbatches, ending in ``finalize_model_grads``
 (the data-parallel reduction, the sequence-parallel norms' all-reduce, the
 tied embedding's all-reduce between the first and the last stage). The
 final gradient of a parameter is its ``main_grad`` (what Megatron's
-optimizer steps on). Megatron's CPU adaptations (``megatron_shim``) are
+optimizer steps on); with the distributed optimizer, the blocks of
+``main_grad`` its range map gives the rank (``optimizer_ranges``: what its
+optimizer reads). Megatron's CPU adaptations (``megatron_shim``) are
 applied and printed on every run.
 """
 
