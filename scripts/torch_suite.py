@@ -248,6 +248,8 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron dp2 distributed optimizer 2 microbatches (flat ranges cut a row)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24", 0),
     ("megatron dp2 tp2 distributed optimizer", f"{MEGATRON}dist_opt --dp 2 --tp 2 --batch 8 --hidden 24", 0),
+    ("megatron dp2 distributed optimizer overlap_grad_reduce",
+     f"{MEGATRON}dist_opt_overlap --dp 2 --tp 1 --batch 8 --hidden 24", 0),
     ("megatron bug distributed optimizer reads the next rank's ranges",
      f"{MEGATRON}dist_opt_range_shifted --dp 2 --tp 1 --batch 8 --hidden 24", 1),
     ("megatron bug distributed optimizer's reduce-scatter left out",

@@ -668,6 +668,8 @@ pp_interleaved_unbatched = recipe(microbatches=4, virtual_pp=2, batch_p2p_comm=F
 ddp_overlap = recipe(microbatches=2, overlap_grad_reduce=True)
 ddp_average = recipe(microbatches=2, average_in_collective=True)
 dist_opt = recipe(microbatches=2, use_distributed_optimizer=True)
+dist_opt_overlap = recipe(microbatches=2, use_distributed_optimizer=True,
+                          overlap_grad_reduce=True)
 full = recipe(sequence_parallel=True, microbatches=2)
 # shipped mistakes
 tp_sp_norm_unmarked = recipe(sequence_parallel=True, bug="sp_norm_unmarked")
