@@ -141,6 +141,7 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
         return Judgement(False, f"cannot run: {e}")
     written = set()
     last: dict[tuple[int, int], int] = {}
+    last_at: dict[tuple[int, int], dict] = defaultdict(dict)  # (rank, tid) -> slices -> tensor
     loss_last: dict[tuple[int, int], int] = {}
     for node in parallel.nodes:
         for o in node.outputs:
@@ -148,6 +149,7 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
                 t = parallel.tensors[o]
                 written.add(o)
                 last[(t.rank, t.tid)] = o
+                last_at[(t.rank, t.tid)][t.slices] = o
                 if t.tid == single.loss:
                     loss_last[(t.rank, t.mb)] = o
     held = defaultdict(set)
@@ -158,6 +160,19 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
         name = single.logical[param].name
         expected = ref[last_single[buf]]
         cover = np.zeros(np.shape(expected), dtype=bool)
+        if parallel.world.get("grad_blocks"):
+            # each rank's final gradient is the blocks it ends with (the ranges
+            # its distributed optimizer reads); together they cover the parameter
+            for rank, _ in sorted(held[param]):
+                for blocks, got in sorted(last_at[(rank, buf)].items()):
+                    region = tuple(slice(a, b) for a, b in blocks)
+                    if not _close(values[got], expected[region]):
+                        return Judgement(False, f"rank {rank} ends with a wrong gradient of "
+                                                f"{name}")
+                    cover[region] = True
+            if not cover.all():
+                return Judgement(False, f"no rank ends with part of the gradient of {name}")
+            continue
         for rank, slices in sorted(held[param]):
             region = tuple(slice(a, b) for a, b in slices)
             cover[region] = True
@@ -183,9 +198,11 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
     dp *= int(parallel.world.get("cp", 1))
     groups: dict[tuple[int, int], float] = defaultdict(float)
     count: dict[tuple[int, int], int] = defaultdict(int)
+    ranks: dict[tuple[int, int], set] = defaultdict(set)
     for (rank, _), o in loss_last.items():
         groups[(rank // (dp * tp), rank % tp)] += float(np.sum(values[o]))
         count[(rank // (dp * tp), rank % tp)] += 1
+        ranks[(rank // (dp * tp), rank % tp)].add(rank)
     if not groups:
         return Judgement(False, "no rank ends with the loss")
     loss = float(np.sum(ref[last_single[single.loss]]))
@@ -197,7 +214,10 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
         # each rank's loss is its share of the loss (they sum to it), or the
         # mean over its own data (their mean is the loss)
         mean = total / count[(stage, tp_index)] / real
-        if not (_close(np.array(total), np.array(loss)) or _close(np.array(mean), np.array(loss))):
+        # or each rank's mean over its own data, as the sum of its microbatches'
+        # means over their count (Megatron's schedule)
+        rank_mean = total / len(ranks[(stage, tp_index)]) / real
+        if not any(_close(np.array(x), np.array(loss)) for x in (total, mean, rank_mean)):
             return Judgement(False, f"the loss of stage {stage} tp {tp_index} is {total}, "
                                     f"not {loss}")
     return Judgement(True)

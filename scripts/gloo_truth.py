@@ -130,7 +130,11 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
         top = max((float(g.abs().max()) for g in expected.values()), default=1.0)
         for name, p in model.named_parameters():
             g = p.grad
-            if name not in expected:  # no gradient on one device (a parameter the loss never reads)
+            blocks = getattr(p, "grad_blocks", None)  # the flat range a distributed optimizer reads
+            if blocks is not None and name in expected:
+                problem = _blocks_problem(rank, name, p, blocks, expected[name], mesh, args.rtol,
+                                          top)
+            elif name not in expected:  # no gradient on one device (a parameter the loss never reads)
                 if g is not None and float(abs(g.full_tensor() if isinstance(g, DTensor) else g)
                                            .max()) != 0.0:
                     problem = f"rank {rank} ends with a gradient of {name}, which has none"
@@ -156,6 +160,26 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
         out[rank] = problem
     finally:
         dist.destroy_process_group()
+
+
+def _blocks_problem(rank: int, name: str, p, blocks: tuple, want: torch.Tensor, mesh,
+                    rtol: float, top: float) -> str:
+    """A parameter whose final gradient is blocks of a tensor (``grad_blocks``:
+    Megatron's distributed optimizer's range of it): each block compared with
+    the same block of the single-device gradient (of the rank's shard)."""
+    base, cuts = blocks
+    for dim, axes in enumerate(getattr(p, "mesh_axes", None) or []):
+        for axis in axes:
+            want = want.chunk(mesh[axis].size(), dim)[mesh[axis].get_local_rank()]
+    for starts, shape in cuts:
+        at = tuple(slice(s, s + n) for s, n in zip(starts, shape))
+        got, exp = base[at], want[at]
+        err = float((got - exp).abs().max())
+        if err > rtol * (max(float(exp.abs().max()), 1e-6 * top) or 1.0):
+            return (f"rank {rank} ends with a wrong gradient of {name} at the block "
+                    f"{[(s, s + n) for s, n in zip(starts, shape)]} of its range (max error "
+                    f"{err:.3g})")
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

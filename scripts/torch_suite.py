@@ -243,8 +243,20 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron bug mtp tp2 2 microbatches, each normalized by its own token count (7452)",
      "--model backends.torch.megatron:gpt_mtp_masked --recipe backends.torch.megatron:ddp "
      "--dp 1 --tp 2 --batch 4 --seed 1", 1),
-    ("megatron dp2 distributed optimizer (flat shards cut parameters)",
-     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8", 2),
+    # the distributed optimizer: hidden 24, so that a rank's flat range of the grad buffer
+    # cuts linear_qkv.weight inside a row (rows 0-20 and 8 columns of row 21 on rank 0)
+    ("megatron dp2 distributed optimizer 2 microbatches (flat ranges cut a row)",
+     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24", 0),
+    ("megatron dp2 tp2 distributed optimizer", f"{MEGATRON}dist_opt --dp 2 --tp 2 --batch 8 --hidden 24", 0),
+    ("megatron dp2 distributed optimizer overlap_grad_reduce",
+     f"{MEGATRON}dist_opt_overlap --dp 2 --tp 1 --batch 8 --hidden 24", 0),
+    ("megatron bug distributed optimizer reads the next rank's ranges",
+     f"{MEGATRON}dist_opt_range_shifted --dp 2 --tp 1 --batch 8 --hidden 24", 1),
+    ("megatron bug distributed optimizer's reduce-scatter left out",
+     f"{MEGATRON}dist_opt_not_reduced --dp 2 --tp 1 --batch 8 --hidden 24", 1),
+    ("megatron distributed optimizer reduce-scattered over the tp group refused (a range of "
+     "other gradients' elements)",
+     f"{MEGATRON}dist_opt_wrong_group --dp 2 --tp 2 --batch 8 --hidden 24", 2),
     ("megatron tp2 clip_grad_norm (reads the norm with .item())",
      f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper backends.torch.megatron:clip_grad_norm", 2),
     ("megatron pp2 interleaved batched p2p (1450)",

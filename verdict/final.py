@@ -48,6 +48,9 @@ class RankState:
     rank: int
     held: dict[int, list[Slices]] = field(default_factory=dict)  # param tid -> held slices
     last_grad: dict[int, int] = field(default_factory=dict)  # param tid -> last gradbuf tensor
+    #: param tid -> slice -> the last gradbuf tensor at that slice (read when
+    #: the plan's world has ``grad_blocks``: see :func:`check_final`)
+    grad_blocks: dict[int, dict[Slices, int]] = field(default_factory=dict)
     loss: list[int] = field(default_factory=list)  # last loss tensor of each microbatch
     last_param: dict[int, int] = field(default_factory=dict)  # param tid -> last param written
     last_state: dict[int, int] = field(default_factory=dict)  # state tid -> last state written
@@ -199,6 +202,7 @@ def rank_states(single: Plan, parallel: Plan) -> dict[int, RankState]:
             t = parallel.tensors[o]
             if t.tid in grad_of:
                 state(t.rank).last_grad[grad_of[t.tid]] = o
+                state(t.rank).grad_blocks.setdefault(grad_of[t.tid], {})[t.slices] = o
             elif t.tid in single.grads:
                 state(t.rank).last_param[t.tid] = o
             elif t.tid in state_tids:
@@ -277,6 +281,8 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
     final_param = {p: final_version(single, p) for p in single.grads}
     opt_states = optimizer_states(single)
     holders: dict[int, list[Slices]] = defaultdict(list)
+    blocks = bool(parallel.world.get("grad_blocks"))
+    read: dict[int, list[Slices]] = defaultdict(list)  # with grad_blocks: the blocks ranks end with
     for rank, st in states.items():
         for p, held in sorted(st.held.items()):
             holders[p] += held
@@ -285,6 +291,12 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
             if box is None:
                 problems.append(f"rank {rank} holds pieces {', '.join(map(_show, held))} of "
                                 f"{pname}, which make no single shard")
+                continue
+            if blocks:
+                for s, t_index in sorted(st.grad_blocks.get(p, {}).items()):
+                    read[p].append(s)
+                    problems += _check_block(parallel, rank, pname, box, s, t_index,
+                                             final_grad[p], of_gp, proved)
                 continue
             t_index = st.last_grad.get(p)
             if t_index is None:
@@ -316,8 +328,31 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
             problems.append(f"no rank holds {name[p].name}")
         elif _box(holders[p]) != tuple((0, n) for n in shape):
             problems.append(f"the ranks' shards of {name[p].name} do not cover it")
+        elif blocks and (not read.get(p) or _box(read[p]) != tuple((0, n) for n in shape)):
+            problems.append(f"the blocks of the gradient of {name[p].name} the ranks end with "
+                            f"do not cover it")
     problems += _check_loss(single, parallel, states, lineages, of_gp, proved)
     return problems
+
+
+def _check_block(parallel: Plan, rank: int, pname: str, box: Slices, s: Slices, t_index: int,
+                 final: int, of_gp: list[int], proved: set[int]) -> list[str]:
+    """With ``grad_blocks``: a block of the gradient a rank ends with (the
+    flat range of it the rank's distributed optimizer reads) lies in the
+    rank's shard and is the fully reduced gradient there, proved."""
+    t = parallel.tensors[t_index]
+    what = (f"rank {rank} holds shard {_show(box)} of {pname} and ends with "
+            f"Tensor(rank={rank}, mb={t.mb}, tid={t.tid}, v={t.version}), its block {_show(s)}")
+    if not _contains(box, s):
+        return [f"{what}, outside the shard"]
+    if t.lver != final or not t.is_whole():
+        return [f"{what}, which is not the fully accumulated and reduced gradient (version "
+                f"{t.lver} of {final}, parts {t.parts})"]
+    if t.scale != UNIT:
+        return [f"{what}, {t.factor()} x the gradient{factor_origin(parallel, t_index)}"]
+    if of_gp[t_index] not in proved:
+        return [f"{what}, whose gradient is never proved"]
+    return []
 
 
 def _check_update(parallel: Plan, rank: int, pname: str, box: Slices, u: int | None,

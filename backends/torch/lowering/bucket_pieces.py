@@ -56,8 +56,15 @@ def per_piece(lw: Lowerer, handler, args, kwargs, group) -> Bucket:
     if any(lw.const(a) is None for a in others):
         return handler(lw, args, kwargs, [lw.shapes[lw.materialize(bucket)]], group)
     out = []
+    consts = [lw.const(a) for a in others]
+    # zeros the step wrote into a bucket's padding (Megatron's distributed
+    # optimizer) times or over a finite nonzero constant are those zeros
+    keeps_zeros = all(math.isfinite(c) and c != 0 for c in consts)
     try:
         for p in bucket.pieces:
+            if keeps_zeros and p in lw.zeros_made:
+                out.append(p)
+                continue
             lw.env[key] = p
             out.append(lw.materialize(handler(lw, args, kwargs, [lw.shapes[p]], group)))
     finally:
@@ -69,12 +76,18 @@ def per_piece(lw: Lowerer, handler, args, kwargs, group) -> Bucket:
 _REDOPS = {0: "all_reduce", 1: "all_reduce_avg"}
 
 
-def all_reduce_bucket(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ...]) -> Bucket:
+def all_reduce_bucket(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ...],
+                      zeros: frozenset[int] = frozenset()) -> Bucket:
     """A bucket all-reduced in place: each piece all-reduced; the layout is
-    kept for ``check_bucket_layouts``."""
+    kept for ``check_bucket_layouts``. ``zeros``: pieces that are zeros the
+    step wrote (a bucket's padding), left as they are, since a sum or mean
+    of zeros is zeros; the layout records their sizes negated, so every
+    member must hold zeros there too."""
     if op[1] not in _REDOPS:
         raise LoweringError(f"{lw.name}: a gradient bucket all-reduced with reduce op {op[1]} "
                             f"is not lowered (SUM and AVG are)")
-    lw.buckets.append((tuple(ranks), tuple(numel(lw, p) for p in bucket.pieces)))
-    return Bucket(tuple(lw.emit(_REDOPS[op[1]], [p], [lw.shapes[p]], group=tuple(ranks))[0]
+    lw.buckets.append((tuple(ranks), tuple(-numel(lw, p) if p in zeros else numel(lw, p)
+                                           for p in bucket.pieces)))
+    return Bucket(tuple(p if p in zeros else
+                        lw.emit(_REDOPS[op[1]], [p], [lw.shapes[p]], group=tuple(ranks))[0]
                         for p in bucket.pieces))

@@ -10,8 +10,11 @@ view of it at a piece's offset (the copy back into the gradient) is that
 piece. docs/soundness.md, "Plans traced from PyTorch", 19, says why this
 is the same computation: an all-reduce is elementwise across the group,
 and the members' buckets are cut at the same offsets
-(``check_bucket_layouts``). A broadcast is lowered only when it sends
-constants every member holds alike (``check_broadcasts``; item 20).
+(``check_bucket_layouts``). A bucket reduce-scattered into equal ranges
+(Megatron's distributed optimizer) is every piece all-reduced, of which the
+member keeps its range (``flat_ranges``; items 56 and 57). A broadcast is
+lowered only when it sends constants every member holds alike
+(``check_broadcasts``; item 20).
 """
 
 from __future__ import annotations
@@ -22,8 +25,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.bucket_pieces import bucket_view
-from backends.torch.lowering.context import live_events
+from backends.torch.lowering.bucket_pieces import all_reduce_bucket, bucket_view
+from backends.torch.lowering.context import live_events, pg
+from backends.torch.lowering.flat_ranges import (
+    Block,
+    FlatRange,
+    parts_of,
+    pick,
+    read_flat,
+    whole_pieces,
+)
 from backends.torch.lowering.ir import Bucket, numel
 from backends.torch.lowering.registry import lowers
 
@@ -45,13 +56,45 @@ def mem_cat(lw: Lowerer, args, kwargs, shapes, group) -> Bucket:
 def mem_slice(lw: Lowerer, args, kwargs, shapes, group) -> Any:
     """A view of part of a region (a gradient's view of a reduced bucket)."""
     src = lw.env.get(args[0][1])
-    if isinstance(src, Bucket):
+    if isinstance(src, Bucket) and whole_pieces(lw, src, int(args[1]), tuple(args[2])):
         return bucket_view(lw, src, int(args[1]), tuple(args[2]))
+    if isinstance(src, (Bucket, FlatRange, Block)):
+        # a view of a reduce-scattered range, or of a bucket across or inside
+        # its pieces (built as bucket_view builds it when another op reads it)
+        return read_flat(lw, src, int(args[1]), tuple(args[2]))
     x = lw.val(args[0])
     if int(args[1]) != 0 or math.prod(args[2]) != numel(lw, x):
-        raise LoweringError(f"{lw.name}: a view of part of a buffer at offset {args[1]} is "
-                            f"not lowered")
+        # what a write into part of a region leaves of its value: its elements there
+        return read_flat(lw, x, int(args[1]), tuple(args[2]))
     return lw.reshape(x, tuple(args[2]))
+
+
+@lowers("c10d.reduce_scatter_tensor_coalesced_.default")
+def reduce_scatter_buckets(lw: Lowerer, args, kwargs, shapes, group) -> list:
+    """Each input a gradient bucket reduce-scattered over the group with SUM
+    or AVG into its output (Megatron's distributed optimizer): every piece
+    all-reduced but the padding's zeros, which a sum leaves zeros
+    (``all_reduce_bucket``), the member keeping the elements of its range,
+    the i-th of the group's equal ranges for its position i in the group
+    (``flat_ranges``; docs/soundness.md, "Plans traced from PyTorch", 56)."""
+    ins, ranks, op = args[1], pg(lw, args[2]), args[3]
+    if lw.trace["rank"] not in ranks:
+        raise LoweringError(f"{lw.name}: a reduce-scatter over a group without this rank")
+    i = ranks.index(lw.trace["rank"])
+    result = []
+    for a, shape in zip(ins, shapes):
+        bucket = lw.env.get(a[1])
+        if not isinstance(bucket, Bucket):
+            raise LoweringError(f"{lw.name}: a coalesced reduce-scatter of a tensor that is no "
+                                f"gradient bucket is not lowered")
+        total, size = sum(numel(lw, p) for p in bucket.pieces), math.prod(shape)
+        if size * len(ranks) != total:
+            raise LoweringError(f"{lw.name}: a reduce-scatter of {total} elements into ranges of "
+                                f"{size} over {len(ranks)} ranks")
+        zeros = frozenset(p for p in bucket.pieces if p in lw.zeros_made)
+        reduced = all_reduce_bucket(lw, bucket, op, ranks, zeros)
+        result.append(FlatRange(tuple(pick(parts_of(lw, reduced), i * size, size))))
+    return result
 
 
 @lowers("c10d.broadcast_.default")

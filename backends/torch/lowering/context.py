@@ -83,6 +83,11 @@ class Lowered:
     #: pieces of (the shim's ``ring_result``; docs/soundness.md, "Plans
     #: traced from PyTorch", 53 (d))
     anchors: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
+    #: a parameter whose final gradient is blocks of it (the flat range of it
+    #: the rank's optimizer reads: Megatron's distributed optimizer) -> each
+    #: block as (the value it is a block of, its starts, its shape)
+    grad_blocks: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = \
+        field(default_factory=dict)
 
 
 @dataclass
@@ -384,6 +389,7 @@ def live_events(trace: dict) -> set[int]:
     collectives of ``ALWAYS_LIVE``."""
     need = set(trace["losses"]) | {g for g in trace["grads"].values() if g is not None}
     need |= {v for v in trace.get("updates", {}).values() if v is not None}
+    need |= {v for blocks in trace.get("grad_blocks", {}).values() for v, _ in blocks}
     need |= {v for st in trace.get("states", {}).values() for v in st.values() if v is not None}
     live = set()
     for i in range(len(trace["events"]) - 1, -1, -1):

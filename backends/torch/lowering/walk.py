@@ -9,6 +9,7 @@ from backends.torch.lowering.all_to_all import OPS as ALL_TO_ALL_OPS
 from backends.torch.lowering.all_to_all import NeedPeers
 from backends.torch.lowering.constants import check_no_value_reads
 from backends.torch.lowering.context import LNode, Lowered, Lowerer, live_events
+from backends.torch.lowering.flat_ranges import Block
 from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard
 
 
@@ -114,13 +115,37 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
     updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items() if n in held}
     states = {n: {k: _updated(lw, n, v) for k, v in st.items()}
               for n, st in trace.get("states", {}).items() if n in held}
-    finals = [*updates.values(), *(v for st in states.values() for v in st.values())]
+    blocks = {n: [_grad_block(lw, n, v, starts) for v, starts in vs]
+              for n, vs in trace.get("grad_blocks", {}).items() if n in held}
+    finals = [*updates.values(), *(v for st in states.values() for v in st.values()),
+              *(b[0] for bs in blocks.values() for b in bs)]
     lw.settle()
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
                    lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
-                   dict(trace.get("ties", {})), dict(lw.anchors))
+                   dict(trace.get("ties", {})), dict(lw.anchors), blocks)
+
+
+def _grad_block(lw: Lowerer, name: str, v: int, starts: tuple[int, ...]
+                ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """A block of a final gradient the rank reads at ``starts`` of its
+    gradient (docs/soundness.md, "Plans traced from PyTorch", 57): the
+    value it is a block of, the block's starts in it and its shape. The
+    view's starts (from the optimizer's range map) must be where the
+    lowering finds the block, else it is refused."""
+    x = lw.env.get(v)
+    if isinstance(x, Block) and x.value >= 0:
+        found, value, shape = x.starts, x.value, x.shape
+    else:
+        value = lw.materialize(x) if x is not None else None
+        if value is None:
+            raise LoweringError(f"{name}: a block of its final gradient no recorded op produced")
+        found, shape = (0,) * len(lw.shapes[value]), tuple(lw.shapes[value])
+    if tuple(found) != tuple(starts):
+        raise LoweringError(f"{name}: the block of its final gradient at {list(starts)} is read "
+                            f"from elements at {list(found)} of the value it lies in")
+    return value, tuple(found), tuple(shape)
 
 
 def check_shards(traces: list[dict]) -> None:

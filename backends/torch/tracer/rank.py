@@ -134,6 +134,7 @@ def _run(spec: dict, rank: int) -> dict:
         return {"rank": rank, "exchanges": rec.exchanges.sent, "unanswered": rec.exchanges.unanswered,
                 "failed": f"{type(e).__name__}: {last}", "imports": imported_since(before)}
     grads, updates, states = _ends(rec, model, optimizer)
+    blocks = _grad_blocks(rec, model)
     values = _values(model, tokens, labels, losses) if spec.get("keep_values") else None
     return {
         "ties": _ties(model),
@@ -147,6 +148,7 @@ def _run(spec: dict, rank: int) -> dict:
         "batch_ids": {"tokens": tokens.numpy().copy(), "labels": labels.numpy().copy()},
         "loaded": loaded,  # what the rank holds before the step (check.check_loaded)
         "losses": [rec.value(local_of(loss)) for loss in losses], "grads": grads,
+        "grad_blocks": blocks,
         "microbatches": pipelined.microbatches if pipelined is not None
         else own.microbatches if own is not None else 1,
         "values": values, "imports": imported_since(before) + modules_of(model),
@@ -232,6 +234,24 @@ def _ends(rec: Recorder, model: torch.nn.Module, optimizer) -> tuple[dict, dict,
             states[name] = {k: rec.value(local_of(t)) for k, t in optimizer.state[p].items()
                             if isinstance(t, torch.Tensor) and t.shape == p.shape}
     return grads, updates, states
+
+
+def _grad_blocks(rec: Recorder, model: torch.nn.Module) -> dict[str, list]:
+    """The final gradients a recipe gives as blocks (``grad_blocks`` on a
+    parameter: the tensor holding them and each block's (starts, shape),
+    Megatron's distributed optimizer's flat range of the gradient): each
+    block's recorded value, read after the step, with its starts."""
+    out = {}
+    for name, p in model.named_parameters():
+        given = getattr(p, "grad_blocks", None)
+        if given is None:
+            continue
+        base, blocks = given
+        out[name] = []
+        for starts, shape in blocks:
+            view = base[tuple(slice(s, s + n) for s, n in zip(starts, shape))]
+            out[name].append((final_value(rec, view), tuple(starts)))
+    return out
 
 
 def _values(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor,

@@ -24,7 +24,9 @@ rows in ``microbatches`` microbatches, ending in ``finalize_model_grads``
 (the data-parallel reduction, the sequence-parallel norms' all-reduce, the
 tied embedding's all-reduce between the first and the last stage). The
 final gradient of a parameter is its ``main_grad`` (what Megatron's
-optimizer steps on). Megatron's CPU adaptations (``megatron_shim``) are
+optimizer steps on); with the distributed optimizer, the blocks of
+``main_grad`` its range map gives the rank (``optimizer_ranges``: what its
+optimizer reads). Megatron's CPU adaptations (``megatron_shim``) are
 applied and printed on every run.
 """
 
@@ -363,11 +365,6 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         raise ValueError("Megatron sequence parallelism needs --tp 2 or more")
     if vpp is not None and pp == 1:
         raise ValueError("Megatron's interleaved schedule needs --pp 2 or more")
-    if options.use_distributed_optimizer:
-        raise ValueError("Megatron's distributed optimizer is not traced: its reduce-scatter "
-                         "leaves each rank a flat range of the padded grad buffer, which can cut "
-                         "parameters at any element (gradient claims are blocks along dims), and "
-                         "its step reads the norm with .item(): use_distributed_optimizer=False")
     init_parallel_state(tp, pp, vpp, options.ep, options.etp)
     _check_rank_order(mesh)
     user = model.user
@@ -432,6 +429,9 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         for w in wrapped:
             for group in w.bucket_groups:
                 group.data_parallel_group = ps.get_tensor_model_parallel_group()
+                # the distributed optimizer's reduce-scatter runs over this one
+                group.intra_distributed_optimizer_instance_group = \
+                    ps.get_tensor_model_parallel_group()
     config.finalize_model_grads_func = finalize.finalize_model_grads
     if options.bug == "tied_embedding_not_reduced":
         config.finalize_model_grads_func = _without_embedding_all_reduce
@@ -440,7 +440,10 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         config.grad_sync_func = [w.start_grad_sync for w in wrapped] if vpp \
             else wrapped[0].start_grad_sync
     run = functools.partial(megatron_step, model, wrapped, config, options, padding_views(wrapped))
-    return OwnSchedule(run, after_backward=_main_grads(wrapped), microbatches=options.microbatches)
+    shift = 1 if options.bug == "range_shifted" else 0
+    after = _optimizer_ranges(wrapped, shift) if options.use_distributed_optimizer \
+        else _main_grads(wrapped)
+    return OwnSchedule(run, after_backward=after, microbatches=options.microbatches)
 
 
 def _without_embedding_all_reduce(model: list, *args: Any, **kwargs: Any) -> None:
@@ -462,6 +465,68 @@ def _main_grads(wrapped: list) -> Callable:
         for w in wrapped:
             for p in w.module.parameters():
                 p.grad = p.main_grad
+    return after
+
+
+class _ShiftedRank:
+    """A process group seen with its members' ranks shifted by ``shift``
+    (a wrong plan: the range map of the next data-parallel rank)."""
+
+    def __init__(self, group: Any, shift: int):
+        self.group, self.shift = group, shift
+
+    def rank(self) -> int:
+        return (self.group.rank() + self.shift) % self.group.size()
+
+    def size(self) -> int:
+        return self.group.size()
+
+
+def optimizer_ranges(wrapped: list, shift: int = 0) -> dict[int, list[tuple[int, int]]]:
+    """For each parameter (by id), the flat ranges [start, end) of its
+    gradient, flattened, that this rank's distributed optimizer reads: its
+    ``param_range_map`` entries' ``"param"`` ranges, as Megatron's
+    ``DistributedOptimizer`` builds them from each DDP buffer's buckets
+    (``_build_gbuf_range_map``: the rank's equal share of each bucket); no
+    entry for a parameter of which the rank's shares hold no element.
+    ``shift``: a wrong plan's, the map of the data-parallel rank ``shift``
+    further on."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    out: dict[int, list[tuple[int, int]]] = {}
+    for w in wrapped:
+        for buffer in [*w.buffers, *w.expert_parallel_buffers]:
+            group = buffer.data_parallel_group
+            if shift:
+                buffer.data_parallel_group = _ShiftedRank(group, shift)
+            try:
+                maps = DistributedOptimizer._build_gbuf_range_map(buffer)
+            finally:
+                buffer.data_parallel_group = group
+            for per_bucket in maps.values():
+                for data in per_bucket:
+                    for param, ranges in data["param_map"].items():
+                        r = ranges["param"]
+                        out.setdefault(id(param), []).append((r.start, r.end))
+    return out
+
+
+def _optimizer_ranges(wrapped: list, shift: int = 0) -> Callable:
+    """After the step, with the distributed optimizer: each parameter's final
+    gradient is the blocks of its ``main_grad`` its flat ranges make
+    (``optimizer_ranges``; ``flat_ranges.flat_blocks``), what the rank's
+    optimizer reads (``main_grad.view(-1)[start:end]`` in its
+    ``_copy_model_grads_to_main_grads``), none where its ranges hold none
+    of it; the rest of ``main_grad`` is no gradient the rank ends with."""
+    from backends.torch.lowering.flat_ranges import flat_blocks
+
+    def after(model: nn.Module, mesh) -> None:
+        ranges = optimizer_ranges(wrapped, shift)
+        for w in wrapped:
+            for p in w.module.parameters():
+                blocks = [b for start, end in ranges.get(id(p), [])
+                          for b in flat_blocks(tuple(p.shape), start, end)]
+                p.grad = None
+                p.grad_blocks = (p.main_grad, blocks)
     return after
 
 
@@ -562,6 +627,10 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
     schedules.forward_step = track.forward(kept[0])
     schedules.backward_step = track.backward(kept[1])
     batched = dist.batch_isend_irecv
+    buffers = importlib.import_module("megatron.core.distributed.param_and_grad_buffer")
+    scatter = buffers.dist_reduce_scatter_func
+    if options.bug == "reduce_scatter_skipped":  # each rank's range keeps its local gradients
+        buffers.dist_reduce_scatter_func = lambda *args, **kwargs: None
     if set_mb is not None:  # traced (a real run, scripts/gloo_truth.py, posts them as Megatron)
         dist.batch_isend_irecv = _sends_first(batched)
     try:
@@ -574,6 +643,7 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
     finally:
         schedules.forward_step, schedules.backward_step = kept
         dist.batch_isend_irecv = batched
+        buffers.dist_reduce_scatter_func = scatter
         track.set_mb(-1)
     return track.losses
 
@@ -598,6 +668,8 @@ pp_interleaved_unbatched = recipe(microbatches=4, virtual_pp=2, batch_p2p_comm=F
 ddp_overlap = recipe(microbatches=2, overlap_grad_reduce=True)
 ddp_average = recipe(microbatches=2, average_in_collective=True)
 dist_opt = recipe(microbatches=2, use_distributed_optimizer=True)
+dist_opt_overlap = recipe(microbatches=2, use_distributed_optimizer=True,
+                          overlap_grad_reduce=True)
 full = recipe(sequence_parallel=True, microbatches=2)
 # shipped mistakes
 tp_sp_norm_unmarked = recipe(sequence_parallel=True, bug="sp_norm_unmarked")
@@ -606,6 +678,13 @@ loss_over_microbatches = recipe(microbatches=2, bug="over_microbatches")
 loss_global_mean = recipe(microbatches=2, bug="global_mean")
 ddp_average_global_mean = recipe(microbatches=2, average_in_collective=True, bug="global_mean")
 ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
+# the distributed optimizer's wrong plans: each rank reads the next rank's range of every
+# bucket; the reduce-scatter left out (each range keeps the rank's local gradients); the
+# buckets reduce-scattered over the tensor-parallel group (dp 2 tp 2)
+dist_opt_range_shifted = recipe(microbatches=2, use_distributed_optimizer=True, bug="range_shifted")
+dist_opt_not_reduced = recipe(microbatches=2, use_distributed_optimizer=True,
+                              bug="reduce_scatter_skipped")
+dist_opt_wrong_group = recipe(microbatches=2, use_distributed_optimizer=True, bug="wrong_group")
 # mixtures of experts (moe_gpt): expert parallelism over the data-parallel ranks (dp 2 ep 2)
 # or, with tensor parallelism, expert tensor parallelism of the tp size or 1
 moe_ep2 = recipe(ep=2)

@@ -1,0 +1,195 @@
+"""What a flat gradient bucket reduce-scattered into equal ranges goes through
+(Megatron-Core's distributed optimizer: ``reduce_scatter_tensor`` of each
+bucket inside ``_coalescing_manager``, recorded as c10d's
+``reduce_scatter_tensor_coalesced_``), and of the views read from the
+ranges after it; docs/soundness.md, "Plans traced from PyTorch", 56 and 57.
+
+- the reduce-scatter of a bucket (``ir.Bucket``, its pieces side by side)
+  over a group of n members gives member i elements [i S, (i + 1) S) of
+  the members' buckets summed, S = numel / n: written as item 19's
+  all-reduce of every piece (the same nodes on every member, so the
+  members' collectives pair by order), of which the member keeps the
+  elements of its range (``FlatRange``: a run of (value, lo, hi), the
+  flattened elements [lo, hi) of a value, in memory order);
+- a view read from such a range, or a flat part of a value (what a write
+  into part of a buffer leaves of a region, ``mem.slice``), is a
+  ``FlatRange`` again, or, when its elements are exactly a block of one
+  value seen with the block's shape, that ``Block``: the value's elements
+  at ``starts`` + [0, shape) per dim, which a final gradient may be.
+
+Another reader gets either built: the elements themselves (``narrow`` of
+the flattened values, concatenated), or, for a view of a bucket that is
+not whole pieces, the elements of the bucket built, as ``bucket_view``
+reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from backends.torch.errors import LoweringError
+from backends.torch.lowering.emit import narrow
+from backends.torch.lowering.ir import Bucket, Pending, numel
+
+if TYPE_CHECKING:
+    from backends.torch.lowering.context import Lowerer
+
+
+@dataclass(frozen=True)
+class FlatRange(Pending):
+    """Elements side by side in memory order: for each part (value, lo, hi),
+    the elements [lo, hi) of the value flattened (row-major). ``source``:
+    the bucket and offset they were read at, if any."""
+    parts: tuple[tuple[int, int, int], ...]
+    source: tuple[Bucket, int] | None = None
+
+    def materialize(self, lw: Lowerer) -> int:
+        n = sum(hi - lo for _, lo, hi in self.parts)
+        if self.source is not None:
+            return narrow(lw, lw.materialize(self.source[0]), 0, self.source[1], n)
+        flat = [narrow(lw, lw.reshape(v, (numel(lw, v),)), 0, lo, hi - lo)
+                for v, lo, hi in self.parts]
+        return flat[0] if len(flat) == 1 else lw.emit("cat", flat, [(n,)], {"dim": 0})[0]
+
+
+@dataclass(frozen=True)
+class Block(Pending):
+    """The elements of ``value`` at ``starts[d] + [0, shape[d])`` along each
+    dim d, with the value's number of dims. ``source``: as ``FlatRange``'s."""
+    value: int
+    starts: tuple[int, ...]
+    shape: tuple[int, ...]
+    source: tuple[Bucket, int] | None = None
+
+    def materialize(self, lw: Lowerer) -> int:
+        if self.source is not None:
+            n = math.prod(self.shape)
+            flat = narrow(lw, lw.materialize(self.source[0]), 0, self.source[1], n)
+            return lw.reshape(flat, self.shape)
+        x = self.value
+        for d, (s, n) in enumerate(zip(self.starts, self.shape)):
+            x = narrow(lw, x, d, s, n)
+        return x
+
+
+def block_of(full: tuple[int, ...], lo: int, hi: int,
+             shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The starts of the block of a row-major tensor of shape ``full`` whose
+    flattened elements are exactly [lo, hi) and whose shape is ``shape``
+    (as many dims as ``full``), or None when they are no such block. A
+    block is contiguous in row-major order when the dims after its first
+    of more than one index are whole."""
+    if len(shape) != len(full) or math.prod(shape) != hi - lo or hi <= lo:
+        return None
+    starts, rest = [], lo
+    for d in range(len(full)):
+        inner = math.prod(full[d + 1:])
+        starts.append(rest // inner)
+        rest %= inner
+    first = next((d for d, n in enumerate(shape) if n > 1), len(shape))
+    if any(starts[d] != 0 or shape[d] != full[d] for d in range(first + 1, len(full))):
+        return None
+    if any(s + n > f for s, n, f in zip(starts, shape, full)):
+        return None
+    return tuple(starts)
+
+
+def flat_blocks(full: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The flattened elements [lo, hi) of a row-major tensor of shape
+    ``full`` as blocks (starts, shape) in memory order: at most 2 ndim - 1
+    of them (a partial leading row, whole rows, a partial trailing row,
+    recursively along the dims)."""
+    if hi <= lo:
+        return []
+    if len(full) <= 1:
+        return [((lo,), (hi - lo,))] if full else [((), ())]
+    inner = math.prod(full[1:])
+    r0, r1 = lo // inner, (hi - 1) // inner
+    if lo % inner == 0 and hi % inner == 0:
+        return [((r0,) + (0,) * (len(full) - 1), (r1 - r0 + 1,) + tuple(full[1:]))]
+    if r0 == r1:
+        return [((r0,) + s, (1,) + n) for s, n in flat_blocks(full[1:], lo % inner, hi - r0 * inner)]
+    out = []
+    a = lo
+    if lo % inner:
+        a = (r0 + 1) * inner
+        out += flat_blocks(full, lo, a)
+    b = hi - hi % inner
+    if b > a:
+        out += flat_blocks(full, a, b)
+    if hi > b:
+        out += flat_blocks(full, b, hi)
+    return out
+
+
+def parts_of(lw: Lowerer, src: Any) -> list[tuple[int, int, int]] | None:
+    """The (value, lo, hi) parts of a flat source in memory order: a range's,
+    a bucket's whole pieces, a value whole; None for anything else."""
+    if isinstance(src, FlatRange):
+        return list(src.parts)
+    if isinstance(src, Block) and src.value >= 0:
+        n, full = math.prod(src.shape), tuple(lw.shapes[src.value])
+        lo = sum(s * math.prod(full[d + 1:]) for d, s in enumerate(src.starts))
+        return [(src.value, lo, lo + n)] if block_of(full, lo, lo + n, src.shape) else None
+    if isinstance(src, Bucket):
+        return [(p, 0, numel(lw, p)) for p in src.pieces]
+    if isinstance(src, int):
+        return [(src, 0, numel(lw, src))]
+    return None
+
+
+def pick(parts: list[tuple[int, int, int]], offset: int, n: int) -> list[tuple[int, int, int]]:
+    """Elements [offset, offset + n) of parts (value, lo, hi) side by side:
+    the parts of them there, in order."""
+    at, picked = 0, []
+    for v, lo, hi in parts:
+        a, b = max(offset, at), min(offset + n, at + hi - lo)
+        if a < b:
+            picked.append((v, lo + a - at, lo + b - at))
+        at += hi - lo
+    return picked
+
+
+def read_flat(lw: Lowerer, src: Any, offset: int, shape: tuple[int, ...]) -> Any:
+    """Elements [offset, offset + prod(shape)) of a flat source seen with
+    ``shape``: a whole value (reshaped), a ``Block`` of one value, or
+    else, for a 1-d view, a ``FlatRange``; anything else is refused."""
+    if isinstance(src, (FlatRange, Block)) and src.source is not None:
+        return read_flat(lw, src.source[0], src.source[1] + offset, shape)  # the same elements
+    source = (src, offset) if isinstance(src, Bucket) else None
+    parts = parts_of(lw, src)
+    if parts is None:
+        raise LoweringError(f"{lw.name}: a view of part of a buffer at offset {offset} is not "
+                            f"lowered")
+    picked = pick(parts, offset, math.prod(shape))
+    if sum(b - a for _, a, b in picked) != math.prod(shape):
+        raise LoweringError(f"{lw.name}: a view past the end of a reduced range")
+    if len(picked) == 1:
+        v, a, b = picked[0]
+        full = tuple(lw.shapes[v])
+        if (a, b) == (0, math.prod(full)):
+            return lw.reshape(v, shape) if tuple(shape) != full else v
+        starts = block_of(full, a, b, tuple(shape))
+        if starts is not None:
+            return Block(v, starts, tuple(shape), source)
+    if len(shape) == 1:
+        return FlatRange(tuple(picked), source)
+    if source is not None:
+        return Block(-1, (), tuple(shape), source)  # no block of a value: the bucket's elements
+    raise LoweringError(f"{lw.name}: a view of shape {list(shape)} of a reduce-scattered range "
+                        f"holds elements of {len(picked)} gradients, no block of one (the "
+                        f"range the collective wrote is not the range the step reads): not "
+                        f"lowered")
+
+
+def whole_pieces(lw: Lowerer, bucket: Bucket, offset: int, shape: tuple[int, ...]) -> bool:
+    """Elements [offset, offset + prod(shape)) of the bucket are a run of its
+    whole pieces (``bucket_view`` returns them as they are)."""
+    end, at, starts = offset + math.prod(shape), 0, set()
+    for p in bucket.pieces:
+        starts.add(at)
+        at += numel(lw, p)
+    starts.add(at)
+    return offset in starts and end in starts and end > offset
