@@ -49,12 +49,16 @@ def _kind(node: LNode) -> str:
 
 class _Builder:
     def __init__(self, single: Lowered, world: dict):
-        self.s = _Single(single)
+        # its own copy of the shapes: a constant of ranks only that no
+        # single-device constant stands for is given a value of its own there
+        # (``own_value``)
+        self.s = _Single(replace(single, shapes=dict(single.shapes)))
         self.world = world
         self.logical: list[Logical] = []
         self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "cp": 1, "nm": 1})
         self.gradbuf: dict[str, int] = {}
         self.own_inputs: dict[str, int] = {}  # a constant no single-device one matches -> tid
+        self.own_shaped: dict[int, tuple[int, ...]] = {}  # such a tid -> its full shape (own_shape)
         self.loose = 0  # loose values numbered so far (``loose_number``)
         #: each single-device value -> the node that makes it
         self.s_made = {o: node for node in single.nodes for o in node.outs if o >= 0}
@@ -76,6 +80,37 @@ class _Builder:
         self.plan_s.tensors.append(Tensor(0, mb, tid, 0, tuple(shape), 0,
                                           tuple((0, n) for n in shape), (0, 1, 1)))
         return tid
+
+    def own_value(self, tid: int, shape: tuple[int, ...]) -> int:
+        """A single-device value standing for the logical input ``tid`` of
+        ranks only (``own_input``), which no single-device node reads: the
+        value a rank's constant is aligned with when it is a piece of no
+        single-device constant and no single-device node reads a constant
+        where the rank reads it (``InputMatching.own_constant``)."""
+        for sv, t in self.s.tid.items():
+            if t == tid:
+                return sv
+        sv = max(self.s.low.shapes) + 1
+        self.s.low.shapes[sv] = tuple(shape)
+        self.s.tid[sv] = tid
+        return sv
+
+    def own_shape(self, sv: int, shape: tuple[int, ...]) -> None:
+        """The full shape of the input of ranks only that ``sv`` stands for
+        (``own_value``), as its first reader's ties give it
+        (``NodeMatching.stand_in_piece``): in its logical tensor and the
+        single-device plan's input of it."""
+        tid = self.s.tid[sv]
+        if tid in self.own_shaped and self.own_shaped[tid] != shape:
+            raise LoweringError(f"an input of ranks only ({self.logical[tid].name}) is read as a "
+                                f"piece of {list(self.own_shaped[tid])} and of {list(shape)}")
+        self.own_shaped[tid] = shape
+        self.s.low.shapes[sv] = shape
+        self.logical[tid] = self.logical[tid]._replace(shape=shape)
+        for k, t in enumerate(self.plan_s.tensors):
+            if t.tid == tid:
+                self.plan_s.tensors[k] = t._replace(shape=shape,
+                                                    slices=tuple((0, n) for n in shape))
 
     def build_single(self) -> Plan:
         s, plan = self.s.low, self.plan_s
@@ -208,6 +243,9 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         # others' outputs; its first reader may take any of them
         self.twins: dict[int, list[int]] = {}
         self.retagged: list[int] = []  # values whose match a twin replaced (the writer retags)
+        #: constants of this rank only whose claim a reader set (``stand_in_piece``)
+        self.reclaimed: list[int] = []
+        self.pieced: set[int] = set()  # every such constant
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
         self.zero_memo: dict[int, bool] = {}  # value -> exactly zero by its making
@@ -226,7 +264,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
     def step(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[LNode]:
         """The nodes to emit for this node (additions may be deferred and
         regrouped in the single-device order)."""
-        if node.op == "send" or (node.outs and node.outs[0] in self.zeros):
+        if node.op == "send" or (node.outs and node.outs[0] in self.zeros) \
+                or self.undoes_reshape(node):
             return []
         ring = self.ring_step(node)
         if ring is not None:
@@ -293,6 +332,11 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
             if o >= 0:
                 self.sv[o] = so
                 self.mb[o] = mb
+        if self.standing is not None:
+            c = self.claim[self.standing]
+            self.claim[node.outs[0]] = Claim([list(d) for d in c.dims], c.partial, c.mbs,
+                                             c.scale, c.at, c.steps)
+            return
         if node.op == "attention" and not self.whole_rows(node.ins[1]):
             self.make_loose(node, souts)  # a block over some of the keys: a piece of nothing
             return
@@ -382,6 +426,14 @@ class _Writer:
     def emit(self, r: _Rank, node: LNode, k: int) -> None:
         if r.retagged:
             self.retag(r)
+        for v in r.reclaimed:
+            # a constant of the rank's own, as the piece its reader claims it
+            t = self.t_of[(r.low.rank, v)]
+            slices, parts = r.view(v)
+            old = self.plan.tensors[t]
+            self.plan.tensors[t] = old._replace(slices=slices, parts=parts)
+            self.plan.logical[old.tid] = self.b.logical[old.tid]
+        r.reclaimed.clear()
         low, t_of = r.low, self.t_of
         for o in node.outs:
             if o >= 0:

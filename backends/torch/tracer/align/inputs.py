@@ -46,6 +46,19 @@ def _holds_block(full: np.ndarray, mine: np.ndarray) -> bool:
     return False
 
 
+def _differences(full: np.ndarray, mine: np.ndarray) -> int:
+    """The fewest entries in which ``mine`` differs from a block of its
+    shape that tiles ``full`` (every entry when none has its shape)."""
+    if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
+        return mine.size
+    counts = [f // m for f, m in zip(full.shape, mine.shape)]
+    fewest = mine.size
+    for at in itertools.product(*(range(c) for c in counts)):
+        index = tuple(slice(i * m, (i + 1) * m) for i, m in zip(at, mine.shape))
+        fewest = min(fewest, int(np.count_nonzero(full[index] != mine)))
+    return fewest
+
+
 class InputMatching(Pieces):
     """The claims of a rank's inputs and constants."""
 
@@ -147,6 +160,14 @@ class InputMatching(Pieces):
                 tied.append(sv)
             if n > hits:
                 best, hits, tied = sv, n, [sv]
+        if best is None and readers and all(self.stood_in_by(node, v)
+                                            for node in self.consumers[v]):
+            # read only where it changes a value of the reader's output's
+            # shape (``NodeMatching.stands_in``): an input of its own, of its
+            # own shape
+            self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", shape,
+                                               self.low.inputs[v][0])
+            return self.b.own_value(self.own_tid[v], shape), Claim([[] for _ in shape])
         if best is None:
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
@@ -170,6 +191,14 @@ class InputMatching(Pieces):
             if top:
                 tied = [sv for sv in tied if same[sv] == top]
                 best = tied[0]
+        if len(tied) > 1:
+            # still several (one mask per expert): those it differs from in
+            # the fewest entries (the mask of the expert whose rows the
+            # rank's differ from the single-device routing's by one token)
+            near = {sv: _differences(self.b.s.low.constants[sv], mine) for sv in tied}
+            fewest = min(near.values())
+            tied = [sv for sv in tied if near[sv] == fewest]
+            best = tied[0]
         left = [sv for sv in tied if sv not in self.taken]
         if len(tied) > 1 and left:
             # several read alike (one per expert): the first that no
@@ -188,6 +217,14 @@ class InputMatching(Pieces):
                     for k, (m, f) in enumerate(zip(shape, full))]
         self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
         return best, Claim(dims)
+
+    def stood_in_by(self, node: LNode, v: int) -> bool:
+        """``node`` reads constant ``v`` once, forward, and one other value,
+        of its output's shape (``NodeMatching.stands_in``)."""
+        rest = [u for u in node.ins if u >= 0 and u != v]
+        return node.dir == "fw" and node.ins.count(v) == 1 and len(rest) == 1 \
+            and len(node.outs) == 1 \
+            and tuple(self.low.shapes[rest[0]]) == tuple(self.low.shapes[node.outs[0]])
 
     def check_input(self, v: int, name: str) -> None:
         """An input's claim is assumed, not proved: its local shape must be its
