@@ -191,14 +191,6 @@ class InputMatching(Pieces):
             if top:
                 tied = [sv for sv in tied if same[sv] == top]
                 best = tied[0]
-        if len(tied) > 1:
-            # still several (one mask per expert): those it differs from in
-            # the fewest entries (the mask of the expert whose rows the
-            # rank's differ from the single-device routing's by one token)
-            near = {sv: _differences(self.b.s.low.constants[sv], mine) for sv in tied}
-            fewest = min(near.values())
-            tied = [sv for sv in tied if near[sv] == fewest]
-            best = tied[0]
         left = [sv for sv in tied if sv not in self.taken]
         if len(tied) > 1 and left:
             # several read alike (one per expert): the first that no
@@ -206,6 +198,13 @@ class InputMatching(Pieces):
             # order); the claim is its own input's either way
             best = left[0]
             self.taken.add(best)
+        elif len(tied) > 1:
+            # every one matched by another constant of this rank (an
+            # expert-parallel rank's masks, each of the group's rows): the
+            # one it differs from in the fewest entries (the mask of the
+            # expert whose rows the rank's differ from by a token)
+            near = {sv: _differences(self.b.s.low.constants[sv], mine) for sv in tied}
+            best = min(tied, key=lambda sv: near[sv])
         full = tuple(self.b.s.low.shapes[best])
         dims: list[list[str]] = [[] for _ in shape]
         if full != shape:
