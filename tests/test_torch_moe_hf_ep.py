@@ -106,3 +106,15 @@ def test_a_wrong_dispatch_fails_at_the_rank_that_made_it(bug: str) -> None:
     lead = "\n".join(diagnose(verdict, plan_s, plan_p))
     assert "on rank 0" in lead and "mlp.experts" in lead, lead
     assert not judge(plan_s, plan_p).right
+
+
+def test_a_mask_of_its_own_is_read_as_the_nearest_single_device_mask() -> None:
+    """The fewest entries a rank's mask differs in from any block of its
+    shape that tiles a single-device mask (docs/soundness.md, "Plans traced
+    from PyTorch", 72); a shape that tiles nothing differs everywhere."""
+    from backends.torch.tracer.align.inputs import _differences
+
+    full = np.array([[1, 0], [0, 1], [1, 1], [0, 0]])
+    assert _differences(full, np.array([[1, 1], [0, 0]])) == 0
+    assert _differences(full, np.array([[1, 0], [1, 1]])) == 1
+    assert _differences(full, np.array([[1, 0, 1]])) == 3
