@@ -715,8 +715,9 @@ CASES += [
     ("moe olmoe bug routed with another token's experts",
      f"--hf olmoe --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1", 1),
     ("moe mixtral bug fsdp avg", "--hf mixtral --recipe tp_fsdp_avg --dp 2 --tp 1", 1),
-    ("moe mixtral combine with another token's gate refused (a permutation no single-device op "
-     "runs)", f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 2),
+    ("moe mixtral bug combine with another token's gate (the permuted weights stand in for the "
+     "weights: FAIL at the permutation on rank 0)",
+     f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 1),
     ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
     ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "
      "combined per token)", "--hf mixtral --dp 2 --tp 1 --ep 2", 0),
@@ -733,11 +734,10 @@ CASES += [
      f"--hf mixtral --recipe {MOE_BUGS}ep_expert_grads_undivided --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug fsdp avg (every gradient's mean over its shard group: dense 1/2 x)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_fsdp_avg --dp 2 --tp 1 --ep 2", 1),
-    ("moe hf mixtral ep2 token to another expert refused (the receiver's masks, inputs of their "
-     "own, not aligned: a FAIL is left to do)",
-     f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 2),
-    ("moe hf mixtral ep2 wrong split size refused (as above)",
-     f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 2),
+    ("moe hf mixtral ep2 bug token to another expert (FAIL at rank 0's pick of its pairs)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf mixtral ep2 bug wrong split size (FAIL at rank 0's pick of its pairs)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 combine with another token's gate refused (its backward sends rows, "
      "not a token's gradient times its gates)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_combine_other_gate --dp 2 --tp 1 --ep 2", 2),
@@ -775,8 +775,9 @@ CASES += [
     ("moe titan deepseek_v3 ep2 bug wrong split size (a token's row sent to the next rank's "
      "expert)", f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 "
      "--dp 2 --tp 1", 1),
-    ("moe titan deepseek_v3 ep2 combine with another token's gate refused (a permutation of the "
-     "scores no single-device op runs)", f"{DEEPSEEK_EP_MODEL} --recipe "
+    ("moe titan deepseek_v3 ep2 combine with another token's gate refused (the permuted scores "
+     "stand in for the flattened scores, then are read back in the scores' shape, which the "
+     "single-device step never does)", f"{DEEPSEEK_EP_MODEL} --recipe "
      f"{MOE_BUGS}titan_ep_combine_other_gate --vocab 2048 --dp 2 --tp 1", 2),
     ("moe titan deepseek_v3 ep2 bug routed with another token's experts",
      f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_routed_to_other_token --vocab 2048 "

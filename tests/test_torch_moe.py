@@ -110,3 +110,21 @@ def test_group_limited_router_lowering_matches_torch() -> None:
     check = check_lowering(trace, lower_trace(trace, 16), 16)
     assert "hf.model.layers.0.mlp.gate.weight" in check.grads
     assert not check.differences(rtol=1e-5, atol=1e-7)
+
+
+def test_a_combine_with_another_tokens_gate_fails_at_the_permutation() -> None:
+    """Rank 0 weighs its first two tokens with each other's gates, a
+    permutation of the weights (``w[order]``) the single-device step never
+    runs: the permuted weights stand in for the weights, claimed equal to
+    them for every value of the permutation, an input of the rank's own
+    (docs/soundness.md, "Plans traced from PyTorch", 73), so the step FAILs
+    there, on rank 0; the oracle judges the plan wrong too."""
+    from harness.oracle import judge
+    from verdict.diagnosis import diagnose
+
+    plan_s, plan_p = _plans("--hf mixtral --recipe harness.moe_bugs:combine_other_gate --dp 2 --tp 1")
+    verdict = verify(plan_s, plan_p)
+    assert not verdict.success and verdict.kind == "stage", verdict.message
+    lead = "\n".join(diagnose(verdict, plan_s, plan_p))
+    assert "embedding (CausalLM.hf.model.layers.0.mlp.experts) on rank 0" in lead, lead
+    assert not judge(plan_s, plan_p).right

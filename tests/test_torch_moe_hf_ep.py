@@ -83,3 +83,38 @@ def test_a_small_mixture_routes_at_its_one_layer(family: str) -> None:
     with Topk():
         model(tokens, tokens)
     assert calls
+
+
+@pytest.mark.parametrize("bug", ["ep_token_to_other_expert", "ep_wrong_split"])
+def test_a_wrong_dispatch_fails_at_the_rank_that_made_it(bug: str) -> None:
+    """Rank 0 sends a token's row to another expert, or counts one token of
+    an expert as the next rank's: the receiver's masks are inputs of its
+    own, aligned with the single-device mask they differ least from
+    (docs/soundness.md, "Plans traced from PyTorch", 72), and the step
+    FAILs with a counterexample on rank 0 in the experts module; the
+    oracle, which trusts no claim, judges the plan wrong too."""
+    pytest.importorskip("transformers")
+    from harness.oracle import judge
+    from main import verify
+    from verdict.diagnosis import diagnose
+
+    args = parser().parse_args(["--hf", "mixtral", "--recipe", f"harness.moe_bugs:{bug}",
+                                "--dp", "2", "--tp", "1", "--ep", "2"])
+    (plan_s, plan_p), _ = trace_and_build(args)
+    verdict = verify(plan_s, plan_p)
+    assert not verdict.success and verdict.kind == "stage", verdict.message
+    lead = "\n".join(diagnose(verdict, plan_s, plan_p))
+    assert "on rank 0" in lead and "mlp.experts" in lead, lead
+    assert not judge(plan_s, plan_p).right
+
+
+def test_a_mask_of_its_own_is_read_as_the_nearest_single_device_mask() -> None:
+    """The fewest entries a rank's mask differs in from any block of its
+    shape that tiles a single-device mask (docs/soundness.md, "Plans traced
+    from PyTorch", 72); a shape that tiles nothing differs everywhere."""
+    from backends.torch.tracer.align.inputs import _differences
+
+    full = np.array([[1, 0], [0, 1], [1, 1], [0, 0]])
+    assert _differences(full, np.array([[1, 1], [0, 0]])) == 0
+    assert _differences(full, np.array([[1, 0], [1, 1]])) == 1
+    assert _differences(full, np.array([[1, 0, 1]])) == 3

@@ -298,7 +298,12 @@ def _summed_copies(lw: Lowerer, src: Any, p: np.ndarray, c: int, shape: tuple[in
     """Rows (p's rows of a C-fold copy) added into zeros of ``shape`` at
     their token p // C."""
     if not np.array_equal(src.index, p):
-        raise LoweringError(f"{lw.name}: rows added back at other tokens than they came from")
+        raise LoweringError(f"{lw.name}: rows added back at other tokens than they came from "
+                            f"(rank {lw.trace.get('rank', 0)}: the combine's index is not the one "
+                            f"the rows were gathered at, so rows were put out of order between "
+                            f"the dispatch and the combine; a sum back at other rows than the "
+                            f"gather's is not lowered: docs/soundness.md, \"Plans traced from "
+                            f"PyTorch\", 75)")
     if isinstance(src, Experts):
         dense = collapse(lw, src)  # zero on the rows no group holds
     else:

@@ -68,6 +68,9 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         # others' outputs; its first reader may take any of them
         self.twins: dict[int, list[int]] = {}
         self.retagged: list[int] = []  # values whose match a twin replaced (the writer retags)
+        #: constants of this rank only whose claim a reader set (``stand_in_piece``)
+        self.reclaimed: list[int] = []
+        self.pieced: set[int] = set()  # every such constant
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
         self.zero_memo: dict[int, bool] = {}  # value -> exactly zero by its making
@@ -86,7 +89,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
     def step(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[LNode]:
         """The nodes to emit for this node (additions may be deferred and
         regrouped in the single-device order)."""
-        if node.op == "send" or (node.outs and node.outs[0] in self.zeros):
+        if node.op == "send" or (node.outs and node.outs[0] in self.zeros) \
+                or self.undoes_reshape(node):
             return []
         ring = self.ring_step(node)
         if ring is not None:
@@ -153,6 +157,11 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
             if o >= 0:
                 self.sv[o] = so
                 self.mb[o] = mb
+        if self.standing is not None:
+            c = self.claim[self.standing]
+            self.claim[node.outs[0]] = Claim([list(d) for d in c.dims], c.partial, c.mbs,
+                                             c.scale, c.at, c.steps)
+            return
         if node.op == "attention" and not self.whole_rows(node.ins[1]):
             self.make_loose(node, souts)  # a block over some of the keys: a piece of nothing
             return
@@ -242,6 +251,14 @@ class _Writer:
     def emit(self, r: _Rank, node: LNode, k: int) -> None:
         if r.retagged:
             self.retag(r)
+        for v in r.reclaimed:
+            # a constant of the rank's own, as the piece its reader claims it
+            t = self.t_of[(r.low.rank, v)]
+            slices, parts = r.view(v)
+            old = self.plan.tensors[t]
+            self.plan.tensors[t] = old._replace(slices=slices, parts=parts)
+            self.plan.logical[old.tid] = self.b.logical[old.tid]
+        r.reclaimed.clear()
         low, t_of = r.low, self.t_of
         for o in node.outs:
             if o >= 0:

@@ -6,9 +6,9 @@ every rank's values with the single-device ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from backends.torch.lowering import LNode, Lowered
+from backends.torch.lowering import LNode, Lowered, LoweringError
 from backends.torch.tracer.align.claim import key_kwargs, scope
 from verdict.plan import Logical, Node, Plan, Tensor
 
@@ -27,12 +27,16 @@ def node_kind(node: LNode) -> str:
 
 class Builder:
     def __init__(self, single: Lowered, world: dict):
-        self.s = Single(single)
+        # its own copy of the shapes: a constant of ranks only that no
+        # single-device constant stands for is given a value of its own there
+        # (``own_value``)
+        self.s = Single(replace(single, shapes=dict(single.shapes)))
         self.world = world
         self.logical: list[Logical] = []
         self.plan_s = Plan(world={**world, "dp": 1, "tp": 1, "pp": 1, "cp": 1, "nm": 1})
         self.gradbuf: dict[str, int] = {}
         self.own_inputs: dict[str, int] = {}  # a constant no single-device one matches -> tid
+        self.own_shaped: dict[int, tuple[int, ...]] = {}  # such a tid -> its full shape (own_shape)
         self.loose = 0  # loose values numbered so far (``loose_number``)
         #: each single-device value -> the node that makes it
         self.s_made = {o: node for node in single.nodes for o in node.outs if o >= 0}
@@ -54,6 +58,37 @@ class Builder:
         self.plan_s.tensors.append(Tensor(0, mb, tid, 0, tuple(shape), 0,
                                           tuple((0, n) for n in shape), (0, 1, 1)))
         return tid
+
+    def own_value(self, tid: int, shape: tuple[int, ...]) -> int:
+        """A single-device value standing for the logical input ``tid`` of
+        ranks only (``own_input``), which no single-device node reads: the
+        value a rank's constant is aligned with when it is a piece of no
+        single-device constant and no single-device node reads a constant
+        where the rank reads it (``InputMatching.own_constant``)."""
+        for sv, t in self.s.tid.items():
+            if t == tid:
+                return sv
+        sv = max(self.s.low.shapes) + 1
+        self.s.low.shapes[sv] = tuple(shape)
+        self.s.tid[sv] = tid
+        return sv
+
+    def own_shape(self, sv: int, shape: tuple[int, ...]) -> None:
+        """The full shape of the input of ranks only that ``sv`` stands for
+        (``own_value``), as its first reader's ties give it
+        (``NodeMatching.stand_in_piece``): in its logical tensor and the
+        single-device plan's input of it."""
+        tid = self.s.tid[sv]
+        if tid in self.own_shaped and self.own_shaped[tid] != shape:
+            raise LoweringError(f"an input of ranks only ({self.logical[tid].name}) is read as a "
+                                f"piece of {list(self.own_shaped[tid])} and of {list(shape)}")
+        self.own_shaped[tid] = shape
+        self.s.low.shapes[sv] = shape
+        self.logical[tid] = self.logical[tid]._replace(shape=shape)
+        for k, t in enumerate(self.plan_s.tensors):
+            if t.tid == tid:
+                self.plan_s.tensors[k] = t._replace(shape=shape,
+                                                    slices=tuple((0, n) for n in shape))
 
     def build_single(self) -> Plan:
         s, plan = self.s.low, self.plan_s

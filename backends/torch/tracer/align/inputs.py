@@ -46,6 +46,19 @@ def _holds_block(full: np.ndarray, mine: np.ndarray) -> bool:
     return False
 
 
+def _differences(full: np.ndarray, mine: np.ndarray) -> int:
+    """The fewest entries in which ``mine`` differs from a block of its
+    shape that tiles ``full`` (every entry when none has its shape)."""
+    if full.ndim != mine.ndim or any(f % m for f, m in zip(full.shape, mine.shape)):
+        return mine.size
+    counts = [f // m for f, m in zip(full.shape, mine.shape)]
+    fewest = mine.size
+    for at in itertools.product(*(range(c) for c in counts)):
+        index = tuple(slice(i * m, (i + 1) * m) for i, m in zip(at, mine.shape))
+        fewest = min(fewest, int(np.count_nonzero(full[index] != mine)))
+    return fewest
+
+
 class InputMatching(Pieces):
     """The claims of a rank's inputs and constants.
 
@@ -152,6 +165,14 @@ class InputMatching(Pieces):
                 tied.append(sv)
             if n > hits:
                 best, hits, tied = sv, n, [sv]
+        if best is None and readers and all(self.stood_in_by(node, v)
+                                            for node in self.consumers[v]):
+            # read only where it changes a value of the reader's output's
+            # shape (``NodeMatching.stands_in``): an input of its own, of its
+            # own shape
+            self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", shape,
+                                               self.low.inputs[v][0])
+            return self.b.own_value(self.own_tid[v], shape), Claim([[] for _ in shape])
         if best is None:
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
@@ -182,6 +203,13 @@ class InputMatching(Pieces):
             # order); the claim is its own input's either way
             best = left[0]
             self.taken.add(best)
+        elif len(tied) > 1:
+            # every one matched by another constant of this rank (an
+            # expert-parallel rank's masks, each of the group's rows): the
+            # one it differs from in the fewest entries (the mask of the
+            # expert whose rows the rank's differ from by a token)
+            near = {sv: _differences(self.b.s.low.constants[sv], mine) for sv in tied}
+            best = min(tied, key=lambda sv: near[sv])
         full = tuple(self.b.s.low.shapes[best])
         dims: list[list[str]] = [[] for _ in shape]
         if full != shape:
@@ -193,6 +221,14 @@ class InputMatching(Pieces):
                     for k, (m, f) in enumerate(zip(shape, full))]
         self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
         return best, Claim(dims)
+
+    def stood_in_by(self, node: LNode, v: int) -> bool:
+        """``node`` reads constant ``v`` once, forward, and one other value,
+        of its output's shape (``NodeMatching.stands_in``)."""
+        rest = [u for u in node.ins if u >= 0 and u != v]
+        return node.dir == "fw" and node.ins.count(v) == 1 and len(rest) == 1 \
+            and len(node.outs) == 1 \
+            and tuple(self.low.shapes[rest[0]]) == tuple(self.low.shapes[node.outs[0]])
 
     def check_input(self, v: int, name: str) -> None:
         """An input's claim is assumed, not proved: its local shape must be its

@@ -10,10 +10,14 @@ import math
 from fractions import Fraction
 
 from backends.torch.errors import AlignError
-from backends.torch.lowering import LNode
+from backends.torch.lowering import LNode, LoweringError
 from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, scope
+from verdict.ops import get_op
 
 SCALINGS = ("div", "mul_scalar")
+
+#: Row-major reshapes (``undoes_reshape``)
+RESHAPES = ("flatten", "unflatten")
 
 
 def _factor(value) -> Fraction:
@@ -35,6 +39,11 @@ class NodeMatching(Pieces):
     retagged: list[int]
     applied: Fraction
     padded: tuple[int, list[str]] | None
+    standing: int | None
+    own_tid: dict[int, int]
+    producer: dict[int, LNode]
+    reclaimed: list[int]
+    pieced: set[int]
 
     def align(self, node: LNode) -> list[int]:
         """The single-device node this compute node runs, or AlignError."""
@@ -53,6 +62,7 @@ class NodeMatching(Pieces):
             self.alternatives.pop(v, None)  # chosen by this reader
         self.applied = Fraction(1)
         self.padded = None
+        self.standing = None
         if not cands and node.op == "narrow" and node.dir == "bw":
             cands = self.padded_piece(node, ins)
         if not cands and node.op == "narrow" and node.dir == "fw" and len(ins) == 1 \
@@ -78,6 +88,8 @@ class NodeMatching(Pieces):
                 cands = self.b.s.by_key[key_of(whole)]
         if not cands:
             key, cands = self.choose_twins(node, key)
+        if not cands and self.stands_in(node):
+            return [self.sv[self.standing]]
         if not cands:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
                              f"{scope(node.name)} on values the single-device step never "
@@ -106,6 +118,76 @@ class NodeMatching(Pieces):
             ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
+
+    def stands_in(self, node: LNode) -> bool:
+        """A forward node reading a constant of this rank only (``own_tid``)
+        and one other value of its output's shape, where the single-device
+        step runs nothing of the kind (a permutation of the routing weights,
+        ``w[order]``): its output stands in for that value, so it is
+        claimed to be the same piece of the same single-device value
+        (``standing``). The verifier proves the claim for every value of the
+        rank's constant, an input of its own (docs/soundness.md, "Plans
+        traced from PyTorch", 73), so it holds only where the output does
+        not depend on the constant; otherwise the claim is refuted there."""
+        own = [v for v in node.ins if v in self.own_tid]
+        rest = [v for v in node.ins if v >= 0 and v not in self.own_tid]
+        if node.dir != "fw" or not own or len(rest) != 1 or len(node.outs) != 1 \
+                or tuple(self.low.shapes[rest[0]]) != tuple(self.low.shapes[node.outs[0]]):
+            return False
+        self.standing = rest[0]
+        self.stand_in_piece(node, own[0], rest[0])
+        return True
+
+    def stand_in_piece(self, node: LNode, c: int, u: int) -> None:
+        """The piece of its own input the rank's constant ``c`` is, read by
+        ``node`` with ``u`` (``stands_in``): each dim its operator ties to a
+        dim of ``u`` or of the output (the same piece as ``u``'s) cut as
+        that dim, so that every dim the stage ties has one full size; a
+        piece of an input of its own, a free symbol either way."""
+        shapes_in = [None if v < 0 else self.low.shapes[v] for v in node.ins]
+        rel = get_op(node.op).relations(shapes_in, [self.low.shapes[node.outs[0]]],
+                                        node.kwargs)
+        at, of = node.ins.index(c), node.ins.index(u)
+        local = tuple(self.low.shapes[c])
+        dims: list[list[str]] = [[] for _ in local]
+        full = list(local)
+        for r in rel:
+            if r[0] != "eq":
+                continue
+            for p, q in ((r[1], r[2]), (r[2], r[1])):
+                if p[0] == "i" and p[1] == at and (q[0] == "o" or (q[0] == "i" and q[1] == of)):
+                    dims[p[2]] = list(self.claim[u].dims[q[2]])
+                    full[p[2]] = self.gshape(u)[q[2]]
+        if dims == self.claim[c].dims and tuple(full) == tuple(self.gshape(c)):
+            return
+        if c in self.pieced:
+            raise LoweringError(f"rank {self.low.rank}: a constant of its own is read as pieces "
+                                f"of two shapes at {scope(node.name)}")
+        self.claim[c] = Claim(dims)
+        self.b.own_shape(self.sv[c], tuple(full))
+        self.pieced.add(c)
+        self.reclaimed.append(c)
+
+    def undoes_reshape(self, node: LNode) -> bool:
+        """A ``flatten`` or ``unflatten`` that the single-device step does
+        not run, of the output of one, back to the shape of that one's
+        input: that input itself (row-major reshapes compose, the same
+        entries in the same order). Its readers are given that input
+        instead, an identity of the rank's program (every reader computes
+        the same values), and the node is left out."""
+        if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
+                or len(node.outs) != 1 or node.ins[0] not in self.sv or self.aligns(node):
+            return False
+        made = self.producer.get(node.ins[0])
+        if made is None or made.op not in RESHAPES or made.dir != "fw" or len(made.ins) != 1 \
+                or made.ins[0] not in self.sv \
+                or tuple(self.low.shapes[made.ins[0]]) != tuple(self.low.shapes[node.outs[0]]):
+            return False
+        x, out = made.ins[0], node.outs[0]
+        for reader in self.consumers.pop(out, []):
+            reader.ins = [x if v == out else v for v in reader.ins]
+            self.consumers.setdefault(x, []).append(reader)
+        return True
 
     def shaped_alike(self, node: LNode, cands: list[int]) -> list[int]:
         """Of several candidates, those whose outputs this node's outputs can
