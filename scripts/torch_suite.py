@@ -48,6 +48,8 @@ OUTSIDE = "tests.outside_recipes:"
 #: models written outside the backend (tests/outside_models.py), recipes with mistakes for them
 USER_MODELS = "tests.outside_models:"
 MISTAKES = "tests.outside_mistakes:"
+#: a rotary table whose batch is its second dim (tests/recut_models.py)
+RECUT = "tests.recut_models:"
 #: models with strided slices and writes (tests/strided_models.py)
 STRIDED = "tests.strided_models:"
 #: whole-tensor maxima, padded pooling, circular padding (tests/pooling_padding_models.py),
@@ -529,6 +531,21 @@ CASES: list[tuple[str, str, int]] = [
      f"--tp 2 --layers 2", 1),
     ("outside segment_length_lm bug ddp linear only",
      f"--model {USER_MODELS}segment_length_lm --recipe {MISTAKES}ddp_linear_only --dp 2 --tp 1", 1),
+    # a rotary table laid out (axes, batch, sequence), alike on every row: cut as the queries
+    # it meets (tests/recut_models.py; docs/soundness.md, "Plans traced from PyTorch", 68)
+    ("outside batch_second_rotary_lm tp_attention dp2 tp2",
+     f"--model {RECUT}batch_second_rotary_lm --recipe {STOCK}tp_attention --dp 2 --tp 2", 0),
+    ("outside batch_second_rotary_lm fsdp_tp_attention dp2 tp2",
+     f"--model {RECUT}batch_second_rotary_lm --recipe {STOCK}fsdp_tp_attention --dp 2 --tp 2", 0),
+    ("outside batch_second_rotary_lm bug no dp sum",
+     f"--model {RECUT}batch_second_rotary_lm --recipe {STOCK}tp_attention_no_dp_sum --dp 2 --tp 2", 1),
+    ("outside row_offset_rotary_lm bug rows of the local index tp_attention",
+     f"--model {RECUT}row_offset_rotary_lm --recipe {STOCK}tp_attention --dp 2 --tp 2", 1),
+    ("outside row_offset_rotary_lm bug rows of the local index ddp",
+     f"--model {RECUT}row_offset_rotary_lm --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    ("hf cohere_compass_text dp2 tp2", "--hf cohere_compass_text --dp 2 --tp 2", 0),
+    ("hf cohere_compass_text bug rowwise not reduced",
+     "--hf cohere_compass_text --recipe tp_rowwise_not_reduced --dp 2 --tp 2", 1),
     # nn.ConvTranspose1d, padding_mode reflect and replicate (tests/outside_models.py:unet_tagger)
     ("outside unet_tagger ddp dp2", f"--model {USER_MODELS}unet_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("outside unet_tagger fsdp dp2",
