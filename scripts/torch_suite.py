@@ -133,6 +133,15 @@ CASES: list[tuple[str, str, int]] = [
     ("hf olmo_hybrid dp2 tp2 ly2", "--hf olmo_hybrid --dp 2 --tp 2 --layers 2", 0),
     ("hf gemma4_text dp2 tp2", "--hf gemma4_text --dp 2 --tp 2", 0),
     ("hf olmo_hybrid fsdp avg bug", "--hf olmo_hybrid --recipe tp_fsdp_avg --dp 2 --tp 2 --layers 2", 1),
+    # Zamba's one attention block shared by its two hybrid layers at 8 layers (hf.tie_shared):
+    # transformers' per-layer FSDP2 does not run (PyTorch refuses a parameter in two groups),
+    # the sharing layers as one group and DDP verify, sums layer by layer FAIL
+    ("hf zamba ly8 fsdp per layer refused by PyTorch",
+     "--hf zamba --dp 2 --tp 1 --layers 8", 2),
+    ("hf zamba ly8 fsdp grouped", "--hf zamba --recipe fsdp_grouped --dp 2 --tp 1 --layers 8", 0),
+    ("hf zamba ly8 ddp", "--hf zamba --recipe ddp --dp 2 --tp 1 --layers 8", 0),
+    ("hf zamba ly8 bug sums per layer",
+     "--hf zamba --recipe ddp_per_layer --dp 2 --tp 1 --layers 8", 1),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/zoo/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
     ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),
