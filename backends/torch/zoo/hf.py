@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
+import re
 
 import torch
 from torch import nn
@@ -412,12 +414,7 @@ def tie_shared(model: nn.Module) -> list[tuple[str, str]]:
     turns off for the head's sake: left so, a family whose layers share a
     block would be built with a block per layer, another model. The pairs
     (target, source) tied."""
-    cfg = model.config
-    cfg.tie_word_embeddings = True
-    try:
-        mapping = model.get_expanded_tied_weights_keys(all_submodels=True)
-    finally:
-        cfg.tie_word_embeddings = False
+    mapping = _tied_pairs(model)
     # the word embeddings and the head (its weight, and its bias that BERT's
     # head ties to the prediction bias) stay as ``config`` left them
     words = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -582,6 +579,29 @@ def _sum_per_layer(model, mesh) -> None:
         for p in params:
             if p.grad is not None:
                 p.grad.copy_(funcol.all_reduce(p.grad, "sum", mesh["dp"]))
+
+
+def _tied_pairs(model: nn.Module) -> dict[str, str]:
+    """Every module's ``_tied_weights_keys`` expanded to parameter names
+    (target -> source), as transformers expands them (patterns searched
+    from the start of the module's names, the sources cycled over the
+    targets), a pattern that matches nothing tying nothing (Zamba's shared
+    block with one hybrid layer; transformers raises there)."""
+    pairs: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if not isinstance(keys, dict):
+            continue
+        names = sorted(n for n, _ in module.named_parameters(remove_duplicate=False))
+        lead = f"{prefix}." if prefix else ""
+        for target, source in keys.items():
+            sources = [n for n in names if re.search("^" + source, n)]
+            targets = [n for n in names if re.search("^" + target, n)]
+            if not sources or not targets or len(targets) % len(sources):
+                continue
+            for t, src in zip(targets, itertools.cycle(sources)):
+                pairs[lead + t] = pairs.get(lead + src, lead + src)
+    return pairs
 
 
 def ddp_avg(model, mesh):
