@@ -48,6 +48,8 @@ OUTSIDE = "tests.outside_recipes:"
 #: models written outside the backend (tests/outside_models.py), recipes with mistakes for them
 USER_MODELS = "tests.outside_models:"
 MISTAKES = "tests.outside_mistakes:"
+#: a rotary table whose batch is its second dim (tests/recut_models.py)
+RECUT = "tests.recut_models:"
 #: models with strided slices and writes (tests/strided_models.py)
 STRIDED = "tests.strided_models:"
 #: whole-tensor maxima, padded pooling, circular padding (tests/pooling_padding_models.py),
@@ -131,6 +133,15 @@ CASES: list[tuple[str, str, int]] = [
     ("hf olmo_hybrid dp2 tp2 ly2", "--hf olmo_hybrid --dp 2 --tp 2 --layers 2", 0),
     ("hf gemma4_text dp2 tp2", "--hf gemma4_text --dp 2 --tp 2", 0),
     ("hf olmo_hybrid fsdp avg bug", "--hf olmo_hybrid --recipe tp_fsdp_avg --dp 2 --tp 2 --layers 2", 1),
+    # Zamba's one attention block shared by its two hybrid layers at 8 layers (hf.tie_shared):
+    # transformers' per-layer FSDP2 does not run (PyTorch refuses a parameter in two groups),
+    # the sharing layers as one group and DDP verify, sums layer by layer FAIL
+    ("hf zamba ly8 fsdp per layer refused by PyTorch",
+     "--hf zamba --dp 2 --tp 1 --layers 8", 2),
+    ("hf zamba ly8 fsdp grouped", "--hf zamba --recipe fsdp_grouped --dp 2 --tp 1 --layers 8", 0),
+    ("hf zamba ly8 ddp", "--hf zamba --recipe ddp --dp 2 --tp 1 --layers 8", 0),
+    ("hf zamba ly8 bug sums per layer",
+     "--hf zamba --recipe ddp_per_layer --dp 2 --tp 1 --layers 8", 1),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/zoo/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
     ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),
@@ -541,6 +552,21 @@ CASES: list[tuple[str, str, int]] = [
      f"--tp 2 --layers 2", 1),
     ("outside segment_length_lm bug ddp linear only",
      f"--model {USER_MODELS}segment_length_lm --recipe {MISTAKES}ddp_linear_only --dp 2 --tp 1", 1),
+    # a rotary table laid out (axes, batch, sequence), alike on every row: cut as the queries
+    # it meets (tests/recut_models.py; docs/soundness.md, "Plans traced from PyTorch", 68)
+    ("outside batch_second_rotary_lm tp_attention dp2 tp2",
+     f"--model {RECUT}batch_second_rotary_lm --recipe {STOCK}tp_attention --dp 2 --tp 2", 0),
+    ("outside batch_second_rotary_lm fsdp_tp_attention dp2 tp2",
+     f"--model {RECUT}batch_second_rotary_lm --recipe {STOCK}fsdp_tp_attention --dp 2 --tp 2", 0),
+    ("outside batch_second_rotary_lm bug no dp sum",
+     f"--model {RECUT}batch_second_rotary_lm --recipe {STOCK}tp_attention_no_dp_sum --dp 2 --tp 2", 1),
+    ("outside row_offset_rotary_lm bug rows of the local index tp_attention",
+     f"--model {RECUT}row_offset_rotary_lm --recipe {STOCK}tp_attention --dp 2 --tp 2", 1),
+    ("outside row_offset_rotary_lm bug rows of the local index ddp",
+     f"--model {RECUT}row_offset_rotary_lm --recipe {STOCK}ddp --dp 2 --tp 1", 1),
+    ("hf cohere_compass_text dp2 tp2", "--hf cohere_compass_text --dp 2 --tp 2", 0),
+    ("hf cohere_compass_text bug rowwise not reduced",
+     "--hf cohere_compass_text --recipe tp_rowwise_not_reduced --dp 2 --tp 2", 1),
     # nn.ConvTranspose1d, padding_mode reflect and replicate (tests/outside_models.py:unet_tagger)
     ("outside unet_tagger ddp dp2", f"--model {USER_MODELS}unet_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("outside unet_tagger fsdp dp2",

@@ -27,6 +27,7 @@ from backends.torch.tracer.align.dims import Dims
 from backends.torch.tracer.align.inputs import InputMatching
 from backends.torch.tracer.align.loose import Loose
 from backends.torch.tracer.align.nodes import NodeMatching
+from backends.torch.tracer.align.recut import Recuts
 from backends.torch.tracer.align.ring import Ring
 from backends.torch.tracer.align.rows import Rows
 from backends.torch.tracer.align.sums import Sums
@@ -36,7 +37,8 @@ from backends.torch.tracer.single_plan import Builder
 from verdict.plan import Node, Plan, Tensor
 
 
-class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, Ring, Loose):
+class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, Ring, Loose,
+            Recuts):
     """Alignment and claims of one rank's lowered trace (its parts:
     ``tracer/align/``)."""
 
@@ -63,12 +65,17 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         #: a constant equal to the slice of several single-device constants ->
         #: all of them (each a true claim), until a reader chooses one
         self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
+        #: a constant equal to a single-device constant's slice at several
+        #: cuts -> that constant -> every true claim (``Recuts``, item 68)
+        self.recuts: dict[int, dict[int, list[Claim]]] = {}
         # a value matched with one of several single-device nodes of one key
         # (equal values: the same op on the same inputs), not read yet -> the
         # others' outputs; its first reader may take any of them
         self.twins: dict[int, list[int]] = {}
         self.retagged: list[int] = []  # values whose match a twin replaced (the writer retags)
-        #: constants of this rank only whose claim a reader set (``stand_in_piece``)
+        #: values whose claim changed after they were written: constants of this
+        #: rank only whose claim a reader set (``stand_in_piece``), values a
+        #: constant's re-cut changed (``Recuts.settle``)
         self.reclaimed: list[int] = []
         self.pieced: set[int] = set()  # every such constant
         self.consumers: dict[int, list[LNode]] = {}
@@ -168,6 +175,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         if node.op == "attention_grad":
             self.infer_attention_grad(node)
         else:
+            if self.recuts:
+                self.settle(node)
             self.infer(node)
         if self.padded is not None:
             d, axes = self.padded
@@ -251,14 +260,8 @@ class _Writer:
     def emit(self, r: _Rank, node: LNode, k: int) -> None:
         if r.retagged:
             self.retag(r)
-        for v in r.reclaimed:
-            # a constant of the rank's own, as the piece its reader claims it
-            t = self.t_of[(r.low.rank, v)]
-            slices, parts = r.view(v)
-            old = self.plan.tensors[t]
-            self.plan.tensors[t] = old._replace(slices=slices, parts=parts)
-            self.plan.logical[old.tid] = self.b.logical[old.tid]
-        r.reclaimed.clear()
+        if r.reclaimed:
+            self.reclaim(r)
         low, t_of = r.low, self.t_of
         for o in node.outs:
             if o >= 0:
@@ -539,6 +542,18 @@ class _Writer:
             self.plan.tensors[t] = old._replace(tid=tid, version=version,
                                                 lver=self.b.s.lver.get(r.sv[v], 0))
         r.retagged.clear()
+
+    def reclaim(self, r: _Rank) -> None:
+        """The tensors written for values whose claim changed after
+        (``_Rank.reclaimed``), given their new slices, and their logical
+        tensor its full shape (a constant of the rank's own: ``own_shape``)."""
+        for v in r.reclaimed:
+            t = self.t_of[(r.low.rank, v)]
+            slices, parts = r.view(v)
+            old = self.plan.tensors[t]
+            self.plan.tensors[t] = old._replace(slices=slices, parts=parts)
+            self.plan.logical[old.tid] = self.b.logical[old.tid]
+        r.reclaimed.clear()
 
     def refuse_loose_finals(self) -> None:
         """A loss or gradient a rank ends with that is loose (computed from

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
+import re
 
 import torch
 from torch import nn
@@ -396,9 +398,38 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
 
 
 def build(family: str, **sizes) -> CausalLM:
-    """The family's causal LM from ``config``, randomly initialized."""
+    """The family's causal LM from ``config``, randomly initialized, with
+    the family's ties other than its word embeddings' (``tie_shared``)."""
     _, model_cls = classes(family)
-    return CausalLM(model_cls(config(family, **sizes)))
+    model = model_cls(config(family, **sizes))
+    tie_shared(model)
+    return CausalLM(model)
+
+
+def tie_shared(model: nn.Module) -> list[tuple[str, str]]:
+    """Tie the weights the family ties (its ``_tied_weights_keys``) that are
+    no word embedding's or head's, as ``tie_weights`` would: Zamba's one attention
+    block shared by its hybrid layers. transformers 5.23 ties none of a
+    model's weights when ``tie_word_embeddings`` is off, which ``config``
+    turns off for the head's sake: left so, a family whose layers share a
+    block would be built with a block per layer, another model. The pairs
+    (target, source) tied."""
+    mapping = _tied_pairs(model)
+    # the word embeddings and the head (its weight, and its bias that BERT's
+    # head ties to the prediction bias) stay as ``config`` left them
+    words = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = model.get_output_embeddings()
+    if head is not None:
+        words |= {id(p) for p in head.parameters()}
+    tied = []
+    for target, source in mapping.items():
+        t, s = model.get_parameter(target), model.get_parameter(source)
+        if id(t) in words or id(s) in words or t is s:
+            continue
+        parent, _, attr = target.rpartition(".")
+        setattr(model.get_submodule(parent), attr, s)
+        tied.append((target, source))
+    return tied
 
 
 def __getattr__(name: str):
@@ -492,6 +523,85 @@ def _summed(group, bucket):
     import torch.distributed as dist
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def fsdp_grouped(model, mesh):
+    """FSDP2 over "dp" written by hand, as PyTorch asks of shared
+    parameters: the decoder layers that share parameters (Zamba's one
+    attention block in each hybrid layer) sharded as one group,
+    ``fully_shard([layer_a, layer_b])``, every other layer as its own, then
+    the root; the gradients summed (divide factor 1). transformers' own
+    FSDP2 plan shards each layer apart, which PyTorch refuses for a
+    parameter two layers share ("already managed by another FSDP group")."""
+    from torch.distributed.fsdp import fully_shard
+    if mesh["tp"].size() != 1:
+        raise ValueError("fsdp_grouped is data parallel only (--tp 1)")
+    for group in _sharing(list(model.hf.model.layers)):
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+    return None
+
+
+def _sharing(layers: list[nn.Module]) -> list[list[nn.Module]]:
+    """The layers in groups that share no parameter with one another (in
+    order of their first layer)."""
+    groups: list[tuple[set[int], list[nn.Module]]] = []
+    for layer in layers:
+        ids = {id(p) for p in layer.parameters()}
+        joined = [g for g in groups if g[0] & ids]
+        merged = (ids.union(*(g[0] for g in joined)),
+                  [m for g in joined for m in g[1]] + [layer])
+        groups = [g for g in groups if not any(g is j for j in joined)] + [merged]
+    order = {id(layer): k for k, layer in enumerate(layers)}
+    return sorted((g[1] for g in groups), key=lambda ms: order[id(ms[0])])
+
+
+def ddp_per_layer(model, mesh):
+    """A wrong plan: gradients summed over "dp" by hand, layer by layer
+    (each layer's ``parameters()``, then the rest of the model's): a
+    parameter two layers share (Zamba's attention block) is summed once per
+    layer that holds it, dp times the single-device gradient at the
+    second sum."""
+    if mesh["tp"].size() != 1:
+        raise ValueError("ddp_per_layer is data parallel only (--tp 1)")
+    return _sum_per_layer
+
+
+def _sum_per_layer(model, mesh) -> None:
+    import torch.distributed._functional_collectives as funcol
+    layers = list(model.hf.model.layers)
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in inside]
+    for params in [*(list(layer.parameters()) for layer in layers), rest]:
+        for p in params:
+            if p.grad is not None:
+                p.grad.copy_(funcol.all_reduce(p.grad, "sum", mesh["dp"]))
+
+
+def _tied_pairs(model: nn.Module) -> dict[str, str]:
+    """Every module's ``_tied_weights_keys`` expanded to parameter names
+    (target -> source), as transformers expands them (patterns searched
+    from the start of the module's names, the sources cycled over the
+    targets), a pattern that matches nothing tying nothing (Zamba's shared
+    block with one hybrid layer; transformers raises there)."""
+    pairs: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if not isinstance(keys, dict):
+            continue
+        names = sorted(n for n, _ in module.named_parameters(remove_duplicate=False))
+        lead = f"{prefix}." if prefix else ""
+        for target, source in keys.items():
+            sources = [n for n in names if re.search("^" + source, n)]
+            targets = [n for n in names if re.search("^" + target, n)]
+            if not sources or not targets or len(targets) % len(sources):
+                continue
+            for t, src in zip(targets, itertools.cycle(sources)):
+                pairs[lead + t] = pairs.get(lead + src, lead + src)
+    return pairs
 
 
 def ddp_avg(model, mesh):

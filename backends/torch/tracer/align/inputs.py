@@ -72,6 +72,7 @@ class InputMatching(Pieces):
     consumers: dict[int, list[LNode]]
     taken: set[int]
     split_from: dict[int, int]
+    recuts: dict[int, dict[int, list[Claim]]]
 
     def match_inputs(self) -> None:
         """Each input's single-device value and claim: by name (its claim
@@ -259,6 +260,7 @@ class InputMatching(Pieces):
                 continue
             per_dim = [self.cuts(m, f, orders[min(k, 1)])
                        for k, (m, f) in enumerate(zip(mine.shape, full.shape))]
+            true: list[Claim] = []
             for dims in itertools.product(*per_dim):
                 index = []
                 for axes, m in zip(dims, mine.shape):
@@ -267,8 +269,14 @@ class InputMatching(Pieces):
                         i = i * self.sizes[a] + coords[a]
                     index.append(slice(i * m, (i + 1) * m))
                 if np.array_equal(full[tuple(index)], mine):
-                    found.append((sv, Claim([list(a) for a in dims])))
-                    break
+                    true.append(Claim([list(a) for a in dims]))
+            if true:
+                found.append((sv, true[0]))
+                if len(true) > 1:
+                    # equal at several cuts (rows alike along a dim): each a
+                    # true claim, the first kept until a reader's other input
+                    # is cut otherwise (``Recuts.settle``, item 68)
+                    self.recuts.setdefault(v, {})[sv] = true
         if found:
             # every match is a true claim; several (two experts' masks equal
             # on this rank's rows) are kept for the first reader to choose
