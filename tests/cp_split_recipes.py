@@ -140,29 +140,45 @@ def ring_lse_unshifted(model, mesh):
     return cp_sum(model, mesh)
 
 
-def ring_balanced(model, mesh):
-    """PyTorch's ring with its head-tail load balancer on (refused: a rank's
-    two chunks are not claimed yet)."""
-    def balanced():
-        ring = _Ring(mesh["cp"], "allgather")
+class _Balanced(_Ring):
+    """The ring with PyTorch's load balancing on (``_cp_options.
+    enable_load_balance``: each rank's query, keys and values hold two
+    chunks of the sequence, its causal blocks chosen for them)."""
 
-        class On:
-            def __enter__(self):
-                from torch.distributed.tensor.experimental._context_parallel import (
-                    _attention as cp,
-                )
-                ring.__enter__()
-                cp._cp_options.enable_load_balance = True
+    def __enter__(self):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        super().__enter__()
+        cp._cp_options.enable_load_balance = True
 
-            def __exit__(self, *exc):
-                from torch.distributed.tensor.experimental._context_parallel import (
-                    _attention as cp,
-                )
-                cp._cp_options.enable_load_balance = False
-                ring.__exit__(*exc)
-        return On()
-    model.train_context = balanced
+    def __exit__(self, *exc):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        cp._cp_options.enable_load_balance = False
+        super().__exit__(*exc)
+
+
+def _head_tail(seq_length: int, size: int):
+    """PyTorch's head-tail load balancer (``context_parallel``'s default):
+    rank r's buffers hold chunks r and 2 size - 1 - r of 2 size."""
+    import torch
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+    )
+    return _HeadTailLoadBalancer(seq_length, size, torch.device("cpu"))
+
+
+def ring_balanced(model, mesh, method: str = "allgather"):
+    """PyTorch's ring with its head-tail load balancer: the batch laid out
+    by the balancer's indices and cut along the sequence (what
+    ``context_parallel`` does to its buffers), the ring's blocks chosen for
+    a rank's two chunks; gradients summed."""
+    model.cp_load_balancer = _head_tail
+    model.train_context = lambda: _Balanced(mesh["cp"], method)
     return cp_sum(model, mesh)
+
+
+def ring_balanced_alltoall(model, mesh):
+    """ring_balanced with the all-to-all rotation."""
+    return ring_balanced(model, mesh, "alltoall")
 
 
 def cp_tp(model, mesh):

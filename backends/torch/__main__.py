@@ -34,6 +34,7 @@ from backends.torch.tracer.exchange import settle
 from backends.torch.tracer.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.tracer.rank import load, run
 from backends.torch.tracer.ranks import trace_ranks
+from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
 from backends.torch.tracer.routing import (
     check_every_expert_reached,
     check_rows_are_blocks,
@@ -288,8 +289,15 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
     check_bucket_layouts(lows)
+    order = sequence_order_of(traces)
+    for low in lows:
+        low.reordered = order is not None
     plan_s, plan_p = build_plans(low_s, lows, world)
-    check_loaded(single, traces, plan_p)
+    loaded = single
+    if order is not None:  # a load balancer's: the single-device step in its order
+        plan_s = reorder_single(plan_s, order)
+        loaded = reorder_loaded(single, order)
+    check_loaded(loaded, traces, plan_p)
     return (plan_s, plan_p), single
 
 

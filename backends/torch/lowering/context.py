@@ -83,6 +83,11 @@ class Lowered:
     #: pieces of (the shim's ``ring_result``; docs/soundness.md, "Plans
     #: traced from PyTorch", 53 (d))
     anchors: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
+    #: the rank's sequence is laid out in a load balancer's order, and the
+    #: single-device step is written in it (``tracer.seq_order``): a ring's
+    #: blocks are loose, its results named by the shim (docs/soundness.md,
+    #: "Plans traced from PyTorch", 66)
+    reordered: bool = False
 
 
 @dataclass

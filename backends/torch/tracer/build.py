@@ -418,6 +418,7 @@ class _Writer:
                 x = self.peer_input(peer.low.rank, node, k)
                 self.materialize(peer, x)
                 r.receive(node, peer, x)
+                r.anchored([node])
                 self.emit(r, node, k)
                 continue
             if node.op == "all_reduce" and self.sum_across(r, node, k):
