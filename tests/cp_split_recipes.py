@@ -247,3 +247,26 @@ def cp_table_other_chunk(model, mesh):
     c, n = mesh["cp"].get_local_rank(), mesh["cp"].size()
     _cut_table(model, mesh, c - 1 if c == n - 1 else c)
     return cp_sum(model, mesh)
+
+
+def ring_balanced_wrong_order(model, mesh):
+    """Bug: ring_balanced whose last context-parallel rank undoes the
+    balancer's order of its two chunks wrongly (its embeddings' head and
+    tail chunks swapped, as a contiguous layout would put them): its
+    positions are attended and scored as other positions."""
+    import torch
+    c, n = mesh["cp"].get_local_rank(), mesh["cp"].size()
+    if c == n - 1:
+        def swap(module, args, out):
+            head, tail = out.chunk(2, dim=1)
+            return torch.cat([tail, head], dim=1)
+        model.embed.register_forward_hook(swap)
+    return ring_balanced(model, mesh)
+
+
+def cp_table_balanced(model, mesh):
+    """The position table model with the head-tail balancer's layout of the
+    batch (refused: a table of positions is read along the sequence, which
+    the balancer's order would have to permute too)."""
+    model.cp_load_balancer = _head_tail
+    return cp_table(model, mesh)

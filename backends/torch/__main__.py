@@ -34,12 +34,12 @@ from backends.torch.tracer.exchange import settle
 from backends.torch.tracer.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.tracer.rank import load, run
 from backends.torch.tracer.ranks import trace_ranks
-from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
 from backends.torch.tracer.routing import (
     check_every_expert_reached,
     check_rows_are_blocks,
     describe,
 )
+from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
 from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory

@@ -264,7 +264,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         if node.group is not None or node.op == "split":
             self.layout_step(node, coords)
             return
-        if node.op == "cat" and not self.aligns(node) and (self.joins(node)
+        if node.op == "cat" and not self.aligns(node) and (self.rejoins(node) or self.joins(node)
                                                            or self.cat_block(node)):
             return
         if node.op == "zeros" and node.outs[0] in self.low.empty_sums:

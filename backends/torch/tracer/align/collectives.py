@@ -104,6 +104,34 @@ class Collectives(Pieces):
         self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
         return True
 
+    def rejoins(self, node: LNode) -> bool:
+        """A ``cat`` along a dim of the pieces ``splits_piece`` claimed, one
+        of each index of its ``split{parts}``, in any order: claimed as the
+        piece they were split from (the claim is proved, so pieces joined
+        in another order than the split's fail: a load balancer's chunks
+        put back wrongly). False for any other cat."""
+        d = node.kwargs["dim"] % len(self.low.shapes[node.ins[0]])
+        claims = [self.claim.get(v) for v in node.ins]
+        if any(c is None or c.loose or not c.dims[d] for c in claims):
+            return False
+        axis = claims[0].dims[d][-1]
+        if not axis.startswith("split") or len(claims) != self.sizes.get(axis) \
+                or len({self.sv[v] for v in node.ins}) != 1:
+            return False
+        rest = [(c.dims, c.partial, c.scale, c.mbs,
+                 {a: i for a, i in (c.at or {}).items() if a != axis}) for c in claims]
+        if any(r != rest[0] for r in rest) or sorted(c.at[axis] for c in claims) \
+                != list(range(len(claims))):
+            return False
+        first = claims[0]
+        at = rest[0][4] or None
+        out = node.outs[0]
+        self.claim[out] = Claim([axes[:-1] if k == d else list(axes)
+                                 for k, axes in enumerate(first.dims)], first.partial, first.mbs,
+                                first.scale, at)
+        self.sv[out], self.mb[out] = self.sv[node.ins[0]], self.mb.get(node.ins[0], -1)
+        return True
+
     def receive(self, node: LNode, peer: Pieces, x: int) -> None:
         """A value received from ``peer``: the value it sent, the same piece
         (its axes read at the coordinates the peer reads them at, where they
