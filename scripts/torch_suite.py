@@ -847,6 +847,11 @@ CASES += [
      f"{CP_RING}ring_balanced_alltoall --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
     ("cp ring bug the load balancer's chunk order undone wrongly on one rank",
      f"{CP_RING}ring_balanced_wrong_order --mesh cp=2 {CP_SIZES} --seqlen 8", 1),
+    # Megatron-LM PR 7498's mechanism on the main loss: the prompt's labels
+    # ignored, so that cp rank 0 holds no target; the kept count all-reduced
+    ("cp ring no target on rank 0 cp4 (kept labels counted over cp)",
+     f"--model tests.cp_models:answer_tagger --heads 2 --recipe {CP}ring_answer --mesh cp=4 "
+     f"{CP_SIZES} --seqlen 8", 0),
 ]
 
 

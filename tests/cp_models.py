@@ -75,8 +75,54 @@ class RingTagger(nn.Module):
             F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         y = y.transpose(1, 2).reshape(b, s, d)
         logits = self.head(h + y).flatten(0, 1)
+        return self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
         return total / (self.global_tokens or labels.numel())
+
+
+class AnswerTagger(RingTagger):
+    """The SDPA tagger trained on the answer only: the labels of the first
+    quarter of the sequence (the prompt) ignored (-100), so that at cp 4
+    context-parallel rank 0 holds no target (Megatron-LM PR 7498's
+    mechanism, on the main loss). The loss divides the kept labels' sum by
+    their count: over the whole step, the count all-reduced over
+    ``count_group`` (set by the recipe), or, as ``rank_mean`` ships, by
+    the rank's own count (clamped to 1 on a rank that has none).
+    ``position_offset``: where the rank's chunk starts (set by the
+    recipe)."""
+
+    def __init__(self, rank_mean: bool = False, **kw):
+        super().__init__(**kw)
+        self.ring = False
+        self.prompt = kw["seqlen"] // 4
+        self.position_offset = 0
+        self.count_group = None
+        self.rank_mean = rank_mean
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        start = self.position_offset
+        positions = torch.arange(start, start + labels.shape[1]).repeat(labels.shape[0], 1)
+        target = labels.masked_fill(positions < self.prompt, -100).flatten()
+        total = F.cross_entropy(logits, target, reduction="sum", ignore_index=-100)
+        count = (target != -100).sum()
+        if self.rank_mean:
+            return total / count.clamp(min=1)
+        if self.count_group is not None:
+            dist.all_reduce(count, group=self.count_group)
+        return total / count
+
+
+def answer_tagger(**kw) -> AnswerTagger:
+    return AnswerTagger(**kw)
+
+
+def answer_tagger_rank_mean(**kw) -> AnswerTagger:
+    """Bug: each context-parallel rank's loss the mean over its own kept
+    labels (a rank with none: its sum over a count clamped to 1)."""
+    return AnswerTagger(rank_mean=True, **kw)
 
 
 def ring_tagger(**kw) -> RingTagger:

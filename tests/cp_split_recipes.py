@@ -270,3 +270,14 @@ def cp_table_balanced(model, mesh):
     the balancer's order would have to permute too)."""
     model.cp_load_balancer = _head_tail
     return cp_table(model, mesh)
+
+
+def ring_answer(model, mesh):
+    """PyTorch's ring (all-gather rotation) on the answer tagger
+    (tests/cp_models.py): each rank's positions start at its chunk, the
+    kept labels' count all-reduced over "cp" (Megatron-LM's fix of PR
+    7498: the loss of the whole step's kept labels on every rank)."""
+    c, n = mesh["cp"].get_local_rank(), mesh["cp"].size()
+    model.position_offset = c * (model.prompt * 4 // n)
+    model.count_group = mesh["cp"].get_group()
+    return ring_allgather(model, mesh)
