@@ -852,6 +852,9 @@ CASES += [
     ("cp ring no target on rank 0 cp4 (kept labels counted over cp)",
      f"--model tests.cp_models:answer_tagger --heads 2 --recipe {CP}ring_answer --mesh cp=4 "
      f"{CP_SIZES} --seqlen 8", 0),
+    ("cp ring bug no target on rank 0 cp4, each rank's loss its own mean (Megatron-LM 7498)",
+     f"--model tests.cp_models:answer_tagger_rank_mean --heads 2 --recipe {CP}ring_answer "
+     f"--mesh cp=4 {CP_SIZES} --seqlen 8", 1),
 ]
 
 

@@ -114,3 +114,24 @@ def test_a_table_of_positions_under_a_balancer_is_refused(capsys) -> None:
         "1", "--hidden", "8", "--seqlen", "8", "--vocab", "10", "--batch", "2"])
     assert code == 2, out
     assert "load balancer's order" in out
+
+
+ANSWER = ["--heads", "2", "--mesh", "cp=4", "--layers", "1", "--hidden", "8", "--seqlen", "8",
+          "--vocab", "10", "--batch", "2", "--recipe", "tests.cp_split_recipes:ring_answer"]
+
+
+def test_a_rank_with_no_target_verifies_with_the_count_over_cp(capsys) -> None:
+    """Megatron-LM PR 7498's mechanism on the main loss: the prompt's labels
+    ignored, so that cp rank 0 of 4 holds none; the kept count all-reduced
+    over cp gives every rank the step's loss."""
+    code = verdict_cli.torch(["--model", "tests.cp_models:answer_tagger", *ANSWER])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
+
+
+def test_each_ranks_own_mean_fails(capsys) -> None:
+    """Each rank's loss the mean over its own kept labels (rank 0's over a
+    count clamped to 1): the ranks' gradients are scaled apart, a FAIL."""
+    code = verdict_cli.torch(["--model", "tests.cp_models:answer_tagger_rank_mean", *ANSWER])
+    out = capsys.readouterr()
+    assert code == 1, out.out + out.err

@@ -81,15 +81,19 @@ class Ring(Pieces):
             hi += 1
         elif not cb.loose and cb.steps is not None and self.sv[a] == self.sv[b] \
                 and ca.dims == cb.dims and ca.at == cb.at and ca.partial == cb.partial \
-                and ca.scale == cb.scale and cb.steps[2] == n and hi == cb.steps[0]:
+                and cb.steps[2] == n and hi == cb.steps[0]:
             hi = cb.steps[1]
         else:
             return False
         partial = set(ca.partial)
         if (lo, hi) == (0, n):
             partial.discard("step")
+        # parts of unequal factors (ranks whose losses are scaled apart: a
+        # per-rank mean): the sum claimed at the later part's, which holds
+        # only if the other part is zero; the claim is proved or refuted
+        scale = cb.scale if not zb else ca.scale
         self.sv[out], self.mb[out] = self.sv[a], self.mb.get(a, -1)
-        self.claim[out] = Claim([list(d) for d in ca.dims], frozenset(partial), ca.mbs, ca.scale,
+        self.claim[out] = Claim([list(d) for d in ca.dims], frozenset(partial), ca.mbs, scale,
                                 ca.at, None if (lo, hi) == (0, n) else (lo, hi, n))
         return True
 
