@@ -162,3 +162,30 @@ def ring_ddp_wrong_merge(model, mesh):
     model.ring = True
     model.fault = "other_lse"
     return all_reduce_dp
+
+
+class GatherTagger(nn.Module):
+    """A fixed table of positions (a buffer, as a rotary table is) gathered along the sequence (dim 1) at
+    positions computed from the ids (the last position where a token id is
+    at least 5, else the first), the way torchtitan's rotary table is gathered at a rank's
+    positions: its lowering (``counts.gather`` along a dim other than the
+    last) is checked against torch (tests/test_cp_torch_balance.py)."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del layers, heads, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.register_buffer("table", torch.randn(seqlen, hidden), persistent=False)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        positions = (tokens >= 5).long() * (s - 1)
+        table = self.table[None, :, :].expand(b, -1, -1)
+        rows = table.gather(1, positions[:, :, None].expand(b, s, table.shape[-1]))
+        logits = self.head(torch.tanh(self.embed(tokens) + rows)).flatten(0, 1)
+        return F.cross_entropy(logits, labels.flatten(), reduction="sum") / labels.numel()
+
+
+def gather_tagger(**kw) -> GatherTagger:
+    return GatherTagger(**kw)

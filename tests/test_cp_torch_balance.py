@@ -135,3 +135,11 @@ def test_each_ranks_own_mean_fails(capsys) -> None:
     code = verdict_cli.torch(["--model", "tests.cp_models:answer_tagger_rank_mean", *ANSWER])
     out = capsys.readouterr()
     assert code == 1, out.out + out.err
+
+
+def test_a_gather_along_the_sequence_at_computed_positions_lowers_exactly() -> None:
+    """``table.gather(1, positions)`` at integers computed from the ids (the
+    rotary table's gather at a rank's positions under tensor parallelism):
+    the lowered loss and gradients equal torch's in float64."""
+    from tests.test_torch_layers import _lower_and_check, _single
+    _lower_and_check(_single("tests.cp_models:gather_tagger"))
