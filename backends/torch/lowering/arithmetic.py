@@ -472,7 +472,7 @@ def causal_add(lw: Lowerer, args: Any, shapes: list) -> int | None:
     return None
 
 
-def _complex_parts(lw: Lowerer, a: Any) -> tuple[int, int | None] | None:
+def complex_parts(lw: Lowerer, a: Any) -> tuple[int, int | None] | None:
     """(real, imaginary) of a complex argument, (x, None) for a real tensor."""
     x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
     if isinstance(x, Complex):
@@ -485,7 +485,7 @@ def _complex_parts(lw: Lowerer, a: Any) -> tuple[int, int | None] | None:
 
 def complex_mul(lw: Lowerer, args: Any, shapes: list) -> Complex | None:
     """(x + iy)(u + iv) = (xu - yv) + i(xv + yu); None when neither factor is complex."""
-    pa, pb = _complex_parts(lw, args[0]), _complex_parts(lw, args[1])
+    pa, pb = complex_parts(lw, args[0]), complex_parts(lw, args[1])
     if pa is None and pb is None:
         return None
     pa = pa or (lw.val(args[0]), None)
@@ -516,6 +516,17 @@ def to_copy(lw: Lowerer, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: a conversion of a computed value to {dtype or 'another layout'} "
                         f"is not lowered (only the batch's ids, masks of them and integers "
                         f"counted from them convert exactly; any other value would be rounded)")
+
+@lowers("aten._conj.default", "aten.conj_physical.default", "aten.conj.default")
+def conj(lw: Lowerer, args, kwargs, shapes, group):
+    """The complex conjugate: the real part, the imaginary part negated (a
+    real tensor is its own conjugate)."""
+    parts = complex_parts(lw, args[0])
+    if parts is None or parts[1] is None:
+        return lw.val(args[0])
+    re, im = parts
+    return Complex(re, lw.emit("mul_scalar", [im], [lw.shapes[im]], {"value": -1.0})[0])
+
 
 lowers("aten.div_.Scalar", "aten.div_.Tensor", "aten.div.Scalar")(_scalar('div'))
 lowers("aten.mul.Scalar")(_scalar('mul_scalar'))

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.arithmetic import complex_parts
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.emit import cat, einsum, pad
-from backends.torch.lowering.ir import Const, Flag, IdRows, Ids, pending_of
+from backends.torch.lowering.ir import Complex, Const, Flag, IdRows, Ids, pending_of
 from backends.torch.lowering.onehot import id_rows
 from backends.torch.lowering.registry import Handler, refines
 
@@ -328,10 +329,11 @@ def gather(base: Handler) -> Handler:
         v = _bounded(lw, args[2])
         if v is None:
             return base(lw, args, kwargs, shapes, group)
-        x = lw.val(args[0])
-        nd = len(lw.shapes[x])
+        nd = len(shapes[0])
         dim = int(args[1]) % nd
         others = [k for k in range(nd) if k != dim]
+        parts = complex_parts(lw, args[0])
+        x = parts[0] if parts is not None else lw.val(args[0])
         if nd > 8 or len(lw.shapes[v]) != nd or \
                 [lw.shapes[x][k] for k in others] != [lw.shapes[v][k] for k in others]:
             raise LoweringError(f"{lw.name}: a gather at integers computed from the ids of an "
@@ -339,7 +341,11 @@ def gather(base: Handler) -> Handler:
         rows = one_hot_rows(lw, v, lw.shapes[x][dim])
         letters = "abcdefgh"[:nd]
         at = lambda c: letters[:dim] + c + letters[dim + 1:]  # noqa: E731
-        out = einsum(lw, f"{at('z')},{at('y')}z->{at('y')}", x, rows)
+        spec = f"{at('z')},{at('y')}z->{at('y')}"
+        parts = complex_parts(lw, args[0])
+        if parts is not None and parts[1] is not None:  # a complex table: each part gathered
+            return Complex(einsum(lw, spec, parts[0], rows), einsum(lw, spec, parts[1], rows))
+        out = einsum(lw, spec, x, rows)
         bounds = _bounds(lw, args[0])
         if bounds is not None:
             lw.integral[out] = bounds
