@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.constants import constant_input, constant_value
+from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.fills import additive_mask, masked_fill, selected, where
 from backends.torch.lowering.ir import (
     ChunkCat,
@@ -31,6 +31,7 @@ from backends.torch.lowering.ir import (
     SgdGrad,
     Shifted,
     VocabMask,
+    complex_parts,
 )
 from backends.torch.lowering.registry import lowers
 
@@ -469,17 +470,6 @@ def causal_add(lw: Lowerer, args: Any, shapes: list) -> int | None:
             if lw.shapes[x] != tuple(shapes[0]):
                 raise LoweringError(f"{lw.name}: a causal mask broadcasting its scores")
             return additive_mask(lw, x, value, tuple(shapes[0]))
-    return None
-
-
-def complex_parts(lw: Lowerer, a: Any) -> tuple[int, int | None] | None:
-    """(real, imaginary) of a complex argument, (x, None) for a real tensor."""
-    x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
-    if isinstance(x, Complex):
-        return x.re, x.im
-    value = constant_value(lw, a)
-    if value is not None and np.iscomplexobj(value):
-        return constant_input(lw, value.real), constant_input(lw, value.imag)
     return None
 
 

@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.arithmetic import complex_parts
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.emit import cat, einsum, pad
-from backends.torch.lowering.ir import Complex, Const, Flag, IdRows, Ids, pending_of
+from backends.torch.lowering.ir import Complex, Const, Flag, IdRows, Ids, complex_parts, pending_of
 from backends.torch.lowering.onehot import id_rows
 from backends.torch.lowering.registry import Handler, refines
 
