@@ -115,34 +115,44 @@ def _rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
     return [q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s]
 
 
-def _causal_mask(x: Tensor, row_chunk: int = 0, col_chunk: int = 0) -> Tensor:
+def _causal_mask(x: Tensor, row_chunk: int = 0, col_chunk: int = 0,
+                 order: list[int] | None = None) -> Tensor:
     """Scores of a key after its query set to -inf; the local rows are query
     positions row_chunk * S_q + i, the local columns key positions
-    col_chunk * S_k + j."""
+    col_chunk * S_k + j; with a chunk ``order``, row (or column) i is in
+    chunk slot i // n of n positions, which holds chunk order[slot]."""
     if x.dim() < 2:
         raise EvaluationError("causal mask of fewer than 2 dims")
     s_q, s_k = x.shape[-2:]
-    rows = torch.arange(s_q)[:, None] + row_chunk * s_q
-    cols = torch.arange(s_k)[None, :] + col_chunk * s_k
-    return x.masked_fill(cols > rows, float("-inf"))
+    rows = torch.arange(s_q) + row_chunk * s_q
+    cols = torch.arange(s_k) + col_chunk * s_k
+    if order is not None:
+        m = len(order)
+        if s_q != s_k or s_q % m or sorted(order) != list(range(m)) or row_chunk or col_chunk:
+            raise EvaluationError("attention: a chunk order that does not lay out the sequence")
+        n = s_q // m
+        chunks = torch.tensor(list(order))
+        rows, cols = chunks[rows // n] * n + rows % n, chunks[cols // n] * n + cols % n
+    return x.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
 
 
 def _masked_scores(q: Tensor, k: Tensor, scale: float, causal: bool, row_chunk: int,
-                   col_chunk: int) -> Tensor:
+                   col_chunk: int, order: list[int] | None = None) -> Tensor:
     if q.dim() < 2 or k.dim() != q.dim() or q.shape[:-2] != k.shape[:-2] \
             or q.shape[-1] != k.shape[-1]:
         raise EvaluationError("attention: q and k do not fit")
     s = (q @ k.transpose(-1, -2)) * scale
-    return _causal_mask(s, row_chunk, col_chunk) if causal else s
+    return _causal_mask(s, row_chunk, col_chunk, order) if causal else s
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False,
-               row_chunk: int = 0, col_chunk: int = 0) -> list[Tensor]:
+               row_chunk: int = 0, col_chunk: int = 0,
+               order: list[int] | None = None) -> list[Tensor]:
     """softmax(masked scores) @ v and the rows' log-sum-exp; a row that sees
     no key gives 0 and -inf (what flash kernels return)."""
     if v.dim() != k.dim() or v.shape[:-1] != k.shape[:-1]:
         raise EvaluationError("attention: k and v do not fit")
-    s = _masked_scores(q, k, scale, causal, row_chunk, col_chunk)
+    s = _masked_scores(q, k, scale, causal, row_chunk, col_chunk, order)
     lse = torch.logsumexp(s, dim=-1)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     return [torch.exp(s - finite[..., None]) @ v, lse]
@@ -150,12 +160,12 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = Fal
 
 def _attention_grad(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     scale: float, causal: bool = False, row_chunk: int = 0,
-                    col_chunk: int = 0) -> list[Tensor]:
+                    col_chunk: int = 0, order: list[int] | None = None) -> list[Tensor]:
     """The flash backward from the given out and lse: p = exp(s - lse),
     dv = p^T dout, ds = p (dout v^T - rowsum(dout out)), dq = scale ds k,
     dk = scale ds^T q."""
     _same_shape(dout, out)
-    s = _masked_scores(q, k, scale, causal, row_chunk, col_chunk)
+    s = _masked_scores(q, k, scale, causal, row_chunk, col_chunk, order)
     p = torch.exp(s - lse[..., None])
     ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
     return [(ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ dout]

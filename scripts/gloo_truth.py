@@ -43,7 +43,13 @@ from backends.torch.__main__ import parser as backend_parser  # noqa: E402
 from backends.torch.tracer.mesh import build as build_mesh  # noqa: E402
 from backends.torch.tracer.mesh import coords as mesh_coords  # noqa: E402
 from backends.torch.tracer.pipeline import OwnSchedule, PipelineStep  # noqa: E402
-from backends.torch.tracer.rank import load, recipe_result, sequence_chunk, train_context  # noqa: E402
+from backends.torch.tracer.rank import (  # noqa: E402
+    load,
+    recipe_result,
+    sequence_chunk,
+    sequence_order,
+    train_context,
+)
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +114,11 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
         at = mesh_coords(rank, args.pp, args.dp, args.tp, args.cp)
         d = at["dp"]
         rows = slice(d * args.batch // args.dp, (d + 1) * args.batch // args.dp)
-        # a context-parallel rank's chunk of the sequence (the backend's cut)
-        tokens, labels = (sequence_chunk(t[rows], at["cp"], args.cp) for t in (tokens, labels))
+        # a context-parallel rank's chunk of the sequence (the backend's cut, in
+        # the recipe's load balancer's order when it names one)
+        order = sequence_order(model, args.seqlen, args.cp)
+        tokens, labels = (sequence_chunk(t[rows], at["cp"], args.cp, order)
+                          for t in (tokens, labels))
         rows = slice(None)
         with train_context(model):
             if isinstance(after, OwnSchedule):  # a library's own schedule (Megatron's)

@@ -874,8 +874,26 @@ CASES += [
      f"{CP_RING}ring_other_lse --mesh cp=2 {CP_SIZES}", 1),
     ("cp ring bug the merged lse without its shift (alltoall)",
      f"{CP_RING}ring_lse_unshifted --mesh cp=2 {CP_SIZES}", 1),
-    ("cp ring load-balanced refused (a rank's head and tail chunks are not claimed yet)",
-     f"{CP_RING}ring_balanced --mesh cp=2 {CP_SIZES}", 2),
+    # PyTorch's head-tail load balancer: rank r holds chunks r and 2 cp - 1 - r
+    # (docs/soundness.md, "Plans traced from PyTorch", 64-67)
+    ("cp ring load-balanced allgather cp2",
+     f"{CP_RING}ring_balanced --mesh cp=2 {CP_SIZES} --seqlen 8", 0),
+    ("cp ring load-balanced alltoall cp2",
+     f"{CP_RING}ring_balanced_alltoall --mesh cp=2 {CP_SIZES} --seqlen 8", 0),
+    ("cp ring load-balanced allgather cp4",
+     f"{CP_RING}ring_balanced --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
+    ("cp ring load-balanced alltoall cp4",
+     f"{CP_RING}ring_balanced_alltoall --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
+    ("cp ring bug the load balancer's chunk order undone wrongly on one rank",
+     f"{CP_RING}ring_balanced_wrong_order --mesh cp=2 {CP_SIZES} --seqlen 8", 1),
+    # Megatron-LM PR 7498's mechanism on the main loss: the prompt's labels
+    # ignored, so that cp rank 0 holds no target; the kept count all-reduced
+    ("cp ring no target on rank 0 cp4 (kept labels counted over cp)",
+     f"--model tests.cp_models:answer_tagger --heads 2 --recipe {CP}ring_answer --mesh cp=4 "
+     f"{CP_SIZES} --seqlen 8", 0),
+    ("cp ring bug no target on rank 0 cp4, each rank's loss its own mean (Megatron-LM 7498)",
+     f"--model tests.cp_models:answer_tagger_rank_mean --heads 2 --recipe {CP}ring_answer "
+     f"--mesh cp=4 {CP_SIZES} --seqlen 8", 1),
 ]
 
 

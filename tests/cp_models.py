@@ -75,8 +75,54 @@ class RingTagger(nn.Module):
             F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         y = y.transpose(1, 2).reshape(b, s, d)
         logits = self.head(h + y).flatten(0, 1)
+        return self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
         return total / (self.global_tokens or labels.numel())
+
+
+class AnswerTagger(RingTagger):
+    """The SDPA tagger trained on the answer only: the labels of the first
+    quarter of the sequence (the prompt) ignored (-100), so that at cp 4
+    context-parallel rank 0 holds no target (Megatron-LM PR 7498's
+    mechanism, on the main loss). The loss divides the kept labels' sum by
+    their count: over the whole step, the count all-reduced over
+    ``count_group`` (set by the recipe), or, as ``rank_mean`` ships, by
+    the rank's own count (clamped to 1 on a rank that has none).
+    ``position_offset``: where the rank's chunk starts (set by the
+    recipe)."""
+
+    def __init__(self, rank_mean: bool = False, **kw):
+        super().__init__(**kw)
+        self.ring = False
+        self.prompt = kw["seqlen"] // 4
+        self.position_offset = 0
+        self.count_group = None
+        self.rank_mean = rank_mean
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        start = self.position_offset
+        positions = torch.arange(start, start + labels.shape[1]).repeat(labels.shape[0], 1)
+        target = labels.masked_fill(positions < self.prompt, -100).flatten()
+        total = F.cross_entropy(logits, target, reduction="sum", ignore_index=-100)
+        count = (target != -100).sum()
+        if self.rank_mean:
+            return total / count.clamp(min=1)
+        if self.count_group is not None:
+            dist.all_reduce(count, group=self.count_group)
+        return total / count
+
+
+def answer_tagger(**kw) -> AnswerTagger:
+    return AnswerTagger(**kw)
+
+
+def answer_tagger_rank_mean(**kw) -> AnswerTagger:
+    """Bug: each context-parallel rank's loss the mean over its own kept
+    labels (a rank with none: its sum over a count clamped to 1)."""
+    return AnswerTagger(rank_mean=True, **kw)
 
 
 def ring_tagger(**kw) -> RingTagger:
@@ -116,3 +162,30 @@ def ring_ddp_wrong_merge(model, mesh):
     model.ring = True
     model.fault = "other_lse"
     return all_reduce_dp
+
+
+class GatherTagger(nn.Module):
+    """A fixed table of positions (a buffer, as a rotary table is) gathered along the sequence (dim 1) at
+    positions computed from the ids (the last position where a token id is
+    at least 5, else the first), the way torchtitan's rotary table is gathered at a rank's
+    positions: its lowering (``counts.gather`` along a dim other than the
+    last) is checked against torch (tests/test_cp_torch_balance.py)."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
+        super().__init__()
+        del layers, heads, ffn
+        self.embed = nn.Embedding(vocab, hidden)
+        self.register_buffer("table", torch.randn(seqlen, hidden), persistent=False)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        positions = (tokens >= 5).long() * (s - 1)
+        table = self.table[None, :, :].expand(b, -1, -1)
+        rows = table.gather(1, positions[:, :, None].expand(b, s, table.shape[-1]))
+        logits = self.head(torch.tanh(self.embed(tokens) + rows)).flatten(0, 1)
+        return F.cross_entropy(logits, labels.flatten(), reduction="sum") / labels.numel()
+
+
+def gather_tagger(**kw) -> GatherTagger:
+    return GatherTagger(**kw)

@@ -140,29 +140,45 @@ def ring_lse_unshifted(model, mesh):
     return cp_sum(model, mesh)
 
 
-def ring_balanced(model, mesh):
-    """PyTorch's ring with its head-tail load balancer on (refused: a rank's
-    two chunks are not claimed yet)."""
-    def balanced():
-        ring = _Ring(mesh["cp"], "allgather")
+class _Balanced(_Ring):
+    """The ring with PyTorch's load balancing on (``_cp_options.
+    enable_load_balance``: each rank's query, keys and values hold two
+    chunks of the sequence, its causal blocks chosen for them)."""
 
-        class On:
-            def __enter__(self):
-                from torch.distributed.tensor.experimental._context_parallel import (
-                    _attention as cp,
-                )
-                ring.__enter__()
-                cp._cp_options.enable_load_balance = True
+    def __enter__(self):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        super().__enter__()
+        cp._cp_options.enable_load_balance = True
 
-            def __exit__(self, *exc):
-                from torch.distributed.tensor.experimental._context_parallel import (
-                    _attention as cp,
-                )
-                cp._cp_options.enable_load_balance = False
-                ring.__exit__(*exc)
-        return On()
-    model.train_context = balanced
+    def __exit__(self, *exc):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        cp._cp_options.enable_load_balance = False
+        super().__exit__(*exc)
+
+
+def _head_tail(seq_length: int, size: int):
+    """PyTorch's head-tail load balancer (``context_parallel``'s default):
+    rank r's buffers hold chunks r and 2 size - 1 - r of 2 size."""
+    import torch
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+    )
+    return _HeadTailLoadBalancer(seq_length, size, torch.device("cpu"))
+
+
+def ring_balanced(model, mesh, method: str = "allgather"):
+    """PyTorch's ring with its head-tail load balancer: the batch laid out
+    by the balancer's indices and cut along the sequence (what
+    ``context_parallel`` does to its buffers), the ring's blocks chosen for
+    a rank's two chunks; gradients summed."""
+    model.cp_load_balancer = _head_tail
+    model.train_context = lambda: _Balanced(mesh["cp"], method)
     return cp_sum(model, mesh)
+
+
+def ring_balanced_alltoall(model, mesh):
+    """ring_balanced with the all-to-all rotation."""
+    return ring_balanced(model, mesh, "alltoall")
 
 
 def cp_tp(model, mesh):
@@ -231,3 +247,37 @@ def cp_table_other_chunk(model, mesh):
     c, n = mesh["cp"].get_local_rank(), mesh["cp"].size()
     _cut_table(model, mesh, c - 1 if c == n - 1 else c)
     return cp_sum(model, mesh)
+
+
+def ring_balanced_wrong_order(model, mesh):
+    """Bug: ring_balanced whose last context-parallel rank undoes the
+    balancer's order of its two chunks wrongly (its embeddings' head and
+    tail chunks swapped, as a contiguous layout would put them): its
+    positions are attended and scored as other positions."""
+    import torch
+    c, n = mesh["cp"].get_local_rank(), mesh["cp"].size()
+    if c == n - 1:
+        def swap(module, args, out):
+            head, tail = out.chunk(2, dim=1)
+            return torch.cat([tail, head], dim=1)
+        model.embed.register_forward_hook(swap)
+    return ring_balanced(model, mesh)
+
+
+def cp_table_balanced(model, mesh):
+    """The position table model with the head-tail balancer's layout of the
+    batch (refused: a table of positions is read along the sequence, which
+    the balancer's order would have to permute too)."""
+    model.cp_load_balancer = _head_tail
+    return cp_table(model, mesh)
+
+
+def ring_answer(model, mesh):
+    """PyTorch's ring (all-gather rotation) on the answer tagger
+    (tests/cp_models.py): each rank's positions start at its chunk, the
+    kept labels' count all-reduced over "cp" (Megatron-LM's fix of PR
+    7498: the loss of the whole step's kept labels on every rank)."""
+    c, n = mesh["cp"].get_local_rank(), mesh["cp"].size()
+    model.position_offset = c * (model.prompt * 4 // n)
+    model.count_group = mesh["cp"].get_group()
+    return ring_allgather(model, mesh)

@@ -2,10 +2,10 @@
 through the CPU shim) traced, lowered and verified as it ships, forward and
 backward (docs/soundness.md, "Plans traced from PyTorch", 53): both
 rotations verify; a merge that takes another block's log-sum-exp, or drops
-the merged one's shift, fails at the attention on the rank that merges it;
-the head-tail load balancer is
-refused in one line. Real gloo runs agree (scripts/gloo_truth.py, the suite's
-``cp ring`` cases)."""
+the merged one's shift, fails at the attention on the rank that merges it.
+The head-tail load balancer's ring is in tests/test_cp_torch_balance.py.
+Real gloo runs agree (scripts/gloo_truth.py, the suite's ``cp ring``
+cases)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,3 @@ def test_a_wrong_merge_fails_at_the_attention(recipe, capsys) -> None:
     assert code == 1, out
     assert "operator attention" in out and "rank 1" in out
 
-
-def test_the_load_balancer_is_refused_in_one_line(capsys) -> None:
-    code, out = _run("ring_balanced", capsys)
-    assert code == 2
-    assert "head-tail load balancer" in out

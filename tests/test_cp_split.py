@@ -56,13 +56,3 @@ def test_each_rank_claims_its_chunk_of_the_sequence() -> None:
     # rank (d * cp + c): batch row d, sequence positions [2c, 2c + 2)
     want = {r: ((r // 2, r // 2 + 1), (2 * (r % 2), 2 * (r % 2) + 2)) for r in range(4)}
     assert boxes and all(b == want for b in boxes.values())
-
-
-def test_pytorchs_load_balanced_ring_is_refused_in_one_line(capsys) -> None:
-    """The ring itself verifies (tests/test_cp_ring.py); with the head-tail
-    load balancer a rank holds two chunks, not claimed yet."""
-    code = verdict_cli.torch(["--model", "tests.cp_models:sdpa_tagger", "--recipe",
-                              "tests.cp_split_recipes:ring_balanced", "--mesh", "cp=2", *SIZES,
-                              "--heads", "2"])
-    assert code == 2
-    assert "ring attention ran" in capsys.readouterr().err

@@ -39,6 +39,7 @@ from backends.torch.tracer.routing import (
     check_rows_are_blocks,
     describe,
 )
+from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
 from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
@@ -288,8 +289,15 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
     check_bucket_layouts(lows)
+    order = sequence_order_of(traces)
+    for low in lows:
+        low.reordered = order is not None
     plan_s, plan_p = build_plans(low_s, lows, world)
-    check_loaded(single, traces, plan_p)
+    loaded = single
+    if order is not None:  # a load balancer's: the single-device step in its order
+        plan_s = reorder_single(plan_s, order)
+        loaded = reorder_loaded(single, order)
+    check_loaded(loaded, traces, plan_p)
     return (plan_s, plan_p), single
 
 

@@ -70,14 +70,31 @@ ROTARY = Op(
 )
 
 
-def causal_positions(s_q: int, s_k: int, row_chunk: int = 0, col_chunk: int = 0) -> np.ndarray:
+def causal_positions(s_q: int, s_k: int, row_chunk: int = 0, col_chunk: int = 0,
+                     order: tuple[int, ...] | None = None) -> np.ndarray:
     """True where a query position may not see a key position. The local
     rows are query positions ``row_chunk * s_q + i`` and the local columns
     key positions ``col_chunk * s_k + j`` of the whole sequence (chunks of a
-    context-parallel split; 0 and 0 for the whole sequence)."""
-    rows = row_chunk * s_q + np.arange(s_q)[:, None]
-    cols = col_chunk * s_k + np.arange(s_k)[None, :]
-    return cols > rows
+    context-parallel split; 0 and 0 for the whole sequence). ``order``: the
+    whole sequence laid out in ``len(order)`` equal chunks, slot m holding
+    chunk ``order[m]`` (a load balancer's order, docs/soundness.md, "Plans
+    traced from PyTorch", 64); rows and columns are then slots of that
+    layout and compared by the positions they hold."""
+    rows = row_chunk * s_q + np.arange(s_q)
+    cols = col_chunk * s_k + np.arange(s_k)
+    if order is not None:
+        rows, cols = _placed(rows, s_q, order), _placed(cols, s_k, order)
+    return cols[None, :] > rows[:, None]
+
+
+def _placed(slots: np.ndarray, size: int, order: tuple[int, ...]) -> np.ndarray:
+    """The positions the slots of a sequence of ``size`` laid out in the
+    chunk order ``order`` hold."""
+    m = len(order)
+    expect(size % m == 0 and sorted(order) == list(range(m)),
+           f"a chunk order {tuple(order)} of a sequence of {size}")
+    n = size // m
+    return np.asarray(order)[slots // n] * n + slots % n
 
 
 def _mask_shape(in_shapes, row_chunk: int = 0, col_chunk: int = 0):
@@ -170,11 +187,11 @@ ROUTE = Op(
 # logarithms: the exact merge of attention blocks").
 
 
-def _scores(q, k, scale, causal, row_chunk, col_chunk):
+def _scores(q, k, scale, causal, row_chunk, col_chunk, order=None):
     """The scaled scores and where the causal mask hides them (the scores
     themselves are left finite: masked entries are dropped by position)."""
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    hidden = (causal_positions(q.shape[-2], k.shape[-2], row_chunk, col_chunk) if causal
+    hidden = (causal_positions(q.shape[-2], k.shape[-2], row_chunk, col_chunk, order) if causal
               else np.zeros((q.shape[-2], k.shape[-2]), dtype=bool))
     return s, np.broadcast_to(hidden, s.shape)
 
@@ -188,8 +205,8 @@ def _row_max(xp, s, hidden):
     return np.where(hidden.all(-1, keepdims=True), 0.0, m)
 
 
-def _attention_values(xp, q, k, v, scale, causal, row_chunk, col_chunk):
-    s, hidden = _scores(q, k, scale, causal, row_chunk, col_chunk)
+def _attention_values(xp, q, k, v, scale, causal, row_chunk, col_chunk, order=None):
+    s, hidden = _scores(q, k, scale, causal, row_chunk, col_chunk, order)
     m = _row_max(xp, s, hidden)
     e = np.where(hidden, 0.0, xp.exp(np.where(hidden, 0.0, s) - m))
     empty = hidden.all(-1, keepdims=True)
@@ -199,15 +216,15 @@ def _attention_values(xp, q, k, v, scale, causal, row_chunk, col_chunk):
     return out, lse
 
 
-def _attention_forward(xp, x, scale, causal=False, row_chunk=0, col_chunk=0):
-    return _attention_values(xp, *x, scale, causal, row_chunk, col_chunk)
+def _attention_forward(xp, x, scale, causal=False, row_chunk=0, col_chunk=0, order=None):
+    return _attention_values(xp, *x, scale, causal, row_chunk, col_chunk, order)
 
 
 def _attention_grads(xp, dout, q, k, v, out, lse, scale, causal, row_chunk, col_chunk,
-                     dlse=None):
+                     dlse=None, order=None):
     """The flash backward: probabilities from the forward's lse, the row term
     from its out. ``dlse``: a gradient of lse too (it adds p * dlse)."""
-    s, hidden = _scores(q, k, scale, causal, row_chunk, col_chunk)
+    s, hidden = _scores(q, k, scale, causal, row_chunk, col_chunk, order)
     with np.errstate(over="ignore", invalid="ignore"):
         p = np.where(hidden, 0.0, xp.exp(np.where(hidden, 0.0, s) - lse[..., None]))
     dv = np.swapaxes(p, -1, -2) @ dout
@@ -220,16 +237,17 @@ def _attention_grads(xp, dout, q, k, v, out, lse, scale, causal, row_chunk, col_
     return dq, dk, dv
 
 
-def _attention_backward(xp, saved, g, shapes, scale, causal=False, row_chunk=0, col_chunk=0):
+def _attention_backward(xp, saved, g, shapes, scale, causal=False, row_chunk=0, col_chunk=0,
+                        order=None):
     q, k, v = saved[:3]
-    out, lse = _attention_values(xp, q, k, v, scale, causal, row_chunk, col_chunk)
+    out, lse = _attention_values(xp, q, k, v, scale, causal, row_chunk, col_chunk, order)
     dout = g[0] if g[0] is not None else np.zeros(out.shape)
     return _attention_grads(xp, dout, q, k, v, out, lse, scale, causal, row_chunk, col_chunk,
-                            g[1])
+                            g[1], order)
 
 
-def _attention_grad_forward(xp, x, scale, causal=False, row_chunk=0, col_chunk=0):
-    return _attention_grads(xp, *x, scale, causal, row_chunk, col_chunk)
+def _attention_grad_forward(xp, x, scale, causal=False, row_chunk=0, col_chunk=0, order=None):
+    return _attention_grads(xp, *x, scale, causal, row_chunk, col_chunk, order=order)
 
 
 def _check_qkv(q, k, v, what):
@@ -241,17 +259,32 @@ def _check_qkv(q, k, v, what):
     expect(k[-2] == v[-2], f"{what}: k {k} and v {v} differ in the number of keys")
 
 
-def _attention_shape(in_shapes, scale, causal=False, row_chunk=0, col_chunk=0):
+def _check_order(q, k, row_chunk, col_chunk, order, what):
+    """A chunk order lays out one whole sequence: queries and keys of one
+    length it divides, at chunk offsets 0."""
+    if order is None:
+        return
+    m = len(order)
+    expect(sorted(order) == list(range(m)) and m > 0 and q[-2] == k[-2] and q[-2] % m == 0
+           and not row_chunk and not col_chunk,
+           f"{what}: a chunk order {tuple(order)} needs queries and keys of one length it "
+           f"divides, at chunk offsets 0; got {q}, {k}")
+
+
+def _attention_shape(in_shapes, scale, causal=False, row_chunk=0, col_chunk=0, order=None):
     expect(len(in_shapes) == 3, "attention takes q, k, v")
     q, k, v = in_shapes
     _check_qkv(q, k, v, "attention")
+    _check_order(q, k, row_chunk, col_chunk, order, "attention")
     return [(*q[:-1], v[-1]), tuple(q[:-1])]
 
 
-def _attention_grad_shape(in_shapes, scale, causal=False, row_chunk=0, col_chunk=0):
+def _attention_grad_shape(in_shapes, scale, causal=False, row_chunk=0, col_chunk=0,
+                          order=None):
     expect(len(in_shapes) == 6, "attention_grad takes dout, q, k, v, out, lse")
     dout, q, k, v, out, lse = in_shapes
     _check_qkv(q, k, v, "attention_grad")
+    _check_order(q, k, row_chunk, col_chunk, order, "attention_grad")
     want = (*q[:-1], v[-1])
     expect(tuple(dout) == want and tuple(out) == want,
            f"attention_grad: dout {dout} and out {out} must be {want}")
@@ -308,7 +341,8 @@ ATTENTION = Op(
     forward=_attention_forward,
     backward=_attention_backward,
     saves=(0, 1, 2),
-    doc="softmax(scale q k^T, causally masked at row_chunk/col_chunk) v and the rows' "
+    doc="softmax(scale q k^T, causally masked at row_chunk/col_chunk, or by the positions "
+        "a chunk order places) v and the rows' "
         "log-sum-exp (a flash kernel's two outputs)",
 )
 

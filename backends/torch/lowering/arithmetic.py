@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.constants import constant_input, constant_value
+from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.fills import additive_mask, masked_fill, selected, where
 from backends.torch.lowering.ir import (
     ChunkCat,
@@ -31,6 +31,7 @@ from backends.torch.lowering.ir import (
     SgdGrad,
     Shifted,
     VocabMask,
+    complex_parts,
 )
 from backends.torch.lowering.registry import lowers
 
@@ -472,20 +473,9 @@ def causal_add(lw: Lowerer, args: Any, shapes: list) -> int | None:
     return None
 
 
-def _complex_parts(lw: Lowerer, a: Any) -> tuple[int, int | None] | None:
-    """(real, imaginary) of a complex argument, (x, None) for a real tensor."""
-    x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
-    if isinstance(x, Complex):
-        return x.re, x.im
-    value = constant_value(lw, a)
-    if value is not None and np.iscomplexobj(value):
-        return constant_input(lw, value.real), constant_input(lw, value.imag)
-    return None
-
-
 def complex_mul(lw: Lowerer, args: Any, shapes: list) -> Complex | None:
     """(x + iy)(u + iv) = (xu - yv) + i(xv + yu); None when neither factor is complex."""
-    pa, pb = _complex_parts(lw, args[0]), _complex_parts(lw, args[1])
+    pa, pb = complex_parts(lw, args[0]), complex_parts(lw, args[1])
     if pa is None and pb is None:
         return None
     pa = pa or (lw.val(args[0]), None)
@@ -516,6 +506,17 @@ def to_copy(lw: Lowerer, args, kwargs, shapes, group):
     raise LoweringError(f"{lw.name}: a conversion of a computed value to {dtype or 'another layout'} "
                         f"is not lowered (only the batch's ids, masks of them and integers "
                         f"counted from them convert exactly; any other value would be rounded)")
+
+@lowers("aten._conj.default", "aten.conj_physical.default", "aten.conj.default")
+def conj(lw: Lowerer, args, kwargs, shapes, group):
+    """The complex conjugate: the real part, the imaginary part negated (a
+    real tensor is its own conjugate)."""
+    parts = complex_parts(lw, args[0])
+    if parts is None or parts[1] is None:
+        return lw.val(args[0])
+    re, im = parts
+    return Complex(re, lw.emit("mul_scalar", [im], [lw.shapes[im]], {"value": -1.0})[0])
+
 
 lowers("aten.div_.Scalar", "aten.div_.Tensor", "aten.div.Scalar")(_scalar('div'))
 lowers("aten.mul.Scalar")(_scalar('mul_scalar'))

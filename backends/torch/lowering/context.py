@@ -88,6 +88,11 @@ class Lowered:
     #: block as (the value it is a block of, its starts, its shape)
     grad_blocks: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = \
         field(default_factory=dict)
+    #: the rank's sequence is laid out in a load balancer's order, and the
+    #: single-device step is written in it (``tracer.seq_order``): a ring's
+    #: blocks are loose, its results named by the shim (docs/soundness.md,
+    #: "Plans traced from PyTorch", 66)
+    reordered: bool = False
 
 
 @dataclass

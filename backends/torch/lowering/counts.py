@@ -32,7 +32,7 @@ from backends.torch.lowering.integer_rows import (
     scaled_rows,
     spread,
 )
-from backends.torch.lowering.ir import Const, Flag, IdRows, Ids, pending_of
+from backends.torch.lowering.ir import Complex, Const, Flag, IdRows, Ids, complex_parts, pending_of
 from backends.torch.lowering.onehot import id_rows
 from backends.torch.lowering.registry import Handler, refines
 
@@ -165,22 +165,32 @@ def lookup_backward(base: Handler) -> Handler:
 
 @refines("aten.gather.default")
 def gather(base: Handler) -> Handler:
-    """``x.gather(-1, v)`` at bounded integers v (RoBERTa's token types
-    picked at its positions): the sum over the last dim of x times v's
-    one-hot rows; integers picked from integers keep x's bounds."""
+    """``x.gather(d, v)`` at bounded integers v (RoBERTa's token types
+    picked at its positions along the last dim; torchtitan's rotary table
+    gathered at a rank's positions along the sequence): the sum over dim d
+    of x times v's one-hot rows, v's other dims those of x; integers
+    picked from integers keep x's bounds."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         v = bounded_value(lw, args[2])
         if v is None:
             return base(lw, args, kwargs, shapes, group)
-        x = lw.val(args[0])
-        nd = len(lw.shapes[x])
+        nd = len(shapes[0])
         dim = int(args[1]) % nd
-        if nd > 8 or dim != nd - 1 or lw.shapes[x][:-1] != lw.shapes[v][:-1]:
-            raise LoweringError(f"{lw.name}: a gather at integers computed from the ids other "
-                                f"than along the last dim of a tensor of the index's other dims")
-        rows = one_hot_rows(lw, v, lw.shapes[x][-1])
-        lead = "abcdefgh"[:nd - 1]
-        out = einsum(lw, f"{lead}z,{lead}yz->{lead}y", x, rows)
+        others = [k for k in range(nd) if k != dim]
+        parts = complex_parts(lw, args[0])
+        x = parts[0] if parts is not None else lw.val(args[0])
+        if nd > 8 or len(lw.shapes[v]) != nd or \
+                [lw.shapes[x][k] for k in others] != [lw.shapes[v][k] for k in others]:
+            raise LoweringError(f"{lw.name}: a gather at integers computed from the ids of an "
+                                f"index whose other dims are not the tensor's")
+        rows = one_hot_rows(lw, v, lw.shapes[x][dim])
+        letters = "abcdefgh"[:nd]
+        at = lambda c: letters[:dim] + c + letters[dim + 1:]  # noqa: E731
+        spec = f"{at('z')},{at('y')}z->{at('y')}"
+        parts = complex_parts(lw, args[0])
+        if parts is not None and parts[1] is not None:  # a complex table: each part gathered
+            return Complex(einsum(lw, spec, parts[0], rows), einsum(lw, spec, parts[1], rows))
+        out = einsum(lw, spec, x, rows)
         bounds = integer_bounds(lw, args[0])
         if bounds is not None:
             lw.integral[out] = bounds

@@ -461,6 +461,17 @@ class Complex:
     im: int
 
 
+def complex_parts(lw: Lowerer, a: Any) -> tuple[int, int | None] | None:
+    """(real, imaginary) of a complex argument, (x, None) for a real tensor."""
+    x = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
+    if isinstance(x, Complex):
+        return x.re, x.im
+    value = constant_value(lw, a)
+    if value is not None and np.iscomplexobj(value):
+        return constant_input(lw, value.real), constant_input(lw, value.imag)
+    return None
+
+
 def refuse_max_read(lw: Lowerer) -> None:
     raise LoweringError(f"{lw.name}: a comparison with a maximum (amax(x) == x) read other than "
                         f"by amax's backward is not lowered")

@@ -71,8 +71,12 @@ class DeadRows(Pending):
 class Count(Pending):
     """The number of true entries of a flag in the recorded batch (after a
     SUM all-reduce, the group's total): read only as a divisor, a constant
-    of the traced step like the cross-entropy's own mean count."""
+    of the traced step like the cross-entropy's own mean count.
+    ``unsummed``: an all-reduced count in the pass that only collects the
+    ranks' counts (its value this rank's alone; ``lower_ranks`` lowers
+    again with the sum)."""
     value: int
+    unsummed: bool = False
 
     def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: a count of a mask's true entries is read other than as "

@@ -457,10 +457,29 @@ def divide(base: Handler) -> Handler:
         c = pending_of(lw, args[1])
         if not isinstance(c, Count):
             return base(lw, args, kwargs, shapes, group)
+        if c.value == 0 and c.unsummed:
+            # the pass that only collects the ranks' counts (lower_ranks),
+            # lowered again with the group's sum: 0 on this rank alone
+            return lw.emit("div", [lw.val(args[0])], shapes, {"value": 1.0})[0]
         if c.value == 0:
             raise LoweringError(f"{lw.name}: a division by a count of kept labels that is 0 in "
                                 f"the recorded batch")
         return lw.emit("div", [lw.val(args[0])], shapes, {"value": float(c.value)})[0]
+    return lower
+
+
+@refines("aten.clamp.default", "aten.clamp_min.default")
+def count_clamp(base: Handler) -> Handler:
+    """A count clamped from below (``count.clamp(min=1)``, a mean's guard
+    against a rank with no kept label): the count or the bound, whichever
+    is larger, a constant like the count."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        c = pending_of(lw, args[0])
+        low = args[1] if len(args) > 1 else kwargs.get("min")
+        high = args[2] if len(args) > 2 else kwargs.get("max")
+        if not isinstance(c, Count) or low is None or high is not None:
+            return base(lw, args, kwargs, shapes, group)
+        return Count(max(c.value, int(low)), c.unsummed)
     return lower
 
 
@@ -489,7 +508,7 @@ def _reduced_count(lw: Lowerer, c: Count, group: tuple[int, ...]) -> Count:
     k = len(lw.count_reduces)
     lw.count_reduces.append((tuple(group), c.value))
     if lw.counts == "collect":
-        return c
+        return Count(c.value, unsummed=True)
     return Count(lw.counts[k])
 
 

@@ -426,6 +426,24 @@ def ring_result(lw: Lowerer, args, kwargs, shapes, group):
     return [out, lse]
 
 
+@lowers("verdict_cp.ring_grads.default")
+def ring_grads(lw: Lowerer, args, kwargs, shapes, group):
+    """The shim's name for a ring backward's dq, dk and dv: the values as
+    they are, recorded as the gradients of the attention of the rank's
+    query over the keys and values its local ones are pieces of, at the
+    rank's query, key and value rows (``Lowerer.anchors``; the build claims
+    them so, and the claim is proved)."""
+    dq, dk, dv, q, k, v = (lw.val(a) for a in args[:6])
+    for value, shape in zip((dq, dk, dv), shapes[:3]):
+        if lw.shapes[value] != tuple(shape):
+            raise LoweringError(f"{lw.name}: a ring's gradients named for values of other "
+                                f"shapes")
+    lw.anchors[dq] = ("dq", q, k, v)
+    lw.anchors[dk] = ("dk", q, k, v)
+    lw.anchors[dv] = ("dv", q, k, v)
+    return [dq, dk, dv]
+
+
 @lowers("aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
 def sdpa_backward(lw: Lowerer, args, kwargs, shapes, group):
     """dv = p^T g; ds = softmax'(g v^T) (masked); dq = ds k * scale; dk = ds^T q * scale."""

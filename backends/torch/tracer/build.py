@@ -135,7 +135,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         if node.group is not None or node.op == "split":
             self.layout_step(node, coords)
             return
-        if node.op == "cat" and not self.aligns(node) and (self.joins(node)
+        if node.op == "cat" and not self.aligns(node) and (self.rejoins(node) or self.joins(node)
                                                            or self.cat_block(node)):
             return
         if node.op == "zeros" and node.outs[0] in self.low.empty_sums:
@@ -298,6 +298,7 @@ class _Writer:
                 x = self.peer_input(peer.low.rank, node, k)
                 self.materialize(peer, x)
                 r.receive(node, peer, x)
+                r.anchored([node])
                 self.emit(r, node, k)
                 continue
             if node.op == "all_reduce" and self.sum_across(r, node, k):

@@ -88,7 +88,8 @@ def _run(spec: dict, rank: int) -> dict:
     cp = spec.get("cp", 1) if spec["parallel"] else 1
     world = spec["dp"] * cp * spec["tp"] * spec["pp"]
     model, runner, after, mesh, loaded, coords = _setup(spec, rank, cp, world)
-    tokens, labels = _batch(spec, coords, cp)
+    order = sequence_order(model, spec["seqlen"], cp) if spec["parallel"] else None
+    tokens, labels = _batch(spec, coords, cp, order)
 
     tracker = Tracker()
     rec = Recorder(tracker)
@@ -120,7 +121,6 @@ def _run(spec: dict, rank: int) -> dict:
                     losses = own.run(tokens, labels, rec.set_mb)
                 else:
                     losses = [runner(tokens, labels)]
-                    check_cp(cp)
                     losses[0].backward()
             if after is not None:
                 after(model, mesh)
@@ -139,6 +139,7 @@ def _run(spec: dict, rank: int) -> dict:
     return {
         "ties": _ties(model),
         "rank": rank, "coords": coords, "split": split, "events": rec.events, "shapes": rec.shapes,
+        "sequence_order": order,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
         "int_values": rec.int_values,
@@ -188,16 +189,18 @@ def _setup(spec: dict, rank: int, cp: int, world: int) -> tuple:
     return model, runner, after, mesh, loaded, coords
 
 
-def _batch(spec: dict, coords: dict[str, int], cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(spec: dict, coords: dict[str, int], cp: int,
+           order: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank's tokens and labels: its data-parallel rows of the batch,
-    its context-parallel chunk of the sequence."""
+    its context-parallel chunk of the sequence (laid out in ``order``, a
+    load balancer's, when given)."""
     gen = torch.Generator().manual_seed(spec["seed"])
     shape = (spec["batch"], spec["seqlen"])
     tokens = torch.randint(0, spec["vocab"], shape, generator=gen)
     labels = torch.randint(0, spec["vocab"], shape, generator=gen)
     local_batch = spec["batch"] // spec["dp"] if spec["parallel"] else spec["batch"]
     rows = slice(coords["dp"] * local_batch, (coords["dp"] + 1) * local_batch)
-    tokens, labels = (sequence_chunk(t[rows], coords["cp"], cp) for t in (tokens, labels))
+    tokens, labels = (sequence_chunk(t[rows], coords["cp"], cp, order) for t in (tokens, labels))
     return tokens, labels
 
 
@@ -275,41 +278,44 @@ def _ties(model: torch.nn.Module) -> dict[str, str]:
             if kept.get(id(p), n) != n}
 
 
-def sequence_chunk(rows: torch.Tensor, c: int, cp: int) -> torch.Tensor:
+def sequence_order(model: torch.nn.Module, seqlen: int, cp: int) -> list[int] | None:
+    """The single-device positions in the order ``context_parallel`` lays
+    out its buffers under the recipe's load balancer, or None without one.
+    A recipe names the balancer as ``model.cp_load_balancer``: a function
+    of (sequence length, cp size) returning one of PyTorch's
+    ``_LoadBalancer``s (``_HeadTailLoadBalancer``, ...), whose indices are
+    used as ``_context_parallel_buffers`` uses them. Indices that differ
+    between batch rows, or that are no permutation, are refused in one
+    line."""
+    make = getattr(model, "cp_load_balancer", None)
+    if make is None or cp == 1:
+        return None
+    indices = make(seqlen, cp)._generate_indices()
+    rows = {tuple(int(i) for i in row) for row in indices.reshape(-1, indices.shape[-1])}
+    if len(rows) != 1:
+        raise ValueError("the load balancer orders the batch rows' positions differently: "
+                         "not verified (one order for every row)")
+    order = list(rows.pop())
+    if sorted(order) != list(range(seqlen)):
+        raise ValueError(f"the load balancer's indices {order} are no order of the "
+                         f"{seqlen} positions")
+    return order
+
+
+def sequence_chunk(rows: torch.Tensor, c: int, cp: int,
+                   order: list[int] | None = None) -> torch.Tensor:
     """Context-parallel rank ``c``'s piece of ``rows`` [batch, seq]: chunk c
     of ``cp`` equal chunks of the sequence, as ``context_parallel``'s
-    buffers are cut without a load balancer (the whole when cp is 1). A
-    ring attention run with the head-tail load balancer on is refused
-    (``check_cp``)."""
+    buffers are cut (the whole when cp is 1), of the positions laid out in
+    ``order`` first when a load balancer gives one (``sequence_order``)."""
     seqlen = rows.shape[1]
     if seqlen % cp:
         raise ValueError(f"the sequence length {seqlen} is not a multiple of the "
                          f"context-parallel size {cp}")
+    if order is not None:
+        rows = rows[:, order]
     n = seqlen // cp
     return rows[:, c * n:(c + 1) * n].clone()
-
-
-def check_cp(cp: int) -> None:
-    """Refuse, in one line, a context-parallel step whose ring attention ran
-    (enabled, through ``cp_shim``, in DTensor's custom op handlers) with
-    PyTorch's head-tail load balancer on: a rank's buffers then hold two
-    chunks of the sequence (c and 2 cp - 1 - c), which the backend does not
-    claim as two pieces yet. Without it the ring is traced and verified
-    (docs/soundness.md, "Plans traced from PyTorch", 53)."""
-    if cp == 1 or "torch.distributed.tensor.experimental._context_parallel._attention" \
-            not in sys.modules:
-        return
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.experimental._context_parallel import _attention
-
-    cpu_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # cp_shim's
-    if cpu_kernel not in DTensor._op_dispatcher._custom_op_handlers:
-        return
-    if _attention._cp_options.enable_load_balance:
-        raise ValueError("context parallelism's ring attention ran (backends/torch/zoo/cp_shim.py) "
-                         "with the head-tail load balancer on, which gives a rank two chunks of "
-                         "the sequence: not verified yet (turn it off: _cp_options."
-                         "enable_load_balance = False)")
 
 
 def recipe_result(model: torch.nn.Module, result: Any) -> tuple[torch.nn.Module, Any]:

@@ -104,6 +104,20 @@ def ring_result(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: 
     return out.clone(), lse.clone()
 
 
+@torch.library.custom_op("verdict_cp::ring_grads", mutates_args=())
+def ring_grads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring backward's dq, dk and dv for the rank's local query, keys
+    and values, as they are (copies): it names, for the trace, what the
+    ring's backward computed (the gradients of the attention of that query
+    over the keys and values the local ones are pieces of, at the local
+    rows; docs/soundness.md, "Plans traced from PyTorch", 66). It computes
+    nothing, so a real run is unchanged."""
+    del query, key, value
+    return dq.clone(), dk.clone(), dv.clone()
+
+
 def _forward_handler(op_call, args: tuple, kwargs: dict):
     """CP's ring with the CPU kernel per block (what CP's handler does for
     ``_scaled_dot_product_flash_attention``), its result named by
@@ -127,6 +141,7 @@ def _backward_handler(op_call, args: tuple, kwargs: dict):
         mesh.get_group(), SEQ_DIM, _block_backward, grad_out=g, grad_out_name="grad_out",
         query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=causal, dropout_p=dropout,
         scale=kwargs.get("scale"))
+    dq, dk, dv = ring_grads(dq, dk, dv, q, k, v)
     return _wrap(mesh, dq, args[1]), _wrap(mesh, dk, args[2]), _wrap(mesh, dv, args[3])
 
 
@@ -140,4 +155,4 @@ def apply() -> None:
     print("context-parallel CPU shim (backends/torch/cp_shim.py): CP's ring attention calls "
           "_scaled_dot_product_flash_attention_for_cpu and its backward per block; its rotation "
           "and merge run as they ship; its merged result is named by verdict_cp::ring_result "
-          "(a copy)", file=sys.stderr)
+          "and its backward's by verdict_cp::ring_grads (copies)", file=sys.stderr)

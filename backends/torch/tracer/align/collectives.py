@@ -57,6 +57,9 @@ class Collectives(Pieces):
                 dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
             except LoweringError:
                 souts = self.computed_split(node, cut=True)
+                if souts is None and self.low.reordered and self.low.anchors \
+                        and self.splits_piece(node):
+                    return
                 if souts is None:
                     raise
                 self.split_as_single(node, souts)
@@ -78,6 +81,57 @@ class Collectives(Pieces):
                                 steps=c.steps if "step" in partial else None)
         self.check(out, uneven=True)
 
+    def splits_piece(self, node: LNode) -> bool:
+        """A split of a piece along a dim axes cut, into ``parts`` at
+        ``index``, where the sequence is laid out in a load balancer's order
+        (a load-balanced ring's half of a rank's query, keys, output
+        gradient, merged out or lse): the piece's own piece ``index`` of
+        ``parts``, claimed cut by its axes and one more, ``split{parts}``,
+        read at ``index`` (docs/soundness.md, "Plans traced from PyTorch",
+        66). The claim is proved like any. False for a value that is not a
+        piece along the dim, partial, or split so already."""
+        x, out = node.ins[0], node.outs[0]
+        c = self.claim.get(x)
+        d = node.kwargs["dim"] % len(self.low.shapes[x])
+        axis = f"split{node.kwargs['parts']}"
+        if c is None or c.loose or c.partial or not c.dims[d] or any(
+                axis in axes for axes in c.dims):
+            return False
+        self.sizes[axis] = node.kwargs["parts"]
+        dims = [[*axes, axis] if k == d else list(axes) for k, axes in enumerate(c.dims)]
+        self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale,
+                                {**(c.at or {}), axis: node.kwargs["index"]})
+        self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+        return True
+
+    def rejoins(self, node: LNode) -> bool:
+        """A ``cat`` along a dim of the pieces ``splits_piece`` claimed, one
+        of each index of its ``split{parts}``, in any order: claimed as the
+        piece they were split from (the claim is proved, so pieces joined
+        in another order than the split's fail: a load balancer's chunks
+        put back wrongly). False for any other cat."""
+        d = node.kwargs["dim"] % len(self.low.shapes[node.ins[0]])
+        claims = [self.claim.get(v) for v in node.ins]
+        if any(c is None or c.loose or not c.dims[d] for c in claims):
+            return False
+        axis = claims[0].dims[d][-1]
+        if not axis.startswith("split") or len(claims) != self.sizes.get(axis) \
+                or len({self.sv[v] for v in node.ins}) != 1:
+            return False
+        rest = [(c.dims, c.partial, c.scale, c.mbs,
+                 {a: i for a, i in (c.at or {}).items() if a != axis}) for c in claims]
+        if any(r != rest[0] for r in rest) or sorted(c.at[axis] for c in claims) \
+                != list(range(len(claims))):
+            return False
+        first = claims[0]
+        at = rest[0][4] or None
+        out = node.outs[0]
+        self.claim[out] = Claim([axes[:-1] if k == d else list(axes)
+                                 for k, axes in enumerate(first.dims)], first.partial, first.mbs,
+                                first.scale, at)
+        self.sv[out], self.mb[out] = self.sv[node.ins[0]], self.mb.get(node.ins[0], -1)
+        return True
+
     def receive(self, node: LNode, peer: Pieces, x: int) -> None:
         """A value received from ``peer``: the value it sent, the same piece
         (its axes read at the coordinates the peer reads them at, where they
@@ -86,6 +140,9 @@ class Collectives(Pieces):
         self.sv[out] = peer.sv[x]
         self.mb[out] = peer.mb.get(x, -1)
         c = peer.claim[x]
+        if c.loose:  # a ring's partial sums passed on: loose here too
+            self.claim[out] = Claim([[] for _ in c.dims], loose=self.b.loose_number())
+            return
         full = peer.gshape(x)
         dims = [[] if peer.extent(d, n) == n else list(d) for d, n in zip(c.dims, full)]
         # read at the peer's coordinates, or at those its own claim names (a

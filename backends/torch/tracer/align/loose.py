@@ -30,7 +30,7 @@ class Loose(Pieces):
         # stage is the one that reads the loose inputs' producers
         near = []
         for v in node.ins:
-            if self.is_loose(v):
+            if self.is_loose(v) and not self.is_zero(v):
                 made = self.b.s_made.get(self.sv[v])
                 near += [self.sv[v], *(o for o in (made.outs if made else ()) if o >= 0)]
         for i, o in enumerate(node.outs):
@@ -39,8 +39,9 @@ class Loose(Pieces):
             shape = tuple(self.low.shapes[o])
             tries = ([bases[i]] if bases else []) + near
             base = next((t for t in tries if self.fits_in(shape, t)), None)
-            if base is None:
-                base = next((t for t in self.b.s.low.shapes if self.fits_in(shape, t)), None)
+            if base is None:  # the last value the single-device step computes that fits
+                base = next((o for n in reversed(self.b.s.low.nodes) for o in n.outs
+                             if o >= 0 and self.fits_in(shape, o)), None)
             if base is None:
                 raise AlignError(f"rank {self.low.rank} runs {node.op} at {scope(node.name)} "
                                  f"on values of no single-device tensor, into a shape "

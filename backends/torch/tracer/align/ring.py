@@ -37,11 +37,25 @@ class Ring(Pieces):
             for v in node.ins:
                 if v in self.pending:
                     emitted += self.materialize(v)
-            self.make_loose(node)
+            self.make_loose(node, self.block_bases(node))
             return [*emitted, node]
         if node.op == "add" and len(node.ins) == 2 \
                 and not any(v in self.pending for v in node.ins) and self.accumulates_steps(node):
             return [node]
+        return None
+
+    def block_bases(self, node: LNode) -> list[int] | None:
+        """The outputs of the single-device attention (or its gradient)
+        reading the values a ring's block reads pieces of, loose ones
+        included (a half of a rank's query): the values a loose block's
+        results are claimed beside, so that their stage comes after every
+        value they read. None for any other node."""
+        if node.op not in ("attention", "attention_grad"):
+            return None
+        ins = [self.sv.get(v, -1) if v >= 0 else -1 for v in node.ins]
+        for n in self.b.s.low.nodes:
+            if n.op == node.op and n.dir == node.dir and list(n.ins) == ins:
+                return list(n.outs)
         return None
 
     def accumulates_steps(self, node: LNode) -> bool:
@@ -67,15 +81,19 @@ class Ring(Pieces):
             hi += 1
         elif not cb.loose and cb.steps is not None and self.sv[a] == self.sv[b] \
                 and ca.dims == cb.dims and ca.at == cb.at and ca.partial == cb.partial \
-                and ca.scale == cb.scale and cb.steps[2] == n and hi == cb.steps[0]:
+                and cb.steps[2] == n and hi == cb.steps[0]:
             hi = cb.steps[1]
         else:
             return False
         partial = set(ca.partial)
         if (lo, hi) == (0, n):
             partial.discard("step")
+        # parts of unequal factors (ranks whose losses are scaled apart: a
+        # per-rank mean): the sum claimed at the later part's, which holds
+        # only if the other part is zero; the claim is proved or refuted
+        scale = cb.scale if not zb else ca.scale
         self.sv[out], self.mb[out] = self.sv[a], self.mb.get(a, -1)
-        self.claim[out] = Claim([list(d) for d in ca.dims], frozenset(partial), ca.mbs, ca.scale,
+        self.claim[out] = Claim([list(d) for d in ca.dims], frozenset(partial), ca.mbs, scale,
                                 ca.at, None if (lo, hi) == (0, n) else (lo, hi, n))
         return True
 
@@ -89,21 +107,36 @@ class Ring(Pieces):
         return nodes
 
     def anchor(self, o: int) -> None:
+        """Claim a value the shim names: the ring's merged out or lse as the
+        single-device attention's of the rank's query over the keys and
+        values its local ones are pieces of (53 (d)); the ring backward's
+        dq, dk or dv as that attention's gradient (the single-device
+        ``attention_grad`` reading the same query, keys and values) at the
+        rank's query, key or value rows (66). The claims are proved."""
         kind, q, k, v = self.low.anchors[o]
         nodes = self.b.s.low.nodes
-        cands = [n for n in nodes if n.op == "attention" and n.dir == "fw"
-                 and n.ins[0] == self.sv.get(q)]
-        cands.sort(key=lambda n: (n.ins[1] != self.sv.get(k), n.ins[2] != self.sv.get(v)))
+        op = "attention_grad" if kind in ("dq", "dk", "dv") else "attention"
+        at = 1 if op == "attention_grad" else 0
+        cands = [n for n in nodes if n.op == op and n.dir == "fw"
+                 and n.ins[at] == self.sv.get(q)]
+        cands.sort(key=lambda n: (n.ins[at + 1] != self.sv.get(k), n.ins[at + 2] != self.sv.get(v)))
         if not cands:
             raise AlignError(f"rank {self.low.rank}: a ring attention's result whose query the "
                              f"single-device step never attends with")
         cq, cv = self.claim[q], self.claim[v]
-        dims = [list(d) for d in cq.dims[:-1]]
-        if kind == "out":
-            dims.append(list(cv.dims[-1]))
-        self.sv[o] = cands[0].outs[0 if kind == "out" else 1]
+        if kind in ("dq", "dk", "dv"):
+            like = self.claim[{"dq": q, "dk": k, "dv": v}[kind]]
+            dims = [list(d) for d in like.dims]
+            index = ("dq", "dk", "dv").index(kind)
+        else:
+            like = cq
+            dims = [list(d) for d in cq.dims[:-1]]
+            if kind == "out":
+                dims.append(list(cv.dims[-1]))
+            index = 0 if kind == "out" else 1
+        self.sv[o] = cands[0].outs[index]
         self.mb[o] = self.mb.get(q, -1)
-        self.claim[o] = Claim(dims, frozenset(cq.partial), cq.mbs, cq.scale, cq.at)
+        self.claim[o] = Claim(dims, frozenset(cq.partial), cq.mbs, cq.scale, like.at)
         self.check(o)
 
     def infer_attention_grad(self, node: LNode) -> None:
@@ -122,6 +155,11 @@ class Ring(Pieces):
                 mbs = mbs or self.claim[x].mbs
         cq, ck = self.claim[q], self.claim[k]
         q_whole, k_whole = self.whole_rows(q), self.whole_rows(k)
+        if self.low.reordered and not (q_whole and k_whole):
+            # a block of a ring over a sequence in a load balancer's order:
+            # loose, its sums too, up to the gradients the shim names (66)
+            self.make_loose(node, [self.sv[o] if o >= 0 else -1 for o in node.outs])
+            return
         for_q, for_kv = set(partial), set(partial)
         step_q = step_kv = None
         if not q_whole and not k_whole:
