@@ -174,7 +174,13 @@ class NodeMatching(Pieces):
         input: that input itself (row-major reshapes compose, the same
         entries in the same order). Its readers are given that input
         instead, an identity of the rank's program (every reader computes
-        the same values), and the node is left out."""
+        the same values), and the node is left out. Only where every reader
+        is a forward node of the model (not of its backward, ``bw:``): a
+        ring's log-sum-exp unflattened and flattened back for the ring's
+        backward on a rank with no target is left to align as before."""
+        if any(r.dir != "fw" or r.name.startswith("bw:") for r in self.consumers.get(
+                node.outs[0] if node.outs else -1, [])):
+            return False
         if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
                 or len(node.outs) != 1 or node.ins[0] not in self.sv or self.aligns(node):
             return False
