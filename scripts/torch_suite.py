@@ -213,6 +213,12 @@ CASES: list[tuple[str, str, int]] = [
     ("titan llama3 debugmodel dp2 tp2 pp2", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8", 0),
     ("megatron tp2", f"{MEGATRON}tp --dp 1 --tp 2", 0),
     ("megatron tp2 sp", f"{MEGATRON}tp_sp --dp 1 --tp 2", 0),
+    # Megatron's own clipping: the norm's .item() traced, its `if clip_coeff < 1.0:` refused
+    ("megatron tp2 clip_grad_norm (the branch refused)",
+     f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper backends.torch.megatron:clip_grad_norm", 2),
+    ("megatron dp2 ddp clip_grad_norm (the branch refused)",
+     f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8 --clip 0.5 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 2),
     ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),
