@@ -142,3 +142,41 @@ def clip_pow_sum_flat_group_unsharded(model, mesh, max_norm: float) -> None:
                 if not _duplicate(p.grad) or _first(mesh))
     total = funcol.all_reduce(total, "sum", mesh["dp", "tp"]._flatten())
     _scale(params, max_norm, total.sqrt())
+
+
+def clip_tp_item(model, mesh, max_norm: float) -> None:
+    """``clip_tp_rank0``'s count, the norm read into Python (``.item()``) and
+    rooted and divided as Python floats, the coefficient bounded by a tensor
+    clamp: no branch on the number (``tracer.numbers``)."""
+    params = _params(model)
+    squares = [torch.linalg.vector_norm(_local(p.grad)) ** 2 for p in params
+               if not _duplicate(p.grad) or _first(mesh)]
+    total = _over_shards(torch.stack(squares).sum(), model, mesh).item() ** 0.5
+    coef = torch.clamp(torch.as_tensor(max_norm / (total + 1e-6)), max=1.0)
+    for p in params:
+        _local(p.grad).mul_(coef)
+
+
+def clip_tp_item_branch(model, mesh, max_norm: float) -> None:
+    """The same norm, then Megatron's ``if clip_coeff < 1.0:`` on the Python
+    number: a branch on a value (refused)."""
+    params = _params(model)
+    squares = [torch.linalg.vector_norm(_local(p.grad)) ** 2 for p in params
+               if not _duplicate(p.grad) or _first(mesh)]
+    total = _over_shards(torch.stack(squares).sum(), model, mesh).item() ** 0.5
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            _local(p.grad).mul_(coef)
+
+
+def clip_tp_item_not_reduced(model, mesh, max_norm: float) -> None:
+    """``clip_tp_item`` with the square sum never all-reduced (a rank's own
+    norm): wrong."""
+    params = _params(model)
+    squares = [torch.linalg.vector_norm(_local(p.grad)) ** 2 for p in params
+               if not _duplicate(p.grad) or _first(mesh)]
+    total = torch.stack(squares).sum().item() ** 0.5
+    coef = torch.clamp(torch.as_tensor(max_norm / (total + 1e-6)), max=1.0)
+    for p in params:
+        _local(p.grad).mul_(coef)

@@ -74,9 +74,19 @@ def causal_fill(mask: np.ndarray, shape: tuple[int, ...]) -> bool:
 VALUE_READ_EVENT = "python.value_read"
 
 
+#: ``.item()`` of a float tensor whose number stays traced (``tracer.numbers``):
+#: every use of the number is an op on the tensor, so this reads nothing
+TRACED_READ_EVENT = "python.traced_read"
+
+
+#: the recorder's event for a comparison of a number read with ``.item()``
+#: (``tracer.numbers``): the branch the traced run took
+GUARD_EVENT = "python.guard"
+
+
 #: ops that hand a tensor's value to Python (``.item()``, ``bool(t)``, ``torch.equal``)
 VALUE_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default",
-               VALUE_READ_EVENT}
+               VALUE_READ_EVENT, GUARD_EVENT}
 
 
 def check_no_value_reads(trace: dict) -> None:
@@ -94,6 +104,12 @@ def check_no_value_reads(trace: dict) -> None:
     constants = set(trace.get("constants", ()))
     for op, (args, kwargs), outs, _shapes, scope, *_ in trace["events"]:
         read = _values_read([args, kwargs])
+        if op == GUARD_EVENT and tainted.intersection(read):
+            _, name, other, taken = args
+            raise LoweringError(f"{scope or 'top level'}: a branch on a number read with .item() "
+                                f"(number {name} {other}: {taken}) is not lowered: the number "
+                                f"is not claimed equal to the single-device step's, so other "
+                                f"inputs may take the other branch")
         if op in VALUE_READS and tainted.intersection(read):
             raise LoweringError(f"{scope or 'top level'}: Python reads the value of a computed "
                                 f"tensor ({op}: .item(), .tolist(), .numpy(), bool(), an if on a "

@@ -31,7 +31,7 @@ from backends.torch.tracer.mesh import build as build_mesh
 from backends.torch.tracer.mesh import coords as mesh_coords
 from backends.torch.tracer.pipeline import OwnSchedule, Pipelined, PipelineStep
 from backends.torch.tracer.placements import dims_axes
-from backends.torch.tracer.record import Recorder, Tracker, ValueReads, local_of
+from backends.torch.tracer.record import Recorder, Tracker, ValueReads, local_of, traced_numbers
 from backends.torch.tracer.routing import Routing
 
 
@@ -113,7 +113,7 @@ def _run(spec: dict, rank: int) -> dict:
     data = rec.new_value(tokens)
     label_data = rec.new_value(labels)
     try:
-        with tracker, rec, ValueReads(rec), CircularPad():
+        with tracker, rec, ValueReads(rec), traced_numbers(rec), CircularPad():
             with train_context(model):
                 if pipelined is not None:
                     losses = pipelined.run(tokens, labels)

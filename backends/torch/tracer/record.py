@@ -24,9 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
-from backends.torch.lowering.constants import VALUE_READ_EVENT
+from backends.torch.lowering.constants import GUARD_EVENT, TRACED_READ_EVENT, VALUE_READ_EVENT
 from backends.torch.tracer.exchange import Exchanges
 from backends.torch.tracer.hidden_memory import HiddenMemory, is_partial_view
+from backends.torch.tracer.numbers import TracedNumber, TracedNumbers
 from backends.torch.tracer.placements import data_parallel_axis as data_parallel_axis
 from backends.torch.tracer.placements import dims_axes as dims_axes
 from backends.torch.tracer.routing import ROUTED, Routing
@@ -539,6 +540,33 @@ class ValueReads(TorchFunctionMode):
                 self.rec.events.append((VALUE_READ_EVENT, [[("v", v)], {}], [], [],
                                         self.rec.scope(), None, self.rec.mb))
         return func(*args, **(kwargs or {}))
+
+
+def traced_numbers(rec: Recorder) -> TracedNumbers:
+    """The mode keeping ``.item()`` of a traced tensor traced (``tracer.numbers``);
+    each comparison of such a number is recorded as a guard event reading it."""
+    def traced(t: torch.Tensor) -> bool:
+        """A computed value's number is traced; a constant's (of shapes and the
+        batch's ids only) is a fact of the step and stays a plain float."""
+        if isinstance(t, FakeTensor):
+            return False
+        v = rec.current(local_of(t))
+        return v is not None and v not in rec.constants
+
+    def read(t: torch.Tensor) -> float:
+        value = t.item()
+        last = rec.events[-1] if rec.events else None
+        if last is not None and last[0] == "aten._local_scalar_dense.default":
+            # the number stays traced: its uses are ops on ``t``, not a read
+            rec.events[-1] = (TRACED_READ_EVENT, *last[1:])
+        return value
+
+    def guard(number: TracedNumber, name: str, other: Any, taken: bool) -> None:
+        v = rec.current(number.tensor)
+        rec.events.append((GUARD_EVENT, [[("v", v), name, float(other), taken], {}], [], [],
+                           rec.scope(), None, rec.mb))
+
+    return TracedNumbers(traced, read, guard)
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:

@@ -707,8 +707,9 @@ def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
     the norm of the gradients each parameter counts once (not shared, not a
     tensor-parallel duplicate) over the model-parallel group
     (``get_grad_norm_fp32``), then ``clip_grad_by_total_norm_fp32``. Megatron
-    reads the norm into Python (``.item()``) and branches on it: the
-    backend refuses that read (a value-dependent step)."""
+    reads the norm into Python (``.item()``, traced: ``tracer.numbers``) and
+    branches on ``clip_coeff < 1.0``: the backend refuses that branch (a
+    guard on a number not yet claimed equal to the single-device step's)."""
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer.clip_grads import (
         clip_grad_by_total_norm_fp32,
