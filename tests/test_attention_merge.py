@@ -295,6 +295,27 @@ def test_falsify_refutes_only_what_differs() -> None:
     assert found is not None and found[1] == [(0, 0)]
 
 
+def test_a_solver_model_is_a_counterexample_only_for_the_real_functions() -> None:
+    """exp and log are uninterpreted for Z3: a model where exp(x) exp(y) and
+    exp(x + y) differ gives exp another meaning, and is no counterexample
+    (the solver's outcome is then "unknown", exit 3, never a FAIL); a model
+    of claims that differ for the real exp is one."""
+    exp = z3.Function("exp", z3.RealSort(), z3.RealSort())
+    x, y = z3.Reals("x y")
+    same = [(0, 0, exp(x) * exp(y), exp(x + y))]
+    solver = z3.Solver()
+    solver.add(exp(x) * exp(y) != exp(x + y))
+    assert solver.check() == z3.sat
+    assert falsify.real_at_model(same, solver.model()) is False
+    other = [(0, 0, exp(x), exp(2 * x))]
+    solver = z3.Solver()
+    solver.add(exp(x) != exp(2 * x))
+    assert solver.check() == z3.sat
+    model = solver.model()
+    assert falsify.real_at_model(other, model) is (model.eval(x, model_completion=True)
+                                                   .as_fraction() != 0)
+
+
 # ---------------------------------------------------------------- ring plans
 
 

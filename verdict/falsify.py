@@ -161,6 +161,42 @@ class _Values:
         return out
 
 
+class _ModelValues(_Values):
+    """The solver's input (its model's values of the free symbols), the
+    functions given their real meanings, whatever the model made of them."""
+
+    def __init__(self, model: z3.ModelRef):
+        super().__init__(0)
+        self.given = {d.name(): model[d] for d in model.decls() if d.arity() == 0}
+
+    def symbol(self, name: str) -> decimal.Decimal:
+        v = self.given.get(name)
+        if v is None:  # a symbol the model leaves free: any value does
+            return decimal.Decimal(0)
+        if z3.is_rational_value(v):
+            return decimal.Decimal(v.numerator_as_long()) / v.denominator_as_long()
+        if z3.is_algebraic_value(v):
+            return decimal.Decimal(v.as_decimal(PRECISION).rstrip("?"))
+        raise Unknown(f"the model's value of {name}")
+
+
+def real_at_model(claims: list[tuple[int, int, object, object]], model: z3.ModelRef
+                  ) -> bool | None:
+    """Whether the solver's counterexample is one for the real functions:
+    True when some claim (claim, group, left, right) differs at the model's
+    input with exp, log and the others evaluated as themselves; False when
+    every claim holds there (the model needs an exp or a log that is not
+    the real one, so it is no counterexample); None when a term cannot be
+    evaluated or a comparison is a near tie."""
+    context = decimal.Context(prec=PRECISION, Emax=10 ** 6, Emin=-10 ** 6)
+    with decimal.localcontext(context):
+        values = _ModelValues(model)
+        try:
+            return any(differs(values.of(a), values.of(b)) for _, _, a, b in claims)
+        except (Unknown, decimal.InvalidOperation, decimal.DivisionByZero, decimal.Overflow):
+            return None
+
+
 def differs(a: decimal.Decimal, b: decimal.Decimal) -> bool:
     return abs(a - b) > MARGIN * max(decimal.Decimal(1), abs(a), abs(b))
 
