@@ -214,10 +214,15 @@ def judge(single: Plan, parallel: Plan, seed: int = 0) -> Judgement:
         # each rank's loss is its share of the loss (they sum to it), or the
         # mean over its own data (their mean is the loss)
         mean = total / count[(stage, tp_index)] / real
-        # or each rank's mean over its own data, as the sum of its microbatches'
-        # means over their count (Megatron's schedule)
-        rank_mean = total / len(ranks[(stage, tp_index)]) / real
-        if not any(_close(np.array(x), np.array(loss)) for x in (total, mean, rank_mean)):
+        # or, for a plan whose ranks end with gradient blocks (Megatron's
+        # distributed optimizer), each rank's mean over its own data as the
+        # sum of its microbatches' means over their count (Megatron's
+        # schedule); not for other plans, where accepting it too would judge
+        # a loss scaled by the microbatch count harmless (a canary's blind spot)
+        conventions = [total, mean]
+        if w.get("grad_blocks"):
+            conventions.append(total / len(ranks[(stage, tp_index)]) / real)
+        if not any(_close(np.array(x), np.array(loss)) for x in conventions):
             return Judgement(False, f"the loss of stage {stage} tp {tp_index} is {total}, "
                                     f"not {loss}")
     return Judgement(True)
