@@ -180,6 +180,10 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
         print(took)
         if single.world.get("routing"):  # top-k routing recorded when traced (tracer/routing.py)
             print(f"for the routing traced, not every routing: {single.world['routing']}")
+        if single.world.get("guards"):  # branches on numbers read with .item() (tracer/build.py)
+            print(f"for the inputs on which the single-device step takes the branches traced "
+                  f"(every rank's numbers proved equal to its, so each rank takes them too), "
+                  f"not every input: {single.world['guards']}")
         print(f"PID: {os.getpid()} - ✅ SUCCESS")
     else:
         for line in fail_lines(args, verdict, single, parallel):

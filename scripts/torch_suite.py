@@ -31,6 +31,7 @@ from backends.torch.__main__ import resolve, trace_and_build  # noqa: E402
 from backends.torch.errors import WrongStep  # noqa: E402
 from backends.torch.lowering import LoweringError  # noqa: E402
 from backends.torch.tracer.check import LoadedValueMismatch  # noqa: E402
+from backends.torch.tracer.rank import load  # noqa: E402
 from main import verify  # noqa: E402
 from verdict.diagnosis import diagnose  # noqa: E402
 
@@ -224,12 +225,28 @@ CASES: list[tuple[str, str, int]] = [
     ("titan llama3 debugmodel dp2 tp2 pp2", f"{TITAN} --dp 2 --tp 2 --pp 2 --batch 8", 0),
     ("megatron tp2", f"{MEGATRON}tp --dp 1 --tp 2", 0),
     ("megatron tp2 sp", f"{MEGATRON}tp_sp --dp 1 --tp 2", 0),
-    # Megatron's own clipping: the norm's .item() traced, its `if clip_coeff < 1.0:` refused
-    ("megatron tp2 clip_grad_norm (the branch refused)",
-     f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper backends.torch.megatron:clip_grad_norm", 2),
-    ("megatron dp2 ddp clip_grad_norm (the branch refused)",
+    # Megatron's own clipping: the norm's .item() traced, its `if clip_coeff < 1.0:` a guard
+    # taken alike on one device (Megatron's code at world size 1), each rank's number proved
+    # equal to the single-device one (docs/soundness.md, "Plans traced from PyTorch", 69-71)
+    ("megatron tp2 clip_grad_norm (branch clip_coeff < 1.0 taken)",
+     f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper backends.torch.megatron:clip_grad_norm", 0),
+    ("megatron dp2 ddp clip_grad_norm (branch clip_coeff < 1.0 taken)",
      f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8 --clip 0.5 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 0),
+    ("megatron dp2 distributed optimizer clip_grad_norm (refused: its norm over the shards is "
+     "not traced)",
+     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --clip 0.5 "
      "--clipper backends.torch.megatron:clip_grad_norm", 2),
+    ("megatron tp2 clip_grad_norm max_norm 1000 (branch not taken, the number still compared)",
+     f"{MEGATRON}tp --dp 1 --tp 2 --clip 1000 --clipper backends.torch.megatron:clip_grad_norm",
+     0),
+    ("megatron bug tp2 clip_grad_norm over the data-parallel group (a rank's own norm)",
+     f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper tests.norm_clippers:megatron_norm_over_dp",
+     1),
+    ("megatron tp2 clip_grad_norm against torch's clip_grad_norm_ on one device (refused: no "
+     "single-device branch to match)",
+     f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 "
+     "--clipper tests.norm_clippers:megatron_large_branch_other_side", 2),
     ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),
@@ -274,8 +291,6 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron distributed optimizer reduce-scattered over the tp group refused (a range of "
      "other gradients' elements)",
      f"{MEGATRON}dist_opt_wrong_group --dp 2 --tp 2 --batch 8 --hidden 24", 2),
-    ("megatron tp2 clip_grad_norm (reads the norm with .item())",
-     f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 --clipper backends.torch.megatron:clip_grad_norm", 2),
     ("megatron pp2 interleaved batched p2p (1450)",
      f"{MEGATRON}pp_interleaved --pp 2 --dp 1 --tp 1 --layers 4 --batch 8", 2),
     # layers as users write them (docs/torch-backend.md, "Models written by users")
@@ -970,8 +985,13 @@ def cpu_seconds() -> float:
 
 
 def single_key(args: argparse.Namespace) -> tuple:
+    """What the single-device trace depends on: the model and sizes, the
+    optimizer, the clipping, and a clipper that runs on one device too
+    (``one_device``: Megatron's)."""
+    clipper = getattr(args, "clipper", None)
+    one_device = clipper if clipper and getattr(load(clipper), "one_device", False) else None
     return (args.model, args.layers, args.hidden, args.heads, args.ffn, args.vocab, args.seqlen,
-            args.batch, args.seed, args.optimizer, args.clip)
+            args.batch, args.seed, args.optimizer, args.clip, one_device)
 
 
 def run_case(argv: str, singles: dict) -> tuple[int, str]:

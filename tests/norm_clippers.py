@@ -180,3 +180,35 @@ def clip_tp_item_not_reduced(model, mesh, max_norm: float) -> None:
     coef = torch.clamp(torch.as_tensor(max_norm / (total + 1e-6)), max=1.0)
     for p in params:
         _local(p.grad).mul_(coef)
+
+
+def megatron_norm_over_dp(model, mesh, max_norm: float) -> None:
+    """A mistake in Megatron's own clipping: ``get_grad_norm_fp32`` reduced
+    over the data-parallel group instead of the model-parallel one (a
+    tensor-parallel rank's norm is its own pieces'), then
+    ``clip_grad_by_total_norm_fp32``. Like Megatron's, it runs on one device
+    too (``one_device``), where both groups are of one rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,
+        get_grad_norm_fp32,
+    )
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+    params = _params(model)
+    counted = [p.grad for p in params
+               if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    total = get_grad_norm_fp32(counted, norm_type=2,
+                               grad_stats_parallel_group=ps.get_data_parallel_group())
+    clip_grad_by_total_norm_fp32(params, max_norm, total)
+
+
+megatron_norm_over_dp.one_device = True  # type: ignore[attr-defined]
+
+
+def megatron_large_branch_other_side(model, mesh, max_norm: float) -> None:
+    """Megatron's clipping on the ranks, and on one device torch's
+    ``clip_grad_norm_`` (no ``one_device``): the single-device step reads no
+    number and branches on none, so the ranks' branch is refused."""
+    from backends.torch.zoo.megatron import clip_grad_norm
+    clip_grad_norm(model, mesh, max_norm)

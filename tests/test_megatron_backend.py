@@ -1,5 +1,5 @@
 """Megatron-Core on the torch backend (docs/torch-backend.md, "Megatron-Core"):
-the CPU shim's eight patches apply and are printed, and Megatron's GPTModel at
+the CPU shim's nine patches apply and are printed, and Megatron's GPTModel at
 TP 2 + SP verifies through its own schedule, DDP and finalize_model_grads,
 a shipped mistake FAILs, the interleaved PP 2 batched-p2p finding and a
 strided shard are refused in one line. Each runs in a fresh interpreter:
@@ -51,6 +51,9 @@ assert torch.zeros(1, dtype=torch.float64).type() in ["torch.cuda.FloatTensor"],
 assert torch.zeros(1, dtype=torch.int64).type() != "torch.cuda.FloatTensor", "6"
 assert torch.Tensor.type(torch.zeros(1)) == "torch.FloatTensor", "6: called through the class"
 assert torch.Tensor.type(torch.zeros(1), torch.int64).dtype == torch.int64, "6: a conversion"
+grads = [torch.tensor([3.0, 4.0]), torch.tensor([12.0])]
+norm, _ = clip_grads.l2_norm_impl(2048, None, [grads], False)
+assert norm.shape == () and float(norm) == 13.0, "9: the 2-norm of the stacked norms"
 print("patched")
 """
 
@@ -62,7 +65,7 @@ def test_shim_applies_and_prints_each_patch():
     assert run.stdout.strip() == "patched"
     lines = [ln for ln in run.stderr.splitlines() if ln.startswith("Megatron-Core CPU shim")]
     assert [ln.split(")", 1)[1].split(":", 1)[0].strip() for ln in lines] == \
-        [str(n) for n in range(1, 9)]
+        [str(n) for n in range(1, 10)]
 
 
 def _suite(*cases: str) -> subprocess.CompletedProcess:

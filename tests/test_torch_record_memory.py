@@ -73,3 +73,17 @@ def test_a_coalesced_collective_writes_its_outputs() -> None:
                          text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().endswith("ok")
+
+
+def test_a_write_through_a_detached_gradient_writes_the_gradient() -> None:
+    """Megatron's clipping scales ``g.detach()`` in place
+    (``dst.copy_(src * scale)``): ``g`` holds the scaled value after, as in
+    the real run, not the value it was bound to before."""
+    rec = Recorder(Tracker())
+    g = torch.arange(4.0)
+    v = rec.new_value(g)
+    with rec:
+        d = g.detach()
+        d.copy_(d * 0.5)
+    assert rec.current(g) != v and rec.current(g) == rec.current(d)
+    assert torch.equal(g, torch.arange(4.0) * 0.5)

@@ -88,3 +88,26 @@ def test_guard_on_a_computed_number_is_refused() -> None:
                         (GUARD_EVENT, [[("v", 1), "lt", 1.0, True], {}], [], [], "m", None, -1)]}
     with pytest.raises(LoweringError, match="branch on a number read with .item"):
         check_no_value_reads(trace)
+
+
+def test_computed_tensor_copied_as_data_is_refused() -> None:
+    g = torch.tensor([3.0, 4.0])
+    with _mode([]):
+        norms = [g.norm(), (2 * g).norm()]
+        with pytest.raises(UntracedNumber, match="copied into a new tensor as data"):
+            torch.tensor(norms)
+        with pytest.raises(UntracedNumber, match="copied into a new tensor as data"):
+            torch.tensor(norms[0])
+        assert torch.as_tensor(norms[0]) is norms[0]  # the tensor itself, no copy
+        assert torch.stack(norms).shape == (2,)
+        assert g.new_tensor([1.0, 2.0]).tolist() == [1.0, 2.0]
+
+
+def test_guard_collected_for_the_builder() -> None:
+    events = [("aten.sum.default", [[("v", 0)], {}], [1], [()], "m", None, -1),
+              (GUARD_EVENT, [[("v", 1), "lt", 1.0, True, "clip (x.py:3)"], {}], [], [], "m", None,
+               -1)]
+    trace = {"params": {"w": (0, (2,), None)}, "constants": [], "events": events}
+    guards: list = []
+    check_no_value_reads(trace, guards)
+    assert guards == [(1, "lt", 1.0, True, "clip (x.py:3)")]

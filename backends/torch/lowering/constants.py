@@ -89,7 +89,7 @@ VALUE_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "a
                VALUE_READ_EVENT, GUARD_EVENT}
 
 
-def check_no_value_reads(trace: dict) -> None:
+def check_no_value_reads(trace: dict, guards: list | None = None) -> None:
     """Refuse a step in which Python read the value of a tensor that depends
     on the parameters or a collective (``if h.sum() > 0:``, ``.item()``):
     the trace holds one path of the program, chosen by that value, and
@@ -99,13 +99,24 @@ def check_no_value_reads(trace: dict) -> None:
     (``ignore_index=int(labels[0, 0])``) is a fact of the traced step, as
     the label counts a mean divides by are, and so is the device mesh's
     own bookkeeping, and so are the answers to an all-to-all of such
-    values (the token counts: exchange.py)."""
+    values (the token counts: exchange.py).
+
+    A branch on a number read with ``.item()`` (a guard) is refused here
+    unless ``guards`` is given: then each guard on a computed number is
+    appended to it as (the number's value, the comparison, its constant,
+    the branch taken, the scope), for the plan builder to match with the
+    single-device step's guards or refuse (``tracer.build.match_guards``;
+    docs/soundness.md, "Plans traced from PyTorch", 69-71)."""
     tainted: set[int] = {v for v, _, _ in trace["params"].values()}
     constants = set(trace.get("constants", ()))
     for op, (args, kwargs), outs, _shapes, scope, *_ in trace["events"]:
         read = _values_read([args, kwargs])
         if op == GUARD_EVENT and tainted.intersection(read):
-            _, name, other, taken = args
+            _, name, other, taken, *code = args
+            if guards is not None:
+                guards.append((read[0], name, other, taken,
+                               code[0] if code else scope or "top level"))
+                continue
             raise LoweringError(f"{scope or 'top level'}: a branch on a number read with .item() "
                                 f"(number {name} {other}: {taken}) is not lowered: the number "
                                 f"is not claimed equal to the single-device step's, so other "

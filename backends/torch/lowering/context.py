@@ -93,6 +93,10 @@ class Lowered:
     #: blocks are loose, its results named by the shim (docs/soundness.md,
     #: "Plans traced from PyTorch", 66)
     reordered: bool = False
+    #: each branch on a number read with ``.item()``, in program order: (the
+    #: number's value, the comparison, its constant, the branch taken, the
+    #: scope) (``constants.check_no_value_reads``; matched by ``tracer.build``)
+    guards: list[tuple[int, str, float, bool, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -396,6 +400,7 @@ def live_events(trace: dict) -> set[int]:
     need |= {v for v in trace.get("updates", {}).values() if v is not None}
     need |= {v for blocks in trace.get("grad_blocks", {}).values() for v, _ in blocks}
     need |= {v for st in trace.get("states", {}).values() for v in st.values() if v is not None}
+    need |= {g[0] for g in trace.get("guards", ())}  # the numbers branched on: compared
     live = set()
     for i in range(len(trace["events"]) - 1, -1, -1):
         op, (args, kwargs), outs = trace["events"][i][:3]

@@ -67,7 +67,9 @@ def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None,
     """Lower one rank's trace (``backends.torch.rank.run``'s result);
     ``counts`` as ``Lowerer.counts`` (``lower_ranks`` gives them);
     ``peers``: the members' sends at its all-to-alls (``_all_to_all_peers``)."""
-    check_no_value_reads(trace)
+    guards: list = []
+    check_no_value_reads(trace, guards)
+    trace = {**trace, "guards": guards} if guards else trace
     return _lower_into(Lowerer(trace, vocab, counts=counts, peers=peers), trace)
 
 
@@ -117,14 +119,27 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
               for n, st in trace.get("states", {}).items() if n in held}
     blocks = {n: [_grad_block(lw, n, v, starts) for v, starts in vs]
               for n, vs in trace.get("grad_blocks", {}).items() if n in held}
+    guards = [(_guard_number(lw, v), name, other, taken, where)
+              for v, name, other, taken, where in trace.get("guards", ())]
     finals = [*updates.values(), *(v for st in states.values() for v in st.values()),
-              *(b[0] for bs in blocks.values() for b in bs)]
+              *(b[0] for bs in blocks.values() for b in bs), *(g[0] for g in guards)]
     lw.settle()
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
                    lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
-                   dict(trace.get("ties", {})), dict(lw.anchors), blocks)
+                   dict(trace.get("ties", {})), dict(lw.anchors), blocks, guards=guards)
+
+
+def _guard_number(lw: Lowerer, v: int) -> int:
+    """The lowered value of a number a guard tests (a value of the plan,
+    compared with the single-device step's: ``tracer.build.match_guards``)."""
+    x = lw.env.get(v)
+    value = lw.materialize(x) if x is not None else None
+    if not isinstance(value, int) or value < 0:
+        raise LoweringError("a branch on a number read with .item() tests a value no recorded "
+                            "op computes as a value of the plan: not lowered")
+    return value
 
 
 def _grad_block(lw: Lowerer, name: str, v: int, starts: tuple[int, ...]

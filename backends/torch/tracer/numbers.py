@@ -155,26 +155,38 @@ class TracedNumber:
 DATA_FACTORIES = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
 
 
-def _mentions(x: Any) -> bool:
+def _mentions(x: Any, traced: Callable[[torch.Tensor], bool] | None = None) -> bool:
     if isinstance(x, TracedNumber):
         return True
+    if isinstance(x, torch.Tensor):
+        return traced is not None and traced(x)
     if isinstance(x, (list, tuple)):
-        return any(_mentions(i) for i in x)
+        return any(_mentions(i, traced) for i in x)
     return False
 
 
-def _refuse_as_data(func: Any, args: tuple, kwargs: dict) -> None:
+def _refuse_as_data(func: Any, args: tuple, kwargs: dict,
+                    traced: Callable[[torch.Tensor], bool] | None = None) -> None:
     """A tensor made from a traced number as data (``torch.tensor([x])``)
     would hold its value as a constant: refused. ``torch.as_tensor(x)`` of
-    the number itself is its tensor (no copy), traced."""
+    the number itself is its tensor (no copy), traced. With ``traced``
+    (the mode's test of a computed tensor), a computed tensor copied as
+    data (``torch.tensor([t1, t2])``, ``torch.tensor(t)``: C code reads its
+    values without any op the recorder sees) is refused too; a tensor given
+    whole to ``torch.as_tensor`` is that tensor (no copy)."""
     if func not in DATA_FACTORIES:
         return
     data = list(args) + list(kwargs.values())
-    if func in (torch.as_tensor, torch.asarray) and args and isinstance(args[0], TracedNumber):
+    if func in (torch.as_tensor, torch.asarray) and args \
+            and isinstance(args[0], (TracedNumber, torch.Tensor)) \
+            or func is torch.Tensor.new_tensor:  # its first argument is the tensor it is of
         data = list(args[1:]) + list(kwargs.values())
     if any(_mentions(x) for x in data):
         raise UntracedNumber("a number read with .item() is made into a new tensor as data "
                              "(torch.tensor([x])), which is not traced")
+    if traced is not None and any(_mentions(x, traced) for x in data):
+        raise UntracedNumber("a computed tensor is copied into a new tensor as data "
+                             "(torch.tensor([t, ...])), which is not traced")
 
 
 def _replace(x: Any) -> Any:
@@ -205,7 +217,7 @@ class TracedNumbers(TorchFunctionMode):
                 and args[0].is_floating_point() and self.traced(args[0]):
             t = args[0]
             return TracedNumber(self.read(t), t.reshape(()), self.guard)
-        _refuse_as_data(func, args, kwargs)
+        _refuse_as_data(func, args, kwargs, self.traced)
         args = tuple(_replace(a) for a in args)
         kwargs = {k: _replace(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)

@@ -388,13 +388,17 @@ def update(model: torch.nn.Module, mesh, spec: dict):
     """Clip the gradients and take the optimizer step the spec asks for:
     on one device with torch's ``clip_grad_norm_``, on a rank with the
     spec's clipper (``clipper(model, mesh, max_norm)``; the default is
-    ``backends.torch.recipes:clip_grad_norm``). The optimizer, or None."""
+    ``backends.torch.recipes:clip_grad_norm``). A clipper that says it runs
+    on one device too (``one_device = True``: Megatron's, its code at world
+    size 1) clips the single-device step itself, so that both read the same
+    numbers with ``.item()`` and branch on them alike (docs/soundness.md,
+    "Plans traced from PyTorch", 69). The optimizer, or None."""
     if spec.get("clip"):
-        if mesh is None:
+        clipper = load(spec.get("clipper") or "backends.torch.recipes:clip_grad_norm")
+        if mesh is None and not getattr(clipper, "one_device", False):
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), spec["clip"])
         else:
-            load(spec.get("clipper") or "backends.torch.recipes:clip_grad_norm")(
-                model, mesh, spec["clip"])
+            clipper(model, mesh, spec["clip"])
     name = spec.get("optimizer") or "none"
     if name == "none":
         return None

@@ -12,7 +12,9 @@ accumulates a tensor.
 
 from __future__ import annotations
 
+import sys
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.lowering.constants import GUARD_EVENT, TRACED_READ_EVENT, VALUE_READ_EVENT
+from backends.torch.tracer import numbers
 from backends.torch.tracer.exchange import Exchanges
 from backends.torch.tracer.hidden_memory import HiddenMemory, is_partial_view
 from backends.torch.tracer.numbers import TracedNumber, TracedNumbers
@@ -46,6 +49,10 @@ ALIASES = {
     "aten.lift_fresh.default", "aten.contiguous.default",
     "_c10d_functional.wait_tensor.default", "_c10d_functional._wrap_tensor_autograd.default",
 }
+
+
+#: aliases that are views of their input's memory (a write into one writes the other)
+SAME_MEMORY = {"aten.detach.default", "aten.alias.default"}
 
 
 #: ops whose value depends on their tensor arguments' shapes only: of integer
@@ -361,6 +368,11 @@ class Recorder(TorchDispatchMode):
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))
         if name in ALIASES and len(outs) == 1 and in_args and in_args[0][0] == "v":
             self.bind(outs[0], in_args[0][1])
+            if name in SAME_MEMORY and isinstance(args[0], torch.Tensor):
+                # ``g.detach()``: the same memory, so an in-place write into
+                # either (Megatron's clipping writes the detached gradient)
+                # writes both
+                self.note_twins("aten.view.default", args, outs, [])
             return out
         ids = [self.new_value(o) for o in outs]
         if name in SHAPE_ONLY:
@@ -563,10 +575,25 @@ def traced_numbers(rec: Recorder) -> TracedNumbers:
 
     def guard(number: TracedNumber, name: str, other: Any, taken: bool) -> None:
         v = rec.current(number.tensor)
-        rec.events.append((GUARD_EVENT, [[("v", v), name, float(other), taken], {}], [], [],
+        rec.events.append((GUARD_EVENT, [[("v", v), name, float(other), taken,
+                                          _comparing_code()], {}], [], [],
                            rec.scope(), None, rec.mb))
 
     return TracedNumbers(traced, read, guard)
+
+
+def _comparing_code() -> str:
+    """The function and line that compared a traced number (the guard's
+    caller, past ``TracedNumber``'s comparison methods): how a report names
+    the branch."""
+    frame = sys._getframe(2)  # the caller of the guard callback: TracedNumber's methods
+    while frame is not None and frame.f_code.co_filename == numbers.__file__:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    short = path.split("site-packages/", 1)[-1] if "site-packages/" in path else Path(path).name
+    return f"{frame.f_code.co_name} ({short}:{frame.f_lineno})"
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:

@@ -708,8 +708,11 @@ def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
     tensor-parallel duplicate) over the model-parallel group
     (``get_grad_norm_fp32``), then ``clip_grad_by_total_norm_fp32``. Megatron
     reads the norm into Python (``.item()``, traced: ``tracer.numbers``) and
-    branches on ``clip_coeff < 1.0``: the backend refuses that branch (a
-    guard on a number not yet claimed equal to the single-device step's)."""
+    branches on ``clip_coeff < 1.0``: a guard. The single-device step runs
+    this clipper too (``one_device``: Megatron's code at world size 1, its
+    groups of one rank), so both steps read the same numbers and take the
+    same branches, each rank's number claimed and proved equal to the
+    single-device one (docs/soundness.md, "Plans traced from PyTorch", 69-71)."""
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer.clip_grads import (
         clip_grad_by_total_norm_fp32,
@@ -717,9 +720,15 @@ def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
     )
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
+    if any(getattr(p, "grad_blocks", None) is not None for p in model.parameters()):
+        raise ValueError("Megatron's clipping with the distributed optimizer (its norm over the "
+                         "shards of the main gradients) is not traced")
     params = [p for p in model.parameters() if p.grad is not None]
     counted = [p.grad for p in params
                if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
     total = get_grad_norm_fp32(counted, norm_type=2,
                                grad_stats_parallel_group=ps.get_model_parallel_group())
     clip_grad_by_total_norm_fp32(params, max_norm, total)
+
+
+clip_grad_norm.one_device = True  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """The CPU adaptations megatron-core 0.16.1 needs to run on a CPU, in one place.
 
-Megatron-Core is written for CUDA devices. Eight things in its local
+Megatron-Core is written for CUDA devices. Nine things in its local
 (non-TransformerEngine) layers, schedules, grad buffers and optimizer do not
 run on a CPU; ``apply()`` changes exactly these at run time (no file of
 Megatron's is edited) and prints one line for each, every time it is called
@@ -35,7 +35,13 @@ Megatron's is edited) and prints one line for each, every time it is called
 8. the all-to-all dispatcher moves its split sizes to the host as numpy
    arrays (``maybe_move_tensor_to_cpu(..., as_numpy=True)``) only from a
    CUDA tensor, and ``all_to_all_single`` refuses them as tensors: a CPU
-   tensor is given as the numpy array of its values, as from a device.
+   tensor is given as the numpy array of its values, as from a device;
+9. without apex or TransformerEngine, clipping's 2-norm of the gradients
+   (``clip_grads.l2_norm_impl``, Megatron's ``local_multi_tensor_l2_norm``)
+   copies the per-tensor norms to the host (``torch.tensor(list)``,
+   ``float(norm)``) and back: it is the same norm computed as apex's fused
+   ``multi_tensor_l2norm`` computes it, on the device (the 2-norm of the
+   stacked per-tensor norms, of the gradients' dtype, as a 0-dim tensor).
 
 Patches 1, 2, 4 and 5 replace the name ``torch`` in the modules of
 ``megatron.core`` by a view of torch that differs in these names only.
@@ -63,6 +69,8 @@ PATCHES = (
     "torch.mm path",
     "moe_utils.maybe_move_tensor_to_cpu(as_numpy=True) of a CPU tensor -> its numpy values (the "
     "all-to-all's split sizes, as from a device)",
+    "clip_grads' local_multi_tensor_l2_norm (host copies of the norms) -> the 2-norm of the "
+    "stacked norms on the device, as apex's multi_tensor_l2norm",
 )
 #: torch's tensor factories whose ``device`` argument patch 5 rewrites
 FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
@@ -216,6 +224,19 @@ def _norm_new(original: Any) -> Any:
     return new
 
 
+def _l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool,
+             *args: Any) -> tuple[torch.Tensor, None]:
+    """``local_multi_tensor_l2_norm`` without its host copies (patch 9): the
+    2-norm of every tensor of ``tensor_lists`` as one 2-norm of their
+    norms, the one number apex's ``multi_tensor_l2norm`` returns (as a 0-dim
+    tensor: Megatron only squares it, all-reduces it and reads it with
+    ``.item()``, which a 0-dim tensor and apex's one-element one give alike)."""
+    if per_tensor:
+        raise ValueError("Megatron's per-tensor l2 norms are not supported on the CPU")
+    norms = [torch.linalg.vector_norm(t) for tensors in tensor_lists for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms)), None
+
+
 def _to_host(original: Any) -> Any:
     """``maybe_move_tensor_to_cpu`` giving a CPU tensor asked ``as_numpy`` as
     the numpy array of its values (patch 8)."""
@@ -243,7 +264,7 @@ MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_paralle
 
 
 def apply() -> None:
-    """Apply the eight patches (once per process) and print them, one line each."""
+    """Apply the nine patches (once per process) and print them, one line each."""
     if not isinstance(torch.Tensor.type, _TypeMethod):  # applied once per process
         import importlib
         for name in MODULES:
@@ -264,6 +285,10 @@ def apply() -> None:
             moe_utils.te_general_gemm = None
         from megatron.core.transformer.moe import token_dispatcher
         token_dispatcher.maybe_move_tensor_to_cpu = _to_host(moe_utils.maybe_move_tensor_to_cpu)
+        from megatron.core.optimizer import clip_grads
+        from megatron.core.utils import local_multi_tensor_l2_norm
+        if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:  # neither apex nor TE
+            clip_grads.l2_norm_impl = _l2_norm
         torch.Tensor.type = _TypeMethod(torch.Tensor.type)
         if not torch.cuda.is_available():  # a CPU build: .cuda() can only fail
             torch.Tensor.cuda = lambda self, *args, **kwargs: self
