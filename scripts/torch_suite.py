@@ -125,6 +125,10 @@ CASES: list[tuple[str, str, int]] = [
     # positions looked up at a constant index of two dims (Whisper's decoder)
     ("hf whisper dp2", "--hf whisper --dp 2 --tp 1", 0),
     ("hf whisper ddp avg bug", "--hf whisper --recipe ddp_avg --dp 2 --tp 1", 1),
+    # a computed tensor's slices at a constant index along any dim, and index_add back
+    # (XLNet's relative shift: index_select at arange(klen) along the key dim)
+    ("hf xlnet dp2", "--hf xlnet --dp 2 --tp 1", 0),
+    ("hf xlnet ddp avg bug", "--hf xlnet --recipe ddp_avg --dp 2 --tp 1", 1),
     # masks of lengths counted from the ids (XLM's), a cache started empty
     ("hf xlm dp2", "--hf xlm --dp 2 --tp 1", 0),
     ("hf xlm ddp avg bug", "--hf xlm --recipe ddp_avg --dp 2 --tp 1", 1),

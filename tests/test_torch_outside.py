@@ -138,6 +138,14 @@ LAYERS = {
     # features taken at constant indices, some twice, some never (Falcon's fused heads)
     "index_at_constant_indices": lambda m, x: m["lin"](x)[
         :, :, (torch.arange(H) // 2 + 1) % H] * x,
+    # index_select at constant indices along any dim (XLNet's relative shift), some
+    # twice, some never; its backward index_add along that dim
+    "index_select_at_constant_indices": lambda m, x: torch.index_select(
+        m["lin"](x), 2, (torch.arange(H) * 3 + 1) % H) * x + torch.index_select(
+        m["lin"](x), 1, torch.arange(x.shape[1]).flip(0) // 2),
+    # a constant table broadcast over the batch, then laid out with the batch's rows
+    # between its own (XLNet's positional table read by an einsum)
+    "constant_broadcast_then_flattened": lambda m, x: _times_broadcast_table(m["lin"](x)),
     # writes into blocks of a tensor read after: rows shifted and added, a column set
     "written_blocks": lambda m, x: _written_blocks(m["lin"](x), x),
     # unit triangular solves, lower from the left and upper from the right (Gated
@@ -152,6 +160,13 @@ LAYERS = {
     # projection's plan); a cat's parts sliced back at their bounds
     "split_rejoined": lambda m, x: _split_rejoined(m["lin"](x), x),
 }
+
+
+def _times_broadcast_table(x: torch.Tensor) -> torch.Tensor:
+    b, t, h = x.shape
+    table = torch.sin(torch.arange(t * h, dtype=x.dtype).reshape(t, h) / 7.0)
+    laid = table[:, None, :].expand(-1, b, -1).reshape(t * b, h)
+    return (x.transpose(0, 1).reshape(t * b, h) * laid).reshape(t, b, h).transpose(0, 1)
 
 
 def _unit_solves(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,9 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
-from backends.torch.lowering.emit import cat, narrow, pad
+from backends.torch.lowering.emit import narrow, pad, take
 from backends.torch.lowering.ir import Const, NewZeros, Zeros
-from backends.torch.lowering.registry import Handler, refines
+from backends.torch.lowering.registry import Handler, lowers, refines
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -52,6 +52,12 @@ def _checked(lw: Lowerer, values: np.ndarray, size: int) -> np.ndarray:
     return values % size
 
 
+def _take(lw: Lowerer, x: int, dim: int, values: np.ndarray, shape: tuple[int, ...]) -> int:
+    """The slices ``values`` of x along ``dim``, in their order, seen as ``shape``."""
+    flat = _checked(lw, values.reshape(-1), lw.shapes[x][dim])
+    return lw.reshape(take(lw, x, dim, [int(v) for v in flat]), shape)
+
+
 @refines("aten.index.Tensor")
 def index(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
@@ -59,11 +65,31 @@ def index(base: Handler) -> Handler:
         if found is None or not isinstance(lw.env.get(args[0][1]), int):
             return base(lw, args, kwargs, shapes, group)
         dim, values = found
-        x = lw.val(args[0])
-        flat = _checked(lw, values.reshape(-1), lw.shapes[x][dim])
-        out = cat(lw, [narrow(lw, x, dim, int(v), 1) for v in flat], dim)
-        return lw.reshape(out, tuple(shapes[0]))
+        return _take(lw, lw.val(args[0]), dim, values, tuple(shapes[0]))
     return lower
+
+
+def _constant_integers(lw: Lowerer, a: Any) -> np.ndarray | None:
+    """The values of a constant integer tensor argument, else None."""
+    if not (isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(lw.env.get(a[1]), Const)):
+        return None
+    value = constant_value(lw, a)
+    if value is None or value.dtype.kind not in "iu":
+        return None
+    return np.asarray(value)
+
+
+@lowers("aten.index_select.default")
+def index_select(lw: Lowerer, args, kwargs, shapes, group):
+    """``torch.index_select(x, dim, idx)`` at a constant ``idx``: x's slices
+    ``idx`` along dim (XLNet's relative shift keeps ``arange(klen)``)."""
+    values = _constant_integers(lw, args[2])
+    if values is None:
+        raise LoweringError(f"{lw.name}: index_select at an index computed from the parameters, "
+                            f"the batch or a collective is not lowered (only at a constant index)")
+    x = lw.val(args[0])
+    dim = int(args[1]) % max(len(lw.shapes[x]), 1)
+    return _take(lw, x, dim, values, tuple(shapes[0]))
 
 
 def index_put(plain: Handler) -> Handler:
