@@ -143,6 +143,9 @@ LAYERS = {
     "index_select_at_constant_indices": lambda m, x: torch.index_select(
         m["lin"](x), 2, (torch.arange(H) * 3 + 1) % H) * x + torch.index_select(
         m["lin"](x), 1, torch.arange(x.shape[1]).flip(0) // 2),
+    # rows picked by constant boolean masks over one dim and over two, and written back
+    # into zeros at them (X-MOD's language adapters)
+    "rows_at_boolean_masks": lambda m, x: _rows_at_masks(m["lin"](x), x),
     # a constant table broadcast over the batch, then laid out with the batch's rows
     # between its own (XLNet's positional table read by an einsum)
     "constant_broadcast_then_flattened": lambda m, x: _times_broadcast_table(m["lin"](x)),
@@ -160,6 +163,16 @@ LAYERS = {
     # projection's plan); a cat's parts sliced back at their bounds
     "split_rejoined": lambda m, x: _split_rejoined(m["lin"](x), x),
 }
+
+
+def _rows_at_masks(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    b, t, _ = h.shape
+    rows = torch.arange(b) % 2 == 0
+    out = torch.zeros_like(h)
+    out[rows] = h[rows] * 2.0 + x[rows]
+    out[~rows] = h[~rows].tanh()
+    cells = (torch.arange(b)[:, None] + torch.arange(t)[None, :]) % 3 == 0
+    return out + torch.zeros_like(h).index_put((cells,), h[cells] * x[cells])
 
 
 def _times_broadcast_table(x: torch.Tensor) -> torch.Tensor:

@@ -32,18 +32,47 @@ if TYPE_CHECKING:
 INDEX_PUTS = ("aten.index_put_.default", "aten.index_put.default")
 
 
-def _one_index(lw: Lowerer, indices: Any) -> tuple[int, np.ndarray] | None:
-    """(dim, values) when the indices are one constant integer tensor (the
-    other dims taken whole), else None."""
+def _one_index(lw: Lowerer, indices: Any) -> tuple[int, np.ndarray, int] | None:
+    """(dim, values, k) when the indices are one constant tensor, the other
+    dims taken whole: integers index dim, k = 1; a boolean mask of k dims
+    indexes dims ``dim .. dim + k - 1`` taken as one (row-major), at its
+    true positions in order (``x[mask]`` is x at ``mask.nonzero()``). Else
+    None."""
     if not isinstance(indices, (list, tuple)):
         return None
     given = [(d, a) for d, a in enumerate(indices) if a is not None]
     if len(given) != 1 or not isinstance(lw.env.get(given[0][1][1]), Const):
         return None
     value = constant_value(lw, given[0][1])
-    if value is None or value.dtype.kind not in "iu":
+    if value is None:
         return None
-    return given[0][0], np.asarray(value)
+    if value.dtype.kind == "b" and value.ndim >= 1:
+        return given[0][0], np.flatnonzero(value), value.ndim
+    if value.dtype.kind not in "iu":
+        return None
+    return given[0][0], np.asarray(value), 1
+
+
+def _merged(lw: Lowerer, shape: tuple[int, ...], dim: int, k: int,
+            mask_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    """``shape`` with dims ``dim .. dim + k - 1`` taken as one (a boolean
+    mask's dims, which must be the mask's shape)."""
+    if k == 1 and mask_shape is None:
+        return shape
+    if mask_shape is not None and tuple(shape[dim:dim + k]) != tuple(mask_shape):
+        raise LoweringError(f"{lw.name}: a boolean mask of shape {list(mask_shape)} indexes dims "
+                            f"of sizes {list(shape[dim:dim + k])}")
+    size = int(np.prod(shape[dim:dim + k], dtype=np.int64))
+    return (*shape[:dim], size, *shape[dim + k:])
+
+
+def _mask_shape(lw: Lowerer, indices: Any) -> tuple[int, ...] | None:
+    """The shape of the one boolean mask among the indices, else None."""
+    for a in indices:
+        if a is not None:
+            value = constant_value(lw, a)
+            return tuple(value.shape) if value is not None and value.dtype.kind == "b" else None
+    return None
 
 
 def _checked(lw: Lowerer, values: np.ndarray, size: int) -> np.ndarray:
@@ -64,8 +93,12 @@ def index(base: Handler) -> Handler:
         found = _one_index(lw, args[1])
         if found is None or not isinstance(lw.env.get(args[0][1]), int):
             return base(lw, args, kwargs, shapes, group)
-        dim, values = found
-        return _take(lw, lw.val(args[0]), dim, values, tuple(shapes[0]))
+        dim, values, k = found
+        x = lw.val(args[0])
+        if not len(values):
+            raise LoweringError(f"{lw.name}: indexing at an empty index is not lowered")
+        x = lw.reshape(x, _merged(lw, tuple(lw.shapes[x]), dim, k, _mask_shape(lw, args[1])))
+        return _take(lw, x, dim, values, tuple(shapes[0]))
     return lower
 
 
@@ -98,10 +131,14 @@ def index_put(plain: Handler) -> Handler:
         target = lw.env.get(args[0][1])
         if found is None or not isinstance(target, (int, NewZeros, Zeros)):
             return plain(lw, args, kwargs, shapes, group)
-        dim, values = found
+        dim, values, k = found
         accumulate = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
         t = lw.val(args[0])
-        shape = lw.shapes[t]
+        whole = tuple(lw.shapes[t])
+        if not len(values):
+            raise LoweringError(f"{lw.name}: index_put at an empty index is not lowered")
+        shape = _merged(lw, whole, dim, k, _mask_shape(lw, args[1]))
+        t = lw.reshape(t, shape)
         flat = _checked(lw, values.reshape(-1), shape[dim])
         if not accumulate and len(set(flat.tolist())) != len(flat):
             raise LoweringError(f"{lw.name}: index_put without accumulation at repeated "
@@ -120,7 +157,7 @@ def index_put(plain: Handler) -> Handler:
         for i, v in enumerate(flat):
             part = pad(lw, narrow(lw, g, dim, i, 1), dim, int(v), shape[dim] - int(v) - 1)
             t = lw.emit("add", [t, part], [shape])[0]
-        return t
+        return lw.reshape(t, whole)
     return lower
 
 
