@@ -133,6 +133,10 @@ CASES: list[tuple[str, str, int]] = [
     # language adapters, picked by a constant language id per row)
     ("hf xmod dp2", "--hf xmod --dp 2 --tp 1", 0),
     ("hf xmod ddp avg bug", "--hf xmod --recipe ddp_avg --dp 2 --tp 1", 1),
+    # the labels copied into each block of a constant filled with the ignore index
+    # (ProphetNet's n-gram targets), positions gathered at constant buckets that repeat
+    ("hf prophetnet dp2", "--hf prophetnet --dp 2 --tp 1", 0),
+    ("hf prophetnet ddp avg bug", "--hf prophetnet --recipe ddp_avg --dp 2 --tp 1", 1),
     # masks of lengths counted from the ids (XLM's), a cache started empty
     ("hf xlm dp2", "--hf xlm --dp 2 --tp 1", 0),
     ("hf xlm ddp avg bug", "--hf xlm --recipe ddp_avg --dp 2 --tp 1", 1),

@@ -143,6 +143,9 @@ LAYERS = {
     "index_select_at_constant_indices": lambda m, x: torch.index_select(
         m["lin"](x), 2, (torch.arange(H) * 3 + 1) % H) * x + torch.index_select(
         m["lin"](x), 1, torch.arange(x.shape[1]).flip(0) // 2),
+    # gathered along the tokens at constant indices that repeat (ProphetNet's relative
+    # position buckets); its backward scatter_add at them
+    "gather_at_repeating_constant_indices": lambda m, x: _gathered_at_buckets(m["lin"](x), x),
     # rows picked by constant boolean masks over one dim and over two, and written back
     # into zeros at them (X-MOD's language adapters)
     "rows_at_boolean_masks": lambda m, x: _rows_at_masks(m["lin"](x), x),
@@ -163,6 +166,12 @@ LAYERS = {
     # projection's plan); a cat's parts sliced back at their bounds
     "split_rejoined": lambda m, x: _split_rejoined(m["lin"](x), x),
 }
+
+
+def _gathered_at_buckets(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    b, t, f = h.shape
+    buckets = (torch.arange(t)[:, None] - torch.arange(f)[None, :]).abs() % t
+    return x * torch.gather(h, 1, buckets[None].expand(b, -1, -1))
 
 
 def _rows_at_masks(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

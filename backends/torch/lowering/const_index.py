@@ -22,7 +22,7 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
-from backends.torch.lowering.emit import narrow, pad, take
+from backends.torch.lowering.emit import einsum, narrow, pad, take
 from backends.torch.lowering.ir import Const, NewZeros, Zeros
 from backends.torch.lowering.registry import Handler, lowers, refines
 
@@ -167,3 +167,77 @@ def _refused(lw: Lowerer, args, kwargs, shapes, group):
 
 
 refines(*INDEX_PUTS, absent=lambda op: _refused)(index_put)
+
+
+def _zeros_target(lw: Lowerer, a: Any) -> bool:
+    """Recorded tensor ``a`` is zeros (``new_zeros``, ``zeros_like``, or a
+    constant of zeros)."""
+    held = lw.env.get(a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
+    if isinstance(held, (NewZeros, Zeros)):
+        return True
+    value = constant_value(lw, a) if isinstance(held, Const) else None
+    return value is not None and not np.any(value)
+
+
+@refines("aten.scatter_add.default")
+def scatter_add(base: Handler) -> Handler:
+    """``zeros.scatter_add(d, idx, g)`` at a constant index (the backward of
+    ``x.gather(d, idx)``, ProphetNet's relative position buckets, indices
+    repeating along d): out[p with p_d = idx[p]] += g[p], the einsum of g
+    with idx's constant one-hot rows summed over idx's dim d, then zeros
+    past idx's extent in the other dims (docs/soundness.md, "Plans traced
+    from PyTorch", 78)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        idx = _constant_integers(lw, args[2]) if len(args) > 3 else None
+        if idx is None or not _zeros_target(lw, args[0]):
+            return base(lw, args, kwargs, shapes, group)
+        sizes = tuple(shapes[0])
+        nd = len(sizes)
+        dim = int(args[1]) % nd
+        src = lw.val(args[3])
+        if idx.ndim != nd or nd > 7 or len(lw.shapes[src]) != nd \
+                or any(idx.shape[k] > lw.shapes[src][k] for k in range(nd)) \
+                or any(idx.shape[k] > sizes[k] for k in range(nd) if k != dim):
+            raise LoweringError(f"{lw.name}: scatter_add at a constant index of shape "
+                                f"{list(idx.shape)} into {list(sizes)} from "
+                                f"{list(lw.shapes[src])} is not lowered")
+        values = _checked(lw, idx.reshape(-1), sizes[dim]).reshape(idx.shape)
+        for k in range(nd):
+            src = narrow(lw, src, k, 0, int(idx.shape[k]))
+        rows = constant_input(lw, np.eye(sizes[dim])[values])
+        letters = "abcdefg"[:nd]
+        at = lambda c: letters[:dim] + c + letters[dim + 1:]  # noqa: E731
+        out = einsum(lw, f"{at('y')},{at('y')}z->{at('z')}", src, rows)
+        for k in range(nd):
+            if k != dim and idx.shape[k] < sizes[k]:
+                out = pad(lw, out, k, 0, sizes[k] - int(idx.shape[k]))
+        return out
+    return lower
+
+
+@refines("aten.gather.default")
+def gather(base: Handler) -> Handler:
+    """``x.gather(d, idx)`` at a constant index: out[p] = x[p with p_d =
+    idx[p]], the einsum of x (cut to idx's extent in the other dims) with
+    idx's constant one-hot rows, summed over x's dim d (docs/soundness.md,
+    "Plans traced from PyTorch", 78)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        idx = _constant_integers(lw, args[2]) if len(args) > 2 else None
+        if idx is None or not isinstance(lw.env.get(args[0][1]), int):
+            return base(lw, args, kwargs, shapes, group)
+        x = lw.val(args[0])
+        size = tuple(lw.shapes[x])
+        nd = len(size)
+        dim = int(args[1]) % nd
+        if idx.ndim != nd or nd > 7 or any(idx.shape[k] > size[k] for k in range(nd) if k != dim):
+            raise LoweringError(f"{lw.name}: gather at a constant index of shape "
+                                f"{list(idx.shape)} from {list(size)} is not lowered")
+        values = _checked(lw, idx.reshape(-1), size[dim]).reshape(idx.shape)
+        for k in range(nd):
+            if k != dim:
+                x = narrow(lw, x, k, 0, int(idx.shape[k]))
+        rows = constant_input(lw, np.eye(size[dim])[values])
+        letters = "abcdefg"[:nd]
+        at = lambda c: letters[:dim] + c + letters[dim + 1:]  # noqa: E731
+        return einsum(lw, f"{at('z')},{at('y')}z->{at('y')}", x, rows)
+    return lower
