@@ -126,6 +126,18 @@ CASES: list[tuple[str, str, int]] = [
     # positions looked up at a constant index of two dims (Whisper's decoder)
     ("hf whisper dp2", "--hf whisper --dp 2 --tp 1", 0),
     ("hf whisper ddp avg bug", "--hf whisper --recipe ddp_avg --dp 2 --tp 1", 1),
+    # a computed tensor's slices at a constant index along any dim, and index_add back
+    # (XLNet's relative shift: index_select at arange(klen) along the key dim)
+    ("hf xlnet dp2", "--hf xlnet --dp 2 --tp 1", 0),
+    ("hf xlnet ddp avg bug", "--hf xlnet --recipe ddp_avg --dp 2 --tp 1", 1),
+    # a computed tensor at a constant boolean mask and written back at it (X-MOD's
+    # language adapters, picked by a constant language id per row)
+    ("hf xmod dp2", "--hf xmod --dp 2 --tp 1", 0),
+    ("hf xmod ddp avg bug", "--hf xmod --recipe ddp_avg --dp 2 --tp 1", 1),
+    # the labels copied into each block of a constant filled with the ignore index
+    # (ProphetNet's n-gram targets), positions gathered at constant buckets that repeat
+    ("hf prophetnet dp2", "--hf prophetnet --dp 2 --tp 1", 0),
+    ("hf prophetnet ddp avg bug", "--hf prophetnet --recipe ddp_avg --dp 2 --tp 1", 1),
     # masks of lengths counted from the ids (XLM's), a cache started empty
     ("hf xlm dp2", "--hf xlm --dp 2 --tp 1", 0),
     ("hf xlm ddp avg bug", "--hf xlm --recipe ddp_avg --dp 2 --tp 1", 1),

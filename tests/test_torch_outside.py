@@ -138,6 +138,20 @@ LAYERS = {
     # features taken at constant indices, some twice, some never (Falcon's fused heads)
     "index_at_constant_indices": lambda m, x: m["lin"](x)[
         :, :, (torch.arange(H) // 2 + 1) % H] * x,
+    # index_select at constant indices along any dim (XLNet's relative shift), some
+    # twice, some never; its backward index_add along that dim
+    "index_select_at_constant_indices": lambda m, x: torch.index_select(
+        m["lin"](x), 2, (torch.arange(H) * 3 + 1) % H) * x + torch.index_select(
+        m["lin"](x), 1, torch.arange(x.shape[1]).flip(0) // 2),
+    # gathered along the tokens at constant indices that repeat (ProphetNet's relative
+    # position buckets); its backward scatter_add at them
+    "gather_at_repeating_constant_indices": lambda m, x: _gathered_at_buckets(m["lin"](x), x),
+    # rows picked by constant boolean masks over one dim and over two, and written back
+    # into zeros at them (X-MOD's language adapters)
+    "rows_at_boolean_masks": lambda m, x: _rows_at_masks(m["lin"](x), x),
+    # a constant table broadcast over the batch, then laid out with the batch's rows
+    # between its own (XLNet's positional table read by an einsum)
+    "constant_broadcast_then_flattened": lambda m, x: _times_broadcast_table(m["lin"](x)),
     # writes into blocks of a tensor read after: rows shifted and added, a column set
     "written_blocks": lambda m, x: _written_blocks(m["lin"](x), x),
     # unit triangular solves, lower from the left and upper from the right (Gated
@@ -152,6 +166,29 @@ LAYERS = {
     # projection's plan); a cat's parts sliced back at their bounds
     "split_rejoined": lambda m, x: _split_rejoined(m["lin"](x), x),
 }
+
+
+def _gathered_at_buckets(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    b, t, f = h.shape
+    buckets = (torch.arange(t)[:, None] - torch.arange(f)[None, :]).abs() % t
+    return x * torch.gather(h, 1, buckets[None].expand(b, -1, -1))
+
+
+def _rows_at_masks(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    b, t, _ = h.shape
+    rows = torch.arange(b) % 2 == 0
+    out = torch.zeros_like(h)
+    out[rows] = h[rows] * 2.0 + x[rows]
+    out[~rows] = h[~rows].tanh()
+    cells = (torch.arange(b)[:, None] + torch.arange(t)[None, :]) % 3 == 0
+    return out + torch.zeros_like(h).index_put((cells,), h[cells] * x[cells])
+
+
+def _times_broadcast_table(x: torch.Tensor) -> torch.Tensor:
+    b, t, h = x.shape
+    table = torch.sin(torch.arange(t * h, dtype=x.dtype).reshape(t, h) / 7.0)
+    laid = table[:, None, :].expand(-1, b, -1).reshape(t * b, h)
+    return (x.transpose(0, 1).reshape(t * b, h) * laid).reshape(t, b, h).transpose(0, 1)
 
 
 def _unit_solves(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -165,6 +165,8 @@ class Lowerer:
     #: grouped: recorded value -> the event that made it; (value, C) -> its C-fold copy
     grouped_producers: dict[int, int] | None = None
     grouped_copies: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: a constant recorded value -> the event that made it (``ir.broadcast_layout``)
+    const_events: dict[int, int] = field(default_factory=dict)
     #: the weights a combine of pair rows read (``pair_combine``)
     pair_weights: set[int] = field(default_factory=set)
     #: all_to_all: the members' sends (rank -> (group, k) -> Sent; walk.lower_ranks),
@@ -276,6 +278,7 @@ class Lowerer:
             if outs and all(v in constants for v in outs):
                 for v in outs:  # a constant of unknown origin (written in place) is read by value
                     self.env[v] = Const(v, i if op != "unknown" else -1)
+                    self.const_events[v] = i if op != "unknown" else -1
                 continue
             if self.on_empty(i):
                 for v in outs:

@@ -86,6 +86,32 @@ def cat(lw: Lowerer, parts: list[int], dim: int) -> int:
     return lw.emit("cat", parts, [tuple(shape)], {"dim": dim})[0]
 
 
+def runs(idxs: list[int]) -> list[tuple[int, int, int]]:
+    """(first output, first source, length) of each run of consecutive sources."""
+    found: list[tuple[int, int, int]] = []
+    for j, i in enumerate(idxs):
+        if found and found[-1][1] + found[-1][2] == i:
+            found[-1] = (found[-1][0], found[-1][1], found[-1][2] + 1)
+        else:
+            found.append((j, i, 1))
+    return found
+
+
+def take(lw: Lowerer, x: int, dim: int, idxs: list[int]) -> int:
+    """x's positions ``idxs`` along dim, in order (copies)."""
+    return cat(lw, [narrow(lw, x, dim, i, n) for _, i, n in runs(idxs)], dim)
+
+
+def put(lw: Lowerer, g: int, dim: int, idxs: list[int], size: int) -> int | None:
+    """The adjoint of ``take``: g's positions added at their sources (repeats
+    adding), zeros elsewhere along dim; None when idxs is empty."""
+    total: int | None = None
+    for j, i, n in runs(idxs):
+        piece = pad(lw, narrow(lw, g, dim, j, n), dim, i, size - i - n)
+        total = piece if total is None else lw.emit("add", [total, piece], [lw.shapes[piece]])[0]
+    return total
+
+
 def put_block(lw: Lowerer, x: int, starts: list[int], block: int) -> int:
     """``x`` with the block at ``starts`` (of ``block``'s shape) replaced by ``block``."""
     return put_region(lw, x, starts, [1] * len(starts), block)

@@ -25,7 +25,7 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.emit import cat, narrow, put_region, region_dims
-from backends.torch.lowering.ir import IdRows, Ids, NewZeros
+from backends.torch.lowering.ir import Const, IdRows, Ids, NewZeros
 from backends.torch.lowering.onehot import id_rows, ids_value, label_values, one_hot_of
 from backends.torch.lowering.registry import Handler, lowers, not_lowered, refines
 
@@ -341,6 +341,52 @@ def fill(base: Handler) -> Handler:
     return lower
 
 
+def _constant_ids(lw: Lowerer, a: Any) -> IdRows | None:
+    """A constant integer tensor (``labels.new_zeros(...).fill_(-100)``) as
+    ids: the one-hot rows of its values (a zero row where a value is outside
+    the vocabulary, an ignored label), else None."""
+    if not (isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(lw.env.get(a[1]), Const)):
+        return None
+    value = constant_value(lw, a)
+    if value is None or value.dtype.kind not in "iu":
+        return None
+    value = np.asarray(value, dtype=np.int64)
+    rows = np.zeros((*value.shape, lw.vocab))
+    inside = (value >= 0) & (value < lw.vocab)
+    rows[inside, value[inside]] = 1.0
+    return IdRows(constant_input(lw, rows), value.copy())
+
+
+def _integer_tensor(lw: Lowerer, a: Any) -> bool:
+    """Recorded tensor ``a`` holds integers: ids, an integer constant, or an
+    integer value the step recorded."""
+    if not (isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"):
+        return False
+    if _id_source(lw, a) is not None or a[1] in lw.trace.get("int_values", {}):
+        return True
+    value = lw.trace.get("constvals", {}).get(a[1])
+    return a[1] in lw.trace.get("constants", ()) and value is not None \
+        and value.dtype.kind in "iu"
+
+
+@refines("aten.copy_.default")
+def copy_ids(base: Handler) -> Handler:
+    """``block.copy_(ids)`` into a view of a constant integer tensor or of
+    ids (the labels copied into each block of ProphetNet's n-gram targets):
+    the written view holds the ids themselves (the tensor they were written
+    into is the ``partial_write`` above)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        if len(args) < 2 or _id_source(lw, args[1]) is None \
+                or not _integer_tensor(lw, args[0]):
+            return base(lw, args, kwargs, shapes, group)
+        rows = id_rows(lw, args[1])
+        if tuple(rows.ids.shape) != tuple(shapes[0]):
+            raise LoweringError(f"{lw.name}: ids of shape {list(rows.ids.shape)} copied into a "
+                                f"view of shape {list(shapes[0])} (a broadcast) is not lowered")
+        return rows
+    return lower
+
+
 @refines("partial_write")
 def partial_write(base: Handler) -> Handler:
     """Ids with a block of them overwritten by other ids (``rolled.select(-1,
@@ -348,14 +394,22 @@ def partial_write(base: Handler) -> Handler:
     ids' rows (``emit.put_region`` along the ids' dims; the vocabulary
     dim whole), and the recorded ids likewise."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        if _id_source(lw, args[0]) is None:
-            return base(lw, args, kwargs, shapes, group)
         region = args[2] if len(args) > 2 else None
         written = args[3] if len(args) > 3 else None
-        if region is None or written is None or _id_source(lw, written) is None:
+        if _id_source(lw, args[0]) is None:
+            held = _constant_ids(lw, args[0])
+            if held is None or written is None or _id_source(lw, written) is None:
+                return base(lw, args, kwargs, shapes, group)
+            rows = held
+        elif region is None or written is None or _id_source(lw, written) is None:
             raise LoweringError(f"{lw.name}: the batch's ids written in place with values other "
                                 f"than ids, or through a view that is no block of them")
-        rows, new = id_rows(lw, args[0]), id_rows(lw, written)
+        else:
+            rows = id_rows(lw, args[0])
+        if region is None:
+            raise LoweringError(f"{lw.name}: the batch's ids written through a view that is no "
+                                f"block of the tensor")
+        new = id_rows(lw, written)
         sizes, blocks = region[0], region_dims(region[1])
         kept = [at for _, _, at, _ in blocks if at >= 0]
         if tuple(sizes) != rows.ids.shape or kept != sorted(kept):

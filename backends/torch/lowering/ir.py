@@ -300,6 +300,39 @@ class Compare:
     c: float
 
 
+#: Ops that only lay a tensor's entries out anew (views, copies, casts between
+#: floating types, broadcasts)
+LAYOUT_OPS = ("aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default",
+              "aten.reshape.default", "aten.permute.default", "aten.transpose.int", "aten.t.default",
+              "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+              "aten.squeeze.default", "aten.clone.default", "aten.alias.default",
+              "aten.expand.default")
+
+
+def broadcast_layout(lw: Lowerer, event: int) -> bool:
+    """Event ``event`` lays out anew (``LAYOUT_OPS``) a constant broadcast
+    by an ``expand`` somewhere below it in a chain of such ops (XLNet's
+    positional table expanded over the batch, then flattened with its
+    positions): lowered op by op from the constant before the ``expand``,
+    a rank's copy is that constant, a piece of the single-device one
+    whatever the rank's batch, where the laid-out value (the batch's rows
+    interleaved with the positions) would be no block of the single-device
+    value (docs/soundness.md, "Plans traced from PyTorch", 76)."""
+    events = lw.trace["events"]
+    seen = 0
+    while event >= 0 and seen < 64:
+        op, (args, _kwargs), *_ = events[event]
+        if op not in LAYOUT_OPS:
+            return False
+        if op == "aten.expand.default":
+            return True
+        first = args[0] if args else None
+        if not (isinstance(first, (list, tuple)) and len(first) == 2 and first[0] == "v"):
+            return False
+        event, seen = lw.const_events.get(first[1], -1), seen + 1
+    return False
+
+
 @dataclass(frozen=True)
 class Const(Pending):
     """Recorded value ``v``, a constant, computed by event ``event`` (not
@@ -308,7 +341,8 @@ class Const(Pending):
     event: int
 
     def materialize(self, lw: Lowerer) -> int:
-        if self.v in lw.trace.get("from_buffer", ()) and self.event >= 0:
+        if self.event >= 0 and (self.v in lw.trace.get("from_buffer", ())
+                                or broadcast_layout(lw, self.event)):
             # computed from a module's buffer (an input by name): lowered
             # op by op, so that its pieces on other ranks align with it;
             # through an op the rule table lacks (the cos and sin of a

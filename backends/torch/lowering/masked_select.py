@@ -26,7 +26,7 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
-from backends.torch.lowering.emit import narrow
+from backends.torch.lowering.emit import narrow, put
 from backends.torch.lowering.registry import lowers
 
 if TYPE_CHECKING:
@@ -170,6 +170,27 @@ def scatter_add_rows(lw: Lowerer, args, kwargs, shapes, group):
                    [sizes])[0]
 
 
+def _index_add_along(lw: Lowerer, args, sizes: tuple[int, ...], dim: int,
+                     index: np.ndarray) -> int:
+    """``t.index_add(dim, idx, src)`` along a dim other than 0 (the backward
+    of ``index_select`` there, XLNet's relative shift): each slice i of src
+    along dim put among zeros at slice ``idx[i]`` (the ``narrow`` rule's
+    backward), the puts and t added."""
+    from backends.torch.lowering.routed_rows import is_zeros
+    if len(index) and (index.min() < -sizes[dim] or index.max() >= sizes[dim]):
+        raise LoweringError(f"{lw.name}: index_add at an index outside a dim of size {sizes[dim]}")
+    src = lw.val(args[3])
+    if lw.shapes[src] != (*sizes[:dim], len(index), *sizes[dim + 1:]):
+        raise LoweringError(f"{lw.name}: index_add of {list(lw.shapes[src])} at {len(index)} "
+                            f"indices along dim {dim} of {list(sizes)}")
+    added = put(lw, src, dim, [int(v) for v in index % sizes[dim]], sizes[dim])
+    if added is None:
+        raise LoweringError(f"{lw.name}: index_add at an empty index is not lowered")
+    if is_zeros(lw, args[0]):
+        return added
+    return lw.emit("add", [lw.val(args[0]), added], [sizes])[0]
+
+
 @lowers("aten.index_add.default", "aten.index_add_.default")
 def index_add_rows(lw: Lowerer, args, kwargs, shapes, group):
     """``t.index_add(0, idx, src)`` at a constant index (the backward of
@@ -178,9 +199,12 @@ def index_add_rows(lw: Lowerer, args, kwargs, shapes, group):
     index = constant_value(lw, args[2])
     alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
     sizes = tuple(shapes[0])
-    if index is None or int(args[1]) != 0 or index.ndim != 1 or alpha != 1:
-        raise LoweringError(f"{lw.name}: index_add other than along dim 0 at a constant index "
+    if index is None or index.dtype.kind not in "iu" or index.ndim > 1 or alpha != 1:
+        raise LoweringError(f"{lw.name}: index_add other than at a constant index (alpha 1) "
                             f"is not lowered")
+    dim = int(args[1]) % max(len(sizes), 1)
+    if dim != 0:
+        return _index_add_along(lw, args, sizes, dim, index.reshape(-1).astype(np.int64))
     rows = index.astype(np.int64) % sizes[0]
     rest = int(np.prod(sizes[1:], dtype=np.int64))
     src = lw.reshape(lw.val(args[3]), (len(rows), rest))

@@ -227,6 +227,11 @@ def is_zeros(lw: Lowerer, a: Any) -> bool:
     return value is not None and not np.any(value)
 
 
+def op_of(lw: Lowerer) -> str:
+    """The op of the event being lowered."""
+    return lw.trace["events"][lw.event][0] if lw.event is not None and lw.event >= 0 else ""
+
+
 def scatter(base: Handler) -> Handler:
     """``zeros.scatter(-1, indices, g)`` at recorded indices without repeats
     along the dim (topk's backward on the CPU): ``sum(g[..., None] * R, -2)``."""
@@ -236,9 +241,13 @@ def scatter(base: Handler) -> Handler:
             return base(lw, args, kwargs, shapes, group)
         sizes = tuple(shapes[0])
         dim = int(args[1]) % len(sizes)
-        if dim != len(sizes) - 1 or idx.shape[:-1] != sizes[:-1]:
-            raise LoweringError(f"{lw.name}: scatter at recorded indices other than along the last dim")
-        if any(len(np.unique(row)) != len(row) for row in idx.reshape(-1, idx.shape[-1])):
+        if dim != len(sizes) - 1 or idx.shape[:-1] != sizes[:-1] \
+                or any(len(np.unique(row)) != len(row) for row in idx.reshape(-1, idx.shape[-1])):
+            if op_of(lw) == "aten.scatter_add.default":
+                return base(lw, args, kwargs, shapes, group)  # at a constant index (const_index)
+            if dim != len(sizes) - 1 or idx.shape[:-1] != sizes[:-1]:
+                raise LoweringError(f"{lw.name}: scatter at recorded indices other than along "
+                                    f"the last dim")
             raise LoweringError(f"{lw.name}: scatter at recorded indices that repeat along the dim")
         k = idx.shape[-1]
         wide = (*sizes[:-1], k, sizes[-1])

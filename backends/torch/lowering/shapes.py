@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.emit import cat, narrow, pad
+from backends.torch.lowering.emit import cat, narrow, pad, put, take
 from backends.torch.lowering.ir import Flat
 
 if TYPE_CHECKING:
@@ -171,38 +171,13 @@ def pool_dims(lw: Lowerer, size, kernel, stride, padding, dilation, ceil_mode: b
     return dims
 
 
-def _runs(idxs: list[int]) -> list[tuple[int, int, int]]:
-    """(first output, first source, length) of each run of consecutive sources."""
-    runs: list[tuple[int, int, int]] = []
-    for j, i in enumerate(idxs):
-        if runs and runs[-1][1] + runs[-1][2] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((j, i, 1))
-    return runs
-
-
-def _take(lw: Lowerer, x: int, dim: int, idxs: list[int]) -> int:
-    """x's positions ``idxs`` along dim, in order (copies)."""
-    return cat(lw, [narrow(lw, x, dim, i, n) for _, i, n in _runs(idxs)], dim)
-
-
-def _put(lw: Lowerer, g: int, dim: int, idxs: list[int], size: int) -> int:
-    """The adjoint of ``_take``: g's positions added at their sources."""
-    total = None
-    for j, i, n in _runs(idxs):
-        piece = pad(lw, narrow(lw, g, dim, j, n), dim, i, size - i - n)
-        total = piece if total is None else lw.emit("add", [total, piece], [lw.shapes[piece]])[0]
-    return total
-
-
 def max_windows(lw: Lowerer, x: int, dims: list[Dim]) -> int:
     """x's windows ``(N, C, K1, O1, ..., Kd, Od)``, padded taps copied."""
     for i, d in enumerate(dims):
         dim = 2 + 2 * i
         taps = []
         for k in range(d.kernel):
-            tap = _take(lw, x, dim, d.sources(k))
+            tap = take(lw, x, dim, d.sources(k))
             taps.append(lw.reshape(tap, with_axis(lw.shapes[tap], dim)))
         x = cat(lw, taps, dim)
     return x
@@ -216,7 +191,7 @@ def max_unwindow(lw: Lowerer, g: int, dims: list[Dim]) -> int:
         for k in range(d.kernel):
             tap = narrow(lw, g, dim, k, 1)
             shape = lw.shapes[tap]
-            tap = _put(lw, lw.reshape(tap, (*shape[:dim], *shape[dim + 1:])), dim,
+            tap = put(lw, lw.reshape(tap, (*shape[:dim], *shape[dim + 1:])), dim,
                        d.sources(k), d.size)
             total = tap if total is None else lw.emit("add", [total, tap], [lw.shapes[tap]])[0]
         g = total

@@ -319,7 +319,7 @@ class Recorder(TorchDispatchMode):
             if self.memory and self.memory.tracks(storage_of(t)):
                 continue  # memory whose regions the recorder follows (``record_writes``)
             b = self.value(base)
-            if b is None or b in self.constants:
+            if b is None or b in self.constants and not self.ids_into_constant(base, t, args):
                 continue
             written = self.value(t)
             block = view_region(base, t)
@@ -327,6 +327,20 @@ class Recorder(TorchDispatchMode):
             self.events.append(("partial_write", [[("v", b), name, block,
                                                    None if written is None else ("v", written)], {}],
                                 [fresh], [tuple(base.shape)], self.scope(), None, self.mb))
+
+    def ids_into_constant(self, base: torch.Tensor, t: torch.Tensor, args) -> bool:
+        """Integers computed from the batch (not constants) written into a
+        block of a constant integer tensor (ProphetNet's n-gram labels, the
+        labels copied into each block of a tensor filled with the ignore
+        index): a ``partial_write`` the lowering reads as the constant's
+        one-hot rows with the block replaced, where the constant's new
+        contents would be a value of unknown origin."""
+        if base.is_floating_point() or base.is_complex() or t.is_floating_point() \
+                or t.is_complex():
+            return False
+        sources = [a for a in args[1:] if isinstance(a, torch.Tensor)]
+        return bool(sources) and all(self.value(a) is not None
+                                     and self.value(a) not in self.constants for a in sources)
 
     def set_mb(self, mb: int) -> None:
         self.mb = mb
