@@ -99,7 +99,9 @@ CASES: list[tuple[str, str, int]] = [
     ("hf qwen3 tp2 fsdp2", "--hf qwen3 --dp 2 --tp 2", 0),
     ("hf qwen3 bug norm grads not reduced", "--hf qwen3 --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
-    ("hf qwen3_moe ep refused", "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
+    ("hf qwen3_moe ep refused (ep over the tp ranks: the backward picks a rank's pairs among the "
+     "batch's, a constant no single-device node reads; a correct plan, gloo same)",
+     "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
     ("hf llama hsdp dp4", "--hf llama --recipe hsdp --dp 4 --tp 1", 0),
     # issue 33's families: blocks written into an empty tensor and a split rejoined
     # (MiniCPM3), positions counted from the ids (RoBERTa's), a unit triangular
@@ -745,7 +747,8 @@ CASES += [
      "--hf gemma3_text --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf gemma bug fsdp avg", "--hf gemma --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf opt bug ddp averaging a shared-out loss", "--hf opt --recipe ddp_avg --dp 2 --tp 1", 1),
-    ("hf mixtral tp2 refused (packed expert columns: a strided shard)", "--hf mixtral --dp 1 --tp 2", 2),
+    ("hf mixtral tp2 refused (packed expert columns: a strided shard; a correct plan, gloo same at "
+     "rtol 1e-6)", "--hf mixtral --dp 1 --tp 2", 2),
     ("hf gemma3 refused (vision tower)", "--hf gemma3 --dp 1 --tp 2", 2),
     ("hf falcon dp2 (its attention's constant-index lookup: soundness 39 f)", "--hf falcon --dp 2 --tp 1", 0),
 ]
@@ -782,7 +785,9 @@ CASES += [
     ("moe mixtral bug combine with another token's gate (the permuted weights stand in for the "
      "weights: FAIL at the permutation on rank 0)",
      f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 1),
-    ("moe mixtral an expert with no token on a rank refused", "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
+    ("moe mixtral an expert with no token on a rank refused (the missing term is zero by the masks' "
+     "values, symbols in the proof: 36 g; a correct plan, gloo same)",
+     "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
     ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "
      "combined per token)", "--hf mixtral --dp 2 --tp 1 --ep 2", 0),
     ("moe hf mixtral ep2 skewed routing (batch 8, seed 9: 22, 25, 7, 10 tokens per expert)",

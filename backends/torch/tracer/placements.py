@@ -118,7 +118,13 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
             # sharded after the mesh dims already on this dim (FSDP over TP)
             inner = [mesh.size(mesh_dim=names.index(a)) for a in axes[dim]]
             if factor != math.prod(inner):
-                raise ValueError(f"parameter placement {t.placements} is not supported")
+                # a dim read as `factor` equal parts, the rank holding its
+                # block of each (transformers' packed_colwise of the fused
+                # gate/up columns): `factor` ranges of the tensor, no block
+                raise ValueError(f"parameter placement {t.placements} is not supported: a strided "
+                                 f"shard of dim {dim} (each rank holds its block of each of "
+                                 f"{factor} equal parts of the dim, {factor} ranges of the "
+                                 f"tensor: a packed weight's columns) is not traced")
             axes[dim].extend(names[mesh_dim].split("+"))
     return axes
 
