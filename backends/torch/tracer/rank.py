@@ -76,10 +76,28 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@contextmanager
+def own_process_group() -> Iterator[None]:
+    """The default process group the step initializes (a rank's fake group
+    of the whole mesh, or Megatron's group of one rank on one device)
+    destroyed after it, whatever it raised: the caller's process is left
+    as it was. Left behind, a later step traced in the same process (a
+    test worker's) would find it: Megatron's ``parallel_state`` built on
+    one device over a world of two ranks (its data-parallel group not of
+    one rank), or a rank failing to initialize its group twice. A group
+    the caller initialized before stays."""
+    had = dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not had and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def run(spec: dict, rank: int) -> dict:
     """One rank's step (or, ``spec["parallel"]`` false, the single-device
     step), recorded: plain data (see ``main``)."""
-    with one_thread():
+    with one_thread(), own_process_group():
         return _run(spec, rank)
 
 
@@ -421,9 +439,6 @@ def run_isolated(spec: dict, rank: int) -> dict | str:
         lines = [ln for ln in traceback.format_exception_only(e)[-1].strip().splitlines()
                  if ln.strip()]
         return lines[0] if lines else type(e).__name__
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def main() -> None:
@@ -433,8 +448,6 @@ def main() -> None:
     result = run(spec, rank)
     with open(out, "wb") as f:
         pickle.dump(result, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
