@@ -366,13 +366,17 @@ def all_to_all(lw: Lowerer, args, kwargs, shapes, group):
         raise LoweringError(f"{lw.name}: an all-to-all of rows of copies beside other rows")
     if mine.kind == "rows":
         if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):
-            raise LoweringError(f"{lw.name}: an all-to-all of rows of bases of other widths")
+            shown = ", ".join(f"rank {m} {list(sends[m].shape)}" for m in group)
+            raise LoweringError(f"{lw.name}: an all-to-all of rows of bases of other widths "
+                                f"(the bases the members send: {shown})")
         base = _exchange_whole(lw, me, group, whole, [sends[m].shape for m in group], 0)
         index, _ = _composed(group, me, sends, 0)
         base, index = _own_share(lw, base, index, me, group, 0)
         return Rows(base, index)
     if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):
-        raise LoweringError(f"{lw.name}: an all-to-all of grouped rows over bases of other rows")
+        shown = ", ".join(f"rank {m} {list(sends[m].shape)}" for m in group)
+        raise LoweringError(f"{lw.name}: an all-to-all of grouped rows over bases of other rows "
+                            f"(the grouped results the members send: {shown})")
     y = _exchange_whole(lw, me, group, whole, [sends[m].shape for m in group], 0)
     index, groups = _composed(group, me, sends, 1)
     y, index = _own_share(lw, y, index, me, group, 1)
