@@ -998,6 +998,10 @@ CASES += [
      "--model backends.torch.titan:llama3_debugmodel "
      "--recipe backends.torch.titan:parallelize_cp_other_chunk "
      "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2,tp=2", 1),
+    ("cp titan bug llama3 debugmodel tp2 cp2 positions not shifted per cp rank",
+     "--model backends.torch.titan:llama3_debugmodel "
+     "--recipe backends.torch.titan:parallelize_cp_unshifted "
+     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2,tp=2", 1),
 ]
 
 def cpu_seconds() -> float:

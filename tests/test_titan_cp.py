@@ -38,3 +38,11 @@ def test_titan_cp_positions_of_the_next_chunk_fail(mesh: str) -> None:
     verdict = _verdict("parallelize_cp_other_chunk", mesh)
     assert not verdict.success
     assert verdict.kind != "internal", verdict.message
+
+
+def test_titan_tp2_cp2_positions_not_shifted_fail() -> None:
+    """Every rank's positions from 0: the second cp rank rotates its tokens
+    by the first chunk's angles (gloo differs too)."""
+    verdict = _verdict("parallelize_cp_unshifted", "cp=2,tp=2")
+    assert not verdict.success
+    assert verdict.kind != "internal", verdict.message
