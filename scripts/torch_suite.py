@@ -994,6 +994,9 @@ CASES += [
     ("cp titan llama3 debugmodel tp2 cp2",
      "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
      "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2,tp=2", 0),
+    ("cp titan llama3 debugmodel dp2 tp2 cp2 (FSDP2 over dp x cp, 8 ranks)",
+     "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
+     "--vocab 2048 --seqlen 8 --batch 4 --mesh dp=2,cp=2,tp=2", 0),
     ("cp titan bug llama3 debugmodel tp2 cp2 positions of the next chunk",
      "--model backends.torch.titan:llama3_debugmodel "
      "--recipe backends.torch.titan:parallelize_cp_other_chunk "
