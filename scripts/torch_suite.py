@@ -993,6 +993,23 @@ CASES += [
      "--model backends.torch.titan:llama3_debugmodel "
      "--recipe backends.torch.titan:parallelize_cp_other_chunk "
      "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2", 1),
+    # with tp beside cp torchtitan views the positions as a DTensor first
+    # (``_maybe_wrap_positions``): still constants (item 88), so the table is
+    # gathered at constant positions as at cp2; gloo agrees (--rtol 1e-6)
+    ("cp titan llama3 debugmodel tp2 cp2",
+     "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
+     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2,tp=2", 0),
+    ("cp titan llama3 debugmodel dp2 tp2 cp2 (FSDP2 over dp x cp, 8 ranks)",
+     "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "
+     "--vocab 2048 --seqlen 8 --batch 4 --mesh dp=2,cp=2,tp=2", 0),
+    ("cp titan bug llama3 debugmodel tp2 cp2 positions of the next chunk",
+     "--model backends.torch.titan:llama3_debugmodel "
+     "--recipe backends.torch.titan:parallelize_cp_other_chunk "
+     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2,tp=2", 1),
+    ("cp titan bug llama3 debugmodel tp2 cp2 positions not shifted per cp rank",
+     "--model backends.torch.titan:llama3_debugmodel "
+     "--recipe backends.torch.titan:parallelize_cp_unshifted "
+     "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2,tp=2", 1),
 ]
 
 def cpu_seconds() -> float:

@@ -3,8 +3,10 @@ through the CPU shim) on one layer of its Llama3 debugmodel: the rotary table
 gathered at each rank's positions is read as its one row
 (docs/soundness.md, "Plans traced from PyTorch", 55), so the step verifies;
 the positions of the next chunk give each rank the wrong angles, and FAIL
-(gloo differs too: scripts/gloo_truth.py). The six-layer runs are suite
-cases (``-k "cp titan"``)."""
+(gloo differs too: scripts/gloo_truth.py). With tp 2 beside cp 2 the
+positions are first read by ``DTensor.from_local``'s view, and stay constants
+(item 88): the same holds. The six-layer runs are suite cases
+(``-k "cp titan"``)."""
 
 from __future__ import annotations
 
@@ -17,20 +19,30 @@ from backends.torch.__main__ import parser, trace_and_build  # noqa: E402
 from main import verify  # noqa: E402
 
 
-def _verdict(recipe: str):
+def _verdict(recipe: str, mesh: str = "cp=2"):
     argv = ["--model", "backends.torch.titan:llama3_debugmodel", "--recipe",
             f"backends.torch.titan:{recipe}", "--vocab", "2048", "--seqlen", "8",
-            "--batch", "2", "--layers", "1", "--mesh", "cp=2"]
+            "--batch", "2", "--layers", "1", "--mesh", mesh]
     (plan_s, plan_p), _ = trace_and_build(parser().parse_args(argv))
     return verify(plan_s, plan_p)
 
 
-def test_titan_cp2_verifies() -> None:
-    verdict = _verdict("parallelize_cp")
+@pytest.mark.parametrize("mesh", ["cp=2", "cp=2,tp=2"])
+def test_titan_cp_verifies(mesh: str) -> None:
+    verdict = _verdict("parallelize_cp", mesh)
     assert verdict.success, verdict.message
 
 
-def test_titan_cp2_positions_of_the_next_chunk_fail() -> None:
-    verdict = _verdict("parallelize_cp_other_chunk")
+@pytest.mark.parametrize("mesh", ["cp=2", "cp=2,tp=2"])
+def test_titan_cp_positions_of_the_next_chunk_fail(mesh: str) -> None:
+    verdict = _verdict("parallelize_cp_other_chunk", mesh)
+    assert not verdict.success
+    assert verdict.kind != "internal", verdict.message
+
+
+def test_titan_tp2_cp2_positions_not_shifted_fail() -> None:
+    """Every rank's positions from 0: the second cp rank rotates its tokens
+    by the first chunk's angles (gloo differs too)."""
+    verdict = _verdict("parallelize_cp_unshifted", "cp=2,tp=2")
     assert not verdict.success
     assert verdict.kind != "internal", verdict.message

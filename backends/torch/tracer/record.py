@@ -363,10 +363,14 @@ class Recorder(TorchDispatchMode):
         name = str(func)
         unseen = {id(a) for a in tensors if self.value(a) is None}
         self.refresh_constants(tensors)
-        constant = self.is_constant_op(name, tensors, kwargs)
-        buffer = constant and any(self.value(a) in self.from_buffer for a in tensors)
+        # the arguments first seen here are given their values (and judged
+        # constant or not) before the op is: an op is a constant by its
+        # arguments, whichever op reads a tensor first (docs/soundness.md,
+        # "Plans traced from PyTorch", 88)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
+        constant = self.is_constant_op(name, tensors, kwargs)
+        buffer = constant and any(self.value(a) in self.from_buffer for a in tensors)
         out = func(*args, **kwargs)
         if self.routing is not None and name in ROUTED:
             out = self.routing.call(func, args, kwargs, out)

@@ -202,7 +202,14 @@ def parallelize_cp_other_chunk(model: TitanLM, mesh):
     return _parallelize_cp(model, mesh, shift=model.seqlen // _size(mesh, "cp"))
 
 
-def _parallelize_cp(model: TitanLM, mesh, shift: int):
+def parallelize_cp_unshifted(model: TitanLM, mesh):
+    """``parallelize_cp`` with a bug: every rank's positions start at 0
+    (its chunk's own ``cp_shard`` positions less their first), so a rank
+    past the first rotates its tokens by the first chunk's angles."""
+    return _parallelize_cp(model, mesh, shift=0, from_zero=True)
+
+
+def _parallelize_cp(model: TitanLM, mesh, shift: int, from_zero: bool = False):
     from torchtitan.distributed.context_parallel import cp_shard
 
     from backends.torch.zoo import cp_shim
@@ -211,6 +218,8 @@ def _parallelize_cp(model: TitanLM, mesh, shift: int):
     positions = torch.arange(model.seqlen).roll(-shift).expand(rows, model.seqlen).contiguous()
     dims = _dims(mesh)
     (model.positions,), _ = cp_shard(dims.get_mesh("cp"), (positions,), None, None)
+    if from_zero:
+        model.positions = model.positions - model.positions[:, :1]
     return parallelize(model, mesh, dims=dims)
 
 
