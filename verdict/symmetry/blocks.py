@@ -63,7 +63,13 @@ from verdict.symmetry.rules import (
     READS_OUTSIDE,
     accumulation_chains,
     block_offsets,
+    ends_with_chains,
+    index_kwarg,
     inner_size,
+    last_writes,
+    own_index,
+    reads_outside,
+    sum_of_ends,
     whole_orbit,
 )
 
@@ -616,9 +622,8 @@ class BlockCheck:
         self.flag((rel_t == -3) & ~chain, node, f"its {what} is another microbatch's tensor")
         made = cols.t_producer[t]
         constant = np.array([op in CONSTANTS for op in cols.ops], dtype=bool)
-        self.flag((mb >= 0) & (t_mb < 0) & (made >= 0) & ~constant[cols.n_op[np.maximum(made, 0)]]
-                  & ~self.owned.gathered[t],
-                  node, READS_OUTSIDE)
+        self.flag(reads_outside(mb, t_mb, made >= 0, constant[cols.n_op[np.maximum(made, 0)]])
+                  & ~self.owned.gathered[t], node, READS_OUTSIDE)
         d, t_rank, r_rank = self.rank_d, cols.t_rank[t], cols.t_rank[r]
         self.flag((d[t_rank] != d[cols.n_rank[node]]) & ~orbit, node,
                   "it reads another replica's tensor outside a sum over the replicas")
@@ -714,36 +719,36 @@ class BlockCheck:
         sums_ends = self.sums_of_ends(is_end)
         found = [np.flatnonzero(orbit[lo:hi]) + lo for lo, hi in chunks(len(orbit))]
         orbits = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-        of_ends = np.isin(orbits, sums_ends)
-        self.flag(~self.owned.nodes[orbits] & (~of_ends | (cols.n_mb[orbits] != -1)), orbits,
-                  NOT_A_SUM_OF_ENDS)
+        of_ends = np.isin(orbits, sums_ends)  # of an op of ORBIT_SUMS (sums_of_ends)
+        is_sum = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)[cols.n_op[orbits]]
+        self.flag(~self.owned.nodes[orbits] & ~sum_of_ends(is_sum, cols.n_mb[orbits], of_ends),
+                  orbits, NOT_A_SUM_OF_ENDS)
         sums = orbits[of_ends]
         groups = cols.n_ins[sums]
         whole = {int(g): self.whole_orbit(cols.flat[cols.ptr[g]:cols.ptr[g + 1]])
                  for g in np.unique(groups)}
         not_whole = np.array([not whole[int(g)] for g in groups], dtype=bool)
         self.flag(not_whole, sums, NOT_WHOLE_ORBIT)
-        index_of: dict[int, int] = {}  # kwargs code -> its index, -1 when not an int
-        for code in np.unique(cols.n_kw[sums]).tolist():
-            index = self.p.kwargs_of(code).get("index")
-            index_of[code] = index if isinstance(index, int) and not isinstance(index, bool) \
-                else -1
+        index_of = {code: index_kwarg(self.p.kwargs_of(code))  # kwargs code -> its index
+                    for code in np.unique(cols.n_kw[sums]).tolist()}
         index = np.array([index_of[c] for c in cols.n_kw[sums].tolist()], dtype=np.int64)
-        size = cols.ptr[groups + 1] - cols.ptr[groups]
-        valid = (index >= 0) & (index < size)
-        member = cols.flat[np.where(valid, cols.ptr[groups] + index, 0)]
-        own = valid & (member >= 0) & (cols.t_rank[np.maximum(member, 0)] == cols.n_rank[sums])
+
+        def rank_at(valid: np.ndarray, index: np.ndarray) -> np.ndarray:
+            member = cols.flat[np.where(valid, cols.ptr[groups] + index, 0)]
+            return np.where(member >= 0, cols.t_rank[np.maximum(member, 0)], -1)
+
+        own = own_index(index, cols.ptr[groups + 1] - cols.ptr[groups], rank_at,
+                        cols.n_rank[sums])
         self.flag(~not_whole & ~own, sums, NOT_OWN_INDEX)
         # (f) the gradient buffer a rank ends with
         t, writer = self.gradbuf_writes(len(cols.ptr) - 1 - len(cols.n_rank))
         if not len(t):
             return
         key = cols.t_rank[t].astype(np.int64) * (len(p.logical) + 1) + cols.t_tid[t]
-        order = np.lexsort((writer, key))
-        key, writer, t = key[order], writer[order], t[order]
-        last = np.concatenate((key[1:] != key[:-1], [True]))
+        last = last_writes(key, writer)
         w, out = writer[last], t[last]
-        ok = (self.is_acc(w) & is_end[out]) | np.isin(w, sums_ends) | self.owned.keeps[w]
+        ok = ends_with_chains(self.is_acc(w) & is_end[out], np.isin(w, sums_ends)) | \
+            self.owned.keeps[w]
         self.flag(~ok, w, NOT_LAST_BUFFER)
 
     def gradbuf_writes(self, n_in: int) -> tuple[np.ndarray, np.ndarray]:
