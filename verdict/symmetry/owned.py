@@ -185,7 +185,7 @@ class _Scan(ShardGradients):
         out = np.array(list(self.updated.values()), dtype=np.int64)
         if (self.reads[out] != gathered_by[out]).any():
             refuse("an updated shard is read by another node than the gathers of updated "
-                    "shards")
+                   "shards")
         t, dim, off = (np.concatenate([np.zeros(0, dtype=np.int64),
                                        *(np.asarray(x[k], dtype=np.int64) for x in self.shifts)])
                        for k in range(3))
@@ -221,7 +221,7 @@ class _Scan(ShardGradients):
         inside = out[cols.n_mb[out] >= 0]
         if inside.size and self.zero < 3:
             refuse(f"the all_gather {int(inside[0])} on rank {int(cols.n_rank[inside[0]])} "
-                    f"crosses replicas inside a microbatch")
+                   f"crosses replicas inside a microbatch")
         return out
 
     def groups(self, nodes: np.ndarray) -> np.ndarray:
@@ -240,7 +240,7 @@ class _Scan(ShardGradients):
         if bad.any():
             i = int(nodes[np.argmax(bad)])
             refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])} is not one over the whole "
-                    f"orbit of replicas at its own index")
+                   f"orbit of replicas at its own index")
         return m
 
     def kw(self, code: int) -> dict:
@@ -258,7 +258,7 @@ class _Scan(ShardGradients):
         if bad.any():
             i = int(nodes[np.argmax(bad)])
             refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])} does not gather the "
-                    f"loaded shards of one parameter, replica by replica")
+                   f"loaded shards of one parameter, replica by replica")
         out = cols.flat[cols.ptr[cols.n_outs[nodes]]].astype(np.int64)
         dims = np.array([self.kw(int(k)).get("dim") for k in cols.n_kw[nodes].tolist()],
                         dtype=object)
@@ -294,7 +294,7 @@ class _Scan(ShardGradients):
         e = self.ep_index(int(self.cols.n_rank[i]))
         if self.dim_of[k] != self.dim_of[i]:
             refuse(f"the all_gather {i} on rank {int(self.cols.n_rank[i])} gathers along "
-                    f"another dim than the in-block gather {k} it reads")
+                   f"another dim than the in-block gather {k} it reads")
         self.split_of[key] = (self.dp * self.ep, int(self.n_d[i]) * self.ep + e)
         return self.ins(k)[e]
 
@@ -342,7 +342,7 @@ class _Scan(ShardGradients):
         if bad.any():
             i = int(nodes[np.argmax(bad)])
             refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])} is not one of the loaded "
-                    f"shards of one parameter over the ep ranks of its replica at its own index")
+                   f"shards of one parameter over the ep ranks of its replica at its own index")
         dims = np.array([self.kw(int(k)).get("dim") for k in cols.n_kw[nodes].tolist()],
                         dtype=object)
         width, full = self.tiling(nodes, m, dims, ep)
@@ -352,7 +352,7 @@ class _Scan(ShardGradients):
             if o < 0 or int(cols.t_tid[o]) != t or int(cols.t_lver[o]) != 0 or \
                     int(cols.t_mb[o]) != at or self.box(o) != box or not self.whole(o):
                 refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])}: its output does "
-                        f"not claim the whole box its shards tile")
+                       f"not claim the whole box its shards tile")
         self.inner[nodes] = True
         self.inner_made[out] = True
         d = self.n_d[nodes].astype(np.int64)
@@ -375,8 +375,8 @@ class _Scan(ShardGradients):
         if bad.any():
             t = int(made[np.argmax(bad)])
             refuse(f"the in-block gather of {self.p.logical[int(self.cols.t_tid[t])].name} on "
-                    f"rank {int(self.cols.t_rank[t])} is read by another node than the orbit's "
-                    f"gathers")
+                   f"rank {int(self.cols.t_rank[t])} is read by another node than the orbit's "
+                   f"gathers")
 
     def tiling(self, nodes: np.ndarray, m: np.ndarray, dims: np.ndarray, size: int = 0
                ) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
@@ -408,9 +408,9 @@ class _Scan(ShardGradients):
             if not ok.all():
                 i = int(nodes[rows[np.argmin(ok)]])
                 refuse(f"the all_gather {i} on rank {int(cols.n_rank[i])}: the replicas' "
-                        f"shards of {self.p.logical[int(cols.t_tid[m[rows[np.argmin(ok)], 0]])].name}"
-                        f" do not tile one box in replica order (a shard owned twice or by "
-                        f"nobody)")
+                       f"shards of {self.p.logical[int(cols.t_tid[m[rows[np.argmin(ok)], 0]])].name}"
+                       f" do not tile one box in replica order (a shard owned twice or by "
+                       f"nobody)")
             width[rows] = np.where(at, w, 0).sum(axis=1)
             hi = np.where(at, lo + dp * w, box[:, 0, :, 1])
             for r, a, b, d, i in zip(rows.tolist(), lo.tolist(), hi.tolist(), dim.tolist(),
@@ -433,7 +433,7 @@ class _Scan(ShardGradients):
                     key not in self.shard_of or \
                     self.kw(int(cols.n_kw[i])).get("dim") != self.shard_of[key][0]:
                 refuse(f"{where} gathers neither loaded shards nor the orbit's updated shards "
-                        f"of one parameter")
+                       f"of one parameter")
             # the updated shards have their owners' boxes (rule 4), which tile (rule 1)
             if o < 0 or int(cols.t_tid[o]) != tid or \
                     int(cols.t_lver[o]) != int(cols.t_lver[row[0]]) or \

@@ -53,7 +53,7 @@ class ShardGradients:
                     int(cols.t_lver[o]) != int(cols.t_lver[src[0]]) or \
                     int(cols.t_tid[o]) != int(cols.t_tid[src[0]]):
                 refuse(f"{where} does not keep chunk {d} of {parts} of the whole reduced "
-                        f"gradient along dim {dim}, the shard the rank loads")
+                       f"gradient along dim {dim}, the shard the rank loads")
             self.keeps[i] = True
             self.kept[key] = (o, src[0])
             sums[key] = made
@@ -62,7 +62,7 @@ class ShardGradients:
         for key, made in sums.items():
             if before.get(key) != made:
                 refuse(f"rank {key[0]} writes a gradient buffer of "
-                        f"{self.p.logical[key[1]].name} between the sum and the kept chunk")
+                       f"{self.p.logical[key[1]].name} between the sum and the kept chunk")
 
     def find_scatters(self) -> None:
         """ZeRO-2/3: every reduce_scatter that crosses replicas runs inside a
@@ -80,7 +80,7 @@ class ShardGradients:
         inside = nodes[cols.n_mb[nodes] < 0]
         if inside.size:
             refuse(f"the reduce_scatter {int(inside[0])} on rank "
-                    f"{int(cols.n_rank[inside[0]])} runs outside microbatches")
+                   f"{int(cols.n_rank[inside[0]])} runs outside microbatches")
         m = self.groups(nodes) if nodes.size else np.zeros((0, self.dp), dtype=np.int64)
         own = m[np.arange(len(nodes)), self.n_d[nodes].astype(np.int64)]
         owner = np.full(len(cols.t_rank), -1, dtype=np.int64)
@@ -95,19 +95,14 @@ class ShardGradients:
         if bad.any():
             i = int(nodes[np.argmax(bad)])
             refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} reads, in some "
-                    f"replica's position, another value than that replica's own scatter of "
-                    f"the same row in its microbatch")
+                   f"replica's position, another value than that replica's own scatter of "
+                   f"the same row in its microbatch")
         param_of = {int(b): int(q) for q, b in self.p.grads.items()}
         outs = cols.flat[cols.ptr[cols.n_outs[nodes]]]
         inner_of, rows = self.inner_scatters(nodes, outs) if self.ep > 1 else ({}, None)
         outs = np.concatenate((outs, np.array([self.outs(i)[0] if len(self.outs(i)) == 1 else -1
                                                for i in inner_of.values()], dtype=outs.dtype)))
-        is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op]
-        read, reader = inputs_of(cols, np.flatnonzero(is_acc))
-        readers: dict[int, list[int]] = {}  # an output read once, by an accumulation
-        watched = np.isin(read, outs[self.reads[np.maximum(outs, 0)] == 1])
-        for t, i in zip(read[watched].tolist(), reader[watched].tolist()):
-            readers.setdefault(t, []).append(i)
+        readers = self.accumulations_reading(outs)
         chains: dict[tuple[int, int], list[int]] = {}
         buffer = np.zeros(len(nodes), dtype=np.int64)  # the gradient buffer each one feeds
         for at, (i, v) in enumerate(zip(nodes.tolist(), own.tolist())):
@@ -122,7 +117,7 @@ class ShardGradients:
                     int(cols.n_rank[acc[0]]) != rank or int(cols.n_mb[acc[0]]) != mb or \
                     self.ins(acc[0])[1:] != [o]:
                 refuse(f"{where}: its output is read by another node than one accumulation "
-                        f"of its microbatch, as the contribution")
+                       f"of its microbatch, as the contribution")
             buf = self.outs(acc[0])[0]
             key = (rank, param_of.get(int(cols.t_tid[buf]), -1))
             if key not in self.shard_of:
@@ -136,23 +131,41 @@ class ShardGradients:
                         self.box(mid) != self.replica_box(full, dim, width, int(self.n_d[i]))
                         or self.kw(int(cols.n_kw[inner_of[mid]])).get("dim") != dim)):
                 refuse(f"{where} does not scatter its block's value at the whole box of "
-                        f"{self.p.logical[key[1]].name} to the shard the rank loads")
+                       f"{self.p.logical[key[1]].name} to the shard the rank loads")
             if two:
                 self.reduced_ep.add((rank, int(cols.t_tid[self.outs(acc[0])[0]])))
             chains.setdefault(key, []).append(acc[0])
             self.scattered[o] = v
             buffer[at] = int(cols.t_tid[buf])
-        # one row, one buffer: replica j's value at position j is what its own
-        # chain of that buffer accumulates (docs/soundness.md)
-        bad = (buffer[k] != buffer[:, None]).any(axis=1)
-        if bad.any():
-            i = int(nodes[np.argmax(bad)])
-            refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} sums values that "
-                    f"other replicas accumulate into another gradient buffer")
+        self.one_buffer_per_row(nodes, k, buffer)
         if rows is not None:
             self.inner_rows(inner_of, rows, buffer, nodes)
         self.scatters[nodes] = True
         self.chains(chains, param_of)
+
+    def accumulations_reading(self, outs: np.ndarray) -> dict[int, list[int]]:
+        """Of the tensors ``outs`` each read by one node only, those an
+        accumulation reads -> the accumulations reading it."""
+        cols = self.cols
+        is_acc = np.array([op == ACCUMULATE for op in cols.ops] or [False])[cols.n_op]
+        read, reader = inputs_of(cols, np.flatnonzero(is_acc))
+        readers: dict[int, list[int]] = {}
+        watched = np.isin(read, outs[self.reads[np.maximum(outs, 0)] == 1])
+        for t, i in zip(read[watched].tolist(), reader[watched].tolist()):
+            readers.setdefault(t, []).append(i)
+        return readers
+
+    def one_buffer_per_row(self, nodes: np.ndarray, k: np.ndarray, buffer: np.ndarray) -> None:
+        """One row, one buffer: the scatters ``nodes`` of one row (``k``: for
+        each, the scatter whose own member each position holds) feed one
+        gradient buffer (``buffer``, by scatter), so replica j's value at
+        position j is what its own chain of that buffer accumulates
+        (docs/soundness.md)."""
+        bad = (buffer[k] != buffer[:, None]).any(axis=1)
+        if bad.any():
+            i = int(nodes[np.argmax(bad)])
+            refuse(f"the reduce_scatter {i} on rank {int(self.cols.n_rank[i])} sums values that "
+                   f"other replicas accumulate into another gradient buffer")
 
     @staticmethod
     def replica_box(full: list, dim: int, width: int, d: int) -> list[tuple[int, int]]:
@@ -211,9 +224,9 @@ class ShardGradients:
         if bad.any():
             i = int(found[np.argmax(bad)])
             refuse(f"the reduce_scatter {i} on rank {int(cols.n_rank[i])} is not one of the "
-                    f"orbit's scatters' outputs over the ep ranks of its replica, in its "
-                    f"microbatch, at its own index, whose every member is read by the "
-                    f"in-block scatters of one row only")
+                   f"orbit's scatters' outputs over the ep ranks of its replica, in its "
+                   f"microbatch, at its own index, whose every member is read by the "
+                   f"in-block scatters of one row only")
         self.inner[found] = True
         return dict(zip(own.tolist(), found.tolist())), (found, k)
 
@@ -231,7 +244,7 @@ class ShardGradients:
         if bad.any():
             i = int(found[np.argmax(bad)])
             refuse(f"the reduce_scatter {i} on rank {int(self.cols.n_rank[i])} sums values "
-                    f"that other ep ranks accumulate into another gradient buffer")
+                   f"that other ep ranks accumulate into another gradient buffer")
 
     def chains(self, chains: dict[tuple[int, int], list[int]], param_of: dict[int, int]) -> None:
         """Each gathered parameter's gradient buffer on a rank: a chain of the
@@ -263,7 +276,7 @@ class ShardGradients:
                 if int(self.reads[prev]) != 1 or \
                         (prev not in outs and (made < 0 or self.op(made) != "zeros")):
                     refuse(f"{where}: a running buffer is read by another node, or starts "
-                            f"from another value than zeros")
+                           f"from another value than zeros")
             if outs - prevs != {ends}:
                 refuse(f"{where} is not one chain ending in the buffer the rank ends with")
             self.kept[key] = (ends, ends)
@@ -289,17 +302,17 @@ class ShardGradients:
             if not steps:
                 if readers.get(o):
                     refuse(f"{where}: its kept gradient chunk is read by another node than an "
-                            f"optimizer step on the shard")
+                           f"optimizer step on the shard")
                 continue
             if key in self.split_of:
                 refuse(f"{where}: an optimizer step on a shard gathered in two levels (its "
-                        f"updated shards are gathered so too, which the rules do not describe)")
+                       f"updated shards are gathered so too, which the rules do not describe)")
             i = steps[0]
             ins, outs = self.ins(i), self.outs(i)
             if len(steps) != 1 or readers.get(o) != [i] or self.op(i) not in OPTIMIZERS or \
                     len(ins) < 2 or ins[:2] != [shard, o]:
                 refuse(f"{where} is read by another node than its gathers and one optimizer "
-                        f"step on it and its kept gradient chunk")
+                       f"step on it and its kept gradient chunk")
             states = ins[2:]
             own = self.box(shard)
             if any(not self.loaded(t) or self.kinds[int(cols.t_tid[t])] == "param"
@@ -309,7 +322,7 @@ class ShardGradients:
                         t < 0 or self.box(t) != own or not self.whole(t) for t in outs) or \
                     any(int(self.reads[t]) for t in outs[1:]):
                 refuse(f"{where}: its optimizer step does not read loaded state shards and "
-                        f"write updated shards of the same box")
+                       f"write updated shards of the same box")
             d = int(self.n_d[i])
             self.rewire[i] = {0: gathered, 1: reduced}
             for t in (*states, *outs):
