@@ -5,7 +5,8 @@ directory of plan pairs with two checkouts and compare what each prints.
 
 ``--before`` and ``--after`` are two checkouts of the repository (git
 worktrees). ``DIR`` holds one folder per case with a ``single`` and a
-``parallel`` plan file (``.pkl`` or ``.npz`` each). For every case each
+``parallel`` plan file (``.pkl`` or ``.npz`` each; a case without both
+is left out, and the count says how many cases ran). For every case each
 checkout runs ``main.py --sm single --pm parallel --json FILE`` in a process
 of its own, with that checkout first on ``PYTHONPATH`` and in the working
 directory, one ``PYTHONHASHSEED``, and caches, logs and the Stats file in a
@@ -36,6 +37,8 @@ import tempfile
 from pathlib import Path
 
 PYTHON = Path(sys.executable)
+#: Plan files (a pickled plan's JSON world spec beside it is not one).
+PLAN_SUFFIXES = (".pkl", ".npz")
 #: Timings the Stats row prints (``t_total=0.089``) and the process id line.
 VOLATILE = (re.compile(r"\bt_(\w+)=[0-9.]+"), re.compile(r"\bPID: \d+"))
 
@@ -46,8 +49,8 @@ def cases(plans: Path, keys: list[str]) -> dict[str, tuple[Path, Path]]:
     for folder in sorted(p for p in plans.iterdir() if p.is_dir()):
         if keys and not any(k in folder.name for k in keys):
             continue
-        single = sorted(folder.glob("single.*"))
-        parallel = sorted(folder.glob("parallel.*"))
+        single = [p for p in sorted(folder.glob("single.*")) if p.suffix in PLAN_SUFFIXES]
+        parallel = [p for p in sorted(folder.glob("parallel.*")) if p.suffix in PLAN_SUFFIXES]
         if len(single) == 1 and len(parallel) == 1:
             out[folder.name] = (single[0], parallel[0])
     return out
