@@ -22,7 +22,7 @@ from harness import mutations
 from tests.helpers import MLP, plan_pair
 from verdict.columns import Columns
 from verdict.lineage import StructureError
-from verdict.symmetry import arrays, blocks
+from verdict.symmetry import arrays, blocks, glue, programs
 from verdict.symmetry.find import Refusal, Symmetry, find_symmetry
 
 MESH = Parallelism(dp=4, tp=2, pp=2, nm=4)
@@ -132,14 +132,16 @@ def test_narrow_chunked_check_agrees_with_the_wide_one(monkeypatch):
     cases = list(plans())
     narrow = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:
-        for module in (arrays, blocks):
+        for module in (arrays, glue):
             m.setattr(module, "NODE_CHUNK", 7)  # many chunks, split inside blocks
         tiny = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:
-        for module in (arrays, blocks):  # where the check's arrays are made and read
+        for module in (arrays, blocks, programs):  # where the check's arrays are made and read
             m.setattr(module, "index_array", lambda a: np.asarray(a).astype(np.int64))
-            m.setattr(module, "small_array", lambda a, *limits: np.asarray(a).astype(np.int64))
             m.setattr(module, "fitting", lambda *values: np.dtype(np.int64))
+        for module in (arrays, blocks):
+            m.setattr(module, "small_array", lambda a, *limits: np.asarray(a).astype(np.int64))
+        for module in (arrays, glue):
             m.setattr(module, "NODE_CHUNK", 1 << 40)
         wide = [outcome(s, p) for _, s, p in cases]
     with monkeypatch.context() as m:  # every pass of block_classes in full

@@ -25,53 +25,41 @@ not a Python function call:
 A violation raises ``StructureError('symmetry')`` naming the replica,
 microbatch and the first differing node (in execution order) and the
 representative's node it differs from.
+
+:class:`BlockCheck` holds the arrays, the findings, the passes, rule (c)
+and the comparison of every tensor a node reads or writes; it inherits the
+matching of nodes with their representatives' and the comparison of kwargs
+(verdict/symmetry/programs.py) and the glue, rules (a), (b), (d) and (f)
+(verdict/symmetry/glue.py).
 """
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 
 from verdict.columns import Columns, drop_pages, row_ids, trim_heap
 from verdict.layout import Layout
 from verdict.lineage import StructureError
-from verdict.ops import get_op
 from verdict.plan import DIRECTIONS, INPUT_KINDS, Plan
-from verdict.symmetry.arrays import (
-    I32,
-    NODE_CHUNK,
-    arrays,
-    chunks,
-    fitting,
-    index_array,
-    member_mask,
-    small_array,
-    spans,
-)
+from verdict.symmetry.arrays import arrays, chunks, fitting, index_array, small_array
 from verdict.symmetry.fold import Fold, batch_dims
+from verdict.symmetry.glue import GlueCheck
 from verdict.symmetry.owned import find_owned
+from verdict.symmetry.programs import ProgramMatch
 from verdict.symmetry.rules import (
     ACCUMULATE,
     CONSTANTS,
-    NOT_A_SUM_OF_ENDS,
-    NOT_LAST_BUFFER,
-    NOT_OWN_INDEX,
-    NOT_RUNNING_BUFFER,
-    NOT_WHOLE_ORBIT,
-    ORBIT_SUMS,
     READS_OUTSIDE,
-    accumulation_chains,
     block_offsets,
     inner_size,
-    whole_orbit,
+    reads_outside,
 )
 
 #: No finding (BlockCheck's per-node codes)
 _NONE = np.iinfo(np.int8).max
 
 
-class BlockCheck:
+class BlockCheck(ProgramMatch, GlueCheck):
     """The check; after :meth:`run`, what the representatives' cut needs:
     the mesh, batch dims, rows per block, each block's first row and each
     accumulation chain's end."""
@@ -374,204 +362,6 @@ class BlockCheck:
         ids[inputs] = distinct
         return ids, np.flatnonzero(bad)
 
-    def representatives(self, only: np.ndarray | None = None) -> np.ndarray:
-        """For each node, the node at its position in its class's
-        representative program ((class, 0, 0) for a block, (class, 0) for
-        a step program; (class, rep(d), rep(m)) and (class, rep(d)) when
-        ``rep_of_d``/``rep_of_m`` are set); -1 where that program is shorter. Raises when a
-        class lacks a block or a step program of some replica.
-
-        Three passes over the nodes, a chunk at a time: the blocks present
-        and their sizes; each node's position in its block and the blocks'
-        nodes in order (a stable counting sort); each node's representative.
-        Only those two and the answer span the whole plan (the position in
-        the narrowest type that holds the largest block's size)."""
-        nn = len(self.cols.n_rank)
-        ids = self.block_ids()
-        self.check_present(ids)
-        kind = np.int32 if max(len(ids), 2 * nn) < I32.max else np.int64
-        counts = np.zeros(len(ids), dtype=np.int64)
-        for lo, hi in chunks(nn):
-            b = np.searchsorted(ids, self.block_of(lo, hi, False))
-            counts += np.bincount(b, minlength=len(ids))
-        starts = np.zeros(len(ids), dtype=np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
-        order = np.empty(nn, dtype=kind)  # the nodes block by block, in node order within one
-        # each node's position in its block
-        pos = np.empty(nn, dtype=fitting(int(counts.max(initial=0))))
-        filled = np.zeros(len(ids), dtype=np.int64)
-        for lo, hi in chunks(nn):
-            b = np.searchsorted(ids, self.block_of(lo, hi, False))
-            sort = np.argsort(b, kind="stable")
-            first = np.searchsorted(b[sort], b[sort], side="left")
-            within = np.empty(len(b), dtype=np.int64)
-            within[sort] = np.arange(len(b)) - first
-            at = filled[b] + within
-            pos[lo:hi] = at
-            order[starts[b] + at] = np.arange(lo, hi, dtype=kind)
-            filled += np.bincount(b, minlength=len(ids))
-        rep = np.empty(nn, dtype=index_array(np.array([nn])).dtype)
-        for lo, hi in chunks(nn):
-            own_size = counts[np.searchsorted(ids, self.block_of(lo, hi, False))]
-            rep_block = self.block_of(lo, hi, True)
-            where = np.minimum(np.searchsorted(ids, rep_block), len(ids) - 1)
-            found = ids[where] == rep_block
-            size = np.where(found, counts[where], 0)
-            at = pos[lo:hi]
-            found &= at < size
-            got = np.where(found, order[np.minimum(starts[where] + at, nn - 1)], -1)
-            rep[lo:hi] = got
-            if only is not None:
-                own_size = np.where(only[lo:hi], own_size, size)
-            self.flag(own_size != size, np.arange(lo, hi), "its block has another number of "
-                      "nodes than the representative's",
-                      np.where(got >= 0, got, order[starts[where]]))
-        return rep
-
-    def block_ids(self) -> np.ndarray:
-        """The distinct blocks of the nodes (:meth:`block_of`), sorted."""
-        found = [np.unique(self.block_of(lo, hi, False))
-                 for lo, hi in chunks(len(self.cols.n_rank))]
-        return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
-
-    def block_of(self, lo: int, hi: int, representative: bool) -> np.ndarray:
-        """The block of nodes lo..hi-1 (class, replica, microbatch + 1, 0:
-        outside microbatches) as one int64, or with ``representative`` the
-        block of their representative (``rep_of_d``, ``rep_of_m``)."""
-        dp, nm = self.fold.dp, self.fold.nm
-        rank = self.cols.n_rank[lo:hi]
-        d = self.rank_d[rank].astype(np.int64)
-        mb = self.cols.n_mb[lo:hi].astype(np.int64)
-        slot = mb + 1
-        if representative:
-            d = 0 if self.rep_of_d is None else self.rep_of_d.astype(np.int64)[d]
-            slot = np.minimum(slot, 1) if self.rep_of_m is None else \
-                np.where(slot > 0, self.rep_of_m.astype(np.int64)[np.maximum(mb, 0)] + 1, 0)
-        return (self.rank_cls[rank].astype(np.int64) * dp + d) * (nm + 1) + slot
-
-    def check_present(self, ids: np.ndarray) -> None:
-        """Every class with a block program has one for each (d, m), and a
-        class with a step program on replica 0 has one on every replica."""
-        dp, nm = self.fold.dp, self.fold.nm
-        slot = ids % (nm + 1)
-        cls_d = ids // (nm + 1)
-        cls = cls_d // dp
-        for which, mask, want in (("blocks (replica, microbatch)", slot > 0, dp * nm),
-                                  ("step programs (outside microbatches)", slot == 0, dp)):
-            classes, counts = np.unique(cls[mask], return_counts=True)
-            short = classes[counts != want]
-            if short.size:
-                raise StructureError("symmetry", (
-                    f"rank class {self.class_name(int(short[0]))} runs "
-                    f"{int(counts[counts != want][0])} {which}, not {want}: a replica or "
-                    f"microbatch lacks its program"))
-
-    def class_name(self, cls: int) -> tuple[int, int, int]:
-        t = cls % self.tp
-        c = (cls // self.tp) % self.cp
-        return cls // (self.tp * self.cp), c, t
-
-    def orbits(self) -> np.ndarray:
-        """Nodes of a group operator that read another replica's tensor, a
-        chunk of nodes at a time."""
-        cols = self.cols
-        group = np.array([get_op(op).group for op in cols.ops], dtype=bool)
-        orbit = np.zeros(len(cols.n_op), dtype=bool)
-        for lo, hi in chunks(len(orbit)):
-            g = np.flatnonzero(group[cols.n_op[lo:hi]]) + lo
-            if g.size:
-                orbit[g] = self.reads_other_replicas(g)
-        return orbit
-
-    def reads_other_replicas(self, g: np.ndarray) -> np.ndarray:
-        """Whether each node ``g`` reads a tensor of a replica not its own."""
-        cols = self.cols
-        tuples, inverse = np.unique(cols.n_ins[g], return_inverse=True)
-        ts = cols.flat[spans(cols.ptr, tuples)]
-        lengths = cols.ptr[tuples + 1] - cols.ptr[tuples]
-        d = self.rank_d[cols.t_rank[np.maximum(ts, 0)]]
-        big = self.fold.dp
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        nonempty = lengths > 0
-        low = np.full(len(tuples), big)
-        high = np.full(len(tuples), -1)
-        low[nonempty] = np.minimum.reduceat(np.where(ts >= 0, d, big), starts[nonempty])
-        high[nonempty] = np.maximum.reduceat(np.where(ts >= 0, d, -1), starts[nonempty])
-        own = self.rank_d[cols.n_rank[g]]
-        low, high = low[inverse.reshape(-1)], high[inverse.reshape(-1)]
-        return ((low != own) & (low != big)) | ((high != own) & (high != -1))
-
-    def check_kwargs(self, rep: np.ndarray, orbit: np.ndarray,
-                     only: np.ndarray | None = None) -> None:
-        """Operator, direction and kwargs equal the representative's (of the
-        nodes ``only``, default all); an orbit's ``index`` is compared as
-        its own position (checked in :meth:`check_glue`), a send/receive
-        peer as its class, in the replica."""
-        cols = self.cols
-        special, special_kw = self.normal_kwargs(orbit)
-
-        def kwargs_code(nodes: np.ndarray) -> np.ndarray:
-            """The kwargs code of nodes, the normalized one where there is one."""
-            kw = cols.n_kw[nodes].astype(np.int64)
-            at = np.minimum(np.searchsorted(special, nodes), max(len(special) - 1, 0))
-            hit = special[at] == nodes if len(special) else np.zeros(len(nodes), dtype=bool)
-            kw[hit] = special_kw[at[hit]]
-            return kw
-
-        for lo, hi in chunks(len(cols.n_kw)):
-            nodes = np.arange(lo, hi)
-            kw = kwargs_code(nodes)
-            self.flag(kw == -1, nodes, "its send/receive peer is in another replica")
-            ok = rep[lo:hi] >= 0
-            if only is not None:
-                ok &= only[lo:hi]
-            r = np.maximum(rep[lo:hi], 0)
-            self.flag(ok & ((cols.n_op[lo:hi] != cols.n_op[r]) | (cols.n_dir[lo:hi] != cols.n_dir[r])),
-                      nodes, "another operator or direction", rep[lo:hi])
-            self.flag(ok & (kw != kwargs_code(r)), nodes, "other kwargs", rep[lo:hi])
-            for tuples, what in ((cols.n_ins, "inputs"), (cols.n_outs, "outputs")):
-                own, of_r = tuples[lo:hi], tuples[r]
-                n = cols.ptr[own + 1] - cols.ptr[own]
-                self.flag(ok & (n != cols.ptr[of_r + 1] - cols.ptr[of_r]), nodes,
-                          f"another number of {what}", rep[lo:hi])
-
-    def normal_kwargs(self, orbit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The nodes whose kwargs are compared normalized, in order, and
-        their normalized codes (-1: a send/receive peer in another replica).
-        An orbit's or an owned shard's ``index`` is left out (checked in
-        :meth:`check_glue` and verdict/symmetry/owned.py), a send/receive peer is
-        its class, in the replica."""
-        cols, p = self.cols, self.p
-        is_send = np.array([op == "send_recv" for op in cols.ops] or [False])
-        owned = np.flatnonzero(self.owned.nodes)
-        found = [np.flatnonzero(orbit[lo:hi] | member_mask(owned, lo, hi) | is_send[cols.n_op[lo:hi]])
-                 + lo for lo, hi in chunks(len(cols.n_kw))]
-        special = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-        if not len(special):
-            return special, np.zeros(0, dtype=np.int64)
-        own_index = orbit[special] | np.isin(special, owned)
-        # one normalization per (kwargs code, replica, own index), made as its first node has it
-        own_d = self.rank_d[cols.n_rank[special]].astype(np.int64)
-        keys = np.stack((cols.n_kw[special].astype(np.int64), own_d,
-                         own_index.astype(np.int64)), axis=1)
-        distinct, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-        table: dict[str, int] = {}
-        normal = np.empty(len(distinct), dtype=np.int64)
-        for k, ((code, own_d, own), i) in enumerate(zip(distinct.tolist(), special[first].tolist())):
-            kwargs = p.kwargs_of(code)
-            if own:
-                kwargs.pop("index", None)
-            off = False
-            for name in ("src", "dst"):
-                if is_send[cols.n_op[i]] and isinstance(kwargs.get(name), int):
-                    cls, d = self.mesh.split(kwargs[name])
-                    off |= d != own_d
-                    kwargs[name] = list(cls)
-            text = json.dumps(kwargs, sort_keys=True)
-            normal[k] = -1 if off else len(p.kwargs) + table.setdefault(text, len(table))
-        codes = normal[inverse.reshape(-1)]
-        return special, codes
-
     def check_entries(self, rep: np.ndarray, orbit: np.ndarray, bad_rows: np.ndarray,
                       only: np.ndarray | None = None) -> None:
         """Each tensor a node (of ``only``, default all) reads or writes
@@ -616,9 +406,8 @@ class BlockCheck:
         self.flag((rel_t == -3) & ~chain, node, f"its {what} is another microbatch's tensor")
         made = cols.t_producer[t]
         constant = np.array([op in CONSTANTS for op in cols.ops], dtype=bool)
-        self.flag((mb >= 0) & (t_mb < 0) & (made >= 0) & ~constant[cols.n_op[np.maximum(made, 0)]]
-                  & ~self.owned.gathered[t],
-                  node, READS_OUTSIDE)
+        self.flag(reads_outside(mb, t_mb, made >= 0, constant[cols.n_op[np.maximum(made, 0)]])
+                  & ~self.owned.gathered[t], node, READS_OUTSIDE)
         d, t_rank, r_rank = self.rank_d, cols.t_rank[t], cols.t_rank[r]
         self.flag((d[t_rank] != d[cols.n_rank[node]]) & ~orbit, node,
                   "it reads another replica's tensor outside a sum over the replicas")
@@ -644,134 +433,6 @@ class BlockCheck:
             b = slices[r_off[m] + k].astype(np.int64)
             differ[m] = (a[:, 1] - a[:, 0]) != (b[:, 1] - b[:, 0])
         return differ
-
-    def check_chains(self) -> np.ndarray:
-        """Rule (b), :func:`~verdict.symmetry.rules.accumulation_chains`, per
-        rank and gradient buffer, every accumulation that breaks it flagged.
-        Returns the chains' ends (tensors, sorted), which rules (d) and (f)
-        read."""
-        cols = self.cols
-        found = [np.flatnonzero(self.is_acc(slice(lo, hi))) + lo
-                 for lo, hi in chunks(len(cols.n_rank))]
-        acc = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-        if not acc.size:
-            return np.zeros(0, dtype=np.int64)
-        lengths = cols.ptr[cols.n_ins[acc] + 1] - cols.ptr[cols.n_ins[acc]]
-        buf = np.where(lengths > 0, cols.flat[cols.ptr[cols.n_ins[acc]]], -1)
-        out = cols.flat[cols.ptr[cols.n_outs[acc]]]
-        key_tid = np.where(buf >= 0, cols.t_tid[np.maximum(buf, 0)], -1)
-        key = cols.n_rank[acc].astype(np.int64) * (len(self.p.logical) + 1) + key_tid + 1
-        zeros_op = np.array([op == "zeros" for op in cols.ops], dtype=bool)
-        made = cols.t_producer[np.maximum(buf, 0)]
-        from_zeros = (buf >= 0) & (made >= 0) & zeros_op[cols.n_op[np.maximum(made, 0)]] & \
-            (cols.t_mb[np.maximum(buf, 0)] == -1)
-        order, ok, first, last = accumulation_chains(acc, key, buf, out, from_zeros)
-        acc, buf, out = acc[order], buf[order], out[order]
-        self.flag(~ok, acc, NOT_RUNNING_BUFFER)
-        #: (rank, gradient buffer) -> the zeros buffer its chain starts from
-        self.chain_start = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(b)
-                            for a, b, o in zip(acc[first], buf[first], out[first])}
-        self.chain_end = {(int(cols.n_rank[a]), int(cols.t_tid[o])): int(o)
-                          for a, o in zip(acc[last], out[last])}
-        return np.unique(out[last])
-
-    def sums_of_ends(self, is_end: np.ndarray) -> np.ndarray:
-        """The nodes (in order) of an orbit-sum operator whose inputs are
-        all chain ends (``is_end``). Each distinct input tuple is read once
-        (the replicas of a reducer share theirs: a tuple of dp entries read
-        per node would be dp times the plan's entries), a bounded number of
-        entries at a time."""
-        cols = self.cols
-        sums_op = np.array([op in ORBIT_SUMS for op in cols.ops], dtype=bool)
-        found = [np.flatnonzero(sums_op[cols.n_op[lo:hi]]) + lo
-                 for lo, hi in chunks(len(cols.n_rank))]
-        cand = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-        groups, inverse = np.unique(cols.n_ins[cand], return_inverse=True)
-        lengths = (cols.ptr[groups + 1] - cols.ptr[groups]).astype(np.int64)
-        upto = np.cumsum(lengths)
-        ok = np.ones(len(groups), dtype=bool)  # an empty input tuple holds no other tensor
-        lo = 0
-        while lo < len(groups):
-            hi = max(lo + 1, int(np.searchsorted(upto, upto[lo] - lengths[lo] + NODE_CHUNK,
-                                                 side="right")))
-            ln = lengths[lo:hi]
-            ts = cols.flat[spans(cols.ptr, groups[lo:hi])]
-            bad = (ts < 0) | ~is_end[np.maximum(ts, 0)]
-            nonempty = np.flatnonzero(ln > 0)
-            if len(nonempty):
-                starts = (np.cumsum(ln) - ln)[nonempty]
-                ok[lo + nonempty] = ~np.logical_or.reduceat(bad, starts)
-            lo = hi
-        return cand[ok[inverse]]
-
-    def check_glue(self, orbit: np.ndarray, ends: np.ndarray) -> None:
-        """(a), (d), (f): orbits are sums of chain ends (``ends``) over
-        the whole orbit, at their own index; a rank's last gradient buffer
-        is a chain end or such a sum."""
-        cols, p = self.cols, self.p
-        is_end = np.zeros(len(cols.t_rank), dtype=bool)
-        is_end[ends] = True
-        sums_ends = self.sums_of_ends(is_end)
-        found = [np.flatnonzero(orbit[lo:hi]) + lo for lo, hi in chunks(len(orbit))]
-        orbits = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-        of_ends = np.isin(orbits, sums_ends)
-        self.flag(~self.owned.nodes[orbits] & (~of_ends | (cols.n_mb[orbits] != -1)), orbits,
-                  NOT_A_SUM_OF_ENDS)
-        sums = orbits[of_ends]
-        groups = cols.n_ins[sums]
-        whole = {int(g): self.whole_orbit(cols.flat[cols.ptr[g]:cols.ptr[g + 1]])
-                 for g in np.unique(groups)}
-        not_whole = np.array([not whole[int(g)] for g in groups], dtype=bool)
-        self.flag(not_whole, sums, NOT_WHOLE_ORBIT)
-        index_of: dict[int, int] = {}  # kwargs code -> its index, -1 when not an int
-        for code in np.unique(cols.n_kw[sums]).tolist():
-            index = self.p.kwargs_of(code).get("index")
-            index_of[code] = index if isinstance(index, int) and not isinstance(index, bool) \
-                else -1
-        index = np.array([index_of[c] for c in cols.n_kw[sums].tolist()], dtype=np.int64)
-        size = cols.ptr[groups + 1] - cols.ptr[groups]
-        valid = (index >= 0) & (index < size)
-        member = cols.flat[np.where(valid, cols.ptr[groups] + index, 0)]
-        own = valid & (member >= 0) & (cols.t_rank[np.maximum(member, 0)] == cols.n_rank[sums])
-        self.flag(~not_whole & ~own, sums, NOT_OWN_INDEX)
-        # (f) the gradient buffer a rank ends with
-        t, writer = self.gradbuf_writes(len(cols.ptr) - 1 - len(cols.n_rank))
-        if not len(t):
-            return
-        key = cols.t_rank[t].astype(np.int64) * (len(p.logical) + 1) + cols.t_tid[t]
-        order = np.lexsort((writer, key))
-        key, writer, t = key[order], writer[order], t[order]
-        last = np.concatenate((key[1:] != key[:-1], [True]))
-        w, out = writer[last], t[last]
-        ok = (self.is_acc(w) & is_end[out]) | np.isin(w, sums_ends) | self.owned.keeps[w]
-        self.flag(~ok, w, NOT_LAST_BUFFER)
-
-    def gradbuf_writes(self, n_in: int) -> tuple[np.ndarray, np.ndarray]:
-        """The gradient buffers written and their writers, in node order:
-        the output tuples lie after the ``n_in`` input tuples in flat, one
-        per node (arrays()); read a chunk of nodes at a time."""
-        cols = self.cols
-        nn = len(cols.n_rank)
-        out_ptr = cols.ptr[n_in:]
-        found_t, found_w = [np.zeros(0, dtype=cols.flat.dtype)], [np.zeros(0, dtype=np.int64)]
-        for lo in range(0, nn, NODE_CHUNK):
-            hi = min(lo + NODE_CHUNK, nn)
-            t = cols.flat[int(out_ptr[lo]): int(out_ptr[hi])]
-            writer = np.repeat(np.arange(lo, hi), np.diff(out_ptr[lo: hi + 1]))
-            keep = t >= 0
-            t, writer = t[keep], writer[keep]
-            g = self.gradbuf_tid[cols.t_tid[t]]
-            found_t.append(t[g])
-            found_w.append(writer[g])
-        return np.concatenate(found_t), np.concatenate(found_w)
-
-    def whole_orbit(self, members: np.ndarray) -> bool:
-        """Rule (a), :func:`~verdict.symmetry.rules.whole_orbit`, of a
-        collective's input tensors (none absent)."""
-        if (members < 0).any():
-            return False
-        rank = self.cols.t_rank[members]
-        return whole_orbit(self.rank_cls[rank], self.rank_d[rank], self.fold.dp)
 
 
 def label(plan: Columns, i: int) -> str:

@@ -30,8 +30,8 @@ from verdict.symmetry.blocks import BlockCheck
 from verdict.symmetry.classes import Axis, block_classes
 from verdict.symmetry.cut import Cut, PlanLike, layout_view
 from verdict.symmetry.fold import Fold, FoldError, restrict
-from verdict.symmetry.owned import OwnedError
 from verdict.symmetry.rules import SHOWN
+from verdict.symmetry.shards import OwnedError
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,13 @@ from verdict.symmetry.rules import (
     READS_OUTSIDE,
     accumulation_chains,
     block_offsets,
+    ends_with_chains,
+    index_kwarg,
     inner_size,
+    last_writes,
+    own_index,
+    reads_outside,
+    sum_of_ends,
     whole_orbit,
 )
 
@@ -145,8 +151,11 @@ class Uniformity:
                 mb = "own"
             elif x.mb != -1:
                 self.fail(i, None, f"it reads microbatch {x.mb}'s tensor")
-            elif self.producer[t] >= 0 and self.p.nodes[self.producer[t]].op not in CONSTANTS:
-                self.fail(i, None, READS_OUTSIDE)
+            else:
+                made = self.producer[t] >= 0
+                constant = made and self.p.nodes[self.producer[t]].op in CONSTANTS
+                if reads_outside(node.mb, x.mb, made, constant):
+                    self.fail(i, None, READS_OUTSIDE)
         desc = (cls, mb, x.tid, version, lver, x.shape)
         if self.producer[t] < 0 and self.p.logical[x.tid].kind in INPUT_KINDS:
             row = self.offset.get((self.mesh.split(node.rank)[0], d, x.mb), -1)
@@ -171,7 +180,7 @@ class Uniformity:
         orbit = get_op(node.op).group and any(
             t >= 0 and self.mesh.split(self.p.tensors[t].rank)[1] != own_d for t in node.inputs)
         if orbit:
-            if node.op not in ORBIT_SUMS or node.mb != -1 or not self.sums_chain_ends(node):
+            if not sum_of_ends(node.op in ORBIT_SUMS, node.mb, self.sums_chain_ends(node)):
                 self.fail(i, None, NOT_A_SUM_OF_ENDS)
             self.check_orbit(i)
             kwargs.pop("index", None)
@@ -187,9 +196,11 @@ class Uniformity:
         return (node.op, node.dir, repr(sorted(kwargs.items())), ins, outs)
 
     def check_orbit(self, i: int) -> None:
-        """A collective across replicas spans the whole orbit: every replica
-        d' the same number of times, with the same other coordinates, in
-        replica-major or replica-minor order, its own rank at ``index``."""
+        """Rule (a), :func:`~verdict.symmetry.rules.whole_orbit` and
+        :func:`~verdict.symmetry.rules.own_index`: a collective across
+        replicas spans the whole orbit, its own rank at ``index``. Its
+        members are its inputs, every one present (rule (d), checked
+        before, makes them chain ends)."""
         node = self.p.nodes[i]
         ranks = [self.p.tensors[t].rank for t in node.inputs if t >= 0]
         parts = [self.mesh.split(r) for r in ranks]
@@ -197,8 +208,11 @@ class Uniformity:
         cls = np.array([numbered.setdefault(c, len(numbered)) for c, _ in parts], dtype=np.int64)
         if not whole_orbit(cls, np.array([d for _, d in parts], dtype=np.int64), self.fold.dp):
             self.fail(i, None, NOT_WHOLE_ORBIT)
-        index = node.kwargs.get("index")
-        if not isinstance(index, int) or not 0 <= index < len(ranks) or ranks[index] != node.rank:
+        # Python ints (dtype object): an index of any size is compared as it is
+        index = np.array([index_kwarg(node.kwargs, bool_is_int=True)], dtype=object)
+        if not own_index(index, np.array([len(ranks)]),
+                         lambda valid, k: np.array([ranks[int(k[0])] if valid[0] else -1]),
+                         np.array([node.rank]))[0]:
             self.fail(i, None, NOT_OWN_INDEX)
 
     def check_chains(self) -> None:
@@ -235,22 +249,29 @@ class Uniformity:
                    == t for t in node.inputs)
 
     def check_final_buffers(self) -> None:
-        """The gradient buffer a rank ends with is its chain's end, or a sum
-        of chain ends (the reducer): the glue between the blocks and what a
-        rank ends with is a plain sum, which repeats to any number of
-        replicas and microbatches (docs/soundness.md)."""
-        last: dict[tuple[int, int], int] = {}
+        """Rule (f), :func:`~verdict.symmetry.rules.last_writes` and
+        :func:`~verdict.symmetry.rules.ends_with_chains`: the gradient buffer
+        a rank ends with is its chain's end, or a sum of chain ends (the
+        reducer); fails at the first buffer (in the order of first writes)
+        that breaks it."""
+        keys: dict[tuple[int, int], int] = {}  # (rank, gradient buffer tid) -> its number
+        key, writer = [], []
         for i, node in enumerate(self.p.nodes):
             for o in node.outputs:
                 if o >= 0 and self.p.logical[self.p.tensors[o].tid].kind == "gradbuf":
-                    last[(self.p.tensors[o].rank, self.p.tensors[o].tid)] = i
-        for key, i in last.items():
+                    x = self.p.tensors[o]
+                    key.append(keys.setdefault((x.rank, x.tid), len(keys)))
+                    writer.append(i)
+        named = list(keys)
+        for at in last_writes(np.array(key, dtype=np.int64),
+                              np.array(writer, dtype=np.int64)).tolist():
+            i = writer[at]
             node = self.p.nodes[i]
-            if node.op == ACCUMULATE and node.mb >= 0 and self.chain_end.get(key) in node.outputs:
-                continue
-            if node.op in ORBIT_SUMS and self.sums_chain_ends(node):
-                continue
-            self.fail(i, None, NOT_LAST_BUFFER)
+            chain_end = node.op == ACCUMULATE and node.mb >= 0 and \
+                self.chain_end.get(named[key[at]]) in node.outputs
+            sums = node.op in ORBIT_SUMS and self.sums_chain_ends(node)
+            if not ends_with_chains(chain_end, sums):
+                self.fail(i, None, NOT_LAST_BUFFER)
 
 
 def check_uniform(single: Plan, parallel: Plan, compare: bool = True) -> None:
