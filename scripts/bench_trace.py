@@ -34,6 +34,9 @@ from main import verify  # noqa: E402
 
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
          "--vocab 2048")
+DIST_OPT = ("--model backends.torch.megatron:gpt --recipe backends.torch.megatron:dist_opt "
+            "--batch 8 --hidden 24")
+CLIP = "--clipper backends.torch.megatron:clip_grad_norm"
 #: (case, arguments of ``python -m backends.torch``)
 CASES: list[tuple[str, str]] = [
     ("llama fsdp_tp 4 ranks", "--recipe fsdp_tp --dp 2 --tp 2"),
@@ -55,6 +58,12 @@ CASES: list[tuple[str, str]] = [
      f"{TITAN} --dp 4 --tp 4 --pp 4 --layers 8 --batch 16"),
     ("titan debugmodel 8 layers dp16 tp4 pp4 256 ranks",
      f"{TITAN} --dp 16 --tp 4 --pp 4 --layers 8 --batch 64"),
+    # Megatron-Core's distributed optimizer (docs/soundness.md, 56-59), with its clipping
+    # over the shards (85-87): `-k "megatron dist_opt"`
+    ("megatron dist_opt dp2", f"{DIST_OPT} --dp 2 --tp 1"),
+    ("megatron dist_opt dp2 tp2", f"{DIST_OPT} --dp 2 --tp 2"),
+    ("megatron dist_opt dp2 clip", f"{DIST_OPT} --dp 2 --tp 1 --clip 0.5 {CLIP}"),
+    ("megatron dist_opt dp2 tp2 clip", f"{DIST_OPT} --dp 2 --tp 2 --clip 0.1 {CLIP}"),
 ]
 
 
@@ -62,7 +71,8 @@ def spec_of(args: argparse.Namespace) -> dict:
     kw = model_kwargs(args)
     return {"model": args.model, "model_kwargs": kw, "recipe": args.recipe, "dp": args.dp,
             "tp": args.tp, "pp": args.pp, "batch": args.batch, "seqlen": args.seqlen,
-            "vocab": args.vocab, "seed": args.seed}
+            "vocab": args.vocab, "seed": args.seed, "optimizer": args.optimizer,
+            "clip": args.clip, "clipper": args.clipper}
 
 
 def measure(argv: str) -> dict:

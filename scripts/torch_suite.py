@@ -247,10 +247,21 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron dp2 ddp clip_grad_norm (branch clip_coeff < 1.0 taken)",
      f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8 --clip 0.5 "
      "--clipper backends.torch.megatron:clip_grad_norm", 0),
-    ("megatron dp2 distributed optimizer clip_grad_norm (refused: its norm over the shards is "
-     "not traced)",
+    # with the distributed optimizer: the norm over every rank's shards (docs/soundness.md, 85-87;
+    # --clip 0.1 at tp 2 so that each rank's traced local number takes the single-device branch)
+    ("megatron dp2 distributed optimizer clip_grad_norm (the norm over the shards)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --clip 0.5 "
-     "--clipper backends.torch.megatron:clip_grad_norm", 2),
+     "--clipper backends.torch.megatron:clip_grad_norm", 0),
+    ("megatron dp2 tp2 distributed optimizer clip_grad_norm (the norm over the shards)",
+     f"{MEGATRON}dist_opt --dp 2 --tp 2 --batch 8 --hidden 24 --clip 0.1 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 0),
+    ("megatron bug dp2 distributed optimizer clip_grad_norm not all-reduced (each rank's own "
+     "shards' norm)",
+     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --clip 0.5 "
+     "--clipper tests.norm_clippers:megatron_dist_opt_norm_over_tp", 1),
+    ("megatron bug dp2 tp2 distributed optimizer clip_grad_norm over the tp group",
+     f"{MEGATRON}dist_opt --dp 2 --tp 2 --batch 8 --hidden 24 --clip 0.1 "
+     "--clipper tests.norm_clippers:megatron_dist_opt_norm_over_tp", 1),
     ("megatron tp2 clip_grad_norm max_norm 1000 (branch not taken, the number still compared)",
      f"{MEGATRON}tp --dp 1 --tp 2 --clip 1000 --clipper backends.torch.megatron:clip_grad_norm",
      0),

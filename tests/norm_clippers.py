@@ -212,3 +212,22 @@ def megatron_large_branch_other_side(model, mesh, max_norm: float) -> None:
     number and branches on none, so the ranks' branch is refused."""
     from backends.torch.zoo.megatron import clip_grad_norm
     clip_grad_norm(model, mesh, max_norm)
+
+
+def megatron_dist_opt_norm_over_tp(model, mesh, max_norm: float) -> None:
+    """A mistake in Megatron's clipping with the distributed optimizer: the
+    square sums of the rank's main-gradient shards all-reduced over the
+    tensor-parallel group instead of the whole distributed-optimizer
+    instance (at tp 1 a group of one: each rank's own shards' norm; at tp 2
+    the data-parallel ranks' shards are left out). Runs on one device too
+    (``one_device``), where every group is of one rank."""
+    from megatron.core import parallel_state as ps
+
+    from backends.torch.zoo.megatron import clip_grad_norm, clip_shards
+    if any(getattr(p, "grad_blocks", None) is not None for p in model.parameters()):
+        clip_shards(model, max_norm, ps.get_tensor_model_parallel_group())
+    else:
+        clip_grad_norm(model, mesh, max_norm)
+
+
+megatron_dist_opt_norm_over_tp.one_device = True  # type: ignore[attr-defined]

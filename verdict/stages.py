@@ -96,7 +96,10 @@ class _Cutter:
         stage = Stage(len(self.stages), gs_node, self.dataflow_order(nodes), inputs, outputs,
                       sorted(sources))
         self.stages.append(stage)
-        self.verified |= targets
+        # a loose part (of an |n|-way partial maximum, n < 0: never grouped, so
+        # nothing was proved of it) is no source of a later stage: one that
+        # reads it recomputes it from its producers
+        self.verified |= {t for t in targets if self.p.tensors[t].parts[2] >= 0}
         self.verified_lineages |= set(outputs)
         return stage
 

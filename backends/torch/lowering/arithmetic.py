@@ -12,6 +12,7 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.fills import additive_mask, masked_fill, selected, where
+from backends.torch.lowering.flat_ranges import FlatRange, range_blocks
 from backends.torch.lowering.ir import (
     ChunkCat,
     Compare,
@@ -32,6 +33,7 @@ from backends.torch.lowering.ir import (
     Shifted,
     VocabMask,
     complex_parts,
+    numel,
 )
 from backends.torch.lowering.registry import lowers
 
@@ -174,7 +176,44 @@ def _square_sum_of(lw: Lowerer, a: Any) -> int:
         s = lw.emit("zeros", [], [()], {"shape": []}, direction="none")[0]
         lw.empty_sums[s] = (x.grad, x.group)
         return s
+    if isinstance(x, FlatRange):
+        return _range_square_sum(lw, x)
     return _square_sum(lw, lw.val(a))
+
+
+def _range_square_sum(lw: Lowerer, x: FlatRange) -> int:
+    """The square sum of a reduce-scattered range's elements: of each run
+    (value, lo, hi) the square sums of its blocks added in memory order,
+    the runs' added in order. A run that is not its whole value is a part,
+    over the group the ranges were cut for, of that value's square sum
+    (``range_sums``; docs/soundness.md, "Plans traced from PyTorch", 86)."""
+    total = None
+    for v, lo, hi in x.parts:
+        if (lo, hi) == (0, numel(lw, v)):
+            run = _square_sum(lw, v)
+        elif x.group is None:
+            raise LoweringError(f"{lw.name}: the norm of part of a value that no reduce-scatter "
+                                f"cut is not lowered")
+        else:
+            run = lw.reshape(_blocks_square_sum(lw, v, lo, hi), ())
+            lw.range_sums[run] = (v, x.group)
+        total = run if total is None else lw.emit("add", [total, run], [()])[0]
+    return total
+
+
+def _blocks_square_sum(lw: Lowerer, v: int, lo: int, hi: int) -> int:
+    """The square sum of the flat elements [lo, hi) of v: v squared whole
+    (the single-device square the norm sums), then the sums of the blocks
+    of the square that the elements make, each kept with v's number of dims
+    (shape 1, ..., 1, a piece of nothing that fits in the square: the loose
+    values of item 86), added in memory order."""
+    ones = (1,) * len(lw.shapes[v])
+    sq = lw.emit("mul", [v, v], [lw.shapes[v]])[0]
+    total = None
+    for block in range_blocks(lw, FlatRange(((sq, lo, hi),))):
+        s = lw.emit("sum", [block], [ones], {"dim": list(range(len(ones))), "keepdim": True})[0]
+        total = s if total is None else lw.emit("add", [total, s], [ones])[0]
+    return total
 
 
 @lowers("aten.linalg_vector_norm.default")
@@ -196,6 +235,8 @@ def _vector_norm(lw: Lowerer, args, kwargs, shapes, group):
                                     f"reduced, is not lowered")
             total = norm.s if total is None else lw.emit("add", [total, norm.s], [()])[0]
         return Norm(total)
+    if isinstance(x, FlatRange):
+        return Norm(_range_square_sum(lw, x))
     return Norm(_square_sum(lw, lw.val(args[0])))
 
 

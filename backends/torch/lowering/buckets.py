@@ -93,7 +93,8 @@ def reduce_scatter_buckets(lw: Lowerer, args, kwargs, shapes, group) -> list:
                                 f"{size} over {len(ranks)} ranks")
         zeros = frozenset(p for p in bucket.pieces if p in lw.zeros_made)
         reduced = all_reduce_bucket(lw, bucket, op, ranks, zeros)
-        result.append(FlatRange(tuple(pick(parts_of(lw, reduced), i * size, size))))
+        result.append(FlatRange(tuple(pick(parts_of(lw, reduced), i * size, size)), None,
+                                tuple(ranks)))
     return result
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.bucket_pieces import all_reduce_bucket
 from backends.torch.lowering.context import LNode, pg
+from backends.torch.lowering.flat_ranges import FlatRange
 from backends.torch.lowering.ir import (
     Bucket,
     ChunkCat,
@@ -30,6 +31,8 @@ def _copy(lw: Lowerer, args, kwargs, shapes, group):
         return src  # FSDP's gradient buffer of a one-rank shard group, copied out
     if isinstance(src, Bucket):
         return src
+    if isinstance(src, FlatRange) and tuple(shapes[0]) == (sum(b - a for _, a, b in src.parts),):
+        return src  # a flat range's elements copied into a flat view of as many (item 85)
     return lw.val(args[1])
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.bucket_pieces import PER_PIECE_OPS, per_piece
+from backends.torch.lowering.flat_ranges import FlatRange, per_block
 from backends.torch.lowering.ir import (
     Bucket,
     Const,
@@ -97,6 +98,10 @@ class Lowered:
     #: number's value, the comparison, its constant, the branch taken, the
     #: scope) (``constants.check_no_value_reads``; matched by ``tracer.build``)
     guards: list[tuple[int, str, float, bool, str]] = field(default_factory=list)
+    #: the square sum of a run of a reduce-scattered range that is part of a
+    #: value -> (the value, the group the ranges were cut for): a part, over
+    #: that group, of the value's square sum (docs/soundness.md, 86)
+    range_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,6 +151,7 @@ class Lowerer:
     stds: set[int] = field(default_factory=set)  # standard deviations (std)
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    range_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     event: int = -1  # the event being lowered
     buckets: list = field(default_factory=list)  # gradient buckets all-reduced (buckets)
     #: the step's value of each count all-reduce, in order (lower_ranks); None:
@@ -310,6 +316,9 @@ class Lowerer:
                                 f"onto the rule table")
         if op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])), Bucket):
             handler = _per_piece(handler)
+        elif op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])),
+                                                         FlatRange):
+            handler = _per_block(handler)
         try:
             result = handler(self, args, kwargs, out_shapes, group)
         except LoweringError as e:
@@ -362,6 +371,12 @@ def check_emitted(name: str, op: str, direction: str, in_shapes: list, out_shape
 
 def _first_value(a: Any) -> int | None:
     return a[1] if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v" else None
+
+
+def _per_block(handler):
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        return per_block(lw, handler, args, kwargs, shapes, group)
+    return lower
 
 
 def _per_piece(handler):

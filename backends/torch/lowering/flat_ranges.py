@@ -44,6 +44,8 @@ class FlatRange(Pending):
     the bucket and offset they were read at, if any."""
     parts: tuple[tuple[int, int, int], ...]
     source: tuple[Bucket, int] | None = None
+    #: the ranks of the group whose reduce-scatter cut the range
+    group: tuple[int, ...] | None = None
 
     def materialize(self, lw: Lowerer) -> int:
         n = sum(hi - lo for _, lo, hi in self.parts)
@@ -170,12 +172,16 @@ def read_flat(lw: Lowerer, src: Any, offset: int, shape: tuple[int, ...]) -> Any
         v, a, b = picked[0]
         full = tuple(lw.shapes[v])
         if (a, b) == (0, math.prod(full)):
+            if isinstance(src, FlatRange) and len(shape) == 1 and len(full) > 1:
+                # a whole value's elements, flat: kept a range, so that an
+                # elementwise op or a norm of it is the op on the value (85, 86)
+                return FlatRange(tuple(picked), source, src.group)
             return lw.reshape(v, shape) if tuple(shape) != full else v
         starts = block_of(full, a, b, tuple(shape))
         if starts is not None:
             return Block(v, starts, tuple(shape), source)
     if len(shape) == 1:
-        return FlatRange(tuple(picked), source)
+        return FlatRange(tuple(picked), source, getattr(src, "group", None))
     if source is not None:
         return Block(-1, (), tuple(shape), source)  # no block of a value: the bucket's elements
     raise LoweringError(f"{lw.name}: a view of shape {list(shape)} of a reduce-scattered range "
@@ -193,3 +199,39 @@ def whole_pieces(lw: Lowerer, bucket: Bucket, offset: int, shape: tuple[int, ...
         at += numel(lw, p)
     starts.add(at)
     return offset in starts and end in starts and end > offset
+
+
+def per_block(lw: Lowerer, handler: Any, args: Any, kwargs: dict, out_shapes: list,
+              group: Any) -> Any:
+    """An elementwise op whose first argument is a ``FlatRange`` and whose
+    other tensor arguments hold one element each (a clip coefficient, a
+    0-dim tensor): the op on each run's whole value, the result the same
+    runs of the outputs. Exact: with every other operand one element
+    broadcast alike, output element k of a value is the op of its element
+    k alone, so the outputs' elements [lo, hi) are the op's output on the
+    range's; the outputs' elements outside the range are computed but
+    bound to no memory, as item 56 (a)'s all-reduced elements outside a
+    rank's range (docs/soundness.md, "Plans traced from PyTorch", 85).
+    With any other operand the range is built and the op runs on it."""
+    key = args[0][1]
+    rng = lw.env[key]
+    others = [a for a in [*args[1:], *(v for k, v in kwargs.items() if k != "out")]
+              if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"]
+    if any(math.prod(lw.trace["shapes"][a[1]]) != 1 for a in others):
+        return handler(lw, args, kwargs, out_shapes, group)
+    done: dict[int, int] = {}
+    try:
+        for v, _, _ in rng.parts:
+            if v not in done:
+                lw.env[key] = v
+                done[v] = lw.materialize(handler(lw, args, kwargs, [lw.shapes[v]], group))
+    finally:
+        lw.env[key] = rng
+    return FlatRange(tuple((done[v], lo, hi) for v, lo, hi in rng.parts), None, rng.group)
+
+
+def range_blocks(lw: Lowerer, rng: FlatRange) -> list[int]:
+    """The blocks of a ``FlatRange``'s values (``flat_blocks`` of each run),
+    each cut from its value, in memory order."""
+    return [Block(v, starts, shape).materialize(lw)
+            for v, lo, hi in rng.parts for starts, shape in flat_blocks(tuple(lw.shapes[v]), lo, hi)]

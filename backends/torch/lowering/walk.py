@@ -128,7 +128,8 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
                    _used(lw.nodes, losses, grads, finals), inputs, axes, losses, grads,
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
                    lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
-                   dict(trace.get("ties", {})), dict(lw.anchors), blocks, guards=guards)
+                   dict(trace.get("ties", {})), dict(lw.anchors), blocks, guards=guards,
+                   range_sums=dict(lw.range_sums))
 
 
 def _guard_number(lw: Lowerer, v: int) -> int:

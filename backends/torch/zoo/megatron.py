@@ -527,6 +527,7 @@ def _optimizer_ranges(wrapped: list, shift: int = 0) -> Callable:
                           for b in flat_blocks(tuple(p.shape), start, end)]
                 p.grad = None
                 p.grad_blocks = (p.main_grad, blocks)
+                p.grad_ranges = list(ranges.get(id(p), []))
     return after
 
 
@@ -712,23 +713,87 @@ def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
     this clipper too (``one_device``: Megatron's code at world size 1, its
     groups of one rank), so both steps read the same numbers and take the
     same branches, each rank's number claimed and proved equal to the
-    single-device one (docs/soundness.md, "Plans traced from PyTorch", 69-71)."""
+    single-device one (docs/soundness.md, "Plans traced from PyTorch", 69-71).
+    With the distributed optimizer the norm is over the main gradients'
+    shards, reduced over the whole distributed-optimizer instance
+    (``clip_shards``; items 85-87)."""
     from megatron.core import parallel_state as ps
+    if _has_shards(model):
+        clip_shards(model, max_norm, _grad_stats_group())
+        return
+    _clip_whole(model, max_norm, ps.get_model_parallel_group())
+
+
+def _clip_whole(model: MegatronModel, max_norm: float, group: Any) -> None:
+    """``get_grad_norm_fp32`` of the counted gradients over ``group``, then
+    ``clip_grad_by_total_norm_fp32`` of every gradient."""
     from megatron.core.optimizer.clip_grads import (
         clip_grad_by_total_norm_fp32,
         get_grad_norm_fp32,
     )
+    params = [p for p in model.parameters() if p.grad is not None]
+    counted = [p.grad for p in params if _counted(p)]
+    total = get_grad_norm_fp32(counted, norm_type=2, grad_stats_parallel_group=group)
+    clip_grad_by_total_norm_fp32(params, max_norm, total)
+
+
+def _counted(p: nn.Parameter) -> bool:
+    """Megatron counts a gradient in the norm once: not a shared parameter's
+    second copy, not a tensor-parallel duplicate."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
-    if any(getattr(p, "grad_blocks", None) is not None for p in model.parameters()):
-        raise ValueError("Megatron's clipping with the distributed optimizer (its norm over the "
-                         "shards of the main gradients) is not traced")
-    params = [p for p in model.parameters() if p.grad is not None]
-    counted = [p.grad for p in params
-               if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-    total = get_grad_norm_fp32(counted, norm_type=2,
-                               grad_stats_parallel_group=ps.get_model_parallel_group())
-    clip_grad_by_total_norm_fp32(params, max_norm, total)
+    return param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+
+
+def _has_shards(model: nn.Module) -> bool:
+    """The distributed optimizer's ranges are the gradients (``grad_blocks``)."""
+    return any(getattr(p, "grad_blocks", None) is not None for p in model.parameters())
+
+
+def _grad_stats_group() -> Any:
+    """The group the distributed optimizer reduces its gradient statistics
+    over: every rank of its instance (``DistributedOptimizer.
+    get_grad_stats_parallel_group``), the whole world with one instance."""
+    from megatron.core import parallel_state as ps
+    get = getattr(ps, "get_intra_distributed_optimizer_instance_group", None)
+    try:
+        return get() if get is not None else None
+    except (AssertionError, RuntimeError):
+        return None  # not initialized as a group of its own: the whole world
+
+
+class _ShardParam:
+    """What the distributed optimizer's main parameter shows the clipper:
+    its gradient, the flat range of the model parameter's ``main_grad``
+    (``_copy_model_grads_to_main_grads``: ``main_grad.view(-1)[start:end]``;
+    its ``.float()`` is the identity on the traced float values: item 59)."""
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad = grad
+
+
+def clip_shards(model: MegatronModel, max_norm: float, group: Any) -> None:
+    """Megatron's clipping with the distributed optimizer: the 2-norm of the
+    main gradients' shards (each rank's ranges of the counted parameters),
+    its square all-reduced over ``group`` (the whole instance: every
+    rank's shards), then every shard scaled in place by
+    ``clip_grad_by_total_norm_fp32``, into the ranges the optimizer reads."""
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,
+        get_grad_norm_fp32,
+    )
+    from torch.utils._python_dispatch import _disable_current_modes
+    shards: list[tuple[nn.Parameter, torch.Tensor]] = []
+    # the shards are views of main_grad's memory (no op: each read of one is
+    # a read of that memory, as the tracker records any view's)
+    with _disable_current_modes():
+        for p in model.parameters():
+            main = getattr(p, "grad_blocks", None)
+            for start, end in getattr(p, "grad_ranges", []) if main is not None else []:
+                shards.append((p, main[0].view(-1)[start:end]))
+    counted = [g for p, g in shards if _counted(p)]
+    total = get_grad_norm_fp32(counted, norm_type=2, grad_stats_parallel_group=group)
+    clip_grad_by_total_norm_fp32([_ShardParam(g) for _, g in shards], max_norm, total)
 
 
 clip_grad_norm.one_device = True  # type: ignore[attr-defined]

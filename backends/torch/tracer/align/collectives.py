@@ -152,20 +152,44 @@ class Collectives(Pieces):
               if a != "mb" and held[a] != self.low.coords[a]}
         self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale, at or None, c.steps)
 
-    def empty_sum(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
-        """The square sum (a zero) of a gradient's empty shard: this rank's
-        part of the partial square sum of the gradient over the group that
-        cuts it (a sum over no rows; the parts are proved to add up to the
-        single-device square sum)."""
-        g, group = self.low.empty_sums[node.outs[0]]
+    def range_sum(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        """The square sum of a run of a reduce-scattered range that is part
+        of a value (a distributed optimizer's shard of a gradient): this
+        rank's part, over the group the ranges were cut for and the axes
+        that cut the value (a tensor-parallel piece), of the square sum of
+        the single-device value; the value must be a reduced piece (no
+        partial sum: docs/soundness.md, "Plans traced from PyTorch", 86).
+        Computed from loose blocks (the stage recomputes them), proved to
+        add up with the other ranks' parts to the single-device square sum."""
+        v, group = self.low.range_sums[node.outs[0]]
+        c = self.claim.get(v)
+        if c is None or c.loose or c.partial or c.at:
+            raise AlignError(f"rank {self.low.rank} takes the norm of part of a reduce-scattered "
+                             f"range of a value that is no reduced piece of a single-device "
+                             f"value")
+        self.part_of_square_sum(node.outs[0], v, group, coords,
+                                {a for axes in c.dims for a in axes})
+
+    def part_of_square_sum(self, out: int, g: int, group: tuple[int, ...],
+                           coords: dict[int, dict[str, int]], cut: set[str] = frozenset()) -> None:
+        """``out`` claimed as a part, over ``group``'s axes and ``cut``, of
+        the single-device square sum of ``g``'s single-device value (the
+        parts are proved to add up to it)."""
         whole = self.sv[g]
         by_key, nodes = self.b.s.by_key, self.b.s.low.nodes
         sums = [nodes[m].outs[0] for m in by_key.get(("mul", "fw", (whole, whole), ()), [])]
         sums = [nodes[c].outs[0] for sq in sums for c in by_key.get(
             ("sum", "fw", (sq,), key_kwargs({"dim": None, "keepdim": False})), [])]
         if not sums:
-            raise AlignError(f"rank {self.low.rank} takes the norm of a gradient shard it holds "
-                             f"no rows of, whose square sum the single-device step never takes")
-        out = node.outs[0]
+            raise AlignError(f"rank {self.low.rank} takes the norm of a gradient shard "
+                             f"whose square sum the single-device step never takes")
         self.sv[out], self.mb[out] = sums[0], -1
-        self.claim[out] = Claim([], frozenset(self.axis_of(group, coords)))
+        self.claim[out] = Claim([], frozenset(self.axis_of(group, coords)) | frozenset(cut))
+
+    def empty_sum(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
+        """The square sum (a zero) of a gradient's empty shard: this rank's
+        part of the partial square sum of the gradient over the group that
+        cuts it (a sum over no rows; the parts are proved to add up to the
+        single-device square sum)."""
+        g, group = self.low.empty_sums[node.outs[0]]
+        self.part_of_square_sum(node.outs[0], g, group, coords)

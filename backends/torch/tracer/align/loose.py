@@ -55,3 +55,15 @@ class Loose(Pieces):
         full = self.b.s.low.shapes.get(sv)
         return (sv in self.b.s.tid and full is not None and len(full) == len(shape)
                 and all(a <= b for a, b in zip(shape, full)))
+
+    def cuts_loose_block(self, node: LNode) -> bool:
+        """A forward ``narrow`` that the single-device step never takes, of
+        a value claimed as a piece, no partial sum: its block (a flat
+        range's block, cut for a square sum over a distributed optimizer's
+        ranges: docs/soundness.md, "Plans traced from PyTorch", 86) is a
+        piece of no claim's kind, so it is loose, and so is every value
+        computed from it: a stage recomputes them, never assumes them."""
+        x = node.ins[0] if node.ins else -1
+        return (node.op == "narrow" and node.dir == "fw" and x >= 0 and x in self.claim
+                and not self.claim[x].partial and not self.claim[x].loose
+                and self.claim[x].at is None)
