@@ -839,10 +839,10 @@ CASES += [
     ("moe titan deepseek_v3 ep2 bug wrong split size (a token's row sent to the next rank's "
      "expert)", f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 "
      "--dp 2 --tp 1", 1),
-    ("moe titan deepseek_v3 ep2 combine with another token's gate refused (the permuted scores "
-     "stand in for the flattened scores, then are read back in the scores' shape, which the "
-     "single-device step never does)", f"{DEEPSEEK_EP_MODEL} --recipe "
-     f"{MOE_BUGS}titan_ep_combine_other_gate --vocab 2048 --dp 2 --tp 1", 2),
+    ("moe titan deepseek_v3 ep2 bug combine with another token's gate (the permuted scores "
+     "stand in for the flattened scores, read back in the scores' shape and flattened again: "
+     "FAIL at the lookup on rank 0)", f"{DEEPSEEK_EP_MODEL} --recipe "
+     f"{MOE_BUGS}titan_ep_combine_other_gate --vocab 2048 --dp 2 --tp 1", 1),
     ("moe titan deepseek_v3 ep2 bug routed with another token's experts",
      f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_routed_to_other_token --vocab 2048 "
      "--dp 2 --tp 1", 1),
