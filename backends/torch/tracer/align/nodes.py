@@ -181,10 +181,8 @@ class NodeMatching(Pieces):
         is a forward node of the model (not of its backward, ``bw:``): a
         ring's log-sum-exp unflattened and flattened back for the ring's
         backward on a rank with no target is left to align as before."""
-        if any(r.dir != "fw" or (r.name.startswith("bw:")
-                                 and not any(v in self.own_tid for v in r.ins))
-               for r in self.consumers.get(node.outs[0] if node.outs else -1, [])):
-            return False  # a backward's reader only where it reads a constant of the rank's own
+        if not self.readers_of_model(node.outs[0] if node.outs else -1):
+            return False
         if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
                 or len(node.outs) != 1 or (node.ins[0] not in self.undone
                                            and (node.ins[0] not in self.sv or self.aligns(node))):
@@ -199,6 +197,14 @@ class NodeMatching(Pieces):
             reader.ins = [x if v == out else v for v in reader.ins]
             self.consumers.setdefault(x, []).append(reader)
         return True
+
+    def readers_of_model(self, v: int) -> bool:
+        """Every reader of v is a forward node of the model, or of its
+        backward where it reads a constant of the rank's own
+        (``undoes_reshape``)."""
+        return not any(r.dir != "fw" or (r.name.startswith("bw:")
+                                         and not any(u in self.own_tid for u in r.ins))
+                       for r in self.consumers.get(v, []))
 
     def undone_by_readers(self, node: LNode) -> bool:
         """A ``flatten`` or ``unflatten`` that the single-device step does
@@ -217,8 +223,9 @@ class NodeMatching(Pieces):
         shape = tuple(self.low.shapes[node.ins[0]])
         if not readers or any(r.op not in RESHAPES or r.dir != "fw" or r.name.startswith("bw:")
                               or len(r.ins) != 1 or len(r.outs) != 1
-                              or tuple(self.low.shapes[r.outs[0]]) != shape for r in readers):
-            return False
+                              or tuple(self.low.shapes[r.outs[0]]) != shape
+                              or not self.readers_of_model(r.outs[0]) for r in readers):
+            return False  # each reader is then left out by ``undoes_reshape``
         self.undone.add(node.outs[0])
         return True
 
