@@ -818,9 +818,9 @@ CASES += [
      f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug wrong split size (FAIL at rank 0's pick of its pairs)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 1),
-    ("moe hf mixtral ep2 combine with another token's gate refused (its backward sends rows, "
-     "not a token's gradient times its gates)",
-     f"--hf mixtral --recipe {MOE_BUGS}ep_combine_other_gate --dp 2 --tp 1 --ep 2", 2),
+    ("moe hf mixtral ep2 bug combine with another token's gate (the gates' rows at the "
+     "permutation stand in for the gates: FAIL at the lookup on rank 0)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_combine_other_gate --dp 2 --tp 1 --ep 2", 1),
     ("moe mixtral tied router scores (two experts take every token, two none)",
      "--model backends.torch.hf_moe:tied_mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 0),
     ("moe mixtral aux loss per rank (the load-balancing loss of each rank's tokens, not the step's)",
@@ -855,10 +855,10 @@ CASES += [
     ("moe titan deepseek_v3 ep2 bug wrong split size (a token's row sent to the next rank's "
      "expert)", f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 "
      "--dp 2 --tp 1", 1),
-    ("moe titan deepseek_v3 ep2 combine with another token's gate refused (the permuted scores "
-     "stand in for the flattened scores, then are read back in the scores' shape, which the "
-     "single-device step never does)", f"{DEEPSEEK_EP_MODEL} --recipe "
-     f"{MOE_BUGS}titan_ep_combine_other_gate --vocab 2048 --dp 2 --tp 1", 2),
+    ("moe titan deepseek_v3 ep2 bug combine with another token's gate (the permuted scores "
+     "stand in for the flattened scores, read back in the scores' shape and flattened again: "
+     "FAIL at the lookup on rank 0)", f"{DEEPSEEK_EP_MODEL} --recipe "
+     f"{MOE_BUGS}titan_ep_combine_other_gate --vocab 2048 --dp 2 --tp 1", 1),
     ("moe titan deepseek_v3 ep2 bug routed with another token's experts",
      f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_routed_to_other_token --vocab 2048 "
      "--dp 2 --tp 1", 1),

@@ -2,7 +2,8 @@
 (docs/soundness.md, "Plans traced from PyTorch", 37): the count exchange
 answered from the members' sends, torchtitan's DeepSeek-V3 at dp 2 ep 2
 verifying for the routing it names, and pytorch issue 160285 (expert
-gradients ep times too large) failing at the experts' gradient."""
+gradients ep times too large) failing at the experts' gradient, and a
+combine with another token's scores failing at the lookup that swaps them."""
 
 from __future__ import annotations
 
@@ -49,3 +50,21 @@ def test_deepseek_v3_ep2_verifies_and_expert_grads_2x_fail() -> None:
     (plan_s, plan_p), _ = trace_and_build(bug, single)
     result = verify(plan_s, plan_p)
     assert not result.success
+
+
+def test_deepseek_v3_ep2_combine_with_another_tokens_gate_fails_at_the_lookup() -> None:
+    """Rank 0 flattens its scores, swaps two tokens' rows and reads them
+    back in the scores' shape, which the routed experts flatten again: the
+    lookup stands in for the flattened scores (docs/soundness.md, "Plans
+    traced from PyTorch", 73), the reshape back is left out (92), and the
+    step FAILs at the lookup on rank 0; the oracle judges it wrong too."""
+    from harness.oracle import judge
+    from verdict.diagnosis import diagnose
+
+    bug = parser().parse_args([*EP, "--recipe", "harness.moe_bugs:titan_ep_combine_other_gate"])
+    (plan_s, plan_p), _ = trace_and_build(bug)
+    verdict = verify(plan_s, plan_p)
+    assert not verdict.success and verdict.kind == "stage", verdict.message
+    lead = "\n".join(diagnose(verdict, plan_s, plan_p))
+    assert "embedding (TitanLM.model.layers.1.moe.routed_experts) on rank 0" in lead, lead
+    assert not judge(plan_s, plan_p).right

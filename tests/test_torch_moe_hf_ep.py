@@ -85,14 +85,17 @@ def test_a_small_mixture_routes_at_its_one_layer(family: str) -> None:
     assert calls
 
 
-@pytest.mark.parametrize("bug", ["ep_token_to_other_expert", "ep_wrong_split"])
+@pytest.mark.parametrize("bug", ["ep_token_to_other_expert", "ep_wrong_split",
+                                 "ep_combine_other_gate"])
 def test_a_wrong_dispatch_fails_at_the_rank_that_made_it(bug: str) -> None:
     """Rank 0 sends a token's row to another expert, or counts one token of
     an expert as the next rank's: the receiver's masks are inputs of its
     own, aligned with the single-device mask they differ least from
-    (docs/soundness.md, "Plans traced from PyTorch", 72), and the step
-    FAILs with a counterexample on rank 0 in the experts module; the
-    oracle, which trusts no claim, judges the plan wrong too."""
+    (docs/soundness.md, "Plans traced from PyTorch", 72); or it weighs its
+    first two tokens with each other's gates: the gates' rows at the
+    permutation stand in for the gates (91). The step FAILs with a
+    counterexample on rank 0 in the experts module; the oracle, which
+    trusts no claim, judges the plan wrong too."""
     pytest.importorskip("transformers")
     from harness.oracle import judge
     from main import verify

@@ -338,10 +338,8 @@ def all_to_all(lw: Lowerer, args, kwargs, shapes, group):
         sent = ", ".join(f"rank {m} {s.kind}" for m, s in sorted(sends.items()))
         raise LoweringError(f"{lw.name}: an all-to-all whose members send different kinds of "
                             f"rows ({sent}): one member computes its rows otherwise than its "
-                            f"peers (a combine's backward with a gate read at other tokens than "
-                            f"the rows' own makes rows, not a token's gradient times its gates), "
-                            f"and pending rows of different kinds are not exchanged "
-                            f"(docs/soundness.md, \"Plans traced from PyTorch\", 75)")
+                            f"peers, and pending rows of different kinds are not exchanged "
+                            f"(docs/soundness.md, \"Plans traced from PyTorch\", 54)")
     i = group.index(me)
     received = sum(s.splits[i] for s in sends.values())
     if received != shapes[0][0]:

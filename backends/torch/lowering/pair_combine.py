@@ -13,7 +13,9 @@ values and the sums they meet are in ``pair_rows``.
   values at disjoint rows, added: their union; put at a permutation of the
   rows (``out[perm] = rows``): the rows permuted; seen as ``[T, K, ...]``:
   the picks reshaped;
-- ``Assembled * w`` with w ``[T, K, 1...]``, then summed over the slots:
+- ``Assembled * w`` with w ``[T, K, 1...]`` (a lowered value, or rows of
+  one at a recorded index, materialized once: the backward reads the same
+  value), then summed over the slots:
   ``pair_rows.combine``; ``Assembled * g`` expanded over the slots, summed
   over the last dim: ``pair_rows.gate_grad``; added back into zeros at
   the pairs' tokens: ``pair_rows.gathered_back``;
@@ -162,8 +164,10 @@ def mul(base: Handler) -> Handler:
                     t, k = x.group.shape
                     shape_b = tuple(lw.trace["shapes"][b[1]])
                     if len(shape_b) == len(out) and shape_b[:2] == (t, k) \
-                            and all(n == 1 for n in shape_b[2:]) and isinstance(value_of(lw, b), int):
+                            and all(n == 1 for n in shape_b[2:]) \
+                            and isinstance(value_of(lw, b), (int, Rows)):
                         w = lw.val(b)
+                        lw.env[b[1]] = w  # gates at other rows, read once: the backward reads w
                         lw.pair_weights.add(w)
                         return Weighted(x, w)
                     g = _spread_of(lw, b, k)

@@ -78,6 +78,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         #: constant's re-cut changed (``Recuts.settle``)
         self.reclaimed: list[int] = []
         self.pieced: set[int] = set()  # every such constant
+        self.stood: set[int] = set()  # outputs standing in for a value (``stands_in``)
+        self.undone: set[int] = set()  # reshapes left out, every reader undoing them
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
         self.zero_memo: dict[int, bool] = {}  # value -> exactly zero by its making
@@ -97,7 +99,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         """The nodes to emit for this node (additions may be deferred and
         regrouped in the single-device order)."""
         if node.op == "send" or (node.outs and node.outs[0] in self.zeros) \
-                or self.undoes_reshape(node):
+                or self.undoes_reshape(node) or self.undone_by_readers(node):
             return []
         if node.outs and node.outs[0] in self.low.range_sums:
             emitted = [n for v in node.ins if v in self.pending for n in self.materialize(v)]

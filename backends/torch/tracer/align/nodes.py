@@ -44,6 +44,8 @@ class NodeMatching(Pieces):
     producer: dict[int, LNode]
     reclaimed: list[int]
     pieced: set[int]
+    stood: set[int]
+    undone: set[int]
 
     def align(self, node: LNode) -> list[int]:
         """The single-device node this compute node runs, or AlignError."""
@@ -135,6 +137,7 @@ class NodeMatching(Pieces):
                 or tuple(self.low.shapes[rest[0]]) != tuple(self.low.shapes[node.outs[0]]):
             return False
         self.standing = rest[0]
+        self.stood.add(node.outs[0])
         self.stand_in_piece(node, own[0], rest[0])
         return True
 
@@ -178,21 +181,52 @@ class NodeMatching(Pieces):
         is a forward node of the model (not of its backward, ``bw:``): a
         ring's log-sum-exp unflattened and flattened back for the ring's
         backward on a rank with no target is left to align as before."""
-        if any(r.dir != "fw" or r.name.startswith("bw:") for r in self.consumers.get(
-                node.outs[0] if node.outs else -1, [])):
+        if not self.readers_of_model(node.outs[0] if node.outs else -1):
             return False
         if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
-                or len(node.outs) != 1 or node.ins[0] not in self.sv or self.aligns(node):
+                or len(node.outs) != 1 or (node.ins[0] not in self.undone
+                                           and (node.ins[0] not in self.sv or self.aligns(node))):
             return False
         made = self.producer.get(node.ins[0])
         if made is None or made.op not in RESHAPES or made.dir != "fw" or len(made.ins) != 1 \
-                or made.ins[0] not in self.sv \
+                or (made.ins[0] not in self.sv and made.ins[0] not in self.undone) \
                 or tuple(self.low.shapes[made.ins[0]]) != tuple(self.low.shapes[node.outs[0]]):
             return False
         x, out = made.ins[0], node.outs[0]
         for reader in self.consumers.pop(out, []):
             reader.ins = [x if v == out else v for v in reader.ins]
             self.consumers.setdefault(x, []).append(reader)
+        return True
+
+    def readers_of_model(self, v: int) -> bool:
+        """Every reader of v is a forward node of the model, or of its
+        backward where it reads a constant of the rank's own
+        (``undoes_reshape``)."""
+        return not any(r.dir != "fw" or (r.name.startswith("bw:")
+                                         and not any(u in self.own_tid for u in r.ins))
+                       for r in self.consumers.get(v, []))
+
+    def undone_by_readers(self, node: LNode) -> bool:
+        """A ``flatten`` or ``unflatten`` that the single-device step does
+        not run, of a value that stands in for another (``stands_in``),
+        every reader of which is a forward reshape of the model back to
+        this node's input shape: left out, and ``undoes_reshape`` gives its
+        readers that input (row-major reshapes compose to the identity). A
+        rank that flattens a value, moves its rows, reads them back in the
+        value's shape and flattens them again reads the moved rows
+        (docs/soundness.md, "Plans traced from PyTorch", 92)."""
+        if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
+                or len(node.outs) != 1 or node.ins[0] not in self.stood \
+                or node.ins[0] not in self.sv or self.aligns(node):
+            return False
+        readers = self.consumers.get(node.outs[0], [])
+        shape = tuple(self.low.shapes[node.ins[0]])
+        if not readers or any(r.op not in RESHAPES or r.dir != "fw" or r.name.startswith("bw:")
+                              or len(r.ins) != 1 or len(r.outs) != 1
+                              or tuple(self.low.shapes[r.outs[0]]) != shape
+                              or not self.readers_of_model(r.outs[0]) for r in readers):
+            return False  # each reader is then left out by ``undoes_reshape``
+        self.undone.add(node.outs[0])
         return True
 
     def shaped_alike(self, node: LNode, cands: list[int]) -> list[int]:
