@@ -59,7 +59,7 @@ CASES: list[tuple[str, str]] = [
     ("titan debugmodel 8 layers dp16 tp4 pp4 256 ranks",
      f"{TITAN} --dp 16 --tp 4 --pp 4 --layers 8 --batch 64"),
     # Megatron-Core's distributed optimizer (docs/soundness.md, 56-59), with its clipping
-    # over the shards (85-87): `-k "megatron dist_opt"`
+    # over the shards (79-81): `-k "megatron dist_opt"`
     ("megatron dist_opt dp2", f"{DIST_OPT} --dp 2 --tp 1"),
     ("megatron dist_opt dp2 tp2", f"{DIST_OPT} --dp 2 --tp 2"),
     ("megatron dist_opt dp2 clip", f"{DIST_OPT} --dp 2 --tp 1 --clip 0.5 {CLIP}"),

@@ -247,7 +247,7 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron dp2 ddp clip_grad_norm (branch clip_coeff < 1.0 taken)",
      f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8 --clip 0.5 "
      "--clipper backends.torch.megatron:clip_grad_norm", 0),
-    # with the distributed optimizer: the norm over every rank's shards (docs/soundness.md, 85-87;
+    # with the distributed optimizer: the norm over every rank's shards (docs/soundness.md, 79-81;
     # --clip 0.1 at tp 2 so that each rank's traced local number takes the single-device branch)
     ("megatron dp2 distributed optimizer clip_grad_norm (the norm over the shards)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --clip 0.5 "
@@ -1005,7 +1005,7 @@ CASES += [
      "--recipe backends.torch.titan:parallelize_cp_other_chunk "
      "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2", 1),
     # with tp beside cp torchtitan views the positions as a DTensor first
-    # (``_maybe_wrap_positions``): still constants (item 88), so the table is
+    # (``_maybe_wrap_positions``): still constants (item 82), so the table is
     # gathered at constant positions as at cp2; gloo agrees (--rtol 1e-6)
     ("cp titan llama3 debugmodel tp2 cp2",
      "--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize_cp "

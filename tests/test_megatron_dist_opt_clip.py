@@ -1,5 +1,5 @@
 """Megatron's clipping with the distributed optimizer (docs/soundness.md,
-"Plans traced from PyTorch", 85-87): the norm over every rank's shards of
+"Plans traced from PyTorch", 79-81): the norm over every rank's shards of
 the main gradients, all-reduced over the whole instance, verifies with its
 branch named; the same norm all-reduced over the tensor-parallel group (at
 tp 1 a group of one: each rank's own shards' norm) FAILs. Each case traced
@@ -57,7 +57,7 @@ class _Lowerer:
 
 def test_a_flat_view_of_a_whole_value_in_a_range_stays_a_range() -> None:
     """A shard that is a whole 2-d gradient read flat keeps the value (item
-    85 (c)), with the group the reduce-scatter cut it for."""
+    79 (c)), with the group the reduce-scatter cut it for."""
     lw = _Lowerer({7: (3, 4)})
     rng = FlatRange(((7, 0, 12),), None, (0, 1))
     got = read_flat(lw, rng, 0, (12,))

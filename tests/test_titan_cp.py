@@ -5,7 +5,7 @@ gathered at each rank's positions is read as its one row
 the positions of the next chunk give each rank the wrong angles, and FAIL
 (gloo differs too: scripts/gloo_truth.py). With tp 2 beside cp 2 the
 positions are first read by ``DTensor.from_local``'s view, and stay constants
-(item 88): the same holds. The six-layer runs are suite cases
+(item 82): the same holds. The six-layer runs are suite cases
 (``-k "cp titan"``)."""
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def test_deepseek_v3_ep2_combine_with_another_tokens_gate_fails_at_the_lookup() 
     """Rank 0 flattens its scores, swaps two tokens' rows and reads them
     back in the scores' shape, which the routed experts flatten again: the
     lookup stands in for the flattened scores (docs/soundness.md, "Plans
-    traced from PyTorch", 73), the reshape back is left out (92), and the
+    traced from PyTorch", 73), the reshape back is left out (84), and the
     step FAILs at the lookup on rank 0; the oracle judges it wrong too."""
     from harness.oracle import judge
     from verdict.diagnosis import diagnose

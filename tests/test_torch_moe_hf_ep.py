@@ -93,7 +93,7 @@ def test_a_wrong_dispatch_fails_at_the_rank_that_made_it(bug: str) -> None:
     own, aligned with the single-device mask they differ least from
     (docs/soundness.md, "Plans traced from PyTorch", 72); or it weighs its
     first two tokens with each other's gates: the gates' rows at the
-    permutation stand in for the gates (91). The step FAILs with a
+    permutation stand in for the gates (83). The step FAILs with a
     counterexample on rank 0 in the experts module; the oracle, which
     trusts no claim, judges the plan wrong too."""
     pytest.importorskip("transformers")

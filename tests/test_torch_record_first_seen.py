@@ -2,7 +2,7 @@
 (backends/torch/tracer/record.py, ``Recorder.__torch_dispatch__``): the
 tensor is judged (a constant, or not) before the op is, so the op's
 constant-ness does not depend on which op reads the tensor first
-(docs/soundness.md, "Plans traced from PyTorch", 88)."""
+(docs/soundness.md, "Plans traced from PyTorch", 82)."""
 
 from __future__ import annotations
 

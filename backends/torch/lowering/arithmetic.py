@@ -186,7 +186,7 @@ def _range_square_sum(lw: Lowerer, x: FlatRange) -> int:
     (value, lo, hi) the square sums of its blocks added in memory order,
     the runs' added in order. A run that is not its whole value is a part,
     over the group the ranges were cut for, of that value's square sum
-    (``range_sums``; docs/soundness.md, "Plans traced from PyTorch", 86)."""
+    (``range_sums``; docs/soundness.md, "Plans traced from PyTorch", 80)."""
     total = None
     for v, lo, hi in x.parts:
         if (lo, hi) == (0, numel(lw, v)):
@@ -206,7 +206,7 @@ def _blocks_square_sum(lw: Lowerer, v: int, lo: int, hi: int) -> int:
     (the single-device square the norm sums), then the sums of the blocks
     of the square that the elements make, each kept with v's number of dims
     (shape 1, ..., 1, a piece of nothing that fits in the square: the loose
-    values of item 86), added in memory order."""
+    values of item 80), added in memory order."""
     ones = (1,) * len(lw.shapes[v])
     sq = lw.emit("mul", [v, v], [lw.shapes[v]])[0]
     total = None

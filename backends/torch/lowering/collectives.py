@@ -32,7 +32,7 @@ def _copy(lw: Lowerer, args, kwargs, shapes, group):
     if isinstance(src, Bucket):
         return src
     if isinstance(src, FlatRange) and tuple(shapes[0]) == (sum(b - a for _, a, b in src.parts),):
-        return src  # a flat range's elements copied into a flat view of as many (item 85)
+        return src  # a flat range's elements copied into a flat view of as many (item 79)
     return lw.val(args[1])
 
 

@@ -100,7 +100,7 @@ class Lowered:
     guards: list[tuple[int, str, float, bool, str]] = field(default_factory=list)
     #: the square sum of a run of a reduce-scattered range that is part of a
     #: value -> (the value, the group the ranges were cut for): a part, over
-    #: that group, of the value's square sum (docs/soundness.md, 86)
+    #: that group, of the value's square sum (docs/soundness.md, 80)
     range_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
 

@@ -174,7 +174,7 @@ def read_flat(lw: Lowerer, src: Any, offset: int, shape: tuple[int, ...]) -> Any
         if (a, b) == (0, math.prod(full)):
             if isinstance(src, FlatRange) and len(shape) == 1 and len(full) > 1:
                 # a whole value's elements, flat: kept a range, so that an
-                # elementwise op or a norm of it is the op on the value (85, 86)
+                # elementwise op or a norm of it is the op on the value (79, 80)
                 return FlatRange(tuple(picked), source, src.group)
             return lw.reshape(v, shape) if tuple(shape) != full else v
         starts = block_of(full, a, b, tuple(shape))
@@ -211,7 +211,7 @@ def per_block(lw: Lowerer, handler: Any, args: Any, kwargs: dict, out_shapes: li
     k alone, so the outputs' elements [lo, hi) are the op's output on the
     range's; the outputs' elements outside the range are computed but
     bound to no memory, as item 56 (a)'s all-reduced elements outside a
-    rank's range (docs/soundness.md, "Plans traced from PyTorch", 85).
+    rank's range (docs/soundness.md, "Plans traced from PyTorch", 79).
     With any other operand the range is built and the op runs on it."""
     key = args[0][1]
     rng = lw.env[key]

@@ -103,7 +103,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
             return []
         if node.outs and node.outs[0] in self.low.range_sums:
             emitted = [n for v in node.ins if v in self.pending for n in self.materialize(v)]
-            self.range_sum(node, coords)  # item 86
+            self.range_sum(node, coords)  # item 80
             return self.anchored([*emitted, node])
         ring = self.ring_step(node)
         if ring is not None:
@@ -161,7 +161,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
                 and not self.sliced_alike(node) and self.pads_piece(node):
             return
         if self.cuts_loose_block(node) and not self.aligns(node):
-            self.make_loose(node, [self.sv[node.ins[0]]])  # a flat range's block (item 86)
+            self.make_loose(node, [self.sv[node.ins[0]]])  # a flat range's block (item 80)
             return
         if node.op == "zeros" and not node.ins and not self.aligns(node) \
                 and all(c.op == "add" for c in self.consumers.get(node.outs[0], [None])):

@@ -366,7 +366,7 @@ class Recorder(TorchDispatchMode):
         # the arguments first seen here are given their values (and judged
         # constant or not) before the op is: an op is a constant by its
         # arguments, whichever op reads a tensor first (docs/soundness.md,
-        # "Plans traced from PyTorch", 88)
+        # "Plans traced from PyTorch", 82)
         in_args = [self.arg(a) for a in args]
         in_kwargs = {k: self.arg(v) for k, v in kwargs.items()}
         constant = self.is_constant_op(name, tensors, kwargs)

@@ -716,7 +716,7 @@ def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:
     single-device one (docs/soundness.md, "Plans traced from PyTorch", 69-71).
     With the distributed optimizer the norm is over the main gradients'
     shards, reduced over the whole distributed-optimizer instance
-    (``clip_shards``; items 85-87)."""
+    (``clip_shards``; items 79-81)."""
     from megatron.core import parallel_state as ps
     if _has_shards(model):
         clip_shards(model, max_norm, _grad_stats_group())

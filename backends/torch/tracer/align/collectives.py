@@ -158,7 +158,7 @@ class Collectives(Pieces):
         rank's part, over the group the ranges were cut for and the axes
         that cut the value (a tensor-parallel piece), of the square sum of
         the single-device value; the value must be a reduced piece (no
-        partial sum: docs/soundness.md, "Plans traced from PyTorch", 86).
+        partial sum: docs/soundness.md, "Plans traced from PyTorch", 80).
         Computed from loose blocks (the stage recomputes them), proved to
         add up with the other ranks' parts to the single-device square sum."""
         v, group = self.low.range_sums[node.outs[0]]

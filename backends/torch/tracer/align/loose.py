@@ -60,7 +60,7 @@ class Loose(Pieces):
         """A forward ``narrow`` that the single-device step never takes, of
         a value claimed as a piece, no partial sum: its block (a flat
         range's block, cut for a square sum over a distributed optimizer's
-        ranges: docs/soundness.md, "Plans traced from PyTorch", 86) is a
+        ranges: docs/soundness.md, "Plans traced from PyTorch", 80) is a
         piece of no claim's kind, so it is loose, and so is every value
         computed from it: a stage recomputes them, never assumes them."""
         x = node.ins[0] if node.ins else -1

@@ -214,7 +214,7 @@ class NodeMatching(Pieces):
         readers that input (row-major reshapes compose to the identity). A
         rank that flattens a value, moves its rows, reads them back in the
         value's shape and flattens them again reads the moved rows
-        (docs/soundness.md, "Plans traced from PyTorch", 92)."""
+        (docs/soundness.md, "Plans traced from PyTorch", 84)."""
         if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
                 or len(node.outs) != 1 or node.ins[0] not in self.stood \
                 or node.ins[0] not in self.sv or self.aligns(node):
