@@ -302,6 +302,15 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron bug mtp tp2 2 microbatches, each normalized by its own token count (7452)",
      "--model backends.torch.megatron:gpt_mtp_masked --recipe backends.torch.megatron:ddp "
      "--dp 1 --tp 2 --batch 4 --seed 1", 1),
+    ("megatron mtp per-token loss, the token count all-reduced (7452's fix)",
+     "--model backends.torch.megatron:gpt_mtp_per_token --recipe backends.torch.megatron:tp "
+     "--dp 2 --tp 1 --batch 4 --seed 1", 0),
+    ("megatron mtp dp2 tp2 2 microbatches per-token loss, the token count all-reduced (7452's fix)",
+     "--model backends.torch.megatron:gpt_mtp_per_token --recipe backends.torch.megatron:ddp "
+     "--dp 2 --tp 2 --batch 8 --seed 1", 0),
+    ("megatron bug mtp per-token loss, the token count all-reduced over the tp group",
+     "--model backends.torch.megatron:gpt_mtp_per_token "
+     "--recipe backends.torch.megatron:tp_token_count_over_tp --dp 2 --tp 1 --batch 4 --seed 1", 1),
     # the distributed optimizer: hidden 24, so that a rank's flat range of the grad buffer
     # cuts linear_qkv.weight inside a row (rows 0-20 and 8 columns of row 21 on rank 0)
     ("megatron dp2 distributed optimizer 2 microbatches (flat ranges cut a row)",

@@ -31,6 +31,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     const_lookup,
     conv,
     copies,
+    count_scales,
     counts,
     expert_rows,
     grad_buffers,

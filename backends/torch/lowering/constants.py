@@ -89,7 +89,12 @@ VALUE_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "a
                VALUE_READ_EVENT, GUARD_EVENT}
 
 
-def check_no_value_reads(trace: dict, guards: list | None = None) -> None:
+#: the value reads a count's comparison may meet (``bool(t)``, ``t.item()``)
+COUNT_READS = ("aten._local_scalar_dense.default", "aten.is_nonzero.default")
+
+
+def check_no_value_reads(trace: dict, guards: list | None = None,
+                         count_reads: list | None = None) -> None:
     """Refuse a step in which Python read the value of a tensor that depends
     on the parameters or a collective (``if h.sum() > 0:``, ``.item()``):
     the trace holds one path of the program, chosen by that value, and
@@ -106,8 +111,16 @@ def check_no_value_reads(trace: dict, guards: list | None = None) -> None:
     appended to it as (the number's value, the comparison, its constant,
     the branch taken, the scope), for the plan builder to match with the
     single-device step's guards or refuse (``tracer.build.match_guards``;
-    docs/soundness.md, "Plans traced from PyTorch", 69-71)."""
+    docs/soundness.md, "Plans traced from PyTorch", 69-71).
+
+    A value read (``bool(t)``, ``.item()``) of a tensor computed from
+    collectives of untainted values only (a count of kept labels
+    all-reduced: ``if num_tokens > 0:``) is appended to ``count_reads``
+    when given, as (the value, the scope), for the lowering to check that
+    the traced branch is the real step's (``count_scales.decided``; item 85)."""
     tainted: set[int] = {v for v, _, _ in trace["params"].values()}
+    # tainted only through collectives of untainted values
+    reduced: set[int] = set()
     constants = set(trace.get("constants", ()))
     for op, (args, kwargs), outs, _shapes, scope, *_ in trace["events"]:
         read = _values_read([args, kwargs])
@@ -121,6 +134,10 @@ def check_no_value_reads(trace: dict, guards: list | None = None) -> None:
                                 f"(number {name} {other}: {taken}) is not lowered: the number "
                                 f"is not claimed equal to the single-device step's, so other "
                                 f"inputs may take the other branch")
+        if op in COUNT_READS and count_reads is not None and len(read) == 1 \
+                and read[0] in reduced:
+            count_reads.append((read[0], scope))
+            continue
         if op in VALUE_READS and tainted.intersection(read):
             raise LoweringError(f"{scope or 'top level'}: Python reads the value of a computed "
                                 f"tensor ({op}: .item(), .tolist(), .numpy(), bool(), an if on a "
@@ -137,6 +154,8 @@ def check_no_value_reads(trace: dict, guards: list | None = None) -> None:
             # or counts answered with the members' constants (exchange.py)
             continue
         if op.startswith(("c10d", "_c10d_functional")) or tainted.intersection(read):
+            if tainted.intersection(read) <= reduced:
+                reduced.update(outs)
             tainted.update(outs)
 
 

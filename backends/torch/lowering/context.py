@@ -419,6 +419,7 @@ def live_events(trace: dict) -> set[int]:
     need |= {v for blocks in trace.get("grad_blocks", {}).values() for v, _ in blocks}
     need |= {v for st in trace.get("states", {}).values() for v in st.values() if v is not None}
     need |= {g[0] for g in trace.get("guards", ())}  # the numbers branched on: compared
+    need |= {v for v, _ in trace.get("count_reads", ())}  # counts branched on: decided
     live = set()
     for i in range(len(trace["events"]) - 1, -1, -1):
         op, (args, kwargs), outs = trace["events"][i][:3]

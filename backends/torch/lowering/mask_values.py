@@ -74,9 +74,17 @@ class Count(Pending):
     of the traced step like the cross-entropy's own mean count.
     ``unsummed``: an all-reduced count in the pass that only collects the
     ranks' counts (its value this rank's alone; ``lower_ranks`` lowers
-    again with the sum)."""
+    again with the sum). ``traced``: what the rank's tensor held in the
+    trace, where the fake group's all-reduce left its own count (None: the
+    value)."""
     value: int
     unsummed: bool = False
+    traced: int | None = None
+
+    @property
+    def held(self) -> int:
+        """The number the traced run computed with."""
+        return self.value if self.traced is None else self.traced
 
     def materialize(self, lw: Lowerer) -> int:
         raise LoweringError(f"{lw.name}: a count of a mask's true entries is read other than as "

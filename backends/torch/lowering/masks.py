@@ -479,7 +479,7 @@ def count_clamp(base: Handler) -> Handler:
         high = args[2] if len(args) > 2 else kwargs.get("max")
         if not isinstance(c, Count) or low is None or high is not None:
             return base(lw, args, kwargs, shapes, group)
-        return Count(max(c.value, int(low)), c.unsummed)
+        return Count(max(c.value, int(low)), c.unsummed, max(c.held, int(low)))
     return lower
 
 
@@ -508,8 +508,8 @@ def _reduced_count(lw: Lowerer, c: Count, group: tuple[int, ...]) -> Count:
     k = len(lw.count_reduces)
     lw.count_reduces.append((tuple(group), c.value))
     if lw.counts == "collect":
-        return Count(c.value, unsummed=True)
-    return Count(lw.counts[k])
+        return Count(c.value, unsummed=True, traced=c.held)
+    return Count(lw.counts[k], traced=c.held)
 
 
 @refines("c10d.allreduce_.default")

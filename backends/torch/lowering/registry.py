@@ -44,8 +44,8 @@ Refinement = Callable[[Handler | None], Handler]
 
 #: the families whose refinements wrap the handlers, innermost first: a
 #: family refines what the ones before it made
-LAYERS = ("vocab_parallel", "masks", "ids", "compose", "std", "max", "argmax", "max_all", "slices",
-          "norm_sums", "const_lookup", "chunk", "label_masks", "logprob_views", "scan",
+LAYERS = ("vocab_parallel", "masks", "count_scales", "ids", "compose", "std", "max", "argmax",
+          "max_all", "slices", "norm_sums", "const_lookup", "chunk", "label_masks", "logprob_views", "scan",
           "const_index", "vocab_picks", "merged_views", "grad_buffers",
           "routing", "safe_softmax", "grouped", "permute", "counts",
           "expert_rows", "packs", "pair_combine")

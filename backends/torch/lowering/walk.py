@@ -9,6 +9,7 @@ from backends.torch.lowering.all_to_all import OPS as ALL_TO_ALL_OPS
 from backends.torch.lowering.all_to_all import NeedPeers
 from backends.torch.lowering.constants import check_no_value_reads
 from backends.torch.lowering.context import LNode, Lowered, Lowerer, live_events
+from backends.torch.lowering.count_scales import decided
 from backends.torch.lowering.flat_ranges import Block
 from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard
 
@@ -68,8 +69,10 @@ def lower_trace(trace: dict, vocab: int, counts: list[int] | str | None = None,
     ``counts`` as ``Lowerer.counts`` (``lower_ranks`` gives them);
     ``peers``: the members' sends at its all-to-alls (``_all_to_all_peers``)."""
     guards: list = []
-    check_no_value_reads(trace, guards)
+    count_reads: list = []
+    check_no_value_reads(trace, guards, count_reads)
     trace = {**trace, "guards": guards} if guards else trace
+    trace = {**trace, "count_reads": count_reads} if count_reads else trace
     return _lower_into(Lowerer(trace, vocab, counts=counts, peers=peers), trace)
 
 
@@ -110,6 +113,8 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
         axes[x] = [["dp"]] + [["cp"] if d == 1 else [] for d in range(1, len(ids_shape) + 1)]
     lw.tokens = lw.one_hot["tokens"]
     lw.run(live_events(trace))
+    for v, scope in trace.get("count_reads", ()):
+        decided(lw, v, scope)
     losses = [lw.materialize(lw.env[v]) for v in trace["losses"]]
     held = {n for n, (v, _, _) in trace["params"].items() if not isinstance(lw.env[v], NoShard)}
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()

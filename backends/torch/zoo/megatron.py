@@ -33,6 +33,7 @@ applied and printed on every run.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
@@ -97,8 +98,14 @@ class GPTStep:
     Megatron's GPT pretraining: per-token losses, their mean over the
     microbatch's tokens."""
 
-    def __init__(self, sizes: dict[str, int], mtp: bool = False, mtp_mask_below: int | None = None):
+    def __init__(self, sizes: dict[str, int], mtp: bool = False, mtp_mask_below: int | None = None,
+                 per_token_loss: bool = False):
         self.sizes = sizes
+        #: Megatron's ``calculate_per_token_loss``: the loss function returns the
+        #: loss summed over the microbatch's kept tokens with their count, the
+        #: MTP loss is summed too, and ``finalize_model_grads`` divides every
+        #: gradient by the count all-reduced over the data-parallel ranks
+        self.per_token_loss = per_token_loss
         #: Megatron's multi-token prediction block (one layer, its local spec)
         self.mtp = mtp
         #: the loss mask the model's MTP loss reads: the labels below this id
@@ -113,7 +120,8 @@ class GPTStep:
             num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
             ffn_hidden_size=s["ffn"], hidden_dropout=0.0, attention_dropout=0.0,
             use_cpu_initialization=True, params_dtype=torch.float32,
-            mtp_num_layers=1 if self.mtp else None, **parallel)
+            mtp_num_layers=1 if self.mtp else None,
+            calculate_per_token_loss=self.per_token_loss, **parallel)
 
     def model_provider(self, config, pre_process: bool = True, post_process: bool = True,
                        vp_stage: int | None = None) -> nn.Module:
@@ -143,6 +151,9 @@ class GPTStep:
         losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=mask)
 
+        if self.per_token_loss:
+            return losses, functools.partial(_per_token_loss, mask)
+
         def loss_func(per_token: torch.Tensor):
             loss = per_token.sum() / per_token.numel()
             if self.loss_bug == "over_microbatches":  # divided again by the schedule
@@ -152,6 +163,17 @@ class GPTStep:
                 loss = loss / parallel_state.get_data_parallel_world_size()
             return loss, {"lm loss": loss.detach()}
         return losses, loss_func
+
+
+def _per_token_loss(mask: torch.Tensor | None, per_token: torch.Tensor):
+    """The loss function of Megatron's GPT pretraining with
+    ``calculate_per_token_loss``: the per-token losses summed over the kept
+    tokens, and the count of kept tokens (an integer tensor) the schedule
+    adds up over microbatches for ``finalize_model_grads``."""
+    mask = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
+    loss = (per_token.view(-1) * mask.view(-1)).sum()
+    count = mask.sum().detach().to(torch.int)
+    return loss, count, {"lm loss": loss.detach()}
 
 
 class MoEGPTStep(GPTStep):
@@ -207,13 +229,26 @@ class MegatronModel(nn.Module):
         self.sequence_first = True  # Megatron's activations are [s, b, h]
         self.chunks: nn.ModuleList | None = None
         self.names: dict[int, str] = {}
+        self._hooks: list = []
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
         # the MTP loss's backward scale Megatron's schedule sets for one microbatch
         MTPLossAutoScaler.set_loss_scale(torch.ones(1))
         output, loss_func = self.user.forward_step(iter([batch_of(tokens, labels)]), self.model)
-        return loss_func(output)[0]
+        returned = loss_func(output)
+        if len(returned) == 3:  # calculate_per_token_loss: a sum and its token count
+            self._divide_gradients(returned[1])
+        return returned[0]
+
+    def _divide_gradients(self, count: torch.Tensor) -> None:
+        """Megatron's step at one rank with ``calculate_per_token_loss``: the
+        backward of the summed losses, then every parameter's gradient
+        divided by the step's token count (``finalize_model_grads``), here as
+        each parameter's gradient hook (its whole gradient, once)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = [p.register_hook(lambda g: g / count) for p in self.model.parameters()]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
@@ -254,6 +289,16 @@ def gpt_mtp_masked(**sizes: int) -> MegatronModel:
     MTP loss reads: GPTModel divides each rank's MTP loss by the rank's own
     count of kept tokens (Megatron-LM issue 7452)."""
     return user_model(GPTStep(sizes, mtp=True, mtp_mask_below=sizes["vocab"] // 2))
+
+
+def gpt_mtp_per_token(**sizes: int) -> MegatronModel:
+    """``gpt_mtp_masked`` with the fix of Megatron-LM issue 7452
+    (``calculate_per_token_loss=True``): the main and the MTP loss summed
+    over the kept tokens, the microbatches' counts added up by the schedule,
+    all-reduced over the data-parallel ranks in ``finalize_model_grads``,
+    which divides every gradient by that total."""
+    return user_model(GPTStep(sizes, mtp=True, mtp_mask_below=sizes["vocab"] // 2,
+                              per_token_loss=True))
 
 
 def moe_gpt(**sizes: int) -> MegatronModel:
@@ -435,6 +480,8 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
     config.finalize_model_grads_func = finalize.finalize_model_grads
     if options.bug == "tied_embedding_not_reduced":
         config.finalize_model_grads_func = _without_embedding_all_reduce
+    if options.bug == "token_count_over_tp":
+        config.finalize_model_grads_func = _token_count_over_tp
     if options.overlap_grad_reduce:
         config.no_sync_func = [w.no_sync for w in wrapped] if vpp else wrapped[0].no_sync
         config.grad_sync_func = [w.start_grad_sync for w in wrapped] if vpp \
@@ -456,6 +503,19 @@ def _without_embedding_all_reduce(model: list, *args: Any, **kwargs: Any) -> Non
         finalize.finalize_model_grads(model, *args, **kwargs)
     finally:
         finalize._allreduce_word_embedding_grads = kept
+
+
+def _token_count_over_tp(model: list, num_tokens: Any = None, pg_collection: Any = None,
+                         **kwargs: Any) -> None:
+    """``finalize_model_grads`` with the token count all-reduced over the
+    tensor-parallel group, not the data-parallel one (at tp 1 each rank
+    divides its gradients by its own count); DDP's buckets still reduce
+    over their own groups."""
+    from megatron.core import parallel_state as ps
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    groups = copy.copy(pg_collection)
+    groups.dp_cp = ps.get_tensor_model_parallel_group()
+    finalize.finalize_model_grads(model, num_tokens, pg_collection=groups, **kwargs)
 
 
 def _main_grads(wrapped: list) -> Callable:
@@ -679,6 +739,9 @@ loss_over_microbatches = recipe(microbatches=2, bug="over_microbatches")
 loss_global_mean = recipe(microbatches=2, bug="global_mean")
 ddp_average_global_mean = recipe(microbatches=2, average_in_collective=True, bug="global_mean")
 ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
+# Megatron-LM issue 7452's fix (gpt_mtp_per_token) with its token count all-reduced over the
+# tensor-parallel group instead of the data-parallel one: each rank's own count at tp 1
+tp_token_count_over_tp = recipe(bug="token_count_over_tp")
 # the distributed optimizer's wrong plans: each rank reads the next rank's range of every
 # bucket; the reduce-scatter left out (each range keeps the rank's local gradients); the
 # buckets reduce-scattered over the tensor-parallel group (dp 2 tp 2)
