@@ -308,6 +308,9 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron mtp dp2 tp2 2 microbatches per-token loss, the token count all-reduced (7452's fix)",
      "--model backends.torch.megatron:gpt_mtp_per_token --recipe backends.torch.megatron:ddp "
      "--dp 2 --tp 2 --batch 8 --seed 1", 0),
+    ("megatron mtp tp2 2 microbatches per-token loss, the token count all-reduced (7452's fix)",
+     "--model backends.torch.megatron:gpt_mtp_per_token --recipe backends.torch.megatron:ddp "
+     "--dp 1 --tp 2 --batch 4 --seed 1", 0),
     ("megatron bug mtp per-token loss, the token count all-reduced over the tp group",
      "--model backends.torch.megatron:gpt_mtp_per_token "
      "--recipe backends.torch.megatron:tp_token_count_over_tp --dp 2 --tp 1 --batch 4 --seed 1", 1),

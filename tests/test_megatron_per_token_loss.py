@@ -29,11 +29,12 @@ def _suite(*cases: str) -> subprocess.CompletedProcess:
 
 
 def test_the_per_token_fix_verifies_and_its_count_over_the_wrong_group_fails():
-    """dp 2, and dp 2 tp 2 with 2 microbatches, SUCCESS; the count all-reduced
-    over the tensor-parallel group (each rank's own count at tp 1) FAILs."""
+    """dp 2, tp 2 with 2 microbatches (as the bug's case runs) and dp 2 tp 2
+    with 2 microbatches, SUCCESS; the count all-reduced over the
+    tensor-parallel group (each rank's own count at tp 1) FAILs."""
     run = _suite("per-token loss, the token count all-reduced")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
+    assert "torch suite: 4 of 4 as expected" in run.stdout, run.stdout[-2000:]
 
 
 class _Lowerer:
