@@ -62,8 +62,17 @@ class Loose(Pieces):
         range's block, cut for a square sum over a distributed optimizer's
         ranges: docs/soundness.md, "Plans traced from PyTorch", 80) is a
         piece of no claim's kind, so it is loose, and so is every value
-        computed from it: a stage recomputes them, never assumes them."""
+        computed from it: a stage recomputes them, never assumes them. Only
+        outside the model's modules (``node.name`` empty: the clipper's or
+        optimizer's code after the backward, over flat shards the
+        single-device step, over whole parameters, never cuts); a narrow in
+        a module runs on one device too, so one the single-device step
+        never takes is left to the alignment, which judges it (a wrong
+        plan's narrow of another column FAILs there). Loose is no
+        assumption, so where it applies decides only between a verdict
+        and a refusal, never a wrong SUCCESS."""
         x = node.ins[0] if node.ins else -1
         return (node.op == "narrow" and node.dir == "fw" and x >= 0 and x in self.claim
+                and not node.name
                 and not self.claim[x].partial and not self.claim[x].loose
                 and self.claim[x].at is None)
