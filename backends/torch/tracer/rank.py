@@ -410,7 +410,10 @@ def update(model: torch.nn.Module, mesh, spec: dict):
     on one device too (``one_device = True``: Megatron's, its code at world
     size 1) clips the single-device step itself, so that both read the same
     numbers with ``.item()`` and branch on them alike (docs/soundness.md,
-    "Plans traced from PyTorch", 69). The optimizer, or None."""
+    "Plans traced from PyTorch", 69). A recipe that sets ``own_optimizer``
+    on the model (Megatron's) steps a rank with its own optimizer code,
+    ``own_optimizer(name)``, asked for the hyperparameters of ``name``
+    (item 86). The optimizer (what has its ``.state``), or None."""
     if spec.get("clip"):
         clipper = load(spec.get("clipper") or "backends.torch.recipes:clip_grad_norm")
         if mesh is None and not getattr(clipper, "one_device", False):
@@ -420,6 +423,9 @@ def update(model: torch.nn.Module, mesh, spec: dict):
     name = spec.get("optimizer") or "none"
     if name == "none":
         return None
+    own = getattr(model, "own_optimizer", None)
+    if mesh is not None and own is not None:
+        return own(name)  # the recipe's optimizer code, for the same hyperparameters
     optimizer = OPTIMIZERS[name](list(model.parameters()))
     optimizer.step()
     return optimizer
