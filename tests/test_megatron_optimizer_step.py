@@ -1,5 +1,5 @@
 """Megatron-Core's own optimizer step (``--optimizer`` with a Megatron recipe;
-docs/soundness.md, "Plans traced from PyTorch", 86 and 87): each rank builds
+docs/soundness.md, "Plans traced from PyTorch", 86): each rank builds
 ``get_megatron_optimizer`` over its DDP chunks and steps; every rank's
 updated parameters and Adam states are proved equal to torch's AdamW on the
 single-device gradients at the rank's shard; a rank that leaves the
