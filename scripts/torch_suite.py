@@ -307,6 +307,8 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron dp2 tp2 optimizer step adamw",
      f"{MEGATRON}ddp --dp 2 --tp 2 --batch 8 --optimizer adamw", 0),
     ("megatron tp2 optimizer step sgd", f"{MEGATRON}tp --dp 1 --tp 2 --optimizer sgd", 0),
+    ("megatron pp2 1f1b optimizer step adamw (both stages' copies of the tied embedding)",
+     f"{MEGATRON}pp_1f1b --pp 2 --dp 1 --tp 1 --layers 2 --optimizer adamw", 0),
     ("megatron bug optimizer step: tp duplicates stepped on tp rank 0 only (rank 1 stale)",
      f"{MEGATRON}ddp_duplicates_on_tp_rank0 --dp 2 --tp 2 --batch 8 --optimizer adamw", 1),
     ("megatron optimizer step with the learning rate times dp refused (no single-device update)",
