@@ -114,10 +114,7 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
     held = {n for n, (v, _, _) in trace["params"].items() if not isinstance(lw.env[v], NoShard)}
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()
              if n in held}
-    # a parameter the rank's step leaves as it was loaded is no update (the
-    # verifier then reports that the rank never updates it)
-    updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items()
-               if n in held and not _unchanged(lw, v)}
+    updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items() if n in held}
     states = {n: {k: _updated(lw, n, v) for k, v in st.items()}
               for n, st in trace.get("states", {}).items() if n in held}
     blocks = {n: [_grad_block(lw, n, v, starts) for v, starts in vs]
@@ -189,13 +186,6 @@ def _check_shard(name: str, full: tuple[int, ...], local: tuple[int, ...],
                 f"parameter {name} of shape {list(full)} is sharded along dim {d} so that this "
                 f"rank holds none of its {full[d]} (the mesh axes {axes}); a rank with an empty "
                 f"shard is lowered along dim 0 only: choose sizes the mesh divides")
-
-
-def _unchanged(lw: Lowerer, v: int | None) -> bool:
-    """The value a parameter ends the step with is the parameter as loaded
-    (no optimizer step wrote it)."""
-    x = lw.env.get(v) if v is not None else None
-    return isinstance(x, int) and x in lw.params
 
 
 def _updated(lw: Lowerer, name: str, v: int | None) -> int:

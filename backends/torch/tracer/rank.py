@@ -152,6 +152,8 @@ def _run(spec: dict, rank: int) -> dict:
         return {"rank": rank, "exchanges": rec.exchanges.sent, "unanswered": rec.exchanges.unanswered,
                 "failed": f"{type(e).__name__}: {last}", "imports": imported_since(before)}
     grads, updates, states = _ends(rec, model, optimizer)
+    if spec["parallel"]:
+        updates = _written(updates, params)
     blocks = _grad_blocks(rec, model)
     values = _values(model, tokens, labels, losses) if spec.get("keep_values") else None
     return {
@@ -255,6 +257,15 @@ def _ends(rec: Recorder, model: torch.nn.Module, optimizer) -> tuple[dict, dict,
             states[name] = {k: rec.value(local_of(t)) for k, t in optimizer.state[p].items()
                             if isinstance(t, torch.Tensor) and t.shape == p.shape}
     return grads, updates, states
+
+
+def _written(updates: dict, params: dict) -> dict:
+    """A rank's updates without the parameters its step left as loaded (the
+    value it ends with is the loaded one): the rank does not update them,
+    which the verifier's final contract reports (docs/soundness.md, "Plans
+    traced from PyTorch", 86 (c)). The single-device step keeps them, and
+    its lowering refuses a parameter no optimizer step wrote."""
+    return {n: v for n, v in updates.items() if v != params[n][0]}
 
 
 def _grad_blocks(rec: Recorder, model: torch.nn.Module) -> dict[str, list]:
