@@ -44,6 +44,7 @@ from backends.torch.tracer.mesh import build as build_mesh  # noqa: E402
 from backends.torch.tracer.mesh import coords as mesh_coords  # noqa: E402
 from backends.torch.tracer.pipeline import OwnSchedule, PipelineStep  # noqa: E402
 from backends.torch.tracer.rank import (  # noqa: E402
+    OPTIMIZERS,
     load,
     recipe_result,
     sequence_chunk,
@@ -68,7 +69,10 @@ def _model(args: argparse.Namespace):
     return model
 
 
-def _single_grads(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+def _single_grads(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor],
+                                                     dict[str, torch.Tensor]]:
+    """The single-device step's gradients and, with ``--optimizer``, its
+    updated parameters (torch's optimizer, ``tracer.rank.OPTIMIZERS``)."""
     model = _model(args)
     tokens, labels = _batch(args)
     model(tokens, labels).backward()
@@ -76,11 +80,42 @@ def _single_grads(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), args.clip)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
+    updates = {}
+    if args.optimizer != "none":
+        OPTIMIZERS[args.optimizer](list(model.parameters())).step()
+        updates = {n: p.detach().clone() for n, p in model.named_parameters()}
     if dist.is_initialized():  # Megatron's single device: a group of one rank, left now
         from megatron.core import parallel_state
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-    return grads
+    return grads, updates
+
+
+def _step(model, name: str) -> None:
+    """A rank's optimizer step: the recipe's own (``own_optimizer``,
+    Megatron's) or torch's."""
+    own = getattr(model, "own_optimizer", None)
+    if own is not None:
+        own(name)
+    else:
+        OPTIMIZERS[name](list(model.parameters())).step()
+
+
+def _updates_problem(rank: int, model, updates: dict[str, torch.Tensor], mesh,
+                     rtol: float) -> str:
+    """Each parameter the rank holds after its step against its piece of the
+    single-device updated parameter."""
+    from torch.distributed.tensor import DTensor
+    for name, p in model.named_parameters():
+        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        want = updates[name]
+        for dim, axes in enumerate(getattr(p, "mesh_axes", None) or []):
+            for axis in axes:
+                want = want.chunk(mesh[axis].size(), dim)[mesh[axis].get_local_rank()]
+        err = float((got - want).abs().max())
+        if err > rtol * (float(want.abs().max()) or 1.0):
+            return f"rank {rank} ends with a wrong updated {name} (max error {err:.3g})"
+    return ""
 
 
 def _pipelined(step: PipelineStep, mesh, tokens: torch.Tensor, labels: torch.Tensor) -> None:
@@ -100,7 +135,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
 
     warnings.filterwarnings("ignore")
     world = args.pp * args.dp * args.cp * args.tp
-    expected = _single_grads(args)
+    expected, updates = _single_grads(args)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         if args.mesh is not None:  # the user's mesh, as the backend builds it
@@ -166,6 +201,9 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
                                f"{err:.3g}, about {ratio:.3g} x the single-device one)")
             if problem:
                 break
+        if not problem and args.optimizer != "none":
+            _step(model, args.optimizer)
+            problem = _updates_problem(rank, model, updates, mesh, args.rtol)
         out[rank] = problem
     finally:
         dist.destroy_process_group()

@@ -314,6 +314,19 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron bug mtp per-token loss, the token count all-reduced over the tp group",
      "--model backends.torch.megatron:gpt_mtp_per_token "
      "--recipe backends.torch.megatron:tp_token_count_over_tp --dp 2 --tp 1 --batch 4 --seed 1", 1),
+    # Megatron's own optimizer step (get_megatron_optimizer, FP32Optimizer over torch's
+    # AdamW or SGD) against torch's optimizer on the single-device gradients
+    ("megatron dp2 tp2 optimizer step adamw",
+     f"{MEGATRON}ddp --dp 2 --tp 2 --batch 8 --optimizer adamw", 0),
+    ("megatron tp2 optimizer step sgd", f"{MEGATRON}tp --dp 1 --tp 2 --optimizer sgd", 0),
+    ("megatron pp2 1f1b optimizer step adamw (both stages' copies of the tied embedding)",
+     f"{MEGATRON}pp_1f1b --pp 2 --dp 1 --tp 1 --layers 2 --optimizer adamw", 0),
+    ("megatron bug optimizer step: tp duplicates stepped on tp rank 0 only (rank 1 stale)",
+     f"{MEGATRON}ddp_duplicates_on_tp_rank0 --dp 2 --tp 2 --batch 8 --optimizer adamw", 1),
+    ("megatron optimizer step with the learning rate times dp refused (no single-device update)",
+     f"{MEGATRON}ddp_lr_times_dp --dp 2 --tp 2 --batch 8 --optimizer adamw", 2),
+    ("megatron distributed optimizer step refused (not traced yet)",
+     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw", 2),
     # the distributed optimizer: hidden 24, so that a rank's flat range of the grad buffer
     # cuts linear_qkv.weight inside a row (rows 0-20 and 8 columns of row 21 on rank 0)
     ("megatron dp2 distributed optimizer 2 microbatches (flat ranges cut a row)",

@@ -152,6 +152,8 @@ def _run(spec: dict, rank: int) -> dict:
         return {"rank": rank, "exchanges": rec.exchanges.sent, "unanswered": rec.exchanges.unanswered,
                 "failed": f"{type(e).__name__}: {last}", "imports": imported_since(before)}
     grads, updates, states = _ends(rec, model, optimizer)
+    if spec["parallel"]:
+        updates = _written(updates, params)
     blocks = _grad_blocks(rec, model)
     values = _values(model, tokens, labels, losses) if spec.get("keep_values") else None
     return {
@@ -255,6 +257,15 @@ def _ends(rec: Recorder, model: torch.nn.Module, optimizer) -> tuple[dict, dict,
             states[name] = {k: rec.value(local_of(t)) for k, t in optimizer.state[p].items()
                             if isinstance(t, torch.Tensor) and t.shape == p.shape}
     return grads, updates, states
+
+
+def _written(updates: dict, params: dict) -> dict:
+    """A rank's updates without the parameters its step left as loaded (the
+    value it ends with is the loaded one): the rank does not update them,
+    which the verifier's final contract reports (docs/soundness.md, "Plans
+    traced from PyTorch", 86 (c)). The single-device step keeps them, and
+    its lowering refuses a parameter no optimizer step wrote."""
+    return {n: v for n, v in updates.items() if v != params[n][0]}
 
 
 def _grad_blocks(rec: Recorder, model: torch.nn.Module) -> dict[str, list]:
@@ -410,7 +421,10 @@ def update(model: torch.nn.Module, mesh, spec: dict):
     on one device too (``one_device = True``: Megatron's, its code at world
     size 1) clips the single-device step itself, so that both read the same
     numbers with ``.item()`` and branch on them alike (docs/soundness.md,
-    "Plans traced from PyTorch", 69). The optimizer, or None."""
+    "Plans traced from PyTorch", 69). A recipe that sets ``own_optimizer``
+    on the model (Megatron's) steps a rank with its own optimizer code,
+    ``own_optimizer(name)``, asked for the hyperparameters of ``name``
+    (item 86). The optimizer (what has its ``.state``), or None."""
     if spec.get("clip"):
         clipper = load(spec.get("clipper") or "backends.torch.recipes:clip_grad_norm")
         if mesh is None and not getattr(clipper, "one_device", False):
@@ -420,6 +434,9 @@ def update(model: torch.nn.Module, mesh, spec: dict):
     name = spec.get("optimizer") or "none"
     if name == "none":
         return None
+    own = getattr(model, "own_optimizer", None)
+    if mesh is not None and own is not None:
+        return own(name)  # the recipe's optimizer code, for the same hyperparameters
     optimizer = OPTIMIZERS[name](list(model.parameters()))
     optimizer.step()
     return optimizer

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.torch.tracer.pipeline import OwnSchedule
-from backends.torch.zoo import megatron_shim
+from backends.torch.zoo import megatron_optim, megatron_shim
 
 #: the seed of Megatron's RNG tracker (its dropout streams; dropout is 0 here)
 TRACKER_SEED = 1234
@@ -490,6 +490,9 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
     shift = 1 if options.bug == "range_shifted" else 0
     after = _optimizer_ranges(wrapped, shift) if options.use_distributed_optimizer \
         else _main_grads(wrapped)
+    model.own_optimizer = functools.partial(megatron_optim.megatron_step, wrapped,
+                                            distributed=options.use_distributed_optimizer,
+                                            bug=options.bug)
     return OwnSchedule(run, after_backward=after, microbatches=options.microbatches)
 
 
@@ -742,6 +745,11 @@ ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
 # Megatron-LM issue 7452's fix (gpt_mtp_per_token) with its token count all-reduced over the
 # tensor-parallel group instead of the data-parallel one: each rank's own count at tp 1
 tp_token_count_over_tp = recipe(bug="token_count_over_tp")
+# wrong optimizer steps (--optimizer): Megatron's learning rate multiplied by the dp size
+# (refused: an update no single-device step computes); the tensor-parallel duplicates
+# (norms, row-parallel biases) stepped on tp rank 0 only, the other ranks keep them stale
+ddp_lr_times_dp = recipe(microbatches=2, bug="lr_times_dp")
+ddp_duplicates_on_tp_rank0 = recipe(microbatches=2, bug="duplicates_on_tp_rank0")
 # the distributed optimizer's wrong plans: each rank reads the next rank's range of every
 # bucket; the reduce-scatter left out (each range keeps the rank's local gradients); the
 # buckets reduce-scattered over the tensor-parallel group (dp 2 tp 2)

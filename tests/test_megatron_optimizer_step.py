@@ -1,0 +1,64 @@
+"""Megatron-Core's own optimizer step (``--optimizer`` with a Megatron recipe;
+docs/soundness.md, "Plans traced from PyTorch", 86): each rank builds
+``get_megatron_optimizer`` over its DDP chunks and steps; every rank's
+updated parameters and Adam states are proved equal to torch's AdamW on the
+single-device gradients at the rank's shard; a rank that leaves the
+tensor-parallel duplicates stale FAILs naming the rank and the parameter; a
+learning rate the single-device step does not use is refused, and so is
+the distributed optimizer's step (not traced yet)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
+
+ROOT = Path(__file__).resolve().parent.parent
+ARGS = ["--model", "backends.torch.megatron:gpt", "--dp", "2", "--tp", "2", "--batch", "8",
+        "--optimizer", "adamw"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+
+
+def _verify(tmp_path: Path, recipe: str, *extra: str) -> subprocess.CompletedProcess:
+    """Trace ``recipe`` (exit 2 passed on: a refusal) and verify its plans."""
+    run = _run("-m", "backends.torch", *ARGS, *extra, "--recipe",
+               f"backends.torch.megatron:{recipe}", "-o", str(tmp_path))
+    if run.returncode != 0:
+        return run
+    single = next(tmp_path.glob("*_single.pkl"))
+    parallel = next(tmp_path.glob("*_parallel.pkl"))
+    return _run("main.py", "--sm", str(single), "--pm", str(parallel))
+
+
+def test_megatron_adamw_step_verifies_at_dp2_tp2(tmp_path):
+    run = _verify(tmp_path, "ddp")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "SUCCESS" in run.stdout
+    assert re.search(r"step [1-9]", run.stdout)  # the step's stages were proved
+
+
+def test_megatron_step_leaving_tp_duplicates_stale_fails(tmp_path):
+    run = _verify(tmp_path, "ddp_duplicates_on_tp_rank0")
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "rank 1 holds shard" in run.stdout and "never updates it" in run.stdout
+
+
+def test_megatron_step_with_another_learning_rate_is_refused(tmp_path):
+    run = _verify(tmp_path, "ddp_lr_times_dp")
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "adam_step" in run.stderr
+
+
+def test_megatron_distributed_optimizer_step_is_refused(tmp_path):
+    run = _verify(tmp_path, "dist_opt", "--hidden", "24")
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "distributed optimizer" in run.stderr
