@@ -37,6 +37,7 @@ from backends.torch.tracer.ranks import trace_ranks
 from backends.torch.tracer.routing import (
     check_every_expert_reached,
     check_rows_are_blocks,
+    check_skipped_add_nothing,
     describe,
 )
 from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
@@ -276,14 +277,21 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:
         world["routing"] = describe(single["routing_summary"])
+    # without expert parallelism a rank's experts loop is given the experts
+    # the single-device step runs and its rows route no token to (routing.
+    # hits); with it an expert's rank runs it on the rows every rank sends
+    fill = bool(single.get("skips_unrouted_experts")) and getattr(args, "ep", 1) <= 1
     traces = settle(lambda sent: trace_ranks(
-        {**spec, "parallel": True, "routing": routing, "exchanges": sent},
+        {**spec, "parallel": True, "routing": routing, "exchanges": sent, "fill_skipped": fill},
         args.pp * args.dp * cp * args.tp, single.get("imports", ())))
     world["nm"] = traces[0]["microbatches"]
-    if single.get("skips_unrouted_experts") and getattr(args, "ep", 1) <= 1:
-        # with expert parallelism an expert's rank runs it on the rows every
-        # rank sends it: a rank routing none of its own tokens there is no gap
+    if fill:
         check_every_expert_reached(single, traces)
+        if any(t.get("routing_added") for t in traces):
+            own = settle(lambda sent: trace_ranks(
+                {**spec, "parallel": True, "routing": routing, "exchanges": sent, "ends": True},
+                args.pp * args.dp * cp * args.tp, single.get("imports", ())))
+            check_skipped_add_nothing(traces, own)
     check_shards(traces)
     check_broadcasts(traces)
     low_s = lower_trace(single, args.vocab)
