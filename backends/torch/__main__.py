@@ -39,6 +39,7 @@ from backends.torch.tracer.routing import (
     check_rows_are_blocks,
     check_skipped_add_nothing,
     describe,
+    describe_added,
 )
 from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
 from backends.userdirs import user_dir
@@ -292,6 +293,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
                 {**spec, "parallel": True, "routing": routing, "exchanges": sent, "ends": True},
                 args.pp * args.dp * cp * args.tp, single.get("imports", ())))
             check_skipped_add_nothing(traces, own)
+            world["routing"] += "; " + describe_added(traces)
     check_shards(traces)
     check_broadcasts(traces)
     low_s = lower_trace(single, args.vocab)

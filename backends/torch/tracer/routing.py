@@ -155,6 +155,14 @@ def describe(summary: list[dict]) -> str:
                      f"{','.join(map(str, s['tokens_per_expert']))}" for i, s in enumerate(summary))
 
 
+def describe_added(traces: list[dict]) -> str:
+    """The experts each rank's loop ran on no token (``Routing.hits``), for
+    the world spec's ``routing`` (what a SUCCESS covers)."""
+    runs = [f"rank {t['rank']} expert {e} at router call {k}"
+            for t in traces for k, e in t.get("routing_added", [])]
+    return "run on no token: " + ", ".join(runs)
+
+
 def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
     """Refuse a step in which some rank's rows send no token to an expert
     the single-device step routes tokens to and the rank's experts loop was
