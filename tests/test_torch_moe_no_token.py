@@ -95,6 +95,23 @@ def test_a_rank_whose_loop_reaches_no_such_vector_is_refused() -> None:
     check_every_expert_reached(single, [_trace(0, SINGLE[:2], reached=[(0, 1)])])
 
 
+def test_only_the_router_calls_a_loop_reads_are_checked() -> None:
+    """A group-limited router's first calls pick groups (no expert runs on
+    their indices): the single-device step reads an experts-hit vector
+    after the last call only, and only that call is checked."""
+    groups = np.array([[0], [0], [1], [1]])
+    single = Routing(None)
+    single.recorded += [groups, SINGLE]
+    single.experts += [2, 4]
+    x, out = _hit([True, True, True, True])
+    assert single.hits(NONZERO, (x,), out) is out and single.loops == {1}
+    rank0 = _trace(0, SINGLE[:2], reached=[(1, 1)])
+    rank0["routing"] = [groups[:2], SINGLE[:2]]  # no group 1 on rank 0
+    check_every_expert_reached({"routing": [groups, SINGLE], "routing_loops": [1]}, [rank0])
+    with pytest.raises(LoweringError, match="group|expert 1 at router call 0"):
+        check_every_expert_reached({"routing": [groups, SINGLE]}, [rank0])
+
+
 def test_the_run_on_no_token_must_end_as_the_step_the_code_runs() -> None:
     ends = [np.array(1.5), np.arange(4.0)]
     filled = [_trace(0, SINGLE[:2], added=[(0, 1)], ends=ends), _trace(1, SINGLE[2:])]

@@ -179,6 +179,7 @@ def _run(spec: dict, rank: int) -> dict:
         "routing": rec.routing.recorded, "routing_summary": rec.routing.summary(),
         "routing_added": list(rec.routing.added),
         "routing_reached": list(rec.routing.reached),
+        "routing_loops": sorted(rec.routing.loops),
         # what the step ends with, by value, when an expert was run on no
         # token (compared with the step as the code runs it: routing.py)
         "ends": _end_values(model, losses) if rec.routing.added or spec.get("ends") else None,
