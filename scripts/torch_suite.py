@@ -833,8 +833,10 @@ CASES += [
     ("moe hf mixtral dp2 no-token expert bug combine with another token's gate (rank 0 runs "
      "expert 1 on no token and weighs its first two tokens with each other's gates)",
      f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1 --seed 5", 1),
-    ("moe hf mixtral dp2 no-token expert bug routed with another token's experts",
-     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1 --seed 5", 1),
+    ("moe hf mixtral dp2 no-token expert bug routed with another token's experts refused (a "
+     "wrong plan: rank 0's wrong masks, inputs of their own, are aligned with reads that do not "
+     "combine; no SUCCESS, a FAIL left to do; gloo differs)",
+     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1 --seed 5", 2),
     ("moe hf mixtral dp2 no-token expert bug skip an expert with tokens, balanced routing",
      f"--hf mixtral --recipe {MOE_BUGS}skip_expert_with_tokens --dp 2 --tp 1", 1),
     ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "
