@@ -247,6 +247,22 @@ def user_mesh(args: argparse.Namespace) -> MeshSpec | None:
     return mesh
 
 
+def _check_run_on_none(spec: dict, size: int, single: dict, traces: list[dict],
+                       world: dict) -> None:
+    """Every expert the single-device step runs is reached on every rank;
+    where a rank's loop was given one to run on no token, the ranks traced
+    again as their code runs end with the same values, and the world spec
+    names the experts so run (docs/soundness.md, "Plans traced from
+    PyTorch", 88)."""
+    check_every_expert_reached(single, traces)
+    if not any(t.get("routing_added") for t in traces):
+        return
+    own = settle(lambda sent: trace_ranks({**spec, "exchanges": sent, "ends": True}, size,
+                                          single.get("imports", ())))
+    check_skipped_add_nothing(traces, own)
+    world["routing"] += "; " + describe_added(traces)
+
+
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
@@ -287,13 +303,8 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         args.pp * args.dp * cp * args.tp, single.get("imports", ())))
     world["nm"] = traces[0]["microbatches"]
     if fill:
-        check_every_expert_reached(single, traces)
-        if any(t.get("routing_added") for t in traces):
-            own = settle(lambda sent: trace_ranks(
-                {**spec, "parallel": True, "routing": routing, "exchanges": sent, "ends": True},
-                args.pp * args.dp * cp * args.tp, single.get("imports", ())))
-            check_skipped_add_nothing(traces, own)
-            world["routing"] += "; " + describe_added(traces)
+        _check_run_on_none({**spec, "parallel": True, "routing": routing},
+                           args.pp * args.dp * cp * args.tp, single, traces, world)
     check_shards(traces)
     check_broadcasts(traces)
     low_s = lower_trace(single, args.vocab)
