@@ -834,8 +834,8 @@ CASES += [
      "expert 1 on no token and weighs its first two tokens with each other's gates)",
      f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1 --seed 5", 1),
     ("moe hf mixtral dp2 no-token expert bug routed with another token's experts refused (a "
-     "wrong plan: rank 0's wrong masks, inputs of their own, are aligned with reads that do not "
-     "combine; no SUCCESS, a FAIL left to do; gloo differs)",
+     "wrong plan: rank 0's wrong mask of expert 2 equals expert 3's on rank 1's rows and is "
+     "aligned with its reads, which do not combine; no SUCCESS, a FAIL left to do; gloo differs)",
      f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1 --seed 5", 2),
     ("moe hf mixtral dp2 no-token expert bug skip an expert with tokens, balanced routing",
      f"--hf mixtral --recipe {MOE_BUGS}skip_expert_with_tokens --dp 2 --tp 1", 1),
