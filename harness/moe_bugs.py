@@ -293,3 +293,41 @@ def ep_fsdp_avg(model, mesh):
     after = _ep(model, mesh)
     _fsdp_default_division(model.hf)
     return after
+
+
+def skip_expert_with_tokens(model, mesh):
+    """On the first data-parallel rank, the experts loop (transformers'
+    eager loop over the experts hit, written again for the 3-dim
+    ``gate_up_proj`` / ``down_proj`` layout) skips the last expert its
+    tokens choose, which has tokens there: those tokens lose that
+    expert's output. The rank's hit set is the true one, so the backend's
+    run of skipped experts on no token (docs/soundness.md, "Plans traced
+    from PyTorch", 88) must not fill this expert in: it has rows."""
+    after = tp_fsdp(model, mesh)
+    if mesh["dp"].get_local_rank() != 0:
+        return after
+    for experts in _experts(model):
+        experts.forward = _skipping_forward(experts)
+    return after
+
+
+def _skipping_forward(experts: torch.nn.Module):
+    """A forward of ``experts`` that skips the last expert its tokens choose."""
+    import torch.nn.functional as F
+
+    def forward(hidden, index, weights):
+        skip = int(index.max())
+        out = torch.zeros_like(hidden)
+        with torch.no_grad():
+            mask = F.one_hot(index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for row in hit:
+            e = int(row[0])
+            if e in (skip, experts.num_experts):
+                continue
+            slot, token = torch.where(mask[e])
+            gate, up = F.linear(hidden[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
+    return forward

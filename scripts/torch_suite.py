@@ -821,9 +821,24 @@ CASES += [
     ("moe mixtral bug combine with another token's gate (the permuted weights stand in for the "
      "weights: FAIL at the permutation on rank 0)",
      f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1", 1),
-    ("moe mixtral an expert with no token on a rank refused (the missing term is zero by the masks' "
-     "values, symbols in the proof: 36 g; a correct plan, gloo same)",
-     "--hf mixtral --dp 2 --tp 1 --seed 5", 2),
+    ("moe hf mixtral dp2 no-token expert (seed 5: expert 1's two tokens on rank 1 only; rank 0's "
+     "loop runs it on no token, its masks zero by value: 88)",
+     "--hf mixtral --dp 2 --tp 1 --seed 5", 0),
+    ("moe hf mixtral dp2 no-token expert ddp", "--hf mixtral --recipe ddp --dp 2 --tp 1 --seed 5", 0),
+    ("moe hf mixtral dp2 no-token expert bug token to another expert",
+     f"--hf mixtral --recipe {MOE_BUGS}token_to_other_expert --dp 2 --tp 1 --seed 5", 1),
+    ("moe hf mixtral dp2 no-token expert bug skip an expert with tokens (no empty iteration to "
+     "fill in: the term is missing)",
+     f"--hf mixtral --recipe {MOE_BUGS}skip_expert_with_tokens --dp 2 --tp 1 --seed 5", 1),
+    ("moe hf mixtral dp2 no-token expert bug combine with another token's gate (rank 0 runs "
+     "expert 1 on no token and weighs its first two tokens with each other's gates)",
+     f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1 --seed 5", 1),
+    ("moe hf mixtral dp2 no-token expert bug routed with another token's experts refused (a "
+     "wrong plan: rank 0's wrong mask of expert 2 equals expert 3's on rank 1's rows and is "
+     "aligned with its reads, which do not combine; no SUCCESS, a FAIL left to do; gloo differs)",
+     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1 --seed 5", 2),
+    ("moe hf mixtral dp2 no-token expert bug skip an expert with tokens, balanced routing",
+     f"--hf mixtral --recipe {MOE_BUGS}skip_expert_with_tokens --dp 2 --tp 1", 1),
     ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "
      "combined per token)", "--hf mixtral --dp 2 --tp 1 --ep 2", 0),
     ("moe hf mixtral ep2 skewed routing (batch 8, seed 9: 22, 25, 7, 10 tokens per expert)",

@@ -37,7 +37,9 @@ from backends.torch.tracer.ranks import trace_ranks
 from backends.torch.tracer.routing import (
     check_every_expert_reached,
     check_rows_are_blocks,
+    check_skipped_add_nothing,
     describe,
+    describe_added,
 )
 from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
 from backends.userdirs import user_dir
@@ -245,6 +247,22 @@ def user_mesh(args: argparse.Namespace) -> MeshSpec | None:
     return mesh
 
 
+def _check_run_on_none(spec: dict, size: int, single: dict, traces: list[dict],
+                       world: dict) -> None:
+    """Every expert the single-device step runs is reached on every rank;
+    where a rank's loop was given one to run on no token, the ranks traced
+    again as their code runs end with the same values, and the world spec
+    names the experts so run (docs/soundness.md, "Plans traced from
+    PyTorch", 88)."""
+    check_every_expert_reached(single, traces)
+    if not any(t.get("routing_added") for t in traces):
+        return
+    own = settle(lambda sent: trace_ranks({**spec, "exchanges": sent, "ends": True}, size,
+                                          single.get("imports", ())))
+    check_skipped_add_nothing(traces, own)
+    world["routing"] += "; " + describe_added(traces)
+
+
 def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     """Trace the step on one device (unless ``single`` is given) and on every
     rank; the two plans."""
@@ -276,14 +294,17 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:
         world["routing"] = describe(single["routing_summary"])
+    # without expert parallelism a rank's experts loop is given the experts
+    # the single-device step runs and its rows route no token to (routing.
+    # hits); with it an expert's rank runs it on the rows every rank sends
+    fill = bool(single.get("skips_unrouted_experts")) and getattr(args, "ep", 1) <= 1
     traces = settle(lambda sent: trace_ranks(
-        {**spec, "parallel": True, "routing": routing, "exchanges": sent},
+        {**spec, "parallel": True, "routing": routing, "exchanges": sent, "fill_skipped": fill},
         args.pp * args.dp * cp * args.tp, single.get("imports", ())))
     world["nm"] = traces[0]["microbatches"]
-    if single.get("skips_unrouted_experts") and getattr(args, "ep", 1) <= 1:
-        # with expert parallelism an expert's rank runs it on the rows every
-        # rank sends it: a rank routing none of its own tokens there is no gap
-        check_every_expert_reached(single, traces)
+    if fill:
+        _check_run_on_none({**spec, "parallel": True, "routing": routing},
+                           args.pp * args.dp * cp * args.tp, single, traces, world)
     check_shards(traces)
     check_broadcasts(traces)
     low_s = lower_trace(single, args.vocab)

@@ -119,6 +119,7 @@ def _run(spec: dict, rank: int) -> dict:
     rec.routing = Routing(spec.get("routing"), block, seq_block,
                           bool(getattr(model, "sequence_first", False)))
     rec.routing.batch = spec["batch"]
+    rec.routing.fill_skipped = bool(spec.get("fill_skipped"))
     if spec["parallel"]:
         rec.exchanges = Exchanges(rank, spec.get("exchanges"))
     pipelined, own = None, None
@@ -176,10 +177,27 @@ def _run(spec: dict, rank: int) -> dict:
         # activations laid out [s, b, h] (the model says so: Megatron's)
         "sequence_first": bool(getattr(model, "sequence_first", False)),
         "routing": rec.routing.recorded, "routing_summary": rec.routing.summary(),
+        "routing_added": list(rec.routing.added),
+        "routing_reached": list(rec.routing.reached),
+        "routing_loops": sorted(rec.routing.loops),
+        # what the step ends with, by value, when an expert was run on no
+        # token (compared with the step as the code runs it: routing.py)
+        "ends": _end_values(model, losses) if rec.routing.added or spec.get("ends") else None,
         "exchanges": rec.exchanges.sent if rec.exchanges else [],
         "unanswered": rec.exchanges.unanswered if rec.exchanges else 0,
         "skips_unrouted_experts": bool(getattr(model, "skips_unrouted_experts", False)),
     }
+
+
+def _end_values(model: torch.nn.Module, losses: list) -> list:
+    """The rank's losses, gradients and parameters after its step, as numpy
+    arrays in a fixed order (the parameters' names)."""
+    out = [local_of(loss).detach().numpy().copy() for loss in losses]
+    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        out.append(local_of(p.detach()).numpy().copy())
+        if p.grad is not None:
+            out.append(local_of(p.grad).detach().numpy().copy())
+    return out
 
 
 def _setup(spec: dict, rank: int, cp: int, world: int) -> tuple:

@@ -374,6 +374,8 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.routing is not None and name in ROUTED:
             out = self.routing.call(func, args, kwargs, out)
+        if self.routing is not None and constant:
+            out = self.routing.hits(name, args, out)
         if self.exchanges is not None and self.exchanges.handles(name):
             x = args[1] if name.startswith("c10d.") else args[0]
             if self.value(x) in self.constants:  # token counts: answered (exchange.py)

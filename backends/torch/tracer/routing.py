@@ -48,6 +48,18 @@ class Routing:
         self.batch: int | None = None
         self.recorded: list[np.ndarray] = []
         self.experts: list[int] = []
+        #: run the experts the single-device step runs and the rank's rows
+        #: route no token to (``hits``): set for a model whose experts loop
+        #: skips an expert with no token, without expert parallelism
+        self.fill_skipped = False
+        #: (router call, expert) the rank's experts loop was given to run
+        #: on no token (docs/soundness.md, "Plans traced from PyTorch", 88)
+        self.added: list[tuple[int, int]] = []
+        #: (router call, expert) of every experts-hit vector read, its
+        #: additions included: the experts a loop was given to run
+        self.reached: list[tuple[int, int]] = []
+        #: the router calls after which an experts-hit vector was read
+        self.loops: set[int] = set()
 
     def rows(self, full: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The replayed routing's rows this call reads: all of them, or the
@@ -98,6 +110,37 @@ class Routing:
         self.experts.append(int(scores.shape[dim]))
         return values, indices
 
+    def hits(self, name: str, args: tuple, out: Any) -> Any:
+        """``nonzero`` of a 1-dim bool with one entry per expert of the last
+        router call (a sentinel entry past them allowed: the experts a
+        loop runs) gives, besides its own entries, the experts the
+        single-device routing sends a token to and neither this vector nor
+        the rank's replayed routing does: the loop then runs them on the
+        empty index of the rank's rows (docs/soundness.md, "Plans traced
+        from PyTorch", 88). Any other ``nonzero`` is left as it is."""
+        if not self.recorded or name != "aten.nonzero.default" or not args \
+                or not isinstance(args[0], torch.Tensor):
+            return out
+        x, k = args[0], len(self.recorded) - 1
+        experts = self.experts[k]
+        if x.dim() != 1 or x.dtype != torch.bool or x.shape[0] not in (experts, experts + 1):
+            return out
+        self.loops.add(k)
+        if not self.fill_skipped or self.replay is None:
+            return out
+        hit = x.numpy().copy()
+        routed = np.zeros(x.shape[0], dtype=bool)
+        routed[np.unique(self.recorded[k])] = True
+        full = np.zeros(x.shape[0], dtype=bool)
+        full[np.unique(np.asarray(self.replay[k]))] = True
+        added = np.flatnonzero(full & ~routed & ~hit)
+        self.reached.extend((k, int(e)) for e in np.flatnonzero(hit | full & ~routed))
+        if not len(added):
+            return out
+        self.added.extend((k, int(e)) for e in added)
+        hit[added] = True
+        return torch.as_tensor(np.flatnonzero(hit)[:, None], dtype=out.dtype).clone()
+
     def summary(self) -> list[dict]:
         """Per router call: the routing's shape, the tokens each expert got
         and a digest of the indices (what a SUCCESS names)."""
@@ -117,24 +160,62 @@ def describe(summary: list[dict]) -> str:
                      f"{','.join(map(str, s['tokens_per_expert']))}" for i, s in enumerate(summary))
 
 
+def describe_added(traces: list[dict]) -> str:
+    """The experts each rank's loop ran on no token (``Routing.hits``), for
+    the world spec's ``routing`` (what a SUCCESS covers)."""
+    runs = [f"rank {t['rank']} expert {e} at router call {k}"
+            for t in traces for k, e in t.get("routing_added", [])]
+    return "run on no token: " + ", ".join(runs)
+
+
 def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
     """Refuse a step in which some rank's rows send no token to an expert
-    the single-device step routes tokens to, for a model whose experts loop
-    then runs no code for that expert on the rank (``skips_unrouted_experts``:
-    transformers' eager loop; torchtitan's grouped GEMMs run every expert), where the single-device step
-    adds a term (zero on the rank's rows, but only by the routing masks'
-    values, which the proof treats as symbols: docs/soundness.md, "Plans
-    traced from PyTorch", 36 g)."""
+    the single-device step routes tokens to and the rank's experts loop was
+    not given that expert to run on no token (``Routing.hits``: its loop
+    reads no ``nonzero`` of the experts hit), for a model whose experts loop
+    skips such an expert (``skips_unrouted_experts``: transformers' eager
+    loop; torchtitan's grouped GEMMs run every expert). The rank would lack
+    a term the single-device step adds (docs/soundness.md, "Plans traced
+    from PyTorch", 36 g, 88)."""
     from backends.torch.errors import LoweringError
+    # the router calls an experts loop reads (a group-limited router's
+    # calls that pick groups run no expert), or every call when the
+    # single-device step reads no experts-hit vector (a loop of another form)
+    loops = set(single.get("routing_loops", ())) or set(range(len(single.get("routing", []))))
     for trace in traces:
+        added = {tuple(a) for a in trace.get("routing_reached", [])}
         for k, (mine, full) in enumerate(zip(trace.get("routing", []), single.get("routing", []))):
+            if k not in loops:
+                continue
             missing = sorted(set(np.unique(full).tolist()) - set(np.unique(mine).tolist()))
+            missing = [e for e in missing if (k, e) not in added]
             if missing:
                 raise LoweringError(f"rank {trace['rank']} routes no token to expert {missing[0]} at "
-                                    f"router call {k} (the single-device step does): an expert with "
-                                    f"no token on a rank is not traced (docs/soundness.md, \"Plans "
-                                    f"traced from PyTorch\", 36 g); another --seed or --batch routes "
-                                    f"otherwise")
+                                    f"router call {k} (the single-device step does) and its experts "
+                                    f"loop reads no nonzero of the experts hit to run it on none: an "
+                                    f"expert skipped on a rank is not traced (docs/soundness.md, "
+                                    f"\"Plans traced from PyTorch\", 36 g); another --seed or --batch "
+                                    f"routes otherwise")
+
+
+def check_skipped_add_nothing(filled: list[dict], own: list[dict]) -> None:
+    """Refuse a rank whose experts loop, given experts to run on no token
+    (``Routing.hits``), ran otherwise than its own step (``own``: the ranks
+    traced as the code runs them): another sequence of ops outside the
+    added iterations shows in the values the step ends with, which must be
+    equal (docs/soundness.md, "Plans traced from PyTorch", 88)."""
+    from backends.torch.errors import LoweringError
+    for mine, real in zip(filled, own):
+        if not mine.get("routing_added"):
+            continue
+        a, b = mine.get("ends") or [], real.get("ends") or []
+        if len(a) != len(b) or any(x.shape != y.shape or not np.array_equal(x, y)
+                                   for x, y in zip(a, b)):
+            k, e = mine["routing_added"][0]
+            raise LoweringError(f"rank {mine['rank']}: its experts loop run on no token for expert "
+                                f"{e} at router call {k} ends its step with other values than the "
+                                f"step as the code runs it (the added iteration is no empty one; "
+                                f"docs/soundness.md, \"Plans traced from PyTorch\", 88)")
 
 
 def check_rows_are_blocks(single: dict, dp: int) -> None:
