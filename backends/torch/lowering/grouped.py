@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from backends.torch.lowering import grouped_rows as g
 from backends.torch.lowering.registry import not_lowered, refines
-from backends.torch.lowering.routed_rows import ROWWISE
+from backends.torch.lowering.routed_rowwise import ROWWISE
 
 for _op in g.ELEMENTWISE:
     refines(_op, absent=not_lowered)(lambda base: g.experts_rowwise(base))

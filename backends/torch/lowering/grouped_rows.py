@@ -35,14 +35,8 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.ir import NewZeros, Pending, Zeros
-from backends.torch.lowering.routed_rows import (
-    ROWWISE,
-    Rows,
-    RowsT,
-    is_zeros,
-    tensor_refs,
-    value_of,
-)
+from backends.torch.lowering.routed_rows import Rows, RowsT, is_zeros, value_of
+from backends.torch.lowering.routed_rowwise import ROWWISE, tensor_refs
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer

@@ -1,30 +1,32 @@
 """Top-k routing on recorded routing data (docs/soundness.md, "Plans traced
 from PyTorch", 36): ``topk`` and its backward, rows gathered at a recorded
 index, and the row-wise ops, adds and products of such rows. The rules and
-their pending values are in ``routed_rows``."""
+their pending values are in ``routed_rows`` and ``routed_rowwise``."""
 
 from __future__ import annotations
 
 from backends.torch.lowering.registry import lowers, not_lowered, refines
 from backends.torch.lowering.routed_rows import (
-    ROWWISE,
     gather,
     index,
     index_add,
     index_put,
     index_select,
     mm,
-    rowwise,
     scatter,
     topk,
     transpose_rows,
     value_selecting_backward,
 )
+from backends.torch.lowering.routed_rowwise import ROWWISE, rowwise, sum_rows
 
 lowers("aten.topk.default")(topk)
 lowers("aten.value_selecting_reduction_backward.default")(value_selecting_backward)
 for _op, _keeps in ROWWISE.items():
-    refines(_op, absent=not_lowered)(lambda base, keeps=_keeps: rowwise(base, keeps))
+    if _op == "aten.sum.dim_IntList":  # a sum over the rows themselves first
+        refines(_op, absent=not_lowered)(lambda base, keeps=_keeps: sum_rows(rowwise(base, keeps)))
+    else:
+        refines(_op, absent=not_lowered)(lambda base, keeps=_keeps: rowwise(base, keeps))
 refines("aten.index.Tensor", absent=not_lowered)(lambda base: index(base))
 refines("aten.index_select.default", absent=not_lowered)(lambda base: index_select(base))
 refines("aten.index_add_.default", "aten.index_add.default", absent=not_lowered)(lambda base: index_add(base))
