@@ -29,6 +29,13 @@ def _factor(value) -> Fraction:
 BLOCK_OPS = ("attention", "attention_grad")
 
 
+def _dims(dim, rank: int) -> set[int]:
+    """A reduction's ``dim`` kwarg as a set of non-negative dims (None: all)."""
+    if dim is None:
+        return set(range(rank))
+    return {d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
+
+
 class NodeMatching(Pieces):
     """The single-device node each compute node of a rank runs."""
 
@@ -58,6 +65,8 @@ class NodeMatching(Pieces):
             # a block of the attention: the kernel as called on it (its own
             # causal flag), over pieces of the single-device tensors
             cands = [c for k, cs in self.b.s.by_key.items() if k[:3] == key[:3] for c in cs]
+        if not cands and node.op == "sum":
+            cands = self.sum_with_ones(node, ins)
         if not cands:
             key, cands = self.choose_constants(node, key)
         for v in node.ins:
@@ -121,6 +130,33 @@ class NodeMatching(Pieces):
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
 
+    def sum_with_ones(self, node: LNode, ins: list[int]) -> list[int]:
+        """The single-device sums (keepdim) of the same value over the dims
+        this rank's sum runs over and more, each more dim of size 1 on the
+        rank (an expand's backward sums only the dims it expanded, and a
+        data-parallel rank with one batch row did not expand dim 0).
+        Summing a dim of size 1 with keepdim is the identity on it, so the
+        rank's node is rewritten to sum over the same dims as the chosen
+        one: the same function of its input (docs/soundness.md, "Plans
+        traced from PyTorch", 92 (c))."""
+        if not node.kwargs.get("keepdim") or len(ins) != 1 or ins[0] < 0:
+            return []
+        shape = self.low.shapes[node.ins[0]]
+        mine = _dims(node.kwargs.get("dim"), len(shape))
+        found = []
+        for key, cs in self.b.s.by_key.items():
+            if key[:3] != ("sum", node.dir, tuple(ins)):
+                continue
+            for c in cs:
+                kw = self.b.s.low.nodes[c].kwargs
+                theirs = _dims(kw.get("dim"), len(shape))
+                if kw.get("keepdim") and mine < theirs \
+                        and all(shape[d] == 1 for d in theirs - mine):
+                    found.append(c)
+        if found:
+            node.kwargs = dict(self.b.s.low.nodes[found[0]].kwargs)
+        return found[:1]
+
     def stands_in(self, node: LNode) -> bool:
         """A forward node reading a constant of this rank only (``own_tid``)
         and one other value of its output's shape, where the single-device
@@ -180,9 +216,12 @@ class NodeMatching(Pieces):
         the same values), and the node is left out. Only where every reader
         is a forward node of the model (not of its backward, ``bw:``): a
         ring's log-sum-exp unflattened and flattened back for the ring's
-        backward on a rank with no target is left to align as before."""
-        if not self.readers_of_model(node.outs[0] if node.outs else -1):
-            return False
+        backward on a rank with no target is left to align as before, and
+        so is a reshape whose output a ring's result names (its claim is
+        the anchor's)."""
+        if not self.readers_of_model(node.outs[0] if node.outs else -1) \
+                or node.outs[0] in self.low.anchors:
+            return False  # a value a ring result names keeps its name (92 (b))
         if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
                 or len(node.outs) != 1 or (node.ins[0] not in self.undone
                                            and (node.ins[0] not in self.sv or self.aligns(node))):
