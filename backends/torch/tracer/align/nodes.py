@@ -99,6 +99,8 @@ class NodeMatching(Pieces):
                 cands = self.b.s.by_key[key_of(whole)]
         if not cands:
             key, cands = self.choose_twins(node, key)
+        if not cands:
+            cands = self.past_anchor(node, ins)
         if not cands and self.stands_in(node):
             return [self.sv[self.standing]]
         if not cands:
@@ -156,6 +158,51 @@ class NodeMatching(Pieces):
         if found:
             node.kwargs = dict(self.b.s.low.nodes[found[0]].kwargs)
         return found[:1]
+
+    def past_anchor(self, node: LNode, ins: list[int]) -> list[int]:
+        """A node reading ring's named results (``Lowered.anchors``) where
+        the single-device step runs no such node on them: matched with the
+        nearest single-device node of the same operator, kwargs (a ring
+        block's causal flag aside) and module that reads, in their places,
+        values of their shapes computed from them in the forward, and the
+        same values elsewhere (a sink merged into the attention before its
+        output is read, which the rank skips: prime-rl PR 3397). Its
+        outputs are claimed as that node's, claims the verifier proves or
+        refutes like any (docs/soundness.md, "Plans traced from PyTorch",
+        92 (d)); an empty list when there is none."""
+        at = [i for i, v in enumerate(node.ins) if v in self.low.anchors]
+        if not at:
+            return []
+        nodes = self.b.s.low.nodes
+        want = None if node.op in BLOCK_OPS else key_kwargs(node.kwargs)
+        far = {i: self.descendants(ins[i]) for i in at}
+        best, pick = None, []
+        for c, n in enumerate(nodes):
+            if n.op != node.op or n.dir != node.dir or n.name != node.name \
+                    or len(n.ins) != len(ins) or (want is not None and key_kwargs(n.kwargs) != want):
+                continue
+            if any(n.ins[j] != ins[j] for j in range(len(ins)) if j not in far) \
+                    or any(n.ins[i] not in far[i] for i in at):
+                continue
+            cost = sum(far[i][n.ins[i]] for i in at)
+            if cost and (best is None or cost < best):
+                best, pick = cost, [c]
+        return pick
+
+    def descendants(self, start: int) -> dict[int, int]:
+        """The single-device values computed from ``start`` in the forward,
+        of its shape, each with its distance (``start`` itself at 0)."""
+        nodes, shapes = self.b.s.low.nodes, self.b.s.low.shapes
+        far, frontier, depth = {start: 0}, {start}, 0
+        while frontier:
+            depth += 1
+            after = {o for n in nodes if n.dir == "fw" and not n.name.startswith("bw:")
+                     and any(v in frontier for v in n.ins) for o in n.outs
+                     if o >= 0 and o not in far}
+            for o in after:
+                far[o] = depth
+            frontier = after
+        return {v: d for v, d in far.items() if shapes.get(v) == shapes.get(start)}
 
     def stands_in(self, node: LNode) -> bool:
         """A forward node reading a constant of this rank only (``own_tid``)
