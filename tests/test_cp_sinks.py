@@ -86,3 +86,16 @@ def test_the_sink_at_every_ring_step_fails_at_the_attention(capsys) -> None:
     code, out = _run("sink_flash_tagger", "sink_ring_every_step", "cp=2", capsys)
     assert code == 1, out
     assert "operator attention" in out
+
+
+def test_sinks_dropped_under_the_ring_fail_at_the_first_reader(capsys) -> None:
+    """prime-rl PR 3397: the ring's result read as if the sink were merged."""
+    code, out = _run("sink_flash_tagger", "sink_ring_dropped", "cp=2", capsys)
+    assert code == 1, out
+    assert "operator transpose" in out
+
+
+@pytest.mark.parametrize("recipe", ["sink_allgather_dropped", "sink_allgather_per_chunk"])
+def test_eager_all_gather_bugs_are_refused_in_one_line(recipe, capsys) -> None:
+    code, out = _run("sink_tagger", recipe, "cp=2", capsys)
+    assert code == 2, out

@@ -65,8 +65,6 @@ class NodeMatching(Pieces):
             # a block of the attention: the kernel as called on it (its own
             # causal flag), over pieces of the single-device tensors
             cands = [c for k, cs in self.b.s.by_key.items() if k[:3] == key[:3] for c in cs]
-        if not cands and node.op == "sum":
-            cands = self.sum_with_ones(node, ins)
         if not cands:
             key, cands = self.choose_constants(node, key)
         for v in node.ins:
@@ -99,6 +97,8 @@ class NodeMatching(Pieces):
                 cands = self.b.s.by_key[key_of(whole)]
         if not cands:
             key, cands = self.choose_twins(node, key)
+        if not cands and node.op == "sum":
+            cands = self.sum_with_ones(node, ins)
         if not cands:
             cands = self.past_anchor(node, ins)
         if not cands and self.stands_in(node):
