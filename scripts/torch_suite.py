@@ -997,8 +997,10 @@ CASES += [
     ("cp ring sinks allgather dp2 cp2", f"{SINK_RING}sink_ring --mesh dp=2,cp=2", 0),
     ("cp ring sinks bug sinks dropped under cp (prime-rl 3397)",
      f"{SINK_RING}sink_ring_dropped --mesh cp=2", 1),
-    ("cp ring sinks bug the sink folded at every ring step",
+    ("cp ring sinks bug the sink folded at every ring step (and once after)",
      f"{SINK_RING}sink_ring_every_step --mesh cp=2", 1),
+    ("cp ring sinks bug the sink folded at every ring step only cp4",
+     f"{SINK_RING}sink_ring_every_step_only --mesh cp=4 --seqlen 8", 1),
 ]
 
 
