@@ -1001,6 +1001,14 @@ CASES += [
      f"{SINK_RING}sink_ring_every_step --mesh cp=2", 1),
     ("cp ring sinks bug the sink folded at every ring step only cp4",
      f"{SINK_RING}sink_ring_every_step_only --mesh cp=4 --seqlen 8", 1),
+    ("cp ring sinks load-balanced allgather cp2",
+     f"{SINK_RING}sink_ring_balanced --mesh cp=2 --seqlen 8", 0),
+    ("cp ring sinks load-balanced allgather cp4",
+     f"{SINK_RING}sink_ring_balanced --mesh cp=4 --seqlen 8", 0),
+    # wrong (gloo differs) but refused: the backward's blocks read halves of the
+    # named result, which the match past a named result does not follow
+    ("cp ring sinks bug load-balanced sinks dropped refused (prime-rl 3397)",
+     f"{SINK_RING}sink_ring_balanced_dropped --mesh cp=2 --seqlen 8", 2),
 ]
 
 

@@ -90,3 +90,19 @@ def sink_ring_every_step_only(model, mesh):
     rank merges (cp times on the last rank)."""
     model.fold_once = False
     return sink_ring(model, mesh, merger=_sink_every_step(model))
+
+
+def sink_ring_balanced(model, mesh):
+    """sink_ring with PyTorch's head-tail load balancer (rank c holds chunks
+    c and 2 cp - 1 - c; the batch laid out in the balancer's order)."""
+    from tests.cp_split_recipes import _Balanced, _head_tail
+    model.cp_mesh = mesh["cp"]
+    model.cp_load_balancer = _head_tail
+    model.train_context = lambda: _Balanced(mesh["cp"], "allgather")
+    return cp_sum(model, mesh)
+
+
+def sink_ring_balanced_dropped(model, mesh):
+    """Bug (prime-rl PR 3397) under the load balancer: the sinks swallowed."""
+    model.fold_once = False
+    return sink_ring_balanced(model, mesh)
