@@ -82,6 +82,11 @@ def test_pytorchs_ring_with_the_sink_merged_once_verifies(recipe, capsys) -> Non
     assert code == 0, out
 
 
+def test_the_sink_ring_with_the_head_tail_balancer_verifies(capsys) -> None:
+    code, out = _run("sink_flash_tagger", "sink_ring_balanced", "cp=2", capsys, "--seqlen", "8")
+    assert code == 0, out
+
+
 def test_the_sink_at_every_ring_step_fails_at_the_attention(capsys) -> None:
     """The ring's merged result, named as the attention, reads the sink:
     the attention's stage cannot reach it from the attention's inputs."""
