@@ -1006,6 +1006,42 @@ CASES += [
      f"--mesh cp=4 {CP_SIZES} --seqlen 8", 1),
 ]
 
+#: attention sinks under context parallelism (gpt-oss's per-head sink logits; prime-rl
+#: PR 3397): the keys and values all-gathered over "cp", the eager sink attention of a
+#: rank's query rows (docs/soundness.md, "Plans traced from PyTorch", 92); recipes in
+#: tests/cp_sink_recipes.py
+SINK = f"--model tests.cp_sink_models:sink_tagger --heads 2 {CP_SIZES} --recipe tests.cp_sink_recipes:"
+SINK_RING = SINK.replace("sink_tagger", "sink_flash_tagger")
+CASES += [
+    ("cp allgather sinks cp2", f"{SINK}sink_allgather --mesh cp=2", 0),
+    ("cp allgather sinks cp4", f"{SINK}sink_allgather --mesh cp=4 --seqlen 8", 0),
+    ("cp allgather sinks dp2 cp2", f"{SINK}sink_allgather --mesh dp=2,cp=2", 0),
+    # wrong (gloo differs) but refused: the rank's softmax runs over other columns
+    # than any single-device softmax, so its nodes align with none
+    ("cp allgather sinks bug sinks dropped under cp refused (prime-rl 3397)",
+     f"{SINK}sink_allgather_dropped --mesh cp=2", 2),
+    ("cp allgather sinks bug the sink entered once per gathered chunk refused",
+     f"{SINK}sink_allgather_per_chunk --mesh cp=2", 2),
+    ("cp ring sinks allgather cp2", f"{SINK_RING}sink_ring --mesh cp=2", 0),
+    ("cp ring sinks alltoall cp2", f"{SINK_RING}sink_ring_alltoall --mesh cp=2", 0),
+    ("cp ring sinks allgather cp4", f"{SINK_RING}sink_ring --mesh cp=4 --seqlen 8", 0),
+    ("cp ring sinks allgather dp2 cp2", f"{SINK_RING}sink_ring --mesh dp=2,cp=2", 0),
+    ("cp ring sinks bug sinks dropped under cp (prime-rl 3397)",
+     f"{SINK_RING}sink_ring_dropped --mesh cp=2", 1),
+    ("cp ring sinks bug the sink folded at every ring step (and once after)",
+     f"{SINK_RING}sink_ring_every_step --mesh cp=2", 1),
+    ("cp ring sinks bug the sink folded at every ring step only cp4",
+     f"{SINK_RING}sink_ring_every_step_only --mesh cp=4 --seqlen 8", 1),
+    ("cp ring sinks load-balanced allgather cp2",
+     f"{SINK_RING}sink_ring_balanced --mesh cp=2 --seqlen 8", 0),
+    ("cp ring sinks load-balanced allgather cp4",
+     f"{SINK_RING}sink_ring_balanced --mesh cp=4 --seqlen 8", 0),
+    # wrong (gloo differs) but refused: the backward's blocks read halves of the
+    # named result, which the match past a named result does not follow
+    ("cp ring sinks bug load-balanced sinks dropped refused (prime-rl 3397)",
+     f"{SINK_RING}sink_ring_balanced_dropped --mesh cp=2 --seqlen 8", 2),
+]
+
 
 #: Ulysses-style context parallelism (docs/soundness.md, "Plans traced from PyTorch",
 #: all-to-alls of views): the sequence cut over "cp", all-to-alls to the heads and back as

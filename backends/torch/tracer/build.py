@@ -416,7 +416,9 @@ class _Writer:
                 g = r.low.grads.get(name)
                 param = held[name]
                 if g is None:
-                    raise LoweringError(f"rank {r.low.rank} ends with no gradient for {name}")
+                    # the final contract reports that the rank ends with no
+                    # gradient of a parameter it holds (exit 1; 92 (e))
+                    continue
                 rank = r.low.rank
                 zero_claim = r.claim[param]
                 r.claim[-1 - buf] = Claim([list(d) for d in zero_claim.dims])

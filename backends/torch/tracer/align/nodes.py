@@ -29,6 +29,13 @@ def _factor(value) -> Fraction:
 BLOCK_OPS = ("attention", "attention_grad")
 
 
+def _dims(dim, rank: int) -> set[int]:
+    """A reduction's ``dim`` kwarg as a set of non-negative dims (None: all)."""
+    if dim is None:
+        return set(range(rank))
+    return {d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
+
+
 class NodeMatching(Pieces):
     """The single-device node each compute node of a rank runs."""
 
@@ -90,6 +97,10 @@ class NodeMatching(Pieces):
                 cands = self.b.s.by_key[key_of(whole)]
         if not cands:
             key, cands = self.choose_twins(node, key)
+        if not cands and node.op == "sum":
+            cands = self.sum_with_ones(node, ins)
+        if not cands:
+            cands = self.past_anchor(node, ins)
         if not cands and self.stands_in(node):
             return [self.sv[self.standing]]
         if not cands:
@@ -120,6 +131,78 @@ class NodeMatching(Pieces):
             ratio = _factor(node.kwargs["value"]) / _factor(nodes[pick].kwargs["value"])
             self.applied = 1 / ratio if node.op == "div" else ratio
         return self.b.s.low.nodes[pick].outs
+
+    def sum_with_ones(self, node: LNode, ins: list[int]) -> list[int]:
+        """The single-device sums (keepdim) of the same value over the dims
+        this rank's sum runs over and more, each more dim of size 1 on the
+        rank (an expand's backward sums only the dims it expanded, and a
+        data-parallel rank with one batch row did not expand dim 0).
+        Summing a dim of size 1 with keepdim is the identity on it, so the
+        rank's node is rewritten to sum over the same dims as the chosen
+        one: the same function of its input (docs/soundness.md, "Plans
+        traced from PyTorch", 92 (c))."""
+        if not node.kwargs.get("keepdim") or len(ins) != 1 or ins[0] < 0:
+            return []
+        shape = self.low.shapes[node.ins[0]]
+        mine = _dims(node.kwargs.get("dim"), len(shape))
+        found = []
+        for key, cs in self.b.s.by_key.items():
+            if key[:3] != ("sum", node.dir, tuple(ins)):
+                continue
+            for c in cs:
+                kw = self.b.s.low.nodes[c].kwargs
+                theirs = _dims(kw.get("dim"), len(shape))
+                if kw.get("keepdim") and mine < theirs \
+                        and all(shape[d] == 1 for d in theirs - mine):
+                    found.append(c)
+        if found:
+            node.kwargs = dict(self.b.s.low.nodes[found[0]].kwargs)
+        return found[:1]
+
+    def past_anchor(self, node: LNode, ins: list[int]) -> list[int]:
+        """A node reading ring's named results (``Lowered.anchors``) where
+        the single-device step runs no such node on them: matched with the
+        nearest single-device node of the same operator, kwargs (a ring
+        block's causal flag aside) and module that reads, in their places,
+        values of their shapes computed from them in the forward, and the
+        same values elsewhere (a sink merged into the attention before its
+        output is read, which the rank skips: prime-rl PR 3397). Its
+        outputs are claimed as that node's, claims the verifier proves or
+        refutes like any (docs/soundness.md, "Plans traced from PyTorch",
+        92 (d)); an empty list when there is none."""
+        at = [i for i, v in enumerate(node.ins) if v in self.low.anchors]
+        if not at:
+            return []
+        nodes = self.b.s.low.nodes
+        want = None if node.op in BLOCK_OPS else key_kwargs(node.kwargs)
+        far = {i: self.descendants(ins[i]) for i in at}
+        best, pick = None, []
+        for c, n in enumerate(nodes):
+            if n.op != node.op or n.dir != node.dir or n.name != node.name \
+                    or len(n.ins) != len(ins) or (want is not None and key_kwargs(n.kwargs) != want):
+                continue
+            if any(n.ins[j] != ins[j] for j in range(len(ins)) if j not in far) \
+                    or any(n.ins[i] not in far[i] for i in at):
+                continue
+            cost = sum(far[i][n.ins[i]] for i in at)
+            if cost and (best is None or cost < best):
+                best, pick = cost, [c]
+        return pick
+
+    def descendants(self, start: int) -> dict[int, int]:
+        """The single-device values computed from ``start`` in the forward,
+        of its shape, each with its distance (``start`` itself at 0)."""
+        nodes, shapes = self.b.s.low.nodes, self.b.s.low.shapes
+        far, frontier, depth = {start: 0}, {start}, 0
+        while frontier:
+            depth += 1
+            after = {o for n in nodes if n.dir == "fw" and not n.name.startswith("bw:")
+                     and any(v in frontier for v in n.ins) for o in n.outs
+                     if o >= 0 and o not in far}
+            for o in after:
+                far[o] = depth
+            frontier = after
+        return {v: d for v, d in far.items() if shapes.get(v) == shapes.get(start)}
 
     def stands_in(self, node: LNode) -> bool:
         """A forward node reading a constant of this rank only (``own_tid``)
@@ -180,9 +263,12 @@ class NodeMatching(Pieces):
         the same values), and the node is left out. Only where every reader
         is a forward node of the model (not of its backward, ``bw:``): a
         ring's log-sum-exp unflattened and flattened back for the ring's
-        backward on a rank with no target is left to align as before."""
-        if not self.readers_of_model(node.outs[0] if node.outs else -1):
-            return False
+        backward on a rank with no target is left to align as before, and
+        so is a reshape whose output a ring's result names (its claim is
+        the anchor's)."""
+        if not self.readers_of_model(node.outs[0] if node.outs else -1) \
+                or node.outs[0] in self.low.anchors:
+            return False  # a value a ring result names keeps its name (92 (b))
         if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
                 or len(node.outs) != 1 or (node.ins[0] not in self.undone
                                            and (node.ins[0] not in self.sv or self.aligns(node))):
