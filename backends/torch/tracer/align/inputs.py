@@ -10,7 +10,7 @@ import numpy as np
 
 from backends.torch.errors import AlignError, WrongStep
 from backends.torch.lowering import LNode, LoweringError
-from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs
+from backends.torch.tracer.align.claim import Claim, Pieces, is_marker, key_kwargs
 
 #: The mesh axes a constant's dim may be cut by, in the order they are
 #: tried: the batch dim (0) data-parallel first, any other dim model- or
@@ -114,7 +114,7 @@ class InputMatching(Pieces):
                 raise LoweringError(f"rank {low.rank}: {name} is cut by the mesh dim "
                                     f"{unknown[0]!r}, which spans ranks of more than one of the "
                                     f"mesh's own dims: such a cut is not lowered")
-            self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
+            self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1 or is_marker(a)]
                                    for axes in low.axes[v]])
             if kind == "buffer" and tuple(low.shapes[v]) != self.gshape(v):
                 self.claim[v] = self.buffer_piece(v)
