@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch.zoo.hf import tp_fsdp
+from backends.torch.zoo.hf import _plan_with, distribute, tp_fsdp
 
 
 def _experts(model) -> list[torch.nn.Module]:
@@ -293,3 +293,15 @@ def ep_fsdp_avg(model, mesh):
     after = _ep(model, mesh)
     _fsdp_default_division(model.hf)
     return after
+
+
+def packed_as_colwise(model, mesh):
+    """transformers' TP plan with the fused gate/up expert columns sharded
+    by plain ``colwise`` instead of ``packed_colwise``: each rank holds one
+    block of the fused dim, so with two tensor-parallel ranks rank 0 holds
+    all of the gate columns and rank 1 all of the up columns, and the
+    experts' ``chunk(2)`` of a rank's output splits its own block, not the
+    gate and up halves (a classic mistake with fused projections). On
+    every rank, not only the first."""
+    return distribute(model, mesh, tp_plan=_plan_with(model, "packed_colwise", "colwise",
+                                                      first_only=False))

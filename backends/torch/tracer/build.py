@@ -21,8 +21,7 @@ from dataclasses import replace
 
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode, Lowered, LoweringError
-from backends.torch.tracer.align.claim import (DP_SUBAXES, Claim, is_marker, rank_coords, scope,
-                                              strided)
+from backends.torch.tracer.align.claim import DP_SUBAXES, Claim, is_marker, rank_coords, scope, strided
 from backends.torch.tracer.align.collectives import Collectives
 from backends.torch.tracer.align.dims import Dims
 from backends.torch.tracer.align.inputs import InputMatching
@@ -142,7 +141,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         if souts is not None:
             self.split_as_single(node, souts)
             return
-        if self.strided_split(node) or self.strided_join(node):
+        if self.strided_split(node) or self.strided_join(node) or self.split_of_cut(node):
             return  # a strided value's part, or the join of parts (item 87)
         if node.group is not None or node.op == "split":
             self.layout_step(node, coords)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from backends.torch.lowering import LNode
+from backends.torch.lowering import LNode, LoweringError
 from backends.torch.tracer.align.claim import STRIDED, Claim, Pieces, key_kwargs, strided
 
 Slices = tuple[tuple[int, int], ...]
@@ -74,6 +74,33 @@ class Strided(Pieces):
         self.claim[out] = replace(c, dims=[list(rest) if e == d else list(a)
                                            for e, a in enumerate(c.dims)])
         self.check(out)
+        return True
+
+    def split_of_cut(self, node: LNode) -> bool:
+        """A forward split into parts of a block along a dim mesh axes cut
+        already, where reading it as one more cut by a mesh axis would name
+        an axis cutting that dim twice (no claim): the rank's part j
+        claimed as the single-device split's part j cut by the dim's axes,
+        as a fused projection's chunk is when its weight is packed. The
+        verifier proves the claim: a plain block of a packed weight (a
+        ``colwise`` of the fused gate/up columns) FAILs at this split. False
+        for any other node."""
+        if node.op != "split" or node.dir != "fw" or not node.ins or node.ins[0] not in self.claim:
+            return False
+        c = self.claim[node.ins[0]]
+        d = node.kwargs.get("dim")
+        if c.loose or strided(c.dims) is not None or d is None or not c.dims[d]:
+            return False
+        try:
+            guessed = self.guess(1, node.kwargs["parts"])
+        except LoweringError:
+            guessed = []
+        if guessed and not set(guessed) & set(c.dims[d]):
+            return False
+        souts = self.computed_split(node, cut=True)
+        if souts is None:
+            return False
+        self.split_as_single(node, souts)
         return True
 
     def strided_join(self, node: LNode) -> bool:
