@@ -33,6 +33,13 @@ BROADCASTING = ("add", "mul", "sub")
 BUFFER_CUTS = (("cp",), ("tp",), ("cp", "tp"))
 
 
+def _tangled(claim: Claim) -> tuple[int, int]:
+    """How many axes of a claim cut more than one dim, and how many axes it
+    names: a constant's plainer claims sort first."""
+    names = [a for axes in claim.dims for a in axes]
+    return len(names) - len(set(names)), len(names)
+
+
 def _holds_block(full: np.ndarray, mine: np.ndarray) -> bool:
     """Whether ``full`` holds ``mine`` as one of the blocks of ``mine``'s
     shape that tile it."""
@@ -279,7 +286,11 @@ class InputMatching(Pieces):
                     self.recuts.setdefault(v, {})[sv] = true
         if found:
             # every match is a true claim; several (two experts' masks equal
-            # on this rank's rows) are kept for the first reader to choose
+            # on this rank's rows) are kept for the first reader to choose,
+            # the plainest first: no axis cutting two dims, then the fewest
+            # axes (an expert's mask column of a one-hot over experts cut by
+            # dp x tp is a true piece of it only by coincidence of the sizes)
+            found.sort(key=lambda f: _tangled(f[1]))
             if len(found) > 1:
                 self.alternatives[v] = found
             return found[0]
