@@ -830,6 +830,10 @@ CASES += [
      "rank 1 only)", "--hf mixtral --dp 2 --tp 1 --ep 2 --seed 5", 0),
     ("moe hf mixtral tp2 packed (packed_colwise expert columns: a strided shard loaded as its two "
      "blocks, soundness 87; gloo same at rtol 1e-6)", "--hf mixtral --dp 1 --tp 2", 0),
+    ("moe hf mixtral dp2 tp2 packed (FSDP2 rows over dp, the packed columns over tp)",
+     "--hf mixtral --dp 2 --tp 2", 0),
+    ("moe hf qwen3_moe dp2 tp2 packed", "--hf qwen3_moe --dp 2 --tp 2", 0),
+    ("moe hf olmoe dp2 tp2 packed", "--hf olmoe --dp 2 --tp 2", 0),
     ("moe hf qwen3_moe tp2 packed", "--hf qwen3_moe --dp 1 --tp 2", 0),
     ("moe hf olmoe tp2 packed", "--hf olmoe --dp 1 --tp 2", 0),
     ("moe hf mixtral tp2 wrong colwise (the packed gate/up columns sharded colwise: rank 0 all "
