@@ -3,7 +3,8 @@
 transformers' own data-parallel plan (``backends.torch.hf.tp_fsdp``) with one
 fault on the first data-parallel rank, at the experts module every
 transformers MoE family has (the module its ``base_model_ep_plan`` names
-``layers.*.mlp.experts``). The backend never applies them; each must FAIL.
+``layers.*.mlp.experts``); ``packed_as_colwise`` is a wrong tensor-parallel
+plan on every rank instead. The backend never applies them; each must FAIL.
 """
 
 from __future__ import annotations

@@ -613,7 +613,7 @@ class _Writer:
         r.fresh += 1
         c = peer.claim[u]
         at = {a: peer.low.coords[a] for a in [*(a for d in c.dims for a in d), *c.partial]
-              if a != "mb" and peer.low.coords[a] != r.low.coords[a]}
+              if a != "mb" and peer.low.coords.get(a, 0) != r.low.coords.get(a, 0)}
         r.sv[target], r.mb[target] = peer.sv[u], -1
         r.claim[target] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale, at or None)
         r.low.shapes[target] = peer.low.shapes[u]

@@ -78,6 +78,7 @@ def rank_coords(coords: dict[str, int], sizes: dict[str, int]) -> dict[str, int]
     is left as it is."""
     out = dict(coords)
     out.setdefault("cp", 0)
+    out.update({a: 0 for a in sizes if is_marker(a)})  # a strided dim's parts: no coordinate
     if "dps" in sizes:
         d = out["dp"]
         out.update(dpr=d // sizes["dps"], dps=d % sizes["dps"])

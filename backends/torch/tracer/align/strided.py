@@ -127,6 +127,7 @@ class Strided(Pieces):
         k = len(node.ins)
         marker = f"{STRIDED}{k}"
         self.sizes.setdefault(marker, 1)
+        self.low.coords.setdefault(marker, 0)
         out = node.outs[0]
         self.sv[out] = souts[0]
         self.mb[out] = node.mb if node.mb >= 0 else max(self.mb.get(v, -1) for v in node.ins)
