@@ -79,12 +79,15 @@ def reducer_of_one(plan: Plan) -> Plan | None:
 
 def last_accumulation_overwrites(plan: Plan) -> Plan | None:
     """The last accumulation of one buffer adds to the zeroed buffer, not to
-    the running one: only the last microbatch's gradient survives."""
-    first: dict[tuple[int, int], int] = {}
-    last: dict[tuple[int, int], int] = {}
+    the running one: only the last microbatch's gradient survives. A
+    buffer's chain is one block of it (a strided shard's or a distributed
+    optimizer's blocks each start from their own zeros)."""
+    first: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
     for i, n in enumerate(plan.nodes):
         if n.op == "local_grad_accumulation" and n.mb >= 0:
-            key = (n.rank, plan.tensors[n.outputs[0]].tid)
+            out = plan.tensors[n.outputs[0]]
+            key = (n.rank, out.tid, out.slices)
             first.setdefault(key, i)
             last[key] = i
     key = min((k for k in last if last[k] != first[k]), default=None)

@@ -3,14 +3,15 @@
 transformers' own data-parallel plan (``backends.torch.hf.tp_fsdp``) with one
 fault on the first data-parallel rank, at the experts module every
 transformers MoE family has (the module its ``base_model_ep_plan`` names
-``layers.*.mlp.experts``). The backend never applies them; each must FAIL.
+``layers.*.mlp.experts``); ``packed_as_colwise`` is a wrong tensor-parallel
+plan on every rank instead. The backend never applies them; each must FAIL.
 """
 
 from __future__ import annotations
 
 import torch
 
-from backends.torch.zoo.hf import tp_fsdp
+from backends.torch.zoo.hf import _plan_with, distribute, tp_fsdp
 
 
 def _experts(model) -> list[torch.nn.Module]:
@@ -331,3 +332,15 @@ def _skipping_forward(experts: torch.nn.Module):
             out.index_add_(0, token, y * weights[token, slot, None])
         return out
     return forward
+
+
+def packed_as_colwise(model, mesh):
+    """transformers' TP plan with the fused gate/up expert columns sharded
+    by plain ``colwise`` instead of ``packed_colwise``: each rank holds one
+    block of the fused dim, so with two tensor-parallel ranks rank 0 holds
+    all of the gate columns and rank 1 all of the up columns, and the
+    experts' ``chunk(2)`` of a rank's output splits its own block, not the
+    gate and up halves (a classic mistake with fused projections). On
+    every rank, not only the first."""
+    return distribute(model, mesh, tp_plan=_plan_with(model, "packed_colwise", "colwise",
+                                                      first_only=False))

@@ -48,3 +48,36 @@ def test_flatten_keeps_the_minimum_of_its_output() -> None:
     classes.need(flat, 7, minimum=14)
     size = _sizes(classes, [(flat, [a, b, c], 1)])
     assert size(flat) == 14 == size(a) * size(b) * size(c)
+
+
+def _cat_plan(op: str = "cat"):
+    from verdict.plan import Logical, Node, Plan, Tensor
+    plan = Plan(world={}, logical=[Logical("a", (8,), "activation"), Logical("b", (8,), "activation")])
+    plan.tensors = [Tensor(0, 0, 0, 0, (2,), 0, ((0, 2),), (0, 1, 1)),
+                    Tensor(0, 0, 0, 1, (2,), 0, ((4, 6),), (0, 1, 1)),
+                    Tensor(0, 0, 1, 0, (4,), 0, ((0, 4),), (0, 1, -2))]
+    if op == "cat":
+        plan.nodes = [Node(0, 0, "cat", "none", (0, 1), (2,), {"dim": 0})]
+    else:
+        plan.tensors[2] = plan.tensors[2]._replace(shape=(2,), slices=((0, 2),))
+        plan.nodes = [Node(0, 0, op, "fw", (0,), (2,), {})]
+    return plan
+
+
+def test_a_cat_of_ranges_whose_reduction_breaks_it_is_kept_at_full_size() -> None:
+    """A strided value's join (docs/soundness.md, "Plans traced from
+    PyTorch", 87 (e)): the dims a parallel node relates by a product are
+    kept whole when the reduced sizes break the node; a node with no
+    product relation is left to fail as before."""
+    from verdict.reduce import RuleMemo, _keep_products
+    classes = _Classes()
+    a, b = (10, 0), (11, 0)
+    classes.add(a, 8)
+    classes.add(b, 8)
+    assert _keep_products(_cat_plan(), 0, classes, {0: 10, 1: 10, 2: 11}, RuleMemo())
+    assert classes.size(a) == 8 and classes.size(b) == 8
+    other = _Classes()
+    other.add(a, 8)
+    other.add(b, 8)
+    assert not _keep_products(_cat_plan("exp"), 0, other, {0: 10, 1: 10, 2: 11}, RuleMemo())
+    assert other.size(a) == 1

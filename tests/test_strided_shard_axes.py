@@ -3,9 +3,11 @@
 tensor-parallel size already cutting the dim) is a block, axes ``[tp, dp]``;
 a strided shard with no such inner cut (transformers' ``packed_colwise`` of
 a fused gate/up weight: each rank holds its block of each packed half, two
-ranges of the tensor) is refused with a line saying so. Each case runs in a
-child process: a fake process group per rank of a 4-rank (pp 1, dp 2, tp 2)
-mesh."""
+ranges of the tensor) names the dim's parts first, ``["/2", "tp"]``
+(docs/soundness.md, "Plans traced from PyTorch", 87), and one over a dim
+another mesh dim cuts already is refused with a line saying so. Each case
+runs in a child process: a fake process group per rank of a 4-rank (pp 1,
+dp 2, tp 2) mesh."""
 
 from __future__ import annotations
 
@@ -37,10 +39,18 @@ out["fsdp_tp"] = dims_axes(fsdp_tp, layout, {})
 # packed columns over tp alone: dim 1 read as two halves, a block of each
 packed = DTensor.from_local(torch.zeros(4, 8, 3), mesh["tp"], [_StridedShard(1, split_factor=2)],
                             run_check=False)
+out["packed"] = dims_axes(packed, layout, {})
+# packed columns with FSDP2's rows over dp: each dim its own cut
+both = DTensor.from_local(torch.zeros(2, 8, 3), mesh, [Shard(0), _StridedShard(1, split_factor=2)],
+                          run_check=False)
+out["both"] = dims_axes(both, layout, {})
+# a strided shard of a dim dp already cuts: no layout the claims name
+over = DTensor.from_local(torch.zeros(4, 2, 3), mesh, [Shard(1), _StridedShard(1, split_factor=4)],
+                          run_check=False)
 try:
-    out["packed"] = dims_axes(packed, layout, {})
+    out["over"] = dims_axes(over, layout, {})
 except ValueError as e:
-    out["packed"] = str(e)
+    out["over"] = str(e)
 print(json.dumps(out))
 """
 
@@ -52,8 +62,9 @@ def _axes(rank: int) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_fsdp_over_tp_is_a_block_and_packed_columns_are_refused_by_name() -> None:
+def test_fsdp_over_tp_is_a_block_and_packed_columns_name_their_parts() -> None:
     got = _axes(1)
     assert got["fsdp_tp"] == [["tp", "dp"], []]
-    assert "strided shard of dim 1" in got["packed"]
-    assert "2 ranges of the tensor" in got["packed"]
+    assert got["packed"] == [[], ["/2", "tp"], []]
+    assert got["both"] == [["dp"], ["/2", "tp"], []]
+    assert "strided shard of dim 1 in 4 parts over a dim already cut" in got["over"]

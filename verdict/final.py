@@ -288,15 +288,20 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
             holders[p] += held
             box = held[0] if len(held) == 1 else _box(held)
             pname = name[p].name
+            if blocks:
+                # a rank may hold pieces that make no single shard (a strided
+                # shard's parts, docs/soundness.md, "Plans traced from
+                # PyTorch", 87): each block lies in one of them
+                for s, t_index in sorted(st.grad_blocks.get(p, {}).items()):
+                    read[p].append(s)
+                    inside = box if box is not None else next(
+                        (h for h in held if _contains(h, s)), held[0])
+                    problems += _check_block(parallel, rank, pname, inside, s, t_index,
+                                             final_grad[p], of_gp, proved)
+                continue
             if box is None:
                 problems.append(f"rank {rank} holds pieces {', '.join(map(_show, held))} of "
                                 f"{pname}, which make no single shard")
-                continue
-            if blocks:
-                for s, t_index in sorted(st.grad_blocks.get(p, {}).items()):
-                    read[p].append(s)
-                    problems += _check_block(parallel, rank, pname, box, s, t_index,
-                                             final_grad[p], of_gp, proved)
                 continue
             t_index = st.last_grad.get(p)
             if t_index is None:

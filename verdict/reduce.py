@@ -129,6 +129,23 @@ def reduce_stage(single: Plan, parallel: Plan, stage: Stage, lineages: list[Line
         for d, n in enumerate(single.tensors[ts].shape):
             classes.need((ts, d), _pieces(n, [parallel.tensors[t].slices[d] for t in members]))
     _keep_square_pieces(single, classes, ts_list)
+    kept: set[int] = set()  # parallel nodes whose products are kept at full size
+    while True:
+        reduction = _reduction(single, parallel, classes, products, ts_list, gp_tensors, ts_of)
+        try:
+            for i in distinct:
+                _check_reduced_shapes(parallel, i, reduction, memo)
+            return reduction
+        except StructureError:
+            bad = next(i for i in distinct if _reduced_problem(parallel, i, reduction, memo))
+            if bad in kept or not _keep_products(parallel, bad, classes, ts_of, memo):
+                raise
+            kept.add(bad)
+
+
+def _reduction(single: Plan, parallel: Plan, classes: _Classes, products: list,
+               ts_list: list[int], gp_tensors: list[int], ts_of: dict[int, int]) -> Reduction:
+    """The reduced shapes of the stage's tensors from the classes' sizes."""
     size = _sizes(classes, products)
     gs_shape = {ts: tuple(size((ts, d)) for d in range(len(single.tensors[ts].shape)))
                 for ts in ts_list}
@@ -138,10 +155,35 @@ def reduce_stage(single: Plan, parallel: Plan, stage: Stage, lineages: list[Line
         full, red = single.tensors[ts].shape, gs_shape[ts]
         gp_slices[t] = tuple((a * r // n, b * r // n) if n else (0, 0)
                              for (a, b), n, r in zip(parallel.tensors[t].slices, full, red))
-    reduction = Reduction(gs_shape, gp_slices)
-    for i in distinct:
-        _check_reduced_shapes(parallel, i, reduction, memo)
-    return reduction
+    return Reduction(gs_shape, gp_slices)
+
+
+def _reduced_problem(parallel: Plan, index: int, red: Reduction, memo: RuleMemo) -> str:
+    node = parallel.nodes[index]
+    ins, outs = fw_shapes(parallel, node, red.gp_shapes.get)
+    if any(s is None for s in ins):
+        return ""
+    key = memo.key(node, ins, outs)
+    if key not in memo.reduced:
+        memo.reduced[key] = _reduced_shape_problem(node, ins, outs)
+    return memo.reduced[key]
+
+
+def _keep_products(parallel: Plan, index: int, classes: _Classes, ts_of: dict[int, int],
+                   memo: RuleMemo) -> bool:
+    """The dims a parallel node relates by a product (a ``cat`` of equal
+    pieces, a ``flatten``) kept at full size, when the reduction broke the
+    node's shapes: a value no piece names (a loose value of a strided
+    shard, docs/soundness.md, "Plans traced from PyTorch", 87) ties its
+    dims to others only through such nodes. Less reduction is the same
+    problem at more sizes, never a weaker one. False when the node relates
+    no dims by a product (its shapes then stay a finding)."""
+    refs = [r for rel in node_relations(parallel, parallel.nodes[index], memo) if rel[0] == "mul"
+            for r in (rel[1], *rel[2])]
+    for t, d in refs:
+        ts = (ts_of[t], d)
+        classes.need(ts, count=classes.full[classes.find(ts)])
+    return bool(refs)
 
 
 def _distinct_nodes(parallel: Plan, nodes: list[int], ts_of: dict[int, int]) -> list[int]:

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode, Lowered, LoweringError
-from backends.torch.tracer.align.claim import DP_SUBAXES, Claim, rank_coords, scope
+from backends.torch.tracer.align.claim import DP_SUBAXES, Claim, is_marker, rank_coords, scope, strided
 from backends.torch.tracer.align.collectives import Collectives
 from backends.torch.tracer.align.dims import Dims
 from backends.torch.tracer.align.inputs import InputMatching
@@ -30,15 +30,17 @@ from backends.torch.tracer.align.nodes import NodeMatching
 from backends.torch.tracer.align.recut import Recuts
 from backends.torch.tracer.align.ring import Ring
 from backends.torch.tracer.align.rows import Rows
+from backends.torch.tracer.align.strided import Strided
 from backends.torch.tracer.align.sums import Sums
 from backends.torch.tracer.align.zeros import Zeros
 from backends.torch.tracer.joint_order import Channels, joint_order
 from backends.torch.tracer.single_plan import Builder
+from backends.torch.tracer.strided_plan import rejoin, strided_grads, strided_input
 from verdict.plan import Node, Plan, Tensor
 
 
 class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, Ring, Loose,
-            Recuts):
+            Recuts, Strided):
     """Alignment and claims of one rank's lowered trace (its parts:
     ``tracer/align/``)."""
 
@@ -79,6 +81,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         self.reclaimed: list[int] = []
         self.pieced: set[int] = set()  # every such constant
         self.stood: set[int] = set()  # outputs standing in for a value (``stands_in``)
+        self.strided_loose: dict[int, int] = {}
         self.undone: set[int] = set()  # reshapes left out, every reader undoing them
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
@@ -138,6 +141,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         if souts is not None:
             self.split_as_single(node, souts)
             return
+        if self.strided_split(node) or self.strided_join(node) or self.split_of_cut(node):
+            return  # a strided value's part, or the join of parts (item 87)
         if node.group is not None or node.op == "split":
             self.layout_step(node, coords)
             return
@@ -293,6 +298,9 @@ def _rank_sizes(ranks: list[Lowered], world: dict) -> dict[str, int]:
     if shards:
         s = shards.pop()
         sizes.update(dpr=world["dp"] // s, dps=s)
+    for low in ranks:  # a strided dim's marker cuts nothing by itself (item 87)
+        sizes.update({a: 1 for dims in low.axes.values() for axes in dims for a in axes
+                      if is_marker(a)})
     return sizes
 
 
@@ -315,6 +323,9 @@ class _Writer:
         for r in self.rs.values():
             for v, (kind, _) in r.low.inputs.items():
                 mb = r.mb[v] if v in r.split_from else -1 if kind in ("param", "buffer") else 0
+                if kind == "param" and strided(r.claim[v].dims) is not None:
+                    self.t_of[(r.low.rank, v)] = strided_input(self, r, v)  # item 87
+                    continue
                 self.t_of[(r.low.rank, v)] = self.tensor(r, v, mb, tid=r.own_tid.get(v))
 
     def tensor(self, r: _Rank, v: int, mb: int, tid: int | None = None,
@@ -360,6 +371,9 @@ class _Writer:
         mb = max((r.mb.get(o, -1) for o in node.outs if o >= 0), default=-1)
         self.plan.nodes.append(Node(low.rank, max(mb, 0), node.op, node.dir, ins, outs, kwargs,
                                     scope(node.name)))
+        for o in node.outs:
+            if o >= 0 and strided(r.claim[o].dims) is not None:
+                rejoin(self, r, o, scope(node.name))  # item 87
 
     def materialize(self, r: _Rank, x: int) -> None:
         """Rank r's pending value x written out, if it is pending."""
@@ -412,6 +426,9 @@ class _Writer:
                     continue  # another pipeline stage's parameter
                 if name in r.low.grad_blocks:
                     self.block_grads(r, name, buf)
+                    continue
+                if strided(r.claim[held[name]].dims) is not None:
+                    strided_grads(self, r, name, held[name], buf)  # item 87
                     continue
                 g = r.low.grads.get(name)
                 param = held[name]
@@ -598,7 +615,7 @@ class _Writer:
         r.fresh += 1
         c = peer.claim[u]
         at = {a: peer.low.coords[a] for a in [*(a for d in c.dims for a in d), *c.partial]
-              if a != "mb" and peer.low.coords[a] != r.low.coords[a]}
+              if a != "mb" and peer.low.coords.get(a, 0) != r.low.coords.get(a, 0)}
         r.sv[target], r.mb[target] = peer.sv[u], -1
         r.claim[target] = Claim([list(d) for d in c.dims], c.partial, c.mbs, c.scale, at or None)
         r.low.shapes[target] = peer.low.shapes[u]

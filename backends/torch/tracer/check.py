@@ -106,10 +106,11 @@ def check_loaded(single: dict, traces: list[dict], plan_p: Plan) -> None:
     equal another piece (zeros, a norm's ones) are no evidence of anything
     (docs/soundness.md, "Plans traced from PyTorch", 28)."""
     produced = {t for node in plan_p.nodes for t in node.outputs}
+    joined = _check_joined(single, traces, plan_p, produced)
     claimed: dict[int, list[Slices]] = {}
     held = []
     for k, t in enumerate(plan_p.tensors):
-        if k in produced or t.version or t.parts[2] != 1 or t.scale != (1, 1):
+        if k in produced or k in joined or t.version or t.parts[2] != 1 or t.scale != (1, 1):
             continue
         claimed.setdefault(t.tid, []).append(t.slices)
         held.append(t)
@@ -122,6 +123,36 @@ def check_loaded(single: dict, traces: list[dict], plan_p: Plan) -> None:
         if not _equal(mine, _cut(full, t.slices)):
             raise LoadedValueMismatch(_evidence(t.rank, logical.name, mine, full, t.slices,
                                                 claimed[t.tid]))
+
+
+def _check_joined(single: dict, traces: list[dict], plan_p: Plan, produced: set[int]) -> set[int]:
+    """A loaded strided parameter, written as the ``cat`` of its blocks
+    (docs/soundness.md, "Plans traced from PyTorch", 87): the rank's whole
+    local tensor equals the join of those blocks of the single-device
+    tensor, in order. The blocks checked so, to be left out of the check of
+    single loads."""
+    joined: set[int] = set()
+    for node in plan_p.nodes:
+        if node.op != "cat" or not node.inputs or any(k in produced for k in node.inputs):
+            continue
+        loads = [plan_p.tensors[k] for k in node.inputs]
+        t = loads[0]
+        logical = plan_p.logical[t.tid]
+        if logical.kind != "param" or any(u.tid != t.tid or u.rank != t.rank for u in loads):
+            continue
+        full, mine = loaded_value(single, logical), loaded_value(traces[t.rank], logical)
+        if full is None or mine is None:
+            continue
+        want = np.concatenate([_cut(full, u.slices) for u in loads], axis=node.kwargs["dim"])
+        if not _equal(mine, want):
+            pieces = ", ".join(_piece(u.slices, full.shape) for u in loads)
+            raise LoadedValueMismatch(f"rank {t.rank} holds values of {logical.name} that are "
+                                      f"not its claimed pieces {pieces} of the single-device "
+                                      f"tensor joined along dim {node.kwargs['dim']} (its "
+                                      f"values before the step against the single-device "
+                                      f"tensor's)")
+        joined.update(node.inputs)
+    return joined
 
 
 def loaded_value(trace: dict, logical: Logical) -> np.ndarray | None:

@@ -14,6 +14,13 @@ from torch.distributed.tensor import DTensor
 AXIS_NAMES = {"fsdp": "dp", "dp_shard": "dp"}
 
 
+def strided_marker(factor: int) -> str:
+    """The name standing first in a dim's axes when the dim is read as
+    ``factor`` equal parts, the axes after it cutting each part (a strided
+    shard: ``align.claim.strided``)."""
+    return f"/{factor}"
+
+
 def dim_ranks(mesh, mesh_dim: int, coordinate: list[int]) -> list[int]:
     """The global ranks along ``mesh_dim`` through the rank at ``coordinate``."""
     index = list(coordinate)
@@ -117,15 +124,19 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
         for dim, factor, mesh_dim in strided:
             # sharded after the mesh dims already on this dim (FSDP over TP)
             inner = [mesh.size(mesh_dim=names.index(a)) for a in axes[dim]]
-            if factor != math.prod(inner):
-                # a dim read as `factor` equal parts, the rank holding its
+            if factor == math.prod(inner):
+                axes[dim].extend(names[mesh_dim].split("+"))
+            elif not axes[dim] and factor > 1:
+                # the dim read as `factor` equal parts, the rank holding its
                 # block of each (transformers' packed_colwise of the fused
-                # gate/up columns): `factor` ranges of the tensor, no block
+                # gate/up columns): `factor` ranges of the tensor, marked as
+                # such (claim.STRIDED; docs/soundness.md, "Plans traced from
+                # PyTorch", 87)
+                axes[dim].extend([strided_marker(factor), *names[mesh_dim].split("+")])
+            else:
                 raise ValueError(f"parameter placement {t.placements} is not supported: a strided "
-                                 f"shard of dim {dim} (each rank holds its block of each of "
-                                 f"{factor} equal parts of the dim, {factor} ranges of the "
-                                 f"tensor: a packed weight's columns) is not traced")
-            axes[dim].extend(names[mesh_dim].split("+"))
+                                 f"shard of dim {dim} in {factor} parts over a dim already cut "
+                                 f"by {axes[dim]} is not traced")
     return axes
 
 

@@ -17,6 +17,31 @@ from backends.torch.lowering import LNode, Lowered, LoweringError, padded_rows
 #: both, in this order, is one over "dp" (docs/soundness.md, "HSDP")
 DP_SUBAXES = ("dpr", "dps")
 SIZE_KWARGS = ("shape", "sizes", "index", "parts", "value")
+#: the first character of the name standing first in a dim's axes when the
+#: dim is k equal parts and the axes after it cut each part (``/k``: a
+#: strided shard, ``placements.strided_marker``; docs/soundness.md, "Plans
+#: traced from PyTorch", 87). Its size is 1: it cuts nothing by itself.
+STRIDED = "/"
+
+
+def is_marker(axis: str) -> bool:
+    """The axis names a strided dim's parts, no mesh dim."""
+    return axis.startswith(STRIDED)
+
+
+def strided(dims: list[list[str]]) -> tuple[int, int, list[str]] | None:
+    """The strided dim of a claim's dims: (dim, parts, the axes cutting each
+    part); None when no dim is strided, (dim, 0, []) when a marker stands
+    anywhere but first in a dim's axes or in more than one dim (a value
+    no piece names: loose, never re-claimed)."""
+    found = [(d, axes) for d, axes in enumerate(dims) if any(is_marker(a) for a in axes)]
+    if not found:
+        return None
+    d, axes = found[0]
+    if len(found) > 1 or not is_marker(axes[0]) or any(is_marker(a) for a in axes[1:]) \
+            or not axes[1:]:
+        return d, 0, []
+    return d, int(axes[0][len(STRIDED):]), list(axes[1:])
 
 
 @dataclass
@@ -53,6 +78,7 @@ def rank_coords(coords: dict[str, int], sizes: dict[str, int]) -> dict[str, int]
     is left as it is."""
     out = dict(coords)
     out.setdefault("cp", 0)
+    out.update({a: 0 for a in sizes if is_marker(a)})  # a strided dim's parts: no coordinate
     if "dps" in sizes:
         d = out["dp"]
         out.update(dpr=d // sizes["dps"], dps=d % sizes["dps"])
@@ -85,6 +111,8 @@ class Pieces:
     claim: dict[int, Claim]
     mb: dict[int, int]
     producer: dict[int, LNode]
+    #: a strided value (its claim has a ``STRIDED`` marker) -> its loose number
+    strided_loose: dict[int, int]
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""
@@ -178,6 +206,10 @@ class Pieces:
         c, local = self.claim[v], self.low.shapes[v]
         if c.loose:
             return tuple((0, n) for n in local), (0, 1, -(c.loose + 1))
+        if strided(c.dims) is not None:  # ranges of its value, no block: written loose (87)
+            if v not in self.strided_loose:
+                self.strided_loose[v] = self.b.loose_number()
+            return tuple((0, n) for n in local), (0, 1, -(self.strided_loose[v] + 1))
         coords = {**self.low.coords, **(c.at or {}), "mb": self.mb.get(v, -1)}
         full = self.gshape(v)
         slices = []

@@ -10,7 +10,7 @@ import numpy as np
 
 from backends.torch.errors import AlignError, WrongStep
 from backends.torch.lowering import LNode, LoweringError
-from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs
+from backends.torch.tracer.align.claim import Claim, Pieces, is_marker, key_kwargs
 
 #: The mesh axes a constant's dim may be cut by, in the order they are
 #: tried: the batch dim (0) data-parallel first, any other dim model- or
@@ -31,6 +31,13 @@ BROADCASTING = ("add", "mul", "sub")
 #: The mesh axes a module buffer a recipe cut may be cut by, in the order
 #: they are tried (``InputMatching.buffer_piece``)
 BUFFER_CUTS = (("cp",), ("tp",), ("cp", "tp"))
+
+
+def _tangled(claim: Claim) -> tuple[int, int]:
+    """How many axes of a claim cut more than one dim, and how many axes it
+    names: a constant's plainer claims sort first."""
+    names = [a for axes in claim.dims for a in axes]
+    return len(names) - len(set(names)), len(names)
 
 
 def _holds_block(full: np.ndarray, mine: np.ndarray) -> bool:
@@ -114,7 +121,7 @@ class InputMatching(Pieces):
                 raise LoweringError(f"rank {low.rank}: {name} is cut by the mesh dim "
                                     f"{unknown[0]!r}, which spans ranks of more than one of the "
                                     f"mesh's own dims: such a cut is not lowered")
-            self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1]
+            self.claim[v] = Claim([[a for a in self.atomic(axes) if sizes[a] > 1 or is_marker(a)]
                                    for axes in low.axes[v]])
             if kind == "buffer" and tuple(low.shapes[v]) != self.gshape(v):
                 self.claim[v] = self.buffer_piece(v)
@@ -279,7 +286,11 @@ class InputMatching(Pieces):
                     self.recuts.setdefault(v, {})[sv] = true
         if found:
             # every match is a true claim; several (two experts' masks equal
-            # on this rank's rows) are kept for the first reader to choose
+            # on this rank's rows) are kept for the first reader to choose,
+            # the plainest first: no axis cutting two dims, then the fewest
+            # axes (an expert's mask column of a one-hot over experts cut by
+            # dp x tp is a true piece of it only by coincidence of the sizes)
+            found.sort(key=lambda f: _tangled(f[1]))
             if len(found) > 1:
                 self.alternatives[v] = found
             return found[0]
