@@ -375,7 +375,7 @@ def _block_problem(parallel: Plan, rank: int, what: str, t_index: int, tid: int,
     ends = (f"rank {rank} ends with Tensor(rank={t.rank}, mb={t.mb}, tid={t.tid}, "
             f"v={t.version}) as its block {_show(t.slices)} of {what}")
     if t.rank != rank or t.tid != tid:
-        return f"{ends}, which is another tensor"
+        return f"{ends}, which holds {parallel.logical[t.tid].name} there"
     if t.lver != final or not t.is_whole():
         return (f"{ends}, which is not the updated {what} there (version {t.lver} of {final}, "
                 f"parts {t.parts})")

@@ -153,6 +153,8 @@ def _final(lw: Lowerer, name: str, v: int | None, runs: dict, key: str) -> int |
     buffer's view), whose runs go to ``runs[key]`` (docs/soundness.md,
     "Plans traced from PyTorch", 90)."""
     x = final_range(lw, lw.env.get(v), lw.updated) if v is not None else None
+    if lw.trace.get("parallel") and isinstance(x, int) and x in lw.params:
+        return None  # read back from memory as loaded: the rank never updates it (86 (c))
     found = own_runs(lw, x)
     if found is None:
         return _updated(lw, name, v)

@@ -159,6 +159,7 @@ def _run(spec: dict, rank: int) -> dict:
     return {
         "ties": _ties(model),
         "rank": rank, "coords": coords, "split": split, "events": rec.events, "shapes": rec.shapes,
+        "parallel": bool(spec["parallel"]),
         "sequence_order": order,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,

@@ -49,7 +49,11 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
     scaling rule applied to a rate already set for the global batch);
     ``"duplicates_on_tp_rank0"``: the parameters every tensor-parallel rank
     holds whole (norms, biases of row-parallel layers) stepped on
-    tensor-parallel rank 0 only, the other ranks keeping them stale."""
+    tensor-parallel rank 0 only, the other ranks keeping them stale. With
+    the distributed optimizer: ``"param_gather_skipped"`` (no all-gather of
+    the updated ranges), ``"param_gather_wrong_shard"`` (each rank sends
+    the next rank's range of its buffer, stale), ``"step_shifted"`` (each
+    rank steps the next rank's ranges)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from torch.utils._python_dispatch import _disable_current_modes
     if name not in CONFIGS:
@@ -65,7 +69,7 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
     # all_gather_object, which reads the objects' sizes into Python)
     params = [p for w in wrapped for p in w.parameters()]
     versions = [p._version for p in params]
-    with _disable_current_modes():
+    with _disable_current_modes(), _ranges_shifted(wrapped, bug == "step_shifted"):
         optimizer = get_megatron_optimizer(config, wrapped, config_overrides={},
                                            use_gloo_process_groups=False)
     if [p._version for p in params] != versions:  # an unrecorded write: the step would be stale
@@ -74,6 +78,15 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
         _leave_out_duplicates(optimizer)
     if distributed:
         _param_buffers_as_regions(wrapped)
+    if bug == "param_gather_skipped":  # every rank keeps the others' ranges as loaded
+        for w in wrapped:
+            w.start_param_sync = lambda *args, **kwargs: None
+    if bug == "param_gather_wrong_shard":  # each rank sends the next rank's (stale) range
+        for w in wrapped:
+            for group in w.bucket_groups:
+                group.intra_distributed_optimizer_instance_rank = \
+                    (group.intra_distributed_optimizer_instance_rank + 1) \
+                    % group.intra_distributed_optimizer_instance_size
     with _float64_kept() if distributed else contextlib.nullcontext():
         optimizer.step()
     state: collections.defaultdict = collections.defaultdict(dict)
@@ -85,6 +98,26 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
                     for model_param, shard in zip(models, shards):
                         state[model_param] = part.optimizer.state[shard]
     return SimpleNamespace(state=state, flat_states=distributed)
+
+
+@contextlib.contextmanager
+def _ranges_shifted(wrapped: list, shift: bool) -> Iterator[None]:
+    """A wrong step (``shift``): the optimizer built with the range map of
+    the next data-parallel rank (each rank steps the next rank's range of
+    every parameter, with its own, unreduced gradients there)."""
+    if not shift:
+        yield
+        return
+    from backends.torch.zoo.megatron import _ShiftedRank
+    buffers = [b for w in wrapped for b in [*w.buffers, *w.expert_parallel_buffers]]
+    kept = [b.data_parallel_group for b in buffers]
+    for b in buffers:
+        b.data_parallel_group = _ShiftedRank(b.data_parallel_group, 1)
+    try:
+        yield
+    finally:
+        for b, group in zip(buffers, kept):
+            b.data_parallel_group = group
 
 
 def _param_buffers_as_regions(wrapped: list) -> None:
