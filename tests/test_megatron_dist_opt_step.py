@@ -79,11 +79,18 @@ megatron = pytest.mark.skipif(
 
 
 @megatron
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_distributed_optimizer_step_verifies_at_dp2(tmp_path, optimizer):
-    run = _verify(tmp_path, "dist_opt", "--optimizer", optimizer)
+def test_distributed_optimizer_step_verifies_at_dp2(tmp_path):
+    run = _verify(tmp_path, "dist_opt", "--optimizer", "adamw")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "SUCCESS" in run.stdout
+
+
+@megatron
+def test_distributed_optimizer_sgd_is_refused(tmp_path):
+    """Megatron's DistributedOptimizer asserts Adam: refused in one line."""
+    run = _verify(tmp_path, "dist_opt", "--optimizer", "sgd")
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Adam only" in run.stderr
 
 
 @megatron

@@ -58,6 +58,10 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
     from torch.utils._python_dispatch import _disable_current_modes
     if name not in CONFIGS:
         raise ValueError(f"no Megatron optimizer for --optimizer {name}")
+    if distributed and CONFIGS[name]["optimizer"] != "adam":
+        # its DistributedOptimizer asserts it (checkpointing needs Adam's states)
+        raise ValueError(f"Megatron's distributed optimizer steps Adam only, not "
+                         f"--optimizer {name}")
     fields = dict(CONFIGS[name])
     if bug == "lr_times_dp":
         from megatron.core import parallel_state as ps
