@@ -329,6 +329,8 @@ CASES: list[tuple[str, str, int]] = [
     # the parameter buffer and all-gathers it (every rank ends with every parameter whole)
     ("megatron dp2 distributed optimizer step adamw",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw", 0),
+    ("megatron dp2 tp2 distributed optimizer step adamw",
+     f"{MEGATRON}dist_opt --dp 2 --tp 2 --batch 8 --hidden 24 --optimizer adamw", 0),
     ("megatron distributed optimizer step sgd refused (Megatron's steps Adam only)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer sgd", 2),
     ("megatron bug distributed optimizer step on the next rank's ranges (unreduced gradients)",
