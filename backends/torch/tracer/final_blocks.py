@@ -47,7 +47,12 @@ def write_final_blocks(writer: _Writer) -> None:
         finals.update({f"{n}.{k}": v for n, st in r.low.states.items() for k, v in st.items()})
         for key, v in finals.items():
             tid = _tid(names, key, rank)
-            out.append([rank, tid, writer.t_of[(rank, v)]])
+            writer.materialize(r, v)
+            t = writer.t_of.get((rank, v))
+            if t is None:
+                raise LoweringError(f"rank {rank} ends with {key} as a value the plan does not "
+                                    f"hold")
+            out.append([rank, tid, t])
         for key, runs in r.low.final_runs.items():
             tid = _tid(names, key, rank)
             for src, v, lo, hi in runs:
