@@ -19,7 +19,7 @@ import torch
 
 from backends.torch.tracer.hidden_memory import HiddenMemory
 from verdict.final import _covers, final_blocks
-from verdict.plan import Plan
+from verdict.plan import Plan, Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--model", "backends.torch.megatron:gpt", "--dp", "2", "--tp", "1", "--batch", "8",
@@ -51,9 +51,14 @@ def test_blocks_cover_a_shard_only_when_they_tile_it():
     assert not _covers(rank0 + [((22, 72), (0, 24))], whole)  # a gap in row 21
 
 
-def test_final_blocks_listed_in_the_world():
-    plan = Plan(world={"final_blocks": "0,3,10;0,3,11;1,4,12"})
-    assert final_blocks(plan) == {(0, 3): [10, 11], (1, 4): [12]}
+def test_final_blocks_listed_in_the_world_by_identity():
+    """Entries name a tensor by (rank, mb, tid, version), so that a plan
+    whose tensors are renumbered keeps them; one the plan lacks is -1."""
+    t = [Tensor(0, 0, 3, v, (2,), 1, ((0, 2),), (0, 1, 1), (1, 1)) for v in range(2)]
+    plan = Plan(world={"final_blocks": "0,3,0,0,3,1;0,3,0,0,3,0;1,4,1,0,4,0"}, tensors=t)
+    assert final_blocks(plan) == {(0, 3): [1, 0], (1, 4): [-1]}
+    plan.tensors = t[::-1]
+    assert final_blocks(plan) == {(0, 3): [0, 1], (1, 4): [-1]}
     assert final_blocks(Plan(world={})) is None
 
 

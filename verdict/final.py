@@ -362,15 +362,19 @@ def final_blocks(parallel: Plan) -> dict[tuple[int, int], list[int]] | None:
     listed = parallel.world.get("final_blocks")
     if not listed:
         return None
+    index = {(t.rank, t.mb, t.tid, t.version): i for i, t in enumerate(parallel.tensors)}
     out: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for entry in str(listed).split(";"):  # "rank,tid,tensor"
-        rank, tid, t = (int(x) for x in entry.split(","))
-        out[(rank, tid)].append(t)
+    for entry in str(listed).split(";"):  # "rank,tid,tensor's rank,mb,tid,version"
+        rank, tid, *key = (int(x) for x in entry.split(","))
+        # a listed tensor the plan lacks: -1, reported as a final tensor not held
+        out[(rank, tid)].append(index.get(tuple(key), -1))
     return dict(out)
 
 
 def _block_problem(parallel: Plan, rank: int, what: str, t_index: int, tid: int, final: int,
                    of_gp: list[int], proved: set[int]) -> str | None:
+    if t_index < 0:
+        return f"rank {rank} ends with a tensor of {what} that the plan does not hold"
     t = parallel.tensors[t_index]
     ends = (f"rank {rank} ends with Tensor(rank={t.rank}, mb={t.mb}, tid={t.tid}, "
             f"v={t.version}) as its block {_show(t.slices)} of {what}")

@@ -10,8 +10,9 @@ nodes cut the block from the value's tensor (its slices those of the value
 offset by the block's starts); a block another rank computed is then
 moved to this rank by a ``send_recv`` node (the all-gather that brought
 those elements, one block at a time). The plan's world lists every final
-tensor of a parameter or state (``final_blocks``: [rank, the single-device
-tensor it must be, the plan tensor]), the whole ones too, and the final
+tensor of a parameter or state (``final_blocks``: the rank, the
+single-device tensor it must be, the plan tensor's rank, microbatch, tid
+and version), the whole ones too, and the final
 check (``verdict/final.py``) reads only those: each block must be the
 single-device updated tensor at its slices, proved, and the blocks must
 cover what the rank must hold.
@@ -61,8 +62,13 @@ def write_final_blocks(writer: _Writer) -> None:
                     if src != rank:
                         t = _moved(writer, t, src, rank, key)
                     out.append([rank, tid, t])
-    # world values are scalars: "rank,tid,tensor" entries joined by ";"
-    writer.plan.world["final_blocks"] = ";".join(",".join(map(str, e)) for e in out)
+    # world values are scalars: "rank,tid,tensor's rank,mb,tid,version" entries joined by
+    # ";" (a tensor named by its identity, not its index: a rewrite may renumber them)
+    entries = []
+    for rank, tid, t in out:
+        x = writer.plan.tensors[t]
+        entries.append(",".join(map(str, (rank, tid, x.rank, x.mb, x.tid, x.version))))
+    writer.plan.world["final_blocks"] = ";".join(entries)
 
 
 def _tid(names: dict[str, int], key: str, rank: int) -> int:
