@@ -325,8 +325,23 @@ CASES: list[tuple[str, str, int]] = [
      f"{MEGATRON}ddp_duplicates_on_tp_rank0 --dp 2 --tp 2 --batch 8 --optimizer adamw", 1),
     ("megatron optimizer step with the learning rate times dp refused (no single-device update)",
      f"{MEGATRON}ddp_lr_times_dp --dp 2 --tp 2 --batch 8 --optimizer adamw", 2),
-    ("megatron distributed optimizer step refused (not traced yet)",
-     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw", 2),
+    # the distributed optimizer's own step: each rank steps its flat ranges, writes them into
+    # the parameter buffer and all-gathers it (every rank ends with every parameter whole)
+    ("megatron dp2 distributed optimizer step adamw",
+     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw", 0),
+    ("megatron dp2 tp2 distributed optimizer step adamw",
+     f"{MEGATRON}dist_opt --dp 2 --tp 2 --batch 8 --hidden 24 --optimizer adamw", 0),
+    ("megatron distributed optimizer step sgd refused (Megatron's steps Adam only)",
+     f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer sgd", 2),
+    ("megatron bug distributed optimizer step on the next rank's ranges (unreduced gradients)",
+     f"{MEGATRON}dist_opt_step_shifted --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw",
+     1),
+    ("megatron bug distributed optimizer step: the updated ranges never all-gathered (stale)",
+     f"{MEGATRON}dist_opt_gather_skipped --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw",
+     1),
+    ("megatron bug distributed optimizer step: each rank all-gathers the next rank's stale range",
+     f"{MEGATRON}dist_opt_gather_wrong_shard --dp 2 --tp 1 --batch 8 --hidden 24 "
+     "--optimizer adamw", 1),
     # the distributed optimizer: hidden 24, so that a rank's flat range of the grad buffer
     # cuts linear_qkv.weight inside a row (rows 0-20 and 8 columns of row 21 on rank 0)
     ("megatron dp2 distributed optimizer 2 microbatches (flat ranges cut a row)",

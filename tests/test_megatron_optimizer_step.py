@@ -4,8 +4,8 @@ docs/soundness.md, "Plans traced from PyTorch", 86): each rank builds
 updated parameters and Adam states are proved equal to torch's AdamW on the
 single-device gradients at the rank's shard; a rank that leaves the
 tensor-parallel duplicates stale FAILs naming the rank and the parameter; a
-learning rate the single-device step does not use is refused, and so is
-the distributed optimizer's step (not traced yet)."""
+learning rate the single-device step does not use is refused. The
+distributed optimizer's step: tests/test_megatron_dist_opt_step.py."""
 
 from __future__ import annotations
 
@@ -57,8 +57,3 @@ def test_megatron_step_with_another_learning_rate_is_refused(tmp_path):
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "adam_step" in run.stderr
 
-
-def test_megatron_distributed_optimizer_step_is_refused(tmp_path):
-    run = _verify(tmp_path, "dist_opt", "--hidden", "24")
-    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "distributed optimizer" in run.stderr

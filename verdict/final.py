@@ -38,7 +38,7 @@ import numpy as np
 
 from verdict.lineage import Lineage, StructureError
 from verdict.ops.step import OPTIMIZERS
-from verdict.plan import FOLD_KEYS, UNIT, Plan, Slices
+from verdict.plan import FOLD_KEYS, UNIT, Logical, Plan, Slices
 
 
 @dataclass
@@ -282,6 +282,9 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
     opt_states = optimizer_states(single)
     holders: dict[int, list[Slices]] = defaultdict(list)
     blocks = bool(parallel.world.get("grad_blocks"))
+    # a distributed optimizer's step: every final parameter and state as blocks (item 90)
+    finals = final_blocks(parallel)
+    state_blocks: dict[int, list[int]] = defaultdict(list)
     read: dict[int, list[Slices]] = defaultdict(list)  # with grad_blocks: the blocks ranks end with
     for rank, st in states.items():
         for p, held in sorted(st.held.items()):
@@ -298,6 +301,19 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
                         (h for h in held if _contains(h, s)), held[0])
                     problems += _check_block(parallel, rank, pname, inside, s, t_index,
                                              final_grad[p], of_gp, proved)
+                if final_param[p] > 0:
+                    if finals is None or box is None:
+                        # an update over gradient blocks is checked only as a
+                        # distributed optimizer's final blocks (item 90)
+                        problems.append(f"rank {rank} holds {pname} with its gradient as blocks "
+                                        f"and its update is not listed as final blocks of a "
+                                        f"shard: the update is unchecked")
+                        continue
+                    problems += _check_final_blocks(parallel, rank, pname, box, p,
+                                                    finals.get((rank, p), []), final_param[p],
+                                                    of_gp, proved)
+                    for s in opt_states.get(p, ()):
+                        state_blocks[s] += finals.get((rank, s), [])
                 continue
             if box is None:
                 problems.append(f"rank {rank} holds pieces {', '.join(map(_show, held))} of "
@@ -320,6 +336,12 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
                 problems.append(f"{what}, {t.factor()} x the gradient{factor_origin(parallel, t_index)}")
             elif of_gp[t_index] not in proved:
                 problems.append(f"{what}, whose gradient is never proved")
+            elif final_param[p] > 0 and finals is not None:
+                problems += _check_final_blocks(parallel, rank, pname, box, p,
+                                                finals.get((rank, p), []), final_param[p],
+                                                of_gp, proved)
+                for s in opt_states.get(p, ()):
+                    state_blocks[s] += finals.get((rank, s), [])
             elif final_param[p] > 0:
                 problems += _check_update(parallel, rank, pname, box, st.last_param.get(p),
                                           final_param[p], of_gp, proved)
@@ -336,8 +358,107 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
         elif blocks and (not read.get(p) or _box(read[p]) != tuple((0, n) for n in shape)):
             problems.append(f"the blocks of the gradient of {name[p].name} the ranks end with "
                             f"do not cover it")
+    for p, states_of in opt_states.items() if finals is not None else ():
+        for s in states_of:
+            problems += _check_state_blocks(parallel, name[p], name[s].name, s,
+                                            state_blocks.get(s, []), final_version(single, s),
+                                            of_gp, proved)
     problems += _check_loss(single, parallel, states, lineages, of_gp, proved)
     return problems
+
+
+def final_blocks(parallel: Plan) -> dict[tuple[int, int], list[int]] | None:
+    """With a distributed optimizer's step (the world's ``final_blocks``):
+    (rank, single-device tensor) -> the plan tensors the rank ends with of
+    it (docs/soundness.md, "Plans traced from PyTorch", 90 (d)); else None."""
+    listed = parallel.world.get("final_blocks")
+    if not listed:
+        return None
+    index = {(t.rank, t.mb, t.tid, t.version): i for i, t in enumerate(parallel.tensors)}
+    out: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for entry in str(listed).split(";"):  # "rank,tid,tensor's rank,mb,tid,version"
+        rank, tid, *key = (int(x) for x in entry.split(","))
+        # a listed tensor the plan lacks: -1, reported as a final tensor not held
+        out[(rank, tid)].append(index.get(tuple(key), -1))
+    return dict(out)
+
+
+def _block_problem(parallel: Plan, rank: int, what: str, t_index: int, tid: int, final: int,
+                   of_gp: list[int], proved: set[int]) -> str | None:
+    if t_index < 0:
+        return f"rank {rank} ends with a tensor of {what} that the plan does not hold"
+    t = parallel.tensors[t_index]
+    ends = (f"rank {rank} ends with Tensor(rank={t.rank}, mb={t.mb}, tid={t.tid}, "
+            f"v={t.version}) as its block {_show(t.slices)} of {what}")
+    if t.rank != rank or t.tid != tid:
+        return f"{ends}, which holds {parallel.logical[t.tid].name} there"
+    if t.lver != final or not t.is_whole():
+        return (f"{ends}, which is not the updated {what} there (version {t.lver} of {final}, "
+                f"parts {t.parts})")
+    if t.scale != UNIT:
+        return f"{ends}, {t.factor()} x the updated {what}{factor_origin(parallel, t_index)}"
+    if of_gp[t_index] not in proved:
+        return f"{ends}, whose update is never proved"
+    return None
+
+
+def _check_final_blocks(parallel: Plan, rank: int, pname: str, box: Slices, p: int,
+                        tensors: list[int], final: int, of_gp: list[int],
+                        proved: set[int]) -> list[str]:
+    """The blocks of a parameter a rank ends with after a distributed
+    optimizer's step: each the updated single-device parameter there,
+    proved, inside the rank's shard, and together the whole shard (the
+    all-gather gave it every other rank's updated range)."""
+    if not tensors:
+        return [f"rank {rank} holds shard {_show(box)} of {pname} but never updates it"]
+    problems = []
+    for t_index in tensors:
+        found = _block_problem(parallel, rank, pname, t_index, p, final, of_gp, proved)
+        if found:
+            problems.append(found)
+        elif not _contains(box, parallel.tensors[t_index].slices):
+            problems.append(f"rank {rank} ends with block {_show(parallel.tensors[t_index].slices)}"
+                            f" of {pname}, outside its shard {_show(box)}")
+    if not problems and not _covers([parallel.tensors[t].slices for t in tensors], box):
+        problems.append(f"rank {rank} holds shard {_show(box)} of {pname} but its updated blocks "
+                        f"{', '.join(_show(parallel.tensors[t].slices) for t in tensors)} do "
+                        f"not make it (elements left as loaded)")
+    return problems
+
+
+def _check_state_blocks(parallel: Plan, p: Logical, sname: str, s: int, tensors: list[int],
+                        final: int, of_gp: list[int], proved: set[int]) -> list[str]:
+    """An optimizer state after a distributed optimizer's step: each rank's
+    blocks (its range) the updated single-device state there, proved, and
+    the ranks' blocks together the whole state."""
+    problems = []
+    for t_index in tensors:
+        found = _block_problem(parallel, parallel.tensors[t_index].rank, sname, t_index, s,
+                               final, of_gp, proved)
+        if found:
+            problems.append(found)
+    whole = tuple((0, n) for n in p.shape)
+    if not problems and not _covers([parallel.tensors[t].slices for t in tensors], whole):
+        problems.append(f"the ranks' blocks of {sname} do not make the whole state")
+    return problems
+
+
+def _covers(slices: list[Slices], box: Slices) -> bool:
+    """The slices, inside ``box``, cover every element of it."""
+    if not slices or any(not _contains(box, s) for s in slices):
+        return False
+    cuts = [sorted({a for s in slices for a in s[d]} | set(box[d])) for d in range(len(box))]
+    covered: set[tuple[int, ...]] = set()
+    for s in slices:
+        cells: set[tuple[int, ...]] = {()}
+        for d, (a, b) in enumerate(s):
+            ks = range(cuts[d].index(a), cuts[d].index(b))
+            cells = {c + (k,) for c in cells for k in ks}
+        covered |= cells
+    needed = {()}
+    for d, (a, b) in enumerate(box):
+        needed = {c + (k,) for c in needed for k in range(cuts[d].index(a), cuts[d].index(b))}
+    return needed <= covered
 
 
 def _check_block(parallel: Plan, rank: int, pname: str, box: Slices, s: Slices, t_index: int,

@@ -233,7 +233,7 @@ def load_factor_message(plan: Plan | Any, i: int, t: Tensor) -> str:
 #: World fields that describe parallelism; all others describe the model.
 PARALLEL_FIELDS = ("dp", "tp", "pp", "ep", "nm", "cp", "variant", "vocab_parallel", "schedule",
                    "sequence_parallel", "ulysses", "virtual_stages", "zero", "cp_balance", "grad_blocks",
-                   *FOLD_KEYS)
+                   "final_blocks", *FOLD_KEYS)
 
 
 #: World fields that name a model's sizes, in the order a message lists them.

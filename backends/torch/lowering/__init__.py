@@ -51,6 +51,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     norm_sums,
     packs,
     pair_combine,
+    param_buffers,
     permute,
     pool,
     routing,

@@ -63,8 +63,10 @@ def mem_slice(lw: Lowerer, args, kwargs, shapes, group) -> Any:
         # its pieces (built as bucket_view builds it when another op reads it)
         return read_flat(lw, src, int(args[1]), tuple(args[2]))
     x = lw.val(args[0])
-    if int(args[1]) != 0 or math.prod(args[2]) != numel(lw, x):
-        # what a write into part of a region leaves of its value: its elements there
+    if int(args[1]) != 0 or math.prod(args[2]) != numel(lw, x) \
+            or x in lw.params and len(args[2]) == 1 < len(lw.shapes[x]):
+        # what a write into part of a region leaves of its value: its elements
+        # there; a parameter's region seen flat, a range of it (item 90)
         return read_flat(lw, x, int(args[1]), tuple(args[2]))
     return lw.reshape(x, tuple(args[2]))
 

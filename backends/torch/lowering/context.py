@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering import range_steps
 from backends.torch.lowering.bucket_pieces import PER_PIECE_OPS, per_piece
 from backends.torch.lowering.flat_ranges import FlatRange, per_block
 from backends.torch.lowering.ir import (
@@ -102,6 +103,13 @@ class Lowered:
     #: value -> (the value, the group the ranges were cut for): a part, over
     #: that group, of the value's square sum (docs/soundness.md, 80)
     range_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    #: Megatron's distributed optimizer: a parameter (or a state: "name.state")
+    #: whose final value is elements of values side by side -> its runs
+    #: (``param_buffers.Run``; after ``walk.resolve_gathers``, each
+    #: (rank, value, lo, hi): elements [lo, hi) of that rank's value)
+    final_runs: dict[str, tuple] = field(default_factory=dict)
+    #: each all-gather of flat ranges over a group, in order: this rank's input's parts
+    gathers: dict[tuple[int, ...], list] = field(default_factory=dict)
 
 
 @dataclass
@@ -152,6 +160,9 @@ class Lowerer:
     empty_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     row_cuts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     range_sums: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    #: each all-gather of flat ranges over a group, in order: this rank's
+    #: input's parts (``param_buffers``)
+    range_gathers: dict[tuple[int, ...], list] = field(default_factory=dict)
     event: int = -1  # the event being lowered
     buckets: list = field(default_factory=list)  # gradient buckets all-reduced (buckets)
     #: the step's value of each count all-reduce, in order (lower_ranks); None:
@@ -314,7 +325,9 @@ class Lowerer:
         if handler is None:
             raise LoweringError(f"aten op {op} (at {scope or 'top level'}) is not lowered "
                                 f"onto the rule table")
-        if op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])), Bucket):
+        if range_steps.applies(self, op, args):
+            handler = range_steps.range_step(handler)  # an optimizer op on flat ranges (item 90)
+        elif op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])), Bucket):
             handler = _per_piece(handler)
         elif op in PER_PIECE_OPS and args and isinstance(self.env.get(_first_value(args[0])),
                                                          FlatRange):
@@ -421,11 +434,17 @@ def live_events(trace: dict) -> set[int]:
     need |= {g[0] for g in trace.get("guards", ())}  # the numbers branched on: compared
     need |= {v for v, _ in trace.get("count_reads", ())}  # counts branched on: decided
     live = set()
+    # a memory read's value (``mem.slice``): a fresh optimizer state made like
+    # a flat range of a parameter is shaped after that parameter (item 90)
+    read_from_memory = {o for ev in trace["events"] if ev[0] == "mem.slice" for o in ev[2]}
     for i in range(len(trace["events"]) - 1, -1, -1):
         op, (args, kwargs), outs = trace["events"][i][:3]
         if not need.intersection(outs) and op not in ALWAYS_LIVE:
             continue
         live.add(i)
+        if op == "aten.zeros_like.default":
+            need.update(v for v in tensor_args(args[:1]) if v in read_from_memory)
+            continue
         if op == "c10d.recv_.default" or op in SHAPE_ONLY:
             continue  # overwrites its buffers; reads only its argument's shape
         if op == "aten.copy_.default":

@@ -172,10 +172,12 @@ def read_flat(lw: Lowerer, src: Any, offset: int, shape: tuple[int, ...]) -> Any
         v, a, b = picked[0]
         full = tuple(lw.shapes[v])
         if (a, b) == (0, math.prod(full)):
-            if isinstance(src, FlatRange) and len(shape) == 1 and len(full) > 1:
+            if len(shape) == 1 and len(full) > 1 and (isinstance(src, FlatRange)
+                                                       or v in lw.params):
                 # a whole value's elements, flat: kept a range, so that an
-                # elementwise op or a norm of it is the op on the value (79, 80)
-                return FlatRange(tuple(picked), source, src.group)
+                # elementwise op or a norm of it is the op on the value (79,
+                # 80), a parameter's the optimizer's step on it (90)
+                return FlatRange(tuple(picked), source, getattr(src, "group", None))
             return lw.reshape(v, shape) if tuple(shape) != full else v
         starts = block_of(full, a, b, tuple(shape))
         if starts is not None:

@@ -10,8 +10,10 @@ from backends.torch.lowering.all_to_all import NeedPeers
 from backends.torch.lowering.constants import check_no_value_reads
 from backends.torch.lowering.context import LNode, Lowered, Lowerer, live_events
 from backends.torch.lowering.count_scales import decided
-from backends.torch.lowering.flat_ranges import Block
-from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard
+from backends.torch.lowering.flat_ranges import Block, pick
+from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard, numel
+from backends.torch.lowering.param_buffers import own_runs
+from backends.torch.lowering.range_steps import final_range
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
@@ -23,6 +25,7 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
     peers = _all_to_all_peers(traces, vocab)
     first = [lower_trace(t, vocab, "collect", peers) for t in traces]
     if not any(low.count_reduces for low in first):
+        resolve_gathers(first)
         return first
     by_rank = {low.rank: low.count_reduces for low in first}
     counts = []
@@ -35,7 +38,9 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
                                     f"{list(group)} is not every member's {k + 1}th")
             values.append(sum(c[k][1] for c in members))
         counts.append(values)
-    return [lower_trace(t, vocab, c, peers) for t, c in zip(traces, counts)]
+    lows = [lower_trace(t, vocab, c, peers) for t, c in zip(traces, counts)]
+    resolve_gathers(lows)
+    return lows
 
 
 def _all_to_all_peers(traces: list[dict], vocab: int) -> dict | None:
@@ -119,14 +124,18 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
     held = {n for n, (v, _, _) in trace["params"].items() if not isinstance(lw.env[v], NoShard)}
     grads = {n: (None if g is None else lw.materialize(lw.env[g])) for n, g in trace["grads"].items()
              if n in held}
-    updates = {n: _updated(lw, n, v) for n, v in trace.get("updates", {}).items() if n in held}
-    states = {n: {k: _updated(lw, n, v) for k, v in st.items()}
+    runs: dict[str, tuple] = {}
+    updates = {n: x for n, v in trace.get("updates", {}).items() if n in held
+               if (x := _final(lw, n, v, runs, n)) is not None}
+    states = {n: {k: x for k, v in st.items() if (x := _final(lw, n, v, runs, f"{n}.{k}"))
+                  is not None}
               for n, st in trace.get("states", {}).items() if n in held}
     blocks = {n: [_grad_block(lw, n, v, starts) for v, starts in vs]
               for n, vs in trace.get("grad_blocks", {}).items() if n in held}
     guards = [(_guard_number(lw, v), name, other, taken, where)
               for v, name, other, taken, where in trace.get("guards", ())]
     finals = [*updates.values(), *(v for st in states.values() for v in st.values()),
+              *(r[1] for rs in runs.values() for r in rs if r[0] == "own"),
               *(b[0] for bs in blocks.values() for b in bs), *(g[0] for g in guards)]
     lw.settle()
     return Lowered(trace["rank"], trace["coords"], lw.shapes,
@@ -134,7 +143,51 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
                    lw.tokens, lw.const_values, updates, states, dict(trace.get("split", {})),
                    lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
                    dict(trace.get("ties", {})), dict(lw.anchors), blocks, guards=guards,
-                   range_sums=dict(lw.range_sums))
+                   range_sums=dict(lw.range_sums), final_runs=runs,
+                   gathers={g: list(ps) for g, ps in lw.range_gathers.items()})
+
+
+def _final(lw: Lowerer, name: str, v: int | None, runs: dict, key: str) -> int | None:
+    """A parameter's or state's final value; None when it is elements of
+    values side by side (a distributed optimizer's range, or a gathered
+    buffer's view), whose runs go to ``runs[key]`` (docs/soundness.md,
+    "Plans traced from PyTorch", 90)."""
+    x = final_range(lw, lw.env.get(v), lw.updated) if v is not None else None
+    if lw.trace.get("parallel") and isinstance(x, int) and x in lw.params:
+        return None  # read back from memory as loaded: the rank never updates it (86 (c))
+    found = own_runs(lw, x)
+    if found is None:
+        return _updated(lw, name, v)
+    if len(found) == 1 and found[0][0] == "own" and isinstance(found[0][1], int) \
+            and (found[0][2], found[0][3]) == (0, numel(lw, found[0][1])) \
+            and found[0][1] not in lw.params:
+        return found[0][1]  # a whole value's elements: that value
+    runs[key] = found
+    return None
+
+
+def resolve_gathers(lows: list[Lowered]) -> None:
+    """Each member's run of a rank's final runs (``param_buffers.Run``) as
+    the runs of that member's input to its k-th all-gather over the group
+    there: every run becomes (rank, value, lo, hi) (docs/soundness.md,
+    "Plans traced from PyTorch", 90 (c))."""
+    by_rank = {low.rank: low for low in lows}
+    for low in lows:
+        for key, runs in low.final_runs.items():
+            out = []
+            for run in runs:
+                if run[0] == "own":
+                    out.append((low.rank, *run[1:]))
+                    continue
+                _, member, ranks, k, offset, n = run
+                sent = by_rank.get(member)
+                if sent is None or len(sent.gathers.get(ranks, [])) <= k:
+                    raise LoweringError(f"rank {low.rank} reads {key} from its all-gather "
+                                        f"{k + 1} over ranks {list(ranks)}, which rank {member} "
+                                        f"never runs")
+                picked = pick(list(sent.gathers[ranks][k]), offset, n)
+                out += [(member, v, lo, hi) for v, lo, hi in picked]
+            low.final_runs[key] = tuple(out)
 
 
 def _guard_number(lw: Lowerer, v: int) -> int:

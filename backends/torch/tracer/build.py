@@ -33,6 +33,7 @@ from backends.torch.tracer.align.rows import Rows
 from backends.torch.tracer.align.strided import Strided
 from backends.torch.tracer.align.sums import Sums
 from backends.torch.tracer.align.zeros import Zeros
+from backends.torch.tracer.final_blocks import write_final_blocks
 from backends.torch.tracer.joint_order import Channels, joint_order
 from backends.torch.tracer.single_plan import Builder
 from backends.torch.tracer.strided_plan import rejoin, strided_grads, strided_input
@@ -215,6 +216,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
     writer.materialize_finals()
     writer.refuse_loose_finals()
     writer.grad_buffers()
+    write_final_blocks(writer)
     match_guards(single, plan_s, writer)
     return plan_s, writer.plan
 
@@ -415,6 +417,9 @@ class _Writer:
                 self.materialize(r, loss)
             for guard in r.low.guards:
                 self.materialize(r, guard[0])
+            for runs in r.low.final_runs.values():  # a distributed optimizer's ranges (item 90)
+                for src, v, _, _ in runs:
+                    self.materialize(self.rs[src], v)
 
     def grad_buffers(self) -> None:
         """Each held parameter's gradient accumulated into its zeroed

@@ -40,6 +40,8 @@ class Read:
     kind: str
     values: tuple[int, ...]
     offset: int = 0
+    #: kind "cuts": (value, offset in its region, numel) of each part
+    cuts: tuple[tuple[int, int, int], ...] = ()
 
 
 def storage_of(t: torch.Tensor) -> int:
@@ -119,6 +121,27 @@ class HiddenMemory:
         at = start
         for r in inside:
             if r.start != at:
-                return None
+                return self._cut(regions, start, end)
             at += r.numel
-        return Read("cat", tuple(r.value for r in inside)) if inside and at == end else None
+        if inside and at == end:
+            return Read("cat", tuple(r.value for r in inside))
+        return self._cut(regions, start, end)
+
+    @staticmethod
+    def _cut(regions: list[Region], start: int, end: int) -> Read | None:
+        """Elements [start, end) as the parts of the regions that tile them,
+        the first and last possibly cut (a parameter's ``main_grad`` after
+        a reduce-scatter wrote a range ending inside it): ``Read("cuts")``,
+        its ``cuts`` each (value, offset in the region, numel); None when the
+        regions leave a gap."""
+        cuts, at = [], start
+        for r in regions:
+            r_end = r.start + r.numel
+            if r_end <= at or r.start >= end:
+                continue
+            if r.start > at:
+                return None
+            n = min(end, r_end) - at
+            cuts.append((r.value, at - r.start, n))
+            at += n
+        return Read("cuts", tuple(v for v, _, _ in cuts), 0, tuple(cuts)) if at == end else None

@@ -160,6 +160,7 @@ def _run(spec: dict, rank: int) -> dict:
     return {
         "ties": _ties(model),
         "rank": rank, "coords": coords, "split": split, "events": rec.events, "shapes": rec.shapes,
+        "parallel": bool(spec["parallel"]),
         "sequence_order": order,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
@@ -271,9 +272,12 @@ def _ends(rec: Recorder, model: torch.nn.Module, optimizer) -> tuple[dict, dict,
     updates, states = {}, {}
     if optimizer is not None:
         for name, p in model.named_parameters():
-            updates[name] = rec.value(local_of(p))
-            states[name] = {k: rec.value(local_of(t)) for k, t in optimizer.state[p].items()
-                            if isinstance(t, torch.Tensor) and t.shape == p.shape}
+            updates[name] = rec.current(local_of(p))
+            # a distributed optimizer's states are flat ranges of the parameter's
+            flat = getattr(optimizer, "flat_states", False)
+            states[name] = {k: rec.current(local_of(t)) for k, t in optimizer.state[p].items()
+                            if isinstance(t, torch.Tensor)
+                            and (t.shape == p.shape or flat and t.dim() == 1)}
     return grads, updates, states
 
 

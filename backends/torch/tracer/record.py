@@ -29,7 +29,7 @@ from torch.utils.module_tracker import ModuleTracker
 from backends.torch.lowering.constants import GUARD_EVENT, TRACED_READ_EVENT, VALUE_READ_EVENT
 from backends.torch.tracer import numbers
 from backends.torch.tracer.exchange import Exchanges
-from backends.torch.tracer.hidden_memory import HiddenMemory, is_partial_view
+from backends.torch.tracer.hidden_memory import HiddenMemory, Read, is_partial_view
 from backends.torch.tracer.numbers import TracedNumber, TracedNumbers
 from backends.torch.tracer.placements import data_parallel_axis as data_parallel_axis
 from backends.torch.tracer.placements import dims_axes as dims_axes
@@ -165,6 +165,15 @@ class Recorder(TorchDispatchMode):
         if read.kind == "same" and self.shapes[read.values[0]] == tuple(t.shape):
             self.bind(t, read.values[0])
             return read.values[0]
+        if read.kind == "cuts":  # regions cut at the ends: each part a flat slice first
+            parts = []
+            for value, offset, numel in read.cuts:
+                part = len(self.shapes)
+                self.shapes.append((numel,))
+                self.events.append(("mem.slice", [[("v", value), offset, [numel]], {}], [part],
+                                    [(numel,)], self.scope(), None, self.mb))
+                parts.append(part)
+            read = Read("cat", tuple(parts))
         v = self.new_value(t)
         op, args = "mem.cat", [[("v", x) for x in read.values], list(t.shape)]
         if read.kind != "cat":  # a slice, or the region seen with another shape

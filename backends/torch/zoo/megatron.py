@@ -757,6 +757,14 @@ dist_opt_range_shifted = recipe(microbatches=2, use_distributed_optimizer=True, 
 dist_opt_not_reduced = recipe(microbatches=2, use_distributed_optimizer=True,
                               bug="reduce_scatter_skipped")
 dist_opt_wrong_group = recipe(microbatches=2, use_distributed_optimizer=True, bug="wrong_group")
+# the distributed optimizer's wrong steps (--optimizer): the all-gather of the updated ranges
+# left out (each rank keeps the others' ranges as loaded); each rank all-gathering the next
+# rank's range of its buffer (stale there); each rank stepping the next rank's ranges
+dist_opt_gather_skipped = recipe(microbatches=2, use_distributed_optimizer=True,
+                                 bug="param_gather_skipped")
+dist_opt_gather_wrong_shard = recipe(microbatches=2, use_distributed_optimizer=True,
+                                     bug="param_gather_wrong_shard")
+dist_opt_step_shifted = recipe(microbatches=2, use_distributed_optimizer=True, bug="step_shifted")
 # mixtures of experts (moe_gpt): expert parallelism over the data-parallel ranks (dp 2 ep 2)
 # or, with tensor parallelism, expert tensor parallelism of the tp size or 1
 moe_ep2 = recipe(ep=2)
