@@ -137,14 +137,14 @@ def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
                                     f"otherwise")
 
 
-def check_rows_are_blocks(single: dict, dp: int) -> None:
+def check_rows_are_blocks(single: dict, dp: int, tp: int = 1) -> None:
     """Refuse a routed step of a sequence-first model (token rows ``[s, b]``
     flattened, position outer: Megatron-Core's) with data parallelism: a
     rank's tokens are then a strided set of the single-device rows (its
     batch rows at every position), which no claim of a block states
     (docs/soundness.md, "Plans traced from PyTorch", 48 g)."""
     from backends.torch.errors import LoweringError
-    if single.get("routing") and single.get("sequence_first") and dp > 1:
+    if single.get("routing") and single.get("sequence_first") and dp > 1 and tp > 1:
         raise LoweringError("a routed mixture of experts in a sequence-first model with data "
                             "parallelism is not traced: each rank's token rows (its batch rows at "
                             "every position) are no block of the flattened [s, b] rows; use "

@@ -71,6 +71,11 @@ class _Reorder:
     ids, and the check that every node on them commutes with an order of
     the positions."""
 
+    #: the operators accepted on a tracked dim (besides those along
+    #: another dim) and those told the order
+    allowed: frozenset[str] = POSITIONWISE
+    ordered: frozenset[str] = ORDERED
+
     def __init__(self, plan: Plan, seqlen: int):
         self.plan, self.s = plan, seqlen
         self.seq: dict[tuple[int, int], Place] = {}
@@ -107,7 +112,7 @@ class _Reorder:
                 if t >= 0 and (t, node.kwargs["dim"] % len(self.plan.tensors[t].shape)) \
                         in self.seq:
                     self.refuse(index, "cuts, joins or repeats along the sequence")
-        elif node.op not in POSITIONWISE and node.op not in ORDERED:
+        elif node.op not in self.allowed and node.op not in self.ordered:
             self.refuse(index, "reads the sequence and is not known to act on each position "
                                "alone")
         changed = True
