@@ -40,7 +40,7 @@ from backends.torch.tracer.routing import (
     describe,
 )
 from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
-from backends.torch.tracer.token_rows import order_sequence_first
+from backends.torch.tracer.token_rows import order_token_rows
 from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
@@ -290,7 +290,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
     check_bucket_layouts(lows)
-    order_sequence_first(single, low_s, lows, args.dp)  # item 89
+    order_token_rows(single, low_s, lows, args.dp, args.tp)  # item 89
     order = sequence_order_of(traces)
     for low in lows:
         low.reordered = order is not None

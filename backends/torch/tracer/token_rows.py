@@ -42,12 +42,11 @@ def _module(name: str) -> str:
 
 def routed_modules(low: Lowered, rows: int) -> set[str]:
     """The modules that read a recorded constant with a dim of ``rows``
-    token rows (or of (token, slot) pairs) first: the routing's readers."""
+    token rows (or of (token, slot) pairs): the routing's readers."""
     names = set()
     for node in low.nodes:
         for v in node.ins:
-            if v in low.constants and low.shapes[v] and low.shapes[v][0] % rows == 0 \
-                    and low.shapes[v][0] >= rows:
+            if v in low.constants and any(n >= rows and n % rows == 0 for n in low.shapes[v]):
                 names.add(_module(node.name))
     return names
 
@@ -267,22 +266,34 @@ def order_rows(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
                           f"single-device step {len(seeds)} times")
 
 
-def order_sequence_first(single: dict, low_s: Lowered, lows: list[Lowered], dp: int) -> bool:
-    """Megatron-Core's routed step at data parallelism: token rows ``[s, b]``
-    flattened, position outer, each data-parallel rank holding its block of
-    the batch at every position. Written in the ranks' order when that is
-    the case (each rank's rows found to be one block of it); False when the
-    rows need no order (one data-parallel rank, or no routing)."""
-    if not (single.get("routing") and single.get("sequence_first") and dp > 1):
+def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
+                     tp: int) -> bool:
+    """A routed step whose ranks' token rows are no block of the flattened
+    rows, written in the ranks' order (each rank's rows found to be one
+    block of it): Megatron-Core's sequence-first rows ``[s, b]`` at dp > 1
+    and tp 1 (each dp rank's batch block at every position), and rows
+    (batch, position) at dp > 1 and tp > 1 with the positions cut by tp
+    (torchtitan's sequence parallelism), block ``d * tp + t``. False when
+    the rows need no order."""
+    if not single.get("routing") or dp <= 1:
         return False
     tokens = single["batch_ids"]["tokens"]
     batch, seqlen = int(tokens.shape[0]), int(tokens.shape[1])
-    grid = RowGrid((seqlen, batch), (1, dp), inner_first=True)
-    per = batch // dp
-    held = {low.rank: held_rows(grid, np.arange(seqlen),
-                                np.arange(low.coords.get("dp", 0) * per,
-                                          (low.coords.get("dp", 0) + 1) * per))
-            for low in lows}
+    if single.get("sequence_first"):
+        if tp > 1:
+            return False  # refused up front (routing.check_rows_are_blocks)
+        grid = RowGrid((seqlen, batch), (1, dp), inner_first=True)
+    elif tp > 1:
+        grid = RowGrid((batch, seqlen), (dp, tp))
+    else:
+        return False
+    (lo, li) = (grid.sizes[0] // grid.parts[0], grid.sizes[1] // grid.parts[1])
+    held = {}
+    for low in lows:
+        d, t = low.coords.get("dp", 0), low.coords.get("tp", 0)
+        o, i = (0, d) if grid.inner_first else (d, t)
+        held[low.rank] = held_rows(grid, np.arange(o * lo, (o + 1) * lo),
+                                   np.arange(i * li, (i + 1) * li))
     check_blocks(grid, held)
-    order_rows(low_s, lows, grid, {low.rank: (seqlen, per) for low in lows})
+    order_rows(low_s, lows, grid, {low.rank: (lo, li) for low in lows})
     return True
