@@ -244,12 +244,22 @@ def check_and_relabel(low: Lowered, rows: int, seeds: list[int], exits: list[int
     return len(region.relabel)
 
 
+def _entries(low: Lowered, sizes: tuple[int, int]) -> int:
+    """How many flattens make token rows of ``sizes`` in the routed modules."""
+    modules = routed_modules(low, math.prod(sizes))
+    return sum(_is_entry(node, low, sizes, modules) for node in low.nodes)
+
+
 def order_rows(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
-               local: dict[int, tuple[int, int]]) -> None:
+               local: dict[int, tuple[int, int]]) -> bool:
     """Write the one-device trace in the ranks' order of its token rows and
     every rank's rows as its block of it (``local``: each rank's own sizes
-    of the two dims). Refused in one line where the argument does not
+    of the two dims). False, nothing written, when no rank flattens rows of
+    its sizes (its token rows are another block: the dims it holds whole,
+    claimed as before). Refused in one line where the argument does not
     reach."""
+    if not any(_entries(low, local[low.rank]) for low in lows):
+        return False
     modules = routed_modules(low_s, grid.rows)
     if not modules:
         raise _refuse("no module reads the routing along the token rows")
@@ -264,6 +274,7 @@ def order_rows(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
         if len(made) != len(seeds):
             raise _refuse(f"rank {low.rank} makes its token rows {len(made)} times, the "
                           f"single-device step {len(seeds)} times")
+    return True
 
 
 def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
@@ -295,5 +306,4 @@ def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
         held[low.rank] = held_rows(grid, np.arange(o * lo, (o + 1) * lo),
                                    np.arange(i * li, (i + 1) * li))
     check_blocks(grid, held)
-    order_rows(low_s, lows, grid, {low.rank: (lo, li) for low in lows})
-    return True
+    return order_rows(low_s, lows, grid, {low.rank: (lo, li) for low in lows})
