@@ -908,6 +908,7 @@ CASES += [
      f"{MEGATRON_MOE}moe_tp_sp_etp1_fixed --dp 1 --tp 2", 0),
     ("moe megatron dp2 ep2 (sequence-first token rows in the ranks' order: soundness 89)",
      f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1", 0),
+    ("moe megatron dp2 ep2 etp1", f"{MEGATRON_MOE}moe_ep2_etp1 --dp 2 --tp 1", 0),
     ("moe megatron dp2 ep2 bug experts reduced over dp (each rank's experts summed with its "
      "peer's)", f"{MEGATRON_MOE}moe_ep2_experts_reduced_over_dp --dp 2 --tp 1", 1),
     ("moe megatron dp2 ep2 rows sorted to the other local expert refused (rows added back at "
