@@ -25,6 +25,7 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.context import LNode, Lowered
 from backends.torch.tracer.seq_order import POSITIONWISE, _Reorder
 from backends.torch.tracer.token_order import RowGrid, check_blocks, held_rows
+from verdict.reduce import RuleMemo
 
 #: operators that commute with a permutation of the rows beyond the load
 #: balancer's list: a broadcast keeps each row's values
@@ -171,7 +172,6 @@ class _Region(_Reorder):
                  constants: set[int]):
         self.plan, self.s = plan, rows
         self.seq = {(v, 0): (1, 1) for v in seeds}
-        from verdict.reduce import RuleMemo
         self.memo = RuleMemo()
         self.inputs = constants
         #: values computed from constants alone -> their producing node
