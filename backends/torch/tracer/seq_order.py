@@ -65,7 +65,7 @@ def chunk_order(order: list[int]) -> tuple[int, ...]:
 Place = tuple[int, int]
 
 
-class _Reorder:
+class Reorder:
     """Which dims of the single-device plan's tensors carry the sequence
     (``seq``: (tensor, dim) -> place), found node by node from the batch's
     ids, and the check that every node on them commutes with an order of
@@ -190,7 +190,7 @@ def reorder_single(plan: Plan, order: list[int]) -> Plan:
     Anything else on a sequence dim is refused in one line (exit 2)."""
     chunks = chunk_order(order)
     seqlen = len(order)
-    check = _Reorder(plan, seqlen)
+    check = Reorder(plan, seqlen)
     nodes = list(plan.nodes)
     for index, node in enumerate(plan.nodes):
         check.node(index)

@@ -10,7 +10,7 @@ transpose the parts' axes to the front, flatten), each unflatten that
 unmakes them the inverse chain. On a rank every part is one: its chain
 moves only dims of size 1 and is the identity. On one device the chain is
 pi; the nodes between are checked to commute with pi (``_Region``, the
-checks of ``seq_order._Reorder`` on the rows), the recorded constants they
+checks of ``seq_order.Reorder`` on the rows), the recorded constants they
 read along the rows are relabelled, and the step's outputs must carry no
 rows. Anything else is refused in one line (exit 2)."""
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.context import LNode, Lowered
-from backends.torch.tracer.seq_order import POSITIONWISE, _Reorder
+from backends.torch.tracer.seq_order import POSITIONWISE, Reorder
 from backends.torch.tracer.token_order import RowGrid, check_blocks, held_rows
 from verdict.reduce import RuleMemo
 
@@ -159,7 +159,7 @@ def write_chains(low: Lowered, sizes: tuple[int, int], parts: tuple[int, int],
     return seeds, exits
 
 
-class _Region(_Reorder):
+class _Region(Reorder):
     """``seq_order``'s node-by-node check on the token rows: seeded at the
     entry chains' outputs, stopped at the exit chains; a recorded constant
     tied to the rows is relabelled (and then checked at every reader like
