@@ -963,8 +963,13 @@ CASES += [
      "group (Megatron-LM PR 5916, as 0.16.1 ships it)", f"{MEGATRON_MOE}moe_tp_sp_etp1 --dp 1 --tp 2", 1),
     ("moe megatron ep1 etp1 tp2 with PR 5916's fix (experts marked allreduce=False)",
      f"{MEGATRON_MOE}moe_tp_sp_etp1_fixed --dp 1 --tp 2", 0),
-    ("moe megatron dp2 ep2 refused (a rank's sequence-first token rows are no block)",
-     f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1", 2),
+    ("moe megatron dp2 ep2 (sequence-first token rows in the ranks' order: soundness 89)",
+     f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1", 0),
+    ("moe megatron dp2 ep2 etp1", f"{MEGATRON_MOE}moe_ep2_etp1 --dp 2 --tp 1", 0),
+    ("moe megatron dp2 ep2 bug experts reduced over dp (each rank's experts summed with its "
+     "peer's)", f"{MEGATRON_MOE}moe_ep2_experts_reduced_over_dp --dp 2 --tp 1", 1),
+    ("moe megatron dp2 ep2 rows sorted to the other local expert refused (rows added back at "
+     "other tokens than they came from)", f"{MEGATRON_MOE}moe_ep2_sorted_wrong --dp 2 --tp 1", 2),
 ]
 
 #: the sequence split over a "cp" mesh dim (docs/soundness.md, "Plans traced from PyTorch",

@@ -42,6 +42,7 @@ from backends.torch.tracer.routing import (
     describe_added,
 )
 from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
+from backends.torch.tracer.token_rows import order_token_rows
 from backends.userdirs import user_dir
 
 #: short model names (``--model gpt2``); any other name is package.module:factory
@@ -290,7 +291,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
                                 f"{_last_line(e)}") from None
-    check_rows_are_blocks(single, args.dp)
+    check_rows_are_blocks(single, args.dp, args.tp)
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:
         world["routing"] = describe(single["routing_summary"])
@@ -310,6 +311,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
     check_bucket_layouts(lows)
+    order_token_rows(single, low_s, lows, args.dp, args.tp)  # item 89
     order = sequence_order_of(traces)
     for low in lows:
         low.reordered = order is not None

@@ -218,16 +218,17 @@ def check_skipped_add_nothing(filled: list[dict], own: list[dict]) -> None:
                                 f"docs/soundness.md, \"Plans traced from PyTorch\", 88)")
 
 
-def check_rows_are_blocks(single: dict, dp: int) -> None:
+def check_rows_are_blocks(single: dict, dp: int, tp: int = 1) -> None:
     """Refuse a routed step of a sequence-first model (token rows ``[s, b]``
-    flattened, position outer: Megatron-Core's) with data parallelism: a
-    rank's tokens are then a strided set of the single-device rows (its
-    batch rows at every position), which no claim of a block states
-    (docs/soundness.md, "Plans traced from PyTorch", 48 g)."""
+    flattened, position outer: Megatron-Core's) with data and tensor
+    parallelism together: a rank's tokens are then its block of the
+    positions at its batch rows, which no claim of a block states and the
+    ranks' order of the rows is not written for (docs/soundness.md, "Plans
+    traced from PyTorch", 48 g; at tp 1, item 89 writes the single-device
+    step in the ranks' order)."""
     from backends.torch.errors import LoweringError
-    if single.get("routing") and single.get("sequence_first") and dp > 1:
+    if single.get("routing") and single.get("sequence_first") and dp > 1 and tp > 1:
         raise LoweringError("a routed mixture of experts in a sequence-first model with data "
-                            "parallelism is not traced: each rank's token rows (its batch rows at "
-                            "every position) are no block of the flattened [s, b] rows; use "
-                            "--dp 1 (tensor and sequence parallelism with the experts over the "
-                            "tensor-parallel ranks)")
+                            "and tensor parallelism together is not traced: each rank's token "
+                            "rows (its positions at its batch rows) are no block of the "
+                            "flattened [s, b] rows; use --tp 1 or --dp 1")

@@ -65,11 +65,16 @@ def chunk_order(order: list[int]) -> tuple[int, ...]:
 Place = tuple[int, int]
 
 
-class _Reorder:
+class Reorder:
     """Which dims of the single-device plan's tensors carry the sequence
     (``seq``: (tensor, dim) -> place), found node by node from the batch's
     ids, and the check that every node on them commutes with an order of
     the positions."""
+
+    #: the operators accepted on a tracked dim (besides those along
+    #: another dim) and those told the order
+    allowed: frozenset[str] = POSITIONWISE
+    ordered: frozenset[str] = ORDERED
 
     def __init__(self, plan: Plan, seqlen: int):
         self.plan, self.s = plan, seqlen
@@ -107,7 +112,7 @@ class _Reorder:
                 if t >= 0 and (t, node.kwargs["dim"] % len(self.plan.tensors[t].shape)) \
                         in self.seq:
                     self.refuse(index, "cuts, joins or repeats along the sequence")
-        elif node.op not in POSITIONWISE and node.op not in ORDERED:
+        elif node.op not in self.allowed and node.op not in self.ordered:
             self.refuse(index, "reads the sequence and is not known to act on each position "
                                "alone")
         changed = True
@@ -185,7 +190,7 @@ def reorder_single(plan: Plan, order: list[int]) -> Plan:
     Anything else on a sequence dim is refused in one line (exit 2)."""
     chunks = chunk_order(order)
     seqlen = len(order)
-    check = _Reorder(plan, seqlen)
+    check = Reorder(plan, seqlen)
     nodes = list(plan.nodes)
     for index, node in enumerate(plan.nodes):
         check.node(index)

@@ -455,6 +455,13 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
                 if dispatcher is not None and hasattr(dispatcher, "sort_input_by_local_experts"):
                     dispatcher.sort_input_by_local_experts = \
                         dispatcher.sort_input_by_local_experts.flip(0)
+    if options.bug == "experts_reduced_over_dp":
+        # each rank's own experts' gradients summed with the other ranks' (other
+        # experts') over the dense data-parallel group
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if ".local_experts." in name:
+                    p.allreduce = True
     if options.expert_topology_fix and (options.ep > 1 or (options.etp or tp) != tp):
         for chunk in chunks:
             for name, p in chunk.named_parameters():
@@ -780,6 +787,12 @@ moe_tp_sp_etp1_fixed = recipe(sequence_parallel=True, ep=1, etp=1, expert_topolo
 moe_tp_sp_etp1 = recipe(sequence_parallel=True, ep=1, etp=1)
 # a wrong step: the dispatcher sorts the received rows by local expert in the reverse order
 moe_tp_sp_ep2_sorted_wrong = recipe(sequence_parallel=True, ep=2, etp=1, bug="experts_sorted_wrong")
+# the same at dp 2 ep 2 (the ranks' token rows in the ranks' order: docs/soundness.md, "Plans
+# traced from PyTorch", 89)
+moe_ep2_sorted_wrong = recipe(ep=2, bug="experts_sorted_wrong")
+# a wrong step at dp 2 ep 2: the experts' gradients reduced with the dense ones over the
+# data-parallel group (each rank's experts are others than its peer's)
+moe_ep2_experts_reduced_over_dp = recipe(ep=2, bug="experts_reduced_over_dp")
 
 
 def clip_grad_norm(model: MegatronModel, mesh, max_norm: float) -> None:

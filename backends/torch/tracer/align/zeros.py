@@ -68,7 +68,8 @@ class Zeros(Pieces):
     def is_zero(self, v: int) -> bool:
         """Value v is exactly zero by its making in the plan: a ``zeros``
         node, or an operator that gives zeros on zeros (a reshape, a slice,
-        a ``cat``: ``maps_zero_to_zero``) of zeros. A loaded constant is not
+        a ``cat``: ``maps_zero_to_zero``) of zeros, or a product with a
+        factor of zeros (by the meaning of ``mul``). A loaded constant is not
         zero by making even when its traced value is: the verifier reads it
         as any value, so a claim that fresh zeros are a multiple of it could
         never be proved. Its makers are walked with a stack, not by
@@ -96,7 +97,11 @@ class Zeros(Pieces):
                     memo[u] = False
                     stack.pop()
                     continue
-                memo[u] = bool(ins) and all(memo[w] for w in ins) \
-                    and maps_zero_to_zero(made, self.low.shapes)
+                # a product with a factor of zeros is zeros whatever the
+                # other factor (a gradient buffer's zeros times a mask)
+                memo[u] = bool(ins) and (all(memo[w] for w in ins)
+                                         and maps_zero_to_zero(made, self.low.shapes)
+                                         or made.op == "mul" and made.dir == "fw"
+                                         and any(memo[w] for w in ins))
             stack.pop()
         return memo[v]
