@@ -323,8 +323,12 @@ CASES: list[tuple[str, str, int]] = [
      f"{MEGATRON}pp_1f1b --pp 2 --dp 1 --tp 1 --layers 2 --optimizer adamw", 0),
     ("megatron bug optimizer step: tp duplicates stepped on tp rank 0 only (rank 1 stale)",
      f"{MEGATRON}ddp_duplicates_on_tp_rank0 --dp 2 --tp 2 --batch 8 --optimizer adamw", 1),
-    ("megatron optimizer step with the learning rate times dp refused (no single-device update)",
-     f"{MEGATRON}ddp_lr_times_dp --dp 2 --tp 2 --batch 8 --optimizer adamw", 2),
+    ("megatron bug optimizer step with the learning rate times dp (adam_step on rank 0)",
+     f"{MEGATRON}ddp_lr_times_dp --dp 2 --tp 2 --batch 8 --optimizer adamw", 1),
+    ("megatron bug optimizer step sgd with the learning rate times dp",
+     f"{MEGATRON}ddp_lr_times_dp --dp 2 --tp 2 --batch 8 --optimizer sgd", 1),
+    ("megatron optimizer step sgd, learning rate times dp, decay and gradients over dp (the same "
+     "update)", f"{MEGATRON}ddp_lr_times_dp_compensated --dp 2 --tp 2 --batch 8 --optimizer sgd", 0),
     ("megatron distributed optimizer step refused (not traced yet)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw", 2),
     # the distributed optimizer: hidden 24, so that a rank's flat range of the grad buffer

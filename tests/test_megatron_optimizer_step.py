@@ -3,9 +3,9 @@ docs/soundness.md, "Plans traced from PyTorch", 86): each rank builds
 ``get_megatron_optimizer`` over its DDP chunks and steps; every rank's
 updated parameters and Adam states are proved equal to torch's AdamW on the
 single-device gradients at the rank's shard; a rank that leaves the
-tensor-parallel duplicates stale FAILs naming the rank and the parameter; a
-learning rate the single-device step does not use is refused, and so is
-the distributed optimizer's step (not traced yet)."""
+tensor-parallel duplicates stale FAILs naming the rank and the parameter, and
+so does a learning rate the single-device step does not use (91 (a)); the
+distributed optimizer's step is refused (not traced yet)."""
 
 from __future__ import annotations
 
@@ -52,10 +52,18 @@ def test_megatron_step_leaving_tp_duplicates_stale_fails(tmp_path):
     assert "rank 1 holds shard" in run.stdout and "never updates it" in run.stdout
 
 
-def test_megatron_step_with_another_learning_rate_is_refused(tmp_path):
+def test_megatron_step_with_another_learning_rate_fails_at_rank0(tmp_path):
     run = _verify(tmp_path, "ddp_lr_times_dp")
-    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "adam_step" in run.stderr
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "adam_step (model.embedding.word_embeddings.weight.optimizer) on rank 0" in run.stdout
+
+
+def test_megatron_sgd_step_with_rate_and_gradients_compensated_verifies(tmp_path):
+    """lr x dp with the weight decay and the gradients over dp: the same
+    update, aligned with the single-device step by its numbers and proved."""
+    run = _verify(tmp_path, "ddp_lr_times_dp_compensated", "--optimizer", "sgd")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "SUCCESS" in run.stdout
 
 
 def test_megatron_distributed_optimizer_step_is_refused(tmp_path):
