@@ -194,8 +194,8 @@ def mixed(lw: Lowerer, picked: list[tuple[int, int, int]], shape: tuple[int, ...
     its runs' blocks (``flat_blocks``) cut from their values (a padding's
     zeros as zeros), each seen as one row piece, joined; the rows are then
     joined along each dim in turn. Exact by the definition of a row-major
-    view; every value built has the view's number of dims and fits in its
-    shape. They are no single-device piece: the alignment leaves them
+    view; the rows and their joins have the view's number of dims and fit
+    in its shape. They are no single-device piece: the alignment leaves them
     loose, and a stage that reads them recomputes them (docs/soundness.md,
     "Plans traced from PyTorch", 91 (b))."""
     start, width, k = len(lw.nodes), shape[-1], len(shape)
