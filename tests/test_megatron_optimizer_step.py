@@ -52,10 +52,10 @@ def test_megatron_step_leaving_tp_duplicates_stale_fails(tmp_path):
     assert "rank 1 holds shard" in run.stdout and "never updates it" in run.stdout
 
 
-def test_megatron_step_with_another_learning_rate_fails_at_rank0(tmp_path):
+def test_megatron_step_with_another_learning_rate_fails_naming_the_rank(tmp_path):
     run = _verify(tmp_path, "ddp_lr_times_dp")
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "adam_step (model.embedding.word_embeddings.weight.optimizer) on rank 0" in run.stdout
+    assert re.search(r"adam_step \(\S+\.optimizer\) on rank \d", run.stdout), run.stdout[:3000]
 
 
 def test_megatron_sgd_step_with_rate_and_gradients_compensated_verifies(tmp_path):
