@@ -3,8 +3,8 @@ docs/soundness.md, "Plans traced from PyTorch", 86): each rank builds
 ``get_megatron_optimizer`` over its DDP chunks and steps; every rank's
 updated parameters and Adam states are proved equal to torch's AdamW on the
 single-device gradients at the rank's shard; a rank that leaves the
-tensor-parallel duplicates stale FAILs naming the rank and the parameter; a
-learning rate the single-device step does not use is refused. The
+tensor-parallel duplicates stale FAILs naming the rank and the parameter, and
+so does a learning rate the single-device step does not use (91 (a)). The
 distributed optimizer's step: tests/test_megatron_dist_opt_step.py."""
 
 from __future__ import annotations
@@ -52,8 +52,16 @@ def test_megatron_step_leaving_tp_duplicates_stale_fails(tmp_path):
     assert "rank 1 holds shard" in run.stdout and "never updates it" in run.stdout
 
 
-def test_megatron_step_with_another_learning_rate_is_refused(tmp_path):
+def test_megatron_step_with_another_learning_rate_fails_naming_the_rank(tmp_path):
     run = _verify(tmp_path, "ddp_lr_times_dp")
-    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "adam_step" in run.stderr
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert re.search(r"adam_step \(\S+\.optimizer\) on rank \d", run.stdout), run.stdout[:3000]
+
+
+def test_megatron_sgd_step_with_rate_and_gradients_compensated_verifies(tmp_path):
+    """lr x dp with the weight decay and the gradients over dp: the same
+    update, aligned with the single-device step by its numbers and proved."""
+    run = _verify(tmp_path, "ddp_lr_times_dp_compensated", "--optimizer", "sgd")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "SUCCESS" in run.stdout
 

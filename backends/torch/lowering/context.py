@@ -87,8 +87,9 @@ class Lowered:
     anchors: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
     #: a parameter whose final gradient is blocks of it (the flat range of it
     #: the rank's optimizer reads: Megatron's distributed optimizer) -> each
-    #: block as (the value it is a block of, its starts, its shape)
-    grad_blocks: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = \
+    #: block as (the value it is a block of, its starts, its shape, whether
+    #: the value is the block itself, elements found elsewhere: 91 (b))
+    grad_blocks: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]] = \
         field(default_factory=dict)
     #: the rank's sequence is laid out in a load balancer's order, and the
     #: single-device step is written in it (``tracer.seq_order``): a ring's
@@ -110,6 +111,11 @@ class Lowered:
     final_runs: dict[str, tuple] = field(default_factory=dict)
     #: each all-gather of flat ranges over a group, in order: this rank's input's parts
     gathers: dict[tuple[int, ...], list] = field(default_factory=dict)
+    #: values the lowering built from elements of several values, or of one
+    #: value elsewhere than the step reads them (``flat_ranges.mixed``): no
+    #: single-device piece, loose (docs/soundness.md, 91 (b)) -> the
+    #: parameter whose final gradient block reads it, if any
+    mixed: dict[int, str | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,6 +169,7 @@ class Lowerer:
     #: each all-gather of flat ranges over a group, in order: this rank's
     #: input's parts (``param_buffers``)
     range_gathers: dict[tuple[int, ...], list] = field(default_factory=dict)
+    mixed: dict[int, str | None] = field(default_factory=dict)  # flat_ranges.mixed
     event: int = -1  # the event being lowered
     buckets: list = field(default_factory=list)  # gradient buckets all-reduced (buckets)
     #: the step's value of each count all-reduce, in order (lower_ranks); None:

@@ -186,10 +186,57 @@ def read_flat(lw: Lowerer, src: Any, offset: int, shape: tuple[int, ...]) -> Any
         return FlatRange(tuple(picked), source, getattr(src, "group", None))
     if source is not None:
         return Block(-1, (), tuple(shape), source)  # no block of a value: the bucket's elements
-    raise LoweringError(f"{lw.name}: a view of shape {list(shape)} of a reduce-scattered range "
-                        f"holds elements of {len(picked)} gradients, no block of one (the "
-                        f"range the collective wrote is not the range the step reads): not "
-                        f"lowered")
+    return mixed(lw, picked, tuple(shape))
+
+
+def mixed(lw: Lowerer, picked: list[tuple[int, int, int]], shape: tuple[int, ...]) -> int:
+    """A view of a range whose elements are no block of one value (a
+    collective that wrote another range than the one the step reads): the
+    elements themselves, in row-major order. Each row of the last dim is
+    its runs' blocks (``flat_blocks``) cut from their values (a padding's
+    zeros as zeros), each seen as one row piece, joined; the rows are then
+    joined along each dim in turn. Exact by the definition of a row-major
+    view; the rows and their joins have the view's number of dims and fit
+    in its shape. They are no single-device piece: the alignment leaves them
+    loose, and a stage that reads them recomputes them (docs/soundness.md,
+    "Plans traced from PyTorch", 91 (b))."""
+    start, width, k = len(lw.nodes), shape[-1], len(shape)
+    rows = [_row(lw, pick(picked, r * width, width), k, width)
+            for r in range(math.prod(shape[:-1]))]
+    for d in range(k - 2, -1, -1):
+        n = shape[d]
+        joined = []
+        for i in range(0, len(rows), n):
+            part = rows[i:i + n]
+            out = list(lw.shapes[part[0]])
+            out[d] = n
+            joined += part if n == 1 else lw.emit("cat", part, [tuple(out)], {"dim": d})
+        rows = joined
+    mark_mixed(lw, start)
+    return rows[0]
+
+
+def _row(lw: Lowerer, runs: list[tuple[int, int, int]], k: int, width: int) -> int:
+    """One row of ``mixed``'s view, of shape (1, ..., 1, width): the
+    runs' elements side by side along the last dim."""
+    lead = (1,) * (k - 1)
+    segs: list[int] = []
+    for v, lo, hi in runs:
+        if v in lw.zeros_made:  # a padding's zeros: as many zeros
+            segs += lw.emit("zeros", [], [lead + (hi - lo,)], {"shape": [*lead, hi - lo]}, "none")
+            continue
+        for starts, bshape in flat_blocks(tuple(lw.shapes[v]), lo, hi):
+            segs.append(lw.reshape(Block(v, starts, bshape).materialize(lw),
+                                   lead + (math.prod(bshape),)))
+    if len(segs) == 1:
+        return segs[0]
+    return lw.emit("cat", segs, [lead + (width,)], {"dim": k - 1})[0]
+
+
+def mark_mixed(lw: Lowerer, start: int) -> None:
+    """The outputs of the nodes emitted since node ``start``: values the
+    alignment leaves loose (``Lowered.mixed``)."""
+    lw.mixed.update((o, None) for node in lw.nodes[start:] for o in node.outs if o >= 0)
 
 
 def whole_pieces(lw: Lowerer, bucket: Bucket, offset: int, shape: tuple[int, ...]) -> bool:

@@ -10,7 +10,7 @@ from backends.torch.lowering.all_to_all import NeedPeers
 from backends.torch.lowering.constants import check_no_value_reads
 from backends.torch.lowering.context import LNode, Lowered, Lowerer, live_events
 from backends.torch.lowering.count_scales import decided
-from backends.torch.lowering.flat_ranges import Block, pick
+from backends.torch.lowering.flat_ranges import Block, FlatRange, mark_mixed, mixed, pick
 from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard, numel
 from backends.torch.lowering.param_buffers import own_runs
 from backends.torch.lowering.range_steps import final_range
@@ -144,7 +144,8 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
                    lw.count_reduces, lw.buckets, lw.empty_sums, lw.row_cuts,
                    dict(trace.get("ties", {})), dict(lw.anchors), blocks, guards=guards,
                    range_sums=dict(lw.range_sums), final_runs=runs,
-                   gathers={g: list(ps) for g, ps in lw.range_gathers.items()})
+                   gathers={g: list(ps) for g, ps in lw.range_gathers.items()},
+                   mixed=dict(lw.mixed))
 
 
 def _final(lw: Lowerer, name: str, v: int | None, runs: dict, key: str) -> int | None:
@@ -202,24 +203,48 @@ def _guard_number(lw: Lowerer, v: int) -> int:
 
 
 def _grad_block(lw: Lowerer, name: str, v: int, starts: tuple[int, ...]
-                ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+                ) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
     """A block of a final gradient the rank reads at ``starts`` of its
     gradient (docs/soundness.md, "Plans traced from PyTorch", 57): the
-    value it is a block of, the block's starts in it and its shape. The
-    view's starts (from the optimizer's range map) must be where the
-    lowering finds the block, else it is refused."""
+    value it is a block of, the block's starts in it, its shape, and False.
+    Where the lowering finds the elements read there elsewhere than at
+    those starts (another block of a value, or elements of several: a
+    collective wrote another range than the step reads), the elements
+    themselves, a value of the block's shape, with True: that value is
+    claimed to be the gradient's block at ``starts``, a claim its stage
+    refutes unless it is (91 (b))."""
     x = lw.env.get(v)
     if isinstance(x, Block) and x.value >= 0:
         found, value, shape = x.starts, x.value, x.shape
+    elif isinstance(x, FlatRange):  # elements of several values: no block of one
+        found, value, shape = None, -1, ()
     else:
         value = lw.materialize(x) if x is not None else None
         if value is None:
             raise LoweringError(f"{name}: a block of its final gradient no recorded op produced")
         found, shape = (0,) * len(lw.shapes[value]), tuple(lw.shapes[value])
-    if tuple(found) != tuple(starts):
-        raise LoweringError(f"{name}: the block of its final gradient at {list(starts)} is read "
-                            f"from elements at {list(found)} of the value it lies in")
-    return value, tuple(found), tuple(shape)
+    if found is not None and tuple(found) == tuple(starts) and value not in lw.mixed:
+        return value, tuple(found), tuple(shape), False
+    if isinstance(x, FlatRange):
+        value = mixed(lw, list(x.parts), (sum(b - a for _, a, b in x.parts),))
+    else:
+        start = len(lw.nodes)
+        value = lw.materialize(x)  # the elements read there, a value of the block's shape
+        mark_mixed(lw, start)
+    _mixed_for(lw, value, name)
+    return value, tuple(starts), tuple(lw.shapes[value]), True
+
+
+def _mixed_for(lw: Lowerer, value: int, name: str) -> None:
+    """The parameter each loose value a final block is built from belongs
+    to (its claims are made beside that parameter's gradient)."""
+    need = {value}
+    for node in reversed(lw.nodes):
+        if need.intersection(node.outs):
+            for o in node.outs:
+                if o in lw.mixed:
+                    lw.mixed[o] = name
+            need.update(v for v in node.ins if v >= 0)
 
 
 def check_shards(traces: list[dict]) -> None:

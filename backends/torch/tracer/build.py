@@ -166,6 +166,9 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         if node.op == "narrow" and node.dir == "bw" and not self.aligns(node) \
                 and not self.sliced_alike(node) and self.pads_piece(node):
             return
+        if any(o in self.low.mixed for o in node.outs) and not self.aligns(node):
+            self.make_mixed_loose(node)  # elements of several values (91 (b))
+            return
         if self.cuts_loose_block(node) and not self.aligns(node):
             self.make_loose(node, [self.sv[node.ins[0]]])  # a flat range's block (item 80)
             return
@@ -411,7 +414,7 @@ class _Writer:
             for name in list(r.low.grads):
                 self.materialize(r, r.low.grads[name])
             for blocks in r.low.grad_blocks.values():
-                for v, _, _ in blocks:
+                for v, *_ in blocks:
                     self.materialize(r, v)
             for loss in r.low.losses:
                 self.materialize(r, loss)
@@ -478,8 +481,11 @@ class _Writer:
         parameter (``verdict/final.py``)."""
         rank = r.low.rank
         self.plan.world["grad_blocks"] = 1
-        for v, starts, shape in r.low.grad_blocks[name]:
+        for v, starts, shape, own in r.low.grad_blocks[name]:
             t = self.t_of[(rank, v)]
+            if own:
+                self.own_block(r, name, buf, t, starts, shape)
+                continue
             src = self.plan.tensors[t]
             if any(b - a != n for (a, b), n in zip(src.slices, src.shape)) \
                     or len(src.slices) != len(shape):
@@ -505,6 +511,30 @@ class _Writer:
             final = self.plain_tensor(src, buf, 0, tuple(shape), 1, tuple(slices))
             self.plan.nodes.append(Node(rank, 0, "local_grad_accumulation", "none", (zero, t),
                                         (final,), {}, f"{name}.grad_buffer"))
+
+    def own_block(self, r: _Rank, name: str, buf: int, t: int, starts: tuple[int, ...],
+                  shape: tuple[int, ...]) -> None:
+        """A block of the final gradient whose elements the lowering found
+        elsewhere than at the range map's starts (``_grad_block``): the
+        value ``t`` read there, accumulated into the zeroed block of the
+        gradient buffer at the rank's held shard offset by ``starts``. The
+        final tensor is claimed whole at factor 1, the contract's claim, and
+        its stage proves it from ``t``'s producers or refutes it
+        (docs/soundness.md, "Plans traced from PyTorch", 91 (b))."""
+        rank = r.low.rank
+        held = {n: p for p, (kind, n) in r.low.inputs.items() if kind == "param"}
+        shard = self.plan.tensors[self.t_of[(rank, held[name])]].slices
+        if len(shard) != len(shape):
+            raise LoweringError(f"rank {rank}: a block of the final gradient of {name} has "
+                                f"{len(shape)} dims, its parameter {len(shard)}")
+        slices = tuple((a + s, a + s + n) for (a, _), s, n in zip(shard, starts, shape))
+        like = Tensor(rank, -1, buf, 0, (), 0, (), (0, 1, 1))
+        zero = self.plain_tensor(like, buf, -1, tuple(shape), 0, slices)
+        self.plan.nodes.append(Node(rank, -1, "zeros", "none", (), (zero,),
+                                    {"shape": list(shape)}, f"{name}.grad_buffer"))
+        final = self.plain_tensor(like, buf, 0, tuple(shape), 1, slices)
+        self.plan.nodes.append(Node(rank, 0, "local_grad_accumulation", "none", (zero, t),
+                                    (final,), {}, f"{name}.grad_buffer"))
 
     def sum_across(self, r: _Rank, node: LNode, k: int) -> bool:
         """An all-reduce of sums whose terms together make single-device

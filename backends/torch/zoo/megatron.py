@@ -756,6 +756,8 @@ tp_token_count_over_tp = recipe(bug="token_count_over_tp")
 # (refused: an update no single-device step computes); the tensor-parallel duplicates
 # (norms, row-parallel biases) stepped on tp rank 0 only, the other ranks keep them stale
 ddp_lr_times_dp = recipe(microbatches=2, bug="lr_times_dp")
+# a correct step with the same numbers scaled (SGD: lr x dp, weight decay and gradients / dp)
+ddp_lr_times_dp_compensated = recipe(microbatches=2, bug="lr_times_dp_compensated")
 ddp_duplicates_on_tp_rank0 = recipe(microbatches=2, bug="duplicates_on_tp_rank0")
 # the distributed optimizer's wrong plans: each rank reads the next rank's range of every
 # bucket; the reduce-scatter left out (each range keeps the rank's local gradients); the

@@ -47,6 +47,10 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
     (one, or a chain's), as ``.state``. ``bug="lr_times_dp"``: a wrong
     step, the learning rate multiplied by the data-parallel size (a linear
     scaling rule applied to a rate already set for the global batch);
+    ``"lr_times_dp_compensated"``: that rate with the weight decay and the
+    gradients divided by the same size for the step (multiplied back after
+    it), the same SGD update (a correct step whose numbers differ from the
+    single-device step's);
     ``"duplicates_on_tp_rank0"``: the parameters every tensor-parallel rank
     holds whole (norms, biases of row-parallel layers) stepped on
     tensor-parallel rank 0 only, the other ranks keeping them stale. With
@@ -63,9 +67,14 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
         raise ValueError(f"Megatron's distributed optimizer steps Adam only, not "
                          f"--optimizer {name}")
     fields = dict(CONFIGS[name])
-    if bug == "lr_times_dp":
+    if bug in ("lr_times_dp", "lr_times_dp_compensated"):
         from megatron.core import parallel_state as ps
-        fields["lr"] *= ps.get_data_parallel_world_size()
+        dp = ps.get_data_parallel_world_size()
+        fields["lr"] *= dp
+        if bug == "lr_times_dp_compensated":  # decay and gradients scaled back: the same update
+            fields["weight_decay"] /= dp
+            for w in wrapped:
+                w.scale_gradients(1.0 / dp)
     config = OptimizerConfig(**fields, clip_grad=0.0, bf16=False, fp16=False,
                              use_distributed_optimizer=distributed)
     # built before the step, as a training loop builds it before its first
@@ -93,6 +102,9 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
                     % group.intra_distributed_optimizer_instance_size
     with _float64_kept() if distributed else contextlib.nullcontext():
         optimizer.step()
+    if bug == "lr_times_dp_compensated":  # the gradients as the step found them
+        for w in wrapped:
+            w.scale_gradients(float(dp))
     state: collections.defaultdict = collections.defaultdict(dict)
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         if part.optimizer is not None:

@@ -76,3 +76,28 @@ class Loose(Pieces):
                 and not node.name
                 and not self.claim[x].partial and not self.claim[x].loose
                 and self.claim[x].at is None)
+
+    def make_mixed_loose(self, node: LNode) -> None:
+        """A node the lowering built from elements of several values
+        (``Lowered.mixed``: a view of a range a collective wrote for
+        another rank, docs/soundness.md, "Plans traced from PyTorch", 91
+        (b)): loose, claimed beside the single-device gradient of the
+        parameter whose final block reads it, so that the stage of that
+        gradient is the one judging it (it reads other gradients than that
+        one's sources: the stage FAILs, naming the rank and the
+        parameter's gradient); else beside the single-device value, of
+        those its inputs depend on, that the single-device step computes
+        last (or the first after it that its shape fits in)."""
+        order = self.b.__dict__.setdefault(
+            "mixed_order", {o: i for i, n in enumerate(self.b.s.low.nodes) for o in n.outs})
+        after = self.__dict__.setdefault("mixed_after", {})
+        last = max((after[v] if v in after else order.get(self.sv.get(v), -1)
+                    for v in node.ins if v >= 0), default=-1)
+        shape = tuple(self.low.shapes[node.outs[0]])
+        grad = self.b.s.low.grads.get(self.low.mixed.get(node.outs[0]) or "")
+        base = grad if grad is not None and self.fits_in(shape, grad) else next(
+            (o for n in self.b.s.low.nodes[max(last, 0):] for o in n.outs
+             if o >= 0 and self.fits_in(shape, o)), None)
+        self.make_loose(node, None if base is None else [base] * len(node.outs))
+        for o in node.outs:
+            after[o] = max(last, order.get(self.sv.get(o), -1))

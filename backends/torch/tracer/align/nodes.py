@@ -24,6 +24,23 @@ def _factor(value) -> Fraction:
     """A scalar kwarg as the exact rational Z3 reads it (its decimal repr)."""
     return Fraction(repr(float(value)))
 
+def _floats_only_differ(mine: tuple, theirs: tuple) -> bool:
+    """Two nodes' keyed kwargs name the same keys, and each value that
+    differs is a float number on both sides (no size, dim, flag or mode)."""
+    if [k for k, _ in mine] != [k for k, _ in theirs]:
+        return False
+    differ = [(a, b) for (_, a), (_, b) in zip(mine, theirs) if a != b]
+    return bool(differ) and all(_is_float(a) and _is_float(b) for a, b in differ)
+
+
+def _is_float(text: str) -> bool:
+    """A keyed value (its repr) that is a float literal, not an int or bool."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return any(ch in text for ch in ".eE") or text in ("inf", "-inf", "nan")
+
 #: Operators a ring runs per key block: aligned with the single-device one
 #: reading the same tensors whatever their mask kwargs
 BLOCK_OPS = ("attention", "attention_grad")
@@ -103,6 +120,8 @@ class NodeMatching(Pieces):
             cands = self.past_anchor(node, ins)
         if not cands and self.stands_in(node):
             return [self.sv[self.standing]]
+        if not cands:
+            cands = self.other_scalars(key)
         if not cands:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
                              f"{scope(node.name)} on values the single-device step never "
@@ -362,6 +381,19 @@ class NodeMatching(Pieces):
         rest = tuple(kv for kv in kwargs if kv[0] != "start")
         return [c for k, cs in self.b.s.by_key.items() if k[:3] == (op, d, ins)
                 and tuple(kv for kv in k[3] if kv[0] != "start") == rest for c in cs]
+
+    def other_scalars(self, key: tuple) -> list[int]:
+        """The single-device nodes of the same operator on the same inputs
+        whose kwargs differ from this node's only in float numbers (an
+        optimizer step at another learning rate). Aligned with them, the
+        rank's outputs are claimed to be theirs; the node keeps its own
+        numbers, and the stage of the single-device node proves the claim
+        for every input, so it holds only where the outputs are equal
+        (a rate scaled against a gradient scaled back), and is refuted
+        otherwise (docs/soundness.md, "Plans traced from PyTorch", 91 (a))."""
+        op, d, ins, kwargs = key
+        return [c for k, cs in self.b.s.by_key.items()
+                if k[:3] == (op, d, ins) and _floats_only_differ(kwargs, k[3]) for c in cs]
 
     def padded_piece(self, node: LNode, ins: list[int]) -> list[int] | None:
         """The backward of a slice that took this rank's piece of a dim cut by

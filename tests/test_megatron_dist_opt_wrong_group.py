@@ -1,0 +1,37 @@
+"""Megatron's distributed optimizer with its buckets reduce-scattered over the
+tensor-parallel group (``dist_opt_wrong_group``, dp 2 tp 2): the collective
+writes another range than the one the step reads, so a parameter's final
+gradient block holds elements of other gradients. Lowered as those elements
+and claimed as the block (docs/soundness.md, "Plans traced from PyTorch",
+91 (b)), the plan FAILs, where it was refused; the correct neighbour still
+verifies (suite case ``megatron dp2 tp2 distributed optimizer``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+
+
+def test_reduce_scatter_over_the_tp_group_fails_naming_a_rank(tmp_path):
+    trace = _run("-m", "backends.torch", "--model", "backends.torch.megatron:gpt", "--recipe",
+                 "backends.torch.megatron:dist_opt_wrong_group", "--dp", "2", "--tp", "2",
+                 "--batch", "8", "--hidden", "24", "-o", str(tmp_path))
+    assert trace.returncode == 0, trace.stderr[-2000:]
+    single = next(tmp_path.glob("*_single.pkl"))
+    parallel = next(tmp_path.glob("*_parallel.pkl"))
+    run = _run("main.py", "--sm", str(single), "--pm", str(parallel))
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    first = run.stdout.splitlines()[0]
+    assert "not equivalent" in first and "rank=" in first and "linear_" in first
