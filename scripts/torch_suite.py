@@ -53,6 +53,8 @@ MISTAKES = "tests.outside_mistakes:"
 RECUT = "tests.recut_models:"
 #: models with strided slices and writes (tests/strided_models.py)
 STRIDED = "tests.strided_models:"
+#: their mistakes on one rank (tests/strided_mistakes.py)
+STRIDED_BUGS = "tests.strided_mistakes:"
 #: whole-tensor maxima, padded pooling, circular padding (tests/pooling_padding_models.py),
 #: uneven Shard(1) (tests/uneven_shard_recipes.py)
 POOL_MODELS = "tests.pooling_padding_models:"
@@ -598,6 +600,15 @@ CASES: list[tuple[str, str, int]] = [
           # a per-rank mean summed over dp (the shipped mistake of item "Scaling conventions")
           ("interleaved_rope", f"{STOCK}ddp", "dp2", 1),
           ("pair_gated", f"{STOCK}tp_mlp", "dp2 tp2", 1),
+          # the halves written back swapped on rank 0: the rank's cat (or the
+          # narrow keeping the other half) is claimed to be the single-device
+          # one and refuted (docs/soundness.md, "Plans traced from PyTorch", 94)
+          ("interleaved_rope", f"{STRIDED_BUGS}ddp_avg_swapped_on_rank_0", "dp2", 1),
+          ("interleaved_rope", f"{STRIDED_BUGS}fsdp_swapped_on_rank_0", "dp2", 1),
+          ("copy_into_strided", f"{STRIDED_BUGS}ddp_avg_swapped_on_rank_0", "dp2", 1),
+          ("copy_into_strided", f"{STRIDED_BUGS}fsdp_swapped_on_rank_0", "dp2", 1),
+          ("pair_gated", f"{STRIDED_BUGS}tp_mlp_avg_swapped_on_rank_0", "dp2 tp2", 1),
+          ("pair_gated", f"{STRIDED_BUGS}tp_mlp_avg_swapped_on_rank_0", "dp1 tp2", 1),
       ]],
     # issue 18's last stock ops: convolutions (tests/outside_models.py:conv_tagger)
     ("outside conv_tagger ddp dp2", f"--model {USER_MODELS}conv_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
