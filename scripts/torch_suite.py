@@ -797,6 +797,12 @@ CASES += [
     ("hf mixtral tp2 refused (packed expert columns: a strided shard; a correct plan, gloo same at "
      "rtol 1e-6)", "--hf mixtral --dp 1 --tp 2", 2),
     ("hf gemma3 refused (vision tower)", "--hf gemma3 --dp 1 --tp 2", 2),
+    # BLT's entropy patcher reads the patches' count from computed entropies
+    # (.item()); with static one-byte patches it reaches aten.unfold of the ids
+    ("hf blt refused (entropy patching: patch counts read from computed values)",
+     "--hf blt --dp 2 --tp 1", 2),
+    ("hf blt static patches refused (aten.unfold of the ids, not lowered)",
+     "--model tests.blt_models:blt_static --recipe backends.torch.zoo.hf:ddp --dp 2 --tp 1", 2),
     ("hf falcon dp2 (its attention's constant-index lookup: soundness 39 f)", "--hf falcon --dp 2 --tp 1", 0),
 ]
 
