@@ -860,6 +860,9 @@ CASES += [
      f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug wrong split size (FAIL at rank 0's pick of its pairs)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf mixtral ep2 bug routed to another token (FAIL at a mul of mlp.experts on rank 0, "
+     "claimed to be the nearest single-device node: soundness 94; refused before)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_routed_to_other_token --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug combine with another token's gate (the gates' rows at the "
      "permutation stand in for the gates: FAIL at the lookup on rank 0)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_combine_other_gate --dp 2 --tp 1 --ep 2", 1),
