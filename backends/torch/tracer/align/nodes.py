@@ -141,7 +141,8 @@ class NodeMatching(Pieces):
         (docs/soundness.md, "Plans traced from PyTorch", 94). (a) A
         forward node of a module (a rank that writes the halves of a
         strided view back swapped): a single-device node of the same
-        operator, made after the value each of its inputs is aligned with
+        operator reading the same values (another order, other kwargs),
+        made after the value each of its inputs is aligned with
         (so its stage can read them) and whose outputs its own are pieces
         of (``nearest_node``). The claim is proved or refuted by that
         node's stage, never assumed. (b) Once a rank holds such a claim, a
@@ -171,9 +172,11 @@ class NodeMatching(Pieces):
         order = self.single_order()
         mine = [self.sv[v] for v in node.ins if v >= 0]
         after = max((order.get(sv, -1) for sv in mine), default=-1)
+        same = sorted(mine)
         found = [i for i in range(after + 1, len(nodes))
                  if nodes[i].op == node.op and nodes[i].dir == node.dir
-                 and len(nodes[i].outs) == len(node.outs) and self.fits_all(node, i)]
+                 and len(nodes[i].outs) == len(node.outs) and self.fits_all(node, i)
+                 and sorted(v for v in nodes[i].ins if v >= 0) == same]
         if not found:
             return []
 
