@@ -860,6 +860,9 @@ CASES += [
      f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug wrong split size (FAIL at rank 0's pick of its pairs)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf jamba dp2 refused (a mul of its experts reads values no single-device mul reads: "
+     "not claimed, soundness 94 (d); a correct plan up to rounding, gloo max error 3.3e-16)",
+     "--hf jamba --dp 2 --tp 1", 2),
     ("moe hf mixtral ep2 bug routed to another token (FAIL at a mul of mlp.experts on rank 0, "
      "claimed to be the nearest single-device node: soundness 94; refused before)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_routed_to_other_token --dp 2 --tp 1 --ep 2", 1),
