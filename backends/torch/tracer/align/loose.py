@@ -53,8 +53,8 @@ class Loose(Pieces):
 
     def first_fits(self, node: LNode) -> list[int]:
         """For each output of ``node``, a loose value's base (-1 when none):
-        the first value the single-device step computes that it fits in,
-        made after every aligned input's value and no earlier than every
+        a value the single-device step computes that it fits in
+        (``closest_fit``), made after every aligned input's value and no earlier than every
         loose input's base. Its stage then finds every value the loose one
         is computed from verified before it (a loose value is a target of
         its base's stage, which recomputes it), and a later reader's stage

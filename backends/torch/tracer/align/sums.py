@@ -151,9 +151,11 @@ class Sums(Pieces):
         """The terms added in the order the rank adds them, each addition
         aligned as any node is: on a rank that holds a claim of
         ``claimed_alike`` (its backward sums gradient terms of its own
-        forward, which no single-device sum has), each is claimed to be a
-        single-device addition, a claim its stage proves or refutes
-        (docs/soundness.md, "Plans traced from PyTorch", 94)."""
+        forward, which no single-device sum has), an addition that matches
+        no single-device node is loose, or, when it writes a gradient the
+        rank ends with, claimed to be the node that writes it, a claim its
+        stage proves or refutes (docs/soundness.md, "Plans traced from
+        PyTorch", 94 (b))."""
         out: list[LNode] = []
         acc = leaves[0]
         for k, p in enumerate(leaves[1:]):
