@@ -860,6 +860,9 @@ CASES += [
      f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug wrong split size (FAIL at rank 0's pick of its pairs)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf aria_text ep2 (its experts' mul reads a single-device mul's values in another "
+     "order: claimed and proved, soundness 94; refused before; gloo same)",
+     "--hf aria_text --dp 2 --tp 1 --ep 2", 0),
     ("moe hf jamba dp2 refused (a mul of its experts reads values no single-device mul reads: "
      "not claimed, soundness 94 (d); a correct plan up to rounding, gloo max error 3.3e-16)",
      "--hf jamba --dp 2 --tp 1", 2),
