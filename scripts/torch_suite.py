@@ -53,6 +53,8 @@ MISTAKES = "tests.outside_mistakes:"
 RECUT = "tests.recut_models:"
 #: models with strided slices and writes (tests/strided_models.py)
 STRIDED = "tests.strided_models:"
+#: their mistakes on one rank (tests/strided_mistakes.py)
+STRIDED_BUGS = "tests.strided_mistakes:"
 #: whole-tensor maxima, padded pooling, circular padding (tests/pooling_padding_models.py),
 #: uneven Shard(1) (tests/uneven_shard_recipes.py)
 POOL_MODELS = "tests.pooling_padding_models:"
@@ -629,6 +631,15 @@ CASES: list[tuple[str, str, int]] = [
           # a per-rank mean summed over dp (the shipped mistake of item "Scaling conventions")
           ("interleaved_rope", f"{STOCK}ddp", "dp2", 1),
           ("pair_gated", f"{STOCK}tp_mlp", "dp2 tp2", 1),
+          # the halves written back swapped on rank 0: the rank's cat (or the
+          # narrow keeping the other half) is claimed to be the single-device
+          # one and refuted (docs/soundness.md, "Plans traced from PyTorch", 94)
+          ("interleaved_rope", f"{STRIDED_BUGS}ddp_avg_swapped_on_rank_0", "dp2", 1),
+          ("interleaved_rope", f"{STRIDED_BUGS}fsdp_swapped_on_rank_0", "dp2", 1),
+          ("copy_into_strided", f"{STRIDED_BUGS}ddp_avg_swapped_on_rank_0", "dp2", 1),
+          ("copy_into_strided", f"{STRIDED_BUGS}fsdp_swapped_on_rank_0", "dp2", 1),
+          ("pair_gated", f"{STRIDED_BUGS}tp_mlp_avg_swapped_on_rank_0", "dp2 tp2", 1),
+          ("pair_gated", f"{STRIDED_BUGS}tp_mlp_avg_swapped_on_rank_0", "dp1 tp2", 1),
       ]],
     # issue 18's last stock ops: convolutions (tests/outside_models.py:conv_tagger)
     ("outside conv_tagger ddp dp2", f"--model {USER_MODELS}conv_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
@@ -815,6 +826,12 @@ CASES += [
     ("hf gemma bug fsdp avg", "--hf gemma --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf opt bug ddp averaging a shared-out loss", "--hf opt --recipe ddp_avg --dp 2 --tp 1", 1),
     ("hf gemma3 refused (vision tower)", "--hf gemma3 --dp 1 --tp 2", 2),
+    # BLT's entropy patcher reads the patches' count from computed entropies
+    # (.item()); with static one-byte patches it reaches aten.unfold of the ids
+    ("hf blt refused (entropy patching: patch counts read from computed values)",
+     "--hf blt --dp 2 --tp 1", 2),
+    ("hf blt static patches refused (aten.unfold of the ids, not lowered)",
+     "--model tests.blt_models:blt_static --recipe backends.torch.zoo.hf:ddp --dp 2 --tp 1", 2),
     ("hf falcon dp2 (its attention's constant-index lookup: soundness 39 f)", "--hf falcon --dp 2 --tp 1", 0),
 ]
 
@@ -900,6 +917,15 @@ CASES += [
      f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug wrong split size (FAIL at rank 0's pick of its pairs)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf aria_text ep2 (its experts' mul reads a single-device mul's values in another "
+     "order: claimed and proved, soundness 94; refused before; gloo same)",
+     "--hf aria_text --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf jamba dp2 refused (a mul of its experts reads values no single-device mul reads: "
+     "not claimed, soundness 94 (d); a correct plan up to rounding, gloo max error 3.3e-16)",
+     "--hf jamba --dp 2 --tp 1", 2),
+    ("moe hf mixtral ep2 bug routed to another token (FAIL at a mul of mlp.experts on rank 0, "
+     "claimed to be the nearest single-device node: soundness 94; refused before)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_routed_to_other_token --dp 2 --tp 1 --ep 2", 1),
     ("moe hf mixtral ep2 bug combine with another token's gate (the gates' rows at the "
      "permutation stand in for the gates: FAIL at the lookup on rank 0)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_combine_other_gate --dp 2 --tp 1 --ep 2", 1),

@@ -56,6 +56,7 @@ class _Cutter:
             and (parallel.tensors[i].tid, parallel.tensors[i].lver) not in computed_in_s
         }
         self.stages: list[Stage] = []
+        self.stopped: list[StructureError] | None = None
         for i in sorted(self.verified):
             if not parallel.tensors[i].is_whole():
                 raise StructureError("lineage", (
@@ -159,11 +160,24 @@ class _Cutter:
         for i, node in enumerate(progress(self.s.nodes, "cutting stages")):
             outputs = sorted({self.of_gs[o] for o in node.outputs if o >= 0 and self.of_gs[o] >= 0})
             targets = {t for lid in outputs for t in self.lineages[lid].members}
-            if targets:
+            if not targets:
+                continue
+            try:
                 self.cut(i, targets, outputs)
+            except StructureError as e:
+                if self.stopped is None:
+                    raise
+                self.stopped.append(e)
+                break
         return self.stages
 
 
 def cut_stages(single: Plan, parallel: Plan, lineages: list[Lineage], of_gs: list[int],
-               of_gp: list[int]) -> list[Stage]:
-    return _Cutter(single, parallel, lineages, of_gs, of_gp).run()
+               of_gp: list[int], stopped: list[StructureError] | None = None) -> list[Stage]:
+    """The stages in single-device order. With ``stopped``, a node's stage
+    that finds the plan wrong (a target it cannot reach) ends the list: its
+    finding is appended to ``stopped`` and the stages before it returned, so
+    that a stage among them that fails can be reported first."""
+    cutter = _Cutter(single, parallel, lineages, of_gs, of_gp)
+    cutter.stopped = stopped
+    return cutter.run()

@@ -84,6 +84,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         self.stood: set[int] = set()  # outputs standing in for a value (``stands_in``)
         self.strided_loose: dict[int, int] = {}
         self.undone: set[int] = set()  # reshapes left out, every reader undoing them
+        self.made_at: dict[int, int] | None = None  # single-device value -> its node (claimed_alike)
+        self.alike = False  # a claim of ``claimed_alike`` made on this rank
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
         self.zero_memo: dict[int, bool] = {}  # value -> exactly zero by its making
@@ -177,6 +179,9 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
             self.make_loose(node)  # a ring's accumulator or skipped block (ring_step)
             return
         souts = self.align(node)
+        if souts is None:
+            self.make_loose(node, self.first_fits(node))  # ``claimed_alike`` (b)
+            return
         mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
         for o, so in zip(node.outs, souts):
             if o >= 0:

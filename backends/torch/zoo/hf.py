@@ -123,7 +123,8 @@ def refusal(family: str, tp: int) -> str | None:
     """Why the backend cannot trace ``family`` at tensor-parallel degree
     ``tp`` (None when it can): a composite model (a vision or audio tower
     beside the text model), or TP for a family without a tensor-parallel
-    plan. A family that routes tokens to its top-k experts is traced with
+    plan, or patches decided by computed values (BLT's entropy patcher).
+    A family that routes tokens to its top-k experts is traced with
     its routing recorded (docs/soundness.md, "Plans traced from PyTorch",
     35)."""
     cfg_cls, _ = classes(family)
@@ -133,6 +134,14 @@ def refusal(family: str, tp: int) -> str | None:
         towers = ", ".join(subs)
         return (f"'{family}' is a composite model ({towers}): give its text model's type "
                 f"(the backend builds text-only causal LMs)")
+    if getattr(default, "patching_mode", None) == "entropy" and getattr(
+            default, "patch_in_forward", False):
+        return (f"'{family}' patches by entropy (patching_mode 'entropy'): its patcher's own "
+                f"model computes each byte's entropy from the ids, and the patches' count and "
+                f"lengths are read back with .item() from where it exceeds patching_threshold "
+                f"(shapes decided by computed values, aten._local_scalar_dense); static "
+                f"one-byte patches (tests/blt_models.py blt_static) reach aten.unfold of the "
+                f"ids (the hashed byte n-grams), not lowered yet")
     if tp > 1 and not default.base_model_tp_plan:
         return (f"'{family}' has no tensor-parallel plan (base_model_tp_plan): run it with --tp 1 "
                 f"(FSDP2 or DDP over dp)")

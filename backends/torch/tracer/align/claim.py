@@ -113,6 +113,7 @@ class Pieces:
     producer: dict[int, LNode]
     #: a strided value (its claim has a ``STRIDED`` marker) -> its loose number
     strided_loose: dict[int, int]
+    made_at: dict[int, int] | None
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""
@@ -129,6 +130,14 @@ class Pieces:
             return [()]
         return [a for a in self.orders(order)
                 if math.prod(self.sizes[x] for x in a) == ratio and all(self.sizes[x] > 1 for x in a)]
+
+    def single_order(self) -> dict[int, int]:
+        """Each single-device value -> the index of the node that makes it
+        (inputs absent), computed once."""
+        if self.made_at is None:
+            self.made_at = {o: i for i, n in enumerate(self.b.s.low.nodes)
+                            for o in n.outs if o >= 0}
+        return self.made_at
 
     def gshape(self, v: int) -> tuple[int, ...]:
         return self.b.s.low.shapes[self.sv[v]]

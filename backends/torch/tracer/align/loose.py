@@ -6,6 +6,8 @@ part no cover holds."""
 
 from __future__ import annotations
 
+import math
+
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode
 from backends.torch.tracer.align.claim import Claim, Pieces, scope
@@ -37,7 +39,7 @@ class Loose(Pieces):
             if o < 0:
                 continue
             shape = tuple(self.low.shapes[o])
-            tries = ([bases[i]] if bases else []) + near
+            tries = ([bases[i]] if bases and bases[i] >= 0 else []) + near
             base = next((t for t in tries if self.fits_in(shape, t)), None)
             if base is None:  # the last value the single-device step computes that fits
                 base = next((o for n in reversed(self.b.s.low.nodes) for o in n.outs
@@ -48,6 +50,36 @@ class Loose(Pieces):
                                  f"{list(shape)} no single-device value holds")
             self.sv[o], self.mb[o] = base, mb
             self.claim[o] = Claim([[] for _ in shape], loose=self.b.loose_number())
+
+    def first_fits(self, node: LNode) -> list[int]:
+        """For each output of ``node``, a loose value's base (-1 when none):
+        a value the single-device step computes that it fits in
+        (``closest_fit``), made after every aligned input's value and no earlier than every
+        loose input's base. Its stage then finds every value the loose one
+        is computed from verified before it (a loose value is a target of
+        its base's stage, which recomputes it), and a later reader's stage
+        finds its base verified (docs/soundness.md, "Plans traced from
+        PyTorch", 94)."""
+        order = self.single_order()
+        start = 0
+        for v in node.ins:
+            if v >= 0 and v in self.sv:
+                at = order.get(self.sv[v], -1)
+                start = max(start, at if self.is_loose(v) else at + 1)
+        made = [o for n in self.b.s.low.nodes[start:] for o in n.outs if o >= 0]
+        return [-1 if o < 0 else self.closest_fit(tuple(self.low.shapes[o]), made)
+                for o in node.outs]
+
+    def closest_fit(self, shape: tuple[int, ...], made: list[int]) -> int:
+        """Of the values ``made``, the first that a value of ``shape`` fits
+        in with the fewest pieces (its dims tie to dims of the same cut when
+        a stage is reduced); -1 when none fits."""
+        fits = [sv for sv in made if self.fits_in(shape, sv)]
+        if not fits:
+            return -1
+        full = self.b.s.low.shapes
+        return min(fits, key=lambda sv: math.prod(f // max(n, 1)
+                                                  for n, f in zip(shape, full[sv])))
 
     def fits_in(self, shape: tuple[int, ...], sv: int) -> bool:
         """A value of ``shape`` fits in the leading corner of single-device

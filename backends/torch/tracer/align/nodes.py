@@ -24,6 +24,7 @@ def _factor(value) -> Fraction:
     """A scalar kwarg as the exact rational Z3 reads it (its decimal repr)."""
     return Fraction(repr(float(value)))
 
+
 def _floats_only_differ(mine: tuple, theirs: tuple) -> bool:
     """Two nodes' keyed kwargs name the same keys, and each value that
     differs is a float number on both sides (no size, dim, flag or mode)."""
@@ -40,6 +41,14 @@ def _is_float(text: str) -> bool:
     except ValueError:
         return False
     return any(ch in text for ch in ".eE") or text in ("inf", "-inf", "nan")
+
+
+def _module_path(name: str) -> tuple[bool, str]:
+    """A recorded node name without its root module's class (a wrapper
+    renames it: ``FSDPLM`` for ``LM``): whether it was recorded in the
+    backward, and the path of the module inside the model."""
+    return name.startswith("bw:"), name.removeprefix("bw:").partition(".")[2]
+
 
 #: Operators a ring runs per key block: aligned with the single-device one
 #: reading the same tensors whatever their mask kwargs
@@ -70,9 +79,11 @@ class NodeMatching(Pieces):
     pieced: set[int]
     stood: set[int]
     undone: set[int]
+    alike: bool
 
-    def align(self, node: LNode) -> list[int]:
-        """The single-device node this compute node runs, or AlignError."""
+    def align(self, node: LNode) -> list[int] | None:
+        """The single-device node this compute node runs, None where its
+        outputs are loose (``claimed_alike`` (b)), or AlignError."""
         ins = []
         for v in node.ins:
             ins.append(-1 if v < 0 else self.sv[v])
@@ -122,6 +133,10 @@ class NodeMatching(Pieces):
             return [self.sv[self.standing]]
         if not cands:
             cands = self.other_scalars(key)
+        if not cands:
+            cands = self.claimed_alike(node)
+            if cands is None:
+                return None
         if not cands:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
                              f"{scope(node.name)} on values the single-device step never "
@@ -222,6 +237,95 @@ class NodeMatching(Pieces):
                 far[o] = depth
             frontier = after
         return {v: d for v, d in far.items() if shapes.get(v) == shapes.get(start)}
+
+    def claimed_alike(self, node: LNode) -> list[int] | None:
+        """What a node that combines aligned values in a way the
+        single-device step never does is claimed to compute
+        (docs/soundness.md, "Plans traced from PyTorch", 94). (a) A
+        forward node of a module (a rank that writes the halves of a
+        strided view back swapped): a single-device node of the same
+        operator reading the same values (another order, other kwargs),
+        made after the value each of its inputs is aligned with
+        (so its stage can read them) and whose outputs its own are pieces
+        of (``nearest_node``). The claim is proved or refuted by that
+        node's stage, never assumed. (b) Once a rank holds such a claim, a
+        later node that matches nothing (its backward, the gradient of its
+        own forward) is loose (None): a stage that reads it recomputes it;
+        one that writes a gradient or loss the rank ends with is claimed to
+        be the single-device node that writes it. Empty when neither."""
+        if any(v >= 0 and v not in self.sv for v in node.ins):
+            return []
+        if node.dir == "fw" and node.name and not node.name.startswith("bw:"):
+            found = self.nearest_node(node)
+            if found:
+                self.alike = True
+                return found
+        if not self.alike:
+            return []
+        return self.final_node(node)
+
+    def nearest_node(self, node: LNode) -> list[int]:
+        """The single-device node ``node`` is claimed to compute
+        (``claimed_alike`` (a)), or none: of the candidates, the one of the
+        same module path first (a wrapper renames the root class), then of
+        the same kwargs, then reading most of the same values, then not yet
+        matched in this microbatch."""
+        nodes = self.b.s.low.nodes
+        kw, where = key_kwargs(node.kwargs), _module_path(node.name)
+        order = self.single_order()
+        mine = [self.sv[v] for v in node.ins if v >= 0]
+        after = max((order.get(sv, -1) for sv in mine), default=-1)
+        same = sorted(mine)
+        found = [i for i in range(after + 1, len(nodes))
+                 if nodes[i].op == node.op and nodes[i].dir == node.dir
+                 and len(nodes[i].outs) == len(node.outs) and self.fits_all(node, i)
+                 and sorted(v for v in nodes[i].ins if v >= 0) == same]
+        if not found:
+            return []
+
+        def rank(c: int) -> tuple:
+            shared = sum(min(mine.count(sv), nodes[c].ins.count(sv)) for sv in set(mine))
+            return (_module_path(nodes[c].name) != where, key_kwargs(nodes[c].kwargs) != kw,
+                    -shared, (node.mb, c) in self.used)
+        return [min(found, key=rank)]
+
+    def final_node(self, node: LNode) -> list[int] | None:
+        """The single-device node that writes the gradient or loss this
+        node writes for the rank to end with, when it is of the same
+        operator (``claimed_alike`` (b)); None (loose) when the node writes
+        none."""
+        finals = self.finals()
+        mine = [finals.get(o) for o in node.outs if o in finals]
+        if not mine:
+            return None
+        order = self.single_order()
+        i = order.get(mine[0]) if mine[0] is not None else None
+        if i is None or self.b.s.low.nodes[i].op != node.op \
+                or self.b.s.low.nodes[i].dir != node.dir or not self.fits_all(node, i):
+            return []
+        return [i]
+
+    def finals(self) -> dict[int, int | None]:
+        """The gradients and losses the rank ends with -> the single-device
+        value each is claimed to be."""
+        finals = {v: self.b.s.low.grads.get(n) for n, v in self.low.grads.items()
+                  if v is not None}
+        finals.update(zip(self.low.losses, self.b.s.low.losses))
+        return finals
+
+    def writes_final(self, node: LNode) -> bool:
+        """``node`` writes a gradient or loss the rank ends with."""
+        finals = self.finals()
+        return any(o in finals for o in node.outs)
+
+    def fits_all(self, node: LNode, cand: int) -> bool:
+        """Every output of ``node`` has as many dims as the single-device
+        node ``cand``'s, none larger (a piece of it)."""
+        full = self.b.s.low.shapes
+        return all((o < 0) == (so < 0) and (o < 0 or (
+            len(self.low.shapes[o]) == len(full[so])
+            and all(m <= f for m, f in zip(self.low.shapes[o], full[so]))))
+            for o, so in zip(node.outs, self.b.s.low.nodes[cand].outs))
 
     def stands_in(self, node: LNode) -> bool:
         """A forward node reading a constant of this rank only (``own_tid``)

@@ -33,11 +33,16 @@ class Ring(Pieces):
         if node.group is not None:
             return None
         if any(self.is_loose(v) and not self.is_zero(v) for v in node.ins):
+            if self.alike and self.writes_final(node):
+                return None  # claimed to be the single-device node (``claimed_alike``)
             emitted: list[LNode] = []
             for v in node.ins:
                 if v in self.pending:
                     emitted += self.materialize(v)
-            self.make_loose(node, self.block_bases(node))
+            bases = self.block_bases(node)
+            if bases is None and self.alike:
+                bases = self.first_fits(node)  # ``claimed_alike`` (b)
+            self.make_loose(node, bases)
             return [*emitted, node]
         if node.op == "add" and len(node.ins) == 2 \
                 and not any(v in self.pending for v in node.ins) and self.accumulates_steps(node):

@@ -116,6 +116,8 @@ class Sums(Pieces):
         single-device terms left out must be zero on the piece). AlignError
         if no single-device sum has all these terms."""
         root = self.b.superset(s_leaves)
+        if root is None and self.alike:
+            return self.sum_as_run(v, leaves)
         if root is None:
             raise AlignError(f"rank {self.low.rank} sums gradient terms the single-device step "
                              f"never sums together")
@@ -141,6 +143,28 @@ class Sums(Pieces):
             else:
                 self.claim[target] = Claim([[] for _ in self.gshape(target)], partial)
             self.check(target)
+            out.append(new)
+            acc = target
+        return out
+
+    def sum_as_run(self, v: int, leaves: list[int]) -> list[LNode]:
+        """The terms added in the order the rank adds them, each addition
+        aligned as any node is: on a rank that holds a claim of
+        ``claimed_alike`` (its backward sums gradient terms of its own
+        forward, which no single-device sum has), an addition that matches
+        no single-device node is loose, or, when it writes a gradient the
+        rank ends with, claimed to be the node that writes it, a claim its
+        stage proves or refutes (docs/soundness.md, "Plans traced from
+        PyTorch", 94 (b))."""
+        out: list[LNode] = []
+        acc = leaves[0]
+        for k, p in enumerate(leaves[1:]):
+            target = v if k == len(leaves) - 2 else self.fresh
+            if target != v:
+                self.fresh += 1
+                self.low.shapes[target] = self.low.shapes[acc]
+            new = LNode("add", "fw", [acc, p], [target], {}, "bw:")
+            self.one(new, {})
             out.append(new)
             acc = target
         return out
