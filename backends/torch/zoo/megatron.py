@@ -538,20 +538,6 @@ def _main_grads(wrapped: list) -> Callable:
     return after
 
 
-class _ShiftedRank:
-    """A process group seen with its members' ranks shifted by ``shift``
-    (a wrong plan: the range map of the next data-parallel rank)."""
-
-    def __init__(self, group: Any, shift: int):
-        self.group, self.shift = group, shift
-
-    def rank(self) -> int:
-        return (self.group.rank() + self.shift) % self.group.size()
-
-    def size(self) -> int:
-        return self.group.size()
-
-
 def optimizer_ranges(wrapped: list, shift: int = 0) -> dict[int, list[tuple[int, int]]]:
     """For each parameter (by id), the flat ranges [start, end) of its
     gradient, flattened, that this rank's distributed optimizer reads: its
@@ -567,7 +553,7 @@ def optimizer_ranges(wrapped: list, shift: int = 0) -> dict[int, list[tuple[int,
         for buffer in [*w.buffers, *w.expert_parallel_buffers]:
             group = buffer.data_parallel_group
             if shift:
-                buffer.data_parallel_group = _ShiftedRank(group, shift)
+                buffer.data_parallel_group = megatron_optim.ShiftedRank(group, shift)
             try:
                 maps = DistributedOptimizer._build_gbuf_range_map(buffer)
             finally:

@@ -124,11 +124,10 @@ def _ranges_shifted(wrapped: list, shift: bool) -> Iterator[None]:
     if not shift:
         yield
         return
-    from backends.torch.zoo.megatron import _ShiftedRank
     buffers = [b for w in wrapped for b in [*w.buffers, *w.expert_parallel_buffers]]
     kept = [b.data_parallel_group for b in buffers]
     for b in buffers:
-        b.data_parallel_group = _ShiftedRank(b.data_parallel_group, 1)
+        b.data_parallel_group = ShiftedRank(b.data_parallel_group, 1)
     try:
         yield
     finally:
@@ -212,3 +211,17 @@ def _leave_out_duplicates(optimizer: Any) -> None:
         for group in part.optimizer.param_groups if part.optimizer is not None else []:
             group["params"] = [p for p in group["params"]
                                if param_is_not_tensor_parallel_duplicate(p)]
+
+
+class ShiftedRank:
+    """A process group seen with its members' ranks shifted by ``shift``
+    (a wrong plan: the range map of the next data-parallel rank)."""
+
+    def __init__(self, group: Any, shift: int):
+        self.group, self.shift = group, shift
+
+    def rank(self) -> int:
+        return (self.group.rank() + self.shift) % self.group.size()
+
+    def size(self) -> int:
+        return self.group.size()
