@@ -77,6 +77,27 @@ def routed_to_other_token(model, mesh):
     return after
 
 
+def gating_other_gate(model, mesh):
+    """On the first data-parallel rank, the attention experts' top-k gating
+    of JetMoE (an ``experts.router`` returning the sorted pairs, their
+    tokens, their gates, the tokens per expert and the logits) hands the
+    first two sorted pairs each other's gate: rows combined with another
+    pair's weight."""
+    after = tp_fsdp(model, mesh)
+
+    def hook(module, args, out):
+        pairs, tokens, gates, sizes, logits = out
+        order = torch.arange(gates.shape[0])
+        order[0], order[1] = 1, 0
+        return pairs, tokens, gates[order], sizes, logits
+
+    if mesh["dp"].get_local_rank() == 0:
+        for name, module in model.named_modules():
+            if name.endswith("experts.router") and type(module).__name__.endswith("TopKGating"):
+                module.register_forward_hook(hook)
+    return after
+
+
 def titan_routed_to_other_token(model, mesh):
     """torchtitan's DeepSeek-V3 under its own ``parallelize_deepseekv3``
     (dp, ep 1) with, on the first data-parallel rank, the first two tokens'

@@ -40,6 +40,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from backends.torch.__main__ import model_kwargs, resolve, user_mesh  # noqa: E402
 from backends.torch.__main__ import parser as backend_parser  # noqa: E402
+from backends.torch.errors import LoweringError  # noqa: E402
 from backends.torch.tracer.mesh import build as build_mesh  # noqa: E402
 from backends.torch.tracer.mesh import coords as mesh_coords  # noqa: E402
 from backends.torch.tracer.pipeline import OwnSchedule, PipelineStep  # noqa: E402
@@ -236,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                                 "a model that computes in float32, e.g. Gemma's norms' "
                                 "x.float(), rounds to about 1e-7)")
     opts, rest = tolerance.parse_known_args(argv)
-    args = resolve(backend_parser().parse_args(rest))
+    try:
+        args = resolve(backend_parser().parse_args(rest))
+    except LoweringError as e:  # a refused family or recipe: one line, as the backend
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args.mesh = user_mesh(args)  # --mesh: its layout as args' pp, dp, tp, cp
     args.cp = args.cp if args.mesh is not None else 1
     args.rtol = opts.rtol

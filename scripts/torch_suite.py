@@ -945,6 +945,13 @@ CASES += [
      f"--hf gpt_oss --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 1 --ep 2", 1),
     ("moe hf gpt_oss ep2 bug expert grads 2x (pytorch 160285)",
      f"--hf gpt_oss --recipe {MOE_BUGS}ep_expert_grads_undivided --dp 2 --tp 1 --ep 2", 1),
+    # jetmoe: top-k experts in the MLP and in the attention (a mixture of attention
+    # experts, rows put back at their sorted positions: item 36 c)
+    ("moe hf jetmoe dp2 (attention experts too)", "--hf jetmoe --dp 2 --tp 1", 0),
+    ("moe hf jetmoe bug attention experts combined with another pair's gate refused (a wrong "
+     "plan: the gates picked at a permuted index are added back at other rows than they "
+     "hold; no SUCCESS, a FAIL left to do)",
+     f"--hf jetmoe --recipe {MOE_BUGS}gating_other_gate --dp 2 --tp 1", 2),
     ("moe mixtral tied router scores (two experts take every token, two none)",
      "--model backends.torch.hf_moe:tied_mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 0),
     ("moe mixtral aux loss per rank (the load-balancing loss of each rank's tokens, not the step's)",

@@ -128,3 +128,33 @@ def test_a_combine_with_another_tokens_gate_fails_at_the_permutation() -> None:
     lead = "\n".join(diagnose(verdict, plan_s, plan_p))
     assert "embedding (CausalLM.hf.model.layers.0.mlp.experts) on rank 0" in lead, lead
     assert not judge(plan_s, plan_p).right
+
+
+def test_attention_experts_put_back_in_order_verify() -> None:
+    """JetMoE routes its attention heads too: each (token, slot) row's query
+    projection is computed on its expert's grouped rows and added back at
+    the very row it came from (``index_add`` at the sorted positions), and
+    the output projection's rows are gathered there again. Both are each
+    row's own expert's result on the token-major rows, with no one-hot
+    permutation of the rows: a rank's sort of its own rows is no piece of
+    the single-device sort, and read as its own constant it made the
+    correct step FAIL (issue 30)."""
+    spec = {"model": "backends.torch.hf:jetmoe", "model_kwargs": SIZES, "recipe": "", "dp": 1,
+            "tp": 1, "pp": 1, "batch": 4, "seqlen": 4, "vocab": 16, "seed": 0, "parallel": False,
+            "keep_values": True}
+    trace = run(spec, 0)
+    low = lower_trace(trace, 16)
+    assert not check_lowering(trace, low, 16).differences(rtol=1e-5, atol=1e-7)
+    picks = [n.name for n in low.nodes
+             if n.op == "embedding" and n.dir == "fw" and "embed_tokens" not in n.name]
+    assert not picks, "rows of the attention experts picked by a one-hot permutation"
+    plan_s, plan_p = _plans("--hf jetmoe --dp 2 --tp 1")
+    verdict = verify(plan_s, plan_p)
+    assert verdict.success, verdict.message
+    from harness.mutations import other_routing
+    from harness.oracle import judge
+    for k in range(2):
+        mutant, what = other_routing(plan_p, random.Random(f"routing/{k}"))
+        assert not judge(plan_s, mutant).right, what
+        verdict = verify(plan_s, mutant)
+        assert not verdict.success and verdict.kind != "internal", what

@@ -57,7 +57,18 @@ class Experts(Pending):
     index: np.ndarray
 
     def materialize(self, lw: Lowerer) -> int:
-        return lw.materialize(Rows(collapse(lw, self), self.index))
+        rows = as_gathered(lw, self)
+        return rows if isinstance(rows, int) else lw.materialize(rows)
+
+
+def as_gathered(lw: Lowerer, e: Experts) -> Rows | int:
+    """Each row's own group's result (``collapse``) at e's rows; every row
+    of the base in its order (grouped rows put back where they were
+    computed) is that result itself, no rows picked."""
+    dense = collapse(lw, e)
+    if np.array_equal(e.index, np.arange(lw.shapes[e.y][1])):
+        return dense
+    return Rows(dense, e.index)
 
 
 def producer(lw: Lowerer, v: int) -> tuple | None:
@@ -358,14 +369,25 @@ def index_put(base: Handler) -> Handler:
 def index_add(base: Handler) -> Handler:
     """``t.index_add(0, p // C, rows)`` with rows the rows p of a C-fold
     copy (the backward of ``x.index_select(0, p // C)``): ``t`` plus the
-    rows summed back at their token."""
+    rows summed back at their token; ``t.index_add(0, p, rows)`` with
+    grouped rows at p: ``t`` plus each row's own group's result on the
+    base."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         src = value_of(lw, args[3]) if len(args) > 3 else None
         alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
         if not isinstance(src, (Rows, Experts)) or int(args[1]) != 0 or alpha != 1:
             return base(lw, args, kwargs, shapes, group)
-        found = copies_of(lw, args[2])
         value = constant_value(lw, args[2])
+        if isinstance(src, Experts) and _at_own_rows(lw, value, src, tuple(shapes[0])):
+            # each row added back at the row of the base it was computed for
+            # (JetMoE's attention experts put their (token, slot) rows back
+            # in order): each row's own group's result on the base, zero on
+            # the rows no index holds
+            dense = collapse(lw, src)
+            if isinstance(value_of(lw, args[0]), (Zeros, NewZeros)):
+                return dense
+            return lw.emit("add", [lw.val(args[0]), dense], [tuple(shapes[0])])[0]
+        found = copies_of(lw, args[2])
         if found is None or found[1] == 1 or value is None \
                 or not np.array_equal(value, found[0] // found[1]):
             return base(lw, args, kwargs, shapes, group)
@@ -374,6 +396,17 @@ def index_add(base: Handler) -> Handler:
             return summed
         return lw.emit("add", [lw.val(args[0]), summed], [tuple(shapes[0])])[0]
     return lower
+
+
+def _at_own_rows(lw: Lowerer, value: np.ndarray | None, src: Experts,
+                 shape: tuple[int, ...]) -> bool:
+    """The recorded index ``value`` is the grouped rows' own index into
+    their base (no row divided into tokens), and ``shape`` the base's."""
+    if value is None or value.ndim != 1 or value.dtype.kind not in "iu" \
+            or tuple(lw.shapes[src.y][1:]) != shape:
+        return False
+    at = np.where(value < 0, value + shape[0], value).astype(np.int64)
+    return np.array_equal(at, src.index)
 
 
 def transpose(base: Handler) -> Handler:
@@ -454,7 +487,7 @@ def as_rows(base: Handler) -> Handler:
             return base(lw, args, kwargs, shapes, group)
         saved = {v: lw.env[v] for v in experts}
         for v, e in experts.items():
-            lw.env[v] = Rows(collapse(lw, e), e.index)
+            lw.env[v] = as_gathered(lw, e)
         try:
             return base(lw, args, kwargs, shapes, group)
         finally:
