@@ -110,7 +110,7 @@ def check_no_value_reads(trace: dict, guards: list | None = None,
     unless ``guards`` is given: then each guard on a computed number is
     appended to it as (the number's value, the comparison, its constant,
     the branch taken, the scope), for the plan builder to match with the
-    single-device step's guards or refuse (``tracer.build.match_guards``;
+    single-device step's guards or refuse (``tracer.guards.match_guards``;
     docs/soundness.md, "Plans traced from PyTorch", 69-71).
 
     A value read (``bool(t)``, ``.item()``) of a tensor computed from

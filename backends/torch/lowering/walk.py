@@ -193,7 +193,7 @@ def resolve_gathers(lows: list[Lowered]) -> None:
 
 def _guard_number(lw: Lowerer, v: int) -> int:
     """The lowered value of a number a guard tests (a value of the plan,
-    compared with the single-device step's: ``tracer.build.match_guards``)."""
+    compared with the single-device step's: ``tracer.guards.match_guards``)."""
     x = lw.env.get(v)
     value = lw.materialize(x) if x is not None else None
     if not isinstance(value, int) or value < 0:
