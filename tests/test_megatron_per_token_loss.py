@@ -8,6 +8,7 @@ traced from PyTorch", 85)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,9 @@ def test_the_per_token_fix_verifies_and_its_count_over_the_wrong_group_fails():
     tensor-parallel group (each rank's own count at tp 1) FAILs."""
     run = _suite("per-token loss, the token count all-reduced")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "torch suite: 4 of 4 as expected" in run.stdout, run.stdout[-2000:]
+    # four cases, and the pp 2 ones the name also selects (refused: their count is broadcast)
+    done = re.search(r"torch suite: (\d+) of \1 as expected", run.stdout)
+    assert done and int(done.group(1)) >= 4, run.stdout[-2000:]
 
 
 class _Lowerer:
