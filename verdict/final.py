@@ -242,6 +242,19 @@ def add_loss_groups(single: Plan, parallel: Plan, lineages: list[Lineage], of_gp
             lin.groups.append(entry)
 
 
+def _cells(slices: list[Slices], cuts: list[list[int]]) -> set[tuple[int, ...]]:
+    """The cells of the grid ``cuts`` (each dim's sorted boundaries) that
+    the slices cover, by their indices."""
+    covered: set[tuple[int, ...]] = set()
+    for s in slices:
+        cells: set[tuple[int, ...]] = {()}
+        for d, (a, b) in enumerate(s):
+            ks = range(cuts[d].index(a), cuts[d].index(b))
+            cells = {c + (k,) for c in cells for k in ks}
+        covered |= cells
+    return covered
+
+
 def _box(slices: list[Slices]) -> Slices | None:
     """The slice the held pieces make together, if they make one box.
 
@@ -250,13 +263,7 @@ def _box(slices: list[Slices]) -> Slices | None:
     box = tuple((min(s[d][0] for s in slices), max(s[d][1] for s in slices))
                 for d in range(len(slices[0])))
     cuts = [sorted({x for s in slices for x in s[d]}) for d in range(len(box))]
-    covered: set[tuple[int, ...]] = set()
-    for s in slices:
-        cells: set[tuple[int, ...]] = {()}
-        for d, (a, b) in enumerate(s):
-            ks = range(cuts[d].index(a), cuts[d].index(b))
-            cells = {c + (k,) for c in cells for k in ks}
-        covered |= cells
+    covered = _cells(slices, cuts)
     needed = 1
     for c in cuts:
         needed *= len(c) - 1
@@ -448,13 +455,7 @@ def _covers(slices: list[Slices], box: Slices) -> bool:
     if not slices or any(not _contains(box, s) for s in slices):
         return False
     cuts = [sorted({a for s in slices for a in s[d]} | set(box[d])) for d in range(len(box))]
-    covered: set[tuple[int, ...]] = set()
-    for s in slices:
-        cells: set[tuple[int, ...]] = {()}
-        for d, (a, b) in enumerate(s):
-            ks = range(cuts[d].index(a), cuts[d].index(b))
-            cells = {c + (k,) for c in cells for k in ks}
-        covered |= cells
+    covered = _cells(slices, cuts)
     needed = {()}
     for d, (a, b) in enumerate(box):
         needed = {c + (k,) for c in needed for k in range(cuts[d].index(a), cuts[d].index(b))}

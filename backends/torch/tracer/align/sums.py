@@ -6,6 +6,7 @@ single-device sum's terms."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode
@@ -127,12 +128,7 @@ class Sums(Pieces):
         if same:
             return self.zero_terms(v, leaves, s_leaves, root)
         out: list[LNode] = []
-        acc = leaves[0]
-        for k, p in enumerate(leaves[1:]):
-            target = v if k == len(leaves) - 2 else self.fresh
-            if target != v:
-                self.fresh += 1
-                self.low.shapes[target] = self.low.shapes[acc]
+        for acc, p, target in self.add_chain(v, leaves):
             new = LNode("add", "fw", [acc, p], [target], {}, self.b.s_add[root].name)
             partial = self.claim[acc].partial | self.claim[p].partial
             self.sv[target] = root
@@ -144,7 +140,6 @@ class Sums(Pieces):
                 self.claim[target] = Claim([[] for _ in self.gshape(target)], partial)
             self.check(target)
             out.append(new)
-            acc = target
         return out
 
     def sum_as_run(self, v: int, leaves: list[int]) -> list[LNode]:
@@ -157,17 +152,24 @@ class Sums(Pieces):
         stage proves or refutes (docs/soundness.md, "Plans traced from
         PyTorch", 94 (b))."""
         out: list[LNode] = []
+        for acc, p, target in self.add_chain(v, leaves):
+            new = LNode("add", "fw", [acc, p], [target], {}, "bw:")
+            self.one(new, {})
+            out.append(new)
+        return out
+
+    def add_chain(self, v: int, leaves: list[int]) -> Iterator[tuple[int, int, int]]:
+        """The additions of a left-to-right sum of ``leaves`` into ``v``:
+        (running sum, term, result) each, every result but the last a fresh
+        value of the running sum's shape."""
         acc = leaves[0]
         for k, p in enumerate(leaves[1:]):
             target = v if k == len(leaves) - 2 else self.fresh
             if target != v:
                 self.fresh += 1
                 self.low.shapes[target] = self.low.shapes[acc]
-            new = LNode("add", "fw", [acc, p], [target], {}, "bw:")
-            self.one(new, {})
-            out.append(new)
+            yield acc, p, target
             acc = target
-        return out
 
     def units(self, x: int) -> list[int]:
         """The values a sum is made of on this rank: its deferred terms, or x."""
