@@ -375,7 +375,7 @@ CASES: list[tuple[str, str, int]] = [
      "gradients' elements)",
      f"{MEGATRON}dist_opt_wrong_group --dp 2 --tp 2 --batch 8 --hidden 24", 1),
     ("megatron pp2 interleaved batched p2p (1450)",
-     f"{MEGATRON}pp_interleaved --pp 2 --dp 1 --tp 1 --layers 4 --batch 8", 2),
+     f"{MEGATRON}pp_interleaved --pp 2 --dp 1 --tp 1 --layers 4 --batch 8", 1),
     # layers as users write them (docs/torch-backend.md, "Models written by users")
     ("gpt2_split tp_attention dp2 tp2", "--model gpt2_split --recipe tp_attention --layers 2", 0),
     ("gpt2_split fsdp_tp_attention dp2 tp2", "--model gpt2_split --recipe fsdp_tp_attention", 0),

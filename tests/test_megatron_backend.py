@@ -1,8 +1,8 @@
 """Megatron-Core on the torch backend (docs/torch-backend.md, "Megatron-Core"):
 the CPU shim's nine patches apply and are printed, and Megatron's GPTModel at
 TP 2 + SP verifies through its own schedule, DDP and finalize_model_grads,
-a shipped mistake FAILs, the interleaved PP 2 batched-p2p finding and a
-strided shard are refused in one line. Each runs in a fresh interpreter:
+a shipped mistake and the interleaved PP 2 batched-p2p finding FAIL, and a
+strided shard is refused in one line. Each runs in a fresh interpreter:
 the shim patches ``torch.Tensor.type`` process-wide. The other Megatron
 cases are scripts/torch_suite.py -k megatron."""
 
@@ -75,10 +75,11 @@ def _suite(*cases: str) -> subprocess.CompletedProcess:
                           env={"PYTHONPATH": str(ROOT), "PATH": ""})
 
 
-def test_tp2_sp_verifies_1446_fails_and_interleaved_batched_p2p_is_refused():
+def test_tp2_sp_verifies_1446_fails_and_interleaved_batched_p2p_fails():
     """Megatron's TP 2 + SP step verifies; its norm left unmarked for the SP
     all-reduce (1446) FAILs; the interleaved schedule at PP 2 with batched
-    p2p is refused at the first op reading a mismatched message."""
+    p2p FAILs at the activation a mismatched message is read as
+    (docs/soundness.md, "Plans traced from PyTorch", 102)."""
     run = _suite("megatron tp2 sp", "megatron bug sp norm", "megatron pp2 interleaved batched")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]

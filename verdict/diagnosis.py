@@ -24,7 +24,7 @@ from fractions import Fraction
 import numpy as np
 
 from verdict.engine import StageResult, Verdict
-from verdict.plan import Plan
+from verdict.plan import INPUT_KINDS, Plan
 from verdict.report import stage_failure
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
@@ -154,6 +154,9 @@ def relation(r: StageResult, single: Plan, parallel: Plan, fact, g: int, members
     node = parallel.nodes[writer] if writer is not None else None
     if node is not None and node.op == "send_recv":
         src = parallel.tensors[node.inputs[0]]
+        if parallel.logical[src.tid].kind in INPUT_KINDS and writer_of(parallel, node.inputs[0]) < 0:
+            return (f"a message of no single-device value: rank {node.rank} reads here "
+                    f"{parallel.logical[src.tid].name}, of which nothing is known")
         return (f"a value from the wrong peer: rank {node.rank} receives it by send_recv "
                 f"from rank {src.rank} (microbatch {src.mb}), whose piece it is not")
     if node is not None and node.op.startswith(COLLECTIVES):
@@ -182,6 +185,11 @@ def relation(r: StageResult, single: Plan, parallel: Plan, fact, g: int, members
         return (f"{node.op} ({node.name or 'step'}) on rank {node.rank}, reading ranks {read}, "
                 f"does not compute the single-device value")
     return "the values differ"
+
+
+def writer_of(parallel: Plan, tensor: int) -> int:
+    """The node of the whole plan that writes ``tensor``; -1 for an input."""
+    return next((i for i, n in enumerate(parallel.nodes) if tensor in n.outputs), -1)
 
 
 def writer_node(r: StageResult, parallel: Plan, tensor: int) -> int | None:

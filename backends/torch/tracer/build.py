@@ -26,6 +26,7 @@ from backends.torch.tracer.align.collectives import Collectives
 from backends.torch.tracer.align.dims import Dims
 from backends.torch.tracer.align.inputs import InputMatching
 from backends.torch.tracer.align.loose import Loose
+from backends.torch.tracer.align.messages import Messages
 from backends.torch.tracer.align.nodes import NodeMatching
 from backends.torch.tracer.align.recut import Recuts
 from backends.torch.tracer.align.ring import Ring
@@ -36,13 +37,14 @@ from backends.torch.tracer.align.zeros import Zeros
 from backends.torch.tracer.final_blocks import write_final_blocks
 from backends.torch.tracer.guards import describe_guards, match_guards, same_branches
 from backends.torch.tracer.joint_order import Channels, joint_order
+from backends.torch.tracer.redeliver import redeliver
 from backends.torch.tracer.single_plan import Builder
 from backends.torch.tracer.strided_plan import rejoin, strided_grads, strided_input
 from verdict.plan import Node, Plan, Tensor
 
 
 class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, Ring, Loose,
-            Recuts, Strided):
+            Recuts, Strided, Messages):
     """Alignment and claims of one rank's lowered trace (its parts:
     ``tracer/align/``)."""
 
@@ -90,6 +92,9 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
         self.zero_memo: dict[int, bool] = {}  # value -> exactly zero by its making
+        self.sent = {}  # a received value -> what it was sent as (``Messages``)
+        self.misdelivered: list[int] = []  # received values read as another message
+        self.read_at: dict[int, str] = {}
         for node in low.nodes:
             for v in node.ins:
                 if v >= 0:
@@ -265,6 +270,8 @@ class _Writer:
                          grads=dict(plan_s.grads))
         self.versions: dict[tuple[int, int, int], int] = {}
         self.t_of: dict[tuple[int, int], int] = {}
+        self.recv_node: dict[int, int] = {}  # a received tensor -> its send_recv node
+        self.redelivered: dict[int, set[int]] = {}  # rank -> misdelivered values rewritten
         for r in self.rs.values():
             for v, (kind, _) in r.low.inputs.items():
                 mb = r.mb[v] if v in r.split_from else -1 if kind in ("param", "buffer") else 0
@@ -298,6 +305,8 @@ class _Writer:
             self.retag(r)
         if r.reclaimed:
             self.reclaim(r)
+        if len(r.misdelivered) > len(self.redelivered.get(r.low.rank, ())):
+            redeliver(self, r)  # item 102
         low, t_of = r.low, self.t_of
         for o in node.outs:
             if o >= 0:
@@ -337,8 +346,10 @@ class _Writer:
                 x = self.peer_input(peer.low.rank, node, k)
                 self.materialize(peer, x)
                 r.receive(node, peer, x)
+                r.received_as(node.outs[0], peer.low.rank)
                 r.anchored([node])
                 self.emit(r, node, k)
+                self.recv_node[self.t_of[(r.low.rank, node.outs[0])]] = len(self.plan.nodes) - 1
                 continue
             if node.op == "all_reduce" and self.sum_across(r, node, k):
                 continue
