@@ -318,13 +318,18 @@ CASES: list[tuple[str, str, int]] = [
      "--recipe backends.torch.megatron:tp_token_count_over_tp --dp 2 --tp 1 --batch 4 --seed 1", 1),
     # at pp 2 the MTP block on the last stage looks up its own copy of the position
     # embeddings, whose gradient finalize_model_grads never reduces with the first stage's
-    # (the position-embedding group is the first stage): gloo differs (0.987 x on stage 0)
-    ("megatron mtp pp2 1f1b per-token loss refused (the token count broadcast from the last "
-     "stage: the fake group leaves stage 0 its zero; gloo differs, the MTP's position embeddings)",
+    # (the position-embedding group is the first stage): gloo differs (0.987 x on stage 0);
+    # the token count broadcast from the last stage is answered (soundness 102 (d))
+    ("megatron bug mtp pp2 1f1b per-token loss: the MTP's position embeddings never reduced "
+     "with the first stage's (7452 at pp 2)",
      "--model backends.torch.megatron:gpt_mtp_per_token --recipe backends.torch.megatron:pp_1f1b "
-     "--pp 2 --dp 1 --tp 1 --layers 2 --batch 4 --seed 1", 2),
+     "--pp 2 --dp 1 --tp 1 --layers 2 --batch 4 --seed 1", 1),
+    ("megatron bug mtp pp2 1f1b: the MTP's position embeddings never reduced with the first "
+     "stage's",
+     "--model backends.torch.megatron:gpt_mtp --recipe backends.torch.megatron:pp_1f1b "
+     "--pp 2 --dp 1 --tp 1 --layers 2 --batch 4", 1),
     ("megatron mtp pp2 dp2 per-token loss, the token count all-reduced over the tp group refused "
-     "(the count broadcast from the last stage)",
+     "(the last stage's unread output-layer weight: its zero gradient all-reduced over dp)",
      "--model backends.torch.megatron:gpt_mtp_per_token "
      "--recipe backends.torch.megatron:tp_token_count_over_tp --pp 2 --dp 2 --tp 1 --layers 2 "
      "--batch 4 --seed 1", 2),

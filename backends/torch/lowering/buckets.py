@@ -106,6 +106,9 @@ def broadcast(lw: Lowerer, args, kwargs, shapes, group) -> list:
     member keeps the value it holds, the root's (``check_broadcasts``)."""
     tensors = args[0]
     constants = lw.trace.get("constants", set())
+    if any(v in lw.trace.get("answers", {}) for v in lw.trace["events"][lw.event][2]):
+        raise LoweringError(f"{lw.name}: a broadcast of a number computed in the step (not a "
+                            f"count of kept labels) is not lowered")
     if not all(t[1] in constants for t in tensors):
         raise LoweringError(f"{lw.name}: a broadcast of values computed in the step (not "
                             f"constants) is not lowered")
@@ -133,13 +136,17 @@ def check_broadcasts(traces: list[dict]) -> None:
     broadcast on that group, the root's values (docs/soundness.md, "Plans
     traced from PyTorch", 20): the broadcast then changes nothing. Only
     broadcasts the loss or the gradients depend on are checked (DDP's
-    exchange of shapes at its construction is not)."""
+    exchange of shapes at its construction is not). A broadcast of one
+    number that the trace answered (``exchange.Exchanges.broadcast``: every
+    member then holds the root's number) is not: its members' numbers
+    before it differ, and it is lowered as the root's."""
     sent: dict[tuple, list] = {}
     for t in traces:
         count: dict[tuple, int] = {}
         live = live_events(t)
-        for i, (op, (args, _), *_) in enumerate(t["events"]):
-            if op != "c10d.broadcast_.default" or i not in live:
+        for i, (op, (args, _), outs, *_) in enumerate(t["events"]):
+            if op != "c10d.broadcast_.default" or i not in live \
+                    or any(v in t.get("answers", {}) for v in outs):
                 continue
             ranks = tuple(args[1][1])
             k = count[ranks] = count.get(ranks, -1) + 1

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import Bucket, Const, Pending, pending_of
-from backends.torch.lowering.mask_values import Count
+from backends.torch.lowering.mask_values import Count, summed
 from backends.torch.lowering.registry import Handler, refines
 
 if TYPE_CHECKING:
@@ -174,14 +174,47 @@ def decided(lw: Lowerer, v: int, scope: str) -> None:
                         f"tensor other than a comparison of a count of kept labels with a number")
 
 
+def _broadcast_count(lw: Lowerer, args) -> Count | None:
+    """A broadcast of one count from its root to a group of several
+    (Megatron's token count, from the last pipeline stage to the others,
+    which hold a zero constant): the root's count on every member. It is
+    reduced as the sum of the members' shares, the root's count and 0 from
+    every other member (``lower_ranks`` adds them up), so each member's
+    value is the root's; the number this rank traced with is what the
+    broadcast wrote (``Exchanges.broadcast``: the root's), or its own
+    where none was written (docs/soundness.md, "Plans traced from
+    PyTorch", 102 (d))."""
+    ranks = tuple(args[1][1])
+    if len(args[0]) != 1 or len(ranks) < 2:
+        return None
+    c, root = pending_of(lw, args[0][0]), ranks[int(args[2])]
+    mine = lw.trace["rank"] == root
+    if not (isinstance(c, Count) if mine else isinstance(c, Count) or _zero_constant(lw, args[0][0])):
+        return None
+    if lw.counts is None:
+        raise LoweringError(f"{lw.name}: a broadcast count of kept labels needs every rank's "
+                            f"counts (lower the ranks with lower_ranks)")
+    out = lw.trace["events"][lw.event][2][0]
+    held = c.held if mine else int(lw.trace.get("answers", {}).get(out, 0))
+    k = len(lw.count_reduces)
+    lw.count_reduces.append((ranks, c.value if mine else 0))
+    if lw.counts == "collect":
+        return Count(c.value if mine else 0, unsummed=True, traced=held)
+    return summed(lw, k, held)
+
+
 @refines("c10d.broadcast_.default")
 def count_broadcast(base: Handler) -> Handler:
     """A broadcast of counts over a group of one member (Megatron's
     broadcast of the token count from the last pipeline stage, at pipeline
-    size 1) leaves them as they are."""
+    size 1) leaves them as they are; over several, the root's
+    (``_broadcast_count``)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         counts = [pending_of(lw, t) for t in args[0]]
         if counts and all(isinstance(c, Count) for c in counts) and len(tuple(args[1][1])) == 1:
             return counts
+        count = _broadcast_count(lw, args)
+        if count is not None:
+            return [count]
         return base(lw, args, kwargs, shapes, group)
     return lower

@@ -91,6 +91,18 @@ class Count(Pending):
                             f"a divisor")
 
 
+class Tentative(list):
+    """The sums of the ranks' counts of a pass that chains them (a count
+    broadcast, then all-reduced: ``lower_ranks``): counts read from it are
+    still ``unsummed``, as in the pass that only collects them."""
+
+
+def summed(lw: Lowerer, k: int, held: int) -> Count:
+    """The k-th all-reduced (or broadcast) count of this rank, its sum over
+    the members as ``lower_ranks`` gave it; ``held``: the number traced."""
+    return Count(lw.counts[k], unsummed=isinstance(lw.counts, Tentative), traced=held)
+
+
 def expanded(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
     if lw.shapes[x] == tuple(shape):
         return x

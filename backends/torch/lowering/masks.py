@@ -59,6 +59,7 @@ from backends.torch.lowering.mask_values import (
     flag_not,
     ids_equal,
     one_minus,
+    summed,
 )
 from backends.torch.lowering.onehot import flag_of
 from backends.torch.lowering.registry import Handler, refines
@@ -509,7 +510,7 @@ def _reduced_count(lw: Lowerer, c: Count, group: tuple[int, ...]) -> Count:
     lw.count_reduces.append((tuple(group), c.value))
     if lw.counts == "collect":
         return Count(c.value, unsummed=True, traced=c.held)
-    return Count(lw.counts[k], traced=c.held)
+    return summed(lw, k, c.held)
 
 
 @refines("c10d.allreduce_.default")

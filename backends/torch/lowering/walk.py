@@ -12,6 +12,7 @@ from backends.torch.lowering.context import LNode, Lowered, Lowerer, live_events
 from backends.torch.lowering.count_scales import decided
 from backends.torch.lowering.flat_ranges import Block, FlatRange, mark_mixed, mixed, pick
 from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard, numel
+from backends.torch.lowering.mask_values import Tentative
 from backends.torch.lowering.param_buffers import own_runs
 from backends.torch.lowering.range_steps import final_range
 
@@ -27,9 +28,33 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
     if not any(low.count_reduces for low in first):
         resolve_gathers(first)
         return first
-    by_rank = {low.rank: low.count_reduces for low in first}
+    counts = _count_sums(first)
+    for _ in range(COUNT_PASSES):
+        # a count reduced after another (a count broadcast, then all-reduced)
+        # reads the sum of the one before: lowered again until the sums settle
+        again = _count_sums([lower_trace(t, vocab, Tentative(c), peers)
+                             for t, c in zip(traces, counts)])
+        if again == counts:
+            break
+        counts = again
+    else:
+        raise LoweringError(f"the ranks' all-reduced counts of kept labels did not settle in "
+                            f"{COUNT_PASSES} passes")
+    lows = [lower_trace(t, vocab, c, peers) for t, c in zip(traces, counts)]
+    resolve_gathers(lows)
+    return lows
+
+
+#: passes of the ranks that chain all-reduced counts, before they must settle
+COUNT_PASSES = 4
+
+
+def _count_sums(lows: list[Lowered]) -> list[list[int]]:
+    """Each rank's all-reduced counts: the sums of the members' values at
+    each of its count all-reduces (or broadcasts), in order."""
+    by_rank = {low.rank: low.count_reduces for low in lows}
     counts = []
-    for low in first:
+    for low in lows:
         values = []
         for k, (group, _) in enumerate(low.count_reduces):
             members = [by_rank.get(m, []) for m in group]
@@ -38,9 +63,7 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
                                     f"{list(group)} is not every member's {k + 1}th")
             values.append(sum(c[k][1] for c in members))
         counts.append(values)
-    lows = [lower_trace(t, vocab, c, peers) for t, c in zip(traces, counts)]
-    resolve_gathers(lows)
-    return lows
+    return counts
 
 
 def _all_to_all_peers(traces: list[dict], vocab: int) -> dict | None:

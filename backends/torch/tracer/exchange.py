@@ -35,8 +35,13 @@ ALL_TO_ALL = {
 #: of (output, input, group); each member's output is every member's input,
 #: concatenated along dim 0 in group order
 ALL_GATHER = {"c10d._allgather_base_.default": (0, 1, 2)}
+#: the broadcasts of one number answered (Megatron's token count, broadcast
+#: from the last pipeline stage): op name -> positions of (tensors, group,
+#: root's index in the group); a broadcast of anything else (DDP's buffers)
+#: is left as it is (its members hold the root's values: ``check_broadcasts``)
+BROADCAST = {"c10d.broadcast_.default": (0, 1, 2)}
 #: every collective of constants answered
-ANSWERED = frozenset(ALL_TO_ALL) | frozenset(ALL_GATHER)
+ANSWERED = frozenset(ALL_TO_ALL) | frozenset(ALL_GATHER) | frozenset(BROADCAST)
 #: passes of the ranks before the sent values must have settled (one per
 #: layer whose counts depend on an earlier answer, and one to check)
 PASSES = 8
@@ -75,9 +80,44 @@ class Exchanges:
         self.sent: list[dict] = []
         self.count: dict[tuple[int, ...], int] = {}  # per group: constant all-to-alls so far
         self.unanswered = 0  # constant all-to-alls left as the fake group returned them
+        self.answered: list[float] = []  # the numbers written by answered broadcasts, in order
 
     def handles(self, name: str) -> bool:
         return name in ANSWERED
+
+    def input_of(self, name: str, args: tuple) -> Any:
+        """The tensor an answered collective sends (a broadcast: its one
+        tensor, None when it broadcasts anything but one number)."""
+        if name in BROADCAST:
+            tensors = args[BROADCAST[name][0]]
+            one = len(tensors) == 1 and tensors[0].numel() == 1
+            return tensors[0] if one else None
+        return args[1] if name.startswith("c10d.") else args[0]
+
+    def broadcast(self, name: str, args: tuple, constant: bool,
+                  group_of: Callable[[Any], tuple[int, ...]]) -> bool | None:
+        """Record a broadcast of one number (``constant``: a constant of the
+        step on this rank); write the root's number into it when the
+        root's send is known. Whether the result is a constant (the
+        root's), None while unanswered."""
+        at_tensors, at_group, at_root = BROADCAST[name]
+        x = args[at_tensors][0]
+        group = group_of(args[at_group])
+        k = self.count.get(group, 0)
+        self.count[group] = k + 1
+        root = group[int(args[at_root])]
+        self.sent.append({"group": list(group), "k": k, "input": x.detach().cpu().numpy().copy(),
+                          "in_splits": None, "out_splits": None, "whole": True, "root": root,
+                          "constant": constant})
+        sends = [] if self.previous is None else \
+            [s for s in self.previous.get(root, []) if tuple(s["group"]) == group]
+        if k >= len(sends):
+            self.unanswered += 1
+            return None
+        with torch.no_grad():
+            x.copy_(torch.as_tensor(sends[k]["input"], dtype=x.dtype).reshape(x.shape))
+        self.answered.append(float(sends[k]["input"].reshape(())))
+        return bool(sends[k]["constant"])
 
     def call(self, name: str, args: tuple, kwargs: dict, out: Any,
              group_of: Callable[[Any], tuple[int, ...]]) -> bool:

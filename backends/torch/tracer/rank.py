@@ -164,6 +164,7 @@ def _run(spec: dict, rank: int) -> dict:
         "sequence_order": order,
         "updates": updates, "states": states,
         "consts": rec.consts, "constants": rec.constants, "constvals": rec.constvals,
+        "answers": rec.answers,
         "int_values": rec.int_values,
         "from_buffer": rec.from_buffer,
         "params": params, "buffers": buffers,

@@ -28,7 +28,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.lowering.constants import GUARD_EVENT, TRACED_READ_EVENT, VALUE_READ_EVENT
 from backends.torch.tracer import numbers
-from backends.torch.tracer.exchange import Exchanges
+from backends.torch.tracer.exchange import BROADCAST, Exchanges
 from backends.torch.tracer.hidden_memory import HiddenMemory, Read, is_partial_view
 from backends.torch.tracer.numbers import TracedNumber, TracedNumbers
 from backends.torch.tracer.placements import data_parallel_axis as data_parallel_axis
@@ -108,6 +108,7 @@ class Recorder(TorchDispatchMode):
         self.by_memory: dict[int, dict[tuple, int]] = {}
         self.routing: Routing | None = None  # top-k routing recorded or replayed (routing.py)
         self.exchanges: Exchanges | None = None  # all-to-alls of constants answered (exchange.py)
+        self.answers: dict[int, float] = {}  # a broadcast's output -> the root's number written
         #: a same-region view -> the tensor it views (``DTensor.to_local()`` of a
         #: gradient): an in-place write into either writes both
         self.twins: dict[int, weakref.ref] = {}
@@ -385,9 +386,16 @@ class Recorder(TorchDispatchMode):
             out = self.routing.call(func, args, kwargs, out)
         if self.routing is not None and constant:
             out = self.routing.hits(name, args, out)
+        answer = None
         if self.exchanges is not None and self.exchanges.handles(name):
-            x = args[1] if name.startswith("c10d.") else args[0]
-            if self.value(x) in self.constants:  # token counts: answered (exchange.py)
+            x = self.exchanges.input_of(name, args)
+            if name in BROADCAST and x is not None:  # a number: the root's (exchange.py)
+                root_constant = self.exchanges.broadcast(name, args, self.value(x) in self.constants,
+                                                         self.group_of)
+                if root_constant is not None:
+                    constant = constant and root_constant
+                    answer = self.exchanges.answered[-1]
+            elif x is not None and self.value(x) in self.constants:  # token counts: answered
                 constant = self.exchanges.call(name, args, kwargs, out, self.group_of)
         if name.startswith("c10d."):
             out = with_completed_work(out)
@@ -404,6 +412,8 @@ class Recorder(TorchDispatchMode):
                 self.note_twins("aten.view.default", args, outs, [])
             return out
         ids = [self.new_value(o) for o in outs]
+        if answer is not None and ids:
+            self.answers[ids[0]] = answer  # the number a broadcast wrote (count_scales)
         if name in SHAPE_ONLY:
             self.fills.update(ids)
         for o, v in zip(outs, ids):

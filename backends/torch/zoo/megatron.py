@@ -255,9 +255,17 @@ class MegatronModel(nn.Module):
         if self.chunks is None:
             yield from super().named_parameters(prefix, recurse, remove_duplicate)
             return
+        # at pipeline size > 1 with multi-token prediction the last stage holds
+        # the embedding (its MTP block's) and an output layer weight it never
+        # reads (the output layer reads the embedding's weight): both take the
+        # tied weight's name, the first (the one the step reads) is kept
+        seen: set[str] = set()
         for chunk in self.chunks:
             for p in chunk.parameters():
-                yield self.names[id(p)], p
+                name = self.names[id(p)]
+                if name not in seen:
+                    seen.add(name)
+                    yield name, p
 
 
 def user_model(user: Any) -> MegatronModel:
