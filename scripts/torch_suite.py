@@ -328,6 +328,16 @@ CASES: list[tuple[str, str, int]] = [
      "stage's",
      "--model backends.torch.megatron:gpt_mtp --recipe backends.torch.megatron:pp_1f1b "
      "--pp 2 --dp 1 --tp 1 --layers 2 --batch 4", 1),
+    ("megatron mtp pp2 1f1b with the MTP's position embeddings reduced with the first stage's "
+     "(a fix)",
+     "--model backends.torch.megatron:gpt_mtp "
+     "--recipe backends.torch.megatron:pp_1f1b_mtp_positions_reduced "
+     "--pp 2 --dp 1 --tp 1 --layers 2 --batch 4", 0),
+    ("megatron mtp pp2 1f1b per-token loss with the MTP's position embeddings reduced (the "
+     "count broadcast from the last stage answered)",
+     "--model backends.torch.megatron:gpt_mtp_per_token "
+     "--recipe backends.torch.megatron:pp_1f1b_mtp_positions_reduced "
+     "--pp 2 --dp 1 --tp 1 --layers 2 --batch 4 --seed 1", 0),
     ("megatron mtp pp2 dp2 per-token loss, the token count all-reduced over the tp group refused "
      "(the last stage's unread output-layer weight: its zero gradient all-reduced over dp)",
      "--model backends.torch.megatron:gpt_mtp_per_token "

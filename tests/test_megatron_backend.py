@@ -105,6 +105,17 @@ def test_mtp_at_tp2_and_with_two_microbatches_verifies_and_its_local_counts_fail
     assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
 
 
+def test_mtp_at_pp2_fails_at_its_position_embeddings_and_their_reduction_verifies():
+    """At pipeline size 2 the MTP block's position embeddings on the last
+    stage are never reduced with the first stage's (0.16.1): FAIL, per-token
+    loss too (its token count broadcast from the last stage answered); with
+    them all-reduced over the embedding group, both verify
+    (docs/soundness.md, "Plans traced from PyTorch", 102 (d), (e))."""
+    run = _suite("megatron bug mtp pp2", "megatron mtp pp2 1f1b")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "torch suite: 4 of 4 as expected" in run.stdout, run.stdout[-2000:]
+
+
 def test_a_strided_shard_is_refused_in_one_line(tmp_path):
     """A gated MLP's fused linear_fc1 is strided across tensor-parallel ranks
     (``partition_stride`` 2): refused, exit 2, one line."""

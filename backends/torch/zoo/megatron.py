@@ -497,6 +497,8 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         config.finalize_model_grads_func = _without_embedding_all_reduce
     if options.bug == "token_count_over_tp":
         config.finalize_model_grads_func = _token_count_over_tp
+    if options.bug == "mtp_positions_reduced":
+        config.finalize_model_grads_func = _mtp_positions_reduced
     if options.overlap_grad_reduce:
         config.no_sync_func = [w.no_sync for w in wrapped] if vpp else wrapped[0].no_sync
         config.grad_sync_func = [w.start_grad_sync for w in wrapped] if vpp \
@@ -521,6 +523,25 @@ def _without_embedding_all_reduce(model: list, *args: Any, **kwargs: Any) -> Non
         finalize.finalize_model_grads(model, *args, **kwargs)
     finally:
         finalize._allreduce_word_embedding_grads = kept
+
+
+def _mtp_positions_reduced(model: list, *args: Any, **kwargs: Any) -> None:
+    """``finalize_model_grads`` after the position embeddings' gradients of
+    the first stage and of the MTP block on the last stage are all-reduced
+    over the embedding group (the two stages), as the tied word embeddings'
+    are: a fix written here for the MTP block at pipeline size > 1, whose
+    position embeddings 0.16.1 never reduces with the first stage's (its
+    position-embedding group is the first stage alone)."""
+    from megatron.core import parallel_state as ps
+    group = ps.get_embedding_group(check_initialized=False)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        chunk = model[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else model[-1]
+        embedding = getattr(chunk.module, "embedding", None)
+        if embedding is not None:
+            torch.distributed.all_reduce(embedding.position_embeddings.weight.main_grad,
+                                         group=group)
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    finalize.finalize_model_grads(model, *args, **kwargs)
 
 
 def _token_count_over_tp(model: list, num_tokens: Any = None, pg_collection: Any = None,
@@ -746,6 +767,9 @@ ddp_wrong_group = recipe(microbatches=2, bug="wrong_group")
 # Megatron-LM issue 7452's fix (gpt_mtp_per_token) with its token count all-reduced over the
 # tensor-parallel group instead of the data-parallel one: each rank's own count at tp 1
 tp_token_count_over_tp = recipe(bug="token_count_over_tp")
+# a fix for the MTP block at pp > 1: its position embeddings' gradient all-reduced with the
+# first stage's over the embedding group (0.16.1 reduces the first stage's alone)
+pp_1f1b_mtp_positions_reduced = recipe(microbatches=2, bug="mtp_positions_reduced")
 # wrong optimizer steps (--optimizer): Megatron's learning rate multiplied by the dp size
 # (refused: an update no single-device step computes); the tensor-parallel duplicates
 # (norms, row-parallel biases) stepped on tp rank 0 only, the other ranks keep them stale
