@@ -154,7 +154,7 @@ def relation(r: StageResult, single: Plan, parallel: Plan, fact, g: int, members
     node = parallel.nodes[writer] if writer is not None else None
     if node is not None and node.op == "send_recv":
         src = parallel.tensors[node.inputs[0]]
-        if parallel.logical[src.tid].kind in INPUT_KINDS and writer_of(parallel, node.inputs[0]) < 0:
+        if _unread_input(single, parallel, src.tid) and writer_of(parallel, node.inputs[0]) < 0:
             return (f"a message of no single-device value: rank {node.rank} reads here "
                     f"{parallel.logical[src.tid].name}, of which nothing is known")
         return (f"a value from the wrong peer: rank {node.rank} receives it by send_recv "
@@ -185,6 +185,15 @@ def relation(r: StageResult, single: Plan, parallel: Plan, fact, g: int, members
         return (f"{node.op} ({node.name or 'step'}) on rank {node.rank}, reading ranks {read}, "
                 f"does not compute the single-device value")
     return "the values differ"
+
+
+def _unread_input(single: Plan, parallel: Plan, tid: int) -> bool:
+    """Logical tensor ``tid`` is an input that no single-device node reads
+    (a value of the ranks only: a message of which nothing is known)."""
+    if parallel.logical[tid].kind not in INPUT_KINDS:
+        return False
+    mine = {i for i, t in enumerate(single.tensors) if t.tid == tid}
+    return not any(i in mine for n in single.nodes for i in n.inputs)
 
 
 def writer_of(parallel: Plan, tensor: int) -> int:
