@@ -72,6 +72,16 @@ def test_refused_in_one_line(family: str, reason: str, capsys) -> None:
     assert reason in err and len(err.splitlines()) == 1, err
 
 
+def test_a_family_transformers_cannot_build_by_default_says_so(capsys) -> None:
+    """DBRX's attention reads ``attn_config.rope_theta``, which its own
+    attention configuration does not have: the refusal names the family's
+    default, not the small sizes."""
+    assert backend_main(["--hf", "dbrx", "--dp", "2", "--tp", "1", "-o", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "own default configuration either" in err and "rope_theta" in err, err
+    assert len(err.splitlines()) == 1 and hf.default_build_error("llama") is None
+
+
 def test_families_come_from_transformers_auto_mapping() -> None:
     families = hf.families()
     assert {"gemma2", "phi3", "gpt_neox", "falcon", "opt"} <= set(families)

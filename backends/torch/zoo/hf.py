@@ -156,6 +156,20 @@ def refusal(family: str, tp: int) -> str | None:
     return None
 
 
+def default_build_error(family: str) -> str | None:
+    """Why transformers cannot build ``family``'s causal LM from the
+    family's own default configuration (on the meta device: no memory), or
+    None when it can."""
+    cfg_cls, model_cls = classes(family)
+    try:
+        with torch.device("meta"):
+            model_cls(cfg_cls())
+    except Exception as e:  # noqa: BLE001 - any failure of the family's own default is the answer
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+    return None
+
+
 def _default(cfg_cls) -> object:
     """The family's default configuration, whose fields read as the family's
     global values even where a family configures them per layer (Dots3's
