@@ -450,6 +450,16 @@ def _mixture(default, experts: str) -> bool:
         count is None and isinstance(getattr(default, "moe_intermediate_size", None), int))
 
 
+def routes(default) -> bool:
+    """Whether a family's default configuration routes tokens to top-k
+    experts as the backend builds it: a count of experts per token, or a
+    mixture whose counts the default leaves unset (``_mixture``)."""
+    if any(getattr(default, f, None) for f in ROUTING_FIELDS):
+        return True
+    experts, routed = _first(default, EXPERT_FIELDS), _first(default, ROUTING_FIELDS)
+    return experts is not None and routed is not None and _mixture(default, experts)
+
+
 def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
     """A small configuration of ``family``: the backend's sizes in whichever
     fields the family's configuration has (grouped-query attention with half
