@@ -112,6 +112,9 @@ CASES: list[tuple[str, str, int]] = [
      "--hf apertus --dp 2 --tp 2", 1),
     ("hf dots1 dp2 tp2 (expert counts left None by the default)", "--hf dots1 --dp 2 --tp 2", 0),
     ("hf dots1 bug fsdp avg", "--hf dots1 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("hf reformer dp2 (axial positions fitted to the sequence, reversible layers)",
+     "--hf reformer --dp 2 --tp 1", 0),
+    ("hf reformer ddp avg bug", "--hf reformer --recipe ddp_avg --dp 2 --tp 1", 1),
     # issue 33's families: blocks written into an empty tensor and a split rejoined
     # (MiniCPM3), positions counted from the ids (RoBERTa's), a unit triangular
     # solve (Gated DeltaNet); each with a wrong plan
