@@ -35,10 +35,10 @@ def routed_families() -> list[str]:
     for family in hf.families():
         try:
             cfg_cls, _ = hf.classes(family)
-            default = cfg_cls()
+            default = hf._default(cfg_cls)
         except Exception:  # a family without a default configuration
             continue
-        if any(getattr(default, f, None) for f in hf.ROUTING_FIELDS):
+        if hf.routes(default):
             out.append(family)
     return out
 

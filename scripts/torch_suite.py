@@ -105,6 +105,16 @@ CASES: list[tuple[str, str, int]] = [
      "batch's, a constant no single-device node reads; a correct plan, gloo same)",
      "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
     ("hf llama hsdp dp4", "--hf llama --recipe hsdp --dp 4 --tp 1", 0),
+    # the families' table re-run (docs/soundness.md, "Plans traced from PyTorch", 95):
+    # transformers' Apertus plan leaves xIELU's one-element parameters unreduced over tp
+    # (gloo differs); Dots1's default leaves its experts' counts None (fitted)
+    ("hf apertus dp2 tp2 bug xielu scalars not reduced over tp",
+     "--hf apertus --dp 2 --tp 2", 1),
+    ("hf dots1 dp2 tp2 (expert counts left None by the default)", "--hf dots1 --dp 2 --tp 2", 0),
+    ("hf dots1 bug fsdp avg", "--hf dots1 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("hf reformer dp2 (axial positions fitted to the sequence, reversible layers)",
+     "--hf reformer --dp 2 --tp 1", 0),
+    ("hf reformer ddp avg bug", "--hf reformer --recipe ddp_avg --dp 2 --tp 1", 1),
     # issue 33's families: blocks written into an empty tensor and a split rejoined
     # (MiniCPM3), positions counted from the ids (RoBERTa's), a unit triangular
     # solve (Gated DeltaNet); each with a wrong plan

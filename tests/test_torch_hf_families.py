@@ -63,12 +63,23 @@ def test_ddp_averaging_a_shared_out_loss_fails() -> None:
 @pytest.mark.parametrize("family, reason", [
     ("gpt2", "no tensor-parallel plan"),
     ("gemma3", "composite model"),
+    ("gemma4_assistant", "takes no labels and computes no loss"),
     ("no_such_family", "not a causal-LM model type"),
 ])
 def test_refused_in_one_line(family: str, reason: str, capsys) -> None:
     assert backend_main(["--hf", family, "--dp", "1", "--tp", "2", "-o", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip()
     assert reason in err and len(err.splitlines()) == 1, err
+
+
+def test_a_family_transformers_cannot_build_by_default_says_so(capsys) -> None:
+    """DBRX's attention reads ``attn_config.rope_theta``, which its own
+    attention configuration does not have: the refusal names the family's
+    default, not the small sizes."""
+    assert backend_main(["--hf", "dbrx", "--dp", "2", "--tp", "1", "-o", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "own default configuration either" in err and "rope_theta" in err, err
+    assert len(err.splitlines()) == 1 and hf.default_build_error("llama") is None
 
 
 def test_families_come_from_transformers_auto_mapping() -> None:
@@ -116,6 +127,34 @@ def test_a_family_refusing_one_layer_builds_with_each_kind(family: str, layers: 
     every = getattr(default, "layer_types", None) or getattr(default, "layers_block_type", None)
     if every:
         assert set(kinds) == set(every) and len(kinds) == layers
+
+
+@pytest.mark.parametrize("family", ["dots1", "reformer", "lfm2_moe", "dots3_note_text"])
+def test_a_default_that_does_not_fit_the_sizes_is_fitted(family: str) -> None:
+    """Defaults that left a field unset or per layer, or sized to the
+    family's own positions, fitted from the configuration: Dots1's expert
+    and shared-expert counts left None, Reformer's axial position factors
+    (their product the sequence) and widths (their sum the hidden size),
+    LFM2-MoE's layer kinds left None, Dots3's per-layer latent rank read
+    globally; each runs one step at the backend's small sizes."""
+    import torch
+    model = hf.build(family, layers=1, hidden=16, heads=4, ffn=8, vocab=16, seqlen=4).double()
+    tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(0))
+    model(tokens, tokens).backward()
+
+
+def test_axial_positions_fit_the_sequence_and_the_width() -> None:
+    cfg = hf.config("reformer", layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=6)
+    assert list(cfg.axial_pos_shape) == [2, 3] and sum(cfg.axial_pos_embds_dim) == 16
+    assert cfg.lsh_attn_chunk_length == cfg.local_attn_chunk_length == 6
+    assert cfg.attention_head_size == 4 and cfg.feed_forward_size == 32
+
+
+def test_an_expert_count_left_none_means_a_mixture_only_with_an_expert_width() -> None:
+    dots1 = hf.config("dots1", layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+    assert (dots1.n_routed_experts, dots1.num_experts_per_tok, dots1.n_shared_experts) == (4, 2, 1)
+    gemma4 = hf.config("gemma4_text", layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+    assert gemma4.num_experts is None and not gemma4.enable_moe_block
 
 
 def test_one_layer_too_few_for_a_hybrid_is_one_line() -> None:

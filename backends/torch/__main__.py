@@ -151,6 +151,22 @@ def _last_line(e: Exception) -> str:
     return lines[-1] if lines else ""
 
 
+def _single_failed(args: argparse.Namespace, e: Exception) -> str:
+    """The line for a single-device step that did not run: for a ``--hf``
+    family whose model transformers cannot build from the family's own
+    default configuration either (a defect of the family, not of the small
+    sizes), that."""
+    what = f"{type(e).__name__}: {_last_line(e)}"
+    family = getattr(args, "hf", None)
+    if family is not None:
+        from backends.torch.zoo import hf
+        own = hf.default_build_error(family)
+        if own is not None and own.startswith(type(e).__name__):
+            return (f"--hf {family}: transformers cannot build the family's model from its own "
+                    f"default configuration either ({own}): not the small sizes")
+    return f"the single-device step did not run: {what}"
+
+
 def refuse_hf(family: str, tp: int) -> None:
     """A ``--hf`` family the backend cannot build or parallelize at ``tp``:
     one line (``backends.torch.hf.refusal``)."""
@@ -289,8 +305,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         try:
             single = run({**spec, "parallel": False}, 0)
         except Exception as e:  # the user's model failing on one device: bad input, one line
-            raise LoweringError(f"the single-device step did not run: {type(e).__name__}: "
-                                f"{_last_line(e)}") from None
+            raise LoweringError(_single_failed(args, e)) from None
     check_rows_are_blocks(single, args.dp, args.tp)
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:

@@ -51,7 +51,7 @@ ATTENTION = "eager"
 #: it has; transformers' ``attribute_map`` resolves the standard names of
 #: families that call them otherwise, such as GPT-2's ``n_embd``)
 SIZE_FIELDS = {
-    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "feed_forward_size"),
     "seqlen": ("max_position_embeddings", "n_positions", "max_seq_len"),
     "kv": ("num_key_value_heads", "num_kv_heads"),
 }
@@ -123,12 +123,20 @@ def refusal(family: str, tp: int) -> str | None:
     """Why the backend cannot trace ``family`` at tensor-parallel degree
     ``tp`` (None when it can): a composite model (a vision or audio tower
     beside the text model), or TP for a family without a tensor-parallel
-    plan, or patches decided by computed values (BLT's entropy patcher).
+    plan, or patches decided by computed values (BLT's entropy patcher), or
+    a causal-LM class that takes no labels (Gemma 4's assistant, a drafter
+    fed the target model's embeddings and key-values).
     A family that routes tokens to its top-k experts is traced with
     its routing recorded (docs/soundness.md, "Plans traced from PyTorch",
     35)."""
-    cfg_cls, _ = classes(family)
-    default = cfg_cls()
+    cfg_cls, model_cls = classes(family)
+    if "labels" not in inspect.signature(model_cls.forward).parameters:
+        needs = [n for n in inspect.signature(model_cls.forward).parameters
+                 if n not in ("self", "input_ids", "kwargs", "use_cache")]
+        return (f"'{family}''s {model_cls.__name__} takes no labels and computes no loss (its "
+                f"forward reads {', '.join(needs)}: another model's outputs, a drafter's): "
+                f"there is no training step to verify")
+    default = _default(cfg_cls)
     subs = tuple(getattr(default, "sub_configs", None) or ())
     if any(n == "text_config" or "vision" in n or "audio" in n for n in subs):
         towers = ", ".join(subs)
@@ -148,6 +156,31 @@ def refusal(family: str, tp: int) -> str | None:
     return None
 
 
+def default_build_error(family: str) -> str | None:
+    """Why transformers cannot build ``family``'s causal LM from the
+    family's own default configuration (on the meta device: no memory), or
+    None when it can."""
+    cfg_cls, model_cls = classes(family)
+    try:
+        with torch.device("meta"):
+            model_cls(cfg_cls())
+    except Exception as e:  # noqa: BLE001 - any failure of the family's own default is the answer
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+    return None
+
+
+def _default(cfg_cls) -> object:
+    """The family's default configuration, whose fields read as the family's
+    global values even where a family configures them per layer (Dots3's
+    ``kv_lora_rank``: transformers refuses a global read unless
+    ``allow_global_per_layer_attribute_access``); read only to fit sizes."""
+    default = cfg_cls()
+    if hasattr(type(default), "allow_global_per_layer_attribute_access"):
+        default.allow_global_per_layer_attribute_access = True
+    return default
+
+
 def _first(default, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if _has(default, n)), None)
 
@@ -161,7 +194,7 @@ def _has(default, name: str) -> bool:
         return name in default.to_dict()
 
 
-def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
+def _layer_shapes(default, layers: int, hidden: int, heads: int, seqlen: int) -> dict:
     """The per-layer and per-head fields a family's configuration checks
     against the sizes, fitted to them: a rotary dimension no wider than a
     head, the encoder's and decoder's head counts, a list of attention kinds
@@ -175,8 +208,9 @@ def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
     for name in ("encoder_attention_heads", "decoder_attention_heads"):
         if isinstance(getattr(default, name, None), int):
             kw[name] = heads
-    if isinstance(getattr(default, "d_head", None), int):  # XLNet's head width
-        kw["d_head"] = hidden // heads
+    for name in ("d_head", "attention_head_size"):  # XLNet's, Reformer's head width
+        if isinstance(getattr(default, name, None), int):
+            kw[name] = hidden // heads
     if isinstance(getattr(default, "num_kv_shared_layers", None), int):
         kw["num_kv_shared_layers"] = 0
     if isinstance(getattr(default, "attention_layers", None), list) and \
@@ -216,6 +250,33 @@ def _layer_shapes(default, layers: int, hidden: int, heads: int) -> dict:
         if isinstance(getattr(default, "mamba_d_head", None), int):
             kw["mamba_d_head"] = expand * hidden // heads
     kw.update(_ssm_heads(default, hidden, heads))
+    kw.update(_axial(default.to_dict(), hidden, seqlen))
+    return kw
+
+
+def _axial(fields: dict, hidden: int, seqlen: int) -> dict:
+    """Axial position embeddings (Reformer's) fitted to the sizes: a list
+    of factors whose product is the family's default position count
+    (``axial_pos_shape``, which training requires to multiply to the
+    sequence length) as two factors of ``seqlen``, a list of widths that sum
+    to its default hidden size (``axial_pos_embds_dim``) as widths in the
+    same proportions summing to ``hidden``, and a chunk length of chunked
+    attention (``*_chunk_length``) the whole sequence (a sequence no longer
+    than a chunk is attended whole, without hashing)."""
+    kw: dict = {}
+    positions, width = fields.get("max_position_embeddings"), fields.get("hidden_size")
+    for name, value in fields.items():
+        if name.endswith("_chunk_length") and isinstance(value, int):
+            kw[name] = seqlen
+        if not (isinstance(value, list) and len(value) == 2
+                and all(isinstance(v, int) and v > 0 for v in value)):
+            continue
+        if math.prod(value) == positions:
+            first = max(d for d in range(1, math.isqrt(seqlen) + 1) if seqlen % d == 0)
+            kw[name] = [first, seqlen // first]
+        elif sum(value) == width:
+            first = max(1, hidden * value[0] // width)
+            kw[name] = [first, hidden - first]
     return kw
 
 
@@ -274,8 +335,8 @@ def fewest_layers(family: str) -> int:
     one), as many as it has kinds, at least 2 (1 when neither builds: its
     row says why)."""
     cfg_cls, model_cls = classes(family)
-    name = _kinds_field(cfg_cls())
-    kinds = len(set(cfg_cls().to_dict()[name])) if name else 1
+    name = _kinds_field(_default(cfg_cls))
+    kinds = len(set(_default(cfg_cls).to_dict()[name])) if name else 1
     for layers in dict.fromkeys((1, max(2, kinds))):
         try:
             model_cls(config(family, layers=layers, hidden=16, heads=4, ffn=32, vocab=16,
@@ -321,7 +382,7 @@ def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vo
             del kw[name]
     if _has(default, "head_dim") and not isinstance(getattr(cfg_cls, "head_dim", None), property):
         kw["head_dim"] = hidden // heads  # also where the default leaves it None
-    kw.update(_layer_shapes(default, layers, hidden, heads))
+    kw.update(_layer_shapes(default, layers, hidden, heads, seqlen))
     # linear attention's own heads (Gated DeltaNet: Qwen3.5, Qwen3-Next), as small as the others
     linear = {"linear_key_head_dim": hidden // heads, "linear_value_head_dim": hidden // heads,
               "linear_num_key_heads": sizes["kv"], "linear_num_value_heads": heads}
@@ -332,10 +393,14 @@ def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vo
         kw["sliding_window"] = max(seqlen // 2, 1)
     experts = _first(default, EXPERT_FIELDS)
     routed = _first(default, ROUTING_FIELDS)
-    if experts is not None and routed is not None and isinstance(getattr(default, experts), int):
+    if experts is not None and routed is not None and _mixture(default, experts):
         # a small mixture, so that a small batch gives every expert tokens on
         # every rank (an expert with no token on a rank: docs/torch-backend.md)
-        kw[experts] = min(getattr(default, experts), EXPERTS)
+        kw[experts] = min(getattr(default, experts) or EXPERTS, EXPERTS)
+        # a shared expert's count the default leaves unset while the model
+        # multiplies by it (Dots1's ``n_shared_experts``): one
+        if "n_shared_experts" in fields and fields["n_shared_experts"] is None:
+            kw["n_shared_experts"] = 1
         # a family may leave the count unset (deepseek_v2's num_experts_per_tok)
         kw[routed] = min(getattr(default, routed) or TOP_K, TOP_K)
     for name, value in default.to_dict().items():
@@ -352,6 +417,11 @@ def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vo
             kw[name] = vocab - 1
         elif isinstance(ids, list) and any(i >= vocab for i in ids):
             kw[name] = [vocab - 1]
+    # a list of layer kinds the default leaves unset where the model reads
+    # one per layer (LFM2-MoE's ``layer_types``): transformers' standard
+    # kind, full attention, as LFM2's own default makes every layer
+    if "layer_types" in fields and fields["layer_types"] is None:
+        kw["layer_types"] = ["full_attention"] * layers
     # rotary parameters keyed by kind of layer that the family's default
     # leaves empty (Cohere Compass reads ``rope_parameters[kind]``): the
     # default rotary for each kind
@@ -369,6 +439,27 @@ def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vo
     return kw
 
 
+def _mixture(default, experts: str) -> bool:
+    """Whether the family's default has a mixture of experts: a count of
+    them, or, where it leaves the count unset (Dots1's ``n_routed_experts``
+    None), the width of each expert (``moe_intermediate_size``): a family
+    whose count None means no mixture (Gemma 4's) leaves that width unset
+    too."""
+    count = getattr(default, experts)
+    return isinstance(count, int) or (
+        count is None and isinstance(getattr(default, "moe_intermediate_size", None), int))
+
+
+def routes(default) -> bool:
+    """Whether a family's default configuration routes tokens to top-k
+    experts as the backend builds it: a count of experts per token, or a
+    mixture whose counts the default leaves unset (``_mixture``)."""
+    if any(getattr(default, f, None) for f in ROUTING_FIELDS):
+        return True
+    experts, routed = _first(default, EXPERT_FIELDS), _first(default, ROUTING_FIELDS)
+    return experts is not None and routed is not None and _mixture(default, experts)
+
+
 def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int):
     """A small configuration of ``family``: the backend's sizes in whichever
     fields the family's configuration has (grouped-query attention with half
@@ -384,7 +475,7 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     output embeddings (transformers 5.23's ``apply_tensor_parallelism`` fails on a tied ``lm_head``: KeyError
     'lm_head.weight'), and everything else the family's default."""
     cfg_cls, _ = classes(family)
-    default = cfg_cls()
+    default = _default(cfg_cls)
     kw = _fitted(cfg_cls, default, layers, hidden, heads, ffn, vocab, seqlen)
     try:
         cfg = cfg_cls(**kw)
