@@ -101,9 +101,9 @@ CASES: list[tuple[str, str, int]] = [
     ("hf qwen3 tp2 fsdp2", "--hf qwen3 --dp 2 --tp 2", 0),
     ("hf qwen3 bug norm grads not reduced", "--hf qwen3 --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf llama bug fsdp avg", "--hf llama --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
-    ("hf qwen3_moe ep refused (ep over the tp ranks: the backward picks a rank's pairs among the "
-     "batch's, a constant no single-device node reads; a correct plan, gloo same)",
-     "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 2),
+    ("hf qwen3_moe ep over the tp ranks (refused before: the backward picked a rank's pairs "
+     "among the batch's; verifies since soundness 99; gloo same)",
+     "--hf qwen3_moe --recipe ep_fsdp --dp 1 --tp 2", 0),
     ("hf llama hsdp dp4", "--hf llama --recipe hsdp --dp 4 --tp 1", 0),
     # the families' table re-run (docs/soundness.md, "Plans traced from PyTorch", 95):
     # transformers' Apertus plan leaves xIELU's one-element parameters unreduced over tp
@@ -956,6 +956,28 @@ CASES += [
     ("moe hf mixtral ep2 bug combine with another token's gate (the gates' rows at the "
      "permutation stand in for the gates: FAIL at the lookup on rank 0)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_combine_other_gate --dp 2 --tp 1 --ep 2", 1),
+    # transformers' EP with TP: the EP group the TP group (tp2 ep2: each rank dispatches its
+    # chunk of the shared batch) or every rank (dp2 tp2 ep4: "ep" spans dp x tp; one expert
+    # per rank); docs/soundness.md, "Plans traced from PyTorch", 99
+    ("moe hf mixtral tp2 ep2 (each rank's chunk of the shared batch dispatched; gloo same)",
+     "--hf mixtral --dp 1 --tp 2 --ep 2", 0),
+    ("moe hf qwen3_moe tp2 ep2", "--hf qwen3_moe --dp 1 --tp 2 --ep 2", 0),
+    ("moe hf mixtral dp2 tp2 ep4 (the ep dim over dp x tp, one expert per rank; gloo same)",
+     "--hf mixtral --dp 2 --tp 2 --ep 4", 0),
+    ("moe hf qwen3_moe dp2 tp2 ep4", "--hf qwen3_moe --dp 2 --tp 2 --ep 4", 0),
+    ("moe hf mixtral tp2 ep2 bug token to another expert",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 1 --tp 2 --ep 2", 1),
+    ("moe hf mixtral tp2 ep2 bug wrong split size",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 1 --tp 2 --ep 2", 1),
+    ("moe hf mixtral dp2 tp2 ep4 bug expert grads 2x (pytorch 160285)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_expert_grads_undivided --dp 2 --tp 2 --ep 4", 1),
+    ("moe hf mixtral dp2 tp2 ep4 bug token to another expert refused (a wrong plan: rank 0's "
+     "wrong mask of an expert equals another expert's on its four tokens and is claimed as that "
+     "one's piece, which no single-device mul combines with the first's rows; no SUCCESS, a "
+     "FAIL left to do)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 2 --ep 4", 2),
+    ("moe hf mixtral dp2 tp2 ep4 bug wrong split size refused (as the token to another expert)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 2 --ep 4", 2),
     # gpt_oss: expert biases, interleaved gate/up columns, a clamped "swiglu with limit",
     # attention sinks (docs/soundness.md, "Plans traced from PyTorch", 93)
     ("moe hf gpt_oss dp2", "--hf gpt_oss --dp 2 --tp 1", 0),

@@ -33,7 +33,7 @@ import numpy as np
 
 from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.grouped_rows import producer
-from backends.torch.lowering.ir import Const, NewZeros, Zeros
+from backends.torch.lowering.ir import Const, NewZeros, Pending, Zeros
 from backends.torch.lowering.pair_rows import (
     Assembled,
     Dotted,
@@ -135,7 +135,8 @@ def _all_ones(lw: Lowerer, a: Any) -> bool:
 
 def _spread_of(lw: Lowerer, a: Any, k: int) -> int | None:
     """g (lowered, ``[T, ...]``) when the recorded ``a`` is
-    ``g.unsqueeze(1).expand(T, k, ...)``."""
+    ``g.unsqueeze(1).expand(T, k, ...)``; g pending (a rank's chunk of the
+    rows, ``ir.Piece``) is materialized, its own value."""
     ev = producer(lw, a[1]) if isinstance(a, (list, tuple)) and len(a) == 2 else None
     if ev is None or ev[0] != "aten.expand.default":
         return None
@@ -145,7 +146,7 @@ def _spread_of(lw: Lowerer, a: Any, k: int) -> int | None:
         return None
     src = ev2[1][0][0]
     shape = tuple(lw.trace["shapes"][a[1]])
-    if len(shape) < 2 or shape[1] != k or not isinstance(value_of(lw, src), int):
+    if len(shape) < 2 or shape[1] != k or not isinstance(value_of(lw, src), (int, Pending)):
         return None
     return lw.val(src)
 

@@ -71,6 +71,10 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         #: a constant equal to the slice of several single-device constants ->
         #: all of them (each a true claim), until a reader chooses one
         self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
+        #: every match of such a constant, kept after a reader chose (a later
+        #: reader may read a copy matched otherwise: ``choose_constants``)
+        self.matches: dict[int, list[tuple[int, Claim]]] = {}
+        self.copies: list[int] = []  # such copies, not written yet (the writer writes them)
         #: a constant equal to a single-device constant's slice at several
         #: cuts -> that constant -> every true claim (``Recuts``, item 68)
         self.recuts: dict[int, dict[int, list[Claim]]] = {}
@@ -228,6 +232,7 @@ def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Pla
     writer = _Writer(b, ranks, world, plan_s)
     writer.walk()
     writer.materialize_finals()
+    writer.complete_grads()
     writer.refuse_loose_finals()
     writer.grad_buffers()
     write_final_blocks(writer)
@@ -273,12 +278,17 @@ class _Writer:
         self.recv_node: dict[int, int] = {}  # a received tensor -> its send_recv node
         self.redelivered: dict[int, set[int]] = {}  # rank -> misdelivered values rewritten
         for r in self.rs.values():
-            for v, (kind, _) in r.low.inputs.items():
-                mb = r.mb[v] if v in r.split_from else -1 if kind in ("param", "buffer") else 0
-                if kind == "param" and strided(r.claim[v].dims) is not None:
-                    self.t_of[(r.low.rank, v)] = strided_input(self, r, v)  # item 87
-                    continue
-                self.t_of[(r.low.rank, v)] = self.tensor(r, v, mb, tid=r.own_tid.get(v))
+            for v in r.low.inputs:
+                self.write_input(r, v)
+
+    def write_input(self, r: _Rank, v: int) -> None:
+        """Rank r's input v as a tensor of the plan."""
+        kind = r.low.inputs[v][0]
+        mb = r.mb[v] if v in r.split_from else -1 if kind in ("param", "buffer") else 0
+        if kind == "param" and strided(r.claim[v].dims) is not None:
+            self.t_of[(r.low.rank, v)] = strided_input(self, r, v)  # item 87
+            return
+        self.t_of[(r.low.rank, v)] = self.tensor(r, v, mb, tid=r.own_tid.get(v))
 
     def tensor(self, r: _Rank, v: int, mb: int, tid: int | None = None,
                lver: int | None = None) -> int:
@@ -301,6 +311,9 @@ class _Writer:
         return peer.low.nodes[self.channels.nth(peer.low, node, k)].ins[0]
 
     def emit(self, r: _Rank, node: LNode, k: int) -> None:
+        for u in r.copies:  # a constant's copy for one reader (``choose_constants``)
+            self.write_input(r, u)
+        r.copies.clear()
         if r.retagged:
             self.retag(r)
         if r.reclaimed:
@@ -374,6 +387,28 @@ class _Writer:
             for runs in r.low.final_runs.values():  # a distributed optimizer's ranges (item 90)
                 for src, v, _, _ in runs:
                     self.materialize(self.rs[src], v)
+
+    def complete_grads(self) -> None:
+        """A rank's gradient that is a piece of one term of the single-device
+        gradient's sum (its one local expert's gradient, padded to the
+        experts' weights): the sum's other terms written as zeros, each
+        claimed to be its term's piece, and the whole sum added in the
+        single-device order (``Sums.zero_terms``, as for a rank's several
+        experts' gradients; docs/soundness.md, "Plans traced from PyTorch",
+        54 (f), 99)."""
+        for r in self.rs.values():
+            for name, g in r.low.grads.items():
+                whole = self.b.s.low.grads.get(name)
+                if g is None or whole is None or g in r.pending or r.sv.get(g) == whole \
+                        or r.sv.get(g) not in self.b.s_leaves.get(whole, ()) \
+                        or not r.same_piece([g]):
+                    continue
+                v = r.fresh
+                r.fresh += 1
+                r.low.shapes[v] = r.low.shapes[g]
+                for node in r.zero_terms(v, [g], [r.sv[g]], whole):
+                    self.emit(r, node, -1)
+                r.low.grads[name] = v
 
     def grad_buffers(self) -> None:
         """Each held parameter's gradient accumulated into its zeroed

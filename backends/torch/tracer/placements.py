@@ -104,7 +104,8 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
                     names[mesh_dim] = "tp"  # a dim of the user's own name over the tp ranks
                     continue
                 axis = context_parallel_axes(mesh, mesh_dim, layout) \
-                    or data_parallel_axis(mesh, mesh_dim, layout, split)
+                    or data_parallel_axis(mesh, mesh_dim, layout, split) \
+                    or data_tensor_parallel_axes(mesh, mesh_dim, layout)
                 if axis is None and name == "dp" and mesh.size(mesh_dim=mesh_dim) > 1:
                     # a shard's position would be its index in this dim,
                     # which is no coordinate of the backend's mesh
@@ -138,6 +139,26 @@ def dims_axes(t: torch.Tensor, layout: tuple[int, int, int] | None = None,
                                  f"shard of dim {dim} in {factor} parts over a dim already cut "
                                  f"by {axes[dim]} is not traced")
     return axes
+
+
+def data_tensor_parallel_axes(mesh, mesh_dim: int, layout: tuple[int, ...]) -> str | None:
+    """"dp+tp" when the mesh dim's ranks (through this rank) are every
+    data-parallel and tensor-parallel rank of its stage and context-parallel
+    coordinate, data-parallel outer, tensor-parallel inner (transformers'
+    "ep" dim at ep = dp x tp: its index is d * tp + t); else None.
+    ``layout`` is (pp, dp, tp) or (pp, dp, tp, cp)."""
+    _, dp, tp = layout[:3]
+    cp = layout[3] if len(layout) > 3 else 1
+    coordinate = mesh.get_coordinate()
+    if dp < 2 or tp < 2 or coordinate is None:
+        return None
+    ranks = dim_ranks(mesh, mesh_dim, coordinate)
+    first = ranks[0]
+    if first % tp or (first // (cp * tp)) % dp:
+        return None
+    if ranks == [first + d * cp * tp + t for d in range(dp) for t in range(tp)]:
+        return "dp+tp"
+    return None
 
 
 def context_parallel_axes(mesh, mesh_dim: int, layout: tuple[int, ...]) -> str | None:
