@@ -61,9 +61,13 @@ class Collectives(Pieces):
                         and self.splits_piece(node):
                     return
                 if souts is None:
-                    raise
-                self.split_as_single(node, souts)
-                return
+                    # a piece at the rank's cp index (a head group's sinks under
+                    # Ulysses): claimed so, proved or refuted (soundness.md, 101)
+                    dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"],
+                                                           order=(("cp",),))
+                else:
+                    self.split_as_single(node, souts)
+                    return
         else:
             axes = self.axis_of(node.group, coords)
             if node.op in ("all_reduce", "all_reduce_avg"):
