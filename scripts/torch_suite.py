@@ -1169,6 +1169,20 @@ CASES += [
     ("cp ulysses bug pp2 cp2 positions not shifted per cp rank",
      f"--model tests.cp_ulysses_models:ulysses_stack {ULY_SIZES.replace('--layers 1', '--layers 2')} "
      f"--recipe {ULY}ulysses_pp_unshifted --mesh pp=2,cp=2", 1),
+    # attention sinks under Ulysses: each rank the sinks of its head group, a split at its
+    # cp index (docs/soundness.md, "Plans traced from PyTorch", 101)
+    ("cp ulysses sinks cp2",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} --recipe {ULY}ulysses_sinks "
+     "--mesh cp=2", 0),
+    ("cp ulysses sinks dp2 cp2",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} --recipe {ULY}ulysses_sinks "
+     "--mesh dp=2,cp=2", 0),
+    ("cp ulysses sinks bug sinks dropped (prime-rl 3397)",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
+     f"--recipe {ULY}ulysses_sinks_dropped --mesh cp=2", 1),
+    ("cp ulysses sinks bug every rank reads the first head group's sinks",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
+     f"--recipe {ULY}ulysses_sinks_first_group --mesh cp=2", 1),
     # torchtitan's own CP (backends/torch/zoo/titan.py, parallelize_cp): every rank traced
     # through the step, CP's ring on the CPU (cp_shim), the rotary table gathered at the
     # rank's positions read as its one row (docs/soundness.md, "Plans traced from PyTorch",
