@@ -1183,6 +1183,9 @@ CASES += [
     ("cp ulysses sinks bug every rank reads the first head group's sinks",
      f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
      f"--recipe {ULY}ulysses_sinks_first_group --mesh cp=2", 1),
+    ("cp ulysses sinks bug every rank reads the first head group's sinks dp2 cp2",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
+     f"--recipe {ULY}ulysses_sinks_first_group --mesh dp=2,cp=2", 1),
     # torchtitan's own CP (backends/torch/zoo/titan.py, parallelize_cp): every rank traced
     # through the step, CP's ring on the CPU (cp_shim), the rotary table gathered at the
     # rank's positions read as its one row (docs/soundness.md, "Plans traced from PyTorch",

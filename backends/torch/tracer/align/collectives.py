@@ -54,7 +54,7 @@ class Collectives(Pieces):
             self.mb[out] = node.kwargs["index"]
         elif node.op == "split":
             try:
-                dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
+                dims[node.kwargs["dim"]] += self.split_axes(node, coords)
             except LoweringError:
                 souts = self.computed_split(node, cut=True)
                 if souts is None and self.low.reordered and self.low.anchors \
@@ -84,6 +84,21 @@ class Collectives(Pieces):
         self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale,
                                 steps=c.steps if "step" in partial else None)
         self.check(out, uneven=True)
+
+    def split_axes(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[str]:
+        """The mesh axes a split's piece is claimed cut by: the guess
+        (``guess``), unless it is one axis at whose coordinate this rank
+        does not read its piece and another axis of the same size is one
+        at which it does (a head group's sinks at the rank's cp index on a
+        mesh with dp beside cp: docs/soundness.md, "Plans traced from
+        PyTorch", 101 (c)). Either is a claim its stage proves."""
+        axes = self.guess(1, node.kwargs["parts"])
+        mine, index = coords[self.low.rank], node.kwargs["index"]
+        if len(axes) != 1 or mine.get(axes[0]) == index:
+            return axes
+        other = [a for a in self.axes if a in mine and a not in self.dp
+                 and self.sizes.get(a) == node.kwargs["parts"] and mine[a] == index]
+        return other[:1] or axes
 
     def splits_piece(self, node: LNode) -> bool:
         """A split of a piece along a dim axes cut, into ``parts`` at
