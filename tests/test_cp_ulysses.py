@@ -68,6 +68,7 @@ def test_a_permuted_view_is_no_box_until_permuted_back() -> None:
     (MODEL, "ulysses_unshifted", "cp=2", False),
     (MODEL, "ulysses_averaged", "dp=2,cp=2", False),
     (SINKS, "ulysses_sinks", "cp=2", True),
+    (SINKS, "ulysses_sinks", "dp=2,cp=2", True),
     (SINKS, "ulysses_sinks_first_group", "cp=2", False),
 ])
 def test_ulysses_steps_judged_by_the_oracle(model, recipe, mesh, right) -> None:
