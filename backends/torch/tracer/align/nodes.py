@@ -330,15 +330,21 @@ class NodeMatching(Pieces):
     def downstream(self, start: int) -> dict[int, int]:
         """The single-device values the forward computes from ``start``, of
         any shape, each with its distance (``start`` itself at 0)."""
-        nodes = self.b.s.low.nodes
-        far, frontier, depth = {start: 0}, {start}, 0
+        if self.fw_readers is None:
+            self.fw_readers = {}
+            for n in self.b.s.low.nodes:
+                if n.dir == "fw" and not n.name.startswith("bw:"):
+                    for v in set(n.ins):
+                        self.fw_readers.setdefault(v, []).extend(o for o in n.outs if o >= 0)
+        far, frontier, depth = {start: 0}, [start], 0
         while frontier:
             depth += 1
-            after = {o for n in nodes if n.dir == "fw" and not n.name.startswith("bw:")
-                     and any(v in frontier for v in n.ins) for o in n.outs
-                     if o >= 0 and o not in far}
-            for o in after:
-                far[o] = depth
+            after = []
+            for v in frontier:
+                for o in self.fw_readers.get(v, ()):
+                    if o not in far:
+                        far[o] = depth
+                        after.append(o)
             frontier = after
         return far
 
