@@ -69,7 +69,7 @@ def test_a_permuted_view_is_no_box_until_permuted_back() -> None:
     (MODEL, "ulysses_averaged", "dp=2,cp=2", False),
     (SINKS, "ulysses_sinks", "cp=2", True),
     (SINKS, "ulysses_sinks", "dp=2,cp=2", True),
-    (SINKS, "ulysses_sinks_first_group", "cp=2", False),
+    (SINKS, "ulysses_sinks_first_group", "dp=2,cp=2", False),
 ])
 def test_ulysses_steps_judged_by_the_oracle(model, recipe, mesh, right) -> None:
     args = parser().parse_args(["--model", model, "--recipe", f"tests.cp_ulysses_recipes:{recipe}",
@@ -94,3 +94,11 @@ def test_ulysses_sinks_dropped_fail_at_the_softmax(capsys) -> None:
     out = capsys.readouterr()
     assert code == 1, out.err
     assert "op='softmax'" in out.out + out.err
+
+
+def test_a_split_at_another_index_than_the_cp_index_is_refused(capsys) -> None:
+    code = verdict_cli.torch(["--model", SINKS, "--recipe",
+                              "tests.cp_ulysses_recipes:ulysses_sinks_first_group", "--mesh",
+                              "cp=2", *SIZES])
+    assert code == 2
+    assert "not the piece of its cp index" in capsys.readouterr().err

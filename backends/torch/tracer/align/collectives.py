@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode, LoweringError
-from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs
+from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, scope
 
 #: Averaging collectives divide by their group's size.
 AVERAGES = ("all_reduce_avg", "reduce_scatter_avg")
@@ -60,6 +60,12 @@ class Collectives(Pieces):
                 if souts is None and self.low.reordered and self.low.anchors \
                         and self.splits_piece(node):
                     return
+                if souts is None and self.low.coords.get("cp") != node.kwargs["index"]:
+                    raise LoweringError(
+                        f"rank {self.low.rank}: a split at {scope(node.name)} reads piece "
+                        f"{node.kwargs['index']} of {node.kwargs['parts']}, not the piece "
+                        f"of its cp index ({self.low.coords.get('cp', 0)}) nor one that "
+                        f"another axis or the single-device step names") from None
                 if souts is None:
                     # a piece at the rank's cp index (a head group's sinks under
                     # Ulysses): claimed so, proved or refuted (soundness.md, 101)
