@@ -1145,10 +1145,15 @@ CASES += [
     ("cp allgather sinks cp2", f"{SINK}sink_allgather --mesh cp=2", 0),
     ("cp allgather sinks cp4", f"{SINK}sink_allgather --mesh cp=4 --seqlen 8", 0),
     ("cp allgather sinks dp2 cp2", f"{SINK}sink_allgather --mesh dp=2,cp=2", 0),
-    # wrong (gloo differs) but refused: the rank's softmax runs over other columns
-    # than any single-device softmax, so its nodes align with none
-    ("cp allgather sinks bug sinks dropped under cp refused (prime-rl 3397)",
-     f"{SINK}sink_allgather_dropped --mesh cp=2", 2),
+    # the rank's softmax runs over its keys where the single-device one runs over the
+    # keys and the sink: claimed to be that softmax, found over other entries
+    # (docs/soundness.md, "Plans traced from PyTorch", 101)
+    ("cp allgather sinks bug sinks dropped under cp (prime-rl 3397)",
+     f"{SINK}sink_allgather_dropped --mesh cp=2", 1),
+    ("cp allgather sinks bug sinks dropped under cp4 (prime-rl 3397)",
+     f"{SINK}sink_allgather_dropped --mesh cp=4 --seqlen 8", 1),
+    # wrong (gloo differs) but refused: each gathered chunk of the keys is cut on every
+    # rank, a piece the claims' axes do not name
     ("cp allgather sinks bug the sink entered once per gathered chunk refused",
      f"{SINK}sink_allgather_per_chunk --mesh cp=2", 2),
     ("cp ring sinks allgather cp2", f"{SINK_RING}sink_ring --mesh cp=2", 0),
@@ -1165,10 +1170,10 @@ CASES += [
      f"{SINK_RING}sink_ring_balanced --mesh cp=2 --seqlen 8", 0),
     ("cp ring sinks load-balanced allgather cp4",
      f"{SINK_RING}sink_ring_balanced --mesh cp=4 --seqlen 8", 0),
-    # wrong (gloo differs) but refused: the backward's blocks read halves of the
-    # named result, which the match past a named result does not follow
-    ("cp ring sinks bug load-balanced sinks dropped refused (prime-rl 3397)",
-     f"{SINK_RING}sink_ring_balanced_dropped --mesh cp=2 --seqlen 8", 2),
+    # the backward's blocks read halves of the named result: matched past it
+    # (docs/soundness.md, "Plans traced from PyTorch", 101)
+    ("cp ring sinks bug load-balanced sinks dropped (prime-rl 3397)",
+     f"{SINK_RING}sink_ring_balanced_dropped --mesh cp=2 --seqlen 8", 1),
 ]
 
 
@@ -1211,6 +1216,25 @@ CASES += [
     ("cp ulysses bug pp2 cp2 positions not shifted per cp rank",
      f"--model tests.cp_ulysses_models:ulysses_stack {ULY_SIZES.replace('--layers 1', '--layers 2')} "
      f"--recipe {ULY}ulysses_pp_unshifted --mesh pp=2,cp=2", 1),
+    # attention sinks under Ulysses: each rank the sinks of its head group, a split at its
+    # cp index (docs/soundness.md, "Plans traced from PyTorch", 101)
+    ("cp ulysses sinks cp2",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} --recipe {ULY}ulysses_sinks "
+     "--mesh cp=2", 0),
+    ("cp ulysses sinks dp2 cp2",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} --recipe {ULY}ulysses_sinks "
+     "--mesh dp=2,cp=2", 0),
+    ("cp ulysses sinks bug sinks dropped (prime-rl 3397)",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
+     f"--recipe {ULY}ulysses_sinks_dropped --mesh cp=2", 1),
+    # a split at another index than the rank's cp index, which no axis names: refused (a
+    # claim of the cp piece there would fail correct code reading other pieces; gloo differs)
+    ("cp ulysses sinks bug every rank reads the first head group's sinks refused",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
+     f"--recipe {ULY}ulysses_sinks_first_group --mesh cp=2", 2),
+    ("cp ulysses sinks bug every rank reads the first head group's sinks dp2 cp2",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
+     f"--recipe {ULY}ulysses_sinks_first_group --mesh dp=2,cp=2", 1),
     # torchtitan's own CP (backends/torch/zoo/titan.py, parallelize_cp): every rank traced
     # through the step, CP's ring on the CPU (cp_shim), the rotary table gathered at the
     # rank's positions read as its one row (docs/soundness.md, "Plans traced from PyTorch",

@@ -156,6 +156,10 @@ class UlyssesTagger(nn.Module):
             return _list_all_to_all(x, seq, 2, self.group, reverse)
         return _single_heads_to_seq(x, seq, self.group, reverse, self.exchange == "functional")
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention of [batch, heads, seq, dim] queries, keys, values."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         start = self.position_offset
         ids = torch.arange(start, start + tokens.shape[1])
@@ -170,8 +174,7 @@ class UlyssesTagger(nn.Module):
             q, k, v = (_Exchange.apply(t, self, True) for t in (q, k, v))
         # SDPA's [batch, heads, seq, dim]
         order = (0, 2, 1, 3) if self.layout == "bshd" else (1, 2, 0, 3)
-        y = F.scaled_dot_product_attention(*(t.permute(order) for t in (q, k, v)),
-                                           is_causal=self.causal)
+        y = self.attend(*(t.permute(order) for t in (q, k, v)))
         y = y.permute(0, 2, 1, 3) if self.layout == "bshd" else y.permute(2, 0, 1, 3)
         if self.group is not None and self.exchange == "functional":
             y = self.heads_to_seq(y)
@@ -282,3 +285,29 @@ class UlyssesStack(nn.Module):
 
 def ulysses_stack(**kw) -> UlyssesStack:
     return UlyssesStack(**kw)
+
+
+class UlyssesSinkTagger(UlyssesTagger):
+    """The Ulysses tagger with attention sinks (gpt-oss's per-head sink
+    logits, tests/cp_sink_models.py): after the all-to-all a rank holds a
+    group of the heads over the whole sequence, and reads the sinks of
+    those heads (its narrow of the parameter at its cp index, ``cp_rank``,
+    set by a recipe). ``fault`` "no_sinks": the rank's attention drops
+    the sinks (prime-rl PR 3397's mechanism under Ulysses)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sinks = nn.Parameter(torch.randn(kw["heads"]))
+        self.cp_rank = 0
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from tests.cp_sink_models import sink_attention
+        heads = q.shape[1]
+        sinks = self.sinks.narrow(0, self.cp_rank * heads, heads)
+        fault = "no_sinks" if self.fault == "no_sinks" else ""
+        return sink_attention(q, k, v, sinks, fault=fault)
+
+
+def ulysses_sink_tagger(**kw) -> UlyssesSinkTagger:
+    """Causal attention with sinks, [batch, seq, heads, dim] around it."""
+    return UlyssesSinkTagger(**kw)

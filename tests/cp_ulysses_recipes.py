@@ -152,3 +152,25 @@ def ulysses_pp(model, mesh, shift: bool = True):
 def ulysses_pp_unshifted(model, mesh):
     """Bug: ulysses_pp with every cp rank's positions left at the first chunk's."""
     return ulysses_pp(model, mesh, shift=False)
+
+
+def ulysses_sinks(model, mesh, fault: str = ""):
+    """Ulysses over "cp" (DeepSpeed's all-to-all) on the sink tagger
+    (tests/cp_ulysses_models.py): each rank reads the sinks of its head
+    group; gradients summed over cp and dp."""
+    _ulysses(model, mesh, "single", fault=fault)
+    model.cp_rank = mesh["cp"].get_local_rank()
+    return _summed(model, mesh)
+
+
+def ulysses_sinks_dropped(model, mesh):
+    """Bug (prime-rl PR 3397's mechanism under Ulysses): the rank's
+    attention drops the sinks."""
+    return ulysses_sinks(model, mesh, "no_sinks")
+
+
+def ulysses_sinks_first_group(model, mesh):
+    """Bug: every rank reads the sinks of the first head group (the sinks
+    not cut by the rank's cp index), whatever heads it holds."""
+    _ulysses(model, mesh, "single")
+    return _summed(model, mesh)

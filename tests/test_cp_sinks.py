@@ -102,7 +102,24 @@ def test_sinks_dropped_under_the_ring_fail_at_the_first_reader(capsys) -> None:
     assert "operator transpose" in out
 
 
-@pytest.mark.parametrize("recipe", ["sink_allgather_dropped", "sink_allgather_per_chunk"])
-def test_eager_all_gather_bugs_are_refused_in_one_line(recipe, capsys) -> None:
-    code, out = _run("sink_tagger", recipe, "cp=2", capsys)
+def test_eager_sinks_dropped_fail_at_the_softmax(capsys) -> None:
+    """prime-rl PR 3397 with keys and values all-gathered: the rank's
+    softmax is claimed to be the single-device one it skips the sink
+    column before (soundness.md, 101), which runs over one more entry."""
+    code, out = _run("sink_tagger", "sink_allgather_dropped", "cp=2", capsys)
+    assert code == 1, out
+    assert "op='softmax'" in out and "(size 5)" in out and "(size 4)" in out
+
+
+def test_balanced_ring_sinks_dropped_fail_at_the_first_reader(capsys) -> None:
+    """The balanced ring's backward blocks read halves of its named result:
+    matched past it (soundness.md, 101); the forward's first reader fails."""
+    code, out = _run("sink_flash_tagger", "sink_ring_balanced_dropped", "cp=2", capsys,
+                     "--seqlen", "8")
+    assert code == 1, out
+    assert "operator transpose" in out and "counterexample" in out
+
+
+def test_the_sink_entered_once_per_gathered_chunk_is_refused_in_one_line(capsys) -> None:
+    code, out = _run("sink_tagger", "sink_allgather_per_chunk", "cp=2", capsys)
     assert code == 2, out

@@ -20,6 +20,8 @@ from main import verify
 SIZES = ["--layers", "1", "--hidden", "8", "--heads", "4", "--seqlen", "8", "--vocab", "10",
          "--batch", "2"]
 MODEL = "tests.cp_ulysses_models:ulysses_tagger"
+#: with attention sinks, each rank its head group's (soundness.md, 101)
+SINKS = "tests.cp_ulysses_models:ulysses_sink_tagger"
 
 
 def _received(n: int, me: int, shape: tuple[int, ...], order: list[int]) -> Arranged:
@@ -65,6 +67,9 @@ def test_a_permuted_view_is_no_box_until_permuted_back() -> None:
     (MODEL, "ulysses_list_wrong_order", "cp=2", False),
     (MODEL, "ulysses_unshifted", "cp=2", False),
     (MODEL, "ulysses_averaged", "dp=2,cp=2", False),
+    (SINKS, "ulysses_sinks", "cp=2", True),
+    (SINKS, "ulysses_sinks", "dp=2,cp=2", True),
+    (SINKS, "ulysses_sinks_first_group", "dp=2,cp=2", False),
 ])
 def test_ulysses_steps_judged_by_the_oracle(model, recipe, mesh, right) -> None:
     args = parser().parse_args(["--model", model, "--recipe", f"tests.cp_ulysses_recipes:{recipe}",
@@ -80,3 +85,20 @@ def test_heads_and_sequence_swapped_is_a_wrong_step(capsys) -> None:
                               "tests.cp_ulysses_recipes:ulysses_swapped", "--mesh", "cp=2", *SIZES])
     assert code == 1
     assert "all_gather" in capsys.readouterr().out
+
+
+def test_ulysses_sinks_dropped_fail_at_the_softmax(capsys) -> None:
+    code = verdict_cli.torch(["--model", SINKS, "--recipe",
+                              "tests.cp_ulysses_recipes:ulysses_sinks_dropped", "--mesh", "cp=2",
+                              *SIZES])
+    out = capsys.readouterr()
+    assert code == 1, out.err
+    assert "op='softmax'" in out.out + out.err
+
+
+def test_a_split_at_another_index_than_the_cp_index_is_refused(capsys) -> None:
+    code = verdict_cli.torch(["--model", SINKS, "--recipe",
+                              "tests.cp_ulysses_recipes:ulysses_sinks_first_group", "--mesh",
+                              "cp=2", *SIZES])
+    assert code == 2
+    assert "not the piece of its cp index" in capsys.readouterr().err

@@ -284,9 +284,11 @@ def verify_pair(single: Plan, parallel: Plan, *, prover: SolveFn, seed: int = 0,
     failed = [r for r in results if not r.outcome.ok]
     if stopped and not any(r.outcome.status == "counterexample" for r in failed):
         # a reduction found the plan wrong and no stage before it is refuted:
-        # that finding is the verdict (never a SUCCESS either way)
+        # that finding is the verdict (never a SUCCESS either way); of a cut's
+        # finding and a reduction's among the stages cut before it, the
+        # reduction's (the earlier stage)
         times["t_total"] = time.perf_counter() - t0
-        return Verdict(False, stopped[0].kind, str(stopped[0]), times=times)
+        return Verdict(False, stopped[-1].kind, str(stopped[-1]), times=times)
     if not keep_going:
         failed = failed[:1]
     for r in failed:

@@ -283,6 +283,15 @@ def _check_parallel(single: Plan, parallel: Plan, index: int, classes: _Classes,
                     f"single-device plan dim {a[1]} of {_ts_name(single, a[0])} and dim {b[1]} of "
                     f"{_ts_name(single, b[0])} have different roles (dims confused: a transpose, "
                     f"a permute or swapped operands)"))
+            if classes.full[classes.find(a)] != classes.full[classes.find(b)]:
+                raise StructureError("shape", (
+                    f"{node_label(parallel, index)} ties dim {da} of {_tp_name(parallel, ta)} "
+                    f"to dim {db} of {_tp_name(parallel, tb)}, which in the single-device plan "
+                    f"are dim {a[1]} of {_ts_name(single, a[0])} (size "
+                    f"{classes.full[classes.find(a)]}) and dim {b[1]} of "
+                    f"{_ts_name(single, b[0])} (size {classes.full[classes.find(b)]}): the rank "
+                    f"runs it over other entries than the single-device step (some dropped "
+                    f"or added)"))
             classes.union(a, b)
         elif rel[0] == "min":
             t, d = rel[1]

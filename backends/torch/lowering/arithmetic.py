@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.arranged import Arranged
 from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.fills import additive_mask, masked_fill, selected, where
 from backends.torch.lowering.flat_ranges import FlatRange, range_blocks
@@ -112,9 +113,31 @@ def _reduce(op: str):
     return lower
 
 
+def _folded(lw: Lowerer, x: Any, k: int) -> Any:
+    """``x`` as torch.matmul's batch folding of its first ``k`` dims
+    (``Flat``) when it is one: a ``Flat``, or an all-to-all's output
+    (``Arranged``) whose last view merges the first k dims of the form
+    before it (more than 3 dims), that form then emitted. Else ``x``."""
+    if isinstance(x, Flat) or not isinstance(x, Arranged) or x.prev is None \
+            or x.step[:1] != ("view",):
+        return x
+    src, dst = x.prev.pos.shape, x.step[1]
+    if len(src) > 3 and len(src) == len(dst) + k - 1 and math.prod(src[:k]) == dst[0] \
+            and tuple(src[k:]) == tuple(dst[1:]):
+        return Flat(lw.materialize(x.prev), k)
+    return x
+
+
 @lowers("aten.mm.default", "aten.bmm.default")
 def _matmul(lw: Lowerer, args, kwargs, shapes, group):
+    """A matrix product; of two batch-folded operands (``Flat``, one of them
+    an all-to-all's output so folded: Ulysses' attention backward), the
+    batched product of the unfolded ones, folded."""
     a, b = lw.env.get(args[0][1]), lw.env.get(args[1][1])
+    if isinstance(a, Flat) and not isinstance(b, Flat):
+        b = _folded(lw, b, a.k)
+    elif isinstance(b, Flat) and not isinstance(a, Flat):
+        a = _folded(lw, a, b.k)
     if isinstance(a, Flat) and isinstance(b, Flat) and a.k == b.k:
         lead = lw.shapes[a.x][:a.k]
         out = lw.emit("matmul", [a.x, b.x], [(*lead, *shapes[0][1:])])[0]

@@ -92,6 +92,7 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         self.strided_loose: dict[int, int] = {}
         self.undone: set[int] = set()  # reshapes left out, every reader undoing them
         self.made_at: dict[int, int] | None = None  # single-device value -> its node (claimed_alike)
+        self.fw_readers: dict[int, list[int]] | None = None  # value -> forward readers' outputs
         self.alike = False  # a claim of ``claimed_alike`` made on this rank
         self.consumers: dict[int, list[LNode]] = {}
         self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}

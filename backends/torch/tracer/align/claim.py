@@ -114,6 +114,8 @@ class Pieces:
     #: a strided value (its claim has a ``STRIDED`` marker) -> its loose number
     strided_loose: dict[int, int]
     made_at: dict[int, int] | None
+    #: single-device value -> the outputs of the forward nodes reading it (``downstream``)
+    fw_readers: dict[int, list[int]] | None
 
     def atomic(self, axes) -> list[str]:
         """Axes with "dp" written as the atomic axes it stands for."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode, LoweringError
-from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs
+from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, scope
 
 #: Averaging collectives divide by their group's size.
 AVERAGES = ("all_reduce_avg", "reduce_scatter_avg")
@@ -54,16 +54,26 @@ class Collectives(Pieces):
             self.mb[out] = node.kwargs["index"]
         elif node.op == "split":
             try:
-                dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"])
+                dims[node.kwargs["dim"]] += self.split_axes(node, coords)
             except LoweringError:
                 souts = self.computed_split(node, cut=True)
                 if souts is None and self.low.reordered and self.low.anchors \
                         and self.splits_piece(node):
                     return
+                if souts is None and self.low.coords.get("cp") != node.kwargs["index"]:
+                    raise LoweringError(
+                        f"rank {self.low.rank}: a split at {scope(node.name)} reads piece "
+                        f"{node.kwargs['index']} of {node.kwargs['parts']}, not the piece "
+                        f"of its cp index ({self.low.coords.get('cp', 0)}) nor one that "
+                        f"another axis or the single-device step names") from None
                 if souts is None:
-                    raise
-                self.split_as_single(node, souts)
-                return
+                    # a piece at the rank's cp index (a head group's sinks under
+                    # Ulysses): claimed so, proved or refuted (soundness.md, 101)
+                    dims[node.kwargs["dim"]] += self.guess(1, node.kwargs["parts"],
+                                                           order=(("cp",),))
+                else:
+                    self.split_as_single(node, souts)
+                    return
         else:
             axes = self.axis_of(node.group, coords)
             if node.op in ("all_reduce", "all_reduce_avg"):
@@ -80,6 +90,21 @@ class Collectives(Pieces):
         self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale,
                                 steps=c.steps if "step" in partial else None)
         self.check(out, uneven=True)
+
+    def split_axes(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[str]:
+        """The mesh axes a split's piece is claimed cut by: the guess
+        (``guess``), unless it is one axis at whose coordinate this rank
+        does not read its piece and another axis of the same size is one
+        at which it does (a head group's sinks at the rank's cp index on a
+        mesh with dp beside cp: docs/soundness.md, "Plans traced from
+        PyTorch", 101 (c)). Either is a claim its stage proves."""
+        axes = self.guess(1, node.kwargs["parts"])
+        mine, index = coords[self.low.rank], node.kwargs["index"]
+        if len(axes) != 1 or mine.get(axes[0]) == index:
+            return axes
+        other = [a for a in self.axes if a in mine and a not in self.dp
+                 and self.sizes.get(a) == node.kwargs["parts"] and mine[a] == index]
+        return other[:1] or axes
 
     def splits_piece(self, node: LNode) -> bool:
         """A split of a piece along a dim axes cut, into ``parts`` at

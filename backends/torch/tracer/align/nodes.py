@@ -208,7 +208,9 @@ class NodeMatching(Pieces):
         outputs are claimed as that node's, claims the verifier proves or
         refutes like any (docs/soundness.md, "Plans traced from PyTorch",
         92 (d)); an empty list when there is none."""
-        at = [i for i, v in enumerate(node.ins) if v in self.low.anchors]
+        named = {self.sv[a] for a in self.low.anchors if a in self.sv}
+        at = [i for i, v in enumerate(node.ins)
+              if v in self.low.anchors or (node.op in BLOCK_OPS and self.sv.get(v) in named)]
         if not at:
             return []
         nodes = self.b.s.low.nodes
@@ -264,6 +266,10 @@ class NodeMatching(Pieces):
             if found:
                 self.alike = True
                 return found
+            found = self.nearest_downstream(node)
+            if found:
+                self.alike = True
+                return found
         if not self.alike:
             return []
         return self.final_node(node)
@@ -292,6 +298,59 @@ class NodeMatching(Pieces):
             return (_module_path(nodes[c].name) != where, key_kwargs(nodes[c].kwargs) != kw,
                     -shared, (node.mb, c) in self.used)
         return [min(found, key=rank)]
+
+    def nearest_downstream(self, node: LNode) -> list[int]:
+        """A single-device node of the same operator, direction, module
+        path, kwargs and inputs' count as ``node``, made after the values
+        its inputs are aligned with, whose outputs its own are pieces of,
+        and each of whose inputs is, in its place, the value the rank's
+        input there is aligned with or one the single-device forward
+        computes from it (a rank that skips a step the single-device step
+        runs before this operator: the sinks' column dropped before a
+        softmax); the nearest (fewest steps in all), or none
+        (docs/soundness.md, "Plans traced from PyTorch", 101). The claim
+        is proved or refuted by that node's stage, as (a)'s."""
+        nodes = self.b.s.low.nodes
+        ins = [self.sv[v] if v >= 0 else -1 for v in node.ins]
+        kw, where = key_kwargs(node.kwargs), _module_path(node.name)
+        order = self.single_order()
+        after = max((order.get(v, -1) for v in ins if v >= 0), default=-1)
+        far = {v: self.downstream(v) for v in set(ins) if v >= 0}
+        best, pick = None, []
+        for c in range(after + 1, len(nodes)):
+            n = nodes[c]
+            if n.op != node.op or n.dir != node.dir or len(n.ins) != len(ins) \
+                    or len(n.outs) != len(node.outs) or _module_path(n.name) != where \
+                    or key_kwargs(n.kwargs) != kw:
+                continue
+            if any((v < 0) != (w < 0) or (v >= 0 and w not in far[v])
+                   for v, w in zip(ins, n.ins)):
+                continue
+            cost = sum(far[v][w] for v, w in zip(ins, n.ins) if v >= 0)
+            if cost and self.fits_all(node, c) and (best is None or cost < best):
+                best, pick = cost, [c]
+        return pick
+
+    def downstream(self, start: int) -> dict[int, int]:
+        """The single-device values the forward computes from ``start``, of
+        any shape, each with its distance (``start`` itself at 0)."""
+        if self.fw_readers is None:
+            self.fw_readers = {}
+            for n in self.b.s.low.nodes:
+                if n.dir == "fw" and not n.name.startswith("bw:"):
+                    for v in set(n.ins):
+                        self.fw_readers.setdefault(v, []).extend(o for o in n.outs if o >= 0)
+        far, frontier, depth = {start: 0}, [start], 0
+        while frontier:
+            depth += 1
+            after = []
+            for v in frontier:
+                for o in self.fw_readers.get(v, ()):
+                    if o not in far:
+                        far[o] = depth
+                        after.append(o)
+            frontier = after
+        return far
 
     def final_node(self, node: LNode) -> list[int] | None:
         """The single-device node that writes the gradient or loss this
