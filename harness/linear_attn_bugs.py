@@ -19,22 +19,43 @@ def _is_decay(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in DECAY
 
 
-def all_reduce_but_decay(model, mesh) -> None:
-    """Every gradient summed over "dp" (what DDP does), but the decay
-    parameters': each replica keeps its own rows' part of theirs."""
+def _block(name: str) -> str:
+    """The layer's block a parameter is in (``...layers.0.self_attn``), or
+    the parameter itself outside numbered layers."""
+    parts = name.split(".")
+    for i in range(len(parts) - 2):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[:i + 3])
+    return name
+
+
+def linear_attention(model) -> set[str]:
+    """The names of the parameters of every block holding a decay parameter
+    (the linear attention of a layer; a lone decay parameter elsewhere)."""
+    names = [name for name, _ in model.named_parameters()]
+    blocks = {_block(name) for name in names if _is_decay(name)}
+    return {name for name in names if name in blocks or any(name.startswith(b + ".")
+                                                            for b in blocks)}
+
+
+def all_reduce_but(model, mesh, skipped: set[str]) -> None:
+    """Every gradient summed over "dp" (what DDP does), but those of
+    ``skipped``: each replica keeps its own rows' part of theirs."""
     group = mesh["dp"]
     for name, p in model.named_parameters():
-        if p.grad is None or _is_decay(name):
+        if p.grad is None or name in skipped:
             continue
         local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
         local.copy_(funcol.all_reduce(local, "sum", group))
 
 
 def ddp_decay_unreduced(model, mesh):
-    """Data parallelism by hand (--tp 1) whose all-reduce skips the decay
-    parameters, as a filter by name would."""
+    """Data parallelism by hand (--tp 1) whose all-reduce skips the
+    parameters of the linear attention (every block holding ``A_log`` or
+    ``dt_bias``), as a filter by name would."""
     if mesh["tp"].size() != 1:
         raise ValueError("ddp_decay_unreduced is data parallel only (--tp 1)")
-    if not any(_is_decay(name) for name, _ in model.named_parameters()):
+    skipped = linear_attention(model)
+    if not skipped:
         raise ValueError("the model has no decay parameter (A_log, dt_bias)")
-    return all_reduce_but_decay
+    return lambda model, mesh: all_reduce_but(model, mesh, skipped)

@@ -2,7 +2,7 @@
 mask, tests/decay_models.py; backends/torch/lowering/masks.py ``exp``): the
 lowered single-device step equals PyTorch's loss and gradients in float64,
 the hidden pairs weigh 0, and the model verifies under DDP while a plan
-that leaves the decay bias's gradient unreduced FAILs (docs/soundness.md, "Plans
+that leaves the decay's gradients unreduced FAILs (docs/soundness.md, "Plans
 traced from PyTorch", 96)."""
 
 from __future__ import annotations
