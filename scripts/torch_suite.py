@@ -121,8 +121,10 @@ CASES: list[tuple[str, str, int]] = [
     # with a wrong plan leaving the decay parameters' gradients unreduced
     ("hf bailing_hybrid dp2 (Kimi Delta Attention: exp of -inf masked decay)",
      "--hf bailing_hybrid --dp 2 --tp 1", 0),
+    ("hf bailing_hybrid dp2 tp2", "--hf bailing_hybrid --dp 2 --tp 2", 0),
     ("hf kimi_linear dp2 (Kimi Delta Attention: exp of -inf masked decay)",
      "--hf kimi_linear --dp 2 --tp 1", 0),
+    ("hf kimi_linear dp2 tp2", "--hf kimi_linear --dp 2 --tp 2", 0),
     ("hf bailing_hybrid bug decay gradients not reduced",
      "--hf bailing_hybrid --recipe harness.linear_attn_bugs:ddp_decay_unreduced --dp 2 --tp 1", 1),
     ("decay_tagger exp of -inf masked scores ddp dp2",
