@@ -127,6 +127,8 @@ CASES: list[tuple[str, str, int]] = [
     ("hf kimi_linear dp2 tp2", "--hf kimi_linear --dp 2 --tp 2", 0),
     ("hf bailing_hybrid bug decay gradients not reduced",
      "--hf bailing_hybrid --recipe harness.linear_attn_bugs:ddp_decay_unreduced --dp 2 --tp 1", 1),
+    # Gated DeltaNet with experts (its zero padding read by other ops: lowering/scan.py)
+    ("hf qwen3_5_moe_text dp2 tp2", "--hf qwen3_5_moe_text --dp 2 --tp 2", 0),
     ("decay_tagger exp of -inf masked scores ddp dp2",
      f"--model tests.decay_models:decay_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     # CPM-Ant's masks from counts of the ids (lengths against position ranges, segments,
