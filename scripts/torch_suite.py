@@ -127,6 +127,20 @@ CASES: list[tuple[str, str, int]] = [
     ("outside hf qwen3_5_text dp2 tp2", "--hf qwen3_5_text --dp 2 --tp 2", 0),
     ("outside hf qwen3_5_text fsdp avg bug",
      "--hf qwen3_5_text --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    # exp of scores masked with -inf (Kimi Delta Attention's decay mask: soundness 96),
+    # with a wrong plan leaving the decay parameters' gradients unreduced
+    ("hf bailing_hybrid dp2 (Kimi Delta Attention: exp of -inf masked decay)",
+     "--hf bailing_hybrid --dp 2 --tp 1", 0),
+    ("hf bailing_hybrid dp2 tp2", "--hf bailing_hybrid --dp 2 --tp 2", 0),
+    ("hf kimi_linear dp2 (Kimi Delta Attention: exp of -inf masked decay)",
+     "--hf kimi_linear --dp 2 --tp 1", 0),
+    ("hf kimi_linear dp2 tp2", "--hf kimi_linear --dp 2 --tp 2", 0),
+    ("hf bailing_hybrid bug decay gradients not reduced",
+     "--hf bailing_hybrid --recipe harness.linear_attn_bugs:ddp_decay_unreduced --dp 2 --tp 1", 1),
+    # Gated DeltaNet with experts (its zero padding read by other ops: lowering/scan.py)
+    ("hf qwen3_5_moe_text dp2 tp2", "--hf qwen3_5_moe_text --dp 2 --tp 2", 0),
+    ("decay_tagger exp of -inf masked scores ddp dp2",
+     f"--model tests.decay_models:decay_tagger --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     # CPM-Ant's masks from counts of the ids (lengths against position ranges, segments,
     # prompt ids joined, position buckets selected and looked up, rows zeroed after a NaN
     # softmax); its loss a mean over the rank's tokens, taken as the rank's share

@@ -99,6 +99,15 @@ def test_unknown_family_is_not_a_model_factory() -> None:
         trace_and_build(parser().parse_args(["--hf", "bert_nope"]))
 
 
+def test_linear_attention_heads_fit_the_small_sizes() -> None:
+    """Kimi Delta Attention's heads (``linear_num_heads``, ``linear_head_dim``)
+    as many and as wide as the others: at its default 32 heads of 128 its zero
+    state alone is 4 x 32 x 128 x 128 values, refused as a constant too large
+    to keep."""
+    cfg = hf.config("kimi_linear", layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+    assert (cfg.linear_num_heads, cfg.linear_head_dim) == (4, 4)
+
+
 @pytest.mark.parametrize("family", ["codegen", "gptj", "blenderbot", "gpt_neo", "hunyuan_v1_dense",
                                     "bamba", "gemma3n_text", "mamba2", "gemma4_text", "prophetnet",
                                     "xmod"])

@@ -368,6 +368,24 @@ def _dead_rows(m: Masked, shape: tuple[int, ...]) -> np.ndarray:
     return ~np.any(np.broadcast_to(m.keep.value, shape), axis=-1, keepdims=True)
 
 
+@refines("aten.exp.default")
+def exp(base: Handler) -> Handler:
+    """``exp`` of -inf masked scores (a decay mask written
+    ``masked_fill(mask, -inf).exp()``): ``exp(x K) K``, 0 at the hidden
+    positions as torch's ``exp(-inf)``, ``exp(x)`` at the kept ones; the
+    hidden scores enter as 0, so nothing of them is read (docs/soundness.md,
+    "Plans traced from PyTorch", 96)."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        m = pending_of(lw, args[0])
+        if not isinstance(m, Masked):
+            return base(lw, args, kwargs, shapes, group)
+        shape = lw.shapes[m.x]
+        keep = expanded(lw, m.keep.x, shape)
+        kept = lw.emit("mul", [m.x, keep], [shape])[0]
+        return lw.emit("mul", [lw.emit("exp", [kept], [shape])[0], keep], [shape])[0]
+    return lower
+
+
 @refines("aten._softmax.default")
 def softmax(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):

@@ -383,9 +383,11 @@ def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vo
     if _has(default, "head_dim") and not isinstance(getattr(cfg_cls, "head_dim", None), property):
         kw["head_dim"] = hidden // heads  # also where the default leaves it None
     kw.update(_layer_shapes(default, layers, hidden, heads, seqlen))
-    # linear attention's own heads (Gated DeltaNet: Qwen3.5, Qwen3-Next), as small as the others
+    # linear attention's own heads (Gated DeltaNet: Qwen3.5, Qwen3-Next; Kimi Delta
+    # Attention: Kimi Linear), as small as the others
     linear = {"linear_key_head_dim": hidden // heads, "linear_value_head_dim": hidden // heads,
-              "linear_num_key_heads": sizes["kv"], "linear_num_value_heads": heads}
+              "linear_num_key_heads": sizes["kv"], "linear_num_value_heads": heads,
+              "linear_head_dim": hidden // heads, "linear_num_heads": heads}
     kw.update({k: v for k, v in linear.items() if isinstance(getattr(default, k, None), int)})
     if getattr(default, "moe_intermediate_size", None) is not None:
         kw["moe_intermediate_size"] = ffn
