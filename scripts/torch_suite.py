@@ -881,10 +881,11 @@ CASES += [
     ("moe hf mixtral dp2 no-token expert bug combine with another token's gate (rank 0 runs "
      "expert 1 on no token and weighs its first two tokens with each other's gates)",
      f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1 --seed 5", 1),
-    ("moe hf mixtral dp2 no-token expert bug routed with another token's experts refused (a "
-     "wrong plan: rank 0's wrong mask of expert 2 equals expert 3's on rank 1's rows and is "
-     "aligned with its reads, which do not combine; no SUCCESS, a FAIL left to do; gloo differs)",
-     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1 --seed 5", 2),
+    ("moe hf mixtral dp2 no-token expert bug routed with another token's experts (rank 0's "
+     "wrong mask of expert 2 equals expert 3's on rank 1's rows; matched again with expert 2's "
+     "at the mul that reads it: FAIL at a mul of mlp.experts on rank 0, soundness 100; refused "
+     "before; gloo differs)",
+     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1 --seed 5", 1),
     ("moe hf mixtral dp2 no-token expert bug skip an expert with tokens, balanced routing",
      f"--hf mixtral --recipe {MOE_BUGS}skip_expert_with_tokens --dp 2 --tp 1", 1),
     ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "

@@ -27,6 +27,7 @@ from backends.torch.tracer.align.dims import Dims
 from backends.torch.tracer.align.inputs import InputMatching
 from backends.torch.tracer.align.loose import Loose
 from backends.torch.tracer.align.nodes import NodeMatching
+from backends.torch.tracer.align.rechoice import Rechoice
 from backends.torch.tracer.align.recut import Recuts
 from backends.torch.tracer.align.ring import Ring
 from backends.torch.tracer.align.rows import Rows
@@ -42,7 +43,7 @@ from verdict.plan import Node, Plan, Tensor
 
 
 class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, Ring, Loose,
-            Recuts, Strided):
+            Recuts, Strided, Rechoice):
     """Alignment and claims of one rank's lowered trace (its parts:
     ``tracer/align/``)."""
 
@@ -69,6 +70,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         #: a constant equal to the slice of several single-device constants ->
         #: all of them (each a true claim), until a reader chooses one
         self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
+        #: the same, kept after a reader chose (``Rechoice``, item 100)
+        self.choices: dict[int, list[tuple[int, Claim]]] = {}
         #: a constant equal to a single-device constant's slice at several
         #: cuts -> that constant -> every true claim (``Recuts``, item 68)
         self.recuts: dict[int, dict[int, list[Claim]]] = {}

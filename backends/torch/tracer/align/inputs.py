@@ -76,6 +76,7 @@ class InputMatching(Pieces):
 
     own_tid: dict[int, int]
     alternatives: dict[int, list[tuple[int, Claim]]]
+    choices: dict[int, list[tuple[int, Claim]]]
     consumers: dict[int, list[LNode]]
     taken: set[int]
     split_from: dict[int, int]
@@ -293,6 +294,7 @@ class InputMatching(Pieces):
             found.sort(key=lambda f: _tangled(f[1]))
             if len(found) > 1:
                 self.alternatives[v] = found
+                self.choices[v] = list(found)  # kept past the first reader (item 100)
             return found[0]
         raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(mine.shape)} is no "
                             f"piece of a single-device constant")
