@@ -923,11 +923,10 @@ CASES += [
     ("moe hf aria_text ep2 (its experts' mul reads a single-device mul's values in another "
      "order: claimed and proved, soundness 94; refused before; gloo same)",
      "--hf aria_text --dp 2 --tp 1 --ep 2", 0),
-    ("moe hf jamba dp2 refused (a mul of its experts reads values no single-device mul reads: "
-     "not claimed, soundness 94 (d); one constant for two experts' equal masks on rank 0, "
-     "matched with expert 0's by its first reader, not matched anew, 100 (d); a correct plan "
-     "up to rounding, gloo max error 3.3e-16)",
-     "--hf jamba --dp 2 --tp 1", 2),
+    ("moe hf jamba dp2 (one constant for two experts' equal masks on rank 0: copied for the "
+     "second expert's reads and matched with its mask, soundness 100; refused before; gloo "
+     "same, max error 3.3e-16)",
+     "--hf jamba --dp 2 --tp 1", 0),
     ("moe hf mixtral ep2 bug routed to another token (FAIL at a mul of mlp.experts on rank 0, "
      "claimed to be the nearest single-device node: soundness 94; refused before)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_routed_to_other_token --dp 2 --tp 1 --ep 2", 1),

@@ -22,7 +22,11 @@ class _Rank(Rechoice):
     def __init__(self, nodes: list[LNode], constants: dict[int, np.ndarray],
                  single: list[LNode], single_constants: dict[int, np.ndarray]) -> None:
         shapes = {v: (2, 1) for n in nodes for v in [*n.ins, *n.outs] if v >= 0}
-        self.low = SimpleNamespace(constants=constants, shapes=shapes)
+        self.low = SimpleNamespace(constants=constants, shapes=shapes,
+                                   inputs={c: ("buffer", f"const{c}") for c in constants},
+                                   axes={c: [[], []] for c in constants})
+        self.mb: dict[int, int] = {}
+        self.copies: list[tuple[int, int, LNode]] = []
         self.producer = {o: n for n in nodes for o in n.outs}
         self.consumers: dict[int, list[LNode]] = {}
         for n in nodes:
@@ -89,11 +93,31 @@ def test_a_piece_of_several_constants_is_matched_again_and_retagged() -> None:
     assert r.sv[1] == 11 and r.retagged == [1, 2]
 
 
-def test_a_constant_another_matched_node_reads_is_left_alone() -> None:
-    for own in (True, False):
-        r, mul = _rank(own=own, other_reader=True)
-        assert r.rechosen(mul) == []
-        assert r.sv[1] == 10 and r.sv[2] == 20 and not r.retagged
+def test_an_input_of_its_own_another_matched_node_reads_is_left_alone() -> None:
+    r, mul = _rank(own=True, other_reader=True)
+    assert r.rechosen(mul) == []
+    assert r.sv[1] == 10 and r.sv[2] == 20 and not r.retagged and not r.copies
+
+
+def test_a_piece_another_matched_node_reads_is_copied_for_the_chain() -> None:
+    """One constant for two experts' equal masks (jamba's rank 0): the
+    other reader keeps the constant and its match, the chain reads a copy
+    of it matched with the other mask."""
+    r, mul = _rank(own=False, other_reader=True)
+    expand = r.producer[2]
+    assert r.rechosen(mul) == [3]
+    u = expand.ins[0]
+    assert u != 1 and r.sv[1] == 10 and r.sv[u] == 11 and r.sv[2] == 21
+    assert np.array_equal(r.low.constants[u], r.low.constants[1])
+    assert r.copies == [(1, u, expand)] and r.retagged == [2]
+    assert [n.op for n in r.consumers[1]] == ["neg"] and r.consumers[u] == [expand]
+
+
+def test_a_chain_value_another_matched_node_reads_is_left_alone() -> None:
+    r, mul = _rank(own=False)
+    r.consumers[2].append(_node("neg", [2], [6]))
+    r.sv[6] = 98
+    assert r.rechosen(mul) == [] and r.sv[2] == 20
 
 
 def test_a_piece_is_matched_only_with_constants_it_is_a_piece_of() -> None:

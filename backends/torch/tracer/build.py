@@ -80,6 +80,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         # others' outputs; its first reader may take any of them
         self.twins: dict[int, list[int]] = {}
         self.retagged: list[int] = []  # values whose match a twin replaced (the writer retags)
+        #: constants copied for a reader (``Rechoice.copy_for``, the writer wires them)
+        self.copies: list[tuple[int, int, LNode]] = []
         #: values whose claim changed after they were written: constants of this
         #: rank only whose claim a reader set (``stand_in_piece``), values a
         #: constant's re-cut changed (``Recuts.settle``)
@@ -268,6 +270,7 @@ class _Writer:
                          grads=dict(plan_s.grads))
         self.versions: dict[tuple[int, int, int], int] = {}
         self.t_of: dict[tuple[int, int], int] = {}
+        self.emitted: dict[int, int] = {}  # id of a rank's node -> its plan node
         for r in self.rs.values():
             for v, (kind, _) in r.low.inputs.items():
                 mb = r.mb[v] if v in r.split_from else -1 if kind in ("param", "buffer") else 0
@@ -297,6 +300,8 @@ class _Writer:
         return peer.low.nodes[self.channels.nth(peer.low, node, k)].ins[0]
 
     def emit(self, r: _Rank, node: LNode, k: int) -> None:
+        if r.copies:
+            self.copy_inputs(r)
         if r.retagged:
             self.retag(r)
         if r.reclaimed:
@@ -317,6 +322,7 @@ class _Writer:
             kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
         outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
         mb = max((r.mb.get(o, -1) for o in node.outs if o >= 0), default=-1)
+        self.emitted[id(node)] = len(self.plan.nodes)
         self.plan.nodes.append(Node(low.rank, max(mb, 0), node.op, node.dir, ins, outs, kwargs,
                                     scope(node.name)))
         for o in node.outs:
@@ -622,6 +628,22 @@ class _Writer:
             self.plan.tensors[t] = old._replace(tid=tid, version=version,
                                                 lver=self.b.s.lver.get(r.sv[v], 0))
         r.retagged.clear()
+
+    def copy_inputs(self, r: _Rank) -> None:
+        """The tensors of constants a rank copied for a reader
+        (``Rechoice.copy_for``), and that reader, if written already,
+        given the copy in place of the constant."""
+        rank = r.low.rank
+        for c, u, reader in r.copies:
+            kind = r.low.inputs[u][0]
+            t = self.tensor(r, u, -1 if kind in ("param", "buffer") else 0)
+            self.t_of[(rank, u)] = t
+            at = self.emitted.get(id(reader))
+            if at is not None:
+                old, n = self.t_of[(rank, c)], self.plan.nodes[at]
+                ins = tuple(t if x == old else x for x in n.inputs)
+                self.plan.nodes[at] = n._replace(inputs=ins)
+        r.copies.clear()
 
     def reclaim(self, r: _Rank) -> None:
         """The tensors written for values whose claim changed after

@@ -21,6 +21,8 @@ class Rechoice(Pieces):
     choices: dict[int, list[tuple[int, Claim]]]
     consumers: dict[int, list[LNode]]
     retagged: list[int]
+    #: (constant, its copy, the reader given the copy), for the writer
+    copies: list[tuple[int, int, LNode]]
 
     def rechosen(self, node: LNode) -> list[int]:
         """The single-device nodes ``node`` runs once one of its inputs, a
@@ -35,18 +37,44 @@ class Rechoice(Pieces):
             if chain is None:
                 continue
             c = chain[0].ins[0] if chain else v
+            shared = not self.read_only_by(c, chain[0] if chain else node)
+            if shared and c in self.own_tid:
+                continue
             for sv, claim in self.options(c):
                 found = self.replayed(chain, sv, node, i)
-                if found is not None:
-                    self.apply(c, sv, claim, chain, found[0])
-                    return found[1]
+                if found is None:
+                    continue
+                if shared:
+                    c = self.copy_for(c, chain[0] if chain else node)
+                self.apply(c, sv, claim, chain, found[0], written=not shared)
+                return found[1]
         return []
+
+    def copy_for(self, c: int, reader: LNode) -> int:
+        """A copy of constant ``c`` (the same contents) that ``reader``
+        reads instead of it, c's other readers keeping their match: an
+        identity of the rank's program. The writer gives it its tensor
+        and rewires ``reader`` if it is written already (``copies``)."""
+        low = self.low
+        u = max(low.shapes) + 1
+        kind, name = low.inputs[c]
+        low.shapes[u] = low.shapes[c]
+        low.inputs[u] = (kind, f"{name}.again{u}")
+        low.axes[u] = low.axes[c]
+        low.constants[u] = low.constants[c]
+        self.mb[u] = self.mb.get(c, -1)
+        reader.ins = [u if x == c else x for x in reader.ins]
+        self.consumers[c] = [r for r in self.consumers.get(c, []) if r is not reader]
+        self.consumers[u] = [reader]
+        self.copies.append((c, u, reader))
+        return u
 
     def chain_to_constant(self, v: int, reader: LNode) -> list[LNode] | None:
         """The one-input forward nodes from a constant to ``v``, first to
-        last, when no value on the way (the constant included) has a
-        matched reader other than the chain's next node and ``reader``;
-        None otherwise."""
+        last, when no value on the way (the constant aside) has a matched
+        reader other than the chain's next node and ``reader``; None
+        otherwise. A constant other matched nodes read is copied for the
+        chain (``copy_for``)."""
         chain: list[LNode] = []
         after = reader
         while v >= 0 and v not in self.low.constants:
@@ -58,9 +86,7 @@ class Rechoice(Pieces):
                 return None
             chain.insert(0, made)
             after, v = made, made.ins[0]
-        if v < 0 or not self.read_only_by(v, after):
-            return None
-        return chain
+        return None if v < 0 else chain
 
     def read_only_by(self, v: int, reader: LNode) -> bool:
         """Every reader of ``v`` that is matched already is ``reader``."""
@@ -95,29 +121,40 @@ class Rechoice(Pieces):
         per chain node), and the single-device nodes ``node`` then runs
         with the last (or ``sv``) at input ``at``; None when a node of the
         chain or ``node`` has no such single-device node."""
-        values, cur = [], sv
-        for made in chain:
-            key = (made.op, made.dir, (cur,), key_kwargs(made.kwargs))
-            cands = self.b.s.by_key.get(key)
-            if not cands or len(self.b.s.low.nodes[cands[0]].outs) != 1:
-                return None
-            cur = self.b.s.low.nodes[cands[0]].outs[0]
-            values.append(cur)
         ins = [-1 if v < 0 else self.sv.get(v) for v in node.ins]
-        ins[at] = cur
         if None in ins:
             return None
-        cands = self.b.s.by_key.get((node.op, node.dir, tuple(ins), key_kwargs(node.kwargs)))
-        return (values, cands) if cands else None
+        nodes = self.b.s.low.nodes
+        stack: list[list[int]] = [[]]
+        while stack:
+            values = stack.pop()
+            cur = values[-1] if values else sv
+            if len(values) == len(chain):
+                ins[at] = cur
+                cands = self.b.s.by_key.get((node.op, node.dir, tuple(ins),
+                                             key_kwargs(node.kwargs)))
+                if cands:
+                    return values, cands
+                continue
+            made = chain[len(values)]
+            key = (made.op, made.dir, (cur,), key_kwargs(made.kwargs))
+            # several single-device nodes of one key (a mask expanded in the
+            # forward and again in the backward): each tried, the one of the
+            # same module first
+            cands = sorted(self.b.s.by_key.get(key, []),
+                           key=lambda c: nodes[c].name == made.name)
+            stack += [[*values, nodes[c].outs[0]] for c in cands if len(nodes[c].outs) == 1]
+        return None
 
     def apply(self, c: int, sv: int, claim: Claim, chain: list[LNode],
-              values: list[int]) -> None:
+              values: list[int], written: bool = True) -> None:
         """Match constant ``c`` with ``sv`` (claimed as ``claim``) and the
         chain's outputs with ``values``; the tensors already written are
-        retagged (a constant of the rank's own keeps its input's tensor)."""
+        retagged (a constant of the rank's own keeps its input's tensor, a
+        copy has none yet)."""
         self.sv[c] = sv
         self.claim[c] = claim
-        if c not in self.own_tid:
+        if written and c not in self.own_tid:
             self.retagged.append(c)
         for made, value in zip(chain, values):
             self.sv[made.outs[0]] = value
