@@ -26,6 +26,7 @@ class _Rank(Rechoice):
                                    inputs={c: ("buffer", f"const{c}") for c in constants},
                                    axes={c: [[], []] for c in constants})
         self.mb: dict[int, int] = {}
+        self.split_from: dict[int, int] = {}
         self.copies: list[tuple[int, int, LNode]] = []
         self.producer = {o: n for n in nodes for o in n.outs}
         self.consumers: dict[int, list[LNode]] = {}

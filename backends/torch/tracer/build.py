@@ -636,7 +636,8 @@ class _Writer:
         rank = r.low.rank
         for c, u, reader in r.copies:
             kind = r.low.inputs[u][0]
-            t = self.tensor(r, u, -1 if kind in ("param", "buffer") else 0)
+            mb = r.mb[u] if u in r.split_from else -1 if kind in ("param", "buffer") else 0
+            t = self.tensor(r, u, mb)
             self.t_of[(rank, u)] = t
             at = self.emitted.get(id(reader))
             if at is not None:

@@ -21,6 +21,7 @@ class Rechoice(Pieces):
     choices: dict[int, list[tuple[int, Claim]]]
     consumers: dict[int, list[LNode]]
     retagged: list[int]
+    split_from: dict[int, int]
     #: (constant, its copy, the reader given the copy), for the writer
     copies: list[tuple[int, int, LNode]]
 
@@ -63,6 +64,8 @@ class Rechoice(Pieces):
         low.axes[u] = low.axes[c]
         low.constants[u] = low.constants[c]
         self.mb[u] = self.mb.get(c, -1)
+        if c in self.split_from:  # a microbatch's copy (``per_microbatch``)
+            self.split_from[u] = self.split_from[c]
         reader.ins = [u if x == c else x for x in reader.ins]
         self.consumers[c] = [r for r in self.consumers.get(c, []) if r is not reader]
         self.consumers[u] = [reader]
