@@ -920,10 +920,11 @@ CASES += [
     ("moe hf mixtral dp2 no-token expert bug combine with another token's gate (rank 0 runs "
      "expert 1 on no token and weighs its first two tokens with each other's gates)",
      f"--hf mixtral --recipe {MOE_BUGS}combine_other_gate --dp 2 --tp 1 --seed 5", 1),
-    ("moe hf mixtral dp2 no-token expert bug routed with another token's experts refused (a "
-     "wrong plan: rank 0's wrong mask of expert 2 equals expert 3's on rank 1's rows and is "
-     "aligned with its reads, which do not combine; no SUCCESS, a FAIL left to do; gloo differs)",
-     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1 --seed 5", 2),
+    ("moe hf mixtral dp2 no-token expert bug routed with another token's experts (rank 0's "
+     "wrong mask of expert 2 equals expert 3's on rank 1's rows; matched again with expert 2's "
+     "at the mul that reads it: FAIL at a mul of mlp.experts on rank 0, soundness 100; refused "
+     "before; gloo differs)",
+     f"--hf mixtral --recipe {MOE_BUGS}routed_to_other_token --dp 2 --tp 1 --seed 5", 1),
     ("moe hf mixtral dp2 no-token expert bug skip an expert with tokens, balanced routing",
      f"--hf mixtral --recipe {MOE_BUGS}skip_expert_with_tokens --dp 2 --tp 1", 1),
     ("moe hf mixtral ep2 (transformers' AllToAllEP: pairs dispatched, experts on the received rows, "
@@ -961,9 +962,10 @@ CASES += [
     ("moe hf aria_text ep2 (its experts' mul reads a single-device mul's values in another "
      "order: claimed and proved, soundness 94; refused before; gloo same)",
      "--hf aria_text --dp 2 --tp 1 --ep 2", 0),
-    ("moe hf jamba dp2 refused (a mul of its experts reads values no single-device mul reads: "
-     "not claimed, soundness 94 (d); a correct plan up to rounding, gloo max error 3.3e-16)",
-     "--hf jamba --dp 2 --tp 1", 2),
+    ("moe hf jamba dp2 (one constant for two experts' equal masks on rank 0: copied for the "
+     "second expert's reads and matched with its mask, soundness 100; refused before; gloo "
+     "same, max error 3.3e-16)",
+     "--hf jamba --dp 2 --tp 1", 0),
     ("moe hf mixtral ep2 bug routed to another token (FAIL at a mul of mlp.experts on rank 0, "
      "claimed to be the nearest single-device node: soundness 94; refused before)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_routed_to_other_token --dp 2 --tp 1 --ep 2", 1),

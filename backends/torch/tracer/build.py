@@ -28,6 +28,7 @@ from backends.torch.tracer.align.inputs import InputMatching
 from backends.torch.tracer.align.loose import Loose
 from backends.torch.tracer.align.messages import Messages
 from backends.torch.tracer.align.nodes import NodeMatching
+from backends.torch.tracer.align.rechoice import Rechoice
 from backends.torch.tracer.align.recut import Recuts
 from backends.torch.tracer.align.ring import Ring
 from backends.torch.tracer.align.rows import Rows
@@ -44,7 +45,7 @@ from verdict.plan import Node, Plan, Tensor
 
 
 class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, Ring, Loose,
-            Recuts, Strided, Messages):
+            Recuts, Strided, Messages, Rechoice):
     """Alignment and claims of one rank's lowered trace (its parts:
     ``tracer/align/``)."""
 
@@ -72,9 +73,12 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         #: all of them (each a true claim), until a reader chooses one
         self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
         #: every match of such a constant, kept after a reader chose (a later
-        #: reader may read a copy matched otherwise: ``choose_constants``)
+        #: reader may read a copy matched otherwise: ``choose_constants``; or be
+        #: matched again where it matched nothing: ``Rechoice``, item 100)
         self.matches: dict[int, list[tuple[int, Claim]]] = {}
         self.copies: list[int] = []  # such copies, not written yet (the writer writes them)
+        #: (constant, its copy, the reader given it) made by ``Rechoice`` (item 100)
+        self.copied: list[tuple[int, int, LNode]] = []
         #: a constant equal to a single-device constant's slice at several
         #: cuts -> that constant -> every true claim (``Recuts``, item 68)
         self.recuts: dict[int, dict[int, list[Claim]]] = {}
@@ -278,6 +282,7 @@ class _Writer:
         self.t_of: dict[tuple[int, int], int] = {}
         self.recv_node: dict[int, int] = {}  # a received tensor -> its send_recv node
         self.redelivered: dict[int, set[int]] = {}  # rank -> misdelivered values rewritten
+        self.emitted: dict[int, int] = {}  # id of a rank's node -> its plan node
         for r in self.rs.values():
             for v in r.low.inputs:
                 self.write_input(r, v)
@@ -315,6 +320,8 @@ class _Writer:
         for u in r.copies:  # a constant's copy for one reader (``choose_constants``)
             self.write_input(r, u)
         r.copies.clear()
+        if r.copied:
+            self.copy_inputs(r)
         if r.retagged:
             self.retag(r)
         if r.reclaimed:
@@ -337,6 +344,7 @@ class _Writer:
             kwargs = {**node.kwargs, "index": node.group.index(low.rank)}
         outs = tuple(-1 if v < 0 else t_of[(low.rank, v)] for v in node.outs)
         mb = max((r.mb.get(o, -1) for o in node.outs if o >= 0), default=-1)
+        self.emitted[id(node)] = len(self.plan.nodes)
         self.plan.nodes.append(Node(low.rank, max(mb, 0), node.op, node.dir, ins, outs, kwargs,
                                     scope(node.name)))
         for o in node.outs:
@@ -666,6 +674,23 @@ class _Writer:
             self.plan.tensors[t] = old._replace(tid=tid, version=version,
                                                 lver=self.b.s.lver.get(r.sv[v], 0))
         r.retagged.clear()
+
+    def copy_inputs(self, r: _Rank) -> None:
+        """The tensors of constants a rank copied for a reader
+        (``Rechoice.copy_for``), and that reader, if written already,
+        given the copy in place of the constant."""
+        rank = r.low.rank
+        for c, u, reader in r.copied:
+            kind = r.low.inputs[u][0]
+            mb = r.mb[u] if u in r.split_from else -1 if kind in ("param", "buffer") else 0
+            t = self.tensor(r, u, mb)
+            self.t_of[(rank, u)] = t
+            at = self.emitted.get(id(reader))
+            if at is not None:
+                old, n = self.t_of[(rank, c)], self.plan.nodes[at]
+                ins = tuple(t if x == old else x for x in n.inputs)
+                self.plan.nodes[at] = n._replace(inputs=ins)
+        r.copied.clear()
 
     def reclaim(self, r: _Rank) -> None:
         """The tensors written for values whose claim changed after

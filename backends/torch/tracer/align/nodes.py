@@ -142,6 +142,8 @@ class NodeMatching(Pieces):
         if not cands:
             cands = self.delivered_instead(node)  # item 102
         if not cands:
+            cands = self.rechosen(node)  # item 100
+        if not cands:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
                              f"{scope(node.name)} on values the single-device step never "
                              f"combines that way")
