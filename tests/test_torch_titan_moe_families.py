@@ -44,3 +44,26 @@ def test_causal_attention_window() -> None:
     q, k, v = (torch.randn(1, 4, 1, 2, dtype=torch.float64) for _ in range(3))
     out, _ = titan_shim.causal_attention(q, k, v, 1.0, 0)  # each token only itself
     torch.testing.assert_close(out, v)
+
+
+class _Dim:
+    def size(self) -> int:
+        return 1
+
+
+class _Mesh:
+    def __getitem__(self, name: str) -> _Dim:
+        return _Dim()
+
+
+def test_parallelize_ep_refuses_a_model_not_built_for_it() -> None:
+    class NotEp:
+        expert_parallel = False
+
+    with pytest.raises(ValueError, match="titan:NAME_ep"):
+        titan.parallelize_ep(NotEp(), _Mesh())
+
+
+def test_addcmul_is_entrywise_on_grouped_rows() -> None:
+    from backends.torch.lowering.grouped_rows import ELEMENTWISE
+    assert "aten.addcmul.default" in ELEMENTWISE
