@@ -20,9 +20,11 @@ for the debugmodel); ``--seqlen`` sets the sequence length; the other size
 flags are not used (the flavor fixes them) but for ``--layers``, which cuts the
 flavor's blocks or repeats its last one (without it, the flavor's). FSDP's mixed precision is
 float64 (the shim's adaptation 4), the precision every traced model runs
-in. Its DeepSeek-V3 ``debugmodel`` builds too (``deepseek_v3_debugmodel``),
-parallelized by its own ``parallelize_deepseekv3`` over dp with its top-k
-routing recorded (expert parallelism is refused).
+in. Its other models are reached by family (``FAMILIES``: ``titan:qwen3``,
+``titan:qwen3_moe``, ``titan:deepseek_v3``, ``titan:gpt_oss``, each with an
+``_ep`` variant for expert parallelism), parallelized by the family's own
+function (``parallelize``; ``parallelize_ep`` with ep = dp), their top-k
+routing recorded and replayed.
 """
 
 from __future__ import annotations
