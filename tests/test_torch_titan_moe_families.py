@@ -67,3 +67,17 @@ def test_parallelize_ep_refuses_a_model_not_built_for_it() -> None:
 def test_addcmul_is_entrywise_on_grouped_rows() -> None:
     from backends.torch.lowering.grouped_rows import ELEMENTWISE
     assert "aten.addcmul.default" in ELEMENTWISE
+
+
+def test_qwen3_moe_ep2_verifies_by_family() -> None:
+    """Qwen3's ``debugmodel_moe`` (one block) under ``parallelize_qwen3``
+    with expert parallelism over the two data-parallel ranks."""
+    pytest.importorskip("torchtitan", reason="needs torchtitan")
+    from backends.torch.__main__ import parser, resolve, trace_and_build
+    from main import verify
+    args = resolve(parser().parse_args(["--model", "titan:qwen3_moe_ep", "--recipe",
+                                        "titan:parallelize_ep", "--vocab", "2048", "--layers",
+                                        "1", "--dp", "2", "--tp", "1"]))
+    (plan_s, plan_p), _ = trace_and_build(args)
+    assert "router call 0" in plan_s.world["routing"]
+    assert verify(plan_s, plan_p).success
