@@ -129,6 +129,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("qwen3", "debugmodel_moe"),
     "deepseek_v3": ("deepseek_v3", "debugmodel"),
     "gpt_oss": ("gpt_oss", "debugmodel"),
+    "kimi_k2_7": ("kimi_k2_7", "debugmodel"),
 }
 EP_SUFFIX = "_ep"
 
