@@ -15,7 +15,7 @@ from backends.torch.zoo import titan, titan_shim
 
 def test_factories_by_family_are_top_level_functions() -> None:
     from backends.torch.api import reference
-    for name in ("qwen3_moe", "qwen3_moe_ep", "gpt_oss", "gpt_oss_ep", "llama3", "qwen3"):
+    for name in ("qwen3_moe", "qwen3_moe_ep", "gpt_oss", "gpt_oss_ep", "kimi_k2_7", "llama3", "qwen3"):
         factory = getattr(titan, name)
         assert reference(factory, "model") == f"backends.torch.zoo.titan:{name}"
     with pytest.raises(AttributeError):
