@@ -1014,6 +1014,9 @@ CASES += [
      "--vocab 2048 --layers 2 --dp 2 --tp 1", 1),
     ("moe titan kimi_k2_7 dp2", f"--model titan:kimi_k2_7 {TITAN_MOE} --dp 2 --tp 1", 0),
     ("moe titan kimi_k2_7 dp2 ep2", f"--model titan:kimi_k2_7_ep {TITAN_MOE_EP} --dp 2 --tp 1", 0),
+    ("moe titan kimi_k2_7 bug routed with another token's experts",
+     f"--model titan:kimi_k2_7 --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
+     "--layers 2 --dp 2 --tp 1", 1),
     # its experts' biases are picked per row (b[repeat_interleave(counts)]) and added to the
     # grouped product: no rule of the grouped rows takes them yet
     ("moe titan gpt_oss dp2 refused (per-expert biases on grouped rows)",
