@@ -99,12 +99,13 @@ def gating_other_gate(model, mesh):
 
 
 def titan_routed_to_other_token(model, mesh):
-    """torchtitan's DeepSeek-V3 under its own ``parallelize_deepseekv3``
-    (dp, ep 1) with, on the first data-parallel rank, the first two tokens'
-    expert choices swapped before its routed experts run (each token
-    dispatched with the other's experts, its own scores kept)."""
-    from backends.torch.zoo.titan import parallelize_deepseekv3
-    after = parallelize_deepseekv3(model, mesh)
+    """A torchtitan MoE model (DeepSeek-V3, Qwen3's MoE, gpt_oss, ...) under
+    its family's own parallelize function (dp, ep 1) with, on the first
+    data-parallel rank, the first two tokens' expert choices swapped
+    before its routed experts run (each token dispatched with the other's
+    experts, its own scores kept)."""
+    from backends.torch.zoo.titan import parallelize
+    after = parallelize(model, mesh)
 
     def hook(module, args):
         x, scores, ids, counts = args
@@ -125,14 +126,14 @@ def _routed_experts(model) -> list[torch.nn.Module]:
 
 
 def titan_ep_wrong_split(model, mesh):
-    """torchtitan's DeepSeek-V3 with expert parallelism (ep = dp) where the
-    first data-parallel rank counts one token of its last local expert's
+    """A torchtitan MoE model with expert parallelism (ep = dp, its family's
+    own parallelize) where the first data-parallel rank counts one token of its last local expert's
     neighbour wrong: its per-expert counts move one token from the last
     expert of the first expert-parallel rank to the first of the next, so
     the split sizes of its all-to-all send that token's row to the other
     rank, where another expert computes it (a wrong split size)."""
-    from backends.torch.zoo.titan import parallelize_deepseekv3_ep
-    after = parallelize_deepseekv3_ep(model, mesh)
+    from backends.torch.zoo.titan import parallelize_ep
+    after = parallelize_ep(model, mesh)
     ep = mesh["dp"].size()
 
     def hook(module, args):
@@ -166,14 +167,14 @@ def _fsdp_default_division(model, experts_factor: float | None = None) -> None:
 
 
 def titan_ep_expert_grads_undivided(model, mesh):
-    """pytorch issue 160285 as it shipped: torchtitan's DeepSeek-V3 with
+    """pytorch issue 160285 as it shipped: a torchtitan MoE model with
     expert parallelism (ep = dp), each rank's loss the mean over its own
     tokens and FSDP2's default division, the mean over each module's shard
     group: the dense modules' group is dp, the experts' the expert-data-
     parallel group (dp / ep ranks, here 1), so the experts' gradients are
     ep times the single-device ones."""
-    from backends.torch.zoo.titan import parallelize_deepseekv3_ep
-    after = parallelize_deepseekv3_ep(model, mesh)
+    from backends.torch.zoo.titan import parallelize_ep
+    after = parallelize_ep(model, mesh)
     model.global_tokens //= mesh["dp"].size()
     _fsdp_default_division(model.model)
     return after
@@ -183,8 +184,8 @@ def titan_ep_routed_to_other_token(model, mesh):
     """``titan_routed_to_other_token`` under expert parallelism (ep = dp):
     the first rank dispatches its first two tokens with each other's
     experts, so the all-to-all sends their rows to the other's experts."""
-    from backends.torch.zoo.titan import parallelize_deepseekv3_ep
-    after = parallelize_deepseekv3_ep(model, mesh)
+    from backends.torch.zoo.titan import parallelize_ep
+    after = parallelize_ep(model, mesh)
 
     def hook(module, args):
         x, scores, ids, counts = args
@@ -200,11 +201,11 @@ def titan_ep_routed_to_other_token(model, mesh):
 
 
 def titan_ep_combine_other_gate(model, mesh):
-    """torchtitan's DeepSeek-V3 with expert parallelism (ep = dp) where the
+    """A torchtitan MoE model with expert parallelism (ep = dp) where the
     first rank combines its first two tokens' expert outputs with each
     other's gates (their routing scores swapped, their experts kept)."""
-    from backends.torch.zoo.titan import parallelize_deepseekv3_ep
-    after = parallelize_deepseekv3_ep(model, mesh)
+    from backends.torch.zoo.titan import parallelize_ep
+    after = parallelize_ep(model, mesh)
 
     def hook(module, args):
         x, scores, ids, counts = args

@@ -1060,6 +1060,32 @@ CASES += [
      "--dp 2 --tp 1", 1),
 ]
 
+#: torchtitan's other MoE models by family (backends/torch/zoo/titan.py FAMILIES), each under
+#: its family's own parallelize function (titan:parallelize, titan:parallelize_ep: ep = dp),
+#: two blocks of the flavor's (docs/soundness.md, "Plans traced from PyTorch", 97)
+TITAN_MOE = "--recipe titan:parallelize --vocab 2048 --layers 2"
+TITAN_MOE_EP = "--recipe titan:parallelize_ep --vocab 2048 --layers 2"
+CASES += [
+    ("moe titan qwen3_moe dp2", f"--model titan:qwen3_moe {TITAN_MOE} --dp 2 --tp 1", 0),
+    ("moe titan qwen3_moe tp2", f"--model titan:qwen3_moe {TITAN_MOE} --dp 1 --tp 2 --batch 2", 0),
+    ("moe titan qwen3_moe dp2 ep2", f"--model titan:qwen3_moe_ep {TITAN_MOE_EP} --dp 2 --tp 1", 0),
+    ("moe titan qwen3_moe bug routed with another token's experts",
+     f"--model titan:qwen3_moe --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
+     "--layers 2 --dp 2 --tp 1", 1),
+    ("moe titan qwen3_moe ep2 bug expert grads 2x (pytorch 160285)",
+     f"--model titan:qwen3_moe_ep --recipe {MOE_BUGS}titan_ep_expert_grads_undivided "
+     "--vocab 2048 --layers 2 --dp 2 --tp 1", 1),
+    ("moe titan kimi_k2_7 dp2", f"--model titan:kimi_k2_7 {TITAN_MOE} --dp 2 --tp 1", 0),
+    ("moe titan kimi_k2_7 dp2 ep2", f"--model titan:kimi_k2_7_ep {TITAN_MOE_EP} --dp 2 --tp 1", 0),
+    ("moe titan kimi_k2_7 bug routed with another token's experts",
+     f"--model titan:kimi_k2_7 --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
+     "--layers 2 --dp 2 --tp 1", 1),
+    # its experts' biases are picked per row (b[repeat_interleave(counts)]) and added to the
+    # grouped product: no rule of the grouped rows takes them yet
+    ("moe titan gpt_oss dp2 refused (per-expert biases on grouped rows)",
+     f"--model titan:gpt_oss {TITAN_MOE} --dp 2 --tp 1 --batch 2", 2),
+]
+
 #: Megatron-Core's MoE layer (local spec, its all-to-all token dispatcher, top-2 of four
 #: experts) in its GPTModel, parallelized and run by Megatron (docs/soundness.md, "Plans
 #: traced from PyTorch", 47 and 48)

@@ -17,6 +17,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed
 from torch._subclasses.fake_tensor import FakeTensor
@@ -68,6 +69,13 @@ SCATTER_FILLS = {"aten.scatter_.value", "aten.scatter.value"}
 #: constants up to this many elements keep their value (masks, positions, tables)
 CONSTANT_NUMEL = 1 << 16
 
+
+
+def host_values(t: torch.Tensor) -> Any:
+    """``t``'s values as a numpy array; a bfloat16 tensor's in float32
+    (numpy has no bfloat16; every bfloat16 value is a float32 value)."""
+    host = t.detach().cpu().resolve_conj()
+    return (host.float() if host.dtype == torch.bfloat16 else host).numpy().copy()
 
 class Recorder(TorchDispatchMode):
     """Records events ``(op, args, outputs, shapes, scope, group, mb)``.
@@ -272,7 +280,7 @@ class Recorder(TorchDispatchMode):
         if buffer:
             self.from_buffer.add(v)
         if t.numel() <= CONSTANT_NUMEL:
-            self.constvals[v] = t.detach().cpu().resolve_conj().numpy().copy()
+            self.constvals[v] = host_values(t)
             self.const_storages.add(storage_of(t))
 
     def refresh_constants(self, tensors: list[torch.Tensor]) -> None:
@@ -283,7 +291,7 @@ class Recorder(TorchDispatchMode):
         for t in tensors:
             v = self.value(t)
             kept = self.constvals.get(v) if v is not None else None
-            if kept is None or t.is_complex() or torch.equal(t.detach().cpu(), torch.from_numpy(kept)):
+            if kept is None or t.is_complex() or np.array_equal(host_values(t), kept):
                 continue
             fresh = self.new_value(t)
             if storage_of(t) not in self.tainted:

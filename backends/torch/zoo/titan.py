@@ -20,9 +20,11 @@ for the debugmodel); ``--seqlen`` sets the sequence length; the other size
 flags are not used (the flavor fixes them) but for ``--layers``, which cuts the
 flavor's blocks or repeats its last one (without it, the flavor's). FSDP's mixed precision is
 float64 (the shim's adaptation 4), the precision every traced model runs
-in. Its DeepSeek-V3 ``debugmodel`` builds too (``deepseek_v3_debugmodel``),
-parallelized by its own ``parallelize_deepseekv3`` over dp with its top-k
-routing recorded (expert parallelism is refused).
+in. Its other models are reached by family (``FAMILIES``: ``titan:qwen3``,
+``titan:qwen3_moe``, ``titan:deepseek_v3``, ``titan:gpt_oss``, each with an
+``_ep`` variant for expert parallelism), parallelized by the family's own
+function (``parallelize``; ``parallelize_ep`` with ep = dp), their top-k
+routing recorded and replayed.
 """
 
 from __future__ import annotations
@@ -94,9 +96,11 @@ def build(flavor: str = "debugmodel", seqlen: int = 4, family: str = "llama3", e
         config.layers = with_blocks(config.layers, layers)
     config.update_from_config(config=SimpleNamespace(parallelism=_parallelism(ep=ep)))
     model = config.build()
+    titan_shim.expert_outputs(model)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
     lm = TitanLM(model, config, seqlen)
+    lm.expert_parallel = ep > 1  # its experts' sharding names "ep"
     lm.parallelize_fn = registry(flavor).parallelize_fn  # the family's own (parallelize_qwen3, ...)
     return lm
 
@@ -113,15 +117,45 @@ def llama3_debugmodel(**sizes) -> TitanLM:
     return build("debugmodel", **sizes)
 
 
-def llama3(**sizes) -> TitanLM:
-    """torchtitan's Llama3 ``debugmodel`` (``--model titan:llama3``)."""
-    return build("debugmodel", family="llama3", **sizes)
+#: the models ``--model titan:NAME`` builds by family: NAME -> (the package
+#: of ``torchtitan.models``, its flavor); ``NAME_ep`` is the same model
+#: configured for expert parallelism (``expert_parallel_degree`` > 1, as
+#: torchtitan's trainer configures it: its experts' sharding names "ep"),
+#: on one device the same step. Each is parallelized by its family's own
+#: function (``titan:parallelize``, ``titan:parallelize_ep``).
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama3": ("llama3", "debugmodel"),
+    "qwen3": ("qwen3", "debugmodel"),
+    "qwen3_moe": ("qwen3", "debugmodel_moe"),
+    "deepseek_v3": ("deepseek_v3", "debugmodel"),
+    "gpt_oss": ("gpt_oss", "debugmodel"),
+    "kimi_k2_7": ("kimi_k2_7", "debugmodel"),
+}
+EP_SUFFIX = "_ep"
 
 
-def qwen3(**sizes) -> TitanLM:
-    """torchtitan's Qwen3 ``debugmodel`` (``--model titan:qwen3``): its token
-    table tied to its output projection, QK-norm, fused QKV."""
-    return build("debugmodel", family="qwen3", **sizes)
+def family_factory(name: str):
+    """The model factory of ``FAMILIES[name]`` (``name`` may end in
+    ``_ep``), a top-level function of this module by that name."""
+    ep = name.endswith(EP_SUFFIX) and name not in FAMILIES
+    family, flavor = FAMILIES[name.removesuffix(EP_SUFFIX) if ep else name]
+
+    def factory(**sizes) -> TitanLM:
+        return build(flavor, family=family, ep=2 if ep else 1, **sizes)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__module__ = __name__
+    factory.__doc__ = (f"torchtitan's {family} ``{flavor}``"
+                       + (", configured for expert parallelism" if ep else ""))
+    return factory
+
+
+def __getattr__(name: str):
+    """``titan:NAME`` of ``FAMILIES`` (and ``NAME_ep``) as its factory."""
+    base = name.removesuffix(EP_SUFFIX)
+    if name in FAMILIES or base in FAMILIES:
+        return family_factory(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def retie(model: nn.Module) -> None:
@@ -173,6 +207,20 @@ def parallelize_deepseekv3_ep(model: TitanLM, mesh):
     if mesh["pp"].size() != 1:
         raise ValueError("backends.torch.titan:parallelize_deepseekv3_ep is not pipelined (--pp 1)")
     return parallelize(model, mesh, apply, ep=mesh["dp"].size())
+
+
+def parallelize_ep(model: TitanLM, mesh):
+    """The family's own parallelize function (``parallelize_qwen3``,
+    ``parallelize_gptoss``, ...) with expert parallelism over the
+    data-parallel ranks (``ep`` = dp, torchtitan's dp2ep), on a model built
+    for it (``titan:NAME_ep``); as ``parallelize_deepseekv3_ep`` for any
+    family (docs/soundness.md, "Plans traced from PyTorch", 37)."""
+    if mesh["pp"].size() != 1:
+        raise ValueError("backends.torch.titan:parallelize_ep is not pipelined (--pp 1)")
+    if not getattr(model, "expert_parallel", False):
+        raise ValueError("backends.torch.titan:parallelize_ep needs a model built for expert "
+                         "parallelism: --model titan:NAME_ep")
+    return parallelize(model, mesh, ep=mesh["dp"].size())
 
 
 def _size(mesh, name: str) -> int:

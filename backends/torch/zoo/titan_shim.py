@@ -1,8 +1,9 @@
 """The CPU adaptations torchtitan 0.3.0 needs to run on one CPU, in one place.
 
-torchtitan is written for accelerators. Five things do not run, or do not
+torchtitan is written for accelerators. Six things do not run, or do not
 run as the single-device step does, on a CPU under the fake process group;
-``apply()`` (1-4) and ``static_stages`` (5) change exactly these, and
+``apply()`` (1-4), ``static_stages`` (5) and ``expert_outputs`` (6) change
+exactly these, and
 ``apply()`` says so on stderr every time (a changed run is never silent):
 
 1. ``torchtitan.tools.utils.device_type`` is "cuda" when no accelerator is
@@ -12,9 +13,13 @@ run as the single-device step does, on a CPU under the fake process group;
    backward, and torchtitan no longer offers "sdpa" as a language-model
    backend (it wants per-document positions): each layer's
    ``inner_attention`` config is replaced by torchtitan's own
-   ``ScaledDotProductAttention.Config()`` (causal), the same function of the
+   ``ScaledDotProductAttention`` (causal), the same function of the
    inputs as flex's block-causal mask when the batch is one document per row
-   (the backend passes no positions).
+   (the backend passes no positions). A layer that asks its inner attention
+   for the log-sum-exp of its scores (an ``out_transform``: gpt_oss's
+   sinks) or has a sliding window (varlen's ``window_size``) gets both from
+   attention's definition instead (``causal_attention``), which SDPA does
+   not offer; a layer that asks for neither runs SDPA as before.
 3. The default ``spmd_backend`` "spmd_types" fails inside ``fully_shard`` on
    the fake group: the ``ParallelDims`` and ``ParallelismConfig`` are built
    with "partial_dtensor" (DTensor parameters, torchtitan's previous
@@ -36,8 +41,16 @@ run as the single-device step does, on a CPU under the fake process group;
    under loss parallelism). A wrong shape stops the run; no value is read
    from them.
 
-Nothing else of torchtitan is changed; the backend alone calls ``apply``
-and ``static_stages`` (``backends.torch.titan``).
+6. torchtitan's grouped experts compute their GEMMs in bfloat16 and cast
+   the result back to their input's type (``GroupedExperts.forward``'s
+   ``type_as``), but for gpt_oss's (``GptOssGroupedExperts``), which return
+   bfloat16: under bfloat16 mixed precision the same type, but in float64
+   the combine's ``scatter_add`` into float64 zeros stops. ``expert_outputs``
+   casts every grouped-experts module's output to its input's type (a
+   forward hook; nothing for the families that already do).
+
+Nothing else of torchtitan is changed; the backend alone calls ``apply``,
+``expert_outputs`` and ``static_stages`` (``backends.torch.titan``).
 """
 
 from __future__ import annotations
@@ -59,11 +72,77 @@ PRECISION = "float64"
 
 def sdpa_attention(config):
     """The model ``config`` with torchtitan's causal SDPA inner attention in
-    every layer (adaptation 2)."""
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+    every layer (adaptation 2), as ``eager_attention_class()``: the same
+    SDPA call, but for a layer that asks for its attention's log-sum-exp
+    (an ``out_transform``, gpt_oss's sinks) or has a sliding window, which
+    SDPA cannot give."""
+    eager = eager_attention_class()
     for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        inner = layer.attention.inner_attention
+        left = getattr(inner, "window_size", (-1, 0))[0]
+        layer.attention.inner_attention = eager.Config(window=left)
     return config
+
+
+_EAGER: type | None = None
+
+
+def eager_attention_class() -> type:
+    """torchtitan's ``ScaledDotProductAttention`` (one class, made once)
+    with what its flash and flex backends also do: a causal window of
+    ``window`` earlier tokens (``VarlenAttention``'s left ``window_size``,
+    -1 for none) and the ``out_transform(out, lse)`` epilogue, computed by
+    the definition of attention (scores, mask, log-sum-exp, softmax)."""
+    global _EAGER
+    if _EAGER is not None:
+        return _EAGER
+    from dataclasses import dataclass
+
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    class EagerAttention(ScaledDotProductAttention):
+        @dataclass(kw_only=True, slots=True)
+        class Config(ScaledDotProductAttention.Config):
+            window: int = -1
+
+        def __init__(self, config: Config) -> None:
+            super().__init__(config)
+            self.window = config.window
+
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None,
+                    enable_gqa: bool = False, is_causal: bool = True, out_transform=None,
+                    **kwargs):
+            if out_transform is None and self.window < 0:
+                return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks,
+                                       scale=scale, enable_gqa=enable_gqa, is_causal=is_causal)
+            if attention_masks is not None or not is_causal:
+                raise ValueError("the CPU shim's eager attention is causal, without masks")
+            out, lse = causal_attention(q_BLNH, k_BLNH, v_BLNH, scale, self.window)
+            return out if out_transform is None else out_transform(out, lse)
+
+    _EAGER = EagerAttention
+    return _EAGER
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                     window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of (batch, length, heads, head) ``q``, ``k``, ``v``
+    (k and v with fewer heads are repeated, grouped-query attention) over
+    at most ``window`` earlier tokens (-1: all): the output in the same
+    layout and the log-sum-exp of each query's scores, (batch, length,
+    heads)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    step = torch.arange(q.shape[2])
+    behind = step[:, None] - step[None, :]
+    keep = (behind >= 0) & ((behind <= window) if window >= 0 else True)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(1, 2), lse.transpose(1, 2)
 SPMD_BACKEND = "partial_dtensor"
 
 
@@ -78,7 +157,21 @@ def apply() -> None:
     TORCH_DTYPE_MAP.setdefault(PRECISION, torch.float64)
     print(f"torchtitan CPU shim (backends/torch/titan_shim.py): device_type 'cpu', "
           f"attn_backend '{ATTENTION}', spmd_backend '{SPMD_BACKEND}', "
-          f"FSDP precision '{PRECISION}', static pipeline stage shapes", file=sys.stderr)
+          f"FSDP precision '{PRECISION}', static pipeline stage shapes, grouped experts' "
+          f"outputs in their input's type", file=sys.stderr)
+
+
+def expert_outputs(model: torch.nn.Module) -> None:
+    """Adaptation 6: each of ``model``'s grouped-experts modules returns its
+    result in its input's type."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    def cast(module, args, output):
+        return output.type_as(args[0])
+
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.register_forward_hook(cast)
 
 
 @contextlib.contextmanager
