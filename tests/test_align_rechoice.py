@@ -27,7 +27,7 @@ class _Rank(Rechoice):
                                    axes={c: [[], []] for c in constants})
         self.mb: dict[int, int] = {}
         self.split_from: dict[int, int] = {}
-        self.copies: list[tuple[int, int, LNode]] = []
+        self.copied: list[tuple[int, int, LNode]] = []
         self.producer = {o: n for n in nodes for o in n.outs}
         self.consumers: dict[int, list[LNode]] = {}
         for n in nodes:
@@ -46,7 +46,7 @@ class _Rank(Rechoice):
         self.sv: dict[int, int] = {}
         self.claim: dict[int, Claim] = {}
         self.own_tid: dict[int, int] = {}
-        self.choices: dict[int, list[tuple[int, Claim]]] = {}
+        self.matches: dict[int, list[tuple[int, Claim]]] = {}
         self.retagged: list[int] = []
 
 
@@ -77,7 +77,7 @@ def _rank(own: bool, other_reader: bool = False) -> tuple[_Rank, LNode]:
     if own:
         r.own_tid[1] = 7
     else:
-        r.choices[1] = [(10, Claim([["dp"], []])), (11, Claim([["dp"], []]))]
+        r.matches[1] = [(10, Claim([["dp"], []])), (11, Claim([["dp"], []]))]
     return r, mul
 
 
@@ -97,7 +97,7 @@ def test_a_piece_of_several_constants_is_matched_again_and_retagged() -> None:
 def test_an_input_of_its_own_another_matched_node_reads_is_left_alone() -> None:
     r, mul = _rank(own=True, other_reader=True)
     assert r.rechosen(mul) == []
-    assert r.sv[1] == 10 and r.sv[2] == 20 and not r.retagged and not r.copies
+    assert r.sv[1] == 10 and r.sv[2] == 20 and not r.retagged and not r.copied
 
 
 def test_a_piece_another_matched_node_reads_is_copied_for_the_chain() -> None:
@@ -110,7 +110,7 @@ def test_a_piece_another_matched_node_reads_is_copied_for_the_chain() -> None:
     u = expand.ins[0]
     assert u != 1 and r.sv[1] == 10 and r.sv[u] == 11 and r.sv[2] == 21
     assert np.array_equal(r.low.constants[u], r.low.constants[1])
-    assert r.copies == [(1, u, expand)] and r.retagged == [2]
+    assert r.copied == [(1, u, expand)] and r.retagged == [2]
     assert [n.op for n in r.consumers[1]] == ["neg"] and r.consumers[u] == [expand]
 
 
@@ -123,9 +123,9 @@ def test_a_chain_value_another_matched_node_reads_is_left_alone() -> None:
 
 def test_a_piece_is_matched_only_with_constants_it_is_a_piece_of() -> None:
     r, mul = _rank(own=False)
-    r.choices[1] = [(10, Claim([["dp"], []]))]
+    r.matches[1] = [(10, Claim([["dp"], []]))]
     assert r.rechosen(mul) == []
-    r.choices[1] = [(10, Claim([["dp"], []])), (11, Claim([["tp"], []]))]
+    r.matches[1] = [(10, Claim([["dp"], []])), (11, Claim([["tp"], []]))]
     assert r.rechosen(mul) == []  # another claim: not the constant's
 
 
