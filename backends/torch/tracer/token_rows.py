@@ -273,9 +273,11 @@ class _Growing(_Region):
                   if (t, d) in self.carried]
         if not marked:
             return
+        # tied to a dim it reads by its rule's "eq" or "mul" (a bound, a
+        # narrow's "min", is no tie): else made from no row it reads
         refs = {r for rel in node_relations(self.plan, node, self.memo)
                 for r in ([rel[1], rel[2]] if rel[0] == "eq" else
-                          [rel[1], *rel[2]] if rel[0] == "mul" else [rel[1]])}
+                          [rel[1], *rel[2]] if rel[0] == "mul" else [])}
         if any(ref not in refs for ref in marked):
             self.refuse(index, "makes a value carrying token rows from no dim it reads")
 
