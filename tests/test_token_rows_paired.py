@@ -42,25 +42,25 @@ def _single() -> Lowered:
               6: (bl, H), 7: (bl, H), 8: (B, L, H), 9: (H, H), 10: (bl, H), 11: (bl, H),
               12: (B, L, H), 13: (B, L, H), 14: (), 15: (), 16: (), 17: (B, L, E),
               18: (bl, E), 19: (E, bl), 20: (E, H), 21: (E, H), 22: (bl, H), 23: (B, L, H)}
-    nodes = [LNode("flatten", "fw", [0], [3], FLAT, "moe.router.gate"),
-             LNode("matmul", "fw", [3, 2], [4], {}, "moe.router.gate"),
-             LNode("unflatten", "fw", [4], [5], _unflat((B, L)), "moe.router.gate"),
-             LNode("flatten", "fw", [0], [6], FLAT, "moe.experts"),
-             LNode("mul", "fw", [6, 1], [7], {}, "moe.experts"),
-             LNode("unflatten", "fw", [7], [8], _unflat((B, L)), "moe.experts"),
-             LNode("flatten", "fw", [0], [10], FLAT, "moe.shared"),
-             LNode("matmul", "fw", [10, 9], [11], {}, "moe.shared"),
-             LNode("unflatten", "fw", [11], [12], _unflat((B, L)), "moe.shared"),
-             LNode("add", "fw", [8, 12], [13], {}, "moe"),
+    nodes = [LNode("flatten", "fw", [0], [3], FLAT, "one.moe.router.gate"),
+             LNode("matmul", "fw", [3, 2], [4], {}, "one.moe.router.gate"),
+             LNode("unflatten", "fw", [4], [5], _unflat((B, L)), "one.moe.router.gate"),
+             LNode("flatten", "fw", [0], [6], FLAT, "one.moe.experts"),
+             LNode("mul", "fw", [6, 1], [7], {}, "one.moe.experts"),
+             LNode("unflatten", "fw", [7], [8], _unflat((B, L)), "one.moe.experts"),
+             LNode("flatten", "fw", [0], [10], FLAT, "one.moe.shared"),
+             LNode("matmul", "fw", [10, 9], [11], {}, "one.moe.shared"),
+             LNode("unflatten", "fw", [11], [12], _unflat((B, L)), "one.moe.shared"),
+             LNode("add", "fw", [8, 12], [13], {}, "one.moe"),
              LNode("sum", "fw", [13], [14], {"dim": None, "keepdim": False}, "loss"),
              LNode("sum", "fw", [5], [15], {"dim": None, "keepdim": False}, "loss"),
              LNode("add", "fw", [14, 15], [16], {}, "loss"),
-             LNode("flatten", "fw", [17], [18], FLAT, "bw:moe.shared"),
-             LNode("transpose", "fw", [18], [19], {"dim0": 0, "dim1": 1}, "bw:moe.shared"),
-             LNode("matmul", "fw", [19, 3], [20], {}, "bw:moe.shared"),
-             LNode("transpose", "fw", [2], [21], {"dim0": 0, "dim1": 1}, "bw:moe.shared"),
-             LNode("matmul", "fw", [18, 21], [22], {}, "bw:moe.shared"),
-             LNode("unflatten", "fw", [22], [23], _unflat((B, L)), "bw:moe.shared")]
+             LNode("flatten", "fw", [17], [18], FLAT, "bw:one.moe.shared"),
+             LNode("transpose", "fw", [18], [19], {"dim0": 0, "dim1": 1}, "bw:one.moe.shared"),
+             LNode("matmul", "fw", [19, 3], [20], {}, "bw:one.moe.shared"),
+             LNode("transpose", "fw", [2], [21], {"dim0": 0, "dim1": 1}, "bw:one.moe.shared"),
+             LNode("matmul", "fw", [18, 21], [22], {}, "bw:one.moe.shared"),
+             LNode("unflatten", "fw", [22], [23], _unflat((B, L)), "bw:one.moe.shared")]
     rng = np.random.default_rng(0)
     return Lowered(rank=0, coords={}, shapes=shapes, nodes=nodes,
                    inputs={0: ("input", "x"), 1: ("buffer", "routing"), 2: ("param", "w"),
@@ -84,18 +84,21 @@ def _rank(rank: int, shared_rows: int = L) -> Lowered:
     all positions (gathered) in the shared expert."""
     lo, li = LOCAL
     shapes = {0: (lo, li, H), 1: (lo * li, H), 2: (lo * li, H), 3: (lo, shared_rows, H),
-              4: (lo * shared_rows, H)}
-    nodes = [LNode("flatten", "fw", [0], [1], FLAT, "moe.router.gate"),
-             LNode("flatten", "fw", [0], [2], FLAT, "moe.experts"),
-             LNode("flatten", "fw", [3], [4], FLAT, "moe.shared")]
+              4: (lo * shared_rows, H), 5: (lo * li, H), 6: (lo * li, H)}
+    nodes = [LNode("flatten", "fw", [0], [1], FLAT, "lm.moe.router.gate"),
+             LNode("flatten", "fw", [0], [2], FLAT, "lm.moe.experts"),
+             LNode("mul", "fw", [2, 5], [6], {}, "lm.moe.experts"),
+             LNode("flatten", "fw", [3], [4], FLAT, "lm.moe.shared"),
+             LNode("flatten", "fw", [0], [1], FLAT, "lm.attention")]  # outside the routing layer
     return Lowered(rank=rank, coords={}, shapes=shapes, nodes=nodes, inputs={}, axes={},
-                   losses=[], grads={})
+                   losses=[], grads={}, constants={5: np.zeros((lo * li, H))})
 
 
 def test_entries_are_paired_with_the_ranks_own_flattens() -> None:
     lows = [_rank(r) for r in range(4)]
     entries = paired_entries(_single(), lows, GRID, {r: LOCAL for r in range(4)})
     assert entries == {0, 3}  # the gate's and the experts' flattens, not the shared expert's
+    # (the root class is left out of the names: "lm" on the ranks, none on one device)
 
 
 def test_the_rows_reached_back_write_the_same_step() -> None:
@@ -124,7 +127,7 @@ def test_a_module_flattening_another_number_of_times_is_refused() -> None:
 
 def test_ranks_flattening_their_rows_in_other_modules_are_refused() -> None:
     lows = [_rank(r) for r in range(4)]
-    lows[2].nodes[0] = LNode("flatten", "fw", [0], [1], FLAT, "moe.other")
+    lows[2].nodes[0] = LNode("flatten", "fw", [0], [1], FLAT, "lm.moe.other")
     with pytest.raises(LoweringError, match="rank 2 flattens its own token rows in other "
                                             "modules than rank 0"):
         paired_entries(_single(), lows, GRID, {r: LOCAL for r in range(4)})
@@ -135,10 +138,10 @@ def test_rows_reached_back_to_an_input_are_refused() -> None:
     # the gate weight's gradient taken against an input of the step's rows
     low.shapes[24] = (B * L, H)
     low.inputs[24] = ("input", "rows")
-    low.nodes[15] = LNode("matmul", "fw", [19, 24], [20], {}, "bw:moe.shared")
-    low.nodes.insert(15, LNode("mul", "fw", [3, 24], [25], {}, "moe.router.gate"))
+    low.nodes[15] = LNode("matmul", "fw", [19, 24], [20], {}, "bw:one.moe.shared")
+    low.nodes.insert(15, LNode("mul", "fw", [3, 24], [25], {}, "one.moe.router.gate"))
     low.shapes[25] = (B * L, H)
-    with pytest.raises(LoweringError, match="ranks' order of the token rows: .*mul at "
+    with pytest.raises(LoweringError, match="ranks. order of the token rows: .*mul at one."
                                             "moe.router.gate ties"):
         grow_chains(low, GRID, {0, 3})
 
@@ -149,7 +152,7 @@ def test_a_cut_along_rows_reached_back_is_refused() -> None:
     low.shapes[24] = (B * L + 2, E)
     low.inputs[24] = ("input", "wide")
     low.nodes[13] = LNode("narrow", "fw", [24], [18], {"dim": 0, "start": 0, "length": B * L},
-                          "bw:moe.shared")
-    with pytest.raises(LoweringError, match="narrow at bw:moe.shared makes a value carrying "
+                          "bw:one.moe.shared")
+    with pytest.raises(LoweringError, match="narrow at bw:one.moe.shared makes a value carrying "
                                             "token rows from no dim"):
         grow_chains(low, GRID, {0, 3})

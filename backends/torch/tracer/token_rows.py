@@ -378,16 +378,35 @@ def _is_forward(node: LNode) -> bool:
     return not node.name.startswith("bw:")
 
 
+def _unrooted(name: str) -> str:
+    """A module's path without its root class (which wrappers rename)."""
+    return name.split(".", 1)[-1]
+
+
+def _routing_layers(low: Lowered, rows: int) -> set[str]:
+    """The layers that route: the parents of the modules whose forward reads
+    a recorded constant of the token rows (the router, the experts)."""
+    names = set()
+    for node in low.nodes:
+        if _is_forward(node) and any(v in low.constants and any(
+                n >= rows and n % rows == 0 for n in low.shapes[v]) for v in node.ins):
+            names.add(_unrooted(node.name).rsplit(".", 1)[0])
+    return names
+
+
 def _rank_flattens(low: Lowered, local: tuple[int, int], seqlen: int) -> dict[str, list[bool]]:
-    """A rank's forward flattens of its batch rows by module, in order (those
-    of its own positions, True, and of all positions, False), for the
-    modules with one of its own positions."""
+    """A rank's forward flattens of its batch rows by module inside the
+    layers that route, in order (those of its own positions, True, and of
+    all positions, False), for the modules with one of its own positions."""
+    layers = _routing_layers(low, local[0] * local[1])
     marks: dict[str, list[bool]] = {}
     for node in low.nodes:
         shape = low.shapes[node.ins[0]] if node.ins else ()
+        name = _unrooted(node.name)
         if _is_forward(node) and len(shape) >= 2 and shape[1] in (local[1], seqlen) \
-                and flattens_rows(node.op, node.kwargs, shape, (local[0], shape[1])):
-            marks.setdefault(node.name, []).append(shape[1] == local[1])
+                and flattens_rows(node.op, node.kwargs, shape, (local[0], shape[1])) \
+                and any(name == m or name.startswith(m + ".") for m in layers):
+            marks.setdefault(name, []).append(shape[1] == local[1])
     return {name: flags for name, flags in marks.items() if any(flags)}
 
 
@@ -408,7 +427,8 @@ def paired_entries(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
         wanted = marks
     entries: set[int] = set()
     for name, flags in (wanted or {}).items():
-        found = [k for k, node in enumerate(low_s.nodes) if node.name == name and node.ins
+        found = [k for k, node in enumerate(low_s.nodes) if _unrooted(node.name) == name
+                 and node.ins and _is_forward(node)
                  and flattens_rows(node.op, node.kwargs, low_s.shapes[node.ins[0]], grid.sizes)]
         if len(found) != len(flags):
             raise _refuse(f"{name} flattens the token rows {len(found)} times on one device, "
