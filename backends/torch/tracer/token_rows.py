@@ -378,6 +378,11 @@ def _is_forward(node: LNode) -> bool:
     return not node.name.startswith("bw:")
 
 
+def _first_shape(low: Lowered, node: LNode) -> tuple[int, ...]:
+    """The shape of a node's first input (none for a node that reads none)."""
+    return tuple(low.shapes[node.ins[0]]) if node.ins and node.ins[0] >= 0 else ()
+
+
 def _unrooted(name: str) -> str:
     """A module's path without its root class (which wrappers rename)."""
     return name.split(".", 1)[-1]
@@ -401,7 +406,7 @@ def _rank_flattens(low: Lowered, local: tuple[int, int], seqlen: int) -> dict[st
     layers = _routing_layers(low, local[0] * local[1])
     marks: dict[str, list[bool]] = {}
     for node in low.nodes:
-        shape = low.shapes[node.ins[0]] if node.ins else ()
+        shape = _first_shape(low, node)
         name = _unrooted(node.name)
         if _is_forward(node) and len(shape) >= 2 and shape[1] in (local[1], seqlen) \
                 and flattens_rows(node.op, node.kwargs, shape, (local[0], shape[1])) \
@@ -428,8 +433,8 @@ def paired_entries(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
     entries: set[int] = set()
     for name, flags in (wanted or {}).items():
         found = [k for k, node in enumerate(low_s.nodes) if _unrooted(node.name) == name
-                 and node.ins and _is_forward(node)
-                 and flattens_rows(node.op, node.kwargs, low_s.shapes[node.ins[0]], grid.sizes)]
+                 and _is_forward(node)
+                 and flattens_rows(node.op, node.kwargs, _first_shape(low_s, node), grid.sizes)]
         if len(found) != len(flags):
             raise _refuse(f"{name} flattens the token rows {len(found)} times on one device, "
                           f"its batch rows {len(flags)} times on a rank")
@@ -473,8 +478,8 @@ def order_rows_paired(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
     count = grow_chains(low_s, grid, entries)
     for low in lows:
         sizes = local[low.rank]
-        made = ({k for k, node in enumerate(low.nodes) if node.ins and flattens_rows(
-                    node.op, node.kwargs, low.shapes[node.ins[0]], sizes)},
+        made = ({k for k, node in enumerate(low.nodes)
+                 if flattens_rows(node.op, node.kwargs, _first_shape(low, node), sizes)},
                 {k for k, node in enumerate(low.nodes)
                  if unflattens_rows(node.op, node.kwargs, sizes)})
         if (len(made[0]), len(made[1])) != count:
