@@ -107,12 +107,15 @@ def titan_routed_to_other_token(model, mesh):
     from backends.torch.zoo.titan import parallelize
     after = parallelize(model, mesh)
 
-    def hook(module, args):
-        x, scores, ids, counts = args
+    def swap(ids):
         flat = ids.reshape(-1, ids.shape[-1])
         order = torch.arange(flat.shape[0])
         order[0], order[1] = 1, 0
-        return x, scores, flat[order].reshape(ids.shape), counts
+        return flat[order].reshape(ids.shape)
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        return x, scores, _on_local(ids, swap), counts
 
     if mesh["dp"].get_local_rank() == 0:
         for name, module in model.named_modules():
@@ -123,6 +126,17 @@ def titan_routed_to_other_token(model, mesh):
 
 def _routed_experts(model) -> list[torch.nn.Module]:
     return [m for name, m in model.named_modules() if name.endswith("moe.routed_experts")]
+
+
+def _on_local(value, edit):
+    """``edit`` applied to a value as this rank holds it: a DTensor's local
+    values (torchtitan's routed experts under sequence parallelism are
+    called with DTensors), wrapped again with its own placements."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(value, DTensor):
+        return DTensor.from_local(edit(value.to_local()), value.device_mesh, value.placements,
+                                  shape=value.shape, stride=value.stride())
+    return edit(value)
 
 
 def titan_ep_wrong_split(model, mesh):
@@ -136,15 +150,18 @@ def titan_ep_wrong_split(model, mesh):
     after = parallelize_ep(model, mesh)
     ep = mesh["dp"].size()
 
-    def hook(module, args):
-        x, scores, ids, counts = args
+    def move(counts):
         edge = counts.shape[0] // ep
         moved = counts.clone()
         last = int(torch.nonzero(moved[:edge]).max()) if bool((moved[:edge] > 0).any()) else None
         if last is not None:
             moved[last] -= 1
             moved[edge] += 1
-        return x, scores, ids, moved
+        return moved
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        return x, scores, ids, _on_local(counts, move)
 
     if mesh["dp"].get_local_rank() == 0:
         for module in _routed_experts(model):
@@ -187,12 +204,15 @@ def titan_ep_routed_to_other_token(model, mesh):
     from backends.torch.zoo.titan import parallelize_ep
     after = parallelize_ep(model, mesh)
 
-    def hook(module, args):
-        x, scores, ids, counts = args
+    def swap(ids):
         flat = ids.reshape(-1, ids.shape[-1])
         order = torch.arange(flat.shape[0])
         order[0], order[1] = 1, 0
-        return x, scores, flat[order].reshape(ids.shape), counts
+        return flat[order].reshape(ids.shape)
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        return x, scores, _on_local(ids, swap), counts
 
     if mesh["dp"].get_local_rank() == 0:
         for module in _routed_experts(model):
@@ -207,12 +227,15 @@ def titan_ep_combine_other_gate(model, mesh):
     from backends.torch.zoo.titan import parallelize_ep
     after = parallelize_ep(model, mesh)
 
-    def hook(module, args):
-        x, scores, ids, counts = args
+    def swap(scores):
         flat = scores.reshape(-1, scores.shape[-1])
         order = torch.arange(flat.shape[0])
         order[0], order[1] = 1, 0
-        return x, flat[order].reshape(scores.shape), ids, counts
+        return flat[order].reshape(scores.shape)
+
+    def hook(module, args):
+        x, scores, ids, counts = args
+        return x, _on_local(scores, swap), ids, counts
 
     if mesh["dp"].get_local_rank() == 0:
         for module in _routed_experts(model):

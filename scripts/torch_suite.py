@@ -1038,8 +1038,29 @@ CASES += [
      "over the expert-data-parallel group, a per-rank mean loss)",
      f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_expert_grads_undivided --vocab 2048 "
      "--dp 2 --tp 1", 1),
-    ("moe titan deepseek_v3 dp2 ep2 tp2 refused (sequence-parallel token rows: a rank's rows of "
-     "the flattened (batch, position) rows are no block of them)", f"{DEEPSEEK_EP} --dp 2 --tp 2", 2),
+    # with TP: sequence-parallel token rows, the ep group the tp ranks of a dp block; the
+    # single-device step in the ranks' order of the rows (docs/soundness.md, "Plans traced
+    # from PyTorch", 89 and 98)
+    ("moe titan deepseek_v3 dp2 ep2 tp2 (sequence-parallel token rows in the ranks' order)",
+     f"{DEEPSEEK_EP} --dp 2 --tp 2", 0),
+    # pytorch 160285's division is right here: the experts' shard group (efsdp = dp x tp / ep)
+    # is the dp ranks, as the dense modules' (gloo: same)
+    ("moe titan deepseek_v3 dp2 ep2 tp2 FSDP's default division and a per-rank mean loss "
+     "(pytorch 160285's plan, right at this mesh)",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_expert_grads_undivided --vocab 2048 "
+     "--dp 2 --tp 2", 0),
+    ("moe titan deepseek_v3 dp2 ep2 tp2 bug combine with another token's gate refused (the "
+     "hook's own flatten of the rank's rows on dp rank 0 only: the ranks flatten their rows in "
+     "other modules; no SUCCESS, a FAIL left to do)",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_combine_other_gate --vocab 2048 "
+     "--dp 2 --tp 2", 2),
+    ("moe titan deepseek_v3 dp2 ep2 tp2 bug wrong split size",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_wrong_split --vocab 2048 --dp 2 --tp 2", 1),
+    ("moe titan deepseek_v3 dp2 ep2 tp2 bug routed with another token's experts refused (the "
+     "hook's ids, rewrapped as a DTensor, are read as a tensor no recorded op produced; no "
+     "SUCCESS, a FAIL left to do)",
+     f"{DEEPSEEK_EP_MODEL} --recipe {MOE_BUGS}titan_ep_routed_to_other_token --vocab 2048 "
+     "--dp 2 --tp 2", 2),
     ("moe titan deepseek_v3 ep2 clip by the norm over every expert (harness.moe_clippers)",
      f"{DEEPSEEK_EP} --dp 2 --tp 1 --clip 0.5 --clipper harness.moe_clippers:clip_ep", 0),
     ("moe titan deepseek_v3 ep2 bug clip norm not reduced across the ep ranks (NeMo-Automodel "

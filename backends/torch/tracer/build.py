@@ -164,8 +164,9 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         if node.group is not None or node.op == "split":
             self.layout_step(node, coords)
             return
-        if node.op == "cat" and not self.aligns(node) and (self.rejoins(node) or self.joins(node)
-                                                           or self.cat_block(node)):
+        if node.op == "cat" and not self.aligns(node) and (
+                self.rejoins(node) or self.joins(node) or self.joins_block(node)
+                or self.cat_block(node)):
             return
         if node.op == "zeros" and node.outs[0] in self.low.empty_sums:
             self.empty_sum(node, coords)
@@ -176,7 +177,8 @@ class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, R
         if node.op == "narrow" and node.dir == "fw" and self.narrows_piece(node):
             return
         if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
-                and (self.takes_cp_piece(node) or self.takes_piece(node)):
+                and (self.takes_cp_piece(node) or self.takes_piece(node)
+                     or self.takes_inner_piece(node, "tp")):
             return
         if node.op == "narrow" and node.dir == "bw" and self.pads_into_piece(node):
             return

@@ -139,10 +139,18 @@ class Reorder:
             self.refuse(index, "ties two sequence dims of different layouts")
         src, dst = (a, b) if pa is not None else (b, a)
         if dst[0] not in own:
-            self.refuse(index, "ties a sequence dim to a dim of a value that does not carry "
-                               "the sequence (a table of positions, a value of one rank)")
+            return self.carry(index, dst, self.seq[src],
+                              "ties a sequence dim to a dim of a value that does not carry "
+                              "the sequence (a table of positions, a value of one rank)")
         self.seq[dst] = self.seq[src]
         return True
+
+    def carry(self, index: int, ref: tuple[int, int], place: Place, why: str) -> bool:
+        """Node ``index`` ties the sequence at ``place`` to dim ``ref`` of a
+        value it does not make and that does not carry it: refused here (a
+        subclass may carry the sequence back to that value's producer)."""
+        self.refuse(index, why)
+        return False
 
     def product(self, index: int, target: tuple[int, int], factors: list[tuple[int, int]],
                 times: int, own: set[int]) -> bool:
@@ -155,11 +163,14 @@ class Reorder:
             self.refuse(index, "repeats a sequence dim")
         sizes = [self.size(f) for f in factors]
         if target not in self.seq:
-            if len(inner) != 1 or target[0] not in own:
+            if len(inner) != 1:
                 self.refuse(index, "merges a sequence dim with another")
             j = factors.index(inner[0])
             o, i = self.seq[inner[0]]
-            self.seq[target] = (o * math.prod(sizes[:j]), i * math.prod(sizes[j + 1:]))
+            place = (o * math.prod(sizes[:j]), i * math.prod(sizes[j + 1:]))
+            if target[0] not in own:
+                return self.carry(index, target, place, "merges a sequence dim with another")
+            self.seq[target] = place
             return True
         o, i = self.seq[target]
         found = None
@@ -176,7 +187,8 @@ class Reorder:
                 self.refuse(index, "ties two sequence dims of different layouts")
             return False
         if factors[j][0] not in own:
-            self.refuse(index, "ties a sequence dim to a dim of a value that does not carry it")
+            return self.carry(index, factors[j], place,
+                              "ties a sequence dim to a dim of a value that does not carry it")
         self.seq[factors[j]] = place
         return True
 

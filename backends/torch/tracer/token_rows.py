@@ -25,7 +25,7 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.context import LNode, Lowered
 from backends.torch.tracer.seq_order import POSITIONWISE, Reorder
 from backends.torch.tracer.token_order import RowGrid, check_blocks, held_rows
-from verdict.reduce import RuleMemo
+from verdict.reduce import RuleMemo, node_relations
 
 #: operators that commute with a permutation of the rows beyond the load
 #: balancer's list: a broadcast keeps each row's values
@@ -139,24 +139,37 @@ def write_chains(low: Lowered, sizes: tuple[int, int], parts: tuple[int, int],
     ``sizes`` (its own) as chains of ``parts`` (1 on a rank, the cut on one
     device). The values the entry chains make (rows first) and the nodes of
     the chains, entries and exits, by index in the new node list."""
+    entries = {k for k, node in enumerate(low.nodes) if _is_entry(node, low, sizes, modules)}
+    exits = {k for k, node in enumerate(low.nodes) if _is_exit(node, low, sizes, modules)}
+    seeds, chained, _ = write_chains_at(low, parts, inner_first, entries, exits, local)
+    return seeds, chained
+
+
+def write_chains_at(low: Lowered, parts: tuple[int, int], inner_first: bool,
+                    entries: set[int], exits: set[int],
+                    local: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """``write_chains`` at given nodes: the flattens ``entries`` and the
+    unflattens ``exits`` (indices in ``low.nodes``) written as chains. Also
+    where each node of the new list came from (its old index, -1 for a
+    chain's node)."""
     chains = _Chains(low, parts, inner_first, local)
     nodes: list[LNode] = []
     seeds: list[int] = []
-    exits: list[int] = []
-    for node in low.nodes:
-        if _is_entry(node, low, sizes, modules):
-            made = chains.entry(node)
-            exits += range(len(nodes), len(nodes) + len(made))
+    chained: list[int] = []
+    origin: list[int] = []
+    for k, node in enumerate(low.nodes):
+        if k in entries or k in exits:
+            made = chains.entry(node) if k in entries else chains.exit(node)
+            chained += range(len(nodes), len(nodes) + len(made))
             nodes += made
-            seeds.append(node.outs[0])
-        elif _is_exit(node, low, sizes, modules):
-            made = chains.exit(node)
-            exits += range(len(nodes), len(nodes) + len(made))
-            nodes += made
+            origin += [-1] * len(made)
+            if k in entries:
+                seeds.append(node.outs[0])
         else:
             nodes.append(node)
+            origin.append(k)
     low.nodes[:] = nodes
-    return seeds, exits
+    return seeds, chained, origin
 
 
 class _Region(Reorder):
@@ -206,6 +219,84 @@ class _Region(Reorder):
         return super().tie(index, a, b, own)
 
 
+def flattens_rows(op: str, kwargs: dict, shape: tuple[int, ...],
+                  sizes: tuple[int, int]) -> bool:
+    """A flatten of the two dims of ``sizes`` into token rows."""
+    return op == "flatten" and kwargs.get("start") == 0 and kwargs.get("end") == 1 \
+        and tuple(shape[:2]) == tuple(sizes)
+
+
+def unflattens_rows(op: str, kwargs: dict, sizes: tuple[int, int]) -> bool:
+    """An unflatten of token rows back into the two dims of ``sizes``."""
+    return op == "unflatten" and kwargs.get("dim") == 0 \
+        and tuple(kwargs.get("sizes", ())) == tuple(sizes)
+
+
+class _Promote(Exception):
+    """A flatten that makes the token rows found to be an entry (the rows
+    carried back to its output), or an unflatten of them an exit (the rows
+    reach its input): the chains are written again with it."""
+
+    def __init__(self, index: int, kind: str):
+        super().__init__(f"{kind} at node {index}")
+        self.index, self.kind = index, kind
+
+
+class _Growing(_Region):
+    """``_Region`` whose rows also reach back: a value tied to the rows that
+    a node reads but does not make (and that carries no rows yet) is marked
+    as carrying them, and its producer is checked with it in the next pass
+    like any node. A flatten of the token rows so reached is an entry, an
+    unflatten the rows reach an exit (``_Promote``); a chain's node, an
+    input of the step or a rank's value is never reached back. ``origin``
+    maps the nodes to their index before the chains were written."""
+
+    def __init__(self, plan: SimpleNamespace, rows: int, seeds: list[int],
+                 constants: set[int], chained: set[int], origin: list[int],
+                 sizes: tuple[int, int]):
+        super().__init__(plan, rows, seeds, constants)
+        self.chained, self.origin, self.sizes = chained, origin, sizes
+        self.producer = {t: k for k, node in enumerate(plan.nodes) for t in node.outputs}
+        #: dims marked by reaching back: their producer must relate them
+        self.carried: set[tuple[int, int]] = set()
+
+    def node(self, index: int) -> None:
+        node = self.plan.nodes[index]
+        if unflattens_rows(node.op, node.kwargs, self.sizes) \
+                and (node.inputs[0], 0) in self.seq:
+            if self.seq[(node.inputs[0], 0)] != (1, 1):
+                self.refuse(index, "unflattens token rows that are part of a dim")
+            raise _Promote(self.origin[index], "exit")
+        super().node(index)
+        marked = [(t, d) for t in node.outputs if t >= 0
+                  for d in range(len(self.plan.tensors[t].shape))
+                  if (t, d) in self.carried]
+        if not marked:
+            return
+        # tied to a dim it reads by its rule's "eq" or "mul" (a bound, a
+        # narrow's "min", is no tie): else made from no row it reads
+        refs = {r for rel in node_relations(self.plan, node, self.memo)
+                for r in ([rel[1], rel[2]] if rel[0] == "eq" else
+                          [rel[1], *rel[2]] if rel[0] == "mul" else [])}
+        if any(ref not in refs for ref in marked):
+            self.refuse(index, "makes a value carrying token rows from no dim it reads")
+
+    def carry(self, index: int, ref: tuple[int, int], place: tuple[int, int],
+              why: str) -> bool:
+        k = self.producer.get(ref[0])
+        if k is None or k in self.chained or ref[0] in self.inputs:
+            return super().carry(index, ref, place, why)
+        node = self.plan.nodes[k]
+        if flattens_rows(node.op, node.kwargs, self.plan.tensors[node.inputs[0]].shape,
+                         self.sizes):
+            if ref[1] != 0 or place != (1, 1):
+                self.refuse(k, "makes token rows that are read as part of a dim")
+            raise _Promote(self.origin[k], "entry")
+        self.seq[ref] = place
+        self.carried.add(ref)
+        return True
+
+
 def _shim(low: Lowered) -> SimpleNamespace:
     tensors = {v: SimpleNamespace(shape=tuple(s)) for v, s in low.shapes.items()}
     nodes = [SimpleNamespace(op=n.op, dir=n.dir, inputs=list(n.ins), outputs=list(n.outs),
@@ -214,13 +305,19 @@ def _shim(low: Lowered) -> SimpleNamespace:
 
 
 def check_and_relabel(low: Lowered, rows: int, seeds: list[int], exits: list[int],
-                      pi: np.ndarray) -> int:
+                      pi: np.ndarray, grow: tuple[list[int], tuple[int, int]] | None = None
+                      ) -> int:
     """Check every node of the one-device trace between the entry and exit
     chains to commute with the order ``pi`` of the rows (refused in one
     line otherwise) and relabel the recorded constants it reads along the
-    rows; the number relabelled."""
+    rows; the number relabelled. With ``grow`` (the nodes' origins and the
+    sizes of the two dims) the rows are carried back to the producers of
+    values tied to them (``_Growing``: raises ``_Promote``)."""
     plan = _shim(low)
-    region = _Region(plan, rows, seeds, set(low.constants))
+    if grow is None:
+        region = _Region(plan, rows, seeds, set(low.constants))
+    else:
+        region = _Growing(plan, rows, seeds, set(low.constants), set(exits), *grow)
     skip = set(exits)
     found = -1
     while found != len(region.seq):
@@ -277,6 +374,122 @@ def order_rows(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
     return True
 
 
+def _is_forward(node: LNode) -> bool:
+    return not node.name.startswith("bw:")
+
+
+def _first_shape(low: Lowered, node: LNode) -> tuple[int, ...]:
+    """The shape of a node's first input (none for a node that reads none)."""
+    return tuple(low.shapes[node.ins[0]]) if node.ins and node.ins[0] >= 0 else ()
+
+
+def _unrooted(name: str) -> str:
+    """A module's path without its root class (which wrappers rename)."""
+    return name.split(".", 1)[-1]
+
+
+def _routing_layers(low: Lowered, rows: int) -> set[str]:
+    """The layers that route: the parents of the modules whose forward reads
+    a recorded constant of the token rows (the router, the experts)."""
+    names = set()
+    for node in low.nodes:
+        if _is_forward(node) and any(v in low.constants and any(
+                n >= rows and n % rows == 0 for n in low.shapes[v]) for v in node.ins):
+            names.add(_unrooted(node.name).rsplit(".", 1)[0])
+    return names
+
+
+def _rank_flattens(low: Lowered, local: tuple[int, int], seqlen: int) -> dict[str, list[bool]]:
+    """A rank's forward flattens of its batch rows by module inside the
+    layers that route, in order (those of its own positions, True, and of
+    all positions, False), for the modules with one of its own positions."""
+    layers = _routing_layers(low, local[0] * local[1])
+    marks: dict[str, list[bool]] = {}
+    for node in low.nodes:
+        shape = _first_shape(low, node)
+        name = _unrooted(node.name)
+        if _is_forward(node) and len(shape) >= 2 and shape[1] in (local[1], seqlen) \
+                and flattens_rows(node.op, node.kwargs, shape, (local[0], shape[1])) \
+                and any(name == m or name.startswith(m + ".") for m in layers):
+            marks.setdefault(name, []).append(shape[1] == local[1])
+    return {name: flags for name, flags in marks.items() if any(flags)}
+
+
+def paired_entries(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
+                   local: dict[int, tuple[int, int]]) -> set[int]:
+    """The one-device forward flattens of the token rows that stand where
+    the ranks flatten their own rows (their block of both dims): the k-th
+    flatten of the rows in a module is one when each rank's k-th flatten of
+    its batch rows there is of its own positions (not of all positions,
+    gathered). Refused in one line where the ranks differ or a module
+    flattens another number of times on one device."""
+    wanted: dict[str, list[bool]] | None = None
+    for low in lows:
+        marks = _rank_flattens(low, local[low.rank], grid.sizes[1])
+        if wanted is not None and marks != wanted:
+            raise _refuse(f"rank {low.rank} flattens its own token rows in other modules "
+                          f"than rank {lows[0].rank}")
+        wanted = marks
+    entries: set[int] = set()
+    for name, flags in (wanted or {}).items():
+        found = [k for k, node in enumerate(low_s.nodes) if _unrooted(node.name) == name
+                 and _is_forward(node)
+                 and flattens_rows(node.op, node.kwargs, _first_shape(low_s, node), grid.sizes)]
+        if len(found) != len(flags):
+            raise _refuse(f"{name} flattens the token rows {len(found)} times on one device, "
+                          f"its batch rows {len(flags)} times on a rank")
+        entries |= {k for k, own in zip(found, flags) if own}
+    return entries
+
+
+def grow_chains(low_s: Lowered, grid: RowGrid, entries: set[int]) -> tuple[int, int]:
+    """Write the one-device trace in the ranks' order from the forward
+    ``entries``, the exits and the backward's entries found by reaching the
+    rows back (``_Growing``), written again until the check passes; the
+    numbers of entries and exits."""
+    nodes, shapes = list(low_s.nodes), dict(low_s.shapes)
+    entries, exits = set(entries), set()
+    while True:
+        low_s.nodes[:] = nodes
+        low_s.shapes.clear()
+        low_s.shapes.update(shapes)
+        seeds, chained, origin = write_chains_at(low_s, grid.parts, grid.inner_first,
+                                                 entries, exits)
+        try:
+            check_and_relabel(low_s, grid.rows, seeds, chained, grid.order(),
+                              grow=(origin, grid.sizes))
+            return len(entries), len(exits)
+        except _Promote as found:
+            (entries if found.kind == "entry" else exits).add(found.index)
+
+
+def order_rows_paired(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
+                      local: dict[int, tuple[int, int]]) -> bool:
+    """``order_rows`` for rows (batch, position) cut over dp and tp, whose
+    entries are not found by module alone: on one device the forward
+    flattens paired with the ranks' flattens of their own rows
+    (``paired_entries``), the rest found by reaching the rows back
+    (``grow_chains``); on every rank each flatten of its own rows and each
+    unflatten back to them, as many as on one device. False, nothing
+    written, when no rank flattens its own rows."""
+    entries = paired_entries(low_s, lows, grid, local)
+    if not entries:
+        return False
+    count = grow_chains(low_s, grid, entries)
+    for low in lows:
+        sizes = local[low.rank]
+        made = ({k for k, node in enumerate(low.nodes)
+                 if flattens_rows(node.op, node.kwargs, _first_shape(low, node), sizes)},
+                {k for k, node in enumerate(low.nodes)
+                 if unflattens_rows(node.op, node.kwargs, sizes)})
+        if (len(made[0]), len(made[1])) != count:
+            raise _refuse(f"rank {low.rank} flattens its token rows {len(made[0])} times and "
+                          f"unflattens them {len(made[1])} times, the single-device step "
+                          f"{count[0]} and {count[1]} times")
+        write_chains_at(low, grid.parts, grid.inner_first, *made, local=True)
+    return True
+
+
 def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
                      tp: int) -> bool:
     """A routed step whose ranks' token rows are no block of the flattened
@@ -306,4 +519,7 @@ def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
         held[low.rank] = held_rows(grid, np.arange(o * lo, (o + 1) * lo),
                                    np.arange(i * li, (i + 1) * li))
     check_blocks(grid, held)
-    return order_rows(low_s, lows, grid, {low.rank: (lo, li) for low in lows})
+    local = {low.rank: (lo, li) for low in lows}
+    if grid.inner_first:
+        return order_rows(low_s, lows, grid, local)
+    return order_rows_paired(low_s, lows, grid, local)

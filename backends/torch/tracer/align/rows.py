@@ -44,6 +44,42 @@ class Rows(Pieces):
                                 f"pieces cut along other dims than this rank's")
         return True
 
+    def joins_block(self, node: LNode) -> bool:
+        """A ``cat`` along dim d of pieces of one value cut there by the same
+        axes, the last of them, A, read at each of its coordinates in turn
+        (an expert-parallel group's token rows gathered from its ranks, each
+        rank's block of the group's block): claimed to be the piece of the
+        axes before A, whose rows these pieces must fill in order (the claim
+        is proved like any). False when it is not one."""
+        d, out = node.kwargs["dim"] % len(self.low.shapes[node.ins[0]]), node.outs[0]
+        claims = [self.claim.get(v) for v in node.ins]
+        if len({self.sv[v] for v in node.ins}) != 1 or any(
+                c is None or c.loose or c.steps for c in claims):
+            return False
+        first = claims[0]
+        axes = first.dims[d]
+        if not axes or len(claims) != self.sizes.get(axes[-1], 0) or any(
+                c.dims != first.dims or c.partial != first.partial or c.scale != first.scale
+                or c.mbs != first.mbs for c in claims):
+            return False
+        last = axes[-1]
+        at = [{a: i for a, i in (c.at or {}).items() if a != last} for c in claims]
+        if any(a != at[0] for a in at):
+            return False
+        views = [self.view(v) for v in node.ins]
+        rest = {tuple(s for k, s in enumerate(sl) if k != d) for sl, _ in views}
+        if len(rest) != 1 or len({part for _, part in views}) != 1 or any(
+                views[k][0][d][1] != views[k + 1][0][d][0] for k in range(len(views) - 1)):
+            return False
+        coords = {**self.low.coords, **at[0]}
+        span = (views[0][0][d][0], views[-1][0][d][1])
+        if self.piece(axes[:-1], self.gshape(node.ins[0])[d], coords) != span:
+            return False
+        dims = [axes[:-1] if k == d else list(a) for k, a in enumerate(first.dims)]
+        self.sv[out], self.mb[out] = self.sv[node.ins[0]], self.mb.get(node.ins[0], -1)
+        self.claim[out] = Claim(dims, first.partial, first.mbs, first.scale, at[0] or None)
+        return True
+
     def cut_rows(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
         """A ``narrow`` of a padded gradient, whole along the dim, to the rows
         this rank holds of it: claimed cut by the axes of the group whose
@@ -219,14 +255,22 @@ class Rows(Pieces):
         Ulysses-style context parallelism lowered as an all-gather and this
         narrow: ``lowering.arranged``): claimed cut by those axes and "cp"
         (proved like any claim). False when these rows are not that piece."""
+        return self.takes_inner_piece(node, "cp")
+
+    def takes_inner_piece(self, node: LNode, axis: str) -> bool:
+        """``takes_cp_piece`` by ``axis``: a ``narrow`` to this rank's piece
+        by one more axis inside those that cut the dim (also "tp": an
+        expert-parallel group's rows, the ep group the tp ranks of a dp
+        block, narrowed to the rank's own, docs/soundness.md, "Plans traced
+        from PyTorch", 98)."""
         x, out = node.ins[0], node.outs[0]
         c, d = self.claim[x], node.kwargs["dim"] % len(self.low.shapes[x])
-        if c.at or self.sizes.get("cp", 1) == 1 or any("cp" in axes for axes in c.dims):
+        if c.at or self.sizes.get(axis, 1) == 1 or any(axis in axes for axes in c.dims):
             return False
         full = self.gshape(x)[d]
         lo, _ = self.piece(c.dims[d], full, self.low.coords) if c.dims[d] else (0, full)
         rows = (lo + node.kwargs["start"], lo + node.kwargs["start"] + node.kwargs["length"])
-        axes = [*c.dims[d], "cp"]
+        axes = [*c.dims[d], axis]
         if self.piece(axes, full, self.low.coords) != rows:
             return False
         self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
