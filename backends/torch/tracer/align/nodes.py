@@ -66,8 +66,6 @@ class NodeMatching(Pieces):
     """The single-device node each compute node of a rank runs."""
 
     alternatives: dict[int, list[tuple[int, Claim]]]
-    matches: dict[int, list[tuple[int, Claim]]]
-    copies: list[int]
     split_from: dict[int, int]
     used: set[tuple[int, int]]
     consumers: dict[int, list[LNode]]
@@ -518,76 +516,6 @@ class NodeMatching(Pieces):
                 m <= f for m, f in zip(shapes[o], full[so])))
                 for o, so in zip(node.outs, self.b.s.low.nodes[c].outs))
         return [c for c in cands if fits(c)] or cands
-
-    def choose_constants(self, node: LNode, key: tuple,
-                         cands: list[int] | None) -> tuple[tuple, list[int] | None]:
-        """A reader of constants that match several single-device ones (each
-        claim true by the values): kept as matched when the single-device
-        step runs this node and every aligned reader of its outputs;
-        otherwise the first choice under which it runs both (one expert's
-        mask equal to another's on this rank's rows, read once per expert),
-        else, when nothing runs this node, the first under which it runs.
-        A constant no reader has read yet takes the choice for every later
-        reader; one read already keeps its match and this reader reads a
-        copy of it, claimed as chosen (``copy_constant``)."""
-        slots = [(i, v) for i, v in enumerate(node.ins) if v in self.matches]
-        if not slots or (cands and self.fewest_missed(node, cands) == 0):
-            return key, cands
-        first = None
-        for pick in itertools.product(*(self.matches[v] for _, v in slots)):
-            ins = list(key[2])
-            for (i, _), (sv, _) in zip(slots, pick):
-                ins[i] = sv
-            trial = (key[0], key[1], tuple(ins), key[3])
-            found = self.b.s.by_key.get(trial)
-            if not found:
-                continue
-            if self.fewest_missed(node, found) == 0:
-                return self.take_constants(node, slots, pick, trial)
-            first = first or (pick, trial)
-        if cands or first is None:
-            return key, cands
-        return self.take_constants(node, slots, *first)
-
-    def fewest_missed(self, node: LNode, cands: list[int]) -> int:
-        return min(self.readers_missed(node, c) for c in cands)
-
-    def take_constants(self, node: LNode, slots: list[tuple[int, int]],
-                       pick: tuple, key: tuple) -> tuple[tuple, list[int]]:
-        """The constants of ``slots`` claimed as ``pick`` for ``node``."""
-        for (_, v), (sv, claim) in zip(slots, pick):
-            if self.sv[v] == sv and self.claim[v] == claim:
-                self.alternatives.pop(v, None)
-                continue
-            if v in self.alternatives:  # read by no node yet: chosen for all
-                del self.alternatives[v]
-                self.retagged.append(v)  # its tensor, written already, renamed
-                self.reclaimed.append(v)
-            else:
-                v = self.copy_constant(v, node)
-            self.sv[v], self.claim[v] = sv, claim
-        return key, self.b.s.by_key[key]
-
-    def copy_constant(self, v: int, node: LNode) -> int:
-        """A copy of constant ``v`` read by ``node`` only (the same value:
-        the rank's program is unchanged), written as an input before it
-        (``copies``)."""
-        u = max(self.low.shapes) + 1
-        kind, name = self.low.inputs[v]
-        self.low.shapes[u] = self.low.shapes[v]
-        self.low.inputs[u] = (kind, f"{name}.read{u}")
-        self.low.axes[u] = self.low.axes[v]
-        self.low.constants[u] = self.low.constants[v]
-        if v in self.split_from:
-            self.split_from[u] = self.split_from[v]
-        if v in self.mb:
-            self.mb[u] = self.mb[v]
-        node.ins = [u if x == v else x for x in node.ins]
-        self.consumers[v] = [c for c in self.consumers.get(v, []) if c is not node]
-        self.consumers[u] = [node]
-        self.matches[u] = self.matches[v]
-        self.copies.append(u)
-        return u
 
     def other_column(self, key: tuple) -> list[int]:
         """The single-device nodes that read another column of the same

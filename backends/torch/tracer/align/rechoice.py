@@ -1,11 +1,13 @@
-"""A constant's match chosen again at a reader that matches nothing: a
-rank's constant that several single-device constants could stand for (a
-piece of each, or an input of its own read where each is read) is matched
-with one at its first reader; a later node that reads a value computed
-from it alone, and matches no single-device node, is given the choice
-under which it does (docs/soundness.md, "Plans traced from PyTorch", 100)."""
+"""A rank's constant that several single-device constants could stand for
+(a piece of each, or an input of its own read where each is read): the
+match chosen per reader (``choose_constants``, docs/soundness.md, "Plans
+traced from PyTorch", 99 c), and chosen again at a later reader that reads
+a value computed from it alone and matches no single-device node
+(``rechosen``, 100)."""
 
 from __future__ import annotations
+
+import itertools
 
 from backends.torch.lowering import LNode
 from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs
@@ -15,10 +17,15 @@ DEPTH = 8
 
 
 class Rechoice(Pieces):
-    """Constants matched again (``rechosen``)."""
+    """Constants matched per reader (``choose_constants``) and again
+    (``rechosen``)."""
 
     own_tid: dict[int, int]
+    alternatives: dict[int, list[tuple[int, Claim]]]
     matches: dict[int, list[tuple[int, Claim]]]
+    reclaimed: list[int]
+    #: copies made by ``choose_constants``, for the writer to write
+    copies: list[int]
     consumers: dict[int, list[LNode]]
     retagged: list[int]
     split_from: dict[int, int]
@@ -56,20 +63,27 @@ class Rechoice(Pieces):
         reads instead of it, c's other readers keeping their match: an
         identity of the rank's program. The writer gives it its tensor
         and rewires ``reader`` if it is written already (``copied``)."""
+        u = self.copy_of(c, reader, "again")
+        self.mb[u] = self.mb.get(c, -1)
+        self.copied.append((c, u, reader))
+        return u
+
+    def copy_of(self, c: int, reader: LNode, tag: str) -> int:
+        """A new input of the rank equal to constant ``c``, read by
+        ``reader`` in place of ``c`` (of its microbatch if ``c`` is a
+        microbatch's copy, ``per_microbatch``)."""
         low = self.low
         u = max(low.shapes) + 1
         kind, name = low.inputs[c]
         low.shapes[u] = low.shapes[c]
-        low.inputs[u] = (kind, f"{name}.again{u}")
+        low.inputs[u] = (kind, f"{name}.{tag}{u}")
         low.axes[u] = low.axes[c]
         low.constants[u] = low.constants[c]
-        self.mb[u] = self.mb.get(c, -1)
-        if c in self.split_from:  # a microbatch's copy (``per_microbatch``)
+        if c in self.split_from:
             self.split_from[u] = self.split_from[c]
         reader.ins = [u if x == c else x for x in reader.ins]
-        self.consumers[c] = [r for r in self.consumers.get(c, []) if r is not reader]
+        self.consumers[c] = [n for n in self.consumers.get(c, []) if n is not reader]
         self.consumers[u] = [reader]
-        self.copied.append((c, u, reader))
         return u
 
     def chain_to_constant(self, v: int, reader: LNode) -> list[LNode] | None:
@@ -162,3 +176,63 @@ class Rechoice(Pieces):
         for made, value in zip(chain, values):
             self.sv[made.outs[0]] = value
             self.retagged.append(made.outs[0])
+
+    def choose_constants(self, node: LNode, key: tuple,
+                         cands: list[int] | None) -> tuple[tuple, list[int] | None]:
+        """A reader of constants that match several single-device ones (each
+        claim true by the values): kept as matched when the single-device
+        step runs this node and every aligned reader of its outputs;
+        otherwise the first choice under which it runs both (one expert's
+        mask equal to another's on this rank's rows, read once per expert),
+        else, when nothing runs this node, the first under which it runs.
+        A constant no reader has read yet takes the choice for every later
+        reader; one read already keeps its match and this reader reads a
+        copy of it, claimed as chosen (``copy_constant``)."""
+        slots = [(i, v) for i, v in enumerate(node.ins) if v in self.matches]
+        if not slots or (cands and self.fewest_missed(node, cands) == 0):
+            return key, cands
+        first = None
+        for pick in itertools.product(*(self.matches[v] for _, v in slots)):
+            ins = list(key[2])
+            for (i, _), (sv, _) in zip(slots, pick):
+                ins[i] = sv
+            trial = (key[0], key[1], tuple(ins), key[3])
+            found = self.b.s.by_key.get(trial)
+            if not found:
+                continue
+            if self.fewest_missed(node, found) == 0:
+                return self.take_constants(node, slots, pick, trial)
+            first = first or (pick, trial)
+        if cands or first is None:
+            return key, cands
+        return self.take_constants(node, slots, *first)
+
+    def fewest_missed(self, node: LNode, cands: list[int]) -> int:
+        return min(self.readers_missed(node, c) for c in cands)
+
+    def take_constants(self, node: LNode, slots: list[tuple[int, int]],
+                       pick: tuple, key: tuple) -> tuple[tuple, list[int]]:
+        """The constants of ``slots`` claimed as ``pick`` for ``node``."""
+        for (_, v), (sv, claim) in zip(slots, pick):
+            if self.sv[v] == sv and self.claim[v] == claim:
+                self.alternatives.pop(v, None)
+                continue
+            if v in self.alternatives:  # read by no node yet: chosen for all
+                del self.alternatives[v]
+                self.retagged.append(v)  # its tensor, written already, renamed
+                self.reclaimed.append(v)
+            else:
+                v = self.copy_constant(v, node)
+            self.sv[v], self.claim[v] = sv, claim
+        return key, self.b.s.by_key[key]
+
+    def copy_constant(self, v: int, node: LNode) -> int:
+        """A copy of constant ``v`` read by ``node`` only (the same value:
+        the rank's program is unchanged), written as an input before it
+        (``copies``)."""
+        u = self.copy_of(v, node, "read")
+        if v in self.mb:
+            self.mb[u] = self.mb[v]
+        self.matches[u] = self.matches[v]
+        self.copies.append(u)
+        return u
