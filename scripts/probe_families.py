@@ -33,13 +33,11 @@ from torch_suite import run_case  # noqa: E402
 
 DOC = ROOT / "docs" / "torch-backend.md"
 BEGIN, END = "<!-- families:begin -->", "<!-- families:end -->"
-#: torchtitan models by family (backends/torch/zoo/titan.py)
-TITAN = ("llama3", "qwen3")
 
 
 def cases(only: list[str]) -> list[tuple[str, str]]:
     """(row name, arguments of ``python -m backends.torch``) per model."""
-    from backends.torch.zoo import hf
+    from backends.torch.zoo import hf, titan
     out = []
     for family in hf.families():
         try:
@@ -54,7 +52,7 @@ def cases(only: list[str]) -> list[tuple[str, str]]:
         mesh += f" --layers {layers}" if layers > 1 else ""
         out.append((f"hf {family}", f"--hf {family} {mesh}"))
     out += [(f"titan {f}", f"--model titan:{f} --recipe titan:parallelize --dp 1 --tp 2 "
-                           f"--vocab 2048 --batch 2") for f in TITAN]
+                           f"--vocab 2048 --batch 2") for f in titan.FAMILIES]
     return [c for c in out if not only or c[0].split()[1] in only]
 
 
