@@ -17,24 +17,10 @@ by the verifier, so a wrong one is a FAIL, not an assumption.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode, Lowered, LoweringError
-from backends.torch.tracer.align.claim import DP_SUBAXES, Claim, is_marker, rank_coords, scope, strided
-from backends.torch.tracer.align.collectives import Collectives
-from backends.torch.tracer.align.dims import Dims
-from backends.torch.tracer.align.inputs import InputMatching
-from backends.torch.tracer.align.loose import Loose
-from backends.torch.tracer.align.messages import Messages
-from backends.torch.tracer.align.nodes import NodeMatching
-from backends.torch.tracer.align.rechoice import Rechoice
-from backends.torch.tracer.align.recut import Recuts
-from backends.torch.tracer.align.ring import Ring
-from backends.torch.tracer.align.rows import Rows
-from backends.torch.tracer.align.strided import Strided
-from backends.torch.tracer.align.sums import Sums
-from backends.torch.tracer.align.zeros import Zeros
+from backends.torch.tracer.align.aligned import AlignedRank
+from backends.torch.tracer.align.claim import Claim, is_marker, scope, strided
 from backends.torch.tracer.final_blocks import write_final_blocks
 from backends.torch.tracer.guards import describe_guards, match_guards, same_branches
 from backends.torch.tracer.joint_order import Channels, joint_order
@@ -42,191 +28,6 @@ from backends.torch.tracer.redeliver import redeliver
 from backends.torch.tracer.single_plan import Builder
 from backends.torch.tracer.strided_plan import rejoin, strided_grads, strided_input
 from verdict.plan import Node, Plan, Tensor
-
-
-class _Rank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, Dims, Ring, Loose,
-            Recuts, Strided, Messages, Rechoice):
-    """Alignment and claims of one rank's lowered trace (its parts:
-    ``tracer/align/``)."""
-
-    def __init__(self, b: Builder, low: Lowered, sizes: dict[str, int]):
-        # the rank's own copy of its coordinates and shapes (fresh values
-        # are added to its shapes): the lowered trace is left as it is
-        low = replace(low, coords=rank_coords(low.coords, sizes), shapes=dict(low.shapes))
-        self.b, self.low, self.sizes = b, low, sizes
-        #: the atomic axes "dp" stands for (HSDP: its sub-axes)
-        self.dp = list(DP_SUBAXES) if "dps" in sizes else ["dp"]
-        self.axes = (*self.dp, "cp", "tp")
-        #: the order of part numbering of a partial sum (microbatches fastest,
-        #: as in docs/parallelism.md "Partial-sum part numbering")
-        self.part_axes = (*self.dp, "cp", "tp", "step", "mb")
-        self.sv: dict[int, int] = {}  # P value -> S value
-        self.claim: dict[int, Claim] = {}
-        self.used: set[tuple[int, int]] = set()  # (microbatch, S node) matched
-        self.pending: dict[int, list[int]] = {}  # P value -> P leaves of a deferred sum
-        self.mb: dict[int, int] = {}  # P value -> its microbatch (-1: none)
-        #: a constant's copy for one microbatch -> the constant (``per_microbatch``)
-        self.split_from: dict[int, int] = {}
-        self.fresh = 10**9
-        self.own_tid: dict[int, int] = {}  # a constant of this rank only -> its logical tensor
-        #: a constant equal to the slice of several single-device constants ->
-        #: all of them (each a true claim), until a reader chooses one
-        self.alternatives: dict[int, list[tuple[int, Claim]]] = {}
-        #: every match of such a constant, kept after a reader chose (a later
-        #: reader may read a copy matched otherwise: ``choose_constants``; or be
-        #: matched again where it matched nothing: ``Rechoice``, item 100)
-        self.matches: dict[int, list[tuple[int, Claim]]] = {}
-        self.copies: list[int] = []  # such copies, not written yet (the writer writes them)
-        #: (constant, its copy, the reader given it) made by ``Rechoice`` (item 100)
-        self.copied: list[tuple[int, int, LNode]] = []
-        #: a constant equal to a single-device constant's slice at several
-        #: cuts -> that constant -> every true claim (``Recuts``, item 68)
-        self.recuts: dict[int, dict[int, list[Claim]]] = {}
-        # a value matched with one of several single-device nodes of one key
-        # (equal values: the same op on the same inputs), not read yet -> the
-        # others' outputs; its first reader may take any of them
-        self.twins: dict[int, list[int]] = {}
-        self.retagged: list[int] = []  # values whose match a twin replaced (the writer retags)
-        #: values whose claim changed after they were written: constants of this
-        #: rank only whose claim a reader set (``stand_in_piece``), values a
-        #: constant's re-cut changed (``Recuts.settle``)
-        self.reclaimed: list[int] = []
-        self.pieced: set[int] = set()  # every such constant
-        self.stood: set[int] = set()  # outputs standing in for a value (``stands_in``)
-        self.strided_loose: dict[int, int] = {}
-        self.undone: set[int] = set()  # reshapes left out, every reader undoing them
-        self.made_at: dict[int, int] | None = None  # single-device value -> its node (claimed_alike)
-        self.fw_readers: dict[int, list[int]] | None = None  # value -> forward readers' outputs
-        self.alike = False  # a claim of ``claimed_alike`` made on this rank
-        self.consumers: dict[int, list[LNode]] = {}
-        self.producer: dict[int, LNode] = {o: node for node in low.nodes for o in node.outs}
-        self.zero_memo: dict[int, bool] = {}  # value -> exactly zero by its making
-        self.sent = {}  # a received value -> what it was sent as (``Messages``)
-        self.misdelivered: list[int] = []  # received values read as another message
-        self.read_at: dict[int, str] = {}
-        for node in low.nodes:
-            for v in node.ins:
-                if v >= 0:
-                    self.consumers.setdefault(v, []).append(node)
-        #: exact zeros only all-reduced (a rank that counts no term of a sum:
-        #: lowering/norm_sums), no term of the sum (``sum_across``)
-        self.zeros = {node.outs[0] for node in low.nodes
-                      if node.op == "zeros" and not node.ins and not low.shapes[node.outs[0]]
-                      and node.outs[0] not in low.empty_sums and self.consumers.get(node.outs[0])
-                      and all(c.op == "all_reduce" for c in self.consumers[node.outs[0]])}
-        self.match_inputs()
-
-    def step(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[LNode]:
-        """The nodes to emit for this node (additions may be deferred and
-        regrouped in the single-device order)."""
-        if node.op == "send" or (node.outs and node.outs[0] in self.zeros) \
-                or self.undoes_reshape(node) or self.undone_by_readers(node):
-            return []
-        if node.outs and node.outs[0] in self.low.range_sums:
-            emitted = [n for v in node.ins if v in self.pending for n in self.materialize(v)]
-            self.range_sum(node, coords)  # item 80
-            return self.anchored([*emitted, node])
-        ring = self.ring_step(node)
-        if ring is not None:
-            return self.anchored(ring)
-        if node.op == "add":
-            ready = [self.root_of(v) for v in node.ins]
-            if None not in ready and ready[0] == ready[1]:
-                emitted = [n for v in node.ins if v in self.pending for n in self.materialize(v)]
-                if self.accumulates(node):
-                    self.accumulate(node)
-                    return [*emitted, node]
-                if emitted:
-                    self.one(node, coords)
-                    return [*emitted, node]
-        if node.op == "add" and (any(v in self.pending for v in node.ins)
-                                 or not self.aligns(node) or self.part_of_grad(node)):
-            leaves = []
-            for v in node.ins:
-                leaves += self.pending.pop(v, [v])
-            self.pending[node.outs[0]] = leaves
-            return []
-        emitted: list[LNode] = []
-        for v in node.ins:
-            if v in self.pending:
-                emitted += self.materialize(v)
-        node, zeros = self.zeros_at_common_scale(node)
-        self.one(node, coords)
-        return self.anchored([*emitted, *zeros, node])
-
-    def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
-        souts = self.computed_split(node)
-        if souts is not None:
-            self.split_as_single(node, souts)
-            return
-        if self.strided_split(node) or self.strided_join(node) or self.split_of_cut(node):
-            return  # a strided value's part, or the join of parts (item 87)
-        if node.group is not None or node.op == "split":
-            self.layout_step(node, coords)
-            return
-        if node.op == "cat" and not self.aligns(node) and (
-                self.rejoins(node) or self.joins(node) or self.joins_block(node)
-                or self.cat_block(node)):
-            return
-        if node.op == "zeros" and node.outs[0] in self.low.empty_sums:
-            self.empty_sum(node, coords)
-            return
-        if node.outs[0] in self.low.row_cuts:
-            self.cut_rows(node, coords)
-            return
-        if node.op == "narrow" and node.dir == "fw" and self.narrows_piece(node):
-            return
-        if node.op == "narrow" and node.dir == "fw" and not self.aligns(node) \
-                and (self.takes_cp_piece(node) or self.takes_piece(node)
-                     or self.takes_inner_piece(node, "tp")):
-            return
-        if node.op == "narrow" and node.dir == "bw" and self.pads_into_piece(node):
-            return
-        if node.op == "narrow" and node.dir == "bw" and not self.aligns(node) \
-                and not self.sliced_alike(node) and self.pads_piece(node):
-            return
-        if any(o in self.low.mixed for o in node.outs) and not self.aligns(node):
-            self.make_mixed_loose(node)  # elements of several values (91 (b))
-            return
-        if self.cuts_loose_block(node) and not self.aligns(node):
-            self.make_loose(node, [self.sv[node.ins[0]]])  # a flat range's block (item 80)
-            return
-        if node.op == "zeros" and not node.ins and not self.aligns(node) \
-                and all(c.op == "add" for c in self.consumers.get(node.outs[0], [None])):
-            self.make_loose(node)  # a ring's accumulator or skipped block (ring_step)
-            return
-        souts = self.align(node)
-        if souts is None:
-            self.make_loose(node, self.first_fits(node))  # ``claimed_alike`` (b)
-            return
-        mb = node.mb if node.mb >= 0 else max((self.mb.get(v, -1) for v in node.ins), default=-1)
-        for o, so in zip(node.outs, souts):
-            if o >= 0:
-                self.sv[o] = so
-                self.mb[o] = mb
-        if self.standing is not None:
-            c = self.claim[self.standing]
-            self.claim[node.outs[0]] = Claim([list(d) for d in c.dims], c.partial, c.mbs,
-                                             c.scale, c.at, c.steps)
-            return
-        if node.op == "attention" and not self.whole_rows(node.ins[1]):
-            self.make_loose(node, souts)  # a block over some of the keys: a piece of nothing
-            return
-        if node.op == "attention_grad":
-            self.infer_attention_grad(node)
-        else:
-            if self.recuts:
-                self.settle(node)
-            self.infer(node)
-        if self.padded is not None:
-            d, axes = self.padded
-            c = self.claim[node.outs[0]]
-            c.dims[d] = []
-            self.claim[node.outs[0]] = Claim(c.dims, c.partial | frozenset(axes), c.mbs, c.scale)
-            self.check(node.outs[0])
-        for o, f in zip(node.outs, self.scales_of(node)):
-            if o >= 0:
-                self.claim[o].scale = f * self.applied
 
 
 def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Plan, Plan]:
@@ -268,14 +69,14 @@ def _rank_sizes(ranks: list[Lowered], world: dict) -> dict[str, int]:
 
 class _Writer:
     """The parallel plan, written node by node in the ranks' joint order:
-    each rank's claims inferred (``_Rank``), its tensors numbered in
+    each rank's claims inferred (``AlignedRank``), its tensors numbered in
     versions, collectives wired to their peers' inputs."""
 
     def __init__(self, b: Builder, ranks: list[Lowered], world: dict, plan_s: Plan) -> None:
         self.b = b
         self.ranks = ranks
         sizes = _rank_sizes(ranks, world)
-        self.rs = {low.rank: _Rank(b, low, sizes) for low in ranks}
+        self.rs = {low.rank: AlignedRank(b, low, sizes) for low in ranks}
         self.channels = Channels(ranks)
         self.coords = {rank: r.low.coords for rank, r in self.rs.items()}
         self.plan = Plan(world=dict(world), logical=list(b.logical), loss=plan_s.loss,
@@ -289,7 +90,7 @@ class _Writer:
             for v in r.low.inputs:
                 self.write_input(r, v)
 
-    def write_input(self, r: _Rank, v: int) -> None:
+    def write_input(self, r: AlignedRank, v: int) -> None:
         """Rank r's input v as a tensor of the plan."""
         kind = r.low.inputs[v][0]
         mb = r.mb[v] if v in r.split_from else -1 if kind in ("param", "buffer") else 0
@@ -298,7 +99,7 @@ class _Writer:
             return
         self.t_of[(r.low.rank, v)] = self.tensor(r, v, mb, tid=r.own_tid.get(v))
 
-    def tensor(self, r: _Rank, v: int, mb: int, tid: int | None = None,
+    def tensor(self, r: AlignedRank, v: int, mb: int, tid: int | None = None,
                lver: int | None = None) -> int:
         """A new version of rank r's value v as a tensor of the plan."""
         b = self.b
@@ -318,7 +119,7 @@ class _Writer:
         peer = self.rs[q]
         return peer.low.nodes[self.channels.nth(peer.low, node, k)].ins[0]
 
-    def emit(self, r: _Rank, node: LNode, k: int) -> None:
+    def emit(self, r: AlignedRank, node: LNode, k: int) -> None:
         for u in r.copies:  # a constant's copy for one reader (``choose_constants``)
             self.write_input(r, u)
         r.copies.clear()
@@ -353,7 +154,7 @@ class _Writer:
             if o >= 0 and strided(r.claim[o].dims) is not None:
                 rejoin(self, r, o, scope(node.name))  # item 87
 
-    def materialize(self, r: _Rank, x: int) -> None:
+    def materialize(self, r: AlignedRank, x: int) -> None:
         """Rank r's pending value x written out, if it is pending."""
         if x in r.pending:
             for extra in r.materialize(x):
@@ -465,7 +266,7 @@ class _Writer:
                                         tuple(slices), like.parts, like.scale))
         return len(self.plan.tensors) - 1
 
-    def block_grads(self, r: _Rank, name: str, buf: int) -> None:
+    def block_grads(self, r: AlignedRank, name: str, buf: int) -> None:
         """A parameter whose final gradient is blocks of values (the flat
         range of it a distributed optimizer reads: ``Lowered.grad_blocks``):
         each block cut from its value by ``narrow`` nodes, one per dim it
@@ -509,7 +310,7 @@ class _Writer:
             self.plan.nodes.append(Node(rank, 0, "local_grad_accumulation", "none", (zero, t),
                                         (final,), {}, f"{name}.grad_buffer"))
 
-    def own_block(self, r: _Rank, name: str, buf: int, t: int, starts: tuple[int, ...],
+    def own_block(self, r: AlignedRank, name: str, buf: int, t: int, starts: tuple[int, ...],
                   shape: tuple[int, ...]) -> None:
         """A block of the final gradient whose elements the lowering found
         elsewhere than at the range map's starts (``_grad_block``): the
@@ -533,7 +334,7 @@ class _Writer:
         self.plan.nodes.append(Node(rank, 0, "local_grad_accumulation", "none", (zero, t),
                                     (final,), {}, f"{name}.grad_buffer"))
 
-    def sum_across(self, r: _Rank, node: LNode, k: int) -> bool:
+    def sum_across(self, r: AlignedRank, node: LNode, k: int) -> bool:
         """An all-reduce of sums whose terms together make single-device
         terms, each member holding some of them, whole or as its part (the
         stages' squared gradient norms summed over a pipeline, a trainer's
@@ -601,7 +402,7 @@ class _Writer:
                              f"single-device sum they stand for does not add")
         return True
 
-    def combine(self, r: _Rank, sv: int, terms: list[tuple[int, int]], axes: set[str],
+    def combine(self, r: AlignedRank, sv: int, terms: list[tuple[int, int]], axes: set[str],
                 node: LNode) -> int:
         """Rank r's sum of the members' pieces of one single-device term,
         summed one mesh axis of the group at a time (innermost first): the
@@ -640,7 +441,7 @@ class _Writer:
                              f"one term over ranks {list(node.group)} that no mesh axis joins")
         return items[0][1]
 
-    def received(self, r: _Rank, peer: _Rank, u: int, node: LNode) -> int:
+    def received(self, r: AlignedRank, peer: AlignedRank, u: int, node: LNode) -> int:
         """Rank r's copy of ``peer``'s term u (a ``send_recv``): the same
         piece, its axes read at the peer's coordinates."""
         target = r.fresh
@@ -657,7 +458,7 @@ class _Writer:
                                  {"src": peer.low.rank, "dst": r.low.rank}, scope(node.name)))
         return target
 
-    def retag(self, r: _Rank) -> None:
+    def retag(self, r: AlignedRank) -> None:
         """The tensors of values whose match ``choose_twins`` moved to an
         equal single-device value, renamed as that value's (their last
         version of the old name given back)."""
@@ -677,7 +478,7 @@ class _Writer:
                                                 lver=self.b.s.lver.get(r.sv[v], 0))
         r.retagged.clear()
 
-    def copy_inputs(self, r: _Rank) -> None:
+    def copy_inputs(self, r: AlignedRank) -> None:
         """The tensors of constants a rank copied for a reader
         (``Rechoice.copy_for``), and that reader, if written already,
         given the copy in place of the constant."""
@@ -694,9 +495,9 @@ class _Writer:
                 self.plan.nodes[at] = n._replace(inputs=ins)
         r.copied.clear()
 
-    def reclaim(self, r: _Rank) -> None:
+    def reclaim(self, r: AlignedRank) -> None:
         """The tensors written for values whose claim changed after
-        (``_Rank.reclaimed``), given their new slices, and their logical
+        (``AlignedRank.reclaimed``), given their new slices, and their logical
         tensor its full shape (a constant of the rank's own: ``own_shape``)."""
         for v in r.reclaimed:
             t = self.t_of[(r.low.rank, v)]

@@ -1,5 +1,5 @@
 """The alignment and claims of one rank's lowered trace, in parts that the
-builder's rank (``build._Rank``) is made of: which piece of its
+builder's rank (``align/aligned.py`` ``AlignedRank``) is made of: which piece of its
 single-device value each value of the rank is (``claim``), how inputs and
 constants are matched (``inputs``), compute nodes (``nodes``), collectives
 and splits (``collectives``), slices and joins of rows (``rows``), sums
