@@ -64,13 +64,7 @@ def test_data_parallel_step_verifies_for_the_routing_it_names() -> None:
     assert verdict.success, verdict.message
     # a rank reading another recorded constant (another routing's mask or
     # pick, another rank's rows of it): wrong by the oracle, and FAILs
-    from harness.mutations import other_routing
-    from harness.oracle import judge
-    for k in range(3):
-        mutant, what = other_routing(plan_p, random.Random(f"routing/{k}"))
-        assert not judge(plan_s, mutant).right, what
-        verdict = verify(plan_s, mutant)
-        assert not verdict.success and verdict.kind != "internal", what
+    _other_routings_fail(plan_s, plan_p, 3)
 
 
 def test_a_token_routed_otherwise_on_one_rank_fails() -> None:
@@ -151,9 +145,15 @@ def test_attention_experts_put_back_in_order_verify() -> None:
     plan_s, plan_p = _plans("--hf jetmoe --dp 2 --tp 1")
     verdict = verify(plan_s, plan_p)
     assert verdict.success, verdict.message
+    _other_routings_fail(plan_s, plan_p, 2)
+
+
+def _other_routings_fail(plan_s, plan_p, n: int) -> None:
+    """``n`` mutants of the parallel plan reading another recorded routing
+    constant: each wrong by the oracle, and each FAILs (never internal)."""
     from harness.mutations import other_routing
     from harness.oracle import judge
-    for k in range(2):
+    for k in range(n):
         mutant, what = other_routing(plan_p, random.Random(f"routing/{k}"))
         assert not judge(plan_s, mutant).right, what
         verdict = verify(plan_s, mutant)
