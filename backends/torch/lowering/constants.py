@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.errors import LoweringError
+from backends.torch.lowering.read_origin import origin
 from backends.torch.tracer.exchange import ANSWERED
 from verdict.ops.nn import causal_positions
 
@@ -122,7 +123,7 @@ def check_no_value_reads(trace: dict, guards: list | None = None,
     # tainted only through collectives of untainted values
     reduced: set[int] = set()
     constants = set(trace.get("constants", ()))
-    for op, (args, kwargs), outs, _shapes, scope, *_ in trace["events"]:
+    for at, (op, (args, kwargs), outs, _shapes, scope, *_) in enumerate(trace["events"]):
         read = _values_read([args, kwargs])
         if op == GUARD_EVENT and tainted.intersection(read):
             _, name, other, taken, *code = args
@@ -139,6 +140,12 @@ def check_no_value_reads(trace: dict, guards: list | None = None,
             count_reads.append((read[0], scope))
             continue
         if op in VALUE_READS and tainted.intersection(read):
+            chosen = origin(trace["events"], at)
+            if chosen:
+                raise LoweringError(f"{scope or 'top level'}: Python reads {chosen} ({op}), "
+                                    f"a routing no recorded topk gives, so the step's path "
+                                    f"depends on values; data-dependent control flow is not "
+                                    f"lowered")
             raise LoweringError(f"{scope or 'top level'}: Python reads the value of a computed "
                                 f"tensor ({op}: .item(), .tolist(), .numpy(), bool(), an if on a "
                                 f"tensor), so the "

@@ -65,8 +65,18 @@ def _range(lw: Lowerer, a: Any) -> tuple[Any, int, int] | None:
 
 def applies(lw: Lowerer, op: str, args: Any) -> bool:
     """Event ``op`` is an optimizer op on a range: of a parameter, of a
-    fresh state of one, or of a fold's record."""
+    fresh state of one, or of a fold's record. An op whose only "ranges"
+    are whole values flattened (plain values, nothing pending) and that
+    reads a tensor of several elements that is no range is no optimizer op
+    on ranges (a forward ``h + b`` of a parameter ``b`` of shape [1, n]
+    squeezed, ERNIE's ``moe_statics``): its usual handler lowers it, as it
+    lowers any op on plain values (item 109)."""
     if op not in STEP_OPS:
+        return False
+    tensors = [a for a in args if isinstance(a, (list, tuple)) and len(a) == 2 and a[0] == "v"]
+    plain = all(isinstance(lw.env.get(a[1]), int) for a in tensors)
+    if plain and any(math.prod(lw.trace["shapes"][a[1]]) != 1 and _range(lw, a) is None
+                     for a in tensors):
         return False
     for a in args:
         r = _range(lw, a)

@@ -105,9 +105,13 @@ def padded_gather(lw: Lowerer, name: str, param: int, group: tuple[int, ...]) ->
     divide: the gathered buffer's first rows are the members' own rows in
     group order, the padding after them. Each member's rows are sent to
     every other member and concatenated in group order, so no padding value
-    enters the plan (docs/soundness.md, "Plans traced from PyTorch", 15)."""
-    return gather_pieces(lw, lw.env.get(param), tuple(lw.trace["params"][name][1]), 0, group,
-                          name)
+    enters the plan (docs/soundness.md, "Plans traced from PyTorch", 15).
+    Only dim 0 is gathered whole: the other dims are the rank's own (a
+    tensor-parallel shard's where another mesh axis cuts them; every member
+    of a dp group sits at the same tp index, so holds the same), item 109."""
+    v, full, _ = lw.trace["params"][name]
+    local = lw.trace["shapes"][v]
+    return gather_pieces(lw, lw.env.get(param), (full[0], *local[1:]), 0, group, name)
 
 
 def padded_reduce(lw: Lowerer, src: ChunkCat, g: int, size: list[int]) -> int | NoShard:

@@ -33,6 +33,7 @@ d // fsdp, shard d % fsdp).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -42,6 +43,8 @@ import re
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from backends.torch.zoo.hf_float32 import Float32Read, reads_float32_wide
 
 #: transformers' attention kernel the models are built with: the eager one
 #: (matmul, softmax) is plain aten on every device
@@ -78,10 +81,14 @@ class CausalLM(nn.Module):
         #: forward computes the cross-entropy itself and takes no
         #: ``num_items_in_batch``: BART's, CPM-Ant's, XLM's decoders)
         self.mean_loss = not _shares_its_loss(type(hf))
+        #: the family's casts to float32 read as casts to float64
+        #: (``hf_float32``; ``build`` sets it)
+        self.float32_read_wide = False
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        out = self.hf(input_ids=tokens, labels=labels, shift_labels=labels,
-                      num_items_in_batch=self.global_tokens, use_cache=False)
+        with Float32Read() if self.float32_read_wide else contextlib.nullcontext():
+            out = self.hf(input_ids=tokens, labels=labels, shift_labels=labels,
+                          num_items_in_batch=self.global_tokens, use_cache=False)
         if self.mean_loss:  # the mean over the rank's tokens as its share of the step's
             return out.loss * (labels.numel() / self.global_tokens)
         return out.loss
@@ -505,7 +512,9 @@ def build(family: str, **sizes) -> CausalLM:
     _, model_cls = classes(family)
     model = model_cls(config(family, **sizes))
     tie_shared(model)
-    return CausalLM(model)
+    out = CausalLM(model)
+    out.float32_read_wide = reads_float32_wide(model, sizes["seqlen"])
+    return out
 
 
 def tie_shared(model: nn.Module) -> list[tuple[str, str]]:
