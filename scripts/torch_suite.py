@@ -115,6 +115,21 @@ CASES: list[tuple[str, str, int]] = [
     ("hf reformer dp2 (axial positions fitted to the sequence, reversible layers)",
      "--hf reformer --dp 2 --tp 1", 0),
     ("hf reformer ddp avg bug", "--hf reformer --recipe ddp_avg --dp 2 --tp 1", 1),
+    # MoE families refused before (docs/soundness.md, "Plans traced from PyTorch", 109):
+    # one expert's one-row weight cut over tp and padded over dp (gloo same, avg differs),
+    # ERNIE's [1, n] moe_statics added in the forward (gloo --rtol 1e-6 same, avg
+    # differs), Inkling2's float32 router read in float64 and its experts' gate_up
+    # "colwise" where the others pack it (gloo differs), PhiMoE's Gumbel-sampled routing
+    ("moe hf hunyuan_v1_moe dp2 tp2 (one expert's row padded over dp)",
+     "--hf hunyuan_v1_moe --dp 2 --tp 2", 0),
+    ("moe hf hunyuan_v1_moe bug fsdp avg", "--hf hunyuan_v1_moe --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("moe hf ernie4_5_moe dp2 tp2 (moe_statics added in the forward)",
+     "--hf ernie4_5_moe --dp 2 --tp 2", 0),
+    ("moe hf ernie4_5_moe bug fsdp avg", "--hf ernie4_5_moe --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("moe hf inkling2_text dp2 tp2 bug gate_up colwise, not packed",
+     "--hf inkling2_text --dp 2 --tp 2", 1),
+    ("moe hf phimoe refused (Gumbel-sampled routing read by Python)",
+     "--hf phimoe --dp 2 --tp 2", 2),
     # issue 33's families: blocks written into an empty tensor and a split rejoined
     # (MiniCPM3), positions counted from the ids (RoBERTa's), a unit triangular
     # solve (Gated DeltaNet); each with a wrong plan
