@@ -59,12 +59,12 @@ def _runs(hf: nn.Module, widened: bool, seqlen: int) -> str | None:
     (under ``Float32Read`` when ``widened``), the random state untouched:
     None when it runs, else the error's text."""
     with torch.random.fork_rng(), torch.no_grad():
-        trial = copy.deepcopy(hf).to(torch.float64)
-        with Float32Read() if widened else contextlib.nullcontext():
-            try:
+        try:
+            trial = copy.deepcopy(hf).to(torch.float64)
+            with Float32Read() if widened else contextlib.nullcontext():
                 trial(input_ids=torch.zeros((1, seqlen), dtype=torch.long), use_cache=False)
-            except RuntimeError as e:
-                return str(e)
+        except Exception as e:  # noqa: BLE001 - any failure: the text decides, the build goes on
+            return f"{type(e).__name__}: {e}"
     return None
 
 
@@ -75,4 +75,5 @@ def reads_float32_wide(hf: nn.Module, seqlen: int) -> bool:
     if not strict(hf):
         return False
     failed = _runs(hf, False, seqlen)
-    return failed is not None and "dtype" in failed and _runs(hf, True, seqlen) is None
+    return failed is not None and failed.startswith("RuntimeError") and "dtype" in failed \
+        and _runs(hf, True, seqlen) is None
