@@ -987,13 +987,13 @@ CASES += [
      f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 1 --tp 2 --ep 2", 1),
     ("moe hf mixtral dp2 tp2 ep4 bug expert grads 2x (pytorch 160285)",
      f"--hf mixtral --recipe {MOE_BUGS}ep_expert_grads_undivided --dp 2 --tp 2 --ep 4", 1),
-    ("moe hf mixtral dp2 tp2 ep4 bug token to another expert refused (a wrong plan: rank 0's "
-     "wrong mask of an expert equals another expert's on its four tokens and is claimed as that "
-     "one's piece, which no single-device mul combines with the first's rows; no SUCCESS, a "
-     "FAIL left to do)",
-     f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 2 --ep 4", 2),
-    ("moe hf mixtral dp2 tp2 ep4 bug wrong split size refused (as the token to another expert)",
-     f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 2 --ep 4", 2),
+    ("moe hf mixtral dp2 tp2 ep4 bug token to another expert (rank 0's wrong mask, an input of "
+     "its own, matched per reader: FAIL at a mul of mlp.experts on rank 0, soundness 106; "
+     "refused before; gloo differs)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_token_to_other_expert --dp 2 --tp 2 --ep 4", 1),
+    ("moe hf mixtral dp2 tp2 ep4 bug wrong split size (FAIL at a mul of mlp.experts on rank 0, "
+     "soundness 106; refused before; gloo differs)",
+     f"--hf mixtral --recipe {MOE_BUGS}ep_wrong_split --dp 2 --tp 2 --ep 4", 1),
     # gpt_oss: expert biases, interleaved gate/up columns, a clamped "swiglu with limit",
     # attention sinks (docs/soundness.md, "Plans traced from PyTorch", 93)
     ("moe hf gpt_oss dp2", "--hf gpt_oss --dp 2 --tp 1", 0),
