@@ -1127,6 +1127,11 @@ CASES += [
     ("moe megatron dp2 ep2 (sequence-first token rows in the ranks' order: soundness 89)",
      f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1", 0),
     ("moe megatron dp2 ep2 etp1", f"{MEGATRON_MOE}moe_ep2_etp1 --dp 2 --tp 1", 0),
+    # Megatron's clipping (get_grad_norm_fp32 over the model-parallel group, the experts
+    # counted once: their weights are tensor-parallel, never tp duplicates) on the MoE step
+    ("moe megatron ep2 tp2 sp clip (Megatron's norm over the model-parallel group, experts "
+     "counted)", f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2 --clip 0.1 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 0),
     ("moe megatron dp2 ep2 bug experts reduced over dp (each rank's experts summed with its "
      "peer's)", f"{MEGATRON_MOE}moe_ep2_experts_reduced_over_dp --dp 2 --tp 1", 1),
     ("moe megatron dp2 ep2 bug rows sorted to the other local expert (rows added back at "
