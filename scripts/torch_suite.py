@@ -1127,6 +1127,11 @@ CASES += [
     ("moe megatron dp2 ep2 (sequence-first token rows in the ranks' order: soundness 89)",
      f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1", 0),
     ("moe megatron dp2 ep2 etp1", f"{MEGATRON_MOE}moe_ep2_etp1 --dp 2 --tp 1", 0),
+    ("moe megatron dp2 tp2 sp ep2 etp1 (the [s, b] rows cut by both, in the ranks' order: "
+     "soundness 103 (f))", f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 2 --tp 2 --seqlen 8 --batch 8", 0),
+    ("moe megatron dp2 tp2 sp bug ep1 etp1 expert grads reduced over dp only (Megatron-LM PR "
+     "5916, as 0.16.1 ships it)", f"{MEGATRON_MOE}moe_tp_sp_etp1 --dp 2 --tp 2 --seqlen 8 --batch 8",
+     1),
     # Megatron's clipping (get_grad_norm_fp32 over the model-parallel group, the experts
     # counted once: their weights are tensor-parallel, never tp duplicates) on the MoE step
     ("moe megatron ep2 tp2 sp clip (Megatron's norm over the model-parallel group, experts "
