@@ -1117,8 +1117,9 @@ CASES += [
      "rank 0 sends expert 2 no token)", f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2 --seed 3", 0),
     ("moe megatron ep2 tp2 sp an expert with no token from each rank (seed 5)",
      f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2 --seed 5", 0),
-    ("moe megatron ep2 tp2 sp rows sorted to the other local expert refused (rows added back "
-     "at other tokens than they came from)", f"{MEGATRON_MOE}moe_tp_sp_ep2_sorted_wrong --dp 1 --tp 2", 2),
+    ("moe megatron ep2 tp2 sp bug rows sorted to the other local expert (rows added back at "
+     "other tokens than they came from: soundness 103)",
+     f"{MEGATRON_MOE}moe_tp_sp_ep2_sorted_wrong --dp 1 --tp 2", 1),
     ("moe megatron bug ep1 etp1 tp2 expert grads not reduced over the expert-data-parallel "
      "group (Megatron-LM PR 5916, as 0.16.1 ships it)", f"{MEGATRON_MOE}moe_tp_sp_etp1 --dp 1 --tp 2", 1),
     ("moe megatron ep1 etp1 tp2 with PR 5916's fix (experts marked allreduce=False)",
@@ -1126,10 +1127,21 @@ CASES += [
     ("moe megatron dp2 ep2 (sequence-first token rows in the ranks' order: soundness 89)",
      f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1", 0),
     ("moe megatron dp2 ep2 etp1", f"{MEGATRON_MOE}moe_ep2_etp1 --dp 2 --tp 1", 0),
+    ("moe megatron dp2 tp2 sp ep2 etp1 (the [s, b] rows cut by both, in the ranks' order: "
+     "soundness 103 (f))", f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 2 --tp 2 --seqlen 8 --batch 8", 0),
+    ("moe megatron dp2 tp2 sp bug ep1 etp1 expert grads reduced over dp only (Megatron-LM PR "
+     "5916, as 0.16.1 ships it)", f"{MEGATRON_MOE}moe_tp_sp_etp1 --dp 2 --tp 2 --seqlen 8 --batch 8",
+     1),
+    # Megatron's clipping (get_grad_norm_fp32 over the model-parallel group, the experts
+    # counted once: their weights are tensor-parallel, never tp duplicates) on the MoE step
+    ("moe megatron ep2 tp2 sp clip (Megatron's norm over the model-parallel group, experts "
+     "counted)", f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2 --clip 0.1 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 0),
     ("moe megatron dp2 ep2 bug experts reduced over dp (each rank's experts summed with its "
      "peer's)", f"{MEGATRON_MOE}moe_ep2_experts_reduced_over_dp --dp 2 --tp 1", 1),
-    ("moe megatron dp2 ep2 rows sorted to the other local expert refused (rows added back at "
-     "other tokens than they came from)", f"{MEGATRON_MOE}moe_ep2_sorted_wrong --dp 2 --tp 1", 2),
+    ("moe megatron dp2 ep2 bug rows sorted to the other local expert (rows added back at "
+     "other tokens than they came from: soundness 103)",
+     f"{MEGATRON_MOE}moe_ep2_sorted_wrong --dp 2 --tp 1", 1),
 ]
 
 #: the sequence split over a "cp" mesh dim (docs/soundness.md, "Plans traced from PyTorch",

@@ -36,7 +36,6 @@ from backends.torch.tracer.rank import load, run
 from backends.torch.tracer.ranks import trace_ranks
 from backends.torch.tracer.routing import (
     check_every_expert_reached,
-    check_rows_are_blocks,
     check_skipped_add_nothing,
     describe,
     describe_added,
@@ -306,7 +305,6 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
             single = run({**spec, "parallel": False}, 0)
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(_single_failed(args, e)) from None
-    check_rows_are_blocks(single, args.dp, args.tp)
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:
         world["routing"] = describe(single["routing_summary"])

@@ -189,6 +189,10 @@ class Lowerer:
     #: grouped: recorded value -> the event that made it; (value, C) -> its C-fold copy
     grouped_producers: dict[int, int] | None = None
     grouped_copies: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: this rank added routed rows back at other copies than they were
+    #: gathered at (``grouped_rows._summed_elsewhere``): rows of one base read
+    #: at two indices are then re-read at one (``moved_rows.reread``)
+    rows_moved: bool = False
     #: a constant recorded value -> the event that made it (``ir.broadcast_layout``)
     const_events: dict[int, int] = field(default_factory=dict)
     #: the weights a combine of pair rows read (``pair_combine``)
