@@ -172,7 +172,7 @@ def _rank_failed(args: argparse.Namespace, line: str) -> str:
     single-device step ran: for a ``--hf`` family, that it ran under
     transformers' own plans (the family's tensor-parallel plan at tp > 1),
     so the failure is the plan's (docs/soundness.md, "Plans traced from
-    PyTorch", 110 (d))."""
+    PyTorch", 110 (c))."""
     head, sep, rest = line.partition(" did not run: ")
     family = getattr(args, "hf", None)
     if not sep or family is None or not head.startswith("rank "):

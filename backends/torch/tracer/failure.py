@@ -12,7 +12,7 @@ check_no_value_reads`` on the events recorded so far), that its path is
 the one a real run takes: the fake process group gives every collective's
 result the shape, dtype and placement a real group gives, so an error
 that depends on those alone is raised by a real run (gloo) the same way
-(docs/soundness.md, "Plans traced from PyTorch", 110 (d)).
+(docs/soundness.md, "Plans traced from PyTorch", 110 (c)).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def _run(spec: dict, rank: int) -> dict:
             optimizer = update(model, mesh, spec)
     except Exception as e:
         if rec.exchanges is None or not rec.exchanges.unanswered:
-            if spec["parallel"]:  # the rank's one line: where, what, a real run's path (item 110 (d))
+            if spec["parallel"]:  # the rank's one line: where, what, a real run's path (item 110 (c))
                 raise StepFailed(failure_line(e, model, params, rec.events, rec.constants)) \
                     from None
             raise
