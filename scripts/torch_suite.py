@@ -51,6 +51,7 @@ USER_MODELS = "tests.outside_models:"
 MISTAKES = "tests.outside_mistakes:"
 #: a rotary table whose batch is its second dim (tests/recut_models.py)
 RECUT = "tests.recut_models:"
+NO_ENTRIES = "tests.no_entries_models:no_entries_lm"
 #: models with strided slices and writes (tests/strided_models.py)
 STRIDED = "tests.strided_models:"
 #: their mistakes on one rank (tests/strided_mistakes.py)
@@ -183,6 +184,19 @@ CASES: list[tuple[str, str, int]] = [
     ("hf zamba ly8 ddp", "--hf zamba --recipe ddp --dp 2 --tp 1 --layers 8", 0),
     ("hf zamba ly8 bug sums per layer",
      "--hf zamba --recipe ddp_per_layer --dp 2 --tp 1 --layers 8", 1),
+    # issue 33: a stack of two scalars as a gradient (HY-V4's scale.unbind), a plan that does not
+    # run refused naming its module (docs/soundness.md, "Plans traced from PyTorch", 110)
+    ("hf hy_v4 dp2 tp2 (a stacked-scalar gradient)", "--hf hy_v4 --dp 2 --tp 2", 0),
+    ("hf hy_v4 bug fsdp avg", "--hf hy_v4 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("hf doge dp2 tp2 refused: its own plan does not run", "--hf doge --dp 2 --tp 2", 2),
+    ("outside no_entries_lm ddp", f"--model {NO_ENTRIES} --recipe {STOCK}ddp --dp 2 --tp 1", 0),
+    ("outside no_entries_lm tp_attention dp2 tp2",
+     f"--model {NO_ENTRIES} --recipe {STOCK}tp_attention --dp 2 --tp 2", 0),
+    ("outside no_entries_lm fsdp", f"--model {NO_ENTRIES} --recipe {STOCK}fsdp --dp 2 --tp 1", 0),
+    ("outside no_entries_lm bug scale unreduced",
+     f"--model {NO_ENTRIES} --recipe {STOCK}ddp_weights_only --dp 2 --tp 1", 1),
+    ("outside no_entries_lm bug no dp sum",
+     f"--model {NO_ENTRIES} --recipe {STOCK}tp_attention_no_dp_sum --dp 2 --tp 2", 1),
     # torchtitan 0.3.0, its own parallelize_llama (backends/torch/zoo/titan.py; docs/torch-backend.md,
     # "Third-party parallel code, unmodified")
     ("titan llama3 debugmodel tp2", f"{TITAN} --dp 1 --tp 2 --batch 2", 0),

@@ -166,6 +166,22 @@ def _single_failed(args: argparse.Namespace, e: Exception) -> str:
     return f"the single-device step did not run: {what}"
 
 
+def _rank_failed(args: argparse.Namespace, line: str) -> str:
+    """The line for a rank that did not run (its step raised) while the
+    single-device step ran: for a ``--hf`` family, that it ran under
+    transformers' own plans (the family's tensor-parallel plan at tp > 1),
+    so the failure is the plan's (docs/soundness.md, "Plans traced from
+    PyTorch", 110 (c))."""
+    head, sep, rest = line.partition(" did not run: ")
+    family = getattr(args, "hf", None)
+    if not sep or family is None or not head.startswith("rank "):
+        return line
+    recipe = args.recipe.rsplit(":", 1)[-1]
+    plan = (f"transformers' own tensor-parallel plan for '{family}' (tp {args.tp}, recipe "
+            f"{recipe})" if args.tp > 1 else f"the recipe {recipe} of '{family}'")
+    return f"{head} did not run under {plan}: {rest}"
+
+
 def refuse_hf(family: str, tp: int) -> None:
     """A ``--hf`` family the backend cannot build or parallelize at ``tp``:
     one line (``backends.torch.hf.refusal``)."""
@@ -312,9 +328,12 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     # the single-device step runs and its rows route no token to (routing.
     # hits); with it an expert's rank runs it on the rows every rank sends
     fill = bool(single.get("skips_unrouted_experts")) and getattr(args, "ep", 1) <= 1
-    traces = settle(lambda sent: trace_ranks(
-        {**spec, "parallel": True, "routing": routing, "exchanges": sent, "fill_skipped": fill},
-        args.pp * args.dp * cp * args.tp, single.get("imports", ())))
+    try:
+        traces = settle(lambda sent: trace_ranks(
+            {**spec, "parallel": True, "routing": routing, "exchanges": sent, "fill_skipped": fill},
+            args.pp * args.dp * cp * args.tp, single.get("imports", ())))
+    except LoweringError as e:
+        raise LoweringError(_rank_failed(args, str(e))) from None
     world["nm"] = traces[0]["microbatches"]
     if fill:
         _check_run_on_none({**spec, "parallel": True, "routing": routing},

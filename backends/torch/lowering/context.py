@@ -28,9 +28,11 @@ from backends.torch.lowering.ir import (
     Pending,
     SdpaSaved,
 )
+from backends.torch.lowering.no_entries import makes_nothing
 from backends.torch.lowering.refusals import refusal
 from backends.torch.lowering.registry import handlers
 from backends.torch.lowering.shapes import view_to
+from backends.torch.lowering.slices import Empty
 from verdict.ops import OPS, ShapeError
 
 #: the op of a placeholder node: the place of a collective not emitted yet
@@ -311,6 +313,11 @@ class Lowerer:
             if self.on_empty(i):
                 for v in outs:
                     self.env[v] = NoShard()
+                continue
+            op, (args, kwargs), _, out_shapes, *_ = self.trace["events"][i]
+            if makes_nothing(self, op, tensor_args([args, kwargs]), out_shapes):
+                for v, shape in zip(outs, out_shapes):  # no entries: no value (item 110 (a))
+                    self.env[v] = Empty(tuple(shape))
                 continue
             self.lower_event(i)
 

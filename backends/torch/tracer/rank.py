@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from backends.torch.tracer.circular_pad import CircularPad
 from backends.torch.tracer.exchange import Exchanges
+from backends.torch.tracer.failure import StepFailed, failure_line
 from backends.torch.tracer.loaded import SetupCollectives, loaded_values
 from backends.torch.tracer.mesh import build as build_mesh
 from backends.torch.tracer.mesh import coords as mesh_coords
@@ -146,6 +147,9 @@ def _run(spec: dict, rank: int) -> dict:
             optimizer = update(model, mesh, spec)
     except Exception as e:
         if rec.exchanges is None or not rec.exchanges.unanswered:
+            if spec["parallel"]:  # the rank's one line: where, what, a real run's path (item 110 (c))
+                raise StepFailed(failure_line(e, model, params, rec.events, rec.constants)) \
+                    from None
             raise
         # shapes from an all-to-all the fake group answered: the next pass
         # answers it from what this one sent (exchange.settle)
@@ -475,6 +479,8 @@ def run_isolated(spec: dict, rank: int) -> dict | str:
         trace = run(spec, rank)
         trace["cpu"] = time.process_time()  # this process's CPU: imports after the fork, the run
         return trace
+    except StepFailed as e:
+        return str(e)
     except Exception as e:  # any failure of the user's model or recipe: reported, one line
         lines = [ln for ln in traceback.format_exception_only(e)[-1].strip().splitlines()
                  if ln.strip()]
