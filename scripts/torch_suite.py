@@ -1106,6 +1106,43 @@ CASES += [
      f"--model titan:gpt_oss {TITAN_MOE} --dp 2 --tp 1 --batch 2", 2),
 ]
 
+#: torchtitan's auxiliary-loss-free load balancing: its own optimizer pre-hook (the counts
+#: all-reduced over "loss", the expert biases moved by their signs, the counts zeroed) on an
+#: SGD step, every rank's biases and counts compared by value with the single-device step's
+#: (docs/soundness.md, "Plans traced from PyTorch", 105); the wrong plans give the hook a
+#: wrong "loss" mesh
+BALANCE = "backends.torch.zoo.titan_balance:"
+TITAN_BIAS = "--vocab 2048 --layers 2 --optimizer sgd"
+CASES += [
+    ("moe titan deepseek_v3 bias dp2 (torchtitan's load-balancing hook on the optimizer step)",
+     f"--model {BALANCE}deepseek_v3 --recipe {BALANCE}parallelize {TITAN_BIAS} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 bias dp2 ep2",
+     f"--model {BALANCE}deepseek_v3_ep --recipe {BALANCE}parallelize_ep {TITAN_BIAS} --dp 2 "
+     "--tp 1", 0),
+    ("moe titan deepseek_v3 bias dp2 tp2",
+     f"--model {BALANCE}deepseek_v3 --recipe {BALANCE}parallelize {TITAN_BIAS} --dp 2 --tp 2", 0),
+    ("moe titan deepseek_v3 bias dp2 ep2 counts over ep (the data-parallel ranks at tp 1)",
+     f"--model {BALANCE}deepseek_v3_ep --recipe {BALANCE}parallelize_ep_counts_over_ep "
+     f"{TITAN_BIAS} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 bias bug counts not all-reduced (each rank's bias from its tokens)",
+     f"--model {BALANCE}deepseek_v3 --recipe {BALANCE}parallelize_counts_not_reduced "
+     f"{TITAN_BIAS} --dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 bias ep2 bug counts not all-reduced",
+     f"--model {BALANCE}deepseek_v3_ep --recipe {BALANCE}parallelize_ep_counts_not_reduced "
+     f"{TITAN_BIAS} --dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 bias dp2 tp2 bug counts all-reduced over tp instead of dp",
+     f"--model {BALANCE}deepseek_v3 --recipe {BALANCE}parallelize_counts_over_tp {TITAN_BIAS} "
+     "--dp 2 --tp 2", 1),
+    ("moe titan qwen3_moe bias dp2",
+     f"--model {BALANCE}qwen3_moe --recipe {BALANCE}parallelize {TITAN_BIAS} --dp 2 --tp 1", 0),
+    ("moe titan qwen3_moe bias dp2 ep2",
+     f"--model {BALANCE}qwen3_moe_ep --recipe {BALANCE}parallelize_ep {TITAN_BIAS} --dp 2 "
+     "--tp 1", 0),
+    ("moe titan qwen3_moe bias bug counts not all-reduced",
+     f"--model {BALANCE}qwen3_moe --recipe {BALANCE}parallelize_counts_not_reduced "
+     f"{TITAN_BIAS} --dp 2 --tp 1", 1),
+]
+
 #: Megatron-Core's MoE layer (local spec, its all-to-all token dispatcher, top-2 of four
 #: experts) in its GPTModel, parallelized and run by Megatron (docs/soundness.md, "Plans
 #: traced from PyTorch", 47 and 48)
