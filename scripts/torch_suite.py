@@ -1141,6 +1141,14 @@ CASES += [
     ("moe titan qwen3_moe bias bug counts not all-reduced",
      f"--model {BALANCE}qwen3_moe --recipe {BALANCE}parallelize_counts_not_reduced "
      f"{TITAN_BIAS} --dp 2 --tp 1", 1),
+    # transformers' load-balancing loss in its data-parallel form: the assignment counts
+    # all-reduced over dp, both sums over the step's tokens (item 105 (e))
+    ("moe mixtral aux loss over the step's tokens (counts all-reduced over dp)",
+     "--model backends.torch.zoo.hf_moe_global:mixtral --recipe "
+     "backends.torch.zoo.hf_moe_global:tp_fsdp --dp 2 --tp 1", 0),
+    ("moe mixtral aux loss bug counts not all-reduced (each rank's own fractions)",
+     "--model backends.torch.zoo.hf_moe_global:mixtral --recipe "
+     "backends.torch.zoo.hf_moe_global:tp_fsdp_counts_not_reduced --dp 2 --tp 1", 1),
 ]
 
 #: Megatron-Core's MoE layer (local spec, its all-to-all token dispatcher, top-2 of four

@@ -91,3 +91,21 @@ def test_deepseek_v3_dp2_bias_verifies_and_unreduced_counts_fail() -> None:
                                "backends.torch.zoo.titan_balance:parallelize_counts_not_reduced"])
     with pytest.raises(WrongStep, match="expert_bias_E"):
         trace_and_build(bug, single)
+
+
+def test_the_global_balance_loss_is_transformers_on_one_device() -> None:
+    """``hf_moe_global``'s loss with no group (one device) is transformers'
+    ``load_balancing_loss_func`` of the same router logits."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from backends.torch.zoo.hf_moe_global import mixtral
+    torch.manual_seed(0)
+    model = mixtral(layers=2, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4).double()
+    model.global_tokens = 16
+    tokens = torch.randint(0, 16, (4, 4))
+    model(tokens, tokens)
+    assert len(model.router_logits) == 2
+    theirs = load_balancing_loss_func(tuple(model.router_logits), model.hf.num_experts,
+                                      model.hf.num_experts_per_tok, None)
+    mine = model.balance_loss(tuple(model.router_logits))
+    assert abs(float(mine) - float(theirs)) < 1e-6
