@@ -1141,6 +1141,10 @@ CASES += [
     ("moe titan qwen3_moe bias bug counts not all-reduced",
      f"--model {BALANCE}qwen3_moe --recipe {BALANCE}parallelize_counts_not_reduced "
      f"{TITAN_BIAS} --dp 2 --tp 1", 1),
+    # refused before the hook: SGD leaves the vision encoder's parameters, which the text
+    # step never reads, as loaded (no gradient), and a parameter no step writes is refused
+    ("moe titan kimi_k2_7 bias dp2 refused (its unread vision encoder's parameters not stepped)",
+     f"--model {BALANCE}kimi_k2_7 --recipe {BALANCE}parallelize {TITAN_BIAS} --dp 2 --tp 1", 2),
     # transformers' load-balancing loss in its data-parallel form: the assignment counts
     # all-reduced over dp, both sums over the step's tokens (item 105 (e))
     ("moe mixtral aux loss over the step's tokens (counts all-reduced over dp)",
