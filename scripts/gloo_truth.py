@@ -73,7 +73,10 @@ def _model(args: argparse.Namespace):
 def _single_grads(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor],
                                                      dict[str, torch.Tensor]]:
     """The single-device step's gradients and, with ``--optimizer``, its
-    updated parameters (torch's optimizer, ``tracer.rank.OPTIMIZERS``)."""
+    updated parameters (torch's optimizer, ``tracer.rank.OPTIMIZERS``, or
+    the model's own step on one device when it has one: torchtitan's
+    load-balancing hook) and the buffers the model names as updated
+    (``final_buffers``, under their names in the updates)."""
     model = _model(args)
     tokens, labels = _batch(args)
     model(tokens, labels).backward()
@@ -83,8 +86,14 @@ def _single_grads(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor],
              if p.grad is not None}
     updates = {}
     if args.optimizer != "none":
-        OPTIMIZERS[args.optimizer](list(model.parameters())).step()
+        own = getattr(model, "own_optimizer", None)
+        if own is not None and getattr(own, "one_device", False):
+            own(args.optimizer)
+        else:
+            OPTIMIZERS[args.optimizer](list(model.parameters())).step()
         updates = {n: p.detach().clone() for n, p in model.named_parameters()}
+        held = dict(model.named_buffers())
+        updates.update({n: held[n].detach().clone() for n in getattr(model, "final_buffers", ())})
     if dist.is_initialized():  # Megatron's single device: a group of one rank, left now
         from megatron.core import parallel_state
         parallel_state.destroy_model_parallel()
@@ -116,6 +125,13 @@ def _updates_problem(rank: int, model, updates: dict[str, torch.Tensor], mesh,
         err = float((got - want).abs().max())
         if err > rtol * (float(want.abs().max()) or 1.0):
             return f"rank {rank} ends with a wrong updated {name} (max error {err:.3g})"
+    held = dict(model.named_buffers())
+    for name in getattr(model, "final_buffers", ()):  # torchtitan's expert biases and counts
+        b = held[name]
+        got = (b.full_tensor() if isinstance(b, DTensor) else b).detach()
+        if not torch.equal(got, updates[name]):
+            err = float((got - updates[name]).abs().max())
+            return f"rank {rank} ends with another {name} (max error {err:.3g})"
     return ""
 
 

@@ -1120,6 +1120,55 @@ CASES += [
      f"--model titan:gpt_oss {TITAN_MOE} --dp 2 --tp 1 --batch 2", 2),
 ]
 
+#: torchtitan's auxiliary-loss-free load balancing: its own optimizer pre-hook (the counts
+#: all-reduced over "loss", the expert biases moved by their signs, the counts zeroed) on an
+#: SGD step, every rank's biases and counts compared by value with the single-device step's
+#: (docs/soundness.md, "Plans traced from PyTorch", 105); the wrong plans give the hook a
+#: wrong "loss" mesh
+BALANCE = "backends.torch.zoo.titan_balance:"
+TITAN_BIAS = "--vocab 2048 --layers 2 --optimizer sgd"
+CASES += [
+    ("moe titan deepseek_v3 bias dp2 (torchtitan's load-balancing hook on the optimizer step)",
+     f"--model {BALANCE}deepseek_v3 --recipe {BALANCE}parallelize {TITAN_BIAS} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 bias dp2 ep2",
+     f"--model {BALANCE}deepseek_v3_ep --recipe {BALANCE}parallelize_ep {TITAN_BIAS} --dp 2 "
+     "--tp 1", 0),
+    ("moe titan deepseek_v3 bias dp2 tp2",
+     f"--model {BALANCE}deepseek_v3 --recipe {BALANCE}parallelize {TITAN_BIAS} --dp 2 --tp 2", 0),
+    ("moe titan deepseek_v3 bias dp2 ep2 counts over ep (the data-parallel ranks at tp 1)",
+     f"--model {BALANCE}deepseek_v3_ep --recipe {BALANCE}parallelize_ep_counts_over_ep "
+     f"{TITAN_BIAS} --dp 2 --tp 1", 0),
+    ("moe titan deepseek_v3 bias bug counts not all-reduced (each rank's bias from its tokens)",
+     f"--model {BALANCE}deepseek_v3 --recipe {BALANCE}parallelize_counts_not_reduced "
+     f"{TITAN_BIAS} --dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 bias ep2 bug counts not all-reduced",
+     f"--model {BALANCE}deepseek_v3_ep --recipe {BALANCE}parallelize_ep_counts_not_reduced "
+     f"{TITAN_BIAS} --dp 2 --tp 1", 1),
+    ("moe titan deepseek_v3 bias dp2 tp2 bug counts all-reduced over tp instead of dp",
+     f"--model {BALANCE}deepseek_v3 --recipe {BALANCE}parallelize_counts_over_tp {TITAN_BIAS} "
+     "--dp 2 --tp 2", 1),
+    ("moe titan qwen3_moe bias dp2",
+     f"--model {BALANCE}qwen3_moe --recipe {BALANCE}parallelize {TITAN_BIAS} --dp 2 --tp 1", 0),
+    ("moe titan qwen3_moe bias dp2 ep2",
+     f"--model {BALANCE}qwen3_moe_ep --recipe {BALANCE}parallelize_ep {TITAN_BIAS} --dp 2 "
+     "--tp 1", 0),
+    ("moe titan qwen3_moe bias bug counts not all-reduced",
+     f"--model {BALANCE}qwen3_moe --recipe {BALANCE}parallelize_counts_not_reduced "
+     f"{TITAN_BIAS} --dp 2 --tp 1", 1),
+    # refused before the hook: SGD leaves the vision encoder's parameters, which the text
+    # step never reads, as loaded (no gradient), and a parameter no step writes is refused
+    ("moe titan kimi_k2_7 bias dp2 refused (its unread vision encoder's parameters not stepped)",
+     f"--model {BALANCE}kimi_k2_7 --recipe {BALANCE}parallelize {TITAN_BIAS} --dp 2 --tp 1", 2),
+    # transformers' load-balancing loss in its data-parallel form: the assignment counts
+    # all-reduced over dp, both sums over the step's tokens (item 105 (e))
+    ("moe mixtral aux loss over the step's tokens (counts all-reduced over dp)",
+     "--model backends.torch.zoo.hf_moe_global:mixtral --recipe "
+     "backends.torch.zoo.hf_moe_global:tp_fsdp --dp 2 --tp 1", 0),
+    ("moe mixtral aux loss bug counts not all-reduced (each rank's own fractions)",
+     "--model backends.torch.zoo.hf_moe_global:mixtral --recipe "
+     "backends.torch.zoo.hf_moe_global:tp_fsdp_counts_not_reduced --dp 2 --tp 1", 1),
+]
+
 #: Megatron-Core's MoE layer (local spec, its all-to-all token dispatcher, top-2 of four
 #: experts) in its GPTModel, parallelized and run by Megatron (docs/soundness.md, "Plans
 #: traced from PyTorch", 47 and 48)

@@ -31,6 +31,7 @@ from backends.torch.lowering import (
 from backends.torch.tracer.build import build_plans
 from backends.torch.tracer.check import LoadedValueMismatch, check_loaded
 from backends.torch.tracer.exchange import settle
+from backends.torch.tracer.final_buffers import check_final_buffers
 from backends.torch.tracer.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.tracer.rank import load, run
 from backends.torch.tracer.ranks import trace_ranks
@@ -340,6 +341,9 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
                            args.pp * args.dp * cp * args.tp, single, traces, world)
     check_shards(traces)
     check_broadcasts(traces)
+    buffers = check_final_buffers(single, traces)  # item 105
+    if buffers is not None:
+        world["final_buffers"] = buffers
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
     check_bucket_layouts(lows)
