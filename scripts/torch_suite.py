@@ -1215,6 +1215,8 @@ CP_SIZES = "--layers 1 --hidden 8 --seqlen 4 --vocab 10 --batch 2"
 CP_POSITIONS = f"--model tests.cp_split_models:position_tagger {CP_SIZES}"
 CP_TABLE = f"--model tests.cp_split_models:table_position_tagger {CP_SIZES}"
 CP_RING = f"--model tests.cp_models:sdpa_tagger --heads 2 --recipe {CP}"
+CP_GQA = f"--model tests.cp_models:sdpa_gqa_tagger --heads 4 --recipe {CP}"
+CP_GQA_SIZES = f"{CP_SIZES} --hidden 16"
 CASES += [
     ("cp split mlp cp2", f"--model mlp --recipe {CP}cp_sum --mesh cp=2 {CP_SIZES}", 0),
     ("cp split mlp cp4", f"--model mlp --recipe {CP}cp_sum --mesh cp=4 {CP_SIZES} --seqlen 8", 0),
@@ -1250,6 +1252,13 @@ CASES += [
      f"{CP_RING}ring_other_lse --mesh cp=2 {CP_SIZES}", 1),
     ("cp ring bug the merged lse without its shift (alltoall)",
      f"{CP_RING}ring_lse_unshifted --mesh cp=2 {CP_SIZES}", 1),
+    # grouped-query attention (two query heads per key head, enable_gqa): the
+    # ring's dk, dv as the gradients of the keys as held (docs/soundness.md,
+    # "Plans traced from PyTorch", 107)
+    ("cp ring gqa allgather cp2", f"{CP_GQA}ring_allgather --mesh cp=2 {CP_GQA_SIZES}", 0),
+    ("cp ring gqa alltoall cp2", f"{CP_GQA}ring_alltoall --mesh cp=2 {CP_GQA_SIZES}", 0),
+    ("cp ring gqa bug a block merged with another block's lse",
+     f"{CP_GQA}ring_other_lse --mesh cp=2 {CP_GQA_SIZES}", 1),
     # PyTorch's head-tail load balancer: rank r holds chunks r and 2 cp - 1 - r
     # (docs/soundness.md, "Plans traced from PyTorch", 64-67)
     ("cp ring load-balanced allgather cp2",
@@ -1403,6 +1412,13 @@ CASES += [
      "--model backends.torch.titan:llama3_debugmodel "
      "--recipe backends.torch.titan:parallelize_cp_unshifted "
      "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2,tp=2", 1),
+    # Qwen3 MoE (grouped-query attention, routed experts) under torchtitan's CP,
+    # its step given the data loader's positions: traces (item 107); FAILs at
+    # the routed experts' token count on rank 1, gloo differs too; whether the
+    # FAIL is the run's difference or the strided token rows' gap is open
+    ("cp titan qwen3_moe cp2 (FAIL at the routed experts' count; gloo differs)",
+     "--model titan:qwen3_moe_positions --recipe titan:parallelize_cp "
+     "--vocab 2048 --layers 1 --seqlen 8 --batch 2 --mesh cp=2", 1),
 ]
 
 def cpu_seconds() -> float:

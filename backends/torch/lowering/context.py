@@ -132,6 +132,8 @@ class Lowerer:
     sdpa: dict[int, SdpaSaved] = field(default_factory=dict)  # attention output -> its saved values
     #: a kernel's log-sum-exp (ir.KernelLse) -> its lowered value, emitted once however often read
     kernel_lse: dict[Any, int] = field(default_factory=dict)
+    #: constants of a buffer read by value once (``ir.Const``): read so by every reader
+    by_value: set[int] = field(default_factory=set)
     inputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # value -> (kind, name)
     axes: dict[int, list[list[str]]] = field(default_factory=dict)  # input value -> mesh axes
     const_inputs: dict[str, int] = field(default_factory=dict)  # constant's name -> input
