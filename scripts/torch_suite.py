@@ -362,11 +362,16 @@ CASES: list[tuple[str, str, int]] = [
      "--model backends.torch.megatron:gpt_mtp_per_token "
      "--recipe backends.torch.megatron:pp_1f1b_mtp_positions_reduced "
      "--pp 2 --dp 1 --tp 1 --layers 2 --batch 4 --seed 1", 0),
-    ("megatron mtp pp2 dp2 per-token loss, the token count all-reduced over the tp group refused "
-     "(the last stage's unread output-layer weight: its zero gradient all-reduced over dp)",
+    # the last stage's unread output-layer weight: its zero gradient all-reduced over dp is
+    # zeros (soundness 108 (d)); was refused
+    ("megatron bug mtp dp2 pp2 per-token loss, the token count all-reduced over the tp group",
      "--model backends.torch.megatron:gpt_mtp_per_token "
      "--recipe backends.torch.megatron:tp_token_count_over_tp --pp 2 --dp 2 --tp 1 --layers 2 "
-     "--batch 4 --seed 1", 2),
+     "--batch 4 --seed 1", 1),
+    ("megatron mtp dp2 pp2 per-token loss with the MTP's position embeddings reduced (a fix)",
+     "--model backends.torch.megatron:gpt_mtp_per_token "
+     "--recipe backends.torch.megatron:pp_1f1b_mtp_positions_reduced --pp 2 --dp 2 --tp 1 "
+     "--layers 2 --batch 8 --seed 1", 0),
     # Megatron's own optimizer step (get_megatron_optimizer, FP32Optimizer over torch's
     # AdamW or SGD) against torch's optimizer on the single-device gradients
     ("megatron dp2 tp2 optimizer step adamw",
@@ -388,6 +393,23 @@ CASES: list[tuple[str, str, int]] = [
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw", 0),
     ("megatron dp2 tp2 distributed optimizer step adamw",
      f"{MEGATRON}dist_opt --dp 2 --tp 2 --batch 8 --hidden 24 --optimizer adamw", 0),
+    # at pp 2 the shared embedding's bucket holds one gradient, all-reduced over the embedding
+    # group after the reduce-scatter (soundness 108)
+    ("megatron pp2 distributed optimizer (the embedding's bucket of one gradient)",
+     f"{MEGATRON}dist_opt --pp 2 --dp 1 --tp 1 --layers 2 --batch 8 --hidden 24", 0),
+    ("megatron dp2 pp2 distributed optimizer (the embedding group's all-reduce of the ranges)",
+     f"{MEGATRON}dist_opt --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24", 0),
+    ("megatron pp2 distributed optimizer step adamw",
+     f"{MEGATRON}dist_opt --pp 2 --dp 1 --tp 1 --layers 2 --batch 8 --hidden 24 --optimizer adamw",
+     0),
+    ("megatron dp2 pp2 distributed optimizer step adamw",
+     f"{MEGATRON}dist_opt --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24 --optimizer adamw",
+     0),
+    ("megatron bug dp2 pp2 distributed optimizer reads the next rank's ranges",
+     f"{MEGATRON}dist_opt_range_shifted --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24", 1),
+    ("megatron bug dp2 pp2 distributed optimizer step on the next rank's ranges",
+     f"{MEGATRON}dist_opt_step_shifted --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24 "
+     "--optimizer adamw", 1),
     ("megatron distributed optimizer step sgd refused (Megatron's steps Adam only)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer sgd", 2),
     ("megatron bug distributed optimizer step on the next rank's ranges (unreduced gradients)",
