@@ -298,6 +298,14 @@ CASES: list[tuple[str, str, int]] = [
      "single-device branch to match)",
      f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 "
      "--clipper tests.norm_clippers:megatron_large_branch_other_side", 2),
+    # Megatron's strided shard (partition_stride 2: a gated MLP's fused linear_fc1), soundness
+    # 108 (e); was refused
+    ("megatron tp2 sp gated mlp (a strided linear_fc1)",
+     "--model tests.megatron_user_step:gated_model --recipe tests.megatron_user_step:tp_sp "
+     "--dp 1 --tp 2", 0),
+    ("megatron bug tp2 sp gated mlp loaded as plain blocks (the stride taken away)",
+     "--model tests.megatron_user_step:gated_unstrided_model "
+     "--recipe tests.megatron_user_step:tp_sp --dp 1 --tp 2", 1),
     ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),
