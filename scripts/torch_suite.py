@@ -312,6 +312,14 @@ CASES: list[tuple[str, str, int]] = [
      "single-device branch to match)",
      f"{MEGATRON}tp --dp 1 --tp 2 --clip 0.5 "
      "--clipper tests.norm_clippers:megatron_large_branch_other_side", 2),
+    # Megatron's strided shard (partition_stride 2: a gated MLP's fused linear_fc1), soundness
+    # 108 (e); was refused
+    ("megatron tp2 sp gated mlp (a strided linear_fc1)",
+     "--model tests.megatron_user_step:gated_model --recipe tests.megatron_user_step:tp_sp "
+     "--dp 1 --tp 2", 0),
+    ("megatron bug tp2 sp gated mlp loaded as plain blocks (the stride taken away)",
+     "--model tests.megatron_user_step:gated_unstrided_model "
+     "--recipe tests.megatron_user_step:tp_sp --dp 1 --tp 2", 1),
     ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),
@@ -376,11 +384,16 @@ CASES: list[tuple[str, str, int]] = [
      "--model backends.torch.megatron:gpt_mtp_per_token "
      "--recipe backends.torch.megatron:pp_1f1b_mtp_positions_reduced "
      "--pp 2 --dp 1 --tp 1 --layers 2 --batch 4 --seed 1", 0),
-    ("megatron mtp pp2 dp2 per-token loss, the token count all-reduced over the tp group refused "
-     "(the last stage's unread output-layer weight: its zero gradient all-reduced over dp)",
+    # the last stage's unread output-layer weight: its zero gradient all-reduced over dp is
+    # zeros (soundness 108 (d)); was refused
+    ("megatron bug mtp dp2 pp2 per-token loss, the token count all-reduced over the tp group",
      "--model backends.torch.megatron:gpt_mtp_per_token "
      "--recipe backends.torch.megatron:tp_token_count_over_tp --pp 2 --dp 2 --tp 1 --layers 2 "
-     "--batch 4 --seed 1", 2),
+     "--batch 4 --seed 1", 1),
+    ("megatron mtp dp2 pp2 per-token loss with the MTP's position embeddings reduced (a fix)",
+     "--model backends.torch.megatron:gpt_mtp_per_token "
+     "--recipe backends.torch.megatron:pp_1f1b_mtp_positions_reduced --pp 2 --dp 2 --tp 1 "
+     "--layers 2 --batch 8 --seed 1", 0),
     # Megatron's own optimizer step (get_megatron_optimizer, FP32Optimizer over torch's
     # AdamW or SGD) against torch's optimizer on the single-device gradients
     ("megatron dp2 tp2 optimizer step adamw",
@@ -402,6 +415,23 @@ CASES: list[tuple[str, str, int]] = [
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer adamw", 0),
     ("megatron dp2 tp2 distributed optimizer step adamw",
      f"{MEGATRON}dist_opt --dp 2 --tp 2 --batch 8 --hidden 24 --optimizer adamw", 0),
+    # at pp 2 the shared embedding's bucket holds one gradient, all-reduced over the embedding
+    # group after the reduce-scatter (soundness 108)
+    ("megatron pp2 distributed optimizer (the embedding's bucket of one gradient)",
+     f"{MEGATRON}dist_opt --pp 2 --dp 1 --tp 1 --layers 2 --batch 8 --hidden 24", 0),
+    ("megatron dp2 pp2 distributed optimizer (the embedding group's all-reduce of the ranges)",
+     f"{MEGATRON}dist_opt --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24", 0),
+    ("megatron pp2 distributed optimizer step adamw",
+     f"{MEGATRON}dist_opt --pp 2 --dp 1 --tp 1 --layers 2 --batch 8 --hidden 24 --optimizer adamw",
+     0),
+    ("megatron dp2 pp2 distributed optimizer step adamw",
+     f"{MEGATRON}dist_opt --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24 --optimizer adamw",
+     0),
+    ("megatron bug dp2 pp2 distributed optimizer reads the next rank's ranges",
+     f"{MEGATRON}dist_opt_range_shifted --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24", 1),
+    ("megatron bug dp2 pp2 distributed optimizer step on the next rank's ranges",
+     f"{MEGATRON}dist_opt_step_shifted --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24 "
+     "--optimizer adamw", 1),
     ("megatron distributed optimizer step sgd refused (Megatron's steps Adam only)",
      f"{MEGATRON}dist_opt --dp 2 --tp 1 --batch 8 --hidden 24 --optimizer sgd", 2),
     ("megatron bug distributed optimizer step on the next rank's ranges (unreduced gradients)",
