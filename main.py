@@ -180,6 +180,8 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
         print(took)
         if single.world.get("routing"):  # top-k routing recorded when traced (tracer/routing.py)
             print(f"for the routing traced, not every routing: {single.world['routing']}")
+        if single.world.get("final_buffers"):  # compared when traced (tracer/final_buffers.py)
+            print(f"and, checked by value when traced: {single.world['final_buffers']}")
         if single.world.get("guards"):  # branches on numbers read with .item() (tracer/build.py)
             print(f"for the inputs on which the single-device step takes the branches traced "
                   f"(every rank's numbers proved equal to its, so each rank takes them too), "

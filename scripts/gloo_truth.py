@@ -73,7 +73,10 @@ def _model(args: argparse.Namespace):
 def _single_grads(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor],
                                                      dict[str, torch.Tensor]]:
     """The single-device step's gradients and, with ``--optimizer``, its
-    updated parameters (torch's optimizer, ``tracer.rank.OPTIMIZERS``)."""
+    updated parameters (torch's optimizer, ``tracer.rank.OPTIMIZERS``, or
+    the model's own step on one device when it has one: torchtitan's
+    load-balancing hook) and the buffers the model names as updated
+    (``final_buffers``, under their names in the updates)."""
     model = _model(args)
     tokens, labels = _batch(args)
     model(tokens, labels).backward()
@@ -83,8 +86,14 @@ def _single_grads(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor],
              if p.grad is not None}
     updates = {}
     if args.optimizer != "none":
-        OPTIMIZERS[args.optimizer](list(model.parameters())).step()
+        own = getattr(model, "own_optimizer", None)
+        if own is not None and getattr(own, "one_device", False):
+            own(args.optimizer)
+        else:
+            OPTIMIZERS[args.optimizer](list(model.parameters())).step()
         updates = {n: p.detach().clone() for n, p in model.named_parameters()}
+        held = dict(model.named_buffers())
+        updates.update({n: held[n].detach().clone() for n in getattr(model, "final_buffers", ())})
     if dist.is_initialized():  # Megatron's single device: a group of one rank, left now
         from megatron.core import parallel_state
         parallel_state.destroy_model_parallel()
@@ -102,6 +111,24 @@ def _step(model, name: str) -> None:
         OPTIMIZERS[name](list(model.parameters())).step()
 
 
+def _own_piece(want: torch.Tensor, p, mesh) -> torch.Tensor:
+    """The rank's piece of the single-device tensor ``want`` by the layout a
+    recipe gave ``p`` (``mesh_axes``): each dim cut by its mesh axes in turn;
+    a dim whose axes start with a strided marker ``/k`` read as k equal
+    parts, the rank's piece of each side by side (Megatron's
+    ``partition_stride``)."""
+    for dim, axes in enumerate(getattr(p, "mesh_axes", None) or []):
+        parts = [want]
+        for axis in axes:
+            if axis.startswith("/"):
+                parts = [q for part in parts for q in part.chunk(int(axis[1:]), dim)]
+                continue
+            parts = [part.chunk(mesh[axis].size(), dim)[mesh[axis].get_local_rank()]
+                     for part in parts]
+        want = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return want
+
+
 def _updates_problem(rank: int, model, updates: dict[str, torch.Tensor], mesh,
                      rtol: float) -> str:
     """Each parameter the rank holds after its step against its piece of the
@@ -110,12 +137,17 @@ def _updates_problem(rank: int, model, updates: dict[str, torch.Tensor], mesh,
     for name, p in model.named_parameters():
         got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         want = updates[name]
-        for dim, axes in enumerate(getattr(p, "mesh_axes", None) or []):
-            for axis in axes:
-                want = want.chunk(mesh[axis].size(), dim)[mesh[axis].get_local_rank()]
+        want = _own_piece(want, p, mesh)
         err = float((got - want).abs().max())
         if err > rtol * (float(want.abs().max()) or 1.0):
             return f"rank {rank} ends with a wrong updated {name} (max error {err:.3g})"
+    held = dict(model.named_buffers())
+    for name in getattr(model, "final_buffers", ()):  # torchtitan's expert biases and counts
+        b = held[name]
+        got = (b.full_tensor() if isinstance(b, DTensor) else b).detach()
+        if not torch.equal(got, updates[name]):
+            err = float((got - updates[name]).abs().max())
+            return f"rank {rank} ends with another {name} (max error {err:.3g})"
     return ""
 
 
@@ -190,9 +222,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
             else:
                 full = g.full_tensor() if isinstance(g, DTensor) else g
                 want = expected[name]
-                for dim, axes in enumerate(getattr(p, "mesh_axes", None) or []):
-                    for axis in axes:  # a plain tensor's own layout (Megatron's shards)
-                        want = want.chunk(mesh[axis].size(), dim)[mesh[axis].get_local_rank()]
+                want = _own_piece(want, p, mesh)  # a plain tensor's own layout (Megatron's)
                 err = float((full - want).abs().max())
                 scale = max(float(want.abs().max()), 1e-6 * top) or 1.0
                 if err > args.rtol * scale:
@@ -216,9 +246,7 @@ def _blocks_problem(rank: int, name: str, p, blocks: tuple, want: torch.Tensor, 
     Megatron's distributed optimizer's range of it): each block compared with
     the same block of the single-device gradient (of the rank's shard)."""
     base, cuts = blocks
-    for dim, axes in enumerate(getattr(p, "mesh_axes", None) or []):
-        for axis in axes:
-            want = want.chunk(mesh[axis].size(), dim)[mesh[axis].get_local_rank()]
+    want = _own_piece(want, p, mesh)
     for starts, shape in cuts:
         at = tuple(slice(s, s + n) for s, n in zip(starts, shape))
         got, exp = base[at], want[at]

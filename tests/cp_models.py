@@ -65,14 +65,20 @@ class RingTagger(nn.Module):
         self.fault = ""
         #: the one-call attention is causal (else every key is seen)
         self.causal = True
+        #: query heads per key and value head (``enable_gqa``: the keys
+        #: and values are the first heads // kv_groups heads)
+        self.kv_groups = 1
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         b, s, d = h.shape
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
                    for t in self.qkv(h).chunk(3, dim=-1))
+        if self.kv_groups > 1:
+            k, v = (t[:, : self.heads // self.kv_groups] for t in (k, v))
         y = TwoBlockAttention.apply(q, k, v, self.fault == "other_lse") if self.ring else \
-            F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                           enable_gqa=self.kv_groups > 1)
         y = y.transpose(1, 2).reshape(b, s, d)
         logits = self.head(h + y).flatten(0, 1)
         return self.loss(logits, labels)
@@ -133,6 +139,14 @@ def sdpa_tagger(**kw) -> RingTagger:
     """The tagger with one SDPA call: the single-device step of ring_ddp."""
     model = RingTagger(**kw)
     model.ring = False
+    return model
+
+
+def sdpa_gqa_tagger(**kw) -> RingTagger:
+    """The SDPA tagger with grouped-query attention: two query heads per
+    key and value head (``enable_gqa``), as torchtitan's Qwen3 runs it."""
+    model = sdpa_tagger(**kw)
+    model.kv_groups = 2
     return model
 
 

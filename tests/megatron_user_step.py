@@ -63,7 +63,8 @@ pipeline = megatron.recipe(microbatches=2)
 class GatedStep(ReluStep):
     """The same with a SwiGLU MLP: Megatron fuses its two input projections
     into one ``linear_fc1`` strided across tensor-parallel ranks
-    (``partition_stride`` 2), which the backend refuses."""
+    (``partition_stride`` 2: each rank holds its block of the gate's rows and
+    its block of the up projection's, side by side)."""
 
     def config(self, **parallel):
         import dataclasses
@@ -73,3 +74,22 @@ class GatedStep(ReluStep):
 
 def gated_model(**sizes: int) -> megatron.MegatronModel:
     return megatron.user_model(GatedStep(sizes))
+
+
+class GatedUnstridedStep(GatedStep):
+    """A wrong step: the fused ``linear_fc1`` marked unstrided, so each rank is
+    loaded a plain block of its rows (rank 0 the whole gate, rank 1 the whole
+    up projection) and its SwiGLU multiplies one half of its block by the
+    other."""
+
+    def model_provider(self, config, pre_process: bool = True, post_process: bool = True,
+                       vp_stage: int | None = None) -> nn.Module:
+        chunk = super().model_provider(config, pre_process, post_process, vp_stage)
+        for p in chunk.parameters():
+            if getattr(p, "partition_stride", 1) > 1:
+                p.partition_stride = 1
+        return chunk
+
+
+def gated_unstrided_model(**sizes: int) -> megatron.MegatronModel:
+    return megatron.user_model(GatedUnstridedStep(sizes))

@@ -38,3 +38,27 @@ def test_a_wrong_merge_fails_at_the_attention(recipe, capsys) -> None:
     assert code == 1, out
     assert "operator attention" in out and "rank 1" in out
 
+
+
+@pytest.mark.parametrize(("recipe", "right"), [("ring_allgather", True), ("ring_alltoall", True),
+                                               ("ring_other_lse", False)])
+def test_a_grouped_query_ring(recipe, right, capsys) -> None:
+    """Two query heads per key and value head (``enable_gqa``): the ring's
+    dk and dv are claimed as the single-device gradients of the keys as
+    held (the repeat's backward), and a received key repeated for its
+    query heads is still the sender's chunk (docs/soundness.md, "Plans
+    traced from PyTorch", 107 (b), (c)); both rotations verify, and a
+    merge with another block's lse still fails at the attention."""
+    args = [*ARGS, "--recipe", f"tests.cp_split_recipes:{recipe}"]
+    args[args.index("tests.cp_models:sdpa_tagger")] = "tests.cp_models:sdpa_gqa_tagger"
+    args[args.index("--heads") + 1] = "4"
+    args[args.index("--hidden") + 1] = "16"
+    code = verdict_cli.torch(args)
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    if right:
+        assert code == 0, out
+        assert "SUCCESS" in out
+    else:
+        assert code == 1, out
+        assert "operator attention" in out

@@ -61,7 +61,10 @@ def test_mixtral_ep_with_tp_verifies(mesh: list[str]) -> None:
 
 @pytest.mark.parametrize("bug, mesh", [
     ("ep_token_to_other_expert", ["--dp", "1", "--tp", "2", "--ep", "2"]),
-    ("ep_expert_grads_undivided", ["--dp", "2", "--tp", "2", "--ep", "4"])])
+    ("ep_expert_grads_undivided", ["--dp", "2", "--tp", "2", "--ep", "4"]),
+    # rank 0's wrong masks, inputs of their own, matched per reader (106)
+    ("ep_token_to_other_expert", ["--dp", "2", "--tp", "2", "--ep", "4"]),
+    ("ep_wrong_split", ["--dp", "2", "--tp", "2", "--ep", "4"])])
 def test_wrong_ep_with_tp_fails(bug: str, mesh: list[str]) -> None:
     """A token's row sent to another expert; pytorch issue 160285 (each
     rank's own mean, FSDP's default division: the experts' gradients 2 x):

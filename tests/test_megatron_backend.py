@@ -116,14 +116,25 @@ def test_mtp_at_pp2_fails_at_its_position_embeddings_and_their_reduction_verifie
     assert "torch suite: 4 of 4 as expected" in run.stdout, run.stdout[-2000:]
 
 
-def test_a_strided_shard_is_refused_in_one_line(tmp_path):
-    """A gated MLP's fused linear_fc1 is strided across tensor-parallel ranks
-    (``partition_stride`` 2): refused, exit 2, one line."""
+def _trace_verify(tmp_path: Path, model: str) -> subprocess.CompletedProcess:
     run = subprocess.run(
-        [sys.executable, "-m", "backends.torch", "--model", "tests.megatron_user_step:gated_model",
+        [sys.executable, "-m", "backends.torch", "--model", f"tests.megatron_user_step:{model}",
          "--recipe", "tests.megatron_user_step:tp_sp", "--dp", "1", "--tp", "2", "-o",
-         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+         str(tmp_path), "--name", model], cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={"PYTHONPATH": str(ROOT), "PATH": ""})
-    assert run.returncode == 2, run.stderr[-2000:]
-    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "partition_stride 2" in errors[0], errors
+    assert run.returncode == 0, run.stderr[-2000:]
+    return subprocess.run(
+        [sys.executable, "main.py", "--sm", str(tmp_path / f"{model}_single.pkl"), "--pm",
+         str(tmp_path / f"{model}_parallel.pkl")], cwd=ROOT, capture_output=True, text=True,
+        timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+
+
+def test_a_strided_shard_verifies_and_a_plain_block_of_it_fails(tmp_path):
+    """A gated MLP's fused linear_fc1 is strided across tensor-parallel ranks
+    (``partition_stride`` 2): its rank's blocks of the gate and of the up
+    projection verify; the same marked unstrided (a plain block) FAILs
+    (docs/soundness.md, "Plans traced from PyTorch", 108 (e))."""
+    run = _trace_verify(tmp_path, "gated_model")
+    assert run.returncode == 0 and "SUCCESS" in run.stdout, run.stdout[-2000:]
+    run = _trace_verify(tmp_path, "gated_unstrided_model")
+    assert run.returncode == 1 and "mlp" in run.stdout, run.stdout[-2000:]

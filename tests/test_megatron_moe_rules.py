@@ -13,7 +13,7 @@ import pytest
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.expert_rows import cat, split
 from backends.torch.lowering.grouped_rows import Experts
-from backends.torch.tracer.routing import Routing, RoutingError, check_rows_are_blocks
+from backends.torch.tracer.routing import Routing, RoutingError
 
 
 def _lowerer(env: dict) -> SimpleNamespace:
@@ -70,12 +70,3 @@ def test_a_sequence_first_replay_of_an_unknown_batch_is_refused() -> None:
     full = np.zeros((8, 1), dtype=np.int64)
     with pytest.raises(RoutingError):
         routing.rows(full, (4, 1))
-
-
-def test_a_routed_sequence_first_step_with_data_and_tensor_parallelism_is_refused() -> None:
-    routed = {"routing": [np.zeros((8, 2), dtype=np.int64)], "sequence_first": True}
-    with pytest.raises(LoweringError, match="no block"):
-        check_rows_are_blocks(routed, 2, 2)
-    check_rows_are_blocks(routed, 2)  # tp 1: the ranks' order of the rows (item 89)
-    check_rows_are_blocks(routed, 1, 2)  # tensor and sequence parallelism: blocks
-    check_rows_are_blocks({**routed, "sequence_first": False}, 2, 2)  # batch first

@@ -35,7 +35,7 @@ def test_the_per_token_fix_verifies_and_its_count_over_the_wrong_group_fails():
     tensor-parallel group (each rank's own count at tp 1) FAILs."""
     run = _suite("per-token loss, the token count all-reduced")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    # four cases, and the pp 2 dp 2 one the name also selects (refused: an unread weight)
+    # four cases, and the pp 2 dp 2 one the name also selects (a FAIL: soundness 108 (d))
     done = re.search(r"torch suite: (\d+) of \1 as expected", run.stdout)
     assert done and int(done.group(1)) >= 4, run.stdout[-2000:]
 

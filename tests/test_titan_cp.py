@@ -46,3 +46,18 @@ def test_titan_tp2_cp2_positions_not_shifted_fail() -> None:
     verdict = _verdict("parallelize_cp_unshifted", "cp=2,tp=2")
     assert not verdict.success
     assert verdict.kind != "internal", verdict.message
+
+
+def test_titan_qwen3_moe_cp_traces_and_is_judged() -> None:
+    """torchtitan's Qwen3 MoE (grouped-query attention) under its own CP,
+    its step given the data loader's positions: the rotary table's two
+    halves read as one constant by value, the ring's dk and dv claimed as
+    the gradients of the keys as held, a received key repeated for its
+    query heads still the sender's chunk (docs/soundness.md, "Plans traced
+    from PyTorch", 107): the plans are built and judged (no refusal)."""
+    argv = ["--model", "titan:qwen3_moe_positions", "--recipe", "titan:parallelize_cp",
+            "--vocab", "2048", "--seqlen", "8", "--batch", "2", "--layers", "1",
+            "--mesh", "cp=2"]
+    (plan_s, plan_p), _ = trace_and_build(parser().parse_args(argv))
+    verdict = verify(plan_s, plan_p)
+    assert verdict.kind != "internal", verdict.message

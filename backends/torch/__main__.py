@@ -31,12 +31,12 @@ from backends.torch.lowering import (
 from backends.torch.tracer.build import build_plans
 from backends.torch.tracer.check import LoadedValueMismatch, check_loaded
 from backends.torch.tracer.exchange import settle
+from backends.torch.tracer.final_buffers import check_final_buffers
 from backends.torch.tracer.mesh import DATA_NAMES, MeshSpec, parse_mesh
 from backends.torch.tracer.rank import load, run
 from backends.torch.tracer.ranks import trace_ranks
 from backends.torch.tracer.routing import (
     check_every_expert_reached,
-    check_rows_are_blocks,
     check_skipped_add_nothing,
     describe,
     describe_added,
@@ -165,6 +165,22 @@ def _single_failed(args: argparse.Namespace, e: Exception) -> str:
             return (f"--hf {family}: transformers cannot build the family's model from its own "
                     f"default configuration either ({own}): not the small sizes")
     return f"the single-device step did not run: {what}"
+
+
+def _rank_failed(args: argparse.Namespace, line: str) -> str:
+    """The line for a rank that did not run (its step raised) while the
+    single-device step ran: for a ``--hf`` family, that it ran under
+    transformers' own plans (the family's tensor-parallel plan at tp > 1),
+    so the failure is the plan's (docs/soundness.md, "Plans traced from
+    PyTorch", 110 (c))."""
+    head, sep, rest = line.partition(" did not run: ")
+    family = getattr(args, "hf", None)
+    if not sep or family is None or not head.startswith("rank "):
+        return line
+    recipe = args.recipe.rsplit(":", 1)[-1]
+    plan = (f"transformers' own tensor-parallel plan for '{family}' (tp {args.tp}, recipe "
+            f"{recipe})" if args.tp > 1 else f"the recipe {recipe} of '{family}'")
+    return f"{head} did not run under {plan}: {rest}"
 
 
 def refuse_hf(family: str, tp: int) -> None:
@@ -306,7 +322,6 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
             single = run({**spec, "parallel": False}, 0)
         except Exception as e:  # the user's model failing on one device: bad input, one line
             raise LoweringError(_single_failed(args, e)) from None
-    check_rows_are_blocks(single, args.dp, args.tp)
     routing = single.get("routing") or None  # replayed on every rank (routing.py)
     if routing is not None:
         world["routing"] = describe(single["routing_summary"])
@@ -314,15 +329,21 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     # the single-device step runs and its rows route no token to (routing.
     # hits); with it an expert's rank runs it on the rows every rank sends
     fill = bool(single.get("skips_unrouted_experts")) and getattr(args, "ep", 1) <= 1
-    traces = settle(lambda sent: trace_ranks(
-        {**spec, "parallel": True, "routing": routing, "exchanges": sent, "fill_skipped": fill},
-        args.pp * args.dp * cp * args.tp, single.get("imports", ())))
+    try:
+        traces = settle(lambda sent: trace_ranks(
+            {**spec, "parallel": True, "routing": routing, "exchanges": sent, "fill_skipped": fill},
+            args.pp * args.dp * cp * args.tp, single.get("imports", ())))
+    except LoweringError as e:
+        raise LoweringError(_rank_failed(args, str(e))) from None
     world["nm"] = traces[0]["microbatches"]
     if fill:
         _check_run_on_none({**spec, "parallel": True, "routing": routing},
                            args.pp * args.dp * cp * args.tp, single, traces, world)
     check_shards(traces)
     check_broadcasts(traces)
+    buffers = check_final_buffers(single, traces)  # item 105
+    if buffers is not None:
+        world["final_buffers"] = buffers
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
     check_bucket_layouts(lows)

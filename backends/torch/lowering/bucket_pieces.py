@@ -91,3 +91,23 @@ def all_reduce_bucket(lw: Lowerer, bucket: Bucket, op: Any, ranks: tuple[int, ..
     return Bucket(tuple(p if p in zeros else
                         lw.emit(_REDOPS[op[1]], [p], [lw.shapes[p]], group=tuple(ranks))[0]
                         for p in bucket.pieces))
+
+
+def all_reduce_runs(lw: Lowerer, runs: tuple[tuple[int, int, int], ...], op: Any,
+                    ranks: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """Runs (value, lo, hi) side by side (a reduce-scattered range beside
+    the local elements the rest of the buffer holds) all-reduced in place:
+    each run's whole value all-reduced, the run kept at the same elements of
+    the result; a run of zeros the step wrote left as it is. Exact when
+    every member holds, at the same offsets, runs of values of the same
+    shapes at the same elements, zeros where it holds zeros: its layout
+    records them (``check_bucket_layouts``); docs/soundness.md, "Plans
+    traced from PyTorch", 108 (b)."""
+    if op[1] not in _REDOPS:
+        raise LoweringError(f"{lw.name}: a flat range all-reduced with reduce op {op[1]} is not "
+                            f"lowered (SUM and AVG are)")
+    lw.buckets.append((tuple(ranks), tuple(("zeros" if v in lw.zeros_made else "run",
+                                            tuple(lw.shapes[v]), lo, hi) for v, lo, hi in runs)))
+    return tuple((v if v in lw.zeros_made else
+                  lw.emit(_REDOPS[op[1]], [v], [lw.shapes[v]], group=tuple(ranks))[0], lo, hi)
+                 for v, lo, hi in runs)

@@ -68,6 +68,11 @@ def mem_slice(lw: Lowerer, args, kwargs, shapes, group) -> Any:
         # what a write into part of a region leaves of its value: its elements
         # there; a parameter's region seen flat, a range of it (item 90)
         return read_flat(lw, x, int(args[1]), tuple(args[2]))
+    if len(args[2]) == 1 < len(lw.shapes[x]):
+        # any other whole value seen flat (a bucket of one gradient): its
+        # elements kept a range, not flattened, so that a scaling and a
+        # reduce-scatter of it are the value's (item 108 (a))
+        return FlatRange(((x, 0, numel(lw, x)),))
     return lw.reshape(x, tuple(args[2]))
 
 
@@ -85,10 +90,7 @@ def reduce_scatter_buckets(lw: Lowerer, args, kwargs, shapes, group) -> list:
     i = ranks.index(lw.trace["rank"])
     result = []
     for a, shape in zip(ins, shapes):
-        bucket = lw.env.get(a[1])
-        if not isinstance(bucket, Bucket):
-            raise LoweringError(f"{lw.name}: a coalesced reduce-scatter of a tensor that is no "
-                                f"gradient bucket is not lowered")
+        bucket = _flat_source(lw, a)
         total, size = sum(numel(lw, p) for p in bucket.pieces), math.prod(shape)
         if size * len(ranks) != total:
             raise LoweringError(f"{lw.name}: a reduce-scatter of {total} elements into ranges of "
@@ -98,6 +100,25 @@ def reduce_scatter_buckets(lw: Lowerer, args, kwargs, shapes, group) -> list:
         result.append(FlatRange(tuple(pick(parts_of(lw, reduced), i * size, size)), None,
                                 tuple(ranks)))
     return result
+
+
+def _flat_source(lw: Lowerer, a: Any) -> Bucket:
+    """The reduce-scatter's input as the pieces it holds side by side: a
+    bucket's, or one value whole (a bucket of one gradient and no padding,
+    as Megatron's own bucket of the shared embedding at pipeline size > 1;
+    a flattened value as the value it flattens, the same elements in the
+    same order): docs/soundness.md, "Plans traced from PyTorch", 108 (a)."""
+    item = lw.env.get(a[1])
+    if isinstance(item, Bucket):
+        return item
+    if isinstance(item, FlatRange) and item.source is None \
+            and all((lo, hi) == (0, numel(lw, v)) for v, lo, hi in item.parts):
+        return Bucket(tuple(v for v, _, _ in item.parts))
+    if isinstance(item, int):
+        v = lw.val(a)
+        return Bucket((lw.flat_of.get(v, v),))
+    raise LoweringError(f"{lw.name}: a coalesced reduce-scatter of a tensor that is neither a "
+                        f"gradient bucket nor one value whole is not lowered")
 
 
 @lowers("c10d.broadcast_.default")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from backends.torch.errors import LoweringError
-from backends.torch.lowering.bucket_pieces import all_reduce_bucket
+from backends.torch.lowering.bucket_pieces import all_reduce_bucket, all_reduce_runs
 from backends.torch.lowering.context import LNode, pg
 from backends.torch.lowering.flat_ranges import FlatRange
 from backends.torch.lowering.ir import (
@@ -100,6 +100,10 @@ def _allreduce_inplace(lw: Lowerer, args, kwargs, shapes, group):
     buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
     if isinstance(buf, Bucket):
         return [all_reduce_bucket(lw, buf, op, pg(lw, args[1]))]
+    if isinstance(buf, FlatRange) and buf.source is None:
+        # a distributed optimizer's grad buffer all-reduced after its reduce-scatter
+        # (the tied embedding's, between the first and the last stage): item 108 (b)
+        return [FlatRange(all_reduce_runs(lw, buf.parts, op, pg(lw, args[1])), None, buf.group)]
     if isinstance(buf, ChunkCat) and (buf.group is not None or buf.chunks == 1):
         if buf.replicas is not None:
             raise LoweringError(f"{lw.name}: FSDP's reduced buffer all-reduced twice")

@@ -28,9 +28,11 @@ from backends.torch.lowering.ir import (
     Pending,
     SdpaSaved,
 )
+from backends.torch.lowering.no_entries import makes_nothing
 from backends.torch.lowering.refusals import refusal
 from backends.torch.lowering.registry import handlers
 from backends.torch.lowering.shapes import view_to
+from backends.torch.lowering.slices import Empty
 from verdict.ops import OPS, ShapeError
 
 #: the op of a placeholder node: the place of a collective not emitted yet
@@ -130,6 +132,8 @@ class Lowerer:
     sdpa: dict[int, SdpaSaved] = field(default_factory=dict)  # attention output -> its saved values
     #: a kernel's log-sum-exp (ir.KernelLse) -> its lowered value, emitted once however often read
     kernel_lse: dict[Any, int] = field(default_factory=dict)
+    #: constants of a buffer read by value once (``ir.Const``): read so by every reader
+    by_value: set[int] = field(default_factory=set)
     inputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # value -> (kind, name)
     axes: dict[int, list[list[str]]] = field(default_factory=dict)  # input value -> mesh axes
     const_inputs: dict[str, int] = field(default_factory=dict)  # constant's name -> input
@@ -189,6 +193,10 @@ class Lowerer:
     #: grouped: recorded value -> the event that made it; (value, C) -> its C-fold copy
     grouped_producers: dict[int, int] | None = None
     grouped_copies: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: this rank added routed rows back at other copies than they were
+    #: gathered at (``grouped_rows._summed_elsewhere``): rows of one base read
+    #: at two indices are then re-read at one (``moved_rows.reread``)
+    rows_moved: bool = False
     #: a constant recorded value -> the event that made it (``ir.broadcast_layout``)
     const_events: dict[int, int] = field(default_factory=dict)
     #: the weights a combine of pair rows read (``pair_combine``)
@@ -307,6 +315,11 @@ class Lowerer:
             if self.on_empty(i):
                 for v in outs:
                     self.env[v] = NoShard()
+                continue
+            op, (args, kwargs), _, out_shapes, *_ = self.trace["events"][i]
+            if makes_nothing(self, op, tensor_args([args, kwargs]), out_shapes):
+                for v, shape in zip(outs, out_shapes):  # no entries: no value (item 110 (a))
+                    self.env[v] = Empty(tuple(shape))
                 continue
             self.lower_event(i)
 

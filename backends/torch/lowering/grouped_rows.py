@@ -35,6 +35,7 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.ir import NewZeros, Pending, Zeros
+from backends.torch.lowering.moved_rows import reread
 from backends.torch.lowering.routed_rows import Rows, RowsT, is_zeros, value_of
 from backends.torch.lowering.routed_rowwise import ROWWISE, tensor_refs
 
@@ -301,14 +302,10 @@ def gather_rows(base: Handler) -> Handler:
 
 def _summed_copies(lw: Lowerer, src: Any, p: np.ndarray, c: int, shape: tuple[int, ...]) -> int:
     """Rows (p's rows of a C-fold copy) added into zeros of ``shape`` at
-    their token p // C."""
+    their token p // C; rows gathered at other copies than p
+    (``_summed_elsewhere``)."""
     if not np.array_equal(src.index, p):
-        raise LoweringError(f"{lw.name}: rows added back at other tokens than they came from "
-                            f"(rank {lw.trace.get('rank', 0)}: the combine's index is not the one "
-                            f"the rows were gathered at, so rows were put out of order between "
-                            f"the dispatch and the combine; a sum back at other rows than the "
-                            f"gather's is not lowered: docs/soundness.md, \"Plans traced from "
-                            f"PyTorch\", 75)")
+        return _summed_elsewhere(lw, src, p, c, shape)
     if isinstance(src, Experts):
         dense = collapse(lw, src)  # zero on the rows no group holds
     else:
@@ -326,6 +323,32 @@ def _summed_copies(lw: Lowerer, src: Any, p: np.ndarray, c: int, shape: tuple[in
                             f"{shape[0]} rows")
     split = lw.reshape(dense, (shape[0], c, *shape[1:]))
     return lw.emit("sum", [split], [shape], {"dim": 1, "keepdim": False})[0]
+
+
+def _summed_elsewhere(lw: Lowerer, src: Any, p: np.ndarray, c: int,
+                      shape: tuple[int, ...]) -> int:
+    """Rows added back at other copies than the ones they were gathered at
+    (a dispatcher that put rows out of order between the dispatch and the
+    combine): row i of ``src``, the dense row ``src.index[i]``, lands at
+    copy ``p[i]``. Written as the dense rows moved by a permutation of
+    their own rows (``moved``: a lookup by a one-hot constant of the
+    rank's own, of the dense rows' shape), a ``narrow`` to the window of
+    copies the combine adds up, then the usual sum of each token's copies
+    at ``p``. Exact (the op's definition); the lookup stands in for the
+    dense rows, a claim refuted wherever the permutation moves a row
+    (docs/soundness.md, "Plans traced from PyTorch", 103)."""
+    index = np.asarray(src.index, dtype=np.int64)
+    if len(np.unique(index)) != len(index):
+        raise LoweringError(f"{lw.name}: rows added back at other tokens than they came from, "
+                            f"some of them twice (rank {lw.trace.get('rank', 0)})")
+    dense = collapse(lw, src) if isinstance(src, Experts) else src.base
+    moved = reread(lw, dense, index, p, shape[0] * c)
+    if moved is None:
+        raise LoweringError(f"{lw.name}: rows added back at other tokens than they came from, "
+                            f"{lw.shapes[dense][0]} dense rows for {shape[0] * c} copies (rank "
+                            f"{lw.trace.get('rank', 0)})")
+    lw.rows_moved = True
+    return _summed_copies(lw, Rows(moved, p), p, c, shape)
 
 
 def scatter_add(base: Handler) -> Handler:

@@ -341,17 +341,21 @@ class Const(Pending):
     event: int
 
     def materialize(self, lw: Lowerer) -> int:
-        if self.event >= 0 and (self.v in lw.trace.get("from_buffer", ())
-                                or broadcast_layout(lw, self.event)):
+        if self.event >= 0 and self.v not in lw.by_value \
+                and (self.v in lw.trace.get("from_buffer", ()) or broadcast_layout(lw, self.event)):
             # computed from a module's buffer (an input by name): lowered
             # op by op, so that its pieces on other ranks align with it;
             # through an op the rule table lacks (the cos and sin of a
-            # rotary table), read by value like any other constant
+            # rotary table), read by value like any other constant, by
+            # every reader (a failed attempt may leave the op's arguments
+            # lowered, so that a later one would pass: one constant, one
+            # reading; docs/soundness.md, "Plans traced from PyTorch", 107)
             try:
                 return lw.materialize(lw.lower_event(self.event, self.v))
             except LoweringError:
                 if lw.trace.get("constvals", {}).get(self.v) is None:
                     raise
+                lw.by_value.add(self.v)
         return constant_input(lw, constant_value(lw, ("v", self.v)))
 
 

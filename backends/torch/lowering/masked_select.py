@@ -111,7 +111,7 @@ def masked_scatter(lw: Lowerer, args, kwargs, shapes, group):
     positions = np.flatnonzero(mask)
     k = len(positions)
     from backends.torch.lowering.grouped_rows import Experts, collapse
-    from backends.torch.lowering.routed_rows import Rows, masked
+    from backends.torch.lowering.routed_rows import Rows, masked, reread_at
     rows = lw.env.get(args[2][1])
     if isinstance(rows, Experts) and len(lw.shapes[rows.y]) == 2:
         # each row's own group's value (the experts' gradients of the
@@ -120,6 +120,8 @@ def masked_scatter(lw: Lowerer, args, kwargs, shapes, group):
     if isinstance(rows, Rows) and len(shape) == 2 and k and len(lw.shapes[rows.base]) == 1:
         onehot, index, c = _pick_matrix(mask)
         a, b = shape
+        if lw.rows_moved:  # rows added back out of order: read at the pick's index
+            rows = reread_at(lw, args[2], rows, index, b * c)
         if np.array_equal(rows.index, index) and lw.shapes[rows.base][0] == b * c:
             # the copies' rows put back at their entries: the pick's transpose
             q = lw.reshape(masked(lw, rows), (b, c, 1))

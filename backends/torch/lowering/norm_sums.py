@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import Const, Norm, NormStack, Pending, Zeros
 from backends.torch.lowering.registry import Handler, refines
 
@@ -41,12 +40,23 @@ ADDS = ("aten.add.Tensor", "aten.add_.Tensor")
 
 @dataclass(frozen=True)
 class Scalars(Pending):
-    """``torch.stack`` of 0-d values, not yet emitted: read by its sum."""
+    """``torch.stack`` of 0-d values, not yet emitted: its sum is the chain of
+    additions; any other reader reads the stack itself, each value seen
+    with one dim of 1 and the values concatenated in order (``stack``'s
+    meaning, ``compose.stack``), emitted once for all such readers (a
+    parameter's gradient through ``unbind``: HY-V4's ``scale``;
+    docs/soundness.md, "Plans traced from PyTorch", 110 (b))."""
     items: tuple[Any, ...]
 
     def materialize(self, lw: Lowerer) -> int:
-        raise LoweringError(f"{lw.name}: a stack of {len(self.items)} scalars is read other "
-                            f"than by its sum (not lowered)")
+        key = ("stacked scalars", id(self))  # kept alive by the env that holds it
+        if key in lw.emitted_once:
+            return lw.emitted_once[key]
+        pieces = [lw.reshape(lw.materialize(item), (1,)) for item in self.items]
+        out = pieces[0] if len(pieces) == 1 else \
+            lw.emit("cat", pieces, [(len(pieces),)], {"dim": 0})[0]
+        lw.emitted_once[key] = out
+        return out
 
 
 def _value(lw: Lowerer, a: Any) -> Any:

@@ -33,6 +33,8 @@ WHAT = {
     "Unpadded": ("an FSDP2 parameter gathered from padded shards", "read as its rows"),
     "NormStack": ("a stack of gradient norms", "only a norm, a power or an all-reduce of it "
                   "is lowered"),
+    "Empty": ("a tensor of no entries", "only a cat (which leaves it out), a slice's "
+              "backward, a slice_scatter and ops that make no entries either read one"),
     "Decayed": ("AdamW's decayed parameter", "only the optimizer step reads it"),
     "Moment1": ("Adam's first moment", "only the optimizer step reads it"),
     "Moment2": ("Adam's second moment", "only the optimizer step reads it"),

@@ -38,6 +38,7 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input, constant_value
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.ir import Const, NewZeros, Pending, Zeros
+from backends.torch.lowering.moved_rows import reread
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -410,6 +411,25 @@ def _scatter_rows(lw: Lowerer, g: int, index: np.ndarray, shape: tuple[int, ...]
     return lw.reshape(out, shape)
 
 
+def reread_at(lw: Lowerer, ref: Any, rows: Rows, at: np.ndarray, window: int | None = None
+              ) -> Rows:
+    """``rows`` read at the index ``at`` instead, on a rank that added rows
+    back out of order (``Lowerer.rows_moved``): rows ``at`` of its base
+    moved by a permutation (``moved_rows.reread``), the same values; the
+    recorded tensor ``ref`` is bound to them for every later reader. Rows
+    of another length, or of a base of another size, are left as they
+    are. ``window``: the rows of the base ``at`` numbers, when fewer than
+    the base's (``moved_rows.reread``)."""
+    if np.array_equal(rows.index, at):
+        return rows
+    moved = reread(lw, rows.base, rows.index, at, window)
+    if moved is None:
+        return rows
+    rows = Rows(moved, np.asarray(at, dtype=np.int64))
+    lw.env[ref[1]] = rows
+    return rows
+
+
 def transpose_rows(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         x = value_of(lw, args[0])
@@ -424,6 +444,8 @@ def mm(base: Handler) -> Handler:
     ``rows @ w``: row-wise."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         a, b = value_of(lw, args[0]), value_of(lw, args[1])
+        if isinstance(a, RowsT) and isinstance(b, Rows) and lw.rows_moved:
+            b = reread_at(lw, args[1], b, a.rows.index)
         if isinstance(a, RowsT) and isinstance(b, Rows) and np.array_equal(a.rows.index, b.index) \
                 and lw.shapes[a.rows.base][0] == lw.shapes[b.base][0]:
             left = masked(lw, a.rows)

@@ -16,7 +16,7 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import Pending
-from backends.torch.lowering.routed_rows import Rows, masked, value_of
+from backends.torch.lowering.routed_rows import Rows, masked, reread_at, value_of
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -112,6 +112,14 @@ def rowwise(base: Handler, keeps_rows: Callable[..., bool]) -> Handler:
             return _handed_on(base, lw, args, kwargs, shapes, group)
         first = rows[0]
         n, total = len(first.index), _rows_total(lw, first)
+        if lw.rows_moved and isinstance(first, Rows):
+            # rows of one base size read at two indices on a rank that added
+            # rows back out of order: each read at the first's index
+            for ref, p in zip(refs, pending):
+                if isinstance(p, Rows) and lw.shapes[p.base][0] == total:
+                    reread_at(lw, ref, p, first.index)
+            pending = [value_of(lw, a) for a in refs]
+            rows = [p for p in pending if isinstance(p, (Rows, RowsOf))]
         same = all(np.array_equal(r.index, first.index) and _rows_total(lw, r) == total for r in rows)
         if not same or not keeps_rows(lw, args, kwargs) \
                 or any(s and s[0] != n for s in shapes):

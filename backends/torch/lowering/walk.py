@@ -15,6 +15,7 @@ from backends.torch.lowering.ir import Const, Ids, Moment1, Moment2, NoShard, nu
 from backends.torch.lowering.mask_values import Tentative
 from backends.torch.lowering.param_buffers import own_runs
 from backends.torch.lowering.range_steps import final_range
+from backends.torch.lowering.zero_reductions import drop_zero_reductions
 
 
 def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
@@ -27,6 +28,7 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
     first = [lower_trace(t, vocab, "collect", peers) for t in traces]
     if not any(low.count_reduces for low in first):
         resolve_gathers(first)
+        drop_zero_reductions(first)
         return first
     counts = _count_sums(first)
     for _ in range(COUNT_PASSES):
@@ -42,6 +44,7 @@ def lower_ranks(traces: list[dict], vocab: int) -> list[Lowered]:
                             f"{COUNT_PASSES} passes")
     lows = [lower_trace(t, vocab, c, peers) for t, c in zip(traces, counts)]
     resolve_gathers(lows)
+    drop_zero_reductions(lows)
     return lows
 
 

@@ -97,6 +97,8 @@ class _Writer:
         if kind == "param" and strided(r.claim[v].dims) is not None:
             self.t_of[(r.low.rank, v)] = strided_input(self, r, v)  # item 87
             return
+        # an input of its own made while aligning (a copy's, ``copy_constant``)
+        self.plan.logical.extend(self.b.logical[len(self.plan.logical):])
         self.t_of[(r.low.rank, v)] = self.tensor(r, v, mb, tid=r.own_tid.get(v))
 
     def tensor(self, r: AlignedRank, v: int, mb: int, tid: int | None = None,

@@ -40,6 +40,11 @@ ALL_GATHER = {"c10d._allgather_base_.default": (0, 1, 2)}
 #: root's index in the group); a broadcast of anything else (DDP's buffers)
 #: is left as it is (its members hold the root's values: ``check_broadcasts``)
 BROADCAST = {"c10d.broadcast_.default": (0, 1, 2)}
+#: the all-reduces answered when a step asks for them (``Exchanges(reduce=True)``:
+#: torchtitan's load-balancing hook sums its per-expert counts over the
+#: data-parallel ranks, docs/soundness.md, "Plans traced from PyTorch", 105):
+#: op name -> positions of (tensors, group, reduce op); one tensor, SUM only
+ALL_REDUCE = {"c10d.allreduce_.default": (0, 1, 2)}
 #: every collective of constants answered
 ANSWERED = frozenset(ALL_TO_ALL) | frozenset(ALL_GATHER) | frozenset(BROADCAST)
 #: passes of the ranks before the sent values must have settled (one per
@@ -74,20 +79,29 @@ class Exchanges:
     the members' sends of the pass before (``previous``: rank -> sent), the
     answers."""
 
-    def __init__(self, rank: int, previous: dict[int, list[dict]] | None = None):
+    def __init__(self, rank: int, previous: dict[int, list[dict]] | None = None,
+                 reduce: bool = False):
         self.rank = rank
         self.previous = previous
+        #: answer the SUM all-reduces of one constant tensor too (``ALL_REDUCE``)
+        self.reduce = reduce
         self.sent: list[dict] = []
         self.count: dict[tuple[int, ...], int] = {}  # per group: constant all-to-alls so far
         self.unanswered = 0  # constant all-to-alls left as the fake group returned them
         self.answered: list[float] = []  # the numbers written by answered broadcasts, in order
 
     def handles(self, name: str) -> bool:
-        return name in ANSWERED
+        return name in ANSWERED or self.reduce and name in ALL_REDUCE
 
     def input_of(self, name: str, args: tuple) -> Any:
         """The tensor an answered collective sends (a broadcast: its one
-        tensor, None when it broadcasts anything but one number)."""
+        tensor, None when it broadcasts anything but one number; an
+        all-reduce: its one tensor, None for several or another op than SUM)."""
+        if name in ALL_REDUCE:
+            at_tensors, _, at_op = ALL_REDUCE[name]
+            tensors, op = args[at_tensors], args[at_op]
+            op = int(op.op()) if isinstance(op, torch.ScriptObject) else None
+            return tensors[0] if len(tensors) == 1 and op == 0 else None  # 0: ReduceOp.SUM
         if name in BROADCAST:
             tensors = args[BROADCAST[name][0]]
             one = len(tensors) == 1 and tensors[0].numel() == 1
@@ -125,6 +139,8 @@ class Exchanges:
         answer into its output when the members' sends are known (True
         then). An all-gather is an all-to-all sending its whole input to
         every member."""
+        if name in ALL_REDUCE:
+            return self.all_reduce(name, args, group_of)
         gather = name in ALL_GATHER
         if gather:
             at_out, at_in, at_group = ALL_GATHER[name]
@@ -151,6 +167,48 @@ class Exchanges:
         with torch.no_grad():
             target.copy_(torch.as_tensor(answer, dtype=target.dtype))
         return True
+
+    def all_reduce(self, name: str, args: tuple,
+                   group_of: Callable[[Any], tuple[int, ...]]) -> bool:
+        """Record a SUM all-reduce of one constant tensor; write the sum of
+        the members' sends of the pass before into it when every member's
+        is known (True then)."""
+        at_tensors, at_group, _ = ALL_REDUCE[name]
+        x = args[at_tensors][0]
+        group = group_of(args[at_group])
+        k = self.count.get(group, 0)
+        self.count[group] = k + 1
+        self.sent.append({"group": list(group), "k": k, "input": x.detach().cpu().numpy().copy(),
+                          "in_splits": None, "out_splits": None, "whole": True, "sum": True})
+        total = None if self.previous is None else self.total(group, k, tuple(x.shape))
+        if total is None:  # a member did not get this far in the pass before
+            self.unanswered += 1
+            return False
+        with torch.no_grad():
+            x.copy_(torch.as_tensor(total, dtype=x.dtype))
+        return True
+
+    def total(self, group: tuple[int, ...], k: int, shape: tuple[int, ...]) -> np.ndarray | None:
+        """The sum of the members' inputs to the k-th collective on
+        ``group`` (in float64, then written in the output's type: the
+        counts summed are integers), None when a member's pass before
+        stopped short of it."""
+        out = np.zeros(shape, dtype=np.float64)
+        for member in group:
+            sends = [s for s in self.previous.get(member, []) if tuple(s["group"]) == group]
+            if k >= len(sends) or not sends[k].get("sum"):
+                return None
+            if tuple(sends[k]["input"].shape) != shape:
+                raise LoweringError(f"rank {self.rank}'s all-reduce on group {list(group)} of "
+                                    f"{list(shape)} meets a member's of "
+                                    f"{list(sends[k]['input'].shape)}")
+            part = sends[k]["input"].astype(np.float64)
+            if not np.array_equal(part, np.round(part)):
+                raise LoweringError(f"rank {member}'s all-reduce of constants on group "
+                                    f"{list(group)} sums numbers that are not integers: only "
+                                    f"counts are answered (their sum is exact in any order)")
+            out += part
+        return out
 
     def answer(self, group: tuple[int, ...], k: int, shape: tuple[int, ...]) -> np.ndarray | None:
         """Member ``self.rank``'s output of the k-th constant all-to-all on

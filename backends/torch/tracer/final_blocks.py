@@ -37,8 +37,15 @@ def tids_by_name(writer: _Writer) -> dict[str, int]:
 
 def write_final_blocks(writer: _Writer) -> None:
     """Every rank's final parameters and states as blocks (the module's
-    docstring), when any rank ends with runs; the world's ``final_blocks``."""
-    if not any(r.low.final_runs for r in writer.rs.values()):
+    docstring), when any rank ends with runs or gradient blocks and a step
+    (docs/soundness.md, "Plans traced from PyTorch", 108 (c)); the world's
+    ``final_blocks``."""
+    stepped = writer.plan.world.get("grad_blocks") and any(
+        r.low.updates or r.low.states for r in writer.rs.values())
+    if not any(r.low.final_runs for r in writer.rs.values()) and not stepped:
+        # with gradient blocks and a step, the updates are listed even when each
+        # is a whole value (a data-parallel size of 1: every range whole), for
+        # the final check reads an update over gradient blocks only from this list
         return
     names = tids_by_name(writer)
     out: list[list[int]] = []

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from backends.torch.tracer.circular_pad import CircularPad
 from backends.torch.tracer.exchange import Exchanges
+from backends.torch.tracer.failure import StepFailed, failure_line
 from backends.torch.tracer.loaded import SetupCollectives, loaded_values
 from backends.torch.tracer.mesh import build as build_mesh
 from backends.torch.tracer.mesh import coords as mesh_coords
@@ -121,7 +122,9 @@ def _run(spec: dict, rank: int) -> dict:
     rec.routing.batch = spec["batch"]
     rec.routing.fill_skipped = bool(spec.get("fill_skipped"))
     if spec["parallel"]:
-        rec.exchanges = Exchanges(rank, spec.get("exchanges"))
+        # a step that all-reduces constants (torchtitan's expert counts) has them answered
+        rec.exchanges = Exchanges(rank, spec.get("exchanges"),
+                                  reduce=bool(getattr(model, "reduces_constants", False)))
     pipelined, own = None, None
     if isinstance(after, OwnSchedule):
         own, after = after, after.after_backward
@@ -146,6 +149,9 @@ def _run(spec: dict, rank: int) -> dict:
             optimizer = update(model, mesh, spec)
     except Exception as e:
         if rec.exchanges is None or not rec.exchanges.unanswered:
+            if spec["parallel"]:  # the rank's one line: where, what, a real run's path (item 110 (c))
+                raise StepFailed(failure_line(e, model, params, rec.events, rec.constants)) \
+                    from None
             raise
         # shapes from an all-to-all the fake group answered: the next pass
         # answers it from what this one sent (exchange.settle)
@@ -153,6 +159,7 @@ def _run(spec: dict, rank: int) -> dict:
         return {"rank": rank, "exchanges": rec.exchanges.sent, "unanswered": rec.exchanges.unanswered,
                 "failed": f"{type(e).__name__}: {last}", "imports": imported_since(before)}
     grads, updates, states = _ends(rec, model, optimizer)
+    final_buffers = _final_buffers(rec, model)
     if spec["parallel"]:
         updates = _written(updates, params)
     blocks = _grad_blocks(rec, model)
@@ -188,6 +195,7 @@ def _run(spec: dict, rank: int) -> dict:
         "exchanges": rec.exchanges.sent if rec.exchanges else [],
         "unanswered": rec.exchanges.unanswered if rec.exchanges else 0,
         "skips_unrouted_experts": bool(getattr(model, "skips_unrouted_experts", False)),
+        "final_buffers": final_buffers,
     }
 
 
@@ -280,6 +288,24 @@ def _ends(rec: Recorder, model: torch.nn.Module, optimizer) -> tuple[dict, dict,
                             if isinstance(t, torch.Tensor)
                             and (t.shape == p.shape or flat and t.dim() == 1)}
     return grads, updates, states
+
+
+def _final_buffers(rec: Recorder, model: torch.nn.Module) -> dict[str, tuple[bool, Any]]:
+    """The buffers the step updates that the model names (``final_buffers``:
+    torchtitan's expert biases and token counts after its load-balancing
+    hook), each as (whether it is a constant of the step, its value as a
+    numpy array; a DTensor's local tensor, replicated): what every rank must
+    end with as the single-device step does (``tracer/final_buffers.py``)."""
+    out = {}
+    held = dict(model.named_buffers())
+    for name in getattr(model, "final_buffers", ()):
+        b = held[name]
+        if not all(p.is_replicate() for p in getattr(b, "placements", ())):
+            raise ValueError(f"the buffer {name} the step updates is a DTensor of placements "
+                             f"{b.placements}, not replicated: not compared")
+        out[name] = (rec.current(local_of(b)) in rec.constants,
+                     local_of(b).detach().cpu().numpy().copy())
+    return out
 
 
 def _written(updates: dict, params: dict) -> dict:
@@ -458,8 +484,10 @@ def update(model: torch.nn.Module, mesh, spec: dict):
     if name == "none":
         return None
     own = getattr(model, "own_optimizer", None)
-    if mesh is not None and own is not None:
-        return own(name)  # the recipe's optimizer code, for the same hyperparameters
+    if own is not None and (mesh is not None or getattr(own, "one_device", False)):
+        # the recipe's optimizer code, for the same hyperparameters (on one
+        # device too when it says so: torchtitan's load-balancing hook)
+        return own(name)
     optimizer = OPTIMIZERS[name](list(model.parameters()))
     optimizer.step()
     return optimizer
@@ -475,6 +503,8 @@ def run_isolated(spec: dict, rank: int) -> dict | str:
         trace = run(spec, rank)
         trace["cpu"] = time.process_time()  # this process's CPU: imports after the fork, the run
         return trace
+    except StepFailed as e:
+        return str(e)
     except Exception as e:  # any failure of the user's model or recipe: reported, one line
         lines = [ln for ln in traceback.format_exception_only(e)[-1].strip().splitlines()
                  if ln.strip()]

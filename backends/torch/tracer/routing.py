@@ -216,19 +216,3 @@ def check_skipped_add_nothing(filled: list[dict], own: list[dict]) -> None:
                                 f"{e} at router call {k} ends its step with other values than the "
                                 f"step as the code runs it (the added iteration is no empty one; "
                                 f"docs/soundness.md, \"Plans traced from PyTorch\", 88)")
-
-
-def check_rows_are_blocks(single: dict, dp: int, tp: int = 1) -> None:
-    """Refuse a routed step of a sequence-first model (token rows ``[s, b]``
-    flattened, position outer: Megatron-Core's) with data and tensor
-    parallelism together: a rank's tokens are then its block of the
-    positions at its batch rows, which no claim of a block states and the
-    ranks' order of the rows is not written for (docs/soundness.md, "Plans
-    traced from PyTorch", 48 g; at tp 1, item 89 writes the single-device
-    step in the ranks' order)."""
-    from backends.torch.errors import LoweringError
-    if single.get("routing") and single.get("sequence_first") and dp > 1 and tp > 1:
-        raise LoweringError("a routed mixture of experts in a sequence-first model with data "
-                            "and tensor parallelism together is not traced: each rank's token "
-                            "rows (its positions at its batch rows) are no block of the "
-                            "flattened [s, b] rows; use --tp 1 or --dp 1")

@@ -106,8 +106,18 @@ class _Chains:
                               dim0=1, dim1=2)
             d, _ = self.node(node, "flatten", s3, (o * i, *rest), node.outs[0], start=0, end=3)
             return [a, b, c, d]
-        raise _refuse(f"{node.name}: rows cut as {self.parts}, the inner dim's parts first, "
-                      f"are not laid out by a chain")
+        # both dims cut, the inner's parts first (Megatron's [s, b] at dp x tp with sequence
+        # parallelism): [qo, lo, qi, li] -> [qo, qi, lo, li] -> [qi, qo, lo, li]
+        a, s1 = self.node(node, "unflatten", node.ins[0], (qo, o // qo, i, *rest), None,
+                          dim=0, sizes=[qo, o // qo])
+        b, s2 = self.node(node, "unflatten", s1, (qo, o // qo, qi, i // qi, *rest), None,
+                          dim=2, sizes=[qi, i // qi])
+        c, s3 = self.node(node, "transpose", s2, (qo, qi, o // qo, i // qi, *rest), None,
+                          dim0=1, dim1=2)
+        d, s4 = self.node(node, "transpose", s3, (qi, qo, o // qo, i // qi, *rest), None,
+                          dim0=0, dim1=1)
+        e, _ = self.node(node, "flatten", s4, (o * i, *rest), node.outs[0], start=0, end=3)
+        return [a, b, c, d, e]
 
     def exit(self, node: LNode) -> list[LNode]:
         """The inverse chain: ``[o * i, *rest]`` -> parts first -> back to
@@ -115,6 +125,17 @@ class _Chains:
         o, i = node.kwargs["sizes"]
         rest = tuple(self.low.shapes[node.ins[0]][1:])
         qo, qi = self.sizes
+        if self.inner_first and self.parts[0] > 1:
+            # [qi, qo, lo, li] -> [qo, qi, lo, li] -> [qo, lo, qi, li] -> [o, i]
+            a, s1 = self.node(node, "unflatten", node.ins[0], (qi, qo, o // qo, i // qi, *rest),
+                              None, dim=0, sizes=[qi, qo, o // qo, i // qi])
+            b, s2 = self.node(node, "transpose", s1, (qo, qi, o // qo, i // qi, *rest), None,
+                              dim0=0, dim1=1)
+            c, s3 = self.node(node, "transpose", s2, (qo, o // qo, qi, i // qi, *rest), None,
+                              dim0=1, dim1=2)
+            d, s4 = self.node(node, "flatten", s3, (o, qi, i // qi, *rest), None, start=0, end=1)
+            e, _ = self.node(node, "flatten", s4, (o, i, *rest), node.outs[0], start=1, end=2)
+            return [a, b, c, d, e]
         if self.inner_first:  # [qi, o, li] -> [o, qi, li] -> [o, i]
             a, s1 = self.node(node, "unflatten", node.ins[0], (qi, o, i // qi, *rest), None,
                               dim=0, sizes=[qi, o, i // qi])
@@ -384,8 +405,14 @@ def _first_shape(low: Lowered, node: LNode) -> tuple[int, ...]:
 
 
 def _unrooted(name: str) -> str:
-    """A module's path without its root class (which wrappers rename)."""
-    return name.split(".", 1)[-1]
+    """A module's path without its root class (which wrappers rename), and
+    without the attribute a wrapper holds the model at (Megatron's DDP
+    ``module``, the backend's one-device ``model``)."""
+    path = name.split(".", 1)[-1]
+    for wrapped in ("module.", "model."):
+        if path.startswith(wrapped):
+            return path[len(wrapped):]
+    return path
 
 
 def _routing_layers(low: Lowered, rows: int) -> set[str]:
@@ -399,7 +426,8 @@ def _routing_layers(low: Lowered, rows: int) -> set[str]:
     return names
 
 
-def _rank_flattens(low: Lowered, local: tuple[int, int], seqlen: int) -> dict[str, list[bool]]:
+def _rank_flattens(low: Lowered, local: tuple[int, int], seqlen: int,
+                   sequence_first: bool = False) -> dict[str, list[bool]]:
     """A rank's forward flattens of its batch rows by module inside the
     layers that route, in order (those of its own positions, True, and of
     all positions, False), for the modules with one of its own positions."""
@@ -408,9 +436,15 @@ def _rank_flattens(low: Lowered, local: tuple[int, int], seqlen: int) -> dict[st
     for node in low.nodes:
         shape = _first_shape(low, node)
         name = _unrooted(node.name)
-        if _is_forward(node) and len(shape) >= 2 and shape[1] in (local[1], seqlen) \
-                and flattens_rows(node.op, node.kwargs, shape, (local[0], shape[1])) \
-                and any(name == m or name.startswith(m + ".") for m in layers):
+        if not (_is_forward(node) and len(shape) >= 2
+                and any(name == m or name.startswith(m + ".") for m in layers)):
+            continue
+        if sequence_first:  # [s, b]: the positions are the outer dim
+            if shape[0] in (local[0], seqlen) \
+                    and flattens_rows(node.op, node.kwargs, shape, (shape[0], local[1])):
+                marks.setdefault(name, []).append(shape[0] == local[0])
+        elif shape[1] in (local[1], seqlen) \
+                and flattens_rows(node.op, node.kwargs, shape, (local[0], shape[1])):
             marks.setdefault(name, []).append(shape[1] == local[1])
     return {name: flags for name, flags in marks.items() if any(flags)}
 
@@ -425,7 +459,8 @@ def paired_entries(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
     flattens another number of times on one device."""
     wanted: dict[str, list[bool]] | None = None
     for low in lows:
-        marks = _rank_flattens(low, local[low.rank], grid.sizes[1])
+        marks = _rank_flattens(low, local[low.rank], grid.sizes[0 if grid.inner_first else 1],
+                               grid.inner_first)
         if wanted is not None and marks != wanted:
             raise _refuse(f"rank {low.rank} flattens its own token rows in other modules "
                           f"than rank {lows[0].rank}")
@@ -504,9 +539,7 @@ def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
     tokens = single["batch_ids"]["tokens"]
     batch, seqlen = int(tokens.shape[0]), int(tokens.shape[1])
     if single.get("sequence_first"):
-        if tp > 1:
-            return False  # refused up front (routing.check_rows_are_blocks)
-        grid = RowGrid((seqlen, batch), (1, dp), inner_first=True)
+        grid = RowGrid((seqlen, batch), (tp, dp), inner_first=True)
     elif tp > 1:
         grid = RowGrid((batch, seqlen), (dp, tp))
     else:
@@ -515,11 +548,11 @@ def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
     held = {}
     for low in lows:
         d, t = low.coords.get("dp", 0), low.coords.get("tp", 0)
-        o, i = (0, d) if grid.inner_first else (d, t)
+        o, i = (t if tp > 1 else 0, d) if grid.inner_first else (d, t)
         held[low.rank] = held_rows(grid, np.arange(o * lo, (o + 1) * lo),
                                    np.arange(i * li, (i + 1) * li))
     check_blocks(grid, held)
     local = {low.rank: (lo, li) for low in lows}
-    if grid.inner_first:
+    if grid.inner_first and tp == 1:
         return order_rows(low_s, lows, grid, local)
     return order_rows_paired(low_s, lows, grid, local)

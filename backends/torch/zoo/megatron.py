@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.torch.tracer.pipeline import OwnSchedule
+from backends.torch.tracer.placements import strided_marker
 from backends.torch.zoo import megatron_optim, megatron_shim
 
 #: the seed of Megatron's RNG tracker (its dropout streams; dropout is 0 here)
@@ -387,11 +388,15 @@ def load_pieces(full: dict[str, torch.Tensor], chunk: nn.Module, names: dict[str
                 if n != tp:
                     raise ValueError(f"Megatron's expert tensor-parallel size {n} is neither 1 nor "
                                      f"the tensor-parallel size {tp}: not supported")
-                if getattr(p, "partition_stride", 1) != 1:
-                    raise ValueError(f"Megatron parameter {name} is strided across tensor-parallel "
-                                     f"ranks (partition_stride {p.partition_stride}): not supported")
-                whole = whole.chunk(n, dim=p.partition_dim)[at]
+                stride = getattr(p, "partition_stride", 1)
+                # Megatron's strided partition (a gated MLP's fused linear_fc1): the
+                # dim read as `stride` equal parts, the rank's block of each, side by
+                # side (docs/soundness.md, "Plans traced from PyTorch", 87, 108 (e))
+                whole = torch.cat([part.chunk(n, dim=p.partition_dim)[at]
+                                   for part in whole.chunk(stride, dim=p.partition_dim)],
+                                  dim=p.partition_dim)
                 axes: list[list[str]] = [[] for _ in range(p.dim())]
+                axes[p.partition_dim] += [strided_marker(stride)] if stride > 1 else []
                 axes[p.partition_dim].append("tp")
                 p.mesh_axes = axes
             p.data = whole.detach().clone()

@@ -51,6 +51,10 @@ class TitanLM(nn.Module):
         self.global_tokens = 1  # set by the backend to the step's label count
         #: the positions of the rank's tokens, when they are a chunk of the sequence
         self.positions: torch.Tensor | None = None
+        #: the step passes each row's positions as torchtitan's data loader
+        #: yields them (``titan:NAME_positions``: one document per row, 0 to
+        #: s - 1), where the model's default reads the table's prefix
+        self.loader_positions = False
 
     def loss(self, pred: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """torchtitan's loss function as its pipeline schedule calls it:
@@ -61,8 +65,11 @@ class TitanLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from torchtitan.components.loss import cross_entropy_loss
-        if self.positions is not None:  # a context-parallel rank's chunk (parallelize_cp)
-            return cross_entropy_loss(self.model(tokens, positions=self.positions),
+        positions = self.positions
+        if positions is None and self.loader_positions:
+            positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1).contiguous()
+        if positions is not None:  # a context-parallel rank's chunk (parallelize_cp)
+            return cross_entropy_loss(self.model(tokens, positions=positions),
                                       labels) / self.global_tokens
         return cross_entropy_loss(self.model(tokens), labels) / self.global_tokens
 
@@ -132,28 +139,47 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "kimi_k2_7": ("kimi_k2_7", "debugmodel"),
 }
 EP_SUFFIX = "_ep"
+#: ``NAME_positions``: the same model, its step passing torchtitan's data
+#: loader positions (``TitanLM.loader_positions``)
+POSITIONS_SUFFIX = "_positions"
+
+
+def _family_name(name: str) -> tuple[str, bool, bool] | None:
+    """(the ``FAMILIES`` key, expert parallel, loader positions) of a
+    factory name, None when it names none."""
+    positions = name.endswith(POSITIONS_SUFFIX)
+    base = name.removesuffix(POSITIONS_SUFFIX) if positions else name
+    if base in FAMILIES:
+        return base, False, positions
+    if base.endswith(EP_SUFFIX) and base.removesuffix(EP_SUFFIX) in FAMILIES:
+        return base.removesuffix(EP_SUFFIX), True, positions
+    return None
 
 
 def family_factory(name: str):
     """The model factory of ``FAMILIES[name]`` (``name`` may end in
-    ``_ep``), a top-level function of this module by that name."""
-    ep = name.endswith(EP_SUFFIX) and name not in FAMILIES
-    family, flavor = FAMILIES[name.removesuffix(EP_SUFFIX) if ep else name]
+    ``_ep``, then ``_positions``), a top-level function of this module by
+    that name."""
+    key, ep, positions = _family_name(name)
+    family, flavor = FAMILIES[key]
 
     def factory(**sizes) -> TitanLM:
-        return build(flavor, family=family, ep=2 if ep else 1, **sizes)
+        lm = build(flavor, family=family, ep=2 if ep else 1, **sizes)
+        lm.loader_positions = positions
+        return lm
 
     factory.__name__ = factory.__qualname__ = name
     factory.__module__ = __name__
     factory.__doc__ = (f"torchtitan's {family} ``{flavor}``"
-                       + (", configured for expert parallelism" if ep else ""))
+                       + (", configured for expert parallelism" if ep else "")
+                       + (", its step given the data loader's positions" if positions else ""))
     return factory
 
 
 def __getattr__(name: str):
-    """``titan:NAME`` of ``FAMILIES`` (and ``NAME_ep``) as its factory."""
-    base = name.removesuffix(EP_SUFFIX)
-    if name in FAMILIES or base in FAMILIES:
+    """``titan:NAME`` of ``FAMILIES`` (and ``NAME_ep``, ``NAME_positions``)
+    as its factory."""
+    if _family_name(name) is not None:
         return family_factory(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

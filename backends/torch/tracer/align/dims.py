@@ -20,6 +20,12 @@ from verdict.plan import Node
 #: have the scale of the others, up to a replicated value split n ways).
 ADDITIONS = ("add", "sub", "local_grad_accumulation")
 
+#: forward views and sums of one input: a piece read at another holder's
+#: coordinates (a received key, ``Claim.at``) is still read there through
+#: them (a key head repeated for its query heads, its gradient summed over
+#: them; docs/soundness.md, "Plans traced from PyTorch", 107)
+AT_CARRIERS = ("unflatten", "flatten", "expand", "transpose", "permute", "sum")
+
 
 def probe_scale(node: LNode, shapes: dict[int, tuple[int, ...]],
                 scales: list[Fraction]) -> list[Fraction]:
@@ -92,7 +98,9 @@ class Dims(Pieces):
         rel = get_op(node.op).relations(shapes_in, shapes_out, node.kwargs)
         dims_out, source = self.carried_dims(rel, ins, outs)
         partial |= self.summed_axes(rel, ins, shapes_out)
-        self.claim_outputs(outs, dims_out, source, partial, mbs, steps)
+        held = [v for v in ins if v >= 0]
+        at = self.claim[held[0]].at if node.op in AT_CARRIERS and len(held) == 1 else None
+        self.claim_outputs(outs, dims_out, source, partial, mbs, steps, at)
 
     def carried_dims(self, rel: list, ins: list[int], outs: list[int]
                      ) -> tuple[list[list], dict[tuple[int, int], int]]:
@@ -160,7 +168,8 @@ class Dims(Pieces):
         return summed
 
     def claim_outputs(self, outs: list[int], dims_out: list[list], source: dict,
-                      partial: set[str], mbs, steps=None) -> None:
+                      partial: set[str], mbs, steps=None,
+                      at: dict[str, int] | None = None) -> None:
         """Each output's claim: the carried axes that give its local size,
         else its consumers' (``hint``), else a guess; then checked."""
         for o, v in enumerate(outs):
@@ -179,7 +188,8 @@ class Dims(Pieces):
                              else (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
                     dims[d] = self.guess(self.low.shapes[v][d], full[d], used, order)
             self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None,
-                                  steps=steps if "step" in partial else None)
+                                  steps=steps if "step" in partial else None,
+                                  at=dict(at) if at and any(dims) else None)
             self.check(v, uneven=True)
 
     def hint(self, v: int, d: int, local: int, full: int) -> list[str] | None:
@@ -225,7 +235,11 @@ class Dims(Pieces):
                 self.claim[o] = Claim([list(d) for d in self.claim[node.ins[0]].dims],
                                       frozenset(partial), mbs)
             else:
-                self.claim[o] = Claim([list(d) for d in grad.dims], frozenset(partial), mbs)
+                # one input: read where it is read (``AT_CARRIERS``: a sum of a
+                # received key's repeated heads' gradients)
+                at = grad.at if len([x for x in node.ins if x >= 0]) == 1 else None
+                self.claim[o] = Claim([list(d) for d in grad.dims], frozenset(partial), mbs,
+                                      at=dict(at) if at else None)
             self.check(o)
 
     def scales_of(self, node: LNode) -> list[Fraction]:

@@ -128,9 +128,11 @@ class InputMatching(Pieces):
                 self.claim[v] = self.buffer_piece(v)
             self.check_input(v, name)
             self.whole_where_held(v)
+        whole: dict[int, tuple[np.ndarray, tuple[int, ...]]] = {}
         for v, name in split:
             copies = self.per_microbatch(v)
             if not copies:
+                whole[v] = (low.constants[v], tuple(low.shapes[v]))
                 self.slim_constant(v, keep=True)
                 own.append((v, name))
                 continue
@@ -143,9 +145,10 @@ class InputMatching(Pieces):
                     own.append((u, low.inputs[u][1]))
         self.taken = {self.sv[u] for u in self.sv}
         for v, name in own:
-            self.sv[v], self.claim[v] = self.own_constant(v, name)
+            self.sv[v], self.claim[v] = self.own_constant(v, name, whole.get(v))
 
-    def own_constant(self, v: int, name: str) -> tuple[int, Claim]:
+    def own_constant(self, v: int, name: str,
+                     whole: tuple[np.ndarray, tuple[int, ...]] | None = None) -> tuple[int, Claim]:
         """A constant of this rank that is no piece of any single-device
         constant (another pad id on one rank): a plan input of its own, a
         fresh logical tensor no single-device node reads, so nothing ties
@@ -153,7 +156,10 @@ class InputMatching(Pieces):
         traced from PyTorch", 23). Its readers are aligned with the
         single-device nodes that read, at the same position, the constant of
         its shape they match; the verifier then judges them for every value
-        of both, the real ones included."""
+        of both, the real ones included. ``whole``: the constant before
+        ``slim_constant`` took one slice of it, read again as it was when no
+        single-device constant is read alike with the slice (docs/soundness.md,
+        "Plans traced from PyTorch", 106)."""
         mine = self.low.constants[v]
         shape = tuple(self.low.shapes[v])
         tied: list[int] = []
@@ -174,6 +180,10 @@ class InputMatching(Pieces):
                 tied.append(sv)
             if n > hits:
                 best, hits, tied = sv, n, [sv]
+        if best is None and whole is not None and whole[1] != shape:
+            # the slice fits none: the rank's constant as it was (its program)
+            self.low.constants[v], self.low.shapes[v] = whole
+            return self.own_constant(v, name)
         if best is None and readers and all(self.stood_in_by(node, v)
                                             for node in self.consumers[v]):
             # read only where it changes a value of the reader's output's
@@ -186,6 +196,7 @@ class InputMatching(Pieces):
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
                                 f"reads one of its shape where this rank reads it")
+        alike = list(tied)
         if len(tied) > 1:
             # several read alike (a rotary table's two parts): those that hold
             # this rank's values as some block (another rank's piece, the
@@ -220,16 +231,31 @@ class InputMatching(Pieces):
             near = {sv: _differences(self.b.s.low.constants[sv], mine) for sv in tied}
             best = min(tied, key=lambda sv: near[sv])
         full = tuple(self.b.s.low.shapes[best])
-        dims: list[list[str]] = [[] for _ in shape]
-        if full != shape:
-            # the piece at this rank's coordinates of an input of the
-            # single-device constant's shape, which no single-device node
-            # reads (another routing of its rows)
-            first = MB_CUTS + CONST_CUTS[0] if self.mb.get(v, -1) >= 0 else CONST_CUTS[0]
-            dims = [self.guess(m, f, order=self.orders((first, CONST_CUTS[1])[min(k, 1)]))
-                    for k, (m, f) in enumerate(zip(shape, full))]
         self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", full, self.low.inputs[v][0])
-        return best, Claim(dims)
+        if len(alike) > 1:
+            # each of those read alike is a match a reader may choose
+            # (``Rechoice.choose_constants``, docs/soundness.md, "Plans traced
+            # from PyTorch", 106): the chosen one first, then the nearest by
+            # value; a choice of the single-device nodes its readers are
+            # compared with only, its claim an input of its own whichever
+            near = {sv: _differences(self.b.s.low.constants[sv], mine) for sv in alike}
+            rest = sorted((sv for sv in alike if sv != best), key=lambda sv: near[sv])
+            self.matches[v] = [(sv, self.own_claim(v, tuple(self.b.s.low.shapes[sv])))
+                               for sv in [best, *rest]]
+        return best, self.own_claim(v, full)
+
+    def own_claim(self, v: int, full: tuple[int, ...]) -> Claim:
+        """The claim of constant ``v``, an input of its own, as a piece of
+        an input of shape ``full``: at this rank's coordinates, each smaller
+        dim cut by the first mesh axes of its ratio (another routing of its
+        rows, which no single-device node reads)."""
+        shape = tuple(self.low.shapes[v])
+        if full == shape:
+            return Claim([[] for _ in shape])
+        first = MB_CUTS + CONST_CUTS[0] if self.mb.get(v, -1) >= 0 else CONST_CUTS[0]
+        return Claim([self.guess(m, f, order=self.orders((first, CONST_CUTS[1])[min(k, 1)]))
+                      for k, (m, f) in enumerate(zip(shape, full))])
+
 
     def stood_in_by(self, node: LNode, v: int) -> bool:
         """``node`` reads constant ``v`` once, forward, and one other value,
@@ -342,9 +368,16 @@ class InputMatching(Pieces):
                 one = one.take([0], axis=k)
             self.low.constants[v], self.low.shapes[v] = one, tuple(one.shape)
             try:
-                return self.const_piece(v)
+                found = self.const_piece(v)
             except LoweringError:
-                pass
+                continue
+            if not _tangled(found[1])[0]:
+                return found
+            # a piece only by a coincidence of sizes (an axis cutting two
+            # dims: the slice's one slot at the dp coordinate): no piece
+            self.alternatives.pop(v, None)
+            self.matches.pop(v, None)
+            self.recuts.pop(v, None)
         self.low.constants[v], self.low.shapes[v] = mine, shape
         if repeated and keep:
             # no piece: read as the one slice all the same (the same

@@ -34,27 +34,40 @@ class Rechoice(Pieces):
 
     def rechosen(self, node: LNode) -> list[int]:
         """The single-device nodes ``node`` runs once one of its inputs, a
-        value computed from a constant by one-input forward nodes that read
-        nothing else of the rank's already matched, is matched through
-        another single-device constant the constant may stand for
-        (``options``), the chain replayed in the single-device step from it.
-        The matches are changed (the values written retagged); empty, and
-        nothing changed, when no choice makes ``node`` match."""
+        value computed by forward nodes from constants (``tree``), is
+        matched through other single-device constants those constants may
+        stand for (``options``), one or several at once, the tree replayed
+        in the single-device step from them (its other inputs at their
+        matches). The matches are changed (the values written retagged);
+        empty, and nothing changed, when no choice makes ``node`` match."""
         for i, v in enumerate(node.ins):
-            chain = self.chain_to_constant(v, node)
-            if chain is None:
+            steps: list[LNode] = []
+            leaves: dict[int, LNode | None] = {}
+            if not self.tree(v, node, steps, leaves, 0) or None in leaves.values():
                 continue
-            c = chain[0].ins[0] if chain else v
-            shared = not self.read_only_by(c, chain[0] if chain else node)
-            if shared and c in self.own_tid:
-                continue
-            for sv, claim in self.options(c):
-                found = self.replayed(chain, sv, node, i)
+            shared = {c: not self.read_only_by(c, reader) for c, reader in leaves.items()}
+            choices = [[(self.sv[c], self.claim[c]), *self.options(c)] for c in leaves]
+            for pick in itertools.product(*choices):
+                if all(sv == self.sv[c] for c, (sv, _) in zip(leaves, pick)):
+                    continue
+                if any(shared[c] and c in self.own_tid and sv != self.sv[c]
+                       for c, (sv, _) in zip(leaves, pick)):
+                    continue  # an input of its own read elsewhere: not copied
+                at = {c: sv for c, (sv, _) in zip(leaves, pick)}
+                found = self.replayed(steps, at, node, i)
                 if found is None:
                     continue
-                if shared:
-                    c = self.copy_for(c, chain[0] if chain else node)
-                self.apply(c, sv, claim, chain, found[0], written=not shared)
+                for c, (sv, claim) in zip(list(leaves), pick):
+                    if sv == self.sv[c]:
+                        continue
+                    reader = leaves[c]
+                    if shared[c] and reader is not None:
+                        self.apply(self.copy_for(c, reader), sv, claim, written=False)
+                    else:
+                        self.apply(c, sv, claim)
+                for made, value in zip(steps, found[0]):
+                    self.sv[made.outs[0]] = value
+                    self.retagged.append(made.outs[0])
                 return found[1]
         return []
 
@@ -86,24 +99,35 @@ class Rechoice(Pieces):
         self.consumers[u] = [reader]
         return u
 
-    def chain_to_constant(self, v: int, reader: LNode) -> list[LNode] | None:
-        """The one-input forward nodes from a constant to ``v``, first to
-        last, when no value on the way (the constant aside) has a matched
-        reader other than the chain's next node and ``reader``; None
-        otherwise. A constant other matched nodes read is copied for the
-        chain (``copy_for``)."""
-        chain: list[LNode] = []
-        after = reader
-        while v >= 0 and v not in self.low.constants:
-            made = self.producer.get(v)
-            if made is None or len(chain) == DEPTH or made.dir != "fw" or len(made.outs) != 1 \
-                    or len([u for u in made.ins if u >= 0]) != 1 or made.ins[0] < 0:
-                return None
-            if not self.read_only_by(v, after):
-                return None
-            chain.insert(0, made)
-            after, v = made, made.ins[0]
-        return None if v < 0 else chain
+    def tree(self, v: int, reader: LNode, steps: list[LNode], leaves: dict[int, LNode | None],
+             depth: int) -> bool:
+        """Whether ``v`` is computed from constants with ``options`` by
+        forward nodes of one output each whose values nothing else of the
+        rank's already matched reads but ``reader`` (at most ``DEPTH``
+        deep); if so the nodes are added to ``steps`` in the order they
+        run, the constants to ``leaves`` with the node reading them. A
+        value computed from no such constant stays as matched."""
+        if v < 0 or v not in self.sv:
+            return False
+        if v in self.low.constants:
+            if v in leaves:
+                leaves[v] = None  # read twice on the way: not rechosen
+                return True
+            if not self.options(v):
+                return False
+            leaves[v] = reader
+            return True
+        made = self.producer.get(v)
+        if made is None or depth == DEPTH or made.dir != "fw" or len(made.outs) != 1 \
+                or made in steps or not self.read_only_by(v, reader):
+            return False
+        mark = len(steps)
+        found = [self.tree(u, made, steps, leaves, depth + 1) for u in made.ins]
+        if not any(found):
+            del steps[mark:]
+            return False
+        steps.append(made)
+        return True
 
     def read_only_by(self, v: int, reader: LNode) -> bool:
         """Every reader of ``v`` that is matched already is ``reader``."""
@@ -132,29 +156,28 @@ class Rechoice(Pieces):
         return [(sv, claim) for sv, claim in self.matches.get(c, [])
                 if sv != now and claim.dims == mine.dims]
 
-    def replayed(self, chain: list[LNode], sv: int, node: LNode,
-                 at: int) -> tuple[list[int], list[int]] | None:
-        """The single-device values the chain computes from ``sv`` (one
-        per chain node), and the single-device nodes ``node`` then runs
-        with the last (or ``sv``) at input ``at``; None when a node of the
-        chain or ``node`` has no such single-device node."""
-        ins = [-1 if v < 0 else self.sv.get(v) for v in node.ins]
-        if None in ins:
-            return None
+    def replayed(self, steps: list[LNode], at: dict[int, int], node: LNode,
+                 i: int) -> tuple[list[int], list[int]] | None:
+        """The single-device values the steps compute from the constants'
+        choices ``at`` (one per step; a value off the tree at its match),
+        and the single-device nodes ``node`` then runs with the last at
+        input ``i``; None when a step or ``node`` has no such single-device
+        node."""
         nodes = self.b.s.low.nodes
         stack: list[list[int]] = [[]]
         while stack:
             values = stack.pop()
-            cur = values[-1] if values else sv
-            if len(values) == len(chain):
-                ins[at] = cur
+            now = {**at, **{made.outs[0]: x for made, x in zip(steps, values)}}
+            if len(values) == len(steps):
+                ins = [-1 if v < 0 else now.get(v, self.sv.get(v)) for v in node.ins]
                 cands = self.b.s.by_key.get((node.op, node.dir, tuple(ins),
                                              key_kwargs(node.kwargs)))
                 if cands:
                     return values, cands
                 continue
-            made = chain[len(values)]
-            key = (made.op, made.dir, (cur,), key_kwargs(made.kwargs))
+            made = steps[len(values)]
+            ins = [-1 if u < 0 else now.get(u, self.sv.get(u)) for u in made.ins]
+            key = (made.op, made.dir, tuple(ins), key_kwargs(made.kwargs))
             # several single-device nodes of one key (a mask expanded in the
             # forward and again in the backward): each tried, the one of the
             # same module first
@@ -163,19 +186,14 @@ class Rechoice(Pieces):
             stack += [[*values, nodes[c].outs[0]] for c in cands if len(nodes[c].outs) == 1]
         return None
 
-    def apply(self, c: int, sv: int, claim: Claim, chain: list[LNode],
-              values: list[int], written: bool = True) -> None:
-        """Match constant ``c`` with ``sv`` (claimed as ``claim``) and the
-        chain's outputs with ``values``; the tensors already written are
-        retagged (a constant of the rank's own keeps its input's tensor, a
-        copy has none yet)."""
+    def apply(self, c: int, sv: int, claim: Claim, written: bool = True) -> None:
+        """Match constant ``c`` with ``sv`` (claimed as ``claim``); its
+        tensor, if written already, retagged (a constant of the rank's own
+        keeps its input's tensor, a copy has none yet)."""
         self.sv[c] = sv
         self.claim[c] = claim
         if written and c not in self.own_tid:
             self.retagged.append(c)
-        for made, value in zip(chain, values):
-            self.sv[made.outs[0]] = value
-            self.retagged.append(made.outs[0])
 
     def choose_constants(self, node: LNode, key: tuple,
                          cands: list[int] | None) -> tuple[tuple, list[int] | None]:
@@ -222,17 +240,25 @@ class Rechoice(Pieces):
                 self.retagged.append(v)  # its tensor, written already, renamed
                 self.reclaimed.append(v)
             else:
-                v = self.copy_constant(v, node)
+                v = self.copy_constant(v, node, sv)
             self.sv[v], self.claim[v] = sv, claim
         return key, self.b.s.by_key[key]
 
-    def copy_constant(self, v: int, node: LNode) -> int:
+    def copy_constant(self, v: int, node: LNode, sv: int) -> int:
         """A copy of constant ``v`` read by ``node`` only (the same value:
         the rank's program is unchanged), written as an input before it
-        (``copies``)."""
+        (``copies``), to be matched with ``sv``."""
         u = self.copy_of(v, node, "read")
         if v in self.mb:
             self.mb[u] = self.mb[v]
         self.matches[u] = self.matches[v]
+        if v in self.own_tid:
+            # an input of its own: the copy is one too, a fresh input of the
+            # chosen single-device constant's shape (one per value and shape,
+            # as ``own_constant`` names them)
+            kind, name = self.low.inputs[v]
+            full = tuple(self.b.s.low.shapes[sv])
+            self.own_tid[u] = self.b.own_input(
+                f"{name.rsplit('.read', 1)[0]}.as{'x'.join(map(str, full))}.ranks_only", full, kind)
         self.copies.append(u)
         return u

@@ -12,6 +12,10 @@ from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode
 from backends.torch.tracer.align.claim import Claim, Pieces, scope
 
+#: how many backward nodes past the repeated keys' gradient a grouped
+#: attention's key gradient is looked for (``Ring.grouped_heads_grad``)
+GQA_STEPS = 4
+
 
 class Ring(Pieces):
     """The claims of a ring's blocks, sums of steps and merged result."""
@@ -140,9 +144,42 @@ class Ring(Pieces):
                 dims.append(list(cv.dims[-1]))
             index = 0 if kind == "out" else 1
         self.sv[o] = cands[0].outs[index]
+        if kind in ("dk", "dv"):
+            self.sv[o] = self.grouped_heads_grad(self.sv[o], self.gshape({"dk": k, "dv": v}[kind]))
         self.mb[o] = self.mb.get(q, -1)
         self.claim[o] = Claim(dims, frozenset(cq.partial), cq.mbs, cq.scale, like.at)
         self.check(o)
+
+    def grouped_heads_grad(self, sv: int, shape: tuple[int, ...]) -> int:
+        """The single-device gradient of keys or values of ``shape`` read by
+        an attention with more query heads (``enable_gqa``: the kernel's
+        lowering repeats each key head for its group of query heads, so the
+        single-device ``attention_grad`` gives the gradient of the repeated
+        keys, ``sv``): the nearest value of ``shape`` the backward computes
+        from ``sv`` (the repeat's backward, a sum over each group), else
+        ``sv``. Only what the ring's dk or dv is claimed as; the claim is
+        proved (docs/soundness.md, "Plans traced from PyTorch", 107)."""
+        s = self.b.s.low
+        if tuple(s.shapes[sv]) == tuple(shape):
+            return sv
+        readers: dict[int, list[LNode]] = {}
+        for n in s.nodes:
+            for x in n.ins:
+                readers.setdefault(x, []).append(n)
+        frontier, seen = [sv], {sv}
+        for _ in range(GQA_STEPS):
+            nxt = []
+            for x in frontier:
+                for n in readers.get(x, []):
+                    for y in n.outs:
+                        if y < 0 or y in seen:
+                            continue
+                        if tuple(s.shapes[y]) == tuple(shape):
+                            return y
+                        seen.add(y)
+                        nxt.append(y)
+            frontier = nxt
+        return sv
 
     def infer_attention_grad(self, node: LNode) -> None:
         """dq has the query's layout, dk and dv the keys' and values'. A block
