@@ -378,13 +378,6 @@ def index_add(base: Handler) -> Handler:
         if not isinstance(src, (Rows, Experts)) or int(args[1]) != 0 or alpha != 1:
             return base(lw, args, kwargs, shapes, group)
         value = constant_value(lw, args[2])
-        if isinstance(src, Experts) and _at_own_group(value, src, tuple(shapes[0])):
-            # each row added at its own group's row (a bias picked by each
-            # row's expert, its backward): each group's rows summed
-            summed = _group_sums(lw, src, tuple(shapes[0]))
-            if isinstance(value_of(lw, args[0]), (Zeros, NewZeros)):
-                return summed
-            return lw.emit("add", [lw.val(args[0]), summed], [tuple(shapes[0])])[0]
         if isinstance(src, Experts) and _at_own_rows(lw, value, src, tuple(shapes[0])):
             # each row added back at the row of the base it was computed for
             # (JetMoE's attention experts put their (token, slot) rows back
@@ -403,29 +396,6 @@ def index_add(base: Handler) -> Handler:
             return summed
         return lw.emit("add", [lw.val(args[0]), summed], [tuple(shapes[0])])[0]
     return lower
-
-
-def _at_own_group(value: np.ndarray | None, src: Experts, shape: tuple[int, ...]) -> bool:
-    """The recorded index ``value`` is each grouped row's own group, into
-    a target of at least as many rows as groups."""
-    return value is not None and value.ndim == 1 and value.dtype.kind in "iu" \
-        and len(value) == len(src.group) and np.array_equal(value, src.group) \
-        and shape[0] >= int(src.group.max(initial=-1)) + 1
-
-
-def _group_sums(lw: Lowerer, src: Experts, shape: tuple[int, ...]) -> int:
-    """Row g of ``shape``: the sum of group g's rows (``sum_n M[g, n] *
-    y[g, n]``); zero past the groups."""
-    wide = tuple(lw.shapes[src.y])
-    kept = lw.emit("mul", [src.y, _group_mask(lw, src, wide)], [wide])[0]
-    sums = lw.emit("sum", [kept], [(wide[0], *wide[2:])], {"dim": 1, "keepdim": False})[0]
-    if wide[0] == shape[0]:
-        return sums
-    flat = lw.reshape(sums, (wide[0], int(np.prod(wide[2:], dtype=np.int64))))
-    select = np.eye(shape[0], wide[0])
-    out = lw.emit("embedding", [constant_input(lw, select), flat],
-                  [(shape[0], lw.shapes[flat][1])])[0]
-    return lw.reshape(out, shape)
 
 
 def _at_own_rows(lw: Lowerer, value: np.ndarray | None, src: Experts,
@@ -464,16 +434,13 @@ def experts_rowwise(base: Handler) -> Handler:
         first = experts[0]
         n = len(first.index)
         gs, rows = lw.shapes[first.y][:2]
-        laid: dict[int, int] = {}  # rows gathered otherwise, laid out as first's
         for p in pending:
             if isinstance(p, Experts) and not (np.array_equal(p.group, first.group)
                                                and np.array_equal(p.index, first.index)):
                 return base(lw, args, kwargs, shapes, group)
-            if isinstance(p, Rows) and id(p) not in laid and not (
-                    np.array_equal(p.index, first.index) and lw.shapes[p.base][0] == rows):
-                if len(p.index) != n:
-                    return base(lw, args, kwargs, shapes, group)
-                laid[id(p)] = laid_out(lw, p, first)
+            if isinstance(p, Rows) and not (np.array_equal(p.index, first.index)
+                                            and lw.shapes[p.base][0] == rows):
+                return base(lw, args, kwargs, shapes, group)
         out_nd = max(len(s) for s in shapes)
         for ref, p in zip(refs, pending):
             if not isinstance(p, (Rows, Experts)):
@@ -488,8 +455,7 @@ def experts_rowwise(base: Handler) -> Handler:
             if isinstance(p, (Rows, Experts)) and id(p) not in swap:
                 key = temp + lw.next_id
                 lw.next_id += 1
-                lw.env[key] = p.y if isinstance(p, Experts) else \
-                    laid.get(id(p)) or _spread(lw, p.base, gs)
+                lw.env[key] = p.y if isinstance(p, Experts) else _spread(lw, p.base, gs)
                 swap[id(p)] = key
 
         def sub(a: Any) -> Any:
@@ -508,22 +474,6 @@ def experts_rowwise(base: Handler) -> Handler:
             lw.env.pop(key, None)
         return Experts(lw.materialize(result), first.group, first.index)
     return lower
-
-
-def laid_out(lw: Lowerer, rows: Rows, like: Experts) -> int:
-    """Rows gathered at another index than ``like``'s grouped rows (a bias
-    picked by each row's expert, ``b[repeat_interleave(counts)]``) in
-    ``like``'s layout ``[G, N, ...]``: row i's value at ``(group[i],
-    index[i])``, zeros where no row is (only a row's own entry is read:
-    ``Experts``)."""
-    gs, n = lw.shapes[like.y][:2]
-    shape = tuple(lw.shapes[rows.base])
-    flat = lw.reshape(rows.base, (shape[0], int(np.prod(shape[1:], dtype=np.int64))))
-    select = np.zeros((gs * n, shape[0]))
-    select[like.group * n + like.index, rows.index] = 1.0
-    out = lw.emit("embedding", [constant_input(lw, select), flat],
-                  [(gs * n, lw.shapes[flat][1])])[0]
-    return lw.reshape(out, (gs, n, *shape[1:]))
 
 
 def as_rows(base: Handler) -> Handler:
