@@ -4,23 +4,25 @@ backward, rows of a C-fold copy, their adds back at the tokens, and the
 row-wise ops on grouped results. The rules and their pending values are in
 ``grouped_rows``; rows that are one per group (a per-expert bias read at
 each row's group, and its gradient, each group's rows summed) in
-``per_group``, whose refinements wrap ``grouped_rows``'s."""
+``per_group``; columns, comparisons and selections of grouped rows kept
+grouped in ``grouped_columns``. Their refinements wrap ``grouped_rows``'s."""
 
 from __future__ import annotations
 
+from backends.torch.lowering import grouped_columns, per_group
 from backends.torch.lowering import grouped_rows as g
-from backends.torch.lowering import grouped_outputs, per_group
 from backends.torch.lowering.registry import not_lowered, refines
 from backends.torch.lowering.routed_rowwise import ROWWISE
 
-for _op in g.ELEMENTWISE - grouped_outputs.BY_OUTPUT:
+for _op in g.ELEMENTWISE:
     refines(_op, absent=not_lowered)(lambda base: per_group.rowwise(g.experts_rowwise(base)))
-for _op in grouped_outputs.BY_OUTPUT:
-    refines(_op, absent=not_lowered)(
-        lambda base: grouped_outputs.backward_of_output(per_group.rowwise(g.experts_rowwise(base))))
 for _op in ROWWISE:
-    if _op not in g.ELEMENTWISE:
+    if _op not in g.ELEMENTWISE | grouped_columns.MASKS | grouped_columns.COLUMNS:
         refines(_op, absent=not_lowered)(lambda base: g.as_rows(base))
+for _op in grouped_columns.MASKS | grouped_columns.COLUMNS - {"aten.slice.Tensor"}:
+    refines(_op, absent=not_lowered)(lambda base: grouped_columns.grouped_entries(g.as_rows(base)))
+refines("aten.slice.Tensor", absent=not_lowered)(
+    lambda base: per_group.slice_rows(grouped_columns.grouped_entries(g.as_rows(base))))
 refines("aten._grouped_mm.default", absent=not_lowered)(lambda base: g.grouped_mm(base))
 refines("aten.index.Tensor")(lambda base: g.index(base))
 refines("aten.gather.default")(lambda base: g.gather_rows(base))

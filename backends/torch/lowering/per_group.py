@@ -19,19 +19,24 @@ tokens (each group's rows summed: the biases' gradient). A helper module:
   rows with ``v`` their own groups: ``t[g] +
   sum_n M[g, n] y[g, n]`` (M the 0/1 rows of group g), zero past the
   groups. For rows ``Rows(b, p)`` (p without repeats): ``t[r] + sum_n S[r, n] b[n]`` with ``S[v[i],
-  p[i]] = 1``, the pairs distinct since p has no repeats.
+  p[i]] = 1``, the pairs distinct since p has no repeats, for the rows r
+  up to the last the index reaches, zero past it (so that an
+  expert-parallel rank's S, its local experts' rows, is a block of the
+  single-device S: the row of zeros torchtitan appends to the biases is
+  past it on both).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.grouped_rows import Experts, _group_mask, _spread, copies_of
-from backends.torch.lowering.ir import NewZeros, Zeros
+from backends.torch.lowering.ir import NewZeros, Pending, Zeros
 from backends.torch.lowering.routed_rows import Rows, is_zeros, value_of
 from backends.torch.lowering.routed_rowwise import tensor_refs
 
@@ -58,12 +63,26 @@ def at_groups(lw: Lowerer, rows: Rows, like: Experts) -> Experts | None:
     shape = tuple(lw.shapes[x])
     if len(j) != len(like.group) or not np.array_equal(j, like.group) or shape[0] < gs:
         return None
-    if shape[0] > gs:
-        x = lw.emit("narrow", [x], [(gs, *shape[1:])], {"dim": 0, "start": 0, "length": gs})[0]
-    one = lw.reshape(x, (gs, 1, *shape[1:]))
+    one = lw.reshape(first_rows(lw, x, gs), (gs, 1, *shape[1:]))
     wide = (gs, n, *shape[1:])
     spread = lw.emit("expand", [one], [wide], {"shape": list(wide)})[0]
     return Experts(spread, like.group, like.index)
+
+
+def first_rows(lw: Lowerer, x: int, n: int) -> int:
+    """The first n rows of x: x itself, the first operand of a ``cat`` of
+    rows that made x when it has n rows (torchtitan's biases with a row of
+    zeros appended, ``cat([b, zeros])``, read as b: the ``cat``, which an
+    expert-parallel rank runs on its local experts' rows, is then read by
+    no node), else a ``narrow``."""
+    rows = lw.shapes[x][0]
+    if rows == n:
+        return x
+    made = next((node for node in reversed(lw.nodes) if x in node.outs), None)
+    if made is not None and made.op == "cat" and made.kwargs.get("dim", 0) == 0 \
+            and lw.shapes[made.ins[0]][0] == n:
+        return made.ins[0]
+    return lw.emit("narrow", [x], [(n, *lw.shapes[x][1:])], {"dim": 0, "start": 0, "length": n})[0]
 
 
 def rowwise(base: Handler) -> Handler:
@@ -114,10 +133,12 @@ def index_add(base: Handler) -> Handler:
                 return base(lw, args, kwargs, shapes, group)
             summed = padded(lw, group_sums(lw, src), shape)
         else:
-            summed = group_sums(lw, Experts(_spread(lw, src.base, shape[0]), v, src.index))
+            reached = int(v.max(initial=-1)) + 1  # the rows past the last reached stay zero
+            spread = _spread(lw, src.base, reached)
+            summed = padded(lw, group_sums(lw, Experts(spread, v, src.index)), shape)
         if isinstance(value_of(lw, args[0]), (Zeros, NewZeros)) or is_zeros(lw, args[0]):
             return summed
-        return lw.emit("add", [lw.val(args[0]), summed], [shape])[0]
+        return lw.emit("add", [lw.val(args[0]), lw.materialize(summed)], [shape])[0]
     return lower
 
 
@@ -141,10 +162,43 @@ def group_sums(lw: Lowerer, e: Experts) -> int:
     return lw.emit("sum", [kept], [(wide[0], *wide[2:])], {"dim": 1, "keepdim": False})[0]
 
 
-def padded(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int:
+@dataclass(frozen=True)
+class ZeroRows(Pending):
+    """x's rows followed by zero rows up to ``rows``, not yet emitted: a
+    slice of x's rows reads x, a slice of the zero rows zeros (so that an
+    expert-parallel rank's sums of its local experts, followed by the zero
+    row of the bias it appended, are read as the sums: ``slice_rows``); any
+    other reader the ``cat`` of x and zeros."""
+    x: int
+    rows: int
+
+    def materialize(self, lw: Lowerer) -> int:
+        shape = tuple(lw.shapes[self.x])
+        zeros = lw.materialize(Zeros((self.rows - shape[0], *shape[1:])))
+        return lw.emit("cat", [self.x, zeros], [(self.rows, *shape[1:])], {"dim": 0})[0]
+
+
+def padded(lw: Lowerer, x: int, shape: tuple[int, ...]) -> int | ZeroRows:
     """x's rows followed by zero rows up to ``shape``."""
-    rows = lw.shapes[x][0]
-    if rows == shape[0]:
-        return x
-    zeros = lw.materialize(Zeros((shape[0] - rows, *shape[1:])))
-    return lw.emit("cat", [x, zeros], [shape], {"dim": 0})[0]
+    return x if lw.shapes[x][0] == shape[0] else ZeroRows(x, shape[0])
+
+
+def slice_rows(base: Handler) -> Handler:
+    """``t[start:end]`` along dim 0 of x followed by zero rows
+    (``ZeroRows``): x when it is x's rows, zeros when it is past them; the
+    rest to ``base`` on the materialized value."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        t = value_of(lw, args[0])
+        dim = int(args[1]) if len(args) > 1 else 0
+        step = int(args[4]) if len(args) > 4 else 1
+        if not isinstance(t, ZeroRows) or dim % len(shapes[0]) != 0 or step != 1:
+            return base(lw, args, kwargs, shapes, group)
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        start = int(start) + (t.rows if int(start) < 0 else 0)
+        rows = lw.shapes[t.x][0]
+        if start == 0 and shapes[0][0] == rows:
+            return t.x
+        if start >= rows:
+            return Zeros(tuple(shapes[0]))
+        return base(lw, args, kwargs, shapes, group)
+    return lower
