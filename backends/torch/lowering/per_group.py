@@ -16,14 +16,13 @@ tokens (each group's rows summed: the biases' gradient). A helper module:
 - ``t.index_add(0, v, rows)``, v a recorded index into other rows than
   the rows' base's or their tokens' (those are adds back, ``grouped_rows``
   and ``routed_rows``): row i of the rows goes to ``t[v[i]]``. For grouped
-  rows with ``v`` their own groups: ``t[g] +
-  sum_n M[g, n] y[g, n]`` (M the 0/1 rows of group g), zero past the
-  groups. For rows ``Rows(b, p)`` (p without repeats): ``t[r] + sum_n S[r, n] b[n]`` with ``S[v[i],
-  p[i]] = 1``, the pairs distinct since p has no repeats, for the rows r
-  up to the last the index reaches, zero past it (so that an
-  expert-parallel rank's S, its local experts' rows, is a block of the
-  single-device S: the row of zeros torchtitan appends to the biases is
-  past it on both).
+  rows with ``v`` their own groups: ``t[g] + sum_n M[g, n] y[g, n]`` (M
+  the 0/1 rows of group g), zero past the groups. For rows ``Rows(b, p)``
+  (p without repeats): ``t[r] + sum_n S[r, n] b[n]`` with ``S[v[i], p[i]]
+  = 1`` (the pairs distinct since p has no repeats) for the rows r up to
+  the last the index reaches, zero past it, so that an expert-parallel
+  rank's S (its local experts' rows) is a block of the single-device S:
+  the row of zeros torchtitan appends to the biases is past it on both.
 """
 
 from __future__ import annotations
@@ -123,7 +122,7 @@ def index_add(base: Handler) -> Handler:
         v = constant_value(lw, args[2])
         shape = tuple(shapes[0])
         if v is None or v.ndim != 1 or v.dtype.kind not in "iu" or len(v) != len(src.index) \
-                or (len(v) and (v.min() < 0 or v.max() >= shape[0])):
+                or len(v) == 0 or v.min() < 0 or v.max() >= shape[0]:
             return base(lw, args, kwargs, shapes, group)
         v = v.astype(np.int64)
         if not another_space(lw, args[2], src, shape):
@@ -133,7 +132,7 @@ def index_add(base: Handler) -> Handler:
                 return base(lw, args, kwargs, shapes, group)
             summed = padded(lw, group_sums(lw, src), shape)
         else:
-            reached = int(v.max(initial=-1)) + 1  # the rows past the last reached stay zero
+            reached = int(v.max()) + 1  # the rows past the last reached stay zero
             spread = _spread(lw, src.base, reached)
             summed = padded(lw, group_sums(lw, Experts(spread, v, src.index)), shape)
         if isinstance(value_of(lw, args[0]), (Zeros, NewZeros)) or is_zeros(lw, args[0]):
