@@ -1159,10 +1159,19 @@ CASES += [
     ("moe titan kimi_k2_7 bug routed with another token's experts",
      f"--model titan:kimi_k2_7 --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
      "--layers 2 --dp 2 --tp 1", 1),
-    # its experts' biases are picked per row (b[repeat_interleave(counts)]) and added to the
-    # grouped product: no rule of the grouped rows takes them yet
-    ("moe titan gpt_oss dp2 refused (per-expert biases on grouped rows)",
-     f"--model titan:gpt_oss {TITAN_MOE} --dp 2 --tp 1 --batch 2", 2),
+    # its experts' biases picked per row (b[repeat_interleave(counts)]) and added to the grouped
+    # product, its interleaved columns clamped (docs/soundness.md, "Plans traced from PyTorch", 104)
+    ("moe titan gpt_oss dp2", f"--model titan:gpt_oss {TITAN_MOE} --dp 2 --tp 1", 0),
+    ("moe titan gpt_oss dp2 ep2", f"--model titan:gpt_oss_ep {TITAN_MOE_EP} --dp 2 --tp 1", 0),
+    ("moe titan gpt_oss bug routed with another token's experts",
+     f"--model titan:gpt_oss --recipe {MOE_BUGS}titan_routed_to_other_token --vocab 2048 "
+     "--layers 2 --dp 2 --tp 1", 1),
+    ("moe titan gpt_oss ep2 bug expert grads 2x (pytorch 160285)",
+     f"--model titan:gpt_oss_ep --recipe {MOE_BUGS}titan_ep_expert_grads_undivided "
+     "--vocab 2048 --layers 2 --dp 2 --tp 1", 1),
+    ("moe titan gpt_oss ep2 bug wrong split size",
+     f"--model titan:gpt_oss_ep --recipe {MOE_BUGS}titan_ep_wrong_split "
+     "--vocab 2048 --layers 2 --dp 2 --tp 1", 1),
 ]
 
 #: torchtitan's auxiliary-loss-free load balancing: its own optimizer pre-hook (the counts

@@ -1,0 +1,79 @@
+"""A token tagger whose experts run as torchtitan's gpt_oss runs them: the
+(token, slot) pairs sorted by expert (``x[order // K]``), one grouped GEMM
+per projection (``torch._grouped_mm``, in float32: the CPU kernel takes no
+float64), each expert's bias picked per row as
+``cat([b, zeros]).repeat_interleave(counts)``, the interleaved gate and up
+columns clamped at a small limit (so the clamps bind), the rows weighted
+by their gates and added back at their tokens (``scatter_add``). The rest
+of the model is float64."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _bias_rows(b: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's expert's bias, with a row of zeros for rows past the
+    experts (torchtitan's tail slack)."""
+    tail = torch.tensor([rows], dtype=counts.dtype) - counts.sum()
+    padded = torch.cat([b, b.new_zeros(1, b.shape[-1])])
+    return padded.repeat_interleave(torch.cat([counts, tail]), dim=0, output_size=rows)
+
+
+class BiasedGroupedExperts(nn.Module):
+    def __init__(self, experts: int, hidden: int, ffn: int, limit: float) -> None:
+        super().__init__()
+        self.experts = experts
+        self.limit = limit
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, 2 * ffn) / hidden ** 0.5)
+        self.b1 = nn.Parameter(torch.randn(experts, 2 * ffn) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(experts, ffn, hidden) / ffn ** 0.5)
+        self.b2 = nn.Parameter(torch.randn(experts, hidden) * 0.1)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        k = index.shape[1]
+        rows = index.numel()
+        with torch.no_grad():
+            order = torch.argsort(index.reshape(-1), stable=True)
+            counts = torch.bincount(index.reshape(-1), minlength=self.experts)
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        picked = x[order // k]
+        h = torch._grouped_mm(picked.float(), self.w1.float(), offs=offs).double()
+        h = h + _bias_rows(self.b1, counts, rows)
+        gate, up = h[..., ::2], h[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(1.702 * gate)
+        act = torch.addcmul(glu, glu, up)
+        y = torch._grouped_mm(act.float(), self.w2.float(), offs=offs).double()
+        y = y + _bias_rows(self.b2, counts, rows)
+        y = y * gates.reshape(-1)[order][:, None]
+        at = (order // k)[:, None].expand(-1, x.shape[-1])
+        return torch.zeros_like(x).scatter_add(0, at, y)
+
+
+class BiasedGroupedTagger(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
+                 limit: float = 0.3) -> None:
+        super().__init__()
+        self.global_tokens = 0
+        self.embed = nn.Embedding(vocab, hidden)
+        self.router = nn.Linear(hidden, 4)
+        self.experts = BiasedGroupedExperts(4, hidden, ffn, limit)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        flat = h.reshape(-1, h.shape[-1])
+        top, index = torch.topk(self.router(flat), 2, dim=-1)
+        moe = self.experts(flat, index, torch.softmax(top, dim=-1))
+        h = h + moe.reshape(h.shape)
+        logits = self.head(h).flatten(0, 1)
+        total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
+        return total / (self.global_tokens or labels.numel())
+
+
+def biased_grouped_tagger(**kw) -> BiasedGroupedTagger:
+    return BiasedGroupedTagger(**kw)
