@@ -48,6 +48,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     max_all,
     merged_views,
     nn,
+    no_entries,
     norm_sums,
     packs,
     pair_combine,

@@ -34,7 +34,9 @@ WHAT = {
     "NormStack": ("a stack of gradient norms", "only a norm, a power or an all-reduce of it "
                   "is lowered"),
     "Empty": ("a tensor of no entries", "only a cat (which leaves it out), a slice's "
-              "backward, a slice_scatter and ops that make no entries either read one"),
+              "backward, a slice_scatter, an index_add or index_put of it, a product or sum over "
+              "its empty dim and ops that make no entries "
+              "either read one"),
     "Decayed": ("AdamW's decayed parameter", "only the optimizer step reads it"),
     "Moment1": ("Adam's first moment", "only the optimizer step reads it"),
     "Moment2": ("Adam's second moment", "only the optimizer step reads it"),
