@@ -8,29 +8,21 @@ and verified in processes of its own, as a user runs them."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from backends.torch.lowering.flat_ranges import FlatRange, read_flat
+from tests.cli_pair import traced_and_verified
 
 pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
 
-ROOT = Path(__file__).resolve().parent.parent
 ARGS = ("--model backends.torch.megatron:gpt --recipe backends.torch.megatron:dist_opt --dp 2 "
         "--tp 1 --batch 8 --hidden 24 --clip 0.5 --clipper ")
 
 
 def _traced_and_verified(tmp_path: Path, clipper: str) -> subprocess.CompletedProcess:
-    traced = subprocess.run([sys.executable, "-m", "backends.torch", *(ARGS + clipper).split(),
-                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=900)
-    assert traced.returncode == 0, traced.stdout[-2000:] + traced.stderr[-2000:]
-    single = next(tmp_path.glob("*_single.pkl"))
-    parallel = next(tmp_path.glob("*_parallel.pkl"))
-    return subprocess.run([sys.executable, "main.py", "--sm", str(single), "--pm", str(parallel)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return traced_and_verified(tmp_path, *(ARGS + clipper).split())
 
 
 def test_norm_over_the_shards_verifies_with_its_branch_named(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ FAILs."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,7 @@ import pytest
 from backends.torch.lowering import Lowered, LoweringError, check_bucket_layouts
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.zero_reductions import drop_zero_reductions
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.cli_pair import traced_and_verified
 
 
 def _rank(rank: int, zero: bool, final: bool = False) -> Lowered:
@@ -72,19 +70,11 @@ megatron = pytest.mark.skipif(
     reason="needs the [megatron] extra (megatron-core)")
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={"PYTHONPATH": str(ROOT), "PATH": ""})
-
-
 def _verify(tmp_path: Path, recipe: str, dp: int, *extra: str) -> subprocess.CompletedProcess:
-    run = _run("-m", "backends.torch", "--model", "backends.torch.megatron:gpt", "--recipe",
-               f"backends.torch.megatron:{recipe}", "--pp", "2", "--dp", str(dp), "--tp", "1",
-               "--layers", "2", "--batch", "8", "--hidden", "24", *extra, "-o", str(tmp_path),
-               "--name", "case")
-    assert run.returncode == 0, run.stderr[-2000:]
-    return _run("main.py", "--sm", str(tmp_path / "case_single.pkl"),
-                "--pm", str(tmp_path / "case_parallel.pkl"))
+    return traced_and_verified(tmp_path, "--model", "backends.torch.megatron:gpt", "--recipe",
+                               f"backends.torch.megatron:{recipe}", "--pp", "2", "--dp", str(dp),
+                               "--tp", "1", "--layers", "2", "--batch", "8", "--hidden", "24",
+                               *extra)
 
 
 @megatron

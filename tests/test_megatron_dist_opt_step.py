@@ -11,17 +11,16 @@ stale range) through the backend."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from backends.torch.tracer.hidden_memory import HiddenMemory
+from tests.cli_pair import traced_and_verified
 from verdict.final import _covers, final_blocks
 from verdict.plan import Plan, Tensor
 
-ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--model", "backends.torch.megatron:gpt", "--dp", "2", "--tp", "1", "--batch", "8",
         "--hidden", "24"]
 
@@ -62,20 +61,10 @@ def test_final_blocks_listed_in_the_world_by_identity():
     assert final_blocks(Plan(world={})) is None
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={"PYTHONPATH": str(ROOT), "PATH": ""})
-
-
 def _verify(tmp_path: Path, recipe: str, *extra: str) -> subprocess.CompletedProcess:
     """Trace ``recipe`` (exit 2 passed on: a refusal) and verify its plans."""
-    run = _run("-m", "backends.torch", *ARGS, *extra, "--recipe",
-               f"backends.torch.megatron:{recipe}", "-o", str(tmp_path))
-    if run.returncode != 0:
-        return run
-    single = next(tmp_path.glob("*_single.pkl"))
-    parallel = next(tmp_path.glob("*_parallel.pkl"))
-    return _run("main.py", "--sm", str(single), "--pm", str(parallel))
+    return traced_and_verified(tmp_path, *ARGS, *extra, "--recipe",
+                               f"backends.torch.megatron:{recipe}")
 
 
 megatron = pytest.mark.skipif(

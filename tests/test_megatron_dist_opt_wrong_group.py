@@ -8,30 +8,17 @@ verifies (suite case ``megatron dp2 tp2 distributed optimizer``)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.cli_pair import traced_and_verified
 
 pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={"PYTHONPATH": str(ROOT), "PATH": ""})
-
 
 def test_reduce_scatter_over_the_tp_group_fails_naming_a_rank(tmp_path):
-    trace = _run("-m", "backends.torch", "--model", "backends.torch.megatron:gpt", "--recipe",
-                 "backends.torch.megatron:dist_opt_wrong_group", "--dp", "2", "--tp", "2",
-                 "--batch", "8", "--hidden", "24", "-o", str(tmp_path))
-    assert trace.returncode == 0, trace.stderr[-2000:]
-    single = next(tmp_path.glob("*_single.pkl"))
-    parallel = next(tmp_path.glob("*_parallel.pkl"))
-    run = _run("main.py", "--sm", str(single), "--pm", str(parallel))
+    run = traced_and_verified(tmp_path, "--model", "backends.torch.megatron:gpt", "--recipe",
+                              "backends.torch.megatron:dist_opt_wrong_group", "--dp", "2", "--tp", "2",
+                              "--batch", "8", "--hidden", "24")
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert "not equivalent" in lines[0], lines[0]

@@ -8,30 +8,17 @@ correct recipe takes none of these paths (suite cases ``moe megatron ...``)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.cli_pair import traced_and_verified
 
 pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={"PYTHONPATH": str(ROOT), "PATH": ""})
-
 
 def test_rows_sorted_to_the_other_local_expert_fail_naming_a_rank(tmp_path):
-    trace = _run("-m", "backends.torch", "--model", "backends.torch.megatron:moe_gpt",
-                 "--recipe", "backends.torch.megatron:moe_tp_sp_ep2_sorted_wrong",
-                 "--dp", "1", "--tp", "2", "-o", str(tmp_path))
-    assert trace.returncode == 0, trace.stderr[-2000:]
-    single = next(tmp_path.glob("*_single.pkl"))
-    parallel = next(tmp_path.glob("*_parallel.pkl"))
-    run = _run("main.py", "--sm", str(single), "--pm", str(parallel))
+    run = traced_and_verified(tmp_path, "--model", "backends.torch.megatron:moe_gpt",
+                              "--recipe", "backends.torch.megatron:moe_tp_sp_ep2_sorted_wrong",
+                              "--dp", "1", "--tp", "2")
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert "not equivalent" in lines[0], lines[0]

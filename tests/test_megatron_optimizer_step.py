@@ -11,32 +11,22 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli_pair import traced_and_verified
+
 pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
 
-ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--model", "backends.torch.megatron:gpt", "--dp", "2", "--tp", "2", "--batch", "8",
         "--optimizer", "adamw"]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={"PYTHONPATH": str(ROOT), "PATH": ""})
-
-
 def _verify(tmp_path: Path, recipe: str, *extra: str) -> subprocess.CompletedProcess:
     """Trace ``recipe`` (exit 2 passed on: a refusal) and verify its plans."""
-    run = _run("-m", "backends.torch", *ARGS, *extra, "--recipe",
-               f"backends.torch.megatron:{recipe}", "-o", str(tmp_path))
-    if run.returncode != 0:
-        return run
-    single = next(tmp_path.glob("*_single.pkl"))
-    parallel = next(tmp_path.glob("*_parallel.pkl"))
-    return _run("main.py", "--sm", str(single), "--pm", str(parallel))
+    return traced_and_verified(tmp_path, *ARGS, *extra, "--recipe",
+                               f"backends.torch.megatron:{recipe}")
 
 
 def test_megatron_adamw_step_verifies_at_dp2_tp2(tmp_path):

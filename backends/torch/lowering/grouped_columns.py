@@ -37,6 +37,7 @@ from backends.torch.lowering.grouped_rows import Experts
 from backends.torch.lowering.ir import Pending
 from backends.torch.lowering.routed_rows import value_of
 from backends.torch.lowering.routed_rowwise import tensor_refs
+from backends.torch.lowering.stand_ins import standing_in
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -125,30 +126,10 @@ def grouped_entries(base: Handler) -> Handler:
         wide_args = _wide_args(op, list(args), len(wide_shape) - 1, wide_shape, rows)
         if wide_args is None:
             return base(lw, args, kwargs, shapes, group)
-        swap: dict[int, int] = {}
-        for p in grouped:
-            if id(p) not in swap:
-                key = _TEMP + lw.next_id
-                lw.next_id += 1
-                lw.env[key] = p.y if isinstance(p, Experts) else p.value
-                swap[id(p)] = key
-
-        def sub(a: Any) -> Any:
-            if isinstance(a, (list, tuple)):
-                if len(a) == 2 and a[0] == "v" and isinstance(a[1], int):
-                    p = lw.env.get(a[1])
-                    return ("v", swap[id(p)]) if id(p) in swap else a
-                return type(a)(sub(x) for x in a)
-            if isinstance(a, dict):
-                return {k: sub(v) for k, v in a.items()}
-            return a
-
         wide = [(gs, n, *s[1:]) for s in shapes]
-        try:
+        with standing_in(lw, grouped, lambda p: p.y if isinstance(p, Experts) else p.value,
+                         _TEMP) as sub:
             result = base(lw, sub(wide_args), sub(kwargs), wide, group)
-        finally:
-            for key in swap.values():
-                lw.env.pop(key, None)
         if _is_comparison(result):
             return ExpertsOf(result, first.group, first.index, tuple(wide[0]))
         return Experts(lw.materialize(result), first.group, first.index)

@@ -38,6 +38,7 @@ from backends.torch.lowering.ir import NewZeros, Pending, Zeros
 from backends.torch.lowering.moved_rows import reread
 from backends.torch.lowering.routed_rows import Rows, RowsT, is_zeros, value_of
 from backends.torch.lowering.routed_rowwise import ROWWISE, tensor_refs
+from backends.torch.lowering.stand_ins import standing_in
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -472,29 +473,12 @@ def experts_rowwise(base: Handler) -> Handler:
                     return base(lw, args, kwargs, shapes, group)
         if any(s and s[0] != n for s in shapes) or lw.trace["events"][lw.event][0] not in ELEMENTWISE:
             return base(lw, args, kwargs, shapes, group)
-        swap: dict[int, int] = {}
-        temp = 1 << 41
-        for p in pending:
-            if isinstance(p, (Rows, Experts)) and id(p) not in swap:
-                key = temp + lw.next_id
-                lw.next_id += 1
-                lw.env[key] = p.y if isinstance(p, Experts) else _spread(lw, p.base, gs)
-                swap[id(p)] = key
-
-        def sub(a: Any) -> Any:
-            if isinstance(a, (list, tuple)):
-                if len(a) == 2 and a[0] == "v" and isinstance(a[1], int):
-                    p = lw.env.get(a[1])
-                    return ("v", swap[id(p)]) if id(p) in swap else a
-                return type(a)(sub(x) for x in a)
-            if isinstance(a, dict):
-                return {k: sub(v) for k, v in a.items()}
-            return a
-
         wide = [(gs, rows, *s[1:]) for s in shapes]
-        result = base(lw, sub(args), sub(kwargs), wide, group)
-        for key in swap.values():
-            lw.env.pop(key, None)
+        stand_in = [p for p in pending if isinstance(p, (Rows, Experts))]
+        with standing_in(lw, stand_in,
+                         lambda p: p.y if isinstance(p, Experts) else _spread(lw, p.base, gs),
+                         1 << 41) as sub:
+            result = base(lw, sub(args), sub(kwargs), wide, group)
         return Experts(lw.materialize(result), first.group, first.index)
     return lower
 

@@ -17,6 +17,7 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import Pending
 from backends.torch.lowering.routed_rows import Rows, masked, reread_at, value_of
+from backends.torch.lowering.stand_ins import standing_in
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -131,31 +132,13 @@ def rowwise(base: Handler, keeps_rows: Callable[..., bool]) -> Handler:
             shape = tuple(lw.trace["shapes"][ref[1]])
             if len(shape) == out_nd and shape[0] != 1:
                 return _handed_on(base, lw, args, kwargs, shapes, group)  # varies along the rows
-        swap: dict[int, int] = {}
-        for p in rows:
-            if id(p) not in swap:
-                key = _TEMP + lw.next_id
-                lw.next_id += 1
-                lw.env[key] = p.value if isinstance(p, RowsOf) else p.base
-                swap[id(p)] = key
-
-        def sub(a: Any) -> Any:
-            if isinstance(a, (list, tuple)):
-                if len(a) == 2 and a[0] == "v" and isinstance(a[1], int):
-                    p = lw.env.get(a[1])
-                    return ("v", swap[id(p)]) if isinstance(p, (Rows, RowsOf)) else a
-                return type(a)(sub(x) for x in a)
-            if isinstance(a, dict):
-                return {k: sub(v) for k, v in a.items()}
-            return a
-
         wide = [(total, *s[1:]) if s else s for s in shapes]
-        args = sub(args)
-        if keeps_rows in (_view_keeps_rows, _expand_keeps_rows, _slice_backward_keeps_rows):
-            args = [args[0], [total, *args[1][1:]], *args[2:]]  # the size names the rows
-        result = base(lw, args, sub(kwargs), wide, group)
-        for key in swap.values():
-            lw.env.pop(key, None)
+        with standing_in(lw, rows, lambda p: p.value if isinstance(p, RowsOf) else p.base,
+                         _TEMP) as sub:
+            args = sub(args)
+            if keeps_rows in (_view_keeps_rows, _expand_keeps_rows, _slice_backward_keeps_rows):
+                args = [args[0], [total, *args[1][1:]], *args[2:]]  # the size names the rows
+            result = base(lw, args, sub(kwargs), wide, group)
         if _is_comparison(result):
             return RowsOf(result, first.index, total)
         if isinstance(result, list):
