@@ -22,6 +22,7 @@ from backends.torch.lowering.flat_ranges import FlatRange, per_block
 from backends.torch.lowering.ir import (
     Bucket,
     Const,
+    Empty,
     Gathered,
     Ids,
     NoShard,
@@ -32,7 +33,6 @@ from backends.torch.lowering.no_entries import makes_nothing
 from backends.torch.lowering.refusals import refusal
 from backends.torch.lowering.registry import handlers
 from backends.torch.lowering.shapes import view_to
-from backends.torch.lowering.slices import Empty
 from verdict.ops import OPS, ShapeError
 
 #: the op of a placeholder node: the place of a collective not emitted yet

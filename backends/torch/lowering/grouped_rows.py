@@ -176,7 +176,7 @@ def _groups(lw: Lowerer, offs: np.ndarray, n: int) -> np.ndarray:
     return np.searchsorted(ends, np.arange(n), side="right")
 
 
-def _group_mask(lw: Lowerer, e: Experts, shape: tuple[int, ...]) -> int:
+def group_mask(lw: Lowerer, e: Experts, shape: tuple[int, ...]) -> int:
     """The 0/1 ``[G, N, 1, ...]`` of each group's rows, expanded to shape."""
     mask = np.zeros((shape[0], shape[1]) + (1,) * (len(shape) - 2))
     mask[e.group, e.index] = 1.0
@@ -191,11 +191,11 @@ def collapse(lw: Lowerer, e: Experts) -> int:
     shape = tuple(lw.shapes[e.y])
     if len(np.unique(e.index)) != len(e.index):
         raise LoweringError(f"{lw.name}: grouped rows that repeat a row of their base")
-    kept = lw.emit("mul", [e.y, _group_mask(lw, e, shape)], [shape])[0]
+    kept = lw.emit("mul", [e.y, group_mask(lw, e, shape)], [shape])[0]
     return lw.emit("sum", [kept], [shape[1:]], {"dim": 0, "keepdim": False})[0]
 
 
-def _spread(lw: Lowerer, base: int, groups: int) -> int:
+def spread_rows(lw: Lowerer, base: int, groups: int) -> int:
     shape = tuple(lw.shapes[base])
     wide = (groups, *shape)
     return lw.emit("expand", [lw.reshape(base, (1, *shape))], [wide], {"shape": list(wide)})[0]
@@ -221,7 +221,7 @@ def grouped_mm(base: Handler) -> Handler:
                 raise LoweringError(f"{lw.name}: grouped GEMMs of one value with other groups")
             y = a.y
         else:
-            y = _spread(lw, a.base, gs)
+            y = spread_rows(lw, a.base, gs)
         rows = lw.shapes[y][1]
         product = lw.emit("matmul", [y, w], [(gs, rows, out)])[0]
         return Experts(product, g, a.index)
@@ -256,10 +256,10 @@ def _grouped_mm_bw(lw: Lowerer, a: Any, args, offs: np.ndarray, shapes) -> int:
                 raise LoweringError(f"{lw.name}: a grouped GEMM's B gradient with other groups")
             ys.append(side.y)
         else:
-            ys.append(_spread(lw, side.base, gs))
+            ys.append(spread_rows(lw, side.base, gs))
     ya, yg = ys
     shape = tuple(lw.shapes[ya])
-    masked = lw.emit("mul", [ya, _group_mask(lw, Experts(ya, g, left.index), shape)], [shape])[0]
+    masked = lw.emit("mul", [ya, group_mask(lw, Experts(ya, g, left.index), shape)], [shape])[0]
     flipped = lw.emit("transpose", [masked], [(shape[0], shape[2], shape[1])], {"dim0": 1, "dim1": 2})[0]
     return lw.emit("matmul", [flipped, yg], [tuple(shapes[0])])[0]
 
@@ -476,7 +476,7 @@ def experts_rowwise(base: Handler) -> Handler:
         wide = [(gs, rows, *s[1:]) for s in shapes]
         stand_in = [p for p in pending if isinstance(p, (Rows, Experts))]
         with standing_in(lw, stand_in,
-                         lambda p: p.y if isinstance(p, Experts) else _spread(lw, p.base, gs),
+                         lambda p: p.y if isinstance(p, Experts) else spread_rows(lw, p.base, gs),
                          1 << 41) as sub:
             result = base(lw, sub(args), sub(kwargs), wide, group)
         return Experts(lw.materialize(result), first.group, first.index)

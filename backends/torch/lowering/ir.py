@@ -161,6 +161,13 @@ class Gathered(Pending):
 
 
 @dataclass(frozen=True)
+class Empty:
+    """A tensor with no entries (a dim of size 0: an empty slice, an op of
+    no entries, ``lowering/no_entries.py``): no value, nothing to claim."""
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ZeroPadded(Pending):
     """``x`` padded with ``width`` zeros at the end of ``dim`` (DTensor pads
     its piece of an unevenly sharded dim to the chunk size before an

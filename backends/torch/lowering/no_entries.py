@@ -2,7 +2,7 @@
 
 A recorded op whose every output has a dim of size 0 computes no value:
 there is no entry of it to claim, so whatever it reads it is lowered to
-``slices.Empty`` of its recorded shape, emitting no node. A reader of an
+``ir.Empty`` of its recorded shape, emitting no node. A reader of an
 ``Empty`` is lowered only where its meaning does not need an entry of it: a
 ``cat`` leaves it out, a slice's backward of it is zeros, a
 ``slice_scatter`` of it writes nothing, an ``index_add`` or
@@ -29,9 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from backends.torch.lowering.ir import Const
+from backends.torch.lowering.ir import Const, Empty
 from backends.torch.lowering.registry import Handler, refines
-from backends.torch.lowering.slices import Empty
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer

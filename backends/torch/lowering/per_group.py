@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backends.torch.lowering.constants import constant_value
-from backends.torch.lowering.grouped_rows import Experts, _group_mask, _spread, copies_of
+from backends.torch.lowering.grouped_rows import Experts, copies_of, group_mask, spread_rows
 from backends.torch.lowering.ir import NewZeros, Pending, Zeros
 from backends.torch.lowering.routed_rows import Rows, is_zeros, value_of
 from backends.torch.lowering.routed_rowwise import tensor_refs
@@ -133,7 +133,7 @@ def index_add(base: Handler) -> Handler:
             summed = padded(lw, group_sums(lw, src), shape)
         else:
             reached = int(v.max()) + 1  # the rows past the last reached stay zero
-            spread = _spread(lw, src.base, reached)
+            spread = spread_rows(lw, src.base, reached)
             summed = padded(lw, group_sums(lw, Experts(spread, v, src.index)), shape)
         if isinstance(value_of(lw, args[0]), (Zeros, NewZeros)) or is_zeros(lw, args[0]):
             return summed
@@ -157,7 +157,7 @@ def another_space(lw: Lowerer, index_ref: Any, src: Rows | Experts, shape: tuple
 def group_sums(lw: Lowerer, e: Experts) -> int:
     """Row g: ``sum_n M[g, n] * y[g, n]``, the sum of group g's rows."""
     wide = tuple(lw.shapes[e.y])
-    kept = lw.emit("mul", [e.y, _group_mask(lw, e, wide)], [wide])[0]
+    kept = lw.emit("mul", [e.y, group_mask(lw, e, wide)], [wide])[0]
     return lw.emit("sum", [kept], [(wide[0], *wide[2:])], {"dim": 1, "keepdim": False})[0]
 
 

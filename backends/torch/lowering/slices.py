@@ -24,24 +24,17 @@ input it was cut from) is zeros of the input's shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.emit import every, put_region, spread
-from backends.torch.lowering.ir import Bucket, IdRows, Ids, Piece
+from backends.torch.lowering.ir import Bucket, Empty, IdRows, Ids, Piece
 from backends.torch.lowering.registry import Handler, lowers, refines
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
 
 
-
-
-@dataclass(frozen=True)
-class Empty:
-    """A tensor with no values (a slice of length 0)."""
-    shape: tuple[int, ...]
 
 
 def _bounds(total: int, args, at: int) -> tuple[int, int, int]:
