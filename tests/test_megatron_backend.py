@@ -8,6 +8,7 @@ cases are scripts/torch_suite.py -k megatron."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,8 @@ def test_tp2_sp_verifies_1446_fails_and_interleaved_batched_p2p_fails():
     (docs/soundness.md, "Plans traced from PyTorch", 102)."""
     run = _suite("megatron tp2 sp", "megatron bug sp norm", "megatron pp2 interleaved batched")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
+    done = re.search(r"torch suite: (\d+) of \1 as expected", run.stdout)  # with the gated MLP's
+    assert done and int(done.group(1)) >= 3, run.stdout[-2000:]
     assert sum(ln.startswith("Megatron-Core CPU shim") for ln in run.stderr.splitlines()) >= 6
 
 

@@ -102,11 +102,13 @@ def grouped_entries(base: Handler) -> Handler:
     grouped rows: on all of y, the result grouped (``Experts``) or a
     pending comparison (``ExpertsOf``); anything else to ``base``."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
-        op = lw.trace["events"][lw.event][0]
         refs = tensor_refs([args, kwargs])
         pending = [value_of(lw, r) for r in refs]
         grouped = [p for p in pending if isinstance(p, (Experts, ExpertsOf))]
-        if not grouped or op not in MASKS | COLUMNS:
+        if not grouped:
+            return base(lw, args, kwargs, shapes, group)
+        op = lw.trace["events"][lw.event][0]
+        if op not in MASKS | COLUMNS:
             return base(lw, args, kwargs, shapes, group)
         first = grouped[0]
         if any(not (np.array_equal(p.group, first.group) and np.array_equal(p.index, first.index))
