@@ -97,27 +97,21 @@ class _Chains:
                               dim0=0, dim1=1)
             c, _ = self.node(node, "flatten", s2, (o * i, *rest), node.outs[0], start=0, end=2)
             return [a, b, c]
-        if not self.inner_first:  # [qo, lo, qi, li] -> [qo, qi, lo, li]
-            a, s1 = self.node(node, "unflatten", node.ins[0], (qo, o // qo, i, *rest), None,
-                              dim=0, sizes=[qo, o // qo])
-            b, s2 = self.node(node, "unflatten", s1, (qo, o // qo, qi, i // qi, *rest), None,
-                              dim=2, sizes=[qi, i // qi])
-            c, s3 = self.node(node, "transpose", s2, (qo, qi, o // qo, i // qi, *rest), None,
-                              dim0=1, dim1=2)
-            d, _ = self.node(node, "flatten", s3, (o * i, *rest), node.outs[0], start=0, end=3)
-            return [a, b, c, d]
-        # both dims cut, the inner's parts first (Megatron's [s, b] at dp x tp with sequence
-        # parallelism): [qo, lo, qi, li] -> [qo, qi, lo, li] -> [qi, qo, lo, li]
+        # [qo, lo, qi, li] -> [qo, qi, lo, li]; both dims cut with the inner's parts first
+        # (Megatron's [s, b] at dp x tp with sequence parallelism): -> [qi, qo, lo, li]
         a, s1 = self.node(node, "unflatten", node.ins[0], (qo, o // qo, i, *rest), None,
                           dim=0, sizes=[qo, o // qo])
         b, s2 = self.node(node, "unflatten", s1, (qo, o // qo, qi, i // qi, *rest), None,
                           dim=2, sizes=[qi, i // qi])
         c, s3 = self.node(node, "transpose", s2, (qo, qi, o // qo, i // qi, *rest), None,
                           dim0=1, dim1=2)
-        d, s4 = self.node(node, "transpose", s3, (qi, qo, o // qo, i // qi, *rest), None,
-                          dim0=0, dim1=1)
-        e, _ = self.node(node, "flatten", s4, (o * i, *rest), node.outs[0], start=0, end=3)
-        return [a, b, c, d, e]
+        made = [a, b, c]
+        if self.inner_first:
+            d, s3 = self.node(node, "transpose", s3, (qi, qo, o // qo, i // qi, *rest), None,
+                              dim0=0, dim1=1)
+            made.append(d)
+        last, _ = self.node(node, "flatten", s3, (o * i, *rest), node.outs[0], start=0, end=3)
+        return [*made, last]
 
     def exit(self, node: LNode) -> list[LNode]:
         """The inverse chain: ``[o * i, *rest]`` -> parts first -> back to
