@@ -10,8 +10,9 @@ of the model is float64."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tests.routed_models import ClampedMoeTagger
 
 
 def _bias_rows(b: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
@@ -54,26 +55,6 @@ class BiasedGroupedExperts(nn.Module):
         return torch.zeros_like(x).scatter_add(0, at, y)
 
 
-class BiasedGroupedTagger(nn.Module):
-    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
-                 limit: float = 0.3) -> None:
-        super().__init__()
-        self.global_tokens = 0
-        self.embed = nn.Embedding(vocab, hidden)
-        self.router = nn.Linear(hidden, 4)
-        self.experts = BiasedGroupedExperts(4, hidden, ffn, limit)
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        flat = h.reshape(-1, h.shape[-1])
-        top, index = torch.topk(self.router(flat), 2, dim=-1)
-        moe = self.experts(flat, index, torch.softmax(top, dim=-1))
-        h = h + moe.reshape(h.shape)
-        logits = self.head(h).flatten(0, 1)
-        total = F.cross_entropy(logits, labels.flatten(), reduction="sum")
-        return total / (self.global_tokens or labels.numel())
-
-
-def biased_grouped_tagger(**kw) -> BiasedGroupedTagger:
-    return BiasedGroupedTagger(**kw)
+def biased_grouped_tagger(**kw) -> ClampedMoeTagger:
+    """The routed tagger of ``tests.routed_models`` on these experts."""
+    return ClampedMoeTagger(**kw, experts=BiasedGroupedExperts)

@@ -49,12 +49,12 @@ class ClampedExperts(nn.Module):
 
 class ClampedMoeTagger(nn.Module):
     def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int, seqlen: int,
-                 limit: float = 0.3) -> None:
+                 limit: float = 0.3, experts: type[nn.Module] = ClampedExperts) -> None:
         super().__init__()
         self.global_tokens = 0
         self.embed = nn.Embedding(vocab, hidden)
         self.router = nn.Linear(hidden, 4)
-        self.experts = ClampedExperts(4, hidden, ffn, limit)
+        self.experts = experts(4, hidden, ffn, limit)
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
