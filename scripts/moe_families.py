@@ -5,7 +5,7 @@ with the one-line reason; with ``--ep``, also at dp2 ep2 through the
 family's own expert-parallel plan (``--hf FAMILY --ep 2``) where it has
 one (``base_model_ep_plan``).
 
-    .venv/bin/python scripts/moe_families.py [--ep] [FAMILY ...]
+    .venv/bin/python scripts/moe_families.py [--ep | --ep-only] [FAMILY ...]
 
 Ends with the counts; prints a Markdown table with ``--markdown``
 (docs/torch-backend.md, "Top-k mixtures of experts").
@@ -70,15 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="print a Markdown table at the end")
     p.add_argument("--ep", action="store_true",
                    help="also trace dp2 ep2 through the family's expert-parallel plan")
+    p.add_argument("--ep-only", action="store_true",
+                   help="trace only dp2 ep2 (the families' dp2 rows already known)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     families = args.families or routed_families()
     rows = []
     for family in families:
-        verdict, reason = judge(family)
-        rows.append((family, verdict, reason))
-        print(f"{family:28s} {verdict:10s} {reason[:160]}", flush=True)
-        if args.ep and has_ep_plan(family):
+        if not args.ep_only:
+            verdict, reason = judge(family)
+            rows.append((family, verdict, reason))
+            print(f"{family:28s} {verdict:10s} {reason[:160]}", flush=True)
+        if (args.ep or args.ep_only) and has_ep_plan(family):
             verdict, reason = judge(family, ep=2)
             rows.append((f"{family} ep2", verdict, reason))
             print(f"{family + ' ep2':28s} {verdict:10s} {reason[:160]}", flush=True)

@@ -131,6 +131,15 @@ CASES: list[tuple[str, str, int]] = [
      "--hf inkling2_text --dp 2 --tp 2", 1),
     ("moe hf phimoe refused (Gumbel-sampled routing read by Python)",
      "--hf phimoe --dp 2 --tp 2", 2),
+    # issue 30: families at dp2 ep2 through their own expert-parallel plan (soundness 114):
+    # ranks sending different numbers of experts' results (gloo same; the undivided
+    # experts' gradients FAIL), a rank whose experts receive no token (refused by the lowering)
+    ("moe hf zaya ep2 (ranks send different numbers of experts' results, soundness 114 b)",
+     "--hf zaya --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf zaya ep2 bug expert grads 2x (pytorch 160285)",
+     "--hf zaya --recipe harness.moe_bugs:ep_expert_grads_undivided --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf afmoe ep2 refused (rank 0's experts receive no token: its all-to-all input of no "
+     "entries is not lowered)", "--hf afmoe --dp 2 --tp 1 --ep 2", 2),
     # issue 33's families: blocks written into an empty tensor and a split rejoined
     # (MiniCPM3), positions counted from the ids (RoBERTa's), a unit triangular
     # solve (Gated DeltaNet); each with a wrong plan

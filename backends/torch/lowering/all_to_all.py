@@ -415,8 +415,15 @@ def _values(lw: Lowerer, me: int, group: tuple[int, ...], own: tuple[int, ...],
     received: list[list[int]] = []
     for src in group:
         s = sends[src]
-        if s.kind != mine.kind or s.values != mine.values:
-            raise LoweringError(f"{lw.name}: an all-to-all whose members send other values")
+        # assembled rows: each member sends its own number of values (an
+        # expert of no token on it has none there), renumbered below
+        # (docs/soundness.md, "Plans traced from PyTorch", 114 b)
+        if s.kind != mine.kind or (mine.kind == "pairs" and s.values != mine.values) or \
+                (mine.kind == "assembled" and s.shape != mine.shape):
+            shown = ", ".join(f"rank {m} {t.kind} {t.values} x {list(t.shape)}"
+                              for m, t in sorted(sends.items()))
+            raise LoweringError(f"{lw.name}: an all-to-all whose members send other values "
+                                f"({shown})")
         if src == me:
             received.append(list(own))
             continue

@@ -193,9 +193,11 @@ class InputMatching(Pieces):
                                                self.low.inputs[v][0])
             return self.b.own_value(self.own_tid[v], shape), Claim([[] for _ in shape])
         if best is None:
+            read = ", ".join(sorted({f"{node.op} in {node.name}"
+                                     for node in self.consumers.get(v, [])})[:3])
             raise LoweringError(f"rank {self.low.rank}: a constant of shape {list(shape)} is no "
                                 f"piece of a single-device constant, and no single-device node "
-                                f"reads one of its shape where this rank reads it")
+                                f"reads one of its shape where this rank reads it ({read})")
         alike = list(tied)
         if len(tied) > 1:
             # several read alike (a rotary table's two parts): those that hold
