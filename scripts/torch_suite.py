@@ -204,6 +204,8 @@ CASES: list[tuple[str, str, int]] = [
     ("hf hy_v4 dp2 tp2 (a stacked-scalar gradient)", "--hf hy_v4 --dp 2 --tp 2", 0),
     ("hf hy_v4 bug fsdp avg", "--hf hy_v4 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf doge dp2 tp2 refused: its own plan does not run", "--hf doge --dp 2 --tp 2", 2),
+    ("hf xglm dp2 (float64's bound filled in its own dtype)", "--hf xglm --dp 2 --tp 1", 0),
+    ("hf xglm ddp avg bug", "--hf xglm --recipe ddp_avg --dp 2 --tp 1", 1),
     ("outside no_entries_lm ddp", f"--model {NO_ENTRIES} --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("outside no_entries_lm tp_attention dp2 tp2",
      f"--model {NO_ENTRIES} --recipe {STOCK}tp_attention --dp 2 --tp 2", 0),
