@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from backends.torch.zoo.hf_float32 import Float32Read, reads_float32_wide
+from backends.torch.zoo.hf_sub_fields import declared_names, needed_fields, rotary_fields, source_of
 from backends.torch.zoo.hf_wide_fill import WideFill
 
 #: transformers' attention kernel the models are built with: the eager one
@@ -453,7 +454,11 @@ def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vo
         part = getattr(default, name, None)
         if hasattr(part, "to_dict") and part is not default:
             kw[name] = type(part)(**_fitted(type(part), part, layers, hidden, heads, ffn, vocab,
-                                            seqlen))
+                                            seqlen),
+                                  **rotary_fields(source_of(cfg_cls), name, part,
+                                                  kw.get("rope_parameters",
+                                                         getattr(default, "rope_parameters", None))),
+                                  **needed_fields(source_of(cfg_cls), part))
     return kw
 
 
@@ -494,7 +499,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     'lm_head.weight'), and everything else the family's default."""
     cfg_cls, _ = classes(family)
     default = _default(cfg_cls)
-    kw = _fitted(cfg_cls, default, layers, hidden, heads, ffn, vocab, seqlen)
+    kw = declared_names(cfg_cls, _fitted(cfg_cls, default, layers, hidden, heads, ffn, vocab,
+                                         seqlen))
     try:
         cfg = cfg_cls(**kw)
     except Exception:
