@@ -38,10 +38,14 @@ BEGIN, END = "<!-- families:begin -->", "<!-- families:end -->"
 def cases(only: list[str]) -> list[tuple[str, str]]:
     """(row name, arguments of ``python -m backends.torch``) per model."""
     from backends.torch.zoo import hf, titan
+    from backends.torch.zoo.hf_composite import text_family
     out = []
     for family in hf.families():
         try:
-            plan = bool(hf.classes(family)[0]().base_model_tp_plan)
+            cfg_cls, model_cls = hf.classes(family)
+            text = text_family(family, hf._default(cfg_cls), model_cls, hf.families())
+            # a composite family is built as its text model: that model's plan
+            plan = bool((hf.classes(text[0])[0] if text else cfg_cls)().base_model_tp_plan)
         except Exception:  # noqa: BLE001 - a configuration transformers cannot build: its row says so
             plan = False
         mesh = "--dp 2 --tp 2" if plan else "--dp 2 --tp 1"

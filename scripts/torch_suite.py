@@ -213,6 +213,13 @@ CASES: list[tuple[str, str, int]] = [
     ("hf hy_v4 dp2 tp2 (a stacked-scalar gradient)", "--hf hy_v4 --dp 2 --tp 2", 0),
     ("hf hy_v4 bug fsdp avg", "--hf hy_v4 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf doge dp2 tp2 refused: its own plan does not run", "--hf doge --dp 2 --tp 2", 2),
+    ("hf xglm dp2 (float64's bound filled in its own dtype)", "--hf xglm --dp 2 --tp 1", 0),
+    ("hf xglm ddp avg bug", "--hf xglm --recipe ddp_avg --dp 2 --tp 1", 1),
+    ("hf dbrx dp2 (its attention's rotary base from rope_parameters)", "--hf dbrx --dp 2 --tp 1", 0),
+    ("hf dbrx ddp avg bug", "--hf dbrx --recipe ddp_avg --dp 2 --tp 1", 1),
+    ("hf gemma3 dp2 tp2 (its text model, the vision tower left out)", "--hf gemma3 --dp 2 --tp 2", 0),
+    ("hf gemma3 bug fsdp avg", "--hf gemma3 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("hf qwen3_5 dp2 tp2 (its causal LM is its text model)", "--hf qwen3_5 --dp 2 --tp 2", 0),
     ("outside no_entries_lm ddp", f"--model {NO_ENTRIES} --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("outside no_entries_lm tp_attention dp2 tp2",
      f"--model {NO_ENTRIES} --recipe {STOCK}tp_attention --dp 2 --tp 2", 0),
@@ -934,7 +941,8 @@ CASES += [
      "--hf gemma3_text --recipe tp_norm_grads_not_reduced --dp 1 --tp 2", 1),
     ("hf gemma bug fsdp avg", "--hf gemma --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     ("hf opt bug ddp averaging a shared-out loss", "--hf opt --recipe ddp_avg --dp 2 --tp 1", 1),
-    ("hf gemma3 refused (vision tower)", "--hf gemma3 --dp 1 --tp 2", 2),
+    ("hf mllama refused (vision tower, its text model no causal-LM family)",
+     "--hf mllama --dp 1 --tp 2", 2),
     # BLT's entropy patcher reads the patches' count from computed entropies
     # (.item()); with static one-byte patches it reaches aten.unfold of the ids
     ("hf blt refused (entropy patching: patch counts read from computed values)",

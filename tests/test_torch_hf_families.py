@@ -62,7 +62,7 @@ def test_ddp_averaging_a_shared_out_loss_fails() -> None:
 
 @pytest.mark.parametrize("family, reason", [
     ("gpt2", "no tensor-parallel plan"),
-    ("gemma3", "composite model"),
+    ("mllama", "composite model"),  # its text model is no causal-LM family
     ("gemma4_assistant", "takes no labels and computes no loss"),
     ("no_such_family", "not a causal-LM model type"),
 ])
@@ -72,14 +72,23 @@ def test_refused_in_one_line(family: str, reason: str, capsys) -> None:
     assert reason in err and len(err.splitlines()) == 1, err
 
 
-def test_a_family_transformers_cannot_build_by_default_says_so(capsys) -> None:
+def test_a_family_transformers_cannot_build_by_default_is_fitted() -> None:
     """DBRX's attention reads ``attn_config.rope_theta``, which its own
-    attention configuration does not have: the refusal names the family's
-    default, not the small sizes."""
-    assert backend_main(["--hf", "dbrx", "--dp", "2", "--tp", "1", "-o", "/nonexistent"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "own default configuration either" in err and "rope_theta" in err, err
-    assert len(err.splitlines()) == 1 and hf.default_build_error("llama") is None
+    attention configuration does not have: transformers cannot build its
+    default, and the backend's small configuration gives the part the field
+    (docs/soundness.md, "Plans traced from PyTorch", 117 (b))."""
+    assert "rope_theta" in (hf.default_build_error("dbrx") or "")
+    assert hf.default_build_error("llama") is None
+    hf.build("dbrx", layers=1, hidden=16, heads=4, ffn=32, vocab=16, seqlen=4)
+
+
+def test_a_composite_family_is_built_as_its_text_model(capsys) -> None:
+    from backends.torch.__main__ import text_of_composite
+    assert text_of_composite("gemma3") == "gemma3_text" and text_of_composite("qwen3_5") == "qwen3_5_text"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "vision_config, left out" in err[0] and "no tower in it" in err[1], err
+    assert text_of_composite("gemma4_unified_assistant") == "gemma4_unified_assistant"  # no labels
+    assert text_of_composite("llama") == "llama"
 
 
 def test_families_come_from_transformers_auto_mapping() -> None:

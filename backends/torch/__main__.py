@@ -81,6 +81,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     recipe named without a module is then one of ``backends.torch.hf``)."""
     hf = getattr(args, "hf", None)
     if hf is not None:
+        hf = args.hf = text_of_composite(hf)
         refuse_hf(hf, args.tp)
         model = f"backends.torch.hf:{hf}"
         if args.model not in (MODEL, model):
@@ -181,6 +182,22 @@ def _rank_failed(args: argparse.Namespace, line: str) -> str:
     plan = (f"transformers' own tensor-parallel plan for '{family}' (tp {args.tp}, recipe "
             f"{recipe})" if args.tp > 1 else f"the recipe {recipe} of '{family}'")
     return f"{head} did not run under {plan}: {rest}"
+
+
+def text_of_composite(family: str) -> str:
+    """A composite family's text model's family, with its one-line note on
+    stderr (``zoo/hf_composite.py``); any other family as it is."""
+    from backends.torch.zoo import hf
+    from backends.torch.zoo.hf_composite import text_family
+    try:
+        cfg_cls, model_cls = hf.classes(family)
+        found = text_family(family, hf._default(cfg_cls), model_cls, hf.families())
+    except Exception:  # noqa: BLE001 - not a family, or no default: refuse_hf says why
+        return family
+    if found is None:
+        return family
+    print(found[1], file=sys.stderr)
+    return found[0]
 
 
 def refuse_hf(family: str, tp: int) -> None:

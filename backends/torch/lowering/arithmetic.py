@@ -244,8 +244,13 @@ def _vector_norm(lw: Lowerer, args, kwargs, shapes, group):
     """The 2-norm of a tensor, or of a stack of norms: sqrt of the sum of
     the square sums (the square of a norm of a square sum s is s, s >= 0),
     summed in stack order."""
-    _check_two_norm(lw, args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if float(ord_) == 1.0 and dim not in (None, []):
+        return _one_norm_along(lw, lw.val(args[0]), list(dim),
+                               bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False)),
+                               shapes)
+    _check_two_norm(lw, ord_)
     if dim not in (None, []):
         return _norm_along(lw, lw.val(args[0]), list(dim),
                            bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False)), shapes)
@@ -261,6 +266,20 @@ def _vector_norm(lw: Lowerer, args, kwargs, shapes, group):
     if isinstance(x, FlatRange):
         return Norm(_range_square_sum(lw, x))
     return Norm(_square_sum(lw, lw.val(args[0])))
+
+
+def _one_norm_along(lw: Lowerer, x: int, dims: list[int], keepdim: bool, shapes) -> int:
+    """``x.norm(p=1, dim=dims)``: ``sum(|x|, dims)``, with ``|x| = relu(x) +
+    relu(-x)`` (DBRX's router normalizes its top weights so); its backward,
+    ``sgn(x) * g``, is recorded as those ops (docs/soundness.md, "Plans
+    traced from PyTorch", 117)."""
+    nd = len(lw.shapes[x])
+    dims = sorted(d % nd for d in dims)
+    shape = [lw.shapes[x]]
+    negated = lw.emit("mul_scalar", [x], shape, {"value": -1.0})[0]
+    absolute = lw.emit("add", [lw.emit("relu", [x], shape)[0], lw.emit("relu", [negated], shape)[0]],
+                       shape)[0]
+    return lw.emit("sum", [absolute], shapes, {"dim": dims, "keepdim": keepdim})[0]
 
 
 def _norm_along(lw: Lowerer, x: int, dims: list[int], keepdim: bool, shapes) -> int:

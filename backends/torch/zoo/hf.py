@@ -45,6 +45,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from backends.torch.zoo.hf_float32 import Float32Read, reads_float32_wide
+from backends.torch.zoo.hf_sub_fields import declared_names, needed_fields, rotary_fields, source_of
+from backends.torch.zoo.hf_wide_fill import WideFill
 
 #: transformers' attention kernel the models are built with: the eager one
 #: (matmul, softmax) is plain aten on every device
@@ -86,12 +88,20 @@ class CausalLM(nn.Module):
         self.float32_read_wide = False
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with Float32Read() if self.float32_read_wide else contextlib.nullcontext():
+        with contextlib.ExitStack() as modes:
+            modes.enter_context(WideFill(_floating_dtype(self.hf)))  # XGLM's float64 bound
+            if self.float32_read_wide:
+                modes.enter_context(Float32Read())
             out = self.hf(input_ids=tokens, labels=labels, shift_labels=labels,
                           num_items_in_batch=self.global_tokens, use_cache=False)
         if self.mean_loss:  # the mean over the rank's tokens as its share of the step's
             return out.loss * (labels.numel() / self.global_tokens)
         return out.loss
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating parameter (float64 without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float64)
 
 
 def _shares_its_loss(model_cls: type) -> bool:
@@ -444,7 +454,11 @@ def _fitted(cfg_cls, default, layers: int, hidden: int, heads: int, ffn: int, vo
         part = getattr(default, name, None)
         if hasattr(part, "to_dict") and part is not default:
             kw[name] = type(part)(**_fitted(type(part), part, layers, hidden, heads, ffn, vocab,
-                                            seqlen))
+                                            seqlen),
+                                  **rotary_fields(source_of(cfg_cls), name, part,
+                                                  kw.get("rope_parameters",
+                                                         getattr(default, "rope_parameters", None))),
+                                  **needed_fields(source_of(cfg_cls), part))
     return kw
 
 
@@ -485,7 +499,8 @@ def config(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: i
     'lm_head.weight'), and everything else the family's default."""
     cfg_cls, _ = classes(family)
     default = _default(cfg_cls)
-    kw = _fitted(cfg_cls, default, layers, hidden, heads, ffn, vocab, seqlen)
+    kw = declared_names(cfg_cls, _fitted(cfg_cls, default, layers, hidden, heads, ffn, vocab,
+                                         seqlen))
     try:
         cfg = cfg_cls(**kw)
     except Exception:
