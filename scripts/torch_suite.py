@@ -350,6 +350,15 @@ CASES: list[tuple[str, str, int]] = [
      f"{MEGATRON_USER}masked_mean --recipe {USER_RECIPES}ddp --dp 2 --tp 1 --batch 8 --seed 1", 1),
     ("megatron user bug dp2 token sum without calculate_per_token_loss",
      f"{MEGATRON_USER}token_sum --recipe {USER_RECIPES}ddp --dp 2 --tp 1 --batch 8", 1),
+    ("megatron user pp2 1f1b rope 4 layers",
+     f"{MEGATRON_USER}deep --recipe {USER_RECIPES}pp_1f1b --pp 2 --dp 1 --tp 1 --layers 4 "
+     "--batch 8", 0),
+    ("megatron user pp2 interleaved rope 4 layers",
+     f"{MEGATRON_USER}deep --recipe {USER_RECIPES}pp_interleaved --pp 2 --dp 1 --tp 1 "
+     "--layers 4 --batch 8", 0),
+    ("megatron user dp2 distributed optimizer small buckets step adamw (rope gqa swiglu)",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}dist_opt_small_buckets --dp 2 --tp 1 "
+     "--batch 8 --optimizer adamw", 0),
     ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),
