@@ -359,6 +359,22 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron user dp2 distributed optimizer small buckets step adamw (rope gqa swiglu)",
      f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}dist_opt_small_buckets --dp 2 --tp 1 "
      "--batch 8 --optimizer adamw", 0),
+    # an optimizer step over a strided shard (SwiGLU's linear_fc1 at tp 2): its claimed
+    # blocks listed as the rank's final blocks (soundness 116 (c); was refused)
+    ("megatron user tp2 optimizer step sgd over a strided shard",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}ddp --dp 1 --tp 2 --batch 4 "
+     "--optimizer sgd", 0),
+    ("megatron user dp2 tp2 optimizer step adamw over a strided shard",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}ddp --dp 2 --tp 2 --batch 8 "
+     "--optimizer adamw", 0),
+    ("megatron user bug dp2 tp2 strided shard stepped with the learning rate times dp",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}ddp_lr_times_dp --dp 2 --tp 2 "
+     "--batch 8 --optimizer sgd", 1),
+    ("megatron user dp2 tp2 average_in_collective overlap step sgd",
+     f"{MEGATRON_USER}deep --recipe {USER_RECIPES}ddp_average_overlap --dp 2 --tp 2 --batch 8 "
+     "--optimizer sgd", 0),
+    ("megatron tp2 one-row batch (dp 1, one microbatch)",
+     f"{MEGATRON}tp --dp 1 --tp 2 --batch 1", 0),
     ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),

@@ -170,3 +170,5 @@ dist_opt_small_buckets = megatron.recipe(microbatches=2, use_distributed_optimiz
                                          bucket_size=200)
 pp_1f1b = megatron.recipe(microbatches=4)
 pp_interleaved = megatron.recipe(microbatches=4, virtual_pp=2, batch_p2p_comm=False)
+# a wrong optimizer step (--optimizer): Megatron's learning rate multiplied by the dp size
+ddp_lr_times_dp = megatron.recipe(microbatches=2, bug="lr_times_dp")

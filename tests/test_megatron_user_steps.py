@@ -38,3 +38,13 @@ def test_masked_per_token_loss_verifies_and_its_wrong_variants_fail():
     run = _suite("megatron user dp2 masked", "megatron user bug dp2")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
+
+
+def test_an_optimizer_step_over_a_strided_shard_verifies_and_a_wrong_rate_fails():
+    """SwiGLU's fused ``linear_fc1`` at tp 2 is a strided shard: its update is
+    listed as its claimed blocks and each proved (docs/soundness.md, "Plans
+    traced from PyTorch", 116 (c)); with the learning rate times dp it FAILs."""
+    run = _suite("megatron user tp2 optimizer step sgd over a strided shard",
+                 "megatron user bug dp2 tp2 strided shard")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "torch suite: 2 of 2 as expected" in run.stdout, run.stdout[-2000:]
