@@ -35,7 +35,8 @@ def test_rotary_gqa_swiglu_step_verifies_at_tp2_sp():
 
 
 def test_masked_per_token_loss_verifies_and_its_wrong_variants_fail():
-    run = _suite("megatron user dp2 masked", "megatron user bug dp2")
+    run = _suite("megatron user dp2 masked", "megatron user bug dp2 masked",
+                 "megatron user bug dp2 token sum")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
 
