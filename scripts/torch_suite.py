@@ -43,6 +43,9 @@ TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch
 
 #: Megatron-Core's GPTModel and training step, run by Megatron itself (backends/torch/zoo/megatron.py)
 MEGATRON = "--model backends.torch.megatron:gpt --recipe backends.torch.megatron:"
+#: users' own Megatron steps (tests/megatron_user_steps.py), models and recipes
+MEGATRON_USER = "--model tests.megatron_user_steps:"
+USER_RECIPES = "tests.megatron_user_steps:"
 
 #: recipes written with PyTorch's own APIs outside the backend (tests/outside_recipes.py)
 OUTSIDE = "tests.outside_recipes:"
@@ -351,6 +354,43 @@ CASES: list[tuple[str, str, int]] = [
     ("megatron bug tp2 sp gated mlp loaded as plain blocks (the stride taken away)",
      "--model tests.megatron_user_step:gated_unstrided_model "
      "--recipe tests.megatron_user_step:tp_sp --dp 1 --tp 2", 1),
+    # users' own Megatron steps through the documented contract (tests/megatron_user_steps.py)
+    ("megatron user tp2 sp rope gqa swiglu rmsnorm untied",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}tp_sp --dp 1 --tp 2 --batch 4", 0),
+    ("megatron user dp2 tp2 sp rope gqa swiglu rmsnorm untied",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}tp_sp --dp 2 --tp 2 --batch 8", 0),
+    ("megatron user dp2 masked per-token loss qk_layernorm, overlap and small buckets",
+     f"{MEGATRON_USER}masked_tokens --recipe {USER_RECIPES}ddp_small_buckets --dp 2 --tp 1 "
+     "--batch 8 --seed 1", 0),
+    ("megatron user bug dp2 masked mean per microbatch (no calculate_per_token_loss)",
+     f"{MEGATRON_USER}masked_mean --recipe {USER_RECIPES}ddp --dp 2 --tp 1 --batch 8 --seed 1", 1),
+    ("megatron user bug dp2 token sum without calculate_per_token_loss",
+     f"{MEGATRON_USER}token_sum --recipe {USER_RECIPES}ddp --dp 2 --tp 1 --batch 8", 1),
+    ("megatron user pp2 1f1b rope 4 layers",
+     f"{MEGATRON_USER}deep --recipe {USER_RECIPES}pp_1f1b --pp 2 --dp 1 --tp 1 --layers 4 "
+     "--batch 8", 0),
+    ("megatron user pp2 interleaved rope 4 layers",
+     f"{MEGATRON_USER}deep --recipe {USER_RECIPES}pp_interleaved --pp 2 --dp 1 --tp 1 "
+     "--layers 4 --batch 8", 0),
+    ("megatron user dp2 distributed optimizer small buckets step adamw (rope gqa swiglu)",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}dist_opt_small_buckets --dp 2 --tp 1 "
+     "--batch 8 --optimizer adamw", 0),
+    # an optimizer step over a strided shard (SwiGLU's linear_fc1 at tp 2): its claimed
+    # blocks listed as the rank's final blocks (soundness 116 (c); was refused)
+    ("megatron user tp2 optimizer step sgd over a strided shard",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}ddp --dp 1 --tp 2 --batch 4 "
+     "--optimizer sgd", 0),
+    ("megatron user dp2 tp2 optimizer step adamw over a strided shard",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}ddp --dp 2 --tp 2 --batch 8 "
+     "--optimizer adamw", 0),
+    ("megatron user bug dp2 tp2 strided shard stepped with the learning rate times dp",
+     f"{MEGATRON_USER}llama_like --recipe {USER_RECIPES}ddp_lr_times_dp --dp 2 --tp 2 "
+     "--batch 8 --optimizer sgd", 1),
+    ("megatron user dp2 tp2 average_in_collective overlap step sgd",
+     f"{MEGATRON_USER}deep --recipe {USER_RECIPES}ddp_average_overlap --dp 2 --tp 2 --batch 8 "
+     "--optimizer sgd", 0),
+    ("megatron tp2 one-row batch (dp 1, one microbatch)",
+     f"{MEGATRON}tp --dp 1 --tp 2 --batch 1", 0),
     ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),

@@ -1,5 +1,5 @@
 """Megatron-Core on the torch backend (docs/torch-backend.md, "Megatron-Core"):
-the CPU shim's nine patches apply and are printed, and Megatron's GPTModel at
+the CPU shim's ten patches apply and are printed, and Megatron's GPTModel at
 TP 2 + SP verifies through its own schedule, DDP and finalize_model_grads,
 a shipped mistake and the interleaved PP 2 batched-p2p finding FAIL, and a
 strided shard is refused in one line. Each runs in a fresh interpreter:
@@ -55,6 +55,12 @@ assert torch.Tensor.type(torch.zeros(1), torch.int64).dtype == torch.int64, "6: 
 grads = [torch.tensor([3.0, 4.0]), torch.tensor([12.0])]
 norm, _ = clip_grads.l2_norm_impl(2048, None, [grads], False)
 assert norm.shape == () and float(norm) == 13.0, "9: the 2-norm of the stacked norms"
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+rope = RotaryEmbedding(kv_channels=4, rotary_percent=1.0)
+assert "inv_freq" in dict(rope.named_buffers()), "10: inv_freq a buffer"
+assert "inv_freq" not in rope.state_dict(), "10: a non-persistent one"
+assert rope(4) is not rope(4), "10: forward uncached"
+assert torch.equal(rope(4), rope(4)), "10: the same embedding recomputed"
 print("patched")
 """
 
@@ -66,7 +72,7 @@ def test_shim_applies_and_prints_each_patch():
     assert run.stdout.strip() == "patched"
     lines = [ln for ln in run.stderr.splitlines() if ln.startswith("Megatron-Core CPU shim")]
     assert [ln.split(")", 1)[1].split(":", 1)[0].strip() for ln in lines] == \
-        [str(n) for n in range(1, 10)]
+        [str(n) for n in range(1, 11)]
 
 
 def _suite(*cases: str) -> subprocess.CompletedProcess:

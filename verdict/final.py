@@ -308,7 +308,15 @@ def check_final(single: Plan, parallel: Plan, states: dict[int, RankState],
                         (h for h in held if _contains(h, s)), held[0])
                     problems += _check_block(parallel, rank, pname, inside, s, t_index,
                                              final_grad[p], of_gp, proved)
-                if final_param[p] > 0:
+                if final_param[p] > 0 and finals is not None and box is None:
+                    # a strided shard's pieces (item 116 (c)): each piece made by
+                    # the updated blocks that lie in it, and no block outside them
+                    problems += _check_pieces_blocks(parallel, rank, pname, held, p,
+                                                     finals.get((rank, p), []), final_param[p],
+                                                     of_gp, proved)
+                    for s in opt_states.get(p, ()):
+                        state_blocks[s] += finals.get((rank, s), [])
+                elif final_param[p] > 0:
                     if finals is None or box is None:
                         # an update over gradient blocks is checked only as a
                         # distributed optimizer's final blocks (item 90)
@@ -430,6 +438,25 @@ def _check_final_blocks(parallel: Plan, rank: int, pname: str, box: Slices, p: i
         problems.append(f"rank {rank} holds shard {_show(box)} of {pname} but its updated blocks "
                         f"{', '.join(_show(parallel.tensors[t].slices) for t in tensors)} do "
                         f"not make it (elements left as loaded)")
+    return problems
+
+
+def _check_pieces_blocks(parallel: Plan, rank: int, pname: str, held: list[Slices], p: int,
+                         tensors: list[int], final: int, of_gp: list[int],
+                         proved: set[int]) -> list[str]:
+    """The updated blocks of a parameter a rank holds as pieces that make no
+    single shard (a strided shard's): each block inside one piece, and each
+    piece made by its blocks, as ``_check_final_blocks`` requires of a shard."""
+    outside = [t for t in tensors
+               if not any(_contains(h, parallel.tensors[t].slices) for h in held)]
+    if outside:
+        return [f"rank {rank} ends with block {_show(parallel.tensors[outside[0]].slices)} of "
+                f"{pname}, outside its pieces {', '.join(map(_show, held))}"]
+    problems = []
+    for h in held:
+        inside = [t for t in tensors if _contains(h, parallel.tensors[t].slices)]
+        problems += _check_final_blocks(parallel, rank, pname, h, p, inside, final, of_gp,
+                                        proved)
     return problems
 
 

@@ -86,6 +86,8 @@ class _Writer:
         self.recv_node: dict[int, int] = {}  # a received tensor -> its send_recv node
         self.redelivered: dict[int, set[int]] = {}  # rank -> misdelivered values rewritten
         self.emitted: dict[int, int] = {}  # id of a rank's node -> its plan node
+        #: a strided value's claimed blocks, (rank, value) -> plan tensors (item 87, 116 (c))
+        self.strided_blocks: dict[tuple[int, int], list[int]] = {}
         for r in self.rs.values():
             for v in r.low.inputs:
                 self.write_input(r, v)

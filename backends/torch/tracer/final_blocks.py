@@ -60,7 +60,9 @@ def write_final_blocks(writer: _Writer) -> None:
             if t is None:
                 raise LoweringError(f"rank {rank} ends with {key} as a value the plan does not "
                                     f"hold")
-            out.append([rank, tid, t])
+            # a strided shard's update (item 116 (c)): its k claimed blocks, not the
+            # loose whole that joins them
+            out += [[rank, tid, blk] for blk in writer.strided_blocks.get((rank, v), [t])]
         for key, runs in r.low.final_runs.items():
             tid = _tid(names, key, rank)
             for src, v, lo, hi in runs:

@@ -269,6 +269,16 @@ class MegatronModel(nn.Module):
                     yield name, p
 
 
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):
+        if self.chunks is None:
+            yield from super().named_buffers(prefix, recurse, remove_duplicate)
+            return
+        for chunk in self.chunks:  # the single-device model's names (``global_names``)
+            for b in chunk.buffers():
+                yield self.names[id(b)], b
+
+
 def user_model(user: Any) -> MegatronModel:
     """A user's Megatron step (an object with ``config(**parallel)``,
     ``model_provider(config, pre_process, post_process, vp_stage)`` and
@@ -329,6 +339,9 @@ class Options:
     overlap_grad_reduce: bool = False
     average_in_collective: bool = False
     use_distributed_optimizer: bool = False
+    #: DDP's ``bucket_size`` in elements (None: Megatron's default, one bucket
+    #: per chunk unless overlapping or the distributed optimizer)
+    bucket_size: int | None = None
     #: the experts' parallel sizes (``expert_model_parallel_size``,
     #: ``expert_tensor_parallel_size``; None: Megatron's default, the
     #: tensor-parallel size)
@@ -346,7 +359,7 @@ class Options:
 
 
 def global_names(chunk: nn.Module, ep_rank: int = 0) -> dict[str, str]:
-    """A chunk's parameter names as the single-device model's: a stage's
+    """A chunk's parameter (and buffer) names as the single-device model's: a stage's
     layer ``i`` is global layer ``layer_number - 1``; a last stage's output
     weight tied to the embedding is the embedding's; local expert ``i`` of
     expert-parallel rank ``ep_rank`` is expert ``ep_rank * local + i`` (the
@@ -360,7 +373,7 @@ def global_names(chunk: nn.Module, ep_rank: int = 0) -> dict[str, str]:
     for i, layer in enumerate(getattr(decoder, "layers", [])):
         layers[str(i)] = str(layer.layer_number - 1)
     out = {}
-    for name, _ in chunk.named_parameters():
+    for name in [n for n, _ in chunk.named_parameters()] + [n for n, _ in chunk.named_buffers()]:
         g = re.sub(r"^(.*)\.local_experts\.(\d+)\.",
                    lambda m: f"{m[1]}.local_experts.{ep_rank * local[m[1]] + int(m[2])}.", name)
         g = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{layers[m[1]]}.", g)
@@ -400,6 +413,20 @@ def load_pieces(full: dict[str, torch.Tensor], chunk: nn.Module, names: dict[str
                 axes[p.partition_dim].append("tp")
                 p.mesh_axes = axes
             p.data = whole.detach().clone()
+
+
+def load_buffers(full: dict[str, torch.Tensor], chunk: nn.Module, names: dict[str, str]) -> None:
+    """Each of the chunk's buffers (rotary positions' ``inv_freq``) set to the
+    single-device model's buffer of its global name, whole: a chunk built by
+    the provider computes its constants in Megatron's dtype, the single-device
+    model holds them in the dtype the backend runs in (float64), and both
+    steps must read the same numbers."""
+    for name, b in chunk.named_buffers():
+        whole = full.get(names[name])
+        if whole is None or whole.shape != b.shape:
+            raise ValueError(f"the chunk's buffer {name} ({names[name]}, {list(b.shape)}) is no "
+                             "buffer of the single-device model's of that shape")
+        b.data = whole.detach().clone()
 
 
 def _check_rank_order(mesh) -> None:
@@ -442,6 +469,7 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         parallel["virtual_pipeline_model_parallel_size"] = vpp
     config = user.config(**parallel)
     full = {n: p for n, p in nn.Module.named_parameters(model)}
+    full_buffers = dict(nn.Module.named_buffers(model))
     chunks = []
     for stage in range(vpp or 1):
         vp = stage if vpp is not None else None
@@ -452,7 +480,9 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
         names = global_names(chunk, ps.get_expert_model_parallel_rank())
         load_pieces(full, chunk, names, ps.get_tensor_model_parallel_rank(), tp,
                     ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+        load_buffers(full_buffers, chunk, names)
         model.names.update({id(p): names[n] for n, p in chunk.named_parameters()})
+        model.names.update({id(b): names[n] for n, b in chunk.named_buffers()})
         chunks.append(chunk)
     if options.bug == "sp_norm_unmarked":
         for chunk in chunks:  # 1446: a norm without the flag finalize_model_grads reads
@@ -485,7 +515,7 @@ def parallelize(model: MegatronModel, mesh, options: Options) -> OwnSchedule:
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=options.overlap_grad_reduce,
         use_distributed_optimizer=options.use_distributed_optimizer,
-        average_in_collective=options.average_in_collective)
+        average_in_collective=options.average_in_collective, bucket_size=options.bucket_size)
     with _cpu_rng_kept():
         wrapped = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     for w in wrapped:
@@ -702,10 +732,13 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
     if tokens.shape[0] % n:
         raise ValueError(f"{tokens.shape[0]} rows per data-parallel rank do not split into "
                          f"{n} microbatches")
-    if tokens.shape[0] // n < 2:
-        raise ValueError("a Megatron microbatch of one row is not traced (its [s, 1, h] views "
-                         "lower unlike the single-device step's): give --batch at least "
-                         f"2 x dp x {n}")
+    from megatron.core import parallel_state as ps
+    if tokens.shape[0] // n < 2 and n * ps.get_data_parallel_world_size() > 1:
+        # a one-row microbatch of a one-row batch (dp 1, one microbatch) has the
+        # single-device step's shapes, and verifies
+        raise ValueError("a Megatron microbatch of one row out of a batch of several is not "
+                         "traced (its [s, 1, h] views lower unlike the single-device step's): "
+                         f"give --batch at least 2 x dp x {n}")
     batches = [batch_of(t, lab) for t, lab in zip(tokens.chunk(n), labels.chunk(n))]
     iterators = [iter(batches) for _ in wrapped]
     for w in wrapped:  # Megatron's zero_grad_buffer, one parameter's view at a time

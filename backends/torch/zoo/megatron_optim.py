@@ -168,7 +168,7 @@ def _param_buffers_as_regions(wrapped: list) -> None:
 
 #: the line printed for the distributed optimizer's step (the shim's patches
 #: are in ``megatron_shim``; this one holds during the step only)
-FLOAT_PATCH = ("Megatron-Core CPU shim (backends/torch/zoo/megatron_optim.py) 10: "
+FLOAT_PATCH = ("Megatron-Core CPU shim (backends/torch/zoo/megatron_optim.py) 11: "
                "Tensor.float() of a float64 tensor during the distributed optimizer's step -> "
                "the tensor itself (the backend runs in float64 what Megatron runs in float32)")
 

@@ -1,6 +1,6 @@
 """The CPU adaptations megatron-core 0.16.1 needs to run on a CPU, in one place.
 
-Megatron-Core is written for CUDA devices. Nine things in its local
+Megatron-Core is written for CUDA devices. Ten things in its local
 (non-TransformerEngine) layers, schedules, grad buffers and optimizer do not
 run on a CPU; ``apply()`` changes exactly these at run time (no file of
 Megatron's is edited) and prints one line for each, every time it is called
@@ -41,7 +41,14 @@ Megatron's is edited) and prints one line for each, every time it is called
    copies the per-tensor norms to the host (``torch.tensor(list)``,
    ``float(norm)``) and back: it is the same norm computed as apex's fused
    ``multi_tensor_l2norm`` computes it, on the device (the 2-norm of the
-   stacked per-tensor norms, of the gradients' dtype, as a 0-dim tensor).
+   stacked per-tensor norms, of the gradients' dtype, as a 0-dim tensor);
+10. rotary positions (``RotaryEmbedding``) keep their inverse frequencies,
+   computed at construction, as a plain tensor attribute, and cache the
+   embedding each ``forward`` computes (``functools.lru_cache``) across
+   steps: the tracer knows a model's constants by its buffers and records
+   each step's ops afresh, so ``inv_freq`` is registered as a non-persistent
+   buffer (as torch models hold theirs) and ``forward`` runs uncached (the
+   same function of the sequence length and the frequencies, recomputed).
 
 Patches 1, 2, 4 and 5 replace the name ``torch`` in the modules of
 ``megatron.core`` by a view of torch that differs in these names only.
@@ -71,6 +78,8 @@ PATCHES = (
     "all-to-all's split sizes, as from a device)",
     "clip_grads' local_multi_tensor_l2_norm (host copies of the norms) -> the 2-norm of the "
     "stacked norms on the device, as apex's multi_tensor_l2norm",
+    "RotaryEmbedding's inv_freq (a plain attribute) -> a non-persistent buffer, its forward "
+    "uncached (lru_cache): the embedding recomputed in each traced step",
 )
 #: torch's tensor factories whose ``device`` argument patch 5 rewrites
 FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
@@ -263,8 +272,21 @@ MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_paralle
            "megatron.core.transformer.moe.experts", "megatron.core.transformer.moe.moe_layer")
 
 
+def _rotary_traceable() -> None:
+    """Patch 10: ``RotaryEmbedding.inv_freq`` a buffer, its ``forward`` uncached."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    init = RotaryEmbedding.__init__
+
+    def buffered_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        inv_freq = self.__dict__.pop("inv_freq")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+    RotaryEmbedding.__init__ = buffered_init
+    RotaryEmbedding.forward = RotaryEmbedding.forward.__wrapped__
+
+
 def apply() -> None:
-    """Apply the nine patches (once per process) and print them, one line each."""
+    """Apply the ten patches (once per process) and print them, one line each."""
     if not isinstance(torch.Tensor.type, _TypeMethod):  # applied once per process
         import importlib
         for name in MODULES:
@@ -289,6 +311,7 @@ def apply() -> None:
         from megatron.core.utils import local_multi_tensor_l2_norm
         if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:  # neither apex nor TE
             clip_grads.l2_norm_impl = _l2_norm
+        _rotary_traceable()
         torch.Tensor.type = _TypeMethod(torch.Tensor.type)
         if not torch.cuda.is_available():  # a CPU build: .cuda() can only fail
             torch.Tensor.cuda = lambda self, *args, **kwargs: self
