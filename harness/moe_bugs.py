@@ -301,23 +301,43 @@ def ep_wrong_split(model, mesh):
     rank's first expert's: its per-expert counts (the input of the count
     all-to-all, which the split sizes are summed from) move one token, so
     that token's row goes to the other rank, where another expert computes
-    it (a wrong split size, both sides of the exchange consistent)."""
-    import transformers.distributed.expert_parallel as ep_module
+    it (a wrong split size, both sides of the exchange consistent).
+
+    The all-to-all transformers' dispatch calls is a global of its module:
+    it is replaced only while an experts module of this rank runs, and
+    restored after it, so nothing else in the process (another step, a
+    later recipe) sees it, nor does a second call wrap it twice."""
     after = _ep(model, mesh)
     if mesh["dp"].get_local_rank() != 0:
         return after
-    exchange = ep_module.all_to_all_single
-
-    def moved(output, counts, *args, **kwargs):
-        if counts.dtype == torch.long and counts.dim() == 2 and counts.shape[0] > 1:
-            last = int(torch.nonzero(counts[0]).max()) if bool((counts[0] > 0).any()) else None
-            if last is not None:
-                counts[0, last] -= 1
-                counts[1, 0] += 1
-        return exchange(output, counts, *args, **kwargs)
-
-    ep_module.all_to_all_single = moved
+    for experts in _experts(model):
+        experts.forward = _with_moved_counts(experts.forward)
     return after
+
+
+def _with_moved_counts(forward):
+    """``forward`` run with transformers' dispatch all-to-all replaced by one
+    that moves a token in the per-expert counts it sends (``ep_wrong_split``),
+    the shipped one put back however ``forward`` ends."""
+    import transformers.distributed.expert_parallel as ep_module
+
+    def run(*args, **kwargs):
+        shipped = ep_module.all_to_all_single
+
+        def moved(output, counts, *rest, **options):
+            if counts.dtype == torch.long and counts.dim() == 2 and counts.shape[0] > 1:
+                last = int(torch.nonzero(counts[0]).max()) if bool((counts[0] > 0).any()) else None
+                if last is not None:
+                    counts[0, last] -= 1
+                    counts[1, 0] += 1
+            return shipped(output, counts, *rest, **options)
+
+        ep_module.all_to_all_single = moved
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            ep_module.all_to_all_single = shipped
+    return run
 
 
 def ep_expert_grads_undivided(model, mesh):

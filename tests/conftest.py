@@ -23,6 +23,17 @@ atexit.register(shutil.rmtree, os.environ["VERDICT_CACHE_DIR"], ignore_errors=Tr
 #: and the tools' own caches.
 NOT_WATCHED = (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache")
 _SNAPSHOT = pytest.StashKey[dict]()
+#: The longest test files, longest first (docs/workflow.md, "Set up and the
+#: test suite"). ``--dist loadfile`` runs each file on one worker and hands
+#: the next file in order to the first worker free: started first, the long
+#: files run beside the many short ones instead of after them (pytest-xdist's
+#: own order, the files with most tests first, started the longest last).
+LONGEST_FIRST = (
+    "test_soundness.py", "test_symmetry_zero_ep.py", "test_bugs.py", "test_attention_merge.py",
+    "test_cp_balance.py", "test_real_bugs.py", "test_oracle.py", "test_cp_mutations.py",
+    "test_torch_moe_ep.py", "test_megatron_backend.py", "test_megatron_per_token_loss.py",
+    "test_docs_commands.py", "test_torch_hf_families.py", "test_parallel.py",
+)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -47,6 +58,18 @@ def changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]
 
 def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")  # pytest-xdist: the controller checks
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of ``LONGEST_FIRST`` first, in its order; the rest after
+    them in their own order (a stable sort: a file's tests keep theirs)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

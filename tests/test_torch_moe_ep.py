@@ -40,9 +40,18 @@ def test_a_constant_all_to_all_is_answered_by_its_definition() -> None:
     assert settled(previous, previous) and not settled(previous, again)
 
 
-def test_deepseek_v3_ep2_verifies_and_expert_grads_2x_fail() -> None:
+@pytest.fixture(scope="module")
+def traced() -> tuple:
+    """DeepSeek-V3 at dp 2 ep 2 under its family's own parallelize function:
+    the two plans and the single-device trace, which the wrong recipes
+    below reuse (a recipe changes the ranks' steps, never the
+    single-device step, ``rank._setup``)."""
     args = parser().parse_args([*EP, "--recipe", "backends.torch.titan:parallelize_deepseekv3_ep"])
-    (plan_s, plan_p), single = trace_and_build(args)
+    return trace_and_build(args)
+
+
+def test_deepseek_v3_ep2_verifies_and_expert_grads_2x_fail(traced) -> None:
+    (plan_s, plan_p), single = traced
     assert "router call 0" in plan_s.world["routing"]
     assert any(n.op == "send_recv" for n in plan_p.nodes)  # the dispatch moved rows
     assert verify(plan_s, plan_p).success
@@ -52,7 +61,7 @@ def test_deepseek_v3_ep2_verifies_and_expert_grads_2x_fail() -> None:
     assert not result.success
 
 
-def test_deepseek_v3_ep2_combine_with_another_tokens_gate_fails_at_the_lookup() -> None:
+def test_deepseek_v3_ep2_combine_with_another_tokens_gate_fails_at_the_lookup(traced) -> None:
     """Rank 0 flattens its scores, swaps two tokens' rows and reads them
     back in the scores' shape, which the routed experts flatten again: the
     lookup stands in for the flattened scores (docs/soundness.md, "Plans
@@ -62,7 +71,7 @@ def test_deepseek_v3_ep2_combine_with_another_tokens_gate_fails_at_the_lookup() 
     from verdict.diagnosis import diagnose
 
     bug = parser().parse_args([*EP, "--recipe", "harness.moe_bugs:titan_ep_combine_other_gate"])
-    (plan_s, plan_p), _ = trace_and_build(bug)
+    (plan_s, plan_p), _ = trace_and_build(bug, traced[1])
     verdict = verify(plan_s, plan_p)
     assert not verdict.success and verdict.kind == "stage", verdict.message
     lead = "\n".join(diagnose(verdict, plan_s, plan_p))
