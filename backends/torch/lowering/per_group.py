@@ -10,7 +10,9 @@ tokens (each group's rows summed: the biases' gradient). A helper module:
   an entrywise op beside the grouped rows ``Experts(y, group, index)``:
   row i is ``x[group[i]]``, so the rows are ``Experts(X, group, index)``
   with ``X[g, n] = x[g]`` for every n (the first G rows of x spread over
-  the base's rows). An entry off the routing (a row n that group g does
+  the base's rows); rows that passed entrywise ops of a scalar since
+  they were gathered (``b / tp``, torchtitan's ``ScaleBiasForward``) are
+  those ops on x's first G rows (item 112 b). An entry off the routing (a row n that group g does
   not hold) is never read alone: ``Experts`` keeps only each row's own
   group's entry, the others multiplied by 0 before any sum.
 - ``t.index_add(0, v, rows)``, v a recorded index into other rows than
