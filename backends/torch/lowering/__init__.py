@@ -60,6 +60,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     scan,
     slices,
     std,
+    titan_ops,
     tokens,
     triangular,
     vocab_parallel,

@@ -29,7 +29,6 @@ refines("aten.gather.default")(lambda base: g.gather_rows(base))
 refines("aten.index_select.default")(lambda base: g.index_select(base))
 refines("aten.scatter_add.default")(lambda base: g.scatter_add(base))
 refines("aten.scatter_add_.default", absent=not_lowered)(lambda base: g.scatter_add(base))
-refines("torchtitan.deterministic_scatter_add.default", absent=not_lowered)(lambda base: g.scatter_add(base))
 refines("aten.index_add.default", "aten.index_add_.default")(
     lambda base: per_group.index_add(g.index_add(base)))
 refines("aten.index_put.default")(lambda base: g.index_put(base))

@@ -10,7 +10,9 @@ tokens (each group's rows summed: the biases' gradient). A helper module:
   an entrywise op beside the grouped rows ``Experts(y, group, index)``:
   row i is ``x[group[i]]``, so the rows are ``Experts(X, group, index)``
   with ``X[g, n] = x[g]`` for every n (the first G rows of x spread over
-  the base's rows). An entry off the routing (a row n that group g does
+  the base's rows); rows that passed entrywise ops of a scalar since
+  they were gathered (``b / tp``, torchtitan's ``ScaleBiasForward``) are
+  those ops on x's first G rows (item 112 b). An entry off the routing (a row n that group g does
   not hold) is never read alone: ``Experts`` keeps only each row's own
   group's entry, the others multiplied by 0 before any sum.
 - ``t.index_add(0, v, rows)``, v a recorded index into other rows than
@@ -40,29 +42,48 @@ from backends.torch.lowering.routed_rows import Rows, is_zeros, value_of
 from backends.torch.lowering.routed_rowwise import tensor_refs
 
 if TYPE_CHECKING:
-    from backends.torch.lowering.context import Lowerer
+    from backends.torch.lowering.context import LNode, Lowerer
 
 Handler = Callable[..., Any]
 
 
-def source_rows(lw: Lowerer, rows: Rows) -> tuple[int, np.ndarray]:
-    """(x, j): gathered row i is row ``j[i]`` of the lowered value x (the
-    rows of a C-fold copy of x read back at x's own rows)."""
-    for (x, c), copy in lw.grouped_copies.items():
-        if copy == rows.base:
-            return x, rows.index // c
-    return rows.base, rows.index
+#: lowered ops that, reading one tensor (their other operand a scalar), act
+#: entry by entry: on a C-fold copy they are the copy of the op on its rows
+SCALAR_ENTRYWISE = frozenset({"div", "mul", "add", "sub", "neg"})
+
+
+def source_rows(lw: Lowerer, rows: Rows) -> tuple[int, np.ndarray, tuple[LNode, ...]]:
+    """(x, j, ops): gathered row i is row ``j[i]`` of ``ops`` applied in
+    turn to the lowered value x (the rows of a C-fold copy of x read back at
+    x's own rows, through the entrywise ops of one tensor that ran on the
+    copy since: a row of f(copy) is f of the row it copies)."""
+    ops: list[LNode] = []
+    v = rows.base
+    for _ in range(8):
+        for (x, c), copy in lw.grouped_copies.items():
+            if copy == v:
+                return x, rows.index // c, tuple(reversed(ops))
+        made = next((node for node in reversed(lw.nodes) if v in node.outs), None)
+        if made is None or made.op not in SCALAR_ENTRYWISE or len(made.ins) != 1 \
+                or len(made.outs) != 1 or tuple(lw.shapes[made.ins[0]]) != tuple(lw.shapes[v]):
+            break
+        ops.append(made)
+        v = made.ins[0]
+    return rows.base, rows.index, ()
 
 
 def at_groups(lw: Lowerer, rows: Rows, like: Experts) -> Experts | None:
     """``rows`` as grouped rows of ``like``'s groups and index, when each
     gathered row is the row of its own group (``x[group[i]]``); else None."""
-    x, j = source_rows(lw, rows)
+    x, j, ops = source_rows(lw, rows)
     gs, n = lw.shapes[like.y][:2]
     shape = tuple(lw.shapes[x])
     if len(j) != len(like.group) or not np.array_equal(j, like.group) or shape[0] < gs:
         return None
-    one = lw.reshape(first_rows(lw, x, gs), (gs, 1, *shape[1:]))
+    first = first_rows(lw, x, gs)
+    for node in ops:  # the copy's entrywise ops, on the rows they copy
+        first = lw.emit(node.op, [first], [tuple(lw.shapes[first])], dict(node.kwargs))[0]
+    one = lw.reshape(first, (gs, 1, *shape[1:]))
     wide = (gs, n, *shape[1:])
     spread = lw.emit("expand", [one], [wide], {"shape": list(wide)})[0]
     return Experts(spread, like.group, like.index)

@@ -48,7 +48,7 @@ LAYERS = ("vocab_parallel", "masks", "count_scales", "ids", "compose", "std", "m
           "max_all", "slices", "norm_sums", "const_lookup", "chunk", "label_masks", "logprob_views", "scan",
           "const_index", "vocab_picks", "merged_views", "grad_buffers",
           "routing", "safe_softmax", "grouped", "permute", "counts",
-          "expert_rows", "packs", "pair_combine", "param_buffers", "no_entries")
+          "expert_rows", "packs", "pair_combine", "param_buffers", "no_entries", "titan_ops")
 
 _PACKAGE = "backends.torch.lowering."
 

@@ -240,7 +240,7 @@ def scatter(base: Handler) -> Handler:
         dim = int(args[1]) % len(sizes)
         if dim != len(sizes) - 1 or idx.shape[:-1] != sizes[:-1] \
                 or any(len(np.unique(row)) != len(row) for row in idx.reshape(-1, idx.shape[-1])):
-            if op_of(lw) == "aten.scatter_add.default":
+            if op_of(lw) != "aten.scatter.src":  # a scatter_add (or torchtitan's): others' rules
                 return base(lw, args, kwargs, shapes, group)  # at a constant index (const_index)
             if dim != len(sizes) - 1 or idx.shape[:-1] != sizes[:-1]:
                 raise LoweringError(f"{lw.name}: scatter at recorded indices other than along "
