@@ -1476,6 +1476,9 @@ CASES += [
      f"--model titan:qwen3_moe_positions --recipe titan:parallelize_cp {CP_MOE}", 0),
     # with torchtitan's load-balancing hook: the counts summed over its "loss" mesh
     # (dp x cp); a bug: not summed, each cp rank's bias moved by its own chunk's counts
+    ("cp titan qwen3_moe cp2 bug routed to other token on the last cp rank",
+     f"--model titan:qwen3_moe_positions --recipe harness.moe_bugs:titan_cp_routed_to_other_token "
+     f"{CP_MOE}", 1),
     ("cp titan qwen3_moe bias cp2",
      f"--model {BALANCE}qwen3_moe_positions --recipe {BALANCE}parallelize_cp "
      f"{CP_MOE} --optimizer sgd", 0),
