@@ -508,18 +508,32 @@ def order_rows_paired(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
         return False
     where = {k: key for key, k in row_ops(low_s, grid.sizes).items()}
     chosen = grow_chains(low_s, grid, entries)
-    if any(k not in where for part in chosen for k in part):
-        raise _refuse("a chain of the single-device step is at no flatten of its token rows")
-    wanted = [{where[k] for k in part} for part in chosen]
+    # a chain at a node of no key (none seen) can be paired by count only
+    wanted = [{where.get(k, ("", "", k)) for k in part} for part in chosen]
     for low in lows:
-        ops = row_ops(low, local[low.rank])
-        if not ops.keys() >= wanted[0] | wanted[1]:
-            raise _refuse(f"rank {low.rank} does not flatten and unflatten its token rows "
-                          f"where the single-device step does ({len(wanted[0])} and "
-                          f"{len(wanted[1])} times)")
-        write_chains_at(low, grid.parts, grid.inner_first, *({ops[key] for key in part}
-                                                             for part in wanted), local=True)
+        write_chains_at(low, grid.parts, grid.inner_first, *_rank_chains(low, local[low.rank],
+                                                                         wanted), local=True)
     return True
+
+
+def _rank_chains(low: Lowered, sizes: tuple[int, int],
+                 wanted: list[set[tuple[str, str, int]]]) -> tuple[set[int], set[int]]:
+    """Where a rank's chains go: every flatten of its token rows and every
+    unflatten back to them when there are as many as the single-device
+    step's chains (sequence parallelism: the rank's other flattens are of
+    gathered positions); else (context parallelism: its attention and loss
+    flatten rows of its sizes too) the rank's nodes of the single-device
+    chains' keys (``row_ops``). Refused in one line when neither holds."""
+    ops = row_ops(low, sizes)
+    made = tuple({k for key, k in ops.items() if key[1] == kind}
+                 for kind in ("flatten", "unflatten"))
+    if (len(made[0]), len(made[1])) == (len(wanted[0]), len(wanted[1])):
+        return made
+    if ops.keys() >= wanted[0] | wanted[1]:
+        return tuple({ops[key] for key in part} for part in wanted)
+    raise _refuse(f"rank {low.rank} flattens its token rows {len(made[0])} times and "
+                  f"unflattens them {len(made[1])} times, not where the single-device step "
+                  f"does ({len(wanted[0])} and {len(wanted[1])} times)")
 
 
 def row_ops(low: Lowered, sizes: tuple[int, int]) -> dict[tuple[str, str, int], int]:
