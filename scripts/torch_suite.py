@@ -1384,6 +1384,7 @@ CASES += [
 ULY = "tests.cp_ulysses_recipes:"
 ULY_SIZES = "--layers 1 --hidden 8 --heads 4 --seqlen 8 --vocab 10 --batch 2"
 ULY_MODEL = f"--model tests.cp_ulysses_models:ulysses_tagger {ULY_SIZES}"
+ULY_ONE_HEAD = "--layers 1 --hidden 8 --heads 2 --seqlen 8 --vocab 10 --batch 2 --mesh cp=2"
 CP_MOE = "--vocab 2048 --layers 1 --seqlen 8 --batch 2 --mesh cp=2"
 CASES += [
     ("cp ulysses cp2 causal (DeepSpeed's all_to_all_single)",
@@ -1401,6 +1402,16 @@ CASES += [
     ("cp ulysses dp2 cp2 full attention",
      f"--model tests.cp_ulysses_models:ulysses_tagger_full {ULY_SIZES} --recipe {ULY}ulysses "
      "--mesh dp=2,cp=2", 0),
+    # one head per rank (heads == cp): the rank's attention on [b, 1, s, d]
+    ("cp ulysses cp2 one head per rank",
+     f"--model tests.cp_ulysses_models:ulysses_tagger {ULY_ONE_HEAD} --recipe {ULY}ulysses", 0),
+    ("cp ulysses bug cp2 one head per rank inverse all-to-all's head groups in the wrong order",
+     f"--model tests.cp_ulysses_models:ulysses_tagger {ULY_ONE_HEAD} "
+     f"--recipe {ULY}ulysses_wrong_order", 1),
+    # with sinks the eager attention's fold of [b, 1, s, s] is refused (correct code: gloo same)
+    ("cp ulysses cp2 one head per rank with sinks refused (the fold of a size-1 head dim)",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_ONE_HEAD} "
+     f"--recipe {ULY}ulysses_sinks", 2),
     ("cp ulysses bug heads and sequence swapped in the all-to-all's split",
      f"{ULY_MODEL} --recipe {ULY}ulysses_swapped --mesh cp=2", 1),
     ("cp ulysses bug inverse all-to-all's head groups in the wrong order",
