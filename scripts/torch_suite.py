@@ -1490,6 +1490,10 @@ CASES += [
     ("cp titan qwen3_moe cp2 bug routed to other token on the last cp rank",
      f"--model titan:qwen3_moe_positions --recipe harness.moe_bugs:titan_cp_routed_to_other_token "
      f"{CP_MOE}", 1),
+    # dp 2 x cp 2 (each rank 2 rows x 4 positions): refused, correct code (gloo same)
+    ("cp titan qwen3_moe dp2 cp2 refused (a [64, 64, 1] routing constant of no piece)",
+     f"--model titan:qwen3_moe_positions --recipe titan:parallelize_cp "
+     f"{CP_MOE.replace('--batch 2 --mesh cp=2', '--batch 4 --mesh dp=2,cp=2')}", 2),
     ("cp titan qwen3_moe bias cp2",
      f"--model {BALANCE}qwen3_moe_positions --recipe {BALANCE}parallelize_cp "
      f"{CP_MOE} --optimizer sgd", 0),
