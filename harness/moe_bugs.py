@@ -106,6 +106,25 @@ def titan_routed_to_other_token(model, mesh):
     experts, its own scores kept)."""
     from backends.torch.zoo.titan import parallelize
     after = parallelize(model, mesh)
+    if mesh["dp"].get_local_rank() == 0:
+        _swap_first_tokens(model)
+    return after
+
+
+def titan_cp_routed_to_other_token(model, mesh):
+    """``titan_routed_to_other_token`` under torchtitan's context
+    parallelism (``titan:parallelize_cp``, ``--mesh cp=2``): on the last cp
+    rank, its first two tokens' expert choices swapped."""
+    from backends.torch.zoo.titan import parallelize_cp
+    after = parallelize_cp(model, mesh)
+    if mesh["cp"].get_local_rank() == mesh["cp"].size() - 1:
+        _swap_first_tokens(model)
+    return after
+
+
+def _swap_first_tokens(model) -> None:
+    """Each routed-experts module of ``model`` called with its first two
+    tokens' expert choices swapped (their scores kept)."""
 
     def swap(ids):
         flat = ids.reshape(-1, ids.shape[-1])
@@ -117,11 +136,8 @@ def titan_routed_to_other_token(model, mesh):
         x, scores, ids, counts = args
         return x, scores, _on_local(ids, swap), counts
 
-    if mesh["dp"].get_local_rank() == 0:
-        for name, module in model.named_modules():
-            if name.endswith("moe.routed_experts"):
-                module.register_forward_pre_hook(hook)
-    return after
+    for module in _routed_experts(model):
+        module.register_forward_pre_hook(hook)
 
 
 def _routed_experts(model) -> list[torch.nn.Module]:

@@ -1448,6 +1448,8 @@ CASES += [
 ULY = "tests.cp_ulysses_recipes:"
 ULY_SIZES = "--layers 1 --hidden 8 --heads 4 --seqlen 8 --vocab 10 --batch 2"
 ULY_MODEL = f"--model tests.cp_ulysses_models:ulysses_tagger {ULY_SIZES}"
+ULY_ONE_HEAD = "--layers 1 --hidden 8 --heads 2 --seqlen 8 --vocab 10 --batch 2 --mesh cp=2"
+CP_MOE = "--vocab 2048 --layers 1 --seqlen 8 --batch 2 --mesh cp=2"
 CASES += [
     ("cp ulysses cp2 causal (DeepSpeed's all_to_all_single)",
      f"{ULY_MODEL} --recipe {ULY}ulysses --mesh cp=2", 0),
@@ -1464,6 +1466,16 @@ CASES += [
     ("cp ulysses dp2 cp2 full attention",
      f"--model tests.cp_ulysses_models:ulysses_tagger_full {ULY_SIZES} --recipe {ULY}ulysses "
      "--mesh dp=2,cp=2", 0),
+    # one head per rank (heads == cp): the rank's attention on [b, 1, s, d]
+    ("cp ulysses cp2 one head per rank",
+     f"--model tests.cp_ulysses_models:ulysses_tagger {ULY_ONE_HEAD} --recipe {ULY}ulysses", 0),
+    ("cp ulysses bug cp2 one head per rank inverse all-to-all's head groups in the wrong order",
+     f"--model tests.cp_ulysses_models:ulysses_tagger {ULY_ONE_HEAD} "
+     f"--recipe {ULY}ulysses_wrong_order", 1),
+    # with sinks the eager attention's fold of [b, 1, s, s] is refused (correct code: gloo same)
+    ("cp ulysses cp2 one head per rank with sinks refused (the fold of a size-1 head dim)",
+     f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_ONE_HEAD} "
+     f"--recipe {ULY}ulysses_sinks", 2),
     ("cp ulysses bug heads and sequence swapped in the all-to-all's split",
      f"{ULY_MODEL} --recipe {ULY}ulysses_swapped --mesh cp=2", 1),
     ("cp ulysses bug inverse all-to-all's head groups in the wrong order",
@@ -1531,12 +1543,27 @@ CASES += [
      "--recipe backends.torch.titan:parallelize_cp_unshifted "
      "--vocab 2048 --seqlen 8 --batch 2 --mesh cp=2,tp=2", 1),
     # Qwen3 MoE (grouped-query attention, routed experts) under torchtitan's CP,
-    # its step given the data loader's positions: traces (item 107); FAILs at
-    # the routed experts' token count on rank 1, gloo differs too; whether the
-    # FAIL is the run's difference or the strided token rows' gap is open
-    ("cp titan qwen3_moe cp2 (FAIL at the routed experts' count; gloo differs)",
-     "--model titan:qwen3_moe_positions --recipe titan:parallelize_cp "
-     "--vocab 2048 --layers 1 --seqlen 8 --batch 2 --mesh cp=2", 1),
+    # its step given the data loader's positions (item 107): its token rows
+    # (the batch, the rank's chunk of the positions) written in the ranks'
+    # order (item 115; a false FAIL at the experts' count before); gloo same
+    # at bfloat16's tolerance (its experts' grouped GEMM), as every titan MoE case
+    ("cp titan qwen3_moe cp2",
+     f"--model titan:qwen3_moe_positions --recipe titan:parallelize_cp {CP_MOE}", 0),
+    # with torchtitan's load-balancing hook: the counts summed over its "loss" mesh
+    # (dp x cp); a bug: not summed, each cp rank's bias moved by its own chunk's counts
+    ("cp titan qwen3_moe cp2 bug routed to other token on the last cp rank",
+     f"--model titan:qwen3_moe_positions --recipe harness.moe_bugs:titan_cp_routed_to_other_token "
+     f"{CP_MOE}", 1),
+    # dp 2 x cp 2 (each rank 2 rows x 4 positions): refused, correct code (gloo same)
+    ("cp titan qwen3_moe dp2 cp2 refused (a [64, 64, 1] routing constant of no piece)",
+     f"--model titan:qwen3_moe_positions --recipe titan:parallelize_cp "
+     f"{CP_MOE.replace('--batch 2 --mesh cp=2', '--batch 4 --mesh dp=2,cp=2')}", 2),
+    ("cp titan qwen3_moe bias cp2",
+     f"--model {BALANCE}qwen3_moe_positions --recipe {BALANCE}parallelize_cp "
+     f"{CP_MOE} --optimizer sgd", 0),
+    ("cp titan qwen3_moe bias cp2 bug counts not all-reduced over cp",
+     f"--model {BALANCE}qwen3_moe_positions --recipe {BALANCE}parallelize_cp_counts_not_reduced "
+     f"{CP_MOE} --optimizer sgd", 1),
 ]
 
 def cpu_seconds() -> float:

@@ -109,3 +109,14 @@ def test_the_global_balance_loss_is_transformers_on_one_device() -> None:
                                       model.hf.num_experts_per_tok, None)
     mine = model.balance_loss(tuple(model.router_logits))
     assert abs(float(mine) - float(theirs)) < 1e-6
+
+
+def test_a_balanced_model_of_the_loader_positions_is_named_by_family() -> None:
+    """``titan_balance:NAME_positions`` (the step given the data loader's
+    positions, for torchtitan's CP: docs/soundness.md, "Plans traced from
+    PyTorch", 115) is the family's balanced model; a family without load
+    balancing is none."""
+    from backends.torch.zoo import titan_balance
+    assert titan_balance.balanced("qwen3_moe_positions").__name__ == "qwen3_moe_positions"
+    with pytest.raises(AttributeError):
+        titan_balance.balanced("llama3_positions")

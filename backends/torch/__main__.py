@@ -364,7 +364,7 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     low_s = lower_trace(single, args.vocab)
     lows = lower_ranks(traces, args.vocab)
     check_bucket_layouts(lows)
-    order_token_rows(single, low_s, lows, args.dp, args.tp)  # item 89
+    order_token_rows(single, low_s, lows, args.dp, args.tp, cp)  # items 89, 115
     order = sequence_order_of(traces)
     for low in lows:
         low.reordered = order is not None

@@ -17,6 +17,7 @@ rows. Anything else is refused in one line (exit 2)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -471,11 +472,12 @@ def paired_entries(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
     return entries
 
 
-def grow_chains(low_s: Lowered, grid: RowGrid, entries: set[int]) -> tuple[int, int]:
+def grow_chains(low_s: Lowered, grid: RowGrid,
+                entries: set[int]) -> tuple[set[int], set[int]]:
     """Write the one-device trace in the ranks' order from the forward
     ``entries``, the exits and the backward's entries found by reaching the
     rows back (``_Growing``), written again until the check passes; the
-    numbers of entries and exits."""
+    entries and exits (indices in the trace as it was)."""
     nodes, shapes = list(low_s.nodes), dict(low_s.shapes)
     entries, exits = set(entries), set()
     while True:
@@ -487,7 +489,7 @@ def grow_chains(low_s: Lowered, grid: RowGrid, entries: set[int]) -> tuple[int, 
         try:
             check_and_relabel(low_s, grid.rows, seeds, chained, grid.order(),
                               grow=(origin, grid.sizes))
-            return len(entries), len(exits)
+            return entries, exits
         except _Promote as found:
             (entries if found.kind == "entry" else exits).add(found.index)
 
@@ -504,36 +506,81 @@ def order_rows_paired(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
     entries = paired_entries(low_s, lows, grid, local)
     if not entries:
         return False
-    count = grow_chains(low_s, grid, entries)
+    where = {k: key for key, k in row_ops(low_s, grid.sizes).items()}
+    chosen = grow_chains(low_s, grid, entries)
+    # a chain at a node of no key (none seen) can be paired by count only
+    wanted = [{where.get(k, ("", "", k)) for k in part} for part in chosen]
     for low in lows:
-        sizes = local[low.rank]
-        made = ({k for k, node in enumerate(low.nodes)
-                 if flattens_rows(node.op, node.kwargs, _first_shape(low, node), sizes)},
-                {k for k, node in enumerate(low.nodes)
-                 if unflattens_rows(node.op, node.kwargs, sizes)})
-        if (len(made[0]), len(made[1])) != count:
-            raise _refuse(f"rank {low.rank} flattens its token rows {len(made[0])} times and "
-                          f"unflattens them {len(made[1])} times, the single-device step "
-                          f"{count[0]} and {count[1]} times")
-        write_chains_at(low, grid.parts, grid.inner_first, *made, local=True)
+        write_chains_at(low, grid.parts, grid.inner_first, *_rank_chains(low, local[low.rank],
+                                                                         wanted), local=True)
     return True
 
 
+def _rank_chains(low: Lowered, sizes: tuple[int, int],
+                 wanted: list[set[tuple[str, str, int]]]) -> tuple[set[int], set[int]]:
+    """Where a rank's chains go: every flatten of its token rows and every
+    unflatten back to them when there are as many as the single-device
+    step's chains (sequence parallelism: the rank's other flattens are of
+    gathered positions); else (context parallelism: its attention and loss
+    flatten rows of its sizes too) the rank's nodes of the single-device
+    chains' keys (``row_ops``). Refused in one line when neither holds."""
+    ops = row_ops(low, sizes)
+    made = tuple({k for key, k in ops.items() if key[1] == kind}
+                 for kind in ("flatten", "unflatten"))
+    if (len(made[0]), len(made[1])) == (len(wanted[0]), len(wanted[1])):
+        return made
+    if ops.keys() >= wanted[0] | wanted[1]:
+        return tuple({ops[key] for key in part} for part in wanted)
+    raise _refuse(f"rank {low.rank} flattens its token rows {len(made[0])} times and "
+                  f"unflattens them {len(made[1])} times, not where the single-device step "
+                  f"does ({len(wanted[0])} and {len(wanted[1])} times)")
+
+
+def row_ops(low: Lowered, sizes: tuple[int, int]) -> dict[tuple[str, str, int], int]:
+    """Each flatten of token rows of ``sizes`` and each unflatten back to
+    them, by (module, "flatten" or "unflatten", its number among that
+    module's of its kind) -> index: the key pairing a rank's with the
+    single-device step's (a rank under context parallelism flattens rows of
+    its sizes outside the routed layers too: its attention, its loss)."""
+    found: dict[tuple[str, str, int], int] = {}
+    seen: Counter[tuple[str, str]] = Counter()
+    for k, node in enumerate(low.nodes):
+        if flattens_rows(node.op, node.kwargs, _first_shape(low, node), sizes):
+            kind = "flatten"
+        elif unflattens_rows(node.op, node.kwargs, sizes):
+            kind = "unflatten"
+        else:
+            continue
+        key = (_unrooted(node.name), kind)
+        found[(*key, seen[key])] = k
+        seen[key] += 1
+    return found
+
+
 def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
-                     tp: int) -> bool:
+                     tp: int, cp: int = 1) -> bool:
     """A routed step whose ranks' token rows are no block of the flattened
     rows, written in the ranks' order (each rank's rows found to be one
     block of it): Megatron-Core's sequence-first rows ``[s, b]`` at dp > 1
     and tp 1 (each dp rank's batch block at every position), and rows
     (batch, position) at dp > 1 and tp > 1 with the positions cut by tp
-    (torchtitan's sequence parallelism), block ``d * tp + t``. False when
-    the rows need no order."""
-    if not single.get("routing") or dp <= 1:
+    (torchtitan's sequence parallelism), block ``d * tp + t``; and rows
+    (batch, position) with the positions cut by context parallelism (cp > 1,
+    tp 1, any dp: each rank's batch block at its chunk of the sequence),
+    block ``d * cp + c`` (item 115). False when the rows need no order."""
+    if not single.get("routing") or (dp <= 1 and cp <= 1):
         return False
     tokens = single["batch_ids"]["tokens"]
     batch, seqlen = int(tokens.shape[0]), int(tokens.shape[1])
+    seq_axis = "tp"
     if single.get("sequence_first"):
+        if cp > 1:
+            raise _refuse("sequence-first token rows cut by context parallelism")
         grid = RowGrid((seqlen, batch), (tp, dp), inner_first=True)
+    elif cp > 1:
+        if tp > 1:
+            raise _refuse("token rows whose positions are cut by both tp and cp")
+        grid, seq_axis = RowGrid((batch, seqlen), (dp, cp)), "cp"
     elif tp > 1:
         grid = RowGrid((batch, seqlen), (dp, tp))
     else:
@@ -541,7 +588,7 @@ def order_token_rows(single: dict, low_s: Lowered, lows: list[Lowered], dp: int,
     (lo, li) = (grid.sizes[0] // grid.parts[0], grid.sizes[1] // grid.parts[1])
     held = {}
     for low in lows:
-        d, t = low.coords.get("dp", 0), low.coords.get("tp", 0)
+        d, t = low.coords.get("dp", 0), low.coords.get(seq_axis, 0)
         o, i = (t if tp > 1 else 0, d) if grid.inner_first else (d, t)
         held[low.rank] = held_rows(grid, np.arange(o * lo, (o + 1) * lo),
                                    np.arange(i * li, (i + 1) * li))

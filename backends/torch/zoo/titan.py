@@ -283,14 +283,14 @@ def parallelize_cp_unshifted(model: TitanLM, mesh):
     return _parallelize_cp(model, mesh, shift=0, from_zero=True)
 
 
-def _parallelize_cp(model: TitanLM, mesh, shift: int, from_zero: bool = False):
+def _parallelize_cp(model: TitanLM, mesh, shift: int, from_zero: bool = False, dims=None):
     from torchtitan.distributed.context_parallel import cp_shard
 
     from backends.torch.zoo import cp_shim
     cp_shim.apply()
     rows = model.global_tokens // (model.seqlen * _size(mesh, "dp"))
     positions = torch.arange(model.seqlen).roll(-shift).expand(rows, model.seqlen).contiguous()
-    dims = _dims(mesh)
+    dims = dims or _dims(mesh)
     (model.positions,), _ = cp_shard(dims.get_mesh("cp"), (positions,), None, None)
     if from_zero:
         model.positions = model.positions - model.positions[:, :1]

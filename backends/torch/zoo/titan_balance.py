@@ -95,7 +95,7 @@ def balanced(name: str):
     traced: the model names the buffers its step updates, asks for the
     all-reduces of its counts to be answered, and steps on one device with
     torchtitan's hook."""
-    base = name.removesuffix(titan.EP_SUFFIX)
+    base = name.removesuffix(titan.POSITIONS_SUFFIX).removesuffix(titan.EP_SUFFIX)
     if base not in BALANCED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     make = titan.family_factory(name)
@@ -119,11 +119,13 @@ def __getattr__(name: str):
     return balanced(name)
 
 
-def _on(model: titan.TitanLM, mesh, ep: int, loss: Callable[[Any], Any] | None = None):
-    """The family's own parallelize (``titan.parallelize``) on torchtitan's
+def _on(model: titan.TitanLM, mesh, ep: int, loss: Callable[[Any], Any] | None = None,
+        cp: bool = False):
+    """The family's own parallelize (``titan.parallelize``; with ``cp``,
+    ``titan.parallelize_cp``'s context parallelism) on torchtitan's
     ``ParallelDims`` of the mesh, then the rank's step with the hook on
     those dims (a bug: on dims whose "loss" mesh is ``loss(dims)``)."""
-    if mesh["pp"].size() != 1:
+    if titan._size(mesh, "pp") != 1:
         raise ValueError(f"{__name__}: not pipelined (--pp 1)")
     if not hasattr(model, "final_buffers"):
         raise ValueError(f"{__name__}: give a model of {__name__} (--model "
@@ -131,7 +133,10 @@ def _on(model: titan.TitanLM, mesh, ep: int, loss: Callable[[Any], Any] | None =
     if ep > 1 and not getattr(model, "expert_parallel", False):
         raise ValueError(f"{__name__}: expert parallelism needs a model built for it: NAME_ep")
     dims = titan._dims(mesh, ep)
-    titan.parallelize(model, mesh, ep=ep, dims=dims)
+    if cp:
+        titan._parallelize_cp(model, mesh, shift=0, dims=dims)
+    else:
+        titan.parallelize(model, mesh, ep=ep, dims=dims)
     model.own_optimizer = balanced_step(model, dims if loss is None
                                         else LossMeshAs(dims, loss(dims)))
 
@@ -178,3 +183,17 @@ def parallelize_counts_over_tp(model: titan.TitanLM, mesh):
     """A bug: the counts summed over the tensor-parallel ranks instead of
     the "loss" ranks."""
     _on(model, mesh, 1, lambda dims: dims.get_mesh("tp"))
+
+
+def parallelize_cp(model: titan.TitanLM, mesh):
+    """``titan:parallelize_cp`` (torchtitan's CP over "cp", on a model of
+    ``NAME_positions``) with torchtitan's load-balancing hook on the rank's
+    optimizer step: its "loss" mesh is dp x cp, so the counts are the
+    step's (docs/soundness.md, "Plans traced from PyTorch", 115)."""
+    _on(model, mesh, 1, cp=True)
+
+
+def parallelize_cp_counts_not_reduced(model: titan.TitanLM, mesh):
+    """A bug: ``parallelize_cp`` with the hook seeing no "loss" mesh, so
+    each cp rank moves its expert biases by its own chunk's counts."""
+    _on(model, mesh, 1, _none, cp=True)
