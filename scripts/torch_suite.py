@@ -1259,6 +1259,14 @@ CASES += [
     ("moe megatron dp2 ep2 bug rows sorted to the other local expert (rows added back at "
      "other tokens than they came from: soundness 103)",
      f"{MEGATRON_MOE}moe_ep2_sorted_wrong --dp 2 --tp 1", 1),
+    # Megatron's own groups that are no one mesh axis, read from their members
+    # (soundness 113): the expert-data-parallel group of all four ranks
+    ("moe megatron dp2 tp2 sp ep1 etp1 with PR 5916's fix (the expert-data-parallel group "
+     "is every rank: dp x tp, soundness 113)",
+     f"{MEGATRON_MOE}moe_tp_sp_etp1_fixed --dp 2 --tp 2 --seqlen 8 --batch 8", 0),
+    ("moe megatron dp2 tp2 sp bug rows sorted to the other local expert (the window at "
+     "another rank's copies: soundness 113 (e))",
+     f"{MEGATRON_MOE}moe_tp_sp_ep2_sorted_wrong --dp 2 --tp 2 --seqlen 8 --batch 8", 1),
 ]
 
 #: the sequence split over a "cp" mesh dim (docs/soundness.md, "Plans traced from PyTorch",
