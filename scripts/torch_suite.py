@@ -1267,6 +1267,17 @@ CASES += [
     ("moe megatron dp2 tp2 sp bug rows sorted to the other local expert (the window at "
      "another rank's copies: soundness 113 (e))",
      f"{MEGATRON_MOE}moe_tp_sp_ep2_sorted_wrong --dp 2 --tp 2 --seqlen 8 --batch 8", 1),
+    # Megatron's own optimizer for a MoE (a ChainedOptimizer of its dense and expert parts):
+    # its parts' norms' truth values settled as an assumption (soundness 113 (f))
+    ("moe megatron dp2 ep2 adamw (Megatron's ChainedOptimizer, a norm's truth value settled: "
+     "soundness 113 (f))", f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1 --optimizer adamw", 0),
+    ("moe megatron dp2 tp2 sp ep2 etp1 adamw (Megatron's ChainedOptimizer)",
+     f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 2 --tp 2 --seqlen 8 --batch 8 --optimizer adamw", 0),
+    ("moe megatron dp2 ep2 adamw bug experts reduced over dp",
+     f"{MEGATRON_MOE}moe_ep2_experts_reduced_over_dp --dp 2 --tp 1 --optimizer adamw", 1),
+    ("moe megatron dp2 ep2 bug clip norm over the model-parallel group (the other ep rank's "
+     "experts left out of the norm)", f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1 --clip 0.1 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 1),
 ]
 
 #: the sequence split over a "cp" mesh dim (docs/soundness.md, "Plans traced from PyTorch",
