@@ -1278,6 +1278,11 @@ CASES += [
     ("moe megatron dp2 ep2 bug clip norm over the model-parallel group (the other ep rank's "
      "experts left out of the norm)", f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1 --clip 0.1 "
      "--clipper backends.torch.megatron:clip_grad_norm", 1),
+    # the all-gather token dispatcher (gloo: same): refused, its gather of a token's rows
+    # once per local expert it chose repeats a row (not yet lowered on this path)
+    ("moe megatron ep2 tp2 sp allgather dispatcher refused (rows gathered at an index that "
+     "repeats a row)", "--model backends.torch.zoo.megatron_dispatch:moe_gpt_allgather --recipe "
+     "backends.torch.megatron:moe_tp_sp_ep2 --dp 1 --tp 2", 2),
 ]
 
 #: the sequence split over a "cp" mesh dim (docs/soundness.md, "Plans traced from PyTorch",
