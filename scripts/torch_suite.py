@@ -1273,6 +1273,9 @@ CASES += [
      "soundness 113 (f))", f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1 --optimizer adamw", 0),
     ("moe megatron dp2 tp2 sp ep2 etp1 adamw (Megatron's ChainedOptimizer)",
      f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 2 --tp 2 --seqlen 8 --batch 8 --optimizer adamw", 0),
+    ("moe megatron ep2 tp2 sp adamw clip (Megatron's ChainedOptimizer after Megatron's "
+     "clipping)", f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2 --optimizer adamw --clip 0.1 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 0),
     ("moe megatron dp2 ep2 adamw bug experts reduced over dp",
      f"{MEGATRON_MOE}moe_ep2_experts_reduced_over_dp --dp 2 --tp 1 --optimizer adamw", 1),
     ("moe megatron dp2 ep2 bug clip norm over the model-parallel group (the other ep rank's "
