@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from backends.torch.lowering import LNode, Lowered, LoweringError
+from backends.torch.tracer.guards import same_branches
 from backends.torch.tracer.rank_guards import settle_rank_only, squared_values
 
 WHERE = "get_grad_norm (optimizer.py:1283)"
@@ -60,5 +61,7 @@ def test_any_other_rank_only_guard_is_refused(guard: tuple) -> None:
     nodes = _norm_nodes()
     if guard[0] == 3:  # a number that is no norm: a plain sum
         nodes = [LNode("sum", "fw", [1], [3], {"dim": None}, "n")]
-    with pytest.raises(LoweringError, match="never takes"):
-        settle_rank_only(_low([], []), [_low(nodes, [guard])])
+    single, rank = _low([], []), _low(nodes, [guard])
+    assert settle_rank_only(single, [rank]) == [] and rank.guards == [guard]
+    with pytest.raises(LoweringError, match="not the single-device step's"):
+        same_branches(single, [rank])

@@ -16,7 +16,7 @@ refused, named."""
 
 from __future__ import annotations
 
-from backends.torch.lowering import LNode, Lowered, LoweringError
+from backends.torch.lowering import LNode, Lowered
 
 #: ops whose output is zero everywhere exactly when their inputs are
 #: (sums of nonnegative terms, moves and views of them)
@@ -63,7 +63,7 @@ def settle_rank_only(single: Lowered, ranks: list[Lowered]) -> list[str]:
     step's) taken out of the rank's guards when each is a norm's truth
     value taken true (``number != 0``, true: the values it squares not all
     zero); the assumptions they add, one line each. Any other rank-only
-    guard is refused, named. A rank whose branches are already the
+    guard is kept, for ``guards.same_branches`` to refuse, named. A rank whose branches are already the
     single-device step's is left as it is."""
     at = {g[4] for g in single.guards}
     want = [g[1:4] for g in single.guards]
@@ -79,11 +79,8 @@ def settle_rank_only(single: Lowered, ranks: list[Lowered]) -> list[str]:
                 continue
             if (name, float(other), taken) != ("ne", 0.0, True) \
                     or squared_values(low, v) is None:
-                raise LoweringError(
-                    f"{where}: a branch on a number read with .item() (number {name} {other}: "
-                    f"{taken}) on rank {low.rank}, which the single-device step never "
-                    f"takes, is not lowered: its outcome is not the same on every input (only "
-                    f"a norm's truth value, true, is: the values it squares not all zero)")
+                kept.append(guard)  # not settled: ``same_branches`` refuses it, named
+                continue
             line = (f"{where}: a norm on rank {low.rank} is not 0 (the values it squares, "
                     f"over the ranks it is reduced over, are not all zero)")
             if line not in assumed:
