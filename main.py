@@ -186,6 +186,8 @@ def verify_and_report(args: argparse.Namespace, single: Plan, parallel: Plan,
             print(f"for the inputs on which the single-device step takes the branches traced "
                   f"(every rank's numbers proved equal to its, so each rank takes them too), "
                   f"not every input: {single.world['guards']}")
+        if single.world.get("assumed"):  # rank-only guards settled (backends/torch/tracer/rank_guards.py)
+            print(f"and on the inputs where: {single.world['assumed']}")
         print(f"PID: {os.getpid()} - ✅ SUCCESS")
     else:
         for line in fail_lines(args, verdict, single, parallel):

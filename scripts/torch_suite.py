@@ -1323,6 +1323,33 @@ CASES += [
     ("moe megatron dp2 ep2 bug rows sorted to the other local expert (rows added back at "
      "other tokens than they came from: soundness 103)",
      f"{MEGATRON_MOE}moe_ep2_sorted_wrong --dp 2 --tp 1", 1),
+    # Megatron's own groups that are no one mesh axis, read from their members
+    # (soundness 113): the expert-data-parallel group of all four ranks
+    ("moe megatron dp2 tp2 sp ep1 etp1 with PR 5916's fix (the expert-data-parallel group "
+     "is every rank: dp x tp, soundness 113)",
+     f"{MEGATRON_MOE}moe_tp_sp_etp1_fixed --dp 2 --tp 2 --seqlen 8 --batch 8", 0),
+    ("moe megatron dp2 tp2 sp bug rows sorted to the other local expert (the window at "
+     "another rank's copies: soundness 113 (e))",
+     f"{MEGATRON_MOE}moe_tp_sp_ep2_sorted_wrong --dp 2 --tp 2 --seqlen 8 --batch 8", 1),
+    # Megatron's own optimizer for a MoE (a ChainedOptimizer of its dense and expert parts):
+    # its parts' norms' truth values settled as an assumption (soundness 113 (f))
+    ("moe megatron dp2 ep2 adamw (Megatron's ChainedOptimizer, a norm's truth value settled: "
+     "soundness 113 (f))", f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1 --optimizer adamw", 0),
+    ("moe megatron dp2 tp2 sp ep2 etp1 adamw (Megatron's ChainedOptimizer)",
+     f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 2 --tp 2 --seqlen 8 --batch 8 --optimizer adamw", 0),
+    ("moe megatron ep2 tp2 sp adamw clip (Megatron's ChainedOptimizer after Megatron's "
+     "clipping)", f"{MEGATRON_MOE}moe_tp_sp_ep2 --dp 1 --tp 2 --optimizer adamw --clip 0.1 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 0),
+    ("moe megatron dp2 ep2 adamw bug experts reduced over dp",
+     f"{MEGATRON_MOE}moe_ep2_experts_reduced_over_dp --dp 2 --tp 1 --optimizer adamw", 1),
+    ("moe megatron dp2 ep2 bug clip norm over the model-parallel group (the other ep rank's "
+     "experts left out of the norm)", f"{MEGATRON_MOE}moe_ep2 --dp 2 --tp 1 --clip 0.1 "
+     "--clipper backends.torch.megatron:clip_grad_norm", 1),
+    # the all-gather token dispatcher (gloo: same): refused, its gather of a token's rows
+    # once per local expert it chose repeats a row (not yet lowered on this path)
+    ("moe megatron ep2 tp2 sp allgather dispatcher refused (rows gathered at an index that "
+     "repeats a row)", "--model backends.torch.zoo.megatron_dispatch:moe_gpt_allgather --recipe "
+     "backends.torch.megatron:moe_tp_sp_ep2 --dp 1 --tp 2", 2),
 ]
 
 #: the sequence split over a "cp" mesh dim (docs/soundness.md, "Plans traced from PyTorch",

@@ -118,6 +118,9 @@ class Lowered:
     #: single-device piece, loose (docs/soundness.md, 91 (b)) -> the
     #: parameter whose final gradient block reads it, if any
     mixed: dict[int, str | None] = field(default_factory=dict)
+    #: the window of a dispatcher's moved rows this rank's copies are read in
+    #: (``moved_rows.reread``'s ``narrow``; docs/soundness.md, 103 and 113 (e))
+    moved_windows: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -174,6 +177,7 @@ class Lowerer:
     #: input's parts (``param_buffers``)
     range_gathers: dict[tuple[int, ...], list] = field(default_factory=dict)
     mixed: dict[int, str | None] = field(default_factory=dict)  # flat_ranges.mixed
+    moved_windows: set[int] = field(default_factory=set)  # moved_rows.reread's windows
     event: int = -1  # the event being lowered
     buckets: list = field(default_factory=list)  # gradient buckets all-reduced (buckets)
     #: the step's value of each count all-reduce, in order (lower_ranks); None:

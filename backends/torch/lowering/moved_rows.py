@@ -78,7 +78,9 @@ def reread(lw: Lowerer, base: int, index: np.ndarray, at: np.ndarray,
         return moved
     cut = list(lw.shapes[moved])
     cut[0] = window
-    return lw.emit("narrow", [moved], [tuple(cut)], {"dim": 0, "start": lo, "length": window})[0]
+    out = lw.emit("narrow", [moved], [tuple(cut)], {"dim": 0, "start": lo, "length": window})[0]
+    lw.moved_windows.add(out)
+    return out
 
 
 def nearest_window(index: np.ndarray, p: np.ndarray, rows: int, window: int) -> int:

@@ -171,7 +171,7 @@ def _lower_into(lw: Lowerer, trace: dict) -> Lowered:
                    dict(trace.get("ties", {})), dict(lw.anchors), blocks, guards=guards,
                    range_sums=dict(lw.range_sums), final_runs=runs,
                    gathers={g: list(ps) for g, ps in lw.range_gathers.items()},
-                   mixed=dict(lw.mixed))
+                   mixed=dict(lw.mixed), moved_windows=set(lw.moved_windows))
 
 
 def _final(lw: Lowerer, name: str, v: int | None, runs: dict, key: str) -> int | None:

@@ -24,6 +24,7 @@ from backends.torch.tracer.align.claim import Claim, is_marker, scope, strided
 from backends.torch.tracer.final_blocks import write_final_blocks
 from backends.torch.tracer.guards import describe_guards, match_guards, same_branches
 from backends.torch.tracer.joint_order import Channels, joint_order
+from backends.torch.tracer.rank_guards import drop_unread_norms, settle_rank_only
 from backends.torch.tracer.redeliver import redeliver
 from backends.torch.tracer.single_plan import Builder
 from backends.torch.tracer.strided_plan import rejoin, strided_grads, strided_input
@@ -32,9 +33,13 @@ from verdict.plan import Node, Plan, Tensor
 
 def build_plans(single: Lowered, ranks: list[Lowered], world: dict) -> tuple[Plan, Plan]:
     """The single-device plan and the parallel plan of the lowered traces."""
+    assumed = settle_rank_only(single, ranks)  # a norm's truth value on a rank (113 (f))
     same_branches(single, ranks)
     if single.guards:  # the branches a SUCCESS covers (docs/soundness.md, 69-71)
         world = {**world, "guards": describe_guards(single.guards)}
+    if assumed:
+        drop_unread_norms(ranks)
+        world = {**world, "assumed": "; ".join(assumed)}
     b = Builder(single, world)
     plan_s = b.build_single()
     writer = _Writer(b, ranks, world, plan_s)

@@ -100,7 +100,7 @@ def megatron_step(wrapped: list, name: str, distributed: bool,
                 group.intra_distributed_optimizer_instance_rank = \
                     (group.intra_distributed_optimizer_instance_rank + 1) \
                     % group.intra_distributed_optimizer_instance_size
-    with _float64_kept() if distributed else contextlib.nullcontext():
+    with _float64_kept() if distributed else contextlib.nullcontext(), _traced_sqrt(optimizer):
         optimizer.step()
     if bug == "lr_times_dp_compensated":  # the gradients as the step found them
         for w in wrapped:
@@ -196,6 +196,44 @@ def _float64_kept() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.float = kept
+
+
+#: the line printed when Megatron's chained optimizer (dense and expert parts)
+#: combines its parts' norms in Python during the step
+SQRT_PATCH = ("Megatron-Core CPU shim (backends/torch/zoo/megatron_optim.py) 11: "
+              "math.sqrt in megatron/core/optimizer/optimizer.py of a number read with .item() "
+              "-> the number ** 0.5, traced (ChainedOptimizer.get_grad_norm)")
+
+
+@contextlib.contextmanager
+def _traced_sqrt(optimizer: Any) -> Iterator[None]:
+    """``math.sqrt`` as Megatron's optimizer module reads it, of a traced
+    number (``tracer.numbers``), is the number ``** 0.5``, itself traced:
+    ``ChainedOptimizer.get_grad_norm`` combines its parts' norms (each read
+    with ``.item()``) as ``math.sqrt(sum(x ** 2))`` when their groups
+    differ (a mixture of experts' dense and expert optimizers), and a plain
+    ``math.sqrt`` converts the number to an untraced float. Only for a
+    chained optimizer; the same value; printed."""
+    import math
+    import sys
+
+    from megatron.core.optimizer import optimizer as module
+
+    from backends.torch.tracer.numbers import TracedNumber
+    if not hasattr(optimizer, "chained_optimizers"):
+        yield
+        return
+    kept = module.math
+
+    def sqrt(x: Any) -> Any:
+        return x ** 0.5 if isinstance(x, TracedNumber) else math.sqrt(x)
+    print(SQRT_PATCH, file=sys.stderr)
+    names = {k: getattr(math, k) for k in dir(math) if not k.startswith("__")}
+    module.math = SimpleNamespace(**{**names, "sqrt": sqrt})
+    try:
+        yield
+    finally:
+        module.math = kept
 
 
 def _leave_out_duplicates(optimizer: Any) -> None:

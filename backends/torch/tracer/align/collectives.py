@@ -7,6 +7,7 @@ from __future__ import annotations
 from backends.torch.errors import AlignError
 from backends.torch.lowering import LNode, LoweringError
 from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, scope
+from backends.torch.tracer.align.group_axes import product_axes
 
 #: Averaging collectives divide by their group's size.
 AVERAGES = ("all_reduce_avg", "reduce_scatter_avg")
@@ -17,7 +18,8 @@ class Collectives(Pieces):
 
     def axis_of(self, group: tuple[int, ...], coords: dict[int, dict[str, int]]) -> list[str]:
         """The mesh axes a collective's group runs along, outer first: one
-        axis, or under HSDP both data-parallel sub-axes (the whole of "dp");
+        axis, or under HSDP both data-parallel sub-axes (the whole of "dp"),
+        or the product of several axes its members hold (``product_axes``);
         none for a group of one rank (a mesh dim of size 1), where every
         collective is the identity."""
         if len(group) == 1:
@@ -25,10 +27,16 @@ class Collectives(Pieces):
         varying = [a for a in self.axes if len({coords[r][a] for r in group}) > 1]
         if varying == [*self.dp, "cp"] and list(group) == sorted(group):
             return varying  # the data- and context-parallel ranks together (torchtitan's fsdp)
-        if len(varying) != 1 and varying != self.dp:
+        if len(varying) == 1 or varying == self.dp:
+            return varying
+        # a library's own group of several axes (Megatron's expert-data-parallel
+        # group at dp x tp): their product, read from the members (item 113)
+        product = product_axes(group, coords, self.axes, self.sizes)
+        if product is None:
             raise LoweringError(f"rank {self.low.rank}: a collective over ranks {list(group)} "
-                                f"is not along one mesh axis")
-        return varying
+                                f"is neither along one mesh axis nor the product of the axes "
+                                f"{varying} in rank order")
+        return product
 
     def layout_step(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
         """A collective's or a split's output: its input's value, the claim

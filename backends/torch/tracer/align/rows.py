@@ -257,6 +257,20 @@ class Rows(Pieces):
         (proved like any claim). False when these rows are not that piece."""
         return self.takes_inner_piece(node, "cp")
 
+    def inner_width_elsewhere(self, own: tuple[int, int], rows: tuple[int, int], x: int,
+                              d: int, axis: str) -> bool:
+        """Rows of the width of this rank's "tp" piece inside the piece the
+        value holds, read at another offset (a dispatcher's window of moved
+        rows, ``Lowered.moved_windows``, at another rank's copies at dp x
+        tp): claimed this rank's piece all the
+        same, as ``takes_piece`` claims such rows at tp alone
+        (docs/soundness.md, "Plans traced from PyTorch", 27 and 113 (e)), a
+        claim the verifier refutes whenever the rows differ."""
+        if axis != "tp" or rows[1] - rows[0] != own[1] - own[0]:
+            return False
+        lo, hi = self.view(x)[0][d]
+        return lo <= rows[0] and rows[1] <= hi
+
     def takes_inner_piece(self, node: LNode, axis: str) -> bool:
         """``takes_cp_piece`` by ``axis``: a ``narrow`` to this rank's piece
         by one more axis inside those that cut the dim (also "tp": an
@@ -271,7 +285,9 @@ class Rows(Pieces):
         lo, _ = self.piece(c.dims[d], full, self.low.coords) if c.dims[d] else (0, full)
         rows = (lo + node.kwargs["start"], lo + node.kwargs["start"] + node.kwargs["length"])
         axes = [*c.dims[d], axis]
-        if self.piece(axes, full, self.low.coords) != rows:
+        own = self.piece(axes, full, self.low.coords)
+        if own != rows and not (node.outs[0] in self.low.moved_windows
+                                and self.inner_width_elsewhere(own, rows, x, d, axis)):
             return False
         self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
         self.claim[out] = Claim([axes if k == d else list(a) for k, a in enumerate(c.dims)],
