@@ -50,7 +50,9 @@ def _ints(x: Any, out: set[int]) -> None:
             _ints(v, out)
 
 
-def _finals(low: Lowered) -> set[int]:
+def final_nodes(low: Lowered) -> set[int]:
+    """The nodes the step's compared values are read from (losses, gradients,
+    updates, states, guards and the other recorded finals)."""
     out: set[int] = set()
     for field in (low.losses, low.grads, low.updates, low.states, low.grad_blocks, low.guards,
                   low.final_runs, low.range_sums, low.anchors, low.empty_sums, low.row_cuts,
@@ -99,7 +101,7 @@ def _replace(low: Lowered, indices: set[int]) -> None:
         out = node.outs[0]
         low.nodes[i] = LNode("zeros", "none", [], [out], {"shape": list(low.shapes[out])},
                              node.name, None, node.mb)
-    keep = _finals(low)
+    keep = final_nodes(low)
     candidates = {id(low.nodes[i]) for i in indices} | makers
     changed = True
     while changed:

@@ -99,7 +99,7 @@ def drop_unread_norms(lows: list[Lowered]) -> None:
     groups, read by nothing the step compares). What is dropped changes
     no value that is compared; in place."""
     from backends.torch.lowering.zero_reductions import ALL_REDUCES
-    from backends.torch.lowering.zero_reductions import _finals as finals_of
+    from backends.torch.lowering.zero_reductions import final_nodes as finals_of
     by_rank = {low.rank: low for low in lows}
     kept = {(low.rank, i) for low in lows for i, n in enumerate(low.nodes)
             if n.group is not None}
