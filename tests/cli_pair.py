@@ -25,3 +25,9 @@ def traced_and_verified(out: Path, *trace_args: str) -> subprocess.CompletedProc
     single = next(out.glob("*_single.pkl"))
     parallel = next(out.glob("*_parallel.pkl"))
     return run("main.py", "--sm", str(single), "--pm", str(parallel))
+
+
+def suite_cases(*cases: str) -> subprocess.CompletedProcess:
+    """``scripts/torch_suite.py -k CASE ...``: the named suite cases, each
+    traced and verified against its expected exit."""
+    return run("scripts/torch_suite.py", *[a for case in cases for a in ("-k", case)])

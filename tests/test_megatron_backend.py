@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_pair import suite_cases
+
 pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,19 +77,12 @@ def test_shim_applies_and_prints_each_patch():
         [str(n) for n in range(1, 11)]
 
 
-def _suite(*cases: str) -> subprocess.CompletedProcess:
-    args = [a for case in cases for a in ("-k", case)]
-    return subprocess.run([sys.executable, "scripts/torch_suite.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
-
-
 def test_tp2_sp_verifies_1446_fails_and_interleaved_batched_p2p_fails():
     """Megatron's TP 2 + SP step verifies; its norm left unmarked for the SP
     all-reduce (1446) FAILs; the interleaved schedule at PP 2 with batched
     p2p FAILs at the activation a mismatched message is read as
     (docs/soundness.md, "Plans traced from PyTorch", 102)."""
-    run = _suite("megatron tp2 sp", "megatron bug sp norm", "megatron pp2 interleaved batched")
+    run = suite_cases("megatron tp2 sp", "megatron bug sp norm", "megatron pp2 interleaved batched")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     done = re.search(r"torch suite: (\d+) of \1 as expected", run.stdout)  # with the gated MLP's
     assert done and int(done.group(1)) >= 3, run.stdout[-2000:]
@@ -98,7 +93,7 @@ def test_mtp_verifies_and_its_local_count_normalization_fails():
     """GPTModel with its multi-token prediction block verifies at DP 2; with a
     loss mask whose counts differ between the data-parallel ranks, the MTP
     loss divided by each rank's own count (Megatron-LM issue 7452) FAILs."""
-    run = _suite("megatron dp2 mtp", "megatron bug mtp loss normalized")
+    run = suite_cases("megatron dp2 mtp", "megatron bug mtp loss normalized")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 2 of 2 as expected" in run.stdout, run.stdout[-2000:]
 
@@ -109,7 +104,7 @@ def test_mtp_at_tp2_and_with_two_microbatches_verifies_and_its_local_counts_fail
     (Megatron-LM issue 7452) FAILs at TP 2 with 2 microbatches. The
     verifying case at DP 2 TP 2 with 2 microbatches (4 ranks) is a suite
     case only (``-k "megatron dp2 tp2 mtp"``, run before each merge)."""
-    run = _suite("megatron tp2 mtp", "megatron bug mtp tp2")
+    run = suite_cases("megatron tp2 mtp", "megatron bug mtp tp2")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 2 of 2 as expected" in run.stdout, run.stdout[-2000:]
 
@@ -123,8 +118,8 @@ def test_mtp_at_pp2_fails_at_its_position_embeddings_and_their_reduction_verifie
     (e)). The same FAIL without the per-token loss and the fix with it are
     suite cases only (``-k "megatron bug mtp pp2" -k "megatron mtp pp2
     1f1b"``, run before each merge)."""
-    run = _suite("megatron bug mtp pp2 1f1b per-token loss",
-                 "megatron mtp pp2 1f1b with the MTP's position embeddings reduced with")
+    run = suite_cases("megatron bug mtp pp2 1f1b per-token loss",
+                      "megatron mtp pp2 1f1b with the MTP's position embeddings reduced with")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 2 of 2 as expected" in run.stdout, run.stdout[-2000:]
 

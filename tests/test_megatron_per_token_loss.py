@@ -8,24 +8,12 @@ traced from PyTorch", 85)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import check_no_value_reads
 from backends.torch.lowering.count_scales import CountTest, decided
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _suite(*cases: str) -> subprocess.CompletedProcess:
-    args = [a for case in cases for a in ("-k", case)]
-    return subprocess.run([sys.executable, "scripts/torch_suite.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
+from tests.cli_pair import suite_cases
 
 
 def test_the_per_token_fix_verifies_and_its_count_over_the_wrong_group_fails():
@@ -35,8 +23,8 @@ def test_the_per_token_fix_verifies_and_its_count_over_the_wrong_group_fails():
     dp 2 pp 2, are suite cases only (scripts/torch_suite.py -k "per-token
     loss", run before each merge; docs/workflow.md, "Set up and the test
     suite")."""
-    run = _suite("megatron mtp per-token loss, the token count all-reduced (7452's fix)",
-                 "megatron bug mtp per-token loss, the token count all-reduced over the tp group")
+    run = suite_cases("megatron mtp per-token loss, the token count all-reduced (7452's fix)",
+                      "megatron bug mtp per-token loss, the token count all-reduced over the tp group")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 2 of 2 as expected" in run.stdout, run.stdout[-2000:]
 

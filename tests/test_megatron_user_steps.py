@@ -10,33 +10,22 @@ through scripts/torch_suite.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.cli_pair import suite_cases
 
 pytest.importorskip("megatron.core", reason="needs the [megatron] extra (megatron-core)")
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _suite(*cases: str) -> subprocess.CompletedProcess:
-    args = [a for case in cases for a in ("-k", case)]
-    return subprocess.run([sys.executable, "scripts/torch_suite.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
-
 
 def test_rotary_gqa_swiglu_step_verifies_at_tp2_sp():
-    run = _suite("megatron user tp2 sp rope")
+    run = suite_cases("megatron user tp2 sp rope")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 1 of 1 as expected" in run.stdout, run.stdout[-2000:]
 
 
 def test_masked_per_token_loss_verifies_and_its_wrong_variants_fail():
-    run = _suite("megatron user dp2 masked", "megatron user bug dp2 masked",
-                 "megatron user bug dp2 token sum")
+    run = suite_cases("megatron user dp2 masked", "megatron user bug dp2 masked",
+                      "megatron user bug dp2 token sum")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 3 of 3 as expected" in run.stdout, run.stdout[-2000:]
 
@@ -45,7 +34,7 @@ def test_an_optimizer_step_over_a_strided_shard_verifies_and_a_wrong_rate_fails(
     """SwiGLU's fused ``linear_fc1`` at tp 2 is a strided shard: its update is
     listed as its claimed blocks and each proved (docs/soundness.md, "Plans
     traced from PyTorch", 116 (c)); with the learning rate times dp it FAILs."""
-    run = _suite("megatron user tp2 optimizer step sgd over a strided shard",
-                 "megatron user bug dp2 tp2 strided shard")
+    run = suite_cases("megatron user tp2 optimizer step sgd over a strided shard",
+                      "megatron user bug dp2 tp2 strided shard")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "torch suite: 2 of 2 as expected" in run.stdout, run.stdout[-2000:]
