@@ -662,6 +662,15 @@ CASES: list[tuple[str, str, int]] = [
      f"--layers 2", 1),
     ("outside45 encoder_tagger tp_sp_loss_parallel (a real run raises too)",
      f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_loss_parallel --dp 2 --tp 2", 2),
+    ("outside45 staged_tagger pp_interleaved pp2",
+     f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_interleaved --mesh pp=2,dp=1 --layers 4", 0),
+    ("outside45 staged_tagger pp_1f1b pp2 dp2",
+     f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_1f1b --mesh pp=2,dp=2 --layers 2", 0),
+    ("outside45 staged_tagger pp_1f1b_no_dp_sum bug",
+     f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_1f1b_no_dp_sum --mesh pp=2,dp=2 "
+     f"--layers 2", 1),
+    ("outside45 encoder_tagger tp_sp_local_heads (refused: loss_parallel of flattened logits)",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2", 2),
     ("outside mlp_mean replicate dp2",
      f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 0),
     # replicate averages over dp: a loss that is already its share of the step's is divided twice

@@ -115,7 +115,7 @@ def ddp_no_sync_unscaled(model, mesh):
 # -- tensor and sequence parallelism with loss_parallel -------------------------------------
 
 
-def _tp_plan(model, tp) -> None:
+def _tp_plan(model, tp, dtensor_heads: bool = True) -> None:
     parallelize_module(model, tp, {
         # the embedding stays whole; its output cut along the sequence
         "embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
@@ -128,13 +128,13 @@ def _tp_plan(model, tp) -> None:
         parallelize_module(block, tp, {
             "norm1": SequenceParallel(),
             "attn": gather,
-            "attn.q": ColwiseParallel(use_local_output=False),
-            "attn.k": ColwiseParallel(use_local_output=False),
-            "attn.v": ColwiseParallel(use_local_output=False),
+            "attn.q": ColwiseParallel(use_local_output=not dtensor_heads),
+            "attn.k": ColwiseParallel(use_local_output=not dtensor_heads),
+            "attn.v": ColwiseParallel(use_local_output=not dtensor_heads),
             "attn.o": RowwiseParallel(output_layouts=Shard(1)),
             "norm2": SequenceParallel(),
             "mlp": gather,
-            "mlp.fc1": ColwiseParallel(),
+            "mlp.fc1": ColwiseParallel(use_local_output=False),  # a DTensor into the GELU
             "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
         })
     model.train_context = loss_parallel
@@ -160,6 +160,13 @@ def tp_sp_loss_parallel(model, mesh):
     sequence before attention and the MLP), the head's logits sharded along
     the vocabulary under ``loss_parallel()``; gradients averaged over dp."""
     _tp_plan(model, mesh["tp"])
+    return _average_over_dp
+
+
+def tp_sp_local_heads(model, mesh):
+    """tp_sp_loss_parallel with q/k/v's outputs local tensors (the heads
+    counted from the local width), the MLP's hidden a DTensor."""
+    _tp_plan(model, mesh["tp"], dtensor_heads=False)
     return _average_over_dp
 
 
