@@ -190,7 +190,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
         rows = slice(None)
         with train_context(model):
             if isinstance(after, OwnSchedule):  # a library's own schedule (Megatron's)
-                after.run(tokens[rows], labels[rows])
+                after.run(tokens[rows], labels[rows], lambda mb: None)  # run(tokens, labels, set_mb)
                 after = after.after_backward
             elif isinstance(after, PipelineStep):  # PyTorch's schedule over "pp"
                 _pipelined(after, mesh, tokens[rows], labels[rows])

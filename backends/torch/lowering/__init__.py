@@ -34,6 +34,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     count_scales,
     counts,
     expert_rows,
+    foreach_copies,
     grad_buffers,
     group_norm,
     grouped,

@@ -471,8 +471,8 @@ def live_events(trace: dict) -> set[int]:
             continue
         if op == "c10d.recv_.default" or op in SHAPE_ONLY:
             continue  # overwrites its buffers; reads only its argument's shape
-        if op == "aten.copy_.default":
-            need.update(tensor_args(args[1]))
+        if op in ("aten.copy_.default", "aten._foreach_copy_.default"):
+            need.update(tensor_args(args[1]))  # the destinations are written, not read
         elif op == "c10d._allgather_base_.default":
             need.update(tensor_args(args[1:]))  # its output buffer is written, not read
         elif op == "aten.baddbmm.default" and _beta_zero(args, kwargs):
