@@ -503,6 +503,10 @@ CASES: list[tuple[str, str, int]] = [
      0),
     ("megatron bug dp2 pp2 distributed optimizer reads the next rank's ranges",
      f"{MEGATRON}dist_opt_range_shifted --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24", 1),
+    ("megatron bug dp2 pp2 distributed optimizer step: each rank all-gathers the next rank's "
+     "stale range (a zeroed region's zeros loose)",
+     f"{MEGATRON}dist_opt_gather_wrong_shard --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 "
+     "--hidden 24 --optimizer adamw", 1),
     ("megatron bug dp2 pp2 distributed optimizer step on the next rank's ranges",
      f"{MEGATRON}dist_opt_step_shifted --pp 2 --dp 2 --tp 1 --layers 2 --batch 8 --hidden 24 "
      "--optimizer adamw", 1),

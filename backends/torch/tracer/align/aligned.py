@@ -172,6 +172,9 @@ class AlignedRank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, D
         if self.cuts_loose_block(node) and not self.aligns(node):
             self.make_loose(node, [self.sv[node.ins[0]]])  # a flat range's block (item 80)
             return
+        if self.zeros_of_no_piece(node):
+            self.make_loose(node)  # zeros of no single-device zeros' shape (122 (a))
+            return
         if node.op == "zeros" and not node.ins and not self.aligns(node) \
                 and all(c.op == "add" for c in self.consumers.get(node.outs[0], [None])):
             self.make_loose(node)  # a ring's accumulator or skipped block (ring_step)

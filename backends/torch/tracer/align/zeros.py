@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from backends.torch.lowering import LNode
-from backends.torch.tracer.align.claim import Claim, Pieces
+from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs
 from verdict.numeric import NumericXP, run_node
 from verdict.plan import Node
 
@@ -105,3 +105,24 @@ class Zeros(Pieces):
                                          and any(memo[w] for w in ins))
             stack.pop()
         return memo[v]
+
+    def zeros_of_no_piece(self, node: LNode) -> bool:
+        """``node`` makes zeros of no input whose shape is a piece of none of
+        the single-device ``zeros`` it keys alike with (sizes are left out
+        of keys): as many dims, none larger. Such zeros (a stale range of a
+        buffer gathered, 96 elements flat where the step's zeros are [4,
+        24]) are no piece of any of them, so they are left loose, claimed as
+        nothing: a reader's stage recomputes them, and a final value made of
+        them is compared as what it is (docs/soundness.md, "Plans traced from
+        PyTorch", 122 (a))."""
+        if node.op != "zeros" or node.ins or len(node.outs) != 1:
+            return False
+        shape = tuple(self.low.shapes[node.outs[0]])
+        key = (node.op, node.dir, (), key_kwargs(node.kwargs))
+        full = self.b.s.low.shapes
+        for c in self.b.s.by_key.get(key, []):
+            so = self.b.s.low.nodes[c].outs[0]
+            if so >= 0 and len(full[so]) == len(shape) \
+                    and all(m <= f for m, f in zip(shape, full[so])):
+                return False
+        return True
