@@ -137,6 +137,11 @@ CASES: list[tuple[str, str, int]] = [
      "--hf inkling2_text --dp 2 --tp 2", 1),
     ("moe hf phimoe refused (Gumbel-sampled routing read by Python)",
      "--hf phimoe --dp 2 --tp 2", 2),
+    # a rank whose rows all go to one expert (deepseek_v2, rank 2: expert 3) writes the
+    # single-device step's row mask of ones, forward and backward (soundness 121 a; gloo same)
+    ("moe hf deepseek_v2 dp2 tp2 (a rank's rows all routed to one expert: its mask of ones)",
+     "--hf deepseek_v2 --dp 2 --tp 2", 0),
+    ("moe hf deepseek_v2 bug fsdp avg", "--hf deepseek_v2 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     # issue 30: families at dp2 ep2 through their own expert-parallel plan (soundness 114):
     # ranks sending different numbers of experts' results (gloo same; the undivided
     # experts' gradients FAIL), a rank whose experts receive no token (refused by the lowering)

@@ -41,6 +41,18 @@ def _picked(lw: Lowerer, x: Rows | Experts, at: np.ndarray) -> Rows | Experts | 
     return Experts(x.y, x.group[at], x.index[at])
 
 
+def _put_back(lw: Lowerer, target: Any, src: Rows | Experts, perm: np.ndarray,
+              accumulate: bool) -> bool:
+    """Rows gathered at ``perm`` accumulated back into zeros at ``perm``
+    (the backward of a gather at an index that names every row, once):
+    routed rows' ``mask * base``, as at an index naming fewer rows
+    (``routed_rows.index_put``), so that a rank whose rows all go to one
+    expert writes the node the single-device step writes for it
+    (docs/soundness.md, "Plans traced from PyTorch", 121 a)."""
+    return (accumulate and isinstance(src, Rows) and isinstance(value_of(lw, target), NewZeros)
+            and np.array_equal(perm, src.index))
+
+
 @refines("aten.index.Tensor")
 def index(base: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
@@ -77,6 +89,8 @@ def index_put(base: Handler) -> Handler:
             return base(lw, args, kwargs, shapes, group)  # not every row written once
         accumulate = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
         if accumulate and not isinstance(value_of(lw, args[0]), (Zeros, NewZeros)):
+            return base(lw, args, kwargs, shapes, group)
+        if _put_back(lw, args[0], src, perm, accumulate):
             return base(lw, args, kwargs, shapes, group)
         inverse = np.empty(rows, dtype=np.int64)
         inverse[perm] = np.arange(rows)

@@ -124,10 +124,12 @@ def _mask(lw: Lowerer, index: np.ndarray, shape: tuple[int, ...]) -> int:
 
 def masked(lw: Lowerer, rows: Rows) -> int:
     """``mask * base``: the gathered rows put back where they were (the
-    index has no repeats), zero elsewhere; every row gathered, the base."""
+    index has no repeats), zero elsewhere. Every row gathered, the mask is
+    all ones and still written: a rank whose rows all go to an expert
+    then writes the node the single-device step writes for that expert
+    (its mask's rows, ones there), so its term of the experts' sum is that
+    node's piece (docs/soundness.md, "Plans traced from PyTorch", 121 a)."""
     shape = lw.shapes[rows.base]
-    if len(rows.index) == shape[0]:
-        return rows.base
     return lw.emit("mul", [rows.base, _mask(lw, rows.index, shape)], [shape])[0]
 
 

@@ -220,7 +220,7 @@ ROWWISE: dict[str, Callable[..., bool]] = {
         "aten.gelu.default", "aten.gelu_backward.default", "aten.relu.default", "aten.sigmoid.default",
         "aten.tanh.default", "aten.exp.default", "aten.pow.Tensor_Scalar", "aten.div.Scalar",
         "aten.clamp.default", "aten.sigmoid_backward.default", "aten.tanh_backward.default",
-        "aten.addcmul.default")},
+        "aten.threshold_backward.default", "aten.addcmul.default")},
     **{op: _entrywise_mask for op in (
         "aten.ge.Scalar", "aten.le.Scalar", "aten.gt.Scalar", "aten.lt.Scalar",
         "aten.logical_and.default", "aten.logical_and_.default", "aten.where.self")},
