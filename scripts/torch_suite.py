@@ -1280,6 +1280,12 @@ CASES += [
     ("moe titan gpt_oss tp2 attention.wo.bias gradient 1/tp (torchtitan 0.3.0's "
      "ScaledBiasRowwiseLinear)", "--model titan:gpt_oss --recipe titan:parallelize --vocab 2048 "
      "--dp 1 --tp 2 --batch 2", 1),
+    # the same with that bias divided by tp in the forward only (ScaleBiasForward's rule, the
+    # recipe backends/torch/zoo/titan_scaled_bias.py): the single-device step's bias / 1 is
+    # no node (docs/soundness.md, "Plans traced from PyTorch", 119; gloo in float64: same)
+    ("moe titan gpt_oss tp2 its rowwise bias divided in the forward only",
+     "--model titan:gpt_oss --recipe backends.torch.zoo.titan_scaled_bias:parallelize "
+     "--vocab 2048 --dp 1 --tp 2 --batch 2", 0),
 ]
 
 #: torchtitan's auxiliary-loss-free load balancing: its own optimizer pre-hook (the counts

@@ -61,7 +61,11 @@ def _binary(tensor_op: str, scalar_op: str):
     return lower
 
 
-def _scalar(op: str):
+def _scalar(op: str, unit: bool = False):
+    """``x op value`` for a constant ``value`` (a division by a tensor: a
+    quotient). ``unit``: an out-of-place division, whose quotient by exactly
+    1 is its dividend itself, no node (docs/soundness.md, "Plans traced from
+    PyTorch", 119)."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         value = lw.const(args[1])
         if value is None and op == "div":
@@ -71,6 +75,8 @@ def _scalar(op: str):
         buf = lw.env.get(args[0][1])
         if op == "div" and isinstance(buf, ChunkCat):
             return ChunkCat(buf.grads, buf.chunks, buf.group, buf.divide * value, buf.replicas)
+        if unit and value == 1 and kwargs.get("rounding_mode") is None:
+            return lw.val(args[0])
         return lw.emit(op, [lw.val(args[0])], shapes, {"value": value})[0]
     return lower
 
@@ -377,7 +383,7 @@ def _div_tensor(lw: Lowerer, args, kwargs, shapes, group):
         return Norm(x.s, share)
     if isinstance(x, Denom) and x.root and value is not None:
         return Denom(x.v2, value, 0.0)
-    return _scalar("div")(lw, args, kwargs, shapes, group)
+    return _scalar("div", unit=True)(lw, args, kwargs, shapes, group)
 
 
 @lowers("aten.pow.Tensor_Scalar")
@@ -601,7 +607,8 @@ def conj(lw: Lowerer, args, kwargs, shapes, group):
     return Complex(re, lw.emit("mul_scalar", [im], [lw.shapes[im]], {"value": -1.0})[0])
 
 
-lowers("aten.div_.Scalar", "aten.div_.Tensor", "aten.div.Scalar")(_scalar('div'))
+lowers("aten.div_.Scalar", "aten.div_.Tensor")(_scalar('div'))
+lowers("aten.div.Scalar")(_scalar('div', unit=True))
 lowers("aten.mul.Scalar")(_scalar('mul_scalar'))
 lowers("aten.mean.dim", "aten.mean.default")(_reduce('mean'))
 lowers("aten.sum.dim_IntList", "aten.sum.default")(_reduce('sum'))
