@@ -93,7 +93,7 @@ def _recv(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("c10d.allreduce_.default")
 def _allreduce_inplace(lw: Lowerer, args, kwargs, shapes, group):
-    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place
+    """``dist.all_reduce(t)`` of one tensor with SUM or AVG (c10d's in-place
     all-reduce); of FSDP's reduced buffer (HSDP's all-reduce across
     replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
@@ -113,9 +113,17 @@ def _allreduce_inplace(lw: Lowerer, args, kwargs, shapes, group):
         replicas = pg(lw, args[1])
         divide = buf.divide * (float(len(replicas)) if op[1] == 1 else 1.0)
         return [ChunkCat(buf.grads, buf.chunks, buf.group, divide, replicas)]
-    if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
-        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
-    return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=pg(lw, args[1]))[0]]
+    kind = _C10D_REDUCES.get(int(op[1])) if len(op) == 2 and op[0] == "redop" else None
+    if len(tensors) != 1 or kind is None:
+        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM or an AVG of one "
+                            f"tensor is not lowered")
+    return [lw.emit(kind, [lw.val(tensors[0])], shapes[:1], group=pg(lw, args[1]))[0]]
+
+
+#: c10d's ``ReduceOp`` numbers lowered by the in-place all-reduce: SUM, AVG
+#: (the sum divided by the group's size; docs/soundness.md, "Plans traced
+#: from PyTorch", 120)
+_C10D_REDUCES = {0: "all_reduce", 1: "all_reduce_avg"}
 
 
 @lowers("_c10d_functional.all_reduce.default")
