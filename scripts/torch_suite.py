@@ -725,8 +725,18 @@ CASES: list[tuple[str, str, int]] = [
     ("outside45 staged_tagger pp_1f1b_no_dp_sum bug",
      f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_1f1b_no_dp_sum --mesh pp=2,dp=2 "
      f"--layers 2", 1),
-    ("outside45 encoder_tagger tp_sp_local_heads (refused: loss_parallel of flattened logits)",
-     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2", 2),
+    ("outside45 encoder_tagger tp_sp_local_heads dp2 tp2",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2", 0),
+    ("outside45 encoder_tagger tp_sp_partials_kept bug",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_partials_kept --dp 2 --tp 2", 1),
+    ("outside45 encoder_tagger tp_sp_summed_over_dp bug",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_summed_over_dp --dp 2 --tp 2", 1),
+    ("outside45 encoder_tagger tp_sp_local_heads clip_trainer dp2 tp2",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2 "
+     f"--clip 1.0 --clipper {OUT45_R}clip_trainer", 0),
+    ("outside45 encoder_tagger tp_sp_local_heads clip_trainer_counted_everywhere bug",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2 "
+     f"--clip 1.0 --clipper {OUT45_R}clip_trainer_counted_everywhere", 1),
     ("outside mlp_mean replicate dp2",
      f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 0),
     # replicate averages over dp: a loss that is already its share of the step's is divided twice

@@ -171,15 +171,16 @@ def tp_sp_local_heads(model, mesh):
 
 
 def tp_sp_partials_kept(model, mesh):
-    """Bug: the partial gradients of the sequence-parallel norms never
-    reduced over "tp" before the dp average."""
-    _tp_plan(model, mesh["tp"])
+    """Bug: tp_sp_local_heads with the partial gradients of the
+    sequence-parallel norms never reduced over "tp" before the dp average."""
+    _tp_plan(model, mesh["tp"], dtensor_heads=False)
     return lambda model, mesh: _average_over_dp(model, mesh, reduce_partials=False)
 
 
 def tp_sp_summed_over_dp(model, mesh):
-    """Bug: the per-rank mean's gradients summed over dp instead of averaged."""
-    _tp_plan(model, mesh["tp"])
+    """Bug: tp_sp_local_heads with the per-rank mean's gradients summed over
+    dp instead of averaged."""
+    _tp_plan(model, mesh["tp"], dtensor_heads=False)
 
     def after(model, mesh):
         _average_over_dp(model, mesh)
