@@ -18,6 +18,7 @@ from backends.torch.lowering.ir import (
     Stacked,
     ZeroPadded,
 )
+from backends.torch.lowering.reduce_ops import premul_factor
 from backends.torch.lowering.registry import lowers
 
 if TYPE_CHECKING:
@@ -93,8 +94,8 @@ def _recv(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("c10d.allreduce_.default")
 def _allreduce_inplace(lw: Lowerer, args, kwargs, shapes, group):
-    """``dist.all_reduce(t)`` of one tensor with SUM or AVG (c10d's in-place
-    all-reduce); of FSDP's reduced buffer (HSDP's all-reduce across
+    """``dist.all_reduce(t)`` of one tensor with SUM, AVG or PREMUL_SUM(f)
+    (c10d's in-place all-reduce); of FSDP's reduced buffer (HSDP's all-reduce across
     replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
     buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
@@ -114,10 +115,14 @@ def _allreduce_inplace(lw: Lowerer, args, kwargs, shapes, group):
         divide = buf.divide * (float(len(replicas)) if op[1] == 1 else 1.0)
         return [ChunkCat(buf.grads, buf.chunks, buf.group, divide, replicas)]
     kind = _C10D_REDUCES.get(int(op[1])) if len(op) == 2 and op[0] == "redop" else None
-    if len(tensors) != 1 or kind is None:
-        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM or an AVG of one "
-                            f"tensor is not lowered")
-    return [lw.emit(kind, [lw.val(tensors[0])], shapes[:1], group=pg(lw, args[1]))[0]]
+    factor = premul_factor(op)
+    if len(tensors) != 1 or kind is None and factor is None:
+        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM, an AVG or a "
+                            f"PREMUL_SUM of one tensor is not lowered")
+    x = lw.val(tensors[0])
+    if factor is not None:  # the sum of f * x
+        x, kind = lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": factor})[0], "all_reduce"
+    return [lw.emit(kind, [x], shapes[:1], group=pg(lw, args[1]))[0]]
 
 
 #: c10d's ``ReduceOp`` numbers lowered by the in-place all-reduce: SUM, AVG
