@@ -113,7 +113,8 @@ def count_scale(base: Handler) -> Handler:
             if isinstance(r, CountReciprocal):
                 return _scaled(lw, other, r, shapes)
         for i, q in enumerate(pending_of(lw, a) for a in args[:2]):
-            if isinstance(q, Quotient) and isinstance(q.x, int):
+            if isinstance(q, Quotient) and isinstance(q.x, int) \
+                    and pending_of(lw, args[1 - i]) is not None:  # times a tensor
                 other = lw.val(args[1 - i])
                 pair = [other, q.x] if i else [q.x, other]
                 return q.divided(lw, lw.emit("mul", pair, shapes)[0])
