@@ -713,8 +713,12 @@ CASES: list[tuple[str, str, int]] = [
      f"--clip 1.0 --clipper {OUT45_R}clip_foreach --optimizer adamw", 0),
     ("outside45 bert_classifier fsdp_blocks_no_root bug",
      f"--model {OUT45_M}bert_classifier --recipe {OUT45_R}fsdp_blocks_no_root --dp 2 --tp 1", 1),
-    ("outside45 vit_classifier fsdp_blocks_sum bug (refused: PREMUL_SUM reduce-scatter)",
-     f"--model {OUT45_M}vit_classifier --recipe {OUT45_R}fsdp_blocks_sum --dp 2 --tp 1", 2),
+    ("outside45 vit_classifier fsdp_blocks_sum bug",
+     f"--model {OUT45_M}vit_classifier --recipe {OUT45_R}fsdp_blocks_sum --dp 2 --tp 1", 1),
+    ("outside45 vit_classifier fsdp_blocks_sum_share PREMUL_SUM(1) dp2",
+     f"--model {OUT45_M}vit_classifier --recipe {OUT45_R}fsdp_blocks_sum_share --dp 2 --tp 1", 0),
+    ("outside45 vit_classifier fsdp_blocks_factor4 bug",
+     f"--model {OUT45_M}vit_classifier --recipe {OUT45_R}fsdp_blocks_factor4 --dp 2 --tp 1", 1),
     ("outside45 bert_classifier ddp_no_sync_accumulate sgd dp2",
      f"--model {OUT45_M}bert_classifier --recipe {OUT45_R}ddp_no_sync_accumulate --dp 2 --tp 1 "
      f"--optimizer sgd", 0),
@@ -734,8 +738,18 @@ CASES: list[tuple[str, str, int]] = [
     ("outside45 staged_tagger pp_1f1b_no_dp_sum bug",
      f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_1f1b_no_dp_sum --mesh pp=2,dp=2 "
      f"--layers 2", 1),
-    ("outside45 encoder_tagger tp_sp_local_heads (refused: loss_parallel of flattened logits)",
-     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2", 2),
+    ("outside45 encoder_tagger tp_sp_local_heads dp2 tp2",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2", 0),
+    ("outside45 encoder_tagger tp_sp_partials_kept bug",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_partials_kept --dp 2 --tp 2", 1),
+    ("outside45 encoder_tagger tp_sp_summed_over_dp bug",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_summed_over_dp --dp 2 --tp 2", 1),
+    ("outside45 encoder_tagger tp_sp_local_heads clip_trainer dp2 tp2",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2 "
+     f"--clip 1.0 --clipper {OUT45_R}clip_trainer", 0),
+    ("outside45 encoder_tagger tp_sp_local_heads clip_trainer_counted_everywhere bug",
+     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2 "
+     f"--clip 1.0 --clipper {OUT45_R}clip_trainer_counted_everywhere", 1),
     ("outside mlp_mean replicate dp2",
      f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 0),
     # replicate averages over dp: a loss that is already its share of the step's is divided twice

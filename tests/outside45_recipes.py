@@ -78,6 +78,34 @@ def fsdp_blocks_sum(model, mesh):
         module.set_gradient_divide_factor(1.0)
 
 
+def _scaled_loss(model, scale: float) -> OwnSchedule:
+    """One microbatch, the rank's loss times ``scale`` before ``backward``."""
+    def run(tokens, labels, set_mb):
+        set_mb(0)
+        loss = model(tokens, labels) * scale
+        loss.backward()
+        return [loss]
+    return OwnSchedule(run)
+
+
+def fsdp_blocks_sum_share(model, mesh):
+    """Divide factor 1 (FSDP2 reduce-scatters float32 with
+    ``ReduceOp.PREMUL_SUM(1.0)``) on each rank's mean loss divided by the dp
+    size before ``backward``: the rank's share of the step's mean, summed."""
+    _fsdp(model, mesh, reshard=False)
+    for module in (model, *model.blocks):
+        module.set_gradient_divide_factor(1.0)
+    return _scaled_loss(model, 1.0 / mesh["dp"].size())
+
+
+def fsdp_blocks_factor4(model, mesh):
+    """Bug: divide factor 4 (``PREMUL_SUM(1 / 4)``) on the per-rank mean over
+    dp 2: half the average."""
+    _fsdp(model, mesh, reshard=False)
+    for module in (model, *model.blocks):
+        module.set_gradient_divide_factor(4.0)
+
+
 # -- DDP with gradient accumulation ---------------------------------------------------------
 
 
@@ -171,15 +199,16 @@ def tp_sp_local_heads(model, mesh):
 
 
 def tp_sp_partials_kept(model, mesh):
-    """Bug: the partial gradients of the sequence-parallel norms never
-    reduced over "tp" before the dp average."""
-    _tp_plan(model, mesh["tp"])
+    """Bug: tp_sp_local_heads with the partial gradients of the
+    sequence-parallel norms never reduced over "tp" before the dp average."""
+    _tp_plan(model, mesh["tp"], dtensor_heads=False)
     return lambda model, mesh: _average_over_dp(model, mesh, reduce_partials=False)
 
 
 def tp_sp_summed_over_dp(model, mesh):
-    """Bug: the per-rank mean's gradients summed over dp instead of averaged."""
-    _tp_plan(model, mesh["tp"])
+    """Bug: tp_sp_local_heads with the per-rank mean's gradients summed over
+    dp instead of averaged."""
+    _tp_plan(model, mesh["tp"], dtensor_heads=False)
 
     def after(model, mesh):
         _average_over_dp(model, mesh)

@@ -18,6 +18,7 @@ from backends.torch.lowering.ir import (
     Stacked,
     ZeroPadded,
 )
+from backends.torch.lowering.reduce_ops import premul_factor
 from backends.torch.lowering.registry import lowers
 
 if TYPE_CHECKING:
@@ -93,8 +94,8 @@ def _recv(lw: Lowerer, args, kwargs, shapes, group):
 
 @lowers("c10d.allreduce_.default")
 def _allreduce_inplace(lw: Lowerer, args, kwargs, shapes, group):
-    """``dist.all_reduce(t)`` of one tensor with SUM (c10d's in-place
-    all-reduce); of FSDP's reduced buffer (HSDP's all-reduce across
+    """``dist.all_reduce(t)`` of one tensor with SUM, AVG or PREMUL_SUM(f)
+    (c10d's in-place all-reduce); of FSDP's reduced buffer (HSDP's all-reduce across
     replicas, SUM or AVG), recorded on the buffer and emitted per gradient."""
     tensors, op = args[0], args[2]
     buf = lw.env.get(tensors[0][1]) if len(tensors) == 1 else None
@@ -113,9 +114,21 @@ def _allreduce_inplace(lw: Lowerer, args, kwargs, shapes, group):
         replicas = pg(lw, args[1])
         divide = buf.divide * (float(len(replicas)) if op[1] == 1 else 1.0)
         return [ChunkCat(buf.grads, buf.chunks, buf.group, divide, replicas)]
-    if len(tensors) != 1 or op not in (["redop", 0], ("redop", 0)):
-        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM of one tensor is not lowered")
-    return [lw.emit("all_reduce", [lw.val(tensors[0])], shapes[:1], group=pg(lw, args[1]))[0]]
+    kind = _C10D_REDUCES.get(int(op[1])) if len(op) == 2 and op[0] == "redop" else None
+    factor = premul_factor(op)
+    if len(tensors) != 1 or kind is None and factor is None:
+        raise LoweringError(f"{lw.name}: c10d allreduce_ other than a SUM, an AVG or a "
+                            f"PREMUL_SUM of one tensor is not lowered")
+    x = lw.val(tensors[0])
+    if factor is not None:  # the sum of f * x
+        x, kind = lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": factor})[0], "all_reduce"
+    return [lw.emit(kind, [x], shapes[:1], group=pg(lw, args[1]))[0]]
+
+
+#: c10d's ``ReduceOp`` numbers lowered by the in-place all-reduce: SUM, AVG
+#: (the sum divided by the group's size; docs/soundness.md, "Plans traced
+#: from PyTorch", 120)
+_C10D_REDUCES = {0: "all_reduce", 1: "all_reduce_avg"}
 
 
 @lowers("_c10d_functional.all_reduce.default")

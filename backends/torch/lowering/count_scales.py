@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.ir import Bucket, Const, Pending, pending_of
-from backends.torch.lowering.mask_values import Count, summed
+from backends.torch.lowering.mask_values import Count, Quotient, summed
 from backends.torch.lowering.registry import Handler, refines
 
 if TYPE_CHECKING:
@@ -105,12 +105,19 @@ def _scaled(lw: Lowerer, x: Any, r: CountReciprocal, shapes: list) -> Any:
 
 @refines("aten.mul.Tensor", "aten.mul_.Tensor")
 def count_scale(base: Handler) -> Handler:
-    """A product with the reciprocal of a count: the other factor divided by it."""
+    """A product with the reciprocal of a count: the other factor divided by
+    it; with a quotient by a count, the product divided by the count."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         for mine, other in ((args[1], args[0]), (args[0], args[1])):
             r = pending_of(lw, mine)
             if isinstance(r, CountReciprocal):
                 return _scaled(lw, other, r, shapes)
+        for i, q in enumerate(pending_of(lw, a) for a in args[:2]):
+            if isinstance(q, Quotient) and isinstance(q.x, int) \
+                    and pending_of(lw, args[1 - i]) is not None:  # times a tensor
+                other = lw.val(args[1 - i])
+                pair = [other, q.x] if i else [q.x, other]
+                return q.divided(lw, lw.emit("mul", pair, shapes)[0])
         return base(lw, args, kwargs, shapes, group)
     return lower
 

@@ -463,12 +463,29 @@ def constant_flag(lw: Lowerer, value: np.ndarray) -> Flag:
     return Flag(constant_input(lw, value.astype(np.float64)), value)
 
 
+class FlagLike(Pending):
+    """A helper value that is, to any reader outside its own pattern, a flag:
+    ``truth`` its recorded booleans, ``flag`` its lowered 0/1 value (emitted
+    only when read as a tensor)."""
+
+    def truth(self, lw: Lowerer) -> np.ndarray:
+        raise NotImplementedError
+
+    def flag(self, lw: Lowerer) -> Flag:
+        raise NotImplementedError
+
+    def materialize(self, lw: Lowerer) -> int:
+        return self.flag(lw).x
+
+
 def as_flag(lw: Lowerer, a: Any) -> Flag | None:
-    """The argument as a flag: a flag, or a constant boolean mask (or one
-    of integers 0 and 1)."""
+    """The argument as a flag: a flag (or a value that is one outside its
+    pattern), or a constant boolean mask (or one of integers 0 and 1)."""
     x = pending_of(lw, a)
     if isinstance(x, Flag):
         return x
+    if isinstance(x, FlagLike):
+        return x.flag(lw)
     value = constant_value(lw, a) if isinstance(x, Const) else None
     if value is not None and value.dtype == bool:
         return constant_flag(lw, value)

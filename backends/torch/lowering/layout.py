@@ -36,6 +36,7 @@ from backends.torch.lowering.ir import (
     Unpadded,
 )
 from backends.torch.lowering.onehot import slice_ids
+from backends.torch.lowering.reduce_ops import premul_factor
 from backends.torch.lowering.registry import lowers
 from backends.torch.lowering.shapes import view_to
 from backends.torch.lowering.uneven_shards import (
@@ -73,8 +74,14 @@ def _allgather_base(lw: Lowerer, args, kwargs, shapes, group):
 
 def _plain_reduce_scatter(lw: Lowerer, x: Any, op: Any, ranks: tuple[int, ...], shapes):
     """``dist.reduce_scatter_tensor(out, x)`` of a tensor (not FSDP's
-    buffer): a reduce-scatter along dim 0, SUM or AVG."""
-    if op[1] not in (0, 1):
+    buffer): a reduce-scatter along dim 0, SUM, AVG or PREMUL_SUM(f) (the
+    sum of ``f * x``)."""
+    factor = premul_factor(op)
+    if factor is not None:
+        x = lw.val(x)
+        scaled = lw.emit("mul_scalar", [x], [lw.shapes[x]], {"value": factor})[0]
+        return lw.emit("reduce_scatter", [scaled], shapes[:1], {"dim": 0}, group=ranks)[0]
+    if len(op) != 2 or op[1] not in (0, 1):
         raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
     return lw.emit("reduce_scatter" + ("_avg" if op[1] == 1 else ""), [lw.val(x)], shapes[:1],
                    {"dim": 0}, group=ranks)[0]
@@ -121,11 +128,16 @@ def _reduce_scatter_base(lw: Lowerer, args, kwargs, shapes, group):
         return _plain_reduce_scatter(lw, args[1], op, pg(lw, args[2]), shapes)
     if not isinstance(buf, ChunkCat):
         raise LoweringError(f"{lw.name}: reduce-scatter of a buffer chunk_cat did not fill")
-    if op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
+    factor = premul_factor(op)
+    if factor is None and op not in (["redop", 0], ("redop", 0), ["redop", 1], ("redop", 1)):
         raise LoweringError(f"{lw.name}: reduce-scatter with reduce op {op} is not lowered")
     g = pg(lw, args[2])
     if len(g) != buf.chunks:
         raise LoweringError(f"{lw.name}: reduce-scatter of {buf.chunks} chunks over {len(g)} ranks")
+    if factor is not None:  # the sum of f * x: the sum divided by 1 / f
+        if factor == 0.0:
+            raise LoweringError(f"{lw.name}: reduce-scatter with PREMUL_SUM(0) is not lowered")
+        return ChunkCat(buf.grads, buf.chunks, g, buf.divide / factor)
     return ChunkCat(buf.grads, buf.chunks, g, buf.divide * (float(buf.chunks) if op[1] == 1 else 1.0))
 
 

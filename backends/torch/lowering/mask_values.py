@@ -91,6 +91,22 @@ class Count(Pending):
                             f"a divisor")
 
 
+@dataclass(frozen=True)
+class Quotient(Pending):
+    """``x / count`` not yet emitted: read by a product, the product of
+    ``x`` divided by the count afterwards (the order the single-device
+    cross-entropy's backward divides in, ``NllGrad``); read otherwise, the
+    division (docs/soundness.md, "Plans traced from PyTorch", 120 (a))."""
+    x: Any  # a value id, or a pending broadcast of one (``where``'s)
+    divisor: float
+
+    def materialize(self, lw: Lowerer) -> int:
+        return self.divided(lw, lw.materialize(self.x))
+
+    def divided(self, lw: Lowerer, y: int) -> int:
+        return lw.emit("div", [y], [lw.shapes[y]], {"value": self.divisor})[0]
+
+
 class Tentative(list):
     """The sums of the ranks' counts of a pass that chains them (a count
     broadcast, then all-reduced: ``lower_ranks``): counts read from it are

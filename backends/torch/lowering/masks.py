@@ -41,6 +41,7 @@ from backends.torch.lowering.constants import NEG_INF, causal_fill, constant_inp
 from backends.torch.lowering.ir import (
     Const,
     Flag,
+    FlagLike,
     IdRows,
     Ids,
     IdsTest,
@@ -55,6 +56,7 @@ from backends.torch.lowering.mask_values import (
     DeadRows,
     Masked,
     NegInfMask,
+    Quotient,
     expanded,
     flag_not,
     ids_equal,
@@ -63,6 +65,7 @@ from backends.torch.lowering.mask_values import (
 )
 from backends.torch.lowering.onehot import flag_of
 from backends.torch.lowering.registry import Handler, refines
+from backends.torch.lowering.vocab_parallel import on_cpu
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer
@@ -465,6 +468,8 @@ def count(base: Handler) -> Handler:
         f = pending_of(lw, args[0])
         if isinstance(f, Flag) and tuple(shapes[0]) == ():
             return Count(int(np.sum(f.value)))
+        if isinstance(f, FlagLike) and tuple(shapes[0]) == ():
+            return Count(int(np.sum(f.truth(lw))))
         return base(lw, args, kwargs, shapes, group)
     return lower
 
@@ -476,14 +481,15 @@ def divide(base: Handler) -> Handler:
         c = pending_of(lw, args[1])
         if not isinstance(c, Count):
             return base(lw, args, kwargs, shapes, group)
-        if c.value == 0 and c.unsummed:
-            # the pass that only collects the ranks' counts (lower_ranks),
-            # lowered again with the group's sum: 0 on this rank alone
-            return lw.emit("div", [lw.val(args[0])], shapes, {"value": 1.0})[0]
-        if c.value == 0:
+        if c.value == 0 and not c.unsummed:
             raise LoweringError(f"{lw.name}: a division by a count of kept labels that is 0 in "
                                 f"the recorded batch")
-        return lw.emit("div", [lw.val(args[0])], shapes, {"value": float(c.value)})[0]
+        # the pass that only collects the ranks' counts (lower_ranks) is
+        # lowered again with the group's sum: 0 on this rank alone
+        x = lw.val(args[0])
+        if lw.shapes[x] != tuple(shapes[0]):
+            return lw.emit("div", [x], shapes, {"value": float(c.value or 1)})[0]
+        return Quotient(x, float(c.value or 1))
     return lower
 
 
@@ -512,7 +518,24 @@ def cast(base: Handler) -> Handler:
         dtype = str(kwargs.get("dtype", args[1] if len(args) > 1 else ""))
         if isinstance(c, Count) or isinstance(c, NegInfMask) and "float" in dtype:
             return c
-        if isinstance(c, (Flag, IdsTest)) and "complex" not in dtype:
+        if isinstance(c, (Flag, FlagLike, IdsTest)) and "complex" not in dtype:
+            return flag_of(lw, args[0])
+        return base(lw, args, kwargs, shapes, group)
+    return lower
+
+
+@refines("aten.to.device")
+def cast_to_device(base: Handler) -> Handler:
+    """``x.to(other)`` (``to.device`` on the ranks' CPU, its type ``args[2]``)
+    of a count or a flag, as ``cast``: a count stays the count, a flag its
+    0/1 values (docs/soundness.md, "Plans traced from PyTorch", 120 (b))."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        c = pending_of(lw, args[0])
+        if not on_cpu(args[1]):
+            return base(lw, args, kwargs, shapes, group)  # refused there
+        if isinstance(c, Count):
+            return c
+        if isinstance(c, (Flag, FlagLike, IdsTest)) and "complex" not in str(args[2]):
             return flag_of(lw, args[0])
         return base(lw, args, kwargs, shapes, group)
     return lower

@@ -40,6 +40,8 @@ from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.ir import (
     Const,
+    Flag,
+    FlagLike,
     Ids,
     IdsTest,
     PatternOnly,
@@ -49,7 +51,8 @@ from backends.torch.lowering.ir import (
     VocabMask,
     Zeros,
 )
-from backends.torch.lowering.onehot import one_hot
+from backends.torch.lowering.mask_values import Quotient, flag_not, ids_equal
+from backends.torch.lowering.onehot import label_values, one_hot
 from backends.torch.lowering.registry import Handler, lowers, refines
 
 if TYPE_CHECKING:
@@ -57,10 +60,20 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class AllLabels(PatternOnly):
+class AllLabels(FlagLike):
     """``labels != ignore_index`` with the index outside the vocabulary: true
-    for every label (the backend draws them in ``[0, vocab)``)."""
+    for every label (the backend draws them in ``[0, vocab)``). ``where``
+    reads it as its pattern; any other reader (the count of kept labels a
+    mean divides by, ``mask.sum()``) reads the flag it is
+    (docs/soundness.md, "Plans traced from PyTorch", 120 (a))."""
     ids: Ids
+    ignore: int
+
+    def truth(self, lw: Lowerer) -> np.ndarray:
+        return np.asarray(label_values(lw, ("v", _ids_source(lw, self.ids)))) != self.ignore
+
+    def flag(self, lw: Lowerer) -> Flag:
+        return flag_not(lw, ids_equal(lw, ("v", _ids_source(lw, self.ids)), self.ignore))
 
 
 @dataclass(frozen=True)
@@ -228,7 +241,7 @@ def ne(lw: Lowerer, args, kwargs, shapes, group):
     outside the vocabulary."""
     ids, value = _env(lw, args[0]), lw.const(args[1])
     if isinstance(ids, Ids) and value is not None and not 0 <= int(value) < lw.vocab:
-        return AllLabels(ids)
+        return AllLabels(ids, int(value))
     raise LoweringError(f"{lw.name}: a comparison 'ne' other than of the labels with an "
                         f"ignore index outside the vocabulary is not lowered")
 
@@ -248,11 +261,17 @@ def where(base: Handler) -> Handler:
         kept = _env(lw, args[1])
         if isinstance(kept, Ids):
             return kept
-        x = lw.val(args[1])
-        if lw.shapes[x] == tuple(shapes[0]):
-            return x
-        return Spread(x, tuple(shapes[0]))
+        if isinstance(kept, Quotient):  # a mean's gradient: still divided after its product
+            return Quotient(_spread(lw, kept.x, shapes), kept.divisor)
+        return _spread(lw, lw.val(args[1]), shapes)
     return lower
+
+
+def _spread(lw: Lowerer, x: Any, shapes) -> Any:
+    """Value ``x`` seen with the output's shape (pending when broadcast)."""
+    if isinstance(x, int) and lw.shapes[x] == tuple(shapes[0]):
+        return x
+    return Spread(lw.materialize(x), tuple(shapes[0]))
 
 
 def _no_where(lw: Lowerer, args, kwargs, shapes, group):
@@ -311,6 +330,26 @@ def to_dtype(to_copy_handler: Handler) -> Handler:
     ``_to_copy``."""
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         return to_copy(to_copy_handler)(lw, args[:1], {"dtype": args[1]}, shapes, group)
+    return lower
+
+
+def on_cpu(device: Any) -> bool:
+    """A recorded device argument names the CPU (the ranks' device)."""
+    return str(device) in ("cpu", "device(type='cpu')")
+
+
+@refines("aten.to.device", base="aten._to_copy.default")
+def to_device(to_copy_handler: Handler) -> Handler:
+    """``x.to(other)`` (DTensor's loss-parallel count of kept labels, cast
+    to the logits' type) records ``to.device``: on the CPU the ranks run on,
+    a change of type only, lowered as ``_to_copy``."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        device = args[1] if len(args) > 1 else kwargs.get("device")
+        if not on_cpu(device):
+            raise LoweringError(f"{lw.name}: a copy to device {device} is not lowered (the "
+                                f"ranks run on the CPU)")
+        dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+        return to_copy(to_copy_handler)(lw, args[:1], {"dtype": dtype}, shapes, group)
     return lower
 
 
@@ -380,11 +419,15 @@ def mul(base: Handler) -> Handler:
             if isinstance(a, int):
                 return MaskedGrad(a, mask)
         for i, x in enumerate((a, b)):
+            quotient = x if isinstance(x, Quotient) and isinstance(x.x, Spread) else None
+            if quotient is not None:
+                x = quotient.x
             if isinstance(x, Spread):
                 other = lw.val(args[1 - i])
                 if lw.shapes[other] == tuple(shapes[0]):
                     pair = [other, x.x] if i else [x.x, other]
-                    return lw.emit("mul", pair, shapes)[0]
+                    out = lw.emit("mul", pair, shapes)[0]
+                    return out if quotient is None else quotient.divided(lw, out)
         _refuse_pending(lw, args[:2], "a multiplication")
         return base(lw, args, kwargs, shapes, group)
     return lower

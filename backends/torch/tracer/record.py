@@ -35,6 +35,7 @@ from backends.torch.tracer.hidden_memory import HiddenMemory, Read, is_partial_v
 from backends.torch.tracer.numbers import TracedNumber, TracedNumbers
 from backends.torch.tracer.placements import data_parallel_axis as data_parallel_axis
 from backends.torch.tracer.placements import dims_axes as dims_axes
+from backends.torch.tracer.reduce_ops import recorded_reduce_op
 from backends.torch.tracer.routing import ROUTED, Routing
 from backends.torch.tracer.tensor_views import (
     outputs_written,
@@ -226,7 +227,7 @@ class Recorder(TorchDispatchMode):
             if kind.endswith("c10d.ProcessGroup"):
                 return ("pg", group_ranks(torch.distributed.ProcessGroup.unbox(a)))
             if kind.endswith("c10d.ReduceOp"):
-                return ("redop", int(a.op()))
+                return recorded_reduce_op(int(a.op()))
             return "script-object"
         return repr(a)
 
