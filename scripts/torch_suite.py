@@ -52,9 +52,9 @@ OUTSIDE = "tests.outside_recipes:"
 #: models written outside the backend (tests/outside_models.py), recipes with mistakes for them
 USER_MODELS = "tests.outside_models:"
 MISTAKES = "tests.outside_mistakes:"
-#: the second set written outside the backend (tests/outside45_models.py, outside45_recipes.py)
-OUT45_M = "tests.outside45_models:"
-OUT45_R = "tests.outside45_recipes:"
+#: the second set written outside the backend (tests/outside_apis_models.py, outside_apis_recipes.py)
+OUT_APIS_M = "tests.outside_apis_models:"
+OUT_APIS_R = "tests.outside_apis_recipes:"
 #: a rotary table whose batch is its second dim (tests/recut_models.py)
 RECUT = "tests.recut_models:"
 NO_ENTRIES = "tests.no_entries_models:no_entries_lm"
@@ -704,52 +704,52 @@ CASES: list[tuple[str, str, int]] = [
      f"--model mlp_mean --recipe {OUTSIDE}tp_from_local --dp 2 --tp 2", 0),
     ("outside mlp_mean tp_from_local_summed bug",
      f"--model mlp_mean --recipe {OUTSIDE}tp_from_local_summed --dp 2 --tp 2", 1),
-    # models and recipes written outside the backend, second set (tests/outside45_*.py;
+    # models and recipes written outside the backend, second set (tests/outside_apis_*.py;
     # docs/torch-backend.md, "Models written outside the backend")
-    ("outside45 bert_classifier fsdp_blocks_kept float32 params dp2",
-     f"--model {OUT45_M}bert_classifier --recipe {OUT45_R}fsdp_blocks_kept --dp 2 --tp 1", 0),
-    ("outside45 vit_classifier fsdp_blocks_resharded clip_foreach adamw dp2",
-     f"--model {OUT45_M}vit_classifier --recipe {OUT45_R}fsdp_blocks_resharded --dp 2 --tp 1 "
-     f"--clip 1.0 --clipper {OUT45_R}clip_foreach --optimizer adamw", 0),
-    ("outside45 bert_classifier fsdp_blocks_no_root bug",
-     f"--model {OUT45_M}bert_classifier --recipe {OUT45_R}fsdp_blocks_no_root --dp 2 --tp 1", 1),
-    ("outside45 vit_classifier fsdp_blocks_sum bug",
-     f"--model {OUT45_M}vit_classifier --recipe {OUT45_R}fsdp_blocks_sum --dp 2 --tp 1", 1),
-    ("outside45 vit_classifier fsdp_blocks_sum_share PREMUL_SUM(1) dp2",
-     f"--model {OUT45_M}vit_classifier --recipe {OUT45_R}fsdp_blocks_sum_share --dp 2 --tp 1", 0),
-    ("outside45 vit_classifier fsdp_blocks_factor4 bug",
-     f"--model {OUT45_M}vit_classifier --recipe {OUT45_R}fsdp_blocks_factor4 --dp 2 --tp 1", 1),
-    ("outside45 bert_classifier ddp_no_sync_accumulate sgd dp2",
-     f"--model {OUT45_M}bert_classifier --recipe {OUT45_R}ddp_no_sync_accumulate --dp 2 --tp 1 "
+    ("outside apis bert_classifier fsdp_blocks_kept float32 params dp2",
+     f"--model {OUT_APIS_M}bert_classifier --recipe {OUT_APIS_R}fsdp_blocks_kept --dp 2 --tp 1", 0),
+    ("outside apis vit_classifier fsdp_blocks_resharded clip_foreach adamw dp2",
+     f"--model {OUT_APIS_M}vit_classifier --recipe {OUT_APIS_R}fsdp_blocks_resharded --dp 2 --tp 1 "
+     f"--clip 1.0 --clipper {OUT_APIS_R}clip_foreach --optimizer adamw", 0),
+    ("outside apis bert_classifier fsdp_blocks_no_root bug",
+     f"--model {OUT_APIS_M}bert_classifier --recipe {OUT_APIS_R}fsdp_blocks_no_root --dp 2 --tp 1", 1),
+    ("outside apis vit_classifier fsdp_blocks_sum bug",
+     f"--model {OUT_APIS_M}vit_classifier --recipe {OUT_APIS_R}fsdp_blocks_sum --dp 2 --tp 1", 1),
+    ("outside apis vit_classifier fsdp_blocks_sum_share PREMUL_SUM(1) dp2",
+     f"--model {OUT_APIS_M}vit_classifier --recipe {OUT_APIS_R}fsdp_blocks_sum_share --dp 2 --tp 1", 0),
+    ("outside apis vit_classifier fsdp_blocks_factor4 bug",
+     f"--model {OUT_APIS_M}vit_classifier --recipe {OUT_APIS_R}fsdp_blocks_factor4 --dp 2 --tp 1", 1),
+    ("outside apis bert_classifier ddp_no_sync_accumulate sgd dp2",
+     f"--model {OUT_APIS_M}bert_classifier --recipe {OUT_APIS_R}ddp_no_sync_accumulate --dp 2 --tp 1 "
      f"--optimizer sgd", 0),
-    ("outside45 bert_classifier ddp_no_sync_unscaled bug",
-     f"--model {OUT45_M}bert_classifier --recipe {OUT45_R}ddp_no_sync_unscaled --dp 2 --tp 1", 1),
-    ("outside45 staged_tagger pp_gpipe pp2",
-     f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_gpipe --mesh pp=2,dp=1 --layers 2", 0),
-    ("outside45 staged_tagger pp_gpipe_scaled bug",
-     f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_gpipe_scaled --mesh pp=2,dp=1 "
+    ("outside apis bert_classifier ddp_no_sync_unscaled bug",
+     f"--model {OUT_APIS_M}bert_classifier --recipe {OUT_APIS_R}ddp_no_sync_unscaled --dp 2 --tp 1", 1),
+    ("outside apis staged_tagger pp_gpipe pp2",
+     f"--model {OUT_APIS_M}staged_tagger --recipe {OUT_APIS_R}pp_gpipe --mesh pp=2,dp=1 --layers 2", 0),
+    ("outside apis staged_tagger pp_gpipe_scaled bug",
+     f"--model {OUT_APIS_M}staged_tagger --recipe {OUT_APIS_R}pp_gpipe_scaled --mesh pp=2,dp=1 "
      f"--layers 2", 1),
-    ("outside45 encoder_tagger tp_sp_loss_parallel (a real run raises too)",
-     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_loss_parallel --dp 2 --tp 2", 2),
-    ("outside45 staged_tagger pp_interleaved pp2",
-     f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_interleaved --mesh pp=2,dp=1 --layers 4", 0),
-    ("outside45 staged_tagger pp_1f1b pp2 dp2",
-     f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_1f1b --mesh pp=2,dp=2 --layers 2", 0),
-    ("outside45 staged_tagger pp_1f1b_no_dp_sum bug",
-     f"--model {OUT45_M}staged_tagger --recipe {OUT45_R}pp_1f1b_no_dp_sum --mesh pp=2,dp=2 "
+    ("outside apis encoder_tagger tp_sp_loss_parallel (a real run raises too)",
+     f"--model {OUT_APIS_M}encoder_tagger --recipe {OUT_APIS_R}tp_sp_loss_parallel --dp 2 --tp 2", 2),
+    ("outside apis staged_tagger pp_interleaved pp2",
+     f"--model {OUT_APIS_M}staged_tagger --recipe {OUT_APIS_R}pp_interleaved --mesh pp=2,dp=1 --layers 4", 0),
+    ("outside apis staged_tagger pp_1f1b pp2 dp2",
+     f"--model {OUT_APIS_M}staged_tagger --recipe {OUT_APIS_R}pp_1f1b --mesh pp=2,dp=2 --layers 2", 0),
+    ("outside apis staged_tagger pp_1f1b_no_dp_sum bug",
+     f"--model {OUT_APIS_M}staged_tagger --recipe {OUT_APIS_R}pp_1f1b_no_dp_sum --mesh pp=2,dp=2 "
      f"--layers 2", 1),
-    ("outside45 encoder_tagger tp_sp_local_heads dp2 tp2",
-     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2", 0),
-    ("outside45 encoder_tagger tp_sp_partials_kept bug",
-     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_partials_kept --dp 2 --tp 2", 1),
-    ("outside45 encoder_tagger tp_sp_summed_over_dp bug",
-     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_summed_over_dp --dp 2 --tp 2", 1),
-    ("outside45 encoder_tagger tp_sp_local_heads clip_trainer dp2 tp2",
-     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2 "
-     f"--clip 1.0 --clipper {OUT45_R}clip_trainer", 0),
-    ("outside45 encoder_tagger tp_sp_local_heads clip_trainer_counted_everywhere bug",
-     f"--model {OUT45_M}encoder_tagger --recipe {OUT45_R}tp_sp_local_heads --dp 2 --tp 2 "
-     f"--clip 1.0 --clipper {OUT45_R}clip_trainer_counted_everywhere", 1),
+    ("outside apis encoder_tagger tp_sp_local_heads dp2 tp2",
+     f"--model {OUT_APIS_M}encoder_tagger --recipe {OUT_APIS_R}tp_sp_local_heads --dp 2 --tp 2", 0),
+    ("outside apis encoder_tagger tp_sp_partials_kept bug",
+     f"--model {OUT_APIS_M}encoder_tagger --recipe {OUT_APIS_R}tp_sp_partials_kept --dp 2 --tp 2", 1),
+    ("outside apis encoder_tagger tp_sp_summed_over_dp bug",
+     f"--model {OUT_APIS_M}encoder_tagger --recipe {OUT_APIS_R}tp_sp_summed_over_dp --dp 2 --tp 2", 1),
+    ("outside apis encoder_tagger tp_sp_local_heads clip_trainer dp2 tp2",
+     f"--model {OUT_APIS_M}encoder_tagger --recipe {OUT_APIS_R}tp_sp_local_heads --dp 2 --tp 2 "
+     f"--clip 1.0 --clipper {OUT_APIS_R}clip_trainer", 0),
+    ("outside apis encoder_tagger tp_sp_local_heads clip_trainer_counted_everywhere bug",
+     f"--model {OUT_APIS_M}encoder_tagger --recipe {OUT_APIS_R}tp_sp_local_heads --dp 2 --tp 2 "
+     f"--clip 1.0 --clipper {OUT_APIS_R}clip_trainer_counted_everywhere", 1),
     ("outside mlp_mean replicate dp2",
      f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 0),
     # replicate averages over dp: a loss that is already its share of the step's is divided twice

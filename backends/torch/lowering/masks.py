@@ -38,6 +38,7 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.attention import sdpa_scores, softmax_grad
 from backends.torch.lowering.constants import NEG_INF, causal_fill, constant_input, constant_value
+from backends.torch.lowering.devices import on_cpu
 from backends.torch.lowering.ir import (
     Const,
     Flag,
@@ -65,7 +66,6 @@ from backends.torch.lowering.mask_values import (
 )
 from backends.torch.lowering.onehot import flag_of
 from backends.torch.lowering.registry import Handler, refines
-from backends.torch.lowering.vocab_parallel import on_cpu
 
 if TYPE_CHECKING:
     from backends.torch.lowering.context import Lowerer

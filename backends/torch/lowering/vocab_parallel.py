@@ -38,6 +38,7 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_value
 from backends.torch.lowering.context import LNode
+from backends.torch.lowering.devices import on_cpu
 from backends.torch.lowering.ir import (
     Const,
     Flag,
@@ -331,11 +332,6 @@ def to_dtype(to_copy_handler: Handler) -> Handler:
     def lower(lw: Lowerer, args, kwargs, shapes, group):
         return to_copy(to_copy_handler)(lw, args[:1], {"dtype": args[1]}, shapes, group)
     return lower
-
-
-def on_cpu(device: Any) -> bool:
-    """A recorded device argument names the CPU (the ranks' device)."""
-    return str(device) in ("cpu", "device(type='cpu')")
 
 
 @refines("aten.to.device", base="aten._to_copy.default")

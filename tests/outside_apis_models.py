@@ -1,5 +1,5 @@
 """Small models written as a user writes them, loaded with
-``--model tests.outside45_models:NAME`` (``forward(tokens, labels)``
+``--model tests.outside_apis_models:NAME`` (``forward(tokens, labels)``
 returning a scalar loss; the size keywords of the CLI).
 
 - ``bert_classifier``: a BERT-like encoder (bidirectional attention through

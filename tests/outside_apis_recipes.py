@@ -1,7 +1,7 @@
 """Recipes and gradient clippers written as a user writes them with
-PyTorch's own APIs, for the models of ``tests/outside45_models.py``
-(``--recipe tests.outside45_recipes:NAME``, mesh dims ``("pp", "dp",
-"tp")``; ``--clipper tests.outside45_recipes:NAME``).
+PyTorch's own APIs, for the models of ``tests/outside_apis_models.py``
+(``--recipe tests.outside_apis_recipes:NAME``, mesh dims ``("pp", "dp",
+"tp")``; ``--clipper tests.outside_apis_recipes:NAME``).
 
 The classifiers and ``encoder_tagger`` return the mean over the rank's own
 rows or tokens, so data parallelism averages; ``staged_tagger`` returns

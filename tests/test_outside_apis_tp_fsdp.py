@@ -22,8 +22,8 @@ from backends.torch.tracer.reduce_ops import recorded_reduce_op
 from harness.oracle import judge
 from main import verify
 
-M = "tests.outside45_models:"
-R = "tests.outside45_recipes:"
+M = "tests.outside_apis_models:"
+R = "tests.outside_apis_recipes:"
 TAGGER = f"--model {M}encoder_tagger --dp 2 --tp 2 --recipe {R}"
 VIT = f"--model {M}vit_classifier --dp 2 --tp 1 --recipe {R}"
 _SINGLES: dict = {}

@@ -1,9 +1,9 @@
-"""Models and recipes written outside the backend (``tests/outside45_models.py``,
-``tests/outside45_recipes.py``): FSDP2 under a float32 ``MixedPrecisionPolicy``
+"""Models and recipes written outside the backend (``tests/outside_apis_models.py``,
+``tests/outside_apis_recipes.py``): FSDP2 under a float32 ``MixedPrecisionPolicy``
 (its foreach copy into the all-gather buffer, docs/soundness.md, "Plans
 traced from PyTorch", 118) verifies and its mistakes fail, each judged by
 the oracle too. The other cases run in scripts/run_torch_suite.sh
-(``-k "outside45"``)."""
+(``-k "outside apis"``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from backends.torch.__main__ import parser, resolve, trace_and_build
 from harness.oracle import judge
 from main import verify
 
-M = "tests.outside45_models:"
-R = "tests.outside45_recipes:"
+M = "tests.outside_apis_models:"
+R = "tests.outside_apis_recipes:"
 _SINGLES: dict = {}
 
 
