@@ -24,6 +24,9 @@ def _bias_rows(b: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor
 
 
 class BiasedGroupedExperts(nn.Module):
+    #: the down bias divided by this before it is added (None: added as it is)
+    down_bias_scale: float | None = None
+
     def __init__(self, experts: int, hidden: int, ffn: int, limit: float) -> None:
         super().__init__()
         self.experts = experts
@@ -49,9 +52,16 @@ class BiasedGroupedExperts(nn.Module):
         glu = gate * torch.sigmoid(1.702 * gate)
         act = torch.addcmul(glu, glu, up)
         y = torch._grouped_mm(act.float(), self.w2.float(), offs=offs).double()
-        y = y + _bias_rows(self.b2, counts, rows)
+        down_bias = _bias_rows(self.b2, counts, rows)
+        if self.down_bias_scale is not None:
+            down_bias = down_bias / self.down_bias_scale
+        y = y + down_bias
         y = y * gates.reshape(-1)[order][:, None]
         at = (order // k)[:, None].expand(-1, x.shape[-1])
+        return self.combine(x, at, y)
+
+    def combine(self, x: torch.Tensor, at: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The weighted rows added back at their tokens."""
         return torch.zeros_like(x).scatter_add(0, at, y)
 
 

@@ -13,35 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
-from tests.grouped_bias_models import BiasedGroupedExperts, _bias_rows
+from tests.grouped_bias_models import BiasedGroupedExperts
 from tests.routed_models import ClampedMoeTagger
 
 
 class TitanCombinedExperts(BiasedGroupedExperts):
-    """The grouped experts, the down bias divided by ``scale`` before it is
-    added (torchtitan's ``bias / tp_degree``), the rows combined by
+    """The grouped experts, the down bias divided by 2 before it is added
+    (torchtitan's ``bias / tp_degree``), the rows combined by
     ``deterministic_scatter_add``."""
-    scale = 2.0
+    down_bias_scale = 2.0
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        k = index.shape[1]
-        rows = index.numel()
-        with torch.no_grad():
-            order = torch.argsort(index.reshape(-1), stable=True)
-            counts = torch.bincount(index.reshape(-1), minlength=self.experts)
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        picked = x[order // k]
-        h = torch._grouped_mm(picked.float(), self.w1.float(), offs=offs).double()
-        h = h + _bias_rows(self.b1, counts, rows)
-        gate, up = h[..., ::2], h[..., 1::2]
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        glu = gate * torch.sigmoid(1.702 * gate)
-        act = torch.addcmul(glu, glu, up)
-        y = torch._grouped_mm(act.float(), self.w2.float(), offs=offs).double()
-        y = y + _bias_rows(self.b2, counts, rows) / self.scale
-        y = y * gates.reshape(-1)[order][:, None]
-        at = (order // k)[:, None].expand(-1, x.shape[-1])
+    def combine(self, x: torch.Tensor, at: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return deterministic_scatter_add(torch.zeros_like(x), at, y)
 
 
