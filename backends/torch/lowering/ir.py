@@ -479,13 +479,13 @@ class FlagLike(Pending):
 
 
 def as_flag(lw: Lowerer, a: Any) -> Flag | None:
-    """The argument as a flag: a flag (or a value that is one outside its
-    pattern), or a constant boolean mask (or one of integers 0 and 1)."""
+    """The argument as a flag: a flag, or a constant boolean mask (or one
+    of integers 0 and 1). A ``FlagLike`` is not taken here: the layers
+    outside the loss-parallel pattern would read it before the pattern
+    does; a reader outside the pattern materializes it as its flag."""
     x = pending_of(lw, a)
     if isinstance(x, Flag):
         return x
-    if isinstance(x, FlagLike):
-        return x.flag(lw)
     value = constant_value(lw, a) if isinstance(x, Const) else None
     if value is not None and value.dtype == bool:
         return constant_flag(lw, value)
