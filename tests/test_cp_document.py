@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import pytest
 import torch
 
 import verdict_cli
@@ -74,3 +75,40 @@ def test_keys_read_in_the_single_device_order_on_one_rank_fail(capsys) -> None:
     code, out = _run("doc_keys_unordered", capsys)
     assert code == 1, out
     assert "rank 1" in out and "expand" in out
+
+
+def _check(nodes: list[tuple], constants: set[int]):
+    """``SequenceConstants`` run to a fixed point on a small trace: tokens
+    0 [2, 4, 10] (sequence 4), an embedding table 1, a constant 3 [4, 8]."""
+    from types import SimpleNamespace
+
+    from backends.torch.tracer.seq_constants import SequenceConstants
+
+    shapes = {0: (2, 4, 10), 1: (10, 8), 2: (2, 4, 8), 3: (4, 8), 4: (2, 4, 8), 5: (2, 4, 8),
+              6: (4, 8), 7: (4, 8)}
+    plan = SimpleNamespace(
+        tensors={v: SimpleNamespace(shape=s) for v, s in shapes.items()},
+        nodes=[SimpleNamespace(op=op, dir="fw", inputs=ins, outputs=outs, kwargs=kw, name="m")
+               for op, ins, outs, kw in nodes])
+    check = SequenceConstants(plan, 4, [0], constants)
+    found = -1
+    while found != len(check.seq):
+        found = len(check.seq)
+        for index in range(len(nodes)):
+            check.node(index)
+    return check.relabel
+
+
+BROADCAST = [("embedding", [0, 1], [2], {}), ("expand", [3], [4], {"shape": [2, 4, 8]}),
+             ("add", [2, 4], [5], {})]
+
+
+def test_a_constant_broadcast_along_the_sequence_is_relabelled_on_that_dim() -> None:
+    assert _check(BROADCAST, {3}) == {(3, 0): (1, 1)}
+
+
+def test_a_relabelled_constant_read_against_a_value_of_no_sequence_is_refused() -> None:
+    from backends.torch.errors import LoweringError
+
+    with pytest.raises(LoweringError, match="does not carry the sequence"):
+        _check([*BROADCAST, ("add", [3, 6], [7], {})], {3})
