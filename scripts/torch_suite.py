@@ -1532,6 +1532,27 @@ CASES += [
 ]
 
 
+#: a document mask under PyTorch's per-document head-tail load balancer: the batch laid
+#: out in its order, the keys and values all-gathered over "cp", SDPA with the document
+#: mask at the rank's positions (the step context_parallel's flex path computes;
+#: docs/soundness.md, "Plans traced from PyTorch", 127); recipes in tests/cp_doc_recipes.py
+DOC = ("--model tests.cp_doc_models:doc_tagger --heads 2 --layers 1 --hidden 8 --vocab 10 "
+       "--batch 2 --recipe tests.cp_doc_recipes:")
+CASES += [
+    ("cp document mask per-document balancer cp2", f"{DOC}doc_allgather --mesh cp=2 --seqlen 16",
+     0),
+    ("cp document mask per-document balancer cp4", f"{DOC}doc_allgather --mesh cp=4 --seqlen 32",
+     0),
+    ("cp document mask per-document balancer dp2 cp2",
+     f"{DOC}doc_allgather --mesh dp=2,cp=2 --seqlen 16", 0),
+    ("cp document mask contiguous cp2", f"{DOC}doc_allgather_contiguous --mesh cp=2 --seqlen 16",
+     0),
+    ("cp document mask bug the mask not shifted per rank",
+     f"{DOC}doc_mask_unshifted --mesh cp=2 --seqlen 16", 1),
+    ("cp document mask bug the balancer's key order not undone on one rank",
+     f"{DOC}doc_keys_unordered --mesh cp=2 --seqlen 16", 1),
+]
+
 #: Ulysses-style context parallelism (docs/soundness.md, "Plans traced from PyTorch",
 #: all-to-alls of views): the sequence cut over "cp", all-to-alls to the heads and back as
 #: DeepSpeed (all_to_all_single) and VeOmni (all_to_all of pieces) write them; models in

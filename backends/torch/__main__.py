@@ -41,6 +41,7 @@ from backends.torch.tracer.routing import (
     describe,
     describe_added,
 )
+from backends.torch.tracer.seq_constants import order_sequence_constants
 from backends.torch.tracer.seq_order import reorder_loaded, reorder_single, sequence_order_of
 from backends.torch.tracer.token_rows import order_token_rows
 from backends.userdirs import user_dir
@@ -368,10 +369,11 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
     order = sequence_order_of(traces)
     for low in lows:
         low.reordered = order is not None
+    carried = order_sequence_constants(low_s, order) if order is not None else None  # item 127
     plan_s, plan_p = build_plans(low_s, lows, world)
     loaded = single
     if order is not None:  # a load balancer's: the single-device step in its order
-        plan_s = reorder_single(plan_s, order)
+        plan_s = reorder_single(plan_s, order, carried)
         loaded = reorder_loaded(single, order)
     check_loaded(loaded, traces, plan_p)
     return (plan_s, plan_p), single

@@ -37,6 +37,10 @@ POSITIONWISE = frozenset({
     "linear", "matmul", "einsum", "embedding", "sum", "mean", "max", "transpose", "flatten",
     "unflatten", "local_grad_accumulation",
 })
+#: on a sequence dim of a single-device step: the positionwise operators
+#: and a broadcast (``expand`` keeps each position's values along a dim it
+#: does not widen; a constant mask broadcast to the scores)
+SEQWISE = POSITIONWISE | {"expand"}
 #: operators that cut, join or repeat along their ``dim``: on each position
 #: alone along every other dim
 ALONG_DIM = frozenset({"split", "narrow", "cat", "repeat_interleave"})
@@ -73,7 +77,7 @@ class Reorder:
 
     #: the operators accepted on a tracked dim (besides those along
     #: another dim) and those told the order
-    allowed: frozenset[str] = POSITIONWISE
+    allowed: frozenset[str] = SEQWISE
     ordered: frozenset[str] = ORDERED
 
     def __init__(self, plan: Plan, seqlen: int):
@@ -193,16 +197,25 @@ class Reorder:
         return True
 
 
-def reorder_single(plan: Plan, order: list[int]) -> Plan:
+def reorder_single(plan: Plan, order: list[int],
+                   carried: dict[str, dict[int, Place]] | None = None) -> Plan:
     """The single-device plan written in a load balancer's ``order`` of the
     positions: the same nodes, each checked to act on every position of a
     sequence dim alone or to sum over them all, and every causal
     ``attention`` and ``attention_grad`` over the whole sequence told the
     chunk order its rows and columns are laid out in (``chunk_order``).
-    Anything else on a sequence dim is refused in one line (exit 2)."""
+    Anything else on a sequence dim is refused in one line (exit 2).
+    ``carried``: the constants already laid out in the order
+    (``seq_constants.order_sequence_constants``), by name, and their
+    sequence dims (docs/soundness.md, "Plans traced from PyTorch", 127)."""
     chunks = chunk_order(order)
     seqlen = len(order)
     check = Reorder(plan, seqlen)
+    produced = {t for node in plan.nodes for t in node.outputs}
+    for t, x in enumerate(plan.tensors):
+        dims = (carried or {}).get(plan.logical[x.tid].name)
+        if dims and t not in produced:
+            check.seq.update({(t, d): place for d, place in dims.items()})
     nodes = list(plan.nodes)
     for index, node in enumerate(plan.nodes):
         check.node(index)
