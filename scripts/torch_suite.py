@@ -247,10 +247,12 @@ CASES: list[tuple[str, str, int]] = [
     ("hf gemma3 dp2 tp2 (its text model, the vision tower left out)", "--hf gemma3 --dp 2 --tp 2", 0),
     ("hf gemma3 bug fsdp avg", "--hf gemma3 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     # a parameter clamped in place in the forward (Gemma 3n's AltUp coefficients,
-    # soundness 128 a): by hand it verifies with a step (gloo same); FSDP2 clamps its
-    # gathered copy, never the shard its backward and step read (gloo differs): refused
+    # soundness 128 a): by hand, and at tp 2 alone, it verifies (gloo same); FSDP2 clamps
+    # its gathered copy, never the shard its backward and step read (gloo differs): refused
     ("hf gemma3n_text dp2 tp2 refused (AltUp's clamp writes FSDP's gathered copy)",
      "--hf gemma3n_text --dp 2 --tp 2", 2),
+    ("hf gemma3n_text tp2 (AltUp's coefficients clamped in place in each rank's own shard)",
+     "--hf gemma3n_text --dp 1 --tp 2", 0),
     ("outside clipped_tagger ddp sgd (a weight clamped in place)",
      f"--model {CLIPPED} --recipe {STOCK}ddp --dp 2 --tp 1 {HASH_SIZES} --optimizer sgd", 0),
     ("outside clipped_tagger bug fsdp refused (a gathered copy of a weight clamped in place)",
