@@ -36,6 +36,9 @@ from main import verify  # noqa: E402
 from verdict.diagnosis import diagnose  # noqa: E402
 
 STOCK = "backends.torch.stock_recipes:"
+HASH_MOE = "tests.hash_routed_models:hash_moe_tagger"
+CLIPPED = "tests.hash_routed_models:clipped_tagger"
+HASH_SIZES = "--hidden 8 --ffn 12 --vocab 10"
 SCALING = "backends.torch.scaling_recipes:"
 #: torchtitan's Llama3 debugmodel under its own parallelize_llama (backends/torch/zoo/titan.py)
 TITAN = ("--model backends.torch.titan:llama3_debugmodel --recipe backends.torch.titan:parallelize "
@@ -142,6 +145,19 @@ CASES: list[tuple[str, str, int]] = [
     ("moe hf deepseek_v2 dp2 tp2 (a rank's rows all routed to one expert: its mask of ones)",
      "--hf deepseek_v2 --dp 2 --tp 2", 0),
     ("moe hf deepseek_v2 bug fsdp avg", "--hf deepseek_v2 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    # a hash router's experts, a constant table looked up at the ids (DeepSeek-V4's
+    # tid2eid[input_ids]), as recorded routing; a rank routing by another table is a
+    # finding (soundness 128 b; gloo same, the other table and avg differ)
+    ("moe hf deepseek_v4 dp2 tp2 (a hash router: its table looked up at the ids)",
+     "--hf deepseek_v4 --dp 2 --tp 2", 0),
+    ("moe hf deepseek_v4 bug fsdp avg", "--hf deepseek_v4 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    ("moe hf deepseek_v4 ep2 (a hash router under its own expert-parallel plan)",
+     "--hf deepseek_v4 --dp 2 --tp 1 --ep 2", 0),
+    ("moe hash_moe_tagger ddp (a hash router)",
+     f"--model {HASH_MOE} --recipe {STOCK}ddp --dp 2 --tp 1 {HASH_SIZES}", 0),
+    ("moe hash_moe_tagger bug other table on a rank",
+     f"--model {HASH_MOE} --recipe tests.hash_routed_models:ddp_other_table --dp 2 --tp 1 "
+     f"{HASH_SIZES}", 1),
     # issue 30: families at dp2 ep2 through their own expert-parallel plan (soundness 114):
     # ranks sending different numbers of experts' results (gloo same; the undivided
     # experts' gradients FAIL), a rank whose experts receive no token (refused by the lowering)
@@ -230,6 +246,17 @@ CASES: list[tuple[str, str, int]] = [
     ("hf dbrx ddp avg bug", "--hf dbrx --recipe ddp_avg --dp 2 --tp 1", 1),
     ("hf gemma3 dp2 tp2 (its text model, the vision tower left out)", "--hf gemma3 --dp 2 --tp 2", 0),
     ("hf gemma3 bug fsdp avg", "--hf gemma3 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
+    # a parameter clamped in place in the forward (Gemma 3n's AltUp coefficients,
+    # soundness 128 a): by hand, and at tp 2 alone, it verifies (gloo same); FSDP2 clamps
+    # its gathered copy, never the shard its backward and step read (gloo differs): refused
+    ("hf gemma3n_text dp2 tp2 refused (AltUp's clamp writes FSDP's gathered copy)",
+     "--hf gemma3n_text --dp 2 --tp 2", 2),
+    ("hf gemma3n_text tp2 (AltUp's coefficients clamped in place in each rank's own shard)",
+     "--hf gemma3n_text --dp 1 --tp 2", 0),
+    ("outside clipped_tagger ddp sgd (a weight clamped in place)",
+     f"--model {CLIPPED} --recipe {STOCK}ddp --dp 2 --tp 1 {HASH_SIZES} --optimizer sgd", 0),
+    ("outside clipped_tagger bug fsdp refused (a gathered copy of a weight clamped in place)",
+     f"--model {CLIPPED} --recipe {STOCK}fsdp --dp 2 --tp 1 {HASH_SIZES}", 2),
     ("hf qwen3_5 dp2 tp2 (its causal LM is its text model)", "--hf qwen3_5 --dp 2 --tp 2", 0),
     ("outside no_entries_lm ddp", f"--model {NO_ENTRIES} --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("outside no_entries_lm tp_attention dp2 tp2",

@@ -506,10 +506,12 @@ def _add_pending(plain):
 def _sgd(lw: Lowerer, a: Any, args, alpha: float, shapes) -> Any:
     """``torch.add(g, p, alpha=wd)`` (weight decay), then ``p.add_(d, alpha=-lr)``."""
     b = lw.env.get(args[1][1])
-    if b in lw.params and isinstance(a, int):
+    if (b in lw.params or b in lw.written_params) and isinstance(a, int):
         return SgdGrad(a, b, alpha)
-    if a in lw.params:
-        lw.name = f"{lw.params[a]}.optimizer"
+    held = lw.params.get(a) if a in lw.params else lw.written_params.get(a) \
+        if isinstance(a, int) else None
+    if held is not None:  # the parameter, or what the step wrote into it (item 128 a)
+        lw.name = f"{held}.optimizer"
         g, wd = (b.g, b.wd) if isinstance(b, SgdGrad) and b.p == a else (lw.val(args[1]), 0.0)
         return lw.emit("sgd_step", [a, g], shapes, {"lr": -alpha, "weight_decay": wd},
                        direction="none")[0]

@@ -136,6 +136,23 @@ def _refused(lw: Lowerer, args, kwargs, shapes, group):
                         f"is not lowered")
 
 
+def _written_back(base: Handler | None) -> Handler | None:
+    """An in-place op lowered as its out-of-place op; written into a
+    parameter, its value is what the parameter holds from then on, which an
+    optimizer step updates (``Lowerer.written_params``)."""
+    if base is None:
+        return None
+
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        out = base(lw, args, kwargs, shapes, group)
+        x = lw.env.get(args[0][1]) if isinstance(args[0], (list, tuple)) else None
+        name = lw.params.get(x) or lw.written_params.get(x) if isinstance(x, int) else None
+        if name is not None and isinstance(out, int):
+            lw.written_params[out] = name
+        return out
+    return lower
+
+
 def _same(base: Handler | None) -> Handler | None:
     """The base itself: an op lowered as another is."""
     return base
@@ -147,6 +164,12 @@ refines("aten.unsafe_split.Tensor", base="aten.split.Tensor")(_same)
 for _op in ("sigmoid", "tanh", "relu"):
     refines(f"aten.{_op}_.default", base=f"aten.{_op}.default")(_same)
 refines("aten.transpose_.default", base="aten.transpose.int")(_same)
+# in-place clamps (Gemma 3n's AltUp clips a parameter's ``.data`` in the forward):
+# the clamp, its result written back (the recorder binds it to the tensor
+# and to the parameter a ``.data`` alias shares memory with, so later reads
+# read it; docs/soundness.md, "Plans traced from PyTorch", 128 (a))
+refines("aten.clamp_.default", base="aten.clamp.default")(lambda base: _written_back(base))
+refines("aten.clamp_min_.default", base="aten.clamp_min.default")(lambda base: _written_back(base))
 # clamp_min by a one-value constant tensor (F.cosine_similarity's eps) is clamp by its value
 refines("aten.clamp_min.Tensor", "aten.clamp_min_.Tensor", base="aten.clamp_min.default")(_same)
 lowers("aten.tril.default")(triangle(np.tril))

@@ -166,6 +166,9 @@ class Lowerer:
     one_hot: dict[str, int] = field(default_factory=dict)  # ids source -> one-hot input
     params: dict[int, str] = field(default_factory=dict)  # the parameters' values -> names
     fresh_state: set[int] = field(default_factory=set)  # zeros_like of a parameter
+    #: a value written in place into a parameter (its ``.data`` clamped in the
+    #: forward) -> the parameter's name: what the optimizer steps from
+    written_params: dict[int, str] = field(default_factory=dict)
     updated: dict[Any, int] = field(default_factory=dict)  # optimizer state -> its new value
     quotients: dict[int, tuple[int, int]] = field(default_factory=dict)  # a / b -> (a, b)
     norms: dict[int, int] = field(default_factory=dict)  # a 2-norm along dims -> its input

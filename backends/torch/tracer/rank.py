@@ -133,6 +133,7 @@ def _run(spec: dict, rank: int) -> dict:
         after = after.after_backward
     params, buffers, split = _held(rec, model, spec, cp)
     data = rec.new_value(tokens)
+    rec.from_ids.seed(data)
     label_data = rec.new_value(labels)
     try:
         with tracker, rec, ValueReads(rec), traced_numbers(rec), CircularPad():
@@ -159,6 +160,7 @@ def _run(spec: dict, rank: int) -> dict:
         return {"rank": rank, "exchanges": rec.exchanges.sent, "unanswered": rec.exchanges.unanswered,
                 "failed": f"{type(e).__name__}: {last}", "imports": imported_since(before)}
     grads, updates, states = _ends(rec, model, optimizer)
+    copies = copies_written(rec, model) if spec["parallel"] else []
     final_buffers = _final_buffers(rec, model)
     if spec["parallel"]:
         updates = _written(updates, params)
@@ -189,6 +191,8 @@ def _run(spec: dict, rank: int) -> dict:
         "routing_added": list(rec.routing.added),
         "routing_reached": list(rec.routing.reached),
         "routing_loops": sorted(rec.routing.loops),
+        "routing_differ": list(rec.routing.differ),
+        "copies_written": copies,
         # what the step ends with, by value, when an expert was run on no
         # token (compared with the step as the code runs it: routing.py)
         "ends": _end_values(model, losses) if rec.routing.added or spec.get("ends") else None,
@@ -197,6 +201,36 @@ def _run(spec: dict, rank: int) -> dict:
         "skips_unrouted_experts": bool(getattr(model, "skips_unrouted_experts", False)),
         "final_buffers": final_buffers,
     }
+
+
+def copies_written(rec: Recorder, model: torch.nn.Module) -> list[tuple[str, str]]:
+    """The in-place writes (``p.data.clamp_()``) into a parameter object the
+    rank does not hold after its step: a copy of a parameter (FSDP2's
+    gathered parameter, freed after the forward and gathered again from
+    the unwritten shard for the backward, the shard being what the
+    optimizer steps), as (op, scope). Refused by ``check_copies_written``
+    (docs/soundness.md, "Plans traced from PyTorch", 128 (a))."""
+    held = {id(p) for p in model.parameters()} | {id(local_of(p)) for p in model.parameters()}
+    out = []
+    for ref, op, scope in rec.param_writes:
+        p = ref()
+        if p is None or id(p) not in held:
+            out.append((op, scope))
+    return out
+
+
+def check_copies_written(traces: list[dict]) -> None:
+    """Refuse a step in which a rank wrote in place into a copy of a
+    parameter (``copies_written``): what the rank's backward and optimizer
+    read of that parameter is the unwritten shard, which the recorder does
+    not follow, so no plan of it is claimed."""
+    from backends.torch.errors import LoweringError
+    for trace in traces:
+        for op, scope in trace.get("copies_written", []):
+            raise LoweringError(f"rank {trace['rank']} writes {op} in place into a copy of a "
+                                f"parameter at {scope} (FSDP's gathered parameter: its backward "
+                                f"gathers the unwritten shard again and its optimizer steps the "
+                                f"shard) is not lowered")
 
 
 def _end_values(model: torch.nn.Module, losses: list) -> list:

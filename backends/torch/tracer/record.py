@@ -31,6 +31,7 @@ from backends.torch.lowering.constants import GUARD_EVENT, TRACED_READ_EVENT, VA
 from backends.torch.tracer import numbers
 from backends.torch.tracer.empty_sends import run_sending_nothing, sends_nothing
 from backends.torch.tracer.exchange import BROADCAST, Exchanges
+from backends.torch.tracer.hash_routing import FromIds
 from backends.torch.tracer.hidden_memory import HiddenMemory, Read, is_partial_view
 from backends.torch.tracer.numbers import TracedNumber, TracedNumbers
 from backends.torch.tracer.placements import data_parallel_axis as data_parallel_axis
@@ -122,6 +123,12 @@ class Recorder(TorchDispatchMode):
         #: a same-region view -> the tensor it views (``DTensor.to_local()`` of a
         #: gradient): an in-place write into either writes both
         self.twins: dict[int, weakref.ref] = {}
+        #: parameters written in place through an alias of their memory
+        #: (``.data``): (the parameter, the op, the scope), checked by the rank
+        #: against the parameters it holds (``rank.copies_written``)
+        self.param_writes: list[tuple[weakref.ref, str, str]] = []
+        #: integer values computed from the batch's ids alone (``hash_routing``)
+        self.from_ids = FromIds()
 
     # -- values ---------------------------------------------------------------
     def new_value(self, t: torch.Tensor) -> int:
@@ -433,6 +440,13 @@ class Recorder(TorchDispatchMode):
             if o._base is None or any(o is a for a in tensors):
                 self.written(o, v)  # written in place, or new memory
         self.record_writes(outs, ids, {id(a) for a in tensors}, unseen)
+        if not constant and self.from_ids.is_lookup(name, args, outs, self.value, self.constants,
+                                                          self.from_buffer):
+            constant = True  # a hash router's experts: recorded data of the step (hash_routing)
+            if self.routing is not None:
+                self.routing.lookup(args[0], outs[0], self.scope())
+        elif not constant:
+            self.from_ids.note(name, tensors, outs, ids, self.value, self.constants)
         if not constant:
             self.tainted.update(s for s in map(storage_of, outs) if s in self.const_storages)
         if constant:
@@ -506,6 +520,8 @@ class Recorder(TorchDispatchMode):
                     (storage_of(twin), twin.storage_offset(), twin.shape) == \
                     (storage_of(o), o.storage_offset(), o.shape):
                 self.bind(twin, v)
+                if isinstance(twin, torch.nn.Parameter):  # ``p.data.clamp_()``: p written
+                    self.param_writes.append((weakref.ref(twin), name, self.scope()))
 
     def record_writes(self, outs: list[torch.Tensor], ids: list[int], inputs: set[int],
                       unseen: set[int]) -> None:

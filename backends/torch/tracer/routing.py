@@ -60,6 +60,9 @@ class Routing:
         self.reached: list[tuple[int, int]] = []
         #: the router calls after which an experts-hit vector was read
         self.loops: set[int] = set()
+        #: hash lookups (``lookup``) whose choice is not the single-device
+        #: step's at the rank's rows: (call, scope, row, mine, single's)
+        self.differ: list[tuple[int, str, int, list, list]] = []
 
     def rows(self, full: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The replayed routing's rows this call reads: all of them, or the
@@ -109,6 +112,32 @@ class Routing:
         self.recorded.append(indices.detach().numpy().copy())
         self.experts.append(int(scores.shape[dim]))
         return values, indices
+
+    def lookup(self, table: torch.Tensor, out: torch.Tensor, scope: str = "") -> None:
+        """A hash router's choice (``table[ids]``, ``hash_routing``): a router
+        call of its own, recorded as the rank computed it (its experts
+        counted as the table's largest entry plus one, the experts the table
+        can choose). Nothing is replayed: with a routing to replay, the
+        rank's own choice is compared with the single-device call's rows
+        the rank holds, and a difference is kept (``differ``: the call,
+        its scope, the first row that differs, the rank's experts and the
+        single-device step's there) for ``check_lookups``
+        (docs/soundness.md, "Plans traced from PyTorch", 128 (b))."""
+        mine = out.detach().numpy().copy()
+        k = len(self.recorded)
+        if self.replay is not None and k < len(self.replay):
+            try:
+                want = self.rows(np.asarray(self.replay[k]), tuple(mine.shape))
+            except RoutingError:
+                want = None
+            if want is None or want.shape != mine.shape:
+                self.differ.append((k, scope, -1, [], []))
+            elif not np.array_equal(want, mine):
+                flat_m, flat_w = mine.reshape(mine.shape[0], -1), want.reshape(want.shape[0], -1)
+                row = int(np.flatnonzero((flat_m != flat_w).any(axis=1))[0])
+                self.differ.append((k, scope, row, flat_m[row].tolist(), flat_w[row].tolist()))
+        self.recorded.append(mine)
+        self.experts.append(int(table.max()) + 1 if table.numel() else 0)
 
     def hits(self, name: str, args: tuple, out: Any) -> Any:
         """``nonzero`` of a 1-dim bool with one entry per expert of the last
@@ -196,6 +225,24 @@ def check_every_expert_reached(single: dict, traces: list[dict]) -> None:
                                     f"expert skipped on a rank is not traced (docs/soundness.md, "
                                     f"\"Plans traced from PyTorch\", 36 g); another --seed or --batch "
                                     f"routes otherwise")
+
+
+def check_lookups(traces: list[dict]) -> None:
+    """A rank whose hash router chose other experts than the single-device
+    step's lookup at the rank's rows (``Routing.lookup``): a finding before
+    any proof, one line naming the rank, the module, the row and both
+    choices (docs/soundness.md, "Plans traced from PyTorch", 128 (b))."""
+    from backends.torch.errors import WrongStep
+    for trace in traces:
+        for k, scope, row, mine, want in trace.get("routing_differ", []):
+            where = f"at {scope} " if scope else ""
+            if row < 0:
+                raise WrongStep(f"rank {trace['rank']} looks its experts up {where}(router call "
+                                f"{k}) for rows of the batch the single-device step's call has "
+                                f"no block of: its hash routing is not the single-device step's")
+            raise WrongStep(f"rank {trace['rank']} routes its token row {row} {where}(router call "
+                            f"{k}) to experts {mine}, the single-device step routes that token "
+                            f"to {want}: its hash routing is not the single-device step's")
 
 
 def check_skipped_add_nothing(filled: list[dict], own: list[dict]) -> None:

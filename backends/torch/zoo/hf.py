@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from backends.torch.zoo import hf_hash_tables
 from backends.torch.zoo.hf_float32 import Float32Read, reads_float32_wide
 from backends.torch.zoo.hf_sub_fields import declared_names, needed_fields, rotary_fields, source_of
 from backends.torch.zoo.hf_wide_fill import WideFill
@@ -527,6 +528,7 @@ def build(family: str, **sizes) -> CausalLM:
     _, model_cls = classes(family)
     model = model_cls(config(family, **sizes))
     tie_shared(model)
+    hf_hash_tables.fill(model)  # a hash router's table, zeros until a checkpoint fills it
     out = CausalLM(model)
     out.float32_read_wide = reads_float32_wide(model, sizes["seqlen"])
     return out
