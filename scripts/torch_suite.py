@@ -764,10 +764,18 @@ CASES: list[tuple[str, str, int]] = [
      f"--clip 0.5 --clipper {OC_R}clip_total_norm_local", 1),
     ("outside apis tied_causal_lm fsdp_reshard_to_2 dp4",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_reshard_to_2 --dp 4 --tp 1 --batch 8", 0),
-    ("outside apis tied_causal_lm fsdp_accumulate_no_sync dp2",
-     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 0),
-    ("outside apis tied_causal_lm fsdp_accumulate_unscaled bug",
-     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_unscaled --dp 2 --tp 1", 1),
+    ("outside apis mha_pooled_classifier fsdp_accumulate_no_sync dp2",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1 "
+     f"--batch 8", 0),
+    ("outside apis mha_pooled_classifier fsdp_accumulate_unscaled bug",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}fsdp_accumulate_unscaled --dp 2 --tp 1 "
+     f"--batch 8", 1),
+    # microbatches of one row: refused (docs/torch-backend.md, "A third set")
+    ("outside apis mha_pooled_classifier fsdp_accumulate_no_sync one-row microbatches refused",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 2),
+    # label smoothing over microbatches: refused (docs/torch-backend.md, "A third set")
+    ("outside apis tied_causal_lm fsdp_accumulate_no_sync label smoothing refused",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 2),
     ("outside apis mha_pooled_classifier ddp_checkpoint_wrapper dp2",
      f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}ddp_checkpoint_wrapper --dp 2 --tp 1", 0),
     ("outside apis tied_causal_lm ddp_checkpoint_wrapper dp2",
@@ -780,6 +788,20 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}tp_sp_blocks --dp 2 --tp 2", 0),
     ("outside apis tied_causal_lm tp_sp_blocks_ln2_unplanned bug",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}tp_sp_blocks_ln2_unplanned --dp 2 --tp 2", 1),
+    ("outside apis tied_causal_lm fsdp_adamw_for_loop adamw dp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_for_loop --dp 2 --tp 1 "
+     f"--optimizer adamw", 0),
+    # the fused AdamW kernel: refused (docs/torch-backend.md, "A third set")
+    ("outside apis tied_causal_lm fsdp_adamw_fused refused",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_fused --dp 2 --tp 1 "
+     f"--optimizer adamw", 2),
+    ("outside apis tied_causal_lm fsdp_adamw_warmup_half bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_warmup_half --dp 2 --tp 1 "
+     f"--optimizer adamw", 1),
+    ("outside apis mha_pooled_classifier tp_ff_distribute_module dp2 tp2",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}tp_ff_distribute_module --dp 2 --tp 2", 0),
+    ("outside apis mha_pooled_classifier tp_ff_partial_output bug",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}tp_ff_partial_output --dp 2 --tp 2", 1),
     ("outside mlp_mean replicate dp2",
      f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 0),
     # replicate averages over dp: a loss that is already its share of the step's is divided twice

@@ -12,13 +12,15 @@ mistakes that change values.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInputOutput,
@@ -176,7 +178,6 @@ def _cut_and_gather(model, tp) -> None:
 
 
 def _average_over_dp(model, mesh) -> None:
-    import torch.distributed as dist
     group = mesh.get_group("dp")
     for p in model.parameters():
         g = p.grad
@@ -210,3 +211,95 @@ def clip_total_norm_local(model, mesh, max_norm: float) -> None:
     total = torch.nn.utils.get_total_norm(local, norm_type=2.0)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
 
+
+
+# -- the recipe's own optimizer and learning-rate schedule ----------------------------------
+
+
+def _own_adamw(model, warmup_start: float = 1.0, **adamw) -> None:
+    """The rank steps with its own ``torch.optim.AdamW`` (the backend's
+    hyperparameters: lr 1e-3, weight decay 0.1) built with ``adamw``, then
+    steps a ``LinearLR`` warmup starting at ``warmup_start`` times the rate."""
+    def own(name: str):
+        if name != "adamw":
+            raise ValueError(f"this recipe's own optimizer is AdamW, not {name}")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.001, weight_decay=0.1, **adamw)
+        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=warmup_start, total_iters=10)
+        opt.step()
+        sched.step()
+        return opt
+    model.own_optimizer = own
+
+
+def fsdp_adamw_for_loop(model, mesh):
+    """FSDP2 with ``AdamW(foreach=False)`` on the sharded parameters and a
+    ``LinearLR`` schedule stepped after it (full rate at the first step)."""
+    _fsdp(model, mesh)
+    _own_adamw(model, foreach=False)
+
+
+def fsdp_adamw_fused(model, mesh):
+    """FSDP2 with ``AdamW(fused=True)``."""
+    _fsdp(model, mesh)
+    _own_adamw(model, fused=True)
+
+
+def fsdp_adamw_warmup_half(model, mesh):
+    """Bug: a ``LinearLR(start_factor=0.5)`` warmup the single-device step
+    does not have: the first step runs at half the rate."""
+    _fsdp(model, mesh)
+    _own_adamw(model, warmup_start=0.5, foreach=False)
+
+
+# -- distribute_module by hand on a 2-D mesh of the recipe's own --------------------------
+
+
+def _ff_by_hand(model, mesh, reduce_output: bool = True):
+    """Each block's feed-forward ``nn.Sequential(Linear, GELU, Linear)``
+    under ``distribute_module`` on "tp": the first Linear cut by output
+    features, the second by input features (its bias replicated); the input
+    made a replicated DTensor, the output's partial sum all-reduced and
+    handed back local. The mesh is the recipe's own
+    ``init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))``."""
+    own = init_device_mesh("cpu", (mesh["dp"].size(), mesh["tp"].size()),
+                           mesh_dim_names=("dp", "tp"))
+    tp = own["tp"]
+
+    def partition(name: str, module: nn.Module, device_mesh) -> None:
+        cuts = {"0": {"weight": Shard(0), "bias": Shard(0)},
+                "2": {"weight": Shard(1), "bias": Replicate()}}.get(name, {})
+        for pname, placement in cuts.items():
+            param = getattr(module, pname)
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param.data, device_mesh, [placement])))
+
+    def inputs(module, args, device_mesh):
+        return tuple(DTensor.from_local(a, device_mesh, [Replicate()]) for a in args)
+
+    def outputs(module, out, device_mesh):
+        if reduce_output:
+            out = out.redistribute(device_mesh, [Replicate()])
+        return out.to_local()
+
+    for block in model.blocks:
+        distribute_module(block.ff, tp, partition, inputs, outputs)
+
+    def average(model, mesh):
+        group = own.get_group("dp")
+        for p in model.parameters():
+            g = p.grad
+            dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g,
+                            op=dist.ReduceOp.AVG, group=group)
+    return average
+
+
+def tp_ff_distribute_module(model, mesh):
+    """The feed-forwards cut over "tp" by ``distribute_module`` (above);
+    gradients averaged over "dp"."""
+    return _ff_by_hand(model, mesh)
+
+
+def tp_ff_partial_output(model, mesh):
+    """Bug: the same with the output function handing back each rank's
+    partial sum (``to_local()`` of the ``Partial`` DTensor, never reduced)."""
+    return _ff_by_hand(model, mesh, reduce_output=False)
