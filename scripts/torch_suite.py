@@ -786,6 +786,8 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}ddp_blocks_only_checkpointed --dp 2 --tp 1", 1),
     ("outside apis tied_causal_lm tp_sp_blocks dp2 tp2",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}tp_sp_blocks --dp 2 --tp 2", 0),
+    ("outside apis tied_causal_lm tp_sp_blocks_mlp_seq dp2 tp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}tp_sp_blocks_mlp_seq --dp 2 --tp 2", 0),
     ("outside apis tied_causal_lm tp_sp_blocks_ln2_unplanned bug",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}tp_sp_blocks_ln2_unplanned --dp 2 --tp 2", 1),
     ("outside apis tied_causal_lm fsdp_adamw_for_loop adamw dp2",

@@ -117,7 +117,7 @@ def ddp_blocks_only_checkpointed(model, mesh):
 # -- tensor and sequence parallelism --------------------------------------------------------
 
 
-def _tp_blocks(model, tp, ln2_planned: bool = True) -> None:
+def _tp_blocks(model, tp, ln2_planned: bool = True, mlp_seq: bool = False) -> None:
     for block in model.blocks:
         plan = {
             "ln1": SequenceParallel(),
@@ -135,6 +135,9 @@ def _tp_blocks(model, tp, ln2_planned: bool = True) -> None:
         }
         if not ln2_planned:
             del plan["ln2"]
+        if mlp_seq:  # the GELU on sequence shards: all-to-alls around it
+            plan["mlp.up"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1))
+            plan["mlp.down"] = RowwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1))
         parallelize_module(block, tp, plan)
 
 
@@ -148,6 +151,17 @@ def tp_sp_blocks(model, mesh):
     averaged over dp by DDP-free all-reduces."""
     tp = mesh["tp"]
     _tp_blocks(model, tp)
+    _cut_and_gather(model, tp)
+    return _average_over_dp
+
+
+def tp_sp_blocks_mlp_seq(model, mesh):
+    """tp_sp_blocks with the MLP's hidden handed between its Linears cut
+    along the sequence: ``ColwiseParallel(output_layouts=Shard(1))``,
+    ``RowwiseParallel(input_layouts=Shard(1))`` (each redistributes between
+    the feature and the sequence cut)."""
+    tp = mesh["tp"]
+    _tp_blocks(model, tp, mlp_seq=True)
     _cut_and_gather(model, tp)
     return _average_over_dp
 
