@@ -52,6 +52,7 @@ from backends.torch.tracer.rank import (  # noqa: E402
     sequence_order,
     train_context,
 )
+from backends.torch.tracer.wrapper_names import named_parameters  # noqa: E402
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +135,7 @@ def _updates_problem(rank: int, model, updates: dict[str, torch.Tensor], mesh,
     """Each parameter the rank holds after its step against its piece of the
     single-device updated parameter."""
     from torch.distributed.tensor import DTensor
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         want = updates[name]
         want = _own_piece(want, p, mesh)
@@ -205,7 +206,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: dict) -> None:
         # a gradient that is exactly 0 in real arithmetic (a key bias under softmax) is
         # rounding noise in float64: errors are measured against the largest gradient too
         top = max((float(g.abs().max()) for g in expected.values()), default=1.0)
-        for name, p in model.named_parameters():
+        for name, p in named_parameters(model):
             g = p.grad
             blocks = getattr(p, "grad_blocks", None)  # the flat range a distributed optimizer reads
             if blocks is not None and name in expected:

@@ -58,6 +58,9 @@ MISTAKES = "tests.outside_mistakes:"
 #: the second set written outside the backend (tests/outside_apis_models.py, outside_apis_recipes.py)
 OUT_APIS_M = "tests.outside_apis_models:"
 OUT_APIS_R = "tests.outside_apis_recipes:"
+#: the third set (tests/outside_apis_causal_models.py, outside_apis_causal_recipes.py)
+OC_M = "tests.outside_apis_causal_models:"
+OC_R = "tests.outside_apis_causal_recipes:"
 #: a rotary table whose batch is its second dim (tests/recut_models.py)
 RECUT = "tests.recut_models:"
 NO_ENTRIES = "tests.no_entries_models:no_entries_lm"
@@ -777,6 +780,57 @@ CASES: list[tuple[str, str, int]] = [
     ("outside apis encoder_tagger tp_sp_local_heads clip_trainer_counted_everywhere bug",
      f"--model {OUT_APIS_M}encoder_tagger --recipe {OUT_APIS_R}tp_sp_local_heads --dp 2 --tp 2 "
      f"--clip 1.0 --clipper {OUT_APIS_R}clip_trainer_counted_everywhere", 1),
+    # the third set written outside the backend (tests/outside_apis_causal_*.py)
+    ("outside apis tied_causal_lm fsdp_float64_policy dp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_float64_policy --dp 2 --tp 1", 0),
+    ("outside apis tied_causal_lm fsdp_float64_policy clip_total_norm dp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_float64_policy --dp 2 --tp 1 "
+     f"--clip 0.5 --clipper {OC_R}clip_total_norm", 0),
+    ("outside apis tied_causal_lm fsdp_float64_policy clip_total_norm_local bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_float64_policy --dp 2 --tp 1 "
+     f"--clip 0.5 --clipper {OC_R}clip_total_norm_local", 1),
+    ("outside apis tied_causal_lm fsdp_reshard_to_2 dp4",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_reshard_to_2 --dp 4 --tp 1 --batch 8", 0),
+    ("outside apis mha_pooled_classifier fsdp_accumulate_no_sync dp2",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1 "
+     f"--batch 8", 0),
+    ("outside apis mha_pooled_classifier fsdp_accumulate_unscaled bug",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}fsdp_accumulate_unscaled --dp 2 --tp 1 "
+     f"--batch 8", 1),
+    # microbatches of one row: refused (docs/torch-backend.md, "A third set")
+    ("outside apis mha_pooled_classifier fsdp_accumulate_no_sync one-row microbatches refused",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 2),
+    # label smoothing over microbatches: refused (docs/torch-backend.md, "A third set")
+    ("outside apis tied_causal_lm fsdp_accumulate_no_sync label smoothing refused",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 2),
+    ("outside apis mha_pooled_classifier ddp_checkpoint_wrapper dp2",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}ddp_checkpoint_wrapper --dp 2 --tp 1", 0),
+    ("outside apis tied_causal_lm ddp_checkpoint_wrapper dp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}ddp_checkpoint_wrapper --dp 2 --tp 1", 0),
+    ("outside apis tied_causal_lm fsdp_checkpointed dp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_checkpointed --dp 2 --tp 1", 0),
+    ("outside apis tied_causal_lm ddp_blocks_only_checkpointed bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}ddp_blocks_only_checkpointed --dp 2 --tp 1", 1),
+    ("outside apis tied_causal_lm tp_sp_blocks dp2 tp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}tp_sp_blocks --dp 2 --tp 2", 0),
+    ("outside apis tied_causal_lm tp_sp_blocks_mlp_seq dp2 tp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}tp_sp_blocks_mlp_seq --dp 2 --tp 2", 0),
+    ("outside apis tied_causal_lm tp_sp_blocks_ln2_unplanned bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}tp_sp_blocks_ln2_unplanned --dp 2 --tp 2", 1),
+    ("outside apis tied_causal_lm fsdp_adamw_for_loop adamw dp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_for_loop --dp 2 --tp 1 "
+     f"--optimizer adamw", 0),
+    # the fused AdamW kernel: refused (docs/torch-backend.md, "A third set")
+    ("outside apis tied_causal_lm fsdp_adamw_fused refused",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_fused --dp 2 --tp 1 "
+     f"--optimizer adamw", 2),
+    ("outside apis tied_causal_lm fsdp_adamw_warmup_half bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_warmup_half --dp 2 --tp 1 "
+     f"--optimizer adamw", 1),
+    ("outside apis mha_pooled_classifier tp_ff_distribute_module dp2 tp2",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}tp_ff_distribute_module --dp 2 --tp 2", 0),
+    ("outside apis mha_pooled_classifier tp_ff_partial_output bug",
+     f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}tp_ff_partial_output --dp 2 --tp 2", 1),
     ("outside mlp_mean replicate dp2",
      f"--model mlp_mean --recipe {OUTSIDE}replicate_dp --dp 2 --tp 1", 0),
     # replicate averages over dp: a loss that is already its share of the step's is divided twice

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.torch.tracer.record import local_of
 from backends.torch.tracer.tensor_views import tensors_in
+from backends.torch.tracer.wrapper_names import named_buffers, named_parameters
 
 #: the tensor types whose values are the rank's own memory
 PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -68,5 +69,5 @@ def loaded_values(model: torch.nn.Module, faked: set[int]) -> dict[str, dict]:
         if local.numel() and local.untyped_storage().data_ptr() in faked:
             return None
         return local.numpy().copy()
-    return {"params": {n: value(p) for n, p in model.named_parameters()},
-            "buffers": {n: value(b) for n, b in model.named_buffers()}}
+    return {"params": {n: value(p) for n, p in named_parameters(model)},
+            "buffers": {n: value(b) for n, b in named_buffers(model)}}

@@ -34,6 +34,7 @@ from backends.torch.tracer.pipeline import OwnSchedule, Pipelined, PipelineStep
 from backends.torch.tracer.placements import dims_axes
 from backends.torch.tracer.record import Recorder, Tracker, ValueReads, local_of, traced_numbers
 from backends.torch.tracer.routing import Routing
+from backends.torch.tracer.wrapper_names import named_buffers, named_parameters
 
 
 def imported_since(before: set[str]) -> list[str]:
@@ -237,7 +238,7 @@ def _end_values(model: torch.nn.Module, losses: list) -> list:
     """The rank's losses, gradients and parameters after its step, as numpy
     arrays in a fixed order (the parameters' names)."""
     out = [local_of(loss).detach().numpy().copy() for loss in losses]
-    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+    for _, p in sorted(named_parameters(model), key=lambda kv: kv[0]):
         out.append(local_of(p.detach()).numpy().copy())
         if p.grad is not None:
             out.append(local_of(p.grad).detach().numpy().copy())
@@ -293,11 +294,11 @@ def _held(rec: Recorder, model: torch.nn.Module, spec: dict, cp: int) -> tuple[d
     params = {}
     layout = (spec["pp"], spec["dp"], spec["tp"], cp) if spec["parallel"] else None
     split: dict[str, int] = {}  # HSDP's shard count, when a parameter is sharded on part of dp
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         params[name] = (rec.new_value(local_of(p)), tuple(p.shape), dims_axes(p, layout, split))
         rec.register_storage(local_of(p), params[name][0], shard=True)
     buffers = {}
-    for name, b in model.named_buffers():
+    for name, b in named_buffers(model):
         causal = (b.dtype == torch.bool and b.dim() == 2 and b.shape[0] == b.shape[1]
                   and bool((b == torch.ones_like(b).triu(1)).all()))
         buffers[name] = (rec.new_value(local_of(b)), tuple(b.shape), "causal" if causal else str(b.dtype))
@@ -309,12 +310,12 @@ def _ends(rec: Recorder, model: torch.nn.Module, optimizer) -> tuple[dict, dict,
     """What the step ends with: each parameter's gradient, and after an
     optimizer step its updated value and its optimizer states."""
     grads = {}
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         g = p.grad
         grads[name] = None if g is None else final_value(rec, local_of(g))
     updates, states = {}, {}
     if optimizer is not None:
-        for name, p in model.named_parameters():
+        for name, p in named_parameters(model):
             updates[name] = rec.current(local_of(p))
             # a distributed optimizer's states are flat ranges of the parameter's
             flat = getattr(optimizer, "flat_states", False)
@@ -331,7 +332,7 @@ def _final_buffers(rec: Recorder, model: torch.nn.Module) -> dict[str, tuple[boo
     numpy array; a DTensor's local tensor, replicated): what every rank must
     end with as the single-device step does (``tracer/final_buffers.py``)."""
     out = {}
-    held = dict(model.named_buffers())
+    held = dict(named_buffers(model))
     for name in getattr(model, "final_buffers", ()):
         b = held[name]
         if not all(p.is_replicate() for p in getattr(b, "placements", ())):
@@ -357,7 +358,7 @@ def _grad_blocks(rec: Recorder, model: torch.nn.Module) -> dict[str, list]:
     Megatron's distributed optimizer's flat range of the gradient): each
     block's recorded value, read after the step, with its starts."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model):
         given = getattr(p, "grad_blocks", None)
         if given is None:
             continue
@@ -373,20 +374,20 @@ def _values(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
             losses: list) -> dict:
     """The real values of the step (``keep_values``)."""
     return {
-        "params": {n: local_of(p).detach().numpy().copy() for n, p in model.named_parameters()},
-        "buffers": {n: local_of(b).detach().numpy().copy() for n, b in model.named_buffers()},
+        "params": {n: local_of(p).detach().numpy().copy() for n, p in named_parameters(model)},
+        "buffers": {n: local_of(b).detach().numpy().copy() for n, b in named_buffers(model)},
         "tokens": tokens.numpy().copy(), "labels": labels.numpy().copy(),
         "losses": [float(local_of(loss).detach()) for loss in losses],
         "grads": {n: None if p.grad is None else local_of(p.grad).detach().numpy().copy()
-                  for n, p in model.named_parameters()},
+                  for n, p in named_parameters(model)},
     }
 
 
 def _ties(model: torch.nn.Module) -> dict[str, str]:
     """Parameters the model ties (one tensor under two names): alias -> the
     name kept."""
-    kept = {id(p): n for n, p in model.named_parameters()}
-    return {n: kept[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+    kept = {id(p): n for n, p in named_parameters(model)}
+    return {n: kept[id(p)] for n, p in named_parameters(model, remove_duplicate=False)
             if kept.get(id(p), n) != n}
 
 

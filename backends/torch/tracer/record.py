@@ -419,7 +419,7 @@ class Recorder(TorchDispatchMode):
                 constant = self.exchanges.call(name, args, kwargs, out, self.group_of)
         if name.startswith("c10d."):
             out = with_completed_work(out)
-        outs = outputs_written(name, args, kwargs, out)
+        outs = outputs_written(name, args, kwargs, out, func)
         group = None
         if name.startswith("_c10d_functional.") and "group_name" in func._schema.arguments[-1].name:
             group = group_from_name(args[-1] if isinstance(args[-1], str) else kwargs.get("group_name"))

@@ -93,10 +93,12 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
-def outputs_written(name: str, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
+def outputs_written(name: str, args: tuple, kwargs: dict, out: Any,
+                    func: Any = None) -> list[torch.Tensor]:
     """The tensors an op writes: those it returns, or, for an op that
     writes in place and returns nothing (or only its work), the tensors it
-    writes into."""
+    writes into; for any other such op (``_fused_adamw_``), its schema's
+    mutable arguments, so that no write goes unrecorded."""
     outs = tensors_in(out)
     if name == "c10d.alltoall_base_.default":
         outs = [args[0]]  # received in place
@@ -111,6 +113,8 @@ def outputs_written(name: str, args: tuple, kwargs: dict, out: Any) -> list[torc
         outs = tensors_in(args[0])
     if name.startswith("aten._foreach_") and name.split(".")[1].endswith("_") and not outs:
         outs = list(args[0])  # an in-place foreach op returns nothing: its list is written
+    if not outs and func is not None:
+        outs = written_tensors(func, args, kwargs)
     return outs
 
 
