@@ -168,8 +168,15 @@ CASES: list[tuple[str, str, int]] = [
      "--hf zaya --dp 2 --tp 1 --ep 2", 0),
     ("moe hf zaya ep2 bug expert grads 2x (pytorch 160285)",
      "--hf zaya --recipe harness.moe_bugs:ep_expert_grads_undivided --dp 2 --tp 1 --ep 2", 1),
-    ("moe hf afmoe ep2 refused (rank 0's experts receive no token: its all-to-all input of no "
-     "entries is not lowered)", "--hf afmoe --dp 2 --tp 1 --ep 2", 2),
+    # a rank whose experts receive no token (afmoe: a zero-initialized router, every token to
+    # experts 2 and 3): its placeholder row's backward zeros, its gradients the single-device
+    # terms' pieces proved zero (soundness 125; gloo same; the undivided gradients FAIL)
+    ("moe hf afmoe dp2 ep2 (rank 0's experts receive no token, soundness 125)",
+     "--hf afmoe --dp 2 --tp 1 --ep 2", 0),
+    ("moe hf afmoe dp2 ep2 bug expert grads 2x (pytorch 160285)",
+     "--hf afmoe --recipe harness.moe_bugs:ep_expert_grads_undivided --dp 2 --tp 1 --ep 2", 1),
+    ("moe hf afmoe dp2 ep2 bug token to another expert refused (no SUCCESS)",
+     "--hf afmoe --recipe harness.moe_bugs:ep_token_to_other_expert --dp 2 --tp 1 --ep 2", 2),
     # issue 33's families: blocks written into an empty tensor and a split rejoined
     # (MiniCPM3), positions counted from the ids (RoBERTa's), a unit triangular
     # solve (Gated DeltaNet); each with a wrong plan

@@ -28,6 +28,7 @@ from backends.torch.errors import LoweringError
 from backends.torch.lowering.arranged import Arranged, Base, blocks_of, chain, is_box
 from backends.torch.lowering.context import LNode
 from backends.torch.lowering.grouped_rows import Experts, copied
+from backends.torch.lowering.ir import Empty
 from backends.torch.lowering.pair_rows import Assembled, Pairs
 from backends.torch.lowering.registry import lowers
 from backends.torch.lowering.routed_rows import Rows, value_of
@@ -45,6 +46,9 @@ OPS = ("_c10d_functional.all_to_all_single.default",
 IN_PLACE = "c10d.alltoall_base_.default"
 #: ``torch.distributed.all_to_all``'s op: args (outputs, inputs, group)
 LISTS = OPS[3]
+#: the kind of a member's send whose input has no row: it sends no entry
+#: and no base (docs/soundness.md, "Plans traced from PyTorch", 125 a)
+NOTHING = "nothing"
 
 
 class NeedPeers(Exception):
@@ -85,6 +89,13 @@ def _splits(sizes: Any, rows: int, n: int, what: str) -> tuple[int, ...]:
         raise LoweringError(f"an all-to-all's {what} split sizes {list(out)} do not cut its "
                             f"{rows} rows among {n} members")
     return out
+
+
+def _no_rows(lw: Lowerer, a: Any) -> bool:
+    """Recorded tensor ``a`` has no row: whatever computed it, there is no
+    entry of it to send."""
+    shape = lw.trace["shapes"][a[1]] if isinstance(a, (list, tuple)) and len(a) == 2 else None
+    return shape is not None and len(shape) > 0 and shape[0] == 0
 
 
 def _starts(splits: tuple[int, ...]) -> list[int]:
@@ -130,19 +141,20 @@ def _exchange_whole(lw: Lowerer, me: int, group: tuple[int, ...], own: int,
     """Every member's value sent whole and concatenated along ``dim`` in
     group order (an all-gather of values of possibly unequal lengths)."""
     for dst in group:
-        if dst != me:
+        if dst != me and own is not None:
             lw.nodes.append(_send(lw, own, me, dst))
     pieces = []
     for src, shape in zip(group, shapes):
         if src == me:
-            pieces.append(own)
+            if own is not None:
+                pieces.append(own)
         elif shape[dim]:
             pieces.append(lw.emit("send_recv", [], [shape], {"src": src, "dst": me},
                                   group=(src, me))[0])
     pieces = [p for p in pieces if lw.shapes[p][dim]] or pieces[:1]
-    if len(pieces) == 1:
-        return pieces[0]
-    full = list(shapes[0])
+    if len(pieces) <= 1:
+        return pieces[0] if pieces else None
+    full = list(lw.shapes[pieces[0]])
     full[dim] = sum(lw.shapes[p][dim] for p in pieces)
     return lw.emit("cat", pieces, [tuple(full)], {"dim": dim})[0]
 
@@ -181,7 +193,10 @@ def _tensor(lw: Lowerer, me: int, group: tuple[int, ...], x: int, sends: dict[in
             pieces.append(lw.emit("send_recv", [], [(rows, *s.shape[1:])], {"src": src, "dst": me},
                                   group=(src, me))[0])
     if not pieces:
-        raise LoweringError(f"{lw.name}: an all-to-all of a tensor that sends this rank no row")
+        if out_shape[0]:
+            raise LoweringError(f"{lw.name}: an all-to-all of a tensor that sends this rank no "
+                                f"row")
+        return None
     out = pieces[0] if len(pieces) == 1 else \
         lw.emit("cat", pieces, [out_shape], {"dim": 0})[0]
     return out
@@ -218,6 +233,8 @@ def _composed(group: tuple[int, ...], me: int, sends: dict[int, Sent], along: in
     offset = 0
     for src in group:
         s = sends[src]
+        if s.kind == NOTHING:
+            continue
         lo = _starts(s.splits)[i]
         block = s.index[lo:lo + s.splits[i]]
         if along == 0:
@@ -226,7 +243,7 @@ def _composed(group: tuple[int, ...], me: int, sends: dict[int, Sent], along: in
             index.append(block)
             groups.append(s.groups[lo:lo + s.splits[i]] + offset)
         offset += s.shape[0]
-    return (np.concatenate(index).astype(np.int64),
+    return (np.concatenate(index).astype(np.int64) if index else np.zeros(0, np.int64),
             np.concatenate(groups).astype(np.int64) if groups else None)
 
 
@@ -318,7 +335,10 @@ def all_to_all(lw: Lowerer, args, kwargs, shapes, group):
     x = value_of(lw, args[0])
     if x is None:
         raise LoweringError(f"{lw.name}: an all-to-all of a tensor no recorded op produced")
-    mine, whole = _describe(lw, x, args[2] if len(args) > 2 else None, n)
+    if _no_rows(lw, args[0]):  # it sends no entry (item 125 a): no value read
+        mine, whole = Sent(NOTHING, (0,), None, None, (0,) * n), None
+    else:
+        mine, whole = _describe(lw, x, args[2] if len(args) > 2 else None, n)
     counter = lw.all_to_alls
     k = counter.get(group, 0)
     counter[group] = k + 1
@@ -333,7 +353,24 @@ def all_to_all(lw: Lowerer, args, kwargs, shapes, group):
             if sent is None:
                 raise NeedPeers(f"rank {m}'s all-to-all {k + 1} on {list(group)}")
             sends[m] = sent
-    kinds = {s.kind for s in sends.values()}
+    kinds = {s.kind for s in sends.values() if s.kind != NOTHING}
+    if not kinds:  # no member sends an entry
+        return Empty(tuple(shapes[0]))
+    out = _received(lw, me, group, whole, sends, kinds, args, shapes)
+    # a member that receives no row holds no value (item 125 a); it still
+    # sends and receives what its members' whole sends need
+    return Empty(tuple(shapes[0])) if not shapes[0][0] else out
+
+
+def _received(lw: Lowerer, me: int, group: tuple[int, ...], whole: Any, sends: dict[int, Sent],
+              kinds: set[str], args, shapes) -> Any:
+    """The all-to-all's output of this member (``all_to_all``'s body once
+    every member's send is known); members that send nothing (``NOTHING``)
+    contribute no row, no base and no value."""
+    mine = sends[me]
+    if mine.kind == NOTHING:
+        mine = next(s for s in sends.values() if s.kind != NOTHING)
+    senders = {m: s for m, s in sends.items() if s.kind != NOTHING}
     if len(kinds) != 1:
         sent = ", ".join(f"rank {m} {s.kind}" for m, s in sorted(sends.items()))
         raise LoweringError(f"{lw.name}: an all-to-all whose members send different kinds of "
@@ -349,34 +386,45 @@ def all_to_all(lw: Lowerer, args, kwargs, shapes, group):
     if out_splits and tuple(int(s) for s in out_splits) != tuple(sends[m].splits[i] for m in group):
         raise LoweringError(f"{lw.name}: an all-to-all's output split sizes "
                             f"{[int(s) for s in out_splits]} are not what its members send it")
-    if mine.kind == "tensor" and all(s.bases for s in sends.values()):
+    everyone = len(senders) == len(sends)
+    if mine.kind == "tensor" and everyone and all(s.bases for s in sends.values()):
         return _arranged(lw, group, lw.bases_sent[whole], sends, tuple(shapes[0]))
     if mine.kind == "tensor":
-        if any(s.bases for s in sends.values()):
+        if everyone and any(s.bases for s in sends.values()):
             raise LoweringError(f"{lw.name}: an all-to-all some of whose members send views of "
                                 f"an earlier value and some not")
         return _tensor(lw, me, group, whole, sends, tuple(shapes[0]))
+    if not everyone and mine.kind not in ("rows", "experts", "assembled"):
+        raise LoweringError(f"{lw.name}: an all-to-all of {mine.kind} some of whose members "
+                            f"send no row")
     if mine.kind in ("assembled", "pairs"):
         return _values(lw, me, group, whole, sends)
-    if mine.kind == "rows" and all(s.copies == mine.copies > 1 for s in sends.values()):
+    if mine.kind == "rows" and all(s.copies == mine.copies > 1 for s in senders.values()):
+        if not everyone:
+            raise LoweringError(f"{lw.name}: an all-to-all of rows of copies some of whose "
+                                f"members send no row")
         return _copies(lw, me, group, whole, sends)
-    if any(s.copies > 1 for s in sends.values()):
+    if any(s.copies > 1 for s in senders.values()):
         raise LoweringError(f"{lw.name}: an all-to-all of rows of copies beside other rows")
     if mine.kind == "rows":
-        if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):
+        if any(s.shape[1:] != mine.shape[1:] for s in senders.values()):
             shown = ", ".join(f"rank {m} {list(sends[m].shape)}" for m in group)
             raise LoweringError(f"{lw.name}: an all-to-all of rows of bases of other widths "
                                 f"(the bases the members send: {shown})")
         base = _exchange_whole(lw, me, group, whole, [sends[m].shape for m in group], 0)
         index, _ = _composed(group, me, sends, 0)
+        if base is None:
+            return None
         base, index = _own_share(lw, base, index, me, group, 0)
         return Rows(base, index)
-    if any(s.shape[1:] != mine.shape[1:] for s in sends.values()):
+    if any(s.shape[1:] != mine.shape[1:] for s in senders.values()):
         shown = ", ".join(f"rank {m} {list(sends[m].shape)}" for m in group)
         raise LoweringError(f"{lw.name}: an all-to-all of grouped rows over bases of other rows "
                             f"(the grouped results the members send: {shown})")
     y = _exchange_whole(lw, me, group, whole, [sends[m].shape for m in group], 0)
     index, groups = _composed(group, me, sends, 1)
+    if y is None:
+        return None
     y, index = _own_share(lw, y, index, me, group, 1)
     return Experts(y, groups, index)
 
@@ -408,6 +456,8 @@ def _values(lw: Lowerer, me: int, group: tuple[int, ...], own: tuple[int, ...],
     along the tokens, the pairs shifted by the tokens before)."""
     i = group.index(me)
     mine = sends[me]
+    if mine.kind == NOTHING:  # this member sends no value; its peers' are read
+        mine, own = next(s for s in sends.values() if s.kind != NOTHING), ()
     for dst in group:
         if dst != me:
             for v in own:
@@ -415,6 +465,9 @@ def _values(lw: Lowerer, me: int, group: tuple[int, ...], own: tuple[int, ...],
     received: list[list[int]] = []
     for src in group:
         s = sends[src]
+        if s.kind == NOTHING:  # a member that sends no row: no value of it
+            received.append([])
+            continue
         # assembled rows: each member sends its own number of values (an
         # expert of no token on it has none there), renumbered below
         # (docs/soundness.md, "Plans traced from PyTorch", 114 b)
@@ -434,6 +487,8 @@ def _values(lw: Lowerer, me: int, group: tuple[int, ...], own: tuple[int, ...],
     offset = 0
     for src in group:
         s = sends[src]
+        if s.kind == NOTHING:
+            continue
         lo = _starts(s.splits)[i]
         block = slice(lo, lo + s.splits[i])
         if mine.kind == "assembled":

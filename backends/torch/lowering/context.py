@@ -33,6 +33,7 @@ from backends.torch.lowering.no_entries import makes_nothing
 from backends.torch.lowering.refusals import refusal
 from backends.torch.lowering.registry import handlers
 from backends.torch.lowering.shapes import view_to
+from backends.torch.lowering.zero_flow import zero_values, zeros_of
 from verdict.ops import OPS, ShapeError
 
 #: the op of a placeholder node: the place of a collective not emitted yet
@@ -311,6 +312,7 @@ class Lowerer:
     # -- the walk -----------------------------------------------------------
     def run(self, live: set[int]) -> None:
         constants = self.trace.get("constants", set())
+        zeros = zero_values(self.trace)
         for i, (op, _, outs, *_) in enumerate(self.trace["events"]):
             if i not in live:
                 continue
@@ -318,6 +320,10 @@ class Lowerer:
                 for v in outs:  # a constant of unknown origin (written in place) is read by value
                     self.env[v] = Const(v, i if op != "unknown" else -1)
                     self.const_events[v] = i if op != "unknown" else -1
+                continue
+            if outs and all(v in zeros for v in outs):
+                for v, shape in zip(outs, self.trace["events"][i][3]):
+                    self.env[v] = zeros_of(tuple(shape))  # zeros by the ops' algebra (item 125 b)
                 continue
             if self.on_empty(i):
                 for v in outs:
@@ -461,6 +467,7 @@ def live_events(trace: dict) -> set[int]:
     need |= {g[0] for g in trace.get("guards", ())}  # the numbers branched on: compared
     need |= {v for v, _ in trace.get("count_reads", ())}  # counts branched on: decided
     live = set()
+    zeros = zero_values(trace)  # made by the ops' algebra, reading nothing (item 125 b)
     # a memory read's value (``mem.slice``): a fresh optimizer state made like
     # a flat range of a parameter is shaped after that parameter (item 90)
     read_from_memory = {o for ev in trace["events"] if ev[0] == "mem.slice" for o in ev[2]}
@@ -469,6 +476,8 @@ def live_events(trace: dict) -> set[int]:
         if not need.intersection(outs) and op not in ALWAYS_LIVE:
             continue
         live.add(i)
+        if outs and all(v in zeros for v in outs):
+            continue
         if op == "aten.zeros_like.default":
             need.update(v for v in tensor_args(args[:1]) if v in read_from_memory)
             continue

@@ -218,8 +218,20 @@ class _Writer:
         experts' gradients; docs/soundness.md, "Plans traced from PyTorch",
         54 (f), 99)."""
         for r in self.rs.values():
+            held = {n: p for p, (kind, n) in r.low.inputs.items() if kind == "param"}
             for name, g in r.low.grads.items():
                 whole = self.b.s.low.grads.get(name)
+                if g is not None and whole is not None and name in held and g not in r.pending \
+                        and r.is_loose(g) and r.is_zero(g):
+                    # zeros by their making (item 125 c): the pieces of the
+                    # single-device sum's terms, each proved zero
+                    v = r.fresh
+                    r.fresh += 1
+                    for node in r.zero_gradient(v, r.claim[held[name]],
+                                                tuple(r.low.shapes[g]), whole):
+                        self.emit(r, node, -1)
+                    r.low.grads[name] = v
+                    continue
                 if g is None or whole is None or g in r.pending or r.sv.get(g) == whole \
                         or r.sv.get(g) not in self.b.s_leaves.get(whole, ()) \
                         or not r.same_piece([g]):
@@ -524,6 +536,16 @@ class _Writer:
         proved (docs/soundness.md, "Plans traced from PyTorch", 53 (e))."""
         for r in self.rs.values():
             finals = [*r.low.losses, *(g for g in r.low.grads.values() if g is not None)]
+            zero = next((n for n, g in r.low.grads.items()
+                         if g is not None and r.is_loose(g) and r.is_zero(g)), None)
+            if zero is not None:
+                # zeros by their making (an expert-parallel placeholder's
+                # backward, lowering/zero_flow.py): no claim ties them to the
+                # single-device gradient, whose piece they must be
+                raise AlignError(f"rank {r.low.rank} ends with zeros by their making as its "
+                                 f"gradient of {zero} (the backward of a value no reader read: "
+                                 f"a placeholder row its experts ran on), and no claim ties "
+                                 f"zeros to a piece of the single-device gradient")
             if any(r.is_loose(v) for v in finals):
                 raise AlignError(f"rank {r.low.rank} runs attention over part of the keys and "
                                  f"merges the blocks into a value the single-device step never "

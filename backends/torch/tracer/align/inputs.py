@@ -184,11 +184,12 @@ class InputMatching(Pieces):
             # the slice fits none: the rank's constant as it was (its program)
             self.low.constants[v], self.low.shapes[v] = whole
             return self.own_constant(v, name)
-        if best is None and readers and all(self.stood_in_by(node, v)
-                                            for node in self.consumers[v]):
+        if best is None and all(self.stood_in_by(node, v)
+                                for node in self.consumers.get(v, [])):
             # read only where it changes a value of the reader's output's
-            # shape (``NodeMatching.stands_in``): an input of its own, of its
-            # own shape
+            # shape (``NodeMatching.stands_in``), or read by no node (a
+            # placeholder's weight whose forward no value reads: item 125
+            # c): an input of its own, of its own shape
             self.own_tid[v] = self.b.own_input(f"{name}.ranks_only", shape,
                                                self.low.inputs[v][0])
             return self.b.own_value(self.own_tid[v], shape), Claim([[] for _ in shape])

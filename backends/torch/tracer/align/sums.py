@@ -214,6 +214,41 @@ class Sums(Pieces):
             and self.claim[p].scale == first.scale and not self.claim[p].partial
             and self.gshape(p) == self.gshape(leaves[0]) for p in leaves)
 
+    def zero_gradient(self, v: int, claim: Claim, shape: tuple[int, ...], whole: int
+                      ) -> list[LNode]:
+        """A gradient that is zeros by its making (an expert-parallel
+        placeholder's backward, ``lowering/zero_flow.py``) as the piece
+        ``claim`` of the single-device gradient ``whole``: each term of
+        ``whole``'s sum (``whole`` itself when it is no sum) written as
+        zeros claimed to be its term's piece, a claim its own stage proves
+        (the term must be zero there: another expert's gradient, zero off
+        its own rows), then added in the single-device order
+        (docs/soundness.md, "Plans traced from PyTorch", 125 c)."""
+        key = next((k for k, r in self.b.s_trees.items() if r == whole), (whole,))
+        self.low.shapes[v] = shape
+        made: list[LNode] = []
+        terms = []
+        for sv in sorted(key):
+            if self.b.s.low.shapes[sv] != self.b.s.low.shapes[whole]:
+                raise AlignError(f"rank {self.low.rank} ends with zeros as a gradient whose "
+                                 f"single-device sum has terms of another shape")
+            target = v if len(key) == 1 else self.fresh
+            if len(key) > 1:
+                self.fresh += 1
+            self.low.shapes[target] = shape
+            self.sv[target], self.mb[target] = sv, -1
+            self.claim[target] = Claim([list(d) for d in claim.dims], frozenset(), claim.mbs,
+                                       claim.scale, claim.at)
+            zeros = LNode("zeros", "none", [], [target], {"shape": list(shape)},
+                          self.b.s_made[whole].name if whole in self.b.s_made else "")
+            self.producer[target], self.zero_memo[target] = zeros, True
+            made.append(zeros)
+            terms.append(target)
+        if len(key) == 1:
+            return made
+        self.pending[v] = terms
+        return made + self.materialize(v)
+
     def zero_terms(self, v: int, leaves: list[int], s_leaves: list[int], root: int
                    ) -> list[LNode]:
         """``partial_tree``'s sum of pieces (one slice of each term, cut
