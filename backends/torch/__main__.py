@@ -398,7 +398,8 @@ def write_plans(args: argparse.Namespace, say: bool = True) -> tuple[Path, Path]
         print(f"wrote {path} ({len(plan.nodes)} nodes, {len(plan.tensors)} tensors) "
               f"and its world spec {path.with_suffix('.json')}")
     if say and "routing" in plan_s.world:
-        print("the routing recorded on one device and replayed on every rank (what a SUCCESS "
+        print("the routing recorded on one device, replayed on every rank (a hash router's "
+              "table lookups computed by each rank and compared with it; what a SUCCESS "
               "covers): " + plan_s.world["routing"])
     return sm, pm
 
