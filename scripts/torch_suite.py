@@ -1595,10 +1595,11 @@ CASES += [
      f"{SINK}sink_allgather_dropped --mesh cp=2", 1),
     ("cp allgather sinks bug sinks dropped under cp4 (prime-rl 3397)",
      f"{SINK}sink_allgather_dropped --mesh cp=4 --seqlen 8", 1),
-    # wrong (gloo differs) but refused: each gathered chunk of the keys is cut on every
-    # rank, a piece the claims' axes do not name
-    ("cp allgather sinks bug the sink entered once per gathered chunk refused",
-     f"{SINK}sink_allgather_per_chunk --mesh cp=2", 2),
+    # the rank's cat of its chunks of the gathered keys' scores, each with the sink,
+    # joins the scores and the sink more often than the single-device cat
+    # (docs/soundness.md, "Plans traced from PyTorch", 130)
+    ("cp allgather sinks bug the sink entered once per gathered chunk",
+     f"{SINK}sink_allgather_per_chunk --mesh cp=2", 1),
     ("cp ring sinks allgather cp2", f"{SINK_RING}sink_ring --mesh cp=2", 0),
     ("cp ring sinks alltoall cp2", f"{SINK_RING}sink_ring_alltoall --mesh cp=2", 0),
     ("cp ring sinks allgather cp4", f"{SINK_RING}sink_ring --mesh cp=4 --seqlen 8", 0),
@@ -1703,11 +1704,12 @@ CASES += [
     ("cp ulysses sinks bug sinks dropped (prime-rl 3397)",
      f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
      f"--recipe {ULY}ulysses_sinks_dropped --mesh cp=2", 1),
-    # a split at another index than the rank's cp index, which no axis names: refused (a
-    # claim of the cp piece there would fail correct code reading other pieces; gloo differs)
-    ("cp ulysses sinks bug every rank reads the first head group's sinks refused",
+    # a split of the whole sinks at another index than the rank's cp index: claimed
+    # as that piece (``split2`` at its index, docs/soundness.md, "Plans traced from
+    # PyTorch", 130 (b)), refuted; gloo differs
+    ("cp ulysses sinks bug every rank reads the first head group's sinks",
      f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
-     f"--recipe {ULY}ulysses_sinks_first_group --mesh cp=2", 2),
+     f"--recipe {ULY}ulysses_sinks_first_group --mesh cp=2", 1),
     ("cp ulysses sinks bug every rank reads the first head group's sinks dp2 cp2",
      f"--model tests.cp_ulysses_models:ulysses_sink_tagger {ULY_SIZES} "
      f"--recipe {ULY}ulysses_sinks_first_group --mesh dp=2,cp=2", 1),

@@ -68,6 +68,9 @@ class Collectives(Pieces):
                 if souts is None and self.low.reordered and self.low.anchors \
                         and self.splits_piece(node):
                     return
+                if souts is None and self.low.coords.get("cp") != node.kwargs["index"] \
+                        and self.splits_whole(node):
+                    return
                 if souts is None and self.low.coords.get("cp") != node.kwargs["index"]:
                     raise LoweringError(
                         f"rank {self.low.rank}: a split at {scope(node.name)} reads piece "
@@ -98,6 +101,28 @@ class Collectives(Pieces):
         self.claim[out] = Claim(dims, frozenset(partial), c.mbs, scale,
                                 steps=c.steps if "step" in partial else None)
         self.check(out, uneven=True)
+
+    def splits_whole(self, node: LNode) -> bool:
+        """A split of a dim its input holds whole (a chunk of the gathered
+        keys' scores), at an index no mesh axis names: claimed as that
+        piece of the single-device value, by an axis of its own,
+        ``split{parts}``, read at ``index`` (``splits_piece``'s claim on a
+        whole dim; docs/soundness.md, "Plans traced from PyTorch", 130
+        (b)). The claim names the rows the split reads, and is proved. False
+        for a value cut, loose or partial."""
+        x, out = node.ins[0], node.outs[0]
+        c = self.claim.get(x)
+        d = node.kwargs["dim"] % len(self.low.shapes[x])
+        parts = node.kwargs["parts"]
+        if c is None or c.loose or c.partial or c.dims[d] or c.at \
+                or self.gshape(x)[d] != self.low.shapes[x][d] or self.gshape(x)[d] % parts:
+            return False
+        axis = f"split{parts}"
+        self.sizes[axis] = parts
+        dims = [[axis] if k == d else list(axes) for k, axes in enumerate(c.dims)]
+        self.claim[out] = Claim(dims, c.partial, c.mbs, c.scale, {axis: node.kwargs["index"]})
+        self.sv[out], self.mb[out] = self.sv[x], self.mb.get(x, -1)
+        return True
 
     def split_axes(self, node: LNode, coords: dict[int, dict[str, int]]) -> list[str]:
         """The mesh axes a split's piece is claimed cut by: the guess

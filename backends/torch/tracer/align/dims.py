@@ -184,8 +184,11 @@ class Dims(Pieces):
                 if axes is None:
                     used = tuple(a for x in dims if x for a in x)
                     # dim 0 is the batch (data-parallel rows, then microbatches)
-                    order = ((("dp",), ("mb",), ("dp", "mb"), ("tp",), ("dp", "tp")) if d == 0
-                             else (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb")))
+                    # "cp" last: a rank's rows no consumer ties to a claimed value
+                    # (the sink's expand beside chunks of the scores; soundness.md, 130 (b))
+                    order = ((("dp",), ("mb",), ("dp", "mb"), ("tp",), ("dp", "tp"), ("cp",))
+                             if d == 0 else
+                             (("dp",), ("tp",), ("dp", "tp"), ("mb",), ("dp", "mb"), ("cp",)))
                     dims[d] = self.guess(self.low.shapes[v][d], full[d], used, order)
             self.claim[v] = Claim(dims, frozenset(partial), mbs if "mb" in partial else None,
                                   steps=steps if "step" in partial else None,

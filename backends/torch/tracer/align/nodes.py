@@ -9,7 +9,7 @@ import itertools
 import math
 from fractions import Fraction
 
-from backends.torch.errors import AlignError
+from backends.torch.errors import AlignError, WrongStep
 from backends.torch.lowering import LNode, LoweringError
 from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, scope
 from verdict.ops import get_op
@@ -82,6 +82,35 @@ class NodeMatching(Pieces):
     undone: set[int]
     alike: bool
 
+    def joins_more_than_once(self, node: LNode, ins: list[int]) -> None:
+        """A rank's ``cat`` with no single-device counterpart that reads the
+        values a single-device ``cat`` along the same dim joins, one of them
+        more often than that cat does, into more entries along the dim than
+        it makes: WrongStep (docs/soundness.md, "Plans traced from PyTorch",
+        130). Each input is a piece of its single-device value (its
+        ``sv``), so the rank's output is no piece of that cat's (it is
+        larger along the dim) nor of any other single-device value of
+        those inputs: some entries are counted more than once (an
+        attention sink appended to every gathered chunk of the keys)."""
+        if any(v < 0 for v in ins) or any(self.claim[v].loose or self.claim[v].partial
+                                          for v in node.ins):
+            return
+        nd = len(self.low.shapes[node.outs[0]])
+        dim = node.kwargs.get("dim", 0) % nd
+        mine = {v: ins.count(v) for v in ins}
+        for c in self.b.s.low.nodes:
+            if c.op != "cat" or c.dir != "fw" or set(c.ins) != set(mine) \
+                    or c.kwargs.get("dim", 0) % nd != dim:
+                continue
+            full = self.b.s.low.shapes[c.outs[0]][dim]
+            local = self.low.shapes[node.outs[0]][dim]
+            if local > full and any(n > c.ins.count(v) for v, n in mine.items()):
+                raise WrongStep(
+                    f"rank {self.low.rank}: cat at {scope(node.name)} joins {len(ins)} pieces "
+                    f"of the {len(mine)} values a single-device cat joins in {len(c.ins)}, into "
+                    f"{local} entries along dim {dim} where that cat makes {full}: it counts "
+                    f"some of them more than once")
+
     def align(self, node: LNode) -> list[int] | None:
         """The single-device node this compute node runs, None where its
         outputs are loose (``claimed_alike`` (b)), or AlignError."""
@@ -141,6 +170,8 @@ class NodeMatching(Pieces):
             cands = self.delivered_instead(node)  # item 102
         if not cands:
             cands = self.rechosen(node)  # item 100
+        if not cands and node.op == "cat" and node.dir == "fw":
+            self.joins_more_than_once(node, ins)  # WrongStep, or on to the refusal
         if not cands:
             raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
                              f"{scope(node.name)} on values the single-device step never "
