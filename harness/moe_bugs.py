@@ -111,6 +111,19 @@ def titan_routed_to_other_token(model, mesh):
     return after
 
 
+def titan_scaled_bias_routed_to_other_token(model, mesh):
+    """``titan_routed_to_other_token`` under gpt_oss's own TP plan with its
+    rowwise linears' bias divided in the forward only
+    (``backends.torch.zoo.titan_scaled_bias:parallelize``, right at dp 2
+    tp 2): on both tensor-parallel ranks of the first data-parallel rank,
+    the first two tokens' expert choices swapped."""
+    from backends.torch.zoo.titan_scaled_bias import parallelize
+    after = parallelize(model, mesh)
+    if mesh["dp"].get_local_rank() == 0:
+        _swap_first_tokens(model)
+    return after
+
+
 def titan_cp_routed_to_other_token(model, mesh):
     """``titan_routed_to_other_token`` under torchtitan's context
     parallelism (``titan:parallelize_cp``, ``--mesh cp=2``): on the last cp

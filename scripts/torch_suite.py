@@ -1388,6 +1388,17 @@ CASES += [
     ("moe titan gpt_oss tp2 its rowwise bias divided in the forward only",
      "--model titan:gpt_oss --recipe backends.torch.zoo.titan_scaled_bias:parallelize "
      "--vocab 2048 --dp 1 --tp 2 --batch 2", 0),
+    # the same at dp2 tp2: the experts' bias-gradient sums span the grouped GEMM's groups, not
+    # the last expert a rank's tokens chose (docs/soundness.md, "Plans traced from PyTorch", 123)
+    ("moe titan gpt_oss dp2 tp2 its rowwise bias divided in the forward only",
+     "--model titan:gpt_oss --recipe backends.torch.zoo.titan_scaled_bias:parallelize "
+     "--vocab 2048 --dp 2 --tp 2", 0),
+    ("moe titan gpt_oss dp2 tp2 attention.wo.bias gradient 1/tp (torchtitan 0.3.0's "
+     "ScaledBiasRowwiseLinear)", "--model titan:gpt_oss --recipe titan:parallelize --vocab 2048 "
+     "--dp 2 --tp 2", 1),
+    ("moe titan gpt_oss dp2 tp2 bug routed with another token's experts",
+     f"--model titan:gpt_oss --recipe {MOE_BUGS}titan_scaled_bias_routed_to_other_token "
+     "--vocab 2048 --dp 2 --tp 2", 1),
 ]
 
 #: torchtitan's auxiliary-loss-free load balancing: its own optimizer pre-hook (the counts

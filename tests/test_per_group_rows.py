@@ -106,3 +106,15 @@ def test_a_slice_of_the_rows_dim_is_handed_on() -> None:
     grouped_entries(lambda *a: handed.append(a) or "base")(lw, [("v", 1), 0, 0, 1], {},
                                                              [(1, 4)], None)
     assert handed
+
+
+def test_the_group_sums_span_the_grouped_gemms_groups_not_the_last_reached() -> None:
+    from backends.torch.lowering.per_group import record_groups, sum_rows
+    lw = SimpleNamespace(grouped_groups=[], shapes={7: (8, 5, 3)})
+    groups = np.array([0, 0, 3, 6, 6])  # the rows reach group 6 of 8
+    made = record_groups(lambda *a: Experts(7, groups, np.arange(5)))(lw, [], {}, [], None)
+    assert isinstance(made, Experts) and lw.grouped_groups[0][1] == 8
+    assert sum_rows(lw, groups) == 8  # the GEMM's 8 groups, as on every rank
+    assert sum_rows(lw, np.array([0, 1, 3, 6, 6])) == 7  # no GEMM's groups: the last reached
+    record_groups(lambda *a: "rows")(lw, [], {}, [], None)  # no grouped rows: nothing recorded
+    assert len(lw.grouped_groups) == 1

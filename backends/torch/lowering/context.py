@@ -201,6 +201,9 @@ class Lowerer:
     #: grouped: recorded value -> the event that made it; (value, C) -> its C-fold copy
     grouped_producers: dict[int, int] | None = None
     grouped_copies: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: the groups of this rank's grouped GEMMs: (each row's group, the GEMM's
+    #: number of groups), read by ``per_group.index_add`` for the rows of its sums
+    grouped_groups: list[tuple[Any, int]] = field(default_factory=list)
     #: this rank added routed rows back at other copies than they were
     #: gathered at (``grouped_rows._summed_elsewhere``): rows of one base read
     #: at two indices are then re-read at one (``moved_rows.reread``)

@@ -23,7 +23,8 @@ for _op in grouped_columns.MASKS | grouped_columns.COLUMNS - {"aten.slice.Tensor
     refines(_op, absent=not_lowered)(lambda base: grouped_columns.grouped_entries(g.as_rows(base)))
 refines("aten.slice.Tensor", absent=not_lowered)(
     lambda base: per_group.slice_rows(grouped_columns.grouped_entries(g.as_rows(base))))
-refines("aten._grouped_mm.default", absent=not_lowered)(lambda base: g.grouped_mm(base))
+refines("aten._grouped_mm.default", absent=not_lowered)(
+    lambda base: per_group.record_groups(g.grouped_mm(base)))
 refines("aten.index.Tensor")(lambda base: g.index(base))
 refines("aten.gather.default")(lambda base: g.gather_rows(base))
 refines("aten.index_select.default")(lambda base: g.index_select(base))

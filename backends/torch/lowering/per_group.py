@@ -21,10 +21,12 @@ tokens (each group's rows summed: the biases' gradient). A helper module:
   rows with ``v`` their own groups: ``t[g] + sum_n M[g, n] y[g, n]`` (M
   the 0/1 rows of group g), zero past the groups. For rows ``Rows(b, p)``
   (p without repeats): ``t[r] + sum_n S[r, n] b[n]`` with ``S[v[i], p[i]]
-  = 1`` (the pairs distinct since p has no repeats) for the rows r up to
-  the last the index reaches, zero past it, so that an expert-parallel
-  rank's S (its local experts' rows) is a block of the single-device S:
-  the row of zeros torchtitan appends to the biases is past it on both.
+  = 1`` (the pairs distinct since p has no repeats) for the rows r of a
+  grouped GEMM's groups when v is its rows' groups (``sum_rows``; else up
+  to the last row the index reaches), zero past them, so that a rank's S is
+  a piece of the single-device S whichever experts its tokens chose (an
+  expert-parallel rank's: its local experts' rows): the row of zeros
+  torchtitan appends to the biases is past it on both.
 """
 
 from __future__ import annotations
@@ -153,12 +155,38 @@ def index_add(base: Handler) -> Handler:
                 return base(lw, args, kwargs, shapes, group)
             summed = padded(lw, group_sums(lw, src), shape)
         else:
-            reached = int(v.max()) + 1  # the rows past the last reached stay zero
-            spread = spread_rows(lw, src.base, reached)
+            spread = spread_rows(lw, src.base, sum_rows(lw, v))
             summed = padded(lw, group_sums(lw, Experts(spread, v, src.index)), shape)
         if isinstance(value_of(lw, args[0]), (Zeros, NewZeros)) or is_zeros(lw, args[0]):
             return summed
         return lw.emit("add", [lw.val(args[0]), lw.materialize(summed)], [shape])[0]
+    return lower
+
+
+def sum_rows(lw: Lowerer, v: np.ndarray) -> int:
+    """The rows of the sums of rows added at the groups ``v``: a grouped
+    GEMM's number of groups when v is each of its rows' group (torchtitan's
+    bias gradient, the rows added at the groups its biases were read at),
+    so that the sum matrix's extent is the experts this rank holds, not the
+    last one its tokens chose (every rank and the single device then build
+    it over the same groups, an expert-parallel rank over its local ones);
+    else the rows up to the last v reaches. Either is the same sum (the rows
+    past the last reached are zero), only the constant's shape differs."""
+    reached = int(v.max()) + 1
+    for groups, count in reversed(lw.grouped_groups):
+        if count >= reached and np.array_equal(groups, v):
+            return count
+    return reached
+
+
+def record_groups(base: Handler) -> Handler:
+    """``torch._grouped_mm`` by ``base`` (``grouped_rows.grouped_mm``); the
+    groups of grouped rows it makes are recorded for ``sum_rows``."""
+    def lower(lw: Lowerer, args, kwargs, shapes, group):
+        out = base(lw, args, kwargs, shapes, group)
+        if isinstance(out, Experts):
+            lw.grouped_groups.append((out.group, int(lw.shapes[out.y][0])))
+        return out
     return lower
 
 

@@ -17,8 +17,9 @@ linears' forward written as the MoE's: the bias divided by tp in the
 forward only (``ScaleBiasForward``'s rule), its gradient passed through
 whole. It verifies at dp 1 tp 2 (gloo agrees in float64,
 ``scripts/gloo_float64.py``; the single-device step's ``bias / 1`` is no
-node: docs/soundness.md, "Plans traced from PyTorch", 119); dp 2 tp 2 is
-refused (docs/torch-backend.md, "Top-k mixtures of experts").
+node: docs/soundness.md, "Plans traced from PyTorch", 119) and at dp 2 tp 2
+(gloo in float64 agrees; the experts' bias-gradient sums span the grouped
+GEMM's groups whichever experts a rank's tokens chose: item 123).
 """
 
 from __future__ import annotations
