@@ -25,11 +25,10 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.context import Lowered
-from backends.torch.tracer.seq_order import SEQWISE, Place, Reorder
-from verdict.reduce import RuleMemo
+from backends.torch.tracer.seq_order import SEQWISE, CarriedConstants, Place
 
 
-class SequenceConstants(Reorder):
+class SequenceConstants(CarriedConstants):
     """``Reorder``'s node-by-node check on a single-device trace, seeded at
     the batch's sequence dims; a recorded constant tied to a sequence dim
     is marked to be laid out in the order along it (``relabel``), and a
@@ -37,36 +36,11 @@ class SequenceConstants(Reorder):
     carries the sequence back to them, its producer checked again."""
 
     allowed = SEQWISE
+    fills_from_constants = False  # as item 127 was written: a fill is no constant here
 
     def __init__(self, plan: SimpleNamespace, seqlen: int, seeds: list[int],
                  constants: set[int]):
-        self.plan, self.s = plan, seqlen
-        self.seq: dict[tuple[int, int], Place] = {(v, 1): (1, 1) for v in seeds}
-        self.memo = RuleMemo()
-        self.inputs = constants
-        #: values computed from constants alone -> their producing node
-        self.derived: dict[int, int] = {}
-        known = set(constants)
-        for index, node in enumerate(plan.nodes):
-            if node.inputs and all(t in known for t in node.inputs if t >= 0):
-                for t in node.outputs:
-                    self.derived[t] = index
-                    known.add(t)
-        self.relabel: dict[tuple[int, int], Place] = {}
-
-    def tie(self, index: int, a: tuple[int, int], b: tuple[int, int], own: set[int]) -> bool:
-        pa, pb = self.seq.get(a), self.seq.get(b)
-        for ref, place, other in ((b, pa, pb), (a, pb, pa)):
-            if place is None or other is not None or ref[0] in own or self.size(ref) == 1:
-                continue
-            if ref[0] in self.inputs:
-                self.seq[ref] = self.relabel[ref] = place
-                return True
-            if ref[0] in self.derived:
-                self.seq[ref] = place
-                self.node(self.derived[ref[0]])
-                return True
-        return super().tie(index, a, b, own)
+        super().__init__(plan, seqlen, seeds, 1, constants)
 
 
 def _view(low: Lowered) -> SimpleNamespace:

@@ -197,6 +197,53 @@ class Reorder:
         return True
 
 
+class CarriedConstants(Reorder):
+    """``Reorder`` seeded at given values along ``dim``, on a plan whose
+    recorded constants (``inputs``) may be tied to the order: such a
+    constant is marked to be laid out in it (``relabel``), and a value
+    computed from constants alone (a mask broadcast to the scores) carries
+    the order back to them, its producer checked again. Shared by the
+    sequence's constants (``seq_constants``) and the token rows
+    (``token_rows``)."""
+
+    #: whether a node that reads no value (a fill) counts as computed from
+    #: the constants
+    fills_from_constants = True
+
+    def __init__(self, plan, size: int, seeds: list[int], dim: int, constants: set[int]):
+        self.plan, self.s = plan, size
+        self.seq: dict[tuple[int, int], Place] = {(v, dim): (1, 1) for v in seeds}
+        self.memo = RuleMemo()
+        self.inputs = constants
+        #: values computed from constants alone -> their producing node
+        self.derived: dict[int, int] = {}
+        known = set(constants)
+        for index, node in enumerate(plan.nodes):
+            if ((node.inputs or self.fills_from_constants)
+                    and all(t in known for t in node.inputs if t >= 0)):
+                for t in node.outputs:
+                    self.derived[t] = index
+                    known.add(t)
+        self.relabel: dict[tuple[int, int], Place] = {}
+
+    def tie(self, index: int, a: tuple[int, int], b: tuple[int, int], own: set[int]) -> bool:
+        pa, pb = self.seq.get(a), self.seq.get(b)
+        for ref, place, other in ((b, pa, pb), (a, pb, pa)):
+            if place is None or other is not None or ref[0] in own or self.size(ref) == 1:
+                continue
+            if ref[0] in self.inputs:
+                self.seq[ref] = self.relabel[ref] = place
+                return True
+            if ref[0] in self.derived:
+                # computed from constants alone: the order is carried back
+                # to the constants it is computed from, whose relabelling
+                # moves it, its producer checked again with them
+                self.seq[ref] = place
+                self.node(self.derived[ref[0]])
+                return True
+        return super().tie(index, a, b, own)
+
+
 def reorder_single(plan: Plan, order: list[int],
                    carried: dict[str, dict[int, Place]] | None = None) -> Plan:
     """The single-device plan written in a load balancer's ``order`` of the

@@ -24,9 +24,9 @@ import numpy as np
 
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.context import LNode, Lowered
-from backends.torch.tracer.seq_order import POSITIONWISE, Reorder
+from backends.torch.tracer.seq_order import POSITIONWISE, CarriedConstants
 from backends.torch.tracer.token_order import RowGrid, check_blocks, held_rows
-from verdict.reduce import RuleMemo, node_relations
+from verdict.reduce import node_relations
 
 #: operators that commute with a permutation of the rows beyond the load
 #: balancer's list: a broadcast keeps each row's values
@@ -188,7 +188,7 @@ def write_chains_at(low: Lowered, parts: tuple[int, int], inner_first: bool,
     return seeds, chained, origin
 
 
-class _Region(Reorder):
+class _Region(CarriedConstants):
     """``seq_order``'s node-by-node check on the token rows: seeded at the
     entry chains' outputs, stopped at the exit chains; a recorded constant
     tied to the rows is relabelled (and then checked at every reader like
@@ -199,40 +199,11 @@ class _Region(Reorder):
 
     def __init__(self, plan: SimpleNamespace, rows: int, seeds: list[int],
                  constants: set[int]):
-        self.plan, self.s = plan, rows
-        self.seq = {(v, 0): (1, 1) for v in seeds}
-        self.memo = RuleMemo()
-        self.inputs = constants
-        #: values computed from constants alone -> their producing node
-        self.derived: dict[int, int] = {}
-        known = set(constants)
-        for index, node in enumerate(plan.nodes):
-            if all(t in known for t in node.inputs if t >= 0):  # a fill reads none
-                for t in node.outputs:
-                    self.derived[t] = index
-                    known.add(t)
-        self.relabel: dict[tuple[int, int], tuple[int, int]] = {}
+        super().__init__(plan, rows, seeds, 0, constants)
 
     def refuse(self, index: int, why: str) -> None:
         node = self.plan.nodes[index]
         raise _refuse(f"the single-device step's {node.op} at {node.name or 'step'} {why}")
-
-    def tie(self, index: int, a: tuple[int, int], b: tuple[int, int], own: set[int]) -> bool:
-        pa, pb = self.seq.get(a), self.seq.get(b)
-        for ref, place, other in ((b, pa, pb), (a, pb, pa)):
-            if place is None or other is not None or ref[0] in own or self.size(ref) == 1:
-                continue
-            if ref[0] in self.inputs:
-                self.seq[ref] = self.relabel[ref] = place
-                return True
-            if ref[0] in self.derived:
-                # computed from constants alone (a mask broadcast): the rows
-                # are carried back to the constants it is computed from, whose
-                # relabelling moves it, its producer checked again with them
-                self.seq[ref] = place
-                self.node(self.derived[ref[0]])
-                return True
-        return super().tie(index, a, b, own)
 
 
 def flattens_rows(op: str, kwargs: dict, shape: tuple[int, ...],
