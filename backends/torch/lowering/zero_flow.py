@@ -104,7 +104,7 @@ def zero_values(trace: dict) -> set[int]:
     what ops linear in zeros make of them (``LINEAR_IN_FIRST``,
     ``PRODUCTS``, ``ALL_ZERO``, ``WRITES``: zeros written into a constant
     of zeros)."""
-    shapes = trace["shapes"]
+    shapes = trace.get("shapes", [])  # a hand-made trace may record none
     constants = trace.get("constants", ())
     values = trace.get("constvals", {})
     zeros: set[int] = set()
@@ -119,14 +119,17 @@ def zero_values(trace: dict) -> set[int]:
         value = values.get(v) if v in constants else None
         return value is not None and value.dtype.kind in "fiu" and not value.any()
 
+    def shape_of(a: Any) -> tuple[int, ...] | None:
+        v = _ref(a)
+        return tuple(shapes[v]) if v is not None and 0 <= v < len(shapes) else None
+
     def same_shape(a: Any, b: Any) -> bool:
-        return _ref(a) is not None and tuple(shapes[_ref(a)]) == tuple(shapes[_ref(b)])
+        return shape_of(a) is not None and shape_of(a) == shape_of(b)
 
     for op, (args, kwargs), outs, *_ in trace["events"]:
         if not outs:
             continue
-        seed = op == SLICE_BACKWARD and bool(args) and _ref(args[0]) is not None \
-            and 0 in tuple(shapes[_ref(args[0])])
+        seed = op == SLICE_BACKWARD and bool(args) and 0 in (shape_of(args[0]) or ())
         if seed or _makes_zeros(op, args, kwargs, zero, zero_or_const, same_shape):
             zeros.update(outs)
     return zeros
