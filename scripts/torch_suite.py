@@ -1821,12 +1821,32 @@ def run_case(argv: str, singles: dict) -> tuple[int, str]:
     return (3 if verdict.kind == "internal" else 1), first
 
 
+def shard_spec(text: str) -> tuple[int, int]:
+    """``I/N`` of ``--shard``: the I-th of N shards, 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"{text!r}: I must be in 0 .. N-1")
+    return index, count
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-k", action="append", default=[], help="run the cases whose name contains this")
+    ap.add_argument("--exact", action="append", default=[],
+                    help="run the case of exactly this name (with -k: either selects)")
+    ap.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/N",
+                    help="of the selected cases, run every N-th from the I-th (0-based): "
+                         "N processes with 0/N .. N-1/N run them all once")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     opts = ap.parse_args(argv)
-    cases = [c for c in CASES if not opts.k or any(k in c[0] for k in opts.k)]
+    picked = opts.k or opts.exact
+    cases = [c for c in CASES
+             if not picked or c[0] in opts.exact or any(k in c[0] for k in opts.k)]
+    index, count = opts.shard
+    cases = cases[index::count]
     if opts.list:
         for name, args, expected in cases:
             print(f"{name:40s} exit {expected}  {args}")
