@@ -65,9 +65,22 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+def runs_suite_cases(item: pytest.Item) -> bool:
+    """Does the test call ``tests/cli_pair.suite_cases``, i.e. run cases of
+    scripts/torch_suite.py as they are there? The suite runs them before
+    each merge; ``make test`` leaves them out (marker ``suite``)."""
+    function = getattr(item, "function", None)
+    return function is not None and "suite_cases" in function.__code__.co_names
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files of ``LONGEST_FIRST`` first, in its order; the rest after
-    them in their own order (a stable sort: a file's tests keep theirs)."""
+    """Tests that run suite cases get the marker ``suite``. The files of
+    ``LONGEST_FIRST`` first, in its order; the rest after them in their own
+    order (a stable sort: a file's tests keep theirs)."""
+    for item in items:
+        if runs_suite_cases(item):
+            item.add_marker(pytest.mark.suite)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
 
