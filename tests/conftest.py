@@ -29,10 +29,10 @@ _SNAPSHOT = pytest.StashKey[dict]()
 #: files run beside the many short ones instead of after them (pytest-xdist's
 #: own order, the files with most tests first, started the longest last).
 LONGEST_FIRST = (
-    "test_soundness.py", "test_symmetry_zero_ep.py", "test_bugs.py", "test_attention_merge.py",
+    "test_bugs.py", "test_symmetry_zero_ep.py", "test_soundness.py", "test_attention_merge.py",
     "test_cp_balance.py", "test_real_bugs.py", "test_oracle.py", "test_cp_mutations.py",
-    "test_torch_moe_ep.py", "test_megatron_backend.py", "test_megatron_per_token_loss.py",
-    "test_docs_commands.py", "test_torch_hf_families.py", "test_parallel.py",
+    "test_torch_moe_ep.py", "test_megatron_backend.py", "test_docs_commands.py",
+    "test_torch_hf_families.py", "test_parallel.py",
 )
 
 
