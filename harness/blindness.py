@@ -54,8 +54,14 @@ def floors_of(rows: Iterable) -> dict[str, int]:
     return {f"{b}/{o}": counts[(b, o, "caught")] for b, o in keys}
 
 
-def below_floors(rows: list, floors: dict[str, int]) -> list[str]:
+def below_floors(rows: list, floors: dict[str, int],
+                 bases: Iterable[str] | None = None) -> list[str]:
+    """The (base, operator) pairs under their floor; with ``bases``, the
+    floors of those bases only (a run of part of the ``--quick`` bases)."""
     got = floors_of(rows)
+    if bases is not None:
+        kept = set(bases)
+        floors = {key: want for key, want in floors.items() if key.split("/")[0] in kept}
     return [f"{key}: {got.get(key, 0)} caught, the floor is {want}"
             for key, want in sorted(floors.items()) if got.get(key, 0) < want]
 
@@ -75,11 +81,12 @@ def above_ceilings(rows: list) -> list[str]:
     return problems
 
 
-def blind_spots(rows: list, quick: bool) -> list[str]:
-    """Why the run looks blind, one line each; [] when it does not."""
+def blind_spots(rows: list, quick: bool, bases: Iterable[str] | None = None) -> list[str]:
+    """Why the run looks blind, one line each; [] when it does not. With
+    ``quick``, the floors of ``bases`` (all of them when None) are checked."""
     problems = above_ceilings(rows)
     if quick and FLOORS.exists():
-        problems += below_floors(rows, json.loads(FLOORS.read_text()))
+        problems += below_floors(rows, json.loads(FLOORS.read_text()), bases)
     return problems
 
 

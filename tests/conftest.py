@@ -29,10 +29,10 @@ _SNAPSHOT = pytest.StashKey[dict]()
 #: files run beside the many short ones instead of after them (pytest-xdist's
 #: own order, the files with most tests first, started the longest last).
 LONGEST_FIRST = (
-    "test_soundness.py", "test_symmetry_zero_ep.py", "test_bugs.py", "test_attention_merge.py",
+    "test_bugs.py", "test_symmetry_zero_ep.py", "test_soundness.py", "test_attention_merge.py",
     "test_cp_balance.py", "test_real_bugs.py", "test_oracle.py", "test_cp_mutations.py",
-    "test_torch_moe_ep.py", "test_megatron_backend.py", "test_megatron_per_token_loss.py",
-    "test_docs_commands.py", "test_torch_hf_families.py", "test_parallel.py",
+    "test_torch_moe_ep.py", "test_megatron_backend.py", "test_docs_commands.py",
+    "test_torch_hf_families.py", "test_parallel.py",
 )
 
 
@@ -65,9 +65,22 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+def runs_suite_cases(item: pytest.Item) -> bool:
+    """Does the test call ``tests/cli_pair.suite_cases``, i.e. run cases of
+    scripts/torch_suite.py as they are there? The suite runs them before
+    each merge; ``make test`` leaves them out (marker ``suite``)."""
+    function = getattr(item, "function", None)
+    return function is not None and "suite_cases" in function.__code__.co_names
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files of ``LONGEST_FIRST`` first, in its order; the rest after
-    them in their own order (a stable sort: a file's tests keep theirs)."""
+    """Tests that run suite cases get the marker ``suite``. The files of
+    ``LONGEST_FIRST`` first, in its order; the rest after them in their own
+    order (a stable sort: a file's tests keep theirs)."""
+    for item in items:
+        if runs_suite_cases(item):
+            item.add_marker(pytest.mark.suite)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
 

@@ -16,7 +16,7 @@ from helpers import plan_pair
 
 from gen_model.config import ModelConfig, Parallelism
 from harness import evaluator
-from harness.blindness import FLOORS, OFTEN_EQUIVALENT, above_ceilings
+from harness.blindness import FLOORS, OFTEN_EQUIVALENT, above_ceilings, below_floors
 from harness.bugs import BUGS, inject
 from harness.canaries import CANARIES
 from harness.mutations import CP_MUTATIONS, MUTATIONS
@@ -116,6 +116,25 @@ def test_quick_floors_cover_every_quick_base_and_operator():
     assert {"scale_one_rank", "drop_collective", "stale_version", "wrong_peer"} <= ops
     assert ops <= set(MUTATIONS) | set(HARNESS["FOLD_MUTATIONS"]) | set(CP_MUTATIONS)
     assert sum(floors.values()) >= 200
+
+
+def test_floors_of_a_part_of_the_quick_bases_are_theirs_only():
+    """A run of some ``--quick`` bases is held to their floors; a base of
+    that part with no caught mutant is still under its floor."""
+    row = HARNESS["Row"]
+    caught = [row("a", "mutation", "scale_one_rank", "", "wrong", "FAIL:stage", 0.0)] * 2
+    floors = {"a/scale_one_rank": 2, "b/scale_one_rank": 1, "c/drop_collective": 1}
+    assert below_floors(caught, floors, ["a"]) == []
+    assert below_floors(caught, floors, ["a", "b"]) == [
+        "b/scale_one_rank: 0 caught, the floor is 1"]
+    assert len(below_floors(caught, floors)) == 2
+    assert below_floors(caught[:1], floors, ["a"]) == ["a/scale_one_rank: 1 caught, the floor is 2"]
+
+
+def test_quick_takes_only_its_own_bases(capsys):
+    assert HARNESS["main"](["--quick", "--bases", "llama3_tp2_vocab"]) == 2
+    assert "unknown base llama3_tp2_vocab (--quick bases: mlp_dp2_pp2_tp2_nm2" in \
+        capsys.readouterr().err
 
 
 def test_equivalent_ceiling_flags_a_blind_run():
