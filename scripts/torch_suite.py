@@ -38,6 +38,7 @@ from verdict.diagnosis import diagnose  # noqa: E402
 STOCK = "backends.torch.stock_recipes:"
 HASH_MOE = "tests.hash_routed_models:hash_moe_tagger"
 CLIPPED = "tests.hash_routed_models:clipped_tagger"
+ROOT_CLIPPED = "tests.hash_routed_models:root_clipped_tagger"
 HASH_SIZES = "--hidden 8 --ffn 12 --vocab 10"
 SCALING = "backends.torch.scaling_recipes:"
 #: torchtitan's Llama3 debugmodel under its own parallelize_llama (backends/torch/zoo/titan.py)
@@ -269,6 +270,8 @@ CASES: list[tuple[str, str, int]] = [
      f"--model {CLIPPED} --recipe {STOCK}ddp --dp 2 --tp 1 {HASH_SIZES} --optimizer sgd", 0),
     ("outside clipped_tagger bug fsdp (a gathered copy of a weight clamped in place)",
      f"--model {CLIPPED} --recipe {STOCK}fsdp --dp 2 --tp 1 {HASH_SIZES}", 1),
+    ("outside root_clipped_tagger fsdp sgd (the root clamps each block's shard before its gather)",
+     f"--model {ROOT_CLIPPED} --recipe {STOCK}fsdp --dp 2 --tp 1 {HASH_SIZES} --optimizer sgd", 0),
     ("hf qwen3_5 dp2 tp2 (its causal LM is its text model)", "--hf qwen3_5 --dp 2 --tp 2", 0),
     ("outside no_entries_lm ddp", f"--model {NO_ENTRIES} --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("outside no_entries_lm tp_attention dp2 tp2",
