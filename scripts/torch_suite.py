@@ -38,6 +38,7 @@ from verdict.diagnosis import diagnose  # noqa: E402
 STOCK = "backends.torch.stock_recipes:"
 HASH_MOE = "tests.hash_routed_models:hash_moe_tagger"
 CLIPPED = "tests.hash_routed_models:clipped_tagger"
+ROOT_CLIPPED = "tests.hash_routed_models:root_clipped_tagger"
 HASH_SIZES = "--hidden 8 --ffn 12 --vocab 10"
 SCALING = "backends.torch.scaling_recipes:"
 #: torchtitan's Llama3 debugmodel under its own parallelize_llama (backends/torch/zoo/titan.py)
@@ -258,15 +259,19 @@ CASES: list[tuple[str, str, int]] = [
     ("hf gemma3 bug fsdp avg", "--hf gemma3 --recipe tp_fsdp_avg --dp 2 --tp 2", 1),
     # a parameter clamped in place in the forward (Gemma 3n's AltUp coefficients,
     # soundness 128 a): by hand, and at tp 2 alone, it verifies (gloo same); FSDP2 clamps
-    # its gathered copy, never the shard its backward and step read (gloo differs): refused
-    ("hf gemma3n_text dp2 tp2 refused (AltUp's clamp writes FSDP's gathered copy)",
-     "--hf gemma3n_text --dp 2 --tp 2", 2),
+    # its gathered copy, never the shard its backward gathers again and its step reads
+    # (soundness 134): FAILs where the clip binds (gloo differs for the clipped tagger;
+    # AltUp's clip at 120 binds on no weight of the small model, so its gloo run is same)
+    ("hf gemma3n_text bug dp2 tp2 (AltUp's clamp writes FSDP's gathered copy only)",
+     "--hf gemma3n_text --dp 2 --tp 2", 1),
     ("hf gemma3n_text tp2 (AltUp's coefficients clamped in place in each rank's own shard)",
      "--hf gemma3n_text --dp 1 --tp 2", 0),
     ("outside clipped_tagger ddp sgd (a weight clamped in place)",
      f"--model {CLIPPED} --recipe {STOCK}ddp --dp 2 --tp 1 {HASH_SIZES} --optimizer sgd", 0),
-    ("outside clipped_tagger bug fsdp refused (a gathered copy of a weight clamped in place)",
-     f"--model {CLIPPED} --recipe {STOCK}fsdp --dp 2 --tp 1 {HASH_SIZES}", 2),
+    ("outside clipped_tagger bug fsdp (a gathered copy of a weight clamped in place)",
+     f"--model {CLIPPED} --recipe {STOCK}fsdp --dp 2 --tp 1 {HASH_SIZES}", 1),
+    ("outside root_clipped_tagger fsdp sgd (the root clamps each block's shard before its gather)",
+     f"--model {ROOT_CLIPPED} --recipe {STOCK}fsdp --dp 2 --tp 1 {HASH_SIZES} --optimizer sgd", 0),
     ("hf qwen3_5 dp2 tp2 (its causal LM is its text model)", "--hf qwen3_5 --dp 2 --tp 2", 0),
     ("outside no_entries_lm ddp", f"--model {NO_ENTRIES} --recipe {STOCK}ddp --dp 2 --tp 1", 0),
     ("outside no_entries_lm tp_attention dp2 tp2",

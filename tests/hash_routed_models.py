@@ -66,11 +66,12 @@ class ClippedBlock(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.coefs = nn.Linear(hidden, hidden, bias=False)
+        self.clips = True  # the block clamps its own weight (else its owner does)
         with torch.no_grad():
             self.coefs.weight.mul_(4.0)  # many entries beyond the clip
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training and self.clips:
             self.coefs.weight.data.clamp_(-self.CLIP, self.CLIP)
         return h + torch.tanh(self.coefs(h))
 
@@ -95,6 +96,30 @@ class ClippedTagger(nn.Module):
 
 def clipped_tagger(**kw) -> ClippedTagger:
     return ClippedTagger(**kw)
+
+
+class RootClippedTagger(ClippedTagger):
+    """The clip as it holds under FSDP2: the root clamps each block's weight
+    under ``torch.no_grad()`` as its forward begins, before any block runs,
+    when the weight is still the parameter the rank holds (FSDP2's shard,
+    from which every later all-gather reads, and which its optimizer
+    steps); the blocks clamp nothing."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        for layer in self.layers:
+            layer.clips = False
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                for layer in self.layers:
+                    layer.coefs.weight.clamp_(-ClippedBlock.CLIP, ClippedBlock.CLIP)
+        return super().forward(tokens, labels)
+
+
+def root_clipped_tagger(**kw) -> RootClippedTagger:
+    return RootClippedTagger(**kw)
 
 
 def ddp_other_table(model, mesh):

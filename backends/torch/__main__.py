@@ -33,7 +33,7 @@ from backends.torch.tracer.check import LoadedValueMismatch, check_loaded
 from backends.torch.tracer.exchange import settle
 from backends.torch.tracer.final_buffers import check_final_buffers
 from backends.torch.tracer.mesh import DATA_NAMES, MeshSpec, parse_mesh
-from backends.torch.tracer.rank import check_copies_written, load, run
+from backends.torch.tracer.rank import load, run
 from backends.torch.tracer.ranks import trace_ranks
 from backends.torch.tracer.routing import (
     check_every_expert_reached,
@@ -356,7 +356,6 @@ def trace_and_build(args: argparse.Namespace, single: dict | None = None):
         raise LoweringError(_rank_failed(args, str(e))) from None
     world["nm"] = traces[0]["microbatches"]
     check_lookups(traces)  # a hash router's choice, by value (item 128 b)
-    check_copies_written(traces)  # a parameter's copy written in place (item 128 a)
     if fill:
         _check_run_on_none({**spec, "parallel": True, "routing": routing},
                            args.pp * args.dp * cp * args.tp, single, traces, world)

@@ -149,6 +149,12 @@ def _as_strided(lw: Lowerer, args, kwargs, shapes, group):
     contiguous = [math.prod(size[k + 1:]) for k in range(len(size))]
     block = kwargs.get("block")
     x = lw.env.get(args[0][1])
+    if block is not None and isinstance(x, As) \
+            and (offset != 0 or math.prod(size) != math.prod(x.shape)
+                 or any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1)):
+        # a region of a value seen with another shape: the value, reshaped
+        # (what ``As`` stands for), then the region (soundness 134 (e))
+        x = lw.materialize(x)
     if block is not None and isinstance(x, int) \
             and (offset != 0 or math.prod(size) != math.prod(lw.shapes[x])
                  or any(s != c for s, c, n in zip(stride, contiguous, size) if n > 1)):

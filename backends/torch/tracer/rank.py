@@ -133,6 +133,8 @@ def _run(spec: dict, rank: int) -> dict:
         pipelined = Pipelined(after, tokens, rec.set_mb)
         after = after.after_backward
     params, buffers, split = _held(rec, model, spec, cp)
+    if spec["parallel"]:  # a parameter written in place that is none of these is a copy
+        rec.held = {id(p) for p in model.parameters()} | {id(local_of(p)) for p in model.parameters()}
     data = rec.new_value(tokens)
     rec.from_ids.seed(data)
     label_data = rec.new_value(labels)
@@ -209,8 +211,9 @@ def copies_written(rec: Recorder, model: torch.nn.Module) -> list[tuple[str, str
     rank does not hold after its step: a copy of a parameter (FSDP2's
     gathered parameter, freed after the forward and gathered again from
     the unwritten shard for the backward, the shard being what the
-    optimizer steps), as (op, scope). Refused by ``check_copies_written``
-    (docs/soundness.md, "Plans traced from PyTorch", 128 (a))."""
+    optimizer steps), as (op, scope): kept with the trace; the recorder
+    follows the copy's memory (``copy_memory``; docs/soundness.md, "Plans
+    traced from PyTorch", 128 (a) and 134)."""
     held = {id(p) for p in model.parameters()} | {id(local_of(p)) for p in model.parameters()}
     out = []
     for ref, op, scope in rec.param_writes:
@@ -218,20 +221,6 @@ def copies_written(rec: Recorder, model: torch.nn.Module) -> list[tuple[str, str
         if p is None or id(p) not in held:
             out.append((op, scope))
     return out
-
-
-def check_copies_written(traces: list[dict]) -> None:
-    """Refuse a step in which a rank wrote in place into a copy of a
-    parameter (``copies_written``): what the rank's backward and optimizer
-    read of that parameter is the unwritten shard, which the recorder does
-    not follow, so no plan of it is claimed."""
-    from backends.torch.errors import LoweringError
-    for trace in traces:
-        for op, scope in trace.get("copies_written", []):
-            raise LoweringError(f"rank {trace['rank']} writes {op} in place into a copy of a "
-                                f"parameter at {scope} (FSDP's gathered parameter: its backward "
-                                f"gathers the unwritten shard again and its optimizer steps the "
-                                f"shard) is not lowered")
 
 
 def _end_values(model: torch.nn.Module, losses: list) -> list:

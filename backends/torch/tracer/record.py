@@ -29,6 +29,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from backends.torch.lowering.constants import GUARD_EVENT, TRACED_READ_EVENT, VALUE_READ_EVENT
 from backends.torch.tracer import numbers
+from backends.torch.tracer.copy_memory import WrittenCopies
 from backends.torch.tracer.empty_sends import run_sending_nothing, sends_nothing
 from backends.torch.tracer.exchange import BROADCAST, Exchanges
 from backends.torch.tracer.hash_routing import FromIds
@@ -99,6 +100,8 @@ class Recorder(TorchDispatchMode):
         #: the storage is held so that its memory is not given to another tensor
         #: while the entry stands (``storage_view``)
         self.storages: dict[tuple[int, int, int], tuple[int, torch.UntypedStorage]] = {}
+        #: the keys of ``storages`` that are the memory of a shard the rank holds
+        self.shard_keys: set[tuple[int, int, int]] = set()
         #: a shard's memory -> (value, numel, the storage held)
         self.shard_starts: dict[tuple[int, int], tuple[int, int, torch.UntypedStorage]] = {}
         self.constants: set[int] = set()  # values that depend on no parameter, data or collective
@@ -127,6 +130,13 @@ class Recorder(TorchDispatchMode):
         #: (``.data``): (the parameter, the op, the scope), checked by the rank
         #: against the parameters it holds (``rank.copies_written``)
         self.param_writes: list[tuple[weakref.ref, str, str]] = []
+        #: the parameters (and their local tensors) the rank holds, set by the
+        #: rank before its step; None: every parameter is the rank's own
+        self.held: set[int] | None = None
+        #: storages of parameter copies written in place (FSDP2's gathered
+        #: parameter): a later write into one is followed into the tensors
+        #: bound to its memory before (``copy_memory``)
+        self.copies = WrittenCopies()
         #: integer values computed from the batch's ids alone (``hash_routing``)
         self.from_ids = FromIds()
 
@@ -248,6 +258,22 @@ class Recorder(TorchDispatchMode):
         self.storages[(storage.data_ptr(), t.storage_offset(), t.numel())] = (v, storage)
         if shard:
             self.shard_starts[(storage.data_ptr(), t.storage_offset())] = (v, t.numel(), storage)
+            self.shard_keys.add((storage.data_ptr(), t.storage_offset(), t.numel()))
+
+    def shard_written(self, o: torch.Tensor, v: int) -> None:
+        """An op wrote ``o`` in place, exactly the memory of a shard the
+        rank holds (``register_storage(shard=True)``; a clamp under
+        ``torch.no_grad()`` of the parameter FSDP2 shards): the tensor
+        objects that read that memory later through the registry (FSDP2's
+        flat ``_sharded_param_data``, which its all-gathers read) read the
+        written value (docs/soundness.md, "Plans traced from PyTorch", 134)."""
+        if not o.is_contiguous():
+            return
+        storage = o.untyped_storage()
+        key = (storage.data_ptr(), o.storage_offset(), o.numel())
+        if key in self.shard_keys:
+            self.storages[key] = (v, storage)
+            self.shard_starts[key[:2]] = (v, o.numel(), storage)
 
     def storage_view(self, t: torch.Tensor) -> int | None:
         """The value of a tensor that is registered memory seen through
@@ -439,6 +465,8 @@ class Recorder(TorchDispatchMode):
         for o, v in zip(outs, ids):
             if o._base is None or any(o is a for a in tensors):
                 self.written(o, v)  # written in place, or new memory
+            if self.shard_keys and any(o is a for a in tensors):
+                self.shard_written(o, v)
         self.record_writes(outs, ids, {id(a) for a in tensors}, unseen)
         if not constant and self.from_ids.is_lookup(name, args, outs, self.value, self.constants,
                                                           self.from_buffer):
@@ -474,7 +502,52 @@ class Recorder(TorchDispatchMode):
         self.mark_partial_writes(name, func, args, kwargs)
         self.note_twins(name, args, outs, ids)
         self.write_whole_bases(outs, ids)
+        if self.copies and ids:
+            self.rewrite_copies(outs, ids, {id(a) for a in tensors})
         return out
+
+    def rewrite_copies(self, outs: list[torch.Tensor], ids: list[int], inputs: set[int]) -> None:
+        """An op wrote (in place or through ``out=``) into the memory of a
+        parameter's copy written in place before (FSDP2's all-gather into
+        the gathered parameter's buffer again, for the backward): every
+        tensor bound to that memory before the op (the copy, the views
+        autograd saved of it) now holds the view of the written value it
+        is, recorded as that strided view, or, lying only partly inside
+        the write, a value no lowering reads (docs/soundness.md, "Plans
+        traced from PyTorch", 134)."""
+        first = ids[0]
+        for o, v in zip(outs, ids):
+            if id(o) not in inputs or not self.copies.holds(o):
+                continue
+            bound, was = [], {}
+            for held, ref, _ in list(self.refs.values()):
+                t = ref()
+                if t is not None and held < first and type(t) in (torch.Tensor, torch.nn.Parameter):
+                    bound.append(t)
+                    was[id(t)] = held
+            hits = self.copies.reached(o, bound)
+            # each view is recorded at the module that made it (its forward's
+            # scope), where the single-device step reads the copy's value
+            made_at = {w: e[4] for e in self.events for w in e[2]} if hits else {}
+            flat = None
+            for hit in hits:
+                t = hit.tensor
+                at = made_at.get(was[id(t)], self.scope())
+                if hit.view is None:
+                    stale = self.new_value(t)
+                    self.events.append(("fsdp.stale_copy", [[("v", v)], {}], [stale],
+                                        [tuple(t.shape)], at, None, self.mb))
+                    continue
+                if flat is None:
+                    flat = len(self.shapes)
+                    self.shapes.append((o.numel(),))
+                    self.events.append(("aten.view.default", [[("v", v), [o.numel()]], {}],
+                                        [flat], [(o.numel(),)], self.scope(), None, self.mb))
+                shape, stride, offset, block = hit.view
+                fresh = self.new_value(t)
+                self.events.append(("aten.as_strided.default",
+                                    [[("v", flat), shape, stride, offset], {"block": block}],
+                                    [fresh], [tuple(shape)], at, None, self.mb))
 
     def write_whole_bases(self, outs: list[torch.Tensor], ids: list[int]) -> None:
         """A write through a view of a whole buffer, in its memory order,
@@ -522,6 +595,8 @@ class Recorder(TorchDispatchMode):
                 self.bind(twin, v)
                 if isinstance(twin, torch.nn.Parameter):  # ``p.data.clamp_()``: p written
                     self.param_writes.append((weakref.ref(twin), name, self.scope()))
+                    if self.held is not None and id(twin) not in self.held:
+                        self.copies.mark(o)  # a copy of the parameter (FSDP2's gathered one)
 
     def record_writes(self, outs: list[torch.Tensor], ids: list[int], inputs: set[int],
                       unseen: set[int]) -> None:
