@@ -1276,8 +1276,8 @@ CASES += [
     # experts, rows put back at their sorted positions: item 36 c)
     ("moe hf jetmoe dp2 (attention experts too)", "--hf jetmoe --dp 2 --tp 1", 0),
     ("moe hf jetmoe bug attention experts combined with another pair's gate refused (a wrong "
-     "plan: the gates picked at a permuted index are added back at other rows than they "
-     "hold; no SUCCESS, a FAIL left to do)",
+     "plan: rank 0's combine sums the sorted pairs by a constant of its own no single-device "
+     "node reads alike; no SUCCESS, a FAIL left to do)",
      f"--hf jetmoe --recipe {MOE_BUGS}gating_other_gate --dp 2 --tp 1", 2),
     ("moe mixtral tied router scores (two experts take every token, two none)",
      "--model backends.torch.hf_moe:tied_mixtral --recipe backends.torch.hf:tp_fsdp --dp 2 --tp 1", 0),
