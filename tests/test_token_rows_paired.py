@@ -5,8 +5,9 @@ ranks' flattens of their own rows (not those of all positions, gathered);
 the backward's entries and every exit are found by reaching the rows back
 from the nodes that tie them to unordered values; the trace so written
 computes the same loss and gradients. Reaching back to an input of the
-step, and modules that flatten another number of times than the ranks,
-are refused in one line."""
+step, modules that flatten another number of times than every rank, and
+ranks that flatten as often at other flattens, are refused in one line; a
+rank whose own hook flattens once more is paired from the others."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.context import LNode, Lowered
 from backends.torch.tracer.token_order import RowGrid
-from backends.torch.tracer.token_rows import grow_chains, paired_entries
+from backends.torch.tracer.token_rows import _rank_chains, grow_chains, paired_entries
 from verdict.numeric import NumericXP, run_node
 from verdict.plan import Node
 
@@ -122,16 +123,35 @@ def test_a_module_flattening_another_number_of_times_is_refused() -> None:
     for low in lows:
         low.nodes.append(copy.copy(low.nodes[0]))
     with pytest.raises(LoweringError, match="moe.router.gate flattens the token rows 1 times on "
-                                            "one device, its batch rows 2 times on a rank"):
+                                            "one device, its batch rows 2 times on the ranks"):
         paired_entries(_single(), lows, GRID, {r: LOCAL for r in range(4)})
 
 
-def test_ranks_flattening_their_rows_in_other_modules_are_refused() -> None:
+def test_a_rank_flattening_its_rows_once_more_is_paired_from_the_others() -> None:
+    # a hook of ranks 0 and 1 alone flattens their rows once more in the experts
+    # (torchtitan's titan_ep_combine_other_gate at dp 2 ep 2 tp 2): the pairing is
+    # read from ranks 2 and 3, which flatten as the one-device step does
     lows = [_rank(r) for r in range(4)]
+    for low in lows[:2]:
+        low.nodes.insert(1, copy.copy(low.nodes[1]))
+    assert paired_entries(_single(), lows, GRID, {r: LOCAL for r in range(4)}) == {0, 3}
+    # and a module only some ranks flatten in, never the one-device step, pairs nothing
     lows[2].nodes[0] = LNode("flatten", "fw", [0], [1], FLAT, "lm.moe.other")
-    with pytest.raises(LoweringError, match="rank 2 flattens its own token rows in other "
-                                            "modules than rank 0"):
-        paired_entries(_single(), lows, GRID, {r: LOCAL for r in range(4)})
+    assert paired_entries(_single(), lows, GRID, {r: LOCAL for r in range(4)}) == {0, 3}
+
+
+def test_ranks_flattening_as_often_at_other_flattens_are_refused() -> None:
+    # the experts flatten twice everywhere: ranks 0, 1 their own rows first, then all
+    # positions; ranks 2, 3 the other way round
+    single = _single()
+    single.nodes.insert(4, LNode("flatten", "fw", [0], [6], FLAT, "one.moe.experts"))
+    lows = [_rank(r) for r in range(4)]
+    for low in lows:
+        extra = LNode("flatten", "fw", [3], [4], FLAT, "lm.moe.experts")
+        low.nodes.insert(2 if low.rank < 2 else 1, extra)
+    with pytest.raises(LoweringError, match="rank 2 flattens its own token rows in "
+                                            "moe.experts at other flattens than rank 0"):
+        paired_entries(single, lows, GRID, {r: LOCAL for r in range(4)})
 
 
 def test_rows_reached_back_to_an_input_are_refused() -> None:
@@ -157,3 +177,28 @@ def test_a_cut_along_rows_reached_back_is_refused() -> None:
     with pytest.raises(LoweringError, match="narrow at bw:one.moe.shared makes a value carrying "
                                             "token rows from no dim"):
         grow_chains(low, GRID, {0, 3})
+
+
+def test_a_ranks_own_reshape_read_back_by_a_flatten_is_no_chain_site() -> None:
+    # dp rank 0's hook flattens its scores, permutes them, puts them back in
+    # their shape, and the experts flatten them again: the unflatten and the
+    # flatten back compose to the identity, so the chain goes at the hook's flatten
+    lo, li = LOCAL
+    shapes = {0: (lo, li, E), 1: (lo * li, E), 2: (lo * li, E), 3: (lo, li, E),
+              4: (lo * li, E), 5: (lo * li, lo * li), 6: (lo * li, E)}
+    nodes = [LNode("flatten", "fw", [0], [1], FLAT, "lm.moe.experts"),
+             LNode("matmul", "fw", [5, 1], [2], {}, "lm.moe.experts"),
+             LNode("unflatten", "fw", [2], [3], _unflat(LOCAL), "lm.moe.experts"),
+             LNode("flatten", "fw", [3], [4], FLAT, "lm.moe.experts"),
+             LNode("mul", "fw", [4, 4], [6], {}, "lm.moe.experts")]
+    low = Lowered(rank=0, coords={}, shapes=shapes, nodes=nodes, inputs={}, axes={}, losses=[],
+                  grads={}, constants={5: np.eye(lo * li)[::-1]})
+    # (the single-device chain's key is none of the rank's: no pairing by key)
+    wanted = [{("moe.router", "flatten", 0)}, set()]
+    assert _rank_chains(low, LOCAL, wanted) == ({0}, set())
+    # an unflatten read by another reader too is no such pair: refused
+    nodes.append(LNode("sum", "fw", [3], [7], {"dim": None, "keepdim": False}, "lm.moe"))
+    shapes[7] = ()
+    with pytest.raises(LoweringError, match="rank 0 flattens its token rows 2 times and "
+                                            "unflattens them 1 times"):
+        _rank_chains(low, LOCAL, wanted)

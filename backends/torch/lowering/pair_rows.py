@@ -45,6 +45,7 @@ import numpy as np
 from backends.torch.errors import LoweringError
 from backends.torch.lowering.constants import constant_input
 from backends.torch.lowering.ir import Pending
+from backends.torch.lowering.moved_rows import reread
 from backends.torch.lowering.routed_rows import Rows
 
 if TYPE_CHECKING:
@@ -266,7 +267,7 @@ def gathered_back(lw: Lowerer, a: Assembled, tokens: np.ndarray, shape: tuple[in
         raise LoweringError(f"{lw.name}: rows added beyond the {t} rows")
     o = int(index[live][0] - tokens[live][0])
     if not np.array_equal(index[live], tokens[live] + o):
-        raise LoweringError(f"{lw.name}: rows added back at other tokens than they hold")
+        return _moved_back(lw, a, tokens, live, shape)
     parts = []
     for g, v in enumerate(a.values):
         hit = live & (group == g)
@@ -274,6 +275,40 @@ def gathered_back(lw: Lowerer, a: Assembled, tokens: np.ndarray, shape: tuple[in
         count = np.bincount(tokens[hit], minlength=t).astype(np.float64)
         parts.append(lw.emit("mul", [f, _column(lw, count, tuple(lw.shapes[f]))],
                              [tuple(lw.shapes[f])])[0])
+    return _add_all(lw, parts, tuple(shape))
+
+
+def _moved_back(lw: Lowerer, a: Assembled, tokens: np.ndarray, live: np.ndarray,
+                shape: tuple[int, ...]) -> int:
+    """``gathered_back`` where rows are added back at other tokens than the
+    rows they hold (a gate picked at a permuted index, its gradient put
+    back at the pairs' own): for each value, its rows moved by a
+    permutation of their own (``moved_rows.reread``: a lookup by a one-hot
+    constant of the rank's own, standing in for the value) so that the row
+    added at token ``tokens[r]`` is the row it holds, then masked to the
+    tokens that receive one. Exact (index_put's definition) when no token
+    receives two rows of one value and no row of a value is added twice;
+    refused in one line otherwise (docs/soundness.md, "Plans traced from
+    PyTorch", 124)."""
+    group, index = a.group.reshape(-1), a.index.reshape(-1)
+    t = shape[0]
+    parts = []
+    for g, v in enumerate(a.values):
+        hit = live & (group == g)
+        if not hit.any():
+            continue
+        at, held = tokens[hit], index[hit]
+        moved = None
+        if lw.shapes[v][0] == t and len(np.unique(at)) == len(at):
+            moved = reread(lw, v, held, at)
+        if moved is None:
+            raise LoweringError(f"{lw.name}: rows added back at other tokens than they hold "
+                                f"(rank {lw.trace.get('rank', 0)})")
+        mask = np.zeros(t)
+        mask[at] = 1.0
+        parts.append(lw.emit("mul", [moved, _column(lw, mask, tuple(lw.shapes[moved]))],
+                             [tuple(lw.shapes[moved])])[0])
+    lw.rows_moved = True
     return _add_all(lw, parts, tuple(shape))
 
 

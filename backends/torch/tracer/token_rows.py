@@ -421,25 +421,35 @@ def paired_entries(low_s: Lowered, lows: list[Lowered], grid: RowGrid,
     the ranks flatten their own rows (their block of both dims): the k-th
     flatten of the rows in a module is one when each rank's k-th flatten of
     its batch rows there is of its own positions (not of all positions,
-    gathered). Refused in one line where the ranks differ or a module
-    flattens another number of times on one device."""
-    wanted: dict[str, list[bool]] | None = None
-    for low in lows:
-        marks = _rank_flattens(low, local[low.rank], grid.sizes[0 if grid.inner_first else 1],
-                               grid.inner_first)
-        if wanted is not None and marks != wanted:
-            raise _refuse(f"rank {low.rank} flattens its own token rows in other modules "
-                          f"than rank {lows[0].rank}")
-        wanted = marks
+    gathered). A module's pairing is read from the ranks that flatten their
+    batch rows there as many times as the one-device step flattens the rows
+    (a rank whose own program flattens them more or fewer times there, a
+    hook of its own, is paired by ``_rank_chains``): the choice decides only
+    what the ranks' values are claimed to be (docs/soundness.md, "Plans
+    traced from PyTorch", 98 (c), 124). Refused in one line where those
+    ranks differ, or where no rank flattens a module's rows as often as the
+    one-device step."""
+    marks = {low.rank: _rank_flattens(low, local[low.rank],
+                                      grid.sizes[0 if grid.inner_first else 1],
+                                      grid.inner_first) for low in lows}
+    names = sorted({name for flags in marks.values() for name in flags})
     entries: set[int] = set()
-    for name, flags in (wanted or {}).items():
+    for name in names:
         found = [k for k, node in enumerate(low_s.nodes) if _unrooted(node.name) == name
                  and _is_forward(node)
                  and flattens_rows(node.op, node.kwargs, _first_shape(low_s, node), grid.sizes)]
-        if len(found) != len(flags):
+        paired = {rank: flags.get(name, []) for rank, flags in marks.items()
+                  if len(flags.get(name, [])) == len(found)}
+        if not paired:
+            counts = sorted({len(flags.get(name, [])) for flags in marks.values()})
             raise _refuse(f"{name} flattens the token rows {len(found)} times on one device, "
-                          f"its batch rows {len(flags)} times on a rank")
-        entries |= {k for k, own in zip(found, flags) if own}
+                          f"its batch rows {' or '.join(map(str, counts))} times on the ranks")
+        first, *rest = sorted(paired)
+        for rank in rest:
+            if paired[rank] != paired[first]:
+                raise _refuse(f"rank {rank} flattens its own token rows in {name} at other "
+                              f"flattens than rank {first}")
+        entries |= {k for k, own in zip(found, paired[first]) if own}
     return entries
 
 
@@ -494,7 +504,9 @@ def _rank_chains(low: Lowered, sizes: tuple[int, int],
     step's chains (sequence parallelism: the rank's other flattens are of
     gathered positions); else (context parallelism: its attention and loss
     flatten rows of its sizes too) the rank's nodes of the single-device
-    chains' keys (``row_ops``). Refused in one line when neither holds."""
+    chains' keys (``row_ops``); else, when that makes as many, those left
+    once the pairs of an unflatten and the flattens back that alone read it
+    are taken out (``_undone_pairs``). Refused in one line when none holds."""
     ops = row_ops(low, sizes)
     made = tuple({k for key, k in ops.items() if key[1] == kind}
                  for kind in ("flatten", "unflatten"))
@@ -502,9 +514,36 @@ def _rank_chains(low: Lowered, sizes: tuple[int, int],
         return made
     if ops.keys() >= wanted[0] | wanted[1]:
         return tuple({ops[key] for key in part} for part in wanted)
+    # a rank's own reshape of its rows read back by flattens alone (a hook's
+    # reshape(-1, K) of its rows, put back in their shape and flattened again
+    # by the module): each such pair is the identity, so neither is a chain's site
+    undone = _undone_pairs(low, sizes)
+    kept = tuple(part - undone for part in made)
+    if undone and (len(kept[0]), len(kept[1])) == (len(wanted[0]), len(wanted[1])):
+        return kept
     raise _refuse(f"rank {low.rank} flattens its token rows {len(made[0])} times and "
                   f"unflattens them {len(made[1])} times, not where the single-device step "
                   f"does ({len(wanted[0])} and {len(wanted[1])} times)")
+
+
+def _undone_pairs(low: Lowered, sizes: tuple[int, int]) -> set[int]:
+    """A rank's unflattens of its token rows whose every reader is a flatten
+    of them back, with those readers (indices): each unflatten and flatten
+    so paired compose to the identity (docs/soundness.md, "Plans traced
+    from PyTorch", 124)."""
+    readers: dict[int, list[int]] = {}
+    for k, node in enumerate(low.nodes):
+        for v in node.ins:
+            readers.setdefault(v, []).append(k)
+    undone: set[int] = set()
+    for k, node in enumerate(low.nodes):
+        if not unflattens_rows(node.op, node.kwargs, sizes):
+            continue
+        after = readers.get(node.outs[0], [])
+        if after and all(flattens_rows(low.nodes[r].op, low.nodes[r].kwargs,
+                                       _first_shape(low, low.nodes[r]), sizes) for r in after):
+            undone |= {k, *after}
+    return undone
 
 
 def row_ops(low: Lowered, sizes: tuple[int, int]) -> dict[tuple[str, str, int], int]:

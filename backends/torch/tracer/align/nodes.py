@@ -118,7 +118,7 @@ class NodeMatching(Pieces):
         for v in node.ins:
             ins.append(-1 if v < 0 else self.sv[v])
         key = (node.op, node.dir, tuple(ins), key_kwargs(node.kwargs))
-        cands = self.b.s.by_key.get(key)
+        cands = self.reshaped_alike(node, self.b.s.by_key.get(key))
         if not cands and node.op in BLOCK_OPS:
             # a block of the attention: the kernel as called on it (its own
             # causal flag), over pieces of the single-device tensors
@@ -517,20 +517,35 @@ class NodeMatching(Pieces):
         readers that input (row-major reshapes compose to the identity). A
         rank that flattens a value, moves its rows, reads them back in the
         value's shape and flattens them again reads the moved rows
-        (docs/soundness.md, "Plans traced from PyTorch", 84)."""
+        (docs/soundness.md, "Plans traced from PyTorch", 84).
+        Also of any value when the node keys alike with single-device
+        reshapes of none of which its output can be a piece (``misshaped``),
+        its readers then of the backward too: such a rank's backward reads
+        the gradient back in the module's shape and flattens it again for
+        its own lookup (item 124 (e))."""
         if node.op not in RESHAPES or node.dir != "fw" or len(node.ins) != 1 \
-                or len(node.outs) != 1 or node.ins[0] not in self.stood \
-                or node.ins[0] not in self.sv or self.aligns(node):
+                or len(node.outs) != 1 or node.ins[0] not in self.sv or self.aligns(node):
+            return False
+        stood = node.ins[0] in self.stood
+        if not stood and not self.misshaped(node):
             return False
         readers = self.consumers.get(node.outs[0], [])
         shape = tuple(self.low.shapes[node.ins[0]])
-        if not readers or any(r.op not in RESHAPES or r.dir != "fw" or r.name.startswith("bw:")
+        if not readers or any(r.op not in RESHAPES or r.dir != "fw"
+                              or (stood and r.name.startswith("bw:"))
                               or len(r.ins) != 1 or len(r.outs) != 1
                               or tuple(self.low.shapes[r.outs[0]]) != shape
                               or not self.readers_of_model(r.outs[0]) for r in readers):
             return False  # each reader is then left out by ``undoes_reshape``
         self.undone.add(node.outs[0])
         return True
+
+    def misshaped(self, node: LNode) -> bool:
+        """The node keys alike with single-device nodes, and its outputs can
+        be pieces of none of theirs (``reshaped_alike`` leaves none)."""
+        key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
+               key_kwargs(node.kwargs))
+        return bool(self.b.s.by_key.get(key)) and not self.aligns(node)
 
     def shaped_alike(self, node: LNode, cands: list[int]) -> list[int]:
         """Of several candidates, those whose outputs this node's outputs can
@@ -539,14 +554,29 @@ class NodeMatching(Pieces):
         runs only the [4, 4] one's. All of them when none is."""
         if len(cands) < 2:
             return cands
-        shapes = self.low.shapes
-        full = self.b.s.low.shapes
+        return [c for c in cands if self.pieces_of(node, c)] or cands
 
-        def fits(c: int) -> bool:
-            return all(o < 0 or so < 0 or (len(shapes[o]) == len(full[so]) and all(
-                m <= f for m, f in zip(shapes[o], full[so])))
-                for o, so in zip(node.outs, self.b.s.low.nodes[c].outs))
-        return [c for c in cands if fits(c)] or cands
+    def pieces_of(self, node: LNode, c: int) -> bool:
+        """This node's outputs can be pieces of single-device node c's: as
+        many dims, none larger."""
+        shapes, full = self.low.shapes, self.b.s.low.shapes
+        return all(o < 0 or so < 0 or (len(shapes[o]) == len(full[so]) and all(
+            m <= f for m, f in zip(shapes[o], full[so])))
+            for o, so in zip(node.outs, self.b.s.low.nodes[c].outs))
+
+    def reshaped_alike(self, node: LNode, cands: list[int] | None) -> list[int] | None:
+        """For a ``flatten`` or ``unflatten``, the keyed candidates whose
+        outputs this node's outputs can be pieces of (``pieces_of``); other
+        nodes' candidates as they are. A reshape's sizes are no key (a
+        rank's reshape runs on pieces), so a rank's unflatten to [2, 2, 3]
+        keys alike with a single-device unflatten to [2, 2, 2, 2, 3] of the
+        same value (the first of a chain of token rows, item 98), whose
+        output it cannot be a piece of: no match, rather than a claim no dim
+        count allows (docs/soundness.md, "Plans traced from PyTorch", 124
+        (e))."""
+        if not cands or node.op not in RESHAPES:
+            return cands
+        return [c for c in cands if self.pieces_of(node, c)]
 
     def other_column(self, key: tuple) -> list[int]:
         """The single-device nodes that read another column of the same
@@ -603,7 +633,7 @@ class NodeMatching(Pieces):
     def aligns(self, node: LNode) -> bool:
         key = (node.op, node.dir, tuple(-1 if v < 0 else self.sv[v] for v in node.ins),
                key_kwargs(node.kwargs))
-        return bool(self.b.s.by_key.get(key))
+        return bool(self.reshaped_alike(node, self.b.s.by_key.get(key)))
 
     def computed_split(self, node: LNode, cut: bool = False) -> list[int] | None:
         """The single-device split this split computes (the same piece of the
