@@ -57,3 +57,14 @@ def test_a_reshape_of_other_dims_and_back_keeps_its_nodes() -> None:
     lw, x = _lowerer((16, 16))
     rows = lw.reshape(x, (4, 4, 16))
     assert view_to(lw, rows, (16, 16)) != x
+
+
+def test_an_unsqueeze_and_back_keeps_its_nodes() -> None:
+    # a one-row rank's logits [s, v] unsqueezed to [1, s, v] and flattened
+    # back keep their nodes, as the single-device logits [b s, v] unflattened
+    # to [b, s, v] and flattened back do: the readers of both plans read the
+    # reshapes (a rank reading the logits themselves matches nothing there)
+    lw, x = _lowerer((4, 16))
+    rows = lw.reshape(x, (1, 4, 16))
+    back = lw.reshape(rows, (4, 16))
+    assert back not in (x, rows) and lw.shapes[back] == (4, 16)

@@ -251,8 +251,11 @@ def view_to(lw: Lowerer, x: int, dst: tuple[int, ...]) -> int | Flat:
         # microbatch's [1, ...] squeezed and unsqueezed by autograd's
         # CopySlices, where the single-device step flattens it whole and
         # unflattens). Chains are followed from a value flattened whole or
-        # squeezed only: any other reshape keeps its nodes, which a rank's
-        # own reshape of its piece may be matched with
+        # squeezed (dims of size 1 dropped) only: any other reshape keeps
+        # its nodes, which a rank's own reshape of its piece may be matched
+        # with; an unsqueeze starts none (a one-row rank's [s, v] logits
+        # unsqueezed and flattened back are the single-device [b s, v]
+        # unflattened and flattened back, kept there)
         return root
     if (not src or not dst) and math.prod(src) == math.prod(dst) == 1:
         return _one_value(lw, x, dst)
@@ -280,12 +283,11 @@ def view_to(lw: Lowerer, x: int, dst: tuple[int, ...]) -> int | Flat:
             split = shape[:pos] + sizes + shape[pos + 1:]
             cur = lw.emit("unflatten", [cur], [split], {"dim": pos, "sizes": sizes})[0]
         pos += len(gj)
-    if cur != x and (x in lw.reshaped_of or ones_only(src, dst)):
+    if cur != x and (x in lw.reshaped_of or squeezes(src, dst)):
         lw.reshaped_of[cur] = lw.reshaped_of.get(x, x)
     return cur
 
 
-def ones_only(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int]) -> bool:
-    """The reshape only drops or inserts dims of size 1 (a squeeze, an
-    unsqueeze)."""
-    return [d for d in src if d != 1] == [d for d in dst if d != 1]
+def squeezes(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int]) -> bool:
+    """The reshape only drops dims of size 1 (a squeeze)."""
+    return len(dst) < len(src) and [d for d in src if d != 1] == [d for d in dst if d != 1]
