@@ -293,3 +293,54 @@ class Rows(Pieces):
         self.claim[out] = Claim([axes if k == d else list(a) for k, a in enumerate(c.dims)],
                                 c.partial, c.mbs, c.scale)
         return True
+
+    def one_row_sums(self, node: LNode) -> list[LNode]:
+        """The sums over a dim of one row the rank's step skips: where the
+        single-device step sums a value over a dim (keepdim: a broadcast's
+        backward, the rows of a batch summed for a table read once per
+        row) and the rank, holding one row of that dim (its piece cut by
+        mesh axes, a one-row microbatch), reads the value as it is. A sum
+        over a dim of size 1 with keepdim is the identity, so the rank's
+        node may read that sum of its input instead, written before it
+        (the same values: the rank's program is unchanged); the sum is
+        matched with the single-device one and claimed, as any sum over a
+        cut dim, partial over the axes that cut it; the claims are proved
+        like any (docs/soundness.md, "Plans traced from PyTorch", 126).
+        Empty when ``node`` aligns, or no such sum makes it align."""
+        if node.op == "sum" or self.aligns(node):
+            return []
+        s_nodes, made = self.b.s.low.nodes, []
+        ins = [-1 if v < 0 else self.sv.get(v, -1) for v in node.ins]
+        for i, v in enumerate(node.ins):
+            if v < 0 or v not in self.claim or v not in self.sv:
+                continue
+            c, shape = self.claim[v], self.low.shapes[v]
+            for d, size in enumerate(shape):
+                if size != 1 or not c.dims[d] or c.at:
+                    continue
+                for kw in ({"dim": d, "keepdim": True}, {"dim": [d], "keepdim": True}):
+                    sums = self.b.s.by_key.get(("sum", "fw", (self.sv[v],), key_kwargs(kw)), [])
+                    for k in sums:
+                        trial = list(ins)
+                        trial[i] = s_nodes[k].outs[0]
+                        key = (node.op, node.dir, tuple(trial), key_kwargs(node.kwargs))
+                        if not self.b.s.by_key.get(key):
+                            continue
+                        u = max(self.low.shapes) + 1
+                        self.low.shapes[u] = shape
+                        summed = LNode("sum", "fw", [v], [u], dict(s_nodes[k].kwargs), node.name,
+                                       None, node.mb)
+                        self.consumers.setdefault(v, []).append(summed)
+                        self.consumers[u] = [node]
+                        node.ins = [u if j == i else x for j, x in enumerate(node.ins)]
+                        made.append(summed)
+                        ins = trial
+                        break
+                    else:
+                        continue
+                    break
+                else:
+                    continue
+                break
+        return made
+
