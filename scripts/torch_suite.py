@@ -827,9 +827,16 @@ CASES: list[tuple[str, str, int]] = [
     ("outside apis tied_causal_lm fsdp_adamw_for_loop adamw dp2",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_for_loop --dp 2 --tp 1 "
      f"--optimizer adamw", 0),
-    # the fused AdamW kernel: refused (docs/torch-backend.md, "A third set")
-    ("outside apis tied_causal_lm fsdp_adamw_fused refused",
+    # the fused AdamW and Adam kernels (docs/soundness.md, "Plans traced from PyTorch", 135)
+    ("outside apis tied_causal_lm fsdp_adamw_fused adamw dp2",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_fused --dp 2 --tp 1 "
+     f"--optimizer adamw", 0),
+    ("outside apis tied_causal_lm replicated_adamw_fused_unreduced bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}replicated_adamw_fused_unreduced --dp 2 "
+     f"--tp 1 --optimizer adamw", 1),
+    # Adam's L2 decay where the single-device step is AdamW: another node, refused
+    ("outside apis tied_causal_lm fsdp_adam_fused_l2 bug refused",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adam_fused_l2 --dp 2 --tp 1 "
      f"--optimizer adamw", 2),
     ("outside apis tied_causal_lm fsdp_adamw_warmup_half bug",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_warmup_half --dp 2 --tp 1 "
