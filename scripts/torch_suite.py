@@ -807,9 +807,11 @@ CASES: list[tuple[str, str, int]] = [
     # microbatches of one row: refused (docs/torch-backend.md, "A third set")
     ("outside apis mha_pooled_classifier fsdp_accumulate_no_sync one-row microbatches refused",
      f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 2),
-    # label smoothing over microbatches: refused (docs/torch-backend.md, "A third set")
-    ("outside apis tied_causal_lm fsdp_accumulate_no_sync label smoothing refused",
-     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 2),
+    # label smoothing over microbatches (docs/soundness.md, "Plans traced from PyTorch", 135 (d))
+    ("outside apis tied_causal_lm fsdp_accumulate_no_sync label smoothing dp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 0),
+    ("outside apis tied_causal_lm fsdp_accumulate_unscaled label smoothing bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_unscaled --dp 2 --tp 1", 1),
     ("outside apis mha_pooled_classifier ddp_checkpoint_wrapper dp2",
      f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}ddp_checkpoint_wrapper --dp 2 --tp 1", 0),
     ("outside apis tied_causal_lm ddp_checkpoint_wrapper dp2",

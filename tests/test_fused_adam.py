@@ -103,3 +103,4 @@ def test_not_a_parameter_refused() -> None:
     lw.params = {}
     with pytest.raises(LoweringError, match="not a parameter"):
         handlers()["aten._fused_adamw_.default"](lw, ARGS, dict(KW), [], None)
+
