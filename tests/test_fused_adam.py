@@ -104,3 +104,20 @@ def test_not_a_parameter_refused() -> None:
     with pytest.raises(LoweringError, match="not a parameter"):
         handlers()["aten._fused_adamw_.default"](lw, ARGS, dict(KW), [], None)
 
+
+
+def test_adam_against_adamw_is_judged_not_refused() -> None:
+    """An ``adam_step`` differing from a single-device one in ``decoupled``
+    (and its weight decay) is aligned with it, so the stage judges it
+    (docs/soundness.md, item 135 (f)); another flag or a size is not."""
+    from backends.torch.tracer.align.claim import key_kwargs
+    from backends.torch.tracer.align.nodes import _hyperparameters_only_differ
+    adamw = {"lr": LR, "beta1": BETA1, "decoupled": True, "weight_decay": 0.1, "step": 1}
+    adam = {**adamw, "decoupled": False, "weight_decay": 0.2}
+    assert _hyperparameters_only_differ("adam_step", key_kwargs(adam), key_kwargs(adamw))
+    assert _hyperparameters_only_differ("adam_step", key_kwargs({**adamw, "decoupled": False}),
+                                        key_kwargs(adamw))
+    assert not _hyperparameters_only_differ("adam_step", key_kwargs({**adam, "step": 2}),
+                                            key_kwargs(adamw))
+    assert not _hyperparameters_only_differ("mul", key_kwargs({"flag": True}),
+                                            key_kwargs({"flag": False}))

@@ -34,6 +34,26 @@ def _floats_only_differ(mine: tuple, theirs: tuple) -> bool:
     return bool(differ) and all(_is_float(a) and _is_float(b) for a, b in differ)
 
 
+#: keyword flags an optimizer node may differ in beside its float numbers
+#: (Adam's decay through the gradient against AdamW's of the weight): the
+#: stage evaluates the rank's node with its own flag (docs/soundness.md,
+#: "Plans traced from PyTorch", 135 (f))
+OPTIMIZER_FLAGS = {"adam_step": ("decoupled",)}
+
+
+def _hyperparameters_only_differ(op: str, mine: tuple, theirs: tuple) -> bool:
+    """``_floats_only_differ``, where an optimizer node's flags of
+    ``OPTIMIZER_FLAGS`` may differ too."""
+    flags = OPTIMIZER_FLAGS.get(op, ())
+    if not flags or [k for k, _ in mine] != [k for k, _ in theirs]:
+        return _floats_only_differ(mine, theirs)
+    rest = [(a, b) for a, b in zip(mine, theirs) if a[0] not in flags]
+    flipped = any(a != b for a, b in zip(mine, theirs) if a[0] in flags)
+    same_rest = all(a == b for a, b in rest)
+    return (flipped and same_rest) or _floats_only_differ(tuple(a for a, _ in rest),
+                                                          tuple(b for _, b in rest))
+
+
 def _is_float(text: str) -> bool:
     """A keyed value (its repr) that is a float literal, not an int or bool."""
     try:
@@ -571,7 +591,8 @@ class NodeMatching(Pieces):
         otherwise (docs/soundness.md, "Plans traced from PyTorch", 91 (a))."""
         op, d, ins, kwargs = key
         return [c for k, cs in self.b.s.by_key.items()
-                if k[:3] == (op, d, ins) and _floats_only_differ(kwargs, k[3]) for c in cs]
+                if k[:3] == (op, d, ins) and _hyperparameters_only_differ(op, kwargs, k[3])
+                for c in cs]
 
     def padded_piece(self, node: LNode, ins: list[int]) -> list[int] | None:
         """The backward of a slice that took this rank's piece of a dim cut by
