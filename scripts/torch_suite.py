@@ -822,9 +822,11 @@ CASES: list[tuple[str, str, int]] = [
     # microbatches of one row: refused (docs/torch-backend.md, "A third set")
     ("outside apis mha_pooled_classifier fsdp_accumulate_no_sync one-row microbatches refused",
      f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 2),
-    # label smoothing over microbatches: refused (docs/torch-backend.md, "A third set")
-    ("outside apis tied_causal_lm fsdp_accumulate_no_sync label smoothing refused",
-     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 2),
+    # label smoothing over microbatches (docs/soundness.md, "Plans traced from PyTorch", 135 (d))
+    ("outside apis tied_causal_lm fsdp_accumulate_no_sync label smoothing dp2",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_no_sync --dp 2 --tp 1", 0),
+    ("outside apis tied_causal_lm fsdp_accumulate_unscaled label smoothing bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_accumulate_unscaled --dp 2 --tp 1", 1),
     ("outside apis mha_pooled_classifier ddp_checkpoint_wrapper dp2",
      f"--model {OC_M}mha_pooled_classifier --recipe {OC_R}ddp_checkpoint_wrapper --dp 2 --tp 1", 0),
     ("outside apis tied_causal_lm ddp_checkpoint_wrapper dp2",
@@ -842,10 +844,17 @@ CASES: list[tuple[str, str, int]] = [
     ("outside apis tied_causal_lm fsdp_adamw_for_loop adamw dp2",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_for_loop --dp 2 --tp 1 "
      f"--optimizer adamw", 0),
-    # the fused AdamW kernel: refused (docs/torch-backend.md, "A third set")
-    ("outside apis tied_causal_lm fsdp_adamw_fused refused",
+    # the fused AdamW and Adam kernels (docs/soundness.md, "Plans traced from PyTorch", 135)
+    ("outside apis tied_causal_lm fsdp_adamw_fused adamw dp2",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_fused --dp 2 --tp 1 "
-     f"--optimizer adamw", 2),
+     f"--optimizer adamw", 0),
+    ("outside apis tied_causal_lm replicated_adamw_fused_unreduced bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}replicated_adamw_fused_unreduced --dp 2 "
+     f"--tp 1 --optimizer adamw", 1),
+    # Adam's L2 decay where the single-device step is AdamW: judged (soundness 135 (f))
+    ("outside apis tied_causal_lm fsdp_adam_fused_l2 bug",
+     f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adam_fused_l2 --dp 2 --tp 1 "
+     f"--optimizer adamw", 1),
     ("outside apis tied_causal_lm fsdp_adamw_warmup_half bug",
      f"--model {OC_M}tied_causal_lm --recipe {OC_R}fsdp_adamw_warmup_half --dp 2 --tp 1 "
      f"--optimizer adamw", 1),

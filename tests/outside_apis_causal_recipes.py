@@ -230,14 +230,15 @@ def clip_total_norm_local(model, mesh, max_norm: float) -> None:
 # -- the recipe's own optimizer and learning-rate schedule ----------------------------------
 
 
-def _own_adamw(model, warmup_start: float = 1.0, **adamw) -> None:
+def _own_adamw(model, warmup_start: float = 1.0, cls=torch.optim.AdamW, **adamw) -> None:
     """The rank steps with its own ``torch.optim.AdamW`` (the backend's
-    hyperparameters: lr 1e-3, weight decay 0.1) built with ``adamw``, then
-    steps a ``LinearLR`` warmup starting at ``warmup_start`` times the rate."""
+    hyperparameters: lr 1e-3, weight decay 0.1; or ``cls`` with them) built
+    with ``adamw``, then steps a ``LinearLR`` warmup starting at
+    ``warmup_start`` times the rate."""
     def own(name: str):
         if name != "adamw":
             raise ValueError(f"this recipe's own optimizer is AdamW, not {name}")
-        opt = torch.optim.AdamW(model.parameters(), lr=0.001, weight_decay=0.1, **adamw)
+        opt = cls(model.parameters(), lr=0.001, weight_decay=0.1, **adamw)
         sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=warmup_start, total_iters=10)
         opt.step()
         sched.step()
@@ -255,6 +256,19 @@ def fsdp_adamw_for_loop(model, mesh):
 def fsdp_adamw_fused(model, mesh):
     """FSDP2 with ``AdamW(fused=True)``."""
     _fsdp(model, mesh)
+    _own_adamw(model, fused=True)
+
+
+def fsdp_adam_fused_l2(model, mesh):
+    """Bug: FSDP2 with ``Adam(fused=True, weight_decay=0.1)``: the decay
+    added to the gradient (L2), not AdamW's decay of the weight."""
+    _fsdp(model, mesh)
+    _own_adamw(model, cls=torch.optim.Adam, fused=True)
+
+
+def replicated_adamw_fused_unreduced(model, mesh):
+    """Bug: the model replicated on every rank with no wrapper: each rank
+    steps ``AdamW(fused=True)`` with its own batch's gradient, never reduced."""
     _own_adamw(model, fused=True)
 
 

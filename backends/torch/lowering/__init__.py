@@ -35,6 +35,7 @@ from backends.torch.lowering import (  # noqa: F401  (each registers its handler
     counts,
     expert_rows,
     foreach_copies,
+    fused_adam,
     grad_buffers,
     group_norm,
     grouped,

@@ -96,6 +96,14 @@ def scope(name: str) -> str:
     return name.removeprefix("bw:").removeprefix("Llama.") or "step"
 
 
+def phase(node_dir: str, name: str) -> str:
+    """Where a node runs, for a message: its plan direction, except that an
+    op applied as itself (``fw``) while autograd runs the backward (the
+    recorded module path starts with ``bw:``, such as a sum's backward
+    expanding its gradient) is said to run in the backward."""
+    return "in the backward" if node_dir == "fw" and name.startswith("bw:") else node_dir
+
+
 class Pieces:
     """A rank's mesh (``sizes``, the coordinates in ``low``) and the state of
     its alignment: each value's single-device value (``sv``), its claim and

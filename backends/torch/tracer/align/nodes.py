@@ -11,7 +11,7 @@ from fractions import Fraction
 
 from backends.torch.errors import AlignError, WrongStep
 from backends.torch.lowering import LNode, LoweringError
-from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, scope
+from backends.torch.tracer.align.claim import Claim, Pieces, key_kwargs, phase, scope
 from verdict.ops import get_op
 
 SCALINGS = ("div", "mul_scalar")
@@ -32,6 +32,26 @@ def _floats_only_differ(mine: tuple, theirs: tuple) -> bool:
         return False
     differ = [(a, b) for (_, a), (_, b) in zip(mine, theirs) if a != b]
     return bool(differ) and all(_is_float(a) and _is_float(b) for a, b in differ)
+
+
+#: keyword flags an optimizer node may differ in beside its float numbers
+#: (Adam's decay through the gradient against AdamW's of the weight): the
+#: stage evaluates the rank's node with its own flag (docs/soundness.md,
+#: "Plans traced from PyTorch", 135 (f))
+OPTIMIZER_FLAGS = {"adam_step": ("decoupled",)}
+
+
+def _hyperparameters_only_differ(op: str, mine: tuple, theirs: tuple) -> bool:
+    """``_floats_only_differ``, where an optimizer node's flags of
+    ``OPTIMIZER_FLAGS`` may differ too."""
+    flags = OPTIMIZER_FLAGS.get(op, ())
+    if not flags or [k for k, _ in mine] != [k for k, _ in theirs]:
+        return _floats_only_differ(mine, theirs)
+    rest = [(a, b) for a, b in zip(mine, theirs) if a[0] not in flags]
+    flipped = any(a != b for a, b in zip(mine, theirs) if a[0] in flags)
+    same_rest = all(a == b for a, b in rest)
+    return (flipped and same_rest) or _floats_only_differ(tuple(a for a, _ in rest),
+                                                          tuple(b for _, b in rest))
 
 
 def _is_float(text: str) -> bool:
@@ -134,9 +154,10 @@ class NodeMatching(Pieces):
         if not cands and node.op == "narrow" and node.dir == "fw" and len(ins) == 1 \
                 and self.low.inputs.get(node.ins[0], ("",))[0] == "tokens":
             cands = self.other_column(key)
-        if not cands and node.op in SCALINGS and len(node.ins) == 1:
-            # a rescaling the single-device step does not do (a divide factor):
-            # it claims to be what it rescales, times the factor it applies
+        if node.op in SCALINGS and len(node.ins) == 1 and (not cands or self.rescales(node, cands)):
+            # a rescaling the single-device step does not do (a divide factor,
+            # a microbatch's share of the loss): it claims to be what it
+            # rescales, times the factor it applies
             self.applied = _factor(node.kwargs["value"])
             if node.op == "div":
                 self.applied = 1 / self.applied
@@ -173,7 +194,7 @@ class NodeMatching(Pieces):
         if not cands and node.op == "cat" and node.dir == "fw":
             self.joins_more_than_once(node, ins)  # WrongStep, or on to the refusal
         if not cands:
-            raise AlignError(f"rank {self.low.rank} runs {node.op} ({node.dir}) at "
+            raise AlignError(f"rank {self.low.rank} runs {node.op} ({phase(node.dir, node.name)}) at "
                              f"{scope(node.name)} on values the single-device step never "
                              f"combines that way")
         for v in node.ins:
@@ -600,7 +621,8 @@ class NodeMatching(Pieces):
         otherwise (docs/soundness.md, "Plans traced from PyTorch", 91 (a))."""
         op, d, ins, kwargs = key
         return [c for k, cs in self.b.s.by_key.items()
-                if k[:3] == (op, d, ins) and _floats_only_differ(kwargs, k[3]) for c in cs]
+                if k[:3] == (op, d, ins) and _hyperparameters_only_differ(op, kwargs, k[3])
+                for c in cs]
 
     def padded_piece(self, node: LNode, ins: list[int]) -> list[int] | None:
         """The backward of a slice that took this rank's piece of a dim cut by
@@ -660,13 +682,34 @@ class NodeMatching(Pieces):
         self.applied = Fraction(1)
         self.claim[node.outs[0]].scale = self.scales_of(node)[0]
 
+    def rescales(self, node: LNode, cands: list[int]) -> bool:
+        """Whether a scaling (``mul_scalar``, ``div``) that no candidate
+        scales by the same number is rather a rescaling of its input the
+        single-device step does not do: its readers, reading it as its
+        input's value, then miss fewer single-device nodes than under any
+        candidate (a microbatch's ``loss * 1/2`` of the backward's ones,
+        which the single-device step scales by 0.9 and by 0.1 / classes for
+        a smoothed cross-entropy: matched with one of those, neither
+        reader aligns). Either choice is a claim the stages prove, a factor
+        included (docs/soundness.md, "Plans traced from PyTorch", 135 (d))."""
+        nodes = self.b.s.low.nodes
+        if node.ins[0] < 0 or any(nodes[c].kwargs.get("value") == node.kwargs.get("value")
+                                  for c in cands):
+            return False
+        mine = self.missed_as(node, [self.sv[node.ins[0]]])
+        return mine < min(self.readers_missed(node, c) for c in cands)
+
     def readers_missed(self, node: LNode, cand: int) -> int:
         """How many of the readers of ``node``'s outputs whose other inputs
         are aligned already would read a combination the single-device step
         never runs, were ``node`` aligned with the single-device node
         ``cand`` (a choice among nodes computing equal values: which is
         chosen never changes a claim's truth, only where the stages meet)."""
-        outs = self.b.s.low.nodes[cand].outs
+        return self.missed_as(node, self.b.s.low.nodes[cand].outs)
+
+    def missed_as(self, node: LNode, outs: list[int]) -> int:
+        """``readers_missed`` were ``node``'s outputs the single-device
+        values ``outs``."""
         missed = 0
         for o, so in zip(node.outs, outs):
             for reader in self.consumers.get(o, []) if o >= 0 else []:
