@@ -152,11 +152,7 @@ class Pieces:
         if ratio == 1:
             return []
         order = self.orders(order)
-        # wip: past the order, an axis it leaves out (with CONST_CUTS's dp x cp this
-        # verifies titan qwen3_moe dp2 cp2, but false-FAILs the load-balanced sink ring)
-        rest = [[a] for a in self.axes if a != "dp" and not any(a in x for x in order)]
-        for axes in [list(a) for a in order if not set(a) & set(used)] + [list(a) for a in order] \
-                + [a for a in rest if a[0] not in used]:
+        for axes in [list(a) for a in order if not set(a) & set(used)] + [list(a) for a in order]:
             if math.prod(self.sizes[a] for a in axes) == ratio and all(self.sizes[a] > 1 for a in axes):
                 return axes
         raise LoweringError(f"rank {self.low.rank}: a dim of size {local} is not a piece of "
