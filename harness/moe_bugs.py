@@ -135,6 +135,24 @@ def titan_cp_routed_to_other_token(model, mesh):
     return after
 
 
+def titan_cp_grads_averaged_over_cp(model, mesh):
+    """torchtitan issue 3280's mechanism under its context parallelism
+    (``titan:parallelize_cp``, ``--mesh dp=2,cp=2``): the loss aggregated
+    over two axes. Each rank's loss already divides by the whole step's
+    label count, and FSDP2 (sharded over dp x cp) sums the gradients; here
+    every FSDP module also divides them by the cp size, as if each cp rank
+    held a replica's whole loss, so every gradient is 1/cp of the
+    single-device one."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from backends.torch.zoo.titan import parallelize_cp
+    after = parallelize_cp(model, mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(mesh["cp"].size()))
+    return after
+
+
 def _swap_first_tokens(model) -> None:
     """Each routed-experts module of ``model`` called with its first two
     tokens' expert choices swapped (their scores kept)."""

@@ -1686,6 +1686,7 @@ ULY_SIZES = "--layers 1 --hidden 8 --heads 4 --seqlen 8 --vocab 10 --batch 2"
 ULY_MODEL = f"--model tests.cp_ulysses_models:ulysses_tagger {ULY_SIZES}"
 ULY_ONE_HEAD = "--layers 1 --hidden 8 --heads 2 --seqlen 8 --vocab 10 --batch 2 --mesh cp=2"
 CP_MOE = "--vocab 2048 --layers 1 --seqlen 8 --batch 2 --mesh cp=2"
+CP_MOE_DP = CP_MOE.replace("--batch 2 --mesh cp=2", "--batch 4 --mesh dp=2,cp=2")
 CASES += [
     ("cp ulysses cp2 causal (DeepSpeed's all_to_all_single)",
      f"{ULY_MODEL} --recipe {ULY}ulysses --mesh cp=2", 0),
@@ -1791,10 +1792,19 @@ CASES += [
     ("cp titan qwen3_moe cp2 bug routed to other token on the last cp rank",
      f"--model titan:qwen3_moe_positions --recipe harness.moe_bugs:titan_cp_routed_to_other_token "
      f"{CP_MOE}", 1),
-    # dp 2 x cp 2 (each rank 2 rows x 4 positions): refused, correct code (gloo same)
-    ("cp titan qwen3_moe dp2 cp2 refused (a [64, 64, 1] routing constant of no piece)",
-     f"--model titan:qwen3_moe_positions --recipe titan:parallelize_cp "
-     f"{CP_MOE.replace('--batch 2 --mesh cp=2', '--batch 4 --mesh dp=2,cp=2')}", 2),
+    # dp 2 x cp 2 (each rank 2 rows x 4 positions): its routing constant of the rank's
+    # (token, slot) pairs cut by dp x cp along dims past the batch (docs/soundness.md,
+    # "Plans traced from PyTorch", 132); gloo same at bfloat16's tolerance, differs on
+    # both bugs: the gradients averaged over cp as well (torchtitan 3280's loss
+    # aggregated over two axes), the last cp rank's tokens routed to each other's experts
+    ("cp titan qwen3_moe dp2 cp2",
+     f"--model titan:qwen3_moe_positions --recipe titan:parallelize_cp {CP_MOE_DP}", 0),
+    ("cp titan qwen3_moe dp2 cp2 bug gradients averaged over cp too (torchtitan 3280)",
+     f"--model titan:qwen3_moe_positions --recipe harness.moe_bugs:titan_cp_grads_averaged_over_cp "
+     f"{CP_MOE_DP}", 1),
+    ("cp titan qwen3_moe dp2 cp2 bug routed to other token on the last cp rank",
+     f"--model titan:qwen3_moe_positions --recipe harness.moe_bugs:titan_cp_routed_to_other_token "
+     f"{CP_MOE_DP}", 1),
     ("cp titan qwen3_moe bias cp2",
      f"--model {BALANCE}qwen3_moe_positions --recipe {BALANCE}parallelize_cp "
      f"{CP_MOE} --optimizer sgd", 0),

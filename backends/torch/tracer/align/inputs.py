@@ -16,7 +16,7 @@ from backends.torch.tracer.align.claim import Claim, Pieces, is_marker, key_kwar
 #: tried: the batch dim (0) data-parallel first, any other dim model- or
 #: context-parallel first (a sequence of positions cut by "cp")
 CONST_CUTS = ((("dp",), ("tp",), ("cp",), ("dp", "tp"), ("dp", "cp")),
-              (("tp",), ("cp",), ("dp",), ("dp", "tp"), ("cp", "tp")))
+              (("tp",), ("cp",), ("dp",), ("dp", "tp"), ("cp", "tp"), ("dp", "cp")))
 
 #: The cuts of a constant's batch dim added for a constant of one microbatch
 #: (``per_microbatch``): its rows are the microbatch's rows of the
