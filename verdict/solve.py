@@ -117,6 +117,9 @@ class _Run:
         self.tp: dict[int, np.ndarray] = {}
         self.assume: list[z3.BoolRef] = []
         self.open_pairs: list[tuple[int, int, Any, Any]] = []  # (claim, group, left, right)
+        #: open claims with a number on one side: checked with the others
+        #: when a solver's model is evaluated with the real functions
+        self.const_pairs: list[tuple[int, int, Any, Any]] = []
 
     def setup(self) -> None:
         p = self.p
@@ -205,6 +208,7 @@ class _Run:
                     if not (_is_const(a) and _is_const(b)) and math.isfinite(
                             a if _is_const(a) else b):
                         open_.append((c, g, _real(a) != _real(b)))
+                        self.const_pairs.append((c, g, a, b))
                         continue
                     definite.append((c, g))
                     continue
@@ -313,15 +317,22 @@ def solve(p: Problem, seed: int = 0, timeout_ms: int = 120_000, *,
     if result == z3.unknown:
         return Outcome("unknown", f"solver: {solver.reason_unknown()}", took, solver=True)
     model = solver.model()
-    if not definite and len(open_) == len(run.open_pairs) \
-            and any(touches(a) or touches(b) for _, _, a, b in run.open_pairs) \
-            and real_at_model(run.open_pairs, model) is False:
-        # exp and log are uninterpreted for the solver: a model in which they
-        # are not the real functions is no counterexample (docs/soundness.md,
+    if not definite and any(touches(a) or touches(b) for _, _, a, b in run.open_pairs):
+        # exp and log are uninterpreted for the solver: its model is a
+        # counterexample only where the real functions differ too; one that
+        # needs other functions, or that cannot be checked (a near tie, a
+        # value outside log's domain), is no evidence (docs/soundness.md,
         # "Exponentials and logarithms", "Counterexamples by evaluation")
-        return Outcome("unknown", "the solver's counterexample needs an exp or a log that is "
-                                  "not the real function (the normal form gave no answer "
-                                  "within its budget)", took, solver=True)
+        real = real_at_model(run.open_pairs + run.const_pairs, model)
+        if real is False:
+            return Outcome("unknown", "the solver's counterexample needs an exp or a log that "
+                                      "is not the real function (the normal form gave no "
+                                      "answer within its budget)", took, solver=True)
+        if real is None:
+            return Outcome("unknown", "the solver's counterexample could not be checked with "
+                                      "the real exp and log (a near tie or a value outside "
+                                      "their domain at its input; the normal form gave no "
+                                      "answer within its budget)", took, solver=True)
     out = Outcome("counterexample", seconds=took, solver=True)
     out.ts_values = {i: _evaluate(model, a) for i, a in run.ts.items()}
     out.tp_values = {i: _evaluate(model, a) for i, a in run.tp.items()}
