@@ -593,7 +593,22 @@ lowers("aten.tanh_backward.default")(activation_backward_of_output('tanh'))
 lowers("aten.sigmoid.default")(activation('sigmoid'))
 lowers("aten.sigmoid_backward.default")(activation_backward_of_output('sigmoid'))
 lowers("aten.relu.default")(activation('relu'))
-lowers("aten.threshold_backward.default")(activation_backward_of_output('relu'))
+@lowers("aten.threshold_backward.default")
+def threshold_backward(lw: Lowerer, args, kwargs, shapes, group):
+    """``threshold_backward(grad, y, 0)``: ``grad`` where ``y > 0``, else 0
+    (its definition). Of a value relu produced, the relu rule's backward on
+    relu's input (the node the single-device step writes); of any other
+    value (relu's output read through another value: a view, a gather, a
+    pending value materialized again), the same rule on ``y`` itself,
+    ``grad * step(y)``, which is the definition, and equal to the former
+    where ``y = relu(x)``: ``relu(x) > 0`` iff ``x > 0`` (docs/soundness.md,
+    "Plans traced from PyTorch", 133)."""
+    if lw.const(args[2]) != 0:
+        raise LoweringError(f"{lw.name}: threshold backward with a threshold other than 0")
+    y = lw.val(args[1])
+    producer, x = lw.fw_in.get(y, ("", -1))
+    at = x if producer == "relu" else y
+    return lw.emit("relu", [at, lw.val(args[0])], shapes, direction="bw")[0]
 lowers("aten.smooth_l1_loss.default")(robust_loss('smooth_l1_loss'))
 lowers("aten.smooth_l1_loss_backward.default")(robust_loss_backward('smooth_l1_loss'))
 lowers("aten.huber_loss.default")(robust_loss('huber_loss'))
