@@ -35,7 +35,8 @@ import z3
 PRECISION = 60
 #: relative difference taken as certain at PRECISION digits
 MARGIN = decimal.Decimal("1e-30")
-TRIES = 3
+#: random inputs tried per claim set (odd tries draw positive numbers only)
+TRIES = 8
 
 
 class Unknown(Exception):
@@ -87,7 +88,13 @@ class _Values:
         self.memo: dict[int, object] = {}
 
     def symbol(self, name: str) -> decimal.Decimal:
+        """A rational in [-2, 2], the same for a name and seed; for odd seeds
+        in (0, 2] (a stage's input read by a log or an rsqrt, a sum of
+        exponentials or a variance made by an earlier stage, is outside
+        their domain at half the signed draws)."""
         rng = random.Random(zlib.adler32(f"{self.seed}/{name}".encode()))
+        if self.seed % 2:
+            return decimal.Decimal(rng.randint(1, 2000)) / 1000
         return decimal.Decimal(rng.randint(-2000, 2000)) / 1000
 
     def of(self, t):
@@ -163,16 +170,20 @@ class _Values:
 
 class _ModelValues(_Values):
     """The solver's input (its model's values of the free symbols), the
-    functions given their real meanings, whatever the model made of them."""
+    functions given their real meanings, whatever the model made of them.
+    A symbol the model leaves free may take any value: with ``seed`` None
+    it is read as 0, else as ``_Values``' random number of that seed (0
+    meets near ties where a maximum compares such symbols)."""
 
-    def __init__(self, model: z3.ModelRef):
-        super().__init__(0)
+    def __init__(self, model: z3.ModelRef, seed: int | None = None):
+        super().__init__(0 if seed is None else seed)
+        self.free_random = seed is not None
         self.given = {d.name(): model[d] for d in model.decls() if d.arity() == 0}
 
     def symbol(self, name: str) -> decimal.Decimal:
         v = self.given.get(name)
         if v is None:  # a symbol the model leaves free: any value does
-            return decimal.Decimal(0)
+            return super().symbol(name) if self.free_random else decimal.Decimal(0)
         if z3.is_rational_value(v):
             return decimal.Decimal(v.numerator_as_long()) / v.denominator_as_long()
         if z3.is_algebraic_value(v):
@@ -184,17 +195,25 @@ def real_at_model(claims: list[tuple[int, int, object, object]], model: z3.Model
                   ) -> bool | None:
     """Whether the solver's counterexample is one for the real functions:
     True when some claim (claim, group, left, right) differs at the model's
-    input with exp, log and the others evaluated as themselves; False when
-    every claim holds there (the model needs an exp or a log that is not
-    the real one, so it is no counterexample); None when a term cannot be
-    evaluated or a comparison is a near tie."""
+    input with exp, log and the others evaluated as themselves, the
+    symbols the model leaves free read as 0 or, on later tries, at random
+    (any value of theirs completes the model); False when no try finds
+    one and every claim holds at some try (the model needs an exp or a log
+    that is not the real one, so it is no counterexample); None when every
+    try meets a term it cannot evaluate or a near tie."""
     context = decimal.Context(prec=PRECISION, Emax=10 ** 6, Emin=-10 ** 6)
+    answers = []
     with decimal.localcontext(context):
-        values = _ModelValues(model)
-        try:
-            return any(differs(values.of(a), values.of(b)) for _, _, a, b in claims)
-        except (Unknown, decimal.InvalidOperation, decimal.DivisionByZero, decimal.Overflow):
-            return None
+        for seed in (None, *range(TRIES)):  # the model's free symbols at 0, then at random
+            values = _ModelValues(model, seed)
+            try:
+                if any(differs(values.of(a), values.of(b)) for _, _, a, b in claims):
+                    return True
+                answers.append(False)
+            except (Unknown, decimal.InvalidOperation, decimal.DivisionByZero,
+                    decimal.Overflow):
+                answers.append(None)
+    return False if False in answers else None
 
 
 def differs(a: decimal.Decimal, b: decimal.Decimal) -> bool:
