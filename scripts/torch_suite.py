@@ -441,16 +441,6 @@ CASES: list[tuple[str, str, int]] = [
      "--optimizer sgd", 0),
     ("megatron tp2 one-row batch (dp 1, one microbatch)",
      f"{MEGATRON}tp --dp 1 --tp 2 --batch 1", 0),
-    # one-row microbatches cut from a bigger batch (soundness 126: the rank's reshapes back
-    # to their start, its skipped sums over a dim of one row)
-    ("megatron dp2 ddp one-row microbatches (batch 4, 2 microbatches of 1 row)",
-     f"{MEGATRON}ddp --dp 2 --tp 1 --batch 4", 0),
-    ("megatron pp2 1f1b one-row microbatches (micro batch size 1)",
-     f"{MEGATRON}pp_1f1b --pp 2 --dp 1 --tp 1 --layers 2 --batch 2", 0),
-    ("megatron bug one-row microbatches loss over microbatches twice",
-     f"{MEGATRON}loss_over_microbatches --dp 2 --tp 1 --batch 4", 1),
-    ("megatron bug pp2 one-row microbatches tied embedding not reduced",
-     f"{MEGATRON}pp_tied_embedding_not_reduced --pp 2 --dp 1 --tp 1 --layers 2 --batch 2", 1),
     ("megatron dp2 ddp 2 microbatches", f"{MEGATRON}ddp --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp average_in_collective", f"{MEGATRON}ddp_average --dp 2 --tp 1 --batch 8", 0),
     ("megatron dp2 ddp overlap_grad_reduce", f"{MEGATRON}ddp_overlap --dp 2 --tp 1 --batch 8", 0),

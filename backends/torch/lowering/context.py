@@ -146,9 +146,6 @@ class Lowerer:
     name: str = ""
     tokens: int = -1
     flat_of: dict[int, int] = field(default_factory=dict)
-    #: a value made by reshapes alone (flatten, unflatten) -> the value they
-    #: start from (``shapes.view_to``: seen again at its shape, it is that value)
-    reshaped_of: dict[int, int] = field(default_factory=dict)
     mb: int = -1
     id_pieces: dict[Ids, int] = field(default_factory=dict)
     #: (value, dim, index, parts) -> the split of that equal piece, emitted once

@@ -233,10 +233,7 @@ class Flat(Pending):
     def materialize(self, lw: Lowerer) -> int:
         shape = list(lw.shapes[self.x])
         merged = [math.prod(shape[:self.k])] + shape[self.k:]
-        out = lw.emit("flatten", [self.x], [merged], {"start": 0, "end": self.k - 1})[0]
-        if sum(1 for d in shape[:self.k] if d != 1) <= 1:  # a squeeze (shapes.view_to)
-            lw.reshaped_of[out] = lw.reshaped_of.get(self.x, self.x)
-        return out
+        return lw.emit("flatten", [self.x], [merged], {"start": 0, "end": self.k - 1})[0]
 
 
 @dataclass

@@ -244,19 +244,6 @@ def view_to(lw: Lowerer, x: int, dst: tuple[int, ...]) -> int | Flat:
         return x
     if x in lw.flat_of and lw.shapes[lw.flat_of[x]] == dst:
         return lw.flat_of[x]  # a flattened value seen with its own shape again
-    root = lw.reshaped_of.get(x)
-    if root is not None and lw.shapes[root] == dst:
-        # reshapes back to the shape they started from: row-major reshapes
-        # compose, so the chain is the identity on that value (a one-row
-        # microbatch's [1, ...] squeezed and unsqueezed by autograd's
-        # CopySlices, where the single-device step flattens it whole and
-        # unflattens). Chains are followed from a value flattened whole or
-        # squeezed (dims of size 1 dropped) only: any other reshape keeps
-        # its nodes, which a rank's own reshape of its piece may be matched
-        # with; an unsqueeze starts none (a one-row rank's [s, v] logits
-        # unsqueezed and flattened back are the single-device [b s, v]
-        # unflattened and flattened back, kept there)
-        return root
     if (not src or not dst) and math.prod(src) == math.prod(dst) == 1:
         return _one_value(lw, x, dst)
     groups = _reshape_groups(src, dst)
@@ -268,7 +255,6 @@ def view_to(lw: Lowerer, x: int, dst: tuple[int, ...]) -> int | Flat:
     if len(dst) == 1 and len(src) > 1:
         out = lw.emit("flatten", [x], [dst], {"start": 0, "end": len(src) - 1})[0]
         lw.flat_of[out] = x
-        lw.reshaped_of[out] = lw.reshaped_of.get(x, x)
         return out
     pos = 0
     cur = x
@@ -283,11 +269,4 @@ def view_to(lw: Lowerer, x: int, dst: tuple[int, ...]) -> int | Flat:
             split = shape[:pos] + sizes + shape[pos + 1:]
             cur = lw.emit("unflatten", [cur], [split], {"dim": pos, "sizes": sizes})[0]
         pos += len(gj)
-    if cur != x and (x in lw.reshaped_of or squeezes(src, dst)):
-        lw.reshaped_of[cur] = lw.reshaped_of.get(x, x)
     return cur
-
-
-def squeezes(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int]) -> bool:
-    """The reshape only drops dims of size 1 (a squeeze)."""
-    return len(dst) < len(src) and [d for d in src if d != 1] == [d for d in dst if d != 1]

@@ -732,6 +732,13 @@ def megatron_step(model: MegatronModel, wrapped: list, config, options: Options,
     if tokens.shape[0] % n:
         raise ValueError(f"{tokens.shape[0]} rows per data-parallel rank do not split into "
                          f"{n} microbatches")
+    from megatron.core import parallel_state as ps
+    if tokens.shape[0] // n < 2 and n * ps.get_data_parallel_world_size() > 1:
+        # a one-row microbatch of a one-row batch (dp 1, one microbatch) has the
+        # single-device step's shapes, and verifies
+        raise ValueError("a Megatron microbatch of one row out of a batch of several is not "
+                         "traced (its [s, 1, h] views lower unlike the single-device step's): "
+                         f"give --batch at least 2 x dp x {n}")
     batches = [batch_of(t, lab) for t, lab in zip(tokens.chunk(n), labels.chunk(n))]
     iterators = [iter(batches) for _ in wrapped]
     for w in wrapped:  # Megatron's zero_grad_buffer, one parameter's view at a time

@@ -132,11 +132,8 @@ class AlignedRank(InputMatching, NodeMatching, Collectives, Rows, Sums, Zeros, D
             if v in self.pending:
                 emitted += self.materialize(v)
         node, zeros = self.zeros_at_common_scale(node)
-        sums = self.one_row_sums(node)
-        for summed in sums:
-            self.one(summed, coords)
         self.one(node, coords)
-        return self.anchored([*emitted, *zeros, *sums, node])
+        return self.anchored([*emitted, *zeros, node])
 
     def one(self, node: LNode, coords: dict[int, dict[str, int]]) -> None:
         souts = self.computed_split(node)
